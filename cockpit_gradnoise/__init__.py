@@ -1,0 +1,33 @@
+"""cockpit-gradnoise: is my batch too noisy for my learning rate, layer by layer?
+
+Importing this package first makes ``import cockpit`` work on setuptools >= 82.
+"""
+
+from cockpit_gradnoise._compat import import_cockpit
+
+_cockpit = import_cockpit()
+Cockpit = _cockpit.Cockpit
+CockpitPlotter = _cockpit.CockpitPlotter
+
+from cockpit_gradnoise import functional, references  # noqa: E402
+from cockpit_gradnoise.frame import read_log, to_frame, write_log  # noqa: E402
+from cockpit_gradnoise.quantities import (  # noqa: E402
+    NETWORK,
+    GradientVarianceQuantiles,
+    ParameterQuantity,
+    PerExampleGradNorm,
+)
+
+__all__ = [
+    "Cockpit",
+    "CockpitPlotter",
+    "functional",
+    "references",
+    "read_log",
+    "to_frame",
+    "write_log",
+    "NETWORK",
+    "ParameterQuantity",
+    "GradientVarianceQuantiles",
+    "PerExampleGradNorm",
+]

@@ -1,0 +1,221 @@
+"""Pure formulas on tensors: every statistic the package reports.
+
+Nothing here knows about Cockpit or BackPACK. The quantities fetch what
+BackPACK leaves on the parameters and call one of these functions; tests check
+each function on its own against NumPy or a brute-force loop.
+
+Notation (see ``DESIGN.md``): a mini-batch has ``N`` examples, ``x_i`` is
+example ``i``'s contribution to ``param.grad`` (``param.grad = sum_i x_i``),
+and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
+``c * sum_i loss_i`` (``c = 1/N`` for a mean, ``c = 1`` for a sum),
+``x_i = c * g_i``.
+"""
+
+import math
+from typing import Dict, Iterable, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+#: Multiple of ``eps * N * sum_i x_ij**2`` below which the centred sum of
+#: squares ``sum_i (x_ij - mean_i x_ij)**2`` counts as zero. ``N * eps`` times a
+#: sum of ``N`` non-negative terms bounds the rounding error of that sum; the
+#: centred sum is a difference of two such sums, hence the factor 2.
+VARIANCE_ROUNDING_FACTOR = 2.0
+
+
+def check_quantile_levels(quantiles: Iterable[float]) -> Tuple[float, ...]:
+    """Validate quantile levels and return them as a tuple of floats.
+
+    Args:
+        quantiles: Levels in ``[0, 1]``, at least one.
+
+    Returns:
+        The levels, in the given order.
+
+    Raises:
+        ValueError: If ``quantiles`` is empty, not numeric, or has a level
+            outside ``[0, 1]``.
+    """
+    try:
+        levels = tuple(float(q) for q in quantiles)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"quantiles must be an iterable of numbers in [0, 1], got {quantiles!r}"
+        ) from error
+    if not levels:
+        raise ValueError("quantiles must not be empty: pass e.g. quantiles=(0.5,)")
+    bad = [q for q in levels if not 0.0 <= q <= 1.0]
+    if bad:
+        raise ValueError(f"quantile levels must lie in [0, 1], got {bad}")
+    return levels
+
+
+def quantile_name(level: float) -> str:
+    """Return the statistic name of a quantile level, ``q`` + ``%g``: ``q0.05``."""
+    return f"q{level:g}"
+
+
+def exact_quantiles(values: Tensor, levels: Sequence[float]) -> Tensor:
+    """Quantiles of all elements with linear interpolation, as ``numpy.quantile``.
+
+    For sorted values ``v_0 <= ... <= v_{n-1}`` and level ``q``, let
+    ``h = q (n - 1)``, ``k = floor(h)``, ``t = h - k``; the quantile is
+    ``v_k + t (v_{k+1} - v_k)`` (computed as NumPy does, from the upper end
+    when ``t >= 0.5``). One sort serves all levels; unlike older
+    ``torch.quantile`` this accepts any number of elements.
+
+    Args:
+        values: Tensor of any shape with at least one element.
+        levels: Quantile levels in ``[0, 1]``.
+
+    Returns:
+        Float64 tensor of shape ``[len(levels)]``.
+    """
+    flat = values.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        raise ValueError("cannot take quantiles of an empty tensor")
+    ordered = torch.sort(flat).values
+    positions = torch.tensor(levels, dtype=torch.float64) * (n - 1)
+    lower = positions.floor().long().clamp(0, n - 1)
+    upper = (lower + 1).clamp(max=n - 1)
+    t = positions - lower
+    index = torch.cat([lower, upper]).to(ordered.device)
+    a, b = ordered[index].double().cpu().split(len(levels))
+    diff = b - a
+    return torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+
+
+def summarize(values: Tensor, levels: Sequence[float], prefix: str = "") -> Dict[str, float]:
+    """Quantiles ``q<level>`` and ``mean`` of all elements of ``values``.
+
+    Args:
+        values: Tensor with at least one element.
+        levels: Quantile levels in ``[0, 1]``.
+        prefix: Prepended to every statistic name (e.g. ``"snr_"``).
+
+    Returns:
+        ``{prefix + "q<level>": float, ..., prefix + "mean": float}``.
+    """
+    result = {
+        prefix + quantile_name(level): value
+        for level, value in zip(levels, exact_quantiles(values, levels).tolist())
+    }
+    result[prefix + "mean"] = torch.mean(values, dtype=torch.float64).item()
+    return result
+
+
+def centred_sum_of_squares(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
+    """``sum_i (x_i - mean_i x_i)**2`` per element from ``sum_i x_i**2`` and ``sum_i x_i``.
+
+    ``sum_i (x_i - xbar)**2 = sum_i x_i**2 - (sum_i x_i)**2 / n``. The
+    difference of two rounded sums can come out slightly negative, or as
+    rounding noise where all ``x_i`` are equal; values at or below
+    ``VARIANCE_ROUNDING_FACTOR * eps * n * sum_i x_i**2`` (the worst-case
+    rounding error of those sums, ``eps`` of the tensor's dtype) are set to 0.
+
+    Args:
+        sum_of_squares: ``sum_i x_i**2`` (BackPACK's ``SumGradSquared``).
+        total: ``sum_i x_i`` (``param.grad``).
+        n: Number of examples ``N``.
+
+    Returns:
+        Non-negative tensor shaped like ``total``.
+    """
+    centred = sum_of_squares - total.square() / n
+    eps = torch.finfo(centred.dtype).eps
+    rounding = VARIANCE_ROUNDING_FACTOR * eps * n * sum_of_squares
+    return torch.where(centred > rounding, centred, torch.zeros_like(centred))
+
+
+def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
+    """Per-element standard deviation of the mini-batch gradient, from one batch.
+
+    .. math::
+
+        \\mathrm{sd}_j = \\sqrt{\\frac{N}{N-1} \\sum_{i=1}^N (x_{ij} - \\bar x_j)^2}
+
+    where ``x_ij`` is example ``i``'s contribution to ``param.grad[j]``. This
+    estimates the standard deviation of ``param.grad[j]`` over independent
+    mini-batches of size ``N`` (what :func:`~cockpit_gradnoise.minibatch_gradient_stats`
+    measures by repetition). Units: those of ``param.grad``.
+
+    Args:
+        sum_of_squares: ``sum_i x_ij**2``.
+        total: ``sum_i x_ij`` (``param.grad``).
+        n: Batch size ``N >= 2``.
+
+    Returns:
+        Tensor shaped like ``total``; exactly 0 where the examples agree to
+        rounding (see :func:`centred_sum_of_squares`).
+    """
+    if n < 2:
+        raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
+    return (centred_sum_of_squares(sum_of_squares, total, n) * (n / (n - 1))).sqrt()
+
+
+def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
+    """``|grad_j| / sd_j`` for the elements with ``sd_j > 0`` (flattened).
+
+    Elements with ``sd_j = 0`` have no defined ratio and are left out, so the
+    result never holds an inf or NaN from a zero denominator. It may be empty.
+    """
+    positive = sd > 0
+    return grad.abs()[positive] / sd[positive]
+
+
+def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
+    """Return ``c`` with ``loss = c * sum_i individual_losses[i]``: ``1/N`` or ``1``.
+
+    Per-example gradients from BackPACK are ``x_i = c * g_i``; this is how the
+    package tells a mean-reduced loss from a sum-reduced one.
+
+    Args:
+        loss: Scalar mini-batch loss that was differentiated.
+        individual_losses: Per-example losses, shape ``[N]``.
+
+    Returns:
+        ``1 / N`` for a mean, ``1.0`` for a sum (identical when ``N = 1``).
+
+    Raises:
+        ValueError: If ``individual_losses`` is not one value per example, or
+            ``loss`` is neither their mean nor their sum.
+    """
+    if individual_losses.dim() != 1:
+        raise ValueError(
+            "info['individual_losses'] must hold one loss per example (shape [N]), "
+            f"got shape {tuple(individual_losses.shape)}: reduce the other "
+            "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
+        )
+    n = individual_losses.numel()
+    total = individual_losses.detach().double().sum().item()
+    value = float(loss.detach().double().item())
+    if n == 1:
+        return 1.0
+    for scale in (1.0 / n, 1.0):
+        if math.isclose(value, scale * total, rel_tol=1e-4, abs_tol=1e-12):
+            return scale
+    raise ValueError(
+        f"info['loss'] = {value:.6g} is neither the mean ({total / n:.6g}) nor the "
+        f"sum ({total:.6g}) of info['individual_losses']: pass per-example losses "
+        "of the same loss function with reduction='none'"
+    )
+
+
+def batch_norm_statistics(
+    squared_norms: Tensor, levels: Sequence[float]
+) -> Dict[str, float]:
+    """Statistics over a batch of per-example gradient norms.
+
+    Args:
+        squared_norms: ``||g_i||^2`` for each example, shape ``[N]``.
+        levels: Quantile levels.
+
+    Returns:
+        ``q<level>``, ``mean`` and ``max`` of ``||g_i||``.
+    """
+    norms = squared_norms.clamp(min=0).sqrt()
+    result = summarize(norms, levels)
+    result["max"] = norms.max().item()
+    return result

@@ -1,0 +1,80 @@
+"""Per-layer quantiles of the gradient's standard deviation, from one batch."""
+
+import torch
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise._extensions import SumOfSquaredContributions
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+
+
+class GradientVarianceQuantiles(ParameterQuantity):
+    """How noisy is each gradient element? Quantiles over a layer's elements.
+
+    For element ``j`` of a parameter, the standard deviation of the mini-batch
+    gradient ``param.grad[j]``, estimated from the ``N`` examples of one batch,
+
+    .. math::
+
+        \\mathrm{sd}_j = \\sqrt{\\frac{N}{N-1} \\sum_{i=1}^N (x_{ij} - \\bar x_j)^2},
+
+    where ``x_ij`` is example ``i``'s contribution to ``param.grad[j]``
+    (:func:`~cockpit_gradnoise.functional.gradient_sd`; units of
+    ``param.grad``). Statistics per parameter and for ``"all"`` (every element
+    of the network): ``q<level>`` (exact, as ``numpy.quantile``) and ``mean``
+    of ``sd_j``; ``snr_mean`` and ``snr_q0.5`` of ``|grad_j| / sd_j`` over
+    the elements with ``sd_j > 0`` (absent when there are none).
+
+    Needs ``info["batch_size"]``. Costs one BackPACK ``SumGradSquared``.
+    With batch size 1 no variance is defined: nothing is recorded, with one
+    warning.
+
+    Args:
+        track_schedule: Function from step to bool.
+        quantiles: Quantile levels in ``[0, 1]``.
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+    """
+
+    extension_classes = (SumOfSquaredContributions,)
+
+    def __init__(
+        self,
+        track_schedule,
+        *,
+        quantiles=(0.05, 0.25, 0.5, 0.75, 0.95),
+        param_names=None,
+        verbose=False,
+    ):
+        super().__init__(track_schedule, param_names=param_names, verbose=verbose)
+        self.quantiles = functional.check_quantile_levels(quantiles)
+
+    def prepare(self, global_step, params):
+        batch_size = int(self.info(global_step, "batch_size"))
+        if batch_size < 2:
+            self.warn_once(
+                "batch-size-1",
+                "batch size 1 defines no gradient variance; nothing is recorded at "
+                "such steps",
+            )
+            return None
+        return batch_size
+
+    def parameter_value(self, param, batch_size):
+        sd = functional.gradient_sd(param.cgn_sum_grad_squared, param.grad, batch_size)
+        return sd.flatten(), param.grad.detach().flatten()
+
+    def network_value(self, values):
+        sds, grads = zip(*values)
+        return torch.cat(sds), torch.cat(grads)
+
+    def statistics(self, value):
+        sd, grad = value
+        result = functional.summarize(sd, self.quantiles)
+        snr = functional.signal_to_noise(grad, sd)
+        if snr.numel() > 0:
+            result.update(functional.summarize(snr, (0.5,), prefix="snr_"))
+        return result
+
+    def statistic_names(self):
+        names = [functional.quantile_name(q) for q in self.quantiles] + ["mean"]
+        return names + ["snr_q0.5", "snr_mean"]

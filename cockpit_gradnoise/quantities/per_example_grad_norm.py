@@ -1,0 +1,54 @@
+"""Per-example gradient norms, per layer, from one backward pass."""
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise._extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+
+
+class PerExampleGradNorm(ParameterQuantity):
+    """How large are the gradients of single examples, and how spread out?
+
+    ``||g_i||`` for each example ``i`` of the batch, where ``g_i`` is the
+    gradient of example ``i``'s own loss, so the result does not depend on
+    whether the loss is a mean or a sum. Per parameter, and for ``"all"``
+    (``||g_i||^2`` summed over parameters). Statistics over the batch:
+    ``q<level>``, ``mean`` and ``max`` of ``||g_i||`` (units of the gradient).
+
+    Computed without materializing per-example gradients (BackPACK's
+    ``BatchL2Grad``; exact also for grouped convolutions, see
+    ``cockpit_gradnoise._extensions``). Needs ``info["loss"]`` and
+    ``info["individual_losses"]`` (shape ``[N]``) to tell a mean-reduced loss
+    (``x_i = g_i / N``) from a sum-reduced one (``x_i = g_i``).
+
+    Args:
+        track_schedule: Function from step to bool.
+        quantiles: Quantile levels in ``[0, 1]``.
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+    """
+
+    extension_classes = (PerExampleSquaredNorms,)
+
+    def __init__(
+        self, track_schedule, *, quantiles=(0.05, 0.5, 0.95), param_names=None, verbose=False
+    ):
+        super().__init__(track_schedule, param_names=param_names, verbose=verbose)
+        self.quantiles = functional.check_quantile_levels(quantiles)
+
+    def prepare(self, global_step, params):
+        return functional.loss_scale(
+            self.info(global_step, "loss"), self.info(global_step, "individual_losses")
+        )
+
+    def parameter_value(self, param, scale):
+        # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2.
+        return param.cgn_batch_l2.detach() / scale**2
+
+    def network_value(self, values):
+        return sum(values)
+
+    def statistics(self, squared_norms):
+        return functional.batch_norm_statistics(squared_norms, self.quantiles)
+
+    def statistic_names(self):
+        return [functional.quantile_name(q) for q in self.quantiles] + ["mean", "max"]

@@ -1,0 +1,138 @@
+"""Test cases as data: models, losses, reductions and batch sizes.
+
+Every quantity is checked against its reference in ``cockpit_gradnoise.references``
+over the product of ``MODELS`` x ``REDUCTIONS`` x ``BATCH_SIZES``, in float64.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from backpack import extend
+from torch import nn
+
+from cockpit_gradnoise import Cockpit
+
+
+class WithUnusedAndFrozen(nn.Module):
+    """An MLP with a frozen first layer and a layer the forward pass never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(6, 5)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+        self.body = nn.Sequential(nn.ReLU(), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.body(self.frozen(x))
+
+
+def mlp(bias=True):
+    return nn.Sequential(nn.Linear(6, 5, bias=bias), nn.ReLU(), nn.Linear(5, 3, bias=bias))
+
+
+def cnn(bias=True):
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 3 * 3, 3, bias=bias),
+    )
+
+
+def grouped_cnn():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, groups=2, padding=1),
+        nn.Tanh(),
+        nn.ConvTranspose2d(4, 2, 2, groups=2, stride=2),
+        nn.Flatten(),
+        nn.Linear(2 * 10 * 10, 3),
+    )
+
+
+def conv1d():
+    return nn.Sequential(nn.Conv1d(2, 3, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4, 3))
+
+
+def embedding():
+    return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Tanh(), nn.Linear(3 * 4, 3))
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A model and how to draw its inputs (targets are 3 classes)."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    inputs: Callable[[int], torch.Tensor]
+
+
+MODELS = [
+    ModelCase("mlp", mlp, lambda n: torch.randn(n, 6)),
+    ModelCase("mlp-nobias", lambda: mlp(bias=False), lambda n: torch.randn(n, 6)),
+    ModelCase("cnn", cnn, lambda n: torch.randn(n, 2, 5, 5)),
+    ModelCase("cnn-nobias", lambda: cnn(bias=False), lambda n: torch.randn(n, 2, 5, 5)),
+    ModelCase("grouped-conv", grouped_cnn, lambda n: torch.randn(n, 2, 5, 5)),
+    ModelCase("conv1d", conv1d, lambda n: torch.randn(n, 2, 9)),
+    ModelCase("embedding", embedding, lambda n: torch.randint(0, 10, (n, 3))),
+    ModelCase("unused-frozen", WithUnusedAndFrozen, lambda n: torch.randn(n, 6)),
+]
+REDUCTIONS = ["mean", "sum"]
+BATCH_SIZES = [2, 7, 64]
+
+
+@dataclass
+class Problem:
+    """One built case: an extended model, losses and a batch."""
+
+    model: nn.Module
+    loss_fn: nn.Module
+    per_example_loss: nn.Module
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    reduction: str
+
+    @property
+    def names(self):
+        """Names of the trainable parameters (Cockpit refuses frozen ones)."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    @property
+    def params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) -> Problem:
+    """Seeded model and batch of ``n`` examples for ``case``."""
+    torch.manual_seed(seed)
+    model = extend(case.make().to(dtype))
+    inputs = case.inputs(n)
+    if inputs.is_floating_point():
+        inputs = inputs.to(dtype)
+    targets = torch.randint(0, 3, (n,))
+    return Problem(
+        model,
+        extend(nn.CrossEntropyLoss(reduction=reduction)),
+        nn.CrossEntropyLoss(reduction="none"),
+        inputs,
+        targets,
+        reduction,
+    )
+
+
+def run_step(problem: Problem, quantities, step=0, cockpit=None):
+    """One tracked backward pass of ``problem``; returns the cockpit."""
+    if cockpit is None:
+        cockpit = Cockpit(problem.params, quantities=quantities)
+    problem.model.zero_grad()
+    outputs = problem.model(problem.inputs)
+    loss = problem.loss_fn(outputs, problem.targets)
+    info = {
+        "batch_size": len(problem.inputs),
+        "individual_losses": problem.per_example_loss(outputs, problem.targets),
+        "loss": loss,
+    }
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    return cockpit
