@@ -121,7 +121,7 @@ def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) 
     )
 
 
-def run_step(problem: Problem, quantities, step=0, cockpit=None):
+def run_step(problem: Problem, quantities, step=0, cockpit=None, optimizer=None):
     """One tracked backward pass of ``problem``; returns the cockpit."""
     if cockpit is None:
         cockpit = Cockpit(problem.params, quantities=quantities)
@@ -133,6 +133,8 @@ def run_step(problem: Problem, quantities, step=0, cockpit=None):
         "individual_losses": problem.per_example_loss(outputs, problem.targets),
         "loss": loss,
     }
+    if optimizer is not None:
+        info["optimizer"] = optimizer
     with cockpit(step, info=info):
         loss.backward(create_graph=cockpit.create_graph(step))
     return cockpit

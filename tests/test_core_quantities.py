@@ -1,0 +1,187 @@
+"""GradientVarianceQuantiles and PerExampleGradNorm against brute force.
+
+Every statistic, every parameter and "all", over the case matrix, in float64.
+"""
+
+import math
+
+import numpy
+import pytest
+import torch
+from cockpit.utils.configuration import configuration
+from cockpit.utils.schedules import linear
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+from tests.cases import MODELS, build, run_step
+
+RTOL = 1e-10
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def sd_rtol(problem, name):
+    """Relative tolerance of sd and SNR statistics of parameter ``name``, from rounding.
+
+    ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``; a relative
+    rounding error ``delta <= 2 N eps`` in those sums becomes a relative error
+    ``delta * (1 + SNR_j**2 / (N - 1))`` in ``sd_j**2`` (because
+    ``sum_i x_ij**2 / centred = 1 + SNR_j**2 / (N - 1)``), half that in
+    ``sd_j`` and in ``SNR_j``. The largest ``SNR_j`` bounds every statistic.
+    """
+    grads = references.per_example_gradients(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+    )
+    n = len(problem.inputs)
+    rows = [g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)]
+    x = torch.cat(rows, dim=1)
+    sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
+    snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
+    return max(RTOL, 2 * n * EPS64 * (1 + snr_max**2 / (n - 1)))
+
+
+def assert_statistics_match(got, expected, rtol_of=lambda name, statistic: RTOL):
+    assert set(got) == set(expected)
+    for name, stats in expected.items():
+        assert set(got[name]) == set(stats), name
+        for statistic, value in stats.items():
+            rtol = rtol_of(name, statistic)
+            assert got[name][statistic] == pytest.approx(value, rel=rtol, abs=0), (
+                name,
+                statistic,
+            )
+
+
+def test_gradient_variance_quantiles_match_reference(model_case, reduction, batch_size):
+    problem = build(model_case, batch_size, reduction)
+    quantiles = (0.0, 0.05, 0.5, 0.95, 1.0)
+    quantity = cgn.GradientVarianceQuantiles(
+        linear(1), quantiles=quantiles, param_names=problem.names
+    )
+    with pytest.warns(UserWarning) if model_case.name == "unused-frozen" else _no_warning():
+        cockpit = run_step(problem, [quantity])
+    got = cockpit.get_output()[0]["GradientVarianceQuantiles"]
+    expected = references.gradient_variance_quantiles(
+        problem.model,
+        problem.per_example_loss,
+        problem.inputs,
+        problem.targets,
+        reduction=reduction,
+        quantiles=quantiles,
+    )
+    sd_tolerances = {}
+
+    def rtol_of(name, statistic):
+        if name not in sd_tolerances:
+            sd_tolerances[name] = sd_rtol(problem, name)
+        return sd_tolerances[name]
+
+    assert_statistics_match(got, expected, rtol_of)
+
+
+def test_per_example_grad_norm_matches_reference(model_case, reduction, batch_size):
+    problem = build(model_case, batch_size, reduction)
+    quantiles = (0.0, 0.05, 0.5, 0.95, 1.0)
+    quantity = cgn.PerExampleGradNorm(linear(1), quantiles=quantiles, param_names=problem.names)
+    with pytest.warns(UserWarning) if model_case.name == "unused-frozen" else _no_warning():
+        cockpit = run_step(problem, [quantity])
+    got = cockpit.get_output()[0]["PerExampleGradNorm"]
+    expected = references.per_example_grad_norm(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets,
+        quantiles=quantiles,
+    )
+    assert_statistics_match(got, expected)
+
+
+def test_unused_and_frozen_parameters_have_no_rows():
+    problem = build(MODELS[-1], 7, "mean")
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
+    with pytest.warns(UserWarning, match=r"\['unused.weight', 'unused.bias'\] have no gradient"):
+        cockpit = run_step(problem, [quantity])
+    frame = cgn.to_frame(cockpit)
+    assert set(frame.param) == {"body.1.weight", "body.1.bias", "body.3.weight", "body.3.bias", "all"}
+
+
+class _no_warning:
+    """Context manager that fails on any warning of this package."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catcher = warnings.catch_warnings(record=True)
+        self._records = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catcher.__exit__(*exc)
+        ours = [str(r.message) for r in self._records if "Full backward hook" not in str(r.message)]
+        assert not ours, ours
+
+
+def _track_steps(problem, quantities, steps):
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    opt = torch.optim.SGD(problem.params, lr=0.1)
+    for step in range(steps):
+        run_step(problem, quantities, step=step, cockpit=cockpit, optimizer=opt)
+        opt.step()
+    return cockpit
+
+
+def _ours(problem, schedule=linear(1)):
+    return [
+        cgn.GradientVarianceQuantiles(schedule, param_names=problem.names),
+        cgn.PerExampleGradNorm(schedule, param_names=problem.names),
+    ]
+
+
+@pytest.mark.parametrize("case", [MODELS[0], MODELS[2]], ids=lambda c: c.name)
+def test_identical_alone_together_and_with_cockpit_full_configuration(case, tmp_path):
+    """Each quantity gives the same numbers alone, with the other, and beside
+    Cockpit's own quantities (float32: Cockpit's HessMaxEV fails in float64),
+    and Cockpit's plotter still renders that cockpit."""
+    steps = 3
+
+    def frame_of(make_quantities):
+        problem = build(case, 16, "mean", dtype=torch.float32)
+        quantities = make_quantities(problem)
+        cockpit = _track_steps(problem, quantities, steps)
+        return cgn.to_frame(cockpit), cockpit
+
+    alone = [
+        frame_of(lambda p, i=i: [_ours(p)[i]])[0] for i in range(2)
+    ]
+    together, _ = frame_of(_ours)
+    with_full, cockpit = frame_of(lambda p: _ours(p) + configuration("full"))
+    expected = pandas_concat(alone)
+    assert len(expected) > 0
+    assert together.equals(expected)
+    assert with_full.equals(expected)
+
+    plotter = cgn.CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False, save_plot=True, savedir=str(tmp_path), savename="cockpit")
+    assert (tmp_path / "cockpit__primary.png").stat().st_size > 0
+
+
+def pandas_concat(frames):
+    import pandas
+
+    return pandas.concat(frames).sort_values(["step", "quantity", "param", "statistic"], ignore_index=True)
+
+
+def test_output_steps_equal_schedule_steps():
+    problem = build(MODELS[0], 7, "mean")
+    schedule = lambda step: step in (0, 3, 4, 9)  # noqa: E731
+    cockpit = _track_steps(problem, _ours(problem, schedule), 10)
+    frame = cgn.to_frame(cockpit)
+    for quantity in ("GradientVarianceQuantiles", "PerExampleGradNorm"):
+        assert sorted(set(frame[frame.quantity == quantity].step)) == [0, 3, 4, 9]
+
+
+def test_per_example_norms_do_not_depend_on_reduction():
+    frames = {}
+    for reduction in ("mean", "sum"):
+        problem = build(MODELS[2], 7, reduction)
+        cockpit = run_step(problem, [cgn.PerExampleGradNorm(linear(1), param_names=problem.names)])
+        frames[reduction] = cgn.to_frame(cockpit)
+    numpy.testing.assert_allclose(frames["mean"].value, frames["sum"].value, rtol=1e-12)
+    assert not math.isnan(frames["mean"].value.sum())
