@@ -1,0 +1,179 @@
+"""Bad input: a clear error naming the fix, or a defined result and one warning."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+from backpack.extensions import BatchL2Grad
+from cockpit.utils.schedules import linear
+from torch import nn
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+from tests.cases import MODELS, Problem, build, run_step
+
+QUANTITIES = [cgn.GradientVarianceQuantiles, cgn.PerExampleGradNorm]
+
+
+def ours(problem, **kwargs):
+    return [cls(linear(1), param_names=problem.names, **kwargs) for cls in QUANTITIES]
+
+
+def our_warnings(records):
+    return [str(r.message) for r in records if "Full backward hook" not in str(r.message)]
+
+
+@pytest.mark.parametrize("quantity_class", QUANTITIES)
+def test_model_not_extended_names_backpack_extend(quantity_class):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    problem = Problem(
+        model, nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="none"),
+        torch.randn(5, 4), torch.randint(0, 3, (5,)), "mean",
+    )
+    quantity = quantity_class(linear(1), param_names=problem.names)
+    with pytest.raises(RuntimeError, match=r"backpack\.extend\(model\)"):
+        run_step(problem, [quantity])
+
+
+def layer_norm_problem(n=6):
+    torch.manual_seed(0)
+    model = extend(
+        nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.ReLU(), nn.Linear(5, 3)).double()
+    )
+    return Problem(
+        model, extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none"),
+        torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,)), "mean",
+    )
+
+
+def test_unsupported_layer_is_left_out_with_one_warning():
+    """LayerNorm's parameters get no rows; every other parameter is exact (Cockpit
+    itself crashes on such a model)."""
+    problem = layer_norm_problem()
+    quantities = ours(problem)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for step in range(3):
+            run_step(problem, quantities, step=step, cockpit=cockpit)
+    messages = our_warnings(records)
+    assert len(messages) == 2, messages  # one per quantity, not per step
+    assert all("['1.weight', '1.bias']" in m and "does not support" in m for m in messages)
+    frame = cgn.to_frame(cockpit)
+    assert set(frame.param) == {"0.weight", "0.bias", "3.weight", "3.bias", "all"}
+    assert set(frame.step) == {0, 1, 2}
+    expected = references.per_example_grad_norm(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+    )
+    got = cockpit.get_output()[2]["PerExampleGradNorm"]
+    for name in ("0.weight", "3.bias"):
+        for statistic, value in expected[name].items():
+            assert got[name][statistic] == pytest.approx(value, rel=1e-10)
+
+
+@pytest.mark.parametrize("quantity_class", QUANTITIES)
+@pytest.mark.parametrize("quantiles", [(), (0.5, 1.2), (-0.01,)])
+def test_bad_quantiles_fail_at_construction(quantity_class, quantiles):
+    with pytest.raises(ValueError, match="quantile"):
+        quantity_class(linear(1), quantiles=quantiles)
+
+
+def test_param_names_must_match_parameters():
+    problem = build(MODELS[0], 3, "mean")
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=["only-one"])
+    with pytest.raises(ValueError, match="2 param_names for 4 parameters|1 param_names for 4"):
+        run_step(problem, [quantity])
+
+
+@pytest.mark.parametrize("key", ["batch_size", "individual_losses"])
+def test_missing_info_key_is_named(key):
+    problem = build(MODELS[0], 3, "mean")
+    quantities = ours(problem)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    outputs = problem.model(problem.inputs)
+    loss = problem.loss_fn(outputs, problem.targets)
+    info = {"batch_size": 3, "individual_losses": problem.per_example_loss(outputs, problem.targets), "loss": loss}
+    del info[key]
+    with pytest.raises(KeyError, match=f"needs info\\['{key}'\\]"):
+        with cockpit(0, info=info):
+            loss.backward()
+
+
+def test_batch_size_one_records_norms_but_no_variance():
+    problem = build(MODELS[0], 1, "mean")
+    quantities = ours(problem)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for step in range(3):
+            run_step(problem, quantities, step=step, cockpit=cockpit)
+    messages = our_warnings(records)
+    assert len(messages) == 1 and "batch size 1" in messages[0]
+    frame = cgn.to_frame(cockpit)
+    assert set(frame.quantity) == {"PerExampleGradNorm"}
+    assert set(frame.step) == {0, 1, 2}
+    assert not frame.value.isna().any()
+
+
+@pytest.mark.parametrize("case", [MODELS[0], MODELS[2], MODELS[4]], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_identical_examples_give_zero_sd_and_no_snr(case, dtype):
+    problem = build(case, 64, "mean", dtype=dtype)
+    problem.inputs = problem.inputs[:1].repeat(64, *[1] * (problem.inputs.dim() - 1))
+    problem.targets = problem.targets[:1].repeat(64)
+    cockpit = run_step(problem, ours(problem))
+    frame = cgn.to_frame(cockpit)
+    sd = frame[frame.quantity == "GradientVarianceQuantiles"]
+    assert len(sd) > 0
+    assert set(sd.statistic) == {"q0.05", "q0.25", "q0.5", "q0.75", "q0.95", "mean"}
+    assert (sd.value == 0).all()
+    norms = frame[(frame.quantity == "PerExampleGradNorm") & (frame.param == "all")]
+    assert (norms.value > 0).all()
+
+
+def test_nan_gradient_gives_nan_statistics_one_warning_and_training_continues(tmp_path):
+    problem = build(MODELS[0], 7, "mean")
+    poisoned = problem.model[2].bias
+    handle = poisoned.register_hook(lambda grad: grad * math.nan)
+    quantities = ours(problem)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for step in range(2):
+            run_step(problem, quantities, step=step, cockpit=cockpit)
+        handle.remove()
+        run_step(problem, quantities, step=2, cockpit=cockpit)
+    messages = our_warnings(records)
+    assert len(messages) == 2 and all("NaN or Inf in ['2.bias']" in m for m in messages)
+    frame = cgn.to_frame(cockpit)
+    bad = frame[(frame.step < 2) & frame.param.isin(["2.bias", "all"])]
+    good = frame[(frame.step < 2) & ~frame.param.isin(["2.bias", "all"])]
+    assert bad.value.isna().all() and len(bad) > 0
+    assert good.value.notna().all() and len(good) > 0
+    assert frame[frame.step == 2].value.notna().all()
+    cockpit.write(str(tmp_path / "log"))  # Cockpit's own writer refuses raw NaN
+    assert cgn.to_frame(tmp_path / "log.json").equals(frame)
+
+
+def test_backpack_batch_l2_is_wrong_for_grouped_convolutions_ours_is_exact():
+    """Shows the case matrix's grouped-conv case can fail: BackPACK 1.7.1's own
+    BatchL2Grad is off there, ours matches the per-example loop."""
+    problem = build(MODELS[4], 5, "sum")
+    outputs = problem.model(problem.inputs)
+    from backpack import backpack
+
+    with backpack(BatchL2Grad()):
+        problem.loss_fn(outputs, problem.targets).backward()
+    conv = problem.model[0].weight
+    grads = references.per_example_gradients(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+    )
+    exact = grads["0.weight"].flatten(1).pow(2).sum(1)
+    assert not torch.allclose(conv.batch_l2, exact, rtol=0.05)
+    problem.model.zero_grad()
+    cockpit = run_step(problem, [cgn.PerExampleGradNorm(linear(1), quantiles=(1.0,), param_names=problem.names)])
+    got = cockpit.get_output()[0]["PerExampleGradNorm"]["0.weight"]["max"]
+    assert got == pytest.approx(exact.sqrt().max().item(), rel=1e-10)
