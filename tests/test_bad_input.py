@@ -177,3 +177,11 @@ def test_backpack_batch_l2_is_wrong_for_grouped_convolutions_ours_is_exact():
     cockpit = run_step(problem, [cgn.PerExampleGradNorm(linear(1), quantiles=(1.0,), param_names=problem.names)])
     got = cockpit.get_output()[0]["PerExampleGradNorm"]["0.weight"]["max"]
     assert got == pytest.approx(exact.sqrt().max().item(), rel=1e-10)
+
+
+def test_distributed_training_warns_that_statistics_are_local(monkeypatch):
+    problem = build(MODELS[0], 3, "mean")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
+    with pytest.warns(UserWarning, match="only this process's batch"):
+        run_step(problem, ours(problem))

@@ -138,6 +138,15 @@ class ParameterQuantity(SingleStepQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         names = self.names(params)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:
+                self.warn_once(
+                    "distributed",
+                    "BackPACK's per-example results cover only this process's batch "
+                    "while param.grad is averaged across processes: per-example "
+                    "statistics are those of the local batch, and statistics that "
+                    "combine both with param.grad are not valid; track on one process",
+                )
         context = self.prepare(global_step, params)
         if context is None:
             return None
