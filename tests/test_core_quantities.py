@@ -19,7 +19,7 @@ RTOL = 1e-10
 EPS64 = torch.finfo(torch.float64).eps
 
 
-def sd_rtol(problem, name):
+def sd_rtol(grads, n, name):
     """Relative tolerance of sd and SNR statistics of parameter ``name``, from rounding.
 
     ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``; a relative
@@ -28,10 +28,6 @@ def sd_rtol(problem, name):
     ``sum_i x_ij**2 / centred = 1 + SNR_j**2 / (N - 1)``), half that in
     ``sd_j`` and in ``SNR_j``. The largest ``SNR_j`` bounds every statistic.
     """
-    grads = references.per_example_gradients(
-        problem.model, problem.per_example_loss, problem.inputs, problem.targets
-    )
-    n = len(problem.inputs)
     rows = [g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)]
     x = torch.cat(rows, dim=1)
     sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
@@ -68,11 +64,12 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
         reduction=reduction,
         quantiles=quantiles,
     )
-    sd_tolerances = {}
+    grads = references.per_example_gradients(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+    )
+    sd_tolerances = {name: sd_rtol(grads, batch_size, name) for name in expected}
 
     def rtol_of(name, statistic):
-        if name not in sd_tolerances:
-            sd_tolerances[name] = sd_rtol(problem, name)
         return sd_tolerances[name]
 
     assert_statistics_match(got, expected, rtol_of)
