@@ -13,9 +13,12 @@ from cockpit_gradnoise import functional, references  # noqa: E402
 from cockpit_gradnoise.frame import read_log, to_frame, write_log  # noqa: E402
 from cockpit_gradnoise.quantities import (  # noqa: E402
     NETWORK,
+    GradientNoiseScale,
     GradientVarianceQuantiles,
     ParameterQuantity,
+    ParamGradRatio,
     PerExampleGradNorm,
+    UpdateSize,
 )
 
 __all__ = [
@@ -30,4 +33,7 @@ __all__ = [
     "ParameterQuantity",
     "GradientVarianceQuantiles",
     "PerExampleGradNorm",
+    "ParamGradRatio",
+    "UpdateSize",
+    "GradientNoiseScale",
 ]

@@ -128,6 +128,10 @@ def _per_parameter(value):
     """``{param: {statistic: value}}`` if ``value`` is one of ours, else ``None``."""
     if hasattr(value, "to_statistics"):
         return value.to_statistics()
+    # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
+    # reads only floats and plain lists) whose class combines them.
+    if isinstance(value, list) and value and hasattr(value[0], "statistics_of_list"):
+        return type(value[0]).statistics_of_list(value)
     if isinstance(value, Mapping) and value and all(
         isinstance(stats, Mapping) for stats in value.values()
     ):

@@ -12,7 +12,7 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 """
 
 import math
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -242,3 +242,122 @@ def batch_norm_statistics(
     result = summarize(norms, levels)
     result["max"] = norms.max().item()
     return result
+
+def ratio_or_inf(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
+
+    The ratios reported by :class:`~cockpit_gradnoise.ParamGradRatio`
+    (``||theta|| / ||grad||``), :class:`~cockpit_gradnoise.UpdateSize`
+    (``||update|| / ||theta||``) and :class:`~cockpit_gradnoise.GradientNoiseScale`
+    (``trace_cov / grad_sq``) have a denominator that can be exactly 0 (a zero
+    gradient, all-zero parameters) or, for an unbiased estimate, negative. They
+    are reported as ``+inf`` then, also for ``0 / 0``: never a NaN from a zero
+    denominator.
+
+    Args:
+        numerator: Any float.
+        denominator: Any float.
+
+    Returns:
+        The ratio; ``+inf`` if ``denominator <= 0``; NaN only if an input is NaN.
+    """
+    if math.isnan(numerator) or math.isnan(denominator):
+        return math.nan
+    if denominator <= 0:
+        return math.inf
+    return numerator / denominator
+
+
+def squared_norm(tensor: Tensor) -> float:
+    """``sum_j tensor_j**2`` as a Python float.
+
+    One BLAS dot product, the fastest reduction here. In float32 it is off by
+    about ``1e-6`` relative on a million elements (better than ``1e-5``;
+    ``linalg.vector_norm(...)**2`` is off by ``~3e-5``, see ``DESIGN.md``).
+    Half precision is summed in float32.
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return torch.dot(flat, flat).item()
+
+
+def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, float]:
+    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite.
+
+    The per-element ratio of :class:`~cockpit_gradnoise.ParamGradRatio`
+    (``a = theta``, ``b = grad``): how many steps of size ``lr * |grad_j|``
+    it takes to move ``theta_j`` by its own size. Elements with a zero or
+    non-finite gradient, or a non-finite parameter, are left out, so no
+    statistic is a NaN from 0/0. A ratio too large for the dtype is ``inf``.
+
+    Args:
+        numerator: ``a``, any shape.
+        denominator: ``b``, same number of elements.
+
+    Returns:
+        ``mean``, ``median`` (as ``numpy.median``: the mean of the two middle
+        values for an even count), ``min`` and ``max``; an empty dict when no
+        element qualifies.
+    """
+    a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
+    valid = torch.isfinite(a) & torch.isfinite(b) & (b != 0)
+    ratio = torch.div(a[valid], b[valid]).abs_()
+    n = ratio.numel()
+    if n == 0:
+        return {}
+    smallest, largest = torch.aminmax(ratio)
+    lower, upper = _order_statistics(ratio, [(n - 1) // 2, n // 2])
+    return {
+        "mean": (ratio.sum(dtype=torch.float64) / n).item(),
+        "median": (lower + upper) / 2,
+        "min": smallest.item(),
+        "max": largest.item(),
+    }
+
+
+def noise_scale_estimates(
+    mean_squared_norm: float, squared_norm_of_mean: float, n: int
+) -> Tuple[float, float]:
+    """Unbiased ``|G|^2`` and ``tr(Sigma)`` from the gradients of one batch.
+
+    McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch
+    Training", appendix A.1. With ``g_i`` the gradient of example ``i``'s own
+    loss, ``S = mean_i ||g_i||^2`` and ``M = ||mean_i g_i||^2``:
+
+    .. math::
+
+        |G|^2 \\approx \\frac{N M - S}{N - 1}, \\qquad
+        \\mathrm{tr}(\\Sigma) \\approx \\frac{N (S - M)}{N - 1},
+
+    unbiased for ``N`` examples drawn independently from the data
+    distribution, whose mean gradient is ``G`` and per-example covariance
+    ``Sigma``. The first equals the mean of ``g_i . g_j`` over pairs
+    ``i != j`` and can be negative; the second is the sample variance
+    ``sum_i ||g_i - mean g||^2 / (N - 1)`` (non-negative up to rounding).
+
+    Args:
+        mean_squared_norm: ``S``.
+        squared_norm_of_mean: ``M``.
+        n: Batch size ``N >= 2``.
+
+    Returns:
+        ``(grad_sq, trace_cov)``.
+    """
+    if n < 2:
+        raise ValueError(f"the gradient noise scale needs at least 2 examples, got {n}")
+    grad_sq = (n * squared_norm_of_mean - mean_squared_norm) / (n - 1)
+    trace_cov = n * (mean_squared_norm - squared_norm_of_mean) / (n - 1)
+    return grad_sq, trace_cov
+
+
+def exponential_moving_average(previous: Optional[float], value: float, smoothing: float) -> float:
+    """``smoothing * previous + (1 - smoothing) * value``; ``value`` when ``previous`` is None.
+
+    Starting at the first value (no bias towards 0, no correction needed).
+    ``smoothing`` in ``[0, 1)`` is the weight of the past: about
+    ``1 / (1 - smoothing)`` recent values dominate.
+    """
+    if previous is None:
+        return value
+    return smoothing * previous + (1 - smoothing) * value

@@ -113,3 +113,93 @@ def per_example_grad_norm(
         stats["max"] = float(norms.max())
         result[name] = stats
     return result
+
+
+def param_grad_ratio(model, loss_fn, inputs, targets) -> Dict[str, Dict[str, float]]:
+    """Reference for :class:`~cockpit_gradnoise.ParamGradRatio`.
+
+    ``grad`` is the gradient of ``loss_fn(model(inputs), targets)`` (what
+    ``param.grad`` holds after ``loss.backward()``), by plain autograd; the
+    statistics of ``|theta_j| / |grad_j|`` over elements with ``grad_j != 0``
+    and both finite come from NumPy (``numpy.median``).
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    loss = loss_fn(model(inputs), targets)
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    pairs = {
+        name: (p.detach().reshape(-1).cpu().numpy(), g.reshape(-1).cpu().numpy())
+        for (name, p), g in zip(named, grads)
+        if g is not None
+    }
+    result = {}
+    for name, (theta, grad) in _with_network(pairs, _concatenate_pairs).items():
+        stats = {}
+        valid = numpy.isfinite(theta) & numpy.isfinite(grad) & (grad != 0)
+        if name != NETWORK and valid.any():
+            ratio = numpy.abs(theta[valid]) / numpy.abs(grad[valid])
+            stats = {
+                "mean": float(numpy.mean(ratio)),
+                "median": float(numpy.median(ratio)),
+                "min": float(numpy.min(ratio)),
+                "max": float(numpy.max(ratio)),
+            }
+        theta_norm, grad_norm = numpy.linalg.norm(theta), numpy.linalg.norm(grad)
+        stats["zero_grad_fraction"] = float(numpy.mean(grad == 0))
+        stats["norm_ratio"] = float(theta_norm / grad_norm) if grad_norm > 0 else numpy.inf
+        result[name] = stats
+    return result
+
+
+def _concatenate_pairs(pairs):
+    """``[(a1, b1), (a2, b2), ...]`` to ``(concat(a1, a2, ...), concat(b1, b2, ...))``."""
+    return tuple(numpy.concatenate(side) for side in zip(*pairs))
+
+
+def update_size(before: Dict[str, Tensor], after: Dict[str, Tensor]) -> Dict[str, Dict[str, float]]:
+    """Reference for :class:`~cockpit_gradnoise.UpdateSize` from two snapshots.
+
+    Args:
+        before: ``{name: theta(s)}``, e.g. ``{n: p.detach().clone() for n, p in
+            model.named_parameters()}`` taken when the cockpit is called at ``s``.
+        after: ``{name: theta(s+1)}``, same names.
+
+    Returns:
+        ``norm = ||after - before||`` and ``relative = norm / ||before||``
+        (``inf`` when ``before`` is all zero), per name and for ``"all"``.
+    """
+    flat = {
+        name: (before[name].reshape(-1).double().cpu().numpy(),
+               after[name].reshape(-1).double().cpu().numpy())
+        for name in before
+    }
+    flat = _with_network(flat, _concatenate_pairs)
+    result = {}
+    for name, (start, end) in flat.items():
+        norm, start_norm = numpy.linalg.norm(end - start), numpy.linalg.norm(start)
+        relative = float(norm / start_norm) if start_norm > 0 else numpy.inf
+        result[name] = {"norm": float(norm), "relative": relative}
+    return result
+
+
+def gradient_noise_scale(model, per_example_loss, inputs, targets) -> Dict[str, Dict[str, float]]:
+    """Reference for :class:`~cockpit_gradnoise.GradientNoiseScale` (without smoothing).
+
+    From the per-example gradients ``g_i`` (a loop), in float64: ``grad_sq``
+    is the mean of ``g_i . g_j`` over all pairs ``i != j``, ``trace_cov`` the
+    sample variance ``sum_i ||g_i - mean g||^2 / (N - 1)`` (two-pass), and
+    ``b_simple = trace_cov / grad_sq`` (``inf`` when ``grad_sq <= 0``).
+    """
+    grads = per_example_gradients(model, per_example_loss, inputs, targets)
+    n = len(inputs)
+    if n < 2:
+        raise ValueError(f"the gradient noise scale needs at least 2 examples, got {n}")
+    flat = {name: g.reshape(n, -1).detach().double().cpu().numpy() for name, g in grads.items()}
+    flat = _with_network(flat, lambda xs: numpy.concatenate(xs, axis=1))
+    off_diagonal = ~numpy.eye(n, dtype=bool)
+    result = {}
+    for name, g in flat.items():
+        grad_sq = float(numpy.mean((g @ g.T)[off_diagonal]))
+        trace_cov = float(((g - g.mean(0)) ** 2).sum() / (n - 1))
+        b_simple = trace_cov / grad_sq if grad_sq > 0 else numpy.inf
+        result[name] = {"grad_sq": grad_sq, "trace_cov": trace_cov, "b_simple": b_simple}
+    return result

@@ -61,6 +61,9 @@ def make_quantities(names, track_every):
     return [
         cgn.GradientVarianceQuantiles(schedule, quantiles=(0.1, 0.5, 0.9), param_names=names),
         cgn.PerExampleGradNorm(schedule, param_names=names),
+        cgn.ParamGradRatio(schedule, param_names=names),
+        cgn.UpdateSize(schedule, param_names=names),
+        cgn.GradientNoiseScale(schedule, param_names=names),
     ]
 
 
@@ -98,13 +101,21 @@ def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
 
 
 def summary_table(frame):
-    """Per-layer table of the last tracked step: sd median, SNR, per-example norm."""
-    last = frame[frame.step == frame.step.max()]
+    """Per-layer table of each quantity's last tracked step.
+
+    sd median, SNR, per-example norm, weight-to-gradient norm ratio, relative
+    update size and the simple noise scale. UpdateSize stores step ``s`` only
+    after step ``s + 1``, so its last step can be earlier than the others'.
+    """
+    last = frame[frame.step == frame.groupby("quantity").step.transform("max")]
     wanted = {
         ("GradientVarianceQuantiles", "q0.5"): "sd_median",
         ("GradientVarianceQuantiles", "snr_q0.5"): "snr_median",
         ("PerExampleGradNorm", "q0.5"): "norm_median",
         ("PerExampleGradNorm", "max"): "norm_max",
+        ("ParamGradRatio", "norm_ratio"): "norm_ratio",
+        ("UpdateSize", "relative"): "update_relative",
+        ("GradientNoiseScale", "b_simple"): "b_simple",
     }
     keys = list(zip(last.quantity, last.statistic))
     rows = last[[key in wanted for key in keys]].copy()

@@ -1,12 +1,18 @@
 """Cockpit quantities of this package, one per file."""
 
 from cockpit_gradnoise.quantities._base import NETWORK, ParameterQuantity
+from cockpit_gradnoise.quantities.gradient_noise_scale import GradientNoiseScale
 from cockpit_gradnoise.quantities.gradient_variance import GradientVarianceQuantiles
+from cockpit_gradnoise.quantities.param_grad_ratio import ParamGradRatio
 from cockpit_gradnoise.quantities.per_example_grad_norm import PerExampleGradNorm
+from cockpit_gradnoise.quantities.update_size import UpdateSize
 
 __all__ = [
     "NETWORK",
     "ParameterQuantity",
     "GradientVarianceQuantiles",
     "PerExampleGradNorm",
+    "ParamGradRatio",
+    "UpdateSize",
+    "GradientNoiseScale",
 ]

@@ -1,0 +1,119 @@
+"""The simple gradient noise scale of McCandlish et al. 2018, per layer, from one batch."""
+
+import math
+
+import torch
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise._extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.frame import decode_float, encode_float
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+
+DEFAULT_SMOOTHING = 0.9
+"""Default weight of the past in ``b_simple_smoothed``'s moving averages."""
+
+
+class GradientNoiseScale(ParameterQuantity):
+    """Is my batch too small for this learning rate? ``B_simple = tr(Sigma) / |G|^2``.
+
+    McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch
+    Training": the critical batch size is about ``B_simple``, the ratio of the
+    per-example gradient covariance's trace to the squared true gradient. From
+    the ``N`` examples of one batch, with ``g_i`` the gradient of example
+    ``i``'s own loss (independent of the loss's reduction),
+    ``S = mean_i ||g_i||^2`` and ``M = ||mean_i g_i||^2``, statistics per
+    parameter and for ``"all"`` (``S`` and ``M`` summed over parameters first):
+
+    - ``grad_sq = (N M - S) / (N - 1)``: unbiased estimate of ``|G|^2``; it can
+      be negative when the signal is weak, and is reported as it is;
+    - ``trace_cov = N (S - M) / (N - 1)``: unbiased estimate of ``tr(Sigma)``;
+    - ``b_simple = trace_cov / grad_sq``, ``+inf`` when ``grad_sq <= 0``;
+    - ``b_simple_smoothed = EMA(trace_cov) / EMA(grad_sq)``, ``+inf`` when the
+      smoothed denominator is ``<= 0``. A ratio of two noisy estimates is
+      biased; smoothing numerator and denominator separately first is what
+      the literature does. The moving averages run over tracked steps,
+      start at the first tracked value and skip steps where a value is not
+      finite (``b_simple_smoothed`` is NaN there).
+
+    See :func:`~cockpit_gradnoise.functional.noise_scale_estimates`. Costs the
+    per-example squared norms of :class:`~cockpit_gradnoise.PerExampleGradNorm`
+    (the same BackPACK extension, computed once when both are tracked) and one
+    pass over ``param.grad``. Needs ``info["loss"]`` and
+    ``info["individual_losses"]``. Batch size 1 defines no estimate: nothing is
+    recorded at such steps, with one warning.
+
+    Args:
+        track_schedule: Function from step to bool.
+        smoothing: Weight of the past in the moving averages, in ``[0, 1)``:
+            ``ema = smoothing * ema + (1 - smoothing) * value``. Default
+            ``0.9`` (about the last 10 tracked steps).
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+    """
+
+    extension_classes = (PerExampleSquaredNorms,)
+
+    def __init__(
+        self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False
+    ):
+        super().__init__(track_schedule, param_names=param_names, verbose=verbose)
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(
+                f"smoothing must lie in [0, 1) (the weight of the past), got {smoothing!r}"
+            )
+        self.smoothing = float(smoothing)
+        # {name: (EMA of trace_cov, EMA of grad_sq)}
+        self._averages = {}
+
+    def prepare(self, global_step, params):
+        individual_losses = self.info(global_step, "individual_losses")
+        n = individual_losses.numel()
+        if n < 2:
+            self.warn_once(
+                "batch-size-1",
+                "batch size 1 defines no gradient noise scale; nothing is recorded at "
+                "such steps",
+            )
+            return None
+        return functional.loss_scale(self.info(global_step, "loss"), individual_losses), n
+
+    def parameter_value(self, param, context):
+        scale, n = context
+        # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2; param.grad = scale * sum_i g_i.
+        sum_of_squared_norms = param.cgn_batch_l2.detach().sum(dtype=torch.float64).item()
+        mean_squared_norm = sum_of_squared_norms / (n * scale**2)
+        squared_norm_of_mean = functional.squared_norm(param.grad) / (n * scale) ** 2
+        return mean_squared_norm, squared_norm_of_mean, n
+
+    def network_value(self, values):
+        return sum(v[0] for v in values), sum(v[1] for v in values), values[0][2]
+
+    def statistics(self, value):
+        grad_sq, trace_cov = functional.noise_scale_estimates(*value)
+        return {
+            "grad_sq": grad_sq,
+            "trace_cov": trace_cov,
+            "b_simple": functional.ratio_or_inf(trace_cov, grad_sq),
+        }
+
+    def statistic_names(self):
+        return ["grad_sq", "trace_cov", "b_simple", "b_simple_smoothed"]
+
+    def _compute(self, global_step, params, batch_loss):
+        result = super()._compute(global_step, params, batch_loss)
+        for name, stats in (result or {}).items():
+            stats["b_simple_smoothed"] = encode_float(self._smoothed(name, stats))
+        return result
+
+    def _smoothed(self, name, stats):
+        """Update the moving averages of ``name`` and return their ratio."""
+        trace_cov, grad_sq = decode_float(stats["trace_cov"]), decode_float(stats["grad_sq"])
+        if not (math.isfinite(trace_cov) and math.isfinite(grad_sq)):
+            return math.nan  # and keep the averages as they are
+        previous = self._averages.get(name, (None, None))
+        averages = tuple(
+            functional.exponential_moving_average(old, new, self.smoothing)
+            for old, new in zip(previous, (trace_cov, grad_sq))
+        )
+        self._averages[name] = averages
+        return functional.ratio_or_inf(*averages)

@@ -1,0 +1,60 @@
+"""Per-layer ratios of weights to gradients, from ``param.data`` and ``param.grad``."""
+
+import math
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+
+RATIO_STATISTICS = ("mean", "median", "min", "max")
+
+
+class ParamGradRatio(ParameterQuantity):
+    """How large are gradients relative to the weights, layer by layer?
+
+    Per parameter, over the elements with ``grad_j != 0`` where both values
+    are finite, statistics of ``|theta_j| / |grad_j|``: ``mean``, ``median``
+    (as ``numpy.median``), ``min`` and ``max``. Also ``zero_grad_fraction``,
+    the fraction of elements whose gradient is exactly 0, and ``norm_ratio``
+    ``= ||theta|| / ||grad||`` (the LARS trust ratio, You et al. 2017). For
+    ``"all"``: ``norm_ratio`` and ``zero_grad_fraction`` of the whole network.
+
+    ``grad`` is ``param.grad`` as the optimizer sees it (so it depends on the
+    loss's reduction). A parameter whose gradient is all zero has
+    ``zero_grad_fraction`` 1, ``norm_ratio`` ``inf`` and no ratio statistics:
+    never a NaN from 0/0 (:func:`~cockpit_gradnoise.functional.ratio_or_inf`).
+
+    Needs no BackPACK extension and no ``info`` beyond Cockpit's ``loss``; it
+    reads the tensors a few times (the median is a partial sort).
+
+    Args:
+        track_schedule: Function from step to bool.
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+    """
+
+    def parameter_value(self, param, context):
+        theta, grad = param.detach(), param.grad.detach()
+        zeros = grad.numel() - int(grad.count_nonzero())
+        return (
+            functional.squared_norm(theta),
+            functional.squared_norm(grad),
+            zeros,
+            grad.numel(),
+            functional.abs_ratio_statistics(theta, grad),
+        )
+
+    def network_value(self, values):
+        # Sums over parameters; per-element ratio statistics are per layer only.
+        theta_sq, grad_sq, zeros, numel = (sum(value[k] for value in values) for k in range(4))
+        return theta_sq, grad_sq, zeros, numel, {}
+
+    def statistics(self, value):
+        theta_sq, grad_sq, zeros, numel, ratio_statistics = value
+        return {
+            **ratio_statistics,
+            "zero_grad_fraction": zeros / numel,
+            "norm_ratio": functional.ratio_or_inf(math.sqrt(theta_sq), math.sqrt(grad_sq)),
+        }
+
+    def statistic_names(self):
+        return list(RATIO_STATISTICS) + ["zero_grad_fraction", "norm_ratio"]

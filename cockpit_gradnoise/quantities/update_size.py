@@ -1,0 +1,186 @@
+"""How far one optimizer step moves each layer: a two-step quantity.
+
+Stored under Cockpit's key ``"UpdateSize"``, so Cockpit's own Distance panel
+reads it. That panel turns a value into a number with
+``_root_sum_of_squares(x) if type(x) == list else x``: a float, or a plain
+``list`` whose items it squares and sums; anything else (a dict, a list
+subclass, an object) breaks it or is plotted as categories. The stored value is
+therefore a plain list with one :class:`LayerUpdate` per parameter, as
+Cockpit's own ``UpdateSize`` stores one norm per parameter: an item squares
+to its norm squared, and also keeps the parameter's name and ``||theta(s)||``.
+:func:`~cockpit_gradnoise.to_frame` reads the list through
+:meth:`LayerUpdate.statistics_of_list`, and json_tricks (``Cockpit.write``)
+round-trips the items through ``__json_encode__``/``__json_decode__``.
+"""
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise.frame import decode_float, encode_float
+from cockpit_gradnoise.quantities._base import NETWORK, ParameterQuantity
+
+
+class LayerUpdate:
+    """One parameter's update in one optimizer step.
+
+    Behaves as the number ``norm`` where Cockpit expects one (``float()``,
+    ``** 2``).
+
+    Attributes:
+        name: The parameter's name.
+        norm: ``||theta(s+1) - theta(s)||``.
+        start_norm: ``||theta(s)||``.
+    """
+
+    def __init__(self, name: str, norm: float, start_norm: float):
+        self.name = str(name)
+        self.norm = float(norm)
+        self.start_norm = float(start_norm)
+
+    def __float__(self) -> float:
+        return self.norm
+
+    def __pow__(self, exponent):
+        # Cockpit's Distance panel squares the items of the stored list.
+        return self.norm**exponent
+
+    @staticmethod
+    def statistics_of_list(updates: Sequence["LayerUpdate"]) -> Dict[str, Dict[str, float]]:
+        """``{name: {"norm": ..., "relative": ...}}`` plus ``"all"`` for the network.
+
+        ``relative = norm / ||theta(s)||``, ``inf`` when ``theta(s)`` is all
+        zero (:func:`~cockpit_gradnoise.functional.ratio_or_inf`). The
+        network's norms are the root sums of squares of the parameters'.
+        """
+        network = LayerUpdate(
+            NETWORK,
+            math.sqrt(sum(u.norm**2 for u in updates)),
+            math.sqrt(sum(u.start_norm**2 for u in updates)),
+        )
+        return {
+            u.name: {"norm": u.norm, "relative": functional.ratio_or_inf(u.norm, u.start_norm)}
+            for u in list(updates) + [network]
+        }
+
+    def __json_encode__(self):
+        return {
+            "name": self.name,
+            "norm": encode_float(self.norm),
+            "start_norm": encode_float(self.start_norm),
+        }
+
+    def __json_decode__(self, name, norm, start_norm, **unused):
+        self.__init__(name, decode_float(norm), decode_float(start_norm))
+
+    def __repr__(self):
+        return f"LayerUpdate({self.name!r}, norm={self.norm!r}, start_norm={self.start_norm!r})"
+
+
+class UpdateSize(ParameterQuantity):
+    """How far does each step move each layer, absolutely and relative to its size?
+
+    Under step ``s`` it stores the update of one optimizer step,
+    ``theta(s+1) - theta(s)``, where ``theta(k)`` is the parameters' state when
+    the cockpit is called at step ``k``. Per parameter and for ``"all"``:
+    ``norm = ||theta(s+1) - theta(s)||`` and ``relative = norm / ||theta(s)||``
+    (``inf`` when ``theta(s)`` is all zero, never NaN).
+
+    A value is stored for ``s`` only if the schedule selects ``s`` and the
+    cockpit is called at both ``s`` and ``s + 1``; otherwise nothing is stored
+    for ``s`` and the cached parameters are dropped at the next call. So a
+    start without an end, an end without a tracked start, a schedule that
+    skips steps and a loop that calls the cockpit every other step store
+    nothing wrong and keep nothing behind.
+
+    Memory: one copy of the parameters, taken without autograd history on the
+    parameters' device (or on the CPU with ``cache_on_cpu=True``), and
+    reused from step to step (no new allocation when tracking every step).
+    No BackPACK extension, no ``info``.
+
+    The stored value is a list of :class:`LayerUpdate` under Cockpit's key
+    ``"UpdateSize"``: Cockpit's Distance panel shows its network norm, and
+    :func:`~cockpit_gradnoise.to_frame` gives the named rows. It replaces
+    Cockpit's own ``UpdateSize`` (same key): use one of the two.
+
+    Args:
+        track_schedule: Function from step to bool: the start steps ``s``.
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+        cache_on_cpu: Keep the copy of the parameters in CPU memory (for
+            models whose second copy does not fit on the accelerator); each
+            layer is then moved to the CPU in turn to measure the update.
+    """
+
+    def __init__(self, track_schedule, *, param_names=None, verbose=False, cache_on_cpu=False):
+        super().__init__(track_schedule, param_names=param_names, verbose=verbose)
+        self.cache_on_cpu = bool(cache_on_cpu)
+        self._cache_step: Optional[int] = None
+        self._cache: List[torch.Tensor] = []
+
+    def should_compute(self, global_step):
+        # Also run at the call after a start, to use or drop the cache.
+        return bool(self._track_schedule(global_step)) or self._cache_step is not None
+
+    def compute(self, global_step, params, batch_loss):
+        """Measure the update since the cached step, then cache this step if scheduled.
+
+        Returns:
+            ``(s, [LayerUpdate, ...])`` when the cache holds step ``s = global_step - 1``,
+            else ``(global_step, None)`` (nothing stored).
+        """
+        names = self.names(params)
+        start, buffers = self._cache_step, self._cache
+        self._cache_step, self._cache = None, []
+        ends = start == global_step - 1 and self._matches(buffers, params)
+        starts = bool(self._track_schedule(global_step))
+        norms, start_norms, kept = [], [], []
+        for index, param in enumerate(params):
+            buffer = buffers[index] if index < len(buffers) else None
+            if ends:
+                current = param.detach().to(buffer.device)
+                start_norms.append(math.sqrt(functional.squared_norm(buffer)))
+                # The buffer is overwritten below or dropped: reuse it for the difference.
+                norms.append(math.sqrt(functional.squared_norm(buffer.sub_(current))))
+            if starts:
+                kept.append(self._copy_into(buffer, param))
+        if starts:
+            self._cache_step, self._cache = global_step, kept
+        if ends:
+            return start, [LayerUpdate(*row) for row in zip(names, norms, start_norms)]
+        return global_step, None
+
+    def statistic_names(self):
+        return ["norm", "relative"]
+
+    def cached_bytes(self) -> int:
+        """Bytes held by the cached copy of the parameters (0 when none)."""
+        return sum(t.numel() * t.element_size() for t in self._cache)
+
+    def _copy_into(self, buffer, param):
+        """``param``'s values in ``buffer`` if it fits, else in a new tensor."""
+        source = param.detach()
+        device = torch.device("cpu") if self.cache_on_cpu else source.device
+        if (
+            buffer is None
+            or buffer.shape != source.shape
+            or buffer.dtype != source.dtype
+            or buffer.device != device
+        ):
+            return source.to(device=device, copy=True)
+        return buffer.copy_(source)
+
+    def _matches(self, buffers, params) -> bool:
+        """Whether the cache holds one tensor per parameter, shaped alike."""
+        if len(buffers) == len(params) and all(
+            b.shape == p.shape for b, p in zip(buffers, params)
+        ):
+            return True
+        self.warn_once(
+            "changed-parameters",
+            "the parameters changed shape or number between two steps; no update "
+            "size is stored for that step",
+        )
+        return False

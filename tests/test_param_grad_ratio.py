@@ -1,0 +1,137 @@
+"""ParamGradRatio against brute force, and its edge cases."""
+
+import math
+
+import numpy
+import pytest
+import torch
+from cockpit.utils.schedules import linear
+from torch import nn
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, references
+from tests.cases import MODELS, build, run_step
+
+RTOL = 1e-10
+
+
+def assert_statistics_match(got, expected, rtol=RTOL):
+    """``got`` (decoded rows) equals ``expected`` statistic by statistic; inf == inf."""
+    assert set(got) == set(expected)
+    for name, stats in expected.items():
+        assert set(got[name]) == set(stats), name
+        for statistic, value in stats.items():
+            assert got[name][statistic] == pytest.approx(value, rel=rtol, abs=0), (name, statistic)
+
+
+def rows(cockpit, quantity, step=0):
+    """``{param: {statistic: float}}`` of ``quantity`` at ``step``, via ``to_frame``."""
+    frame = cgn.to_frame(cockpit)
+    frame = frame[(frame.quantity == quantity) & (frame.step == step)]
+    result = {}
+    for param, statistic, value in zip(frame.param, frame.statistic, frame.value):
+        result.setdefault(param, {})[statistic] = value
+    return result
+
+
+def test_matches_reference(model_case, reduction, batch_size, recwarn):
+    problem = build(model_case, batch_size, reduction)
+    cockpit = run_step(problem, [cgn.ParamGradRatio(linear(1), param_names=problem.names)])
+    expected = references.param_grad_ratio(
+        problem.model, problem.loss_fn, problem.inputs, problem.targets
+    )
+    assert_statistics_match(rows(cockpit, "ParamGradRatio"), expected)
+
+
+def test_all_zero_gradient_gives_inf_norm_ratio_and_no_ratio_statistics():
+    problem = build(MODELS[0], 7, "mean")
+    with torch.no_grad():
+        # Every ReLU off: only the last bias gets a gradient.
+        problem.model[0].bias.fill_(-100.0)
+    cockpit = run_step(problem, [cgn.ParamGradRatio(linear(1), param_names=problem.names)])
+    got = rows(cockpit, "ParamGradRatio")
+    for name in ("0.weight", "0.bias", "2.weight"):
+        assert got[name] == {"zero_grad_fraction": 1.0, "norm_ratio": math.inf}
+    assert set(got["2.bias"]) == {"mean", "median", "min", "max", "zero_grad_fraction", "norm_ratio"}
+    assert not any(math.isnan(v) for stats in got.values() for v in stats.values())
+    assert got["all"]["zero_grad_fraction"] == (6 * 5 + 5 + 5 * 3) / (6 * 5 + 5 + 5 * 3 + 3)
+
+
+def test_works_without_backpack_extension():
+    """It reads only param.data and param.grad: a model that was never extended works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    names = [n for n, _ in model.named_parameters()]
+    quantity = cgn.ParamGradRatio(linear(1), param_names=names)
+    assert quantity.extensions(0) == []
+    cockpit = cgn.Cockpit(model.parameters(), quantities=[quantity])
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    got = rows(cockpit, "ParamGradRatio")
+    theta, grad = model[0].weight.detach(), model[0].weight.grad
+    assert got["0.weight"]["max"] == pytest.approx((theta.abs() / grad.abs()).max().item(), rel=1e-6)
+    assert set(got) == set(names) | {"all"}
+
+
+def test_same_numbers_with_an_extended_model_in_a_cockpit_with_other_quantities():
+    problem = build(MODELS[2], 7, "mean")
+    alone = run_step(problem, [cgn.ParamGradRatio(linear(1), param_names=problem.names)])
+    others = [
+        cgn.ParamGradRatio(linear(1), param_names=problem.names),
+        cgn.PerExampleGradNorm(linear(1), param_names=problem.names),
+        cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names),
+    ]
+    together = run_step(problem, others)
+    assert rows(alone, "ParamGradRatio") == rows(together, "ParamGradRatio")
+
+
+def test_abs_ratio_statistics_leave_out_zero_and_non_finite_elements():
+    inf, nan = math.inf, math.nan
+    theta = torch.tensor([1.0, 2.0, inf, 3.0, 0.0, nan, 5.0, -4.0])
+    grad = torch.tensor([1.0, 0.0, 1.0, -2.0, 4.0, 1.0, inf, 1.0])
+    # kept: 1/1, 3/2, 0/4, 4/1 (the others have grad 0, or a non-finite value)
+    ratios = numpy.array([1.0, 1.5, 0.0, 4.0])
+    expected = {"mean": ratios.mean(), "median": 1.25, "min": 0.0, "max": 4.0}
+    assert functional.abs_ratio_statistics(theta, grad) == pytest.approx(expected, rel=1e-15)
+    odd = functional.abs_ratio_statistics(theta[:5], grad[:5])
+    assert odd["median"] == 1.0
+    assert functional.abs_ratio_statistics(torch.ones(3), torch.zeros(3)) == {}
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6, 1001])
+def test_abs_ratio_median_is_numpy_median(n):
+    generator = torch.Generator().manual_seed(n)
+    theta = torch.randn(n, dtype=torch.float64, generator=generator)
+    grad = torch.randn(n, dtype=torch.float64, generator=generator)
+    ratio = (theta.abs() / grad.abs()).numpy()
+    assert functional.abs_ratio_statistics(theta, grad)["median"] == numpy.median(ratio)
+
+
+def test_ratio_or_inf_never_gives_nan_from_a_zero_denominator():
+    assert functional.ratio_or_inf(0.0, 0.0) == math.inf
+    assert functional.ratio_or_inf(1.0, 0.0) == math.inf
+    assert functional.ratio_or_inf(1.0, -2.0) == math.inf
+    assert functional.ratio_or_inf(3.0, 2.0) == 1.5
+    assert math.isnan(functional.ratio_or_inf(math.nan, 1.0))
+    assert math.isnan(functional.ratio_or_inf(1.0, math.nan))
+
+
+def test_squared_norm_is_accurate_as_documented():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1_000_000, dtype=torch.float64, generator=generator)
+    exact = float(numpy.sum(x.numpy() ** 2))
+    assert functional.squared_norm(x) == pytest.approx(exact, rel=1e-13)
+    for low in (x.float(), x.half()):
+        assert functional.squared_norm(low) == pytest.approx(
+            float(numpy.sum(low.double().numpy() ** 2)), rel=1e-5
+        )
+
+
+def test_unused_parameter_is_left_out_with_a_warning():
+    problem = build(MODELS[-1], 7, "sum")
+    quantity = cgn.ParamGradRatio(linear(1), param_names=problem.names)
+    with pytest.warns(UserWarning, match="have no gradient"):
+        cockpit = run_step(problem, [quantity])
+    assert "unused.weight" not in rows(cockpit, "ParamGradRatio")
