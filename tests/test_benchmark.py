@@ -1,0 +1,102 @@
+"""Smoke test of benchmarks/benchmark.py: it runs and prints the expected table.
+
+Never a timed assertion: timings depend on the machine. This only checks that
+every method runs (or says why not) and that the table and JSON are complete.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark.py"
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def table_rows(stdout):
+    """``{(model, method): cells}`` from the markdown table printed to stdout."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] != "model":
+            rows[(cells[0], cells[1])] = cells[2:]
+    return rows
+
+
+def test_quick_run_prints_every_method_for_the_mlp(benchmark, keep_threads, tmp_path, capsys):
+    path = tmp_path / "result.json"
+    benchmark.main(["--quick", "--models", "mlp", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "default glibc malloc" in out or "NOT the default allocator" in out
+    assert "threads: 2" in out and "device: cpu" in out and "QUICK MODE" in out
+
+    rows = table_rows(out)
+    assert list(rows) == [("mlp", "plain step")] + [("mlp", m) for m in benchmark.METHODS]
+    assert rows.pop(("mlp", "plain step"))[1::2] == ["1.00", "1.00"]
+    for (_, method), (median_ms, ratio, memory, memory_ratio) in rows.items():
+        reason = benchmark.unavailable(method)
+        if reason is not None:  # e.g. Opacus not installed: said, not measured
+            assert median_ms == reason and ratio == memory_ratio == "-"
+            continue
+        assert not median_ms.startswith("error"), (method, median_ms)
+        assert float(median_ms) > 0 and float(ratio) > 0 and float(memory_ratio) > 0
+        assert memory.endswith(" MiB") and float(memory[:-4]) > 0
+
+    saved = json.loads(path.read_text())
+    assert saved["environment"]["batch_size"] == 8
+    assert [(r["model"], r["method"]) for r in saved["rows"]][1:] == list(rows)
+    measured = [r for r in saved["rows"] if r["note"] is None]
+    assert all(math.isfinite(r["ratio"]) and r["peak_extra_mib"] > 0 for r in measured)
+    # A plain step's extra memory is its gradient plus a little (activations of 8 examples).
+    gradient_mib = sum(p.numel() for p in benchmark.make_mlp().parameters()) * 4 / 2**20
+    assert gradient_mib <= saved["rows"][0]["peak_extra_mib"] < gradient_mib + 0.5
+
+
+def test_quick_run_on_the_cnn_with_a_method_filter(benchmark, keep_threads, capsys):
+    benchmark.main(["--quick", "--models", "cnn", "--methods", "PerExampleGradNorm"])
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == [("cnn", "plain step"), ("cnn", "PerExampleGradNorm")]
+    assert float(rows[("cnn", "PerExampleGradNorm")][1]) > 0
+
+
+def test_peak_memory_counts_a_large_temporary(benchmark):
+    """The CPU measurement sees an allocation that lives only inside the step."""
+    megabytes = 64
+
+    def step(x, y):
+        torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+
+    step.model = torch.nn.Linear(1, 1)
+    measured = benchmark.peak_extra_bytes(step, None, None, torch.device("cpu"))
+    assert megabytes * 2**20 <= measured < (megabytes + 1) * 2**20
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--models", "resnet"], "unknown models"),
+        (["--methods", "Magic"], "unknown methods"),
+        (["--rounds", "5"], "at least 15"),
+    ],
+)
+def test_bad_arguments_are_refused(benchmark, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(argv)
+    assert message in capsys.readouterr().err
