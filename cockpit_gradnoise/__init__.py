@@ -11,6 +11,8 @@ CockpitPlotter = _cockpit.CockpitPlotter
 
 from cockpit_gradnoise import functional, references  # noqa: E402
 from cockpit_gradnoise.frame import read_log, to_frame, write_log  # noqa: E402
+from cockpit_gradnoise import panels, report  # noqa: E402
+from cockpit_gradnoise.dashboard import plot  # noqa: E402
 from cockpit_gradnoise.quantities import (  # noqa: E402
     NETWORK,
     GradientNoiseScale,
@@ -29,6 +31,9 @@ __all__ = [
     "read_log",
     "to_frame",
     "write_log",
+    "plot",
+    "panels",
+    "report",
     "NETWORK",
     "ParameterQuantity",
     "GradientVarianceQuantiles",

@@ -2,8 +2,9 @@
 
 Nothing downloads: the 1,797 8x8 digit images ship with scikit-learn. The run
 tracks this package's quantities every ``--track-every`` steps, writes the
-Cockpit log (``<out>/digits.json``) and prints a per-layer summary table of
-the last tracked step.
+Cockpit log (``<out>/digits.json``), the dashboard (``<out>/digits.png``) and
+the report (``<out>/digits_report.txt``: a per-layer table of the last tracked
+step and findings), and prints the report.
 
     python -m experiments.train_digits --out runs --epochs 3
 """
@@ -13,12 +14,14 @@ import time
 import warnings
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import torch
 from backpack import extend
 from sklearn.datasets import load_digits
 from torch import nn
 
 import cockpit_gradnoise as cgn
+from cockpit_gradnoise import report
 from cockpit.utils.schedules import linear
 
 
@@ -140,9 +143,16 @@ def main(argv=None):
     start = time.perf_counter()
     cockpit, log = train(args.out, args.epochs, args.batch_size, args.lr, args.track_every)
     frame = cgn.to_frame(log)
-    print(f"\nper-layer summary at step {frame.step.max()}:")
-    print(summary_table(frame).to_string(float_format="%.3g"))
-    print(f"\nlog: {log}  ({time.perf_counter() - start:.1f} s)")
+    figure = cgn.plot(frame, savefig=Path(args.out) / "digits.png", batch_size=args.batch_size)
+    plt.close(figure)
+    # The same text as `cockpit-gradnoise report <log> --batch-size <B>`.
+    text = report.format_report(
+        report.build_report(frame, source=str(log), batch_size=args.batch_size)
+    )
+    (Path(args.out) / "digits_report.txt").write_text(text)
+    print("\n" + text)
+    print(f"log: {log}, dashboard: {Path(args.out) / 'digits.png'}, report: "
+          f"{Path(args.out) / 'digits_report.txt'}  ({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

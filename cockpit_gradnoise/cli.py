@@ -1,0 +1,177 @@
+"""``cockpit-gradnoise``: the dashboard and the report of a saved Cockpit log.
+
+    cockpit-gradnoise plot runs/digits.json -o dashboard.png
+    cockpit-gradnoise report runs/digits.json --format text
+
+Bad input (a missing file, a truncated or corrupt JSON file, a log without
+this package's quantities, an unknown layer or step) ends with a one-line
+error that names the file and the problem, and exit code 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from matplotlib.backend_bases import FigureCanvasBase
+
+from cockpit_gradnoise import dashboard, panels, report
+from cockpit_gradnoise.frame import read_log, to_frame
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """A problem with the user's input, reported in one line."""
+
+
+def _one_line(error) -> str:
+    return " ".join(str(error).split())
+
+
+def load_frame(path):
+    """The tidy frame of the log at ``path``.
+
+    Raises:
+        BadInput: Naming the file, if it is missing, unreadable, not a Cockpit
+            log, or holds none of this package's quantities.
+    """
+    try:
+        output = read_log(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise BadInput(_one_line(error)) from None
+    except OSError as error:
+        raise BadInput(f"{path}: cannot read the file ({error.strerror})") from None
+    try:
+        frame = to_frame(output)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise BadInput(f"{path}: not a cockpit-gradnoise log ({_one_line(error)})") from None
+    if frame.empty:
+        found = sorted({name for values in output.values() for name in values})
+        raise BadInput(
+            f"{path}: holds none of cockpit-gradnoise's quantities (found: "
+            f"{', '.join(found) or 'nothing'}); track e.g. "
+            "cockpit_gradnoise.GradientVarianceQuantiles in the Cockpit"
+        )
+    return frame
+
+
+def _plot(args):
+    suffix = Path(args.output).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise BadInput(
+            f"{args.output}: unknown image format {suffix!r}: use a suffix such as .png, "
+            ".pdf or .svg"
+        )
+    frame = load_frame(args.log)
+    try:
+        dashboard.plot(
+            frame,
+            savefig=args.output,
+            layers=args.layers,
+            top_k=args.top_k,
+            batch_size=args.batch_size,
+            heatmap=args.heatmap,
+            dpi=args.dpi,
+        )
+    except ValueError as error:
+        raise BadInput(f"{args.log}: {_one_line(error)}") from None
+    except OSError as error:
+        raise BadInput(f"{args.output}: cannot write the image ({_one_line(error)})") from None
+    print(f"dashboard: {args.output}")
+
+
+def _report(args):
+    frame = load_frame(args.log)
+    try:
+        built = report.build_report(
+            frame, source=args.log, step=args.step, batch_size=args.batch_size
+        )
+    except ValueError as error:
+        raise BadInput(f"{args.log}: {_one_line(error)}") from None
+    sys.stdout.write(report.format_report(built, args.format))
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's argument parser."""
+    main_parser = argparse.ArgumentParser(
+        prog="cockpit-gradnoise",
+        description="Dashboard and report of the gradient-noise quantities in a log "
+        "written by Cockpit.write or cockpit_gradnoise.write_log.",
+    )
+    commands = main_parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plot_parser = commands.add_parser(
+        "plot", help="draw the dashboard to an image file",
+        description="Draw the gradient-noise dashboard of a log to an image file.",
+    )
+    plot_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
+    plot_parser.add_argument(
+        "-o", "--output", required=True,
+        help="image file to write; the format follows the suffix (.png, .pdf, .svg)",
+    )
+    plot_parser.add_argument(
+        "--layers", nargs="+", metavar="NAME",
+        help="parameter names to draw as lines (default: the --top-k noisiest)",
+    )
+    plot_parser.add_argument(
+        "--top-k", type=_positive_int, default=panels.DEFAULT_TOP_K, metavar="K",
+        help=f"how many of the noisiest layers to draw by default (default: "
+        f"{panels.DEFAULT_TOP_K})",
+    )
+    plot_parser.add_argument(
+        "--heatmap", choices=["auto", "sd", "snr", "off"], default="auto",
+        help="layer-by-step heatmap of the median sd or median SNR; auto: the sd "
+        "heatmap when there are more layers than lines (default: auto)",
+    )
+    plot_parser.add_argument("--dpi", type=_positive_int, default=100,
+                             help="image resolution (default: 100)")
+
+    report_parser = commands.add_parser(
+        "report", help="print a per-layer table and findings",
+        description="Print a per-layer table at the last (or chosen) step: median sd, "
+        "SNR, per-example norms, norm ratio, relative update size, B_simple; the text "
+        "format adds one plain-language line per finding (thresholds: "
+        "cockpit_gradnoise.report.THRESHOLDS).",
+    )
+    report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
+    report_parser.add_argument(
+        "--format", choices=report.FORMATS, default="text",
+        help="text: table and findings; csv, json: the table only (default: text)",
+    )
+    report_parser.add_argument(
+        "--step", type=int,
+        help="report at this step; each quantity is read at its latest tracked step "
+        "at or before it (default: the last step)",
+    )
+    for sub in (plot_parser, report_parser):
+        sub.add_argument(
+            "--batch-size", type=_positive_int, metavar="B",
+            help="batch size used in training, compared with the gradient noise scale "
+            "(default: read from the log where it records it)",
+        )
+    plot_parser.set_defaults(run=_plot)
+    report_parser.set_defaults(run=_report)
+    return main_parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; return the exit status (2 on bad input)."""
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except BadInput as error:
+        print(f"cockpit-gradnoise {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The gradient-noise dashboard: the panels of the quantities present, in one figure."""
+
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import matplotlib.pyplot as plt
+import pandas
+from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+from cockpit_gradnoise import panels
+from cockpit_gradnoise.frame import to_frame
+from cockpit_gradnoise.quantities._base import NETWORK
+from cockpit_gradnoise.report import recorded_batch_size, sort_layers
+
+#: Label of the pyplot figure that :func:`plot` reuses when given no figure.
+FIGURE_LABEL = "cockpit-gradnoise"
+
+#: Mosaic key, quantity, panel function; in dashboard order.
+PANELS = (
+    ("variance", "GradientVarianceQuantiles", panels.gradient_variance_panel),
+    ("norms", "PerExampleGradNorm", panels.per_example_norm_panel),
+    ("noise_scale", "GradientNoiseScale", panels.noise_scale_panel),
+    ("ratio", "ParamGradRatio", panels.param_grad_ratio_panel),
+    ("update", "UpdateSize", panels.update_size_panel),
+)
+
+HEATMAPS = {"sd": "q0.5", "snr": "snr_q0.5"}
+
+_PANEL_INCHES = (6.5, 3.3)  # width, height of one line panel
+
+
+def frame_of(source) -> pandas.DataFrame:
+    """The tidy frame of ``source``: a frame itself, else :func:`to_frame` of it."""
+    return source if isinstance(source, pandas.DataFrame) else to_frame(source)
+
+
+def _check_layers(frame, layers):
+    known = set(frame.param) - {NETWORK}
+    unknown = [name for name in layers if name not in known]
+    if unknown:
+        names = sort_layers(known)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} layers)" if len(names) > 12 else "")
+        raise ValueError(f"unknown layers {unknown}: choose from {shown}")
+    return list(layers)
+
+
+def _heatmap_statistic(heatmap, frame, n_shown):
+    """The heatmap's statistic, or ``None`` for no heatmap."""
+    if heatmap not in ("auto", "off", *HEATMAPS):
+        raise ValueError(f"heatmap must be 'auto', 'off', 'sd' or 'snr', got {heatmap!r}")
+    rows = frame[frame.quantity == "GradientVarianceQuantiles"]
+    if heatmap == "off" or rows.empty:
+        return None
+    if heatmap == "auto":
+        n_layers = len(set(rows.param) - {NETWORK})
+        return HEATMAPS["sd"] if n_layers > n_shown else None
+    return HEATMAPS[heatmap]
+
+
+def _mosaic(keys, heatmap_rows):
+    """Two panels per row (a lone last one spans the row), the heatmap below."""
+    rows = [list(keys[i:i + 2]) * (2 if len(keys[i:i + 2]) == 1 else 1)
+            for i in range(0, len(keys), 2)]
+    heights = [_PANEL_INCHES[1]] * len(rows)
+    if heatmap_rows:
+        rows.append(["heatmap", "heatmap"])
+        heights.append(max(2.8, 0.14 * heatmap_rows + 1.3))
+    return rows, heights
+
+
+@dataclass
+class _Layout:
+    """The axes :func:`plot` made in a figure, reused while the layout stays the same."""
+
+    mosaic: tuple
+    axes: dict
+    colorbar: Optional[object] = None
+
+
+# Axes creation dominates the cost of a redraw; keep them per figure.
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _figure(fig, size):
+    """``fig``, or the reused pyplot figure of the dashboard, sized ``size``."""
+    if fig is None:
+        fig = plt.figure(num=FIGURE_LABEL, layout="constrained")
+        if tuple(fig.get_size_inches()) != size:
+            fig.set_size_inches(size)
+    return fig
+
+
+def _layout(fig, mosaic, heights) -> _Layout:
+    """Axes for ``mosaic``: the previous call's, emptied, if the layout is unchanged."""
+    key = (tuple(map(tuple, mosaic)), tuple(heights))
+    layout = _LAYOUTS.get(fig)
+    if layout is not None and layout.mosaic == key and all(
+        ax in fig.axes for ax in layout.axes.values()
+    ):
+        if layout.colorbar is not None:  # tied to the mesh about to go: a new one follows
+            layout.colorbar.remove()
+            layout.colorbar = None
+        for ax in layout.axes.values():
+            panels.clear_panel(ax)
+        for legend in list(fig.legends):
+            legend.remove()
+        return layout
+    fig.clear()
+    layout = _Layout(key, fig.subplot_mosaic(mosaic, height_ratios=heights))
+    _LAYOUTS[fig] = layout
+    return layout
+
+
+def _heatmap(layout, frame, statistic):
+    """Draw the heatmap and its colour bar."""
+    ax = layout.axes["heatmap"]
+    mesh = panels.noise_heatmap_panel(ax, frame, statistic=statistic, colorbar=False)
+    if mesh is not None:
+        layout.colorbar = ax.get_figure().colorbar(mesh, ax=ax, pad=0.01,
+                                                   label=mesh.get_label())
+
+
+def _legend(fig, axes):
+    """One legend for the layer colours, shared by the line panels."""
+    handles = {}
+    for key, _, _ in PANELS:
+        if key in axes and key != "noise_scale":
+            for handle, label in zip(*axes[key].get_legend_handles_labels()):
+                handles.setdefault(label, handle)
+    if not handles:
+        return
+    constrained = isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
+    fig.legend(
+        handles.values(), handles.keys(), ncols=min(len(handles), 8), fontsize="small",
+        loc="outside lower center" if constrained else "lower center",
+    )
+
+
+def plot(
+    source,
+    *,
+    savefig=None,
+    layers: Optional[Sequence[str]] = None,
+    top_k: int = panels.DEFAULT_TOP_K,
+    batch_size: Optional[int] = None,
+    heatmap: str = "auto",
+    fig=None,
+    dpi: int = 100,
+):
+    """Draw the gradient-noise dashboard: one panel per quantity present.
+
+    Call it offline on a log, or during training every k steps on the live
+    Cockpit: without ``fig`` it clears and redraws one pyplot figure (label
+    ``"cockpit-gradnoise"``), so repeated calls create no new figures. In a
+    GUI session, ``plt.pause(0.001)`` after it shows the update. Nothing
+    global is changed (no ``rcParams``, no interactive mode).
+
+    Args:
+        source: A live ``Cockpit``, the path of its log (with or without
+            ``.json``), its ``get_output()`` dict, or a frame from
+            :func:`cockpit_gradnoise.to_frame`.
+        savefig: Path to save the figure to (format from the suffix); parent
+            folders are created.
+        layers: Names of the parameters drawn as lines; default the ``top_k``
+            noisiest (:func:`cockpit_gradnoise.panels.default_layers`). The
+            network (``"all"``) is always drawn, black and bold.
+        top_k: How many layers to draw by default.
+        batch_size: Batch size used in training, drawn in the noise-scale
+            panel; default: :func:`cockpit_gradnoise.report.recorded_batch_size`.
+        heatmap: Layer-by-step heatmap of the median sd (``"sd"``) or median
+            SNR (``"snr"``), ``"off"``, or ``"auto"``: the sd heatmap when the
+            model has more layers than are drawn as lines.
+        fig: A ``Figure`` or ``SubFigure`` to draw into (cleared first), e.g.
+            one half of a figure whose other half holds Cockpit's own
+            dashboard (see ``docs/dashboard.md``).
+        dpi: Resolution when saving.
+
+    Returns:
+        The figure drawn into.
+
+    Raises:
+        ValueError: If ``layers`` names a parameter not in ``source``, or
+            ``heatmap`` is not one of the values above.
+    """
+    frame = frame_of(source)
+    if layers is None:
+        layers = panels.default_layers(frame, top_k)
+        chosen = "noisiest"
+    else:
+        layers = _check_layers(frame, layers)
+        chosen = "chosen"
+    if batch_size is None:
+        batch_size = recorded_batch_size(frame)
+    keys = [key for key, quantity, _ in PANELS if (frame.quantity == quantity).any()]
+    statistic = _heatmap_statistic(heatmap, frame, len(layers))
+    n_layers = len(set(frame.param) - {NETWORK})
+    mosaic, heights = _mosaic(keys or ["empty"], n_layers if statistic else 0)
+    fig = _figure(fig, (2 * _PANEL_INCHES[0], sum(heights) + 0.8))
+    layout = _layout(fig, mosaic, heights)
+    axes = layout.axes
+    if not keys:
+        panels.no_data(axes["empty"], "cockpit-gradnoise",
+                       "no cockpit-gradnoise quantities tracked yet")
+    for key, _, panel in PANELS:
+        if key == "noise_scale" and key in axes:
+            panel(axes[key], frame, batch_size=batch_size)
+        elif key in axes:
+            panel(axes[key], frame, layers=layers, legend=False)
+    if statistic:
+        _heatmap(layout, frame, statistic)
+    _legend(fig, axes)
+    if keys:
+        steps = f"steps {frame.step.min()}-{frame.step.max()}"
+        lines = f"lines: {len(layers)} {chosen} of {n_layers} layers and the network"
+        fig.suptitle(f"gradient noise, {steps}; {lines}", fontsize="medium")
+    if savefig is not None:
+        Path(savefig).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(savefig, dpi=dpi)
+    return fig
