@@ -103,30 +103,6 @@ def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
     return cockpit, log
 
 
-def summary_table(frame):
-    """Per-layer table of each quantity's last tracked step.
-
-    sd median, SNR, per-example norm, weight-to-gradient norm ratio, relative
-    update size and the simple noise scale. UpdateSize stores step ``s`` only
-    after step ``s + 1``, so its last step can be earlier than the others'.
-    """
-    last = frame[frame.step == frame.groupby("quantity").step.transform("max")]
-    wanted = {
-        ("GradientVarianceQuantiles", "q0.5"): "sd_median",
-        ("GradientVarianceQuantiles", "snr_q0.5"): "snr_median",
-        ("PerExampleGradNorm", "q0.5"): "norm_median",
-        ("PerExampleGradNorm", "max"): "norm_max",
-        ("ParamGradRatio", "norm_ratio"): "norm_ratio",
-        ("UpdateSize", "relative"): "update_relative",
-        ("GradientNoiseScale", "b_simple"): "b_simple",
-    }
-    keys = list(zip(last.quantity, last.statistic))
-    rows = last[[key in wanted for key in keys]].copy()
-    rows["column"] = [wanted[key] for key in zip(rows.quantity, rows.statistic)]
-    table = rows.pivot(index="param", columns="column", values="value")
-    return table[[c for c in wanted.values() if c in table.columns]]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs", help="output folder (default: runs)")
