@@ -39,7 +39,7 @@ Series = Dict[Tuple[str, str], Dict[int, float]]
 
 
 def default_layers(frame: pandas.DataFrame, top_k: int = DEFAULT_TOP_K) -> List[str]:
-    """The ``top_k`` noisiest layers (``report.noisiest_layers``), in ``report.sort_layers`` order."""
+    """The ``top_k`` noisiest layers (``report.noisiest_layers``) in ``sort_layers`` order."""
     return sort_layers(noisiest_layers(frame, top_k))
 
 

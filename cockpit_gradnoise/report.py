@@ -183,6 +183,8 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds=THR
 
 def _sci(value: float) -> str:
     """``0.0147`` -> ``"1.5e-2"``, ``0.001`` -> ``"1e-3"``: two digits, compact exponent."""
+    if value == 0:
+        return "0"
     mantissa, exponent = f"{value:.1e}".split("e")
     return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
 

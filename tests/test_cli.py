@@ -203,3 +203,107 @@ def test_every_option_is_described_in_the_help():
             for option in action.option_strings:
                 assert option in text
     assert "--batch-size" in commands["report"].format_help()
+
+
+# The report's findings, from tables built by hand ------------------------------------
+
+
+def table(**columns):
+    """A report table: ``columns`` maps a column to ``{param: value}``; NaN elsewhere."""
+    import pandas
+
+    params = report.sort_layers({p for values in columns.values() for p in values}
+                                | {cgn.NETWORK})
+    frame = pandas.DataFrame(index=pandas.Index(params, name="param"),
+                             columns=list(report.COLUMNS), dtype=float)
+    for column, values in columns.items():
+        for param, value in values.items():
+            frame.loc[param, column] = value
+    return frame
+
+
+def noise(batch_size, smoothed, raw=float("nan")):
+    return report.noise_scale_finding(
+        table(b_simple_smoothed={cgn.NETWORK: smoothed}, b_simple={cgn.NETWORK: raw}),
+        batch_size,
+    )
+
+
+def test_batch_below_above_and_close_to_the_noise_scale():
+    # steps ~ 1 + B_noise / B: doubling 32 -> 64 at B_noise 410 saves
+    # 1 - (1 + 410/64) / (1 + 410/32) = 46.4%.
+    (line,) = noise(32, 410.0)
+    assert line.startswith("batch 32 is below the estimated noise scale 410: larger batches "
+                           "would cut steps almost linearly (doubling it to 64 takes 46% fewer")
+    assert line.endswith("(b_simple_smoothed of all)")
+    (line,) = noise(512, 60.0)  # 1 - (1 + 60/1024) / (1 + 60/512) = 5.2%
+    assert "batch 512 is above the estimated noise scale 60" in line and "5% fewer" in line
+    assert "is close to" in noise(32, 40.0)[0]
+    assert "is below" in noise(32, 64.0)[0] and "is above" in noise(64, 32.0)[0]  # factor 2
+    assert "is close to" in noise(32, 63.9)[0] and "is close to" in noise(63, 32.0)[0]
+
+
+def test_noise_scale_without_a_batch_size_infinite_or_only_raw():
+    assert "pass the batch size (--batch-size)" in noise(None, 410.0)[0]
+    assert "the noise scale estimate is infinite" in noise(32, float("inf"))[0]
+    (line,) = noise(32, float("nan"), raw=410.0)
+    assert "below the estimated noise scale 410" in line and line.endswith("(b_simple of all)")
+    assert noise(32, float("nan")) == []
+
+
+def test_relative_updates_far_from_the_usual_size_farthest_first():
+    lines = report.update_size_findings(table(relative_update={
+        "a": 0.03, "b": 5e-6, "c": 1e-3, "d": 0.0, "e": 0.0101, "f": 9.9e-3, cgn.NETWORK: 0.5,
+    }))
+    assert lines == [
+        "layer d updates 0 of its norm per step, it does not move (relative_update)",
+        "layer b updates 5e-6 of its norm per step, 1/200 of the usual 1e-3: it barely moves "
+        "(relative_update)",
+        "layer a updates 3e-2 of its norm per step, 30x the usual 1e-3 (relative_update)",
+        "layer e updates 1e-2 of its norm per step, 10x the usual 1e-3 (relative_update)",
+    ]
+
+
+def test_many_findings_of_one_kind_are_counted_after_five():
+    lines = report.update_size_findings(
+        table(relative_update={f"layer{i}": 0.05 + i * 0.01 for i in range(8)}))
+    assert len(lines) == 6 and lines[-1] == "... and 3 more layers outside [1e-4, 1e-2]"
+
+
+def test_snr_zero_gradients_norm_ratio_spread_and_outliers():
+    lines = report.snr_findings(table(snr_median={"a": 0.3, "b": 2.0, "c": 0.9,
+                                                  cgn.NETWORK: 1.2}))
+    assert lines[0].startswith("noisiest layer: a, median signal-to-noise |grad_j|/sd_j 0.3 "
+                               "(network 1.2)")
+    assert lines[1].startswith("median signal-to-noise below 1 in 2 of 3 layers (a 0.3, c 0.9)")
+    assert report.zero_grad_findings(table(zero_grad_fraction={"a": 0.8, "b": 0.49})) == [
+        "layer a: 80% of its gradient elements are exactly zero (dead units or unused "
+        "inputs?) (zero_grad_fraction)"
+    ]
+    (spread,) = report.norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 300.0, "c": 50.0}))
+    assert spread.startswith("||theta||/||grad|| spans 150x across layers (a 2 to b 300)")
+    assert report.norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 199.0})) == []
+    (outlier,) = report.outlier_findings(table(norm_max={cgn.NETWORK: 12.0},
+                                               norm_median={cgn.NETWORK: 1.0}))
+    assert "12 is 12x the median 1" in outlier
+    assert report.outlier_findings(table(norm_max={cgn.NETWORK: 9.9},
+                                         norm_median={cgn.NETWORK: 1.0})) == []
+
+
+def test_thresholds_are_one_object_that_findings_and_the_docs_follow():
+    from dataclasses import asdict, replace
+
+    quiet = table(snr_median={"a": 0.6, cgn.NETWORK: 0.6})
+    assert len(report.snr_findings(quiet)) == 2
+    assert len(report.snr_findings(quiet, replace(report.THRESHOLDS, low_snr=0.5))) == 1
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "dashboard.md").read_text()
+    for name, value in asdict(report.THRESHOLDS).items():
+        assert f"| `{name}` | {value:g} |" in docs
+
+
+def test_every_finding_names_the_columns_it_comes_from(log):
+    built = report.build_report(cgn.to_frame(log), batch_size=DIGITS_BATCH_SIZE)
+    assert built.findings
+    for line in built.findings:
+        if not line.startswith("... and"):
+            assert any(f"({column}" in line or f", {column}" in line for column in report.COLUMNS)
