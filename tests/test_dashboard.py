@@ -197,8 +197,11 @@ def test_a_quantity_with_one_step_keeps_its_panel_and_says_so(frame):
 def test_a_reused_figure_follows_the_data_as_it_arrives(frame):
     fig = constrained()
     steps = sorted(frame.step.unique())
-    for until in (steps[0], steps[1], steps[-1], steps[0]):
+    axes = {}
+    for until in (steps[0], steps[1], steps[-1], steps[-1], steps[0]):
         cgn.plot(frame[frame.step <= until], fig=fig, batch_size=DIGITS_BATCH_SIZE)
+        axes.setdefault(until, len(fig.axes))
+        assert len(fig.axes) == axes[until]  # the heatmap's colour bar is replaced, not added
         ax = panel_axes(fig)["ParamGradRatio"]
         if until == steps[0]:
             assert "1 tracked step" in ax.texts[0].get_text() and not ax.lines
