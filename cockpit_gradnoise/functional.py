@@ -301,19 +301,39 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
         element qualifies.
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
-    valid = torch.isfinite(a) & torch.isfinite(b) & (b != 0)
-    ratio = torch.div(a[valid], b[valid]).abs_()
-    n = ratio.numel()
+    # A finite sum proves every element finite (NaN and inf propagate): then
+    # only b = 0 is left out, and it needs no mask; its ratio (inf, or NaN
+    # for 0/0) becomes +inf and sorts after the n kept values.
+    if bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())):
+        n = int(torch.count_nonzero(b))
+        ratio = torch.div(a, b).abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+    else:
+        valid = torch.isfinite(a) & torch.isfinite(b) & (b != 0)
+        ratio = torch.div(a[valid], b[valid]).abs_()
+        n = ratio.numel()
     if n == 0:
         return {}
-    smallest, largest = torch.aminmax(ratio)
-    lower, upper = _order_statistics(ratio, [(n - 1) // 2, n // 2])
+    ordered = _sort_(ratio)
+    smallest, lower, upper, largest = ordered[[0, (n - 1) // 2, n // 2, n - 1]].tolist()
     return {
-        "mean": (ratio.sum(dtype=torch.float64) / n).item(),
+        "mean": (ordered[:n].sum(dtype=torch.float64) / n).item(),
         "median": (lower + upper) / 2,
-        "min": smallest.item(),
-        "max": largest.item(),
+        "min": smallest,
+        "max": largest,
     }
+
+
+def _sort_(values: Tensor) -> Tensor:
+    """``values`` (1d, a temporary) sorted ascending, in place where possible.
+
+    On CPU numpy's vectorized sort, over 10x faster than ``torch.sort``.
+    """
+    if values.device.type != "cpu":
+        return torch.sort(values).values
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()
+    values.numpy().sort()
+    return values
 
 
 def noise_scale_estimates(

@@ -98,6 +98,12 @@ def test_abs_ratio_statistics_leave_out_zero_and_non_finite_elements():
     odd = functional.abs_ratio_statistics(theta[:5], grad[:5])
     assert odd["median"] == 1.0
     assert functional.abs_ratio_statistics(torch.ones(3), torch.zeros(3)) == {}
+    # All finite (no mask needed): zeros, including 0 / 0, are left out.
+    zeros = functional.abs_ratio_statistics(torch.tensor([0.0, 1, 2, -3]), torch.tensor([0.0, 0, 1, 2]))
+    assert zeros == {"mean": 1.75, "median": 1.75, "min": 1.5, "max": 2.0}
+    # A ratio too large for float32 is kept, as inf.
+    huge = functional.abs_ratio_statistics(torch.tensor([1e30, 1.0]), torch.tensor([1e-30, 1.0]))
+    assert huge == {"mean": inf, "median": inf, "min": 1.0, "max": inf}
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6, 1001])

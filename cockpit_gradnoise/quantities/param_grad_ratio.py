@@ -23,8 +23,10 @@ class ParamGradRatio(ParameterQuantity):
     ``zero_grad_fraction`` 1, ``norm_ratio`` ``inf`` and no ratio statistics:
     never a NaN from 0/0 (:func:`~cockpit_gradnoise.functional.ratio_or_inf`).
 
-    Needs no BackPACK extension and no ``info`` beyond Cockpit's ``loss``; it
-    reads the tensors a few times (the median is a partial sort).
+    Needs no BackPACK extension and no ``info`` beyond Cockpit's ``loss``. It
+    reads the tensors a few times and sorts each layer's ratios for the median
+    (numpy's vectorized sort on CPU): about the time of one sort of the
+    parameters, independent of the batch size.
 
     Args:
         track_schedule: Function from step to bool.
