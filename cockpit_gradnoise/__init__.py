@@ -13,6 +13,7 @@ from cockpit_gradnoise import functional, references  # noqa: E402
 from cockpit_gradnoise.frame import read_log, to_frame, write_log  # noqa: E402
 from cockpit_gradnoise import panels, report  # noqa: E402
 from cockpit_gradnoise.dashboard import plot  # noqa: E402
+from cockpit_gradnoise.minibatch import dataset_gradient, minibatch_gradient_stats  # noqa: E402
 from cockpit_gradnoise.quantities import (  # noqa: E402
     NETWORK,
     GradientNoiseScale,
@@ -34,6 +35,8 @@ __all__ = [
     "plot",
     "panels",
     "report",
+    "minibatch_gradient_stats",
+    "dataset_gradient",
     "NETWORK",
     "ParameterQuantity",
     "GradientVarianceQuantiles",

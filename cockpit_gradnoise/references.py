@@ -13,6 +13,7 @@ Results have the same layout as a quantity's stored step:
 ``{param name: {statistic: float}}`` plus ``"all"`` for the whole network.
 """
 
+import copy
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy
@@ -64,6 +65,15 @@ def _quantiles(values: numpy.ndarray, levels: Sequence[float], prefix="") -> Dic
     return stats
 
 
+def _sd_statistics(sd: numpy.ndarray, grad: numpy.ndarray, levels) -> Dict[str, float]:
+    """Quantiles and mean of ``sd``, and of ``|grad| / sd`` where ``sd > 0``."""
+    stats = _quantiles(sd, levels)
+    positive = sd > 0
+    if positive.any():
+        stats.update(_quantiles(numpy.abs(grad[positive]) / sd[positive], (0.5,), "snr_"))
+    return stats
+
+
 def _with_network(per_param: Dict[str, Tuple], combine: Callable) -> Dict[str, Tuple]:
     per_param = dict(per_param)
     per_param[NETWORK] = combine(list(per_param.values()))
@@ -89,12 +99,7 @@ def gradient_variance_quantiles(
     result = {}
     for name, x in flat.items():
         sd = numpy.sqrt(n / (n - 1) * ((x - x.mean(0)) ** 2).sum(0))
-        grad = x.sum(0)
-        stats = _quantiles(sd, quantiles)
-        positive = sd > 0
-        if positive.any():
-            stats.update(_quantiles(numpy.abs(grad[positive]) / sd[positive], (0.5,), "snr_"))
-        result[name] = stats
+        result[name] = _sd_statistics(sd, x.sum(0), quantiles)
     return result
 
 
@@ -203,3 +208,62 @@ def gradient_noise_scale(model, per_example_loss, inputs, targets) -> Dict[str, 
         b_simple = trace_cov / grad_sq if grad_sq > 0 else numpy.inf
         result[name] = {"grad_sq": grad_sq, "trace_cov": trace_cov, "b_simple": b_simple}
     return result
+
+
+def batch_gradients(model: nn.Module, batches, loss_fn: Callable) -> Dict[str, numpy.ndarray]:
+    """Every batch's gradient, by ``loss.backward()`` on a copy of ``model``.
+
+    Returns:
+        ``{name: float64 array [number of batches, param.numel()]}`` for every
+        trainable parameter that gets a gradient in some batch; zeros in the
+        rows of batches that gave it none.
+    """
+    model = copy.deepcopy(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
+    for inputs, targets in batches:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs), targets).backward()
+        rows.append([None if p.grad is None else p.grad.double().flatten() for _, p in named])
+    result = {}
+    for k, (name, param) in enumerate(named):
+        if any(row[k] is not None for row in rows):
+            zeros = torch.zeros(param.numel(), dtype=torch.float64)
+            stacked = torch.stack([zeros if row[k] is None else row[k] for row in rows])
+            result[name] = stacked.numpy()
+    return result
+
+
+def minibatch_gradient_stats(
+    model, batches, loss_fn, *, quantiles=(0.05, 0.25, 0.5, 0.75, 0.95)
+) -> Dict[str, Dict[str, float]]:
+    """Reference for :func:`~cockpit_gradnoise.minibatch_gradient_stats`.
+
+    Stacks every batch's gradient (:func:`batch_gradients`) and takes the
+    two-pass standard deviation over batches with ``ddof=1``.
+    """
+    grads = _with_network(batch_gradients(model, batches, loss_fn), numpy.hstack)
+    return {
+        name: _sd_statistics(g.std(0, ddof=1), g.mean(0), quantiles)
+        for name, g in grads.items()
+    }
+
+
+def dataset_gradient(model, batches, loss_fn, *, reduction: str = "mean") -> Dict[str, Tensor]:
+    """Reference for :func:`~cockpit_gradnoise.dataset_gradient`: one batch of everything.
+
+    Concatenates all inputs and targets and differentiates the loss of that
+    one batch (divided by the number of examples for ``reduction="sum"``).
+    Right for models whose output for an example does not depend on the
+    other examples of its batch (not BatchNorm in training mode).
+    """
+    inputs = torch.cat([x for x, _ in batches])
+    targets = torch.cat([y for _, y in batches])
+    model = copy.deepcopy(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    loss = loss_fn(model(inputs), targets)
+    _scale(reduction, len(targets))  # checks the name
+    if reduction == "sum":
+        loss = loss / len(targets)
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {name: g for (name, _), g in zip(named, grads) if g is not None}
