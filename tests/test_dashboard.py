@@ -242,9 +242,9 @@ def _resident_bytes():
 
 
 def test_plot_changes_no_global_state(frame, tmp_path):
-    before = dict(matplotlib.rcParams)
+    before = dict(matplotlib.rcParams)  # holds "interactive" too: other tests may set it
     fig = cgn.plot(frame, savefig=tmp_path / "x.png")
-    assert dict(matplotlib.rcParams) == before and not plt.isinteractive()
+    assert dict(matplotlib.rcParams) == before
     plt.close(fig)
 
 
@@ -252,12 +252,14 @@ def test_the_cockpit_example_of_the_docs_renders_both_dashboards(tmp_path, monke
     code = re.search(r"```python\n(# docs/dashboard.md example.*?)```", DOCS.read_text(),
                      re.DOTALL).group(1)
     monkeypatch.chdir(tmp_path)
-    before = dict(matplotlib.rcParams)
     namespace = {}
-    with warnings.catch_warnings():
+    # Start non-interactive (another test's CockpitPlotter may have called plt.ion()),
+    # so that the example's rc_context is seen to undo Cockpit's plt.ion() and style.
+    with matplotlib.rc_context({"interactive": False}), warnings.catch_warnings():
+        before = dict(matplotlib.rcParams)
         warnings.simplefilter("ignore")  # Cockpit's plotter warns through seaborn
         exec(compile(code, str(DOCS), "exec"), namespace)
-    assert dict(matplotlib.rcParams) == before and not plt.isinteractive()
+        assert dict(matplotlib.rcParams) == before
     for name in ("cockpit_beside.png", "cockpit_inside.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     titles = lambda figure: {ax.get_title() for ax in figure.axes}  # noqa: E731
