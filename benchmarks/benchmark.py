@@ -21,6 +21,7 @@ import platform
 import statistics
 import sys
 import time
+import tracemalloc
 import warnings
 
 # Hide kineto's "gpuGetDeviceCount failed" line when the profiler measures CPU memory.
@@ -296,13 +297,17 @@ def peak_extra_bytes(step, x, y, device):
 
     Starts from no gradients and no BackPACK results, then runs two steps, so
     that the second shows the steady state (what one step leaves behind is
-    still alive while the next computes). On CUDA this is
-    ``torch.cuda.max_memory_allocated`` minus the memory allocated at the start.
-    On CPU, torch's profiler records every allocation and free made through
-    torch's allocator with its size; the running sum of those, in time order,
-    is the memory in use above the start and its maximum is the peak. This
-    counts the bytes torch asks the allocator for, not the process's resident
-    memory (glibc may keep freed memory mapped, or return it).
+    still alive while the next one computes).
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` minus the memory allocated at
+    the start. On CPU: torch's profiler records every allocation and free made
+    through torch's allocator, with its size; the running sum of those in time
+    order is torch's memory in use above the start, and its maximum is torch's
+    peak. Allocations outside torch (NumPy arrays, Python objects) are invisible
+    to it; ``tracemalloc`` sees those, and its peak is added. The sum is an
+    upper bound of the joint peak (the two peaks may not coincide). Both count
+    bytes requested from the allocator, not resident memory (glibc may keep
+    freed memory mapped, or return it).
     """
     _drop_step_state(step)
     if device.type == "cuda":
@@ -315,19 +320,24 @@ def peak_extra_bytes(step, x, y, device):
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(x, y)
-        step(x, y)
+    tracemalloc.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(x, y)
+            step(x, y)
+        _, outside_torch = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
     events = [
         e
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type().name == "CPU"
     ]
-    in_use = peak = 0
+    in_use = torch_peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
         in_use += event.nbytes()
-        peak = max(peak, in_use)
-    return peak
+        torch_peak = max(torch_peak, in_use)
+    return torch_peak + outside_torch
 
 
 def benchmark_model(model_name, method_names, args, device):

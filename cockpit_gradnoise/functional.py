@@ -185,7 +185,7 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     """
     # Dividing everywhere and selecting once is ~3x faster than two boolean
     # indexings; the inf/NaN where sd_j = 0 are never selected.
-    return torch.masked_select(grad.abs() / sd, sd > 0)
+    return torch.masked_select(grad.abs().div_(sd), sd > 0)
 
 
 def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:

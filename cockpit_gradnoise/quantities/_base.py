@@ -124,8 +124,12 @@ class ParameterQuantity(SingleStepQuantity):
         return list(self._extensions)
 
     def protected_savefields(self, global_step):
-        """Keep our results until we have read them (Cockpit may free buffers)."""
-        return set(self._savefields) if self.should_compute(global_step) else set()
+        """None: Cockpit frees our savefields only after every quantity has read them.
+
+        Protected, they would stay on the parameters (as large as the gradient)
+        until the next tracked step.
+        """
+        return set()
 
     def names(self, params) -> List[str]:
         """Names of ``params``, from ``param_names`` or ``param0, param1, ...``."""
@@ -171,7 +175,9 @@ class ParameterQuantity(SingleStepQuantity):
             )
             result[NETWORK] = dict.fromkeys(self.statistic_names(), math.nan)
         elif values:
-            result[NETWORK] = self.statistics(self.network_value(values))
+            network = self.network_value(values)
+            del values  # free the parameters' values before the network's statistics
+            result[NETWORK] = self.statistics(network)
         return {name: encode_statistics(stats) for name, stats in result.items()}
 
     def _save(self, global_step, result):

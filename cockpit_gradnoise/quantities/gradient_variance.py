@@ -61,16 +61,17 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def parameter_value(self, param, batch_size):
         sd = functional.gradient_sd(param.cgn_sum_grad_squared, param.grad, batch_size)
-        return sd.flatten(), param.grad.detach().flatten()
+        sd = sd.flatten()
+        # SNR is elementwise: the network's elements are the layers', computed once.
+        return sd, functional.signal_to_noise(param.grad.detach().flatten(), sd)
 
     def network_value(self, values):
-        sds, grads = zip(*values)
-        return torch.cat(sds), torch.cat(grads)
+        sds, snrs = zip(*values)
+        return torch.cat(sds), torch.cat(snrs)
 
     def statistics(self, value):
-        sd, grad = value
+        sd, snr = value
         result = functional.summarize(sd, self.quantiles)
-        snr = functional.signal_to_noise(grad, sd)
         if snr.numel() > 0:
             result.update(functional.summarize(snr, (0.5,), prefix="snr_"))
         return result
