@@ -124,12 +124,15 @@ class ParameterQuantity(SingleStepQuantity):
         return list(self._extensions)
 
     def protected_savefields(self, global_step):
-        """None: Cockpit frees our savefields only after every quantity has read them.
+        """Only ``grad_batch``, which Cockpit deletes during the backward pass.
 
-        Protected, they would stay on the parameters (as large as the gradient)
-        until the next tracked step.
+        Cockpit frees every other savefield after every quantity has read it;
+        protected, one would stay on the parameters (as large as the gradient,
+        or larger) until the next tracked step.
         """
-        return set()
+        if not self.should_compute(global_step):
+            return set()
+        return {field for field in self._savefields if field == "grad_batch"}
 
     def names(self, params) -> List[str]:
         """Names of ``params``, from ``param_names`` or ``param0, param1, ...``."""
