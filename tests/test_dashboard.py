@@ -12,13 +12,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from backpack import extend  # noqa: E402
-from cockpit.utils.schedules import linear  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import dashboard, panels  # noqa: E402
+from experiments.train_digits import make_quantities  # noqa: E402
+from tests.cases import ModelCase, build, run_step  # noqa: E402
 from tests.test_panels import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "dashboard.md"
@@ -58,36 +58,24 @@ def frame(log):
     return cgn.to_frame(log)
 
 
+def deep_mlp():
+    """30 Linear layers: 60 parameters."""
+    layers = [module for _ in range(29) for module in (nn.Linear(8, 8), nn.Tanh())]
+    return nn.Sequential(*layers, nn.Linear(8, 3))
+
+
 @pytest.fixture(scope="module")
 def deep_cockpit():
-    """A live Cockpit after 3 tracked steps of a 60-parameter model (30 Linear layers)."""
-    torch.manual_seed(0)
-    layers = [module for _ in range(29) for module in (nn.Linear(8, 8), nn.Tanh())]
-    model = extend(nn.Sequential(*layers, nn.Linear(8, 3)))
-    names = [name for name, _ in model.named_parameters()]
+    """A live Cockpit after 4 tracked steps of a 60-parameter model, batch 16."""
+    problem = build(ModelCase("deep", deep_mlp, lambda n: torch.randn(n, 8)), 16, "mean",
+                    dtype=torch.float32)
+    names = problem.names
     assert len(names) == 60
-    schedule = linear(1)
-    quantities = [
-        cgn.GradientVarianceQuantiles(schedule, param_names=names),
-        cgn.PerExampleGradNorm(schedule, param_names=names),
-        cgn.ParamGradRatio(schedule, param_names=names),
-        cgn.UpdateSize(schedule, param_names=names),
-        cgn.GradientNoiseScale(schedule, param_names=names),
-    ]
-    cockpit = cgn.Cockpit(model.parameters(), quantities=quantities)
-    loss_fn = extend(nn.CrossEntropyLoss())
-    per_example_loss = nn.CrossEntropyLoss(reduction="none")
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = cgn.Cockpit(problem.params, quantities=make_quantities(names, track_every=1))
+    optimizer = torch.optim.SGD(problem.params, lr=0.5)
     for step in range(4):
-        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-        opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out, y)
-        info = {"batch_size": 16, "individual_losses": per_example_loss(out, y), "loss": loss,
-                "optimizer": opt}
-        with cockpit(step, info=info):
-            loss.backward()
-        opt.step()
+        run_step(problem, None, step, cockpit, optimizer)
+        optimizer.step()
     return cockpit
 
 
