@@ -76,7 +76,7 @@ class GradientNoiseScale(ParameterQuantity):
             )
             return None
         loss = self.info(global_step, "loss")
-        if not math.isfinite(float(loss)):
+        if not bool(torch.isfinite(torch.as_tensor(loss).detach()).all()):
             # No reduction can be told from a NaN loss; its gradients are not
             # finite either, so the base class reports NaN rows and warns.
             return math.nan, n
