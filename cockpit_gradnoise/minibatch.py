@@ -69,8 +69,8 @@ def minibatch_gradient_stats(
     Args:
         model: Any module; its parameters with ``requires_grad`` are measured.
         batches: Iterable of ``(inputs, targets)``, e.g. a ``DataLoader``.
-            Batches should be independent draws (a shuffled loader) of equal
-            size ``B``.
+            Batches should be independent draws of one size ``B`` (a shuffled
+            loader with ``drop_last=True``); mixed sizes give a warning.
         loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss
             of the batch.
         quantiles: Quantile levels in ``[0, 1]``.
@@ -104,12 +104,13 @@ def minibatch_gradient_stats(
     flat = _FlatGradients(params, accumulate_dtype)
     means = flat.zeros()
     m2s = flat.zeros()
-    count = 0
+    count, sizes = 0, set()
     with _state_kept(model):
-        for _, grads in _batch_gradients(
+        for targets, grads in _batch_gradients(
             model, params, batches, loss_fn, num_batches, progress, who
         ):
             count += 1
+            sizes.add(len(targets) if hasattr(targets, "__len__") else None)
             for device, gradient in flat.gather(grads).items():
                 # The gathered copy doubles as the scratch for delta.
                 functional.welford_update_(
@@ -118,6 +119,13 @@ def minibatch_gradient_stats(
     flat.buffers.clear()  # free the gathered copy before the statistics need memory
     _check_count(range(count), None, minimum=2, who=who)
     _warn_missing(names, flat.seen, who)
+    if len(sizes) > 1:
+        warnings.warn(
+            f"{who}: batches of different sizes {sorted(sizes, key=str)}: the "
+            "standard deviation depends on the batch size, so this mixes several; "
+            "pass batches of one size (DataLoader(..., drop_last=True))",
+            stacklevel=2,
+        )
     for m2 in m2s.values():
         functional.welford_sd(m2, count, in_place=True)  # M2 is not needed any more
     sds = {names[i]: sd for i, sd in flat.split(m2s).items()}

@@ -2,9 +2,11 @@
 numerics, memory, and agreement with GradientVarianceQuantiles."""
 
 import copy
+import importlib.util
 import math
 import statistics
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,6 +211,13 @@ def test_bad_input_raises_value_error_naming_the_problem(bad):
     arguments.update(changes)
     with pytest.raises(ValueError, match=message):
         cgn.minibatch_gradient_stats(**arguments)
+
+
+def test_batches_of_different_sizes_warn():
+    model = make_model(MODELS[0])
+    batches = make_batches(MODELS[0], 3, 8) + make_batches(MODELS[0], 1, 3)
+    with pytest.warns(UserWarning, match=r"different sizes \[3, 8\].*drop_last=True"):
+        cgn.minibatch_gradient_stats(model, batches, cross_entropy)
 
 
 def test_bad_input_dataset_gradient():
@@ -481,3 +490,15 @@ def test_agrees_with_gradient_variance_quantiles():
             ratio = across[name][statistic] / single_mean
             tolerance = 3 * math.hypot(across_error, single_error)
             assert abs(ratio - 1) <= tolerance, (name, statistic, ratio, tolerance)
+
+
+def test_benchmark_script_runs(capsys):
+    """Smoke test of benchmarks/benchmark_minibatch.py (never a timed assertion)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_minibatch.py"
+    spec = importlib.util.spec_from_file_location("benchmark_minibatch", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.main(["--quick", "--models", "mlp", "--threads", "1"])
+    assert [row["method"] for row in table] == ["plain step", *module.FUNCTIONS]
+    assert all(row["ratio"] > 0 and row["peak_extra_mib"] > 0 for row in table)
+    assert "QUICK MODE" in capsys.readouterr().out
