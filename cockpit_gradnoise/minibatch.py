@@ -110,7 +110,7 @@ def minibatch_gradient_stats(
             model, params, batches, loss_fn, num_batches, progress, who
         ):
             count += 1
-            sizes.add(len(targets) if hasattr(targets, "__len__") else None)
+            sizes.add(_length(targets))
             for device, gradient in flat.gather(grads).items():
                 # The gathered copy doubles as the scratch for delta.
                 functional.welford_update_(
@@ -189,7 +189,12 @@ def dataset_gradient(
         for targets, grads in _batch_gradients(
             model, params, batches, loss_fn, num_batches, progress, who
         ):
-            size = len(targets)
+            size = _length(targets)
+            if size is None:
+                raise ValueError(
+                    f"{who}: len(targets) must be the number of examples of a batch, "
+                    f"got targets of type {type(targets).__name__}"
+                )
             examples += size
             weight = size if reduction == "mean" else 1
             for device, gradient in flat.gather(grads).items():
@@ -335,6 +340,14 @@ def _batch_gradients(
             _check_loss(loss, position, who)
             grads = torch.autograd.grad(loss.reshape(()), params, allow_unused=True)
         yield targets, grads
+
+
+def _length(targets) -> Optional[int]:
+    """``len(targets)``, or ``None`` where it has none (e.g. a 0-d tensor)."""
+    try:
+        return len(targets)
+    except TypeError:
+        return None
 
 
 def _check_loss(loss, position, who):

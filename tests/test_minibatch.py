@@ -220,12 +220,24 @@ def test_batches_of_different_sizes_warn():
         cgn.minibatch_gradient_stats(model, batches, cross_entropy)
 
 
+def test_progress_bar(capsys):
+    model, batches = make_model(MODELS[0]), make_batches(MODELS[0], 3, 4)
+    cgn.minibatch_gradient_stats(model, batches, cross_entropy)
+    assert capsys.readouterr().err == ""  # off by default
+    cgn.minibatch_gradient_stats(model, batches, cross_entropy, progress=True)
+    assert "minibatch_gradient_stats" in capsys.readouterr().err
+    cgn.dataset_gradient(model, iter(batches), cross_entropy, progress=True, num_batches=2)
+    assert "2/2" in capsys.readouterr().err
+
+
 def test_bad_input_dataset_gradient():
     model, batches = make_model(MODELS[0]), make_batches(MODELS[0], 2, 4)
     with pytest.raises(ValueError, match="no batches"):
         cgn.dataset_gradient(model, [], cross_entropy)
     with pytest.raises(ValueError, match="reduction"):
         cgn.dataset_gradient(model, batches, cross_entropy, reduction="average")
+    with pytest.raises(ValueError, match=r"len\(targets\)"):
+        cgn.dataset_gradient(model, [(x, None) for x, _ in batches], lambda out, y: out.sum())
     with pytest.raises(ValueError, match="requires_grad"):
         cgn.dataset_gradient(model.requires_grad_(False), batches, cross_entropy)
 
