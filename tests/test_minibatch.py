@@ -94,7 +94,9 @@ ATTENTION = ModelCase("attention", Attention, lambda n: torch.randn(n, 3, 2))
 @pytest.mark.parametrize("case", MODELS + [ATTENTION], ids=lambda case: case.name)
 def test_statistics_match_reference(case):
     model, batches = make_model(case), make_batches(case, 5, 7)
-    expected = references.minibatch_gradient_stats(model, batches, cross_entropy, quantiles=QUANTILES)
+    expected = references.minibatch_gradient_stats(
+        model, batches, cross_entropy, quantiles=QUANTILES
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = cgn.minibatch_gradient_stats(model, batches, cross_entropy, quantiles=QUANTILES)
@@ -265,7 +267,9 @@ def test_missing_gradient_counts_as_zero_and_never_used_is_left_out():
     batches = make_batches(MODELS[0], 12, 5)
     used = [bool(x[0, 0] > 0) for x, _ in batches]
     assert any(used) and not all(used) and not used[0]  # first appears late, too
-    expected = references.minibatch_gradient_stats(model, batches, cross_entropy, quantiles=QUANTILES)
+    expected = references.minibatch_gradient_stats(
+        model, batches, cross_entropy, quantiles=QUANTILES
+    )
     with pytest.warns(UserWarning, match=r"never\.weight.*no gradient"):
         got = cgn.minibatch_gradient_stats(model, batches, cross_entropy, quantiles=QUANTILES)
     assert_statistics_match(got, expected)
@@ -352,7 +356,7 @@ def test_welford_is_accurate_where_the_naive_formula_fails():
             functional.welford_update_(mean, m2, sample, count, delta)
         return functional.welford_sd(m2, len(samples)).double()
 
-    total, total_of_squares = torch.zeros(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
+    total, total_of_squares = (torch.zeros(32, dtype=torch.float64) for _ in range(2))
     for sample in samples.double():
         total += sample
         total_of_squares += sample.square()
@@ -422,7 +426,8 @@ def test_peak_memory_does_not_grow_with_the_number_of_batches():
     def batches(count):
         generator = torch.Generator().manual_seed(1)
         for _ in range(count):
-            yield torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+            inputs = torch.randn(16, 64, generator=generator)
+            yield inputs, torch.randint(0, 10, (16,), generator=generator)
 
     def peak(count, loss_fn=cross_entropy):
         return peak_allocated_bytes(
@@ -474,7 +479,8 @@ def test_agrees_with_gradient_variance_quantiles():
     labels = (data[:, :3].sum(1) > 0).long() + (data[:, 3] > 1).long()
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     generator = torch.Generator().manual_seed(1)
-    indices = torch.randint(0, len(data), (n_batches, size), generator=generator)  # with replacement
+    # Examples drawn with replacement: batches are independent, as both estimates assume.
+    indices = torch.randint(0, len(data), (n_batches, size), generator=generator)
     batches = [(data[i], labels[i]) for i in indices]
 
     levels = (0.5,)
@@ -497,8 +503,9 @@ def test_agrees_with_gradient_variance_quantiles():
     for name in names + [cgn.NETWORK]:
         for statistic in ("mean", "q0.5"):
             values = [step[name][statistic] for step in single]
-            single_mean = statistics.fmean(values) / c4
-            single_error = statistics.stdev(values) / math.sqrt(n_batches) / statistics.fmean(values)
+            average = statistics.fmean(values)
+            single_error = statistics.stdev(values) / average / math.sqrt(n_batches)
+            single_mean = average / c4
             ratio = across[name][statistic] / single_mean
             tolerance = 3 * math.hypot(across_error, single_error)
             assert abs(ratio - 1) <= tolerance, (name, statistic, ratio, tolerance)
