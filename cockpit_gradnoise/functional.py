@@ -317,7 +317,6 @@ def sd_statistic_names(levels: Sequence[float]) -> list:
     """Every name :func:`sd_statistics` can return, in order."""
     return [quantile_name(q) for q in levels] + ["mean", "snr_q0.5", "snr_mean"]
 
-
 def ratio_or_inf(numerator: float, denominator: float) -> float:
     """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
 
@@ -390,8 +389,15 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
         return {}
     ordered = _sort_(ratio)
     smallest, lower, upper, largest = ordered[[0, (n - 1) // 2, n // 2, n - 1]].tolist()
+    kept = ordered[:n]
+    # numpy sums in float64 blockwise; torch would first copy it all to float64.
+    total = (
+        float(kept.numpy().sum(dtype=numpy.float64))
+        if kept.device.type == "cpu"
+        else kept.sum(dtype=torch.float64).item()
+    )
     return {
-        "mean": (ordered[:n].sum(dtype=torch.float64) / n).item(),
+        "mean": total / n,
         "median": (lower + upper) / 2,
         "min": smallest,
         "max": largest,
