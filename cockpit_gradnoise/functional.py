@@ -317,6 +317,7 @@ def sd_statistic_names(levels: Sequence[float]) -> list:
     """Every name :func:`sd_statistics` can return, in order."""
     return [quantile_name(q) for q in levels] + ["mean", "snr_q0.5", "snr_mean"]
 
+
 def ratio_or_inf(numerator: float, denominator: float) -> float:
     """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
 
