@@ -148,15 +148,15 @@ class ParameterQuantity(SingleStepQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         names = self.names(params)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size() > 1:
-                self.warn_once(
-                    "distributed",
-                    "BackPACK's per-example results cover only this process's batch "
-                    "while param.grad is averaged across processes: per-example "
-                    "statistics are those of the local batch, and statistics that "
-                    "combine both with param.grad are not valid; track on one process",
-                )
+        # Only per-example results (BackPACK's) are rank-local; param.grad is not.
+        if self._savefields and _distributed_world_size() > 1:
+            self.warn_once(
+                "distributed",
+                "BackPACK's per-example results cover only this process's batch "
+                "while param.grad is averaged across processes: per-example "
+                "statistics are those of the local batch, and statistics that "
+                "combine both with param.grad are not valid; track on one process",
+            )
         context = self.prepare(global_step, params)
         if context is None:
             return None
@@ -229,3 +229,10 @@ class ParameterQuantity(SingleStepQuantity):
         return all(
             bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors
         )
+
+
+def _distributed_world_size() -> int:
+    """Number of processes in the default group, 1 outside distributed training."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
