@@ -199,7 +199,9 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
         individual_losses: Per-example losses, shape ``[N]``.
 
     Returns:
-        ``1 / N`` for a mean, ``1.0`` for a sum (identical when ``N = 1``).
+        ``1 / N`` for a mean, ``1.0`` for a sum (identical when ``N = 1``);
+        NaN when the losses are not finite (no reduction can be told; the
+        gradients are then not finite either, and the quantities report NaN).
 
     Raises:
         ValueError: If ``individual_losses`` is not one value per example, or
@@ -216,6 +218,8 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     value = float(loss.detach().double().item())
     if n == 1:
         return 1.0
+    if not (math.isfinite(value) and math.isfinite(total)):
+        return math.nan
     for scale in (1.0 / n, 1.0):
         if math.isclose(value, scale * total, rel_tol=1e-4, abs_tol=1e-12):
             return scale

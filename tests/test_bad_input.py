@@ -196,3 +196,29 @@ def test_distributed_warning_only_where_per_example_results_are_used(monkeypatch
         warnings.simplefilter("always")
         run_step(problem, quantities)
     assert not our_warnings(records)
+
+
+def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash():
+    """A NaN input makes the loss and every gradient NaN: each quantity records
+    NaN rows with a warning, and the next finite step is recorded normally."""
+    problem = build(MODELS[2], 7, "mean")
+    names = problem.names
+    quantities = [
+        cgn.GradientVarianceQuantiles(linear(1), param_names=names),
+        cgn.PerExampleGradNorm(linear(1), param_names=names),
+        cgn.GradientNoiseScale(linear(1), param_names=names),
+        cgn.ParamGradRatio(linear(1), param_names=names),
+    ]
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    clean = problem.inputs.clone()
+    problem.inputs[0, 0, 0, 0] = math.nan
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        run_step(problem, quantities, step=0, cockpit=cockpit)
+        problem.inputs = clean
+        run_step(problem, quantities, step=1, cockpit=cockpit)
+    assert len([m for m in our_warnings(records) if "NaN or Inf" in m]) == 4
+    frame = cgn.to_frame(cockpit)
+    assert set(frame[frame.step == 0].quantity) == {q.__class__.__name__ for q in quantities}
+    assert frame[frame.step == 0].value.isna().all()
+    assert frame[frame.step == 1].value.notna().all()

@@ -75,12 +75,7 @@ class GradientNoiseScale(ParameterQuantity):
                 "such steps",
             )
             return None
-        loss = self.info(global_step, "loss")
-        if not bool(torch.isfinite(torch.as_tensor(loss).detach()).all()):
-            # No reduction can be told from a NaN loss; its gradients are not
-            # finite either, so the base class reports NaN rows and warns.
-            return math.nan, n
-        return functional.loss_scale(loss, individual_losses), n
+        return functional.loss_scale(self.info(global_step, "loss"), individual_losses), n
 
     def parameter_value(self, param, context):
         scale, n = context
