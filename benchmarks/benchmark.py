@@ -364,6 +364,7 @@ def benchmark_model(model_name, method_names, args, device):
         plain(x, y)
 
     plain_times, method_times = [], {name: [] for name in steps}
+    print(f"{model_name}: timing {len(steps)} methods, {args.rounds} rounds", file=sys.stderr)
     for _ in range(args.rounds):
         for name, step in steps.items():
             plain_times.append(timed(plain, x, y, device))
@@ -372,6 +373,7 @@ def benchmark_model(model_name, method_names, args, device):
         plain_times = [timed(plain, x, y, device) for _ in range(args.rounds)]
     plain_median = statistics.median(plain_times)
 
+    print(f"{model_name}: measuring memory", file=sys.stderr)
     plain_memory = peak_extra_bytes(plain, x, y, device)
     _drop_step_state(plain)
     table = [
