@@ -103,8 +103,9 @@ def noisiest_layers(frame: pandas.DataFrame, k: int) -> List[str]:
 def recorded_batch_size(frame: pandas.DataFrame) -> Optional[int]:
     """The batch size a quantity recorded as statistic ``batch_size`` (latest), else ``None``.
 
-    No quantity of the package records it yet: pass it (``batch_size=``,
-    ``--batch-size``) to compare it with the gradient noise scale.
+    :class:`~cockpit_gradnoise.GradientNoiseScale` records it; without that
+    quantity, pass it (``batch_size=``, ``--batch-size``) to compare it with
+    the gradient noise scale.
     """
     rows = frame[(frame.statistic == "batch_size") & frame.value.map(math.isfinite)]
     return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])

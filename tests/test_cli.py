@@ -184,7 +184,7 @@ def test_csv_is_the_table_at_the_chosen_step(capsys, log):
 def test_json_is_the_table_with_encoded_non_finite_numbers(capsys, log):
     result = run_main(capsys, "report", log, "--format", "json")
     data = json.loads(result.stdout)
-    assert data["step"] == cgn.to_frame(log).step.max() and data["batch_size"] is None
+    assert data["step"] == cgn.to_frame(log).step.max() and data["batch_size"] == DIGITS_BATCH_SIZE
     assert [row["param"] for row in data["layers"]][-1] == cgn.NETWORK
     assert set(data["layers"][0]) == {"param", *report.COLUMNS}
     values = [v for row in data["layers"] for k, v in row.items() if k != "param"]

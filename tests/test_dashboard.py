@@ -261,19 +261,12 @@ def test_the_cockpit_example_of_the_docs_renders_both_dashboards(tmp_path, monke
     assert distance.collections  # Cockpit's Distance panel drew our UpdateSize
 
 
-def test_a_batch_size_recorded_in_the_log_is_used_when_none_is_given(frame):
-    import pandas
-
-    last = frame.step.max()
-    recorded = pandas.DataFrame(
-        [(0, "GradientNoiseScale", cgn.NETWORK, "batch_size", 48.0),
-         (last, "GradientNoiseScale", cgn.NETWORK, "batch_size", 40.0)],
-        columns=frame.columns,
-    )
-    with_size = pandas.concat([frame, recorded], ignore_index=True)
-    ax = panel_axes(cgn.plot(with_size, fig=constrained()))["GradientNoiseScale"]
-    assert "batch size 40" in labelled(ax)
+def test_the_batch_size_recorded_by_gradient_noise_scale_is_used_when_none_is_given(frame):
+    recorded = frame[frame.statistic == "batch_size"]
+    assert set(recorded.value) == {64.0}  # the fixture's run trains with batch 64
+    ax = panel_axes(cgn.plot(frame, fig=constrained()))["GradientNoiseScale"]
+    assert "batch size 64" in labelled(ax)
     assert "batch size 32" in labelled(panel_axes(
-        cgn.plot(with_size, batch_size=32, fig=constrained()))["GradientNoiseScale"])
-    text = cgn.report.format_report(cgn.report.build_report(with_size))
-    assert ", batch size 40\n" in text and "- batch 40 " in text
+        cgn.plot(frame, batch_size=32, fig=constrained()))["GradientNoiseScale"])
+    text = cgn.report.format_report(cgn.report.build_report(frame))
+    assert ", batch size 64\n" in text and "- batch 64 " in text

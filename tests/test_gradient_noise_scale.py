@@ -46,7 +46,10 @@ def test_matches_reference(model_case, reduction, batch_size, recwarn):
     numel = dict((n, p.numel()) for n, p in zip(problem.names, problem.params))
     numel["all"] = sum(numel[name] for name in expected if name != "all")
     for name, stats in expected.items():
-        assert set(got[name]) == {"grad_sq", "trace_cov", "b_simple", "b_simple_smoothed"}
+        assert set(got[name]) == {
+            "grad_sq", "trace_cov", "b_simple", "b_simple_smoothed", "batch_size"
+        }
+        assert got[name]["batch_size"] == batch_size
         grad_sq, trace_cov = stats["grad_sq"], stats["trace_cov"]
         atol_g, atol_t = rounding_bounds(batch_size, numel[name], grad_sq, trace_cov)
         assert got[name]["grad_sq"] == pytest.approx(grad_sq, rel=RTOL, abs=atol_g)

@@ -31,7 +31,9 @@ class GradientNoiseScale(ParameterQuantity):
     - ``b_simple_smoothed = EMA(trace_cov) / EMA(grad_sq)``, ``+inf`` when the
       smoothed denominator is ``<= 0``. A ratio of two noisy estimates is
       biased; smoothing numerator and denominator separately first is what
-      the literature does. The moving averages run over tracked steps,
+      the literature does;
+    - ``batch_size``: ``N``, to compare ``B_simple`` with (the dashboard
+      draws it as a line). The moving averages run over tracked steps,
       start at the first tracked value and skip steps where a value is not
       finite (``b_simple_smoothed`` is NaN there).
 
@@ -94,10 +96,12 @@ class GradientNoiseScale(ParameterQuantity):
             "grad_sq": grad_sq,
             "trace_cov": trace_cov,
             "b_simple": functional.ratio_or_inf(trace_cov, grad_sq),
+            # Recorded so that dashboards and reports compare B_simple with it.
+            "batch_size": float(value[2]),
         }
 
     def statistic_names(self):
-        return ["grad_sq", "trace_cov", "b_simple", "b_simple_smoothed"]
+        return ["grad_sq", "trace_cov", "b_simple", "b_simple_smoothed", "batch_size"]
 
     def _compute(self, global_step, params, batch_loss):
         result = super()._compute(global_step, params, batch_loss)
