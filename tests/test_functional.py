@@ -124,3 +124,40 @@ def test_batch_norm_statistics():
     norms = numpy.array([3.0, 4.0, 0.0, 1.0])
     assert stats == {"q0.5": numpy.quantile(norms, 0.5), "mean": 2.0, "max": 4.0}
     assert not any(math.isnan(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+def test_sorted_summary_of_several_arrays_matches_numpy_on_their_union(dtype):
+    """Exact order statistics of a union without joining it: ties, zeros, inf,
+    empty arrays, every rank."""
+    rng = numpy.random.default_rng(0)
+    for trial in range(100):
+        arrays = [
+            numpy.abs(rng.standard_normal(rng.integers(0, 40))).astype(dtype)
+            for _ in range(rng.integers(1, 5))
+        ]
+        if trial % 3 == 0:  # ties and exact zeros
+            arrays = [numpy.round(a, 1).astype(dtype) for a in arrays]
+        if trial % 7 == 0:
+            arrays[0] = numpy.append(arrays[0], dtype(numpy.inf))
+        union = numpy.sort(numpy.concatenate(arrays))
+        if union.size == 0:
+            continue
+        arrays = [numpy.sort(a) for a in arrays]
+        ranks = range(union.size)
+        assert [functional.union_order_statistic(arrays, r) for r in ranks] == union.tolist()
+        if numpy.isinf(union).any():
+            continue
+        levels = (0.0, 0.05, 0.3, 0.5, 0.95, 1.0)
+        got = functional.sorted_summary(arrays, levels)
+        expected = numpy.quantile(union.astype(numpy.float64), levels)
+        numpy.testing.assert_allclose(
+            [got[functional.quantile_name(q)] for q in levels], expected, rtol=1e-15, atol=0
+        )
+        assert got["mean"] == pytest.approx(union.astype(numpy.float64).mean(), rel=1e-12)
+
+
+def test_sort_values_sorts_in_place():
+    values = torch.tensor([3.0, 1.0, 2.0])
+    array = functional.sort_values_(values)
+    assert array.tolist() == [1.0, 2.0, 3.0] and values.tolist() == [1.0, 2.0, 3.0]

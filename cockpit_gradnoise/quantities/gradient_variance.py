@@ -1,7 +1,5 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
-import torch
-
 from cockpit_gradnoise import functional
 from cockpit_gradnoise._extensions import SumOfSquaredContributions
 from cockpit_gradnoise.quantities._base import ParameterQuantity
@@ -60,20 +58,24 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return batch_size
 
     def parameter_value(self, param, batch_size):
-        sd = functional.gradient_sd(param.cgn_sum_grad_squared, param.grad, batch_size)
-        sd = sd.flatten()
+        grad = param.grad.detach()
+        sd = functional.gradient_sd(param.cgn_sum_grad_squared, grad, batch_size)
         # SNR is elementwise: the network's elements are the layers', computed once.
-        return sd, functional.signal_to_noise(param.grad.detach().flatten(), sd)
+        snr = functional.signal_to_noise(grad, sd)
+        # Sorted once, in place: the layer's statistics index into them and the
+        # network's are found in them without joining (functional.sorted_summary).
+        return [functional.sort_values_(sd)], [functional.sort_values_(snr)]
 
     def network_value(self, values):
         sds, snrs = zip(*values)
-        return torch.cat(sds), torch.cat(snrs)
+        return [a for sd in sds for a in sd], [a for snr in snrs for a in snr]
 
     def statistics(self, value):
-        sd, snr = value
-        result = functional.summarize(sd, self.quantiles)
-        if snr.numel() > 0:
-            result.update(functional.summarize(snr, (0.5,), prefix="snr_"))
+        sds, snrs = value
+        result = functional.sorted_summary(sds, self.quantiles)
+        snrs = [a for a in snrs if a.size]
+        if snrs:
+            result.update(functional.sorted_summary(snrs, (0.5,), prefix="snr_"))
         return result
 
     def statistic_names(self):
