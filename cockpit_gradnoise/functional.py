@@ -12,7 +12,7 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 """
 
 import math
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -144,10 +144,10 @@ def centred_sum_of_squares(sum_of_squares: Tensor, total: Tensor, n: int) -> Ten
     Returns:
         Non-negative tensor shaped like ``total``.
     """
-    centred = sum_of_squares - total.square().div_(n)
+    centred = torch.addcmul(sum_of_squares, total, total, value=-1.0 / n)
     eps = torch.finfo(centred.dtype).eps
-    rounding = VARIANCE_ROUNDING_FACTOR * eps * n * sum_of_squares
-    return torch.where(centred > rounding, centred, 0.0)
+    rounding = sum_of_squares * (VARIANCE_ROUNDING_FACTOR * eps * n)
+    return centred.masked_fill_(centred <= rounding, 0.0)
 
 
 def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
@@ -497,32 +497,36 @@ def sort_values_(values: Tensor) -> numpy.ndarray:
     return array
 
 
-def union_order_statistic(sorted_arrays: Sequence[numpy.ndarray], rank: int) -> float:
-    """The ``rank``-th smallest value (0-based) of several sorted non-negative arrays.
+def union_order_statistics(
+    sorted_arrays: Sequence[numpy.ndarray], ranks: Sequence[int]
+) -> List[float]:
+    """Values at 0-based ``ranks`` of the union of sorted non-negative arrays.
 
     No concatenation and no sort: for non-negative IEEE floats the order of
     the values is the order of their bit patterns read as integers, so a
-    bisection over bit patterns, counting with one ``searchsorted`` per array,
-    finds the exact value in at most 32 (float32) or 64 (float64) steps.
+    bisection over bit patterns, counting with ``searchsorted`` in each
+    array, finds the exact values in at most 32 (float32) or 64 (float64)
+    steps, all ranks at once.
 
     Args:
         sorted_arrays: Ascending 1d arrays of one float dtype, values >= 0
-            (``+inf`` allowed, no NaN), at least one element in all.
-        rank: ``0 <= rank < total number of elements``.
+            (``+inf`` allowed, no NaN).
+        ranks: Each ``0 <= rank <`` the total number of elements.
     """
-    dtype = sorted_arrays[0].dtype
-    as_int = {4: numpy.int32, 8: numpy.int64}[dtype.itemsize]
     nonempty = [a for a in sorted_arrays if a.size]
-    low = 0
-    high = int(max(a[-1:].view(as_int)[0] for a in nonempty))
-    while low < high:
-        middle = (low + high) // 2
-        value = numpy.array(middle, dtype=as_int).view(dtype)
-        if sum(int(numpy.searchsorted(a, value, side="right")) for a in nonempty) > rank:
-            high = middle
-        else:
-            low = middle + 1
-    return float(numpy.array(low, dtype=as_int).view(dtype))
+    dtype = nonempty[0].dtype
+    as_int = {4: numpy.int32, 8: numpy.int64}[dtype.itemsize]
+    targets = numpy.asarray(ranks, dtype=numpy.int64)
+    low = numpy.full(len(targets), min(a[:1].view(as_int)[0] for a in nonempty), dtype=as_int)
+    high = numpy.full(len(targets), max(a[-1:].view(as_int)[0] for a in nonempty), dtype=as_int)
+    while (low < high).any():
+        middle = low + (high - low) // 2
+        values = middle.view(dtype)
+        counts = sum(numpy.searchsorted(a, values, side="right") for a in nonempty)
+        above = counts > targets  # the rank-th value is <= middle
+        high = numpy.where(above, middle, high)
+        low = numpy.where(above, low, middle + 1)
+    return low.view(dtype).astype(numpy.float64).tolist()
 
 
 def sorted_summary(
@@ -536,17 +540,26 @@ def sorted_summary(
     n = sum(a.size for a in sorted_arrays)
     if n == 0:
         raise ValueError("cannot take quantiles of no elements")
+    ranks = _quantile_ranks(levels, n)
+    wanted = [lower for lower, _, _ in ranks] + [upper for _, upper, _ in ranks]
     if len(sorted_arrays) == 1:
-        (array,) = sorted_arrays
-        order_statistic = lambda rank: float(array[rank])  # noqa: E731
+        values = sorted_arrays[0][wanted].astype(numpy.float64).tolist()
     else:
-        order_statistic = lambda rank: union_order_statistic(sorted_arrays, rank)  # noqa: E731
+        values = union_order_statistics(sorted_arrays, wanted)
     result = {}
-    for level, (lower, upper, t) in zip(levels, _quantile_ranks(levels, n)):
-        a = order_statistic(lower)
-        b = a if upper == lower else order_statistic(upper)
+    for level, (_, _, t), a, b in zip(levels, ranks, values, values[len(levels) :]):
         result[prefix + quantile_name(level)] = _interpolate(a, b, t)
     total = sum(float(numpy.add.reduce(a, dtype=numpy.float64)) for a in sorted_arrays)
     result[prefix + "mean"] = total / n
     return result
 
+
+
+def sorted_signal_to_noise(grad: Tensor, sd: Tensor) -> numpy.ndarray:
+    """:func:`signal_to_noise`, sorted ascending, as a NumPy array.
+
+    Without a boolean selection (the slow part): elements with ``sd_j = 0``
+    get ``+inf`` (``x/0`` and ``0/0`` alike), sort last and are cut off.
+    """
+    ratio = grad.detach().abs().div_(sd).nan_to_num_(nan=math.inf, posinf=math.inf)
+    return sort_values_(ratio)[: int(torch.count_nonzero(sd))]

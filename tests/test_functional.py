@@ -145,7 +145,7 @@ def test_sorted_summary_of_several_arrays_matches_numpy_on_their_union(dtype):
             continue
         arrays = [numpy.sort(a) for a in arrays]
         ranks = range(union.size)
-        assert [functional.union_order_statistic(arrays, r) for r in ranks] == union.tolist()
+        assert functional.union_order_statistics(arrays, ranks) == union.astype(numpy.float64).tolist()
         if numpy.isinf(union).any():
             continue
         levels = (0.0, 0.05, 0.3, 0.5, 0.95, 1.0)
@@ -161,3 +161,14 @@ def test_sort_values_sorts_in_place():
     values = torch.tensor([3.0, 1.0, 2.0])
     array = functional.sort_values_(values)
     assert array.tolist() == [1.0, 2.0, 3.0] and values.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_sorted_signal_to_noise_equals_selection():
+    torch.manual_seed(0)
+    grad = torch.randn(1000)
+    grad[::7] = 0.0
+    sd = torch.rand(1000)
+    sd[::3] = 0.0  # x/0 and 0/0 both left out
+    expected = numpy.sort(functional.signal_to_noise(grad, sd).numpy())
+    numpy.testing.assert_array_equal(functional.sorted_signal_to_noise(grad, sd), expected)
+    assert functional.sorted_signal_to_noise(grad, torch.zeros(1000)).size == 0

@@ -61,10 +61,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
         grad = param.grad.detach()
         sd = functional.gradient_sd(param.cgn_sum_grad_squared, grad, batch_size)
         # SNR is elementwise: the network's elements are the layers', computed once.
-        snr = functional.signal_to_noise(grad, sd)
+        snr = functional.sorted_signal_to_noise(grad, sd)
         # Sorted once, in place: the layer's statistics index into them and the
         # network's are found in them without joining (functional.sorted_summary).
-        return [functional.sort_values_(sd)], [functional.sort_values_(snr)]
+        return [functional.sort_values_(sd)], [snr]
 
     def network_value(self, values):
         sds, snrs = zip(*values)
