@@ -127,7 +127,9 @@ def summarize(values: Tensor, levels: Sequence[float], prefix: str = "") -> Dict
     return result
 
 
-def centred_sum_of_squares(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
+def centred_sum_of_squares(
+    sum_of_squares: Tensor, total: Tensor, n: int, *, in_place: bool = False
+) -> Tensor:
     """``sum_i (x_i - mean_i x_i)**2`` per element from ``sum_i x_i**2`` and ``sum_i x_i``.
 
     ``sum_i (x_i - xbar)**2 = sum_i x_i**2 - (sum_i x_i)**2 / n``. The
@@ -140,17 +142,21 @@ def centred_sum_of_squares(sum_of_squares: Tensor, total: Tensor, n: int) -> Ten
         sum_of_squares: ``sum_i x_i**2`` (BackPACK's ``SumGradSquared``).
         total: ``sum_i x_i`` (``param.grad``).
         n: Number of examples ``N``.
+        in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
 
     Returns:
         Non-negative tensor shaped like ``total``.
     """
-    centred = torch.addcmul(sum_of_squares, total, total, value=-1.0 / n)
-    eps = torch.finfo(centred.dtype).eps
+    eps = torch.finfo(sum_of_squares.dtype).eps
     rounding = sum_of_squares * (VARIANCE_ROUNDING_FACTOR * eps * n)
+    if in_place:
+        centred = sum_of_squares.addcmul_(total, total, value=-1.0 / n)
+    else:
+        centred = torch.addcmul(sum_of_squares, total, total, value=-1.0 / n)
     return centred.masked_fill_(centred <= rounding, 0.0)
 
 
-def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
+def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int, *, in_place: bool = False) -> Tensor:
     """Per-element standard deviation of the mini-batch gradient, from one batch.
 
     .. math::
@@ -166,6 +172,7 @@ def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
         sum_of_squares: ``sum_i x_ij**2``.
         total: ``sum_i x_ij`` (``param.grad``).
         n: Batch size ``N >= 2``.
+        in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
 
     Returns:
         Tensor shaped like ``total``; exactly 0 where the examples agree to
@@ -174,7 +181,8 @@ def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int) -> Tensor:
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     # In place on the fresh result: this runs on every element of the network.
-    return centred_sum_of_squares(sum_of_squares, total, n).mul_(n / (n - 1)).sqrt_()
+    centred = centred_sum_of_squares(sum_of_squares, total, n, in_place=in_place)
+    return centred.mul_(n / (n - 1)).sqrt_()
 
 
 def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:

@@ -222,3 +222,15 @@ def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash():
     assert set(frame[frame.step == 0].quantity) == {q.__class__.__name__ for q in quantities}
     assert frame[frame.step == 0].value.isna().all()
     assert frame[frame.step == 1].value.notna().all()
+
+
+def test_two_instances_of_one_quantity_class_fail_clearly():
+    """Cockpit keys results by class name, so a second instance would overwrite
+    the first; the second finds the results consumed and says why."""
+    problem = build(MODELS[0], 3, "mean")
+    quantities = [
+        cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names),
+        cgn.GradientVarianceQuantiles(linear(1), quantiles=(0.5,), param_names=problem.names),
+    ]
+    with pytest.raises(RuntimeError, match="one instance of each quantity class"):
+        run_step(problem, quantities)

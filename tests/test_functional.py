@@ -172,3 +172,13 @@ def test_sorted_signal_to_noise_equals_selection():
     expected = numpy.sort(functional.signal_to_noise(grad, sd).numpy())
     numpy.testing.assert_array_equal(functional.sorted_signal_to_noise(grad, sd), expected)
     assert functional.sorted_signal_to_noise(grad, torch.zeros(1000)).size == 0
+
+
+def test_gradient_sd_in_place_equals_copy():
+    torch.manual_seed(3)
+    contributions = torch.randn(5, 40)
+    sum_of_squares, total = contributions.pow(2).sum(0), contributions.sum(0)
+    expected = functional.gradient_sd(sum_of_squares, total, 5)
+    got = functional.gradient_sd(sum_of_squares, total, 5, in_place=True)
+    assert got.data_ptr() == sum_of_squares.data_ptr()
+    assert torch.equal(got, expected)

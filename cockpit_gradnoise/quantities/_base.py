@@ -206,7 +206,8 @@ class ParameterQuantity(SingleStepQuantity):
                 f"({', '.join(self._savefields)}). Extend the model and the loss "
                 "function with `backpack.extend(model)` and `backpack.extend(loss_fn)` "
                 "before training, and make sure the model has layers BackPACK "
-                "supports (Linear, Conv, BatchNorm, Embedding, RNN, LSTM)."
+                "supports (Linear, Conv, BatchNorm, Embedding, RNN, LSTM). Cockpit keys "
+                "results by class name: track one instance of each quantity class."
             )
         if no_grad:
             self.warn_once(

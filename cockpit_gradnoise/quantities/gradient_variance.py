@@ -59,7 +59,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def parameter_value(self, param, batch_size):
         grad = param.grad.detach()
-        sd = functional.gradient_sd(param.cgn_sum_grad_squared, grad, batch_size)
+        # The sum of squares is read only here: sd takes its memory, and the
+        # savefield goes, so nothing can read it as a sum of squares again.
+        sd = functional.gradient_sd(param.cgn_sum_grad_squared, grad, batch_size, in_place=True)
+        del param.cgn_sum_grad_squared
         # SNR is elementwise: the network's elements are the layers', computed once.
         snr = functional.sorted_signal_to_noise(grad, sd)
         # Sorted once, in place: the layer's statistics index into them and the
