@@ -57,6 +57,36 @@ def quantile_name(level: float) -> str:
     return f"q{level:g}"
 
 
+def _quantile_ranks(levels: Sequence[float], n: int) -> Tuple[List[int], List[float]]:
+    """Ranks and weights of ``numpy.quantile``'s linear method for ``n`` values.
+
+    Returns:
+        ``(ranks, fractions)``: the lower rank of every level, then the upper
+        rank of every level; and the weight ``t`` of the upper one per level.
+    """
+    lower, upper, fractions = [], [], []
+    for level in levels:
+        position = float(level) * (n - 1)
+        k = min(math.floor(position), n - 1)
+        lower.append(k)
+        upper.append(min(k + 1, n - 1))
+        fractions.append(position - k)
+    return lower + upper, fractions
+
+
+def _interpolate(values: Sequence[float], fractions: Sequence[float]) -> List[float]:
+    """One quantile per level from the values at the ranks of :func:`_quantile_ranks`.
+
+    ``a + t (b - a)`` computed as NumPy's ``_lerp`` does (from ``b`` when
+    ``t >= 0.5``), so results match ``numpy.quantile`` bit for bit.
+    """
+    quantiles = []
+    for t, a, b in zip(fractions, values, values[len(fractions) :]):
+        diff = b - a
+        quantiles.append(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
+    return quantiles
+
+
 def exact_quantiles(values: Tensor, levels: Sequence[float]) -> Tensor:
     """Quantiles of all elements with linear interpolation, as ``numpy.quantile``.
 
@@ -77,14 +107,8 @@ def exact_quantiles(values: Tensor, levels: Sequence[float]) -> Tensor:
     n = flat.numel()
     if n == 0:
         raise ValueError("cannot take quantiles of an empty tensor")
-    positions = [float(level) * (n - 1) for level in levels]
-    lower = [min(math.floor(position), n - 1) for position in positions]
-    upper = [min(k + 1, n - 1) for k in lower]
-    ordered = _order_statistics(flat, lower + upper)
-    quantiles = []
-    for position, k, a, b in zip(positions, lower, ordered, ordered[len(levels) :]):
-        t, diff = position - k, b - a
-        quantiles.append(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
+    ranks, fractions = _quantile_ranks(levels, n)
+    quantiles = _interpolate(_order_statistics(flat, ranks), fractions)
     return torch.tensor(quantiles, dtype=torch.float64)
 
 
@@ -477,22 +501,6 @@ def exponential_moving_average(previous: Optional[float], value: float, smoothin
     return smoothing * previous + (1 - smoothing) * value
 
 
-def _interpolate(a: float, b: float, t: float) -> float:
-    """NumPy's linear interpolation between order statistics (its ``_lerp``)."""
-    diff = b - a
-    return b - diff * (1 - t) if t >= 0.5 else a + diff * t
-
-
-def _quantile_ranks(levels: Sequence[float], n: int):
-    """``(lower rank, upper rank, t)`` per level, as ``numpy.quantile``'s linear method."""
-    ranks = []
-    for level in levels:
-        position = float(level) * (n - 1)
-        lower = min(math.floor(position), n - 1)
-        ranks.append((lower, min(lower + 1, n - 1), position - lower))
-    return ranks
-
-
 def sort_values_(values: Tensor) -> numpy.ndarray:
     """Sort ``values`` ascending in place (on CPU) and return them as a 1d NumPy array.
 
@@ -548,19 +556,16 @@ def sorted_summary(
     n = sum(a.size for a in sorted_arrays)
     if n == 0:
         raise ValueError("cannot take quantiles of no elements")
-    ranks = _quantile_ranks(levels, n)
-    wanted = [lower for lower, _, _ in ranks] + [upper for _, upper, _ in ranks]
+    ranks, fractions = _quantile_ranks(levels, n)
     if len(sorted_arrays) == 1:
-        values = sorted_arrays[0][wanted].astype(numpy.float64).tolist()
+        values = sorted_arrays[0][ranks].astype(numpy.float64).tolist()
     else:
-        values = union_order_statistics(sorted_arrays, wanted)
-    result = {}
-    for level, (_, _, t), a, b in zip(levels, ranks, values, values[len(levels) :]):
-        result[prefix + quantile_name(level)] = _interpolate(a, b, t)
+        values = union_order_statistics(sorted_arrays, ranks)
+    quantiles = _interpolate(values, fractions)
+    result = {prefix + quantile_name(level): q for level, q in zip(levels, quantiles)}
     total = sum(float(numpy.add.reduce(a, dtype=numpy.float64)) for a in sorted_arrays)
     result[prefix + "mean"] = total / n
     return result
-
 
 
 def sorted_signal_to_noise(grad: Tensor, sd: Tensor) -> numpy.ndarray:
