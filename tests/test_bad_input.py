@@ -25,6 +25,17 @@ def our_warnings(records):
     return [str(r.message) for r in records if "Full backward hook" not in str(r.message)]
 
 
+def track_recording_warnings(problem):
+    """Track 3 steps with :func:`ours`; return the Cockpit and our warnings."""
+    quantities = ours(problem)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for step in range(3):
+            run_step(problem, quantities, step=step, cockpit=cockpit)
+    return cockpit, our_warnings(records)
+
+
 @pytest.mark.parametrize("quantity_class", QUANTITIES)
 def test_model_not_extended_names_backpack_extend(quantity_class):
     torch.manual_seed(0)
@@ -53,13 +64,7 @@ def test_unsupported_layer_is_left_out_with_one_warning():
     """LayerNorm's parameters get no rows; every other parameter is exact (Cockpit
     itself crashes on such a model)."""
     problem = layer_norm_problem()
-    quantities = ours(problem)
-    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        for step in range(3):
-            run_step(problem, quantities, step=step, cockpit=cockpit)
-    messages = our_warnings(records)
+    cockpit, messages = track_recording_warnings(problem)
     assert len(messages) == 2, messages  # one per quantity, not per step
     assert all("['1.weight', '1.bias']" in m and "does not support" in m for m in messages)
     frame = cgn.to_frame(cockpit)
@@ -104,13 +109,7 @@ def test_missing_info_key_is_named(key):
 
 def test_batch_size_one_records_norms_but_no_variance():
     problem = build(MODELS[0], 1, "mean")
-    quantities = ours(problem)
-    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        for step in range(3):
-            run_step(problem, quantities, step=step, cockpit=cockpit)
-    messages = our_warnings(records)
+    cockpit, messages = track_recording_warnings(problem)
     assert len(messages) == 1 and "batch size 1" in messages[0]
     frame = cgn.to_frame(cockpit)
     assert set(frame.quantity) == {"PerExampleGradNorm"}
