@@ -1,7 +1,6 @@
 """Users extend the package: a new per-layer quantity in a few lines."""
 
 import pytest
-import torch
 from backpack.extensions import BatchGrad
 from cockpit.utils.schedules import linear
 
