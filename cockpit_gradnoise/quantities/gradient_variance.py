@@ -82,5 +82,4 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return result
 
     def statistic_names(self):
-        names = [functional.quantile_name(q) for q in self.quantiles] + ["mean"]
-        return names + ["snr_q0.5", "snr_mean"]
+        return functional.sd_statistic_names(self.quantiles)
