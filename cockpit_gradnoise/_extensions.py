@@ -29,15 +29,30 @@ SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
 
 
 class _GroupedWeightMixin:
-    """Per-example squared norms of a convolution's weight, right for any ``groups``."""
+    """Per-example squared norms of a convolution's weight, right for any ``groups``.
+
+    BackPACK's ``weight`` contracts Gram matrices over output positions, about
+    ``L^2 (C_out + C_in k)`` operations per example for ``L`` output positions;
+    forming the layer's per-example gradients costs about ``L * weight.numel()``.
+    For convolutions (not transposed) with ``groups == 1`` the cheaper one is
+    used; grouped ones always form the gradients (BackPACK's is wrong there).
+    """
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        if module.groups == 1:
+        if module.groups == 1 and not self._direct_is_cheaper(module, g_out[0]):
             return super().weight(ext, module, g_inp, g_out, backproped)
         per_example = self.derivatives.param_mjp(
             "weight", module, g_inp, g_out, g_out[0], sum_batch=False
         )
         return per_example.pow(2).flatten(start_dim=1).sum(1)
+
+    @staticmethod
+    def _direct_is_cheaper(module, grad_output):
+        if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            return False
+        positions = grad_output[0, 0].numel()
+        c_out = module.weight.shape[0]
+        return module.weight.numel() < positions * (c_out + module.weight[0].numel())
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):

@@ -51,6 +51,11 @@ def grouped_cnn():
     )
 
 
+def conv_one_position():
+    """A convolution with one output position: per-example norms by Gram matrices."""
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Tanh(), nn.Linear(4, 3))
+
+
 def conv1d():
     return nn.Sequential(nn.Conv1d(2, 3, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4, 3))
 
@@ -75,6 +80,7 @@ MODELS = [
     ModelCase("cnn-nobias", lambda: cnn(bias=False), lambda n: torch.randn(n, 2, 5, 5)),
     ModelCase("grouped-conv", grouped_cnn, lambda n: torch.randn(n, 2, 5, 5)),
     ModelCase("conv1d", conv1d, lambda n: torch.randn(n, 2, 9)),
+    ModelCase("conv-one-position", conv_one_position, lambda n: torch.randn(n, 2, 3, 3)),
     ModelCase("embedding", embedding, lambda n: torch.randint(0, 10, (n, 3))),
     ModelCase("unused-frozen", WithUnusedAndFrozen, lambda n: torch.randn(n, 6)),
 ]
