@@ -126,8 +126,6 @@ def write_log(cockpit, path) -> Path:
 
 def _per_parameter(value):
     """``{param: {statistic: value}}`` if ``value`` is one of ours, else ``None``."""
-    if hasattr(value, "to_statistics"):
-        return value.to_statistics()
     # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
     # reads only floats and plain lists) whose class combines them.
     if isinstance(value, list) and value and hasattr(value[0], "statistics_of_list"):
