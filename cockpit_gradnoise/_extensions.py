@@ -28,7 +28,7 @@ BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
 
 
-class _GroupedWeightMixin:
+class _ConvWeightNormsMixin:
     """Per-example squared norms of a convolution's weight, right for any ``groups``.
 
     BackPACK's ``weight`` contracts Gram matrices over output positions, about
@@ -75,17 +75,17 @@ def _with_embedding_derivatives(module_extension):
     return module_extension
 
 
-def _grouped(base):
-    return type(base.__name__ + "Grouped", (_GroupedWeightMixin, base), {})
+def _with_conv_weight_norms(base):
+    return type(base.__name__ + "Exact", (_ConvWeightNormsMixin, base), {})
 
 
 _EXACT_CONV_MODULE_EXTENSIONS = {
-    nn.Conv1d: _grouped(convnd.BatchL2Conv1d),
-    nn.Conv2d: _grouped(convnd.BatchL2Conv2d),
-    nn.Conv3d: _grouped(convnd.BatchL2Conv3d),
-    nn.ConvTranspose1d: _grouped(convtransposend.BatchL2ConvTranspose1d),
-    nn.ConvTranspose2d: _grouped(convtransposend.BatchL2ConvTranspose2d),
-    nn.ConvTranspose3d: _grouped(convtransposend.BatchL2ConvTranspose3d),
+    nn.Conv1d: _with_conv_weight_norms(convnd.BatchL2Conv1d),
+    nn.Conv2d: _with_conv_weight_norms(convnd.BatchL2Conv2d),
+    nn.Conv3d: _with_conv_weight_norms(convnd.BatchL2Conv3d),
+    nn.ConvTranspose1d: _with_conv_weight_norms(convtransposend.BatchL2ConvTranspose1d),
+    nn.ConvTranspose2d: _with_conv_weight_norms(convtransposend.BatchL2ConvTranspose2d),
+    nn.ConvTranspose3d: _with_conv_weight_norms(convtransposend.BatchL2ConvTranspose3d),
 }
 
 

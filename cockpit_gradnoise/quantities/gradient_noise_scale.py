@@ -31,11 +31,11 @@ class GradientNoiseScale(ParameterQuantity):
     - ``b_simple_smoothed = EMA(trace_cov) / EMA(grad_sq)``, ``+inf`` when the
       smoothed denominator is ``<= 0``. A ratio of two noisy estimates is
       biased; smoothing numerator and denominator separately first is what
-      the literature does;
-    - ``batch_size``: ``N``, to compare ``B_simple`` with (the dashboard
-      draws it as a line). The moving averages run over tracked steps,
+      the literature does. The moving averages run over tracked steps,
       start at the first tracked value and skip steps where a value is not
-      finite (``b_simple_smoothed`` is NaN there).
+      finite (``b_simple_smoothed`` is NaN there);
+    - ``batch_size``: ``N``, to compare ``B_simple`` with (the dashboard
+      draws it as a line).
 
     See :func:`~cockpit_gradnoise.functional.noise_scale_estimates`. Costs the
     per-example squared norms of :class:`~cockpit_gradnoise.PerExampleGradNorm`
