@@ -6,44 +6,22 @@ values are stored as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` because
 non-finite float. :func:`to_frame` decodes them back to floats.
 """
 
-import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping, Union
+from typing import Any, Dict, Mapping
 
 import json_tricks
 import numpy
 import pandas
 
+from cockpit_gradnoise.schema import (  # noqa: F401  (re-exported)
+    decode_float,
+    encode_float,
+    encode_statistics,
+)
+
 COLUMNS = ["step", "quantity", "param", "statistic", "value"]
-
-_DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def encode_float(value: float) -> Union[float, str]:
-    """``value`` as a float, or ``"nan"``/``"inf"``/``"-inf"`` when not finite."""
-    value = float(value)
-    if math.isfinite(value):
-        return value
-    if math.isnan(value):
-        return "nan"
-    return "inf" if value > 0 else "-inf"
-
-
-def decode_float(value: Union[float, int, str]) -> float:
-    """Inverse of :func:`encode_float`."""
-    if isinstance(value, str):
-        try:
-            return _DECODE[value]
-        except KeyError:
-            raise ValueError(f"not an encoded number: {value!r}") from None
-    return float(value)
-
-
-def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float, str]]:
-    """Encode every value of ``{statistic: float}`` with :func:`encode_float`."""
-    return {name: encode_float(value) for name, value in statistics.items()}
 
 
 def _log_path(path) -> Path:

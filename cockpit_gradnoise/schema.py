@@ -1,0 +1,132 @@
+"""What stored data means: quantity, parameter and statistic names, and numbers.
+
+Every quantity stores, per step, ``{param name: {statistic name: number}}``
+(``UpdateSize`` a list of items that :mod:`cockpit_gradnoise.frame` turns into
+the same shape). The names below are the contract between the quantities that
+write logs and the views (frame, report, panels, dashboard, command line) that
+read them; views read names from here and never import the quantities.
+
+Non-finite numbers are stored as the strings ``"nan"``, ``"inf"`` and
+``"-inf"``: ``Cockpit.write`` (json_tricks with ``allow_nan=False``) raises on
+a raw non-finite float.
+
+This module imports neither torch nor Cockpit, so reading a log stays fast.
+"""
+
+import math
+import re
+from typing import Dict, Iterable, List, Mapping, Optional, Union
+
+NETWORK = "all"
+"""Name under which every quantity reports the whole network."""
+
+# Quantities: the keys Cockpit stores them under (their class names).
+GRADIENT_VARIANCE = "GradientVarianceQuantiles"
+PER_EXAMPLE_NORM = "PerExampleGradNorm"
+PARAM_GRAD_RATIO = "ParamGradRatio"
+UPDATE_SIZE = "UpdateSize"
+NOISE_SCALE = "GradientNoiseScale"
+QUANTITIES = (GRADIENT_VARIANCE, PER_EXAMPLE_NORM, PARAM_GRAD_RATIO, UPDATE_SIZE, NOISE_SCALE)
+
+# Statistics shared by several quantities.
+MEAN = "mean"
+MEDIAN = "median"
+MIN = "min"
+MAX = "max"
+SNR_PREFIX = "snr_"
+
+# GradientVarianceQuantiles: quantiles and mean of sd, SNR median and mean.
+SD_MEDIAN = "q0.5"
+SNR_MEDIAN = SNR_PREFIX + "q0.5"
+SNR_MEAN = SNR_PREFIX + MEAN
+
+# ParamGradRatio.
+RATIO_STATISTICS = (MEAN, MEDIAN, MIN, MAX)
+ZERO_GRAD_FRACTION = "zero_grad_fraction"
+NORM_RATIO = "norm_ratio"
+
+# UpdateSize.
+UPDATE_NORM = "norm"
+UPDATE_RELATIVE = "relative"
+
+# GradientNoiseScale.
+GRAD_SQ = "grad_sq"
+TRACE_COV = "trace_cov"
+B_SIMPLE = "b_simple"
+B_SIMPLE_SMOOTHED = "b_simple_smoothed"
+BATCH_SIZE = "batch_size"
+
+# Stored under NETWORK by every per-parameter quantity: how many of the
+# parameters it was given (with requires_grad) the network's row covers. A log
+# without them (written before they existed) covers every parameter.
+PARAMS_COVERED = "params_covered"
+PARAMS_TOTAL = "params_total"
+COVERAGE_STATISTICS = (PARAMS_COVERED, PARAMS_TOTAL)
+
+_QUANTILE_NAME = re.compile(r"^q(\d*\.?\d+(?:e-?\d+)?)$")
+
+
+def quantile_name(level: float, prefix: str = "") -> str:
+    """The statistic name of a quantile level: ``prefix + "q" + %g``, e.g. ``q0.05``."""
+    return f"{prefix}q{float(level):g}"
+
+
+def quantile_level(name: str, prefix: str = "") -> Optional[float]:
+    """The level of a quantile statistic's name, ``None`` if ``name`` is not one."""
+    if not name.startswith(prefix):
+        return None
+    match = _QUANTILE_NAME.match(name[len(prefix):])
+    return float(match.group(1)) if match else None
+
+
+def quantile_levels(names: Iterable[str], prefix: str = "") -> List[float]:
+    """Sorted levels of the quantile statistics among ``names``."""
+    levels = (quantile_level(name, prefix) for name in names)
+    return sorted({level for level in levels if level is not None})
+
+
+def sd_statistic_names(levels: Iterable[float]) -> List[str]:
+    """GradientVarianceQuantiles' statistics for quantile ``levels``."""
+    return [quantile_name(q) for q in levels] + [MEAN, SNR_MEDIAN, SNR_MEAN]
+
+
+def norm_statistic_names(levels: Iterable[float]) -> List[str]:
+    """PerExampleGradNorm's statistics for quantile ``levels``."""
+    return [quantile_name(q) for q in levels] + [MEAN, MAX]
+
+
+_DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode_float(value: float) -> Union[float, str]:
+    """``value`` as a float, or ``"nan"``/``"inf"``/``"-inf"`` when not finite."""
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def decode_float(value: Union[float, int, str]) -> float:
+    """Inverse of :func:`encode_float`.
+
+    Raises:
+        ValueError: If ``value`` is a string other than the three codes.
+    """
+    if isinstance(value, str):
+        try:
+            return _DECODE[value]
+        except KeyError:
+            raise ValueError(f"not an encoded number: {value!r}") from None
+    return float(value)
+
+
+def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float, str]]:
+    """Encode every value of ``{statistic: float}`` with :func:`encode_float`."""
+    return {name: encode_float(value) for name, value in statistics.items()}
+
+
+def decode_statistics(statistics: Mapping[str, Union[float, str]]) -> Dict[str, float]:
+    """Decode every value of ``{statistic: stored}`` with :func:`decode_float`."""
+    return {name: decode_float(value) for name, value in statistics.items()}
