@@ -1,47 +1,59 @@
 """cockpit-gradnoise: is my batch too noisy for my learning rate, layer by layer?
 
-Importing this package first makes ``import cockpit`` work on setuptools >= 82.
+Importing this package makes ``import cockpit`` work on setuptools >= 82 and
+imports nothing heavy: torch, Cockpit and matplotlib load when a name that
+needs them is first used (PEP 562), so the command line starts fast.
 """
 
-from cockpit_gradnoise._compat import import_cockpit
+import importlib
+from importlib.metadata import PackageNotFoundError, version
 
-_cockpit = import_cockpit()
-Cockpit = _cockpit.Cockpit
-CockpitPlotter = _cockpit.CockpitPlotter
+from cockpit_gradnoise._compat import install_cockpit_hook
 
-from cockpit_gradnoise import functional, references  # noqa: E402
-from cockpit_gradnoise.frame import read_log, to_frame, write_log  # noqa: E402
-from cockpit_gradnoise import panels, report  # noqa: E402
-from cockpit_gradnoise.dashboard import plot  # noqa: E402
-from cockpit_gradnoise.minibatch import dataset_gradient, minibatch_gradient_stats  # noqa: E402
-from cockpit_gradnoise.quantities import (  # noqa: E402
-    NETWORK,
-    GradientNoiseScale,
-    GradientVarianceQuantiles,
-    ParameterQuantity,
-    ParamGradRatio,
-    PerExampleGradNorm,
-    UpdateSize,
-)
+install_cockpit_hook()
 
-__all__ = [
-    "Cockpit",
-    "CockpitPlotter",
-    "functional",
-    "references",
-    "read_log",
-    "to_frame",
-    "write_log",
-    "plot",
-    "panels",
-    "report",
-    "minibatch_gradient_stats",
-    "dataset_gradient",
-    "NETWORK",
-    "ParameterQuantity",
-    "GradientVarianceQuantiles",
-    "PerExampleGradNorm",
-    "ParamGradRatio",
-    "UpdateSize",
-    "GradientNoiseScale",
-]
+try:
+    __version__ = version("cockpit-gradnoise")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
+
+# Public name -> (module, attribute); attribute None means the module itself.
+_EXPORTS = {
+    "Cockpit": ("cockpit", "Cockpit"),
+    "CockpitPlotter": ("cockpit", "CockpitPlotter"),
+    "functional": ("cockpit_gradnoise.functional", None),
+    "references": ("cockpit_gradnoise.references", None),
+    "schema": ("cockpit_gradnoise.schema", None),
+    "read_log": ("cockpit_gradnoise.frame", "read_log"),
+    "to_frame": ("cockpit_gradnoise.frame", "to_frame"),
+    "write_log": ("cockpit_gradnoise.frame", "write_log"),
+    "plot": ("cockpit_gradnoise.dashboard", "plot"),
+    "panels": ("cockpit_gradnoise.panels", None),
+    "report": ("cockpit_gradnoise.report", None),
+    "minibatch_gradient_stats": ("cockpit_gradnoise.minibatch", "minibatch_gradient_stats"),
+    "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),
+    "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
+    "ParameterQuantity": ("cockpit_gradnoise.quantities", "ParameterQuantity"),
+    "GradientVarianceQuantiles": ("cockpit_gradnoise.quantities", "GradientVarianceQuantiles"),
+    "PerExampleGradNorm": ("cockpit_gradnoise.quantities", "PerExampleGradNorm"),
+    "ParamGradRatio": ("cockpit_gradnoise.quantities", "ParamGradRatio"),
+    "UpdateSize": ("cockpit_gradnoise.quantities", "UpdateSize"),
+    "GradientNoiseScale": ("cockpit_gradnoise.quantities", "GradientNoiseScale"),
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name):
+    try:
+        module_name, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'cockpit_gradnoise' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
