@@ -187,12 +187,12 @@ def test_per_example_norms_do_not_depend_on_reduction():
 def test_both_per_example_norm_paths_for_convolutions_are_in_the_case_matrix():
     """Convolutions use BackPACK's Gram contraction or form per-example
     gradients, whichever is cheaper; the matrix covers both."""
-    from cockpit_gradnoise._extensions import _ConvWeightNormsMixin
+    from cockpit_gradnoise.extensions.convolution import direct_is_cheaper
 
     chosen = {}
     for name in ("cnn", "conv-one-position"):
         case = next(c for c in MODELS if c.name == name)
         conv = case.make()[0]
         output = conv(case.inputs(2))
-        chosen[name] = _ConvWeightNormsMixin._direct_is_cheaper(conv, torch.zeros_like(output))
+        chosen[name] = direct_is_cheaper(conv, torch.zeros_like(output))
     assert chosen == {"cnn": True, "conv-one-position": False}

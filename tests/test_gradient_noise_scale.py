@@ -12,7 +12,7 @@ from torch import nn
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import functional, references
-from cockpit_gradnoise._extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 from tests.cases import MODELS, ModelCase, Problem, build, run_step
 from tests.test_param_grad_ratio import rows

@@ -5,7 +5,7 @@ import math
 import torch
 
 from cockpit_gradnoise import functional
-from cockpit_gradnoise._extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.frame import decode_float, encode_float
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 

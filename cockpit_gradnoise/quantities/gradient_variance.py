@@ -1,7 +1,7 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
 from cockpit_gradnoise import functional
-from cockpit_gradnoise._extensions import SumOfSquaredContributions
+from cockpit_gradnoise.extensions import SumOfSquaredContributions
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
 

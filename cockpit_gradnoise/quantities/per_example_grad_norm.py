@@ -1,7 +1,7 @@
 """Per-example gradient norms, per layer, from one backward pass."""
 
 from cockpit_gradnoise import functional
-from cockpit_gradnoise._extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
 
@@ -16,7 +16,7 @@ class PerExampleGradNorm(ParameterQuantity):
 
     Computed without materializing per-example gradients (BackPACK's
     ``BatchL2Grad``; exact also for grouped convolutions, see
-    ``cockpit_gradnoise._extensions``). Needs ``info["loss"]`` and
+    ``cockpit_gradnoise.extensions.convolution``). Needs ``info["loss"]`` and
     ``info["individual_losses"]`` (shape ``[N]``) to tell a mean-reduced loss
     (``x_i = g_i / N``) from a sum-reduced one (``x_i = g_i``).
 
