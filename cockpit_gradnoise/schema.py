@@ -56,9 +56,9 @@ B_SIMPLE = "b_simple"
 B_SIMPLE_SMOOTHED = "b_simple_smoothed"
 BATCH_SIZE = "batch_size"
 
-# Stored under NETWORK by every per-parameter quantity: how many of the
-# parameters it was given (with requires_grad) the network's row covers. A log
-# without them (written before they existed) covers every parameter.
+# Stored under NETWORK by a per-parameter quantity whose network row leaves
+# out some of the parameters it was given (with requires_grad): how many it
+# covers, of how many. Absent: the row covers every parameter.
 PARAMS_COVERED = "params_covered"
 PARAMS_TOTAL = "params_total"
 COVERAGE_STATISTICS = (PARAMS_COVERED, PARAMS_TOTAL)

@@ -231,5 +231,5 @@ def test_two_instances_of_one_quantity_class_fail_clearly():
         cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names),
         cgn.GradientVarianceQuantiles(linear(1), quantiles=(0.5,), param_names=problem.names),
     ]
-    with pytest.raises(RuntimeError, match="one instance of each quantity class"):
+    with pytest.raises(RuntimeError, match="two GradientVarianceQuantiles quantities in one Cockpit"):
         run_step(problem, quantities)

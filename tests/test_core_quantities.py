@@ -14,8 +14,8 @@ from cockpit.utils.schedules import linear
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from tests.cases import MODELS, build, run_step
+from tests.helpers import RTOL, assert_statistics_match
 
-RTOL = 1e-10
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -33,18 +33,6 @@ def sd_rtol(grads, n, name):
     sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
     snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
     return max(RTOL, 2 * n * EPS64 * (1 + snr_max**2 / (n - 1)))
-
-
-def assert_statistics_match(got, expected, rtol_of=lambda name, statistic: RTOL):
-    assert set(got) == set(expected)
-    for name, stats in expected.items():
-        assert set(got[name]) == set(stats), name
-        for statistic, value in stats.items():
-            rtol = rtol_of(name, statistic)
-            assert got[name][statistic] == pytest.approx(value, rel=rtol, abs=0), (
-                name,
-                statistic,
-            )
 
 
 def test_gradient_variance_quantiles_match_reference(model_case, reduction, batch_size):
@@ -72,7 +60,7 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
     def rtol_of(name, statistic):
         return sd_tolerances[name]
 
-    assert_statistics_match(got, expected, rtol_of)
+    assert_statistics_match(got, expected, rtol_of=rtol_of)
 
 
 def test_per_example_grad_norm_matches_reference(model_case, reduction, batch_size):

@@ -18,8 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import functional, references
 from tests.cases import MODELS, ModelCase, Problem, run_step
+from tests.helpers import RTOL, assert_statistics_match
 
-RTOL = 1e-10
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
 cross_entropy = nn.CrossEntropyLoss()
 
@@ -48,17 +48,6 @@ def make_batches(case, count, size, seed=0):
 def make_model(case, seed=0):
     torch.manual_seed(seed)
     return case.make().double()
-
-
-def assert_statistics_match(got, expected, rtol=RTOL):
-    assert set(got) == set(expected)
-    for name, stats in expected.items():
-        assert set(got[name]) == set(stats), name
-        for statistic, value in stats.items():
-            assert got[name][statistic] == pytest.approx(value, rel=rtol, abs=0), (
-                name,
-                statistic,
-            )
 
 
 def assert_gradients_match(got, expected, rtol=RTOL):

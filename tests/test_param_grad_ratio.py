@@ -11,28 +11,7 @@ from torch import nn
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import functional, references
 from tests.cases import MODELS, build, run_step
-
-RTOL = 1e-10
-
-
-def assert_statistics_match(got, expected, rtol=RTOL):
-    """``got`` (decoded rows) equals ``expected`` statistic by statistic; inf == inf."""
-    assert set(got) == set(expected)
-    for name, stats in expected.items():
-        assert set(got[name]) == set(stats), name
-        for statistic, value in stats.items():
-            assert got[name][statistic] == pytest.approx(value, rel=rtol, abs=0), (name, statistic)
-
-
-def rows(cockpit, quantity, step=0):
-    """``{param: {statistic: float}}`` of ``quantity`` at ``step``, via ``to_frame``."""
-    frame = cgn.to_frame(cockpit)
-    frame = frame[(frame.quantity == quantity) & (frame.step == step)]
-    result = {}
-    for param, statistic, value in zip(frame.param, frame.statistic, frame.value):
-        result.setdefault(param, {})[statistic] = value
-    return result
-
+from tests.helpers import assert_statistics_match, rows
 
 def test_matches_reference(model_case, reduction, batch_size, recwarn):
     problem = build(model_case, batch_size, reduction)

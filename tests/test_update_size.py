@@ -15,7 +15,7 @@ import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from cockpit_gradnoise.quantities.update_size import LayerUpdate
 from tests.cases import MODELS, build, run_step
-from tests.test_param_grad_ratio import assert_statistics_match, rows
+from tests.helpers import assert_statistics_match, rows
 
 
 def snapshot(names, params):
@@ -113,17 +113,17 @@ def test_cache_holds_one_reused_copy_over_10000_steps():
         for step in range(10_000):
             if generator.random() < 0.1:
                 continue  # the training loop skips the cockpit now and then
-            before = [t.data_ptr() for t in quantity._cache]
+            before = [t.data_ptr() for t in quantity.cached_tensors()]
             quantity.track(step, params, None)
             assert quantity.cached_bytes() in (0, one_copy)
             if before and step in chosen:  # a start right after a cached step
-                assert [t.data_ptr() for t in quantity._cache] == before
+                assert [t.data_ptr() for t in quantity.cached_tensors()] == before
                 reused += 1
             for p in params:
                 p.add_(0.001)
             if step == 100:
-                tensors_before = count_tensors() - len(quantity._cache)
-    assert count_tensors() - len(quantity._cache) == tensors_before
+                tensors_before = count_tensors() - len(quantity.cached_tensors())
+    assert count_tensors() - len(quantity.cached_tensors()) == tensors_before
     assert reused > 4000
     value = next(iter(quantity.get_output().values()))
     assert all(isinstance(v, LayerUpdate) and type(v.norm) is float for v in value)
@@ -139,7 +139,7 @@ def test_cache_has_no_autograd_history_and_lives_on_the_chosen_device(cache_on_c
     problem = build(MODELS[0], 7, "mean")
     quantity = cgn.UpdateSize(linear(1), param_names=problem.names, cache_on_cpu=cache_on_cpu)
     run_step(problem, [quantity])
-    for buffer, param in zip(quantity._cache, problem.params):
+    for buffer, param in zip(quantity.cached_tensors(), problem.params):
         assert not buffer.requires_grad and buffer.grad_fn is None
         assert buffer.device == (torch.device("cpu") if cache_on_cpu else param.device)
         assert torch.equal(buffer, param.detach()) and buffer.data_ptr() != param.data_ptr()

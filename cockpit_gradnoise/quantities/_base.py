@@ -1,64 +1,52 @@
-"""The base class of every per-parameter quantity in this package."""
+"""The base classes of this package's quantities: single-step and two-step.
+
+A single-step quantity (:class:`ParameterQuantity`) turns, at each tracked
+step, what the backward pass left on every parameter into named statistics,
+per parameter and for the whole network (``"all"``). Its maths is always
+
+    per-parameter sums over the batch's examples  ->  per-parameter values
+    ->  network value  ->  statistics
+
+and the sums are declared (:attr:`ParameterQuantity.sums`), as torchmetrics
+declares a metric's state with its reduction: they are what combines across
+examples, micro-batches and processes. A two-step quantity
+(:class:`TwoStepParameterQuantity`) compares the parameters at a start step
+with the next step.
+"""
 
 import math
+import sys
 import warnings
-from typing import Any, Dict, List, Sequence
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from cockpit_gradnoise._compat import import_cockpit
-from cockpit_gradnoise.frame import encode_statistics
+from cockpit_gradnoise.schema import (
+    NETWORK,
+    PARAMS_COVERED,
+    PARAMS_TOTAL,
+    encode_statistics,
+)
 
 import_cockpit()
 from cockpit.context import CockpitCTX  # noqa: E402
-from cockpit.quantities.quantity import SingleStepQuantity  # noqa: E402
+from cockpit.quantities.quantity import Quantity, SingleStepQuantity  # noqa: E402
 
-NETWORK = "all"
-"""Name under which every quantity reports the whole network."""
+#: How a declared sum combines across examples of several batches (or processes).
+SUM = "sum"  # elementwise addition: sums over examples (tensors of any shape, or scalars)
+CAT = "cat"  # concatenation along dimension 0: one row per example
+REDUCTIONS = (SUM, CAT)
+
+_REQUIRED_METHODS = ("network_value", "statistics", "statistic_names")
 
 
-class ParameterQuantity(SingleStepQuantity):
-    """A Cockpit quantity that reports statistics per parameter and for ``"all"``.
+class _NamedParameters:
+    """Names of the parameters, ``info`` and one-time warnings, shared by both bases."""
 
-    A subclass sets :attr:`extension_classes` (the BackPACK extensions whose
-    results it reads, if any) and implements three small methods; the base
-    class does the rest: scheduling, names, skipping parameters that have no
-    result (frozen, unused, or in a layer BackPACK does not support) with one
-    warning, NaN results with one warning when a gradient is not finite,
-    a clear error when the model was not extended, and storing plain,
-    JSON-safe numbers.
-
-    Subclass interface:
-
-    - ``parameter_value(param, context)``: reduce what BackPACK left on one
-      parameter to what :meth:`statistics` needs (tensors, kept small).
-    - ``network_value(values)``: combine the values of all parameters into the
-      value of the whole network.
-    - ``statistics(value)``: ``{statistic name: float}``.
-    - optionally ``prepare(global_step, params)``: read ``info`` once per step
-      and return a context passed to ``parameter_value``, or ``None`` to
-      record nothing at this step.
-
-    Results are stored per step as ``{param name: {statistic: value}}``, with
-    non-finite values encoded as strings (``"nan"``, ``"inf"``, ``"-inf"``) so
-    that ``Cockpit.write`` can save them; :func:`cockpit_gradnoise.to_frame`
-    decodes them.
-
-    Args:
-        track_schedule: Function from step to bool, e.g.
-            ``cockpit.utils.schedules.linear(10)``.
-        param_names: Names of the parameters handed to the ``Cockpit``, in the
-            same order, e.g. ``[n for n, _ in model.named_parameters()]``.
-            Defaults to ``"param0"``, ``"param1"``, ...
-        verbose: Print what is computed at each step.
-    """
-
-    #: BackPACK extension classes whose savefields ``parameter_value`` reads.
-    extension_classes: Sequence[type] = ()
-
-    def __init__(self, track_schedule, *, param_names=None, verbose=False):
-        super().__init__(track_schedule, verbose=verbose)
-        self._param_names = None if param_names is None else list(param_names)
+    def _init_names(self, param_names):
+        self._param_names = None if param_names is None else [str(n) for n in param_names]
         if self._param_names is not None and len(set(self._param_names)) != len(
             self._param_names
         ):
@@ -66,34 +54,18 @@ class ParameterQuantity(SingleStepQuantity):
         if NETWORK in (self._param_names or []):
             raise ValueError(f"{NETWORK!r} is reserved for the whole network")
         self._warned = set()
-        # BackPACK extensions keep no state between backward passes: build them
-        # once (building one costs ~0.05 ms, and Cockpit asks twice a step).
-        self._extensions = tuple(cls() for cls in self.extension_classes)
-        self._savefields = tuple(ext.savefield for ext in self._extensions)
 
-    # Interface for subclasses ---------------------------------------------------
-
-    def prepare(self, global_step: int, params: List[torch.Tensor]) -> Any:
-        """Read step information (``info``) once; ``None`` skips the step."""
-        return True
-
-    def parameter_value(self, param: torch.Tensor, context: Any) -> Any:
-        """Reduce one parameter's BackPACK results to what ``statistics`` needs."""
-        raise NotImplementedError
-
-    def network_value(self, values: List[Any]) -> Any:
-        """Combine the values of all parameters into the network's value."""
-        raise NotImplementedError
-
-    def statistics(self, value: Any) -> Dict[str, float]:
-        """Turn a parameter's (or the network's) value into named numbers."""
-        raise NotImplementedError
-
-    def statistic_names(self) -> List[str]:
-        """Names reported as NaN when a parameter's gradient is not finite."""
-        raise NotImplementedError
-
-    # Helpers for subclasses -----------------------------------------------------
+    def names(self, params) -> List[str]:
+        """Names of ``params``, from ``param_names`` or ``param0, param1, ...``."""
+        if self._param_names is None:
+            return [f"param{i}" for i in range(len(params))]
+        if len(self._param_names) != len(params):
+            raise ValueError(
+                f"{type(self).__name__} got {len(self._param_names)} param_names for "
+                f"{len(params)} parameters: pass the names of exactly the parameters "
+                "given to the Cockpit, in the same order"
+            )
+        return self._param_names
 
     def info(self, global_step: int, key: str) -> Any:
         """Return ``info[key]`` as handed to ``cockpit(step, info=...)``.
@@ -109,11 +81,162 @@ class ParameterQuantity(SingleStepQuantity):
                 f"`with cockpit(step, info={{{key!r}: ..., ...}})`"
             ) from None
 
+    def _check_one_instance_per_class(self, global_step, params):
+        """Raise if another instance of this class computes in the same cockpit call.
+
+        Cockpit keys results by class name, so the second would silently
+        overwrite the first. Quantities of one cockpit call see the same
+        ``CockpitCTX.INFO`` dict (replaced after every call) and ``params`` list.
+        """
+        call = (id(CockpitCTX.INFO), id(params), global_step)
+        if _CURRENT_CALL.get("call") != call:
+            _CURRENT_CALL.clear()
+            _CURRENT_CALL.update(call=call, instances=weakref.WeakValueDictionary())
+        other = _CURRENT_CALL["instances"].setdefault(type(self), self)
+        if other is not self:
+            raise RuntimeError(
+                f"two {type(self).__name__} quantities in one Cockpit: Cockpit keys results "
+                "by class name, so one would overwrite the other. Track one instance of "
+                "each quantity class (one with all the quantiles you need, say)."
+            )
+
     def warn_once(self, key: str, message: str):
         """Warn with ``message`` the first time ``key`` is seen by this quantity."""
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
+
+
+# The cockpit call being computed and the quantity instances computed in it, by class.
+_CURRENT_CALL: Dict[str, Any] = {}
+
+
+def backward_failed() -> bool:
+    """Whether the cockpit's context is being left because of an exception.
+
+    Cockpit runs its quantities in ``__exit__`` even when ``loss.backward()``
+    raised; the exception is then the one being handled.
+    """
+    return sys.exc_info()[1] is not None
+
+
+class ParameterQuantity(_NamedParameters, SingleStepQuantity):
+    """A Cockpit quantity that reports statistics per parameter and for ``"all"``.
+
+    A subclass declares what it reads and implements four methods; the base
+    class does the rest: scheduling, names, skipping parameters that have no
+    result (frozen, unused, or in a layer BackPACK does not support) with one
+    warning, NaN results with one warning when a gradient is not finite, a
+    clear error when the model was not extended, nothing at all for a step
+    whose backward pass raised, and storing plain JSON-safe numbers (non-finite
+    ones encoded as ``"nan"``, ``"inf"``, ``"-inf"``; :func:`~cockpit_gradnoise.to_frame`
+    decodes them).
+
+    Class attributes:
+
+    - ``extension_classes``: the BackPACK extensions whose savefields it reads
+      (none for a quantity that reads only ``param`` and ``param.grad``).
+    - ``sums``: ``{name: reduction}``, the per-parameter sums over the batch's
+      examples that its values are formed from, each combined across batches
+      or processes by ``"sum"`` (add) or ``"cat"`` (one row per example,
+      concatenated). Leave it empty for a quantity that reads only
+      ``param`` and ``param.grad``, which are the same on every process.
+
+    Methods to implement (checked when the class is defined):
+
+    - ``parameter_value(param, context)`` (without declared sums), or
+      ``parameter_sums(param, context)`` returning the declared sums and
+      ``value_from_sums(sums, context)`` (with declared sums): the parameter's
+      value, kept small (tensors or numbers);
+    - ``network_value(values)``: the whole network's value from the
+      parameters' values;
+    - ``statistics(value)``: ``{statistic name: float}`` of one value;
+    - ``statistic_names()``: every name ``statistics`` or
+      ``derived_statistics`` can return (a non-finite gradient gives NaN
+      under each of them; a name that is not declared raises at the first
+      tracked step).
+
+    Optional hooks:
+
+    - ``prepare(global_step, params)``: read ``info`` once per step and return
+      the context passed to the methods above, or ``None`` to record nothing;
+    - ``derived_statistics(name, statistics)``: more statistics of one row
+      (a parameter's or ``"all"``'s) computed from its others, e.g. moving
+      averages over steps; called once per row and step, in order.
+
+    When the network's row leaves out parameters (unused, or in layers without
+    per-example support), it also holds ``params_covered`` and
+    ``params_total``: how many of the given parameters (with
+    ``requires_grad``) it covers.
+
+    Args:
+        track_schedule: Function from step to bool, e.g.
+            ``cockpit.utils.schedules.linear(10)``.
+        param_names: Names of the parameters handed to the ``Cockpit``, in the
+            same order, e.g. ``[n for n, _ in model.named_parameters()]``.
+            Defaults to ``"param0"``, ``"param1"``, ...
+        verbose: Print what is computed at each step.
+    """
+
+    extension_classes: Sequence[type] = ()
+    sums: Mapping[str, str] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        bad = {name: how for name, how in cls.sums.items() if how not in REDUCTIONS}
+        if bad:
+            raise TypeError(f"{cls.__name__}.sums: reductions must be one of {REDUCTIONS}, got {bad}")
+        required = list(_REQUIRED_METHODS)
+        required += ["parameter_sums", "value_from_sums"] if cls.sums else ["parameter_value"]
+        missing = [m for m in required if getattr(cls, m) is getattr(ParameterQuantity, m)]
+        if missing:
+            raise TypeError(
+                f"{cls.__name__} must implement {', '.join(missing)} "
+                "(see cockpit_gradnoise.ParameterQuantity)"
+            )
+
+    def __init__(self, track_schedule, *, param_names=None, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._init_names(param_names)
+        # BackPACK extensions keep no state between backward passes: build them
+        # once (building one costs ~0.05 ms, and Cockpit asks twice a step).
+        self._extensions = tuple(cls() for cls in self.extension_classes)
+        self._savefields = tuple(ext.savefield for ext in self._extensions)
+        self._checked_names = False
+
+    # Interface for subclasses ---------------------------------------------------
+
+    def prepare(self, global_step: int, params: List[torch.Tensor]) -> Any:
+        """Read step information (``info``) once; ``None`` skips the step."""
+        return True
+
+    def parameter_value(self, param: torch.Tensor, context: Any) -> Any:
+        """Reduce one parameter's results to what ``statistics`` needs (no declared sums)."""
+        raise NotImplementedError
+
+    def parameter_sums(self, param: torch.Tensor, context: Any) -> Dict[str, torch.Tensor]:
+        """The declared :attr:`sums` of one parameter over this batch's examples."""
+        raise NotImplementedError
+
+    def value_from_sums(self, sums: Dict[str, torch.Tensor], context: Any) -> Any:
+        """One parameter's value from its declared sums."""
+        raise NotImplementedError
+
+    def network_value(self, values: List[Any]) -> Any:
+        """Combine the values of all parameters into the network's value."""
+        raise NotImplementedError
+
+    def statistics(self, value: Any) -> Dict[str, float]:
+        """Turn a parameter's (or the network's) value into named numbers."""
+        raise NotImplementedError
+
+    def statistic_names(self) -> List[str]:
+        """Every statistic name this quantity reports (NaN when a gradient is not finite)."""
+        raise NotImplementedError
+
+    def derived_statistics(self, name: str, statistics: Dict[str, float]) -> Dict[str, float]:
+        """More statistics of row ``name`` from its others (none by default)."""
+        return {}
 
     # Cockpit interface ----------------------------------------------------------
 
@@ -134,20 +257,73 @@ class ParameterQuantity(SingleStepQuantity):
             return set()
         return {field for field in self._savefields if field == "grad_batch"}
 
-    def names(self, params) -> List[str]:
-        """Names of ``params``, from ``param_names`` or ``param0, param1, ...``."""
-        if self._param_names is None:
-            return [f"param{i}" for i in range(len(params))]
-        if len(self._param_names) != len(params):
-            raise ValueError(
-                f"{type(self).__name__} got {len(self._param_names)} param_names for "
-                f"{len(params)} parameters: pass the names of exactly the parameters "
-                "given to the Cockpit, in the same order"
-            )
-        return self._param_names
-
-    def _compute(self, global_step, params, batch_loss):
+    def _compute(self, global_step, params, batch_loss) -> Optional[Dict[str, Dict[str, float]]]:
+        if backward_failed():
+            return None
+        self._check_one_instance_per_class(global_step, params)
         names = self.names(params)
+        self._warn_if_distributed()
+        context = self.prepare(global_step, params)
+        if context is None:
+            return None
+        usable = self._usable_parameters(names, params)
+        finite = [(name, param) for name, param in usable if self._is_finite(param)]
+        non_finite = [name for name, _ in usable if name not in dict(finite)]
+        # One parameter at a time: a parameter's sums are freed once its value is formed.
+        values = [self._value(param, context) for _, param in finite]
+        nan_row = dict.fromkeys(self.statistic_names(), math.nan)
+        rows = {name: nan_row for name in non_finite}
+        rows.update((name, self.statistics(value)) for (name, _), value in zip(finite, values))
+        rows = {name: rows[name] for name, _ in usable}  # parameters in the given order
+        if non_finite:
+            self.warn_once(
+                "non-finite",
+                f"gradient has NaN or Inf in {non_finite} at step {global_step}; "
+                "their statistics and the network's are NaN at such steps",
+            )
+            rows[NETWORK] = nan_row
+        elif values:
+            network = self.network_value(values)
+            del values  # free the parameters' values before the network's statistics
+            rows[NETWORK] = self.statistics(network)
+        rows = {name: {**row, **self.derived_statistics(name, row)} for name, row in rows.items()}
+        self._check_statistic_names(rows)
+        total = sum(1 for p in params if p.requires_grad)
+        if NETWORK in rows and len(usable) < total:
+            rows[NETWORK].update({PARAMS_COVERED: float(len(usable)), PARAMS_TOTAL: float(total)})
+        return rows
+
+    def _save(self, global_step, result):
+        # Encoded once, here: Cockpit.write refuses raw non-finite floats, and
+        # Cockpit's own formatter would reject the strings.
+        self.output[global_step] = {name: encode_statistics(row) for name, row in result.items()}
+
+    # Internals ------------------------------------------------------------------
+
+    def _value(self, param, context) -> Any:
+        if not self.sums:
+            return self.parameter_value(param, context)
+        sums = self.parameter_sums(param, context)
+        if set(sums) != set(self.sums):
+            raise TypeError(
+                f"{type(self).__name__}.parameter_sums returned {sorted(sums)}, "
+                f"but the class declares sums {sorted(self.sums)}"
+            )
+        return self.value_from_sums(sums, context)
+
+    def _check_statistic_names(self, rows):
+        if self._checked_names:
+            return
+        declared = set(self.statistic_names())
+        undeclared = sorted({s for row in rows.values() for s in row} - declared)
+        if undeclared:
+            raise TypeError(
+                f"{type(self).__name__}.statistics returned {undeclared}, which "
+                "statistic_names() does not list: declare every name it can return"
+            )
+        self._checked_names = True
+
+    def _warn_if_distributed(self):
         # Only per-example results (BackPACK's) are rank-local; param.grad is not.
         if self._savefields and _distributed_world_size() > 1:
             self.warn_once(
@@ -157,36 +333,6 @@ class ParameterQuantity(SingleStepQuantity):
                 "statistics are those of the local batch, and statistics that "
                 "combine both with param.grad are not valid; track on one process",
             )
-        context = self.prepare(global_step, params)
-        if context is None:
-            return None
-        usable = self._usable_parameters(names, params)
-        result, values, non_finite = {}, [], []
-        for name, param in usable:
-            if self._is_finite(param):
-                value = self.parameter_value(param, context)
-                values.append(value)
-                result[name] = self.statistics(value)
-            else:
-                non_finite.append(name)
-                result[name] = dict.fromkeys(self.statistic_names(), math.nan)
-        if non_finite:
-            self.warn_once(
-                "non-finite",
-                f"gradient has NaN or Inf in {non_finite} at step {global_step}; "
-                "their statistics and the network's are NaN at such steps",
-            )
-            result[NETWORK] = dict.fromkeys(self.statistic_names(), math.nan)
-        elif values:
-            network = self.network_value(values)
-            del values  # free the parameters' values before the network's statistics
-            result[NETWORK] = self.statistics(network)
-        return {name: encode_statistics(stats) for name, stats in result.items()}
-
-    def _save(self, global_step, result):
-        # Our results are plain dicts of floats and strings: no tensor
-        # conversion needed, and Cockpit's formatter would reject the strings.
-        self.output[global_step] = result
 
     def _usable_parameters(self, names, params):
         """``(name, param)`` pairs that have every result needed; warn about the rest."""
@@ -206,8 +352,7 @@ class ParameterQuantity(SingleStepQuantity):
                 f"({', '.join(self._savefields)}). Extend the model and the loss "
                 "function with `backpack.extend(model)` and `backpack.extend(loss_fn)` "
                 "before training, and make sure the model has layers BackPACK "
-                "supports (Linear, Conv, BatchNorm, Embedding, RNN, LSTM). Cockpit keys "
-                "results by class name: track one instance of each quantity class."
+                "supports (Linear, Conv, BatchNorm, Embedding, RNN, LSTM)."
             )
         if no_grad:
             self.warn_once(
@@ -229,6 +374,97 @@ class ParameterQuantity(SingleStepQuantity):
         # finite with one reduction; only a sum that overflowed needs the full test.
         return all(
             bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors
+        )
+
+
+class TwoStepParameterQuantity(_NamedParameters, Quantity):
+    """A quantity that compares the parameters at a start step ``s`` with step ``s + 1``.
+
+    At a step the schedule selects, :meth:`start` caches what it needs; at the
+    next call of the cockpit, if that call is step ``s + 1``, :meth:`end`
+    measures against the cache and the result is stored under ``s``.
+    Otherwise (a start without an end, an end without a tracked start, a
+    schedule that skips steps, a loop that calls the cockpit every other
+    step) nothing is stored for ``s`` and the cache is dropped at the next
+    call, so nothing wrong is stored and nothing is kept behind. A step whose
+    backward pass raised computes nothing and keeps the cache as it was.
+
+    Methods to implement:
+
+    - ``start(params, reuse)``: the cache for this step; ``reuse`` is the
+      previous cache (or ``None``), whose memory may be reused;
+    - ``end(cache, params, names)``: the value to store (may overwrite
+      ``cache``, which is reused or dropped right after).
+    - ``cache_matches(cache, params)`` (optional): whether ``cache`` fits
+      ``params``; when it does not, nothing is stored.
+
+    Args:
+        track_schedule: Function from step to bool: the start steps ``s``.
+        param_names: Names of the Cockpit's parameters, in order.
+        verbose: Print what is computed.
+    """
+
+    def __init__(self, track_schedule, *, param_names=None, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._init_names(param_names)
+        self._cache_step: Optional[int] = None
+        self._cache: Any = None
+
+    def start(self, params, reuse) -> Any:
+        """Cache what :meth:`end` needs at the next step."""
+        raise NotImplementedError
+
+    def end(self, cache, params, names) -> Any:
+        """The value to store under the start step."""
+        raise NotImplementedError
+
+    def cache_matches(self, cache, params) -> bool:
+        """Whether ``cache`` was taken from parameters like ``params``."""
+        return True
+
+    def extensions(self, global_step):
+        """No BackPACK extension."""
+        return []
+
+    def should_compute(self, global_step):
+        # Also run at the call after a start, to use or drop the cache.
+        return bool(self._track_schedule(global_step)) or self._cache_step is not None
+
+    def compute(self, global_step, params, batch_loss):
+        """End the cached start if this is its next step, then start if scheduled.
+
+        Returns:
+            ``(s, value)`` when the cache holds step ``s = global_step - 1``,
+            else ``(global_step, None)`` (nothing stored).
+        """
+        if backward_failed():
+            return global_step, None
+        self._check_one_instance_per_class(global_step, params)
+        names = self.names(params)
+        start, cache = self._cache_step, self._cache
+        self._cache_step, self._cache = None, None
+        value = None
+        if start == global_step - 1 and self.cache_matches(cache, params):
+            value = self.end(cache, params, names)
+        if self._track_schedule(global_step):
+            self._cache_step, self._cache = global_step, self.start(params, cache)
+        return (start, value) if value is not None else (global_step, None)
+
+    def _save(self, global_step, result):
+        self.output[global_step] = result
+
+
+def check_example_count(results: int, individual_losses: int):
+    """Raise if BackPACK's per-example results and ``info["individual_losses"]`` disagree.
+
+    Raises:
+        ValueError: Naming both counts and the fix.
+    """
+    if results != individual_losses:
+        raise ValueError(
+            f"info['individual_losses'] has {individual_losses} values but the batch "
+            f"has {results} examples: pass one loss per example of the batch that was "
+            "differentiated, e.g. loss_fn_none(out, y) with reduction='none'"
         )
 
 

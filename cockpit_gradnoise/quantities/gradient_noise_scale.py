@@ -6,8 +6,7 @@ import torch
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
-from cockpit_gradnoise.frame import decode_float, encode_float
-from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity, check_example_count
 
 DEFAULT_SMOOTHING = 0.9
 """Default weight of the past in ``b_simple_smoothed``'s moving averages."""
@@ -54,6 +53,7 @@ class GradientNoiseScale(ParameterQuantity):
     """
 
     extension_classes = (PerExampleSquaredNorms,)
+    sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False
@@ -79,12 +79,20 @@ class GradientNoiseScale(ParameterQuantity):
             return None
         return functional.loss_scale(self.info(global_step, "loss"), individual_losses), n
 
-    def parameter_value(self, param, context):
+    def parameter_sums(self, param, context):
         scale, n = context
+        squared_norms = param.cgn_batch_l2.detach()
+        check_example_count(squared_norms.shape[0], n)
         # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2; param.grad = scale * sum_i g_i.
-        sum_of_squared_norms = param.cgn_batch_l2.detach().sum(dtype=torch.float64).item()
-        mean_squared_norm = sum_of_squared_norms / (n * scale**2)
-        squared_norm_of_mean = functional.squared_norm(param.grad) / (n * scale) ** 2
+        return {
+            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / scale**2,
+            "sum_of_gradients": param.grad.detach() / scale,
+        }
+
+    def value_from_sums(self, sums, context):
+        _, n = context
+        mean_squared_norm = sums["sum_of_squared_norms"].item() / n
+        squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"]) / n**2
         return mean_squared_norm, squared_norm_of_mean, n
 
     def network_value(self, values):
@@ -103,15 +111,12 @@ class GradientNoiseScale(ParameterQuantity):
     def statistic_names(self):
         return ["grad_sq", "trace_cov", "b_simple", "b_simple_smoothed", "batch_size"]
 
-    def _compute(self, global_step, params, batch_loss):
-        result = super()._compute(global_step, params, batch_loss)
-        for name, stats in (result or {}).items():
-            stats["b_simple_smoothed"] = encode_float(self._smoothed(name, stats))
-        return result
+    def derived_statistics(self, name, statistics):
+        return {"b_simple_smoothed": self._smoothed(name, statistics)}
 
     def _smoothed(self, name, stats):
         """Update the moving averages of ``name`` and return their ratio."""
-        trace_cov, grad_sq = decode_float(stats["trace_cov"]), decode_float(stats["grad_sq"])
+        trace_cov, grad_sq = stats["trace_cov"], stats["grad_sq"]
         if not (math.isfinite(trace_cov) and math.isfinite(grad_sq)):
             return math.nan  # and keep the averages as they are
         previous = self._averages.get(name, (None, None))

@@ -2,7 +2,7 @@
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions import SumOfSquaredContributions
-from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 
 
 class GradientVarianceQuantiles(ParameterQuantity):
@@ -22,7 +22,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     of ``sd_j``; ``snr_mean`` and ``snr_q0.5`` of ``|grad_j| / sd_j`` over
     the elements with ``sd_j > 0`` (absent when there are none).
 
-    Needs ``info["batch_size"]``. Costs one BackPACK ``SumGradSquared``.
+    Declared sums per parameter: ``sum_i x_ij`` (``param.grad``) and
+    ``sum_i x_ij**2`` (one BackPACK ``SumGradSquared``, read, never altered).
+    Needs ``info["batch_size"]``.
     With batch size 1 no variance is defined: nothing is recorded, with one
     warning.
 
@@ -34,6 +36,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     """
 
     extension_classes = (SumOfSquaredContributions,)
+    sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM}
 
     def __init__(
         self,
@@ -57,16 +60,21 @@ class GradientVarianceQuantiles(ParameterQuantity):
             return None
         return batch_size
 
-    def parameter_value(self, param, batch_size):
-        grad = param.grad.detach()
-        # The sum of squares is read only here: sd takes its memory, and the
-        # savefield goes, so nothing can read it as a sum of squares again.
-        sd = functional.gradient_sd(param.cgn_sum_grad_squared, grad, batch_size, in_place=True)
-        del param.cgn_sum_grad_squared
+    def parameter_sums(self, param, batch_size):
+        # References to what the backward pass left, never altered: another
+        # quantity may read the same savefield in the same step.
+        return {
+            "sum_of_contributions": param.grad.detach(),
+            "sum_of_squared_contributions": param.cgn_sum_grad_squared,
+        }
+
+    def value_from_sums(self, sums, batch_size):
+        grad = sums["sum_of_contributions"]
+        sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch_size)
         # SNR is elementwise: the network's elements are the layers', computed once.
         snr = functional.sorted_signal_to_noise(grad, sd)
-        # Sorted once, in place: the layer's statistics index into them and the
-        # network's are found in them without joining (functional.sorted_summary).
+        # sd is ours: sorted once, in place; the layer's statistics index into it
+        # and the network's are found in the layers' without joining them.
         return [functional.sort_values_(sd)], [snr]
 
     def network_value(self, values):

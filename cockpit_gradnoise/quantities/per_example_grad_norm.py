@@ -1,8 +1,8 @@
 """Per-example gradient norms, per layer, from one backward pass."""
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import functional, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
-from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity, check_example_count
 
 
 class PerExampleGradNorm(ParameterQuantity):
@@ -28,6 +28,7 @@ class PerExampleGradNorm(ParameterQuantity):
     """
 
     extension_classes = (PerExampleSquaredNorms,)
+    sums = {"squared_norms": CAT}
 
     def __init__(
         self, track_schedule, *, quantiles=(0.05, 0.5, 0.95), param_names=None, verbose=False
@@ -36,13 +37,19 @@ class PerExampleGradNorm(ParameterQuantity):
         self.quantiles = functional.check_quantile_levels(quantiles)
 
     def prepare(self, global_step, params):
-        return functional.loss_scale(
-            self.info(global_step, "loss"), self.info(global_step, "individual_losses")
-        )
+        individual_losses = self.info(global_step, "individual_losses")
+        scale = functional.loss_scale(self.info(global_step, "loss"), individual_losses)
+        return scale, individual_losses.numel()
 
-    def parameter_value(self, param, scale):
+    def parameter_sums(self, param, context):
+        scale, n = context
+        squared_norms = param.cgn_batch_l2.detach()
+        check_example_count(squared_norms.shape[0], n)
         # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2.
-        return param.cgn_batch_l2.detach() / scale**2
+        return {"squared_norms": squared_norms / scale**2}
+
+    def value_from_sums(self, sums, context):
+        return sums["squared_norms"]
 
     def network_value(self, values):
         return sum(values)
@@ -51,4 +58,4 @@ class PerExampleGradNorm(ParameterQuantity):
         return functional.batch_norm_statistics(squared_norms, self.quantiles)
 
     def statistic_names(self):
-        return [functional.quantile_name(q) for q in self.quantiles] + ["mean", "max"]
+        return schema.norm_statistic_names(self.quantiles)

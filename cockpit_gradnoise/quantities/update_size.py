@@ -14,13 +14,19 @@ round-trips the items through ``__json_encode__``/``__json_decode__``.
 """
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
 from cockpit_gradnoise import functional
-from cockpit_gradnoise.frame import decode_float, encode_float
-from cockpit_gradnoise.quantities._base import NETWORK, ParameterQuantity
+from cockpit_gradnoise.quantities._base import TwoStepParameterQuantity
+from cockpit_gradnoise.schema import (
+    NETWORK,
+    UPDATE_NORM,
+    UPDATE_RELATIVE,
+    decode_float,
+    encode_float,
+)
 
 
 class LayerUpdate:
@@ -61,7 +67,10 @@ class LayerUpdate:
             math.sqrt(sum(u.start_norm**2 for u in updates)),
         )
         return {
-            u.name: {"norm": u.norm, "relative": functional.ratio_or_inf(u.norm, u.start_norm)}
+            u.name: {
+                UPDATE_NORM: u.norm,
+                UPDATE_RELATIVE: functional.ratio_or_inf(u.norm, u.start_norm),
+            }
             for u in list(updates) + [network]
         }
 
@@ -79,7 +88,7 @@ class LayerUpdate:
         return f"LayerUpdate({self.name!r}, norm={self.norm!r}, start_norm={self.start_norm!r})"
 
 
-class UpdateSize(ParameterQuantity):
+class UpdateSize(TwoStepParameterQuantity):
     """How far does each step move each layer, absolutely and relative to its size?
 
     Under step ``s`` it stores the update of one optimizer step,
@@ -117,47 +126,43 @@ class UpdateSize(ParameterQuantity):
     def __init__(self, track_schedule, *, param_names=None, verbose=False, cache_on_cpu=False):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.cache_on_cpu = bool(cache_on_cpu)
-        self._cache_step: Optional[int] = None
-        self._cache: List[torch.Tensor] = []
 
-    def should_compute(self, global_step):
-        # Also run at the call after a start, to use or drop the cache.
-        return bool(self._track_schedule(global_step)) or self._cache_step is not None
+    def start(self, params, reuse) -> List[torch.Tensor]:
+        """A copy of ``params``, in ``reuse``'s tensors where they fit."""
+        reuse = reuse or []
+        return [
+            self._copy_into(reuse[i] if i < len(reuse) else None, param)
+            for i, param in enumerate(params)
+        ]
 
-    def compute(self, global_step, params, batch_loss):
-        """Measure the update since the cached step, then cache this step if scheduled.
+    def end(self, cache, params, names) -> List[LayerUpdate]:
+        """One :class:`LayerUpdate` per parameter; overwrites ``cache`` with the update."""
+        updates = []
+        for name, buffer, param in zip(names, cache, params):
+            start_norm = math.sqrt(functional.squared_norm(buffer))
+            # The cache is overwritten next or dropped: reuse it for the difference.
+            norm = math.sqrt(functional.squared_norm(buffer.sub_(param.detach().to(buffer.device))))
+            updates.append(LayerUpdate(name, norm, start_norm))
+        return updates
 
-        Returns:
-            ``(s, [LayerUpdate, ...])`` when the cache holds step ``s = global_step - 1``,
-            else ``(global_step, None)`` (nothing stored).
-        """
-        names = self.names(params)
-        start, buffers = self._cache_step, self._cache
-        self._cache_step, self._cache = None, []
-        ends = start == global_step - 1 and self._matches(buffers, params)
-        starts = bool(self._track_schedule(global_step))
-        norms, start_norms, kept = [], [], []
-        for index, param in enumerate(params):
-            buffer = buffers[index] if index < len(buffers) else None
-            if ends:
-                current = param.detach().to(buffer.device)
-                start_norms.append(math.sqrt(functional.squared_norm(buffer)))
-                # The buffer is overwritten below or dropped: reuse it for the difference.
-                norms.append(math.sqrt(functional.squared_norm(buffer.sub_(current))))
-            if starts:
-                kept.append(self._copy_into(buffer, param))
-        if starts:
-            self._cache_step, self._cache = global_step, kept
-        if ends:
-            return start, [LayerUpdate(*row) for row in zip(names, norms, start_norms)]
-        return global_step, None
+    def cache_matches(self, cache, params) -> bool:
+        """Whether the cache holds one tensor per parameter, shaped alike."""
+        if len(cache) == len(params) and all(b.shape == p.shape for b, p in zip(cache, params)):
+            return True
+        self.warn_once(
+            "changed-parameters",
+            "the parameters changed shape or number between two steps; no update "
+            "size is stored for that step",
+        )
+        return False
 
-    def statistic_names(self):
-        return ["norm", "relative"]
+    def cached_tensors(self) -> List[torch.Tensor]:
+        """The cached copy of the parameters (empty when none)."""
+        return list(self._cache or [])
 
     def cached_bytes(self) -> int:
         """Bytes held by the cached copy of the parameters (0 when none)."""
-        return sum(t.numel() * t.element_size() for t in self._cache)
+        return sum(t.numel() * t.element_size() for t in self.cached_tensors())
 
     def _copy_into(self, buffer, param):
         """``param``'s values in ``buffer`` if it fits, else in a new tensor."""
@@ -171,16 +176,3 @@ class UpdateSize(ParameterQuantity):
         ):
             return source.to(device=device, copy=True)
         return buffer.copy_(source)
-
-    def _matches(self, buffers, params) -> bool:
-        """Whether the cache holds one tensor per parameter, shaped alike."""
-        if len(buffers) == len(params) and all(
-            b.shape == p.shape for b, p in zip(buffers, params)
-        ):
-            return True
-        self.warn_once(
-            "changed-parameters",
-            "the parameters changed shape or number between two steps; no update "
-            "size is stored for that step",
-        )
-        return False
