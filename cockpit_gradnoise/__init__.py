@@ -33,6 +33,8 @@ _EXPORTS = {
     "minibatch_gradient_stats": ("cockpit_gradnoise.minibatch", "minibatch_gradient_stats"),
     "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),
     "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
+    "register_extensions": ("cockpit_gradnoise.extensions", "register_extensions"),
+    "unregister_extensions": ("cockpit_gradnoise.extensions", "unregister_extensions"),
     "ParameterQuantity": ("cockpit_gradnoise.quantities", "ParameterQuantity"),
     "GradientVarianceQuantiles": ("cockpit_gradnoise.quantities", "GradientVarianceQuantiles"),
     "PerExampleGradNorm": ("cockpit_gradnoise.quantities", "PerExampleGradNorm"),

@@ -64,6 +64,27 @@ def embedding():
     return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Tanh(), nn.Linear(3 * 4, 3))
 
 
+def layernorm_sequence():
+    """Linear along a sequence (BackPACK's extra dimensions), then LayerNorm."""
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.LayerNorm(6), nn.GELU(), nn.Flatten(), nn.Linear(3 * 6, 3)
+    )
+
+
+def groupnorm_cnn():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    )
+
+
+def rmsnorm_mlp():
+    return nn.Sequential(nn.Linear(6, 5), nn.RMSNorm(5), nn.Tanh(), nn.Linear(5, 3))
+
+
 @dataclass(frozen=True)
 class ModelCase:
     """A model and how to draw its inputs (targets are 3 classes)."""
@@ -83,6 +104,9 @@ MODELS = [
     ModelCase("conv-one-position", conv_one_position, lambda n: torch.randn(n, 2, 3, 3)),
     ModelCase("embedding", embedding, lambda n: torch.randint(0, 10, (n, 3))),
     ModelCase("unused-frozen", WithUnusedAndFrozen, lambda n: torch.randn(n, 6)),
+    ModelCase("layernorm-sequence", layernorm_sequence, lambda n: torch.randn(n, 3, 4)),
+    ModelCase("groupnorm-cnn", groupnorm_cnn, lambda n: torch.randn(n, 2, 5, 5)),
+    ModelCase("rmsnorm-mlp", rmsnorm_mlp, lambda n: torch.randn(n, 6)),
 ]
 REDUCTIONS = ["mean", "sum"]
 BATCH_SIZES = [2, 7, 64]

@@ -23,7 +23,7 @@ from backpack.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSqu
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from torch import nn
 
-from cockpit_gradnoise import extensions_normalization as norms
+from cockpit_gradnoise.extensions import normalization as norms
 from cockpit_gradnoise import references
 
 RTOL = 1e-10
@@ -364,7 +364,7 @@ import warnings, torch
 from torch import nn
 from backpack import backpack, extend
 from backpack.extensions import BatchGrad
-import cockpit_gradnoise.extensions_normalization
+import cockpit_gradnoise.extensions.normalization
 
 model = extend(nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5)))
 with warnings.catch_warnings(record=True) as caught:

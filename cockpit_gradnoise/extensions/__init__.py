@@ -10,7 +10,10 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   warn once, naming the parameters) instead of failing on every step;
 - ``Embedding`` works for any dtype (:mod:`.embedding`);
 - convolution weights get exact per-example norms for any ``groups`` and the
-  cheaper of two computations (:mod:`.convolution`).
+  cheaper of two computations (:mod:`.convolution`);
+- ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
+  (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
+  extensions, and so Cockpit's quantities, the same rows).
 
 A new layer is supported by adding one row to a table below.
 """
@@ -35,10 +38,18 @@ from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
 
-from cockpit_gradnoise.extensions import convolution, embedding
+from backpack.extensions import BatchL2Grad, SumGradSquared
+
+from cockpit_gradnoise.extensions import convolution, embedding, normalization
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
+
+
+def _normalization_rows(extension_class):
+    """LayerNorm, GroupNorm and RMSNorm rows of one BackPACK extension (:mod:`.normalization`)."""
+    rows = normalization.NORMALIZATION_MODULE_EXTENSIONS[extension_class]
+    return {module_class: module_extension() for module_class, module_extension in rows.items()}
 
 
 def per_example_squared_norm_table():
@@ -57,6 +68,7 @@ def per_example_squared_norm_table():
         nn.BatchNorm2d: l2_batchnorm.BatchL2BatchNorm(),
         nn.BatchNorm3d: l2_batchnorm.BatchL2BatchNorm(),
         nn.Embedding: embedding.BatchL2EmbeddingAnyDtype(),
+        **_normalization_rows(BatchL2Grad),
     }
 
 
@@ -76,6 +88,7 @@ def sum_of_squares_table():
         nn.BatchNorm2d: sgs_batchnorm.SGSBatchNormNd(),
         nn.BatchNorm3d: sgs_batchnorm.SGSBatchNormNd(),
         nn.Embedding: embedding.SGSEmbeddingAnyDtype(),
+        **_normalization_rows(SumGradSquared),
     }
 
 
@@ -99,3 +112,21 @@ class SumOfSquaredContributions(FirstOrderBackpropExtension):
             module_exts=sum_of_squares_table(),
             fail_mode=FAIL_SILENT,
         )
+
+
+def register_extensions() -> None:
+    """Give BackPACK's own first-order extensions this package's layer support.
+
+    After this call, every ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``
+    and ``Variance`` constructed (by you, by Cockpit's own quantities) supports
+    ``LayerNorm``, ``GroupNorm`` and ``RMSNorm``, so Cockpit's quantities stop
+    failing on models with these layers. Importing the package changes nothing
+    in BackPACK; only this call does. Undo it with :func:`unregister_extensions`.
+    This package's own quantities do not need it.
+    """
+    normalization.register_normalization_extensions_globally()
+
+
+def unregister_extensions() -> None:
+    """Undo :func:`register_extensions` for extensions constructed from now on."""
+    normalization.unregister_normalization_extensions_globally()
