@@ -33,6 +33,7 @@ _EXPORTS = {
     "minibatch_gradient_stats": ("cockpit_gradnoise.minibatch", "minibatch_gradient_stats"),
     "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),
     "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
+    "prepare_model": ("cockpit_gradnoise.prepare", "prepare_model"),
     "register_extensions": ("cockpit_gradnoise.extensions", "register_extensions"),
     "unregister_extensions": ("cockpit_gradnoise.extensions", "unregister_extensions"),
     "ParameterQuantity": ("cockpit_gradnoise.quantities", "ParameterQuantity"),

@@ -4,14 +4,16 @@ Every quantity is checked against its reference in ``cockpit_gradnoise.reference
 over the product of ``MODELS`` x ``REDUCTIONS`` x ``BATCH_SIZES``, in float64.
 """
 
+import copy
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 from backpack import extend
 from torch import nn
 
-from cockpit_gradnoise import Cockpit
+from cockpit_gradnoise import Cockpit, prepare_model
 
 
 class WithUnusedAndFrozen(nn.Module):
@@ -64,6 +66,13 @@ def embedding():
     return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Tanh(), nn.Linear(3 * 4, 3))
 
 
+def resnet18():
+    """torchvision's ResNet-18 in eval mode (BatchNorm with running statistics)."""
+    from torchvision.models import resnet18 as torchvision_resnet18
+
+    return torchvision_resnet18(num_classes=3).eval()
+
+
 def layernorm_sequence():
     """Linear along a sequence (BackPACK's extra dimensions), then LayerNorm."""
     return nn.Sequential(
@@ -92,6 +101,8 @@ class ModelCase:
     name: str
     make: Callable[[], nn.Module]
     inputs: Callable[[int], torch.Tensor]
+    #: Batch sizes to test (``BATCH_SIZES`` if ``None``): fewer for large models.
+    batch_sizes: Optional[Tuple[int, ...]] = None
 
 
 MODELS = [
@@ -107,8 +118,14 @@ MODELS = [
     ModelCase("layernorm-sequence", layernorm_sequence, lambda n: torch.randn(n, 3, 4)),
     ModelCase("groupnorm-cnn", groupnorm_cnn, lambda n: torch.randn(n, 2, 5, 5)),
     ModelCase("rmsnorm-mlp", rmsnorm_mlp, lambda n: torch.randn(n, 6)),
+    ModelCase("resnet18", resnet18, lambda n: torch.randn(n, 3, 32, 32), batch_sizes=(3,)),
 ]
 REDUCTIONS = ["mean", "sum"]
+
+
+def case_named(name: str) -> ModelCase:
+    """The case of ``MODELS`` called ``name``."""
+    return next(case for case in MODELS if case.name == name)
 BATCH_SIZES = [2, 7, 64]
 
 
@@ -133,10 +150,22 @@ class Problem:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+@functools.lru_cache(maxsize=None)
+def _prepared(case: ModelCase, dtype, seed):
+    """The seeded, prepared model of ``case`` and the random state after building it.
+
+    Cached: BackPACK's converter takes seconds on a ResNet.
+    """
+    torch.manual_seed(seed)
+    model = prepare_model(case.make().to(dtype))
+    return model, torch.get_rng_state()
+
+
 def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) -> Problem:
     """Seeded model and batch of ``n`` examples for ``case``."""
-    torch.manual_seed(seed)
-    model = extend(case.make().to(dtype))
+    model, random_state = _prepared(case, dtype, seed)
+    model = copy.deepcopy(model)
+    torch.set_rng_state(random_state)
     inputs = case.inputs(n)
     if inputs.is_floating_point():
         inputs = inputs.to(dtype)

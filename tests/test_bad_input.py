@@ -49,10 +49,22 @@ def test_model_not_extended_names_backpack_extend(quantity_class):
         run_step(problem, [quantity])
 
 
-def layer_norm_problem(n=6):
+class ChannelScale(nn.Module):
+    """A custom module that uses its parameters directly: no per-example rule exists."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+        self.bias = nn.Parameter(torch.zeros(features))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def custom_module_problem(n=6):
     torch.manual_seed(0)
     model = extend(
-        nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.ReLU(), nn.Linear(5, 3)).double()
+        nn.Sequential(nn.Linear(4, 5), ChannelScale(5), nn.ReLU(), nn.Linear(5, 3)).double()
     )
     return Problem(
         model, extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none"),
@@ -61,9 +73,8 @@ def layer_norm_problem(n=6):
 
 
 def test_unsupported_layer_is_left_out_with_one_warning():
-    """LayerNorm's parameters get no rows; every other parameter is exact (Cockpit
-    itself crashes on such a model)."""
-    problem = layer_norm_problem()
+    """A custom module's parameters get no rows; every other parameter is exact."""
+    problem = custom_module_problem()
     cockpit, messages = track_recording_warnings(problem)
     assert len(messages) == 2, messages  # one per quantity, not per step
     assert all("['1.weight', '1.bias']" in m and "does not support" in m for m in messages)

@@ -8,6 +8,8 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   same extensions that Cockpit's own quantities request in one backward pass;
 - unsupported layers are skipped silently (``FAIL_SILENT``: the quantities
   warn once, naming the parameters) instead of failing on every step;
+- ``BatchNorm`` in training mode gives each example's contribution through
+  the batch and records that examples interact (:mod:`.batchnorm`);
 - ``Embedding`` works for any dtype (:mod:`.embedding`);
 - convolution weights get exact per-example norms for any ``groups`` and the
   cheaper of two computations (:mod:`.convolution`);
@@ -20,12 +22,8 @@ A new layer is supported by adding one row to a table below.
 
 from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
-from backpack.extensions.firstorder.batch_l2_grad import batchnorm_nd as l2_batchnorm
 from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
-from backpack.extensions.firstorder.sum_grad_squared import (
-    batchnorm_nd as sgs_batchnorm,
-)
 from backpack.extensions.firstorder.sum_grad_squared import (
     conv1d,
     conv2d,
@@ -40,7 +38,7 @@ from torch import nn
 
 from backpack.extensions import BatchL2Grad, SumGradSquared
 
-from cockpit_gradnoise.extensions import convolution, embedding, normalization
+from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
@@ -64,9 +62,9 @@ def per_example_squared_norm_table():
         nn.ConvTranspose3d: convolution.BatchL2ConvTranspose3dExact(),
         nn.RNN: l2_rnn.BatchL2RNN(),
         nn.LSTM: l2_rnn.BatchL2LSTM(),
-        nn.BatchNorm1d: l2_batchnorm.BatchL2BatchNorm(),
-        nn.BatchNorm2d: l2_batchnorm.BatchL2BatchNorm(),
-        nn.BatchNorm3d: l2_batchnorm.BatchL2BatchNorm(),
+        nn.BatchNorm1d: batchnorm.BatchL2BatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.BatchL2BatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.BatchL2BatchNormAnyMode(),
         nn.Embedding: embedding.BatchL2EmbeddingAnyDtype(),
         **_normalization_rows(BatchL2Grad),
     }
@@ -84,9 +82,9 @@ def sum_of_squares_table():
         nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d(),
         nn.RNN: sgs_rnn.SGSRNN(),
         nn.LSTM: sgs_rnn.SGSLSTM(),
-        nn.BatchNorm1d: sgs_batchnorm.SGSBatchNormNd(),
-        nn.BatchNorm2d: sgs_batchnorm.SGSBatchNormNd(),
-        nn.BatchNorm3d: sgs_batchnorm.SGSBatchNormNd(),
+        nn.BatchNorm1d: batchnorm.SGSBatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.SGSBatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.SGSBatchNormAnyMode(),
         nn.Embedding: embedding.SGSEmbeddingAnyDtype(),
         **_normalization_rows(SumGradSquared),
     }

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.extensions.batchnorm import BACKWARD_FACTS
 from cockpit_gradnoise.schema import (
     NETWORK,
     PARAMS_COVERED,
@@ -180,6 +181,8 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
     extension_classes: Sequence[type] = ()
     sums: Mapping[str, str] = {}
+    #: Added to the warning when examples interact (BatchNorm in training mode).
+    interaction_caveat: str = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -244,6 +247,8 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """BackPACK extensions to run at ``global_step`` (none if not tracked)."""
         if not self.should_compute(global_step):
             return []
+        if self._extensions:
+            BACKWARD_FACTS.reset()  # Cockpit asks before the backward pass and after
         return list(self._extensions)
 
     def protected_savefields(self, global_step):
@@ -266,6 +271,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         context = self.prepare(global_step, params)
         if context is None:
             return None
+        self._warn_if_examples_interact()
         usable = self._usable_parameters(names, params)
         finite = [(name, param) for name, param in usable if self._is_finite(param)]
         non_finite = [name for name, _ in usable if name not in dict(finite)]
@@ -322,6 +328,17 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 "statistic_names() does not list: declare every name it can return"
             )
         self._checked_names = True
+
+    def _warn_if_examples_interact(self):
+        if self._extensions and BACKWARD_FACTS.examples_interact:
+            self.warn_once(
+                "examples-interact",
+                "a BatchNorm layer is in training mode, so examples interact through "
+                "the batch statistics: the statistics are those of each example's "
+                "contribution to param.grad backpropagated through the batch (they "
+                "sum to param.grad), not of independent per-example gradients"
+                + self.interaction_caveat,
+            )
 
     def _warn_if_distributed(self):
         # Only per-example results (BackPACK's) are rank-local; param.grad is not.

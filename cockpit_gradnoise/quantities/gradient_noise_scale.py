@@ -54,6 +54,7 @@ class GradientNoiseScale(ParameterQuantity):
 
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
+    interaction_caveat = "; the estimates' unbiasedness assumes independent examples"
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False
