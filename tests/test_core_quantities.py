@@ -133,7 +133,9 @@ def test_identical_alone_together_and_with_cockpit_full_configuration(case, tmp_
 def pandas_concat(frames):
     import pandas
 
-    return pandas.concat(frames).sort_values(["step", "quantity", "param", "statistic"], ignore_index=True)
+    # As to_frame: by step and quantity, each quantity's rows in stored order.
+    return pandas.concat(frames).sort_values(["step", "quantity"], kind="stable",
+                                             ignore_index=True)
 
 
 def test_output_steps_equal_schedule_steps():
