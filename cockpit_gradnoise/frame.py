@@ -27,6 +27,7 @@ from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-expo
     decode_float,
     encode_float,
     encode_statistics,
+    ratio_or_inf,
 )
 
 COLUMNS = ["step", "quantity", "param", "statistic", "value"]
@@ -146,16 +147,6 @@ def write_log(cockpit, path) -> Path:
     return path
 
 
-def _ratio_or_inf(numerator: float, denominator: float) -> float:
-    """``numerator / denominator``, ``+inf`` when ``denominator <= 0``, NaN from NaN.
-
-    The rule of :func:`cockpit_gradnoise.functional.ratio_or_inf`, without torch.
-    """
-    if math.isnan(numerator) or math.isnan(denominator):
-        return math.nan
-    return math.inf if denominator <= 0 else numerator / denominator
-
-
 def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
     """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
 
@@ -171,7 +162,7 @@ def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
         math.sqrt(sum(u.start_norm**2 for u in updates)),
     )
     return {
-        u.name: {UPDATE_NORM: u.norm, UPDATE_RELATIVE: _ratio_or_inf(u.norm, u.start_norm)}
+        u.name: {UPDATE_NORM: u.norm, UPDATE_RELATIVE: ratio_or_inf(u.norm, u.start_norm)}
         for u in [*updates, network]
     }
 

@@ -47,11 +47,15 @@ def rows(cockpit, quantity, step=0):
     return result
 
 
-def sd_rtol(grads, n, name):
+def sd_rtol(grads, n, name, inner_terms=1):
     """Relative tolerance of sd and SNR statistics of parameter ``name``, from rounding.
 
-    ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``; a relative
-    rounding error ``delta <= 2 N eps`` in those sums becomes a relative error
+    ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``. Each
+    ``x_ij`` is itself a sum of up to ``inner_terms`` products (over output
+    positions or sequence steps), computed in different orders by BackPACK and
+    by the reference, so it is off by up to ``inner_terms * eps`` relative; the
+    sums over examples add ``N eps``. A relative rounding error
+    ``delta <= 2 (N + inner_terms) eps`` in those sums becomes a relative error
     ``delta * (1 + SNR_j**2 / (N - 1))`` in ``sd_j**2`` (because
     ``sum_i x_ij**2 / centred = 1 + SNR_j**2 / (N - 1)``), half that in
     ``sd_j`` and in ``SNR_j``. The largest ``SNR_j`` bounds every statistic.
@@ -60,7 +64,7 @@ def sd_rtol(grads, n, name):
     x = torch.cat(rows, dim=1)
     sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
     snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
-    return max(RTOL, 2 * n * EPS64 * (1 + snr_max**2 / (n - 1)))
+    return max(RTOL, 2 * (n + inner_terms) * EPS64 * (1 + snr_max**2 / (n - 1)))
 
 
 def rounding_bounds(n, elements, grad_sq, trace_cov):

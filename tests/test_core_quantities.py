@@ -38,7 +38,9 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
     grads = references.per_example_gradients(
         problem.model, problem.per_example_loss, problem.inputs, problem.targets
     )
-    sd_tolerances = {name: sd_rtol(grads, batch_size, name) for name in expected}
+    sd_tolerances = {
+        name: sd_rtol(grads, batch_size, name, model_case.inner_terms) for name in expected
+    }
 
     def rtol_of(name, statistic):
         return sd_tolerances[name]

@@ -39,6 +39,7 @@ from torch import nn
 from backpack.extensions import BatchL2Grad, SumGradSquared
 
 from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
@@ -90,7 +91,15 @@ def sum_of_squares_table():
     }
 
 
-class PerExampleSquaredNorms(FirstOrderBackpropExtension):
+class _RecordingExtension(FirstOrderBackpropExtension):
+    """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
+
+    def __call__(self, module, g_inp, g_out):
+        super().__call__(module, g_inp, g_out)
+        BACKWARD_FACTS.record(self, module, g_out)
+
+
+class PerExampleSquaredNorms(_RecordingExtension):
     """``||x_i||^2`` per example and parameter, saved as ``param.cgn_batch_l2`` (``[N]``)."""
 
     def __init__(self):
@@ -101,7 +110,7 @@ class PerExampleSquaredNorms(FirstOrderBackpropExtension):
         )
 
 
-class SumOfSquaredContributions(FirstOrderBackpropExtension):
+class SumOfSquaredContributions(_RecordingExtension):
     """``sum_i x_i**2`` per element, saved as ``param.cgn_sum_grad_squared``."""
 
     def __init__(self):

@@ -10,26 +10,14 @@ usual per-example formula applied to the output gradient of the whole batch's
 loss. BackPACK computes exactly these once its training-mode check is off.
 
 The module extensions below turn the check off and record in
-:data:`BACKWARD_FACTS` that a layer in training mode was met, so that the
-quantities can say so. (Cockpit runs one instance of each extension class
-for all quantities that request it, so the record cannot live on an instance.)
+:data:`~cockpit_gradnoise.extensions.facts.BACKWARD_FACTS` that a layer in
+training mode was met, so that the quantities can say so.
 """
 
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import SGSBatchNormNd
 
-
-class BackwardFacts:
-    """Facts about the current backward pass; quantities reset them before it."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.examples_interact = False
-
-
-BACKWARD_FACTS = BackwardFacts()
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 
 class _AnyModeMixin:

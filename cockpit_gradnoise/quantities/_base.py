@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from cockpit_gradnoise._compat import import_cockpit
-from cockpit_gradnoise.extensions.batchnorm import BACKWARD_FACTS
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 from cockpit_gradnoise.schema import (
     NETWORK,
     PARAMS_COVERED,
@@ -272,7 +272,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         if context is None:
             return None
         self._warn_if_examples_interact()
-        usable = self._usable_parameters(names, params)
+        usable = self._usable_parameters(names, params, self._batch_size(global_step))
         finite = [(name, param) for name, param in usable if self._is_finite(param)]
         non_finite = [name for name, _ in usable if name not in dict(finite)]
         # One parameter at a time: a parameter's sums are freed once its value is formed.
@@ -351,7 +351,48 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 "combine both with param.grad are not valid; track on one process",
             )
 
-    def _usable_parameters(self, names, params):
+    def _refuse_shared(self, named):
+        shared = [n for n, p in named if BACKWARD_FACTS.shared(p)]
+        if shared:
+            raise ValueError(
+                f"{type(self).__name__}: parameters {shared} are used by several layers "
+                "(tied weights, e.g. an output layer sharing the embedding matrix). "
+                "BackPACK's per-example results of one use would overwrite the "
+                "other's, so no per-example statistic of them would be right: untie "
+                "them, or track them with ParamGradRatio and UpdateSize only"
+            )
+
+    def _without_batchless(self, named, batch_size):
+        """``named`` without parameters of layers applied without the batch dimension."""
+        if batch_size is None:
+            return named
+        batchless = {
+            n: BACKWARD_FACTS.leading_sizes[id(p)]
+            for n, p in named
+            if BACKWARD_FACTS.leading_sizes.get(id(p), batch_size) != batch_size
+        }
+        if batchless:
+            self.warn_once(
+                "batchless",
+                f"parameters {sorted(batchless)} belong to layers applied without the "
+                f"batch dimension (their output leads with {sorted(set(batchless.values()))}, "
+                f"the batch has {batch_size} examples), e.g. wpe(torch.arange(T)) "
+                "broadcast over the batch: apply them to every example, "
+                "wpe(pos.expand(B, T)), to get their rows; they have no rows and are "
+                f"left out of {NETWORK!r}",
+            )
+        return [(n, p) for n, p in named if n not in batchless]
+
+    def _batch_size(self, global_step) -> Optional[int]:
+        """The batch's number of examples from ``info``, ``None`` if it holds none."""
+        info = CockpitCTX.INFO.get(global_step, {})
+        if "individual_losses" in info:
+            return int(info["individual_losses"].shape[0])
+        if "batch_size" in info:
+            return int(info["batch_size"])
+        return None
+
+    def _usable_parameters(self, names, params, batch_size=None):
         """``(name, param)`` pairs that have every result needed; warn about the rest."""
         trainable = [(n, p) for n, p in zip(names, params) if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
@@ -361,9 +402,12 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             for n, p in with_grad
             if all(hasattr(p, field) for field in self._savefields)
         ]
-        usable_names = {n for n, _ in usable}
-        unsupported = [n for n, _ in with_grad if n not in usable_names]
-        if with_grad and not usable:
+        supported = {n for n, _ in usable}
+        unsupported = [n for n, _ in with_grad if n not in supported]
+        if self._savefields:
+            self._refuse_shared(usable)
+            usable = self._without_batchless(usable, batch_size)
+        if with_grad and not supported:
             raise RuntimeError(
                 f"{type(self).__name__}: no parameter received BackPACK's results "
                 f"({', '.join(self._savefields)}). Extend the model and the loss "
