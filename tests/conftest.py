@@ -4,7 +4,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pytest  # noqa: E402
 
 from tests.cases import BATCH_SIZES, MODELS, REDUCTIONS  # noqa: E402
 

@@ -100,7 +100,7 @@ def test_bad_quantiles_fail_at_construction(quantity_class, quantiles):
 def test_param_names_must_match_parameters():
     problem = build(MODELS[0], 3, "mean")
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=["only-one"])
-    with pytest.raises(ValueError, match="2 param_names for 4 parameters|1 param_names for 4"):
+    with pytest.raises(ValueError, match="got 1 param_names for 4 parameters"):
         run_step(problem, [quantity])
 
 

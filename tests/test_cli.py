@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, report  # noqa: E402
-from tests.test_panels import DIGITS_BATCH_SIZE, digits_run  # noqa: E402
+from tests.figures import DIGITS_BATCH_SIZE, digits_run  # noqa: E402
 
 SCRIPT = Path(sys.executable).parent / "cockpit-gradnoise"
 ROOT = Path(__file__).resolve().parent.parent

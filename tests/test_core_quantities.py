@@ -14,7 +14,7 @@ from cockpit.utils.schedules import linear
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from tests.cases import MODELS, build, case_named, run_step
-from tests.helpers import RTOL, assert_statistics_match, sd_rtol
+from tests.helpers import assert_statistics_match, sd_rtol
 
 
 

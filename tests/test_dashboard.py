@@ -19,30 +19,16 @@ import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import dashboard, panels  # noqa: E402
 from experiments.train_digits import make_quantities  # noqa: E402
 from tests.cases import ModelCase, build, run_step  # noqa: E402
-from tests.test_panels import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
+from tests.figures import (  # noqa: E402
+    DIGITS_BATCH_SIZE,
+    TITLES,
+    digits_run,
+    labelled,
+    panel_axes,
+    series,
+)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "dashboard.md"
-
-#: A distinctive part of each panel's title.
-TITLES = {
-    "GradientVarianceQuantiles": "sd of grad elements",
-    "PerExampleGradNorm": "per-example gradient norms",
-    "GradientNoiseScale": "gradient noise scale",
-    "ParamGradRatio": "||theta|| / ||grad||",
-    "UpdateSize": "relative update size",
-}
-HEATMAP_TITLE = "per layer (GradientVarianceQuantiles"
-
-
-def panel_axes(fig):
-    """``{quantity or "heatmap": axes}`` found by title."""
-    found = {}
-    for ax in fig.axes:
-        for quantity, title in {**TITLES, "heatmap": HEATMAP_TITLE}.items():
-            if title in ax.get_title():
-                found[quantity] = ax
-    return found
-
 
 def constrained():
     return Figure(layout="constrained")

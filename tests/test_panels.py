@@ -1,18 +1,10 @@
 """Panels: each draws the right data, labels and scales from a real training log.
 
 The log comes from the main job itself (``experiments.train_digits.main``, one
-short epoch), run once per test process by :func:`digits_run`; test_dashboard
-and test_cli use it too.
+short epoch), run once per test process by :func:`tests.figures.digits_run`.
 """
 
-import atexit
-import contextlib
-import functools
-import io
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
 import matplotlib
 
@@ -22,7 +14,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
 import pandas  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import cockpit_gradnoise as cgn  # noqa: E402
@@ -30,28 +21,7 @@ from cockpit_gradnoise import panels  # noqa: E402
 from cockpit_gradnoise._layers import layer_order, noisiest_layers  # noqa: E402
 from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
-
-#: The main job's options for the test run: 23 steps, 12 of them tracked.
-DIGITS_ARGS = ["--epochs", "1", "--batch-size", "64", "--track-every", "2"]
-DIGITS_BATCH_SIZE = 64
-
-
-@functools.lru_cache(maxsize=None)
-def digits_run() -> Path:
-    """Run the main job once per process; return its output folder."""
-    from experiments import train_digits
-
-    out = Path(tempfile.mkdtemp(prefix="cgn-digits-"))
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two small processes per core run faster single-threaded
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            train_digits.main(["--out", str(out), *DIGITS_ARGS])
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
+from tests.figures import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
 
 @pytest.fixture(scope="module")
 def frame():
@@ -67,18 +37,6 @@ def render(draw, tmp_path, **kwargs):
     fig.savefig(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return ax, result
-
-
-def series(frame, quantity, param, statistic):
-    rows = frame[(frame.quantity == quantity) & (frame.param == param)
-                 & (frame.statistic == statistic)].sort_values("step")
-    return rows.step.to_numpy(), rows.value.to_numpy()
-
-
-def labelled(ax):
-    """``{label: line}`` of the lines with a legend label, but the zero marks' entry."""
-    return {line.get_label(): line for line in ax.lines
-            if not line.get_label().startswith("_") and line.get_label() != panels.ZERO_LABEL}
 
 
 def on_log_scale(values):

@@ -29,8 +29,7 @@ from cockpit_gradnoise.schema import (  # noqa: E402
     PER_EXAMPLE_NORM,
     UPDATE_SIZE,
 )
-from tests.test_dashboard import panel_axes  # noqa: E402
-from tests.test_panels import labelled  # noqa: E402
+from tests.figures import labelled, panel_axes  # noqa: E402
 
 #: Model order; by name it would be head, layer1, stem.
 MODEL_ORDER = ["stem.weight", "layer1.weight", "head.weight"]
