@@ -13,7 +13,8 @@ import torch
 from backpack import extend
 from torch import nn
 
-from cockpit_gradnoise import Cockpit, convert_attention, prepare_model
+from cockpit_gradnoise import Cockpit, prepare_model
+from experiments.models import GPT, TokenCrossEntropy
 
 
 class WithUnusedAndFrozen(nn.Module):
@@ -97,99 +98,8 @@ def rmsnorm_mlp():
 VOCABULARY, CONTEXT, WIDTH, HEADS = 11, 4, 8, 2
 
 
-class CausalSelfAttention(nn.Module):
-    """GPT-style attention written from nn.Linear: no conversion needed.
-
-    Without a bias on the input projection: a key bias adds a constant to every
-    score of a query, which softmax removes, so its gradient is exactly zero and
-    computed as rounding noise (about 1e-20 here), whose sd no two computations
-    agree on.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        batch, length, width = x.shape
-        q, k, v = (
-            t.view(batch, length, HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(width, 2)
-        )
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: LayerNorm, attention, LayerNorm, MLP with GELU."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(WIDTH), CausalSelfAttention()
-        self.ln_2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    """A small GPT-style language model: logits ``[N, T, VOCABULARY]``.
-
-    Args:
-        blocks: ``"gpt"`` for :class:`Block`, ``"encoder"`` for
-            ``nn.TransformerEncoderLayer`` (converted with ``cgn.convert_attention``).
-        tied: The output layer shares the token embedding matrix.
-    """
-
-    def __init__(self, blocks="gpt", tied=False):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCABULARY, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        if blocks == "gpt":
-            self.blocks = nn.Sequential(Block(), Block())
-        else:
-            layers = [
-                # bias=False for the key bias's sake (see CausalSelfAttention).
-                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True,
-                                           norm_first=True, bias=False)
-                for _ in range(2)
-            ]
-            self.blocks = convert_attention(nn.Sequential(*layers))
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
-        if tied:
-            self.head.weight = self.wte.weight
-
-    def forward(self, idx):
-        batch, length = idx.shape
-        positions = torch.arange(length, device=idx.device).expand(batch, length)
-        x = self.wte(idx) + self.wpe(positions)
-        return self.head(self.ln_f(self.blocks(x)))
-
-
-class TokenCrossEntropy(nn.Module):
-    """Cross-entropy of every token; an example's own loss is the mean (or sum) of its tokens'.
-
-    ``reduction="mean"``: the mean over all tokens, which is the mean over
-    examples of their mean over tokens; ``"sum"``: the sum over all tokens;
-    ``"none"``: one loss per example, the mean over its tokens (``per_token="mean"``)
-    or their sum (``"sum"``), to pair with the reduction used.
-    """
-
-    def __init__(self, reduction="mean", per_token="mean"):
-        super().__init__()
-        self.reduction, self.per_token = reduction, per_token
-
-    def forward(self, logits, targets):
-        tokens = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), targets, reduction="none"
-        )
-        if self.reduction == "mean":
-            return tokens.mean()
-        if self.reduction == "sum":
-            return tokens.sum()
-        return tokens.mean(1) if self.per_token == "mean" else tokens.sum(1)
+def gpt(blocks="gpt"):
+    return GPT(VOCABULARY, CONTEXT, WIDTH, HEADS, layers=2, blocks=blocks)
 
 
 def classification_losses(reduction):
@@ -232,7 +142,7 @@ MODELS = [
     ModelCase("rmsnorm-mlp", rmsnorm_mlp, lambda n: torch.randn(n, 6)),
     ModelCase(
         "gpt",
-        GPT,
+        gpt,
         lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
         losses=token_losses,
         targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
@@ -240,7 +150,7 @@ MODELS = [
     ),
     ModelCase(
         "transformer-encoder",
-        lambda: GPT(blocks="encoder"),
+        lambda: gpt(blocks="encoder"),
         lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
         losses=token_losses,
         targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
