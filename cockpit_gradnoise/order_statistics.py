@@ -89,7 +89,9 @@ def quantile_ranks(levels: Sequence[float], n: int) -> Tuple[List[int], List[int
     return lower, upper, weights
 
 
-def interpolate(lower: Sequence[float], upper: Sequence[float], weights: Sequence[float]) -> List[float]:
+def interpolate(
+    lower: Sequence[float], upper: Sequence[float], weights: Sequence[float]
+) -> List[float]:
     """``a + t (b - a)`` per level, computed as NumPy's ``_lerp`` does.
 
     From ``b`` when ``t >= 0.5`` (``b - (1 - t)(b - a)``), so results equal
@@ -161,7 +163,9 @@ def quantiles(tensors: Tensors, levels: Sequence[float]) -> List[float]:
     return interpolate(values[: len(levels)], values[len(levels) :], weights)
 
 
-def quantile_summary(tensors: Tensors, levels: Sequence[float], prefix: str = "") -> Dict[str, float]:
+def quantile_summary(
+    tensors: Tensors, levels: Sequence[float], prefix: str = ""
+) -> Dict[str, float]:
     """Quantiles ``q<level>`` and ``mean`` of all elements of ``tensors``.
 
     Args:
@@ -247,7 +251,10 @@ def _bucket_candidates(flats: List[Tensor], ranks: Sequence[int]) -> Tuple[Tenso
     left_out = torch.where(wanted, 0, by_position).cumsum(0)[positions]
     wanted_by_bucket = torch.cat([wanted[_SIGN:], wanted[:_SIGN].flip(0)])
     candidates = torch.cat(
-        [_compress(chunk, wanted_by_bucket.index_select(0, _buckets(chunk))) for chunk in _chunks(flats)]
+        [
+            _compress(chunk, wanted_by_bucket.index_select(0, _buckets(chunk)))
+            for chunk in _chunks(flats)
+        ]
     )
     return candidates, left_out.tolist()
 

@@ -106,7 +106,7 @@ def test_sd_statistics_of_a_union_equal_numpy_on_the_joined_values():
     snrs = [functional.signal_to_noise(torch.randn(sd.shape), sd) for sd in sds]
     levels = (0.05, 0.5, 0.95)
     got = functional.sd_statistics(sds, snrs, levels)
-    sd, snr = (numpy.concatenate([t.numpy() for t in ts]).astype(numpy.float64) for ts in (sds, snrs))
+    sd, snr = (numpy.concatenate(ts).astype(numpy.float64) for ts in (sds, snrs))
     assert [got[f"q{q:g}"] for q in levels] == numpy.quantile(sd, levels).tolist()
     assert got["snr_q0.5"] == numpy.quantile(snr, 0.5)
     assert got["mean"] == pytest.approx(sd.mean(), rel=1e-12)

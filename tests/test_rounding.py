@@ -10,7 +10,7 @@ in float64, Conv1d then a Linear along the sequence, batch 7, mean loss).
 
 import pytest
 import torch
-from backpack import backpack, extend
+from backpack import backpack
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions import BatchGrad
 from cockpit.utils.schedules import linear
@@ -18,7 +18,7 @@ from torch import nn
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import functional, references
-from tests.cases import Problem, run_step
+from tests.cases import ModelCase, build, run_step
 
 DTYPES = [torch.float32, torch.float64]
 BATCHES = [(7, "mean"), (33, "sum")]
@@ -123,19 +123,12 @@ MODELS = [
 
 def problem(make, shape, n, reduction, dtype, seed, spread=0.0):
     """``n`` copies of one example (plus ``spread`` times noise in the inputs)."""
-    torch.manual_seed(seed)
-    model = extend(make().to(dtype))
+    model_case = ModelCase("rounding", make, lambda n: torch.zeros(n, *shape))
+    case = build(model_case, n, reduction, dtype, seed)
     inputs = torch.randn(1, *shape, dtype=dtype).repeat(n, *[1] * len(shape))
-    inputs = inputs + spread * torch.randn_like(inputs)
-    targets = torch.randint(0, 3, (1,)).repeat(n)
-    return Problem(
-        model,
-        extend(nn.CrossEntropyLoss(reduction=reduction)),
-        nn.CrossEntropyLoss(reduction="none"),
-        inputs,
-        targets,
-        reduction,
-    )
+    case.inputs = inputs + spread * torch.randn_like(inputs)
+    case.targets = case.targets[:1].repeat(n)
+    return case
 
 
 def per_example_sums(case):
