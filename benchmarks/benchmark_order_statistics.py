@@ -10,11 +10,15 @@ minimum is the least disturbed by other processes). Each candidate starts
 from the values as the quantity has them and may not reorder them, so a
 sort or partition includes its copy.
 
-NumPy's sort and partition use SIMD (AVX512 or AVX2) where the CPU has it;
-run twice to see both::
+NumPy's sort and partition use SIMD (AVX512 or AVX2) where the CPU has it.
+NumPy 2.4 groups the features (``X86_V4`` is AVX512 SKX, ``X86_V3`` AVX2), so
+``NPY_DISABLE_CPU_FEATURES="AVX512_SKX AVX512_ICL"`` turns off ICL only; the
+header line says which are on. To see sorting with AVX2 only and with no
+SIMD at all::
 
     python benchmarks/benchmark_order_statistics.py
-    NPY_DISABLE_CPU_FEATURES="AVX512_SKX AVX512_ICL" python benchmarks/benchmark_order_statistics.py
+    NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" python benchmarks/...
+    NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR" python benchmarks/...
 
 Options: ``--sizes 670000,11000000``, ``--rounds 7``, ``--threads 1``,
 ``--device cuda`` (torch candidates only, synchronized), ``--quick`` (smoke
@@ -109,8 +113,8 @@ def simd():
     """NumPy's SIMD extensions in use (what its sort can use)."""
     from numpy._core._multiarray_umath import __cpu_features__ as features
 
-    found = [f for f in ("AVX2", "AVX512_SKX", "AVX512_ICL") if features.get(f)]
-    return ", ".join(found) or "none of AVX2/AVX512"
+    found = [f for f in ("X86_V3", "X86_V4", "AVX512_ICL", "AVX512_SPR") if features.get(f)]
+    return ", ".join(found) or "none of X86_V3 (AVX2), X86_V4 (AVX512)"
 
 
 def main(argv=None):

@@ -8,19 +8,21 @@ does with its default ``"linear"`` method, so the results equal
 ``numpy.quantile(values.astype(numpy.float64), levels)`` bit for bit.
 
 How :func:`select` avoids sorting every element: the order of floats of one
-sign is the order of their bit patterns read as integers, so the top 16 bits
-of each value (sign, exponent, leading mantissa bits) name a bucket, and the
-buckets are ordered like the values. One ``torch.bincount`` over the buckets
-of every tensor, and a cumulative sum, say which bucket holds each wanted
-rank; only the elements of those few buckets are gathered and sorted (about
-1% of them for a spread of values like a layer's). A union of tensors is
-never concatenated. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
+sign is the order of their bit patterns read as integers, so the top 14
+(float32) or 16 (float64) bits of each value (sign, exponent, leading
+mantissa bits) name a bucket, and the buckets are ordered like the values.
+One ``torch.bincount`` over the buckets of every tensor, and a cumulative
+sum, say which bucket holds each wanted rank; only the elements of those few
+buckets are gathered and sorted (a few percent of them for a spread of values
+like a layer's). A union of tensors is never concatenated, and the passes go
+through pieces of :data:`CHUNK` elements, so the extra memory is about 1 MB
+whatever the size. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
 whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
 measures both against sorting and partitioning.
 """
 
 import math
-from typing import Dict, Iterable, Iterator, List, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence, Tuple, Union
 
 import numpy
 import torch
@@ -31,15 +33,29 @@ from cockpit_gradnoise.schema import MEAN, quantile_name
 Tensors = Union[Tensor, Sequence[Tensor]]
 
 #: Unions of at most this many elements are sorted whole: below it, sorting
-#: costs less than a histogram of 65536 buckets (see the benchmark).
+#: costs less than the two passes of bucket selection (see the benchmark).
 SORT_WHOLE_AT_MOST = 1 << 16
 
-_BUCKETS = 1 << 16  # top 16 bits of a float32 or float64
-_SIGN = 1 << 15  # buckets >= _SIGN hold negative values, the largest magnitude last
-_CHUNK = 1 << 18  # elements per piece in the passes over all elements
-_SHIFT = {torch.float32: 16, torch.float64: 48}
-_INTEGER = {torch.float32: torch.int32, torch.float64: torch.int64}
-_EXPONENT_ONES = {torch.float32: 0x7F80, torch.float64: 0x7FF0}  # inf and NaN buckets
+#: Elements per piece in passes over all elements: a piece's temporaries stay
+#: small (fresh tensors the size of a layer cost more in page faults than in work).
+CHUNK = 1 << 15
+
+
+class _Layout(NamedTuple):
+    """How a float dtype's bit patterns are cut into buckets."""
+
+    integer: torch.dtype  # same width, to read the bits
+    shift: int  # bits below the bucket's
+    buckets: int  # 2**(bucket bits); buckets >= buckets // 2 hold negative values
+    special: int  # bucket of +inf; it and those above (either sign) hold inf and NaN
+
+
+# float32: sign, 8 exponent bits, 5 mantissa bits (32 buckets per octave);
+# float64: sign, 11 exponent bits, 4 mantissa bits (16 per octave).
+_LAYOUTS = {
+    torch.float32: _Layout(torch.int32, 18, 1 << 14, 0x7F800000 >> 18),
+    torch.float64: _Layout(torch.int64, 48, 1 << 16, 0x7FF0000000000000 >> 48),
+}
 
 
 def check_quantile_levels(quantiles: Iterable[float]) -> Tuple[float, ...]:
@@ -210,57 +226,58 @@ def _flat_tensors(tensors: Tensors) -> List[Tensor]:
 
 
 def _chunks(flats: List[Tensor]) -> Iterator[Tensor]:
-    """The tensors in pieces of :data:`_CHUNK` elements.
-
-    Temporaries of a piece stay in cache and in the allocator's pool: fresh
-    tensors the size of a layer cost more in page faults than in work.
-    """
+    """The tensors in pieces of :data:`CHUNK` elements."""
     for flat in flats:
-        yield from flat.split(_CHUNK)
+        yield from flat.split(CHUNK)
 
 
 def _buckets(flat: Tensor) -> Tensor:
-    """Top 16 bits of each element's bit pattern, in ``[0, 65536)``."""
-    bits = flat.view(_INTEGER[flat.dtype])
-    return (bits >> _SHIFT[flat.dtype]).bitwise_and_(_BUCKETS - 1)
+    """Top bits of each element's bit pattern (see :data:`_LAYOUTS`), as non-negative ints."""
+    layout = _LAYOUTS[flat.dtype]
+    bits = flat.view(layout.integer)
+    return (bits >> layout.shift).bitwise_and_(layout.buckets - 1)
 
 
 def _bucket_candidates(flats: List[Tensor], ranks: Sequence[int]) -> Tuple[Tensor, List[int]]:
     """The elements of the buckets that hold ``ranks``, and how many smaller ones were left out.
 
-    Buckets of non-negative values (``0 .. 2^15 - 1``) are ordered like their
-    values; those of negative values (``2^15 ..``, sign bit set) in reverse.
-    In value order, "position" ``p`` is bucket ``2^16 - 1 - p`` for ``p <
-    2^15`` and bucket ``p - 2^15`` above. The buckets of infinities and NaN
-    are always gathered, so that a NaN is always seen.
+    Buckets of non-negative values (``0 .. B/2 - 1`` of ``B``) are ordered like
+    their values; those of negative values (sign bit set) in reverse. In value
+    order, "position" ``p`` is bucket ``B - 1 - p`` for ``p < B/2`` and bucket
+    ``p - B/2`` above. The buckets of infinities and NaN are always gathered,
+    so that a NaN is always seen.
     """
     device = flats[0].device
-    counts = torch.zeros(_BUCKETS, dtype=torch.int64, device=device)
+    size, special = _LAYOUTS[flats[0].dtype].buckets, _LAYOUTS[flats[0].dtype].special
+    sign = size // 2
+    counts = torch.zeros(size, dtype=torch.int64, device=device)
     for chunk in _chunks(flats):
-        counts += torch.bincount(_buckets(chunk), minlength=_BUCKETS)
-    by_position = torch.cat([counts[_SIGN:].flip(0), counts[:_SIGN]])
-    ends = by_position.cumsum(0)
+        counts += torch.bincount(_buckets(chunk), minlength=size)
+    counts = torch.cat([counts[sign:].flip(0), counts[:sign]])  # by position
     rank_tensor = torch.tensor(list(ranks), device=device)
-    positions = torch.searchsorted(ends, rank_tensor, right=True)
-    wanted = torch.zeros(_BUCKETS, dtype=torch.bool, device=device)
+    positions = torch.searchsorted(counts.cumsum(0), rank_tensor, right=True)
+    wanted = torch.zeros(size, dtype=torch.bool, device=device)
     wanted[positions] = True
-    special = _EXPONENT_ONES[flats[0].dtype]  # buckets >= this (either sign): inf, NaN
-    wanted[: _SIGN - special] = True
-    wanted[_SIGN + special :] = True
+    wanted[: sign - special] = True
+    wanted[sign + special :] = True
     # Elements of buckets left out that lie below each rank's bucket.
-    left_out = torch.where(wanted, 0, by_position).cumsum(0)[positions]
-    wanted_by_bucket = torch.cat([wanted[_SIGN:], wanted[:_SIGN].flip(0)])
+    left_out = counts.masked_fill_(wanted, 0).cumsum(0)[positions]
+    wanted_by_bucket = torch.cat([wanted[sign:], wanted[:sign].flip(0)])
     candidates = torch.cat(
         [
-            _compress(chunk, wanted_by_bucket.index_select(0, _buckets(chunk)))
+            masked(chunk, wanted_by_bucket.index_select(0, _buckets(chunk)))
             for chunk in _chunks(flats)
         ]
     )
     return candidates, left_out.tolist()
 
 
-def _compress(flat: Tensor, mask: Tensor) -> Tensor:
-    """``flat[mask]``; on CPU through NumPy, several times faster."""
+def masked(flat: Tensor, mask: Tensor) -> Tensor:
+    """``flat[mask]`` for 1d tensors; on CPU through NumPy, several times faster.
+
+    Also leaner: ``torch.masked_select`` on CPU needs several times the
+    input's memory for a moment.
+    """
     if flat.device.type == "cpu":
         return torch.from_numpy(flat.numpy()[mask.numpy()])
     return flat[mask]
