@@ -151,7 +151,7 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     # By pieces: no temporary the size of the layer. Dividing everywhere and
     # selecting once is ~3x faster than two selections; the inf/NaN where
     # sd_j = 0 are never selected.
-    for g, s in zip(grad.split(order_statistics.CHUNK), sd.split(order_statistics.CHUNK)):
+    for g, s in zip(order_statistics.pieces(grad), order_statistics.pieces(sd)):
         kept = order_statistics.masked(g.abs().div_(s), s > 0)
         result[start : start + kept.numel()] = kept
         start += kept.numel()
@@ -351,7 +351,7 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
     # kept 0) and add nothing to the sum: the kept ratios are ranks z .. end.
     # By pieces: no mask the size of the layer.
     z = 0
-    for r, x, y in zip(*(t.split(order_statistics.CHUNK) for t in (ratio, a, b))):
+    for r, x, y in zip(*map(order_statistics.pieces, (ratio, a, b))):
         left_out = (y == 0) if finite else ~(torch.isfinite(x) & torch.isfinite(y)) | (y == 0)
         r.masked_fill_(left_out, 0.0)
         z += torch.count_nonzero(left_out)

@@ -155,3 +155,22 @@ def test_quantile_summary_of_a_union():
 def test_check_quantile_levels_rejects(levels):
     with pytest.raises(ValueError, match="quantile"):
         order_statistics.check_quantile_levels(levels)
+
+
+def test_the_paths_of_other_devices_are_exact_too(monkeypatch):
+    """GPUs take torch's sort and boolean indexing, whole tensors, a torch sum:
+    the same results (run here on CPU tensors)."""
+    monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+    rng = numpy.random.default_rng(2)
+    for n in (5, SORT_WHOLE_AT_MOST + 1, 100_000):
+        values = awkward_values(n, numpy.float32, n)
+        expected = expected_quantiles(values, LEVELS)
+        numpy.testing.assert_array_equal(
+            order_statistics.quantiles(random_parts(values, rng), LEVELS), expected
+        )
+    finite = numpy.abs(awkward_values(100_000, numpy.float64, 0))
+    finite[numpy.isinf(finite)] = 0.0
+    summary = order_statistics.quantile_summary(torch.from_numpy(finite), (0.5,))
+    assert summary["mean"] == pytest.approx(finite.mean(), rel=1e-12)
+    with pytest.raises(ValueError, match="NaN"):
+        order_statistics.select(torch.tensor([1.0, float("nan")]), [0])
