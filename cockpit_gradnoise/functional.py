@@ -52,8 +52,8 @@ def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1
 
     Together less than ``(3N + 4L) eps S``. A bound, not an estimate: errors
     of long sums grow more like the square root of the number of terms, and
-    measured centred sums of identical examples stay below ``0.5 N eps S``
-    when ``T`` is summed from the same ``x_i`` as ``S``.
+    measured centred sums of identical examples reach about ``0.5 N eps S``
+    at most when ``T`` is summed from the same ``x_i`` as ``S``.
 
     Where the terms of one contribution cancel (``sum_l |t_il|`` much larger
     than ``|x_i|``), the rounding of ``x_i`` is relative to ``sum_l |t_il|``,

@@ -9,8 +9,8 @@ does with its default ``"linear"`` method, so the results equal
 
 How :func:`select` avoids sorting every element: the order of floats of one
 sign is the order of their bit patterns read as integers, so the top 14
-(float32) or 16 (float64) bits of each value (sign, exponent, leading
-mantissa bits) name a bucket, and the buckets are ordered like the values.
+bits of each value as a float32 (sign, exponent, leading mantissa bits) name
+a bucket, and the buckets are ordered like the values.
 One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
@@ -22,7 +22,7 @@ measures both against sorting and partitioning.
 """
 
 import math
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
 import numpy
 import torch
@@ -42,21 +42,15 @@ SORT_WHOLE_AT_MOST = 1 << 12
 CHUNK = 1 << 16
 
 
-class _Layout(NamedTuple):
-    """How a float dtype's bit patterns are cut into buckets."""
-
-    integer: torch.dtype  # same width, to read the bits
-    shift: int  # bits below the bucket's
-    buckets: int  # 2**(bucket bits); buckets >= buckets // 2 hold negative values
-    special: int  # bucket of +inf; it and those above (either sign) hold inf and NaN
-
-
-# float32: sign, 8 exponent bits, 5 mantissa bits (32 buckets per octave);
-# float64: sign, 11 exponent bits, 4 mantissa bits (16 per octave).
-_LAYOUTS = {
-    torch.float32: _Layout(torch.int32, 18, 1 << 14, 0x7F800000 >> 18),
-    torch.float64: _Layout(torch.int64, 48, 1 << 16, 0x7FF0000000000000 >> 48),
-}
+# Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
+# 5 mantissa bits: 32 buckets per octave). Rounding float64 to float32 keeps
+# the order (ties aside), so float64 values are bucketed the same way, with
+# small tables. Buckets >= _SIGN hold negative values, the largest magnitude
+# last; _SPECIAL (+inf) and those above it, of either sign, hold inf and NaN.
+_BUCKET_BITS = 14
+_BUCKETS = 1 << _BUCKET_BITS
+_SIGN = _BUCKETS // 2
+_SPECIAL = 0x7F800000 >> (32 - _BUCKET_BITS)
 
 
 def check_quantile_levels(quantiles: Iterable[float]) -> Tuple[float, ...]:
@@ -242,10 +236,9 @@ def _chunks(flats: List[Tensor]) -> Iterator[Tensor]:
 
 
 def _buckets(flat: Tensor) -> Tensor:
-    """Top bits of each element's bit pattern (see :data:`_LAYOUTS`), as non-negative ints."""
-    layout = _LAYOUTS[flat.dtype]
-    bits = flat.view(layout.integer)
-    return (bits >> layout.shift).bitwise_and_(layout.buckets - 1)
+    """The bucket of each element, in ``[0, _BUCKETS)``: top bits of its float32 pattern."""
+    bits = flat.to(torch.float32).view(torch.int32)
+    return (bits >> (32 - _BUCKET_BITS)).bitwise_and_(_BUCKETS - 1)
 
 
 def _bucket_candidates(flats: List[Tensor], ranks: Sequence[int]) -> Tuple[Tensor, List[int]]:
@@ -258,21 +251,19 @@ def _bucket_candidates(flats: List[Tensor], ranks: Sequence[int]) -> Tuple[Tenso
     so that a NaN is always seen.
     """
     device = flats[0].device
-    size, special = _LAYOUTS[flats[0].dtype].buckets, _LAYOUTS[flats[0].dtype].special
-    sign = size // 2
-    counts = torch.zeros(size, dtype=torch.int64, device=device)
+    counts = torch.zeros(_BUCKETS, dtype=torch.int64, device=device)
     for chunk in _chunks(flats):
-        counts += torch.bincount(_buckets(chunk), minlength=size)
-    counts = torch.cat([counts[sign:].flip(0), counts[:sign]])  # by position
+        counts += torch.bincount(_buckets(chunk), minlength=_BUCKETS)
+    counts = torch.cat([counts[_SIGN:].flip(0), counts[:_SIGN]])  # by position
     rank_tensor = torch.tensor(list(ranks), device=device)
     positions = torch.searchsorted(counts.cumsum(0), rank_tensor, right=True)
-    wanted = torch.zeros(size, dtype=torch.bool, device=device)
+    wanted = torch.zeros(_BUCKETS, dtype=torch.bool, device=device)
     wanted[positions] = True
-    wanted[: sign - special] = True
-    wanted[sign + special :] = True
+    wanted[: _SIGN - _SPECIAL] = True
+    wanted[_SIGN + _SPECIAL :] = True
     # Elements of buckets left out that lie below each rank's bucket.
     left_out = counts.masked_fill_(wanted, 0).cumsum(0)[positions]
-    wanted_by_bucket = torch.cat([wanted[sign:], wanted[:sign].flip(0)])
+    wanted_by_bucket = torch.cat([wanted[_SIGN:], wanted[:_SIGN].flip(0)])
     candidates = torch.cat(
         [
             masked(chunk, wanted_by_bucket.index_select(0, _buckets(chunk)))

@@ -1,5 +1,8 @@
 """Exact quantiles by selection: bit for bit numpy.quantile, for tensors and unions."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy
 import pytest
 import torch
@@ -98,6 +101,19 @@ def test_other_dtypes_and_mixed_unions_are_compared_exactly():
     )
 
 
+def test_float64_beyond_float32_range_is_exact():
+    """float64 values are bucketed as float32: huge ones share the bucket of
+    inf, tiny ones that of 0; both are still ordered exactly."""
+    rng = numpy.random.default_rng(3)
+    values = rng.standard_normal(3 * SORT_WHOLE_AT_MOST)
+    extremes = [1e300, -1e300, 3.5e38, -3.5e38, 1e-300, -1e-300, 5e-324, 1e-46]
+    values[: 8 * 300] = numpy.repeat(extremes, 300) * rng.random(8 * 300)
+    rng.shuffle(values)
+    levels = [i / 20 for i in range(21)]
+    got = order_statistics.quantiles(torch.from_numpy(values), levels)
+    numpy.testing.assert_array_equal(got, expected_quantiles(values, levels))
+
+
 def test_negative_zero_counts_as_zero():
     values = torch.tensor([-0.0, 0.0, -0.0, 1.0, -1.0])
     assert order_statistics.select(values, [1, 2, 3]) == [0.0, 0.0, 0.0]
@@ -174,3 +190,18 @@ def test_the_paths_of_other_devices_are_exact_too(monkeypatch):
     assert summary["mean"] == pytest.approx(finite.mean(), rel=1e-12)
     with pytest.raises(ValueError, match="NaN"):
         order_statistics.select(torch.tensor([1.0, float("nan")]), [0])
+
+
+def test_benchmark_script_checks_every_candidate_and_prints_its_table(capsys):
+    """Smoke test (no timing asserted): each candidate is checked exact first."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_order_statistics.py"
+    spec = importlib.util.spec_from_file_location("benchmark_order_statistics", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--quick"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
+    assert len(rows) == 2 * len(module.CANDIDATES)
