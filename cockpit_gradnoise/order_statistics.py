@@ -15,7 +15,7 @@ One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
 like a layer's). A union of tensors is never concatenated, and the passes go
-through pieces of :data:`CHUNK` elements, so the extra memory is about 0.5 MB
+through pieces of :data:`CHUNK` elements, so the extra memory is about 0.4 MB
 whatever the size. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
 whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
 measures both against sorting and partitioning.
@@ -39,7 +39,7 @@ SORT_WHOLE_AT_MOST = 1 << 12
 
 #: Elements per piece in passes over all elements: a piece's temporaries stay
 #: small (fresh tensors the size of a layer cost more in page faults than in work).
-CHUNK = 1 << 16
+CHUNK = 1 << 15
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
