@@ -1,6 +1,6 @@
 """The BackPACK extensions the quantities request.
 
-Two first-order extensions, built as BackPACK builds its own: an explicit
+Three first-order extensions, built as BackPACK builds its own: an explicit
 table from module class to module extension, and ``fail_mode`` passed to
 BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 
@@ -10,7 +10,11 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   warn once, naming the parameters) instead of failing on every step;
 - ``Embedding`` works for any dtype (:mod:`.embedding`);
 - convolution weights get exact per-example norms for any ``groups`` and the
-  cheaper of two computations (:mod:`.convolution`).
+  cheaper of two computations, and their gradient from torch's own
+  convolution backward (:mod:`.convolution`).
+
+The third, :class:`LocalGradient`, is requested only under distributed
+training, where ``param.grad`` is not this process's own gradient.
 
 A new layer is supported by adding one row to a table below.
 """
@@ -20,6 +24,9 @@ from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.firstorder.batch_l2_grad import batchnorm_nd as l2_batchnorm
 from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
+from backpack.extensions.firstorder.gradient import batchnorm_nd as grad_batchnorm
+from backpack.extensions.firstorder.gradient import linear as grad_linear
+from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.firstorder.sum_grad_squared import (
     batchnorm_nd as sgs_batchnorm,
 )
@@ -39,6 +46,7 @@ from cockpit_gradnoise.extensions import convolution, embedding
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
+LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
 
 
 def per_example_squared_norm_table():
@@ -79,6 +87,25 @@ def sum_of_squares_table():
     }
 
 
+def local_gradient_table():
+    """Module class -> module extension computing ``sum_i x_i`` (the gradient) per parameter."""
+    return {
+        nn.Linear: grad_linear.GradLinear(),
+        nn.Conv1d: convolution.GradConv1dFast(),
+        nn.Conv2d: convolution.GradConv2dFast(),
+        nn.Conv3d: convolution.GradConv3dFast(),
+        nn.ConvTranspose1d: convolution.GradConvTranspose1dFast(),
+        nn.ConvTranspose2d: convolution.GradConvTranspose2dFast(),
+        nn.ConvTranspose3d: convolution.GradConvTranspose3dFast(),
+        nn.RNN: grad_rnn.GradRNN(),
+        nn.LSTM: grad_rnn.GradLSTM(),
+        nn.BatchNorm1d: grad_batchnorm.GradBatchNormNd(),
+        nn.BatchNorm2d: grad_batchnorm.GradBatchNormNd(),
+        nn.BatchNorm3d: grad_batchnorm.GradBatchNormNd(),
+        nn.Embedding: embedding.GradEmbeddingAnyDtype(),
+    }
+
+
 class PerExampleSquaredNorms(FirstOrderBackpropExtension):
     """``||x_i||^2`` per example and parameter, saved as ``param.cgn_batch_l2`` (``[N]``)."""
 
@@ -97,5 +124,22 @@ class SumOfSquaredContributions(FirstOrderBackpropExtension):
         super().__init__(
             savefield=SUM_GRAD_SQUARED_SAVEFIELD,
             module_exts=sum_of_squares_table(),
+            fail_mode=FAIL_SILENT,
+        )
+
+
+class LocalGradient(FirstOrderBackpropExtension):
+    """``sum_i x_i`` of this backward pass on this process, saved as ``param.cgn_local_grad``.
+
+    What ``param.grad`` holds on one process. Under DistributedDataParallel
+    ``param.grad`` is averaged across processes (and inside ``no_sync()`` it
+    accumulates micro-batches), so the quantities that need this process's
+    own gradient request it there (one more weight-gradient product per layer).
+    """
+
+    def __init__(self):
+        super().__init__(
+            savefield=LOCAL_GRADIENT_SAVEFIELD,
+            module_exts=local_gradient_table(),
             fail_mode=FAIL_SILENT,
         )
