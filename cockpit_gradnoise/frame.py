@@ -9,12 +9,13 @@ non-finite float. :func:`to_frame` decodes them back to floats.
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import json_tricks
 import numpy
 import pandas
 
+from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
 from cockpit_gradnoise.schema import (  # noqa: F401  (re-exported)
     decode_float,
     encode_float,
@@ -71,7 +72,7 @@ def _sanitize(value):
     return value
 
 
-def write_log(cockpit, path) -> Path:
+def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Optional[Path]:
     """Write a Cockpit's output as ``Cockpit.write`` does, without ever losing a log.
 
     Unlike ``Cockpit.write``, non-finite numbers anywhere in the output are
@@ -82,10 +83,14 @@ def write_log(cockpit, path) -> Path:
     Args:
         cockpit: A ``cockpit.Cockpit``.
         path: Log path, with or without the ``.json`` suffix.
+        writer_rank: Under distributed training only this process writes
+            (``None``: every process; give each its own path).
 
     Returns:
-        The path written.
+        The path written; ``None`` on a process that does not write.
     """
+    if not is_writer(writer_rank):
+        return None
     path = _log_path(path)
     text = json_tricks.dumps(
         _sanitize(dict(cockpit.get_output())), indent=4, sort_keys=True, allow_nan=True
