@@ -37,18 +37,11 @@ from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance  # noqa: E402
 from cockpit import quantities as cockpit_quantities  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 
 # BackPACK's hooks on the first layer, whose input needs no gradient: harmless.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
-#: Quantities of this package, looked up by name so rows appear once they exist.
-PACKAGE_QUANTITIES = (
-    "GradientVarianceQuantiles",
-    "PerExampleGradNorm",
-    "ParamGradRatio",
-    "UpdateSize",
-    "GradientNoiseScale",
-)
 
 
 def make_mlp():
@@ -130,7 +123,7 @@ def package_quantity(name):
 
 
 def package_all(model):
-    available = [getattr(cgn, n) for n in PACKAGE_QUANTITIES if hasattr(cgn, n)]
+    available = [getattr(cgn, n) for n in QUANTITIES if hasattr(cgn, n)]
     return cockpit_step(
         model, lambda names: [cls(linear(1), param_names=names) for cls in available]
     )
@@ -238,7 +231,7 @@ def opacus_ghost(model):
 
 #: Method name -> builder, in the table's order.
 METHODS = {
-    **{name: package_quantity(name) for name in PACKAGE_QUANTITIES},
+    **{name: package_quantity(name) for name in QUANTITIES},
     "package: all together": package_all,
     "BackPACK BatchL2Grad": backpack_batch_l2,
     "BackPACK Variance+SumGradSquared": backpack_variance,
@@ -251,8 +244,8 @@ METHODS = {
 
 def unavailable(name):
     """Why method ``name`` cannot run here, or ``None``."""
-    present = [n for n in PACKAGE_QUANTITIES if hasattr(cgn, n)]
-    if name in PACKAGE_QUANTITIES and name not in present:
+    present = [n for n in QUANTITIES if hasattr(cgn, n)]
+    if name in QUANTITIES and name not in present:
         return "not in cockpit_gradnoise yet"
     if name == "package: all together" and not present:
         return "no quantity available"

@@ -4,18 +4,19 @@
     cockpit-gradnoise report runs/digits.json --format text
 
 Bad input (a missing file, a truncated or corrupt JSON file, a log without
-this package's quantities, an unknown layer or step) ends with a one-line
-error that names the file and the problem, and exit code 2.
+this package's quantities, an unknown layer, a step outside the log) ends with
+a one-line error that names the file and the problem, and exit code 2.
+
+Start-up stays fast: ``--help`` imports neither pandas nor matplotlib,
+``report`` no matplotlib, and neither imports torch or Cockpit.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from matplotlib.backend_bases import FigureCanvasBase
-
-from cockpit_gradnoise import dashboard, panels, report
-from cockpit_gradnoise.frame import read_log, to_frame
+from cockpit_gradnoise import report
+from cockpit_gradnoise._layers import DEFAULT_TOP_K
 
 EXIT_BAD_INPUT = 2
 
@@ -35,6 +36,8 @@ def load_frame(path):
         BadInput: Naming the file, if it is missing, unreadable, not a Cockpit
             log, or holds none of this package's quantities.
     """
+    from cockpit_gradnoise.frame import read_log, to_frame  # pandas: not for --help
+
     try:
         output = read_log(path)
     except (FileNotFoundError, ValueError) as error:
@@ -56,6 +59,11 @@ def load_frame(path):
 
 
 def _plot(args):
+    # matplotlib only here: it takes longer to import than the rest of a report.
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from cockpit_gradnoise import dashboard
+
     suffix = Path(args.output).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix not in formats:
@@ -64,6 +72,10 @@ def _plot(args):
             ".pdf or .svg"
         )
     frame = load_frame(args.log)
+    folder = Path(args.output).parent
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        print(f"cockpit-gradnoise plot: created folder {folder}", file=sys.stderr)
     try:
         dashboard.plot(
             frame,
@@ -115,16 +127,17 @@ def parser() -> argparse.ArgumentParser:
     plot_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     plot_parser.add_argument(
         "-o", "--output", required=True,
-        help="image file to write; the format follows the suffix (.png, .pdf, .svg)",
+        help="image file to write; the format follows the suffix (.png, .pdf, .svg); "
+        "a missing folder is created, and said so on stderr",
     )
     plot_parser.add_argument(
         "--layers", nargs="+", metavar="NAME",
         help="parameter names to draw as lines (default: the --top-k noisiest)",
     )
     plot_parser.add_argument(
-        "--top-k", type=_positive_int, default=panels.DEFAULT_TOP_K, metavar="K",
-        help=f"how many of the noisiest layers to draw by default (default: "
-        f"{panels.DEFAULT_TOP_K})",
+        "--top-k", type=_positive_int, default=DEFAULT_TOP_K, metavar="K",
+        help=f"how many of the noisiest layers (lowest mean median SNR over the tracked "
+        f"steps, as the report ranks them) to draw by default (default: {DEFAULT_TOP_K})",
     )
     plot_parser.add_argument(
         "--heatmap", choices=["auto", "sd", "snr", "off"], default="auto",
@@ -148,8 +161,9 @@ def parser() -> argparse.ArgumentParser:
     )
     report_parser.add_argument(
         "--step", type=int,
-        help="report at this step; each quantity is read at its latest tracked step "
-        "at or before it (default: the last step)",
+        help="report at this step, between the log's first and last tracked steps; each "
+        "quantity is read at its latest tracked step at or before it (default: the last "
+        "step)",
     )
     for sub in (plot_parser, report_parser):
         sub.add_argument(

@@ -10,23 +10,33 @@ import pandas
 from matplotlib.layout_engine import ConstrainedLayoutEngine
 
 from cockpit_gradnoise import distributed, panels
+from cockpit_gradnoise._layers import layer_order
 from cockpit_gradnoise.frame import to_frame
-from cockpit_gradnoise.quantities._base import NETWORK
-from cockpit_gradnoise.report import recorded_batch_size, sort_layers
+from cockpit_gradnoise.report import recorded_batch_size
+from cockpit_gradnoise.schema import (
+    GRADIENT_VARIANCE,
+    NETWORK,
+    NOISE_SCALE,
+    PARAM_GRAD_RATIO,
+    PER_EXAMPLE_NORM,
+    SD_MEDIAN,
+    SNR_MEDIAN,
+    UPDATE_SIZE,
+)
 
 #: Label of the pyplot figure that :func:`plot` reuses when given no figure.
 FIGURE_LABEL = "cockpit-gradnoise"
 
 #: Mosaic key, quantity, panel function; in dashboard order.
 PANELS = (
-    ("variance", "GradientVarianceQuantiles", panels.gradient_variance_panel),
-    ("norms", "PerExampleGradNorm", panels.per_example_norm_panel),
-    ("noise_scale", "GradientNoiseScale", panels.noise_scale_panel),
-    ("ratio", "ParamGradRatio", panels.param_grad_ratio_panel),
-    ("update", "UpdateSize", panels.update_size_panel),
+    ("variance", GRADIENT_VARIANCE, panels.gradient_variance_panel),
+    ("norms", PER_EXAMPLE_NORM, panels.per_example_norm_panel),
+    ("noise_scale", NOISE_SCALE, panels.noise_scale_panel),
+    ("ratio", PARAM_GRAD_RATIO, panels.param_grad_ratio_panel),
+    ("update", UPDATE_SIZE, panels.update_size_panel),
 )
 
-HEATMAPS = {"sd": "q0.5", "snr": "snr_q0.5"}
+HEATMAPS = {"sd": SD_MEDIAN, "snr": SNR_MEDIAN}
 
 _PANEL_INCHES = (6.5, 3.3)  # width, height of one line panel
 
@@ -37,10 +47,9 @@ def frame_of(source) -> pandas.DataFrame:
 
 
 def _check_layers(frame, layers):
-    known = set(frame.param) - {NETWORK}
-    unknown = [name for name in layers if name not in known]
+    names = layer_order(frame)
+    unknown = [name for name in layers if name not in names]
     if unknown:
-        names = sort_layers(known)
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} layers)" if len(names) > 12 else "")
         raise ValueError(f"unknown layers {unknown}: choose from {shown}")
     return list(layers)
@@ -50,7 +59,7 @@ def _heatmap_statistic(heatmap, frame, n_shown):
     """The heatmap's statistic, or ``None`` for no heatmap."""
     if heatmap not in ("auto", "off", *HEATMAPS):
         raise ValueError(f"heatmap must be 'auto', 'off', 'sd' or 'snr', got {heatmap!r}")
-    rows = frame[frame.quantity == "GradientVarianceQuantiles"]
+    rows = frame[frame.quantity == GRADIENT_VARIANCE]
     if heatmap == "off" or rows.empty:
         return None
     if heatmap == "auto":
@@ -165,8 +174,9 @@ def plot(
         savefig: Path to save the figure to (format from the suffix); parent
             folders are created.
         layers: Names of the parameters drawn as lines; default the ``top_k``
-            noisiest (:func:`cockpit_gradnoise.panels.default_layers`). The
-            network (``"all"``) is always drawn, black and bold.
+            noisiest, ranked as the report ranks them, in model order
+            (:func:`cockpit_gradnoise.panels.default_layers`). The network
+            (``"all"``) is always drawn, black and bold.
         top_k: How many layers to draw by default.
         batch_size: Batch size used in training, drawn in the noise-scale
             panel; default: :func:`cockpit_gradnoise.report.recorded_batch_size`.

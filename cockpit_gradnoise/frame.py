@@ -1,28 +1,69 @@
 """Stored numbers in, one tidy table out; logs written without loss.
 
-Quantities store, per step, ``{param name: {statistic: value}}``. Non-finite
-values are stored as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` because
-``Cockpit.write`` (json_tricks with ``allow_nan=False``) raises on a raw
-non-finite float. :func:`to_frame` decodes them back to floats.
+Quantities store, per step, ``{param name: {statistic: value}}``, parameters
+in model order and ``"all"`` last. Non-finite values are stored as the strings
+``"nan"``, ``"inf"`` and ``"-inf"`` because ``Cockpit.write`` (json_tricks
+with ``allow_nan=False``) raises on a raw non-finite float. :func:`to_frame`
+decodes them back to floats.
+
+Reading a log imports neither torch nor Cockpit: ``UpdateSize``'s items are
+read as :class:`LoggedUpdate` instead of the quantity's own class.
 """
 
+import math
 import os
-import tempfile
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import json_tricks
 import numpy
 import pandas
 
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.schema import (  # noqa: F401  (re-exported)
+from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-exported)
+    NETWORK,
+    UPDATE_NORM,
+    UPDATE_RELATIVE,
     decode_float,
     encode_float,
     encode_statistics,
+    ratio_or_inf,
 )
 
 COLUMNS = ["step", "quantity", "param", "statistic", "value"]
+
+#: The class ``UpdateSize`` stores its items as; json_tricks records it in logs.
+_UPDATE_CLASS = "LayerUpdate"
+
+
+class LoggedUpdate(NamedTuple):
+    """One parameter's update as read from a log (``UpdateSize``'s stored item).
+
+    json_tricks would rebuild the stored item by importing the quantity's
+    module, which imports torch and Cockpit; :func:`read_log` reads it as
+    this instead, with the same attributes.
+    """
+
+    name: str
+    norm: float
+    start_norm: float
+
+
+def _logged_update_hook(dct, properties=None):
+    """json_tricks hook: a stored ``LayerUpdate`` as a :class:`LoggedUpdate`."""
+    instance_type = dct.get("__instance_type__")
+    if not instance_type or list(instance_type)[-1:] != [_UPDATE_CLASS]:
+        return dct
+    module = instance_type[0] or ""
+    if not module.startswith("cockpit_gradnoise"):
+        return dct
+    attributes = dct["attributes"]
+    return LoggedUpdate(
+        str(attributes["name"]),
+        decode_float(attributes["norm"]),
+        decode_float(attributes["start_norm"]),
+    )
 
 
 def _log_path(path) -> Path:
@@ -37,7 +78,8 @@ def read_log(path) -> Dict[int, Dict[str, Any]]:
         path: The log's path, with or without the ``.json`` suffix.
 
     Returns:
-        ``{step: {quantity name: value}}`` with integer steps.
+        ``{step: {quantity name: value}}`` with integer steps, in the log's
+        order; ``UpdateSize``'s items as :class:`LoggedUpdate`.
 
     Raises:
         FileNotFoundError: If the file does not exist.
@@ -50,7 +92,7 @@ def read_log(path) -> Dict[int, Dict[str, Any]]:
     if not text.strip():
         raise ValueError(f"{path}: the log file is empty")
     try:
-        output = json_tricks.loads(text)
+        output = json_tricks.loads(text, extra_obj_pairs_hooks=(_logged_update_hook,))
     except Exception as error:  # json_tricks raises several types
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     try:
@@ -78,7 +120,10 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     Unlike ``Cockpit.write``, non-finite numbers anywhere in the output are
     encoded instead of raising, the JSON text is built before the file is
     touched, and the file is replaced atomically: if anything fails, the
-    previous log is intact.
+    previous log is intact. Keys keep their order (parameters in model
+    order, as the quantities store them), where ``Cockpit.write`` sorts them
+    by name. The log gets the permissions of any new file under the current
+    umask (usually ``rw-r--r--``), also when it replaces an older log.
 
     Args:
         cockpit: A ``cockpit.Cockpit``.
@@ -92,11 +137,11 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     if not is_writer(writer_rank):
         return None
     path = _log_path(path)
-    text = json_tricks.dumps(
-        _sanitize(dict(cockpit.get_output())), indent=4, sort_keys=True, allow_nan=True
-    )
+    text = json_tricks.dumps(_sanitize(dict(cockpit.get_output())), indent=4, allow_nan=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    # os.open applies the umask to 0o666, as for any new file (mkstemp gives 0o600).
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "w") as file:
             file.write(text)
@@ -107,12 +152,36 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     return path
 
 
+def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
+    """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
+
+    Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
+    ``start_norm = ||theta(s)||`` (a live ``LayerUpdate`` or a
+    :class:`LoggedUpdate`). ``relative = norm / start_norm``, ``+inf`` when
+    ``start_norm`` is 0. The network (``"all"``, last) has the root sums of
+    squares of the parameters' norms.
+    """
+    network = LoggedUpdate(
+        NETWORK,
+        math.sqrt(sum(u.norm**2 for u in updates)),
+        math.sqrt(sum(u.start_norm**2 for u in updates)),
+    )
+    return {
+        u.name: {UPDATE_NORM: u.norm, UPDATE_RELATIVE: ratio_or_inf(u.norm, u.start_norm)}
+        for u in [*updates, network]
+    }
+
+
+def _is_update(item) -> bool:
+    return all(hasattr(item, attribute) for attribute in LoggedUpdate._fields)
+
+
 def _per_parameter(value):
     """``{param: {statistic: value}}`` if ``value`` is one of ours, else ``None``."""
     # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
-    # reads only floats and plain lists) whose class combines them.
-    if isinstance(value, list) and value and hasattr(value[0], "statistics_of_list"):
-        return type(value[0]).statistics_of_list(value)
+    # reads only floats and plain lists).
+    if isinstance(value, list) and value and all(map(_is_update, value)):
+        return update_statistics(value)
     if isinstance(value, Mapping) and value and all(
         isinstance(stats, Mapping) for stats in value.values()
     ):
@@ -131,9 +200,12 @@ def to_frame(source) -> pandas.DataFrame:
     Returns:
         A DataFrame with columns ``step`` (int), ``quantity``, ``param``,
         ``statistic`` (str) and ``value`` (float, NaN and inf decoded), one row
-        per number, sorted by step, quantity, param and statistic. A live
-        cockpit and its log give identical frames. Cockpit's own quantities
-        (not stored per parameter) are left out.
+        per number, sorted by step and quantity; within them parameters and
+        statistics keep the stored order (parameters in model order, the
+        network last). A live cockpit and its :func:`write_log` log give
+        identical frames; a ``Cockpit.write`` log, whose keys are sorted, the
+        same rows with parameters and statistics by name. Cockpit's own
+        quantities (not stored per parameter) are left out.
     """
     if isinstance(source, (str, os.PathLike)):
         output = read_log(source)
@@ -154,4 +226,4 @@ def to_frame(source) -> pandas.DataFrame:
     frame = frame.astype(
         {"step": "int64", "quantity": str, "param": str, "statistic": str, "value": "float64"}
     )
-    return frame.sort_values(COLUMNS[:4], ignore_index=True)
+    return frame.sort_values(COLUMNS[:2], kind="stable", ignore_index=True)

@@ -18,6 +18,8 @@ import numpy
 import torch
 from torch import Tensor
 
+from cockpit_gradnoise.schema import ratio_or_inf  # noqa: F401  (a formula views share)
+
 #: Multiple of ``eps * N * sum_i x_ij**2`` below which the centred sum of
 #: squares ``sum_i (x_ij - mean_i x_ij)**2`` counts as zero. ``N * eps`` times a
 #: sum of ``N`` non-negative terms bounds the rounding error of that sum; the
@@ -354,31 +356,6 @@ def sd_statistics(sd: Tensor, grad: Tensor, levels: Sequence[float]) -> Dict[str
 def sd_statistic_names(levels: Sequence[float]) -> list:
     """Every name :func:`sd_statistics` can return, in order."""
     return [quantile_name(q) for q in levels] + ["mean", "snr_q0.5", "snr_mean"]
-
-
-def ratio_or_inf(numerator: float, denominator: float) -> float:
-    """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
-
-    The ratios reported by :class:`~cockpit_gradnoise.ParamGradRatio`
-    (``||theta|| / ||grad||``), :class:`~cockpit_gradnoise.UpdateSize`
-    (``||update|| / ||theta||``) and :class:`~cockpit_gradnoise.GradientNoiseScale`
-    (``trace_cov / grad_sq``) have a denominator that can be exactly 0 (a zero
-    gradient, all-zero parameters) or, for an unbiased estimate, negative. They
-    are reported as ``+inf`` then, also for ``0 / 0``: never a NaN from a zero
-    denominator.
-
-    Args:
-        numerator: Any float.
-        denominator: Any float.
-
-    Returns:
-        The ratio; ``+inf`` if ``denominator <= 0``; NaN only if an input is NaN.
-    """
-    if math.isnan(numerator) or math.isnan(denominator):
-        return math.nan
-    if denominator <= 0:
-        return math.inf
-    return numerator / denominator
 
 
 def squared_norm(tensor: Tensor) -> float:

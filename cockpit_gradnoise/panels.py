@@ -7,40 +7,64 @@ instead of drawing; no panel raises on missing data.
 
 Layers are told apart by colour: the colour of a layer is its position in
 ``layers``, so panels given the same ``layers`` agree. With ``layers=None`` a
-panel shows :func:`default_layers` (the ``DEFAULT_TOP_K`` noisiest). The
-whole network (``"all"``) is drawn black and bold.
+panel shows :func:`default_layers` (the ``DEFAULT_TOP_K`` noisiest, ranked as
+the report ranks them, in model order). The whole network (``"all"``) is drawn
+black and bold; when its row covers only some parameters, the title says so
+(``"all: 7 of 15 parameters"``).
+
+Values a log scale cannot show are marked on the figure: a zero as a gap in
+its line with a downward triangle at the bottom edge (an ``x`` in the
+heatmap), an infinite noise scale as an upward triangle at the top edge.
 
 Nothing here changes global state: no ``rcParams``, no ``plt.ion()``, no
 pyplot figures.
 """
 
 import math
-import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import matplotlib
 import matplotlib.colors
 import numpy
-import pandas
 from matplotlib.ticker import MaxNLocator
 
-from cockpit_gradnoise.quantities._base import NETWORK
-from cockpit_gradnoise.report import THRESHOLDS, noisiest_layers, sort_layers
-
-#: Layers drawn as lines by default; more become unreadable (the heatmap shows all).
-DEFAULT_TOP_K = 6
+from cockpit_gradnoise._layers import (  # noqa: F401  (DEFAULT_TOP_K, default_layers re-exported)
+    DEFAULT_TOP_K,
+    coverage_note,
+    default_layers,
+    layer_order,
+    network_coverage,
+)
+from cockpit_gradnoise.report import THRESHOLDS
+from cockpit_gradnoise.schema import (  # noqa: F401  (quantile_levels re-exported)
+    B_SIMPLE,
+    B_SIMPLE_SMOOTHED,
+    GRADIENT_VARIANCE,
+    MAX,
+    MEAN,
+    NETWORK,
+    NOISE_SCALE,
+    NORM_RATIO,
+    PARAM_GRAD_RATIO,
+    PER_EXAMPLE_NORM,
+    SD_MEDIAN,
+    SNR_MEDIAN,
+    UPDATE_RELATIVE,
+    UPDATE_SIZE,
+    quantile_levels,
+    quantile_name,
+)
 
 NETWORK_STYLE = {"color": "black", "linewidth": 2.2, "zorder": 3}
 _PALETTE = matplotlib.colormaps["tab10"].colors
-_QUANTILE = re.compile(r"^q(\d*\.?\d+(?:e-?\d+)?)$")
+
+#: Legend label of the marks of zeros, which a log scale cannot show.
+ZERO_LABEL = "0 (off the log scale)"
+#: Legend label of the marks of infinite noise-scale estimates.
+INFINITE_LABEL = "infinite (|G|^2 est. <= 0)"
 
 #: ``{(param, statistic): {step: value}}`` of one quantity.
 Series = Dict[Tuple[str, str], Dict[int, float]]
-
-
-def default_layers(frame: pandas.DataFrame, top_k: int = DEFAULT_TOP_K) -> List[str]:
-    """The ``top_k`` noisiest layers (``report.noisiest_layers``) in ``sort_layers`` order."""
-    return sort_layers(noisiest_layers(frame, top_k))
 
 
 def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
@@ -48,11 +72,6 @@ def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
     colors = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(layers)}
     colors[NETWORK] = NETWORK_STYLE["color"]
     return colors
-
-
-def quantile_levels(statistics) -> List[float]:
-    """Sorted quantile levels among statistic names (``q0.05`` -> 0.05)."""
-    return sorted(float(m.group(1)) for m in map(_QUANTILE.match, statistics) if m)
 
 
 def clear_panel(ax):
@@ -81,6 +100,12 @@ def no_data(ax, title: str, reason: str):
     ax.text(0.5, 0.5, reason, ha="center", va="center", transform=ax.transAxes, color="0.35")
 
 
+def _title(frame, quantity, title) -> str:
+    """``title``, with what the network's row covers when it leaves parameters out."""
+    note = coverage_note(network_coverage(frame, quantity))
+    return f"{title} ({note})" if note else title
+
+
 def _series(frame, quantity) -> Series:
     """Every statistic of ``quantity`` by parameter."""
     rows = frame[frame.quantity.to_numpy() == quantity]
@@ -105,19 +130,35 @@ def _drawable(ax, frame, quantity, title) -> Optional[Series]:
     return series
 
 
-def _xy(series, param, statistic, finite=True):
-    """Steps and values of one statistic as arrays (``None`` when absent).
-
-    With ``finite``, infinite values become NaN: a gap in a line.
-    """
+def _xy(series, param, statistic):
+    """Steps and values of one statistic as arrays (``None`` when absent)."""
     points = series.get((param, statistic))
     if not points:
         return None
     steps = sorted(points)
-    values = numpy.array([points[step] for step in steps], dtype=float)
-    if finite:
-        values[~numpy.isfinite(values)] = math.nan
-    return numpy.array(steps), values
+    return numpy.array(steps), numpy.array([points[step] for step in steps], dtype=float)
+
+
+def _on_log_scale(values):
+    """``values`` with the ones a log scale cannot show (0, inf, NaN) as NaN: gaps."""
+    return numpy.where(numpy.isfinite(values) & (values != 0), values, math.nan)
+
+
+def _edge_marks(ax, steps, *, top, label, **style):
+    """Triangles at the top or bottom edge of ``ax`` at ``steps``."""
+    ax.plot(steps, [0.97 if top else 0.03] * len(steps), "^" if top else "v",
+            transform=ax.get_xaxis_transform(), clip_on=False, label=label,
+            **{"alpha": 0.7, "markersize": 5, **style})
+
+
+_ZERO_MARKS = "_zero"  # the label of each layer's zero marks: no legend entry of its own
+
+
+def _zero_marks(ax, steps, values, color):
+    """Mark the steps where ``values`` is 0 at the bottom edge, in ``color``."""
+    zero = values == 0
+    if zero.any():
+        _edge_marks(ax, steps[zero], top=False, label=_ZERO_MARKS, color=color)
 
 
 def _layers(frame, layers):
@@ -130,6 +171,9 @@ def _step_axis(ax):
 
 
 def _finish(ax, title, ylabel, legend):
+    if any(line.get_label() == _ZERO_MARKS for line in ax.lines):
+        # One legend entry for the zero marks of every layer (each in its colour).
+        ax.plot([], [], "v", color="0.4", label=ZERO_LABEL)
     ax.set_title(title)
     _step_axis(ax)
     ax.set_ylabel(ylabel)
@@ -140,23 +184,28 @@ def _finish(ax, title, ylabel, legend):
 
 
 def _lines(ax, series, statistic, layers, colors, **style):
-    """One line per layer in ``layers`` and a bold one for the network."""
+    """One line per layer in ``layers`` and a bold one for the network.
+
+    Zeros are gaps in the lines, marked at the bottom edge in the line's colour.
+    """
     for name in list(layers) + [NETWORK]:
         xy = _xy(series, name, statistic)
         if xy is not None:
+            steps, values = xy
             line = NETWORK_STYLE if name == NETWORK else {"color": colors[name], "linewidth": 1.2}
-            ax.plot(*xy, **{"label": name, **line, **style})
+            ax.plot(steps, _on_log_scale(values), **{"label": name, **line, **style})
+            _zero_marks(ax, steps, values, line["color"])
 
 
 def _bands(ax, series, layers, colors, legend, title, ylabel):
     """Median lines and lowest-to-highest quantile bands per layer; network median bold."""
     levels = quantile_levels({statistic for _, statistic in series})
     if not levels:  # no quantiles logged: the mean is all there is
-        _lines(ax, series, "mean", layers, colors)
-        _finish(ax, title, f"{ylabel}: mean", legend)
+        _lines(ax, series, MEAN, layers, colors)
+        _finish(ax, title, f"{ylabel}: {MEAN}", legend)
         return
-    middle = f"q{min(levels, key=lambda q: abs(q - 0.5)):g}"
-    low, high = f"q{levels[0]:g}", f"q{levels[-1]:g}"
+    middle = quantile_name(min(levels, key=lambda q: abs(q - 0.5)))
+    low, high = quantile_name(levels[0]), quantile_name(levels[-1])
     for name in layers if low != high else []:
         lower, upper = series.get((name, low), {}), series.get((name, high), {})
         steps = sorted(set(lower) & set(upper))
@@ -183,8 +232,8 @@ def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
         layers: Parameter names to draw; default :func:`default_layers`.
         legend: Draw a legend in ``ax``.
     """
-    title = "gradient noise: sd of grad elements"
-    series = _drawable(ax, frame, "GradientVarianceQuantiles", title)
+    title = _title(frame, GRADIENT_VARIANCE, "gradient noise: sd of grad elements")
+    series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
     if series is not None:
         layers = _layers(frame, layers)
         _bands(ax, series, layers, layer_colors(layers), legend, title, "sd")
@@ -196,12 +245,12 @@ def per_example_norm_panel(ax, frame, *, layers=None, legend=True):
     Bands and median lines as :func:`gradient_variance_panel`, plus the
     largest per-example norm of the batch as a dotted line. Log scale.
     """
-    title = "per-example gradient norms (dotted: max)"
-    series = _drawable(ax, frame, "PerExampleGradNorm", title)
+    title = _title(frame, PER_EXAMPLE_NORM, "per-example gradient norms (dotted: max)")
+    series = _drawable(ax, frame, PER_EXAMPLE_NORM, title)
     if series is not None:
         layers = _layers(frame, layers)
         colors = layer_colors(layers)
-        _lines(ax, series, "max", layers, colors, linestyle=":", linewidth=1.0, label=None)
+        _lines(ax, series, MAX, layers, colors, linestyle=":", linewidth=1.0, label=None)
         _bands(ax, series, layers, colors, legend, title, "||g_i||")
 
 
@@ -210,12 +259,12 @@ def param_grad_ratio_panel(ax, frame, *, layers=None, legend=True):
 
     The LARS trust ratio: how many gradient norms fit in the weights. Log scale.
     """
-    title = "weights / gradient: ||theta|| / ||grad||"
-    series = _drawable(ax, frame, "ParamGradRatio", title)
+    title = _title(frame, PARAM_GRAD_RATIO, "weights / gradient: ||theta|| / ||grad||")
+    series = _drawable(ax, frame, PARAM_GRAD_RATIO, title)
     if series is not None:
         layers = _layers(frame, layers)
-        _lines(ax, series, "norm_ratio", layers, layer_colors(layers))
-        _finish(ax, title, "norm_ratio", legend)
+        _lines(ax, series, NORM_RATIO, layers, layer_colors(layers))
+        _finish(ax, title, NORM_RATIO, legend)
 
 
 def update_size_panel(ax, frame, *, layers=None, legend=True):
@@ -225,14 +274,14 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
     flag, around the usual 1e-3 (:data:`cockpit_gradnoise.report.THRESHOLDS`).
     Log scale.
     """
-    title = "relative update size per step"
-    series = _drawable(ax, frame, "UpdateSize", title)
+    title = _title(frame, UPDATE_SIZE, "relative update size per step")
+    series = _drawable(ax, frame, UPDATE_SIZE, title)
     if series is not None:
         layers = _layers(frame, layers)
         low, high = THRESHOLDS.relative_update_range()
         ax.axhspan(low, high, color="0.88", zorder=0,
                    label=f"usual {THRESHOLDS.usual_relative_update:g}")
-        _lines(ax, series, "relative", layers, layer_colors(layers))
+        _lines(ax, series, UPDATE_RELATIVE, layers, layer_colors(layers))
         _finish(ax, title, "||update|| / ||theta||", legend)
 
 
@@ -245,7 +294,8 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     below the noise scale means larger batches would cut the number of steps
     almost linearly (McCandlish et al. 2018). Steps where the estimate is
     infinite (the estimated ``|G|^2 <= 0``: no signal resolved) are marked by
-    triangles at the top edge. Log scale; units: examples.
+    triangles at the top edge, steps where it is 0 at the bottom edge. Log
+    scale; units: examples.
 
     Args:
         ax: Axes to draw into.
@@ -255,22 +305,28 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         param: Parameter name; the network (``"all"``) by default.
         legend: Draw a legend in ``ax``.
     """
-    title = "gradient noise scale B_simple" + ("" if param == NETWORK else f" ({param})")
-    series = _drawable(ax, frame, "GradientNoiseScale", title)
+    if param == NETWORK:
+        title = _title(frame, NOISE_SCALE, "gradient noise scale B_simple")
+    else:
+        title = f"gradient noise scale B_simple ({param})"
+    series = _drawable(ax, frame, NOISE_SCALE, title)
     if series is None:
         return
-    raw = _xy(series, param, "b_simple", finite=False)
+    raw = _xy(series, param, B_SIMPLE)
     if raw is not None:
         steps, values = raw
-        finite, infinite = numpy.isfinite(values), numpy.isposinf(values)
-        ax.plot(steps[finite], values[finite], "o", color="tab:blue", alpha=0.3, markersize=3,
-                label="b_simple (one batch)")
+        shown, infinite = numpy.isfinite(values) & (values != 0), numpy.isposinf(values)
+        ax.plot(steps[shown], values[shown], "o", color="tab:blue", alpha=0.3, markersize=3,
+                label=f"{B_SIMPLE} (one batch)")
         if infinite.any():
-            ax.plot(steps[infinite], [0.97] * infinite.sum(), "^", color="tab:red", alpha=0.6,
-                    transform=ax.get_xaxis_transform(), label="infinite (|G|^2 est. <= 0)")
-    smoothed = _xy(series, param, "b_simple_smoothed")
+            _edge_marks(ax, steps[infinite], top=True, label=INFINITE_LABEL, color="tab:red")
+        _zero_marks(ax, steps, values, "tab:blue")
+    smoothed = _xy(series, param, B_SIMPLE_SMOOTHED)
     if smoothed is not None:
-        ax.plot(*smoothed, color="tab:blue", linewidth=2, label="b_simple_smoothed")
+        steps, values = smoothed
+        ax.plot(steps, _on_log_scale(values), color="tab:blue", linewidth=2,
+                label=B_SIMPLE_SMOOTHED)
+        _zero_marks(ax, steps, values, "tab:blue")
     if batch_size is None:
         ax.text(0.02, 0.03, "batch size unknown: pass batch_size=", transform=ax.transAxes,
                 fontsize="x-small", color="0.35")
@@ -280,13 +336,15 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     _finish(ax, title, "B_simple (examples)", legend)
 
 
-def noise_heatmap_panel(ax, frame, *, statistic: str = "q0.5", layers=None, colorbar=True):
+def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, colorbar=True):
     """Layer-by-step heatmap of a ``GradientVarianceQuantiles`` statistic.
 
     For models with many layers, where lines become unreadable: one row per
-    layer (``report.sort_layers`` order, first on top), one column per tracked
-    step, colour on a log scale; white cells are zero or missing. ``statistic="q0.5"`` shows
-    the median sd, ``"snr_q0.5"`` the median signal-to-noise ratio.
+    layer (model order, first on top), one column per tracked step, colour on
+    a log scale. A zero, which has no colour there, is a white cell with an
+    ``x`` (the title then says so); a white cell without one is missing or
+    not finite. ``statistic="q0.5"`` shows the median sd, ``"snr_q0.5"`` the
+    median signal-to-noise ratio.
 
     Args:
         ax: Axes to draw into.
@@ -299,13 +357,14 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = "q0.5", layers=None, colo
         The ``QuadMesh`` drawn (for a colour bar), or ``None`` when there was
         nothing to draw.
     """
-    label = {"q0.5": "median sd", "snr_q0.5": "median SNR"}.get(statistic, statistic)
-    title = f"{label} per layer (GradientVarianceQuantiles {statistic})"
-    series = _drawable(ax, frame, "GradientVarianceQuantiles", title)
+    label = {SD_MEDIAN: "median sd", SNR_MEDIAN: "median SNR"}.get(statistic, statistic)
+    title = f"{label} per layer ({GRADIENT_VARIANCE} {statistic})"
+    series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
     if series is None:
         return None
     present = {param for param, stat in series if stat == statistic and param != NETWORK}
-    names = sort_layers(present) if layers is None else [n for n in layers if n in present]
+    names = [name for name in (layer_order(frame) if layers is None else layers)
+             if name in present]
     steps = sorted({step for points in series.values() for step in points})
     values = numpy.array(
         [[series[(name, statistic)].get(step, math.nan) for step in steps] for name in names]
@@ -321,6 +380,11 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = "q0.5", layers=None, colo
     ax.set_yticks(numpy.arange(len(names)), names,
                   fontsize=max(4.0, min(8.0, 360.0 / len(names))))
     ax.set_ylim(len(names) - 0.5, -0.5)  # first layer on top
+    rows, columns = numpy.nonzero(values == 0)
+    if rows.size:
+        ax.plot(numpy.asarray(steps)[columns], rows, "x", color="0.3", linestyle="none",
+                markersize=max(2.0, min(5.0, 200.0 / len(names))), label=ZERO_LABEL)
+        title += "; x: 0"
     ax.set_title(title)
     _step_axis(ax)
     if colorbar:

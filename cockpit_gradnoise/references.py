@@ -53,6 +53,93 @@ def per_example_gradients(
     return result
 
 
+def contributions_through_batch(
+    model: nn.Module, loss_fn: Callable, inputs: Tensor, targets: Tensor
+) -> Dict[str, Tensor]:
+    """Each example's contribution ``x_i`` to ``param.grad``, from one batch backward pass.
+
+    For models whose examples interact (BatchNorm in training mode). One
+    backward pass of the whole batch's loss records every layer's input and
+    output gradient; then, per example ``i``, in float64: ``Linear``
+    ``x_i = sum_positions grad_out_i^T input_i``; ``Conv1d/2d/3d`` the
+    weight gradient of example ``i``'s input and output gradient
+    (``torch.nn.grad.conv*d_weight``); ``BatchNorm1d/2d/3d``
+    ``sum_positions grad_out_i * x_hat_i`` with ``x_hat`` normalized by the
+    batch's mean and (biased) variance in training mode, by the running
+    statistics in eval mode. Biases: ``grad_out_i`` summed over positions.
+    The contributions sum to ``param.grad``.
+
+    Args:
+        model: A module of these layers (others must have no parameters).
+            It is not modified (a copy is run).
+        loss_fn: ``loss_fn(outputs, targets)``, the batch's scalar loss.
+
+    Returns:
+        ``{name: tensor [N, *param.shape]}`` (float64) for every parameter that
+        requires grad.
+    """
+    model = copy.deepcopy(model)
+    supported = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d,
+                 nn.BatchNorm3d)
+    records = {}
+
+    def record(module, args, output):
+        entry = records.setdefault(module, {})
+        entry["input"] = args[0].detach()
+        # The rest of the network gets a copy, so that in-place operations after
+        # the layer (ReLU(inplace=True), a ResNet's `+=`) leave this node alone.
+        recorded = output.clone()
+        recorded.register_hook(lambda grad: entry.__setitem__("grad_output", grad.detach()))
+        return recorded.clone()
+
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own and not isinstance(module, supported):
+            raise ValueError(f"contributions_through_batch does not support {type(module).__name__}")
+        if own:
+            module.register_forward_hook(record)
+    loss_fn(model(inputs), targets).backward()
+    result = {}
+    for prefix, module in model.named_modules():
+        if module not in records:
+            continue
+        weight, bias = _layer_contributions(module, records[module]["input"].double(),
+                                            records[module]["grad_output"].double())
+        for name, value in (("weight", weight), ("bias", bias)):
+            param = getattr(module, name, None)
+            if param is not None and param.requires_grad:
+                result[f"{prefix}.{name}" if prefix else name] = value
+    return result
+
+
+def _layer_contributions(module, inputs, grad_output):
+    """``(weight, bias)`` contributions ``[N, *shape]`` of one layer."""
+    n = inputs.shape[0]
+    if isinstance(module, nn.Linear):
+        a, g = inputs.reshape(n, -1, inputs.shape[-1]), grad_output.reshape(n, -1, grad_output.shape[-1])
+        return torch.einsum("npo,npi->noi", g, a), g.sum(1)
+    positions = tuple(range(2, grad_output.dim()))
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        axes = (0,) + positions
+        if module.training:
+            mean = inputs.mean(axes, keepdim=True)
+            var = inputs.var(axes, unbiased=False, keepdim=True)
+        else:
+            shape = (1, -1) + (1,) * len(positions)
+            mean = module.running_mean.double().reshape(shape)
+            var = module.running_var.double().reshape(shape)
+        normalized = (inputs - mean) / torch.sqrt(var + module.eps)
+        return (grad_output * normalized).sum(positions), grad_output.sum(positions)
+    conv_weight = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight,
+                   3: torch.nn.grad.conv3d_weight}[len(positions)]
+    weight = torch.stack([
+        conv_weight(inputs[i : i + 1], module.weight.shape, grad_output[i : i + 1],
+                    module.stride, module.padding, module.dilation, module.groups)
+        for i in range(n)
+    ])
+    return weight, grad_output.sum(positions)
+
+
 def _scale(reduction: str, n: int) -> float:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -81,15 +168,17 @@ def _with_network(per_param: Dict[str, Tuple], combine: Callable) -> Dict[str, T
 
 
 def gradient_variance_quantiles(
-    model, per_example_loss, inputs, targets, *, reduction: str, quantiles=(0.05, 0.25, 0.5, 0.75, 0.95)
+    model, per_example_loss, inputs, targets, *, reduction: str, quantiles=(0.05, 0.25, 0.5, 0.75, 0.95),
+    gradients=None,
 ) -> Dict[str, Dict[str, float]]:
     """Reference for :class:`~cockpit_gradnoise.GradientVarianceQuantiles`.
 
     ``sd_j = sqrt(N/(N-1) * sum_i (x_ij - mean_i x_ij)^2)`` with ``x_i = c g_i``
     (``c = 1/N`` for ``reduction="mean"``, ``1`` for ``"sum"``), computed from
-    the stacked per-example gradients, two-pass.
+    the stacked per-example gradients, two-pass. ``gradients`` (``{name: g_i
+    stacked}``) replaces the loop, e.g. with :func:`contributions_through_batch`.
     """
-    grads = per_example_gradients(model, per_example_loss, inputs, targets)
+    grads = gradients or per_example_gradients(model, per_example_loss, inputs, targets)
     n = len(inputs)
     c = _scale(reduction, n)
     flat = {
@@ -104,10 +193,13 @@ def gradient_variance_quantiles(
 
 
 def per_example_grad_norm(
-    model, per_example_loss, inputs, targets, *, quantiles=(0.05, 0.5, 0.95)
+    model, per_example_loss, inputs, targets, *, quantiles=(0.05, 0.5, 0.95), gradients=None
 ) -> Dict[str, Dict[str, float]]:
-    """Reference for :class:`~cockpit_gradnoise.PerExampleGradNorm`: ``||g_i||`` by a loop."""
-    grads = per_example_gradients(model, per_example_loss, inputs, targets)
+    """Reference for :class:`~cockpit_gradnoise.PerExampleGradNorm`: ``||g_i||`` by a loop.
+
+    ``gradients`` (``{name: g_i stacked}``) replaces the loop.
+    """
+    grads = gradients or per_example_gradients(model, per_example_loss, inputs, targets)
     n = len(inputs)
     flat = {name: g.reshape(n, -1).detach().cpu().numpy() for name, g in grads.items()}
     flat = _with_network(flat, lambda xs: numpy.concatenate(xs, axis=1))
@@ -186,15 +278,18 @@ def update_size(before: Dict[str, Tensor], after: Dict[str, Tensor]) -> Dict[str
     return result
 
 
-def gradient_noise_scale(model, per_example_loss, inputs, targets) -> Dict[str, Dict[str, float]]:
+def gradient_noise_scale(
+    model, per_example_loss, inputs, targets, *, gradients=None
+) -> Dict[str, Dict[str, float]]:
     """Reference for :class:`~cockpit_gradnoise.GradientNoiseScale` (without smoothing).
 
     From the per-example gradients ``g_i`` (a loop), in float64: ``grad_sq``
     is the mean of ``g_i . g_j`` over all pairs ``i != j``, ``trace_cov`` the
     sample variance ``sum_i ||g_i - mean g||^2 / (N - 1)`` (two-pass), and
     ``b_simple = trace_cov / grad_sq`` (``inf`` when ``grad_sq <= 0``).
+    ``gradients`` (``{name: g_i stacked}``) replaces the loop.
     """
-    grads = per_example_gradients(model, per_example_loss, inputs, targets)
+    grads = gradients or per_example_gradients(model, per_example_loss, inputs, targets)
     n = len(inputs)
     if n < 2:
         raise ValueError(f"the gradient noise scale needs at least 2 examples, got {n}")

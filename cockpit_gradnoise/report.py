@@ -3,19 +3,54 @@
 Every threshold that turns a number into a finding is a field of
 :data:`THRESHOLDS` (documented in ``docs/dashboard.md``); the dashboard's
 reference band for update sizes reads the same values. Like the panels, the
-report reads only the tidy frame of :func:`cockpit_gradnoise.to_frame`.
+report reads only the tidy frame of :func:`cockpit_gradnoise.to_frame`, and
+it ranks the noisiest layers as the dashboard does
+(:func:`cockpit_gradnoise._layers.noise_ranking`).
+
+Importing this module imports no pandas (only building a table does), so the
+command line's ``--help`` starts fast.
 """
+
+from __future__ import annotations
 
 import json
 import math
-import re
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-import pandas
+from cockpit_gradnoise._layers import (
+    Coverage,
+    Ranking,
+    coverage_note,
+    finite_rows,
+    layer_order,
+    network_coverage,
+    noise_ranking,
+)
+from cockpit_gradnoise.schema import (
+    B_SIMPLE,
+    B_SIMPLE_SMOOTHED,
+    BATCH_SIZE,
+    GRADIENT_VARIANCE,
+    MAX,
+    NETWORK,
+    NOISE_SCALE,
+    NORM_RATIO,
+    PARAM_GRAD_RATIO,
+    PARAMS_COVERED,
+    PARAMS_TOTAL,
+    PER_EXAMPLE_NORM,
+    SD_MEDIAN,
+    SNR_MEDIAN,
+    UPDATE_RELATIVE,
+    UPDATE_SIZE,
+    ZERO_GRAD_FRACTION,
+    encode_float,
+    quantile_name,
+)
 
-from cockpit_gradnoise.frame import encode_float
-from cockpit_gradnoise.quantities._base import NETWORK
+if TYPE_CHECKING:
+    import pandas
 
 
 @dataclass(frozen=True)
@@ -48,56 +83,21 @@ THRESHOLDS = Thresholds()
 
 #: Report column: (quantity, statistic) it is read from.
 COLUMNS: Dict[str, Tuple[str, str]] = {
-    "sd_median": ("GradientVarianceQuantiles", "q0.5"),
-    "snr_median": ("GradientVarianceQuantiles", "snr_q0.5"),
-    "norm_median": ("PerExampleGradNorm", "q0.5"),
-    "norm_max": ("PerExampleGradNorm", "max"),
-    "norm_ratio": ("ParamGradRatio", "norm_ratio"),
-    "zero_grad_fraction": ("ParamGradRatio", "zero_grad_fraction"),
-    "relative_update": ("UpdateSize", "relative"),
-    "b_simple": ("GradientNoiseScale", "b_simple"),
-    "b_simple_smoothed": ("GradientNoiseScale", "b_simple_smoothed"),
+    "sd_median": (GRADIENT_VARIANCE, SD_MEDIAN),
+    "snr_median": (GRADIENT_VARIANCE, SNR_MEDIAN),
+    "norm_median": (PER_EXAMPLE_NORM, quantile_name(0.5)),
+    "norm_max": (PER_EXAMPLE_NORM, MAX),
+    "norm_ratio": (PARAM_GRAD_RATIO, NORM_RATIO),
+    "zero_grad_fraction": (PARAM_GRAD_RATIO, ZERO_GRAD_FRACTION),
+    "relative_update": (UPDATE_SIZE, UPDATE_RELATIVE),
+    "b_simple": (NOISE_SCALE, B_SIMPLE),
+    "b_simple_smoothed": (NOISE_SCALE, B_SIMPLE_SMOOTHED),
 }
 
 FORMATS = ("text", "csv", "json")
 
 #: Findings of one kind named one layer per line, at most this many; the rest are counted.
 MAX_LAYER_LINES = 5
-
-
-def sort_layers(names) -> List[str]:
-    """Layer names sorted with numbers compared as numbers (``2.weight`` before
-    ``10.weight``), ``"all"`` last: close to model order, which a log does not keep."""
-
-    def key(name):
-        parts = re.split(r"(\d+)", name)
-        return (name == NETWORK, [(0, int(p)) if p.isdigit() else (1, p) for p in parts])
-
-    return sorted(names, key=key)
-
-
-def noisiest_layers(frame: pandas.DataFrame, k: int) -> List[str]:
-    """The ``k`` noisiest layers, noisiest first.
-
-    Ranked by the mean over tracked steps of the median signal-to-noise ratio
-    (``GradientVarianceQuantiles`` ``snr_q0.5``, lowest first); without it by
-    the median sd (``q0.5``, highest first), then by the median per-example
-    norm (highest first); layers without any of these follow in :func:`sort_layers` order.
-    """
-    layers = sort_layers(set(frame.param) - {NETWORK})
-    for quantity, statistic, ascending in (
-        ("GradientVarianceQuantiles", "snr_q0.5", True),
-        ("GradientVarianceQuantiles", "q0.5", False),
-        ("PerExampleGradNorm", "q0.5", False),
-    ):
-        rows = frame[(frame.quantity == quantity) & (frame.statistic == statistic)]
-        rows = rows[rows.param != NETWORK]
-        if len(rows):
-            finite = rows[rows.value.map(math.isfinite)]
-            score = finite.groupby("param").value.mean().sort_values(ascending=ascending)
-            ranked = list(score.index)
-            return (ranked + [name for name in layers if name not in ranked])[:k]
-    return layers[:k]
 
 
 def recorded_batch_size(frame: pandas.DataFrame) -> Optional[int]:
@@ -107,43 +107,76 @@ def recorded_batch_size(frame: pandas.DataFrame) -> Optional[int]:
     quantity, pass it (``batch_size=``, ``--batch-size``) to compare it with
     the gradient noise scale.
     """
-    rows = frame[(frame.statistic == "batch_size") & frame.value.map(math.isfinite)]
+    rows = finite_rows(frame[frame.statistic == BATCH_SIZE])
     return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])
+
+
+def _steps_text(steps: List[int]) -> str:
+    """``"26 tracked steps: 0, 2, 4, ..., 48, 50"``: the first three and the last two."""
+    shown = [str(s) for s in steps]
+    if len(shown) > 6:
+        shown = shown[:3] + ["..."] + shown[-2:]
+    counted = "1 tracked step" if len(steps) == 1 else f"{len(steps)} tracked steps"
+    return f"{counted}: {', '.join(shown)}"
 
 
 def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[str, int]:
     """For each quantity, its latest tracked step at or before ``step`` (default: the last).
 
     Raises:
-        ValueError: If no quantity has a step at or before ``step``.
+        ValueError: If the frame is empty, or ``step`` is before the first or
+            after the last tracked step (naming them).
     """
     if frame.empty:
         raise ValueError("the log holds none of cockpit-gradnoise's quantities")
-    last = int(frame.step.max()) if step is None else int(step)
-    steps = frame[frame.step <= last].groupby("quantity").step.max()
-    if steps.empty:
+    tracked = sorted(int(s) for s in frame.step.unique())
+    if step is not None and step < tracked[0]:
         raise ValueError(
-            f"no tracked step at or before step {last}: the first is {int(frame.step.min())}"
+            f"no tracked step at or before step {step}: the first is {tracked[0]} "
+            f"({_steps_text(tracked)})"
         )
+    if step is not None and step > tracked[-1]:
+        raise ValueError(
+            f"no tracked step {step}: the log ends at step {tracked[-1]} "
+            f"({_steps_text(tracked)})"
+        )
+    last = tracked[-1] if step is None else int(step)
+    steps = frame[frame.step <= last].groupby("quantity").step.max()
     return {quantity: int(s) for quantity, s in steps.items()}
 
 
 def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFrame:
-    """One row per layer (:func:`sort_layers` order), one column per :data:`COLUMNS` entry.
+    """One row per layer (model order, :func:`~cockpit_gradnoise._layers.layer_order`),
+    the network last; one column per :data:`COLUMNS` entry.
 
     Each quantity's numbers come from its step in ``steps``; NaN where absent.
     """
+    import pandas  # here, not at the top: see the module's docstring
+
     chosen = frame[[steps.get(q) == s for q, s in zip(frame.quantity, frame.step)]]
-    table = pandas.DataFrame(index=pandas.Index(sort_layers(set(chosen.param)), name="param"))
+    params = layer_order(chosen) + ([NETWORK] if (chosen.param == NETWORK).any() else [])
+    table = pandas.DataFrame(index=pandas.Index(params, name="param"))
     for column, (quantity, statistic) in COLUMNS.items():
         rows = chosen[(chosen.quantity == quantity) & (chosen.statistic == statistic)]
         table[column] = rows.set_index("param").value.reindex(table.index).astype(float)
     return table
 
 
+def coverages(frame: pandas.DataFrame, steps: Dict[str, int]) -> Dict[str, Coverage]:
+    """``{quantity: coverage}`` of the quantities whose network row, at their step in
+    ``steps``, leaves parameters out (:func:`~cockpit_gradnoise._layers.network_coverage`)."""
+    found = {q: network_coverage(frame[frame.step == s], q) for q, s in steps.items()}
+    return {quantity: coverage for quantity, coverage in found.items() if coverage}
+
+
 @dataclass
 class Report:
-    """A report: the table, the steps it was read at, the batch size and the findings."""
+    """A report: the table, the steps it was read at, the batch size and the findings.
+
+    ``ranking`` ranks the layers noisiest first over the tracked steps up to
+    ``step``, as the dashboard does; ``coverage`` names the quantities whose
+    ``"all"`` row covers only some of the parameters.
+    """
 
     source: str
     step: int
@@ -151,6 +184,8 @@ class Report:
     batch_size: Optional[int]
     table: pandas.DataFrame
     findings: List[str]
+    ranking: Optional[Ranking] = None
+    coverage: Dict[str, Coverage] = field(default_factory=dict)
 
 
 def build_report(frame, *, source="", step=None, batch_size=None, thresholds=THRESHOLDS):
@@ -164,18 +199,25 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds=THR
         batch_size: The batch size used, to compare with the noise scale;
             default :func:`recorded_batch_size`.
         thresholds: A :class:`Thresholds`.
+
+    Raises:
+        ValueError: If ``frame`` is empty or ``step`` is outside its tracked steps.
     """
     steps = quantity_steps(frame, step)
     table = layer_table(frame, steps)
     if batch_size is None:
         batch_size = recorded_batch_size(frame)
+    last = max(steps.values())
+    ranking = noise_ranking(frame[frame.step <= last])
     return Report(
         source=str(source),
-        step=max(steps.values()),
+        step=last,
         steps=steps,
         batch_size=batch_size,
         table=table,
-        findings=findings(table, batch_size, thresholds),
+        findings=findings(table, batch_size, thresholds, ranking=ranking),
+        ranking=ranking,
+        coverage=coverages(frame, steps),
     )
 
 
@@ -251,27 +293,43 @@ def noise_scale_finding(table, batch_size, thresholds=THRESHOLDS) -> List[str]:
     ]
 
 
-def snr_findings(table, thresholds=THRESHOLDS) -> List[str]:
-    """The noisiest layer, and the layers whose median SNR is below ``low_snr``."""
-    snr = _layer_values(table, "snr_median").sort_values()
-    if snr.empty:
+#: What a ranking's statistic is, in the noisiest-layer finding.
+_RANKED_BY = {
+    "snr_median": "lowest median signal-to-noise |grad_j|/sd_j",
+    "sd_median": "highest median sd of its gradient elements",
+    "norm_median": "highest median per-example gradient norm",
+}
+
+
+def noisiest_finding(ranking: Optional[Ranking]) -> List[str]:
+    """The noisiest layer by :func:`~cockpit_gradnoise._layers.noise_ranking`.
+
+    The dashboard draws the layers of the same ranking, so the two agree.
+    """
+    if ranking is None or ranking.scores.empty:
         return []
-    network = _value(table, "snr_median")
-    lines = [
-        f"noisiest layer: {snr.index[0]}, median signal-to-noise |grad_j|/sd_j "
-        f"{snr.iloc[0]:.3g} (network {network:.3g}) (snr_median)"
+    column = next(c for c, qs in COLUMNS.items() if qs == (ranking.quantity, ranking.statistic))
+    name, score = ranking.scores.index[0], ranking.scores.iloc[0]
+    return [
+        f"noisiest layer: {name}, {_RANKED_BY[column]}: {score:.3g} on average over "
+        f"{ranking.steps} tracked steps (network {ranking.network:.3g}) ({column})"
     ]
+
+
+def snr_findings(table, thresholds=THRESHOLDS) -> List[str]:
+    """The layers whose median SNR at the report's step is below ``low_snr``."""
+    snr = _layer_values(table, "snr_median").sort_values()
     low = snr[snr < thresholds.low_snr]
-    if len(low):
-        shown = low.iloc[:MAX_LAYER_LINES].items()
-        named = ", ".join(f"{name} {value:.2g}" for name, value in shown)
-        more = f" and {len(low) - MAX_LAYER_LINES} more" if len(low) > MAX_LAYER_LINES else ""
-        lines.append(
-            f"median signal-to-noise below {thresholds.low_snr:g} in {len(low)} of "
-            f"{len(snr)} layers ({named}{more}): most of their gradient elements are "
-            "dominated by noise at this batch size (snr_median)"
-        )
-    return lines
+    if low.empty:
+        return []
+    shown = low.iloc[:MAX_LAYER_LINES].items()
+    named = ", ".join(f"{name} {value:.2g}" for name, value in shown)
+    more = f" and {len(low) - MAX_LAYER_LINES} more" if len(low) > MAX_LAYER_LINES else ""
+    return [
+        f"median signal-to-noise below {thresholds.low_snr:g} in {len(low)} of "
+        f"{len(snr)} layers ({named}{more}): most of their gradient elements are "
+        "dominated by noise at this batch size (snr_median)"
+    ]
 
 
 def update_size_findings(table, thresholds=THRESHOLDS) -> List[str]:
@@ -334,10 +392,15 @@ def outlier_findings(table, thresholds=THRESHOLDS) -> List[str]:
     ]
 
 
-def findings(table, batch_size=None, thresholds=THRESHOLDS) -> List[str]:
-    """Every finding of the report's table, one plain-language line each."""
+def findings(table, batch_size=None, thresholds=THRESHOLDS, *, ranking=None) -> List[str]:
+    """Every finding of the report's table, one plain-language line each.
+
+    ``ranking`` (:func:`~cockpit_gradnoise._layers.noise_ranking`) names the
+    noisiest layer; without it that line is left out.
+    """
     return (
         noise_scale_finding(table, batch_size, thresholds)
+        + noisiest_finding(ranking)
         + snr_findings(table, thresholds)
         + update_size_findings(table, thresholds)
         + zero_grad_findings(table, thresholds)
@@ -368,12 +431,28 @@ def format_report(report: Report, fmt: str = "text") -> str:
                 "batch_size": report.batch_size,
                 "columns": {c: list(qs) for c, qs in COLUMNS.items()},
                 "layers": rows,
+                # Only quantities whose "all" row leaves parameters out.
+                "network_coverage": {
+                    q: {PARAMS_COVERED: c.fewest, PARAMS_TOTAL: c.total}
+                    for q, c in report.coverage.items()
+                },
             },
             indent=2,
         ) + "\n"
     if fmt != "text":
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     return _text(report)
+
+
+def _coverage_lines(coverage: Dict[str, Coverage]) -> List[str]:
+    """``"all: 7 of 15 parameters in A, B (...)"``, one line per distinct coverage."""
+    quantities: Dict[str, List[str]] = {}
+    for quantity, covered in sorted(coverage.items()):
+        quantities.setdefault(coverage_note(covered), []).append(quantity)
+    return [
+        f"{note} in {', '.join(names)} (the {NETWORK} row leaves the other parameters out)"
+        for note, names in quantities.items()
+    ]
 
 
 def _text(report: Report) -> str:
@@ -385,6 +464,7 @@ def _text(report: Report) -> str:
     lines = [
         f"cockpit-gradnoise report: {report.source}",
         f"step {report.step}" + (f" ({other})" if other else "") + f", batch size {batch}",
+        *_coverage_lines(report.coverage),
         "",
         shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-"),
         "",

@@ -95,6 +95,24 @@ def norm_statistic_names(levels: Iterable[float]) -> List[str]:
     return [quantile_name(q) for q in levels] + [MEAN, MAX]
 
 
+def ratio_or_inf(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
+
+    The ratios reported by :class:`~cockpit_gradnoise.ParamGradRatio`
+    (``||theta|| / ||grad||``), :class:`~cockpit_gradnoise.UpdateSize`
+    (``||update|| / ||theta||``) and :class:`~cockpit_gradnoise.GradientNoiseScale`
+    (``trace_cov / grad_sq``) have a denominator that can be exactly 0 (a zero
+    gradient, all-zero parameters) or, for an unbiased estimate, negative. They
+    are reported as ``+inf`` then, also for ``0 / 0``: never a NaN from a zero
+    denominator. NaN only if an input is NaN.
+    """
+    if math.isnan(numerator) or math.isnan(denominator):
+        return math.nan
+    if denominator <= 0:
+        return math.inf
+    return numerator / denominator
+
+
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 

@@ -4,14 +4,17 @@ Every quantity is checked against its reference in ``cockpit_gradnoise.reference
 over the product of ``MODELS`` x ``REDUCTIONS`` x ``BATCH_SIZES``, in float64.
 """
 
+import copy
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 from backpack import extend
 from torch import nn
 
-from cockpit_gradnoise import Cockpit
+from cockpit_gradnoise import Cockpit, prepare_model
+from experiments.models import GPT, TokenCrossEntropy
 
 
 class WithUnusedAndFrozen(nn.Module):
@@ -64,6 +67,49 @@ def embedding():
     return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Tanh(), nn.Linear(3 * 4, 3))
 
 
+def resnet18():
+    """torchvision's ResNet-18 in eval mode (BatchNorm with running statistics)."""
+    from torchvision.models import resnet18 as torchvision_resnet18
+
+    return torchvision_resnet18(num_classes=3).eval()
+
+
+def layernorm_sequence():
+    """Linear along a sequence (BackPACK's extra dimensions), then LayerNorm."""
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.LayerNorm(6), nn.GELU(), nn.Flatten(), nn.Linear(3 * 6, 3)
+    )
+
+
+def groupnorm_cnn():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    )
+
+
+def rmsnorm_mlp():
+    return nn.Sequential(nn.Linear(6, 5), nn.RMSNorm(5), nn.Tanh(), nn.Linear(5, 3))
+
+
+VOCABULARY, CONTEXT, WIDTH, HEADS = 11, 4, 8, 2
+
+
+def gpt(blocks="gpt"):
+    return GPT(VOCABULARY, CONTEXT, WIDTH, HEADS, layers=2, blocks=blocks)
+
+
+def classification_losses(reduction):
+    return nn.CrossEntropyLoss(reduction=reduction), nn.CrossEntropyLoss(reduction="none")
+
+
+def token_losses(reduction):
+    return TokenCrossEntropy(reduction), TokenCrossEntropy("none", per_token=reduction)
+
+
 @dataclass(frozen=True)
 class ModelCase:
     """A model and how to draw its inputs (targets are 3 classes)."""
@@ -71,6 +117,14 @@ class ModelCase:
     name: str
     make: Callable[[], nn.Module]
     inputs: Callable[[int], torch.Tensor]
+    #: Batch sizes to test (``BATCH_SIZES`` if ``None``): fewer for large models.
+    batch_sizes: Optional[Tuple[int, ...]] = None
+    #: Longest sum inside one example's contribution (output positions, sequence
+    #: steps): it rounds too, see ``tests.helpers.sd_rtol``.
+    inner_terms: int = 1
+    #: ``reduction -> (loss_fn, per_example_loss)``; ``targets(n)`` draws targets.
+    losses: Callable = classification_losses
+    targets: Callable[[int], torch.Tensor] = lambda n: torch.randint(0, 3, (n,))
 
 
 MODELS = [
@@ -83,8 +137,34 @@ MODELS = [
     ModelCase("conv-one-position", conv_one_position, lambda n: torch.randn(n, 2, 3, 3)),
     ModelCase("embedding", embedding, lambda n: torch.randint(0, 10, (n, 3))),
     ModelCase("unused-frozen", WithUnusedAndFrozen, lambda n: torch.randn(n, 6)),
+    ModelCase("layernorm-sequence", layernorm_sequence, lambda n: torch.randn(n, 3, 4)),
+    ModelCase("groupnorm-cnn", groupnorm_cnn, lambda n: torch.randn(n, 2, 5, 5)),
+    ModelCase("rmsnorm-mlp", rmsnorm_mlp, lambda n: torch.randn(n, 6)),
+    ModelCase(
+        "gpt",
+        gpt,
+        lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        losses=token_losses,
+        targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        inner_terms=CONTEXT,
+    ),
+    ModelCase(
+        "transformer-encoder",
+        lambda: gpt(blocks="encoder"),
+        lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        losses=token_losses,
+        targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        inner_terms=CONTEXT,
+    ),
+    ModelCase("resnet18", resnet18, lambda n: torch.randn(n, 3, 32, 32), batch_sizes=(3,),
+              inner_terms=32 * 32),
 ]
 REDUCTIONS = ["mean", "sum"]
+
+
+def case_named(name: str) -> ModelCase:
+    """The case of ``MODELS`` called ``name``."""
+    return next(case for case in MODELS if case.name == name)
 BATCH_SIZES = [2, 7, 64]
 
 
@@ -109,18 +189,31 @@ class Problem:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+@functools.lru_cache(maxsize=None)
+def _prepared(case: ModelCase, dtype, seed):
+    """The seeded, prepared model of ``case`` and the random state after building it.
+
+    Cached: BackPACK's converter takes seconds on a ResNet.
+    """
+    torch.manual_seed(seed)
+    model = prepare_model(case.make().to(dtype))
+    return model, torch.get_rng_state()
+
+
 def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) -> Problem:
     """Seeded model and batch of ``n`` examples for ``case``."""
-    torch.manual_seed(seed)
-    model = extend(case.make().to(dtype))
+    model, random_state = _prepared(case, dtype, seed)
+    model = copy.deepcopy(model)
+    torch.set_rng_state(random_state)
     inputs = case.inputs(n)
     if inputs.is_floating_point():
         inputs = inputs.to(dtype)
-    targets = torch.randint(0, 3, (n,))
+    targets = case.targets(n)
+    loss_fn, per_example_loss = case.losses(reduction)
     return Problem(
         model,
-        extend(nn.CrossEntropyLoss(reduction=reduction)),
-        nn.CrossEntropyLoss(reduction="none"),
+        extend(loss_fn),
+        per_example_loss,
         inputs,
         targets,
         reduction,

@@ -4,21 +4,30 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pytest  # noqa: E402
 
 from tests.cases import BATCH_SIZES, MODELS, REDUCTIONS  # noqa: E402
 
 
-@pytest.fixture(params=MODELS, ids=lambda case: case.name)
-def model_case(request):
-    return request.param
+def _free(metafunc, name):
+    """Whether ``name`` is a fixture of the test that no ``parametrize`` mark sets."""
+    marked = {
+        arg.strip()
+        for mark in metafunc.definition.iter_markers("parametrize")
+        for arg in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])
+    }
+    return name in metafunc.fixturenames and name not in marked
 
 
-@pytest.fixture(params=REDUCTIONS)
-def reduction(request):
-    return request.param
-
-
-@pytest.fixture(params=BATCH_SIZES, ids=lambda n: f"N{n}")
-def batch_size(request):
-    return request.param
+def pytest_generate_tests(metafunc):
+    """``model_case`` x ``reduction`` x ``batch_size``, each case with its own batch sizes."""
+    if _free(metafunc, "model_case") and _free(metafunc, "batch_size"):
+        pairs = [(case, n) for case in MODELS for n in case.batch_sizes or BATCH_SIZES]
+        metafunc.parametrize(
+            "model_case, batch_size", pairs, ids=[f"{case.name}-N{n}" for case, n in pairs]
+        )
+    elif _free(metafunc, "model_case"):
+        metafunc.parametrize("model_case", MODELS, ids=[case.name for case in MODELS])
+    elif _free(metafunc, "batch_size"):
+        metafunc.parametrize("batch_size", BATCH_SIZES, ids=[f"N{n}" for n in BATCH_SIZES])
+    if _free(metafunc, "reduction"):
+        metafunc.parametrize("reduction", REDUCTIONS)

@@ -1,11 +1,13 @@
 """Assertions and frame helpers shared by several test files."""
 
 import pytest
+import torch
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import schema
 
 RTOL = 1e-10
+EPS64 = torch.finfo(torch.float64).eps
 
 
 def without_coverage(rows):
@@ -43,3 +45,37 @@ def rows(cockpit, quantity, step=0):
     for param, statistic, value in zip(frame.param, frame.statistic, frame.value):
         result.setdefault(param, {})[statistic] = value
     return result
+
+
+def sd_rtol(grads, n, name, inner_terms=1):
+    """Relative tolerance of sd and SNR statistics of parameter ``name``, from rounding.
+
+    ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``. Each
+    ``x_ij`` is itself a sum of up to ``inner_terms`` products (over output
+    positions or sequence steps), computed in different orders by BackPACK and
+    by the reference, so it is off by up to ``inner_terms * eps`` relative; the
+    sums over examples add ``N eps``. A relative rounding error
+    ``delta <= 2 (N + inner_terms) eps`` in those sums becomes a relative error
+    ``delta * (1 + SNR_j**2 / (N - 1))`` in ``sd_j**2`` (because
+    ``sum_i x_ij**2 / centred = 1 + SNR_j**2 / (N - 1)``), half that in
+    ``sd_j`` and in ``SNR_j``. The largest ``SNR_j`` bounds every statistic.
+    """
+    rows = [g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)]
+    x = torch.cat(rows, dim=1)
+    sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
+    snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
+    return max(RTOL, 2 * (n + inner_terms) * EPS64 * (1 + snr_max**2 / (n - 1)))
+
+
+def rounding_bounds(n, elements, grad_sq, trace_cov):
+    """Absolute rounding bounds of ``grad_sq`` and ``trace_cov``.
+
+    Both come from ``S`` and ``M`` (sums over ``N`` examples of sums over
+    ``P`` elements, relative error below ``(N + P) eps``) through
+    ``(N M - S) / (N - 1)`` and ``N (S - M) / (N - 1)``, where
+    ``S = grad_sq + trace_cov`` and ``M = grad_sq + trace_cov / N``; a
+    difference's error is at most the sum of its terms' errors.
+    """
+    s, m = abs(grad_sq + trace_cov), abs(grad_sq + trace_cov / n)
+    error = (n + elements) * EPS64
+    return error * (n * m + s) / (n - 1), error * n * (s + m) / (n - 1)

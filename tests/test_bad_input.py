@@ -49,10 +49,22 @@ def test_model_not_extended_names_backpack_extend(quantity_class):
         run_step(problem, [quantity])
 
 
-def layer_norm_problem(n=6):
+class ChannelScale(nn.Module):
+    """A custom module that uses its parameters directly: no per-example rule exists."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+        self.bias = nn.Parameter(torch.zeros(features))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def custom_module_problem(n=6):
     torch.manual_seed(0)
     model = extend(
-        nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.ReLU(), nn.Linear(5, 3)).double()
+        nn.Sequential(nn.Linear(4, 5), ChannelScale(5), nn.ReLU(), nn.Linear(5, 3)).double()
     )
     return Problem(
         model, extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none"),
@@ -61,9 +73,8 @@ def layer_norm_problem(n=6):
 
 
 def test_unsupported_layer_is_left_out_with_one_warning():
-    """LayerNorm's parameters get no rows; every other parameter is exact (Cockpit
-    itself crashes on such a model)."""
-    problem = layer_norm_problem()
+    """A custom module's parameters get no rows; every other parameter is exact."""
+    problem = custom_module_problem()
     cockpit, messages = track_recording_warnings(problem)
     assert len(messages) == 2, messages  # one per quantity, not per step
     assert all("['1.weight', '1.bias']" in m and "does not support" in m for m in messages)
@@ -89,7 +100,7 @@ def test_bad_quantiles_fail_at_construction(quantity_class, quantiles):
 def test_param_names_must_match_parameters():
     problem = build(MODELS[0], 3, "mean")
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=["only-one"])
-    with pytest.raises(ValueError, match="2 param_names for 4 parameters|1 param_names for 4"):
+    with pytest.raises(ValueError, match="got 1 param_names for 4 parameters"):
         run_step(problem, [quantity])
 
 
@@ -154,7 +165,9 @@ def test_nan_gradient_gives_nan_statistics_one_warning_and_training_continues(tm
     assert good.value.notna().all() and len(good) > 0
     assert frame[frame.step == 2].value.notna().all()
     cockpit.write(str(tmp_path / "log"))  # Cockpit's own writer refuses raw NaN
-    assert cgn.to_frame(tmp_path / "log.json").equals(frame)
+    by_name = ["step", "quantity", "param", "statistic"]  # Cockpit.write sorts keys
+    assert cgn.to_frame(tmp_path / "log.json").sort_values(by_name, ignore_index=True).equals(
+        frame.sort_values(by_name, ignore_index=True))
 
 
 def test_backpack_batch_l2_is_wrong_for_grouped_convolutions_ours_is_exact():

@@ -1,8 +1,10 @@
 """The command line, run as the installed ``cockpit-gradnoise`` script.
 
-Starting Python with torch and Cockpit takes seconds of CPU, so the
-subprocess cases (both commands and three kinds of bad log) run concurrently
-in one fixture; the other cases call the same ``cli.main`` in-process.
+The subprocess cases (both commands and three kinds of bad log) run
+concurrently in one fixture; the other cases call the same ``cli.main``
+in-process. Subprocesses import the package from this checkout
+(``PYTHONPATH``), which an editable install of another checkout would
+otherwise shadow.
 """
 
 import json
@@ -19,9 +21,13 @@ import pytest  # noqa: E402
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, report  # noqa: E402
-from tests.test_panels import DIGITS_BATCH_SIZE, digits_run  # noqa: E402
+from tests.figures import DIGITS_BATCH_SIZE, digits_run  # noqa: E402
 
 SCRIPT = Path(sys.executable).parent / "cockpit-gradnoise"
+ROOT = Path(__file__).resolve().parent.parent
+#: The environment of the subprocesses: this checkout's package, no display.
+ENV = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +52,43 @@ def bad_logs(tmp_path_factory, log):
     return folder
 
 
+#: Modules that make start-up slow; the report and --help import none of them.
+HEAVY = ("torch", "cockpit", "backpack", "matplotlib", "seaborn")
+#: Runs the command line in-process, then prints the heavy modules it imported.
+IMPORTS = (
+    "import sys\n"
+    "from cockpit_gradnoise.cli import main\n"
+    "try:\n"
+    "    code = main(sys.argv[1:])\n"
+    "except SystemExit as exit_:\n"
+    "    code = exit_.code\n"
+    "print('exit', code, 'imported', sorted(m for m in {modules!r} if m in sys.modules))\n"
+)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, log, bad_logs):
     """Every subprocess case, started at once; ``{case: CompletedProcess-like}``."""
     out = tmp_path_factory.mktemp("cli")
     assert SCRIPT.exists(), f"{SCRIPT} missing: run `.venv/bin/pip install -e .`"
+    script = [str(SCRIPT)]
     cases = {
-        "plot": ["plot", str(log), "-o", str(out / "sub" / "dashboard.png"),
+        "plot": [*script, "plot", str(log), "-o", str(out / "sub" / "dashboard.png"),
                  "--batch-size", str(DIGITS_BATCH_SIZE)],
-        "report": ["report", str(log), "--batch-size", str(DIGITS_BATCH_SIZE)],
-        "missing": ["report", str(out / "missing.json")],
-        "truncated": ["plot", str(bad_logs / "truncated.json"), "-o", str(out / "t.png")],
-        "cockpit-only": ["report", str(bad_logs / "cockpit-only.json")],
+        "report": [*script, "report", str(log), "--batch-size", str(DIGITS_BATCH_SIZE)],
+        "missing": [*script, "report", str(out / "missing.json")],
+        "truncated": [*script, "plot", str(bad_logs / "truncated.json"), "-o",
+                      str(out / "t.png")],
+        "cockpit-only": [*script, "report", str(bad_logs / "cockpit-only.json")],
+        "report-imports": [sys.executable, "-c", IMPORTS.format(modules=HEAVY), "report",
+                           str(log)],
+        "help-imports": [sys.executable, "-c", IMPORTS.format(modules=(*HEAVY, "pandas")),
+                         "--help"],
     }
     processes = {
-        case: subprocess.Popen([str(SCRIPT), *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"})
-        for case, args in cases.items()
+        case: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=ENV)
+        for case, argv in cases.items()
     }
     results = {}
     for case, process in processes.items():
@@ -93,12 +118,22 @@ def test_help_names_both_commands(capsys):
     assert "plot" in text and "report" in text
 
 
-def test_plot_writes_the_dashboard(runs):
+def test_plot_writes_the_dashboard_creating_its_folder_and_saying_so(runs):
     result = runs["plot"]
     assert result.returncode == 0, result.stderr
     image = runs["out"] / "sub" / "dashboard.png"
     assert image.read_bytes()[:4] == b"\x89PNG" and image.stat().st_size > 50_000
     assert str(image) in result.stdout
+    assert result.stderr == f"cockpit-gradnoise plot: created folder {image.parent}\n"
+
+
+@pytest.mark.parametrize("case", ["report-imports", "help-imports"])
+def test_report_and_help_import_neither_torch_nor_cockpit_nor_matplotlib(runs, case):
+    """Start-up time: --help imports not even pandas, a report no plotting library."""
+    result = runs[case]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "exit 0 imported []"
+    assert ("findings:" in result.stdout) == (case == "report-imports")
 
 
 def test_report_prints_what_the_main_job_wrote(runs, log):
@@ -156,12 +191,31 @@ def test_a_folder_instead_of_a_file(capsys, tmp_path):
 def test_unknown_layers_steps_and_image_formats(capsys, log, tmp_path):
     assert_one_line_error(
         run_main(capsys, "plot", log, "-o", tmp_path / "x.png", "--layers", "fc9.weight"),
-        str(log), "unknown layers ['fc9.weight']: choose from 0.bias",
+        str(log), "unknown layers ['fc9.weight']: choose from 0.weight, 0.bias",
     )
     assert_one_line_error(run_main(capsys, "report", log, "--step", -1), str(log),
-                          "no tracked step at or before step -1")
+                          "no tracked step at or before step -1: the first is 0 (")
     assert_one_line_error(run_main(capsys, "plot", log, "-o", tmp_path / "x.xyz"), "x.xyz",
                           "unknown image format 'xyz'")
+
+
+def test_a_step_after_the_last_is_refused_naming_the_last(capsys, log):
+    steps = sorted(cgn.to_frame(log).step.unique())
+    result = run_main(capsys, "report", log, "--step", steps[-1] + 1)
+    assert_one_line_error(
+        result, str(log), f"no tracked step {steps[-1] + 1}: the log ends at step {steps[-1]} "
+        f"({len(steps)} tracked steps: {steps[0]}, {steps[1]}, {steps[2]}, ..., "
+        f"{steps[-2]}, {steps[-1]})")
+    assert run_main(capsys, "report", log, "--step", steps[-1]).returncode == 0
+
+
+def test_plot_into_an_existing_folder_says_nothing_on_stderr(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({str(step): {"ParamGradRatio": {
+        "w": {"norm_ratio": 3.0 + step}, cgn.NETWORK: {"norm_ratio": 2.0}}} for step in (0, 1)}))
+    result = run_main(capsys, "plot", path, "-o", tmp_path / "x.png")
+    assert result.returncode == 0 and result.stderr == ""
+    assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_csv_is_the_table_at_the_chosen_step(capsys, log):
@@ -212,8 +266,8 @@ def table(**columns):
     """A report table: ``columns`` maps a column to ``{param: value}``; NaN elsewhere."""
     import pandas
 
-    params = report.sort_layers({p for values in columns.values() for p in values}
-                                | {cgn.NETWORK})
+    params = list(dict.fromkeys(p for values in columns.values() for p in values
+                                if p != cgn.NETWORK)) + [cgn.NETWORK]
     frame = pandas.DataFrame(index=pandas.Index(params, name="param"),
                              columns=list(report.COLUMNS), dtype=float)
     for column, values in columns.items():
@@ -271,11 +325,9 @@ def test_many_findings_of_one_kind_are_counted_after_five():
 
 
 def test_snr_zero_gradients_norm_ratio_spread_and_outliers():
-    lines = report.snr_findings(table(snr_median={"a": 0.3, "b": 2.0, "c": 0.9,
-                                                  cgn.NETWORK: 1.2}))
-    assert lines[0].startswith("noisiest layer: a, median signal-to-noise |grad_j|/sd_j 0.3 "
-                               "(network 1.2)")
-    assert lines[1].startswith("median signal-to-noise below 1 in 2 of 3 layers (a 0.3, c 0.9)")
+    (line,) = report.snr_findings(table(snr_median={"a": 0.3, "b": 2.0, "c": 0.9,
+                                                    cgn.NETWORK: 1.2}))
+    assert line.startswith("median signal-to-noise below 1 in 2 of 3 layers (a 0.3, c 0.9)")
     assert report.zero_grad_findings(table(zero_grad_fraction={"a": 0.8, "b": 0.49})) == [
         "layer a: 80% of its gradient elements are exactly zero (dead units or unused "
         "inputs?) (zero_grad_fraction)"
@@ -294,8 +346,8 @@ def test_thresholds_are_one_object_that_findings_and_the_docs_follow():
     from dataclasses import asdict, replace
 
     quiet = table(snr_median={"a": 0.6, cgn.NETWORK: 0.6})
-    assert len(report.snr_findings(quiet)) == 2
-    assert len(report.snr_findings(quiet, replace(report.THRESHOLDS, low_snr=0.5))) == 1
+    assert len(report.snr_findings(quiet)) == 1
+    assert report.snr_findings(quiet, replace(report.THRESHOLDS, low_snr=0.5)) == []
     docs = (Path(__file__).resolve().parent.parent / "docs" / "dashboard.md").read_text()
     for name, value in asdict(report.THRESHOLDS).items():
         assert f"| `{name}` | {value:g} |" in docs

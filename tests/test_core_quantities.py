@@ -13,26 +13,9 @@ from cockpit.utils.schedules import linear
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
-from tests.cases import MODELS, build, run_step
-from tests.helpers import RTOL, assert_statistics_match
+from tests.cases import MODELS, build, case_named, run_step
+from tests.helpers import assert_statistics_match, sd_rtol
 
-EPS64 = torch.finfo(torch.float64).eps
-
-
-def sd_rtol(grads, n, name):
-    """Relative tolerance of sd and SNR statistics of parameter ``name``, from rounding.
-
-    ``sd_j**2`` comes from ``sum_i x_ij**2 - (sum_i x_ij)**2 / N``; a relative
-    rounding error ``delta <= 2 N eps`` in those sums becomes a relative error
-    ``delta * (1 + SNR_j**2 / (N - 1))`` in ``sd_j**2`` (because
-    ``sum_i x_ij**2 / centred = 1 + SNR_j**2 / (N - 1)``), half that in
-    ``sd_j`` and in ``SNR_j``. The largest ``SNR_j`` bounds every statistic.
-    """
-    rows = [g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)]
-    x = torch.cat(rows, dim=1)
-    sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
-    snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
-    return max(RTOL, 2 * n * EPS64 * (1 + snr_max**2 / (n - 1)))
 
 
 def test_gradient_variance_quantiles_match_reference(model_case, reduction, batch_size):
@@ -55,7 +38,9 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
     grads = references.per_example_gradients(
         problem.model, problem.per_example_loss, problem.inputs, problem.targets
     )
-    sd_tolerances = {name: sd_rtol(grads, batch_size, name) for name in expected}
+    sd_tolerances = {
+        name: sd_rtol(grads, batch_size, name, model_case.inner_terms) for name in expected
+    }
 
     def rtol_of(name, statistic):
         return sd_tolerances[name]
@@ -78,7 +63,7 @@ def test_per_example_grad_norm_matches_reference(model_case, reduction, batch_si
 
 
 def test_unused_and_frozen_parameters_have_no_rows():
-    problem = build(MODELS[-1], 7, "mean")
+    problem = build(case_named("unused-frozen"), 7, "mean")
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
     with pytest.warns(UserWarning, match=r"\['unused.weight', 'unused.bias'\] have no gradient"):
         cockpit = run_step(problem, [quantity])
@@ -150,7 +135,9 @@ def test_identical_alone_together_and_with_cockpit_full_configuration(case, tmp_
 def pandas_concat(frames):
     import pandas
 
-    return pandas.concat(frames).sort_values(["step", "quantity", "param", "statistic"], ignore_index=True)
+    # As to_frame: by step and quantity, each quantity's rows in stored order.
+    return pandas.concat(frames).sort_values(["step", "quantity"], kind="stable",
+                                             ignore_index=True)
 
 
 def test_output_steps_equal_schedule_steps():

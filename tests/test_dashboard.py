@@ -19,30 +19,16 @@ import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import dashboard, panels  # noqa: E402
 from experiments.train_digits import make_quantities  # noqa: E402
 from tests.cases import ModelCase, build, run_step  # noqa: E402
-from tests.test_panels import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
+from tests.figures import (  # noqa: E402
+    DIGITS_BATCH_SIZE,
+    TITLES,
+    digits_run,
+    labelled,
+    panel_axes,
+    series,
+)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "dashboard.md"
-
-#: A distinctive part of each panel's title.
-TITLES = {
-    "GradientVarianceQuantiles": "sd of grad elements",
-    "PerExampleGradNorm": "per-example gradient norms",
-    "GradientNoiseScale": "gradient noise scale",
-    "ParamGradRatio": "||theta|| / ||grad||",
-    "UpdateSize": "relative update size",
-}
-HEATMAP_TITLE = "per layer (GradientVarianceQuantiles"
-
-
-def panel_axes(fig):
-    """``{quantity or "heatmap": axes}`` found by title."""
-    found = {}
-    for ax in fig.axes:
-        for quantity, title in {**TITLES, "heatmap": HEATMAP_TITLE}.items():
-            if title in ax.get_title():
-                found[quantity] = ax
-    return found
-
 
 def constrained():
     return Figure(layout="constrained")
@@ -96,7 +82,8 @@ def test_dashboard_of_a_real_log_has_every_panel_one_legend_and_saves_png(log, f
     )
     assert f"batch size {DIGITS_BATCH_SIZE}" in labelled(found["GradientNoiseScale"])
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == layers + [cgn.NETWORK, "usual 0.001"]
+    texts = [t.get_text() for t in legend.get_texts() if t.get_text() != panels.ZERO_LABEL]
+    assert texts == layers + [cgn.NETWORK, "usual 0.001"]
     assert "6 noisiest of 8 layers" in fig.get_suptitle()
 
 
@@ -133,7 +120,7 @@ def test_sixty_parameters_stay_readable(deep_cockpit, tmp_path):
     heatmap = found["heatmap"]
     labels = [t for t in heatmap.get_yticklabels() if t.get_text()]
     assert len(labels) == 60
-    assert labels[0].get_text() == "0.bias" and labels[-1].get_text() == "58.weight"
+    assert labels[0].get_text() == "0.weight" and labels[-1].get_text() == "58.bias"
     row_points = heatmap.get_window_extent().height / fig.dpi * 72 / 60
     assert labels[0].get_fontsize() >= 5 and row_points >= labels[0].get_fontsize()
 
@@ -153,7 +140,7 @@ def test_chosen_layers_are_drawn_and_unknown_ones_named(deep_cockpit):
     assert list(labelled(found["ParamGradRatio"])) == ["0.weight", "58.bias", cgn.NETWORK]
     assert len(found["heatmap"].get_yticklabels()) == 60
     assert "2 chosen of 60 layers" in fig.get_suptitle()
-    with pytest.raises(ValueError, match=r"unknown layers \['nope'\]: choose from 0.bias, 0.we"):
+    with pytest.raises(ValueError, match=r"unknown layers \['nope'\]: choose from 0.weight, 0.b"):
         cgn.plot(deep_cockpit, layers=["nope"], fig=constrained())
 
 

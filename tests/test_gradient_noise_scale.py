@@ -15,24 +15,9 @@ from cockpit_gradnoise import functional, references
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 from tests.cases import MODELS, ModelCase, Problem, build, run_step
-from tests.helpers import rows, without_coverage
+from tests.helpers import rounding_bounds, rows, without_coverage
 
 RTOL = 1e-10
-EPS64 = torch.finfo(torch.float64).eps
-
-
-def rounding_bounds(n, elements, grad_sq, trace_cov):
-    """Absolute rounding bounds of ``grad_sq`` and ``trace_cov``.
-
-    Both come from ``S`` and ``M`` (sums over ``N`` examples of sums over
-    ``P`` elements, relative error below ``(N + P) eps``) through
-    ``(N M - S) / (N - 1)`` and ``N (S - M) / (N - 1)``, where
-    ``S = grad_sq + trace_cov`` and ``M = grad_sq + trace_cov / N``; a
-    difference's error is at most the sum of its terms' errors.
-    """
-    s, m = abs(grad_sq + trace_cov), abs(grad_sq + trace_cov / n)
-    error = (n + elements) * EPS64
-    return error * (n * m + s) / (n - 1), error * n * (s + m) / (n - 1)
 
 
 def test_matches_reference(model_case, reduction, batch_size, recwarn):

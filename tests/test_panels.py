@@ -1,18 +1,10 @@
 """Panels: each draws the right data, labels and scales from a real training log.
 
 The log comes from the main job itself (``experiments.train_digits.main``, one
-short epoch), run once per test process by :func:`digits_run`; test_dashboard
-and test_cli use it too.
+short epoch), run once per test process by :func:`tests.figures.digits_run`.
 """
 
-import atexit
-import contextlib
-import functools
-import io
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
 import matplotlib
 
@@ -22,41 +14,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
 import pandas  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import panels  # noqa: E402
-from cockpit_gradnoise.report import THRESHOLDS, noisiest_layers, sort_layers  # noqa: E402
-
-#: The main job's options for the test run: 23 steps, 12 of them tracked.
-DIGITS_ARGS = ["--epochs", "1", "--batch-size", "64", "--track-every", "2"]
-DIGITS_BATCH_SIZE = 64
-QUANTITIES = [
-    "GradientVarianceQuantiles",
-    "PerExampleGradNorm",
-    "ParamGradRatio",
-    "UpdateSize",
-    "GradientNoiseScale",
-]
-
-
-@functools.lru_cache(maxsize=None)
-def digits_run() -> Path:
-    """Run the main job once per process; return its output folder."""
-    from experiments import train_digits
-
-    out = Path(tempfile.mkdtemp(prefix="cgn-digits-"))
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two small processes per core run faster single-threaded
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            train_digits.main(["--out", str(out), *DIGITS_ARGS])
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
+from cockpit_gradnoise._layers import layer_order, noisiest_layers  # noqa: E402
+from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+from tests.figures import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
 
 @pytest.fixture(scope="module")
 def frame():
@@ -74,15 +39,9 @@ def render(draw, tmp_path, **kwargs):
     return ax, result
 
 
-def series(frame, quantity, param, statistic):
-    rows = frame[(frame.quantity == quantity) & (frame.param == param)
-                 & (frame.statistic == statistic)].sort_values("step")
-    return rows.step.to_numpy(), rows.value.to_numpy()
-
-
-def labelled(ax):
-    """``{label: line}`` of the lines with a legend label."""
-    return {line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")}
+def on_log_scale(values):
+    """What a line on a log scale draws: zeros and non-finite values are gaps."""
+    return numpy.where(numpy.isfinite(values) & (values != 0), values, numpy.nan)
 
 
 def test_the_real_run_holds_every_quantity_of_the_package(frame):
@@ -109,7 +68,7 @@ def test_line_panels_draw_each_layer_and_the_network_bold_on_log_scale(
     for name in lines:
         steps, values = series(frame, quantity, name, statistic)
         numpy.testing.assert_array_equal(lines[name].get_xdata(), steps)
-        numpy.testing.assert_allclose(lines[name].get_ydata(), values)
+        numpy.testing.assert_allclose(lines[name].get_ydata(), on_log_scale(values))
     colors = panels.layer_colors(layers)
     assert [lines[name].get_color() for name in layers] == [colors[name] for name in layers]
     assert len(set(colors[name] for name in layers)) == len(layers)
@@ -146,7 +105,8 @@ def test_per_example_norms_show_the_max_dotted(frame, tmp_path):
     dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
     assert len(dotted) == len(layers) + 1
     _, largest = series(frame, "PerExampleGradNorm", cgn.NETWORK, "max")
-    assert any(numpy.allclose(line.get_ydata(), largest) for line in dotted)
+    assert any(numpy.allclose(line.get_ydata(), on_log_scale(largest), equal_nan=True)
+               for line in dotted)
     assert "max" in ax.get_title()
 
 
@@ -165,13 +125,10 @@ def test_noise_scale_panel_shows_raw_points_smoothed_line_and_batch_size(frame, 
     raw = lines["b_simple (one batch)"]
     assert raw.get_linestyle() == "None" and raw.get_marker() == "o" and raw.get_alpha() < 0.5
     steps, values = series(frame, "GradientNoiseScale", cgn.NETWORK, "b_simple")
-    finite = numpy.isfinite(values)
-    numpy.testing.assert_allclose(raw.get_ydata(), values[finite])
+    shown = numpy.isfinite(values) & (values != 0)
+    numpy.testing.assert_allclose(raw.get_ydata(), values[shown])
     steps, smoothed = series(frame, "GradientNoiseScale", cgn.NETWORK, "b_simple_smoothed")
-    numpy.testing.assert_allclose(
-        lines["b_simple_smoothed"].get_ydata(),
-        numpy.where(numpy.isfinite(smoothed), smoothed, numpy.nan),
-    )
+    numpy.testing.assert_allclose(lines["b_simple_smoothed"].get_ydata(), on_log_scale(smoothed))
     assert list(lines[f"batch size {DIGITS_BATCH_SIZE}"].get_ydata()) == [DIGITS_BATCH_SIZE] * 2
     assert ax.get_yscale() == "log"
 
@@ -193,7 +150,8 @@ def test_noise_scale_panel_marks_infinite_estimates_and_an_unknown_batch_size(fr
 
 def test_heatmap_has_one_row_per_layer_in_model_order(frame, tmp_path):
     ax, mesh = render(panels.noise_heatmap_panel, tmp_path, frame=frame)
-    layers = sort_layers(set(frame.param) - {cgn.NETWORK})
+    layers = layer_order(frame)
+    assert layers[:2] == ["0.weight", "0.bias"]  # as model.named_parameters()
     steps = sorted(frame[frame.quantity == "GradientVarianceQuantiles"].step.unique())
     assert mesh.get_array().shape == (len(layers), len(steps))
     assert [t.get_text() for t in ax.get_yticklabels()] == layers
@@ -234,7 +192,7 @@ def test_default_layers_are_the_lowest_mean_snr_in_model_order(frame):
     snr = frame[(frame.quantity == "GradientVarianceQuantiles")
                 & (frame.statistic == "snr_q0.5") & (frame.param != cgn.NETWORK)]
     lowest = snr.groupby("param").value.mean().nsmallest(3).index
-    assert panels.default_layers(frame, 3) == sort_layers(lowest)
+    assert panels.default_layers(frame, 3) == [n for n in layer_order(frame) if n in lowest]
     assert noisiest_layers(frame, 3) == list(lowest)
 
 
@@ -243,14 +201,15 @@ def test_noisiest_layers_fall_back_to_norms_without_gradient_variance(frame):
     median = norms[(norms.statistic == "q0.5") & (norms.param != cgn.NETWORK)]
     largest = median.groupby("param").value.mean().nlargest(2).index
     assert noisiest_layers(norms, 2) == list(largest)
-    assert noisiest_layers(frame[frame.quantity == "UpdateSize"], 2) == ["0.bias", "0.weight"]
+    assert noisiest_layers(frame[frame.quantity == "UpdateSize"], 2) == ["0.weight", "0.bias"]
 
 
-def test_layers_sort_in_model_order():
-    names = ["layers.10.weight", "all", "layers.2.bias", "layers.2.weight", "head.weight"]
-    assert sort_layers(names) == [
-        "head.weight", "layers.2.bias", "layers.2.weight", "layers.10.weight", "all"
-    ]
+def test_layer_order_is_the_order_of_first_appearance_never_by_name():
+    names = ["stem.weight", "layers.10.weight", "layers.2.bias", "head.weight"]
+    rows = [(step, "ParamGradRatio", name, "norm_ratio", 1.0)
+            for step in (0, 1) for name in [*names, cgn.NETWORK]]
+    frame = pandas.DataFrame(rows, columns=["step", "quantity", "param", "statistic", "value"])
+    assert layer_order(frame) == names
 
 
 def test_quantile_levels_parse_only_quantiles():

@@ -10,7 +10,7 @@ from torch import nn
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import functional, references
-from tests.cases import MODELS, build, run_step
+from tests.cases import MODELS, build, case_named, run_step
 from tests.helpers import assert_statistics_match, rows
 
 def test_matches_reference(model_case, reduction, batch_size, recwarn):
@@ -115,7 +115,7 @@ def test_squared_norm_is_accurate_as_documented():
 
 
 def test_unused_parameter_is_left_out_with_a_warning():
-    problem = build(MODELS[-1], 7, "sum")
+    problem = build(case_named("unused-frozen"), 7, "sum")
     quantity = cgn.ParamGradRatio(linear(1), param_names=problem.names)
     with pytest.warns(UserWarning, match="have no gradient"):
         cockpit = run_step(problem, [quantity])

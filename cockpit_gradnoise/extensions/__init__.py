@@ -1,6 +1,6 @@
 """The BackPACK extensions the quantities request.
 
-Three first-order extensions, built as BackPACK builds its own: an explicit
+Two first-order extensions, built as BackPACK builds its own: an explicit
 table from module class to module extension, and ``fail_mode`` passed to
 BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 
@@ -8,10 +8,15 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   same extensions that Cockpit's own quantities request in one backward pass;
 - unsupported layers are skipped silently (``FAIL_SILENT``: the quantities
   warn once, naming the parameters) instead of failing on every step;
+- ``BatchNorm`` in training mode gives each example's contribution through
+  the batch and records that examples interact (:mod:`.batchnorm`);
 - ``Embedding`` works for any dtype (:mod:`.embedding`);
 - convolution weights get exact per-example norms for any ``groups`` and the
   cheaper of two computations, and their gradient from torch's own
-  convolution backward (:mod:`.convolution`).
+  convolution backward (:mod:`.convolution`);
+- ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
+  (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
+  extensions, and so Cockpit's quantities, the same rows).
 
 The third, :class:`LocalGradient`, is requested only under distributed
 training, where ``param.grad`` is not this process's own gradient.
@@ -21,15 +26,10 @@ A new layer is supported by adding one row to a table below.
 
 from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
-from backpack.extensions.firstorder.batch_l2_grad import batchnorm_nd as l2_batchnorm
 from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
-from backpack.extensions.firstorder.gradient import batchnorm_nd as grad_batchnorm
 from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
-from backpack.extensions.firstorder.sum_grad_squared import (
-    batchnorm_nd as sgs_batchnorm,
-)
 from backpack.extensions.firstorder.sum_grad_squared import (
     conv1d,
     conv2d,
@@ -42,11 +42,20 @@ from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
 
-from cockpit_gradnoise.extensions import convolution, embedding
+from backpack.extensions import BatchL2Grad, SumGradSquared
+
+from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
 LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
+
+
+def _normalization_rows(extension_class):
+    """LayerNorm, GroupNorm and RMSNorm rows of one BackPACK extension (:mod:`.normalization`)."""
+    rows = normalization.NORMALIZATION_MODULE_EXTENSIONS[extension_class]
+    return {module_class: module_extension() for module_class, module_extension in rows.items()}
 
 
 def per_example_squared_norm_table():
@@ -61,10 +70,11 @@ def per_example_squared_norm_table():
         nn.ConvTranspose3d: convolution.BatchL2ConvTranspose3dExact(),
         nn.RNN: l2_rnn.BatchL2RNN(),
         nn.LSTM: l2_rnn.BatchL2LSTM(),
-        nn.BatchNorm1d: l2_batchnorm.BatchL2BatchNorm(),
-        nn.BatchNorm2d: l2_batchnorm.BatchL2BatchNorm(),
-        nn.BatchNorm3d: l2_batchnorm.BatchL2BatchNorm(),
+        nn.BatchNorm1d: batchnorm.BatchL2BatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.BatchL2BatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.BatchL2BatchNormAnyMode(),
         nn.Embedding: embedding.BatchL2EmbeddingAnyDtype(),
+        **_normalization_rows(BatchL2Grad),
     }
 
 
@@ -80,10 +90,11 @@ def sum_of_squares_table():
         nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d(),
         nn.RNN: sgs_rnn.SGSRNN(),
         nn.LSTM: sgs_rnn.SGSLSTM(),
-        nn.BatchNorm1d: sgs_batchnorm.SGSBatchNormNd(),
-        nn.BatchNorm2d: sgs_batchnorm.SGSBatchNormNd(),
-        nn.BatchNorm3d: sgs_batchnorm.SGSBatchNormNd(),
+        nn.BatchNorm1d: batchnorm.SGSBatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.SGSBatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.SGSBatchNormAnyMode(),
         nn.Embedding: embedding.SGSEmbeddingAnyDtype(),
+        **_normalization_rows(SumGradSquared),
     }
 
 
@@ -99,14 +110,23 @@ def local_gradient_table():
         nn.ConvTranspose3d: convolution.GradConvTranspose3dFast(),
         nn.RNN: grad_rnn.GradRNN(),
         nn.LSTM: grad_rnn.GradLSTM(),
-        nn.BatchNorm1d: grad_batchnorm.GradBatchNormNd(),
-        nn.BatchNorm2d: grad_batchnorm.GradBatchNormNd(),
-        nn.BatchNorm3d: grad_batchnorm.GradBatchNormNd(),
+        nn.BatchNorm1d: batchnorm.GradBatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.GradBatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.GradBatchNormAnyMode(),
         nn.Embedding: embedding.GradEmbeddingAnyDtype(),
+        **{module: ext() for module, ext in normalization.GRADIENT_MODULE_EXTENSIONS.items()},
     }
 
 
-class PerExampleSquaredNorms(FirstOrderBackpropExtension):
+class _RecordingExtension(FirstOrderBackpropExtension):
+    """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
+
+    def __call__(self, module, g_inp, g_out):
+        super().__call__(module, g_inp, g_out)
+        BACKWARD_FACTS.record(self, module, g_out)
+
+
+class PerExampleSquaredNorms(_RecordingExtension):
     """``||x_i||^2`` per example and parameter, saved as ``param.cgn_batch_l2`` (``[N]``)."""
 
     def __init__(self):
@@ -117,7 +137,7 @@ class PerExampleSquaredNorms(FirstOrderBackpropExtension):
         )
 
 
-class SumOfSquaredContributions(FirstOrderBackpropExtension):
+class SumOfSquaredContributions(_RecordingExtension):
     """``sum_i x_i**2`` per element, saved as ``param.cgn_sum_grad_squared``."""
 
     def __init__(self):
@@ -128,7 +148,7 @@ class SumOfSquaredContributions(FirstOrderBackpropExtension):
         )
 
 
-class LocalGradient(FirstOrderBackpropExtension):
+class LocalGradient(_RecordingExtension):
     """``sum_i x_i`` of this backward pass on this process, saved as ``param.cgn_local_grad``.
 
     What ``param.grad`` holds on one process. Under DistributedDataParallel
@@ -143,3 +163,21 @@ class LocalGradient(FirstOrderBackpropExtension):
             module_exts=local_gradient_table(),
             fail_mode=FAIL_SILENT,
         )
+
+
+def register_extensions() -> None:
+    """Give BackPACK's own first-order extensions this package's layer support.
+
+    After this call, every ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``
+    and ``Variance`` constructed (by you, by Cockpit's own quantities) supports
+    ``LayerNorm``, ``GroupNorm`` and ``RMSNorm``, so Cockpit's quantities stop
+    failing on models with these layers. Importing the package changes nothing
+    in BackPACK; only this call does. Undo it with :func:`unregister_extensions`.
+    This package's own quantities do not need it.
+    """
+    normalization.register_normalization_extensions_globally()
+
+
+def unregister_extensions() -> None:
+    """Undo :func:`register_extensions` for extensions constructed from now on."""
+    normalization.unregister_normalization_extensions_globally()

@@ -26,6 +26,7 @@ import torch
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 from cockpit_gradnoise.schema import (
     NETWORK,
     PARAMS_COVERED,
@@ -220,6 +221,8 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
     extension_classes: Sequence[type] = ()
     sums: Mapping[str, str] = {}
     reads_local_gradient: bool = False
+    #: Added to the warning when examples interact (BatchNorm in training mode).
+    interaction_caveat: str = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -309,6 +312,8 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """BackPACK extensions to run at ``global_step`` (none if not tracked)."""
         if not self.should_compute(global_step):
             return []
+        if self._extensions:
+            BACKWARD_FACTS.reset()  # Cockpit asks before the backward pass and after
         return list(self._step_extensions())
 
     def protected_savefields(self, global_step):
@@ -336,7 +341,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             distributed.check_not_sharded(params)
             self._warn_if_rank_local()
         if self.sums and is_distributed:
-            found = self._global_values(global_step, params, names)
+            found = self._global_values(global_step, params)
         else:
             found = self._local_values(global_step, params, names)
         if found is None:
@@ -377,14 +382,15 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         context = self.prepare(global_step, params)
         if context is None or (self.sums and not self.accepts(context)):
             return None
-        usable = self._usable_parameters(names, params)
+        self._warn_if_examples_interact()
+        usable = self._usable_parameters(names, params, self._batch_size(global_step))
         finite = [(name, param) for name, param in usable if self._is_finite(param)]
         non_finite = [name for name, _ in usable if name not in dict(finite)]
         # One parameter at a time: a parameter's sums are freed once its value is formed.
         values = [(name, self._value(param, context)) for name, param in finite]
         return [name for name, _ in usable], values, non_finite
 
-    def _global_values(self, global_step, params, names):
+    def _global_values(self, global_step, params):
         """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
         reduced = _StepReduction.of(self).take(self, global_step, params)
         if reduced is None:
@@ -392,21 +398,23 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         batch, sums = reduced
         if not self.accepts(batch):
             return None
-        usable = self._usable_parameters(names, params, lambda name, _: name in sums)
-        # The reduced sums are identical on every process, so is this split.
-        non_finite = [name for name, _ in usable if not _all_finite(sums[name].values())]
+        # The parameters with results on every process, in order (see _local_part);
+        # the reduced sums are identical on every process, so is this split.
+        usable = list(sums)
+        non_finite = [name for name in usable if not _all_finite(sums[name].values())]
         values = [
             (name, self.value_from_sums(sums.pop(name), batch))
-            for name, _ in usable
+            for name in usable
             if name not in non_finite
         ]
-        return [name for name, _ in usable], values, non_finite
+        return usable, values, non_finite
 
     def _local_part(self, global_step, params):
         """This process's :class:`Batch` and ``{name: sums}`` at a distributed step.
 
-        ``None`` when ``prepare`` records nothing. Sums of the parameters that
-        have every result (:meth:`_has_local_results`), in per-example units.
+        ``None`` when ``prepare`` records nothing. Sums of the usable
+        parameters (with every result, :meth:`_has_local_results`; warned
+        about as on one process), in per-example units.
         """
         batch = self.prepare(global_step, params)
         if batch is None:
@@ -417,11 +425,11 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 "with declared sums returns a Batch, whose examples and loss scale are "
                 "combined across processes"
             )
-        return batch, {
-            name: self._checked_sums(param, batch)
-            for name, param in self._trainable(params)
-            if self._has_local_results(param)
-        }
+        self._warn_if_examples_interact()
+        usable = self._usable_parameters(
+            self.names(params), params, batch.examples, lambda _, p: self._has_local_results(p)
+        )
+        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
 
     def _trainable(self, params):
         return [(n, p) for n, p in zip(self.names(params), params) if p.requires_grad]
@@ -460,6 +468,17 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             )
         self._checked_names = True
 
+    def _warn_if_examples_interact(self):
+        if self._extensions and BACKWARD_FACTS.examples_interact:
+            self.warn_once(
+                "examples-interact",
+                "a BatchNorm layer is in training mode, so examples interact through "
+                "the batch statistics: the statistics are those of each example's "
+                "contribution to param.grad backpropagated through the batch (they "
+                "sum to param.grad), not of independent per-example gradients"
+                + self.interaction_caveat,
+            )
+
     def _warn_if_rank_local(self):
         # Declared sums are reduced across processes; BackPACK's results read
         # without them cover only this process's batch.
@@ -472,7 +491,48 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 "of the local batch (see docs/distributed.md)",
             )
 
-    def _usable_parameters(self, names, params, has_results=None):
+    def _refuse_shared(self, named):
+        shared = [n for n, p in named if BACKWARD_FACTS.shared(p)]
+        if shared:
+            raise ValueError(
+                f"{type(self).__name__}: parameters {shared} are used by several layers "
+                "(tied weights, e.g. an output layer sharing the embedding matrix). "
+                "BackPACK's per-example results of one use would overwrite the "
+                "other's, so no per-example statistic of them would be right: untie "
+                "them, or track them with ParamGradRatio and UpdateSize only"
+            )
+
+    def _without_batchless(self, named, batch_size):
+        """``named`` without parameters of layers applied without the batch dimension."""
+        if batch_size is None:
+            return named
+        batchless = {
+            n: BACKWARD_FACTS.leading_sizes[id(p)]
+            for n, p in named
+            if BACKWARD_FACTS.leading_sizes.get(id(p), batch_size) != batch_size
+        }
+        if batchless:
+            self.warn_once(
+                "batchless",
+                f"parameters {sorted(batchless)} belong to layers applied without the "
+                f"batch dimension (their output leads with {sorted(set(batchless.values()))}, "
+                f"the batch has {batch_size} examples), e.g. wpe(torch.arange(T)) "
+                "broadcast over the batch: apply them to every example, "
+                "wpe(pos.expand(B, T)), to get their rows; they have no rows and are "
+                f"left out of {NETWORK!r}",
+            )
+        return [(n, p) for n, p in named if n not in batchless]
+
+    def _batch_size(self, global_step) -> Optional[int]:
+        """The batch's number of examples from ``info``, ``None`` if it holds none."""
+        info = CockpitCTX.INFO.get(global_step, {})
+        if "individual_losses" in info:
+            return int(info["individual_losses"].shape[0])
+        if "batch_size" in info:
+            return int(info["batch_size"])
+        return None
+
+    def _usable_parameters(self, names, params, batch_size=None, has_results=None):
         """``(name, param)`` pairs that have every result needed; warn about the rest.
 
         ``has_results(name, param)``: whether a parameter has them; by default,
@@ -486,9 +546,12 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         no_grad = [n for n, p in trainable if p.grad is None]
         with_grad = [(n, p) for n, p in trainable if p.grad is not None]
         usable = [(n, p) for n, p in with_grad if has_results(n, p)]
-        usable_names = {n for n, _ in usable}
-        unsupported = [n for n, _ in with_grad if n not in usable_names]
-        if with_grad and not usable:
+        supported = {n for n, _ in usable}
+        unsupported = [n for n, _ in with_grad if n not in supported]
+        if self._savefields:
+            self._refuse_shared(usable)
+            usable = self._without_batchless(usable, batch_size)
+        if with_grad and not supported:
             raise RuntimeError(
                 f"{type(self).__name__}: no parameter received BackPACK's results "
                 f"({', '.join(self._savefields)}). Extend the model and the loss "
@@ -574,10 +637,10 @@ class _StepReduction:
         return result
 
     def _reduce(self, global_step, params):
-        slots = [(q, name, param) for q in self.quantities for name, param in q._trainable(params)]
+        # Fixed by the model and the quantities, so the header has one length everywhere.
+        slots = [(q, name) for q in self.quantities for name, _ in q._trainable(params)]
         contribution = distributed.Contribution(
-            slots=[f"{type(q).__name__}:{name}" for q, name, _ in slots],
-            available=[q._has_local_results(param) for q, _, param in slots],
+            slots=[f"{type(q).__name__}:{name}" for q, name in slots]
         )
         parts = {}
         try:
@@ -600,6 +663,9 @@ class _StepReduction:
             ]
         except Exception as error:  # every process must still take part, to raise together
             contribution.error, contribution.sums = error, []
+        contribution.available = [
+            parts.get(q) is not None and name in parts[q][1] for q, name in slots
+        ]
         device = params[0].device if params else torch.device("cpu")
         reduced = distributed.reduce_step(contribution, device, global_step)
         batch = Batch(reduced.examples, reduced.scale)

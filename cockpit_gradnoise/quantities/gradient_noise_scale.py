@@ -55,6 +55,7 @@ class GradientNoiseScale(ParameterQuantity):
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
+    interaction_caveat = "; the estimates' unbiasedness assumes independent examples"
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False

@@ -19,14 +19,9 @@ from typing import Dict, List, Sequence
 import torch
 
 from cockpit_gradnoise import functional
+from cockpit_gradnoise.frame import update_statistics
 from cockpit_gradnoise.quantities._base import TwoStepParameterQuantity
-from cockpit_gradnoise.schema import (
-    NETWORK,
-    UPDATE_NORM,
-    UPDATE_RELATIVE,
-    decode_float,
-    encode_float,
-)
+from cockpit_gradnoise.schema import decode_float, encode_float
 
 
 class LayerUpdate:
@@ -57,22 +52,10 @@ class LayerUpdate:
     def statistics_of_list(updates: Sequence["LayerUpdate"]) -> Dict[str, Dict[str, float]]:
         """``{name: {"norm": ..., "relative": ...}}`` plus ``"all"`` for the network.
 
-        ``relative = norm / ||theta(s)||``, ``inf`` when ``theta(s)`` is all
-        zero (:func:`~cockpit_gradnoise.functional.ratio_or_inf`). The
-        network's norms are the root sums of squares of the parameters'.
+        :func:`cockpit_gradnoise.frame.update_statistics`, the one formula that
+        live items and logged ones (read without torch) share.
         """
-        network = LayerUpdate(
-            NETWORK,
-            math.sqrt(sum(u.norm**2 for u in updates)),
-            math.sqrt(sum(u.start_norm**2 for u in updates)),
-        )
-        return {
-            u.name: {
-                UPDATE_NORM: u.norm,
-                UPDATE_RELATIVE: functional.ratio_or_inf(u.norm, u.start_norm),
-            }
-            for u in list(updates) + [network]
-        }
+        return update_statistics(updates)
 
     def __json_encode__(self):
         return {

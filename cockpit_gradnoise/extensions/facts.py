@@ -1,0 +1,54 @@
+"""What one backward pass revealed about the model, for the quantities to check.
+
+Cockpit runs one instance of each extension class for all the quantities that
+request it, so these facts cannot live on an extension instance: they live in
+:data:`BACKWARD_FACTS`, which the quantities reset before each tracked
+backward pass and read after it.
+"""
+
+from collections import Counter
+from typing import Dict
+
+from torch import nn
+
+_SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
+
+
+class BackwardFacts:
+    """Facts about the current backward pass.
+
+    Attributes:
+        examples_interact: A layer mixed the examples of the batch (BatchNorm
+            in training mode).
+        uses: ``{(extension class, id(param)): count}``, how many layers wrote
+            one extension's result on a parameter: more than one for a
+            parameter shared by several layers (tied weights).
+        leading_sizes: ``{id(param): size}``, the size of the batch dimension
+            of the output of the layer that owns the parameter: not the batch
+            size for a layer applied without the batch dimension
+            (``wpe(torch.arange(T))``).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        """Forget the previous backward pass."""
+        self.examples_interact = False
+        self.uses: Counter = Counter()
+        self.leading_sizes: Dict[int, int] = {}
+
+    def record(self, extension, module: nn.Module, grad_output):
+        """Record the parameters of ``module`` that ``extension`` wrote a result on."""
+        batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and hasattr(param, extension.savefield):
+                self.uses[(type(extension), id(param))] += 1
+                self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
+
+    def shared(self, param) -> bool:
+        """Whether several layers wrote one extension's result on ``param``."""
+        return any(count > 1 for (_, key), count in self.uses.items() if key == id(param))
+
+
+BACKWARD_FACTS = BackwardFacts()
