@@ -2,7 +2,8 @@
 
 Nothing here knows about Cockpit or BackPACK. The quantities fetch what
 BackPACK leaves on the parameters and call one of these functions; tests check
-each function on its own against NumPy or a brute-force loop.
+each function on its own against NumPy or a brute-force loop. Quantiles come
+from :mod:`cockpit_gradnoise.order_statistics`.
 
 Notation (see ``DESIGN.md``): a mini-batch has ``N`` examples, ``x_i`` is
 example ``i``'s contribution to ``param.grad`` (``param.grad = sum_i x_i``),
@@ -12,169 +13,91 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 """
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-import numpy
 import torch
 from torch import Tensor
 
-from cockpit_gradnoise.schema import ratio_or_inf  # noqa: F401  (a formula views share)
+from cockpit_gradnoise import order_statistics, schema
+from cockpit_gradnoise.order_statistics import Tensors
 
-#: Multiple of ``eps * N * sum_i x_ij**2`` below which the centred sum of
-#: squares ``sum_i (x_ij - mean_i x_ij)**2`` counts as zero. ``N * eps`` times a
-#: sum of ``N`` non-negative terms bounds the rounding error of that sum; the
-#: centred sum is a difference of two such sums, hence the factor 2.
-VARIANCE_ROUNDING_FACTOR = 2.0
-
-
-def check_quantile_levels(quantiles: Iterable[float]) -> Tuple[float, ...]:
-    """Validate quantile levels and return them as a tuple of floats.
-
-    Args:
-        quantiles: Levels in ``[0, 1]``, at least one.
-
-    Returns:
-        The levels, in the given order.
-
-    Raises:
-        ValueError: If ``quantiles`` is empty, not numeric, or has a level
-            outside ``[0, 1]``.
-    """
-    try:
-        levels = tuple(float(q) for q in quantiles)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"quantiles must be an iterable of numbers in [0, 1], got {quantiles!r}"
-        ) from error
-    if not levels:
-        raise ValueError("quantiles must not be empty: pass e.g. quantiles=(0.5,)")
-    bad = [q for q in levels if not 0.0 <= q <= 1.0]
-    if bad:
-        raise ValueError(f"quantile levels must lie in [0, 1], got {bad}")
-    return levels
+# Kept here for callers of earlier versions; they live where they belong now.
+check_quantile_levels = order_statistics.check_quantile_levels
+quantile_name = schema.quantile_name
+sd_statistic_names = schema.sd_statistic_names
+ratio_or_inf = schema.ratio_or_inf  # a formula that views (no torch) share
 
 
-def quantile_name(level: float) -> str:
-    """Return the statistic name of a quantile level, ``q`` + ``%g``: ``q0.05``."""
-    return f"q{level:g}"
+def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1) -> Tensor:
+    """Bound on the rounding error of ``S - T**2 / N``, per element: ``(3N + 4L) eps S``.
 
+    ``S = sum_i x_i**2`` and ``T = sum_i x_i`` are rounded sums; their
+    centred difference is rounding noise (or slightly negative) where all
+    ``x_i`` agree. To first order in ``eps`` (the dtype's), with the usual
+    bound ``(m - 1) eps sum_k |a_k|`` on a sum of ``m`` terms in any order of
+    depth ``m - 1`` (Higham 2002, "Accuracy and Stability of Numerical
+    Algorithms", ch. 4), when each contribution ``x_i`` is itself computed as a
+    sum of ``L`` terms ``t_il`` of one sign (``L = inner_terms``: output
+    positions of a convolution, steps of a sequence, ``1`` for a plain
+    ``Linear``):
 
-def _quantile_ranks(levels: Sequence[float], n: int) -> Tuple[List[int], List[float]]:
-    """Ranks and weights of ``numpy.quantile``'s linear method for ``n`` values.
+    - ``S``: each ``x_i`` is off by at most ``(L - 1) eps |x_i|``, its square by
+      twice that, and squaring and summing ``N`` of them add ``N eps S``:
+      ``|dS| <= (N + 2L - 2) eps S``.
+    - ``T``, computed from the same ``x_i`` or by another order over all
+      ``N L`` terms (autograd's ``param.grad``), nested to depth at most
+      ``N + L - 2``: ``|dT| <= (N + L - 2) eps sum_i |x_i|``, so
+      ``|d(T**2 / N)| <= 2 (N + L - 2) eps (sum_i |x_i|)**2 / N <= 2 (N + L - 2) eps S``
+      (Cauchy-Schwarz).
+    - The subtraction adds ``eps S``.
 
-    Returns:
-        ``(ranks, fractions)``: the lower rank of every level, then the upper
-        rank of every level; and the weight ``t`` of the upper one per level.
-    """
-    lower, upper, fractions = [], [], []
-    for level in levels:
-        position = float(level) * (n - 1)
-        k = min(math.floor(position), n - 1)
-        lower.append(k)
-        upper.append(min(k + 1, n - 1))
-        fractions.append(position - k)
-    return lower + upper, fractions
+    Together less than ``(3N + 4L) eps S``. A bound, not an estimate: errors
+    of long sums grow more like the square root of the number of terms, and
+    measured centred sums of identical examples reach about ``0.5 N eps S``
+    at most when ``T`` is summed from the same ``x_i`` as ``S``.
 
-
-def _interpolate(values: Sequence[float], fractions: Sequence[float]) -> List[float]:
-    """One quantile per level from the values at the ranks of :func:`_quantile_ranks`.
-
-    ``a + t (b - a)`` computed as NumPy's ``_lerp`` does (from ``b`` when
-    ``t >= 0.5``), so results match ``numpy.quantile`` bit for bit.
-    """
-    quantiles = []
-    for t, a, b in zip(fractions, values, values[len(fractions) :]):
-        diff = b - a
-        quantiles.append(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
-    return quantiles
-
-
-def exact_quantiles(values: Tensor, levels: Sequence[float]) -> Tensor:
-    """Quantiles of all elements with linear interpolation, as ``numpy.quantile``.
-
-    For sorted values ``v_0 <= ... <= v_{n-1}`` and level ``q``, let
-    ``h = q (n - 1)``, ``k = floor(h)``, ``t = h - k``; the quantile is
-    ``v_k + t (v_{k+1} - v_k)`` (computed as NumPy does, from the upper end
-    when ``t >= 0.5``). One sort serves all levels; unlike older
-    ``torch.quantile`` this accepts any number of elements.
+    Where the terms of one contribution cancel (``sum_l |t_il|`` much larger
+    than ``|x_i|``), the rounding of ``x_i`` is relative to ``sum_l |t_il|``,
+    which ``S`` and ``T`` do not show: with ``T`` from another reduction than
+    ``S`` (``param.grad``), identical examples can then leave rounding noise
+    above the bound. Summing ``T`` from the same computed ``x_i`` as ``S``
+    avoids it (identical examples then give identical ``x_i``), with
+    ``L = 1``.
 
     Args:
-        values: Tensor of any shape with at least one element.
-        levels: Quantile levels in ``[0, 1]``.
-
-    Returns:
-        Float64 tensor of shape ``[len(levels)]``.
+        sum_of_squares: ``S``.
+        n: ``N``.
+        inner_terms: ``L >= 1``.
     """
-    flat = values.detach().reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        raise ValueError("cannot take quantiles of an empty tensor")
-    ranks, fractions = _quantile_ranks(levels, n)
-    quantiles = _interpolate(_order_statistics(flat, ranks), fractions)
-    return torch.tensor(quantiles, dtype=torch.float64)
-
-
-def _order_statistics(flat: Tensor, ranks: Sequence[int]) -> list:
-    """Values at 0-based ``ranks`` of ``flat`` in ascending order, as Python floats."""
-    if flat.device.type != "cpu":
-        ordered = torch.sort(flat).values
-        return ordered[torch.tensor(ranks, device=flat.device)].double().tolist()
-    native = flat.dtype in (torch.float32, torch.float64)
-    array = (flat if native else flat.double()).numpy()
-    distinct = sorted(set(ranks))
-    if distinct[-1] - distinct[0] <= 1:
-        # One level (the median, say): select its lower rank in O(n); the upper
-        # rank is the smallest value above it (fmin skips NaN, sorted last).
-        k = distinct[0]
-        selected = numpy.partition(array, k)
-        found = {k: selected[k], k + 1: numpy.fmin.reduce(selected[k + 1 :], initial=numpy.nan)}
-        return [float(found[r]) for r in ranks]
-    # numpy's vectorized sort is over 10x faster than torch.sort on CPU
-    # (400k float32: 1.2 ms against 39 ms, numpy 2.4, torch 2.14).
-    return numpy.sort(array)[list(ranks)].tolist()
-
-
-def summarize(values: Tensor, levels: Sequence[float], prefix: str = "") -> Dict[str, float]:
-    """Quantiles ``q<level>`` and ``mean`` of all elements of ``values``.
-
-    Args:
-        values: Tensor with at least one element.
-        levels: Quantile levels in ``[0, 1]``.
-        prefix: Prepended to every statistic name (e.g. ``"snr_"``).
-
-    Returns:
-        ``{prefix + "q<level>": float, ..., prefix + "mean": float}``.
-    """
-    result = {
-        prefix + quantile_name(level): value
-        for level, value in zip(levels, exact_quantiles(values, levels).tolist())
-    }
-    result[prefix + "mean"] = torch.mean(values, dtype=torch.float64).item()
-    return result
+    if inner_terms < 1:
+        raise ValueError(f"inner_terms must be at least 1, got {inner_terms}")
+    eps = torch.finfo(sum_of_squares.dtype).eps
+    return sum_of_squares * ((3 * n + 4 * inner_terms) * eps)
 
 
 def centred_sum_of_squares(
-    sum_of_squares: Tensor, total: Tensor, n: int, *, in_place: bool = False
+    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False
 ) -> Tensor:
     """``sum_i (x_i - mean_i x_i)**2`` per element from ``sum_i x_i**2`` and ``sum_i x_i``.
 
-    ``sum_i (x_i - xbar)**2 = sum_i x_i**2 - (sum_i x_i)**2 / n``. The
-    difference of two rounded sums can come out slightly negative, or as
-    rounding noise where all ``x_i`` are equal; values at or below
-    ``VARIANCE_ROUNDING_FACTOR * eps * n * sum_i x_i**2`` (the worst-case
-    rounding error of those sums, ``eps`` of the tensor's dtype) are set to 0.
+    ``sum_i (x_i - xbar)**2 = sum_i x_i**2 - (sum_i x_i)**2 / n``, set to 0
+    where it does not exceed the rounding bound of :func:`variance_rounding_bound`
+    (so also where it comes out negative).
 
     Args:
         sum_of_squares: ``sum_i x_i**2`` (BackPACK's ``SumGradSquared``).
-        total: ``sum_i x_i`` (``param.grad``).
+        total: ``sum_i x_i`` (``param.grad``, or better summed from the same
+            per-example values as ``sum_of_squares``).
         n: Number of examples ``N``.
+        inner_terms: Terms summed into each ``x_i`` where ``total`` comes from
+            another computation than ``sum_of_squares`` (see
+            :func:`variance_rounding_bound`); 1 where it comes from the same.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
 
     Returns:
         Non-negative tensor shaped like ``total``.
     """
-    eps = torch.finfo(sum_of_squares.dtype).eps
-    rounding = sum_of_squares * (VARIANCE_ROUNDING_FACTOR * eps * n)
+    rounding = variance_rounding_bound(sum_of_squares, n, inner_terms)
     if in_place:
         centred = sum_of_squares.addcmul_(total, total, value=-1.0 / n)
     else:
@@ -182,7 +105,9 @@ def centred_sum_of_squares(
     return centred.masked_fill_(centred <= rounding, 0.0)
 
 
-def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int, *, in_place: bool = False) -> Tensor:
+def gradient_sd(
+    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False
+) -> Tensor:
     """Per-element standard deviation of the mini-batch gradient, from one batch.
 
     .. math::
@@ -198,16 +123,19 @@ def gradient_sd(sum_of_squares: Tensor, total: Tensor, n: int, *, in_place: bool
         sum_of_squares: ``sum_i x_ij**2``.
         total: ``sum_i x_ij`` (``param.grad``).
         n: Batch size ``N >= 2``.
+        inner_terms: See :func:`centred_sum_of_squares`.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
 
     Returns:
         Tensor shaped like ``total``; exactly 0 where the examples agree to
-        rounding (see :func:`centred_sum_of_squares`).
+        rounding (see :func:`variance_rounding_bound`).
     """
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     # In place on the fresh result: this runs on every element of the network.
-    centred = centred_sum_of_squares(sum_of_squares, total, n, in_place=in_place)
+    centred = centred_sum_of_squares(
+        sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place
+    )
     return centred.mul_(n / (n - 1)).sqrt_()
 
 
@@ -216,10 +144,19 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
 
     Elements with ``sd_j = 0`` have no defined ratio and are left out, so the
     result never holds an inf or NaN from a zero denominator. It may be empty.
+    ``sd`` must be non-negative, without NaN (as :func:`gradient_sd` gives).
     """
-    # Dividing everywhere and selecting once is ~3x faster than two boolean
-    # indexings; the inf/NaN where sd_j = 0 are never selected.
-    return torch.masked_select(grad.abs().div_(sd), sd > 0)
+    grad, sd = grad.detach().reshape(-1), sd.detach().reshape(-1)
+    result = grad.new_empty(int(torch.count_nonzero(sd)))
+    start = 0
+    # By pieces: no temporary the size of the layer. Dividing everywhere and
+    # selecting once is ~3x faster than two selections; the inf/NaN where
+    # sd_j = 0 are never selected.
+    for g, s in zip(order_statistics.pieces(grad), order_statistics.pieces(sd)):
+        kept = order_statistics.masked(g.abs().div_(s), s > 0)
+        result[start : start + kept.numel()] = kept
+        start += kept.numel()
+    return result
 
 
 def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
@@ -264,9 +201,7 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     )
 
 
-def batch_norm_statistics(
-    squared_norms: Tensor, levels: Sequence[float]
-) -> Dict[str, float]:
+def batch_norm_statistics(squared_norms: Tensor, levels: Sequence[float]) -> Dict[str, float]:
     """Statistics over a batch of per-example gradient norms.
 
     Args:
@@ -276,11 +211,9 @@ def batch_norm_statistics(
     Returns:
         ``q<level>``, ``mean`` and ``max`` of ``||g_i||``.
     """
-    # One small sorted NumPy array serves every statistic (torch calls on N
-    # values cost more in overhead than in work).
-    norms = sort_values_(squared_norms.clamp(min=0).sqrt_())
-    result = sorted_summary([norms], levels)
-    result["max"] = float(norms[-1])
+    norms = squared_norms.detach().clamp(min=0).sqrt_()
+    result = order_statistics.quantile_summary(norms, levels)
+    result[schema.MAX] = norms.max().item()
     return result
 
 
@@ -334,28 +267,23 @@ def welford_sd(m2: Tensor, count: int, *, in_place: bool = False) -> Tensor:
     return (m2 / (count - 1)).sqrt()
 
 
-def sd_statistics(sd: Tensor, grad: Tensor, levels: Sequence[float]) -> Dict[str, float]:
+def sd_statistics(sd: Tensors, snr: Tensors, levels: Sequence[float]) -> Dict[str, float]:
     """The statistics of :class:`~cockpit_gradnoise.GradientVarianceQuantiles`.
 
     ``q<level>`` and ``mean`` of ``sd_j``; ``snr_q0.5`` and ``snr_mean`` of
-    ``|grad_j| / sd_j`` over the elements with ``sd_j > 0`` (absent when there
-    are none; see :func:`signal_to_noise`).
+    the signal-to-noise ratios (absent when there are none).
 
     Args:
-        sd: Per-element standard deviation of the gradient.
-        grad: The gradient, same number of elements.
+        sd: Per-element standard deviations of the gradient: a tensor, or a
+            sequence of tensors (the network's layers) whose union is meant.
+        snr: :func:`signal_to_noise` of the same elements, likewise.
         levels: Quantile levels.
     """
-    result = summarize(sd, levels)
-    snr = signal_to_noise(grad, sd)
-    if snr.numel() > 0:
-        result.update(summarize(snr, (0.5,), prefix="snr_"))
+    result = order_statistics.quantile_summary(sd, levels)
+    snrs = [snr] if isinstance(snr, Tensor) else list(snr)
+    if any(s.numel() > 0 for s in snrs):
+        result.update(order_statistics.quantile_summary(snrs, (0.5,), prefix=schema.SNR_PREFIX))
     return result
-
-
-def sd_statistic_names(levels: Sequence[float]) -> list:
-    """Every name :func:`sd_statistics` can return, in order."""
-    return [quantile_name(q) for q in levels] + ["mean", "snr_q0.5", "snr_mean"]
 
 
 def squared_norm(tensor: Tensor) -> float:
@@ -392,45 +320,29 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
     # A finite sum proves every element finite (NaN and inf propagate): then
-    # only b = 0 is left out, and it needs no mask; its ratio (inf, or NaN
-    # for 0/0) becomes +inf and sorts after the n kept values.
-    if bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())):
-        n = int(torch.count_nonzero(b))
-        ratio = torch.div(a, b).abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
-    else:
-        valid = torch.isfinite(a) & torch.isfinite(b) & (b != 0)
-        ratio = torch.div(a[valid], b[valid]).abs_()
-        n = ratio.numel()
+    # only b = 0 is left out.
+    finite = bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum()))
+    ratio = torch.div(a, b).abs_()
+    # Left-out elements become zeros, which sort first (tied at worst with a
+    # kept 0) and add nothing to the sum: the kept ratios are ranks z .. end.
+    # By pieces: no mask the size of the layer.
+    z = 0
+    for r, x, y in zip(*map(order_statistics.pieces, (ratio, a, b))):
+        left_out = (y == 0) if finite else ~(torch.isfinite(x) & torch.isfinite(y)) | (y == 0)
+        r.masked_fill_(left_out, 0.0)
+        z += torch.count_nonzero(left_out)
+    z = int(z)
+    n = ratio.numel() - z
     if n == 0:
         return {}
-    ordered = _sort_(ratio)
-    smallest, lower, upper, largest = ordered[[0, (n - 1) // 2, n // 2, n - 1]].tolist()
-    kept = ordered[:n]
-    # numpy sums in float64 blockwise; torch would first copy it all to float64.
-    total = (
-        float(kept.numpy().sum(dtype=numpy.float64))
-        if kept.device.type == "cpu"
-        else kept.sum(dtype=torch.float64).item()
-    )
+    ranks = [z, z + (n - 1) // 2, z + n // 2, z + n - 1]
+    smallest, lower, upper, largest = order_statistics.select(ratio, ranks)
     return {
-        "mean": total / n,
-        "median": (lower + upper) / 2,
-        "min": smallest,
-        "max": largest,
+        schema.MEAN: order_statistics.float64_sum(ratio) / n,
+        schema.MEDIAN: (lower + upper) / 2,
+        schema.MIN: smallest,
+        schema.MAX: largest,
     }
-
-
-def _sort_(values: Tensor) -> Tensor:
-    """``values`` (1d, a temporary) sorted ascending, in place where possible.
-
-    On CPU numpy's vectorized sort, over 10x faster than ``torch.sort``.
-    """
-    if values.device.type != "cpu":
-        return torch.sort(values).values
-    if values.dtype not in (torch.float32, torch.float64):
-        values = values.float()
-    values.numpy().sort()
-    return values
 
 
 def noise_scale_estimates(
@@ -478,80 +390,3 @@ def exponential_moving_average(previous: Optional[float], value: float, smoothin
     if previous is None:
         return value
     return smoothing * previous + (1 - smoothing) * value
-
-
-def sort_values_(values: Tensor) -> numpy.ndarray:
-    """Sort ``values`` ascending in place (on CPU) and return them as a 1d NumPy array.
-
-    On CPU the tensor's own memory is sorted (no copy; NumPy's vectorized sort
-    is over 10x faster than ``torch.sort``). Other devices are copied to the
-    host first. The caller must own ``values``: its order is destroyed.
-    """
-    array = values.detach().reshape(-1).cpu().numpy()
-    array.sort()
-    return array
-
-
-def union_order_statistics(
-    sorted_arrays: Sequence[numpy.ndarray], ranks: Sequence[int]
-) -> List[float]:
-    """Values at 0-based ``ranks`` of the union of sorted non-negative arrays.
-
-    No concatenation and no sort: for non-negative IEEE floats the order of
-    the values is the order of their bit patterns read as integers, so a
-    bisection over bit patterns, counting with ``searchsorted`` in each
-    array, finds the exact values in at most 32 (float32) or 64 (float64)
-    steps, all ranks at once.
-
-    Args:
-        sorted_arrays: Ascending 1d arrays of one float dtype, values >= 0
-            (``+inf`` allowed, no NaN).
-        ranks: Each ``0 <= rank <`` the total number of elements.
-    """
-    nonempty = [a for a in sorted_arrays if a.size]
-    dtype = nonempty[0].dtype
-    as_int = {4: numpy.int32, 8: numpy.int64}[dtype.itemsize]
-    targets = numpy.asarray(ranks, dtype=numpy.int64)
-    low = numpy.full(len(targets), min(a[:1].view(as_int)[0] for a in nonempty), dtype=as_int)
-    high = numpy.full(len(targets), max(a[-1:].view(as_int)[0] for a in nonempty), dtype=as_int)
-    while (low < high).any():
-        middle = low + (high - low) // 2
-        values = middle.view(dtype)
-        counts = sum(numpy.searchsorted(a, values, side="right") for a in nonempty)
-        above = counts > targets  # the rank-th value is <= middle
-        high = numpy.where(above, middle, high)
-        low = numpy.where(above, low, middle + 1)
-    return low.view(dtype).astype(numpy.float64).tolist()
-
-
-def sorted_summary(
-    sorted_arrays: Sequence[numpy.ndarray], levels: Sequence[float], prefix: str = ""
-) -> Dict[str, float]:
-    """:func:`summarize` of the union of sorted non-negative arrays, without joining them.
-
-    Quantiles exactly as ``numpy.quantile`` (linear interpolation) and the
-    mean (summed in float64), of all elements of all arrays.
-    """
-    n = sum(a.size for a in sorted_arrays)
-    if n == 0:
-        raise ValueError("cannot take quantiles of no elements")
-    ranks, fractions = _quantile_ranks(levels, n)
-    if len(sorted_arrays) == 1:
-        values = sorted_arrays[0][ranks].astype(numpy.float64).tolist()
-    else:
-        values = union_order_statistics(sorted_arrays, ranks)
-    quantiles = _interpolate(values, fractions)
-    result = {prefix + quantile_name(level): q for level, q in zip(levels, quantiles)}
-    total = sum(float(numpy.add.reduce(a, dtype=numpy.float64)) for a in sorted_arrays)
-    result[prefix + "mean"] = total / n
-    return result
-
-
-def sorted_signal_to_noise(grad: Tensor, sd: Tensor) -> numpy.ndarray:
-    """:func:`signal_to_noise`, sorted ascending, as a NumPy array.
-
-    Without a boolean selection (the slow part): elements with ``sd_j = 0``
-    get ``+inf`` (``x/0`` and ``0/0`` alike), sort last and are cut off.
-    """
-    ratio = grad.detach().abs().div_(sd).nan_to_num_(nan=math.inf, posinf=math.inf)
-    return sort_values_(ratio)[: int(torch.count_nonzero(sd))]

@@ -138,8 +138,7 @@ def minibatch_gradient_stats(
         functional.welford_sd(m2, count, in_place=True)  # M2 is not needed any more
     sds = {names[i]: sd for i, sd in flat.split(m2s).items()}
     mean_grads = {names[i]: mean for i, mean in flat.split(means).items()}
-    network = (flat.concatenated(m2s), flat.concatenated(means))
-    stats = _statistics(sds, mean_grads, network, levels, who)
+    stats = _statistics(sds, mean_grads, levels, who)
     return (stats, sds) if return_sd else stats
 
 
@@ -269,12 +268,6 @@ class _FlatGradients:
                     buffer[start:stop].view(grad.shape).copy_(grad)
                     self.seen[index] = True
         return self.buffers
-
-    def concatenated(self, flat) -> Tensor:
-        """Every element of ``flat`` of the parameters that ever had a gradient."""
-        if len(flat) == 1 and all(self.seen):
-            return next(iter(flat.values()))  # already one tensor: no copy
-        return torch.cat([view.flatten().cpu() for view in self.split(flat).values()])
 
     def split(self, flat) -> Dict[int, Tensor]:
         """Views of ``flat`` shaped like each parameter that ever had a gradient."""
@@ -419,16 +412,17 @@ def _warn_missing(names, seen, who):
         )
 
 
-def _statistics(sds, mean_grads, network, levels, who) -> Dict[str, Dict[str, float]]:
-    """Statistics per parameter and, from ``network = (sd, mean)``, for the network.
+def _statistics(sds, mean_grads, levels, who) -> Dict[str, Dict[str, float]]:
+    """Statistics per parameter and for the network (the union of all, not joined).
 
     NaN where not finite, with a warning.
     """
     nan_stats = dict.fromkeys(functional.sd_statistic_names(levels), math.nan)
-    result, non_finite = {}, []
+    result, non_finite, snrs = {}, [], {}
     for name, sd in sds.items():
         if bool(sd.isfinite().all()) and bool(mean_grads[name].isfinite().all()):
-            result[name] = functional.sd_statistics(sd, mean_grads[name], levels)
+            snrs[name] = functional.signal_to_noise(mean_grads[name], sd)
+            result[name] = functional.sd_statistics(sd, snrs[name], levels)
         else:
             non_finite.append(name)
             result[name] = dict(nan_stats)
@@ -440,5 +434,5 @@ def _statistics(sds, mean_grads, network, levels, who) -> Dict[str, Dict[str, fl
         )
         result[NETWORK] = dict(nan_stats)
     else:
-        result[NETWORK] = functional.sd_statistics(*network, levels)
+        result[NETWORK] = functional.sd_statistics(list(sds.values()), list(snrs.values()), levels)
     return result

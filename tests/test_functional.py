@@ -6,50 +6,7 @@ import numpy
 import pytest
 import torch
 
-from cockpit_gradnoise import functional
-
-
-@pytest.mark.parametrize("n", [1, 2, 7, 1000])
-def test_exact_quantiles_match_numpy(n):
-    torch.manual_seed(n)
-    values = torch.randn(n, dtype=torch.float64).exp()
-    levels = (0.0, 0.05, 0.25, 0.5, 0.51, 0.75, 0.95, 1.0)
-    got = functional.exact_quantiles(values, levels)
-    expected = numpy.quantile(values.numpy(), levels)
-    numpy.testing.assert_allclose(got.numpy(), expected, rtol=1e-14, atol=0)
-
-
-def test_exact_quantiles_with_ties_and_shape():
-    values = torch.tensor([[3.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
-    got = functional.exact_quantiles(values, (0.5, 1 / 3))
-    numpy.testing.assert_allclose(got.numpy(), numpy.quantile(values.numpy(), (0.5, 1 / 3)))
-
-
-def test_exact_quantiles_beyond_16_million_elements():
-    """Older torch.quantile refuses more than 2**24 elements; ours is exact there."""
-    n = 2**24 + 3
-    generator = torch.Generator().manual_seed(0)
-    values = torch.rand(n, generator=generator, dtype=torch.float32)
-    levels = (0.05, 0.5, 0.95)
-    got = functional.exact_quantiles(values, levels)
-    expected = numpy.quantile(values.numpy().astype(numpy.float64), levels)
-    numpy.testing.assert_allclose(got.numpy(), expected, rtol=1e-12)
-
-
-def test_exact_quantiles_rejects_empty():
-    with pytest.raises(ValueError, match="empty"):
-        functional.exact_quantiles(torch.zeros(0), (0.5,))
-
-
-@pytest.mark.parametrize("levels", [(), (1.5,), (-0.1, 0.5), ("half",)])
-def test_check_quantile_levels_rejects(levels):
-    with pytest.raises(ValueError, match="quantile"):
-        functional.check_quantile_levels(levels)
-
-
-def test_quantile_name_uses_percent_g():
-    names = [functional.quantile_name(q) for q in (0.05, 0.5, 0.95, 0.1, 1.0)]
-    assert names == ["q0.05", "q0.5", "q0.95", "q0.1", "q1"]
+from cockpit_gradnoise import functional, order_statistics
 
 
 @pytest.mark.parametrize("n", [2, 7, 64])
@@ -126,54 +83,6 @@ def test_batch_norm_statistics():
     assert not any(math.isnan(v) for v in stats.values())
 
 
-@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
-def test_sorted_summary_of_several_arrays_matches_numpy_on_their_union(dtype):
-    """Exact order statistics of a union without joining it: ties, zeros, inf,
-    empty arrays, every rank."""
-    rng = numpy.random.default_rng(0)
-    for trial in range(100):
-        arrays = [
-            numpy.abs(rng.standard_normal(rng.integers(0, 40))).astype(dtype)
-            for _ in range(rng.integers(1, 5))
-        ]
-        if trial % 3 == 0:  # ties and exact zeros
-            arrays = [numpy.round(a, 1).astype(dtype) for a in arrays]
-        if trial % 7 == 0:
-            arrays[0] = numpy.append(arrays[0], dtype(numpy.inf))
-        union = numpy.sort(numpy.concatenate(arrays))
-        if union.size == 0:
-            continue
-        arrays = [numpy.sort(a) for a in arrays]
-        ranks = range(union.size)
-        assert functional.union_order_statistics(arrays, ranks) == union.astype(numpy.float64).tolist()
-        if numpy.isinf(union).any():
-            continue
-        levels = (0.0, 0.05, 0.3, 0.5, 0.95, 1.0)
-        got = functional.sorted_summary(arrays, levels)
-        expected = numpy.quantile(union.astype(numpy.float64), levels)
-        numpy.testing.assert_allclose(
-            [got[functional.quantile_name(q)] for q in levels], expected, rtol=1e-15, atol=0
-        )
-        assert got["mean"] == pytest.approx(union.astype(numpy.float64).mean(), rel=1e-12)
-
-
-def test_sort_values_sorts_in_place():
-    values = torch.tensor([3.0, 1.0, 2.0])
-    array = functional.sort_values_(values)
-    assert array.tolist() == [1.0, 2.0, 3.0] and values.tolist() == [1.0, 2.0, 3.0]
-
-
-def test_sorted_signal_to_noise_equals_selection():
-    torch.manual_seed(0)
-    grad = torch.randn(1000)
-    grad[::7] = 0.0
-    sd = torch.rand(1000)
-    sd[::3] = 0.0  # x/0 and 0/0 both left out
-    expected = numpy.sort(functional.signal_to_noise(grad, sd).numpy())
-    numpy.testing.assert_array_equal(functional.sorted_signal_to_noise(grad, sd), expected)
-    assert functional.sorted_signal_to_noise(grad, torch.zeros(1000)).size == 0
-
-
 def test_gradient_sd_in_place_equals_copy():
     torch.manual_seed(3)
     contributions = torch.randn(5, 40)
@@ -182,3 +91,49 @@ def test_gradient_sd_in_place_equals_copy():
     got = functional.gradient_sd(sum_of_squares, total, 5, in_place=True)
     assert got.data_ptr() == sum_of_squares.data_ptr()
     assert torch.equal(got, expected)
+
+
+def test_functional_keeps_the_names_callers_used():
+    assert functional.check_quantile_levels([0.5]) == (0.5,)
+    assert functional.quantile_name(0.05) == "q0.05"
+    assert functional.sd_statistic_names((0.5,)) == ["q0.5", "mean", "snr_q0.5", "snr_mean"]
+
+
+def test_sd_statistics_of_a_union_equal_numpy_on_the_joined_values():
+    """Layers' sd and SNR as parts of the network's: quantiles bit for bit."""
+    torch.manual_seed(0)
+    sds = [torch.rand(n) * (torch.rand(n) > 0.2) for n in (3, 70_000, 1)]
+    snrs = [functional.signal_to_noise(torch.randn(sd.shape), sd) for sd in sds]
+    levels = (0.05, 0.5, 0.95)
+    got = functional.sd_statistics(sds, snrs, levels)
+    sd, snr = (numpy.concatenate(ts).astype(numpy.float64) for ts in (sds, snrs))
+    assert [got[f"q{q:g}"] for q in levels] == numpy.quantile(sd, levels).tolist()
+    assert got["snr_q0.5"] == numpy.quantile(snr, 0.5)
+    assert got["mean"] == pytest.approx(sd.mean(), rel=1e-12)
+    assert got["snr_mean"] == pytest.approx(snr.mean(), rel=1e-12)
+    assert got == functional.sd_statistics(torch.cat(sds), torch.cat(snrs), levels)
+    no_snr = functional.sd_statistics([torch.zeros(4)], [torch.zeros(0)], levels)
+    assert set(no_snr) == {"q0.05", "q0.5", "q0.95", "mean"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 2 * order_statistics.SORT_WHOLE_AT_MOST + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_abs_ratio_statistics_equal_numpy_on_the_kept_ratios(n, dtype):
+    """Median and extremes bit for bit, with ties, zeros on both sides, ratios
+    too large for the dtype (inf) and non-finite elements left out."""
+    generator = torch.Generator().manual_seed(n)
+    theta = torch.randn(n, generator=generator, dtype=dtype).round(decimals=1)
+    grad = torch.randn(n, generator=generator, dtype=dtype).round(decimals=2)
+    if n > 2:
+        theta[0], grad[0] = torch.finfo(dtype).max, torch.finfo(dtype).tiny  # inf ratio
+        theta[1] = math.nan
+        grad[2] = math.inf
+    keep = torch.isfinite(theta) & torch.isfinite(grad) & (grad != 0)
+    ratio = (theta[keep] / grad[keep]).abs().double().numpy()
+    got = functional.abs_ratio_statistics(theta, grad)
+    if ratio.size == 0:
+        assert got == {}
+        return
+    assert got["median"] == numpy.median(ratio)
+    assert (got["min"], got["max"]) == (ratio.min(), ratio.max())
+    assert got["mean"] == pytest.approx(ratio.mean(), rel=1e-12)

@@ -504,8 +504,12 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
     def _without_batchless(self, named, batch_size):
         """``named`` without parameters of layers applied without the batch dimension."""
-        if batch_size is None:
+        sizes = [BACKWARD_FACTS.leading_sizes[id(p)] for _, p in named
+                 if id(p) in BACKWARD_FACTS.leading_sizes]
+        if batch_size is None or not sizes:
             return named
+        # Most layers see the batch: a count in info that disagrees with them is wrong.
+        check_example_count(max(set(sizes), key=sizes.count), batch_size)
         batchless = {
             n: BACKWARD_FACTS.leading_sizes[id(p)]
             for n, p in named

@@ -84,12 +84,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
         sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch.examples)
         # SNR is elementwise and free of units: the network's elements are the
         # layers', computed once.
-        snr = functional.sorted_signal_to_noise(grad, sd)
-        # sd is ours: sorted once, in place; the layer's statistics index into it
-        # and the network's are found in the layers' without joining them.
-        sd = functional.sort_values_(sd)
+        snr = functional.signal_to_noise(grad, sd)
         if batch.scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
-            sd *= batch.scale
+            sd.mul_(batch.scale)
+        # The network's statistics are those of the union of the layers' values,
+        # found without joining them (order_statistics.select).
         return [sd], [snr]
 
     def network_value(self, values):
@@ -98,11 +97,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def statistics(self, value):
         sds, snrs = value
-        result = functional.sorted_summary(sds, self.quantiles)
-        snrs = [a for a in snrs if a.size]
-        if snrs:
-            result.update(functional.sorted_summary(snrs, (0.5,), prefix="snr_"))
-        return result
+        return functional.sd_statistics(sds, snrs, self.quantiles)
 
     def statistic_names(self):
         return functional.sd_statistic_names(self.quantiles)
