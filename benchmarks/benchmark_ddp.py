@@ -39,9 +39,10 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
-from benchmark import MODELS, PACKAGE_QUANTITIES  # noqa: E402
+from benchmark import MODELS  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
 from cockpit_gradnoise import distributed  # noqa: E402
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 from cockpit_gradnoise.extensions import (  # noqa: E402
     LocalGradient,
     PerExampleSquaredNorms,
@@ -84,7 +85,7 @@ def tracked_ddp_step(model):
     ddp = DistributedDataParallel(inner)
     loss_fn = extend(nn.CrossEntropyLoss())
     names = [n for n, _ in inner.named_parameters()]
-    quantities = [getattr(cgn, name)(linear(1), param_names=names) for name in PACKAGE_QUANTITIES]
+    quantities = [getattr(cgn, name)(linear(1), param_names=names) for name in QUANTITIES]
     cockpit = cgn.Cockpit(inner.parameters(), quantities=quantities)
     counter = iter(range(10**9))
 
