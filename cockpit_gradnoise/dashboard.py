@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pandas
 from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-from cockpit_gradnoise import panels
+from cockpit_gradnoise import distributed, panels
 from cockpit_gradnoise._layers import layer_order
 from cockpit_gradnoise.frame import to_frame
 from cockpit_gradnoise.report import recorded_batch_size
@@ -157,6 +157,7 @@ def plot(
     heatmap: str = "auto",
     fig=None,
     dpi: int = 100,
+    writer_rank: Optional[int] = distributed.WRITER_RANK,
 ):
     """Draw the gradient-noise dashboard: one panel per quantity present.
 
@@ -186,6 +187,8 @@ def plot(
             one half of a figure whose other half holds Cockpit's own
             dashboard (see ``docs/dashboard.md``).
         dpi: Resolution when saving.
+        writer_rank: Under distributed training only this process saves the
+            figure (``None``: every process).
 
     Returns:
         The figure drawn into.
@@ -225,7 +228,7 @@ def plot(
         steps = f"steps {frame.step.min()}-{frame.step.max()}"
         lines = f"lines: {len(layers)} {chosen} of {n_layers} layers and the network"
         fig.suptitle(f"gradient noise, {steps}; {lines}", fontsize="medium")
-    if savefig is not None:
+    if savefig is not None and distributed.is_writer(writer_rank):
         Path(savefig).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(savefig, dpi=dpi)
     return fig

@@ -14,12 +14,13 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Mapping, NamedTuple, Sequence
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import json_tricks
 import numpy
 import pandas
 
+from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
 from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-exported)
     NETWORK,
     UPDATE_NORM,
@@ -113,7 +114,7 @@ def _sanitize(value):
     return value
 
 
-def write_log(cockpit, path) -> Path:
+def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Optional[Path]:
     """Write a Cockpit's output as ``Cockpit.write`` does, without ever losing a log.
 
     Unlike ``Cockpit.write``, non-finite numbers anywhere in the output are
@@ -127,10 +128,14 @@ def write_log(cockpit, path) -> Path:
     Args:
         cockpit: A ``cockpit.Cockpit``.
         path: Log path, with or without the ``.json`` suffix.
+        writer_rank: Under distributed training only this process writes
+            (``None``: every process; give each its own path).
 
     Returns:
-        The path written.
+        The path written; ``None`` on a process that does not write.
     """
+    if not is_writer(writer_rank):
+        return None
     path = _log_path(path)
     text = json_tricks.dumps(_sanitize(dict(cockpit.get_output())), indent=4, allow_nan=True)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,12 @@ no Cockpit, so they work on any ``nn.Module`` autograd can differentiate
 A parameter that gets no gradient in a batch (unused by that batch's forward
 pass) has a zero gradient there: the loss does not depend on it. A parameter
 that gets a gradient in no batch at all is left out, with a warning.
+
+Under ``torch.distributed`` every process passes the same batches (and the
+same model, or its ``DistributedDataParallel`` wrapper): process ``r`` of
+``W`` takes batches ``r, r + W, ...``, and the accumulators are combined
+across processes, so every process returns what one process returns for all
+the batches (up to rounding).
 """
 
 import itertools
@@ -21,7 +27,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.quantities._base import NETWORK
 
 DEFAULT_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -100,6 +106,7 @@ def minibatch_gradient_stats(
     who = "minibatch_gradient_stats"
     levels = functional.check_quantile_levels(quantiles)
     _check_count(batches, num_batches, minimum=2, who=who)
+    model = distributed.unwrap(model)
     names, params = _trainable(model, who)
     flat = _FlatGradients(params, accumulate_dtype)
     means = flat.zeros()
@@ -117,6 +124,7 @@ def minibatch_gradient_stats(
                     means[device], m2s[device], gradient, count, delta=gradient
                 )
     flat.buffers.clear()  # free the gathered copy before the statistics need memory
+    count, sizes = _combine_welford(means, m2s, count, sizes, flat)
     _check_count(range(count), None, minimum=2, who=who)
     _warn_missing(names, flat.seen, who)
     if len(sizes) > 1:
@@ -180,6 +188,7 @@ def dataset_gradient(
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     _check_count(batches, num_batches, minimum=1, who=who)
+    model = distributed.unwrap(model)
     names, params = _trainable(model, who)
     flat = _FlatGradients(params, accumulate_dtype)
     totals = flat.zeros()
@@ -199,6 +208,8 @@ def dataset_gradient(
             for device, gradient in flat.gather(grads).items():
                 totals[device].add_(gradient, alpha=weight)
     flat.buffers.clear()
+    distributed.all_reduce_(totals.values())
+    examples = sum(_combine_processes(examples, flat))
     if examples == 0:
         raise ValueError(f"{who} got no examples: pass at least one non-empty batch")
     _warn_missing(names, flat.seen, who)
@@ -268,6 +279,37 @@ class _FlatGradients:
         }
 
 
+def _combine_processes(value, flat) -> list:
+    """Every process's ``value`` (``[value]`` on one process); marks parameters any process saw."""
+    parts = distributed.gather_objects((value, flat.seen))
+    flat.seen = [any(seen) for seen in zip(*(seen for _, seen in parts))]
+    return [part for part, _ in parts]
+
+
+def _combine_welford(means, m2s, count, sizes, flat) -> Tuple[int, set]:
+    """Merge the processes' Welford accumulators, in place, into those of all their batches.
+
+    Chan, Golub and LeVeque 1979: with ``n_r`` batches, mean ``m_r`` and
+    ``M2_r`` on process ``r``, ``n = sum_r n_r``, ``m = sum_r n_r m_r / n``
+    and ``M2 = sum_r (M2_r + n_r (m_r - m)**2)``. Returns the total count and
+    the batch sizes seen on any process.
+    """
+    parts = _combine_processes((count, sizes), flat)
+    total = sum(n for n, _ in parts)
+    sizes = set().union(*(s for _, s in parts))
+    if len(parts) == 1 or total == 0:
+        return total, sizes
+    for device, mean in means.items():
+        global_mean = mean * count
+        distributed.all_reduce_([global_mean])
+        global_mean /= total
+        mean.sub_(global_mean)  # m_r - m
+        m2s[device].addcmul_(mean, mean, value=count)
+        distributed.all_reduce_([m2s[device]])
+        mean.copy_(global_mean)
+    return total, sizes
+
+
 def _check_count(batches, num_batches, minimum, who):
     """Fail before any work when too few batches are known to come."""
     if num_batches is not None and num_batches < minimum:
@@ -321,7 +363,8 @@ def _batch_gradients(
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         iterator = tqdm(iterator, total=total, desc=who)
-    for position, batch in enumerate(iterator):
+    # Under torch.distributed this process's share; positions stay those in batches.
+    for position, batch in distributed.share(enumerate(iterator)):
         try:
             inputs, targets = batch
         except (TypeError, ValueError):

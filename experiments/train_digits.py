@@ -70,6 +70,28 @@ def make_quantities(names, track_every):
     ]
 
 
+def tracked_step(cockpit, step, model, x, y, losses, opt):
+    """One optimizer step on ``(x, y)`` tracked by ``cockpit``; returns the loss.
+
+    ``losses`` is ``(loss_fn, per_example_loss)``: the extended mean loss and
+    the same loss with ``reduction="none"``.
+    """
+    loss_fn, per_example_loss = losses
+    opt.zero_grad()
+    out = model(x)
+    loss = loss_fn(out, y)
+    info = {
+        "batch_size": len(x),
+        "individual_losses": per_example_loss(out, y),
+        "loss": loss,
+        "optimizer": opt,
+    }
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    opt.step()
+    return loss
+
+
 def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
     """Train, track, write the log; return the cockpit and the log path."""
     torch.manual_seed(seed)
@@ -83,18 +105,7 @@ def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
     step = 0
     for epoch in range(epochs):
         for x, y in train_loader:
-            opt.zero_grad()
-            out = model(x)
-            loss = loss_fn(out, y)
-            info = {
-                "batch_size": len(x),
-                "individual_losses": per_example_loss(out, y),
-                "loss": loss,
-                "optimizer": opt,
-            }
-            with cockpit(step, info=info):
-                loss.backward(create_graph=cockpit.create_graph(step))
-            opt.step()
+            loss = tracked_step(cockpit, step, model, x, y, (loss_fn, per_example_loss), opt)
             step += 1
         with torch.no_grad():
             correct = sum((model(x).argmax(1) == y).sum().item() for x, y in test_loader)
@@ -103,32 +114,43 @@ def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
     return cockpit, log
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_outputs(log, batch_size) -> str:
+    """Write the dashboard and the report beside the log; return the report's text."""
+    frame = cgn.to_frame(log)
+    figure = cgn.plot(frame, savefig=log.with_suffix(".png"), batch_size=batch_size)
+    plt.close(figure)
+    # The same text as `cockpit-gradnoise report <log> --batch-size <B>`.
+    text = report.format_report(report.build_report(frame, source=str(log), batch_size=batch_size))
+    log.with_name(f"{log.stem}_report.txt").write_text(text)
+    return text
+
+
+def argument_parser(description, batch_size_help="batch size") -> argparse.ArgumentParser:
+    """The job's options: --out, --epochs, --batch-size, --lr, --track-every."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="runs", help="output folder (default: runs)")
     parser.add_argument("--epochs", type=int, default=3, help="training epochs (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help=f"{batch_size_help} (default: 32)"
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
     parser.add_argument(
         "--track-every", type=int, default=5, help="track every k steps (default: 5)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
     # torch warns on every step that BackPACK's hooks see no input gradient at the
     # first layer; that is expected here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     start = time.perf_counter()
     cockpit, log = train(args.out, args.epochs, args.batch_size, args.lr, args.track_every)
-    frame = cgn.to_frame(log)
-    figure = cgn.plot(frame, savefig=Path(args.out) / "digits.png", batch_size=args.batch_size)
-    plt.close(figure)
-    # The same text as `cockpit-gradnoise report <log> --batch-size <B>`.
-    text = report.format_report(
-        report.build_report(frame, source=str(log), batch_size=args.batch_size)
-    )
-    (Path(args.out) / "digits_report.txt").write_text(text)
+    text = write_outputs(log, args.batch_size)
     print("\n" + text)
-    print(f"log: {log}, dashboard: {Path(args.out) / 'digits.png'}, report: "
-          f"{Path(args.out) / 'digits_report.txt'}  ({time.perf_counter() - start:.1f} s)")
+    print(f"log: {log}, dashboard: {log.with_suffix('.png')}, report: "
+          f"{log.with_name(log.stem + '_report.txt')}  ({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

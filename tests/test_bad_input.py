@@ -191,25 +191,6 @@ def test_backpack_batch_l2_is_wrong_for_grouped_convolutions_ours_is_exact():
     assert got == pytest.approx(exact.sqrt().max().item(), rel=1e-10)
 
 
-def test_distributed_training_warns_that_statistics_are_local(monkeypatch):
-    problem = build(MODELS[0], 3, "mean")
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
-    with pytest.warns(UserWarning, match="only this process's batch"):
-        run_step(problem, ours(problem))
-
-
-def test_distributed_warning_only_where_per_example_results_are_used(monkeypatch):
-    problem = build(MODELS[0], 3, "mean")
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
-    quantities = [cgn.ParamGradRatio(linear(1), param_names=problem.names)]
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        run_step(problem, quantities)
-    assert not our_warnings(records)
-
-
 def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash():
     """A NaN input makes the loss and every gradient NaN: each quantity records
     NaN rows with a warning, and the next finite step is recorded normally."""

@@ -12,10 +12,14 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   the batch and records that examples interact (:mod:`.batchnorm`);
 - ``Embedding`` works for any dtype (:mod:`.embedding`);
 - convolution weights get exact per-example norms for any ``groups`` and the
-  cheaper of two computations (:mod:`.convolution`);
+  cheaper of two computations, and their gradient from torch's own
+  convolution backward (:mod:`.convolution`);
 - ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
   (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
   extensions, and so Cockpit's quantities, the same rows).
+
+The third, :class:`LocalGradient`, is requested only under distributed
+training, where ``param.grad`` is not this process's own gradient.
 
 A new layer is supported by adding one row to a table below.
 """
@@ -24,6 +28,8 @@ from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
+from backpack.extensions.firstorder.gradient import linear as grad_linear
+from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.firstorder.sum_grad_squared import (
     conv1d,
     conv2d,
@@ -43,6 +49,7 @@ from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
+LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
 
 
 def _normalization_rows(extension_class):
@@ -91,6 +98,26 @@ def sum_of_squares_table():
     }
 
 
+def local_gradient_table():
+    """Module class -> module extension computing ``sum_i x_i`` (the gradient) per parameter."""
+    return {
+        nn.Linear: grad_linear.GradLinear(),
+        nn.Conv1d: convolution.GradConv1dFast(),
+        nn.Conv2d: convolution.GradConv2dFast(),
+        nn.Conv3d: convolution.GradConv3dFast(),
+        nn.ConvTranspose1d: convolution.GradConvTranspose1dFast(),
+        nn.ConvTranspose2d: convolution.GradConvTranspose2dFast(),
+        nn.ConvTranspose3d: convolution.GradConvTranspose3dFast(),
+        nn.RNN: grad_rnn.GradRNN(),
+        nn.LSTM: grad_rnn.GradLSTM(),
+        nn.BatchNorm1d: batchnorm.GradBatchNormAnyMode(),
+        nn.BatchNorm2d: batchnorm.GradBatchNormAnyMode(),
+        nn.BatchNorm3d: batchnorm.GradBatchNormAnyMode(),
+        nn.Embedding: embedding.GradEmbeddingAnyDtype(),
+        **{module: ext() for module, ext in normalization.GRADIENT_MODULE_EXTENSIONS.items()},
+    }
+
+
 class _RecordingExtension(FirstOrderBackpropExtension):
     """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
 
@@ -117,6 +144,23 @@ class SumOfSquaredContributions(_RecordingExtension):
         super().__init__(
             savefield=SUM_GRAD_SQUARED_SAVEFIELD,
             module_exts=sum_of_squares_table(),
+            fail_mode=FAIL_SILENT,
+        )
+
+
+class LocalGradient(_RecordingExtension):
+    """``sum_i x_i`` of this backward pass on this process, saved as ``param.cgn_local_grad``.
+
+    What ``param.grad`` holds on one process. Under DistributedDataParallel
+    ``param.grad`` is averaged across processes (and inside ``no_sync()`` it
+    accumulates micro-batches), so the quantities that need this process's
+    own gradient request it there (one more weight-gradient product per layer).
+    """
+
+    def __init__(self):
+        super().__init__(
+            savefield=LOCAL_GRADIENT_SAVEFIELD,
+            module_exts=local_gradient_table(),
             fail_mode=FAIL_SILENT,
         )
 

@@ -15,6 +15,7 @@ training mode was met, so that the quantities can say so.
 """
 
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
+from backpack.extensions.firstorder.gradient.batchnorm_nd import GradBatchNormNd
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import SGSBatchNormNd
 
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
@@ -34,3 +35,7 @@ class BatchL2BatchNormAnyMode(_AnyModeMixin, BatchL2BatchNorm):
 
 class SGSBatchNormAnyMode(_AnyModeMixin, SGSBatchNormNd):
     """Sum of squared contributions to a BatchNorm's parameters, in any mode."""
+
+
+class GradBatchNormAnyMode(_AnyModeMixin, GradBatchNormNd):
+    """The gradient of a BatchNorm's parameters, in any mode."""

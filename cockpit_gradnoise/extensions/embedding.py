@@ -7,6 +7,7 @@ build the one-hot tensor in the gradient's dtype.
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.extensions.firstorder.batch_l2_grad.embedding import BatchL2Embedding
+from backpack.extensions.firstorder.gradient.embedding import GradEmbedding
 from backpack.extensions.firstorder.sum_grad_squared.embedding import SGSEmbedding
 from backpack.utils.subsampling import subsample
 
@@ -36,6 +37,14 @@ class BatchL2EmbeddingAnyDtype(BatchL2Embedding):
 
 class SGSEmbeddingAnyDtype(SGSEmbedding):
     """Sum of squared per-example contributions to an Embedding's weight, any dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.derivatives = EmbeddingDerivativesAnyDtype()
+
+
+class GradEmbeddingAnyDtype(GradEmbedding):
+    """The gradient of an Embedding's weight, any dtype."""
 
     def __init__(self):
         super().__init__()

@@ -202,6 +202,13 @@ class _VarianceNormalization(_NormalizationModuleExtension):
         )
 
 
+class _GradientNormalization(_NormalizationModuleExtension):
+    """The gradient ``sum_i x_i``, shape ``param.shape`` (for :class:`~cockpit_gradnoise.extensions.LocalGradient`)."""
+
+    def _reduce(self, contributions: Tensor) -> Tensor:
+        return contributions.sum(0)
+
+
 class BatchGradLayerNorm(_LayerNormRule, _BatchGradNormalization):
     """``BatchGrad`` for ``nn.LayerNorm``."""
 
@@ -250,6 +257,18 @@ class VarianceRMSNorm(_RMSNormRule, _VarianceNormalization):
     """``Variance`` for ``nn.RMSNorm``."""
 
 
+class GradLayerNorm(_LayerNormRule, _GradientNormalization):
+    """The gradient for ``nn.LayerNorm``."""
+
+
+class GradGroupNorm(_GroupNormRule, _GradientNormalization):
+    """The gradient for ``nn.GroupNorm``."""
+
+
+class GradRMSNorm(_RMSNormRule, _GradientNormalization):
+    """The gradient for ``nn.RMSNorm``."""
+
+
 def _rows(layer_norm, group_norm, rms_norm) -> Dict[Type[nn.Module], Type[ModuleExtension]]:
     rows = {nn.LayerNorm: layer_norm, nn.GroupNorm: group_norm}
     if _RMS_NORM is not None:
@@ -266,6 +285,9 @@ NORMALIZATION_MODULE_EXTENSIONS: Dict[
     SumGradSquared: _rows(SGSLayerNorm, SGSGroupNorm, SGSRMSNorm),
     Variance: _rows(VarianceLayerNorm, VarianceGroupNorm, VarianceRMSNorm),
 }
+
+#: The same rows for this package's gradient extension (``LocalGradient``).
+GRADIENT_MODULE_EXTENSIONS = _rows(GradLayerNorm, GradGroupNorm, GradRMSNorm)
 
 
 def register_normalization_extensions(

@@ -18,11 +18,14 @@ import math
 import sys
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 from cockpit_gradnoise.schema import (
     NETWORK,
@@ -41,6 +44,31 @@ CAT = "cat"  # concatenation along dimension 0: one row per example
 REDUCTIONS = (SUM, CAT)
 
 _REQUIRED_METHODS = ("network_value", "statistics", "statistic_names")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The examples a quantity's declared sums are over.
+
+    Attributes:
+        examples: Their number ``N``.
+        scale: The loss scale ``c`` with ``x_i = c g_i`` (contribution to
+            ``param.grad`` = ``c`` times the gradient of the example's own
+            loss): ``1/N`` for a mean, ``1`` for a sum (and for one example),
+            NaN when the losses are not finite. Under distributed training
+            the quantities divide their sums by it (sums of squares by its
+            square), so that sums of different processes add, and get the
+            global batch's ``N`` and ``c`` back (see ``docs/distributed.md``).
+    """
+
+    examples: int
+    scale: float
+
+    def same_as(self, other: "Batch") -> bool:
+        """Equal, with a NaN scale equal to a NaN scale."""
+        return self.examples == other.examples and (
+            self.scale == other.scale or math.isnan(self.scale) and math.isnan(other.scale)
+        )
 
 
 class _NamedParameters:
@@ -142,6 +170,14 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
       or processes by ``"sum"`` (add) or ``"cat"`` (one row per example,
       concatenated). Leave it empty for a quantity that reads only
       ``param`` and ``param.grad``, which are the same on every process.
+      With sums, ``prepare`` returns a :class:`Batch`, and under distributed
+      training ``parameter_sums`` returns them in per-example units (divided
+      by ``batch.scale``, sums of squares by its square) so that the sums of
+      the processes add; ``value_from_sums`` then gets the global batch.
+    - ``reads_local_gradient``: whether ``parameter_sums`` reads this
+      backward pass's gradient through :meth:`local_gradient` (under
+      distributed training ``param.grad`` is averaged across processes, so
+      the gradient is then requested from BackPACK).
 
     Methods to implement (checked when the class is defined):
 
@@ -161,6 +197,9 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
     - ``prepare(global_step, params)``: read ``info`` once per step and return
       the context passed to the methods above, or ``None`` to record nothing;
+    - ``accepts(batch)`` (with declared sums): whether a batch defines the
+      quantity (e.g. a variance needs two examples); under distributed
+      training it is asked about the global batch;
     - ``derived_statistics(name, statistics)``: more statistics of one row
       (a parameter's or ``"all"``'s) computed from its others, e.g. moving
       averages over steps; called once per row and step, in order.
@@ -181,6 +220,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
     extension_classes: Sequence[type] = ()
     sums: Mapping[str, str] = {}
+    reads_local_gradient: bool = False
     #: Added to the warning when examples interact (BatchNorm in training mode).
     interaction_caveat: str = ""
 
@@ -206,6 +246,10 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         self._extensions = tuple(cls() for cls in self.extension_classes)
         self._savefields = tuple(ext.savefield for ext in self._extensions)
         self._checked_names = False
+        # Under distributed training (see _step_extensions).
+        self._distributed_extensions = self._extensions + (
+            (LocalGradient(),) if self.reads_local_gradient else ()
+        )
 
     # Interface for subclasses ---------------------------------------------------
 
@@ -225,6 +269,10 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """One parameter's value from its declared sums."""
         raise NotImplementedError
 
+    def accepts(self, batch: Batch) -> bool:
+        """Whether ``batch`` defines the quantity (with declared sums); ``False`` records nothing."""
+        return True
+
     def network_value(self, values: List[Any]) -> Any:
         """Combine the values of all parameters into the network's value."""
         raise NotImplementedError
@@ -241,6 +289,23 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """More statistics of row ``name`` from its others (none by default)."""
         return {}
 
+    # Helpers for subclasses -----------------------------------------------------
+
+    def loss_batch(self, global_step: int) -> Batch:
+        """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``."""
+        individual_losses = self.info(global_step, "individual_losses")
+        scale = functional.loss_scale(self.info(global_step, "loss"), individual_losses)
+        return Batch(individual_losses.numel(), scale)
+
+    def local_gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """``sum_i x_i`` of this backward pass on this process (for ``reads_local_gradient``).
+
+        ``param.grad`` on one process; under distributed training, where
+        ``param.grad`` is averaged across processes (and accumulates inside
+        ``no_sync()``), the same computed by BackPACK.
+        """
+        return getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach()
+
     # Cockpit interface ----------------------------------------------------------
 
     def extensions(self, global_step):
@@ -249,7 +314,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             return []
         if self._extensions:
             BACKWARD_FACTS.reset()  # Cockpit asks before the backward pass and after
-        return list(self._extensions)
+        return list(self._step_extensions())
 
     def protected_savefields(self, global_step):
         """Only ``grad_batch``, which Cockpit deletes during the backward pass.
@@ -260,6 +325,10 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """
         if not self.should_compute(global_step):
             return set()
+        if self.sums and distributed.world_size() > 1:
+            # Cockpit asks once per call, before the backward pass: the time to
+            # join this call's reduction (see _StepReduction).
+            _StepReduction.register(self)
         return {field for field in self._savefields if field == "grad_batch"}
 
     def _compute(self, global_step, params, batch_loss) -> Optional[Dict[str, Dict[str, float]]]:
@@ -267,20 +336,22 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             return None
         self._check_one_instance_per_class(global_step, params)
         names = self.names(params)
-        self._warn_if_distributed()
-        context = self.prepare(global_step, params)
-        if context is None:
+        is_distributed = distributed.world_size() > 1
+        if is_distributed:
+            distributed.check_not_sharded(params)
+            self._warn_if_rank_local()
+        if self.sums and is_distributed:
+            found = self._global_values(global_step, params)
+        else:
+            found = self._local_values(global_step, params, names)
+        if found is None:
             return None
-        self._warn_if_examples_interact()
-        usable = self._usable_parameters(names, params, self._batch_size(global_step))
-        finite = [(name, param) for name, param in usable if self._is_finite(param)]
-        non_finite = [name for name, _ in usable if name not in dict(finite)]
-        # One parameter at a time: a parameter's sums are freed once its value is formed.
-        values = [self._value(param, context) for _, param in finite]
+        usable, values, non_finite = found
+        del found  # values is the only reference: freed below before the network's statistics
         nan_row = dict.fromkeys(self.statistic_names(), math.nan)
         rows = {name: nan_row for name in non_finite}
-        rows.update((name, self.statistics(value)) for (name, _), value in zip(finite, values))
-        rows = {name: rows[name] for name, _ in usable}  # parameters in the given order
+        rows.update((name, self.statistics(value)) for name, value in values)
+        rows = {name: rows[name] for name in usable}  # parameters in the given order
         if non_finite:
             self.warn_once(
                 "non-finite",
@@ -289,7 +360,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             )
             rows[NETWORK] = nan_row
         elif values:
-            network = self.network_value(values)
+            network = self.network_value([value for _, value in values])
             del values  # free the parameters' values before the network's statistics
             rows[NETWORK] = self.statistics(network)
         rows = {name: {**row, **self.derived_statistics(name, row)} for name, row in rows.items()}
@@ -306,16 +377,84 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
     # Internals ------------------------------------------------------------------
 
+    def _local_values(self, global_step, params, names):
+        """``(usable names, [(name, value)] of the finite ones, non-finite names)`` of this batch."""
+        context = self.prepare(global_step, params)
+        if context is None or (self.sums and not self.accepts(context)):
+            return None
+        self._warn_if_examples_interact()
+        usable = self._usable_parameters(names, params, self._batch_size(global_step))
+        finite = [(name, param) for name, param in usable if self._is_finite(param)]
+        non_finite = [name for name, _ in usable if name not in dict(finite)]
+        # One parameter at a time: a parameter's sums are freed once its value is formed.
+        values = [(name, self._value(param, context)) for name, param in finite]
+        return [name for name, _ in usable], values, non_finite
+
+    def _global_values(self, global_step, params):
+        """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
+        reduced = _StepReduction.of(self).take(self, global_step, params)
+        if reduced is None:
+            return None
+        batch, sums = reduced
+        if not self.accepts(batch):
+            return None
+        # The parameters with results on every process, in order (see _local_part);
+        # the reduced sums are identical on every process, so is this split.
+        usable = list(sums)
+        non_finite = [name for name in usable if not _all_finite(sums[name].values())]
+        values = [
+            (name, self.value_from_sums(sums.pop(name), batch))
+            for name in usable
+            if name not in non_finite
+        ]
+        return usable, values, non_finite
+
+    def _local_part(self, global_step, params):
+        """This process's :class:`Batch` and ``{name: sums}`` at a distributed step.
+
+        ``None`` when ``prepare`` records nothing. Sums of the usable
+        parameters (with every result, :meth:`_has_local_results`; warned
+        about as on one process), in per-example units.
+        """
+        batch = self.prepare(global_step, params)
+        if batch is None:
+            return None
+        if not isinstance(batch, Batch):
+            raise TypeError(
+                f"{type(self).__name__}.prepare returned {type(batch).__name__}: a quantity "
+                "with declared sums returns a Batch, whose examples and loss scale are "
+                "combined across processes"
+            )
+        self._warn_if_examples_interact()
+        usable = self._usable_parameters(
+            self.names(params), params, batch.examples, lambda _, p: self._has_local_results(p)
+        )
+        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
+
+    def _trainable(self, params):
+        return [(n, p) for n, p in zip(self.names(params), params) if p.requires_grad]
+
+    def _has_local_results(self, param) -> bool:
+        return all(hasattr(param, ext.savefield) for ext in self._step_extensions())
+
+    def _step_extensions(self):
+        if self.reads_local_gradient and distributed.world_size() > 1:
+            return self._distributed_extensions
+        return self._extensions
+
     def _value(self, param, context) -> Any:
         if not self.sums:
             return self.parameter_value(param, context)
+        return self.value_from_sums(self._checked_sums(param, context), context)
+
+    def _checked_sums(self, param, context) -> Dict[str, torch.Tensor]:
         sums = self.parameter_sums(param, context)
         if set(sums) != set(self.sums):
             raise TypeError(
                 f"{type(self).__name__}.parameter_sums returned {sorted(sums)}, "
                 f"but the class declares sums {sorted(self.sums)}"
             )
-        return self.value_from_sums(sums, context)
+        return sums
 
     def _check_statistic_names(self, rows):
         if self._checked_names:
@@ -340,15 +479,16 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 + self.interaction_caveat,
             )
 
-    def _warn_if_distributed(self):
-        # Only per-example results (BackPACK's) are rank-local; param.grad is not.
-        if self._savefields and _distributed_world_size() > 1:
+    def _warn_if_rank_local(self):
+        # Declared sums are reduced across processes; BackPACK's results read
+        # without them cover only this process's batch.
+        if self._savefields and not self.sums:
             self.warn_once(
                 "distributed",
                 "BackPACK's per-example results cover only this process's batch "
-                "while param.grad is averaged across processes: per-example "
-                "statistics are those of the local batch, and statistics that "
-                "combine both with param.grad are not valid; track on one process",
+                "while param.grad is averaged across processes, and this quantity "
+                "declares no sums to reduce across them: its statistics are those "
+                "of the local batch (see docs/distributed.md)",
             )
 
     def _refuse_shared(self, named):
@@ -396,16 +536,20 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             return int(info["batch_size"])
         return None
 
-    def _usable_parameters(self, names, params, batch_size=None):
-        """``(name, param)`` pairs that have every result needed; warn about the rest."""
+    def _usable_parameters(self, names, params, batch_size=None, has_results=None):
+        """``(name, param)`` pairs that have every result needed; warn about the rest.
+
+        ``has_results(name, param)``: whether a parameter has them; by default,
+        whether BackPACK left every savefield on it.
+        """
+        if has_results is None:
+            def has_results(name, param):
+                return all(hasattr(param, field) for field in self._savefields)
+
         trainable = [(n, p) for n, p in zip(names, params) if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
         with_grad = [(n, p) for n, p in trainable if p.grad is not None]
-        usable = [
-            (n, p)
-            for n, p in with_grad
-            if all(hasattr(p, field) for field in self._savefields)
-        ]
+        usable = [(n, p) for n, p in with_grad if has_results(n, p)]
         supported = {n for n, _ in usable}
         unsupported = [n for n, _ in with_grad if n not in supported]
         if self._savefields:
@@ -434,12 +578,110 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         return usable
 
     def _is_finite(self, param) -> bool:
-        tensors = [param.grad] + [getattr(param, field) for field in self._savefields]
-        # NaN and inf propagate into a sum, so a finite sum proves every element
-        # finite with one reduction; only a sum that overflowed needs the full test.
-        return all(
-            bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors
+        return _all_finite([param.grad] + [getattr(param, field) for field in self._savefields])
+
+
+def _all_finite(tensors) -> bool:
+    # NaN and inf propagate into a sum, so a finite sum proves every element
+    # finite with one reduction; only a sum that overflowed needs the full test.
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class _StepReduction:
+    """The declared sums of the quantities computed in one cockpit call, reduced together.
+
+    Cockpit asks each quantity for its protected savefields once per call,
+    before the backward pass, in its own order: the quantities that will
+    compute register then. The first of them to compute forms every
+    registered quantity's local sums and reduces them all with one round of
+    collectives (:func:`~cockpit_gradnoise.distributed.reduce_step`); the
+    others take their results, so no collective runs after the first
+    quantity, whatever happens later in the call. A quantity computed without
+    having registered (called outside a cockpit) reduces alone.
+    """
+
+    # The call being prepared or computed; holding its CockpitCTX.INFO (which
+    # Cockpit replaces after every call) identifies the call.
+    current: Optional["_StepReduction"] = None
+
+    def __init__(self, quantities):
+        self.info = CockpitCTX.INFO
+        self.quantities = list(quantities)
+        self.results: Optional[Dict[Any, Any]] = None
+
+    @classmethod
+    def register(cls, quantity):
+        call = cls.current
+        # A quantity registers once per call: seeing it again starts a new call
+        # (Cockpit keeps CockpitCTX.INFO when a quantity raised in the last one).
+        if (
+            call is None
+            or call.info is not CockpitCTX.INFO
+            or call.results is not None
+            or quantity in call.quantities
+        ):
+            call = cls.current = cls([])
+        call.quantities.append(quantity)
+
+    @classmethod
+    def of(cls, quantity) -> "_StepReduction":
+        call = cls.current
+        if call is not None and call.info is CockpitCTX.INFO and quantity in call.quantities:
+            return call
+        return cls([quantity])
+
+    def take(self, quantity, global_step, params):
+        """``(global Batch, {name: reduced sums})`` of ``quantity``, or ``None`` (skipped)."""
+        if self.results is None:
+            self.results = {}  # taken, also if the reduction raises
+            self.results = self._reduce(global_step, params)
+        result = self.results.pop(quantity, None)
+        if not self.results and _StepReduction.current is self:
+            _StepReduction.current = None  # every result taken: hold nothing
+        return result
+
+    def _reduce(self, global_step, params):
+        # Fixed by the model and the quantities, so the header has one length everywhere.
+        slots = [(q, name) for q in self.quantities for name, _ in q._trainable(params)]
+        contribution = distributed.Contribution(
+            slots=[f"{type(q).__name__}:{name}" for q, name in slots]
         )
+        parts = {}
+        try:
+            for q in self.quantities:
+                parts[q] = q._local_part(global_step, params)
+            batches = [part[0] for part in parts.values() if part is not None]
+            if any(not b.same_as(batches[0]) for b in batches):
+                raise ValueError(
+                    f"the quantities read different batches from info at step {global_step}: "
+                    f"{batches}; pass consistent 'batch_size', 'individual_losses' and 'loss'"
+                )
+            if batches:
+                contribution.examples, contribution.scale = batches[0].examples, batches[0].scale
+            contribution.sums = [
+                (sums[sum_name], how)
+                for q, part in parts.items()
+                if part is not None
+                for sums in part[1].values()
+                for sum_name, how in q.sums.items()
+            ]
+        except Exception as error:  # every process must still take part, to raise together
+            contribution.error, contribution.sums = error, []
+        contribution.available = [
+            parts.get(q) is not None and name in parts[q][1] for q, name in slots
+        ]
+        device = params[0].device if params else torch.device("cpu")
+        reduced = distributed.reduce_step(contribution, device, global_step)
+        batch = Batch(reduced.examples, reduced.scale)
+        values = iter(reduced.sums)
+        results = {}
+        for q, part in parts.items():
+            if part is None:
+                results[q] = None
+                continue
+            sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
+            results[q] = (batch, sums)
+        return results
 
 
 class TwoStepParameterQuantity(_NamedParameters, Quantity):
@@ -506,6 +748,9 @@ class TwoStepParameterQuantity(_NamedParameters, Quantity):
             return global_step, None
         self._check_one_instance_per_class(global_step, params)
         names = self.names(params)
+        if distributed.world_size() > 1:
+            # Parameters are the same on every process (DDP): nothing to reduce.
+            distributed.check_not_sharded(params)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None
@@ -533,8 +778,3 @@ def check_example_count(results: int, individual_losses: int):
         )
 
 
-def _distributed_world_size() -> int:
-    """Number of processes in the default group, 1 outside distributed training."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1

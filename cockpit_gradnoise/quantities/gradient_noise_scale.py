@@ -54,6 +54,7 @@ class GradientNoiseScale(ParameterQuantity):
 
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
+    reads_local_gradient = True
     interaction_caveat = "; the estimates' unbiasedness assumes independent examples"
 
     def __init__(
@@ -69,29 +70,29 @@ class GradientNoiseScale(ParameterQuantity):
         self._averages = {}
 
     def prepare(self, global_step, params):
-        individual_losses = self.info(global_step, "individual_losses")
-        n = individual_losses.numel()
-        if n < 2:
+        return self.loss_batch(global_step)
+
+    def accepts(self, batch):
+        if batch.examples < 2:
             self.warn_once(
                 "batch-size-1",
                 "batch size 1 defines no gradient noise scale; nothing is recorded at "
                 "such steps",
             )
-            return None
-        return functional.loss_scale(self.info(global_step, "loss"), individual_losses), n
+            return False
+        return True
 
-    def parameter_sums(self, param, context):
-        scale, n = context
+    def parameter_sums(self, param, batch):
         squared_norms = param.cgn_batch_l2.detach()
-        check_example_count(squared_norms.shape[0], n)
-        # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2; param.grad = scale * sum_i g_i.
+        check_example_count(squared_norms.shape[0], batch.examples)
+        # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2; param.grad = c * sum_i g_i.
         return {
-            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / scale**2,
-            "sum_of_gradients": param.grad.detach() / scale,
+            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / batch.scale**2,
+            "sum_of_gradients": self.local_gradient(param) / batch.scale,
         }
 
-    def value_from_sums(self, sums, context):
-        _, n = context
+    def value_from_sums(self, sums, batch):
+        n = batch.examples
         mean_squared_norm = sums["sum_of_squared_norms"].item() / n
         squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"]) / n**2
         return mean_squared_norm, squared_norm_of_mean, n

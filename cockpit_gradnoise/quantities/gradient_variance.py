@@ -1,8 +1,8 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import SumOfSquaredContributions
-from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
+from cockpit_gradnoise.quantities._base import SUM, Batch, ParameterQuantity
 
 
 class GradientVarianceQuantiles(ParameterQuantity):
@@ -24,7 +24,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     Declared sums per parameter: ``sum_i x_ij`` (``param.grad``) and
     ``sum_i x_ij**2`` (one BackPACK ``SumGradSquared``, read, never altered).
-    Needs ``info["batch_size"]``.
+    Needs ``info["batch_size"]``; under distributed training
+    ``info["individual_losses"]`` and ``info["loss"]`` instead, to add the
+    processes' sums in per-example units (``x_ij / c``; see
+    ``docs/distributed.md``), and the global batch's ``x_ij = c g_ij`` with
+    ``c = 1/N`` for a mean loss, ``1`` for a sum.
     With batch size 1 no variance is defined: nothing is recorded, with one
     warning.
 
@@ -37,6 +41,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     extension_classes = (SumOfSquaredContributions,)
     sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM}
+    reads_local_gradient = True
 
     def __init__(
         self,
@@ -50,29 +55,38 @@ class GradientVarianceQuantiles(ParameterQuantity):
         self.quantiles = functional.check_quantile_levels(quantiles)
 
     def prepare(self, global_step, params):
-        batch_size = int(self.info(global_step, "batch_size"))
-        if batch_size < 2:
+        if distributed.world_size() > 1:
+            return self.loss_batch(global_step)
+        # One process: the sums stay in units of x (scale 1), as sd is wanted in
+        # them, and the reduction need not be known.
+        return Batch(int(self.info(global_step, "batch_size")), 1.0)
+
+    def accepts(self, batch):
+        if batch.examples < 2:
             self.warn_once(
                 "batch-size-1",
                 "batch size 1 defines no gradient variance; nothing is recorded at "
                 "such steps",
             )
-            return None
-        return batch_size
+            return False
+        return True
 
-    def parameter_sums(self, param, batch_size):
+    def parameter_sums(self, param, batch):
         # References to what the backward pass left, never altered: another
         # quantity may read the same savefield in the same step.
-        return {
-            "sum_of_contributions": param.grad.detach(),
-            "sum_of_squared_contributions": param.cgn_sum_grad_squared,
-        }
+        grad, squares = self.local_gradient(param), param.cgn_sum_grad_squared
+        if batch.scale != 1.0:  # in units of g_i, to add across processes
+            grad, squares = grad / batch.scale, squares / batch.scale**2
+        return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
 
-    def value_from_sums(self, sums, batch_size):
+    def value_from_sums(self, sums, batch):
         grad = sums["sum_of_contributions"]
-        sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch_size)
-        # SNR is elementwise: the network's elements are the layers', computed once.
+        sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch.examples)
+        # SNR is elementwise and free of units: the network's elements are the
+        # layers', computed once.
         snr = functional.signal_to_noise(grad, sd)
+        if batch.scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
+            sd.mul_(batch.scale)
         # The network's statistics are those of the union of the layers' values,
         # found without joining them (order_statistics.select).
         return [sd], [snr]

@@ -37,18 +37,15 @@ class PerExampleGradNorm(ParameterQuantity):
         self.quantiles = functional.check_quantile_levels(quantiles)
 
     def prepare(self, global_step, params):
-        individual_losses = self.info(global_step, "individual_losses")
-        scale = functional.loss_scale(self.info(global_step, "loss"), individual_losses)
-        return scale, individual_losses.numel()
+        return self.loss_batch(global_step)
 
-    def parameter_sums(self, param, context):
-        scale, n = context
+    def parameter_sums(self, param, batch):
         squared_norms = param.cgn_batch_l2.detach()
-        check_example_count(squared_norms.shape[0], n)
-        # BatchL2Grad gives ||x_i||^2 = scale^2 ||g_i||^2.
-        return {"squared_norms": squared_norms / scale**2}
+        check_example_count(squared_norms.shape[0], batch.examples)
+        # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2.
+        return {"squared_norms": squared_norms / batch.scale**2}
 
-    def value_from_sums(self, sums, context):
+    def value_from_sums(self, sums, batch):
         return sums["squared_norms"]
 
     def network_value(self, values):

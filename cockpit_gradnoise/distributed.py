@@ -1,0 +1,370 @@
+"""Exact global-batch statistics under DistributedDataParallel, with ``torch.distributed``.
+
+Under DDP every process runs the same model on its own local batch; DDP
+averages ``param.grad`` across processes while BackPACK's per-example
+results cover the local batch only. The quantities' declared sums
+(:attr:`~cockpit_gradnoise.ParameterQuantity.sums`) are what combine: each
+process puts its sums into per-example-gradient units (``g_i``, the gradient
+of example ``i``'s own loss), and :func:`reduce_step` adds them across
+processes (``"sum"``) or joins their rows (``"cat"``) before any ratio or
+quantile is formed. Every process then holds the statistics of the global
+batch, identical on every rank (see ``docs/distributed.md``).
+
+Communication per tracked step, for all quantities of a cockpit together: one
+``all_reduce`` of a small fixed-size header (each process's example count,
+loss reduction, an error flag, a layout code and which parameters have
+results), then one ``all_reduce`` per dtype of the sums, flattened into one
+buffer (the "cat" rows zero-padded to the largest local batch, each process
+writing its own block). The header comes first so that a process that failed,
+or whose sums are laid out differently, makes every process raise the same
+error instead of hanging or aborting in a mismatched collective.
+
+Nothing here imports ``torch`` at module level, so that :func:`is_writer`
+costs nothing where torch was never imported (reading logs, the command line):
+without an initialised default process group, nothing here communicates.
+"""
+
+import itertools
+import math
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+#: The process that writes logs and figures by default.
+WRITER_RANK = 0
+
+# The header: one row per process, then one column per (quantity, parameter) slot.
+_EXAMPLES, _MEAN, _SUM, _FAILED, _LAYOUT = range(5)
+_HEADER_FIELDS = 5
+
+# Classes whose parameters are not full per-process copies (sharded data or
+# tensor parallelism), by name: FSDP is not imported to detect it.
+_SHARDED_PARAMETER_CLASSES = ("FlatParameter", "DTensor")
+_SHARDED_MODULE_CLASSES = ("FullyShardedDataParallel", "FSDPModule")
+
+
+def _process_group():
+    """``torch.distributed`` when a default process group is initialised, else ``None``.
+
+    Looked up in ``sys.modules``: where torch was never imported, no process
+    group can exist, and nothing is imported to find that out.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def world_size() -> int:
+    """Number of processes in the default group; 1 outside distributed training."""
+    dist = _process_group()
+    return 1 if dist is None else dist.get_world_size()
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 outside distributed training."""
+    dist = _process_group()
+    return 0 if dist is None else dist.get_rank()
+
+
+def is_writer(writer_rank: Optional[int] = WRITER_RANK) -> bool:
+    """Whether this process writes logs and figures.
+
+    Args:
+        writer_rank: The rank that writes (default 0), or ``None`` for every
+            process (then give each its own path).
+
+    Returns:
+        ``True`` outside distributed training, on rank ``writer_rank``, or
+        everywhere when ``writer_rank`` is ``None``.
+    """
+    return writer_rank is None or rank() == writer_rank
+
+
+def check_not_sharded(params: Iterable, model=None):
+    """Raise if the parameters (or the model) are sharded across processes.
+
+    Every quantity needs each process to hold the full parameters and
+    gradients, as DistributedDataParallel does; FSDP and tensor parallelism
+    shard them. Detected by class name and FSDP's ``_fsdp_flattened`` mark,
+    without importing FSDP.
+
+    Raises:
+        TypeError: Naming what was found and what is supported.
+    """
+    found = None
+    if model is not None:
+        found = _sharded_class(type(model), _SHARDED_MODULE_CLASSES)
+    for param in params:
+        if found is not None:
+            break
+        if getattr(param, "_fsdp_flattened", False):
+            found = "an FSDP-flattened parameter"
+        else:
+            found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
+    if found is not None:
+        raise TypeError(
+            f"cockpit_gradnoise got {found}: FullyShardedDataParallel and tensor "
+            "parallelism shard parameters and gradients across processes, which the "
+            "quantities do not support. Wrap the model in "
+            "torch.nn.parallel.DistributedDataParallel instead (every process holds "
+            "the full model); see docs/distributed.md"
+        )
+
+
+def _sharded_class(cls, names) -> Optional[str]:
+    for base in cls.__mro__:
+        if base.__name__ in names:
+            return f"a {base.__name__}"
+    return None
+
+
+def unwrap(model):
+    """The module inside a ``DistributedDataParallel`` wrapper (else ``model`` itself).
+
+    Raises:
+        TypeError: If the model is sharded (FSDP), see :func:`check_not_sharded`.
+    """
+    check_not_sharded(model.parameters(), model)
+    import torch
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+# One tracked step: the quantities' sums, reduced together -------------------------
+
+
+@dataclass
+class Contribution:
+    """One process's part of a tracked step, before the reduction.
+
+    Attributes:
+        examples: Examples in the local batch.
+        scale: The local loss scale ``c`` (``x_i = c g_i``): ``1/N`` for a
+            mean, ``1`` for a sum or one example, NaN when not finite.
+        slots: Names of the (quantity, parameter) slots, for messages.
+        available: Per slot, whether this process has its results.
+        sums: The sums of the available slots, in order, in per-example units,
+            each with its reduction (``"sum"`` or ``"cat"``, rows = examples).
+        error: The exception raised while forming them, if any.
+    """
+
+    examples: int = 0
+    scale: float = math.nan
+    slots: Sequence[str] = ()
+    available: Sequence[bool] = ()
+    sums: List[Tuple[object, str]] = field(default_factory=list)
+    error: Optional[Exception] = None
+
+
+@dataclass
+class ReducedStep:
+    """The global batch of a tracked step, identical on every process.
+
+    Attributes:
+        examples: ``N``, examples on all processes.
+        scale: The global loss scale ``c``: ``1/N`` for a mean, ``1`` for a sum.
+        sums: The reduced sums, in the order of :attr:`Contribution.sums`.
+    """
+
+    examples: int
+    scale: float
+    sums: list
+
+
+def reduce_step(contribution: Contribution, device, global_step=None) -> ReducedStep:
+    """Add the sums of every process ("sum") or join their rows ("cat").
+
+    Collective: every process of the default group must call it at the same
+    tracked step, also one whose own part failed (``contribution.error``):
+    then every process raises, the failed one its own exception.
+
+    Args:
+        contribution: This process's part.
+        device: Where the collectives run (the parameters' device; CUDA for NCCL).
+        global_step: For messages.
+
+    Returns:
+        The global batch and the reduced sums.
+
+    Raises:
+        ValueError / RuntimeError: Identically on every process when a process
+            failed, the loss is a mean on some processes and a sum on others,
+            only some processes have results for a parameter, or the sums are
+            laid out differently.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    _check_rows(contribution)
+    mean, total = _reduction_of(contribution.examples, contribution.scale)
+    row = [
+        contribution.examples,
+        mean,
+        total,
+        contribution.error is not None,
+        _layout_code(contribution.sums),
+        *contribution.available,
+    ]
+    header = gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).cpu()
+    where = "" if global_step is None else f" at step {global_step}"
+    _raise_if_failed(header, contribution, me, where)
+    _check_available(header, contribution.slots, world, where)
+    if len(set(header[:, _LAYOUT].tolist())) > 1:
+        raise RuntimeError(
+            f"cockpit_gradnoise: the quantities' sums are laid out differently on the "
+            f"processes{where} (different models, quantities or parameter dtypes?): "
+            "every process must track the same quantities of the same model"
+        )
+    examples_per_process = [int(n) for n in header[:, _EXAMPLES].tolist()]
+    n = sum(examples_per_process)
+    if header[:, _MEAN].sum() > 0 and header[:, _SUM].sum() > 0:
+        raise ValueError(
+            f"cockpit_gradnoise: the loss is a mean on some processes and a sum on "
+            f"others{where}: use the same reduction on every process"
+        )
+    # A sum where any process shows one; else a mean (also when every process
+    # has one example, where the two cannot be told apart: DDP's param.grad is
+    # then the mean of the examples' gradients either way).
+    scale = 1.0 if header[:, _SUM].sum() > 0 else 1.0 / max(n, 1)
+    sums = _reduce_sums(contribution.sums, examples_per_process, me, device)
+    return ReducedStep(n, scale, sums)
+
+
+def _check_rows(contribution):
+    """Record an error if a "cat" sum does not have one row per local example."""
+    for value, how in contribution.sums:
+        if how == "cat" and contribution.error is None and value.shape[0] != contribution.examples:
+            contribution.error = ValueError(
+                f"a 'cat' sum has {value.shape[0]} rows but the local batch has "
+                f"{contribution.examples} examples: 'cat' sums hold one row per example"
+            )
+
+
+def _reduction_of(examples, scale) -> Tuple[bool, bool]:
+    """``(is_mean, is_sum)`` of the local loss; neither for one example or a NaN scale."""
+    if examples < 2 or not math.isfinite(scale):
+        return False, False
+    return scale == 1.0 / examples, scale == 1.0
+
+
+def _layout_code(sums) -> int:
+    """A checksum of the sums' reductions, dtypes and shapes (rows of "cat" left out)."""
+    layout = [
+        (how, str(value.dtype), tuple(value.shape[1:] if how == "cat" else value.shape))
+        for value, how in sums
+    ]
+    return zlib.crc32(repr(layout).encode())
+
+
+def _raise_if_failed(header, contribution, me, where):
+    failed = [r for r, flag in enumerate(header[:, _FAILED].tolist()) if flag]
+    if not failed:
+        return
+    if contribution.error is not None:
+        raise contribution.error
+    raise RuntimeError(
+        f"cockpit_gradnoise: process(es) {failed} failed to compute their part of the "
+        f"statistics{where} (see the error on those processes); process {me} stops too"
+    )
+
+
+def _check_available(header, slots, world, where):
+    """Raise unless each slot has results on every process or on none."""
+    counts = header[:, _HEADER_FIELDS:].sum(0).tolist()
+    partial = [slot for slot, count in zip(slots, counts) if 0 < count < world]
+    if partial:
+        raise ValueError(
+            f"cockpit_gradnoise: {partial} have per-example results on some processes "
+            f"only{where} (parameters used in the forward pass of some processes, "
+            "with find_unused_parameters=True?): every process must use the same "
+            "parameters at a tracked step"
+        )
+
+
+def _reduce_sums(sums, examples_per_process, me, device) -> list:
+    """One all_reduce per dtype: "sum" sums added, "cat" rows placed in this process's block."""
+    import torch
+    import torch.distributed as dist
+
+    world, most = len(examples_per_process), max(examples_per_process)
+    reduced: list = [None] * len(sums)
+    groups: Dict[object, List[int]] = {}
+    for index, (value, _) in enumerate(sums):
+        groups.setdefault(value.dtype, []).append(index)
+    for dtype, indices in groups.items():
+        sizes = [_block_size(sums[i], world, most) for i in indices]
+        buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        blocks = [_shaped(block, sums[i], world, most) for i, block in zip(indices, buffer.split(sizes))]
+        for i, block in zip(indices, blocks):
+            value, how = sums[i]
+            (block[me, : value.shape[0]] if how == "cat" else block).copy_(value)
+        dist.all_reduce(buffer)
+        for i, block in zip(indices, blocks):
+            if sums[i][1] == "cat":
+                block = torch.cat([block[r, :n] for r, n in enumerate(examples_per_process)])
+            reduced[i] = block
+    return reduced
+
+
+def _shaped(block, entry, world, most):
+    """A flat block viewed as the sum (``"sum"``) or as ``[world, most, *row]`` (``"cat"``)."""
+    value, how = entry
+    return block.view(world, most, *value.shape[1:]) if how == "cat" else block.view(value.shape)
+
+
+def _block_size(entry, world, most) -> int:
+    value, how = entry
+    if how == "cat":
+        return world * most * math.prod(value.shape[1:])
+    return value.numel()
+
+
+def gather_rows(row):
+    """Every process's ``row`` (1d, same length everywhere): a ``[world, len(row)]`` tensor.
+
+    One ``all_reduce`` of a zero matrix in which each process writes its own
+    row (works on every backend and torch version, unlike ``all_gather``
+    into one tensor).
+    """
+    import torch
+    import torch.distributed as dist
+
+    table = torch.zeros(dist.get_world_size(), row.numel(), dtype=row.dtype, device=row.device)
+    table[dist.get_rank()] = row
+    dist.all_reduce(table)
+    return table
+
+
+# Across mini-batches: each process takes its share --------------------------------
+
+
+def share(batches: Iterable) -> Iterable:
+    """This process's share of ``batches``: items ``rank, rank + W, rank + 2W, ...``."""
+    size = world_size()
+    if size == 1:
+        return batches
+    return itertools.islice(batches, rank(), None, size)
+
+
+def gather_objects(value) -> list:
+    """Every process's ``value`` (picklable), in rank order; ``[value]`` on one process."""
+    dist = _process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def all_reduce_(tensors: Iterable) -> None:
+    """Sum each tensor over the processes, in place (nothing outside distributed training)."""
+    dist = _process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return
+    for tensor in tensors:
+        dist.all_reduce(tensor)
