@@ -30,14 +30,6 @@ from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
 from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
-from backpack.extensions.firstorder.sum_grad_squared import (
-    conv1d,
-    conv2d,
-    conv3d,
-    convtranspose1d,
-    convtranspose2d,
-    convtranspose3d,
-)
 from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
@@ -62,12 +54,12 @@ def per_example_squared_norm_table():
     """Module class -> module extension computing ``||x_i||^2`` (``[N]``) per parameter."""
     return {
         nn.Linear: l2_linear.BatchL2Linear(),
-        nn.Conv1d: convolution.BatchL2Conv1dExact(),
-        nn.Conv2d: convolution.BatchL2Conv2dExact(),
-        nn.Conv3d: convolution.BatchL2Conv3dExact(),
-        nn.ConvTranspose1d: convolution.BatchL2ConvTranspose1dExact(),
-        nn.ConvTranspose2d: convolution.BatchL2ConvTranspose2dExact(),
-        nn.ConvTranspose3d: convolution.BatchL2ConvTranspose3dExact(),
+        nn.Conv1d: convolution.SquaredNormsConv(),
+        nn.Conv2d: convolution.SquaredNormsConv(),
+        nn.Conv3d: convolution.SquaredNormsConv(),
+        nn.ConvTranspose1d: convolution.SquaredNormsConv(),
+        nn.ConvTranspose2d: convolution.SquaredNormsConv(),
+        nn.ConvTranspose3d: convolution.SquaredNormsConv(),
         nn.RNN: l2_rnn.BatchL2RNN(),
         nn.LSTM: l2_rnn.BatchL2LSTM(),
         nn.BatchNorm1d: batchnorm.BatchL2BatchNormAnyMode(),
@@ -82,12 +74,12 @@ def sum_of_squares_table():
     """Module class -> module extension computing ``sum_i x_i**2`` per parameter."""
     return {
         nn.Linear: sgs_linear.SGSLinear(),
-        nn.Conv1d: conv1d.SGSConv1d(),
-        nn.Conv2d: conv2d.SGSConv2d(),
-        nn.Conv3d: conv3d.SGSConv3d(),
-        nn.ConvTranspose1d: convtranspose1d.SGSConvTranspose1d(),
-        nn.ConvTranspose2d: convtranspose2d.SGSConvTranspose2d(),
-        nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d(),
+        nn.Conv1d: convolution.SumOfSquaresConv(),
+        nn.Conv2d: convolution.SumOfSquaresConv(),
+        nn.Conv3d: convolution.SumOfSquaresConv(),
+        nn.ConvTranspose1d: convolution.SumOfSquaresConv(),
+        nn.ConvTranspose2d: convolution.SumOfSquaresConv(),
+        nn.ConvTranspose3d: convolution.SumOfSquaresConv(),
         nn.RNN: sgs_rnn.SGSRNN(),
         nn.LSTM: sgs_rnn.SGSLSTM(),
         nn.BatchNorm1d: batchnorm.SGSBatchNormAnyMode(),
