@@ -60,15 +60,15 @@ class Thresholds:
     #: The batch is "below" the noise scale when B_noise / B is at least this,
     #: "above" it when B / B_noise is; in between it is "close to" it.
     noise_scale_factor: float = 2.0
-    #: The usual relative update ||theta(s+1) - theta(s)|| / ||theta(s)|| per step.
+    #: The usual relative update ``||theta(s+1) - theta(s)|| / ||theta(s)||`` per step.
     usual_relative_update: float = 1e-3
     #: Relative updates more than this factor above or below the usual one are findings.
     relative_update_factor: float = 10.0
-    #: A layer whose median |grad_j| / sd_j is below this is dominated by noise.
+    #: A layer whose median ``|grad_j| / sd_j`` is below this is dominated by noise.
     low_snr: float = 1.0
     #: A layer with at least this fraction of exactly-zero gradient elements is a finding.
     zero_grad_fraction: float = 0.5
-    #: Largest / smallest ||theta|| / ||grad|| across layers from which a finding is made.
+    #: Largest / smallest ``||theta|| / ||grad||`` across layers from which a finding is made.
     norm_ratio_spread: float = 100.0
     #: Largest / median per-example gradient norm (network) from which a finding is made.
     outlier_norm_factor: float = 10.0

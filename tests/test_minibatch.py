@@ -34,14 +34,14 @@ def one_thread():
 
 
 def make_batches(case, count, size, seed=0):
-    """``count`` float64 batches of ``size`` examples of ``case`` (3 classes)."""
+    """``count`` float64 batches of ``size`` examples of ``case`` and their targets."""
     torch.manual_seed(seed)
     batches = []
     for _ in range(count):
         inputs = case.inputs(size)
         if inputs.is_floating_point():
             inputs = inputs.double()
-        batches.append((inputs, torch.randint(0, 3, (size,))))
+        batches.append((inputs, case.targets(size)))
     return batches
 
 
@@ -83,12 +83,11 @@ ATTENTION = ModelCase("attention", Attention, lambda n: torch.randn(n, 3, 2))
 @pytest.mark.parametrize("case", MODELS + [ATTENTION], ids=lambda case: case.name)
 def test_statistics_match_reference(case):
     model, batches = make_model(case), make_batches(case, 5, 7)
-    expected = references.minibatch_gradient_stats(
-        model, batches, cross_entropy, quantiles=QUANTILES
-    )
+    loss_fn, _ = case.losses("mean")
+    expected = references.minibatch_gradient_stats(model, batches, loss_fn, quantiles=QUANTILES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = cgn.minibatch_gradient_stats(model, batches, cross_entropy, quantiles=QUANTILES)
+        got = cgn.minibatch_gradient_stats(model, batches, loss_fn, quantiles=QUANTILES)
     assert_statistics_match(got, expected)
     # The frozen layer is not measured; the unused one is left out, with a warning.
     assert ("unused.weight" in str([w.message for w in caught])) == (case.name == "unused-frozen")
@@ -101,7 +100,7 @@ def test_dataset_gradient_is_the_gradient_of_all_examples_at_once(case, reductio
     model = make_model(case)
     # An unequal last batch: weighting batches equally would be wrong here.
     batches = make_batches(case, 3, 16) + make_batches(case, 1, 2, seed=1)
-    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    loss_fn, _ = case.losses(reduction)
     expected = references.dataset_gradient(model, batches, loss_fn, reduction=reduction)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unused parameter's warning
