@@ -27,10 +27,6 @@ class BackwardFacts:
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
             (``wpe(torch.arange(T))``).
-        inner_terms: ``{id(param): L}``, how many terms one example's
-            contribution to the parameter sums (output positions of a
-            convolution, sequence steps of a Linear): they round too
-            (:func:`cockpit_gradnoise.functional.variance_rounding_bound`).
     """
 
     def __init__(self):
@@ -41,7 +37,6 @@ class BackwardFacts:
         self.examples_interact = False
         self.uses: Counter = Counter()
         self.leading_sizes: Dict[int, int] = {}
-        self.inner_terms: Dict[int, int] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
@@ -50,30 +45,10 @@ class BackwardFacts:
             if param.requires_grad and hasattr(param, extension.savefield):
                 self.uses[(type(extension), id(param))] += 1
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
-                self.inner_terms[id(param)] = _inner_terms(module, grad_output[0], batch_axis)
 
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``."""
         return any(count > 1 for (_, key), count in self.uses.items() if key == id(param))
-
-
-def _inner_terms(module: nn.Module, grad_output, batch_axis: int) -> int:
-    """Terms summed into one example's contribution: the output positions it has.
-
-    For a layer whose output is ``[N, C, *positions]`` (convolutions, BatchNorm
-    on images) or ``[N, *positions, features]`` (Linear, Embedding, norms on
-    sequences): the number of positions. At least 1.
-    """
-    shape = list(grad_output.shape)
-    del shape[batch_axis]
-    if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RNN, nn.LSTM)):
-        positions = shape[:-1]
-    else:
-        positions = shape[1:]
-    count = 1
-    for size in positions:
-        count *= size
-    return max(count, 1)
 
 
 BACKWARD_FACTS = BackwardFacts()
