@@ -73,6 +73,8 @@ def contributions_through_batch(
         model: A module of these layers (others must have no parameters).
             It is not modified (a copy is run).
         loss_fn: ``loss_fn(outputs, targets)``, the batch's scalar loss.
+        inputs: The batch's inputs, first dimension ``N``.
+        targets: The batch's targets.
 
     Returns:
         ``{name: tensor [N, *param.shape]}`` (float64) for every parameter that

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: set up, then run every test.
+# The test suite: set up, lint, then run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
+.venv/bin/ruff check .   # the linter, configured in pyproject.toml
 .venv/bin/python -m pytest -q "$@"

@@ -219,8 +219,9 @@ def test_plot_into_an_existing_folder_says_nothing_on_stderr(capsys, tmp_path):
 
 
 def test_csv_is_the_table_at_the_chosen_step(capsys, log):
-    import pandas
     from io import StringIO
+
+    import pandas
 
     result = run_main(capsys, "report", log, "--format", "csv", "--step", 5)
     assert result.returncode == 0

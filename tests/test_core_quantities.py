@@ -17,7 +17,6 @@ from tests.cases import MODELS, build, case_named, run_step
 from tests.helpers import assert_statistics_match, sd_rtol
 
 
-
 def test_gradient_variance_quantiles_match_reference(model_case, reduction, batch_size):
     problem = build(model_case, batch_size, reduction)
     quantiles = (0.0, 0.05, 0.5, 0.95, 1.0)

@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
-import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
-from cockpit.utils.schedules import linear
 from backpack import extend
+from cockpit.utils.schedules import linear
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 from cockpit_gradnoise import cli, distributed
 from tests.cases import MODELS, ModelCase, build
 from tests.helpers import RTOL

@@ -23,8 +23,8 @@ from backpack.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSqu
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from torch import nn
 
-from cockpit_gradnoise.extensions import normalization as norms
 from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import normalization as norms
 
 RTOL = 1e-10
 HAS_RMS_NORM = hasattr(nn, "RMSNorm")

@@ -23,6 +23,7 @@ from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 from tests.figures import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def frame():
     return cgn.to_frame(digits_run() / "digits.json")

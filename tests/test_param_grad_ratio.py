@@ -13,6 +13,7 @@ from cockpit_gradnoise import functional, references
 from tests.cases import MODELS, build, case_named, run_step
 from tests.helpers import assert_statistics_match, rows
 
+
 def test_matches_reference(model_case, reduction, batch_size, recwarn):
     problem = build(model_case, batch_size, reduction)
     cockpit = run_step(problem, [cgn.ParamGradRatio(linear(1), param_names=problem.names)])

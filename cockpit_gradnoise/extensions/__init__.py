@@ -24,6 +24,7 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to a table below.
 """
 
+from backpack.extensions import BatchL2Grad, SumGradSquared
 from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
@@ -33,8 +34,6 @@ from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
-
-from backpack.extensions import BatchL2Grad, SumGradSquared
 
 from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS

@@ -50,6 +50,8 @@ def benchmark_rows(method, path=BENCHMARK_README):
 
 
 class CliHelp(Directive):
+    """``.. cli-help:: [command]``: the command line's help text, from its parser."""
+
     optional_arguments = 1
 
     def run(self):
@@ -67,6 +69,8 @@ def _row(cells, cell_type=nodes.entry):
 
 
 class BenchmarkRows(Directive):
+    """``.. benchmark-rows:: method``: a method's rows of the benchmark's results table."""
+
     required_arguments = 1
 
     def run(self):
