@@ -60,9 +60,9 @@ def load_frame(path):
 
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
-    from matplotlib.backend_bases import FigureCanvasBase
-
     from cockpit_gradnoise import dashboard
+
+    from matplotlib.backend_bases import FigureCanvasBase
 
     suffix = Path(args.output).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()

@@ -5,10 +5,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import matplotlib.pyplot as plt
-import pandas
-from matplotlib.layout_engine import ConstrainedLayoutEngine
-
 from cockpit_gradnoise import distributed, panels
 from cockpit_gradnoise._layers import layer_order
 from cockpit_gradnoise.frame import to_frame
@@ -23,6 +19,10 @@ from cockpit_gradnoise.schema import (
     SNR_MEDIAN,
     UPDATE_SIZE,
 )
+
+import matplotlib.pyplot as plt
+import pandas
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 
 #: Label of the pyplot figure that :func:`plot` reuses when given no figure.
 FIGURE_LABEL = "cockpit-gradnoise"

@@ -16,10 +16,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
-import json_tricks
-import numpy
-import pandas
-
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
 from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-exported)
     NETWORK,
@@ -30,6 +26,10 @@ from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-expo
     encode_statistics,
     ratio_or_inf,
 )
+
+import json_tricks
+import numpy
+import pandas
 
 COLUMNS = ["step", "quantity", "param", "statistic", "value"]
 

@@ -15,11 +15,11 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
-import torch
-from torch import Tensor
-
 from cockpit_gradnoise import order_statistics, schema
 from cockpit_gradnoise.order_statistics import Tensors
+
+import torch
+from torch import Tensor
 
 # Kept here for callers of earlier versions; they live where they belong now.
 check_quantile_levels = order_statistics.check_quantile_levels

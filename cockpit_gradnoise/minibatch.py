@@ -24,11 +24,11 @@ import warnings
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import torch
-from torch import Tensor, nn
-
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.quantities._base import NETWORK
+
+import torch
+from torch import Tensor, nn
 
 DEFAULT_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 

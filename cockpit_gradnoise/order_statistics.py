@@ -24,11 +24,11 @@ measures both against sorting and partitioning.
 import math
 from typing import Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
+from cockpit_gradnoise.schema import MEAN, quantile_name
+
 import numpy
 import torch
 from torch import Tensor
-
-from cockpit_gradnoise.schema import MEAN, quantile_name
 
 Tensors = Union[Tensor, Sequence[Tensor]]
 

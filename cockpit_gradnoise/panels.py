@@ -23,11 +23,6 @@ pyplot figures.
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
-import matplotlib
-import matplotlib.colors
-import numpy
-from matplotlib.ticker import MaxNLocator
-
 from cockpit_gradnoise._layers import (  # noqa: F401  (DEFAULT_TOP_K, default_layers re-exported)
     DEFAULT_TOP_K,
     coverage_note,
@@ -54,6 +49,11 @@ from cockpit_gradnoise.schema import (  # noqa: F401  (quantile_levels re-export
     quantile_levels,
     quantile_name,
 )
+
+import matplotlib
+import matplotlib.colors
+import numpy
+from matplotlib.ticker import MaxNLocator
 
 NETWORK_STYLE = {"color": "black", "linewidth": 2.2, "zorder": 3}
 _PALETTE = matplotlib.colormaps["tab10"].colors

@@ -1,9 +1,9 @@
 """Models shared by the experiments, the benchmark and the tests."""
 
+from cockpit_gradnoise import convert_attention
+
 import torch
 from torch import nn
-
-from cockpit_gradnoise import convert_attention
 
 
 class CausalSelfAttention(nn.Module):

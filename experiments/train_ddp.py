@@ -26,14 +26,15 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # no display on training nodes
 
+import cockpit_gradnoise as cgn  # noqa: E402
+from cockpit_gradnoise import distributed  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from backpack import extend  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import distributed  # noqa: E402
 from experiments.train_digits import (  # noqa: E402
     argument_parser,
     digits_cnn,

@@ -14,15 +14,15 @@ import time
 import warnings
 from pathlib import Path
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import report
+
 import matplotlib.pyplot as plt
 import torch
 from backpack import extend
 from cockpit.utils.schedules import linear
 from sklearn.datasets import load_digits
 from torch import nn
-
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import report
 
 
 def digits_loaders(batch_size, seed=0):

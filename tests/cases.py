@@ -9,11 +9,12 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
+from cockpit_gradnoise import Cockpit, prepare_model
+
 import torch
 from backpack import extend
 from torch import nn
 
-from cockpit_gradnoise import Cockpit, prepare_model
 from experiments.models import GPT, TokenCrossEntropy
 
 

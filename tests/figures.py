@@ -8,9 +8,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from cockpit_gradnoise import panels
+
+import torch
 
 #: The main job's options for the test run: 23 steps, 12 of them tracked.
 DIGITS_ARGS = ["--epochs", "1", "--batch-size", "64", "--track-every", "2"]

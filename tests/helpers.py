@@ -1,10 +1,10 @@
 """Assertions and frame helpers shared by several test files."""
 
-import pytest
-import torch
-
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import schema
+
+import pytest
+import torch
 
 RTOL = 1e-10
 EPS64 = torch.finfo(torch.float64).eps

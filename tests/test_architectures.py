@@ -3,15 +3,16 @@
 import copy
 import warnings
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references, schema
+from cockpit_gradnoise.prepare import needs_converter
+
 import pytest
 import torch
 from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references, schema
-from cockpit_gradnoise.prepare import needs_converter
 from tests.cases import Problem, run_step
 from tests.helpers import RTOL, assert_statistics_match, rounding_bounds, rows, sd_rtol
 

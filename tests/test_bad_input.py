@@ -3,6 +3,9 @@
 import math
 import warnings
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+
 import pytest
 import torch
 from backpack import extend
@@ -10,8 +13,6 @@ from backpack.extensions import BatchL2Grad
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
 from tests.cases import MODELS, Problem, build, run_step
 
 QUANTITIES = [cgn.GradientVarianceQuantiles, cgn.PerExampleGradNorm]

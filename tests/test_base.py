@@ -2,14 +2,15 @@
 
 import warnings
 
-import pytest
-import torch
-from cockpit.utils.schedules import linear
-
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import schema
 from cockpit_gradnoise.extensions import SUM_GRAD_SQUARED_SAVEFIELD, SumOfSquaredContributions
 from cockpit_gradnoise.quantities._base import SUM
+
+import pytest
+import torch
+from cockpit.utils.schedules import linear
+
 from tests.cases import MODELS, build, run_step
 from tests.helpers import rows
 

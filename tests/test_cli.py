@@ -17,10 +17,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pytest  # noqa: E402
-
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, report  # noqa: E402
+
+import pytest  # noqa: E402
+
 from tests.figures import DIGITS_BATCH_SIZE, digits_run  # noqa: E402
 
 SCRIPT = Path(sys.executable).parent / "cockpit-gradnoise"

@@ -11,12 +11,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Tuple
 
-import pytest
-import torch
-from backpack import backpack, extend
-from backpack.core.derivatives.convnd import weight_jac_t_save_memory
-from torch import nn
-
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     BATCH_L2_SAVEFIELD,
@@ -25,6 +19,13 @@ from cockpit_gradnoise.extensions import (
     SumOfSquaredContributions,
     convolution,
 )
+
+import pytest
+import torch
+from backpack import backpack, extend
+from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from torch import nn
+
 from tests.cases import MODELS
 from tests.helpers import RTOL
 

@@ -5,14 +5,15 @@ Every statistic, every parameter and "all", over the case matrix, in float64.
 
 import math
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+
 import numpy
 import pytest
 import torch
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
 from tests.cases import MODELS, build, case_named, run_step
 from tests.helpers import assert_statistics_match, sd_rtol
 

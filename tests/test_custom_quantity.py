@@ -1,11 +1,12 @@
 """Users extend the package: a new per-layer quantity in a few lines."""
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+
 import pytest
 from backpack.extensions import BatchGrad
 from cockpit.utils.schedules import linear
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
 from tests.cases import MODELS, build, run_step
 
 

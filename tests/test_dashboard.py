@@ -8,6 +8,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import cockpit_gradnoise as cgn  # noqa: E402
+from cockpit_gradnoise import dashboard, panels  # noqa: E402
+
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
 import pytest  # noqa: E402
@@ -15,8 +18,6 @@ import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from torch import nn  # noqa: E402
 
-import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import dashboard, panels  # noqa: E402
 from experiments.train_digits import make_quantities  # noqa: E402
 from tests.cases import ModelCase, build, run_step  # noqa: E402
 from tests.figures import (  # noqa: E402

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+from cockpit_gradnoise import cli, distributed
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,8 +48,6 @@ from cockpit.utils.schedules import linear
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
-import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
-from cockpit_gradnoise import cli, distributed
 from tests.cases import MODELS, ModelCase, build
 from tests.helpers import RTOL
 
@@ -716,9 +717,9 @@ PADDED = [
 @pytest.mark.parametrize("case", MODELS + PADDED, ids=lambda case: case.name)
 def test_local_gradient_extension_is_the_gradient_of_the_backward_pass(case):
     """What distributed training reads instead of param.grad (which DDP averages)."""
-    from backpack import backpack
-
     from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
+
+    from backpack import backpack
 
     problem = build(case, 5, "mean")
     problem.model(problem.inputs)  # materialize lazy layers

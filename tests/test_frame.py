@@ -9,16 +9,17 @@ import sys
 import types
 from collections import OrderedDict
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.frame import COLUMNS, decode_float, encode_float
+from cockpit_gradnoise.quantities.update_size import LayerUpdate
+from cockpit_gradnoise.schema import UPDATE_SIZE
+
 import pandas
 import pytest
 import torch
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise.frame import COLUMNS, decode_float, encode_float
-from cockpit_gradnoise.quantities.update_size import LayerUpdate
-from cockpit_gradnoise.schema import UPDATE_SIZE
 from tests.cases import MODELS, ModelCase, build, run_step
 
 

@@ -2,11 +2,11 @@
 
 import math
 
+from cockpit_gradnoise import functional, order_statistics
+
 import numpy
 import pytest
 import torch
-
-from cockpit_gradnoise import functional, order_statistics
 
 
 @pytest.mark.parametrize("n", [2, 7, 64])

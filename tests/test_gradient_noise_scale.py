@@ -3,6 +3,11 @@
 import itertools
 import math
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, references
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
+
 import numpy
 import pytest
 import torch
@@ -10,10 +15,6 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
-from cockpit_gradnoise.extensions import PerExampleSquaredNorms
-from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 from tests.cases import MODELS, ModelCase, Problem, build, run_step
 from tests.helpers import rounding_bounds, rows, without_coverage
 

@@ -8,6 +8,9 @@ import statistics
 import warnings
 from pathlib import Path
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, references
+
 import pytest
 import torch
 from backpack import extend
@@ -15,8 +18,6 @@ from cockpit.utils.schedules import linear
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
 from tests.cases import MODELS, ModelCase, Problem, run_step
 from tests.helpers import RTOL, assert_statistics_match
 

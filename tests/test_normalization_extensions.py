@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Tuple
 
+from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import normalization as norms
+
 import pytest
 import torch
 from backpack import backpack, extend
 from backpack.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from torch import nn
-
-from cockpit_gradnoise import references
-from cockpit_gradnoise.extensions import normalization as norms
 
 RTOL = 1e-10
 HAS_RMS_NORM = hasattr(nn, "RMSNorm")

@@ -3,12 +3,12 @@
 import importlib.util
 from pathlib import Path
 
+from cockpit_gradnoise import order_statistics
+from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
+
 import numpy
 import pytest
 import torch
-
-from cockpit_gradnoise import order_statistics
-from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
 
 LEVELS = (0.0, 0.05, 0.25, 1 / 3, 0.5, 0.51, 0.75, 0.95, 1.0)
 # Whole sort, one histogram chunk, several chunks (bucket selection).

@@ -10,17 +10,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import cockpit_gradnoise as cgn  # noqa: E402
+from cockpit_gradnoise import panels  # noqa: E402
+from cockpit_gradnoise._layers import layer_order, noisiest_layers  # noqa: E402
+from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
 import pandas  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import panels  # noqa: E402
-from cockpit_gradnoise._layers import layer_order, noisiest_layers  # noqa: E402
-from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
-from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 from tests.figures import DIGITS_BATCH_SIZE, digits_run, labelled, series  # noqa: E402
 
 

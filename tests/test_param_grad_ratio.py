@@ -2,14 +2,15 @@
 
 import math
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, references
+
 import numpy
 import pytest
 import torch
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
 from tests.cases import MODELS, build, case_named, run_step
 from tests.helpers import assert_statistics_match, rows
 

@@ -8,6 +8,9 @@ rounding noise above the bound that counts only the sums over examples
 in float64, Conv1d then a Linear along the sequence, batch 7, mean loss).
 """
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, references
+
 import pytest
 import torch
 from backpack import backpack
@@ -16,8 +19,6 @@ from backpack.extensions import BatchGrad
 from cockpit.utils.schedules import linear
 from torch import nn
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
 from tests.cases import ModelCase, build, run_step
 
 DTYPES = [torch.float32, torch.float64]

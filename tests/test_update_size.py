@@ -4,6 +4,10 @@ import gc
 import math
 import random
 
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
+from cockpit_gradnoise.quantities.update_size import LayerUpdate
+
 import json_tricks
 import matplotlib
 import pytest
@@ -11,9 +15,6 @@ import torch
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 
-import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
-from cockpit_gradnoise.quantities.update_size import LayerUpdate
 from tests.cases import MODELS, build, run_step
 from tests.helpers import assert_statistics_match, rows
 

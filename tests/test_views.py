@@ -10,11 +10,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import numpy  # noqa: E402
-import pandas  # noqa: E402
-import pytest  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, panels, report  # noqa: E402
 from cockpit_gradnoise._layers import Coverage, coverage_note, network_coverage  # noqa: E402
@@ -29,6 +24,12 @@ from cockpit_gradnoise.schema import (  # noqa: E402
     PER_EXAMPLE_NORM,
     UPDATE_SIZE,
 )
+
+import numpy  # noqa: E402
+import pandas  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
 from tests.figures import labelled, panel_axes  # noqa: E402
 
 #: Model order; by name it would be head, layer1, stem.

@@ -24,6 +24,9 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to a table below.
 """
 
+from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+
 from backpack.extensions import BatchL2Grad, SumGradSquared
 from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
@@ -34,9 +37,6 @@ from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
-
-from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"

@@ -14,11 +14,11 @@ The module extensions below turn the check off and record in
 training mode was met, so that the quantities can say so.
 """
 
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
 from backpack.extensions.firstorder.gradient.batchnorm_nd import GradBatchNormNd
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import SGSBatchNormNd
-
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 
 class _AnyModeMixin:

@@ -21,8 +21,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-import torch
-
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
@@ -33,6 +31,8 @@ from cockpit_gradnoise.schema import (
     PARAMS_TOTAL,
     encode_statistics,
 )
+
+import torch
 
 import_cockpit()
 from cockpit.context import CockpitCTX  # noqa: E402

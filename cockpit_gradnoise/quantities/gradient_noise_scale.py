@@ -2,11 +2,11 @@
 
 import math
 
-import torch
-
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity, check_example_count
+
+import torch
 
 DEFAULT_SMOOTHING = 0.9
 """Default weight of the past in ``b_simple_smoothed``'s moving averages."""

@@ -16,12 +16,12 @@ round-trips the items through ``__json_encode__``/``__json_decode__``.
 import math
 from typing import Dict, List, Sequence
 
-import torch
-
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.frame import update_statistics
 from cockpit_gradnoise.quantities._base import TwoStepParameterQuantity
 from cockpit_gradnoise.schema import decode_float, encode_float
+
+import torch
 
 
 class LayerUpdate:
