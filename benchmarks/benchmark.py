@@ -27,17 +27,17 @@ import warnings
 # Hide kineto's "gpuGetDeviceCount failed" line when the profiler measures CPU memory.
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
+import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance  # noqa: E402
 from cockpit import quantities as cockpit_quantities  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
-from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+from torch import nn  # noqa: E402
 
 # BackPACK's hooks on the first layer, whose input needs no gradient: harmless.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -31,23 +31,23 @@ from pathlib import Path
 # This repository's package and benchmark.py, also when run as a script by torchrun.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
-from backpack import backpack, extend  # noqa: E402
-from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
-from benchmark import MODELS  # noqa: E402
-from cockpit.utils.schedules import linear  # noqa: E402
 from cockpit_gradnoise import distributed  # noqa: E402
-from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 from cockpit_gradnoise.extensions import (  # noqa: E402
     LocalGradient,
     PerExampleSquaredNorms,
     SumOfSquaredContributions,
 )
+from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from backpack import backpack, extend  # noqa: E402
+from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
+from benchmark import MODELS  # noqa: E402
+from cockpit.utils.schedules import linear  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 

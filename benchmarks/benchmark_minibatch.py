@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cockpit_gradnoise as cgn  # noqa: E402
+
 import benchmark  # noqa: E402
 from benchmark import (  # noqa: E402
     MODELS,
@@ -38,8 +40,6 @@ from benchmark import (  # noqa: E402
     plain_step,
     synchronize,
 )
-
-import cockpit_gradnoise as cgn  # noqa: E402
 
 FUNCTIONS = {
     "minibatch_gradient_stats, per batch": cgn.minibatch_gradient_stats,

@@ -31,10 +31,10 @@ import statistics
 import sys
 import time
 
+from cockpit_gradnoise import order_statistics
+
 import numpy
 import torch
-
-from cockpit_gradnoise import order_statistics
 
 LEVELS = (0.05, 0.25, 0.5, 0.75, 0.95)
 
