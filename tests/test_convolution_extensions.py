@@ -183,10 +183,8 @@ def assert_results_match(got, expected):
 def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, method, monkeypatch):
     monkeypatch.setattr(convolution, "FORCE_METHOD", method)
     model, _, loss_fn, inputs, targets = build(case, bias, n, reduction)
-    if chunked:  # chunks of 3 examples (3, 3, 1), formed 2 at a time (2, 1, 2, 1, 1)
+    if chunked:  # chunks of 3, 3 and 1 examples
         monkeypatch.setattr(convolution, "examples_per_chunk", lambda *args: 3)
-        two_gradients = 2 * model[0].weight.numel() * model[0].weight.element_size()
-        monkeypatch.setattr(convolution, "CACHE_BYTES", two_gradients)
     got = extension_results(model, loss_fn, inputs, targets)
     assert_results_match(got, expected_for(case, bias, n, reduction))
 

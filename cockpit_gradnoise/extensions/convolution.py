@@ -18,11 +18,11 @@ positions ``l`` of outer products, ``x_i = sum_l b_il a_il^T``:
 Two exact ways to compute each result, chosen per layer by a cost model
 (:func:`formation_is_cheaper`):
 
-- **formation**: form ``x_i`` a few examples at a time (as many as stay in
-  cache, :data:`CACHE_BYTES`), square and add them up at once. About the
-  flops of the layer's weight gradient, but ``N |W|`` numbers written and
-  read: slow where ``L`` is small (resnet18, 3x32x32, batch 64, CPU time of
-  one thread: 4-8 ms per layer where ``L >= 16``, 55-170 ms where ``L = 1``).
+- **formation**: form ``x_i`` for a chunk of examples, square them and add
+  them up at once. About the flops of the layer's weight gradient, but
+  ``N |W|`` numbers written and read: slow where ``L`` is small (resnet18,
+  3x32x32, batch 64, CPU time of one thread: 4-14 ms per layer where
+  ``L >= 16``, 86-250 ms where ``L = 1``).
 - **expansion**: ``sum_i x_i**2 = sum_{i,l,l'} (b_il * b_il') (a_il * a_il')^T``
   (elementwise products), one matrix product with inner dimension ``N L(L+1)/2``
   (pairs ``l <= l'``, off-diagonal ones counted twice). For ``L = 1`` this is
@@ -30,14 +30,14 @@ Two exact ways to compute each result, chosen per layer by a cost model
   ``||x_i||^2 = sum_{l,l'} (b_il . b_il') (a_il . a_il')`` (Gram matrices;
   BackPACK's ``BatchL2Grad`` contracts the same but ignores ``groups``, and
   for transposed convolutions works over output positions). Its
-  work grows as ``L^2``: cheap only where ``L`` is small (resnet18: 1-12 ms
-  per layer where ``L <= 4``; 6-57 ms where ``L = 16``, 0.24-0.41 s where
-  ``L = 64``, 2.4 s for the first layer, ``L = 256``). Its terms
+  work grows as ``L^2``: cheap only where ``L`` is small (resnet18: 1-10 ms
+  per layer where ``L <= 4``; 5-51 ms where ``L = 16``, 0.22 s where
+  ``L = 64``, 2.0 s for the first layer, ``L = 256``). Its terms
   can cancel (a sum of squares is formed from products of either sign):
   the relative error of an element is about ``eps`` times the ratio of
   ``sum_i (sum_l |b_il a_il|)^2`` to the result, small where ``L`` is small,
   where it is chosen. In float32 on resnet18's layers with ``L <= 4``, against
-  float64: largest relative error 4e-6 (formation 7e-7), median 5e-8 for
+  float64: largest relative error 4e-6 (formation 5e-7), medians 5e-8 (4e-8) for
   both; elements that are exactly zero stay zero.
 
 Both run over chunks of examples sized to :data:`CHUNK_BYTES`: no more than
@@ -70,12 +70,6 @@ from torch import Tensor, nn
 #: instead of being mapped and page-faulted anew; 4, 16 and 64 MiB took the
 #: same time on resnet18 within the noise.
 CHUNK_BYTES = 16 * 2**20
-
-#: Bytes of per-example gradients formed at once inside a chunk: they are
-#: squared and summed while still in a core's cache (1 MiB: half of this
-#: machine's L2; forming a whole chunk at once made resnet18's 4x4 layers 60%
-#: slower). At least one example's.
-CACHE_BYTES = 2**20
 
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
 #: or ``"expansion"`` (expanding the square, or Gram matrices for norms)
@@ -231,15 +225,16 @@ def _chunks(module, inputs, grad_output, temporaries_per_example):
 
 
 def _formed_gradients(module, inputs, grad_output):
-    """Per-example weight gradients ``[n, G, C_b, C_a]``, a few examples at a time.
+    """Per-example weight gradients ``[n, G, C_b, C_a]``, chunk by chunk (:data:`CHUNK_BYTES`).
 
-    As many as fit in :data:`CACHE_BYTES`, from chunks within :data:`CHUNK_BYTES`.
+    A whole chunk at once: fewer, larger operations than one example at a
+    time, which on a shared machine wait less for descheduled threads (one
+    example at a time, 1 MiB in cache, was 25% faster on a quiet core for
+    resnet18's 4x4 layers and the same elsewhere).
     """
     groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
-    at_once = max(1, CACHE_BYTES // (groups * c_b * c_a * inputs.element_size()))
-    for b, a in _chunks(module, inputs, grad_output, 0):
-        for start in range(0, len(b), at_once):
-            yield torch.matmul(b[start : start + at_once], a[start : start + at_once])
+    for b, a in _chunks(module, inputs, grad_output, groups * c_b * c_a):
+        yield torch.matmul(b, a)
 
 
 def _position_pairs(b: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
@@ -272,8 +267,7 @@ def weight_sum_of_squares(module: nn.Module, inputs: Tensor, grad_output: Tensor
     result = inputs.new_zeros(groups, c_b, c_a)
     if _use_formation(expansion_cost, c_b, c_a, positions):
         for gradients in _formed_gradients(module, inputs, grad_output):
-            for gradient in gradients:
-                result.addcmul_(gradient, gradient)
+            result += gradients.square_().sum(0)
     else:
         pairs = positions * (positions + 1) // 2
         # Products of positions, and one factor's indexed copy while forming them.
