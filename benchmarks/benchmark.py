@@ -13,6 +13,7 @@ what is measured and lists results.
 
 import argparse
 import copy
+import dataclasses
 import importlib.metadata
 import itertools
 import json
@@ -36,6 +37,7 @@ from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance  # noqa: E402
 from cockpit import quantities as cockpit_quantities  # noqa: E402
+from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -69,7 +71,38 @@ def make_cnn():
     )
 
 
-MODELS = {"mlp": make_mlp, "cnn": make_cnn}
+def make_resnet18():
+    """torchvision's resnet18 for 10 classes, in eval mode (BackPACK refuses BatchNorm in training).
+
+    Its in-place ReLU and ``out += identity`` break BackPACK's hooks:
+    ``backpack_converter`` asks :func:`extended_copy` for BackPACK's torch.fx
+    converter, which keeps the parameter names.
+    """
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=10).eval()
+    model.backpack_converter = True
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    make: object  # () -> nn.Module
+    example_shape: tuple
+    batch_size: int  # unless --batch-size says otherwise
+
+
+MODELS = {
+    "mlp": ModelSpec(make_mlp, (1, 28, 28), 128),
+    "cnn": ModelSpec(make_cnn, (1, 28, 28), 128),
+    "resnet18": ModelSpec(make_resnet18, (3, 32, 32), 64),
+}
+
+
+def extended_copy(model):
+    """A BackPACK-extended deep copy (through BackPACK's converter where the model asks)."""
+    converter = getattr(model, "backpack_converter", False)
+    return extend(copy.deepcopy(model), use_converter=converter)
 
 
 # Steps ---------------------------------------------------------------------------
@@ -91,7 +124,7 @@ def plain_step(model):
 
 def cockpit_step(model, make_quantities):
     """A step tracked by a Cockpit holding ``make_quantities(param_names)``."""
-    model = extend(copy.deepcopy(model))
+    model = extended_copy(model)
     loss_fn = extend(nn.CrossEntropyLoss())
     names = [n for n, _ in model.named_parameters()]
     cockpit = cgn.Cockpit(model.parameters(), quantities=make_quantities(names))
@@ -142,7 +175,7 @@ def cockpit_own(model):
 
 def backpack_step(model, extensions, reduce):
     """A step with BackPACK ``extensions`` (conv memory setting as Cockpit's)."""
-    model = extend(copy.deepcopy(model))
+    model = extended_copy(model)
     loss_fn = extend(nn.CrossEntropyLoss())
     params = list(model.parameters())
     savefields = [ext().savefield for ext in extensions]
@@ -183,6 +216,79 @@ def backpack_variance(model):
 
 def backpack_batch_grad(model):
     return backpack_step(model, [BatchGrad], _batch_grad_norms)
+
+
+def _sums(savefield):
+    return lambda params: [getattr(p, savefield).sum() for p in params]
+
+
+def backpack_sum_grad_squared(model):
+    return backpack_step(model, [SumGradSquared], _sums("sum_grad_squared"))
+
+
+def package_sum_of_squares(model):
+    """The package's extension behind GradientVarianceQuantiles, without the quantity."""
+    extension = cgn_extensions.SumOfSquaredContributions
+    return backpack_step(model, [extension], _sums(cgn_extensions.SUM_GRAD_SQUARED_SAVEFIELD))
+
+
+def package_squared_norms(model):
+    """The package's extension behind PerExampleGradNorm, without the quantity."""
+    extension = cgn_extensions.PerExampleSquaredNorms
+    return backpack_step(model, [extension], _sums(cgn_extensions.BATCH_L2_SAVEFIELD))
+
+
+def with_backpack_convolution_rows(build):
+    """``build``, its quantities using BackPACK's own module extensions for convolutions.
+
+    That is the package before it had its own (``SumGradSquared``'s and
+    ``BatchL2Grad``'s rows; the latter is wrong for grouped convolutions, which
+    the benchmark models do not have): a measurement of what ours save.
+    """
+    from backpack.extensions.firstorder.batch_l2_grad import convnd, convtransposend
+    from backpack.extensions.firstorder.sum_grad_squared import (
+        conv1d,
+        conv2d,
+        conv3d,
+        convtranspose1d,
+        convtranspose2d,
+        convtranspose3d,
+    )
+
+    backpack_rows = {
+        cgn_extensions.sum_of_squares_table: {
+            nn.Conv1d: conv1d.SGSConv1d,
+            nn.Conv2d: conv2d.SGSConv2d,
+            nn.Conv3d: conv3d.SGSConv3d,
+            nn.ConvTranspose1d: convtranspose1d.SGSConvTranspose1d,
+            nn.ConvTranspose2d: convtranspose2d.SGSConvTranspose2d,
+            nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d,
+        },
+        cgn_extensions.per_example_squared_norm_table: {
+            nn.Conv1d: convnd.BatchL2Conv1d,
+            nn.Conv2d: convnd.BatchL2Conv2d,
+            nn.Conv3d: convnd.BatchL2Conv3d,
+            nn.ConvTranspose1d: convtransposend.BatchL2ConvTranspose1d,
+            nn.ConvTranspose2d: convtransposend.BatchL2ConvTranspose2d,
+            nn.ConvTranspose3d: convtransposend.BatchL2ConvTranspose3d,
+        },
+    }
+
+    def patched(table):
+        return lambda: {**table(), **{cls: ext() for cls, ext in backpack_rows[table].items()}}
+
+    def build_with_backpack_rows(model):
+        # The quantities instantiate their extensions, and so read the tables, when built.
+        originals = list(backpack_rows)
+        for table in originals:
+            setattr(cgn_extensions, table.__name__, patched(table))
+        try:
+            return build(model)
+        finally:
+            for table in originals:
+                setattr(cgn_extensions, table.__name__, table)
+
+    return build_with_backpack_rows
 
 
 def torch_func_vmap(model):
@@ -233,7 +339,16 @@ def opacus_ghost(model):
 METHODS = {
     **{name: package_quantity(name) for name in QUANTITIES},
     "package: all together": package_all,
+    "GradientVarianceQuantiles (BackPACK's conv rows)": with_backpack_convolution_rows(
+        package_quantity("GradientVarianceQuantiles")
+    ),
+    "PerExampleGradNorm (BackPACK's conv rows)": with_backpack_convolution_rows(
+        package_quantity("PerExampleGradNorm")
+    ),
+    "package extension PerExampleSquaredNorms": package_squared_norms,
     "BackPACK BatchL2Grad": backpack_batch_l2,
+    "package extension SumOfSquaredContributions": package_sum_of_squares,
+    "BackPACK SumGradSquared": backpack_sum_grad_squared,
     "BackPACK Variance+SumGradSquared": backpack_variance,
     "BackPACK BatchGrad": backpack_batch_grad,
     "torch.func vmap norms": torch_func_vmap,
@@ -333,13 +448,20 @@ def peak_extra_bytes(step, x, y, device):
     return torch_peak + outside_torch
 
 
+def model_and_batch(model_name, args, device):
+    """The seeded model and a random batch of its inputs (``--batch-size`` or its own)."""
+    torch.manual_seed(0)
+    spec = MODELS[model_name]
+    batch_size = args.batch_size or spec.batch_size
+    model = spec.make().to(device)
+    x = torch.randn(batch_size, *spec.example_shape, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+    return model, x, y
+
+
 def benchmark_model(model_name, method_names, args, device):
     """Rows of the table for one model."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]().to(device)
-    x = torch.randn(args.batch_size, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (args.batch_size,), device=device)
-
+    model, x, y = model_and_batch(model_name, args, device)
     plain = plain_step(model)
     steps, rows = {}, []
     for name in method_names:
@@ -422,6 +544,8 @@ def environment(args, device):
         "backpack-for-pytorch": version("backpack-for-pytorch"),
         "cockpit-for-pytorch": version("cockpit-for-pytorch"),
         "cockpit-gradnoise": version("cockpit-gradnoise"),
+        # Which checkout is measured: the installed one unless PYTHONPATH says otherwise.
+        "cockpit-gradnoise location": os.path.dirname(os.path.dirname(cgn.__file__)),
         "opt_einsum": version("opt_einsum"),
         "opacus": version("opacus"),
         "python": platform.python_version(),
@@ -431,7 +555,8 @@ def environment(args, device):
         "cpus": os.cpu_count(),
         "load_average_1min_at_start": round(os.getloadavg()[0], 2),
         "memory_allocator": allocator(),
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size,  # None: each model's own (batch_sizes)
+        "batch_sizes": {m: args.batch_size or MODELS[m].batch_size for m in args.models},
         "rounds": args.rounds,
         "dtype": "float32",
     }
@@ -458,13 +583,22 @@ def markdown(table):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp,cnn")
+    parser.add_argument(
+        "--models", default="mlp,cnn", help="comma-separated: " + ",".join(MODELS)
+    )
     parser.add_argument(
         "--methods",
         default=None,
         help="comma-separated method names (default: all): " + ", ".join(METHODS),
     )
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="for every model (default: each model's own: "
+        + ", ".join(f"{name} {spec.batch_size}" for name, spec in MODELS.items())
+        + ")",
+    )
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds (>= 15)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2)

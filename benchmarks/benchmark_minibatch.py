@@ -33,7 +33,6 @@ import cockpit_gradnoise as cgn  # noqa: E402
 
 import benchmark  # noqa: E402
 from benchmark import (  # noqa: E402
-    MODELS,
     allocator,
     markdown,
     peak_extra_bytes,
@@ -68,10 +67,7 @@ def batch_times(loop, x, y, count, device):
 
 def benchmark_model(model_name, args, device):
     """Rows of the table for one model: the plain step, then each function."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]().to(device)
-    x = torch.randn(args.batch_size, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (args.batch_size,), device=device)
+    model, x, y = benchmark.model_and_batch(model_name, args, device)
     plain = plain_step(model)
 
     def plain_loop(batches):
@@ -135,7 +131,8 @@ def main(argv=None):
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-          f"batch size {args.batch_size}, {args.rounds} rounds of {args.batches} batches")
+          f"batch size {args.batch_size or 'per model'}, {args.rounds} rounds of "
+          f"{args.batches} batches")
     print(f"memory allocator: {allocator()}")
     print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}")
     if args.quick:

@@ -37,7 +37,7 @@ Two exact ways to compute each result, chosen per layer by a cost model
   the relative error of an element is about ``eps`` times the ratio of
   ``sum_i (sum_l |b_il a_il|)^2`` to the result, small where ``L`` is small,
   where it is chosen. In float32 on resnet18's layers with ``L <= 4``, against
-  float64: largest relative error 4e-6 (formation 5e-7), medians 5e-8 (4e-8) for
+  float64: largest relative error 4e-6 (formation 5e-7), median about 5e-8 for
   both; elements that are exactly zero stay zero.
 
 Both run over chunks of examples sized to :data:`CHUNK_BYTES`: no more than
