@@ -29,6 +29,7 @@ import warnings
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
+from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 
 import torch  # noqa: E402
@@ -37,7 +38,6 @@ from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance  # noqa: E402
 from cockpit import quantities as cockpit_quantities  # noqa: E402
-from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
 from torch import nn  # noqa: E402
 
