@@ -4,9 +4,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.cases import BATCH_SIZES, MODELS, REDUCTIONS  # noqa: E402
 
+@pytest.fixture
+def one_thread():
+    """Tiny models: a second thread only adds waiting, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 def _free(metafunc, name):
     """Whether ``name`` is a fixture of the test that no ``parametrize`` mark sets."""
@@ -16,7 +25,6 @@ def _free(metafunc, name):
         for arg in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])
     }
     return name in metafunc.fixturenames and name not in marked
-
 
 def pytest_generate_tests(metafunc):
     """``model_case`` x ``reduction`` x ``batch_size``, each case with its own batch sizes."""

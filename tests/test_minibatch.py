@@ -25,13 +25,8 @@ QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
 cross_entropy = nn.CrossEntropyLoss()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds waiting, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: a second thread only contends on a shared machine (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_batches(case, count, size, seed=0):

@@ -131,13 +131,8 @@ REDUCTIONS = ["mean", "sum"]
 BATCH_SIZES = [2, 7]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: threads only contend on a shared machine (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: a second thread only contends on a shared machine (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def registered(*extensions):
