@@ -9,6 +9,7 @@ import torch  # noqa: E402
 
 from tests.cases import BATCH_SIZES, MODELS, REDUCTIONS  # noqa: E402
 
+
 @pytest.fixture
 def one_thread():
     """Tiny models: a second thread only adds waiting, a lot of it on a busy machine."""
