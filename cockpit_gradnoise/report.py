@@ -72,6 +72,16 @@ class Thresholds:
     norm_ratio_spread: float = 100.0
     #: Largest / median per-example gradient norm (network) from which a finding is made.
     outlier_norm_factor: float = 10.0
+    #: The network has stopped learning when at least this fraction of its gradient
+    #: elements is exactly zero (dead ReLUs: its output no longer depends on the input).
+    stopped_zero_grad_fraction: float = 0.95
+    #: A tracked step that moves the network by at least this fraction of its norm
+    #: (200 times the usual ``1e-3``) is a learning rate too large.
+    large_relative_update: float = 0.2
+    #: A run that stopped with no large step was knocked out by noise when the median
+    #: ``B_simple`` before the stop is at least this times the batch size: the noise
+    #: of a step then outweighs its signal (``E||noise||^2 / |G|^2 = B_noise / B``).
+    stopped_noise_factor: float = 1.0
 
     def relative_update_range(self) -> Tuple[float, float]:
         """The range of relative update sizes that raises no finding."""
@@ -209,13 +219,16 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds=THR
         batch_size = recorded_batch_size(frame)
     last = max(steps.values())
     ranking = noise_ranking(frame[frame.step <= last])
+    history = run_history(frame[frame.step <= last], thresholds)
     return Report(
         source=str(source),
         step=last,
         steps=steps,
         batch_size=batch_size,
         table=table,
-        findings=findings(table, batch_size, thresholds, ranking=ranking),
+        findings=run_findings(history, batch_size, thresholds)
+        + findings(table, batch_size, thresholds, ranking=ranking,
+                   stopped=history.stopped_at is not None),
         ranking=ranking,
         coverage=coverages(frame, steps),
     )
@@ -392,14 +405,19 @@ def outlier_findings(table, thresholds=THRESHOLDS) -> List[str]:
     ]
 
 
-def findings(table, batch_size=None, thresholds=THRESHOLDS, *, ranking=None) -> List[str]:
+def findings(
+    table, batch_size=None, thresholds=THRESHOLDS, *, ranking=None, stopped=False
+) -> List[str]:
     """Every finding of the report's table, one plain-language line each.
 
     ``ranking`` (:func:`~cockpit_gradnoise._layers.noise_ranking`) names the
-    noisiest layer; without it that line is left out.
+    noisiest layer; without it that line is left out. ``stopped``: the network
+    has stopped learning (:func:`run_history`), so its noise scale, measured on
+    the few elements that still get a gradient, says nothing about the batch
+    and is left out (:func:`run_findings` reads it from before the stop).
     """
     return (
-        noise_scale_finding(table, batch_size, thresholds)
+        ([] if stopped else noise_scale_finding(table, batch_size, thresholds))
         + noisiest_finding(ranking)
         + snr_findings(table, thresholds)
         + update_size_findings(table, thresholds)
@@ -407,6 +425,100 @@ def findings(table, batch_size=None, thresholds=THRESHOLDS, *, ranking=None) -> 
         + norm_ratio_findings(table, thresholds)
         + outlier_findings(table, thresholds)
     )
+
+
+# Findings over the run ----------------------------------------------------------
+
+
+@dataclass
+class RunHistory:
+    """What the network rows of the tracked steps up to the report's step say.
+
+    ``stopped_at``: the first step of the final stretch of tracked steps at
+    which the network's ``zero_grad_fraction`` is at least the threshold
+    (``None`` if the report's step is not in one). ``largest_update``: the
+    step and value of the largest relative update of the network before it.
+    ``noise_scale``: the median ``b_simple`` of the network before it (an
+    infinite one, where no gradient signal was resolved, counts as the
+    largest), and over which steps.
+    """
+
+    stopped_at: Optional[int]
+    zero_grad_fraction: float
+    largest_update: Optional[Tuple[int, float]]
+    noise_scale: Optional[Tuple[float, int, int]]
+
+
+def _network_series(frame, quantity, statistic) -> pandas.Series:
+    rows = frame[(frame.quantity == quantity) & (frame.param == NETWORK)
+                 & (frame.statistic == statistic)]
+    return rows.set_index("step").value.astype(float).sort_index()
+
+
+def run_history(frame: pandas.DataFrame, thresholds=THRESHOLDS) -> RunHistory:
+    """The :class:`RunHistory` of ``frame`` (its steps up to the report's)."""
+    zero = _network_series(frame, PARAM_GRAD_RATIO, ZERO_GRAD_FRACTION)
+    stopped_at, fraction = None, math.nan
+    if not zero.empty:
+        fraction = float(zero.iloc[-1])
+        dead = zero >= thresholds.stopped_zero_grad_fraction
+        if dead.iloc[-1]:
+            alive = dead.index[~dead.to_numpy()]
+            later = dead.index[dead.index > alive.max()] if len(alive) else dead.index
+            stopped_at = int(later.min())
+    before = math.inf if stopped_at is None else stopped_at
+    update = _network_series(frame, UPDATE_SIZE, UPDATE_RELATIVE)
+    update = update[(update.index < before) & update.map(math.isfinite)]
+    largest = None if update.empty else (int(update.idxmax()), float(update.max()))
+    noise = _network_series(frame, NOISE_SCALE, B_SIMPLE)
+    # inf (|G|^2 estimated <= 0: no signal resolved) is noise outweighing signal: kept.
+    noise = noise[(noise.index < before) & ~noise.isna()]
+    scale = None if noise.empty else (float(noise.median()), int(noise.index.min()),
+                                      int(noise.index.max()))
+    return RunHistory(stopped_at, fraction, largest, scale)
+
+
+def run_findings(history: RunHistory, batch_size=None, thresholds=THRESHOLDS) -> List[str]:
+    """Findings about the whole run: it stopped learning, and why.
+
+    A step that moves the network by ``large_relative_update`` of its norm or
+    more means a learning rate too large, whether or not the run stopped. A
+    run that stopped (dead ReLUs) with no such step before, and a median
+    noise scale ``B_simple`` before the stop at least ``stopped_noise_factor``
+    times the batch, was knocked out by gradient noise: the expected squared
+    norm of a step's noise is ``B_noise / B`` times its signal's (McCandlish
+    et al. 2018), so the batch is too small for the learning rate.
+    """
+    lines = []
+    if history.stopped_at is not None:
+        lines.append(
+            f"training has stopped: from step {history.stopped_at} on, "
+            f"{100 * history.zero_grad_fraction:.1f}% of the network's gradient elements are "
+            "exactly zero (dead ReLUs: the output no longer depends on the input, and "
+            f"no step can revive it) (zero_grad_fraction of {NETWORK})"
+        )
+    large = history.largest_update
+    if large is not None and large[1] >= thresholds.large_relative_update:
+        step, value = large
+        lines.append(
+            f"the learning rate is too large: the step after step {step} moved the network by "
+            f"{100 * value:.0f}% of its norm, {value / thresholds.usual_relative_update:.0f}x "
+            f"the usual {_sci(thresholds.usual_relative_update)} (relative_update of {NETWORK})"
+        )
+    elif history.stopped_at is not None and history.noise_scale is not None and batch_size:
+        noise_scale, first, last = history.noise_scale
+        if noise_scale >= thresholds.stopped_noise_factor * batch_size:
+            ratio = "more than" if math.isinf(noise_scale) else f"{noise_scale / batch_size:.1f}x"
+            largest = "" if large is None else f" (at most {100 * large[1]:.0f}% of its norm)"
+            lines.append(
+                f"the batch {batch_size} is too small for the learning rate: no step moved the "
+                f"network far{largest}, but before the stop (steps {first}-{last}) the median "
+                f"noise scale was {noise_scale:.3g}, so the noise of a step outweighed its "
+                f"signal ({ratio} in squared norm) and drove the weights to the dead state; use "
+                f"a larger batch or a smaller learning rate (b_simple, relative_update of "
+                f"{NETWORK})"
+            )
+    return lines
 
 
 # Formats --------------------------------------------------------------------------
