@@ -267,6 +267,13 @@ def _cell(value, se):
     return f"{value:.3g} ± {se:.2g}"
 
 
+def _z(r) -> np.ndarray:
+    """``(one - many) / sqrt(SE_one^2 + SE_many^2)`` per quantile; NaN where both SEs are 0."""
+    scale = np.hypot(r["one_se"], r["many_se"])
+    safe = np.where(scale > 0, scale, 1)
+    return np.where(scale > 0, (r["one"] - r["many"]) / safe, np.nan)
+
+
 def _range(ratios) -> str:
     """``"3.1-4.2"``: the smallest and largest of ``ratios``."""
     ratios = sorted(ratios)
@@ -286,7 +293,7 @@ def comparisons(results, layers):
     for step in sorted(results):
         for layer in layers:
             r = results[step][0][layer]
-            z = (r["one"] - r["many"]) / np.sqrt(r["one_se"] ** 2 + r["many_se"] ** 2)
+            z = _z(r)
             for k, q in enumerate(names):
                 if np.isfinite(z[k]):
                     found[q]["z"].append(abs(z[k]) < 2)
@@ -307,8 +314,7 @@ def page(results, layers, settings, argv, quick) -> str:
         for layer in layers:
             r = results[step][0][layer]
             low, mid, high = r["one_each"][:, median]
-            z = (r["one"][median] - r["many"][median]) / np.hypot(r["one_se"][median],
-                                                                 r["many_se"][median])
+            z = _z(r)[median]
             rows.append([step, layer, _cell(r["one"][median], r["one_se"][median]),
                          f"{mid:.3g} [{low:.3g}, {high:.3g}]", f"{r['pooled'][median]:.3g}",
                          _cell(r["many"][median], r["many_se"][median]),
