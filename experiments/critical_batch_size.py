@@ -339,7 +339,14 @@ class Run:
     eval_losses: List[float] = field(default_factory=list)
     steps: float = math.inf  # to the target; inf if not reached
     pruned: bool = False  # stopped once it could no longer beat the best run
+    diverged: bool = False  # stopped at a validation loss that is not finite
     cockpit: object = None  # the Cockpit, when quantities were tracked
+
+    def outcome(self) -> str:
+        """The steps to the target, or why there are none."""
+        if math.isfinite(self.steps):
+            return f"{self.steps:.1f}"
+        return "pruned" if self.pruned else "diverged" if self.diverged else "not reached"
 
 
 def train(task, batch_size, lr, seed, *, max_steps, stop_after=math.inf, quantities=None,
@@ -375,6 +382,9 @@ def train(task, batch_size, lr, seed, *, max_steps, stop_after=math.inf, quantit
         if step % every == 0 or step == end:
             run.eval_steps.append(step)
             run.eval_losses.append(task.validation_loss(model))
+            if not math.isfinite(run.eval_losses[-1]):
+                run.diverged = True
+                break
             if math.isinf(run.steps):
                 run.steps = steps_to_target(run.eval_steps, run.eval_losses, task.target)
                 if math.isfinite(run.steps):
@@ -417,9 +427,8 @@ def sweep(task, batch_sizes, seed, log=print) -> Dict[int, List[Run]]:
             run = train(task, b, lr, seed, max_steps=task.max_steps, stop_after=best)
             runs[b].append(run)
             best = min(best, run.steps)
-            state = "pruned" if run.pruned else (
-                f"{run.steps:.0f} steps" if math.isfinite(run.steps) else "not reached")
-            log(f"  {task.name} B={b} lr={lr:g}: {state} ({time.perf_counter() - start:.1f} s)")
+            log(f"  {task.name} B={b} lr={lr:g}: {run.outcome()} "
+                f"({time.perf_counter() - start:.1f} s)")
         runs[b].sort(key=lambda r: r.lr)
         best_run = best_of(runs[b])
         if best_run is not None:
@@ -518,7 +527,9 @@ def plot_task(result, path):
         left.annotate(f"{bi:.0f}", (bi * si, si), textcoords="offset points", xytext=(4, 4),
                       fontsize=8)
     if math.isfinite(result.s_min) and math.isfinite(result.e_min):
-        grid = np.geomspace(b.min() / 4, b.max() * 4, 200)
+        # From well below to well above the measured batches and B_crit: the whole knee.
+        knee = [result.b_crit] if 0 < result.b_crit < math.inf else []
+        grid = np.geomspace(min([b.min()] + knee) / 4, max([b.max()] + knee) * 4, 200)
         fitted = predicted_steps(grid, result.s_min, result.e_min)
         left.loglog(grid * fitted, fitted, "-", color="C1",
                     label=f"fit: S_min={result.s_min:.3g}, E_min={result.e_min:.3g}")
@@ -598,9 +609,7 @@ def task_section(result, figure) -> List[str]:
     ]
     for b, runs in result.runs.items():
         best = best_of(runs)
-        per_lr = ", ".join(
-            f"{r.lr:g}: " + ("pruned" if r.pruned else _number(r.steps, 4)
-                             if math.isfinite(r.steps) else "not reached") for r in runs)
+        per_lr = ", ".join(f"{r.lr:g}: {r.outcome()}" for r in runs)
         if best is None:
             lines.append(f"| {b} | – | not reached | – | {per_lr} |")
             continue
@@ -636,9 +645,17 @@ def task_section(result, figure) -> List[str]:
 
 def versions() -> Dict[str, str]:
     """Versions of Python and the libraries the numbers came from."""
+    import subprocess
     from importlib import metadata
 
+    root = Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(git + ["status", "--porcelain", "experiments", "cockpit_gradnoise"],
+                           capture_output=True, text=True).stdout.strip()
     return {
+        "this repository (commit)": commit + (" with uncommitted changes" if dirty else ""),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "backpack-for-pytorch": metadata.version("backpack-for-pytorch"),
@@ -724,13 +741,13 @@ def make_tasks(quick, seed) -> Dict[str, Task]:
     """The two tasks: tuned grids and targets, or the tiny ``--quick`` versions."""
     if quick:
         return {
-            "digits": digits_task((0.2,), target=2.1, max_steps=60, gns_batch=32, seed=seed),
+            "digits": digits_task((0.2,), target=2.25, max_steps=80, gns_batch=32, seed=seed),
             "gpt": gpt_task((1e-2,), target=3.6, max_steps=60, gns_batch=32, seed=seed),
         }
     return {
-        "digits": digits_task((0.1, 0.2, 0.4, 0.8), target=0.15, max_steps=3000,
+        "digits": digits_task((0.1, 0.2, 0.4, 0.8), target=0.15, max_steps=2000,
                               gns_batch=64, seed=seed),
-        "gpt": gpt_task((2e-3, 4e-3, 8e-3, 1.6e-2), target=2.3, max_steps=3000,
+        "gpt": gpt_task((2e-3, 4e-3, 8e-3, 1.6e-2), target=2.3, max_steps=1500,
                         gns_batch=64, seed=seed),
     }
 
