@@ -57,10 +57,11 @@ def test_fit_scales_with_the_steps_and_keeps_b_crit():
     s_min, e_min = cbs.fit_steps_examples(BATCHES, steps)
     scaled = cbs.fit_steps_examples(BATCHES, 3 * steps)
     np.testing.assert_allclose(scaled, (3 * s_min, 3 * e_min), rtol=1e-6)
-    # The log-space fit minimizes relative residuals: no worse than the true parameters.
+    # It is the least-squares fit in log space: moving either parameter costs.
     def cost(p):
         return np.sum((np.log(steps) - np.log(cbs.predicted_steps(BATCHES, *p))) ** 2)
-    assert cost((s_min, e_min)) <= cost((100.0, 3200.0))
+    for move in ((1.001, 1.0), (0.999, 1.0), (1.0, 1.001), (1.0, 0.999)):
+        assert cost((s_min * move[0], e_min * move[1])) > cost((s_min, e_min))
 
 
 def test_fit_leaves_out_batches_that_never_reached_the_target():
@@ -154,3 +155,14 @@ def test_quick_run_numbers_are_sane(quick):
             tracked, values = result.series("b_simple_smoothed")
             assert len(tracked) >= result.gns_run.steps
             assert result.b_simple > 0
+
+
+def test_replot_rewrites_the_same_page_from_the_stored_numbers(quick):
+    _, page, out = quick
+    text = page.read_text()
+    page.unlink()
+    (out / "critical-batch-size-gpt.png").unlink()
+    results, replotted = cbs.main(["--replot", "--out", str(out)])
+    assert replotted.read_text() == text
+    assert (out / "critical-batch-size-gpt.png").stat().st_size > 0
+    assert [r.task.name for r in results] == ["digits", "gpt"]
