@@ -791,7 +791,7 @@ def make_tasks(quick, seed) -> Dict[str, Task]:
     return {
         "digits": digits_task((0.1, 0.2, 0.4, 0.8), target=0.15, max_steps=2000,
                               gns_batch=64, seed=seed),
-        "gpt": gpt_task((2e-3, 4e-3, 8e-3, 1.6e-2), target=2.3, max_steps=1500,
+        "gpt": gpt_task((4e-3, 8e-3, 1.6e-2, 3.2e-2), target=2.3, max_steps=1500,
                         gns_batch=64, seed=seed),
     }
 
