@@ -1,6 +1,7 @@
 """experiments/critical_batch_size.py: its formulas against known answers, and its --quick run."""
 
 import math
+import re
 import warnings
 
 import matplotlib
@@ -90,6 +91,12 @@ def test_fit_at_a_bound_warns():
     assert cbs.critical_batch(s_min, e_min) == math.inf
 
 
+def test_value_range_over_a_window_of_steps():
+    steps, values = [0, 1, 2, 3, 4], [5.0, math.inf, 1.0, 9.0, 2.0]
+    assert cbs.value_range(steps, values, 1, 3) == (1.0, 9.0)
+    assert all(math.isnan(v) for v in cbs.value_range(steps, values, 10, 20))
+
+
 def test_critical_batch_and_agreement_factor():
     assert cbs.critical_batch(100.0, 3200.0) == 32.0
     assert cbs.critical_batch(0.0, 10.0) == math.inf
@@ -163,6 +170,9 @@ def test_replot_rewrites_the_same_page_from_the_stored_numbers(quick):
     page.unlink()
     (out / "critical-batch-size-gpt.png").unlink()
     results, replotted = cbs.main(["--replot", "--out", str(out)])
-    assert replotted.read_text() == text
+    note = re.compile(r" The figures and this page were last redrawn with `--replot` at "
+                      r"commit [^.]+\.")
+    assert len(note.findall(replotted.read_text())) == 1
+    assert note.sub("", replotted.read_text()) == text
     assert (out / "critical-batch-size-gpt.png").stat().st_size > 0
     assert [r.task.name for r in results] == ["digits", "gpt"]
