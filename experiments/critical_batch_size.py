@@ -740,8 +740,8 @@ def write_page(results, out, run_info) -> Path:
         "[GradientNoiseScale](../gradient-noise-scale.md)'s $B_{\\text{simple}}$ estimates. "
         "Their Figure 4 compares the two on tasks whose critical batch sizes span six "
         "orders of magnitude: the points scatter about equality by up to about an order of "
-        "magnitude (OpenAI's summary of the paper: the noise scale explains R² = 80% of the "
-        "variation of the critical batch size). The check here is therefore agreement "
+        "magnitude (OpenAI's blog post on the paper, \"How AI training scales\": the noise "
+        "scale explains R² = 80% of the variation of the critical batch size). The check here is therefore agreement "
         f"within a factor {PAPER_FACTOR:g}; the factor itself is in the table. This page "
         "tests it on two small tasks that train on a CPU.", "",
         "| task | target loss | B_crit (fit) | B_simple at the target | factor apart | "
