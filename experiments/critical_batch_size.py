@@ -741,8 +741,9 @@ def write_page(results, out, run_info) -> Path:
         "Their Figure 4 compares the two on tasks whose critical batch sizes span six "
         "orders of magnitude: the points scatter about equality by up to about an order of "
         "magnitude (OpenAI's blog post on the paper, \"How AI training scales\": the noise "
-        "scale explains R² = 80% of the variation of the critical batch size). The check here is therefore agreement "
-        f"within a factor {PAPER_FACTOR:g}; the factor itself is in the table. This page "
+        "scale explains R² = 80% of the variation of the critical batch size). The check "
+        f"here is therefore agreement within a factor {PAPER_FACTOR:g}; the factor itself "
+        "is in the table. This page "
         "tests it on two small tasks that train on a CPU.", "",
         "| task | target loss | B_crit (fit) | B_simple at the target | factor apart | "
         f"within {PAPER_FACTOR:g}? |",
