@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = sorted(DOCS.rglob("*.md"))
 
 FENCE = re.compile(r"^```\s*(\S*)")  # ```python, ```{directive} argument, ```
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->$")
@@ -102,8 +102,9 @@ def test_blocks_said_to_run_elsewhere_do():
     for page in PAGES:
         for block in code_blocks(page):
             for test_file in re.findall(r"tests/test_\w+\.py", block.not_run):
-                assert f"docs/{page.name}" in (ROOT / test_file).read_text(), (
-                    f"{page.name}:{block.line}: {test_file} does not run this block")
+                name = page.relative_to(DOCS).as_posix()
+                assert f"docs/{name}" in (ROOT / test_file).read_text(), (
+                    f"{name}:{block.line}: {test_file} does not run this block")
 
 
 def test_the_pages_that_teach_have_examples_that_run():
