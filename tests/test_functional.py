@@ -99,14 +99,6 @@ def test_functional_keeps_the_names_callers_used():
     assert functional.sd_statistic_names((0.5,)) == ["q0.5", "mean", "snr_q0.5", "snr_mean"]
 
 
-@pytest.fixture(params=["cpu", "other-devices"])
-def paths(request, monkeypatch):
-    """The CPU's paths, and those taken on other devices (run on CPU tensors)."""
-    if request.param == "other-devices":
-        monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
-    return request.param
-
-
 def test_signal_to_noise_on_other_devices_marks_zero_sd_nan(monkeypatch):
     """No size that depends on the data there (it would make the host wait)."""
     monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
