@@ -41,6 +41,13 @@ def ratio_or_inf(numerator, denominator):
     return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
 
 
+def scalar(tensor: Tensor):
+    """A one-element tensor as a Python float on the CPU (no wait there); on
+    other devices the tensor itself, left there for the step's one transfer
+    (:func:`cockpit_gradnoise._deferred.resolve`)."""
+    return tensor.item() if order_statistics._on_host(tensor) else tensor
+
+
 def norm_ratio(squared_numerator, squared_denominator):
     """``sqrt(a) / sqrt(b)`` from ``a`` and ``b`` (:func:`ratio_or_inf`): floats or tensors."""
     if isinstance(squared_numerator, Tensor):
@@ -246,7 +253,7 @@ def batch_norm_statistics(
     """
     norms = squared_norms.detach().clamp(min=0).sqrt_()
     result = order_statistics.quantile_summary(norms, levels, defer=True)
-    result[schema.MAX] = norms.max()
+    result[schema.MAX] = scalar(norms.max())
     return result if defer else _deferred.resolve(result)
 
 

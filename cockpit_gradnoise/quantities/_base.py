@@ -202,7 +202,10 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
       value, kept small (tensors or numbers);
     - ``network_value(values)``: the whole network's value from the
       parameters' values;
-    - ``statistics(value)``: ``{statistic name: float}`` of one value;
+    - ``statistics(value)``: ``{statistic name: float}`` of one value; a
+      number may be a 0-dim tensor left on the device: the base copies all
+      of a step's to the host at once, at the end (on a GPU the host waits
+      there only; see ``docs/quantities.md``), before ``derived_statistics``;
     - ``statistic_names()``: every name ``statistics`` or
       ``derived_statistics`` can return (a non-finite gradient gives NaN
       under each of them; a name that is not declared raises at the first
@@ -293,7 +296,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         raise NotImplementedError
 
     def statistics(self, value: Any) -> Dict[str, float]:
-        """Turn a parameter's (or the network's) value into named numbers."""
+        """Turn a parameter's (or the network's) value into named numbers (or 0-dim tensors)."""
         raise NotImplementedError
 
     def statistic_names(self) -> List[str]:

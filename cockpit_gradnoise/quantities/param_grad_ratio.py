@@ -34,8 +34,8 @@ class ParamGradRatio(ParameterQuantity):
 
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
-        # Tensors left on the device until the step's one transfer.
-        zeros = grad.numel() - grad.count_nonzero().double()
+        # On a GPU, tensors left there until the step's one transfer.
+        zeros = functional.scalar(grad.numel() - grad.count_nonzero().double())
         return (
             functional.squared_norm(theta, defer=True),
             functional.squared_norm(grad, defer=True),
