@@ -15,7 +15,7 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import order_statistics, schema
+from cockpit_gradnoise import _deferred, order_statistics, schema
 from cockpit_gradnoise.order_statistics import Tensors
 
 import torch
@@ -25,7 +25,34 @@ from torch import Tensor
 check_quantile_levels = order_statistics.check_quantile_levels
 quantile_name = schema.quantile_name
 sd_statistic_names = schema.sd_statistic_names
-ratio_or_inf = schema.ratio_or_inf  # a formula that views (no torch) share
+
+
+def ratio_or_inf(numerator, denominator):
+    """``numerator / denominator``, ``+inf`` when ``denominator <= 0``, NaN from a NaN.
+
+    :func:`cockpit_gradnoise.schema.ratio_or_inf` (the formula views share,
+    without torch) for floats; the same elementwise for tensors, which stay
+    on their device.
+    """
+    if not isinstance(numerator, Tensor) and not isinstance(denominator, Tensor):
+        return schema.ratio_or_inf(numerator, denominator)
+    numerator, denominator = torch.as_tensor(numerator), torch.as_tensor(denominator)
+    ratio = torch.where(denominator <= 0, math.inf, numerator / denominator)
+    return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
+
+
+def scalar(tensor: Tensor):
+    """A one-element tensor as a Python float on the CPU (no wait there); on
+    other devices the tensor itself, left there for the step's one transfer
+    (:func:`cockpit_gradnoise._deferred.resolve`)."""
+    return tensor.item() if order_statistics._on_host(tensor) else tensor
+
+
+def norm_ratio(squared_numerator, squared_denominator):
+    """``sqrt(a) / sqrt(b)`` from ``a`` and ``b`` (:func:`ratio_or_inf`): floats or tensors."""
+    if isinstance(squared_numerator, Tensor):
+        return ratio_or_inf(squared_numerator.sqrt(), squared_denominator.sqrt())
+    return ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))
 
 
 def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1) -> Tensor:
@@ -145,8 +172,15 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     Elements with ``sd_j = 0`` have no defined ratio and are left out, so the
     result never holds an inf or NaN from a zero denominator. It may be empty.
     ``sd`` must be non-negative, without NaN (as :func:`gradient_sd` gives).
+
+    On other devices than the CPU, where a result whose size depends on the
+    data would make the host wait, the left-out elements are NaN instead
+    (the result has ``grad``'s number of elements); :func:`sd_statistics`
+    leaves NaN out.
     """
     grad, sd = grad.detach().reshape(-1), sd.detach().reshape(-1)
+    if not order_statistics._on_host(grad):
+        return grad.abs().div_(sd).masked_fill_(sd == 0, math.nan)
     result = grad.new_empty(int(torch.count_nonzero(sd)))
     start = 0
     # By pieces: no temporary the size of the layer. Dividing everywhere and
@@ -185,8 +219,10 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
             "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
         )
     n = individual_losses.numel()
-    total = individual_losses.detach().double().sum().item()
-    value = float(loss.detach().double().item())
+    # One transfer for both (the host must know the reduction).
+    total, value = _deferred.transfer(
+        [individual_losses.detach().double().sum(), loss.detach().double()]
+    )
     if n == 1:
         return 1.0
     if not (math.isfinite(value) and math.isfinite(total)):
@@ -201,20 +237,24 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     )
 
 
-def batch_norm_statistics(squared_norms: Tensor, levels: Sequence[float]) -> Dict[str, float]:
+def batch_norm_statistics(
+    squared_norms: Tensor, levels: Sequence[float], *, defer: bool = False
+) -> Dict[str, float]:
     """Statistics over a batch of per-example gradient norms.
 
     Args:
         squared_norms: ``||g_i||^2`` for each example, shape ``[N]``.
         levels: Quantile levels.
+        defer: Leave the results on the device as 0-dim tensors (see
+            :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
 
     Returns:
         ``q<level>``, ``mean`` and ``max`` of ``||g_i||``.
     """
     norms = squared_norms.detach().clamp(min=0).sqrt_()
-    result = order_statistics.quantile_summary(norms, levels)
-    result[schema.MAX] = norms.max().item()
-    return result
+    result = order_statistics.quantile_summary(norms, levels, defer=True)
+    result[schema.MAX] = scalar(norms.max())
+    return result if defer else _deferred.resolve(result)
 
 
 def welford_update_(mean: Tensor, m2: Tensor, value, count: int, delta: Tensor):
@@ -267,7 +307,9 @@ def welford_sd(m2: Tensor, count: int, *, in_place: bool = False) -> Tensor:
     return (m2 / (count - 1)).sqrt()
 
 
-def sd_statistics(sd: Tensors, snr: Tensors, levels: Sequence[float]) -> Dict[str, float]:
+def sd_statistics(
+    sd: Tensors, snr: Tensors, levels: Sequence[float], *, defer: bool = False
+) -> Dict[str, float]:
     """The statistics of :class:`~cockpit_gradnoise.GradientVarianceQuantiles`.
 
     ``q<level>`` and ``mean`` of ``sd_j``; ``snr_q0.5`` and ``snr_mean`` of
@@ -278,29 +320,47 @@ def sd_statistics(sd: Tensors, snr: Tensors, levels: Sequence[float]) -> Dict[st
             sequence of tensors (the network's layers) whose union is meant.
         snr: :func:`signal_to_noise` of the same elements, likewise.
         levels: Quantile levels.
+        defer: Leave the results on the device as 0-dim tensors (see
+            :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
     """
-    result = order_statistics.quantile_summary(sd, levels)
     snrs = [snr] if isinstance(snr, Tensor) else list(snr)
+    sds = [sd] if isinstance(sd, Tensor) else list(sd)
+    if sds and not order_statistics._on_host(sds[0]):
+        # SNR's left-out elements are NaN here (signal_to_noise).
+        result = order_statistics.quantile_summary(sds, levels, defer=True)
+        result[schema.SNR_PREFIX] = order_statistics.kept_quantile_summary(
+            snrs, (0.5,), prefix=schema.SNR_PREFIX
+        )
+        return result if defer else _deferred.resolve(result)
+    result = order_statistics.quantile_summary(sd, levels)
     if any(s.numel() > 0 for s in snrs):
         result.update(order_statistics.quantile_summary(snrs, (0.5,), prefix=schema.SNR_PREFIX))
     return result
 
 
-def squared_norm(tensor: Tensor) -> float:
+def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
     """``sum_j tensor_j**2`` as a Python float.
 
     One BLAS dot product, the fastest reduction here. In float32 it is off by
     about ``1e-6`` relative on a million elements (better than ``1e-5``;
     ``linalg.vector_norm(...)**2`` is off by ``~3e-5``, see ``DESIGN.md``).
     Half precision is summed in float32.
+
+    With ``defer``, on other devices than the CPU: a 0-dim float64 tensor
+    left on the device (the same number).
     """
     flat = tensor.detach().reshape(-1)
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
-    return torch.dot(flat, flat).item()
+    result = torch.dot(flat, flat)
+    if defer and not order_statistics._on_host(flat):
+        return result.double()
+    return result.item()
 
 
-def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, float]:
+def abs_ratio_statistics(
+    numerator: Tensor, denominator: Tensor, *, defer: bool = False
+) -> Dict[str, float]:
     """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite.
 
     The per-element ratio of :class:`~cockpit_gradnoise.ParamGradRatio`
@@ -312,6 +372,8 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
     Args:
         numerator: ``a``, any shape.
         denominator: ``b``, same number of elements.
+        defer: Leave the results on the device (see
+            :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
 
     Returns:
         ``mean``, ``median`` (as ``numpy.median``: the mean of the two middle
@@ -319,6 +381,9 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
         element qualifies.
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
+    if not order_statistics._on_host(a):
+        result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
+        return result if defer else _deferred.resolve(result)
     # A finite sum proves every element finite (NaN and inf propagate): then
     # only b = 0 is left out.
     finite = bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum()))
@@ -343,6 +408,33 @@ def abs_ratio_statistics(numerator: Tensor, denominator: Tensor) -> Dict[str, fl
         schema.MIN: smallest,
         schema.MAX: largest,
     }
+
+
+def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _deferred.Conditional:
+    """:func:`abs_ratio_statistics` without waiting for the device.
+
+    Left-out elements become NaN, which sorts last, and the ranks come from
+    the number kept, on the device.
+    """
+    left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
+    ratio = torch.div(a, b).abs_().masked_fill_(left_out, math.nan)
+    n = ratio.numel() - left_out.sum()
+    ordered = torch.sort(ratio).values
+    last = (n - 1).clamp(min=0)
+
+    def at(rank):
+        return ordered.gather(0, rank.clamp(min=0).reshape(1))[0].double()
+
+    lower, upper = at(torch.div(n - 1, 2, rounding_mode="floor")), at(n // 2)
+    return _deferred.Conditional(
+        n,
+        {
+            schema.MEAN: ratio.nansum(dtype=torch.float64) / n,
+            schema.MEDIAN: (lower + upper) / 2,
+            schema.MIN: at(torch.zeros_like(n)),
+            schema.MAX: at(last),
+        },
+    )
 
 
 def noise_scale_estimates(

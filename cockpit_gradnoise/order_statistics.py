@@ -19,11 +19,18 @@ through pieces of :data:`CHUNK` elements, so the extra memory is about 0.4 MB
 whatever the size. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
 whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
 measures both against sorting and partitioning.
+
+That is the CPU's path. On other devices (GPUs) the union is sorted with
+``torch.sort``, and :func:`quantile_summary` (``defer=True``) and
+:func:`kept_quantile_summary` leave their results there as tensors: no
+result whose size depends on the data, nothing read back by the host until
+the step's one transfer (``docs/quantities.md``).
 """
 
 import math
 from typing import Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
+from cockpit_gradnoise import _deferred
 from cockpit_gradnoise.schema import MEAN, quantile_name
 
 import numpy
@@ -123,10 +130,9 @@ def select(tensors: Tensors, ranks: Sequence[int]) -> List[float]:
     Float16 and bfloat16 are compared as float32, other non-float32 dtypes,
     and unions of mixed dtypes, as float64 (exact).
 
-    On a GPU everything runs there with torch; the host waits for the device
-    once per tensor (the number of elements gathered) and twice more (the
-    NaN check, the results). A sync-free variant would resolve the wanted
-    buckets by a second histogram of the next bits instead of gathering.
+    On other devices than the CPU the union is sorted there with torch
+    (fast on a GPU) and the host waits once, for the values and the NaN
+    check together (see :func:`quantile_summary` for no wait at all).
 
     Args:
         tensors: A tensor of any shape, or a sequence of them.
@@ -146,18 +152,28 @@ def select(tensors: Tensors, ranks: Sequence[int]) -> List[float]:
     bad = [r for r in ranks if not 0 <= r < n]
     if bad:
         raise ValueError(f"ranks must lie in [0, {n}), got {bad}")
+    if not _on_host(flats[0]):
+        ordered = _sorted_on_device(flats)
+        # NaN sorts last: the last value tells whether there is one.
+        *values, last = _deferred.transfer([ordered[r] for r in ranks] + [ordered[-1]])
+        _check_no_nan(last)
+        return values
     if n <= SORT_WHOLE_AT_MOST:
         candidates, below = torch.cat(flats), [0] * len(ranks)
     else:
         candidates, below = _bucket_candidates(flats, ranks)
     ordered = _sorted(candidates)
     # NaN sorts last (numpy and torch alike), and every NaN is a candidate.
-    if math.isnan(float(ordered[-1])):
+    _check_no_nan(float(ordered[-1]))
+    return ordered[[r - b for r, b in zip(ranks, below)]].tolist()
+
+
+def _check_no_nan(largest: float):
+    if math.isnan(largest):
         raise ValueError(
             "values contain NaN, which has no order: quantiles are undefined; "
             "leave them out first, e.g. values[~values.isnan()]"
         )
-    return ordered[[r - b for r, b in zip(ranks, below)]].tolist()
 
 
 def quantiles(tensors: Tensors, levels: Sequence[float]) -> List[float]:
@@ -177,7 +193,7 @@ def quantiles(tensors: Tensors, levels: Sequence[float]) -> List[float]:
 
 
 def quantile_summary(
-    tensors: Tensors, levels: Sequence[float], prefix: str = ""
+    tensors: Tensors, levels: Sequence[float], prefix: str = "", *, defer: bool = False
 ) -> Dict[str, float]:
     """Quantiles ``q<level>`` and ``mean`` of all elements of ``tensors``.
 
@@ -186,17 +202,89 @@ def quantile_summary(
             whose union is meant.
         levels: Quantile levels in ``[0, 1]``.
         prefix: Prepended to every statistic name (e.g. ``"snr_"``).
+        defer: On other devices than the CPU, return 0-dim float64 tensors
+            left on the device (the host does not wait; a NaN then gives NaN
+            instead of an error), for one transfer with the step's other
+            statistics (:func:`cockpit_gradnoise._deferred.resolve`). No
+            effect on CPU tensors.
 
     Returns:
         ``{prefix + "q<level>": float, ..., prefix + "mean": float}``; the
         mean is summed in float64.
     """
     flats = _flat_tensors(tensors)
+    if flats and not _on_host(flats[0]):
+        ordered = _sorted_on_device(flats)
+        summary = _summary_of_sorted(ordered, flats, len(ordered), levels, prefix)
+        if defer:
+            return summary
+        summary, last = _deferred.resolve((summary, ordered[-1]))
+        _check_no_nan(last)
+        return summary
     result = {
         quantile_name(level, prefix): value
         for level, value in zip(levels, quantiles(flats, levels))
     }
     result[prefix + MEAN] = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
+    return result
+
+
+def kept_quantile_summary(
+    tensors: Tensors, levels: Sequence[float], prefix: str = ""
+) -> _deferred.Conditional:
+    """:func:`quantile_summary` of the elements that are not NaN, left on the device.
+
+    For data-dependent selections without data-dependent shapes (which make
+    the host wait): the elements left out are marked NaN, which sorts last,
+    and the ranks are computed on the device from the number kept. Exact as
+    :func:`quantile_summary` on the kept elements. For tensors on any device
+    (used on devices other than the CPU).
+
+    Returns:
+        A :class:`~cockpit_gradnoise._deferred.Conditional` over the number
+        kept: the summary exists only when some element is kept.
+    """
+    flats = _flat_tensors(tensors)
+    if not flats:
+        return _deferred.Conditional(0, {})
+    ordered = _sorted_on_device(flats)
+    kept = torch.stack([(~flat.isnan()).sum() for flat in flats]).sum()
+    return _deferred.Conditional(kept, _summary_of_sorted(ordered, flats, kept, levels, prefix))
+
+
+def _sorted_on_device(flats: List[Tensor]) -> Tensor:
+    """The union sorted ascending with torch, NaN last: no data-dependent shape."""
+    return torch.sort(flats[0] if len(flats) == 1 else torch.cat(flats)).values
+
+
+def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tensor]:
+    """Quantiles and mean of the first ``count`` of ``ordered`` (the union of ``flats``).
+
+    ``count``: the number of elements (an int), or a 0-dim tensor with the
+    number that are not NaN (the others sort last). 0-dim float64 tensors,
+    computed as :func:`quantile_ranks` and :func:`interpolate` compute them,
+    so equal to ``numpy.quantile`` bit for bit.
+    """
+    if isinstance(count, int):
+        lower, upper, weights = quantile_ranks(levels, count)
+        a = [ordered[k].double() for k in lower]
+        b = [ordered[k].double() for k in upper]
+        values = interpolate(a, b, weights)
+        total = sum(flat.sum(dtype=torch.float64) for flat in flats)
+    else:
+        last = (count - 1).clamp(min=0)
+        values = []
+        for level in levels:
+            position = (count - 1).double() * float(level)
+            k = torch.minimum(position.floor(), last).clamp(min=0)
+            t = position - k
+            a = ordered.gather(0, k.long().reshape(1))[0].double()
+            b = ordered.gather(0, torch.minimum(k + 1, last).long().reshape(1))[0].double()
+            diff = b - a
+            values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
+        total = sum(flat.nansum(dtype=torch.float64) for flat in flats)
+    result = {quantile_name(level, prefix): value for level, value in zip(levels, values)}
+    result[prefix + MEAN] = total / count
     return result
 
 

@@ -4,6 +4,7 @@ Every quantity is checked against its reference in ``cockpit_gradnoise.reference
 over the product of ``MODELS`` x ``REDUCTIONS`` x ``BATCH_SIZES``, in float64.
 """
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
@@ -221,8 +222,11 @@ def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) 
     )
 
 
-def run_step(problem: Problem, quantities, step=0, cockpit=None, optimizer=None):
-    """One tracked backward pass of ``problem``; returns the cockpit."""
+def run_step(
+    problem: Problem, quantities, step=0, cockpit=None, optimizer=None,
+    around_backward=contextlib.nullcontext,
+):
+    """One tracked backward pass of ``problem``, inside ``around_backward()``; returns the cockpit."""
     if cockpit is None:
         cockpit = Cockpit(problem.params, quantities=quantities)
     problem.model.zero_grad()
@@ -236,5 +240,6 @@ def run_step(problem: Problem, quantities, step=0, cockpit=None, optimizer=None)
     if optimizer is not None:
         info["optimizer"] = optimizer
     with cockpit(step, info=info):
-        loss.backward(create_graph=cockpit.create_graph(step))
+        with around_backward():
+            loss.backward(create_graph=cockpit.create_graph(step))
     return cockpit

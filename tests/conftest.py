@@ -18,6 +18,16 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
+@pytest.fixture(params=["cpu", "other-devices"])
+def paths(request, monkeypatch):
+    """The CPU's paths, and those taken on other devices (GPUs), run on CPU tensors."""
+    if request.param == "other-devices":
+        from cockpit_gradnoise import order_statistics
+
+        monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+    return request.param
+
+
 def _free(metafunc, name):
     """Whether ``name`` is a fixture of the test that no ``parametrize`` mark sets."""
     marked = {

@@ -145,7 +145,7 @@ def test_identical_examples_give_zero_sd_and_no_snr(case, dtype):
     assert (norms.value > 0).all()
 
 
-def test_nan_gradient_gives_nan_statistics_one_warning_and_training_continues(tmp_path):
+def test_nan_gradient_gives_nan_statistics_one_warning_and_training_continues(tmp_path, paths):
     problem = build(MODELS[0], 7, "mean")
     poisoned = problem.model[2].bias
     handle = poisoned.register_hook(lambda grad: grad * math.nan)
@@ -192,7 +192,7 @@ def test_backpack_batch_l2_is_wrong_for_grouped_convolutions_ours_is_exact():
     assert got == pytest.approx(exact.sqrt().max().item(), rel=1e-10)
 
 
-def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash():
+def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash(paths):
     """A NaN input makes the loss and every gradient NaN: each quantity records
     NaN rows with a warning, and the next finite step is recorded normally."""
     problem = build(MODELS[2], 7, "mean")

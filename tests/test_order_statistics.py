@@ -3,8 +3,9 @@
 import importlib.util
 from pathlib import Path
 
-from cockpit_gradnoise import order_statistics
+from cockpit_gradnoise import _deferred, order_statistics
 from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
+from cockpit_gradnoise.schema import quantile_name
 
 import numpy
 import pytest
@@ -190,6 +191,31 @@ def test_the_paths_of_other_devices_are_exact_too(monkeypatch):
     assert summary["mean"] == pytest.approx(finite.mean(), rel=1e-12)
     with pytest.raises(ValueError, match="NaN"):
         order_statistics.select(torch.tensor([1.0, float("nan")]), [0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, SORT_WHOLE_AT_MOST + 1, 100_000])
+def test_kept_quantile_summary_equals_numpy_on_the_elements_not_nan(n):
+    """Ranks from the number kept, computed on the device: bit for bit, with
+    none kept (no statistics) and all kept."""
+    rng = numpy.random.default_rng(n)
+    values = numpy.abs(awkward_values(n, numpy.float32, n))
+    for left_out in (0.0, 0.3, 1.0):
+        marked = values.copy()
+        marked[rng.random(n) < left_out] = numpy.nan
+        kept = marked[~numpy.isnan(marked)]
+        conditional = order_statistics.kept_quantile_summary(
+            random_parts(marked, rng), LEVELS, prefix="snr_"
+        )
+        got = _deferred.resolve({"group": conditional})
+        if kept.size == 0:
+            assert got == {}
+            continue
+        expected = expected_quantiles(kept, LEVELS)
+        quantiles = [got[quantile_name(level, "snr_")] for level in LEVELS]
+        numpy.testing.assert_array_equal(quantiles, expected)
+        with numpy.errstate(invalid="ignore"):  # inf - inf
+            mean = kept.astype(numpy.float64).mean()
+        assert got["snr_mean"] == pytest.approx(mean, rel=1e-12, nan_ok=True)
 
 
 def test_benchmark_script_checks_every_candidate_and_prints_its_table(capsys):

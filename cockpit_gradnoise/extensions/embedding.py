@@ -21,8 +21,10 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
         self._check_parameters(module)
         input0 = subsample(module.input0, subsampling=subsampling)
         # [num_embeddings, N, ...]: which examples and positions use each row.
-        one_hot = torch.nn.functional.one_hot(input0, module.num_embeddings)
-        one_hot = one_hot.movedim(-1, 0).to(mat.dtype)
+        # By comparison, not F.one_hot, which reads the largest index back to
+        # the host (a wait for the device on a GPU); the forward pass checked them.
+        rows = torch.arange(module.num_embeddings, device=input0.device)
+        one_hot = (input0.unsqueeze(0) == rows.reshape(-1, *[1] * input0.dim())).to(mat.dtype)
         equation = f"sn...,vn...h->v{'' if sum_batch else 'n'}sh"
         return torch.einsum(equation, one_hot, mat)
 

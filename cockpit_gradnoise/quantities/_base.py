@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise import _deferred, distributed, functional, order_statistics
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
@@ -139,6 +139,21 @@ class _NamedParameters:
 # The cockpit call being computed and the quantity instances computed in it, by class.
 _CURRENT_CALL: Dict[str, Any] = {}
 
+# The last loss tensors read by loss_batch (held weakly) and their Batch.
+_LOSS_BATCH: Dict[str, Any] = {}
+
+
+def _weak(key):
+    loss, individual_losses, *versions = key
+    return (weakref.ref(loss), weakref.ref(individual_losses), *versions)
+
+
+def _same_tensors(weak_key, key) -> bool:
+    loss, individual_losses, *versions = weak_key
+    return (
+        loss() is key[0] and individual_losses() is key[1] and list(versions) == list(key[2:])
+    )
+
 
 def backward_failed() -> bool:
     """Whether the cockpit's context is being left because of an exception.
@@ -187,7 +202,10 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
       value, kept small (tensors or numbers);
     - ``network_value(values)``: the whole network's value from the
       parameters' values;
-    - ``statistics(value)``: ``{statistic name: float}`` of one value;
+    - ``statistics(value)``: ``{statistic name: float}`` of one value; a
+      number may be a 0-dim tensor left on the device: the base copies all
+      of a step's to the host at once, at the end (on a GPU the host waits
+      there only; see ``docs/quantities.md``), before ``derived_statistics``;
     - ``statistic_names()``: every name ``statistics`` or
       ``derived_statistics`` can return (a non-finite gradient gives NaN
       under each of them; a name that is not declared raises at the first
@@ -278,7 +296,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         raise NotImplementedError
 
     def statistics(self, value: Any) -> Dict[str, float]:
-        """Turn a parameter's (or the network's) value into named numbers."""
+        """Turn a parameter's (or the network's) value into named numbers (or 0-dim tensors)."""
         raise NotImplementedError
 
     def statistic_names(self) -> List[str]:
@@ -292,10 +310,21 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
     # Helpers for subclasses -----------------------------------------------------
 
     def loss_batch(self, global_step: int) -> Batch:
-        """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``."""
+        """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``.
+
+        Telling a mean from a sum needs the losses' values on the host: one
+        transfer per step, shared by the quantities that read the same
+        tensors.
+        """
         individual_losses = self.info(global_step, "individual_losses")
-        scale = functional.loss_scale(self.info(global_step, "loss"), individual_losses)
-        return Batch(individual_losses.numel(), scale)
+        loss = self.info(global_step, "loss")
+        key = (loss, individual_losses, loss._version, individual_losses._version)
+        last = _LOSS_BATCH.get("last")
+        if last is not None and _same_tensors(last[0], key):
+            return last[1]
+        batch = Batch(individual_losses.numel(), functional.loss_scale(loss, individual_losses))
+        _LOSS_BATCH["last"] = (_weak(key), batch)
+        return batch
 
     def local_gradient(self, param: torch.Tensor) -> torch.Tensor:
         """``sum_i x_i`` of this backward pass on this process (for ``reads_local_gradient``).
@@ -346,12 +375,23 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             found = self._local_values(global_step, params, names)
         if found is None:
             return None
-        usable, values, non_finite = found
+        usable, values, finite = found
         del found  # values is the only reference: freed below before the network's statistics
+        rows = {name: self.statistics(value) for name, value in values}
+        if values and not any(flag is False for flag in finite.values()):
+            network = self.network_value([value for _, value in values])
+            del values  # free the parameters' values before the network's statistics
+            rows[NETWORK] = self.statistics(network)
+        # On a GPU everything so far stayed on the device (finiteness too): the
+        # step's one transfer; what depends on the numbers is decided after it.
+        rows, finite = _deferred.resolve((rows, finite))
+        non_finite = [name for name in usable if not finite[name]]
         nan_row = dict.fromkeys(self.statistic_names(), math.nan)
-        rows = {name: nan_row for name in non_finite}
-        rows.update((name, self.statistics(value)) for name, value in values)
-        rows = {name: rows[name] for name in usable}  # parameters in the given order
+        rows = {
+            name: nan_row if name in non_finite else rows[name]
+            for name in usable + [NETWORK]
+            if name in rows or name in non_finite
+        }  # parameters in the given order
         if non_finite:
             self.warn_once(
                 "non-finite",
@@ -359,10 +399,6 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
                 "their statistics and the network's are NaN at such steps",
             )
             rows[NETWORK] = nan_row
-        elif values:
-            network = self.network_value([value for _, value in values])
-            del values  # free the parameters' values before the network's statistics
-            rows[NETWORK] = self.statistics(network)
         rows = {name: {**row, **self.derived_statistics(name, row)} for name, row in rows.items()}
         self._check_statistic_names(rows)
         total = sum(1 for p in params if p.requires_grad)
@@ -378,17 +414,25 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
     # Internals ------------------------------------------------------------------
 
     def _local_values(self, global_step, params, names):
-        """``(usable names, [(name, value)] of the finite ones, non-finite names)`` of this batch."""
+        """``(usable names, [(name, value)], {name: finite})`` of this batch.
+
+        Finite: a bool on CPU, where the values of non-finite parameters are
+        not formed; a 0-dim tensor on other devices (known after the step's
+        transfer), where every value is formed, without the host waiting.
+        """
         context = self.prepare(global_step, params)
         if context is None or (self.sums and not self.accepts(context)):
             return None
         self._warn_if_examples_interact()
         usable = self._usable_parameters(names, params, self._batch_size(global_step))
-        finite = [(name, param) for name, param in usable if self._is_finite(param)]
-        non_finite = [name for name, _ in usable if name not in dict(finite)]
+        finite = {name: self._is_finite(param) for name, param in usable}
         # One parameter at a time: a parameter's sums are freed once its value is formed.
-        values = [(name, self._value(param, context)) for name, param in finite]
-        return [name for name, _ in usable], values, non_finite
+        values = [
+            (name, self._value(param, context))
+            for name, param in usable
+            if finite[name] is not False
+        ]
+        return [name for name, _ in usable], values, finite
 
     def _global_values(self, global_step, params):
         """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
@@ -401,13 +445,11 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         # The parameters with results on every process, in order (see _local_part);
         # the reduced sums are identical on every process, so is this split.
         usable = list(sums)
-        non_finite = [name for name in usable if not _all_finite(sums[name].values())]
+        finite = {name: _all_finite(sums[name].values()) for name in usable}
         values = [
-            (name, self.value_from_sums(sums.pop(name), batch))
-            for name in usable
-            if name not in non_finite
+            (name, self.value_from_sums(sums.pop(name), batch)) for name in usable if finite[name]
         ]
-        return usable, values, non_finite
+        return usable, values, finite
 
     def _local_part(self, global_step, params):
         """This process's :class:`Batch` and ``{name: sums}`` at a distributed step.
@@ -577,8 +619,12 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             )
         return usable
 
-    def _is_finite(self, param) -> bool:
-        return _all_finite([param.grad] + [getattr(param, field) for field in self._savefields])
+    def _is_finite(self, param):
+        """Whether the gradient and every savefield are finite: a bool on CPU, else a tensor."""
+        tensors = [param.grad] + [getattr(param, field) for field in self._savefields]
+        if order_statistics._on_host(param.grad):
+            return _all_finite(tensors)
+        return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def _all_finite(tensors) -> bool:

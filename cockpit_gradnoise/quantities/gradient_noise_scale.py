@@ -93,8 +93,9 @@ class GradientNoiseScale(ParameterQuantity):
 
     def value_from_sums(self, sums, batch):
         n = batch.examples
-        mean_squared_norm = sums["sum_of_squared_norms"].item() / n
-        squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"]) / n**2
+        # On a GPU, tensors left there until the step's one transfer (float64).
+        mean_squared_norm = functional.scalar(sums["sum_of_squared_norms"] / n)
+        squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"], defer=True) / n**2
         return mean_squared_norm, squared_norm_of_mean, n
 
     def network_value(self, values):

@@ -97,7 +97,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def statistics(self, value):
         sds, snrs = value
-        return functional.sd_statistics(sds, snrs, self.quantiles)
+        return functional.sd_statistics(sds, snrs, self.quantiles, defer=True)
 
     def statistic_names(self):
         return functional.sd_statistic_names(self.quantiles)

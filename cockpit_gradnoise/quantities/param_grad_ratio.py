@@ -1,7 +1,5 @@
 """Per-layer ratios of weights to gradients, from ``param.data`` and ``param.grad``."""
 
-import math
-
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
@@ -36,13 +34,14 @@ class ParamGradRatio(ParameterQuantity):
 
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
-        zeros = grad.numel() - int(grad.count_nonzero())
+        # On a GPU, tensors left there until the step's one transfer.
+        zeros = functional.scalar(grad.numel() - grad.count_nonzero().double())
         return (
-            functional.squared_norm(theta),
-            functional.squared_norm(grad),
+            functional.squared_norm(theta, defer=True),
+            functional.squared_norm(grad, defer=True),
             zeros,
             grad.numel(),
-            functional.abs_ratio_statistics(theta, grad),
+            functional.abs_ratio_statistics(theta, grad, defer=True),
         )
 
     def network_value(self, values):
@@ -55,7 +54,7 @@ class ParamGradRatio(ParameterQuantity):
         return {
             **ratio_statistics,
             "zero_grad_fraction": zeros / numel,
-            "norm_ratio": functional.ratio_or_inf(math.sqrt(theta_sq), math.sqrt(grad_sq)),
+            "norm_ratio": functional.norm_ratio(theta_sq, grad_sq),
         }
 
     def statistic_names(self):

@@ -52,7 +52,7 @@ class PerExampleGradNorm(ParameterQuantity):
         return sum(values)
 
     def statistics(self, squared_norms):
-        return functional.batch_norm_statistics(squared_norms, self.quantiles)
+        return functional.batch_norm_statistics(squared_norms, self.quantiles, defer=True)
 
     def statistic_names(self):
         return schema.norm_statistic_names(self.quantiles)

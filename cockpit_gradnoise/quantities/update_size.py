@@ -16,7 +16,7 @@ round-trips the items through ``__json_encode__``/``__json_decode__``.
 import math
 from typing import Dict, List, Sequence
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import _deferred, functional
 from cockpit_gradnoise.frame import update_statistics
 from cockpit_gradnoise.quantities._base import TwoStepParameterQuantity
 from cockpit_gradnoise.schema import decode_float, encode_float
@@ -120,13 +120,18 @@ class UpdateSize(TwoStepParameterQuantity):
 
     def end(self, cache, params, names) -> List[LayerUpdate]:
         """One :class:`LayerUpdate` per parameter; overwrites ``cache`` with the update."""
-        updates = []
-        for name, buffer, param in zip(names, cache, params):
-            start_norm = math.sqrt(functional.squared_norm(buffer))
+        squares = []
+        for buffer, param in zip(cache, params):
+            start = functional.squared_norm(buffer, defer=True)
             # The cache is overwritten next or dropped: reuse it for the difference.
-            norm = math.sqrt(functional.squared_norm(buffer.sub_(param.detach().to(buffer.device))))
-            updates.append(LayerUpdate(name, norm, start_norm))
-        return updates
+            difference = buffer.sub_(param.detach().to(buffer.device))
+            squares.append((functional.squared_norm(difference, defer=True), start))
+        # On a GPU: the step's one transfer, for every layer at once.
+        squares = _deferred.resolve(squares)
+        return [
+            LayerUpdate(name, math.sqrt(norm_sq), math.sqrt(start_sq))
+            for name, (norm_sq, start_sq) in zip(names, squares)
+        ]
 
     def cache_matches(self, cache, params) -> bool:
         """Whether the cache holds one tensor per parameter, shaped alike."""
