@@ -82,6 +82,6 @@ def test_every_experiment_page_in_the_docs_is_in_the_table_of_contents():
     index = (root / pages.PAGES.parent / "index.md").read_text()
     docs = root / pages.PAGES
     found = sorted(path.stem for path in docs.glob("*.md"))
-    assert found == sorted(SCRIPTS)
+    assert set(SCRIPTS) <= set(found)  # this file's experiments; the others have their own tests
     for slug in found:
         assert f"\nexperiments/{slug}\n" in index
