@@ -186,12 +186,6 @@ def test_small_real_spread_is_kept_through_cockpit():
                     ), (param, statistic, dtype, n)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GradientVarianceQuantiles still passes param.grad as the total: the "
-    "extension must also save sum_i x_i from the per-example values of "
-    "sum_i x_i**2 (see functional.variance_rounding_bound)",
-)
 def test_identical_examples_give_sd_exactly_zero_through_cockpit():
     """The defect as users see it: nonzero sd, SNR ~3e7, for identical examples."""
     failures = []

@@ -49,6 +49,9 @@ gradients. Neither uses BackPACK's derivatives, so BackPACK's
 import math
 from typing import Callable, Optional, Tuple
 
+from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+from cockpit_gradnoise.extensions.sums import sums_of
+
 import torch
 import torch.nn.functional as F
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -257,24 +260,56 @@ def _position_pairs(b: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
     )
 
 
+def _weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, with_total: bool):
+    """``(sum_i x_i or None, sum_i x_i**2, inner terms)`` in :func:`weight_factors`' order.
+
+    The inner terms are those that the rounding bound of the two sums must
+    count (:func:`weight_sums`).
+    """
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    squares = inputs.new_zeros(groups, c_b, c_a)
+    total = inputs.new_zeros(groups, c_b, c_a) if with_total else None
+    if _use_formation(expansion_cost, c_b, c_a, positions):
+        for gradients in _formed_gradients(module, inputs, grad_output):
+            if with_total:
+                total += gradients.sum(0)
+            squares += gradients.square_().sum(0)
+        return total, squares, 1
+    pairs = positions * (positions + 1) // 2
+    # Products of positions, and one factor's indexed copy while forming them.
+    for b, a in _chunks(module, inputs, grad_output, 2 * groups * pairs * (c_b + c_a)):
+        if with_total:  # sum over examples and positions: [G, C_b, n L] @ [G, n L, C_a]
+            total.baddbmm_(b.permute(1, 2, 0, 3).flatten(2), a.transpose(0, 1).flatten(1, 2))
+        b_pairs, a_pairs = _position_pairs(b, a)
+        squares.baddbmm_(b_pairs.transpose(1, 2), a_pairs)
+    return total, squares, pairs
+
+
 def weight_sum_of_squares(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``sum_i x_i**2`` per element of ``module.weight``, exact.
 
     .. math:: \\sum_i \\Big(\\sum_l b_{il} a_{il}^\\top\\Big)^{\\circ 2}
               = \\sum_{i,l,l'} (b_{il} \\circ b_{il'}) (a_{il} \\circ a_{il'})^\\top
     """
-    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    result = inputs.new_zeros(groups, c_b, c_a)
-    if _use_formation(expansion_cost, c_b, c_a, positions):
-        for gradients in _formed_gradients(module, inputs, grad_output):
-            result += gradients.square_().sum(0)
-    else:
-        pairs = positions * (positions + 1) // 2
-        # Products of positions, and one factor's indexed copy while forming them.
-        for b, a in _chunks(module, inputs, grad_output, 2 * groups * pairs * (c_b + c_a)):
-            b_pairs, a_pairs = _position_pairs(b, a)
-            result.baddbmm_(b_pairs.transpose(1, 2), a_pairs)
-    return as_weight(module, result)
+    return as_weight(module, _weight_sums(module, inputs, grad_output, with_total=False)[1])
+
+
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, int]:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight`` (``[2, *weight.shape]``) and inner terms.
+
+    By formation both sums come from the same formed ``x_i``: the rounding
+    bound of ``S - T**2 / N`` needs ``inner_terms = 1``
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`). By
+    expansion no ``x_i`` is formed: ``T`` is one matrix product over the ``L``
+    positions and the examples, and ``S`` sums ``P = L(L+1)/2`` products of
+    positions per example, so the bound counts ``P`` inner terms. Following
+    that bound's analysis, without cancellation, ``|dS| <= (N + P + 1) eps S``
+    (depth ``N + P - 2``, three roundings per term) and
+    ``|d(T**2 / N)| <= 2 (N + L - 2) eps S``; with the subtraction
+    ``3N + P + 2L - 2 <= 3N + 4P``. (``L = 1`` gives ``P = 1``: the Linear identity.)
+    """
+    total, squares, inner_terms = _weight_sums(module, inputs, grad_output, with_total=True)
+    return torch.stack([as_weight(module, total), as_weight(module, squares)]), inner_terms
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -317,6 +352,17 @@ class SumOfSquaresConv(_ConvolutionExtension):
 
     weight_result = staticmethod(weight_sum_of_squares)
     bias_result = staticmethod(lambda per_example: per_example.square().sum(0))
+
+
+class SumsConv(_ConvolutionExtension):
+    """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
+
+    bias_result = staticmethod(sums_of)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        result, inner_terms = weight_sums(module, module.input0, g_out[0])
+        BACKWARD_FACTS.inner_terms[id(module.weight)] = inner_terms
+        return result
 
 
 class SquaredNormsConv(_ConvolutionExtension):
