@@ -37,11 +37,8 @@ CHUNK_BYTES = 16 * 2**20
 
 def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     """``[T, S]``: ``sum_i x_i`` and ``sum_i x_i**2`` over ``axis`` of the contributions."""
-    shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
-    result = contributions.new_empty(2, *shape)
-    torch.sum(contributions, axis, out=result[0])
-    torch.sum(contributions.square(), axis, out=result[1])
-    return result
+    # No out= arguments: under create_graph the contributions require grad.
+    return torch.stack([contributions.sum(axis), contributions.square().sum(axis)])
 
 
 def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -55,10 +52,7 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     from it.
     """
     if grad_output.dim() == 2:
-        result = inputs.new_empty(2, grad_output.shape[1], inputs.shape[1])
-        torch.mm(grad_output.T, inputs, out=result[0])
-        torch.mm(grad_output.square().T, inputs.square(), out=result[1])
-        return result
+        return torch.stack([grad_output.T @ inputs, grad_output.square().T @ inputs.square()])
     g, a = grad_output.flatten(1, -2), inputs.flatten(1, -2)  # [N, L, out], [N, L, in]
     per_example = g.shape[2] * a.shape[2] * inputs.element_size()
     size = max(1, CHUNK_BYTES // per_example)
