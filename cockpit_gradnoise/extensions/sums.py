@@ -62,8 +62,9 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     return result
 
 
-class _SumsFromContributionsMixin:
-    """BackPACK's ``SumGradSquared`` rule, returning ``[T, S]`` of the contributions it forms."""
+class SumsFromContributionsMixin:
+    """Turns a BackPACK ``SumGradSquared`` rule (an ``SGSBase``) into ``[T, S]`` of the
+    contributions it forms: ``class Sums(SumsFromContributionsMixin, SGSRule)``."""
 
     def _make_param_function(self, param_str):
         def param_function(ext, module, g_inp, g_out, bp_quantities):
@@ -75,7 +76,7 @@ class _SumsFromContributionsMixin:
         return param_function
 
 
-class SumsLinear(_SumsFromContributionsMixin, SGSBase):
+class SumsLinear(SumsFromContributionsMixin, SGSBase):
     """``Linear``: weight by :func:`linear_weight_sums`, bias from its contributions."""
 
     def __init__(self):
@@ -85,17 +86,17 @@ class SumsLinear(_SumsFromContributionsMixin, SGSBase):
         return linear_weight_sums(module.input0, g_out[0])
 
 
-class SumsRNN(_SumsFromContributionsMixin, SGSRNN):
+class SumsRNN(SumsFromContributionsMixin, SGSRNN):
     """``RNN``."""
 
 
-class SumsLSTM(_SumsFromContributionsMixin, SGSLSTM):
+class SumsLSTM(SumsFromContributionsMixin, SGSLSTM):
     """``LSTM``."""
 
 
-class SumsBatchNormAnyMode(_SumsFromContributionsMixin, SGSBatchNormAnyMode):
+class SumsBatchNormAnyMode(SumsFromContributionsMixin, SGSBatchNormAnyMode):
     """``BatchNorm1d/2d/3d``, in any mode (:mod:`.batchnorm`)."""
 
 
-class SumsEmbeddingAnyDtype(_SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
+class SumsEmbeddingAnyDtype(SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
     """``Embedding``, any dtype (:mod:`.embedding`)."""
