@@ -25,7 +25,6 @@ from cockpit_gradnoise.extensions import (
     SumsOfContributions,
     convolution,
 )
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 import pytest
 import torch
@@ -290,17 +289,3 @@ def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch
     assert seen == [1] * 21  # 7 examples, for each of the three extensions
     assert_results_match(got, expected_for(case, True, 7, "sum"))
 
-
-@pytest.mark.parametrize("method", ["formation", "expansion"])
-@pytest.mark.parametrize("case", CONVS, ids=lambda case: case.name)
-def test_inner_terms_recorded_for_the_rounding_bound(case, method, monkeypatch):
-    """Formed contributions give both sums: 1 term; the expansion sums
-    ``L(L+1)/2`` products of positions per example (``weight_sums``)."""
-    monkeypatch.setattr(convolution, "FORCE_METHOD", method)
-    model, _, loss_fn, inputs, targets = build(case, True, 3, "mean")
-    BACKWARD_FACTS.reset()
-    extension_results(model, loss_fn, inputs, targets)
-    conv = model[0]
-    _, _, _, positions = convolution.layer_shape(conv, inputs, conv(inputs))
-    expected = 1 if method == "formation" else positions * (positions + 1) // 2
-    assert BACKWARD_FACTS.inner_terms == {id(conv.weight): expected}

@@ -40,6 +40,10 @@ Two exact ways to compute each result, chosen per layer by a cost model
   float64: largest relative error 4e-6 (formation 5e-7), median about 5e-8 for
   both; elements that are exactly zero stay zero.
 
+For ``[sum_i x_i, sum_i x_i**2]`` (:func:`weight_sums`, behind the
+gradient's standard deviation) only formation is accurate enough where
+``L > 1``; it is used there whatever the cost.
+
 Both run over chunks of examples sized to :data:`CHUNK_BYTES`: no more than
 about that is allocated at once beyond the layer's inputs and output
 gradients. Neither uses BackPACK's derivatives, so BackPACK's
@@ -49,7 +53,6 @@ gradients. Neither uses BackPACK's derivatives, so BackPACK's
 import math
 from typing import Callable, Optional, Tuple
 
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 from cockpit_gradnoise.extensions.sums import sums_of
 
 import torch
@@ -261,28 +264,24 @@ def _position_pairs(b: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, with_total: bool):
-    """``(sum_i x_i or None, sum_i x_i**2, inner terms)`` in :func:`weight_factors`' order.
-
-    The inner terms are those that the rounding bound of the two sums must
-    count (:func:`weight_sums`).
-    """
+    """``(sum_i x_i or None, sum_i x_i**2)`` in :func:`weight_factors`' order (see :func:`weight_sums`)."""
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     squares = inputs.new_zeros(groups, c_b, c_a)
     total = inputs.new_zeros(groups, c_b, c_a) if with_total else None
-    if _use_formation(expansion_cost, c_b, c_a, positions):
+    if (with_total and positions > 1) or _use_formation(expansion_cost, c_b, c_a, positions):
         for gradients in _formed_gradients(module, inputs, grad_output):
             if with_total:
                 total += gradients.sum(0)
             squares += gradients.square_().sum(0)
-        return total, squares, 1
+        return total, squares
     pairs = positions * (positions + 1) // 2
     # Products of positions, and one factor's indexed copy while forming them.
     for b, a in _chunks(module, inputs, grad_output, 2 * groups * pairs * (c_b + c_a)):
-        if with_total:  # sum over examples and positions: [G, C_b, n L] @ [G, n L, C_a]
+        if with_total:  # one position: sum_i b_i a_i^T, [G, C_b, n] @ [G, n, C_a]
             total.baddbmm_(b.permute(1, 2, 0, 3).flatten(2), a.transpose(0, 1).flatten(1, 2))
         b_pairs, a_pairs = _position_pairs(b, a)
         squares.baddbmm_(b_pairs.transpose(1, 2), a_pairs)
-    return total, squares, pairs
+    return total, squares
 
 
 def weight_sum_of_squares(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -294,22 +293,24 @@ def weight_sum_of_squares(module: nn.Module, inputs: Tensor, grad_output: Tensor
     return as_weight(module, _weight_sums(module, inputs, grad_output, with_total=False)[1])
 
 
-def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, int]:
-    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight`` (``[2, *weight.shape]``) and inner terms.
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``.
 
-    By formation both sums come from the same formed ``x_i``: the rounding
-    bound of ``S - T**2 / N`` needs ``inner_terms = 1``
-    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`). By
-    expansion no ``x_i`` is formed: ``T`` is one matrix product over the ``L``
-    positions and the examples, and ``S`` sums ``P = L(L+1)/2`` products of
-    positions per example, so the bound counts ``P`` inner terms. Following
-    that bound's analysis, without cancellation, ``|dS| <= (N + P + 1) eps S``
-    (depth ``N + P - 2``, three roundings per term) and
-    ``|d(T**2 / N)| <= 2 (N + L - 2) eps S``; with the subtraction
-    ``3N + P + 2L - 2 <= 3N + 4P``. (``L = 1`` gives ``P = 1``: the Linear identity.)
+    Both from the same formed ``x_i`` wherever the layer has ``L > 1``
+    positions, whatever :func:`formation_is_cheaper` (or :data:`FORCE_METHOD`)
+    says: the expansion forms no ``x_i``, and where the terms of one
+    contribution cancel its ``S`` is off by far more than the rounding bound of
+    ``S - T**2 / N``
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`): identical
+    examples gave an sd of ``1e-3`` to ``1e-6`` of the contributions
+    (``|S - T**2 / N|`` up to ``1e6`` eps ``S`` in float32, ``4e9`` in float64)
+    on a 3x3 convolution with 2x2 output positions. With one position each
+    contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
+    ``T = sum_i b_i a_i^T`` and ``S`` by the expansion are within the bound
+    (``inner_terms = 1``), and the cost model decides.
     """
-    total, squares, inner_terms = _weight_sums(module, inputs, grad_output, with_total=True)
-    return torch.stack([as_weight(module, total), as_weight(module, squares)]), inner_terms
+    total, squares = _weight_sums(module, inputs, grad_output, with_total=True)
+    return torch.stack([as_weight(module, total), as_weight(module, squares)])
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -357,12 +358,8 @@ class SumOfSquaresConv(_ConvolutionExtension):
 class SumsConv(_ConvolutionExtension):
     """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
 
+    weight_result = staticmethod(weight_sums)
     bias_result = staticmethod(sums_of)
-
-    def weight(self, ext, module, g_inp, g_out, backproped):
-        result, inner_terms = weight_sums(module, module.input0, g_out[0])
-        BACKWARD_FACTS.inner_terms[id(module.weight)] = inner_terms
-        return result
 
 
 class SquaredNormsConv(_ConvolutionExtension):

@@ -27,12 +27,6 @@ class BackwardFacts:
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
             (``wpe(torch.arange(T))``).
-        inner_terms: ``{id(param): count}``, where ``sum_i x_i`` and
-            ``sum_i x_i**2`` were not both summed from the same computed
-            contributions ``x_i``: the terms per example that the rounding
-            bound of the variance must count (see
-            :func:`~cockpit_gradnoise.extensions.convolution.weight_sums`);
-            1 where absent.
     """
 
     def __init__(self):
@@ -43,7 +37,6 @@ class BackwardFacts:
         self.examples_interact = False
         self.uses: Counter = Counter()
         self.leading_sizes: Dict[int, int] = {}
-        self.inner_terms: Dict[int, int] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""

@@ -14,11 +14,10 @@ cancel, identical examples then give an sd far above 0 (an SNR of ~3e7).
 So the module extensions here return both sums, stacked as
 ``[2, *param.shape]`` (``[T, S]``), computed from the same contributions:
 one result and one savefield per parameter, which Cockpit frees after the
-step as it frees every savefield. Where the contributions are not formed
-and each is a sum of several terms (the convolutions' expansion,
-:func:`~cockpit_gradnoise.extensions.convolution.weight_sums`), the bound
-needs more terms, recorded in
-:data:`~cockpit_gradnoise.extensions.facts.BACKWARD_FACTS` (``inner_terms``).
+step as it frees every savefield. The contributions are formed wherever
+each is a sum of several terms; where each is one product (a Linear layer
+without extra dimensions, a convolution with one output position) the two
+sums are two matrix products, within the bound with ``inner_terms = 1``.
 """
 
 from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode

@@ -2,8 +2,7 @@
 
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
-from cockpit_gradnoise.quantities._base import CAT, SUM, Batch, ParameterQuantity
+from cockpit_gradnoise.quantities._base import SUM, Batch, ParameterQuantity
 
 
 class GradientVarianceQuantiles(ParameterQuantity):
@@ -28,10 +27,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
     :class:`~cockpit_gradnoise.extensions.SumsOfContributions`; its savefield
     is read, never altered), not ``param.grad``, which sums the same numbers
     in another order: so that identical examples give ``sd_j = 0`` exactly
-    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`); and
-    ``inner_terms``, one row per example, the terms of each contribution that
-    this bound must count where the contributions are not formed (1 but for
-    convolutions computed by expansion; the largest is used).
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
+    ``inner_terms = 1``).
     Needs ``info["batch_size"]``; under distributed training
     ``info["individual_losses"]`` and ``info["loss"]`` instead, to add the
     processes' sums in per-example units (``x_ij / c``; see
@@ -48,7 +45,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     """
 
     extension_classes = (SumsOfContributions,)
-    sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM, "inner_terms": CAT}
+    sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM}
 
     def __init__(
         self,
@@ -85,22 +82,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
         if batch.scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.scale, squares / batch.scale**2
-        inner_terms = BACKWARD_FACTS.inner_terms.get(id(param), 1)
-        return {
-            "sum_of_contributions": grad,
-            "sum_of_squared_contributions": squares,
-            # One row per example: "cat" keeps every process's count exactly.
-            "inner_terms": grad.new_full((batch.examples,), inner_terms),
-        }
+        return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
 
     def value_from_sums(self, sums, batch):
         grad = sums["sum_of_contributions"]
-        sd = functional.gradient_sd(
-            sums["sum_of_squared_contributions"],
-            grad,
-            batch.examples,
-            inner_terms=int(sums["inner_terms"].max()),
-        )
+        sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch.examples)
         # SNR is elementwise and free of units: the network's elements are the
         # layers', computed once.
         snr = functional.signal_to_noise(grad, sd)
