@@ -34,10 +34,24 @@ from torch import Tensor
 CHUNK_BYTES = 16 * 2**20
 
 
+def stacked(op, first: tuple, second: tuple, shape) -> Tensor:
+    """``torch.stack([op(*first), op(*second)])``, each written in place where autograd allows.
+
+    Under ``create_graph`` the operands require grad and ``out=`` is refused;
+    otherwise writing into the result saves a copy of it.
+    """
+    if torch.is_grad_enabled():
+        return torch.stack([op(*first), op(*second)])
+    result = first[0].new_empty(2, *shape)
+    op(*first, out=result[0])
+    op(*second, out=result[1])
+    return result
+
+
 def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     """``[T, S]``: ``sum_i x_i`` and ``sum_i x_i**2`` over ``axis`` of the contributions."""
-    # No out= arguments: under create_graph the contributions require grad.
-    return torch.stack([contributions.sum(axis), contributions.square().sum(axis)])
+    shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
+    return stacked(torch.sum, (contributions, axis), (contributions.square(), axis), shape)
 
 
 def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -51,7 +65,10 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     from it.
     """
     if grad_output.dim() == 2:
-        return torch.stack([grad_output.T @ inputs, grad_output.square().T @ inputs.square()])
+        shape = (grad_output.shape[1], inputs.shape[1])
+        return stacked(
+            torch.mm, (grad_output.T, inputs), (grad_output.square().T, inputs.square()), shape
+        )
     g, a = grad_output.flatten(1, -2), inputs.flatten(1, -2)  # [N, L, out], [N, L, in]
     per_example = g.shape[2] * a.shape[2] * inputs.element_size()
     size = max(1, CHUNK_BYTES // per_example)
