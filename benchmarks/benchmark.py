@@ -30,6 +30,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402
+from cockpit_gradnoise.extensions import sums as cgn_sums  # noqa: E402
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 
 import torch  # noqa: E402
@@ -227,9 +228,15 @@ def backpack_sum_grad_squared(model):
 
 
 def package_sum_of_squares(model):
-    """The package's extension behind GradientVarianceQuantiles, without the quantity."""
+    """The package's sum of squares alone (GradientVarianceQuantiles also sums the contributions)."""
     extension = cgn_extensions.SumOfSquaredContributions
     return backpack_step(model, [extension], _sums(cgn_extensions.SUM_GRAD_SQUARED_SAVEFIELD))
+
+
+def package_sums(model):
+    """The package's extension behind GradientVarianceQuantiles, without the quantity."""
+    extension = cgn_extensions.SumsOfContributions
+    return backpack_step(model, [extension], _sums(cgn_extensions.SUMS_SAVEFIELD))
 
 
 def package_squared_norms(model):
@@ -255,14 +262,20 @@ def with_backpack_convolution_rows(build):
         convtranspose3d,
     )
 
+    sgs_rows = {
+        nn.Conv1d: conv1d.SGSConv1d,
+        nn.Conv2d: conv2d.SGSConv2d,
+        nn.Conv3d: conv3d.SGSConv3d,
+        nn.ConvTranspose1d: convtranspose1d.SGSConvTranspose1d,
+        nn.ConvTranspose2d: convtranspose2d.SGSConvTranspose2d,
+        nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d,
+    }
     backpack_rows = {
-        cgn_extensions.sum_of_squares_table: {
-            nn.Conv1d: conv1d.SGSConv1d,
-            nn.Conv2d: conv2d.SGSConv2d,
-            nn.Conv3d: conv3d.SGSConv3d,
-            nn.ConvTranspose1d: convtranspose1d.SGSConvTranspose1d,
-            nn.ConvTranspose2d: convtranspose2d.SGSConvTranspose2d,
-            nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d,
+        cgn_extensions.sum_of_squares_table: sgs_rows,
+        # The same rules, also summing the contributions they form.
+        cgn_extensions.sums_table: {
+            cls: type(f"Sums{rule.__name__}", (cgn_sums.SumsFromContributionsMixin, rule), {})
+            for cls, rule in sgs_rows.items()
         },
         cgn_extensions.per_example_squared_norm_table: {
             nn.Conv1d: convnd.BatchL2Conv1d,
@@ -348,6 +361,7 @@ METHODS = {
     "package extension PerExampleSquaredNorms": package_squared_norms,
     "BackPACK BatchL2Grad": backpack_batch_l2,
     "package extension SumOfSquaredContributions": package_sum_of_squares,
+    "package extension SumsOfContributions": package_sums,
     "BackPACK SumGradSquared": backpack_sum_grad_squared,
     "BackPACK Variance+SumGradSquared": backpack_variance,
     "BackPACK BatchGrad": backpack_batch_grad,

@@ -36,7 +36,7 @@ from cockpit_gradnoise import distributed  # noqa: E402
 from cockpit_gradnoise.extensions import (  # noqa: E402
     LocalGradient,
     PerExampleSquaredNorms,
-    SumOfSquaredContributions,
+    SumsOfContributions,
 )
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 
@@ -140,9 +140,9 @@ def benchmark_model(name, args):
     steps = {
         "plain": plain_ddp_step(model),
         "tracked": tracked_ddp_step(model),
-        "extensions": local_backward(model, [PerExampleSquaredNorms, SumOfSquaredContributions]),
+        "extensions": local_backward(model, [PerExampleSquaredNorms, SumsOfContributions]),
         "with local gradient": local_backward(
-            model, [PerExampleSquaredNorms, SumOfSquaredContributions, LocalGradient]
+            model, [PerExampleSquaredNorms, SumsOfContributions, LocalGradient]
         ),
     }
     timer = ReductionTimer()

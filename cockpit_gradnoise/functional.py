@@ -148,7 +148,8 @@ def gradient_sd(
 
     Args:
         sum_of_squares: ``sum_i x_ij**2``.
-        total: ``sum_i x_ij`` (``param.grad``).
+        total: ``sum_i x_ij``, best summed from the same computed ``x_ij`` as
+            ``sum_of_squares`` (``param.grad`` sums them in another order).
         n: Batch size ``N >= 2``.
         inner_terms: See :func:`centred_sum_of_squares`.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).

@@ -4,7 +4,12 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import schema
-from cockpit_gradnoise.extensions import SUM_GRAD_SQUARED_SAVEFIELD, SumOfSquaredContributions
+from cockpit_gradnoise.extensions import (
+    SUM_GRAD_SQUARED_SAVEFIELD,
+    SUMS_SAVEFIELD,
+    SumOfSquaredContributions,
+    SumsOfContributions,
+)
 from cockpit_gradnoise.quantities._base import SUM
 
 import pytest
@@ -89,7 +94,7 @@ def test_undeclared_statistic_names_fail_at_the_first_tracked_step():
 
 
 class SumOfSquaresReader(cgn.ParameterQuantity):
-    """A user's quantity reading the same savefield as GradientVarianceQuantiles."""
+    """A user's quantity reading the sum of squares from another extension in one step."""
 
     extension_classes = (SumOfSquaredContributions,)
 
@@ -106,8 +111,18 @@ class SumOfSquaresReader(cgn.ParameterQuantity):
         return ["total"]
 
 
+class SumsReader(SumOfSquaresReader):
+    """A user's quantity reading the same savefield as GradientVarianceQuantiles."""
+
+    extension_classes = (SumsOfContributions,)
+
+    def parameter_value(self, param, context):
+        return getattr(param, SUMS_SAVEFIELD)[1].sum().item()
+
+
+@pytest.mark.parametrize("reader", [SumOfSquaresReader, SumsReader])
 @pytest.mark.parametrize("reader_first", [True, False])
-def test_two_readers_of_one_savefield_both_see_the_sums_unaltered(reader_first):
+def test_two_readers_of_one_savefield_both_see_the_sums_unaltered(reader_first, reader):
     """GradientVarianceQuantiles once turned the sum of squares into sd in place."""
     problem = build(MODELS[0], 5, "sum")
     expected = {}
@@ -116,13 +131,13 @@ def test_two_readers_of_one_savefield_both_see_the_sums_unaltered(reader_first):
     ).items():
         expected[name] = grads.pow(2).sum().item()
     quantities = [
-        SumOfSquaresReader(linear(1), param_names=problem.names),
+        reader(linear(1), param_names=problem.names),
         cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names),
     ]
     if not reader_first:
         quantities.reverse()
     cockpit = run_step(problem, quantities)
-    got = rows(cockpit, "SumOfSquaresReader")
+    got = rows(cockpit, reader.__name__)
     for name, total in expected.items():
         assert got[name]["total"] == pytest.approx(total, rel=1e-12)
     alone = run_step(

@@ -1,5 +1,9 @@
 """The convolution extensions against a per-example loop, in float64.
 
+All three: ``sum_i x_i**2`` (``SumOfSquaredContributions``), ``||x_i||^2``
+(``PerExampleSquaredNorms``) and ``[sum_i x_i, sum_i x_i**2]``
+(``SumsOfContributions``).
+
 Every convolution class with stride, padding, dilation, groups and
 ``output_padding`` variants, with and without bias, both methods forced
 (forming per-example gradients; expanding the square or the Gram matrices),
@@ -15,8 +19,10 @@ from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     BATCH_L2_SAVEFIELD,
     SUM_GRAD_SQUARED_SAVEFIELD,
+    SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
     SumOfSquaredContributions,
+    SumsOfContributions,
     convolution,
 )
 
@@ -143,34 +149,44 @@ def expected_for(case, bias, n, reduction):
 
 
 def expected_results(plain, inputs, targets, reduction):
-    """``{conv param name: (sum_i x_i**2, ||x_i||**2)}`` from one backward pass per example."""
+    """``{conv param name: (sum_i x_i**2, ||x_i||**2, contributions x_i)}``, one
+    backward pass per example."""
     grads = references.per_example_gradients(
         plain, nn.CrossEntropyLoss(reduction="none"), inputs, targets
     )
     scale = 1.0 / len(inputs) if reduction == "mean" else 1.0
     contributions = {name: g * scale for name, g in grads.items() if name.startswith("0.")}
     return {
-        name: (x.pow(2).sum(0), x.flatten(start_dim=1).pow(2).sum(1))
+        name: (x.pow(2).sum(0), x.flatten(start_dim=1).pow(2).sum(1), x)
         for name, x in contributions.items()
     }
 
 
 def extension_results(model, loss_fn, inputs, targets):
-    """``{conv param name: (sum of squares, squared norms)}`` from one BackPACK backward pass."""
+    """``{conv param name: (sum of squares, squared norms, [sum, sum of squares])}``
+    from one BackPACK backward pass."""
     loss = loss_fn(model(inputs), targets)
-    with backpack(SumOfSquaredContributions(), PerExampleSquaredNorms()):
+    with backpack(SumOfSquaredContributions(), PerExampleSquaredNorms(), SumsOfContributions()):
         loss.backward()
     return {
-        f"0.{name}": (getattr(p, SUM_GRAD_SQUARED_SAVEFIELD), getattr(p, BATCH_L2_SAVEFIELD))
+        f"0.{name}": tuple(
+            getattr(p, field)
+            for field in (SUM_GRAD_SQUARED_SAVEFIELD, BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD)
+        )
         for name, p in model[0].named_parameters()
     }
 
 
 def assert_results_match(got, expected):
     assert set(got) == set(expected)
-    for name, (sum_of_squares, norms) in expected.items():
+    for name, (sum_of_squares, norms, x) in expected.items():
         torch.testing.assert_close(got[name][0], sum_of_squares, rtol=RTOL, atol=0)
         torch.testing.assert_close(got[name][1], norms, rtol=RTOL, atol=0)
+        total, squares = got[name][2]
+        torch.testing.assert_close(squares, sum_of_squares, rtol=RTOL, atol=0)
+        # sum_i x_i can cancel: its error is relative to sum_i |x_i|, per element.
+        error = (total - x.sum(0)).abs()
+        assert (error <= RTOL * x.abs().sum(0)).all(), name
 
 
 @pytest.mark.parametrize("method", ["formation", "expansion"])
@@ -270,5 +286,6 @@ def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch
     monkeypatch.setattr(convolution, "weight_factors", recording)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "sum")
     got = extension_results(model, loss_fn, inputs, targets)
-    assert seen == [1] * 14  # 7 examples, for the sum of squares and for the norms
+    assert seen == [1] * 21  # 7 examples, for each of the three extensions
     assert_results_match(got, expected_for(case, True, 7, "sum"))
+

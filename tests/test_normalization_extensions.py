@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Tuple
 
 from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.extensions import normalization as norms
 
 import pytest
@@ -198,6 +199,21 @@ def test_savefields_match_per_example_loop(case, reduction, n):
     for name, x in expected.items():
         for savefield, value in expected_savefields(x).items():
             assert_close_relative(getattr(params[name], savefield), value, f"{name}.{savefield}")
+
+
+@pytest.mark.parametrize("n", BATCH_SIZES, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_package_sums_match_per_example_loop(case, reduction, n):
+    """The package's ``SumsOfContributions`` (its own rows, no registration):
+    ``[sum_i x_i, sum_i x_i**2]`` of every parameter."""
+    model, reference_model, inputs, targets = make_problem(case, n)
+    backward_with(model, inputs, targets, reduction, [SumsOfContributions()])
+    params = dict(model.named_parameters())
+    for name, x in contributions_reference(reference_model, inputs, targets, reduction).items():
+        total, squares = getattr(params[name], SUMS_SAVEFIELD)
+        assert_close_relative(total, x.sum(0), f"{name} sum")
+        assert_close_relative(squares, x.pow(2).sum(0), f"{name} sum of squares")
 
 
 class OwnBatchL2(BatchL2Grad):

@@ -1,6 +1,6 @@
 """The BackPACK extensions the quantities request.
 
-Two first-order extensions, built as BackPACK builds its own: an explicit
+Three first-order extensions, built as BackPACK builds its own: an explicit
 table from module class to module extension, and ``fail_mode`` passed to
 BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 
@@ -16,15 +16,18 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   convolution backward (:mod:`.convolution`);
 - ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
   (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
-  extensions, and so Cockpit's quantities, the same rows).
+  extensions, and so Cockpit's quantities, the same rows);
+- :class:`SumsOfContributions` saves ``sum_i x_i`` with ``sum_i x_i**2``,
+  both from one computation of the contributions (:mod:`.sums`), so that
+  identical examples give a variance of exactly 0.
 
-The third, :class:`LocalGradient`, is requested only under distributed
+The fourth, :class:`LocalGradient`, is requested only under distributed
 training, where ``param.grad`` is not this process's own gradient.
 
 A new layer is supported by adding one row to a table below.
 """
 
-from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization
+from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization, sums
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
 
 from backpack.extensions import BatchL2Grad, SumGradSquared
@@ -41,6 +44,13 @@ from torch import nn
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
 LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
+SUMS_SAVEFIELD = "cgn_sums_of_contributions"
+
+
+_CONVOLUTIONS = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d
+)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _normalization_rows(extension_class):
@@ -86,6 +96,19 @@ def sum_of_squares_table():
         nn.BatchNorm3d: batchnorm.SGSBatchNormAnyMode(),
         nn.Embedding: embedding.SGSEmbeddingAnyDtype(),
         **_normalization_rows(SumGradSquared),
+    }
+
+
+def sums_table():
+    """Module class -> module extension computing ``[sum_i x_i, sum_i x_i**2]`` (:mod:`.sums`)."""
+    return {
+        nn.Linear: sums.SumsLinear(),
+        **dict.fromkeys(_CONVOLUTIONS, convolution.SumsConv()),
+        nn.RNN: sums.SumsRNN(),
+        nn.LSTM: sums.SumsLSTM(),
+        **dict.fromkeys(_BATCH_NORMS, sums.SumsBatchNormAnyMode()),
+        nn.Embedding: sums.SumsEmbeddingAnyDtype(),
+        **{module: ext() for module, ext in normalization.SUMS_MODULE_EXTENSIONS.items()},
     }
 
 
@@ -135,6 +158,23 @@ class SumOfSquaredContributions(_RecordingExtension):
         super().__init__(
             savefield=SUM_GRAD_SQUARED_SAVEFIELD,
             module_exts=sum_of_squares_table(),
+            fail_mode=FAIL_SILENT,
+        )
+
+
+class SumsOfContributions(_RecordingExtension):
+    """``[sum_i x_i, sum_i x_i**2]`` per element, saved as ``param.cgn_sums_of_contributions``.
+
+    Shape ``[2, *param.shape]``. Both sums come from one computation of the
+    contributions ``x_i`` (:mod:`.sums`), so that identical examples give a
+    variance of exactly 0; ``sum_i x_i`` is this backward pass's own gradient
+    on this process, also under distributed training.
+    """
+
+    def __init__(self):
+        super().__init__(
+            savefield=SUMS_SAVEFIELD,
+            module_exts=sums_table(),
             fail_mode=FAIL_SILENT,
         )
 

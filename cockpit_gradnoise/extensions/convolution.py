@@ -40,6 +40,10 @@ Two exact ways to compute each result, chosen per layer by a cost model
   float64: largest relative error 4e-6 (formation 5e-7), median about 5e-8 for
   both; elements that are exactly zero stay zero.
 
+For ``[sum_i x_i, sum_i x_i**2]`` (:func:`weight_sums`, behind the
+gradient's standard deviation) only formation is accurate enough where
+``L > 1``; it is used there whatever the cost.
+
 Both run over chunks of examples sized to :data:`CHUNK_BYTES`: no more than
 about that is allocated at once beyond the layer's inputs and output
 gradients. Neither uses BackPACK's derivatives, so BackPACK's
@@ -48,6 +52,8 @@ gradients. Neither uses BackPACK's derivatives, so BackPACK's
 
 import math
 from typing import Callable, Optional, Tuple
+
+from cockpit_gradnoise.extensions.sums import sums_of
 
 import torch
 import torch.nn.functional as F
@@ -257,24 +263,54 @@ def _position_pairs(b: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
     )
 
 
+def _weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, with_total: bool):
+    """``(sum_i x_i or None, sum_i x_i**2)`` in :func:`weight_factors`' order (see :func:`weight_sums`)."""
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    squares = inputs.new_zeros(groups, c_b, c_a)
+    total = inputs.new_zeros(groups, c_b, c_a) if with_total else None
+    if (with_total and positions > 1) or _use_formation(expansion_cost, c_b, c_a, positions):
+        for gradients in _formed_gradients(module, inputs, grad_output):
+            if with_total:
+                total += gradients.sum(0)
+            squares += gradients.square_().sum(0)
+        return total, squares
+    pairs = positions * (positions + 1) // 2
+    # Products of positions, and one factor's indexed copy while forming them.
+    for b, a in _chunks(module, inputs, grad_output, 2 * groups * pairs * (c_b + c_a)):
+        if with_total:  # one position: sum_i b_i a_i^T, [G, C_b, n] @ [G, n, C_a]
+            total.baddbmm_(b.permute(1, 2, 0, 3).flatten(2), a.transpose(0, 1).flatten(1, 2))
+        b_pairs, a_pairs = _position_pairs(b, a)
+        squares.baddbmm_(b_pairs.transpose(1, 2), a_pairs)
+    return total, squares
+
+
 def weight_sum_of_squares(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``sum_i x_i**2`` per element of ``module.weight``, exact.
 
     .. math:: \\sum_i \\Big(\\sum_l b_{il} a_{il}^\\top\\Big)^{\\circ 2}
               = \\sum_{i,l,l'} (b_{il} \\circ b_{il'}) (a_{il} \\circ a_{il'})^\\top
     """
-    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    result = inputs.new_zeros(groups, c_b, c_a)
-    if _use_formation(expansion_cost, c_b, c_a, positions):
-        for gradients in _formed_gradients(module, inputs, grad_output):
-            result += gradients.square_().sum(0)
-    else:
-        pairs = positions * (positions + 1) // 2
-        # Products of positions, and one factor's indexed copy while forming them.
-        for b, a in _chunks(module, inputs, grad_output, 2 * groups * pairs * (c_b + c_a)):
-            b_pairs, a_pairs = _position_pairs(b, a)
-            result.baddbmm_(b_pairs.transpose(1, 2), a_pairs)
-    return as_weight(module, result)
+    return as_weight(module, _weight_sums(module, inputs, grad_output, with_total=False)[1])
+
+
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``.
+
+    Both from the same formed ``x_i`` wherever the layer has ``L > 1``
+    positions, whatever :func:`formation_is_cheaper` (or :data:`FORCE_METHOD`)
+    says: the expansion forms no ``x_i``, and where the terms of one
+    contribution cancel its ``S`` is off by far more than the rounding bound of
+    ``S - T**2 / N``
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`): identical
+    examples gave an sd of ``1e-3`` to ``1e-6`` of the contributions
+    (``|S - T**2 / N|`` up to ``1e6`` eps ``S`` in float32, ``4e9`` in float64)
+    on a 3x3 convolution with 2x2 output positions. With one position each
+    contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
+    ``T = sum_i b_i a_i^T`` and ``S`` by the expansion are within the bound
+    (``inner_terms = 1``), and the cost model decides.
+    """
+    total, squares = _weight_sums(module, inputs, grad_output, with_total=True)
+    return torch.stack([as_weight(module, total), as_weight(module, squares)])
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -317,6 +353,13 @@ class SumOfSquaresConv(_ConvolutionExtension):
 
     weight_result = staticmethod(weight_sum_of_squares)
     bias_result = staticmethod(lambda per_example: per_example.square().sum(0))
+
+
+class SumsConv(_ConvolutionExtension):
+    """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
+
+    weight_result = staticmethod(weight_sums)
+    bias_result = staticmethod(sums_of)
 
 
 class SquaredNormsConv(_ConvolutionExtension):

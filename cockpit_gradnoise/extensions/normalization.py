@@ -43,6 +43,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, Tuple, Type
 
+from cockpit_gradnoise.extensions.sums import sums_of
+
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -209,6 +211,13 @@ class _GradientNormalization(_NormalizationModuleExtension):
         return contributions.sum(0)
 
 
+class _SumsNormalization(_NormalizationModuleExtension):
+    """``[sum_i x_i, sum_i x_i^2]`` from the same contributions, shape ``[2, *param.shape]`` (:mod:`.sums`)."""
+
+    def _reduce(self, contributions: Tensor) -> Tensor:
+        return sums_of(contributions)
+
+
 class BatchGradLayerNorm(_LayerNormRule, _BatchGradNormalization):
     """``BatchGrad`` for ``nn.LayerNorm``."""
 
@@ -269,6 +278,18 @@ class GradRMSNorm(_RMSNormRule, _GradientNormalization):
     """The gradient for ``nn.RMSNorm``."""
 
 
+class SumsLayerNorm(_LayerNormRule, _SumsNormalization):
+    """Both sums for ``nn.LayerNorm``."""
+
+
+class SumsGroupNorm(_GroupNormRule, _SumsNormalization):
+    """Both sums for ``nn.GroupNorm``."""
+
+
+class SumsRMSNorm(_RMSNormRule, _SumsNormalization):
+    """Both sums for ``nn.RMSNorm``."""
+
+
 def _rows(layer_norm, group_norm, rms_norm) -> Dict[Type[nn.Module], Type[ModuleExtension]]:
     rows = {nn.LayerNorm: layer_norm, nn.GroupNorm: group_norm}
     if _RMS_NORM is not None:
@@ -288,6 +309,9 @@ NORMALIZATION_MODULE_EXTENSIONS: Dict[
 
 #: The same rows for this package's gradient extension (``LocalGradient``).
 GRADIENT_MODULE_EXTENSIONS = _rows(GradLayerNorm, GradGroupNorm, GradRMSNorm)
+
+#: The same rows for this package's :class:`~cockpit_gradnoise.extensions.SumsOfContributions`.
+SUMS_MODULE_EXTENSIONS = _rows(SumsLayerNorm, SumsGroupNorm, SumsRMSNorm)
 
 
 def register_normalization_extensions(

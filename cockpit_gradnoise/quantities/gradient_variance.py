@@ -1,7 +1,7 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
 from cockpit_gradnoise import distributed, functional
-from cockpit_gradnoise.extensions import SumOfSquaredContributions
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.quantities._base import SUM, Batch, ParameterQuantity
 
 
@@ -22,8 +22,13 @@ class GradientVarianceQuantiles(ParameterQuantity):
     of ``sd_j``; ``snr_mean`` and ``snr_q0.5`` of ``|grad_j| / sd_j`` over
     the elements with ``sd_j > 0`` (absent when there are none).
 
-    Declared sums per parameter: ``sum_i x_ij`` (``param.grad``) and
-    ``sum_i x_ij**2`` (one BackPACK ``SumGradSquared``, read, never altered).
+    Declared sums per parameter: ``sum_i x_ij`` and ``sum_i x_ij**2``, both
+    summed from one computation of the contributions ``x_ij`` (the extension
+    :class:`~cockpit_gradnoise.extensions.SumsOfContributions`; its savefield
+    is read, never altered), not ``param.grad``, which sums the same numbers
+    in another order: so that identical examples give ``sd_j = 0`` exactly
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
+    ``inner_terms = 1``).
     Needs ``info["batch_size"]``; under distributed training
     ``info["individual_losses"]`` and ``info["loss"]`` instead, to add the
     processes' sums in per-example units (``x_ij / c``; see
@@ -39,9 +44,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         verbose: Print what is computed.
     """
 
-    extension_classes = (SumOfSquaredContributions,)
+    extension_classes = (SumsOfContributions,)
     sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM}
-    reads_local_gradient = True
 
     def __init__(
         self,
@@ -72,9 +76,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return True
 
     def parameter_sums(self, param, batch):
-        # References to what the backward pass left, never altered: another
-        # quantity may read the same savefield in the same step.
-        grad, squares = self.local_gradient(param), param.cgn_sum_grad_squared
+        # Views of what the backward pass left, never altered: another quantity
+        # may read the same savefield in the same step. Both sums are this
+        # process's own, also under distributed training.
+        grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
         if batch.scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.scale, squares / batch.scale**2
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
