@@ -33,7 +33,6 @@ from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402
 from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance  # noqa: E402
@@ -46,14 +45,14 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
 
-def make_mlp():
+def make_mlp(width=512):
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(784, 512),
+        nn.Linear(784, width),
         nn.ReLU(),
-        nn.Linear(512, 512),
+        nn.Linear(width, width),
         nn.ReLU(),
-        nn.Linear(512, 10),
+        nn.Linear(width, 10),
     )
 
 
@@ -72,63 +71,121 @@ def make_cnn():
 
 
 def make_resnet18():
-    """torchvision's resnet18 for 10 classes, in eval mode (BackPACK refuses BatchNorm in training).
+    """torchvision's resnet18 for 10 classes, in eval mode (BatchNorm with running statistics).
 
     Its in-place ReLU and ``out += identity`` break BackPACK's hooks:
-    ``backpack_converter`` asks :func:`extended_copy` for BackPACK's torch.fx
-    converter, which keeps the parameter names.
+    ``cgn.prepare_model`` (:func:`extended_copy`) extends it through BackPACK's
+    torch.fx converter, which keeps the parameter names.
     """
     from torchvision.models import resnet18
 
-    model = resnet18(num_classes=10).eval()
-    model.backpack_converter = True
-    return model
+    return resnet18(num_classes=10).eval()
+
+
+def make_gpt():
+    """The GPT-style language model of the architectures issue (``experiments.models.GPT``).
+
+    4 pre-norm blocks of width 128 with 4 heads (attention from ``nn.Linear``),
+    sequence 64, vocabulary 96.
+    """
+    from experiments.models import GPT
+
+    return GPT(GPT_VOCABULARY, GPT_CONTEXT, width=128, heads=4, layers=4)
+
+
+GPT_VOCABULARY, GPT_CONTEXT = 96, 64
+
+
+def classification_loss(reduction):
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
+def token_loss(reduction):
+    """Per-token cross-entropy; an example's own loss (``"none"``) is the mean over its tokens."""
+    from experiments.models import TokenCrossEntropy
+
+    return TokenCrossEntropy(reduction, per_token="mean")
+
+
+def images(*shape):
+    return lambda n, device: torch.randn(n, *shape, device=device)
+
+
+def tokens(n, device):
+    return torch.randint(0, GPT_VOCABULARY, (n, GPT_CONTEXT), device=device)
+
+
+def classes(n, device):
+    return torch.randint(0, 10, (n,), device=device)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     make: object  # () -> nn.Module
-    example_shape: tuple
+    inputs: object  # (batch size, device) -> inputs
     batch_size: int  # unless --batch-size says otherwise
+    targets: object = classes  # (batch size, device) -> targets
+    #: ``reduction -> loss module``: ``"mean"`` trains, ``"none"`` gives each example's loss.
+    loss: object = classification_loss
 
 
 MODELS = {
-    "mlp": ModelSpec(make_mlp, (1, 28, 28), 128),
-    "cnn": ModelSpec(make_cnn, (1, 28, 28), 128),
-    "resnet18": ModelSpec(make_resnet18, (3, 32, 32), 64),
+    "mlp": ModelSpec(make_mlp, images(1, 28, 28), 128),
+    "cnn": ModelSpec(make_cnn, images(1, 28, 28), 128),
+    "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
+    "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
 }
 
 
 def extended_copy(model):
-    """A BackPACK-extended deep copy (through BackPACK's converter where the model asks)."""
-    converter = getattr(model, "backpack_converter", False)
-    return extend(copy.deepcopy(model), use_converter=converter)
+    """A BackPACK-extended deep copy, as users make it (``cgn.prepare_model``).
+
+    It uses BackPACK's converter where in-place operations need it (resnet18).
+    """
+    return cgn.prepare_model(copy.deepcopy(model))
+
+
+class NotSupported(Exception):
+    """A method cannot compute its result for every parameter of this model."""
 
 
 # Steps ---------------------------------------------------------------------------
-# Each builder gets the un-extended reference model and returns a function
-# step(x, y) doing one training step on its own copy of that model (same
-# weights; the plain step trains the reference itself), with the module it
-# trains as ``step.model``. Results a step computes are reduced to per-example
-# norms or freed inside the step, as a training script would.
+# Each builder gets the un-extended reference model and ``loss`` (the model's
+# ``ModelSpec.loss``) and returns a function step(x, y) doing one training step
+# on its own copy of that model (same weights; the plain step trains the
+# reference itself), with the module it trains as ``step.model``. Results a
+# step computes are reduced to per-example norms or freed inside the step, as
+# a training script would. A builder raises ``NotSupported`` when the method
+# cannot give a result for every trainable parameter of the model.
 
 
-def plain_step(model):
+def plain_step(model, loss):
+    loss_fn = loss("mean")
+
     def step(x, y):
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
 
     step.model = model
     return step
 
 
-def cockpit_step(model, make_quantities):
-    """A step tracked by a Cockpit holding ``make_quantities(param_names)``."""
+def trainable(model):
+    """Names and parameters that require gradients (Cockpit refuses frozen ones)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def cockpit_step(model, loss, make_quantities, every=1):
+    """A step tracked by a Cockpit holding ``make_quantities(param_names, schedule)``.
+
+    The schedule is Cockpit's ``linear(every)``: every ``every``-th step is tracked.
+    """
     model = extended_copy(model)
-    loss_fn = extend(nn.CrossEntropyLoss())
-    names = [n for n, _ in model.named_parameters()]
-    cockpit = cgn.Cockpit(model.parameters(), quantities=make_quantities(names))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss_fn, individual_loss = extend(loss("mean")), loss("none")
+    names, params = trainable(model)
+    cockpit = cgn.Cockpit(params, quantities=make_quantities(names, linear(every)))
+    optimizer = torch.optim.SGD(params, lr=0.0)
     steps = itertools.count()
 
     def step(x, y):
@@ -138,7 +195,7 @@ def cockpit_step(model, make_quantities):
         loss = loss_fn(out, y)
         info = {
             "batch_size": len(x),
-            "individual_losses": F.cross_entropy(out.detach(), y, reduction="none"),
+            "individual_losses": individual_loss(out.detach(), y),
             "loss": loss,
             "optimizer": optimizer,
         }
@@ -150,34 +207,119 @@ def cockpit_step(model, make_quantities):
 
 
 def package_quantity(name):
-    return lambda model: cockpit_step(
-        model, lambda names: [getattr(cgn, name)(linear(1), param_names=names)]
-    )
+    def build(model, loss, every=1):
+        return cockpit_step(
+            model,
+            loss,
+            lambda names, schedule: [getattr(cgn, name)(schedule, param_names=names)],
+            every,
+        )
+
+    return build
 
 
-def package_all(model):
+def package_all(model, loss, every=1):
     available = [getattr(cgn, n) for n in QUANTITIES if hasattr(cgn, n)]
     return cockpit_step(
-        model, lambda names: [cls(linear(1), param_names=names) for cls in available]
-    )
-
-
-def cockpit_own(model):
-    return cockpit_step(
         model,
-        lambda names: [
-            cockpit_quantities.GradNorm(linear(1)),
-            cockpit_quantities.MeanGSNR(linear(1)),
-            cockpit_quantities.NormTest(linear(1)),
-        ],
+        loss,
+        lambda names, schedule: [cls(schedule, param_names=names) for cls in available],
+        every,
     )
 
 
-def backpack_step(model, extensions, reduce):
+def empty_cockpit(model, loss, every=1):
+    """The floor of every package row: an extended model inside a Cockpit with no quantity."""
+    return cockpit_step(model, loss, lambda names, schedule: [], every)
+
+
+def extended_no_cockpit(model, loss):
+    """A plain step on a BackPACK-extended model (its hooks run, no extension is active)."""
+    model = extended_copy(model)
+    loss_fn = extend(loss("mean"))
+
+    def step(x, y):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    step.model = model
+    return step
+
+
+def cockpit_own(model, loss):
+    def quantities(names, schedule):
+        chosen = [
+            cockpit_quantities.GradNorm(schedule),
+            cockpit_quantities.MeanGSNR(schedule),
+            cockpit_quantities.NormTest(schedule),
+        ]
+        refuse_unsupported(model, [e for q in chosen for e in q.extensions(0)])
+        return chosen
+
+    return cockpit_step(model, loss, quantities)
+
+
+def refuse_unsupported(model, extensions):
+    """Raise ``NotSupported`` if a BackPACK extension has no rows for a trainable layer.
+
+    BackPACK skips such layers (a warning; Cockpit's quantities then fail on a
+    missing result), so the method would not compute what it claims.
+    """
+    for extension in extensions:
+        # BackPACK's table of module class -> module extension (no public getter).
+        rows = vars(extension)["_BackpropExtension__module_extensions"]
+        missing = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if type(m) not in rows and any(p.requires_grad for p in m.parameters(False))
+            }
+        )
+        if missing:
+            raise NotSupported(
+                f"not supported: BackPACK's {type(extension).__name__} has no rows for "
+                + ", ".join(missing)
+            )
+
+
+#: Modules whose rows the frozen rows leave out: LayerNorm, embeddings, attention.
+def _norm_embedding_attention():
+    from experiments.models import CausalSelfAttention
+
+    return (nn.LayerNorm, nn.Embedding, CausalSelfAttention, cgn.LinearAttention)
+
+
+FROZEN = "LayerNorm/embedding/attention frozen"
+
+
+def without_norm_embedding_attention_rows(build):
+    """``build`` on a copy whose LayerNorm, embedding and attention parameters are frozen.
+
+    The step carries its own plain step (``step.plain``) on that frozen copy:
+    its ratio to that plain step is what the model costs without those layers'
+    rows, to compare with ``build``'s ratio on the whole model.
+    """
+
+    def build_frozen(model, loss):
+        frozen = copy.deepcopy(model)
+        modules = [m for m in frozen.modules() if isinstance(m, _norm_embedding_attention())]
+        if not modules:
+            raise NotSupported("not applicable: no LayerNorm, embedding or attention")
+        for module in modules:
+            module.requires_grad_(False)
+        step = build(frozen, loss)
+        step.plain = plain_step(frozen, loss)
+        return step
+
+    return build_frozen
+
+
+def backpack_step(model, loss, extensions, reduce):
     """A step with BackPACK ``extensions`` (conv memory setting as Cockpit's)."""
     model = extended_copy(model)
-    loss_fn = extend(nn.CrossEntropyLoss())
-    params = list(model.parameters())
+    loss_fn = extend(loss("mean"))
+    _, params = trainable(model)
+    refuse_unsupported(model, [ext() for ext in extensions])
     savefields = [ext().savefield for ext in extensions]
 
     def step(x, y):
@@ -206,36 +348,36 @@ def _batch_grad_norms(params):
     return sum(p.grad_batch.flatten(start_dim=1).pow(2).sum(1) for p in params).sqrt()
 
 
-def backpack_batch_l2(model):
-    return backpack_step(model, [BatchL2Grad], _batch_l2)
+def backpack_batch_l2(model, loss):
+    return backpack_step(model, loss, [BatchL2Grad], _batch_l2)
 
 
-def backpack_variance(model):
-    return backpack_step(model, [Variance, SumGradSquared], _variance)
+def backpack_variance(model, loss):
+    return backpack_step(model, loss, [Variance, SumGradSquared], _variance)
 
 
-def backpack_batch_grad(model):
-    return backpack_step(model, [BatchGrad], _batch_grad_norms)
+def backpack_batch_grad(model, loss):
+    return backpack_step(model, loss, [BatchGrad], _batch_grad_norms)
 
 
 def _sums(savefield):
     return lambda params: [getattr(p, savefield).sum() for p in params]
 
 
-def backpack_sum_grad_squared(model):
-    return backpack_step(model, [SumGradSquared], _sums("sum_grad_squared"))
+def backpack_sum_grad_squared(model, loss):
+    return backpack_step(model, loss, [SumGradSquared], _sums("sum_grad_squared"))
 
 
-def package_sum_of_squares(model):
+def package_sum_of_squares(model, loss):
     """The package's extension behind GradientVarianceQuantiles, without the quantity."""
     extension = cgn_extensions.SumOfSquaredContributions
-    return backpack_step(model, [extension], _sums(cgn_extensions.SUM_GRAD_SQUARED_SAVEFIELD))
+    return backpack_step(model, loss, [extension], _sums(cgn_extensions.SUM_GRAD_SQUARED_SAVEFIELD))
 
 
-def package_squared_norms(model):
+def package_squared_norms(model, loss):
     """The package's extension behind PerExampleGradNorm, without the quantity."""
     extension = cgn_extensions.PerExampleSquaredNorms
-    return backpack_step(model, [extension], _sums(cgn_extensions.BATCH_L2_SAVEFIELD))
+    return backpack_step(model, loss, [extension], _sums(cgn_extensions.BATCH_L2_SAVEFIELD))
 
 
 def with_backpack_convolution_rows(build):
@@ -277,13 +419,13 @@ def with_backpack_convolution_rows(build):
     def patched(table):
         return lambda: {**table(), **{cls: ext() for cls, ext in backpack_rows[table].items()}}
 
-    def build_with_backpack_rows(model):
+    def build_with_backpack_rows(model, loss):
         # The quantities instantiate their extensions, and so read the tables, when built.
         originals = list(backpack_rows)
         for table in originals:
             setattr(cgn_extensions, table.__name__, patched(table))
         try:
-            return build(model)
+            return build(model, loss)
         finally:
             for table in originals:
                 setattr(cgn_extensions, table.__name__, table)
@@ -291,7 +433,7 @@ def with_backpack_convolution_rows(build):
     return build_with_backpack_rows
 
 
-def torch_func_vmap(model):
+def torch_func_vmap(model, loss):
     """Per-example gradients with torch.func, their norms, and ``param.grad``.
 
     torch.func cannot run on a BackPACK-extended module: this uses a plain copy.
@@ -300,10 +442,11 @@ def torch_func_vmap(model):
 
     model = copy.deepcopy(model)
     params = dict(model.named_parameters())
+    loss_fn = loss("mean")
 
     def example_loss(weights, x, y):
         out = functional_call(model, weights, (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
+        return loss_fn(out, y.unsqueeze(0))
 
     per_example_grad = vmap(grad(example_loss), in_dims=(None, 0, 0))
 
@@ -318,7 +461,7 @@ def torch_func_vmap(model):
     return step
 
 
-def opacus_ghost(model):
+def opacus_ghost(model, loss):
     """Opacus ghost clipping's per-example norms (first of its two backward passes)."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
@@ -326,9 +469,11 @@ def opacus_ghost(model):
         copy.deepcopy(model), max_grad_norm=1e9, use_ghost_clipping=True
     )
 
+    loss_fn = loss("mean")
+
     def step(x, y):
         module.zero_grad(set_to_none=True)
-        F.cross_entropy(module(x), y).backward()
+        loss_fn(module(x), y).backward()
         module.get_norm_sample()
 
     step.model = module
@@ -337,8 +482,11 @@ def opacus_ghost(model):
 
 #: Method name -> builder, in the table's order.
 METHODS = {
+    "extended model, no Cockpit": extended_no_cockpit,
+    "empty Cockpit": empty_cockpit,
     **{name: package_quantity(name) for name in QUANTITIES},
     "package: all together": package_all,
+    f"package: all together, {FROZEN}": without_norm_embedding_attention_rows(package_all),
     "GradientVarianceQuantiles (BackPACK's conv rows)": with_backpack_convolution_rows(
         package_quantity("GradientVarianceQuantiles")
     ),
@@ -448,73 +596,99 @@ def peak_extra_bytes(step, x, y, device):
     return torch_peak + outside_torch
 
 
-def model_and_batch(model_name, args, device):
-    """The seeded model and a random batch of its inputs (``--batch-size`` or its own)."""
+def model_and_batch(spec, batch_size, device):
+    """The seeded model of ``spec`` and a random batch of ``batch_size`` inputs and targets."""
     torch.manual_seed(0)
-    spec = MODELS[model_name]
-    batch_size = args.batch_size or spec.batch_size
     model = spec.make().to(device)
-    x = torch.randn(batch_size, *spec.example_shape, device=device)
-    y = torch.randint(0, 10, (batch_size,), device=device)
-    return model, x, y
+    return model, spec.inputs(batch_size, device), spec.targets(batch_size, device)
 
 
-def benchmark_model(model_name, method_names, args, device):
-    """Rows of the table for one model."""
-    model, x, y = model_and_batch(model_name, args, device)
-    plain = plain_step(model)
-    steps, rows = {}, []
-    for name in method_names:
-        reason = unavailable(name)
-        if reason is None:
-            try:
-                steps[name] = METHODS[name](model)
-                for _ in range(args.warmup):
-                    steps[name](x, y)
-            except Exception as error:  # shown in the table, the others still run
-                reason = f"error: {type(error).__name__}: {error}"
-                steps.pop(name, None)
-        rows.append({"model": model_name, "method": name, "note": reason})
+def build_steps(builders, model, loss, x, y, warmup):
+    """``{name: step}`` of the builders that run on this model, and ``{name: note}`` of the others.
+
+    A builder's failure is shown in the table (the others still run):
+    ``NotSupported`` by its message, anything else as an error.
+    """
+    steps, notes = {}, {}
+    for name, build in builders.items():
+        notes[name] = unavailable(name)
+        if notes[name] is not None:
+            continue
+        try:
+            step = build(model, loss)
+            for _ in range(warmup):
+                step(x, y)
+                if hasattr(step, "plain"):
+                    step.plain(x, y)
+            steps[name] = step
+        except NotSupported as error:
+            notes[name] = str(error)
+        except Exception as error:
+            notes[name] = f"error: {type(error).__name__}: {error}"
+    return steps, notes
+
+
+def benchmark_model(label, spec, method_names, args, device, batch_size=None, memory=True):
+    """Rows of the table for one model (``memory=False``: times only).
+
+    Each round times, for every method, a plain step and then the method's
+    step. A method with its own plain step (``step.plain``: the same model
+    frozen alike) is timed against that one, and that plain step gets a row
+    of its own, relative to the model's plain step.
+    """
+    model, x, y = model_and_batch(spec, batch_size or args.batch_size or spec.batch_size, device)
+    plain = plain_step(model, spec.loss)
+    steps, notes = build_steps(
+        {name: METHODS[name] for name in method_names}, model, spec.loss, x, y, args.warmup
+    )
     for _ in range(args.warmup):
         plain(x, y)
 
-    plain_times, method_times = [], {name: [] for name in steps}
-    print(f"{model_name}: timing {len(steps)} methods, {args.rounds} rounds", file=sys.stderr)
+    times = {name: [] for name in steps}
+    own_plain_times = {name: [] for name in steps if hasattr(steps[name], "plain")}
+    plain_times = []
+    print(f"{label}: timing {len(steps)} methods, {args.rounds} rounds", file=sys.stderr)
     for _ in range(args.rounds):
         for name, step in steps.items():
             plain_times.append(timed(plain, x, y, device))
-            method_times[name].append(timed(step, x, y, device))
+            if name in own_plain_times:
+                own_plain_times[name].append(timed(step.plain, x, y, device))
+            times[name].append(timed(step, x, y, device))
     if not steps:  # only the plain step was asked for
         plain_times = [timed(plain, x, y, device) for _ in range(args.rounds)]
-    plain_median = statistics.median(plain_times)
 
-    print(f"{model_name}: measuring memory", file=sys.stderr)
-    plain_memory = peak_extra_bytes(plain, x, y, device)
-    _drop_step_state(plain)
-    table = [
-        {
-            "model": model_name,
-            "method": "plain step",
-            "median_ms": 1e3 * plain_median,
-            "ratio": 1.0,
-            "peak_extra_mib": plain_memory / 2**20,
-            "memory_ratio": 1.0,
-            "note": None,
-        }
-    ]
-    for row in rows:
-        name = row["method"]
-        if name in steps:
-            median = statistics.median(method_times[name])
-            memory = peak_extra_bytes(steps[name], x, y, device)
-            _drop_step_state(steps[name])
-            row.update(
-                median_ms=1e3 * median,
-                ratio=median / plain_median,
-                peak_extra_mib=memory / 2**20,
-                memory_ratio=memory / plain_memory,
-            )
-        table.append(row)
+    def measured(step):
+        if not memory:
+            return None
+        bytes_ = peak_extra_bytes(step, x, y, device)
+        _drop_step_state(step)
+        return bytes_
+
+    if memory:
+        print(f"{label}: measuring memory", file=sys.stderr)
+
+    def row(method, step_times, step_memory, reference):
+        median = statistics.median(step_times)
+        result = {"model": label, "method": method, "median_ms": 1e3 * median, "note": None}
+        result["ratio"] = median / reference[0]
+        if memory:
+            result["peak_extra_mib"] = step_memory / 2**20
+            result["memory_ratio"] = step_memory / reference[1]
+        return result
+
+    plain_reference = (statistics.median(plain_times), measured(plain))
+    table = [row("plain step", plain_times, plain_reference[1], plain_reference)]
+    for name in method_names:
+        if name not in steps:
+            table.append({"model": label, "method": name, "note": notes[name]})
+            continue
+        reference = plain_reference
+        if name in own_plain_times:
+            reference = (statistics.median(own_plain_times[name]), measured(steps[name].plain))
+            own_plain = row(f"plain step, {FROZEN}", own_plain_times[name], reference[1],
+                            plain_reference)
+            table.append(own_plain)
+        table.append(row(name, times[name], measured(steps[name]), reference))
     return table
 
 
@@ -642,7 +816,7 @@ def main(argv=None):
     print()
     table = []
     for model_name in args.models:
-        table += benchmark_model(model_name, args.methods, args, device)
+        table += benchmark_model(model_name, MODELS[model_name], args.methods, args, device)
     env["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(markdown(table))
     print(f"\nload average (1 min) at end: {env['load_average_1min_at_end']}")
