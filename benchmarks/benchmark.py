@@ -483,7 +483,7 @@ def opacus_ghost(model, loss):
 
 #: Method name -> builder, in the table's order.
 METHODS = {
-    "extended model, no Cockpit": extended_no_cockpit,
+    "extended model (no Cockpit)": extended_no_cockpit,
     "empty Cockpit": empty_cockpit,
     **{name: package_quantity(name) for name in QUANTITIES},
     "package: all together": package_all,
@@ -706,7 +706,7 @@ def scaling_columns(args, device):
     """``{column label: rows}``: the MLP at each batch size (width 512) and width (batch 128)."""
     mlp = MODELS["mlp"]
     runs = [(f"batch {n}", mlp, n) for n in args.scaling_batch_sizes]
-    runs += [(f"width {w}", mlp_of_width(w), mlp.batch_size) for w in args.scaling_widths]
+    runs += [(f"width {w}", mlp_of_width(w), args.batch_size or mlp.batch_size) for w in args.scaling_widths]
     return {
         label: benchmark_model(f"mlp {label}", spec, SCALING_METHODS, args, device, n, memory=False)
         for label, spec, n in runs
@@ -722,7 +722,7 @@ def schedule_rows(args, device, every=10):
     over rounds; the block ratio is the average cost per step of a run.
     """
     spec = MODELS["mlp"]
-    model, x, y = model_and_batch(spec, spec.batch_size, device)
+    model, x, y = model_and_batch(spec, args.batch_size or spec.batch_size, device)
     plain = plain_step(model, spec.loss)
     methods = ["empty Cockpit", *SCALING_METHODS]
     every_step, _ = build_steps({m: METHODS[m] for m in methods}, model, spec.loss, x, y, args.warmup)
@@ -754,6 +754,7 @@ def schedule_rows(args, device, every=10):
 def scaling_page(columns, schedule, env, every=10):
     """The docs page (markdown) of the scaling measurement."""
     labels = list(columns)
+    batch = env["batch_size"] or MODELS["mlp"].batch_size
     ratio = {
         (label, row["method"]): row for label, rows in columns.items() for row in rows
     }
@@ -766,7 +767,7 @@ def scaling_page(columns, schedule, env, every=10):
         "benchmark MLP (784-w-w-10, ReLU, 10 classes), each quantity alone in a",
         "Cockpit tracking every step, measured as in [the benchmark](benchmark.md)",
         "(median of interleaved rounds). Batch sizes at width 512, widths at batch",
-        f"{MODELS['mlp'].batch_size}.",
+        f"{batch}.",
         "",
         f"Measured on {env['cpus']} CPUs, torch {env['torch']}, {env['threads']} threads, "
         f"{env['rounds']} rounds, 1-minute load average {env['load_average_1min_at_start']} "
@@ -787,11 +788,11 @@ def scaling_page(columns, schedule, env, every=10):
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", growth_sentence(columns, "batch"), "", growth_sentence(columns, "width"), ""]
     lines += [
-        f"## Tracking every {every}th step",
+        f"## Tracking one step in {every}: `linear({every})`",
         "",
         f"Cockpit's `linear({every})` schedule tracks one step in {every}. Mean time per",
         f"step over runs of {every} consecutive steps against as many plain steps",
-        f"(MLP, width 512, batch {MODELS['mlp'].batch_size}), next to the ratio with",
+        f"(MLP, width 512, batch {batch}), next to the ratio with",
         f"every step tracked `r` and what `1 + (r - 1) / {every}` predicts. The untracked",
         "steps still run BackPACK's hooks of the extended model and Cockpit's",
         "context: they cost the floor, the `empty Cockpit` row.",
@@ -845,7 +846,7 @@ def profile_floor(args, device, steps=50):
     model, x, y = model_and_batch(spec, spec.batch_size, device)
     builders = {
         "plain step": plain_step,
-        "extended model, no Cockpit": extended_no_cockpit,
+        "extended model (no Cockpit)": extended_no_cockpit,
         "empty Cockpit": empty_cockpit,
     }
     steps_, _ = build_steps(builders, model, spec.loss, x, y, args.warmup)
@@ -947,12 +948,10 @@ def markdown(table):
     ]
     for row in table:
         if "median_ms" in row:
-            cells = [
-                f"{row['median_ms']:.2f}",
-                f"{row['ratio']:.2f}",
-                f"{row['peak_extra_mib']:.1f} MiB",
-                f"{row['memory_ratio']:.2f}",
-            ]
+            memory = ["not measured", "-"]
+            if "peak_extra_mib" in row:
+                memory = [f"{row['peak_extra_mib']:.1f} MiB", f"{row['memory_ratio']:.2f}"]
+            cells = [f"{row['median_ms']:.2f}", f"{row['ratio']:.2f}", *memory]
         else:
             cells = [row["note"], "-", "-", "-"]
         lines.append("| " + " | ".join([row["model"], row["method"], *cells]) + " |")
@@ -1000,7 +999,7 @@ def targets_markdown(table):
             verdict = "met" if after <= target else f"missed by {after - target:.2f}"
             was = f"{before:.2f} before, " if before is not None else ""
             cells.append(f"{was}**{after:.2f}** (<= {target:g}: {verdict})")
-        floor = [ratios.get((model, m)) for m in ("extended model, no Cockpit", "empty Cockpit")]
+        floor = [ratios.get((model, m)) for m in ("extended model (no Cockpit)", "empty Cockpit")]
         cells.append(" / ".join("-" if f is None else f"{f:.2f}" for f in floor))
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -1053,6 +1052,9 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--no-memory", dest="memory", action="store_false", help="time only (faster)"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also save here")
     parser.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -1069,6 +1071,9 @@ def parse_args(argv):
     )
     parser.add_argument("--scaling-batch-sizes", default="16,64,256")
     parser.add_argument("--scaling-widths", default="256,1024,4096")
+    parser.add_argument(
+        "--every", type=int, default=10, help="--scaling's schedule: linear(EVERY)"
+    )
     parser.add_argument(
         "--profile", action="store_true",
         help="instead: where an empty Cockpit's time goes on the MLP (cProfile)",
@@ -1120,22 +1125,23 @@ def main(argv=None):
         return None
     if args.scaling:
         columns = scaling_columns(args, device)
-        schedule = schedule_rows(args, device)
+        schedule = schedule_rows(args, device, args.every)
         env["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
-        page = scaling_page(columns, schedule, env)
+        page = scaling_page(columns, schedule, env, args.every)
         with open(args.scaling, "w") as file:
             file.write(page)
         print(page)
         return columns
     table = []
     for model_name in args.models:
-        table += benchmark_model(model_name, MODELS[model_name], args.methods, args, device)
-    env["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+        spec = MODELS[model_name]
+        table += benchmark_model(model_name, spec, args.methods, args, device, memory=args.memory)
+        env["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+        if args.json:  # after every model: a long run stopped early keeps what it measured
+            with open(args.json, "w") as file:
+                json.dump({"environment": env, "rows": table}, file, indent=1)
     write_report(table, args)
     print(f"\nload average (1 min) at end: {env['load_average_1min_at_end']}")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"environment": env, "rows": table}, file, indent=1)
     return table
 
 
