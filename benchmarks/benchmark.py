@@ -772,6 +772,7 @@ def scaling_page(columns, schedule, env, every=10):
         f"Measured on {env['cpus']} CPUs, torch {env['torch']}, {env['threads']} threads, "
         f"{env['rounds']} rounds, 1-minute load average {env['load_average_1min_at_start']} "
         f"at the start and {env['load_average_1min_at_end']} at the end.",
+        *_load_warning(env),
         "",
         header,
         "|---|" + "---:|" * len(labels),
@@ -806,7 +807,33 @@ def scaling_page(columns, schedule, env, every=10):
             f"| {row['method']} | {row['every step']:.2f} | {row['scheduled']:.2f} "
             f"| {predicted:.2f} |"
         )
+    lines += ["", schedule_sentence(schedule, every)]
     return "\n".join(lines) + "\n"
+
+
+def schedule_sentence(schedule, every):
+    """How the measured cost of ``linear(every)`` compares with the two predictions."""
+    rows = {row["method"]: row for row in schedule}
+    floor, whole = rows["empty Cockpit"]["scheduled"], rows["package: all together"]
+    r = whole["every step"]
+    return (
+        f"With all five quantities, `linear({every})` measured {whole['scheduled']:.2f}x a plain "
+        f"step on average against {1 + (r - 1) / every:.2f}x from `1 + (r - 1) / {every}`: "
+        f"that formula prices the {every - 1} untracked steps as plain ones, but they pay the "
+        f"floor ({floor:.2f}x measured for an empty Cockpit under the same schedule), so "
+        f"`f + (r - f) / {every}` = {floor + (r - floor) / every:.2f}x is the better estimate."
+    )
+
+
+def _load_warning(env):
+    """A warning line when other processes competed for the CPUs (see benchmarks/README.md)."""
+    load = max(env["load_average_1min_at_start"], env["load_average_1min_at_end"])
+    if env["device"] != "cpu" or load <= env["cpus"]:
+        return []
+    return [
+        "**The load average exceeded the number of CPUs: other processes competed for "
+        "them, and these ratios are not reliable. Re-run on a quiet machine.**"
+    ]
 
 
 def growth_sentence(columns, axis):

@@ -142,7 +142,7 @@ def test_quick_scaling_page(benchmark, keep_threads, tmp_path):
     for method in [*benchmark.SCALING_METHODS, "empty Cockpit"]:
         assert f"| {method} | " in page
     assert "From batch 4 to batch 8" in page and "From width 16 to width 32" in page
-    assert "linear(2)" in page and "1 + (r - 1) / 2" in page
+    assert "linear(2)" in page and "1 + (r - 1) / 2" in page and "`f + (r - f) / 2`" in page
 
 
 def test_targets_table_says_met_and_missed(benchmark):
