@@ -421,6 +421,8 @@ def with_backpack_convolution_rows(build):
         return lambda: {**table(), **{cls: ext() for cls, ext in backpack_rows[table].items()}}
 
     def build_with_backpack_rows(model, loss):
+        if not any(type(m) in backpack_rows[cgn_extensions.sum_of_squares_table] for m in model.modules()):
+            raise NotSupported("not applicable: no convolutions")
         # The quantities instantiate their extensions, and so read the tables, when built.
         originals = list(backpack_rows)
         for table in originals:

@@ -50,10 +50,13 @@ def test_quick_run_prints_every_method_for_the_mlp(benchmark, keep_threads, tmp_
     rows = table_rows(out)
     assert list(rows) == [("mlp", "plain step")] + [("mlp", m) for m in benchmark.METHODS]
     assert rows.pop(("mlp", "plain step"))[1::2] == ["1.00", "1.00"]
-    frozen = f"package: all together {benchmark.FROZEN}"
-    assert rows[("mlp", frozen)][0].startswith("not applicable")  # the MLP has no such layers
+    # The MLP has no LayerNorm, embedding, attention or convolution.
+    not_applicable = [f"package: all together {benchmark.FROZEN}",
+                      *[m for m in benchmark.METHODS if m.endswith("(BackPACK's conv rows)")]]
+    assert len(not_applicable) == 3
+    assert all(rows[("mlp", method)][0].startswith("not applicable") for method in not_applicable)
     for (_, method), (median_ms, ratio, memory, memory_ratio) in rows.items():
-        reason = benchmark.unavailable(method) or (median_ms if method == frozen else None)
+        reason = benchmark.unavailable(method) or (median_ms if method in not_applicable else None)
         if reason is not None:  # e.g. Opacus not installed: said, not measured
             assert median_ms == reason and ratio == memory_ratio == "-"
             continue
