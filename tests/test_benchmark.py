@@ -50,8 +50,13 @@ def test_quick_run_prints_every_method_for_the_mlp(benchmark, keep_threads, tmp_
     rows = table_rows(out)
     assert list(rows) == [("mlp", "plain step")] + [("mlp", m) for m in benchmark.METHODS]
     assert rows.pop(("mlp", "plain step"))[1::2] == ["1.00", "1.00"]
+    # The MLP has no LayerNorm, embedding, attention or convolution.
+    not_applicable = [f"package: all together {benchmark.FROZEN}",
+                      *[m for m in benchmark.METHODS if m.endswith("(BackPACK's conv rows)")]]
+    assert len(not_applicable) == 3
+    assert all(rows[("mlp", method)][0].startswith("not applicable") for method in not_applicable)
     for (_, method), (median_ms, ratio, memory, memory_ratio) in rows.items():
-        reason = benchmark.unavailable(method)
+        reason = benchmark.unavailable(method) or (median_ms if method in not_applicable else None)
         if reason is not None:  # e.g. Opacus not installed: said, not measured
             assert median_ms == reason and ratio == memory_ratio == "-"
             continue
@@ -100,3 +105,74 @@ def test_bad_arguments_are_refused(benchmark, argv, message, capsys):
     with pytest.raises(SystemExit):
         benchmark.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_quick_run_on_the_gpt(benchmark, keep_threads, capsys):
+    """Token loss, the frozen comparison with its own plain step, BackPACK's missing rows."""
+    frozen = f"package: all together {benchmark.FROZEN}"
+    methods = [frozen, "BackPACK BatchL2Grad", "torch.func vmap norms"]
+    benchmark.main(["--quick", "--no-memory", "--models", "gpt", "--methods", ",".join(methods)])
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == [
+        ("gpt", "plain step"),
+        ("gpt", f"plain step {benchmark.FROZEN}"),
+        ("gpt", frozen),
+        ("gpt", "BackPACK BatchL2Grad"),
+        ("gpt", "torch.func vmap norms"),
+    ]
+    for method in [f"plain step {benchmark.FROZEN}", frozen, "torch.func vmap norms"]:
+        assert float(rows[("gpt", method)][1]) > 0, rows[("gpt", method)]
+        assert rows[("gpt", method)][2:] == ["not measured", "-"]
+    assert rows[("gpt", "BackPACK BatchL2Grad")][0] == (
+        "not supported: BackPACK's BatchL2Grad has no rows for LayerNorm"
+    )
+
+
+def test_quick_run_on_resnet18(benchmark, keep_threads, capsys):
+    benchmark.main(["--quick", "--no-memory", "--models", "resnet18", "--methods", "GradientVarianceQuantiles"])
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == [("resnet18", "plain step"), ("resnet18", "GradientVarianceQuantiles")]
+    assert all(float(cells[1]) > 0 for cells in rows.values())
+
+
+def test_quick_scaling_page(benchmark, keep_threads, tmp_path):
+    path = tmp_path / "scaling.md"
+    benchmark.main(["--quick", "--scaling", str(path), "--scaling-batch-sizes", "4,8",
+                    "--scaling-widths", "16,32", "--every", "2"])
+    page = path.read_text()
+    assert "| | batch 4 | batch 8 | width 16 | width 32 |" in page
+    assert "(MLP, width 512, batch 8)" in page  # --quick's batch size, for the schedule too
+    for method in [*benchmark.SCALING_METHODS, "empty Cockpit"]:
+        assert f"| {method} | " in page
+    assert "From batch 4 to batch 8" in page and "From width 16 to width 32" in page
+    assert "linear(2)" in page and "1 + (r - 1) / 2" in page and "`f + (r - f) / 2`" in page
+
+
+def test_targets_table_says_met_and_missed(benchmark):
+    table = [
+        {"model": "mlp", "method": "GradientVarianceQuantiles", "ratio": 2.4},
+        {"model": "mlp", "method": "PerExampleGradNorm", "ratio": 1.7},
+        {"model": "mlp", "method": "PerExampleGradNorm (BackPACK's conv rows)", "ratio": 2.2},
+        {"model": "mlp", "method": "empty Cockpit", "ratio": 1.4},
+        {"model": "gpt", "method": "package: all together", "ratio": 3.3},
+        {"model": "gpt", "method": f"package: all together {benchmark.FROZEN}", "ratio": 3.0},
+    ]
+    lines = benchmark.targets_markdown(table).splitlines()
+    mlp = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert mlp[:3] == ["mlp", "**2.40** (<= 2.5: met)", "2.20 before, **1.70** (<= 1.6: missed by 0.10)"]
+    assert mlp[-1] == "- / 1.40"
+    assert "+10% (target <= +10%: met)" in benchmark.support_cost_markdown(table)
+    table[-1]["ratio"] = 2.9
+    assert "+14% (target <= +10%: missed)" in benchmark.support_cost_markdown(table)
+
+
+def test_tables_from_a_saved_run(benchmark, tmp_path, capsys):
+    rows = [{"model": "mlp", "method": "plain step", "median_ms": 2.0, "ratio": 1.0,
+             "peak_extra_mib": 1.0, "memory_ratio": 1.0, "note": None},
+            {"model": "mlp", "method": "UpdateSize", "median_ms": 2.5, "ratio": 1.25,
+             "peak_extra_mib": 1.0, "memory_ratio": 1.0, "note": None}]
+    saved, written = tmp_path / "run.json", tmp_path / "tables.md"
+    saved.write_text(json.dumps({"environment": {}, "rows": rows}))
+    benchmark.main(["--from-json", str(saved), "--markdown", str(written)])
+    assert "| mlp | UpdateSize | 2.50 | 1.25 | 1.0 MiB | 1.00 |" in written.read_text()
+    assert "**1.25** (<= 1.3: met)" in capsys.readouterr().out
