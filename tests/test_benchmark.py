@@ -164,6 +164,10 @@ def test_targets_table_says_met_and_missed(benchmark):
     assert "+10% (target <= +10%: met)" in benchmark.support_cost_markdown(table)
     table[-1]["ratio"] = 2.9
     assert "+14% (target <= +10%: missed)" in benchmark.support_cost_markdown(table)
+    table.append({"model": "gpt", "method": "package: all together (LayerNorm frozen)", "ratio": 3.2})
+    lines = benchmark.support_cost_markdown(table).splitlines()
+    assert len(lines) == 2 and "LayerNorm frozen (in the plain step too) 3.20x" in lines[1]
+    assert "+3% (target <= +10%: met)" in lines[1]
 
 
 def test_tables_from_a_saved_run(benchmark, tmp_path, capsys):
