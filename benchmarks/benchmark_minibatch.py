@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cockpit_gradnoise as cgn  # noqa: E402
@@ -67,15 +66,16 @@ def batch_times(loop, x, y, count, device):
 
 def benchmark_model(model_name, args, device):
     """Rows of the table for one model: the plain step, then each function."""
-    model, x, y = benchmark.model_and_batch(model_name, args, device)
-    plain = plain_step(model)
+    spec = benchmark.MODELS[model_name]
+    model, x, y = benchmark.model_and_batch(spec, args.batch_size or spec.batch_size, device)
+    plain = plain_step(model, spec.loss)
 
     def plain_loop(batches):
         for inputs, targets in batches:
             plain(inputs, targets)
 
     loops = {
-        name: functools.partial(function, model, loss_fn=F.cross_entropy)
+        name: functools.partial(function, model, loss_fn=spec.loss("mean"))
         for name, function in FUNCTIONS.items()
     }
     for loop in [plain_loop, *loops.values()]:  # warm-up

@@ -51,9 +51,9 @@ def test_quick_run_prints_every_method_for_the_mlp(benchmark, keep_threads, tmp_
     assert list(rows) == [("mlp", "plain step")] + [("mlp", m) for m in benchmark.METHODS]
     assert rows.pop(("mlp", "plain step"))[1::2] == ["1.00", "1.00"]
     # The MLP has no LayerNorm, embedding, attention or convolution.
-    not_applicable = [f"package: all together {benchmark.FROZEN}",
+    not_applicable = [*[f"package: all together {label}" for label in benchmark.FROZEN_LABELS],
                       *[m for m in benchmark.METHODS if m.endswith("(BackPACK's conv rows)")]]
-    assert len(not_applicable) == 3
+    assert len(not_applicable) == 6
     assert all(rows[("mlp", method)][0].startswith("not applicable") for method in not_applicable)
     for (_, method), (median_ms, ratio, memory, memory_ratio) in rows.items():
         reason = benchmark.unavailable(method) or (median_ms if method in not_applicable else None)
