@@ -134,7 +134,7 @@ def test_readme_code_is_run_by_a_page():
     pages = {page: [line.rstrip() for b in runnable(page) for line in b.code.splitlines()]
              for page in RUNNABLE_PAGES}
     readme_blocks = [b for b in code_blocks(README) if b.language == "python"]
-    assert len(readme_blocks) >= 3
+    assert readme_blocks  # issue 12: one snippet, the training loop
     for block in readme_blocks:
         wanted = [line.rstrip() for line in block.code.splitlines() if line.strip()]
         assert any(_in_order(wanted, lines) for lines in pages.values()), (
