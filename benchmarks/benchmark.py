@@ -316,7 +316,8 @@ def with_frozen(build, label):
 
     def build_frozen(model, loss):
         frozen = copy.deepcopy(model)
-        modules = [m for m in frozen.modules() if isinstance(m, _frozen_families()[label])]
+        family = _frozen_families()[label]
+        modules = [m for m in frozen.modules() if isinstance(m, family)]
         if not modules:
             raise NotSupported(f"not applicable: no module to freeze {label}")
         for module in modules:
