@@ -15,8 +15,10 @@ One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
 like a layer's). A union of tensors is never concatenated, and the passes go
-through pieces of :data:`CHUNK` elements, so the extra memory is about 0.4 MB
-whatever the size. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
+through pieces of :data:`CHUNK` elements, so the extra memory is about 1 MB
+whatever the size. The quantiles of each layer and of the whole network
+(:func:`select_each_and_union`) share both passes: the network's counts
+are the sum of the layers', and one gathering serves both. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
 whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
 measures both against sorting and partitioning.
 
@@ -45,12 +47,17 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 SORT_WHOLE_AT_MOST = 1 << 12
 
 #: Elements per piece in passes over all elements: a piece's temporaries stay
-#: small (fresh tensors the size of a layer cost more in page faults than in work).
-CHUNK = 1 << 15
+#: small (fresh tensors the size of a layer cost more in page faults than in
+#: work), and large enough that the calls' own overhead is small (2**15 was
+#: 40% slower on the benchmark MLP; 2**19 and 2**22 no faster).
+CHUNK = 1 << 17
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
-# 5 mantissa bits: 32 buckets per octave). Rounding float64 to float32 keeps
+# 5 mantissa bits: 32 buckets per octave). 16 bits gather 4x fewer candidates
+# where values crowd (the sd of the benchmark MLP's first layer fills 89
+# buckets of 32 per octave, and its ten ranks gather 13% of it) but cost as
+# much in tables of 65536 counts per tensor: the same time there. Rounding float64 to float32 keeps
 # the order (ties aside), so float64 values are bucketed the same way, with
 # small tables. Buckets >= _SIGN hold negative values, the largest magnitude
 # last; _SPECIAL (+inf) and those above it, of either sign, hold inf and NaN.
@@ -146,26 +153,52 @@ def select(tensors: Tensors, ranks: Sequence[int]) -> List[float]:
             element is NaN (no order; ``numpy.quantile`` returns NaN then).
     """
     flats = _flat_tensors(tensors)
-    n = sum(flat.numel() for flat in flats)
-    if n == 0:
-        raise ValueError("no elements to take quantiles of: pass at least one value")
-    bad = [r for r in ranks if not 0 <= r < n]
-    if bad:
-        raise ValueError(f"ranks must lie in [0, {n}), got {bad}")
+    _check_ranks(flats, ranks)
     if not _on_host(flats[0]):
         ordered = _sorted_on_device(flats)
         # NaN sorts last: the last value tells whether there is one.
         *values, last = _deferred.transfer([ordered[r] for r in ranks] + [ordered[-1]])
         _check_no_nan(last)
         return values
-    if n <= SORT_WHOLE_AT_MOST:
-        candidates, below = torch.cat(flats), [0] * len(ranks)
-    else:
-        candidates, below = _bucket_candidates(flats, ranks)
-    ordered = _sorted(candidates)
-    # NaN sorts last (numpy and torch alike), and every NaN is a candidate.
-    _check_no_nan(float(ordered[-1]))
-    return ordered[[r - b for r, b in zip(ranks, below)]].tolist()
+    (values,), _ = _select_on_host([flats], [ranks])
+    return values
+
+
+def select_each_and_union(
+    groups: Sequence[Tensors], ranks: Sequence[Sequence[int]], union_ranks: Sequence[int]
+) -> Tuple[List[List[float]], List[float]]:
+    """:func:`select` of each group, and of the union of all groups, sharing the work.
+
+    What the network's statistics need beside its layers': every element is
+    counted once, the union's counts are the sum of the groups', and each
+    element is read once more to gather the candidates of both its group's
+    ranks and the union's.
+
+    Args:
+        groups: Each a tensor or a sequence of tensors (with elements).
+        ranks: Per group, ranks into its elements.
+        union_ranks: Ranks into the elements of all groups.
+
+    Returns:
+        ``(values of each group's ranks, values of the union's ranks)``.
+    """
+    flats_of = [_flat_tensors(group) for group in groups]
+    for flats, group_ranks in zip(flats_of, ranks):
+        _check_ranks(flats, group_ranks)
+    _check_ranks([flat for flats in flats_of for flat in flats], union_ranks)
+    if not _on_host(flats_of[0][0]):
+        union = _flat_tensors([flat for flats in flats_of for flat in flats])
+        return [select(f, r) for f, r in zip(flats_of, ranks)], select(union, union_ranks)
+    return _select_on_host(flats_of, ranks, union_ranks)
+
+
+def _check_ranks(flats: List[Tensor], ranks: Sequence[int]):
+    n = sum(flat.numel() for flat in flats)
+    if n == 0:
+        raise ValueError("no elements to take quantiles of: pass at least one value")
+    bad = [r for r in ranks if not 0 <= r < n]
+    if bad:
+        raise ValueError(f"ranks must lie in [0, {n}), got {bad}")
 
 
 def _check_no_nan(largest: float):
@@ -226,6 +259,52 @@ def quantile_summary(
         for level, value in zip(levels, quantiles(flats, levels))
     }
     result[prefix + MEAN] = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
+    return result
+
+
+def quantile_summaries(
+    groups: Sequence[Tensors], levels: Sequence[float], prefix: str = "", *, defer: bool = False
+) -> Tuple[List[Dict[str, float]], Dict[str, float]]:
+    """:func:`quantile_summary` of each group, and of the union of all groups.
+
+    A network's statistics beside its layers': on the CPU each element is
+    counted and summed once for both (:func:`select_each_and_union`); the
+    union's mean adds the groups' float64 sums.
+
+    Args:
+        groups: Each a tensor or a sequence of tensors, with elements.
+        levels: Quantile levels in ``[0, 1]``.
+        prefix: Prepended to every statistic name.
+        defer: As for :func:`quantile_summary`.
+
+    Returns:
+        ``(summary of each group, summary of the union)``.
+    """
+    flats_of = [_flat_tensors(group) for group in groups]
+    if not _on_host(flats_of[0][0]):
+        union = [flat for flats in flats_of for flat in flats]
+        each = [quantile_summary(flats, levels, prefix, defer=defer) for flats in flats_of]
+        return each, quantile_summary(union, levels, prefix, defer=defer)
+    sizes = [sum(flat.numel() for flat in flats) for flats in flats_of]
+    totals = [sum(map(float64_sum, flats)) for flats in flats_of]
+    ranks = [quantile_ranks(levels, n) for n in sizes]
+    union_ranks = quantile_ranks(levels, sum(sizes))
+    values, union_values = select_each_and_union(
+        flats_of, [lower + upper for lower, upper, _ in ranks], union_ranks[0] + union_ranks[1]
+    )
+    each = [
+        _summary(levels, prefix, found, weights, total / n)
+        for found, (_, _, weights), total, n in zip(values, ranks, totals, sizes)
+    ]
+    return each, _summary(levels, prefix, union_values, union_ranks[2], sum(totals) / sum(sizes))
+
+
+def _summary(levels, prefix, found, weights, mean) -> Dict[str, float]:
+    """The summary from the values at the lower ranks, then the upper ranks, of each level."""
+    k = len(levels)
+    interpolated = interpolate(found[:k], found[k:], weights)
+    result = {quantile_name(level, prefix): value for level, value in zip(levels, interpolated)}
+    result[prefix + MEAN] = mean
     return result
 
 
@@ -290,9 +369,7 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
 
 def float64_sum(tensor: Tensor) -> float:
     """Sum of all elements, accumulated in float64, as a Python float."""
-    if _on_host(tensor):
-        # numpy sums in float64 blockwise; torch would first copy it all to float64.
-        return float(numpy.add.reduce(tensor.numpy(), dtype=numpy.float64))
+    # Converted blockwise (torch 2.14 on CPU: half the time of NumPy's).
     return tensor.sum(dtype=torch.float64).item()
 
 
@@ -329,36 +406,114 @@ def _buckets(flat: Tensor) -> Tensor:
     return (bits >> (32 - _BUCKET_BITS)).bitwise_and_(_BUCKETS - 1)
 
 
-def _bucket_candidates(flats: List[Tensor], ranks: Sequence[int]) -> Tuple[Tensor, List[int]]:
-    """The elements of the buckets that hold ``ranks``, and how many smaller ones were left out.
+def _select_on_host(
+    flats_of: List[List[Tensor]], ranks: Sequence[Sequence[int]], union_ranks: Sequence[int] = ()
+) -> Tuple[List[List[float]], List[float]]:
+    """:func:`select_each_and_union` on the CPU (ranks already checked).
 
-    Buckets of non-negative values (``0 .. B/2 - 1`` of ``B``) are ordered like
-    their values; those of negative values (sign bit set) in reverse. In value
-    order, "position" ``p`` is bucket ``B - 1 - p`` for ``p < B/2`` and bucket
-    ``p - B/2`` above. The buckets of infinities and NaN are always gathered,
-    so that a NaN is always seen.
+    Bucket "positions" are in value order: buckets of non-negative values
+    (``0 .. B/2 - 1`` of ``B``) are ordered like their values, those of
+    negative values (sign bit set) in reverse; position ``p`` is bucket
+    ``B - 1 - p`` for ``p < B/2`` and bucket ``p - B/2`` above. The buckets of
+    infinities and NaN are always gathered, so that a NaN is always seen.
+    Groups of at most :data:`SORT_WHOLE_AT_MOST` elements are sorted whole.
     """
-    device = flats[0].device
-    counts = torch.zeros(_BUCKETS, dtype=torch.int64, device=device)
-    for chunk in _chunks(flats):
-        counts += torch.bincount(_buckets(chunk), minlength=_BUCKETS)
-    counts = torch.cat([counts[_SIGN:].flip(0), counts[:_SIGN]])  # by position
-    rank_tensor = torch.tensor(list(ranks), device=device)
-    positions = torch.searchsorted(counts.cumsum(0), rank_tensor, right=True)
-    wanted = torch.zeros(_BUCKETS, dtype=torch.bool, device=device)
-    wanted[positions] = True
+    # First pass: count. Per group only where its ranks lie is kept.
+    union_counts = numpy.zeros(_BUCKETS, dtype=numpy.int64) if union_ranks else None
+    located = [_located(flats, group_ranks, union_counts) for flats, group_ranks in zip(flats_of, ranks)]
+    wanted = _always_wanted()
+    if union_ranks:
+        union_where = _where(union_counts, union_ranks)
+        wanted[union_where[0]] = True
+    # Second pass: gather the candidates of the group's and the union's ranks.
+    values, union_candidates = [], []
+    for flats, group_ranks, where in zip(flats_of, ranks, located):
+        if where is None:  # small: sorted whole
+            candidates = numpy.concatenate([flat.numpy() for flat in flats])
+            candidates.sort()
+            _check_no_nan(float(candidates[-1]))
+            values.append(candidates[list(group_ranks)].tolist())
+        else:
+            group_wanted = wanted.copy()
+            group_wanted[where[0]] = True
+            candidates = numpy.concatenate(list(_gathered(flats, group_wanted)))
+            candidates.sort()  # in place; NaN last (every NaN is a candidate)
+            _check_no_nan(float(candidates[-1]))
+            values.append(candidates[_indices(group_ranks, where, candidates)].tolist())
+        if union_ranks:
+            union_candidates.append(candidates[wanted[_positions(candidates)]])
+    if not union_ranks:
+        return values, []
+    candidates = numpy.concatenate(union_candidates)
+    candidates.sort()
+    return values, candidates[_indices(union_ranks, union_where, candidates)].tolist()
+
+
+def _located(flats, ranks, union_counts):
+    """Count the elements of a group by bucket; add the counts to ``union_counts``.
+
+    Returns:
+        ``None`` for a group sorted whole; else :func:`_where` of its ranks.
+    """
+    if sum(flat.numel() for flat in flats) <= SORT_WHOLE_AT_MOST:
+        if union_counts is not None:
+            for flat in flats:
+                union_counts += numpy.bincount(_positions(flat.numpy()), minlength=_BUCKETS)
+        return None
+    counts = _position_counts(flats)
+    if union_counts is not None:
+        union_counts += counts
+    return _where(counts, ranks)
+
+
+def _where(counts: numpy.ndarray, ranks: Sequence[int]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """The position of the bucket that holds each rank, and how many elements lie below it."""
+    cumulative = numpy.cumsum(counts)
+    positions = numpy.searchsorted(cumulative, ranks, side="right")
+    return positions, cumulative[positions] - counts[positions]
+
+
+def _indices(ranks, where, candidates) -> numpy.ndarray:
+    """Where each rank lies among the sorted ``candidates``.
+
+    A rank in bucket ``p`` with ``b`` elements in lower buckets is the
+    ``(rank - b)``-th element of bucket ``p``, preceded among the candidates
+    by those of lower buckets.
+    """
+    positions, below = where
+    candidate_positions = _positions(candidates)
+    gathered_below = [numpy.count_nonzero(candidate_positions < p) for p in positions]
+    return numpy.asarray(ranks, dtype=numpy.int64) - below + gathered_below
+
+
+def _always_wanted() -> numpy.ndarray:
+    """By position: the buckets of infinities and NaN, of either sign."""
+    wanted = numpy.zeros(_BUCKETS, dtype=bool)
     wanted[: _SIGN - _SPECIAL] = True
     wanted[_SIGN + _SPECIAL :] = True
-    # Elements of buckets left out that lie below each rank's bucket.
-    left_out = counts.masked_fill_(wanted, 0).cumsum(0)[positions]
-    wanted_by_bucket = torch.cat([wanted[_SIGN:], wanted[:_SIGN].flip(0)])
-    candidates = torch.cat(
-        [
-            masked(chunk, wanted_by_bucket.index_select(0, _buckets(chunk)))
-            for chunk in _chunks(flats)
-        ]
-    )
-    return candidates, left_out.tolist()
+    return wanted
+
+
+def _position_counts(flats: List[Tensor]) -> numpy.ndarray:
+    """Number of elements per bucket, by position (int64, ``[B]``)."""
+    counts = torch.zeros(_BUCKETS, dtype=torch.int64)
+    for chunk in _chunks(flats):
+        counts += torch.bincount(_buckets(chunk), minlength=_BUCKETS)
+    counts = counts.numpy()
+    return numpy.concatenate([counts[_SIGN:][::-1], counts[:_SIGN]])
+
+
+def _gathered(flats: List[Tensor], wanted: numpy.ndarray) -> Iterator[numpy.ndarray]:
+    """The elements of ``flats`` in the buckets at ``wanted`` positions, piece by piece."""
+    by_bucket = torch.from_numpy(numpy.concatenate([wanted[_SIGN:], wanted[:_SIGN][::-1]]))
+    for chunk in _chunks(flats):
+        yield masked(chunk, by_bucket.index_select(0, _buckets(chunk))).numpy()
+
+
+def _positions(values: numpy.ndarray) -> numpy.ndarray:
+    """The bucket position of each of a few values (NumPy)."""
+    buckets = _buckets(torch.from_numpy(values)).numpy()
+    return numpy.where(buckets >= _SIGN, _BUCKETS - 1 - buckets, buckets + _SIGN)
 
 
 def masked(flat: Tensor, mask: Tensor) -> Tensor:
@@ -368,20 +523,9 @@ def masked(flat: Tensor, mask: Tensor) -> Tensor:
     input's memory for a moment.
     """
     if _on_host(flat):
-        return torch.from_numpy(flat.numpy()[mask.numpy()])
+        # compress: ~3x faster than boolean indexing when many are kept.
+        return torch.from_numpy(numpy.compress(mask.numpy(), flat.numpy()))
     return flat[mask]
-
-
-def _sorted(values: Tensor):
-    """``values`` (a fresh 1d tensor) sorted ascending: a NumPy array on CPU, else a tensor.
-
-    On CPU NumPy's vectorized sort, in place (over 10x faster than ``torch.sort``).
-    """
-    if _on_host(values):
-        array = values.numpy()
-        array.sort()
-        return array
-    return torch.sort(values).values
 
 
 def _on_host(tensor: Tensor) -> bool:

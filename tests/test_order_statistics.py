@@ -77,6 +77,56 @@ def test_select_finds_every_requested_rank_of_a_union(n):
     numpy.testing.assert_array_equal(got, ordered[ranks].astype(numpy.float64))
 
 
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+def test_each_group_and_their_union_equal_numpy_bit_for_bit(dtype):
+    """The layers' and the network's quantiles from shared passes (small and large groups)."""
+    rng = numpy.random.default_rng(3)
+    sizes = [1, 7, SORT_WHOLE_AT_MOST, SORT_WHOLE_AT_MOST + 1, 250_003, 3]
+    values = [awkward_values(n, dtype, seed) for seed, n in enumerate(sizes)]
+    # Groups of different scales, as layers are: the union's ranks fall elsewhere.
+    values[4] *= 1e-3
+    groups = [random_parts(v, rng) for v in values]
+    each, union = order_statistics.quantile_summaries(groups, LEVELS, prefix="p_")
+    for got, v in zip(each, values):
+        quantiles = [got[quantile_name(level, "p_")] for level in LEVELS]
+        numpy.testing.assert_array_equal(quantiles, expected_quantiles(v, LEVELS))
+    everything = numpy.concatenate(values)
+    numpy.testing.assert_array_equal(
+        [union[quantile_name(level, "p_")] for level in LEVELS],
+        expected_quantiles(everything, LEVELS),
+    )
+    non_negative = [numpy.abs(numpy.nan_to_num(v, posinf=1.0, neginf=1.0)) for v in values]
+    each, union = order_statistics.quantile_summaries(
+        [torch.from_numpy(v) for v in non_negative], (0.5,)
+    )
+    for got, v in zip(each, non_negative):
+        assert got["mean"] == pytest.approx(v.astype(numpy.float64).mean(), rel=1e-12)
+    joined = numpy.concatenate(non_negative).astype(numpy.float64)
+    assert union["mean"] == pytest.approx(joined.mean(), rel=1e-12)
+    assert union["q0.5"] == expected_quantiles(joined, (0.5,))[0]
+
+
+def test_select_each_and_union_finds_every_rank_and_rejects_nan():
+    rng = numpy.random.default_rng(4)
+    values = [awkward_values(n, numpy.float32, n) for n in (5, 70_001, 30_000)]
+    ranks = [sorted(set(rng.integers(v.size, size=30).tolist())) for v in values]
+    everything = numpy.sort(numpy.concatenate(values))
+    union_ranks = sorted(set(rng.integers(everything.size, size=30).tolist()))
+    each, union = order_statistics.select_each_and_union(
+        [torch.from_numpy(v) for v in values], ranks, union_ranks
+    )
+    for got, v, r in zip(each, values, ranks):
+        numpy.testing.assert_array_equal(got, numpy.sort(v)[r])
+    numpy.testing.assert_array_equal(union, everything[union_ranks])
+    values[1][123] = numpy.nan
+    with pytest.raises(ValueError, match="NaN"):
+        order_statistics.select_each_and_union(
+            [torch.from_numpy(v) for v in values], [[0]] * 3, [0]
+        )
+    with pytest.raises(ValueError, match="ranks must lie"):
+        order_statistics.select_each_and_union([torch.ones(3)], [[0]], [3])
+
+
 def test_quantiles_beyond_16_million_elements():
     """Older torch.quantile refuses more than 2**24 elements; ours is exact there."""
     n = 2**24 + 3

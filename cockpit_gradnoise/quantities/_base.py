@@ -19,7 +19,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _deferred, distributed, functional, order_statistics
 from cockpit_gradnoise._compat import import_cockpit
@@ -303,6 +303,18 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         """Every statistic name this quantity reports (NaN when a gradient is not finite)."""
         raise NotImplementedError
 
+    def statistics_of_values(
+        self, values: List[Any], network: bool
+    ) -> Tuple[List[Dict[str, float]], Optional[Dict[str, float]]]:
+        """Statistics of each parameter's value and, if ``network``, of the network's.
+
+        By default :meth:`statistics` of each value and of :meth:`network_value`;
+        override to share work between the two (the network's quantiles count
+        the layers' elements once more otherwise).
+        """
+        rows = [self.statistics(value) for value in values]
+        return rows, self.statistics(self.network_value(values)) if network else None
+
     def derived_statistics(self, name: str, statistics: Dict[str, float]) -> Dict[str, float]:
         """More statistics of row ``name`` from its others (none by default)."""
         return {}
@@ -377,11 +389,13 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             return None
         usable, values, finite = found
         del found  # values is the only reference: freed below before the network's statistics
-        rows = {name: self.statistics(value) for name, value in values}
-        if values and not any(flag is False for flag in finite.values()):
-            network = self.network_value([value for _, value in values])
-            del values  # free the parameters' values before the network's statistics
-            rows[NETWORK] = self.statistics(network)
+        network = bool(values) and not any(flag is False for flag in finite.values())
+        names_with_values = [name for name, _ in values]
+        each, network_row = self.statistics_of_values([value for _, value in values], network)
+        del values
+        rows = dict(zip(names_with_values, each))
+        if network:
+            rows[NETWORK] = network_row
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
         rows, finite = _deferred.resolve((rows, finite))

@@ -104,5 +104,12 @@ class GradientVarianceQuantiles(ParameterQuantity):
         sds, snrs = value
         return functional.sd_statistics(sds, snrs, self.quantiles, defer=True)
 
+    def statistics_of_values(self, values, network):
+        if not values:
+            return [], None
+        # The network's quantiles share the layers' passes over the elements.
+        sds, snrs = ([part for layer in parts for part in layer] for parts in zip(*values))
+        return functional.sd_statistics_of_layers(sds, snrs, self.quantiles, network)
+
     def statistic_names(self):
         return functional.sd_statistic_names(self.quantiles)
