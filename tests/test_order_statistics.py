@@ -106,6 +106,35 @@ def test_each_group_and_their_union_equal_numpy_bit_for_bit(dtype):
     assert union["q0.5"] == expected_quantiles(joined, (0.5,))[0]
 
 
+@pytest.mark.parametrize("subnormals", [False, True])
+def test_mostly_zeros_are_counted_exactly_beside_the_tiniest_subnormals(subnormals):
+    """Zeros are counted, not gathered, unless their buckets hold subnormals too."""
+    rng = numpy.random.default_rng(5)
+    values = []
+    for n in (50_001, 9_000, 3):
+        v = numpy.abs(rng.standard_normal(n)).astype(numpy.float32)
+        v[rng.random(n) < 0.9] = 0.0
+        v[rng.random(n) < 0.05] = -0.0
+        values.append(v)
+    if subnormals:  # in the zero buckets (|x| < 2**-131), in one group only
+        values[0][:7] = numpy.float32(1e-44) * numpy.arange(1, 8)
+        values[0][7:9] = -numpy.float32(1e-44)
+    levels = (0.0, 0.3, 0.5, 0.89, 0.9, 0.91, 0.99, 1.0)
+    each, union = order_statistics.quantile_summaries(
+        [torch.from_numpy(v) for v in values], levels
+    )
+    for got, v in zip(each, values):
+        quantiles = [got[quantile_name(level)] for level in levels]
+        numpy.testing.assert_array_equal(quantiles, expected_quantiles(v, levels))
+    numpy.testing.assert_array_equal(
+        [union[quantile_name(level)] for level in levels],
+        expected_quantiles(numpy.concatenate(values), levels),
+    )
+    ranks = [0, 6, 7, 8, 9, 10, 45_000, 50_000]
+    (got,), _ = order_statistics.select_each_and_union([torch.from_numpy(values[0])], [ranks], [])
+    numpy.testing.assert_array_equal(got, numpy.sort(values[0])[ranks])
+
+
 def test_select_each_and_union_finds_every_rank_and_rejects_nan():
     rng = numpy.random.default_rng(4)
     values = [awkward_values(n, numpy.float32, n) for n in (5, 70_001, 30_000)]
