@@ -12,7 +12,7 @@ import pytest
 import torch
 
 LEVELS = (0.0, 0.05, 0.25, 1 / 3, 0.5, 0.51, 0.75, 0.95, 1.0)
-# Whole sort, one histogram chunk, several chunks (bucket selection).
+# Whole sort, then bucket selection (several pieces: the test beyond 16 million).
 SIZES = [1, 2, 3, 7, 1000, SORT_WHOLE_AT_MOST, SORT_WHOLE_AT_MOST + 1, 600_001]
 
 
