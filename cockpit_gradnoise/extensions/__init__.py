@@ -14,6 +14,10 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 - convolution weights get exact per-example norms for any ``groups`` and the
   cheaper of two computations, and their gradient from torch's own
   convolution backward (:mod:`.convolution`);
+- ``Linear`` weights on sequences (``[N, L, in]`` inputs) get per-example
+  norms by the cheaper of Gram matrices and formation, and when
+  :class:`SumsOfContributions` runs in the same backward pass, both results
+  from one formation of the per-example gradients (:mod:`.linear`);
 - ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
   (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
   extensions, and so Cockpit's quantities, the same rows);
