@@ -14,6 +14,10 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 - convolution weights get exact per-example norms for any ``groups`` and the
   cheaper of two computations, and their gradient from torch's own
   convolution backward (:mod:`.convolution`);
+- ``Linear`` weights on sequences (``[N, L, in]`` inputs) get per-example
+  norms by the cheaper of Gram matrices and formation, and when
+  :class:`SumsOfContributions` runs in the same backward pass, both results
+  from one formation of the per-example gradients (:mod:`.linear`);
 - ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` are supported
   (:mod:`.normalization`; :func:`register_extensions` gives BackPACK's own
   extensions, and so Cockpit's quantities, the same rows);
@@ -27,25 +31,31 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to a table below.
 """
 
-from cockpit_gradnoise.extensions import batchnorm, convolution, embedding, normalization, sums
+from cockpit_gradnoise.extensions import (
+    batchnorm,
+    convolution,
+    embedding,
+    linear,
+    normalization,
+    sums,
+)
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUM_GRAD_SQUARED_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
 
 from backpack.extensions import BatchL2Grad, SumGradSquared
 from backpack.extensions.backprop_extension import FAIL_SILENT
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
-from backpack.extensions.firstorder.batch_l2_grad import linear as l2_linear
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
 from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
 from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
 from torch import nn
-
-BATCH_L2_SAVEFIELD = "cgn_batch_l2"
-SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
-LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
-SUMS_SAVEFIELD = "cgn_sums_of_contributions"
-
 
 _CONVOLUTIONS = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d
@@ -62,7 +72,7 @@ def _normalization_rows(extension_class):
 def per_example_squared_norm_table():
     """Module class -> module extension computing ``||x_i||^2`` (``[N]``) per parameter."""
     return {
-        nn.Linear: l2_linear.BatchL2Linear(),
+        nn.Linear: linear.SquaredNormsLinear(),
         nn.Conv1d: convolution.SquaredNormsConv(),
         nn.Conv2d: convolution.SquaredNormsConv(),
         nn.Conv3d: convolution.SquaredNormsConv(),
@@ -102,7 +112,7 @@ def sum_of_squares_table():
 def sums_table():
     """Module class -> module extension computing ``[sum_i x_i, sum_i x_i**2]`` (:mod:`.sums`)."""
     return {
-        nn.Linear: sums.SumsLinear(),
+        nn.Linear: linear.SumsLinear(),
         **dict.fromkeys(_CONVOLUTIONS, convolution.SumsConv()),
         nn.RNN: sums.SumsRNN(),
         nn.LSTM: sums.SumsLSTM(),

@@ -79,7 +79,8 @@ CHUNK_BYTES = 16 * 2**20
 
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
 #: or ``"expansion"`` (expanding the square, or Gram matrices for norms)
-#: forces one method for every layer (tests, measurements).
+#: forces one method for every layer (tests, measurements), also for the
+#: norms of Linear layers on sequences (:mod:`.linear`).
 FORCE_METHOD: Optional[str] = None
 
 #: Cost of moving one number through memory, in floating-point operations of a

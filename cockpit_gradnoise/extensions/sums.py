@@ -18,20 +18,15 @@ step as it frees every savefield. The contributions are formed wherever
 each is a sum of several terms; where each is one product (a Linear layer
 without extra dimensions, a convolution with one output position) the two
 sums are two matrix products, within the bound with ``inner_terms = 1``.
+Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`.
 """
 
 from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode
 from cockpit_gradnoise.extensions.embedding import SGSEmbeddingAnyDtype
 
 import torch
-from backpack.core.derivatives.linear import LinearDerivatives
 from backpack.extensions.firstorder.sum_grad_squared.rnn import SGSLSTM, SGSRNN
-from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from torch import Tensor
-
-#: Bytes of per-example contributions a Linear on sequences forms at once
-#: (as the convolutions' formation, :data:`.convolution.CHUNK_BYTES`).
-CHUNK_BYTES = 16 * 2**20
 
 
 def stacked(op, first: tuple, second: tuple, shape) -> Tensor:
@@ -54,30 +49,6 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     return stacked(torch.sum, (contributions, axis), (contributions.square(), axis), shape)
 
 
-def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
-    """``[T, S]`` of a Linear's weight, with inputs ``[N, ..., in]``.
-
-    Without extra dimensions each contribution is one product, ``x_i = g_i a_i^T``:
-    ``T = G^T A`` and ``S = (G**2)^T (A**2)`` are two matrix products (no
-    ``N x |W|`` tensor), exact to the bound with ``inner_terms = 1``. With extra
-    dimensions (positions of a sequence), ``x_i = sum_l g_il a_il^T`` is formed
-    for chunks of examples of at most :data:`CHUNK_BYTES`, and both sums taken
-    from it.
-    """
-    if grad_output.dim() == 2:
-        shape = (grad_output.shape[1], inputs.shape[1])
-        return stacked(
-            torch.mm, (grad_output.T, inputs), (grad_output.square().T, inputs.square()), shape
-        )
-    g, a = grad_output.flatten(1, -2), inputs.flatten(1, -2)  # [N, L, out], [N, L, in]
-    per_example = g.shape[2] * a.shape[2] * inputs.element_size()
-    size = max(1, CHUNK_BYTES // per_example)
-    result = inputs.new_zeros(2, g.shape[2], a.shape[2])
-    for start in range(0, g.shape[0], size):
-        result += sums_of(torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size]))
-    return result
-
-
 class SumsFromContributionsMixin:
     """Turns a BackPACK ``SumGradSquared`` rule (an ``SGSBase``) into ``[T, S]`` of the
     contributions it forms: ``class Sums(SumsFromContributionsMixin, SGSRule)``."""
@@ -90,16 +61,6 @@ class SumsFromContributionsMixin:
             return sums_of(contributions, self.N_axis)
 
         return param_function
-
-
-class SumsLinear(SumsFromContributionsMixin, SGSBase):
-    """``Linear``: weight by :func:`linear_weight_sums`, bias from its contributions."""
-
-    def __init__(self):
-        super().__init__(derivatives=LinearDerivatives(), params=["bias", "weight"])
-
-    def weight(self, ext, module, g_inp, g_out, bp_quantities):
-        return linear_weight_sums(module.input0, g_out[0])
 
 
 class SumsRNN(SumsFromContributionsMixin, SGSRNN):

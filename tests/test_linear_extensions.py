@@ -1,0 +1,193 @@
+"""``Linear`` on sequences: per-example squared norms and the sums, alone and together.
+
+``PerExampleSquaredNorms`` and ``SumsOfContributions`` in one backward pass
+form each sequence Linear's contributions once (:mod:`cockpit_gradnoise.extensions.linear`).
+Against one backward pass per example, in float64: both extensions together in
+either order, each alone, both methods of the norms, chunks of examples.
+"""
+
+from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import (
+    BATCH_L2_SAVEFIELD,
+    SUMS_SAVEFIELD,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+    convolution,
+    linear,
+)
+
+import pytest
+import torch
+from backpack import backpack
+from torch import nn
+
+from tests.cases import ModelCase, build, case_named
+from tests.helpers import RTOL
+
+
+class SequenceMLP(nn.Module):
+    """A Linear on ``[N, 2, 5, 3]`` (two extra dimensions, 10 positions), then one on ``[N, 40]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = nn.Linear(3, 4), nn.Linear(40, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(x)).flatten(1))
+
+
+SEQUENCE_MLP = ModelCase("sequence-mlp", SequenceMLP, lambda n: torch.randn(n, 2, 5, 3))
+CASES = [case_named("gpt"), SEQUENCE_MLP]
+FORMED_CONTRIBUTIONS = linear.formed_contributions
+ORDERS = {
+    "sums-first": (SumsOfContributions, PerExampleSquaredNorms),
+    "norms-first": (PerExampleSquaredNorms, SumsOfContributions),
+    "sums-alone": (SumsOfContributions,),
+    "norms-alone": (PerExampleSquaredNorms,),
+}
+
+
+def sequence_weights(model):
+    """``(names, hooks)``: the hooks fill ``names`` in the forward pass with the weights
+    of Linear layers applied to sequences (inputs of more than 2 dimensions)."""
+    names, hooks = [], []
+
+    def record(name):
+        def hook(module, inputs, output):
+            if inputs[0].dim() > 2:
+                names.append(name + ".weight")
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            hooks.append(module.register_forward_hook(record(name)))
+    return names, hooks
+
+
+def run(case, n, reduction, extensions, monkeypatch, chunk=None):
+    """``(problem, {name: (sums or None, norms or None)}, chunk sizes formed, names)``
+    of one backward pass with ``extensions`` (in that order)."""
+    problem = build(case, n, reduction)
+    names, hooks = sequence_weights(problem.model)
+    formed = []
+
+    def recording(g, a):
+        for x in FORMED_CONTRIBUTIONS(g, a):
+            formed.append(len(x))
+            yield x
+
+    monkeypatch.setattr(linear, "formed_contributions", recording)
+    if chunk is not None:
+        monkeypatch.setattr(linear, "examples_per_chunk", lambda *args: chunk)
+    loss = problem.loss_fn(problem.model(problem.inputs), problem.targets)
+    with backpack(*(extension() for extension in extensions)):
+        loss.backward()
+    for hook in hooks:
+        hook.remove()
+    params = dict(problem.model.named_parameters())
+    results = {
+        name: (getattr(params[name], SUMS_SAVEFIELD, None), getattr(params[name], BATCH_L2_SAVEFIELD, None))
+        for name in names
+    }
+    return problem, results, formed, names
+
+
+def expected(problem, n, reduction):
+    """``{name: per-example contributions x_i}`` from one backward pass per example."""
+    grads = references.per_example_gradients(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+    )
+    scale = 1.0 / n if reduction == "mean" else 1.0
+    return {name: scale * g for name, g in grads.items()}
+
+
+def assert_match(results, contributions, order):
+    assert results, "the case must have Linear layers on sequences"
+    for name, (sums, norms) in results.items():
+        x = contributions[name]
+        if SumsOfContributions in order:
+            squares = x.pow(2).sum(0)
+            assert (sums[1] - squares).norm() <= RTOL * squares.norm(), name
+            assert (sums[0] - x.sum(0)).norm() <= RTOL * x.abs().sum(0).norm(), name
+        else:
+            assert sums is None
+        if PerExampleSquaredNorms in order:
+            torch.testing.assert_close(norms, x.pow(2).sum((1, 2)), rtol=RTOL, atol=0)
+        else:
+            assert norms is None
+
+
+@pytest.mark.parametrize("method", ["formation", "expansion", None], ids=["formation", "gram", "chosen"])
+@pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_results_match_per_example_loop(case, reduction, order, method, monkeypatch):
+    monkeypatch.setattr(convolution, "FORCE_METHOD", method)
+    problem, results, _, _ = run(case, 5, reduction, ORDERS[order], monkeypatch)
+    assert_match(results, expected(problem, 5, reduction), ORDERS[order])
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
+    """7 examples in chunks of 3, 3 and 1, formed or by Gram matrices."""
+    monkeypatch.setattr(convolution, "FORCE_METHOD", "formation")
+    problem, results, formed, names = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
+    assert formed == [3, 3, 1] * len(names)
+    assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
+    monkeypatch.setattr(convolution, "FORCE_METHOD", "expansion")
+    problem, results, _, _ = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
+    assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
+
+
+@pytest.mark.parametrize("order", ["sums-first", "norms-first"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_together_each_layer_is_formed_once(case, order, monkeypatch):
+    """Each sequence Linear's contributions are formed once for both extensions, the
+    handed-over result is taken, and the sums are the very numbers computed alone."""
+    monkeypatch.setattr(convolution, "FORCE_METHOD", "formation")
+    _, together, formed, names = run(case, 5, "mean", ORDERS[order], monkeypatch)
+    assert len(formed) == len(names) > 0
+    assert linear._HANDED_OVER == {}
+    _, sums_alone, formed_sums, _ = run(case, 5, "mean", ORDERS["sums-alone"], monkeypatch)
+    _, norms_alone, formed_norms, _ = run(case, 5, "mean", ORDERS["norms-alone"], monkeypatch)
+    assert len(formed_sums) == len(formed_norms) == len(names)
+    for name in names:
+        assert torch.equal(together[name][0], sums_alone[name][0]), name
+        assert torch.equal(together[name][1], norms_alone[name][1]), name
+
+
+def test_cost_model_chooses_gram_for_the_tests_gpt_and_formation_for_long_sequences(monkeypatch):
+    """The case matrix's GPT (4 positions) takes the Gram matrices when the norms run
+    alone; the sequence MLP (10 positions of 3 -> 4) takes formation."""
+    for case, method in [(case_named("gpt"), "gram"), (SEQUENCE_MLP, "formation")]:
+        _, _, formed, names = run(case, 5, "mean", ORDERS["norms-alone"], monkeypatch)
+        assert len(formed) == (len(names) if method == "formation" else 0), case.name
+
+
+@pytest.mark.parametrize(
+    "shape, formation",
+    [
+        ((384, 128, 64), False),  # benchmark GPT: qkv
+        ((128, 128, 64), False),  # proj
+        ((512, 128, 64), False),  # MLP in
+        ((128, 512, 64), False),  # MLP out
+        ((4, 3, 10), True),  # the sequence MLP above
+    ],
+)
+def test_cost_model_choices(shape, formation):
+    """The choices for the benchmark GPT's layers, measured faster (benchmarks/README.md)."""
+    assert convolution.formation_is_cheaper(convolution.gram_cost, *shape) is formation
+
+
+def test_a_handed_over_result_is_taken_once_for_that_layer_and_output_gradient_only():
+    module, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    grad_output, result = torch.ones(3, 4, 2), torch.arange(3.0)
+    linear.hand_over("field", module, grad_output, result)
+    assert linear.take_over("field", module, grad_output) is result
+    assert linear.take_over("field", module, grad_output) is None  # cleared when read
+    for wrong_module, wrong_grad in [(other, grad_output), (module, grad_output.clone())]:
+        linear.hand_over("field", module, grad_output, result)
+        assert linear.take_over("field", wrong_module, wrong_grad) is None
+    assert linear._HANDED_OVER == {}
