@@ -28,6 +28,10 @@ import warnings
 
 # Hide kineto's "gpuGetDeviceCount failed" line when the profiler measures CPU memory.
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# The GPT lives in experiments/ beside benchmarks/, which `python
+# benchmarks/benchmark.py` does not put on the path (appended: an installed
+# cockpit_gradnoise, or PYTHONPATH, still comes first).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import extensions as cgn_extensions  # noqa: E402

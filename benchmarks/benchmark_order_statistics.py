@@ -20,6 +20,12 @@ SIMD at all::
     NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" python benchmarks/...
     NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR" python benchmarks/...
 
+A second table (CPU) times the quantiles of three layers and of the network
+(their union), as :class:`~cockpit_gradnoise.GradientVarianceQuantiles`
+needs them: per layer and then the union again, against
+``order_statistics.select_each_and_union``, whose network's counts are the
+sum of the layers' and whose one gathering pass serves both.
+
 Options: ``--sizes 670000,11000000``, ``--rounds 7``, ``--threads 1``,
 ``--device cuda`` (torch candidates only, synchronized), ``--quick`` (smoke
 test: small sizes, 2 rounds).
@@ -78,6 +84,33 @@ CANDIDATES = {
 }
 
 
+def layers_separately(parts, ranks, union_ranks):
+    """Each layer's ranks, then the network's from a second pass over all elements."""
+    return [order_statistics.select(p, r) for p, r in zip(parts, ranks)], order_statistics.select(
+        parts, union_ranks
+    )
+
+
+def layers_shared(parts, ranks, union_ranks):
+    """Both from one counting and one gathering pass (what the quantities do)."""
+    return order_statistics.select_each_and_union(parts, ranks, union_ranks)
+
+
+def layers_numpy_sort(parts, ranks, union_ranks):
+    """numpy.sort of each layer and of the joined network."""
+    each = [numpy_sort(p, r) for p, r in zip(parts, ranks)]
+    return each, numpy_sort(torch.cat(parts), union_ranks)
+
+
+#: Three layers (60%, 39% and 1% of the elements, at different scales) and
+#: their union: a network's quantiles beside its layers'.
+LAYER_CANDIDATES = {
+    "numpy.sort per layer and of the joined network": layers_numpy_sort,
+    "order_statistics.select per layer, then of the union": layers_separately,
+    "order_statistics.select_each_and_union (shared passes)": layers_shared,
+}
+
+
 def layer_like(n, device):
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(n, generator=generator).abs() * torch.randn(n, generator=generator).exp()
@@ -105,6 +138,26 @@ def measure(n, names, rounds, device):
             start = time.perf_counter()
             CANDIDATES[name](values, ranks)
             synchronize(device)
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def measure_layers(n, rounds):
+    """Time :data:`LAYER_CANDIDATES` on CPU (each checked against numpy.sort first)."""
+    values = layer_like(n, torch.device("cpu"))
+    cuts = [0, int(0.6 * n), int(0.99 * n), n]
+    parts = [values[a:b] * scale for a, b, scale in zip(cuts, cuts[1:], (1.0, 10.0, 0.1))]
+    ranks = [sum(order_statistics.quantile_ranks(LEVELS, p.numel())[:2], []) for p in parts]
+    union_ranks = sum(order_statistics.quantile_ranks(LEVELS, n)[:2], [])
+    expected = layers_numpy_sort(parts, ranks, union_ranks)
+    times = {name: [] for name in LAYER_CANDIDATES}
+    for name, candidate in LAYER_CANDIDATES.items():
+        if tuple(candidate(parts, ranks, union_ranks)) != tuple(expected):
+            raise AssertionError(f"{name} is not exact for n={n}")
+    for _ in range(rounds):
+        for name, candidate in LAYER_CANDIDATES.items():
+            start = time.perf_counter()
+            candidate(parts, ranks, union_ranks)
             times[name].append(1e3 * (time.perf_counter() - start))
     return times
 
@@ -143,6 +196,14 @@ def main(argv=None):
     for n in sizes:
         print(f"measuring {n} elements", file=sys.stderr)
         for name, times in measure(n, names, rounds, device).items():
+            print(f"| {n} | {name} | {min(times):.2f} | {statistics.median(times):.2f} |")
+    if device.type != "cpu":
+        return
+    print("\nQuantiles of three layers and of the network (their union), CPU:\n")
+    print("| elements | candidate | min ms | median ms |")
+    print("|---:|---|---:|---:|")
+    for n in sizes:
+        for name, times in measure_layers(n, rounds).items():
             print(f"| {n} | {name} | {min(times):.2f} | {statistics.median(times):.2f} |")
 
 

@@ -309,4 +309,4 @@ def test_benchmark_script_checks_every_candidate_and_prints_its_table(capsys):
     finally:
         torch.set_num_threads(threads)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
-    assert len(rows) == 2 * len(module.CANDIDATES)
+    assert len(rows) == 2 * (len(module.CANDIDATES) + len(module.LAYER_CANDIDATES))
