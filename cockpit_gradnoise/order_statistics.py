@@ -424,8 +424,12 @@ def _select_on_host(
     convolutions: 93-95%, from units no example activates), and gathering
     them would copy and sort most of the layer.
     """
-    # First pass: count. Per group, the counts of its non-empty buckets only.
-    counts = [_position_counts(flats) for flats in flats_of]
+    # First pass: count. Per group, the counts of its non-empty buckets only
+    # (small groups are sorted whole: counted only for the union).
+    counts = [
+        _position_counts(flats) if union_ranks or not _small(flats) else None
+        for flats in flats_of
+    ]
     wanted = _always_wanted()
     if union_ranks:
         union_count = numpy.zeros(_BUCKETS, dtype=numpy.int64)
@@ -437,22 +441,27 @@ def _select_on_host(
     # Second pass: gather the candidates of the group's and the union's ranks.
     values, union_candidates, union_zeros = [], [], 0
     for flats, group_ranks, count in zip(flats_of, ranks, counts):
-        group_wanted = wanted.copy()
-        group_wanted[_positions_of_ranks(count, group_ranks)] = True
-        if sum(flat.numel() for flat in flats) <= SORT_WHOLE_AT_MOST:
-            group_wanted[:] = True
-        _zeros_together(group_wanted)
-        zeros_only = _zeros_only(count)
-        gather = group_wanted.copy()
-        if zeros_only:
-            gather[_ZERO_POSITIONS] = False
-        candidates = numpy.concatenate(list(_gathered(flats, gather)))
-        candidates.sort()  # in place; NaN last (every NaN is a candidate)
-        if candidates.size:
+        if _small(flats):
+            candidates = numpy.concatenate([flat.numpy() for flat in flats])
+            candidates.sort()
             _check_no_nan(float(candidates[-1]))
-        zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
-        indices = _indices(group_ranks, count, group_wanted)
-        values.append(_with_zeros(candidates, zeros, indices).tolist())
+            zeros_only = False
+            values.append(candidates[list(group_ranks)].tolist())
+        else:
+            group_wanted = wanted.copy()
+            group_wanted[_positions_of_ranks(count, group_ranks)] = True
+            _zeros_together(group_wanted)
+            zeros_only = _zeros_only(count)
+            gather = group_wanted.copy()
+            if zeros_only:
+                gather[_ZERO_POSITIONS] = False
+            candidates = numpy.concatenate(list(_gathered(flats, gather)))
+            candidates.sort()  # in place; NaN last (every NaN is a candidate)
+            if candidates.size:
+                _check_no_nan(float(candidates[-1]))
+            zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
+            indices = _indices(group_ranks, count, group_wanted)
+            values.append(_with_zeros(candidates, zeros, indices).tolist())
         if union_ranks:
             union_candidates.append(candidates[wanted[_positions(candidates)]])
             union_zeros += count.zeros if zeros_only and wanted[_ZERO_POSITIONS[0]] else 0
@@ -475,6 +484,11 @@ class _Counts(NamedTuple):
 
 #: The positions of the buckets of +0.0 and -0.0.
 _ZERO_POSITIONS = [_SIGN, _SIGN - 1]
+
+
+def _small(flats: List[Tensor]) -> bool:
+    """Whether a group is sorted whole (:data:`SORT_WHOLE_AT_MOST`)."""
+    return sum(flat.numel() for flat in flats) <= SORT_WHOLE_AT_MOST
 
 
 def _zeros_together(wanted: numpy.ndarray):
@@ -502,7 +516,7 @@ def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -
 def _position_counts(flats: List[Tensor]) -> _Counts:
     """:class:`_Counts` of the elements of ``flats``."""
     zeros = sum(flat.numel() - numpy.count_nonzero(flat.numpy()) for flat in flats)
-    if sum(flat.numel() for flat in flats) <= SORT_WHOLE_AT_MOST:
+    if _small(flats):
         positions = numpy.concatenate([_positions(flat.numpy()) for flat in flats])
         return _Counts(*numpy.unique(positions, return_counts=True), zeros)
     counts = torch.zeros(_BUCKETS, dtype=torch.int64)
