@@ -199,9 +199,16 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
         return grad.abs().div_(sd).masked_fill_(sd == 0, math.nan)
     # Dividing everywhere and selecting once is faster than two selections;
     # the inf/NaN where sd_j = 0 are never selected. NumPy compares and
-    # selects several times faster than torch on CPU.
-    ratios = grad.abs().div_(sd).numpy()
-    return torch.from_numpy(ratios[sd.numpy() > 0])
+    # selects several times faster than torch on CPU; by pieces, no
+    # temporary the size of the layer.
+    result, start = numpy.empty(grad.numel(), dtype=grad.numpy().dtype), 0
+    for g, s in zip(order_statistics.pieces(grad), order_statistics.pieces(sd)):
+        g, s = g.numpy(), s.numpy()
+        with numpy.errstate(divide="ignore", invalid="ignore"):
+            kept = numpy.compress(s > 0, numpy.abs(g) / s)
+        result[start : start + kept.size] = kept
+        start += kept.size
+    return torch.from_numpy(result[:start])
 
 
 def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:

@@ -15,7 +15,7 @@ One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
 like a layer's). A union of tensors is never concatenated, and the passes go
-through pieces of :data:`CHUNK` elements, so the extra memory is about 5 MiB
+through pieces of :data:`CHUNK` elements, so the extra memory is under 1 MiB
 whatever the size. The quantiles of each layer and of the whole network
 (:func:`select_each_and_union`) share both passes: the network's counts
 are the sum of the layers', and one gathering serves both. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
@@ -48,10 +48,10 @@ SORT_WHOLE_AT_MOST = 1 << 12
 
 #: Elements per piece in passes over all elements: a piece's temporaries stay
 #: small (fresh tensors the size of a layer cost more in page faults than in
-#: work), and large enough that the calls' own overhead is small (2**15 was
-#: 40% slower on the benchmark MLP; 2**17 to 2**22 within the noise; 2**20,
-#: 4 MiB of bucket numbers, keeps resnet18's largest layers to 3 pieces).
-CHUNK = 1 << 20
+#: work, and count in the quantities' peak memory), and large enough that the
+#: calls' own overhead is small (2**15 was 40% slower on the benchmark MLP;
+#: 2**17 to 2**22 within the noise; 2**20 added 4 MiB to the MLP's peak).
+CHUNK = 1 << 17
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
@@ -370,7 +370,11 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
 
 def float64_sum(tensor: Tensor) -> float:
     """Sum of all elements, accumulated in float64, as a Python float."""
-    # Converted blockwise (torch 2.14 on CPU: half the time of NumPy's).
+    if _on_host(tensor):
+        # By pieces: torch converts the whole input to float64 first (8 bytes
+        # per element at once); pieces keep that small and take half the
+        # time of NumPy's blockwise float64 sum.
+        return math.fsum(piece.sum(dtype=torch.float64).item() for piece in pieces(tensor))
     return tensor.sum(dtype=torch.float64).item()
 
 
