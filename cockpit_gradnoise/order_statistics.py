@@ -18,8 +18,8 @@ like a layer's). A union of tensors is never concatenated, and the passes go
 through pieces of :data:`CHUNK` elements, so the extra memory is under 1 MiB
 whatever the size. The quantiles of each layer and of the whole network
 (:func:`select_each_and_union`) share both passes: the network's counts
-are the sum of the layers', and one gathering serves both. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted
-whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
+are the sum of the layers', and one gathering serves both. Small unions
+(:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
 measures both against sorting and partitioning.
 
 That is the CPU's path. On other devices (GPUs) the union is sorted with
@@ -58,9 +58,9 @@ CHUNK = 1 << 17
 # 5 mantissa bits: 32 buckets per octave). 16 bits gather 4x fewer candidates
 # where values crowd (the sd of the benchmark MLP's first layer fills 89
 # buckets of 32 per octave, and its ten ranks gather 13% of it) but cost as
-# much in tables of 65536 counts per tensor: the same time there. Rounding float64 to float32 keeps
-# the order (ties aside), so float64 values are bucketed the same way, with
-# small tables. Buckets >= _SIGN hold negative values, the largest magnitude
+# much in tables of 65536 counts per tensor: the same time there. Rounding
+# float64 to float32 keeps the order (ties aside), so float64 values are
+# bucketed the same way, with small tables. Buckets >= _SIGN hold negative values, the largest magnitude
 # last; _SPECIAL (+inf) and those above it, of either sign, hold inf and NaN.
 _BUCKET_BITS = 14
 _BUCKETS = 1 << _BUCKET_BITS
@@ -255,12 +255,8 @@ def quantile_summary(
         summary, last = _deferred.resolve((summary, ordered[-1]))
         _check_no_nan(last)
         return summary
-    result = {
-        quantile_name(level, prefix): value
-        for level, value in zip(levels, quantiles(flats, levels))
-    }
-    result[prefix + MEAN] = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
-    return result
+    mean = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
+    return _named(levels, prefix, quantiles(flats, levels), mean)
 
 
 def quantile_summaries(
@@ -293,18 +289,18 @@ def quantile_summaries(
     values, union_values = select_each_and_union(
         flats_of, [lower + upper for lower, upper, _ in ranks], union_ranks[0] + union_ranks[1]
     )
+    k = len(levels)
     each = [
-        _summary(levels, prefix, found, weights, total / n)
+        _named(levels, prefix, interpolate(found[:k], found[k:], weights), total / n)
         for found, (_, _, weights), total, n in zip(values, ranks, totals, sizes)
     ]
-    return each, _summary(levels, prefix, union_values, union_ranks[2], sum(totals) / sum(sizes))
+    union = interpolate(union_values[:k], union_values[k:], union_ranks[2])
+    return each, _named(levels, prefix, union, sum(totals) / sum(sizes))
 
 
-def _summary(levels, prefix, found, weights, mean) -> Dict[str, float]:
-    """The summary from the values at the lower ranks, then the upper ranks, of each level."""
-    k = len(levels)
-    interpolated = interpolate(found[:k], found[k:], weights)
-    result = {quantile_name(level, prefix): value for level, value in zip(levels, interpolated)}
+def _named(levels, prefix, quantile_values, mean) -> Dict[str, float]:
+    """``{prefix + "q<level>": value, ..., prefix + "mean": mean}``."""
+    result = {quantile_name(level, prefix): v for level, v in zip(levels, quantile_values)}
     result[prefix + MEAN] = mean
     return result
 
@@ -510,11 +506,14 @@ def _zeros_only(counts: _Counts) -> bool:
 
 def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -> numpy.ndarray:
     """``sorted(candidates + [0.0] * zeros)[indices]`` without forming it."""
+    if candidates.size == 0:
+        return numpy.zeros(len(indices))
     negative = numpy.searchsorted(candidates, 0.0, side="left")
-    shifted = numpy.where(indices >= negative + zeros, indices - zeros, indices)
-    found = candidates[numpy.minimum(shifted, candidates.size - 1)] if candidates.size else None
     is_zero = (indices >= negative) & (indices < negative + zeros)
-    return numpy.where(is_zero, 0.0, found) if found is not None else numpy.zeros(len(indices))
+    shifted = numpy.where(indices >= negative + zeros, indices - zeros, indices)
+    # Indices of zeros may point past the candidates; they are replaced by 0.
+    found = candidates[numpy.minimum(shifted, candidates.size - 1)]
+    return numpy.where(is_zero, 0.0, found)
 
 
 def _position_counts(flats: List[Tensor]) -> _Counts:

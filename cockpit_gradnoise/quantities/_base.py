@@ -388,7 +388,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
         if found is None:
             return None
         usable, values, finite = found
-        del found  # values is the only reference: freed below before the network's statistics
+        del found  # values is the only reference: freed once the statistics are taken
         network = bool(values) and not any(flag is False for flag in finite.values())
         names_with_values = [name for name, _ in values]
         each, network_row = self.statistics_of_values([value for _, value in values], network)
