@@ -256,6 +256,27 @@ def test_batch_grad_subsampling():
         assert_close_relative(param.grad_batch, expected[name][active], name)
 
 
+def test_extensions_with_different_subsampling_in_one_pass():
+    # The contributions are computed once per layer for all extensions of a
+    # backward pass: one subsampling must never be served another's examples.
+    class OtherBatchGrad(BatchGrad):
+        def __init__(self, subsampling=None):
+            super().__init__(subsampling=subsampling)
+            self.savefield = "other_grad_batch"
+
+    model, reference_model, inputs, targets = make_problem(CASES[1], 7)  # layer-norm-seq
+    first, second = [0, 3, 6], [1, 2]
+    extensions = registered(BatchGrad(subsampling=first), OtherBatchGrad(subsampling=second),
+                            SumGradSquared())
+    backward_with(model, inputs, targets, "sum", extensions)
+    expected = contributions_reference(reference_model, inputs, targets, "sum")
+    for name, param in model.named_parameters():
+        x = expected[name]
+        assert_close_relative(param.grad_batch, x[first], name)
+        assert_close_relative(param.other_grad_batch, x[second], name)
+        assert_close_relative(param.sum_grad_squared, expected_savefields(x)["sum_grad_squared"], name)
+
+
 def test_register_rejects_what_it_cannot_extend():
     with pytest.raises(TypeError, match=r"BatchGrad\(\)"):
         norms.register_normalization_extensions(BatchGrad)

@@ -7,7 +7,7 @@ backward pass and read after it.
 """
 
 from collections import Counter
-from typing import Dict
+from typing import Dict, Set
 
 from torch import nn
 
@@ -23,6 +23,9 @@ class BackwardFacts:
         uses: ``{(extension class, id(param)): count}``, how many layers wrote
             one extension's result on a parameter: more than one for a
             parameter shared by several layers (tied weights).
+        shared_ids: ``{id(param)}`` of the parameters some extension wrote on
+            more than once (what :meth:`shared` asks; a set, as it is asked
+            for every parameter by every quantity).
         leading_sizes: ``{id(param): size}``, the size of the batch dimension
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
@@ -36,6 +39,7 @@ class BackwardFacts:
         """Forget the previous backward pass."""
         self.examples_interact = False
         self.uses: Counter = Counter()
+        self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
@@ -43,12 +47,15 @@ class BackwardFacts:
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
         for param in module.parameters(recurse=False):
             if param.requires_grad and hasattr(param, extension.savefield):
-                self.uses[(type(extension), id(param))] += 1
+                key = (type(extension), id(param))
+                self.uses[key] += 1
+                if self.uses[key] > 1:
+                    self.shared_ids.add(id(param))
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
 
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``."""
-        return any(count > 1 for (_, key), count in self.uses.items() if key == id(param))
+        return id(param) in self.shared_ids
 
 
 BACKWARD_FACTS = BackwardFacts()

@@ -41,6 +41,7 @@ the layers around it keep BackPACK's own results.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions.sums import sums_of
@@ -76,6 +77,14 @@ def shift_contributions(grad_output: Tensor, dims: Tuple[int, ...]) -> Tensor:
     return sum_over(grad_output, dims)
 
 
+#: ``{parameter name: (module, grad_output, key, contributions)}`` (weak references
+#: to the first two): the contributions last computed for a normalization layer's
+#: ``weight`` and ``bias``, for the other active extensions on the same layer in
+#: the same backward call (BackPACK runs them one after the other). At most one
+#: layer's ``[N, *param.shape]`` per name is kept.
+_LAST_CONTRIBUTIONS: dict = {}
+
+
 class _NormalizationModuleExtension(FirstOrderModuleExtension):
     """Per-example contributions of a normalization layer's ``weight`` and ``bias``.
 
@@ -91,15 +100,32 @@ class _NormalizationModuleExtension(FirstOrderModuleExtension):
         super().__init__(params=list(self.PARAMS))
 
     def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
-        input, grad_output = self._active_examples(ext, module, g_out)
-        normalized = self._normalized_input(module, input)
-        return self._reduce(
-            scale_contributions(normalized, grad_output, self._shared_dims(module, input))
-        )
+        return self._reduce(self._contributions(ext, module, g_out, "weight"))
 
     def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        return self._reduce(self._contributions(ext, module, g_out, "bias"))
+
+    def _contributions(self, ext, module, g_out, name: str) -> Tensor:
+        """Per-example contributions to ``module``'s parameter ``name``, ``[N, *param.shape]``.
+
+        Computed once per layer and backward pass for all active extensions
+        (GradientVarianceQuantiles' sums and the per-example norms both read
+        them): recomputing ``x_hat`` cost as much as the layer's forward pass
+        per extension.
+        """
+        subsampling = ext.get_subsampling()
+        key = None if subsampling is None else tuple(subsampling)
+        found = _LAST_CONTRIBUTIONS.get(name)
+        if found is not None and found[0]() is module and found[1]() is g_out[0] and found[2] == key:
+            return found[3]
         input, grad_output = self._active_examples(ext, module, g_out)
-        return self._reduce(shift_contributions(grad_output, self._shared_dims(module, input)))
+        dims = self._shared_dims(module, input)
+        if name == "weight":
+            contributions = scale_contributions(self._normalized_input(module, input), grad_output, dims)
+        else:
+            contributions = shift_contributions(grad_output, dims)
+        _LAST_CONTRIBUTIONS[name] = (weakref.ref(module), weakref.ref(g_out[0]), key, contributions)
+        return contributions
 
     @staticmethod
     def _active_examples(ext, module, g_out) -> Tuple[Tensor, Tensor]:
