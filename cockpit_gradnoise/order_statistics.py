@@ -424,49 +424,52 @@ def _select_on_host(
     convolutions: 93-95%, from units no example activates), and gathering
     them would copy and sort most of the layer.
     """
-    # First pass: count. Per group, the counts of its non-empty buckets only
-    # (small groups are sorted whole: counted only for the union).
-    counts = [
-        _position_counts(flats) if union_ranks or not _small(flats) else None
-        for flats in flats_of
-    ]
+    small = [_small(flats) for flats in flats_of]
+    # Small groups are sorted whole for their own ranks; for the union's they
+    # are counted and filtered as one (a pass per tiny group, e.g. a
+    # LayerNorm's 128 elements, cost more than its elements).
+    smalls = [flat for flats, is_small in zip(flats_of, small) if is_small for flat in flats]
+    # First pass: count. Per large group, the counts of its non-empty buckets.
+    counts = [None if is_small else _position_counts(flats) for flats, is_small in zip(flats_of, small)]
     wanted = _always_wanted()
     if union_ranks:
         union_count = numpy.zeros(_BUCKETS, dtype=numpy.int64)
-        for count in counts:
+        for count in [c for c in counts if c is not None] + ([_position_counts(smalls)] if smalls else []):
             union_count[count.nonempty] += count.count
         union_counts = _Counts(numpy.arange(_BUCKETS), union_count, 0)
         wanted[_positions_of_ranks(union_counts, union_ranks)] = True
         _zeros_together(wanted)
     # Second pass: gather the candidates of the group's and the union's ranks.
     values, union_candidates, union_zeros = [], [], 0
-    for flats, group_ranks, count in zip(flats_of, ranks, counts):
-        if _small(flats):
+    for flats, group_ranks, count, is_small in zip(flats_of, ranks, counts, small):
+        if is_small:
             candidates = numpy.concatenate([flat.numpy() for flat in flats])
             candidates.sort()
             _check_no_nan(float(candidates[-1]))
-            zeros_only = False
             values.append(candidates[list(group_ranks)].tolist())
-        else:
-            group_wanted = wanted.copy()
-            group_wanted[_positions_of_ranks(count, group_ranks)] = True
-            _zeros_together(group_wanted)
-            zeros_only = _zeros_only(count)
-            gather = group_wanted.copy()
-            if zeros_only:
-                gather[_ZERO_POSITIONS] = False
-            candidates = numpy.concatenate(list(_gathered(flats, gather)))
-            candidates.sort()  # in place; NaN last (every NaN is a candidate)
-            if candidates.size:
-                _check_no_nan(float(candidates[-1]))
-            zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
-            indices = _indices(group_ranks, count, group_wanted)
-            values.append(_with_zeros(candidates, zeros, indices).tolist())
+            continue
+        group_wanted = wanted.copy()
+        group_wanted[_positions_of_ranks(count, group_ranks)] = True
+        _zeros_together(group_wanted)
+        zeros_only = _zeros_only(count)
+        gather = group_wanted.copy()
+        if zeros_only:
+            gather[_ZERO_POSITIONS] = False
+        candidates = numpy.concatenate(list(_gathered(flats, gather)))
+        candidates.sort()  # in place; NaN last (every NaN is a candidate)
+        if candidates.size:
+            _check_no_nan(float(candidates[-1]))
+        zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
+        indices = _indices(group_ranks, count, group_wanted)
+        values.append(_with_zeros(candidates, zeros, indices).tolist())
         if union_ranks:
             union_candidates.append(candidates[wanted[_positions(candidates)]])
             union_zeros += count.zeros if zeros_only and wanted[_ZERO_POSITIONS[0]] else 0
     if not union_ranks:
         return values, []
+    if smalls:
+        joined = numpy.concatenate([flat.numpy() for flat in smalls])
+        union_candidates.append(joined[wanted[_positions(joined)]])
     candidates = numpy.concatenate(union_candidates)
     candidates.sort()
     indices = _indices(union_ranks, union_counts, wanted)

@@ -106,6 +106,31 @@ def test_each_group_and_their_union_equal_numpy_bit_for_bit(dtype):
     assert union["q0.5"] == expected_quantiles(joined, (0.5,))[0]
 
 
+@pytest.mark.parametrize("small_groups", [3, 40])
+def test_union_of_many_small_groups_equals_numpy_bit_for_bit(small_groups):
+    """Small groups are counted and filtered for the union together (40 x 128
+    elements: more than a small group, so counted like a large one); the
+    union's ranks fall among them."""
+    rng = numpy.random.default_rng(11)
+    values = [
+        (awkward_values(128, numpy.float32, seed) * 10.0 ** rng.integers(-3, 3)).astype(numpy.float32)
+        for seed in range(small_groups)
+    ]
+    values.append(awkward_values(SORT_WHOLE_AT_MOST + 1, numpy.float32, 99) * numpy.float32(1e-4))
+    levels = (0.0, 0.1, 0.5, 0.9, 1.0)
+    each, union = order_statistics.quantile_summaries(
+        [random_parts(v, rng) for v in values], levels
+    )
+    for got, v in zip(each, values):
+        numpy.testing.assert_array_equal(
+            [got[quantile_name(level)] for level in levels], expected_quantiles(v, levels)
+        )
+    numpy.testing.assert_array_equal(
+        [union[quantile_name(level)] for level in levels],
+        expected_quantiles(numpy.concatenate(values), levels),
+    )
+
+
 @pytest.mark.parametrize("subnormals", [False, True])
 def test_mostly_zeros_are_counted_exactly_beside_the_tiniest_subnormals(subnormals):
     """Zeros are counted, not gathered, unless their buckets hold subnormals too."""
