@@ -407,7 +407,7 @@ def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
 
 
 def abs_ratio_statistics(
-    numerator: Tensor, denominator: Tensor, *, defer: bool = False
+    numerator: Tensor, denominator: Tensor, *, defer: bool = False, all_finite: bool = False
 ) -> Dict[str, float]:
     """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite.
 
@@ -422,6 +422,9 @@ def abs_ratio_statistics(
         denominator: ``b``, same number of elements.
         defer: Leave the results on the device (see
             :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
+        all_finite: The caller knows every element of both to be finite
+            (e.g. both sums of squares are: a NaN or inf would make them
+            non-finite), which saves a pass over each; ``False`` checks.
 
     Returns:
         ``mean``, ``median`` (as ``numpy.median``: the mean of the two middle
@@ -434,7 +437,7 @@ def abs_ratio_statistics(
         return result if defer else _deferred.resolve(result)
     # A finite sum proves every element finite (NaN and inf propagate): then
     # only b = 0 is left out.
-    finite = bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum()))
+    finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
     ratio = torch.div(a, b).abs_()
     # Left-out elements become zeros, which sort first (tied at worst with a
     # kept 0) and add nothing to the sum: the kept ratios are ranks z .. end.

@@ -68,6 +68,29 @@ def test_same_numbers_with_an_extended_model_in_a_cockpit_with_other_quantities(
     assert rows(alone, "ParamGradRatio") == rows(together, "ParamGradRatio")
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 1e30])
+def test_a_non_finite_or_huge_weight_is_left_out_or_kept_as_the_ratio_defines(bad):
+    """The quantity skips the finiteness pass when both sums of squares are
+    finite; an inf or NaN weight (or one whose square overflows) must still
+    be left out (or kept) exactly as abs_ratio_statistics' own check does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    names = [n for n, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(model.parameters(), quantities=[cgn.ParamGradRatio(linear(1), param_names=names)])
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    with torch.no_grad():
+        model[2].weight[0, 1] = bad  # after the backward pass: the gradient stays finite
+    got = cockpit.quantities[0]._compute(0, list(model.parameters()), loss)["2.weight"]
+    theta, grad = model[2].weight.detach(), model[2].weight.grad
+    expected = functional.abs_ratio_statistics(theta.clone(), grad.clone())
+    assert {k: got[k] for k in expected} == expected
+    if not math.isfinite(bad):
+        assert len(expected) == 4 and math.isfinite(expected["max"])
+
+
 def test_abs_ratio_statistics_leave_out_zero_and_non_finite_elements():
     inf, nan = math.inf, math.nan
     theta = torch.tensor([1.0, 2.0, inf, 3.0, 0.0, nan, 5.0, -4.0])

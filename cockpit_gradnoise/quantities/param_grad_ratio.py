@@ -1,5 +1,7 @@
 """Per-layer ratios of weights to gradients, from ``param.data`` and ``param.grad``."""
 
+import math
+
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
@@ -36,12 +38,16 @@ class ParamGradRatio(ParameterQuantity):
         theta, grad = param.detach(), param.grad.detach()
         # On a GPU, tensors left there until the step's one transfer.
         zeros = functional.scalar(grad.numel() - grad.count_nonzero().double())
+        theta_sq = functional.squared_norm(theta, defer=True)
+        grad_sq = functional.squared_norm(grad, defer=True)
+        # Floats on the CPU: finite sums of squares prove every element finite.
+        all_finite = isinstance(theta_sq, float) and math.isfinite(theta_sq + grad_sq)
         return (
-            functional.squared_norm(theta, defer=True),
-            functional.squared_norm(grad, defer=True),
+            theta_sq,
+            grad_sq,
             zeros,
             grad.numel(),
-            functional.abs_ratio_statistics(theta, grad, defer=True),
+            functional.abs_ratio_statistics(theta, grad, defer=True, all_finite=all_finite),
         )
 
     def network_value(self, values):
