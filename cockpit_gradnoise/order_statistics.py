@@ -255,6 +255,14 @@ def quantile_summary(
         summary, last = _deferred.resolve((summary, ordered[-1]))
         _check_no_nan(last)
         return summary
+    if flats and _small(flats):
+        # A batch's per-example norms, a LayerNorm's sd: one sort, no bucket passes.
+        ordered = numpy.sort(numpy.concatenate([flat.numpy() for flat in flats]))
+        _check_no_nan(float(ordered[-1]))
+        lower, upper, weights = quantile_ranks(levels, ordered.size)
+        values = ordered[lower + upper].tolist()
+        mean = float(ordered.sum(dtype=numpy.float64)) / ordered.size
+        return _named(levels, prefix, interpolate(values[: len(levels)], values[len(levels) :], weights), mean)
     mean = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
     return _named(levels, prefix, quantiles(flats, levels), mean)
 
@@ -428,13 +436,17 @@ def _select_on_host(
     # Small groups are sorted whole for their own ranks; for the union's they
     # are counted and filtered as one (a pass per tiny group, e.g. a
     # LayerNorm's 128 elements, cost more than its elements).
-    smalls = [flat for flats, is_small in zip(flats_of, small) if is_small for flat in flats]
+    smalls = [flat.numpy() for flats, is_small in zip(flats_of, small) if is_small for flat in flats]
+    joined = numpy.concatenate(smalls) if smalls and union_ranks else None
     # First pass: count. Per large group, the counts of its non-empty buckets.
     counts = [None if is_small else _position_counts(flats) for flats, is_small in zip(flats_of, small)]
     wanted = _always_wanted()
     if union_ranks:
         union_count = numpy.zeros(_BUCKETS, dtype=numpy.int64)
-        for count in [c for c in counts if c is not None] + ([_position_counts(smalls)] if smalls else []):
+        union_parts = [count for count in counts if count is not None]
+        if smalls:
+            union_parts.append(_position_counts([torch.from_numpy(joined)]))
+        for count in union_parts:
             union_count[count.nonempty] += count.count
         union_counts = _Counts(numpy.arange(_BUCKETS), union_count, 0)
         wanted[_positions_of_ranks(union_counts, union_ranks)] = True
@@ -468,7 +480,6 @@ def _select_on_host(
     if not union_ranks:
         return values, []
     if smalls:
-        joined = numpy.concatenate([flat.numpy() for flat in smalls])
         union_candidates.append(joined[wanted[_positions(joined)]])
     candidates = numpy.concatenate(union_candidates)
     candidates.sort()

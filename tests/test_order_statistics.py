@@ -259,9 +259,11 @@ def test_empty_input_and_bad_ranks_are_rejected():
         order_statistics.select(torch.ones(3), [3])
 
 
-def test_quantile_summary_of_a_union():
-    rng = numpy.random.default_rng(0)
-    values = numpy.abs(awkward_values(100_001, numpy.float32, 0))
+@pytest.mark.parametrize("n", [1, 32, SORT_WHOLE_AT_MOST, 100_001])
+def test_quantile_summary_of_a_union(n):
+    """Small unions (a batch's norms) are sorted whole, large ones selected."""
+    rng = numpy.random.default_rng(n)
+    values = numpy.abs(awkward_values(n, numpy.float32, 0))
     values[numpy.isinf(values)] = 1.0
     parts = random_parts(values, rng)
     got = order_statistics.quantile_summary(parts, (0.1, 0.5), prefix="snr_")
@@ -270,6 +272,9 @@ def test_quantile_summary_of_a_union():
         [got["snr_q0.1"], got["snr_q0.5"]], expected_quantiles(values, (0.1, 0.5))
     )
     assert got["snr_mean"] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
+    values[n // 2] = numpy.nan
+    with pytest.raises(ValueError, match=r"NaN.*values\[~values.isnan\(\)\]"):
+        order_statistics.quantile_summary(random_parts(values, rng), (0.5,))
 
 
 @pytest.mark.parametrize("levels", [(), (1.5,), (-0.1, 0.5), ("half",)])
