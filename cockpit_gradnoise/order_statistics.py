@@ -514,8 +514,12 @@ def _zeros_only(counts: _Counts) -> bool:
     """Whether the zero buckets hold nothing but zeros."""
     if counts.zeros == 0:
         return False
-    zero_buckets = (counts.nonempty == _ZERO_POSITIONS[0]) | (counts.nonempty == _ZERO_POSITIONS[1])
-    return counts.count[zero_buckets].sum() == counts.zeros
+    return counts.count[_in_zero_buckets(counts.nonempty)].sum() == counts.zeros
+
+
+def _in_zero_buckets(positions: numpy.ndarray) -> numpy.ndarray:
+    """Which of ``positions`` are those of the zero buckets."""
+    return (positions == _ZERO_POSITIONS[0]) | (positions == _ZERO_POSITIONS[1])
 
 
 def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -> numpy.ndarray:
@@ -532,19 +536,23 @@ def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -
 
 def _position_counts(flats: List[Tensor]) -> _Counts:
     """:class:`_Counts` of the elements of ``flats``."""
-    zeros = sum(flat.numel() - numpy.count_nonzero(flat.numpy()) for flat in flats)
     if _small(flats):
         positions = numpy.concatenate([_positions(flat.numpy()) for flat in flats])
-        return _Counts(*numpy.unique(positions, return_counts=True), zeros)
-    counts = None
-    for chunk in _chunks(flats):
-        chunk_counts = torch.bincount(_buckets(chunk), minlength=_BUCKETS)
-        counts = chunk_counts if counts is None else counts.add_(chunk_counts)
-    counts = counts.numpy()
-    counts = numpy.concatenate([counts[_SIGN:][::-1], counts[:_SIGN]])
-    # On a boolean array: flatnonzero of the int64 counts took 4x as long.
-    nonempty = numpy.flatnonzero(counts != 0)
-    return _Counts(nonempty, counts[nonempty], zeros)
+        nonempty, count = numpy.unique(positions, return_counts=True)
+    else:
+        counts = None
+        for chunk in _chunks(flats):
+            chunk_counts = torch.bincount(_buckets(chunk), minlength=_BUCKETS)
+            counts = chunk_counts if counts is None else counts.add_(chunk_counts)
+        counts = counts.numpy()
+        counts = numpy.concatenate([counts[_SIGN:][::-1], counts[:_SIGN]])
+        # On a boolean array: flatnonzero of the int64 counts took 4x as long.
+        nonempty = numpy.flatnonzero(counts != 0)
+        count = counts[nonempty]
+    # Exact zeros lie in the zero buckets: counted only where those hold anything.
+    any_in_zero_buckets = _in_zero_buckets(nonempty).any()
+    zeros = sum(flat.numel() - numpy.count_nonzero(flat.numpy()) for flat in flats) if any_in_zero_buckets else 0
+    return _Counts(nonempty, count, int(zeros))
 
 
 def _positions_of_ranks(counts: _Counts, ranks: Sequence[int]) -> numpy.ndarray:
