@@ -289,7 +289,8 @@ def refuse_unsupported(model, extensions):
 
 
 def _frozen_families():
-    """Label -> module classes whose parameters a frozen row freezes (issue 9's support cost)."""
+    """Label -> module classes whose parameters a frozen row freezes (issue 9's support cost),
+    or a predicate ``(module name, module) -> bool``."""
     from experiments.models import CausalSelfAttention
 
     attention = (CausalSelfAttention, cgn.LinearAttention)
@@ -298,7 +299,20 @@ def _frozen_families():
         "(LayerNorm frozen)": (nn.LayerNorm,),
         "(embedding frozen)": (nn.Embedding,),
         "(attention frozen)": attention,
+        # A control for --support-cost: Linear layers on sequences the package
+        # supported before issue 9 (the blocks' MLP), measured the same way.
+        MLP_FROZEN: lambda name, module: isinstance(module, nn.Linear) and ".mlp." in name,
     }
+
+
+MLP_FROZEN = "(MLP frozen)"
+
+
+def family_members(model, family):
+    """The modules of ``model`` in ``family`` (classes, or a predicate on name and module)."""
+    if isinstance(family, tuple):
+        return [m for m in model.modules() if isinstance(m, family)]
+    return [m for name, m in model.named_modules() if family(name, m)]
 
 
 FROZEN = "(LayerNorm/embedding/attention frozen)"
@@ -320,8 +334,7 @@ def with_frozen(build, label):
 
     def build_frozen(model, loss):
         frozen = copy.deepcopy(model)
-        family = _frozen_families()[label]
-        modules = [m for m in frozen.modules() if isinstance(m, family)]
+        modules = family_members(frozen, _frozen_families()[label])
         if not modules:
             raise NotSupported(f"not applicable: no module to freeze {label}")
         for module in modules:
@@ -724,6 +737,90 @@ def benchmark_model(label, spec, method_names, args, device, batch_size=None, me
             table.append(own_plain)
         table.append(row(name, times[name], measured(steps[name]), reference))
     return table
+
+
+# Issue 9's support cost, in CPU time ------------------------------------------------
+
+SUPPORT_LABELS = [*FROZEN_LABELS, MLP_FROZEN]
+
+
+def support_cost_rows(args):
+    """Issue 9's support cost on the GPT: CPU time of one thread, min over interleaved rounds.
+
+    The main table's support cost is a ratio of two ratios of medians of wall
+    time on two threads, and moved by up to 10 points from run to run on a
+    shared machine. Here every step of a round (the plain step, all five, and
+    per family its frozen plain step and all five on the frozen copy) is timed
+    by ``time.process_time`` on one thread, interleaved, and each step's
+    fastest round is taken: on a shared machine the noise only ever adds time.
+
+    Per family, the rows' cost ``ratio(all five) / ratio(all five, frozen) - 1``,
+    its spread (quartiles over rounds of the same formula on that round's
+    four times), the family's own weight-gradient time ``w`` (plain step minus
+    frozen plain step) and its rows' time ``r`` (what all five add over the
+    frozen copy's all five, minus ``w``).
+    """
+    spec = MODELS["gpt"]
+    device = torch.device("cpu")
+    model, x, y = model_and_batch(spec, args.batch_size or spec.batch_size, device)
+    steps = {"plain": plain_step(model, spec.loss), "all": package_all(model, spec.loss)}
+    for label in SUPPORT_LABELS:
+        frozen = with_frozen(package_all, label)(model, spec.loss)
+        steps[f"plain {label}"], steps[f"all {label}"] = frozen.plain, frozen
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step(x, y)
+    times = {name: [] for name in steps}
+    print(f"gpt: support cost, {len(steps)} steps, {args.rounds} rounds", file=sys.stderr)
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            start = time.process_time()
+            step(x, y)
+            times[name].append(time.process_time() - start)
+    best = {name: 1e3 * min(t) for name, t in times.items()}
+    rows = []
+    for label in SUPPORT_LABELS:
+        per_round = [
+            (a / p) / (b / q) - 1
+            for a, p, b, q in zip(times["all"], times["plain"], times[f"all {label}"],
+                                  times[f"plain {label}"])
+        ]
+        quartiles = statistics.quantiles(per_round, n=4)
+        w = best["plain"] - best[f"plain {label}"]
+        rows.append({
+            "family": label,
+            "all_ratio": best["all"] / best["plain"],
+            "frozen_ratio": best[f"all {label}"] / best[f"plain {label}"],
+            "cost": (best["all"] / best["plain"]) / (best[f"all {label}"] / best[f"plain {label}"]) - 1,
+            "cost_quartiles": (quartiles[0], quartiles[2]),
+            "weight_gradient_ms": w,
+            "rows_ms": best["all"] - best[f"all {label}"] - w,
+        })
+    return rows, best
+
+
+def support_cost_markdown_cpu(rows, best):
+    """``support_cost_rows``' results as the README shows them."""
+    lines = [
+        f"Plain step {best['plain']:.1f} ms, all five {best['all']:.1f} ms (CPU time, one thread).",
+        "",
+        "| family | all five / plain | frozen: all five / plain | rows cost (quartiles over rounds) "
+        "| target | weight gradient w, ms | rows r, ms | r / w |",
+        "|---|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        control = row["family"] == MLP_FROZEN
+        verdict = "control" if control else (
+            "met" if row["cost"] <= SUPPORT_COST_TARGET else "missed")
+        low, high = row["cost_quartiles"]
+        w, r = row["weight_gradient_ms"], row["rows_ms"]
+        per_w = f"{r / w:.1f}" if w > 0 else "-"
+        lines.append(
+            f"| {row['family'][1:-1]} | {row['all_ratio']:.2f} | {row['frozen_ratio']:.2f} | "
+            f"**{100 * row['cost']:+.1f}%** ({100 * low:+.0f}% to {100 * high:+.0f}%) | {verdict} | "
+            f"{w:.1f} | {r:.1f} | {per_w} |"
+        )
+    return "\n".join(lines)
 
 
 # Scaling, schedules and the floor's profile ---------------------------------------
@@ -1136,6 +1233,11 @@ def parse_args(argv):
         "--every", type=int, default=10, help="--scaling's schedule: linear(EVERY)"
     )
     parser.add_argument(
+        "--support-cost", default=None, metavar="PATH",
+        help="instead: issue 9's support cost on the GPT in CPU time of one thread "
+        "(min over interleaved rounds, with a control family); write its table here",
+    )
+    parser.add_argument(
         "--profile", action="store_true",
         help="instead: where an empty Cockpit's time goes on the MLP (cProfile)",
     )
@@ -1174,6 +1276,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available")
+    if args.support_cost:
+        args.threads = 1  # CPU time of one thread (support_cost_rows)
     torch.set_num_threads(args.threads)
     env = environment(args, device)
     for key, value in env.items():
@@ -1184,6 +1288,13 @@ def main(argv=None):
     if args.profile:
         print(profile_floor(args, device))
         return None
+    if args.support_cost:
+        rows, best = support_cost_rows(args)
+        page = support_cost_markdown_cpu(rows, best)
+        with open(args.support_cost, "w") as file:
+            file.write(page + "\n")
+        print(page)
+        return rows
     if args.scaling:
         columns = scaling_columns(args, device)
         schedule = schedule_rows(args, device, args.every)

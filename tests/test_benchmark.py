@@ -180,3 +180,21 @@ def test_tables_from_a_saved_run(benchmark, tmp_path, capsys):
     benchmark.main(["--from-json", str(saved), "--markdown", str(written)])
     assert "| mlp | UpdateSize | 2.50 | 1.25 | 1.0 MiB | 1.00 |" in written.read_text()
     assert "**1.25** (<= 1.3: met)" in capsys.readouterr().out
+
+
+def test_support_cost_quick_run_measures_every_family_and_the_control(
+    benchmark, keep_threads, tmp_path, capsys
+):
+    path = tmp_path / "support.md"
+    rows = benchmark.main(["--quick", "--support-cost", str(path)])
+    out = capsys.readouterr().out
+    assert "threads: 1" in out and "QUICK MODE" in out
+    assert [row["family"] for row in rows] == benchmark.SUPPORT_LABELS
+    page = path.read_text()
+    lines = [line for line in page.splitlines() if line.startswith("| ") and "family" not in line]
+    assert len(lines) == len(benchmark.SUPPORT_LABELS)
+    assert lines[-1].startswith("| MLP frozen |") and "| control |" in lines[-1]
+    for row in rows:
+        assert math.isfinite(row["cost"]) and row["cost_quartiles"][0] <= row["cost_quartiles"][1]
+    mlp = benchmark.family_members(benchmark.make_gpt(), benchmark._frozen_families()[benchmark.MLP_FROZEN])
+    assert len(mlp) == 8 and all(isinstance(m, torch.nn.Linear) for m in mlp)  # 4 blocks x 2
