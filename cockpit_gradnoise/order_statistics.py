@@ -263,8 +263,12 @@ def quantile_summary(
         values = ordered[lower + upper].tolist()
         mean = float(ordered.sum(dtype=numpy.float64)) / ordered.size
         return _named(levels, prefix, interpolate(values[: len(levels)], values[len(levels) :], weights), mean)
-    mean = sum(map(float64_sum, flats)) / sum(f.numel() for f in flats)
-    return _named(levels, prefix, quantiles(flats, levels), mean)
+    n = sum(flat.numel() for flat in flats)
+    _check_ranks(flats, [0])
+    lower, upper, weights = quantile_ranks(levels, n)
+    (values,), _ = _select_on_host([flats], [lower + upper])
+    mean = sum(map(float64_sum, flats)) / n
+    return _named(levels, prefix, interpolate(values[: len(levels)], values[len(levels) :], weights), mean)
 
 
 def quantile_summaries(
@@ -507,7 +511,8 @@ def _small(flats: List[Tensor]) -> bool:
 
 def _zeros_together(wanted: numpy.ndarray):
     """Gather both zero buckets or neither: zeros are counted for the two together."""
-    wanted[_ZERO_POSITIONS] = wanted[_ZERO_POSITIONS].any()
+    if wanted[_SIGN] or wanted[_SIGN - 1]:
+        wanted[_SIGN] = wanted[_SIGN - 1] = True
 
 
 def _zeros_only(counts: _Counts) -> bool:
@@ -524,6 +529,8 @@ def _in_zero_buckets(positions: numpy.ndarray) -> numpy.ndarray:
 
 def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -> numpy.ndarray:
     """``sorted(candidates + [0.0] * zeros)[indices]`` without forming it."""
+    if zeros == 0:
+        return candidates[indices]
     if candidates.size == 0:
         return numpy.zeros(len(indices))
     negative = numpy.searchsorted(candidates, 0.0, side="left")
@@ -575,11 +582,13 @@ def _indices(ranks: Sequence[int], counts: _Counts, wanted: numpy.ndarray) -> nu
 
 
 def _always_wanted() -> numpy.ndarray:
-    """By position: the buckets of infinities and NaN, of either sign."""
-    wanted = numpy.zeros(_BUCKETS, dtype=bool)
-    wanted[: _SIGN - _SPECIAL] = True
-    wanted[_SIGN + _SPECIAL :] = True
-    return wanted
+    """By position: the buckets of infinities and NaN, of either sign (a fresh array)."""
+    return _ALWAYS_WANTED.copy()
+
+
+_ALWAYS_WANTED = numpy.zeros(_BUCKETS, dtype=bool)
+_ALWAYS_WANTED[: _SIGN - _SPECIAL] = True
+_ALWAYS_WANTED[_SIGN + _SPECIAL :] = True
 
 
 def _gathered(flats: List[Tensor], wanted: numpy.ndarray) -> Iterator[numpy.ndarray]:
