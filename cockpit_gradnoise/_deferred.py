@@ -54,22 +54,28 @@ def resolve(tree: Any) -> Any:
     All tensors are copied by one :func:`transfer`; none when there are none.
     """
     tensors: List[Tensor] = []
-    _collect(tree, tensors)
+    if not _collect(tree, tensors):
+        return tree  # Python numbers only (the CPU paths): nothing to rebuild
     return _rebuild(tree, iter(transfer(tensors)))
 
 
-def _collect(node, out):
+def _collect(node, out) -> bool:
+    """Append the tensors of ``node`` to ``out``; whether it holds a tensor or a Conditional."""
     if isinstance(node, Tensor):
         out.append(node)
-    elif isinstance(node, Conditional):
+        return True
+    if isinstance(node, Conditional):
         _collect(node.count, out)
         _collect(node.statistics, out)
-    elif isinstance(node, dict):
+        return True
+    found = False
+    if isinstance(node, dict):
         for value in node.values():
-            _collect(value, out)
+            found = _collect(value, out) or found
     elif isinstance(node, (list, tuple)):
         for value in node:
-            _collect(value, out)
+            found = _collect(value, out) or found
+    return found
 
 
 def _rebuild(node, values: Iterator[float]):

@@ -212,3 +212,30 @@ def test_rows_are_stored_in_the_order_of_param_names_with_the_network_last():
     output = run_step(problem, all_quantities(problem.names)).get_output()[0]
     for quantity in set(schema.QUANTITIES) - {schema.UPDATE_SIZE}:
         assert list(output[quantity]) == problem.names + [schema.NETWORK]
+
+
+def test_finiteness_is_found_again_after_an_in_place_change():
+    """Quantities of one step share the finiteness of a tensor (param.grad); a
+    tensor changed in place since (its version moved) is tested again."""
+    from cockpit_gradnoise.quantities import _base
+
+    grad = torch.ones(5)
+    assert _base._finite(grad) and _base._finite(grad)
+    grad[2] = float("inf")
+    assert not _base._finite(grad)
+    grad[2] = 1.0
+    assert _base._finite(grad)
+    overflowing = torch.full((3,), 3e38)  # the sum overflows, every element is finite
+    assert _base._finite(overflowing)
+    del grad, overflowing
+    assert not _base._FINITE  # entries leave with their tensors
+
+
+def test_resolve_returns_python_numbers_as_they_are_and_merges_conditionals():
+    from cockpit_gradnoise import _deferred
+
+    plain = {"a": {"q0.5": 1.0}, "b": [2.0, (3, 4)]}
+    assert _deferred.resolve(plain) is plain
+    tree = {"a": {"q0.5": torch.tensor(1.5), "x": _deferred.Conditional(torch.tensor(0), {"m": 1.0})},
+            "b": _deferred.Conditional(2, {"n": torch.tensor(2.0)})}
+    assert _deferred.resolve(tree) == {"a": {"q0.5": 1.5}, "n": 2.0}

@@ -642,9 +642,26 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
 
 
 def _all_finite(tensors) -> bool:
+    return all(map(_finite, tensors))
+
+
+#: ``{id(tensor): (weak reference, tensor._version, finite)}``: every quantity of
+#: a step asks about the same ``param.grad`` (and shared savefields); asked
+#: again, an unchanged tensor (same object, same version) is not summed again.
+_FINITE: Dict[int, Tuple[Any, int, bool]] = {}
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of a CPU tensor is finite."""
+    known = _FINITE.get(id(tensor))
+    if known is not None and known[0]() is tensor and known[1] == tensor._version:
+        return known[2]
     # NaN and inf propagate into a sum, so a finite sum proves every element
     # finite with one reduction; only a sum that overflowed needs the full test.
-    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+    finite = bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    key = id(tensor)
+    _FINITE[key] = (weakref.ref(tensor, lambda _: _FINITE.pop(key, None)), tensor._version, finite)
+    return finite
 
 
 class _StepReduction:
