@@ -227,8 +227,10 @@ def test_finiteness_is_found_again_after_an_in_place_change():
     assert _base._finite(grad)
     overflowing = torch.full((3,), 3e38)  # the sum overflows, every element is finite
     assert _base._finite(overflowing)
+    keys = {id(grad), id(overflowing)}
+    assert keys <= set(_base._FINITE)
     del grad, overflowing
-    assert not _base._FINITE  # entries leave with their tensors
+    assert not keys & set(_base._FINITE)  # entries leave with their tensors
 
 
 def test_resolve_returns_python_numbers_as_they_are_and_merges_conditionals():
