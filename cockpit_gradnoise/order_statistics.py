@@ -255,20 +255,19 @@ def quantile_summary(
         summary, last = _deferred.resolve((summary, ordered[-1]))
         _check_no_nan(last)
         return summary
-    if flats and _small(flats):
-        # A batch's per-example norms, a LayerNorm's sd: one sort, no bucket passes.
-        ordered = numpy.sort(numpy.concatenate([flat.numpy() for flat in flats]))
-        _check_no_nan(float(ordered[-1]))
-        lower, upper, weights = quantile_ranks(levels, ordered.size)
-        values = ordered[lower + upper].tolist()
-        mean = float(ordered.sum(dtype=numpy.float64)) / ordered.size
-        return _named(levels, prefix, interpolate(values[: len(levels)], values[len(levels) :], weights), mean)
-    n = sum(flat.numel() for flat in flats)
     _check_ranks(flats, [0])
+    n = sum(flat.numel() for flat in flats)
     lower, upper, weights = quantile_ranks(levels, n)
-    (values,), _ = _select_on_host([flats], [lower + upper])
-    mean = sum(map(float64_sum, flats)) / n
-    return _named(levels, prefix, interpolate(values[: len(levels)], values[len(levels) :], weights), mean)
+    if _small(flats):
+        # A batch's per-example norms, a LayerNorm's sd: one sort, no bucket passes.
+        ordered = _sorted_whole(flats)
+        values = ordered[lower + upper].tolist()
+        mean = float(ordered.sum(dtype=numpy.float64)) / n
+    else:
+        (values,), _ = _select_on_host([flats], [lower + upper])
+        mean = sum(map(float64_sum, flats)) / n
+    k = len(levels)
+    return _named(levels, prefix, interpolate(values[:k], values[k:], weights), mean)
 
 
 def quantile_summaries(
@@ -440,10 +439,12 @@ def _select_on_host(
     # Small groups are sorted whole for their own ranks; for the union's they
     # are counted and filtered as one (a pass per tiny group, e.g. a
     # LayerNorm's 128 elements, cost more than its elements).
-    smalls = [flat.numpy() for flats, is_small in zip(flats_of, small) if is_small for flat in flats]
+    smalls = [flat.numpy() for flats, is_small in zip(flats_of, small) if is_small
+              for flat in flats]
     joined = numpy.concatenate(smalls) if smalls and union_ranks else None
     # First pass: count. Per large group, the counts of its non-empty buckets.
-    counts = [None if is_small else _position_counts(flats) for flats, is_small in zip(flats_of, small)]
+    counts = [None if is_small else _position_counts(flats)
+              for flats, is_small in zip(flats_of, small)]
     wanted = _always_wanted()
     if union_ranks:
         union_count = numpy.zeros(_BUCKETS, dtype=numpy.int64)
@@ -459,10 +460,7 @@ def _select_on_host(
     values, union_candidates, union_zeros = [], [], 0
     for flats, group_ranks, count, is_small in zip(flats_of, ranks, counts, small):
         if is_small:
-            candidates = numpy.concatenate([flat.numpy() for flat in flats])
-            candidates.sort()
-            _check_no_nan(float(candidates[-1]))
-            values.append(candidates[list(group_ranks)].tolist())
+            values.append(_sorted_whole(flats)[list(group_ranks)].tolist())
             continue
         group_wanted = wanted.copy()
         group_wanted[_positions_of_ranks(count, group_ranks)] = True
@@ -502,6 +500,13 @@ class _Counts(NamedTuple):
 
 #: The positions of the buckets of +0.0 and -0.0.
 _ZERO_POSITIONS = numpy.array([_SIGN, _SIGN - 1])
+
+
+def _sorted_whole(flats: List[Tensor]) -> numpy.ndarray:
+    """All elements of a small group, sorted; an error if one is NaN (NaN sorts last)."""
+    ordered = numpy.sort(numpy.concatenate([flat.numpy() for flat in flats]))
+    _check_no_nan(float(ordered[-1]))
+    return ordered
 
 
 def _small(flats: List[Tensor]) -> bool:
@@ -557,8 +562,9 @@ def _position_counts(flats: List[Tensor]) -> _Counts:
         nonempty = numpy.flatnonzero(counts != 0)
         count = counts[nonempty]
     # Exact zeros lie in the zero buckets: counted only where those hold anything.
-    any_in_zero_buckets = _in_zero_buckets(nonempty).any()
-    zeros = sum(flat.numel() - numpy.count_nonzero(flat.numpy()) for flat in flats) if any_in_zero_buckets else 0
+    zeros = 0
+    if _in_zero_buckets(nonempty).any():
+        zeros = sum(flat.numel() - numpy.count_nonzero(flat.numpy()) for flat in flats)
     return _Counts(nonempty, count, int(zeros))
 
 

@@ -116,12 +116,14 @@ class _NormalizationModuleExtension(FirstOrderModuleExtension):
         subsampling = ext.get_subsampling()
         key = None if subsampling is None else tuple(subsampling)
         found = _LAST_CONTRIBUTIONS.get(name)
-        if found is not None and found[0]() is module and found[1]() is g_out[0] and found[2] == key:
+        if (found is not None and found[0]() is module and found[1]() is g_out[0]
+                and found[2] == key):
             return found[3]
         input, grad_output = self._active_examples(ext, module, g_out)
         dims = self._shared_dims(module, input)
         if name == "weight":
-            contributions = scale_contributions(self._normalized_input(module, input), grad_output, dims)
+            normalized = self._normalized_input(module, input)
+            contributions = scale_contributions(normalized, grad_output, dims)
         else:
             contributions = shift_contributions(grad_output, dims)
         _LAST_CONTRIBUTIONS[name] = (weakref.ref(module), weakref.ref(g_out[0]), key, contributions)
