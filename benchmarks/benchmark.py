@@ -788,11 +788,13 @@ def support_cost_rows(args):
         ]
         quartiles = statistics.quantiles(per_round, n=4)
         w = best["plain"] - best[f"plain {label}"]
+        all_ratio = best["all"] / best["plain"]
+        frozen_ratio = best[f"all {label}"] / best[f"plain {label}"]
         rows.append({
             "family": label,
-            "all_ratio": best["all"] / best["plain"],
-            "frozen_ratio": best[f"all {label}"] / best[f"plain {label}"],
-            "cost": (best["all"] / best["plain"]) / (best[f"all {label}"] / best[f"plain {label}"]) - 1,
+            "all_ratio": all_ratio,
+            "frozen_ratio": frozen_ratio,
+            "cost": all_ratio / frozen_ratio - 1,
             "cost_quartiles": (quartiles[0], quartiles[2]),
             "weight_gradient_ms": w,
             "rows_ms": best["all"] - best[f"all {label}"] - w,

@@ -19,8 +19,9 @@ through pieces of :data:`CHUNK` elements, so the extra memory is under 1 MiB
 whatever the size. The quantiles of each layer and of the whole network
 (:func:`select_each_and_union`) share both passes: the network's counts
 are the sum of the layers', and one gathering serves both. Small unions
-(:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is faster there. ``benchmarks/benchmark_order_statistics.py``
-measures both against sorting and partitioning.
+(:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is faster there.
+``benchmarks/benchmark_order_statistics.py`` measures both against sorting
+and partitioning.
 
 That is the CPU's path. On other devices (GPUs) the union is sorted with
 ``torch.sort``, and :func:`quantile_summary` (``defer=True``) and
@@ -60,8 +61,9 @@ CHUNK = 1 << 17
 # buckets of 32 per octave, and its ten ranks gather 13% of it) but cost as
 # much in tables of 65536 counts per tensor: the same time there. Rounding
 # float64 to float32 keeps the order (ties aside), so float64 values are
-# bucketed the same way, with small tables. Buckets >= _SIGN hold negative values, the largest magnitude
-# last; _SPECIAL (+inf) and those above it, of either sign, hold inf and NaN.
+# bucketed the same way, with small tables. Buckets >= _SIGN hold negative
+# values, the largest magnitude last; _SPECIAL (+inf) and those above it, of
+# either sign, hold inf and NaN.
 _BUCKET_BITS = 14
 _BUCKETS = 1 << _BUCKET_BITS
 _SIGN = _BUCKETS // 2
@@ -454,7 +456,8 @@ def _select_on_host(
         for count in union_parts:
             union_count[count.nonempty] += count.count
         union_counts = _Counts(numpy.arange(_BUCKETS), union_count, 0)
-        wanted[_positions_of_ranks(union_counts, union_ranks)] = True
+        union_holding = _holding(union_counts, union_ranks)
+        wanted[union_counts.nonempty[union_holding]] = True
         _zeros_together(wanted)
     # Second pass: gather the candidates of the group's and the union's ranks.
     values, union_candidates, union_zeros = [], [], 0
@@ -463,7 +466,8 @@ def _select_on_host(
             values.append(_sorted_whole(flats)[list(group_ranks)].tolist())
             continue
         group_wanted = wanted.copy()
-        group_wanted[_positions_of_ranks(count, group_ranks)] = True
+        holding = _holding(count, group_ranks)
+        group_wanted[count.nonempty[holding]] = True
         _zeros_together(group_wanted)
         zeros_only = _zeros_only(count)
         gather = group_wanted.copy()
@@ -474,7 +478,7 @@ def _select_on_host(
         if candidates.size:
             _check_no_nan(float(candidates[-1]))
         zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
-        indices = _indices(group_ranks, count, group_wanted)
+        indices = _indices(group_ranks, count, group_wanted, holding)
         values.append(_with_zeros(candidates, zeros, indices).tolist())
         if union_ranks:
             union_candidates.append(candidates[wanted[_positions(candidates)]])
@@ -485,7 +489,7 @@ def _select_on_host(
         union_candidates.append(joined[wanted[_positions(joined)]])
     candidates = numpy.concatenate(union_candidates)
     candidates.sort()
-    indices = _indices(union_ranks, union_counts, wanted)
+    indices = _indices(union_ranks, union_counts, wanted, union_holding)
     return values, _with_zeros(candidates, union_zeros, indices).tolist()
 
 
@@ -568,23 +572,22 @@ def _position_counts(flats: List[Tensor]) -> _Counts:
     return _Counts(nonempty, count, int(zeros))
 
 
-def _positions_of_ranks(counts: _Counts, ranks: Sequence[int]) -> numpy.ndarray:
-    """The position of the bucket that holds each rank."""
-    nonempty, count, _ = counts
-    return nonempty[numpy.searchsorted(numpy.cumsum(count), ranks, side="right")]
+def _holding(counts: _Counts, ranks: Sequence[int]) -> numpy.ndarray:
+    """For each rank, the index into ``counts.nonempty`` of the bucket that holds it."""
+    return numpy.searchsorted(numpy.cumsum(counts.count), ranks, side="right")
 
 
-def _indices(ranks: Sequence[int], counts: _Counts, wanted: numpy.ndarray) -> numpy.ndarray:
+def _indices(
+    ranks: Sequence[int], counts: _Counts, wanted: numpy.ndarray, holding: numpy.ndarray
+) -> numpy.ndarray:
     """Where each rank lies among the sorted candidates (the elements of ``wanted`` buckets).
 
-    A rank is preceded by every element of the buckets below its own; among
-    the candidates, only by those of the gathered buckets: the difference of
-    the two cumulative counts is subtracted.
+    A rank is preceded by every element of the buckets below its own
+    (``holding``: :func:`_holding`); among the candidates, only by those of
+    the gathered buckets: the elements of the buckets left out are subtracted.
     """
-    nonempty, count, _ = counts
-    k = numpy.searchsorted(numpy.cumsum(count), ranks, side="right")
-    left_out = numpy.cumsum(numpy.where(wanted[nonempty], 0, count))
-    return numpy.asarray(ranks, dtype=numpy.int64) - left_out[k]
+    left_out = numpy.cumsum(numpy.where(wanted[counts.nonempty], 0, counts.count))
+    return numpy.asarray(ranks, dtype=numpy.int64) - left_out[holding]
 
 
 def _always_wanted() -> numpy.ndarray:
