@@ -77,7 +77,7 @@ def test_unsupported_layer_is_left_out_with_one_warning():
     """A custom module's parameters get no rows; every other parameter is exact."""
     problem = custom_module_problem()
     cockpit, messages = track_recording_warnings(problem)
-    assert len(messages) == 2, messages  # one per quantity, not per step
+    assert len(messages) == 1, messages  # one for all quantities, not per quantity or per step
     assert all("['1.weight', '1.bias']" in m and "does not support" in m for m in messages)
     frame = cgn.to_frame(cockpit)
     assert set(frame.param) == {"0.weight", "0.bias", "3.weight", "3.bias", "all"}
@@ -105,17 +105,46 @@ def test_param_names_must_match_parameters():
         run_step(problem, [quantity])
 
 
-@pytest.mark.parametrize("key", ["batch_size", "individual_losses"])
-def test_missing_info_key_is_named(key):
-    problem = build(MODELS[0], 3, "mean")
-    quantities = ours(problem)
-    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+def _info_without(problem, keys):
     outputs = problem.model(problem.inputs)
     loss = problem.loss_fn(outputs, problem.targets)
-    info = {"batch_size": 3, "individual_losses": problem.per_example_loss(outputs, problem.targets), "loss": loss}
-    del info[key]
+    info = {"batch_size": len(problem.inputs), "loss": loss,
+            "individual_losses": problem.per_example_loss(outputs, problem.targets)}
+    return loss, {k: v for k, v in info.items() if k not in keys}
+
+
+@pytest.mark.parametrize("key", ["individual_losses"])  # Cockpit itself names a missing "loss"
+def test_missing_info_key_is_named(key):
+    problem = build(MODELS[0], 3, "mean")
+    cockpit = cgn.Cockpit(problem.params, quantities=ours(problem))
+    loss, info = _info_without(problem, {key})
     with pytest.raises(KeyError, match=f"needs info\\['{key}'\\]"):
         with cockpit(0, info=info):
+            loss.backward()
+
+
+def test_batch_size_is_not_needed_beside_individual_losses():
+    """One rule for the batch: its size is len(individual_losses); batch_size only cross-checks."""
+    problem = build(MODELS[0], 3, "mean")
+    cockpit = cgn.Cockpit(problem.params, quantities=ours(problem))
+    loss, info = _info_without(problem, {"batch_size"})
+    with cockpit(0, info=info):
+        loss.backward()
+    assert set(cgn.to_frame(cockpit).quantity) == {q.__name__ for q in QUANTITIES}
+
+
+def test_gradient_variance_needs_individual_losses_or_batch_size():
+    problem = build(MODELS[0], 3, "mean")
+    quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)
+    cockpit = cgn.Cockpit(problem.params, quantities=[quantity])
+    loss, info = _info_without(problem, {"individual_losses"})
+    with cockpit(0, info=info):  # batch_size alone is enough for it
+        loss.backward()
+    assert len(cgn.to_frame(cockpit)) > 0
+    problem.model.zero_grad()
+    loss, info = _info_without(problem, {"individual_losses", "batch_size"})
+    with pytest.raises(KeyError, match=r"needs info\['individual_losses'\] .* or info\['batch_size'\]"):
+        with cockpit(1, info=info):
             loss.backward()
 
 
@@ -158,7 +187,8 @@ def test_nan_gradient_gives_nan_statistics_one_warning_and_training_continues(tm
         handle.remove()
         run_step(problem, quantities, step=2, cockpit=cockpit)
     messages = our_warnings(records)
-    assert len(messages) == 2 and all("NaN or Inf in ['2.bias']" in m for m in messages)
+    # One warning for the step and every quantity, not one per quantity or per step.
+    assert len(messages) == 1 and "NaN or Inf in ['2.bias'] at step 0" in messages[0]
     frame = cgn.to_frame(cockpit)
     bad = frame[(frame.step < 2) & frame.param.isin(["2.bias", "all"])]
     good = frame[(frame.step < 2) & ~frame.param.isin(["2.bias", "all"])]
@@ -211,7 +241,7 @@ def test_nan_loss_gives_nan_rows_in_every_quantity_without_crash(paths):
         run_step(problem, quantities, step=0, cockpit=cockpit)
         problem.inputs = clean
         run_step(problem, quantities, step=1, cockpit=cockpit)
-    assert len([m for m in our_warnings(records) if "NaN or Inf" in m]) == 4
+    assert len([m for m in our_warnings(records) if "NaN or Inf" in m]) == 1
     frame = cgn.to_frame(cockpit)
     assert set(frame[frame.step == 0].quantity) == {q.__class__.__name__ for q in quantities}
     assert frame[frame.step == 0].value.isna().all()

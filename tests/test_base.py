@@ -182,7 +182,7 @@ def test_individual_losses_of_the_wrong_length_are_refused(quantity_class):
     losses = problem.per_example_loss(outputs, problem.targets)
     halves = torch.stack([losses[:4].mean(), losses[4:].mean(), losses[:4].mean(), losses[4:].mean()])
     assert halves.mean().item() == pytest.approx(loss.item())
-    info = {"batch_size": 8, "individual_losses": halves, "loss": loss}
+    info = {"individual_losses": halves, "loss": loss}
     with pytest.raises(ValueError, match="has 4 values but the batch has 8 examples"):
         with cockpit(0, info=info):
             loss.backward()
@@ -212,25 +212,6 @@ def test_rows_are_stored_in_the_order_of_param_names_with_the_network_last():
     output = run_step(problem, all_quantities(problem.names)).get_output()[0]
     for quantity in set(schema.QUANTITIES) - {schema.UPDATE_SIZE}:
         assert list(output[quantity]) == problem.names + [schema.NETWORK]
-
-
-def test_finiteness_is_found_again_after_an_in_place_change():
-    """Quantities of one step share the finiteness of a tensor (param.grad); a
-    tensor changed in place since (its version moved) is tested again."""
-    from cockpit_gradnoise.quantities import _base
-
-    grad = torch.ones(5)
-    assert _base._finite(grad) and _base._finite(grad)
-    grad[2] = float("inf")
-    assert not _base._finite(grad)
-    grad[2] = 1.0
-    assert _base._finite(grad)
-    overflowing = torch.full((3,), 3e38)  # the sum overflows, every element is finite
-    assert _base._finite(overflowing)
-    keys = {id(grad), id(overflowing)}
-    assert keys <= set(_base._FINITE)
-    del grad, overflowing
-    assert not keys & set(_base._FINITE)  # entries leave with their tensors
 
 
 def test_resolve_returns_python_numbers_as_they_are_and_merges_conditionals():

@@ -39,7 +39,7 @@ from cockpit_gradnoise.extensions import (
     normalization,
     sums,
 )
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -147,7 +147,7 @@ class _RecordingExtension(FirstOrderBackpropExtension):
 
     def __call__(self, module, g_inp, g_out):
         super().__call__(module, g_inp, g_out)
-        BACKWARD_FACTS.record(self, module, g_out)
+        facts.recording().record(self, module, g_out)
 
 
 class PerExampleSquaredNorms(_RecordingExtension):

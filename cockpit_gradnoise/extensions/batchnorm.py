@@ -10,11 +10,11 @@ usual per-example formula applied to the output gradient of the whole batch's
 loss. BackPACK computes exactly these once its training-mode check is off.
 
 The module extensions below turn the check off and record in
-:data:`~cockpit_gradnoise.extensions.facts.BACKWARD_FACTS` that a layer in
+:func:`~cockpit_gradnoise.extensions.facts.recording` that a layer in
 training mode was met, so that the quantities can say so.
 """
 
-from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
+from cockpit_gradnoise.extensions import facts
 
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
 from backpack.extensions.firstorder.gradient.batchnorm_nd import GradBatchNormNd
@@ -26,7 +26,7 @@ class _AnyModeMixin:
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):
         if module.training:
-            BACKWARD_FACTS.examples_interact = True
+            facts.recording().examples_interact = True
 
 
 class BatchL2BatchNormAnyMode(_AnyModeMixin, BatchL2BatchNorm):

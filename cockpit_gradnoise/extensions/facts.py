@@ -1,9 +1,10 @@
 """What one backward pass revealed about the model, for the quantities to check.
 
 Cockpit runs one instance of each extension class for all the quantities that
-request it, so these facts cannot live on an extension instance: they live in
-:data:`BACKWARD_FACTS`, which the quantities reset before each tracked
-backward pass and read after it.
+request it, so these facts cannot live on an extension instance. The
+:class:`~cockpit_gradnoise.step.Step` of a cockpit call starts a new
+:class:`BackwardFacts` before the backward pass (:func:`begin`) and keeps it;
+the extensions record into the one started last (:func:`recording`).
 """
 
 from collections import Counter
@@ -33,10 +34,6 @@ class BackwardFacts:
     """
 
     def __init__(self):
-        self.reset()
-
-    def reset(self):
-        """Forget the previous backward pass."""
         self.examples_interact = False
         self.uses: Counter = Counter()
         self.shared_ids: Set[int] = set()
@@ -58,4 +55,17 @@ class BackwardFacts:
         return id(param) in self.shared_ids
 
 
-BACKWARD_FACTS = BackwardFacts()
+#: The facts of the backward pass being run: replaced, never reset, by :func:`begin`,
+#: so facts a Step holds are never changed by a later backward pass.
+_RECORDING = [BackwardFacts()]
+
+
+def begin() -> BackwardFacts:
+    """New facts, into which the extensions record from now on."""
+    _RECORDING[0] = BackwardFacts()
+    return _RECORDING[0]
+
+
+def recording() -> BackwardFacts:
+    """The facts the extensions record into (those of the last :func:`begin`)."""
+    return _RECORDING[0]

@@ -4,7 +4,8 @@ import math
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
-from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity, check_example_count
+from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
+from cockpit_gradnoise.step import check_example_count
 
 import torch
 
@@ -55,7 +56,6 @@ class GradientNoiseScale(ParameterQuantity):
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
-    interaction_caveat = "; the estimates' unbiasedness assumes independent examples"
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False
@@ -69,8 +69,8 @@ class GradientNoiseScale(ParameterQuantity):
         # {name: (EMA of trace_cov, EMA of grad_sq)}
         self._averages = {}
 
-    def prepare(self, global_step, params):
-        return self.loss_batch(global_step)
+    def step_context(self, step, params):
+        return step.loss_batch(self)
 
     def accepts(self, batch):
         if batch.examples < 2:
@@ -87,8 +87,8 @@ class GradientNoiseScale(ParameterQuantity):
         check_example_count(squared_norms.shape[0], batch.examples)
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2; param.grad = c * sum_i g_i.
         return {
-            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / batch.scale**2,
-            "sum_of_gradients": self.local_gradient(param) / batch.scale,
+            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / batch.loss_scale**2,
+            "sum_of_gradients": self.local_gradient(param) / batch.loss_scale,
         }
 
     def value_from_sums(self, sums, batch):

@@ -2,7 +2,8 @@
 
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
-from cockpit_gradnoise.quantities._base import SUM, Batch, ParameterQuantity
+from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
+from cockpit_gradnoise.step import Batch
 
 
 class GradientVarianceQuantiles(ParameterQuantity):
@@ -29,8 +30,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
     in another order: so that identical examples give ``sd_j = 0`` exactly
     (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
     ``inner_terms = 1``).
-    Needs ``info["batch_size"]``; under distributed training
-    ``info["individual_losses"]`` and ``info["loss"]`` instead, to add the
+    Needs ``info["individual_losses"]`` (or ``info["batch_size"]``); under
+    distributed training ``info["individual_losses"]`` and ``info["loss"]``, to add the
     processes' sums in per-example units (``x_ij / c``; see
     ``docs/distributed.md``), and the global batch's ``x_ij = c g_ij`` with
     ``c = 1/N`` for a mean loss, ``1`` for a sum.
@@ -58,12 +59,12 @@ class GradientVarianceQuantiles(ParameterQuantity):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.quantiles = functional.check_quantile_levels(quantiles)
 
-    def prepare(self, global_step, params):
+    def step_context(self, step, params):
         if distributed.world_size() > 1:
-            return self.loss_batch(global_step)
+            return step.loss_batch(self)
         # One process: the sums stay in units of x (scale 1), as sd is wanted in
         # them, and the reduction need not be known.
-        return Batch(int(self.info(global_step, "batch_size")), 1.0)
+        return Batch(step.examples(self), 1.0)
 
     def accepts(self, batch):
         if batch.examples < 2:
@@ -80,8 +81,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # may read the same savefield in the same step. Both sums are this
         # process's own, also under distributed training.
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
-        if batch.scale != 1.0:  # in units of g_i, to add across processes
-            grad, squares = grad / batch.scale, squares / batch.scale**2
+        if batch.loss_scale != 1.0:  # in units of g_i, to add across processes
+            grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
 
     def value_from_sums(self, sums, batch):
@@ -90,8 +91,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # SNR is elementwise and free of units: the network's elements are the
         # layers', computed once.
         snr = functional.signal_to_noise(grad, sd)
-        if batch.scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
-            sd.mul_(batch.scale)
+        if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
+            sd.mul_(batch.loss_scale)
         # The network's statistics are those of the union of the layers' values,
         # found without joining them (order_statistics.select).
         return [sd], [snr]

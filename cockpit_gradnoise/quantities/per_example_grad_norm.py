@@ -2,7 +2,8 @@
 
 from cockpit_gradnoise import functional, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
-from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity, check_example_count
+from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity
+from cockpit_gradnoise.step import check_example_count
 
 
 class PerExampleGradNorm(ParameterQuantity):
@@ -36,14 +37,14 @@ class PerExampleGradNorm(ParameterQuantity):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.quantiles = functional.check_quantile_levels(quantiles)
 
-    def prepare(self, global_step, params):
-        return self.loss_batch(global_step)
+    def step_context(self, step, params):
+        return step.loss_batch(self)
 
     def parameter_sums(self, param, batch):
         squared_norms = param.cgn_batch_l2.detach()
         check_example_count(squared_norms.shape[0], batch.examples)
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2.
-        return {"squared_norms": squared_norms / batch.scale**2}
+        return {"squared_norms": squared_norms / batch.loss_scale**2}
 
     def value_from_sums(self, sums, batch):
         return sums["squared_norms"]

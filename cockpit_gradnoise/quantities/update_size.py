@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence
 
 from cockpit_gradnoise import _deferred, functional
 from cockpit_gradnoise.frame import update_statistics
-from cockpit_gradnoise.quantities._base import TwoStepParameterQuantity
+from cockpit_gradnoise.quantities._two_step import TwoStepParameterQuantity
 from cockpit_gradnoise.schema import decode_float, encode_float
 
 import torch

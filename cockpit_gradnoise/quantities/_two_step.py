@@ -1,0 +1,92 @@
+"""The two-step quantity's base: compare the parameters at a start step with the next."""
+
+from typing import Any, Optional
+
+from cockpit_gradnoise import distributed
+from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.quantities._base import NamedQuantity
+from cockpit_gradnoise.step import Step, backward_failed
+
+import_cockpit()
+from cockpit.quantities.quantity import Quantity  # noqa: E402
+
+
+class TwoStepParameterQuantity(NamedQuantity, Quantity):
+    """A quantity that compares the parameters at a start step ``s`` with step ``s + 1``.
+
+    At a step the schedule selects, :meth:`start` caches what it needs; at the
+    next call of the cockpit, if that call is step ``s + 1``, :meth:`end`
+    measures against the cache and the result is stored under ``s``.
+    Otherwise (a start without an end, an end without a tracked start, a
+    schedule that skips steps, a loop that calls the cockpit every other
+    step) nothing is stored for ``s`` and the cache is dropped at the next
+    call, so nothing wrong is stored and nothing is kept behind. A step whose
+    backward pass raised computes nothing and keeps the cache as it was.
+
+    Methods to implement:
+
+    - ``start(params, reuse)``: the cache for this step; ``reuse`` is the
+      previous cache (or ``None``), whose memory may be reused;
+    - ``end(cache, params, names)``: the value to store (may overwrite
+      ``cache``, which is reused or dropped right after).
+    - ``cache_matches(cache, params)`` (optional): whether ``cache`` fits
+      ``params``; when it does not, nothing is stored.
+
+    Args:
+        track_schedule: Function from step to bool: the start steps ``s``.
+        param_names: The model (names by identity), a mapping
+            ``{name: parameter}``, or the Cockpit's parameters' names in order.
+        verbose: Print what is computed.
+    """
+
+    def __init__(self, track_schedule, *, param_names=None, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._init_names(param_names)
+        self._cache_step: Optional[int] = None
+        self._cache: Any = None
+
+    def start(self, params, reuse) -> Any:
+        """Cache what :meth:`end` needs at the next step."""
+        raise NotImplementedError
+
+    def end(self, cache, params, names) -> Any:
+        """The value to store under the start step."""
+        raise NotImplementedError
+
+    def cache_matches(self, cache, params) -> bool:
+        """Whether ``cache`` was taken from parameters like ``params``."""
+        return True
+
+    def extensions(self, global_step):
+        """No BackPACK extension."""
+        return []
+
+    def should_compute(self, global_step):
+        # Also run at the call after a start, to use or drop the cache.
+        return bool(self._track_schedule(global_step)) or self._cache_step is not None
+
+    def compute(self, global_step, params, batch_loss):
+        """End the cached start if this is its next step, then start if scheduled.
+
+        Returns:
+            ``(s, value)`` when the cache holds step ``s = global_step - 1``,
+            else ``(global_step, None)`` (nothing stored).
+        """
+        if backward_failed():
+            return global_step, None
+        Step.of(self, global_step)  # one instance of the class per cockpit call
+        names = self.names(params)
+        if distributed.world_size() > 1:
+            # Parameters are the same on every process (DDP): nothing to reduce.
+            distributed.check_not_sharded(params)
+        start, cache = self._cache_step, self._cache
+        self._cache_step, self._cache = None, None
+        value = None
+        if start == global_step - 1 and self.cache_matches(cache, params):
+            value = self.end(cache, params, names)
+        if self._track_schedule(global_step):
+            self._cache_step, self._cache = global_step, self.start(params, cache)
+        return (start, value) if value is not None else (global_step, None)
+
+    def _save(self, global_step, result):
+        self.output[global_step] = result

@@ -1,0 +1,481 @@
+"""One tracked step: what a cockpit call knows, built once and read by every quantity.
+
+Cockpit calls its quantities one by one, so nothing in Cockpit represents "this
+tracked backward pass". :class:`Step` is that object. The first quantity that
+takes part in a cockpit call builds it; the others of the same call read it:
+
+- the batch (:meth:`Step.examples`, :meth:`Step.loss_batch`), from ``info``
+  by one rule for every quantity;
+- which parameters have usable results, with the warnings about the others
+  (:meth:`Step.usable`), each warning shown once per step for all quantities;
+- whether tensors are finite (:meth:`Step.finite`), found once per tensor;
+- what the backward pass revealed about the model (:attr:`Step.facts`);
+- under distributed training, every quantity's declared sums reduced in one
+  round of collectives (:meth:`Step.reduced_sums`).
+
+Where it lives: in Cockpit's own storage of the call's ``info``
+(``CockpitCTX.INFO``, a dict that Cockpit replaces when the call ends), under
+a key no step number can take. So a Step lives exactly as long as its call,
+and no module of this package holds one.
+"""
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from cockpit_gradnoise import distributed, functional, order_statistics
+from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.extensions import facts as backward_facts
+from cockpit_gradnoise.schema import NETWORK
+
+import torch
+
+import_cockpit()
+from cockpit.context import CockpitCTX  # noqa: E402
+
+#: The key of the Step in ``CockpitCTX.INFO``, whose other keys are step numbers.
+_KEY = ("cockpit_gradnoise", "Step")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The examples a quantity's declared sums are over.
+
+    Attributes:
+        examples: Their number ``N``.
+        loss_scale: ``c`` in ``x_i = c g_i`` (an example's contribution to
+            ``param.grad`` is ``c`` times the gradient of its own loss):
+            ``1/N`` for a mean, ``1`` for a sum (and for one example), NaN
+            when the losses are not finite. Under distributed training the
+            quantities divide their sums by it (sums of squares by its
+            square), so that sums of different processes add, and get the
+            global batch's ``N`` and ``c`` back (see ``docs/distributed.md``).
+    """
+
+    examples: int
+    loss_scale: float
+
+    def same_as(self, other: "Batch") -> bool:
+        """Equal, with a NaN scale equal to a NaN scale."""
+        return self.examples == other.examples and (
+            self.loss_scale == other.loss_scale
+            or math.isnan(self.loss_scale) and math.isnan(other.loss_scale)
+        )
+
+
+def backward_failed() -> bool:
+    """Whether the cockpit's context is being left because of an exception.
+
+    Cockpit runs its quantities in ``__exit__`` even when ``loss.backward()``
+    raised; the exception is then the one being handled.
+    """
+    return sys.exc_info()[1] is not None
+
+
+def check_example_count(results: int, individual_losses: int):
+    """Raise if BackPACK's per-example results and ``info["individual_losses"]`` disagree.
+
+    Raises:
+        ValueError: Naming both counts and the fix.
+    """
+    if results != individual_losses:
+        raise ValueError(
+            f"info['individual_losses'] has {individual_losses} values but the batch "
+            f"has {results} examples: pass one loss per example of the batch that was "
+            "differentiated, e.g. loss_fn_none(out, y) with reduction='none'"
+        )
+
+
+def parameter_names(param_names, params: Sequence[torch.Tensor], owner: str) -> List[str]:
+    """The names of ``params``: looked up by identity, or checked by position.
+
+    Args:
+        param_names: ``None`` (``param0``, ``param1``, ...); a module or a
+            mapping ``{name: parameter}`` such as
+            ``dict(model.named_parameters())``, where each parameter's name is
+            found by identity; or a sequence of names, one per parameter in
+            the order they were given to the Cockpit (checked by count only:
+            prefer the module).
+        params: The parameters given to the Cockpit.
+        owner: Who asks, for messages.
+
+    Raises:
+        ValueError: A parameter the mapping does not hold, or a count mismatch.
+    """
+    if param_names is None:
+        return [f"param{i}" for i in range(len(params))]
+    if isinstance(param_names, Mapping):
+        by_id = {id(p): str(n) for n, p in param_names.items()}
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(
+                f"{owner}: the Cockpit's parameters {missing} (by position) are not in "
+                "the model whose names were given: build the Cockpit from that "
+                "model's parameters"
+            )
+        return [by_id[id(p)] for p in params]
+    if len(param_names) != len(params):
+        raise ValueError(
+            f"{owner} got {len(param_names)} param_names for {len(params)} parameters: "
+            "pass the names of exactly the parameters given to the Cockpit, in the same "
+            "order, or pass the model (names are then found by identity)"
+        )
+    return list(param_names)
+
+
+def check_names(param_names) -> Any:
+    """``param_names`` as a quantity keeps it: a dict for a module, a list of str otherwise.
+
+    Raises:
+        ValueError: Repeated names, or the reserved name ``"all"``.
+    """
+    if param_names is None:
+        return None
+    if isinstance(param_names, torch.nn.Module):
+        param_names = dict(param_names.named_parameters())
+    if isinstance(param_names, Mapping):
+        names = [str(n) for n in param_names]
+    else:
+        param_names = names = [str(n) for n in param_names]
+    if len(set(names)) != len(names):
+        raise ValueError("param_names must be unique")
+    if NETWORK in names:
+        raise ValueError(f"{NETWORK!r} is reserved for the whole network")
+    return param_names
+
+
+def _name(owner) -> str:
+    return owner if isinstance(owner, str) else type(owner).__name__
+
+
+class Step:
+    """What one cockpit call knows, shared by the quantities it computes.
+
+    Built by :meth:`begin` (when Cockpit asks a quantity what to protect, once
+    per call, before the backward pass) or by :meth:`of` (when a quantity
+    computes in a call that did not begin that way).
+
+    Attributes:
+        global_step: The step number of the call.
+        facts: What the backward pass revealed about the model
+            (:class:`~cockpit_gradnoise.extensions.facts.BackwardFacts`).
+    """
+
+    def __init__(self, global_step: int):
+        self.global_step = global_step
+        self.facts = backward_facts.begin()
+        self._computed: Dict[type, Any] = {}  # quantity class -> the instance that computed
+        self._members: List[Any] = []  # quantities whose sums reduce together
+        self._reduced: Optional[Dict[Any, Any]] = None
+        self._loss_batch: Optional[Batch] = None
+        self._finite: Dict[int, Tuple[torch.Tensor, int, bool]] = {}
+        self._shown: set = set()
+
+    # Finding the call's Step ----------------------------------------------------
+
+    @classmethod
+    def begin(cls, global_step: int, quantity=None) -> "Step":
+        """The Step of the call that is beginning; ``quantity`` joins its reduction.
+
+        A Step in which a quantity already computed belongs to an earlier call
+        (Cockpit keeps its storage when a quantity raised): a new one replaces it.
+        """
+        step = cls._stored(global_step)
+        if step is None or step._computed:
+            step = cls._store(cls(global_step))
+        if quantity is not None and quantity not in step._members:
+            step._members.append(quantity)
+        return step
+
+    @classmethod
+    def of(cls, quantity, global_step: int) -> "Step":
+        """The Step in which ``quantity`` computes now; raises for a second instance of its class.
+
+        Raises:
+            RuntimeError: Another instance of the class computed in this call:
+                Cockpit keys results by class name, so one would overwrite the other.
+        """
+        step = cls._stored(global_step)
+        if step is None or step._computed.get(type(quantity)) is quantity:
+            step = cls._store(cls(global_step))  # outside a cockpit, or called again
+        other = step._computed.setdefault(type(quantity), quantity)
+        if other is not quantity:
+            raise RuntimeError(
+                f"two {type(quantity).__name__} quantities in one Cockpit: Cockpit keys "
+                "results by class name, so one would overwrite the other. Track one "
+                "instance of each quantity class (one with all the quantiles you need, say)."
+            )
+        return step
+
+    @staticmethod
+    def _stored(global_step) -> Optional["Step"]:
+        step = CockpitCTX.INFO.get(_KEY)
+        return step if step is not None and step.global_step == global_step else None
+
+    @staticmethod
+    def _store(step) -> "Step":
+        CockpitCTX.INFO[_KEY] = step
+        return step
+
+    # What info says -------------------------------------------------------------
+
+    def info(self, key: str, owner) -> Any:
+        """``info[key]`` as handed to ``cockpit(step, info=...)``; ``owner`` (who asks) names the error.
+
+        Raises:
+            KeyError: Naming the missing key and how to pass it.
+        """
+        try:
+            return CockpitCTX.INFO[self.global_step][key]
+        except KeyError:
+            raise KeyError(
+                f"{_name(owner)} needs info[{key!r}]: pass it as "
+                f"`with cockpit(step, info={{{key!r}: ..., ...}})`"
+            ) from None
+
+    def examples(self, owner) -> int:
+        """The batch's number of examples: ``len(info["individual_losses"])``, else ``info["batch_size"]``.
+
+        Raises:
+            KeyError: Neither is in ``info``.
+            ValueError: Both are, and they disagree.
+        """
+        info = CockpitCTX.INFO.get(self.global_step, {})
+        if "individual_losses" in info:
+            examples = int(info["individual_losses"].shape[0])
+            if "batch_size" in info and int(info["batch_size"]) != examples:
+                raise ValueError(
+                    f"info['batch_size'] is {info['batch_size']} but info['individual_losses'] "
+                    f"has {examples} values: pass one loss per example, and the batch size "
+                    "of the batch that was differentiated (or leave batch_size out)"
+                )
+            return examples
+        if "batch_size" in info:
+            return int(info["batch_size"])
+        raise KeyError(
+            f"{_name(owner)} needs info['individual_losses'] (one loss per example) or "
+            "info['batch_size']: pass it as `with cockpit(step, info={'individual_losses': "
+            "..., ...})`"
+        )
+
+    def loss_batch(self, owner) -> Batch:
+        """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``.
+
+        Telling a mean from a sum needs the losses' values on the host: one
+        transfer per step, shared by every quantity.
+        """
+        if self._loss_batch is None:
+            individual_losses = self.info("individual_losses", owner)
+            loss = self.info("loss", owner)
+            examples = self.examples(owner)
+            self._loss_batch = Batch(examples, functional.loss_scale(loss, individual_losses))
+        return self._loss_batch
+
+    # Warnings -------------------------------------------------------------------
+
+    def warn(self, key, message: str, quantity=None):
+        """Warn ``message`` once per step, and never again to a quantity that was told.
+
+        Args:
+            key: What the warning is about; one key, one warning per step for all
+                quantities.
+            message: The text.
+            quantity: The quantity asking; it keeps the keys it was told (its
+                ``_warned`` set), so that a fact that holds at every step is told
+                once per run.
+        """
+        told = getattr(quantity, "_warned", set())
+        if key in self._shown or key in told:
+            told.add(key)
+            self._shown.add(key)
+            return
+        self._shown.add(key)
+        told.add(key)
+        warnings.warn(f"cockpit-gradnoise: {message}", stacklevel=4)
+
+    # Finiteness -----------------------------------------------------------------
+
+    def finite(self, tensors: Sequence[torch.Tensor]):
+        """Whether every element of ``tensors`` is finite: a bool on the host, else a 0-dim tensor.
+
+        Every quantity of a step asks about the same ``param.grad`` (and shared
+        savefields): each tensor is summed once per step, again only if changed
+        in place (its version).
+        """
+        if all(order_statistics._on_host(t) for t in tensors):
+            return all(map(self._finite_on_host, tensors))
+        return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+    def _finite_on_host(self, tensor) -> bool:
+        known = self._finite.get(id(tensor))
+        if known is not None and known[0] is tensor and known[1] == tensor._version:
+            return known[2]
+        # NaN and inf propagate into a sum, so a finite sum proves every element
+        # finite with one reduction; only a sum that overflowed needs the full test.
+        finite = bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+        self._finite[id(tensor)] = (tensor, tensor._version, finite)
+        return finite
+
+    # Usable parameters ----------------------------------------------------------
+
+    def usable(
+        self,
+        quantity,
+        named: Sequence[Tuple[str, torch.Tensor]],
+        savefields: Sequence[str],
+        has_results: Optional[Callable[[torch.Tensor], bool]] = None,
+        examples: Optional[int] = None,
+    ) -> List[Tuple[str, torch.Tensor]]:
+        """``(name, param)`` pairs that have every result needed; warn about the rest.
+
+        Args:
+            quantity: Who asks (its class name goes into errors).
+            named: ``(name, param)`` of the Cockpit's parameters.
+            savefields: The BackPACK results it reads.
+            has_results: Whether a parameter has them; by default, whether
+                BackPACK left every savefield on it.
+            examples: The batch's number of examples, to find layers applied
+                without the batch dimension; ``None`` skips that check.
+
+        Raises:
+            RuntimeError: No parameter got BackPACK's results (the model was not extended).
+            ValueError: A parameter used by several layers (tied weights).
+        """
+        if has_results is None:
+            def has_results(param):
+                return all(hasattr(param, field) for field in savefields)
+
+        owner = type(quantity).__name__
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        no_grad = [n for n, p in trainable if p.grad is None]
+        with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+        usable = [(n, p) for n, p in with_grad if has_results(p)]
+        supported = {n for n, _ in usable}
+        if with_grad and not usable:
+            raise RuntimeError(
+                f"{owner}: no parameter received BackPACK's results "
+                f"({', '.join(savefields)}). Extend the model and the loss function with "
+                "`cgn.prepare_model(model)` (or `backpack.extend(model)`) and "
+                "`backpack.extend(loss_fn)` before training, or use `cgn.track(model)`, and "
+                "make sure the model has layers this package supports (see "
+                "docs/architectures.md)."
+            )
+        unsupported = [n for n, _ in with_grad if n not in supported]
+        if savefields:
+            self._refuse_shared(owner, usable)
+            usable = self._without_batchless(quantity, usable, examples)
+        if no_grad:
+            self.warn(
+                "no-grad",
+                f"parameters {no_grad} have no gradient (unused in the forward pass?); "
+                f"they have no rows and are left out of {NETWORK!r}",
+                quantity,
+            )
+        if unsupported:
+            self.warn(
+                "unsupported",
+                f"parameters {unsupported} belong to layers BackPACK does not support; "
+                f"they have no rows in the quantities that need per-example results and "
+                f"are left out of their {NETWORK!r}",
+                quantity,
+            )
+        return usable
+
+    def _refuse_shared(self, owner, named):
+        shared = [n for n, p in named if self.facts.shared(p)]
+        if shared:
+            raise ValueError(
+                f"{owner}: parameters {shared} are used by several layers (tied weights, "
+                "e.g. an output layer sharing the embedding matrix). BackPACK's "
+                "per-example results of one use would overwrite the other's, so no "
+                "per-example statistic of them would be right: untie them, or track "
+                "them with ParamGradRatio and UpdateSize only"
+            )
+
+    def _without_batchless(self, quantity, named, examples):
+        """``named`` without parameters of layers applied without the batch dimension."""
+        leading = self.facts.leading_sizes
+        sizes = [leading[id(p)] for _, p in named if id(p) in leading]
+        if examples is None or not sizes:
+            return named
+        # Most layers see the batch: a count in info that disagrees with them is wrong.
+        check_example_count(max(set(sizes), key=sizes.count), examples)
+        batchless = {n: leading[id(p)] for n, p in named if leading.get(id(p), examples) != examples}
+        if batchless:
+            self.warn(
+                "batchless",
+                f"parameters {sorted(batchless)} belong to layers applied without the "
+                f"batch dimension (their output leads with {sorted(set(batchless.values()))}, "
+                f"the batch has {examples} examples), e.g. wpe(torch.arange(T)) "
+                "broadcast over the batch: apply them to every example, "
+                "wpe(pos.expand(B, T)), to get their rows; they have no rows and are "
+                f"left out of {NETWORK!r}",
+                quantity,
+            )
+        return [(n, p) for n, p in named if n not in batchless]
+
+    # Distributed training -------------------------------------------------------
+
+    def reduced_sums(self, quantity, params):
+        """``(global Batch, {name: reduced sums})`` of ``quantity``, or ``None`` (skipped).
+
+        The first quantity of the call to ask forms the local sums of every
+        quantity that joined the call (:meth:`begin`) and reduces them all in
+        one round of collectives
+        (:func:`~cockpit_gradnoise.distributed.reduce_step`); the others take
+        their results, so no collective runs after the first quantity. A
+        quantity that did not join reduces alone.
+        """
+        if quantity not in self._members:
+            return self._reduce([quantity], params)[quantity]
+        if self._reduced is None:
+            self._reduced = {}  # taken, also if the reduction raises
+            self._reduced = self._reduce(self._members, params)
+        return self._reduced.pop(quantity, None)
+
+    def _reduce(self, quantities, params):
+        # Fixed by the model and the quantities, so the header has one length everywhere.
+        slots = [(q, name) for q in quantities for name, _ in q.trainable(params)]
+        contribution = distributed.Contribution(
+            slots=[f"{type(q).__name__}:{name}" for q, name in slots]
+        )
+        parts = {}
+        try:
+            for q in quantities:
+                parts[q] = q.local_sums(self, params)
+            batches = [part[0] for part in parts.values() if part is not None]
+            if any(not b.same_as(batches[0]) for b in batches):
+                raise ValueError(
+                    f"the quantities read different batches from info at step "
+                    f"{self.global_step}: {batches}; pass consistent 'batch_size', "
+                    "'individual_losses' and 'loss'"
+                )
+            if batches:
+                contribution.examples = batches[0].examples
+                contribution.scale = batches[0].loss_scale
+            contribution.sums = [
+                (sums[sum_name], how)
+                for q, part in parts.items()
+                if part is not None
+                for sums in part[1].values()
+                for sum_name, how in q.sums.items()
+            ]
+        except Exception as error:  # every process must still take part, to raise together
+            contribution.error, contribution.sums = error, []
+        contribution.available = [
+            parts.get(q) is not None and name in parts[q][1] for q, name in slots
+        ]
+        device = params[0].device if params else torch.device("cpu")
+        reduced = distributed.reduce_step(contribution, device, self.global_step)
+        batch = Batch(reduced.examples, reduced.scale)
+        values = iter(reduced.sums)
+        results = {}
+        for q, part in parts.items():
+            if part is None:
+                results[q] = None
+                continue
+            sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
+            results[q] = (batch, sums)
+        return results

@@ -1,0 +1,124 @@
+"""The Step: one object per cockpit call, shared by its quantities, gone with the call."""
+
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.step import Step
+
+import pytest
+import torch
+from cockpit.context import CockpitCTX
+from cockpit.utils.schedules import linear
+
+from tests.cases import MODELS, build, run_step
+
+
+class StepSpy(cgn.ParamGradRatio):
+    """ParamGradRatio that remembers the Step it computed in."""
+
+    seen = []
+
+    def step_context(self, step, params):
+        StepSpy.seen.append(step)
+        return True
+
+
+class OtherSpy(cgn.GradientVarianceQuantiles):
+    seen = []
+
+    def step_context(self, step, params):
+        OtherSpy.seen.append(step)
+        return super().step_context(step, params)
+
+
+def test_the_quantities_of_one_call_share_one_step_and_the_next_call_gets_a_new_one():
+    problem = build(MODELS[0], 4, "mean")
+    StepSpy.seen, OtherSpy.seen = [], []
+    quantities = [StepSpy(linear(1), param_names=problem.names),
+                  OtherSpy(linear(1), param_names=problem.names)]
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    for step in range(2):
+        run_step(problem, quantities, step=step, cockpit=cockpit)
+    assert StepSpy.seen[0] is OtherSpy.seen[0]
+    assert StepSpy.seen[1] is OtherSpy.seen[1]
+    assert StepSpy.seen[0] is not StepSpy.seen[1]
+    assert [s.global_step for s in StepSpy.seen] == [0, 1]
+    # Cockpit erases its storage of the call when the call ends: the Step with it.
+    assert all(not isinstance(v, Step) for v in CockpitCTX.INFO.values())
+
+
+def test_a_step_tested_for_finiteness_again_after_an_in_place_change():
+    """Quantities of one step share the finiteness of a tensor (param.grad); a
+    tensor changed in place since (its version moved) is tested again."""
+    step = Step(0)
+    grad = torch.ones(5)
+    assert step.finite([grad]) and step.finite([grad])
+    grad[2] = float("inf")
+    assert not step.finite([grad])
+    grad[2] = float("nan")
+    assert not step.finite([grad])
+    grad[2] = 1.0
+    assert step.finite([grad])
+    overflowing = torch.full((3,), 3e38)  # the sum overflows, every element is finite
+    assert step.finite([overflowing])
+    assert not step.finite([grad, torch.tensor([float("-inf")])])
+
+
+def test_batch_size_and_individual_losses_that_disagree_are_refused():
+    problem = build(MODELS[0], 6, "mean")
+    quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)
+    cockpit = cgn.Cockpit(problem.params, quantities=[quantity])
+    outputs = problem.model(problem.inputs)
+    loss = problem.loss_fn(outputs, problem.targets)
+    info = {"batch_size": 5, "individual_losses": problem.per_example_loss(outputs, problem.targets),
+            "loss": loss}
+    with pytest.raises(ValueError, match=r"info\['batch_size'\] is 5 but info\['individual_losses'\] has 6"):
+        with cockpit(0, info=info):
+            loss.backward()
+
+
+def test_names_are_found_by_identity_from_the_model_whatever_the_order_of_the_cockpit_params():
+    problem = build(MODELS[2], 3, "sum")
+    reordered = list(reversed(problem.params))
+    by_model = cgn.ParamGradRatio(linear(1), param_names=problem.model)
+    cockpit = cgn.Cockpit(reordered, quantities=[by_model])
+    run_step(problem, [by_model], cockpit=cockpit)
+    rows = cockpit.get_output()[0]["ParamGradRatio"]
+    names = dict(problem.model.named_parameters())
+    assert list(rows) == [n for p in reordered for n, q in names.items() if q is p] + ["all"]
+    for name, param in names.items():
+        expected = (param.detach().double().norm() / param.grad.double().norm()).item()
+        assert rows[name]["norm_ratio"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_cockpit_param_missing_from_the_model_is_named():
+    problem = build(MODELS[0], 3, "sum")
+    stranger = torch.nn.Parameter(torch.ones(2))
+    stranger.grad = torch.ones(2)
+    quantity = cgn.ParamGradRatio(linear(1), param_names=problem.model)
+    with pytest.raises(ValueError, match=r"parameters \[%d\] \(by position\) are not in the model"
+                       % len(problem.params)):
+        run_step(problem, [quantity], cockpit=cgn.Cockpit(problem.params + [stranger], quantities=[quantity]))
+
+
+def test_a_fact_of_the_step_is_warned_once_for_all_quantities():
+    """Three quantities meet the same unused layer: one warning, not three, and not again."""
+    case = next(c for c in MODELS if c.name == "unused-frozen")
+    problem = build(case, 3, "mean")
+    quantities = [cls(linear(1), param_names=problem.names) for cls in
+                  (cgn.GradientVarianceQuantiles, cgn.PerExampleGradNorm, cgn.GradientNoiseScale)]
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for step in range(3):
+            run_step(problem, quantities, step=step, cockpit=cockpit)
+    ours = [str(r.message) for r in records if "cockpit-gradnoise" in str(r.message)]
+    assert len(ours) == 1 and "have no gradient" in ours[0], ours
+
+
+def test_an_old_prepare_hook_is_refused_with_its_new_name():
+    with pytest.raises(TypeError, match=r"prepare\(global_step, params\) is now step_context"):
+
+        class Old(cgn.ParamGradRatio):
+            def prepare(self, global_step, params):
+                return True
