@@ -163,9 +163,9 @@ class Step:
             (:class:`~cockpit_gradnoise.extensions.facts.BackwardFacts`).
     """
 
-    def __init__(self, global_step: int):
+    def __init__(self, global_step: int, facts: Optional[backward_facts.BackwardFacts] = None):
         self.global_step = global_step
-        self.facts = backward_facts.begin()
+        self.facts = backward_facts.begin() if facts is None else facts
         self._computed: Dict[type, Any] = {}  # quantity class -> the instance that computed
         self._members: List[Any] = []  # quantities whose sums reduce together
         self._reduced: Optional[Dict[Any, Any]] = None
@@ -184,7 +184,7 @@ class Step:
         """
         step = cls._stored(global_step)
         if step is None or step._computed:
-            step = cls._store(cls(global_step))
+            step = cls._store(cls(global_step))  # new facts for the coming backward pass
         if quantity is not None and quantity not in step._members:
             step._members.append(quantity)
         return step
@@ -199,7 +199,9 @@ class Step:
         """
         step = cls._stored(global_step)
         if step is None or step._computed.get(type(quantity)) is quantity:
-            step = cls._store(cls(global_step))  # outside a cockpit, or called again
+            # Outside a cockpit, or called again: the backward pass has run, and
+            # its facts are those recorded last.
+            step = cls._store(cls(global_step, backward_facts.recording()))
         other = step._computed.setdefault(type(quantity), quantity)
         if other is not quantity:
             raise RuntimeError(
@@ -259,6 +261,12 @@ class Step:
             "info['batch_size']: pass it as `with cockpit(step, info={'individual_losses': "
             "..., ...})`"
         )
+
+    def examples_if_known(self) -> Optional[int]:
+        """As :meth:`examples`, ``None`` where ``info`` holds neither key."""
+        info = CockpitCTX.INFO.get(self.global_step, {})
+        known = "individual_losses" in info or "batch_size" in info
+        return self.examples("") if known else None
 
     def loss_batch(self, owner) -> Batch:
         """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``.

@@ -91,7 +91,7 @@ def test_resnet18_in_training_mode_gives_each_examples_contribution_through_the_
         warnings.simplefilter("always")
         cockpit = run_step(problem, quantities)
     interact = [str(w.message) for w in caught if "examples interact" in str(w.message)]
-    assert len(interact) == 3 and sum("unbiasedness" in m for m in interact) == 1
+    assert len(interact) == 1 and "GradientNoiseScale's estimates" in interact[0]  # one for the step
     contributions = references.contributions_through_batch(
         reference_model, problem.loss_fn, problem.inputs, problem.targets
     )
@@ -234,7 +234,7 @@ def test_a_layer_applied_without_the_batch_dimension_is_left_out_naming_the_fix(
         warnings.simplefilter("always")
         cockpit = run_step(problem, quantities)
     messages = [str(w.message) for w in caught if "without the batch dimension" in str(w.message)]
-    assert len(messages) == 2 and all("wpe(pos.expand(B, T))" in m for m in messages)
+    assert len(messages) == 1 and "wpe(pos.expand(B, T))" in messages[0]  # one for the step
     got = rows(cockpit, schema.PER_EXAMPLE_NORM)
     assert set(got) == {"wte.weight", "head.weight", schema.NETWORK}
     assert got[schema.NETWORK][schema.PARAMS_COVERED] == 2

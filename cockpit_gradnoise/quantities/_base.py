@@ -335,7 +335,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         if context is None or (self.sums and not self.accepts(context)):
             return None
         self._warn_if_examples_interact(step)
-        examples = step.examples(self) if self._savefields else None
+        examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields, examples=examples)
         finite = {name: step.finite(self._read_tensors(param)) for name, param in usable}
         # One parameter at a time: a parameter's sums are freed once its value is formed.
