@@ -35,11 +35,11 @@ from cockpit_gradnoise.extensions import (
     batchnorm,
     convolution,
     embedding,
+    facts,
     linear,
     normalization,
     sums,
 )
-from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
