@@ -28,8 +28,8 @@ import time
 import warnings
 from pathlib import Path
 
-# This repository's package and benchmark.py, also when run as a script by torchrun.
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+# This repository's package and benchmarks, also when run as a script by torchrun.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import distributed  # noqa: E402
@@ -44,10 +44,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from backpack import backpack, extend  # noqa: E402
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory  # noqa: E402
-from benchmark import MODELS  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from benchmarks.models import MODELS  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
@@ -132,7 +133,7 @@ def timed(step, x, y):
 
 def benchmark_model(name, args):
     torch.manual_seed(0)
-    model = MODELS[name]()
+    model = MODELS[name].make()
     local = args.batch_size // dist.get_world_size()
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(local, 1, 28, 28, generator=generator)

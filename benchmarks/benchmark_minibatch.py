@@ -25,19 +25,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if not __package__:  # run as a script: the repository, for `benchmarks` (see benchmark.py)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cockpit_gradnoise as cgn  # noqa: E402
 
-import benchmark  # noqa: E402
-from benchmark import (  # noqa: E402
-    allocator,
-    markdown,
-    peak_extra_bytes,
-    plain_step,
-    synchronize,
-)
+import torch  # noqa: E402
+
+from benchmarks import benchmark  # noqa: E402
+from benchmarks.harness import allocator, peak_extra_bytes, synchronize  # noqa: E402
+from benchmarks.methods import plain_step  # noqa: E402
+from benchmarks.models import MODELS, model_and_batch  # noqa: E402
+from benchmarks.readme_tables import markdown  # noqa: E402
 
 FUNCTIONS = {
     "minibatch_gradient_stats, per batch": cgn.minibatch_gradient_stats,
@@ -66,8 +65,8 @@ def batch_times(loop, x, y, count, device):
 
 def benchmark_model(model_name, args, device):
     """Rows of the table for one model: the plain step, then each function."""
-    spec = benchmark.MODELS[model_name]
-    model, x, y = benchmark.model_and_batch(spec, args.batch_size or spec.batch_size, device)
+    spec = MODELS[model_name]
+    model, x, y = model_and_batch(spec, args.batch_size or spec.batch_size, device)
     plain = plain_step(model, spec.loss)
 
     def plain_loop(batches):

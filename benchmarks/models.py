@@ -1,0 +1,110 @@
+"""The benchmark's models: architecture, inputs, targets, loss and default batch size."""
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+
+def make_mlp(width=512):
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 10),
+    )
+
+
+def make_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(9216, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+def make_resnet18():
+    """torchvision's resnet18 for 10 classes, in eval mode (BatchNorm with running statistics).
+
+    Its in-place ReLU and ``out += identity`` break BackPACK's hooks:
+    ``cgn.prepare_model`` (:func:`extended_copy`) extends it through BackPACK's
+    torch.fx converter, which keeps the parameter names.
+    """
+    from torchvision.models import resnet18
+
+    return resnet18(num_classes=10).eval()
+
+
+def make_gpt():
+    """The GPT-style language model of the architectures issue (``experiments.models.GPT``).
+
+    4 pre-norm blocks of width 128 with 4 heads (attention from ``nn.Linear``),
+    sequence 64, vocabulary 96.
+    """
+    from experiments.models import GPT
+
+    return GPT(GPT_VOCABULARY, GPT_CONTEXT, width=128, heads=4, layers=4)
+
+
+GPT_VOCABULARY, GPT_CONTEXT = 96, 64
+
+
+def classification_loss(reduction):
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
+def token_loss(reduction):
+    """Per-token cross-entropy; an example's own loss (``"none"``) is the mean over its tokens."""
+    from experiments.models import TokenCrossEntropy
+
+    return TokenCrossEntropy(reduction, per_token="mean")
+
+
+def images(*shape):
+    return lambda n, device: torch.randn(n, *shape, device=device)
+
+
+def tokens(n, device):
+    return torch.randint(0, GPT_VOCABULARY, (n, GPT_CONTEXT), device=device)
+
+
+def classes(n, device):
+    return torch.randint(0, 10, (n,), device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    make: object  # () -> nn.Module
+    inputs: object  # (batch size, device) -> inputs
+    batch_size: int  # unless --batch-size says otherwise
+    targets: object = classes  # (batch size, device) -> targets
+    #: ``reduction -> loss module``: ``"mean"`` trains, ``"none"`` gives each example's loss.
+    loss: object = classification_loss
+
+
+MODELS = {
+    "mlp": ModelSpec(make_mlp, images(1, 28, 28), 128),
+    "cnn": ModelSpec(make_cnn, images(1, 28, 28), 128),
+    "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
+    "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
+}
+
+
+def model_and_batch(spec, batch_size, device):
+    """The seeded model of ``spec`` and a random batch of ``batch_size`` inputs and targets."""
+    torch.manual_seed(0)
+    model = spec.make().to(device)
+    return model, spec.inputs(batch_size, device), spec.targets(batch_size, device)
+
+
+def mlp_of_width(width):
+    return dataclasses.replace(MODELS["mlp"], make=functools.partial(make_mlp, width))
