@@ -1,8 +1,8 @@
 """What stored data means: quantity, parameter and statistic names, and numbers.
 
 Every quantity stores, per step, ``{param name: {statistic name: number}}``
-(``UpdateSize`` a list of items that :mod:`cockpit_gradnoise.frame` turns into
-the same shape). The names below are the contract between the quantities that
+(``UpdateSize`` a list of items that :func:`update_statistics` turns into the
+same shape). The names below are the contract between the quantities that
 write logs and the views (frame, report, panels, dashboard, command line) that
 read them; views read names from here and never import the quantities.
 
@@ -15,7 +15,7 @@ This module imports neither torch nor Cockpit, so reading a log stays fast.
 
 import math
 import re
-from typing import Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 NETWORK = "all"
 """Name under which every quantity reports the whole network."""
@@ -145,6 +145,20 @@ def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float,
     return {name: encode_float(value) for name, value in statistics.items()}
 
 
-def decode_statistics(statistics: Mapping[str, Union[float, str]]) -> Dict[str, float]:
-    """Decode every value of ``{statistic: stored}`` with :func:`decode_float`."""
-    return {name: decode_float(value) for name, value in statistics.items()}
+def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
+    """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
+
+    Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
+    ``start_norm = ||theta(s)||`` (a live
+    :class:`~cockpit_gradnoise.quantities.update_size.LayerUpdate` or a
+    :class:`~cockpit_gradnoise.frame.LoggedUpdate` read from a log).
+    ``relative = norm / start_norm``, ``+inf`` when ``start_norm`` is 0
+    (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums
+    of squares of the parameters' norms.
+    """
+    rows = [(u.name, u.norm, u.start_norm) for u in updates]
+    network = tuple(math.sqrt(sum(row[k] ** 2 for row in rows)) for k in (1, 2))
+    return {
+        name: {UPDATE_NORM: norm, UPDATE_RELATIVE: ratio_or_inf(norm, start_norm)}
+        for name, norm, start_norm in [*rows, (NETWORK, *network)]
+    }
