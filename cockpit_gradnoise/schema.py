@@ -15,6 +15,7 @@ This module imports neither torch nor Cockpit, so reading a log stays fast.
 
 import math
 import re
+import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 NETWORK = "all"
@@ -95,7 +96,7 @@ def norm_statistic_names(levels: Iterable[float]) -> List[str]:
     return [quantile_name(q) for q in levels] + [MEAN, MAX]
 
 
-def ratio_or_inf(numerator: float, denominator: float) -> float:
+def ratio_or_inf(numerator, denominator):
     """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
 
     The ratios reported by :class:`~cockpit_gradnoise.ParamGradRatio`
@@ -105,12 +106,21 @@ def ratio_or_inf(numerator: float, denominator: float) -> float:
     gradient, all-zero parameters) or, for an unbiased estimate, negative. They
     are reported as ``+inf`` then, also for ``0 / 0``: never a NaN from a zero
     denominator. NaN only if an input is NaN.
+
+    Floats give a float. Tensors give the same elementwise and stay on their
+    device (the quantities' values on a GPU); this module does not import
+    torch, so it uses the torch that made the tensor.
     """
-    if math.isnan(numerator) or math.isnan(denominator):
-        return math.nan
-    if denominator <= 0:
-        return math.inf
-    return numerator / denominator
+    torch = sys.modules.get("torch")
+    if torch is None or not any(isinstance(x, torch.Tensor) for x in (numerator, denominator)):
+        if math.isnan(numerator) or math.isnan(denominator):
+            return math.nan
+        if denominator <= 0:
+            return math.inf
+        return numerator / denominator
+    numerator, denominator = torch.as_tensor(numerator), torch.as_tensor(denominator)
+    ratio = torch.where(denominator <= 0, math.inf, numerator / denominator)
+    return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
 
 
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

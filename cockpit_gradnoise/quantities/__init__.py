@@ -1,6 +1,6 @@
 """Cockpit quantities of this package, one per file."""
 
-from cockpit_gradnoise.quantities._base import NETWORK, Batch, ParameterQuantity
+from cockpit_gradnoise.quantities._base import Batch, ParameterQuantity
 from cockpit_gradnoise.quantities.gradient_noise_scale import GradientNoiseScale
 from cockpit_gradnoise.quantities.gradient_variance import GradientVarianceQuantiles
 from cockpit_gradnoise.quantities.param_grad_ratio import ParamGradRatio
@@ -8,7 +8,6 @@ from cockpit_gradnoise.quantities.per_example_grad_norm import PerExampleGradNor
 from cockpit_gradnoise.quantities.update_size import UpdateSize
 
 __all__ = [
-    "NETWORK",
     "Batch",
     "ParameterQuantity",
     "GradientVarianceQuantiles",
