@@ -8,9 +8,9 @@ instead of drawing; no panel raises on missing data.
 Layers are told apart by colour: the colour of a layer is its position in
 ``layers``, so panels given the same ``layers`` agree. With ``layers=None`` a
 panel shows :func:`~cockpit_gradnoise._views.default_layers` (the
-``DEFAULT_TOP_K`` noisiest, ranked as the report ranks them, in model order). The whole network (``"all"``) is drawn
-black and bold; when its row covers only some parameters, the title says so
-(``"all: 7 of 15 parameters"``).
+``DEFAULT_TOP_K`` noisiest, ranked as the report ranks them, in model order).
+The whole network (``"all"``) is drawn black and bold; when its row covers
+only some parameters, the title says so (``"all: 7 of 15 parameters"``).
 
 Values a log scale cannot show are marked on the figure: a zero as a gap in
 its line with a downward triangle at the bottom edge (an ``x`` in the

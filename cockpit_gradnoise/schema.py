@@ -166,9 +166,10 @@ def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
     (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums
     of squares of the parameters' norms.
     """
+    network_norm = math.sqrt(sum(u.norm**2 for u in updates))
+    network_start_norm = math.sqrt(sum(u.start_norm**2 for u in updates))
     rows = [(u.name, u.norm, u.start_norm) for u in updates]
-    network = tuple(math.sqrt(sum(row[k] ** 2 for row in rows)) for k in (1, 2))
     return {
         name: {UPDATE_NORM: norm, UPDATE_RELATIVE: ratio_or_inf(norm, start_norm)}
-        for name, norm, start_norm in [*rows, (NETWORK, *network)]
+        for name, norm, start_norm in [*rows, (NETWORK, network_norm, network_start_norm)]
     }
