@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from cockpit_gradnoise import report
-from cockpit_gradnoise._layers import DEFAULT_TOP_K
+from cockpit_gradnoise._views import DEFAULT_TOP_K
 
 EXIT_BAD_INPUT = 2
 

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from cockpit_gradnoise import distributed, panels
-from cockpit_gradnoise._layers import layer_order
+from cockpit_gradnoise._views import DEFAULT_TOP_K, default_layers, layer_order, recorded_batch_size
 from cockpit_gradnoise.frame import to_frame
-from cockpit_gradnoise.report import recorded_batch_size
 from cockpit_gradnoise.schema import (
     GRADIENT_VARIANCE,
     NETWORK,
@@ -152,7 +151,7 @@ def plot(
     *,
     savefig=None,
     layers: Optional[Sequence[str]] = None,
-    top_k: int = panels.DEFAULT_TOP_K,
+    top_k: int = DEFAULT_TOP_K,
     batch_size: Optional[int] = None,
     heatmap: str = "auto",
     fig=None,
@@ -175,11 +174,11 @@ def plot(
             folders are created.
         layers: Names of the parameters drawn as lines; default the ``top_k``
             noisiest, ranked as the report ranks them, in model order
-            (:func:`cockpit_gradnoise.panels.default_layers`). The network
+            (:func:`cockpit_gradnoise._views.default_layers`). The network
             (``"all"``) is always drawn, black and bold.
         top_k: How many layers to draw by default.
         batch_size: Batch size used in training, drawn in the noise-scale
-            panel; default: :func:`cockpit_gradnoise.report.recorded_batch_size`.
+            panel; default: :func:`cockpit_gradnoise._views.recorded_batch_size`.
         heatmap: Layer-by-step heatmap of the median sd (``"sd"``) or median
             SNR (``"snr"``), ``"off"``, or ``"auto"``: the sd heatmap when the
             model has more layers than are drawn as lines.
@@ -199,7 +198,7 @@ def plot(
     """
     frame = frame_of(source)
     if layers is None:
-        layers = panels.default_layers(frame, top_k)
+        layers = default_layers(frame, top_k)
         chosen = "noisiest"
     else:
         layers = _check_layers(frame, layers)

@@ -10,22 +10,13 @@ Reading a log imports neither torch nor Cockpit: ``UpdateSize``'s items are
 read as :class:`LoggedUpdate` instead of the quantity's own class.
 """
 
-import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.schema import (  # noqa: F401  (encode_statistics re-exported)
-    NETWORK,
-    UPDATE_NORM,
-    UPDATE_RELATIVE,
-    decode_float,
-    encode_float,
-    encode_statistics,
-    ratio_or_inf,
-)
+from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
 
 import json_tricks
 import numpy
@@ -150,26 +141,6 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
         os.unlink(temporary)
         raise
     return path
-
-
-def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
-    """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
-
-    Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
-    ``start_norm = ||theta(s)||`` (a live ``LayerUpdate`` or a
-    :class:`LoggedUpdate`). ``relative = norm / start_norm``, ``+inf`` when
-    ``start_norm`` is 0. The network (``"all"``, last) has the root sums of
-    squares of the parameters' norms.
-    """
-    network = LoggedUpdate(
-        NETWORK,
-        math.sqrt(sum(u.norm**2 for u in updates)),
-        math.sqrt(sum(u.start_norm**2 for u in updates)),
-    )
-    return {
-        u.name: {UPDATE_NORM: u.norm, UPDATE_RELATIVE: ratio_or_inf(u.norm, u.start_norm)}
-        for u in [*updates, network]
-    }
 
 
 def _is_update(item) -> bool:

@@ -22,25 +22,6 @@ import numpy
 import torch
 from torch import Tensor
 
-# Kept here for callers of earlier versions; they live where they belong now.
-check_quantile_levels = order_statistics.check_quantile_levels
-quantile_name = schema.quantile_name
-sd_statistic_names = schema.sd_statistic_names
-
-
-def ratio_or_inf(numerator, denominator):
-    """``numerator / denominator``, ``+inf`` when ``denominator <= 0``, NaN from a NaN.
-
-    :func:`cockpit_gradnoise.schema.ratio_or_inf` (the formula views share,
-    without torch) for floats; the same elementwise for tensors, which stay
-    on their device.
-    """
-    if not isinstance(numerator, Tensor) and not isinstance(denominator, Tensor):
-        return schema.ratio_or_inf(numerator, denominator)
-    numerator, denominator = torch.as_tensor(numerator), torch.as_tensor(denominator)
-    ratio = torch.where(denominator <= 0, math.inf, numerator / denominator)
-    return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
-
 
 def scalar(tensor: Tensor):
     """A one-element tensor as a Python float on the CPU (no wait there); on
@@ -50,10 +31,10 @@ def scalar(tensor: Tensor):
 
 
 def norm_ratio(squared_numerator, squared_denominator):
-    """``sqrt(a) / sqrt(b)`` from ``a`` and ``b`` (:func:`ratio_or_inf`): floats or tensors."""
+    """``sqrt(a) / sqrt(b)`` (:func:`~cockpit_gradnoise.schema.ratio_or_inf`), floats or tensors."""
     if isinstance(squared_numerator, Tensor):
-        return ratio_or_inf(squared_numerator.sqrt(), squared_denominator.sqrt())
-    return ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))
+        return schema.ratio_or_inf(squared_numerator.sqrt(), squared_denominator.sqrt())
+    return schema.ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))
 
 
 def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1) -> Tensor:
@@ -136,8 +117,8 @@ def centred_sum_of_squares(
 def _zero_where_at_most(values: Tensor, bound: Tensor) -> Tensor:
     """``values.masked_fill_(values <= bound, 0)``.
 
-    On the CPU through NumPy where it can: torch's comparison and
-    ``masked_fill_`` took 2x as long on the benchmark MLP's layers.
+    On the CPU through NumPy where it can: faster there than torch's
+    comparison and ``masked_fill_``.
     """
     plain = values.dtype in (torch.float32, torch.float64) and bound.dtype == values.dtype
     if order_statistics._on_host(values) and plain and not values.requires_grad:
@@ -255,7 +236,7 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     )
 
 
-def batch_norm_statistics(
+def per_example_norm_statistics(
     squared_norms: Tensor, levels: Sequence[float], *, defer: bool = False
 ) -> Dict[str, float]:
     """Statistics over a batch of per-example gradient norms.

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed, functional
-from cockpit_gradnoise.quantities._base import NETWORK
+from cockpit_gradnoise.order_statistics import check_quantile_levels
+from cockpit_gradnoise.schema import NETWORK, sd_statistic_names
 
 import torch
 from torch import Tensor, nn
@@ -104,7 +105,7 @@ def minibatch_gradient_stats(
         >>> stats["0.weight"]["q0.5"]  # doctest: +SKIP
     """
     who = "minibatch_gradient_stats"
-    levels = functional.check_quantile_levels(quantiles)
+    levels = check_quantile_levels(quantiles)
     _check_count(batches, num_batches, minimum=2, who=who)
     model = distributed.unwrap(model)
     names, params = _trainable(model, who)
@@ -417,7 +418,7 @@ def _statistics(sds, mean_grads, levels, who) -> Dict[str, Dict[str, float]]:
 
     NaN where not finite, with a warning.
     """
-    nan_stats = dict.fromkeys(functional.sd_statistic_names(levels), math.nan)
+    nan_stats = dict.fromkeys(sd_statistic_names(levels), math.nan)
     result, non_finite, snrs = {}, [], {}
     for name, sd in sds.items():
         if bool(sd.isfinite().all()) and bool(mean_grads[name].isfinite().all()):

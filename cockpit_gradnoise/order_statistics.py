@@ -42,24 +42,22 @@ from torch import Tensor
 
 Tensors = Union[Tensor, Sequence[Tensor]]
 
-#: Unions of at most this many elements are sorted whole. Bucket selection
-#: costs about 0.2 ms at least; sorting 4096 floats costs 0.01 ms with NumPy's
-#: SIMD sort and 0.2 ms without (65536: 0.2 and 4.8 ms, against 0.4 ms).
+#: Unions of at most this many elements are sorted whole: a sort that small
+#: costs no more than a bucket selection's fixed overhead, with or without
+#: NumPy's SIMD sort (``benchmarks/benchmark_order_statistics.py`` times both).
 SORT_WHOLE_AT_MOST = 1 << 12
 
 #: Elements per piece in passes over all elements: a piece's temporaries stay
 #: small (fresh tensors the size of a layer cost more in page faults than in
 #: work, and count in the quantities' peak memory), and large enough that the
-#: calls' own overhead is small (2**15 was 40% slower on the benchmark MLP;
-#: 2**17 to 2**22 within the noise; 2**20 added 4 MiB to the MLP's peak).
+#: calls' own overhead is small.
 CHUNK = 1 << 17
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
-# 5 mantissa bits: 32 buckets per octave). 16 bits gather 4x fewer candidates
-# where values crowd (the sd of the benchmark MLP's first layer fills 89
-# buckets of 32 per octave, and its ten ranks gather 13% of it) but cost as
-# much in tables of 65536 counts per tensor: the same time there. Rounding
+# 5 mantissa bits: 32 buckets per octave). 16 bits would gather fewer
+# candidates where values crowd, but cost as much in tables of 65536 counts
+# per tensor as they save. Rounding
 # float64 to float32 keeps the order (ties aside), so float64 values are
 # bucketed the same way, with small tables. Buckets >= _SIGN hold negative
 # values, the largest magnitude last; _SPECIAL (+inf) and those above it, of
@@ -562,7 +560,7 @@ def _position_counts(flats: List[Tensor]) -> _Counts:
             counts = chunk_counts if counts is None else counts.add_(chunk_counts)
         counts = counts.numpy()
         counts = numpy.concatenate([counts[_SIGN:][::-1], counts[:_SIGN]])
-        # On a boolean array: flatnonzero of the int64 counts took 4x as long.
+        # On a boolean array: flatnonzero of the int64 counts is several times slower.
         nonempty = numpy.flatnonzero(counts != 0)
         count = counts[nonempty]
     # Exact zeros lie in the zero buckets: counted only where those hold anything.
@@ -620,7 +618,7 @@ def masked(flat: Tensor, mask: Tensor) -> Tensor:
     input's memory for a moment.
     """
     if _on_host(flat):
-        # compress: ~3x faster than boolean indexing when many are kept.
+        # compress: faster than boolean indexing when many are kept.
         return torch.from_numpy(numpy.compress(mask.numpy(), flat.numpy()))
     return flat[mask]
 

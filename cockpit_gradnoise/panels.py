@@ -7,10 +7,10 @@ instead of drawing; no panel raises on missing data.
 
 Layers are told apart by colour: the colour of a layer is its position in
 ``layers``, so panels given the same ``layers`` agree. With ``layers=None`` a
-panel shows :func:`default_layers` (the ``DEFAULT_TOP_K`` noisiest, ranked as
-the report ranks them, in model order). The whole network (``"all"``) is drawn
-black and bold; when its row covers only some parameters, the title says so
-(``"all: 7 of 15 parameters"``).
+panel shows :func:`~cockpit_gradnoise._views.default_layers` (the
+``DEFAULT_TOP_K`` noisiest, ranked as the report ranks them, in model order).
+The whole network (``"all"``) is drawn black and bold; when its row covers
+only some parameters, the title says so (``"all: 7 of 15 parameters"``).
 
 Values a log scale cannot show are marked on the figure: a zero as a gap in
 its line with a downward triangle at the bottom edge (an ``x`` in the
@@ -23,15 +23,14 @@ pyplot figures.
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
-from cockpit_gradnoise._layers import (  # noqa: F401  (DEFAULT_TOP_K, default_layers re-exported)
-    DEFAULT_TOP_K,
+from cockpit_gradnoise._views import (
+    THRESHOLDS,
     coverage_note,
     default_layers,
     layer_order,
     network_coverage,
 )
-from cockpit_gradnoise.report import THRESHOLDS
-from cockpit_gradnoise.schema import (  # noqa: F401  (quantile_levels re-exported)
+from cockpit_gradnoise.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
     GRADIENT_VARIANCE,
@@ -229,7 +228,8 @@ def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
     Args:
         ax: Axes to draw into.
         frame: Tidy frame from :func:`cockpit_gradnoise.to_frame`.
-        layers: Parameter names to draw; default :func:`default_layers`.
+        layers: Parameter names to draw; default
+            :func:`~cockpit_gradnoise._views.default_layers`.
         legend: Draw a legend in ``ax``.
     """
     title = _title(frame, GRADIENT_VARIANCE, "gradient noise: sd of grad elements")
@@ -271,7 +271,7 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
     """Per-layer relative update ``||theta(s+1) - theta(s)|| / ||theta(s)||`` (``UpdateSize``).
 
     The grey band is the range of relative updates that the report does not
-    flag, around the usual 1e-3 (:data:`cockpit_gradnoise.report.THRESHOLDS`).
+    flag, around the usual 1e-3 (:data:`cockpit_gradnoise._views.THRESHOLDS`).
     Log scale.
     """
     title = _title(frame, UPDATE_SIZE, "relative update size per step")
@@ -393,10 +393,7 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
 
 
 __all__ = [
-    "DEFAULT_TOP_K",
-    "default_layers",
     "layer_colors",
-    "quantile_levels",
     "clear_panel",
     "no_data",
     "gradient_variance_panel",

@@ -16,11 +16,11 @@ Results have the same layout as a quantity's stored step:
 import copy
 from typing import Callable, Dict, List, Sequence, Tuple
 
+from cockpit_gradnoise.schema import NETWORK
+
 import numpy
 import torch
 from torch import Tensor, nn
-
-NETWORK = "all"
 
 
 def per_example_gradients(

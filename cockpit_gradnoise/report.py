@@ -1,11 +1,12 @@
 """The report: a per-layer table at one step, and findings in plain language.
 
 Every threshold that turns a number into a finding is a field of
-:data:`THRESHOLDS` (documented in ``docs/dashboard.md``); the dashboard's
-reference band for update sizes reads the same values. Like the panels, the
-report reads only the tidy frame of :func:`cockpit_gradnoise.to_frame`, and
-it ranks the noisiest layers as the dashboard does
-(:func:`cockpit_gradnoise._layers.noise_ranking`).
+:data:`THRESHOLDS`, a :class:`Thresholds` (documented in ``docs/dashboard.md``).
+Both live in :mod:`cockpit_gradnoise._views`, the helpers the views share:
+the dashboard's reference band for update sizes reads the same values. Like
+the panels, the report reads only the tidy frame of
+:func:`cockpit_gradnoise.to_frame`, and it ranks the noisiest layers as the
+dashboard does (:func:`cockpit_gradnoise._views.noise_ranking`).
 
 Importing this module imports no pandas (only building a table does), so the
 command line's ``--help`` starts fast.
@@ -18,19 +19,20 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from cockpit_gradnoise._layers import (
+from cockpit_gradnoise._views import (
+    THRESHOLDS,
     Coverage,
     Ranking,
+    Thresholds,
     coverage_note,
-    finite_rows,
     layer_order,
     network_coverage,
     noise_ranking,
+    recorded_batch_size,
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
-    BATCH_SIZE,
     GRADIENT_VARIANCE,
     MAX,
     NETWORK,
@@ -53,44 +55,6 @@ if TYPE_CHECKING:
     import pandas
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    """When a number in the report becomes a finding."""
-
-    #: The batch is "below" the noise scale when B_noise / B is at least this,
-    #: "above" it when B / B_noise is; in between it is "close to" it.
-    noise_scale_factor: float = 2.0
-    #: The usual relative update ``||theta(s+1) - theta(s)|| / ||theta(s)||`` per step.
-    usual_relative_update: float = 1e-3
-    #: Relative updates more than this factor above or below the usual one are findings.
-    relative_update_factor: float = 10.0
-    #: A layer whose median ``|grad_j| / sd_j`` is below this is dominated by noise.
-    low_snr: float = 1.0
-    #: A layer with at least this fraction of exactly-zero gradient elements is a finding.
-    zero_grad_fraction: float = 0.5
-    #: Largest / smallest ``||theta|| / ||grad||`` across layers from which a finding is made.
-    norm_ratio_spread: float = 100.0
-    #: Largest / median per-example gradient norm (network) from which a finding is made.
-    outlier_norm_factor: float = 10.0
-    #: The network has stopped learning when at least this fraction of its gradient
-    #: elements is exactly zero (dead ReLUs: its output no longer depends on the input).
-    stopped_zero_grad_fraction: float = 0.95
-    #: A tracked step that moves the network by at least this fraction of its norm
-    #: (200 times the usual ``1e-3``) is a learning rate too large.
-    large_relative_update: float = 0.2
-    #: A run that stopped with no large step was knocked out by noise when the median
-    #: ``B_simple`` before the stop is at least this times the batch size: the noise
-    #: of a step then outweighs its signal (``E||noise||^2 / |G|^2 = B_noise / B``).
-    stopped_noise_factor: float = 1.0
-
-    def relative_update_range(self) -> Tuple[float, float]:
-        """The range of relative update sizes that raises no finding."""
-        usual, factor = self.usual_relative_update, self.relative_update_factor
-        return usual / factor, usual * factor
-
-
-THRESHOLDS = Thresholds()
-
 #: Report column: (quantity, statistic) it is read from.
 COLUMNS: Dict[str, Tuple[str, str]] = {
     "sd_median": (GRADIENT_VARIANCE, SD_MEDIAN),
@@ -108,17 +72,6 @@ FORMATS = ("text", "csv", "json")
 
 #: Findings of one kind named one layer per line, at most this many; the rest are counted.
 MAX_LAYER_LINES = 5
-
-
-def recorded_batch_size(frame: pandas.DataFrame) -> Optional[int]:
-    """The batch size a quantity recorded as statistic ``batch_size`` (latest), else ``None``.
-
-    :class:`~cockpit_gradnoise.GradientNoiseScale` records it; without that
-    quantity, pass it (``batch_size=``, ``--batch-size``) to compare it with
-    the gradient noise scale.
-    """
-    rows = finite_rows(frame[frame.statistic == BATCH_SIZE])
-    return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])
 
 
 def _steps_text(steps: List[int]) -> str:
@@ -156,7 +109,7 @@ def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[
 
 
 def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFrame:
-    """One row per layer (model order, :func:`~cockpit_gradnoise._layers.layer_order`),
+    """One row per layer (model order, :func:`~cockpit_gradnoise._views.layer_order`),
     the network last; one column per :data:`COLUMNS` entry.
 
     Each quantity's numbers come from its step in ``steps``; NaN where absent.
@@ -174,7 +127,7 @@ def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFr
 
 def coverages(frame: pandas.DataFrame, steps: Dict[str, int]) -> Dict[str, Coverage]:
     """``{quantity: coverage}`` of the quantities whose network row, at their step in
-    ``steps``, leaves parameters out (:func:`~cockpit_gradnoise._layers.network_coverage`)."""
+    ``steps``, leaves parameters out (:func:`~cockpit_gradnoise._views.network_coverage`)."""
     found = {q: network_coverage(frame[frame.step == s], q) for q, s in steps.items()}
     return {quantity: coverage for quantity, coverage in found.items() if coverage}
 
@@ -198,7 +151,7 @@ class Report:
     coverage: Dict[str, Coverage] = field(default_factory=dict)
 
 
-def build_report(frame, *, source="", step=None, batch_size=None, thresholds=THRESHOLDS):
+def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS):
     """Build the :class:`Report` of ``frame`` at ``step`` (default: the last tracked step).
 
     Args:
@@ -265,7 +218,7 @@ def _capped(lines, what):
     return lines[:MAX_LAYER_LINES] + [f"... and {rest} more layers {what}"]
 
 
-def noise_scale_finding(table, batch_size, thresholds=THRESHOLDS) -> List[str]:
+def noise_scale_finding(table, batch_size, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """Compare the batch size with the network's noise scale (McCandlish et al. 2018).
 
     With ``B_noise`` the noise scale, training needs ``S_min (1 + B_noise / B)``
@@ -315,7 +268,7 @@ _RANKED_BY = {
 
 
 def noisiest_finding(ranking: Optional[Ranking]) -> List[str]:
-    """The noisiest layer by :func:`~cockpit_gradnoise._layers.noise_ranking`.
+    """The noisiest layer by :func:`~cockpit_gradnoise._views.noise_ranking`.
 
     The dashboard draws the layers of the same ranking, so the two agree.
     """
@@ -329,7 +282,7 @@ def noisiest_finding(ranking: Optional[Ranking]) -> List[str]:
     ]
 
 
-def snr_findings(table, thresholds=THRESHOLDS) -> List[str]:
+def snr_findings(table, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """The layers whose median SNR at the report's step is below ``low_snr``."""
     snr = _layer_values(table, "snr_median").sort_values()
     low = snr[snr < thresholds.low_snr]
@@ -345,7 +298,7 @@ def snr_findings(table, thresholds=THRESHOLDS) -> List[str]:
     ]
 
 
-def update_size_findings(table, thresholds=THRESHOLDS) -> List[str]:
+def update_size_findings(table, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """Layers whose relative update is far from the usual ``1e-3``."""
     usual = thresholds.usual_relative_update
     low, high = thresholds.relative_update_range()
@@ -368,7 +321,7 @@ def update_size_findings(table, thresholds=THRESHOLDS) -> List[str]:
     return _capped(lines, f"outside [{_sci(low)}, {_sci(high)}]")
 
 
-def zero_grad_findings(table, thresholds=THRESHOLDS) -> List[str]:
+def zero_grad_findings(table, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """Layers where many gradient elements are exactly zero."""
     zero = _layer_values(table, "zero_grad_fraction").sort_values(ascending=False)
     lines = [
@@ -379,7 +332,7 @@ def zero_grad_findings(table, thresholds=THRESHOLDS) -> List[str]:
     return _capped(lines, f"with zero_grad_fraction >= {thresholds.zero_grad_fraction:g}")
 
 
-def norm_ratio_findings(table, thresholds=THRESHOLDS) -> List[str]:
+def norm_ratio_findings(table, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """A wide spread of ``||theta|| / ||grad||`` across layers."""
     ratio = _layer_values(table, "norm_ratio")
     ratio = ratio[ratio > 0].sort_values()
@@ -393,7 +346,7 @@ def norm_ratio_findings(table, thresholds=THRESHOLDS) -> List[str]:
     ]
 
 
-def outlier_findings(table, thresholds=THRESHOLDS) -> List[str]:
+def outlier_findings(table, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """Per-example gradient norms of the network with a far outlier."""
     largest, median = _value(table, "norm_max"), _value(table, "norm_median")
     if not (median > 0 and largest >= thresholds.outlier_norm_factor * median):
@@ -406,11 +359,11 @@ def outlier_findings(table, thresholds=THRESHOLDS) -> List[str]:
 
 
 def findings(
-    table, batch_size=None, thresholds=THRESHOLDS, *, ranking=None, stopped=False
+    table, batch_size=None, thresholds: Thresholds = THRESHOLDS, *, ranking=None, stopped=False
 ) -> List[str]:
     """Every finding of the report's table, one plain-language line each.
 
-    ``ranking`` (:func:`~cockpit_gradnoise._layers.noise_ranking`) names the
+    ``ranking`` (:func:`~cockpit_gradnoise._views.noise_ranking`) names the
     noisiest layer; without it that line is left out. ``stopped``: the network
     has stopped learning (:func:`run_history`), so its noise scale, measured on
     the few elements that still get a gradient, says nothing about the batch
@@ -455,7 +408,7 @@ def _network_series(frame, quantity, statistic) -> pandas.Series:
     return rows.set_index("step").value.astype(float).sort_index()
 
 
-def run_history(frame: pandas.DataFrame, thresholds=THRESHOLDS) -> RunHistory:
+def run_history(frame: pandas.DataFrame, thresholds: Thresholds = THRESHOLDS) -> RunHistory:
     """The :class:`RunHistory` of ``frame`` (its steps up to the report's)."""
     zero = _network_series(frame, PARAM_GRAD_RATIO, ZERO_GRAD_FRACTION)
     stopped_at, fraction = None, math.nan
@@ -478,7 +431,7 @@ def run_history(frame: pandas.DataFrame, thresholds=THRESHOLDS) -> RunHistory:
     return RunHistory(stopped_at, fraction, largest, scale)
 
 
-def run_findings(history: RunHistory, batch_size=None, thresholds=THRESHOLDS) -> List[str]:
+def run_findings(history: RunHistory, batch_size=None, thresholds: Thresholds = THRESHOLDS) -> List[str]:
     """Findings about the whole run: it stopped learning, and why.
 
     A step that moves the network by ``large_relative_update`` of its norm or

@@ -1,8 +1,8 @@
 """What stored data means: quantity, parameter and statistic names, and numbers.
 
 Every quantity stores, per step, ``{param name: {statistic name: number}}``
-(``UpdateSize`` a list of items that :mod:`cockpit_gradnoise.frame` turns into
-the same shape). The names below are the contract between the quantities that
+(``UpdateSize`` a list of items that :func:`update_statistics` turns into the
+same shape). The names below are the contract between the quantities that
 write logs and the views (frame, report, panels, dashboard, command line) that
 read them; views read names from here and never import the quantities.
 
@@ -15,7 +15,8 @@ This module imports neither torch nor Cockpit, so reading a log stays fast.
 
 import math
 import re
-from typing import Dict, Iterable, List, Mapping, Optional, Union
+import sys
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 NETWORK = "all"
 """Name under which every quantity reports the whole network."""
@@ -95,7 +96,7 @@ def norm_statistic_names(levels: Iterable[float]) -> List[str]:
     return [quantile_name(q) for q in levels] + [MEAN, MAX]
 
 
-def ratio_or_inf(numerator: float, denominator: float) -> float:
+def ratio_or_inf(numerator, denominator):
     """``numerator / denominator``, or ``+inf`` when ``denominator <= 0``.
 
     The ratios reported by :class:`~cockpit_gradnoise.ParamGradRatio`
@@ -105,12 +106,21 @@ def ratio_or_inf(numerator: float, denominator: float) -> float:
     gradient, all-zero parameters) or, for an unbiased estimate, negative. They
     are reported as ``+inf`` then, also for ``0 / 0``: never a NaN from a zero
     denominator. NaN only if an input is NaN.
+
+    Floats give a float. Tensors give the same elementwise and stay on their
+    device (the quantities' values on a GPU); this module does not import
+    torch, so it uses the torch that made the tensor.
     """
-    if math.isnan(numerator) or math.isnan(denominator):
-        return math.nan
-    if denominator <= 0:
-        return math.inf
-    return numerator / denominator
+    torch = sys.modules.get("torch")
+    if torch is None or not any(isinstance(x, torch.Tensor) for x in (numerator, denominator)):
+        if math.isnan(numerator) or math.isnan(denominator):
+            return math.nan
+        if denominator <= 0:
+            return math.inf
+        return numerator / denominator
+    numerator, denominator = torch.as_tensor(numerator), torch.as_tensor(denominator)
+    ratio = torch.where(denominator <= 0, math.inf, numerator / denominator)
+    return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
 
 
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -145,6 +155,21 @@ def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float,
     return {name: encode_float(value) for name, value in statistics.items()}
 
 
-def decode_statistics(statistics: Mapping[str, Union[float, str]]) -> Dict[str, float]:
-    """Decode every value of ``{statistic: stored}`` with :func:`decode_float`."""
-    return {name: decode_float(value) for name, value in statistics.items()}
+def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
+    """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
+
+    Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
+    ``start_norm = ||theta(s)||`` (a live
+    :class:`~cockpit_gradnoise.quantities.update_size.LayerUpdate` or a
+    :class:`~cockpit_gradnoise.frame.LoggedUpdate` read from a log).
+    ``relative = norm / start_norm``, ``+inf`` when ``start_norm`` is 0
+    (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums
+    of squares of the parameters' norms.
+    """
+    network_norm = math.sqrt(sum(u.norm**2 for u in updates))
+    network_start_norm = math.sqrt(sum(u.start_norm**2 for u in updates))
+    rows = [(u.name, u.norm, u.start_norm) for u in updates]
+    return {
+        name: {UPDATE_NORM: norm, UPDATE_RELATIVE: ratio_or_inf(norm, start_norm)}
+        for name, norm, start_norm in [*rows, (NETWORK, network_norm, network_start_norm)]
+    }

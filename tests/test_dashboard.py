@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import dashboard, panels  # noqa: E402
+from cockpit_gradnoise._views import DEFAULT_TOP_K, default_layers  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
@@ -72,7 +73,7 @@ def test_dashboard_of_a_real_log_has_every_panel_one_legend_and_saves_png(log, f
     assert path.read_bytes()[:4] == b"\x89PNG"
     found = panel_axes(fig)
     assert set(found) == set(TITLES) | {"heatmap"}  # 8 layers > 6 lines: heatmap
-    layers = panels.default_layers(frame)
+    layers = default_layers(frame)
     for quantity in TITLES:
         if quantity != "GradientNoiseScale":
             assert list(labelled(found[quantity])) == layers + [cgn.NETWORK]
@@ -115,8 +116,8 @@ def test_sixty_parameters_stay_readable(deep_cockpit, tmp_path):
     found = panel_axes(fig)
     for quantity in ("GradientVarianceQuantiles", "PerExampleGradNorm", "ParamGradRatio",
                      "UpdateSize"):
-        assert len(labelled(found[quantity])) == panels.DEFAULT_TOP_K + 1
-    assert len(fig.legends[0].get_texts()) <= panels.DEFAULT_TOP_K + 2
+        assert len(labelled(found[quantity])) == DEFAULT_TOP_K + 1
+    assert len(fig.legends[0].get_texts()) <= DEFAULT_TOP_K + 2
     assert "6 noisiest of 60 layers" in fig.get_suptitle()
     heatmap = found["heatmap"]
     labels = [t for t in heatmap.get_yticklabels() if t.get_text()]

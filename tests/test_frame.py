@@ -114,9 +114,9 @@ def test_update_size_reads_from_a_log_without_torch_as_computed(named_cockpit, t
     for step in (0, 1):
         expected = LayerUpdate.statistics_of_list(outputs[step][UPDATE_SIZE])
         assert [type(item) for item in logged[step][UPDATE_SIZE]] == [cgn.frame.LoggedUpdate] * 6
-        assert cgn.frame.update_statistics(logged[step][UPDATE_SIZE]) == expected
+        assert cgn.schema.update_statistics(logged[step][UPDATE_SIZE]) == expected
     zero_start = [LayerUpdate("w", 0.5, 0.0), LayerUpdate("b", 0.0, 0.0)]
-    assert cgn.frame.update_statistics(zero_start)["w"]["relative"] == math.inf
+    assert cgn.schema.update_statistics(zero_start)["w"]["relative"] == math.inf
 
 
 def tiny_cockpit():

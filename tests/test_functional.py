@@ -75,9 +75,9 @@ def test_loss_scale_refuses_other_losses():
         functional.loss_scale(losses.sum(), losses.reshape(3, 1))
 
 
-def test_batch_norm_statistics():
+def test_per_example_norm_statistics():
     squared = torch.tensor([9.0, 16.0, 0.0, 1.0], dtype=torch.float64)
-    stats = functional.batch_norm_statistics(squared, (0.5,))
+    stats = functional.per_example_norm_statistics(squared, (0.5,))
     norms = numpy.array([3.0, 4.0, 0.0, 1.0])
     assert stats == {"q0.5": numpy.quantile(norms, 0.5), "mean": 2.0, "max": 4.0}
     assert not any(math.isnan(v) for v in stats.values())
@@ -91,12 +91,6 @@ def test_gradient_sd_in_place_equals_copy():
     got = functional.gradient_sd(sum_of_squares, total, 5, in_place=True)
     assert got.data_ptr() == sum_of_squares.data_ptr()
     assert torch.equal(got, expected)
-
-
-def test_functional_keeps_the_names_callers_used():
-    assert functional.check_quantile_levels([0.5]) == (0.5,)
-    assert functional.quantile_name(0.05) == "q0.05"
-    assert functional.sd_statistic_names((0.5,)) == ["q0.5", "mean", "snr_q0.5", "snr_mean"]
 
 
 def test_signal_to_noise_on_other_devices_marks_zero_sd_nan(monkeypatch):

@@ -4,7 +4,7 @@ import itertools
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
+from cockpit_gradnoise import functional, references, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 
@@ -181,7 +181,7 @@ def test_smoothed_is_ratio_of_moving_averages_skipping_non_finite_steps():
             averages = values if averages is None else tuple(
                 smoothing * old + (1 - smoothing) * new for old, new in zip(averages, values)
             )
-            expected[step] = functional.ratio_or_inf(*averages)
+            expected[step] = schema.ratio_or_inf(*averages)
             assert stats["b_simple_smoothed"] == pytest.approx(expected[step], rel=1e-15)
         assert math.isfinite(expected[4]) and expected[4] != pytest.approx(expected[3])
 

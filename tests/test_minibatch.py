@@ -5,11 +5,13 @@ import copy
 import importlib.util
 import math
 import statistics
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
+from cockpit_gradnoise import functional, references, schema
 
 import pytest
 import torch
@@ -292,7 +294,7 @@ def test_non_finite_gradient_gives_nan_statistics_and_a_warning():
     for name in ("first.weight", "first.bias"):
         assert got[name] == pytest.approx(expected[name], rel=RTOL, abs=0)
     for name in ("second.weight", "second.bias", cgn.NETWORK):
-        assert set(got[name]) == set(functional.sd_statistic_names(QUANTILES))
+        assert set(got[name]) == set(schema.sd_statistic_names(QUANTILES))
         assert all(math.isnan(value) for value in got[name].values())
     with pytest.warns(UserWarning, match=r"\['second.weight', 'second.bias'\].*NaN"):
         gradient = cgn.dataset_gradient(model, batches, mse)
@@ -505,3 +507,14 @@ def test_benchmark_script_runs(capsys):
     assert [row["method"] for row in table] == ["plain step", *module.FUNCTIONS]
     assert all(row["ratio"] > 0 and row["peak_extra_mib"] > 0 for row in table)
     assert "QUICK MODE" in capsys.readouterr().out
+
+
+def test_minibatch_and_references_import_neither_cockpit_nor_backpack():
+    """They use plain autograd; the names they share with the quantities come from schema."""
+    code = (
+        "import sys, cockpit_gradnoise.minibatch, cockpit_gradnoise.references;"
+        "print(sorted(m for m in ('cockpit', 'backpack', 'pandas') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -12,9 +12,8 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import panels  # noqa: E402
-from cockpit_gradnoise._layers import layer_order, noisiest_layers  # noqa: E402
-from cockpit_gradnoise.report import THRESHOLDS  # noqa: E402
-from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+from cockpit_gradnoise._views import THRESHOLDS, default_layers, layer_order, noisiest_layers  # noqa: E402
+from cockpit_gradnoise.schema import QUANTITIES, quantile_levels  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
@@ -63,7 +62,7 @@ def test_the_real_run_holds_every_quantity_of_the_package(frame):
 def test_line_panels_draw_each_layer_and_the_network_bold_on_log_scale(
     draw, quantity, statistic, frame, tmp_path
 ):
-    layers = panels.default_layers(frame)
+    layers = default_layers(frame)
     ax, _ = render(draw, tmp_path, frame=frame)
     lines = labelled(ax)
     assert list(lines) == layers + [cgn.NETWORK]
@@ -83,7 +82,7 @@ def test_line_panels_draw_each_layer_and_the_network_bold_on_log_scale(
 
 
 def test_variance_bands_span_the_lowest_to_the_highest_quantile(frame, tmp_path):
-    layers = panels.default_layers(frame)
+    layers = default_layers(frame)
     ax, _ = render(panels.gradient_variance_panel, tmp_path, frame=frame, layers=layers)
     assert len(ax.collections) == len(layers)
     assert "q0.1 to q0.9" in ax.get_ylabel()
@@ -102,7 +101,7 @@ def test_variance_bands_span_the_lowest_to_the_highest_quantile(frame, tmp_path)
 
 
 def test_per_example_norms_show_the_max_dotted(frame, tmp_path):
-    layers = panels.default_layers(frame)
+    layers = default_layers(frame)
     ax, _ = render(panels.per_example_norm_panel, tmp_path, frame=frame)
     dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
     assert len(dotted) == len(layers) + 1
@@ -194,7 +193,7 @@ def test_default_layers_are_the_lowest_mean_snr_in_model_order(frame):
     snr = frame[(frame.quantity == "GradientVarianceQuantiles")
                 & (frame.statistic == "snr_q0.5") & (frame.param != cgn.NETWORK)]
     lowest = snr.groupby("param").value.mean().nsmallest(3).index
-    assert panels.default_layers(frame, 3) == [n for n in layer_order(frame) if n in lowest]
+    assert default_layers(frame, 3) == [n for n in layer_order(frame) if n in lowest]
     assert noisiest_layers(frame, 3) == list(lowest)
 
 
@@ -215,7 +214,7 @@ def test_layer_order_is_the_order_of_first_appearance_never_by_name():
 
 
 def test_quantile_levels_parse_only_quantiles():
-    assert panels.quantile_levels(["q0.95", "mean", "q0.05", "snr_q0.5", "q0.5", "max"]) == [
+    assert quantile_levels(["q0.95", "mean", "q0.05", "snr_q0.5", "q0.5", "max"]) == [
         0.05, 0.5, 0.95
     ]
 
@@ -235,7 +234,7 @@ def test_clear_panel_lets_any_panel_draw_again(frame, tmp_path):
     panels.noise_scale_panel(ax, frame[frame.quantity == "nothing"])
     panels.clear_panel(ax)
     panels.param_grad_ratio_panel(ax, frame)
-    assert not ax.texts and len(labelled(ax)) == len(panels.default_layers(frame)) + 1
+    assert not ax.texts and len(labelled(ax)) == len(default_layers(frame)) + 1
     assert ax.get_yscale() == "log" and len(ax.get_xticks()) > 1
     fig.savefig(tmp_path / "again.png")
 

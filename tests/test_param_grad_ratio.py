@@ -3,7 +3,7 @@
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references
+from cockpit_gradnoise import functional, references, schema
 
 import numpy
 import pytest
@@ -119,13 +119,28 @@ def test_abs_ratio_median_is_numpy_median(n):
     assert functional.abs_ratio_statistics(theta, grad)["median"] == numpy.median(ratio)
 
 
+RATIO_CASES = [(0.0, 0.0), (1.0, 0.0), (1.0, -2.0), (3.0, 2.0), (math.nan, 1.0), (1.0, math.nan)]
+
+
 def test_ratio_or_inf_never_gives_nan_from_a_zero_denominator():
-    assert functional.ratio_or_inf(0.0, 0.0) == math.inf
-    assert functional.ratio_or_inf(1.0, 0.0) == math.inf
-    assert functional.ratio_or_inf(1.0, -2.0) == math.inf
-    assert functional.ratio_or_inf(3.0, 2.0) == 1.5
-    assert math.isnan(functional.ratio_or_inf(math.nan, 1.0))
-    assert math.isnan(functional.ratio_or_inf(1.0, math.nan))
+    assert schema.ratio_or_inf(0.0, 0.0) == math.inf
+    assert schema.ratio_or_inf(1.0, 0.0) == math.inf
+    assert schema.ratio_or_inf(1.0, -2.0) == math.inf
+    assert schema.ratio_or_inf(3.0, 2.0) == 1.5
+    assert math.isnan(schema.ratio_or_inf(math.nan, 1.0))
+    assert math.isnan(schema.ratio_or_inf(1.0, math.nan))
+    assert all(type(schema.ratio_or_inf(*case)) is float for case in RATIO_CASES)
+
+
+def test_ratio_or_inf_of_tensors_is_the_rule_for_floats_elementwise():
+    numerators, denominators = (torch.tensor(column, dtype=torch.float64) for column in zip(*RATIO_CASES))
+    expected = torch.tensor([schema.ratio_or_inf(*case) for case in RATIO_CASES], dtype=torch.float64)
+    torch.testing.assert_close(
+        schema.ratio_or_inf(numerators, denominators), expected, rtol=0, atol=0, equal_nan=True
+    )
+    # One side a tensor, the other a float: a tensor.
+    assert torch.equal(schema.ratio_or_inf(torch.tensor([3.0, 1.0]), 0.0), torch.tensor([math.inf] * 2))
+    assert torch.equal(schema.ratio_or_inf(3.0, torch.tensor(2.0)), torch.tensor(1.5))
 
 
 def test_squared_norm_is_accurate_as_documented():

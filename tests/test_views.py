@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, panels, report  # noqa: E402
-from cockpit_gradnoise._layers import Coverage, coverage_note, network_coverage  # noqa: E402
+from cockpit_gradnoise._views import Coverage, coverage_note, network_coverage  # noqa: E402
 from cockpit_gradnoise.frame import COLUMNS  # noqa: E402
 from cockpit_gradnoise.schema import (  # noqa: E402
     GRADIENT_VARIANCE,

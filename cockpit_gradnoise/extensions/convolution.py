@@ -20,9 +20,7 @@ Two exact ways to compute each result, chosen per layer by a cost model
 
 - **formation**: form ``x_i`` for a chunk of examples, square them and add
   them up at once. About the flops of the layer's weight gradient, but
-  ``N |W|`` numbers written and read: slow where ``L`` is small (resnet18,
-  3x32x32, batch 64, CPU time of one thread: 4-14 ms per layer where
-  ``L >= 16``, 86-250 ms where ``L = 1``).
+  ``N |W|`` numbers written and read: slow where ``L`` is small.
 - **expansion**: ``sum_i x_i**2 = sum_{i,l,l'} (b_il * b_il') (a_il * a_il')^T``
   (elementwise products), one matrix product with inner dimension ``N L(L+1)/2``
   (pairs ``l <= l'``, off-diagonal ones counted twice). For ``L = 1`` this is
@@ -30,15 +28,11 @@ Two exact ways to compute each result, chosen per layer by a cost model
   ``||x_i||^2 = sum_{l,l'} (b_il . b_il') (a_il . a_il')`` (Gram matrices;
   BackPACK's ``BatchL2Grad`` contracts the same but ignores ``groups``, and
   for transposed convolutions works over output positions). Its
-  work grows as ``L^2``: cheap only where ``L`` is small (resnet18: 1-10 ms
-  per layer where ``L <= 4``; 5-51 ms where ``L = 16``, 0.22 s where
-  ``L = 64``, 2.0 s for the first layer, ``L = 256``). Its terms
+  work grows as ``L^2``: cheap only where ``L`` is small. Its terms
   can cancel (a sum of squares is formed from products of either sign):
   the relative error of an element is about ``eps`` times the ratio of
   ``sum_i (sum_l |b_il a_il|)^2`` to the result, small where ``L`` is small,
-  where it is chosen. In float32 on resnet18's layers with ``L <= 4``, against
-  float64: largest relative error 4e-6 (formation 5e-7), median about 5e-8 for
-  both; elements that are exactly zero stay zero.
+  where it is chosen; elements that are exactly zero stay zero.
 
 For ``[sum_i x_i, sum_i x_i**2]`` (:func:`weight_sums`, behind the
 gradient's standard deviation) only formation is accurate enough where
@@ -73,8 +67,7 @@ from torch import Tensor, nn
 #: allocate; at least one example is processed at a time whatever it needs.
 #: 16 MiB: small beside a plain step of resnet18 at batch 64, and below glibc's
 #: largest mmap threshold (32 MiB), so that chunks are reused from the heap
-#: instead of being mapped and page-faulted anew; 4, 16 and 64 MiB took the
-#: same time on resnet18 within the noise.
+#: instead of being mapped and page-faulted anew.
 CHUNK_BYTES = 16 * 2**20
 
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
@@ -236,8 +229,8 @@ def _formed_gradients(module, inputs, grad_output):
 
     A whole chunk at once: fewer, larger operations than one example at a
     time, which on a shared machine wait less for descheduled threads (one
-    example at a time, 1 MiB in cache, was 25% faster on a quiet core for
-    resnet18's 4x4 layers and the same elsewhere).
+    example at a time, in cache, won only on a quiet core, for resnet18's 4x4
+    layers).
     """
     groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
     for b, a in _chunks(module, inputs, grad_output, groups * c_b * c_a):

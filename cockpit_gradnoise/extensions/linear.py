@@ -18,7 +18,7 @@ which ``convolution.FORCE_METHOD`` overrides as it does for convolutions):
   ``2 L out in`` operations and ``out in`` numbers written and read.
 
 BackPACK's ``BatchL2Linear`` contracts the Gram form as one four-operand
-``einsum``, which was 1.2-2x slower than two ``bmm`` (path search every call,
+``einsum``, slower than the two ``bmm`` here (a path search every call,
 another order of products). The sums need the formed ``x_i`` whatever the
 cost (:mod:`.sums`). So when ``SumsOfContributions`` and
 ``PerExampleSquaredNorms`` both run in one backward pass, whichever reaches

@@ -7,11 +7,9 @@ from cockpit_gradnoise.quantities.gradient_variance import GradientVarianceQuant
 from cockpit_gradnoise.quantities.param_grad_ratio import ParamGradRatio
 from cockpit_gradnoise.quantities.per_example_grad_norm import PerExampleGradNorm
 from cockpit_gradnoise.quantities.update_size import UpdateSize
-from cockpit_gradnoise.schema import NETWORK
 from cockpit_gradnoise.step import Batch, Step
 
 __all__ = [
-    "NETWORK",
     "Batch",
     "ParameterQuantity",
     "TwoStepParameterQuantity",

@@ -2,7 +2,7 @@
 
 import math
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import functional, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import check_example_count
@@ -104,22 +104,22 @@ class GradientNoiseScale(ParameterQuantity):
     def statistics(self, value):
         grad_sq, trace_cov = functional.noise_scale_estimates(*value)
         return {
-            "grad_sq": grad_sq,
-            "trace_cov": trace_cov,
-            "b_simple": functional.ratio_or_inf(trace_cov, grad_sq),
+            schema.GRAD_SQ: grad_sq,
+            schema.TRACE_COV: trace_cov,
+            schema.B_SIMPLE: schema.ratio_or_inf(trace_cov, grad_sq),
             # Recorded so that dashboards and reports compare B_simple with it.
-            "batch_size": float(value[2]),
+            schema.BATCH_SIZE: float(value[2]),
         }
 
     def statistic_names(self):
-        return ["grad_sq", "trace_cov", "b_simple", "b_simple_smoothed", "batch_size"]
+        return [schema.GRAD_SQ, schema.TRACE_COV, schema.B_SIMPLE, schema.B_SIMPLE_SMOOTHED, schema.BATCH_SIZE]
 
     def derived_statistics(self, name, statistics):
-        return {"b_simple_smoothed": self._smoothed(name, statistics)}
+        return {schema.B_SIMPLE_SMOOTHED: self._smoothed(name, statistics)}
 
     def _smoothed(self, name, stats):
         """Update the moving averages of ``name`` and return their ratio."""
-        trace_cov, grad_sq = stats["trace_cov"], stats["grad_sq"]
+        trace_cov, grad_sq = stats[schema.TRACE_COV], stats[schema.GRAD_SQ]
         if not (math.isfinite(trace_cov) and math.isfinite(grad_sq)):
             return math.nan  # and keep the averages as they are
         previous = self._averages.get(name, (None, None))
@@ -128,4 +128,4 @@ class GradientNoiseScale(ParameterQuantity):
             for old, new in zip(previous, (trace_cov, grad_sq))
         )
         self._averages[name] = averages
-        return functional.ratio_or_inf(*averages)
+        return schema.ratio_or_inf(*averages)

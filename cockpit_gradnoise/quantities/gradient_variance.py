@@ -1,6 +1,6 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
-from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise import distributed, functional, order_statistics, schema
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import Batch
@@ -57,7 +57,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
         verbose=False,
     ):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
-        self.quantiles = functional.check_quantile_levels(quantiles)
+        self.quantiles = order_statistics.check_quantile_levels(quantiles)
 
     def step_context(self, step, params):
         if distributed.world_size() > 1:
@@ -113,4 +113,4 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return functional.sd_statistics_of_layers(sds, snrs, self.quantiles, network)
 
     def statistic_names(self):
-        return functional.sd_statistic_names(self.quantiles)
+        return schema.sd_statistic_names(self.quantiles)

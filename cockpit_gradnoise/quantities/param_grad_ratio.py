@@ -4,8 +4,7 @@ import math
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.quantities._base import ParameterQuantity
-
-RATIO_STATISTICS = ("mean", "median", "min", "max")
+from cockpit_gradnoise.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 
 
 class ParamGradRatio(ParameterQuantity):
@@ -21,7 +20,7 @@ class ParamGradRatio(ParameterQuantity):
     ``grad`` is ``param.grad`` as the optimizer sees it (so it depends on the
     loss's reduction). A parameter whose gradient is all zero has
     ``zero_grad_fraction`` 1, ``norm_ratio`` ``inf`` and no ratio statistics:
-    never a NaN from 0/0 (:func:`~cockpit_gradnoise.functional.ratio_or_inf`).
+    never a NaN from 0/0 (:func:`~cockpit_gradnoise.schema.ratio_or_inf`).
 
     Needs no BackPACK extension and no ``info`` beyond Cockpit's ``loss``. It
     reads the tensors a few times and sorts each layer's ratios for the median
@@ -59,9 +58,9 @@ class ParamGradRatio(ParameterQuantity):
         theta_sq, grad_sq, zeros, numel, ratio_statistics = value
         return {
             **ratio_statistics,
-            "zero_grad_fraction": zeros / numel,
-            "norm_ratio": functional.norm_ratio(theta_sq, grad_sq),
+            ZERO_GRAD_FRACTION: zeros / numel,
+            NORM_RATIO: functional.norm_ratio(theta_sq, grad_sq),
         }
 
     def statistic_names(self):
-        return list(RATIO_STATISTICS) + ["zero_grad_fraction", "norm_ratio"]
+        return [*RATIO_STATISTICS, ZERO_GRAD_FRACTION, NORM_RATIO]

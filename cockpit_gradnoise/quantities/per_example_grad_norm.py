@@ -1,6 +1,6 @@
 """Per-example gradient norms, per layer, from one backward pass."""
 
-from cockpit_gradnoise import functional, schema
+from cockpit_gradnoise import functional, order_statistics, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity
 from cockpit_gradnoise.step import check_example_count
@@ -35,7 +35,7 @@ class PerExampleGradNorm(ParameterQuantity):
         self, track_schedule, *, quantiles=(0.05, 0.5, 0.95), param_names=None, verbose=False
     ):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
-        self.quantiles = functional.check_quantile_levels(quantiles)
+        self.quantiles = order_statistics.check_quantile_levels(quantiles)
 
     def step_context(self, step, params):
         return step.loss_batch(self)
@@ -53,7 +53,7 @@ class PerExampleGradNorm(ParameterQuantity):
         return sum(values)
 
     def statistics(self, squared_norms):
-        return functional.batch_norm_statistics(squared_norms, self.quantiles, defer=True)
+        return functional.per_example_norm_statistics(squared_norms, self.quantiles, defer=True)
 
     def statistic_names(self):
         return schema.norm_statistic_names(self.quantiles)

@@ -1,16 +1,19 @@
-"""Which layers the views show, in what order, and what the network's row covers.
+"""What the views share: which layers, in what order, coverage, batch size, thresholds.
 
 The report, the panels and the dashboard all read these, so that they list
-layers in one order and agree on which are the noisiest. Like them, this
-module reads only the tidy frame of :func:`cockpit_gradnoise.to_frame`; it
-imports neither pandas (a frame brings its own methods) nor matplotlib, so
-that the command line starts fast.
+layers in one order, agree on which are the noisiest, on what the network's
+row covers and on the batch size a log recorded, and draw the bands the
+report's findings use. Like them, this module reads only the tidy frame of
+:func:`cockpit_gradnoise.to_frame`; it imports neither pandas (a frame brings
+its own methods) nor matplotlib, so that the command line starts fast.
 """
 
 import math
-from typing import TYPE_CHECKING, List, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 from cockpit_gradnoise.schema import (
+    BATCH_SIZE,
     GRADIENT_VARIANCE,
     NETWORK,
     PARAMS_COVERED,
@@ -23,6 +26,46 @@ from cockpit_gradnoise.schema import (
 
 if TYPE_CHECKING:
     import pandas
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a number in the report becomes a finding."""
+
+    #: The batch is "below" the noise scale when B_noise / B is at least this,
+    #: "above" it when B / B_noise is; in between it is "close to" it.
+    noise_scale_factor: float = 2.0
+    #: The usual relative update ``||theta(s+1) - theta(s)|| / ||theta(s)||`` per step.
+    usual_relative_update: float = 1e-3
+    #: Relative updates more than this factor above or below the usual one are findings.
+    relative_update_factor: float = 10.0
+    #: A layer whose median ``|grad_j| / sd_j`` is below this is dominated by noise.
+    low_snr: float = 1.0
+    #: A layer with at least this fraction of exactly-zero gradient elements is a finding.
+    zero_grad_fraction: float = 0.5
+    #: Largest / smallest ``||theta|| / ||grad||`` across layers from which a finding is made.
+    norm_ratio_spread: float = 100.0
+    #: Largest / median per-example gradient norm (network) from which a finding is made.
+    outlier_norm_factor: float = 10.0
+    #: The network has stopped learning when at least this fraction of its gradient
+    #: elements is exactly zero (dead ReLUs: its output no longer depends on the input).
+    stopped_zero_grad_fraction: float = 0.95
+    #: A tracked step that moves the network by at least this fraction of its norm
+    #: (200 times the usual ``1e-3``) is a learning rate too large.
+    large_relative_update: float = 0.2
+    #: A run that stopped with no large step was knocked out by noise when the median
+    #: ``B_simple`` before the stop is at least this times the batch size: the noise
+    #: of a step then outweighs its signal (``E||noise||^2 / |G|^2 = B_noise / B``).
+    stopped_noise_factor: float = 1.0
+
+    def relative_update_range(self) -> Tuple[float, float]:
+        """The range of relative update sizes that raises no finding."""
+        usual, factor = self.usual_relative_update, self.relative_update_factor
+        return usual / factor, usual * factor
+
+
+THRESHOLDS = Thresholds()
+
 
 #: Layers drawn as lines by default; more become unreadable (the heatmap shows all).
 DEFAULT_TOP_K = 6
@@ -143,3 +186,14 @@ def coverage_note(coverage: Optional[Coverage]) -> str:
     fewest, most, total = coverage
     counted = f"{fewest}" if fewest == most else f"{fewest} to {most}"
     return f"{NETWORK}: {counted} of {total} parameters"
+
+
+def recorded_batch_size(frame: "pandas.DataFrame") -> Optional[int]:
+    """The batch size a quantity recorded as statistic ``batch_size`` (latest), else ``None``.
+
+    :class:`~cockpit_gradnoise.GradientNoiseScale` records it; without that
+    quantity, pass it (``batch_size=``, ``--batch-size``) to compare it with
+    the gradient noise scale.
+    """
+    rows = finite_rows(frame[frame.statistic == BATCH_SIZE])
+    return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])
