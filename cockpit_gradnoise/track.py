@@ -25,13 +25,6 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-import cockpit.quantities
-import torch
-from cockpit import Cockpit
-from cockpit.context import CockpitCTX
-from cockpit.utils.schedules import linear
-from torch import nn
-
 from cockpit_gradnoise import dashboard, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.attention import convert_attention
@@ -40,13 +33,20 @@ from cockpit_gradnoise.frame import to_frame, write_log
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.report import build_report, format_report
 
-#: The package's quantities, most expensive first.
+import cockpit.quantities
+import torch
+from cockpit import Cockpit
+from cockpit.context import CockpitCTX
+from cockpit.utils.schedules import linear
+from torch import nn
+
+#: The package's quantities, in the order of the explicit API's documentation.
 ALL = (
     "GradientVarianceQuantiles",
     "PerExampleGradNorm",
-    "GradientNoiseScale",
     "ParamGradRatio",
     "UpdateSize",
+    "GradientNoiseScale",
 )
 
 #: Preset label -> quantity class names. ``"cheap"`` leaves out
@@ -103,6 +103,7 @@ def configuration(
     every: Union[int, Callable[[int], bool]] = 10,
     model: Optional[nn.Module] = None,
     *,
+    param_names: Optional[Sequence[str]] = None,
     quantiles: Optional[Sequence[float]] = None,
     options: Optional[Mapping[str, Mapping]] = None,
     verbose: bool = False,
@@ -119,6 +120,8 @@ def configuration(
         model: The model whose trainable parameters the quantities describe:
             each quantity that takes ``param_names`` gets
             :func:`trainable_names` of it.
+        param_names: The names to give instead (not with ``model``): those
+            of the parameters handed to the ``Cockpit``, in its order.
         quantiles: The quantile levels of GradientVarianceQuantiles.
         options: Keyword arguments per class name, e.g.
             ``{"GradientNoiseScale": {"smoothing": 0.9}}``.
@@ -129,14 +132,17 @@ def configuration(
 
     Raises:
         ValueError: For an unknown preset or name, two quantities of one class
-            (Cockpit keys results by class name), or ``quantiles``/``options``
-            for a class that is not built here.
+            (Cockpit keys results by class name), ``quantiles``/``options``
+            for a class that is not built here, or both ``model`` and
+            ``param_names``.
     """
     schedule = schedule_of(every)
     options = {name: dict(kwargs) for name, kwargs in (options or {}).items()}
     if quantiles is not None:
         options.setdefault("GradientVarianceQuantiles", {})["quantiles"] = quantiles
-    names = None if model is None else trainable_names(model)
+    if model is not None and param_names is not None:
+        raise ValueError("give model= or param_names=, not both: names come from the model")
+    names = trainable_names(model) if model is not None else param_names
     built = []
     for entry in _entries(quantities):
         if not inspect.isclass(entry):
