@@ -466,11 +466,13 @@ def report(source, path=None, *, step: Optional[int] = None, batch_size: Optiona
     # The header names the log, else what was reported ("Tracker", "DataFrame").
     if isinstance(source, (str, os.PathLike)):
         name = str(source)
+    elif isinstance(source, Tracker):
+        name, source = str(source.log or "Tracker"), source.cockpit
     else:
-        name = str(getattr(source, "log", None) or type(source).__name__)
+        name = type(source).__name__
     kwargs = {} if thresholds is None else {"thresholds": thresholds}
-    built = build_report(dashboard.frame_of(getattr(source, "cockpit", source)), source=name,
-                         step=step, batch_size=batch_size, **kwargs)
+    built = build_report(dashboard.frame_of(source), source=name, step=step,
+                         batch_size=batch_size, **kwargs)
     text = format_report(built, fmt)
     if path is not None:
         path = Path(path)
