@@ -36,7 +36,7 @@ _EXPORTS = {
     "write_log": ("cockpit_gradnoise.frame", "write_log"),
     "plot": ("cockpit_gradnoise.dashboard", "plot"),
     "panels": ("cockpit_gradnoise.panels", None),
-    "report": ("cockpit_gradnoise.track", "report"),
+    "report": ("cockpit_gradnoise._report_text", "report"),
     "track": ("cockpit_gradnoise.track", "track"),
     "configuration": ("cockpit_gradnoise.track", "configuration"),
     "Tracker": ("cockpit_gradnoise.track", "Tracker"),

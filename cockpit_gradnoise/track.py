@@ -21,17 +21,16 @@ explicit API (``docs/getting-started.md``), which stays available.
 """
 
 import inspect
-import os
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import dashboard, functional
+from cockpit_gradnoise import functional
 from cockpit_gradnoise import quantities as package_quantities
+from cockpit_gradnoise._report_text import report
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.frame import to_frame, write_log
 from cockpit_gradnoise.prepare import prepare_model
-from cockpit_gradnoise.report import build_report, format_report
 
 import cockpit.quantities
 import torch
@@ -345,10 +344,12 @@ class Tracker:
 
     def plot(self, **kwargs):
         """The dashboard of what is tracked so far: :func:`~cockpit_gradnoise.plot`'s arguments."""
+        from cockpit_gradnoise import dashboard  # matplotlib only where a figure is drawn
+
         return dashboard.plot(self.cockpit, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
-        """The report of what is tracked so far: :func:`report`'s arguments."""
+        """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
         return report(self, path, **kwargs)
 
 
@@ -442,44 +443,5 @@ def _check_loss(loss, losses, tracked):
         ) from None
 
 
-def report(source, path=None, *, step: Optional[int] = None, batch_size: Optional[int] = None,
-           fmt: str = "text", thresholds=None) -> str:
-    """The report of a run in one call: a per-layer table of one step and findings.
-
-    ``format_report(build_report(to_frame(source)))`` of
-    :mod:`cockpit_gradnoise.report` (the text of ``cockpit-gradnoise report``).
-
-    Args:
-        source: A log's path, a :class:`Tracker`, a ``Cockpit``, its output
-            dict or a frame of :func:`~cockpit_gradnoise.to_frame`.
-        path: Where to write the text too (parent folders are created).
-        step: The step to report (default: the last tracked step).
-        batch_size: The batch size, compared with the noise scale; default
-            the one GradientNoiseScale recorded.
-        fmt: ``"text"``, ``"csv"`` or ``"json"``.
-        thresholds: A ``Thresholds`` of :mod:`cockpit_gradnoise.report`
-            (default: its ``THRESHOLDS``).
-
-    Returns:
-        The report's text.
-    """
-    # The header names the log, else what was reported ("Tracker", "DataFrame").
-    if isinstance(source, (str, os.PathLike)):
-        name = str(source)
-    elif isinstance(source, Tracker):
-        name, source = str(source.log or "Tracker"), source.cockpit
-    else:
-        name = type(source).__name__
-    kwargs = {} if thresholds is None else {"thresholds": thresholds}
-    built = build_report(dashboard.frame_of(source), source=name, step=step,
-                         batch_size=batch_size, **kwargs)
-    text = format_report(built, fmt)
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return text
-
-
-__all__ = ["track", "configuration", "report", "Tracker", "TrackedStep", "PRESETS",
-           "trainable_names", "schedule_of"]
+__all__ = ["track", "configuration", "Tracker", "TrackedStep", "PRESETS", "trainable_names",
+           "schedule_of"]

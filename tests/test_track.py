@@ -10,6 +10,7 @@ compared for equality. The front-door snippets of ``README.md`` and
 import contextlib
 import copy
 import io
+import subprocess
 import sys
 import types
 import warnings
@@ -419,3 +420,11 @@ def test_the_model_returned_is_the_model_given_when_no_conversion_is_needed():
     same, _ = cgn.track(model)
     assert same is model
     assert copy.deepcopy(same)(torch.randn(2, 5)).shape == (2, 3)
+
+
+def test_reporting_a_log_imports_neither_torch_nor_matplotlib():
+    code = ("import sys, cockpit_gradnoise as cgn; cgn.report; "
+            "print(sorted({'torch', 'matplotlib', 'cockpit'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parent.parent)
+    assert result.stdout.strip() == "[]"
