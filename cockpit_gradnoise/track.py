@@ -21,6 +21,7 @@ explicit API (``docs/getting-started.md``), which stays available.
 """
 
 import inspect
+import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -71,12 +72,12 @@ def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], boo
     """
     if callable(every):
         return every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(
             f"every must be a positive int (track every k-th step) or a schedule "
             f"function step -> bool (cockpit.utils.schedules), got {every!r}"
         )
-    return linear(every)
+    return linear(int(every))
 
 
 def trainable_names(model: nn.Module) -> list:
@@ -135,34 +136,46 @@ def configuration(
             for a class that is not built here, or both ``model`` and
             ``param_names``.
     """
-    schedule = schedule_of(every)
+    if model is not None and param_names is not None:
+        raise ValueError("give model= or param_names=, not both: names come from the model")
+    plan = _plan(quantities, quantiles, options)
+    names = trainable_names(model) if model is not None else param_names
+    return _build(plan, schedule_of(every), names, verbose)
+
+
+def _plan(quantities, quantiles, options):
+    """``[(class or instance, keyword arguments)]``, checked before anything is built."""
     options = {name: dict(kwargs) for name, kwargs in (options or {}).items()}
     if quantiles is not None:
         options.setdefault("GradientVarianceQuantiles", {})["quantiles"] = quantiles
-    if model is not None and param_names is not None:
-        raise ValueError("give model= or param_names=, not both: names come from the model")
-    names = trainable_names(model) if model is not None else param_names
-    built = []
-    for entry in _entries(quantities):
-        if not inspect.isclass(entry):
-            built.append(entry)
-            continue
-        kwargs = {"verbose": verbose, **options.pop(entry.__name__, {})}
-        if "param_names" in inspect.signature(entry).parameters and names is not None:
-            kwargs.setdefault("param_names", names)
-        built.append(entry(schedule, **kwargs))
+    plan = [(entry, options.pop(entry.__name__, {}) if inspect.isclass(entry) else None)
+            for entry in _entries(quantities)]
+    classes = [entry.__name__ if kwargs is not None else type(entry).__name__
+               for entry, kwargs in plan]
     if options:
         raise ValueError(
             f"options or quantiles given for {sorted(options)}, which are not built here "
-            f"(built: {[type(q).__name__ for q in built]}): add them to quantities="
+            f"(built: {classes}): add them to quantities="
         )
-    classes = [type(q).__name__ for q in built]
     repeated = sorted({name for name in classes if classes.count(name) > 1})
     if repeated:
         raise ValueError(
             f"two quantities of class {repeated}: Cockpit keys results by class name, so "
             "one would overwrite the other; track one of each"
         )
+    return plan
+
+
+def _build(plan, schedule, names, verbose):
+    built = []
+    for entry, kwargs in plan:
+        if kwargs is None:  # an instance
+            built.append(entry)
+            continue
+        kwargs = {"verbose": verbose, **kwargs}
+        if names is not None and "param_names" in inspect.signature(entry).parameters:
+            kwargs.setdefault("param_names", names)
+        built.append(entry(schedule, **kwargs))
     return built
 
 
@@ -231,15 +244,16 @@ def track(
         ValueError: If no parameter requires gradients, or for a bad
             ``every``, preset, name or option (see :func:`configuration`).
     """
-    trainable_names(model)  # fail before changing the model
+    # Every check before the model is changed (converted in place, extended).
+    trainable_names(model)
+    schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
     model = prepare_model(convert_attention(model), use_converter=use_converter)
-    built = configuration(
-        quantities, every, model, quantiles=quantiles, options=options, verbose=verbose
-    )
+    names = trainable_names(model)
+    built = _build(plan, schedule, names, verbose)
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    return model, Tracker(Cockpit(params, quantities=built), trainable_names(model))
+    return model, Tracker(Cockpit(params, quantities=built), names)
 
 
 class Tracker:

@@ -319,6 +319,16 @@ class Attend(nn.Module):
         return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
 
 
+@pytest.mark.parametrize("bad", [{"every": 0}, {"quantities": "full"},
+                                 {"quantities": "cheap", "quantiles": (0.5,)}])
+def test_a_bad_call_leaves_the_model_as_it_was(bad):
+    model = Attend()
+    with pytest.raises(ValueError):
+        cgn.track(model, **bad)
+    assert isinstance(model.attn, nn.MultiheadAttention)
+    assert not any(getattr(m, "_backpack_extend", False) for m in model.modules())
+
+
 @pytest.mark.parametrize("make, x", [
     (Attend, torch.randn(6, 5, 4)),
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 3)),
