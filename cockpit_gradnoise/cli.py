@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cockpit_gradnoise import report
 from cockpit_gradnoise._views import DEFAULT_TOP_K
+from cockpit_gradnoise.report import FORMATS, build_report, format_report
 
 EXIT_BAD_INPUT = 2
 
@@ -96,12 +96,12 @@ def _plot(args):
 def _report(args):
     frame = load_frame(args.log)
     try:
-        built = report.build_report(
+        built = build_report(
             frame, source=args.log, step=args.step, batch_size=args.batch_size
         )
     except ValueError as error:
         raise BadInput(f"{args.log}: {_one_line(error)}") from None
-    sys.stdout.write(report.format_report(built, args.format))
+    sys.stdout.write(format_report(built, args.format))
 
 
 def _positive_int(text):
@@ -156,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     )
     report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     report_parser.add_argument(
-        "--format", choices=report.FORMATS, default="text",
+        "--format", choices=FORMATS, default="text",
         help="text: table and findings; csv, json: the table only (default: text)",
     )
     report_parser.add_argument(

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import report
+from cockpit_gradnoise.report import build_report, format_report, run_findings, run_history
 
 import matplotlib
 
@@ -46,7 +46,7 @@ def run(name, batch_size, lr, logs, epochs, track_every, seed=SEED):
         _, log = train_digits.train(logs / f"{name}-{seed}", epochs, batch_size, lr,
                                     track_every, seed)
     frame = cgn.to_frame(log)
-    text = report.format_report(report.build_report(frame, source=f"{name}/digits.json"))
+    text = format_report(build_report(frame, source=f"{name}/digits.json"))
     return frame, text, printed.getvalue().strip().splitlines()[-1]
 
 
@@ -74,12 +74,12 @@ def write_test_data(frames, folder):
 
 def history_row(seed, name, batch_size, frame):
     """Seed, run, and what :func:`cockpit_gradnoise.report.run_history` reads from it."""
-    history = report.run_history(frame)
+    history = run_history(frame)
     stopped = "-" if history.stopped_at is None else history.stopped_at
     step, largest = history.largest_update or (None, float("nan"))
     noise = history.noise_scale[0] / batch_size if history.noise_scale else float("nan")
     said = [key for key, phrase in FINDING_PHRASES.items()
-            if any(phrase in line for line in report.run_findings(history, batch_size))]
+            if any(phrase in line for line in run_findings(history, batch_size))]
     return [seed, name, stopped, f"{100 * largest:.1f}% (step {step})", f"{noise:.3g}",
             ", ".join(said) or "none"]
 
@@ -93,7 +93,7 @@ def page(results, seconds, histories, argv, quick) -> str:
     seeds = ", ".join(str(seed) for seed in sorted({row[0] for row in histories}))
     rows = []
     for (name, batch_size, lr), (frame, text, last_epoch) in zip(RUNS, results):
-        history = report.run_history(frame)
+        history = run_history(frame)
         loss, accuracy = re.search(r"loss ([\d.]+), test accuracy ([\d.]+)", last_epoch).groups()
         stopped = "-" if history.stopped_at is None else str(history.stopped_at)
         rows.append([name, batch_size, lr, int(frame.step.max()), loss, accuracy, stopped,

@@ -15,14 +15,15 @@ import warnings
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import report
 
 import matplotlib.pyplot as plt
 import torch
-from backpack import extend
-from cockpit.utils.schedules import linear
+import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
+
+#: The quantile levels of GradientVarianceQuantiles in the main job.
+QUANTILES = (0.1, 0.5, 0.9)
 
 
 def digits_loaders(batch_size, seed=0):
@@ -59,19 +60,14 @@ def digits_cnn():
 
 
 def make_quantities(names, track_every):
-    """Every quantity of the package that exists, tracked every ``track_every`` steps."""
-    schedule = linear(track_every)
-    return [
-        cgn.GradientVarianceQuantiles(schedule, quantiles=(0.1, 0.5, 0.9), param_names=names),
-        cgn.PerExampleGradNorm(schedule, param_names=names),
-        cgn.ParamGradRatio(schedule, param_names=names),
-        cgn.UpdateSize(schedule, param_names=names),
-        cgn.GradientNoiseScale(schedule, param_names=names),
-    ]
+    """The five quantities of :func:`train`, named ``names``, for a Cockpit built by hand."""
+    return cgn.configuration("all", track_every, param_names=names, quantiles=QUANTILES)
 
 
 def tracked_step(cockpit, step, model, x, y, losses, opt):
-    """One optimizer step on ``(x, y)`` tracked by ``cockpit``; returns the loss.
+    """One optimizer step on ``(x, y)`` tracked by a Cockpit built by hand; returns the loss.
+
+    The explicit API, which ``experiments/train_ddp.py`` uses around its DDP model.
 
     ``losses`` is ``(loss_fn, per_example_loss)``: the extended mean loss and
     the same loss with ``reduction="none"``.
@@ -93,25 +89,25 @@ def tracked_step(cockpit, step, model, x, y, losses, opt):
 
 
 def train(out_dir, epochs=3, batch_size=32, lr=0.05, track_every=5, seed=0):
-    """Train, track, write the log; return the cockpit and the log path."""
+    """Train, track, write the log; return the tracker and the log path."""
     torch.manual_seed(seed)
     train_loader, test_loader = digits_loaders(batch_size, seed)
-    model = extend(digits_cnn())
-    loss_fn = extend(nn.CrossEntropyLoss())
-    per_example_loss = nn.CrossEntropyLoss(reduction="none")
-    names = [n for n, _ in model.named_parameters()]
-    cockpit = cgn.Cockpit(model.parameters(), quantities=make_quantities(names, track_every))
+    model, tracker = cgn.track(digits_cnn(), every=track_every, quantiles=QUANTILES)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     step = 0
     for epoch in range(epochs):
         for x, y in train_loader:
-            loss = tracked_step(cockpit, step, model, x, y, (loss_fn, per_example_loss), opt)
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with tracker(step, losses, optimizer=opt) as loss:
+                loss.backward()
+            opt.step()
             step += 1
         with torch.no_grad():
             correct = sum((model(x).argmax(1) == y).sum().item() for x, y in test_loader)
         print(f"epoch {epoch + 1}: loss {loss.item():.3f}, test accuracy {correct / 297:.3f}")
-    log = cgn.write_log(cockpit, Path(out_dir) / "digits")
-    return cockpit, log
+    log = tracker.write(Path(out_dir) / "digits")
+    return tracker, log
 
 
 def write_outputs(log, batch_size) -> str:
@@ -120,9 +116,7 @@ def write_outputs(log, batch_size) -> str:
     figure = cgn.plot(frame, savefig=log.with_suffix(".png"), batch_size=batch_size)
     plt.close(figure)
     # The same text as `cockpit-gradnoise report <log> --batch-size <B>`.
-    text = report.format_report(report.build_report(frame, source=str(log), batch_size=batch_size))
-    log.with_name(f"{log.stem}_report.txt").write_text(text)
-    return text
+    return cgn.report(log, log.with_name(f"{log.stem}_report.txt"), batch_size=batch_size)
 
 
 def argument_parser(description, batch_size_help="batch size") -> argparse.ArgumentParser:
@@ -146,7 +140,7 @@ def main(argv=None):
     # first layer; that is expected here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     start = time.perf_counter()
-    cockpit, log = train(args.out, args.epochs, args.batch_size, args.lr, args.track_every)
+    _, log = train(args.out, args.epochs, args.batch_size, args.lr, args.track_every)
     text = write_outputs(log, args.batch_size)
     print("\n" + text)
     print(f"log: {log}, dashboard: {log.with_suffix('.png')}, report: "

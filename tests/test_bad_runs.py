@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import report
+from cockpit_gradnoise.report import build_report, run_findings, run_history
 
 import pandas
 import pytest
@@ -27,7 +27,7 @@ NOISE_SCALE_LINE = "the estimated noise scale"
 
 def findings(name):
     frame = pandas.read_csv(DATA / f"{name}.csv.gz")
-    return report.build_report(frame, source=name).findings
+    return build_report(frame, source=name).findings
 
 
 def said(lines, phrase):
@@ -75,14 +75,14 @@ def test_the_stop_is_the_last_stretch_of_dead_steps_and_only_steps_before_it_cou
         relative=("UpdateSize", {0: 0.01, 1: 0.05, 2: 0.02, 3: 0.9}),
         b_simple=("GradientNoiseScale", {0: 3.0, 1: math.inf, 2: 5.0, 3: 1e6, 4: 1e6}),
     )
-    history = report.run_history(frame)
+    history = run_history(frame)
     assert history.stopped_at == 3 and history.zero_grad_fraction == 0.99
     assert history.largest_update == (1, 0.05)  # step 3's 0.9 is after the stop
     assert history.noise_scale == (5.0, 0, 2)  # inf counts as the largest: median of 3, inf, 5
-    (stopped, small) = report.run_findings(history, batch_size=4)
+    (stopped, small) = run_findings(history, batch_size=4)
     assert stopped.startswith(f"{STOPPED}: from step 3 on, 99.0%")
     assert "median noise scale was 5, so the noise of a step outweighed its signal (1.2x" in small
-    assert report.run_findings(history, batch_size=8)[1:] == []  # 5 < 8: not the batch
+    assert run_findings(history, batch_size=8)[1:] == []  # 5 < 8: not the batch
 
 
 @pytest.mark.parametrize("last", [0.5, math.nan])
@@ -91,8 +91,8 @@ def test_a_run_that_revived_or_has_no_ratio_has_not_stopped(last):
         zero_grad_fraction=("ParamGradRatio", {0: 0.99, 1: last}),
         relative=("UpdateSize", {0: 0.3}),
     )
-    history = report.run_history(frame)
+    history = run_history(frame)
     assert history.stopped_at is None
     # A large step is a finding whether or not the run stopped.
-    (large,) = report.run_findings(history, batch_size=32)
+    (large,) = run_findings(history, batch_size=32)
     assert large.startswith(LR_TOO_LARGE) and "30% of its norm, 300x the usual 1e-3" in large

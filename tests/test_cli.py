@@ -18,7 +18,18 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import cli, report  # noqa: E402
+from cockpit_gradnoise import cli  # noqa: E402
+from cockpit_gradnoise.report import (  # noqa: E402
+    COLUMNS,
+    THRESHOLDS,
+    build_report,
+    noise_scale_finding,
+    norm_ratio_findings,
+    outlier_findings,
+    snr_findings,
+    update_size_findings,
+    zero_grad_findings,
+)
 
 import pytest  # noqa: E402
 
@@ -142,7 +153,7 @@ def test_report_prints_what_the_main_job_wrote(runs, log):
     assert result.returncode == 0, result.stderr
     assert result.stdout == (log.parent / "digits_report.txt").read_text()
     table, findings = result.stdout.split("findings:\n")
-    for column in report.COLUMNS:
+    for column in COLUMNS:
         assert column in table
     assert findings.startswith(f"- batch {DIGITS_BATCH_SIZE} ")
 
@@ -230,7 +241,7 @@ def test_csv_is_the_table_at_the_chosen_step(capsys, log):
     frame = cgn.to_frame(log)
     at_4 = frame[(frame.step == 4) & (frame.quantity == "GradientVarianceQuantiles")
                  & (frame.statistic == "q0.5")].set_index("param").value
-    assert list(table.columns) == ["step", *report.COLUMNS]
+    assert list(table.columns) == ["step", *COLUMNS]
     assert (table.step == 4).all()  # the latest tracked step at or before 5
     pandas.testing.assert_series_equal(table.sd_median, at_4.reindex(table.index),
                                        check_names=False)
@@ -242,7 +253,7 @@ def test_json_is_the_table_with_encoded_non_finite_numbers(capsys, log):
     data = json.loads(result.stdout)
     assert data["step"] == cgn.to_frame(log).step.max() and data["batch_size"] == DIGITS_BATCH_SIZE
     assert [row["param"] for row in data["layers"]][-1] == cgn.NETWORK
-    assert set(data["layers"][0]) == {"param", *report.COLUMNS}
+    assert set(data["layers"][0]) == {"param", *COLUMNS}
     values = [v for row in data["layers"] for k, v in row.items() if k != "param"]
     assert all(isinstance(v, float) or v in ("nan", "inf", "-inf") for v in values)
     assert "findings" not in result.stdout
@@ -271,7 +282,7 @@ def table(**columns):
     params = list(dict.fromkeys(p for values in columns.values() for p in values
                                 if p != cgn.NETWORK)) + [cgn.NETWORK]
     frame = pandas.DataFrame(index=pandas.Index(params, name="param"),
-                             columns=list(report.COLUMNS), dtype=float)
+                             columns=list(COLUMNS), dtype=float)
     for column, values in columns.items():
         for param, value in values.items():
             frame.loc[param, column] = value
@@ -279,7 +290,7 @@ def table(**columns):
 
 
 def noise(batch_size, smoothed, raw=float("nan")):
-    return report.noise_scale_finding(
+    return noise_scale_finding(
         table(b_simple_smoothed={cgn.NETWORK: smoothed}, b_simple={cgn.NETWORK: raw}),
         batch_size,
     )
@@ -308,7 +319,7 @@ def test_noise_scale_without_a_batch_size_infinite_or_only_raw():
 
 
 def test_relative_updates_far_from_the_usual_size_farthest_first():
-    lines = report.update_size_findings(table(relative_update={
+    lines = update_size_findings(table(relative_update={
         "a": 0.03, "b": 5e-6, "c": 1e-3, "d": 0.0, "e": 0.0101, "f": 9.9e-3, cgn.NETWORK: 0.5,
     }))
     assert lines == [
@@ -321,26 +332,26 @@ def test_relative_updates_far_from_the_usual_size_farthest_first():
 
 
 def test_many_findings_of_one_kind_are_counted_after_five():
-    lines = report.update_size_findings(
+    lines = update_size_findings(
         table(relative_update={f"layer{i}": 0.05 + i * 0.01 for i in range(8)}))
     assert len(lines) == 6 and lines[-1] == "... and 3 more layers outside [1e-4, 1e-2]"
 
 
 def test_snr_zero_gradients_norm_ratio_spread_and_outliers():
-    (line,) = report.snr_findings(table(snr_median={"a": 0.3, "b": 2.0, "c": 0.9,
+    (line,) = snr_findings(table(snr_median={"a": 0.3, "b": 2.0, "c": 0.9,
                                                     cgn.NETWORK: 1.2}))
     assert line.startswith("median signal-to-noise below 1 in 2 of 3 layers (a 0.3, c 0.9)")
-    assert report.zero_grad_findings(table(zero_grad_fraction={"a": 0.8, "b": 0.49})) == [
+    assert zero_grad_findings(table(zero_grad_fraction={"a": 0.8, "b": 0.49})) == [
         "layer a: 80% of its gradient elements are exactly zero (dead units or unused "
         "inputs?) (zero_grad_fraction)"
     ]
-    (spread,) = report.norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 300.0, "c": 50.0}))
+    (spread,) = norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 300.0, "c": 50.0}))
     assert spread.startswith("||theta||/||grad|| spans 150x across layers (a 2 to b 300)")
-    assert report.norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 199.0})) == []
-    (outlier,) = report.outlier_findings(table(norm_max={cgn.NETWORK: 12.0},
+    assert norm_ratio_findings(table(norm_ratio={"a": 2.0, "b": 199.0})) == []
+    (outlier,) = outlier_findings(table(norm_max={cgn.NETWORK: 12.0},
                                                norm_median={cgn.NETWORK: 1.0}))
     assert "12 is 12x the median 1" in outlier
-    assert report.outlier_findings(table(norm_max={cgn.NETWORK: 9.9},
+    assert outlier_findings(table(norm_max={cgn.NETWORK: 9.9},
                                          norm_median={cgn.NETWORK: 1.0})) == []
 
 
@@ -348,16 +359,16 @@ def test_thresholds_are_one_object_that_findings_and_the_docs_follow():
     from dataclasses import asdict, replace
 
     quiet = table(snr_median={"a": 0.6, cgn.NETWORK: 0.6})
-    assert len(report.snr_findings(quiet)) == 1
-    assert report.snr_findings(quiet, replace(report.THRESHOLDS, low_snr=0.5)) == []
+    assert len(snr_findings(quiet)) == 1
+    assert snr_findings(quiet, replace(THRESHOLDS, low_snr=0.5)) == []
     docs = (Path(__file__).resolve().parent.parent / "docs" / "dashboard.md").read_text()
-    for name, value in asdict(report.THRESHOLDS).items():
+    for name, value in asdict(THRESHOLDS).items():
         assert f"| `{name}` | {value:g} |" in docs
 
 
 def test_every_finding_names_the_columns_it_comes_from(log):
-    built = report.build_report(cgn.to_frame(log), batch_size=DIGITS_BATCH_SIZE)
+    built = build_report(cgn.to_frame(log), batch_size=DIGITS_BATCH_SIZE)
     assert built.findings
     for line in built.findings:
         if not line.startswith("... and"):
-            assert any(f"({column}" in line or f", {column}" in line for column in report.COLUMNS)
+            assert any(f"({column}" in line or f", {column}" in line for column in COLUMNS)

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import dashboard, panels  # noqa: E402
 from cockpit_gradnoise._views import DEFAULT_TOP_K, default_layers  # noqa: E402
+from cockpit_gradnoise.report import build_report, format_report  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402
@@ -92,7 +93,7 @@ def test_dashboard_of_a_real_log_has_every_panel_one_legend_and_saves_png(log, f
 def test_the_main_job_writes_the_dashboard_and_the_report(frame):
     out = digits_run()
     assert (out / "digits.png").read_bytes()[:4] == b"\x89PNG"
-    expected = cgn.report.format_report(cgn.report.build_report(
+    expected = format_report(build_report(
         frame, source=str(out / "digits.json"), batch_size=DIGITS_BATCH_SIZE))
     assert (out / "digits_report.txt").read_text() == expected
     assert "findings:" in expected and f"batch size {DIGITS_BATCH_SIZE}" in expected
@@ -257,5 +258,5 @@ def test_the_batch_size_recorded_by_gradient_noise_scale_is_used_when_none_is_gi
     assert "batch size 64" in labelled(ax)
     assert "batch size 32" in labelled(panel_axes(
         cgn.plot(frame, batch_size=32, fig=constrained()))["GradientNoiseScale"])
-    text = cgn.report.format_report(cgn.report.build_report(frame))
+    text = format_report(build_report(frame))
     assert ", batch size 64\n" in text and "- batch 64 " in text

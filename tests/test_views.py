@@ -11,9 +11,11 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import cli, panels, report  # noqa: E402
+from cockpit_gradnoise import cli, panels  # noqa: E402
 from cockpit_gradnoise._views import Coverage, coverage_note, network_coverage  # noqa: E402
 from cockpit_gradnoise.frame import COLUMNS  # noqa: E402
+from cockpit_gradnoise.report import COLUMNS as REPORT_COLUMNS  # noqa: E402
+from cockpit_gradnoise.report import build_report, format_report  # noqa: E402
 from cockpit_gradnoise.schema import (  # noqa: E402
     GRADIENT_VARIANCE,
     NETWORK,
@@ -69,7 +71,7 @@ def dashboard(frame, **kwargs):
 
 def test_report_and_dashboard_list_layers_in_model_order_never_by_name():
     frame = frame_of(every_quantity(MODEL_ORDER))
-    assert list(report.build_report(frame).table.index) == MODEL_ORDER + [NETWORK]
+    assert list(build_report(frame).table.index) == MODEL_ORDER + [NETWORK]
     found = dashboard(frame, top_k=3, heatmap="sd")
     for quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM, PARAM_GRAD_RATIO, UPDATE_SIZE):
         assert list(labelled(found[quantity])) == MODEL_ORDER + [NETWORK]
@@ -92,7 +94,7 @@ def ranking_frame():
 
 def test_report_and_dashboard_name_the_same_noisiest_layers():
     frame = ranking_frame()
-    built = report.build_report(frame)
+    built = build_report(frame)
     at_last_step = built.table.snr_median.drop(NETWORK)
     assert at_last_step.idxmin() == "b"  # what ranking at the last step would say
     (line,) = [f for f in built.findings if f.startswith("noisiest layer")]
@@ -106,7 +108,7 @@ def test_report_and_dashboard_name_the_same_noisiest_layers():
 
 def test_the_report_at_a_step_ranks_over_the_steps_up_to_it():
     frame = ranking_frame()
-    (line,) = [f for f in report.build_report(frame, step=0).findings
+    (line,) = [f for f in build_report(frame, step=0).findings
                if f.startswith("noisiest layer")]
     assert line.startswith("noisiest layer: a, lowest median signal-to-noise |grad_j|/sd_j: "
                            "0.1 on average over 1 tracked steps")
@@ -179,25 +181,25 @@ def test_the_dashboard_says_when_the_network_row_covers_some_parameters():
 
 
 def test_the_report_says_when_the_network_row_covers_some_parameters():
-    built = report.build_report(frame_of(partial_values()))
-    assert list(built.table.columns) == list(report.COLUMNS)
-    text = report.format_report(built)
+    built = build_report(frame_of(partial_values()))
+    assert list(built.table.columns) == list(REPORT_COLUMNS)
+    text = format_report(built)
     header = text.split("\n\n")[0].splitlines()
     assert header[2] == ("all: 7 of 15 parameters in GradientVarianceQuantiles (the all row "
                          "leaves the other parameters out)")
     assert PARAMS_COVERED not in text and PARAMS_TOTAL not in text
-    data = json.loads(report.format_report(built, "json"))
+    data = json.loads(format_report(built, "json"))
     assert data["network_coverage"] == {
         GRADIENT_VARIANCE: {PARAMS_COVERED: 7, PARAMS_TOTAL: 15}}
-    assert PARAMS_COVERED not in report.format_report(built, "csv")
+    assert PARAMS_COVERED not in format_report(built, "csv")
 
 
 def test_frames_without_the_counts_cover_every_parameter():
     frame = frame_of(every_quantity(MODEL_ORDER))
-    built = report.build_report(frame)
+    built = build_report(frame)
     assert built.coverage == {}
-    assert "parameters in" not in report.format_report(built)
-    assert json.loads(report.format_report(built, "json"))["network_coverage"] == {}
+    assert "parameters in" not in format_report(built)
+    assert json.loads(format_report(built, "json"))["network_coverage"] == {}
     assert network_coverage(frame, GRADIENT_VARIANCE) is None
 
 
@@ -210,8 +212,8 @@ def test_coverage_that_varies_over_steps_is_given_as_a_range():
     assert coverage == Coverage(7, 15, 15)
     assert coverage_note(coverage) == "all: 7 to 15 of 15 parameters"
     # The report reads each quantity at its step: 14 of 15 at the last.
-    assert report.build_report(frame).coverage == {UPDATE_SIZE: Coverage(14, 14, 15)}
-    assert report.build_report(frame, step=0).coverage == {}
+    assert build_report(frame).coverage == {UPDATE_SIZE: Coverage(14, 14, 15)}
+    assert build_report(frame, step=0).coverage == {}
 
 
 def test_the_command_line_reports_a_partial_network_row_of_a_log(tmp_path, capsys):

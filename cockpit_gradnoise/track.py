@@ -1,0 +1,461 @@
+"""The front door: one call prepares a model and its quantities, one ``with`` line tracks a step.
+
+In the spirit of Opacus' ``make_private`` (ready objects back) and Cockpit's
+``configuration("full")`` (a preset label for a list of quantities)::
+
+    model, tracker = cgn.track(model, every=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with tracker(step, losses, optimizer=opt) as loss:
+            loss.backward()
+        opt.step()
+    tracker.write("runs/demo")
+    print(tracker.report())
+
+:func:`track` converts attention, prepares the model for BackPACK and builds
+the quantities with names taken from the model; a :class:`Tracker` call builds
+Cockpit's ``info`` from the per-example losses. What it does by hand is the
+explicit API (``docs/getting-started.md``), which stays available.
+"""
+
+import inspect
+import numbers
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+from cockpit_gradnoise import functional
+from cockpit_gradnoise import quantities as package_quantities
+from cockpit_gradnoise._report_text import report
+from cockpit_gradnoise.attention import convert_attention
+from cockpit_gradnoise.extensions import register_extensions
+from cockpit_gradnoise.frame import to_frame, write_log
+from cockpit_gradnoise.prepare import prepare_model
+
+import cockpit.quantities
+import torch
+from cockpit import Cockpit
+from cockpit.context import CockpitCTX
+from cockpit.utils.schedules import linear
+from torch import nn
+
+#: The package's quantities, in the order of the explicit API's documentation.
+ALL = (
+    "GradientVarianceQuantiles",
+    "PerExampleGradNorm",
+    "ParamGradRatio",
+    "UpdateSize",
+    "GradientNoiseScale",
+)
+
+#: Preset label -> quantity class names. ``"cheap"`` leaves out
+#: GradientVarianceQuantiles, the most expensive of the five (a second
+#: parameter-sized sum per parameter and a sort of every gradient element,
+#: ``docs/benchmark.md``): what stays needs one BackPACK extension, the
+#: per-example squared norms, shared by PerExampleGradNorm and
+#: GradientNoiseScale, and ParamGradRatio and UpdateSize read only ``param``
+#: and ``param.grad``.
+PRESETS = {"all": ALL, "cheap": ALL[1:]}
+
+#: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
+DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer")
+
+_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
+
+
+def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], bool]:
+    """The track schedule of ``every``: an int ``k`` is Cockpit's ``linear(k)``, a function itself.
+
+    Raises:
+        ValueError: If ``every`` is neither a positive int nor a function of the step.
+    """
+    if callable(every):
+        return every
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        raise ValueError(
+            f"every must be a positive int (track every k-th step) or a schedule "
+            f"function step -> bool (cockpit.utils.schedules), got {every!r}"
+        )
+    return linear(int(every))
+
+
+def trainable_names(model: nn.Module) -> list:
+    """Names of ``model``'s parameters that require gradients, in model order.
+
+    They are the names, in the order, of the parameters a :class:`Tracker`
+    gives its ``Cockpit`` (``[p for p in model.parameters() if p.requires_grad]``).
+
+    Raises:
+        ValueError: If no parameter requires gradients.
+    """
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} has no parameter that requires gradients: "
+            "unfreeze the ones to track (param.requires_grad_(True)) before tracking"
+        )
+    return names
+
+
+def configuration(
+    quantities: Union[str, Sequence] = "all",
+    every: Union[int, Callable[[int], bool]] = 10,
+    model: Optional[nn.Module] = None,
+    *,
+    param_names: Optional[Sequence[str]] = None,
+    quantiles: Optional[Sequence[float]] = None,
+    options: Optional[Mapping[str, Mapping]] = None,
+    verbose: bool = False,
+) -> list:
+    """Quantity instances for a preset or a list, as Cockpit's ``configuration`` builds them.
+
+    Args:
+        quantities: A preset of :data:`PRESETS` (``"all"``: the five;
+            ``"cheap"``: all but GradientVarianceQuantiles), or a list of
+            quantity classes, their names (this package's five, or Cockpit's
+            own such as ``"GradNorm"``) and instances (used as they are).
+        every: Track every ``every``-th step (Cockpit's ``linear(every)``), or
+            a schedule function ``step -> bool``.
+        model: The model whose trainable parameters the quantities describe:
+            each quantity that takes ``param_names`` gets
+            :func:`trainable_names` of it.
+        param_names: The names to give instead (not with ``model``): those
+            of the parameters handed to the ``Cockpit``, in its order.
+        quantiles: The quantile levels of GradientVarianceQuantiles.
+        options: Keyword arguments per class name, e.g.
+            ``{"GradientNoiseScale": {"smoothing": 0.9}}``.
+        verbose: Cockpit's ``verbose`` for every quantity built here.
+
+    Returns:
+        The quantities, one per class.
+
+    Raises:
+        ValueError: For an unknown preset or name, two quantities of one class
+            (Cockpit keys results by class name), ``quantiles``/``options``
+            for a class that is not built here, or both ``model`` and
+            ``param_names``.
+    """
+    if model is not None and param_names is not None:
+        raise ValueError("give model= or param_names=, not both: names come from the model")
+    plan = _plan(quantities, quantiles, options)
+    names = trainable_names(model) if model is not None else param_names
+    return _build(plan, schedule_of(every), names, verbose)
+
+
+def _plan(quantities, quantiles, options):
+    """``[(class or instance, keyword arguments)]``, checked before anything is built."""
+    options = {name: dict(kwargs) for name, kwargs in (options or {}).items()}
+    if quantiles is not None:
+        options.setdefault("GradientVarianceQuantiles", {})["quantiles"] = quantiles
+    plan = [(entry, options.pop(entry.__name__, {}) if inspect.isclass(entry) else None)
+            for entry in _entries(quantities)]
+    classes = [entry.__name__ if kwargs is not None else type(entry).__name__
+               for entry, kwargs in plan]
+    if options:
+        raise ValueError(
+            f"options or quantiles given for {sorted(options)}, which are not built here "
+            f"(built: {classes}): add them to quantities="
+        )
+    repeated = sorted({name for name in classes if classes.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"two quantities of class {repeated}: Cockpit keys results by class name, so "
+            "one would overwrite the other; track one of each"
+        )
+    return plan
+
+
+def _build(plan, schedule, names, verbose):
+    built = []
+    for entry, kwargs in plan:
+        if kwargs is None:  # an instance
+            built.append(entry)
+            continue
+        kwargs = {"verbose": verbose, **kwargs}
+        if names is not None and "param_names" in inspect.signature(entry).parameters:
+            kwargs.setdefault("param_names", names)
+        built.append(entry(schedule, **kwargs))
+    return built
+
+
+def _entries(quantities):
+    """The classes and instances that ``quantities`` (a preset or a list) names."""
+    if isinstance(quantities, str):
+        if quantities not in PRESETS:
+            raise ValueError(
+                f"unknown preset {quantities!r}: use one of {sorted(PRESETS)} or a list of "
+                "quantity classes, names or instances"
+            )
+        quantities = PRESETS[quantities]
+    return [_quantity_class(q) if isinstance(q, str) else q for q in quantities]
+
+
+def _quantity_class(name):
+    for home in (package_quantities, cockpit.quantities):
+        found = getattr(home, name, None)
+        if inspect.isclass(found) and issubclass(found, cockpit.quantities.quantity.Quantity):
+            return found
+    raise ValueError(
+        f"unknown quantity {name!r}: use one of {list(ALL)} or a class of "
+        "cockpit.quantities (e.g. 'GradNorm')"
+    )
+
+
+def track(
+    model: nn.Module,
+    every: Union[int, Callable[[int], bool]] = 10,
+    quantities: Union[str, Sequence] = "all",
+    *,
+    quantiles: Optional[Sequence[float]] = None,
+    options: Optional[Mapping[str, Mapping]] = None,
+    use_converter: Optional[bool] = None,
+    verbose: bool = False,
+):
+    """Make ``model`` ready for the quantities and return it with its :class:`Tracker`.
+
+    Converts every ``nn.MultiheadAttention`` (:func:`~cockpit_gradnoise.convert_attention`),
+    then prepares the model for BackPACK
+    (:func:`~cockpit_gradnoise.prepare_model`), and builds a ``Cockpit`` over
+    the parameters that require gradients with the quantities of
+    :func:`configuration`, named after the model's parameters. If a quantity
+    is not this package's own (Cockpit's ``GradNorm``, say), BackPACK's own
+    extensions get this package's layer support
+    (:func:`~cockpit_gradnoise.register_extensions`).
+
+    Create the optimizer from the returned model (converting attention
+    replaces parameters), and freeze parameters before this call: frozen ones
+    are left out.
+
+    Args:
+        model: The network.
+        every: Track every ``every``-th step, or a schedule function ``step -> bool``.
+        quantities: ``"all"`` (the five), ``"cheap"`` (all but
+            GradientVarianceQuantiles), or a list; see :func:`configuration`.
+        quantiles: The quantile levels of GradientVarianceQuantiles.
+        options: Keyword arguments per quantity class name.
+        use_converter: As :func:`~cockpit_gradnoise.prepare_model`'s.
+        verbose: Cockpit's ``verbose`` for the quantities.
+
+    Returns:
+        ``(model, tracker)``: the model to train and its :class:`Tracker`.
+
+    Raises:
+        ValueError: If no parameter requires gradients, or for a bad
+            ``every``, preset, name or option (see :func:`configuration`).
+    """
+    # Every check before the model is changed (converted in place, extended).
+    trainable_names(model)
+    schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
+    model = prepare_model(convert_attention(model), use_converter=use_converter)
+    names = trainable_names(model)
+    built = _build(plan, schedule, names, verbose)
+    if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
+        register_extensions()
+    params = [param for param in model.parameters() if param.requires_grad]
+    return model, Tracker(Cockpit(params, quantities=built), names)
+
+
+class Tracker:
+    """A ``Cockpit`` with a step helper that builds its ``info`` from the per-example losses.
+
+    Build it with :func:`track`. Besides its own methods it passes for the
+    Cockpit where one is read (``cgn.to_frame(tracker)``, ``cgn.plot(tracker)``,
+    ``cgn.write_log(tracker, path)``).
+
+    Attributes:
+        cockpit: The ``cockpit.Cockpit`` (its quantities: ``cockpit.quantities``).
+        param_names: Names of the Cockpit's parameters, in its order.
+    """
+
+    def __init__(self, cockpit: Cockpit, param_names: Sequence[str]):
+        self.cockpit = cockpit
+        self.param_names = list(param_names)
+        self.log = None  # the last log written, named in the report
+
+    def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
+                 reduction: Optional[str] = None, batch_size: Optional[int] = None,
+                 info: Optional[Mapping] = None) -> "TrackedStep":
+        """The ``with`` statement around one backward pass; it gives the loss to differentiate.
+
+        Example::
+
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with tracker(step, losses, optimizer=opt) as loss:   # loss = losses.mean()
+                loss.backward()
+
+        Cockpit's ``info`` is ``{"batch_size": len(losses), "individual_losses":
+        losses, "loss": loss}`` and ``"optimizer"`` when given, at every step
+        and for every quantity. With a quantity that needs the graph (Cockpit's
+        ``HessMaxEV``), write ``loss.backward(create_graph=tracker.create_graph(step))``.
+
+        Args:
+            step: The global step.
+            losses: One loss per example, shape ``[N]`` (``reduction="none"``).
+            optimizer: The optimizer (Cockpit's ``info["optimizer"]``).
+            loss: The loss to differentiate, if not ``losses``' mean or sum;
+                checked at tracked steps to be their mean or their sum.
+            reduction: ``"mean"`` (default) or ``"sum"``: ``loss`` is
+                ``losses.mean()`` or ``losses.sum()``. Not with ``loss``.
+            batch_size: Checked to be ``len(losses)``.
+            info: More keys for quantities of your own; not the four above.
+
+        Raises:
+            ValueError: Naming the fix, if ``losses`` is not one loss per
+                example, ``loss`` is neither their mean nor their sum, both
+                ``loss`` and ``reduction`` or a wrong ``batch_size`` are
+                given, or the loss does not depend on the parameters.
+        """
+        losses = _checked_losses(losses)
+        if loss is None:
+            if reduction not in (None, *_REDUCTIONS):
+                raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+            loss = _REDUCTIONS[reduction or "mean"](losses)
+        elif reduction is not None:
+            raise ValueError(
+                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
+                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
+            )
+        else:
+            _check_loss(loss, losses, tracked=self._tracks(step))
+        if batch_size is not None and batch_size != len(losses):
+            raise ValueError(
+                f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
+                "leave batch_size out (it is len(losses))"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require gradients: compute losses from the model's "
+                "output outside torch.no_grad(), and do not detach them"
+            )
+        clashes = sorted(set(info or {}) & set(DERIVED_KEYS))
+        if clashes:
+            raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
+        full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
+                **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
+        return TrackedStep(self.cockpit, step, full)
+
+    def _tracks(self, step) -> bool:
+        return any(q.should_compute(step) for q in self.cockpit.quantities)
+
+    def create_graph(self, step: int) -> bool:
+        """Whether ``loss.backward`` must keep the graph at ``step`` (Cockpit's ``create_graph``)."""
+        return self.cockpit.create_graph(step)
+
+    def get_output(self) -> dict:
+        """The Cockpit's output: ``{step: {quantity: result}}``."""
+        return self.cockpit.get_output()
+
+    def frame(self):
+        """The tidy frame of every statistic tracked so far (:func:`~cockpit_gradnoise.to_frame`)."""
+        return to_frame(self.cockpit)
+
+    def write(self, path) -> Optional[Path]:
+        """Write the log atomically (:func:`~cockpit_gradnoise.write_log`); return its path."""
+        written = write_log(self.cockpit, path)
+        self.log = written or self.log
+        return written
+
+    def plot(self, **kwargs):
+        """The dashboard of what is tracked so far: :func:`~cockpit_gradnoise.plot`'s arguments."""
+        from cockpit_gradnoise import dashboard  # matplotlib only where a figure is drawn
+
+        return dashboard.plot(self.cockpit, **kwargs)
+
+    def report(self, path=None, **kwargs) -> str:
+        """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
+        return report(self, path, **kwargs)
+
+
+class TrackedStep:
+    """What ``with tracker(step, losses)`` enters: Cockpit's context, checked on the way out.
+
+    On the way out it checks that the loss it gave was differentiated (and
+    with the graph kept where Cockpit's ``create_graph`` asks for it) before
+    the quantities compute; if the body raised, nothing is tracked at this
+    step and the body's error is the one raised.
+    """
+
+    def __init__(self, cockpit: Cockpit, step: int, info: dict):
+        self.cockpit, self.step, self.info = cockpit, step, info
+        self._backward_reached_loss = False
+        self._context = self._hook = None
+
+    def __enter__(self) -> torch.Tensor:
+        loss = self.info["loss"]
+        self._hook = loss.register_hook(self._reached)
+        self._context = self.cockpit(self.step, info=self.info)
+        self._context.__enter__()
+        return loss
+
+    def _reached(self, grad):
+        self._backward_reached_loss = True
+
+    def __exit__(self, kind, error, traceback):
+        self._hook.remove()
+        problem = None if kind is not None else self._problem()
+        if kind is None and problem is None:
+            self._context.__exit__(None, None, None)  # the quantities compute here
+            return False
+        # Leave BackPACK's context without tracking: nothing of this step is recorded.
+        for context in self._context.contexts:
+            context.__exit__(kind, error, traceback)
+        CockpitCTX.erase()
+        if problem is not None:
+            raise RuntimeError(problem)
+        return False
+
+    def _problem(self) -> Optional[str]:
+        if not self._backward_reached_loss:
+            return (
+                f"step {self.step}: call loss.backward() inside `with tracker(step, losses) "
+                "as loss:`, on the loss it gives"
+            )
+        if self.cockpit.create_graph(self.step) and not any(
+            p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
+        ):
+            return (
+                f"step {self.step}: a quantity needs the graph: call "
+                "loss.backward(create_graph=tracker.create_graph(step))"
+            )
+        return None
+
+
+def _checked_losses(losses) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor):
+        raise ValueError(
+            f"losses must be a tensor of one loss per example, got {type(losses).__name__}: "
+            "compute them with reduction='none', e.g. F.cross_entropy(out, y, reduction='none')"
+        )
+    if losses.dim() != 1 or losses.numel() == 0:
+        raise ValueError(
+            f"losses must hold one loss per example (shape [N], N >= 1), got shape "
+            f"{tuple(losses.shape)}: compute them with reduction='none' and reduce the "
+            "other dimensions, e.g. losses.mean(dim=1) for per-token losses"
+        )
+    return losses
+
+
+def _check_loss(loss, losses, tracked):
+    """Raise unless ``loss`` is the mean or the sum of ``losses`` (the quantities' own rule).
+
+    The values are compared at tracked steps only: that needs a device-to-host transfer.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss= must be a scalar tensor, got {loss!r}")
+    if not tracked:
+        return
+    try:
+        functional.loss_scale(loss.reshape(()), losses)
+    except ValueError:
+        total = losses.detach().double().sum().item()
+        raise ValueError(
+            f"loss= {loss.item():.6g} is neither the mean ({total / len(losses):.6g}) nor the "
+            f"sum ({total:.6g}) of losses: leave loss= out (the tracker differentiates "
+            "losses.mean(), or losses.sum() with reduction='sum'), or pass the per-example "
+            "losses of the loss you differentiate"
+        ) from None
+
+
+__all__ = ["track", "configuration", "Tracker", "TrackedStep", "PRESETS", "trainable_names",
+           "schedule_of"]
