@@ -3,15 +3,9 @@
 Importing this package makes ``import cockpit`` work on setuptools >= 82 and
 imports nothing heavy: torch, Cockpit and matplotlib load when a name that
 needs them is first used (PEP 562), so the command line starts fast.
-
-``cgn.track`` and ``cgn.report`` are functions (the front door and the
-one-call report); the modules of the same names are imported by their full
-names (``from cockpit_gradnoise.report import build_report``).
 """
 
 import importlib
-import sys
-import types
 from importlib.metadata import PackageNotFoundError, version
 
 from cockpit_gradnoise._compat import install_cockpit_hook
@@ -36,10 +30,10 @@ _EXPORTS = {
     "write_log": ("cockpit_gradnoise.frame", "write_log"),
     "plot": ("cockpit_gradnoise.dashboard", "plot"),
     "panels": ("cockpit_gradnoise.panels", None),
-    "report": ("cockpit_gradnoise._report_text", "report"),
-    "track": ("cockpit_gradnoise.track", "track"),
-    "configuration": ("cockpit_gradnoise.track", "configuration"),
-    "Tracker": ("cockpit_gradnoise.track", "Tracker"),
+    "report": ("cockpit_gradnoise.findings", "report"),
+    "track": ("cockpit_gradnoise.tracking", "track"),
+    "configuration": ("cockpit_gradnoise.tracking", "configuration"),
+    "Tracker": ("cockpit_gradnoise.tracking", "Tracker"),
     "minibatch_gradient_stats": ("cockpit_gradnoise.minibatch", "minibatch_gradient_stats"),
     "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),
     "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
@@ -61,28 +55,6 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
-
-#: Package-level functions that share their name with a submodule.
-_FUNCTIONS_OVER_MODULES = {"track", "report"}
-
-
-class _Package(types.ModuleType):
-    """The package's module type: ``cgn.track`` and ``cgn.report`` stay functions.
-
-    Importing a submodule binds it as an attribute of its package, which
-    would make ``cgn.report`` the module once anything imports
-    ``cockpit_gradnoise.report``; that binding is skipped for these names
-    (the modules stay in ``sys.modules``).
-    """
-
-    def __setattr__(self, name, value):
-        if name in _FUNCTIONS_OVER_MODULES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 
 def __getattr__(name):
     try:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from cockpit_gradnoise._views import DEFAULT_TOP_K
-from cockpit_gradnoise.report import FORMATS, build_report, format_report
+from cockpit_gradnoise.findings import FORMATS, build_report, format_report
 
 EXIT_BAD_INPUT = 2
 
@@ -152,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
         description="Print a per-layer table at the last (or chosen) step: median sd, "
         "SNR, per-example norms, norm ratio, relative update size, B_simple; the text "
         "format adds one plain-language line per finding (thresholds: "
-        "cockpit_gradnoise.report.THRESHOLDS).",
+        "cockpit_gradnoise.findings.THRESHOLDS).",
     )
     report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     report_parser.add_argument(

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.report import build_report, run_findings, run_history
+from cockpit_gradnoise.findings import build_report, run_findings, run_history
 
 import pandas
 import pytest

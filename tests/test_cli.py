@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli  # noqa: E402
-from cockpit_gradnoise.report import (  # noqa: E402
+from cockpit_gradnoise.findings import (  # noqa: E402
     COLUMNS,
     THRESHOLDS,
     build_report,

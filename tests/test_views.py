@@ -13,9 +13,9 @@ matplotlib.use("Agg")
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli, panels  # noqa: E402
 from cockpit_gradnoise._views import Coverage, coverage_note, network_coverage  # noqa: E402
+from cockpit_gradnoise.findings import COLUMNS as REPORT_COLUMNS  # noqa: E402
+from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
 from cockpit_gradnoise.frame import COLUMNS  # noqa: E402
-from cockpit_gradnoise.report import COLUMNS as REPORT_COLUMNS  # noqa: E402
-from cockpit_gradnoise.report import build_report, format_report  # noqa: E402
 from cockpit_gradnoise.schema import (  # noqa: E402
     GRADIENT_VARIANCE,
     NETWORK,

@@ -27,9 +27,9 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise import quantities as package_quantities
-from cockpit_gradnoise._report_text import report
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import register_extensions
+from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import to_frame, write_log
 from cockpit_gradnoise.prepare import prepare_model
 
@@ -139,7 +139,10 @@ def configuration(
     if model is not None and param_names is not None:
         raise ValueError("give model= or param_names=, not both: names come from the model")
     plan = _plan(quantities, quantiles, options)
-    names = trainable_names(model) if model is not None else param_names
+    names = param_names
+    if model is not None:
+        trainable_names(model)  # refuses a model without trainable parameters
+        names = {name: param for name, param in model.named_parameters() if param.requires_grad}
     return _build(plan, schedule_of(every), names, verbose)
 
 
@@ -249,7 +252,9 @@ def track(
     schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
     model = prepare_model(convert_attention(model), use_converter=use_converter)
     names = trainable_names(model)
-    built = _build(plan, schedule, names, verbose)
+    # Names found by identity (a mapping), so a quantity can never mislabel a row.
+    by_name = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    built = _build(plan, schedule, by_name, verbose)
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
@@ -363,7 +368,7 @@ class Tracker:
         return dashboard.plot(self.cockpit, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
-        """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
+        """The report of what is tracked so far: :func:`~cockpit_gradnoise.findings`'s arguments."""
         return report(self, path, **kwargs)
 
 

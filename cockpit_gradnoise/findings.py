@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from cockpit_gradnoise._views import (
@@ -537,3 +539,47 @@ def _text(report: Report) -> str:
     ]
     lines += [f"- {line}" for line in report.findings] or ["- none"]
     return "\n".join(lines) + "\n"
+
+
+def report(source, path=None, *, step: Optional[int] = None, batch_size: Optional[int] = None,
+           fmt: str = "text", thresholds=None) -> str:
+    """The report of a run in one call: a per-layer table of one step and findings.
+
+    ``format_report(build_report(to_frame(source)))`` (the text of
+    ``cockpit-gradnoise report``).
+
+    Args:
+        source: A log's path, a :class:`~cockpit_gradnoise.Tracker`, a
+            ``Cockpit``, its output dict or a frame of
+            :func:`~cockpit_gradnoise.to_frame`.
+        path: Where to write the text too (parent folders are created).
+        step: The step to report (default: the last tracked step).
+        batch_size: The batch size, compared with the noise scale; default
+            the one GradientNoiseScale recorded.
+        fmt: ``"text"``, ``"csv"`` or ``"json"``.
+        thresholds: A :class:`Thresholds` (default: ``THRESHOLDS``).
+
+    Returns:
+        The report's text.
+    """
+    from cockpit_gradnoise.frame import to_frame
+
+    import pandas  # only here: importing this module stays light
+
+    # The header names the log, else what was reported ("Tracker", "DataFrame").
+    tracked = getattr(source, "cockpit", None)  # a Tracker's Cockpit
+    if isinstance(source, (str, os.PathLike)):
+        name = str(source)
+    elif tracked is not None:
+        name, source = str(source.log or "Tracker"), tracked
+    else:
+        name = type(source).__name__
+    frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
+    kwargs = {} if thresholds is None else {"thresholds": thresholds}
+    built = build_report(frame, source=name, step=step, batch_size=batch_size, **kwargs)
+    text = format_report(built, fmt)
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text
