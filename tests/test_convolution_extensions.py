@@ -23,12 +23,15 @@ from cockpit_gradnoise.extensions import (
     SumsOfContributions,
     _conv_math,
     _cost,
+    override_module_extensions,
+    sums,
 )
 
 import pytest
 import torch
 from backpack import backpack, extend
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.extensions.firstorder.sum_grad_squared import conv1d as sgs_conv1d
 from torch import nn
 
 from tests.cases import MODELS
@@ -283,3 +286,31 @@ def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch
     assert seen == [1] * 14  # 7 examples, for each of the two extensions
     assert_results_match(got, expected_for(case, True, 7, "sum"))
 
+
+
+def test_rows_are_overridden_on_the_instances_given():
+    """``override_module_extensions`` replaces a row of the instances given (what the
+    benchmarks' "BackPACK's conv rows" methods do) and leaves new instances alone."""
+    calls = []
+
+    class RecordingSums(sums.SumsFromContributionsMixin, sgs_conv1d.SGSConv1d):
+        def __call__(self, *args):
+            calls.append(type(args[0]))
+            super().__call__(*args)
+
+    extensions = [SumsOfContributions(), PerExampleSquaredNorms()]
+    override_module_extensions(extensions, {SumsOfContributions: {nn.Conv1d: RecordingSums()}})
+    model, _, loss_fn, inputs, targets = build(CONVS[0], True, 5, "sum")
+    with backpack(*extensions):
+        loss_fn(model(inputs), targets).backward()
+    assert calls == [SumsOfContributions]
+    for name, (_, norms, x) in expected_for(CONVS[0], True, 5, "sum").items():
+        param = model.get_parameter(name)
+        torch.testing.assert_close(getattr(param, BATCH_L2_SAVEFIELD), norms, rtol=RTOL, atol=0)
+        total, squares = getattr(param, SUMS_SAVEFIELD)
+        torch.testing.assert_close(squares, x.pow(2).sum(0), rtol=RTOL, atol=0)
+        assert ((total - x.sum(0)).abs() <= RTOL * x.abs().sum(0)).all(), name
+    model, _, loss_fn, inputs, targets = build(CONVS[0], True, 5, "sum")
+    with backpack(SumsOfContributions()):
+        loss_fn(model(inputs), targets).backward()
+    assert calls == [SumsOfContributions]

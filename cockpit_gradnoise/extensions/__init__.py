@@ -119,7 +119,7 @@ class SumsOfContributions(_RecordingExtension):
                 nn.BatchNorm2d: sums.SumsBatchNormAnyMode(),
                 nn.BatchNorm3d: sums.SumsBatchNormAnyMode(),
                 nn.Embedding: sums.SumsEmbeddingAnyDtype(),
-                **normalization.module_extensions(normalization.sums),
+                **normalization.module_extensions(sums.sums_of),
             },
             fail_mode=FAIL_SILENT,
         )

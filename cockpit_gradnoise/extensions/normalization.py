@@ -44,7 +44,6 @@ import functools
 from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
-from cockpit_gradnoise.extensions.sums import sums_of
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -152,9 +151,6 @@ def gradient(contributions: Tensor) -> Tensor:
     """The gradient ``sum_i x_i``, shape ``param.shape`` (``LocalGradient``)."""
     return contributions.sum(0)
 
-
-#: ``[sum_i x_i, sum_i x_i^2]``, shape ``[2, *param.shape]`` (``SumsOfContributions``, :mod:`.sums`).
-sums = sums_of
 
 
 class NormalizationModuleExtension(FirstOrderModuleExtension):
