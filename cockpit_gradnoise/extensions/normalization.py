@@ -152,7 +152,6 @@ def gradient(contributions: Tensor) -> Tensor:
     return contributions.sum(0)
 
 
-
 class NormalizationModuleExtension(FirstOrderModuleExtension):
     """``reduce`` of a normalization layer's per-example contributions, for each parameter.
 
