@@ -4,16 +4,12 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import schema
-from cockpit_gradnoise.extensions import (
-    SUM_GRAD_SQUARED_SAVEFIELD,
-    SUMS_SAVEFIELD,
-    SumOfSquaredContributions,
-    SumsOfContributions,
-)
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.quantities._base import SUM
 
 import pytest
 import torch
+from backpack.extensions import SumGradSquared
 from cockpit.utils.schedules import linear
 
 from tests.cases import MODELS, build, run_step
@@ -96,10 +92,10 @@ def test_undeclared_statistic_names_fail_at_the_first_tracked_step():
 class SumOfSquaresReader(cgn.ParameterQuantity):
     """A user's quantity reading the sum of squares from another extension in one step."""
 
-    extension_classes = (SumOfSquaredContributions,)
+    extension_classes = (SumGradSquared,)
 
     def parameter_value(self, param, context):
-        return getattr(param, SUM_GRAD_SQUARED_SAVEFIELD).sum().item()
+        return getattr(param, "sum_grad_squared").sum().item()
 
     def network_value(self, values):
         return sum(values)

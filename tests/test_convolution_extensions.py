@@ -1,12 +1,12 @@
 """The convolution extensions against a per-example loop, in float64.
 
-All three: ``sum_i x_i**2`` (``SumOfSquaredContributions``), ``||x_i||^2``
-(``PerExampleSquaredNorms``) and ``[sum_i x_i, sum_i x_i**2]``
+Both: ``||x_i||^2`` (``PerExampleSquaredNorms``) and ``[sum_i x_i, sum_i x_i**2]``
 (``SumsOfContributions``).
 
 Every convolution class with stride, padding, dilation, groups and
 ``output_padding`` variants, with and without bias, both methods forced
-(forming per-example gradients; expanding the square or the Gram matrices),
+(forming per-example gradients; products of positions: Gram matrices, or the
+two products of one position),
 in one chunk or several, against autograd on an un-extended copy of the model.
 """
 
@@ -18,18 +18,20 @@ from typing import Callable, Tuple
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     BATCH_L2_SAVEFIELD,
-    SUM_GRAD_SQUARED_SAVEFIELD,
     SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
-    SumOfSquaredContributions,
     SumsOfContributions,
-    convolution,
+    _conv_math,
+    _cost,
+    override_module_extensions,
+    sums,
 )
 
 import pytest
 import torch
 from backpack import backpack, extend
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.extensions.firstorder.sum_grad_squared import conv1d as sgs_conv1d
 from torch import nn
 
 from tests.cases import MODELS
@@ -163,16 +165,13 @@ def expected_results(plain, inputs, targets, reduction):
 
 
 def extension_results(model, loss_fn, inputs, targets):
-    """``{conv param name: (sum of squares, squared norms, [sum, sum of squares])}``
-    from one BackPACK backward pass."""
+    """``{conv param name: (squared norms, [sum, sum of squares])}`` from one
+    BackPACK backward pass."""
     loss = loss_fn(model(inputs), targets)
-    with backpack(SumOfSquaredContributions(), PerExampleSquaredNorms(), SumsOfContributions()):
+    with backpack(PerExampleSquaredNorms(), SumsOfContributions()):
         loss.backward()
     return {
-        f"0.{name}": tuple(
-            getattr(p, field)
-            for field in (SUM_GRAD_SQUARED_SAVEFIELD, BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD)
-        )
+        f"0.{name}": tuple(getattr(p, field) for field in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD))
         for name, p in model[0].named_parameters()
     }
 
@@ -180,9 +179,8 @@ def extension_results(model, loss_fn, inputs, targets):
 def assert_results_match(got, expected):
     assert set(got) == set(expected)
     for name, (sum_of_squares, norms, x) in expected.items():
-        torch.testing.assert_close(got[name][0], sum_of_squares, rtol=RTOL, atol=0)
-        torch.testing.assert_close(got[name][1], norms, rtol=RTOL, atol=0)
-        total, squares = got[name][2]
+        torch.testing.assert_close(got[name][0], norms, rtol=RTOL, atol=0)
+        total, squares = got[name][1]
         torch.testing.assert_close(squares, sum_of_squares, rtol=RTOL, atol=0)
         # sum_i x_i can cancel: its error is relative to sum_i |x_i|, per element.
         error = (total - x.sum(0)).abs()
@@ -197,10 +195,10 @@ def assert_results_match(got, expected):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("case", CONVS, ids=lambda case: case.name)
 def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, method, monkeypatch):
-    monkeypatch.setattr(convolution, "FORCE_METHOD", method)
+    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
     model, _, loss_fn, inputs, targets = build(case, bias, n, reduction)
     if chunked:  # chunks of 3, 3 and 1 examples
-        monkeypatch.setattr(convolution, "examples_per_chunk", lambda *args: 3)
+        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: 3)
     got = extension_results(model, loss_fn, inputs, targets)
     assert_results_match(got, expected_for(case, bias, n, reduction))
 
@@ -225,67 +223,94 @@ def test_backpacks_save_memory_setting_does_not_matter(case):
 
 
 @pytest.mark.parametrize(
-    "shape, formation_for_sums, formation_for_norms",
+    "shape, formation_for_norms",
     [
-        ((64, 147, 256), True, True),  # resnet18 conv1: 16x16 output positions
-        ((64, 576, 64), True, False),  # layer1: 8x8
-        ((128, 1152, 16), True, False),  # layer2: 4x4
-        ((256, 2304, 4), False, False),  # layer3: 2x2
-        ((512, 4608, 1), False, False),  # layer4: one position
-        ((64, 288, 576), True, True),  # benchmark CNN's second convolution
+        ((64, 147, 256), True),  # resnet18 conv1: 16x16 output positions
+        ((64, 576, 64), False),  # layer1: 8x8
+        ((128, 1152, 16), False),  # layer2: 4x4
+        ((256, 2304, 4), False),  # layer3: 2x2
+        ((512, 4608, 1), False),  # layer4: one position
+        ((64, 288, 576), True),  # benchmark CNN's second convolution
     ],
 )
-def test_cost_model_picks_the_measured_faster_method(
-    shape, formation_for_sums, formation_for_norms
-):
-    """The choices that measurement on these layers found fastest (benchmarks/README.md)."""
-    assert (
-        convolution.formation_is_cheaper(convolution.expansion_cost, *shape) is formation_for_sums
-    )
-    assert convolution.formation_is_cheaper(convolution.gram_cost, *shape) is formation_for_norms
+def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms):
+    """The choices that measurement on these layers found fastest (benchmarks/README.md);
+    the sums ask the cost model only for one position (resnet18's layer4)."""
+    assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation_for_norms
+    if shape[2] == 1:
+        assert not _cost.formation_is_cheaper(_cost.expansion_cost, *shape)
 
 
-def test_case_matrix_reaches_both_methods_for_sums_of_squares():
-    """tests/cases.py drives the quantities through both methods of the sum of squares."""
-    chosen = {}
+def test_case_matrix_reaches_both_methods_for_the_sums():
+    """tests/cases.py drives the quantities through both methods of the sums:
+    formation where a convolution has several positions, the two products of
+    one position where the cost model picks them."""
+    shapes = {}
     for name in ("cnn", "conv-one-position"):
         case = next(c for c in MODELS if c.name == name)
         conv, inputs = case.make()[0], case.inputs(2)
-        _, c_b, c_a, positions = convolution.layer_shape(conv, inputs, conv(inputs))
-        chosen[name] = convolution.formation_is_cheaper(
-            convolution.expansion_cost, c_b, c_a, positions
-        )
-    assert chosen == {"cnn": True, "conv-one-position": False}
+        shapes[name] = _conv_math.layer_shape(conv, inputs, conv(inputs))[1:]
+    assert shapes["cnn"][2] > 1
+    assert shapes["conv-one-position"][2] == 1
+    assert not _cost.formation_is_cheaper(_cost.expansion_cost, *shapes["conv-one-position"])
 
 
 def test_unknown_forced_method_is_refused(monkeypatch):
-    monkeypatch.setattr(convolution, "FORCE_METHOD", "gram")
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "gram")
     model, _, loss_fn, inputs, targets = build(CONVS[0], True, 2, "mean")
     with pytest.raises(ValueError, match="'formation' or 'expansion'"):
         extension_results(model, loss_fn, inputs, targets)
 
 
 def test_examples_per_chunk_fit_the_budget(monkeypatch):
-    monkeypatch.setattr(convolution, "CHUNK_BYTES", 1000)
-    assert convolution.examples_per_chunk(60, 8) == 2  # 960 bytes
-    assert convolution.examples_per_chunk(200, 8) == 1  # over the budget: one at a time
+    monkeypatch.setattr(_cost, "CHUNK_BYTES", 1000)
+    assert _cost.examples_per_chunk(60, 8) == 2  # 960 bytes
+    assert _cost.examples_per_chunk(200, 8) == 1  # over the budget: one at a time
 
 
 @pytest.mark.parametrize("method", ["formation", "expansion"])
 @pytest.mark.parametrize("case", CONVS[4::4], ids=lambda case: case.name)
 def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch):
-    monkeypatch.setattr(convolution, "FORCE_METHOD", method)
-    monkeypatch.setattr(convolution, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
+    monkeypatch.setattr(_cost, "CHUNK_BYTES", 1)
     seen = []
-    original = convolution.weight_factors
+    original = _conv_math.weight_factors
 
     def recording(module, inputs, grad_output):
         seen.append(len(inputs))
         return original(module, inputs, grad_output)
 
-    monkeypatch.setattr(convolution, "weight_factors", recording)
+    monkeypatch.setattr(_conv_math, "weight_factors", recording)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "sum")
     got = extension_results(model, loss_fn, inputs, targets)
-    assert seen == [1] * 21  # 7 examples, for each of the three extensions
+    assert seen == [1] * 14  # 7 examples, for each of the two extensions
     assert_results_match(got, expected_for(case, True, 7, "sum"))
 
+
+
+def test_rows_are_overridden_on_the_instances_given():
+    """``override_module_extensions`` replaces a row of the instances given (what the
+    benchmarks' "BackPACK's conv rows" methods do) and leaves new instances alone."""
+    calls = []
+
+    class RecordingSums(sums.SumsFromContributionsMixin, sgs_conv1d.SGSConv1d):
+        def __call__(self, *args):
+            calls.append(type(args[0]))
+            super().__call__(*args)
+
+    extensions = [SumsOfContributions(), PerExampleSquaredNorms()]
+    override_module_extensions(extensions, {SumsOfContributions: {nn.Conv1d: RecordingSums()}})
+    model, _, loss_fn, inputs, targets = build(CONVS[0], True, 5, "sum")
+    with backpack(*extensions):
+        loss_fn(model(inputs), targets).backward()
+    assert calls == [SumsOfContributions]
+    for name, (_, norms, x) in expected_for(CONVS[0], True, 5, "sum").items():
+        param = model.get_parameter(name)
+        torch.testing.assert_close(getattr(param, BATCH_L2_SAVEFIELD), norms, rtol=RTOL, atol=0)
+        total, squares = getattr(param, SUMS_SAVEFIELD)
+        torch.testing.assert_close(squares, x.pow(2).sum(0), rtol=RTOL, atol=0)
+        assert ((total - x.sum(0)).abs() <= RTOL * x.abs().sum(0)).all(), name
+    model, _, loss_fn, inputs, targets = build(CONVS[0], True, 5, "sum")
+    with backpack(SumsOfContributions()):
+        loss_fn(model(inputs), targets).backward()
+    assert calls == [SumsOfContributions]

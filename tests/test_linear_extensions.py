@@ -6,13 +6,16 @@ Against one backward pass per example, in float64: both extensions together in
 either order, each alone, both methods of the norms, chunks of examples.
 """
 
+import gc
+import weakref
+
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     BATCH_L2_SAVEFIELD,
     SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
     SumsOfContributions,
-    convolution,
+    _cost,
     linear,
 )
 
@@ -79,7 +82,7 @@ def run(case, n, reduction, extensions, monkeypatch, chunk=None):
 
     monkeypatch.setattr(linear, "formed_contributions", recording)
     if chunk is not None:
-        monkeypatch.setattr(linear, "examples_per_chunk", lambda *args: chunk)
+        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: chunk)
     loss = problem.loss_fn(problem.model(problem.inputs), problem.targets)
     with backpack(*(extension() for extension in extensions)):
         loss.backward()
@@ -123,7 +126,7 @@ def assert_match(results, contributions, order):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_results_match_per_example_loop(case, reduction, order, method, monkeypatch):
-    monkeypatch.setattr(convolution, "FORCE_METHOD", method)
+    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
     problem, results, _, _ = run(case, 5, reduction, ORDERS[order], monkeypatch)
     assert_match(results, expected(problem, 5, reduction), ORDERS[order])
 
@@ -132,11 +135,11 @@ def test_results_match_per_example_loop(case, reduction, order, method, monkeypa
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
     """7 examples in chunks of 3, 3 and 1, formed or by Gram matrices."""
-    monkeypatch.setattr(convolution, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
     problem, results, formed, names = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
     assert formed == [3, 3, 1] * len(names)
     assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
-    monkeypatch.setattr(convolution, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
     problem, results, _, _ = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
     assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
 
@@ -144,12 +147,11 @@ def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
 @pytest.mark.parametrize("order", ["sums-first", "norms-first"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_together_each_layer_is_formed_once(case, order, monkeypatch):
-    """Each sequence Linear's contributions are formed once for both extensions, the
-    handed-over result is taken, and the sums are the very numbers computed alone."""
-    monkeypatch.setattr(convolution, "FORCE_METHOD", "formation")
+    """Each sequence Linear's contributions are formed once for both extensions,
+    and the sums are the very numbers computed alone."""
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
     _, together, formed, names = run(case, 5, "mean", ORDERS[order], monkeypatch)
     assert len(formed) == len(names) > 0
-    assert linear._HANDED_OVER == {}
     _, sums_alone, formed_sums, _ = run(case, 5, "mean", ORDERS["sums-alone"], monkeypatch)
     _, norms_alone, formed_norms, _ = run(case, 5, "mean", ORDERS["norms-alone"], monkeypatch)
     assert len(formed_sums) == len(formed_norms) == len(names)
@@ -178,16 +180,21 @@ def test_cost_model_chooses_gram_for_the_tests_gpt_and_formation_for_long_sequen
 )
 def test_cost_model_choices(shape, formation):
     """The choices for the benchmark GPT's layers, measured faster (benchmarks/README.md)."""
-    assert convolution.formation_is_cheaper(convolution.gram_cost, *shape) is formation
+    assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation
 
 
-def test_a_handed_over_result_is_taken_once_for_that_layer_and_output_gradient_only():
-    module, other = nn.Linear(2, 2), nn.Linear(2, 2)
-    grad_output, result = torch.ones(3, 4, 2), torch.arange(3.0)
-    linear.hand_over("field", module, grad_output, result)
-    assert linear.take_over("field", module, grad_output) is result
-    assert linear.take_over("field", module, grad_output) is None  # cleared when read
-    for wrong_module, wrong_grad in [(other, grad_output), (module, grad_output.clone())]:
-        linear.hand_over("field", module, grad_output, result)
-        assert linear.take_over("field", wrong_module, wrong_grad) is None
-    assert linear._HANDED_OVER == {}
+@pytest.mark.parametrize("order", ["sums-first", "norms-first"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_together_no_result_outlives_its_savefield(case, order, monkeypatch):
+    """The result formed for the second extension is not kept once it took it:
+    deleting the savefields frees every result."""
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
+    problem, results, _, _ = run(case, 5, "mean", ORDERS[order], monkeypatch)
+    refs = [weakref.ref(result) for pair in results.values() for result in pair]
+    del results
+    for param in problem.model.parameters():
+        for field in (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD):
+            if hasattr(param, field):
+                delattr(param, field)
+    gc.collect()
+    assert refs and all(ref() is None for ref in refs)

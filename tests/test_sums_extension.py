@@ -4,14 +4,14 @@ It saves ``[sum_i x_i, sum_i x_i**2]`` from one computation of the
 contributions ``x_i``; here both are compared with the contributions of one
 backward pass per example, on the models of ``tests/cases.py`` and on RNN and
 LSTM layers, which no case there has. It must cover every parameter that
-``SumOfSquaredContributions`` covers.
+``PerExampleSquaredNorms`` covers.
 """
 
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
-    SUM_GRAD_SQUARED_SAVEFIELD,
+    BATCH_L2_SAVEFIELD,
     SUMS_SAVEFIELD,
-    SumOfSquaredContributions,
+    PerExampleSquaredNorms,
     SumsOfContributions,
 )
 
@@ -58,7 +58,7 @@ def test_sums_match_per_example_loop(case, reduction):
     problem = build(case, n, reduction)
     model = extend(problem.model)
     loss = problem.loss_fn(model(problem.inputs), problem.targets)
-    with backpack(SumsOfContributions(), SumOfSquaredContributions()):
+    with backpack(SumsOfContributions(), PerExampleSquaredNorms()):
         loss.backward()
     grads = references.per_example_gradients(
         model, problem.per_example_loss, problem.inputs, problem.targets
@@ -67,7 +67,7 @@ def test_sums_match_per_example_loop(case, reduction):
     params = dict(model.named_parameters())
     covered = [name for name in grads if hasattr(params[name], SUMS_SAVEFIELD)]
     assert covered, "the case must exercise the extension"
-    assert covered == [n for n in grads if hasattr(params[n], SUM_GRAD_SQUARED_SAVEFIELD)]
+    assert covered == [n for n in grads if hasattr(params[n], BATCH_L2_SAVEFIELD)]
     for name in covered:
         sums = getattr(params[name], SUMS_SAVEFIELD)
         assert sums.shape == (2, *params[name].shape), name

@@ -1,8 +1,10 @@
 """The BackPACK extensions the quantities request.
 
-Three first-order extensions, built as BackPACK builds its own: an explicit
-table from module class to module extension, and ``fail_mode`` passed to
-BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
+Two first-order extensions, built as BackPACK builds its own: a literal
+table from module class to module extension in ``__init__``, and
+``fail_mode`` passed to BackPACK. Rows are replaced only through BackPACK's
+``set_module_extension`` (:func:`override_module_extensions`). Compared with
+BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
 
 - their own savefields, so they never collide with (or get deleted by) the
   same extensions that Cockpit's own quantities request in one backward pass;
@@ -25,11 +27,13 @@ BackPACK. Compared with BackPACK's ``BatchL2Grad`` and ``SumGradSquared``:
   both from one computation of the contributions (:mod:`.sums`), so that
   identical examples give a variance of exactly 0.
 
-The fourth, :class:`LocalGradient`, is requested only under distributed
+The third, :class:`LocalGradient`, is requested only under distributed
 training, where ``param.grad`` is not this process's own gradient.
 
-A new layer is supported by adding one row to a table below.
+A new layer is supported by adding one row to each table below.
 """
+
+from typing import Iterable, Mapping
 
 from cockpit_gradnoise.extensions import (
     batchnorm,
@@ -43,103 +47,16 @@ from cockpit_gradnoise.extensions import (
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
-    SUM_GRAD_SQUARED_SAVEFIELD,
     SUMS_SAVEFIELD,
 )
 
-from backpack.extensions import BatchL2Grad, SumGradSquared
-from backpack.extensions.backprop_extension import FAIL_SILENT
+from backpack.extensions.backprop_extension import FAIL_SILENT, BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.firstorder.batch_l2_grad import rnn as l2_rnn
 from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
-from backpack.extensions.firstorder.sum_grad_squared import linear as sgs_linear
-from backpack.extensions.firstorder.sum_grad_squared import rnn as sgs_rnn
+from backpack.extensions.module_extension import ModuleExtension
 from torch import nn
-
-_CONVOLUTIONS = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d
-)
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-
-def _normalization_rows(extension_class):
-    """LayerNorm, GroupNorm and RMSNorm rows of one BackPACK extension (:mod:`.normalization`)."""
-    rows = normalization.NORMALIZATION_MODULE_EXTENSIONS[extension_class]
-    return {module_class: module_extension() for module_class, module_extension in rows.items()}
-
-
-def per_example_squared_norm_table():
-    """Module class -> module extension computing ``||x_i||^2`` (``[N]``) per parameter."""
-    return {
-        nn.Linear: linear.SquaredNormsLinear(),
-        nn.Conv1d: convolution.SquaredNormsConv(),
-        nn.Conv2d: convolution.SquaredNormsConv(),
-        nn.Conv3d: convolution.SquaredNormsConv(),
-        nn.ConvTranspose1d: convolution.SquaredNormsConv(),
-        nn.ConvTranspose2d: convolution.SquaredNormsConv(),
-        nn.ConvTranspose3d: convolution.SquaredNormsConv(),
-        nn.RNN: l2_rnn.BatchL2RNN(),
-        nn.LSTM: l2_rnn.BatchL2LSTM(),
-        nn.BatchNorm1d: batchnorm.BatchL2BatchNormAnyMode(),
-        nn.BatchNorm2d: batchnorm.BatchL2BatchNormAnyMode(),
-        nn.BatchNorm3d: batchnorm.BatchL2BatchNormAnyMode(),
-        nn.Embedding: embedding.BatchL2EmbeddingAnyDtype(),
-        **_normalization_rows(BatchL2Grad),
-    }
-
-
-def sum_of_squares_table():
-    """Module class -> module extension computing ``sum_i x_i**2`` per parameter."""
-    return {
-        nn.Linear: sgs_linear.SGSLinear(),
-        nn.Conv1d: convolution.SumOfSquaresConv(),
-        nn.Conv2d: convolution.SumOfSquaresConv(),
-        nn.Conv3d: convolution.SumOfSquaresConv(),
-        nn.ConvTranspose1d: convolution.SumOfSquaresConv(),
-        nn.ConvTranspose2d: convolution.SumOfSquaresConv(),
-        nn.ConvTranspose3d: convolution.SumOfSquaresConv(),
-        nn.RNN: sgs_rnn.SGSRNN(),
-        nn.LSTM: sgs_rnn.SGSLSTM(),
-        nn.BatchNorm1d: batchnorm.SGSBatchNormAnyMode(),
-        nn.BatchNorm2d: batchnorm.SGSBatchNormAnyMode(),
-        nn.BatchNorm3d: batchnorm.SGSBatchNormAnyMode(),
-        nn.Embedding: embedding.SGSEmbeddingAnyDtype(),
-        **_normalization_rows(SumGradSquared),
-    }
-
-
-def sums_table():
-    """Module class -> module extension computing ``[sum_i x_i, sum_i x_i**2]`` (:mod:`.sums`)."""
-    return {
-        nn.Linear: linear.SumsLinear(),
-        **dict.fromkeys(_CONVOLUTIONS, convolution.SumsConv()),
-        nn.RNN: sums.SumsRNN(),
-        nn.LSTM: sums.SumsLSTM(),
-        **dict.fromkeys(_BATCH_NORMS, sums.SumsBatchNormAnyMode()),
-        nn.Embedding: sums.SumsEmbeddingAnyDtype(),
-        **{module: ext() for module, ext in normalization.SUMS_MODULE_EXTENSIONS.items()},
-    }
-
-
-def local_gradient_table():
-    """Module class -> module extension computing ``sum_i x_i`` (the gradient) per parameter."""
-    return {
-        nn.Linear: grad_linear.GradLinear(),
-        nn.Conv1d: convolution.GradConv1dFast(),
-        nn.Conv2d: convolution.GradConv2dFast(),
-        nn.Conv3d: convolution.GradConv3dFast(),
-        nn.ConvTranspose1d: convolution.GradConvTranspose1dFast(),
-        nn.ConvTranspose2d: convolution.GradConvTranspose2dFast(),
-        nn.ConvTranspose3d: convolution.GradConvTranspose3dFast(),
-        nn.RNN: grad_rnn.GradRNN(),
-        nn.LSTM: grad_rnn.GradLSTM(),
-        nn.BatchNorm1d: batchnorm.GradBatchNormAnyMode(),
-        nn.BatchNorm2d: batchnorm.GradBatchNormAnyMode(),
-        nn.BatchNorm3d: batchnorm.GradBatchNormAnyMode(),
-        nn.Embedding: embedding.GradEmbeddingAnyDtype(),
-        **{module: ext() for module, ext in normalization.GRADIENT_MODULE_EXTENSIONS.items()},
-    }
 
 
 class _RecordingExtension(FirstOrderBackpropExtension):
@@ -156,18 +73,22 @@ class PerExampleSquaredNorms(_RecordingExtension):
     def __init__(self):
         super().__init__(
             savefield=BATCH_L2_SAVEFIELD,
-            module_exts=per_example_squared_norm_table(),
-            fail_mode=FAIL_SILENT,
-        )
-
-
-class SumOfSquaredContributions(_RecordingExtension):
-    """``sum_i x_i**2`` per element, saved as ``param.cgn_sum_grad_squared``."""
-
-    def __init__(self):
-        super().__init__(
-            savefield=SUM_GRAD_SQUARED_SAVEFIELD,
-            module_exts=sum_of_squares_table(),
+            module_exts={
+                nn.Linear: linear.SquaredNormsLinear(),
+                nn.Conv1d: convolution.SquaredNormsConv(),
+                nn.Conv2d: convolution.SquaredNormsConv(),
+                nn.Conv3d: convolution.SquaredNormsConv(),
+                nn.ConvTranspose1d: convolution.SquaredNormsConv(),
+                nn.ConvTranspose2d: convolution.SquaredNormsConv(),
+                nn.ConvTranspose3d: convolution.SquaredNormsConv(),
+                nn.RNN: l2_rnn.BatchL2RNN(),
+                nn.LSTM: l2_rnn.BatchL2LSTM(),
+                nn.BatchNorm1d: batchnorm.BatchL2BatchNormAnyMode(),
+                nn.BatchNorm2d: batchnorm.BatchL2BatchNormAnyMode(),
+                nn.BatchNorm3d: batchnorm.BatchL2BatchNormAnyMode(),
+                nn.Embedding: embedding.BatchL2EmbeddingAnyDtype(),
+                **normalization.module_extensions(normalization.squared_norms),
+            },
             fail_mode=FAIL_SILENT,
         )
 
@@ -184,7 +105,22 @@ class SumsOfContributions(_RecordingExtension):
     def __init__(self):
         super().__init__(
             savefield=SUMS_SAVEFIELD,
-            module_exts=sums_table(),
+            module_exts={
+                nn.Linear: linear.SumsLinear(),
+                nn.Conv1d: convolution.SumsConv(),
+                nn.Conv2d: convolution.SumsConv(),
+                nn.Conv3d: convolution.SumsConv(),
+                nn.ConvTranspose1d: convolution.SumsConv(),
+                nn.ConvTranspose2d: convolution.SumsConv(),
+                nn.ConvTranspose3d: convolution.SumsConv(),
+                nn.RNN: sums.SumsRNN(),
+                nn.LSTM: sums.SumsLSTM(),
+                nn.BatchNorm1d: sums.SumsBatchNormAnyMode(),
+                nn.BatchNorm2d: sums.SumsBatchNormAnyMode(),
+                nn.BatchNorm3d: sums.SumsBatchNormAnyMode(),
+                nn.Embedding: sums.SumsEmbeddingAnyDtype(),
+                **normalization.module_extensions(sums.sums_of),
+            },
             fail_mode=FAIL_SILENT,
         )
 
@@ -201,9 +137,48 @@ class LocalGradient(_RecordingExtension):
     def __init__(self):
         super().__init__(
             savefield=LOCAL_GRADIENT_SAVEFIELD,
-            module_exts=local_gradient_table(),
+            module_exts={
+                nn.Linear: grad_linear.GradLinear(),
+                nn.Conv1d: convolution.GradConv1dFast(),
+                nn.Conv2d: convolution.GradConv2dFast(),
+                nn.Conv3d: convolution.GradConv3dFast(),
+                nn.ConvTranspose1d: convolution.GradConvTranspose1dFast(),
+                nn.ConvTranspose2d: convolution.GradConvTranspose2dFast(),
+                nn.ConvTranspose3d: convolution.GradConvTranspose3dFast(),
+                nn.RNN: grad_rnn.GradRNN(),
+                nn.LSTM: grad_rnn.GradLSTM(),
+                nn.BatchNorm1d: batchnorm.GradBatchNormAnyMode(),
+                nn.BatchNorm2d: batchnorm.GradBatchNormAnyMode(),
+                nn.BatchNorm3d: batchnorm.GradBatchNormAnyMode(),
+                nn.Embedding: embedding.GradEmbeddingAnyDtype(),
+                **normalization.module_extensions(normalization.gradient),
+            },
             fail_mode=FAIL_SILENT,
         )
+
+
+def override_module_extensions(
+    extensions: Iterable[BackpropExtension],
+    rows: Mapping[type, Mapping[type, ModuleExtension]],
+) -> None:
+    """Replace rows of extension instances, through BackPACK's ``set_module_extension``.
+
+    For measurements and experiments: for example, to run a quantity with
+    BackPACK's own convolution rules, pass the extensions it requests
+    (``quantity.extensions(step)``, the instances it keeps) and
+    ``{SumsOfContributions: {nn.Conv2d: rule, ...}}``.
+
+    Args:
+        extensions: BackPACK extension instances.
+        rows: ``{extension class: {module class: module extension}}``; every
+            instance of an extension class given (or of a subclass) gets those
+            rows, replacing its own.
+    """
+    for extension in extensions:
+        for extension_class, replacements in rows.items():
+            if isinstance(extension, extension_class):
+                for module_class, module_extension in replacements.items():
+                    extension.set_module_extension(module_class, module_extension, overwrite=True)
 
 
 def register_extensions() -> None:

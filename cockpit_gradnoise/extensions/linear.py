@@ -3,14 +3,14 @@
 Applied to ``[N, L, in]`` (``L`` positions of a sequence; any extra dimensions
 are flattened into ``L``), a Linear's weight contributions are sums over
 positions, ``x_i = sum_l g_il a_il^T``: the convolution's case with one group
-(:mod:`.convolution`), ``C_b = out``, ``C_a = in``. Without extra dimensions
+(:mod:`._conv_math`), ``C_b = out``, ``C_a = in``. Without extra dimensions
 each is one product, and BackPACK's identities are exact and cheap: the
 sums are :func:`linear_weight_sums`' two matrix products, the norms
 ``(sum_j g_ij^2)(sum_k a_ik^2)`` by BackPACK's ``BatchL2Linear``.
 
 With positions, two exact ways to get ``||x_i||^2``, chosen per layer by the
-convolutions' cost model (``formation_is_cheaper(gram_cost, out, in, L)``,
-which ``convolution.FORCE_METHOD`` overrides as it does for convolutions):
+convolutions' cost model (``_cost.use_formation(gram_cost, out, in, L)``,
+which ``_cost.FORCE_METHOD`` overrides as it does for convolutions):
 
 - **Gram matrices**: ``||x_i||^2 = sum_{l,l'} (g_il . g_il') (a_il . a_il')``
   (:func:`gram_squared_norms`), ``2 L^2 (out + in)`` operations per example;
@@ -23,16 +23,16 @@ another order of products). The sums need the formed ``x_i`` whatever the
 cost (:mod:`.sums`). So when ``SumsOfContributions`` and
 ``PerExampleSquaredNorms`` both run in one backward pass, whichever reaches
 the layer first forms each chunk of ``x_i`` once and takes both results from
-it (:func:`linear_weight_sums_and_squared_norms`); the other's result is
-handed over (:func:`hand_over`, :func:`take_over`) and the second extension
-computes nothing. Its norms then come from formation, not the Gram matrices
-it would use alone: the same numbers up to rounding, not bit for bit.
+it (:func:`linear_weight_sums_and_squared_norms`); the second takes its
+result from :data:`._layer_cache.LAYER_CACHE` and computes nothing. Its norms
+then come from formation, not the Gram matrices it would use alone: the same
+numbers up to rounding, not bit for bit.
 """
 
-import weakref
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Tuple
 
-from cockpit_gradnoise.extensions import convolution
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin, stacked
 
@@ -43,24 +43,15 @@ from backpack.extensions.firstorder.batch_l2_grad.linear import BatchL2Linear
 from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from torch import Tensor
 
-#: Bytes of temporaries (per-example contributions, or Gram matrices) formed
-#: at once for a Linear on sequences (as :data:`.convolution.CHUNK_BYTES`).
-CHUNK_BYTES = 16 * 2**20
-
 
 def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
     """``(g, a)``: output gradients ``[N, L, out]`` and inputs ``[N, L, in]``."""
     return grad_output.flatten(1, -2), inputs.flatten(1, -2)
 
 
-def examples_per_chunk(numbers_per_example: int, itemsize: int) -> int:
-    """How many examples' temporaries fit in :data:`CHUNK_BYTES` (at least one)."""
-    return max(1, CHUNK_BYTES // (numbers_per_example * itemsize))
-
-
 def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
     """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples."""
-    size = examples_per_chunk(g.shape[2] * a.shape[2], a.element_size())
+    size = _cost.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size())
     for start in range(0, g.shape[0], size):
         yield torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size])
 
@@ -68,7 +59,7 @@ def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
 def gram_squared_norms(g: Tensor, a: Tensor) -> Tensor:
     """``||x_i||^2 = sum_{l,l'} (g_il . g_il') (a_il . a_il')``, ``[N]``, chunk by chunk."""
     positions = g.shape[1]
-    size = examples_per_chunk(2 * positions**2, a.element_size())
+    size = _cost.examples_per_chunk(2 * positions**2, a.element_size())
     norms = []
     for start in range(0, g.shape[0], size):
         g_chunk, a_chunk = g[start : start + size], a[start : start + size]
@@ -89,7 +80,7 @@ def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     By the Gram matrices or by formation, whichever the cost model finds cheaper.
     """
     g, a = sequence_factors(inputs, grad_output)
-    if convolution._use_formation(convolution.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
+    if _cost.use_formation(_cost.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
         return formed_squared_norms(g, a)
     return gram_squared_norms(g, a)
 
@@ -119,7 +110,7 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     ``T = G^T A`` and ``S = (G**2)^T (A**2)`` are two matrix products (no
     ``N x |W|`` tensor), exact to the bound with ``inner_terms = 1``. With extra
     dimensions (positions of a sequence), ``x_i = sum_l g_il a_il^T`` is formed
-    for chunks of examples of at most :data:`CHUNK_BYTES`, and both sums
+    for chunks of examples of at most :data:`._cost.CHUNK_BYTES`, and both sums
     taken from it, by :func:`linear_weight_sums_and_squared_norms` (so that
     ``T`` and ``S`` are the same numbers, alone or beside the norms).
     """
@@ -131,28 +122,10 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     return linear_weight_sums_and_squared_norms(inputs, grad_output)[0]
 
 
-# Handing one extension's result over to the other, within one layer's hook ----------
+# Sharing one formation between the two extensions, within one layer's hook ----------
 
-#: ``{savefield: (module, grad_output, result)}`` (weak references to the
-#: first two): a result formed for the extension that saves ``savefield``,
-#: which it takes within the same layer's hook (BackPACK runs every active
-#: extension on a layer before going on to the next layer).
-_HANDED_OVER: dict = {}
-
-
-def hand_over(savefield: str, module, grad_output: Tensor, result: Tensor) -> None:
-    """Leave ``result`` for the extension saving ``savefield``, for this layer and call only."""
-    _HANDED_OVER[savefield] = (weakref.ref(module), weakref.ref(grad_output), result)
-
-
-def take_over(savefield: str, module, grad_output: Tensor) -> Optional[Tensor]:
-    """The result left for ``savefield`` by :func:`hand_over` for this very layer and
-    output gradient (the same tensor object, so only within this backward call), or
-    ``None``. Taking it clears it."""
-    entry = _HANDED_OVER.pop(savefield, None)
-    if entry is None or entry[0]() is not module or entry[1]() is not grad_output:
-        return None
-    return entry[2]
+#: The :data:`LAYER_CACHE` slot of a sequence Linear's ``([T, S], ||x_i||^2)``.
+_SUMS_AND_NORMS = "linear weight sums and squared norms"
 
 
 def is_active(savefield: str) -> bool:
@@ -163,19 +136,18 @@ def is_active(savefield: str) -> bool:
 def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str, alone):
     """This extension's weight result for a Linear on sequences (``ext.savefield`` is
     :data:`SUMS_SAVEFIELD` or :data:`BATCH_L2_SAVEFIELD`, the other one
-    ``other_savefield``): handed over, formed with the other's, or ``alone(inputs,
-    grad_output)`` when the other does not run."""
-    result = take_over(ext.savefield, module, grad_output)
-    if result is not None:
-        return result
+    ``other_savefield``): ``alone(inputs, grad_output)`` when the other does not
+    run, else formed with the other's by whichever reaches the layer first and
+    taken from :data:`LAYER_CACHE` by the second."""
     if not is_active(other_savefield):
         return alone(module.input0, grad_output)
-    sums, norms = linear_weight_sums_and_squared_norms(module.input0, grad_output)
-    if ext.savefield == SUMS_SAVEFIELD:
-        hand_over(other_savefield, module, grad_output, norms)
-        return sums
-    hand_over(other_savefield, module, grad_output, sums)
-    return norms
+    sources = (module, module.input0, grad_output)
+    both = LAYER_CACHE.take(_SUMS_AND_NORMS, sources)
+    if both is None:
+        both = linear_weight_sums_and_squared_norms(module.input0, grad_output)
+        LAYER_CACHE.put(_SUMS_AND_NORMS, sources, both)
+    sums, norms = both
+    return sums if ext.savefield == SUMS_SAVEFIELD else norms
 
 
 class SumsLinear(SumsFromContributionsMixin, SGSBase):

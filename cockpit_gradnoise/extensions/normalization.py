@@ -41,15 +41,13 @@ the layers around it keep BackPACK's own results.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Callable, Dict, Tuple, Type
 
-from cockpit_gradnoise.extensions.sums import sums_of
+from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
-from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
 from backpack.extensions.module_extension import ModuleExtension
 from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
@@ -77,27 +75,97 @@ def shift_contributions(grad_output: Tensor, dims: Tuple[int, ...]) -> Tensor:
     return sum_over(grad_output, dims)
 
 
-#: ``{parameter name: (module, grad_output, key, contributions)}`` (weak references
-#: to the first two): the contributions last computed for a normalization layer's
-#: ``weight`` and ``bias``, for the other active extensions on the same layer in
-#: the same backward call (BackPACK runs them one after the other). At most one
-#: layer's ``[N, *param.shape]`` per name is kept.
-_LAST_CONTRIBUTIONS: dict = {}
+# One function per layer: (module, input, grad_output, parameter name) -> the
+# per-example contributions [N, *param.shape] to that parameter's gradient.
 
 
-class _NormalizationModuleExtension(FirstOrderModuleExtension):
-    """Per-example contributions of a normalization layer's ``weight`` and ``bias``.
+def _before_normalized_shape(module: nn.Module, input: Tensor) -> Tuple[int, ...]:
+    """The positions (after the batch) before ``normalized_shape``: they share one element."""
+    return tuple(range(1, input.dim() - len(module.normalized_shape)))
 
-    A layer rule (a mixin) says how the layer normalizes (``_normalized_input``)
-    and which dimensions share a parameter element (``_shared_dims``); an
-    extension base says how the contributions ``[N, *param.shape]`` are reduced
-    (``_reduce``). One layer's contributions are formed at a time.
+
+def layer_norm_contributions(module: nn.LayerNorm, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
+    """``nn.LayerNorm``: ``x_hat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape``."""
+    dims = _before_normalized_shape(module, input)
+    if name == "bias":
+        return shift_contributions(grad_output, dims)
+    normalized = F.layer_norm(input, module.normalized_shape, eps=module.eps)
+    return scale_contributions(normalized, grad_output, dims)
+
+
+def rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
+    """``nn.RMSNorm`` (a scale, no shift): ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``.
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``; ``F.rms_norm`` applies it.
+    """
+    normalized = F.rms_norm(input, module.normalized_shape, eps=module.eps)
+    return scale_contributions(normalized, grad_output, _before_normalized_shape(module, input))
+
+
+def group_norm_contributions(module: nn.GroupNorm, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
+    """``nn.GroupNorm``: ``x_hat = (x - mean) / sqrt(var + eps)`` per group of channels.
+
+    Positions after the channels share one parameter element.
+    """
+    dims = tuple(range(2, input.dim()))
+    if name == "bias":
+        return shift_contributions(grad_output, dims)
+    normalized = F.group_norm(input, module.num_groups, eps=module.eps)
+    return scale_contributions(normalized, grad_output, dims)
+
+
+#: Module class -> (its contribution function, its parameters).
+LAYERS: Dict[Type[nn.Module], Tuple[Callable, Tuple[str, ...]]] = {
+    nn.LayerNorm: (layer_norm_contributions, ("weight", "bias")),
+    nn.GroupNorm: (group_norm_contributions, ("weight", "bias")),
+}
+if _RMS_NORM is not None:
+    LAYERS[_RMS_NORM] = (rms_norm_contributions, ("weight",))
+
+
+# One reducer per extension: contributions [N, *param.shape] -> its result.
+
+
+def batch_grad(contributions: Tensor) -> Tensor:
+    """``BatchGrad``: the contributions ``x_i``, shape ``[N, *param.shape]``."""
+    return contributions
+
+
+def squared_norms(contributions: Tensor) -> Tensor:
+    """``BatchL2Grad`` (and ``PerExampleSquaredNorms``): ``||x_i||^2``, shape ``[N]``."""
+    return contributions.pow(2).flatten(start_dim=1).sum(1)
+
+
+def sum_of_squares(contributions: Tensor) -> Tensor:
+    """``SumGradSquared``: ``sum_i x_i^2`` per element, shape ``param.shape``."""
+    return contributions.pow(2).sum(0)
+
+
+def variance(contributions: Tensor) -> Tensor:
+    """``Variance`` as BackPACK defines it: ``sum_i x_i^2 / N - (sum_i x_i / N)^2``."""
+    n = contributions.shape[0]
+    return contributions.pow(2).sum(0) / n - (contributions.sum(0) / n) ** 2
+
+
+def gradient(contributions: Tensor) -> Tensor:
+    """The gradient ``sum_i x_i``, shape ``param.shape`` (``LocalGradient``)."""
+    return contributions.sum(0)
+
+
+class NormalizationModuleExtension(FirstOrderModuleExtension):
+    """``reduce`` of a normalization layer's per-example contributions, for each parameter.
+
+    The contributions are formed once per layer, parameter and backward pass
+    for all active extensions (GradientVarianceQuantiles' sums and the
+    per-example norms both read them) and kept in
+    :data:`~._layer_cache.LAYER_CACHE`: recomputing ``x_hat`` cost as much as
+    the layer's forward pass per extension.
     """
 
-    PARAMS = ("weight", "bias")
-
-    def __init__(self):
-        super().__init__(params=list(self.PARAMS))
+    def __init__(self, contributions: Callable, reduce: Callable, params: Tuple[str, ...]):
+        self._contributions_of = contributions
+        self._reduce = reduce
+        super().__init__(params=list(params))
 
     def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
         return self._reduce(self._contributions(ext, module, g_out, "weight"))
@@ -105,56 +173,12 @@ class _NormalizationModuleExtension(FirstOrderModuleExtension):
     def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
         return self._reduce(self._contributions(ext, module, g_out, "bias"))
 
-    def _contributions(self, ext, module, g_out, name: str) -> Tensor:
-        """Per-example contributions to ``module``'s parameter ``name``, ``[N, *param.shape]``.
-
-        Computed once per layer and backward pass for all active extensions
-        (GradientVarianceQuantiles' sums and the per-example norms both read
-        them): recomputing ``x_hat`` cost as much as the layer's forward pass
-        per extension.
-        """
-        subsampling = ext.get_subsampling()
-        key = None if subsampling is None else tuple(subsampling)
-        found = _LAST_CONTRIBUTIONS.get(name)
-        if (found is not None and found[0]() is module and found[1]() is g_out[0]
-                and found[2] == key):
-            return found[3]
-        input, grad_output = self._active_examples(ext, module, g_out)
-        dims = self._shared_dims(module, input)
-        if name == "weight":
-            normalized = self._normalized_input(module, input)
-            contributions = scale_contributions(normalized, grad_output, dims)
-        else:
-            contributions = shift_contributions(grad_output, dims)
-        _LAST_CONTRIBUTIONS[name] = (weakref.ref(module), weakref.ref(g_out[0]), key, contributions)
-        return contributions
-
-    @staticmethod
-    def _active_examples(ext, module, g_out) -> Tuple[Tensor, Tensor]:
-        subsampling = ext.get_subsampling()
-        return (
-            subsample(module.input0, subsampling=subsampling),
-            subsample(g_out[0], subsampling=subsampling),
-        )
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        raise NotImplementedError
-
-
-class _OverNormalizedShapeRule:
-    """Layers that normalize each example over its last ``normalized_shape`` dimensions.
-
-    Positions before those dimensions (after the batch) share one parameter element.
-    """
-
-    @staticmethod
-    def _shared_dims(module: nn.Module, input: Tensor) -> Tuple[int, ...]:
-        return tuple(range(1, input.dim() - len(module.normalized_shape)))
-
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out) -> None:
         # Without a batch dimension BackPACK would take the first normalized
         # dimension for the batch and return contributions of the wrong shape.
         # Layers without trainable parameters compute nothing: let them pass.
+        if not hasattr(module, "normalized_shape"):
+            return
         shape = tuple(module.input0.shape)
         trainable = any(param.requires_grad for param in module.parameters())
         if trainable and len(shape) <= len(module.normalized_shape):
@@ -164,182 +188,36 @@ class _OverNormalizedShapeRule:
                 f"(N, ..., *{tuple(module.normalized_shape)}): add a batch dimension."
             )
 
-
-class _LayerNormRule(_OverNormalizedShapeRule):
-    """``nn.LayerNorm``: ``(x - mean) / sqrt(var + eps)`` over ``normalized_shape``."""
-
-    @staticmethod
-    def _normalized_input(module: nn.LayerNorm, input: Tensor) -> Tensor:
-        return F.layer_norm(input, module.normalized_shape, eps=module.eps)
-
-
-class _RMSNormRule(_OverNormalizedShapeRule):
-    """``nn.RMSNorm``: ``x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``.
-
-    ``eps=None`` means ``torch.finfo(input.dtype).eps``; ``F.rms_norm`` applies it.
-    RMSNorm has no shift parameter.
-    """
-
-    PARAMS = ("weight",)
-
-    @staticmethod
-    def _normalized_input(module: nn.Module, input: Tensor) -> Tensor:
-        return F.rms_norm(input, module.normalized_shape, eps=module.eps)
-
-
-class _GroupNormRule:
-    """``nn.GroupNorm``: ``(x - mean) / sqrt(var + eps)`` per group of channels.
-
-    Positions after the channels share one parameter element.
-    """
-
-    @staticmethod
-    def _normalized_input(module: nn.GroupNorm, input: Tensor) -> Tensor:
-        return F.group_norm(input, module.num_groups, eps=module.eps)
-
-    @staticmethod
-    def _shared_dims(module: nn.GroupNorm, input: Tensor) -> Tuple[int, ...]:
-        return tuple(range(2, input.dim()))
-
-
-class _BatchGradNormalization(_NormalizationModuleExtension):
-    """``BatchGrad``: the contributions ``x_i``, shape ``[N, *param.shape]``."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
+    def _contributions(self, ext, module, g_out, name: str) -> Tensor:
+        """Per-example contributions to ``module``'s parameter ``name``, ``[N, *param.shape]``."""
+        subsampling = ext.get_subsampling()
+        key = None if subsampling is None else tuple(subsampling)
+        slot, sources = ("normalization", name), (module, module.input0, g_out[0])
+        found = LAYER_CACHE.get(slot, sources, key)
+        if found is not None:
+            return found
+        input = subsample(module.input0, subsampling=subsampling)
+        grad_output = subsample(g_out[0], subsampling=subsampling)
+        contributions = self._contributions_of(module, input, grad_output, name)
+        LAYER_CACHE.put(slot, sources, contributions, key)
         return contributions
 
 
-class _BatchL2Normalization(_NormalizationModuleExtension):
-    """``BatchL2Grad``: ``||x_i||^2``, shape ``[N]``."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        return contributions.pow(2).flatten(start_dim=1).sum(1)
-
-
-class _SumGradSquaredNormalization(_NormalizationModuleExtension):
-    """``SumGradSquared``: ``sum_i x_i^2`` per element, shape ``param.shape``."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        return contributions.pow(2).sum(0)
+def module_extensions(reduce: Callable) -> Dict[Type[nn.Module], ModuleExtension]:
+    """``{module class: module extension}`` of the normalization layers for one reducer."""
+    return {
+        module_class: NormalizationModuleExtension(contributions, reduce, params)
+        for module_class, (contributions, params) in LAYERS.items()
+    }
 
 
-class _VarianceNormalization(_NormalizationModuleExtension):
-    """``Variance`` as BackPACK defines it: ``sum_i x_i^2 / N - (sum_i x_i / N)^2``."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        return VarianceBaseModule._variance_from(
-            contributions.sum(0), contributions.pow(2).sum(0), contributions.shape[0]
-        )
-
-
-class _GradientNormalization(_NormalizationModuleExtension):
-    """The gradient ``sum_i x_i``, shape ``param.shape`` (for :class:`~cockpit_gradnoise.extensions.LocalGradient`)."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        return contributions.sum(0)
-
-
-class _SumsNormalization(_NormalizationModuleExtension):
-    """``[sum_i x_i, sum_i x_i^2]`` from the same contributions, shape ``[2, *param.shape]`` (:mod:`.sums`)."""
-
-    def _reduce(self, contributions: Tensor) -> Tensor:
-        return sums_of(contributions)
-
-
-class BatchGradLayerNorm(_LayerNormRule, _BatchGradNormalization):
-    """``BatchGrad`` for ``nn.LayerNorm``."""
-
-
-class BatchGradGroupNorm(_GroupNormRule, _BatchGradNormalization):
-    """``BatchGrad`` for ``nn.GroupNorm``."""
-
-
-class BatchGradRMSNorm(_RMSNormRule, _BatchGradNormalization):
-    """``BatchGrad`` for ``nn.RMSNorm``."""
-
-
-class BatchL2LayerNorm(_LayerNormRule, _BatchL2Normalization):
-    """``BatchL2Grad`` for ``nn.LayerNorm``."""
-
-
-class BatchL2GroupNorm(_GroupNormRule, _BatchL2Normalization):
-    """``BatchL2Grad`` for ``nn.GroupNorm``."""
-
-
-class BatchL2RMSNorm(_RMSNormRule, _BatchL2Normalization):
-    """``BatchL2Grad`` for ``nn.RMSNorm``."""
-
-
-class SGSLayerNorm(_LayerNormRule, _SumGradSquaredNormalization):
-    """``SumGradSquared`` for ``nn.LayerNorm``."""
-
-
-class SGSGroupNorm(_GroupNormRule, _SumGradSquaredNormalization):
-    """``SumGradSquared`` for ``nn.GroupNorm``."""
-
-
-class SGSRMSNorm(_RMSNormRule, _SumGradSquaredNormalization):
-    """``SumGradSquared`` for ``nn.RMSNorm``."""
-
-
-class VarianceLayerNorm(_LayerNormRule, _VarianceNormalization):
-    """``Variance`` for ``nn.LayerNorm``."""
-
-
-class VarianceGroupNorm(_GroupNormRule, _VarianceNormalization):
-    """``Variance`` for ``nn.GroupNorm``."""
-
-
-class VarianceRMSNorm(_RMSNormRule, _VarianceNormalization):
-    """``Variance`` for ``nn.RMSNorm``."""
-
-
-class GradLayerNorm(_LayerNormRule, _GradientNormalization):
-    """The gradient for ``nn.LayerNorm``."""
-
-
-class GradGroupNorm(_GroupNormRule, _GradientNormalization):
-    """The gradient for ``nn.GroupNorm``."""
-
-
-class GradRMSNorm(_RMSNormRule, _GradientNormalization):
-    """The gradient for ``nn.RMSNorm``."""
-
-
-class SumsLayerNorm(_LayerNormRule, _SumsNormalization):
-    """Both sums for ``nn.LayerNorm``."""
-
-
-class SumsGroupNorm(_GroupNormRule, _SumsNormalization):
-    """Both sums for ``nn.GroupNorm``."""
-
-
-class SumsRMSNorm(_RMSNormRule, _SumsNormalization):
-    """Both sums for ``nn.RMSNorm``."""
-
-
-def _rows(layer_norm, group_norm, rms_norm) -> Dict[Type[nn.Module], Type[ModuleExtension]]:
-    rows = {nn.LayerNorm: layer_norm, nn.GroupNorm: group_norm}
-    if _RMS_NORM is not None:
-        rows[_RMS_NORM] = rms_norm
-    return rows
-
-
-#: BackPACK extension class -> {module class -> module extension class}.
-NORMALIZATION_MODULE_EXTENSIONS: Dict[
-    Type[BackpropExtension], Dict[Type[nn.Module], Type[ModuleExtension]]
-] = {
-    BatchGrad: _rows(BatchGradLayerNorm, BatchGradGroupNorm, BatchGradRMSNorm),
-    BatchL2Grad: _rows(BatchL2LayerNorm, BatchL2GroupNorm, BatchL2RMSNorm),
-    SumGradSquared: _rows(SGSLayerNorm, SGSGroupNorm, SGSRMSNorm),
-    Variance: _rows(VarianceLayerNorm, VarianceGroupNorm, VarianceRMSNorm),
+#: BackPACK extension class -> the reducer its results are.
+BACKPACK_REDUCERS: Dict[Type[BackpropExtension], Callable] = {
+    BatchGrad: batch_grad,
+    BatchL2Grad: squared_norms,
+    SumGradSquared: sum_of_squares,
+    Variance: variance,
 }
-
-#: The same rows for this package's gradient extension (``LocalGradient``).
-GRADIENT_MODULE_EXTENSIONS = _rows(GradLayerNorm, GradGroupNorm, GradRMSNorm)
-
-#: The same rows for this package's :class:`~cockpit_gradnoise.extensions.SumsOfContributions`.
-SUMS_MODULE_EXTENSIONS = _rows(SumsLayerNorm, SumsGroupNorm, SumsRMSNorm)
 
 
 def register_normalization_extensions(
@@ -347,9 +225,10 @@ def register_normalization_extensions(
 ) -> BackpropExtension:
     """Give one BackPACK extension instance the normalization layers' rows.
 
-    The rows are those of ``NORMALIZATION_MODULE_EXTENSIONS`` for the class
-    ``extension`` is an instance of, so subclasses (with their own savefields)
-    get them too. They are added through BackPACK's ``set_module_extension``.
+    The rows are :func:`module_extensions` of the reducer in
+    ``BACKPACK_REDUCERS`` for the class ``extension`` is an instance of, so
+    subclasses (with their own savefields) get them too. They are added
+    through BackPACK's ``set_module_extension``.
 
     Args:
         extension: An instance of ``BatchGrad``, ``BatchL2Grad``,
@@ -365,28 +244,25 @@ def register_normalization_extensions(
         TypeError: If ``extension`` is a class, or an instance of none (or
             more than one) of the four classes.
     """
-    rows = _rows_for(extension)
-    for module_class, module_extension_class in rows.items():
+    for module_class, module_extension in module_extensions(_reducer_for(extension)).items():
         try:
-            extension.set_module_extension(
-                module_class, module_extension_class(), overwrite=overwrite
-            )
+            extension.set_module_extension(module_class, module_extension, overwrite=overwrite)
         except ValueError:
             # BackPACK refuses to replace an existing row without overwrite.
             pass
     return extension
 
 
-def _rows_for(extension) -> Dict[Type[nn.Module], Type[ModuleExtension]]:
-    supported = ", ".join(cls.__name__ for cls in NORMALIZATION_MODULE_EXTENSIONS)
+def _reducer_for(extension) -> Callable:
+    supported = ", ".join(cls.__name__ for cls in BACKPACK_REDUCERS)
     if isinstance(extension, type):
         raise TypeError(
             f"Pass an extension instance, e.g. {extension.__name__}(), not the class "
             f"{extension.__name__}."
         )
     matches = [
-        rows
-        for extension_class, rows in NORMALIZATION_MODULE_EXTENSIONS.items()
+        reducer
+        for extension_class, reducer in BACKPACK_REDUCERS.items()
         if isinstance(extension, extension_class)
     ]
     if len(matches) != 1:
@@ -397,7 +273,8 @@ def _rows_for(extension) -> Dict[Type[nn.Module], Type[ModuleExtension]]:
     return matches[0]
 
 
-# Each patched class -> its own __init__, as it was before patching.
+# Each patched class -> its own __init__, as it was before patching: the record
+# of the one global change this module makes, on request (not a cache).
 _STOCK_INITS: Dict[type, Callable] = {}
 
 
@@ -413,7 +290,7 @@ def register_normalization_extensions_globally() -> None:
     already are unchanged. Calling it again does nothing; undo with
     :func:`unregister_normalization_extensions_globally`.
     """
-    for extension_class in NORMALIZATION_MODULE_EXTENSIONS:
+    for extension_class in BACKPACK_REDUCERS:
         if extension_class not in _STOCK_INITS:
             stock_init = extension_class.__dict__["__init__"]
             _STOCK_INITS[extension_class] = stock_init

@@ -1,6 +1,5 @@
 """Where this package's extensions save their results on each parameter."""
 
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
-SUM_GRAD_SQUARED_SAVEFIELD = "cgn_sum_grad_squared"
 LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
 SUMS_SAVEFIELD = "cgn_sums_of_contributions"

@@ -1,0 +1,212 @@
+"""Convolutions' per-example maths: patches, factors, sums and norms of the contributions.
+
+Every convolution's weight gradient is, per example ``i`` and group, a sum over
+positions ``l`` of outer products, ``x_i = sum_l b_il a_il^T``:
+
+- ``Conv``: ``b_il`` is the output gradient at output position ``l``
+  (``C_out / G`` numbers) and ``a_il`` the input patch read there
+  (``C_in / G * K`` numbers, ``K`` kernel elements);
+- ``ConvTranspose``: its weight gradient is that of an ordinary convolution
+  of the *output gradient* (same kernel size, stride, padding, dilation and
+  groups) whose "output" is the layer's input. So ``b_il`` is the input at
+  input position ``l`` (``C_in / G``) and ``a_il`` the output-gradient patch
+  read there (``C_out / G * K``). Positions past the input (``output_padding``)
+  are dropped. This is exact for ``output_padding``, where BackPACK 1.7.1's
+  ``BatchGrad`` crashes, and reads ``L`` = input positions, not BackPACK's
+  mostly-zero unfolding over output positions.
+
+Two exact ways to compute each result, chosen per layer by the cost model of
+:mod:`._cost`:
+
+- **formation**: form ``x_i`` for a chunk of examples, square them and add
+  them up at once. About the flops of the layer's weight gradient, but
+  ``N |W|`` numbers written and read: slow where ``L`` is small.
+- **products of positions**: ``||x_i||^2 = sum_{l,l'} (b_il . b_il')
+  (a_il . a_il')`` (Gram matrices; BackPACK's ``BatchL2Grad`` contracts the
+  same but ignores ``groups``, and for transposed convolutions works over
+  output positions), whose work grows as ``L^2``: cheap only where ``L`` is
+  small. With one position, ``[sum_i x_i, sum_i x_i**2]`` are the two matrix
+  products ``B^T A`` and ``(B**2)^T (A**2)``, as for a Linear layer.
+
+For ``[sum_i x_i, sum_i x_i**2]`` (:func:`weight_sums`, behind the
+gradient's standard deviation) only formation is accurate enough where
+``L > 1``; it is used there whatever the cost.
+
+Both run over chunks of examples sized to :data:`._cost.CHUNK_BYTES`: no more
+than about that is allocated at once beyond the layer's inputs and output
+gradients. Neither uses BackPACK's derivatives, so BackPACK's
+``weight_jac_t_save_memory`` setting does not matter.
+"""
+
+import math
+from typing import Iterator, Tuple
+
+from cockpit_gradnoise.extensions import _cost
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def padded_input(module: nn.Module, inputs: Tensor) -> Tensor:
+    """The input of an ``nn.Conv*d`` as the convolution saw it, padded.
+
+    The padding ``nn.Conv*d`` computes for any ``padding`` and ``padding_mode``,
+    also for ``padding="same"`` (longer on the right for even kernels); it uses
+    the module's private ``_reversed_padding_repeated_twice``, present since
+    torch 1.5.
+    """
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(inputs, module._reversed_padding_repeated_twice, mode=mode)
+
+
+def patches(x: Tensor, kernel_size, stride, dilation) -> Tensor:
+    """Patches of an already padded, channels-last ``x`` ``[N, S_1..S_d, C]``.
+
+    A view ``[N, L_1..L_d, C, k_1..k_d]``: patch ``(l_1..l_d)`` starts at
+    ``l * stride`` and reads every ``dilation``-th element, ``kernel_size`` of
+    them, per spatial dimension.
+    """
+    for d in range(len(kernel_size)):
+        span = dilation[d] * (kernel_size[d] - 1) + 1
+        x = x.unfold(1 + d, span, stride[d])[..., :: dilation[d]]
+    return x
+
+
+def weight_factors(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(B, A)`` with ``x_i[g] = B[i, g] @ A[i, g]`` for the weight's contributions.
+
+    Shapes ``B: [N, G, C_b, L]``, ``A: [N, G, L, C_a]``, ``A``'s last dimension
+    ordered as ``(k_1..k_d, C / G)``: copying patches from a channels-last
+    tensor into this order moves runs of ``C / G`` contiguous numbers, several
+    times faster than ``torch.nn.functional.unfold``'s order at resnet18's
+    sizes. :func:`as_weight` puts a result back in ``module.weight``'s order.
+    """
+    n, groups, dims = inputs.shape[0], module.groups, len(module.kernel_size)
+    if isinstance(module, TRANSPOSED):
+        pad = [p for p in reversed(module.padding) for _ in range(2)]
+        padded = F.pad(grad_output, pad)
+        # Only patches starting at input positions (not those output_padding adds).
+        reach = [
+            (size - 1) * s + d * (k - 1) + 1
+            for size, s, d, k in zip(
+                inputs.shape[2:], module.stride, module.dilation, module.kernel_size
+            )
+        ]
+        padded = padded[(..., *(slice(r) for r in reach))]
+        b = inputs
+    else:
+        padded = padded_input(module, inputs)
+        b = grad_output
+    view = patches(
+        padded.movedim(1, -1).contiguous(), module.kernel_size, module.stride, module.dilation
+    )
+    view = view.unflatten(1 + dims, (groups, -1))  # [N, L_1..L_d, G, C/G, k_1..k_d]
+    grid, kernel = range(1, 1 + dims), range(3 + dims, 3 + 2 * dims)
+    a = view.permute(0, 1 + dims, *grid, *kernel, 2 + dims)
+    positions = math.prod(view.shape[1 : 1 + dims])
+    return b.reshape(n, groups, -1, positions), a.reshape(n, groups, positions, -1)
+
+
+def as_weight(module: nn.Module, result: Tensor) -> Tensor:
+    """``[G, C_b, C_a]`` in :func:`weight_factors`' order as ``module.weight``.
+
+    ``module.weight`` is ``[G * C_b, C / G, k_1..k_d]``.
+    """
+    kernel_first = result.reshape(*module.weight.shape[:1], *module.kernel_size, -1)
+    return kernel_first.movedim(-1, 1)
+
+
+def bias_contributions(grad_output: Tensor) -> Tensor:
+    """Per-example bias gradients ``[N, C_out]``: the output gradient summed over positions."""
+    return grad_output.flatten(start_dim=2).sum(2)
+
+
+def layer_shape(
+    module: nn.Module, inputs: Tensor, grad_output: Tensor
+) -> Tuple[int, int, int, int]:
+    """``(G, C_b, C_a, L)`` of :func:`weight_factors`, without computing them."""
+    groups, kernel = module.groups, math.prod(module.kernel_size)
+    if isinstance(module, TRANSPOSED):
+        c_b, c_a, grid = module.in_channels, module.out_channels * kernel, inputs.shape[2:]
+    else:
+        c_b, c_a, grid = module.out_channels, module.in_channels * kernel, grad_output.shape[2:]
+    return groups, c_b // groups, c_a // groups, math.prod(grid)
+
+
+def _chunks(module, inputs, grad_output, temporaries_per_example) -> Iterator[Tuple[Tensor, Tensor]]:
+    """:func:`weight_factors` of consecutive chunks of examples within :data:`._cost.CHUNK_BYTES`.
+
+    ``temporaries_per_example``: numbers a method allocates per example besides
+    the factors; the factors' copies (padded channels-last tensor, patches) are
+    added here.
+    """
+    _, _, c_a, positions = layer_shape(module, inputs, grad_output)
+    copies = inputs[0].numel() + grad_output[0].numel() + module.groups * c_a * positions
+    size = _cost.examples_per_chunk(copies + temporaries_per_example, inputs.element_size())
+    for start in range(0, inputs.shape[0], size):
+        end = start + size
+        yield weight_factors(module, inputs[start:end], grad_output[start:end])
+
+
+def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
+    """Per-example weight gradients ``[n, G, C_b, C_a]``, chunk by chunk.
+
+    A whole chunk at once: fewer, larger operations than one example at a
+    time, which on a shared machine wait less for descheduled threads.
+    """
+    groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
+    for b, a in _chunks(module, inputs, grad_output, groups * c_b * c_a):
+        yield torch.matmul(b, a)
+
+
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``.
+
+    Both from the same formed ``x_i`` wherever the layer has ``L > 1``
+    positions, whatever the cost model says: expanding the square forms no
+    ``x_i``, and where the terms of one contribution cancel its ``S`` is off by
+    far more than the rounding bound of ``S - T**2 / N``
+    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`): identical
+    examples gave an sd of ``1e-3`` to ``1e-6`` of the contributions
+    (``|S - T**2 / N|`` up to ``1e6`` eps ``S`` in float32, ``4e9`` in float64)
+    on a 3x3 convolution with 2x2 output positions. With one position each
+    contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
+    ``T = sum_i b_i a_i^T`` and ``S = sum_i b_i**2 (a_i**2)^T`` are within the
+    bound (``inner_terms = 1``), and the cost model decides between them and
+    formation.
+    """
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    squares = inputs.new_zeros(groups, c_b, c_a)
+    total = inputs.new_zeros(groups, c_b, c_a)
+    if positions > 1 or _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions):
+        for gradients in _formed_gradients(module, inputs, grad_output):
+            total += gradients.sum(0)
+            squares += gradients.square_().sum(0)
+    else:
+        # The squared factors, and one factor's copy while flattening it.
+        for b, a in _chunks(module, inputs, grad_output, 2 * groups * (c_b + c_a)):
+            b = b.permute(1, 2, 0, 3).flatten(2)  # [G, C_b, n]
+            a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
+            total.baddbmm_(b, a)
+            squares.baddbmm_(b.square(), a.square())
+    return torch.stack([as_weight(module, total), as_weight(module, squares)])
+
+
+def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``||x_i||^2`` of ``module.weight``'s contributions, ``[N]``, exact.
+
+    .. math:: \\|x_i\\|^2 = \\sum_g \\sum_{l,l'} (b_{igl} \\cdot b_{igl'})(a_{igl} \\cdot a_{igl'})
+    """
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    if _cost.use_formation(_cost.gram_cost, c_b, c_a, positions):
+        gradients = _formed_gradients(module, inputs, grad_output)
+        return torch.cat([x.square_().sum((1, 2, 3)) for x in gradients])
+    norms = []
+    for b, a in _chunks(module, inputs, grad_output, 2 * groups * positions**2):
+        gram_b = torch.matmul(b.transpose(-1, -2), b)
+        gram_a = torch.matmul(a, a.transpose(-1, -2))
+        norms.append(gram_b.mul_(gram_a).sum((1, 2, 3)))
+    return torch.cat(norms)
