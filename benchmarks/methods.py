@@ -10,7 +10,6 @@ cannot give a result for every trainable parameter of the model.
 :data:`METHODS` names them in the table's order.
 """
 
-import contextlib
 import copy
 import itertools
 import warnings
@@ -279,12 +278,6 @@ def backpack_sum_grad_squared(model, loss):
     return backpack_step(model, loss, [SumGradSquared], _sums("sum_grad_squared"))
 
 
-def package_sum_of_squares(model, loss):
-    """The package's sum of squares alone (GradientVarianceQuantiles also sums the contributions)."""
-    extension = cgn_extensions.SumOfSquaredContributions
-    return backpack_step(model, loss, [extension], _sums(cgn_extensions.SUM_GRAD_SQUARED_SAVEFIELD))
-
-
 def package_sums(model, loss):
     """The package's extension behind GradientVarianceQuantiles, without the quantity."""
     extension = cgn_extensions.SumsOfContributions
@@ -297,47 +290,14 @@ def package_squared_norms(model, loss):
     return backpack_step(model, loss, [extension], _sums(cgn_extensions.BATCH_L2_SAVEFIELD))
 
 
-@contextlib.contextmanager
-def module_extensions_replaced(rows):
-    """While open, the package's extensions built use other module extensions for some layers.
-
-    Args:
-        rows: ``{extension class: {module class: module extension class}}``, e.g.
-            ``{cgn_extensions.PerExampleSquaredNorms: {nn.Conv2d: BatchL2Conv2d}}``.
-
-    PATCHES MODULE ATTRIBUTES, the only place in the benchmarks that does: an
-    extension of the package reads its table of module extensions, a function of
-    ``cockpit_gradnoise.extensions`` found by its module-level name, when it is
-    instantiated; each table named here is replaced by one with ``rows`` added,
-    and restored on exit. To be switched to the package's public injection point
-    (BackPACK's ``set_module_extension``) once it has one.
-    """
-    tables = {
-        cgn_extensions.SumOfSquaredContributions: "sum_of_squares_table",
-        cgn_extensions.SumsOfContributions: "sums_table",
-        cgn_extensions.PerExampleSquaredNorms: "per_example_squared_norm_table",
-    }
-    originals = {tables[extension]: getattr(cgn_extensions, tables[extension]) for extension in rows}
-
-    def added(table, extra):
-        return lambda: {**table(), **{cls: rule() for cls, rule in extra.items()}}
-
-    for extension, extra in rows.items():
-        name = tables[extension]
-        setattr(cgn_extensions, name, added(originals[name], extra))
-    try:
-        yield
-    finally:
-        for name, table in originals.items():
-            setattr(cgn_extensions, name, table)
-
-
-def with_backpack_convolution_rows(build):
-    """``build``, its quantities using BackPACK's own module extensions for convolutions.
+def with_backpack_convolution_rows(name):
+    """Quantity ``name``, its extensions using BackPACK's own module extensions for convolutions.
 
     That is the package before it had its own (``SumGradSquared``'s and
     ``BatchL2Grad``'s rows; the latter is wrong for grouped convolutions, which
-    the benchmark models do not have): a measurement of what ours save.
+    the benchmark models do not have): a measurement of what ours save. The rows
+    are replaced on the quantity's own extension instances, through BackPACK's
+    ``set_module_extension`` (``cgn_extensions.override_module_extensions``).
     """
     from backpack.extensions.firstorder.batch_l2_grad import convnd, convtransposend
     from backpack.extensions.firstorder.sum_grad_squared import (
@@ -358,29 +318,33 @@ def with_backpack_convolution_rows(build):
         nn.ConvTranspose3d: convtranspose3d.SGSConvTranspose3d,
     }
     backpack_rows = {
-        cgn_extensions.SumOfSquaredContributions: sgs_rows,
         # The same rules, also summing the contributions they form.
         cgn_extensions.SumsOfContributions: {
-            cls: type(f"Sums{rule.__name__}", (cgn_sums.SumsFromContributionsMixin, rule), {})
+            cls: type(f"Sums{rule.__name__}", (cgn_sums.SumsFromContributionsMixin, rule), {})()
             for cls, rule in sgs_rows.items()
         },
         cgn_extensions.PerExampleSquaredNorms: {
-            nn.Conv1d: convnd.BatchL2Conv1d,
-            nn.Conv2d: convnd.BatchL2Conv2d,
-            nn.Conv3d: convnd.BatchL2Conv3d,
-            nn.ConvTranspose1d: convtransposend.BatchL2ConvTranspose1d,
-            nn.ConvTranspose2d: convtransposend.BatchL2ConvTranspose2d,
-            nn.ConvTranspose3d: convtransposend.BatchL2ConvTranspose3d,
+            nn.Conv1d: convnd.BatchL2Conv1d(),
+            nn.Conv2d: convnd.BatchL2Conv2d(),
+            nn.Conv3d: convnd.BatchL2Conv3d(),
+            nn.ConvTranspose1d: convtransposend.BatchL2ConvTranspose1d(),
+            nn.ConvTranspose2d: convtransposend.BatchL2ConvTranspose2d(),
+            nn.ConvTranspose3d: convtransposend.BatchL2ConvTranspose3d(),
         },
     }
+
+    def make_quantities(names, schedule):
+        quantity = getattr(cgn, name)(schedule, param_names=names)
+        # The instances the quantity keeps and hands to Cockpit at every tracked step.
+        cgn_extensions.override_module_extensions(quantity.extensions(0), backpack_rows)
+        return [quantity]
 
     def build_with_backpack_rows(model, loss):
         if not any(type(m) in sgs_rows for m in model.modules()):
             raise NotSupported("not applicable: no convolutions")
-        # The quantities instantiate their extensions when built.
-        with module_extensions_replaced(backpack_rows):
-            return build(model, loss)
+        return cockpit_step(model, loss, make_quantities)
 
+    build_with_backpack_rows.make_quantities = make_quantities
     return build_with_backpack_rows
 
 
@@ -439,14 +403,11 @@ METHODS = {
     "package: all together": package_all,
     **{f"package: all together {label}": with_frozen(package_all, label) for label in FROZEN_LABELS},
     "GradientVarianceQuantiles (BackPACK's conv rows)": with_backpack_convolution_rows(
-        package_quantity("GradientVarianceQuantiles")
+        "GradientVarianceQuantiles"
     ),
-    "PerExampleGradNorm (BackPACK's conv rows)": with_backpack_convolution_rows(
-        package_quantity("PerExampleGradNorm")
-    ),
+    "PerExampleGradNorm (BackPACK's conv rows)": with_backpack_convolution_rows("PerExampleGradNorm"),
     "package extension PerExampleSquaredNorms": package_squared_norms,
     "BackPACK BatchL2Grad": backpack_batch_l2,
-    "package extension SumOfSquaredContributions": package_sum_of_squares,
     "package extension SumsOfContributions": package_sums,
     "BackPACK SumGradSquared": backpack_sum_grad_squared,
     "BackPACK Variance+SumGradSquared": backpack_variance,

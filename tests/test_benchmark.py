@@ -11,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cockpit_gradnoise.extensions import PerExampleSquaredNorms, SumsOfContributions
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 
 import pytest
 import torch
 from backpack.extensions.firstorder.batch_l2_grad.convnd import BatchL2Conv2d
+from cockpit.utils.schedules import linear
 
 from benchmarks import benchmark, harness, methods, models, readme_tables, scaling, support_cost
 
@@ -212,16 +213,16 @@ def test_support_cost_quick_run_measures_every_family_and_the_control(
     assert len(mlp) == 8 and all(isinstance(m, torch.nn.Linear) for m in mlp)  # 4 blocks x 2
 
 
-def test_module_extensions_replaced_only_for_the_extensions_built_inside():
-    """The "(BackPACK's conv rows)" methods: BackPACK's rows where asked, the package's again after."""
+def test_backpack_conv_rows_replace_rows_of_the_quantitys_own_extensions_only():
+    """The "(BackPACK's conv rows)" methods: BackPACK's rows for that quantity, the package's elsewhere."""
     def rows(extension):  # BackPACK's table of module class -> module extension (no public getter)
         return vars(extension)["_BackpropExtension__module_extensions"]
 
     before = rows(PerExampleSquaredNorms())
-    with methods.module_extensions_replaced({PerExampleSquaredNorms: {torch.nn.Conv2d: BatchL2Conv2d}}):
-        inside, other = rows(PerExampleSquaredNorms()), rows(SumsOfContributions())
-    after = rows(PerExampleSquaredNorms())
+    make_quantities = methods.with_backpack_convolution_rows("PerExampleGradNorm").make_quantities
+    (quantity,) = make_quantities(["w"], linear(1))
+    (inside,) = [rows(extension) for extension in quantity.extensions(0)]
+    other = rows(PerExampleSquaredNorms())
     assert type(before[torch.nn.Conv2d]) is not BatchL2Conv2d
     assert type(inside[torch.nn.Conv2d]) is BatchL2Conv2d
-    assert {cls: type(rule) for cls, rule in after.items()} == {cls: type(rule) for cls, rule in before.items()}
     assert set(inside) == set(before) and type(other[torch.nn.Conv2d]) is not BatchL2Conv2d
