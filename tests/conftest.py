@@ -22,9 +22,9 @@ def one_thread():
 def paths(request, monkeypatch):
     """The CPU's paths, and those taken on other devices (GPUs), run on CPU tensors."""
     if request.param == "other-devices":
-        from cockpit_gradnoise import order_statistics
+        from cockpit_gradnoise import _device
 
-        monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+        monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     return request.param
 
 

@@ -2,7 +2,7 @@
 
 import math
 
-from cockpit_gradnoise import functional, order_statistics
+from cockpit_gradnoise import _device, functional, order_statistics
 
 import numpy
 import pytest
@@ -101,7 +101,7 @@ def test_functional_keeps_the_names_callers_used():
 
 def test_signal_to_noise_on_other_devices_marks_zero_sd_nan(monkeypatch):
     """No size that depends on the data there (it would make the host wait)."""
-    monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     snr = functional.signal_to_noise(torch.tensor([1.0, -2.0, 0.0]), torch.tensor([0.5, 0.0, 0.0]))
     assert snr[0] == 2.0 and snr[1:].isnan().all()
 

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _deferred, distributed, functional, order_statistics
+from cockpit_gradnoise import _device, distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.facts import BACKWARD_FACTS
@@ -398,7 +398,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
             rows[NETWORK] = network_row
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
-        rows, finite = _deferred.resolve((rows, finite))
+        rows, finite = _device.resolve((rows, finite))
         non_finite = [name for name in usable if not finite[name]]
         nan_row = dict.fromkeys(self.statistic_names(), math.nan)
         rows = {
@@ -636,7 +636,7 @@ class ParameterQuantity(_NamedParameters, SingleStepQuantity):
     def _is_finite(self, param):
         """Whether the gradient and every savefield are finite: a bool on CPU, else a tensor."""
         tensors = [param.grad] + [getattr(param, field) for field in self._savefields]
-        if order_statistics._on_host(param.grad):
+        if _device.on_host(param.grad):
             return _all_finite(tensors)
         return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
