@@ -15,11 +15,12 @@ One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
 like a layer's). A union of tensors is never concatenated, and the passes go
-through pieces of :data:`~cockpit_gradnoise._device.CHUNK` elements, so the extra memory is under 1 MiB
-whatever the size. The quantiles of each layer and of the whole network
-(:func:`select_each_and_union`) share both passes: the network's counts
-are the sum of the layers', and one gathering serves both. Small unions
-(:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is faster there.
+through pieces of :data:`~cockpit_gradnoise._device.CHUNK` elements, so the
+extra memory is under 1 MiB whatever the size. The quantiles of each layer
+and of the whole network (:func:`select_each_and_union`) share both passes:
+the network's counts are the sum of the layers', and one gathering serves
+both. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is
+faster there.
 ``benchmarks/benchmark_order_statistics.py`` measures both against sorting
 and partitioning.
 
@@ -46,7 +47,6 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 #: costs about 0.2 ms at least; sorting 4096 floats costs 0.01 ms with NumPy's
 #: SIMD sort and 0.2 ms without (65536: 0.2 and 4.8 ms, against 0.4 ms).
 SORT_WHOLE_AT_MOST = 1 << 12
-
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
