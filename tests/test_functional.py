@@ -151,3 +151,19 @@ def test_abs_ratio_statistics_equal_numpy_on_the_kept_ratios(n, dtype, paths):
     assert got["median"] == numpy.median(ratio)
     assert (got["min"], got["max"]) == (ratio.min(), ratio.max())
     assert got["mean"] == pytest.approx(ratio.mean(), rel=1e-12)
+
+
+def test_float64_sums_by_pieces_on_either_path(paths, monkeypatch):
+    """Pieces of a few elements (a buffer reused for each): the float64 sums
+    and squared norms of all of them, within ``n 2**-53`` of the exact ones."""
+    monkeypatch.setattr(_device, "CHUNK", 7)
+    monkeypatch.setattr(_device, "DEVICE_CHUNK", 7)
+    values = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    values[3] = math.nan
+    finite = values.nan_to_num()
+    exact = math.fsum(finite.double().tolist())
+    bound = 50 * 2.0**-53 * finite.abs().sum().item()
+    assert abs(_device.float64_total(values, skip_nan=True).item() - exact) <= bound
+    squares = math.fsum((finite.double() ** 2).tolist())
+    assert abs(functional.squared_norm(finite) - squares) <= 50 * 2.0**-53 * squares
+    assert math.isnan(_device.float64_total(values).item())
