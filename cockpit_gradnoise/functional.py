@@ -15,7 +15,7 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _deferred, order_statistics, schema
+from cockpit_gradnoise import _device, order_statistics, schema
 from cockpit_gradnoise.order_statistics import Tensors
 
 import numpy
@@ -26,8 +26,8 @@ from torch import Tensor
 def scalar(tensor: Tensor):
     """A one-element tensor as a Python float on the CPU (no wait there); on
     other devices the tensor itself, left there for the step's one transfer
-    (:func:`cockpit_gradnoise._deferred.resolve`)."""
-    return tensor.item() if order_statistics._on_host(tensor) else tensor
+    (:func:`cockpit_gradnoise._device.resolve`)."""
+    return tensor.item() if _device.on_host(tensor) else tensor
 
 
 def norm_ratio(squared_numerator, squared_denominator):
@@ -121,7 +121,7 @@ def _zero_where_at_most(values: Tensor, bound: Tensor) -> Tensor:
     comparison and ``masked_fill_``.
     """
     plain = values.dtype in (torch.float32, torch.float64) and bound.dtype == values.dtype
-    if order_statistics._on_host(values) and plain and not values.requires_grad:
+    if _device.on_host(values) and plain and not values.requires_grad:
         array = values.numpy()
         numpy.putmask(array, array <= bound.numpy(), 0.0)
         return values
@@ -176,14 +176,14 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     leaves NaN out.
     """
     grad, sd = grad.detach().reshape(-1), sd.detach().reshape(-1)
-    if not order_statistics._on_host(grad):
+    if not _device.on_host(grad):
         return grad.abs().div_(sd).masked_fill_(sd == 0, math.nan)
     # Dividing everywhere and selecting once is faster than two selections;
     # the inf/NaN where sd_j = 0 are never selected. NumPy compares and
     # selects several times faster than torch on CPU; by pieces, no
     # temporary the size of the layer.
     result, start = numpy.empty(grad.numel(), dtype=grad.numpy().dtype), 0
-    for g, s in zip(order_statistics.pieces(grad), order_statistics.pieces(sd)):
+    for g, s in zip(_device.pieces(grad), _device.pieces(sd)):
         g, s = g.numpy(), s.numpy()
         with numpy.errstate(divide="ignore", invalid="ignore"):
             kept = numpy.compress(s > 0, numpy.abs(g) / s)
@@ -219,7 +219,7 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
         )
     n = individual_losses.numel()
     # One transfer for both (the host must know the reduction).
-    total, value = _deferred.transfer(
+    total, value = _device.transfer(
         [individual_losses.detach().double().sum(), loss.detach().double()]
     )
     if n == 1:
@@ -253,7 +253,7 @@ def per_example_norm_statistics(
     norms = squared_norms.detach().clamp(min=0).sqrt_()
     result = order_statistics.quantile_summary(norms, levels, defer=True)
     result[schema.MAX] = scalar(norms.max())
-    return result if defer else _deferred.resolve(result)
+    return result if defer else _device.resolve(result)
 
 
 def welford_update_(mean: Tensor, m2: Tensor, value, count: int, delta: Tensor):
@@ -324,13 +324,13 @@ def sd_statistics(
     """
     snrs = [snr] if isinstance(snr, Tensor) else list(snr)
     sds = [sd] if isinstance(sd, Tensor) else list(sd)
-    if sds and not order_statistics._on_host(sds[0]):
+    if sds and not _device.on_host(sds[0]):
         # SNR's left-out elements are NaN here (signal_to_noise).
         result = order_statistics.quantile_summary(sds, levels, defer=True)
         result[schema.SNR_PREFIX] = order_statistics.kept_quantile_summary(
             snrs, (0.5,), prefix=schema.SNR_PREFIX
         )
-        return result if defer else _deferred.resolve(result)
+        return result if defer else _device.resolve(result)
     result = order_statistics.quantile_summary(sd, levels)
     if any(s.numel() > 0 for s in snrs):
         result.update(order_statistics.quantile_summary(snrs, (0.5,), prefix=schema.SNR_PREFIX))
@@ -352,7 +352,7 @@ def sd_statistics_of_layers(
         levels: Quantile levels.
         network: Whether to compute the union's statistics too.
     """
-    if not network or not order_statistics._on_host(sds[0]):
+    if not network or not _device.on_host(sds[0]):
         rows = [sd_statistics(sd, snr, levels, defer=True) for sd, snr in zip(sds, snrs)]
         return rows, sd_statistics(sds, snrs, levels, defer=True) if network else None
     rows, union = order_statistics.quantile_summaries(sds, levels)
@@ -368,22 +368,25 @@ def sd_statistics_of_layers(
 
 
 def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
-    """``sum_j tensor_j**2`` as a Python float.
+    """``sum_j tensor_j**2``, accumulated in float64, as a Python float.
 
-    One BLAS dot product, the fastest reduction here. In float32 it is off by
-    about ``1e-6`` relative on a million elements (better than ``1e-5``;
-    ``linalg.vector_norm(...)**2`` is off by ``~3e-5``, see ``DESIGN.md``).
-    Half precision is summed in float32.
+    Dot products of float64 copies of pieces of the tensor
+    (:func:`~cockpit_gradnoise._device.float64_pieces`: never all of it in
+    float64 at once). Squares of float32 and narrower values are exact in
+    float64, so only the sum rounds: the result is off by at most
+    ``n 2**-53`` relative for ``n`` elements (``(n + 1) 2**-53`` for float64
+    input), whatever order the CPU's kernels add in (Higham 2002, ch. 4):
+    ``1.1e-10`` for a million elements. A float32 dot product's error depends
+    on the CPU's kernel (``1e-6`` to ``1e-5`` relative on a million elements).
 
     With ``defer``, on other devices than the CPU: a 0-dim float64 tensor
     left on the device (the same number).
     """
     flat = tensor.detach().reshape(-1)
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
-    result = torch.dot(flat, flat)
-    if defer and not order_statistics._on_host(flat):
-        return result.double()
+    parts = [torch.dot(piece, piece) for piece in _device.float64_pieces(flat)]
+    result = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    if defer and not _device.on_host(flat):
+        return result
     return result.item()
 
 
@@ -413,9 +416,9 @@ def abs_ratio_statistics(
         element qualifies.
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
-    if not order_statistics._on_host(a):
+    if not _device.on_host(a):
         result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
-        return result if defer else _deferred.resolve(result)
+        return result if defer else _device.resolve(result)
     # A finite sum proves every element finite (NaN and inf propagate): then
     # only b = 0 is left out.
     finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
@@ -444,7 +447,7 @@ def abs_ratio_statistics(
     }
 
 
-def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _deferred.Conditional:
+def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPositive:
     """:func:`abs_ratio_statistics` without waiting for the device.
 
     Left-out elements become NaN, which sorts last, and the ranks come from
@@ -460,10 +463,10 @@ def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _deferred.Condition
         return ordered.gather(0, rank.clamp(min=0).reshape(1))[0].double()
 
     lower, upper = at(torch.div(n - 1, 2, rounding_mode="floor")), at(n // 2)
-    return _deferred.Conditional(
+    return _device.PresentIfPositive(
         n,
         {
-            schema.MEAN: ratio.nansum(dtype=torch.float64) / n,
+            schema.MEAN: _device.float64_total(ratio, skip_nan=True) / n,
             schema.MEDIAN: (lower + upper) / 2,
             schema.MIN: at(torch.zeros_like(n)),
             schema.MAX: at(last),

@@ -15,11 +15,12 @@ One ``torch.bincount`` over the buckets of every tensor, and a cumulative
 sum, say which bucket holds each wanted rank; only the elements of those few
 buckets are gathered and sorted (a few percent of them for a spread of values
 like a layer's). A union of tensors is never concatenated, and the passes go
-through pieces of :data:`CHUNK` elements, so the extra memory is under 1 MiB
-whatever the size. The quantiles of each layer and of the whole network
-(:func:`select_each_and_union`) share both passes: the network's counts
-are the sum of the layers', and one gathering serves both. Small unions
-(:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is faster there.
+through pieces of :data:`~cockpit_gradnoise._device.CHUNK` elements, so the
+extra memory is under 1 MiB whatever the size. The quantiles of each layer
+and of the whole network (:func:`select_each_and_union`) share both passes:
+the network's counts are the sum of the layers', and one gathering serves
+both. Small unions (:data:`SORT_WHOLE_AT_MOST`) are sorted whole, which is
+faster there.
 ``benchmarks/benchmark_order_statistics.py`` measures both against sorting
 and partitioning.
 
@@ -33,7 +34,7 @@ the step's one transfer (``docs/quantities.md``).
 import math
 from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence, Tuple, Union
 
-from cockpit_gradnoise import _deferred
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.schema import MEAN, quantile_name
 
 import numpy
@@ -46,12 +47,6 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 #: costs no more than a bucket selection's fixed overhead, with or without
 #: NumPy's SIMD sort (``benchmarks/benchmark_order_statistics.py`` times both).
 SORT_WHOLE_AT_MOST = 1 << 12
-
-#: Elements per piece in passes over all elements: a piece's temporaries stay
-#: small (fresh tensors the size of a layer cost more in page faults than in
-#: work, and count in the quantities' peak memory), and large enough that the
-#: calls' own overhead is small.
-CHUNK = 1 << 17
 
 
 # Buckets: the top 14 bits of each value as a float32 (sign, 8 exponent bits,
@@ -155,10 +150,10 @@ def select(tensors: Tensors, ranks: Sequence[int]) -> List[float]:
     """
     flats = _flat_tensors(tensors)
     _check_ranks(flats, ranks)
-    if not _on_host(flats[0]):
+    if not _device.on_host(flats[0]):
         ordered = _sorted_on_device(flats)
         # NaN sorts last: the last value tells whether there is one.
-        *values, last = _deferred.transfer([ordered[r] for r in ranks] + [ordered[-1]])
+        *values, last = _device.transfer([ordered[r] for r in ranks] + [ordered[-1]])
         _check_no_nan(last)
         return values
     (values,), _ = _select_on_host([flats], [ranks])
@@ -187,7 +182,7 @@ def select_each_and_union(
     for flats, group_ranks in zip(flats_of, ranks):
         _check_ranks(flats, group_ranks)
     _check_ranks([flat for flats in flats_of for flat in flats], union_ranks)
-    if not _on_host(flats_of[0][0]):
+    if not _device.on_host(flats_of[0][0]):
         union = _flat_tensors([flat for flats in flats_of for flat in flats])
         return [select(f, r) for f, r in zip(flats_of, ranks)], select(union, union_ranks)
     return _select_on_host(flats_of, ranks, union_ranks)
@@ -239,7 +234,7 @@ def quantile_summary(
         defer: On other devices than the CPU, return 0-dim float64 tensors
             left on the device (the host does not wait; a NaN then gives NaN
             instead of an error), for one transfer with the step's other
-            statistics (:func:`cockpit_gradnoise._deferred.resolve`). No
+            statistics (:func:`cockpit_gradnoise._device.resolve`). No
             effect on CPU tensors.
 
     Returns:
@@ -247,12 +242,12 @@ def quantile_summary(
         mean is summed in float64.
     """
     flats = _flat_tensors(tensors)
-    if flats and not _on_host(flats[0]):
+    if flats and not _device.on_host(flats[0]):
         ordered = _sorted_on_device(flats)
         summary = _summary_of_sorted(ordered, flats, len(ordered), levels, prefix)
         if defer:
             return summary
-        summary, last = _deferred.resolve((summary, ordered[-1]))
+        summary, last = _device.resolve((summary, ordered[-1]))
         _check_no_nan(last)
         return summary
     _check_ranks(flats, [0])
@@ -289,7 +284,7 @@ def quantile_summaries(
         ``(summary of each group, summary of the union)``.
     """
     flats_of = [_flat_tensors(group) for group in groups]
-    if not _on_host(flats_of[0][0]):
+    if not _device.on_host(flats_of[0][0]):
         union = [flat for flats in flats_of for flat in flats]
         each = [quantile_summary(flats, levels, prefix, defer=defer) for flats in flats_of]
         return each, quantile_summary(union, levels, prefix, defer=defer)
@@ -318,7 +313,7 @@ def _named(levels, prefix, quantile_values, mean) -> Dict[str, float]:
 
 def kept_quantile_summary(
     tensors: Tensors, levels: Sequence[float], prefix: str = ""
-) -> _deferred.Conditional:
+) -> _device.PresentIfPositive:
     """:func:`quantile_summary` of the elements that are not NaN, left on the device.
 
     For data-dependent selections without data-dependent shapes (which make
@@ -328,15 +323,15 @@ def kept_quantile_summary(
     (used on devices other than the CPU).
 
     Returns:
-        A :class:`~cockpit_gradnoise._deferred.Conditional` over the number
+        A :class:`~cockpit_gradnoise._device.PresentIfPositive` over the number
         kept: the summary exists only when some element is kept.
     """
     flats = _flat_tensors(tensors)
     if not flats:
-        return _deferred.Conditional(0, {})
+        return _device.PresentIfPositive(0, {})
     ordered = _sorted_on_device(flats)
     kept = torch.stack([(~flat.isnan()).sum() for flat in flats]).sum()
-    return _deferred.Conditional(kept, _summary_of_sorted(ordered, flats, kept, levels, prefix))
+    return _device.PresentIfPositive(kept, _summary_of_sorted(ordered, flats, kept, levels, prefix))
 
 
 def _sorted_on_device(flats: List[Tensor]) -> Tensor:
@@ -357,7 +352,7 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
         a = [ordered[k].double() for k in lower]
         b = [ordered[k].double() for k in upper]
         values = interpolate(a, b, weights)
-        total = sum(flat.sum(dtype=torch.float64) for flat in flats)
+        total = sum(_device.float64_total(flat) for flat in flats)
     else:
         last = (count - 1).clamp(min=0)
         values = []
@@ -369,7 +364,7 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
             b = ordered.gather(0, torch.minimum(k + 1, last).long().reshape(1))[0].double()
             diff = b - a
             values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
-        total = sum(flat.nansum(dtype=torch.float64) for flat in flats)
+        total = sum(_device.float64_total(flat, skip_nan=True) for flat in flats)
     result = {quantile_name(level, prefix): value for level, value in zip(levels, values)}
     result[prefix + MEAN] = total / count
     return result
@@ -377,12 +372,12 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
 
 def float64_sum(tensor: Tensor) -> float:
     """Sum of all elements, accumulated in float64, as a Python float."""
-    if _on_host(tensor):
+    if _device.on_host(tensor):
         # By pieces: torch converts the whole input to float64 first (8 bytes
         # per element at once); pieces keep that small and take half the
         # time of NumPy's blockwise float64 sum.
-        return math.fsum(piece.sum(dtype=torch.float64).item() for piece in pieces(tensor))
-    return tensor.sum(dtype=torch.float64).item()
+        return math.fsum(piece.sum(dtype=torch.float64).item() for piece in _device.pieces(tensor))
+    return _device.float64_total(tensor.reshape(-1)).item()
 
 
 def _flat_tensors(tensors: Tensors) -> List[Tensor]:
@@ -399,17 +394,9 @@ def _flat_tensors(tensors: Tensors) -> List[Tensor]:
     return [flat.to(common) for flat in flats]
 
 
-def pieces(flat: Tensor) -> Tuple[Tensor, ...]:
-    """A 1d tensor in pieces of :data:`CHUNK` elements on CPU; whole on other devices.
-
-    On a GPU, pieces would only add launches and waits for the device.
-    """
-    return flat.split(CHUNK) if _on_host(flat) and flat.numel() > CHUNK else (flat,)
-
-
 def _chunks(flats: List[Tensor]) -> Iterator[Tensor]:
     for flat in flats:
-        yield from pieces(flat)
+        yield from _device.pieces(flat)
 
 
 def _buckets(flat: Tensor) -> Tensor:
@@ -602,27 +589,10 @@ def _gathered(flats: List[Tensor], wanted: numpy.ndarray) -> Iterator[numpy.ndar
     """The elements of ``flats`` in the buckets at ``wanted`` positions, piece by piece."""
     by_bucket = torch.from_numpy(numpy.concatenate([wanted[_SIGN:], wanted[:_SIGN][::-1]]))
     for chunk in _chunks(flats):
-        yield masked(chunk, by_bucket.index_select(0, _buckets(chunk))).numpy()
+        yield _device.masked(chunk, by_bucket.index_select(0, _buckets(chunk))).numpy()
 
 
 def _positions(values: numpy.ndarray) -> numpy.ndarray:
     """The bucket position of each of a few values (NumPy)."""
     buckets = _buckets(torch.from_numpy(values)).numpy()
     return numpy.where(buckets >= _SIGN, _BUCKETS - 1 - buckets, buckets + _SIGN)
-
-
-def masked(flat: Tensor, mask: Tensor) -> Tensor:
-    """``flat[mask]`` for 1d tensors; on CPU through NumPy, several times faster.
-
-    Also leaner: ``torch.masked_select`` on CPU needs several times the
-    input's memory for a moment.
-    """
-    if _on_host(flat):
-        # compress: faster than boolean indexing when many are kept.
-        return torch.from_numpy(numpy.compress(mask.numpy(), flat.numpy()))
-    return flat[mask]
-
-
-def _on_host(tensor: Tensor) -> bool:
-    """Whether ``tensor`` takes the CPU paths (NumPy, pieces); other devices use torch."""
-    return tensor.device.type == "cpu"

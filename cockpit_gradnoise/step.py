@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import distributed, functional, order_statistics
+from cockpit_gradnoise import _device, distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import facts as backward_facts
 from cockpit_gradnoise.schema import NETWORK
@@ -312,7 +312,7 @@ class Step:
         savefields): each tensor is summed once per step, again only if changed
         in place (its version).
         """
-        if all(order_statistics._on_host(t) for t in tensors):
+        if all(_device.on_host(t) for t in tensors):
             return all(map(self._finite_on_host, tensors))
         return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 

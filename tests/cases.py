@@ -16,7 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from experiments.models import GPT, TokenCrossEntropy
+from tests.models import GPT, TokenCrossEntropy
 
 
 class WithUnusedAndFrozen(nn.Module):

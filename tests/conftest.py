@@ -1,4 +1,12 @@
-"""Fixtures: the case matrix of ``tests/cases.py`` as parameters."""
+"""Fixtures: the case matrix of ``tests/cases.py`` as parameters.
+
+``CGN_TEST_MKLDNN=0`` runs the suite with ``torch.backends.mkldnn`` off (other
+CPU kernels: the results must stay within their bounds). The fixture ``paths``
+runs a test on the CPU's paths and on those of other devices, by setting
+``cockpit_gradnoise._device.on_host``, the one switch between them.
+"""
+
+import os
 
 import matplotlib
 
@@ -8,6 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.cases import BATCH_SIZES, MODELS, REDUCTIONS  # noqa: E402
+
+if os.environ.get("CGN_TEST_MKLDNN") == "0":
+    torch.backends.mkldnn.enabled = False
 
 
 @pytest.fixture
@@ -22,9 +33,9 @@ def one_thread():
 def paths(request, monkeypatch):
     """The CPU's paths, and those taken on other devices (GPUs), run on CPU tensors."""
     if request.param == "other-devices":
-        from cockpit_gradnoise import order_statistics
+        from cockpit_gradnoise import _device
 
-        monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+        monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     return request.param
 
 

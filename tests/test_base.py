@@ -211,10 +211,10 @@ def test_rows_are_stored_in_the_order_of_param_names_with_the_network_last():
 
 
 def test_resolve_returns_python_numbers_as_they_are_and_merges_conditionals():
-    from cockpit_gradnoise import _deferred
+    from cockpit_gradnoise import _device
 
     plain = {"a": {"q0.5": 1.0}, "b": [2.0, (3, 4)]}
-    assert _deferred.resolve(plain) is plain
-    tree = {"a": {"q0.5": torch.tensor(1.5), "x": _deferred.Conditional(torch.tensor(0), {"m": 1.0})},
-            "b": _deferred.Conditional(2, {"n": torch.tensor(2.0)})}
-    assert _deferred.resolve(tree) == {"a": {"q0.5": 1.5}, "n": 2.0}
+    assert _device.resolve(plain) is plain
+    tree = {"a": {"q0.5": torch.tensor(1.5), "x": _device.PresentIfPositive(torch.tensor(0), {"m": 1.0})},
+            "b": _device.PresentIfPositive(2, {"n": torch.tensor(2.0)})}
+    assert _device.resolve(tree) == {"a": {"q0.5": 1.5}, "n": 2.0}

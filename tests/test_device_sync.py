@@ -3,7 +3,7 @@
 On a GPU, ``.item()``, ``float(tensor)``, ``bool(tensor)``, ``.tolist()``,
 NumPy and shapes that depend on the data (boolean-mask indexing, ``nonzero``)
 make the host wait for the device. The quantities keep everything on the
-device and copy a step's statistics once (``_deferred.transfer``); telling a
+device and copy a step's statistics once (``_device.transfer``); telling a
 mean loss from a sum needs one more, shared by the quantities that need it.
 
 The CUDA test checks this with ``torch.cuda.set_sync_debug_mode("error")``.
@@ -14,7 +14,7 @@ and records the operations that synchronise on a GPU.
 import contextlib
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import _deferred, order_statistics
+from cockpit_gradnoise import _device
 
 import pytest
 import torch
@@ -80,7 +80,7 @@ class SyncRecorder(TorchDispatchMode):
 def recording(monkeypatch, recorder):
     """Record syncing operators, ``.tolist()`` and ``.numpy()``, except inside transfers."""
     transfers = []
-    transfer = _deferred.transfer
+    transfer = _device.transfer
 
     def counted_transfer(tensors):
         transfers.append(len(tensors))
@@ -100,7 +100,7 @@ def recording(monkeypatch, recorder):
 
         return wrapper
 
-    monkeypatch.setattr(_deferred, "transfer", counted_transfer)
+    monkeypatch.setattr(_device, "transfer", counted_transfer)
     for name in ("tolist", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, recorded(name))
     yield transfers
@@ -184,7 +184,7 @@ def test_other_devices_paths_read_nothing_back_but_one_transfer_per_quantity(
 ):
     """Run on CPU tensors forced down the GPU paths; fails if the backward pass's
     extensions or a quantity read a value back, or select with a data-dependent shape."""
-    monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     problem = build(case_named(case), 8, "mean", dtype=torch.float32)
     recorder = SyncRecorder()
     with recording(monkeypatch, recorder) as transfers:
@@ -207,7 +207,7 @@ def test_other_devices_paths_give_the_cpu_results(case, reduction, monkeypatch, 
     for forced in (False, True):
         with monkeypatch.context() as patch:
             if forced:
-                patch.setattr(order_statistics, "_on_host", lambda tensor: False)
+                patch.setattr(_device, "on_host", lambda tensor: False)
             problem = build(case_named(case), 8, reduction, dtype=torch.float32)
             cockpit, _ = tracked_steps(problem, all_quantities(problem.names))
             results[forced] = {q: rows(cockpit, q) for q in QUANTITIES}
@@ -243,7 +243,7 @@ def test_no_synchronisation_on_cuda_but_the_transfers(case, monkeypatch):
     problem.model.cuda()
     problem.inputs, problem.targets = problem.inputs.cuda(), problem.targets.cuda()
     transfers = []
-    transfer = _deferred.transfer
+    transfer = _device.transfer
 
     def counted_transfer(tensors):
         transfers.append(len(tensors))
@@ -262,7 +262,7 @@ def test_no_synchronisation_on_cuda_but_the_transfers(case, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(_deferred, "transfer", counted_transfer)
+    monkeypatch.setattr(_device, "transfer", counted_transfer)
     after_step, counts = counting_steps(transfers)
     cockpit, computed = tracked_steps(problem, all_quantities(problem.names), check, after_step)
     assert counts == expected_transfers(computed)

@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-from cockpit_gradnoise import _deferred, order_statistics
+from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
 from cockpit_gradnoise.schema import quantile_name
 
@@ -286,7 +286,7 @@ def test_check_quantile_levels_rejects(levels):
 def test_the_paths_of_other_devices_are_exact_too(monkeypatch):
     """GPUs take torch's sort and boolean indexing, whole tensors, a torch sum:
     the same results (run here on CPU tensors)."""
-    monkeypatch.setattr(order_statistics, "_on_host", lambda tensor: False)
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     rng = numpy.random.default_rng(2)
     for n in (5, SORT_WHOLE_AT_MOST + 1, 100_000):
         values = awkward_values(n, numpy.float32, n)
@@ -315,7 +315,7 @@ def test_kept_quantile_summary_equals_numpy_on_the_elements_not_nan(n):
         conditional = order_statistics.kept_quantile_summary(
             random_parts(marked, rng), LEVELS, prefix="snr_"
         )
-        got = _deferred.resolve({"group": conditional})
+        got = _device.resolve({"group": conditional})
         if kept.size == 0:
             assert got == {}
             continue

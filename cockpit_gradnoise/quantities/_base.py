@@ -19,7 +19,7 @@ import math
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _deferred, distributed
+from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
@@ -308,7 +308,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             rows[NETWORK] = network_row
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
-        rows, finite = _deferred.resolve((rows, finite))
+        rows, finite = _device.resolve((rows, finite))
         rows = self._with_nan_rows(step, rows, usable, finite)
         rows = {name: {**row, **self.derived_statistics(name, row)} for name, row in rows.items()}
         self._check_statistic_names(rows)

@@ -16,7 +16,7 @@ round-trips the items through ``__json_encode__``/``__json_decode__``.
 import math
 from typing import Dict, List, Sequence
 
-from cockpit_gradnoise import _deferred, functional
+from cockpit_gradnoise import _device, functional
 from cockpit_gradnoise.quantities._two_step import TwoStepParameterQuantity
 from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
 
@@ -126,7 +126,7 @@ class UpdateSize(TwoStepParameterQuantity):
             difference = buffer.sub_(param.detach().to(buffer.device))
             squares.append((functional.squared_norm(difference, defer=True), start))
         # On a GPU: the step's one transfer, for every layer at once.
-        squares = _deferred.resolve(squares)
+        squares = _device.resolve(squares)
         return [
             LayerUpdate(name, math.sqrt(norm_sq), math.sqrt(start_sq))
             for name, (norm_sq, start_sq) in zip(names, squares)
