@@ -368,7 +368,7 @@ class Tracker:
         return dashboard.plot(self.cockpit, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
-        """The report of what is tracked so far: :func:`~cockpit_gradnoise.findings`'s arguments."""
+        """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
         return report(self, path, **kwargs)
 
 
