@@ -234,8 +234,8 @@ def test_backpacks_save_memory_setting_does_not_matter(case):
     ],
 )
 def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms):
-    """The choices that measurement on these layers found fastest (benchmarks/README.md);
-    the sums ask the cost model only for one position (resnet18's layer4)."""
+    """The choices that measurement on these layers found fastest (per-layer tables of
+    benchmarks/README.md at bb7178a, in git); the sums ask the cost model only for one position (resnet18's layer4)."""
     assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation_for_norms
     if shape[2] == 1:
         assert not _cost.formation_is_cheaper(_cost.expansion_cost, *shape)

@@ -179,7 +179,8 @@ def test_cost_model_chooses_gram_for_the_tests_gpt_and_formation_for_long_sequen
     ],
 )
 def test_cost_model_choices(shape, formation):
-    """The choices for the benchmark GPT's layers, measured faster (benchmarks/README.md)."""
+    """The choices for the benchmark GPT's layers, measured faster (per-layer tables of
+    benchmarks/README.md at bb7178a, in git)."""
     assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation
 
 
