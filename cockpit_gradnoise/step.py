@@ -283,7 +283,7 @@ class Step:
 
     # Warnings -------------------------------------------------------------------
 
-    def warn(self, key, message: str, quantity=None):
+    def warn(self, key, message: str, quantity):
         """Warn ``message`` once per step, and never again to a quantity that was told.
 
         Args:
@@ -291,17 +291,15 @@ class Step:
                 quantities.
             message: The text.
             quantity: The quantity asking; it keeps the keys it was told (its
-                ``_warned`` set), so that a fact that holds at every step is told
+                ``warned`` set), so that a fact that holds at every step is told
                 once per run.
         """
-        told = getattr(quantity, "_warned", set())
-        if key in self._shown or key in told:
-            told.add(key)
-            self._shown.add(key)
-            return
+        told = quantity.warned
+        new = key not in self._shown and key not in told
         self._shown.add(key)
         told.add(key)
-        warnings.warn(f"cockpit-gradnoise: {message}", stacklevel=4)
+        if new:
+            warnings.warn(f"cockpit-gradnoise: {message}", stacklevel=4)
 
     # Finiteness -----------------------------------------------------------------
 

@@ -39,11 +39,17 @@ _REQUIRED_METHODS = ("network_value", "statistics", "statistic_names")
 
 
 class NamedQuantity:
-    """Parameter names and one-time warnings, shared by both bases."""
+    """Parameter names and one-time warnings, shared by both bases.
+
+    Attributes:
+        warned: The keys of the warnings this quantity was told (by
+            :meth:`warn_once` or its step's :meth:`~cockpit_gradnoise.step.Step.warn`):
+            each is told once per run.
+    """
 
     def _init_names(self, param_names):
         self._param_names = check_names(param_names)
-        self._warned = set()
+        self.warned = set()
 
     def names(self, params) -> List[str]:
         """Names of ``params``: by identity from the model, else from ``param_names``."""
@@ -51,8 +57,8 @@ class NamedQuantity:
 
     def warn_once(self, key: str, message: str):
         """Warn with ``message`` the first time ``key`` is seen by this quantity."""
-        if key not in self._warned:
-            self._warned.add(key)
+        if key not in self.warned:
+            self.warned.add(key)
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 
 
@@ -289,10 +295,12 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         if backward_failed():
             return None
         step = Step.of(self, global_step)
-        if distributed.world_size() > 1:
+        is_distributed = distributed.world_size() > 1
+        if is_distributed:
             distributed.check_not_sharded(params)
-            self._warn_if_rank_local(step)
-            found = self._global_values(step, params) if self.sums else self._local_values(step, params)
+            self._warn_if_rank_local()
+        if self.sums and is_distributed:
+            found = self._global_values(step, params)
         else:
             found = self._local_values(step, params)
         if found is None:
@@ -433,7 +441,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
                 self,
             )
 
-    def _warn_if_rank_local(self, step):
+    def _warn_if_rank_local(self):
         # Declared sums are reduced across processes; BackPACK's results read
         # without them cover only this process's batch.
         if self._savefields and not self.sums:
