@@ -277,6 +277,8 @@ class Tracker:
         self.cockpit = cockpit
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
+        self.loggers = []
+        self._logged = {}  # quantity name -> the last step given to the loggers
 
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
@@ -338,7 +340,47 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
-        return TrackedStep(self.cockpit, step, full)
+        return TrackedStep(self.cockpit, step, full, after=self._to_loggers)
+
+    def log_to(self, target) -> "Tracker":
+        """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
+
+        Example::
+
+            from torch.utils.tensorboard import SummaryWriter
+            tracker.log_to(SummaryWriter("runs/tb"))   # or a wandb run, or a function
+
+        Tags are ``<quantity>/<parameter>/<statistic>``
+        (:mod:`cockpit_gradnoise.integrations.loggers`). The tracker's own
+        log (:meth:`write`) is unchanged.
+
+        Args:
+            target: A ``torch.utils.tensorboard.SummaryWriter``, a Weights &
+                Biases run, or a function ``(step, {quantity: value}) -> None``.
+        """
+        from cockpit_gradnoise.integrations.loggers import logger_for
+
+        self.loggers.append(logger_for(target))
+        return self
+
+    def _to_loggers(self):
+        """Give the loggers each quantity's results stored since they last saw it."""
+        if not self.loggers:
+            return
+        new = {}
+        for quantity in self.cockpit.quantities:
+            name = type(quantity).__name__
+            last = self._logged.get(name)
+            # Newest first, stopping at the last one given: steps increase, so
+            # this reads only the new results however long the run.
+            for step in reversed(quantity.output):
+                if last is not None and step <= last:
+                    break
+                new.setdefault(step, {})[name] = quantity.output[step]
+                self._logged[name] = max(step, self._logged.get(name, step))
+        for step in sorted(new):
+            for logger in self.loggers:
+                logger(step, new[step])
 
     def _tracks(self, step) -> bool:
         return any(q.should_compute(step) for q in self.cockpit.quantities)
@@ -381,8 +423,8 @@ class TrackedStep:
     step and the body's error is the one raised.
     """
 
-    def __init__(self, cockpit: Cockpit, step: int, info: dict):
-        self.cockpit, self.step, self.info = cockpit, step, info
+    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None):
+        self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
         self._backward_reached_loss = False
         self._context = self._hook = None
 
@@ -401,6 +443,8 @@ class TrackedStep:
         problem = None if kind is not None else self._problem()
         if kind is None and problem is None:
             self._context.__exit__(None, None, None)  # the quantities compute here
+            if self.after is not None:
+                self.after()
             return False
         # Leave BackPACK's context without tracking: nothing of this step is recorded.
         for context in self._context.contexts:

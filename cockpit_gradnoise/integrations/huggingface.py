@@ -1,0 +1,107 @@
+"""Track a Hugging Face ``transformers.Trainer`` run: a Trainer subclass.
+
+Example::
+
+    from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
+
+    model, tracker = cgn.track(model, every=10)      # before the Trainer builds its optimizer
+    trainer = TrackingTrainer(tracker=tracker, model=model, args=args, train_dataset=data)
+    trainer.train()
+    print(tracker.report())
+
+The Trainer's ``Callback`` events have no place around the backward pass, so
+this is a subclass: its ``compute_loss`` computes the per-example losses from
+the model's logits and enters the tracker's ``with`` statement, and its
+``training_step`` leaves it once the Trainer's backward pass is done.
+
+The loss it differentiates is the mean (or sum) of the per-example losses. For
+a language model each example's loss is the mean over its own labelled tokens
+(labels ``-100`` are ignored), so with padding the examples weigh equally,
+where the Trainer's own loss is the mean over all labelled tokens of the batch.
+"""
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+IGNORE_INDEX = -100  # transformers' label of tokens without a loss
+
+
+def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each example's cross-entropy: classification (``[N, C]``) or language modelling (``[N, T, V]``).
+
+    For ``[N, T, V]`` logits the labels are shifted by one token (each position
+    predicts the next, as transformers' causal language models do), tokens
+    labelled ``-100`` are ignored, and each example's loss is the mean over its
+    own labelled tokens.
+
+    Raises:
+        ValueError: If an example has no labelled token (its mean would be 0/0).
+    """
+    if logits.dim() == 2:
+        return F.cross_entropy(logits, labels, reduction="none")
+    logits, labels = logits[:, :-1], labels[:, 1:]
+    tokens = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
+                             ignore_index=IGNORE_INDEX)
+    counts = (labels != IGNORE_INDEX).sum(dim=1)
+    if bool((counts == 0).any()):
+        raise ValueError(
+            f"examples {torch.nonzero(counts == 0).flatten().tolist()} have no labelled token "
+            f"(every label is {IGNORE_INDEX}): drop them from the batch"
+        )
+    return tokens.sum(dim=1) / counts.to(tokens.dtype)
+
+
+class TrackingTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose training steps the tracker tracks.
+
+    Args:
+        tracker: The :class:`~cockpit_gradnoise.Tracker` of
+            :func:`~cockpit_gradnoise.track` on the model given to the Trainer.
+        per_example_loss: ``(logits, labels) -> losses [N]``;
+            :func:`per_example_cross_entropy` by default.
+        *args, **kwargs: The Trainer's.
+
+    Raises:
+        ValueError: With gradient accumulation (not supported yet).
+    """
+
+    def __init__(self, *args, tracker, per_example_loss: Optional[Callable] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"TrackingTrainer: gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps} is not supported yet (the statistics "
+                "of one backward pass would be read as those of the accumulated batch): use 1"
+            )
+        self.tracker = tracker
+        self.per_example_loss = per_example_loss or per_example_cross_entropy
+        self.loss_is_scaled_for_ga = True  # the loss is ours, never divided again
+        self._tracked_step = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:  # evaluation: the Trainer's own loss
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        losses = self.per_example_loss(outputs["logits"], labels)
+        self._tracked_step = self.tracker(self.state.global_step, losses, optimizer=self.optimizer)
+        loss = self._tracked_step.__enter__()
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            result = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException as error:
+            self._leave(type(error), error, error.__traceback__)
+            raise
+        self._leave(None, None, None)
+        return result
+
+    def _leave(self, *exception):
+        tracked, self._tracked_step = self._tracked_step, None
+        if tracked is not None:
+            tracked.__exit__(*exception)

@@ -1,0 +1,124 @@
+"""Track a ``lightning.pytorch.Trainer`` run: one callback.
+
+Example::
+
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    class Classifier(lightning.pytorch.LightningModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            losses = F.cross_entropy(self(x), y, reduction="none")
+            self.per_example_losses = losses   # read by the callback
+            return losses.mean()
+
+    callback = TrackingCallback(every=10, log="runs/lightning")
+    lightning.pytorch.Trainer(callbacks=[callback], max_steps=100).fit(Classifier(), loader)
+    print(callback.tracker.report())
+
+The callback prepares the LightningModule in place at ``setup`` (before
+Lightning builds the optimizers), puts Lightning's backward pass of each step
+inside the tracker's ``with`` statement (``on_before_backward`` /
+``on_after_backward``), gives the numbers to the Trainer's TensorBoard logger
+when it has one, and writes the log at the end of ``fit``.
+"""
+
+from typing import Callable, Optional, Sequence, Union
+
+from cockpit_gradnoise.tracking import track
+
+import lightning.pytorch as pl
+
+#: Precisions whose backward pass the quantities support.
+SUPPORTED_PRECISIONS = ("32-true", "64-true", "32", "64")
+
+
+class TrackingCallback(pl.Callback):
+    """Tracks the quantities of :func:`~cockpit_gradnoise.track` during ``Trainer.fit``.
+
+    Args:
+        every: Track every ``every``-th optimizer step (``trainer.global_step``),
+            or a schedule function ``step -> bool``.
+        quantities: As :func:`~cockpit_gradnoise.track`'s (``"all"``, ``"cheap"``, a list).
+        losses_attribute: The LightningModule attribute that its
+            ``training_step`` sets to the batch's per-example losses (shape
+            ``[N]``); the loss it returns must be their mean or their sum.
+        log: Where to write the log at the end of ``fit`` (``None``: not written).
+        tensorboard: Give every tracked step to the Trainer's logger when it
+            is a TensorBoard logger (tags ``<quantity>/<parameter>/<statistic>``).
+        **track_options: ``quantiles=``, ``options=``, ``verbose=`` of
+            :func:`~cockpit_gradnoise.track`.
+
+    Attributes:
+        tracker: The :class:`~cockpit_gradnoise.Tracker`, once ``fit`` has
+            started: ``callback.tracker.report()``, ``.frame()``, ``.plot()``.
+    """
+
+    def __init__(self, every: Union[int, Callable[[int], bool]] = 10,
+                 quantities: Union[str, Sequence] = "all", *,
+                 losses_attribute: str = "per_example_losses", log=None,
+                 tensorboard: bool = True, **track_options):
+        self.every, self.quantities, self.track_options = every, quantities, track_options
+        self.losses_attribute, self.log_path, self.tensorboard = losses_attribute, log, tensorboard
+        self.tracker = None
+        self._tracked_step = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self.tracker is not None:
+            return
+        _check_trainer(trainer)
+        prepared, self.tracker = track(pl_module, self.every, self.quantities,
+                                       use_converter=False, **self.track_options)
+        if prepared is not pl_module:  # cannot happen without the converter; say so if it does
+            raise RuntimeError("the LightningModule must be prepared in place")
+        experiment = getattr(trainer.logger, "experiment", None)
+        if self.tensorboard and hasattr(experiment, "add_scalar"):
+            self.tracker.log_to(experiment)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        losses = getattr(pl_module, self.losses_attribute, None)
+        if losses is None:
+            raise ValueError(
+                f"TrackingCallback: {type(pl_module).__name__}.training_step must set "
+                f"self.{self.losses_attribute} to the batch's per-example losses, e.g. "
+                f"`losses = F.cross_entropy(out, y, reduction='none'); "
+                f"self.{self.losses_attribute} = losses; return losses.mean()`"
+            )
+        setattr(pl_module, self.losses_attribute, None)  # never read twice
+        self._tracked_step = self.tracker(
+            trainer.global_step, losses, loss=loss, optimizer=_optimizer(trainer)
+        )
+        self._tracked_step.__enter__()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        tracked, self._tracked_step = self._tracked_step, None
+        if tracked is not None:
+            tracked.__exit__(None, None, None)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        tracked, self._tracked_step = self._tracked_step, None
+        if tracked is not None:  # leave BackPACK's context; nothing of this step is kept
+            tracked.__exit__(type(exception), exception, exception.__traceback__)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.log_path is not None and self.tracker is not None:
+            self.tracker.write(self.log_path)
+
+
+def _check_trainer(trainer) -> None:
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"TrackingCallback: accumulate_grad_batches={trainer.accumulate_grad_batches} "
+            "is not supported yet (the statistics of one backward pass would be read as "
+            "those of the accumulated batch): use accumulate_grad_batches=1"
+        )
+    precision = str(trainer.precision)
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"TrackingCallback: precision={precision!r} is not supported yet: use "
+            "precision='32-true' or '64-true'"
+        )
+
+
+def _optimizer(trainer) -> Optional[object]:
+    optimizers = trainer.optimizers
+    return optimizers[0] if len(optimizers) == 1 else None

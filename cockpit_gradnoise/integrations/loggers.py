@@ -1,0 +1,88 @@
+"""Send every tracked step's numbers to TensorBoard, Weights & Biases or a function.
+
+The JSON log (:func:`~cockpit_gradnoise.write_log`) stays the reference
+format; these loggers copy each number as a scalar under a tag that does not
+change during a run::
+
+    <quantity>/<parameter name>/<statistic>     e.g. GradientNoiseScale/all/b_simple
+
+(``all`` is the network, :data:`~cockpit_gradnoise.NETWORK`). TensorBoard puts
+each quantity in its own section (the part of the tag before the first ``/``).
+"""
+
+from typing import Callable, Dict, Iterator, Mapping, Tuple
+
+from cockpit_gradnoise.frame import to_frame
+
+#: One step's output, as Cockpit stores it: ``{quantity name: value}``.
+StepOutput = Mapping[str, object]
+
+
+def scalars(step: int, output: StepOutput) -> Iterator[Tuple[str, float]]:
+    """``(tag, value)`` for every statistic of this package's quantities at one step.
+
+    Non-finite values are given as they are (``nan``, ``inf``); Cockpit's own
+    quantities, which are not stored per parameter, are left out, as in
+    :func:`~cockpit_gradnoise.to_frame`.
+    """
+    frame = to_frame({step: dict(output)})
+    for quantity, param, statistic, value in zip(
+        frame["quantity"], frame["param"], frame["statistic"], frame["value"]
+    ):
+        yield f"{quantity}/{param}/{statistic}", float(value)
+
+
+class TensorBoardLogger:
+    """Writes each tracked step to a ``torch.utils.tensorboard.SummaryWriter``.
+
+    Args:
+        writer: The ``SummaryWriter`` (or anything with its ``add_scalar``).
+        prefix: Put before every tag (``"cgn/"`` gives ``cgn/GradientNoiseScale/...``).
+    """
+
+    def __init__(self, writer, prefix: str = ""):
+        self.writer, self.prefix = writer, prefix
+
+    def __call__(self, step: int, output: StepOutput) -> None:
+        for tag, value in scalars(step, output):
+            self.writer.add_scalar(self.prefix + tag, value, global_step=step)
+
+
+class WandbLogger:
+    """Logs each tracked step to a Weights & Biases run, as one ``run.log`` call.
+
+    Args:
+        run: The run of ``wandb.init()`` (or anything with its ``log``).
+        prefix: Put before every key.
+    """
+
+    def __init__(self, run, prefix: str = "cgn/"):
+        self.run, self.prefix = run, prefix
+
+    def __call__(self, step: int, output: StepOutput) -> None:
+        values: Dict[str, float] = {self.prefix + tag: value for tag, value in scalars(step, output)}
+        if values:
+            self.run.log(values, step=step)
+
+
+def logger_for(target) -> Callable[[int, StepOutput], None]:
+    """The logger that writes to ``target``.
+
+    Args:
+        target: A ``SummaryWriter`` (has ``add_scalar``), a W&B run (has
+            ``log``), or a function ``(step, {quantity: value}) -> None``.
+
+    Raises:
+        TypeError: If ``target`` is none of these.
+    """
+    if hasattr(target, "add_scalar"):
+        return TensorBoardLogger(target)
+    if hasattr(target, "log") and callable(target.log):
+        return WandbLogger(target)
+    if callable(target):
+        return target
+    raise TypeError(
+        f"cannot log to a {type(target).__name__}: give a "
+        "torch.utils.tensorboard.SummaryWriter, a wandb run, or a function "
+        "(step, {quantity: value}) -> None"
+    )

@@ -1,0 +1,274 @@
+"""The training tools: Lightning's Trainer, Hugging Face's Trainer, TensorBoard.
+
+Each runs the very same computation as a hand-written loop over the tracker
+(the same model, batches, forward, mean and backward), so their numbers are
+compared for equality with that loop, whose numbers the rest of the suite
+checks against the float64 references.
+"""
+
+import copy
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.integrations.loggers import logger_for, scalars
+
+import pandas
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH, STEPS, EVERY = 6, 4, 2
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 4, generator=generator, dtype=torch.float64),
+             torch.randint(0, 3, (BATCH,), generator=generator)) for _ in range(STEPS)]
+
+
+def by_hand(model, data, lr=0.1):
+    """The tracker's frame of a plain SGD loop over ``data``."""
+    model, tracker = cgn.track(model, every=EVERY)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
+            loss.backward()
+        opt.step()
+    return tracker.frame()
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_gets_every_number_of_every_tracked_step_under_stable_tags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, tracker = cgn.track(mlp(), every=EVERY)
+    writer = SummaryWriter(tmp_path)
+    tracker.log_to(writer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
+            loss.backward()
+        opt.step()
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = pandas.DataFrame(
+        [(event.step, tag, event.value) for tag in events.Tags()["scalars"]
+         for event in events.Scalars(tag)], columns=["step", "tag", "logged"])
+    frame = tracker.frame()
+    frame["tag"] = frame["quantity"] + "/" + frame["param"] + "/" + frame["statistic"]
+    both = frame.merge(logged, on=["step", "tag"], how="outer", indicator=True)
+    assert set(both["_merge"]) == {"both"}  # every number, nothing else
+    assert set(frame["step"]) == {0, 2}
+    assert "GradientNoiseScale/all/b_simple" in set(logged["tag"])
+    # TensorBoard stores float32.
+    assert numpy_allclose(both["logged"], both["value"].astype("float32"))
+
+
+def numpy_allclose(a, b):
+    import numpy
+
+    return numpy.array_equal(numpy.asarray(a, dtype="float32"), numpy.asarray(b, dtype="float32"),
+                             equal_nan=True)
+
+
+def test_a_function_gets_each_step_once_and_a_bad_target_is_refused():
+    model, tracker = cgn.track(mlp(), every=EVERY)
+    seen = []
+    tracker.log_to(lambda step, output: seen.append((step, sorted(output))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
+            loss.backward()
+        opt.step()
+    given = pandas.DataFrame([(s, q) for s, names in seen for q in names], columns=["s", "q"])
+    assert not given.duplicated().any()
+    stored = {(s, q) for s, quantities in tracker.get_output().items() for q in quantities}
+    assert set(map(tuple, given.to_numpy())) == stored
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        logger_for(3)
+
+
+def test_scalars_leave_out_what_is_not_stored_per_parameter():
+    output = {"GradNorm": [1.0, 2.0], "ParamGradRatio": {"w": {"ratio": float("inf")}}}
+    assert list(scalars(5, output)) == [("ParamGradRatio/w/ratio", float("inf"))]
+
+
+# ---------------------------------------------------------------- Lightning
+
+
+def _lightning_module(net):
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            losses = F.cross_entropy(self(x), y, reduction="none")
+            self.per_example_losses = losses
+            return losses.mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Classifier()
+
+
+def _fit(module, callback, tmp_path, **trainer_options):
+    import lightning.pytorch as pl
+
+    data = batches()
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]),
+                                             torch.cat([y for _, y in data]))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH)  # in order
+    trainer = pl.Trainer(
+        max_steps=STEPS, callbacks=[callback], logger=pl.loggers.TensorBoardLogger(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, **trainer_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        trainer.fit(module, loader)
+    return trainer
+
+
+def test_lightning_tracks_the_numbers_of_the_same_loop_by_hand_and_writes_the_log(tmp_path):
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    net = mlp()
+    holder = nn.Module()  # the LightningModule's names: net.0.weight, ...
+    holder.net = copy.deepcopy(net)
+    holder.forward = holder.net.forward
+    expected = by_hand(holder, batches())
+    callback = TrackingCallback(every=EVERY, log=tmp_path / "cgn")
+    trainer = _fit(_lightning_module(net), callback, tmp_path)
+    pandas.testing.assert_frame_equal(callback.tracker.frame(), expected)
+    # Parameter names are the LightningModule's.
+    assert set(expected["param"]) == {"net.0.weight", "net.0.bias", "net.2.weight",
+                                      "net.2.bias", "all"}
+    pandas.testing.assert_frame_equal(cgn.to_frame(tmp_path / "cgn.json"), expected)
+    assert trainer.logger.experiment.log_dir  # the TensorBoard logger got the scalars
+    assert any(path.name.startswith("events") for path in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2 is not supported"),
+    ({"precision": "bf16-mixed"}, "precision='bf16-mixed' is not supported"),
+])
+def test_lightning_setups_not_supported_yet_are_refused_before_training(tmp_path, options, match):
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    with pytest.raises(ValueError, match=match):
+        _fit(_lightning_module(mlp()), TrackingCallback(every=EVERY), tmp_path, **options)
+
+
+def test_lightning_without_per_example_losses_names_the_fix(tmp_path):
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    module = _lightning_module(mlp())
+    module.training_step = lambda batch, batch_idx: F.cross_entropy(module(batch[0]), batch[1])
+    with pytest.raises(ValueError, match="self.per_example_losses = losses"):
+        _fit(module, TrackingCallback(every=EVERY), tmp_path)
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=19, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=8)
+    return LlamaForCausalLM(config).double()
+
+
+def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path):
+    import transformers
+    from cockpit_gradnoise.integrations.huggingface import (
+        TrackingTrainer,
+        per_example_cross_entropy,
+    )
+
+    transformers.logging.set_verbosity_error()
+    model = _llama()
+    initial = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 19, (8, 6), generator=generator)
+    labels[0, 3:] = -100  # padding: ignored tokens
+    data = [{"input_ids": torch.randint(0, 19, (6,), generator=generator), "labels": row}
+            for row in labels]
+    seen = []
+
+    class Recording(TrackingTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.append({key: value.clone() for key, value in inputs.items()})
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    model, tracker = cgn.track(model, every=EVERY)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers without rules are warned about
+        Recording(tracker=tracker, model=model, args=args, train_dataset=data).train()
+
+        initial, by_hand_tracker = cgn.track(initial, every=EVERY)
+        inputs = dict(seen[0])
+        labels = inputs.pop("labels")
+        losses = per_example_cross_entropy(initial(**inputs)["logits"], labels)
+        with by_hand_tracker(0, losses) as loss:
+            loss.backward()
+    frame = tracker.frame()
+    assert set(frame["step"]) == {0}
+    expected = by_hand_tracker.frame()
+    # UpdateSize needs the optimizer step the hand-written step did not take.
+    pandas.testing.assert_frame_equal(
+        frame[frame["quantity"] != "UpdateSize"].reset_index(drop=True),
+        expected[expected["quantity"] != "UpdateSize"].reset_index(drop=True))
+
+
+def test_per_example_cross_entropy_of_a_padded_batch_is_each_examples_token_mean():
+    from cockpit_gradnoise.integrations.huggingface import per_example_cross_entropy
+
+    torch.manual_seed(3)
+    logits = torch.randn(3, 5, 7, dtype=torch.float64)
+    labels = torch.randint(0, 7, (3, 5))
+    labels[1, 2:] = -100
+    got = per_example_cross_entropy(logits, labels)
+    for i in range(3):
+        keep = labels[i, 1:] != -100
+        expected = F.cross_entropy(logits[i, :-1][keep], labels[i, 1:][keep])
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=4 * 2.0**-52 * expected.item())
+    labels[2, 1:] = -100
+    with pytest.raises(ValueError, match=r"examples \[2\] have no labelled token"):
+        per_example_cross_entropy(logits, labels)
+
+
+def test_hugging_face_gradient_accumulation_is_refused_until_supported(tmp_path):
+    import transformers
+    from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
+
+    model, tracker = cgn.track(_llama(), every=EVERY)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2,
+                                          report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 is not supported"):
+        TrackingTrainer(tracker=tracker, model=model, args=args, train_dataset=[])
