@@ -202,11 +202,12 @@ def _llama():
 
 
 def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path):
-    import transformers
     from cockpit_gradnoise.integrations.huggingface import (
         TrackingTrainer,
         per_example_cross_entropy,
     )
+
+    import transformers
 
     transformers.logging.set_verbosity_error()
     model = _llama()
@@ -264,8 +265,9 @@ def test_per_example_cross_entropy_of_a_padded_batch_is_each_examples_token_mean
 
 
 def test_hugging_face_gradient_accumulation_is_refused_until_supported(tmp_path):
-    import transformers
     from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
+
+    import transformers
 
     model, tracker = cgn.track(_llama(), every=EVERY)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2,
