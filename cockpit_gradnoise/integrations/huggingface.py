@@ -14,13 +14,14 @@ this is a subclass: its ``compute_loss`` computes the per-example losses from
 the model's logits and enters the tracker's ``with`` statement, and its
 ``training_step`` leaves it once the Trainer's backward pass is done.
 
-The loss it differentiates is the mean (or sum) of the per-example losses. For
-a language model each example's loss is the mean over its own labelled tokens
-(labels ``-100`` are ignored), so with padding the examples weigh equally,
-where the Trainer's own loss is the mean over all labelled tokens of the batch.
+The loss it differentiates is the mean of the per-example losses, which for a
+causal language model (:func:`per_example_cross_entropy`) is the Trainer's own
+loss: the mean over all labelled tokens of the batch (labels ``-100`` ignored).
 """
 
 from typing import Callable, Optional
+
+from cockpit_gradnoise.losses import sequence_losses
 
 import torch
 import torch.nn.functional as F
@@ -29,29 +30,23 @@ import transformers
 IGNORE_INDEX = -100  # transformers' label of tokens without a loss
 
 
-def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
+                              weighting: str = "tokens") -> torch.Tensor:
     """Each example's cross-entropy: classification (``[N, C]``) or language modelling (``[N, T, V]``).
 
     For ``[N, T, V]`` logits the labels are shifted by one token (each position
     predicts the next, as transformers' causal language models do), tokens
-    labelled ``-100`` are ignored, and each example's loss is the mean over its
-    own labelled tokens.
-
-    Raises:
-        ValueError: If an example has no labelled token (its mean would be 0/0).
+    labelled ``-100`` are ignored, and the losses are
+    :func:`~cockpit_gradnoise.sequence_losses` of the token losses: with
+    ``weighting="tokens"`` their mean is the Trainer's own loss (the mean
+    over all labelled tokens of the batch).
     """
     if logits.dim() == 2:
         return F.cross_entropy(logits, labels, reduction="none")
     logits, labels = logits[:, :-1], labels[:, 1:]
     tokens = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
                              ignore_index=IGNORE_INDEX)
-    counts = (labels != IGNORE_INDEX).sum(dim=1)
-    if bool((counts == 0).any()):
-        raise ValueError(
-            f"examples {torch.nonzero(counts == 0).flatten().tolist()} have no labelled token "
-            f"(every label is {IGNORE_INDEX}): drop them from the batch"
-        )
-    return tokens.sum(dim=1) / counts.to(tokens.dtype)
+    return sequence_losses(tokens, labels, ignore_index=IGNORE_INDEX, weighting=weighting)
 
 
 class TrackingTrainer(transformers.Trainer):
