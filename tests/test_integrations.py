@@ -1,5 +1,7 @@
 """The training tools: Lightning's Trainer, Hugging Face's Trainer, TensorBoard.
 
+The recipes of ``docs/training-setups.md``, run here in full.
+
 Each runs the very same computation as a hand-written loop over the tracker
 (the same model, batches, forward, mean and backward), so their numbers are
 compared for equality with that loop, whose numbers the rest of the suite

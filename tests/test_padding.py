@@ -1,5 +1,7 @@
 """Padded sequences: ``cgn.sequence_losses`` against a per-example loop in float64.
 
+The recipes of ``docs/training-setups.md``, run here in full.
+
 The batch loss is what language models train on, the mean over all labelled
 tokens (``F.cross_entropy(..., ignore_index=-1)`` over the flattened batch).
 Example ``i``'s loss is ``L_i = N sum_t m_it l_it / n``; the reference

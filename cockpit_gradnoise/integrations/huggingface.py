@@ -57,7 +57,8 @@ class TrackingTrainer(transformers.Trainer):
             :func:`~cockpit_gradnoise.track` on the model given to the Trainer.
         per_example_loss: ``(logits, labels) -> losses [N]``;
             :func:`per_example_cross_entropy` by default.
-        *args, **kwargs: The Trainer's.
+        args: The Trainer's positional arguments.
+        kwargs: The Trainer's keyword arguments.
 
     Raises:
         ValueError: With gradient accumulation (not supported yet).
