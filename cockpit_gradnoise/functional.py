@@ -192,6 +192,21 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     return torch.from_numpy(result[:start])
 
 
+def loss_tolerance(*dtypes: torch.dtype) -> float:
+    """Relative distance allowed between a loss and ``c sum_i l_i`` (:func:`loss_scale`).
+
+    ``max(1e-4, 8 eps)`` for the coarsest of ``dtypes``, relative to
+    ``c sum_i |l_i|``. The loss and the per-example losses often come from
+    different computations (a fused mean over tokens, per-token losses
+    averaged per example), each rounded to its dtype at least once, with
+    float32 sums in between under autocast: a few ``eps`` of the dtype
+    (float16: ``eps = 2**-10``, bfloat16: ``2**-7``), or ``1e-4`` where the
+    dtype is finer. A mean and a sum differ by a factor ``N >= 2``, far more.
+    """
+    eps = max(torch.finfo(dtype).eps for dtype in dtypes)
+    return max(1e-4, 8 * eps)
+
+
 def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     """Return ``c`` with ``loss = c * sum_i individual_losses[i]``: ``1/N`` or ``1``.
 
@@ -218,16 +233,19 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
             "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
         )
     n = individual_losses.numel()
-    # One transfer for both (the host must know the reduction).
-    total, value = _device.transfer(
-        [individual_losses.detach().double().sum(), loss.detach().double()]
-    )
+    # One transfer for all three (the host must know the reduction).
+    total, absolute, value = _device.transfer([
+        individual_losses.detach().double().sum(),
+        individual_losses.detach().double().abs().sum(),
+        loss.detach().double(),
+    ])
     if n == 1:
         return 1.0
     if not (math.isfinite(value) and math.isfinite(total)):
         return math.nan
+    tolerance = loss_tolerance(loss.dtype, individual_losses.dtype)
     for scale in (1.0 / n, 1.0):
-        if math.isclose(value, scale * total, rel_tol=1e-4, abs_tol=1e-12):
+        if abs(value - scale * total) <= tolerance * scale * absolute:
             return scale
     raise ValueError(
         f"info['loss'] = {value:.6g} is neither the mean ({total / n:.6g}) nor the "

@@ -67,6 +67,23 @@ def test_loss_scale_tells_mean_from_sum():
     assert functional.loss_scale(losses[:1].sum(), losses[:1]) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_loss_scale_allows_the_rounding_of_the_losses_dtype(dtype):
+    torch.manual_seed(0)
+    exact = torch.rand(64, dtype=torch.float64) + 1
+    losses = exact.to(dtype)
+    # The loss rounded from the float64 mean: within half an ulp of its dtype,
+    # where the per-example losses are off by as much each.
+    mean = exact.mean().to(dtype)
+    assert functional.loss_scale(mean, losses) == pytest.approx(1 / 64)
+    assert functional.loss_scale(exact.sum().to(dtype), losses) == 1.0
+    # Ten ulps off, or the mean of other losses, is another loss.
+    eps = torch.finfo(dtype).eps
+    off = (exact.mean() * (1 + 10 * max(eps, 1e-4))).to(dtype)
+    with pytest.raises(ValueError, match="neither the mean"):
+        functional.loss_scale(off, losses)
+
+
 def test_loss_scale_refuses_other_losses():
     losses = torch.tensor([0.5, 1.0, 2.5])
     with pytest.raises(ValueError, match="neither the mean"):
