@@ -13,12 +13,11 @@ which need hooks on every module.
 
 from typing import Optional
 
-import torch
+from cockpit_gradnoise.extensions.hooks import add_hooks
+
 from backpack import extend
 from backpack.custom_module.graph_utils import BackpackTracer
 from torch import nn
-
-from cockpit_gradnoise.extensions.hooks import add_hooks
 
 
 def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) -> nn.Module:

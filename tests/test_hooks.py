@@ -49,11 +49,12 @@ def row_errors(prepared, gradients, names):
     return errors
 
 
-def tracked_backward(model, inputs, targets, forward=None):
+def tracked_backward(model, inputs, targets, forward=None, extensions=None):
     forward = forward or (lambda m, x: m(x))
+    extensions = extensions or (PerExampleSquaredNorms(), SumsOfContributions())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unsupported layers: the quantities warn, not tested here
-        with backpack(PerExampleSquaredNorms(), SumsOfContributions()):
+        with backpack(*extensions):
             loss = nn.functional.cross_entropy(forward(model, inputs), targets, reduction="sum")
             loss.backward()
 
@@ -175,6 +176,33 @@ def test_each_call_of_a_reused_layer_is_dispatched_with_its_own_input():
     torch.testing.assert_close(second_seen, torch.tanh(layer(inputs)), rtol=0, atol=0)
     g_inp, g_out = recorder.seen[0][3:]
     assert g_inp == (None,) and g_out[0].shape == (2, 3)
+
+
+class Keywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x, *, scale):
+        return x * self.weight * scale
+
+
+class SeesCall(BatchGrad):
+    def __call__(self, module, g_inp, g_out):
+        self.call = hooks.current_call()
+        super().__call__(module, g_inp, g_out)
+
+
+def test_rules_see_the_call_keywords_included_and_only_during_the_dispatch():
+    model = cgn.prepare_model(Keywords())
+    inputs = torch.randn(2, 3, dtype=torch.float64)
+    extension = SeesCall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BatchGrad has no rule for this module
+        with backpack(extension):
+            model(inputs, scale=2.0).sum().backward()
+    assert extension.call.kwargs == {} and extension.call.inputs == ()  # cleared after the backward
+    assert hooks.current_call() is None
 
 
 def test_what_the_rules_saw_is_released_after_the_backward_pass():
