@@ -10,6 +10,7 @@ import cockpit_gradnoise as cgn
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms, SumsOfContributions, hooks
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 
+import numpy
 import pytest
 import torch
 from backpack import backpack, extend
@@ -292,3 +293,44 @@ def test_bert_with_output_submodules_gives_exact_rows_for_its_linear_layers():
     assert len(linear) == 2 * (2 * 6 + 2)  # q, k, v, attention out, intermediate, out; pooler, head
     errors = row_errors(prepared, gradients, linear)
     assert max(errors.values()) < RTOL, errors
+
+
+# Cockpit's own first-order quantities ---------------------------------------------
+
+
+def assert_same_output(got, expected, path=""):
+    """Nested Cockpit outputs equal to a bound (the same rules on the same numbers)."""
+    if isinstance(expected, dict):
+        assert set(got) == set(expected), path
+        for key in expected:
+            assert_same_output(got[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), path
+        for k, (a, b) in enumerate(zip(got, expected)):
+            assert_same_output(a, b, f"{path}[{k}]")
+    elif expected is None or isinstance(expected, str):
+        assert got == expected, path
+    else:
+        numpy.testing.assert_allclose(got, expected, rtol=1e-12, atol=0, err_msg=path)
+
+
+def small_convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    ).double()
+
+
+def test_cockpits_first_order_quantities_give_what_they_give_with_backpacks_hooks():
+    from tests.test_normalization_extensions import run_cockpit_full_first_order
+
+    inputs = torch.randn(5, 2, 6, 6, dtype=torch.float64)
+    targets = torch.tensor([0, 1, 2, 0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = run_cockpit_full_first_order(extend(small_convnet()), inputs, targets)
+        got = run_cockpit_full_first_order(cgn.prepare_model(small_convnet()), inputs, targets)
+    for step in expected:  # {step: {quantity: output}}
+        expected[step].pop("Time", None), got[step].pop("Time", None)
+    assert {"GradHist1d", "GradHist2d", "NormTest", "InnerTest", "OrthoTest"} <= set(expected[0])
+    assert_same_output(got, expected)
