@@ -32,10 +32,9 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
 def extended_copy(model):
-    """A BackPACK-extended deep copy, as users make it (``cgn.prepare_model``).
-
-    It uses BackPACK's converter where in-place operations need it (resnet18).
-    """
+    """A deep copy prepared as users prepare it (``cgn.prepare_model``: the package's
+    hooks, which run BackPACK's first-order extensions and allow resnet18's
+    in-place operations)."""
     return cgn.prepare_model(copy.deepcopy(model))
 
 

@@ -35,9 +35,9 @@ def make_cnn():
 def make_resnet18():
     """torchvision's resnet18 for 10 classes, in eval mode (BatchNorm with running statistics).
 
-    Its in-place ReLU and ``out += identity`` break BackPACK's hooks:
-    ``cgn.prepare_model`` (:func:`extended_copy`) extends it through BackPACK's
-    torch.fx converter, which keeps the parameter names.
+    Its in-place ReLU and ``out += identity`` break BackPACK's own hooks;
+    ``cgn.prepare_model`` (:func:`extended_copy`) gives it the package's hooks,
+    which allow them.
     """
     from torchvision.models import resnet18
 

@@ -1,118 +1,104 @@
 """One entry point that makes a model ready for the per-example quantities.
 
-BackPACK records each module's input and output with hooks, and its hooks turn
-outputs into views: an in-place operation on one (``ReLU(inplace=True)``,
-``out += identity`` in a ResNet block) then fails in the forward pass with
-``Output 0 of BackwardHookFunction is a view and is being modified inplace``.
-BackPACK's converter (``backpack.extend(model, use_converter=True)``) traces the
-model with ``torch.fx`` and rewrites such operations out of place, keeping the
-parameter names; it cannot trace models with data-dependent Python, and the
-``GraphModule`` it returns has no custom methods of the original class, so it is
-used only where it is needed.
+By default the model is left as it is written and gets this package's hooks
+(:mod:`cockpit_gradnoise.extensions.hooks`): in-place operations on layer
+outputs (``ReLU(inplace=True)``, a ResNet's ``out += identity``) work, and
+submodules called ``output`` (Hugging Face's BERT) are left alone. BackPACK's
+own hooks turn module outputs into views, which in-place operations break;
+its converter (``backpack.extend(model, use_converter=True)``) rewrites the
+model with ``torch.fx`` to avoid that, and stays available here for
+BackPACK's second-order extensions (Cockpit's ``HessTrace``, ``TICDiag``),
+which need hooks on every module.
 """
 
-import operator
-import sys
 from typing import Optional
 
-import torch
+from cockpit_gradnoise.extensions.hooks import add_hooks
+
 from backpack import extend
+from backpack.custom_module.graph_utils import BackpackTracer
 from torch import nn
 
-#: Functions that ``torch.fx`` records for in-place Python operators.
-_IN_PLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-}
 
-_IN_PLACE_ERROR = "is a view and is being modified inplace"
+def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) -> nn.Module:
+    """Make ``model`` ready for the per-example quantities.
 
-
-def needs_converter(model: nn.Module) -> bool:
-    """Whether ``model`` has in-place operations that BackPACK's hooks reject.
-
-    True if a submodule is configured ``inplace=True`` (``nn.ReLU(inplace=True)``)
-    or, where ``torch.fx`` can trace the model, its graph calls an in-place
-    method (``x.relu_()``), an in-place operator, or a function with
-    ``inplace=True``. An in-place ``+=`` on a tensor is traced as ``add`` and
-    cannot be seen here; :func:`prepare_model` still names the fix when the
-    forward pass fails.
-    """
-    if any(getattr(module, "inplace", False) is True for module in model.modules()):
-        return True
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # untraceable (data-dependent Python): the converter cannot help
-        return False
-    for node in graph.nodes:
-        if node.op == "call_method" and str(node.target).endswith("_"):
-            return True
-        if node.op == "call_function" and (
-            node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
-        ):
-            return True
-    return False
-
-
-def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> nn.Module:
-    """Extend ``model`` with BackPACK, converting it where in-place operations need it.
-
-    Train the returned model: it has the same parameters under the same names
-    (``[n for n, _ in prepared.named_parameters()]`` equals the original's).
-    Without conversion it is ``model`` itself, extended in place; with
-    conversion a ``torch.fx.GraphModule`` that shares ``model``'s parameters.
+    By default ``model`` itself, given hooks in place
+    (:func:`~cockpit_gradnoise.extensions.hooks.add_hooks`): one forward hook
+    on each module with parameters of its own, which hooks the gradient of
+    that call's output. Nothing is traced or rewritten, so the model behaves
+    as written (``train()``/``eval()``, dropout, in-place operations, custom
+    methods), and every first-order BackPACK extension (this package's, and
+    Cockpit's ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``) runs on it.
 
     Example (torchvision's ResNets use ``ReLU(inplace=True)`` and
     ``out += identity``)::
 
         model = cgn.prepare_model(torchvision.models.resnet18(num_classes=10))
 
+    A model already extended by ``backpack.extend`` is returned as it is.
+
     Args:
         model: The network.
-        use_converter: ``True`` to always use BackPACK's converter, ``False``
-            never, ``None`` (default) where :func:`needs_converter` says so.
+        use_converter: ``True`` for BackPACK's converter and its hooks on every
+            module (only for BackPACK's second-order extensions): a
+            ``torch.fx.GraphModule`` that shares ``model``'s parameters under
+            the same names. ``False`` or ``None`` (default): the hooks.
 
     Returns:
         The model to train.
 
     Raises:
-        RuntimeError: If the converter changed parameter names. The returned
-            model's forward pass, if it was not converted and an in-place
-            operation fails inside BackPACK's hooks, raises BackPACK's error
-            with the fix (``use_converter=True``) added to its message.
+        RuntimeError: With ``use_converter=True``, if the model's traced code
+            depends on ``self.training`` (the converter would freeze it: a
+            ``.train()`` or ``.eval()`` later would not change what dropout
+            or drop-path do), or if the converter changed parameter names.
     """
-    if use_converter is None:
-        use_converter = needs_converter(model)
-    names = [name for name, _ in model.named_parameters()]
     if not use_converter:
-        extended = extend(model)
-        # A hook, not a wrapped forward: it survives copy.deepcopy and pickling.
-        extended.register_forward_hook(_name_the_converter, always_call=True)
-        return extended
+        if any(getattr(module, "_backpack_extend", False) for module in model.modules()):
+            return model
+        return add_hooks(model)
+    _refuse_frozen_training_flag(model)
+    names = [name for name, _ in model.named_parameters()]
     converted = extend(model, use_converter=True)
     converted_names = [name for name, _ in converted.named_parameters()]
     if converted_names != names:
         raise RuntimeError(
             "BackPACK's converter changed the parameter names "
             f"({sorted(set(names) ^ set(converted_names))[:4]}...): use "
-            "prepare_model(model, use_converter=False) and remove in-place operations"
+            "prepare_model(model) without the converter"
         )
     return converted
 
 
-_HINT = (
-    " -- an in-place operation failed inside BackPACK's hooks (e.g. ReLU(inplace=True) "
-    "or `out += identity`): prepare the model with "
-    "cockpit_gradnoise.prepare_model(model, use_converter=True) (or "
-    "backpack.extend(model, use_converter=True)), or make the operation out of place"
-)
+def traced_code(model: nn.Module, training: bool) -> str:
+    """The Python code of ``model`` traced as BackPACK's converter traces it, in one mode.
+
+    Every module's ``training`` flag is restored afterwards.
+    """
+    flags = {module: module.training for module in model.modules()}
+    try:
+        model.train(training)
+        return BackpackTracer().trace(model).python_code("self").src
+    finally:
+        for module, flag in flags.items():
+            module.training = flag
 
 
-def _name_the_converter(module, args, output):
-    """Forward hook run also on failure: adds the fix to BackPACK's in-place error."""
-    error = sys.exc_info()[1]
-    if isinstance(error, RuntimeError) and error.args and _IN_PLACE_ERROR in str(error.args[0]):
-        if _HINT not in error.args[0]:
-            error.args = (error.args[0] + _HINT,) + error.args[1:]
+def _refuse_frozen_training_flag(model: nn.Module) -> None:
+    """Refuse the converter where the traced model would keep one mode forever."""
+    try:
+        differs = traced_code(model, True) != traced_code(model, False)
+    except Exception as error:  # untraceable (data-dependent Python)
+        raise RuntimeError(
+            f"BackPACK's converter cannot trace this model ({type(error).__name__}: "
+            f"{error}): use cockpit_gradnoise.prepare_model(model) without the converter"
+        ) from error
+    if differs:
+        raise RuntimeError(
+            "BackPACK's converter would freeze this model's training mode: its forward reads "
+            "`self.training` in Python (dropout, drop-path or BatchNorm written with "
+            "F.dropout(..., training=self.training)), and the traced graph keeps the value "
+            "of the moment of conversion. Use cockpit_gradnoise.prepare_model(model) without "
+            "the converter."
+        )

@@ -5,7 +5,6 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references, schema
-from cockpit_gradnoise.prepare import needs_converter
 
 import pytest
 import torch
@@ -27,38 +26,29 @@ def resnet18(inplace=True):
     return model
 
 
-def test_prepare_model_converts_resnet18_and_keeps_parameter_names():
+def test_prepare_model_keeps_resnet18_as_it_is_and_its_in_place_operations_work():
     model = resnet18()
     names = [n for n, _ in model.named_parameters()]
-    assert needs_converter(model)
     prepared = cgn.prepare_model(model)
+    assert prepared is model and type(prepared).__name__ == "ResNet"
+    assert [n for n, _ in prepared.named_parameters()] == names
+    duplicate = copy.deepcopy(prepared)  # as references and checkpoints make
+    prepared(torch.randn(2, 3, 32, 32)).sum().backward()  # no in-place error
+    duplicate(torch.randn(2, 3, 32, 32)).sum().backward()
+
+
+def test_the_converter_on_request_keeps_resnet18s_parameters_and_names():
+    model = resnet18()
+    names = [n for n, _ in model.named_parameters()]
+    prepared = cgn.prepare_model(model, use_converter=True)
     assert isinstance(prepared, torch.fx.GraphModule)
     assert [n for n, _ in prepared.named_parameters()] == names
     assert all(a is b for a, b in zip(prepared.parameters(), model.parameters()))
-    prepared(torch.randn(2, 3, 32, 32)).sum().backward()  # no in-place error
-
-
-def test_prepare_model_leaves_models_without_in_place_operations_alone():
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert not needs_converter(model)
-    assert cgn.prepare_model(model) is model
-
-
-def test_an_in_place_failure_names_prepare_model_and_the_converter():
-    """Without in-place ReLUs the `out += identity` of a ResNet block still fails;
-    it cannot be seen without running the model."""
-    model = resnet18(inplace=False)
-    assert not needs_converter(model)
-    prepared = cgn.prepare_model(model)
-    duplicate = copy.deepcopy(prepared)  # as references and checkpoints make
-    with pytest.raises(RuntimeError, match=r"prepare_model\(model, use_converter=True\)"):
-        prepared(torch.randn(2, 3, 32, 32))
-    with pytest.raises(RuntimeError, match="use_converter=True"):
-        duplicate(torch.randn(2, 3, 32, 32))
+    prepared(torch.randn(2, 3, 32, 32)).sum().backward()
 
 
 def test_plain_backpack_extend_of_resnet18_fails_as_the_issue_reports():
-    """The failure prepare_model exists for, so the test above stays meaningful."""
+    """The failure the hooks of prepare_model avoid, so the tests above stay meaningful."""
     with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
         extend(resnet18())(torch.randn(2, 3, 32, 32))
 

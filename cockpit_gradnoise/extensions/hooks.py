@@ -1,0 +1,218 @@
+"""Hooks that run BackPACK's first-order extensions without making outputs views.
+
+BackPACK's ``extend`` gives every module a forward hook that stores
+``module.input0`` and ``module.output`` and a ``register_full_backward_hook``
+that runs the active extensions. Both get in the way of models as people
+write them:
+
+- a full backward hook turns the module's output into a view, so an in-place
+  operation on it (``ReLU(inplace=True)``, a ResNet's ``out += identity``,
+  torchvision's ``result += input``) fails in the forward pass;
+- ``module.output = output`` raises ``TypeError`` on a module with a
+  submodule called ``output`` (every Hugging Face BERT layer), and containers
+  get the attributes too.
+
+:func:`add_hooks` instead gives every module that has parameters of its own
+(``parameters(recurse=False)``; containers get nothing) one forward hook,
+which keeps the call's inputs and output, detached, on a small record, and
+registers a tensor hook on the output (``output.register_hook``): a tensor hook
+makes no view, and PyTorch documents that a hook registered before an in-place
+modification receives the gradient with respect to the value before it (the
+autograd notes, "Behavior of Tensor hooks when Tensor is modified in-place";
+``tests/test_hooks.py`` checks it). That gradient is the layer's output
+gradient, with which the hook runs BackPACK's own dispatch of every active
+extension, ``extension(module, g_inp, g_out)``, then the context's extension
+hook (Cockpit's), as BackPACK's ``hook_run_extensions`` does. For the time of
+the dispatch only, the record is shown to the rules under BackPACK's names
+(``module.input0``, ``input1``, ..., ``module.output``), written into the
+module's ``__dict__`` so that they shadow, and never replace, a submodule of
+that name; they are removed right after.
+
+What BackPACK's first-order rules read, and what is given here:
+
+- ``module.input0`` (every weight rule): the input as the layer saw it. If it
+  was modified in place between the forward and the backward pass (its
+  version counter moved), the hook refuses with an error naming the layer.
+- ``module.output``: its shape (convolutions), ``data_ptr`` and ``grad_fn``
+  (``ModuleExtension.__call__`` looks up second-order quantities by them; a
+  first-order extension has none); only the RNN and LSTM rules read its
+  values, and their output is checked as the input is.
+- ``g_inp``: read by no first-order rule (BackPACK's or this package's); it
+  is not computed yet when the output's gradient arrives, and is given as
+  ``None`` for each input.
+- ``g_out``: ``(output gradient,)``, of the first output for modules that
+  return a tuple (RNN, LSTM), as BackPACK's ``module.output = output[0]``.
+
+Second-order extensions (Cockpit's ``HessTrace``, ``TICDiag``) backpropagate
+through every module, including those without parameters, and are refused
+with the fix (``prepare_model(model, use_converter=True)``).
+
+Memory: the record is emptied after the module's backward pass (BackPACK's
+``memory_cleanup``), unless the backpack context was given
+``retain_graph=True``. A forward pass without a backward pass leaves nothing
+on the module: the record hangs on the graph and goes with it. Under
+``torch.no_grad()``, inside ``backpack.disable()``, inside ``torch.func``
+transforms and while the rules run, the forward hook stores nothing.
+
+Several calls of one module in one forward pass (a tied or reused layer) each
+get their own record, so each use is dispatched with its own input.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from backpack import disable
+from backpack.context import CTX
+from torch import Tensor, nn
+
+#: A module's flag that it carries these hooks (a plain attribute: it survives
+#: ``copy.deepcopy`` and pickling, as the hook, a module-level function, does).
+HOOKED_FLAG = "_cgn_hooked"
+
+#: Modules whose first-order rules read the values of ``module.output``.
+READS_OUTPUT = (nn.RNN, nn.LSTM)
+
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+class Call:
+    """One call of a hooked module, as its rules see it in the backward pass.
+
+    Attributes:
+        inputs: The positional inputs, tensors detached (they share storage
+            and version counter with the originals).
+        kwargs: The keyword arguments, as given.
+        output: The (first) output, detached.
+        versions: The tensors' version counters after the forward pass:
+            ``{position: version}`` of the inputs, ``"output"`` for the output.
+    """
+
+    __slots__ = ("inputs", "kwargs", "output", "versions")
+
+    def __init__(self, args: tuple, kwargs: dict, output: Tensor):
+        self.inputs = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        self.kwargs = kwargs
+        self.output = output.detach()
+        self.versions = {i: a._version for i, a in enumerate(args) if isinstance(a, Tensor)}
+        self.versions["output"] = output._version
+
+    def clear(self):
+        """Let go of the tensors (after the backward pass)."""
+        self.inputs, self.kwargs, self.output = (), {}, None
+
+
+class _State:
+    """Whether the rules are running (a rule's own forward call stores nothing)."""
+
+    dispatching: Optional[Call] = None
+
+
+def current_call() -> Optional[Call]:
+    """The :class:`Call` whose rules are running, or ``None`` outside a dispatch.
+
+    For rules that need more than BackPACK's names give (keyword arguments).
+    """
+    return _State.dispatching
+
+
+def has_own_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters itself (not only through submodules)."""
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def add_hooks(model: nn.Module) -> nn.Module:
+    """Give every module of ``model`` with parameters of its own the hooks (in place).
+
+    Modules already hooked are left alone, so a second call adds nothing.
+
+    Args:
+        model: The network.
+
+    Returns:
+        ``model``.
+    """
+    for name, module in model.named_modules():
+        if has_own_parameters(module) and not module.__dict__.get(HOOKED_FLAG, False):
+            module.register_forward_hook(
+                functools.partial(_store_call, name or type(module).__name__), with_kwargs=True
+            )
+            module.__dict__[HOOKED_FLAG] = True
+    return model
+
+
+def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output):
+    """Forward hook: keep the call and hook the gradient of its (first) output."""
+    if not (torch.is_grad_enabled() and disable.should_store_io()):
+        return
+    if _State.dispatching is not None or _functorch_active():
+        return
+    first = output[0] if isinstance(output, tuple) else output
+    if not (isinstance(first, Tensor) and first.requires_grad):
+        return
+    call = Call(args, kwargs, first)
+    first.register_hook(functools.partial(_run_extensions, name, module, call))
+
+
+def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tensor):
+    """Tensor hook on the output: BackPACK's dispatch of the active extensions."""
+    extensions = CTX.get_active_exts()
+    if extensions and call.output is not None:
+        _refuse_second_order(extensions)
+        _refuse_modified(name, module, call)
+        _dispatch(module, call, extensions, (grad_output,))
+    if not CTX.get_retain_graph():
+        call.clear()
+
+
+def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
+    """Run ``extensions`` on ``module`` with the call shown under BackPACK's names."""
+    shown = {f"input{i}": x for i, x in enumerate(call.inputs)}
+    shown["output"] = call.output
+    # In __dict__, so that they shadow a submodule or parameter of that name
+    # for the time of the dispatch and leave it untouched.
+    hidden = {key: module.__dict__[key] for key in shown if key in module.__dict__}
+    module.__dict__.update(shown)
+    _State.dispatching = call
+    try:
+        g_inp = (None,) * len(call.inputs)
+        debug = CTX.get_debug()
+        for extension in extensions:
+            if debug:
+                print("[DEBUG] Running extension", extension, "on", module)
+            extension(module, g_inp, g_out)
+        CTX.get_extension_hook()(module)
+    finally:
+        _State.dispatching = None
+        for key in shown:
+            module.__dict__.pop(key, None)
+        module.__dict__.update(hidden)
+
+
+def _refuse_second_order(extensions):
+    """Second-order extensions need hooks on every module (BackPACK's own)."""
+    for extension in extensions:
+        if extension.expects_backpropagation_quantities():
+            raise RuntimeError(
+                f"{type(extension).__name__} is a second-order BackPACK extension (as Cockpit's "
+                "HessTrace and TICDiag request): it needs BackPACK's hooks on every module. "
+                "Prepare the model with cockpit_gradnoise.prepare_model(model, "
+                "use_converter=True), or leave these quantities out."
+            )
+
+
+def _refuse_modified(name: str, module: nn.Module, call: Call):
+    """The rules need the input (and an RNN's output) as the layer saw it."""
+    changed = [
+        f"input {i}" for i, x in enumerate(call.inputs)
+        if i in call.versions and x._version != call.versions[i]
+    ]
+    if isinstance(module, READS_OUTPUT) and call.output._version != call.versions["output"]:
+        changed.append("output")
+    if changed:
+        raise RuntimeError(
+            f"{name} ({type(module).__name__}): its {' and '.join(changed)} was modified in "
+            "place after the forward pass, and the per-example results need the values the "
+            "layer saw: make the operation that modifies it out of place (e.g. `x = x + y` "
+            "for `x += y`)."
+        )
