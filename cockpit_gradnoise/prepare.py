@@ -15,6 +15,8 @@ import operator
 import sys
 from typing import Optional
 
+from cockpit_gradnoise.extensions.fallback import install_fallback
+
 import torch
 from backpack import extend
 from torch import nn
@@ -83,6 +85,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> 
             operation fails inside BackPACK's hooks, raises BackPACK's error
             with the fix (``use_converter=True``) added to its message.
     """
+    install_fallback(model)  # modules that use their parameters directly (extensions.fallback)
     if use_converter is None:
         use_converter = needs_converter(model)
     names = [name for name, _ in model.named_parameters()]

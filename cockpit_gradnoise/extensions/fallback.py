@@ -1,0 +1,358 @@
+"""Exact per-example results of any module that uses its parameters directly, by ``torch.func``.
+
+A module that uses its own parameters in ``forward`` (``x * self.gamma``,
+``F.layer_norm(x, ..., self.weight, self.bias)``, a class token or a position
+table added to its input) has no rule in the extension tables. Its
+parameters' per-example contributions are still exact vector-Jacobian
+products of that module's own forward pass, as Opacus computes them for
+layers without a rule (``opacus/grad_sample/functorch.py``): with ``a_i`` the
+module's input(s) of example ``i``, ``G_i`` the gradient of the batch's loss
+with respect to its output of example ``i`` and ``f`` its forward pass,
+
+.. math::
+
+    x_i(\\theta) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial \\theta}\\Big)^{\\top} G_i ,
+
+``torch.func.vmap`` over the examples of ``torch.func.vjp`` of
+``torch.func.functional_call(module, own parameters, a_i)``. ``G`` is the
+output gradient the backward pass hands the module, of the batch's loss: for
+a mean-reduced loss it holds the ``1/N``, so ``x_i`` is the contribution
+``c g_i`` of the package's contract, as for every other rule. The rest of the
+network is computed as before; the vector-Jacobian product runs over the
+module's own forward only, with its own parameters as the primal.
+
+Per-layer reductions only: the per-example gradients of one module's
+parameters, for a chunk of examples at a time (:func:`._cost.examples_per_chunk`),
+are reduced at once to the three results the extensions save
+(``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``) and freed.
+
+How it is wired:
+
+- :func:`install_fallback` (called by ``prepare_model``) puts a forward hook
+  (``with_kwargs=True``) on each module with direct trainable parameters that
+  no rule covers: it keeps the call's positional and keyword arguments
+  (detached, so no graph is held twice) until the backward pass;
+- the package's extensions call :func:`run` on every module BackPACK hands
+  them; it computes, once per module and backward pass, the results of every
+  active package extension, and saves each extension's own.
+
+Refused, with a warning and without rows (never a silently wrong number):
+a module none of whose inputs leads with the batch dimension of its output,
+a module with a BatchNorm in training mode inside (its examples interact), a
+forward pass ``vmap`` cannot run per example (random operations such as
+dropout in training mode, data-dependent Python), and an input changed in
+place after the call. Inside the recomputation, the hooks of the module and
+its submodules are switched off (:func:`hooks_off`): BackPACK's would
+overwrite the inputs it stored for the real backward pass.
+"""
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+from cockpit_gradnoise.extensions.sums import sums_of
+
+import torch
+from backpack.context import CTX
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+#: The attribute of a module that :func:`install_fallback` equipped: its :class:`Fallback`.
+ATTRIBUTE = "cgn_fallback"
+
+_SAVEFIELDS = (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
+
+
+@dataclass
+class Call:
+    """One call of a module, as its forward hook saw it.
+
+    Attributes:
+        leaves: The tensors and other values of ``(args, kwargs)``, flattened
+            (``torch.utils._pytree``); tensors detached.
+        spec: How to rebuild ``(args, kwargs)`` from ``leaves``.
+        versions: ``{leaf index: tensor._version}`` at the call, to see in-place changes.
+        outputs: Positions of the output's tensors, in the order of the
+            output gradients the backward hooks hand over: the output itself
+            (``None``), or the indices of the tensors of an output tuple.
+    """
+
+    leaves: List[Any]
+    spec: Any
+    versions: Dict[int, int]
+    outputs: Optional[Tuple[int, ...]]
+
+
+@dataclass
+class Fallback:
+    """A module's fallback state.
+
+    Attributes:
+        call: The last call with gradients enabled, until its backward pass used it.
+        refused: Why the last backward pass gave no rows (``None`` if it gave them).
+        computed: Whether a backward pass computed rows with the fallback.
+    """
+
+    call: Optional[Call] = None
+    refused: Optional[str] = None
+    computed: bool = False
+    warned: set = field(default_factory=set)
+
+
+# Which modules: direct trainable parameters and no rule -----------------------
+
+
+def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """``{name: parameter}`` of the trainable parameters ``module`` holds itself."""
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def needs_fallback(module: nn.Module) -> bool:
+    """Whether ``module`` has direct trainable parameters that no rule of the package covers."""
+    from cockpit_gradnoise.extensions import has_rule
+
+    return bool(direct_parameters(module)) and not has_rule(module)
+
+
+def install_fallback(model: nn.Module) -> List[str]:
+    """Equip every module that needs it (:func:`needs_fallback`) with the fallback.
+
+    Idempotent. The hook is a module-level function: it survives
+    ``copy.deepcopy`` and pickling of the model.
+
+    Returns:
+        The names (``model.named_modules()``) of the modules that have it.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, ATTRIBUTE, None), Fallback):
+            names.append(name)
+        elif needs_fallback(module):
+            setattr(module, ATTRIBUTE, Fallback())
+            module.register_forward_hook(_capture, with_kwargs=True)
+            names.append(name)
+    return names
+
+
+def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
+    """The output's tensors as the backward hooks hand their gradients over."""
+    if isinstance(output, Tensor):
+        return None
+    if isinstance(output, tuple):
+        return tuple(i for i, value in enumerate(output) if isinstance(value, Tensor))
+    return ()  # no tensor whose gradient a backward hook would report
+
+
+def _capture(module, args, kwargs, output):
+    """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``)."""
+    state = getattr(module, ATTRIBUTE, None)
+    if state is None or not torch.is_grad_enabled():
+        return
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+    leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    state.call = Call(leaves, spec, versions, _tensor_positions(output))
+    first = output if isinstance(output, Tensor) else next(
+        (v for v in output if isinstance(v, Tensor)) if isinstance(output, tuple) else iter(()), None
+    )
+    if first is not None and first.requires_grad:
+        # Steps without the package's extensions free the arguments in the backward pass.
+        first.register_hook(_releaser(state))
+
+
+def _releaser(state: Fallback):
+    def release(grad):
+        if not _active_savefields():
+            state.call = None
+
+    return release
+
+
+def _active_savefields() -> List[str]:
+    return [
+        ext.savefield for ext in CTX.get_active_exts()
+        if getattr(ext, "savefield", None) in _SAVEFIELDS
+    ]
+
+
+# The computation -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hooks_off(module: nn.Module):
+    """Run ``module`` and its submodules without their hooks (restored afterwards).
+
+    ``nn.Module.__call__`` skips every hook when these four dicts are empty:
+    inside the recomputation BackPACK's forward hooks would overwrite the
+    inputs stored for the real backward pass, its backward hooks are
+    autograd Functions ``vmap`` cannot run, and a nested fallback's hook
+    would replace its own saved call.
+    """
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    saved = [(m, [getattr(m, n) for n in names]) for m in module.modules()]
+    try:
+        for m, _ in saved:
+            for n in names:
+                setattr(m, n, OrderedDict())
+        yield
+    finally:
+        for m, hooks in saved:
+            for n, hook in zip(names, hooks):
+                setattr(m, n, hook)
+
+
+def per_example_gradients(
+    module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
+    grads: Dict[int, Tensor], start: int, stop: int,
+) -> Dict[str, Tensor]:
+    """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
+
+    ``vmap`` over examples of ``vjp`` of ``functional_call(module, params, a_i)``
+    at ``G_i``: ``batched`` are the indices of the leaves that lead with the
+    batch dimension, ``grads`` the output gradients by output position.
+    """
+    positions = list(grads)
+
+    def forward(own, examples):
+        leaves = list(call.leaves)
+        for k, example in zip(batched, examples):
+            leaves[k] = example.unsqueeze(0)
+        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+        output = torch.func.functional_call(module, own, tuple(args), kwargs)
+        if call.outputs is None:
+            return (output,)
+        return tuple(output[p] for p in positions)
+
+    def one(examples, cotangents):
+        _, pullback = torch.func.vjp(lambda own: forward(own, examples), params)
+        return pullback(tuple(g.unsqueeze(0) for g in cotangents))[0]
+
+    examples = tuple(call.leaves[k][start:stop] for k in batched)
+    cotangents = tuple(grads[p][start:stop] for p in positions)
+    with hooks_off(module), torch.enable_grad():
+        return torch.func.vmap(one)(examples, cotangents)
+
+
+def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]) -> Dict[str, Dict[str, Tensor]]:
+    """``{savefield: {name: result}}`` from chunks of per-example contributions.
+
+    ``||x_i||^2`` per example (:data:`BATCH_L2_SAVEFIELD`, ``[N]``),
+    ``[sum_i x_i, sum_i x_i**2]`` (:data:`SUMS_SAVEFIELD`, ``[2, *shape]``,
+    both from the same contributions, :mod:`.sums`) and ``sum_i x_i``
+    (:data:`LOCAL_GRADIENT_SAVEFIELD`); each chunk is freed once reduced.
+    """
+    norms: Dict[str, List[Tensor]] = {}
+    totals: Dict[str, Tensor] = {}
+    for chunk in chunks:
+        for name, x in chunk.items():
+            if BATCH_L2_SAVEFIELD in savefields:
+                norms.setdefault(name, []).append(x.square().flatten(1).sum(1))
+            if SUMS_SAVEFIELD in savefields or LOCAL_GRADIENT_SAVEFIELD in savefields:
+                part = sums_of(x)
+                totals[name] = part if name not in totals else totals[name] + part
+    results: Dict[str, Dict[str, Tensor]] = {}
+    if BATCH_L2_SAVEFIELD in savefields:
+        results[BATCH_L2_SAVEFIELD] = {name: torch.cat(parts) for name, parts in norms.items()}
+    if SUMS_SAVEFIELD in savefields:
+        results[SUMS_SAVEFIELD] = totals
+    if LOCAL_GRADIENT_SAVEFIELD in savefields:
+        results[LOCAL_GRADIENT_SAVEFIELD] = {name: sums[0] for name, sums in totals.items()}
+    return results
+
+
+def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -> Optional[str]:
+    """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
+    if call is None:
+        return "no call of the module was recorded in the forward pass (prepare the model first)"
+    if not grads or 0 not in grads and call.outputs is None:
+        return "its output received no gradient"
+    sizes = {g.shape[0] if g.dim() else None for g in grads.values()}
+    if len(sizes) != 1 or None in sizes:
+        return f"its outputs lead with different sizes {sorted(map(str, sizes))}"
+    for k, version in call.versions.items():
+        if call.leaves[k]._version != version:
+            return "an input was changed in place after the call"
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            return (f"its submodule {name!r} is a BatchNorm in training mode: examples "
+                    "interact, so no per-example gradient of the module's parameters exists")
+    if not batched_leaves(call, sizes.pop()):
+        return "none of its inputs leads with the batch dimension of its output"
+    return None
+
+
+def batched_leaves(call: Call, examples: int) -> List[int]:
+    """Indices of the tensor leaves that lead with the batch dimension (``examples``)."""
+    return [
+        k for k, leaf in enumerate(call.leaves)
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == examples
+    ]
+
+
+def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
+    """``{output position: gradient}`` of the outputs that received one."""
+    positions = (0,) if call.outputs is None else range(len(call.outputs))
+    return {p: g_out[p] for p in positions if p < len(g_out) and g_out[p] is not None}
+
+
+def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Optional[Dict]:
+    """The results of ``savefields`` for ``module``'s direct parameters, or ``None`` (refused, warned)."""
+    call, state.call = state.call, None  # the arguments are freed once used
+    grads = output_gradients(call, g_out) if call is not None else {}
+    reason = refusal(module, call, grads)
+    params = {n: p.detach() for n, p in direct_parameters(module).items()}
+    if reason is None:
+        examples = next(iter(grads.values())).shape[0]
+        batched = batched_leaves(call, examples)
+        numel = sum(p.numel() for p in params.values())
+        size = _cost.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        chunks = (
+            per_example_gradients(module, params, call, batched, grads, start, start + size)
+            for start in range(0, examples, size)
+        )
+        try:
+            return reduce_chunks(chunks, savefields)
+        except Exception as error:  # vmap cannot run this forward per example
+            reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    state.refused = reason
+    if reason not in state.warned:
+        state.warned.add(reason)
+        warnings.warn(
+            f"cockpit-gradnoise: {type(module).__name__} ({', '.join(params)}) gets no "
+            f"per-example rows from the torch.func fallback: {reason}", stacklevel=2,
+        )
+    return None
+
+
+def run(extension, module: nn.Module, g_inp, g_out) -> None:
+    """Save ``extension``'s results on ``module``'s direct parameters, if it has the fallback.
+
+    Called by the package's extensions on every module; does nothing for
+    modules without the fallback. The first active extension to reach the
+    module computes every active extension's results (kept in
+    :data:`LAYER_CACHE`, keyed by the module and its output gradients).
+    """
+    state = getattr(module, ATTRIBUTE, None)
+    if not isinstance(state, Fallback) or extension.savefield not in _SAVEFIELDS:
+        return
+    sources = (module, *[g for g in g_out if g is not None])
+    results = LAYER_CACHE.get("fallback", sources)
+    if results is None:
+        results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
+        LAYER_CACHE.put("fallback", sources, results)
+        if results is not None:
+            state.refused, state.computed = None, True
+    if results is None:
+        return
+    params = direct_parameters(module)
+    for name, value in results.get(extension.savefield, {}).items():
+        setattr(params[name], extension.savefield, value)
