@@ -13,8 +13,8 @@ with respect to its output of example ``i`` and ``f`` its forward pass,
 
     x_i(\\theta) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial \\theta}\\Big)^{\\top} G_i ,
 
-``torch.func.vmap`` over the examples of ``torch.func.vjp`` of
-``torch.func.functional_call(module, own parameters, a_i)``. ``G`` is the
+``torch.func.vmap`` over the examples of ``torch.func.vjp`` of the module's
+forward with its own direct parameters as the primal. ``G`` is the
 output gradient the backward pass hands the module, of the batch's loss: for
 a mean-reduced loss it holds the ``1/N``, so ``x_i`` is the contribution
 ``c g_i`` of the package's contract, as for every other rule. The rest of the
@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import _cost
-from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -100,12 +99,18 @@ class Fallback:
         call: The last call with gradients enabled, until its backward pass used it.
         refused: Why the last backward pass gave no rows (``None`` if it gave them).
         computed: Whether a backward pass computed rows with the fallback.
+        warned: The reasons already warned about.
     """
 
     call: Optional[Call] = None
     refused: Optional[str] = None
     computed: bool = False
     warned: set = field(default_factory=set)
+    #: Between the first and the last active extension of a backward hook: their results.
+    results: Optional[Dict[str, Dict[str, Tensor]]] = None
+    pending: set = field(default_factory=set)
+    #: The call was used by a backward pass and no forward pass came since.
+    taken: bool = False
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -160,7 +165,7 @@ def _capture(module, args, kwargs, output):
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-    state.call = Call(leaves, spec, versions, _tensor_positions(output))
+    state.call, state.results, state.taken = Call(leaves, spec, versions, _tensor_positions(output)), None, False
     first = output if isinstance(output, Tensor) else next(
         (v for v in output if isinstance(v, Tensor)) if isinstance(output, tuple) else iter(()), None
     )
@@ -172,7 +177,7 @@ def _capture(module, args, kwargs, output):
 def _releaser(state: Fallback):
     def release(grad):
         if not _active_savefields():
-            state.call = None
+            state.call, state.taken = None, True
 
     return release
 
@@ -216,7 +221,9 @@ def per_example_gradients(
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
-    ``vmap`` over examples of ``vjp`` of ``functional_call(module, params, a_i)``
+    ``vmap`` over examples of ``vjp`` of the module's forward with ``params``
+    in place of its own parameters (what ``torch.func.functional_call`` does,
+    here for its direct parameters only, at a third of the cost under ``vmap``),
     at ``G_i``: ``batched`` are the indices of the leaves that lead with the
     batch dimension, ``grads`` the output gradients by output position.
     """
@@ -227,10 +234,11 @@ def per_example_gradients(
         for k, example in zip(batched, examples):
             leaves[k] = example.unsqueeze(0)
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-        output = torch.func.functional_call(module, own, tuple(args), kwargs)
+        with own_parameters(module, own):
+            output = module.forward(*args, **kwargs)
         if call.outputs is None:
             return (output,)
-        return tuple(output[p] for p in positions)
+        return tuple(output[call.outputs[p]] for p in positions)
 
     def one(examples, cotangents):
         _, pullback = torch.func.vjp(lambda own: forward(own, examples), params)
@@ -238,8 +246,32 @@ def per_example_gradients(
 
     examples = tuple(call.leaves[k][start:stop] for k in batched)
     cotangents = tuple(grads[p][start:stop] for p in positions)
-    with hooks_off(module), torch.enable_grad():
+    with hooks_off(module), _math_attention(), torch.enable_grad():
         return torch.func.vmap(one)(examples, cotangents)
+
+
+@contextlib.contextmanager
+def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
+    """``module``'s direct parameters replaced by ``tensors`` (restored afterwards).
+
+    Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
+    """
+    saved = {name: module._parameters[name] for name in tensors}
+    try:
+        module._parameters.update(tensors)
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _math_attention():
+    """``scaled_dot_product_attention`` by its math form: the fused kernels' backward
+    has no batching rule, and ``vmap`` would loop over the examples one by one."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: the math form is what runs on CPU anyway
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]) -> Dict[str, Dict[str, Tensor]]:
@@ -304,9 +336,9 @@ def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
     return {p: g_out[p] for p in positions if p < len(g_out) and g_out[p] is not None}
 
 
-def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Optional[Dict]:
-    """The results of ``savefields`` for ``module``'s direct parameters, or ``None`` (refused, warned)."""
-    call, state.call = state.call, None  # the arguments are freed once used
+def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
+    """The results of ``savefields`` for ``module``'s direct parameters; ``{}`` if refused (warned)."""
+    call = state.call
     grads = output_gradients(call, g_out) if call is not None else {}
     reason = refusal(module, call, grads)
     params = {n: p.detach() for n, p in direct_parameters(module).items()}
@@ -323,14 +355,18 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Optional[D
             return reduce_chunks(chunks, savefields)
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    _refuse(module, state, reason)
+    return {}
+
+
+def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
     state.refused = reason
     if reason not in state.warned:
         state.warned.add(reason)
         warnings.warn(
-            f"cockpit-gradnoise: {type(module).__name__} ({', '.join(params)}) gets no "
-            f"per-example rows from the torch.func fallback: {reason}", stacklevel=2,
+            f"cockpit-gradnoise: {type(module).__name__} ({', '.join(direct_parameters(module))}) "
+            f"gets no per-example rows from the torch.func fallback: {reason}", stacklevel=3,
         )
-    return None
 
 
 def run(extension, module: nn.Module, g_inp, g_out) -> None:
@@ -338,21 +374,31 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
 
     Called by the package's extensions on every module; does nothing for
     modules without the fallback. The first active extension to reach the
-    module computes every active extension's results (kept in
-    :data:`LAYER_CACHE`, keyed by the module and its output gradients).
+    module computes every active extension's results from the call its
+    forward hook kept; each extension takes its own, and the last frees the
+    call. A second backward hook of the module in the same backward pass (the
+    module was called twice in one forward pass) finds the call taken: the
+    uses would have to be summed per example, so the rows already saved are
+    removed and the module refused.
     """
     state = getattr(module, ATTRIBUTE, None)
     if not isinstance(state, Fallback) or extension.savefield not in _SAVEFIELDS:
         return
-    sources = (module, *[g for g in g_out if g is not None])
-    results = LAYER_CACHE.get("fallback", sources)
-    if results is None:
-        results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
-        LAYER_CACHE.put("fallback", sources, results)
-        if results is not None:
-            state.refused, state.computed = None, True
-    if results is None:
-        return
     params = direct_parameters(module)
-    for name, value in results.get(extension.savefield, {}).items():
+    if state.results is None:
+        if state.call is None:
+            if state.taken:
+                for param in params.values():
+                    if hasattr(param, extension.savefield):
+                        delattr(param, extension.savefield)
+                _refuse(module, state, "it was called more than once in one forward pass")
+            return
+        state.results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
+        if state.results:
+            state.refused, state.computed = None, True
+        state.pending = set(_active_savefields()) | {extension.savefield}
+    for name, value in state.results.pop(extension.savefield, {}).items():
         setattr(params[name], extension.savefield, value)
+    state.pending.discard(extension.savefield)
+    if not state.pending:  # every active extension has its results: free the call
+        state.call, state.results, state.taken = None, None, True
