@@ -38,6 +38,7 @@ _EXPORTS = {
     "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),
     "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
     "prepare_model": ("cockpit_gradnoise.prepare", "prepare_model"),
+    "check_model": ("cockpit_gradnoise.check", "check_model"),
     "convert_attention": ("cockpit_gradnoise.attention", "convert_attention"),
     "restore_attention": ("cockpit_gradnoise.attention", "restore_attention"),
     "LinearAttention": ("cockpit_gradnoise.attention", "LinearAttention"),

@@ -73,5 +73,5 @@ def timm_vit(image=8, patch=4, width=8, heads=2, classes=3):
 
     return VisionTransformer(
         img_size=image, patch_size=patch, in_chans=2, num_classes=classes, embed_dim=width,
-        depth=1, num_heads=heads, mlp_ratio=2.0, init_values=0.5,
+        depth=1, num_heads=heads, mlp_ratio=2.0, init_values=0.5, qkv_bias=False,
     ).eval()
