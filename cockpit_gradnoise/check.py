@@ -112,6 +112,8 @@ def how_computed(module: nn.Module) -> str:
     if has_rule(module):
         return f"native ({name})"
     state = getattr(module, fallback.ATTRIBUTE, None)
+    if isinstance(state, fallback.Fallback) and state.closed_form is not None:
+        return f"native ({name} behaves as {state.closed_form.name})"
     if isinstance(state, fallback.Fallback):
         return f"fallback (torch.func, {name})"
     return f"none ({name}: no rule)"

@@ -220,3 +220,45 @@ def test_check_model_leaves_the_model_alone():
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert not model._forward_hooks
+
+
+class NanoLayerNorm(nn.Module):
+    """nanoGPT's ``LayerNorm``: weight and optional bias used directly in ``F.layer_norm``."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(ndim))
+        self.bias = nn.Parameter(torch.randn(ndim)) if bias else None
+
+    def forward(self, input):
+        return nn.functional.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class AlmostScale(nn.Module):
+    """Not a layer scale: ``x * gamma`` plus a little more."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.gamma + 1e-9 * x.square()
+
+
+@pytest.mark.parametrize(
+    "layer, how",
+    [
+        (lambda: NanoLayerNorm(4, bias=True), "native (NanoLayerNorm behaves as F.layer_norm, eps=1e-05)"),
+        (lambda: NanoLayerNorm(4, bias=False), "native (NanoLayerNorm behaves as F.layer_norm, eps=1e-05)"),
+        (lambda: AlmostScale(4), "fallback (torch.func, AlmostScale)"),
+    ],
+    ids=["nanogpt-layernorm", "nanogpt-layernorm-nobias", "almost-a-layer-scale"],
+)
+def test_look_alikes_get_the_closed_form_and_the_others_the_vmap(layer, how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), layer(), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randn(5, 3, 4), torch.randint(0, 3, (5,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False).set_index("param")
+    own = frame[frame.index.str.startswith("1.")]
+    assert (own.how == how).all() and own.rows.all()
+    assert (frame.max_rel_error < RTOL).all()

@@ -50,7 +50,7 @@ import contextlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import _cost
 from cockpit_gradnoise.extensions.savefields import (
@@ -111,6 +111,8 @@ class Fallback:
     pending: set = field(default_factory=set)
     #: The call was used by a backward pass and no forward pass came since.
     taken: bool = False
+    #: A closed form that gives the same contributions as the vmap (:func:`look_alike`).
+    closed_form: Optional["ClosedForm"] = None
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -142,7 +144,7 @@ def install_fallback(model: nn.Module) -> List[str]:
         if isinstance(getattr(module, ATTRIBUTE, None), Fallback):
             names.append(name)
         elif needs_fallback(module):
-            setattr(module, ATTRIBUTE, Fallback())
+            setattr(module, ATTRIBUTE, Fallback(closed_form=look_alike(module)))
             module.register_forward_hook(_capture, with_kwargs=True)
             names.append(name)
     return names
@@ -187,6 +189,106 @@ def _active_savefields() -> List[str]:
         ext.savefield for ext in CTX.get_active_exts()
         if getattr(ext, "savefield", None) in _SAVEFIELDS
     ]
+
+
+# Look-alikes: closed forms for modules that behave like a layer with a rule --------
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """Per-example contributions of a module recognized by its behaviour.
+
+    Attributes:
+        name: What it behaves like, for the checker.
+        contributions: ``(module, x, G) -> {name: x_i [N, *shape]}`` from the
+            module's one input ``x`` and its output gradient ``G``.
+    """
+
+    name: str
+    contributions: Callable
+
+
+def _positions(x: Tensor) -> Tuple[int, ...]:
+    return tuple(range(1, x.dim() - 1))
+
+
+def scale_contributions(module, x: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+    """``y = x * gamma`` (``gamma [D]``, a layer scale): ``x_i = sum_p x_ip * G_ip``."""
+    name = next(iter(direct_parameters(module)))
+    return {name: (x * grad).sum(_positions(x)) if x.dim() > 2 else x * grad}
+
+
+def _layer_norm_contributions(eps: float) -> Callable:
+    def contributions(module, x: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+        """``y = F.layer_norm(x, (D,), weight, bias, eps)``: :mod:`.normalization`'s contributions."""
+        from cockpit_gradnoise.extensions import normalization
+
+        dims = _positions(x)
+        normalized = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+        result = {"weight": normalization.scale_contributions(normalized, grad, dims)}
+        if "bias" in direct_parameters(module):
+            result["bias"] = normalization.shift_contributions(grad, dims)
+        return result
+
+    return contributions
+
+
+def _probe(module: nn.Module, params: Dict[str, Tensor], x: Tensor, training: bool) -> Optional[Tensor]:
+    """``module(x)`` in training mode or not, with ``params`` in place of its own; ``None`` if it fails.
+
+    Both modes must match a closed form: a dropout that only acts in training
+    mode must not make a look-alike.
+    """
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train(training)
+        with hooks_off(module), own_parameters(module, params), torch.no_grad():
+            output = module.forward(x)
+    except Exception:  # not a module of one input that runs in float64
+        return None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return output if isinstance(output, Tensor) and output.shape == x.shape else None
+
+
+def look_alike(module: nn.Module) -> Optional[ClosedForm]:
+    """A closed form if ``module`` computes a layer scale ``x * gamma`` or
+    ``F.layer_norm(x, (D,), weight, bias, eps)`` (nanoGPT's ``LayerNorm``).
+
+    Recognized by behaviour, once at installation: the module's forward on a
+    random float64 input of shape ``(2, 3, D)``, with random float64 values in
+    place of its parameters (vectors of size ``D``), in training and in
+    evaluation mode, must agree with the closed form to ``1e-12`` relative,
+    which tells ``eps`` values apart too. (A forward that branches on the
+    input's values could pass the probe and differ elsewhere: the checker,
+    :func:`cockpit_gradnoise.check_model`, compares on your own batch.)
+    The closed forms are the native normalization rule's
+    (:mod:`.normalization`), cheaper than the ``vmap``.
+    """
+    params = direct_parameters(module)
+    shapes = {tuple(p.shape) for p in params.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1 or len(params) > 2:
+        return None
+    width = next(iter(shapes))[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, width, dtype=torch.float64, generator=generator)
+    values = {n: torch.randn(width, dtype=torch.float64, generator=generator) for n in params}
+    candidates = []
+    if len(params) == 1:
+        candidates.append((ClosedForm("layer scale x * gamma", scale_contributions), x * next(iter(values.values()))))
+    if set(params) <= {"weight", "bias"} and "weight" in params:
+        for eps in dict.fromkeys(e for e in (getattr(module, "eps", None), 1e-5, 1e-6, 1e-12)
+                                 if isinstance(e, float)):
+            expected = torch.nn.functional.layer_norm(x, (width,), values["weight"], values.get("bias"), eps)
+            candidates.append((ClosedForm(f"F.layer_norm, eps={eps:g}", _layer_norm_contributions(eps)), expected))
+    outputs = [_probe(module, values, x.clone(), training) for training in (True, False)]
+    if any(output is None for output in outputs):
+        return None
+    for form, expected in candidates:
+        if all((output - expected).abs().max() <= 1e-12 * expected.abs().max() for output in outputs):
+            return form
+    return None
 
 
 # The computation -------------------------------------------------------------
@@ -342,6 +444,9 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     grads = output_gradients(call, g_out) if call is not None else {}
     reason = refusal(module, call, grads)
     params = {n: p.detach() for n, p in direct_parameters(module).items()}
+    if reason is None and state.closed_form is not None and _one_input(call) is not None:
+        contributions = state.closed_form.contributions(module, _one_input(call), grads[0])
+        return reduce_chunks(iter([contributions]), savefields)
     if reason is None:
         examples = next(iter(grads.values())).shape[0]
         batched = batched_leaves(call, examples)
@@ -357,6 +462,14 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     _refuse(module, state, reason)
     return {}
+
+
+def _one_input(call: Call) -> Optional[Tensor]:
+    """The call's input if it was ``module(x)`` with one tensor, ``None`` otherwise."""
+    args, kwargs = _pytree.tree_unflatten(call.leaves, call.spec)
+    if call.outputs is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        return args[0]
+    return None
 
 
 def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
