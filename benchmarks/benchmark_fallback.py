@@ -85,13 +85,22 @@ def _hf_modules():
     }
 
 
+def _by_vmap(module):
+    """``module`` prepared, its look-alike closed form switched off: the vmap computes."""
+    module = cgn.prepare_model(module)
+    getattr(module, fallback.ATTRIBUTE).closed_form = None
+    return module
+
+
 def cases():
     """``{label: (module, input)}``."""
     sequence = torch.randn(N, T, WIDTH, requires_grad=True)
     found = {
         "nn.LayerNorm (native)": nn.LayerNorm(WIDTH),
-        "nanoGPT LayerNorm (fallback)": NanoLayerNorm(WIDTH),
-        "layer-scale gamma (fallback)": LayerScale(WIDTH),
+        "nanoGPT LayerNorm (look-alike: closed form)": NanoLayerNorm(WIDTH),
+        "nanoGPT LayerNorm (vmap)": _by_vmap(NanoLayerNorm(WIDTH)),
+        "layer-scale gamma (look-alike: closed form)": LayerScale(WIDTH),
+        "layer-scale gamma (vmap)": _by_vmap(LayerScale(WIDTH)),
         **_hf_modules(),
     }
     result = {label: (module, sequence) for label, module in found.items()}
