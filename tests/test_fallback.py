@@ -262,3 +262,12 @@ def test_look_alikes_get_the_closed_form_and_the_others_the_vmap(layer, how):
     own = frame[frame.index.str.startswith("1.")]
     assert (own.how == how).all() and own.rows.all()
     assert (frame.max_rel_error < RTOL).all()
+
+
+def test_a_prepared_model_with_the_fallback_copies_and_pickles():
+    import pickle
+
+    model = cgn.prepare_model(nn.Sequential(NanoLayerNorm(4, bias=True), Scaled(4)))
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    assert copied[0].cgn_fallback.closed_form == model[0].cgn_fallback.closed_form
+    assert copied[0]._forward_hooks  # the capture hook came along

@@ -162,15 +162,14 @@ def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
 def _capture(module, args, kwargs, output):
     """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``)."""
     state = getattr(module, ATTRIBUTE, None)
-    if state is None or not torch.is_grad_enabled():
-        return
+    positions = _tensor_positions(output)
+    if state is None or not torch.is_grad_enabled() or positions == ():
+        return  # no gradient to come (a torch.fx trace's proxies, too)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-    state.call, state.results, state.taken = Call(leaves, spec, versions, _tensor_positions(output)), None, False
-    first = output if isinstance(output, Tensor) else next(
-        (v for v in output if isinstance(v, Tensor)) if isinstance(output, tuple) else iter(()), None
-    )
+    state.call, state.results, state.taken = Call(leaves, spec, versions, positions), None, False
+    first = output if positions is None else output[positions[0]] if positions else None
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))
@@ -200,37 +199,37 @@ class ClosedForm:
 
     Attributes:
         name: What it behaves like, for the checker.
-        contributions: ``(module, x, G) -> {name: x_i [N, *shape]}`` from the
-            module's one input ``x`` and its output gradient ``G``.
+        contributions: ``(module, x, G, eps) -> {name: x_i [N, *shape]}`` from
+            the module's one input ``x`` and its output gradient ``G`` (a
+            module-level function: the model stays picklable).
+        eps: The layer norm's ``eps`` (``None`` for a layer scale).
     """
 
     name: str
     contributions: Callable
+    eps: Optional[float] = None
 
 
 def _positions(x: Tensor) -> Tuple[int, ...]:
     return tuple(range(1, x.dim() - 1))
 
 
-def scale_contributions(module, x: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+def scale_contributions(module, x: Tensor, grad: Tensor, eps=None) -> Dict[str, Tensor]:
     """``y = x * gamma`` (``gamma [D]``, a layer scale): ``x_i = sum_p x_ip * G_ip``."""
     name = next(iter(direct_parameters(module)))
     return {name: (x * grad).sum(_positions(x)) if x.dim() > 2 else x * grad}
 
 
-def _layer_norm_contributions(eps: float) -> Callable:
-    def contributions(module, x: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        """``y = F.layer_norm(x, (D,), weight, bias, eps)``: :mod:`.normalization`'s contributions."""
-        from cockpit_gradnoise.extensions import normalization
+def layer_norm_contributions(module, x: Tensor, grad: Tensor, eps: float) -> Dict[str, Tensor]:
+    """``y = F.layer_norm(x, (D,), weight, bias, eps)``: :mod:`.normalization`'s contributions."""
+    from cockpit_gradnoise.extensions import normalization
 
-        dims = _positions(x)
-        normalized = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
-        result = {"weight": normalization.scale_contributions(normalized, grad, dims)}
-        if "bias" in direct_parameters(module):
-            result["bias"] = normalization.shift_contributions(grad, dims)
-        return result
-
-    return contributions
+    dims = _positions(x)
+    normalized = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+    result = {"weight": normalization.scale_contributions(normalized, grad, dims)}
+    if "bias" in direct_parameters(module):
+        result["bias"] = normalization.shift_contributions(grad, dims)
+    return result
 
 
 def _probe(module: nn.Module, params: Dict[str, Tensor], x: Tensor, training: bool) -> Optional[Tensor]:
@@ -281,7 +280,8 @@ def look_alike(module: nn.Module) -> Optional[ClosedForm]:
         for eps in dict.fromkeys(e for e in (getattr(module, "eps", None), 1e-5, 1e-6, 1e-12)
                                  if isinstance(e, float)):
             expected = torch.nn.functional.layer_norm(x, (width,), values["weight"], values.get("bias"), eps)
-            candidates.append((ClosedForm(f"F.layer_norm, eps={eps:g}", _layer_norm_contributions(eps)), expected))
+            form = ClosedForm(f"F.layer_norm, eps={eps:g}", layer_norm_contributions, eps)
+            candidates.append((form, expected))
     outputs = [_probe(module, values, x.clone(), training) for training in (True, False)]
     if any(output is None for output in outputs):
         return None
@@ -407,8 +407,8 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -
     """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
     if call is None:
         return "no call of the module was recorded in the forward pass (prepare the model first)"
-    if not grads or 0 not in grads and call.outputs is None:
-        return "its output received no gradient"
+    if 0 not in grads:  # the first output's gradient is where the batch is read from
+        return "its (first) output received no gradient"
     sizes = {g.shape[0] if g.dim() else None for g in grads.values()}
     if len(sizes) != 1 or None in sizes:
         return f"its outputs lead with different sizes {sorted(map(str, sizes))}"
@@ -445,7 +445,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     reason = refusal(module, call, grads)
     params = {n: p.detach() for n, p in direct_parameters(module).items()}
     if reason is None and state.closed_form is not None and _one_input(call) is not None:
-        contributions = state.closed_form.contributions(module, _one_input(call), grads[0])
+        form = state.closed_form
+        contributions = form.contributions(module, _one_input(call), grads[0], form.eps)
         return reduce_chunks(iter([contributions]), savefields)
     if reason is None:
         examples = next(iter(grads.values())).shape[0]
