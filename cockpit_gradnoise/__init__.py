@@ -39,6 +39,7 @@ _EXPORTS = {
     "NETWORK": ("cockpit_gradnoise.schema", "NETWORK"),
     "prepare_model": ("cockpit_gradnoise.prepare", "prepare_model"),
     "sequence_losses": ("cockpit_gradnoise.losses", "sequence_losses"),
+    "check_model": ("cockpit_gradnoise.check", "check_model"),
     "convert_attention": ("cockpit_gradnoise.attention", "convert_attention"),
     "restore_attention": ("cockpit_gradnoise.attention", "restore_attention"),
     "LinearAttention": ("cockpit_gradnoise.attention", "LinearAttention"),

@@ -13,6 +13,7 @@ which need hooks on every module.
 
 from typing import Optional
 
+from cockpit_gradnoise.extensions.fallback import install_fallback
 from cockpit_gradnoise.extensions.hooks import add_hooks
 
 from backpack import extend
@@ -54,6 +55,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             ``.train()`` or ``.eval()`` later would not change what dropout
             or drop-path do), or if the converter changed parameter names.
     """
+    install_fallback(model)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:
         if any(getattr(module, "_backpack_extend", False) for module in model.modules()):
             return model

@@ -16,6 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
+from tests import library_models
 from tests.models import GPT, TokenCrossEntropy
 
 
@@ -160,6 +161,31 @@ MODELS = [
     ),
     ModelCase("resnet18", resnet18, lambda n: torch.randn(n, 3, 32, 32), batch_sizes=(3,),
               inner_terms=32 * 32),
+    # Other libraries' models, unmodified (tests/library_models.py; the fallback's issue 19).
+    # Llama computes its RMSNorm in float32 even in a float64 model, also backwards: the
+    # batch's gradient and c * g_i round alike only where c = 1/(N T) is a power of two.
+    ModelCase(
+        "hf-llama",
+        lambda: library_models.llama(VOCABULARY, WIDTH, HEADS),
+        lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        batch_sizes=(2, 8),
+        losses=token_losses,
+        targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        inner_terms=CONTEXT,
+    ),
+    # position_ids (N, T) passed by the wrapper, so that wpe sees the batch.
+    ModelCase(
+        "hf-gpt2",
+        lambda: library_models.gpt2(VOCABULARY, WIDTH, HEADS),
+        lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        batch_sizes=(2, 7),
+        losses=token_losses,
+        targets=lambda n: torch.randint(0, VOCABULARY, (n, CONTEXT)),
+        inner_terms=CONTEXT,
+    ),
+    # Class token, position table and layer-scale gamma used directly: the fallback.
+    ModelCase("timm-vit", library_models.timm_vit, lambda n: torch.randn(n, 2, 8, 8),
+              batch_sizes=(2, 7), inner_terms=5),
 ]
 REDUCTIONS = ["mean", "sum"]
 

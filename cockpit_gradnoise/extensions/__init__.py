@@ -40,6 +40,8 @@ from cockpit_gradnoise.extensions import (
     convolution,
     embedding,
     facts,
+    fallback,
+    hf,
     linear,
     normalization,
     sums,
@@ -64,6 +66,9 @@ class _RecordingExtension(FirstOrderBackpropExtension):
 
     def __call__(self, module, g_inp, g_out):
         super().__call__(module, g_inp, g_out)
+        # Layers no table row covers: HF classes by name, then the torch.func fallback.
+        hf.run(self, module, g_inp, g_out)
+        fallback.run(self, module, g_inp, g_out)
         facts.recording().record(self, module, g_out)
 
 
@@ -197,3 +202,13 @@ def register_extensions() -> None:
 def unregister_extensions() -> None:
     """Undo :func:`register_extensions` for extensions constructed from now on."""
     normalization.unregister_normalization_extensions_globally()
+
+
+def has_rule(module: nn.Module) -> bool:
+    """Whether the package's extensions have a native rule for ``module``
+    (a table row for its class, or :mod:`.hf`); the others with direct
+    parameters get the ``torch.func`` fallback (:mod:`.fallback`)."""
+    # BackPACK keeps each instance's table private, without a getter.
+    tables = [ext._BackpropExtension__module_extensions for ext in
+              (PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient())]
+    return any(type(module) in table for table in tables) or hf.has_rule(module)

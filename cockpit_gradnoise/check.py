@@ -1,0 +1,219 @@
+"""Check the package on your own model: which parameters get rows, how, and how exact.
+
+In the spirit of Opacus' validators and ``GradSampleModule`` checks: one call
+runs, on float64 copies of the model and a small batch of yours,
+
+- a per-example reference on an un-extended copy: the contributions
+  ``x_i = (d out_i / d theta)^T G_i`` with ``G = dL/d out`` of the batch's
+  loss, one backward pass per example (whatever the loss's reduction, so
+  ``x_i`` sums to ``param.grad``);
+- the package's three extensions on a prepared copy (``prepare_model``);
+
+and reports per parameter whether it has rows, how they are computed (a
+native rule, the ``torch.func`` fallback, contributions through the batch
+when a BatchNorm trains) and the largest relative error of its results::
+
+    table = cgn.check_model(model, x, y, torch.nn.CrossEntropyLoss())
+
+Models whose examples interact (BatchNorm in training mode) have no
+per-example gradients: their rows are contributions through the batch, and
+the per-example reference does not apply (the error column is then empty).
+"""
+
+import copy
+import math
+from typing import Callable, Dict, Sequence, Union
+
+from cockpit_gradnoise.extensions import (
+    LocalGradient,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+    facts,
+    fallback,
+    has_rule,
+    hf,
+)
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+from cockpit_gradnoise.prepare import prepare_model
+
+import torch
+from backpack import backpack
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+Inputs = Union[Tensor, Sequence[Tensor]]
+
+
+def _as_float64(value):
+    return value.double() if isinstance(value, Tensor) and value.is_floating_point() else value
+
+
+def _tuple(inputs: Inputs) -> tuple:
+    return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+
+def _output_leaves(outputs):
+    return [leaf for leaf in _pytree.tree_leaves(outputs)
+            if isinstance(leaf, Tensor) and leaf.requires_grad]
+
+
+def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -> Dict[str, Tensor]:
+    """``{name: x_i}`` (``[N, *shape]``): each example's contribution to ``param.grad``.
+
+    ``x_i = (d out_i / d theta)^T G_i`` with ``G`` the gradient of
+    ``loss_fn(model(*inputs), targets)`` with respect to the outputs, by one
+    backward pass per example on ``model`` (any reduction; examples must not
+    interact). Parameters without a gradient are left out.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    outputs = model(*inputs)
+    grads = torch.autograd.grad(loss_fn(outputs, targets), _output_leaves(outputs), allow_unused=True)
+    examples = inputs[0].shape[0]
+    rows = []
+    for i in range(examples):
+        example = tuple(x[i : i + 1] if isinstance(x, Tensor) else x for x in inputs)
+        outs = _output_leaves(model(*example))
+        pairs = [(o, g[i : i + 1]) for o, g in zip(outs, grads) if g is not None]
+        rows.append(torch.autograd.grad(
+            [o for o, _ in pairs], [p for _, p in named], [g for _, g in pairs], allow_unused=True
+        ))
+    return {
+        name: torch.stack([row[k] for row in rows])
+        for k, (name, _) in enumerate(named) if rows[0][k] is not None
+    }
+
+
+def _relative_error(got: Tensor, expected: Tensor) -> float:
+    scale = expected.abs().max().item()
+    error = (got.double() - expected).abs().max().item()
+    return error / scale if scale > 0 else error
+
+
+def _errors(param, x: Tensor) -> float:
+    """Largest relative error of ``param``'s three results against contributions ``x``."""
+    squares = x.square()
+    expected = {
+        BATCH_L2_SAVEFIELD: squares.flatten(1).sum(1),
+        SUMS_SAVEFIELD: torch.stack([x.sum(0), squares.sum(0)]),
+        LOCAL_GRADIENT_SAVEFIELD: x.sum(0),
+    }
+    return max(_relative_error(getattr(param, field), value) for field, value in expected.items())
+
+
+def how_computed(module: nn.Module) -> str:
+    """How the package computes the rows of ``module``'s direct parameters."""
+    name = type(module).__name__
+    if hf.has_rule(module):
+        return f"native ({name}, transformers rule)"
+    if has_rule(module):
+        return f"native ({name})"
+    state = getattr(module, fallback.ATTRIBUTE, None)
+    if isinstance(state, fallback.Fallback) and state.closed_form is not None:
+        return f"native ({name} behaves as {state.closed_form.name})"
+    if isinstance(state, fallback.Fallback):
+        return f"fallback (torch.func, {name})"
+    return f"none ({name}: no rule)"
+
+
+def _owners(model: nn.Module) -> Dict[int, nn.Module]:
+    return {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+
+
+def _why_no_rows(param, module, recorded: facts.BackwardFacts, examples: int) -> str:
+    """The reason ``param`` has no rows ('' if it has)."""
+    if param.grad is None:
+        return "no gradient (unused in the forward pass)"
+    state = getattr(module, fallback.ATTRIBUTE, None)
+    if isinstance(state, fallback.Fallback) and state.refused:
+        return f"fallback refused: {state.refused}"
+    if not all(hasattr(param, f) for f in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)):
+        return f"no rule for {type(module).__name__}"
+    if recorded.shared(param):
+        return "used by several layers (tied weights)"
+    leading = recorded.leading_sizes.get(id(param), examples)
+    if leading != examples:
+        return f"applied without the batch dimension (output leads with {leading}, batch {examples})"
+    return ""
+
+
+def check_model(
+    model: nn.Module, inputs: Inputs, targets, loss_fn: Callable, *, verbose: bool = True,
+):
+    """Which parameters of ``model`` get rows, how, and their largest relative error.
+
+    Runs on float64 copies (``model`` is not changed): a per-example
+    reference (:func:`reference_contributions`) on one, the package's
+    extensions on a :func:`~cockpit_gradnoise.prepare_model` copy of another;
+    compares per parameter the per-example squared norms, the sums of the
+    contributions and of their squares, and the gradient.
+
+    Args:
+        model: Your network, as you train it (its mode is kept: in training
+            mode a BatchNorm makes the rows contributions through the batch).
+        inputs: One batch: a tensor, or a tuple of the forward's positional
+            arguments, each with the examples first. Keep it small (the
+            reference runs one backward pass per example).
+        targets: Its targets.
+        loss_fn: ``loss_fn(model(*inputs), targets)``, the scalar loss you train with.
+        verbose: Print the table and the coverage.
+
+    Returns:
+        A ``pandas.DataFrame``, one row per trainable parameter: ``param``,
+        ``elements``, ``rows`` (bool), ``how`` (native rule, fallback,
+        contributions), ``max_rel_error`` (NaN without rows or reference) and
+        ``note`` (why there are no rows). ``frame.attrs["coverage"]`` is the
+        fraction of trainable elements with rows.
+    """
+    import pandas
+
+    inputs = tuple(_as_float64(x) for x in _tuple(inputs))
+    targets = _as_float64(targets)
+    reference_model = copy.deepcopy(model).double()
+    prepared = prepare_model(copy.deepcopy(model).double())
+    interact = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    reference = {} if interact else reference_contributions(reference_model, inputs, targets, loss_fn)
+
+    prepared.zero_grad(set_to_none=True)
+    recorded = facts.begin()
+    with backpack(PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient()):
+        loss_fn(prepared(*inputs), targets).backward()
+    owners = _owners(prepared)
+    examples = inputs[0].shape[0]
+    records = []
+    for name, param in prepared.named_parameters():
+        if not param.requires_grad:
+            continue
+        module = owners[id(param)]
+        note = _why_no_rows(param, module, recorded, examples)
+        how = how_computed(module)
+        if interact or recorded.examples_interact:
+            how += ", contributions through the batch"
+        error = math.nan
+        if not note and name in reference:
+            error = _errors(param, reference[name])
+        records.append({"param": name, "elements": param.numel(), "rows": not note, "how": how,
+                        "max_rel_error": error, "note": note})
+    frame = pandas.DataFrame.from_records(records)
+    total = frame.elements.sum()
+    frame.attrs["coverage"] = float(frame.elements[frame.rows].sum() / total) if total else 0.0
+    if verbose:
+        print(format_check(frame))
+    return frame
+
+
+def format_check(frame) -> str:
+    """The table of :func:`check_model` as text, with the coverage last."""
+    lines = []
+    for record in frame.itertuples():
+        error = "-" if math.isnan(record.max_rel_error) else f"{record.max_rel_error:.1e}"
+        rows = "yes" if record.rows else "NO "
+        line = f"{rows} {error:>8}  {record.param} [{record.elements}]  {record.how}"
+        lines.append(line + (f"  -- {record.note}" if record.note else ""))
+    with_rows = int(frame.elements[frame.rows].sum())
+    lines.append(f"elements with rows: {with_rows} of {int(frame.elements.sum())} "
+                 f"({100 * frame.attrs['coverage']:.1f}%)")
+    return "\n".join(lines)

@@ -1,0 +1,518 @@
+"""Exact per-example results of any module that uses its parameters directly, by ``torch.func``.
+
+A module that uses its own parameters in ``forward`` (``x * self.gamma``,
+``F.layer_norm(x, ..., self.weight, self.bias)``, a class token or a position
+table added to its input) has no rule in the extension tables. Its
+parameters' per-example contributions are still exact vector-Jacobian
+products of that module's own forward pass, as Opacus computes them for
+layers without a rule (``opacus/grad_sample/functorch.py``): with ``a_i`` the
+module's input(s) of example ``i``, ``G_i`` the gradient of the batch's loss
+with respect to its output of example ``i`` and ``f`` its forward pass,
+
+.. math::
+
+    x_i(\\theta) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial \\theta}\\Big)^{\\top} G_i ,
+
+``torch.func.vmap`` over the examples of ``torch.func.vjp`` of the module's
+forward with its own direct parameters as the primal. ``G`` is the
+output gradient the backward pass hands the module, of the batch's loss: for
+a mean-reduced loss it holds the ``1/N``, so ``x_i`` is the contribution
+``c g_i`` of the package's contract, as for every other rule. The rest of the
+network is computed as before; the vector-Jacobian product runs over the
+module's own forward only, with its own parameters as the primal.
+
+Per-layer reductions only: the per-example gradients of one module's
+parameters, for a chunk of examples at a time (:func:`._cost.examples_per_chunk`),
+are reduced at once to the three results the extensions save
+(``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``) and freed.
+
+How it is wired:
+
+- :func:`install_fallback` (called by ``prepare_model``) puts a forward hook
+  (``with_kwargs=True``) on each module with direct trainable parameters that
+  no rule covers: it keeps the call's positional and keyword arguments
+  (detached, so no graph is held twice) until the backward pass;
+- the package's extensions call :func:`run` on every module BackPACK hands
+  them; it computes, once per module and backward pass, the results of every
+  active package extension, and saves each extension's own.
+
+Refused, with a warning and without rows (never a silently wrong number):
+a module none of whose inputs leads with the batch dimension of its output,
+a module with a BatchNorm in training mode inside (its examples interact), a
+forward pass ``vmap`` cannot run per example (random operations such as
+dropout in training mode, data-dependent Python), and an input changed in
+place after the call. Inside the recomputation, the hooks of the module and
+its submodules are switched off (:func:`hooks_off`): BackPACK's would
+overwrite the inputs it stored for the real backward pass.
+"""
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+from cockpit_gradnoise.extensions.sums import sums_of
+
+import torch
+from backpack.context import CTX
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+#: The attribute of a module that :func:`install_fallback` equipped: its :class:`Fallback`.
+ATTRIBUTE = "cgn_fallback"
+
+_SAVEFIELDS = (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
+
+
+@dataclass
+class Call:
+    """One call of a module, as its forward hook saw it.
+
+    Attributes:
+        leaves: The tensors and other values of ``(args, kwargs)``, flattened
+            (``torch.utils._pytree``); tensors detached.
+        spec: How to rebuild ``(args, kwargs)`` from ``leaves``.
+        versions: ``{leaf index: tensor._version}`` at the call, to see in-place changes.
+        outputs: Positions of the output's tensors, in the order of the
+            output gradients the backward hooks hand over: the output itself
+            (``None``), or the indices of the tensors of an output tuple.
+    """
+
+    leaves: List[Any]
+    spec: Any
+    versions: Dict[int, int]
+    outputs: Optional[Tuple[int, ...]]
+
+
+@dataclass
+class Fallback:
+    """A module's fallback state.
+
+    Attributes:
+        call: The last call with gradients enabled, until its backward pass used it.
+        refused: Why the last backward pass gave no rows (``None`` if it gave them).
+        computed: Whether a backward pass computed rows with the fallback.
+        warned: The reasons already warned about.
+    """
+
+    call: Optional[Call] = None
+    refused: Optional[str] = None
+    computed: bool = False
+    warned: set = field(default_factory=set)
+    #: Between the first and the last active extension of a backward hook: their results.
+    results: Optional[Dict[str, Dict[str, Tensor]]] = None
+    pending: set = field(default_factory=set)
+    #: The call was used by a backward pass and no forward pass came since.
+    taken: bool = False
+    #: A closed form that gives the same contributions as the vmap (:func:`look_alike`).
+    closed_form: Optional["ClosedForm"] = None
+
+
+# Which modules: direct trainable parameters and no rule -----------------------
+
+
+def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """``{name: parameter}`` of the trainable parameters ``module`` holds itself."""
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def needs_fallback(module: nn.Module) -> bool:
+    """Whether ``module`` has direct trainable parameters that no rule of the package covers."""
+    from cockpit_gradnoise.extensions import has_rule
+
+    return bool(direct_parameters(module)) and not has_rule(module)
+
+
+def install_fallback(model: nn.Module) -> List[str]:
+    """Equip every module that needs it (:func:`needs_fallback`) with the fallback.
+
+    Idempotent. The hook is a module-level function: it survives
+    ``copy.deepcopy`` and pickling of the model.
+
+    Returns:
+        The names (``model.named_modules()``) of the modules that have it.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, ATTRIBUTE, None), Fallback):
+            names.append(name)
+        elif needs_fallback(module):
+            setattr(module, ATTRIBUTE, Fallback(closed_form=look_alike(module)))
+            module.register_forward_hook(_capture, with_kwargs=True)
+            names.append(name)
+    return names
+
+
+def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
+    """The output's tensors as the backward hooks hand their gradients over."""
+    if isinstance(output, Tensor):
+        return None
+    if isinstance(output, tuple):
+        return tuple(i for i, value in enumerate(output) if isinstance(value, Tensor))
+    return ()  # no tensor whose gradient a backward hook would report
+
+
+def _capture(module, args, kwargs, output):
+    """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``)."""
+    state = getattr(module, ATTRIBUTE, None)
+    positions = _tensor_positions(output)
+    if state is None or not torch.is_grad_enabled() or positions == ():
+        return  # no gradient to come (a torch.fx trace's proxies, too)
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+    leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    state.call, state.results, state.taken = Call(leaves, spec, versions, positions), None, False
+    first = output if positions is None else output[positions[0]] if positions else None
+    if first is not None and first.requires_grad:
+        # Steps without the package's extensions free the arguments in the backward pass.
+        first.register_hook(_releaser(state))
+
+
+def _releaser(state: Fallback):
+    def release(grad):
+        if not _active_savefields():
+            state.call, state.taken = None, True
+
+    return release
+
+
+def _active_savefields() -> List[str]:
+    return [
+        ext.savefield for ext in CTX.get_active_exts()
+        if getattr(ext, "savefield", None) in _SAVEFIELDS
+    ]
+
+
+# Look-alikes: closed forms for modules that behave like a layer with a rule --------
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """Per-example contributions of a module recognized by its behaviour.
+
+    Attributes:
+        name: What it behaves like, for the checker.
+        contributions: ``(module, x, G, eps) -> {name: x_i [N, *shape]}`` from
+            the module's one input ``x`` and its output gradient ``G`` (a
+            module-level function: the model stays picklable).
+        eps: The layer norm's ``eps`` (``None`` for a layer scale).
+    """
+
+    name: str
+    contributions: Callable
+    eps: Optional[float] = None
+
+
+def _positions(x: Tensor) -> Tuple[int, ...]:
+    return tuple(range(1, x.dim() - 1))
+
+
+def scale_contributions(module, x: Tensor, grad: Tensor, eps=None) -> Dict[str, Tensor]:
+    """``y = x * gamma`` (``gamma [D]``, a layer scale): ``x_i = sum_p x_ip * G_ip``."""
+    name = next(iter(direct_parameters(module)))
+    return {name: (x * grad).sum(_positions(x)) if x.dim() > 2 else x * grad}
+
+
+def layer_norm_contributions(module, x: Tensor, grad: Tensor, eps: float) -> Dict[str, Tensor]:
+    """``y = F.layer_norm(x, (D,), weight, bias, eps)``: :mod:`.normalization`'s contributions."""
+    from cockpit_gradnoise.extensions import normalization
+
+    dims = _positions(x)
+    normalized = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+    result = {"weight": normalization.scale_contributions(normalized, grad, dims)}
+    if "bias" in direct_parameters(module):
+        result["bias"] = normalization.shift_contributions(grad, dims)
+    return result
+
+
+def _probe(module: nn.Module, params: Dict[str, Tensor], x: Tensor, training: bool) -> Optional[Tensor]:
+    """``module(x)`` in training mode or not, with ``params`` in place of its own; ``None`` if it fails.
+
+    Both modes must match a closed form: a dropout that only acts in training
+    mode must not make a look-alike.
+    """
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train(training)
+        with hooks_off(module), own_parameters(module, params), torch.no_grad():
+            output = module.forward(x)
+    except Exception:  # not a module of one input that runs in float64
+        return None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return output if isinstance(output, Tensor) and output.shape == x.shape else None
+
+
+def look_alike(module: nn.Module) -> Optional[ClosedForm]:
+    """A closed form if ``module`` computes a layer scale ``x * gamma`` or
+    ``F.layer_norm(x, (D,), weight, bias, eps)`` (nanoGPT's ``LayerNorm``).
+
+    Recognized by behaviour, once at installation: the module's forward on a
+    random float64 input of shape ``(2, 3, D)``, with random float64 values in
+    place of its parameters (vectors of size ``D``), in training and in
+    evaluation mode, must agree with the closed form to ``1e-12`` relative,
+    which tells ``eps`` values apart too. (A forward that branches on the
+    input's values could pass the probe and differ elsewhere: the checker,
+    :func:`cockpit_gradnoise.check_model`, compares on your own batch.)
+    The closed forms are the native normalization rule's
+    (:mod:`.normalization`), cheaper than the ``vmap``.
+    """
+    params = direct_parameters(module)
+    shapes = {tuple(p.shape) for p in params.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1 or len(params) > 2:
+        return None
+    width = next(iter(shapes))[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, width, dtype=torch.float64, generator=generator)
+    values = {n: torch.randn(width, dtype=torch.float64, generator=generator) for n in params}
+    candidates = []
+    if len(params) == 1:
+        candidates.append((ClosedForm("layer scale x * gamma", scale_contributions), x * next(iter(values.values()))))
+    if set(params) <= {"weight", "bias"} and "weight" in params:
+        for eps in dict.fromkeys(e for e in (getattr(module, "eps", None), 1e-5, 1e-6, 1e-12)
+                                 if isinstance(e, float)):
+            expected = torch.nn.functional.layer_norm(x, (width,), values["weight"], values.get("bias"), eps)
+            form = ClosedForm(f"F.layer_norm, eps={eps:g}", layer_norm_contributions, eps)
+            candidates.append((form, expected))
+    outputs = [_probe(module, values, x.clone(), training) for training in (True, False)]
+    if any(output is None for output in outputs):
+        return None
+    for form, expected in candidates:
+        if all((output - expected).abs().max() <= 1e-12 * expected.abs().max() for output in outputs):
+            return form
+    return None
+
+
+# The computation -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hooks_off(module: nn.Module):
+    """Run ``module`` and its submodules without their hooks (restored afterwards).
+
+    ``nn.Module.__call__`` skips every hook when these four dicts are empty:
+    inside the recomputation BackPACK's forward hooks would overwrite the
+    inputs stored for the real backward pass, its backward hooks are
+    autograd Functions ``vmap`` cannot run, and a nested fallback's hook
+    would replace its own saved call.
+    """
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    saved = [(m, [getattr(m, n) for n in names]) for m in module.modules()]
+    try:
+        for m, _ in saved:
+            for n in names:
+                setattr(m, n, OrderedDict())
+        yield
+    finally:
+        for m, hooks in saved:
+            for n, hook in zip(names, hooks):
+                setattr(m, n, hook)
+
+
+def per_example_gradients(
+    module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
+    grads: Dict[int, Tensor], start: int, stop: int,
+) -> Dict[str, Tensor]:
+    """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
+
+    ``vmap`` over examples of ``vjp`` of the module's forward with ``params``
+    in place of its own parameters (what ``torch.func.functional_call`` does,
+    here for its direct parameters only, at a third of the cost under ``vmap``),
+    at ``G_i``: ``batched`` are the indices of the leaves that lead with the
+    batch dimension, ``grads`` the output gradients by output position.
+    """
+    positions = list(grads)
+
+    def forward(own, examples):
+        leaves = list(call.leaves)
+        for k, example in zip(batched, examples):
+            leaves[k] = example.unsqueeze(0)
+        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+        with own_parameters(module, own):
+            output = module.forward(*args, **kwargs)
+        if call.outputs is None:
+            return (output,)
+        return tuple(output[call.outputs[p]] for p in positions)
+
+    def one(examples, cotangents):
+        _, pullback = torch.func.vjp(lambda own: forward(own, examples), params)
+        return pullback(tuple(g.unsqueeze(0) for g in cotangents))[0]
+
+    examples = tuple(call.leaves[k][start:stop] for k in batched)
+    cotangents = tuple(grads[p][start:stop] for p in positions)
+    with hooks_off(module), _math_attention(), torch.enable_grad():
+        return torch.func.vmap(one)(examples, cotangents)
+
+
+@contextlib.contextmanager
+def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
+    """``module``'s direct parameters replaced by ``tensors`` (restored afterwards).
+
+    Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
+    """
+    saved = {name: module._parameters[name] for name in tensors}
+    try:
+        module._parameters.update(tensors)
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _math_attention():
+    """``scaled_dot_product_attention`` by its math form: the fused kernels' backward
+    has no batching rule, and ``vmap`` would loop over the examples one by one."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: the math form is what runs on CPU anyway
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]) -> Dict[str, Dict[str, Tensor]]:
+    """``{savefield: {name: result}}`` from chunks of per-example contributions.
+
+    ``||x_i||^2`` per example (:data:`BATCH_L2_SAVEFIELD`, ``[N]``),
+    ``[sum_i x_i, sum_i x_i**2]`` (:data:`SUMS_SAVEFIELD`, ``[2, *shape]``,
+    both from the same contributions, :mod:`.sums`) and ``sum_i x_i``
+    (:data:`LOCAL_GRADIENT_SAVEFIELD`); each chunk is freed once reduced.
+    """
+    norms: Dict[str, List[Tensor]] = {}
+    totals: Dict[str, Tensor] = {}
+    for chunk in chunks:
+        for name, x in chunk.items():
+            if BATCH_L2_SAVEFIELD in savefields:
+                norms.setdefault(name, []).append(x.square().flatten(1).sum(1))
+            if SUMS_SAVEFIELD in savefields or LOCAL_GRADIENT_SAVEFIELD in savefields:
+                part = sums_of(x)
+                totals[name] = part if name not in totals else totals[name] + part
+    results: Dict[str, Dict[str, Tensor]] = {}
+    if BATCH_L2_SAVEFIELD in savefields:
+        results[BATCH_L2_SAVEFIELD] = {name: torch.cat(parts) for name, parts in norms.items()}
+    if SUMS_SAVEFIELD in savefields:
+        results[SUMS_SAVEFIELD] = totals
+    if LOCAL_GRADIENT_SAVEFIELD in savefields:
+        results[LOCAL_GRADIENT_SAVEFIELD] = {name: sums[0] for name, sums in totals.items()}
+    return results
+
+
+def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -> Optional[str]:
+    """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
+    if call is None:
+        return "no call of the module was recorded in the forward pass (prepare the model first)"
+    if 0 not in grads:  # the first output's gradient is where the batch is read from
+        return "its (first) output received no gradient"
+    sizes = {g.shape[0] if g.dim() else None for g in grads.values()}
+    if len(sizes) != 1 or None in sizes:
+        return f"its outputs lead with different sizes {sorted(map(str, sizes))}"
+    for k, version in call.versions.items():
+        if call.leaves[k]._version != version:
+            return "an input was changed in place after the call"
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            return (f"its submodule {name!r} is a BatchNorm in training mode: examples "
+                    "interact, so no per-example gradient of the module's parameters exists")
+    if not batched_leaves(call, sizes.pop()):
+        return "none of its inputs leads with the batch dimension of its output"
+    return None
+
+
+def batched_leaves(call: Call, examples: int) -> List[int]:
+    """Indices of the tensor leaves that lead with the batch dimension (``examples``)."""
+    return [
+        k for k, leaf in enumerate(call.leaves)
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == examples
+    ]
+
+
+def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
+    """``{output position: gradient}`` of the outputs that received one."""
+    positions = (0,) if call.outputs is None else range(len(call.outputs))
+    return {p: g_out[p] for p in positions if p < len(g_out) and g_out[p] is not None}
+
+
+def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
+    """The results of ``savefields`` for ``module``'s direct parameters; ``{}`` if refused (warned)."""
+    call = state.call
+    grads = output_gradients(call, g_out) if call is not None else {}
+    reason = refusal(module, call, grads)
+    params = {n: p.detach() for n, p in direct_parameters(module).items()}
+    if reason is None and state.closed_form is not None and _one_input(call) is not None:
+        form = state.closed_form
+        contributions = form.contributions(module, _one_input(call), grads[0], form.eps)
+        return reduce_chunks(iter([contributions]), savefields)
+    if reason is None:
+        examples = next(iter(grads.values())).shape[0]
+        batched = batched_leaves(call, examples)
+        numel = sum(p.numel() for p in params.values())
+        size = _cost.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        chunks = (
+            per_example_gradients(module, params, call, batched, grads, start, start + size)
+            for start in range(0, examples, size)
+        )
+        try:
+            return reduce_chunks(chunks, savefields)
+        except Exception as error:  # vmap cannot run this forward per example
+            reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    _refuse(module, state, reason)
+    return {}
+
+
+def _one_input(call: Call) -> Optional[Tensor]:
+    """The call's input if it was ``module(x)`` with one tensor, ``None`` otherwise."""
+    args, kwargs = _pytree.tree_unflatten(call.leaves, call.spec)
+    if call.outputs is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        return args[0]
+    return None
+
+
+def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
+    state.refused = reason
+    if reason not in state.warned:
+        state.warned.add(reason)
+        warnings.warn(
+            f"cockpit-gradnoise: {type(module).__name__} ({', '.join(direct_parameters(module))}) "
+            f"gets no per-example rows from the torch.func fallback: {reason}", stacklevel=3,
+        )
+
+
+def run(extension, module: nn.Module, g_inp, g_out) -> None:
+    """Save ``extension``'s results on ``module``'s direct parameters, if it has the fallback.
+
+    Called by the package's extensions on every module; does nothing for
+    modules without the fallback. The first active extension to reach the
+    module computes every active extension's results from the call its
+    forward hook kept; each extension takes its own, and the last frees the
+    call. A second backward hook of the module in the same backward pass (the
+    module was called twice in one forward pass) finds the call taken: the
+    uses would have to be summed per example, so the rows already saved are
+    removed and the module refused.
+    """
+    state = getattr(module, ATTRIBUTE, None)
+    if not isinstance(state, Fallback) or extension.savefield not in _SAVEFIELDS:
+        return
+    params = direct_parameters(module)
+    if state.results is None:
+        if state.call is None:
+            if state.taken:
+                for param in params.values():
+                    if hasattr(param, extension.savefield):
+                        delattr(param, extension.savefield)
+                _refuse(module, state, "it was called more than once in one forward pass")
+            return
+        state.results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
+        if state.results:
+            state.refused, state.computed = None, True
+        state.pending = set(_active_savefields()) | {extension.savefield}
+    for name, value in state.results.pop(extension.savefield, {}).items():
+        setattr(params[name], extension.savefield, value)
+    state.pending.discard(extension.savefield)
+    if not state.pending:  # every active extension has its results: free the call
+        state.call, state.results, state.taken = None, None, True

@@ -1,0 +1,273 @@
+"""The torch.func fallback and the model checker, against float64 per-example references.
+
+The case matrix (``tests/cases.py``: HF Llama and GPT-2, timm's ViT) checks
+every quantity on real libraries' models; here the fallback's own edges:
+keyword and unbatched arguments, tuple outputs, and the modules it must
+refuse rather than give a wrong number.
+"""
+
+import copy
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.check import reference_contributions
+from cockpit_gradnoise.extensions import LocalGradient, PerExampleSquaredNorms, SumsOfContributions
+
+import pytest
+import torch
+from backpack import backpack
+from torch import nn
+
+RTOL = 1e-12
+
+
+class Scaled(nn.Module):
+    """``x * gamma + shift``, ``shift`` a keyword argument without the batch dimension;
+    returns a tuple (the scaled tensor, an integer tensor)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(width))
+
+    def forward(self, x, *, shift):
+        return x * self.gamma + shift, torch.zeros(len(x), dtype=torch.long)
+
+
+class WithToken(nn.Module):
+    """A class token and a position table used directly in ``forward``, a layer scale
+    called with a keyword argument inside."""
+
+    def __init__(self, width=4, length=3, classes=3):
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 1, width))
+        self.positions = nn.Parameter(torch.randn(1, length + 1, width))
+        self.shift = torch.randn(width)
+        self.linear, self.scale = nn.Linear(width, width), Scaled(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = torch.cat([self.token.expand(len(x), -1, -1), x], 1) + self.positions
+        x = x + self.scale(torch.tanh(self.linear(x)), shift=self.shift)[0]
+        return self.head(x[:, 0])
+
+
+def _run(model, x, y, loss_fn):
+    """The package's three results on a prepared float64 copy: ``{name: (norms, sums, grad)}``."""
+    prepared = cgn.prepare_model(copy.deepcopy(model))
+    with backpack(PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient()):
+        loss_fn(prepared(x), y).backward()
+    return {
+        name: tuple(getattr(p, f, None) for f in ("cgn_batch_l2", "cgn_sums_of_contributions", "cgn_local_grad"))
+        for name, p in prepared.named_parameters()
+    }
+
+
+def _close(got, expected):
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= RTOL * scale
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_class_token_position_table_and_keyword_layer_scale_are_exact(reduction):
+    torch.manual_seed(0)
+    model = WithToken().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="cockpit-gradnoise")
+        got = _run(model, x, y, loss_fn)
+    expected = reference_contributions(model, (x,), y, loss_fn)
+    assert set(got) == set(expected)
+    for name, c in expected.items():
+        norms, sums, grad = got[name]
+        _close(norms, c.square().flatten(1).sum(1))
+        _close(sums, torch.stack([c.sum(0), c.square().sum(0)]))
+        _close(grad, c.sum(0))
+
+
+class Mixing(nn.Module):
+    """Direct parameter, and a BatchNorm inside that mixes the examples in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma, self.norm = nn.Parameter(torch.ones(4)), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(x) * self.gamma
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return nn.functional.dropout(x * self.gamma, 0.5, self.training)
+
+
+class Table(nn.Module):
+    """A position table applied without the batch dimension (its output leads with T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, positions):
+        return self.table[positions]
+
+
+class UsesTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = Table(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head((x + self.table(torch.arange(3))).sum(1))
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.head = Scaled(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        zero = torch.zeros(4)
+        return self.head(self.scale(self.scale(x, shift=zero)[0], shift=zero)[0])
+
+
+@pytest.mark.parametrize(
+    "model, name, reason",
+    [
+        (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
+        (Twice(), "scale.gamma", "called more than once"),
+    ],
+    ids=["batchnorm-inside", "dropout", "called-twice"],
+)
+def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason):
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with pytest.warns(UserWarning, match=reason):
+        got = _run(model.train(), x, y, nn.CrossEntropyLoss())
+    assert got[name] == (None, None, None)
+
+
+def test_a_table_applied_without_the_batch_dimension_is_reported_not_wrong():
+    """Its output leads with T = 3, not the batch's 6: the checker names it (the
+    quantities leave it out with their warning, as for ``wpe(torch.arange(T))``)."""
+    torch.manual_seed(0)
+    model = UsesTable()
+    x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    row = frame.set_index("param").loc["table.table"]
+    assert not row.rows and "without the batch dimension (output leads with 3, batch 6)" in row.note
+
+
+class Shared(nn.Module):
+    """A table looked up by each example's own positions, without any input leading
+    with the batch: ``forward(n)`` takes the batch size as a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, n):
+        return self.table.expand(n, 3, 4)
+
+
+def test_a_module_without_batched_inputs_is_refused():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.head = Shared(), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head((x + self.shared(len(x))).sum(1))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
+    with pytest.warns(UserWarning, match="none of its inputs leads with the batch"):
+        frame = cgn.check_model(Model(), x, y, nn.CrossEntropyLoss(), verbose=False)
+    row = frame.set_index("param").loc["shared.table"]
+    assert not row.rows and "fallback refused" in row.note
+
+
+def test_check_model_reports_rows_rule_and_error(capsys):
+    torch.manual_seed(0)
+    model = WithToken()
+    model.unused = nn.Linear(2, 2)  # never called
+    x, y = torch.randn(4, 3, 4), torch.randint(0, 3, (4,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss())
+    table = frame.set_index("param")
+    assert table.loc["token", "how"].startswith("fallback (torch.func, WithToken")
+    assert table.loc["scale.gamma", "how"].startswith("fallback (torch.func, Scaled")
+    assert table.loc["linear.weight", "how"] == "native (Linear)"
+    with_rows = table[table.rows]
+    assert (with_rows.max_rel_error < 1e-12).all()
+    assert set(table.index[~table.rows]) == {"unused.weight", "unused.bias"}
+    assert table.loc["unused.weight", "note"].startswith("no gradient")
+    used = table.elements[table.rows].sum()
+    assert frame.attrs["coverage"] == used / table.elements.sum()
+    printed = capsys.readouterr().out
+    assert "token" in printed and "elements with rows" in printed
+
+
+def test_check_model_leaves_the_model_alone():
+    model = WithToken()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cgn.check_model(model, torch.randn(3, 3, 4), torch.randint(0, 3, (3,)), nn.CrossEntropyLoss(),
+                    verbose=False)
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert not model._forward_hooks
+
+
+class NanoLayerNorm(nn.Module):
+    """nanoGPT's ``LayerNorm``: weight and optional bias used directly in ``F.layer_norm``."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(ndim))
+        self.bias = nn.Parameter(torch.randn(ndim)) if bias else None
+
+    def forward(self, input):
+        return nn.functional.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class AlmostScale(nn.Module):
+    """Not a layer scale: ``x * gamma`` plus a little more."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.gamma + 1e-9 * x.square()
+
+
+@pytest.mark.parametrize(
+    "layer, how",
+    [
+        (lambda: NanoLayerNorm(4, bias=True), "native (NanoLayerNorm behaves as F.layer_norm, eps=1e-05)"),
+        (lambda: NanoLayerNorm(4, bias=False), "native (NanoLayerNorm behaves as F.layer_norm, eps=1e-05)"),
+        (lambda: AlmostScale(4), "fallback (torch.func, AlmostScale)"),
+    ],
+    ids=["nanogpt-layernorm", "nanogpt-layernorm-nobias", "almost-a-layer-scale"],
+)
+def test_look_alikes_get_the_closed_form_and_the_others_the_vmap(layer, how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), layer(), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randn(5, 3, 4), torch.randint(0, 3, (5,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False).set_index("param")
+    own = frame[frame.index.str.startswith("1.")]
+    assert (own.how == how).all() and own.rows.all()
+    assert (frame.max_rel_error < RTOL).all()
+
+
+def test_a_prepared_model_with_the_fallback_copies_and_pickles():
+    import pickle
+
+    model = cgn.prepare_model(nn.Sequential(NanoLayerNorm(4, bias=True), Scaled(4)))
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    assert copied[0].cgn_fallback.closed_form == model[0].cgn_fallback.closed_form
+    assert copied[0]._forward_hooks  # the capture hook came along
