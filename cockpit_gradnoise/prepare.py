@@ -15,6 +15,8 @@ import operator
 import sys
 from typing import Optional
 
+from cockpit_gradnoise.extensions import uses
+
 import torch
 from backpack import extend
 from torch import nn
@@ -90,7 +92,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> 
         extended = extend(model)
         # A hook, not a wrapped forward: it survives copy.deepcopy and pickling.
         extended.register_forward_hook(_name_the_converter, always_call=True)
-        return extended
+        return uses.install(extended)  # tied parameters, embeddings without the batch
     converted = extend(model, use_converter=True)
     converted_names = [name for name, _ in converted.named_parameters()]
     if converted_names != names:
@@ -99,7 +101,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> 
             f"({sorted(set(names) ^ set(converted_names))[:4]}...): use "
             "prepare_model(model, use_converter=False) and remove in-place operations"
         )
-    return converted
+    return uses.install(converted)  # tied parameters, embeddings without the batch
 
 
 _HINT = (

@@ -39,10 +39,10 @@ from cockpit_gradnoise.extensions import (
     batchnorm,
     convolution,
     embedding,
-    facts,
     linear,
     normalization,
     sums,
+    uses,
 )
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
@@ -60,11 +60,11 @@ from torch import nn
 
 
 class _RecordingExtension(FirstOrderBackpropExtension):
-    """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
+    """Records which parameters it wrote on, and from which layers (:mod:`.facts`);
+    combines tied parameters' uses, fixes embeddings broadcast over the batch (:mod:`.uses`)."""
 
     def __call__(self, module, g_inp, g_out):
-        super().__call__(module, g_inp, g_out)
-        facts.recording().record(self, module, g_out)
+        uses.run(self, module, g_inp, g_out, super().__call__)
 
 
 class PerExampleSquaredNorms(_RecordingExtension):
