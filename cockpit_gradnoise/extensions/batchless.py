@@ -43,6 +43,8 @@ from torch import Tensor, nn
 
 _HOOK_NODE = "BackwardHookFunctionBackward"  # BackPACK's module hooks wrap outputs in one
 _ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}  # sign of the second operand
+#: Views between the output and the addition that keep the elements in order.
+_VIEWS = {"UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 
 
 class Broadcast:
@@ -50,26 +52,41 @@ class Broadcast:
 
     Attributes:
         index: The index tensor.
-        output_shape: The shape of the embedding's output.
+        output_shape: The shape of the embedding's output, or of the view of it
+            that is added (``wpe(pos)[None]``, ``.view(1, T, d)``).
         gradient: The gradient of the addition's result (``[B, ...]``), once the
             backward pass reached it; times the sign of the embedding's operand.
     """
 
-    def __init__(self, index: Tensor, output_shape: torch.Size, node, examples: Optional[int]):
+    def __init__(self, index: Tensor, output_shape: torch.Size, node, examples: Optional[int],
+                 from_inputs: bool):
         self.index, self.output_shape, self.node = index, output_shape, node
         self.gradient: Optional[Tensor] = None
         #: No batch dimension for certain: no dimension, or a leading size not the batch's.
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
+        #: The index is (a view of) a tensor the model was called with.
+        self.from_inputs = from_inputs
 
     def refusal(self) -> Optional[str]:
-        """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example."""
-        if self.gradient is not None and self.broadcast_over_batch() or not self.clearly:
+        """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example.
+
+        Per example (BackPACK's reading of the leading dimension) where the index
+        leads with the batch's size and either its output is added to a tensor of
+        the same leading size or the index comes from the model's inputs (a label
+        per example); exact where its output is broadcast over the batch by an
+        addition; refused otherwise, since no shape tells the batch from the
+        positions (``T`` equal to the batch size).
+        """
+        if self.gradient is not None and self.broadcast_over_batch():
+            return None
+        if not self.clearly and (self.gradient is not None or self.from_inputs):
             return None
         return (
-            f"its index (shape {tuple(self.index.shape)}) has no batch dimension and its "
-            "output meets the batch elsewhere than in an addition: apply the embedding "
-            "to every example's indices (index.expand(B, *index.shape)), or add its "
-            "output to a tensor of the batch"
+            f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
+            "its output is not added to the batch's tensors (directly or through unsqueeze or "
+            "view), so nothing tells whether its leading dimension is the batch: apply the "
+            "embedding to every example's indices (index.expand(B, *index.shape)), or add "
+            "its output to a tensor of the batch"
         )
 
     def keep(self, sign: float, grad_outputs):
@@ -81,19 +98,20 @@ class Broadcast:
         shape, result = self.output_shape, self.gradient.shape
         return len(shape) < len(result) or (shape[0] == 1 and result[0] != 1)
 
-    def per_example_output_gradients(self) -> Tensor:
-        """``[B, P, d]``: example ``i``'s gradient of the output, positions flattened."""
+    def per_example_output_gradients(self, width: int) -> Tensor:
+        """``[B, P, width]``: example ``i``'s gradient of the output, positions flattened."""
         result = self.gradient.shape
         padded = (1,) * (len(result) - len(self.output_shape)) + tuple(self.output_shape)
         summed = [j for j in range(1, len(result)) if padded[j] == 1 and result[j] != 1]
         gradient = self.gradient.sum(summed, keepdim=True) if summed else self.gradient
-        return gradient.reshape(result[0], -1, self.output_shape[-1])
+        return gradient.reshape(result[0], -1, width)
 
 
-def suspect(index: Tensor, examples: Optional[int]) -> bool:
-    """Whether an embedding's index may lack the batch dimension: 0 or 1 dimensions, or a
-    leading size other than the batch's ``examples`` (``None``: unknown, so any)."""
-    return examples is None or index.dim() <= 1 or index.shape[0] != examples
+def suspect(index: Tensor, examples: Optional[int], from_inputs: bool) -> bool:
+    """Whether an embedding's index may lack the batch dimension: anything but an input
+    of the model (or a view of one) of 2 or more dimensions that leads with the batch's
+    size ``examples`` (``None``: unknown)."""
+    return not (from_inputs and index.dim() >= 2 and index.shape[0] == examples)
 
 
 def _resolved(node):
@@ -113,13 +131,10 @@ def _graph_roots(output) -> List:
     return []
 
 
-def find_broadcasts(output, calls: Dict[nn.Module, Broadcast]):
-    """Find each call's consumer in the graph of ``output`` and hook it if it is an addition.
-
-    One walk over the autograd graph, done only when a forward pass had such a call.
-    """
-    wanted = {call.node: call for call in calls.values()}
-    consumers: Dict[Broadcast, List[Tuple[object, int]]] = {call: [] for call in calls.values()}
+def _consumers(output) -> Dict[object, List[Tuple[object, int]]]:
+    """``{node: [(consumer, operand position)]}`` over the autograd graph of ``output``,
+    BackPACK's hook nodes seen through."""
+    consumers: Dict[object, List[Tuple[object, int]]] = {}
     seen, stack = set(), _graph_roots(output)
     while stack:
         node = stack.pop()
@@ -127,18 +142,45 @@ def find_broadcasts(output, calls: Dict[nn.Module, Broadcast]):
             continue
         seen.add(node)
         for position, (child, _) in enumerate(node.next_functions):
-            if child is None:
-                continue
-            stack.append(child)
-            call = wanted.get(_resolved(child))
-            if call is not None and node.name() != _HOOK_NODE:
-                consumers[call].append((node, position))
-    for call, found in consumers.items():
-        if len(found) == 1 and found[0][0].name() in _ADDITIONS:
-            node, position = found[0]
-            alpha = float(getattr(node, "_saved_alpha", 1.0))
-            sign = 1.0 if position == 0 else _ADDITIONS[node.name()] * alpha
-            node.register_prehook(functools.partial(call.keep, sign))
+            if child is not None:
+                stack.append(child)
+                if node.name() != _HOOK_NODE:
+                    consumers.setdefault(_resolved(child), []).append((node, position))
+    return consumers
+
+
+def _operand(node, consumers):
+    """``(addition, position, operand shape)`` where ``node``'s output, through views that
+    keep its elements in order (unsqueeze, view), is added; else ``None``."""
+    shape = None
+    while True:
+        found = consumers.get(node, [])
+        if len(found) != 1:
+            return None
+        consumer, position = found[0]
+        if consumer.name() in _ADDITIONS:
+            return consumer, position, shape
+        if consumer.name() not in _VIEWS or not hasattr(consumer, "_input_metadata"):
+            return None
+        node, shape = consumer, torch.Size(consumer._input_metadata[0].shape)
+
+
+def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"]):
+    """Find where each call's output is added in the graph of ``output``, and hook that.
+
+    One walk over the autograd graph, done only when a forward pass had such a call.
+    """
+    consumers = _consumers(output)
+    for call in calls.values():
+        found = _operand(call.node, consumers)
+        if found is None:
+            continue
+        node, position, shape = found
+        if shape is not None:
+            call.output_shape = shape
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        sign = 1.0 if position == 0 else _ADDITIONS[node.name()] * alpha
+        node.register_prehook(functools.partial(call.keep, sign))
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
@@ -149,7 +191,7 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     rows only, ``x_i[r] = sum_{p: idx_p = r} E_ip`` (``[B, R, d]``), from which
     ``sum_i x_i``, ``sum_i x_i**2`` and ``||x_i||^2`` follow directly.
     """
-    gradient = call.per_example_output_gradients()
+    gradient = call.per_example_output_gradients(module.embedding_dim)
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)

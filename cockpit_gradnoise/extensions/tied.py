@@ -45,6 +45,7 @@ from cockpit_gradnoise.extensions.savefields import (
 )
 
 import torch
+from backpack.context import CTX
 from torch import Tensor, nn
 
 #: The attribute of a layer that holds a tied parameter: ``{attribute name: TiedGroup}``.
@@ -52,9 +53,6 @@ TIED_ATTR = "_cgn_tied"
 
 #: The savefields :func:`combine` sums over uses.
 COMBINED_SAVEFIELDS = (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
-
-#: The layer classes whose uses of a tied parameter are combined.
-SUPPORTED = (nn.Linear, nn.Embedding)
 
 
 class _Use:
@@ -110,11 +108,12 @@ class LinearUse(_Use):
         return torch.bmm(self.grad[start:stop].transpose(1, 2), self.inputs[start:stop])
 
 
-def use_of(module: nn.Module, grad_output: Tensor) -> Optional[_Use]:
-    """The :class:`_Use` of ``module``'s weight, ``None`` for an unsupported class."""
-    if isinstance(module, nn.Embedding):
+def use_of(module: nn.Module, attribute: str, grad_output: Tensor) -> Optional[_Use]:
+    """The :class:`_Use` of ``module``'s ``attribute``: ``None`` but for the weight of a
+    Linear or an Embedding."""
+    if attribute == "weight" and isinstance(module, nn.Embedding):
         return EmbeddingUse(module, grad_output)
-    if isinstance(module, nn.Linear):
+    if attribute == "weight" and isinstance(module, nn.Linear):
         return LinearUse(module, grad_output)
     return None
 
@@ -186,13 +185,14 @@ class TiedGroup:
     def __setstate__(self, state):
         self.__init__(state["names"], state["layers"])
 
-    def combined(self, savefield: str, module: nn.Module, grad_output: Tensor,
+    def combined(self, savefield: str, module: nn.Module, attribute: str, grad_output: Tensor,
                  own: Optional[Tensor], before: Optional[Tensor], shape) -> Optional[Tensor]:
         """The savefield's value over every use so far, ``own`` being this use's; ``None``: refused.
 
         Args:
             savefield: The extension's savefield.
             module: The layer of this use.
+            attribute: The parameter's name in it.
             grad_output: Its output gradient.
             own: The value its module extension saved (``None``: it saved none).
             before: The savefield's value before this use (the previous uses' result).
@@ -203,11 +203,11 @@ class TiedGroup:
             self.new_pass()
             done = self.done.setdefault(savefield, [])
         if module not in self.uses:
-            self.uses[module] = use_of(module, grad_output)
+            self.uses[module] = use_of(module, attribute, grad_output)
         if own is None or self.uses[module] is None:
             self.refusal = self.refusal or (
-                f"it is used by a {type(module).__name__}, and tied parameters are combined "
-                f"over {', '.join(c.__name__ for c in SUPPORTED)} layers only"
+                f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
+                "parameters are combined over the weights of Linear and Embedding layers only"
             )
         previous = list(done)
         done.append(module)
@@ -222,6 +222,17 @@ class TiedGroup:
             return before + own + 2 * sum(norms for norms, _ in cross)
         squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)
         return torch.stack([before[0] + own[0], squares])
+
+    def release_when_done(self, savefields):
+        """Drop the uses' tensors once every layer is combined in each of ``savefields``.
+
+        Until then each use keeps its layer's output gradient (the head's: as
+        large as the logits) and input; a layer the forward pass did not run
+        keeps them until the next forward pass.
+        """
+        if self.uses and all(len(self.done.get(f, ())) >= self.layers for f in savefields):
+            self.uses = dict.fromkeys(self.uses)
+            self.cross = {}
 
     def _cross(self, module, other, shape):
         """The cross terms of two uses, computed once for all extensions."""
@@ -271,14 +282,22 @@ def combine(extension, module: nn.Module, grad_output: Tensor, before: Dict[str,
             continue
         own = getattr(param, savefield, None)
         own = None if own is before[attribute] else own
-        value = group.combined(savefield, module, grad_output, own, before[attribute], param.shape)
+        value = group.combined(savefield, module, attribute, grad_output, own, before[attribute],
+                               param.shape)
         if value is None:
             if hasattr(param, savefield):
                 delattr(param, savefield)
             refused[attribute] = group.refusal
         else:
             setattr(param, savefield, value)
+        group.release_when_done(active_savefields())
     return refused
+
+
+def active_savefields():
+    """The savefields of :data:`COMBINED_SAVEFIELDS` whose extensions run in this backward pass."""
+    return {getattr(ext, "savefield", None) for ext in CTX.get_active_exts()}.intersection(
+        COMBINED_SAVEFIELDS)
 
 
 def values_before(extension, module: nn.Module) -> Dict[str, Optional[Tensor]]:

@@ -34,9 +34,10 @@ class Uses:
         self.groups = groups
         self.new_forward(None)
 
-    def new_forward(self, examples: Optional[int]):
-        """A forward pass of ``examples`` examples (``None``: unknown) begins."""
-        self.examples = examples
+    def new_forward(self, examples: Optional[int], storages=()):
+        """A forward pass of ``examples`` examples (``None``: unknown) begins; ``storages``:
+        the addresses of its tensor arguments' storages."""
+        self.examples, self.storages = examples, set(storages)
         self.calls: Dict[nn.Module, int] = {}
         self.broadcasts: Dict[nn.Module, batchless.Broadcast] = {}
         for group in self.groups:
@@ -49,17 +50,15 @@ class Uses:
         self.__init__(state["groups"])
 
 
-def _first_tensor(values) -> Optional[Tensor]:
-    for value in values:
-        if isinstance(value, Tensor):
-            return value
-    return None
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _begin_forward(model, args, kwargs):
-    first = _first_tensor(list(args) + list(kwargs.values()))
+    tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, Tensor)]
+    first = tensors[0] if tensors else None
     examples = first.shape[0] if first is not None and first.dim() > 0 else None
-    model.__dict__[USES_ATTR].new_forward(examples)
+    model.__dict__[USES_ATTR].new_forward(examples, map(_storage, tensors))
 
 
 def _end_forward(model, args, kwargs, output):
@@ -73,9 +72,10 @@ def _after_layer(module, args, output):
     uses.calls[module] = uses.calls.get(module, 0) + 1
     if isinstance(module, nn.Embedding) and isinstance(output, Tensor) and output.grad_fn is not None:
         index = args[0]
-        if batchless.suspect(index, uses.examples):
+        from_inputs = _storage(index) in uses.storages
+        if batchless.suspect(index, uses.examples, from_inputs):
             uses.broadcasts[module] = batchless.Broadcast(
-                index, output.shape, output.grad_fn, uses.examples)
+                index, output.shape, output.grad_fn, uses.examples, from_inputs)
         else:
             uses.broadcasts.pop(module, None)
 
