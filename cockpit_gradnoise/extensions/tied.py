@@ -177,6 +177,7 @@ class TiedGroup:
         self.done: Dict[str, List[nn.Module]] = {}  # savefield -> layers combined, in order
         self.cross: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
         self.refusal: Optional[str] = None
+        self.param: Optional[Tensor] = None  # what the first use of the pass held
 
     # Per-pass tensors and layers never travel with a copy or a pickle of the model.
     def __getstate__(self):
@@ -186,7 +187,7 @@ class TiedGroup:
         self.__init__(state["names"], state["layers"])
 
     def combined(self, savefield: str, module: nn.Module, attribute: str, grad_output: Tensor,
-                 own: Optional[Tensor], before: Optional[Tensor], shape) -> Optional[Tensor]:
+                 own: Optional[Tensor], before: Optional[Tensor]) -> Optional[Tensor]:
         """The savefield's value over every use so far, ``own`` being this use's; ``None``: refused.
 
         Args:
@@ -196,12 +197,17 @@ class TiedGroup:
             grad_output: Its output gradient.
             own: The value its module extension saved (``None``: it saved none).
             before: The savefield's value before this use (the previous uses' result).
-            shape: The parameter's shape.
         """
         done = self.done.setdefault(savefield, [])
         if module in done:  # the same layer again: a new backward pass (retain_graph)
             self.new_pass()
             done = self.done.setdefault(savefield, [])
+        param = getattr(module, attribute)
+        self.param = param if self.param is None else self.param
+        if param is not self.param:
+            self.refusal = self.refusal or (
+                "the layers that held it when the model was prepared no longer share one "
+                "tensor: prepare the model (cgn.prepare_model) after tying or untying")
         if module not in self.uses:
             self.uses[module] = use_of(module, attribute, grad_output)
         if own is None or self.uses[module] is None:
@@ -217,7 +223,7 @@ class TiedGroup:
             return own
         if savefield == LOCAL_GRADIENT_SAVEFIELD:
             return before + own
-        cross = [self._cross(module, other, shape) for other in previous]
+        cross = [self._cross(module, other, param.shape) for other in previous]
         if savefield == BATCH_L2_SAVEFIELD:
             return before + own + 2 * sum(norms for norms, _ in cross)
         squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)
@@ -282,8 +288,7 @@ def combine(extension, module: nn.Module, grad_output: Tensor, before: Dict[str,
             continue
         own = getattr(param, savefield, None)
         own = None if own is before[attribute] else own
-        value = group.combined(savefield, module, attribute, grad_output, own, before[attribute],
-                               param.shape)
+        value = group.combined(savefield, module, attribute, grad_output, own, before[attribute])
         if value is None:
             if hasattr(param, savefield):
                 delattr(param, savefield)

@@ -95,29 +95,37 @@ def install(model: nn.Module) -> nn.Module:
     return model
 
 
-def _refusal(uses: Uses, module: nn.Module) -> Optional[str]:
-    """Why none of ``module``'s tied parameters' results can be computed in this pass."""
-    if uses.calls.get(module, 0) > 1 and tied.TIED_ATTR in module.__dict__:
-        return (f"its layer ({type(module).__name__}) ran {uses.calls[module]} times in one "
-                "forward pass, and BackPACK keeps the last input of a layer only")
-    return None
+def _ran_twice(module: nn.Module, recorded: facts.BackwardFacts) -> bool:
+    """Whether ``module`` ran more than once in the forward pass (T5 calls its shared
+    embedding in the encoder and in the decoder); then refuse its parameters."""
+    uses = module.__dict__[USES_ATTR]
+    if uses.calls.get(module, 0) <= 1:
+        return False
+    for param in module.parameters(recurse=False):
+        recorded.refuse(param, (
+            f"its layer ({type(module).__name__}) ran {uses.calls[module]} times in one "
+            "forward pass, and BackPACK keeps the last input of a layer only"))
+    return True
 
 
 def run(extension, module: nn.Module, g_inp, g_out, call):
     """``call(module, g_inp, g_out)`` (the extension's work on ``module``), then the above."""
+    recorded = facts.recording()
+    uses = module.__dict__.get(USES_ATTR)
+    if uses is not None and _ran_twice(module, recorded):
+        for param in module.parameters(recurse=False):
+            if hasattr(param, extension.savefield):
+                delattr(param, extension.savefield)
+        return
     before = tied.values_before(extension, module)
     call(module, g_inp, g_out)
-    recorded = facts.recording()
     recorded.record(extension, module, g_out)
-    uses = module.__dict__.get(USES_ATTR)
     if uses is None:
         return
     broadcast = uses.broadcasts.get(module)
     if broadcast is not None:
         _broadcast_results(extension, module, broadcast, recorded)
-    reason = _refusal(uses, module)
-    refused = (dict.fromkeys(module.__dict__.get(tied.TIED_ATTR, {}), reason) if reason
-               else tied.combine(extension, module, g_out[0], before))
+    refused = tied.combine(extension, module, g_out[0], before)
     for attribute, why in refused.items():
         param = getattr(module, attribute)
         if hasattr(param, extension.savefield):
