@@ -13,11 +13,16 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references, schema
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import (
+    LocalGradient,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+    _cost,
+)
 
 import pytest
 import torch
-from backpack import extend
+from backpack import backpack, extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
@@ -302,3 +307,24 @@ def test_the_front_door_tracks_nanogpt_under_its_first_names():
     assert "transformer.wte.weight" in set(frame.param) and "lm_head.weight" not in set(frame.param)
     assert set(frame.step) == {0, 1}
     assert tracker.param_names == [n for n, p in twin.named_parameters()]
+
+
+def test_local_gradient_sums_and_norms_of_a_tied_matrix_add_up_every_use_at_every_step():
+    """``cgn_local_grad`` and ``sum_i x_i`` equal ``param.grad`` (to rounding: other
+    orders of the same sums) and ``cgn_batch_l2`` the loop's ``||g_i||^2``, at two
+    steps in a row: each forward pass starts the combination anew."""
+    problem = build(case_named("three-uses"), 5, "sum")
+    weight = problem.model.head.weight
+    for step in range(2):
+        inputs = problem.inputs.roll(step, 1)
+        problem.model.zero_grad()
+        loss = problem.loss_fn(problem.model(inputs), problem.targets)
+        with backpack(LocalGradient(), SumsOfContributions(), PerExampleSquaredNorms()):
+            loss.backward()
+        scale = weight.grad.abs().max()
+        for value in (weight.cgn_local_grad, weight.cgn_sums_of_contributions[0]):
+            torch.testing.assert_close(value, weight.grad, rtol=0, atol=1e-14 * scale)
+        grads = references.per_example_gradients(
+            problem.model, problem.per_example_loss, inputs, problem.targets)
+        expected = grads["encoder_embedding.weight"].flatten(1).square().sum(1)
+        torch.testing.assert_close(weight.cgn_batch_l2, expected, rtol=1e-12, atol=0)
