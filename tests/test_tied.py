@@ -328,3 +328,18 @@ def test_local_gradient_sums_and_norms_of_a_tied_matrix_add_up_every_use_at_ever
             problem.model, problem.per_example_loss, inputs, problem.targets)
         expected = grads["encoder_embedding.weight"].flatten(1).square().sum(1)
         torch.testing.assert_close(weight.cgn_batch_l2, expected, rtol=1e-12, atol=0)
+
+
+def test_the_references_sum_a_tied_parameter_over_its_uses_under_its_first_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[2].weight = model[0].weight
+    model = model.double()
+    inputs, targets = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    through_batch = references.contributions_through_batch(model, loss, inputs, targets)
+    per_example = references.per_example_gradients(
+        model, nn.CrossEntropyLoss(reduction="none"), inputs, targets)
+    assert set(through_batch) == set(per_example) == {n for n, _ in model.named_parameters()}
+    for name, value in per_example.items():
+        torch.testing.assert_close(through_batch[name], value, rtol=1e-12, atol=1e-15)

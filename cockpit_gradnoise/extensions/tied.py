@@ -70,9 +70,9 @@ class _Use:
 class EmbeddingUse(_Use):
     """``x_i[v] = sum_{p: idx_ip = v} e_ip``; positions at ``padding_idx`` contribute nothing."""
 
-    def __init__(self, module: nn.Embedding, grad_output: Tensor):
+    def __init__(self, module: nn.Embedding, inputs: Tensor, grad_output: Tensor):
         n = grad_output.shape[0]
-        self.idx = module.input0.reshape(n, -1)
+        self.idx = inputs.reshape(n, -1)
         self.grad = grad_output.reshape(n, self.idx.shape[1], -1)
         self.rows = module.num_embeddings
         if module.padding_idx is not None:
@@ -94,9 +94,9 @@ class EmbeddingUse(_Use):
 class LinearUse(_Use):
     """``x_i = sum_s G_is h_is^T`` of a Linear's weight (``[out, in]``)."""
 
-    def __init__(self, module: nn.Linear, grad_output: Tensor):
+    def __init__(self, module: nn.Linear, inputs: Tensor, grad_output: Tensor):
         n = grad_output.shape[0]
-        self.inputs = module.input0.reshape(n, -1, module.input0.shape[-1])
+        self.inputs = inputs.reshape(n, -1, inputs.shape[-1])
         self.grad = grad_output.reshape(n, -1, grad_output.shape[-1])
 
     def rows_at(self, idx):
@@ -108,13 +108,14 @@ class LinearUse(_Use):
         return torch.bmm(self.grad[start:stop].transpose(1, 2), self.inputs[start:stop])
 
 
-def use_of(module: nn.Module, attribute: str, grad_output: Tensor) -> Optional[_Use]:
-    """The :class:`_Use` of ``module``'s ``attribute``: ``None`` but for the weight of a
-    Linear or an Embedding."""
+def use_of(module: nn.Module, attribute: str, inputs: Tensor, grad_output: Tensor
+           ) -> Optional[_Use]:
+    """The :class:`_Use` of ``module``'s ``attribute`` (its layer's input and output
+    gradient): ``None`` but for the weight of a Linear or an Embedding."""
     if attribute == "weight" and isinstance(module, nn.Embedding):
-        return EmbeddingUse(module, grad_output)
+        return EmbeddingUse(module, inputs, grad_output)
     if attribute == "weight" and isinstance(module, nn.Linear):
-        return LinearUse(module, grad_output)
+        return LinearUse(module, inputs, grad_output)
     return None
 
 
@@ -186,14 +187,16 @@ class TiedGroup:
     def __setstate__(self, state):
         self.__init__(state["names"], state["layers"])
 
-    def combined(self, savefield: str, module: nn.Module, attribute: str, grad_output: Tensor,
-                 own: Optional[Tensor], before: Optional[Tensor]) -> Optional[Tensor]:
+    def combined(self, savefield: str, module: nn.Module, attribute: str, inputs: Tensor,
+                 grad_output: Tensor, own: Optional[Tensor], before: Optional[Tensor]
+                 ) -> Optional[Tensor]:
         """The savefield's value over every use so far, ``own`` being this use's; ``None``: refused.
 
         Args:
             savefield: The extension's savefield.
             module: The layer of this use.
             attribute: The parameter's name in it.
+            inputs: Its input in the forward pass.
             grad_output: Its output gradient.
             own: The value its module extension saved (``None``: it saved none).
             before: The savefield's value before this use (the previous uses' result).
@@ -209,7 +212,7 @@ class TiedGroup:
                 "the layers that held it when the model was prepared no longer share one "
                 "tensor: prepare the model (cgn.prepare_model) after tying or untying")
         if module not in self.uses:
-            self.uses[module] = use_of(module, attribute, grad_output)
+            self.uses[module] = use_of(module, attribute, inputs, grad_output)
         if own is None or self.uses[module] is None:
             self.refusal = self.refusal or (
                 f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
@@ -274,11 +277,14 @@ def mark(model: nn.Module) -> List[TiedGroup]:
     return groups
 
 
-def combine(extension, module: nn.Module, grad_output: Tensor, before: Dict[str, Optional[Tensor]]):
+def combine(extension, module: nn.Module, inputs: Tensor, grad_output: Tensor,
+            before: Dict[str, Optional[Tensor]]):
     """After ``module``'s extension ran: its tied parameters' savefields over every use so far.
 
-    ``before`` holds each tied attribute's savefield value before the
-    extension ran. Returns ``{attribute: reason}`` of the parameters refused.
+    ``inputs`` and ``grad_output`` are the layer's input (in the forward pass)
+    and output gradient; ``before`` holds each tied attribute's savefield value
+    before the extension ran. Returns ``{attribute: reason}`` of the parameters
+    refused.
     """
     savefield = extension.savefield
     refused = {}
@@ -288,7 +294,8 @@ def combine(extension, module: nn.Module, grad_output: Tensor, before: Dict[str,
             continue
         own = getattr(param, savefield, None)
         own = None if own is before[attribute] else own
-        value = group.combined(savefield, module, attribute, grad_output, own, before[attribute])
+        value = group.combined(savefield, module, attribute, inputs, grad_output, own,
+                               before[attribute])
         if value is None:
             if hasattr(param, savefield):
                 delattr(param, savefield)

@@ -39,6 +39,7 @@ class Uses:
         the addresses of its tensor arguments' storages."""
         self.examples, self.storages = examples, set(storages)
         self.calls: Dict[nn.Module, int] = {}
+        self.inputs: Dict[nn.Module, Tensor] = {}  # of the marked layers, not BackPACK's input0
         self.broadcasts: Dict[nn.Module, batchless.Broadcast] = {}
         for group in self.groups:
             group.new_pass()
@@ -70,6 +71,7 @@ def _end_forward(model, args, kwargs, output):
 def _after_layer(module, args, output):
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
+    uses.inputs[module] = args[0]
     if isinstance(module, nn.Embedding) and isinstance(output, Tensor) and output.grad_fn is not None:
         index = args[0]
         from_inputs = _storage(index) in uses.storages
@@ -125,7 +127,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     broadcast = uses.broadcasts.get(module)
     if broadcast is not None:
         _broadcast_results(extension, module, broadcast, recorded)
-    refused = tied.combine(extension, module, g_out[0], before)
+    refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
     for attribute, why in refused.items():
         param = getattr(module, attribute)
         if hasattr(param, extension.savefield):
