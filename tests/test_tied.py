@@ -18,6 +18,7 @@ from cockpit_gradnoise.extensions import (
     PerExampleSquaredNorms,
     SumsOfContributions,
     _cost,
+    uses,
 )
 
 import pytest
@@ -343,3 +344,22 @@ def test_the_references_sum_a_tied_parameter_over_its_uses_under_its_first_name(
     assert set(through_batch) == set(per_example) == {n for n, _ in model.named_parameters()}
     for name, value in per_example.items():
         torch.testing.assert_close(through_batch[name], value, rtol=1e-12, atol=1e-15)
+
+
+def test_preparing_again_after_untying_renews_the_marks():
+    problem = build(case_named("three-uses"), 3, "mean")
+    model = problem.model
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
+    with pytest.raises(ValueError, match=r"no longer share one tensor: prepare the model"):
+        run_step(problem, [quantity])
+    cgn.prepare_model(model)
+    cgn.prepare_model(model)
+    ours = [hook for m in model.modules() for hook in m._forward_hooks.values()
+            if hook in (uses._after_layer, uses._end_forward)]
+    assert len(ours) == 1 + 3  # the model's, and one per layer holding the matrix
+    quantity = cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=problem.names)
+    got = rows(run_step(problem, [quantity]), schema.PER_EXAMPLE_NORM)
+    expected = references.per_example_grad_norm(
+        model, problem.per_example_loss, problem.inputs, problem.targets, quantiles=QUANTILES)
+    assert_statistics_match(got, expected)

@@ -83,18 +83,30 @@ def _after_layer(module, args, output):
 
 
 def install(model: nn.Module) -> nn.Module:
-    """Mark ``model``'s tied parameters and install the hooks above (once); return ``model``."""
-    if USES_ATTR in model.__dict__:
-        return model
-    uses = Uses(tied.mark(model))
-    model.__dict__[USES_ATTR] = uses
-    model.register_forward_pre_hook(_begin_forward, with_kwargs=True)
-    model.register_forward_hook(_end_forward, with_kwargs=True)
+    """Mark ``model``'s tied parameters and install the hooks above; return ``model``.
+
+    Again on a prepared model (after tying or untying), the marks are renewed
+    and each hook stays installed once.
+    """
+    uses = model.__dict__.get(USES_ATTR)
+    if uses is None or _ROOT_HOOKED not in model.__dict__:
+        uses = model.__dict__[USES_ATTR] = Uses([])
+        model.__dict__[_ROOT_HOOKED] = True
+        model.register_forward_pre_hook(_begin_forward, with_kwargs=True)
+        model.register_forward_hook(_end_forward, with_kwargs=True)
+    for module in model.modules():
+        module.__dict__.pop(tied.TIED_ATTR, None)
+    uses.groups = tied.mark(model)
     for module in model.modules():
         if isinstance(module, nn.Embedding) or tied.TIED_ATTR in module.__dict__:
             module.__dict__[USES_ATTR] = uses
-            module.register_forward_hook(_after_layer)
+            if _LAYER_HOOKED not in module.__dict__:
+                module.__dict__[_LAYER_HOOKED] = True
+                module.register_forward_hook(_after_layer)
     return model
+
+
+_ROOT_HOOKED, _LAYER_HOOKED = "_cgn_uses_root_hooked", "_cgn_uses_layer_hooked"
 
 
 def _ran_twice(module: nn.Module, recorded: facts.BackwardFacts) -> bool:
