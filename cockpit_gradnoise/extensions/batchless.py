@@ -8,25 +8,26 @@ the single leading 1) for examples: wrong rows, and when ``T`` equals the
 batch size no shape shows it.
 
 The per-example gradient is still available where the broadcast output meets
-the batch: the add. So nothing of the model is changed (no values, no
-shapes): after each forward pass, for every ``nn.Embedding`` whose index has
-no batch dimension by its shape (0 or 1 dimensions, or a leading size other
-than the batch's), :func:`find_broadcasts` looks in the autograd graph for the
-node that consumed its output. If that is an addition or a subtraction, a
-pre-hook on it keeps the gradient of its result (``[B, ...]``) in the
-backward pass. Then if the output was broadcast over the batch (fewer
-dimensions than the result, or a leading 1 against the batch's ``B``), example
-``i``'s output gradient is that gradient's ``i``-th slice summed over the other
-broadcast dimensions, and the embedding's per-example contributions are exact
-(:func:`embedding_results`): every example uses the same rows, so they are
-``[B, R, d]`` numbers for the ``R`` distinct indices.
+the batch: the addition. So nothing of the model is changed (no values, no
+shapes): after each forward pass, for every ``nn.Embedding`` whose index is
+not a model input of two or more dimensions leading with the batch size
+(:func:`suspect`), :func:`find_broadcasts` looks in the autograd graph for the
+addition (or subtraction) its output goes into, directly or through views
+that keep its elements in order (``unsqueeze``, ``[None]``, ``view``), and
+puts a pre-hook on it that keeps the gradient of its result (``[B, ...]``) in
+the backward pass. If the output was broadcast over the batch (fewer
+dimensions than the result, or a leading 1 against the batch's ``B``),
+example ``i``'s output gradient is that gradient's ``i``-th slice summed over
+the other broadcast dimensions, and the embedding's per-example contributions
+are exact (:func:`embedding_results`): every example uses the same rows, so
+they are ``[B, R, d]`` numbers for the ``R`` distinct indices.
 
-An index without a batch dimension by its shape whose output meets the batch
-elsewhere (a product, a permutation first: T5's relative position buckets) is
-refused with an error at the first tracked step, naming the parameter. A
-one-dimensional index of the batch's length whose output is not broadcast by
-an addition is taken as one index per example (a label embedding), as
-BackPACK takes it.
+Otherwise the index is read as BackPACK reads it (its leading dimension the
+batch) where it leads with the batch size and either is a model input (a
+label per example) or its output was added to a tensor of that leading size;
+any other index is refused (:meth:`Broadcast.refusal`) with an error at the
+first tracked step naming the parameter: no shape tells the batch from the
+positions when ``T`` equals the batch size.
 """
 
 import functools
