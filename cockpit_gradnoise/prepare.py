@@ -13,6 +13,7 @@ which need hooks on every module.
 
 from typing import Optional
 
+from cockpit_gradnoise.extensions import uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
 from cockpit_gradnoise.extensions.hooks import add_hooks
 
@@ -57,9 +58,9 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     """
     install_fallback(model)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:
-        if any(getattr(module, "_backpack_extend", False) for module in model.modules()):
-            return model
-        return add_hooks(model)
+        if not any(getattr(module, "_backpack_extend", False) for module in model.modules()):
+            add_hooks(model)
+        return uses.install(model)  # tied parameters, embeddings without the batch
     _refuse_frozen_training_flag(model)
     names = [name for name, _ in model.named_parameters()]
     converted = extend(model, use_converter=True)
@@ -70,7 +71,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             f"({sorted(set(names) ^ set(converted_names))[:4]}...): use "
             "prepare_model(model) without the converter"
         )
-    return converted
+    return uses.install(converted)  # tied parameters, embeddings without the batch
 
 
 def traced_code(model: nn.Module, training: bool) -> str:

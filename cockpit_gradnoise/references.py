@@ -38,7 +38,9 @@ def per_example_gradients(
 
     Returns:
         ``{name: tensor [N, *param.shape]}`` for every parameter that requires
-        grad and is used by the model (unused parameters are left out).
+        grad and is used by the model (unused parameters are left out). A
+        parameter used by several layers (tied) appears once, under its
+        first name, with the sum over its uses (as autograd gives it).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     rows: List[List[Tensor]] = []
@@ -67,7 +69,8 @@ def contributions_through_batch(
     ``sum_positions grad_out_i * x_hat_i`` with ``x_hat`` normalized by the
     batch's mean and (biased) variance in training mode, by the running
     statistics in eval mode. Biases: ``grad_out_i`` summed over positions.
-    The contributions sum to ``param.grad``.
+    The contributions sum to ``param.grad``; a parameter used by several
+    layers (tied) gets the sum over its uses, under its first name.
 
     Args:
         model: A module of these layers (others must have no parameters).
@@ -101,8 +104,9 @@ def contributions_through_batch(
         if own:
             module.register_forward_hook(record)
     loss_fn(model(inputs), targets).backward()
+    first_names = {id(p): n for n, p in model.named_parameters()}
     result = {}
-    for prefix, module in model.named_modules():
+    for module in model.modules():
         if module not in records:
             continue
         weight, bias = _layer_contributions(module, records[module]["input"].double(),
@@ -110,7 +114,8 @@ def contributions_through_batch(
         for name, value in (("weight", weight), ("bias", bias)):
             param = getattr(module, name, None)
             if param is not None and param.requires_grad:
-                result[f"{prefix}.{name}" if prefix else name] = value
+                key = first_names[id(param)]  # a tied parameter: the sum over its uses
+                result[key] = result[key] + value if key in result else value
     return result
 
 

@@ -347,7 +347,9 @@ class Step:
 
         Raises:
             RuntimeError: No parameter got BackPACK's results (the model was not extended).
-            ValueError: A parameter used by several layers (tied weights).
+            ValueError: A parameter used by several layers (tied weights) in a
+                model not prepared by ``prepare_model``, or one whose results
+                could not be computed.
         """
         if has_results is None:
             def has_results(param):
@@ -370,7 +372,7 @@ class Step:
             )
         unsupported = [n for n, _ in with_grad if n not in supported]
         if savefields:
-            self._refuse_shared(owner, usable)
+            self._refuse_shared(owner, with_grad)
             usable = self._without_batchless(quantity, usable, examples)
         if no_grad:
             self.warn(
@@ -390,14 +392,35 @@ class Step:
         return usable
 
     def _refuse_shared(self, owner, named):
+        """Raise for parameters whose uses by several layers were not combined.
+
+        ``prepare_model`` (and ``cgn.track``) marks the layers that hold a tied
+        parameter, and their results are then summed over the uses
+        (:mod:`~cockpit_gradnoise.extensions.tied`); a model extended by
+        ``backpack.extend`` alone keeps the result of the use reached last.
+
+        Raises:
+            ValueError: For such parameters, and for those whose results the
+                backward pass could not compute (``facts.refusals``: an
+                embedding applied without the batch dimension whose output
+                meets the batch elsewhere than in an addition, a tied
+                parameter used by an unsupported layer), naming them.
+        """
+        refused = {n: self.facts.refusals[id(p)] for n, p in named if id(p) in self.facts.refusals}
+        if refused:
+            reasons = "; ".join(f"{n!r}: {why}" for n, why in refused.items())
+            raise ValueError(
+                f"{owner}: no exact per-example results for parameters "
+                f"{sorted(refused)}: {reasons} (see docs/architectures.md)"
+            )
         shared = [n for n, p in named if self.facts.shared(p)]
         if shared:
             raise ValueError(
                 f"{owner}: parameters {shared} are used by several layers (tied weights, "
-                "e.g. an output layer sharing the embedding matrix). BackPACK's "
-                "per-example results of one use would overwrite the other's, so no "
-                "per-example statistic of them would be right: untie them, or track "
-                "them with ParamGradRatio and UpdateSize only"
+                "e.g. an output layer sharing the embedding matrix), and BackPACK's "
+                "per-example results of one use overwrote the other's: prepare the model "
+                "with `cgn.prepare_model(model)` (or `cgn.track(model)`) instead of "
+                "`backpack.extend(model)`, after tying, so that the uses are combined"
             )
 
     def _without_batchless(self, quantity, named, examples):
@@ -415,8 +438,9 @@ class Step:
                 f"parameters {sorted(batchless)} belong to layers applied without the "
                 f"batch dimension (their output leads with {sorted(set(batchless.values()))}, "
                 f"the batch has {examples} examples), e.g. wpe(torch.arange(T)) "
-                "broadcast over the batch: apply them to every example, "
-                "wpe(pos.expand(B, T)), to get their rows; they have no rows and are "
+                "broadcast over the batch: prepare the model with `cgn.prepare_model` "
+                "(embeddings added to the batch then get exact rows) or apply them to "
+                "every example, wpe(pos.expand(B, T)); they have no rows and are "
                 f"left out of {NETWORK!r}",
                 quantity,
             )

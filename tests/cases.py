@@ -17,7 +17,7 @@ from backpack import extend
 from torch import nn
 
 from tests import library_models
-from tests.models import GPT, TokenCrossEntropy
+from tests.models import GPT, NanoGPT, ThreeUses, TokenCrossEntropy, hf_gpt2
 
 
 class WithUnusedAndFrozen(nn.Module):
@@ -269,3 +269,38 @@ def run_step(
         with around_backward():
             loss.backward(create_graph=cockpit.create_graph(step))
     return cockpit
+
+
+# Tied parameters and embeddings applied without the batch dimension (issue 19) -----------
+# nanoGPT's patterns with layers this branch supports (nn.LayerNorm, no c_attn bias): the
+# head tied to wte, wpe(torch.arange(T)), T equal to a batch size; and one embedding used
+# three times (T5-style). A tied parameter's contribution sums over its uses, each a sum over
+# positions: up to (uses x positions) terms. AWAITING_FALLBACK are the full nanoGPT patterns
+# (its LayerNorm class, c_attn with its key bias) and Hugging Face's GPT-2 (Conv1D): their
+# norms and Conv1D layers get rows from the fallback extension and the key bias its exact
+# zeros from the numerics work; tests/test_tied.py compares every parameter that has rows.
+NANO_CONTEXT = 4
+
+
+def nanogpt(bias=False, norm="torch"):
+    return NanoGPT(VOCABULARY, NANO_CONTEXT, WIDTH, HEADS, layers=2, bias=bias, norm=norm)
+
+
+def _token_case(name, make, uses=1, batch_sizes=(2, NANO_CONTEXT, 7)):
+    return ModelCase(
+        name, make, lambda n: torch.randint(0, VOCABULARY, (n, NANO_CONTEXT)),
+        batch_sizes=batch_sizes, inner_terms=uses * NANO_CONTEXT, losses=token_losses,
+        targets=lambda n: torch.randint(0, VOCABULARY, (n, NANO_CONTEXT)),
+    )
+
+
+MODELS.extend([
+    _token_case("nanogpt-tied-arange", nanogpt, uses=2),
+    _token_case("three-uses", lambda: ThreeUses(VOCABULARY, WIDTH), uses=3),
+])
+AWAITING_FALLBACK = [
+    _token_case("nanogpt", lambda: nanogpt(bias=True, norm="nanogpt"), uses=2,
+                batch_sizes=(NANO_CONTEXT, 7)),
+    _token_case("hf-gpt2-tied", lambda: hf_gpt2(VOCABULARY, NANO_CONTEXT, WIDTH, HEADS, 2), uses=2,
+                batch_sizes=(NANO_CONTEXT, 7)),
+]

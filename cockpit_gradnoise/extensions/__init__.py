@@ -39,12 +39,12 @@ from cockpit_gradnoise.extensions import (
     batchnorm,
     convolution,
     embedding,
-    facts,
     fallback,
     hf,
     linear,
     normalization,
     sums,
+    uses,
 )
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
@@ -62,14 +62,18 @@ from torch import nn
 
 
 class _RecordingExtension(FirstOrderBackpropExtension):
-    """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
+    """Records which parameters it wrote on, and from which layers (:mod:`.facts`);
+    combines tied parameters' uses, fixes embeddings broadcast over the batch (:mod:`.uses`)."""
 
     def __call__(self, module, g_inp, g_out):
+        uses.run(self, module, g_inp, g_out, self._results)
+
+    def _results(self, module, g_inp, g_out):
+        """This extension's results on ``module``: its table's rule, else a rule of the last resort."""
         super().__call__(module, g_inp, g_out)
         # Layers no table row covers: HF classes by name, then the torch.func fallback.
         hf.run(self, module, g_inp, g_out)
         fallback.run(self, module, g_inp, g_out)
-        facts.recording().record(self, module, g_out)
 
 
 class PerExampleSquaredNorms(_RecordingExtension):

@@ -12,6 +12,10 @@ from typing import Dict, Set
 
 from torch import nn
 
+#: The attribute of a layer holding a tied parameter, set by ``prepare_model``
+#: (:data:`.tied.TIED_ATTR`; here so that this module imports no extension).
+_TIED_ATTR = "_cgn_tied"
+
 _SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
 
 
@@ -24,9 +28,16 @@ class BackwardFacts:
         uses: ``{(extension class, id(param)): count}``, how many layers wrote
             one extension's result on a parameter: more than one for a
             parameter shared by several layers (tied weights).
+        unmarked_uses: The same count of the layers not marked by
+            ``prepare_model`` as holding a tied parameter (whose uses are not
+            combined, :mod:`.tied`).
         shared_ids: ``{id(param)}`` of the parameters some extension wrote on
-            more than once (what :meth:`shared` asks; a set, as it is asked
-            for every parameter by every quantity).
+            more than once, once at least from an unmarked layer (what
+            :meth:`shared` asks; a set, as it is asked for every parameter by
+            every quantity).
+        refusals: ``{id(param): reason}``, parameters whose results this
+            backward pass could not compute (removed), for the quantities to
+            refuse with an error naming them.
         leading_sizes: ``{id(param): size}``, the size of the batch dimension
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
@@ -36,23 +47,31 @@ class BackwardFacts:
     def __init__(self):
         self.examples_interact = False
         self.uses: Counter = Counter()
+        self.unmarked_uses: Counter = Counter()
+        self.refusals: Dict[int, str] = {}
         self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
-        for param in module.parameters(recurse=False):
-            if param.requires_grad and hasattr(param, extension.savefield):
+        marked = module.__dict__.get(_TIED_ATTR, {})
+        for attribute, param in module._parameters.items():
+            if param is not None and param.requires_grad and hasattr(param, extension.savefield):
                 key = (type(extension), id(param))
                 self.uses[key] += 1
-                if self.uses[key] > 1:
+                self.unmarked_uses[key] += attribute not in marked
+                if self.uses[key] > 1 and self.unmarked_uses[key]:
                     self.shared_ids.add(id(param))
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
 
     def shared(self, param) -> bool:
-        """Whether several layers wrote one extension's result on ``param``."""
+        """Whether several layers wrote one extension's result on ``param``, not all marked."""
         return id(param) in self.shared_ids
+
+    def refuse(self, param, reason: str):
+        """Record that ``param``'s results could not be computed, and why."""
+        self.refusals.setdefault(id(param), reason)
 
 
 #: The facts of the backward pass being run: replaced, never reset, by :func:`begin`,

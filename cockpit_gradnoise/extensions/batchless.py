@@ -1,0 +1,210 @@
+"""Embeddings applied without the batch dimension and broadcast over it.
+
+nanoGPT adds ``wpe(torch.arange(T))`` (``[T, d]``) to the token embeddings
+(``[B, T, d]``); Hugging Face's GPT-2 and BERT add ``wpe(position_ids)`` with
+``position_ids`` of shape ``(1, T)``. Autograd sums the broadcast gradient over
+the batch before the embedding sees it, so BackPACK takes the positions (or
+the single leading 1) for examples: wrong rows, and when ``T`` equals the
+batch size no shape shows it.
+
+The per-example gradient is still available where the broadcast output meets
+the batch: the addition. So nothing of the model is changed (no values, no
+shapes): after each forward pass, for every ``nn.Embedding`` whose index is
+not a model input of two or more dimensions leading with the batch size
+(:func:`suspect`), :func:`find_broadcasts` looks in the autograd graph for the
+addition (or subtraction) its output goes into, directly or through views
+that keep its elements in order (``unsqueeze``, ``[None]``, ``view``), and
+puts a pre-hook on it that keeps the gradient of its result (``[B, ...]``) in
+the backward pass. If the output was broadcast over the batch (fewer
+dimensions than the result, or a leading 1 against the batch's ``B``),
+example ``i``'s output gradient is that gradient's ``i``-th slice summed over
+the other broadcast dimensions, and the embedding's per-example contributions
+are exact (:func:`embedding_results`): every example uses the same rows, so
+they are ``[B, R, d]`` numbers for the ``R`` distinct indices.
+
+Otherwise the index is read as BackPACK reads it (its leading dimension the
+batch) where it leads with the batch size and either is a model input (a
+label per example) or its output was added to a tensor of that leading size;
+any other index is refused (:meth:`Broadcast.refusal`) with an error at the
+first tracked step naming the parameter: no shape tells the batch from the
+positions when ``T`` equals the batch size.
+"""
+
+import functools
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+
+import torch
+from torch import Tensor, nn
+
+_HOOK_NODE = "BackwardHookFunctionBackward"  # BackPACK's module hooks wrap outputs in one
+_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}  # sign of the second operand
+#: Views between the output and the addition that keep the elements in order.
+_VIEWS = {"UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+
+
+class Broadcast:
+    """An embedding call of this forward pass whose index has no batch dimension by shape.
+
+    Attributes:
+        index: The index tensor.
+        output_shape: The shape of the embedding's output, or of the view of it
+            that is added (``wpe(pos)[None]``, ``.view(1, T, d)``).
+        gradient: The gradient of the addition's result (``[B, ...]``), once the
+            backward pass reached it; times the sign of the embedding's operand.
+    """
+
+    def __init__(self, index: Tensor, output_shape: torch.Size, node, examples: Optional[int],
+                 from_inputs: bool):
+        self.index, self.output_shape, self.node = index, output_shape, node
+        self.gradient: Optional[Tensor] = None
+        #: No batch dimension for certain: no dimension, or a leading size not the batch's.
+        self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
+        #: The index is (a view of) a tensor the model was called with.
+        self.from_inputs = from_inputs
+
+    def refusal(self) -> Optional[str]:
+        """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example.
+
+        Per example (BackPACK's reading of the leading dimension) where the index
+        leads with the batch's size and either its output is added to a tensor of
+        the same leading size or the index comes from the model's inputs (a label
+        per example); exact where its output is broadcast over the batch by an
+        addition; refused otherwise, since no shape tells the batch from the
+        positions (``T`` equal to the batch size).
+        """
+        if self.gradient is not None and self.broadcast_over_batch():
+            return None
+        if not self.clearly and (self.gradient is not None or self.from_inputs):
+            return None
+        return (
+            f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
+            "its output is not added to the batch's tensors (directly or through unsqueeze or "
+            "view), so nothing tells whether its leading dimension is the batch: apply the "
+            "embedding to every example's indices (index.expand(B, *index.shape)), or add "
+            "its output to a tensor of the batch"
+        )
+
+    def keep(self, sign: float, grad_outputs):
+        """Node pre-hook of the addition: keep the gradient of its result."""
+        self.gradient = grad_outputs[0] if sign == 1.0 else sign * grad_outputs[0]
+
+    def broadcast_over_batch(self) -> bool:
+        """Whether the output was broadcast over the batch (known in the backward pass)."""
+        shape, result = self.output_shape, self.gradient.shape
+        return len(shape) < len(result) or (shape[0] == 1 and result[0] != 1)
+
+    def per_example_output_gradients(self, width: int) -> Tensor:
+        """``[B, P, width]``: example ``i``'s gradient of the output, positions flattened."""
+        result = self.gradient.shape
+        padded = (1,) * (len(result) - len(self.output_shape)) + tuple(self.output_shape)
+        summed = [j for j in range(1, len(result)) if padded[j] == 1 and result[j] != 1]
+        gradient = self.gradient.sum(summed, keepdim=True) if summed else self.gradient
+        return gradient.reshape(result[0], -1, width)
+
+
+def suspect(index: Tensor, examples: Optional[int], from_inputs: bool) -> bool:
+    """Whether an embedding's index may lack the batch dimension: anything but an input
+    of the model (or a view of one) of 2 or more dimensions that leads with the batch's
+    size ``examples`` (``None``: unknown)."""
+    return not (from_inputs and index.dim() >= 2 and index.shape[0] == examples)
+
+
+def _resolved(node):
+    """``node``, seen through BackPACK's hook nodes."""
+    while node is not None and node.name() == _HOOK_NODE and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    return node
+
+
+def _graph_roots(output) -> List:
+    if isinstance(output, Tensor):
+        return [output.grad_fn] if output.grad_fn is not None else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [root for item in output for root in _graph_roots(item)]
+    return []
+
+
+def _consumers(output) -> Dict[object, List[Tuple[object, int]]]:
+    """``{node: [(consumer, operand position)]}`` over the autograd graph of ``output``,
+    BackPACK's hook nodes seen through."""
+    consumers: Dict[object, List[Tuple[object, int]]] = {}
+    seen, stack = set(), _graph_roots(output)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for position, (child, _) in enumerate(node.next_functions):
+            if child is not None:
+                stack.append(child)
+                if node.name() != _HOOK_NODE:
+                    consumers.setdefault(_resolved(child), []).append((node, position))
+    return consumers
+
+
+def _operand(node, consumers):
+    """``(addition, position, operand shape)`` where ``node``'s output, through views that
+    keep its elements in order (unsqueeze, view), is added; else ``None``."""
+    shape = None
+    while True:
+        found = consumers.get(node, [])
+        if len(found) != 1:
+            return None
+        consumer, position = found[0]
+        if consumer.name() in _ADDITIONS:
+            return consumer, position, shape
+        if consumer.name() not in _VIEWS or not hasattr(consumer, "_input_metadata"):
+            return None
+        node, shape = consumer, torch.Size(consumer._input_metadata[0].shape)
+
+
+def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"]):
+    """Find where each call's output is added in the graph of ``output``, and hook that.
+
+    One walk over the autograd graph, done only when a forward pass had such a call.
+    """
+    consumers = _consumers(output)
+    for call in calls.values():
+        found = _operand(call.node, consumers)
+        if found is None:
+            continue
+        node, position, shape = found
+        if shape is not None:
+            call.output_shape = shape
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        sign = 1.0 if position == 0 else _ADDITIONS[node.name()] * alpha
+        node.register_prehook(functools.partial(call.keep, sign))
+
+
+def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
+    """The savefield value of an embedding broadcast over the batch, per example exact.
+
+    Every example uses the same ``P`` indices, with their own output
+    gradients ``E_i`` (``[P, d]``): ``x_i`` is nonzero on the ``R`` distinct
+    rows only, ``x_i[r] = sum_{p: idx_p = r} E_ip`` (``[B, R, d]``), from which
+    ``sum_i x_i``, ``sum_i x_i**2`` and ``||x_i||^2`` follow directly.
+    """
+    gradient = call.per_example_output_gradients(module.embedding_dim)
+    index = call.index.reshape(-1)
+    if module.padding_idx is not None:
+        gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)
+    rows, inverse = torch.unique(index, return_inverse=True)
+    contributions = gradient.new_zeros(gradient.shape[0], len(rows), gradient.shape[2])
+    contributions.index_add_(1, inverse, gradient)
+    if savefield == BATCH_L2_SAVEFIELD:
+        return contributions.square().sum((1, 2))
+    weight = module.weight
+    total = weight.new_zeros(weight.shape).index_put_((rows,), contributions.sum(0))
+    if savefield == LOCAL_GRADIENT_SAVEFIELD:
+        return total
+    assert savefield == SUMS_SAVEFIELD
+    squares = weight.new_zeros(weight.shape).index_put_((rows,), contributions.square().sum(0))
+    return torch.stack([total, squares])

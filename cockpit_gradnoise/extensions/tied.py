@@ -1,0 +1,318 @@
+"""Tied parameters: one tensor used by several layers, its results summed over the uses.
+
+A parameter used by layers ``u = 1..U`` (nanoGPT's and GPT-2's output layer
+sharing the token embedding; T5's encoder embedding, decoder embedding and
+head) has per-example contributions ``x_i = sum_u x_i^(u)``. BackPACK runs each
+layer's module extension in turn and each one *overwrites* the parameter's
+savefield (``ModuleExtension.__save_value_on_parameter`` is a ``setattr``), so
+left alone only the use reached last survives. :func:`combine` runs after each
+use and turns the savefield into the result of every use seen so far in this
+backward pass:
+
+- ``sum_i x_i`` and the gradient: sums of the uses' own results;
+- ``sum_i x_i**2`` per element: ``sum_u S^(u) + 2 sum_{u<v} sum_i x_i^(u) * x_i^(v)``;
+- ``||x_i||^2``: ``sum_u ||x_i^(u)||^2 + 2 sum_{u<v} <x_i^(u), x_i^(v)>``.
+
+The cross terms need the uses' per-example contributions together. Where one
+use is an ``nn.Embedding`` its ``x_i^(u)`` is nonzero only on the rows of the
+tokens example ``i`` uses, ``x_i^(u)[v] = sum_{t: idx_it = v} e_it`` (``e`` the
+embedding's output gradient), so the other use is needed only on those rows
+(:meth:`_Use.rows_at`): for a Linear head with inputs ``h`` and output
+gradients ``G``, ``x_i^(w)[idx_it] = sum_s G[i, s, idx_it] h_is``, ``T x S``
+numbers per example instead of the ``V x d`` of a dense per-example gradient
+of the vocabulary-sized matrix. Then ``<x_i^(u), x_i^(w)> = sum_t <e_it,
+x_i^(w)[idx_it]>`` and the elementwise cross term lands on those rows only
+(:func:`rows_cross_terms`). Two Linear uses (no embedding) form their
+per-example contributions in chunks of examples of at most
+:data:`._cost.CHUNK_BYTES` each (:func:`dense_cross_terms`).
+
+Which parameters are tied is known before any backward pass:
+:func:`~cockpit_gradnoise.extensions.uses.install` (run by ``prepare_model``)
+finds them in ``model.named_parameters(remove_duplicate=False)`` and marks
+each layer that holds one (:data:`TIED_ATTR`). A layer of another class than
+``Linear`` and ``Embedding`` among the uses, or one applied twice in one
+forward pass (BackPACK keeps its last input only), is refused with an error
+naming the parameter.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+
+import torch
+from backpack.context import CTX
+from torch import Tensor, nn
+
+#: The attribute of a layer that holds a tied parameter: ``{attribute name: TiedGroup}``.
+TIED_ATTR = "_cgn_tied"
+
+#: The savefields :func:`combine` sums over uses.
+COMBINED_SAVEFIELDS = (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
+
+
+class _Use:
+    """One layer's use of a tied ``[V, d]`` weight in this backward pass."""
+
+    def rows_at(self, idx: Tensor) -> Tensor:
+        """``x_i[idx[i, p]]`` for every example ``i`` and position ``p``: ``[N, P, d]``."""
+        raise NotImplementedError
+
+    def formed(self, start: int, stop: int) -> Tensor:
+        """``x_i`` of examples ``start..stop-1``, ``[n, V, d]``."""
+        raise NotImplementedError
+
+
+class EmbeddingUse(_Use):
+    """``x_i[v] = sum_{p: idx_ip = v} e_ip``; positions at ``padding_idx`` contribute nothing."""
+
+    def __init__(self, module: nn.Embedding, inputs: Tensor, grad_output: Tensor):
+        n = grad_output.shape[0]
+        self.idx = inputs.reshape(n, -1)
+        self.grad = grad_output.reshape(n, self.idx.shape[1], -1)
+        self.rows = module.num_embeddings
+        if module.padding_idx is not None:
+            self.grad = self.grad * (self.idx != module.padding_idx).unsqueeze(-1)
+
+    def rows_at(self, idx):
+        same = (self.idx.unsqueeze(2) == idx.unsqueeze(1)).to(self.grad.dtype)  # [N, P1, P]
+        return torch.bmm(same.transpose(1, 2), self.grad)
+
+    def formed(self, start, stop):
+        n, width = stop - start, self.grad.shape[2]
+        offsets = torch.arange(n, device=self.idx.device).unsqueeze(1) * self.rows
+        flat = self.grad.new_zeros(n * self.rows, width)
+        flat.index_add_(0, (self.idx[start:stop] + offsets).flatten(),
+                        self.grad[start:stop].reshape(-1, width))
+        return flat.reshape(n, self.rows, width)
+
+
+class LinearUse(_Use):
+    """``x_i = sum_s G_is h_is^T`` of a Linear's weight (``[out, in]``)."""
+
+    def __init__(self, module: nn.Linear, inputs: Tensor, grad_output: Tensor):
+        n = grad_output.shape[0]
+        self.inputs = inputs.reshape(n, -1, inputs.shape[-1])
+        self.grad = grad_output.reshape(n, -1, grad_output.shape[-1])
+
+    def rows_at(self, idx):
+        positions = self.grad.shape[1]
+        chosen = self.grad.gather(2, idx.unsqueeze(1).expand(-1, positions, -1))  # [N, S, P]
+        return torch.bmm(chosen.transpose(1, 2), self.inputs)
+
+    def formed(self, start, stop):
+        return torch.bmm(self.grad[start:stop].transpose(1, 2), self.inputs[start:stop])
+
+
+def use_of(module: nn.Module, attribute: str, inputs: Tensor, grad_output: Tensor
+           ) -> Optional[_Use]:
+    """The :class:`_Use` of ``module``'s ``attribute`` (its layer's input and output
+    gradient): ``None`` but for the weight of a Linear or an Embedding."""
+    if attribute == "weight" and isinstance(module, nn.Embedding):
+        return EmbeddingUse(module, inputs, grad_output)
+    if attribute == "weight" and isinstance(module, nn.Linear):
+        return LinearUse(module, inputs, grad_output)
+    return None
+
+
+def rows_cross_terms(embedding: EmbeddingUse, other: _Use, rows: int) -> Tuple[Tensor, Tensor]:
+    """``(<x_i^(e), x_i^(o)> [N], sum_i x_i^(e) * x_i^(o) [V, d])`` on the embedding's rows.
+
+    ``<x_i^(e), x_i^(o)> = sum_p <e_ip, x_i^(o)[idx_ip]>``; the elementwise
+    product is ``sum_p e_ip * x_i^(o)[idx_ip]`` added into row ``idx_ip``.
+    """
+    products = embedding.grad * other.rows_at(embedding.idx)  # [N, P, d]
+    width = products.shape[2]
+    elementwise = products.new_zeros(rows, width)
+    elementwise.index_add_(0, embedding.idx.flatten(), products.reshape(-1, width))
+    return products.sum((1, 2)), elementwise
+
+
+def dense_cross_terms(first: _Use, second: _Use, examples: int, shape) -> Tuple[Tensor, Tensor]:
+    """The same two cross terms from per-example contributions formed in chunks.
+
+    Memory: two ``[n, *shape]`` tensors at a time, ``n`` examples of at most
+    :data:`._cost.CHUNK_BYTES` each (one example at least).
+    """
+    numel = torch.Size(shape).numel()
+    size = _cost.examples_per_chunk(2 * numel, first.grad.element_size())
+    norms, elementwise = [], None
+    for start in range(0, examples, size):
+        stop = min(start + size, examples)
+        product = first.formed(start, stop).mul_(second.formed(start, stop))
+        norms.append(product.flatten(1).sum(1))
+        part = product.sum(0)
+        elementwise = part if elementwise is None else elementwise.add_(part)
+    return torch.cat(norms), elementwise
+
+
+def cross_terms(new: _Use, old: _Use, examples: int, shape) -> Tuple[Tensor, Tensor]:
+    """``(<x_i^(new), x_i^(old)>, sum_i x_i^(new) * x_i^(old))`` by the cheapest form."""
+    if isinstance(new, EmbeddingUse):
+        return rows_cross_terms(new, old, shape[0])
+    if isinstance(old, EmbeddingUse):
+        return rows_cross_terms(old, new, shape[0])
+    return dense_cross_terms(new, old, examples, shape)
+
+
+class TiedGroup:
+    """A parameter held by several layers, and what this backward pass has seen of it.
+
+    Attributes:
+        names: Every name of the parameter in the model (the first is the
+            one ``named_parameters()`` gives).
+        layers: How many layers hold it.
+    """
+
+    def __init__(self, names: Tuple[str, ...], layers: int):
+        self.names, self.layers = names, layers
+        self.new_pass()
+
+    def new_pass(self):
+        """Forget the uses seen: a new forward or backward pass begins."""
+        self.uses: Dict[nn.Module, Optional[_Use]] = {}
+        self.done: Dict[str, List[nn.Module]] = {}  # savefield -> layers combined, in order
+        self.cross: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
+        self.refusal: Optional[str] = None
+        self.param: Optional[Tensor] = None  # what the first use of the pass held
+
+    # Per-pass tensors and layers never travel with a copy or a pickle of the model.
+    def __getstate__(self):
+        return {"names": self.names, "layers": self.layers}
+
+    def __setstate__(self, state):
+        self.__init__(state["names"], state["layers"])
+
+    def combined(self, savefield: str, module: nn.Module, attribute: str, inputs: Tensor,
+                 grad_output: Tensor, own: Optional[Tensor], before: Optional[Tensor]
+                 ) -> Optional[Tensor]:
+        """The savefield's value over every use so far, ``own`` being this use's; ``None``: refused.
+
+        Args:
+            savefield: The extension's savefield.
+            module: The layer of this use.
+            attribute: The parameter's name in it.
+            inputs: Its input in the forward pass.
+            grad_output: Its output gradient.
+            own: The value its module extension saved (``None``: it saved none).
+            before: The savefield's value before this use (the previous uses' result).
+        """
+        done = self.done.setdefault(savefield, [])
+        if module in done:  # the same layer again: a new backward pass (retain_graph)
+            self.new_pass()
+            done = self.done.setdefault(savefield, [])
+        param = getattr(module, attribute)
+        self.param = param if self.param is None else self.param
+        if param is not self.param:
+            self.refusal = self.refusal or (
+                "the layers that held it when the model was prepared no longer share one "
+                "tensor: prepare the model (cgn.prepare_model) after tying or untying")
+        if module not in self.uses:
+            self.uses[module] = use_of(module, attribute, inputs, grad_output)
+        if own is None or self.uses[module] is None:
+            self.refusal = self.refusal or (
+                f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
+                "parameters are combined over the weights of Linear and Embedding layers only"
+            )
+        previous = list(done)
+        done.append(module)
+        if self.refusal is not None:
+            return None
+        if not previous:
+            return own
+        if savefield == LOCAL_GRADIENT_SAVEFIELD:
+            return before + own
+        cross = [self._cross(module, other, param.shape) for other in previous]
+        if savefield == BATCH_L2_SAVEFIELD:
+            return before + own + 2 * sum(norms for norms, _ in cross)
+        squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)
+        return torch.stack([before[0] + own[0], squares])
+
+    def release_when_done(self, savefields):
+        """Drop the uses' tensors once every layer is combined in each of ``savefields``.
+
+        Until then each use keeps its layer's output gradient (the head's: as
+        large as the logits) and input; a layer the forward pass did not run
+        keeps them until the next forward pass.
+        """
+        if self.uses and all(len(self.done.get(f, ())) >= self.layers for f in savefields):
+            self.uses = dict.fromkeys(self.uses)
+            self.cross = {}
+
+    def _cross(self, module, other, shape):
+        """The cross terms of two uses, computed once for all extensions."""
+        layers = list(self.uses)
+        key = (layers.index(module), layers.index(other))
+        if key not in self.cross:
+            new, old = self.uses[module], self.uses[other]
+            self.cross[key] = cross_terms(new, old, new.grad.shape[0], shape)
+        return self.cross[key]
+
+
+def mark(model: nn.Module) -> List[TiedGroup]:
+    """Mark every layer of ``model`` that holds a tied parameter; return the groups.
+
+    A parameter is tied if ``model.named_parameters(remove_duplicate=False)``
+    gives it several names. Each layer (module object) that holds it gets
+    ``{attribute: group}`` in :data:`TIED_ATTR`.
+    """
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    holders: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in model.modules():  # each module object once
+        for attribute, param in module._parameters.items():
+            if param is not None and len(names.get(id(param), ())) > 1:
+                holders.setdefault(id(param), []).append((module, attribute))
+    groups = []
+    for key, layers in holders.items():
+        group = TiedGroup(tuple(names[key]), len(layers))
+        groups.append(group)
+        for module, attribute in layers:
+            module.__dict__.setdefault(TIED_ATTR, {})[attribute] = group
+    return groups
+
+
+def combine(extension, module: nn.Module, inputs: Tensor, grad_output: Tensor,
+            before: Dict[str, Optional[Tensor]]):
+    """After ``module``'s extension ran: its tied parameters' savefields over every use so far.
+
+    ``inputs`` and ``grad_output`` are the layer's input (in the forward pass)
+    and output gradient; ``before`` holds each tied attribute's savefield value
+    before the extension ran. Returns ``{attribute: reason}`` of the parameters
+    refused.
+    """
+    savefield = extension.savefield
+    refused = {}
+    for attribute, group in getattr(module, TIED_ATTR, {}).items():
+        param = getattr(module, attribute)
+        if savefield not in COMBINED_SAVEFIELDS or not param.requires_grad:
+            continue
+        own = getattr(param, savefield, None)
+        own = None if own is before[attribute] else own
+        value = group.combined(savefield, module, attribute, inputs, grad_output, own,
+                               before[attribute])
+        if value is None:
+            if hasattr(param, savefield):
+                delattr(param, savefield)
+            refused[attribute] = group.refusal
+        else:
+            setattr(param, savefield, value)
+        group.release_when_done(active_savefields())
+    return refused
+
+
+def active_savefields():
+    """The savefields of :data:`COMBINED_SAVEFIELDS` whose extensions run in this backward pass."""
+    return {getattr(ext, "savefield", None) for ext in CTX.get_active_exts()}.intersection(
+        COMBINED_SAVEFIELDS)
+
+
+def values_before(extension, module: nn.Module) -> Dict[str, Optional[Tensor]]:
+    """``{attribute: savefield value}`` of ``module``'s tied parameters, before its extension runs."""
+    return {attribute: getattr(getattr(module, attribute), extension.savefield, None)
+            for attribute in getattr(module, TIED_ATTR, {})}

@@ -1,0 +1,165 @@
+"""How a prepared model uses its parameters: tied parameters, embeddings without the batch.
+
+:func:`install` (one call in ``prepare_model``) finds the tied parameters
+(:mod:`.tied`) and installs three forward hooks: on the model, before its
+forward pass (the batch size, from its first tensor argument, and a fresh
+record of the pass) and after it (:func:`.batchless.find_broadcasts` for the
+embedding calls recorded); on each ``nn.Embedding`` and each layer that holds
+a tied parameter (how often it ran, and an embedding's index without the
+batch dimension). The record of a pass lives on the model (:class:`Uses`,
+shared by the marked layers), so a copy of the model has its own.
+
+In the backward pass, :func:`run` wraps each of this package's extensions'
+work on a layer: after the layer's module extension saved its results, it
+records the layer (:mod:`.facts`), replaces the results of an embedding
+broadcast over the batch by exact ones, combines the uses of tied
+parameters, and removes the results of what cannot be computed (recording
+why in the facts: the quantities refuse it with an error naming the parameter).
+"""
+
+from typing import Dict, List, Optional
+
+from cockpit_gradnoise.extensions import batchless, facts, tied
+
+from torch import Tensor, nn
+
+#: The attribute of the model and its marked layers that holds their :class:`Uses`.
+USES_ATTR = "_cgn_uses"
+
+
+class Uses:
+    """The tied groups of a model, and what its current forward pass did."""
+
+    def __init__(self, groups: List[tied.TiedGroup]):
+        self.groups = groups
+        self.new_forward(None)
+
+    def new_forward(self, examples: Optional[int], storages=()):
+        """A forward pass of ``examples`` examples (``None``: unknown) begins; ``storages``:
+        the addresses of its tensor arguments' storages."""
+        self.examples, self.storages = examples, set(storages)
+        self.calls: Dict[nn.Module, int] = {}
+        self.inputs: Dict[nn.Module, Tensor] = {}  # of the marked layers, not BackPACK's input0
+        self.broadcasts: Dict[nn.Module, batchless.Broadcast] = {}
+        for group in self.groups:
+            group.new_pass()
+
+    def __getstate__(self):
+        return {"groups": self.groups}
+
+    def __setstate__(self, state):
+        self.__init__(state["groups"])
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _begin_forward(model, args, kwargs):
+    tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, Tensor)]
+    first = tensors[0] if tensors else None
+    examples = first.shape[0] if first is not None and first.dim() > 0 else None
+    model.__dict__[USES_ATTR].new_forward(examples, map(_storage, tensors))
+
+
+def _end_forward(model, args, kwargs, output):
+    uses = model.__dict__[USES_ATTR]
+    if uses.broadcasts:
+        batchless.find_broadcasts(output, uses.broadcasts)
+
+
+def _after_layer(module, args, output):
+    uses = module.__dict__[USES_ATTR]
+    uses.calls[module] = uses.calls.get(module, 0) + 1
+    uses.inputs[module] = args[0]
+    if isinstance(module, nn.Embedding) and isinstance(output, Tensor) and output.grad_fn is not None:
+        index = args[0]
+        from_inputs = _storage(index) in uses.storages
+        if batchless.suspect(index, uses.examples, from_inputs):
+            uses.broadcasts[module] = batchless.Broadcast(
+                index, output.shape, output.grad_fn, uses.examples, from_inputs)
+        else:
+            uses.broadcasts.pop(module, None)
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Mark ``model``'s tied parameters and install the hooks above; return ``model``.
+
+    Again on a prepared model (after tying or untying), the marks are renewed
+    and each hook stays installed once.
+    """
+    uses = model.__dict__.get(USES_ATTR)
+    if uses is None or _ROOT_HOOKED not in model.__dict__:
+        uses = model.__dict__[USES_ATTR] = Uses([])
+        model.__dict__[_ROOT_HOOKED] = True
+        model.register_forward_pre_hook(_begin_forward, with_kwargs=True)
+        model.register_forward_hook(_end_forward, with_kwargs=True)
+    for module in model.modules():
+        module.__dict__.pop(tied.TIED_ATTR, None)
+    uses.groups = tied.mark(model)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or tied.TIED_ATTR in module.__dict__:
+            module.__dict__[USES_ATTR] = uses
+            if _LAYER_HOOKED not in module.__dict__:
+                module.__dict__[_LAYER_HOOKED] = True
+                module.register_forward_hook(_after_layer)
+    return model
+
+
+_ROOT_HOOKED, _LAYER_HOOKED = "_cgn_uses_root_hooked", "_cgn_uses_layer_hooked"
+
+
+def _ran_twice(module: nn.Module, recorded: facts.BackwardFacts) -> bool:
+    """Whether ``module`` ran more than once in the forward pass (T5 calls its shared
+    embedding in the encoder and in the decoder); then refuse its parameters."""
+    uses = module.__dict__[USES_ATTR]
+    if uses.calls.get(module, 0) <= 1:
+        return False
+    for param in module.parameters(recurse=False):
+        recorded.refuse(param, (
+            f"its layer ({type(module).__name__}) ran {uses.calls[module]} times in one "
+            "forward pass, and BackPACK keeps the last input of a layer only"))
+    return True
+
+
+def run(extension, module: nn.Module, g_inp, g_out, call):
+    """``call(module, g_inp, g_out)`` (the extension's work on ``module``), then the above."""
+    recorded = facts.recording()
+    uses = module.__dict__.get(USES_ATTR)
+    if uses is not None and _ran_twice(module, recorded):
+        for param in module.parameters(recurse=False):
+            if hasattr(param, extension.savefield):
+                delattr(param, extension.savefield)
+        return
+    before = tied.values_before(extension, module)
+    call(module, g_inp, g_out)
+    recorded.record(extension, module, g_out)
+    if uses is None:
+        return
+    broadcast = uses.broadcasts.get(module)
+    if broadcast is not None:
+        _broadcast_results(extension, module, broadcast, recorded)
+    refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
+    for attribute, why in refused.items():
+        param = getattr(module, attribute)
+        if hasattr(param, extension.savefield):
+            delattr(param, extension.savefield)
+        recorded.refuse(param, why)
+
+
+def _broadcast_results(extension, module, broadcast, recorded):
+    param = module.weight
+    if not param.requires_grad or not hasattr(param, extension.savefield):
+        return
+    reason = broadcast.refusal()
+    if reason is not None:
+        delattr(param, extension.savefield)
+        recorded.refuse(param, reason)
+    elif broadcast.gradient is not None and broadcast.broadcast_over_batch():
+        if tied.TIED_ATTR in module.__dict__:
+            delattr(param, extension.savefield)
+            recorded.refuse(param, "it is tied and applied without the batch dimension")
+            return
+        value = batchless.embedding_results(module, broadcast, extension.savefield)
+        setattr(param, extension.savefield, value)
+        recorded.leading_sizes[id(param)] = broadcast.gradient.shape[0]
