@@ -29,7 +29,6 @@ from torch import nn
 
 from tests.cases import AWAITING_FALLBACK, NANO_CONTEXT, Problem, build, case_named, run_step
 from tests.helpers import RTOL, assert_statistics_match, rounding_bounds, rows, sd_rtol
-from tests.models import NanoLayerNorm
 
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
 
@@ -93,31 +92,16 @@ def _assert_noise_scale(got, expected, n, numel):
             assert got[name]["b_simple"] == math.inf, name
 
 
-def _uncovered_layers(model):
-    """Names of the parameters of layers this branch gives no rows: nanoGPT's LayerNorm
-    class and Hugging Face's Conv1D (the fallback extension's), in model order."""
-    names = []
-    for prefix, module in model.named_modules():
-        if isinstance(module, NanoLayerNorm) or type(module).__name__ == "Conv1D":
-            names += [f"{prefix}.{n}" for n, _ in module.named_parameters(recurse=False)]
-    return names
-
-
 @pytest.mark.parametrize("case", AWAITING_FALLBACK, ids=lambda case: case.name)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_cases_awaiting_the_fallback_match_references_on_every_parameter_with_rows(
-        case, reduction):
-    """T equals the batch size. Without rows here: nanoGPT's LayerNorm class and GPT-2's
-    Conv1D; nanoGPT's ``c_attn.bias`` (its key third has an exactly zero gradient,
+def test_nanogpt_and_gpt2_tied_match_references_on_every_parameter(case, reduction):
+    """T equals the batch size. nanoGPT's LayerNorm class and GPT-2's Conv1D get their rows
+    from the fallback; nanoGPT's ``c_attn.bias`` (its key third has an exactly zero gradient,
     computed as rounding noise until the numerics work) is compared in the norms only."""
     problem = build(case, NANO_CONTEXT, reduction)
-    uncovered = _uncovered_layers(problem.model)
-    assert uncovered  # the model has layers of both kinds, so the comparison is partial
-    names = [name for name in problem.names if name not in uncovered]
+    names = problem.names
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the unsupported layers' warning
-        got = rows(run_step(problem, [quantity]), schema.PER_EXAMPLE_NORM)
+    got = rows(run_step(problem, [quantity]), schema.PER_EXAMPLE_NORM)
     assert set(got) == set(names) | {schema.NETWORK}
     sd_names = [name for name in names if not name.endswith("c_attn.bias")]
     assert_matches_references(problem, case.inner_terms, names, sd_names)
