@@ -16,6 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
+from tests.layer_models import embedding_padding, padded_tokens
 from tests.models import GPT, TokenCrossEntropy
 
 
@@ -160,6 +161,9 @@ MODELS = [
     ),
     ModelCase("resnet18", resnet18, lambda n: torch.randn(n, 3, 32, 32), batch_sizes=(3,),
               inner_terms=32 * 32),
+    # Layers (issue 19): padding_idx, nn.MultiheadAttention converted by prepare_model,
+    # subclasses of supported layers. Models in tests/layer_models.py.
+    ModelCase("embedding-padding", embedding_padding, padded_tokens),
 ]
 REDUCTIONS = ["mean", "sum"]
 

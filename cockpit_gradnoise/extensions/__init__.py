@@ -33,7 +33,7 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to each table below.
 """
 
-from typing import Iterable, Mapping
+from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from cockpit_gradnoise.extensions import (
     batchnorm,
@@ -42,6 +42,7 @@ from cockpit_gradnoise.extensions import (
     facts,
     linear,
     normalization,
+    subclasses,
     sums,
 )
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
@@ -57,18 +58,57 @@ from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.module_extension import ModuleExtension
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class _RecordingExtension(FirstOrderBackpropExtension):
-    """Records which parameters it wrote on, and from which layers (:mod:`.facts`)."""
+    """Records which parameters it wrote on, and from which layers (:mod:`.facts`).
+
+    A subclass of a layer in its table gets the rule :func:`.subclasses.rule_for`
+    finds (BackPACK looks rules up by exact class), decided once per class.
+    """
+
+    #: Its reducer of a normalization layer's per-example contributions.
+    reduce_normalization: Callable
+
+    def __init__(self, savefield: str, module_exts: Dict[type, ModuleExtension], **kwargs):
+        self._rules = module_exts
+        self._derived: Dict[type, Optional[ModuleExtension]] = {}  # subclass -> rule_for's
+        super().__init__(savefield=savefield, module_exts=module_exts, **kwargs)
+
+    def set_module_extension(self, module, extension, overwrite=False):
+        super().set_module_extension(module, extension, overwrite=overwrite)
+        self._rules[module] = extension
+        self._derived.clear()  # derived from rows that may have changed
 
     def __call__(self, module, g_inp, g_out):
-        super().__call__(module, g_inp, g_out)
-        facts.recording().record(self, module, g_out)
+        rule = self._subclass_rule(type(module))
+        if rule is None:
+            super().__call__(module, g_inp, g_out)
+        else:
+            rule(self, module, g_inp, g_out)
+        found = facts.recording()
+        found.record(self, module, g_out)
+        found.record_owner(module)
+        if isinstance(module, _BatchNorm) and module.training:
+            # Also where no rule covers the layer: the others' rows are contributions.
+            found.examples_interact = True
+
+    def _subclass_rule(self, module_class: type) -> Optional[ModuleExtension]:
+        """The rule derived for a class the table does not hold (``None`` for those it holds)."""
+        if module_class in self._rules:
+            return None
+        if module_class not in self._derived:
+            self._derived[module_class] = subclasses.rule_for(
+                module_class, self._rules, self.reduce_normalization
+            )
+        return self._derived[module_class]
 
 
 class PerExampleSquaredNorms(_RecordingExtension):
     """``||x_i||^2`` per example and parameter, saved as ``param.cgn_batch_l2`` (``[N]``)."""
+
+    reduce_normalization = staticmethod(normalization.squared_norms)
 
     def __init__(self):
         super().__init__(
@@ -102,6 +142,8 @@ class SumsOfContributions(_RecordingExtension):
     on this process, also under distributed training.
     """
 
+    reduce_normalization = staticmethod(sums.sums_of)
+
     def __init__(self):
         super().__init__(
             savefield=SUMS_SAVEFIELD,
@@ -133,6 +175,8 @@ class LocalGradient(_RecordingExtension):
     accumulates micro-batches), so the quantities that need this process's
     own gradient request it there (one more weight-gradient product per layer).
     """
+
+    reduce_normalization = staticmethod(normalization.gradient)
 
     def __init__(self):
         super().__init__(

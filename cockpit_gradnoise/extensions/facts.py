@@ -31,6 +31,9 @@ class BackwardFacts:
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
             (``wpe(torch.arange(T))``).
+        owners: ``{id(param): class name}`` of the module that owns each
+            parameter, also where no rule covered it (for the warning that
+            names the layers without rows).
     """
 
     def __init__(self):
@@ -38,6 +41,7 @@ class BackwardFacts:
         self.uses: Counter = Counter()
         self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
+        self.owners: Dict[int, str] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
@@ -49,6 +53,11 @@ class BackwardFacts:
                 if self.uses[key] > 1:
                     self.shared_ids.add(id(param))
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
+
+    def record_owner(self, module: nn.Module):
+        """Record ``module``'s class as the owner of its own parameters."""
+        for param in module.parameters(recurse=False):
+            self.owners[id(param)] = type(module).__name__
 
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``."""
