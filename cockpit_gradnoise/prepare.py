@@ -15,6 +15,8 @@ import operator
 import sys
 from typing import Optional
 
+from cockpit_gradnoise.attention import convert_attention
+
 import torch
 from backpack import extend
 from torch import nn
@@ -59,6 +61,10 @@ def needs_converter(model: nn.Module) -> bool:
 def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> nn.Module:
     """Extend ``model`` with BackPACK, converting it where in-place operations need it.
 
+    Every ``nn.MultiheadAttention`` is first replaced, in place, by a
+    :class:`~cockpit_gradnoise.LinearAttention` with the same parameters
+    (:func:`~cockpit_gradnoise.convert_attention`).
+
     Train the returned model: it has the same parameters under the same names
     (``[n for n, _ in prepared.named_parameters()]`` equals the original's).
     Without conversion it is ``model`` itself, extended in place; with
@@ -83,6 +89,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = None) -> 
             operation fails inside BackPACK's hooks, raises BackPACK's error
             with the fix (``use_converter=True``) added to its message.
     """
+    model = convert_attention(model)  # same parameters, same names (attention.py)
     if use_converter is None:
         use_converter = needs_converter(model)
     names = [name for name, _ in model.named_parameters()]

@@ -82,22 +82,24 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         self._derived.clear()  # derived from rows that may have changed
 
     def __call__(self, module, g_inp, g_out):
-        rule = self._subclass_rule(type(module))
+        # BackPACK's own __call__ is this lookup, by exact class, and the call.
+        rule = self._rule_for(type(module))
+        found = facts.recording()
         if rule is None:
-            super().__call__(module, g_inp, g_out)
+            found.record_owner(module)
         else:
             rule(self, module, g_inp, g_out)
-        found = facts.recording()
-        found.record(self, module, g_out)
-        found.record_owner(module)
+            # Only a module with a rule wrote: a module without one may hold a
+            # parameter its child wrote on (attention.LinearAttention's in_proj).
+            found.record(self, module, g_out)
         if isinstance(module, _BatchNorm) and module.training:
             # Also where no rule covers the layer: the others' rows are contributions.
             found.examples_interact = True
 
-    def _subclass_rule(self, module_class: type) -> Optional[ModuleExtension]:
-        """The rule derived for a class the table does not hold (``None`` for those it holds)."""
+    def _rule_for(self, module_class: type) -> Optional[ModuleExtension]:
+        """The table's rule, or the one derived for a subclass (:func:`.subclasses.rule_for`)."""
         if module_class in self._rules:
-            return None
+            return self._rules[module_class]
         if module_class not in self._derived:
             self._derived[module_class] = subclasses.rule_for(
                 module_class, self._rules, self.reduce_normalization
