@@ -25,17 +25,17 @@ class Attention(nn.Module):
     the sequence to a memory (key is value, sequence first), unconverted: ``prepare_model``
     converts them.
 
-    Without biases in the attention: a key bias's gradient is exactly zero (softmax
-    ignores a constant added to all of a query's scores), computed as rounding noise.
+    Without biases by default: a key bias's gradient is exactly zero (softmax ignores a
+    constant added to all of a query's scores), computed as rounding noise.
     """
 
-    def __init__(self, vocabulary=11, width=8, heads=2, length=4):
+    def __init__(self, vocabulary=11, width=8, heads=2, length=4, bias=False):
         super().__init__()
         self.embed = nn.Embedding(vocabulary, width)
         self.encoder = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0,
-                                                  batch_first=True, bias=False)
+                                                  batch_first=True, bias=bias)
         self.memory = nn.Linear(width, width)
-        self.cross = nn.MultiheadAttention(width, heads, bias=False)
+        self.cross = nn.MultiheadAttention(width, heads, bias=bias)
         self.head = nn.Linear(length * width, 3)
 
     def forward(self, idx):

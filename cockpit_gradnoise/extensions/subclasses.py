@@ -16,7 +16,7 @@ function. :func:`rule_for` decides, per class, in two ways:
   parameter a computed tensor): the parent's rule.
 - **Reviewed forward**: the subclass's ``forward`` is one of
   :data:`REVIEWED`, read here and tested against a float64 per-example
-  reference (``tests/test_layer_subclasses.py``): the rule named there.
+  reference (``tests/test_layers.py``): the rule named there.
 
 Every other subclass gets no rule, so no rows, and the quantities' warning
 names its class. timm's ``BatchNormAct2d`` is one: its ``forward`` applies

@@ -1,9 +1,12 @@
-"""Subclasses of supported layers, against a float64 per-example reference.
+"""Layers of real models, against a float64 per-example reference.
 
 The reference: ``torch.func`` (``vmap`` of ``grad`` of one example's loss) on
-an un-extended copy of the model. Every subclass this package claims
-(``extensions/subclasses.py``) must give exact rows; every other one none
-(never its parent's rule on a different function).
+an un-extended copy of the model as built (before ``prepare_model`` converts
+attention). ``nn.Embedding(padding_idx=...)``; ``nn.MultiheadAttention``
+converted by ``prepare_model`` and ``track``; subclasses of supported layers:
+every one this package claims (``extensions/subclasses.py``) must give exact
+rows, every other one none (never its parent's rule on a different
+function); the warning that names the layers without rows.
 """
 
 import copy
@@ -28,6 +31,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from tests.helpers import RTOL
+from tests.layer_models import PADDING, Attention, embedding_padding, padded_tokens
 
 timm = pytest.importorskip("timm")
 torchvision = pytest.importorskip("torchvision")
@@ -122,7 +126,7 @@ def test_a_subclass_with_its_own_forward_gets_no_rule_and_the_warning_names_its_
     model = nn.Sequential(Doubles(4, 5), nn.Tanh(), nn.Linear(5, 3))
     prepared, names = check(lambda: model, torch.randn(3, 4, dtype=torch.float64))
     assert names == {"2.weight", "2.bias"}
-    assert set(facts.recording().owners.values()) >= {"Doubles", "Linear"}
+    assert facts.recording().owners == {id(p): "Doubles" for p in prepared[0].parameters()}
 
 
 def test_a_parametrized_layer_gets_no_rule():
@@ -212,3 +216,68 @@ def test_timm_convnext_and_vit():
                                      num_classes=3, depth=1, embed_dim=8, num_heads=2)
     prepared, names = check(vit, images(size=32))
     assert {n for n, _ in prepared.named_parameters()} - names == {"cls_token", "pos_embed"}
+
+
+def test_the_padding_row_is_exactly_zero_and_the_others_exact():
+    prepared, names = check(embedding_padding, padded_tokens(6))
+    assert names == {"0.weight", "3.weight", "3.bias"}
+    weight = prepared.get_parameter("0.weight")
+    assert torch.all(getattr(weight, SUMS_SAVEFIELD)[:, PADDING] == 0)
+    assert torch.all(getattr(weight, LOCAL_GRADIENT_SAVEFIELD)[PADDING] == 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepare_model_converts_attention_keeping_names_and_every_parameter_is_exact(bias):
+    torch.manual_seed(0)
+    original = Attention(bias=bias)
+    names_before = [n for n, _ in original.named_parameters()]
+    prepared, names = check(lambda: original, torch.randint(0, 11, (5, 4)))
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in prepared.modules())
+    assert [n for n, _ in prepared.named_parameters()] == names_before
+    assert names == set(names_before)
+
+
+def test_track_converts_attention_and_its_optimizer_keeps_the_parameters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                          nn.Flatten(), nn.Linear(4 * 8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before track
+    x, y = torch.randn(5, 4, 8, dtype=torch.float64), torch.randint(0, 3, (5,))
+    expected = per_example_reference(copy.deepcopy(model), x, y)
+    model, tracker = cgn.track(model, every=1, quantities=["PerExampleGradNorm"])
+    assert {id(p) for p in model.parameters()} == {id(p) for g in optimizer.param_groups
+                                                   for p in g["params"]}
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with tracker(0, losses, reduction="sum") as loss:
+        loss.backward()
+    got = tracker.frame().query("statistic == 'max'").set_index("param").value
+    assert set(got.index) == {*expected, cgn.NETWORK}
+    for name, g in expected.items():
+        assert got[name] == pytest.approx(g.flatten(1).norm(dim=1).max().item(), rel=RTOL)
+
+
+class Scale(nn.Module):
+    """Uses its parameter directly: no rule."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_the_unsupported_warning_is_short_and_names_the_classes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), *(Scale(8) for _ in range(200)), Doubles(8, 3))
+    model, tracker = cgn.track(model.double(), every=1)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.warns(UserWarning) as caught:
+        with tracker(0, nn.functional.cross_entropy(model(x), y, reduction="none")) as loss:
+            loss.backward()
+    messages = [str(w.message) for w in caught if "no per-example rule" in str(w.message)]
+    assert len(messages) == 1, messages  # one for the step, for all quantities
+    message = messages[0]
+    assert len(message) < 400, message
+    assert "202 parameters" in message and "class Doubles, Scale" in message
+    assert "docs/architectures.md" in message
