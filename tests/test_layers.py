@@ -126,7 +126,8 @@ def test_a_subclass_with_its_own_forward_gets_no_rule_and_the_warning_names_its_
     model = nn.Sequential(Doubles(4, 5), nn.Tanh(), nn.Linear(5, 3))
     prepared, names = check(lambda: model, torch.randn(3, 4, dtype=torch.float64))
     assert names == {"2.weight", "2.bias"}
-    assert facts.recording().owners == {id(p): "Doubles" for p in prepared[0].parameters()}
+    owners = facts.recording().owners
+    assert [owners[id(p)] for p in prepared.parameters()] == ["Doubles"] * 2 + ["Linear"] * 2
 
 
 def test_a_parametrized_layer_gets_no_rule():
@@ -190,17 +191,63 @@ def test_a_batchnorm_subclass_in_training_mode_gives_contributions_and_says_exam
     assert facts.recording().examples_interact
 
 
-@pytest.mark.parametrize("training", [False, True])
-def test_timm_batchnorm_act_gets_no_rule_but_says_examples_interact(training):
-    """Its forward applies an activation after the normalization: the BatchNorm rule would
-    read the gradient after the activation as the one at the normalization's output."""
+def batchnorm_act(drop=False):
     from timm.layers import BatchNormAct2d
 
+    drop_layer = (lambda: nn.Dropout(0.5)) if drop else None
+    return BatchNormAct2d(4, act_layer=nn.SiLU, inplace=False, drop_layer=drop_layer)
+
+
+def test_timm_batchnorm_act_in_eval_mode_is_exact():
+    """Its forward applies an activation after the normalization: the rule carries the
+    gradient back through it (the BatchNorm rule would read it as the one at the normalization)."""
+
+    def make():
+        model = batchnorm_model(batchnorm_act(drop=True))
+        model[1].running_mean.uniform_(-1, 1), model[1].running_var.uniform_(0.5, 2)
+        model[1].weight.data.uniform_(0.5, 2), model[1].bias.data.uniform_(-1, 1)
+        return model
+
+    prepared, names = check(make, images())
+    assert {"1.weight", "1.bias"} <= names
+    assert not facts.recording().examples_interact
+
+
+def test_timm_batchnorm_act_in_training_mode_gives_contributions():
     torch.manual_seed(0)
-    model = batchnorm_model(BatchNormAct2d(4, act_layer=nn.Tanh)).double().train(training)
+    model = batchnorm_model(batchnorm_act()).double()
+    x, y = images(), torch.randint(0, 3, (3,))
+    original = copy.deepcopy(model)
+    prepared = extension_results(model, x, y)
+    assert facts.recording().examples_interact
+    # The contributions through the batch, formed per example from the batch's backward
+    # pass: the gradient at the normalization's output times x_hat, summed over positions.
+    norm = original[1]
+    inputs = {}
+    norm.register_forward_hook(lambda m, args, out: inputs.update(x=args[0]))
+    normalized = {}
+
+    def at_normalization(module, args, out):
+        normalized["y"] = out
+        out.retain_grad()
+
+    handle = norm.drop.register_forward_hook(lambda m, args, out: at_normalization(m, args, args[0]))
+    nn.functional.cross_entropy(original(x), y, reduction="sum").backward()
+    handle.remove()
+    x_in, grad = inputs["x"].detach(), normalized["y"].grad
+    mean, var = x_in.mean((0, 2, 3), keepdim=True), x_in.var((0, 2, 3), unbiased=False, keepdim=True)
+    x_hat = (x_in - mean) / (var + norm.eps).sqrt()
+    expected = {"1.weight": (grad * x_hat).sum((2, 3)), "1.bias": grad.sum((2, 3))}
+    torch.testing.assert_close(expected["1.weight"].sum(0), norm.weight.grad, rtol=RTOL, atol=0)
+    assert_rows_exact(prepared, expected, expected)
+
+
+def test_timm_batchnorm_act_with_random_dropout_in_training_gets_no_rows():
+    torch.manual_seed(0)
+    model = batchnorm_model(batchnorm_act(drop=True)).double()
     prepared = extension_results(model, images(), torch.randint(0, 3, (3,)))
     assert with_rows(prepared) == {"0.weight", "0.bias", "4.weight", "4.bias"}
-    assert facts.recording().examples_interact == training
+    assert facts.recording().examples_interact
     assert facts.recording().owners[id(prepared[1].weight)] == "BatchNormAct2d"
 
 

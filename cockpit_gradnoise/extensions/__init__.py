@@ -85,9 +85,8 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         # BackPACK's own __call__ is this lookup, by exact class, and the call.
         rule = self._rule_for(type(module))
         found = facts.recording()
-        if rule is None:
-            found.record_owner(module)
-        else:
+        found.record_owner(module)
+        if rule is not None:
             rule(self, module, g_inp, g_out)
             # Only a module with a rule wrote: a module without one may hold a
             # parameter its child wrote on (attention.LinearAttention's in_proj).

@@ -55,9 +55,10 @@ class BackwardFacts:
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
 
     def record_owner(self, module: nn.Module):
-        """Record ``module``'s class as the owner of its own parameters."""
+        """Record ``module``'s class as the owner of its own parameters (the first module
+        seen holding one: in the backward pass, a child before its parent)."""
         for param in module.parameters(recurse=False):
-            self.owners[id(param)] = type(module).__name__
+            self.owners.setdefault(id(param), type(module).__name__)
 
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``."""

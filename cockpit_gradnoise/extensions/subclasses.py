@@ -19,15 +19,19 @@ function. :func:`rule_for` decides, per class, in two ways:
   reference (``tests/test_layers.py``): the rule named there.
 
 Every other subclass gets no rule, so no rows, and the quantities' warning
-names its class. timm's ``BatchNormAct2d`` is one: its ``forward`` applies
-batch normalization, then dropout and an activation, so the output gradient
-BackPACK hands a rule is taken after the activation, which the BatchNorm rule
-would silently misread as the gradient at the normalization's output.
+names its class. The parent's rule would be wrong for all the reviewed ones
+but timm's ``LayerNorm``: ``LayerNorm2d`` normalizes the channels of an
+``(N, C, H, W)`` input, and timm's ``BatchNormAct2d`` applies batch
+normalization, then dropout and an activation, so the output gradient BackPACK
+hands a rule is taken after the activation; its rule first carries that
+gradient back to the normalization's output
+(:func:`~.batchnorm.batch_norm_act_contributions`), and leaves the layer
+without rows where its dropout is random (training with a drop layer).
 """
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
-from cockpit_gradnoise.extensions import normalization
+from cockpit_gradnoise.extensions import batchnorm, normalization
 
 from backpack.extensions.module_extension import ModuleExtension
 from torch import Tensor, nn
@@ -53,16 +57,46 @@ def channels_first_layer_norm_contributions(
     )
 
 
+def always(module: nn.Module) -> bool:
+    """A reviewed rule that applies to every instance."""
+    return True
+
+
+class Reviewed(NamedTuple):
+    """How a reviewed forward is covered: a normalization rule's contributions function
+    (:class:`~.normalization.NormalizationModuleExtension`), where ``applies(module)``."""
+
+    contributions: Callable
+    applies: Callable[[nn.Module], bool] = always
+
+
 #: Reviewed forwards of subclasses (``module.qualname`` of the function) -> ``None`` if they
-#: compute their parent's function (the parent's rule applies), else the contributions
-#: function of a normalization rule (:class:`~.normalization.NormalizationModuleExtension`).
-REVIEWED: Dict[str, Optional[Callable]] = {
+#: compute their parent's function (the parent's rule applies), else how they are covered.
+REVIEWED: Dict[str, Optional[Reviewed]] = {
     # F.layer_norm of the input, as nn.LayerNorm (with timm's fast norm: the same
     # function, under autocast in autocast's dtype).
     "timm.layers.norm.LayerNorm.forward": None,
-    "timm.layers.norm.LayerNorm2d.forward": channels_first_layer_norm_contributions,
-    "torchvision.models.convnext.LayerNorm2d.forward": channels_first_layer_norm_contributions,
+    "timm.layers.norm.LayerNorm2d.forward": Reviewed(channels_first_layer_norm_contributions),
+    "torchvision.models.convnext.LayerNorm2d.forward": Reviewed(
+        channels_first_layer_norm_contributions
+    ),
+    "timm.layers.norm_act.BatchNormAct2d.forward": Reviewed(
+        batchnorm.batch_norm_act_contributions, batchnorm.batch_norm_act_applies
+    ),
 }
+
+
+class ReviewedRule(normalization.NormalizationModuleExtension):
+    """The rule of a :class:`Reviewed` forward; it leaves a module where ``applies`` is false
+    without results (so without rows, and the quantities' warning names its class)."""
+
+    def __init__(self, reviewed: Reviewed, reduce: Callable):
+        super().__init__(reviewed.contributions, reduce, ("weight", "bias"))
+        self._applies = reviewed.applies
+
+    def __call__(self, ext, module, g_inp, g_out):
+        if self._applies(module):
+            super().__call__(ext, module, g_inp, g_out)
 
 
 def qualified_name(function) -> str:
@@ -101,7 +135,5 @@ def rule_for(
     name = qualified_name(owner.forward)
     if name not in REVIEWED or not inherits_forward(subclass, owner):
         return None
-    contributions = REVIEWED[name]
-    if contributions is None:
-        return rules[parent]
-    return normalization.NormalizationModuleExtension(contributions, reduce, ("weight", "bias"))
+    reviewed = REVIEWED[name]
+    return rules[parent] if reviewed is None else ReviewedRule(reviewed, reduce)
