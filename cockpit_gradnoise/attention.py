@@ -121,9 +121,9 @@ class LinearAttention(nn.Module):
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """As ``nn.MultiheadAttention.forward``."""
+        # Shapes read by index, not unpacked: torch.fx (BackPACK's converter) can trace it.
         q, k, v = (self._heads(x) for x in self._projections(query, key, value))
-        batch, _, target, _ = q.shape
-        source = k.shape[2]
+        batch, target, source = q.shape[0], q.shape[2], k.shape[2]
         mask = _additive_mask(attn_mask, key_padding_mask, q.dtype, batch, source)
         dropout = self.dropout if self.training else 0.0
         if need_weights:
@@ -154,22 +154,20 @@ class LinearAttention(nn.Module):
         first = [next(j for j in range(3) if inputs[j] is x) for x in inputs]
         distinct = sorted(set(first))
         tensors = [inputs[j] if self.batch_first else inputs[j].transpose(0, 1) for j in distinct]
-        if len(tensors) == 1:
-            return self.in_proj(tensors[0]).chunk(3, dim=-1)
-        projected = self.in_proj(torch.cat(tensors, dim=1))
+        projected = self.in_proj(tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1))
         ends = list(itertools.accumulate(x.shape[1] for x in tensors))
         starts = [0, *ends[:-1]]
         result = []
         for role in range(3):
             d = distinct.index(first[role])
             features = slice(role * self.embed_dim, (role + 1) * self.embed_dim)
-            result.append(projected[:, starts[d]:ends[d], features])
+            positions = slice(None) if len(tensors) == 1 else slice(starts[d], ends[d])
+            result.append(projected[:, positions, features])
         return tuple(result)
 
     def _heads(self, x: Tensor) -> Tensor:
         """(batch, sequence, E) -> (batch, heads, sequence, E / heads)."""
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], self.num_heads, -1).transpose(1, 2)
 
 
 def _without_in_proj(module, state_dict, prefix, local_metadata):
