@@ -43,8 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_ROLES = ("query", "key", "value")
-
 
 class LinearAttention(nn.Module):
     """Multi-head attention from ``nn.Linear`` layers; same call, results, parameters and

@@ -169,8 +169,9 @@ def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown
     classes = sorted({owners.get(id(p), "unknown") for _, p in unsupported})
     named = ", ".join(classes[:shown]) + (f" and {len(classes) - shown} more" if len(classes) > shown else "")
     examples = ", ".join(repr(n) for n, _ in unsupported[:2]) + (", ..." if len(unsupported) > 2 else "")
+    count = f"{len(unsupported)} parameter" + ("s" if len(unsupported) > 1 else "")
     return (
-        f"{len(unsupported)} parameters ({share:.3g}% of the elements) in layers of class "
+        f"{count} ({share:.3g}% of the elements) in layers of class{'es' if len(classes) > 1 else ''} "
         f"{named} have no per-example rule ({examples}): they have no rows in the quantities "
         f"that need per-example results and are left out of their {NETWORK!r}. Supported "
         "layers and what to do with others: docs/architectures.md"

@@ -326,5 +326,5 @@ def test_the_unsupported_warning_is_short_and_names_the_classes():
     assert len(messages) == 1, messages  # one for the step, for all quantities
     message = messages[0]
     assert len(message) < 400, message
-    assert "202 parameters" in message and "class Doubles, Scale" in message
+    assert "202 parameters" in message and "classes Doubles, Scale" in message
     assert "docs/architectures.md" in message

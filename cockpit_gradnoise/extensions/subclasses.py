@@ -47,8 +47,8 @@ def channels_first_layer_norm_contributions(
 
     Their forward permutes the channels last, applies ``F.layer_norm`` over
     ``normalized_shape = (C,)`` and permutes back, so with both tensors
-    permuted alike the contributions are
-    :func:`~.normalization.layer_norm_contributions`': ``sum_p x_hat_ip G_ip``
+    permuted alike the contributions are those of
+    :func:`~.normalization.layer_norm_contributions`, ``sum_p x_hat_ip G_ip``
     over the spatial positions ``p``.
     """
     last = (0, *range(2, input.dim()), 1)
