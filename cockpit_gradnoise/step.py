@@ -172,7 +172,8 @@ def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown
     count = f"{len(unsupported)} parameter" + ("s" if len(unsupported) > 1 else "")
     return (
         f"{count} ({share:.3g}% of the elements) in layers of class{'es' if len(classes) > 1 else ''} "
-        f"{named} have no per-example rule ({examples}): they have no rows in the quantities "
+        f"{named} {'have' if len(unsupported) > 1 else 'has'} no per-example rule ({examples}): "
+        "they have no rows in the quantities "
         f"that need per-example results and are left out of their {NETWORK!r}. Supported "
         "layers and what to do with others: docs/architectures.md"
     )
