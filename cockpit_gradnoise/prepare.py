@@ -13,6 +13,7 @@ which need hooks on every module.
 
 from typing import Optional
 
+from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
 from cockpit_gradnoise.extensions.hooks import add_hooks
@@ -32,6 +33,10 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     as written (``train()``/``eval()``, dropout, in-place operations, custom
     methods), and every first-order BackPACK extension (this package's, and
     Cockpit's ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``) runs on it.
+
+    Every ``nn.MultiheadAttention`` is first replaced, in place, by a
+    :class:`~cockpit_gradnoise.LinearAttention` with the same parameters
+    (:func:`~cockpit_gradnoise.convert_attention`).
 
     Example (torchvision's ResNets use ``ReLU(inplace=True)`` and
     ``out += identity``)::
@@ -56,6 +61,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             ``.train()`` or ``.eval()`` later would not change what dropout
             or drop-path do), or if the converter changed parameter names.
     """
+    model = convert_attention(model)  # same parameters, same names (attention.py)
     install_fallback(model)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:
         if not any(getattr(module, "_backpack_extend", False) for module in model.modules()):

@@ -150,6 +150,35 @@ def _name(owner) -> str:
     return owner if isinstance(owner, str) else type(owner).__name__
 
 
+def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown: int = 4) -> str:
+    """The warning about parameters without per-example rules, a few hundred characters for any model.
+
+    It names how many parameters, their share of the elements, the classes of
+    the layers that own them (``owners``, ``{id(param): class name}`` as
+    :class:`~cockpit_gradnoise.extensions.facts.BackwardFacts` records them) and
+    where the fix is, with at most ``shown`` classes and two parameter names.
+
+    Args:
+        unsupported: ``(name, param)`` of the parameters without rules.
+        with_grad: ``(name, param)`` of every parameter with a gradient.
+        owners: Owning module class name per ``id(param)``.
+        shown: How many classes to name.
+    """
+    elements = sum(p.numel() for _, p in unsupported)
+    share = 100 * elements / max(1, sum(p.numel() for _, p in with_grad))
+    classes = sorted({owners.get(id(p), "unknown") for _, p in unsupported})
+    named = ", ".join(classes[:shown]) + (f" and {len(classes) - shown} more" if len(classes) > shown else "")
+    examples = ", ".join(repr(n) for n, _ in unsupported[:2]) + (", ..." if len(unsupported) > 2 else "")
+    count = f"{len(unsupported)} parameter" + ("s" if len(unsupported) > 1 else "")
+    return (
+        f"{count} ({share:.3g}% of the elements) in layers of class{'es' if len(classes) > 1 else ''} "
+        f"{named} {'have' if len(unsupported) > 1 else 'has'} no per-example rule ({examples}): "
+        "they have no rows in the quantities "
+        f"that need per-example results and are left out of their {NETWORK!r}. Supported "
+        "layers and what to do with others: docs/architectures.md"
+    )
+
+
 class Step:
     """What one cockpit call knows, shared by the quantities it computes.
 
@@ -370,7 +399,7 @@ class Step:
                 "make sure the model has layers this package supports (see "
                 "docs/architectures.md)."
             )
-        unsupported = [n for n, _ in with_grad if n not in supported]
+        unsupported = [(n, p) for n, p in with_grad if n not in supported]
         if savefields:
             self._refuse_shared(owner, with_grad)
             usable = self._without_batchless(quantity, usable, examples)
@@ -382,13 +411,8 @@ class Step:
                 quantity,
             )
         if unsupported:
-            self.warn(
-                "unsupported",
-                f"parameters {unsupported} belong to layers BackPACK does not support; "
-                f"they have no rows in the quantities that need per-example results and "
-                f"are left out of their {NETWORK!r}",
-                quantity,
-            )
+            self.warn("unsupported", unsupported_message(unsupported, with_grad, self.facts.owners),
+                      quantity)
         return usable
 
     def _refuse_shared(self, owner, named):

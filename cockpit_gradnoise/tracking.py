@@ -27,7 +27,6 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise import quantities as package_quantities
-from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import to_frame, write_log
@@ -217,18 +216,17 @@ def track(
 ):
     """Make ``model`` ready for the quantities and return it with its :class:`Tracker`.
 
-    Converts every ``nn.MultiheadAttention`` (:func:`~cockpit_gradnoise.convert_attention`),
-    then prepares the model for BackPACK
-    (:func:`~cockpit_gradnoise.prepare_model`), and builds a ``Cockpit`` over
+    Prepares the model for BackPACK (:func:`~cockpit_gradnoise.prepare_model`,
+    which also converts every ``nn.MultiheadAttention``), and builds a ``Cockpit`` over
     the parameters that require gradients with the quantities of
     :func:`configuration`, named after the model's parameters. If a quantity
     is not this package's own (Cockpit's ``GradNorm``, say), BackPACK's own
     extensions get this package's layer support
     (:func:`~cockpit_gradnoise.register_extensions`).
 
-    Create the optimizer from the returned model (converting attention
-    replaces parameters), and freeze parameters before this call: frozen ones
-    are left out.
+    Create the optimizer from the returned model (BackPACK's converter, where
+    it is used, returns a new module with the same parameters), and freeze
+    parameters before this call: frozen ones are left out.
 
     Args:
         model: The network.
@@ -250,7 +248,7 @@ def track(
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
     schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
-    model = prepare_model(convert_attention(model), use_converter=use_converter)
+    model = prepare_model(model, use_converter=use_converter)
     names = trainable_names(model)
     # Names found by identity (a mapping), so a quantity can never mislabel a row.
     by_name = {name: param for name, param in model.named_parameters() if param.requires_grad}

@@ -17,6 +17,7 @@ from backpack import extend
 from torch import nn
 
 from tests import library_models
+from tests.layer_models import Attention, embedding_padding, padded_tokens, timm_convnext, timm_vit
 from tests.models import GPT, NanoGPT, ThreeUses, TokenCrossEntropy, hf_gpt2
 
 
@@ -186,6 +187,15 @@ MODELS = [
     # Class token, position table and layer-scale gamma used directly: the fallback.
     ModelCase("timm-vit", library_models.timm_vit, lambda n: torch.randn(n, 2, 8, 8),
               batch_sizes=(2, 7), inner_terms=5),
+    # Layers (issue 19): padding_idx, nn.MultiheadAttention converted by prepare_model,
+    # subclasses of supported layers. Models in tests/layer_models.py.
+    ModelCase("embedding-padding", embedding_padding, padded_tokens),
+    ModelCase("multihead-attention", Attention, lambda n: torch.randint(0, 11, (n, 4)),
+              batch_sizes=(2, 7), inner_terms=4 + 2),
+    ModelCase("timm-convnext", timm_convnext, lambda n: torch.randn(n, 3, 32, 32),
+              batch_sizes=(3,), inner_terms=8 * 8),
+    ModelCase("timm-vit-16px", timm_vit, lambda n: torch.randn(n, 3, 16, 16), batch_sizes=(3,),
+              inner_terms=4 * 4),
 ]
 REDUCTIONS = ["mean", "sum"]
 

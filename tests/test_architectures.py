@@ -1,6 +1,7 @@
 """The models people train: ResNets (in-place operations, BatchNorm in training mode)."""
 
 import copy
+import itertools
 import warnings
 
 import cockpit_gradnoise as cgn
@@ -139,46 +140,50 @@ def test_linear_attention_computes_multihead_attention_outputs_and_gradients(
     batch_first, bias, need_weights
 ):
     original, converted = attention_pair(batch_first, bias)
-    for kwargs in masks(5):
-        query, key = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(3, 5, 8).double()
+    for kwargs, inputs in itertools.product(masks(5), ["self", "key-is-value", "distinct"]):
+        query, key, value = (torch.randn(3, 5, 8, dtype=torch.float64) for _ in range(3))
         if not batch_first:
-            query, key = query.transpose(0, 1), key.transpose(0, 1)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        args = {"self": (query, query, query), "key-is-value": (query, key, key),
+                "distinct": (query, key, value)}[inputs]
         results = []
         for module in (original, converted):
             module.zero_grad()
-            out, weights = module(query, key, key, need_weights=need_weights, **kwargs)
+            out, weights = module(*args, need_weights=need_weights, **kwargs)
             out.square().sum().backward()
-            results.append((out, weights, module.in_proj_weight.grad if module is original else
-                            torch.cat([p.weight.grad for p in (module.q_proj, module.k_proj,
-                                                               module.v_proj)])))
+            results.append((out, weights, [p.grad for p in module.parameters()]))
         (out_a, w_a, g_a), (out_b, w_b, g_b) = results
         torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(g_b, g_a, rtol=1e-10, atol=1e-12)
+        for grad_b, grad_a in zip(g_b, g_a, strict=True):
+            torch.testing.assert_close(grad_b, grad_a, rtol=1e-10, atol=1e-12)
         assert (w_a is None) == (w_b is None) == (not need_weights)
         if need_weights:
             torch.testing.assert_close(w_b, w_a, rtol=1e-12, atol=1e-12)
 
 
-def test_converting_attention_keeps_values_and_maps_names_both_ways():
+def test_converting_attention_keeps_parameters_names_and_state_dict_both_ways():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double()
-    before = dict(layer.named_parameters())
+    before, state = dict(layer.named_parameters()), copy.deepcopy(layer.state_dict())
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     expected = layer(x)
     cgn.convert_attention(layer)
     assert isinstance(layer.self_attn, cgn.LinearAttention)
-    names = dict(layer.named_parameters())
-    stacked = torch.cat([names[f"self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(stacked, before["self_attn.in_proj_weight"])
-    assert torch.equal(names["self_attn.out_proj.weight"], before["self_attn.out_proj.weight"])
+    after = dict(layer.named_parameters())
+    assert list(after) == list(before) and all(after[n] is p for n, p in before.items())
+    assert list(layer.state_dict()) == list(state)
     torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # nn.TransformerEncoderLayer's fast path reads the same parameters
+        torch.testing.assert_close(layer.eval()(x), expected, rtol=1e-12, atol=1e-12)
+    layer.train()
+    fresh = cgn.convert_attention(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0,
+                                                             batch_first=True).double())
+    fresh.load_state_dict(state)  # a checkpoint of the original layout
+    torch.testing.assert_close(fresh(x), expected, rtol=1e-12, atol=1e-12)
     cgn.restore_attention(layer)
     assert type(layer.self_attn) is nn.MultiheadAttention
-    assert {n: p.shape for n, p in layer.named_parameters()} == {
-        n: p.shape for n, p in before.items()
-    }
-    assert torch.equal(dict(layer.named_parameters())["self_attn.in_proj_weight"],
-                       before["self_attn.in_proj_weight"])
+    restored = dict(layer.named_parameters())
+    assert list(restored) == list(before) and all(restored[n] is p for n, p in before.items())
     torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
 
 

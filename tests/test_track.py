@@ -342,7 +342,7 @@ def test_attention_is_converted_and_in_place_operations_are_prepared(make, x):
         loss.backward()
     assert set(tracker.frame().param) == {*tracker.param_names, cgn.NETWORK}
     if make is Attend:
-        assert tracker.param_names[:2] == ["attn.q_proj.weight", "attn.q_proj.bias"]
+        assert tracker.param_names[:2] == ["attn.in_proj_weight", "attn.in_proj_bias"]
 
 
 def test_cockpits_own_quantities_are_built_and_get_the_packages_layer_support():

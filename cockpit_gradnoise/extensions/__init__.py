@@ -33,16 +33,18 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to each table below.
 """
 
-from typing import Iterable, Mapping
+from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from cockpit_gradnoise.extensions import (
     batchnorm,
     convolution,
     embedding,
+    facts,
     fallback,
     hf,
     linear,
     normalization,
+    subclasses,
     sums,
     uses,
 )
@@ -59,25 +61,72 @@ from backpack.extensions.firstorder.gradient import linear as grad_linear
 from backpack.extensions.firstorder.gradient import rnn as grad_rnn
 from backpack.extensions.module_extension import ModuleExtension
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class _RecordingExtension(FirstOrderBackpropExtension):
     """Records which parameters it wrote on, and from which layers (:mod:`.facts`);
-    combines tied parameters' uses, fixes embeddings broadcast over the batch (:mod:`.uses`)."""
+    combines tied parameters' uses, fixes embeddings broadcast over the batch (:mod:`.uses`).
+
+    A subclass of a layer in its table gets the rule :func:`.subclasses.rule_for`
+    finds (BackPACK looks rules up by exact class), decided once per class; a
+    layer without a rule gets :mod:`.hf`'s rule for its class name, else the
+    ``torch.func`` fallback where ``prepare_model`` installed it (:mod:`.fallback`).
+    """
+
+    #: Its reducer of a normalization layer's per-example contributions.
+    reduce_normalization: Callable
+
+    def __init__(self, savefield: str, module_exts: Dict[type, ModuleExtension], **kwargs):
+        self._rules = module_exts
+        self._derived: Dict[type, Optional[ModuleExtension]] = {}  # subclass -> rule_for's
+        super().__init__(savefield=savefield, module_exts=module_exts, **kwargs)
+
+    def set_module_extension(self, module, extension, overwrite=False):
+        super().set_module_extension(module, extension, overwrite=overwrite)
+        self._rules[module] = extension
+        self._derived.clear()  # derived from rows that may have changed
 
     def __call__(self, module, g_inp, g_out):
         uses.run(self, module, g_inp, g_out, self._results)
 
-    def _results(self, module, g_inp, g_out):
-        """This extension's results on ``module``: its table's rule, else a rule of the last resort."""
-        super().__call__(module, g_inp, g_out)
-        # Layers no table row covers: HF classes by name, then the torch.func fallback.
+    def _results(self, module, g_inp, g_out) -> bool:
+        """This extension's results on ``module``'s own parameters; whether a rule covers it.
+
+        Only a module with a rule writes: a module without one may hold a
+        parameter its child wrote on (``attention.LinearAttention``'s ``in_proj``),
+        which must not count as a second use of it.
+        """
+        found = facts.recording()
+        found.record_owner(module)
+        if isinstance(module, _BatchNorm) and module.training:
+            # Also where no rule covers the layer: the others' rows are contributions.
+            found.examples_interact = True
+        # BackPACK's own __call__ is a lookup by exact class, and the call.
+        rule = self._rule_for(type(module))
+        if rule is not None:
+            rule(self, module, g_inp, g_out)
+            return True
         hf.run(self, module, g_inp, g_out)
         fallback.run(self, module, g_inp, g_out)
+        return hf.has_rule(module) or isinstance(getattr(module, fallback.ATTRIBUTE, None),
+                                                 fallback.Fallback)
+
+    def _rule_for(self, module_class: type) -> Optional[ModuleExtension]:
+        """The table's rule, or the one derived for a subclass (:func:`.subclasses.rule_for`)."""
+        if module_class in self._rules:
+            return self._rules[module_class]
+        if module_class not in self._derived:
+            self._derived[module_class] = subclasses.rule_for(
+                module_class, self._rules, self.reduce_normalization
+            )
+        return self._derived[module_class]
 
 
 class PerExampleSquaredNorms(_RecordingExtension):
     """``||x_i||^2`` per example and parameter, saved as ``param.cgn_batch_l2`` (``[N]``)."""
+
+    reduce_normalization = staticmethod(normalization.squared_norms)
 
     def __init__(self):
         super().__init__(
@@ -111,6 +160,8 @@ class SumsOfContributions(_RecordingExtension):
     on this process, also under distributed training.
     """
 
+    reduce_normalization = staticmethod(sums.sums_of)
+
     def __init__(self):
         super().__init__(
             savefield=SUMS_SAVEFIELD,
@@ -142,6 +193,8 @@ class LocalGradient(_RecordingExtension):
     accumulates micro-batches), so the quantities that need this process's
     own gradient request it there (one more weight-gradient product per layer).
     """
+
+    reduce_normalization = staticmethod(normalization.gradient)
 
     def __init__(self):
         super().__init__(
@@ -210,9 +263,8 @@ def unregister_extensions() -> None:
 
 def has_rule(module: nn.Module) -> bool:
     """Whether the package's extensions have a native rule for ``module``
-    (a table row for its class, or :mod:`.hf`); the others with direct
+    (a table row for its class or a parent's, or :mod:`.hf`); the others with direct
     parameters get the ``torch.func`` fallback (:mod:`.fallback`)."""
-    # BackPACK keeps each instance's table private, without a getter.
-    tables = [ext._BackpropExtension__module_extensions for ext in
-              (PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient())]
-    return any(type(module) in table for table in tables) or hf.has_rule(module)
+    extensions = (PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient())
+    return (any(ext._rule_for(type(module)) is not None for ext in extensions)
+            or hf.has_rule(module))

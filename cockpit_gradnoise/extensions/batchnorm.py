@@ -15,10 +15,13 @@ training mode was met, so that the quantities can say so.
 """
 
 from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions.normalization import scale_contributions, shift_contributions
 
+import torch
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
 from backpack.extensions.firstorder.gradient.batchnorm_nd import GradBatchNormNd
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import SGSBatchNormNd
+from torch import Tensor, nn
 
 
 class _AnyModeMixin:
@@ -39,3 +42,54 @@ class SGSBatchNormAnyMode(_AnyModeMixin, SGSBatchNormNd):
 
 class GradBatchNormAnyMode(_AnyModeMixin, GradBatchNormNd):
     """The gradient of a BatchNorm's parameters, in any mode."""
+
+
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm layer normalizes with the batch's statistics (as ``F.batch_norm`` decides)."""
+    return module.training or module.running_mean is None
+
+
+def normalized_as_batch_norm(module: nn.Module, input: Tensor) -> Tensor:
+    """``x_hat``: ``input`` normalized per channel as the layer's forward does, in any mode.
+
+    With the batch's mean and biased variance where :func:`uses_batch_statistics`
+    (without updating the running statistics), else with the running ones.
+    """
+    dims = (0, *range(2, input.dim()))
+    if uses_batch_statistics(module):
+        var, mean = torch.var_mean(input, dim=dims, correction=0)
+    else:
+        mean, var = module.running_mean, module.running_var
+    shape = (1, -1, *[1] * (input.dim() - 2))
+    return (input - mean.reshape(shape)) * torch.rsqrt(var + module.eps).reshape(shape)
+
+
+def batch_norm_act_contributions(module: nn.Module, input: Tensor, grad_output: Tensor,
+                                 name: str) -> Tensor:
+    """timm's ``BatchNormAct2d``: batch normalization, then its ``drop`` and ``act`` modules.
+
+    The output gradient ``G`` BackPACK hands the layer is taken after ``act``;
+    the BatchNorm contributions ``sum_p x_hat_ip G'_ip`` (weight) and
+    ``sum_p G'_ip`` (bias) need ``G'``, the gradient at the normalization's
+    output ``y = x_hat * w + b``: the vector-Jacobian product of
+    ``act(drop(y))`` with ``G``, from their ``forward`` (not their hooks). Where
+    ``drop`` is random (training, not ``nn.Identity``) ``G'`` cannot be
+    recomputed: see :func:`batch_norm_act_applies`. In training mode these are
+    each example's contributions through the batch, as for ``nn.BatchNorm2d``.
+    """
+    normalized = normalized_as_batch_norm(module, input)
+    with torch.enable_grad():
+        output = (normalized * module.weight.reshape(1, -1, 1, 1)
+                  + module.bias.reshape(1, -1, 1, 1)).detach().requires_grad_(True)
+        # clone: an in-place activation must not overwrite the tensor differentiated
+        activated = module.act.forward(module.drop.forward(output.clone()))
+        (grad_normalization,) = torch.autograd.grad(activated, output, grad_output)
+    dims = tuple(range(2, input.dim()))
+    if name == "bias":
+        return shift_contributions(grad_normalization, dims)
+    return scale_contributions(normalized, grad_normalization, dims)
+
+
+def batch_norm_act_applies(module: nn.Module) -> bool:
+    """Whether :func:`batch_norm_act_contributions` can compute: ``drop`` is not random now."""
+    return isinstance(module.drop, nn.Identity) or not module.drop.training

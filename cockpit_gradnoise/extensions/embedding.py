@@ -1,7 +1,11 @@
-"""``Embedding`` for any dtype: BackPACK 1.7.1 builds a float32 one-hot tensor.
+"""``Embedding`` for any dtype and with ``padding_idx``.
 
-Its per-example results then fail on float64 models; the derivatives below
-build the one-hot tensor in the gradient's dtype.
+BackPACK 1.7.1 builds a float32 one-hot tensor, so its per-example results
+fail on float64 models, and it refuses ``padding_idx`` (``NotImplementedError``
+in the backward pass). The derivatives below build the one-hot tensor in the
+gradient's dtype and leave the padding row out of it: torch's embedding
+backward never writes that row, so its gradient, and every example's
+contribution to it, is exactly 0 by definition (not a sum that rounds to 0).
 """
 
 import torch
@@ -25,8 +29,19 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
         # the host (a wait for the device on a GPU); the forward pass checked them.
         rows = torch.arange(module.num_embeddings, device=input0.device)
         one_hot = (input0.unsqueeze(0) == rows.reshape(-1, *[1] * input0.dim())).to(mat.dtype)
+        if module.padding_idx is not None:  # non-negative: nn.Embedding normalizes it
+            one_hot[module.padding_idx] = 0
         equation = f"sn...,vn...h->v{'' if sum_batch else 'n'}sh"
         return torch.einsum(equation, one_hot, mat)
+
+    def _check_parameters(self, module):
+        """BackPACK's checks, less ``padding_idx`` (supported above)."""
+        if module.max_norm is not None:
+            raise NotImplementedError("Only max_norm=None supported.")
+        if module.scale_grad_by_freq:
+            raise NotImplementedError("Only scale_grad_by_freq=False supported.")
+        if module.sparse:
+            raise NotImplementedError("Only sparse=False supported.")
 
 
 class BatchL2EmbeddingAnyDtype(BatchL2Embedding):

@@ -42,6 +42,9 @@ class BackwardFacts:
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
             (``wpe(torch.arange(T))``).
+        owners: ``{id(param): class name}`` of the module that owns each
+            parameter, also where no rule covered it (for the warning that
+            names the layers without rows).
     """
 
     def __init__(self):
@@ -51,6 +54,7 @@ class BackwardFacts:
         self.refusals: Dict[int, str] = {}
         self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
+        self.owners: Dict[int, str] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
@@ -64,6 +68,12 @@ class BackwardFacts:
                 if self.uses[key] > 1 and self.unmarked_uses[key]:
                     self.shared_ids.add(id(param))
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
+
+    def record_owner(self, module: nn.Module):
+        """Record ``module``'s class as the owner of its own parameters (the first module
+        seen holding one: in the backward pass, a child before its parent)."""
+        for param in module.parameters(recurse=False):
+            self.owners.setdefault(id(param), type(module).__name__)
 
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``, not all marked."""

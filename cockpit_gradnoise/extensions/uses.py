@@ -123,7 +123,8 @@ def _ran_twice(module: nn.Module, recorded: facts.BackwardFacts) -> bool:
 
 
 def run(extension, module: nn.Module, g_inp, g_out, call):
-    """``call(module, g_inp, g_out)`` (the extension's work on ``module``), then the above."""
+    """``call(module, g_inp, g_out)`` (the extension's work on ``module``; ``False`` if no
+    rule covers it), then the above."""
     recorded = facts.recording()
     uses = module.__dict__.get(USES_ATTR)
     if uses is not None and _ran_twice(module, recorded):
@@ -132,7 +133,8 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
                 delattr(param, extension.savefield)
         return
     before = tied.values_before(extension, module)
-    call(module, g_inp, g_out)
+    if call(module, g_inp, g_out) is False:  # no rule covers the module: it wrote nothing
+        return
     recorded.record(extension, module, g_out)
     if uses is None:
         return
