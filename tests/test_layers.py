@@ -20,6 +20,7 @@ from cockpit_gradnoise.extensions import (
     PerExampleSquaredNorms,
     SumsOfContributions,
     facts,
+    fallback,
     subclasses,
 )
 from cockpit_gradnoise.references import contributions_through_batch
@@ -122,10 +123,12 @@ def test_a_subclass_with_the_parents_forward_gets_its_rule():
     assert names == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
-def test_a_subclass_with_its_own_forward_gets_no_rule_and_the_warning_names_its_class():
+def test_a_subclass_with_its_own_forward_gets_the_fallback_not_its_parents_rule():
     model = nn.Sequential(Doubles(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    # check() compares with the reference: the Linear rule would be off by 2.
     prepared, names = check(lambda: model, torch.randn(3, 4, dtype=torch.float64))
-    assert names == {"2.weight", "2.bias"}
+    assert names == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert isinstance(getattr(prepared[0], fallback.ATTRIBUTE, None), fallback.Fallback)
     owners = facts.recording().owners
     assert [owners[id(p)] for p in prepared.parameters()] == ["Doubles"] * 2 + ["Linear"] * 2
 
@@ -252,17 +255,17 @@ def test_timm_batchnorm_act_with_random_dropout_in_training_gets_no_rows():
 
 
 def test_timm_convnext_and_vit():
-    """Every parameter of their subclass layers has exact rows; what is left is used directly."""
+    """Every parameter has exact rows: the subclass layers by their parents' rules, what is used
+    directly in a forward (layer scale, class token, position table) by the fallback."""
     convnext = lambda: timm.create_model("convnext_atto", pretrained=False, num_classes=3,  # noqa: E731
                                           depths=(1, 1, 1, 1), dims=(4, 8, 8, 8))
     prepared, names = check(convnext, images(size=32))
-    left = {n for n, _ in prepared.named_parameters()} - names
-    assert left == {f"stages.{i}.blocks.0.gamma" for i in range(4)}
+    assert names == {n for n, _ in prepared.named_parameters()}
 
     vit = lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,  # noqa: E731
                                      num_classes=3, depth=1, embed_dim=8, num_heads=2)
     prepared, names = check(vit, images(size=32))
-    assert {n for n, _ in prepared.named_parameters()} - names == {"cls_token", "pos_embed"}
+    assert names == {n for n, _ in prepared.named_parameters()}
 
 
 def test_the_padding_row_is_exactly_zero_and_the_others_exact():
@@ -304,19 +307,26 @@ def test_track_converts_attention_and_its_optimizer_keeps_the_parameters():
 
 
 class Scale(nn.Module):
-    """Uses its parameter directly: no rule."""
+    """Uses its parameter directly, with a random draw that the fallback's ``vmap`` refuses."""
 
     def __init__(self, width):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
-        return x * self.scale
+        return (x * self.scale).sin() + 0 * torch.rand_like(x)  # no layer-scale look-alike
+
+
+class RandomDoubles(Doubles):
+    """Doubles with a random draw: neither the Linear rule nor the fallback."""
+
+    def forward(self, x):
+        return super().forward(x) + 0 * torch.rand(x.shape[0], self.out_features, dtype=x.dtype)
 
 
 def test_the_unsupported_warning_is_short_and_names_the_classes():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), *(Scale(8) for _ in range(200)), Doubles(8, 3))
+    model = nn.Sequential(nn.Linear(4, 8), *(Scale(8) for _ in range(200)), RandomDoubles(8, 3))
     model, tracker = cgn.track(model.double(), every=1)
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     with pytest.warns(UserWarning) as caught:
@@ -326,5 +336,5 @@ def test_the_unsupported_warning_is_short_and_names_the_classes():
     assert len(messages) == 1, messages  # one for the step, for all quantities
     message = messages[0]
     assert len(message) < 400, message
-    assert "202 parameters" in message and "classes Doubles, Scale" in message
+    assert "202 parameters" in message and "classes RandomDoubles, Scale" in message
     assert "docs/architectures.md" in message

@@ -119,8 +119,23 @@ class Fallback:
 
 
 def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
-    """``{name: parameter}`` of the trainable parameters ``module`` holds itself."""
-    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    """``{name: parameter}`` of the trainable parameters ``module`` holds itself.
+
+    Not those a submodule also holds: the module hands them to that layer
+    (``attention.LinearAttention``'s ``in_proj_weight`` is its ``in_proj``'s weight).
+    """
+    delegated = delegated_parameters(module)
+    return {n: p for n, p in module.named_parameters(recurse=False)
+            if p.requires_grad and id(p) not in delegated}
+
+
+def delegated_parameters(module: nn.Module) -> set:
+    """``{id(param)}`` of the parameters ``module`` holds that a submodule holds too."""
+    own = {id(p) for p in module._parameters.values() if p is not None}
+    if not own:
+        return set()
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return own & below
 
 
 def needs_fallback(module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ naming the parameter.
 
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import _cost, fallback
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -265,11 +265,16 @@ def mark(model: nn.Module) -> List[TiedGroup]:
         names.setdefault(id(param), []).append(name)
     holders: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for module in model.modules():  # each module object once
+        # A parameter a submodule holds too is that layer's (fallback.delegated_parameters).
+        delegated = fallback.delegated_parameters(module)
         for attribute, param in module._parameters.items():
-            if param is not None and len(names.get(id(param), ())) > 1:
+            if param is not None and len(names.get(id(param), ())) > 1 \
+                    and id(param) not in delegated:
                 holders.setdefault(id(param), []).append((module, attribute))
     groups = []
     for key, layers in holders.items():
+        if len(layers) < 2:  # its other names are a container's that hands it on
+            continue
         group = TiedGroup(tuple(names[key]), len(layers))
         groups.append(group)
         for module, attribute in layers:
