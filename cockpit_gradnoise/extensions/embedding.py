@@ -4,6 +4,8 @@ Its per-example results then fail on float64 models; the derivatives below
 build the one-hot tensor in the gradient's dtype.
 """
 
+from cockpit_gradnoise.extensions._squares import SquaredNormsFromContributionsMixin
+
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.extensions.firstorder.batch_l2_grad.embedding import BatchL2Embedding
@@ -29,8 +31,9 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
         return torch.einsum(equation, one_hot, mat)
 
 
-class BatchL2EmbeddingAnyDtype(BatchL2Embedding):
-    """Per-example squared norms of an Embedding's weight, any dtype."""
+class BatchL2EmbeddingAnyDtype(SquaredNormsFromContributionsMixin, BatchL2Embedding):
+    """Per-example squared norms of an Embedding's weight, any dtype, squares at a
+    power-of-two scale (:mod:`._squares`)."""
 
     def __init__(self):
         super().__init__()
