@@ -49,11 +49,7 @@ positions); a weight's terms ``g_il a_il^T`` would need a second matrix
 product per layer.
 """
 
-from cockpit_gradnoise.extensions._squares import (
-    needs_scale,
-    power_of_two_scale,
-    unscaled_sums,
-)
+from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
 from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode
 from cockpit_gradnoise.extensions.embedding import SGSEmbeddingAnyDtype
 
@@ -83,9 +79,9 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     float64 (see the module's docstring).
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
-    if not needs_scale(contributions.dtype):
+    scale = contributions_scale(contributions)
+    if scale is None:
         return stacked(torch.sum, (contributions, axis), (contributions.square(), axis), shape)
-    scale = power_of_two_scale(contributions)
     scaled = contributions * scale
     sums = stacked(torch.sum, (scaled, axis), (scaled.square(), axis), shape)
     return unscaled_sums(sums, scale)
