@@ -7,7 +7,8 @@ are formed at a power-of-two scale (:func:`power_of_two_scale`: one
 max-reduction per layer, of the contributions or of their factors), which
 changes no rounding, and the results are unscaled in float64
 (:func:`unscaled`, :func:`saved_dtype`): the sums and the per-example squared
-norms of a float32 (or narrower) parameter are saved as float64 tensors. Their
+norms of a float32 (or narrower) parameter are saved as float64 tensors
+(on the CPU only for layers below :data:`SMALLEST_UNSCALED`). Their
 rounding is float32's (they were summed in float32):
 :class:`~cockpit_gradnoise.GradientVarianceQuantiles` takes the bound of the
 parameter's dtype. float64 parameters are summed as before (squares

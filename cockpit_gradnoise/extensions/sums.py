@@ -20,8 +20,9 @@ without extra dimensions, a convolution with one output position) the two
 sums are two matrix products, within the bound with ``inner_terms = 1``.
 Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`.
 
-**Underflow.** For float32 and narrower, squares are formed at a power-of-two
-scale and the sums saved in float64 (:mod:`._squares`).
+**Underflow.** For float32 and narrower, where squares could underflow,
+they are formed at a power-of-two scale and the sums saved in float64
+(:mod:`._squares`).
 
 **Structural zeros.** Some gradients are exactly zero for every example in
 exact arithmetic, yet computed as rounding noise: an attention key's bias
@@ -75,8 +76,8 @@ def stacked(op, first: tuple, second: tuple, shape) -> Tensor:
 def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     """``[T, S]``: ``sum_i x_i`` and ``sum_i x_i**2`` over ``axis`` of the contributions.
 
-    For float32 and narrower: summed at :func:`power_of_two_scale`, saved in
-    float64 (see the module's docstring).
+    For float32 and narrower, where squares could underflow: summed at a
+    power-of-two scale, saved in float64 (:mod:`._squares`).
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
     scale = contributions_scale(contributions)

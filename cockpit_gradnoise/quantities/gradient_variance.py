@@ -85,9 +85,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # may read the same savefield in the same step. Both sums are this
         # process's own, also under distributed training.
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
-        # The extensions keep float32 sums in float64 (squares below 1e-38
-        # would underflow); the gradient's sum goes back, exactly, to the
-        # dtype it was accumulated in, which sets the rounding bound.
+        # The extensions may keep float32 sums in float64 (where squares
+        # below 1e-38 would underflow); the gradient's sum goes back, exactly,
+        # to the dtype it was accumulated in, which sets the rounding bound.
         grad = grad.to(param.dtype)
         if batch.loss_scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
