@@ -12,9 +12,11 @@ closely. Before: sd, norms and SNR of every upstream layer came out 0 or absent.
 """
 
 import copy
+import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
+from cockpit_gradnoise import _device, references
+from cockpit_gradnoise.extensions import _squares, sums
 
 import pytest
 import torch
@@ -174,3 +176,42 @@ def test_tiny_contributions_match_the_float64_reference(name):
                 assert value != 0 and value_got == pytest.approx(value, rel=1e-4), (
                     quantity, param, statistic, value_got, value
                 )
+
+
+@pytest.mark.parametrize("largest", [0.0, 1e-45, 1e-22, 0.75, 3.0, 1e30, math.inf, math.nan])
+def test_power_of_two_scale_brings_the_largest_into_half_to_one(largest, monkeypatch):
+    values = torch.tensor([largest, -largest / 3, 0.0])
+    for on_host in (True, False):  # the device's path, on CPU tensors
+        monkeypatch.setattr(_device, "on_host", lambda tensor, on_host=on_host: on_host)
+        scale = _squares.power_of_two_scale(values).item()
+        assert math.frexp(scale)[0] == 0.5  # a power of two
+        if largest == 0 or not math.isfinite(largest):
+            assert scale == 1.0
+        elif largest > 1e-37:
+            assert 0.5 <= largest * scale < 1, (largest, scale, on_host)
+        else:  # kept a normal float32: 2**125 at most
+            assert scale == 2.0**125
+
+
+def test_sums_are_float64_only_where_squares_could_underflow_on_the_cpu(monkeypatch):
+    contributions = torch.randn(8, 5)
+    assert _squares.contributions_scale(contributions) is None
+    assert sums.sums_of(contributions).dtype == torch.float32
+    tiny = contributions * 2.0**-80
+    got = sums.sums_of(tiny)
+    assert got.dtype == torch.float64
+    assert_within_rounding(got, tiny)
+    assert (tiny.square() == 0).all(), "the case must underflow without the scale"
+    # Elsewhere (GPU) the value is not read: always at a scale.
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    got = sums.sums_of(contributions)
+    assert got.dtype == torch.float64
+    assert_within_rounding(got, contributions)
+
+
+def assert_within_rounding(got, contributions):
+    """``[T, S]`` as float32 sums of ``N = 8`` terms round: within ``N eps sum_i |terms|``."""
+    x = contributions.double()
+    bound = len(x) * EPS32
+    assert ((got[0] - x.sum(0)).abs() <= bound * x.abs().sum(0)).all()
+    assert ((got[1] - x.square().sum(0)).abs() <= bound * x.square().sum(0)).all()
