@@ -194,19 +194,45 @@ def gradient_sd(
         n: Batch size ``N >= 2``.
         inner_terms: See :func:`centred_sum_of_squares`.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
-        dtype: The dtype the sums were accumulated in (see :func:`variance_rounding_bound`).
+        dtype: The dtype the sums were accumulated in (see
+            :func:`variance_rounding_bound`). Where ``sum_of_squares`` is wider
+            (float64 sums of float32 contributions, kept so that their squares
+            cannot underflow), sd is computed in ``dtype`` at a power-of-two
+            scale (:func:`_at_a_scale`): the same numbers, bit for bit, as from
+            sums kept in ``dtype`` wherever those hold them.
 
     Returns:
-        Tensor shaped like ``total``, in ``sum_of_squares``' dtype; exactly 0
-        where the examples agree to rounding (see :func:`variance_rounding_bound`).
+        Tensor shaped like ``total``, in ``sum_of_squares``' dtype (or ``dtype``);
+        exactly 0 where the examples agree to rounding (see
+        :func:`variance_rounding_bound`).
     """
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
+    if dtype is not None and torch.finfo(dtype).bits < torch.finfo(sum_of_squares.dtype).bits:
+        squares, total, scale = _at_a_scale(sum_of_squares, total, dtype)
+        return gradient_sd(squares, total, n, inner_terms=inner_terms, in_place=True).div_(scale)
     # In place on the fresh result: this runs on every element of the network.
     centred = centred_sum_of_squares(
         sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype
     )
     return centred.mul_(n / (n - 1)).sqrt_()
+
+
+def _at_a_scale(sum_of_squares: Tensor, total: Tensor, dtype: torch.dtype):
+    """``(S s**2, T s, s)`` in ``dtype``, ``s = 2**m >= 1`` the largest with ``max S s**2 < 1``.
+
+    Scaling up by a power of two changes no rounding and cannot overflow
+    (``|T| s <= sqrt(N max S) s``), so :func:`gradient_sd` of the scaled sums,
+    divided by ``s``, gives the numbers it gives in ``dtype`` wherever ``S`` is
+    a normal number of ``dtype``, and a defined result where only the wider
+    dtype holds ``S`` (float32 squares of contributions below ``1e-19``).
+    On the tensors' device, without waiting for it.
+    """
+    _, exponent = torch.frexp(sum_of_squares.amax())
+    half = torch.div(-exponent, 2, rounding_mode="floor").clamp(min=0)
+    scale = torch.ldexp(torch.ones((), dtype=sum_of_squares.dtype, device=half.device), half)
+    squares = (sum_of_squares * scale.square()).to(dtype)
+    return squares, (total.to(sum_of_squares.dtype) * scale).to(dtype), scale.to(dtype)
 
 
 def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> Tensor:

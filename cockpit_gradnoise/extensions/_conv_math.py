@@ -42,7 +42,7 @@ import math
 from typing import Iterator, Tuple
 
 from cockpit_gradnoise.extensions import _cost
-from cockpit_gradnoise.extensions._squares import scaled_factors, unscaled, unscaled_sums
+from cockpit_gradnoise.extensions._squares import scaled_factors, unscaled_norms, unscaled_sums
 
 import torch
 import torch.nn.functional as F
@@ -210,10 +210,10 @@ def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     if _cost.use_formation(_cost.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)
-        return unscaled(torch.cat([x.square_().sum((1, 2, 3)) for x in gradients]), scale, 2)
+        return unscaled_norms(torch.cat([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
     norms = []
     for b, a in _chunks(module, inputs, grad_output, 2 * groups * positions**2):
         gram_b = torch.matmul(b.transpose(-1, -2), b)
         gram_a = torch.matmul(a, a.transpose(-1, -2))
         norms.append(gram_b.mul_(gram_a).sum((1, 2, 3)))
-    return unscaled(torch.cat(norms), scale, 2)
+    return unscaled_norms(torch.cat(norms), scale)

@@ -6,7 +6,7 @@ initialization) would give sums of squares, norms and sd of 0. So squares
 are formed at a power-of-two scale (:func:`power_of_two_scale`: one
 max-reduction per layer, of the contributions or of their factors), which
 changes no rounding, and the results are unscaled in float64
-(:func:`unscaled`, :func:`saved_dtype`): the sums and the per-example squared
+(:func:`unscaled_sums`, :func:`unscaled_norms`, :func:`saved_dtype`): the sums and the per-example squared
 norms of a float32 (or narrower) parameter are saved as float64 tensors
 (on the CPU only for layers below :data:`SMALLEST_UNSCALED`). Their
 rounding is float32's (they were summed in float32):
@@ -98,13 +98,14 @@ def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
     return _needed(power_of_two_scale(contributions))
 
 
-def unscaled(at_scale: Tensor, scale: Optional[Tensor], power: int) -> Tensor:
-    """``at_scale / scale**power`` in :func:`saved_dtype` (exact: a power of two,
-    in float64); ``at_scale`` itself for scale ``None``."""
-    if scale is None:
-        return at_scale
+def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """Per-example squared norms formed at ``scale``: ``at_scale / scale**2``, in
+    :func:`saved_dtype` whatever the scale (``[N]`` numbers: converting costs
+    nothing, and the norms are then the same numbers on every path)."""
     wide = saved_dtype(at_scale.dtype)
-    return at_scale.to(wide) / scale.to(wide) ** power
+    if scale is None:
+        return at_scale.to(wide)
+    return at_scale.to(wide) / scale.to(wide).square()
 
 
 def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
@@ -123,9 +124,9 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     and narrower, saved in float64."""
     scale = contributions_scale(contributions)
     if scale is None:
-        return contributions.square().flatten(start_dim=1).sum(1)
+        return unscaled_norms(contributions.square().flatten(start_dim=1).sum(1), None)
     squares = (contributions * scale).square_().flatten(start_dim=1).sum(1)
-    return unscaled(squares, scale, 2)
+    return unscaled_norms(squares, scale)
 
 
 class SquaredNormsFromContributionsMixin:

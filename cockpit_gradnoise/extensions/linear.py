@@ -36,7 +36,7 @@ from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
     scaled_factors,
-    unscaled,
+    unscaled_norms,
     unscaled_sums,
 )
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
@@ -93,8 +93,8 @@ def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
     if _cost.use_formation(_cost.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
-        return unscaled(formed_squared_norms(g, a), scale, 2)
-    return unscaled(gram_squared_norms(g, a), scale, 2)
+        return unscaled_norms(formed_squared_norms(g, a), scale)
+    return unscaled_norms(gram_squared_norms(g, a), scale)
 
 
 def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
@@ -113,7 +113,7 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
         squares = x.square_()
         sums[1] += squares.sum(0)
         norms.append(squares.sum((1, 2)))
-    return unscaled_sums(sums, scale), unscaled(torch.cat(norms), scale, 2)
+    return unscaled_sums(sums, scale), unscaled_norms(torch.cat(norms), scale)
 
 
 def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -191,7 +191,7 @@ class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
     def weight(self, ext, module, g_inp, g_out, backproped):
         if g_out[0].dim() == 2:
             (g, a), scale = scaled_factors(g_out[0], module.input0)
-            return unscaled(g.square().sum(1) * a.square().sum(1), scale, 2)
+            return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale)
         return _shared_weight_result(
             ext, module, g_out[0], SUMS_SAVEFIELD, linear_weight_squared_norms
         )

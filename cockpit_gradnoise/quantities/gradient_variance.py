@@ -97,9 +97,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
         # The sums were accumulated in the contributions' dtype (grad's), whose
         # rounding the bound takes; squares may be wider (float64 for float32
-        # models: no underflow). sd is reported in grad's dtype.
+        # models: no underflow). sd is computed and reported in grad's dtype.
         sd = functional.gradient_sd(squares, grad, batch.examples, dtype=grad.dtype)
-        sd = sd.to(grad.dtype)
         # SNR is elementwise and free of units: the network's elements are the
         # layers', computed once. Elements whose examples agree to rounding
         # (sd 0, grad not 0) count at the largest resolvable SNR.
