@@ -155,13 +155,17 @@ def _quantiles(values: numpy.ndarray, levels: Sequence[float], prefix="") -> Dic
     return stats
 
 
-def _sd_statistics(sd: numpy.ndarray, grad: numpy.ndarray, levels, limit) -> Dict[str, float]:
-    """Quantiles and mean of ``sd``, and of ``min(|grad| / sd, limit)`` except ``0 / 0``."""
+def _sd_statistics(sd: numpy.ndarray, grad: numpy.ndarray, levels, limit=None) -> Dict[str, float]:
+    """Quantiles and mean of ``sd``, and of ``min(|grad| / sd, limit)`` except ``0 / 0``
+    (without ``limit``: of ``|grad| / sd`` where ``sd > 0``, as
+    :func:`~cockpit_gradnoise.functional.signal_to_noise`)."""
     stats = _quantiles(sd, levels)
-    defined = (sd > 0) | (grad != 0)
+    defined = (sd > 0) if limit is None else (sd > 0) | (grad != 0)
     if defined.any():
         with numpy.errstate(divide="ignore"):
-            snr = numpy.minimum(numpy.abs(grad[defined]) / sd[defined], limit)
+            snr = numpy.abs(grad[defined]) / sd[defined]
+        if limit is not None:
+            snr = numpy.minimum(snr, limit)
         stats.update(_quantiles(snr, (0.5,), "snr_"))
     return stats
 
