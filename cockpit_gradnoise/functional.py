@@ -37,7 +37,9 @@ def norm_ratio(squared_numerator, squared_denominator):
     return schema.ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))
 
 
-def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1) -> Tensor:
+def variance_rounding_bound(
+    sum_of_squares: Tensor, n: int, inner_terms: int = 1, dtype: Optional[torch.dtype] = None
+) -> Tensor:
     """Bound on the rounding error of ``S - T**2 / N``, per element: ``(3N + 4L) eps S``.
 
     ``S = sum_i x_i**2`` and ``T = sum_i x_i`` are rounded sums; their
@@ -77,15 +79,52 @@ def variance_rounding_bound(sum_of_squares: Tensor, n: int, inner_terms: int = 1
         sum_of_squares: ``S``.
         n: ``N``.
         inner_terms: ``L >= 1``.
+        dtype: The dtype ``S`` and ``T`` were summed in, whose ``eps`` the
+            bound takes; ``S``'s by default. The package's extensions sum
+            float32 contributions in float32 (at a power-of-two scale) and
+            keep the sums in float64 (:mod:`cockpit_gradnoise.extensions.sums`):
+            their rounding is float32's.
     """
+    return sum_of_squares * _relative_rounding(n, inner_terms, dtype or sum_of_squares.dtype)
+
+
+def _relative_rounding(n: int, inner_terms: int, dtype: torch.dtype) -> float:
+    """``(3N + 4L) eps``: :func:`variance_rounding_bound` relative to ``S``."""
     if inner_terms < 1:
         raise ValueError(f"inner_terms must be at least 1, got {inner_terms}")
-    eps = torch.finfo(sum_of_squares.dtype).eps
-    return sum_of_squares * ((3 * n + 4 * inner_terms) * eps)
+    return (3 * n + 4 * inner_terms) * torch.finfo(dtype).eps
+
+
+def resolvable_snr(n: int, dtype: torch.dtype, inner_terms: int = 1) -> float:
+    """The largest ``|grad_j| / sd_j`` that :func:`gradient_sd` resolves: ``sqrt((N - 1) / ((3N + 4L) eps))``.
+
+    ``sd_j`` is kept only where the centred sum exceeds the rounding bound,
+    ``C_j > (3N + 4L) eps S_j`` (:func:`variance_rounding_bound`), and
+    ``S_j = sum_i x_ij**2 >= T_j**2 / N`` (Cauchy-Schwarz), so a kept element has
+
+    .. math::
+
+        \\mathrm{snr}_j^2 = \\frac{T_j^2 (N - 1)}{N C_j}
+        < \\frac{N - 1}{(3N + 4L)\\,\\varepsilon} = R^2 .
+
+    An element whose centred sum is at or below the bound (its ``sd_j`` set
+    to 0) with ``T_j != 0`` has examples that agree to rounding:
+    ``C_j <= (3N + 4L) eps S_j`` gives ``S_j <= T_j**2 / (N (1 - (3N + 4L) eps))``
+    and so ``|T_j| / sqrt(N / (N - 1) (3N + 4L) eps S_j) >= R sqrt(1 - (3N + 4L) eps)``:
+    its SNR is at least about ``R``, more than any kept element's. ``R`` is
+    about ``1.6e3`` in float32 and ``3.7e7`` in float64 at ``N = 32``.
+
+    Args:
+        n: ``N >= 2``.
+        dtype: The dtype the sums were accumulated in (see :func:`variance_rounding_bound`).
+        inner_terms: ``L``, as there.
+    """
+    return math.sqrt((n - 1) / _relative_rounding(n, inner_terms, dtype))
 
 
 def centred_sum_of_squares(
-    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False
+    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False,
+    dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """``sum_i (x_i - mean_i x_i)**2`` per element from ``sum_i x_i**2`` and ``sum_i x_i``.
 
@@ -102,11 +141,16 @@ def centred_sum_of_squares(
             another computation than ``sum_of_squares`` (see
             :func:`variance_rounding_bound`); 1 where it comes from the same.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
+        dtype: The dtype the sums were accumulated in (see
+            :func:`variance_rounding_bound`); ``total`` is converted to
+            ``sum_of_squares``' dtype first, so that its square cannot underflow
+            where that is wider.
 
     Returns:
-        Non-negative tensor shaped like ``total``.
+        Non-negative tensor shaped like ``total``, in ``sum_of_squares``' dtype.
     """
-    rounding = variance_rounding_bound(sum_of_squares, n, inner_terms)
+    rounding = variance_rounding_bound(sum_of_squares, n, inner_terms, dtype)
+    total = total.to(sum_of_squares.dtype)
     if in_place:
         centred = sum_of_squares.addcmul_(total, total, value=-1.0 / n)
     else:
@@ -129,7 +173,8 @@ def _zero_where_at_most(values: Tensor, bound: Tensor) -> Tensor:
 
 
 def gradient_sd(
-    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False
+    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False,
+    dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Per-element standard deviation of the mini-batch gradient, from one batch.
 
@@ -149,26 +194,61 @@ def gradient_sd(
         n: Batch size ``N >= 2``.
         inner_terms: See :func:`centred_sum_of_squares`.
         in_place: Overwrite ``sum_of_squares`` with the result (saves one copy).
+        dtype: The dtype the sums were accumulated in (see
+            :func:`variance_rounding_bound`). Where ``sum_of_squares`` is wider
+            (float64 sums of float32 contributions, kept so that their squares
+            cannot underflow), sd is computed in ``dtype`` at a power-of-two
+            scale (:func:`_at_a_scale`): the same numbers, bit for bit, as from
+            sums kept in ``dtype`` wherever those hold them.
 
     Returns:
-        Tensor shaped like ``total``; exactly 0 where the examples agree to
-        rounding (see :func:`variance_rounding_bound`).
+        Tensor shaped like ``total``, in ``sum_of_squares``' dtype (or ``dtype``);
+        exactly 0 where the examples agree to rounding (see
+        :func:`variance_rounding_bound`).
     """
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
+    if dtype is not None and torch.finfo(dtype).bits < torch.finfo(sum_of_squares.dtype).bits:
+        squares, total, scale = _at_a_scale(sum_of_squares, total, dtype)
+        return gradient_sd(squares, total, n, inner_terms=inner_terms, in_place=True).div_(scale)
     # In place on the fresh result: this runs on every element of the network.
     centred = centred_sum_of_squares(
-        sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place
+        sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype
     )
     return centred.mul_(n / (n - 1)).sqrt_()
 
 
-def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
-    """``|grad_j| / sd_j`` for the elements with ``sd_j > 0`` (flattened).
+def _at_a_scale(sum_of_squares: Tensor, total: Tensor, dtype: torch.dtype):
+    """``(S s**2, T s, s)`` in ``dtype``, ``s = 2**m >= 1`` the largest with ``max S s**2 < 1``.
 
-    Elements with ``sd_j = 0`` have no defined ratio and are left out, so the
-    result never holds an inf or NaN from a zero denominator. It may be empty.
-    ``sd`` must be non-negative, without NaN (as :func:`gradient_sd` gives).
+    Scaling up by a power of two changes no rounding and cannot overflow
+    (``|T| s <= sqrt(N max S) s``), so :func:`gradient_sd` of the scaled sums,
+    divided by ``s``, gives the numbers it gives in ``dtype`` wherever ``S`` is
+    a normal number of ``dtype``, and a defined result where only the wider
+    dtype holds ``S`` (float32 squares of contributions below ``1e-19``).
+    On the tensors' device, without waiting for it.
+    """
+    _, exponent = torch.frexp(sum_of_squares.amax())
+    half = torch.div(-exponent, 2, rounding_mode="floor").clamp(min=0)
+    scale = torch.ldexp(torch.ones((), dtype=sum_of_squares.dtype, device=half.device), half)
+    squares = (sum_of_squares * scale.square()).to(dtype)
+    return squares, (total.to(sum_of_squares.dtype) * scale).to(dtype), scale.to(dtype)
+
+
+def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> Tensor:
+    """``|grad_j| / sd_j`` per element (flattened), capped at ``limit``.
+
+    With ``limit`` (:func:`resolvable_snr`, for :func:`gradient_sd`'s ``sd``):
+    ``min(|grad_j| / sd_j, limit)``, so an element with ``sd_j = 0`` and
+    ``grad_j != 0`` (examples that agree to rounding: the most consistent
+    elements of the layer) gets ``limit``, at the top of the order, and every
+    other element keeps its ratio (below ``limit`` by construction). Only
+    ``0 / 0`` (``grad_j = sd_j = 0``: a dead unit, a structurally zero
+    gradient) has no ratio and is left out. Without ``limit``, every element
+    with ``sd_j = 0`` is left out (for standard deviations that are not
+    thresholded, e.g. across mini-batches). The result never holds an inf or
+    NaN from a zero denominator; it may be empty. ``sd`` must be
+    non-negative, without NaN (as :func:`gradient_sd` gives), in ``grad``'s dtype.
 
     On other devices than the CPU, where a result whose size depends on the
     data would make the host wait, the left-out elements are NaN instead
@@ -177,7 +257,11 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     """
     grad, sd = grad.detach().reshape(-1), sd.detach().reshape(-1)
     if not _device.on_host(grad):
-        return grad.abs().div_(sd).masked_fill_(sd == 0, math.nan)
+        ratio = grad.abs().div_(sd)
+        if limit is None:
+            return ratio.masked_fill_(sd == 0, math.nan)
+        # x / 0 = inf becomes the limit; 0 / 0 = NaN stays NaN (left out).
+        return ratio.clamp_(max=limit)
     # Dividing everywhere and selecting once is faster than two selections;
     # the inf/NaN where sd_j = 0 are never selected. NumPy compares and
     # selects several times faster than torch on CPU; by pieces, no
@@ -186,7 +270,12 @@ def signal_to_noise(grad: Tensor, sd: Tensor) -> Tensor:
     for g, s in zip(_device.pieces(grad), _device.pieces(sd)):
         g, s = g.numpy(), s.numpy()
         with numpy.errstate(divide="ignore", invalid="ignore"):
-            kept = numpy.compress(s > 0, numpy.abs(g) / s)
+            ratio = numpy.abs(g) / s
+        if limit is None:
+            kept = numpy.compress(s > 0, ratio)
+        else:
+            numpy.minimum(ratio, limit, out=ratio)  # NaN (0 / 0) stays NaN
+            kept = numpy.compress(ratio == ratio, ratio)
         result[start : start + kept.size] = kept
         start += kept.size
     return torch.from_numpy(result[:start])

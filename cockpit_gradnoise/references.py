@@ -16,6 +16,7 @@ Results have the same layout as a quantity's stored step:
 import copy
 from typing import Callable, Dict, List, Sequence, Tuple
 
+from cockpit_gradnoise.functional import resolvable_snr
 from cockpit_gradnoise.schema import NETWORK
 
 import numpy
@@ -159,12 +160,18 @@ def _quantiles(values: numpy.ndarray, levels: Sequence[float], prefix="") -> Dic
     return stats
 
 
-def _sd_statistics(sd: numpy.ndarray, grad: numpy.ndarray, levels) -> Dict[str, float]:
-    """Quantiles and mean of ``sd``, and of ``|grad| / sd`` where ``sd > 0``."""
+def _sd_statistics(sd: numpy.ndarray, grad: numpy.ndarray, levels, limit=None) -> Dict[str, float]:
+    """Quantiles and mean of ``sd``, and of ``min(|grad| / sd, limit)`` except ``0 / 0``
+    (without ``limit``: of ``|grad| / sd`` where ``sd > 0``, as
+    :func:`~cockpit_gradnoise.functional.signal_to_noise`)."""
     stats = _quantiles(sd, levels)
-    positive = sd > 0
-    if positive.any():
-        stats.update(_quantiles(numpy.abs(grad[positive]) / sd[positive], (0.5,), "snr_"))
+    defined = (sd > 0) if limit is None else (sd > 0) | (grad != 0)
+    if defined.any():
+        with numpy.errstate(divide="ignore"):
+            snr = numpy.abs(grad[defined]) / sd[defined]
+        if limit is not None:
+            snr = numpy.minimum(snr, limit)
+        stats.update(_quantiles(snr, (0.5,), "snr_"))
     return stats
 
 
@@ -176,14 +183,17 @@ def _with_network(per_param: Dict[str, Tuple], combine: Callable) -> Dict[str, T
 
 def gradient_variance_quantiles(
     model, per_example_loss, inputs, targets, *, reduction: str, quantiles=(0.05, 0.25, 0.5, 0.75, 0.95),
-    gradients=None,
+    gradients=None, dtype=torch.float64,
 ) -> Dict[str, Dict[str, float]]:
     """Reference for :class:`~cockpit_gradnoise.GradientVarianceQuantiles`.
 
     ``sd_j = sqrt(N/(N-1) * sum_i (x_ij - mean_i x_ij)^2)`` with ``x_i = c g_i``
     (``c = 1/N`` for ``reduction="mean"``, ``1`` for ``"sum"``), computed from
-    the stacked per-example gradients, two-pass. ``gradients`` (``{name: g_i
-    stacked}``) replaces the loop, e.g. with :func:`contributions_through_batch`.
+    the stacked per-example gradients, two-pass. The SNR ``|grad_j| / sd_j``
+    is capped at the largest the quantity resolves for a model in ``dtype``
+    (:func:`~cockpit_gradnoise.functional.resolvable_snr`), ``0 / 0`` left
+    out. ``gradients`` (``{name: g_i stacked}``) replaces the loop, e.g. with
+    :func:`contributions_through_batch`.
     """
     grads = gradients or per_example_gradients(model, per_example_loss, inputs, targets)
     n = len(inputs)
@@ -195,7 +205,7 @@ def gradient_variance_quantiles(
     result = {}
     for name, x in flat.items():
         sd = numpy.sqrt(n / (n - 1) * ((x - x.mean(0)) ** 2).sum(0))
-        result[name] = _sd_statistics(sd, x.sum(0), quantiles)
+        result[name] = _sd_statistics(sd, x.sum(0), quantiles, resolvable_snr(n, dtype))
     return result
 
 

@@ -161,7 +161,7 @@ def test_batch_size_one_records_norms_but_no_variance():
 
 @pytest.mark.parametrize("case", [MODELS[0], MODELS[2], MODELS[4]], ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_identical_examples_give_zero_sd_and_no_snr(case, dtype):
+def test_identical_examples_give_zero_sd_and_the_largest_resolvable_snr(case, dtype):
     problem = build(case, 64, "mean", dtype=dtype)
     problem.inputs = problem.inputs[:1].repeat(64, *[1] * (problem.inputs.dim() - 1))
     problem.targets = problem.targets[:1].repeat(64)
@@ -169,8 +169,15 @@ def test_identical_examples_give_zero_sd_and_no_snr(case, dtype):
     frame = cgn.to_frame(cockpit)
     sd = frame[frame.quantity == "GradientVarianceQuantiles"]
     assert len(sd) > 0
+    snr = sd[sd.statistic.str.startswith("snr_")]
+    sd = sd[~sd.statistic.str.startswith("snr_")]
     assert set(sd.statistic) == {"q0.05", "q0.25", "q0.5", "q0.75", "q0.95", "mean"}
     assert (sd.value == 0).all()
+    # Examples that agree are the most consistent, not undefined (0 / 0 aside).
+    limit = torch.tensor(cgn.functional.resolvable_snr(64, dtype), dtype=dtype).item()
+    assert len(snr) > 0 and (snr[snr.statistic == "snr_q0.5"].value == limit).all()
+    # The mean adds the copies of the limit in float64.
+    assert snr.value.tolist() == pytest.approx([limit] * len(snr), rel=1e-10, abs=0)
     norms = frame[(frame.quantity == "PerExampleGradNorm") & (frame.param == "all")]
     assert (norms.value > 0).all()
 

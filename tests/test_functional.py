@@ -53,11 +53,17 @@ def test_gradient_sd_needs_two_examples():
         functional.gradient_sd(torch.ones(3), torch.ones(3), 1)
 
 
-def test_signal_to_noise_skips_zero_sd():
+def test_signal_to_noise_without_limit_skips_zero_sd():
     grad = torch.tensor([1.0, -2.0, 3.0])
     sd = torch.tensor([0.5, 0.0, 3.0])
     assert functional.signal_to_noise(grad, sd).tolist() == [2.0, 1.0]
     assert functional.signal_to_noise(grad, torch.zeros(3)).numel() == 0
+
+
+def test_signal_to_noise_with_limit_puts_zero_sd_at_the_limit_and_leaves_out_zero_by_zero():
+    grad = torch.tensor([1.0, -2.0, 3.0, 0.0, 0.0, 50.0])
+    sd = torch.tensor([0.5, 0.0, 3.0, 0.0, 2.0, 1.0])
+    assert functional.signal_to_noise(grad, sd, 10.0).tolist() == [2.0, 10.0, 1.0, 0.0, 10.0]
 
 
 def test_loss_scale_tells_mean_from_sum():
@@ -115,6 +121,10 @@ def test_signal_to_noise_on_other_devices_marks_zero_sd_nan(monkeypatch):
     monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     snr = functional.signal_to_noise(torch.tensor([1.0, -2.0, 0.0]), torch.tensor([0.5, 0.0, 0.0]))
     assert snr[0] == 2.0 and snr[1:].isnan().all()
+    capped = functional.signal_to_noise(
+        torch.tensor([1.0, -2.0, 0.0, 50.0]), torch.tensor([0.5, 0.0, 0.0, 1.0]), 10.0
+    )
+    assert capped[[0, 1, 3]].tolist() == [2.0, 10.0, 10.0] and capped[2].isnan()
 
 
 def test_sd_statistics_of_a_union_equal_numpy_on_the_joined_values(paths):

@@ -210,7 +210,9 @@ def test_small_real_spread_is_kept_through_cockpit():
 @pytest.mark.parametrize("name, make, shape", MODELS, ids=[m[0] for m in MODELS])
 def test_identical_examples_give_sd_exactly_zero_through_cockpit(name, make, shape):
     """The defect as users saw it: nonzero sd, SNR ~3e7, for identical examples
-    (``T`` from ``param.grad``; and, with few positions, ``S`` by expansion)."""
+    (``T`` from ``param.grad``; and, with few positions, ``S`` by expansion).
+    Now sd is 0 and the SNR the largest the formula resolves
+    (:func:`~cockpit_gradnoise.functional.resolvable_snr`)."""
     failures = []
     for dtype in DTYPES:
         for n, reduction in BATCHES:
@@ -218,7 +220,13 @@ def test_identical_examples_give_sd_exactly_zero_through_cockpit(name, make, sha
                 case = problem(make, shape, n, reduction, dtype, seed)
                 quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=case.names)
                 output = run_step(case, [quantity]).get_output()[0]
+                # Examples that agree count at the largest resolvable SNR (not 3e7).
+                limit = torch.tensor(functional.resolvable_snr(n, dtype), dtype=dtype).item()
                 for param, statistics in output["GradientVarianceQuantiles"].items():
-                    if any(v != 0 for v in statistics.values()) or "snr_mean" in statistics:
+                    sds = [v for s, v in statistics.items() if not s.startswith("snr_")]
+                    snrs = [v for s, v in statistics.items() if s.startswith("snr_")]
+                    # The mean adds the copies of the limit in float64: 1e-10 relative.
+                    at_limit = [v == pytest.approx(limit, rel=1e-10, abs=0) for v in snrs]
+                    if any(v != 0 for v in sds) or not all(at_limit):
                         failures.append((param, dtype, n, seed, statistics.get("snr_mean")))
     assert not failures, failures

@@ -42,6 +42,7 @@ import math
 from typing import Iterator, Tuple
 
 from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions._squares import scaled_factors, unscaled_norms, unscaled_sums
 
 import torch
 import torch.nn.functional as F
@@ -176,8 +177,10 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
     contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
     ``T = sum_i b_i a_i^T`` and ``S = sum_i b_i**2 (a_i**2)^T`` are within the
     bound (``inner_terms = 1``), and the cost model decides between them and
-    formation.
+    formation. At a power-of-two scale of the input and the output gradient
+    (:func:`._squares.scaled_factors`), saved in float64 for float32 (no underflow).
     """
+    (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     squares = inputs.new_zeros(groups, c_b, c_a)
     total = inputs.new_zeros(groups, c_b, c_a)
@@ -192,21 +195,25 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
             total.baddbmm_(b, a)
             squares.baddbmm_(b.square(), a.square())
-    return torch.stack([as_weight(module, total), as_weight(module, squares)])
+    return unscaled_sums(torch.stack([as_weight(module, total), as_weight(module, squares)]), scale)
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``||x_i||^2`` of ``module.weight``'s contributions, ``[N]``, exact.
 
     .. math:: \\|x_i\\|^2 = \\sum_g \\sum_{l,l'} (b_{igl} \\cdot b_{igl'})(a_{igl} \\cdot a_{igl'})
+
+    At a power-of-two scale of the input and the output gradient
+    (:func:`._squares.scaled_factors`), saved in float64 for float32 (no underflow).
     """
+    (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     if _cost.use_formation(_cost.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)
-        return torch.cat([x.square_().sum((1, 2, 3)) for x in gradients])
+        return unscaled_norms(torch.cat([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
     norms = []
     for b, a in _chunks(module, inputs, grad_output, 2 * groups * positions**2):
         gram_b = torch.matmul(b.transpose(-1, -2), b)
         gram_a = torch.matmul(a, a.transpose(-1, -2))
         norms.append(gram_b.mul_(gram_a).sum((1, 2, 3)))
-    return torch.cat(norms)
+    return unscaled_norms(torch.cat(norms), scale)

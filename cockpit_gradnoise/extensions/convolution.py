@@ -9,7 +9,8 @@ BackPACK, one module extension per result.
 from typing import Callable
 
 from cockpit_gradnoise.extensions import _conv_math
-from cockpit_gradnoise.extensions.sums import sums_of
+from cockpit_gradnoise.extensions._squares import squared_norms_of
+from cockpit_gradnoise.extensions.sums import sums_of_position_sums
 
 import torch
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -28,7 +29,7 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
 
     #: ``(module, inputs, grad_output) -> result`` for the weight.
     weight_result: Callable
-    #: ``per-example bias gradients [N, C_out] -> result`` for the bias.
+    #: ``output gradient [N, C_out, *positions] -> result`` for the bias.
     bias_result: Callable
 
     def __init__(self):
@@ -38,21 +39,24 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
         return type(self).weight_result(module, module.input0, g_out[0])
 
     def bias(self, ext, module, g_inp, g_out, backproped):
-        return type(self).bias_result(_conv_math.bias_contributions(g_out[0]))
+        return type(self).bias_result(g_out[0])
 
 
 class SumsConv(_ConvolutionExtension):
     """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
 
     weight_result = staticmethod(_conv_math.weight_sums)
-    bias_result = staticmethod(sums_of)
+    # Sums over positions, with their structural zeros (e.g. before a BatchNorm).
+    bias_result = staticmethod(lambda grad_output: sums_of_position_sums(grad_output.flatten(2), 2))
 
 
 class SquaredNormsConv(_ConvolutionExtension):
     """``||x_i||^2`` of weight and bias, ``[N]`` each."""
 
     weight_result = staticmethod(_conv_math.weight_squared_norms)
-    bias_result = staticmethod(lambda per_example: per_example.square().sum(1))
+    bias_result = staticmethod(
+        lambda grad_output: squared_norms_of(_conv_math.bias_contributions(grad_output))
+    )
 
 
 # The gradient (LocalGradient, for distributed training) -------------------------

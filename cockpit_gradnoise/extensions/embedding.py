@@ -8,6 +8,8 @@ backward never writes that row, so its gradient, and every example's
 contribution to it, is exactly 0 by definition (not a sum that rounds to 0).
 """
 
+from cockpit_gradnoise.extensions._squares import SquaredNormsFromContributionsMixin
+
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.extensions.firstorder.batch_l2_grad.embedding import BatchL2Embedding
@@ -44,8 +46,9 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
             raise NotImplementedError("Only sparse=False supported.")
 
 
-class BatchL2EmbeddingAnyDtype(BatchL2Embedding):
-    """Per-example squared norms of an Embedding's weight, any dtype."""
+class BatchL2EmbeddingAnyDtype(SquaredNormsFromContributionsMixin, BatchL2Embedding):
+    """Per-example squared norms of an Embedding's weight, any dtype, squares at a
+    power-of-two scale (:mod:`._squares`)."""
 
     def __init__(self):
         super().__init__()

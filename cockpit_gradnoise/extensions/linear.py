@@ -33,8 +33,19 @@ from typing import Iterator, Tuple
 
 from cockpit_gradnoise.extensions import _cost
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
+from cockpit_gradnoise.extensions._squares import (
+    SquaredNormsFromContributionsMixin,
+    scaled_factors,
+    unscaled_norms,
+    unscaled_sums,
+)
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
-from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin, stacked
+from cockpit_gradnoise.extensions.sums import (
+    SumsFromContributionsMixin,
+    stacked,
+    sums_of,
+    sums_of_position_sums,
+)
 
 import torch
 from backpack.context import CTX
@@ -77,12 +88,13 @@ def formed_squared_norms(g: Tensor, a: Tensor) -> Tensor:
 def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``||x_i||^2`` of a Linear's weight on sequences (inputs ``[N, ..., in]``), ``[N]``.
 
-    By the Gram matrices or by formation, whichever the cost model finds cheaper.
+    By the Gram matrices or by formation, whichever the cost model finds
+    cheaper; at a power-of-two scale of each factor (:func:`._squares.scaled_factors`).
     """
-    g, a = sequence_factors(inputs, grad_output)
+    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
     if _cost.use_formation(_cost.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
-        return formed_squared_norms(g, a)
-    return gram_squared_norms(g, a)
+        return unscaled_norms(formed_squared_norms(g, a), scale)
+    return unscaled_norms(gram_squared_norms(g, a), scale)
 
 
 def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
@@ -90,17 +102,18 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
 
     ``[T, S] = [sum_i x_i, sum_i x_i**2]`` (``[2, out, in]``, :mod:`.sums`) and
     the per-example squared norms (``[N]``) are sums of the same squared
-    contributions, over examples and over elements.
+    contributions, over examples and over elements; at a power-of-two scale of
+    each factor (:func:`._squares.scaled_factors`).
     """
-    g, a = sequence_factors(inputs, grad_output)
-    sums = inputs.new_zeros(2, g.shape[2], a.shape[2])
+    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
+    sums = g.new_zeros(2, g.shape[2], a.shape[2])
     norms = []
     for x in formed_contributions(g, a):
         sums[0] += x.sum(0)
         squares = x.square_()
         sums[1] += squares.sum(0)
         norms.append(squares.sum((1, 2)))
-    return sums, torch.cat(norms)
+    return unscaled_sums(sums, scale), unscaled_norms(torch.cat(norms), scale)
 
 
 def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -115,10 +128,10 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     ``T`` and ``S`` are the same numbers, alone or beside the norms).
     """
     if grad_output.dim() == 2:
-        shape = (grad_output.shape[1], inputs.shape[1])
-        return stacked(
-            torch.mm, (grad_output.T, inputs), (grad_output.square().T, inputs.square()), shape
-        )
+        (g, a), scale = scaled_factors(grad_output, inputs)
+        shape = (g.shape[1], a.shape[1])
+        sums = stacked(torch.mm, (g.T, a), (g.square().T, a.square()), shape)
+        return unscaled_sums(sums, scale)
     return linear_weight_sums_and_squared_norms(inputs, grad_output)[0]
 
 
@@ -151,7 +164,8 @@ def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str
 
 
 class SumsLinear(SumsFromContributionsMixin, SGSBase):
-    """``[T, S]`` of a ``Linear``: weight by :func:`linear_weight_sums`, bias from its contributions."""
+    """``[T, S]`` of a ``Linear``: weight by :func:`linear_weight_sums`, bias from its
+    contributions (on sequences with its structural zeros, :func:`.sums.sums_of_position_sums`)."""
 
     def __init__(self):
         super().__init__(derivatives=LinearDerivatives(), params=["bias", "weight"])
@@ -161,14 +175,23 @@ class SumsLinear(SumsFromContributionsMixin, SGSBase):
             return linear_weight_sums(module.input0, g_out[0])
         return _shared_weight_result(ext, module, g_out[0], BATCH_L2_SAVEFIELD, linear_weight_sums)
 
+    def bias(self, ext, module, g_inp, g_out, bp_quantities):
+        if g_out[0].dim() == 2:
+            return sums_of(g_out[0])
+        # Sums over positions: an attention key's bias is a structural zero (.sums).
+        return sums_of_position_sums(g_out[0].flatten(1, -2), 1)
 
-class SquaredNormsLinear(BatchL2Linear):
-    """``||x_i||^2`` of a ``Linear``: BackPACK's ``BatchL2Linear`` without extra
-    dimensions and for the bias; on sequences :func:`linear_weight_squared_norms`."""
+
+class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
+    """``||x_i||^2`` of a ``Linear``: BackPACK's identity ``||g_i||^2 ||a_i||^2``
+    without extra dimensions, on sequences :func:`linear_weight_squared_norms`;
+    the bias from its contributions (:func:`._squares.squared_norms_of`). Squares at
+    a power-of-two scale (:mod:`._squares`)."""
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         if g_out[0].dim() == 2:
-            return super().weight(ext, module, g_inp, g_out, backproped)
+            (g, a), scale = scaled_factors(g_out[0], module.input0)
+            return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale)
         return _shared_weight_result(
             ext, module, g_out[0], SUMS_SAVEFIELD, linear_weight_squared_norms
         )

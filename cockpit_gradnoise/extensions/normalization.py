@@ -44,6 +44,7 @@ import functools
 from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
+from cockpit_gradnoise.extensions._squares import squared_norms_of
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -132,8 +133,9 @@ def batch_grad(contributions: Tensor) -> Tensor:
 
 
 def squared_norms(contributions: Tensor) -> Tensor:
-    """``BatchL2Grad`` (and ``PerExampleSquaredNorms``): ``||x_i||^2``, shape ``[N]``."""
-    return contributions.pow(2).flatten(start_dim=1).sum(1)
+    """``BatchL2Grad`` (and ``PerExampleSquaredNorms``): ``||x_i||^2``, shape ``[N]``;
+    squares at a power-of-two scale, float64 for float32 (:mod:`._squares`)."""
+    return squared_norms_of(contributions)
 
 
 def sum_of_squares(contributions: Tensor) -> Tensor:

@@ -21,7 +21,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
     ``param.grad``). Statistics per parameter and for ``"all"`` (every element
     of the network): ``q<level>`` (exact, as ``numpy.quantile``) and ``mean``
     of ``sd_j``; ``snr_mean`` and ``snr_q0.5`` of ``|grad_j| / sd_j`` over
-    the elements with ``sd_j > 0`` (absent when there are none).
+    the elements that are not ``0 / 0``, capped at the largest ratio the
+    one-pass formula resolves, ``R = sqrt((N - 1) / ((3N + 4) eps))``
+    (:func:`~cockpit_gradnoise.functional.resolvable_snr`): an element with
+    ``sd_j = 0`` (its examples agree to rounding) and ``grad_j != 0`` counts
+    as ``R``, above every other element (absent when every element is ``0 / 0``).
 
     Declared sums per parameter: ``sum_i x_ij`` and ``sum_i x_ij**2``, both
     summed from one computation of the contributions ``x_ij`` (the extension
@@ -81,16 +85,26 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # may read the same savefield in the same step. Both sums are this
         # process's own, also under distributed training.
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
+        # The extensions may keep float32 sums in float64 (where squares
+        # below 1e-38 would underflow); the gradient's sum goes back, exactly,
+        # to the dtype it was accumulated in, which sets the rounding bound.
+        grad = grad.to(param.dtype)
         if batch.loss_scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
 
     def value_from_sums(self, sums, batch):
-        grad = sums["sum_of_contributions"]
-        sd = functional.gradient_sd(sums["sum_of_squared_contributions"], grad, batch.examples)
+        grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
+        # The sums were accumulated in the contributions' dtype (grad's), whose
+        # rounding the bound takes; squares may be wider (float64 for float32
+        # models: no underflow). sd is computed and reported in grad's dtype.
+        sd = functional.gradient_sd(squares, grad, batch.examples, dtype=grad.dtype)
         # SNR is elementwise and free of units: the network's elements are the
-        # layers', computed once.
-        snr = functional.signal_to_noise(grad, sd)
+        # layers', computed once. Elements whose examples agree to rounding
+        # (sd 0, grad not 0) count at the largest resolvable SNR.
+        snr = functional.signal_to_noise(
+            grad, sd, functional.resolvable_snr(batch.examples, grad.dtype)
+        )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
         # The network's statistics are those of the union of the layers' values,

@@ -1,0 +1,189 @@
+"""float32 contributions of ``1e-22``: squares would underflow (below ``1e-38``).
+
+A network whose last layer (weights and targets) is scaled by ``2**-36``
+computes, in float32, exactly ``2**-72`` times the contributions of the
+unscaled network upstream of it (a power of two changes no rounding), about
+``1e-22`` here; their squares, ``1e-44``, are lost in float32. The package
+forms them at a power-of-two scale and keeps the sums in float64, so every
+statistic of the scaled network is exactly the unscaled network's times its
+power of two (sd and norms), or equal (SNR), and matches the float64
+reference as closely. Before: sd, norms and SNR of every upstream layer came out 0 or absent.
+"""
+
+import copy
+import math
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import _device, references
+from cockpit_gradnoise.extensions import _squares, sums
+
+import pytest
+import torch
+from backpack import extend
+from cockpit.utils.schedules import linear
+from torch import nn
+
+from tests.helpers import rows
+
+N = 8
+SHIFT = 36  # the last layer and the targets times 2**-36: contributions times 2**-72
+
+
+class Sequence(nn.Module):
+    """Conv2d, GroupNorm, a Linear along the 16 positions, then a plain Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.step = nn.Linear(4, 5)
+        self.head = nn.Linear(80, 3)
+
+    def forward(self, x):
+        steps = torch.tanh(self.norm(self.conv(x))).flatten(2).transpose(1, 2)  # [N, 16, 4]
+        return self.head(torch.tanh(self.step(steps)).flatten(1))
+
+
+class Tokens(nn.Module):
+    """Embedding, LayerNorm, then a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(12, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(20, 3)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.embedding(tokens)).flatten(1))
+
+
+CASES = {
+    "sequence": (Sequence, lambda g: torch.randn(N, 3, 6, 6, generator=g)),
+    "tokens": (Tokens, lambda g: torch.randint(0, 12, (N, 5), generator=g)),
+}
+QUANTITIES = ("GradientVarianceQuantiles", "PerExampleGradNorm")
+
+
+def problem(name, shift):
+    """The case's float32 model, inputs and targets, the head and targets times ``2**-shift``."""
+    make, inputs = CASES[name]
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = make()
+    x = inputs(generator)
+    targets = torch.randn(N, 3, generator=generator)
+    with torch.no_grad():
+        model.head.weight.mul_(2.0**-shift)
+        model.head.bias.mul_(2.0**-shift)
+    return model, x, targets * 2.0**-shift
+
+
+def tracked(model, inputs, targets):
+    model = extend(copy.deepcopy(model))
+    loss_fn = extend(nn.MSELoss())
+    quantities = [
+        cgn.GradientVarianceQuantiles(linear(1), quantiles=(0.1, 0.5, 0.9), param_names=model),
+        cgn.PerExampleGradNorm(linear(1), quantiles=(0.1, 0.5, 0.9), param_names=model),
+    ]
+    cockpit = cgn.Cockpit(list(model.parameters()), quantities=quantities)
+    outputs = model(inputs)
+    loss = loss_fn(outputs, targets)
+    individual = ((outputs - targets) ** 2).mean(1)
+    with cockpit(0, info={"loss": loss, "individual_losses": individual, "batch_size": N}):
+        loss.backward()
+    return {quantity: rows(cockpit, quantity) for quantity in QUANTITIES}
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tiny_contributions_give_the_unscaled_statistics_times_their_power_of_two(name):
+    scaled = tracked(*problem(name, SHIFT))
+    plain = tracked(*problem(name, 0))
+    checked = 0
+    for quantity in QUANTITIES:
+        for param, statistics in plain[quantity].items():
+            assert set(scaled[quantity][param]) == set(statistics), (quantity, param)
+            if param == cgn.NETWORK:
+                continue  # the head's elements scale by another power than the rest
+            shift = SHIFT if param.startswith("head.") else 2 * SHIFT
+            for statistic, value in statistics.items():
+                factor = 1.0 if statistic.startswith("snr_") else 2.0 ** -shift
+                assert value != 0 or statistic.startswith("snr_"), (quantity, param, statistic)
+                # Exactly: a power of two changes no rounding, nothing underflows
+                # (the sd of both from float32 sums, at a scale or not).
+                assert scaled[quantity][param][statistic] == value * factor, (
+                    quantity, param, statistic
+                )
+                checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tiny_contributions_match_the_float64_reference(name):
+    """As the unscaled float32 network does: the same relative errors, which are
+    float32's rounding of the contributions (here below ``1e-4``)."""
+    model, inputs, targets = problem(name, SHIFT)
+    got = tracked(model, inputs, targets)
+    double = copy.deepcopy(model).double()
+    x = inputs.double() if inputs.is_floating_point() else inputs
+
+    def per_example_loss(outputs, y):
+        return ((outputs - y) ** 2).mean(1)
+
+    expected = {
+        "GradientVarianceQuantiles": references.gradient_variance_quantiles(
+            double, per_example_loss, x, targets.double(), reduction="mean",
+            quantiles=(0.1, 0.5, 0.9), dtype=torch.float32,
+        ),
+        "PerExampleGradNorm": references.per_example_grad_norm(
+            double, per_example_loss, x, targets.double(), quantiles=(0.1, 0.5, 0.9)
+        ),
+    }
+    for quantity in QUANTITIES:
+        for param, statistics in expected[quantity].items():
+            for statistic, value in statistics.items():
+                value_got = got[quantity][param][statistic]
+                assert value != 0 and value_got == pytest.approx(value, rel=1e-4), (
+                    quantity, param, statistic, value_got, value
+                )
+
+
+@pytest.mark.parametrize("largest", [0.0, 1e-45, 1e-22, 0.75, 3.0, 1e30, math.inf, math.nan])
+def test_power_of_two_scale_brings_the_largest_into_half_to_one(largest, monkeypatch):
+    values = torch.tensor([largest, -largest / 3, 0.0])
+    for on_host in (True, False):  # the device's path, on CPU tensors
+        monkeypatch.setattr(_device, "on_host", lambda tensor, on_host=on_host: on_host)
+        scale = _squares.power_of_two_scale(values).item()
+        assert math.frexp(scale)[0] == 0.5  # a power of two
+        if largest == 0 or not math.isfinite(largest):
+            assert scale == 1.0
+        elif largest > 1e-37:
+            assert 0.5 <= largest * scale < 1, (largest, scale, on_host)
+        else:  # kept a normal float32: 2**125 at most
+            assert scale == 2.0**125
+
+
+def test_sums_are_float64_only_where_squares_could_underflow_on_the_cpu(monkeypatch):
+    contributions = torch.randn(8, 5)
+    assert _squares.contributions_scale(contributions) is None
+    assert sums.sums_of(contributions).dtype == torch.float32
+    tiny = contributions * 2.0**-80
+    got = sums.sums_of(tiny)
+    assert got.dtype == torch.float64
+    assert_within_rounding(got, tiny)
+    assert (tiny.square() == 0).all(), "the case must underflow without the scale"
+    # Elsewhere (GPU) the value is not read: always at a scale.
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    got = sums.sums_of(contributions)
+    assert got.dtype == torch.float64
+    assert_within_rounding(got, contributions)
+
+
+def assert_within_rounding(got, contributions):
+    """``[T, S]`` as float32 sums of ``N = 8`` terms round: within ``N eps sum_i |terms|``."""
+    x = contributions.double()
+    bound = len(x) * EPS32
+    assert ((got[0] - x.sum(0)).abs() <= bound * x.abs().sum(0)).all()
+    assert ((got[1] - x.square().sum(0)).abs() <= bound * x.square().sum(0)).all()
