@@ -61,6 +61,11 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         """No BackPACK extension."""
         return []
 
+    def protected_savefields(self, global_step):
+        """Nothing to protect; the call's step is checked here, before the backward pass."""
+        self.check_call(global_step)
+        return set()
+
     def should_compute(self, global_step):
         # Also run at the call after a start, to use or drop the cache.
         return bool(self._track_schedule(global_step)) or self._cache_step is not None
@@ -84,8 +89,11 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         value = None
         if start == global_step - 1 and self.cache_matches(cache, params):
             value = self.end(cache, params, names)
-        if self._track_schedule(global_step):
+        # Records are stored under start steps: a start at a step not after the
+        # last one taken could overwrite (see ParameterQuantity.should_compute).
+        if self._track_schedule(global_step) and not self.repeats(global_step):
             self._cache_step, self._cache = global_step, self.start(params, cache)
+            self._record(global_step)
         return (start, value) if value is not None else (global_step, None)
 
     def _save(self, global_step, result):
