@@ -20,10 +20,11 @@ from cockpit.context import CockpitCTX
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.cases import MODELS, build, run_step
+from tests.cases import MODELS, build
 
 SUMS = (cgn.GradientVarianceQuantiles, cgn.PerExampleGradNorm, cgn.GradientNoiseScale)
 ALL = (*SUMS, cgn.ParamGradRatio, cgn.UpdateSize)
+SUMS_NAMES = [cls.__name__ for cls in SUMS]
 
 
 def ours(records):
@@ -161,7 +162,6 @@ def test_steps_that_restart_every_epoch_keep_the_first_records_with_one_warning(
     assert cgn.to_frame(cockpit).equals(first_frame)
 
 
-SUMS_NAMES = [cls.__name__ for cls in SUMS]
 
 
 def test_a_repeated_step_skips_the_backpack_extensions_of_the_call():
