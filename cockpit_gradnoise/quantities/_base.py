@@ -61,7 +61,8 @@ class NamedQuantity:
         #: ``{name: (weak reference to .grad, its version)}`` at the last tracked step,
         #: to tell a gradient left from an earlier backward pass (Step.usable).
         self.seen_gradients = {}
-        #: The last step a record was stored under (None before the first).
+        #: The last step a record was stored under (for a two-step quantity, the
+        #: last start step, under which its record is stored); None before the first.
         self.last_recorded: Optional[int] = None
         #: The step of the current call if it repeats (see check_call), else None.
         self.skipped_step: Optional[int] = None
