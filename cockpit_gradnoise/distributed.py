@@ -12,12 +12,13 @@ batch, identical on every rank (see ``docs/distributed.md``).
 
 Communication per tracked step, for all quantities of a cockpit together: one
 ``all_reduce`` of a small fixed-size header (each process's example count,
-loss reduction, an error flag, a layout code and which parameters have
-results), then one ``all_reduce`` per dtype of the sums, flattened into one
+loss reduction, an error flag, a layout code, its step number and which
+parameters have results), then one ``all_reduce`` per dtype of the sums, flattened into one
 buffer (the "cat" rows zero-padded to the largest local batch, each process
 writing its own block). The header comes first so that a process that failed,
-or whose sums are laid out differently, makes every process raise the same
-error instead of hanging or aborting in a mismatched collective.
+whose sums are laid out differently, or that is at another step, makes every
+process raise the same error instead of hanging, aborting in a mismatched
+collective, or adding the sums of different steps.
 
 Nothing here imports ``torch`` at module level, so that :func:`is_writer`
 costs nothing where torch was never imported (reading logs, the command line):
@@ -35,8 +36,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 WRITER_RANK = 0
 
 # The header: one row per process, then one column per (quantity, parameter) slot.
-_EXAMPLES, _MEAN, _SUM, _FAILED, _LAYOUT = range(5)
-_HEADER_FIELDS = 5
+_EXAMPLES, _MEAN, _SUM, _FAILED, _LAYOUT, _STEP = range(6)
+_HEADER_FIELDS = 6
 
 # Classes whose parameters are not full per-process copies (sharded data or
 # tensor parallelism), by name: FSDP is not imported to detect it.
@@ -191,7 +192,8 @@ def reduce_step(contribution: Contribution, device, global_step=None) -> Reduced
         The global batch and the reduced sums.
 
     Raises:
-        ValueError / RuntimeError: Identically on every process when a process
+        ValueError / RuntimeError: Identically on every process when the
+            processes are at different steps, a process
             failed, the loss is a mean on some processes and a sum on others,
             only some processes have results for a parameter, or the sums are
             laid out differently.
@@ -208,10 +210,12 @@ def reduce_step(contribution: Contribution, device, global_step=None) -> Reduced
         total,
         contribution.error is not None,
         _layout_code(contribution.sums),
+        math.nan if global_step is None else global_step,  # exact in float64 below 2**53
         *contribution.available,
     ]
     header = gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).cpu()
     where = "" if global_step is None else f" at step {global_step}"
+    _check_steps(header, me)
     _raise_if_failed(header, contribution, me, where)
     _check_available(header, contribution.slots, world, where)
     if len(set(header[:, _LAYOUT].tolist())) > 1:
@@ -259,6 +263,24 @@ def _layout_code(sums) -> int:
         for value, how in sums
     ]
     return zlib.crc32(repr(layout).encode())
+
+
+def _check_steps(header, me):
+    """Raise on every process unless all are at the same step.
+
+    A process that skipped a tracked call (or counts steps differently) would
+    otherwise add its sums of another step to the others'.
+    """
+    steps = header[:, _STEP].tolist()
+    if any(math.isnan(step) for step in steps) or len(set(steps)) == 1:
+        return
+    at = ", ".join(f"process {r} at step {int(step)}" for r, step in enumerate(steps))
+    raise RuntimeError(
+        f"cockpit_gradnoise: the processes are at different steps in one tracked call "
+        f"({at}; this is process {me}): every process must make the same tracked cockpit "
+        "calls with the same step numbers (did a process skip a tracked call, or count "
+        "its steps differently?)"
+    )
 
 
 def _raise_if_failed(header, contribution, me, where):

@@ -20,8 +20,10 @@ and no module of this package holds one.
 """
 
 import math
+import numbers
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -88,6 +90,116 @@ def check_example_count(results: int, individual_losses: int):
         )
 
 
+def step_number(step, convert: bool = False) -> int:
+    """``step`` as the plain ``int`` that Cockpit keys the call's records by.
+
+    A float step writes a log that cannot be read back, a NumPy integer or a
+    tensor one that cannot be written, so a step is checked at the call.
+
+    Args:
+        step: The step handed to the cockpit call.
+        convert: Also take NumPy integers and 0-dim integer tensors, as their
+            ``int`` (the front door, :class:`~cockpit_gradnoise.Tracker`,
+            converts before Cockpit stores anything under the step).
+
+    Raises:
+        TypeError: Anything else (a float, a bool, a string, a tensor with
+            elements of another dtype or more than one), naming ``int(step)``.
+    """
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if convert and isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return int(step)  # NumPy's integers are Integral; numpy.bool_ is not
+    if convert and isinstance(step, torch.Tensor) and step.dim() == 0 and _integer_dtype(step):
+        return int(step)
+    raise TypeError(
+        f"the step must be an int (Cockpit keys its records by it), got "
+        f"{type(step).__name__} {step!r}: pass int(step), counted by a Python int that "
+        "grows at every step of the whole run"
+    )
+
+
+def _integer_dtype(tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def check_call(global_step) -> int:
+    """:func:`step_number` of a plain cockpit call, checked before anything is computed.
+
+    Cockpit has stored the call's ``info`` under the step by then: a refused
+    call leaves nothing behind.
+    """
+    try:
+        return step_number(global_step)
+    except TypeError:
+        CockpitCTX.erase()
+        raise
+
+
+def repeated_step_message(global_step, last) -> str:
+    """The warning when a call's step is not after the last one a quantity recorded."""
+    return (
+        f"step {global_step} comes after step {last} was recorded: records are never "
+        f"overwritten, so the quantities that recorded step {last} or later skip this "
+        "call and keep their first records. Pass a global step counter that grows over "
+        "the whole run (one more per optimizer step, not the batch index of an epoch). "
+        "Accumulating gradients over micro-batches (several cockpit calls with one "
+        "step) is not supported yet"
+    )
+
+
+def check_batch_size(batch_size) -> int:
+    """``info["batch_size"]`` as an int: a positive integer (Python, NumPy or a 0-dim tensor).
+
+    Raises:
+        TypeError: Not an integer (a float, a bool, a string, ...).
+        ValueError: Not positive.
+    """
+    try:
+        size = step_number(batch_size, convert=True)
+    except TypeError:
+        raise TypeError(
+            f"info['batch_size'] must be the number of examples, a positive int, got "
+            f"{type(batch_size).__name__} {batch_size!r}: pass len(x) of the batch, or "
+            "leave batch_size out and pass info['individual_losses']"
+        ) from None
+    if size < 1:
+        raise ValueError(
+            f"info['batch_size'] must be positive, got {size}: pass len(x) of the batch "
+            "that was differentiated, or leave batch_size out and pass "
+            "info['individual_losses']"
+        )
+    return size
+
+
+def check_individual_losses(losses) -> torch.Tensor:
+    """``info["individual_losses"]``, checked to be a 1-D tensor of at least one loss.
+
+    Lists and NumPy arrays are refused rather than converted: the losses are
+    the tensor a loss function gives with ``reduction='none'``, which Cockpit's
+    own quantities read too.
+
+    Raises:
+        TypeError: Not a tensor.
+        ValueError: Not of shape ``[N]``, ``N >= 1``.
+    """
+    fix = (
+        "pass a 1-D tensor of one loss per example, "
+        "loss_fn(reduction='none')(outputs, targets) (shape [N])"
+    )
+    if not isinstance(losses, torch.Tensor):
+        raise TypeError(
+            f"info['individual_losses'] must be a tensor, got {type(losses).__name__}: {fix}"
+        )
+    if losses.dim() != 1 or losses.numel() == 0:
+        raise ValueError(
+            f"info['individual_losses'] must hold one loss per example, got shape "
+            f"{tuple(losses.shape)}: {fix}; for per-token losses reduce the other "
+            "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
+        )
+    return losses
+
+
 def parameter_names(param_names, params: Sequence[torch.Tensor], owner: str) -> List[str]:
     """The names of ``params``: looked up by identity, or checked by position.
 
@@ -144,6 +256,11 @@ def check_names(param_names) -> Any:
     if NETWORK in names:
         raise ValueError(f"{NETWORK!r} is reserved for the whole network")
     return param_names
+
+
+def _same_version(seen, grad) -> bool:
+    """Whether ``grad`` is the tensor recorded in ``seen`` (a weak reference), at its version."""
+    return seen is not None and seen[0]() is grad and seen[1] == grad._version
 
 
 def _name(owner) -> str:
@@ -271,20 +388,23 @@ class Step:
 
         Raises:
             KeyError: Neither is in ``info``.
-            ValueError: Both are, and they disagree.
+            TypeError / ValueError: Either is malformed (see
+                :func:`check_individual_losses`, :func:`check_batch_size`), or
+                both are given and disagree.
         """
         info = CockpitCTX.INFO.get(self.global_step, {})
+        size = check_batch_size(info["batch_size"]) if "batch_size" in info else None
         if "individual_losses" in info:
-            examples = int(info["individual_losses"].shape[0])
-            if "batch_size" in info and int(info["batch_size"]) != examples:
+            examples = check_individual_losses(info["individual_losses"]).shape[0]
+            if size is not None and size != examples:
                 raise ValueError(
-                    f"info['batch_size'] is {info['batch_size']} but info['individual_losses'] "
+                    f"info['batch_size'] is {size} but info['individual_losses'] "
                     f"has {examples} values: pass one loss per example, and the batch size "
                     "of the batch that was differentiated (or leave batch_size out)"
                 )
             return examples
-        if "batch_size" in info:
-            return int(info["batch_size"])
+        if size is not None:
+            return size
         raise KeyError(
             f"{_name(owner)} needs info['individual_losses'] (one loss per example) or "
             "info['batch_size']: pass it as `with cockpit(step, info={'individual_losses': "
@@ -304,7 +424,7 @@ class Step:
         transfer per step, shared by every quantity.
         """
         if self._loss_batch is None:
-            individual_losses = self.info("individual_losses", owner)
+            individual_losses = check_individual_losses(self.info("individual_losses", owner))
             loss = self.info("loss", owner)
             examples = self.examples(owner)
             self._loss_batch = Batch(examples, functional.loss_scale(loss, individual_losses))
@@ -329,6 +449,21 @@ class Step:
         told.add(key)
         if new:
             warnings.warn(f"cockpit-gradnoise: {message}", stacklevel=4)
+
+    def warn_names(self, kind: str, names: Sequence[str], message: Callable[[List[str]], str], quantity):
+        """:meth:`warn` about each of ``names`` once: ``message(names not told yet)``, if any.
+
+        For facts about parameters that can change during a run (a parameter
+        frozen, or replaced, at some step): a parameter that joins them is told
+        about, one that was told is not told again.
+        """
+        keys = [(kind, name) for name in names]
+        told = quantity.warned
+        fresh = [n for n, key in zip(names, keys) if key not in self._shown and key not in told]
+        self._shown.update(keys)
+        told.update(keys)
+        if fresh:
+            warnings.warn(f"cockpit-gradnoise: {message(fresh)}", stacklevel=4)
 
     # Finiteness -----------------------------------------------------------------
 
@@ -387,7 +522,7 @@ class Step:
         owner = type(quantity).__name__
         trainable = [(n, p) for n, p in named if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
-        with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+        with_grad = self._without_stale([(n, p) for n, p in trainable if p.grad is not None], quantity)
         usable = [(n, p) for n, p in with_grad if has_results(p)]
         supported = {n for n, _ in usable}
         if with_grad and not usable:
@@ -403,17 +538,65 @@ class Step:
         if savefields:
             self._refuse_shared(owner, with_grad)
             usable = self._without_batchless(quantity, usable, examples)
-        if no_grad:
-            self.warn(
-                "no-grad",
-                f"parameters {no_grad} have no gradient (unused in the forward pass?); "
-                f"they have no rows and are left out of {NETWORK!r}",
-                quantity,
-            )
+        self.warn_names(
+            "no-grad",
+            no_grad,
+            lambda names: f"parameters {names} have no gradient at step {self.global_step} "
+            "(unused in the forward pass, or their module replaced by a new one: then "
+            "rebuild the cockpit, or cgn.track the model again); they have no rows and "
+            f"are left out of {NETWORK!r}",
+            quantity,
+        )
         if unsupported:
             self.warn("unsupported", unsupported_message(unsupported, with_grad, self.facts.owners),
                       quantity)
         return usable
+
+    def _without_stale(self, named, quantity):
+        """``named`` without parameters whose ``.grad`` this backward pass left unchanged.
+
+        A backward pass that reaches a parameter creates its ``.grad`` or adds
+        to it in place (a new tensor, or a new version of the old one). The same
+        tensor at the same version as at the quantity's last tracked step is
+        left from an earlier backward pass: the parameter is no longer part of
+        the model's computation, typically because its module was replaced
+        (a new ``nn.Linear`` put in place of the old one), and its statistics
+        would repeat stale numbers.
+        """
+        seen = quantity.seen_gradients
+        stale = [n for n, p in named if _same_version(seen.get(n), p.grad)]
+        for name, param in named:
+            seen[name] = (weakref.ref(param.grad), param.grad._version)
+        self.warn_names(
+            "stale-grad",
+            stale,
+            lambda names: f"parameters {names} got no gradient from the backward pass of "
+            f"step {self.global_step}: their .grad is left, unchanged, from an earlier "
+            "step. Was their module replaced by a new one? The cockpit tracks the "
+            "parameter tensors it was built with: after replacing a module, rebuild the "
+            "cockpit and its quantities (or cgn.track the model again) and the optimizer. "
+            "Else clear gradients before each backward pass (optimizer.zero_grad() over "
+            f"every parameter). They have no rows and are left out of {NETWORK!r}",
+            quantity,
+        )
+        return [(n, p) for n, p in named if n not in stale]
+
+    def warn_frozen(self, quantity, named: Sequence[Tuple[str, torch.Tensor]]):
+        """Warn once about each of the cockpit's parameters that no longer requires gradients.
+
+        Cockpit refuses frozen parameters when it is built, so one found here
+        was frozen during training; the quantities leave it out from then on.
+        """
+        self.warn_names(
+            "frozen",
+            [n for n, p in named if not p.requires_grad],
+            lambda names: f"parameters {names} no longer require gradients at step "
+            f"{self.global_step} (frozen with requires_grad_(False) after the cockpit was "
+            f"built): from now on they have no rows and are left out of {NETWORK!r}. "
+            "Unfreeze them, or rebuild the cockpit over the trainable parameters (or "
+            "cgn.track the model again) if that is meant",
+            quantity,
+        )
 
     def _refuse_shared(self, owner, named):
         """Raise for parameters whose uses by several layers were not combined.

@@ -31,6 +31,7 @@ from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import to_frame, write_log
 from cockpit_gradnoise.prepare import prepare_model
+from cockpit_gradnoise.step import step_number
 
 import cockpit.quantities
 import torch
@@ -295,7 +296,8 @@ class Tracker:
         ``HessMaxEV``), write ``loss.backward(create_graph=tracker.create_graph(step))``.
 
         Args:
-            step: The global step.
+            step: The global step: an int (a NumPy integer or a 0-dim integer
+                tensor is converted), growing over the whole run.
             losses: One loss per example, shape ``[N]`` (``reduction="none"``).
             optimizer: The optimizer (Cockpit's ``info["optimizer"]``).
             loss: The loss to differentiate, if not ``losses``' mean or sum;
@@ -306,11 +308,13 @@ class Tracker:
             info: More keys for quantities of your own; not the four above.
 
         Raises:
+            TypeError: If ``step`` is not an integer.
             ValueError: Naming the fix, if ``losses`` is not one loss per
                 example, ``loss`` is neither their mean nor their sum, both
                 ``loss`` and ``reduction`` or a wrong ``batch_size`` are
                 given, or the loss does not depend on the parameters.
         """
+        step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
         if loss is None:
             if reduction not in (None, *_REDUCTIONS):

@@ -141,6 +141,7 @@ def worker(rank, world, port, out):
         jobs += [
             ("no_sync", no_sync_steps),
             ("errors", errors_raised_together),
+            ("skipped_call", skipped_call),
             ("fsdp", fsdp_message),
             ("train_ddp", lambda: train_ddp_quick(out / "train_ddp")),
         ]
@@ -303,6 +304,29 @@ def errors_raised_together():
             messages[name] = f"{type(error).__name__}: {error}"
     messages["partly_used"] = partly_used_parameter_message()
     return messages
+
+
+def skipped_call():
+    """Rank 1 skips the tracked call of step 2 (DDP pairs its step 3 with rank 0's step 2).
+
+    Returns each process's error (None if none) and the steps its cockpit recorded.
+    """
+    problem = build(CASES["mlp"], 8, "mean")
+    model = nn.parallel.DistributedDataParallel(problem.model)
+    cockpit = cgn.Cockpit(problem.params, quantities=all_quantities(problem.names))
+    inputs, targets = local_part(problem.inputs, (4, 4)), local_part(problem.targets, (4, 4))
+    error = None
+    for step in (0, 1, 2) if dist.get_rank() == 0 else (0, 1, 3):
+        problem.model.zero_grad()
+        outputs = model(inputs)
+        loss = problem.loss_fn(outputs, targets)
+        try:
+            with cockpit(step, info=info_of(problem, outputs, targets, loss)):
+                loss.backward()
+        except RuntimeError as exception:  # recorded: the test checks the messages
+            error = str(exception)
+            break
+    return {"error": error, "steps": sorted(cockpit.get_output())}
 
 
 class Branch(nn.Module):
@@ -548,6 +572,15 @@ def test_a_mixed_loss_reduction_or_one_failing_process_raises_on_every_process(g
     for rank in (0, 1):
         assert "extra.weight" in messages[rank]["partly_used"], messages[rank]["partly_used"]
         assert "on some processes only" in messages[rank]["partly_used"]
+
+
+def test_a_process_that_skipped_a_tracked_call_makes_every_process_raise_naming_both_steps(groups):
+    results = results_of(groups, 2, "skipped_call")
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"process {rank} paired steps 2 and 3 without an error"
+        assert "process 0 at step 2, process 1 at step 3" in result["error"]
+        assert "skip a tracked call" in result["error"]
+        assert result["steps"] == [0, 1]  # nothing recorded from mixed steps
 
 
 def test_fsdp_fails_clearly(groups):

@@ -83,7 +83,9 @@ def test_a_non_finite_or_huge_weight_is_left_out_or_kept_as_the_ratio_defines(ba
         loss.backward()
     with torch.no_grad():
         model[2].weight[0, 1] = bad  # after the backward pass: the gradient stays finite
-    got = cockpit.quantities[0]._compute(0, list(model.parameters()), loss)["2.weight"]
+    # A fresh instance: the cockpit's recorded step 0 and saw this .grad at it.
+    fresh = cgn.ParamGradRatio(linear(1), param_names=names)
+    got = fresh._compute(0, list(model.parameters()), loss)["2.weight"]
     theta, grad = model[2].weight.detach(), model[2].weight.grad
     expected = functional.abs_ratio_statistics(theta.clone(), grad.clone())
     assert {k: got[k] for k in expected} == expected

@@ -23,7 +23,15 @@ from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
-from cockpit_gradnoise.step import Batch, Step, backward_failed, check_names, parameter_names
+from cockpit_gradnoise.step import (
+    Batch,
+    Step,
+    backward_failed,
+    check_call,
+    check_names,
+    parameter_names,
+    repeated_step_message,
+)
 
 import torch
 
@@ -50,6 +58,42 @@ class NamedQuantity:
     def _init_names(self, param_names):
         self._param_names = check_names(param_names)
         self.warned = set()
+        #: ``{name: (weak reference to .grad, its version)}`` at the last tracked step,
+        #: to tell a gradient left from an earlier backward pass (Step.usable).
+        self.seen_gradients = {}
+        #: The last step a record was stored under (for a two-step quantity, the
+        #: last start step, under which its record is stored); None before the first.
+        self.last_recorded: Optional[int] = None
+        #: The step of the current call if it repeats (see check_call), else None.
+        self.skipped_step: Optional[int] = None
+
+    def repeats(self, global_step) -> bool:
+        """Whether ``global_step`` is not after the last step recorded: its record would overwrite."""
+        return self.last_recorded is not None and global_step <= self.last_recorded
+
+    def check_call(self, global_step) -> bool:
+        """Check the call's step (an int) before anything runs; whether the schedule selects it.
+
+        At a step the schedule selects that :meth:`repeats`, warn (once for all
+        quantities of the call, and once per run per quantity).
+
+        Raises:
+            TypeError: The step is not an int.
+        """
+        check_call(global_step)
+        scheduled = bool(self._track_schedule(global_step))
+        # Decided once per call: the record stored during the call must not make
+        # the rest of it (Cockpit freeing the savefields) look like a repeat.
+        self.skipped_step = global_step if scheduled and self.repeats(global_step) else None
+        if self.skipped_step is not None:
+            Step.begin(global_step).warn(
+                "repeated-step", repeated_step_message(global_step, self.last_recorded), self
+            )
+        return scheduled
+
+    def _record(self, global_step):
+        if self.last_recorded is None or global_step > self.last_recorded:
+            self.last_recorded = global_step
 
     def names(self, params) -> List[str]:
         """Names of ``params``: by identity from the model, else from ``param_names``."""
@@ -87,6 +131,11 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
       training ``parameter_sums`` returns them in per-example units (divided
       by ``batch.loss_scale``, sums of squares by its square) so that the sums of
       the processes add; ``value_from_sums`` then gets the global batch.
+    - ``loss_free_statistics`` (with sums): the statistics that do not depend
+      on the loss scale ``c`` (``x_i = c g_i``). Where the loss is not finite
+      while the gradients are (a ``-inf`` logit on a label), ``c`` cannot be
+      told: the values are then formed with ``c = 1`` and every other
+      statistic is NaN, with one warning. Default: none.
     - ``reads_local_gradient``: whether ``parameter_sums`` reads this
       backward pass's gradient through :meth:`local_gradient` (under
       distributed training ``param.grad`` is averaged across processes, so
@@ -141,6 +190,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
     extension_classes: Sequence[type] = ()
     sums: Mapping[str, str] = {}
     reads_local_gradient: bool = False
+    loss_free_statistics: Sequence[str] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -254,6 +304,8 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         batch = self.step_context(step, params)
         if batch is None:
             return None
+        if isinstance(batch, Batch) and math.isnan(batch.loss_scale):
+            self._warn_if_loss_not_finite(step)  # its sums are NaN, so the reduced ones are
         if not isinstance(batch, Batch):
             raise TypeError(
                 f"{type(self).__name__}.step_context returned {type(batch).__name__}: a quantity "
@@ -275,6 +327,10 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             return []
         return list(self._step_extensions())
 
+    def should_compute(self, global_step):
+        """Whether the schedule selects ``global_step`` and the call does not repeat a recorded step."""
+        return bool(self._track_schedule(global_step)) and global_step != self.skipped_step
+
     def protected_savefields(self, global_step):
         """Only ``grad_batch``, which Cockpit deletes during the backward pass.
 
@@ -285,16 +341,17 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         quantity has read it; protected, one would stay on the parameters
         until the next tracked step.
         """
-        if not self.should_compute(global_step):
+        if not self.check_call(global_step) or not self.should_compute(global_step):
             return set()
         joins = self.sums and distributed.world_size() > 1
         Step.begin(global_step, self if joins else None)
         return {field for field in self._savefields if field == "grad_batch"}
 
     def _compute(self, global_step, params, batch_loss) -> Optional[Dict[str, Dict[str, float]]]:
-        if backward_failed():
+        if backward_failed() or self.repeats(global_step):  # the latter outside a Cockpit only
             return None
         step = Step.of(self, global_step)
+        step.warn_frozen(self, list(zip(self.names(params), params)))
         is_distributed = distributed.world_size() > 1
         if is_distributed:
             distributed.check_not_sharded(params)
@@ -305,7 +362,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             found = self._local_values(step, params)
         if found is None:
             return None
-        usable, values, finite = found
+        usable, values, finite, loss_known = found
         del found  # values is the only reference: freed once the statistics are taken
         network = bool(values) and not any(flag is False for flag in finite.values())
         names_with_values = [name for name, _ in values]
@@ -318,6 +375,10 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         # step's one transfer; what depends on the numbers is decided after it.
         rows, finite = _device.resolve((rows, finite))
         rows = self._with_nan_rows(step, rows, usable, finite)
+        if not loss_known:
+            kept = set(self.loss_free_statistics)
+            rows = {name: {k: v if k in kept else math.nan for k, v in row.items()}
+                    for name, row in rows.items()}
         rows = {name: {**row, **self.derived_statistics(name, row)} for name, row in rows.items()}
         self._check_statistic_names(rows)
         total = sum(1 for p in params if p.requires_grad)
@@ -329,6 +390,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         # Encoded once, here: Cockpit.write refuses raw non-finite floats, and
         # Cockpit's own formatter would reject the strings.
         self.output[global_step] = {name: encode_statistics(row) for name, row in result.items()}
+        self._record(global_step)
 
     # Internals ------------------------------------------------------------------
 
@@ -340,7 +402,14 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         transfer), where every value is formed, without the host waiting.
         """
         context = self.step_context(step, params)
-        if context is None or (self.sums and not self.accepts(context)):
+        if context is None:
+            return None
+        loss_known = not (isinstance(context, Batch) and math.isnan(context.loss_scale))
+        if not loss_known:
+            # Units of x_i (scale 1) for what is free of the scale; the rest is NaN (_compute).
+            self._warn_if_loss_not_finite(step)
+            context = Batch(context.examples, 1.0)
+        if self.sums and not self.accepts(context):
             return None
         self._warn_if_examples_interact(step)
         examples = step.examples_if_known() if self._savefields else None
@@ -352,7 +421,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             for name, param in usable
             if finite[name] is not False
         ]
-        return [name for name, _ in usable], values, finite
+        return [name for name, _ in usable], values, finite, loss_known
 
     def _global_values(self, step, params):
         """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
@@ -369,7 +438,8 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         values = [
             (name, self.value_from_sums(sums.pop(name), batch)) for name in usable if finite[name]
         ]
-        return usable, values, finite
+        # A process's non-finite loss made its sums, and so the reduced ones, NaN.
+        return usable, values, finite, True
 
     def _with_nan_rows(self, step, rows, usable, finite):
         """The rows in the given order, NaN for parameters whose gradient is not finite."""
@@ -440,6 +510,19 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
                 "may be biased)",
                 self,
             )
+
+    def _warn_if_loss_not_finite(self, step):
+        step.warn(
+            "non-finite-loss",
+            f"info['loss'] or info['individual_losses'] is not finite at step "
+            f"{step.global_step} (a -inf logit on a label, say), so whether the loss is a "
+            "mean or a sum of the examples' losses cannot be told: the statistics that "
+            "depend on it are NaN at such steps (PerExampleGradNorm's, and "
+            "GradientNoiseScale's but b_simple and batch_size); those free of it "
+            "(GradientVarianceQuantiles on one process, ParamGradRatio, UpdateSize, "
+            "b_simple) are computed from the gradients where they are finite",
+            self,
+        )
 
     def _warn_if_rank_local(self):
         # Declared sums are reduced across processes; BackPACK's results read

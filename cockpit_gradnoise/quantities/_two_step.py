@@ -21,7 +21,9 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
     schedule that skips steps, a loop that calls the cockpit every other
     step) nothing is stored for ``s`` and the cache is dropped at the next
     call, so nothing wrong is stored and nothing is kept behind. A step whose
-    backward pass raised computes nothing and keeps the cache as it was.
+    backward pass raised computes nothing and keeps the cache as it was. A
+    start step not after the last step recorded (steps that restart every
+    epoch) starts nothing, with one warning: a record is never overwritten.
 
     Methods to implement:
 
@@ -61,6 +63,11 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         """No BackPACK extension."""
         return []
 
+    def protected_savefields(self, global_step):
+        """Nothing to protect; the call's step is checked here, before the backward pass."""
+        self.check_call(global_step)
+        return set()
+
     def should_compute(self, global_step):
         # Also run at the call after a start, to use or drop the cache.
         return bool(self._track_schedule(global_step)) or self._cache_step is not None
@@ -84,9 +91,12 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         value = None
         if start == global_step - 1 and self.cache_matches(cache, params):
             value = self.end(cache, params, names)
-        if self._track_schedule(global_step):
+        # Records are stored under start steps: one at a step not after the last
+        # record could overwrite it (see NamedQuantity.repeats).
+        if self._track_schedule(global_step) and not self.repeats(global_step):
             self._cache_step, self._cache = global_step, self.start(params, cache)
         return (start, value) if value is not None else (global_step, None)
 
     def _save(self, global_step, result):
         self.output[global_step] = result
+        self._record(global_step)

@@ -41,7 +41,9 @@ class GradientNoiseScale(ParameterQuantity):
     per-example squared norms of :class:`~cockpit_gradnoise.PerExampleGradNorm`
     (the same BackPACK extension, computed once when both are tracked) and one
     pass over ``param.grad``. Needs ``info["loss"]`` and
-    ``info["individual_losses"]``. Batch size 1 defines no estimate: nothing is
+    ``info["individual_losses"]``; where they are not finite while the
+    gradients are, only ``b_simple`` (free of the loss's scale) and
+    ``batch_size`` are computed, the rest is NaN. Batch size 1 defines no estimate: nothing is
     recorded at such steps, with one warning.
 
     Args:
@@ -56,6 +58,8 @@ class GradientNoiseScale(ParameterQuantity):
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
+    # A ratio of two sums of squares, both scaled by 1/c^2; and the count.
+    loss_free_statistics = (schema.B_SIMPLE, schema.BATCH_SIZE)
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False

@@ -19,7 +19,9 @@ class PerExampleGradNorm(ParameterQuantity):
     ``BatchL2Grad``; exact also for grouped convolutions, see
     ``cockpit_gradnoise.extensions._conv_math``). Needs ``info["loss"]`` and
     ``info["individual_losses"]`` (shape ``[N]``) to tell a mean-reduced loss
-    (``x_i = g_i / N``) from a sum-reduced one (``x_i = g_i``).
+    (``x_i = g_i / N``) from a sum-reduced one (``x_i = g_i``); where they
+    are not finite while the gradients are, that cannot be told, and the
+    statistics are NaN (one warning).
 
     Args:
         track_schedule: Function from step to bool.
