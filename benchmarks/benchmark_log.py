@@ -110,15 +110,15 @@ def stream_synthetic(path: Path, steps: int, every: int, n_tensors: int, seed: i
     """Measurement 1: stream ``steps // every`` tracked steps; RSS growth after the first tenth."""
     cockpit, rng = synthetic_cockpit(n_tensors), numpy.random.default_rng(seed)
     tracked = list(range(0, steps, every))
-    warm = max(1, len(tracked) // 10)
-    start = time.perf_counter()
+    warm, seconds = max(1, len(tracked) // 10), 0.0
     with LogStream(path) as stream:
         for i, step in enumerate(tracked):
             fill(cockpit, step, rng)
+            start = time.perf_counter()
             stream.append(cockpit)
+            seconds += time.perf_counter() - start  # the append alone, not the made-up outputs
             if i + 1 == warm:
                 rss_warm = rss_bytes()
-    seconds = time.perf_counter() - start
     held = sum(len(q.output) for q in cockpit.quantities)
     return {"tracked_steps": len(tracked), "rss_growth_mb": (rss_bytes() - rss_warm) / MB,
             "ms_per_tracked_step": 1e3 * seconds / len(tracked),
@@ -169,10 +169,10 @@ def stream_real(path: Path, steps: int, n_tensors: int) -> dict:
 
 def read_in_process(path: Path) -> dict:
     """``to_frame`` of the log: seconds and the frame's size."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     frame = to_frame(path)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "rows": len(frame),
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"seconds": seconds, "cpu_seconds": cpu, "rows": len(frame),
             "frame_mb": frame.memory_usage(deep=True).sum() / MB}
 
 
@@ -191,8 +191,9 @@ def run_cli(arguments) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     error = process.stderr.read().decode(errors="replace").strip().splitlines()
     process.stderr.close()
-    # ru_maxrss: kilobytes on Linux.
-    return {"seconds": seconds, "peak_mb": usage.ru_maxrss * 1024 / MB,
+    # ru_maxrss: kilobytes on Linux. CPU time too: on a loaded machine wall time waits.
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "peak_mb": usage.ru_maxrss * 1024 / MB,
             "returncode": process.returncode, "error": error[-1] if error else ""}
 
 
@@ -208,6 +209,7 @@ def parse_args(argv):
     parser.add_argument("--dir", type=Path, default=None,
                         help="folder for the logs (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--no-plot", action="store_true", help="leave out the plot command")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 200 steps every 2, 10 tensors, 20 real steps")
     args = parser.parse_args(argv)
@@ -223,7 +225,7 @@ def markdown(results: dict, args) -> str:
     rows = [
         ("streamed log, synthetic: tracked steps", f"{streamed['tracked_steps']:,}"),
         ("  RSS growth after the first tenth", f"{streamed['rss_growth_mb']:.1f} MB"),
-        ("  write time per tracked step", f"{streamed['ms_per_tracked_step']:.2f} ms"),
+        ("  append time per tracked step", f"{streamed['ms_per_tracked_step']:.2f} ms"),
         ("  log size", f"{streamed['log_mb']:.0f} MB"),
         ("  steps held in memory after each append", f"{streamed['steps_held']}"),
         ("in memory (no stream), synthetic: RSS per tracked step",
@@ -233,18 +235,24 @@ def markdown(results: dict, args) -> str:
         ("  most steps held by the quantities after a tracked call", f"{real['steps_held']}"),
         ("  time per tracked step", f"{real['ms_per_tracked_step']:.0f} ms"),
         (f"to_frame of the streamed log ({read['rows']:,} rows)",
-         f"{read['seconds']:.2f} s, frame {read['frame_mb']:.0f} MB"),
+         f"{read['seconds']:.2f} s ({read['cpu_seconds']:.2f} s CPU), frame "
+         f"{read['frame_mb']:.0f} MB"),
         ("cockpit-gradnoise report", _cli_cell(report)),
         ("cockpit-gradnoise plot", _cli_cell(plot)),
     ]
-    lines = [f"`{' '.join(results['command'])}`", "", "| measured | result |", "|---|---|"]
+    lines = [f"`{' '.join(results['command'])}`", "",
+             f"load average {results['load']:.1f} on {os.cpu_count()} CPUs", "",
+             "| measured | result |", "|---|---|"]
     return "\n".join(lines + [f"| {name} | {value} |" for name, value in rows]) + "\n"
 
 
 def _cli_cell(result) -> str:
+    if result is None:
+        return "not run (--no-plot)"
     if result["returncode"] != 0:
         return f"exit {result['returncode']}: {result['error']}"
-    return f"{result['seconds']:.2f} s, peak RSS {result['peak_mb']:.0f} MB"
+    return (f"{result['seconds']:.2f} s ({result['cpu_seconds']:.2f} s CPU), "
+            f"peak RSS {result['peak_mb']:.0f} MB")
 
 
 def main(argv=None) -> dict:
@@ -260,7 +268,8 @@ def main(argv=None) -> dict:
             "real": stream_real(folder / "real.jsonl", args.real_steps, args.tensors),
             "to_frame": read_in_process(log),
             "report": run_cli(["report", log]),
-            "plot": run_cli(["plot", log, "-o", folder / "dashboard.png"]),
+            "plot": None if args.no_plot else run_cli(["plot", log, "-o", folder / "dashboard.png"]),
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
         }
     if args.quick:
         print("QUICK MODE: a smoke test, not a measurement")
