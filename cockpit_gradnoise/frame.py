@@ -291,51 +291,61 @@ def _output_frame(output) -> pandas.DataFrame:
                     codes[2].append(tables[2].of(statistic))
                     values.append(decode_float(number))
             steps.extend([int(step)] * (len(codes[0]) - len(steps)))
-    columns = [numpy.asarray(c, dtype=numpy.int64) for c in codes]
+    names = [_names(list(table), range(len(table))) for table in tables]
+    columns = [remap[numpy.asarray(c, dtype=numpy.int64)] for c, (remap, _) in zip(codes, names)]
     frame = _frame(numpy.asarray(steps, dtype=numpy.int64), columns,
-                   [list(table) for table in tables], numpy.asarray(values, dtype=numpy.float64))
+                   [categories for _, categories in names], numpy.asarray(values, dtype=numpy.float64))
     # Sorted by step and quantity name; stable, so the stored order stays within them.
     order = numpy.lexsort((frame.quantity.cat.codes.to_numpy(), frame.step.to_numpy()))
     return frame.take(order).reset_index(drop=True)
 
 
 def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
-    """The frame of a streamed log, from its columns: one array per record, no dict per row."""
-    rank = {name: i for i, name in enumerate(sorted(log.quantities))}
+    """The frame of a streamed log, from its columns: one array per record, no dict per row.
+
+    Names are coded per layout (a few small arrays), then the layouts of the
+    records are concatenated: nothing is done per number but copying it.
+    """
     records = [log.records[r] for r in log.current()]
     if any(layout is None and per_parameter(value) is not None for *_, layout, value in records):
         return _output_frame(log)  # per-parameter values that are not all numbers: as in memory
-    records = sorted(
-        (record for record in records if record[2] is not None),
-        key=lambda record: (record[0], rank[log.quantities[record[1]]]),
+    records = [record for record in records if record[2] is not None and len(record[3])]
+    used = sorted({layout for _, _, layout, _ in records})
+    quantities = _names(log.quantities, {quantity for _, quantity, _, _ in records})
+    params, statistics = (
+        _names(table, set().union(*(log.layouts[layout][i].tolist() for layout in used)))
+        for i, table in ((0, log.params), (1, log.statistics))
     )
+    layouts = {layout: (params[0][log.layouts[layout][0]], statistics[0][log.layouts[layout][1]])
+               for layout in used}
+    # Sorted by step and quantity name, as the in-memory frame.
+    records.sort(key=lambda record: (record[0], quantities[0][record[1]]))
     counts = numpy.asarray([len(values) for *_, values in records], dtype=numpy.int64)
-
-    def per_record(values):
-        return numpy.repeat(numpy.asarray(values, dtype=numpy.int64), counts)
-
-    def per_number(index):
-        return numpy.concatenate(
-            [log.layouts[layout][index] for _, _, layout, _ in records] or [numpy.empty(0, int)]
-        )
-
-    columns = [per_record([quantity for _, quantity, _, _ in records]), per_number(0), per_number(1)]
+    steps = numpy.repeat(numpy.asarray([step for step, *_ in records], dtype=numpy.int64), counts)
+    quantity_codes = quantities[0][[quantity for _, quantity, _, _ in records]]
+    columns = [numpy.repeat(quantity_codes, counts)] + [
+        numpy.concatenate([layouts[layout][i] for _, _, layout, _ in records])
+        if records else numpy.empty(0, dtype=numpy.int8)
+        for i in (0, 1)
+    ]
     values = numpy.concatenate([values for *_, values in records] or [numpy.empty(0)])
-    steps = per_record([step for step, *_ in records])
-    return _frame(steps, columns, [log.quantities, log.params, log.statistics], values)
+    return _frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
 
 
-def _categorical(codes: numpy.ndarray, table: Sequence[str]) -> pandas.Categorical:
-    """The names ``table[codes]`` as a categorical of the names present, sorted."""
-    present = numpy.flatnonzero(numpy.bincount(codes, minlength=len(table)))
+def _names(table: Sequence[str], present) -> tuple:
+    """``(remap, categories)``: the present names of ``table`` sorted, and each position's code.
+
+    ``remap[i]`` is the code of ``table[i]`` among ``categories`` (in the
+    smallest integer type that holds them, as pandas stores codes).
+    """
     names = sorted((table[i], i) for i in present)
-    remap = numpy.zeros(len(table), dtype=numpy.int64)
+    dtype = numpy.int8 if len(names) < 2**7 else numpy.int16 if len(names) < 2**15 else numpy.int32
+    remap = numpy.full(len(table), -1, dtype=dtype)
     remap[[i for _, i in names]] = numpy.arange(len(names))
-    return pandas.Categorical.from_codes(
-        remap[codes], categories=pandas.Index([name for name, _ in names], dtype=str)
-    )
+    return remap, pandas.Index([name for name, _ in names], dtype=str)
 
 
-def _frame(steps, codes, tables, values) -> pandas.DataFrame:
-    names = [_categorical(c, t) for c, t in zip(codes, tables)]
+def _frame(steps, codes, categories, values) -> pandas.DataFrame:
+    names = [pandas.Categorical.from_codes(c, categories=k, validate=False)
+             for c, k in zip(codes, categories)]
     return pandas.DataFrame(dict(zip(COLUMNS, [steps, *names, values])), copy=False)
