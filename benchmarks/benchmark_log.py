@@ -176,25 +176,43 @@ def read_in_process(path: Path) -> dict:
             "frame_mb": frame.memory_usage(deep=True).sum() / MB}
 
 
+# Runs the command line, then writes its own peak RSS (VmHWM, kB) to argv[1]. Measured
+# in the child: a forked child's rusage peak starts at its parent's (Linux keeps
+# ru_maxrss across exec), so os.wait4's would count this benchmark's own memory.
+_CHILD = """
+import sys
+from cockpit_gradnoise.cli import main
+try:
+    code = main(sys.argv[2:])
+finally:
+    with open("/proc/self/status") as status, open(sys.argv[1], "w") as out:
+        out.write(next(line.split()[1] for line in status if line.startswith("VmHWM:")))
+sys.exit(code)
+"""
+
+
 def run_cli(arguments) -> dict:
-    """``cockpit-gradnoise ARGUMENTS`` in a fresh process: wall seconds, peak RSS, exit code."""
+    """``cockpit-gradnoise ARGUMENTS`` in a fresh process: wall and CPU seconds, peak RSS."""
     import cockpit_gradnoise
 
     # The package measured here, also where another one is installed.
     home = str(Path(cockpit_gradnoise.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([home, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "cockpit_gradnoise.cli", *map(str, arguments)]
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    error = process.stderr.read().decode(errors="replace").strip().splitlines()
-    process.stderr.close()
-    # ru_maxrss: kilobytes on Linux. CPU time too: on a loaded machine wall time waits.
+    with tempfile.TemporaryDirectory() as scratch:
+        peak_file = Path(scratch) / "peak"
+        command = [sys.executable, "-c", _CHILD, str(peak_file), *map(str, arguments)]
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   env=env)
+        error = process.stderr.read().decode(errors="replace").strip().splitlines()
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        process.stderr.close()
+        peak = int(peak_file.read_text()) * 1024 if peak_file.exists() else math.nan
     return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
-            "peak_mb": usage.ru_maxrss * 1024 / MB,
-            "returncode": process.returncode, "error": error[-1] if error else ""}
+            "peak_mb": peak / MB, "returncode": process.returncode,
+            "error": error[-1] if error else ""}
 
 
 def parse_args(argv):

@@ -64,7 +64,8 @@ def _logged_update_hook(dct, properties=None):
     )
 
 
-def _log_path(path) -> Path:
+def json_log_path(path) -> Path:
+    """The path :func:`write_log` writes for ``path``: ``.json`` added unless it ends so."""
     path = Path(path)
     return path if path.suffix == ".json" else path.with_name(path.name + ".json")
 
@@ -78,7 +79,7 @@ def _read_path(path) -> Path:
         candidate = path.with_name(path.name + suffix)
         if candidate.is_file():
             return candidate
-    return _log_path(path)
+    return json_log_path(path)
 
 
 def read_log(path) -> Mapping[int, Dict[str, Any]]:
@@ -166,7 +167,7 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     """
     if not is_writer(writer_rank):
         return None
-    path = _log_path(path)
+    path = json_log_path(path)
     text = json_tricks.dumps(_sanitize(dict(cockpit.get_output())), indent=4, allow_nan=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)

@@ -30,7 +30,7 @@ from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
-from cockpit_gradnoise.frame import read_log, to_frame, write_log
+from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.log import LogStream
 from cockpit_gradnoise.prepare import prepare_model
 
@@ -399,7 +399,16 @@ class Tracker:
         return to_frame(self)
 
     def write(self, path) -> Optional[Path]:
-        """Write the JSON log atomically (:func:`~cockpit_gradnoise.write_log`); return its path."""
+        """Write the JSON log atomically (:func:`~cockpit_gradnoise.write_log`); return its path.
+
+        Raises:
+            ValueError: If ``path`` is the streamed log's (:meth:`stream_to`).
+        """
+        if self.stream is not None and json_log_path(path).resolve() == self.stream.path.resolve():
+            raise ValueError(
+                f"{self.stream.path} is the streamed log, which is already on disk: write the "
+                "JSON log to another path"
+            )
         written = write_log(self, path)
         self.log = written or self.log
         return written

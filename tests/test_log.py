@@ -102,6 +102,8 @@ def test_a_streaming_tracker_holds_no_step_and_logs_what_memory_would(tmp_path):
     assert streamed.frame().equals(in_memory.frame())
     assert streamed.get_output()[4]["GradNorm"] == in_memory.get_output()[4]["GradNorm"]
     assert cgn.to_frame(streamed.write(tmp_path / "whole")).equals(in_memory.frame())
+    with pytest.raises(ValueError, match="is the streamed log"):
+        tracked_run(tmp_path / "run.json", steps=1)[0].write(tmp_path / "run")
     assert streamed.report().startswith(f"cockpit-gradnoise report: {tmp_path / 'run.jsonl'}")
 
 
