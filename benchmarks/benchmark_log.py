@@ -191,8 +191,22 @@ sys.exit(code)
 """
 
 
-def run_cli(arguments) -> dict:
-    """``cockpit-gradnoise ARGUMENTS`` in a fresh process: wall and CPU seconds, peak RSS."""
+def _wait(process, deadline):
+    """Reap ``process`` (killed at ``deadline``, a ``perf_counter`` time): its status and rusage."""
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            return status, usage
+        if time.perf_counter() > deadline:
+            process.kill()
+        time.sleep(0.05)
+
+
+def run_cli(arguments, timeout: float = 900.0) -> dict:
+    """``cockpit-gradnoise ARGUMENTS`` in a fresh process: wall and CPU seconds, peak RSS.
+
+    Killed after ``timeout`` seconds (exit code -9, said in the table).
+    """
     import cockpit_gradnoise
 
     # The package measured here, also where another one is installed.
@@ -204,9 +218,9 @@ def run_cli(arguments) -> dict:
         start = time.perf_counter()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    env=env)
-        error = process.stderr.read().decode(errors="replace").strip().splitlines()
-        _, status, usage = os.wait4(process.pid, 0)
+        status, usage = _wait(process, start + timeout)
         seconds = time.perf_counter() - start
+        error = process.stderr.read().decode(errors="replace").strip().splitlines()
         process.returncode = os.waitstatus_to_exitcode(status)
         process.stderr.close()
         peak = int(peak_file.read_text()) * 1024 if peak_file.exists() else math.nan
@@ -222,8 +236,8 @@ def parse_args(argv):
     parser.add_argument("--tensors", type=int, default=200, help="parameter tensors (default 200)")
     parser.add_argument("--in-memory-steps", type=int, default=300,
                         help="tracked steps kept in memory for the comparison (default 300)")
-    parser.add_argument("--real-steps", type=int, default=300,
-                        help="steps of the real tracked run (default 300)")
+    parser.add_argument("--real-steps", type=int, default=100,
+                        help="steps of the real tracked run (default 100)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="folder for the logs (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
