@@ -106,7 +106,10 @@ def read_log(path) -> Mapping[int, Dict[str, Any]]:
         raise FileNotFoundError(f"{path}: no such log file")
     if is_streamed(path):
         return read_stream(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a text file ({error.reason} at byte {error.start})") from None
     if not text.strip():
         raise ValueError(f"{path}: the log file is empty")
     try:

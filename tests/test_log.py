@@ -299,3 +299,11 @@ def test_kill_9_inside_the_write_window_leaves_a_file_the_next_write_removes(tmp
     assert len(left) == 1 and not (tmp_path / "run.json").exists()
     cgn.write_log(SimpleNamespace(get_output=lambda: {1: {"X": 2.0}}), tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_read_errors_name_the_file_also_without_suffix_or_for_binary(tmp_path):
+    (tmp_path / "RUN.JSON").write_bytes((DATA / "write_log.json").read_bytes())
+    assert list(cgn.read_log(tmp_path / "RUN.JSON")) == [0, 2, 4]  # as given, not RUN.JSON.json
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'binary.json'}: not a text file"):
+        cgn.read_log(tmp_path / "binary")
