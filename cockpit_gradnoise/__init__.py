@@ -28,6 +28,7 @@ _EXPORTS = {
     "read_log": ("cockpit_gradnoise.frame", "read_log"),
     "to_frame": ("cockpit_gradnoise.frame", "to_frame"),
     "write_log": ("cockpit_gradnoise.frame", "write_log"),
+    "LogStream": ("cockpit_gradnoise.log", "LogStream"),
     "plot": ("cockpit_gradnoise.dashboard", "plot"),
     "panels": ("cockpit_gradnoise.panels", None),
     "report": ("cockpit_gradnoise.findings", "report"),

@@ -6,17 +6,24 @@ in model order and ``"all"`` last. Non-finite values are stored as the strings
 with ``allow_nan=False``) raises on a raw non-finite float. :func:`to_frame`
 decodes them back to floats.
 
-Reading a log imports neither torch nor Cockpit: ``UpdateSize``'s items are
-read as :class:`LoggedUpdate` instead of the quantity's own class.
+Two kinds of log are read: the JSON logs of ``Cockpit.write`` and
+:func:`write_log` (the whole output at once), and the streamed logs of
+:class:`~cockpit_gradnoise.log.LogStream` (JSON lines, appended step by step).
+Reading either imports neither torch nor Cockpit: ``UpdateSize``'s items in a
+JSON log are read as :class:`LoggedUpdate` instead of the quantity's own class.
 """
 
+import glob
 import os
+import re
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Mapping, NamedTuple, Optional
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
+from cockpit_gradnoise.log import SUFFIX, StreamedLog, is_streamed, per_parameter, read_stream
+from cockpit_gradnoise.schema import decode_float, encode_float
 
 import json_tricks
 import numpy
@@ -57,29 +64,52 @@ def _logged_update_hook(dct, properties=None):
     )
 
 
-def _log_path(path) -> Path:
+def json_log_path(path) -> Path:
+    """The path :func:`write_log` writes for ``path``: ``.json`` added unless it ends so."""
     path = Path(path)
     return path if path.suffix == ".json" else path.with_name(path.name + ".json")
 
 
-def read_log(path) -> Dict[int, Dict[str, Any]]:
-    """Read a log written by ``Cockpit.write`` or :func:`write_log`.
+def _read_path(path) -> Path:
+    """The file to read for ``path``: as given if it is a file, else with ``.json`` or ``.jsonl``."""
+    path = Path(path)
+    if path.is_file() or path.suffix in (".json", SUFFIX):
+        return path
+    for suffix in (".json", SUFFIX):
+        candidate = path.with_name(path.name + suffix)
+        if candidate.is_file():
+            return candidate
+    return json_log_path(path)
+
+
+def read_log(path) -> Mapping[int, Dict[str, Any]]:
+    """Read a log written by ``Cockpit.write``, :func:`write_log` or a :class:`~cockpit_gradnoise.LogStream`.
 
     Args:
-        path: The log's path, with or without the ``.json`` suffix.
+        path: The log's path; without a suffix, ``path.json`` or else
+            ``path.jsonl``.
 
     Returns:
         ``{step: {quantity name: value}}`` with integer steps, in the log's
-        order; ``UpdateSize``'s items as :class:`LoggedUpdate`.
+        order. From a JSON log, a dict with ``UpdateSize``'s items as
+        :class:`LoggedUpdate`; from a streamed log, a
+        :class:`~cockpit_gradnoise.log.StreamedLog` mapping, per-parameter
+        values (``UpdateSize``'s too) as ``{param: {statistic: float}}``.
 
     Raises:
         FileNotFoundError: If the file does not exist.
-        ValueError: If the file is empty, truncated or not a Cockpit log.
+        ValueError: If the file is empty, truncated (a JSON log; a streamed
+            log's cut last line is left out with a warning) or not a log.
     """
-    path = _log_path(path)
+    path = _read_path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such log file")
-    text = path.read_text()
+    if is_streamed(path):
+        return read_stream(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a text file ({error.reason} at byte {error.start})") from None
     if not text.strip():
         raise ValueError(f"{path}: the log file is empty")
     try:
@@ -105,6 +135,12 @@ def _sanitize(value):
     return value
 
 
+#: A temporary file of an interrupted :func:`write_log` is removed by the next
+#: write of the same log once its writer process is gone, or, where that cannot
+#: be known (another machine's process, pid reused), once it is this old.
+STALE_SECONDS = 600.0
+
+
 def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Optional[Path]:
     """Write a Cockpit's output as ``Cockpit.write`` does, without ever losing a log.
 
@@ -116,8 +152,15 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     by name. The log gets the permissions of any new file under the current
     umask (usually ``rw-r--r--``), also when it replaces an older log.
 
+    The text goes to a hidden ``.<name>.<pid>.<random>.tmp`` beside the log,
+    renamed over it when complete. A process killed in between leaves that
+    file behind; each write removes those of the same log that are stale:
+    their writer's process id is not running on this machine, or they are
+    older than :data:`STALE_SECONDS`.
+
     Args:
-        cockpit: A ``cockpit.Cockpit``.
+        cockpit: A ``cockpit.Cockpit`` (or anything with ``get_output()``,
+            such as a streaming :class:`~cockpit_gradnoise.Tracker`).
         path: Log path, with or without the ``.json`` suffix.
         writer_rank: Under distributed training only this process writes
             (``None``: every process; give each its own path).
@@ -127,10 +170,11 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     """
     if not is_writer(writer_rank):
         return None
-    path = _log_path(path)
+    path = json_log_path(path)
     text = json_tricks.dumps(_sanitize(dict(cockpit.get_output())), indent=4, allow_nan=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    remove_stale_temporaries(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     # os.open applies the umask to 0o666, as for any new file (mkstemp gives 0o600).
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -143,40 +187,74 @@ def write_log(cockpit, path, *, writer_rank: Optional[int] = WRITER_RANK) -> Opt
     return path
 
 
-def _is_update(item) -> bool:
-    return all(hasattr(item, attribute) for attribute in LoggedUpdate._fields)
+_TEMPORARY = re.compile(r"^(?:(?P<pid>\d+)\.)?[0-9a-f]{32}\.tmp$")  # after ".<name>."
 
 
-def _per_parameter(value):
-    """``{param: {statistic: value}}`` if ``value`` is one of ours, else ``None``."""
-    # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
-    # reads only floats and plain lists).
-    if isinstance(value, list) and value and all(map(_is_update, value)):
-        return update_statistics(value)
-    if isinstance(value, Mapping) and value and all(
-        isinstance(stats, Mapping) for stats in value.values()
-    ):
-        return value
-    return None
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (``True`` where it cannot be told)."""
+    if os.name == "nt":  # os.kill(pid, 0) would end the process there
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it runs, as another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(path) -> List[Path]:
+    """Remove the stale temporary files that interrupted writes of the log ``path`` left.
+
+    Stale: named for this log (``.<name>.<pid>.<random>.tmp``, or
+    ``.<name>.<random>.tmp`` from older versions) and either their writer's
+    process is not running on this machine or they are older than
+    :data:`STALE_SECONDS`. A write in progress is never removed: its process
+    runs, and its file is seconds old.
+
+    Returns:
+        The files removed.
+    """
+    path = Path(path)
+    prefix = f".{path.name}."
+    removed = []
+    for candidate in path.parent.glob(glob.escape(prefix) + "*.tmp"):
+        match = _TEMPORARY.match(candidate.name[len(prefix):])
+        if match is None:
+            continue  # another log's (a longer name sharing the prefix), or not ours
+        try:
+            age = time.time() - candidate.stat().st_mtime
+        except FileNotFoundError:  # its writer finished meanwhile
+            continue
+        pid = match["pid"]
+        if age > STALE_SECONDS or (pid is not None and not _running(int(pid))):
+            try:
+                candidate.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(candidate)
+    return removed
 
 
 def to_frame(source) -> pandas.DataFrame:
     """One tidy table of every statistic of this package's quantities.
 
     Args:
-        source: A live ``cockpit.Cockpit``, its ``get_output()`` dict, or the
-            path of a log written by ``Cockpit.write`` or :func:`write_log`
-            (with or without ``.json``).
+        source: A live ``cockpit.Cockpit`` or :class:`~cockpit_gradnoise.Tracker`,
+            their ``get_output()``, the :func:`read_log` of a log, or the path
+            of a log written by ``Cockpit.write``, :func:`write_log` or a
+            :class:`~cockpit_gradnoise.LogStream` (see :func:`read_log`).
 
     Returns:
-        A DataFrame with columns ``step`` (int), ``quantity``, ``param``,
-        ``statistic`` (str) and ``value`` (float, NaN and inf decoded), one row
-        per number, sorted by step and quantity; within them parameters and
-        statistics keep the stored order (parameters in model order, the
-        network last). A live cockpit and its :func:`write_log` log give
-        identical frames; a ``Cockpit.write`` log, whose keys are sorted, the
-        same rows with parameters and statistics by name. Cockpit's own
-        quantities (not stored per parameter) are left out.
+        A DataFrame with columns ``step`` (int64), ``quantity``, ``param``,
+        ``statistic`` (categorical, categories sorted by name) and ``value``
+        (float64, NaN and inf decoded), one row per number, sorted by step and
+        quantity; within them parameters and statistics keep the stored order
+        (parameters in model order, the network last). A live cockpit, its
+        :func:`write_log` log and its streamed log give identical frames; a
+        ``Cockpit.write`` log, whose keys are sorted, the same rows with
+        parameters and statistics by name. Cockpit's own quantities (not
+        stored per parameter) are left out.
     """
     if isinstance(source, (str, os.PathLike)):
         output = read_log(source)
@@ -184,17 +262,94 @@ def to_frame(source) -> pandas.DataFrame:
         output = source.get_output()
     else:
         output = source
-    rows = []
+    if isinstance(output, StreamedLog):
+        return _streamed_frame(output)
+    return _output_frame(output)
+
+
+class _Codes(dict):
+    """Name -> position in the order first seen: the codes of one name column."""
+
+    def of(self, name) -> int:
+        code = self.get(name)
+        if code is None:
+            code = self[name] = len(self)
+        return code
+
+
+def _output_frame(output) -> pandas.DataFrame:
+    """The frame of ``{step: {quantity: value}}``: numbers and name codes gathered in lists."""
+    tables = [_Codes(), _Codes(), _Codes()]  # quantity, param, statistic
+    steps, codes, values = [], ([], [], []), []
     for step, quantities in output.items():
         for quantity, value in quantities.items():
-            per_parameter = _per_parameter(value)
-            if per_parameter is None:
+            rows = per_parameter(value)
+            if rows is None:
                 continue
-            for param, statistics in per_parameter.items():
+            quantity_code = tables[0].of(quantity)
+            for param, statistics in rows.items():
+                param_code = tables[1].of(param)
                 for statistic, number in statistics.items():
-                    rows.append((int(step), quantity, param, statistic, decode_float(number)))
-    frame = pandas.DataFrame(rows, columns=COLUMNS)
-    frame = frame.astype(
-        {"step": "int64", "quantity": str, "param": str, "statistic": str, "value": "float64"}
+                    codes[0].append(quantity_code)
+                    codes[1].append(param_code)
+                    codes[2].append(tables[2].of(statistic))
+                    values.append(decode_float(number))
+            steps.extend([int(step)] * (len(codes[0]) - len(steps)))
+    names = [_names(list(table), range(len(table))) for table in tables]
+    columns = [remap[numpy.asarray(c, dtype=numpy.int64)] for c, (remap, _) in zip(codes, names)]
+    frame = _frame(numpy.asarray(steps, dtype=numpy.int64), columns,
+                   [categories for _, categories in names], numpy.asarray(values, dtype=numpy.float64))
+    # Sorted by step and quantity name; stable, so the stored order stays within them.
+    order = numpy.lexsort((frame.quantity.cat.codes.to_numpy(), frame.step.to_numpy()))
+    return frame.take(order).reset_index(drop=True)
+
+
+def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
+    """The frame of a streamed log, from its columns: one array per record, no dict per row.
+
+    Names are coded per layout (a few small arrays), then the layouts of the
+    records are concatenated: nothing is done per number but copying it.
+    """
+    records = [log.records[r] for r in log.current()]
+    if any(layout is None and per_parameter(value) is not None for *_, layout, value in records):
+        return _output_frame(log)  # per-parameter values that are not all numbers: as in memory
+    records = [record for record in records if record[2] is not None and len(record[3])]
+    used = sorted({layout for _, _, layout, _ in records})
+    quantities = _names(log.quantities, {quantity for _, quantity, _, _ in records})
+    params, statistics = (
+        _names(table, set().union(*(log.layouts[layout][i].tolist() for layout in used)))
+        for i, table in ((0, log.params), (1, log.statistics))
     )
-    return frame.sort_values(COLUMNS[:2], kind="stable", ignore_index=True)
+    layouts = {layout: (params[0][log.layouts[layout][0]], statistics[0][log.layouts[layout][1]])
+               for layout in used}
+    # Sorted by step and quantity name, as the in-memory frame.
+    records.sort(key=lambda record: (record[0], quantities[0][record[1]]))
+    counts = numpy.asarray([len(values) for *_, values in records], dtype=numpy.int64)
+    steps = numpy.repeat(numpy.asarray([step for step, *_ in records], dtype=numpy.int64), counts)
+    quantity_codes = quantities[0][[quantity for _, quantity, _, _ in records]]
+    columns = [numpy.repeat(quantity_codes, counts)] + [
+        numpy.concatenate([layouts[layout][i] for _, _, layout, _ in records])
+        if records else numpy.empty(0, dtype=numpy.int8)
+        for i in (0, 1)
+    ]
+    values = numpy.concatenate([values for *_, values in records] or [numpy.empty(0)])
+    return _frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
+
+
+def _names(table: Sequence[str], present) -> tuple:
+    """``(remap, categories)``: the present names of ``table`` sorted, and each position's code.
+
+    ``remap[i]`` is the code of ``table[i]`` among ``categories`` (in the
+    smallest integer type that holds them, as pandas stores codes).
+    """
+    names = sorted((table[i], i) for i in present)
+    dtype = numpy.int8 if len(names) < 2**7 else numpy.int16 if len(names) < 2**15 else numpy.int32
+    remap = numpy.full(len(table), -1, dtype=dtype)
+    remap[[i for _, i in names]] = numpy.arange(len(names))
+    return remap, pandas.Index([name for name, _ in names], dtype=str)
+
+
+def _frame(steps, codes, categories, values) -> pandas.DataFrame:
+    names = [pandas.Categorical.from_codes(c, categories=k, validate=False)
+             for c, k in zip(codes, categories)]
+    return pandas.DataFrame(dict(zip(COLUMNS, [steps, *names, values])), copy=False)

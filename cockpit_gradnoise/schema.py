@@ -151,8 +151,12 @@ def decode_float(value: Union[float, int, str]) -> float:
 
 
 def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float, str]]:
-    """Encode every value of ``{statistic: float}`` with :func:`encode_float`."""
-    return {name: encode_float(value) for name, value in statistics.items()}
+    """Encode every value of ``{statistic: float}`` with :func:`encode_float`.
+
+    The names are interned: every stored row shares one string per name
+    (the quantities build them anew at each step, e.g. :func:`quantile_name`).
+    """
+    return {sys.intern(name): encode_float(value) for name, value in statistics.items()}
 
 
 def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:

@@ -29,7 +29,8 @@ from cockpit_gradnoise import functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
-from cockpit_gradnoise.frame import to_frame, write_log
+from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
+from cockpit_gradnoise.log import LogStream
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.step import step_number
 
@@ -214,6 +215,7 @@ def track(
     options: Optional[Mapping[str, Mapping]] = None,
     use_converter: Optional[bool] = None,
     verbose: bool = False,
+    log=None,
 ):
     """Make ``model`` ready for the quantities and return it with its :class:`Tracker`.
 
@@ -238,6 +240,9 @@ def track(
         options: Keyword arguments per quantity class name.
         use_converter: As :func:`~cockpit_gradnoise.prepare_model`'s.
         verbose: Cockpit's ``verbose`` for the quantities.
+        log: Stream the log to this path (:meth:`Tracker.stream_to`): each
+            tracked step is appended as it is computed and dropped from
+            memory, so memory stays flat over any number of steps.
 
     Returns:
         ``(model, tracker)``: the model to train and its :class:`Tracker`.
@@ -257,7 +262,10 @@ def track(
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    return model, Tracker(Cockpit(params, quantities=built), names)
+    tracker = Tracker(Cockpit(params, quantities=built), names)
+    if log is not None:
+        tracker.stream_to(log)
+    return model, tracker
 
 
 class Tracker:
@@ -270,6 +278,7 @@ class Tracker:
     Attributes:
         cockpit: The ``cockpit.Cockpit`` (its quantities: ``cockpit.quantities``).
         param_names: Names of the Cockpit's parameters, in its order.
+        stream: The :class:`~cockpit_gradnoise.LogStream` of :meth:`stream_to`, or ``None``.
     """
 
     def __init__(self, cockpit: Cockpit, param_names: Sequence[str]):
@@ -278,6 +287,37 @@ class Tracker:
         self.log = None  # the last log written, named in the report
         self.loggers = []
         self._logged = {}  # quantity name -> the last step given to the loggers
+        self.stream: Optional[LogStream] = None
+
+    def stream_to(self, path) -> Path:
+        """Append each tracked step to the streamed log at ``path`` and drop it from memory.
+
+        From now on the steps are written as they are computed (a JSON-lines
+        log, :class:`~cockpit_gradnoise.LogStream`; ``.jsonl`` is added to a
+        path without a suffix; a log there is replaced), starting with what
+        was tracked before. The quantities then hold no step between tracked
+        calls (:data:`~cockpit_gradnoise.log.STEPS_IN_MEMORY`); :meth:`get_output`,
+        :meth:`frame`, :meth:`plot`, :meth:`report` and :meth:`write` read
+        the streamed log. A ``kill -9`` loses at most the last tracked step.
+
+        Returns:
+            The log's path.
+        """
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = LogStream(path)
+        self.stream.append(self.cockpit)
+        self.log = self.stream.path
+        return self.stream.path
+
+    def close(self):
+        """Close the streamed log's file (nothing to do without :meth:`stream_to`)."""
+        if self.stream is not None:
+            self.stream.close()
+
+    def _append(self):
+        if self.stream is not None:
+            self.stream.append(self.cockpit)
 
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
@@ -342,7 +382,7 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
-        return TrackedStep(self.cockpit, step, full, after=self._to_loggers)
+        return TrackedStep(self.cockpit, step, full, after=self._after_step)
 
     def log_to(self, target) -> "Tracker":
         """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
@@ -384,6 +424,11 @@ class Tracker:
             for logger in self.loggers:
                 logger(step, new[step])
 
+    def _after_step(self):
+        """After the quantities computed: the loggers get the new numbers, then the stream."""
+        self._to_loggers()
+        self._append()
+
     def _tracks(self, step) -> bool:
         return any(q.should_compute(step) for q in self.cockpit.quantities)
 
@@ -391,17 +436,29 @@ class Tracker:
         """Whether ``loss.backward`` must keep the graph at ``step`` (Cockpit's ``create_graph``)."""
         return self.cockpit.create_graph(step)
 
-    def get_output(self) -> dict:
-        """The Cockpit's output: ``{step: {quantity: result}}``."""
-        return self.cockpit.get_output()
+    def get_output(self) -> Mapping:
+        """The output: ``{step: {quantity: result}}``; when streaming, the streamed log read back."""
+        if self.stream is None:
+            return self.cockpit.get_output()
+        self._append()
+        return read_log(self.stream.path) if self.stream.writes else {}
 
     def frame(self):
         """The tidy frame of every statistic tracked so far (:func:`~cockpit_gradnoise.to_frame`)."""
-        return to_frame(self.cockpit)
+        return to_frame(self)
 
     def write(self, path) -> Optional[Path]:
-        """Write the log atomically (:func:`~cockpit_gradnoise.write_log`); return its path."""
-        written = write_log(self.cockpit, path)
+        """Write the JSON log atomically (:func:`~cockpit_gradnoise.write_log`); return its path.
+
+        Raises:
+            ValueError: If ``path`` is the streamed log's (:meth:`stream_to`).
+        """
+        if self.stream is not None and json_log_path(path).resolve() == self.stream.path.resolve():
+            raise ValueError(
+                f"{self.stream.path} is the streamed log, which is already on disk: write the "
+                "JSON log to another path"
+            )
+        written = write_log(self, path)
         self.log = written or self.log
         return written
 
@@ -409,10 +466,13 @@ class Tracker:
         """The dashboard of what is tracked so far: :func:`~cockpit_gradnoise.plot`'s arguments."""
         from cockpit_gradnoise import dashboard  # matplotlib only where a figure is drawn
 
-        return dashboard.plot(self.cockpit, **kwargs)
+        return dashboard.plot(self, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
         """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
+        if self.stream is not None:
+            self._append()
+            return report(self.stream.path, path, **kwargs)
         return report(self, path, **kwargs)
 
 
@@ -446,7 +506,7 @@ class TrackedStep:
         if kind is None and problem is None:
             self._context.__exit__(None, None, None)  # the quantities compute here
             if self.after is not None:
-                self.after()
+                self.after()  # the tracker's loggers and stream
             return False
         # Leave BackPACK's context without tracking: nothing of this step is recorded.
         for context in self._context.contexts:

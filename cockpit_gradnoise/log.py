@@ -1,0 +1,415 @@
+"""Streaming logs: tracked steps appended to disk as they are computed.
+
+A streamed log is a JSON-lines file (one JSON object per line, ``.jsonl``),
+append-only, so that memory stays flat over any number of steps and a
+``kill -9`` at any moment loses at most the records of the last tracked call
+(a line cut mid-write is left out, with a warning, when the log is read).
+Its lines, in the order they are written:
+
+- the header, first and once: ``{"format": "cockpit-gradnoise-log", "version": 1}``;
+- ``{"names": {"quantities": [...], "params": [...], "statistics": [...]}}``:
+  names not seen before, appended to three tables (each name is stored once,
+  rows refer to it by its position in its table);
+- ``{"layout": [[param, [statistic, ...]], ...]}``: the shape of one
+  quantity's ``{param: {statistic: value}}`` at one step, as positions in the
+  tables; layouts are numbered in the order they appear (a run has a few);
+- ``{"step": s, "quantity": q, "layout": l, "values": "..."}``: the numbers
+  of quantity ``q`` at step ``s`` in the order of layout ``l``, as base64 of
+  little-endian float64 (exact, NaN and inf included, and about ten times
+  faster to read than JSON numbers);
+- ``{"step": s, "quantity": q, "value": ...}``: a value that is not
+  per-parameter numbers (Cockpit's own quantities, ``cockpit.log``), as JSON
+  (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
+  lists).
+
+A later record of the same step and quantity replaces an earlier one, as a
+Cockpit's output dict does. :func:`read_stream` reads a log back as a
+:class:`StreamedLog` (``{step: {quantity: value}}``, and the tidy frame
+without per-row dicts); :func:`cockpit_gradnoise.read_log` and
+:func:`cockpit_gradnoise.to_frame` read both this and the JSON logs of
+``Cockpit.write`` and :func:`cockpit_gradnoise.write_log`.
+
+This module imports neither torch nor Cockpit.
+"""
+
+import base64
+import json
+import math
+import operator
+import warnings
+from collections.abc import Mapping as MappingABC
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
+from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
+
+import numpy
+
+FORMAT = "cockpit-gradnoise-log"
+VERSION = 1
+SUFFIX = ".jsonl"
+#: The first line of every streamed log (also how a reader tells it from a JSON log).
+HEADER = json.dumps({"format": FORMAT, "version": VERSION})
+
+#: Steps a cockpit holds in its quantities' outputs after :meth:`LogStream.append`.
+#: Between two appends it holds what one tracked call computed: the call's
+#: step and, for a two-step quantity (``UpdateSize``), the step before.
+STEPS_IN_MEMORY = 0
+
+_TABLES = ("quantities", "params", "statistics")
+_DTYPE = numpy.dtype("<f8")
+_UPDATE_FIELDS = ("name", "norm", "start_norm")  # frame.LoggedUpdate's, a live LayerUpdate's
+
+
+def _is_update(item) -> bool:
+    return all(hasattr(item, attribute) for attribute in _UPDATE_FIELDS)
+
+
+def per_parameter(value) -> Optional[Mapping[str, Mapping[str, Any]]]:
+    """``{param: {statistic: value}}`` if ``value`` is one of this package's, else ``None``."""
+    # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
+    # reads only floats and plain lists).
+    if isinstance(value, list) and value and all(map(_is_update, value)):
+        return update_statistics(value)
+    if isinstance(value, Mapping) and value and all(
+        isinstance(stats, Mapping) for stats in value.values()
+    ):
+        return value
+    return None
+
+
+def _jsonable(value):
+    """``value`` as plain JSON: non-finite floats encoded, NumPy arrays as lists."""
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(val) for key, val in value.items()}
+    if isinstance(value, numpy.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(val) for val in value]
+    if isinstance(value, (bool, numpy.bool_)):
+        return bool(value)
+    if isinstance(value, (int, numpy.integer)):
+        return int(value)
+    if isinstance(value, (float, numpy.floating)):
+        return encode_float(value)
+    if value is None or isinstance(value, str):
+        return value
+    return str(value)  # an object JSON cannot hold: its text, never a crash mid-training
+
+
+_CODES = {encode_float(x) for x in (math.nan, math.inf, -math.inf)}
+
+
+def _numbers(rows: Mapping[str, Mapping[str, Any]]) -> Optional[numpy.ndarray]:
+    """Every value of ``rows``, row after row, as float64 (codes decoded); ``None`` if one is not a number.
+
+    What :func:`~cockpit_gradnoise.to_frame` makes of them
+    (:func:`~cockpit_gradnoise.schema.decode_float` of each), faster.
+    """
+    flat = [number for statistics in rows.values() for number in statistics.values()]
+    kinds = {number.__class__ for number in flat}
+    try:
+        if kinds <= {float, int, str} and all(
+            number in _CODES for number in flat if number.__class__ is str
+        ):
+            return numpy.array(flat, dtype=_DTYPE)  # floats, and the codes' text as numpy reads it
+        return numpy.fromiter(map(decode_float, flat), dtype=_DTYPE, count=len(flat))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+class LogStream:
+    """Appends a cockpit's results to a streamed log and drops them from memory.
+
+    Call :meth:`append` after each tracked step (``cgn.track(model, log=path)``
+    does it for you)::
+
+        stream = cgn.LogStream("runs/demo.jsonl")
+        for step, (x, y) in enumerate(loader):
+            ...
+            with cockpit(step, info=info):
+                loss.backward()
+            stream.append(cockpit)   # written, and dropped from the cockpit
+        stream.close()
+
+    The file is created anew (an existing log at ``path`` is replaced, as
+    ``Cockpit.write`` replaces one). Each :meth:`append` writes whole lines and
+    flushes them to the operating system, so a killed process leaves a log
+    that reads back up to its last append; it does not ``fsync`` (a power
+    loss may lose more).
+
+    Args:
+        path: The log's path; ``.jsonl`` is added when it has no suffix.
+        writer_rank: Under distributed training only this process writes
+            (``None``: every process; give each its own path). The others
+            drop the results without writing, so their memory stays flat too.
+    """
+
+    def __init__(self, path, *, writer_rank: Optional[int] = WRITER_RANK):
+        path = Path(path)
+        self.path = path if path.suffix else path.with_name(path.name + SUFFIX)
+        self._tables: Dict[str, Dict[str, int]] = {table: {} for table in _TABLES}
+        self._layouts: Dict[tuple, int] = {}
+        self._file = None
+        if is_writer(writer_rank):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")
+            self._file.write(HEADER + "\n")
+            self._file.flush()
+
+    def append(self, cockpit) -> int:
+        """Write what ``cockpit`` holds and drop it from its quantities and itself.
+
+        Args:
+            cockpit: A ``cockpit.Cockpit`` (or anything with ``quantities``
+                and ``output``).
+
+        Returns:
+            The number of records written (0 on a process that does not write).
+        """
+        held = _take(cockpit)
+        if self._file is None or not held:
+            return 0
+        lines = [line for step, values in held.items() for line in self._lines(step, values)]
+        self._file.write("".join(lines))  # one write: a kill cuts at most the last lines
+        self._file.flush()
+        return sum(1 for line in lines if line.startswith('{"step"'))
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the log (and it is open)."""
+        return self._file is not None
+
+    def close(self):
+        """Close the file; later appends only drop results."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "LogStream":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _lines(self, step, values) -> Iterator[str]:
+        for quantity, value in values.items():
+            rows = per_parameter(value)
+            numbers = None if rows is None else _numbers(rows)
+            yield from self._new_names({"quantities": [quantity]})
+            record = {"step": _integer(step), "quantity": self._tables["quantities"][quantity]}
+            if numbers is None:
+                record["value"] = _jsonable(value)
+            else:
+                layout, new = self._layout(rows)
+                yield from new
+                record["layout"] = layout
+                record["values"] = base64.b64encode(numbers.tobytes()).decode("ascii")
+            yield json.dumps(record, allow_nan=False) + "\n"
+
+    def _new_names(self, names: Mapping[str, List[str]]) -> Iterator[str]:
+        """The names line declaring those of ``names`` not in the tables yet."""
+        new = {}
+        for table, candidates in names.items():
+            known = self._tables[table]
+            for name in candidates:
+                if name not in known:
+                    known[name] = len(known)
+                    new.setdefault(table, []).append(name)
+        if new:
+            yield json.dumps({"names": new}) + "\n"
+
+    def _layout(self, rows) -> Tuple[int, List[str]]:
+        """The number of ``rows``' layout, and the lines declaring it if it is new."""
+        key = tuple((param, tuple(statistics)) for param, statistics in rows.items())
+        found = self._layouts.get(key)
+        if found is not None:
+            return found, []
+        lines = list(self._new_names({
+            "params": [param for param, _ in key],
+            "statistics": [name for _, statistics in key for name in statistics],
+        }))
+        params, statistics = self._tables["params"], self._tables["statistics"]
+        layout = [[params[param], [statistics[s] for s in names]] for param, names in key]
+        self._layouts[key] = len(self._layouts)
+        lines.append(json.dumps({"layout": layout}) + "\n")
+        return self._layouts[key], lines
+
+
+def _integer(step) -> int:
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise ValueError(
+            f"step {step!r} ({type(step).__name__}) is not an integer: give the cockpit "
+            "integer global steps"
+        ) from None
+
+
+def _take(cockpit) -> Dict[int, Dict[str, Any]]:
+    """``{step: {quantity: value}}`` that ``cockpit`` holds, removed from it.
+
+    As ``Cockpit.get_output`` merges it (quantities by class name, and what
+    ``cockpit.log`` stored), steps in order.
+    """
+    held: Dict[int, Dict[str, Any]] = {}
+    # What get_output merged from the quantities is taken from them, below.
+    merged = {type(quantity).__name__ for quantity in cockpit.quantities}
+    for step, values in getattr(cockpit, "output", {}).items():
+        held.setdefault(step, {}).update(
+            (key, value) for key, value in values.items() if key not in merged
+        )
+    for quantity in cockpit.quantities:
+        for step, value in quantity.output.items():
+            held.setdefault(step, {})[type(quantity).__name__] = value
+        quantity.output.clear()
+    if hasattr(cockpit, "output"):
+        cockpit.output.clear()
+    return {step: held[step] for step in sorted(held) if held[step]}
+
+
+class StreamedLog(MappingABC):
+    """A streamed log read back: ``{step: {quantity: value}}``, stored by columns.
+
+    Steps are in the order they first appear; a quantity's per-parameter
+    values come back as ``{param: {statistic: float}}`` (``UpdateSize``'s
+    too), built when a step is looked up. :meth:`frame` builds the tidy frame
+    from the columns, without a dict per row.
+
+    Attributes:
+        path: The file read.
+        quantities, params, statistics: The name tables.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.quantities: List[str] = []
+        self.params: List[str] = []
+        self.statistics: List[str] = []
+        # Layouts: (param position per number, statistic position per number).
+        self.layouts: List[Tuple[numpy.ndarray, numpy.ndarray]] = []
+        # Records, each (step, quantity position, layout or None, values or JSON value).
+        self.records: List[Tuple[int, int, Optional[int], Any]] = []
+        self._index: Dict[int, Dict[int, int]] = {}  # step -> quantity -> last record
+
+    def _add(self, record: Tuple[int, int, Optional[int], Any]):
+        self._index.setdefault(record[0], {})[record[1]] = len(self.records)
+        self.records.append(record)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, step) -> Dict[str, Any]:
+        return {self.quantities[q]: self._value(self.records[r]) for q, r in self._index[step].items()}
+
+    def _value(self, record):
+        _, _, layout, values = record
+        if layout is None:
+            return values
+        params, statistics = self.layouts[layout]
+        value: Dict[str, Dict[str, float]] = {}
+        for param, statistic, number in zip(params, statistics, values.tolist()):
+            value.setdefault(self.params[param], {})[self.statistics[statistic]] = number
+        return value
+
+    def current(self) -> List[int]:
+        """The records in effect (the last of each step and quantity), in step order."""
+        return [r for quantities in self._index.values() for r in quantities.values()]
+
+
+def read_stream(path) -> StreamedLog:
+    """Read a streamed log.
+
+    A last line cut mid-write (the writer was killed) is left out with a
+    warning; any other damage raises.
+
+    Raises:
+        ValueError: Naming the file and the line, if it is not a streamed
+            log or a line other than the last is damaged.
+    """
+    path = Path(path)
+    log = StreamedLog(path)
+    with open(path, "rb") as file:
+        first = file.readline()
+        if first.rstrip(b"\r\n") != HEADER.encode():
+            raise ValueError(f"{path}: not a cockpit-gradnoise streamed log (no header line)")
+        number = 1
+        for number, line in enumerate(file, start=2):
+            try:
+                _read_line(log, line)
+            except ValueError as error:
+                if line.endswith(b"\n") or file.read(1):
+                    raise ValueError(f"{path}: line {number}: {error}") from None
+                warnings.warn(
+                    f"{path}: the last line (line {number}) is cut short (the writer "
+                    "stopped mid-write); it is left out", stacklevel=2,
+                )
+    return log
+
+
+def _read_line(log: StreamedLog, line: bytes):
+    """Add one line's names, layout or record to ``log``; ``ValueError`` if it is damaged."""
+    try:
+        item = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"not valid JSON ({error})") from None
+    if not isinstance(item, dict):
+        raise ValueError("not a log line (expected a JSON object)")
+    try:
+        if "step" in item:
+            log._add(_record(log, item))
+        elif "names" in item:
+            for table, names in item["names"].items():
+                if table not in _TABLES or not all(isinstance(n, str) for n in names):
+                    raise ValueError(f"bad names table {table!r}")
+                getattr(log, table).extend(names)
+        elif "layout" in item:
+            params = [p for p, names in item["layout"] for _ in names]
+            statistics = [s for _, names in item["layout"] for s in names]
+            layout = (numpy.asarray(params, dtype=numpy.int64),
+                      numpy.asarray(statistics, dtype=numpy.int64))
+            if any(len(a) and not (0 <= a.min() and a.max() < len(t))
+                   for a, t in zip(layout, (log.params, log.statistics))):
+                raise ValueError("layout names a parameter or statistic not declared")
+            log.layouts.append(layout)
+        else:
+            raise ValueError(f"unknown line with keys {sorted(item)}")
+    except (KeyError, TypeError, IndexError) as error:
+        raise ValueError(f"malformed line ({type(error).__name__}: {error})") from None
+
+
+def _record(log: StreamedLog, item) -> Tuple[int, int, Optional[int], Any]:
+    step, quantity = item["step"], item["quantity"]
+    if not isinstance(step, int) or not isinstance(quantity, int) or not (
+        0 <= quantity < len(log.quantities)
+    ):
+        raise ValueError("a record's step or quantity is not a declared integer")
+    if "layout" not in item:
+        return step, quantity, None, item["value"]
+    layout = item["layout"]
+    if not isinstance(layout, int) or not 0 <= layout < len(log.layouts):
+        raise ValueError(f"record names layout {layout!r}, which is not declared")
+    try:
+        raw = base64.b64decode(item["values"], validate=True)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"values are not base64 ({error})") from None
+    values = numpy.frombuffer(raw, dtype=_DTYPE) if len(raw) % 8 == 0 else None
+    if values is None or len(values) != len(log.layouts[layout][0]):
+        raise ValueError(
+            f"record holds {len(raw) / 8:g} numbers, its layout {len(log.layouts[layout][0])}"
+        )
+    return step, quantity, layout, values
+
+
+def is_streamed(path) -> bool:
+    """Whether the file at ``path`` starts with a streamed log's header."""
+    with open(path, "rb") as file:
+        return file.readline(len(HEADER) + 2).rstrip(b"\r\n") == HEADER.encode()
+
+
+__all__ = ["LogStream", "StreamedLog", "read_stream", "is_streamed", "per_parameter",
+           "STEPS_IN_MEMORY", "HEADER", "SUFFIX"]

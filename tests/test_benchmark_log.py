@@ -1,0 +1,27 @@
+"""Smoke test of benchmarks/benchmark_log.py: it runs, streams, and the command line reads its log.
+
+Never a timed or memory-threshold assertion: those depend on the machine.
+"""
+
+import json
+
+from cockpit_gradnoise import schema, to_frame
+
+from benchmarks import benchmark_log
+
+
+def test_quick_run_streams_the_log_and_the_report_reads_it(tmp_path, capsys):
+    results = benchmark_log.main(["--quick", "--no-plot", "--dir", str(tmp_path),
+                                  "--json", str(tmp_path / "results.json")])
+    out = capsys.readouterr().out
+    assert "QUICK MODE" in out and "| cockpit-gradnoise report | " in out
+    assert results["streamed"]["steps_held"] == results["real"]["steps_held"] == 0
+    assert results["report"]["returncode"] == 0, results["report"]["error"]
+    statistics = sum(map(len, benchmark_log.STATISTICS.values())) + 2  # UpdateSize: norm, relative
+    frame = to_frame(tmp_path / "synthetic.jsonl")
+    assert results["to_frame"]["rows"] == len(frame) == 100 * 11 * statistics
+    assert sorted(frame.quantity.unique()) == sorted(schema.QUANTITIES)
+    assert frame.value.isna().any() and (frame.value == float("inf")).any()
+    real = to_frame(tmp_path / "real.jsonl")
+    assert sorted(set(real.step)) == list(range(20))
+    assert json.loads((tmp_path / "results.json").read_text())["real"]["tensors"] == 10
