@@ -304,20 +304,28 @@ def noise_ranking(frame: "pandas.DataFrame") -> Optional[Ranking]:
     return None
 
 
-def noisiest_layers(frame: "pandas.DataFrame", k: int) -> List[str]:
+def noisiest_layers(frame: "pandas.DataFrame", k: int, order: Optional[List[str]] = None
+                    ) -> List[str]:
     """The ``k`` noisiest layers by :func:`noise_ranking`, noisiest first.
 
-    Layers without a score follow in :func:`layer_order`.
+    Layers without a score follow in :func:`layer_order` (``order``, if known).
     """
     ranking = noise_ranking(frame)
     ranked = [] if ranking is None else list(ranking.scores.index)
-    return (ranked + [name for name in layer_order(frame) if name not in ranked])[:k]
+    order = layer_order(frame) if order is None else order
+    scored = set(ranked)
+    return (ranked + [name for name in order if name not in scored])[:k]
 
 
-def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K) -> List[str]:
-    """The ``top_k`` noisiest layers (:func:`noisiest_layers`) in :func:`layer_order`."""
-    noisiest = set(noisiest_layers(frame, top_k))
-    return [name for name in layer_order(frame) if name in noisiest]
+def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K,
+                   order: Optional[List[str]] = None) -> List[str]:
+    """The ``top_k`` noisiest layers (:func:`noisiest_layers`) in :func:`layer_order`.
+
+    ``order``: the frame's :func:`layer_order`, if known (it reads every row).
+    """
+    order = layer_order(frame) if order is None else order
+    noisiest = set(noisiest_layers(frame, top_k, order))
+    return [name for name in order if name in noisiest]
 
 
 class Coverage(NamedTuple):

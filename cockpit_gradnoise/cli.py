@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from cockpit_gradnoise._views import DEFAULT_TOP_K
-from cockpit_gradnoise.findings import FORMATS, build_report, format_report
+from cockpit_gradnoise.findings import FORMATS, build_report, format_report, holdings
+from cockpit_gradnoise.schema import QUANTITIES
 
 EXIT_BAD_INPUT = 2
 
@@ -29,6 +30,22 @@ def _one_line(error) -> str:
     return " ".join(str(error).split())
 
 
+def _existing(path) -> Path:
+    """``path`` if it exists (any name), else ``path.json`` if that does.
+
+    Raises:
+        BadInput: If neither exists.
+    """
+    path = Path(path)
+    if path.exists():
+        return path
+    with_suffix = path.with_name(path.name + ".json")
+    if path.suffix != ".json" and with_suffix.exists():
+        return with_suffix
+    nor = "" if path.suffix == ".json" else f" (nor {with_suffix.name})"
+    raise BadInput(f"{path}: no such file{nor}")
+
+
 def load_frame(path):
     """The tidy frame of the log at ``path``.
 
@@ -38,8 +55,14 @@ def load_frame(path):
     """
     from cockpit_gradnoise.frame import read_log, to_frame  # pandas: not for --help
 
+    path = _existing(path)
     try:
         output = read_log(path)
+    except UnicodeDecodeError as error:  # a ValueError that does not name the file
+        raise BadInput(
+            f"{path}: not a text log (not UTF-8: byte 0x{error.object[error.start]:02x} at "
+            f"position {error.start})"
+        ) from None
     except (FileNotFoundError, ValueError) as error:
         raise BadInput(_one_line(error)) from None
     except OSError as error:
@@ -48,11 +71,12 @@ def load_frame(path):
         frame = to_frame(output)
     except (AttributeError, TypeError, ValueError) as error:
         raise BadInput(f"{path}: not a cockpit-gradnoise log ({_one_line(error)})") from None
-    if frame.empty:
-        found = sorted({name for values in output.values() for name in values})
+    if frame.empty or not frame.quantity.isin(QUANTITIES).any():
+        found = holdings(frame) if not frame.empty else ", ".join(
+            sorted({name for values in output.values() for name in values}))
         raise BadInput(
             f"{path}: holds none of cockpit-gradnoise's quantities (found: "
-            f"{', '.join(found) or 'nothing'}); track e.g. "
+            f"{found or 'nothing'}); track e.g. "
             "cockpit_gradnoise.GradientVarianceQuantiles in the Cockpit"
         )
     return frame
@@ -71,6 +95,8 @@ def _plot(args):
             f"{args.output}: unknown image format {suffix!r}: use a suffix such as .png, "
             ".pdf or .svg"
         )
+    if not 1 <= args.dpi <= dashboard.MAX_DPI:
+        raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
     frame = load_frame(args.log)
     folder = Path(args.output).parent
     if not folder.exists():
@@ -86,6 +112,8 @@ def _plot(args):
             heatmap=args.heatmap,
             dpi=args.dpi,
         )
+    except dashboard.ImageTooLarge as error:
+        raise BadInput(f"--dpi {args.dpi}: {_one_line(error)}") from None
     except ValueError as error:
         raise BadInput(f"{args.log}: {_one_line(error)}") from None
     except OSError as error:
@@ -124,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
         "plot", help="draw the dashboard to an image file",
         description="Draw the gradient-noise dashboard of a log to an image file.",
     )
-    plot_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
+    plot_parser.add_argument("log", help="the log: any file name, or a name to which "
+                             ".json is appended")
     plot_parser.add_argument(
         "-o", "--output", required=True,
         help="image file to write; the format follows the suffix (.png, .pdf, .svg); "
@@ -145,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
         "heatmap when there are more layers than lines (default: auto)",
     )
     plot_parser.add_argument("--dpi", type=_positive_int, default=100,
-                             help="image resolution (default: 100)")
+                             help="image resolution, at most 1200 and 100 megapixels in all "
+                             "(default: 100)")
 
     report_parser = commands.add_parser(
         "report", help="print a per-layer table and findings",
@@ -154,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
         "format adds one plain-language line per finding (thresholds: "
         "cockpit_gradnoise.findings.THRESHOLDS).",
     )
-    report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
+    report_parser.add_argument("log", help="the log: any file name, or a name to which "
+                               ".json is appended")
     report_parser.add_argument(
         "--format", choices=FORMATS, default="text",
         help="text: table and findings; csv, json: the table only (default: text)",

@@ -83,6 +83,8 @@ MAX_POINTS = 1000
 MAX_COLUMNS = 500
 #: Non-finite steps are shown as at most this many bands (nearby runs merged).
 MAX_BANDS = 100
+#: The heatmap labels at most this many rows (every k-th layer beyond).
+MAX_ROW_LABELS = 100
 
 
 def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
@@ -124,7 +126,7 @@ def _title(frame, quantity, title) -> str:
     return f"{title} ({note})" if note else title
 
 
-def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: int = MAX_POINTS) -> numpy.ndarray:
+def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = None) -> numpy.ndarray:
     """Indices of at most about ``limit`` points of a line that keep its look.
 
     The steps are cut into ``limit // 2`` bins of equal width in steps; in each
@@ -132,13 +134,13 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: int = MAX_POINTS) 
     log scales) are kept, and the first and last of each kind a log scale cannot
     show (0, ``+inf``, NaN or ``-inf``), so that spikes, gaps and their marks
     survive; the first and last step are always kept. Lines of at most
-    ``limit`` points are kept whole. Several ``values`` (a band's edges): the
+    ``limit`` points (default :data:`MAX_POINTS`) are kept whole. Several ``values`` (a band's edges): the
     union of their points.
 
     Returns:
         Ascending indices into ``steps``.
     """
-    n = len(steps)
+    n, limit = len(steps), MAX_POINTS if limit is None else limit
     if n <= limit:
         return numpy.arange(n)
     steps = numpy.asarray(steps, dtype=float)
@@ -160,46 +162,51 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: int = MAX_POINTS) 
 
 
 class Series:
-    """One quantity's rows, each ``(param, statistic)`` as sorted arrays on demand.
+    """One quantity's rows, each ``(param, statistic)`` as arrays sorted by step.
 
-    Built once per panel; one vectorised comparison per parameter and per
-    statistic asked for, never a loop over rows.
+    Built once per panel by one sort of integer codes; reading a line is then
+    a slice, never a loop over rows. Of a step logged twice, the later row
+    counts, as in the log's dict.
     """
 
     def __init__(self, rows):
         self.rows = rows
-        self._masks: Dict[Tuple[str, str], numpy.ndarray] = {}
-
-    def _mask(self, column, value):
-        if (column, value) not in self._masks:
-            self._masks[column, value] = equals(self.rows[column], value)
-        return self._masks[column, value]
+        params, param_names = rows.param.factorize()
+        statistics, self._statistics = rows.statistic.factorize()
+        key = params.astype(numpy.int64) * max(len(self._statistics), 1) + statistics
+        steps = rows.step.to_numpy()
+        order = numpy.lexsort((steps, key))  # stable: equal steps keep the frame's order
+        key, steps = key[order], steps[order]
+        last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True]
+        self._key, self._steps = key[last], steps[last]
+        self._values = rows.value.to_numpy(dtype=float)[order][last]
+        starts = numpy.flatnonzero(numpy.r_[True, self._key[1:] != self._key[:-1]])
+        ends = numpy.r_[starts[1:], len(self._key)]
+        width = max(len(self._statistics), 1)
+        self._lines = {
+            (param_names[k // width], self._statistics[k % width]): (start, end)
+            for k, start, end in zip(self._key[starts].tolist(), starts, ends)
+        }
 
     def steps(self) -> List[int]:
         """The quantity's tracked steps, ascending."""
-        return tracked_steps(self.rows)
+        return [int(step) for step in numpy.unique(self._steps)]
 
     def statistics(self) -> List[str]:
         """The statistics the quantity logged."""
-        return list(self.rows.statistic.unique())
+        return list(self._statistics)
 
     def of_statistic(self, statistic):
         """The rows of one statistic."""
-        return self.rows[self._mask("statistic", statistic)]
+        return self.rows[equals(self.rows.statistic, statistic)]
 
     def xy(self, param, statistic) -> Optional[Tuple[numpy.ndarray, numpy.ndarray]]:
-        """Steps (ascending) and values of one statistic (``None`` when absent).
-
-        Of a step logged twice, the later row counts, as in the log's dict.
-        """
-        found = self.rows[self._mask("param", param) & self._mask("statistic", statistic)]
-        if found.empty:
+        """Steps (ascending) and values of one statistic (``None`` when absent)."""
+        found = self._lines.get((param, statistic))
+        if found is None:
             return None
-        steps = found.step.to_numpy()
-        order = numpy.argsort(steps, kind="stable")
-        steps, values = steps[order], found.value.to_numpy(dtype=float)[order]
-        last = numpy.r_[steps[1:] != steps[:-1], True]
-        return steps[last], values[last]
+        start, end = found
+        return self._steps[start:end], self._values[start:end]
 
 
 def _series(frame, quantity, params=None) -> Series:
@@ -465,6 +472,11 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     _finish(ax, title, "B_simple (examples)", legend)
 
 
+def label_stride(n_rows: int) -> int:
+    """Label every k-th of ``n_rows`` heatmap rows: k, at most :data:`MAX_ROW_LABELS` labels."""
+    return max(1, math.ceil(n_rows / MAX_ROW_LABELS))
+
+
 def _heatmap_values(frame, series, statistic, layers):
     """Rows (layers), columns (steps) and values of the heatmap.
 
@@ -532,9 +544,11 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     norm = matplotlib.colors.LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01))
     mesh = ax.pcolormesh(steps, numpy.arange(len(names)), numpy.ma.masked_invalid(values),
                          norm=norm, shading="nearest", cmap="viridis", label=label)
-    # Small enough that every label fits its row, never below 4 pt.
-    ax.set_yticks(numpy.arange(len(names)), names,
-                  fontsize=max(4.0, min(8.0, 360.0 / len(names))))
+    # Every k-th row labelled (at most MAX_ROW_LABELS: text layout is most of
+    # a large figure's time), small enough to fit its rows, never below 4 pt.
+    every = label_stride(len(names))
+    ax.set_yticks(numpy.arange(0, len(names), every), names[::every],
+                  fontsize=max(4.0, min(8.0, 360.0 * every / len(names))))
     ax.set_ylim(len(names) - 0.5, -0.5)  # first layer on top
     rows, columns = numpy.nonzero(values == 0)
     if rows.size:
