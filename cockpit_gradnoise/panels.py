@@ -129,13 +129,13 @@ def _title(frame, quantity, title) -> str:
 def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = None) -> numpy.ndarray:
     """Indices of at most about ``limit`` points of a line that keep its look.
 
-    The steps are cut into ``limit // 2`` bins of equal width in steps; in each
-    bin the smallest and the largest drawable value (finite and positive, for
-    log scales) are kept, and the first and last of each kind a log scale cannot
-    show (0, ``+inf``, NaN or ``-inf``), so that spikes, gaps and their marks
-    survive; the first and last step are always kept. Lines of at most
-    ``limit`` points (default :data:`MAX_POINTS`) are kept whole. Several ``values`` (a band's edges): the
-    union of their points.
+    The steps are cut into ``(limit - 2) // 2`` bins of equal width in steps;
+    in each bin the smallest and the largest drawable value (finite and
+    positive, for log scales) are kept, and the first and last of each kind a
+    log scale cannot show (0, ``+inf``, NaN or ``-inf``), so that spikes, gaps
+    and their marks survive; the first and last step are always kept. Lines
+    of at most ``limit`` points (default :data:`MAX_POINTS`) are kept whole.
+    Several ``values`` (a band's edges): the union of their points.
 
     Returns:
         Ascending indices into ``steps``.
@@ -144,7 +144,7 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = No
     if n <= limit:
         return numpy.arange(n)
     steps = numpy.asarray(steps, dtype=float)
-    bins = limit // 2
+    bins = max((limit - 2) // 2, 1)  # two points each, and both ends
     span = max(steps[-1] - steps[0], 1.0)
     position = numpy.minimum(((steps - steps[0]) * bins / span).astype(numpy.int64), bins - 1)
     kept = [numpy.array([0, n - 1])]
@@ -177,10 +177,11 @@ class Series:
         steps = rows.step.to_numpy()
         order = numpy.lexsort((steps, key))  # stable: equal steps keep the frame's order
         key, steps = key[order], steps[order]
-        last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True]
+        last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True][:len(key)]
         self._key, self._steps = key[last], steps[last]
         self._values = rows.value.to_numpy(dtype=float)[order][last]
-        starts = numpy.flatnonzero(numpy.r_[True, self._key[1:] != self._key[:-1]])
+        starts = numpy.flatnonzero(numpy.r_[True, self._key[1:] != self._key[:-1]]
+                                   [:len(self._key)])
         ends = numpy.r_[starts[1:], len(self._key)]
         width = max(len(self._statistics), 1)
         self._lines = {
@@ -480,15 +481,15 @@ def label_stride(n_rows: int) -> int:
 def _heatmap_values(frame, series, statistic, layers):
     """Rows (layers), columns (steps) and values of the heatmap.
 
-    At most :data:`MAX_COLUMNS` steps, the first of each of as many bins of
-    equal width in steps (the first and the last step always); NaN where a
-    layer has no value at a step.
+    At most :data:`MAX_COLUMNS` steps: the first of each of ``MAX_COLUMNS - 1``
+    bins of equal width in steps, and the last step; NaN where a layer has no
+    value at a step.
     """
     steps = numpy.array(series.steps())
     if len(steps) > MAX_COLUMNS:
-        bins = numpy.minimum(((steps - steps[0]) * MAX_COLUMNS
-                              / max(steps[-1] - steps[0], 1)).astype(numpy.int64),
-                             MAX_COLUMNS - 1)
+        n_bins = MAX_COLUMNS - 1  # and the last step
+        bins = numpy.minimum(((steps - steps[0]) * n_bins
+                              / max(steps[-1] - steps[0], 1)).astype(numpy.int64), n_bins - 1)
         steps = steps[numpy.unique(numpy.r_[numpy.unique(bins, return_index=True)[1],
                                             len(steps) - 1])]
     rows = series.of_statistic(statistic)
