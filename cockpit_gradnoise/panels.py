@@ -574,4 +574,6 @@ __all__ = [
     "update_size_panel",
     "noise_scale_panel",
     "noise_heatmap_panel",
+    "non_finite_bands",
+    "thin",
 ]
