@@ -30,22 +30,6 @@ def _one_line(error) -> str:
     return " ".join(str(error).split())
 
 
-def _existing(path) -> Path:
-    """``path`` if it exists (any name), else ``path.json`` if that does.
-
-    Raises:
-        BadInput: If neither exists.
-    """
-    path = Path(path)
-    if path.exists():
-        return path
-    with_suffix = path.with_name(path.name + ".json")
-    if path.suffix != ".json" and with_suffix.exists():
-        return with_suffix
-    nor = "" if path.suffix == ".json" else f" (nor {with_suffix.name})"
-    raise BadInput(f"{path}: no such file{nor}")
-
-
 def load_frame(path):
     """The tidy frame of the log at ``path``.
 
@@ -55,14 +39,10 @@ def load_frame(path):
     """
     from cockpit_gradnoise.frame import read_log, to_frame  # pandas: not for --help
 
-    path = _existing(path)
     try:
         output = read_log(path)
     except UnicodeDecodeError as error:  # a ValueError that does not name the file
-        raise BadInput(
-            f"{path}: not a text log (not UTF-8: byte 0x{error.object[error.start]:02x} at "
-            f"position {error.start})"
-        ) from None
+        raise BadInput(f"{path}: not a text file ({error.reason} at byte {error.start})") from None
     except (FileNotFoundError, ValueError) as error:
         raise BadInput(_one_line(error)) from None
     except OSError as error:
@@ -152,8 +132,7 @@ def parser() -> argparse.ArgumentParser:
         "plot", help="draw the dashboard to an image file",
         description="Draw the gradient-noise dashboard of a log to an image file.",
     )
-    plot_parser.add_argument("log", help="the log: any file name, or a name to which "
-                             ".json is appended")
+    plot_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     plot_parser.add_argument(
         "-o", "--output", required=True,
         help="image file to write; the format follows the suffix (.png, .pdf, .svg); "
@@ -184,8 +163,7 @@ def parser() -> argparse.ArgumentParser:
         "format adds one plain-language line per finding (thresholds: "
         "cockpit_gradnoise.findings.THRESHOLDS).",
     )
-    report_parser.add_argument("log", help="the log: any file name, or a name to which "
-                               ".json is appended")
+    report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     report_parser.add_argument(
         "--format", choices=FORMATS, default="text",
         help="text: table and findings; csv, json: the table only (default: text)",

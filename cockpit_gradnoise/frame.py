@@ -66,8 +66,7 @@ def read_log(path) -> Dict[int, Dict[str, Any]]:
     """Read a log written by ``Cockpit.write`` or :func:`write_log`.
 
     Args:
-        path: The log's path: an existing file of any name, else that path
-            with ``.json`` appended.
+        path: The log's path, with or without the ``.json`` suffix.
 
     Returns:
         ``{step: {quantity name: value}}`` with integer steps, in the log's
@@ -77,7 +76,7 @@ def read_log(path) -> Dict[int, Dict[str, Any]]:
         FileNotFoundError: If the file does not exist.
         ValueError: If the file is empty, truncated or not a Cockpit log.
     """
-    path = Path(path) if Path(path).is_file() else _log_path(path)
+    path = _log_path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such log file")
     text = path.read_text()
