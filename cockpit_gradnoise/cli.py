@@ -3,9 +3,10 @@
     cockpit-gradnoise plot runs/digits.json -o dashboard.png
     cockpit-gradnoise report runs/digits.json --format text
 
-Bad input (a missing file, a truncated or corrupt JSON file, a log without
-this package's quantities, an unknown layer, a step outside the log) ends with
-a one-line error that names the file and the problem, and exit code 2.
+Bad input (a missing file, a truncated, corrupt or non-UTF-8 file, a log
+without this package's quantities, an unknown layer, a step outside the log,
+a ``--dpi`` or an image too large to render) ends with a one-line error that
+names the file or option and the problem, and exit code 2.
 
 Start-up stays fast: ``--help`` imports neither pandas nor matplotlib,
 ``report`` no matplotlib, and neither imports torch or Cockpit.
