@@ -6,6 +6,9 @@ row covers and on the batch size a log recorded, and draw the bands the
 report's findings use. Like them, this module reads only the tidy frame of
 :func:`cockpit_gradnoise.to_frame`; it imports neither pandas (a frame brings
 its own methods) nor matplotlib, so that the command line starts fast.
+
+Frames of long runs have millions of rows: every selection here is one
+vectorised comparison per column (:func:`select`), never a loop over rows.
 """
 
 import math
@@ -13,16 +16,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 from cockpit_gradnoise.schema import (
+    B_SIMPLE,
+    B_SIMPLE_SMOOTHED,
     BATCH_SIZE,
     GRADIENT_VARIANCE,
+    MAX,
+    MEAN,
     NETWORK,
+    NOISE_SCALE,
+    NORM_RATIO,
+    PARAM_GRAD_RATIO,
     PARAMS_COVERED,
     PARAMS_TOTAL,
     PER_EXAMPLE_NORM,
     SD_MEDIAN,
     SNR_MEDIAN,
+    SNR_PREFIX,
+    UPDATE_RELATIVE,
+    UPDATE_SIZE,
     quantile_name,
 )
+
+import numpy
 
 if TYPE_CHECKING:
     import pandas
@@ -79,9 +94,156 @@ RANKINGS = (
 )
 
 
+def equals(column: "pandas.Series", value) -> numpy.ndarray:
+    """The boolean mask ``column == value`` of a text column, fast for every storage.
+
+    A categorical column compares its integer codes; Python strings (``object``
+    or pandas' ``"python"`` string storage) compare as a NumPy object array,
+    about four times faster than pandas' own comparison; other storage (e.g.
+    pyarrow) uses pandas'.
+    """
+    categories = getattr(column.dtype, "categories", None)
+    if categories is not None:
+        if value not in categories:
+            return numpy.zeros(len(column), dtype=bool)
+        return column.cat.codes.to_numpy() == categories.get_loc(value)
+    if column.dtype == object or getattr(column.dtype, "storage", None) == "python":
+        return numpy.asarray(column.to_numpy() == value, dtype=bool)
+    return (column == value).to_numpy(dtype=bool, na_value=False)
+
+
+def select(frame: "pandas.DataFrame", quantity=None, param=None, statistic=None):
+    """The rows of ``frame`` with the given quantity, parameter and statistic (``None``: any)."""
+    mask = None
+    for column, value in (("quantity", quantity), ("param", param), ("statistic", statistic)):
+        if value is not None:
+            found = equals(frame[column], value)
+            mask = found if mask is None else mask & found
+    return frame if mask is None else frame[mask]
+
+
 def finite_rows(frame: "pandas.DataFrame") -> "pandas.DataFrame":
     """The rows of ``frame`` with a finite value (a boolean mask even when empty)."""
-    return frame[frame.value.abs() < math.inf]
+    return frame[numpy.isfinite(frame.value.to_numpy(dtype=float))]
+
+
+#: ``(quantity, statistic)``: ``+inf`` by definition where a denominator is 0 or
+#: negative (:func:`cockpit_gradnoise.schema.ratio_or_inf`) or where a ratio
+#: overflows: a value of a healthy run, not a sign of divergence.
+DEFINED_INFINITE = frozenset({
+    (NOISE_SCALE, B_SIMPLE), (NOISE_SCALE, B_SIMPLE_SMOOTHED),
+    (PARAM_GRAD_RATIO, NORM_RATIO), (PARAM_GRAD_RATIO, MEAN), (PARAM_GRAD_RATIO, MAX),
+    (UPDATE_SIZE, UPDATE_RELATIVE),
+})
+
+
+def non_finite(frame: "pandas.DataFrame") -> numpy.ndarray:
+    """Boolean mask of the rows whose value says the run went NaN or inf.
+
+    Every NaN, ``-inf`` or ``+inf`` but the values a healthy run has:
+    ``+inf`` in :data:`DEFINED_INFINITE`, and NaN in
+    ``GradientVarianceQuantiles``' signal-to-noise statistics (``snr_*``),
+    left undefined where no element of a layer has ``sd_j > 0``. A
+    non-finite gradient makes every statistic of its layer and of the
+    network NaN, so these exceptions never hide one.
+    """
+    values = frame.value.to_numpy(dtype=float)
+    mask = ~numpy.isfinite(values)
+    if not mask.any():
+        return mask
+    # Few rows unless the run diverged: the exceptions are read on these only.
+    positions = numpy.flatnonzero(mask)
+    inf = positions[values[positions] == math.inf]
+    mask[inf[_defined_infinite(frame.iloc[inf])]] = False
+    nan = positions[numpy.isnan(values[positions])]
+    nan = nan[equals(frame.quantity.iloc[nan], GRADIENT_VARIANCE)]
+    statistics = frame.statistic.iloc[nan]
+    for name in statistics.unique():
+        if str(name).startswith(SNR_PREFIX):
+            mask[nan[equals(statistics, name)]] = False
+    return mask
+
+
+def _defined_infinite(rows: "pandas.DataFrame") -> numpy.ndarray:
+    """Mask of the ``rows`` of a statistic in :data:`DEFINED_INFINITE`."""
+    found = numpy.zeros(len(rows), dtype=bool)
+    for quantity, statistic in DEFINED_INFINITE:
+        found |= equals(rows.quantity, quantity) & equals(rows.statistic, statistic)
+    return found
+
+
+def tracked_steps(frame: "pandas.DataFrame") -> List[int]:
+    """The frame's distinct steps, ascending."""
+    return sorted(int(step) for step in frame.step.unique())
+
+
+class NonFinite(NamedTuple):
+    """Where a run went NaN or inf (:func:`non_finite`), over its tracked steps."""
+
+    #: The first tracked step with a non-finite value.
+    first: int
+    #: The parameters non-finite at ``first``: layers in model order, the network last.
+    params: List[str]
+    #: The quantities non-finite at ``first``.
+    quantities: List[str]
+    #: Every tracked step with a non-finite value, ascending.
+    steps: List[int]
+    #: Every tracked step, ascending.
+    tracked: List[int]
+
+    @property
+    def since(self) -> Optional[int]:
+        """The first step of the final stretch of non-finite steps, if the run ends in one."""
+        if self.steps[-1] != self.tracked[-1]:
+            return None
+        bad = set(self.steps)
+        finite = [step for step in self.tracked if step not in bad]
+        return min(s for s in self.steps if not finite or s > finite[-1])
+
+    @property
+    def last_finite(self) -> Optional[int]:
+        """The last tracked step without a non-finite value (``None``: there is none)."""
+        bad = set(self.steps)
+        return next((step for step in reversed(self.tracked) if step not in bad), None)
+
+
+def non_finite_summary(frame: "pandas.DataFrame") -> Optional[NonFinite]:
+    """The :class:`NonFinite` of ``frame``, ``None`` if it never went NaN or inf."""
+    bad = frame[non_finite(frame)]
+    if bad.empty:
+        return None
+    steps = tracked_steps(bad)
+    first = bad[bad.step.to_numpy() == steps[0]]
+    params = set(first.param.unique())
+    # In model order: that of the step's rows, finite or not.
+    params = [name for name in layer_order(frame[frame.step.to_numpy() == steps[0]])
+              if name in params] + ([NETWORK] if NETWORK in params else [])
+    return NonFinite(steps[0], params, unique_in_order(first.quantity), steps,
+                     tracked_steps(frame))
+
+
+def _comparable(column: "pandas.Series") -> numpy.ndarray:
+    """``column``'s values as an array that compares fast: a categorical's codes."""
+    return column.cat.codes.to_numpy() if hasattr(column, "cat") else column.to_numpy()
+
+
+def run_heads(*columns: "pandas.Series") -> numpy.ndarray:
+    """Positions of the rows where any of ``columns`` differs from the row before (and 0)."""
+    changed = numpy.zeros(max(len(columns[0]) - 1, 0), dtype=bool)
+    for column in columns:
+        values = _comparable(column)
+        changed |= values[1:] != values[:-1]
+    return numpy.flatnonzero(numpy.r_[len(columns[0]) > 0, changed])
+
+
+def unique_in_order(column: "pandas.Series") -> list:
+    """The distinct values of ``column`` in the order they first appear.
+
+    Only the first row of each run of equal values is hashed: in a tidy frame
+    the parameter changes every few rows, so this is several times faster
+    than ``column.unique()`` on the whole column.
+    """
+    return list(column.iloc[run_heads(column)].unique())
 
 
 def layer_order(frame: "pandas.DataFrame") -> List[str]:
@@ -93,7 +255,7 @@ def layer_order(frame: "pandas.DataFrame") -> List[str]:
     this is model order. A log written by ``Cockpit.write`` sorts its keys:
     from it the order is by name.
     """
-    return [name for name in frame.param.unique() if name != NETWORK]
+    return [name for name in unique_in_order(frame.param) if name != NETWORK]
 
 
 class Ranking(NamedTuple):
@@ -105,8 +267,10 @@ class Ranking(NamedTuple):
     scores: "pandas.Series"
     #: The same mean for the network, NaN if it has none.
     network: float
-    #: How many tracked steps the means are over.
+    #: How many tracked steps hold the statistic (finite or not).
     steps: int
+    #: ``{layer or network: how many of them its value is finite at}``: its mean is over these.
+    finite_steps: "pandas.Series"
 
 
 def noise_ranking(frame: "pandas.DataFrame") -> Optional[Ranking]:
@@ -126,32 +290,42 @@ def noise_ranking(frame: "pandas.DataFrame") -> Optional[Ranking]:
     ``S``: the same layers the dashboard of the log up to ``S`` draws.
     """
     for quantity, statistic, lowest_first in RANKINGS:
-        rows = frame[(frame.quantity == quantity) & (frame.statistic == statistic)]
-        if rows.param.ne(NETWORK).any():
-            means = finite_rows(rows).groupby("param", sort=False).value.mean()
+        rows = select(frame, quantity, statistic=statistic)
+        if (~equals(rows.param, NETWORK)).any():
+            finite = finite_rows(rows).groupby("param", sort=False).value
+            means = finite.mean()
             network = float(means.get(NETWORK, math.nan))
             # A stable sort keeps ties in layer order.
             scores = means.drop(NETWORK, errors="ignore").sort_values(
                 ascending=lowest_first, kind="stable"
             )
-            return Ranking(quantity, statistic, scores, network, rows.step.nunique())
+            return Ranking(quantity, statistic, scores, network, rows.step.nunique(),
+                           finite.count())
     return None
 
 
-def noisiest_layers(frame: "pandas.DataFrame", k: int) -> List[str]:
+def noisiest_layers(frame: "pandas.DataFrame", k: int, order: Optional[List[str]] = None
+                    ) -> List[str]:
     """The ``k`` noisiest layers by :func:`noise_ranking`, noisiest first.
 
-    Layers without a score follow in :func:`layer_order`.
+    Layers without a score follow in :func:`layer_order` (``order``, if known).
     """
     ranking = noise_ranking(frame)
     ranked = [] if ranking is None else list(ranking.scores.index)
-    return (ranked + [name for name in layer_order(frame) if name not in ranked])[:k]
+    order = layer_order(frame) if order is None else order
+    scored = set(ranked)
+    return (ranked + [name for name in order if name not in scored])[:k]
 
 
-def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K) -> List[str]:
-    """The ``top_k`` noisiest layers (:func:`noisiest_layers`) in :func:`layer_order`."""
-    noisiest = set(noisiest_layers(frame, top_k))
-    return [name for name in layer_order(frame) if name in noisiest]
+def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K,
+                   order: Optional[List[str]] = None) -> List[str]:
+    """The ``top_k`` noisiest layers (:func:`noisiest_layers`) in :func:`layer_order`.
+
+    ``order``: the frame's :func:`layer_order`, if known (it reads every row).
+    """
+    order = layer_order(frame) if order is None else order
+    noisiest = set(noisiest_layers(frame, top_k, order))
+    return [name for name in order if name in noisiest]
 
 
 class Coverage(NamedTuple):
@@ -171,9 +345,9 @@ def network_coverage(frame: "pandas.DataFrame", quantity: str) -> Optional[Cover
     these statistics existed do not say: their network row covers every
     parameter.
     """
-    rows = finite_rows(frame[(frame.quantity == quantity) & (frame.param == NETWORK)])
-    covered = rows[rows.statistic == PARAMS_COVERED].value
-    total = rows[rows.statistic == PARAMS_TOTAL].value
+    rows = finite_rows(select(frame, quantity, NETWORK))
+    covered = select(rows, statistic=PARAMS_COVERED).value
+    total = select(rows, statistic=PARAMS_TOTAL).value
     if covered.empty or total.empty or covered.min() >= total.max():
         return None
     return Coverage(int(covered.min()), int(covered.max()), int(total.max()))
@@ -195,5 +369,5 @@ def recorded_batch_size(frame: "pandas.DataFrame") -> Optional[int]:
     quantity, pass it (``batch_size=``, ``--batch-size``) to compare it with
     the gradient noise scale.
     """
-    rows = finite_rows(frame[frame.statistic == BATCH_SIZE])
+    rows = finite_rows(select(frame, statistic=BATCH_SIZE))
     return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])

@@ -3,9 +3,10 @@
     cockpit-gradnoise plot runs/digits.json -o dashboard.png
     cockpit-gradnoise report runs/digits.json --format text
 
-Bad input (a missing file, a truncated or corrupt JSON file, a log without
-this package's quantities, an unknown layer, a step outside the log) ends with
-a one-line error that names the file and the problem, and exit code 2.
+Bad input (a missing file, a truncated, corrupt or non-UTF-8 file, a log
+without this package's quantities, an unknown layer, a step outside the log,
+a ``--dpi`` or an image too large to render) ends with a one-line error that
+names the file or option and the problem, and exit code 2.
 
 Start-up stays fast: ``--help`` imports neither pandas nor matplotlib,
 ``report`` no matplotlib, and neither imports torch or Cockpit.
@@ -16,7 +17,8 @@ import sys
 from pathlib import Path
 
 from cockpit_gradnoise._views import DEFAULT_TOP_K
-from cockpit_gradnoise.findings import FORMATS, build_report, format_report
+from cockpit_gradnoise.findings import FORMATS, build_report, format_report, holdings
+from cockpit_gradnoise.schema import QUANTITIES
 
 EXIT_BAD_INPUT = 2
 
@@ -40,6 +42,8 @@ def load_frame(path):
 
     try:
         output = read_log(path)
+    except UnicodeDecodeError as error:  # a ValueError that does not name the file
+        raise BadInput(f"{path}: not a text file ({error.reason} at byte {error.start})") from None
     except (FileNotFoundError, ValueError) as error:
         raise BadInput(_one_line(error)) from None
     except OSError as error:
@@ -48,11 +52,12 @@ def load_frame(path):
         frame = to_frame(output)
     except (AttributeError, TypeError, ValueError) as error:
         raise BadInput(f"{path}: not a cockpit-gradnoise log ({_one_line(error)})") from None
-    if frame.empty:
-        found = sorted({name for values in output.values() for name in values})
+    if frame.empty or not frame.quantity.isin(QUANTITIES).any():
+        found = holdings(frame) if not frame.empty else ", ".join(
+            sorted({name for values in output.values() for name in values}))
         raise BadInput(
             f"{path}: holds none of cockpit-gradnoise's quantities (found: "
-            f"{', '.join(found) or 'nothing'}); track e.g. "
+            f"{found or 'nothing'}); track e.g. "
             "cockpit_gradnoise.GradientVarianceQuantiles in the Cockpit"
         )
     return frame
@@ -71,6 +76,8 @@ def _plot(args):
             f"{args.output}: unknown image format {suffix!r}: use a suffix such as .png, "
             ".pdf or .svg"
         )
+    if not 1 <= args.dpi <= dashboard.MAX_DPI:
+        raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
     frame = load_frame(args.log)
     folder = Path(args.output).parent
     if not folder.exists():
@@ -86,6 +93,8 @@ def _plot(args):
             heatmap=args.heatmap,
             dpi=args.dpi,
         )
+    except dashboard.ImageTooLarge as error:
+        raise BadInput(f"--dpi {args.dpi}: {_one_line(error)}") from None
     except ValueError as error:
         raise BadInput(f"{args.log}: {_one_line(error)}") from None
     except OSError as error:
@@ -145,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
         "heatmap when there are more layers than lines (default: auto)",
     )
     plot_parser.add_argument("--dpi", type=_positive_int, default=100,
-                             help="image resolution (default: 100)")
+                             help="image resolution, at most 1200 and 100 megapixels in all "
+                             "(default: 100)")
 
     report_parser = commands.add_parser(
         "report", help="print a per-layer table and findings",

@@ -1,16 +1,23 @@
 """The gradient-noise dashboard: the panels of the quantities present, in one figure."""
 
+import math
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from cockpit_gradnoise import distributed, panels
-from cockpit_gradnoise._views import DEFAULT_TOP_K, default_layers, layer_order, recorded_batch_size
+from cockpit_gradnoise._views import (
+    DEFAULT_TOP_K,
+    default_layers,
+    layer_order,
+    non_finite_summary,
+    recorded_batch_size,
+    select,
+)
 from cockpit_gradnoise.frame import to_frame
 from cockpit_gradnoise.schema import (
     GRADIENT_VARIANCE,
-    NETWORK,
     NOISE_SCALE,
     PARAM_GRAD_RATIO,
     PER_EXAMPLE_NORM,
@@ -39,14 +46,35 @@ HEATMAPS = {"sd": SD_MEDIAN, "snr": SNR_MEDIAN}
 
 _PANEL_INCHES = (6.5, 3.3)  # width, height of one line panel
 
+#: The largest ``dpi`` :func:`plot` saves at.
+MAX_DPI = 1200
+#: The largest image :func:`plot` saves, in pixels (an RGBA buffer of 400 MB).
+MAX_PIXELS = 100_000_000
+
+
+class ImageTooLarge(ValueError):
+    """The image to save is larger than :data:`MAX_DPI` or :data:`MAX_PIXELS` allow."""
+
+
+def _check_size(fig, dpi):
+    """Refuse an image too large to render, before rendering starts to allocate it."""
+    if not 0 < dpi <= MAX_DPI:
+        raise ImageTooLarge(f"dpi must be between 1 and {MAX_DPI}, got {dpi}")
+    width, height = fig.get_size_inches() * dpi
+    if width * height > MAX_PIXELS:
+        raise ImageTooLarge(
+            f"the image would be {width:.0f} x {height:.0f} pixels, more than "
+            f"{MAX_PIXELS / 1e6:.0f} megapixels: use a lower dpi (at most "
+            f"{int(dpi * (MAX_PIXELS / (width * height)) ** 0.5)} for this figure)"
+        )
+
 
 def frame_of(source) -> pandas.DataFrame:
     """The tidy frame of ``source``: a frame itself, else :func:`to_frame` of it."""
     return source if isinstance(source, pandas.DataFrame) else to_frame(source)
 
 
-def _check_layers(frame, layers):
-    names = layer_order(frame)
+def _check_layers(names, layers):
     unknown = [name for name in layers if name not in names]
     if unknown:
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} layers)" if len(names) > 12 else "")
@@ -54,15 +82,14 @@ def _check_layers(frame, layers):
     return list(layers)
 
 
-def _heatmap_statistic(heatmap, frame, n_shown):
+def _heatmap_statistic(heatmap, frame, n_shown, n_layers):
     """The heatmap's statistic, or ``None`` for no heatmap."""
     if heatmap not in ("auto", "off", *HEATMAPS):
         raise ValueError(f"heatmap must be 'auto', 'off', 'sd' or 'snr', got {heatmap!r}")
-    rows = frame[frame.quantity == GRADIENT_VARIANCE]
+    rows = select(frame, GRADIENT_VARIANCE)
     if heatmap == "off" or rows.empty:
         return None
     if heatmap == "auto":
-        n_layers = len(set(rows.param) - {NETWORK})
         return HEATMAPS["sd"] if n_layers > n_shown else None
     return HEATMAPS[heatmap]
 
@@ -74,7 +101,8 @@ def _mosaic(keys, heatmap_rows):
     heights = [_PANEL_INCHES[1]] * len(rows)
     if heatmap_rows:
         rows.append(["heatmap", "heatmap"])
-        heights.append(max(2.8, 0.14 * heatmap_rows + 1.3))
+        labelled = math.ceil(heatmap_rows / panels.label_stride(heatmap_rows))
+        heights.append(max(2.8, 0.14 * labelled + 1.3))
     return rows, heights
 
 
@@ -146,6 +174,24 @@ def _legend(fig, axes):
     )
 
 
+def _nothing_tracked(frame) -> str:
+    """What the empty dashboard says: nothing yet, or which other quantities the frame holds."""
+    if frame.empty:
+        return "no cockpit-gradnoise quantities tracked yet"
+    from cockpit_gradnoise.findings import holdings  # the report's wording
+
+    return "none of cockpit-gradnoise's quantities in this log;\nit holds " + holdings(frame)
+
+
+def _non_finite_note(frame) -> str:
+    """``", NaN or inf at 3 steps from step 120 (red)"``, or ``""``."""
+    summary = non_finite_summary(frame)
+    if summary is None:
+        return ""
+    counted = "1 step" if len(summary.steps) == 1 else f"{len(summary.steps)} steps"
+    return f", NaN or inf at {counted} from step {summary.first} (red)"
+
+
 def plot(
     source,
     *,
@@ -185,7 +231,8 @@ def plot(
         fig: A ``Figure`` or ``SubFigure`` to draw into (cleared first), e.g.
             one half of a figure whose other half holds Cockpit's own
             dashboard (see ``docs/dashboard.md``).
-        dpi: Resolution when saving.
+        dpi: Resolution when saving, at most :data:`MAX_DPI`; the image at
+            most :data:`MAX_PIXELS` pixels.
         writer_rank: Under distributed training only this process saves the
             figure (``None``: every process).
 
@@ -195,39 +242,44 @@ def plot(
     Raises:
         ValueError: If ``layers`` names a parameter not in ``source``, or
             ``heatmap`` is not one of the values above.
+        ImageTooLarge: If the image to save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
     """
     frame = frame_of(source)
+    # Each panel reads its own quantity's rows: split once, not once per panel.
+    parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
+    order = layer_order(frame)  # reads every row: once
     if layers is None:
-        layers = default_layers(frame, top_k)
+        layers = default_layers(frame, top_k, order)
         chosen = "noisiest"
     else:
-        layers = _check_layers(frame, layers)
+        layers = _check_layers(order, layers)
         chosen = "chosen"
     if batch_size is None:
         batch_size = recorded_batch_size(frame)
-    keys = [key for key, quantity, _ in PANELS if (frame.quantity == quantity).any()]
-    statistic = _heatmap_statistic(heatmap, frame, len(layers))
-    n_layers = len(set(frame.param) - {NETWORK})
+    keys = [key for key, quantity, _ in PANELS if not parts[quantity].empty]
+    n_layers = len(order)
+    statistic = _heatmap_statistic(heatmap, parts[GRADIENT_VARIANCE], len(layers), n_layers)
     mosaic, heights = _mosaic(keys or ["empty"], n_layers if statistic else 0)
     fig = _figure(fig, (2 * _PANEL_INCHES[0], sum(heights) + 0.8))
     layout = _layout(fig, mosaic, heights)
     axes = layout.axes
     if not keys:
-        panels.no_data(axes["empty"], "cockpit-gradnoise",
-                       "no cockpit-gradnoise quantities tracked yet")
-    for key, _, panel in PANELS:
+        panels.no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
+    for key, quantity, panel in PANELS:
         if key == "noise_scale" and key in axes:
-            panel(axes[key], frame, batch_size=batch_size)
+            panel(axes[key], parts[quantity], batch_size=batch_size)
         elif key in axes:
-            panel(axes[key], frame, layers=layers, legend=False)
+            panel(axes[key], parts[quantity], layers=layers, legend=False)
     if statistic:
-        _heatmap(layout, frame, statistic)
+        _heatmap(layout, parts[GRADIENT_VARIANCE], statistic)
     _legend(fig, axes)
     if keys:
         steps = f"steps {frame.step.min()}-{frame.step.max()}"
         lines = f"lines: {len(layers)} {chosen} of {n_layers} layers and the network"
-        fig.suptitle(f"gradient noise, {steps}; {lines}", fontsize="medium")
+        fig.suptitle(f"gradient noise, {steps}{_non_finite_note(frame)}; {lines}",
+                     fontsize="medium")
     if savefig is not None and distributed.is_writer(writer_rank):
+        _check_size(fig, dpi)
         Path(savefig).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(savefig, dpi=dpi)
     return fig

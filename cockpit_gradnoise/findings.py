@@ -22,19 +22,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from cockpit_gradnoise._views import (
+    RANKINGS,
     THRESHOLDS,
     Coverage,
+    NonFinite,
     Ranking,
     Thresholds,
     coverage_note,
+    equals,
     layer_order,
     network_coverage,
     noise_ranking,
+    non_finite_summary,
     recorded_batch_size,
+    run_heads,
+    select,
+    tracked_steps,
+    unique_in_order,
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
+    BATCH_SIZE,
+    COVERAGE_STATISTICS,
     GRADIENT_VARIANCE,
     MAX,
     NETWORK,
@@ -44,6 +54,7 @@ from cockpit_gradnoise.schema import (
     PARAMS_COVERED,
     PARAMS_TOTAL,
     PER_EXAMPLE_NORM,
+    QUANTITIES,
     SD_MEDIAN,
     SNR_MEDIAN,
     UPDATE_RELATIVE,
@@ -52,6 +63,8 @@ from cockpit_gradnoise.schema import (
     encode_float,
     quantile_name,
 )
+
+import numpy
 
 if TYPE_CHECKING:
     import pandas
@@ -85,16 +98,41 @@ def _steps_text(steps: List[int]) -> str:
     return f"{counted}: {', '.join(shown)}"
 
 
+def _step_blocks(frame: pandas.DataFrame) -> pandas.DataFrame:
+    """``step, quantity`` of the first row of each run of rows of one step and quantity.
+
+    A tidy frame is sorted by step and quantity: a few thousand runs stand
+    for millions of rows (any order is right, just slower).
+    """
+    return frame.iloc[run_heads(frame.step, frame.quantity)][["step", "quantity"]]
+
+
+def holdings(frame: pandas.DataFrame) -> str:
+    """``"Custom (3 tracked steps: 0, 1, 2)"``: the frame's quantities and their steps."""
+    blocks = _step_blocks(frame)
+    return "; ".join(
+        f"{quantity} ({_steps_text(tracked_steps(blocks[equals(blocks.quantity, quantity)]))})"
+        for quantity in unique_in_order(blocks.quantity)
+    )
+
+
 def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[str, int]:
     """For each quantity, its latest tracked step at or before ``step`` (default: the last).
 
     Raises:
-        ValueError: If the frame is empty, or ``step`` is before the first or
-            after the last tracked step (naming them).
+        ValueError: If the frame holds none of this package's quantities
+            (naming those it holds and their steps), or ``step`` is before the
+            first or after the last tracked step (naming them).
     """
     if frame.empty:
         raise ValueError("the log holds none of cockpit-gradnoise's quantities")
-    tracked = sorted(int(s) for s in frame.step.unique())
+    blocks = _step_blocks(frame)
+    if not any(equals(blocks.quantity, quantity).any() for quantity in QUANTITIES):
+        raise ValueError(
+            f"the log holds none of cockpit-gradnoise's quantities ({', '.join(QUANTITIES)}), "
+            f"only {holdings(frame)}: its numbers are in cockpit_gradnoise.to_frame"
+        )
+    tracked = tracked_steps(blocks)
     if step is not None and step < tracked[0]:
         raise ValueError(
             f"no tracked step at or before step {step}: the first is {tracked[0]} "
@@ -106,8 +144,8 @@ def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[
             f"({_steps_text(tracked)})"
         )
     last = tracked[-1] if step is None else int(step)
-    steps = frame[frame.step <= last].groupby("quantity").step.max()
-    return {quantity: int(s) for quantity, s in steps.items()}
+    steps = blocks[blocks.step <= last].groupby("quantity", observed=True).step.max()
+    return {str(quantity): int(s) for quantity, s in steps.items()}
 
 
 def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFrame:
@@ -118,19 +156,24 @@ def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFr
     """
     import pandas  # here, not at the top: see the module's docstring
 
-    chosen = frame[[steps.get(q) == s for q, s in zip(frame.quantity, frame.step)]]
-    params = layer_order(chosen) + ([NETWORK] if (chosen.param == NETWORK).any() else [])
+    at_steps = frame[frame.step.isin(set(steps.values()))]
+    chosen = numpy.zeros(len(at_steps), dtype=bool)
+    for quantity, step in steps.items():
+        chosen |= (at_steps.step.to_numpy() == step) & equals(at_steps.quantity, quantity)
+    chosen = at_steps[chosen]
+    params = layer_order(chosen) + ([NETWORK] if equals(chosen.param, NETWORK).any() else [])
     table = pandas.DataFrame(index=pandas.Index(params, name="param"))
     for column, (quantity, statistic) in COLUMNS.items():
-        rows = chosen[(chosen.quantity == quantity) & (chosen.statistic == statistic)]
-        table[column] = rows.set_index("param").value.reindex(table.index).astype(float)
+        rows = select(chosen, quantity, statistic=statistic)
+        values = rows.drop_duplicates("param", keep="last").set_index("param").value
+        table[column] = values.reindex(table.index).astype(float)
     return table
 
 
 def coverages(frame: pandas.DataFrame, steps: Dict[str, int]) -> Dict[str, Coverage]:
     """``{quantity: coverage}`` of the quantities whose network row, at their step in
     ``steps``, leaves parameters out (:func:`~cockpit_gradnoise._views.network_coverage`)."""
-    found = {q: network_coverage(frame[frame.step == s], q) for q, s in steps.items()}
+    found = {q: network_coverage(frame[frame.step.to_numpy() == s], q) for q, s in steps.items()}
     return {quantity: coverage for quantity, coverage in found.items() if coverage}
 
 
@@ -140,7 +183,10 @@ class Report:
 
     ``ranking`` ranks the layers noisiest first over the tracked steps up to
     ``step``, as the dashboard does; ``coverage`` names the quantities whose
-    ``"all"`` row covers only some of the parameters.
+    ``"all"`` row covers only some of the parameters. ``non_finite`` says
+    where the run went NaN or inf (its finding is the first); ``finite_step``:
+    the report's step was moved back to the last step without NaN or inf,
+    the last tracked step being non-finite.
     """
 
     source: str
@@ -151,41 +197,63 @@ class Report:
     findings: List[str]
     ranking: Optional[Ranking] = None
     coverage: Dict[str, Coverage] = field(default_factory=dict)
+    non_finite: Optional[NonFinite] = None
+    finite_step: bool = False
+
+
+#: Every statistic a report reads: its columns, the ranking, the run's history,
+#: coverage and the batch size. The rest of a large frame is left out at once.
+_READ = sorted(
+    {statistic for _, statistic in COLUMNS.values()}
+    | {statistic for _, statistic, _ in RANKINGS}
+    | {ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE, BATCH_SIZE, *COVERAGE_STATISTICS}
+)
 
 
 def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS):
-    """Build the :class:`Report` of ``frame`` at ``step`` (default: the last tracked step).
+    """Build the :class:`Report` of ``frame`` at ``step``.
 
     Args:
         frame: Tidy frame from :func:`cockpit_gradnoise.to_frame`.
         source: Name of the log, for the header.
         step: Step to report; each quantity is read at its latest step at or
-            before it.
+            before it. Default: the last tracked step; if it holds NaN or inf
+            (:func:`~cockpit_gradnoise._views.non_finite`), the last one that
+            does not.
         batch_size: The batch size used, to compare with the noise scale;
             default :func:`recorded_batch_size`.
         thresholds: A :class:`Thresholds`.
 
     Raises:
-        ValueError: If ``frame`` is empty or ``step`` is outside its tracked steps.
+        ValueError: If ``frame`` holds none of this package's quantities or
+            ``step`` is outside its tracked steps.
     """
-    steps = quantity_steps(frame, step)
-    table = layer_table(frame, steps)
-    if batch_size is None:
-        batch_size = recorded_batch_size(frame)
+    summary = non_finite_summary(frame)
+    finite_step = step is None and summary is not None and summary.since is not None \
+        and summary.last_finite is not None
+    steps = quantity_steps(frame, summary.last_finite if finite_step else step)
     last = max(steps.values())
-    ranking = noise_ranking(frame[frame.step <= last])
-    history = run_history(frame[frame.step <= last], thresholds)
+    # One pass over the whole frame; everything after reads the rows it needs of these.
+    read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(_READ).to_numpy()]
+    table = layer_table(read, steps)
+    if batch_size is None:
+        batch_size = recorded_batch_size(read)
+    ranking = noise_ranking(read)
+    history = run_history(select(read, param=NETWORK), thresholds)
     return Report(
         source=str(source),
         step=last,
         steps=steps,
         batch_size=batch_size,
         table=table,
-        findings=run_findings(history, batch_size, thresholds)
+        findings=non_finite_finding(summary)
+        + run_findings(history, batch_size, thresholds)
         + findings(table, batch_size, thresholds, ranking=ranking,
                    stopped=history.stopped_at is not None),
         ranking=ranking,
-        coverage=coverages(frame, steps),
+        coverage=coverages(read, steps),
+        non_finite=summary,
+        finite_step=finite_step,
     )
 
 
@@ -278,9 +346,43 @@ def noisiest_finding(ranking: Optional[Ranking]) -> List[str]:
         return []
     column = next(c for c, qs in COLUMNS.items() if qs == (ranking.quantity, ranking.statistic))
     name, score = ranking.scores.index[0], ranking.scores.iloc[0]
+    finite = int(ranking.finite_steps.get(name, 0))
+    counted = f"{finite} finite step" + ("" if finite == 1 else "s")
+    if finite < ranking.steps:
+        counted += f" (of {ranking.steps} tracked)"
     return [
         f"noisiest layer: {name}, {_RANKED_BY[column]}: {score:.3g} on average over "
-        f"{ranking.steps} tracked steps (network {ranking.network:.3g}) ({column})"
+        f"{counted} (network {ranking.network:.3g}) ({column})"
+    ]
+
+
+def _named(params: List[str]) -> str:
+    """``"a, b, c, d, e and 3 more"``; the network alone as ``"the network (all)"``."""
+    layers = [name for name in params if name != NETWORK]
+    if not layers:
+        return f"the network ({NETWORK})"
+    more = len(layers) - MAX_LAYER_LINES
+    return ", ".join(layers[:MAX_LAYER_LINES]) + (f" and {more} more" if more > 0 else "")
+
+
+def non_finite_finding(summary: Optional[NonFinite]) -> List[str]:
+    """Where the run went NaN or inf (:func:`~cockpit_gradnoise._views.non_finite_summary`).
+
+    The report's first finding: numbers after a NaN or inf say nothing.
+    """
+    if summary is None:
+        return []
+    counted = f"{len(summary.steps)} of {len(summary.tracked)} tracked steps"
+    if summary.since is not None:
+        what = (f"the run diverged: its statistics are NaN or inf from step {summary.since} "
+                f"to the last tracked step {summary.tracked[-1]} ({counted})")
+    else:
+        what = (f"statistics are NaN or inf at {counted} ({', '.join(map(str, summary.steps[:5]))}"
+                f"{', ...' if len(summary.steps) > 5 else ''}); the last tracked step is finite")
+    return [
+        f"{what}; first at step {summary.first}, in {_named(summary.params)} "
+        f"({', '.join(summary.quantities)}): a NaN or inf loss or gradient, e.g. from a "
+        "learning rate too large or an overflow"
     ]
 
 
@@ -405,8 +507,7 @@ class RunHistory:
 
 
 def _network_series(frame, quantity, statistic) -> pandas.Series:
-    rows = frame[(frame.quantity == quantity) & (frame.param == NETWORK)
-                 & (frame.statistic == statistic)]
+    rows = select(frame, quantity, NETWORK, statistic)
     return rows.set_index("step").value.astype(float).sort_index()
 
 
@@ -503,12 +604,28 @@ def format_report(report: Report, fmt: str = "text") -> str:
                     q: {PARAMS_COVERED: c.fewest, PARAMS_TOTAL: c.total}
                     for q, c in report.coverage.items()
                 },
+                "non_finite": _non_finite_json(report.non_finite),
             },
             indent=2,
         ) + "\n"
     if fmt != "text":
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     return _text(report)
+
+
+def _non_finite_json(summary: Optional[NonFinite]):
+    """Where the run went NaN or inf, for the JSON format (``None``: it never did)."""
+    if summary is None:
+        return None
+    return {
+        "first_step": summary.first,
+        "params": summary.params,
+        "quantities": summary.quantities,
+        "steps": summary.steps,
+        "tracked_steps": len(summary.tracked),
+        "diverged_from": summary.since,
+        "last_finite_step": summary.last_finite,
+    }
 
 
 def _coverage_lines(coverage: Dict[str, Coverage]) -> List[str]:
@@ -526,18 +643,24 @@ def _text(report: Report) -> str:
     other = ", ".join(
         f"{q} from step {s}" for q, s in sorted(report.steps.items()) if s != report.step
     )
+    if report.finite_step:
+        other = "the last tracked step without NaN or inf" + (f"; {other}" if other else "")
     batch = "unknown (pass --batch-size)" if report.batch_size is None else report.batch_size
     shown = report.table.dropna(axis=1, how="all")
+    # A run that went NaN or inf says so first; its finding is not repeated below.
+    first = report.findings[:1] if report.non_finite is not None else []
     lines = [
         f"cockpit-gradnoise report: {report.source}",
+        *[f"NON-FINITE: {line}" for line in first],
         f"step {report.step}" + (f" ({other})" if other else "") + f", batch size {batch}",
         *_coverage_lines(report.coverage),
         "",
-        shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-"),
+        shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-") if len(shown.columns)
+        else f"(no finite number at step {report.step})",
         "",
         "findings:",
     ]
-    lines += [f"- {line}" for line in report.findings] or ["- none"]
+    lines += [f"- {line}" for line in report.findings[len(first):]] or ["- none"]
     return "\n".join(lines) + "\n"
 
 

@@ -15,20 +15,32 @@ only some parameters, the title says so (``"all: 7 of 15 parameters"``).
 Values a log scale cannot show are marked on the figure: a zero as a gap in
 its line with a downward triangle at the bottom edge (an ``x`` in the
 heatmap), an infinite noise scale as an upward triangle at the top edge.
+Steps at which the panel's quantity went NaN or inf
+(:func:`~cockpit_gradnoise._views.non_finite`) are red bands; the finite part
+of each line is drawn as usual.
+
+Plot time does not grow with the run's length: a line of more than
+:data:`MAX_POINTS` steps is thinned to a min/max envelope (:func:`thin`),
+the heatmap to at most :data:`MAX_COLUMNS` evenly spaced steps, and runs of
+non-finite steps to at most :data:`MAX_BANDS` bands.
 
 Nothing here changes global state: no ``rcParams``, no ``plt.ion()``, no
 pyplot figures.
 """
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._views import (
     THRESHOLDS,
     coverage_note,
     default_layers,
+    equals,
     layer_order,
     network_coverage,
+    non_finite,
+    select,
+    tracked_steps,
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
@@ -62,8 +74,17 @@ ZERO_LABEL = "0 (off the log scale)"
 #: Legend label of the marks of infinite noise-scale estimates.
 INFINITE_LABEL = "infinite (|G|^2 est. <= 0)"
 
-#: ``{(param, statistic): {step: value}}`` of one quantity.
-Series = Dict[Tuple[str, str], Dict[int, float]]
+#: Legend label of the bands at the steps where the quantity went NaN or inf.
+NON_FINITE_LABEL = "NaN or inf"
+
+#: A line of more steps than this is thinned (:func:`thin`).
+MAX_POINTS = 1000
+#: The heatmap shows at most this many steps, evenly spaced over the run.
+MAX_COLUMNS = 500
+#: Non-finite steps are shown as at most this many bands (nearby runs merged).
+MAX_BANDS = 100
+#: The heatmap labels at most this many rows (every k-th layer beyond).
+MAX_ROW_LABELS = 100
 
 
 def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
@@ -105,21 +126,102 @@ def _title(frame, quantity, title) -> str:
     return f"{title} ({note})" if note else title
 
 
-def _series(frame, quantity) -> Series:
-    """Every statistic of ``quantity`` by parameter."""
-    rows = frame[frame.quantity.to_numpy() == quantity]
-    series: Series = {}
-    columns = (rows.param.to_numpy(), rows.statistic.to_numpy(), rows.step.to_numpy(),
-               rows.value.to_numpy())
-    for param, statistic, step, value in zip(*columns):
-        series.setdefault((param, statistic), {})[int(step)] = value
-    return series
+def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = None) -> numpy.ndarray:
+    """Indices of at most about ``limit`` points of a line that keep its look.
+
+    The steps are cut into ``(limit - 2) // 2`` bins of equal width in steps;
+    in each bin the smallest and the largest drawable value (finite and
+    positive, for log scales) are kept, and the first and last of each kind a
+    log scale cannot show (0, ``+inf``, NaN or ``-inf``), so that spikes, gaps
+    and their marks survive; the first and last step are always kept. Lines
+    of at most ``limit`` points (default :data:`MAX_POINTS`) are kept whole.
+    Several ``values`` (a band's edges): the union of their points.
+
+    Returns:
+        Ascending indices into ``steps``.
+    """
+    n, limit = len(steps), MAX_POINTS if limit is None else limit
+    if n <= limit:
+        return numpy.arange(n)
+    steps = numpy.asarray(steps, dtype=float)
+    bins = max((limit - 2) // 2, 1)  # two points each, and both ends
+    span = max(steps[-1] - steps[0], 1.0)
+    position = numpy.minimum(((steps - steps[0]) * bins / span).astype(numpy.int64), bins - 1)
+    kept = [numpy.array([0, n - 1])]
+    for value in values:
+        value = numpy.asarray(value, dtype=float)
+        kind = numpy.select(
+            [numpy.isfinite(value) & (value > 0), value == 0, value == math.inf], [0, 1, 2], 3
+        )
+        group = position * 4 + kind
+        order = numpy.lexsort((value, group))
+        ordered = group[order]
+        edges = numpy.flatnonzero(ordered[1:] != ordered[:-1])
+        kept += [order[numpy.r_[0, edges + 1]], order[numpy.r_[edges, n - 1]]]
+    return numpy.unique(numpy.concatenate(kept))
 
 
-def _drawable(ax, frame, quantity, title) -> Optional[Series]:
+class Series:
+    """One quantity's rows, each ``(param, statistic)`` as arrays sorted by step.
+
+    Built once per panel by one sort of integer codes; reading a line is then
+    a slice, never a loop over rows. Of a step logged twice, the later row
+    counts, as in the log's dict.
+    """
+
+    def __init__(self, rows):
+        self.rows = rows
+        params, param_names = rows.param.factorize()
+        statistics, self._statistics = rows.statistic.factorize()
+        key = params.astype(numpy.int64) * max(len(self._statistics), 1) + statistics
+        steps = rows.step.to_numpy()
+        order = numpy.lexsort((steps, key))  # stable: equal steps keep the frame's order
+        key, steps = key[order], steps[order]
+        last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True][:len(key)]
+        self._key, self._steps = key[last], steps[last]
+        self._values = rows.value.to_numpy(dtype=float)[order][last]
+        starts = numpy.flatnonzero(numpy.r_[True, self._key[1:] != self._key[:-1]]
+                                   [:len(self._key)])
+        ends = numpy.r_[starts[1:], len(self._key)]
+        width = max(len(self._statistics), 1)
+        self._lines = {
+            (param_names[k // width], self._statistics[k % width]): (start, end)
+            for k, start, end in zip(self._key[starts].tolist(), starts, ends)
+        }
+
+    def steps(self) -> List[int]:
+        """The quantity's tracked steps, ascending."""
+        return [int(step) for step in numpy.unique(self._steps)]
+
+    def statistics(self) -> List[str]:
+        """The statistics the quantity logged."""
+        return list(self._statistics)
+
+    def of_statistic(self, statistic):
+        """The rows of one statistic."""
+        return self.rows[equals(self.rows.statistic, statistic)]
+
+    def xy(self, param, statistic) -> Optional[Tuple[numpy.ndarray, numpy.ndarray]]:
+        """Steps (ascending) and values of one statistic (``None`` when absent)."""
+        found = self._lines.get((param, statistic))
+        if found is None:
+            return None
+        start, end = found
+        return self._steps[start:end], self._values[start:end]
+
+
+def _series(frame, quantity, params=None) -> Series:
+    """The :class:`Series` of ``quantity``, of ``params`` only if given."""
+    rows = select(frame, quantity)
+    if params is not None:
+        rows = rows[rows.param.isin(list(params)).to_numpy(dtype=bool)]
+    return Series(rows)
+
+
+def _drawable(ax, frame, quantity, title, params=None) -> Optional[Series]:
     """The quantity's series, or ``None`` after writing in ``ax`` why there is no curve."""
-    series = _series(frame, quantity)
-    steps = {step for points in series.values() for step in points}
+    series = _series(frame, quantity, params)
+    steps = series.steps()
     if not steps:
         no_data(ax, title, f"no data:\n{quantity} is not in this log")
         return None
@@ -129,13 +231,36 @@ def _drawable(ax, frame, quantity, title) -> Optional[Series]:
     return series
 
 
-def _xy(series, param, statistic):
-    """Steps and values of one statistic as arrays (``None`` when absent)."""
-    points = series.get((param, statistic))
-    if not points:
+def _xy(series: Series, param, statistic):
+    """Steps and values of one statistic, thinned (:func:`thin`); ``None`` when absent."""
+    xy = series.xy(param, statistic)
+    if xy is None:
         return None
-    steps = sorted(points)
-    return numpy.array(steps), numpy.array([points[step] for step in steps], dtype=float)
+    kept = thin(*xy)
+    return xy[0][kept], xy[1][kept]
+
+
+def non_finite_bands(ax, frame, quantity):
+    """Red bands at the tracked steps where ``quantity`` is NaN or inf in any parameter.
+
+    Each band covers its steps and half the tracking interval on either side;
+    runs of such steps closer than the run's length over :data:`MAX_BANDS`
+    merge into one band. Returns the steps marked.
+    """
+    rows = select(frame, quantity)
+    bad_steps = tracked_steps(rows[non_finite(rows)])
+    if not bad_steps:
+        return []
+    tracked = numpy.array(tracked_steps(rows))
+    bad = numpy.searchsorted(tracked, bad_steps)
+    gap = numpy.median(numpy.diff(tracked)) if len(tracked) > 1 else 1.0
+    merge = max(1, math.ceil(len(tracked) / MAX_BANDS))
+    breaks = numpy.flatnonzero(numpy.diff(bad) > merge)
+    starts, ends = bad[numpy.r_[0, breaks + 1]], bad[numpy.r_[breaks, len(bad) - 1]]
+    for k, (start, end) in enumerate(zip(tracked[starts], tracked[ends])):
+        ax.axvspan(start - gap / 2, end + gap / 2, color="tab:red", alpha=0.15, linewidth=0,
+                   zorder=0, label=NON_FINITE_LABEL if k == 0 else "_non_finite")
+    return bad_steps
 
 
 def _on_log_scale(values):
@@ -196,9 +321,23 @@ def _lines(ax, series, statistic, layers, colors, **style):
             _zero_marks(ax, steps, values, line["color"])
 
 
+def _band(ax, series, name, low, high, color):
+    """The band of one layer between its quantiles ``low`` and ``high``, thinned."""
+    lower, upper = series.xy(name, low), series.xy(name, high)
+    if lower is None or upper is None:
+        return
+    steps, at_lower, at_upper = numpy.intersect1d(lower[0], upper[0], return_indices=True)
+    bottom, top = lower[1][at_lower], upper[1][at_upper]
+    kept = thin(steps, bottom, top)
+    steps, bottom, top = steps[kept], bottom[kept], top[kept]
+    # Zero or non-finite edges have no place on a log scale: no band there.
+    drawable = numpy.isfinite(bottom) & numpy.isfinite(top) & (bottom > 0) & (top > 0)
+    ax.fill_between(steps, bottom, top, where=drawable, color=color, alpha=0.12, linewidth=0)
+
+
 def _bands(ax, series, layers, colors, legend, title, ylabel):
     """Median lines and lowest-to-highest quantile bands per layer; network median bold."""
-    levels = quantile_levels({statistic for _, statistic in series})
+    levels = quantile_levels(series.statistics())
     if not levels:  # no quantiles logged: the mean is all there is
         _lines(ax, series, MEAN, layers, colors)
         _finish(ax, title, f"{ylabel}: {MEAN}", legend)
@@ -206,14 +345,7 @@ def _bands(ax, series, layers, colors, legend, title, ylabel):
     middle = quantile_name(min(levels, key=lambda q: abs(q - 0.5)))
     low, high = quantile_name(levels[0]), quantile_name(levels[-1])
     for name in layers if low != high else []:
-        lower, upper = series.get((name, low), {}), series.get((name, high), {})
-        steps = sorted(set(lower) & set(upper))
-        bottom = numpy.array([lower[s] for s in steps])
-        top = numpy.array([upper[s] for s in steps])
-        # Zero or non-finite edges have no place on a log scale: no band there.
-        drawable = numpy.isfinite(bottom) & numpy.isfinite(top) & (bottom > 0) & (top > 0)
-        ax.fill_between(steps, bottom, top, where=drawable,
-                        color=colors[name], alpha=0.12, linewidth=0)
+        _band(ax, series, name, low, high, colors[name])
     _lines(ax, series, middle, layers, colors)
     _finish(ax, title, f"{ylabel}: {middle}, band {low} to {high}", legend)
 
@@ -233,9 +365,10 @@ def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
         legend: Draw a legend in ``ax``.
     """
     title = _title(frame, GRADIENT_VARIANCE, "gradient noise: sd of grad elements")
-    series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
+    layers = _layers(frame, layers)
+    series = _drawable(ax, frame, GRADIENT_VARIANCE, title, [*layers, NETWORK])
     if series is not None:
-        layers = _layers(frame, layers)
+        non_finite_bands(ax, frame, GRADIENT_VARIANCE)
         _bands(ax, series, layers, layer_colors(layers), legend, title, "sd")
 
 
@@ -246,9 +379,10 @@ def per_example_norm_panel(ax, frame, *, layers=None, legend=True):
     largest per-example norm of the batch as a dotted line. Log scale.
     """
     title = _title(frame, PER_EXAMPLE_NORM, "per-example gradient norms (dotted: max)")
-    series = _drawable(ax, frame, PER_EXAMPLE_NORM, title)
+    layers = _layers(frame, layers)
+    series = _drawable(ax, frame, PER_EXAMPLE_NORM, title, [*layers, NETWORK])
     if series is not None:
-        layers = _layers(frame, layers)
+        non_finite_bands(ax, frame, PER_EXAMPLE_NORM)
         colors = layer_colors(layers)
         _lines(ax, series, MAX, layers, colors, linestyle=":", linewidth=1.0, label=None)
         _bands(ax, series, layers, colors, legend, title, "||g_i||")
@@ -260,9 +394,10 @@ def param_grad_ratio_panel(ax, frame, *, layers=None, legend=True):
     The LARS trust ratio: how many gradient norms fit in the weights. Log scale.
     """
     title = _title(frame, PARAM_GRAD_RATIO, "weights / gradient: ||theta|| / ||grad||")
-    series = _drawable(ax, frame, PARAM_GRAD_RATIO, title)
+    layers = _layers(frame, layers)
+    series = _drawable(ax, frame, PARAM_GRAD_RATIO, title, [*layers, NETWORK])
     if series is not None:
-        layers = _layers(frame, layers)
+        non_finite_bands(ax, frame, PARAM_GRAD_RATIO)
         _lines(ax, series, NORM_RATIO, layers, layer_colors(layers))
         _finish(ax, title, NORM_RATIO, legend)
 
@@ -275,9 +410,10 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
     Log scale.
     """
     title = _title(frame, UPDATE_SIZE, "relative update size per step")
-    series = _drawable(ax, frame, UPDATE_SIZE, title)
+    layers = _layers(frame, layers)
+    series = _drawable(ax, frame, UPDATE_SIZE, title, [*layers, NETWORK])
     if series is not None:
-        layers = _layers(frame, layers)
+        non_finite_bands(ax, frame, UPDATE_SIZE)
         low, high = THRESHOLDS.relative_update_range()
         ax.axhspan(low, high, color="0.88", zorder=0,
                    label=f"usual {THRESHOLDS.usual_relative_update:g}")
@@ -309,9 +445,10 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         title = _title(frame, NOISE_SCALE, "gradient noise scale B_simple")
     else:
         title = f"gradient noise scale B_simple ({param})"
-    series = _drawable(ax, frame, NOISE_SCALE, title)
+    series = _drawable(ax, frame, NOISE_SCALE, title, [param])
     if series is None:
         return
+    non_finite_bands(ax, frame, NOISE_SCALE)
     raw = _xy(series, param, B_SIMPLE)
     if raw is not None:
         steps, values = raw
@@ -334,6 +471,44 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         ax.axhline(batch_size, color="tab:orange", linestyle="--", linewidth=1.5,
                    label=f"batch size {batch_size}")
     _finish(ax, title, "B_simple (examples)", legend)
+
+
+def label_stride(n_rows: int) -> int:
+    """Label every k-th of ``n_rows`` heatmap rows: k, at most :data:`MAX_ROW_LABELS` labels."""
+    return max(1, math.ceil(n_rows / MAX_ROW_LABELS))
+
+
+def _heatmap_values(frame, series, statistic, layers):
+    """Rows (layers), columns (steps) and values of the heatmap.
+
+    At most :data:`MAX_COLUMNS` steps: the first of each of ``MAX_COLUMNS - 1``
+    bins of equal width in steps, and the last step; NaN where a layer has no
+    value at a step.
+    """
+    steps = numpy.array(series.steps())
+    if len(steps) > MAX_COLUMNS:
+        n_bins = MAX_COLUMNS - 1  # and the last step
+        bins = numpy.minimum(((steps - steps[0]) * n_bins
+                              / max(steps[-1] - steps[0], 1)).astype(numpy.int64), n_bins - 1)
+        steps = steps[numpy.unique(numpy.r_[numpy.unique(bins, return_index=True)[1],
+                                            len(steps) - 1])]
+    rows = series.of_statistic(statistic)
+    rows = rows[rows.step.isin(steps).to_numpy(dtype=bool)]
+    present = set(rows.param.unique()) - {NETWORK}
+    names = [name for name in (layer_order(frame) if layers is None else layers)
+             if name in present]
+    row = _positions(rows.param, names)
+    values = numpy.full((len(names), len(steps)), math.nan)
+    shown = row >= 0
+    # Rows in frame order: of a step logged twice, the later row counts.
+    values[row[shown], numpy.searchsorted(steps, rows.step.to_numpy()[shown])] = (
+        rows.value.to_numpy(dtype=float)[shown])
+    return names, steps, values
+
+
+def _positions(column, names) -> numpy.ndarray:
+    """The position of each value of ``column`` in ``names``; -1 for the others."""
+    return column.astype("category").cat.set_categories(names).cat.codes.to_numpy()
 
 
 def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, colorbar=True):
@@ -362,13 +537,7 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
     if series is None:
         return None
-    present = {param for param, stat in series if stat == statistic and param != NETWORK}
-    names = [name for name in (layer_order(frame) if layers is None else layers)
-             if name in present]
-    steps = sorted({step for points in series.values() for step in points})
-    values = numpy.array(
-        [[series[(name, statistic)].get(step, math.nan) for step in steps] for name in names]
-    ).reshape(len(names), len(steps))
+    names, steps, values = _heatmap_values(frame, series, statistic, layers)
     positive = values[numpy.isfinite(values) & (values > 0)]
     if positive.size == 0:
         no_data(ax, title, f"no data:\nno positive {statistic} values to show")
@@ -376,15 +545,18 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     norm = matplotlib.colors.LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01))
     mesh = ax.pcolormesh(steps, numpy.arange(len(names)), numpy.ma.masked_invalid(values),
                          norm=norm, shading="nearest", cmap="viridis", label=label)
-    # Small enough that every label fits its row, never below 4 pt.
-    ax.set_yticks(numpy.arange(len(names)), names,
-                  fontsize=max(4.0, min(8.0, 360.0 / len(names))))
+    # Every k-th row labelled (at most MAX_ROW_LABELS: text layout is most of
+    # a large figure's time), small enough to fit its rows, never below 4 pt.
+    every = label_stride(len(names))
+    ax.set_yticks(numpy.arange(0, len(names), every), names[::every],
+                  fontsize=max(4.0, min(8.0, 360.0 * every / len(names))))
     ax.set_ylim(len(names) - 0.5, -0.5)  # first layer on top
     rows, columns = numpy.nonzero(values == 0)
     if rows.size:
         ax.plot(numpy.asarray(steps)[columns], rows, "x", color="0.3", linestyle="none",
                 markersize=max(2.0, min(5.0, 200.0 / len(names))), label=ZERO_LABEL)
         title += "; x: 0"
+    non_finite_bands(ax, frame, GRADIENT_VARIANCE)
     ax.set_title(title)
     _step_axis(ax)
     if colorbar:
@@ -402,4 +574,6 @@ __all__ = [
     "update_size_panel",
     "noise_scale_panel",
     "noise_heatmap_panel",
+    "non_finite_bands",
+    "thin",
 ]

@@ -372,3 +372,25 @@ def test_every_finding_names_the_columns_it_comes_from(log):
     for line in built.findings:
         if not line.startswith("... and"):
             assert any(f"({column}" in line or f", {column}" in line for column in COLUMNS)
+
+
+# Edges: encodings, image sizes -----------------------------------------------
+
+
+def test_a_file_that_is_not_utf8_is_named(capsys, tmp_path):
+    (tmp_path / "binary.json").write_bytes(b'{"0": \xff\xfe}')
+    for command in (["report"], ["plot", "-o", tmp_path / "x.png"]):
+        result = run_main(capsys, command[0], tmp_path / "binary.json", *command[1:])
+        assert_one_line_error(result, f"{tmp_path / 'binary.json'}: not a text file (invalid "
+                              "start byte at byte 6)")
+
+
+def test_a_dpi_or_image_too_large_is_one_line(capsys, log, tmp_path):
+    image = tmp_path / "x.png"
+    assert_one_line_error(run_main(capsys, "plot", log, "-o", image, "--dpi", "100000"),
+                          "--dpi 100000: use 1 to 1200")
+    # Allowed, but the dashboard at 1100 dpi would be over 100 megapixels.
+    result = run_main(capsys, "plot", log, "-o", image, "--dpi", "1100")
+    assert_one_line_error(result, "--dpi 1100: the image would be 14300 x ", "megapixels",
+                          "use a lower dpi (at most ")
+    assert not image.exists()

@@ -99,7 +99,7 @@ def test_report_and_dashboard_name_the_same_noisiest_layers():
     assert at_last_step.idxmin() == "b"  # what ranking at the last step would say
     (line,) = [f for f in built.findings if f.startswith("noisiest layer")]
     assert line.startswith("noisiest layer: a, lowest median signal-to-noise |grad_j|/sd_j: "
-                           "0.8 on average over 2 tracked steps")
+                           "0.8 on average over 2 finite steps (network")
     assert list(built.ranking.scores.index) == ["a", "b", "c"]
     for k, expected in ((1, ["a"]), (2, ["a", "b"])):
         found = dashboard(frame, top_k=k)
@@ -111,7 +111,7 @@ def test_the_report_at_a_step_ranks_over_the_steps_up_to_it():
     (line,) = [f for f in build_report(frame, step=0).findings
                if f.startswith("noisiest layer")]
     assert line.startswith("noisiest layer: a, lowest median signal-to-noise |grad_j|/sd_j: "
-                           "0.1 on average over 1 tracked steps")
+                           "0.1 on average over 1 finite step (network")
 
 
 # Zeros on log scales -----------------------------------------------------------------
