@@ -281,9 +281,15 @@ def _assert_within_bounds(frame, bounds):
 def pandas_concat(frames):
     import pandas
 
-    # As to_frame: by step and quantity, each quantity's rows in stored order.
-    return pandas.concat(frames).sort_values(["step", "quantity"], kind="stable",
-                                             ignore_index=True)
+    # As to_frame: by step and quantity, each quantity's rows in stored order,
+    # names categorical with the names present sorted (concat of differing
+    # categories gives plain objects).
+    frame = pandas.concat(frames).sort_values(["step", "quantity"], kind="stable",
+                                              ignore_index=True)
+    return frame.astype({
+        column: pandas.CategoricalDtype(pandas.Index(sorted(set(frame[column].astype(str))), dtype=str))
+        for column in ["quantity", "param", "statistic"]
+    })
 
 
 def test_output_steps_equal_schedule_steps():
