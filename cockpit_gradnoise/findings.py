@@ -690,11 +690,10 @@ def report(source, path=None, *, step: Optional[int] = None, batch_size: Optiona
     import pandas  # only here: importing this module stays light
 
     # The header names the log, else what was reported ("Tracker", "DataFrame").
-    tracked = getattr(source, "cockpit", None)  # a Tracker's Cockpit
     if isinstance(source, (str, os.PathLike)):
         name = str(source)
-    elif tracked is not None:
-        name, source = str(source.log or "Tracker"), tracked
+    elif hasattr(source, "cockpit"):  # a Tracker: its get_output reads a streamed log back
+        name = str(source.log or "Tracker")
     else:
         name = type(source).__name__
     frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)

@@ -232,19 +232,24 @@ class Problem:
 
 
 @functools.lru_cache(maxsize=None)
-def _prepared(case: ModelCase, dtype, seed):
+def _prepared(case: ModelCase, dtype, seed, converter=False):
     """The seeded, prepared model of ``case`` and the random state after building it.
 
     Cached: BackPACK's converter takes seconds on a ResNet.
     """
     torch.manual_seed(seed)
-    model = prepare_model(case.make().to(dtype))
+    model = prepare_model(case.make().to(dtype), use_converter=converter)
     return model, torch.get_rng_state()
 
 
-def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0) -> Problem:
-    """Seeded model and batch of ``n`` examples for ``case``."""
-    model, random_state = _prepared(case, dtype, seed)
+def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0,
+          converter=False) -> Problem:
+    """Seeded model and batch of ``n`` examples for ``case``.
+
+    ``converter=True`` prepares it with BackPACK's converter and hooks on every module,
+    which Cockpit's second-order quantities (its ``"full"`` configuration) need.
+    """
+    model, random_state = _prepared(case, dtype, seed, converter)
     model = copy.deepcopy(model)
     torch.set_rng_state(random_state)
     inputs = case.inputs(n)

@@ -116,8 +116,8 @@ def test_same_numbers_alone_together_and_with_cockpit_full_configuration(case, t
     And Cockpit's plotter still renders that cockpit."""
     steps, n = 3, 16
 
-    def frame_of(make_quantities):
-        problem = build(case, n, "mean", dtype=torch.float32)
+    def frame_of(make_quantities, converter=False):
+        problem = build(case, n, "mean", dtype=torch.float32, converter=converter)
         quantities = make_quantities(problem)
         layers = _LayerRecorder(problem.model)
         cockpit = _track_steps(problem, quantities, steps)
@@ -125,7 +125,9 @@ def test_same_numbers_alone_together_and_with_cockpit_full_configuration(case, t
 
     alone = [frame_of(lambda p, i=i: [_ours(p)[i]]) for i in range(2)]
     together, _, _ = frame_of(_ours)
-    with_full, cockpit, full_layers = frame_of(lambda p: _ours(p) + configuration("full"))
+    # Cockpit's second-order quantities need BackPACK's converter and its hooks.
+    with_full, cockpit, full_layers = frame_of(lambda p: _ours(p) + configuration("full"),
+                                               converter=True)
     expected = pandas_concat([frame for frame, _, _ in alone])
     assert len(expected) > 0
     assert together.equals(expected)

@@ -292,6 +292,9 @@ def test_bert_with_output_submodules_gives_exact_rows_for_its_linear_layers():
         if isinstance(module, nn.Linear) for name, _ in module.named_parameters()
     ]
     assert len(linear) == 2 * (2 * 6 + 2)  # q, k, v, attention out, intermediate, out; pooler, head
+    for name in linear:  # softmax ignores the key's bias: its gradient is zero by structure
+        if name.endswith("attention.self.key.bias"):
+            gradients[name] = torch.zeros_like(gradients[name])
     errors = row_errors(prepared, gradients, linear)
     assert max(errors.values()) < RTOL, errors
 

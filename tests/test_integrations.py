@@ -69,7 +69,8 @@ def test_tensorboard_gets_every_number_of_every_tracked_step_under_stable_tags(t
         [(event.step, tag, event.value) for tag in events.Tags()["scalars"]
          for event in events.Scalars(tag)], columns=["step", "tag", "logged"])
     frame = tracker.frame()
-    frame["tag"] = frame["quantity"] + "/" + frame["param"] + "/" + frame["statistic"]
+    frame["tag"] = (frame["quantity"].astype(str) + "/" + frame["param"].astype(str) + "/"
+                    + frame["statistic"].astype(str))
     both = frame.merge(logged, on=["step", "tag"], how="outer", indicator=True)
     assert set(both["_merge"]) == {"both"}  # every number, nothing else
     assert set(frame["step"]) == {0, 2}

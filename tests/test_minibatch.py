@@ -92,7 +92,12 @@ def test_statistics_match_reference(case):
     assert not any("frozen" in name for name in got)
 
 
-@pytest.mark.parametrize("case", MODELS + [ATTENTION], ids=lambda case: case.name)
+# Llama's RMSNorm computes in float32 inside a float64 model, so batches of other sizes
+# round differently in float32: the case matrix checks it at N = 2 and 8 (tests/cases.py).
+FLOAT64_THROUGHOUT = [case for case in MODELS if case.name != "hf-llama"]
+
+
+@pytest.mark.parametrize("case", FLOAT64_THROUGHOUT + [ATTENTION], ids=lambda case: case.name)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_dataset_gradient_is_the_gradient_of_all_examples_at_once(case, reduction):
     model = make_model(case)

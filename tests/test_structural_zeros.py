@@ -45,7 +45,7 @@ class FusedBlock(nn.Module):
 
 
 class Converted(nn.Module):
-    """``nn.MultiheadAttention`` (``in_proj_bias``), converted: ``attn.k_proj.bias``."""
+    """``nn.MultiheadAttention``, converted: the key third of ``attn.in_proj_bias``."""
 
     def __init__(self):
         super().__init__()
@@ -70,7 +70,8 @@ class Model(nn.Module):
 CASES = {
     "fused-c_attn": (lambda: Model(FusedBlock()), {"block.c_attn.bias": slice(WIDTH, 2 * WIDTH)}),
     "multihead-attention": (
-        lambda: cgn.convert_attention(Model(Converted())), {"block.attn.k_proj.bias": slice(None)}
+        lambda: cgn.convert_attention(Model(Converted())),
+        {"block.attn.in_proj_bias": slice(WIDTH, 2 * WIDTH)},
     ),
 }
 

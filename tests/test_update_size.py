@@ -175,7 +175,8 @@ def test_log_round_trip_through_cockpit_write_and_write_log(tmp_path):
 def test_cockpit_plotter_distance_panel_shows_network_update_norm(tmp_path):
     """Cockpit's full configuration with our UpdateSize in place of its own,
     plus our other quantities, in float32 (Cockpit's HessMaxEV needs it)."""
-    problem = build(MODELS[2], 16, "mean", dtype=torch.float32)
+    # Cockpit's second-order quantities need BackPACK's converter and its hooks.
+    problem = build(MODELS[2], 16, "mean", dtype=torch.float32, converter=True)
     schedule, names = linear(1), problem.names
     ours = [
         cgn.GradientVarianceQuantiles(schedule, param_names=names),
