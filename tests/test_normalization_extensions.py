@@ -27,6 +27,15 @@ from backpack.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSqu
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from torch import nn
 
+
+@pytest.fixture(autouse=True)
+def backpack_without_the_global_rows():
+    """BackPACK's own extensions as shipped: ``cgn.track`` with a Cockpit quantity (an
+    earlier test) registers the normalization rows globally, as documented."""
+    norms.unregister_normalization_extensions_globally()
+    yield
+    norms.unregister_normalization_extensions_globally()
+
 RTOL = 1e-10
 HAS_RMS_NORM = hasattr(nn, "RMSNorm")
 needs_rms_norm = pytest.mark.skipif(not HAS_RMS_NORM, reason="nn.RMSNorm needs torch >= 2.4")
