@@ -227,6 +227,11 @@ def track(
     extensions get this package's layer support
     (:func:`~cockpit_gradnoise.register_extensions`).
 
+    A ``torch.compile``'d model is tracked through the module it wraps: the
+    parameters are named without ``_orig_mod.``, and the compiled model is
+    returned. Each module with parameters of its own ends a graph (its
+    output's gradient hook), so the compiled model runs as several graphs.
+
     Create the optimizer from the returned model (BackPACK's converter, where
     it is used, returns a new module with the same parameters), and freeze
     parameters before this call: frozen ones are left out.
@@ -251,10 +256,20 @@ def track(
         ValueError: If no parameter requires gradients, or for a bad
             ``every``, preset, name or option (see :func:`configuration`).
     """
+    # A torch.compile'd model: prepare and name the module it wraps (no "_orig_mod."
+    # prefix); the compiled wrapper, which calls that module, is what is returned.
+    compiled = model if isinstance(model, _compiled_module_type()) else None
+    if compiled is not None:
+        model = compiled._orig_mod
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
     schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
     model = prepare_model(model, use_converter=use_converter)
+    if compiled is not None and model is not compiled._orig_mod:
+        raise ValueError(
+            "a torch.compile'd model cannot go through BackPACK's converter: call "
+            "cgn.track(model) first, then torch.compile the model it returns"
+        )
     names = trainable_names(model)
     # Names found by identity (a mapping), so a quantity can never mislabel a row.
     by_name = {name: param for name, param in model.named_parameters() if param.requires_grad}
@@ -265,7 +280,14 @@ def track(
     tracker = Tracker(Cockpit(params, quantities=built), names)
     if log is not None:
         tracker.stream_to(log)
-    return model, tracker
+    return (model if compiled is None else compiled), tracker
+
+
+def _compiled_module_type() -> type:
+    """The class ``torch.compile`` wraps a module in (``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
 
 
 class Tracker:

@@ -25,6 +25,7 @@ from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
 from cockpit_gradnoise.tracking import ALL, PRESETS  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -436,3 +437,24 @@ def test_reporting_a_log_imports_neither_torch_nor_matplotlib():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).resolve().parent.parent)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_compiled_model_is_tracked_through_the_module_it_wraps():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    twin = copy.deepcopy(plain)
+    # The eager backend: dynamo's graphs and breaks, without compiling kernels.
+    compiled = torch.compile(plain, backend="eager")
+    model, tracker = cgn.track(compiled, every=1, quantities=["PerExampleGradNorm"])
+    assert model is compiled
+    assert tracker.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    _, by_hand = cgn.track(twin, every=1, quantities=["PerExampleGradNorm"])
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for tracked, net in ((tracker, model), (by_hand, twin)):
+        with tracked(0, F.cross_entropy(net(x), y, reduction="none")) as loss:
+            loss.backward()
+    got, expected = tracker.frame(), by_hand.frame()
+    assert list(got["param"].astype(str)) == list(expected["param"].astype(str))
+    # The eager backend runs the same operations: equal up to float64 rounding of
+    # norms of at most 25 products (2 N eps relative bounds it).
+    numpy.testing.assert_allclose(got["value"], expected["value"], rtol=2 * 25 * 2.0**-52, atol=0)
