@@ -440,6 +440,7 @@ def test_reporting_a_log_imports_neither_torch_nor_matplotlib():
 
 
 def test_a_compiled_model_is_tracked_through_the_module_it_wraps():
+    """The recipe of docs/training-setups.md."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     twin = copy.deepcopy(plain)
