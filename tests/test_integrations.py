@@ -34,15 +34,20 @@ def batches():
              torch.randint(0, 3, (BATCH,), generator=generator)) for _ in range(STEPS)]
 
 
-def by_hand(model, data, lr=0.1):
-    """The tracker's frame of a plain SGD loop over ``data``."""
-    model, tracker = cgn.track(model, every=EVERY)
+def train(model, tracker, data, lr=0.1):
+    """A plain SGD loop over ``data``, every step inside the tracker's ``with``."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step, (x, y) in enumerate(data):
         opt.zero_grad()
         with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
             loss.backward()
         opt.step()
+
+
+def by_hand(model, data):
+    """The tracker's frame of :func:`train` over ``data``."""
+    model, tracker = cgn.track(model, every=EVERY)
+    train(model, tracker, data)
     return tracker.frame()
 
 
@@ -56,12 +61,7 @@ def test_tensorboard_gets_every_number_of_every_tracked_step_under_stable_tags(t
     model, tracker = cgn.track(mlp(), every=EVERY)
     writer = SummaryWriter(tmp_path)
     tracker.log_to(writer)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step, (x, y) in enumerate(batches()):
-        opt.zero_grad()
-        with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
-            loss.backward()
-        opt.step()
+    train(model, tracker, batches())
     writer.close()
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     events.Reload()
@@ -90,12 +90,7 @@ def test_a_function_gets_each_step_once_and_a_bad_target_is_refused():
     model, tracker = cgn.track(mlp(), every=EVERY)
     seen = []
     tracker.log_to(lambda step, output: seen.append((step, sorted(output))))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step, (x, y) in enumerate(batches()):
-        opt.zero_grad()
-        with tracker(step, F.cross_entropy(model(x), y, reduction="none"), optimizer=opt) as loss:
-            loss.backward()
-        opt.step()
+    train(model, tracker, batches())
     given = pandas.DataFrame([(s, q) for s, names in seen for q in names], columns=["s", "q"])
     assert not given.duplicated().any()
     stored = {(s, q) for s, quantities in tracker.get_output().items() for q in quantities}
