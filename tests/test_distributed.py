@@ -48,6 +48,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
+from tests import test_two_batch
 from tests.cases import MODELS, ModelCase, build
 from tests.helpers import RTOL
 
@@ -144,6 +145,7 @@ def worker(rank, world, port, out):
             ("skipped_call", skipped_call),
             ("fsdp", fsdp_message),
             ("train_ddp", lambda: train_ddp_quick(out / "train_ddp")),
+            ("two_batch", test_two_batch.two_processes_with_micro_batches),
         ]
     try:
         for key, job in jobs:
@@ -581,6 +583,10 @@ def test_a_process_that_skipped_a_tracked_call_makes_every_process_raise_naming_
         assert "process 0 at step 2, process 1 at step 3" in result["error"]
         assert "skip a tracked call" in result["error"]
         assert result["steps"] == [0, 1]  # nothing recorded from mixed steps
+
+
+def test_two_batch_noise_scale_under_no_sync_equals_the_formula_on_all_micro_batches(groups):
+    test_two_batch.check_two_processes(results_of(groups, 2, "two_batch"))
 
 
 def test_fsdp_fails_clearly(groups):

@@ -1,0 +1,222 @@
+"""The gradient noise scale from micro-batch and process gradient norms alone: no BackPACK.
+
+McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch
+Training", appendix A.1: the squared norm of a small batch's mean gradient and
+of a big batch's give ``|G|^2`` and ``tr(Sigma)``
+(:func:`~cockpit_gradnoise.functional.two_batch_noise_scale_estimates`).
+Under gradient accumulation and DataParallel training both batches come for
+free: each micro-batch on each process is a small batch, the optimizer's
+accumulated, all-reduced gradient is the big one. This is what nanoGNS and
+k-diffusion compute; it costs one float64 norm of every gradient per
+backward pass (a tensor hook on each parameter) and, under DDP, two small
+all-reduces per step. It needs at least two small batches per step (two
+micro-batches, or two processes).
+
+Its estimates are noisier than :class:`~cockpit_gradnoise.GradientNoiseScale`'s,
+which sees every example's gradient: a handful of small batches per step
+instead of ``N`` examples; ``b_simple_smoothed`` averages over steps.
+"""
+
+import functools
+import math
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise import distributed, functional, schema
+from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+class TwoBatchNoiseScale:
+    """``B_simple = tr(Sigma) / |G|^2`` per parameter and for the network, from gradient norms.
+
+    Example (4 micro-batches per optimizer step, also under DDP)::
+
+        noise = cgn.TwoBatchNoiseScale(model)
+        for step, micro_batches in enumerate(loader):
+            for x, y in micro_batches:
+                (F.cross_entropy(model(x), y) / len(micro_batches)).backward()
+                noise.micro_batch(len(x))
+            noise.step(step)               # before optimizer.zero_grad()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    A tensor hook on every trainable parameter keeps the squared norm of each
+    backward pass's own gradient (before it is added to ``param.grad``, and
+    before DDP averages it), in float64. :meth:`micro_batch` closes one
+    backward pass: its examples and the weight of each example's loss in it.
+    :meth:`step` reads ``param.grad``, the big batch, and records per
+    parameter and for ``"all"`` (norms summed over parameters):
+    ``grad_sq``, ``trace_cov``, ``b_simple`` (``+inf`` when ``grad_sq <= 0``),
+    ``b_simple_smoothed`` (moving averages of both, as
+    :class:`~cockpit_gradnoise.GradientNoiseScale`) and ``batch_size`` (all
+    examples of the step, on all processes).
+
+    The big batch's gradient is ``param.grad`` with DDP's average undone:
+    ``G_B = W param.grad / sum_k w_k b_k`` (``W`` processes, micro-batch ``k``
+    of ``b_k`` examples weighted ``w_k``), and its effective size is
+    ``(sum_k w_k b_k)^2 / sum_k w_k^2 b_k``, the number of examples when all
+    weights are equal.
+
+    Args:
+        model: The model (a DDP wrapper is fine); its trainable parameters
+            now. Unchanged apart from the hooks (:meth:`remove` takes them off).
+        smoothing: Weight of the past in ``b_simple_smoothed``, in ``[0, 1)``.
+    """
+
+    name = "TwoBatchNoiseScale"
+
+    def __init__(self, model: nn.Module, *, smoothing: float = DEFAULT_SMOOTHING):
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must lie in [0, 1) (the weight of the past), got {smoothing!r}")
+        named = [(n, p) for n, p in distributed.unwrap(model).named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameter")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.smoothing = float(smoothing)
+        self.output: Dict[int, dict] = {}
+        self._averages: Dict[str, Tuple[float, float]] = {}
+        self._pending: Optional[Tensor] = None  # this backward's squared norms, [params]
+        self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
+        self._handles = [p.register_hook(functools.partial(self._record, i))
+                         for i, p in enumerate(self.params)]
+
+    def _record(self, index: int, grad: Tensor) -> None:
+        if self._pending is None:
+            self._pending = torch.zeros(len(self.params), dtype=torch.float64, device=grad.device)
+        self._pending[index] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+
+    def micro_batch(self, examples: int, weight: Optional[float] = None) -> None:
+        """Close the backward pass just run: ``examples`` examples, each loss weighted ``weight``.
+
+        Args:
+            examples: Examples in this micro-batch (on this process), at least 1.
+            weight: The factor of each example's loss in the loss just
+                differentiated. Default: the micro-batch's mean divided by the
+                number of micro-batches of the step (``loss.mean() / K``),
+                i.e. ``1 / (examples * K)``. For ``loss.sum()``, 1.
+
+        Raises:
+            RuntimeError: If no gradient reached a parameter since the last call.
+        """
+        if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+            raise ValueError(f"examples must be a positive int, got {examples!r}")
+        if weight is not None and not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+        if self._pending is None:
+            raise RuntimeError(
+                "no gradient reached the model's parameters since the last micro_batch(): call "
+                "micro_batch() once after each loss.backward()"
+            )
+        self._micro_batches.append((self._pending, examples, weight))
+        self._pending = None
+
+    def step(self, step: int) -> Optional[dict]:
+        """Record ``step`` from the micro-batches closed since the last step and ``param.grad``.
+
+        Returns:
+            ``{name: {statistic: value}}`` as stored in :attr:`output`, or
+            None with a warning when there is only one small batch in all
+            (one micro-batch on one process defines no estimate).
+
+        Raises:
+            RuntimeError: If a backward pass was not closed by :meth:`micro_batch`,
+                or none was.
+        """
+        if self._pending is not None:
+            raise RuntimeError("a backward pass since the last micro_batch() was not closed: "
+                               "call micro_batch() after each loss.backward()")
+        micro, self._micro_batches = self._micro_batches, []
+        if not micro:
+            raise RuntimeError("no micro-batch since the last step: call micro_batch() after "
+                               "each loss.backward() of the step")
+        weights = [1.0 / (b * len(micro)) if w is None else w for _, b, w in micro]
+        device = micro[0][0].device
+        # Summed over processes: total weight, sum of w^2 b, examples, small batches.
+        totals = torch.tensor(
+            [sum(w * b for w, (_, b, _) in zip(weights, micro)),
+             sum(w * w * b for w, (_, b, _) in zip(weights, micro)),
+             sum(b for _, b, _ in micro), len(micro)], dtype=torch.float64, device=device)
+        world = distributed.world_size()
+        _sum_over_processes(totals)
+        weight, squared_weights, examples, small_batches = totals.tolist()
+        if small_batches < 2:
+            warnings.warn("one micro-batch on one process defines no two-batch noise scale: "
+                          "nothing recorded at this step", stacklevel=2)
+            return None
+        big_examples = weight**2 / squared_weights
+        if any(b == big_examples for _, b, _ in micro):  # the two equations are one
+            warnings.warn(f"a micro-batch of {big_examples:g} examples is as large as the step's "
+                          "batch (its effective size, by the weights): nothing recorded at this "
+                          "step", stacklevel=2)
+            return None
+        big = self._big_squared_norms(device) * (world / weight) ** 2
+        sums = torch.zeros(2, len(self.params) + 1, dtype=torch.float64, device=device)
+        for (squared, b, _), w in zip(micro, weights):
+            small = squared / (w * b) ** 2
+            sums += _pair_estimates(torch.cat([small, small.sum()[None]]),
+                                    torch.cat([big, big.sum()[None]]), b, big_examples)
+        _sum_over_processes(sums)
+        grad_sq, trace_cov = (sums / small_batches).tolist()
+        record = {name: self._statistics(name, g, t, examples)
+                  for name, g, t in zip([*self.names, schema.NETWORK], grad_sq, trace_cov)}
+        self.output[int(step)] = record
+        return record
+
+    def _big_squared_norms(self, device) -> Tensor:
+        return torch.stack([
+            torch.zeros((), dtype=torch.float64, device=device) if p.grad is None
+            else torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
+            for p in self.params])
+
+    def _statistics(self, name, grad_sq, trace_cov, examples) -> dict:
+        previous = self._averages.get(name, (None, None))
+        averages = (functional.exponential_moving_average(previous[0], trace_cov, self.smoothing),
+                    functional.exponential_moving_average(previous[1], grad_sq, self.smoothing))
+        self._averages[name] = averages
+        return {
+            schema.GRAD_SQ: grad_sq,
+            schema.TRACE_COV: trace_cov,
+            schema.B_SIMPLE: schema.ratio_or_inf(trace_cov, grad_sq),
+            schema.B_SIMPLE_SMOOTHED: schema.ratio_or_inf(*averages),
+            schema.BATCH_SIZE: float(examples),
+        }
+
+    def get_output(self) -> dict:
+        """``{step: {"TwoBatchNoiseScale": {name: {statistic: value}}}}``, Cockpit's layout.
+
+        For :func:`~cockpit_gradnoise.to_frame` and :func:`~cockpit_gradnoise.write_log`.
+        """
+        return {step: {self.name: value} for step, value in self.output.items()}
+
+    def frame(self):
+        """The recorded numbers as :func:`~cockpit_gradnoise.to_frame`'s table."""
+        from cockpit_gradnoise.frame import to_frame
+
+        return to_frame(self.get_output())
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _pair_estimates(small: Tensor, big: Tensor, b: float, big_examples: float) -> Tensor:
+    """``[grad_sq, trace_cov]`` of one small batch against the big one, elementwise.
+
+    The formulas of :func:`~cockpit_gradnoise.functional.two_batch_noise_scale_estimates`,
+    on tensors of squared norms (one per parameter and the network).
+    """
+    grad_sq = (big_examples * big - b * small) / (big_examples - b)
+    trace_cov = (small - big) / (1 / b - 1 / big_examples)
+    return torch.stack([grad_sq, trace_cov])
+
+
+def _sum_over_processes(tensor: Tensor) -> None:
+    if distributed.world_size() > 1:
+        dist.all_reduce(tensor)

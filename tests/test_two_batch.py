@@ -1,0 +1,190 @@
+"""The two-batch-size noise scale (McCandlish et al. 2018, appendix A.1), from norms alone.
+
+- Exact: against gradients of each micro-batch and of the weighted whole,
+  each from its own ``torch.autograd.grad`` on an un-hooked copy, float64,
+  one process and two (gloo on loopback, each process two micro-batches
+  under ``no_sync``: run in ``tests/test_distributed.py``'s group of 2).
+- Unbiased, and in agreement with the per-example estimate of
+  :class:`~cockpit_gradnoise.GradientNoiseScale`: over many batches drawn
+  with replacement from a fixed population (so its mean gradient ``G`` and
+  covariance trace are known exactly), both estimates' means lie within 4
+  standard errors of the truth (a normal tail of 6e-5 per check).
+"""
+
+import contextlib
+import copy
+import math
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import functional, schema
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+RTOL = 1e-11
+RANK_SIZES = ((3, 2), (2, 4))  # micro-batch sizes of process 0 and 1
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def micro_batches(sizes, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 3, generator=generator, dtype=torch.float64),
+             torch.randint(0, 2, (b,), generator=generator)) for b in sizes]
+
+
+def squared_norms(grads):
+    values = [float(g.double().square().sum()) for g in grads]
+    return values + [sum(values)]
+
+
+def reference(model, batches, weights):
+    """``{name: (grad_sq, trace_cov)}`` from each batch's own gradient, by autograd on a copy."""
+    plain = copy.deepcopy(model)
+    params = list(plain.parameters())
+    sums = [torch.autograd.grad(F.cross_entropy(plain(x), y, reduction="sum"), params)
+            for x, y in batches]
+    total = sum(w * len(y) for w, (_, y) in zip(weights, batches))
+    effective = total**2 / sum(w * w * len(y) for w, (_, y) in zip(weights, batches))
+    big = [sum(w * s[i] for w, s in zip(weights, sums)) / total for i in range(len(params))]
+    small = [squared_norms([g / len(y) for g in s]) for s, (_, y) in zip(sums, batches)]
+    names = [n for n, _ in plain.named_parameters()] + [schema.NETWORK]
+    return {name: functional.two_batch_noise_scale_estimates(
+        [(m[i], len(y)) for m, (_, y) in zip(small, batches)], squared_norms(big)[i], effective)
+        for i, name in enumerate(names)}
+
+
+def assert_matches(record, expected, examples):
+    assert set(record) == set(expected)
+    for name, (grad_sq, trace_cov) in expected.items():
+        got = record[name]
+        assert got[schema.GRAD_SQ] == pytest.approx(grad_sq, rel=RTOL)
+        assert got[schema.TRACE_COV] == pytest.approx(trace_cov, rel=RTOL)
+        assert got[schema.B_SIMPLE] == pytest.approx(schema.ratio_or_inf(trace_cov, grad_sq), rel=RTOL)
+        assert got[schema.BATCH_SIZE] == examples
+
+
+@pytest.mark.parametrize("sizes, reduction", [((2, 3, 4), "mean"), ((5, 2), "sum"), ((3, 3), "mean")])
+def test_every_statistic_equals_the_formula_on_each_batchs_own_gradient(sizes, reduction):
+    model = mlp()
+    noise = cgn.TwoBatchNoiseScale(model)
+    batches = micro_batches(sizes)
+    weights = [1 / (len(sizes) * b) if reduction == "mean" else 1.0 for b in sizes]
+    for (x, y), weight in zip(batches, weights):
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        (loss / len(sizes) if reduction == "mean" else loss).backward()
+        noise.micro_batch(len(y), None if reduction == "mean" else 1.0)
+    record = noise.step(7)
+    assert_matches(record, reference(model, batches, weights), sum(sizes))
+    assert noise.output == {7: record}
+    frame = noise.frame()
+    assert set(frame["quantity"]) == {"TwoBatchNoiseScale"}
+    assert len(frame) == len(record) * 5
+
+
+def population(size=50, seed=3):
+    """A fixed linear least-squares problem: per-example gradients in closed form."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, 3, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.8 * torch.randn(
+        size, generator=generator, dtype=torch.float64)
+    return x, y
+
+
+def per_example_gradients(model, x, y):
+    """``[N, 4]``: each example's gradient of ``(w.x + b - y)^2 / 2``, weight then bias."""
+    residual = (model(x).squeeze(1) - y).detach()
+    return torch.cat([residual[:, None] * x, residual[:, None]], dim=1)
+
+
+def test_both_estimates_are_unbiased_over_batches_drawn_from_a_known_population():
+    x, y = population()
+    model = nn.Linear(3, 1).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.7, -1.5, 0.2]]))
+        model.bias.fill_(0.3)
+    g = per_example_gradients(model, x, y)
+    true_grad_sq = float(g.mean(0).square().sum())
+    true_trace = float((g - g.mean(0)).square().sum(1).mean())  # drawn with replacement
+    noise = cgn.TwoBatchNoiseScale(model)
+    generator = torch.Generator().manual_seed(4)
+    rounds, parts, b = 400, 4, 4
+    two_batch, per_example = [], []
+    for step in range(rounds):
+        index = torch.randint(0, len(y), (parts * b,), generator=generator)
+        for part in index.view(parts, b):
+            (F.mse_loss(model(x[part]).squeeze(1), y[part]) / 2 / parts).backward()
+            noise.micro_batch(b)
+        record = noise.step(step)[schema.NETWORK]
+        model.zero_grad()
+        two_batch.append((record[schema.GRAD_SQ], record[schema.TRACE_COV]))
+        drawn = g[index]
+        per_example.append(functional.noise_scale_estimates(
+            float(drawn.square().sum(1).mean()), float(drawn.mean(0).square().sum()), len(index)))
+    for estimates in (two_batch, per_example):
+        for column, truth in zip(zip(*estimates), (true_grad_sq, true_trace)):
+            values = torch.tensor(column)
+            standard_error = float(values.std()) / math.sqrt(rounds)
+            assert abs(float(values.mean()) - truth) <= 4 * standard_error
+    # Same batches: the paired difference of the two estimates has mean 0.
+    for a, c in zip(zip(*two_batch), zip(*per_example)):
+        difference = torch.tensor(a) - torch.tensor(c)
+        assert abs(float(difference.mean())) <= 4 * float(difference.std()) / math.sqrt(rounds)
+
+
+def test_one_micro_batch_on_one_process_records_nothing_with_a_warning():
+    model = mlp()
+    noise = cgn.TwoBatchNoiseScale(model)
+    (x, y), = micro_batches([4])
+    F.cross_entropy(model(x), y).backward()
+    noise.micro_batch(4)
+    with pytest.warns(UserWarning, match="one micro-batch on one process"):
+        assert noise.step(0) is None
+    assert noise.output == {}
+
+
+def test_calls_out_of_order_and_bad_arguments_name_the_fix():
+    model = mlp()
+    noise = cgn.TwoBatchNoiseScale(model)
+    with pytest.raises(RuntimeError, match=r"call micro_batch\(\) once after each"):
+        noise.micro_batch(3)
+    (x, y), = micro_batches([3])
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="was not closed"):
+        noise.step(0)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="examples must be a positive int"):
+            noise.micro_batch(bad)
+    with pytest.raises(ValueError, match="weight must be a positive"):
+        noise.micro_batch(3, weight=-1.0)
+    noise.micro_batch(3)
+    noise.remove()
+    F.cross_entropy(model(x), y).backward()  # no hook left: nothing recorded
+    assert noise._pending is None
+
+
+def two_processes_with_micro_batches():
+    """One step of this process under DDP (2 processes), run by ``tests/test_distributed.py``."""
+    model = nn.parallel.DistributedDataParallel(mlp())
+    noise = cgn.TwoBatchNoiseScale(model)
+    sizes = RANK_SIZES[dist.get_rank()]
+    for k, (x, y) in enumerate(micro_batches(sizes, seed=10 + dist.get_rank())):
+        with model.no_sync() if k < len(sizes) - 1 else contextlib.nullcontext():
+            (F.cross_entropy(model(x), y) / len(sizes)).backward()
+        noise.micro_batch(len(y))
+    return noise.step(3)
+
+
+def check_two_processes(records):
+    """The two processes' records against the formula on all four micro-batches."""
+    assert records[0] == records[1]
+    batches = [batch for rank in range(2) for batch in micro_batches(RANK_SIZES[rank], seed=10 + rank)]
+    weights = [1 / (len(sizes) * b) for sizes in RANK_SIZES for b in sizes]
+    # Names as in the unwrapped model (no "module."), like every quantity's.
+    assert_matches(records[0], reference(mlp(), batches, weights), sum(map(sum, RANK_SIZES)))
