@@ -11,6 +11,7 @@ BackPACK's second-order extensions (Cockpit's ``HessTrace``, ``TICDiag``),
 which need hooks on every module.
 """
 
+import sys
 from typing import Optional
 
 from cockpit_gradnoise.attention import convert_attention
@@ -45,6 +46,11 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
 
     A model already extended by ``backpack.extend`` is returned as it is.
 
+    Where ``torch.compile`` has been used in this process, its compiled graphs
+    are dropped and it is made to guard on module hooks
+    (:func:`make_compile_see_hooks`), so that no graph compiled without the
+    hooks runs this model.
+
     Args:
         model: The network.
         use_converter: ``True`` for BackPACK's converter and its hooks on every
@@ -66,6 +72,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     if not use_converter:
         if not any(getattr(module, "_backpack_extend", False) for module in model.modules()):
             add_hooks(model)
+            make_compile_see_hooks()
         return uses.install(model)  # tied parameters, embeddings without the batch
     _refuse_frozen_training_flag(model)
     names = [name for name, _ in model.named_parameters()]
@@ -111,3 +118,22 @@ def _refuse_frozen_training_flag(model: nn.Module) -> None:
             "of the moment of conversion. Use cockpit_gradnoise.prepare_model(model) without "
             "the converter."
         )
+
+
+def make_compile_see_hooks() -> None:
+    """Make torch.compile notice module hooks, and forget graphs compiled without them.
+
+    TorchDynamo does not guard on module hooks by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a graph compiled
+    for this model's class before the hooks were added (for this instance, or
+    for another, such as an untracked copy) would run it without them: no
+    per-example results, silently. Done only where ``torch._dynamo`` is already
+    imported (importing it takes seconds); where it is not, nothing is compiled
+    yet, and a model compiled later, like ``cgn.track(torch.compile(model))``,
+    comes back here. Other compiled models recompile at their next call.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    dynamo.config.skip_nnmodule_hook_guards = False
+    dynamo.reset()

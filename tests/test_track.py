@@ -459,3 +459,32 @@ def test_a_compiled_model_is_tracked_through_the_module_it_wraps():
     # The eager backend runs the same operations: equal up to float64 rounding of
     # norms of at most 25 products (2 N eps relative bounds it).
     numpy.testing.assert_allclose(got["value"], expected["value"], rtol=2 * 25 * 2.0**-52, atol=0)
+
+
+@pytest.mark.parametrize("order", ["compiled untracked copy first", "tracked, then compiled"])
+def test_a_graph_compiled_without_the_hooks_is_never_reused_for_the_tracked_model(order):
+    """TorchDynamo does not guard on module hooks by default: a graph compiled for
+    another instance of the class (an untracked copy, an EMA model) would run the
+    tracked one without its hooks; ``prepare_model`` makes it guard on them."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    twin, untracked = copy.deepcopy(plain), copy.deepcopy(plain)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    other = torch.compile(untracked, backend="eager")
+    if order == "compiled untracked copy first":
+        F.cross_entropy(other(x), y).backward()
+        model, tracker = cgn.track(torch.compile(plain, backend="eager"), every=1,
+                                   quantities=["PerExampleGradNorm"])
+    else:
+        model, tracker = cgn.track(plain, every=1, quantities=["PerExampleGradNorm"])
+        F.cross_entropy(other(x), y).backward()
+        model = torch.compile(model, backend="eager")
+    _, by_hand = cgn.track(twin, every=1, quantities=["PerExampleGradNorm"])
+    for step in range(2):
+        for tracked, net in ((tracker, model), (by_hand, twin)):
+            net.zero_grad()
+            with tracked(step, F.cross_entropy(net(x), y, reduction="none")) as loss:
+                loss.backward()
+    got, expected = tracker.frame(), by_hand.frame()
+    assert len(got) == len(expected) > 0
+    numpy.testing.assert_allclose(got["value"], expected["value"], rtol=2 * 25 * 2.0**-52, atol=0)
