@@ -21,12 +21,14 @@ from experiments import (  # noqa: E402
     one_backward_vs_minibatches,
     pages,
     trust_ratios,
+    two_batch_noise_scale,
 )
 
 SCRIPTS = {
     "one-backward-vs-minibatches": one_backward_vs_minibatches,
     "bad-runs": bad_runs,
     "trust-ratios": trust_ratios,
+    "two-batch-noise-scale": two_batch_noise_scale,
 }
 
 
@@ -70,6 +72,11 @@ def test_each_page_holds_its_own_numbers(written):
             assert re.search(rf"^\| {step} \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| [0-9]+x \|$",
                              text, re.MULTILINE)  # the timing row
         assert f"M={m} batches" in text
+    elif slug == "two-batch-noise-scale":
+        assert re.search(r"differ by [+-][0-9.]+ standard errors for `trace_cov`", text)
+        for statistic in ("grad_sq", "trace_cov"):
+            assert re.search(rf"^\| {statistic} \| [0-9.e+-]+ ± [0-9.e+-]+ \| ", text, re.MULTILINE)
+        assert f"{two_batch_noise_scale.QUICK} optimizer steps" in text
     else:
         assert re.search(r"spans \d+x in the GPT at its last tracked step", text)
         assert re.search(r"and \d+x in resnet18 \(", text)
