@@ -19,6 +19,7 @@ import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,3 +174,45 @@ def test_statistics_against_a_reference_that_knows_the_key_bias_is_zero(name, re
         return sd_rtol(contributions, n, param, inner_terms=length)
 
     assert_statistics_match(got, expected, rtol_of=rtol_of)
+
+
+def test_param_grad_ratio_reads_param_grad_whose_key_bias_keeps_its_noise():
+    """ParamGradRatio describes ``param.grad`` as the optimizer gets it (the decision
+    in ``docs/param-grad-ratio.md``): the key third's rounding noise counts as nonzero
+    gradient, its ratios set ``max``, while GradientVarianceQuantiles in the same step
+    reads exact zeros there."""
+    model, idx, targets, zeros = problem("fused-c_attn", torch.float64, SHAPES[1])
+    tracked = extend(copy.deepcopy(model))
+    loss_fn = extend(TokenCrossEntropy("mean"))
+    names = [n for n, _ in tracked.named_parameters()]
+    ratio = cgn.ParamGradRatio(linear(1), param_names=names)
+    variance = cgn.GradientVarianceQuantiles(linear(1), quantiles=LEVELS, param_names=names)
+    cockpit = cgn.Cockpit(list(tracked.parameters()), quantities=[ratio, variance])
+    seen = {}
+    logits = tracked(idx)
+    loss = loss_fn(logits, targets)
+    per_example = TokenCrossEntropy("none", per_token="mean")(logits, targets)
+    with cockpit(0, info={"loss": loss, "individual_losses": per_example}):
+        loss.backward()
+        for param, where in zeros.items():
+            seen[param] = getattr(tracked.get_parameter(param), SUMS_SAVEFIELD)[:, where].clone()
+    got = rows(cockpit, "ParamGradRatio")
+    for param, where in zeros.items():
+        # GradientVarianceQuantiles' sums are exact zeros there; param.grad is noise.
+        assert torch.equal(seen[param], torch.zeros_like(seen[param]))
+        p = tracked.get_parameter(param)
+        grad, theta = p.grad.detach(), p.detach()
+        noise = grad[where]
+        assert (noise != 0).any() and noise.abs().max() < 1e-14 * grad.abs().max()
+        nonzero = grad != 0
+        ratios = (theta.abs() / grad.abs())[nonzero].numpy()
+        expected = {
+            "mean": ratios.mean(), "median": numpy.median(ratios), "min": ratios.min(),
+            "max": ratios.max(), "zero_grad_fraction": 1 - nonzero.double().mean().item(),
+            "norm_ratio": (theta.norm() / grad.norm()).item(),
+        }
+        assert got[param] == pytest.approx(expected, rel=1e-12)
+        # The largest ratio is a key element's, far above every query and value element's.
+        rest = torch.ones_like(nonzero)
+        rest[where] = False
+        assert got[param]["max"] > 1e10 * (theta.abs() / grad.abs())[rest].max().item()

@@ -64,9 +64,13 @@ an element escapes if any of its examples does. Query and value elements
 have a contribution of at least ``8.4e6``, ``1.0e6``, ``1.65e5``, ``2.7e4``
 for ``L = 4, 64, 256, 1024`` in float32 (8,200, 956, 129 and 13 times the
 threshold; this margin falls with ``L``; in float64 it is ``7e9`` or more).
-Not covered: sharply peaked attention (``p_qt`` near 1), where the upstream
-error relative to ``A_i`` grows like ``1 / (1 - p)``: such a key element
-escapes the test and keeps its noise.
+Not covered, where the upstream condition exceeds the allowance and a key
+element escapes the test and keeps its noise: sharply peaked attention
+(``p_qt`` near 1; the upstream error relative to ``A_i`` grows like
+``1 / (1 - p)``), and queries and keys nearly constant over the positions
+(a projection whose bias dominates its weights: GPT-2's ``Conv1D`` with
+weights of sd 0.02 and a bias of sd 0.1 gave up to ``4.7e3 eps A_i`` at
+``L = 4``).
 
 Applied to the biases of ``Linear`` layers on sequences (also Hugging Face's
 ``Conv1D``, whose rule is the Linear one) and of convolutions (sums of output
