@@ -7,7 +7,10 @@ sum over the sequence of output gradients whose magnitudes are at hand, so
 rounding noise is told from a gradient (:func:`~cockpit_gradnoise.extensions.sums.structural_zeros`):
 there, sum and sum of squares are exactly 0, so sd 0 and no SNR (``0 / 0``).
 The references below know the key bias is zero; every other element is as
-before, within the rounding bound of the case matrix.
+before, within the rounding bound of the case matrix. Short sequences are the
+hard case: there the terms' own rounding (softmax's backward cancels) exceeds
+the summation's, and at ``T = 4`` with 64 examples the summation's allowance
+alone missed key elements (:data:`~cockpit_gradnoise.extensions.sums.TERM_ROUNDING`).
 """
 
 import copy
@@ -16,6 +19,7 @@ import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,20 +30,30 @@ from torch import nn
 from tests.helpers import RTOL, assert_statistics_match, rows, sd_rtol
 from tests.models import TokenCrossEntropy
 
-N, T, WIDTH, VOCABULARY = 6, 7, 8, 11
+WIDTH, VOCABULARY = 8, 11
+#: (examples, sequence length)
+SHAPES = [(6, 7), (64, 4)]
 LEVELS = (0.1, 0.5, 0.9)
 
 
-class FusedBlock(nn.Module):
-    """nanoGPT's attention: one ``c_attn`` Linear with bias ``[q | k | v]``."""
+def conv1d(inputs, outputs):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections: ``x @ W + b``, ``W`` stored ``[in, out]``)."""
+    from transformers.pytorch_utils import Conv1D
 
-    def __init__(self):
+    return Conv1D(outputs, inputs)
+
+
+class FusedBlock(nn.Module):
+    """nanoGPT's attention: one ``c_attn`` with bias ``[q | k | v]``, a ``Linear`` or,
+    as in GPT-2, a ``Conv1D``."""
+
+    def __init__(self, layer=nn.Linear):
         super().__init__()
-        self.c_attn, self.c_proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.c_attn, self.c_proj = layer(WIDTH, 3 * WIDTH), layer(WIDTH, WIDTH)
 
     def forward(self, x):
         q, k, v = self.c_attn(x).split(WIDTH, dim=2)
-        q, k, v = (z.view(z.shape[0], T, 2, -1).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(*z.shape[:2], 2, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.c_proj(y.transpose(1, 2).reshape(x.shape))
 
@@ -69,6 +83,9 @@ class Model(nn.Module):
 # (model, {parameter: its elements whose gradient is structurally zero})
 CASES = {
     "fused-c_attn": (lambda: Model(FusedBlock()), {"block.c_attn.bias": slice(WIDTH, 2 * WIDTH)}),
+    "hf-conv1d-c_attn": (
+        lambda: Model(FusedBlock(conv1d)), {"block.c_attn.bias": slice(WIDTH, 2 * WIDTH)},
+    ),
     "multihead-attention": (
         lambda: cgn.convert_attention(Model(Converted())),
         {"block.attn.in_proj_bias": slice(WIDTH, 2 * WIDTH)},
@@ -76,12 +93,12 @@ CASES = {
 }
 
 
-def problem(name, dtype, reduction):
+def problem(name, dtype, shape):
     make, zeros = CASES[name]
     torch.manual_seed(0)
     model = make().to(dtype)
-    idx = torch.randint(0, VOCABULARY, (N, T))
-    targets = torch.randint(0, VOCABULARY, (N, T))
+    idx = torch.randint(0, VOCABULARY, shape)
+    targets = torch.randint(0, VOCABULARY, shape)
     return model, idx, targets, zeros
 
 
@@ -93,11 +110,12 @@ def saved_sums(model, idx, targets, reduction):
     return {name: getattr(p, SUMS_SAVEFIELD) for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", list(CASES))
-def test_key_bias_sums_are_exactly_zero_and_nothing_else_is(name, dtype, reduction):
-    model, idx, targets, zeros = problem(name, dtype, reduction)
+def test_key_bias_sums_are_exactly_zero_and_nothing_else_is(name, dtype, reduction, shape):
+    model, idx, targets, zeros = problem(name, dtype, shape)
     sums = saved_sums(model, idx, targets, reduction)
     for param, where in zeros.items():
         assert torch.equal(sums[param][:, where], torch.zeros_like(sums[param][:, where]))
@@ -113,17 +131,19 @@ def test_key_bias_sums_are_exactly_zero_and_nothing_else_is(name, dtype, reducti
 
 def test_key_bias_gradient_was_rounding_noise():
     """The case shows what it guards against: autograd's key-bias gradient is not 0."""
-    model, idx, targets, zeros = problem("fused-c_attn", torch.float64, "mean")
+    model, idx, targets, zeros = problem("fused-c_attn", torch.float64, SHAPES[0])
     TokenCrossEntropy("mean")(model(idx), targets).backward()
     noise = model.block.c_attn.bias.grad[WIDTH : 2 * WIDTH]
     assert noise.abs().max() > 0
     assert noise.abs().max() < 1e-14 * model.block.c_attn.bias.grad.abs().max()
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_statistics_against_a_reference_that_knows_the_key_bias_is_zero(name, reduction):
-    model, idx, targets, zeros = problem(name, torch.float64, reduction)
+def test_statistics_against_a_reference_that_knows_the_key_bias_is_zero(name, reduction, shape):
+    model, idx, targets, zeros = problem(name, torch.float64, shape)
+    n, length = shape
     tracked = extend(copy.deepcopy(model))
     loss_fn = extend(TokenCrossEntropy(reduction))
     quantity = cgn.GradientVarianceQuantiles(linear(1), quantiles=LEVELS, param_names=tracked)
@@ -145,12 +165,54 @@ def test_statistics_against_a_reference_that_knows_the_key_bias_is_zero(name, re
         # Left out of the SNR as 0 / 0 (the converted key bias: every element).
         if zeros[param] == slice(None):
             assert got[param] == {"q0.1": 0.0, "q0.5": 0.0, "q0.9": 0.0, "mean": 0.0}
-    scale = 1 / N if reduction == "mean" else 1.0
+    scale = 1 / n if reduction == "mean" else 1.0
     contributions = {key: g * scale for key, g in grads.items()}
 
     def rtol_of(param, statistic):
         if zeros.get(param) == slice(None):
             return RTOL  # every element exactly 0: compared exactly, in effect
-        return sd_rtol(contributions, N, param, inner_terms=T)
+        return sd_rtol(contributions, n, param, inner_terms=length)
 
     assert_statistics_match(got, expected, rtol_of=rtol_of)
+
+
+def test_param_grad_ratio_reads_param_grad_whose_key_bias_keeps_its_noise():
+    """ParamGradRatio describes ``param.grad`` as the optimizer gets it (the decision
+    in ``docs/param-grad-ratio.md``): the key third's rounding noise counts as nonzero
+    gradient, its ratios set ``max``, while GradientVarianceQuantiles in the same step
+    reads exact zeros there."""
+    model, idx, targets, zeros = problem("fused-c_attn", torch.float64, SHAPES[1])
+    tracked = extend(copy.deepcopy(model))
+    loss_fn = extend(TokenCrossEntropy("mean"))
+    names = [n for n, _ in tracked.named_parameters()]
+    ratio = cgn.ParamGradRatio(linear(1), param_names=names)
+    variance = cgn.GradientVarianceQuantiles(linear(1), quantiles=LEVELS, param_names=names)
+    cockpit = cgn.Cockpit(list(tracked.parameters()), quantities=[ratio, variance])
+    seen = {}
+    logits = tracked(idx)
+    loss = loss_fn(logits, targets)
+    per_example = TokenCrossEntropy("none", per_token="mean")(logits, targets)
+    with cockpit(0, info={"loss": loss, "individual_losses": per_example}):
+        loss.backward()
+        for param, where in zeros.items():
+            seen[param] = getattr(tracked.get_parameter(param), SUMS_SAVEFIELD)[:, where].clone()
+    got = rows(cockpit, "ParamGradRatio")
+    for param, where in zeros.items():
+        # GradientVarianceQuantiles' sums are exact zeros there; param.grad is noise.
+        assert torch.equal(seen[param], torch.zeros_like(seen[param]))
+        p = tracked.get_parameter(param)
+        grad, theta = p.grad.detach(), p.detach()
+        noise = grad[where]
+        assert (noise != 0).any() and noise.abs().max() < 1e-14 * grad.abs().max()
+        nonzero = grad != 0
+        ratios = (theta.abs() / grad.abs())[nonzero].numpy()
+        expected = {
+            "mean": ratios.mean(), "median": numpy.median(ratios), "min": ratios.min(),
+            "max": ratios.max(), "zero_grad_fraction": 1 - nonzero.double().mean().item(),
+            "norm_ratio": (theta.norm() / grad.norm()).item(),
+        }
+        assert got[param] == pytest.approx(expected, rel=1e-12)
+        # The largest ratio is a key element's, far above every query and value element's.
+        rest = torch.ones_like(nonzero)
+        rest[where] = False
+        assert got[param]["max"] > 1e10 * (theta.abs() / grad.abs())[rest].max().item()

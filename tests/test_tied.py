@@ -1,9 +1,10 @@
 """Tied parameters and embeddings applied without the batch dimension, against float64 loops.
 
-The supported cases are in the case matrix (``tests/cases.py``); here: the
-cases awaiting the fallback extension (compared on every parameter that has
-rows), the forms of each path (dense cross terms in chunks, views before the
-addition, label embeddings), and what is refused, by name.
+The models are in the case matrix (``tests/cases.py``: ``nanogpt-tied-arange``,
+``three-uses``, and the full nanoGPT patterns and GPT-2 tied, ``nanogpt`` and
+``hf-gpt2-tied``, every statistic of every parameter at T equal to the batch
+size); here: the forms of each path (dense cross terms in chunks, views
+before the addition, label embeddings), and what is refused, by name.
 """
 
 import copy
@@ -27,7 +28,7 @@ from backpack import backpack, extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.cases import AWAITING_FALLBACK, NANO_CONTEXT, Problem, build, case_named, run_step
+from tests.cases import NANO_CONTEXT, Problem, build, case_named, run_step
 from tests.helpers import RTOL, assert_statistics_match, rounding_bounds, rows, sd_rtol
 
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
@@ -41,38 +42,33 @@ def _quantities(names):
     ]
 
 
-def assert_matches_references(problem, inner_terms, names=None, sd_names=None):
+def assert_matches_references(problem, inner_terms):
     """GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale equal their
-    references on ``names`` (default: every trainable parameter), GradientVarianceQuantiles
-    on ``sd_names`` (default: ``names``); ``"all"`` over the same parameters.
-    By default every trainable parameter the forward pass uses."""
+    references on every trainable parameter the forward pass uses, and on ``"all"``."""
     named = dict(problem.model.named_parameters())
     n = len(problem.inputs)
     grads = references.per_example_gradients(
         problem.model, problem.per_example_loss, problem.inputs, problem.targets)
-    names = [name for name in problem.names if name in grads] if names is None else names
-    for subset, kind in ((names, "norms"), (names if sd_names is None else sd_names, "sd")):
-        quantities = _quantities(subset)
-        cockpit = cgn.Cockpit([named[name] for name in subset], quantities=quantities)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run_step(problem, quantities, cockpit=cockpit)
-        got = cockpit.get_output()[0]
-        chosen = {name: grads[name] for name in subset}
-        args = (problem.model, problem.per_example_loss, problem.inputs, problem.targets)
-        if kind == "norms":
-            assert_statistics_match(got["PerExampleGradNorm"], references.per_example_grad_norm(
-                *args, quantiles=QUANTILES, gradients=chosen))
-            numel = {name: named[name].numel() for name in subset}
-            numel[schema.NETWORK] = sum(numel.values())
-            _assert_noise_scale(rows(cockpit, "GradientNoiseScale"), references.gradient_noise_scale(
-                *args, gradients=chosen), n, numel)
-        else:
-            expected = references.gradient_variance_quantiles(
-                *args, reduction=problem.reduction, quantiles=QUANTILES, gradients=chosen)
-            tolerance = {name: sd_rtol(chosen, n, name, inner_terms) for name in expected}
-            assert_statistics_match(got["GradientVarianceQuantiles"], expected,
-                                    rtol_of=lambda name, statistic: tolerance[name])
+    names = [name for name in problem.names if name in grads]
+    quantities = _quantities(names)
+    cockpit = cgn.Cockpit([named[name] for name in names], quantities=quantities)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_step(problem, quantities, cockpit=cockpit)
+    got = cockpit.get_output()[0]
+    chosen = {name: grads[name] for name in names}
+    args = (problem.model, problem.per_example_loss, problem.inputs, problem.targets)
+    assert_statistics_match(got["PerExampleGradNorm"], references.per_example_grad_norm(
+        *args, quantiles=QUANTILES, gradients=chosen))
+    numel = {name: named[name].numel() for name in names}
+    numel[schema.NETWORK] = sum(numel.values())
+    _assert_noise_scale(rows(cockpit, "GradientNoiseScale"), references.gradient_noise_scale(
+        *args, gradients=chosen), n, numel)
+    expected = references.gradient_variance_quantiles(
+        *args, reduction=problem.reduction, quantiles=QUANTILES, gradients=chosen)
+    tolerance = {name: sd_rtol(chosen, n, name, inner_terms) for name in expected}
+    assert_statistics_match(got["GradientVarianceQuantiles"], expected,
+                            rtol_of=lambda name, statistic: tolerance[name])
 
 
 def _assert_noise_scale(got, expected, n, numel):
@@ -90,21 +86,6 @@ def _assert_noise_scale(got, expected, n, numel):
                                                           rel=max(RTOL, rtol)), name
         elif grad_sq < -atol_g:
             assert got[name]["b_simple"] == math.inf, name
-
-
-@pytest.mark.parametrize("case", AWAITING_FALLBACK, ids=lambda case: case.name)
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_nanogpt_and_gpt2_tied_match_references_on_every_parameter(case, reduction):
-    """T equals the batch size. nanoGPT's LayerNorm class and GPT-2's Conv1D get their rows
-    from the fallback; nanoGPT's ``c_attn.bias`` (its key third has an exactly zero gradient,
-    computed as rounding noise until the numerics work) is compared in the norms only."""
-    problem = build(case, NANO_CONTEXT, reduction)
-    names = problem.names
-    quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
-    got = rows(run_step(problem, [quantity]), schema.PER_EXAMPLE_NORM)
-    assert set(got) == set(names) | {schema.NETWORK}
-    sd_names = [name for name in names if not name.endswith("c_attn.bias")]
-    assert_matches_references(problem, case.inner_terms, names, sd_names)
 
 
 def _untied_plain(case_name, n):

@@ -18,7 +18,9 @@ class ParamGradRatio(ParameterQuantity):
     ``"all"``: ``norm_ratio`` and ``zero_grad_fraction`` of the whole network.
 
     ``grad`` is ``param.grad`` as the optimizer sees it (so it depends on the
-    loss's reduction). A parameter whose gradient is all zero has
+    loss's reduction), rounding noise included: a structurally zero element (an
+    attention key's bias) counts as nonzero, with a huge ratio
+    (``docs/param-grad-ratio.md``). A parameter whose gradient is all zero has
     ``zero_grad_fraction`` 1, ``norm_ratio`` ``inf`` and no ratio statistics:
     never a NaN from 0/0 (:func:`~cockpit_gradnoise.schema.ratio_or_inf`).
 
