@@ -390,6 +390,9 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             return None
         if micro.last:
             self._accumulation = None
+        if not self.sums:  # param.grad accumulates: only the order is followed
+            held.next += 1
+            return held
         try:
             part = self.local_sums(step, params)
         except Exception as error:
@@ -498,13 +501,15 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         """``(usable names, [(name, value)], {name: finite}, loss known)``, or ``None``.
 
         Under accumulation: ``None`` before the last micro-batch (whose sums
-        are added to the step's), then the values of all micro-batches' sums.
+        are added to the step's), then the values of all micro-batches' sums
+        (without sums: of ``param.grad``); ``None`` for a step whose
+        micro-batches did not all come, in order.
         """
         micro = step.micro_batch()
-        if micro is not None and not micro.last:
-            if self.sums:
-                self._accumulate(step, params, micro)
-            return None
+        if micro is not None and (not micro.last or not self.sums):
+            # With sums, the last micro-batch is added where the sums are read (step_sums).
+            if self._accumulate(step, params, micro) is None or not micro.last:
+                return None
         if self.sums and distributed.world_size() > 1:
             return self._global_values(step, params)
         if self.sums and micro is not None:
