@@ -325,6 +325,7 @@ class Step:
         self._shown: set = set()
         self._micro: Any = self  # not read yet (None: no accumulation)
         self._checked_gradients = False
+        self._held_before: Optional[list] = None  # (name, param, grad, version) held then
         #: Whether ``param.grad`` held gradients before this backward pass, outside
         #: accumulation or at its first micro-batch (:meth:`check_earlier_gradients`).
         self.earlier_gradients = False
@@ -469,7 +470,8 @@ class Step:
         (accumulation tracked at its last micro-batch only, or a missing
         ``zero_grad``): :attr:`earlier_gradients` is set, so that quantities
         that read the batch's gradient take this backward pass's own
-        (BackPACK's ``LocalGradient``), with one warning naming the fix.
+        (BackPACK's ``LocalGradient``); :meth:`warn_earlier_gradients`
+        names those the backward pass added to.
         """
         if self._checked_gradients or named is None:
             return
@@ -481,8 +483,22 @@ class Step:
         if not held:
             return
         self.earlier_gradients = True
-        self.warn("earlier-gradients", accumulation.earlier_gradients_message(
-            self.global_step, [named[i][0] for i in held], micro), quantity)
+        self._held_before = [(named[i][0], named[i][1], named[i][1].grad,
+                              named[i][1].grad._version) for i in held]
+
+    def warn_earlier_gradients(self, quantity):
+        """After the backward pass: warn once, naming the fix, if it added to gradients held before.
+
+        Gradients held before that it left alone (a replaced module's
+        parameters) are the stale gradients of :meth:`usable`, told apart there.
+        """
+        if not self._held_before:
+            return
+        added = [name for name, param, grad, version in self._held_before
+                 if param.grad is not grad or grad._version != version]
+        if added:
+            self.warn("earlier-gradients", accumulation.earlier_gradients_message(
+                self.global_step, added, self.micro_batch()), quantity)
 
     # Warnings -------------------------------------------------------------------
 

@@ -459,6 +459,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         self.known_params = params
         step = Step.of(self, global_step)
         step.warn_frozen(self, list(zip(self.names(params), params)))
+        step.warn_earlier_gradients(self)
         if distributed.world_size() > 1:
             distributed.check_not_sharded(params)
             self._warn_if_rank_local()
