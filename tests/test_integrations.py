@@ -169,6 +169,7 @@ def _fit(module, callback, tmp_path, max_steps=STEPS, **trainer_options):
         accelerator="cpu", devices=1, **trainer_options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        warnings.filterwarnings("always", message="TrackingCallback")  # but the callback's
         trainer.fit(module, loader)
     return trainer
 
