@@ -11,6 +11,10 @@ with the gradient of the accumulated loss (what ``param.grad`` holds), and
 UpdateSize with the SGD step it takes, on a reference copy of the model.
 The same under DistributedDataParallel (2 gloo processes, ``no_sync()`` on
 the first ``K - 1`` micro-batches): the global accumulated batch.
+
+The loops of :func:`accumulate` and :func:`ddp_steps` are the recipes of
+``docs/accumulation.md`` and of ``docs/training-setups.md`` (the tracker's
+``micro_batch=k, micro_batches=K``, and Cockpit's ``info`` keys).
 """
 
 import contextlib
