@@ -23,8 +23,8 @@ one size). See ``docs/accumulation.md``.
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
 
 from cockpit_gradnoise import _device, functional
 
@@ -50,6 +50,27 @@ class MicroBatch:
     def last(self) -> bool:
         """Whether this is the last micro-batch, after whose backward pass the quantities compute."""
         return self.index == self.count - 1
+
+
+@dataclass
+class MicroBatchGradient:
+    """One micro-batch's own gradient on this process, kept after the step for estimators.
+
+    The two-batch-size estimate of the noise scale (McCandlish et al. 2018,
+    Appendix A) needs the squared norm of each micro-batch's gradient next to
+    that of the accumulated batch's.
+
+    Attributes:
+        examples: ``N_k``.
+        loss_scale: ``c_k`` (``x_i = c_k g_i``).
+        squared_norms: ``{name: ||sum_{i in k} g_i||^2}`` (per-example units;
+            ``||mean_i g_i||^2 = squared_norms[name] / N_k**2``), floats, or
+            0-dim float64 tensors on other devices than the CPU.
+    """
+
+    examples: int
+    loss_scale: float
+    squared_norms: Dict[str, Any] = field(default_factory=dict)
 
 
 def _integer(value, key) -> int:

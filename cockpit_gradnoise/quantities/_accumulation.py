@@ -11,34 +11,13 @@ per-example gradients.
 """
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from cockpit_gradnoise import functional
+from cockpit_gradnoise.accumulation import MicroBatchGradient
 from cockpit_gradnoise.step import Batch
 
 import torch
-
-
-@dataclass
-class MicroBatchGradient:
-    """One micro-batch's own gradient on this process, kept after the step for estimators.
-
-    The two-batch-size estimate of the noise scale (McCandlish et al. 2018,
-    Appendix A) needs the squared norm of each micro-batch's gradient next to
-    that of the accumulated batch's.
-
-    Attributes:
-        examples: ``N_k``.
-        loss_scale: ``c_k`` (``x_i = c_k g_i``).
-        squared_norms: ``{name: ||sum_{i in k} g_i||^2}`` (per-example units;
-            ``||mean_i g_i||^2 = squared_norms[name] / N_k**2``), floats, or
-            0-dim float64 tensors on other devices than the CPU.
-    """
-
-    examples: int
-    loss_scale: float
-    squared_norms: Dict[str, Any] = field(default_factory=dict)
 
 
 def accumulated_batch(batches: List[Batch], global_step) -> Batch:
