@@ -449,7 +449,9 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         except (TypeError, ValueError):
             CockpitCTX.erase()  # a refused call leaves nothing behind
             raise
-        if self.known_params is not None:
+        if self.known_params is not None and self._extensions:
+            # Per-example results describe this backward pass only; param.grad
+            # alone (ParamGradRatio) is the optimizer's, however accumulated.
             step.check_earlier_gradients(self, self.trainable(self.known_params))
         self._own_gradient = micro is not None or step.earlier_gradients
         return {field for field in self._savefields if field == "grad_batch"}
@@ -460,7 +462,8 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         self.known_params = params
         step = Step.of(self, global_step)
         step.warn_frozen(self, list(zip(self.names(params), params)))
-        step.warn_earlier_gradients(self)
+        if self._extensions:
+            step.warn_earlier_gradients(self)
         if distributed.world_size() > 1:
             distributed.check_not_sharded(params)
             self._warn_if_rank_local()
