@@ -368,11 +368,6 @@ class Step:
             )
         return step
 
-    @classmethod
-    def current(cls, global_step: int) -> Optional["Step"]:
-        """The Step of the cockpit call at ``global_step`` now under way, if one began."""
-        return cls._stored(global_step)
-
     @staticmethod
     def _stored(global_step) -> Optional["Step"]:
         step = CockpitCTX.INFO.get(_KEY)
@@ -462,7 +457,7 @@ class Step:
         return self._micro
 
     def check_earlier_gradients(self, quantity, named: Optional[Sequence[Tuple[str, torch.Tensor]]]):
-        """Before the backward pass: warn if ``param.grad`` already holds gradients.
+        """Before the backward pass: whether ``param.grad`` already holds gradients.
 
         Once per call, where the parameters are known (``named``: the
         Cockpit's ``(name, param)``). Outside accumulation, or at its first
