@@ -331,6 +331,8 @@ def ddp_worker(rank, world, port, out):
         for key in DDP_CASES:
             results[key] = ddp_steps(*key)
             torch.save(results, Path(out) / f"rank{rank}.pt")
+        results["deferred"] = deferred_error()
+        torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -359,6 +361,29 @@ def ddp_steps(model, reduction, sizes):
                     loss.backward()
         opt.step()
     return stored(tracker)
+
+
+def deferred_error():
+    """Rank 1's first micro-batch lacks info['individual_losses']: the error of each process,
+    as ``"<micro-batch>: <type>: <message>"`` (``None`` if none)."""
+    rank = dist.get_rank()
+    problem = build(case_named("mlp"), 8, "mean")
+    ddp = nn.parallel.DistributedDataParallel(problem.model)
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities(problem.names))
+    for k in range(2):
+        part = slice(4 * k + 2 * rank, 4 * k + 2 * rank + 2)
+        with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+            losses = problem.per_example_loss(ddp(problem.inputs[part]), problem.targets[part])
+            loss = losses.mean() / 2
+            info = {"individual_losses": losses, "loss": loss, "micro_batch": k, "micro_batches": 2}
+            if rank == 1 and k == 0:
+                del info["individual_losses"]
+            try:
+                with cockpit(0, info=info):
+                    loss.backward()
+            except Exception as error:  # recorded: the test checks the messages
+                return f"{k}: {type(error).__name__}: {error}"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +420,10 @@ def test_ddp_with_accumulation_gives_the_global_accumulated_batch(two_processes,
     parts = [size for micro in sizes for size in micro]
     problem = build(case_named(model), STEPS * sum(parts), reduction)
     assert_steps_match(results[0][key], problem, reduction, parts, len(sizes), world=2)
+
+
+def test_an_error_in_an_earlier_micro_batch_is_raised_at_the_last_on_every_process(two_processes):
+    results, error = two_processes
+    assert len(results) == 2 and all("deferred" in r for r in results), error
+    assert results[1]["deferred"].startswith("1: KeyError: \"GradientVarianceQuantiles needs")
+    assert results[0]["deferred"].startswith("1: RuntimeError: cockpit_gradnoise: process(es) [1]")
