@@ -10,6 +10,9 @@ takes part in a cockpit call builds it; the others of the same call read it:
   (:meth:`Step.usable`), each warning shown once per step for all quantities;
 - whether tensors are finite (:meth:`Step.finite`), found once per tensor;
 - what the backward pass revealed about the model (:attr:`Step.facts`);
+- under gradient accumulation, which micro-batch of the optimizer step the
+  call is (:meth:`Step.micro_batch`), and whether ``param.grad`` held
+  gradients before the backward pass (:meth:`Step.check_earlier_gradients`);
 - under distributed training, every quantity's declared sums reduced in one
   round of collectives (:meth:`Step.reduced_sums`).
 
@@ -27,7 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _device, distributed, functional
+from cockpit_gradnoise import _device, accumulation, distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import facts as backward_facts
 from cockpit_gradnoise.schema import NETWORK
@@ -143,8 +146,10 @@ def repeated_step_message(global_step, last) -> str:
         f"overwritten, so the quantities that recorded step {last} or later skip this "
         "call and keep their first records. Pass a global step counter that grows over "
         "the whole run (one more per optimizer step, not the batch index of an epoch). "
-        "Accumulating gradients over micro-batches (several cockpit calls with one "
-        "step) is not supported yet"
+        "To track gradient accumulation, give every micro-batch of a step the same step "
+        "and say which micro-batch it is: tracker(step, losses, micro_batch=k, "
+        "micro_batches=K), or info['micro_batch'] and info['micro_batches'] "
+        "(docs/accumulation.md)"
     )
 
 
@@ -318,6 +323,12 @@ class Step:
         self._loss_batch: Optional[Batch] = None
         self._finite: Dict[int, Tuple[torch.Tensor, int, bool]] = {}
         self._shown: set = set()
+        self._micro: Any = self  # not read yet (None: no accumulation)
+        self._checked_gradients = False
+        self._held_before: Optional[list] = None  # (name, param, grad, version) held then
+        #: Whether ``param.grad`` held gradients before this backward pass, outside
+        #: accumulation or at its first micro-batch (:meth:`check_earlier_gradients`).
+        self.earlier_gradients = False
 
     # Finding the call's Step ----------------------------------------------------
 
@@ -427,8 +438,62 @@ class Step:
             individual_losses = check_individual_losses(self.info("individual_losses", owner))
             loss = self.info("loss", owner)
             examples = self.examples(owner)
-            self._loss_batch = Batch(examples, functional.loss_scale(loss, individual_losses))
+            micro = self.micro_batch()
+            if micro is None:
+                scale = functional.loss_scale(loss, individual_losses)
+            else:  # losses.mean() / K or losses.sum()
+                scale = accumulation.micro_batch_loss_scale(loss, individual_losses, micro.count)
+            self._loss_batch = Batch(examples, scale)
         return self._loss_batch
+
+    def micro_batch(self) -> Optional[accumulation.MicroBatch]:
+        """Which micro-batch of the optimizer step this call is; ``None`` without accumulation.
+
+        From ``info["micro_batch"]`` and ``info["micro_batches"]``
+        (:func:`~cockpit_gradnoise.accumulation.micro_batch_of`).
+        """
+        if self._micro is self:
+            self._micro = accumulation.micro_batch_of(CockpitCTX.INFO.get(self.global_step, {}))
+        return self._micro
+
+    def check_earlier_gradients(self, quantity, named: Optional[Sequence[Tuple[str, torch.Tensor]]]):
+        """Before the backward pass: whether ``param.grad`` already holds gradients.
+
+        Once per call, where the parameters are known (``named``: the
+        Cockpit's ``(name, param)``). Outside accumulation, or at its first
+        micro-batch, gradients held then come from an earlier backward pass
+        (accumulation tracked at its last micro-batch only, or a missing
+        ``zero_grad``): :attr:`earlier_gradients` is set, so that quantities
+        that read the batch's gradient take this backward pass's own
+        (BackPACK's ``LocalGradient``); :meth:`warn_earlier_gradients`
+        names those the backward pass added to.
+        """
+        if self._checked_gradients or named is None:
+            return
+        self._checked_gradients = True
+        micro = self.micro_batch()
+        if micro is not None and micro.index > 0:
+            return  # the earlier micro-batches' gradients, expected
+        held = accumulation.gradients_held([p for _, p in named])
+        if not held:
+            return
+        self.earlier_gradients = True
+        self._held_before = [(named[i][0], named[i][1], named[i][1].grad,
+                              named[i][1].grad._version) for i in held]
+
+    def warn_earlier_gradients(self, quantity):
+        """After the backward pass: warn once, naming the fix, if it added to gradients held before.
+
+        Gradients held before that it left alone (a replaced module's
+        parameters) are the stale gradients of :meth:`usable`, told apart there.
+        """
+        if not self._held_before:
+            return
+        added = [name for name, param, grad, version in self._held_before
+                 if param.grad is not grad or grad._version != version]
+        if added:
+            self.warn("earlier-gradients", accumulation.earlier_gradients_message(
+                self.global_step, added, self.micro_batch()), quantity)
 
     # Warnings -------------------------------------------------------------------
 
@@ -681,7 +746,7 @@ class Step:
         parts = {}
         try:
             for q in quantities:
-                parts[q] = q.local_sums(self, params)
+                parts[q] = q.step_sums(self, params)
             batches = [part[0] for part in parts.values() if part is not None]
             if any(not b.same_as(batches[0]) for b in batches):
                 raise ValueError(

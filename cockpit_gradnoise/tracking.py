@@ -25,7 +25,7 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import accumulation, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
@@ -60,7 +60,8 @@ ALL = (
 PRESETS = {"all": ALL, "cheap": ALL[1:]}
 
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
-DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer")
+DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
+                accumulation.MICRO_BATCH, accumulation.MICRO_BATCHES)
 
 _REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
 
@@ -310,6 +311,9 @@ class Tracker:
         self.loggers = []
         self._logged = {}  # quantity name -> the last step given to the loggers
         self.stream: Optional[LogStream] = None
+        for quantity in cockpit.quantities:  # checked for earlier gradients from the first step
+            if hasattr(quantity, "known_params"):
+                quantity.known_params = list(cockpit.params)
 
     def stream_to(self, path) -> Path:
         """Append each tracked step to the streamed log at ``path`` and drop it from memory.
@@ -343,7 +347,8 @@ class Tracker:
 
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
-                 info: Optional[Mapping] = None) -> "TrackedStep":
+                 info: Optional[Mapping] = None, micro_batch: Optional[int] = None,
+                 micro_batches: Optional[int] = None) -> "TrackedStep":
         """The ``with`` statement around one backward pass; it gives the loss to differentiate.
 
         Example::
@@ -357,6 +362,22 @@ class Tracker:
         and for every quantity. With a quantity that needs the graph (Cockpit's
         ``HessMaxEV``), write ``loss.backward(create_graph=tracker.create_graph(step))``.
 
+        Gradient accumulation: call it around every micro-batch of the
+        optimizer step, with the same ``step``, ``micro_batch=k`` and
+        ``micro_batches=K``; the loss it gives is ``losses.mean() / K``
+        (``losses.sum()`` with ``reduction="sum"``), so that the accumulated
+        gradient is that of one batch of all examples, and the quantities
+        report the statistics of that batch after the last micro-batch
+        (``docs/accumulation.md``)::
+
+            opt.zero_grad()
+            for k, (x, y) in enumerate(micro_batches):
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                with tracker(step, losses, optimizer=opt, micro_batch=k,
+                             micro_batches=len(micro_batches)) as loss:
+                    loss.backward()                  # loss = losses.mean() / K
+            opt.step()
+
         Args:
             step: The global step: an int (a NumPy integer or a 0-dim integer
                 tensor is converted), growing over the whole run.
@@ -368,6 +389,11 @@ class Tracker:
                 ``losses.mean()`` or ``losses.sum()``. Not with ``loss``.
             batch_size: Checked to be ``len(losses)``.
             info: More keys for quantities of your own; not the four above.
+            micro_batch: Under gradient accumulation, this micro-batch's
+                place in the optimizer step, from 0.
+            micro_batches: Under gradient accumulation, the number ``K`` of
+                micro-batches of the optimizer step; ``loss=``, if given,
+                must then be ``losses.mean() / K`` or ``losses.sum()``.
 
         Raises:
             TypeError: If ``step`` is not an integer.
@@ -378,17 +404,20 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
+        micro = _micro_batch(micro_batch, micro_batches)
         if loss is None:
             if reduction not in (None, *_REDUCTIONS):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
             loss = _REDUCTIONS[reduction or "mean"](losses)
+            if micro is not None and reduction != "sum":
+                loss = loss / micro.count  # the accumulated gradient: the mean of all examples
         elif reduction is not None:
             raise ValueError(
                 "give loss= or reduction=, not both: reduction= says which of losses.mean() "
                 "and losses.sum() the tracker differentiates; loss= is differentiated as given"
             )
         else:
-            _check_loss(loss, losses, tracked=self._tracks(step))
+            _check_loss(loss, losses, tracked=self._tracks(step), micro=micro)
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -404,6 +433,9 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
+        if micro is not None:
+            full.update({accumulation.MICRO_BATCH: micro.index,
+                         accumulation.MICRO_BATCHES: micro.count})
         return TrackedStep(self.cockpit, step, full, after=self._after_step)
 
     def log_to(self, target) -> "Tracker":
@@ -569,14 +601,34 @@ def _checked_losses(losses) -> torch.Tensor:
     return losses
 
 
-def _check_loss(loss, losses, tracked):
+def _micro_batch(index, count) -> Optional[accumulation.MicroBatch]:
+    """The :class:`~cockpit_gradnoise.accumulation.MicroBatch` of ``micro_batch=``, ``micro_batches=``."""
+    if index is None and count is None:
+        return None
+    if index is None or count is None:
+        raise ValueError(
+            "give micro_batch= and micro_batches= together: under gradient accumulation "
+            "micro_batch=k (from 0) of micro_batches=K in the optimizer step"
+        )
+    return accumulation.micro_batch_of({accumulation.MICRO_BATCH: index,
+                                        accumulation.MICRO_BATCHES: count})
+
+
+def _check_loss(loss, losses, tracked, micro=None):
     """Raise unless ``loss`` is the mean or the sum of ``losses`` (the quantities' own rule).
 
+    Under accumulation over ``K`` micro-batches: ``losses.mean() / K`` or ``losses.sum()``.
     The values are compared at tracked steps only: that needs a device-to-host transfer.
     """
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss= must be a scalar tensor, got {loss!r}")
     if not tracked:
+        return
+    if micro is not None:
+        try:
+            accumulation.micro_batch_loss_scale(loss.reshape(()), losses, micro.count)
+        except ValueError as error:
+            raise ValueError(f"loss= {error}; or leave loss= out (the tracker gives it)") from None
         return
     try:
         functional.loss_scale(loss.reshape(()), losses)

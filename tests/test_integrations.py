@@ -51,6 +51,24 @@ def by_hand(model, data):
     return tracker.frame()
 
 
+def train_accumulated(model, tracker, data, count, lr=0.1):
+    """SGD over groups of ``count`` batches, every batch of a group tracked as one of its
+    micro-batches; a shorter last group untracked, its losses divided by ``count`` (Lightning's
+    rule)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    groups = [data[start : start + count] for start in range(0, len(data), count)]
+    for step, group in enumerate(groups):
+        opt.zero_grad()
+        for k, (x, y) in enumerate(group):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            if len(group) < count:
+                (losses.mean() / count).backward()
+                continue
+            with tracker(step, losses, optimizer=opt, micro_batch=k, micro_batches=count) as loss:
+                loss.backward()
+        opt.step()
+
+
 # ---------------------------------------------------------------- TensorBoard
 
 
@@ -130,7 +148,15 @@ def _lightning_module(net):
     return Classifier()
 
 
-def _fit(module, callback, tmp_path, **trainer_options):
+def _holder(net):
+    """A module whose parameters are named as the LightningModule's (net.0.weight, ...)."""
+    holder = nn.Module()
+    holder.net = copy.deepcopy(net)
+    holder.forward = holder.net.forward
+    return holder
+
+
+def _fit(module, callback, tmp_path, max_steps=STEPS, **trainer_options):
     import lightning.pytorch as pl
 
     data = batches()
@@ -138,11 +164,12 @@ def _fit(module, callback, tmp_path, **trainer_options):
                                              torch.cat([y for _, y in data]))
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH)  # in order
     trainer = pl.Trainer(
-        max_steps=STEPS, callbacks=[callback], logger=pl.loggers.TensorBoardLogger(tmp_path),
+        max_steps=max_steps, callbacks=[callback], logger=pl.loggers.TensorBoardLogger(tmp_path),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         accelerator="cpu", devices=1, **trainer_options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        warnings.filterwarnings("always", message="TrackingCallback")  # but the callback's
         trainer.fit(module, loader)
     return trainer
 
@@ -151,10 +178,7 @@ def test_lightning_tracks_the_numbers_of_the_same_loop_by_hand_and_writes_the_lo
     from cockpit_gradnoise.integrations.lightning import TrackingCallback
 
     net = mlp()
-    holder = nn.Module()  # the LightningModule's names: net.0.weight, ...
-    holder.net = copy.deepcopy(net)
-    holder.forward = holder.net.forward
-    expected = by_hand(holder, batches())
+    expected = by_hand(_holder(net), batches())
     callback = TrackingCallback(every=EVERY, log=tmp_path / "cgn")
     trainer = _fit(_lightning_module(net), callback, tmp_path)
     pandas.testing.assert_frame_equal(callback.tracker.frame(), expected)
@@ -166,8 +190,32 @@ def test_lightning_tracks_the_numbers_of_the_same_loop_by_hand_and_writes_the_lo
     assert any(path.name.startswith("events") for path in tmp_path.rglob("*"))
 
 
+@pytest.mark.parametrize("count, epochs", [(2, 2), (3, 1)])
+def test_lightning_accumulate_grad_batches_tracks_the_accumulated_batch_as_by_hand(
+        tmp_path, count, epochs):
+    """4 batches an epoch: with 2 micro-batches two full steps per epoch; with 3 a full step and
+    a last step of 1 batch, which Lightning divides by 3 all the same: not tracked, one warning."""
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    net = mlp()
+    holder = _holder(net)
+    model, tracker = cgn.track(holder, every=1)
+    train_accumulated(model, tracker, batches() * epochs, count)
+    expected = tracker.frame()
+    callback = TrackingCallback(every=1)
+    steps = epochs * -(-STEPS // count)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        _fit(_lightning_module(net), callback, tmp_path, max_steps=steps,
+             accumulate_grad_batches=count)
+    short = [r for r in records if "fewer than accumulate_grad_batches" in str(r.message)]
+    assert len(short) == (count == 3)
+    pandas.testing.assert_frame_equal(callback.tracker.frame(), expected)
+    tracked = set(range(steps)) if count == 2 else {0}
+    assert set(expected["step"]) == tracked
+
+
 @pytest.mark.parametrize("options, match", [
-    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2 is not supported"),
     ({"precision": "bf16-mixed"}, "precision='bf16-mixed' is not supported"),
 ])
 def test_lightning_setups_not_supported_yet_are_refused_before_training(tmp_path, options, match):
@@ -199,7 +247,10 @@ def _llama():
     return LlamaForCausalLM(config).double()
 
 
-def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path, accumulation):
+    """One optimizer step of 8 sequences: one batch, or 2 micro-batches of 4 (then each
+    micro-batch tracked with micro_batch=k, micro_batches=2)."""
     from cockpit_gradnoise.integrations.huggingface import (
         TrackingTrainer,
         per_example_cross_entropy,
@@ -224,18 +275,22 @@ def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_pa
 
     model, tracker = cgn.track(model, every=EVERY)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
-        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8 // accumulation,
+        gradient_accumulation_steps=accumulation, report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # layers without rules are warned about
         Recording(tracker=tracker, model=model, args=args, train_dataset=data).train()
 
         initial, by_hand_tracker = cgn.track(initial, every=EVERY)
-        inputs = dict(seen[0])
-        labels = inputs.pop("labels")
-        losses = per_example_cross_entropy(initial(**inputs)["logits"], labels)
-        with by_hand_tracker(0, losses) as loss:
-            loss.backward()
+        for k, inputs in enumerate(seen):
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            losses = per_example_cross_entropy(initial(**inputs)["logits"], labels)
+            micro = {"micro_batch": k, "micro_batches": accumulation} if accumulation > 1 else {}
+            with by_hand_tracker(0, losses, **micro) as loss:
+                loss.backward()
+    assert len(seen) == accumulation
     frame = tracker.frame()
     assert set(frame["step"]) == {0}
     expected = by_hand_tracker.frame()
@@ -260,15 +315,3 @@ def test_per_example_cross_entropy_of_a_padded_batch_has_the_trainers_loss_as_me
     classification = per_example_cross_entropy(logits[:, 0], labels[:, 0].clamp(min=0))
     torch.testing.assert_close(
         classification, F.cross_entropy(logits[:, 0], labels[:, 0].clamp(min=0), reduction="none"))
-
-
-def test_hugging_face_gradient_accumulation_is_refused_until_supported(tmp_path):
-    from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
-
-    import transformers
-
-    model, tracker = cgn.track(_llama(), every=EVERY)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2,
-                                          report_to=[], use_cpu=True)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 is not supported"):
-        TrackingTrainer(tracker=tracker, model=model, args=args, train_dataset=[])

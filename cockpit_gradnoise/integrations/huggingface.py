@@ -17,6 +17,14 @@ the model's logits and enters the tracker's ``with`` statement, and its
 The loss it differentiates is the mean of the per-example losses, which for a
 causal language model (:func:`per_example_cross_entropy`) is the Trainer's own
 loss: the mean over all labelled tokens of the batch (labels ``-100`` ignored).
+
+With ``gradient_accumulation_steps=K`` every micro-batch of an optimizer
+step is tracked with the same step (``state.global_step``), and the
+quantities report the statistics of the accumulated batch
+(``docs/accumulation.md``). Each micro-batch differentiates the mean of its
+per-example losses divided by the number of micro-batches of the step (as
+the Trainer does without ``num_items_in_batch``): micro-batches weigh
+equally, not by their numbers of labelled tokens.
 """
 
 from typing import Callable, Optional
@@ -60,22 +68,15 @@ class TrackingTrainer(transformers.Trainer):
         args: The Trainer's positional arguments.
         kwargs: The Trainer's keyword arguments.
 
-    Raises:
-        ValueError: With gradient accumulation (not supported yet).
     """
 
     def __init__(self, *args, tracker, per_example_loss: Optional[Callable] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"TrackingTrainer: gradient_accumulation_steps="
-                f"{self.args.gradient_accumulation_steps} is not supported yet (the statistics "
-                "of one backward pass would be read as those of the accumulated batch): use 1"
-            )
         self.tracker = tracker
         self.per_example_loss = per_example_loss or per_example_cross_entropy
-        self.loss_is_scaled_for_ga = True  # the loss is ours, never divided again
+        self.loss_is_scaled_for_ga = True  # the loss is ours (divided by K), never divided again
         self._tracked_step = None
+        self._micro = (None, -1)  # (global step, index) of the last micro-batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:  # evaluation: the Trainer's own loss
@@ -84,9 +85,24 @@ class TrackingTrainer(transformers.Trainer):
         labels = inputs.pop("labels")
         outputs = model(**inputs)
         losses = self.per_example_loss(outputs["logits"], labels)
-        self._tracked_step = self.tracker(self.state.global_step, losses, optimizer=self.optimizer)
+        self._tracked_step = self.tracker(self.state.global_step, losses, optimizer=self.optimizer,
+                                          **self._micro_batch())
         loss = self._tracked_step.__enter__()
         return (loss, outputs) if return_outputs else loss
+
+    def _micro_batch(self) -> dict:
+        """``micro_batch=``/``micro_batches=`` of this micro-batch (none without accumulation).
+
+        The Trainer counts the micro-batches of the step it is in
+        (``current_gradient_accumulation_steps``: fewer at the end of an
+        epoch) and increments ``global_step`` after the last.
+        """
+        count = getattr(self, "current_gradient_accumulation_steps",
+                        self.args.gradient_accumulation_steps)
+        step, index = self._micro
+        index = index + 1 if step == self.state.global_step else 0
+        self._micro = (self.state.global_step, index)
+        return {} if count == 1 else {"micro_batch": index, "micro_batches": count}
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:

@@ -20,8 +20,17 @@ Lightning builds the optimizers), puts Lightning's backward pass of each step
 inside the tracker's ``with`` statement (``on_before_backward`` /
 ``on_after_backward``), gives the numbers to the Trainer's TensorBoard logger
 when it has one, and writes the log at the end of ``fit``.
+
+With ``accumulate_grad_batches=K`` every micro-batch of an optimizer step
+is tracked (the step is ``trainer.global_step``, the same for all ``K``),
+and the quantities report the statistics of the accumulated batch
+(``docs/accumulation.md``). Lightning divides each micro-batch's loss by
+``K``, which is what the tracker expects. A last step of an epoch with
+fewer than ``K`` micro-batches (Lightning still divides by ``K``) is not
+tracked, with one warning.
 """
 
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 from cockpit_gradnoise.tracking import track
@@ -61,6 +70,8 @@ class TrackingCallback(pl.Callback):
         self.losses_attribute, self.log_path, self.tensorboard = losses_attribute, log, tensorboard
         self.tracker = None
         self._tracked_step = None
+        self._batch_idx = 0
+        self._warned_short = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit" or self.tracker is not None:
@@ -74,6 +85,9 @@ class TrackingCallback(pl.Callback):
         if self.tensorboard and hasattr(experiment, "add_scalar"):
             self.tracker.log_to(experiment)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_idx = batch_idx  # its place in the epoch: the micro-batch's
+
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         losses = getattr(pl_module, self.losses_attribute, None)
         if losses is None:
@@ -84,10 +98,39 @@ class TrackingCallback(pl.Callback):
                 f"self.{self.losses_attribute} = losses; return losses.mean()`"
             )
         setattr(pl_module, self.losses_attribute, None)  # never read twice
+        micro = self._micro_batch(trainer)
+        if micro is False:
+            return
         self._tracked_step = self.tracker(
-            trainer.global_step, losses, loss=loss, optimizer=_optimizer(trainer)
+            trainer.global_step, losses, loss=loss, optimizer=_optimizer(trainer), **micro
         )
         self._tracked_step.__enter__()
+
+    def _micro_batch(self, trainer):
+        """``micro_batch=``/``micro_batches=`` of this backward pass; ``False``: not tracked.
+
+        Lightning steps the optimizer after ``accumulate_grad_batches``
+        batches of an epoch, and after its last batch.
+        """
+        count = trainer.accumulate_grad_batches
+        if count == 1:
+            return {}
+        index = self._batch_idx % count
+        in_step = min(count, trainer.num_training_batches - (self._batch_idx - index))
+        if in_step < count:  # the loss is divided by count all the same
+            if not self._warned_short:
+                self._warned_short = True
+                warnings.warn(
+                    f"TrackingCallback: the last optimizer step of an epoch accumulates "
+                    f"{in_step} batches, fewer than accumulate_grad_batches={count}, and "
+                    f"Lightning divides their losses by {count} all the same: such steps are "
+                    "not tracked. Make the number of batches per epoch a multiple of "
+                    "accumulate_grad_batches to track every step",
+                    stacklevel=2,
+                )
+            return False
+        return {"micro_batch": index, "micro_batches": count}
+
 
     def on_after_backward(self, trainer, pl_module) -> None:
         tracked, self._tracked_step = self._tracked_step, None
@@ -105,12 +148,6 @@ class TrackingCallback(pl.Callback):
 
 
 def _check_trainer(trainer) -> None:
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"TrackingCallback: accumulate_grad_batches={trainer.accumulate_grad_batches} "
-            "is not supported yet (the statistics of one backward pass would be read as "
-            "those of the accumulated batch): use accumulate_grad_batches=1"
-        )
     precision = str(trainer.precision)
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(

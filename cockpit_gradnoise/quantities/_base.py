@@ -21,7 +21,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.accumulation import MicroBatchGradient
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
+from cockpit_gradnoise.quantities._accumulation import Accumulation
 from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.step import (
     Batch,
@@ -36,6 +38,7 @@ from cockpit_gradnoise.step import (
 import torch
 
 import_cockpit()
+from cockpit.context import CockpitCTX  # noqa: E402
 from cockpit.quantities.quantity import SingleStepQuantity  # noqa: E402
 
 #: How a declared sum combines across examples of several batches (or processes).
@@ -66,6 +69,10 @@ class NamedQuantity:
         self.last_recorded: Optional[int] = None
         #: The step of the current call if it repeats (see check_call), else None.
         self.skipped_step: Optional[int] = None
+        #: The Cockpit's parameters, once known (the first tracked call, or the
+        #: Tracker): checked before each tracked backward pass for gradients
+        #: left from earlier ones (Step.check_earlier_gradients).
+        self.known_params: Optional[List[torch.Tensor]] = None
 
     def repeats(self, global_step) -> bool:
         """Whether ``global_step`` is not after the last step recorded: its record would overwrite."""
@@ -138,8 +145,21 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
       statistic is NaN, with one warning. Default: none.
     - ``reads_local_gradient``: whether ``parameter_sums`` reads this
       backward pass's gradient through :meth:`local_gradient` (under
-      distributed training ``param.grad`` is averaged across processes, so
+      distributed training ``param.grad`` is averaged across processes, and
+      under gradient accumulation it holds the earlier micro-batches too, so
       the gradient is then requested from BackPACK).
+    - ``micro_batch_gradient`` (with sums): the name of the declared sum that
+      is the batch's gradient, ``sum_i g_i``; under gradient accumulation
+      the squared norm of each micro-batch's is kept
+      (:attr:`micro_batch_gradients`). Default: none.
+
+    Under gradient accumulation (``info["micro_batch"]`` and
+    ``info["micro_batches"]``, see :mod:`cockpit_gradnoise.accumulation`)
+    the declared sums of every micro-batch are added, and the values are
+    formed once, after the last micro-batch's backward pass, from the sums
+    of all of them, as for one batch of all examples; a quantity without
+    declared sums computes at the last micro-batch only (``param.grad`` is
+    then the accumulated gradient).
 
     Methods to implement (checked when the class is defined):
 
@@ -191,6 +211,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
     sums: Mapping[str, str] = {}
     reads_local_gradient: bool = False
     loss_free_statistics: Sequence[str] = ()
+    micro_batch_gradient: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -219,10 +240,15 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         self._extensions = tuple(cls() for cls in self.extension_classes)
         self._savefields = tuple(ext.savefield for ext in self._extensions)
         self._checked_names = False
-        # Under distributed training (see _step_extensions).
+        # Under distributed training or accumulation (see _step_extensions).
         self._distributed_extensions = self._extensions + (
             (LocalGradient(),) if self.reads_local_gradient else ()
         )
+        self._own_gradient = False  # param.grad is not this backward pass's (this call)
+        self._accumulation: Optional[Accumulation] = None
+        #: ``{step: [MicroBatchGradient per micro-batch]}`` of the last accumulated
+        #: step recorded, where ``micro_batch_gradient`` is declared (this process's).
+        self.micro_batch_gradients: Dict[int, List[MicroBatchGradient]] = {}
 
     # Interface for subclasses ---------------------------------------------------
 
@@ -285,7 +311,9 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
 
         ``param.grad`` on one process; under distributed training, where
         ``param.grad`` is averaged across processes (and accumulates inside
-        ``no_sync()``), the same computed by BackPACK.
+        ``no_sync()``), and under gradient accumulation (or where
+        ``param.grad`` held gradients before the backward pass), the same
+        computed by BackPACK.
         """
         return getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach()
 
@@ -319,6 +347,77 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         )
         return batch, {name: self._checked_sums(param, batch) for name, param in usable}
 
+    def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
+        """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.
+
+        What :meth:`Step.reduced_sums` reduces across processes.
+        """
+        micro = step.micro_batch()
+        if micro is None:
+            return self.local_sums(step, params)
+        accumulated = self._accumulate(step, params, micro)
+        if accumulated is None or accumulated.void:
+            return None
+        if accumulated.error is not None:
+            raise accumulated.error
+        if accumulated.dropped:
+            step.warn_names(
+                "accumulation-dropped", sorted(set(accumulated.dropped)),
+                lambda names: f"parameters {names} got no per-example results in some "
+                f"micro-batches of step {step.global_step} (unused in their forward pass): "
+                f"they have no rows at such steps and are left out of {NETWORK!r}",
+                self,
+            )
+        if accumulated.micro_batches:
+            self.micro_batch_gradients = {step.global_step: accumulated.micro_batches}
+        return accumulated.total()
+
+    def _accumulate(self, step, params, micro) -> Optional[Accumulation]:
+        """Add this micro-batch's sums to the step's; ``None`` where the step cannot be recorded."""
+        held = self._accumulation
+        if micro.index == 0:
+            if held is not None:
+                self._warn_incomplete(step, held)
+            held = self._accumulation = Accumulation(step.global_step, micro.count)
+        elif held is None or not held.expects(step.global_step, micro.index, micro.count):
+            self._accumulation = None
+            step.warn(
+                "micro-batch-order",
+                f"micro-batch {micro.index} of {micro.count} at step {step.global_step} does "
+                f"not follow micro-batch {micro.index - 1} of the same step: this step is not "
+                "recorded. Track every micro-batch of a step, in order, from micro_batch=0",
+                self,
+            )
+            return None
+        if micro.last:
+            self._accumulation = None
+        if not self.sums:  # param.grad accumulates: only the order is followed
+            held.next += 1
+            return held
+        try:
+            part = self.local_sums(step, params)
+        except Exception as error:
+            if distributed.world_size() == 1:
+                self._accumulation = None
+                raise
+            # Raised at the last micro-batch, where every process takes part.
+            held.error, part = held.error or error, None
+        if part is None:
+            held.next += 1
+            held.void = held.void or held.error is None
+        else:
+            held.add(*part, self.sums, self.micro_batch_gradient)
+        return held
+
+    def _warn_incomplete(self, step, held):
+        step.warn(
+            "incomplete-accumulation",
+            f"step {held.global_step} ended after {held.next} of its {held.count} "
+            f"micro-batches (micro_batches={held.count}): it is not recorded. Track every "
+            "micro-batch of a step, with micro_batches the number of micro-batches in it",
+            self,
+        )
+
     # Cockpit interface ----------------------------------------------------------
 
     def extensions(self, global_step):
@@ -344,22 +443,31 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         if not self.check_call(global_step) or not self.should_compute(global_step):
             return set()
         joins = self.sums and distributed.world_size() > 1
-        Step.begin(global_step, self if joins else None)
+        step = Step.begin(global_step, self if joins else None)
+        try:
+            micro = step.micro_batch()
+        except (TypeError, ValueError):
+            CockpitCTX.erase()  # a refused call leaves nothing behind
+            raise
+        if self.known_params is not None and self._extensions:
+            # Per-example results describe this backward pass only; param.grad
+            # alone (ParamGradRatio) is the optimizer's, however accumulated.
+            step.check_earlier_gradients(self, self.trainable(self.known_params))
+        self._own_gradient = micro is not None or step.earlier_gradients
         return {field for field in self._savefields if field == "grad_batch"}
 
     def _compute(self, global_step, params, batch_loss) -> Optional[Dict[str, Dict[str, float]]]:
         if backward_failed() or self.repeats(global_step):  # the latter outside a Cockpit only
             return None
+        self.known_params = params
         step = Step.of(self, global_step)
         step.warn_frozen(self, list(zip(self.names(params), params)))
-        is_distributed = distributed.world_size() > 1
-        if is_distributed:
+        if self._extensions:
+            step.warn_earlier_gradients(self)
+        if distributed.world_size() > 1:
             distributed.check_not_sharded(params)
             self._warn_if_rank_local()
-        if self.sums and is_distributed:
-            found = self._global_values(step, params)
-        else:
-            found = self._local_values(step, params)
+        found = self._values(step, params)
         if found is None:
             return None
         usable, values, finite, loss_known = found
@@ -394,6 +502,32 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
 
     # Internals ------------------------------------------------------------------
 
+    def _values(self, step, params):
+        """``(usable names, [(name, value)], {name: finite}, loss known)``, or ``None``.
+
+        Under accumulation: ``None`` before the last micro-batch (whose sums
+        are added to the step's), then the values of all micro-batches' sums
+        (without sums: of ``param.grad``); ``None`` for a step whose
+        micro-batches did not all come, in order.
+        """
+        micro = step.micro_batch()
+        if micro is not None and (not micro.last or not self.sums):
+            # With sums, the last micro-batch is added where the sums are read (step_sums).
+            if self._accumulate(step, params, micro) is None or not micro.last:
+                return None
+        if self.sums and distributed.world_size() > 1:
+            return self._global_values(step, params)
+        if self.sums and micro is not None:
+            part = self.step_sums(step, params)
+            return None if part is None else self._values_of_sums(step, *part)
+        if micro is not None and self._savefields:
+            self.warn_once(
+                "micro-batch-local",
+                "this quantity declares no sums, so under gradient accumulation it reads "
+                "BackPACK's results of the last micro-batch only (see docs/accumulation.md)",
+            )
+        return self._local_values(step, params)
+
     def _local_values(self, step, params):
         """``(usable names, [(name, value)], {name: finite})`` of this batch.
 
@@ -413,7 +547,8 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             return None
         self._warn_if_examples_interact(step)
         examples = step.examples_if_known() if self._savefields else None
-        usable = step.usable(self, self.trainable(params), self._savefields, examples=examples)
+        usable = step.usable(self, self.trainable(params), self._savefields,
+                             self._has_local_results, examples=examples)
         finite = {name: step.finite(self._read_tensors(param)) for name, param in usable}
         # One parameter at a time: a parameter's sums are freed once its value is formed.
         values = [
@@ -428,7 +563,10 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         reduced = step.reduced_sums(self, params)
         if reduced is None:
             return None
-        batch, sums = reduced
+        return self._values_of_sums(step, *reduced)
+
+    def _values_of_sums(self, step, batch, sums):
+        """As :meth:`_local_values`, from sums over the batch (reduced, or accumulated)."""
         if not self.accepts(batch):
             return None
         # The parameters with results on every process, in order (see local_sums);
@@ -468,7 +606,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         return all(hasattr(param, ext.savefield) for ext in self._step_extensions())
 
     def _step_extensions(self):
-        if self.reads_local_gradient and distributed.world_size() > 1:
+        if self.reads_local_gradient and (self._own_gradient or distributed.world_size() > 1):
             return self._distributed_extensions
         return self._extensions
 

@@ -24,6 +24,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
     backward pass raised computes nothing and keeps the cache as it was. A
     start step not after the last step recorded (steps that restart every
     epoch) starts nothing, with one warning: a record is never overwritten.
+    Under gradient accumulation only the last micro-batch of a step ends or
+    starts (the parameters are those of the step at every micro-batch).
 
     Methods to implement:
 
@@ -81,7 +83,9 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         """
         if backward_failed():
             return global_step, None
-        Step.of(self, global_step)  # one instance of the class per cockpit call
+        micro = Step.of(self, global_step).micro_batch()  # one instance per cockpit call
+        if micro is not None and not micro.last:
+            return global_step, None  # the parameters change after the last micro-batch only
         names = self.names(params)
         if distributed.world_size() > 1:
             # Parameters are the same on every process (DDP): nothing to reduce.

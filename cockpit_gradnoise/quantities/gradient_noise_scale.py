@@ -46,6 +46,12 @@ class GradientNoiseScale(ParameterQuantity):
     ``batch_size`` are computed, the rest is NaN. Batch size 1 defines no estimate: nothing is
     recorded at such steps, with one warning.
 
+    Under gradient accumulation (``docs/accumulation.md``) ``S`` and ``M``
+    are those of all micro-batches' examples; the batch gradient is the sum
+    of each micro-batch's own (BackPACK's, never ``param.grad``, which
+    holds the earlier micro-batches too), and the squared norm of each
+    micro-batch's is kept in :attr:`micro_batch_gradients`.
+
     Args:
         track_schedule: Function from step to bool.
         smoothing: Weight of the past in the moving averages, in ``[0, 1)``:
@@ -58,6 +64,7 @@ class GradientNoiseScale(ParameterQuantity):
     extension_classes = (PerExampleSquaredNorms,)
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
+    micro_batch_gradient = "sum_of_gradients"  # sum_i g_i, kept per micro-batch
     # A ratio of two sums of squares, both scaled by 1/c^2; and the count.
     loss_free_statistics = (schema.B_SIMPLE, schema.BATCH_SIZE)
 

@@ -35,9 +35,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
     (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
     ``inner_terms = 1``).
     Needs ``info["individual_losses"]`` (or ``info["batch_size"]``); under
-    distributed training ``info["individual_losses"]`` and ``info["loss"]``, to add the
-    processes' sums in per-example units (``x_ij / c``; see
-    ``docs/distributed.md``), and the global batch's ``x_ij = c g_ij`` with
+    distributed training and gradient accumulation ``info["individual_losses"]``
+    and ``info["loss"]``, to add the processes' (micro-batches') sums in
+    per-example units (``x_ij / c``; see ``docs/distributed.md``,
+    ``docs/accumulation.md``), and the whole batch's ``x_ij = c g_ij`` with
     ``c = 1/N`` for a mean loss, ``1`` for a sum.
     With batch size 1 no variance is defined: nothing is recorded, with one
     warning.
@@ -64,10 +65,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
         self.quantiles = order_statistics.check_quantile_levels(quantiles)
 
     def step_context(self, step, params):
-        if distributed.world_size() > 1:
-            return step.loss_batch(self)
-        # One process: the sums stay in units of x (scale 1), as sd is wanted in
-        # them, and the reduction need not be known.
+        if distributed.world_size() > 1 or step.micro_batch() is not None:
+            return step.loss_batch(self)  # sums in units of g_i, to add across batches
+        # One batch on one process: the sums stay in units of x (scale 1), as sd
+        # is wanted in them, and the reduction need not be known.
         return Batch(step.examples(self), 1.0)
 
     def accepts(self, batch):
