@@ -55,7 +55,7 @@ _EXPORTS = {
     "ParamGradRatio": ("cockpit_gradnoise.quantities", "ParamGradRatio"),
     "UpdateSize": ("cockpit_gradnoise.quantities", "UpdateSize"),
     "GradientNoiseScale": ("cockpit_gradnoise.quantities", "GradientNoiseScale"),
-    "TwoBatchNoiseScale": ("cockpit_gradnoise.two_batch", "TwoBatchNoiseScale"),
+    "TwoBatchNoiseScale": ("cockpit_gradnoise.quantities", "TwoBatchNoiseScale"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

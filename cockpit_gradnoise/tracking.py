@@ -57,7 +57,13 @@ ALL = (
 #: per-example squared norms, shared by PerExampleGradNorm and
 #: GradientNoiseScale, and ParamGradRatio and UpdateSize read only ``param``
 #: and ``param.grad``.
-PRESETS = {"all": ALL, "cheap": ALL[1:]}
+#: ``"norms"``: no per-example gradient, no BackPACK extension, for large runs:
+#: the noise scale from micro-batch and process gradient norms
+#: (:class:`~cockpit_gradnoise.TwoBatchNoiseScale`, needs gradient accumulation
+#: or several processes), and the two quantities that read ``param``,
+#: ``param.grad`` and the update.
+PRESETS = {"all": ALL, "cheap": ALL[1:],
+           "norms": ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize")}
 
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
 DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
@@ -178,6 +184,9 @@ def _build(plan, schedule, names, verbose):
             built.append(entry)
             continue
         kwargs = {"verbose": verbose, **kwargs}
+        if getattr(entry, "needs_parameters", False):  # TwoBatchNoiseScale: hooks on them
+            built.append(entry(track_schedule=schedule, param_names=names, **kwargs))
+            continue
         if names is not None and "param_names" in inspect.signature(entry).parameters:
             kwargs.setdefault("param_names", names)
         built.append(entry(schedule, **kwargs))

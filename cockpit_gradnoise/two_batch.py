@@ -24,13 +24,15 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed, functional, schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
+from cockpit_gradnoise.step import Step
 
 import torch
 import torch.distributed as dist
+from cockpit.quantities.quantity import Quantity
 from torch import Tensor, nn
 
 
-class TwoBatchNoiseScale:
+class TwoBatchNoiseScale(Quantity):
     """``B_simple = tr(Sigma) / |G|^2`` per parameter and for the network, from gradient norms.
 
     Example (4 micro-batches per optimizer step, also under DDP)::
@@ -61,24 +63,49 @@ class TwoBatchNoiseScale:
     ``(sum_k w_k b_k)^2 / sum_k w_k^2 b_k``, the number of examples when all
     weights are equal.
 
+    It is also a Cockpit quantity, which the front door builds for the
+    ``"norms"`` preset (``cgn.track(model, quantities="norms")``): around every
+    micro-batch of a tracked step (``tracker(step, losses, micro_batch=k,
+    micro_batches=K)``, see ``docs/accumulation.md``) it closes the micro-batch
+    with the weight the tracker's loss gives, and records the step after the
+    last one; its hooks record only during tracked steps.
+
     Args:
         model: The model (a DDP wrapper is fine); its trainable parameters
             now. Unchanged apart from the hooks (:meth:`remove` takes them off).
+            Not with ``param_names``.
+        track_schedule: Cockpit's schedule (step to bool), when the quantity
+            runs in a Cockpit; ``None`` (default): on its own, by
+            :meth:`micro_batch` and :meth:`step`.
+        param_names: ``{name: parameter}``, as the front door gives it, instead of ``model``.
         smoothing: Weight of the past in ``b_simple_smoothed``, in ``[0, 1)``.
+        verbose: Cockpit's verbose flag.
     """
 
     name = "TwoBatchNoiseScale"
+    #: The front door builds it with the parameters (``param_names``), not only their names.
+    needs_parameters = True
 
-    def __init__(self, model: nn.Module, *, smoothing: float = DEFAULT_SMOOTHING):
+    def __init__(self, model: Optional[nn.Module] = None, track_schedule=None, *,
+                 param_names: Optional[Dict[str, nn.Parameter]] = None,
+                 smoothing: float = DEFAULT_SMOOTHING, verbose: bool = False):
+        super().__init__(track_schedule or (lambda step: True), verbose=verbose)
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must lie in [0, 1) (the weight of the past), got {smoothing!r}")
-        named = [(n, p) for n, p in distributed.unwrap(model).named_parameters() if p.requires_grad]
+        if (model is None) == (param_names is None):
+            raise ValueError("give the model, or param_names={name: parameter}, not both")
+        named = (list(param_names.items()) if model is None else
+                 [(n, p) for n, p in distributed.unwrap(model).named_parameters()])
+        named = [(n, p) for n, p in named if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameter")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.smoothing = float(smoothing)
-        self.output: Dict[int, dict] = {}
+        #: On its own every backward pass counts; in a Cockpit those of tracked steps.
+        self._standalone = track_schedule is None
+        self._armed = self._standalone
+        self.warned = set()  # keys of Step.warn told to this quantity
         self._averages: Dict[str, Tuple[float, float]] = {}
         self._pending: Optional[Tensor] = None  # this backward's squared norms, [params]
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
@@ -86,6 +113,8 @@ class TwoBatchNoiseScale:
                          for i, p in enumerate(self.params)]
 
     def _record(self, index: int, grad: Tensor) -> None:
+        if not self._armed:
+            return
         if self._pending is None:
             self._pending = torch.zeros(len(self.params), dtype=torch.float64, device=grad.device)
         self._pending[index] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
@@ -166,6 +195,39 @@ class TwoBatchNoiseScale:
                   for name, g, t in zip([*self.names, schema.NETWORK], grad_sq, trace_cov)}
         self.output[int(step)] = record
         return record
+
+    # As a Cockpit quantity ----------------------------------------------------------
+
+    def should_compute(self, global_step) -> bool:
+        """Whether ``global_step`` is tracked (Cockpit's schedule)."""
+        return bool(self._track_schedule(global_step))
+
+    def extensions(self, global_step):
+        """No BackPACK extension; arms the hooks for a tracked step (Cockpit calls this first)."""
+        self._armed = self._standalone or self.should_compute(global_step)
+        return []
+
+    def track(self, global_step, params, batch_loss):
+        """After a tracked call's backward pass: close its micro-batch, and record after the last."""
+        if self._standalone or not self.should_compute(global_step):
+            return
+        self._armed = False
+        step = Step.of(self, global_step)
+        batch, micro = step.loss_batch(self), step.micro_batch()
+        if self._pending is None:  # no gradient reached the parameters: nothing to close
+            return
+        if not math.isfinite(batch.loss_scale):
+            step.warn("two-batch-nonfinite", f"{self.name}: the losses are not finite; nothing "
+                      "recorded at this step", self)
+            self._pending, self._micro_batches = None, []
+            return
+        self.micro_batch(batch.examples, batch.loss_scale)
+        if micro is None or micro.last:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.step(global_step)
+            for warning in caught:  # once per run, not at every step
+                step.warn(f"two-batch: {warning.message}", f"{self.name}: {warning.message}", self)
 
     def _big_squared_norms(self, device) -> Tensor:
         return torch.stack([

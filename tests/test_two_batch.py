@@ -188,3 +188,33 @@ def check_two_processes(records):
     weights = [1 / (len(sizes) * b) for sizes in RANK_SIZES for b in sizes]
     # Names as in the unwrapped model (no "module."), like every quantity's.
     assert_matches(records[0], reference(mlp(), batches, weights), sum(map(sum, RANK_SIZES)))
+
+
+def test_the_norms_preset_records_each_tracked_accumulated_step_and_its_log(tmp_path):
+    """The front door's cheap preset: the tracker around every micro-batch."""
+    model, tracker = cgn.track(mlp(), every=2, quantities="norms", log=tmp_path / "run")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes, expected = (2, 3, 4), {}
+    for step in range(3):
+        batches = micro_batches(sizes, seed=20 + step)
+        if step % 2 == 0:
+            expected[step] = reference(model, batches, [1 / (len(sizes) * b) for b in sizes])
+        for k, (x, y) in enumerate(batches):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with tracker(step, losses, optimizer=optimizer, micro_batch=k,
+                         micro_batches=len(sizes)) as loss:
+                loss.backward()  # losses.mean() / K
+        optimizer.step()
+        optimizer.zero_grad()
+    quantity = next(q for q in tracker.cockpit.quantities if isinstance(q, cgn.TwoBatchNoiseScale))
+    assert quantity._pending is None  # the untracked step's backward passes left nothing
+    tracker.close()
+    frame = cgn.to_frame(cgn.read_log(tmp_path / "run.jsonl"))  # the stream keeps no step in memory
+    assert set(frame["quantity"]) == {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"}
+    rows = frame[frame.quantity == "TwoBatchNoiseScale"]
+    assert sorted(set(rows["step"])) == [0, 2]
+    for step, values in expected.items():
+        at = rows[rows.step == step]
+        record = {name: dict(zip(group.statistic.astype(str), group.value))
+                  for name, group in at.groupby(at.param.astype(str), sort=False)}
+        assert_matches(record, values, sum(sizes))

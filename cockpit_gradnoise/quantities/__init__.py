@@ -8,6 +8,7 @@ from cockpit_gradnoise.quantities.param_grad_ratio import ParamGradRatio
 from cockpit_gradnoise.quantities.per_example_grad_norm import PerExampleGradNorm
 from cockpit_gradnoise.quantities.update_size import UpdateSize
 from cockpit_gradnoise.step import Batch, Step
+from cockpit_gradnoise.two_batch import TwoBatchNoiseScale
 
 __all__ = [
     "Batch",
@@ -19,4 +20,5 @@ __all__ = [
     "ParamGradRatio",
     "UpdateSize",
     "GradientNoiseScale",
+    "TwoBatchNoiseScale",
 ]
