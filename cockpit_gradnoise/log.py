@@ -13,10 +13,11 @@ Its lines, in the order they are written:
 - ``{"layout": [[param, [statistic, ...]], ...]}``: the shape of one
   quantity's ``{param: {statistic: value}}`` at one step, as positions in the
   tables; layouts are numbered in the order they appear (a run has a few);
-- ``{"step": s, "quantity": q, "layout": l, "values": "..."}``: the numbers
-  of quantity ``q`` at step ``s`` in the order of layout ``l``, as base64 of
-  little-endian float64 (exact, NaN and inf included, and about ten times
-  faster to read than JSON numbers);
+- ``{"step": s, "quantity": q, "layout": l, "finite": f, "values": "..."}``:
+  the numbers of quantity ``q`` at step ``s`` in the order of layout ``l``, as
+  base64 of little-endian float64 (exact, NaN and inf included, and about ten
+  times faster to read than JSON numbers); ``f``: whether all of them are
+  finite (logs written before it was added lack it);
 - ``{"step": s, "quantity": q, "value": ...}``: a value that is not
   per-parameter numbers (Cockpit's own quantities, ``cockpit.log``), as JSON
   (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
@@ -205,6 +206,9 @@ class LogStream:
                 layout, new = self._layout(rows)
                 yield from new
                 record["layout"] = layout
+                # Whether every number is finite: a reader that shows only some of
+                # them (cockpit_gradnoise.selective) still finds every NaN and inf.
+                record["finite"] = bool(numpy.isfinite(numbers).all())
                 record["values"] = base64.b64encode(numbers.tobytes()).decode("ascii")
             yield json.dumps(record, allow_nan=False) + "\n"
 

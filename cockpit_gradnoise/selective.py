@@ -1,0 +1,394 @@
+"""Reading only some of a streamed log's numbers: the rows a view shows, fast and lean.
+
+A 10,000-step log of a 200-tensor model holds 52 M numbers (560 MB of
+text, 418 MB as float64); the report and the dashboard show a few million of
+them. :func:`index_log` reads a streamed log's structure without decoding
+its numbers: the name tables, the layouts, and for each record its step,
+quantity, layout, where its numbers lie in the file and whether they are all
+finite (the record's ``finite`` field; a record without it, from an older
+writer, is decoded whole to find out, and so is one that holds a NaN or inf,
+whose non-finite numbers are kept). It jumps from record to record by their
+lengths, which the layouts give, so it reads a few hundred bytes per record.
+:meth:`LogIndex.frame` then decodes the numbers a :class:`Pick` names, and
+only those, into rows of the tidy frame of :func:`cockpit_gradnoise.to_frame`:
+the same rows, in the same order, with the same categories, as the full
+frame's, of which they are a subset.
+
+Which rows a view needs is the view's business (``findings.report_frame``,
+``dashboard.plot_frame``); this module reads what it is told.
+
+Damage is not this module's to report: anything unexpected (a line of
+another shape or length, a name or layout not declared, a value record with
+per-parameter numbers, invalid base64 where it decodes) makes
+:func:`index_log` or :meth:`LogIndex.frame` return ``None``, and the caller
+reads the log whole (:func:`cockpit_gradnoise.to_frame`), which reports it.
+Numbers it never decodes are not checked.
+
+This module imports neither pandas (only building a frame does) nor torch.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, per_parameter
+
+import numpy
+
+if TYPE_CHECKING:
+    import pandas
+
+# The record lines LogStream writes (json.dumps keeps the keys' order).
+_RECORD = re.compile(
+    rb'\{"step": (-?\d+), "quantity": (\d+), "layout": (\d+), '
+    rb'(?:"finite": (true|false), )?"values": "'
+)
+_TAIL = b'"}\n'
+_HEAD = 200  # bytes read per record: its end and the next line's start
+#: A record's numbers are decoded whole when its picked positions form more runs than this.
+_MAX_RUNS = 4
+
+
+class _Unexpected(Exception):
+    """The log is not one this reader takes: the caller reads it whole."""
+
+
+def _chars(count: int) -> int:
+    """Length of the base64 text of ``count`` float64 numbers."""
+    return 4 * -(-8 * count // 3)
+
+
+@dataclass
+class LogIndex:
+    """A streamed log's names, layouts and current records, numbers left in the file.
+
+    Records are those :func:`cockpit_gradnoise.to_frame` reads (the last of
+    each step and quantity, with at least one number), in the frame's order:
+    by step, then quantity name. Arrays, one entry per record.
+
+    Attributes:
+        path: The file.
+        quantities, params, statistics: The name tables.
+        layouts: ``(param positions, statistic positions)`` of each layout.
+        step, quantity, layout: Each record's step, quantity and layout numbers.
+        offset: Where each record's base64 text starts in the file.
+        finite: Whether each record's numbers are all finite.
+        non_finite: ``{record: positions}`` of the non-finite numbers.
+    """
+
+    path: str
+    quantities: List[str]
+    params: List[str]
+    statistics: List[str]
+    layouts: List[Tuple[numpy.ndarray, numpy.ndarray]]
+    step: numpy.ndarray
+    quantity: numpy.ndarray
+    layout: numpy.ndarray
+    offset: numpy.ndarray
+    finite: numpy.ndarray
+    non_finite: Dict[int, numpy.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def records_of(self, quantity: str) -> numpy.ndarray:
+        """Mask of the records of ``quantity``."""
+        if quantity not in self.quantities:
+            return numpy.zeros(len(self), dtype=bool)
+        return self.quantity == self.quantities.index(quantity)
+
+    def positions(self, layout: int, *, params: Optional[Sequence[str]] = None,
+                  statistics: Optional[Sequence[str]] = None) -> numpy.ndarray:
+        """Positions in ``layout`` of the given parameters and statistics (``None``: all)."""
+        param_codes, statistic_codes = self.layouts[layout]
+        mask = numpy.ones(len(param_codes), dtype=bool)
+        for codes, names, table in ((param_codes, params, self.params),
+                                    (statistic_codes, statistics, self.statistics)):
+            if names is not None:
+                wanted = [table.index(name) for name in set(names) if name in table]
+                mask &= numpy.isin(codes, wanted)
+        return numpy.flatnonzero(mask)
+
+    def layouts_with(self, records: numpy.ndarray, **names) -> bool:
+        """Whether any of ``records`` (a mask) has a number of the given names (see :meth:`positions`)."""
+        return any(len(self.positions(int(layout), **names))
+                   for layout in numpy.unique(self.layout[records]))
+
+    def frame(self, picks: Sequence["Pick"]) -> Optional["pandas.DataFrame"]:
+        """The rows of the tidy frame that any of ``picks`` names, decoded from the file.
+
+        ``None`` where a number cannot be decoded (the caller reads the log whole).
+        """
+        try:
+            return _frame(self, picks)
+        except (_Unexpected, OSError, ValueError):
+            return None
+
+
+@dataclass
+class Pick:
+    """Rows to read: of the ``records`` (a mask), the numbers at ``positions(layout)``.
+
+    ``positions`` maps a layout number to positions in it (``None``: every
+    number of the record). ``each``: ``{record: positions}`` read besides.
+    """
+
+    records: numpy.ndarray
+    positions: Optional[Callable[[int], numpy.ndarray]] = None
+    each: Optional[Dict[int, numpy.ndarray]] = None
+
+    def of(self, layout: int) -> numpy.ndarray:
+        return self.positions(layout)
+
+
+def index_log(path) -> Optional[LogIndex]:
+    """The :class:`LogIndex` of the streamed log at ``path``; ``None`` if it is not one this reads.
+
+    ``None`` also for any damage, and for value records holding per-parameter
+    numbers (read whole by :func:`cockpit_gradnoise.to_frame`).
+    """
+    try:
+        with open(path, "rb") as file:
+            return _index(file, str(path))
+    except (_Unexpected, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # binascii.Error and UnicodeDecodeError are ValueErrors
+
+
+class _Scan:
+    """What :func:`_index` gathers line by line."""
+
+    def __init__(self):
+        self.tables: Dict[str, List[str]] = {table: [] for table in _TABLES}
+        self.layouts: List[Tuple[numpy.ndarray, numpy.ndarray]] = []
+        self.chars: List[int] = []
+        self.current: Dict[Tuple[int, int], Tuple[int, int, int, Optional[bool]]] = {}
+
+    def line(self, line: bytes):
+        """A names, layout or value line (read whole; record lines are not)."""
+        item = json.loads(line)
+        if not isinstance(item, dict):
+            raise _Unexpected
+        if "names" in item:
+            for table, names in item["names"].items():
+                if table not in _TABLES or not all(isinstance(n, str) for n in names):
+                    raise _Unexpected
+                self.tables[table].extend(names)
+        elif "layout" in item and "step" not in item:
+            params = [p for p, names in item["layout"] for _ in names]
+            statistics = [s for _, names in item["layout"] for s in names]
+            layout = (numpy.asarray(params, dtype=numpy.int64),
+                      numpy.asarray(statistics, dtype=numpy.int64))
+            for codes, table in zip(layout, ("params", "statistics")):
+                if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
+                    raise _Unexpected
+            self.layouts.append(layout)
+            self.chars.append(_chars(len(params)))
+        elif "step" in item and "value" in item and "layout" not in item:
+            step, quantity = item["step"], item["quantity"]
+            if not isinstance(step, int) or not isinstance(quantity, int) or not (
+                    0 <= quantity < len(self.tables["quantities"])):
+                raise _Unexpected
+            if per_parameter(item["value"]) is not None:
+                raise _Unexpected  # numbers the frame reads from a value: read it whole
+            self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
+        else:
+            raise _Unexpected
+
+
+def _index(file, path: str) -> LogIndex:
+    fd = file.fileno()
+    size = os.fstat(fd).st_size
+    header = (HEADER + "\n").encode()
+    if os.pread(fd, len(header), 0) != header:
+        raise _Unexpected
+    scan, offset = _Scan(), len(header)
+    head = os.pread(fd, _HEAD, offset)
+    while offset < size:
+        match = _RECORD.match(head)
+        if match is None:
+            offset, head = _other_line(fd, scan, offset, size)
+            continue
+        step, quantity, layout = int(match[1]), int(match[2]), int(match[3])
+        if quantity >= len(scan.tables["quantities"]) or layout >= len(scan.layouts):
+            raise _Unexpected
+        start = offset + match.end()
+        end = start + scan.chars[layout]
+        head = os.pread(fd, len(_TAIL) + _HEAD, end)
+        if head[:len(_TAIL)] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
+            raise _Unexpected  # a line of another length: damaged, or not LogStream's
+        finite = None if match[4] is None else match[4] == b"true"
+        scan.current[step, quantity] = (layout, start, step, finite)
+        offset, head = end + len(_TAIL), head[len(_TAIL):]
+    return _finish(fd, scan, path)
+
+
+def _other_line(fd, scan: _Scan, offset: int, size: int) -> Tuple[int, bytes]:
+    """Read the whole line at ``offset``; the next line's offset and start."""
+    parts = []
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset + sum(map(len, parts)))
+        cut = chunk.find(b"\n")
+        parts.append(chunk if cut < 0 else chunk[:cut + 1])
+        if cut >= 0 or not chunk:
+            break
+    line = b"".join(parts)
+    if not line.endswith(b"\n") and offset + len(line) < size:
+        raise _Unexpected
+    scan.line(line)
+    offset += len(line)
+    return offset, os.pread(fd, _HEAD, offset)
+
+
+def _finish(fd, scan: _Scan, path: str) -> LogIndex:
+    quantities = scan.tables["quantities"]
+    kept = [(step, quantity, *rest[:2], rest[3]) for (step, quantity), rest
+            in scan.current.items() if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
+    # The frame's order: by step, then quantity name.
+    kept.sort(key=lambda record: (record[0], quantities[record[1]]))
+    columns = list(zip(*kept)) if kept else [(), (), (), (), ()]
+    index = LogIndex(
+        path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
+        *(numpy.asarray(column, dtype=numpy.int64) for column in columns[:4]),
+        finite=numpy.ones(len(kept), dtype=bool), non_finite={},
+    )
+    for record, finite in enumerate(columns[4]):
+        if finite is True:
+            continue
+        values = _decode_all(fd, index, record)
+        bad = numpy.flatnonzero(~numpy.isfinite(values))
+        index.finite[record] = not len(bad)
+        if len(bad):
+            index.non_finite[record] = bad
+    return index
+
+
+def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
+    layout = int(index.layout[record])
+    count = len(index.layouts[layout][0])
+    text = os.pread(fd, _chars(count), int(index.offset[record]))
+    raw = binascii.a2b_base64(text)
+    if len(raw) != 8 * count:
+        raise _Unexpected
+    return numpy.frombuffer(raw, dtype=_DTYPE)
+
+
+def _decode(fd, index: LogIndex, record: int, positions: numpy.ndarray) -> numpy.ndarray:
+    """The numbers at ``positions`` (ascending) of ``record``: only their part of the text."""
+    breaks = numpy.flatnonzero(numpy.diff(positions) != 1)
+    if len(breaks) >= _MAX_RUNS:
+        return _decode_all(fd, index, record)[positions]
+    starts = numpy.r_[positions[0], positions[breaks + 1]].tolist()
+    ends = (numpy.r_[positions[breaks], positions[-1]] + 1).tolist()
+    offset, parts = int(index.offset[record]), []
+    for first, end in zip(starts, ends):
+        triple = 8 * first // 3  # base64 turns 3 bytes into 4 characters
+        text = os.pread(fd, _chars(end) - 4 * triple, offset + 4 * triple)
+        raw = binascii.a2b_base64(text)
+        skip = 8 * first - 3 * triple
+        if len(raw) < skip + 8 * (end - first):
+            raise _Unexpected
+        parts.append(raw[skip:skip + 8 * (end - first)])
+    return numpy.frombuffer(b"".join(parts), dtype=_DTYPE)
+
+
+def _frame(index: LogIndex, picks: Sequence[Pick]) -> "pandas.DataFrame":
+    from cockpit_gradnoise.frame import _frame as tidy
+    from cockpit_gradnoise.frame import _names
+
+    # Records that share a layout and the picks naming them share their positions.
+    signature = numpy.zeros(len(index), dtype=numpy.int64)
+    for bit, pick in enumerate(picks):
+        signature |= pick.records.astype(numpy.int64) << bit
+    signature = signature * (len(index.layouts) + 1) + index.layout
+    chosen: Dict[int, numpy.ndarray] = {}
+    for key in numpy.unique(signature[signature >= len(index.layouts) + 1]).tolist():
+        bits, layout = divmod(key, len(index.layouts) + 1)
+        count = len(index.layouts[layout][0])
+        mask = numpy.zeros(count, dtype=bool)
+        for bit, pick in enumerate(picks):
+            if bits >> bit & 1:
+                mask[numpy.arange(count) if pick.positions is None else pick.of(layout)] = True
+        chosen[key] = numpy.flatnonzero(mask)
+    each: Dict[int, numpy.ndarray] = {}
+    for pick in picks:
+        for record, found in (pick.each or {}).items():
+            each[record] = numpy.union1d(each.get(record, found), found)
+    positions = {r: chosen[int(signature[r])]
+                 for r in numpy.flatnonzero(signature >= len(index.layouts) + 1).tolist()}
+    for record, found in each.items():
+        positions[record] = numpy.union1d(positions.get(record, found), found)
+    records = [r for r in sorted(positions) if len(positions[r])]
+    positions = [positions[r] for r in records]
+    with open(index.path, "rb") as file:
+        values = [_decode(file.fileno(), index, r, p) for r, p in zip(records, positions)]
+    counts = numpy.asarray([len(p) for p in positions], dtype=numpy.int64)
+    # Categories as the full frame's: the names of every record's layout.
+    used = numpy.unique(index.layout).tolist()
+    quantities = _names(index.quantities, set(index.quantity.tolist()))
+    params, statistics = (
+        _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
+        for i, table in ((0, index.params), (1, index.statistics))
+    )
+    layout_of = index.layout[records] if records else numpy.empty(0, dtype=numpy.int64)
+    columns = [
+        numpy.repeat(quantities[0][index.quantity[records]], counts),
+        *(_concatenate([table[0][index.layouts[layout][i][p]]
+                        for layout, p in zip(layout_of.tolist(), positions)], table[0].dtype)
+          for i, table in ((0, params), (1, statistics))),
+    ]
+    steps = numpy.repeat(index.step[records], counts)
+    return tidy(steps, columns, [quantities[1], params[1], statistics[1]],
+                _concatenate(values, numpy.float64))
+
+
+def _concatenate(arrays, dtype) -> numpy.ndarray:
+    return numpy.concatenate(arrays) if arrays else numpy.empty(0, dtype=dtype)
+
+
+def first_rows(index: LogIndex) -> Pick:
+    """The first number of every record: each record's step, quantity and presence."""
+    return Pick(numpy.ones(len(index), dtype=bool), lambda layout: numpy.array([0]))
+
+
+def non_finite_rows(index: LogIndex) -> Pick:
+    """Every NaN and inf of the log."""
+    return Pick(numpy.zeros(len(index), dtype=bool), each=index.non_finite)
+
+
+def whole(index: LogIndex, records: numpy.ndarray) -> Pick:
+    """Every number of ``records`` (a mask)."""
+    return Pick(records)
+
+
+def first_of_each_layout(index: LogIndex) -> Pick:
+    """Every number of the first record of each quantity and layout.
+
+    A parameter first appears in the frame (or in any quantity's rows) in the
+    first record of its quantity and layout that holds it, so these give
+    :func:`~cockpit_gradnoise._views.layer_order` of the full frame.
+    """
+    key = index.quantity * (len(index.layouts) + 1) + index.layout
+    mask = numpy.zeros(len(index), dtype=bool)
+    mask[numpy.unique(key, return_index=True)[1]] = True
+    return Pick(mask)
+
+
+def named(index: LogIndex, records: numpy.ndarray, **names) -> Pick:
+    """Of ``records`` (a mask), the numbers of the given parameters and statistics."""
+    cache: Dict[int, numpy.ndarray] = {}
+
+    def positions(layout):
+        if layout not in cache:
+            cache[layout] = index.positions(layout, **names)
+        return cache[layout]
+
+    return Pick(records, positions)
+
+
+__all__ = ["LogIndex", "Pick", "index_log", "first_rows", "non_finite_rows", "whole",
+           "first_of_each_layout", "named"]
