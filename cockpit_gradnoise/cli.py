@@ -63,6 +63,29 @@ def load_frame(path):
     return frame
 
 
+def _streamed_frame(path, read):
+    """``read(file)`` for a streamed log holding this package's quantities, else ``None``.
+
+    ``read`` (:mod:`cockpit_gradnoise.view_rows`) gives only the rows the
+    command reads; ``None`` (another kind of log, damage, nothing of this
+    package's) leaves it to :func:`load_frame`, which reads the log whole and
+    says what is wrong.
+    """
+    from cockpit_gradnoise.frame import _read_path
+    from cockpit_gradnoise.log import is_streamed
+
+    try:
+        file = _read_path(path)
+        if not (file.is_file() and is_streamed(file)):
+            return None
+        frame = read(file)
+    except (OSError, ValueError):
+        return None
+    if frame is None or frame.empty or not frame.quantity.isin(QUANTITIES).any():
+        return None
+    return frame
+
+
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
     from cockpit_gradnoise import dashboard
@@ -78,7 +101,12 @@ def _plot(args):
         )
     if not 1 <= args.dpi <= dashboard.MAX_DPI:
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
-    frame = load_frame(args.log)
+    from cockpit_gradnoise.view_rows import plot_frame
+
+    frame = _streamed_frame(args.log, lambda file: plot_frame(
+        file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap))
+    if frame is None:
+        frame = load_frame(args.log)
     folder = Path(args.output).parent
     if not folder.exists():
         folder.mkdir(parents=True)
@@ -103,7 +131,11 @@ def _plot(args):
 
 
 def _report(args):
-    frame = load_frame(args.log)
+    from cockpit_gradnoise.view_rows import report_frame
+
+    frame = _streamed_frame(args.log, lambda file: report_frame(file, args.step))
+    if frame is None:
+        frame = load_frame(args.log)
     try:
         built = build_report(
             frame, source=args.log, step=args.step, batch_size=args.batch_size
