@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, per_parameter
+from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, non_finite_runs, per_parameter
 
 import numpy
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # The record lines LogStream writes (json.dumps keeps the keys' order).
 _RECORD = re.compile(
     rb'\{"step": (-?\d+), "quantity": (\d+), "layout": (\d+), '
-    rb'(?:"finite": (true|false), )?"values": "'
+    rb'(?:"nonfinite": (\{[^}]*\}), )?"values": "'
 )
 _TAIL = b'"}\n'
 _HEAD = 200  # bytes read per record: its end and the next line's start
@@ -78,7 +78,8 @@ class LogIndex:
         step, quantity, layout: Each record's step, quantity and layout numbers.
         offset: Where each record's base64 text starts in the file.
         finite: Whether each record's numbers are all finite.
-        non_finite: ``{record: positions}`` of the non-finite numbers.
+        non_finite: ``{record: pattern}`` of the records with a NaN or inf.
+        patterns: Each ``{"nan": positions, "inf": ..., "-inf": ...}``.
     """
 
     path: str
@@ -91,7 +92,8 @@ class LogIndex:
     layout: numpy.ndarray
     offset: numpy.ndarray
     finite: numpy.ndarray
-    non_finite: Dict[int, numpy.ndarray]
+    non_finite: Dict[int, int]
+    patterns: List[Dict[str, numpy.ndarray]]
 
     def __len__(self) -> int:
         return len(self.step)
@@ -210,6 +212,9 @@ def _index(file, path: str) -> LogIndex:
     head = os.pread(fd, _HEAD, offset)
     while offset < size:
         match = _RECORD.match(head)
+        if match is None and head.startswith(b'{"step"') and b'"values": "' not in head:
+            head = os.pread(fd, 1 << 20, offset)  # a long list of non-finite runs
+            match = _RECORD.match(head)
         if match is None:
             offset, head = _other_line(fd, scan, offset, size)
             continue
@@ -221,8 +226,7 @@ def _index(file, path: str) -> LogIndex:
         head = os.pread(fd, len(_TAIL) + _HEAD, end)
         if head[:len(_TAIL)] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
             raise _Unexpected  # a line of another length: damaged, or not LogStream's
-        finite = None if match[4] is None else match[4] == b"true"
-        scan.current[step, quantity] = (layout, start, step, finite)
+        scan.current[step, quantity] = (layout, start, match[4])
         offset, head = end + len(_TAIL), head[len(_TAIL):]
     return _finish(fd, scan, path)
 
@@ -244,27 +248,50 @@ def _other_line(fd, scan: _Scan, offset: int, size: int) -> Tuple[int, bytes]:
     return offset, os.pread(fd, _HEAD, offset)
 
 
+_FINITE = b"{}"
+
+
 def _finish(fd, scan: _Scan, path: str) -> LogIndex:
     quantities = scan.tables["quantities"]
-    kept = [(step, quantity, *rest[:2], rest[3]) for (step, quantity), rest
-            in scan.current.items() if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
+    kept = [(step, quantity, *rest) for (step, quantity), rest in scan.current.items()
+            if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
     # The frame's order: by step, then quantity name.
     kept.sort(key=lambda record: (record[0], quantities[record[1]]))
     columns = list(zip(*kept)) if kept else [(), (), (), (), ()]
     index = LogIndex(
         path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
         *(numpy.asarray(column, dtype=numpy.int64) for column in columns[:4]),
-        finite=numpy.ones(len(kept), dtype=bool), non_finite={},
+        finite=numpy.ones(len(kept), dtype=bool), non_finite={}, patterns=[],
     )
-    for record, finite in enumerate(columns[4]):
-        if finite is True:
+    found: Dict[bytes, int] = {}
+    for record, runs in enumerate(columns[4]):
+        if runs == _FINITE:
             continue
-        values = _decode_all(fd, index, record)
-        bad = numpy.flatnonzero(~numpy.isfinite(values))
-        index.finite[record] = not len(bad)
-        if len(bad):
-            index.non_finite[record] = bad
+        if runs is None:  # written before records said: decode to find out
+            runs = json.dumps(non_finite_runs(_decode_all(fd, index, record))).encode()
+            if runs == _FINITE:
+                continue
+        key = b"%d:%s" % (index.layout[record], runs)
+        if key not in found:
+            found[key] = len(index.patterns)
+            index.patterns.append(_pattern(runs, len(index.layouts[index.layout[record]][0])))
+        index.finite[record] = False
+        index.non_finite[record] = found[key]
     return index
+
+
+def _pattern(runs: bytes, count: int) -> Dict[str, numpy.ndarray]:
+    """``{"nan": positions, "inf": ..., "-inf": ...}`` of a record's ``nonfinite`` runs."""
+    parsed = json.loads(runs)
+    if not isinstance(parsed, dict) or not set(parsed) <= {"nan", "inf", "-inf"}:
+        raise _Unexpected
+    pattern = {}
+    for kind, pairs in parsed.items():
+        positions = numpy.concatenate([numpy.arange(a, b) for a, b in pairs] or [[]]).astype(int)
+        if len(positions) and not (positions.min() >= 0 and positions.max() < count):
+            raise _Unexpected
+        pattern[kind] = positions
+    return pattern
 
 
 def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
@@ -277,23 +304,39 @@ def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
     return numpy.frombuffer(raw, dtype=_DTYPE)
 
 
-def _decode(fd, index: LogIndex, record: int, positions: numpy.ndarray) -> numpy.ndarray:
-    """The numbers at ``positions`` (ascending) of ``record``: only their part of the text."""
+def _plan(positions: numpy.ndarray, count: int):
+    """How to decode ``positions`` (ascending) of a record of ``count`` numbers.
+
+    ``(runs, take)``: ``runs`` are ``(first character, characters, bytes to
+    skip, bytes)`` of each run of consecutive positions (base64 turns 3
+    bytes into 4 characters, so a run is decoded from the quadruple holding
+    its first byte on); with more than :data:`_MAX_RUNS` runs, the whole text
+    is decoded once and ``take`` indexes it.
+    """
     breaks = numpy.flatnonzero(numpy.diff(positions) != 1)
     if len(breaks) >= _MAX_RUNS:
-        return _decode_all(fd, index, record)[positions]
-    starts = numpy.r_[positions[0], positions[breaks + 1]].tolist()
-    ends = (numpy.r_[positions[breaks], positions[-1]] + 1).tolist()
-    offset, parts = int(index.offset[record]), []
+        return [(0, _chars(count), 0, 8 * count)], positions
+    starts = [int(positions[0])] + (positions[breaks + 1]).tolist()
+    ends = (positions[breaks] + 1).tolist() + [int(positions[-1]) + 1]
+    runs = []
     for first, end in zip(starts, ends):
-        triple = 8 * first // 3  # base64 turns 3 bytes into 4 characters
-        text = os.pread(fd, _chars(end) - 4 * triple, offset + 4 * triple)
-        raw = binascii.a2b_base64(text)
-        skip = 8 * first - 3 * triple
-        if len(raw) < skip + 8 * (end - first):
+        triple = 8 * first // 3
+        runs.append((4 * triple, _chars(end) - 4 * triple, 8 * first - 3 * triple,
+                     8 * (end - first)))
+    return runs, None
+
+
+def _decode(fd, offset: int, plan) -> numpy.ndarray:
+    """The numbers a :func:`_plan` names, of the record whose text starts at ``offset``."""
+    runs, take = plan
+    parts = []
+    for first, chars, skip, size in runs:
+        raw = binascii.a2b_base64(os.pread(fd, chars, offset + first))
+        if len(raw) < skip + size:
             raise _Unexpected
-        parts.append(raw[skip:skip + 8 * (end - first)])
-    return numpy.frombuffer(b"".join(parts), dtype=_DTYPE)
+        parts.append(raw[skip:skip + size] if skip or len(raw) != size else raw)
+    values = numpy.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=_DTYPE)
+    return values if take is None else values[take]
 
 
 def _frame(index: LogIndex, picks: Sequence[Pick]) -> "pandas.DataFrame":
@@ -324,8 +367,16 @@ def _frame(index: LogIndex, picks: Sequence[Pick]) -> "pandas.DataFrame":
         positions[record] = numpy.union1d(positions.get(record, found), found)
     records = [r for r in sorted(positions) if len(positions[r])]
     positions = [positions[r] for r in records]
+    plans: Dict[int, tuple] = {}
     with open(index.path, "rb") as file:
-        values = [_decode(file.fileno(), index, r, p) for r, p in zip(records, positions)]
+        fd, values = file.fileno(), []
+        for record, found, offset, layout in zip(records, positions,
+                                                 index.offset[records].tolist(),
+                                                 index.layout[records].tolist()):
+            plan = plans.get(id(found))
+            if plan is None:
+                plan = plans[id(found)] = _plan(found, len(index.layouts[layout][0]))
+            values.append(_decode(fd, offset, plan))
     counts = numpy.asarray([len(p) for p in positions], dtype=numpy.int64)
     # Categories as the full frame's: the names of every record's layout.
     used = numpy.unique(index.layout).tolist()
@@ -355,9 +406,23 @@ def first_rows(index: LogIndex) -> Pick:
     return Pick(numpy.ones(len(index), dtype=bool), lambda layout: numpy.array([0]))
 
 
-def non_finite_rows(index: LogIndex) -> Pick:
-    """Every NaN and inf of the log."""
-    return Pick(numpy.zeros(len(index), dtype=bool), each=index.non_finite)
+def non_finite_rows(index: LogIndex, reduce: Optional[Callable] = None) -> Pick:
+    """The NaN and inf of the log: all, or ``reduce(quantity, layout, pattern)`` of each record's.
+
+    ``pattern`` is ``{"nan": positions, "inf": ..., "-inf": ...}``; ``reduce``
+    returns the positions to read, and is called once per distinct
+    quantity, layout and pattern.
+    """
+    reduced: Dict[tuple, numpy.ndarray] = {}
+    each = {}
+    for record, pattern in index.non_finite.items():
+        key = (int(index.quantity[record]), int(index.layout[record]), pattern)
+        if key not in reduced:
+            found = index.patterns[pattern]
+            reduced[key] = (numpy.unique(numpy.concatenate(list(found.values())))
+                            if reduce is None else numpy.asarray(reduce(*key[:2], found), int))
+        each[record] = reduced[key]
+    return Pick(numpy.zeros(len(index), dtype=bool), each=each)
 
 
 def whole(index: LogIndex, records: numpy.ndarray) -> Pick:

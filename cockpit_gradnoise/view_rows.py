@@ -13,9 +13,10 @@ What every view reads, and the picks that serve it (:func:`_base`):
 
 - the tracked steps and the (step, quantity) blocks (``quantity_steps``,
   ``holdings``, ``tracked_steps``): the first number of every record;
-- every NaN and inf (``non_finite``): the numbers the index found
-  non-finite; and every number at the first non-finite step, where
-  ``non_finite_summary`` lists the layers in model order;
+- the steps that went NaN or inf (``non_finite``, ``non_finite_summary``):
+  of each record, the first NaN or inf that ``non_finite`` counts (the index
+  knows where they are); and every number at the first such step, where
+  ``non_finite_summary`` lists the layers and quantities;
 - the batch size (``recorded_batch_size``: the first finite ``batch_size``
   row at the latest step that has one): ``batch_size`` of every record
   holding a NaN or inf, and of each quantity's last all-finite record;
@@ -36,6 +37,7 @@ from cockpit_gradnoise._views import (
     RANKINGS,
     default_layers,
     layer_order,
+    non_finite,
     non_finite_summary,
     select,
 )
@@ -93,9 +95,33 @@ def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selectiv
     return []
 
 
+def _alarm(index: selective.LogIndex):
+    """For :func:`selective.non_finite_rows`: of a record's NaN and inf, the first that
+    :func:`~cockpit_gradnoise._views.non_finite` counts (none if it counts none).
+
+    ``non_finite_summary`` needs of each step only whether it holds one, and
+    every row of its first such step (:func:`_first_bad`).
+    """
+    import pandas
+
+    def first(quantity: int, layout: int, pattern) -> numpy.ndarray:
+        positions = numpy.concatenate(list(pattern.values()))
+        values = numpy.concatenate([numpy.full(len(p), float(kind)) for kind, p in pattern.items()])
+        params, statistics = index.layouts[layout]
+        rows = pandas.DataFrame({
+            "quantity": [index.quantities[quantity]] * len(positions),
+            "param": [index.params[p] for p in params[positions].tolist()],
+            "statistic": [index.statistics[s] for s in statistics[positions].tolist()],
+            "value": values,
+        })
+        return numpy.sort(positions[non_finite(rows)])[:1]
+
+    return first
+
+
 def _base(index: selective.LogIndex):
-    """The first number of every record and every NaN and inf: blocks, steps, divergence."""
-    picks = [selective.first_rows(index), selective.non_finite_rows(index)]
+    """The first number of every record and the NaN and inf that count: blocks, steps, divergence."""
+    picks = [selective.first_rows(index), selective.non_finite_rows(index, _alarm(index))]
     return picks, index.frame(picks)
 
 
