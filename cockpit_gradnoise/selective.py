@@ -34,7 +34,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, non_finite_runs, per_parameter
 
@@ -121,13 +121,16 @@ class LogIndex:
         return any(len(self.positions(int(layout), **names))
                    for layout in numpy.unique(self.layout[records]))
 
-    def frame(self, picks: Sequence["Pick"]) -> Optional["pandas.DataFrame"]:
+    def frame(self, picks: Sequence["Pick"], *, decode: bool = True
+              ) -> Optional["pandas.DataFrame"]:
         """The rows of the tidy frame that any of ``picks`` names, decoded from the file.
 
         ``None`` where a number cannot be decoded (the caller reads the log whole).
+        ``decode=False``: nothing is read; the values are the NaN and inf the
+        index knows of, 0 for the others (a frame of where things are).
         """
         try:
-            return _frame(self, picks)
+            return _frame(self, picks, decode)
         except (_Unexpected, OSError, ValueError):
             return None
 
@@ -143,6 +146,8 @@ class Pick:
     records: numpy.ndarray
     positions: Optional[Callable[[int], numpy.ndarray]] = None
     each: Optional[Dict[int, numpy.ndarray]] = None
+    #: Read only in records where no other pick reads anything.
+    fallback: bool = False
 
     def of(self, layout: int) -> numpy.ndarray:
         return self.positions(layout)
@@ -339,44 +344,78 @@ def _decode(fd, offset: int, plan) -> numpy.ndarray:
     return values if take is None else values[take]
 
 
-def _frame(index: LogIndex, picks: Sequence[Pick]) -> "pandas.DataFrame":
-    from cockpit_gradnoise.frame import _frame as tidy
-    from cockpit_gradnoise.frame import _names
+def _signed(index: LogIndex, picks: Sequence[Pick], bits: int, layout: int) -> numpy.ndarray:
+    """The positions in ``layout`` that the picks numbered by the set ``bits`` read."""
+    count = len(index.layouts[layout][0])
+    mask = numpy.zeros(count, dtype=bool)
+    for bit, pick in enumerate(picks):
+        if bits >> bit & 1 and not pick.fallback:
+            mask[numpy.arange(count) if pick.positions is None else pick.of(layout)] = True
+    if not mask.any():  # a fallback pick reads where no other does
+        for bit, pick in enumerate(picks):
+            if bits >> bit & 1 and pick.fallback:
+                mask[pick.of(layout)] = True
+    return numpy.flatnonzero(mask)
 
+
+def _chosen(index: LogIndex, picks: Sequence[Pick]) -> Tuple[List[int], List[numpy.ndarray]]:
+    """The records any of ``picks`` names, and the positions read of each (shared arrays)."""
     # Records that share a layout and the picks naming them share their positions.
     signature = numpy.zeros(len(index), dtype=numpy.int64)
     for bit, pick in enumerate(picks):
         signature |= pick.records.astype(numpy.int64) << bit
     signature = signature * (len(index.layouts) + 1) + index.layout
-    chosen: Dict[int, numpy.ndarray] = {}
-    for key in numpy.unique(signature[signature >= len(index.layouts) + 1]).tolist():
-        bits, layout = divmod(key, len(index.layouts) + 1)
-        count = len(index.layouts[layout][0])
-        mask = numpy.zeros(count, dtype=bool)
-        for bit, pick in enumerate(picks):
-            if bits >> bit & 1:
-                mask[numpy.arange(count) if pick.positions is None else pick.of(layout)] = True
-        chosen[key] = numpy.flatnonzero(mask)
-    each: Dict[int, numpy.ndarray] = {}
+    chosen = {key: _signed(index, picks, *divmod(key, len(index.layouts) + 1))
+              for key in numpy.unique(signature).tolist()}
+    each: Dict[int, list] = {}
     for pick in picks:
         for record, found in (pick.each or {}).items():
-            each[record] = numpy.union1d(each.get(record, found), found)
-    positions = {r: chosen[int(signature[r])]
-                 for r in numpy.flatnonzero(signature >= len(index.layouts) + 1).tolist()}
-    for record, found in each.items():
-        positions[record] = numpy.union1d(positions.get(record, found), found)
-    records = [r for r in sorted(positions) if len(positions[r])]
-    positions = [positions[r] for r in records]
-    plans: Dict[int, tuple] = {}
-    with open(index.path, "rb") as file:
-        fd, values = file.fileno(), []
-        for record, found, offset, layout in zip(records, positions,
-                                                 index.offset[records].tolist(),
-                                                 index.layout[records].tolist()):
-            plan = plans.get(id(found))
-            if plan is None:
-                plan = plans[id(found)] = _plan(found, len(index.layouts[layout][0]))
-            values.append(_decode(fd, offset, plan))
+            each.setdefault(record, []).append(found)
+    merged: Dict[tuple, numpy.ndarray] = {}
+    positions = []
+    for record, key in enumerate(signature.tolist()):
+        found = chosen[key]
+        if record in each:  # few records: those with a NaN or inf
+            extra = each[record]
+            union = (key, *map(id, extra))
+            if union not in merged:
+                merged[union] = numpy.unique(numpy.concatenate([found, *extra]))
+            found = merged[union]
+        positions.append(found)
+    records = [r for r, found in enumerate(positions) if len(found)]
+    return records, [positions[r] for r in records]
+
+
+def _known(index: LogIndex, records: List[int], positions: List[numpy.ndarray]
+           ) -> Iterator[numpy.ndarray]:
+    """The values the patterns know at ``positions`` of ``records``: NaN and inf, 0 elsewhere."""
+    known: Dict[tuple, numpy.ndarray] = {}
+    for record, found in zip(records, positions):
+        key = (id(found), index.non_finite.get(record))
+        if key not in known:
+            values = known[key] = numpy.zeros(len(found))
+            for kind, bad in (index.patterns[key[1]] if key[1] is not None else {}).items():
+                values[numpy.isin(found, bad)] = float(kind)
+        yield known[key]
+
+
+def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
+    from cockpit_gradnoise.frame import _frame as tidy
+    from cockpit_gradnoise.frame import _names
+
+    records, positions = _chosen(index, picks)
+    layouts = index.layout[records].tolist() if records else []
+    if decode:
+        plans: Dict[int, tuple] = {}
+        with open(index.path, "rb") as file:
+            fd, values = file.fileno(), []
+            for found, offset, layout in zip(positions, index.offset[records].tolist(), layouts):
+                plan = plans.get(id(found))
+                if plan is None:
+                    plan = plans[id(found)] = _plan(found, len(index.layouts[layout][0]))
+                values.append(_decode(fd, offset, plan))
+    else:
+        values = list(_known(index, records, positions))
     counts = numpy.asarray([len(p) for p in positions], dtype=numpy.int64)
     # Categories as the full frame's: the names of every record's layout.
     used = numpy.unique(index.layout).tolist()
@@ -385,12 +424,18 @@ def _frame(index: LogIndex, picks: Sequence[Pick]) -> "pandas.DataFrame":
         _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
         for i, table in ((0, index.params), (1, index.statistics))
     )
-    layout_of = index.layout[records] if records else numpy.empty(0, dtype=numpy.int64)
+    codes: List[List[numpy.ndarray]] = [[], []]
+    cache: Dict[tuple, tuple] = {}
+    for layout, found in zip(layouts, positions):
+        key = (layout, id(found))
+        if key not in cache:
+            cache[key] = tuple(table[0][index.layouts[layout][i][found]]
+                               for i, table in ((0, params), (1, statistics)))
+        codes[0].append(cache[key][0])
+        codes[1].append(cache[key][1])
     columns = [
         numpy.repeat(quantities[0][index.quantity[records]], counts),
-        *(_concatenate([table[0][index.layouts[layout][i][p]]
-                        for layout, p in zip(layout_of.tolist(), positions)], table[0].dtype)
-          for i, table in ((0, params), (1, statistics))),
+        _concatenate(codes[0], params[0].dtype), _concatenate(codes[1], statistics[0].dtype),
     ]
     steps = numpy.repeat(index.step[records], counts)
     return tidy(steps, columns, [quantities[1], params[1], statistics[1]],
@@ -402,8 +447,12 @@ def _concatenate(arrays, dtype) -> numpy.ndarray:
 
 
 def first_rows(index: LogIndex) -> Pick:
-    """The first number of every record: each record's step, quantity and presence."""
-    return Pick(numpy.ones(len(index), dtype=bool), lambda layout: numpy.array([0]))
+    """A number of every record: each record's step, quantity and presence.
+
+    The first, of a record no other pick reads.
+    """
+    return Pick(numpy.ones(len(index), dtype=bool), lambda layout: numpy.array([0]),
+                fallback=True)
 
 
 def non_finite_rows(index: LogIndex, reduce: Optional[Callable] = None) -> Pick:

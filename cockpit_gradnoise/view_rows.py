@@ -43,14 +43,23 @@ from cockpit_gradnoise._views import (
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
+    B_SIMPLE_SMOOTHED,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
     GRADIENT_VARIANCE,
+    MAX,
+    MEAN,
     NETWORK,
     NOISE_SCALE,
+    NORM_RATIO,
+    PARAM_GRAD_RATIO,
+    PER_EXAMPLE_NORM,
     QUANTITIES,
     UPDATE_RELATIVE,
+    UPDATE_SIZE,
     ZERO_GRAD_FRACTION,
+    quantile_levels,
+    quantile_name,
 )
 
 import numpy
@@ -65,21 +74,30 @@ def _held(frame) -> bool:
 
 
 def _batch_size(index: selective.LogIndex, records: numpy.ndarray) -> selective.Pick:
-    """``batch_size`` of the ``records`` with a NaN or inf, and of each quantity's last finite one.
+    """``batch_size`` of each quantity's last of ``records`` that holds a finite one.
 
-    The latest finite ``batch_size`` row is in one of these: a later
-    all-finite record with the statistic would hold a later one.
+    ``recorded_batch_size`` reads the first finite ``batch_size`` row at the
+    latest step that has one: the latest of these records (the index knows
+    where the NaN and inf are, so nothing is decoded to find them).
     """
-    holds = numpy.array([len(index.positions(layout, statistics=[BATCH_SIZE])) > 0
-                         for layout in range(len(index.layouts))], dtype=bool)
-    candidates = records & holds[index.layout] if len(holds) else records & False
-    chosen = candidates & ~index.finite
-    finite = numpy.flatnonzero(candidates & index.finite)
-    if len(finite):
-        quantities = index.quantity[finite]
-        # The last of each quantity: records are in step order.
-        last = len(finite) - 1 - numpy.unique(quantities[::-1], return_index=True)[1]
-        chosen[finite[last]] = True
+    positions = [index.positions(layout, statistics=[BATCH_SIZE])
+                 for layout in range(len(index.layouts))]
+    holding = numpy.array([len(p) > 0 for p in positions] + [False])[index.layout] & records
+    missing = set(index.quantity[holding].tolist())
+    chosen = numpy.zeros(len(index), dtype=bool)
+    for record in numpy.flatnonzero(holding)[::-1].tolist():  # latest first
+        quantity = int(index.quantity[record])
+        if quantity not in missing:
+            continue
+        if record in index.non_finite:
+            pattern = index.patterns[index.non_finite[record]]
+            bad = numpy.concatenate(list(pattern.values()))
+            if numpy.isin(positions[index.layout[record]], bad).all():
+                continue
+        missing.discard(quantity)
+        chosen[record] = True
+        if not missing:
+            break
     return selective.named(index, chosen, statistics=[BATCH_SIZE])
 
 
@@ -120,9 +138,12 @@ def _alarm(index: selective.LogIndex):
 
 
 def _base(index: selective.LogIndex):
-    """The first number of every record and the NaN and inf that count: blocks, steps, divergence."""
+    """A number of every record and the NaN and inf that count: blocks, steps, divergence.
+
+    The frame of where they are, nothing decoded (:meth:`selective.LogIndex.frame`).
+    """
     picks = [selective.first_rows(index), selective.non_finite_rows(index, _alarm(index))]
-    return picks, index.frame(picks)
+    return picks, index.frame(picks, decode=False)
 
 
 def _first_bad(index: selective.LogIndex, summary) -> List[selective.Pick]:
@@ -147,12 +168,12 @@ def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame
         return None
     picks, base = _base(index)
     if base is None or not _held(base):
-        return base
+        return None
     summary = non_finite_summary(base)  # its steps are the full frame's
     try:
         steps = quantity_steps(base, finite_report_step(summary, step))
     except ValueError:
-        return base
+        return index.frame(picks)  # build_report raises the same on it
     upto = index.step <= max(steps.values())
     picks += _first_bad(index, summary) + _ranking(index, upto) + [
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
@@ -161,6 +182,39 @@ def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame
         _batch_size(index, upto),
     ]
     return index.frame(picks)
+
+
+#: What each panel draws of its quantity besides quantiles (the ones ``_bands`` draws).
+_DRAWN = {
+    PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
+    UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
+}
+
+
+def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[selective.Pick]:
+    """What a line panel reads of ``params``: its statistics, and one number per record.
+
+    Of the quantiles, the lowest, the highest and the one closest to the
+    median (those ``panels._bands`` draws; the mean only without quantiles);
+    one number of each record holding one of ``params`` keeps the panel's
+    steps those of the full frame.
+    """
+    records = index.records_of(quantity)
+    names = {index.statistics[s] for layout in numpy.unique(index.layout[records]).tolist()
+             for s in index.layouts[layout][1][index.positions(layout, params=params)].tolist()}
+    wanted = set(_DRAWN.get(quantity, [])) & names
+    levels = quantile_levels(names)
+    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and levels:
+        middle = min(levels, key=lambda q: abs(q - 0.5))
+        wanted |= {quantile_name(q) for q in (levels[0], middle, levels[-1])}
+    elif quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM):
+        wanted |= {MEAN} & names
+
+    def one(layout):
+        return index.positions(layout, params=params)[:1]
+
+    return [selective.named(index, records, params=params, statistics=sorted(wanted)),
+            selective.Pick(records, one)]
 
 
 def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
@@ -179,7 +233,7 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         return None
     picks, base = _base(index)
     if base is None or not _held(base):
-        return base
+        return None
     everything = numpy.ones(len(index), dtype=bool)
     picks += _first_bad(index, non_finite_summary(base)) + _ranking(index, everything) + [
         selective.first_of_each_layout(index),
@@ -191,10 +245,9 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         return None
     order = layer_order(ranked)
     drawn = default_layers(ranked, top_k, order) if layers is None else list(layers)
-    noise_scale = index.records_of(NOISE_SCALE)
-    panel_records = numpy.any([index.records_of(q) for _, q, _ in dashboard.PANELS], axis=0)
-    picks += [selective.named(index, panel_records & ~noise_scale, params=[*drawn, NETWORK]),
-              selective.named(index, noise_scale, params=[NETWORK])]
+    for _, quantity, _ in dashboard.PANELS:
+        picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
+                        else [*drawn, NETWORK])
     try:
         statistic = dashboard._heatmap_statistic(
             heatmap, select(ranked, GRADIENT_VARIANCE), len(drawn), len(order))
