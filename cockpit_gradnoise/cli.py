@@ -103,10 +103,20 @@ def _plot(args):
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
     from cockpit_gradnoise.view_rows import plot_frame
 
-    frame = _streamed_frame(args.log, lambda file: plot_frame(
-        file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap))
+    layers, read = args.layers, {}
+
+    def fast(file):  # the rows drawn, and the layers they are drawn for
+        found = plot_frame(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
+        if found is None:
+            return None
+        read["layers"] = found[1]
+        return found[0]
+
+    frame = _streamed_frame(args.log, fast)
     if frame is None:
         frame = load_frame(args.log)
+    else:
+        layers = read["layers"]
     folder = Path(args.output).parent
     if not folder.exists():
         folder.mkdir(parents=True)
@@ -115,7 +125,7 @@ def _plot(args):
         dashboard.plot(
             frame,
             savefig=args.output,
-            layers=args.layers,
+            layers=layers,
             top_k=args.top_k,
             batch_size=args.batch_size,
             heatmap=args.heatmap,

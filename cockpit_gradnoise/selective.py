@@ -50,8 +50,10 @@ _RECORD = re.compile(
 )
 _TAIL = b'"}\n'
 _HEAD = 200  # bytes read per record: its end and the next line's start
-#: A record's numbers are decoded whole when its picked positions form more runs than this.
-_MAX_RUNS = 4
+#: A record's numbers are decoded whole when its picked positions form more runs than
+#: its text has this many characters per run: one more read and decode of a run costs
+#: about as much as decoding that many characters.
+_CHARS_PER_RUN = 512
 
 
 class _Unexpected(Exception):
@@ -315,11 +317,11 @@ def _plan(positions: numpy.ndarray, count: int):
     ``(runs, take)``: ``runs`` are ``(first character, characters, bytes to
     skip, bytes)`` of each run of consecutive positions (base64 turns 3
     bytes into 4 characters, so a run is decoded from the quadruple holding
-    its first byte on); with more than :data:`_MAX_RUNS` runs, the whole text
-    is decoded once and ``take`` indexes it.
+    its first byte on); with more runs than :data:`_CHARS_PER_RUN` allows, the
+    whole text is decoded once and ``take`` indexes it.
     """
     breaks = numpy.flatnonzero(numpy.diff(positions) != 1)
-    if len(breaks) >= _MAX_RUNS:
+    if (len(breaks) + 1) * _CHARS_PER_RUN > _chars(count):
         return [(0, _chars(count), 0, 8 * count)], positions
     starts = [int(positions[0])] + (positions[breaks + 1]).tolist()
     ends = (positions[breaks] + 1).tolist() + [int(positions[-1]) + 1]

@@ -29,7 +29,7 @@ numbers this reader does not take).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import selective
 from cockpit_gradnoise._views import (
@@ -218,13 +218,19 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[
 
 
 def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
-               heatmap: str = "auto") -> Optional["pandas.DataFrame"]:
-    """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads with these arguments.
+               heatmap: str = "auto") -> Optional[Tuple["pandas.DataFrame", List[str]]]:
+    """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads, and its layers.
+
+    ``plot(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
+    returned ``(frame, drawn)`` draws the dashboard of the full log with
+    ``layers``: without them, ``drawn`` are the ``top_k`` noisiest as a
+    :class:`~cockpit_gradnoise.dashboard.Ranked` (ranked here, on every
+    layer's SNR, which the frame then leaves out).
 
     Besides :func:`_base`'s: the first record of each quantity and layout
-    whole (``layer_order``), the network's coverage, every number of the
-    drawn layers and the network (the network only, for the noise scale),
-    and the heatmap's statistic at its steps.
+    whole (``layer_order``), the network's coverage, what the line panels
+    draw of the drawn layers and the network (:func:`_drawn`; the network
+    only, for the noise scale), and the heatmap's statistic at its steps.
     """
     from cockpit_gradnoise import dashboard, panels
 
@@ -235,22 +241,24 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
     if base is None or not _held(base):
         return None
     everything = numpy.ones(len(index), dtype=bool)
-    picks += _first_bad(index, non_finite_summary(base)) + _ranking(index, everything) + [
+    picks += _first_bad(index, non_finite_summary(base)) + [
         selective.first_of_each_layout(index),
         selective.named(index, everything, params=[NETWORK], statistics=COVERAGE_STATISTICS),
         _batch_size(index, everything),
     ]
-    ranked = index.frame(picks)
+    ranked = index.frame(picks + _ranking(index, everything))
     if ranked is None:
         return None
     order = layer_order(ranked)
-    drawn = default_layers(ranked, top_k, order) if layers is None else list(layers)
+    drawn = (dashboard.Ranked(default_layers(ranked, top_k, order)) if layers is None
+             else list(layers))
+    variance_rows = not select(ranked, GRADIENT_VARIANCE).empty
+    del ranked
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
                         else [*drawn, NETWORK])
     try:
-        statistic = dashboard._heatmap_statistic(
-            heatmap, select(ranked, GRADIENT_VARIANCE), len(drawn), len(order))
+        statistic = dashboard._heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
     except ValueError:
         statistic = None  # plot raises the same
     if statistic:
@@ -258,4 +266,5 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         shown = panels.heatmap_steps(numpy.unique(index.step[variance]))
         picks.append(selective.named(index, variance & numpy.isin(index.step, shown),
                                      statistics=[statistic]))
-    return index.frame(picks)
+    frame = index.frame(picks)
+    return None if frame is None else (frame, drawn)
