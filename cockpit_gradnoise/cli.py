@@ -64,26 +64,11 @@ def load_frame(path):
 
 
 def _streamed_frame(path, read):
-    """``read(file)`` for a streamed log holding this package's quantities, else ``None``.
+    """:func:`cockpit_gradnoise.view_rows.streamed_rows`: ``None`` leaves it to :func:`load_frame`,
+    which reads the log whole and says what is wrong."""
+    from cockpit_gradnoise.view_rows import streamed_rows
 
-    ``read`` (:mod:`cockpit_gradnoise.view_rows`) gives only the rows the
-    command reads; ``None`` (another kind of log, damage, nothing of this
-    package's) leaves it to :func:`load_frame`, which reads the log whole and
-    says what is wrong.
-    """
-    from cockpit_gradnoise.frame import _read_path
-    from cockpit_gradnoise.log import is_streamed
-
-    try:
-        file = _read_path(path)
-        if not (file.is_file() and is_streamed(file)):
-            return None
-        frame = read(file)
-    except (OSError, ValueError):
-        return None
-    if frame is None or frame.empty or not frame.quantity.isin(QUANTITIES).any():
-        return None
-    return frame
+    return streamed_rows(path, read)
 
 
 def _plot(args):

@@ -1,6 +1,7 @@
 """The gradient-noise dashboard: the panels of the quantities present, in one figure."""
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,19 @@ def _non_finite_note(frame) -> str:
     return f", NaN or inf at {counted} from step {summary.first} (red)"
 
 
+def _read(source, layers, top_k, heatmap):
+    """The frame to draw and its layers: of a streamed log only the rows drawn
+    (:func:`cockpit_gradnoise.view_rows.plot_frame`), else :func:`frame_of`."""
+    if isinstance(source, (str, os.PathLike)):
+        from cockpit_gradnoise.view_rows import plot_frame, streamed_rows
+
+        found = streamed_rows(source, lambda path: plot_frame(
+            path, layers=layers, top_k=top_k, heatmap=heatmap))
+        if found is not None:
+            return found
+    return frame_of(source), layers
+
+
 def plot(
     source,
     *,
@@ -253,7 +267,7 @@ def plot(
             ``heatmap`` is not one of the values above.
         ImageTooLarge: If the image to save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
     """
-    frame = frame_of(source)
+    frame, layers = _read(source, layers, top_k, heatmap)
     # Each panel reads its own quantity's rows: split once, not once per panel.
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
     order = layer_order(frame)  # reads every row: once

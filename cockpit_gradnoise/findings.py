@@ -705,7 +705,13 @@ def report(source, path=None, *, step: Optional[int] = None, batch_size: Optiona
         name = str(source.log or "Tracker")
     else:
         name = type(source).__name__
-    frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
+    frame = None
+    if isinstance(source, (str, os.PathLike)):  # a streamed log: only the rows a report reads
+        from cockpit_gradnoise.view_rows import report_frame, streamed_rows
+
+        frame = streamed_rows(source, lambda path: report_frame(path, step))
+    if frame is None:
+        frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
     kwargs = {} if thresholds is None else {"thresholds": thresholds}
     built = build_report(frame, source=name, step=step, batch_size=batch_size, **kwargs)
     text = format_report(built, fmt)

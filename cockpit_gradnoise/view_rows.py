@@ -68,6 +68,29 @@ if TYPE_CHECKING:
     import pandas
 
 
+def streamed_rows(path, read):
+    """``read(file)`` if ``path`` names a streamed log, and it holds this package's quantities.
+
+    ``read`` is :func:`report_frame` or :func:`plot_frame` (with the file);
+    ``None`` (another kind of log, damage, nothing of this package's): read
+    the log whole, which says what is wrong.
+    """
+    from cockpit_gradnoise.frame import _read_path
+    from cockpit_gradnoise.log import is_streamed
+
+    try:
+        file = _read_path(path)
+        if not (file.is_file() and is_streamed(file)):
+            return None
+        found = read(file)
+    except (OSError, ValueError):
+        return None
+    frame = found[0] if isinstance(found, tuple) else found
+    if frame is None or not _held(frame):
+        return None
+    return found
+
+
 def _held(frame) -> bool:
     """Whether the frame holds one of this package's quantities (else the caller says what it holds)."""
     return not frame.empty and bool(frame.quantity.isin(QUANTITIES).any())

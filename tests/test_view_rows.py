@@ -201,3 +201,11 @@ def test_a_cut_last_line_reads_as_the_full_reader_does(tmp_path, capsys):
     with pytest.warns(UserWarning, match="cut short"):
         assert cli.main(["report", str(path)]) == 0
     assert "step 27" in capsys.readouterr().out
+
+
+def test_report_and_plot_of_a_path_read_only_the_rows(streamed, monkeypatch):
+    fast_text, fast_figure = cgn.report(streamed, step=151), drawn(cgn.plot(streamed, fig=plt.figure()))
+    monkeypatch.setattr(view_rows, "streamed_rows", lambda *args: None)  # read whole
+    assert cgn.report(streamed, step=151) == fast_text
+    assert drawn(cgn.plot(streamed, fig=plt.figure())) == fast_figure
+    plt.close("all")
