@@ -209,3 +209,24 @@ def test_report_and_plot_of_a_path_read_only_the_rows(streamed, monkeypatch):
     assert cgn.report(streamed, step=151) == fast_text
     assert drawn(cgn.plot(streamed, fig=plt.figure())) == fast_figure
     plt.close("all")
+
+
+def test_a_record_with_many_runs_of_nan_is_indexed_past_its_first_bytes(tmp_path):
+    cockpit, rng = benchmark_log.synthetic_cockpit(40), numpy.random.default_rng(2)
+    path = tmp_path / "striped.jsonl"
+    with cgn.LogStream(path) as stream:
+        for step in range(6):
+            benchmark_log.fill(cockpit, step, rng)
+            for quantity in cockpit.quantities:
+                value = quantity.output[step]
+                if isinstance(value, dict):  # the first statistic of every row NaN: 41 runs
+                    for statistics in value.values():
+                        statistics[next(iter(statistics))] = "nan"
+            stream.append(cockpit)
+    assert max(len(line) - len(line.split(b'"values"')[-1]) for line in
+               path.read_bytes().splitlines() if line.startswith(b'{"step"')) > 200
+    index = selective.index_log(path)
+    full = cgn.to_frame(path)
+    assert_rows_of(index.frame([selective.non_finite_rows(index)]), full)
+    assert format_report(build_report(view_rows.report_frame(path))) == \
+        format_report(build_report(full))
