@@ -5,23 +5,23 @@
 values, :mod:`cockpit_gradnoise.selective`) on which
 :func:`~cockpit_gradnoise.findings.build_report` and
 :func:`~cockpit_gradnoise.dashboard.plot` give what they give on the full
-frame. Each pick below says which of their reads it serves; the subset is
-what makes a 10,000-step, 200-tensor log (52 M numbers) readable in a
-second: a few million of its numbers are decoded.
+frame. Each pick below says which of their reads it serves; of a
+10,000-step, 200-tensor log (52 M numbers) about 2 M are decoded for the
+report and 0.8 M for the dashboard (``benchmarks/README.md``).
 
-What every view reads, and the picks that serve it (:func:`_base`):
+What both views read, and the picks that serve it:
 
 - the tracked steps and the (step, quantity) blocks (``quantity_steps``,
-  ``holdings``, ``tracked_steps``): the first number of every record;
+  ``holdings``, ``tracked_steps``): a number of every record (:func:`_base`);
 - the steps that went NaN or inf (``non_finite``, ``non_finite_summary``):
   of each record, the first NaN or inf that ``non_finite`` counts (the index
-  knows where they are); and every number at the first such step, where
-  ``non_finite_summary`` lists the layers and quantities;
+  knows where they are, :func:`_alarm`); and every number at the first such
+  step, where ``non_finite_summary`` lists the layers and quantities;
 - the batch size (``recorded_batch_size``: the first finite ``batch_size``
-  row at the latest step that has one): ``batch_size`` of every record
-  holding a NaN or inf, and of each quantity's last all-finite record;
+  row at the latest step that has one): ``batch_size`` of each quantity's
+  latest record holding a finite one (:func:`_batch_size`);
 - the ranking (``noise_ranking``): the first of ``RANKINGS`` that the
-  records hold for a layer, of every parameter;
+  records hold for a layer, of every parameter (:func:`_ranking`);
 
 ``None`` from either: read the log whole (not a streamed log, damage, or
 numbers this reader does not take).
