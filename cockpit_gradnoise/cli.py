@@ -63,6 +63,14 @@ def load_frame(path):
     return frame
 
 
+def _streamed_frame(path, read):
+    """:func:`cockpit_gradnoise.view_rows.streamed_rows`: ``None`` leaves it to :func:`load_frame`,
+    which reads the log whole and says what is wrong."""
+    from cockpit_gradnoise.view_rows import streamed_rows
+
+    return streamed_rows(path, read)
+
+
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
     from cockpit_gradnoise import dashboard
@@ -78,7 +86,22 @@ def _plot(args):
         )
     if not 1 <= args.dpi <= dashboard.MAX_DPI:
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
-    frame = load_frame(args.log)
+    from cockpit_gradnoise.view_rows import plot_frame
+
+    layers, read = args.layers, {}
+
+    def fast(file):  # the rows drawn, and the layers they are drawn for
+        found = plot_frame(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
+        if found is None:
+            return None
+        read["layers"] = found[1]
+        return found[0]
+
+    frame = _streamed_frame(args.log, fast)
+    if frame is None:
+        frame = load_frame(args.log)
+    else:
+        layers = read["layers"]
     folder = Path(args.output).parent
     if not folder.exists():
         folder.mkdir(parents=True)
@@ -87,7 +110,7 @@ def _plot(args):
         dashboard.plot(
             frame,
             savefig=args.output,
-            layers=args.layers,
+            layers=layers,
             top_k=args.top_k,
             batch_size=args.batch_size,
             heatmap=args.heatmap,
@@ -103,7 +126,11 @@ def _plot(args):
 
 
 def _report(args):
-    frame = load_frame(args.log)
+    from cockpit_gradnoise.view_rows import report_frame
+
+    frame = _streamed_frame(args.log, lambda file: report_frame(file, args.step))
+    if frame is None:
+        frame = load_frame(args.log)
     try:
         built = build_report(
             frame, source=args.log, step=args.step, batch_size=args.batch_size

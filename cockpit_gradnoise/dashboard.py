@@ -1,6 +1,7 @@
 """The gradient-noise dashboard: the panels of the quantities present, in one figure."""
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,15 @@ MAX_DPI = 1200
 MAX_PIXELS = 100_000_000
 
 
+class Ranked(list):
+    """Layers that :func:`~cockpit_gradnoise._views.default_layers` chose, ranked elsewhere.
+
+    Given as ``layers``, :func:`plot` draws them as the ``top_k`` noisiest
+    (and says so), without ranking the frame itself: the frame of
+    :func:`cockpit_gradnoise.view_rows.plot_frame` leaves out what ranked them.
+    """
+
+
 class ImageTooLarge(ValueError):
     """The image to save is larger than :data:`MAX_DPI` or :data:`MAX_PIXELS` allow."""
 
@@ -82,12 +92,12 @@ def _check_layers(names, layers):
     return list(layers)
 
 
-def _heatmap_statistic(heatmap, frame, n_shown, n_layers):
-    """The heatmap's statistic, or ``None`` for no heatmap."""
+def _heatmap_statistic(heatmap, variance: bool, n_shown, n_layers):
+    """The heatmap's statistic, or ``None`` for no heatmap; ``variance``: the frame holds
+    ``GradientVarianceQuantiles`` rows."""
     if heatmap not in ("auto", "off", *HEATMAPS):
         raise ValueError(f"heatmap must be 'auto', 'off', 'sd' or 'snr', got {heatmap!r}")
-    rows = select(frame, GRADIENT_VARIANCE)
-    if heatmap == "off" or rows.empty:
+    if heatmap == "off" or not variance:
         return None
     if heatmap == "auto":
         return HEATMAPS["sd"] if n_layers > n_shown else None
@@ -192,6 +202,19 @@ def _non_finite_note(frame) -> str:
     return f", NaN or inf at {counted} from step {summary.first} (red)"
 
 
+def _read(source, layers, top_k, heatmap):
+    """The frame to draw and its layers: of a streamed log only the rows drawn
+    (:func:`cockpit_gradnoise.view_rows.plot_frame`), else :func:`frame_of`."""
+    if isinstance(source, (str, os.PathLike)):
+        from cockpit_gradnoise.view_rows import plot_frame, streamed_rows
+
+        found = streamed_rows(source, lambda path: plot_frame(
+            path, layers=layers, top_k=top_k, heatmap=heatmap))
+        if found is not None:
+            return found
+    return frame_of(source), layers
+
+
 def plot(
     source,
     *,
@@ -244,7 +267,7 @@ def plot(
             ``heatmap`` is not one of the values above.
         ImageTooLarge: If the image to save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
     """
-    frame = frame_of(source)
+    frame, layers = _read(source, layers, top_k, heatmap)
     # Each panel reads its own quantity's rows: split once, not once per panel.
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
     order = layer_order(frame)  # reads every row: once
@@ -252,13 +275,14 @@ def plot(
         layers = default_layers(frame, top_k, order)
         chosen = "noisiest"
     else:
+        chosen = "noisiest" if isinstance(layers, Ranked) else "chosen"
         layers = _check_layers(order, layers)
-        chosen = "chosen"
     if batch_size is None:
         batch_size = recorded_batch_size(frame)
     keys = [key for key, quantity, _ in PANELS if not parts[quantity].empty]
     n_layers = len(order)
-    statistic = _heatmap_statistic(heatmap, parts[GRADIENT_VARIANCE], len(layers), n_layers)
+    statistic = _heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
+                                   n_layers)
     mosaic, heights = _mosaic(keys or ["empty"], n_layers if statistic else 0)
     fig = _figure(fig, (2 * _PANEL_INCHES[0], sum(heights) + 0.8))
     layout = _layout(fig, mosaic, heights)

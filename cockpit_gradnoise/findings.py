@@ -210,6 +210,15 @@ _READ = sorted(
 )
 
 
+def finite_report_step(summary: Optional[NonFinite], step: Optional[int] = None) -> Optional[int]:
+    """The step to report: ``step``; by default the last tracked one, unless the run
+    diverged: then the last without NaN or inf (``None``: the last tracked step)."""
+    if step is None and summary is not None and summary.since is not None \
+            and summary.last_finite is not None:
+        return summary.last_finite
+    return step
+
+
 def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS):
     """Build the :class:`Report` of ``frame`` at ``step``.
 
@@ -229,9 +238,9 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
             ``step`` is outside its tracked steps.
     """
     summary = non_finite_summary(frame)
-    finite_step = step is None and summary is not None and summary.since is not None \
-        and summary.last_finite is not None
-    steps = quantity_steps(frame, summary.last_finite if finite_step else step)
+    reported = finite_report_step(summary, step)
+    finite_step = reported != step
+    steps = quantity_steps(frame, reported)
     last = max(steps.values())
     # One pass over the whole frame; everything after reads the rows it needs of these.
     read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(_READ).to_numpy()]
@@ -696,7 +705,13 @@ def report(source, path=None, *, step: Optional[int] = None, batch_size: Optiona
         name = str(source.log or "Tracker")
     else:
         name = type(source).__name__
-    frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
+    frame = None
+    if isinstance(source, (str, os.PathLike)):  # a streamed log: only the rows a report reads
+        from cockpit_gradnoise.view_rows import report_frame, streamed_rows
+
+        frame = streamed_rows(source, lambda path: report_frame(path, step))
+    if frame is None:
+        frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
     kwargs = {} if thresholds is None else {"thresholds": thresholds}
     built = build_report(frame, source=name, step=step, batch_size=batch_size, **kwargs)
     text = format_report(built, fmt)

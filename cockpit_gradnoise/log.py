@@ -13,10 +13,12 @@ Its lines, in the order they are written:
 - ``{"layout": [[param, [statistic, ...]], ...]}``: the shape of one
   quantity's ``{param: {statistic: value}}`` at one step, as positions in the
   tables; layouts are numbered in the order they appear (a run has a few);
-- ``{"step": s, "quantity": q, "layout": l, "values": "..."}``: the numbers
-  of quantity ``q`` at step ``s`` in the order of layout ``l``, as base64 of
-  little-endian float64 (exact, NaN and inf included, and about ten times
-  faster to read than JSON numbers);
+- ``{"step": s, "quantity": q, "layout": l, "nonfinite": {...}, "values": "..."}``:
+  the numbers of quantity ``q`` at step ``s`` in the order of layout ``l``, as
+  base64 of little-endian float64 (exact, NaN and inf included, and about ten
+  times faster to read than JSON numbers); ``nonfinite``: where the NaN and
+  inf among them are (:func:`non_finite_runs`; ``{}``: none; logs written
+  before it was added lack it);
 - ``{"step": s, "quantity": q, "value": ...}``: a value that is not
   per-parameter numbers (Cockpit's own quantities, ``cockpit.log``), as JSON
   (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
@@ -119,6 +121,23 @@ def _numbers(rows: Mapping[str, Mapping[str, Any]]) -> Optional[numpy.ndarray]:
         return None
 
 
+def non_finite_runs(numbers: numpy.ndarray) -> Dict[str, List[List[int]]]:
+    """``{"nan": [[start, stop], ...], "inf": ..., "-inf": ...}``: the runs of positions of each.
+
+    Runs, not positions: a diverged step (every number NaN) is one run, a
+    healthy one none.
+    """
+    if numpy.isfinite(numbers).all():
+        return {}
+    runs = {}
+    for kind, mask in (("nan", numpy.isnan(numbers)), ("inf", numbers == math.inf),
+                       ("-inf", numbers == -math.inf)):
+        if mask.any():
+            edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], mask.view(numpy.int8), [0]))))
+            runs[kind] = edges.reshape(-1, 2).tolist()
+    return runs
+
+
 class LogStream:
     """Appends a cockpit's results to a streamed log and drops them from memory.
 
@@ -205,6 +224,9 @@ class LogStream:
                 layout, new = self._layout(rows)
                 yield from new
                 record["layout"] = layout
+                # Where the NaN and inf are: a reader that decodes only some of the
+                # numbers (cockpit_gradnoise.selective) still finds every one.
+                record["nonfinite"] = non_finite_runs(numbers)
                 record["values"] = base64.b64encode(numbers.tobytes()).decode("ascii")
             yield json.dumps(record, allow_nan=False) + "\n"
 

@@ -478,6 +478,19 @@ def label_stride(n_rows: int) -> int:
     return max(1, math.ceil(n_rows / MAX_ROW_LABELS))
 
 
+def heatmap_steps(steps: numpy.ndarray) -> numpy.ndarray:
+    """The heatmap's columns of the tracked ``steps`` (ascending): all, or at most
+    :data:`MAX_COLUMNS`: the first of each of ``MAX_COLUMNS - 1`` bins of equal
+    width in steps, and the last step."""
+    if len(steps) <= MAX_COLUMNS:
+        return steps
+    n_bins = MAX_COLUMNS - 1  # and the last step
+    bins = numpy.minimum(((steps - steps[0]) * n_bins
+                          / max(steps[-1] - steps[0], 1)).astype(numpy.int64), n_bins - 1)
+    return steps[numpy.unique(numpy.r_[numpy.unique(bins, return_index=True)[1],
+                                       len(steps) - 1])]
+
+
 def _heatmap_values(frame, series, statistic, layers):
     """Rows (layers), columns (steps) and values of the heatmap.
 
@@ -485,13 +498,7 @@ def _heatmap_values(frame, series, statistic, layers):
     bins of equal width in steps, and the last step; NaN where a layer has no
     value at a step.
     """
-    steps = numpy.array(series.steps())
-    if len(steps) > MAX_COLUMNS:
-        n_bins = MAX_COLUMNS - 1  # and the last step
-        bins = numpy.minimum(((steps - steps[0]) * n_bins
-                              / max(steps[-1] - steps[0], 1)).astype(numpy.int64), n_bins - 1)
-        steps = steps[numpy.unique(numpy.r_[numpy.unique(bins, return_index=True)[1],
-                                            len(steps) - 1])]
+    steps = heatmap_steps(numpy.array(series.steps()))
     rows = series.of_statistic(statistic)
     rows = rows[rows.step.isin(steps).to_numpy(dtype=bool)]
     present = set(rows.param.unique()) - {NETWORK}

@@ -14,7 +14,7 @@ def test_quick_run_streams_the_log_and_the_report_reads_it(tmp_path, capsys):
     results = benchmark_log.main(["--quick", "--no-plot", "--dir", str(tmp_path),
                                   "--json", str(tmp_path / "results.json")])
     out = capsys.readouterr().out
-    assert "QUICK MODE" in out and "| cockpit-gradnoise report | " in out
+    assert "QUICK MODE" in out and "| cockpit-gradnoise report (1 runs) | " in out
     assert results["streamed"]["steps_held"] == results["real"]["steps_held"] == 0
     assert results["report"]["returncode"] == 0, results["report"]["error"]
     statistics = sum(map(len, benchmark_log.STATISTICS.values())) + 2  # UpdateSize: norm, relative

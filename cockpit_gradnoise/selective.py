@@ -1,0 +1,557 @@
+"""Reading only some of a streamed log's numbers: the rows a view shows, fast and lean.
+
+A 10,000-step log of a 200-tensor model holds 52 M numbers (560 MB of
+text, 418 MB as float64); the report and the dashboard show a few million of
+them. :func:`index_log` reads a streamed log's structure without decoding
+its numbers: the name tables, the layouts, and for each record its step,
+quantity, layout, where its numbers lie in the file and whether they are all
+finite (the record's ``finite`` field; a record without it, from an older
+writer, is decoded whole to find out, and so is one that holds a NaN or inf,
+whose non-finite numbers are kept). It jumps from record to record by their
+lengths, which the layouts give, so it reads a few hundred bytes per record.
+:meth:`LogIndex.frame` then decodes the numbers a :class:`Pick` names, and
+only those, into rows of the tidy frame of :func:`cockpit_gradnoise.to_frame`:
+the same rows, in the same order, with the same categories, as the full
+frame's, of which they are a subset.
+
+Which rows a view needs is the view's business (``findings.report_frame``,
+``dashboard.plot_frame``); this module reads what it is told.
+
+Damage is not this module's to report: anything unexpected (a line of
+another shape or length, a name or layout not declared, a value record with
+per-parameter numbers, invalid base64 where it decodes) makes
+:func:`index_log` or :meth:`LogIndex.frame` return ``None``, and the caller
+reads the log whole (:func:`cockpit_gradnoise.to_frame`), which reports it.
+Numbers it never decodes are not checked.
+
+This module imports neither pandas (only building a frame does) nor torch.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, non_finite_runs, per_parameter
+
+import numpy
+
+if TYPE_CHECKING:
+    import pandas
+
+# The record lines LogStream writes (json.dumps keeps the keys' order).
+_RECORD = re.compile(
+    rb'\{"step": (-?\d+), "quantity": (\d+), "layout": (\d+), '
+    rb'(?:"nonfinite": (\{[^}]*\}), )?"values": "'
+)
+_TAIL = b'"}\n'
+_HEAD = 200  # bytes read per record: its end and the next line's start
+#: A record's numbers are decoded whole when its picked positions form more runs than
+#: its text has this many characters per run: one more read and decode of a run costs
+#: about as much as decoding that many characters.
+_CHARS_PER_RUN = 512
+
+
+class _Unexpected(Exception):
+    """The log is not one this reader takes: the caller reads it whole."""
+
+
+def _chars(count: int) -> int:
+    """Length of the base64 text of ``count`` float64 numbers."""
+    return 4 * -(-8 * count // 3)
+
+
+@dataclass
+class LogIndex:
+    """A streamed log's names, layouts and current records, numbers left in the file.
+
+    Records are those :func:`cockpit_gradnoise.to_frame` reads (the last of
+    each step and quantity, with at least one number), in the frame's order:
+    by step, then quantity name. Arrays, one entry per record.
+
+    Attributes:
+        path: The file.
+        quantities, params, statistics: The name tables.
+        layouts: ``(param positions, statistic positions)`` of each layout.
+        step, quantity, layout: Each record's step, quantity and layout numbers.
+        offset: Where each record's base64 text starts in the file.
+        finite: Whether each record's numbers are all finite.
+        non_finite: ``{record: pattern}`` of the records with a NaN or inf.
+        patterns: Each ``{"nan": positions, "inf": ..., "-inf": ...}``.
+    """
+
+    path: str
+    quantities: List[str]
+    params: List[str]
+    statistics: List[str]
+    layouts: List[Tuple[numpy.ndarray, numpy.ndarray]]
+    step: numpy.ndarray
+    quantity: numpy.ndarray
+    layout: numpy.ndarray
+    offset: numpy.ndarray
+    finite: numpy.ndarray
+    non_finite: Dict[int, int]
+    patterns: List[Dict[str, numpy.ndarray]]
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def records_of(self, quantity: str) -> numpy.ndarray:
+        """Mask of the records of ``quantity``."""
+        if quantity not in self.quantities:
+            return numpy.zeros(len(self), dtype=bool)
+        return self.quantity == self.quantities.index(quantity)
+
+    def positions(self, layout: int, *, params: Optional[Sequence[str]] = None,
+                  statistics: Optional[Sequence[str]] = None) -> numpy.ndarray:
+        """Positions in ``layout`` of the given parameters and statistics (``None``: all)."""
+        param_codes, statistic_codes = self.layouts[layout]
+        mask = numpy.ones(len(param_codes), dtype=bool)
+        for codes, names, table in ((param_codes, params, self.params),
+                                    (statistic_codes, statistics, self.statistics)):
+            if names is not None:
+                wanted = [table.index(name) for name in set(names) if name in table]
+                mask &= numpy.isin(codes, wanted)
+        return numpy.flatnonzero(mask)
+
+    def layouts_with(self, records: numpy.ndarray, **names) -> bool:
+        """Whether any of ``records`` (a mask) has a number of the given names (see :meth:`positions`)."""
+        return any(len(self.positions(int(layout), **names))
+                   for layout in numpy.unique(self.layout[records]))
+
+    def frame(self, picks: Sequence["Pick"], *, decode: bool = True
+              ) -> Optional["pandas.DataFrame"]:
+        """The rows of the tidy frame that any of ``picks`` names, decoded from the file.
+
+        ``None`` where a number cannot be decoded (the caller reads the log whole).
+        ``decode=False``: nothing is read; the values are the NaN and inf the
+        index knows of, 0 for the others (a frame of where things are).
+        """
+        try:
+            return _frame(self, picks, decode)
+        except (_Unexpected, OSError, ValueError):
+            return None
+
+
+@dataclass
+class Pick:
+    """Rows to read: of the ``records`` (a mask), the numbers at ``positions(layout)``.
+
+    ``positions`` maps a layout number to positions in it (``None``: every
+    number of the record). ``each``: ``{record: positions}`` read besides.
+    """
+
+    records: numpy.ndarray
+    positions: Optional[Callable[[int], numpy.ndarray]] = None
+    each: Optional[Dict[int, numpy.ndarray]] = None
+    #: Read only in records where no other pick reads anything.
+    fallback: bool = False
+
+    def of(self, layout: int) -> numpy.ndarray:
+        return self.positions(layout)
+
+
+def index_log(path) -> Optional[LogIndex]:
+    """The :class:`LogIndex` of the streamed log at ``path``; ``None`` if it is not one this reads.
+
+    ``None`` also for any damage, and for value records holding per-parameter
+    numbers (read whole by :func:`cockpit_gradnoise.to_frame`).
+    """
+    try:
+        with open(path, "rb") as file:
+            return _index(file, str(path))
+    except (_Unexpected, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # binascii.Error and UnicodeDecodeError are ValueErrors
+
+
+class _Scan:
+    """What :func:`_index` gathers line by line."""
+
+    def __init__(self):
+        self.tables: Dict[str, List[str]] = {table: [] for table in _TABLES}
+        self.layouts: List[Tuple[numpy.ndarray, numpy.ndarray]] = []
+        self.chars: List[int] = []
+        self.current: Dict[Tuple[int, int], Tuple[int, int, int, Optional[bool]]] = {}
+
+    def line(self, line: bytes):
+        """A names, layout or value line (read whole; record lines are not)."""
+        item = json.loads(line)
+        if not isinstance(item, dict):
+            raise _Unexpected
+        if "names" in item:
+            for table, names in item["names"].items():
+                if table not in _TABLES or not all(isinstance(n, str) for n in names):
+                    raise _Unexpected
+                self.tables[table].extend(names)
+        elif "layout" in item and "step" not in item:
+            params = [p for p, names in item["layout"] for _ in names]
+            statistics = [s for _, names in item["layout"] for s in names]
+            layout = (numpy.asarray(params, dtype=numpy.int64),
+                      numpy.asarray(statistics, dtype=numpy.int64))
+            for codes, table in zip(layout, ("params", "statistics")):
+                if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
+                    raise _Unexpected
+            self.layouts.append(layout)
+            self.chars.append(_chars(len(params)))
+        elif "step" in item and "value" in item and "layout" not in item:
+            step, quantity = item["step"], item["quantity"]
+            if not isinstance(step, int) or not isinstance(quantity, int) or not (
+                    0 <= quantity < len(self.tables["quantities"])):
+                raise _Unexpected
+            if per_parameter(item["value"]) is not None:
+                raise _Unexpected  # numbers the frame reads from a value: read it whole
+            self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
+        else:
+            raise _Unexpected
+
+
+def _index(file, path: str) -> LogIndex:
+    fd = file.fileno()
+    size = os.fstat(fd).st_size
+    header = (HEADER + "\n").encode()
+    if os.pread(fd, len(header), 0) != header:
+        raise _Unexpected
+    scan, offset = _Scan(), len(header)
+    head = os.pread(fd, _HEAD, offset)
+    while offset < size:
+        match = _RECORD.match(head)
+        if match is None and head.startswith(b'{"step"') and b'"values": "' not in head:
+            head = os.pread(fd, 1 << 20, offset)  # a long list of non-finite runs
+            match = _RECORD.match(head)
+        if match is None:
+            offset, head = _other_line(fd, scan, offset, size)
+            continue
+        step, quantity, layout = int(match[1]), int(match[2]), int(match[3])
+        if quantity >= len(scan.tables["quantities"]) or layout >= len(scan.layouts):
+            raise _Unexpected
+        start = offset + match.end()
+        end = start + scan.chars[layout]
+        head = os.pread(fd, len(_TAIL) + _HEAD, end)
+        if head[:len(_TAIL)] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
+            raise _Unexpected  # a line of another length: damaged, or not LogStream's
+        scan.current[step, quantity] = (layout, start, match[4])
+        offset, head = end + len(_TAIL), head[len(_TAIL):]
+    return _finish(fd, scan, path)
+
+
+def _other_line(fd, scan: _Scan, offset: int, size: int) -> Tuple[int, bytes]:
+    """Read the whole line at ``offset``; the next line's offset and start."""
+    parts = []
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset + sum(map(len, parts)))
+        cut = chunk.find(b"\n")
+        parts.append(chunk if cut < 0 else chunk[:cut + 1])
+        if cut >= 0 or not chunk:
+            break
+    line = b"".join(parts)
+    if not line.endswith(b"\n") and offset + len(line) < size:
+        raise _Unexpected
+    scan.line(line)
+    offset += len(line)
+    return offset, os.pread(fd, _HEAD, offset)
+
+
+_FINITE = b"{}"
+
+
+def _finish(fd, scan: _Scan, path: str) -> LogIndex:
+    quantities = scan.tables["quantities"]
+    kept = [(step, quantity, *rest) for (step, quantity), rest in scan.current.items()
+            if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
+    # The frame's order: by step, then quantity name.
+    kept.sort(key=lambda record: (record[0], quantities[record[1]]))
+    columns = list(zip(*kept)) if kept else [(), (), (), (), ()]
+    index = LogIndex(
+        path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
+        *(numpy.asarray(column, dtype=numpy.int64) for column in columns[:4]),
+        finite=numpy.ones(len(kept), dtype=bool), non_finite={}, patterns=[],
+    )
+    found: Dict[bytes, int] = {}
+    for record, runs in enumerate(columns[4]):
+        if runs == _FINITE:
+            continue
+        if runs is None:  # written before records said: decode to find out
+            runs = json.dumps(non_finite_runs(_decode_all(fd, index, record))).encode()
+            if runs == _FINITE:
+                continue
+        key = b"%d:%s" % (index.layout[record], runs)
+        if key not in found:
+            found[key] = len(index.patterns)
+            index.patterns.append(_pattern(runs, len(index.layouts[index.layout[record]][0])))
+        index.finite[record] = False
+        index.non_finite[record] = found[key]
+    return index
+
+
+def _pattern(runs: bytes, count: int) -> Dict[str, numpy.ndarray]:
+    """``{"nan": positions, "inf": ..., "-inf": ...}`` of a record's ``nonfinite`` runs."""
+    parsed = json.loads(runs)
+    if not isinstance(parsed, dict) or not set(parsed) <= {"nan", "inf", "-inf"}:
+        raise _Unexpected
+    pattern = {}
+    for kind, pairs in parsed.items():
+        positions = numpy.concatenate([numpy.arange(a, b) for a, b in pairs] or [[]]).astype(int)
+        if len(positions) and not (positions.min() >= 0 and positions.max() < count):
+            raise _Unexpected
+        pattern[kind] = positions
+    return pattern
+
+
+def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
+    layout = int(index.layout[record])
+    count = len(index.layouts[layout][0])
+    text = os.pread(fd, _chars(count), int(index.offset[record]))
+    raw = binascii.a2b_base64(text)
+    if len(raw) != 8 * count:
+        raise _Unexpected
+    return numpy.frombuffer(raw, dtype=_DTYPE)
+
+
+def _plan(positions: numpy.ndarray, count: int):
+    """How to decode ``positions`` (ascending) of a record of ``count`` numbers.
+
+    ``(runs, take)``: ``runs`` are ``(first character, characters, bytes to
+    skip, bytes)`` of each run of consecutive positions (base64 turns 3
+    bytes into 4 characters, so a run is decoded from the quadruple holding
+    its first byte on); with more runs than :data:`_CHARS_PER_RUN` allows, the
+    whole text is decoded once and ``take`` indexes it.
+    """
+    breaks = numpy.flatnonzero(numpy.diff(positions) != 1)
+    if (len(breaks) + 1) * _CHARS_PER_RUN > _chars(count):
+        return [(0, _chars(count), 0, 8 * count)], positions
+    starts = [int(positions[0])] + (positions[breaks + 1]).tolist()
+    ends = (positions[breaks] + 1).tolist() + [int(positions[-1]) + 1]
+    runs = []
+    for first, end in zip(starts, ends):
+        triple = 8 * first // 3
+        runs.append((4 * triple, _chars(end) - 4 * triple, 8 * first - 3 * triple,
+                     8 * (end - first)))
+    return runs, None
+
+
+def _decode(fd, offset: int, plan) -> numpy.ndarray:
+    """The numbers a :func:`_plan` names, of the record whose text starts at ``offset``."""
+    runs, take = plan
+    parts = []
+    for first, chars, skip, size in runs:
+        raw = binascii.a2b_base64(os.pread(fd, chars, offset + first))
+        if len(raw) < skip + size:
+            raise _Unexpected
+        parts.append(raw[skip:skip + size] if skip or len(raw) != size else raw)
+    values = numpy.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=_DTYPE)
+    return values if take is None else values[take]
+
+
+def _signed(index: LogIndex, picks: Sequence[Pick], bits: int, layout: int) -> numpy.ndarray:
+    """The positions in ``layout`` that the picks numbered by the set ``bits`` read."""
+    count = len(index.layouts[layout][0])
+    mask = numpy.zeros(count, dtype=bool)
+    for bit, pick in enumerate(picks):
+        if bits >> bit & 1 and not pick.fallback:
+            mask[numpy.arange(count) if pick.positions is None else pick.of(layout)] = True
+    if not mask.any():  # a fallback pick reads where no other does
+        for bit, pick in enumerate(picks):
+            if bits >> bit & 1 and pick.fallback:
+                mask[pick.of(layout)] = True
+    return numpy.flatnonzero(mask)
+
+
+def _chosen(index: LogIndex, picks: Sequence[Pick]) -> Tuple[List[int], List[numpy.ndarray]]:
+    """The records any of ``picks`` names, and the positions read of each (shared arrays)."""
+    # Records that share a layout and the picks naming them share their positions.
+    signature = numpy.zeros(len(index), dtype=numpy.int64)
+    for bit, pick in enumerate(picks):
+        signature |= pick.records.astype(numpy.int64) << bit
+    signature = signature * (len(index.layouts) + 1) + index.layout
+    chosen = {key: _signed(index, picks, *divmod(key, len(index.layouts) + 1))
+              for key in numpy.unique(signature).tolist()}
+    each: Dict[int, list] = {}
+    for pick in picks:
+        for record, found in (pick.each or {}).items():
+            each.setdefault(record, []).append(found)
+    merged: Dict[tuple, numpy.ndarray] = {}
+    positions = []
+    for record, key in enumerate(signature.tolist()):
+        found = chosen[key]
+        if record in each:  # few records: those with a NaN or inf
+            extra = each[record]
+            union = (key, *map(id, extra))
+            if union not in merged:
+                merged[union] = numpy.unique(numpy.concatenate([found, *extra]))
+            found = merged[union]
+        positions.append(found)
+    records = [r for r, found in enumerate(positions) if len(found)]
+    return records, [positions[r] for r in records]
+
+
+def _known(index: LogIndex, records: List[int], positions: List[numpy.ndarray]
+           ) -> Iterator[numpy.ndarray]:
+    """The values the patterns know at ``positions`` of ``records``: NaN and inf, 0 elsewhere."""
+    known: Dict[tuple, numpy.ndarray] = {}
+    for record, found in zip(records, positions):
+        key = (id(found), index.non_finite.get(record))
+        if key not in known:
+            values = known[key] = numpy.zeros(len(found))
+            for kind, bad in (index.patterns[key[1]] if key[1] is not None else {}).items():
+                values[numpy.isin(found, bad)] = float(kind)
+        yield known[key]
+
+
+def _values(index: LogIndex, records, positions, layouts) -> List[numpy.ndarray]:
+    """The numbers at ``positions`` of each of ``records``: by runs, or scattered ones in batches."""
+    plans: Dict[int, tuple] = {}
+    scattered: Dict[int, List[int]] = {}  # plan -> the records (their place) that it decodes
+    values: List[Optional[numpy.ndarray]] = []
+    with open(index.path, "rb") as file:
+        fd, offsets = file.fileno(), index.offset[records].tolist()
+        for place, (found, offset, layout) in enumerate(zip(positions, offsets, layouts)):
+            plan = plans.get(id(found))
+            if plan is None:
+                plan = plans[id(found)] = _plan(found, len(index.layouts[layout][0]))
+            if plan[1] is None:
+                values.append(_decode(fd, offset, plan))
+            else:
+                values.append(None)
+                scattered.setdefault(id(found), []).append(place)
+        for key, places in scattered.items():
+            ((_, chars, _, _),), take = plans[key]
+            for start in range(0, len(places), _BATCH):
+                batch = places[start:start + _BATCH]
+                texts = b"".join([os.pread(fd, chars, offsets[p]) for p in batch])
+                for place, row in zip(batch, _decode_scattered(texts, len(batch), chars, take)):
+                    values[place] = row
+    return values
+
+
+#: Records decoded together by :func:`_decode_scattered`.
+_BATCH = 256
+_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_SIXES = numpy.full(256, 64, dtype=numpy.uint8)  # 64: not a base64 character
+_SIXES[numpy.frombuffer(_ALPHABET, dtype=numpy.uint8)] = numpy.arange(64, dtype=numpy.uint8)
+_SIXES[ord("=")] = 0
+
+
+def _decode_scattered(texts: bytes, count: int, chars: int, positions: numpy.ndarray):
+    """The numbers at ``positions`` of ``count`` records' base64 texts of ``chars`` each.
+
+    Only the characters of those numbers are decoded, all records at once:
+    the four quadruples from the one holding a number's first byte (12
+    bytes, which hold its 8), their 6-bit values joined into bytes.
+    """
+    first = 8 * positions // 3
+    where = numpy.minimum(4 * first[:, None] + numpy.arange(16), chars - 1)
+    skip = (8 * positions - 3 * first)[:, None] + numpy.arange(8)
+    sixes = _SIXES[numpy.frombuffer(texts, dtype=numpy.uint8).reshape(count, chars)[:, where]]
+    if (sixes == 64).any():
+        raise _Unexpected
+    sixes = sixes.reshape(count, len(positions), 4, 4).astype(numpy.uint32)
+    joined = (sixes[..., 0] << 18) | (sixes[..., 1] << 12) | (sixes[..., 2] << 6) | sixes[..., 3]
+    raw = numpy.stack([joined >> 16, joined >> 8, joined], axis=-1).astype(numpy.uint8)
+    raw = raw.reshape(count, len(positions), 12)[:, numpy.arange(len(positions))[:, None], skip]
+    return numpy.ascontiguousarray(raw).view(_DTYPE).reshape(count, len(positions))
+
+
+def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
+    from cockpit_gradnoise.frame import _frame as tidy
+    from cockpit_gradnoise.frame import _names
+
+    records, positions = _chosen(index, picks)
+    layouts = index.layout[records].tolist() if records else []
+    if decode:
+        values = _values(index, records, positions, layouts)
+    else:
+        values = list(_known(index, records, positions))
+    counts = numpy.asarray([len(p) for p in positions], dtype=numpy.int64)
+    # Categories as the full frame's: the names of every record's layout.
+    used = numpy.unique(index.layout).tolist()
+    quantities = _names(index.quantities, set(index.quantity.tolist()))
+    params, statistics = (
+        _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
+        for i, table in ((0, index.params), (1, index.statistics))
+    )
+    codes: List[List[numpy.ndarray]] = [[], []]
+    cache: Dict[tuple, tuple] = {}
+    for layout, found in zip(layouts, positions):
+        key = (layout, id(found))
+        if key not in cache:
+            cache[key] = tuple(table[0][index.layouts[layout][i][found]]
+                               for i, table in ((0, params), (1, statistics)))
+        codes[0].append(cache[key][0])
+        codes[1].append(cache[key][1])
+    columns = [
+        numpy.repeat(quantities[0][index.quantity[records]], counts),
+        _concatenate(codes[0], params[0].dtype), _concatenate(codes[1], statistics[0].dtype),
+    ]
+    steps = numpy.repeat(index.step[records], counts)
+    return tidy(steps, columns, [quantities[1], params[1], statistics[1]],
+                _concatenate(values, numpy.float64))
+
+
+def _concatenate(arrays, dtype) -> numpy.ndarray:
+    return numpy.concatenate(arrays) if arrays else numpy.empty(0, dtype=dtype)
+
+
+def first_rows(index: LogIndex) -> Pick:
+    """A number of every record: each record's step, quantity and presence.
+
+    The first, of a record no other pick reads.
+    """
+    return Pick(numpy.ones(len(index), dtype=bool), lambda layout: numpy.array([0]),
+                fallback=True)
+
+
+def non_finite_rows(index: LogIndex, reduce: Optional[Callable] = None) -> Pick:
+    """The NaN and inf of the log: all, or ``reduce(quantity, layout, pattern)`` of each record's.
+
+    ``pattern`` is ``{"nan": positions, "inf": ..., "-inf": ...}``; ``reduce``
+    returns the positions to read, and is called once per distinct
+    quantity, layout and pattern.
+    """
+    reduced: Dict[tuple, numpy.ndarray] = {}
+    each = {}
+    for record, pattern in index.non_finite.items():
+        key = (int(index.quantity[record]), int(index.layout[record]), pattern)
+        if key not in reduced:
+            found = index.patterns[pattern]
+            reduced[key] = (numpy.unique(numpy.concatenate(list(found.values())))
+                            if reduce is None else numpy.asarray(reduce(*key[:2], found), int))
+        each[record] = reduced[key]
+    return Pick(numpy.zeros(len(index), dtype=bool), each=each)
+
+
+def whole(index: LogIndex, records: numpy.ndarray) -> Pick:
+    """Every number of ``records`` (a mask)."""
+    return Pick(records)
+
+
+def first_of_each_layout(index: LogIndex) -> Pick:
+    """Every number of the first record of each quantity and layout.
+
+    A parameter first appears in the frame (or in any quantity's rows) in the
+    first record of its quantity and layout that holds it, so these give
+    :func:`~cockpit_gradnoise._views.layer_order` of the full frame.
+    """
+    key = index.quantity * (len(index.layouts) + 1) + index.layout
+    mask = numpy.zeros(len(index), dtype=bool)
+    mask[numpy.unique(key, return_index=True)[1]] = True
+    return Pick(mask)
+
+
+def named(index: LogIndex, records: numpy.ndarray, **names) -> Pick:
+    """Of ``records`` (a mask), the numbers of the given parameters and statistics."""
+    cache: Dict[int, numpy.ndarray] = {}
+
+    def positions(layout):
+        if layout not in cache:
+            cache[layout] = index.positions(layout, **names)
+        return cache[layout]
+
+    return Pick(records, positions)
+
+
+__all__ = ["LogIndex", "Pick", "index_log", "first_rows", "non_finite_rows", "whole",
+           "first_of_each_layout", "named"]

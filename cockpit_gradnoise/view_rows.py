@@ -1,0 +1,293 @@
+"""The rows of a streamed log that the report and the dashboard read, and only those.
+
+:func:`report_frame` and :func:`plot_frame` give a subset of the rows of
+:func:`cockpit_gradnoise.to_frame` (same order, same categories, same
+values, :mod:`cockpit_gradnoise.selective`) on which
+:func:`~cockpit_gradnoise.findings.build_report` and
+:func:`~cockpit_gradnoise.dashboard.plot` give what they give on the full
+frame. Each pick below says which of their reads it serves; of a
+10,000-step, 200-tensor log (52 M numbers) about 2 M are decoded for the
+report and 0.8 M for the dashboard (``benchmarks/README.md``).
+
+What both views read, and the picks that serve it:
+
+- the tracked steps and the (step, quantity) blocks (``quantity_steps``,
+  ``holdings``, ``tracked_steps``): a number of every record (:func:`_base`);
+- the steps that went NaN or inf (``non_finite``, ``non_finite_summary``):
+  of each record, the first NaN or inf that ``non_finite`` counts (the index
+  knows where they are, :func:`_alarm`); and every number at the first such
+  step, where ``non_finite_summary`` lists the layers and quantities;
+- the batch size (``recorded_batch_size``: the first finite ``batch_size``
+  row at the latest step that has one): ``batch_size`` of each quantity's
+  latest record holding a finite one (:func:`_batch_size`);
+- the ranking (``noise_ranking``): the first of ``RANKINGS`` that the
+  records hold for a layer, of every parameter (:func:`_ranking`);
+
+``None`` from either: read the log whole (not a streamed log, damage, or
+numbers this reader does not take).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise import selective
+from cockpit_gradnoise._views import (
+    DEFAULT_TOP_K,
+    RANKINGS,
+    default_layers,
+    layer_order,
+    non_finite,
+    non_finite_summary,
+    select,
+)
+from cockpit_gradnoise.schema import (
+    B_SIMPLE,
+    B_SIMPLE_SMOOTHED,
+    BATCH_SIZE,
+    COVERAGE_STATISTICS,
+    GRADIENT_VARIANCE,
+    MAX,
+    MEAN,
+    NETWORK,
+    NOISE_SCALE,
+    NORM_RATIO,
+    PARAM_GRAD_RATIO,
+    PER_EXAMPLE_NORM,
+    QUANTITIES,
+    UPDATE_RELATIVE,
+    UPDATE_SIZE,
+    ZERO_GRAD_FRACTION,
+    quantile_levels,
+    quantile_name,
+)
+
+import numpy
+
+if TYPE_CHECKING:
+    import pandas
+
+
+def streamed_rows(path, read):
+    """``read(file)`` if ``path`` names a streamed log, and it holds this package's quantities.
+
+    ``read`` is :func:`report_frame` or :func:`plot_frame` (with the file);
+    ``None`` (another kind of log, damage, nothing of this package's): read
+    the log whole, which says what is wrong.
+    """
+    from cockpit_gradnoise.frame import _read_path
+    from cockpit_gradnoise.log import is_streamed
+
+    try:
+        file = _read_path(path)
+        if not (file.is_file() and is_streamed(file)):
+            return None
+        found = read(file)
+    except (OSError, ValueError):
+        return None
+    frame = found[0] if isinstance(found, tuple) else found
+    if frame is None or not _held(frame):
+        return None
+    return found
+
+
+def _held(frame) -> bool:
+    """Whether the frame holds one of this package's quantities (else the caller says what it holds)."""
+    return not frame.empty and bool(frame.quantity.isin(QUANTITIES).any())
+
+
+def _batch_size(index: selective.LogIndex, records: numpy.ndarray) -> selective.Pick:
+    """``batch_size`` of each quantity's last of ``records`` that holds a finite one.
+
+    ``recorded_batch_size`` reads the first finite ``batch_size`` row at the
+    latest step that has one: the latest of these records (the index knows
+    where the NaN and inf are, so nothing is decoded to find them).
+    """
+    positions = [index.positions(layout, statistics=[BATCH_SIZE])
+                 for layout in range(len(index.layouts))]
+    holding = numpy.array([len(p) > 0 for p in positions] + [False])[index.layout] & records
+    missing = set(index.quantity[holding].tolist())
+    chosen = numpy.zeros(len(index), dtype=bool)
+    for record in numpy.flatnonzero(holding)[::-1].tolist():  # latest first
+        quantity = int(index.quantity[record])
+        if quantity not in missing:
+            continue
+        if record in index.non_finite:
+            pattern = index.patterns[index.non_finite[record]]
+            bad = numpy.concatenate(list(pattern.values()))
+            if numpy.isin(positions[index.layout[record]], bad).all():
+                continue
+        missing.discard(quantity)
+        chosen[record] = True
+        if not missing:
+            break
+    return selective.named(index, chosen, statistics=[BATCH_SIZE])
+
+
+def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selective.Pick]:
+    """The statistic ``noise_ranking`` ranks by among ``records``, of every parameter."""
+    for quantity, statistic, _ in RANKINGS:
+        held = records & index.records_of(quantity)
+        for layout in numpy.unique(index.layout[held]).tolist():
+            positions = index.positions(layout, statistics=[statistic])
+            params = [index.params[p] for p in index.layouts[layout][0][positions].tolist()]
+            if any(param != NETWORK for param in params):
+                return [selective.named(index, held, statistics=[statistic])]
+    return []
+
+
+def _alarm(index: selective.LogIndex):
+    """For :func:`selective.non_finite_rows`: of a record's NaN and inf, the first that
+    :func:`~cockpit_gradnoise._views.non_finite` counts (none if it counts none).
+
+    ``non_finite_summary`` needs of each step only whether it holds one, and
+    every row of its first such step (:func:`_first_bad`).
+    """
+    import pandas
+
+    def first(quantity: int, layout: int, pattern) -> numpy.ndarray:
+        positions = numpy.concatenate(list(pattern.values()))
+        values = numpy.concatenate([numpy.full(len(p), float(kind)) for kind, p in pattern.items()])
+        params, statistics = index.layouts[layout]
+        rows = pandas.DataFrame({
+            "quantity": [index.quantities[quantity]] * len(positions),
+            "param": [index.params[p] for p in params[positions].tolist()],
+            "statistic": [index.statistics[s] for s in statistics[positions].tolist()],
+            "value": values,
+        })
+        return numpy.sort(positions[non_finite(rows)])[:1]
+
+    return first
+
+
+def _base(index: selective.LogIndex):
+    """A number of every record and the NaN and inf that count: blocks, steps, divergence.
+
+    The frame of where they are, nothing decoded (:meth:`selective.LogIndex.frame`).
+    """
+    picks = [selective.first_rows(index), selective.non_finite_rows(index, _alarm(index))]
+    return picks, index.frame(picks, decode=False)
+
+
+def _first_bad(index: selective.LogIndex, summary) -> List[selective.Pick]:
+    if summary is None:
+        return []
+    return [selective.whole(index, index.step == summary.first)]
+
+
+def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame"]:
+    """The rows of the streamed log at ``path`` that ``build_report(frame, step=step)`` reads.
+
+    Besides :func:`_base`'s: every number of the records at the steps the
+    report reads each quantity at (its table and coverage), and of the
+    network's rows the statistics of its run history, up to the report's step.
+    Where ``build_report`` raises (``step`` outside the log, none of this
+    package's quantities), the first numbers alone: it raises the same on them.
+    """
+    from cockpit_gradnoise.findings import finite_report_step, quantity_steps
+
+    index = selective.index_log(path)
+    if index is None:
+        return None
+    picks, base = _base(index)
+    if base is None or not _held(base):
+        return None
+    summary = non_finite_summary(base)  # its steps are the full frame's
+    try:
+        steps = quantity_steps(base, finite_report_step(summary, step))
+    except ValueError:
+        return index.frame(picks)  # build_report raises the same on it
+    upto = index.step <= max(steps.values())
+    picks += _first_bad(index, summary) + _ranking(index, upto) + [
+        selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
+        selective.named(index, upto, params=[NETWORK],
+                        statistics=[ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE]),
+        _batch_size(index, upto),
+    ]
+    return index.frame(picks)
+
+
+#: What each panel draws of its quantity besides quantiles (the ones ``_bands`` draws).
+_DRAWN = {
+    PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
+    UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
+}
+
+
+def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[selective.Pick]:
+    """What a line panel reads of ``params``: its statistics, and one number per record.
+
+    Of the quantiles, the lowest, the highest and the one closest to the
+    median (those ``panels._bands`` draws; the mean only without quantiles);
+    one number of each record holding one of ``params`` keeps the panel's
+    steps those of the full frame.
+    """
+    records = index.records_of(quantity)
+    names = {index.statistics[s] for layout in numpy.unique(index.layout[records]).tolist()
+             for s in index.layouts[layout][1][index.positions(layout, params=params)].tolist()}
+    wanted = set(_DRAWN.get(quantity, [])) & names
+    levels = quantile_levels(names)
+    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and levels:
+        middle = min(levels, key=lambda q: abs(q - 0.5))
+        wanted |= {quantile_name(q) for q in (levels[0], middle, levels[-1])}
+    elif quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM):
+        wanted |= {MEAN} & names
+
+    def one(layout):
+        return index.positions(layout, params=params)[:1]
+
+    return [selective.named(index, records, params=params, statistics=sorted(wanted)),
+            selective.Pick(records, one)]
+
+
+def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
+               heatmap: str = "auto") -> Optional[Tuple["pandas.DataFrame", List[str]]]:
+    """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads, and its layers.
+
+    ``plot(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
+    returned ``(frame, drawn)`` draws the dashboard of the full log with
+    ``layers``: without them, ``drawn`` are the ``top_k`` noisiest as a
+    :class:`~cockpit_gradnoise.dashboard.Ranked` (ranked here, on every
+    layer's SNR, which the frame then leaves out).
+
+    Besides :func:`_base`'s: the first record of each quantity and layout
+    whole (``layer_order``), the network's coverage, what the line panels
+    draw of the drawn layers and the network (:func:`_drawn`; the network
+    only, for the noise scale), and the heatmap's statistic at its steps.
+    """
+    from cockpit_gradnoise import dashboard, panels
+
+    index = selective.index_log(path)
+    if index is None:
+        return None
+    picks, base = _base(index)
+    if base is None or not _held(base):
+        return None
+    everything = numpy.ones(len(index), dtype=bool)
+    picks += _first_bad(index, non_finite_summary(base)) + [
+        selective.first_of_each_layout(index),
+        selective.named(index, everything, params=[NETWORK], statistics=COVERAGE_STATISTICS),
+        _batch_size(index, everything),
+    ]
+    ranked = index.frame(picks + _ranking(index, everything))
+    if ranked is None:
+        return None
+    order = layer_order(ranked)
+    drawn = (dashboard.Ranked(default_layers(ranked, top_k, order)) if layers is None
+             else list(layers))
+    variance_rows = not select(ranked, GRADIENT_VARIANCE).empty
+    del ranked
+    for _, quantity, _ in dashboard.PANELS:
+        picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
+                        else [*drawn, NETWORK])
+    try:
+        statistic = dashboard._heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
+    except ValueError:
+        statistic = None  # plot raises the same
+    if statistic:
+        variance = index.records_of(GRADIENT_VARIANCE)
+        shown = panels.heatmap_steps(numpy.unique(index.step[variance]))
+        picks.append(selective.named(index, variance & numpy.isin(index.step, shown),
+                                     statistics=[statistic]))
+    frame = index.frame(picks)
+    return None if frame is None else (frame, drawn)
