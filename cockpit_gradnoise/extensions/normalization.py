@@ -45,7 +45,9 @@ from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions._squares import squared_norms_of
+from cockpit_gradnoise.extensions.precision import layer_input_dtype
 
+import torch
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -97,9 +99,11 @@ def layer_norm_contributions(module: nn.LayerNorm, input: Tensor, grad_output: T
 def rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
     """``nn.RMSNorm`` (a scale, no shift): ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``.
 
-    ``eps=None`` means ``torch.finfo(input.dtype).eps``; ``F.rms_norm`` applies it.
+    ``eps=None`` means ``torch.finfo(input.dtype).eps`` of the input the layer got
+    (``F.rms_norm`` applies it), also where the rules see it widened (:mod:`.precision`).
     """
-    normalized = F.rms_norm(input, module.normalized_shape, eps=module.eps)
+    eps = module.eps if module.eps is not None else torch.finfo(layer_input_dtype(input)).eps
+    normalized = F.rms_norm(input, module.normalized_shape, eps=eps)
     return scale_contributions(normalized, grad_output, _before_normalized_shape(module, input))
 
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
+from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.step import (
     Batch,
@@ -285,9 +286,11 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
 
         ``param.grad`` on one process; under distributed training, where
         ``param.grad`` is averaged across processes (and accumulates inside
-        ``no_sync()``), the same computed by BackPACK.
+        ``no_sync()``), the same computed by BackPACK. In float32 for bfloat16 and
+        float16 parameters (exact), so that dividing it by the loss scale adds no
+        rounding of the low dtype.
         """
-        return getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach()
+        return widened(getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach())
 
     # What the Step asks ---------------------------------------------------------
 
