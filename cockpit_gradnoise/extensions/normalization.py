@@ -45,9 +45,7 @@ from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions._squares import squared_norms_of
-from cockpit_gradnoise.extensions.precision import layer_input_dtype
 
-import torch
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -99,11 +97,13 @@ def layer_norm_contributions(module: nn.LayerNorm, input: Tensor, grad_output: T
 def rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
     """``nn.RMSNorm`` (a scale, no shift): ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``.
 
-    ``eps=None`` means ``torch.finfo(input.dtype).eps`` of the input the layer got
-    (``F.rms_norm`` applies it), also where the rules see it widened (:mod:`.precision`).
+    ``eps=None``: ``F.rms_norm`` applies its default. For bfloat16 and float16
+    inputs, which the rules see widened to float32 (:mod:`.precision`), that is
+    the same number: torch's kernels add float32's eps for them, computing in
+    float32 (measured on torch 2.14, fused and composite; its documentation
+    says ``torch.finfo(x.dtype).eps``).
     """
-    eps = module.eps if module.eps is not None else torch.finfo(layer_input_dtype(input)).eps
-    normalized = F.rms_norm(input, module.normalized_shape, eps=eps)
+    normalized = F.rms_norm(input, module.normalized_shape, eps=module.eps)
     return scale_contributions(normalized, grad_output, _before_normalized_shape(module, input))
 
 

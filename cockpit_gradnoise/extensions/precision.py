@@ -28,9 +28,10 @@ the autocast dtype). So, before the rules run (:func:`shown_inputs`,
   of a ``Linear`` or a convolution is float32's, in the sums;
 - normalization rules recompute ``x_hat`` from the widened input, in
   float32, as torch's own low-precision normalization kernels compute it
-  internally; where the result depends on the dtype the layer got
-  (``RMSNorm``'s default ``eps`` is its input dtype's; Hugging Face's RMSNorm
-  rounds ``x_hat`` to it), the rules read it (:func:`layer_input_dtype`).
+  internally (``RMSNorm``'s default ``eps`` is then float32's, as torch's
+  kernels add for bfloat16 and float16 inputs); where the result depends on
+  the dtype the layer got (Hugging Face's RMSNorm rounds ``x_hat`` to it),
+  the rule reads it (:func:`layer_input_dtype`).
   Embeddings' indices are left as they are.
 
 Every savefield is therefore summed in float32 or float64, never in the
@@ -106,7 +107,7 @@ def shown_inputs(module: nn.Module, inputs: tuple, output: Tensor) -> tuple:
 
 def layer_input_dtype(input: Tensor) -> torch.dtype:
     """The dtype of the layer's first input as the layer got it, where a rule's result
-    depends on it (``RMSNorm``'s default ``eps``, Hugging Face RMSNorm's cast of ``x_hat``);
+    depends on it (Hugging Face RMSNorm's cast of ``x_hat``);
     ``input``'s own dtype outside a dispatch of :mod:`.hooks`."""
     from cockpit_gradnoise.extensions import hooks
 
