@@ -179,8 +179,9 @@ def feature_norms(module, seen: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def reference(model, inputs, targets, setup):
-    """``({name: x_i [N, *shape]}, {name: the fp32 term's ||g_i|| ||F_i|| [N]}, {name: K})``, float64,
-    and the batch's ``param.grad`` (float64) of the low-precision backward pass."""
+    """``({name: x_i [N, *shape]}, bounds)`` in float64: the low-precision per-example
+    gradients, and for :func:`deltas` per parameter ``||g_i|| ||F_i||`` (``[N]``), ``(K, L)``
+    and whether it is a normalization's weight."""
     copy_ = copy.deepcopy(model)
     params = dict(copy_.named_parameters())
     seen, grads, hooks = {}, {}, []
@@ -203,7 +204,7 @@ def reference(model, inputs, targets, setup):
         per_example = torch.autograd.grad(losses[i] / N, list(params.values()), retain_graph=True)
         for name, g in zip(params, per_example):
             contributions[name].append(g.double())
-    batch_grads = torch.autograd.grad(losses.mean(), list(params.values()), retain_graph=True)
+    losses.mean().backward()  # the output gradients of the batch, for the bounds
     for hook in hooks:
         hook.remove()
     modules = dict(copy_.named_modules())
@@ -217,7 +218,7 @@ def reference(model, inputs, targets, setup):
         terms[name] = (g0.numel() + seen[prefix][0].numel(), g0.numel() // channels)
         normalizes[name] = leaf == "weight" and isinstance(modules[prefix], NORMALIZATIONS)
     x = {name: torch.stack(parts) for name, parts in contributions.items()}
-    return x, (magnitudes, terms, normalizes), {n: g.double() for n, g in zip(params, batch_grads)}
+    return x, (magnitudes, terms, normalizes)
 
 
 #: Their kernels may hold the mean and ``1/sd`` in the input's dtype (CPU LayerNorm does:
@@ -243,6 +244,27 @@ def deltas(x_ref, bounds, name, unit):
     return unit * (1 + unit) * norms + (gamma(positions, unit) + own + 2 * gamma(terms)) * magnitudes
 
 
+def reference_sd(x):
+    """``sd_j = sqrt(N/(N-1) sum_i (x_ij - mean_j)^2)`` in float64."""
+    return x.std(0, unbiased=True) * N**0.5
+
+
+def sd_bound(d, ref_norms):
+    """Bound on ``||sd - sd_ref||_2`` over a layer's elements. The centring is a projection,
+    so ``||sd' - sd_ref|| <= sqrt(N/(N-1)) ||dX||_F`` (``sd'`` the exact sd of the package's
+    contributions); forming ``S - T^2/N`` from float32 sums moves ``sd_j^2`` by at most
+    ``N/(N-1) b_j`` with ``b_j`` :func:`~cockpit_gradnoise.functional.variance_rounding_bound`
+    (which also bounds what the package sets to 0), so ``||sd - sd'|| <= sqrt(N/(N-1) sum_j b_j)``."""
+    squares = ((ref_norms + d) ** 2).sum().reshape(1)
+    rounding = functional.variance_rounding_bound(squares, N, dtype=torch.float32).sum()
+    return (N / (N - 1)) ** 0.5 * (d.square().sum().sqrt() + rounding.sqrt())
+
+
+def norm_bound(d, ref_norms, p):
+    """``| sqrt(fl(||x_i||^2)) - ||x_ref,i|| | <= delta_i + gamma_P (||x_ref,i|| + delta_i)``."""
+    return d + gamma(p) * (ref_norms + d)
+
+
 # The extensions --------------------------------------------------------------------
 
 
@@ -266,7 +288,7 @@ def test_extensions_within_the_dtype_bound(model_name, setup):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no layer left without rows
         results = extension_results(model, inputs, targets, setup)
-    x_all, bounds, _ = reference(model, inputs, targets, setup)
+    x_all, bounds = reference(model, inputs, targets, setup)
     unit = unit_roundoff(low_dtype(setup))
     assert set(results) == set(x_all)
     for name, (norms, sums) in results.items():
@@ -276,9 +298,7 @@ def test_extensions_within_the_dtype_bound(model_name, setup):
         d = deltas(x, bounds, name, unit)
         ref_norms = x.flatten(1).norm(dim=1)
         p = x[0].numel()
-        # | sqrt(fl(||x||^2)) - ||x_ref|| | <= delta_i + gamma_P (||x_ref|| + delta_i).
-        got_norms = norms.double().sqrt()
-        assert ((got_norms - ref_norms).abs() <= d + gamma(p) * (ref_norms + d)).all(), name
+        assert ((norms.double().sqrt() - ref_norms).abs() <= norm_bound(d, ref_norms, p)).all(), name
         total, squares = sums.double()
         # ||T - T_ref|| <= sum_i delta_i + gamma_N sum_i (||x_ref,i|| + delta_i).
         t_bound = d.sum() + gamma(N) * (ref_norms + d).sum()
@@ -286,14 +306,60 @@ def test_extensions_within_the_dtype_bound(model_name, setup):
         # ||S - S_ref||_1 <= sum_i delta_i (2 ||x_ref,i|| + delta_i) + gamma_N sum_i (||x_ref,i|| + delta_i)^2.
         s_bound = (d * (2 * ref_norms + d)).sum() + gamma(N) * ((ref_norms + d) ** 2).sum()
         assert (squares - x.square().sum(0)).abs().sum() <= s_bound, name
-        # sd: the centring is a projection, so ||sd' - sd_ref|| <= sqrt(N/(N-1)) ||dX||_F,
-        # and forming S - T^2/N from sums rounded in float32 moves sd_j^2 by at most
-        # N/(N-1) 3 gamma_N S_j: ||sd - sd'|| <= sqrt(N/(N-1) 3 gamma_N sum_j S_j).
         sd = functional.gradient_sd(sums[1].clone(), sums[0], N, dtype=torch.float32).double()
-        sd_ref = x.std(0, unbiased=True) * N**0.5  # sqrt(N/(N-1) sum_i (x_ij - mean_j)^2)
-        squares_total = ((ref_norms + d) ** 2).sum()
-        sd_bound = (N / (N - 1)) ** 0.5 * (d.square().sum().sqrt() + (3 * gamma(N) * squares_total).sqrt())
-        assert (sd - sd_ref).norm() <= sd_bound, name
+        assert (sd - reference_sd(x)).norm() <= sd_bound(d, ref_norms), name
+
+
+# The quantities, through the front door -------------------------------------------
+
+
+def tracked_rows(model, inputs, targets, setup):
+    tracked, tracker = cgn.track(copy.deepcopy(model), every=1)
+    losses = forward_losses(tracked, inputs, targets, setup)
+    with tracker(0, losses) as loss:
+        loss.backward()
+    frame = tracker.frame()
+    rows = {}
+    for quantity, param, statistic, value in zip(frame.quantity, frame.param, frame.statistic, frame.value):
+        rows.setdefault(quantity, {}).setdefault(param, {})[statistic] = value
+    return rows
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_quantities_within_the_dtype_bound(model_name, setup):
+    """PerExampleGradNorm (mean, max), GradientVarianceQuantiles (mean sd) and
+    GradientNoiseScale (|G|^2, tr(Sigma)) per layer, against the float64 reduction of the
+    low-precision per-example gradients (mean loss: ``g_i = N x_i``), bounds from ``delta_i``."""
+    model, inputs, targets = build(model_name, setup)
+    rows = tracked_rows(model, inputs, targets, setup)
+    x_all, bounds = reference(model, inputs, targets, setup)
+    unit = unit_roundoff(low_dtype(setup))
+    for name, x in x_all.items():
+        d = deltas(x, bounds, name, unit)
+        ref_norms = x.flatten(1).norm(dim=1)
+        b = norm_bound(d, ref_norms, x[0].numel())
+        norms = rows["PerExampleGradNorm"][name]
+        # max and mean of ||g_i|| = N ||x_i||: off by at most N max_i b_i, N mean_i b_i.
+        assert abs(norms["max"] - N * ref_norms.max().item()) <= N * b.max().item(), name
+        assert abs(norms["mean"] - N * ref_norms.mean().item()) <= N * b.mean().item(), name
+        # Mean of sd over P elements: |d mean| <= ||d sd||_1 / P <= ||d sd||_2 / sqrt(P).
+        sd_mean = rows["GradientVarianceQuantiles"][name]["mean"]
+        p = x[0].numel()
+        assert abs(sd_mean - reference_sd(x).mean().item()) <= sd_bound(d, ref_norms).item() / p**0.5, name
+        # S = mean_i ||g_i||^2, M = ||param.grad||^2 (mean loss). param.grad is the batch
+        # kernel's sum of all N L terms, rounded once: within sum_i (delta_i + gamma_NL A_i)
+        # + u ||T|| of T_ref = sum_i x_ref,i (triangle inequality; A_i as in delta_i).
+        magnitudes, (_, positions), _ = (part[name] for part in bounds)
+        total = x.sum(0)
+        grad_error = (d + gamma(N * positions, unit) * magnitudes).sum() + unit * (1 + unit) * (total.norm() + d.sum())
+        s_ref, m_ref = (N**2 * ref_norms.square()).mean(), total.norm().square()
+        s_error = (N**2 * b * (2 * ref_norms + b)).mean()
+        m_error = grad_error * (2 * total.norm() + grad_error)
+        noise = rows["GradientNoiseScale"][name]
+        grad_sq, trace_cov = functional.noise_scale_estimates(s_ref.item(), m_ref.item(), N)
+        assert abs(noise["grad_sq"] - grad_sq) <= ((N * m_error + s_error) / (N - 1)).item(), name
+        assert abs(noise["trace_cov"] - trace_cov) <= (N * (s_error + m_error) / (N - 1)).item(), name
 
 
 # The factors: tight, float32-level bounds -------------------------------------------
