@@ -25,7 +25,7 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import amp, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
@@ -343,7 +343,7 @@ class Tracker:
 
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
-                 info: Optional[Mapping] = None) -> "TrackedStep":
+                 info: Optional[Mapping] = None, scaler=None) -> "TrackedStep":
         """The ``with`` statement around one backward pass; it gives the loss to differentiate.
 
         Example::
@@ -368,6 +368,10 @@ class Tracker:
                 ``losses.mean()`` or ``losses.sum()``. Not with ``loss``.
             batch_size: Checked to be ``len(losses)``.
             info: More keys for quantities of your own; not the four above.
+            scaler: The ``torch.amp.GradScaler`` whose ``scaler.scale(loss).backward()``
+                the block runs: the statistics are those of the unscaled loss, and a
+                step it skips (inf/NaN gradients) is logged as skipped, without rows
+                (:mod:`cockpit_gradnoise.amp`).
 
         Raises:
             TypeError: If ``step`` is not an integer.
@@ -404,7 +408,8 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
-        return TrackedStep(self.cockpit, step, full, after=self._after_step)
+        scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
+        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
 
     def log_to(self, target) -> "Tracker":
         """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
@@ -507,9 +512,11 @@ class TrackedStep:
     step and the body's error is the one raised.
     """
 
-    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None):
+    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
+                 scaled: Optional[amp.ScaledStep] = None):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
-        self._backward_reached_loss = False
+        self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
+        self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
@@ -521,22 +528,45 @@ class TrackedStep:
 
     def _reached(self, grad):
         self._backward_reached_loss = True
+        if self.scaled is not None:
+            self.scaled.arrived(grad)
 
     def __exit__(self, kind, error, traceback):
         self._hook.remove()
         problem = None if kind is not None else self._problem()
         if kind is None and problem is None:
-            self._context.__exit__(None, None, None)  # the quantities compute here
+            if self.scaled is not None and self.scaled.skipped(self.cockpit.params):
+                self._leave(None, None, None)  # the scaler skips this step: no rows
+                self.scaled.discard(self.cockpit.params)
+            else:
+                self._compute()
+            if self.scaled is not None:
+                self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
             if self.after is not None:
                 self.after()  # the tracker's loggers and stream
             return False
-        # Leave BackPACK's context without tracking: nothing of this step is recorded.
-        for context in self._context.contexts:
-            context.__exit__(kind, error, traceback)
-        CockpitCTX.erase()
+        self._leave(kind, error, traceback)
         if problem is not None:
             raise RuntimeError(problem)
         return False
+
+    def _compute(self):
+        """The quantities compute, of the unscaled loss where a GradScaler scaled it."""
+        if self.scaled is None:
+            self._context.__exit__(None, None, None)
+        else:
+            self.scaled.unscale(self.cockpit.params)
+            try:
+                self._context.__exit__(None, None, None)
+            finally:
+                self.scaled.restore(self.cockpit.quantities)
+        self._computed = True
+
+    def _leave(self, kind, error, traceback):
+        """Leave BackPACK's context without tracking: nothing of this step is recorded."""
+        for context in self._context.contexts:
+            context.__exit__(kind, error, traceback)
+        CockpitCTX.erase()
 
     def _problem(self) -> Optional[str]:
         if not self._backward_reached_loss:
@@ -544,6 +574,8 @@ class TrackedStep:
                 f"step {self.step}: call loss.backward() inside `with tracker(step, losses) "
                 "as loss:`, on the loss it gives"
             )
+        if self.scaled is not None and self.scaled.problem(self.step):
+            return self.scaled.problem(self.step)
         if self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):

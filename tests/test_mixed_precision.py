@@ -40,6 +40,7 @@ from cockpit_gradnoise import functional, references
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms, SumsOfContributions
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 
+import numpy
 import pytest
 import torch
 from backpack import backpack
@@ -487,3 +488,80 @@ def test_the_float32_bound_rejects_a_low_precision_sum():
             bound = slack.sum(0) + gamma(N) * (x.abs() + slack).sum(0)
             outside.append(bool(((in_bfloat16 - x.sum(0)).abs() > bound).any()))
     assert sum(outside) >= len(outside) - 1  # all but at most one parameter
+
+
+# GradScaler ------------------------------------------------------------------------
+
+
+def scaler_run(scale, overflow_at=None, steps=3):
+    """Three SGD steps of an MLP, tracked at each, the loss scaled by a GradScaler of
+    ``init_scale=scale`` (``None``: no scaler); at ``overflow_at`` a gradient is made inf
+    after the backward pass, as an overflow of the scaled loss would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    model, tracker = cgn.track(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # growth_interval: the scale stays put over the run (no growth), backoff after a skip.
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with tracker(step, losses, optimizer=opt, scaler=scaler) as loss:
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == overflow_at:
+                next(model.parameters()).grad[0, 0] = math.inf
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    return tracker.frame(), tracker
+
+
+def test_grad_scaler_gives_the_statistics_of_the_unscaled_loss():
+    """``scaler.scale(loss).backward()`` with ``scaler=``: the same statistics as the unscaled run.
+
+    A power-of-two scale changes no rounding (barring overflow and underflow, absent here),
+    and dividing by it is exact: the numbers agree to float32's unit roundoff (the one
+    rounding a division by another scale would add), relative, where they are not 0."""
+    unscaled, _ = scaler_run(None)
+    scaled, _ = scaler_run(1024.0)
+    assert set(scaled.quantity) - set(unscaled.quantity) == {"GradScaler"}
+    rows = scaled[scaled.quantity == "GradScaler"]
+    assert list(rows.value[rows.statistic == "scale"]) == [1024.0] * 3
+    assert list(rows.value[rows.statistic == "skipped"]) == [0.0] * 3
+    key = ["step", "quantity", "param", "statistic"]
+    merged = unscaled.merge(scaled[scaled.quantity != "GradScaler"], on=key, suffixes=("", "_scaled"))
+    assert len(merged) == len(unscaled) > 0
+    finite = numpy.isfinite(merged.value)
+    assert (numpy.isfinite(merged.value_scaled) == finite).all()
+    # inf (a B_simple of a negative |G|^2 estimate) and NaN where the unscaled run has them.
+    same = merged.value[~finite] == merged.value_scaled[~finite]
+    assert (same | (merged.value[~finite].isna() & merged.value_scaled[~finite].isna())).all()
+    difference = (merged.value_scaled[finite] - merged.value[finite]).abs()
+    assert (difference <= F32_UNIT * merged.value[finite].abs()).all()
+
+
+def test_a_step_the_scaler_skips_is_recorded_as_skipped():
+    """A step with an inf gradient: no rows of the quantities (no NaN), ``GradScaler``
+    ``skipped = 1`` with its scale; the scaler skipped the optimizer's step."""
+    frame, tracker = scaler_run(1024.0, overflow_at=1)
+    quantities = frame[frame.quantity != "GradScaler"]
+    assert set(quantities.step) == {0, 2}
+    assert quantities.value.notna().all()
+    rows = frame[frame.quantity == "GradScaler"].pivot(index="step", columns="statistic", values="value")
+    assert list(rows.skipped) == [0.0, 1.0, 0.0]
+    assert list(rows.scale) == [1024.0, 1024.0, 512.0]  # backed off after the skip
+    report = tracker.report()
+    assert "the GradScaler skipped 1 of 3 tracked steps (inf/NaN scaled gradients; no rows there): steps 1" in report
+
+
+def test_a_scaler_with_an_unscaled_backward_is_refused():
+    model, tracker = cgn.track(nn.Sequential(nn.Linear(4, 3)), every=1)
+    losses = F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 3, (5,)), reduction="none")
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with pytest.raises(RuntimeError, match=r"scaler.scale\(loss\).backward\(\)"):
+        with tracker(0, losses, scaler=scaler) as loss:
+            loss.backward()
