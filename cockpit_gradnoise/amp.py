@@ -81,6 +81,9 @@ class ScaledStep:
         self.scaler = scaler
         self.scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
         self.reached: Optional[Tensor] = None  # the gradient that reached the loss
+        #: The loss differentiated when it was given already scaled (``loss_scaled=True``:
+        #: ``s * loss``, as Lightning's ``on_before_backward`` hands it over); else ``None``.
+        self.given: Optional[Tensor] = None
         self._originals: List = []
 
     def arrived(self, grad: Tensor):
@@ -89,7 +92,7 @@ class ScaledStep:
 
     def problem(self, step: int) -> Optional[str]:
         """An error message where the backward pass did not differentiate the scaled loss."""
-        if self.scale != 1.0 and self.reached is not None and float(self.reached) == 1.0:
+        if self.scale != 1.0 and self.given is None and self.reached is not None and float(self.reached) == 1.0:
             return (
                 f"step {step}: scaler= is given (scale {self.scale:g}) but the loss was "
                 "differentiated unscaled: call scaler.scale(loss).backward() inside "

@@ -343,7 +343,7 @@ class Tracker:
 
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
-                 info: Optional[Mapping] = None, scaler=None) -> "TrackedStep":
+                 info: Optional[Mapping] = None, scaler=None, loss_scaled: bool = False) -> "TrackedStep":
         """The ``with`` statement around one backward pass; it gives the loss to differentiate.
 
         Example::
@@ -372,6 +372,8 @@ class Tracker:
                 the block runs: the statistics are those of the unscaled loss, and a
                 step it skips (inf/NaN gradients) is logged as skipped, without rows
                 (:mod:`cockpit_gradnoise.amp`).
+            loss_scaled: ``loss=`` is already the scaled loss ``scaler.scale(loss)``, and
+                the block differentiates it (what Lightning hands its callbacks).
 
         Raises:
             TypeError: If ``step`` is not an integer.
@@ -382,6 +384,7 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
+        given = loss is not None
         if loss is None:
             if reduction not in (None, *_REDUCTIONS):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -391,8 +394,14 @@ class Tracker:
                 "give loss= or reduction=, not both: reduction= says which of losses.mean() "
                 "and losses.sum() the tracker differentiates; loss= is differentiated as given"
             )
-        else:
-            _check_loss(loss, losses, tracked=self._tracks(step))
+        scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
+        if loss_scaled and scaler is None:
+            raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
+        info_loss = loss
+        if scaled is not None and loss_scaled:
+            scaled.given, info_loss = loss, loss.detach() / scaled.scale  # the info's: unscaled
+        if given:
+            _check_loss(info_loss, losses, tracked=self._tracks(step))
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -406,9 +415,8 @@ class Tracker:
         clashes = sorted(set(info or {}) & set(DERIVED_KEYS))
         if clashes:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
-        full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
+        full = {"batch_size": len(losses), "individual_losses": losses, "loss": info_loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
-        scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
         return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
 
     def log_to(self, target) -> "Tracker":
@@ -520,7 +528,7 @@ class TrackedStep:
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
-        loss = self.info["loss"]
+        loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
         self._hook = loss.register_hook(self._reached)
         self._context = self.cockpit(self.step, info=self.info)
         self._context.__enter__()

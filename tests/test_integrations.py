@@ -168,7 +168,7 @@ def test_lightning_tracks_the_numbers_of_the_same_loop_by_hand_and_writes_the_lo
 
 @pytest.mark.parametrize("options, match", [
     ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2 is not supported"),
-    ({"precision": "bf16-mixed"}, "precision='bf16-mixed' is not supported"),
+    ({"precision": "bf16-true"}, "precision='bf16-true' is not supported"),
 ])
 def test_lightning_setups_not_supported_yet_are_refused_before_training(tmp_path, options, match):
     from cockpit_gradnoise.integrations.lightning import TrackingCallback

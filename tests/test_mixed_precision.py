@@ -565,3 +565,111 @@ def test_a_scaler_with_an_unscaled_backward_is_refused():
     with pytest.raises(RuntimeError, match=r"scaler.scale\(loss\).backward\(\)"):
         with tracker(0, losses, scaler=scaler) as loss:
             loss.backward()
+
+
+# Lightning -------------------------------------------------------------------------
+
+
+def lightning_data():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+            for _ in range(4)]
+
+
+def mlp32():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def by_hand_under_autocast(dtype, scaler=None):
+    """The tracker's frame of an SGD loop whose forward pass and losses run under
+    ``torch.autocast("cpu", dtype)`` (``None``: without), as Lightning's mixed precision runs them."""
+    holder = nn.Module()  # the LightningModule's names: net.0.weight, ...
+    holder.net = mlp32()
+    holder.forward = holder.net.forward
+    model, tracker = cgn.track(holder, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(lightning_data()):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        with tracker(step, losses, optimizer=opt, scaler=scaler) as loss:
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    return tracker.frame()
+
+
+def lightning_fit(tmp_path, **trainer_options):
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp32()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            losses = F.cross_entropy(self(x), y, reduction="none")
+            self.per_example_losses = losses
+            return losses.mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = lightning_data()
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
+    callback = TrackingCallback(every=1, tensorboard=False)
+    trainer = pl.Trainer(max_steps=len(data), callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         **trainer_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers
+        trainer.fit(Classifier(), torch.utils.data.DataLoader(dataset, batch_size=8))
+    return callback.tracker.frame()
+
+
+def assert_frames_close(got, expected, rtol):
+    """Same rows; every number within ``rtol`` relative (inf and NaN where the other has them)."""
+    key = ["step", "quantity", "param", "statistic"]
+    merged = expected.merge(got, on=key, how="outer", suffixes=("", "_got"), indicator=True)
+    assert set(merged["_merge"]) == {"both"}
+    finite = numpy.isfinite(merged.value)
+    assert (numpy.isfinite(merged.value_got) == finite).all()
+    difference = (merged.value_got[finite] - merged.value[finite]).abs()
+    return bool((difference <= rtol * merged.value[finite].abs()).all())
+
+
+def test_lightning_bf16_mixed_tracks_the_numbers_of_the_same_loop_under_autocast(tmp_path):
+    """``Trainer(precision="bf16-mixed")``: Lightning runs ``training_step`` under bfloat16
+    autocast and the backward pass outside it, as the loop by hand does: the same
+    computation, so the numbers agree to one unit roundoff of bfloat16 (``2**-8``, relative;
+    a reordering of the low-precision arithmetic would show at that scale). The float32 loop
+    differs by more: the comparison sees whether autocast was on."""
+    got = lightning_fit(tmp_path, precision="bf16-mixed")
+    unit = unit_roundoff(torch.bfloat16)
+    assert assert_frames_close(got, by_hand_under_autocast(torch.bfloat16), unit)
+    assert not assert_frames_close(got, by_hand_under_autocast(None), unit)
+    assert set(got.step) == {0, 1, 2, 3}
+
+
+def test_lightning_16_mixed_with_its_grad_scaler(tmp_path):
+    """float16 autocast with Lightning's GradScaler (its MixedPrecision plugin, here on the
+    CPU): the scale is divided out, as in the loop by hand with the same scaler."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    got = lightning_fit(tmp_path, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    expected = by_hand_under_autocast(
+        torch.float16, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000))
+    assert assert_frames_close(got, expected, unit_roundoff(torch.float16))
+    rows = got[(got.quantity == "GradScaler") & (got.statistic == "scale")]
+    assert list(rows.value) == [1024.0] * 4
