@@ -1,5 +1,8 @@
 """Mixed precision: autocast (bfloat16, float16) on a float32 model, and bfloat16/float16 models.
 
+The recipes of ``docs/training-setups.md`` ("Mixed precision"), a GradScaler and Lightning's
+``precision="bf16-mixed"`` run here.
+
 The reference is the low-precision computation's own per-example gradient:
 the gradient of example ``i``'s loss alone (``losses[i] / N``, the part of the
 batch's mean), backpropagated through the *same* low-precision forward pass
