@@ -50,6 +50,8 @@ from backpack import backpack
 from torch import nn
 from torch.nn import functional as F
 
+from tests.test_integrations import _lightning_module
+
 F32_UNIT = 2.0**-24
 N = 6
 CLASSES = 5
@@ -611,23 +613,6 @@ def lightning_fit(tmp_path, **trainer_options):
 
     import lightning.pytorch as pl
 
-    class Classifier(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp32()
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            losses = F.cross_entropy(self(x), y, reduction="none")
-            self.per_example_losses = losses
-            return losses.mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     data = lightning_data()
     dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
     callback = TrackingCallback(every=1, tensorboard=False)
@@ -636,7 +621,7 @@ def lightning_fit(tmp_path, **trainer_options):
                          **trainer_options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers
-        trainer.fit(Classifier(), torch.utils.data.DataLoader(dataset, batch_size=8))
+        trainer.fit(_lightning_module(mlp32()), torch.utils.data.DataLoader(dataset, batch_size=8))
     return callback.tracker.frame()
 
 
