@@ -98,7 +98,8 @@ def shown_inputs(module: nn.Module, inputs: tuple, output: Tensor) -> tuple:
     shown = []
     for x in inputs:
         if _is_float(x):
-            if is_bilinear(module) and torch.finfo(x.dtype).bits > torch.finfo(output.dtype).bits:
+            if x.dtype != output.dtype and torch.finfo(x.dtype).bits > torch.finfo(output.dtype).bits \
+                    and is_bilinear(module):
                 x = x.to(output.dtype)  # autocast's cast, as the layer computed with it
             x = x.to(accumulation_dtype(x.dtype))
         shown.append(x)
