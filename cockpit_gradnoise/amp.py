@@ -105,25 +105,33 @@ class ScaledStep:
         grads = [p.grad for p in params if p.grad is not None]
         return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def unscale(self, params):
-        """Divide ``param.grad`` (replaced, kept for :meth:`restore`) and the savefields by ``s``."""
+    def unscale(self, params, quantities=()):
+        """Divide ``param.grad`` (replaced, kept for :meth:`restore`) and the savefields by ``s``.
+
+        A ``param.grad`` that the quantities saw at their last tracked step, at the same
+        version, is left from an earlier backward pass (the quantities leave it out, with a
+        warning): it is kept as it is, so that they see it is the same tensor.
+        """
         if self.scale == 1.0:
             return
+        seen = [record for quantity in quantities
+                for record in getattr(quantity, "seen_gradients", {}).values()]
+        left = {(id(ref()), version) for ref, version in seen if ref() is not None}
         for param in params:
             for field in _SAVEFIELDS:
                 if hasattr(param, field):
                     setattr(param, field, unscaled_savefield(field, getattr(param, field), self.scale))
-            if param.grad is not None:
+            if param.grad is not None and (id(param.grad), param.grad._version) not in left:
                 original = param.grad
                 param.grad = original / self.scale
-                self._originals.append((param, original))
+                self._originals.append((param, original, param.grad))
 
     def restore(self, quantities):
         """Put the scaler's ``param.grad`` back, and let the quantities' record of the
         gradients they saw (to tell a gradient left from an earlier step) name it."""
-        copies: Dict[int, Tensor] = {}
-        for param, original in self._originals:
-            copies[id(param.grad)] = original
+        # The copies stay alive (in _originals) until the records name the originals.
+        copies: Dict[int, Tensor] = {id(copy): original for _, original, copy in self._originals}
+        for param, original, _ in self._originals:
             param.grad = original
         for quantity in quantities:
             seen = getattr(quantity, "seen_gradients", None)

@@ -563,7 +563,7 @@ class TrackedStep:
         if self.scaled is None:
             self._context.__exit__(None, None, None)
         else:
-            self.scaled.unscale(self.cockpit.params)
+            self.scaled.unscale(self.cockpit.params, self.cockpit.quantities)
             try:
                 self._context.__exit__(None, None, None)
             finally:

@@ -661,3 +661,26 @@ def test_lightning_16_mixed_with_its_grad_scaler(tmp_path):
     assert assert_frames_close(got, expected, unit_roundoff(torch.float16))
     rows = got[(got.quantity == "GradScaler") & (got.statistic == "scale")]
     assert list(rows.value) == [1024.0] * 4
+
+
+def test_a_gradient_left_from_an_earlier_step_is_told_under_a_scaler():
+    """The scaler's ``param.grad`` is put back after the quantities computed, and they
+    still see a gradient no backward pass changed since the last tracked step as stale."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+    model, tracker = cgn.track(model, every=1, quantities=["ParamGradRatio"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    for step in range(2):
+        model["a"].zero_grad()  # "b" is used and zeroed at step 0 only
+        out = model["a"](x) + (model["b"](x) if step == 0 else 0)
+        grad_b = model["b"].weight.grad
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracker(step, F.cross_entropy(out, y, reduction="none"), scaler=scaler) as loss:
+                scaler.scale(loss).backward()
+        if step == 1:
+            assert model["b"].weight.grad is grad_b  # the tensor itself, as it was
+        stale = [w for w in caught if "got no gradient from the backward pass" in str(w.message)]
+        assert len(stale) == step  # told at step 1, about b's parameters
+    assert "'b.weight'" in str(stale[0].message)
