@@ -16,19 +16,22 @@ examples' rows are zeros, which add nothing.
 The bound, derived from the dtype (``extensions/precision.py``). With ``u``
 the unit roundoff of the low dtype (``eps / 2``) and ``v = 2**-24``
 float32's, ``gamma_K(v) = K v / (1 - K v)`` (Higham 2002, ch. 3): the
-reference ``x_i`` is one rounding to the low dtype of a float32 sum of the
-products of the layer's low-precision factors, the package's contribution a
-float32 sum of the same products (exact in float32) in another order, so
+reference ``x_i`` is the layer's own sum of the products of its
+low-precision factors (in its kernel's order and accumulation dtype) rounded
+once to the low dtype, the package's contribution a float32 sum of the same
+products (exact in float32) in another order, so
 
-    ||x_i^package - x_i^ref|| <= delta_i = u (1 + u) ||x_i^ref|| + 2 gamma_K(v) ||g_i|| ||F_i||
+    ||x_i^package - x_i^ref|| <= delta_i = u (1 + u) ||x_i^ref|| + (gamma_L(u) + 2 gamma_K(v)) ||A_i||
 
-where ``g_i`` is the layer's output gradient of example ``i``, ``F_i`` the
-other factor of the products (the layer's input as it computed with it; a
-normalization's ``x_hat``; ones for a bias; an embedding's one-hot rows),
-``||A_i|| <= ||g_i|| ||F_i||`` bounds the products' magnitudes (Cauchy-Schwarz
-over positions), and ``K`` the number of numbers of example ``i`` entering the
-layer's rule (``g_i`` and the input), an upper bound on the terms of any
-float32 sum it forms. Then, over ``N`` examples, each statistic follows by the
+where ``A_i`` holds, per element, the sum of the magnitudes of the products
+``g_il F_il`` it sums over the ``L`` positions (``g`` the layer's output
+gradient, ``F`` the other factor: its input as it computed with it, a
+normalization's ``x_hat``, ones for a bias, an embedding's one-hot rows;
+formed in float64 from the batch's factors, :func:`layer_terms`);
+``gamma_L(u)`` allows the layer's own kernel to sum the ``L`` terms in the low
+dtype, and ``K``, the number of numbers of example ``i`` entering the layer's
+rule (``g_i`` and the input), bounds the terms of any float32 sum the rule
+forms (the whole of it: :func:`deltas`). Then, over ``N`` examples, each statistic follows by the
 triangle inequality (written where it is checked). A sum formed in the low
 dtype (``u = 2**-8`` for bfloat16 against ``2**-24``) breaks these bounds,
 as does a missed autocast cast (each input off by up to ``u`` relative).
@@ -161,33 +164,10 @@ def forward_losses(model, inputs, targets, setup):
 # The reference ---------------------------------------------------------------------
 
 
-def feature_norms(module, seen: torch.Tensor, name: str) -> torch.Tensor:
-    """``||F_i||`` per example (float64): the other factor of the layer's products for ``name``."""
-    seen = seen.double()
-    per_example = seen.flatten(1).norm(dim=1) if seen.is_floating_point() else None
-    positions = math.prod(seen.shape[1:-1]) if seen.dim() > 2 else 1
-    if name == "bias":  # a sum of output gradients over positions (and pixels)
-        out_positions = positions if not isinstance(module, nn.Conv2d) else None
-        return torch.full((seen.shape[0],), float(out_positions or 16) ** 0.5, dtype=torch.float64)
-    if isinstance(module, nn.Embedding):  # one-hot rows
-        return torch.full((seen.shape[0],), float(seen[0].numel()) ** 0.5, dtype=torch.float64)
-    if isinstance(module, nn.Conv2d):  # an unfolded patch repeats an input element <= k*k times
-        return per_example * math.prod(module.kernel_size) ** 0.5
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):  # |x_hat| + |mean| / sd, see normalized()
-        return normalized(module, seen, seen.dtype)[1].flatten(1).norm(dim=1)
-    if isinstance(module, nn.BatchNorm2d):
-        mean = module.running_mean.double().reshape(1, -1, 1, 1)
-        var = module.running_var.double().reshape(1, -1, 1, 1)
-        return ((seen - mean) / (var + module.eps).sqrt()).flatten(1).norm(dim=1)
-    if isinstance(module, Gate):  # x * sigmoid'(gate), sigmoid' <= 1/4
-        return per_example / 4
-    return per_example  # Linear, Conv1D: the input
-
-
 def reference(model, inputs, targets, setup):
     """``({name: x_i [N, *shape]}, bounds)`` in float64: the low-precision per-example
-    gradients, and for :func:`deltas` per parameter ``||g_i|| ||F_i||`` (``[N]``), ``(K, L)``
-    and whether it is a normalization's weight."""
+    gradients, and for :func:`deltas` per parameter ``||A_i||`` (``[N]``, :func:`layer_terms`
+    of the batch's factors), ``(K, L)`` and whether it is a normalization's weight."""
     copy_ = copy.deepcopy(model)
     params = dict(copy_.named_parameters())
     seen, grads, hooks = {}, {}, []
@@ -217,8 +197,8 @@ def reference(model, inputs, targets, setup):
     magnitudes, terms, normalizes = {}, {}, {}
     for name in params:
         prefix, _, leaf = name.rpartition(".")
-        g = grads[prefix].double().flatten(1).norm(dim=1)
-        magnitudes[name] = g * feature_norms(modules[prefix], seen[prefix], leaf)
+        _, magnitude = layer_terms(modules[prefix], seen[prefix], grads[prefix], seen[prefix].dtype)[leaf]
+        magnitudes[name] = magnitude.flatten(1).norm(dim=1)  # ||A_i||
         g0 = grads[prefix][0]
         channels = g0.shape[0] if isinstance(modules[prefix], CHANNELS_FIRST) else g0.shape[-1]
         terms[name] = (g0.numel() + seen[prefix][0].numel(), g0.numel() // channels)
@@ -241,8 +221,8 @@ def deltas(x_ref, bounds, name, unit):
     ``gamma_L(u) A_ij`` of the exact sum whatever its accumulation dtype (Higham, ch. 4),
     then rounds once (``u``). A normalization's weight: its layer's
     ``x_hat = (x - mean~) rstd~`` with ``mean~``, ``rstd~`` rounded to the low dtype is off by
-    ``u (1 + u) (|x_hat| + |mean| rstd)`` per term: one more ``u (1 + u) ||g_i|| ||F_i||``
-    (``F`` = ``|x_hat| + |mean| rstd``, :func:`normalized`). The package: ``2 gamma_K(2**-24)``.
+    ``u (1 + u) (|x_hat| + |mean| rstd)`` per term: one more ``u (1 + u) ||A_i||`` (its ``A``
+    is formed from those magnitudes, :func:`normalized`). The package: ``2 gamma_K(2**-24) ||A_i||``.
     """
     magnitudes, (terms, positions), normalizes = (part[name] for part in bounds)
     norms = x_ref.flatten(1).norm(dim=1)
