@@ -45,6 +45,7 @@ from cockpit_gradnoise.schema import (
     B_SIMPLE_SMOOTHED,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
+    GRAD_SCALER,
     GRADIENT_VARIANCE,
     MAX,
     NETWORK,
@@ -56,6 +57,7 @@ from cockpit_gradnoise.schema import (
     PER_EXAMPLE_NORM,
     QUANTITIES,
     SD_MEDIAN,
+    SKIPPED,
     SNR_MEDIAN,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
@@ -256,6 +258,7 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
         batch_size=batch_size,
         table=table,
         findings=non_finite_finding(summary)
+        + skipped_finding(frame)
         + run_findings(history, batch_size, thresholds)
         + findings(table, batch_size, thresholds, ranking=ranking,
                    stopped=history.stopped_at is not None),
@@ -541,6 +544,21 @@ def run_history(frame: pandas.DataFrame, thresholds: Thresholds = THRESHOLDS) ->
     scale = None if noise.empty else (float(noise.median()), int(noise.index.min()),
                                       int(noise.index.max()))
     return RunHistory(stopped_at, fraction, largest, scale)
+
+
+def skipped_finding(frame: "pandas.DataFrame") -> List[str]:
+    """The tracked steps a GradScaler skipped (inf/NaN gradients: they have no rows)."""
+    rows = frame[(frame.quantity == GRAD_SCALER).to_numpy() & (frame.statistic == SKIPPED).to_numpy()]
+    if rows.empty:
+        return []
+    skipped = sorted(int(step) for step in rows.step[rows.value.to_numpy() > 0])
+    if not skipped:
+        return []
+    shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    return [
+        f"the GradScaler skipped {len(skipped)} of {len(rows)} tracked steps (inf/NaN scaled "
+        f"gradients; no rows there): steps {shown} ({SKIPPED} of {GRAD_SCALER})"
+    ]
 
 
 def run_findings(history: RunHistory, batch_size=None, thresholds: Thresholds = THRESHOLDS) -> List[str]:

@@ -523,6 +523,10 @@ def abs_ratio_statistics(
         element qualifies.
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
+    # Ratios of bfloat16 or float16 numbers in float32: float16's range ends at
+    # 65504, below many |theta_j| / |grad_j| (exact widening; one rounding per ratio).
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.to(wide), b.to(wide)
     if not _device.on_host(a):
         result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
         return result if defer else _device.resolve(result)

@@ -57,6 +57,12 @@ B_SIMPLE = "b_simple"
 B_SIMPLE_SMOOTHED = "b_simple_smoothed"
 BATCH_SIZE = "batch_size"
 
+# A GradScaler's loss scale at each tracked step, and whether the scaler skipped
+# the step (inf/NaN gradients: no rows of the quantities there), under NETWORK.
+GRAD_SCALER = "GradScaler"
+LOSS_SCALE = "scale"
+SKIPPED = "skipped"
+
 # Stored under NETWORK by a per-parameter quantity whose network row leaves
 # out some of the parameters it was given (with requires_grad): how many it
 # covers, of how many. Absent: the row covers every parameter.

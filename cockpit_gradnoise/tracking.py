@@ -25,7 +25,7 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import accumulation, functional
+from cockpit_gradnoise import accumulation, amp, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.findings import report
@@ -357,7 +357,8 @@ class Tracker:
     def __call__(self, step: int, losses: torch.Tensor, *, optimizer=None, loss=None,
                  reduction: Optional[str] = None, batch_size: Optional[int] = None,
                  info: Optional[Mapping] = None, micro_batch: Optional[int] = None,
-                 micro_batches: Optional[int] = None) -> "TrackedStep":
+                 micro_batches: Optional[int] = None, scaler=None,
+                 loss_scaled: bool = False) -> "TrackedStep":
         """The ``with`` statement around one backward pass; it gives the loss to differentiate.
 
         Example::
@@ -403,6 +404,12 @@ class Tracker:
             micro_batches: Under gradient accumulation, the number ``K`` of
                 micro-batches of the optimizer step; ``loss=``, if given,
                 must then be ``losses.mean() / K`` or ``losses.sum()``.
+            scaler: The ``torch.amp.GradScaler`` whose ``scaler.scale(loss).backward()``
+                the block runs: the statistics are those of the unscaled loss, and a
+                step it skips (inf/NaN gradients) is logged as skipped, without rows
+                (:mod:`cockpit_gradnoise.amp`).
+            loss_scaled: ``loss=`` is already the scaled loss ``scaler.scale(loss)``, and
+                the block differentiates it (what Lightning hands its callbacks).
 
         Raises:
             TypeError: If ``step`` is not an integer.
@@ -414,6 +421,7 @@ class Tracker:
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
         micro = _micro_batch(micro_batch, micro_batches)
+        given = loss is not None
         if loss is None:
             if reduction not in (None, *_REDUCTIONS):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -425,8 +433,14 @@ class Tracker:
                 "give loss= or reduction=, not both: reduction= says which of losses.mean() "
                 "and losses.sum() the tracker differentiates; loss= is differentiated as given"
             )
-        else:
-            _check_loss(loss, losses, tracked=self._tracks(step), micro=micro)
+        scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
+        if loss_scaled and scaler is None:
+            raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
+        info_loss = loss
+        if scaled is not None and loss_scaled:
+            scaled.given, info_loss = loss, loss.detach() / scaled.scale  # the info's: unscaled
+        if given:
+            _check_loss(info_loss, losses, tracked=self._tracks(step), micro=micro)
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -440,12 +454,12 @@ class Tracker:
         clashes = sorted(set(info or {}) & set(DERIVED_KEYS))
         if clashes:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
-        full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
+        full = {"batch_size": len(losses), "individual_losses": losses, "loss": info_loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
         if micro is not None:
             full.update({accumulation.MICRO_BATCH: micro.index,
                          accumulation.MICRO_BATCHES: micro.count})
-        return TrackedStep(self.cockpit, step, full, after=self._after_step)
+        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
 
     def log_to(self, target) -> "Tracker":
         """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
@@ -548,13 +562,15 @@ class TrackedStep:
     step and the body's error is the one raised.
     """
 
-    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None):
+    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
+                 scaled: Optional[amp.ScaledStep] = None):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
-        self._backward_reached_loss = False
+        self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
+        self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
-        loss = self.info["loss"]
+        loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
         self._hook = loss.register_hook(self._reached)
         self._context = self.cockpit(self.step, info=self.info)
         self._context.__enter__()
@@ -562,22 +578,45 @@ class TrackedStep:
 
     def _reached(self, grad):
         self._backward_reached_loss = True
+        if self.scaled is not None:
+            self.scaled.arrived(grad)
 
     def __exit__(self, kind, error, traceback):
         self._hook.remove()
         problem = None if kind is not None else self._problem()
         if kind is None and problem is None:
-            self._context.__exit__(None, None, None)  # the quantities compute here
+            if self.scaled is not None and self.scaled.skipped(self.cockpit.params):
+                self._leave(None, None, None)  # the scaler skips this step: no rows
+                self.scaled.discard(self.cockpit.params)
+            else:
+                self._compute()
+            if self.scaled is not None:
+                self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
             if self.after is not None:
                 self.after()  # the tracker's loggers and stream
             return False
-        # Leave BackPACK's context without tracking: nothing of this step is recorded.
-        for context in self._context.contexts:
-            context.__exit__(kind, error, traceback)
-        CockpitCTX.erase()
+        self._leave(kind, error, traceback)
         if problem is not None:
             raise RuntimeError(problem)
         return False
+
+    def _compute(self):
+        """The quantities compute, of the unscaled loss where a GradScaler scaled it."""
+        if self.scaled is None:
+            self._context.__exit__(None, None, None)
+        else:
+            self.scaled.unscale(self.cockpit.params, self.cockpit.quantities)
+            try:
+                self._context.__exit__(None, None, None)
+            finally:
+                self.scaled.restore(self.cockpit.quantities)
+        self._computed = True
+
+    def _leave(self, kind, error, traceback):
+        """Leave BackPACK's context without tracking: nothing of this step is recorded."""
+        for context in self._context.contexts:
+            context.__exit__(kind, error, traceback)
+        CockpitCTX.erase()
 
     def _problem(self) -> Optional[str]:
         if not self._backward_reached_loss:
@@ -585,6 +624,8 @@ class TrackedStep:
                 f"step {self.step}: call loss.backward() inside `with tracker(step, losses) "
                 "as loss:`, on the loss it gives"
             )
+        if self.scaled is not None and self.scaled.problem(self.step):
+            return self.scaled.problem(self.step)
         if self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):

@@ -216,7 +216,7 @@ def test_lightning_accumulate_grad_batches_tracks_the_accumulated_batch_as_by_ha
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"precision": "bf16-mixed"}, "precision='bf16-mixed' is not supported"),
+    ({"precision": "bf16-true"}, "precision='bf16-true' is not supported"),
 ])
 def test_lightning_setups_not_supported_yet_are_refused_before_training(tmp_path, options, match):
     from cockpit_gradnoise.integrations.lightning import TrackingCallback

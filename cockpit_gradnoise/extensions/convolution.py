@@ -75,7 +75,8 @@ class _ConvGradientMixin:
         transposed = isinstance(module, _conv_math.TRANSPOSED)
         output_padding = module.output_padding if transposed else (0,) * (module.weight.dim() - 2)
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
-            g_out[0], inputs, module.weight, None, module.stride, padding,
+            # The weight's dtype as the inputs' (float32 for low-precision layers, .precision).
+            g_out[0], inputs, module.weight.to(inputs.dtype), None, module.stride, padding,
             module.dilation, transposed, output_padding, module.groups, (False, True, False),
         )
         return grad_weight

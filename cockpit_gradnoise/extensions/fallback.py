@@ -52,7 +52,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import _cost, precision
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -89,6 +89,8 @@ class Call:
     spec: Any
     versions: Dict[int, int]
     outputs: Optional[Tuple[int, ...]]
+    #: The autocast of the call (:func:`.precision.autocast_state`), re-entered to recompute it.
+    autocast: Optional[Tuple[str, torch.dtype]] = None
 
 
 @dataclass
@@ -183,7 +185,9 @@ def _capture(module, args, kwargs, output):
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-    state.call, state.results, state.taken = Call(leaves, spec, versions, positions), None, False
+    device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
+    call = Call(leaves, spec, versions, positions, precision.autocast_state(device))
+    state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
@@ -363,7 +367,7 @@ def per_example_gradients(
 
     examples = tuple(call.leaves[k][start:stop] for k in batched)
     cotangents = tuple(grads[p][start:stop] for p in positions)
-    with hooks_off(module), _math_attention(), torch.enable_grad():
+    with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
         return torch.func.vmap(one)(examples, cotangents)
 
 
@@ -403,6 +407,7 @@ def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]
     totals: Dict[str, Tensor] = {}
     for chunk in chunks:
         for name, x in chunk.items():
+            x = precision.widened(x)  # summed in float32 or wider (.precision)
             if BATCH_L2_SAVEFIELD in savefields:
                 norms.setdefault(name, []).append(x.square().flatten(1).sum(1))
             if SUMS_SAVEFIELD in savefields or LOCAL_GRADIENT_SAVEFIELD in savefields:

@@ -20,6 +20,7 @@ imports ``transformers``; a model that has these layers imported it.
 from typing import Callable, Dict, Optional
 
 from cockpit_gradnoise.extensions import linear, normalization
+from cockpit_gradnoise.extensions.precision import layer_input_dtype
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -65,7 +66,8 @@ def hf_rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Ten
     """``sum_p x_hat_ip G_ip`` over the positions, ``x_hat`` in float32 as the layer computes it."""
     hidden = input.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    normalized = hidden.to(input.dtype)
+    # Rounded to the dtype the layer got (bfloat16 in a bfloat16 model), as it rounds it.
+    normalized = hidden.to(layer_input_dtype(input))
     return normalization.scale_contributions(normalized, grad_output, tuple(range(1, input.dim() - 1)))
 
 

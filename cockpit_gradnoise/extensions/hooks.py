@@ -61,6 +61,8 @@ get their own record, so each use is dispatched with its own input.
 import functools
 from typing import Optional, Tuple
 
+from cockpit_gradnoise.extensions import precision
+
 import torch
 from backpack import disable
 from backpack.context import CTX
@@ -167,7 +169,10 @@ def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tenso
 
 def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
     """Run ``extensions`` on ``module`` with the call shown under BackPACK's names."""
-    shown = {f"input{i}": x for i, x in enumerate(call.inputs)}
+    # Low-precision factors as the layer computed with them, in float32 (.precision).
+    inputs = precision.shown_inputs(module, call.inputs, call.output)
+    g_out = tuple(precision.shown_grad_output(g) for g in g_out)
+    shown = {f"input{i}": x for i, x in enumerate(inputs)}
     shown["output"] = call.output
     # In __dict__, so that they shadow a submodule or parameter of that name
     # for the time of the dispatch and leave it untouched.

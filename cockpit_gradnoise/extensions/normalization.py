@@ -97,7 +97,11 @@ def layer_norm_contributions(module: nn.LayerNorm, input: Tensor, grad_output: T
 def rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
     """``nn.RMSNorm`` (a scale, no shift): ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``.
 
-    ``eps=None`` means ``torch.finfo(input.dtype).eps``; ``F.rms_norm`` applies it.
+    ``eps=None``: ``F.rms_norm`` applies its default. For bfloat16 and float16
+    inputs, which the rules see widened to float32 (:mod:`.precision`), that is
+    the same number: torch's kernels add float32's eps for them, computing in
+    float32 (measured on torch 2.14, fused and composite; its documentation
+    says ``torch.finfo(x.dtype).eps``).
     """
     normalized = F.rms_norm(input, module.normalized_shape, eps=module.eps)
     return scale_contributions(normalized, grad_output, _before_normalized_shape(module, input))

@@ -37,8 +37,12 @@ from cockpit_gradnoise.tracking import track
 
 import lightning.pytorch as pl
 
-#: Precisions whose backward pass the quantities support.
-SUPPORTED_PRECISIONS = ("32-true", "64-true", "32", "64")
+#: Precisions whose backward pass the quantities support: with ``"bf16-mixed"``
+#: and ``"16-mixed"`` Lightning runs the forward pass under ``torch.autocast``
+#: (the extensions see each layer's factors as it computed with them,
+#: :mod:`cockpit_gradnoise.extensions.precision`); ``"16-mixed"``'s GradScaler
+#: is divided out and its skipped steps logged (:mod:`cockpit_gradnoise.amp`).
+SUPPORTED_PRECISIONS = ("32-true", "64-true", "32", "64", "bf16-mixed", "16-mixed")
 
 
 class TrackingCallback(pl.Callback):
@@ -101,8 +105,11 @@ class TrackingCallback(pl.Callback):
         micro = self._micro_batch(trainer)
         if micro is False:
             return
+        # Under "16-mixed" Lightning hands over the loss its GradScaler has scaled.
+        scaler = trainer.scaler
         self._tracked_step = self.tracker(
-            trainer.global_step, losses, loss=loss, optimizer=_optimizer(trainer), **micro
+            trainer.global_step, losses, loss=loss, optimizer=_optimizer(trainer),
+            scaler=scaler, loss_scaled=scaler is not None, **micro
         )
         self._tracked_step.__enter__()
 
@@ -152,7 +159,7 @@ def _check_trainer(trainer) -> None:
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(
             f"TrackingCallback: precision={precision!r} is not supported yet: use "
-            "precision='32-true' or '64-true'"
+            f"one of {SUPPORTED_PRECISIONS}"
         )
 
 

@@ -24,6 +24,7 @@ from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.accumulation import MicroBatchGradient
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.quantities._accumulation import Accumulation
+from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.step import (
     Batch,
@@ -313,9 +314,11 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         ``param.grad`` is averaged across processes (and accumulates inside
         ``no_sync()``), and under gradient accumulation (or where
         ``param.grad`` held gradients before the backward pass), the same
-        computed by BackPACK.
+        computed by BackPACK. In float32 for bfloat16 and float16 parameters
+        (exact), so that dividing it by the loss scale adds no rounding of the
+        low dtype.
         """
-        return getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach()
+        return widened(getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach())
 
     # What the Step asks ---------------------------------------------------------
 

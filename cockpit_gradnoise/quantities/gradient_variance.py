@@ -2,6 +2,7 @@
 
 from cockpit_gradnoise import distributed, functional, order_statistics, schema
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import Batch
 
@@ -88,8 +89,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
         # The extensions may keep float32 sums in float64 (where squares
         # below 1e-38 would underflow); the gradient's sum goes back, exactly,
-        # to the dtype it was accumulated in, which sets the rounding bound.
-        grad = grad.to(param.dtype)
+        # to the dtype it was accumulated in, which sets the rounding bound
+        # (float32 for bfloat16 and float16 parameters: extensions.precision).
+        grad = grad.to(accumulation_dtype(param.dtype))
         if batch.loss_scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
