@@ -422,17 +422,7 @@ class Tracker:
         losses = _checked_losses(losses)
         micro = _micro_batch(micro_batch, micro_batches)
         given = loss is not None
-        if loss is None:
-            if reduction not in (None, *_REDUCTIONS):
-                raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-            loss = _REDUCTIONS[reduction or "mean"](losses)
-            if micro is not None and reduction != "sum":
-                loss = loss / micro.count  # the accumulated gradient: the mean of all examples
-        elif reduction is not None:
-            raise ValueError(
-                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
-                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
-            )
+        loss = _loss_to_differentiate(losses, loss, reduction, micro)
         scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
         if loss_scaled and scaler is None:
             raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
@@ -649,6 +639,23 @@ def _checked_losses(losses) -> torch.Tensor:
             "other dimensions, e.g. losses.mean(dim=1) for per-token losses"
         )
     return losses
+
+
+def _loss_to_differentiate(losses, loss, reduction, micro):
+    """``loss`` as given, else ``losses``' mean (over ``K`` under accumulation) or sum."""
+    if loss is not None:
+        if reduction is not None:
+            raise ValueError(
+                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
+                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
+            )
+        return loss
+    if reduction not in (None, *_REDUCTIONS):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    loss = _REDUCTIONS[reduction or "mean"](losses)
+    if micro is not None and reduction != "sum":
+        loss = loss / micro.count  # the accumulated gradient: the mean of all examples
+    return loss
 
 
 def _micro_batch(index, count) -> Optional[accumulation.MicroBatch]:
