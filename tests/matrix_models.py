@@ -85,12 +85,23 @@ def _bert_config(vocabulary, length, width, heads):
     )
 
 
+def _without_key_bias(model):
+    """``model`` with every ``key.bias`` frozen: its gradient is exactly zero (softmax ignores
+    a constant added to all of a query's scores), computed as rounding noise that reaches
+    up to 7.5 times the structural-zero threshold here (``extensions/sums.py``), so that
+    some of its elements keep noise for sd and SNR (issue 19's key-bias work)."""
+    for layer in model.bert.encoder.layer:
+        layer.attention.self.key.bias.requires_grad_(False)
+    return Bert(model).eval()
+
+
 def bert_classifier(vocabulary, length, width=8, heads=2):
     """``BertForSequenceClassification``: ``nn.Embedding(padding_idx=0)``, positions of
     shape ``(1, T)`` (without the batch dimension), submodules called ``output``, pooler."""
     from transformers import BertForSequenceClassification
 
-    return Bert(BertForSequenceClassification(_bert_config(vocabulary, length, width, heads))).eval()
+    return _without_key_bias(
+        BertForSequenceClassification(_bert_config(vocabulary, length, width, heads)))
 
 
 def bert_masked_lm(vocabulary, length, width=8, heads=2):
@@ -98,7 +109,7 @@ def bert_masked_lm(vocabulary, length, width=8, heads=2):
     word embedding (a Linear and an ``nn.Embedding(padding_idx=0)`` sharing one weight)."""
     from transformers import BertForMaskedLM
 
-    return Bert(BertForMaskedLM(_bert_config(vocabulary, length, width, heads))).eval()
+    return _without_key_bias(BertForMaskedLM(_bert_config(vocabulary, length, width, heads)))
 
 
 def padded_bert_batch(n, vocabulary, length, mask_token=1, generator=None):
@@ -157,6 +168,6 @@ class MaskedTokenLoss(nn.Module):
         tokens = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE,
                                  reduction="none")
         losses = cgn.sequence_losses(tokens, labels, ignore_index=IGNORE)
-        here = (labels != IGNORE).sum()
-        losses = losses * (batch * here / (len(labels) * labelled)).to(losses.dtype)
+        here = (labels != IGNORE).sum().to(losses.dtype)
+        losses = losses * (batch.to(losses.dtype) * here / (len(labels) * labelled.to(losses.dtype)))
         return losses if self.reduction == "none" else losses.sum()

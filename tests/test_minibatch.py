@@ -94,7 +94,9 @@ def test_statistics_match_reference(case):
 
 # Llama's RMSNorm computes in float32 inside a float64 model, so batches of other sizes
 # round differently in float32: the case matrix checks it at N = 2 and 8 (tests/cases.py).
-FLOAT64_THROUGHOUT = [case for case in MODELS if case.name != "hf-llama"]
+# Cases in training mode draw dropout masks: the two computations would draw different ones.
+FLOAT64_THROUGHOUT = [case for case in MODELS
+                      if case.name != "hf-llama" and not case.examples_interact]
 
 
 @pytest.mark.parametrize("case", FLOAT64_THROUGHOUT + [ATTENTION], ids=lambda case: case.name)
