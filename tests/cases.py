@@ -10,13 +10,13 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from cockpit_gradnoise import Cockpit, prepare_model
+from cockpit_gradnoise import Cockpit, prepare_model, references
 
 import torch
 from backpack import extend
 from torch import nn
 
-from tests import library_models
+from tests import library_models, matrix_models
 from tests.layer_models import Attention, embedding_padding, padded_tokens, timm_convnext, timm_vit
 from tests.models import GPT, NanoGPT, ThreeUses, TokenCrossEntropy, hf_gpt2
 
@@ -133,6 +133,10 @@ class ModelCase:
     #: structure to exactly 0 (an attention key's bias), where the loop computes
     #: rounding noise; ``None`` if none are.
     known_zeros: Optional[Callable[[dict], None]] = None
+    #: BatchNorm in training mode: examples interact, so the reference is each example's
+    #: contribution through the batch (:func:`reference_gradients`), drawn with the
+    #: random state of the tracked pass (dropout, stochastic depth).
+    examples_interact: bool = False
 
 
 MODELS = [
@@ -220,6 +224,8 @@ class Problem:
     inputs: torch.Tensor
     targets: torch.Tensor
     reduction: str
+    #: The random state the tracked forward pass starts from (dropout masks).
+    random_state: Optional[torch.Tensor] = None
 
     @property
     def names(self):
@@ -264,7 +270,29 @@ def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0,
         inputs,
         targets,
         reduction,
+        torch.get_rng_state(),
     )
+
+
+def reference_gradients(case: ModelCase, problem: Problem) -> dict:
+    """``{name: g_i stacked}`` with ``c g_i`` example ``i``'s contribution to ``param.grad``
+    (``c = 1/N`` for the mean): a per-example loop, or where examples interact the
+    contributions through the batch (``references.contributions_through_batch``), from
+    the tracked pass's random state; structural zeros set to 0 (``case.known_zeros``)."""
+    if case.examples_interact:
+        torch.set_rng_state(problem.random_state)
+        contributions = references.contributions_through_batch(
+            problem.model, problem.loss_fn, problem.inputs, problem.targets
+        )
+        scale = 1.0 / len(problem.inputs) if problem.reduction == "mean" else 1.0
+        grads = {name: x / scale for name, x in contributions.items()}
+    else:
+        grads = references.per_example_gradients(
+            problem.model, problem.per_example_loss, problem.inputs, problem.targets
+        )
+    if case.known_zeros is not None:
+        case.known_zeros(grads)
+    return grads
 
 
 def run_step(
@@ -337,3 +365,57 @@ FULL_NANOGPT_AND_GPT2 = [
                 known_zeros=fused_key_bias_is_zero),
 ]
 MODELS.extend(FULL_NANOGPT_AND_GPT2)
+
+
+# torchvision's VisionTransformer, MobileNetV3, EfficientNet and ConvNeXt, BERT with padding
+# (issue 19). Models in tests/matrix_models.py, built small from the libraries' own classes.
+# Sequences: batch sizes 2, odd and equal to the sequence length (positions applied without
+# the batch dimension: HF's position_ids (1, T)). Vision: eval mode exact per example; in
+# training mode (BatchNorm on the batch, dropout and stochastic depth drawn) against the
+# contributions through the batch. 16x16 images: the first convolution has 8x8 positions.
+VIT_POSITIONS = 2 * 2 + 1  # patches and the class token
+BERT_VOCABULARY, BERT_LENGTH = 13, 5
+IMAGE = (3, 16, 16)
+
+
+def key_third_is_zero(suffix, width):
+    """The key third of every fused ``[q | k | v]`` bias ending in ``suffix`` is zero."""
+    def zero(grads):
+        for name, g in grads.items():
+            if name.endswith(suffix):
+                g[:, width : 2 * width] = 0.0
+    return zero
+
+
+def _image_case(name, make, examples_interact=False):
+    return ModelCase(name, make, lambda n: torch.randn(n, *IMAGE), batch_sizes=(2, 7),
+                     inner_terms=8 * 8, examples_interact=examples_interact)
+
+
+def masked_token_losses(reduction):
+    return matrix_models.MaskedTokenLoss(reduction), matrix_models.MaskedTokenLoss("none")
+
+
+MODELS.extend([
+    ModelCase("torchvision-vit", matrix_models.torchvision_vit, lambda n: torch.randn(n, 3, 8, 8),
+              batch_sizes=(2, VIT_POSITIONS), inner_terms=VIT_POSITIONS,
+              known_zeros=key_third_is_zero("self_attention.in_proj_bias", 8)),
+    ModelCase("hf-bert-padded",
+              lambda: matrix_models.bert_classifier(BERT_VOCABULARY, BERT_LENGTH),
+              lambda n: matrix_models.padded_bert_batch(n, BERT_VOCABULARY, BERT_LENGTH),
+              batch_sizes=(2, BERT_LENGTH), inner_terms=BERT_LENGTH),
+    ModelCase("hf-bert-masked-lm",
+              lambda: matrix_models.bert_masked_lm(BERT_VOCABULARY, BERT_LENGTH),
+              lambda n: matrix_models.masked_lm_batch(n, BERT_VOCABULARY, BERT_LENGTH)[0],
+              batch_sizes=(2, BERT_LENGTH), inner_terms=2 * BERT_LENGTH,
+              losses=masked_token_losses,
+              targets=lambda n: matrix_models.masked_lm_batch(n, BERT_VOCABULARY, BERT_LENGTH)[1]),
+    _image_case("torchvision-mobilenet", matrix_models.torchvision_mobilenet),
+    _image_case("torchvision-efficientnet", matrix_models.torchvision_efficientnet),
+    _image_case("torchvision-convnext", matrix_models.torchvision_convnext),
+    _image_case("torchvision-mobilenet-train",
+                lambda: matrix_models.torchvision_mobilenet(training=True), examples_interact=True),
+    _image_case("torchvision-efficientnet-train",
+                lambda: matrix_models.torchvision_efficientnet(training=True),
+                examples_interact=True),
+])

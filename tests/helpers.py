@@ -18,12 +18,13 @@ def without_coverage(rows):
     }
 
 
-def assert_statistics_match(got, expected, rtol=RTOL, rtol_of=None):
+def assert_statistics_match(got, expected, rtol=RTOL, rtol_of=None, atol_of=None):
     """``got`` equals ``expected`` statistic by statistic (``inf == inf``).
 
     Both are ``{param: {statistic: float}}``; the network's coverage
     statistics in ``got`` are left out. ``rtol_of(name, statistic)``, if given,
-    overrides ``rtol`` per statistic.
+    overrides ``rtol`` per statistic; ``atol_of(name, statistic)`` gives an
+    absolute tolerance (0 if not given).
     """
     got = without_coverage(got)
     assert set(got) == set(expected)
@@ -31,7 +32,8 @@ def assert_statistics_match(got, expected, rtol=RTOL, rtol_of=None):
         assert set(got[name]) == set(stats), name
         for statistic, value in stats.items():
             tolerance = rtol if rtol_of is None else rtol_of(name, statistic)
-            assert got[name][statistic] == pytest.approx(value, rel=tolerance, abs=0), (
+            atol = 0 if atol_of is None else atol_of(name, statistic)
+            assert got[name][statistic] == pytest.approx(value, rel=tolerance, abs=atol), (
                 name,
                 statistic,
             )
@@ -63,8 +65,27 @@ def sd_rtol(grads, n, name, inner_terms=1):
     rows = [g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)]
     x = torch.cat(rows, dim=1)
     sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
-    snr_max = (x.sum(0).abs()[sd > 0] / sd[sd > 0]).max().item()
+    snr = x.sum(0).abs()[sd > 0] / sd[sd > 0]
+    snr_max = snr.max().item() if snr.numel() else 0.0  # all sd 0: a structural zero
     return max(RTOL, 2 * (n + inner_terms) * EPS64 * (1 + snr_max**2 / (n - 1)))
+
+
+def snr_atol(grads, n, name, inner_terms=1):
+    """Absolute tolerance of the SNR statistics of ``name`` where gradients are rounding noise.
+
+    ``grad_j = sum_i x_ij`` rounds by up to ``2 (N + inner_terms) eps A_j``
+    with ``A_j = sum_i |x_ij|`` (as in :func:`sd_rtol`). Where the examples'
+    contributions cancel exactly (a BatchNorm's bias followed only by linear
+    maps and a BatchNorm in training mode: the batch's mean removes it),
+    ``|grad_j|`` is within that bound, and ``SNR_j`` is noise of up to that bound
+    over ``sd_j``; a quantile or mean over elements moves by at most the
+    largest such bound. 0 where no element's gradient is within its bound.
+    """
+    x = torch.cat([g.reshape(n, -1) for key, g in grads.items() if name in (key, cgn.NETWORK)], 1)
+    sd = (n / (n - 1) * (x - x.mean(0)).pow(2).sum(0)).sqrt()
+    bound = 2 * (n + inner_terms) * EPS64 * x.abs().sum(0)
+    noise = (x.sum(0).abs() <= bound) & (sd > 0)
+    return (bound[noise] / sd[noise]).max().item() if noise.any() else 0.0
 
 
 def rounding_bounds(n, elements, grad_sq, trace_cov):

@@ -16,8 +16,8 @@ from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.cases import MODELS, build, case_named, run_step
-from tests.helpers import assert_statistics_match, sd_rtol
+from tests.cases import MODELS, build, case_named, reference_gradients, run_step
+from tests.helpers import assert_statistics_match, sd_rtol, snr_atol
 
 
 def test_gradient_variance_quantiles_match_reference(model_case, reduction, batch_size):
@@ -26,14 +26,10 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
     quantity = cgn.GradientVarianceQuantiles(
         linear(1), quantiles=quantiles, param_names=problem.names
     )
-    with pytest.warns(UserWarning) if model_case.name == "unused-frozen" else _no_warning():
+    with _expected_warnings(model_case):
         cockpit = run_step(problem, [quantity])
     got = cockpit.get_output()[0]["GradientVarianceQuantiles"]
-    grads = references.per_example_gradients(
-        problem.model, problem.per_example_loss, problem.inputs, problem.targets
-    )
-    if model_case.known_zeros is not None:
-        model_case.known_zeros(grads)
+    grads = reference_gradients(model_case, problem)
     expected = references.gradient_variance_quantiles(
         problem.model, None, problem.inputs, problem.targets, reduction=reduction,
         quantiles=quantiles, gradients=grads,
@@ -42,22 +38,29 @@ def test_gradient_variance_quantiles_match_reference(model_case, reduction, batc
         name: sd_rtol(grads, batch_size, name, model_case.inner_terms) for name in expected
     }
 
+    snr_tolerances = {
+        name: snr_atol(grads, batch_size, name, model_case.inner_terms) for name in expected
+    }
+
     def rtol_of(name, statistic):
         return sd_tolerances[name]
 
-    assert_statistics_match(got, expected, rtol_of=rtol_of)
+    def atol_of(name, statistic):
+        return snr_tolerances[name] if statistic.startswith("snr") else 0.0
+
+    assert_statistics_match(got, expected, rtol_of=rtol_of, atol_of=atol_of)
 
 
 def test_per_example_grad_norm_matches_reference(model_case, reduction, batch_size):
     problem = build(model_case, batch_size, reduction)
     quantiles = (0.0, 0.05, 0.5, 0.95, 1.0)
     quantity = cgn.PerExampleGradNorm(linear(1), quantiles=quantiles, param_names=problem.names)
-    with pytest.warns(UserWarning) if model_case.name == "unused-frozen" else _no_warning():
+    with _expected_warnings(model_case):
         cockpit = run_step(problem, [quantity])
     got = cockpit.get_output()[0]["PerExampleGradNorm"]
     expected = references.per_example_grad_norm(
-        problem.model, problem.per_example_loss, problem.inputs, problem.targets,
-        quantiles=quantiles,
+        None, None, problem.inputs, None, quantiles=quantiles,
+        gradients=reference_gradients(model_case, problem),
     )
     assert_statistics_match(got, expected)
 
@@ -69,6 +72,15 @@ def test_unused_and_frozen_parameters_have_no_rows():
         cockpit = run_step(problem, [quantity])
     frame = cgn.to_frame(cockpit)
     assert set(frame.param) == {"body.1.weight", "body.1.bias", "body.3.weight", "body.3.bias", "all"}
+
+
+def _expected_warnings(case):
+    """The unused layer's warning, the warning that examples interact, or no warning."""
+    if case.name == "unused-frozen":
+        return pytest.warns(UserWarning)
+    if case.examples_interact:
+        return pytest.warns(UserWarning, match="examples interact")
+    return _no_warning()
 
 
 class _no_warning:

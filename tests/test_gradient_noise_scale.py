@@ -15,7 +15,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.cases import MODELS, ModelCase, Problem, build, run_step
+from tests.cases import MODELS, ModelCase, Problem, build, reference_gradients, run_step
 from tests.helpers import rounding_bounds, rows, without_coverage
 
 RTOL = 1e-10
@@ -26,7 +26,7 @@ def test_matches_reference(model_case, reduction, batch_size, recwarn):
     cockpit = run_step(problem, [cgn.GradientNoiseScale(linear(1), param_names=problem.names)])
     got = without_coverage(rows(cockpit, "GradientNoiseScale"))
     expected = references.gradient_noise_scale(
-        problem.model, problem.per_example_loss, problem.inputs, problem.targets
+        None, None, problem.inputs, None, gradients=reference_gradients(model_case, problem)
     )
     assert set(got) == set(expected)
     numel = dict((n, p.numel()) for n, p in zip(problem.names, problem.params))

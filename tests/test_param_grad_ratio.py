@@ -18,6 +18,7 @@ from tests.helpers import assert_statistics_match, rows
 def test_matches_reference(model_case, reduction, batch_size, recwarn):
     problem = build(model_case, batch_size, reduction)
     cockpit = run_step(problem, [cgn.ParamGradRatio(linear(1), param_names=problem.names)])
+    torch.set_rng_state(problem.random_state)  # the same dropout masks
     expected = references.param_grad_ratio(
         problem.model, problem.loss_fn, problem.inputs, problem.targets
     )

@@ -7,7 +7,6 @@ LSTM layers, which no case there has. It must cover every parameter that
 ``PerExampleSquaredNorms`` covers.
 """
 
-from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     BATCH_L2_SAVEFIELD,
     SUMS_SAVEFIELD,
@@ -20,7 +19,7 @@ import torch
 from backpack import backpack
 from torch import nn
 
-from tests.cases import MODELS, ModelCase, build
+from tests.cases import MODELS, ModelCase, build, reference_gradients
 from tests.helpers import RTOL
 
 
@@ -61,9 +60,7 @@ def test_sums_match_per_example_loop(case, reduction):
     loss = problem.loss_fn(model(problem.inputs), problem.targets)
     with backpack(SumsOfContributions(), PerExampleSquaredNorms()):
         loss.backward()
-    grads = references.per_example_gradients(
-        model, problem.per_example_loss, problem.inputs, problem.targets
-    )
+    grads = reference_gradients(case, problem)
     scale = 1.0 / n if reduction == "mean" else 1.0
     params = dict(model.named_parameters())
     covered = [name for name in grads if hasattr(params[name], SUMS_SAVEFIELD)]

@@ -120,11 +120,6 @@ def as_weight(module: nn.Module, result: Tensor) -> Tensor:
     return kernel_first.movedim(-1, 1)
 
 
-def bias_contributions(grad_output: Tensor) -> Tensor:
-    """Per-example bias gradients ``[N, C_out]``: the output gradient summed over positions."""
-    return grad_output.flatten(start_dim=2).sum(2)
-
-
 def layer_shape(
     module: nn.Module, inputs: Tensor, grad_output: Tensor
 ) -> Tuple[int, int, int, int]:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from cockpit_gradnoise.extensions import _conv_math
 from cockpit_gradnoise.extensions._squares import squared_norms_of
-from cockpit_gradnoise.extensions.sums import sums_of_position_sums
+from cockpit_gradnoise.extensions.sums import position_sums, sums_of_position_sums
 
 import torch
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
@@ -54,8 +54,9 @@ class SquaredNormsConv(_ConvolutionExtension):
     """``||x_i||^2`` of weight and bias, ``[N]`` each."""
 
     weight_result = staticmethod(_conv_math.weight_squared_norms)
+    # Structural zeros exactly 0, as in the sums.
     bias_result = staticmethod(
-        lambda grad_output: squared_norms_of(_conv_math.bias_contributions(grad_output))
+        lambda grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2))
     )
 
 

@@ -36,12 +36,14 @@ from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
     scaled_factors,
+    squared_norms_of,
     unscaled_norms,
     unscaled_sums,
 )
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import (
     SumsFromContributionsMixin,
+    position_sums,
     stacked,
     sums_of,
     sums_of_position_sums,
@@ -195,3 +197,9 @@ class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
         return _shared_weight_result(
             ext, module, g_out[0], SUMS_SAVEFIELD, linear_weight_squared_norms
         )
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        if g_out[0].dim() == 2:
+            return squared_norms_of(g_out[0])
+        # Structural zeros exactly 0, as in the sums (an attention key's bias).
+        return squared_norms_of(position_sums(g_out[0].flatten(1, -2), 1))

@@ -152,6 +152,16 @@ def sums_of_position_sums(per_position: Tensor, dims) -> Tensor:
     return sums_of(contributions).masked_fill(zeros, 0.0)
 
 
+def position_sums(per_position: Tensor, dims) -> Tensor:
+    """Contributions ``x_i`` (sums over ``dims`` of ``per_position``), structural zeros
+    exactly 0 (:func:`structural_zeros`): per-example norms agree with the sums of
+    :func:`sums_of_position_sums`, where ``T = S = 0``."""
+    contributions = per_position.sum(dims)
+    terms = per_position[0].numel() // max(contributions[0].numel(), 1)
+    zeros = structural_zeros(contributions, per_position.abs().sum(dims), terms)
+    return contributions.masked_fill(zeros, 0.0)
+
+
 class SumsFromContributionsMixin:
     """Turns a BackPACK ``SumGradSquared`` rule (an ``SGSBase``) into ``[T, S]`` of the
     contributions it forms: ``class Sums(SumsFromContributionsMixin, SGSRule)``."""

@@ -97,9 +97,13 @@ class GradientNoiseScale(ParameterQuantity):
         squared_norms = param.cgn_batch_l2.detach()
         check_example_count(squared_norms.shape[0], batch.examples)
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2; param.grad = c * sum_i g_i.
+        total = squared_norms.sum(dtype=torch.float64)
+        # Every contribution exactly 0 (a structural zero: an attention key's bias): so is
+        # the gradient, where autograd's is rounding noise. != keeps a NaN (no sync).
+        gradient = torch.where(total != 0, self.local_gradient(param), 0.0)
         return {
-            "sum_of_squared_norms": squared_norms.sum(dtype=torch.float64) / batch.loss_scale**2,
-            "sum_of_gradients": self.local_gradient(param) / batch.loss_scale,
+            "sum_of_squared_norms": total / batch.loss_scale**2,
+            "sum_of_gradients": gradient / batch.loss_scale,
         }
 
     def value_from_sums(self, sums, batch):
