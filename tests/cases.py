@@ -387,6 +387,13 @@ def key_third_is_zero(suffix, width):
     return zero
 
 
+def key_bias_is_zero(grads):
+    """BERT's ``key.bias``: softmax ignores a constant added to all of a query's scores."""
+    for name, g in grads.items():
+        if name.endswith("attention.self.key.bias"):
+            g.zero_()
+
+
 def _image_case(name, make, examples_interact=False):
     return ModelCase(name, make, lambda n: torch.randn(n, *IMAGE), batch_sizes=(2, 7),
                      inner_terms=8 * 8, examples_interact=examples_interact)
@@ -403,12 +410,12 @@ MODELS.extend([
     ModelCase("hf-bert-padded",
               lambda: matrix_models.bert_classifier(BERT_VOCABULARY, BERT_LENGTH),
               lambda n: matrix_models.padded_bert_batch(n, BERT_VOCABULARY, BERT_LENGTH),
-              batch_sizes=(2, BERT_LENGTH), inner_terms=BERT_LENGTH),
+              batch_sizes=(2, BERT_LENGTH), inner_terms=BERT_LENGTH, known_zeros=key_bias_is_zero),
     ModelCase("hf-bert-masked-lm",
               lambda: matrix_models.bert_masked_lm(BERT_VOCABULARY, BERT_LENGTH),
               lambda n: matrix_models.masked_lm_batch(n, BERT_VOCABULARY, BERT_LENGTH)[0],
               batch_sizes=(2, BERT_LENGTH), inner_terms=2 * BERT_LENGTH,
-              losses=masked_token_losses,
+              losses=masked_token_losses, known_zeros=key_bias_is_zero,
               targets=lambda n: matrix_models.masked_lm_batch(n, BERT_VOCABULARY, BERT_LENGTH)[1]),
     _image_case("torchvision-mobilenet", matrix_models.torchvision_mobilenet),
     _image_case("torchvision-efficientnet", matrix_models.torchvision_efficientnet),

@@ -85,23 +85,12 @@ def _bert_config(vocabulary, length, width, heads):
     )
 
 
-def _without_key_bias(model):
-    """``model`` with every ``key.bias`` frozen: its gradient is exactly zero (softmax ignores
-    a constant added to all of a query's scores), computed as rounding noise that reaches
-    up to 7.5 times the structural-zero threshold here (``extensions/sums.py``), so that
-    some of its elements keep noise for sd and SNR (issue 19's key-bias work)."""
-    for layer in model.bert.encoder.layer:
-        layer.attention.self.key.bias.requires_grad_(False)
-    return Bert(model).eval()
-
-
 def bert_classifier(vocabulary, length, width=8, heads=2):
     """``BertForSequenceClassification``: ``nn.Embedding(padding_idx=0)``, positions of
     shape ``(1, T)`` (without the batch dimension), submodules called ``output``, pooler."""
     from transformers import BertForSequenceClassification
 
-    return _without_key_bias(
-        BertForSequenceClassification(_bert_config(vocabulary, length, width, heads)))
+    return Bert(BertForSequenceClassification(_bert_config(vocabulary, length, width, heads))).eval()
 
 
 def bert_masked_lm(vocabulary, length, width=8, heads=2):
@@ -109,7 +98,7 @@ def bert_masked_lm(vocabulary, length, width=8, heads=2):
     word embedding (a Linear and an ``nn.Embedding(padding_idx=0)`` sharing one weight)."""
     from transformers import BertForMaskedLM
 
-    return _without_key_bias(BertForMaskedLM(_bert_config(vocabulary, length, width, heads)))
+    return Bert(BertForMaskedLM(_bert_config(vocabulary, length, width, heads))).eval()
 
 
 def padded_bert_batch(n, vocabulary, length, mask_token=1, generator=None):
