@@ -664,3 +664,41 @@ def test_a_gradient_left_from_an_earlier_step_is_told_under_a_scaler():
         stale = [w for w in caught if "got no gradient from the backward pass" in str(w.message)]
         assert len(stale) == step  # told at step 1, about b's parameters
     assert "'b.weight'" in str(stale[0].message)
+
+
+def accumulated_scaler_run(scale, steps=2, sizes=(3, 5)):
+    """:func:`scaler_run` with gradient accumulation: micro-batches of ``sizes`` per step,
+    the tracker around each, every micro-batch's loss scaled by the same GradScaler."""
+    torch.manual_seed(0)
+    model, tracker = cgn.track(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(steps):
+        opt.zero_grad()
+        for k, n in enumerate(sizes):
+            x, y = torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with tracker(step, losses, optimizer=opt, scaler=scaler, micro_batch=k,
+                         micro_batches=len(sizes)) as loss:
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    return tracker.frame()
+
+
+def test_grad_scaler_under_gradient_accumulation_gives_the_unscaled_statistics():
+    """Each micro-batch's scaled backward pass unscaled: the accumulated step's numbers equal
+    the unscaled run's to float32's unit roundoff, as without accumulation."""
+    unscaled, scaled = accumulated_scaler_run(None), accumulated_scaler_run(1024.0)
+    key = ["step", "quantity", "param", "statistic"]
+    merged = unscaled.merge(scaled[scaled.quantity != "GradScaler"], on=key, suffixes=("", "_scaled"))
+    assert len(merged) == len(unscaled) > 0
+    assert set(merged.step) == {0, 1}
+    finite = numpy.isfinite(merged.value)
+    assert (numpy.isfinite(merged.value_scaled) == finite).all()
+    difference = (merged.value_scaled[finite] - merged.value[finite]).abs()
+    assert (difference <= F32_UNIT * merged.value[finite].abs()).all()
