@@ -1,0 +1,167 @@
+"""Per-element work of the quantities, in nanoseconds per gradient element, one thread.
+
+What a tracked step spends on the numbers after the backward pass: for each
+model, one backward pass with the package's extensions leaves the sums
+``[T, S]`` on every parameter (:class:`~cockpit_gradnoise.extensions.SumsOfContributions`),
+and then each candidate below runs on those same tensors, interleaved in
+rounds (candidate A, B, C, A, B, C, ...), one thread
+(``torch.set_num_threads(1)``); the table gives the median and the minimum
+over the rounds of the process's CPU time (``time.process_time``: on a
+shared machine, time spent descheduled is not counted) divided by the
+number of gradient elements.
+
+Candidates:
+
+- ``reference``: a minimal pipeline written here, per layer: one sd
+  ``sqrt(max(S - T**2 / N, 0) N / (N - 1))``, one SNR ``|T| / sd`` and one
+  ``torch.bincount`` of the top 14 bits of the sd (eager torch, whole
+  tensors): the floor the quantities' own work is compared with (issue 21's
+  target: within 1.5x).
+- ``GradientVarianceQuantiles``: the quantity's computation
+  (``value_from_sums`` per layer: sd with the rounding clamp and SNR;
+  ``statistics_of_values``: exact quantiles and means of both, per layer and
+  for the network), and its two halves.
+- ``ParamGradRatio``: the quantity's ``parameter_value`` per layer and its
+  statistics (the passes over ``param`` and ``param.grad``).
+- ``whole tensors``: the same computation from the functions it is made of
+  (``gradient_sd``, ``signal_to_noise``, ``sd_statistics_of_layers``).
+
+Run ``python benchmarks/benchmark_per_element.py`` (``--models mlp,resnet18``,
+``--rounds``, ``--quick`` for a smoke test). The machine may be shared:
+rounds are interleaved so that disturbances hit every candidate alike, and
+the median is the figure to read.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
+from cockpit_gradnoise import functional  # noqa: E402
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions  # noqa: E402
+from cockpit_gradnoise.step import Batch  # noqa: E402
+
+import torch  # noqa: E402
+from backpack import backpack, extend  # noqa: E402
+
+from benchmarks.models import MODELS, model_and_batch  # noqa: E402
+
+
+def tracked_tensors(model_name, batch_size=None):
+    """``(params, n)``: a model's parameters after one backward pass with the sums extension."""
+    spec = MODELS[model_name]
+    model, x, y = model_and_batch(spec, batch_size or spec.batch_size, torch.device("cpu"))
+    model = cgn.prepare_model(model)
+    loss = extend(spec.loss("mean"))(model(x), y)
+    with backpack(SumsOfContributions()):
+        loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return params, len(x)
+
+
+_BUCKET_SHIFT = 32 - 14
+
+
+def reference(params, n):
+    """One sd, one SNR and one bincount of the sd's buckets per layer (the floor)."""
+    for param in params:
+        total, squares = getattr(param, SUMS_SAVEFIELD)
+        sd = (squares - total * total / n).clamp_(min=0).mul_(n / (n - 1)).sqrt_()
+        snr = total.abs() / sd  # noqa: F841 (the work is what is measured)
+        torch.bincount((sd.view(torch.int32) >> _BUCKET_SHIFT).reshape(-1), minlength=1 << 14)
+
+
+def gvq_values(quantity, params, n):
+    batch = Batch(n, 1.0)
+    return [quantity.value_from_sums(quantity.parameter_sums(p, batch), batch) for p in params]
+
+
+def gvq_all(quantity, params, n):
+    return quantity.statistics_of_values(gvq_values(quantity, params, n), True)
+
+
+def pgr_all(quantity, params, n):
+    return quantity.statistics_of_values([quantity.parameter_value(p, None) for p in params], True)
+
+
+def gvq_whole(params, n, levels=(0.05, 0.25, 0.5, 0.75, 0.95)):
+    """sd and SNR as whole tensors, then the selection of their quantiles."""
+    sds, snrs = [], []
+    for param in params:
+        total, squares = getattr(param, SUMS_SAVEFIELD)
+        sd = functional.gradient_sd(squares, total, n, dtype=total.dtype)
+        snrs.append(functional.signal_to_noise(total, sd, functional.resolvable_snr(n, total.dtype)))
+        sds.append(sd)
+    return functional.sd_statistics_of_layers(sds, snrs, levels, True)
+
+
+def candidates(params, n):
+    """Name -> function of no arguments (each returns what it computed)."""
+    gvq = cgn.GradientVarianceQuantiles(lambda step: True)
+    pgr = cgn.ParamGradRatio(lambda step: True)
+    values = gvq_values(gvq, params, n)
+    return {
+        "reference: one sd, one SNR, one bincount": lambda: reference(params, n),
+        "GradientVarianceQuantiles: all": lambda: gvq_all(gvq, params, n),
+        "  sd with rounding clamp, SNR (value_from_sums)": lambda: gvq_values(gvq, params, n),
+        "  quantiles and means (statistics_of_values)": lambda: gvq.statistics_of_values(values, True),
+        "  whole tensors (gradient_sd, signal_to_noise, sd_statistics_of_layers)": (
+            lambda: gvq_whole(params, n)
+        ),
+        "ParamGradRatio: all": lambda: pgr_all(pgr, params, n),
+    }
+
+
+def measure(model_name, rounds, batch_size=None):
+    params, n = tracked_tensors(model_name, batch_size)
+    elements = sum(p.numel() for p in params)
+    functions = candidates(params, n)
+    for function in functions.values():  # warm up
+        function()
+    times = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            start = time.process_time()
+            function()
+            times[name].append(time.process_time() - start)
+    return elements, {name: [1e9 * t / elements for t in ts] for name, ts in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn,resnet18,gpt")
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke test: MLP, batch 8, 3 rounds")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    if args.quick:
+        models, args.rounds, args.batch_size = ["mlp"], 3, 8
+    torch.set_num_threads(1)
+    print(
+        f"torch {torch.__version__}, 1 thread, {args.rounds} interleaved rounds, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print("\n| model | elements | candidate | ns/element, median | min | ratio to reference |")
+    print("|---|---:|---|---:|---:|---:|")
+    for model_name in models:
+        print(f"measuring {model_name}", file=sys.stderr)
+        elements, times = measure(model_name, args.rounds, args.batch_size)
+        floor = statistics.median(next(iter(times.values())))
+        for name, ns in times.items():
+            median = statistics.median(ns)
+            print(
+                f"| {model_name} | {elements:,} | {name} | {median:.2f} | {min(ns):.2f} "
+                f"| {median / floor:.2f} |"
+            )
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
