@@ -25,9 +25,10 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import arming, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
+from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.log import LogStream
@@ -36,6 +37,7 @@ from cockpit_gradnoise.step import step_number
 
 import cockpit.quantities
 import torch
+from backpack import disable
 from cockpit import Cockpit
 from cockpit.context import CockpitCTX
 from cockpit.utils.schedules import linear
@@ -277,7 +279,7 @@ def track(
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    tracker = Tracker(Cockpit(params, quantities=built), names)
+    tracker = Tracker(Cockpit(params, quantities=built), names, switch=switch_of(model))
     if log is not None:
         tracker.stream_to(log)
     return (model if compiled is None else compiled), tracker
@@ -303,8 +305,9 @@ class Tracker:
         stream: The :class:`~cockpit_gradnoise.LogStream` of :meth:`stream_to`, or ``None``.
     """
 
-    def __init__(self, cockpit: Cockpit, param_names: Sequence[str]):
+    def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
         self.cockpit = cockpit
+        self.arming = arming.Arming(cockpit, switch)  # the hooks idle at untracked steps
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
@@ -378,6 +381,7 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
+        tracked = self._tracks(step)
         if loss is None:
             if reduction not in (None, *_REDUCTIONS):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -388,7 +392,7 @@ class Tracker:
                 "and losses.sum() the tracker differentiates; loss= is differentiated as given"
             )
         else:
-            _check_loss(loss, losses, tracked=self._tracks(step))
+            _check_loss(loss, losses, tracked=tracked)
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -404,7 +408,21 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
+        self.arming.at_call(step, optimizer)  # refuses a tracked step recorded by no hook
+        if arming.idle_step(self.cockpit, tracked):
+            return TrackedStep(self.cockpit, step, full, idle=True)
         return TrackedStep(self.cockpit, step, full, after=self._after_step)
+
+    def arm(self, step: int) -> bool:
+        """Get the model's hooks ready for the forward pass of ``step``; whether they record it.
+
+        The tracker arms them by itself for the step after each call (and after
+        ``optimizer.step()`` of the optimizer it was given); call this before a
+        step's forward pass when steps are not numbered consecutively. The hooks
+        record only forward passes whose step needs per-example results
+        (:mod:`cockpit_gradnoise.arming`).
+        """
+        return self.arming.arm(step_number(step, convert=True))
 
     def log_to(self, target) -> "Tracker":
         """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
@@ -507,15 +525,17 @@ class TrackedStep:
     step and the body's error is the one raised.
     """
 
-    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None):
+    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
+                 idle: bool = False):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
+        self.idle = idle  # no quantity computes: BackPACK's disable(), none of Cockpit's work
         self._backward_reached_loss = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"]
         self._hook = loss.register_hook(self._reached)
-        self._context = self.cockpit(self.step, info=self.info)
+        self._context = _IdleContext() if self.idle else self.cockpit(self.step, info=self.info)
         self._context.__enter__()
         return loss
 
@@ -552,6 +572,20 @@ class TrackedStep:
                 "loss.backward(create_graph=tracker.create_graph(step))"
             )
         return None
+
+
+class _IdleContext:
+    """Cockpit's context at a step where no quantity computes, less its bookkeeping:
+    only ``backpack.disable()``, as Cockpit enters it then."""
+
+    def __init__(self):
+        self.contexts = (disable(),)
+
+    def __enter__(self):
+        self.contexts[0].__enter__()
+
+    def __exit__(self, kind, error, traceback):
+        self.contexts[0].__exit__(kind, error, traceback)
 
 
 def _checked_losses(losses) -> torch.Tensor:
