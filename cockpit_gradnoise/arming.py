@@ -63,9 +63,12 @@ class Arming:
             self.switch.armed, self.switch.step = needed, step
         return needed
 
-    def at_call(self, step: int, optimizer=None):
+    def at_call(self, step: int, optimizer=None, tracked: bool = True):
         """At the tracker's call for ``step``: refuse it if it needs the extensions and
         its forward pass went unrecorded; then arm the hooks for what may come next.
+
+        ``tracked``: whether any quantity computes at ``step`` (if not, none needs
+        the extensions).
 
         Raises:
             RuntimeError: Naming the fix, if the forward pass was not recorded.
@@ -73,7 +76,7 @@ class Arming:
         switch = self.switch
         if switch is None:
             return
-        needed = self.needs(step)
+        needed = tracked and self.needs(step)
         if needed and switch.missed:
             raise RuntimeError(unrecorded_message(step, switch.step, self.last_step))
         self.last_step = step

@@ -408,7 +408,7 @@ class Tracker:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
         full = {"batch_size": len(losses), "individual_losses": losses, "loss": loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
-        self.arming.at_call(step, optimizer)  # refuses a tracked step recorded by no hook
+        self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
         if arming.idle_step(self.cockpit, tracked):
             return TrackedStep(self.cockpit, step, full, idle=True)
         return TrackedStep(self.cockpit, step, full, after=self._after_step)
@@ -564,7 +564,7 @@ class TrackedStep:
                 f"step {self.step}: call loss.backward() inside `with tracker(step, losses) "
                 "as loss:`, on the loss it gives"
             )
-        if self.cockpit.create_graph(self.step) and not any(
+        if not self.idle and self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):
             return (
