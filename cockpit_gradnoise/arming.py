@@ -18,7 +18,7 @@ the model's :class:`~cockpit_gradnoise.extensions.hooks.Switch`:
   ``step`` explicitly, for loops whose step numbers are not consecutive.
 
 Before the first call the hooks are armed. A step needs the extensions if
-Cockpit would enter BackPACK's context for it (``Cockpit._get_extensions``):
+Cockpit would enter BackPACK's context for it (a quantity's ``extensions``):
 UpdateSize's end step reads the parameters only, and is not armed for.
 
 If a step that needs the extensions comes after a forward pass that the
@@ -53,8 +53,9 @@ class Arming:
 
     def needs(self, step: int) -> bool:
         """Whether ``step``'s backward pass runs BackPACK's extensions (so its forward
-        pass must be recorded)."""
-        return bool(self.cockpit._get_extensions(step))
+        pass must be recorded): whether Cockpit's ``_get_extensions(step)`` is not
+        empty, without building its list."""
+        return any(q.extensions(step) for q in self.cockpit.quantities)
 
     def arm(self, step: int) -> bool:
         """Set the hooks for the forward pass of ``step``; whether it is recorded."""
