@@ -86,13 +86,20 @@ class Arming:
             self._watch(optimizer)
 
     def _watch(self, optimizer):
+        """Arm for the next step after each ``optimizer.step()``. An optimizer without
+        torch's step hooks (a wrapper) is left alone: the hooks stay armed as
+        :meth:`at_call` left them, for ``s`` or ``s + 1``."""
+        handle = None
         register = getattr(optimizer, "register_step_post_hook", None)
-        if register is None:  # not a torch optimizer: armed as at_call left it
-            return
         try:
-            # A weak reference: the optimizer does not keep the tracker alive.
-            self._watched[optimizer] = register(functools.partial(_stepped, weakref.ref(self)))
+            if register is not None:
+                # A weak reference: the optimizer does not keep the tracker alive.
+                handle = register(functools.partial(_stepped, weakref.ref(self)))
         except (AttributeError, TypeError):  # a wrapper without torch's hook tables
+            pass
+        try:
+            self._watched[optimizer] = handle  # tried once per optimizer
+        except TypeError:  # not weakly referenceable: tried again at the next call
             pass
 
     def stepped(self):

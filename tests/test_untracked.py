@@ -179,3 +179,25 @@ def test_the_optimizer_does_not_keep_the_tracker_alive():
     gc.collect()
     assert alive() is None
     opt.step()  # its hook finds no tracker and does nothing
+
+
+def test_an_optimizer_without_torchs_step_hooks_leaves_the_hooks_armed_for_both():
+    class Wrapper:  # as some trainers wrap the optimizer: no register_step_post_hook
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            self.optimizer.step()
+
+    model, tracker = cgn.track(nano(), every=3)
+    switch = hooks.switch_of(model)
+    wrapper = Wrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss_fn = TokenCrossEntropy("none")
+    idx = data(1)[0]
+    armed = []
+    for step in range(3):
+        with tracker(step, loss_fn(model(idx), idx), optimizer=wrapper) as loss:
+            loss.backward()
+        wrapper.step()
+        armed.append(switch.armed)
+    assert armed == [True, False, True]  # as without an optimizer: for s and s + 1
