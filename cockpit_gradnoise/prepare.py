@@ -9,6 +9,11 @@ its converter (``backpack.extend(model, use_converter=True)``) rewrites the
 model with ``torch.fx`` to avoid that, and stays available here for
 BackPACK's second-order extensions (Cockpit's ``HessTrace``, ``TICDiag``),
 which need hooks on every module.
+
+Every prepared model gets one switch for the package's hooks
+(:class:`~cockpit_gradnoise.extensions.hooks.Switch`), on by default: a
+:class:`~cockpit_gradnoise.Tracker` turns the hooks off for the forward
+passes of steps at which no quantity needs per-example results.
 """
 
 import sys
@@ -17,7 +22,7 @@ from typing import Optional
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
-from cockpit_gradnoise.extensions.hooks import add_hooks
+from cockpit_gradnoise.extensions.hooks import add_hooks, install_switch
 
 from backpack import extend
 from backpack.custom_module.graph_utils import BackpackTracer
@@ -44,7 +49,14 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
 
         model = cgn.prepare_model(torchvision.models.resnet18(num_classes=10))
 
-    A model already extended by ``backpack.extend`` is returned as it is.
+    A model already extended by ``backpack.extend`` is returned as it is
+    (BackPACK's own hooks then record every forward pass).
+
+    The model's hooks share one switch
+    (:class:`~cockpit_gradnoise.extensions.hooks.Switch`), on: they record
+    every forward pass with gradients, as the explicit API needs.
+    :func:`~cockpit_gradnoise.track` gives it to the tracker, which keeps the
+    hooks idle on the forward passes of untracked steps.
 
     Where ``torch.compile`` has been used in this process, its compiled graphs
     are dropped and it is made to guard on module hooks
@@ -73,7 +85,9 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
         if not any(getattr(module, "_backpack_extend", False) for module in model.modules()):
             add_hooks(model)
             make_compile_see_hooks()
-        return uses.install(model)  # tied parameters, embeddings without the batch
+        model = uses.install(model)  # tied parameters, embeddings without the batch
+        install_switch(model)
+        return model
     _refuse_frozen_training_flag(model)
     names = [name for name, _ in model.named_parameters()]
     converted = extend(model, use_converter=True)
@@ -84,7 +98,9 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             f"({sorted(set(names) ^ set(converted_names))[:4]}...): use "
             "prepare_model(model) without the converter"
         )
-    return uses.install(converted)  # tied parameters, embeddings without the batch
+    converted = uses.install(converted)  # tied parameters, embeddings without the batch
+    install_switch(converted)  # the fallback's and the tied uses' hooks (BackPACK's always record)
+    return converted
 
 
 def traced_code(model: nn.Module, training: bool) -> str:

@@ -25,9 +25,10 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import accumulation, amp, functional
+from cockpit_gradnoise import accumulation, amp, arming, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
+from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.log import LogStream
@@ -36,6 +37,7 @@ from cockpit_gradnoise.step import step_number
 
 import cockpit.quantities
 import torch
+from backpack import disable
 from cockpit import Cockpit
 from cockpit.context import CockpitCTX
 from cockpit.utils.schedules import linear
@@ -287,7 +289,7 @@ def track(
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    tracker = Tracker(Cockpit(params, quantities=built), names)
+    tracker = Tracker(Cockpit(params, quantities=built), names, switch=switch_of(model))
     if log is not None:
         tracker.stream_to(log)
     return (model if compiled is None else compiled), tracker
@@ -313,8 +315,9 @@ class Tracker:
         stream: The :class:`~cockpit_gradnoise.LogStream` of :meth:`stream_to`, or ``None``.
     """
 
-    def __init__(self, cockpit: Cockpit, param_names: Sequence[str]):
+    def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
         self.cockpit = cockpit
+        self.arming = arming.Arming(cockpit, switch)  # the hooks idle at untracked steps
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
@@ -420,17 +423,18 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = _checked_losses(losses)
+        tracked = self._tracks(step)
         micro = _micro_batch(micro_batch, micro_batches)
         given = loss is not None
         loss = _loss_to_differentiate(losses, loss, reduction, micro)
-        scaled = amp.ScaledStep(scaler) if scaler is not None and self._tracks(step) else None
+        scaled = amp.ScaledStep(scaler) if scaler is not None and tracked else None
         if loss_scaled and scaler is None:
             raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
         info_loss = loss
         if scaled is not None and loss_scaled:
             scaled.given, info_loss = loss, loss.detach() / scaled.scale  # the info's: unscaled
         if given:
-            _check_loss(info_loss, losses, tracked=self._tracks(step), micro=micro)
+            _check_loss(info_loss, losses, tracked=tracked, micro=micro)
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -449,7 +453,21 @@ class Tracker:
         if micro is not None:
             full.update({accumulation.MICRO_BATCH: micro.index,
                          accumulation.MICRO_BATCHES: micro.count})
+        self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
+        if arming.idle_step(self.cockpit, tracked):
+            return TrackedStep(self.cockpit, step, full, idle=True)
         return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
+
+    def arm(self, step: int) -> bool:
+        """Get the model's hooks ready for the forward pass of ``step``; whether they record it.
+
+        The tracker arms them by itself for the step after each call (and after
+        ``optimizer.step()`` of the optimizer it was given); call this before a
+        step's forward pass when steps are not numbered consecutively. The hooks
+        record only forward passes whose step needs per-example results
+        (:mod:`cockpit_gradnoise.arming`).
+        """
+        return self.arming.arm(step_number(step, convert=True))
 
     def log_to(self, target) -> "Tracker":
         """Send every tracked step's numbers to ``target`` from now on; returns the tracker.
@@ -553,16 +571,17 @@ class TrackedStep:
     """
 
     def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
-                 scaled: Optional[amp.ScaledStep] = None):
+                 scaled: Optional[amp.ScaledStep] = None, idle: bool = False):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
         self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
+        self.idle = idle  # no quantity computes: BackPACK's disable(), none of Cockpit's work
         self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
         self._hook = loss.register_hook(self._reached)
-        self._context = self.cockpit(self.step, info=self.info)
+        self._context = _IdleContext() if self.idle else self.cockpit(self.step, info=self.info)
         self._context.__enter__()
         return loss
 
@@ -616,7 +635,7 @@ class TrackedStep:
             )
         if self.scaled is not None and self.scaled.problem(self.step):
             return self.scaled.problem(self.step)
-        if self.cockpit.create_graph(self.step) and not any(
+        if not self.idle and self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):
             return (
@@ -624,6 +643,20 @@ class TrackedStep:
                 "loss.backward(create_graph=tracker.create_graph(step))"
             )
         return None
+
+
+class _IdleContext:
+    """Cockpit's context at a step where no quantity computes, less its bookkeeping:
+    only ``backpack.disable()``, as Cockpit enters it then."""
+
+    def __init__(self):
+        self.contexts = (disable(),)
+
+    def __enter__(self):
+        self.contexts[0].__enter__()
+
+    def __exit__(self, kind, error, traceback):
+        self.contexts[0].__exit__(kind, error, traceback)
 
 
 def _checked_losses(losses) -> torch.Tensor:

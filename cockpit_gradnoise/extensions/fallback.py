@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import _cost, precision
+from cockpit_gradnoise.extensions.hooks import idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -177,7 +178,10 @@ def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
 
 
 def _capture(module, args, kwargs, output):
-    """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``)."""
+    """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``,
+    nor while the model's hooks are idle)."""
+    if idle(module):
+        return
     state = getattr(module, ATTRIBUTE, None)
     positions = _tensor_positions(output)
     if state is None or not torch.is_grad_enabled() or positions == ():

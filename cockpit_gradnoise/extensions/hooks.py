@@ -56,6 +56,17 @@ transforms and while the rules run, the forward hook stores nothing.
 
 Several calls of one module in one forward pass (a tied or reused layer) each
 get their own record, so each use is dispatched with its own input.
+
+Idle hooks: a prepared model carries one :class:`Switch`, shared by all its
+modules (:func:`install_switch`). While it is off, every hook of the package
+(these, the fallback's, the tied-uses hooks) returns at once: no record, no
+tensor hook, so a forward and backward pass costs what the plain model's does
+but for one Python call per hooked module. The switch is on by default and
+stays on unless a :class:`~cockpit_gradnoise.Tracker` turns it off for steps
+at which no quantity needs per-example results (:mod:`cockpit_gradnoise.arming`);
+it notes whether the last forward pass with gradients went unrecorded, so a
+tracked step whose forward pass was not recorded is refused, never computed
+from nothing.
 """
 
 import functools
@@ -71,6 +82,9 @@ from torch import Tensor, nn
 #: A module's flag that it carries these hooks (a plain attribute: it survives
 #: ``copy.deepcopy`` and pickling, as the hook, a module-level function, does).
 HOOKED_FLAG = "_cgn_hooked"
+
+#: The attribute (in ``module.__dict__``) of a prepared model's modules holding its :class:`Switch`.
+SWITCH_ATTR = "_cgn_switch"
 
 #: Modules whose first-order rules read the values of ``module.output``.
 READS_OUTPUT = (nn.RNN, nn.LSTM)
@@ -102,6 +116,57 @@ class Call:
     def clear(self):
         """Let go of the tensors (after the backward pass)."""
         self.inputs, self.kwargs, self.output = (), {}, None
+
+
+class Switch:
+    """Whether the package's hooks on one prepared model record its forward passes.
+
+    Attributes:
+        armed: ``True`` (the default): the hooks record each forward pass for the
+            extensions. ``False``: they return at once.
+        missed: Whether the last forward pass with gradients enabled ran while
+            ``armed`` was ``False`` (nothing of it was recorded).
+        step: The step ``armed`` was last set for (``None``: never set), named in errors.
+    """
+
+    __slots__ = ("armed", "missed", "step")
+
+    def __init__(self):
+        self.armed, self.missed, self.step = True, False, None
+
+    def __reduce__(self):
+        # A copy (copy.deepcopy, pickling) is another model: it starts armed, as a
+        # freshly prepared model does, whatever its original's tracker had set.
+        return (Switch, ())
+
+
+def install_switch(model: nn.Module) -> Switch:
+    """Give every module of ``model`` the model's :class:`Switch` (kept if it has one)."""
+    switch = model.__dict__.get(SWITCH_ATTR)
+    if not isinstance(switch, Switch):
+        switch = Switch()
+    for module in model.modules():
+        module.__dict__[SWITCH_ATTR] = switch
+    return switch
+
+
+def switch_of(model: nn.Module) -> Optional[Switch]:
+    """The :class:`Switch` of a prepared model, or ``None``."""
+    return model.__dict__.get(SWITCH_ATTR)
+
+
+def idle(module: nn.Module) -> bool:
+    """Whether ``module``'s hooks are switched off; a forward hook asks first.
+
+    With gradients enabled, it also notes on the switch whether this forward
+    pass goes unrecorded (:attr:`Switch.missed`).
+    """
+    switch = module.__dict__.get(SWITCH_ATTR)
+    if switch is None:
+        return False
+    if torch.is_grad_enabled():
+        switch.missed = not switch.armed
+    return not switch.armed
 
 
 class _State:
@@ -145,6 +210,8 @@ def add_hooks(model: nn.Module) -> nn.Module:
 
 def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output):
     """Forward hook: keep the call and hook the gradient of its (first) output."""
+    if idle(module):
+        return
     if not (torch.is_grad_enabled() and disable.should_store_io()):
         return
     if _State.dispatching is not None or _functorch_active():

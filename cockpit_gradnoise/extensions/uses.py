@@ -20,6 +20,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import batchless, facts, tied
+from cockpit_gradnoise.extensions.hooks import idle
 
 from torch import Tensor, nn
 
@@ -56,6 +57,11 @@ def _storage(tensor: Tensor) -> int:
 
 
 def _begin_forward(model, args, kwargs):
+    if idle(model):  # nothing recorded; let go of what an earlier forward pass recorded
+        uses = model.__dict__[USES_ATTR]
+        if uses.calls or uses.broadcasts:
+            uses.new_forward(None)
+        return
     tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, Tensor)]
     first = tensors[0] if tensors else None
     examples = first.shape[0] if first is not None and first.dim() > 0 else None
@@ -63,12 +69,16 @@ def _begin_forward(model, args, kwargs):
 
 
 def _end_forward(model, args, kwargs, output):
+    if idle(model):
+        return
     uses = model.__dict__[USES_ATTR]
     if uses.broadcasts:
         batchless.find_broadcasts(output, uses.broadcasts)
 
 
 def _after_layer(module, args, output):
+    if idle(module):
+        return
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
     uses.inputs[module] = args[0]
