@@ -488,3 +488,55 @@ def test_a_graph_compiled_without_the_hooks_is_never_reused_for_the_tracked_mode
     got, expected = tracker.frame(), by_hand.frame()
     assert len(got) == len(expected) > 0
     numpy.testing.assert_allclose(got["value"], expected["value"], rtol=2 * 25 * 2.0**-52, atol=0)
+
+
+def _compiled_gpt_step(model, tracker, tokens, targets):
+    from experiments.models import TokenCrossEntropy
+
+    model.zero_grad()
+    with tracker(0, TokenCrossEntropy("none")(model(tokens), targets)) as loss:
+        loss.backward()
+
+
+def test_a_compiled_gpt_with_expanded_positions_has_the_numbers_of_the_uncompiled_one():
+    """``aot_eager``: TorchDynamo's graphs with AOT autograd's backward (its
+    ``CompiledFunctionBackward`` hides each graph's additions from the autograd walk),
+    no kernels compiled. Positions ``arange(T).expand(B, T)`` are per example by their
+    stride-0 batch dimension. The package's hooks run eagerly (no recompilation per module).
+
+    AOT autograd decomposes operations (layer_norm, softmax) into others: float64
+    results may differ by the rounding of the O(100) operations on a path, a few
+    hundred ulps; 1e-10 relative is far above that and far below any real error."""
+    from experiments.models import GPT
+
+    torch.manual_seed(0)
+    plain = GPT(11, 4, width=8, heads=2, layers=1).double()
+    twin = copy.deepcopy(plain)
+    tokens, targets = torch.randint(0, 11, (4, 4)), torch.randint(0, 11, (4, 4))  # B = T
+    model, tracker = cgn.track(torch.compile(plain, backend="aot_eager"), every=1)
+    _compiled_gpt_step(model, tracker, tokens, targets)
+    _, by_hand = cgn.track(twin, every=1)
+    _compiled_gpt_step(twin, by_hand, tokens, targets)
+    got, expected = tracker.frame(), by_hand.frame()
+    assert len(got) == len(expected) > 0
+    numpy.testing.assert_allclose(got["value"], expected["value"], rtol=1e-10, atol=0)
+
+
+def test_a_compiled_nanogpt_has_the_numbers_of_the_uncompiled_one():
+    """nanoGPT's ``wpe(arange(T))`` (no batch dimension) under ``aot_eager``: the addition
+    to the batch is found in the autograd graph as without compile; bound as above."""
+    from tests.cases import nanogpt
+
+    torch.manual_seed(0)
+    plain = nanogpt().double()
+    twin = copy.deepcopy(plain)
+    model, tracker = cgn.track(torch.compile(plain, backend="aot_eager"), every=1)
+    _, by_hand = cgn.track(twin, every=1)
+    tokens = torch.randint(0, 11, (3, 4))
+    for net, tracked in ((model, tracker), (twin, by_hand)):
+        with tracked(0, F.cross_entropy(net(tokens).transpose(1, 2), tokens,
+                                        reduction="none").mean(1)) as loss:
+            loss.backward()
+    got, expected = tracker.frame(), by_hand.frame()
+    assert len(got) == len(expected) > 0
+    numpy.testing.assert_allclose(got["value"], expected["value"], rtol=1e-10, atol=0)

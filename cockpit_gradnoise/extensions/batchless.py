@@ -67,21 +67,33 @@ class Broadcast:
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
         #: The index is (a view of) a tensor the model was called with.
         self.from_inputs = from_inputs
+        #: The index is expanded over a leading dimension of the batch's size (stride 0),
+        #: ``index.expand(B, *index.shape)``: every example's own indices.
+        self.expanded = (index.dim() >= 2 and index.stride(0) == 0
+                         and examples is not None and index.shape[0] == examples)
 
     def refusal(self) -> Optional[str]:
         """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example.
 
         Per example (BackPACK's reading of the leading dimension) where the index
         leads with the batch's size and either its output is added to a tensor of
-        the same leading size or the index comes from the model's inputs (a label
-        per example); exact where its output is broadcast over the batch by an
+        the same leading size, or the index comes from the model's inputs (a label
+        per example), or it is expanded over that dimension (``index.expand(B, T)``,
+        stride 0: what the fix below asks for, and what ``torch.compile``'s graphs
+        may hide the addition of); exact where its output is broadcast over the batch by an
         addition; refused otherwise, since no shape tells the batch from the
         positions (``T`` equal to the batch size).
         """
         if self.gradient is not None and self.broadcast_over_batch():
             return None
-        if not self.clearly and (self.gradient is not None or self.from_inputs):
+        if not self.clearly and (self.gradient is not None or self.from_inputs or self.expanded):
             return None
+        return (
+                f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
+                "its output goes into a graph compiled by torch.compile, where the package "
+                "cannot see whether it is broadcast over the batch or taken per example: run "
+                "the uncompiled module (compiled._orig_mod) at tracked steps"
+            )
         return (
             f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
             "its output is not added to the batch's tensors (directly or through unsqueeze or "

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import _cost, precision
-from cockpit_gradnoise.extensions.hooks import idle
+from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -163,7 +163,7 @@ def install_fallback(model: nn.Module) -> List[str]:
             names.append(name)
         elif needs_fallback(module):
             setattr(module, ATTRIBUTE, Fallback(closed_form=look_alike(module)))
-            module.register_forward_hook(_capture, with_kwargs=True)
+            module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
             names.append(name)
     return names
 

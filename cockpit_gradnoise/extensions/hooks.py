@@ -70,7 +70,8 @@ from nothing.
 """
 
 import functools
-from typing import Optional, Tuple
+import sys
+from typing import Callable, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
 
@@ -188,6 +189,21 @@ def has_own_parameters(module: nn.Module) -> bool:
     return next(module.parameters(recurse=False), None) is not None
 
 
+def eager_under_compile(hook: Callable) -> Callable:
+    """``hook``, run as Python under ``torch.compile`` rather than traced by TorchDynamo.
+
+    Traced, a hook's arguments (a module's name, the module) are constants of
+    the graph, so TorchDynamo compiles it again for every module until its
+    cache limit makes it give up on the whole frame; the hook ends a graph
+    anyway (it hooks a tensor's gradient). ``torch._dynamo.disable`` costs
+    about 0.4 us per call in eager mode; it is used only where TorchDynamo is
+    imported already (:func:`~cockpit_gradnoise.track` imports it), importing
+    it takes seconds.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
+
+
 def add_hooks(model: nn.Module) -> nn.Module:
     """Give every module of ``model`` with parameters of its own the hooks (in place).
 
@@ -202,7 +218,8 @@ def add_hooks(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules():
         if has_own_parameters(module) and not module.__dict__.get(HOOKED_FLAG, False):
             module.register_forward_hook(
-                functools.partial(_store_call, name or type(module).__name__), with_kwargs=True
+                eager_under_compile(functools.partial(_store_call, name or type(module).__name__)),
+                with_kwargs=True,
             )
             module.__dict__[HOOKED_FLAG] = True
     return model

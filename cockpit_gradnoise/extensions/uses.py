@@ -20,7 +20,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import batchless, facts, tied
-from cockpit_gradnoise.extensions.hooks import idle
+from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 
 from torch import Tensor, nn
 
@@ -102,8 +102,8 @@ def install(model: nn.Module) -> nn.Module:
     if uses is None or _ROOT_HOOKED not in model.__dict__:
         uses = model.__dict__[USES_ATTR] = Uses([])
         model.__dict__[_ROOT_HOOKED] = True
-        model.register_forward_pre_hook(_begin_forward, with_kwargs=True)
-        model.register_forward_hook(_end_forward, with_kwargs=True)
+        model.register_forward_pre_hook(eager_under_compile(_begin_forward), with_kwargs=True)
+        model.register_forward_hook(eager_under_compile(_end_forward), with_kwargs=True)
     for module in model.modules():
         module.__dict__.pop(tied.TIED_ATTR, None)
     uses.groups = tied.mark(model)
@@ -112,7 +112,7 @@ def install(model: nn.Module) -> nn.Module:
             module.__dict__[USES_ATTR] = uses
             if _LAYER_HOOKED not in module.__dict__:
                 module.__dict__[_LAYER_HOOKED] = True
-                module.register_forward_hook(_after_layer)
+                module.register_forward_hook(eager_under_compile(_after_layer))
     return model
 
 
