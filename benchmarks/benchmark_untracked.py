@@ -23,7 +23,9 @@ so that drifts of the machine hit both alike.
   10r+1 is UpdateSize's end step), the median over all such pairs of the run's
   step over its plain step; the same for "before";
 - **whole run / plain**: per round, the ten run steps' total over the ten plain
-  steps' total; the median over rounds.
+  steps' total; the median over rounds;
+- **tracked step / plain**: at the tracked steps 10r (all five quantities), the
+  median of the run's step over its plain step.
 
 Clock: on CPU, the process's CPU time (``time.process_time``, ``--clock cpu``,
 the default: on a shared machine a descheduled step waits without counting),
@@ -70,6 +72,24 @@ def make_nanogpt():
 NANO_VOCABULARY = 512
 
 
+def make_nanogpt_gpt_size():
+    """:func:`make_nanogpt` at the benchmark's GPT size (``benchmarks.models.make_gpt``):
+    vocabulary 96, T=64, width 128, 4 heads, 4 layers."""
+    from benchmarks.models import GPT_VOCABULARY
+    from tests.models import NanoGPT
+
+    return NanoGPT(GPT_VOCABULARY, GPT_CONTEXT, 128, 4, 4, bias=True, norm="nanogpt")
+
+
+def make_hf_gpt2():
+    """Hugging Face's ``GPT2LMHeadModel`` (tied head, ``Conv1D``, positions ``(1, T)``) at
+    the benchmark's GPT size, no dropout."""
+    from benchmarks.models import GPT_VOCABULARY
+    from tests.models import hf_gpt2
+
+    return hf_gpt2(GPT_VOCABULARY, GPT_CONTEXT, 128, 4, 4)
+
+
 def nano_tokens(n, device):
     return torch.randint(0, NANO_VOCABULARY, (n, GPT_CONTEXT), device=device)
 
@@ -81,6 +101,11 @@ ALL_MODELS = {
     "convnext_tiny": ModelSpec(make_torchvision("convnext_tiny"), images(3, 32, 32), 32, classes),
     "nanogpt": ModelSpec(make_nanogpt, nano_tokens, 32, targets=nano_tokens,
                          loss=MODELS["gpt"].loss),
+    # The real-models issue's speed figures: nanoGPT's patterns and GPT-2 at the GPT size.
+    "nanogpt-4x128": ModelSpec(make_nanogpt_gpt_size, MODELS["gpt"].inputs, 32,
+                               targets=MODELS["gpt"].targets, loss=MODELS["gpt"].loss),
+    "hf-gpt2-4x128": ModelSpec(make_hf_gpt2, MODELS["gpt"].inputs, 32,
+                               targets=MODELS["gpt"].targets, loss=MODELS["gpt"].loss),
 }
 
 
@@ -143,7 +168,7 @@ def measure(name, args, device):
     runners = {kind: Runner(copy.deepcopy(model), spec, x, y, kind)
                for kind in ("plain", "run", "before")}
     plain, run, before = runners["plain"], runners["run"], runners["before"]
-    untracked, earlier, whole, plain_times = [], [], [], []
+    untracked, earlier, whole, plain_times, tracked_steps = [], [], [], [], []
     for r in range(args.rounds + 1):  # round 0 warms up
         totals = [0.0, 0.0]
         for k in range(EVERY * r, EVERY * (r + 1)):
@@ -152,6 +177,8 @@ def measure(name, args, device):
             tracked = run.timed(k, device, clock)
             totals[0] += base
             totals[1] += tracked
+            if r and k % EVERY == 0:  # all five compute (UpdateSize starts)
+                tracked_steps.append(tracked / base)
             if idle and r:
                 plain_times.append(base)
                 untracked.append(tracked / base)
@@ -164,6 +191,7 @@ def measure(name, args, device):
         "before": statistics.median(earlier),
         "whole run": statistics.median(whole),
         "whole run quartiles": statistics.quantiles(whole, n=4)[::2] if len(whole) > 1 else whole * 2,
+        "tracked": statistics.median(tracked_steps),
         "plain ms": 1e3 * statistics.median(plain_times),
         "pairs": len(untracked),
     }
@@ -172,15 +200,15 @@ def measure(name, args, device):
 def table(results) -> str:
     lines = [
         "| model | plain step, ms | untracked / plain (quartiles) | before: hooks recording, "
-        "Cockpit's context | whole run, every 10 / plain (quartiles) |",
-        "|---|---:|---:|---:|---:|",
+        "Cockpit's context | whole run, every 10 / plain (quartiles) | tracked step / plain |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         uq, wq = r["untracked quartiles"], r["whole run quartiles"]
         lines.append(
             f"| {name} (B{ALL_MODELS[name].batch_size}) | {r['plain ms']:.2f} | "
             f"**{r['untracked']:.3f}** ({uq[0]:.3f}-{uq[1]:.3f}) | {r['before']:.3f} | "
-            f"**{r['whole run']:.3f}** ({wq[0]:.3f}-{wq[1]:.3f}) |"
+            f"**{r['whole run']:.3f}** ({wq[0]:.3f}-{wq[1]:.3f}) | {r['tracked']:.2f} |"
         )
     return "\n".join(lines)
 
