@@ -319,7 +319,7 @@ def test_preparing_again_after_untying_renews_the_marks():
     cgn.prepare_model(model)
     cgn.prepare_model(model)
     ours = [hook for m in model.modules() for hook in m._forward_hooks.values()
-            if hook in (uses._after_layer, uses._end_forward)]
+            if getattr(hook, "hook", hook) in (uses._after_layer, uses._end_forward)]
     assert len(ours) == 1 + 3  # the model's, and one per layer holding the matrix
     quantity = cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=problem.names)
     got = rows(run_step(problem, [quantity]), schema.PER_EXAMPLE_NORM)

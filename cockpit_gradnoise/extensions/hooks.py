@@ -189,19 +189,32 @@ def has_own_parameters(module: nn.Module) -> bool:
     return next(module.parameters(recurse=False), None) is not None
 
 
-def eager_under_compile(hook: Callable) -> Callable:
+class eager_under_compile:  # noqa: N801 (used as a function)
     """``hook``, run as Python under ``torch.compile`` rather than traced by TorchDynamo.
 
     Traced, a hook's arguments (a module's name, the module) are constants of
     the graph, so TorchDynamo compiles it again for every module until its
-    cache limit makes it give up on the whole frame; the hook ends a graph
-    anyway (it hooks a tensor's gradient). ``torch._dynamo.disable`` costs
-    about 0.4 us per call in eager mode; it is used only where TorchDynamo is
-    imported already (:func:`~cockpit_gradnoise.track` imports it), importing
-    it takes seconds.
+    cache limit makes it give up; the hook ends a graph anyway (it hooks a
+    tensor's gradient). The class's call is ``torch._dynamo.disable``'d once
+    TorchDynamo is imported (:func:`~cockpit_gradnoise.track` imports it;
+    importing it here would take seconds), about 0.4 us per call in eager
+    mode. A class, so that a prepared model pickles (a disabled function does
+    not).
     """
-    dynamo = sys.modules.get("torch._dynamo")
-    return hook if dynamo is None else dynamo.disable(hook)
+
+    _disabled = False
+
+    def __init__(self, hook: Callable):
+        self.hook = hook
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and not eager_under_compile._disabled:
+            eager_under_compile.__call__ = dynamo.disable(eager_under_compile._call)
+            eager_under_compile._disabled = True
+
+    def _call(self, *args, **kwargs):
+        return self.hook(*args, **kwargs)
+
+    __call__ = _call
 
 
 def add_hooks(model: nn.Module) -> nn.Module:
