@@ -644,7 +644,8 @@ def two_batch_noise_scale_estimates(
     sum_i w_i^2``, i.e. ``B = 1 / sum_i w_i^2``.
 
     Args:
-        small: ``(M_j, b_j)`` for every small batch.
+        small: ``(M_j, b_j)`` for every small batch; ``M_j`` (and ``M``) may
+            be tensors, one squared norm per element (elementwise estimates).
         big_squared_norm: ``M``.
         big_examples: ``B``, unequal to every ``b_j`` (usually larger: with
             ``b_j`` close to ``B`` the estimates have a large variance).

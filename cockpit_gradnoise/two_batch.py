@@ -23,11 +23,10 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed, functional, schema
-from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
+from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
 from cockpit_gradnoise.step import Step
 
 import torch
-import torch.distributed as dist
 from cockpit.quantities.quantity import Quantity
 from torch import Tensor, nn
 
@@ -171,7 +170,7 @@ class TwoBatchNoiseScale(Quantity):
              sum(w * w * b for w, (_, b, _) in zip(weights, micro)),
              sum(b for _, b, _ in micro), len(micro)], dtype=torch.float64, device=device)
         world = distributed.world_size()
-        _sum_over_processes(totals)
+        distributed.all_reduce_([totals])
         weight, squared_weights, examples, small_batches = totals.tolist()
         if small_batches < 2:
             warnings.warn("one micro-batch on one process defines no two-batch noise scale: "
@@ -183,13 +182,12 @@ class TwoBatchNoiseScale(Quantity):
                           "batch (its effective size, by the weights): nothing recorded at this "
                           "step", stacklevel=2)
             return None
-        big = self._big_squared_norms(device) * (world / weight) ** 2
-        sums = torch.zeros(2, len(self.params) + 1, dtype=torch.float64, device=device)
-        for (squared, b, _), w in zip(micro, weights):
-            small = squared / (w * b) ** 2
-            sums += _pair_estimates(torch.cat([small, small.sum()[None]]),
-                                    torch.cat([big, big.sum()[None]]), b, big_examples)
-        _sum_over_processes(sums)
+        big = _with_network(self._big_squared_norms(device) * (world / weight) ** 2)
+        small = [(_with_network(squared / (w * b) ** 2), b) for (squared, b, _), w in zip(micro, weights)]
+        # This process's mean over its small batches, times their number: summed over processes.
+        sums = torch.stack(functional.two_batch_noise_scale_estimates(small, big, big_examples))
+        sums *= len(micro)
+        distributed.all_reduce_([sums])
         grad_sq, trace_cov = (sums / small_batches).tolist()
         record = {name: self._statistics(name, g, t, examples)
                   for name, g, t in zip([*self.names, schema.NETWORK], grad_sq, trace_cov)}
@@ -236,15 +234,12 @@ class TwoBatchNoiseScale(Quantity):
             for p in self.params])
 
     def _statistics(self, name, grad_sq, trace_cov, examples) -> dict:
-        previous = self._averages.get(name, (None, None))
-        averages = (functional.exponential_moving_average(previous[0], trace_cov, self.smoothing),
-                    functional.exponential_moving_average(previous[1], grad_sq, self.smoothing))
-        self._averages[name] = averages
         return {
             schema.GRAD_SQ: grad_sq,
             schema.TRACE_COV: trace_cov,
             schema.B_SIMPLE: schema.ratio_or_inf(trace_cov, grad_sq),
-            schema.B_SIMPLE_SMOOTHED: schema.ratio_or_inf(*averages),
+            schema.B_SIMPLE_SMOOTHED: smoothed_noise_scale(self._averages, name, trace_cov,
+                                                           grad_sq, self.smoothing),
             schema.BATCH_SIZE: float(examples),
         }
 
@@ -268,17 +263,6 @@ class TwoBatchNoiseScale(Quantity):
         self._handles = []
 
 
-def _pair_estimates(small: Tensor, big: Tensor, b: float, big_examples: float) -> Tensor:
-    """``[grad_sq, trace_cov]`` of one small batch against the big one, elementwise.
-
-    The formulas of :func:`~cockpit_gradnoise.functional.two_batch_noise_scale_estimates`,
-    on tensors of squared norms (one per parameter and the network).
-    """
-    grad_sq = (big_examples * big - b * small) / (big_examples - b)
-    trace_cov = (small - big) / (1 / b - 1 / big_examples)
-    return torch.stack([grad_sq, trace_cov])
-
-
-def _sum_over_processes(tensor: Tensor) -> None:
-    if distributed.world_size() > 1:
-        dist.all_reduce(tensor)
+def _with_network(squared_norms: Tensor) -> Tensor:
+    """Per-parameter squared norms and, last, their sum (the network's)."""
+    return torch.cat([squared_norms, squared_norms.sum()[None]])

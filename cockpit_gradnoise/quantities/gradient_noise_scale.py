@@ -134,13 +134,22 @@ class GradientNoiseScale(ParameterQuantity):
 
     def _smoothed(self, name, stats):
         """Update the moving averages of ``name`` and return their ratio."""
-        trace_cov, grad_sq = stats[schema.TRACE_COV], stats[schema.GRAD_SQ]
-        if not (math.isfinite(trace_cov) and math.isfinite(grad_sq)):
-            return math.nan  # and keep the averages as they are
-        previous = self._averages.get(name, (None, None))
-        averages = tuple(
-            functional.exponential_moving_average(old, new, self.smoothing)
-            for old, new in zip(previous, (trace_cov, grad_sq))
-        )
-        self._averages[name] = averages
-        return schema.ratio_or_inf(*averages)
+        return smoothed_noise_scale(self._averages, name, stats[schema.TRACE_COV],
+                                    stats[schema.GRAD_SQ], self.smoothing)
+
+
+def smoothed_noise_scale(averages: dict, name: str, trace_cov: float, grad_sq: float,
+                         smoothing: float) -> float:
+    """``EMA(trace_cov) / EMA(grad_sq)`` of ``name``, updating ``averages[name]`` in place.
+
+    ``+inf`` when the smoothed denominator is ``<= 0``; NaN, with the averages
+    kept as they are, when a value is not finite.
+    """
+    if not (math.isfinite(trace_cov) and math.isfinite(grad_sq)):
+        return math.nan  # and keep the averages as they are
+    previous = averages.get(name, (None, None))
+    averages[name] = tuple(
+        functional.exponential_moving_average(old, new, smoothing)
+        for old, new in zip(previous, (trace_cov, grad_sq))
+    )
+    return schema.ratio_or_inf(*averages[name])
