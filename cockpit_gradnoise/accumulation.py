@@ -21,7 +21,6 @@ that of one batch of all examples (for a mean, when the micro-batches are of
 one size). See ``docs/accumulation.md``.
 """
 
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
@@ -129,17 +128,10 @@ def micro_batch_loss_scale(loss: torch.Tensor, individual_losses: torch.Tensor, 
             ``K``, say), naming the two.
     """
     n = individual_losses.numel()
-    total, absolute, value = _device.transfer([
-        individual_losses.detach().double().sum(),
-        individual_losses.detach().double().abs().sum(),
-        loss.detach().double(),
-    ])
-    if not (math.isfinite(value) and math.isfinite(total)):
-        return math.nan
-    tolerance = functional.loss_tolerance(loss.dtype, individual_losses.dtype)
-    for scale in (1.0 / (count * n), 1.0):
-        if abs(value - scale * total) <= tolerance * scale * absolute:
-            return scale
+    scale, total, value = functional.matching_loss_scale(
+        loss, individual_losses, (1.0 / (count * n), 1.0))
+    if scale is not None:
+        return scale
     raise ValueError(
         f"the loss of a micro-batch of {n} examples is {value:.6g}, neither their mean divided by "
         f"micro_batches={count} ({total / n / count:.6g}) nor their sum ({total:.6g}): under "

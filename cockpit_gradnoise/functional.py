@@ -296,6 +296,33 @@ def loss_tolerance(*dtypes: torch.dtype) -> float:
     return max(1e-4, 8 * eps)
 
 
+def matching_loss_scale(
+    loss: Tensor, individual_losses: Tensor, scales: Sequence[float]
+) -> Tuple[Optional[float], float, float]:
+    """The first of ``scales`` with ``loss = scale * sum_i individual_losses[i]``.
+
+    Compared within the coarsest dtype's rounding (:func:`loss_tolerance`),
+    relative to ``scale * sum_i |l_i|``; one device-to-host transfer (the host
+    must know the reduction).
+
+    Returns:
+        ``(scale, sum_i l_i, loss)``: ``scale`` NaN when the losses are not
+        finite, ``None`` when no scale matches.
+    """
+    total, absolute, value = _device.transfer([
+        individual_losses.detach().double().sum(),
+        individual_losses.detach().double().abs().sum(),
+        loss.detach().double(),
+    ])
+    if not (math.isfinite(value) and math.isfinite(total)):
+        return math.nan, total, value
+    tolerance = loss_tolerance(loss.dtype, individual_losses.dtype)
+    for scale in scales:
+        if abs(value - scale * total) <= tolerance * scale * absolute:
+            return scale, total, value
+    return None, total, value
+
+
 def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
     """Return ``c`` with ``loss = c * sum_i individual_losses[i]``: ``1/N`` or ``1``.
 
@@ -322,20 +349,11 @@ def loss_scale(loss: Tensor, individual_losses: Tensor) -> float:
             "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
         )
     n = individual_losses.numel()
-    # One transfer for all three (the host must know the reduction).
-    total, absolute, value = _device.transfer([
-        individual_losses.detach().double().sum(),
-        individual_losses.detach().double().abs().sum(),
-        loss.detach().double(),
-    ])
     if n == 1:
         return 1.0
-    if not (math.isfinite(value) and math.isfinite(total)):
-        return math.nan
-    tolerance = loss_tolerance(loss.dtype, individual_losses.dtype)
-    for scale in (1.0 / n, 1.0):
-        if abs(value - scale * total) <= tolerance * scale * absolute:
-            return scale
+    scale, total, value = matching_loss_scale(loss, individual_losses, (1.0 / n, 1.0))
+    if scale is not None:
+        return scale
     raise ValueError(
         f"info['loss'] = {value:.6g} is neither the mean ({total / n:.6g}) nor the "
         f"sum ({total:.6g}) of info['individual_losses']: pass per-example losses "
