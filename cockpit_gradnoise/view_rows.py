@@ -169,6 +169,18 @@ def _base(index: selective.LogIndex):
     return picks, index.frame(picks, decode=False)
 
 
+def _indexed(path):
+    """``(index, picks, base)`` of :func:`_base` for the log at ``path``; ``None`` where the
+    fast path does not apply (not indexable, or none of this package's quantities)."""
+    index = selective.index_log(path)
+    if index is None:
+        return None
+    picks, base = _base(index)
+    if base is None or not _held(base):
+        return None
+    return index, picks, base
+
+
 def _first_bad(index: selective.LogIndex, summary) -> List[selective.Pick]:
     if summary is None:
         return []
@@ -186,12 +198,10 @@ def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame
     """
     from cockpit_gradnoise.findings import finite_report_step, quantity_steps
 
-    index = selective.index_log(path)
-    if index is None:
+    found = _indexed(path)
+    if found is None:
         return None
-    picks, base = _base(index)
-    if base is None or not _held(base):
-        return None
+    index, picks, base = found
     summary = non_finite_summary(base)  # its steps are the full frame's
     try:
         steps = quantity_steps(base, finite_report_step(summary, step))
@@ -257,12 +267,10 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
     """
     from cockpit_gradnoise import dashboard, panels
 
-    index = selective.index_log(path)
-    if index is None:
+    found = _indexed(path)
+    if found is None:
         return None
-    picks, base = _base(index)
-    if base is None or not _held(base):
-        return None
+    index, picks, base = found
     everything = numpy.ones(len(index), dtype=bool)
     picks += _first_bad(index, non_finite_summary(base)) + [
         selective.first_of_each_layout(index),
