@@ -540,3 +540,22 @@ def test_a_compiled_nanogpt_has_the_numbers_of_the_uncompiled_one():
     got, expected = tracker.frame(), by_hand.frame()
     assert len(got) == len(expected) > 0
     numpy.testing.assert_allclose(got["value"], expected["value"], rtol=1e-10, atol=0)
+
+
+def test_torch_compile_leaves_the_package_s_hooks_to_python():
+    """TorchDynamo would compile a hook's frame once per module (its name and module are
+    constants there) until its cache limit; the hooks' frames get no compiled entry."""
+    from cockpit_gradnoise.extensions import hooks
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model, tracker = cgn.track(torch.compile(net, backend="eager"), every=1,
+                               quantities=["PerExampleGradNorm"])
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with tracker(0, F.cross_entropy(model(x), y, reduction="none")) as loss:
+        loss.backward()
+    assert len(tracker.frame()) > 0
+    for code in (hooks._store_call.__code__, hooks.eager_under_compile._call.__code__):
+        assert _debug_get_cache_entry_list(code) == []
