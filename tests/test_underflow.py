@@ -24,6 +24,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.helpers import rows
+from tests.models import NanoLayerNorm
 
 N = 8
 SHIFT = 36  # the last layer and the targets times 2**-36: contributions times 2**-72
@@ -57,9 +58,37 @@ class Tokens(nn.Module):
         return self.head(self.norm(self.embedding(tokens)).flatten(1))
 
 
+class Gate(nn.Module):
+    """``x * sigmoid(w)``: no rule and no closed form, the fallback's ``vmap``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.weight)
+
+
+class Positions(nn.Module):
+    """Token embedding plus ``wpe(torch.arange(T))`` (without the batch dimension),
+    nanoGPT's LayerNorm, a gate, then a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(12, 4), nn.Embedding(5, 4)
+        self.norm, self.gate = NanoLayerNorm(4, bias=True), Gate(4)
+        self.head = nn.Linear(20, 3)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        return self.head(self.gate(torch.tanh(self.norm(x))).flatten(1))
+
+
 CASES = {
     "sequence": (Sequence, lambda g: torch.randn(N, 3, 6, 6, generator=g)),
     "tokens": (Tokens, lambda g: torch.randint(0, 12, (N, 5), generator=g)),
+    # The fallback (closed form and vmap) and a table applied without the batch.
+    "positions": (Positions, lambda g: torch.randint(0, 12, (N, 5), generator=g)),
 }
 QUANTITIES = ("GradientVarianceQuantiles", "PerExampleGradNorm")
 
@@ -79,7 +108,7 @@ def problem(name, shift):
 
 
 def tracked(model, inputs, targets):
-    model = extend(copy.deepcopy(model))
+    model = cgn.prepare_model(copy.deepcopy(model))
     loss_fn = extend(nn.MSELoss())
     quantities = [
         cgn.GradientVarianceQuantiles(linear(1), quantiles=(0.1, 0.5, 0.9), param_names=model),

@@ -33,11 +33,13 @@ positions when ``T`` equals the batch size.
 import functools
 from typing import Dict, List, Optional, Tuple
 
+from cockpit_gradnoise.extensions._squares import squared_norms_of
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
 )
+from cockpit_gradnoise.extensions.sums import sums_of
 
 import torch
 from torch import Tensor, nn
@@ -212,11 +214,12 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     contributions = gradient.new_zeros(gradient.shape[0], len(rows), gradient.shape[2])
     contributions.index_add_(1, inverse, gradient)
     if savefield == BATCH_L2_SAVEFIELD:
-        return contributions.square().sum((1, 2))
+        return squared_norms_of(contributions)  # at a scale: no underflow (._squares)
     weight = module.weight
-    total = weight.new_zeros(weight.shape).index_put_((rows,), contributions.sum(0))
     if savefield == LOCAL_GRADIENT_SAVEFIELD:
-        return total
+        return weight.new_zeros(weight.shape).index_put_((rows,), contributions.sum(0))
     assert savefield == SUMS_SAVEFIELD
-    squares = weight.new_zeros(weight.shape).index_put_((rows,), contributions.square().sum(0))
-    return torch.stack([total, squares])
+    sums = sums_of(contributions)  # [2, R, d], at a scale where squares could underflow
+    result = sums.new_zeros(2, *weight.shape)
+    result[:, rows] = sums
+    return result

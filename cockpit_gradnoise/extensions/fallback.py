@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import _cost, precision
+from cockpit_gradnoise.extensions._squares import squared_norms_of
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -402,7 +403,8 @@ def _math_attention():
 def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]) -> Dict[str, Dict[str, Tensor]]:
     """``{savefield: {name: result}}`` from chunks of per-example contributions.
 
-    ``||x_i||^2`` per example (:data:`BATCH_L2_SAVEFIELD`, ``[N]``),
+    ``||x_i||^2`` per example (:data:`BATCH_L2_SAVEFIELD`, ``[N]``, at a scale,
+    saved in float64: no underflow, as every rule's, :mod:`._squares`),
     ``[sum_i x_i, sum_i x_i**2]`` (:data:`SUMS_SAVEFIELD`, ``[2, *shape]``,
     both from the same contributions, :mod:`.sums`) and ``sum_i x_i``
     (:data:`LOCAL_GRADIENT_SAVEFIELD`); each chunk is freed once reduced.
@@ -413,7 +415,7 @@ def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]
         for name, x in chunk.items():
             x = precision.widened(x)  # summed in float32 or wider (.precision)
             if BATCH_L2_SAVEFIELD in savefields:
-                norms.setdefault(name, []).append(x.square().flatten(1).sum(1))
+                norms.setdefault(name, []).append(squared_norms_of(x))
             if SUMS_SAVEFIELD in savefields or LOCAL_GRADIENT_SAVEFIELD in savefields:
                 part = sums_of(x)
                 totals[name] = part if name not in totals else totals[name] + part
