@@ -272,12 +272,15 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         return None
     index, picks, base = found
     everything = numpy.ones(len(index), dtype=bool)
+    first = selective.first_of_each_layout(index)
     picks += _first_bad(index, non_finite_summary(base)) + [
-        selective.first_of_each_layout(index),
+        first,
         selective.named(index, everything, params=[NETWORK], statistics=COVERAGE_STATISTICS),
         _batch_size(index, everything),
     ]
-    ranked = index.frame(picks + _ranking(index, everything))
+    # The layers' order (every layer is in the first record of a quantity and layout)
+    # and the ranking's rows, read apart: the frame drawn leaves the ranking out.
+    ranked = index.frame([first, *_ranking(index, everything)])
     if ranked is None:
         return None
     order = layer_order(ranked)
