@@ -212,25 +212,30 @@ def _index(file, path: str) -> LogIndex:
     if os.pread(fd, len(header), 0) != header:
         raise _Unexpected
     scan, offset = _Scan(), len(header)
-    head = os.pread(fd, _HEAD, offset)
+    # Once per record: the names the loop reads looked up once (the lists grow in place).
+    current, chars, layouts = scan.current, scan.chars, scan.layouts
+    quantities, match_record, pread = scan.tables["quantities"], _RECORD.match, os.pread
+    tail, ahead = len(_TAIL), len(_TAIL) + _HEAD
+    head = pread(fd, _HEAD, offset)
     while offset < size:
-        match = _RECORD.match(head)
+        match = match_record(head)
         if match is None and head.startswith(b'{"step"') and b'"values": "' not in head:
-            head = os.pread(fd, 1 << 20, offset)  # a long list of non-finite runs
-            match = _RECORD.match(head)
+            head = pread(fd, 1 << 20, offset)  # a long list of non-finite runs
+            match = match_record(head)
         if match is None:
             offset, head = _other_line(fd, scan, offset, size)
             continue
-        step, quantity, layout = int(match[1]), int(match[2]), int(match[3])
-        if quantity >= len(scan.tables["quantities"]) or layout >= len(scan.layouts):
+        step, quantity, layout, runs = match.groups()
+        quantity, layout = int(quantity), int(layout)
+        if quantity >= len(quantities) or layout >= len(layouts):
             raise _Unexpected
         start = offset + match.end()
-        end = start + scan.chars[layout]
-        head = os.pread(fd, len(_TAIL) + _HEAD, end)
-        if head[:len(_TAIL)] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
+        end = start + chars[layout]
+        head = pread(fd, ahead, end)
+        if head[:tail] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
             raise _Unexpected  # a line of another length: damaged, or not LogStream's
-        scan.current[step, quantity] = (layout, start, match[4])
-        offset, head = end + len(_TAIL), head[len(_TAIL):]
+        current[int(step), quantity] = (layout, start, runs)
+        offset, head = end + tail, head[tail:]
     return _finish(fd, scan, path)
 
 
@@ -256,20 +261,27 @@ _FINITE = b"{}"
 
 def _finish(fd, scan: _Scan, path: str) -> LogIndex:
     quantities = scan.tables["quantities"]
-    kept = [(step, quantity, *rest) for (step, quantity), rest in scan.current.items()
-            if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
+    keys, rests = list(scan.current), list(scan.current.values())
+    steps = numpy.array([step for step, _ in keys], dtype=numpy.int64)
+    quantity = numpy.array([code for _, code in keys], dtype=numpy.int64)
+    layout = numpy.array([rest[0] for rest in rests], dtype=numpy.int64)
+    offset = numpy.array([rest[1] for rest in rests], dtype=numpy.int64)
+    # Records with numbers (a value line's layout is -1: none).
+    counts = numpy.array([len(params) for params, _ in scan.layouts] + [0], dtype=numpy.int64)
+    kept = numpy.flatnonzero(counts[layout] > 0)
     # The frame's order: by step, then quantity name.
-    kept.sort(key=lambda record: (record[0], quantities[record[1]]))
-    columns = list(zip(*kept)) if kept else [(), (), (), (), ()]
+    rank = numpy.zeros(len(quantities), dtype=numpy.int64)
+    rank[sorted(range(len(quantities)), key=quantities.__getitem__)] = numpy.arange(len(quantities))
+    kept = kept[numpy.lexsort((rank[quantity[kept]], steps[kept]))]
     index = LogIndex(
         path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
-        *(numpy.asarray(column, dtype=numpy.int64) for column in columns[:4]),
+        steps[kept], quantity[kept], layout[kept], offset[kept],
         finite=numpy.ones(len(kept), dtype=bool), non_finite={}, patterns=[],
     )
+    texts = [rests[record][2] for record in kept.tolist()]
     found: Dict[bytes, int] = {}
-    for record, runs in enumerate(columns[4]):
-        if runs == _FINITE:
-            continue
+    for record in [r for r, runs in enumerate(texts) if runs != _FINITE]:
+        runs = texts[record]
         if runs is None:  # written before records said: decode to find out
             runs = json.dumps(non_finite_runs(_decode_all(fd, index, record))).encode()
             if runs == _FINITE:
