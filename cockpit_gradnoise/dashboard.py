@@ -372,5 +372,7 @@ def plot(
     if savefig is not None and distributed.is_writer(writer_rank):
         _check_size(fig, dpi)
         Path(savefig).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(savefig, dpi=dpi)
+        # zlib level 3, not 6: half the time to compress a large PNG, 7% larger.
+        png = Path(savefig).suffix.lower() == ".png"
+        fig.savefig(savefig, dpi=dpi, **({"pil_kwargs": {"compress_level": 3}} if png else {}))
     return fig
