@@ -12,10 +12,13 @@ lengths, which the layouts give, so it reads a few hundred bytes per record.
 :meth:`LogIndex.frame` then decodes the numbers a :class:`Pick` names, and
 only those, into rows of the tidy frame of :func:`cockpit_gradnoise.to_frame`:
 the same rows, in the same order, with the same categories, as the full
-frame's, of which they are a subset.
+frame's, of which they are a subset. It reads the file in windows of up to
+16 MB in file order, and decodes the records that read the same positions
+together, with NumPy, from the characters of those numbers only
+(:func:`_gather`): decoding loops over windows and plans, not records.
 
-Which rows a view needs is the view's business (``findings.report_frame``,
-``dashboard.plot_frame``); this module reads what it is told.
+Which rows a view needs is the view's business (``view_rows.report_frame``,
+``view_rows.plot_frame``); this module reads what it is told.
 
 Damage is not this module's to report: anything unexpected (a line of
 another shape or length, a name or layout not declared, a value record with
