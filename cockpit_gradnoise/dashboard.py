@@ -187,14 +187,13 @@ def _heatmap(layout, frame, statistic):
     panels.minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
 
 
-def _widest(texts) -> float:
-    """The width of the widest of ``texts`` (matplotlib ``Text``), in inches, from the font
-    alone (no drawing)."""
+def _widest(strings, font) -> float:
+    """The width of the widest of ``strings`` in ``font`` (``FontProperties``), in inches,
+    from the font alone (no drawing)."""
     from matplotlib.textpath import text_to_path
 
-    return max((text_to_path.get_text_width_height_descent(
-        text.get_text(), text.get_fontproperties(), ismath=False)[0]
-        for text in texts if text.get_text()), default=0.0) / 72
+    return max((text_to_path.get_text_width_height_descent(text, font, ismath=False)[0]
+                for text in strings if text), default=0.0) / 72
 
 
 def _place(fig, layout: _Layout, mosaic, heights, legend_rows: int, title):
@@ -212,7 +211,9 @@ def _place(fig, layout: _Layout, mosaic, heights, legend_rows: int, title):
     for row, row_height in zip(mosaic, heights):
         left, right = _LEFT, width - _RIGHT
         if row[0] == "heatmap":
-            labels = _widest(layout.axes["heatmap"].get_yticklabels())
+            texts = layout.axes["heatmap"].get_yticklabels()
+            labels = _widest([t.get_text() for t in texts], texts[0].get_fontproperties()
+                             ) if texts else 0.0
             left, right = max(_LEFT, labels + 0.25), right - sum(_COLORBAR)
         middle = (left + right) / 2
         cells = ([(left, right)] if row[0] == row[1]
@@ -229,8 +230,12 @@ def _place(fig, layout: _Layout, mosaic, heights, legend_rows: int, title):
         title.set_y(1 - 0.1 / height)
 
 
-def _legend(fig, axes):
-    """One legend for the layer colours, shared by the line panels; its number of rows."""
+def _legend(fig, axes, fixed: bool):
+    """One legend for the layer colours, shared by the line panels; its number of rows.
+
+    At most 8 columns; in a fixed layout (:func:`_place`) only as many as the
+    widest entry leaves room for.
+    """
     handles = {}
     for key, _, _ in PANELS:
         if key in axes and key != "noise_scale":
@@ -240,6 +245,11 @@ def _legend(fig, axes):
         return 0
     constrained = isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
     columns = min(len(handles), 8)
+    if fixed:  # an entry: its handle and gaps (4.8 font sizes, 0.56 inch), its text
+        from matplotlib.font_manager import FontProperties
+
+        entry = _widest(handles, FontProperties(size="small")) + 0.56
+        columns = max(1, min(columns, int((2 * _PANEL_INCHES[0] - 0.4) // entry)))
     fig.legend(
         handles.values(), handles.keys(), ncols=columns, fontsize="small",
         loc="outside lower center" if constrained else "lower center",
@@ -360,7 +370,7 @@ def plot(
             panel(axes[key], parts[quantity], layers=layers, legend=False)
     if statistic:
         _heatmap(layout, parts[GRADIENT_VARIANCE], statistic)
-    legend_rows = _legend(fig, axes)
+    legend_rows = _legend(fig, axes, fixed)
     title = None
     if keys:
         steps = f"steps {frame.step.min()}-{frame.step.max()}"
