@@ -273,8 +273,10 @@ class Ranking(NamedTuple):
     finite_steps: "pandas.Series"
 
 
-def noise_ranking(frame: "pandas.DataFrame") -> Optional[Ranking]:
+def noise_ranking(frame: "pandas.DataFrame", until: Optional[int] = None) -> Optional[Ranking]:
     """The layers of ``frame`` ranked noisiest first; ``None`` without a statistic to rank by.
+
+    ``until``: over the steps up to it only (default: every step).
 
     The score of a layer is the mean, over the frame's tracked steps, of its
     median signal-to-noise ratio ``|grad_j| / sd_j`` (``GradientVarianceQuantiles``
@@ -289,17 +291,23 @@ def noise_ranking(frame: "pandas.DataFrame") -> Optional[Ranking]:
     (whole curves). The report at step ``S`` ranks over the steps up to
     ``S``: the same layers the dashboard of the log up to ``S`` draws.
     """
+    steps = frame.step.to_numpy()
     for quantity, statistic, lowest_first in RANKINGS:
-        rows = select(frame, quantity, statistic=statistic)
-        if (~equals(rows.param, NETWORK)).any():
-            finite = finite_rows(rows).groupby("param", sort=False).value
+        chosen = equals(frame.quantity, quantity) & equals(frame.statistic, statistic)
+        if until is not None:
+            chosen &= steps <= until
+        # Two columns of the rows, not a copy of them: a long run has millions.
+        params, values = frame.param[chosen], frame.value[chosen]
+        if (~equals(params, NETWORK)).any():
+            finite = numpy.isfinite(values.to_numpy(dtype=float))
+            finite = values[finite].groupby(params[finite], sort=False)
             means = finite.mean()
             network = float(means.get(NETWORK, math.nan))
             # A stable sort keeps ties in layer order.
             scores = means.drop(NETWORK, errors="ignore").sort_values(
                 ascending=lowest_first, kind="stable"
             )
-            return Ranking(quantity, statistic, scores, network, rows.step.nunique(),
+            return Ranking(quantity, statistic, scores, network, len(numpy.unique(steps[chosen])),
                            finite.count())
     return None
 

@@ -244,12 +244,13 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
     finite_step = reported != step
     steps = quantity_steps(frame, reported)
     last = max(steps.values())
+    # Before the rows below are copied: a long run's ranking reads millions of rows.
+    ranking = noise_ranking(frame, until=last)
     # One pass over the whole frame; everything after reads the rows it needs of these.
     read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(_READ).to_numpy()]
     table = layer_table(read, steps)
     if batch_size is None:
         batch_size = recorded_batch_size(read)
-    ranking = noise_ranking(read)
     history = run_history(select(read, param=NETWORK), thresholds)
     return Report(
         source=str(source),

@@ -64,7 +64,7 @@ from cockpit_gradnoise.schema import (
 import matplotlib
 import matplotlib.colors
 import numpy
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullLocator
 
 NETWORK_STYLE = {"color": "black", "linewidth": 2.2, "zorder": 3}
 _PALETTE = matplotlib.colormaps["tab10"].colors
@@ -83,8 +83,12 @@ MAX_POINTS = 1000
 MAX_COLUMNS = 500
 #: Non-finite steps are shown as at most this many bands (nearby runs merged).
 MAX_BANDS = 100
-#: The heatmap labels at most this many rows (every k-th layer beyond).
-MAX_ROW_LABELS = 100
+#: The heatmap labels at most this many rows (every k-th layer beyond): so that each
+#: label is at least 6 pt (:func:`noise_heatmap_panel`), and few (each costs the drawing).
+MAX_ROW_LABELS = 60
+#: A log axis spanning more decades than this has no minor ticks: its decade ticks are
+#: close enough to read between, and ticks are most of the time to draw a large figure.
+MINOR_DECADES = 3
 
 
 def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
@@ -105,16 +109,27 @@ def clear_panel(ax):
         artist.remove()
     if ax.get_legend() is not None:
         ax.get_legend().remove()
-    ax.set_title("")
+    _title_at(ax, "")
     ax.set_xscale("linear")
     ax.set_yscale("linear")
     ax.relim()
     ax.set_autoscale_on(True)
 
 
+def _title_at(ax, title: str):
+    """``ax.set_title(title)`` at a set height: that of ``rcParams["axes.titley"]``, else 1.0.
+
+    Without a height matplotlib places a title above whatever the axes draw on
+    top, measuring their tick labels at every draw to find out; a panel draws
+    nothing there, so the title lands at 1.0 either way.
+    """
+    y = matplotlib.rcParams["axes.titley"]
+    ax.set_title(title, y=1.0 if y is None else y)
+
+
 def no_data(ax, title: str, reason: str):
     """Write ``reason`` in the middle of ``ax`` under ``title``; hide the ticks."""
-    ax.set_title(title)
+    _title_at(ax, title)
     ax.set_xticks([])
     ax.set_yticks([])
     ax.text(0.5, 0.5, reason, ha="center", va="center", transform=ax.transAxes, color="0.35")
@@ -289,6 +304,13 @@ def _layers(frame, layers):
     return default_layers(frame) if layers is None else list(layers)
 
 
+def minor_ticks(axis, low, high):
+    """No minor ticks on the log ``axis`` from ``low`` to ``high`` if it spans more than
+    :data:`MINOR_DECADES` decades (fewer keep matplotlib's, labelled below one decade)."""
+    if 0 < low and 0 < high and max(high / low, low / high) > 10.0 ** MINOR_DECADES:
+        axis.set_minor_locator(NullLocator())
+
+
 def _step_axis(ax):
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -298,10 +320,11 @@ def _finish(ax, title, ylabel, legend):
     if any(line.get_label() == _ZERO_MARKS for line in ax.lines):
         # One legend entry for the zero marks of every layer (each in its colour).
         ax.plot([], [], "v", color="0.4", label=ZERO_LABEL)
-    ax.set_title(title)
+    _title_at(ax, title)
     _step_axis(ax)
     ax.set_ylabel(ylabel)
     ax.set_yscale("log")
+    minor_ticks(ax.yaxis, *ax.get_ylim())
     ax.grid(True, which="major", alpha=0.3)
     if legend:
         ax.legend(fontsize="x-small", loc="best")
@@ -553,7 +576,7 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     mesh = ax.pcolormesh(steps, numpy.arange(len(names)), numpy.ma.masked_invalid(values),
                          norm=norm, shading="nearest", cmap="viridis", label=label)
     # Every k-th row labelled (at most MAX_ROW_LABELS: text layout is most of
-    # a large figure's time), small enough to fit its rows, never below 4 pt.
+    # a large figure's time), small enough to fit its rows (at least 6 pt, 360 pt / 60).
     every = label_stride(len(names))
     ax.set_yticks(numpy.arange(0, len(names), every), names[::every],
                   fontsize=max(4.0, min(8.0, 360.0 * every / len(names))))
@@ -564,7 +587,7 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
                 markersize=max(2.0, min(5.0, 200.0 / len(names))), label=ZERO_LABEL)
         title += "; x: 0"
     non_finite_bands(ax, frame, GRADIENT_VARIANCE)
-    ax.set_title(title)
+    _title_at(ax, title)
     _step_axis(ax)
     if colorbar:
         ax.get_figure().colorbar(mesh, ax=ax, label=label, pad=0.01)

@@ -12,10 +12,13 @@ lengths, which the layouts give, so it reads a few hundred bytes per record.
 :meth:`LogIndex.frame` then decodes the numbers a :class:`Pick` names, and
 only those, into rows of the tidy frame of :func:`cockpit_gradnoise.to_frame`:
 the same rows, in the same order, with the same categories, as the full
-frame's, of which they are a subset.
+frame's, of which they are a subset. It reads the file in windows of up to
+16 MB in file order, and decodes the records that read the same positions
+together, with NumPy, from the characters of those numbers only
+(:func:`_gather`): decoding loops over windows and plans, not records.
 
-Which rows a view needs is the view's business (``findings.report_frame``,
-``dashboard.plot_frame``); this module reads what it is told.
+Which rows a view needs is the view's business (``view_rows.report_frame``,
+``view_rows.plot_frame``); this module reads what it is told.
 
 Damage is not this module's to report: anything unexpected (a line of
 another shape or length, a name or layout not declared, a value record with
@@ -34,7 +37,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, non_finite_runs, per_parameter
 
@@ -50,10 +53,6 @@ _RECORD = re.compile(
 )
 _TAIL = b'"}\n'
 _HEAD = 200  # bytes read per record: its end and the next line's start
-#: A record's numbers are decoded whole when its picked positions form more runs than
-#: its text has this many characters per run: one more read and decode of a run costs
-#: about as much as decoding that many characters.
-_CHARS_PER_RUN = 512
 
 
 class _Unexpected(Exception):
@@ -216,25 +215,30 @@ def _index(file, path: str) -> LogIndex:
     if os.pread(fd, len(header), 0) != header:
         raise _Unexpected
     scan, offset = _Scan(), len(header)
-    head = os.pread(fd, _HEAD, offset)
+    # Once per record: the names the loop reads looked up once (the lists grow in place).
+    current, chars, layouts = scan.current, scan.chars, scan.layouts
+    quantities, match_record, pread = scan.tables["quantities"], _RECORD.match, os.pread
+    tail, ahead = len(_TAIL), len(_TAIL) + _HEAD
+    head = pread(fd, _HEAD, offset)
     while offset < size:
-        match = _RECORD.match(head)
+        match = match_record(head)
         if match is None and head.startswith(b'{"step"') and b'"values": "' not in head:
-            head = os.pread(fd, 1 << 20, offset)  # a long list of non-finite runs
-            match = _RECORD.match(head)
+            head = pread(fd, 1 << 20, offset)  # a long list of non-finite runs
+            match = match_record(head)
         if match is None:
             offset, head = _other_line(fd, scan, offset, size)
             continue
-        step, quantity, layout = int(match[1]), int(match[2]), int(match[3])
-        if quantity >= len(scan.tables["quantities"]) or layout >= len(scan.layouts):
+        step, quantity, layout, runs = match.groups()
+        quantity, layout = int(quantity), int(layout)
+        if quantity >= len(quantities) or layout >= len(layouts):
             raise _Unexpected
         start = offset + match.end()
-        end = start + scan.chars[layout]
-        head = os.pread(fd, len(_TAIL) + _HEAD, end)
-        if head[:len(_TAIL)] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
+        end = start + chars[layout]
+        head = pread(fd, ahead, end)
+        if head[:tail] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
             raise _Unexpected  # a line of another length: damaged, or not LogStream's
-        scan.current[step, quantity] = (layout, start, match[4])
-        offset, head = end + len(_TAIL), head[len(_TAIL):]
+        current[int(step), quantity] = (layout, start, runs)
+        offset, head = end + tail, head[tail:]
     return _finish(fd, scan, path)
 
 
@@ -260,20 +264,27 @@ _FINITE = b"{}"
 
 def _finish(fd, scan: _Scan, path: str) -> LogIndex:
     quantities = scan.tables["quantities"]
-    kept = [(step, quantity, *rest) for (step, quantity), rest in scan.current.items()
-            if rest[0] >= 0 and len(scan.layouts[rest[0]][0])]
+    keys, rests = list(scan.current), list(scan.current.values())
+    steps = numpy.array([step for step, _ in keys], dtype=numpy.int64)
+    quantity = numpy.array([code for _, code in keys], dtype=numpy.int64)
+    layout = numpy.array([rest[0] for rest in rests], dtype=numpy.int64)
+    offset = numpy.array([rest[1] for rest in rests], dtype=numpy.int64)
+    # Records with numbers (a value line's layout is -1: none).
+    counts = numpy.array([len(params) for params, _ in scan.layouts] + [0], dtype=numpy.int64)
+    kept = numpy.flatnonzero(counts[layout] > 0)
     # The frame's order: by step, then quantity name.
-    kept.sort(key=lambda record: (record[0], quantities[record[1]]))
-    columns = list(zip(*kept)) if kept else [(), (), (), (), ()]
+    rank = numpy.zeros(len(quantities), dtype=numpy.int64)
+    rank[sorted(range(len(quantities)), key=quantities.__getitem__)] = numpy.arange(len(quantities))
+    kept = kept[numpy.lexsort((rank[quantity[kept]], steps[kept]))]
     index = LogIndex(
         path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
-        *(numpy.asarray(column, dtype=numpy.int64) for column in columns[:4]),
+        steps[kept], quantity[kept], layout[kept], offset[kept],
         finite=numpy.ones(len(kept), dtype=bool), non_finite={}, patterns=[],
     )
+    texts = [rests[record][2] for record in kept.tolist()]
     found: Dict[bytes, int] = {}
-    for record, runs in enumerate(columns[4]):
-        if runs == _FINITE:
-            continue
+    for record in [r for r, runs in enumerate(texts) if runs != _FINITE]:
+        runs = texts[record]
         if runs is None:  # written before records said: decode to find out
             runs = json.dumps(non_finite_runs(_decode_all(fd, index, record))).encode()
             if runs == _FINITE:
@@ -311,39 +322,126 @@ def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
     return numpy.frombuffer(raw, dtype=_DTYPE)
 
 
-def _plan(positions: numpy.ndarray, count: int):
-    """How to decode ``positions`` (ascending) of a record of ``count`` numbers.
+def _windows(starts: numpy.ndarray, ends: numpy.ndarray) -> List[slice]:
+    """Runs of records (texts ``[starts, ends)``, ascending starts) to read at once.
 
-    ``(runs, take)``: ``runs`` are ``(first character, characters, bytes to
-    skip, bytes)`` of each run of consecutive positions (base64 turns 3
-    bytes into 4 characters, so a run is decoded from the quadruple holding
-    its first byte on); with more runs than :data:`_CHARS_PER_RUN` allows, the
-    whole text is decoded once and ``take`` indexes it.
+    A new run starts where the texts pass a multiple of :data:`_WINDOW` bytes
+    into the file, and after a gap of more than :data:`_GAP` bytes not needed.
     """
-    breaks = numpy.flatnonzero(numpy.diff(positions) != 1)
-    if (len(breaks) + 1) * _CHARS_PER_RUN > _chars(count):
-        return [(0, _chars(count), 0, 8 * count)], positions
-    starts = [int(positions[0])] + (positions[breaks + 1]).tolist()
-    ends = (positions[breaks] + 1).tolist() + [int(positions[-1]) + 1]
-    runs = []
-    for first, end in zip(starts, ends):
-        triple = 8 * first // 3
-        runs.append((4 * triple, _chars(end) - 4 * triple, 8 * first - 3 * triple,
-                     8 * (end - first)))
-    return runs, None
+    if not len(starts):
+        return []
+    reach = numpy.maximum.accumulate(ends)
+    block = (starts - starts[0]) // _WINDOW
+    cuts = numpy.flatnonzero((starts[1:] - reach[:-1] > _GAP) | (block[1:] != block[:-1])) + 1
+    bounds = [0, *cuts.tolist(), len(starts)]
+    return [slice(first, end) for first, end in zip(bounds[:-1], bounds[1:])]
 
 
-def _decode(fd, offset: int, plan) -> numpy.ndarray:
-    """The numbers a :func:`_plan` names, of the record whose text starts at ``offset``."""
-    runs, take = plan
-    parts = []
-    for first, chars, skip, size in runs:
-        raw = binascii.a2b_base64(os.pread(fd, chars, offset + first))
-        if len(raw) < skip + size:
-            raise _Unexpected
-        parts.append(raw[skip:skip + size] if skip or len(raw) != size else raw)
-    values = numpy.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=_DTYPE)
-    return values if take is None else values[take]
+def _by_plan(places: numpy.ndarray, plan: numpy.ndarray) -> List[numpy.ndarray]:
+    """``places`` split by their plan (``plan[places]``), each part in the given order."""
+    places = places[numpy.argsort(plan[places], kind="stable")]
+    return numpy.split(places, numpy.flatnonzero(numpy.diff(plan[places])) + 1)
+
+
+def _rows(firsts: numpy.ndarray, width: int) -> numpy.ndarray:
+    """The frame's rows of records whose first rows are ``firsts``, ``width`` each."""
+    return firsts[:, None] + numpy.arange(width)
+
+
+def _values(index: LogIndex, plans: "_Plans", firsts: numpy.ndarray, total: int
+            ) -> numpy.ndarray:
+    """The numbers that ``plans`` name, at their rows of the frame, read window by window.
+
+    Records are read in file order, many at a time (:func:`_windows`, one read
+    into a buffer that is reused, so memory stays bounded); of each window the
+    records of one plan are decoded together (:func:`_gather`).
+    """
+    values = numpy.empty(total)
+    chars = numpy.array([_chars(len(index.layouts[layout][0])) for layout in plans.layout],
+                        dtype=numpy.int64)
+    starts = index.offset[plans.records]
+    ends = starts + chars[plans.plan]
+    order = numpy.argsort(starts, kind="stable")
+    buffer = numpy.empty(0, dtype=numpy.uint8)
+    with open(index.path, "rb", buffering=0) as file:
+        for window in _windows(starts[order], ends[order]):
+            places = order[window]
+            first, size = int(starts[places[0]]), int(ends[places].max() - starts[places[0]])
+            if len(buffer) < size + 1:
+                buffer = numpy.empty(size + 1, dtype=numpy.uint8)
+            file.seek(first)
+            # And the byte after the last text (a '"' there: the index checked it).
+            if file.readinto(memoryview(buffer)[:size + 1]) != size + 1:
+                raise _Unexpected  # the file is shorter than its index says
+            for members in _by_plan(places, plans.plan):
+                plan = int(plans.plan[members[0]])
+                found = plans.positions[plan]
+                values[_rows(firsts[members], len(found))] = _gather(
+                    buffer[:size + 1], starts[members] - first, found, int(chars[plan]))
+    return values
+
+
+#: Bytes of the file read at once (at most; a longer record is read whole), and the
+#: largest gap of unneeded bytes read through rather than skipped.
+_WINDOW, _GAP = 1 << 24, 1 << 20
+#: Numbers decoded together by :func:`_gather` (bounds its arrays).
+_GATHER = 1 << 16
+
+
+def _pair_table() -> numpy.ndarray:
+    """The 12 bits of each pair of base64 characters, by the pair read as a little-endian
+    ``uint16``; ``1 << 12`` for a pair with a character that is not base64 (``=``: 0)."""
+    sixes = numpy.full(256, 64, dtype=numpy.uint16)
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    sixes[numpy.frombuffer(alphabet, dtype=numpy.uint8)] = numpy.arange(64)
+    sixes[ord("=")] = 0
+    byte = numpy.arange(256)
+    table = numpy.full(1 << 16, 1 << 12, dtype=numpy.uint16)
+    valid = (sixes[:, None] < 64) & (sixes[None, :] < 64)
+    # [first, second] character: first | second << 8 as a little-endian uint16.
+    table[(byte[:, None] | byte[None, :] << 8).ravel()] = numpy.where(
+        valid, sixes[:, None] << 6 | sixes[None, :], 1 << 12).ravel()
+    return table
+
+
+_PAIRS = _pair_table()
+
+
+def _gather(text: numpy.ndarray, starts: numpy.ndarray, positions: numpy.ndarray, chars: int):
+    """The numbers at ``positions`` of the base64 texts of ``chars`` characters at ``starts``.
+
+    Only the characters of those numbers are decoded, all texts at once. The
+    64 bits of number ``p`` start at bit ``64 p`` of the decoded text: in
+    character ``c = 64 p // 6``, ``r = 64 p - 6 c`` (0, 2 or 4) bits in. Twelve
+    characters from ``c`` (72 bits) hold them: read as six pairs
+    (:data:`_PAIRS`: 12 bits each), the 64 bits from bit ``r`` are the
+    number's bytes, first byte highest.
+
+    ``text`` must hold one byte after each text, which this overwrites: the
+    twelfth character of the last number runs one past a text whose count of
+    numbers divides by 3, and is then not needed (``r = 2``).
+
+    Returns:
+        The numbers, one row per text.
+    """
+    first = 32 * positions // 3  # = 64 p // 6
+    shift = (64 * positions - 6 * first).astype(numpy.uint64)
+    text[starts + chars] = ord("A")
+    pairs = [numpy.ndarray((len(text) - 1 - 2 * j,), numpy.dtype("<u2"), text, 2 * j, (1,))
+             for j in range(6)]
+    rows = numpy.empty((len(starts), len(positions)))
+    step = max(1, _GATHER // max(len(positions), 1))
+    for at in range(0, len(starts), step):
+        where = starts[at:at + step, None] + first
+        bits = [_PAIRS[pair[where]] for pair in pairs]
+        if any((part >> 12).any() for part in bits):
+            raise _Unexpected  # not base64 where a number is read
+        bits = [part.astype(numpy.uint64) for part in bits]
+        high = bits[0] << 24 | bits[1] << 12 | bits[2]
+        low = bits[3] << 24 | bits[4] << 12 | bits[5]
+        number = high << (numpy.uint64(28) + shift) | low >> (numpy.uint64(8) - shift)
+        rows[at:at + step] = number.astype(">u8").view(_DTYPE)
+    return rows
 
 
 def _signed(index: LogIndex, picks: Sequence[Pick], bits: int, layout: int) -> numpy.ndarray:
@@ -360,112 +458,73 @@ def _signed(index: LogIndex, picks: Sequence[Pick], bits: int, layout: int) -> n
     return numpy.flatnonzero(mask)
 
 
-def _chosen(index: LogIndex, picks: Sequence[Pick]) -> Tuple[List[int], List[numpy.ndarray]]:
-    """The records any of ``picks`` names, and the positions read of each (shared arrays)."""
+class _Plans(NamedTuple):
+    """What :meth:`LogIndex.frame` reads: the ``records`` (frame order) with a number to
+    read, each one's ``plan``, and of each plan the ``positions`` read and the ``layout``."""
+
+    records: numpy.ndarray
+    plan: numpy.ndarray
+    positions: List[numpy.ndarray]
+    layout: List[int]
+
+
+def _plans(index: LogIndex, picks: Sequence[Pick]) -> _Plans:
+    """The records any of ``picks`` names and the positions read of each, by plan."""
     # Records that share a layout and the picks naming them share their positions.
+    stride = len(index.layouts) + 1
     signature = numpy.zeros(len(index), dtype=numpy.int64)
     for bit, pick in enumerate(picks):
         signature |= pick.records.astype(numpy.int64) << bit
-    signature = signature * (len(index.layouts) + 1) + index.layout
-    chosen = {key: _signed(index, picks, *divmod(key, len(index.layouts) + 1))
-              for key in numpy.unique(signature).tolist()}
+    keys, plan = numpy.unique(signature * stride + index.layout, return_inverse=True)
+    plan = plan.reshape(-1).astype(numpy.int64)
+    positions, layouts = [], []
+    for key in keys.tolist():
+        bits, layout = divmod(key, stride)
+        positions.append(_signed(index, picks, bits, layout))
+        layouts.append(layout)
     each: Dict[int, list] = {}
     for pick in picks:
         for record, found in (pick.each or {}).items():
             each.setdefault(record, []).append(found)
-    merged: Dict[tuple, numpy.ndarray] = {}
-    positions = []
-    for record, key in enumerate(signature.tolist()):
-        found = chosen[key]
-        if record in each:  # few records: those with a NaN or inf
-            extra = each[record]
-            union = (key, *map(id, extra))
-            if union not in merged:
-                merged[union] = numpy.unique(numpy.concatenate([found, *extra]))
-            found = merged[union]
-        positions.append(found)
-    records = [r for r, found in enumerate(positions) if len(found)]
-    return records, [positions[r] for r in records]
+    merged: Dict[tuple, int] = {}
+    for record, extra in each.items():  # few records: those with a NaN or inf
+        union = (int(plan[record]), *map(id, extra))
+        if union not in merged:
+            merged[union] = len(positions)
+            positions.append(numpy.unique(numpy.concatenate([positions[union[0]], *extra])))
+            layouts.append(layouts[union[0]])
+        plan[record] = merged[union]
+    lengths = numpy.array([len(found) for found in positions], dtype=numpy.int64)
+    records = numpy.flatnonzero(lengths[plan] > 0)
+    return _Plans(records, plan[records], positions, layouts)
 
 
-def _known(index: LogIndex, records: List[int], positions: List[numpy.ndarray]
-           ) -> Iterator[numpy.ndarray]:
-    """The values the patterns know at ``positions`` of ``records``: NaN and inf, 0 elsewhere."""
-    known: Dict[tuple, numpy.ndarray] = {}
-    for record, found in zip(records, positions):
-        key = (id(found), index.non_finite.get(record))
-        if key not in known:
-            values = known[key] = numpy.zeros(len(found))
-            for kind, bad in (index.patterns[key[1]] if key[1] is not None else {}).items():
-                values[numpy.isin(found, bad)] = float(kind)
-        yield known[key]
-
-
-def _values(index: LogIndex, records, positions, layouts) -> List[numpy.ndarray]:
-    """The numbers at ``positions`` of each of ``records``: by runs, or scattered ones in batches."""
-    plans: Dict[int, tuple] = {}
-    scattered: Dict[int, List[int]] = {}  # plan -> the records (their place) that it decodes
-    values: List[Optional[numpy.ndarray]] = []
-    with open(index.path, "rb") as file:
-        fd, offsets = file.fileno(), index.offset[records].tolist()
-        for place, (found, offset, layout) in enumerate(zip(positions, offsets, layouts)):
-            plan = plans.get(id(found))
-            if plan is None:
-                plan = plans[id(found)] = _plan(found, len(index.layouts[layout][0]))
-            if plan[1] is None:
-                values.append(_decode(fd, offset, plan))
-            else:
-                values.append(None)
-                scattered.setdefault(id(found), []).append(place)
-        for key, places in scattered.items():
-            ((_, chars, _, _),), take = plans[key]
-            for start in range(0, len(places), _BATCH):
-                batch = places[start:start + _BATCH]
-                texts = b"".join([os.pread(fd, chars, offsets[p]) for p in batch])
-                for place, row in zip(batch, _decode_scattered(texts, len(batch), chars, take)):
-                    values[place] = row
+def _known(index: LogIndex, plans: _Plans, firsts: numpy.ndarray, total: int) -> numpy.ndarray:
+    """The values the patterns know of the numbers ``plans`` name: NaN and inf, 0 elsewhere."""
+    values = numpy.zeros(total)
+    bad = numpy.zeros(len(index), dtype=bool)
+    bad[list(index.non_finite)] = True
+    groups: Dict[tuple, List[int]] = {}
+    for place in numpy.flatnonzero(bad[plans.records]).tolist():
+        key = (int(plans.plan[place]), index.non_finite[int(plans.records[place])])
+        groups.setdefault(key, []).append(place)
+    for (plan, pattern), places in groups.items():
+        found = plans.positions[plan]
+        for kind, positions in index.patterns[pattern].items():
+            hit = numpy.flatnonzero(numpy.isin(found, positions))
+            values[firsts[places][:, None] + hit] = float(kind)
     return values
-
-
-#: Records decoded together by :func:`_decode_scattered`.
-_BATCH = 256
-_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_SIXES = numpy.full(256, 64, dtype=numpy.uint8)  # 64: not a base64 character
-_SIXES[numpy.frombuffer(_ALPHABET, dtype=numpy.uint8)] = numpy.arange(64, dtype=numpy.uint8)
-_SIXES[ord("=")] = 0
-
-
-def _decode_scattered(texts: bytes, count: int, chars: int, positions: numpy.ndarray):
-    """The numbers at ``positions`` of ``count`` records' base64 texts of ``chars`` each.
-
-    Only the characters of those numbers are decoded, all records at once:
-    the four quadruples from the one holding a number's first byte (12
-    bytes, which hold its 8), their 6-bit values joined into bytes.
-    """
-    first = 8 * positions // 3
-    where = numpy.minimum(4 * first[:, None] + numpy.arange(16), chars - 1)
-    skip = (8 * positions - 3 * first)[:, None] + numpy.arange(8)
-    sixes = _SIXES[numpy.frombuffer(texts, dtype=numpy.uint8).reshape(count, chars)[:, where]]
-    if (sixes == 64).any():
-        raise _Unexpected
-    sixes = sixes.reshape(count, len(positions), 4, 4).astype(numpy.uint32)
-    joined = (sixes[..., 0] << 18) | (sixes[..., 1] << 12) | (sixes[..., 2] << 6) | sixes[..., 3]
-    raw = numpy.stack([joined >> 16, joined >> 8, joined], axis=-1).astype(numpy.uint8)
-    raw = raw.reshape(count, len(positions), 12)[:, numpy.arange(len(positions))[:, None], skip]
-    return numpy.ascontiguousarray(raw).view(_DTYPE).reshape(count, len(positions))
 
 
 def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
     from cockpit_gradnoise.frame import _frame as tidy
     from cockpit_gradnoise.frame import _names
 
-    records, positions = _chosen(index, picks)
-    layouts = index.layout[records].tolist() if records else []
-    if decode:
-        values = _values(index, records, positions, layouts)
-    else:
-        values = list(_known(index, records, positions))
-    counts = numpy.asarray([len(p) for p in positions], dtype=numpy.int64)
+    plans = _plans(index, picks)
+    records = plans.records
+    counts = numpy.array([len(found) for found in plans.positions], dtype=numpy.int64)[plans.plan]
+    firsts = numpy.cumsum(counts) - counts  # each record's first row
+    total = int(counts.sum())
     # Categories as the full frame's: the names of every record's layout.
     used = numpy.unique(index.layout).tolist()
     quantities = _names(index.quantities, set(index.quantity.tolist()))
@@ -473,26 +532,18 @@ def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pand
         _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
         for i, table in ((0, index.params), (1, index.statistics))
     )
-    codes: List[List[numpy.ndarray]] = [[], []]
-    cache: Dict[tuple, tuple] = {}
-    for layout, found in zip(layouts, positions):
-        key = (layout, id(found))
-        if key not in cache:
-            cache[key] = tuple(table[0][index.layouts[layout][i][found]]
-                               for i, table in ((0, params), (1, statistics)))
-        codes[0].append(cache[key][0])
-        codes[1].append(cache[key][1])
-    columns = [
-        numpy.repeat(quantities[0][index.quantity[records]], counts),
-        _concatenate(codes[0], params[0].dtype), _concatenate(codes[1], statistics[0].dtype),
-    ]
+    codes = [numpy.empty(total, dtype=params[0].dtype),
+             numpy.empty(total, dtype=statistics[0].dtype)]
+    for members in _by_plan(numpy.arange(len(records)), plans.plan) if total else []:
+        plan = int(plans.plan[members[0]])
+        found, layout = plans.positions[plan], index.layouts[plans.layout[plan]]
+        rows = _rows(firsts[members], len(found))
+        for column, (remap, _), names in zip(codes, (params, statistics), layout):
+            column[rows] = remap[names[found]]
+    values = (_values if decode else _known)(index, plans, firsts, total)
+    columns = [numpy.repeat(quantities[0][index.quantity[records]], counts), *codes]
     steps = numpy.repeat(index.step[records], counts)
-    return tidy(steps, columns, [quantities[1], params[1], statistics[1]],
-                _concatenate(values, numpy.float64))
-
-
-def _concatenate(arrays, dtype) -> numpy.ndarray:
-    return numpy.concatenate(arrays) if arrays else numpy.empty(0, dtype=dtype)
+    return tidy(steps, columns, [quantities[1], params[1], statistics[1]], values)
 
 
 def first_rows(index: LogIndex) -> Pick:

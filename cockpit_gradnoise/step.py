@@ -177,30 +177,28 @@ def check_batch_size(batch_size) -> int:
     return size
 
 
-def check_individual_losses(losses) -> torch.Tensor:
-    """``info["individual_losses"]``, checked to be a 1-D tensor of at least one loss.
+def check_individual_losses(losses, name: str = "info['individual_losses']") -> torch.Tensor:
+    """``losses``, checked to be a 1-D tensor of at least one loss; ``name`` says whose.
 
-    Lists and NumPy arrays are refused rather than converted: the losses are
-    the tensor a loss function gives with ``reduction='none'``, which Cockpit's
-    own quantities read too.
+    ``info["individual_losses"]`` of a Cockpit call, or the ``losses`` of a
+    tracker's call. Lists and NumPy arrays are refused rather than converted:
+    the losses are the tensor a loss function gives with ``reduction='none'``,
+    which Cockpit's own quantities read too.
 
     Raises:
         TypeError: Not a tensor.
         ValueError: Not of shape ``[N]``, ``N >= 1``.
     """
     fix = (
-        "pass a 1-D tensor of one loss per example, "
-        "loss_fn(reduction='none')(outputs, targets) (shape [N])"
+        "compute them with reduction='none', e.g. loss_fn(reduction='none')(outputs, targets): "
+        "a 1-D tensor of one loss per example (shape [N], N >= 1)"
     )
     if not isinstance(losses, torch.Tensor):
-        raise TypeError(
-            f"info['individual_losses'] must be a tensor, got {type(losses).__name__}: {fix}"
-        )
+        raise TypeError(f"{name} must be a tensor, got {type(losses).__name__}: {fix}")
     if losses.dim() != 1 or losses.numel() == 0:
         raise ValueError(
-            f"info['individual_losses'] must hold one loss per example, got shape "
-            f"{tuple(losses.shape)}: {fix}; for per-token losses reduce the other "
-            "dimensions, e.g. loss_fn_none(out, y).mean(dim=1)"
+            f"{name} must hold one loss per example, got shape {tuple(losses.shape)}: {fix}; "
+            "for per-token losses reduce the other dimensions, e.g. losses.mean(dim=1)"
         )
     return losses
 

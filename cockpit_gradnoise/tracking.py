@@ -33,7 +33,7 @@ from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.log import LogStream
 from cockpit_gradnoise.prepare import prepare_model
-from cockpit_gradnoise.step import step_number
+from cockpit_gradnoise.step import check_individual_losses, step_number
 
 import cockpit.quantities
 import torch
@@ -415,14 +415,14 @@ class Tracker:
                 the block differentiates it (what Lightning hands its callbacks).
 
         Raises:
-            TypeError: If ``step`` is not an integer.
+            TypeError: If ``step`` is not an integer or ``losses`` not a tensor.
             ValueError: Naming the fix, if ``losses`` is not one loss per
                 example, ``loss`` is neither their mean nor their sum, both
                 ``loss`` and ``reduction`` or a wrong ``batch_size`` are
                 given, or the loss does not depend on the parameters.
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
-        losses = _checked_losses(losses)
+        losses = check_individual_losses(losses, "losses")
         tracked = self._tracks(step)
         micro = _micro_batch(micro_batch, micro_batches)
         given = loss is not None
@@ -657,21 +657,6 @@ class _IdleContext:
 
     def __exit__(self, kind, error, traceback):
         self.contexts[0].__exit__(kind, error, traceback)
-
-
-def _checked_losses(losses) -> torch.Tensor:
-    if not isinstance(losses, torch.Tensor):
-        raise ValueError(
-            f"losses must be a tensor of one loss per example, got {type(losses).__name__}: "
-            "compute them with reduction='none', e.g. F.cross_entropy(out, y, reduction='none')"
-        )
-    if losses.dim() != 1 or losses.numel() == 0:
-        raise ValueError(
-            f"losses must hold one loss per example (shape [N], N >= 1), got shape "
-            f"{tuple(losses.shape)}: compute them with reduction='none' and reduce the "
-            "other dimensions, e.g. losses.mean(dim=1) for per-token losses"
-        )
-    return losses
 
 
 def _loss_to_differentiate(losses, loss, reduction, micro):

@@ -272,19 +272,25 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         return None
     index, picks, base = found
     everything = numpy.ones(len(index), dtype=bool)
+    first = selective.first_of_each_layout(index)
     picks += _first_bad(index, non_finite_summary(base)) + [
-        selective.first_of_each_layout(index),
+        first,
         selective.named(index, everything, params=[NETWORK], statistics=COVERAGE_STATISTICS),
         _batch_size(index, everything),
     ]
-    ranked = index.frame(picks + _ranking(index, everything))
-    if ranked is None:
+    # The layers' order (every layer is in the first record of a quantity and layout),
+    # and the ranking's rows apart (the frame drawn leaves them out).
+    firsts = index.frame([first])
+    if firsts is None:
         return None
-    order = layer_order(ranked)
-    drawn = (dashboard.Ranked(default_layers(ranked, top_k, order)) if layers is None
-             else list(layers))
-    variance_rows = not select(ranked, GRADIENT_VARIANCE).empty
-    del ranked
+    order, drawn = layer_order(firsts), list(layers or [])
+    if layers is None:
+        ranked = index.frame(_ranking(index, everything))
+        if ranked is None:
+            return None
+        drawn = dashboard.Ranked(default_layers(ranked, top_k, order))
+        del ranked
+    variance_rows = not select(firsts, GRADIENT_VARIANCE).empty
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
                         else [*drawn, NETWORK])

@@ -206,16 +206,16 @@ def test_a_loss_that_is_neither_the_mean_nor_the_sum_is_refused_naming_the_fix()
         tracker(0, losses, reduction="max")
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda losses: losses.reshape(2, -1), r"shape \[N\].*losses.mean\(dim=1\)"),
-    (lambda losses: losses.mean(), r"shape \[N\]"),
-    (lambda losses: losses[:0], r"N >= 1"),
-    (lambda losses: losses.tolist(), "reduction='none'"),
-    (lambda losses: losses.detach(), "does not require gradients"),
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda losses: losses.reshape(2, -1), ValueError, r"shape \[N\].*losses.mean\(dim=1\)"),
+    (lambda losses: losses.mean(), ValueError, r"shape \[N\]"),
+    (lambda losses: losses[:0], ValueError, r"N >= 1"),
+    (lambda losses: losses.tolist(), TypeError, "losses must be a tensor, got list: .*reduction='none'"),
+    (lambda losses: losses.detach(), ValueError, "does not require gradients"),
 ])
-def test_losses_that_are_not_one_per_example_are_refused_naming_the_fix(bad, match):
+def test_losses_that_are_not_one_per_example_are_refused_naming_the_fix(bad, error, match):
     _, tracker, losses = tracker_and_losses()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         tracker(0, bad(losses))
 
 
