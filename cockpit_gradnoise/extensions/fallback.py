@@ -32,9 +32,16 @@ How it is wired:
   (``with_kwargs=True``) on each module with direct trainable parameters that
   no rule covers: it keeps the call's positional and keyword arguments
   (detached, so no graph is held twice) until the backward pass;
+- the module's direct children get a forward pre-hook and hook that record
+  each of their calls during the module's call (:class:`ChildCall`): the
+  output, and the gradient that flows into the child through each input that
+  requires grad (the child is given a view of it, whose gradient is kept);
 - the package's extensions call :func:`run` on every module BackPACK hands
   them; it computes, once per module and backward pass, the results of every
-  active package extension, and saves each extension's own.
+  active package extension, and saves each extension's own. The
+  recomputation replays the children's calls instead of running them
+  (:class:`_Replay`), so a module with children computes at the end of the
+  backward pass, when the gradients flowing into them are there.
 
 Refused, with a warning and without rows (never a silently wrong number):
 a module none of whose inputs leads with the batch dimension of its output,
