@@ -335,3 +335,15 @@ def test_a_prepared_model_with_the_fallback_copies_and_pickles():
     copied = pickle.loads(pickle.dumps(copy.deepcopy(model)))
     assert copied[0].cgn_fallback.closed_form == model[0].cgn_fallback.closed_form
     assert copied[0]._forward_hooks  # the capture hook came along
+
+
+def test_check_model_compares_with_the_random_draws_of_the_batch():
+    """In training mode with dropout: the reference runs through one pass of the batch,
+    drawn from the same random state as the package's pass (a per-example rerun would
+    draw other masks and report errors of order 1)."""
+    torch.manual_seed(0)
+    model = WithGated().train()
+    x, y = torch.randn(5, 6, 3), torch.randint(0, 2, (5,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    assert frame.rows.all()
+    assert frame.max_rel_error.max() < 1e-12
