@@ -22,7 +22,7 @@ the per-example reference does not apply (the error column is then empty).
 
 import copy
 import math
-from typing import Callable, Dict, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 from cockpit_gradnoise.extensions import (
     LocalGradient,
@@ -113,9 +113,12 @@ def _errors(param, x: Tensor) -> float:
     return max(_relative_error(getattr(param, field), value) for field, value in expected.items())
 
 
-def how_computed(module: nn.Module) -> str:
-    """How the package computes the rows of ``module``'s direct parameters."""
+def how_computed(module: nn.Module, param: Optional[nn.Parameter] = None) -> str:
+    """How the package computes the rows of ``module``'s direct parameters (of ``param``)."""
     name = type(module).__name__
+    parent = getattr(module, fallback.PARENT_ATTRIBUTE, None)
+    if param is not None and parent is not None and id(param) in parent.borrowed:
+        return f"fallback (torch.func: {name} not run, its parameters used by its parent)"
     if hf.has_rule(module):
         return f"native ({name}, transformers rule)"
     if has_rule(module):
@@ -200,7 +203,7 @@ def check_model(
             continue
         module = owners[id(param)]
         note = _why_no_rows(param, module, recorded, examples)
-        how = how_computed(module)
+        how = how_computed(module, param)
         if interact or recorded.examples_interact:
             how += ", contributions through the batch"
         error = math.nan

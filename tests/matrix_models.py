@@ -63,6 +63,17 @@ def torchvision_convnext(training=False):
                     num_classes=CLASSES).train(training)
 
 
+def torchvision_swin():
+    """``SwinTransformer`` with one stage of two blocks (the second with shifted windows and
+    their mask): ``ShiftedWindowAttention`` holds ``relative_position_bias_table`` and uses
+    its ``qkv`` and ``proj`` Linears' parameters itself (``F.linear``), never calling them."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2], num_heads=[2],
+                           window_size=[2, 2], stochastic_depth_prob=0.0,
+                           num_classes=CLASSES).eval()
+
+
 class Bert(nn.Module):
     """A Hugging Face BERT on ``[N, 3, T]`` inputs (ids, attention mask, token types):
     its logits (``[N, classes]``, or ``[N, T, vocabulary]`` for masked LM)."""

@@ -347,3 +347,19 @@ def test_check_model_compares_with_the_random_draws_of_the_batch():
     frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
     assert frame.rows.all()
     assert frame.max_rel_error.max() < 1e-12
+
+
+def test_swin_attention_parameters_used_through_f_linear_get_exact_rows():
+    """torchvision's ``ShiftedWindowAttention`` calls ``F.linear`` on its ``qkv`` and
+    ``proj`` Linears' parameters and never the Linears: the fallback computes them with
+    its ``relative_position_bias_table`` (68.5% of swin_t's elements had rows before)."""
+    from tests import matrix_models
+
+    torch.manual_seed(0)
+    model = matrix_models.torchvision_swin()
+    x, y = torch.randn(3, 3, 16, 16), torch.randint(0, 3, (3,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    assert frame.rows.all() and frame.attrs["coverage"] == 1.0
+    assert frame.max_rel_error.max() < 1e-12
+    borrowed = frame[frame.param.str.contains(r"attn\.(?:qkv|proj)\.")]
+    assert len(borrowed) == 8 and borrowed.how.str.contains("used by its parent").all()

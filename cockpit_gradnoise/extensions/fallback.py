@@ -160,6 +160,8 @@ class Fallback:
     #: (:func:`_compute_after_backward`), and whether another use of the module came.
     deferred: Optional[tuple] = None
     used_twice: bool = False
+    #: ``id``s of the children's parameters it computed (:func:`computed_parameters`).
+    borrowed: set = field(default_factory=set)
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -174,6 +176,22 @@ def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
     delegated = delegated_parameters(module)
     return {n: p for n, p in module.named_parameters(recurse=False)
             if p.requires_grad and id(p) not in delegated}
+
+
+def computed_parameters(module: nn.Module, call: Optional["Call"]) -> Dict[str, nn.Parameter]:
+    """The parameters the fallback computes for a call of ``module``: its direct ones, and
+    those of the children the call did not run, which ``module`` uses itself
+    (torchvision's Swin attention: ``F.linear(x, self.qkv.weight, ...)``), under
+    ``"child.name"``; a child's parameter ``module`` did not use gets no rows."""
+    params = direct_parameters(module)
+    if call is None:
+        return params
+    ran = {id(child.module) for child in call.children}
+    for child_name, child in module.named_children():
+        if id(child) not in ran:
+            params.update({f"{child_name}.{n}": p for n, p in child.named_parameters()
+                           if p.requires_grad})
+    return params
 
 
 def delegated_parameters(module: nn.Module) -> set:
@@ -499,12 +517,12 @@ def per_example_gradients(
     replay.check(any(_depends_on_copies(out) for out in outputs))
     pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
     if not pairs:  # no output depends on the parameters: zero contributions
-        return {name: torch.zeros_like(copy) for name, copy in copies.items()}
+        return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}
     found = torch.autograd.grad([o for o, _ in pairs], list(copies.values()),
                                 [g for _, g in pairs], allow_unused=True)
-    # A parameter the forward did not use contributes exact zeros.
+    # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
     return {name: torch.zeros_like(copy) if x is None else x
-            for (name, copy), x in zip(copies.items(), found)}
+            for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
 
 
 def _is_example(tensor) -> bool:
@@ -614,16 +632,21 @@ class _Refused(Exception):
 
 @contextlib.contextmanager
 def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
-    """``module``'s direct parameters replaced by ``tensors`` (restored afterwards).
+    """``module``'s parameters named in ``tensors`` (``"child.name"`` for a child's) replaced
+    by them (restored afterwards).
 
     Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
     """
-    saved = {name: module._parameters[name] for name in tensors}
+    owners = {name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+              for name in tensors}
+    saved = {name: owner._parameters[attr] for name, (owner, attr) in owners.items()}
     try:
-        module._parameters.update(tensors)
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = tensors[name]
         yield
     finally:
-        module._parameters.update(saved)
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = saved[name]
 
 
 def _math_attention():
@@ -705,7 +728,7 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     call = state.call
     grads = output_gradients(call, g_out) if call is not None else {}
     reason = refusal(module, call, grads)
-    params = {n: p.detach() for n, p in direct_parameters(module).items()}
+    params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
     if reason is None and state.closed_form is not None and _one_input(call) is not None:
         form = state.closed_form
         contributions = form.contributions(module, _one_input(call), grads[0], form.eps)
@@ -762,7 +785,7 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
     state = getattr(module, ATTRIBUTE, None)
     if not isinstance(state, Fallback) or extension.savefield not in _SAVEFIELDS:
         return
-    params = direct_parameters(module)
+    params = computed_parameters(module, state.call)
     if state.results is None:
         if state.call is None:
             if state.taken:
@@ -778,8 +801,7 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
         if state.results:
             state.refused, state.computed = None, True
         state.pending = set(_active_savefields()) | {extension.savefield}
-    for name, value in state.results.pop(extension.savefield, {}).items():
-        setattr(params[name], extension.savefield, value)
+    _save(state, params, extension.savefield, state.results.pop(extension.savefield, {}))
     state.pending.discard(extension.savefield)
     if not state.pending:  # every active extension has its results: free the call
         state.call, state.results, state.taken = None, None, True
@@ -813,8 +835,15 @@ def _compute_after_backward(module: nn.Module, state: Fallback, savefields: List
         results = compute(module, state, g_out, savefields)
     if results:
         state.refused, state.computed = None, True
-    params = direct_parameters(module)
+    params = computed_parameters(module, state.call)
     for savefield, values in results.items():
-        for name, value in values.items():
-            setattr(params[name], savefield, value)
+        _save(state, params, savefield, values)
     state.call, state.results, state.taken = None, None, True
+
+
+def _save(state: Fallback, params: Dict[str, nn.Parameter], savefield: str, values: Dict[str, Tensor]):
+    """Save one extension's results on the parameters; note the children's (``"child.name"``)."""
+    for name, value in values.items():
+        setattr(params[name], savefield, value)
+        if "." in name:
+            state.borrowed.add(id(params[name]))
