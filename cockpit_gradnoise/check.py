@@ -22,7 +22,7 @@ the per-example reference does not apply (the error column is then empty).
 
 import copy
 import math
-from typing import Callable, Dict, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 from cockpit_gradnoise.extensions import (
     LocalGradient,
@@ -66,25 +66,34 @@ def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -
 
     ``x_i = (d out_i / d theta)^T G_i`` with ``G`` the gradient of
     ``loss_fn(model(*inputs), targets)`` with respect to the outputs, by one
-    backward pass per example on ``model`` (any reduction; examples must not
-    interact). Parameters without a gradient are left out.
+    backward pass per example through one forward pass of the batch (any
+    reduction), so that random draws (dropout, stochastic depth) are the
+    batch's; examples must not interact. Parameters without a gradient are
+    left out.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     outputs = model(*inputs)
-    grads = torch.autograd.grad(loss_fn(outputs, targets), _output_leaves(outputs), allow_unused=True)
-    examples = inputs[0].shape[0]
+    leaves = _output_leaves(outputs)
+    grads = torch.autograd.grad(loss_fn(outputs, targets), leaves, allow_unused=True,
+                                retain_graph=True)
+    pairs = [(o, g) for o, g in zip(leaves, grads) if g is not None]
     rows = []
-    for i in range(examples):
-        example = tuple(x[i : i + 1] if isinstance(x, Tensor) else x for x in inputs)
-        outs = _output_leaves(model(*example))
-        pairs = [(o, g[i : i + 1]) for o, g in zip(outs, grads) if g is not None]
+    for i in range(inputs[0].shape[0]):
         rows.append(torch.autograd.grad(
-            [o for o, _ in pairs], [p for _, p in named], [g for _, g in pairs], allow_unused=True
+            [o for o, _ in pairs], [p for _, p in named], [_only_example(g, i) for _, g in pairs],
+            retain_graph=True, allow_unused=True,
         ))
     return {
         name: torch.stack([row[k] for row in rows])
         for k, (name, _) in enumerate(named) if rows[0][k] is not None
     }
+
+
+def _only_example(grad: Tensor, i: int) -> Tensor:
+    """``grad`` with every example but ``i`` set to zero."""
+    only = torch.zeros_like(grad)
+    only[i] = grad[i]
+    return only
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:
@@ -104,9 +113,12 @@ def _errors(param, x: Tensor) -> float:
     return max(_relative_error(getattr(param, field), value) for field, value in expected.items())
 
 
-def how_computed(module: nn.Module) -> str:
-    """How the package computes the rows of ``module``'s direct parameters."""
+def how_computed(module: nn.Module, param: Optional[nn.Parameter] = None) -> str:
+    """How the package computes the rows of ``module``'s direct parameters (of ``param``)."""
     name = type(module).__name__
+    parent = getattr(module, fallback.PARENT_ATTRIBUTE, None)
+    if param is not None and parent is not None and id(param) in parent.borrowed:
+        return f"fallback (torch.func: {name} not run, its parameters used by its parent)"
     if hf.has_rule(module):
         return f"native ({name}, transformers rule)"
     if has_rule(module):
@@ -175,8 +187,10 @@ def check_model(
     reference_model = copy.deepcopy(model).double()
     prepared = prepare_model(copy.deepcopy(model).double())
     interact = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    state = torch.get_rng_state()  # both passes draw the same dropout, stochastic depth
     reference = {} if interact else reference_contributions(reference_model, inputs, targets, loss_fn)
 
+    torch.set_rng_state(state)
     prepared.zero_grad(set_to_none=True)
     recorded = facts.begin()
     with backpack(PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient()):
@@ -189,7 +203,7 @@ def check_model(
             continue
         module = owners[id(param)]
         note = _why_no_rows(param, module, recorded, examples)
-        how = how_computed(module)
+        how = how_computed(module, param)
         if interact or recorded.examples_interact:
             how += ", contributions through the batch"
         error = math.nan

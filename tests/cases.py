@@ -137,6 +137,10 @@ class ModelCase:
     #: contribution through the batch (:func:`reference_gradients`), drawn with the
     #: random state of the tracked pass (dropout, stochastic depth).
     examples_interact: bool = False
+    #: Random numbers drawn in the forward pass (stochastic depth), examples independent:
+    #: the reference differentiates each example's loss through one pass of the batch
+    #: (``references.per_example_gradients_of_one_pass``), from the tracked pass's random state.
+    random_forward: bool = False
 
 
 MODELS = [
@@ -286,6 +290,11 @@ def reference_gradients(case: ModelCase, problem: Problem) -> dict:
         )
         scale = 1.0 / len(problem.inputs) if problem.reduction == "mean" else 1.0
         grads = {name: x / scale for name, x in contributions.items()}
+    elif case.random_forward:
+        torch.set_rng_state(problem.random_state)
+        grads = references.per_example_gradients_of_one_pass(
+            problem.model, problem.per_example_loss, problem.inputs, problem.targets
+        )
     else:
         grads = references.per_example_gradients(
             problem.model, problem.per_example_loss, problem.inputs, problem.targets
@@ -394,9 +403,10 @@ def key_bias_is_zero(grads):
             g.zero_()
 
 
-def _image_case(name, make, examples_interact=False):
+def _image_case(name, make, examples_interact=False, random_forward=False):
     return ModelCase(name, make, lambda n: torch.randn(n, *IMAGE), batch_sizes=(2, 7),
-                     inner_terms=8 * 8, examples_interact=examples_interact)
+                     inner_terms=8 * 8, examples_interact=examples_interact,
+                     random_forward=random_forward)
 
 
 def masked_token_losses(reduction):
@@ -425,4 +435,8 @@ MODELS.extend([
     _image_case("torchvision-efficientnet-train",
                 lambda: matrix_models.torchvision_efficientnet(training=True),
                 examples_interact=True),
+    # No BatchNorm: exact per example, through the stochastic depth the tracked pass drew
+    # (the fallback replays CNBlock's children: layer_scale is used before it).
+    _image_case("torchvision-convnext-train",
+                lambda: matrix_models.torchvision_convnext(training=True), random_forward=True),
 ])

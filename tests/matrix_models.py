@@ -51,14 +51,27 @@ def torchvision_efficientnet(training=False):
                         last_channel=16).train(training)
 
 
-def torchvision_convnext():
+def torchvision_convnext(training=False):
     """``ConvNeXt`` with two stages of one ``CNBlock`` (depthwise 7x7 convolution, LayerNorm,
-    MLP, ``layer_scale`` used directly), ``LayerNorm2d`` stem, downsampling and head."""
+    MLP, ``layer_scale`` used directly, then stochastic depth), ``LayerNorm2d`` stem,
+    downsampling and head; in training mode, stochastic depth drops the second block of half the examples'
+    blocks (``"row"`` mode: per example)."""
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
     stages = [CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)]
-    return ConvNeXt(stages, stochastic_depth_prob=0.0, layer_scale=0.5,
-                    num_classes=CLASSES).eval()
+    return ConvNeXt(stages, stochastic_depth_prob=0.5 if training else 0.0, layer_scale=0.5,
+                    num_classes=CLASSES).train(training)
+
+
+def torchvision_swin():
+    """``SwinTransformer`` with one stage of two blocks (the second with shifted windows and
+    their mask): ``ShiftedWindowAttention`` holds ``relative_position_bias_table`` and uses
+    its ``qkv`` and ``proj`` Linears' parameters itself (``F.linear``), never calling them."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2], num_heads=[2],
+                           window_size=[2, 2], stochastic_depth_prob=0.0,
+                           num_classes=CLASSES).eval()
 
 
 class Bert(nn.Module):

@@ -10,6 +10,7 @@ import copy
 import warnings
 
 import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
 from cockpit_gradnoise.check import reference_contributions
 from cockpit_gradnoise.extensions import LocalGradient, PerExampleSquaredNorms, SumsOfContributions
 
@@ -135,14 +136,29 @@ class Twice(nn.Module):
         return self.head(self.scale(self.scale(x, shift=zero)[0], shift=zero)[0])
 
 
+class ChangedInPlace(nn.Module):
+    """A child's output changed in place, then multiplied by the parameter: the recorded
+    output is not what the child returned, and it is needed."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma, self.linear = nn.Parameter(torch.randn(4)), nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.linear(x)
+        out += 1.0
+        return out * torch.sigmoid(self.gamma)
+
+
 @pytest.mark.parametrize(
     "model, name, reason",
     [
         (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
         (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
         (Twice(), "scale.gamma", "called more than once"),
+        (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],
-    ids=["batchnorm-inside", "dropout", "called-twice"],
+    ids=["batchnorm-inside", "dropout", "called-twice", "child-output-changed-in-place"],
 )
 def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason):
     torch.manual_seed(0)
@@ -150,6 +166,54 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
     with pytest.warns(UserWarning, match=reason):
         got = _run(model.train(), x, y, nn.CrossEntropyLoss())
     assert got[name] == (None, None, None)
+
+
+class Gated(nn.Module):
+    """``y = x * sigmoid(g)`` feeds a child and the output, and a dropout child after the
+    parameter: the recomputation replays the children, their inputs carrying the gradient
+    that flowed into them (``y``'s other use must not be counted twice), and the dropout
+    gives what it drew."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(width))
+        self.linear, self.drop = nn.Linear(width, width), nn.Dropout(0.5)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = x * torch.sigmoid(self.g)
+        return self.act(self.drop(self.linear(y))) + y * self.g
+
+
+class WithGated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.gated, self.head = nn.Linear(3, 4), Gated(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.gated(torch.tanh(self.first(x)))).sum(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_children_are_replayed_exactly_through_random_and_in_place_ones(reduction):
+    torch.manual_seed(0)
+    model = WithGated().double().train()
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    prepared = cgn.prepare_model(copy.deepcopy(model))  # its probe draws random numbers
+    state = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="cockpit-gradnoise")
+        got = _run(prepared, x, y, loss_fn)
+    torch.set_rng_state(state)  # the same dropout, through one pass of the batch
+    grads = references.per_example_gradients_of_one_pass(
+        model, nn.CrossEntropyLoss(reduction="none"), x, y)
+    scale = 1.0 / len(x) if reduction == "mean" else 1.0
+    c = grads["gated.g"] * scale
+    norms, sums, grad = got["gated.g"]
+    _close(norms, c.square().flatten(1).sum(1))
+    _close(sums, torch.stack([c.sum(0), c.square().sum(0)]))
+    _close(grad, c.sum(0))
 
 
 def test_a_table_applied_without_the_batch_dimension_is_reported_not_wrong():
@@ -271,3 +335,31 @@ def test_a_prepared_model_with_the_fallback_copies_and_pickles():
     copied = pickle.loads(pickle.dumps(copy.deepcopy(model)))
     assert copied[0].cgn_fallback.closed_form == model[0].cgn_fallback.closed_form
     assert copied[0]._forward_hooks  # the capture hook came along
+
+
+def test_check_model_compares_with_the_random_draws_of_the_batch():
+    """In training mode with dropout: the reference runs through one pass of the batch,
+    drawn from the same random state as the package's pass (a per-example rerun would
+    draw other masks and report errors of order 1)."""
+    torch.manual_seed(0)
+    model = WithGated().train()
+    x, y = torch.randn(5, 6, 3), torch.randint(0, 2, (5,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    assert frame.rows.all()
+    assert frame.max_rel_error.max() < 1e-12
+
+
+def test_swin_attention_parameters_used_through_f_linear_get_exact_rows():
+    """torchvision's ``ShiftedWindowAttention`` calls ``F.linear`` on its ``qkv`` and
+    ``proj`` Linears' parameters and never the Linears: the fallback computes them with
+    its ``relative_position_bias_table`` (68.5% of swin_t's elements had rows before)."""
+    from tests import matrix_models
+
+    torch.manual_seed(0)
+    model = matrix_models.torchvision_swin()
+    x, y = torch.randn(3, 3, 16, 16), torch.randint(0, 3, (3,))
+    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    assert frame.rows.all() and frame.attrs["coverage"] == 1.0
+    assert frame.max_rel_error.max() < 1e-12
+    borrowed = frame[frame.param.str.contains(r"attn\.(?:qkv|proj)\.")]
+    assert len(borrowed) == 8 and borrowed.how.str.contains("used by its parent").all()

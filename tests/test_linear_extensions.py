@@ -199,3 +199,24 @@ def test_together_no_result_outlives_its_savefield(case, order, monkeypatch):
                 delattr(param, field)
     gc.collect()
     assert refs and all(ref() is None for ref in refs)
+
+
+class OnePositionMLP(nn.Module):
+    """A Linear on ``[N, 1, 1, 3]`` (extra dimensions of size 1, as ConvNeXt's last stage
+    on 32x32 images), then one on ``[N, 4]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(x)).flatten(1))
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_position_is_two_products_and_no_formation(reduction, order, monkeypatch):
+    case = ModelCase("one-position-mlp", OnePositionMLP, lambda n: torch.randn(n, 1, 1, 3))
+    problem, results, formed, names = run(case, 5, reduction, ORDERS[order], monkeypatch)
+    assert names == ["inner.weight"] and formed == []
+    assert_match(results, expected(problem, 5, reduction), ORDERS[order])

@@ -32,9 +32,16 @@ How it is wired:
   (``with_kwargs=True``) on each module with direct trainable parameters that
   no rule covers: it keeps the call's positional and keyword arguments
   (detached, so no graph is held twice) until the backward pass;
+- the module's direct children get a forward pre-hook and hook that record
+  each of their calls during the module's call (:class:`ChildCall`): the
+  output, and the gradient that flows into the child through each input that
+  requires grad (the child is given a view of it, whose gradient is kept);
 - the package's extensions call :func:`run` on every module BackPACK hands
   them; it computes, once per module and backward pass, the results of every
-  active package extension, and saves each extension's own.
+  active package extension, and saves each extension's own. The
+  recomputation replays the children's calls instead of running them
+  (:class:`_Replay`), so a module with children computes at the end of the
+  backward pass, when the gradients flowing into them are there.
 
 Refused, with a warning and without rows (never a silently wrong number):
 a module none of whose inputs leads with the batch dimension of its output,
@@ -47,6 +54,7 @@ overwrite the inputs it stored for the real backward pass.
 """
 
 import contextlib
+import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -93,6 +101,35 @@ class Call:
     outputs: Optional[Tuple[int, ...]]
     #: The autocast of the call (:func:`.precision.autocast_state`), re-entered to recompute it.
     autocast: Optional[Tuple[str, torch.dtype]] = None
+    #: The calls of the module's direct children during this call, in order (:class:`ChildCall`).
+    children: List["ChildCall"] = field(default_factory=list)
+
+
+@dataclass
+class ChildCall:
+    """One call of a direct child of a module with the fallback, during the module's call.
+
+    The recomputation replays it (:func:`replaying`) instead of running it.
+
+    Attributes:
+        module: The child.
+        output: Its output, detached, if one tensor (else ``None``: it is run again).
+        version: ``output._version`` right after the call: a later in-place
+            change makes the recorded value differ from what the child returned.
+        grads: ``{leaf index: gradient}`` of the inputs that required grad, as
+            the backward pass hands them to the child through its input only
+            (each input was given to the child as a view of its own).
+    """
+
+    module: nn.Module
+    output: Optional[Tensor] = None
+    version: int = 0
+    grads: Dict[int, Tensor] = field(default_factory=dict)
+    #: Whether an input was given as a view whose gradient is kept.
+    viewed: bool = False
+    #: Copies of earlier calls' outputs this call received, taken before it ran (in case
+    #: it changes them in place: ``ReLU(inplace=True)`` after a dropout).
+    copies: List[Tuple["ChildCall", Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +154,14 @@ class Fallback:
     taken: bool = False
     #: A closed form that gives the same contributions as the vmap (:func:`look_alike`).
     closed_form: Optional["ClosedForm"] = None
+    #: The children's calls of the module's call in progress (``None``: not recording).
+    recording: Optional[List[ChildCall]] = None
+    #: The output gradients of a computation left to the end of the backward pass
+    #: (:func:`_compute_after_backward`), and whether another use of the module came.
+    deferred: Optional[tuple] = None
+    used_twice: bool = False
+    #: ``id``s of the children's parameters it computed (:func:`computed_parameters`).
+    borrowed: set = field(default_factory=set)
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -131,6 +176,22 @@ def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
     delegated = delegated_parameters(module)
     return {n: p for n, p in module.named_parameters(recurse=False)
             if p.requires_grad and id(p) not in delegated}
+
+
+def computed_parameters(module: nn.Module, call: Optional["Call"]) -> Dict[str, nn.Parameter]:
+    """The parameters the fallback computes for a call of ``module``: its direct ones, and
+    those of the children the call did not run, which ``module`` uses itself
+    (torchvision's Swin attention: ``F.linear(x, self.qkv.weight, ...)``), under
+    ``"child.name"``; a child's parameter ``module`` did not use gets no rows."""
+    params = direct_parameters(module)
+    if call is None:
+        return params
+    ran = {id(child.module) for child in call.children}
+    for child_name, child in module.named_children():
+        if id(child) not in ran:
+            params.update({f"{child_name}.{n}": p for n, p in child.named_parameters()
+                           if p.requires_grad})
+    return params
 
 
 def delegated_parameters(module: nn.Module) -> set:
@@ -163,10 +224,80 @@ def install_fallback(model: nn.Module) -> List[str]:
         if isinstance(getattr(module, ATTRIBUTE, None), Fallback):
             names.append(name)
         elif needs_fallback(module):
-            setattr(module, ATTRIBUTE, Fallback(closed_form=look_alike(module)))
+            state = Fallback(closed_form=look_alike(module))
+            setattr(module, ATTRIBUTE, state)
+            module.register_forward_pre_hook(eager_under_compile(_start_recording))
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+            for child in module.children():
+                _record_calls_of(child, state)
             names.append(name)
     return names
+
+
+#: The attribute of a direct child of a module with the fallback: that module's :class:`Fallback`.
+PARENT_ATTRIBUTE = "cgn_fallback_parent"
+
+
+def _record_calls_of(child: nn.Module, state: Fallback):
+    if getattr(child, PARENT_ATTRIBUTE, None) is None:
+        child.register_forward_pre_hook(eager_under_compile(_child_inputs), with_kwargs=True)
+        child.register_forward_hook(eager_under_compile(_child_output))
+    setattr(child, PARENT_ATTRIBUTE, state)
+
+
+def _start_recording(module, args):
+    """Forward pre-hook: record the calls of the direct children during this call."""
+    state = getattr(module, ATTRIBUTE, None)
+    if state is not None:
+        recording = torch.is_grad_enabled() and not idle(module)
+        state.recording = [] if recording else None
+
+
+def _child_inputs(child, args, kwargs):
+    """Forward pre-hook of a child: give it views of its inputs that require grad, whose
+    gradients are then what flows into the child (not into other uses of the inputs)."""
+    state = getattr(child, PARENT_ATTRIBUTE, None)
+    if state is None or state.recording is None:
+        return None
+    record = ChildCall(child)
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    for earlier in state.recording:
+        if any(_same_tensor(leaf, earlier) for leaf in leaves):
+            record.copies.append((earlier, earlier.output.clone()))
+    state.recording.append(record)
+    if not any(isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves):
+        return None
+    record.viewed = True
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            leaves[k] = leaf.view_as(leaf)
+            leaves[k].register_hook(functools.partial(_keep_gradient, record, k))
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def _keep_gradient(record: ChildCall, k: int, grad: Tensor):
+    record.grads[k] = grad.detach()
+
+
+def _child_output(child, args, output):
+    """Forward hook of a child: keep its output (one tensor) for the recomputation."""
+    state = getattr(child, PARENT_ATTRIBUTE, None)
+    if state is None or not state.recording or state.recording[-1].module is not child:
+        return
+    record = state.recording[-1]
+    for earlier, copy in record.copies:
+        if earlier.output._version != earlier.version:  # changed by this call: keep the copy
+            earlier.output, earlier.version = copy, copy._version
+    record.copies = []
+    if isinstance(output, Tensor):
+        record.output, record.version = output.detach(), output._version
+
+
+def _same_tensor(leaf, earlier: ChildCall) -> bool:
+    """Whether ``leaf`` is the (unchanged) output an earlier call recorded."""
+    output = earlier.output
+    return (isinstance(leaf, Tensor) and output is not None and leaf.data_ptr() == output.data_ptr()
+            and leaf.shape == output.shape and output._version == earlier.version)
 
 
 def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
@@ -186,12 +317,16 @@ def _capture(module, args, kwargs, output):
     state = getattr(module, ATTRIBUTE, None)
     positions = _tensor_positions(output)
     if state is None or not torch.is_grad_enabled() or positions == ():
+        if state is not None:
+            state.recording = None
         return  # no gradient to come (a torch.fx trace's proxies, too)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
-    call = Call(leaves, spec, versions, positions, precision.autocast_state(device))
+    call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
+                children=state.recording or [])
+    state.recording = None
     state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
     if first is not None and first.requires_grad:
@@ -347,47 +482,171 @@ def per_example_gradients(
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
-    ``vmap`` over examples of ``vjp`` of the module's forward with ``params``
-    in place of its own parameters (what ``torch.func.functional_call`` does,
-    here for its direct parameters only, at a third of the cost under ``vmap``),
-    at ``G_i``: ``batched`` are the indices of the leaves that lead with the
-    batch dimension, ``grads`` the output gradients by output position.
+    The module's forward under ``vmap`` over the examples, with a copy of
+    each direct parameter per example in place of its own (what
+    ``torch.func.functional_call`` does, for these only, at a third of the
+    cost under ``vmap``), then one ordinary backward pass to those copies: the
+    gradient of example ``i``'s copy is ``x_i``, the vector-Jacobian product
+    of the module's docstring. Its children are replayed (:class:`_Replay`):
+    the recomputation runs the module's own operations only. ``batched`` are
+    the indices of the leaves that lead with the batch dimension, ``grads``
+    the output gradients by output position.
     """
     positions = list(grads)
+    total = grads[positions[0]].shape[0]
+    stop = min(stop, total)
+    examples = tuple(call.leaves[k][start:stop] for k in batched)
+    n = stop - start
+    replay = _Replay(call.children, total, start, stop)
+    copies = {name: p.expand(n, *p.shape).requires_grad_() for name, p in params.items()}
 
-    def forward(own, examples):
+    def forward(own, examples, recorded):
         leaves = list(call.leaves)
         for k, example in zip(batched, examples):
             leaves[k] = example.unsqueeze(0)
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-        with own_parameters(module, own):
+        with own_parameters(module, own), replay.replacing(module, recorded):
             output = module.forward(*args, **kwargs)
-        if call.outputs is None:
-            return (output,)
-        return tuple(output[call.outputs[p]] for p in positions)
+        outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in positions)
+        return outputs, tuple(sink for sink, _ in replay.sinks)
 
-    def one(examples, cotangents):
-        _, pullback = torch.func.vjp(lambda own: forward(own, examples), params)
-        return pullback(tuple(g.unsqueeze(0) for g in cotangents))[0]
-
-    examples = tuple(call.leaves[k][start:stop] for k in batched)
-    cotangents = tuple(grads[p][start:stop] for p in positions)
     with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
-        return torch.func.vmap(one)(examples, cotangents)
+        outputs, sinks = torch.func.vmap(forward)(copies, examples, replay.recorded_outputs())
+    pairs = [(out, grads[p][start:stop].unsqueeze(1)) for out, p in zip(outputs, positions)]
+    pairs += [(sink, cotangent) for sink, (_, cotangent) in zip(sinks, replay.sinks)]
+    replay.check(any(_depends_on_copies(out) for out in outputs))
+    pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
+    if not pairs:  # no output depends on the parameters: zero contributions
+        return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}
+    found = torch.autograd.grad([o for o, _ in pairs], list(copies.values()),
+                                [g for _, g in pairs], allow_unused=True)
+    # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
+    return {name: torch.zeros_like(copy) if x is None else x
+            for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
+
+
+def _is_example(tensor) -> bool:
+    """Whether a tensor under ``vmap`` is an example's part of a batch (``[1, ...]``)."""
+    from torch._C import _functorch
+
+    return (isinstance(tensor, Tensor) and _functorch.is_batchedtensor(tensor)
+            and tensor.dim() > 0 and tensor.shape[0] == 1)
+
+
+def _depends_on_copies(tensor) -> bool:
+    """Whether a tensor computed under ``vmap`` depends on the parameters' copies."""
+    from torch._C import _functorch
+
+    if isinstance(tensor, Tensor) and _functorch.is_batchedtensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return isinstance(tensor, Tensor) and tensor.requires_grad
+
+
+class _Replay:
+    """The recomputation's stand-in for the module's children: their recorded calls.
+
+    Each child's call returns the output it gave in the forward pass (a
+    copy of example ``i``'s part) instead of running again: nothing below the
+    module is recomputed, random operations inside a child (dropout,
+    stochastic depth) give what they gave, and in-place changes to the
+    returned value touch a copy. Where an input of the call depends on the
+    module's own parameters, the output's dependence on them runs through
+    that input only: the input becomes an output of the recomputation (a
+    *sink*), with the gradient that flowed into the child through it in the
+    backward pass as its cotangent (the child was given a view of it:
+    :func:`_child_inputs`). So, with the sinks' cotangents, the
+    vector-Jacobian product is the same as running the children.
+
+    Run again instead: a child whose output was not one tensor, or one of
+    whose parameter-dependent inputs did not lead with the batch dimension.
+    Refused (:class:`_Refused`): calls in another order than recorded, and an
+    output changed in place after its call (its recorded value is not what
+    the child returned) if anything that depends on the parameters comes
+    after it.
+    """
+
+    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int):
+        self.children, self.examples, self.start, self.stop = children, examples, start, stop
+        self.sinks: List[Tuple[Tensor, Tensor]] = []  # (input in the recomputation, cotangent)
+        self.stale = False
+        self._next = 0
+        self._recorded: Dict[int, Tensor] = {}
+
+    def _leads_with_batch(self, tensor: Optional[Tensor]) -> bool:
+        return isinstance(tensor, Tensor) and tensor.dim() > 0 and tensor.shape[0] == self.examples
+
+    def recorded_outputs(self) -> Dict[int, Tensor]:
+        """``{call index: output of the examples}`` of the calls whose output leads with
+        the batch dimension, for ``vmap``."""
+        return {k: c.output[self.start : self.stop] for k, c in enumerate(self.children)
+                if self._leads_with_batch(c.output)}
+
+    @contextlib.contextmanager
+    def replacing(self, module: nn.Module, recorded: Dict[int, Tensor]):
+        self._recorded, self._next = recorded, 0
+        saved = {}
+        for child in module.children():
+            if "forward" not in child.__dict__:
+                saved[child] = child.forward
+                child.forward = functools.partial(self._call, child, child.forward)
+        try:
+            yield
+        finally:
+            for child in saved:
+                del child.forward
+
+    def _call(self, child, forward, *args, **kwargs):
+        k, self._next = self._next, self._next + 1
+        if k >= len(self.children) or self.children[k].module is not child:
+            raise _Refused("its children are called in another order than in the forward pass")
+        record = self.children[k]
+        leaves, _ = _pytree.tree_flatten((args, kwargs))
+        # Replayed where the call's inputs are the examples' parts of batch-leading tensors
+        # (never for a call on tensors without the batch, such as wpe(arange(T))).
+        if k not in self._recorded or not any(_is_example(leaf) for leaf in leaves):
+            return forward(*args, **kwargs)
+        sinks = []
+        for j, leaf in enumerate(leaves):
+            if not _depends_on_copies(leaf):
+                continue
+            grad = record.grads.get(j)
+            if not self._leads_with_batch(grad) or tuple(leaf.shape) != (1, *grad.shape[1:]):
+                return forward(*args, **kwargs)  # no per-example gradient there: run it
+            sinks.append((leaf, grad[self.start : self.stop].unsqueeze(1)))
+        if sinks and self.stale:
+            raise _Refused("a child's output that was changed in place is needed")
+        self.sinks.extend(sinks)
+        if record.output._version != record.version:
+            self.stale = True
+        return self._recorded[k].unsqueeze(0).clone()
+
+    def check(self, outputs_depend: bool):
+        """After the recomputation: refuse a stale output followed by parameter-dependent outputs."""
+        if self.stale and outputs_depend:
+            raise _Refused("a child's output that was changed in place is needed")
+
+
+class _Refused(Exception):
+    """The recomputation cannot replay the module's children exactly."""
 
 
 @contextlib.contextmanager
 def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
-    """``module``'s direct parameters replaced by ``tensors`` (restored afterwards).
+    """``module``'s parameters named in ``tensors`` (``"child.name"`` for a child's) replaced
+    by them (restored afterwards).
 
     Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
     """
-    saved = {name: module._parameters[name] for name in tensors}
+    owners = {name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+              for name in tensors}
+    saved = {name: owner._parameters[attr] for name, (owner, attr) in owners.items()}
     try:
-        module._parameters.update(tensors)
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = tensors[name]
         yield
     finally:
-        module._parameters.update(saved)
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = saved[name]
 
 
 def _math_attention():
@@ -469,7 +728,7 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     call = state.call
     grads = output_gradients(call, g_out) if call is not None else {}
     reason = refusal(module, call, grads)
-    params = {n: p.detach() for n, p in direct_parameters(module).items()}
+    params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
     if reason is None and state.closed_form is not None and _one_input(call) is not None:
         form = state.closed_form
         contributions = form.contributions(module, _one_input(call), grads[0], form.eps)
@@ -485,6 +744,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         )
         try:
             return reduce_chunks(chunks, savefields)
+        except _Refused as error:
+            reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     _refuse(module, state, reason)
@@ -524,7 +785,7 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
     state = getattr(module, ATTRIBUTE, None)
     if not isinstance(state, Fallback) or extension.savefield not in _SAVEFIELDS:
         return
-    params = direct_parameters(module)
+    params = computed_parameters(module, state.call)
     if state.results is None:
         if state.call is None:
             if state.taken:
@@ -533,12 +794,56 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
                         delattr(param, extension.savefield)
                 _refuse(module, state, "it was called more than once in one forward pass")
             return
+        if _after_backward(state):
+            _defer(module, state, g_out, _active_savefields() or [extension.savefield])
+            return
         state.results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
         if state.results:
             state.refused, state.computed = None, True
         state.pending = set(_active_savefields()) | {extension.savefield}
-    for name, value in state.results.pop(extension.savefield, {}).items():
-        setattr(params[name], extension.savefield, value)
+    _save(state, params, extension.savefield, state.results.pop(extension.savefield, {}))
     state.pending.discard(extension.savefield)
     if not state.pending:  # every active extension has its results: free the call
         state.call, state.results, state.taken = None, None, True
+
+
+def _after_backward(state: Fallback) -> bool:
+    """Whether the computation needs gradients the backward pass has not reached yet: those
+    flowing into the children (the module's hook runs when its output's gradient arrives)."""
+    form = state.closed_form is not None and _one_input(state.call) is not None
+    return not form and any(child.viewed for child in state.call.children)
+
+
+def _defer(module: nn.Module, state: Fallback, g_out, savefields: List[str]) -> None:
+    """Leave the computation to the end of the backward pass, once per backward pass; a
+    second use of the module in the same pass is noted (and refused there)."""
+    if state.deferred is None:
+        state.deferred, state.used_twice = g_out, False
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(functools.partial(_compute_after_backward, module, state, savefields))
+    elif g_out[0] is not state.deferred[0]:
+        state.used_twice = True
+
+
+def _compute_after_backward(module: nn.Module, state: Fallback, savefields: List[str]) -> None:
+    """Compute and save every active extension's results (:func:`_defer`), free the call."""
+    g_out, state.deferred = state.deferred, None
+    if state.used_twice:
+        _refuse(module, state, "it was called more than once in one forward pass")
+        results = {}
+    else:
+        results = compute(module, state, g_out, savefields)
+    if results:
+        state.refused, state.computed = None, True
+    params = computed_parameters(module, state.call)
+    for savefield, values in results.items():
+        _save(state, params, savefield, values)
+    state.call, state.results, state.taken = None, None, True
+
+
+def _save(state: Fallback, params: Dict[str, nn.Parameter], savefield: str, values: Dict[str, Tensor]):
+    """Save one extension's results on the parameters; note the children's (``"child.name"``)."""
+    for name, value in values.items():
+        setattr(params[name], savefield, value)
+        if "." in name:
+            state.borrowed.add(id(params[name]))

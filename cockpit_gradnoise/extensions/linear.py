@@ -57,6 +57,18 @@ from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from torch import Tensor
 
 
+def one_position(grad_output: Tensor) -> bool:
+    """Whether each example's weight contribution is one outer product: no extra
+    dimensions (``[N, out]``), or all of them 1 (``[N, 1, 1, out]``: ConvNeXt's
+    last stage on 32x32 images), so that no contribution needs forming."""
+    return grad_output.dim() == 2 or grad_output[0].numel() == grad_output.shape[-1]
+
+
+def as_products(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(inputs [N, in], grad_output [N, out])`` of a layer with :func:`one_position`."""
+    return inputs.reshape(inputs.shape[0], -1), grad_output.reshape(grad_output.shape[0], -1)
+
+
 def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
     """``(g, a)``: output gradients ``[N, L, out]`` and inputs ``[N, L, in]``."""
     return grad_output.flatten(1, -2), inputs.flatten(1, -2)
@@ -173,8 +185,8 @@ class SumsLinear(SumsFromContributionsMixin, SGSBase):
         super().__init__(derivatives=LinearDerivatives(), params=["bias", "weight"])
 
     def weight(self, ext, module, g_inp, g_out, bp_quantities):
-        if g_out[0].dim() == 2:
-            return linear_weight_sums(module.input0, g_out[0])
+        if one_position(g_out[0]):
+            return linear_weight_sums(*as_products(module.input0, g_out[0]))
         return _shared_weight_result(ext, module, g_out[0], BATCH_L2_SAVEFIELD, linear_weight_sums)
 
     def bias(self, ext, module, g_inp, g_out, bp_quantities):
@@ -191,8 +203,9 @@ class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
     a power-of-two scale (:mod:`._squares`)."""
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        if g_out[0].dim() == 2:
-            (g, a), scale = scaled_factors(g_out[0], module.input0)
+        if one_position(g_out[0]):
+            inputs, grad_output = as_products(module.input0, g_out[0])
+            (g, a), scale = scaled_factors(grad_output, inputs)
             return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale)
         return _shared_weight_result(
             ext, module, g_out[0], SUMS_SAVEFIELD, linear_weight_squared_norms
