@@ -33,6 +33,7 @@ positions when ``T`` equals the batch size.
 import functools
 from typing import Dict, List, Optional, Tuple
 
+from cockpit_gradnoise.extensions import meetings
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 _HOOK_NODE = "BackwardHookFunctionBackward"  # BackPACK's module hooks wrap outputs in one
-_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}  # sign of the second operand
+_ADDITIONS = {"AddBackward0", "SubBackward0"}
 #: Views between the output and the addition that keep the elements in order.
 _VIEWS = {"UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 
@@ -53,16 +54,25 @@ class Broadcast:
 
     Attributes:
         index: The index tensor.
-        output_shape: The shape of the embedding's output, or of the view of it
-            that is added (``wpe(pos)[None]``, ``.view(1, T, d)``).
-        gradient: The gradient of the addition's result (``[B, ...]``), once the
-            backward pass reached it; times the sign of the embedding's operand.
+        output_shape: The shape of the embedding's output.
+        meetings: Where its output meets the batch (:func:`.meetings.follow`), found
+            after the forward pass; ``None`` where that is not proven.
+        gradient: ``[B, *output_shape]``, each example's gradient of the output, summed
+            over the meetings the backward pass reached.
     """
 
     def __init__(self, index: Tensor, output_shape: torch.Size, node, examples: Optional[int],
                  from_inputs: bool):
         self.index, self.output_shape, self.node = index, output_shape, node
+        self.meetings: Optional[List[meetings.Meeting]] = None
         self.gradient: Optional[Tensor] = None
+        #: Its output is added to a tensor of its own leading size (through views that
+        #: keep the elements in order): read per example where the index leads with the batch.
+        self.added = False
+        #: Its output goes into a graph compiled by ``torch.compile`` (AOT autograd).
+        self.compiled = False
+        #: A batch of one example: its gradient is that example's.
+        self.single = examples == 1
         #: No batch dimension for certain: no dimension, or a leading size not the batch's.
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
         #: The index is (a view of) a tensor the model was called with.
@@ -72,23 +82,30 @@ class Broadcast:
         self.expanded = (index.dim() >= 2 and index.stride(0) == 0
                          and examples is not None and index.shape[0] == examples)
 
+    @property
+    def exact(self) -> bool:
+        """Whether its rows are computed here, exact per example: its output meets the
+        batch only where proven broadcast (or the batch has one example)."""
+        return self.single or bool(self.meetings)
+
     def refusal(self) -> Optional[str]:
         """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example.
 
-        Per example (BackPACK's reading of the leading dimension) where the index
-        leads with the batch's size and either its output is added to a tensor of
-        the same leading size, or the index comes from the model's inputs (a label
-        per example), or it is expanded over that dimension (``index.expand(B, T)``,
-        stride 0: what the fix below asks for, and what ``torch.compile``'s graphs
-        may hide the addition of); exact where its output is broadcast over the batch by an
-        addition; refused otherwise, since no shape tells the batch from the
+        Exact where every path from its output meets the batch broadcast from size 1
+        (:attr:`meetings`); per example (BackPACK's reading of the leading dimension)
+        where the index leads with the batch's size and either its output is added to a
+        tensor of the same leading size, or the index comes from the model's inputs (a
+        label per example), or it is expanded over that dimension (``index.expand(B, T)``,
+        stride 0: what the fix below asks for, and what ``torch.compile``'s graphs may
+        hide the addition of); refused otherwise, since no shape tells the batch from the
         positions (``T`` equal to the batch size).
         """
-        if self.gradient is not None and self.broadcast_over_batch():
+        if self.exact:
             return None
-        if not self.clearly and (self.gradient is not None or self.from_inputs or self.expanded):
+        if not self.clearly and (self.added or self.from_inputs or self.expanded):
             return None
-        return (
+        if self.compiled:
+            return (
                 f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
                 "its output goes into a graph compiled by torch.compile, where the package "
                 "cannot see whether it is broadcast over the batch or taken per example: run "
@@ -96,28 +113,23 @@ class Broadcast:
             )
         return (
             f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
-            "its output is not added to the batch's tensors (directly or through unsqueeze or "
-            "view), so nothing tells whether its leading dimension is the batch: apply the "
-            "embedding to every example's indices (index.expand(B, *index.shape)), or add "
-            "its output to a tensor of the batch"
+            "its output reaches the batch's tensors through an operation the package cannot "
+            "follow per example (it follows views, permutes, +, -, * and torch.where to the "
+            "first operation that broadcasts it over the batch): apply the embedding to "
+            "every example's indices (index.expand(B, *index.shape)), or add its output to "
+            "a tensor of the batch"
         )
 
-    def keep(self, sign: float, grad_outputs):
-        """Node pre-hook of the addition: keep the gradient of its result."""
-        self.gradient = grad_outputs[0] if sign == 1.0 else sign * grad_outputs[0]
-
-    def broadcast_over_batch(self) -> bool:
-        """Whether the output was broadcast over the batch (known in the backward pass)."""
-        shape, result = self.output_shape, self.gradient.shape
-        return len(shape) < len(result) or (shape[0] == 1 and result[0] != 1)
+    def keep(self, meeting: "meetings.Meeting", grad_outputs):
+        """Node pre-hook of a meeting: add each example's gradient through it."""
+        if grad_outputs[0] is None:
+            return
+        gradient = meeting.per_example(grad_outputs)
+        self.gradient = gradient if self.gradient is None else self.gradient + gradient
 
     def per_example_output_gradients(self, width: int) -> Tensor:
         """``[B, P, width]``: example ``i``'s gradient of the output, positions flattened."""
-        result = self.gradient.shape
-        padded = (1,) * (len(result) - len(self.output_shape)) + tuple(self.output_shape)
-        summed = [j for j in range(1, len(result)) if padded[j] == 1 and result[j] != 1]
-        gradient = self.gradient.sum(summed, keepdim=True) if summed else self.gradient
-        return gradient.reshape(result[0], -1, width)
+        return self.gradient.reshape(self.gradient.shape[0], -1, width)
 
 
 def suspect(index: Tensor, examples: Optional[int], from_inputs: bool) -> bool:
@@ -162,38 +174,42 @@ def _consumers(output) -> Dict[object, List[Tuple[object, int]]]:
     return consumers
 
 
-def _operand(node, consumers):
-    """``(addition, position, operand shape)`` where ``node``'s output, through views that
-    keep its elements in order (unsqueeze, view), is added; else ``None``."""
-    shape = None
+def _added_per_example(node, consumers) -> bool:
+    """Whether ``node``'s output, through views that keep its elements in order
+    (unsqueeze, view), is added to a tensor of its own leading size (not broadcast)."""
+    shape = meetings.output_shape(node)
     while True:
         found = consumers.get(node, [])
         if len(found) != 1:
-            return None
-        consumer, position = found[0]
+            return False
+        consumer, _ = found[0]
         if consumer.name() in _ADDITIONS:
-            return consumer, position, shape
-        if consumer.name() not in _VIEWS or not hasattr(consumer, "_input_metadata"):
-            return None
-        node, shape = consumer, torch.Size(consumer._input_metadata[0].shape)
+            result = meetings.output_shape(consumer)
+            return (shape is not None and result is not None and len(shape) == len(result)
+                    and shape[0] == result[0])
+        if consumer.name() not in _VIEWS:
+            return False
+        node, shape = consumer, meetings.output_shape(consumer)
 
 
-def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"]):
-    """Find where each call's output is added in the graph of ``output``, and hook that.
+def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optional[int]):
+    """Find where each call's output meets the batch in the graph of ``output``
+    (:func:`.meetings.follow`), and hook every meeting.
 
     One walk over the autograd graph, done only when a forward pass had such a call.
     """
     consumers = _consumers(output)
     for call in calls.values():
-        found = _operand(call.node, consumers)
-        if found is None:
+        if call.single:
             continue
-        node, position, shape = found
-        if shape is not None:
-            call.output_shape = shape
-        alpha = float(getattr(node, "_saved_alpha", 1.0))
-        sign = 1.0 if position == 0 else _ADDITIONS[node.name()] * alpha
-        node.register_prehook(functools.partial(call.keep, sign))
+        call.meetings = meetings.follow(call.node, call.output_shape, consumers, examples)
+        for meeting in call.meetings or ():
+            meeting.node.register_prehook(functools.partial(call.keep, meeting))
+        if not call.meetings:
+            call.meetings = None
+            call.added = _added_per_example(call.node, consumers)
+            call.compiled = any("CompiledFunction" in consumer.name()
+                                for consumer, _ in consumers.get(call.node, []))
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
