@@ -69,8 +69,8 @@ class Broadcast:
         #: Its output is added to a tensor of its own leading size (through views that
         #: keep the elements in order): read per example where the index leads with the batch.
         self.added = False
-        #: Its output goes into a graph compiled by ``torch.compile`` (AOT autograd).
-        self.compiled = False
+        #: The operation where following its output stopped (:func:`.meetings.follow`).
+        self.stopped_at: Optional[str] = None
         #: A batch of one example: its gradient is that example's.
         self.single = examples == 1
         #: No batch dimension for certain: no dimension, or a leading size not the batch's.
@@ -104,21 +104,7 @@ class Broadcast:
             return None
         if not self.clearly and (self.added or self.from_inputs or self.expanded):
             return None
-        if self.compiled:
-            return (
-                f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
-                "its output goes into a graph compiled by torch.compile, where the package "
-                "cannot see whether it is broadcast over the batch or taken per example: run "
-                "the uncompiled module (compiled._orig_mod) at tracked steps"
-            )
-        return (
-            f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
-            "its output reaches the batch's tensors through an operation the package cannot "
-            "follow per example (it follows views, permutes, +, -, * and torch.where to the "
-            "first operation that broadcasts it over the batch): apply the embedding to "
-            "every example's indices (index.expand(B, *index.shape)), or add its output to "
-            "a tensor of the batch"
-        )
+        return _why_not(tuple(self.index.shape), self.stopped_at)
 
     def keep(self, meeting: "meetings.Meeting", grad_outputs):
         """Node pre-hook of a meeting: add each example's gradient through it."""
@@ -130,6 +116,29 @@ class Broadcast:
     def per_example_output_gradients(self, width: int) -> Tensor:
         """``[B, P, width]``: example ``i``'s gradient of the output, positions flattened."""
         return self.gradient.reshape(self.gradient.shape[0], -1, width)
+
+
+def _why_not(shape: Tuple[int, ...], stopped_at: Optional[str]) -> str:
+    """The refusal of an index of ``shape`` whose output could not be followed to the
+    batch, past the operation ``stopped_at`` (an autograd node's name, or ``None``)."""
+    start = f"its index (shape {shape}) is not an input of the model, and its output "
+    if stopped_at is not None and "ScaledDotProduct" in stopped_at:
+        return start + (
+            f"meets the batch inside a fused attention kernel ({stopped_at}), which sums "
+            "the attention mask's gradient over the batch: run the attention with the math "
+            "kernel at tracked steps (torch.nn.attention.sdpa_kernel(SDPBackend.MATH) "
+            "around the forward pass, or attn_implementation='eager' in transformers)")
+    if stopped_at is not None and "CompiledFunction" in stopped_at:
+        return start + (
+            "goes into a graph compiled by torch.compile, where the package cannot see "
+            "whether it is broadcast over the batch or taken per example: run the "
+            "uncompiled module (compiled._orig_mod) at tracked steps")
+    through = "" if stopped_at is None else f" ({stopped_at})"
+    return start + (
+        f"reaches the batch's tensors through an operation the package does not follow{through} "
+        "(it follows views, permutes, +, -, * and torch.where to the operations that "
+        "broadcast it over the batch): apply the embedding to every example's indices "
+        "(index.expand(B, *index.shape)), or add its output to a tensor of the batch")
 
 
 def suspect(index: Tensor, examples: Optional[int], from_inputs: bool) -> bool:
@@ -202,14 +211,13 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
     for call in calls.values():
         if call.single:
             continue
-        call.meetings = meetings.follow(call.node, call.output_shape, consumers, examples)
+        call.meetings, stopped = meetings.follow(call.node, call.output_shape, consumers, examples)
         for meeting in call.meetings or ():
             meeting.node.register_prehook(functools.partial(call.keep, meeting))
         if not call.meetings:
             call.meetings = None
             call.added = _added_per_example(call.node, consumers)
-            call.compiled = any("CompiledFunction" in consumer.name()
-                                for consumer, _ in consumers.get(call.node, []))
+            call.stopped_at = None if stopped is None else stopped.name()
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:

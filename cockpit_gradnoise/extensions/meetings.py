@@ -156,9 +156,10 @@ def _kind(node, position: int, shape: torch.Size, out: Optional[torch.Size],
 
 
 def follow(node, shape: torch.Size, consumers: Dict[object, List[Tuple[object, int]]],
-           examples: Optional[int]) -> Optional[List[Meeting]]:
-    """Every meeting of the output of ``node`` (of ``shape``) with the batch, or ``None``
-    if some path from it is not proven batch-free up to a meeting.
+           examples: Optional[int]) -> Tuple[Optional[List[Meeting]], object]:
+    """Every meeting of the output of ``node`` (of ``shape``) with the batch; or ``None``
+    and the operation where a path from it is not proven batch-free up to a meeting
+    (``None`` for a path that leaves the walked graph, or one of too many meetings).
 
     ``consumers``: ``{node: [(consumer, operand position)]}`` over the graph.
     """
@@ -168,16 +169,16 @@ def follow(node, shape: torch.Size, consumers: Dict[object, List[Tuple[object, i
         node, shape, path = stack.pop()
         found = consumers.get(node, [])
         if not found:  # an output of the network itself, or of a graph not walked
-            return None
+            return None, None
         for consumer, position in found:
             out = output_shape(consumer)
             kind = _kind(consumer, position, shape, out, examples)
             if kind is None:
-                return None
+                return None, consumer
             if kind == "meeting":
                 meetings.append(Meeting(consumer, position, shape, path))
             else:
                 stack.append((consumer, out, path + (_Step(consumer, position, shape),)))
         if len(meetings) + len(stack) > MAX_MEETINGS:
-            return None
-    return meetings
+            return None, None
+    return meetings, None
