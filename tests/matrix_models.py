@@ -200,8 +200,10 @@ def t5(vocabulary, decoder_length, attention="sdpa"):
 def t5_batch(n, vocabulary, length, decoder_length):
     """``[n, 3, T]``: padded encoder ids (lengths 2 to ``T``, as :func:`padded_bert_batch`),
     their attention mask, and decoder ids (no padding) in the first ``decoder_length``
-    columns."""
+    columns. The shortest sequence has two different tokens: with equal ones, attention
+    over them ignores its weights, and the bias's gradient is zero (rounding noise)."""
     padded = padded_bert_batch(n, vocabulary, length)
+    padded[1, 0, :2] = torch.tensor([2, 3])
     decoder = torch.randint(1, vocabulary, (n, length))
     decoder[:, decoder_length:] = 0
     return torch.stack([padded[:, 0], padded[:, 1], decoder], dim=1)
