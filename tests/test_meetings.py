@@ -15,6 +15,7 @@ batches of the real T5 are compared at ``reduction="sum"``.
 """
 
 import cockpit_gradnoise as cgn
+from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import batchless
 
 import pytest
@@ -25,6 +26,7 @@ from torch import nn
 
 from tests import matrix_models
 from tests.cases import Problem, classification_losses, run_step
+from tests.helpers import assert_statistics_match
 from tests.models import TokenCrossEntropy
 from tests.test_tied import assert_matches_references
 
@@ -166,3 +168,14 @@ def test_t5_bias_meets_the_batch_once_in_every_layer():
     assert len(tables) == 2
     for module in tables.values():
         assert len(uses.broadcasts[module].meetings) == 2
+
+
+@pytest.mark.parametrize("how", ["added, reused", "padding where"])
+def test_one_example_has_the_batch_gradient_for_its_own(how):
+    """A batch of one: nothing to follow; the table's per-example norm is its gradient's."""
+    problem = _token_problem(BiasedAttention(how), 1, "mean")
+    quantity = cgn.PerExampleGradNorm(linear(1), quantiles=(0.5,), param_names=problem.names)
+    got = run_step(problem, [quantity]).get_output()[0]["PerExampleGradNorm"]
+    expected = references.per_example_grad_norm(
+        problem.model, problem.per_example_loss, problem.inputs, problem.targets, quantiles=(0.5,))
+    assert_statistics_match(got, expected)

@@ -7,27 +7,28 @@ the batch before the embedding sees it, so BackPACK takes the positions (or
 the single leading 1) for examples: wrong rows, and when ``T`` equals the
 batch size no shape shows it.
 
-The per-example gradient is still available where the broadcast output meets
-the batch: the addition. So nothing of the model is changed (no values, no
-shapes): after each forward pass, for every ``nn.Embedding`` whose index is
-not a model input of two or more dimensions leading with the batch size
-(:func:`suspect`), :func:`find_broadcasts` looks in the autograd graph for the
-addition (or subtraction) its output goes into, directly or through views
-that keep its elements in order (``unsqueeze``, ``[None]``, ``view``), and
-puts a pre-hook on it that keeps the gradient of its result (``[B, ...]``) in
-the backward pass. If the output was broadcast over the batch (fewer
-dimensions than the result, or a leading 1 against the batch's ``B``),
-example ``i``'s output gradient is that gradient's ``i``-th slice summed over
-the other broadcast dimensions, and the embedding's per-example contributions
-are exact (:func:`embedding_results`): every example uses the same rows, so
-they are ``[B, R, d]`` numbers for the ``R`` distinct indices.
+The per-example gradient is still available where the shared output meets
+the batch. So nothing of the model is changed (no values, no shapes): after
+each forward pass, for every ``nn.Embedding`` whose index is not a model input
+of two or more dimensions leading with the batch size (:func:`suspect`),
+:func:`find_broadcasts` follows its output in the autograd graph through
+batch-free operations to every operation where it meets the batch, broadcast
+from size 1 (:func:`.meetings.follow`: nanoGPT's addition, T5's relative
+position bias permuted, unsqueezed and met by every layer's scores or padding
+mask), and puts a pre-hook on each that adds, in the backward pass, each
+example's gradient of the output through it (``[B, *output shape]``). The
+embedding's per-example contributions are then exact
+(:func:`embedding_results`): every example uses the same rows, so they are
+``[B, R, d]`` numbers for the ``R`` distinct indices. A batch of one example
+needs none of this: its gradient is the example's.
 
 Otherwise the index is read as BackPACK reads it (its leading dimension the
 batch) where it leads with the batch size and either is a model input (a
 label per example) or its output was added to a tensor of that leading size;
 any other index is refused (:meth:`Broadcast.refusal`) with an error at the
-first tracked step naming the parameter: no shape tells the batch from the
-positions when ``T`` equals the batch size.
+first tracked step naming the parameter and the operation where following
+stopped: no shape tells the batch from the positions when ``T`` equals the
+batch size.
 """
 
 import functools
