@@ -71,7 +71,14 @@ def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     outputs = model(*inputs)
-    grads = torch.autograd.grad(loss_fn(outputs, targets), _output_leaves(outputs), allow_unused=True)
+    # The loss's own derivatives by each output, on detached copies: an output computed
+    # from another (T5's encoder_last_hidden_state, from which the logits follow) would
+    # otherwise be counted once directly and once through the other.
+    detached = _pytree.tree_map(
+        lambda leaf: leaf.detach().requires_grad_() if isinstance(leaf, Tensor)
+        and leaf.requires_grad else leaf, outputs)
+    grads = torch.autograd.grad(loss_fn(detached, targets), _output_leaves(detached),
+                                allow_unused=True)
     examples = inputs[0].shape[0]
     rows = []
     for i in range(examples):

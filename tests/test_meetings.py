@@ -179,3 +179,20 @@ def test_one_example_has_the_batch_gradient_for_its_own(how):
     expected = references.per_example_grad_norm(
         problem.model, problem.per_example_loss, problem.inputs, problem.targets, quantiles=(0.5,))
     assert_statistics_match(got, expected)
+
+
+def test_the_checker_finds_t5_exact():
+    """``cgn.check_model`` on T5 as published: every row, and its reference counts the
+    encoder once although the outputs hold both the logits and the encoder's last state."""
+    torch.manual_seed(0)
+    model = matrix_models.t5(T5_VOCABULARY, T5_DECODER_LENGTH).model.double()
+    batch = matrix_models.t5_batch(3, T5_VOCABULARY, T5_LENGTH, T5_DECODER_LENGTH)
+    inputs = (batch[:, 0], batch[:, 1], batch[:, 2, :T5_DECODER_LENGTH])
+    targets = torch.randint(0, T5_VOCABULARY, (3, T5_DECODER_LENGTH))
+
+    def loss_fn(outputs, targets):
+        return nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
+
+    table = cgn.check_model(model, inputs, targets, loss_fn, verbose=False)
+    assert table.rows.all() and (table.max_rel_error < 1e-12).all()
+    assert table.attrs["coverage"] == 1.0
