@@ -10,7 +10,8 @@ padded, SDPA attention:
 - the parts of the tracked step spent where the relative position bias meets the
   batch (the walk over the graph after the forward pass, and the per-example
   gradients at the meetings, ``extensions/meetings.py``) and in the ``torch.func``
-  fallback (T5's ``T5LayerNorm``), timed around those functions.
+  fallback (none in T5 since ``T5LayerNorm`` has a native rule), timed around
+  those functions.
 
 CPU time of one thread (``time.process_time``), the steps interleaved over rounds,
 the fastest round of each (on a shared machine noise only adds time)::

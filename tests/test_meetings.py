@@ -182,8 +182,9 @@ def test_one_example_has_the_batch_gradient_for_its_own(how):
 
 
 def test_the_checker_finds_t5_exact():
-    """``cgn.check_model`` on T5 as published: every row, and its reference counts the
-    encoder once although the outputs hold both the logits and the encoder's last state."""
+    """``cgn.check_model`` on T5 as published: every row (T5's 12 LayerNorms by their
+    native rule), and its reference counts the encoder once although the outputs hold
+    both the logits and the encoder's last state."""
     torch.manual_seed(0)
     model = matrix_models.t5(T5_VOCABULARY, T5_DECODER_LENGTH).model.double()
     batch = matrix_models.t5_batch(3, T5_VOCABULARY, T5_LENGTH, T5_DECODER_LENGTH)
@@ -196,3 +197,5 @@ def test_the_checker_finds_t5_exact():
     table = cgn.check_model(model, inputs, targets, loss_fn, verbose=False)
     assert table.rows.all() and (table.max_rel_error < 1e-12).all()
     assert table.attrs["coverage"] == 1.0
+    norms = table[table.param.str.contains("layer_norm")]
+    assert len(norms) == 12 and (norms.how == "native (T5LayerNorm, transformers rule)").all()
