@@ -35,6 +35,7 @@ import functools
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import meetings
+from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -212,12 +213,13 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
     for call in calls.values():
         if call.single:
             continue
-        call.meetings, stopped = meetings.follow(call.node, call.output_shape, consumers, examples)
+        node = _resolved(call.node)
+        call.meetings, stopped = meetings.follow(node, call.output_shape, consumers, examples)
         for meeting in call.meetings or ():
             meeting.node.register_prehook(functools.partial(call.keep, meeting))
         if not call.meetings:
             call.meetings = None
-            call.added = _added_per_example(call.node, consumers)
+            call.added = _added_per_example(node, consumers)
             call.stopped_at = None if stopped is None else stopped.name()
 
 
@@ -229,7 +231,8 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     rows only, ``x_i[r] = sum_{p: idx_p = r} E_ip`` (``[B, R, d]``), from which
     ``sum_i x_i``, ``sum_i x_i**2`` and ``||x_i||^2`` follow directly.
     """
-    gradient = call.per_example_output_gradients(module.embedding_dim)
+    # Widened to float32 where narrower (a meeting under autocast): results to be summed.
+    gradient = widened(call.per_example_output_gradients(module.embedding_dim))
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)
@@ -238,10 +241,10 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     contributions.index_add_(1, inverse, gradient)
     if savefield == BATCH_L2_SAVEFIELD:
         return contributions.square().sum((1, 2))
-    weight = module.weight
-    total = weight.new_zeros(weight.shape).index_put_((rows,), contributions.sum(0))
+    shape = module.weight.shape
+    total = gradient.new_zeros(shape).index_put_((rows,), contributions.sum(0))
     if savefield == LOCAL_GRADIENT_SAVEFIELD:
         return total
     assert savefield == SUMS_SAVEFIELD
-    squares = weight.new_zeros(weight.shape).index_put_((rows,), contributions.square().sum(0))
+    squares = gradient.new_zeros(shape).index_put_((rows,), contributions.square().sum(0))
     return torch.stack([total, squares])
