@@ -46,7 +46,7 @@ _RESHAPES = {
     "AliasBackward0", "CloneBackward0", "ToCopyBackward0",
 }
 _PERMUTES = {"PermuteBackward0", "TransposeBackward0", "TBackward0"}
-#: Element-wise with broadcasting: ``{name: multiplier of the output gradient}``.
+#: Element-wise with broadcasting (the factor of their vjp: :func:`_multiplier`).
 _ELEMENTWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "WhereBackward0",
                 "ExpandBackward0", "NegBackward0"}
 #: At most this many meetings per layer (a path count that explodes means a graph
