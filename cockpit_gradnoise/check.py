@@ -73,10 +73,15 @@ def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     outputs = model(*inputs)
-    leaves = _output_leaves(outputs)
-    grads = torch.autograd.grad(loss_fn(outputs, targets), leaves, allow_unused=True,
-                                retain_graph=True)
-    pairs = [(o, g) for o, g in zip(leaves, grads) if g is not None]
+    # The loss's own derivatives by each output, on detached copies: an output computed
+    # from another (T5's encoder_last_hidden_state, from which the logits follow) would
+    # otherwise be counted once directly and once through the other.
+    detached = _pytree.tree_map(
+        lambda leaf: leaf.detach().requires_grad_() if isinstance(leaf, Tensor)
+        and leaf.requires_grad else leaf, outputs)
+    grads = torch.autograd.grad(loss_fn(detached, targets), _output_leaves(detached),
+                                allow_unused=True)
+    pairs = [(o, g) for o, g in zip(_output_leaves(outputs), grads) if g is not None]
     rows = []
     for i in range(inputs[0].shape[0]):
         rows.append(torch.autograd.grad(

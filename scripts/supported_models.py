@@ -45,7 +45,18 @@ def vit():
     return model.eval(), images, torch.randint(0, 10, (4,)), torch.nn.CrossEntropyLoss()
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "vit": vit}
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                      relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0)
+    tokens, mask = torch.randint(1, 32, (4, 6)), torch.ones(4, 6, dtype=torch.long)
+    mask[1, 3:] = 0  # a padded sequence
+    inputs = (tokens * mask, mask, torch.randint(1, 32, (4, 5)))  # ids, mask, decoder ids
+    return T5ForConditionalGeneration(config).eval(), inputs, torch.randint(0, 32, (4, 5)), token_loss
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "vit": vit, "t5": t5}
 
 
 def main(names):

@@ -440,3 +440,19 @@ MODELS.extend([
     _image_case("torchvision-convnext-train",
                 lambda: matrix_models.torchvision_convnext(training=True), random_forward=True),
 ])
+
+
+# Hugging Face's T5 (issue 19): relative position buckets ([q, k] without the batch), the
+# bias reused by every layer and met by the batch in torch.where (the encoder's padding mask)
+# or in SDPA's addition (the decoder); the shared embedding used three times. Batch sizes 2,
+# the decoder's length and the encoder's (q = k = B). T5's LayerNorm computes in float32
+# even in a float64 model, also backwards, so the batch's gradient and c * g_i round alike
+# only where c = 1/(N T) is a power of two (as hf-llama): odd batches, at the sum, are in
+# tests/test_meetings.py.
+T5_VOCABULARY, T5_LENGTH, T5_DECODER_LENGTH = 13, 8, 4
+MODELS.append(ModelCase(
+    "hf-t5", lambda: matrix_models.t5(T5_VOCABULARY, T5_DECODER_LENGTH),
+    lambda n: matrix_models.t5_batch(n, T5_VOCABULARY, T5_LENGTH, T5_DECODER_LENGTH),
+    batch_sizes=(2, T5_DECODER_LENGTH, T5_LENGTH), inner_terms=3 * T5_LENGTH, losses=token_losses,
+    targets=lambda n: torch.randint(0, T5_VOCABULARY, (n, T5_DECODER_LENGTH)),
+))

@@ -173,3 +173,50 @@ class MaskedTokenLoss(nn.Module):
         here = (labels != IGNORE).sum().to(losses.dtype)
         losses = losses * (batch.to(losses.dtype) * here / (len(labels) * labelled.to(losses.dtype)))
         return losses if self.reduction == "none" else losses.sum()
+
+
+class T5(nn.Module):
+    """A Hugging Face T5 on ``[N, 3, T]`` inputs (encoder ids, attention mask, decoder
+    ids in the first ``decoder_length`` columns): its logits ``[N, decoder_length, V]``."""
+
+    def __init__(self, model, decoder_length):
+        super().__init__()
+        self.model, self.decoder_length = model, decoder_length
+
+    def forward(self, batch):
+        ids, mask, decoder = batch.unbind(1)
+        return self.model(input_ids=ids, attention_mask=mask,
+                          decoder_input_ids=decoder[:, : self.decoder_length]).logits
+
+
+def t5_config(vocabulary, width=16, heads=2, layers=2, buckets=8):
+    """A tiny ``T5Config``: relative position buckets, no dropout."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=vocabulary, d_model=width, d_kv=width // heads, d_ff=2 * width,
+                    num_layers=layers, num_decoder_layers=layers, num_heads=heads,
+                    relative_attention_num_buckets=buckets, relative_attention_max_distance=16,
+                    dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0)
+
+
+def t5(vocabulary, decoder_length, attention="sdpa"):
+    """``T5ForConditionalGeneration``: a relative position bias table in the encoder's and
+    the decoder's first layer, applied to a ``[q, k]`` bucket index without the batch
+    and reused by every layer; one embedding used three times (encoder, decoder, head)."""
+    from transformers import T5ForConditionalGeneration
+
+    config = t5_config(vocabulary)
+    config._attn_implementation = attention
+    return T5(T5ForConditionalGeneration(config), decoder_length).eval()
+
+
+def t5_batch(n, vocabulary, length, decoder_length):
+    """``[n, 3, T]``: padded encoder ids (lengths 2 to ``T``, as :func:`padded_bert_batch`),
+    their attention mask, and decoder ids (no padding) in the first ``decoder_length``
+    columns. The shortest sequence has two different tokens: with equal ones, attention
+    over them ignores its weights, and the bias's gradient is zero (rounding noise)."""
+    padded = padded_bert_batch(n, vocabulary, length)
+    padded[1, 0, :2] = torch.tensor([2, 3])
+    decoder = torch.randint(1, vocabulary, (n, length))
+    decoder[:, decoder_length:] = 0
+    return torch.stack([padded[:, 0], padded[:, 1], decoder], dim=1)

@@ -186,14 +186,17 @@ class Positions(nn.Module):
         elif self.how == "label-concatenated":  # one label per example, not added
             x = torch.cat([tokens[:, 1:], self.label(idx[:, 0]).unsqueeze(1)], 1)
             x = x + self.wpe(positions)
-        elif self.how == "permuted":  # no addition where the positions meet the batch
+        elif self.how == "permuted":  # transposed, then multiplied where they meet the batch
             x = tokens * self.wpe(positions).T.T
+        elif self.how == "cumsum":  # through an operation the package does not follow
+            x = tokens + self.wpe(positions).cumsum(0)
         else:
             raise ValueError(self.how)
         return self.head(torch.tanh(x))
 
 
-@pytest.mark.parametrize("how", ["unsqueeze", "view", "label-added", "label-concatenated"])
+@pytest.mark.parametrize("how", ["unsqueeze", "view", "label-added", "label-concatenated",
+                                 "permuted"])
 @pytest.mark.parametrize("n", [NANO_CONTEXT, 3])
 def test_positions_through_views_and_label_embeddings_are_exact(how, n):
     problem = _token_problem(Positions(how), n)
@@ -201,8 +204,8 @@ def test_positions_through_views_and_label_embeddings_are_exact(how, n):
 
 
 @pytest.mark.parametrize("n", [NANO_CONTEXT, 3])
-def test_positions_that_meet_the_batch_elsewhere_than_in_an_addition_are_refused_by_name(n):
-    problem = _token_problem(Positions("permuted"), n)
+def test_positions_that_meet_the_batch_through_an_unfollowed_operation_are_refused_by_name(n):
+    problem = _token_problem(Positions("cumsum"), n)
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
     with pytest.raises(ValueError, match=r"\['wpe.weight'\].*index \(shape \(4,\)\) is not an "
                                          r"input of the model"):

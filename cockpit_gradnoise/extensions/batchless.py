@@ -7,33 +7,36 @@ the batch before the embedding sees it, so BackPACK takes the positions (or
 the single leading 1) for examples: wrong rows, and when ``T`` equals the
 batch size no shape shows it.
 
-The per-example gradient is still available where the broadcast output meets
-the batch: the addition. So nothing of the model is changed (no values, no
-shapes): after each forward pass, for every ``nn.Embedding`` whose index is
-not a model input of two or more dimensions leading with the batch size
-(:func:`suspect`), :func:`find_broadcasts` looks in the autograd graph for the
-addition (or subtraction) its output goes into, directly or through views
-that keep its elements in order (``unsqueeze``, ``[None]``, ``view``), and
-puts a pre-hook on it that keeps the gradient of its result (``[B, ...]``) in
-the backward pass. If the output was broadcast over the batch (fewer
-dimensions than the result, or a leading 1 against the batch's ``B``),
-example ``i``'s output gradient is that gradient's ``i``-th slice summed over
-the other broadcast dimensions, and the embedding's per-example contributions
-are exact (:func:`embedding_results`): every example uses the same rows, so
-they are ``[B, R, d]`` numbers for the ``R`` distinct indices.
+The per-example gradient is still available where the shared output meets
+the batch. So nothing of the model is changed (no values, no shapes): after
+each forward pass, for every ``nn.Embedding`` whose index is not a model input
+of two or more dimensions leading with the batch size (:func:`suspect`),
+:func:`find_broadcasts` follows its output in the autograd graph through
+batch-free operations to every operation where it meets the batch, broadcast
+from size 1 (:func:`.meetings.follow`: nanoGPT's addition, T5's relative
+position bias permuted, unsqueezed and met by every layer's scores or padding
+mask), and puts a pre-hook on each that adds, in the backward pass, each
+example's gradient of the output through it (``[B, *output shape]``). The
+embedding's per-example contributions are then exact
+(:func:`embedding_results`): every example uses the same rows, so they are
+``[B, R, d]`` numbers for the ``R`` distinct indices. A batch of one example
+needs none of this: its gradient is the example's.
 
 Otherwise the index is read as BackPACK reads it (its leading dimension the
 batch) where it leads with the batch size and either is a model input (a
 label per example) or its output was added to a tensor of that leading size;
 any other index is refused (:meth:`Broadcast.refusal`) with an error at the
-first tracked step naming the parameter: no shape tells the batch from the
-positions when ``T`` equals the batch size.
+first tracked step naming the parameter and the operation where following
+stopped: no shape tells the batch from the positions when ``T`` equals the
+batch size.
 """
 
 import functools
 from typing import Dict, List, Optional, Tuple
 
+from cockpit_gradnoise.extensions import meetings
 from cockpit_gradnoise.extensions._squares import squared_norms_of
+from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -45,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 _HOOK_NODE = "BackwardHookFunctionBackward"  # BackPACK's module hooks wrap outputs in one
-_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}  # sign of the second operand
+_ADDITIONS = {"AddBackward0", "SubBackward0"}
 #: Views between the output and the addition that keep the elements in order.
 _VIEWS = {"UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 
@@ -55,16 +58,25 @@ class Broadcast:
 
     Attributes:
         index: The index tensor.
-        output_shape: The shape of the embedding's output, or of the view of it
-            that is added (``wpe(pos)[None]``, ``.view(1, T, d)``).
-        gradient: The gradient of the addition's result (``[B, ...]``), once the
-            backward pass reached it; times the sign of the embedding's operand.
+        output_shape: The shape of the embedding's output.
+        meetings: Where its output meets the batch (:func:`.meetings.follow`), found
+            after the forward pass; ``None`` where that is not proven.
+        gradient: ``[B, *output_shape]``, each example's gradient of the output, summed
+            over the meetings the backward pass reached.
     """
 
     def __init__(self, index: Tensor, output_shape: torch.Size, node, examples: Optional[int],
                  from_inputs: bool):
         self.index, self.output_shape, self.node = index, output_shape, node
+        self.meetings: Optional[List[meetings.Meeting]] = None
         self.gradient: Optional[Tensor] = None
+        #: Its output is added to a tensor of its own leading size (through views that
+        #: keep the elements in order): read per example where the index leads with the batch.
+        self.added = False
+        #: The operation where following its output stopped (:func:`.meetings.follow`).
+        self.stopped_at: Optional[str] = None
+        #: A batch of one example: its gradient is that example's.
+        self.single = examples == 1
         #: No batch dimension for certain: no dimension, or a leading size not the batch's.
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
         #: The index is (a view of) a tensor the model was called with.
@@ -74,52 +86,63 @@ class Broadcast:
         self.expanded = (index.dim() >= 2 and index.stride(0) == 0
                          and examples is not None and index.shape[0] == examples)
 
+    @property
+    def exact(self) -> bool:
+        """Whether its rows are computed here, exact per example: its output meets the
+        batch only where proven broadcast (or the batch has one example)."""
+        return self.single or bool(self.meetings)
+
     def refusal(self) -> Optional[str]:
         """Why its rows cannot be computed, or ``None``: exact (broadcast), or per example.
 
-        Per example (BackPACK's reading of the leading dimension) where the index
-        leads with the batch's size and either its output is added to a tensor of
-        the same leading size, or the index comes from the model's inputs (a label
-        per example), or it is expanded over that dimension (``index.expand(B, T)``,
-        stride 0: what the fix below asks for, and what ``torch.compile``'s graphs
-        may hide the addition of); exact where its output is broadcast over the batch by an
-        addition; refused otherwise, since no shape tells the batch from the
+        Exact where every path from its output meets the batch broadcast from size 1
+        (:attr:`meetings`); per example (BackPACK's reading of the leading dimension)
+        where the index leads with the batch's size and either its output is added to a
+        tensor of the same leading size, or the index comes from the model's inputs (a
+        label per example), or it is expanded over that dimension (``index.expand(B, T)``,
+        stride 0: what the fix below asks for, and what ``torch.compile``'s graphs may
+        hide the addition of); refused otherwise, since no shape tells the batch from the
         positions (``T`` equal to the batch size).
         """
-        if self.gradient is not None and self.broadcast_over_batch():
+        if self.exact:
             return None
-        if not self.clearly and (self.gradient is not None or self.from_inputs or self.expanded):
+        if not self.clearly and (self.added or self.from_inputs or self.expanded):
             return None
-        return (
-                f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
-                "its output goes into a graph compiled by torch.compile, where the package "
-                "cannot see whether it is broadcast over the batch or taken per example: run "
-                "the uncompiled module (compiled._orig_mod) at tracked steps"
-            )
-        return (
-            f"its index (shape {tuple(self.index.shape)}) is not an input of the model, and "
-            "its output is not added to the batch's tensors (directly or through unsqueeze or "
-            "view), so nothing tells whether its leading dimension is the batch: apply the "
-            "embedding to every example's indices (index.expand(B, *index.shape)), or add "
-            "its output to a tensor of the batch"
-        )
+        return _why_not(tuple(self.index.shape), self.stopped_at)
 
-    def keep(self, sign: float, grad_outputs):
-        """Node pre-hook of the addition: keep the gradient of its result."""
-        self.gradient = grad_outputs[0] if sign == 1.0 else sign * grad_outputs[0]
-
-    def broadcast_over_batch(self) -> bool:
-        """Whether the output was broadcast over the batch (known in the backward pass)."""
-        shape, result = self.output_shape, self.gradient.shape
-        return len(shape) < len(result) or (shape[0] == 1 and result[0] != 1)
+    def keep(self, meeting: "meetings.Meeting", grad_outputs):
+        """Node pre-hook of a meeting: add each example's gradient through it."""
+        if grad_outputs[0] is None:
+            return
+        gradient = meeting.per_example(grad_outputs)
+        self.gradient = gradient if self.gradient is None else self.gradient + gradient
 
     def per_example_output_gradients(self, width: int) -> Tensor:
         """``[B, P, width]``: example ``i``'s gradient of the output, positions flattened."""
-        result = self.gradient.shape
-        padded = (1,) * (len(result) - len(self.output_shape)) + tuple(self.output_shape)
-        summed = [j for j in range(1, len(result)) if padded[j] == 1 and result[j] != 1]
-        gradient = self.gradient.sum(summed, keepdim=True) if summed else self.gradient
-        return gradient.reshape(result[0], -1, width)
+        return self.gradient.reshape(self.gradient.shape[0], -1, width)
+
+
+def _why_not(shape: Tuple[int, ...], stopped_at: Optional[str]) -> str:
+    """The refusal of an index of ``shape`` whose output could not be followed to the
+    batch, past the operation ``stopped_at`` (an autograd node's name, or ``None``)."""
+    start = f"its index (shape {shape}) is not an input of the model, and its output "
+    if stopped_at is not None and "ScaledDotProduct" in stopped_at:
+        return start + (
+            f"meets the batch inside a fused attention kernel ({stopped_at}), which sums "
+            "the attention mask's gradient over the batch: run the attention with the math "
+            "kernel at tracked steps (torch.nn.attention.sdpa_kernel(SDPBackend.MATH) "
+            "around the forward pass, or attn_implementation='eager' in transformers)")
+    if stopped_at is not None and "CompiledFunction" in stopped_at:
+        return start + (
+            "goes into a graph compiled by torch.compile, where the package cannot see "
+            "whether it is broadcast over the batch or taken per example: run the "
+            "uncompiled module (compiled._orig_mod) at tracked steps")
+    through = "" if stopped_at is None else f" ({stopped_at})"
+    return start + (
+        f"reaches the batch's tensors through an operation the package does not follow{through} "
+        "(it follows views, permutes, +, -, * and torch.where to the operations that "
+        "broadcast it over the batch): apply the embedding to every example's indices "
+        "(index.expand(B, *index.shape)), or add its output to a tensor of the batch")
 
 
 def suspect(index: Tensor, examples: Optional[int], from_inputs: bool) -> bool:
@@ -164,38 +187,42 @@ def _consumers(output) -> Dict[object, List[Tuple[object, int]]]:
     return consumers
 
 
-def _operand(node, consumers):
-    """``(addition, position, operand shape)`` where ``node``'s output, through views that
-    keep its elements in order (unsqueeze, view), is added; else ``None``."""
-    shape = None
+def _added_per_example(node, consumers) -> bool:
+    """Whether ``node``'s output, through views that keep its elements in order
+    (unsqueeze, view), is added to a tensor of its own leading size (not broadcast)."""
+    shape = meetings.output_shape(node)
     while True:
         found = consumers.get(node, [])
         if len(found) != 1:
-            return None
-        consumer, position = found[0]
+            return False
+        consumer, _ = found[0]
         if consumer.name() in _ADDITIONS:
-            return consumer, position, shape
-        if consumer.name() not in _VIEWS or not hasattr(consumer, "_input_metadata"):
-            return None
-        node, shape = consumer, torch.Size(consumer._input_metadata[0].shape)
+            result = meetings.output_shape(consumer)
+            return (shape is not None and result is not None and len(shape) == len(result)
+                    and shape[0] == result[0])
+        if consumer.name() not in _VIEWS:
+            return False
+        node, shape = consumer, meetings.output_shape(consumer)
 
 
-def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"]):
-    """Find where each call's output is added in the graph of ``output``, and hook that.
+def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optional[int]):
+    """Find where each call's output meets the batch in the graph of ``output``
+    (:func:`.meetings.follow`), and hook every meeting.
 
     One walk over the autograd graph, done only when a forward pass had such a call.
     """
     consumers = _consumers(output)
     for call in calls.values():
-        found = _operand(call.node, consumers)
-        if found is None:
+        if call.single:
             continue
-        node, position, shape = found
-        if shape is not None:
-            call.output_shape = shape
-        alpha = float(getattr(node, "_saved_alpha", 1.0))
-        sign = 1.0 if position == 0 else _ADDITIONS[node.name()] * alpha
-        node.register_prehook(functools.partial(call.keep, sign))
+        node = _resolved(call.node)
+        call.meetings, stopped = meetings.follow(node, call.output_shape, consumers, examples)
+        for meeting in call.meetings or ():
+            meeting.node.register_prehook(functools.partial(call.keep, meeting))
+        if not call.meetings:
+            call.meetings = None
+            call.added = _added_per_example(node, consumers)
+            call.stopped_at = None if stopped is None else stopped.name()
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
@@ -206,7 +233,8 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     rows only, ``x_i[r] = sum_{p: idx_p = r} E_ip`` (``[B, R, d]``), from which
     ``sum_i x_i``, ``sum_i x_i**2`` and ``||x_i||^2`` follow directly.
     """
-    gradient = call.per_example_output_gradients(module.embedding_dim)
+    # Widened to float32 where narrower (a meeting under autocast): results to be summed.
+    gradient = widened(call.per_example_output_gradients(module.embedding_dim))
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)
@@ -215,11 +243,11 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     contributions.index_add_(1, inverse, gradient)
     if savefield == BATCH_L2_SAVEFIELD:
         return squared_norms_of(contributions)  # at a scale: no underflow (._squares)
-    weight = module.weight
+    shape = module.weight.shape
     if savefield == LOCAL_GRADIENT_SAVEFIELD:
-        return weight.new_zeros(weight.shape).index_put_((rows,), contributions.sum(0))
+        return gradient.new_zeros(shape).index_put_((rows,), contributions.sum(0))
     assert savefield == SUMS_SAVEFIELD
     sums = sums_of(contributions)  # [2, R, d], at a scale where squares could underflow
-    result = sums.new_zeros(2, *weight.shape)
+    result = sums.new_zeros(2, *shape)
     result[:, rows] = sums
     return result

@@ -12,6 +12,9 @@ Cheaper than the ``torch.func`` fallback (:mod:`.fallback`), and exact:
   float32 whatever the input's dtype, so the contributions
   ``x_i(w) = sum_p x_hat_ip G_ip`` use that very float32 ``x_hat``
   (a float64 ``x_hat`` would differ from the layer's own gradient by ~1e-7).
+- T5's ``T5LayerNorm``: ``y = w * x_hat`` with ``x_hat = x * rsqrt(mean(x_32^2)
+  + eps)``, only the variance in float32 (the product in ``x``'s dtype), rounded
+  to ``w``'s dtype where that is half precision, as the layer computes it.
 
 The classes are matched by their qualified name, so the package never
 imports ``transformers``; a model that has these layers imported it.
@@ -39,6 +42,7 @@ RMS_NORMS = (
     "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
     "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
 )
+T5_LAYER_NORM = "transformers.models.t5.modeling_t5.T5LayerNorm"
 
 
 def qualified_name(module: nn.Module) -> str:
@@ -71,6 +75,16 @@ def hf_rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Ten
     return normalization.scale_contributions(normalized, grad_output, tuple(range(1, input.dim() - 1)))
 
 
+def t5_layer_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor,
+                                name: str) -> Tensor:
+    """``sum_p x_hat_ip G_ip`` over the positions, ``x_hat`` as ``T5LayerNorm`` computes it."""
+    variance = input.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    normalized = input * torch.rsqrt(variance + module.variance_epsilon)
+    if module.weight.dtype in (torch.float16, torch.bfloat16):
+        normalized = normalized.to(module.weight.dtype)
+    return normalization.scale_contributions(normalized, grad_output, tuple(range(1, input.dim() - 1)))
+
+
 _REDUCERS = {
     BATCH_L2_SAVEFIELD: normalization.squared_norms,
     SUMS_SAVEFIELD: sums_of,
@@ -85,11 +99,11 @@ def _rules() -> Dict[str, Dict[str, ModuleExtension]]:
         LOCAL_GRADIENT_SAVEFIELD: GradConv1D(),
     }
     rules = {CONV1D: conv1d}
-    for name in RMS_NORMS:
+    contributions = {name: hf_rms_norm_contributions for name in RMS_NORMS}
+    contributions[T5_LAYER_NORM] = t5_layer_norm_contributions
+    for name, of in contributions.items():
         rules[name] = {
-            savefield: normalization.NormalizationModuleExtension(
-                hf_rms_norm_contributions, reduce, ("weight",)
-            )
+            savefield: normalization.NormalizationModuleExtension(of, reduce, ("weight",))
             for savefield, reduce in _REDUCERS.items()
         }
     return rules

@@ -73,7 +73,7 @@ def _end_forward(model, args, kwargs, output):
         return
     uses = model.__dict__[USES_ATTR]
     if uses.broadcasts:
-        batchless.find_broadcasts(output, uses.broadcasts)
+        batchless.find_broadcasts(output, uses.broadcasts, uses.examples)
 
 
 def _after_layer(module, args, output):
@@ -150,7 +150,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         return
     broadcast = uses.broadcasts.get(module)
     if broadcast is not None:
-        _broadcast_results(extension, module, broadcast, recorded)
+        _broadcast_results(extension, module, broadcast, recorded, g_out[0])
     refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
     for attribute, why in refused.items():
         param = getattr(module, attribute)
@@ -159,19 +159,21 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         recorded.refuse(param, why)
 
 
-def _broadcast_results(extension, module, broadcast, recorded):
+def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     param = module.weight
     if not param.requires_grad or not hasattr(param, extension.savefield):
         return
     reason = broadcast.refusal()
+    if reason is None and broadcast.exact and tied.TIED_ATTR in module.__dict__:
+        reason = "it is tied and applied without the batch dimension"
+    if reason is None and broadcast.meetings and broadcast.gradient is None:
+        reason = "the backward pass did not reach where its output meets the batch"
     if reason is not None:
         delattr(param, extension.savefield)
         recorded.refuse(param, reason)
-    elif broadcast.gradient is not None and broadcast.broadcast_over_batch():
-        if tied.TIED_ATTR in module.__dict__:
-            delattr(param, extension.savefield)
-            recorded.refuse(param, "it is tied and applied without the batch dimension")
-            return
+    elif broadcast.exact:
+        if broadcast.single:  # one example: its gradient is the batch's
+            broadcast.gradient = grad_output.unsqueeze(0)
         value = batchless.embedding_results(module, broadcast, extension.savefield)
         setattr(param, extension.savefield, value)
         recorded.leading_sizes[id(param)] = broadcast.gradient.shape[0]
