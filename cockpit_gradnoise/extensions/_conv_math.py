@@ -158,39 +158,94 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
         yield torch.matmul(b, a)
 
 
-def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
-    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``.
+def expansion_rounding_terms(positions: int) -> int:
+    """``w(L) = L(L+1)/2 + 2L + 6``: the rounding error of ``S - T**2 / N`` from
+    :func:`expanded_sums` is at most ``N w(L) eps A`` (the module's docstring)."""
+    return positions * (positions + 1) // 2 + 2 * positions + 6
 
-    Both from the same formed ``x_i`` wherever the layer has ``L > 1``
-    positions, whatever the cost model says: expanding the square forms no
-    ``x_i``, and where the terms of one contribution cancel its ``S`` is off by
-    far more than the rounding bound of ``S - T**2 / N``
-    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`): identical
-    examples gave an sd of ``1e-3`` to ``1e-6`` of the contributions
-    (``|S - T**2 / N|`` up to ``1e6`` eps ``S`` in float32, ``4e9`` in float64)
-    on a 3x3 convolution with 2x2 output positions. With one position each
-    contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
-    ``T = sum_i b_i a_i^T`` and ``S = sum_i b_i**2 (a_i**2)^T`` are within the
-    bound (``inner_terms = 1``), and the cost model decides between them and
-    formation. At a power-of-two scale of the input and the output gradient
+
+def expanded_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[T, S, A]``, each ``[G, C_b, C_a]``, by products of positions (no ``x_i`` formed).
+
+    .. math::
+
+        T = \\sum_{i,l} b_{il} a_{il}^T, \\quad
+        S = \\sum_i \\sum_{l \\le l'} w_{ll'} (b_{il} b_{il'}) (a_{il} a_{il'})^T, \\quad
+        A = \\sum_i \\sum_{l \\le l'} w_{ll'} |b_{il} b_{il'}| |a_{il} a_{il'}|^T
+
+    (products of factors elementwise, ``w = 1`` on the diagonal and ``2``
+    above it): three matrix products per chunk of examples, with inner
+    dimensions ``n L``, ``n L(L+1)/2`` and ``n L(L+1)/2``. ``A = sum_i (sum_l
+    |b_il| |a_il|^T)**2`` is the expansion's absolute counterpart of ``S``,
+    which its rounding is relative to (the module's docstring).
+    """
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    rows = positions + positions * (positions + 1) // 2  # T's, then S's
+    sums = inputs.new_zeros(3, groups, c_b, c_a)
+    # Both factors' rows, and the factors' doubled copy.
+    for b, a in _chunks(module, inputs, grad_output, (rows + 1) * groups * (c_b + c_a)):
+        n = len(b)
+        # Rows (of the products' inner dimension) outermost: each block a plain matrix.
+        b_rows = b.new_empty(groups, c_b, rows, n)
+        a_rows = a.new_empty(groups, rows, n, c_a)
+        b_rows[:, :, :positions] = b.permute(1, 2, 3, 0)
+        a_rows[:, :positions] = a.permute(1, 2, 0, 3)
+        b, a = b_rows[:, :, :positions], a_rows[:, :positions]
+        doubled = b * 2  # the pairs above the diagonal count twice (exact)
+        row = positions
+        for l in range(positions):  # pairs (l, l..L-1)
+            end = row + positions - l
+            torch.mul(b[:, :, l : l + 1], b[:, :, l:l + 1], out=b_rows[:, :, row : row + 1])
+            torch.mul(doubled[:, :, l : l + 1], b[:, :, l + 1 :], out=b_rows[:, :, row + 1 : end])
+            torch.mul(a[:, l : l + 1], a[:, l:], out=a_rows[:, row:end])
+            row = end
+        sums[0].baddbmm_(b.flatten(2), a.flatten(1, 2))
+        products_b, products_a = b_rows[:, :, positions:].flatten(2), a_rows[:, positions:].flatten(1, 2)
+        sums[1].baddbmm_(products_b, products_a)
+        sums[2].baddbmm_(products_b.abs_(), products_a.abs_())
+    return sums
+
+
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``; with
+    a third row ``R = w(L) A`` where ``S`` is expanded over positions.
+
+    Where the cost model (:func:`._cost.use_formation` with
+    :func:`._cost.expansion_cost`) chooses formation, ``T`` and ``S``
+    come from the same formed ``x_i``, within
+    :func:`~cockpit_gradnoise.functional.variance_rounding_bound` with
+    ``inner_terms = 1``. With one position each contribution is one product,
+    ``x_i = b_i a_i^T``, as in a Linear layer: ``T = sum_i b_i a_i^T`` and
+    ``S = sum_i b_i**2 (a_i**2)^T`` are two matrix products, within the same
+    bound. With ``L > 1`` positions the expansion (:func:`expanded_sums`) is
+    off by up to ``N w(L) eps A`` (the module's docstring), far more than that
+    bound where the terms of one contribution cancel: it saves ``[T, S, R]``,
+    ``R = w(L) A`` (:func:`expansion_rounding_terms`), which
+    :func:`~cockpit_gradnoise.functional.expansion_rounding_bound` turns into
+    the bound. At a power-of-two scale of the input and the output gradient
     (:func:`._squares.scaled_factors`), saved in float64 for float32 (no underflow).
     """
     (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    squares = inputs.new_zeros(groups, c_b, c_a)
-    total = inputs.new_zeros(groups, c_b, c_a)
-    if positions > 1 or _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions):
+    if _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions):
+        sums = inputs.new_zeros(2, groups, c_b, c_a)
         for gradients in _formed_gradients(module, inputs, grad_output):
-            total += gradients.sum(0)
-            squares += gradients.square_().sum(0)
+            sums[0] += gradients.sum(0)
+            sums[1] += gradients.square_().sum(0)
+    elif positions > 1:
+        sums = expanded_sums(module, inputs, grad_output)
     else:
+        sums = inputs.new_zeros(2, groups, c_b, c_a)
         # The squared factors, and one factor's copy while flattening it.
         for b, a in _chunks(module, inputs, grad_output, 2 * groups * (c_b + c_a)):
             b = b.permute(1, 2, 0, 3).flatten(2)  # [G, C_b, n]
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
-            total.baddbmm_(b, a)
-            squares.baddbmm_(b.square(), a.square())
-    return unscaled_sums(torch.stack([as_weight(module, total), as_weight(module, squares)]), scale)
+            sums[0].baddbmm_(b, a)
+            sums[1].baddbmm_(b.square(), a.square())
+    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale)
+    if len(sums) == 3:  # A, to R = w(L) A
+        sums[2] *= expansion_rounding_terms(positions)
+    return sums
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
