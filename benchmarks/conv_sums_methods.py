@@ -15,7 +15,8 @@ real backward pass; then, per layer:
   the fraction of elements whose exact centred sum ``C_64`` is at or below
   the bound, among those where it is positive (real variance the bound
   would set to 0), beside the same for formation's bound ``(3N + 4) eps S``;
-  ``C / bound``: quantiles of the margin over those elements; ``identical``: the largest ``C_32 / bound`` when every example is
+  ``C / bound``: quantiles of the margin over those elements;
+  ``identical``: the largest ``C_32 / bound`` when every example is
   example 0 (rounding noise only: at most 1, then sd is 0).
 
 ::
