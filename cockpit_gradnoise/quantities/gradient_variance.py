@@ -34,7 +34,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     is read, never altered), not ``param.grad``, which sums the same numbers
     in another order: so that identical examples give ``sd_j = 0`` exactly
     (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
-    ``inner_terms = 1``).
+    ``inner_terms = 1``; where a convolution's sums expand the square over its
+    few positions, plus
+    :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
     Needs ``info["individual_losses"]`` (or ``info["batch_size"]``); under
     distributed training and gradient accumulation ``info["individual_losses"]``
     and ``info["loss"]``, to add the processes' (micro-batches') sums in
