@@ -180,3 +180,13 @@ def test_the_loss_scaler_divides_the_magnitudes_as_sums_of_squares():
     value = torch.tensor([[2.0], [8.0], [16.0]])
     unscaled = amp.unscaled_savefield(SUMS_SAVEFIELD, value, 2.0)
     assert unscaled.flatten().tolist() == [1.0, 2.0, 4.0]
+
+
+def test_a_backward_pass_with_create_graph_gets_the_expanded_sums(monkeypatch):
+    """Under ``create_graph`` (Cockpit's second-order quantities) the output gradients
+    require grad; the expansion writes its products in place, outside autograd."""
+    _spy_on_expansion(monkeypatch)
+    layer, inputs, grad = factors(*LAYERS[0][1:], 5, 0)
+    reference = _conv_math.weight_sums(layer, inputs, grad)
+    sums = _conv_math.weight_sums(layer, inputs, grad.requires_grad_())
+    assert torch.equal(sums, reference) and not sums.requires_grad

@@ -236,8 +236,15 @@ def expanded_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Ten
     above it): three matrix products per chunk of examples, with inner
     dimensions ``n L``, ``n L(L+1)/2`` and ``n L(L+1)/2``. ``A = sum_i (sum_l
     |b_il| |a_il|^T)**2`` is the expansion's absolute counterpart of ``S``,
-    which its rounding is relative to (the module's docstring).
+    which its rounding is relative to (the module's docstring). Outside
+    autograd (also under ``create_graph``): the products are written in place,
+    and nothing differentiates statistics.
     """
+    with torch.no_grad():
+        return _expanded_sums(module, inputs, grad_output)
+
+
+def _expanded_sums(module, inputs, grad_output):
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     rows = positions + positions * (positions + 1) // 2  # T's, then S's
     sums = inputs.new_zeros(3, groups, c_b, c_a)
