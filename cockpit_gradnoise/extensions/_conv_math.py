@@ -248,8 +248,9 @@ def _expanded_sums(module, inputs, grad_output):
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     rows = positions + positions * (positions + 1) // 2  # T's, then S's
     sums = inputs.new_zeros(3, groups, c_b, c_a)
-    # Both factors' rows, and the factors' doubled copy.
-    for b, a in _chunks(module, inputs, grad_output, (rows + 1) * groups * (c_b + c_a)):
+    # Both factors' rows, and b's doubled copy.
+    temporaries = groups * (rows * (c_b + c_a) + positions * c_b)
+    for b, a in _chunks(module, inputs, grad_output, temporaries):
         n = len(b)
         # Rows (of the products' inner dimension) outermost: each block a plain matrix.
         b_rows = b.new_empty(groups, c_b, rows, n)
