@@ -81,15 +81,16 @@ where the centred sum is above the bound and 0 where it is rounding noise,
 the contract of formation.
 
 Measured (``python -m benchmarks.conv_sums_methods``, resnet18 3x32x32,
-batch 64, float32, random weights): the largest error of the centred sum was
-``2e-3`` of the bound on ``L = 4`` layers (``3e-4`` for ``L = 16``); identical
-examples gave at most ``0.015`` of it (so sd 0); and no element with real
-variance came within it at ``L = 4``: the smallest exact centred sum was
-``32`` times the bound (``1000`` at the 0.001 quantile). At ``L = 16`` the
-smallest was ``0.24`` times the bound (1 element in 1e5) and at ``L = 64``
-0.6% of the elements fall below it: the bound grows like ``N L**2``, and
-the cost model chooses formation there anyway (expansion is 4-60 times
-slower).
+batch 64, float32, random weights; benchmarks/README.md): the largest error
+of the centred sum was ``5e-3`` of the bound on the ``L = 4`` layers
+(``3e-4`` for ``L = 16``); identical examples gave at most ``0.06`` of it
+(so sd 0); and no element with real variance came within it at ``L = 4``:
+the smallest exact centred sum was ``32`` times the bound (about ``1000`` at
+the 0.001 quantile), and there expansion took half to two thirds of
+formation's time. At ``L = 16`` the smallest was ``0.24`` times the bound (1
+element in 1e5) and at ``L = 64`` 0.6% of the elements fall below it: the
+bound grows like ``N L**2``; the cost model chooses formation there anyway
+(expansion is 4-6 times slower at ``L = 16``, 50 at ``L = 64``).
 
 Both run over chunks of examples sized to :data:`._cost.CHUNK_BYTES`: no more
 than about that is allocated at once beyond the layer's inputs and output
