@@ -306,7 +306,7 @@ def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms,
     tables of benchmarks/README.md at bb7178a (in git); the sums' from
     ``python -m benchmarks.conv_sums_methods`` (benchmarks/README.md): expansion,
     with its absolute terms, 1.5-2.1x faster than formation at ``L = 4`` (also
-    layer3's 1x1 downsample, ``256 x 128``, the closest call: 1.2-1.7x over
+    layer3's 1x1 downsample, ``256 x 128``, the closest call: 1.1-1.7x over
     two runs, left out), formation 3.6-5.7x faster at ``L = 16``."""
     assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation_for_norms
     assert _cost.formation_is_cheaper(_cost.expansion_cost, *shape) is formation_for_sums
