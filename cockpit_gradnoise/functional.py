@@ -110,7 +110,9 @@ def expansion_rounding_bound(
     the savefield's third row. It is added to :func:`variance_rounding_bound`
     (so that sums of micro-batches of which only some were expanded stay
     covered), and every element the sum keeps has an SNR below
-    :func:`resolvable_snr`.
+    :func:`resolvable_snr` (``R >= 12 S``). An element it sets to 0 may have
+    a smaller SNR than that where its contributions' terms cancel
+    (``A >> S``): the expansion cannot resolve its variance.
 
     Args:
         magnitudes: ``R``, summed over the examples (and over processes and
