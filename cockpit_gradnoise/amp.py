@@ -58,9 +58,10 @@ _SAVEFIELDS = (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
 def unscaled_savefield(field: str, value: Tensor, scale: float) -> Tensor:
     """A package savefield of the loss ``s * loss`` as it is for ``loss``: divided by
     ``s`` (sums of contributions) or ``s**2`` (their squares)."""
-    if field == SUMS_SAVEFIELD:  # [sum_i x_i, sum_i x_i**2]
-        powers = torch.tensor([scale, scale**2], dtype=value.dtype, device=value.device)
-        return value / powers.reshape(2, *[1] * (value.dim() - 1))
+    if field == SUMS_SAVEFIELD:  # [sum_i x_i, sum_i x_i**2] (and R, a sum of squares)
+        powers = [scale] + [scale**2] * (len(value) - 1)
+        powers = torch.tensor(powers, dtype=value.dtype, device=value.device)
+        return value / powers.reshape(len(value), *[1] * (value.dim() - 1))
     if field == BATCH_L2_SAVEFIELD:
         return value / scale**2
     return value / scale  # LOCAL_GRADIENT_SAVEFIELD

@@ -95,6 +95,35 @@ def _relative_rounding(n: int, inner_terms: int, dtype: torch.dtype) -> float:
     return (3 * n + 4 * inner_terms) * torch.finfo(dtype).eps
 
 
+def expansion_rounding_bound(
+    magnitudes: Tensor, n: int, dtype: Optional[torch.dtype] = None
+) -> Tensor:
+    """Bound on the rounding error of ``S - T**2 / N`` where ``S`` expands squares: ``N eps R``.
+
+    Where ``sum_i x_i**2`` of a convolution's weight is summed over products
+    of positions, ``S = sum_i sum_{l,l'} (b_il b_il') (a_il a_il')^T``
+    (:func:`cockpit_gradnoise.extensions._conv_math.expanded_sums`), no
+    ``x_i`` is formed, and the error of ``S`` and of ``T`` is relative to the
+    absolute terms ``A = sum_i (sum_l |b_il| |a_il|^T)**2 >= S``, not to ``S``:
+    ``|d(S - T**2 / N)| <= N w(L) eps A`` (the derivation is in
+    :mod:`cockpit_gradnoise.extensions._conv_math`), saved as ``R = w(L) A``,
+    the savefield's third row. It is added to :func:`variance_rounding_bound`
+    (so that sums of micro-batches of which only some were expanded stay
+    covered), and every element the sum keeps has an SNR below
+    :func:`resolvable_snr` (``R >= 12 S``). An element it sets to 0 may have
+    a smaller SNR than that where its contributions' terms cancel
+    (``A >> S``): the expansion cannot resolve its variance.
+
+    Args:
+        magnitudes: ``R``, summed over the examples (and over processes and
+            micro-batches, where ``N`` counts all of them).
+        n: ``N``.
+        dtype: The dtype the sums were accumulated in, whose ``eps`` the
+            bound takes; ``R``'s by default.
+    """
+    return magnitudes * (n * torch.finfo(dtype or magnitudes.dtype).eps)
+
+
 def resolvable_snr(n: int, dtype: torch.dtype, inner_terms: int = 1) -> float:
     """The largest ``|grad_j| / sd_j`` that :func:`gradient_sd` resolves: ``sqrt((N - 1) / ((3N + 4L) eps))``.
 
@@ -124,7 +153,7 @@ def resolvable_snr(n: int, dtype: torch.dtype, inner_terms: int = 1) -> float:
 
 def centred_sum_of_squares(
     sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None, extra_rounding: Optional[Tensor] = None,
 ) -> Tensor:
     """``sum_i (x_i - mean_i x_i)**2`` per element from ``sum_i x_i**2`` and ``sum_i x_i``.
 
@@ -145,11 +174,15 @@ def centred_sum_of_squares(
             :func:`variance_rounding_bound`); ``total`` is converted to
             ``sum_of_squares``' dtype first, so that its square cannot underflow
             where that is wider.
+        extra_rounding: A bound added to :func:`variance_rounding_bound`'s
+            (:func:`expansion_rounding_bound`), in ``sum_of_squares``' dtype.
 
     Returns:
         Non-negative tensor shaped like ``total``, in ``sum_of_squares``' dtype.
     """
     rounding = variance_rounding_bound(sum_of_squares, n, inner_terms, dtype)
+    if extra_rounding is not None:
+        rounding += extra_rounding
     total = total.to(sum_of_squares.dtype)
     if in_place:
         centred = sum_of_squares.addcmul_(total, total, value=-1.0 / n)
@@ -174,7 +207,7 @@ def _zero_where_at_most(values: Tensor, bound: Tensor) -> Tensor:
 
 def gradient_sd(
     sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None, extra_rounding: Optional[Tensor] = None,
 ) -> Tensor:
     """Per-element standard deviation of the mini-batch gradient, from one batch.
 
@@ -200,6 +233,7 @@ def gradient_sd(
             cannot underflow), sd is computed in ``dtype`` at a power-of-two
             scale (:func:`_at_a_scale`): the same numbers, bit for bit, as from
             sums kept in ``dtype`` wherever those hold them.
+        extra_rounding: See :func:`centred_sum_of_squares` (in ``sum_of_squares``' dtype).
 
     Returns:
         Tensor shaped like ``total``, in ``sum_of_squares``' dtype (or ``dtype``);
@@ -210,10 +244,16 @@ def gradient_sd(
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(sum_of_squares.dtype).bits:
         squares, total, scale = _at_a_scale(sum_of_squares, total, dtype)
-        return gradient_sd(squares, total, n, inner_terms=inner_terms, in_place=True).div_(scale)
+        if extra_rounding is not None:
+            extra_rounding = (extra_rounding * scale.to(extra_rounding.dtype).square()).to(dtype)
+        return gradient_sd(
+            squares, total, n, inner_terms=inner_terms, in_place=True,
+            extra_rounding=extra_rounding,
+        ).div_(scale)
     # In place on the fresh result: this runs on every element of the network.
     centred = centred_sum_of_squares(
-        sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype
+        sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype,
+        extra_rounding=extra_rounding,
     )
     return centred.mul_(n / (n - 1)).sqrt_()
 

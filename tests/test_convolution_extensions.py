@@ -35,7 +35,7 @@ from backpack.extensions.firstorder.sum_grad_squared import conv1d as sgs_conv1d
 from torch import nn
 
 from tests.cases import MODELS
-from tests.helpers import RTOL
+from tests.helpers import EPS64, RTOL
 
 
 @dataclass(frozen=True)
@@ -150,18 +150,52 @@ def expected_for(case, bias, n, reduction):
     return expected_results(plain, inputs, targets, reduction)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """A convolution parameter's references, one backward pass per example."""
+
+    squares: torch.Tensor  # sum_i x_i**2
+    norms: torch.Tensor  # ||x_i||**2
+    contributions: torch.Tensor  # x_i
+    absolute: torch.Tensor  # the weight's A = sum_i (sum_l |b_il| |a_il|^T)**2 (the bias's: unused)
+    positions: int  # L
+
+
 def expected_results(plain, inputs, targets, reduction):
-    """``{conv param name: (sum_i x_i**2, ||x_i||**2, contributions x_i)}``, one
-    backward pass per example."""
+    """``{conv param name: Expected}``, one backward pass per example."""
     grads = references.per_example_gradients(
         plain, nn.CrossEntropyLoss(reduction="none"), inputs, targets
     )
     scale = 1.0 / len(inputs) if reduction == "mean" else 1.0
     contributions = {name: g * scale for name, g in grads.items() if name.startswith("0.")}
+    conv, outputs = plain[0], []
+    handle = conv.register_forward_hook(lambda m, args, out: outputs.append(out))
+    loss = nn.CrossEntropyLoss(reduction=reduction)(plain(inputs), targets)
+    handle.remove()
+    (grad_output,) = torch.autograd.grad(loss, outputs)
+    absolute = absolute_terms(conv, inputs, grad_output)
+    transposed = isinstance(conv, _conv_math.TRANSPOSED)
+    positions = (inputs if transposed else grad_output)[0, 0].numel()
     return {
-        name: (x.pow(2).sum(0), x.flatten(start_dim=1).pow(2).sum(1), x)
+        name: Expected(x.pow(2).sum(0), x.flatten(start_dim=1).pow(2).sum(1), x, absolute, positions)
         for name, x in contributions.items()
     }
+
+
+def absolute_terms(conv, inputs, grad_output):
+    """``A = sum_i (sum_l |b_il| |a_il|^T)**2`` of the weight, by autograd one example at a time.
+
+    ``sum_l |b_il| |a_il|^T`` is the weight gradient of the same convolution
+    applied to ``|input_i|`` with output gradient ``|grad_output_i|``: its
+    patches (padded in any mode) are those of the input, made absolute.
+    """
+    weight = conv.weight.detach().requires_grad_()
+    total = torch.zeros_like(weight)
+    for x, g in zip(inputs, grad_output):
+        out = torch.func.functional_call(conv, {"weight": weight}, (x.abs()[None],))
+        (alpha,) = torch.autograd.grad((out * g.abs()[None]).sum(), weight)
+        total += alpha.square()
+    return total
 
 
 def extension_results(model, loss_fn, inputs, targets):
@@ -176,15 +210,44 @@ def extension_results(model, loss_fn, inputs, targets):
     }
 
 
-def assert_results_match(got, expected):
+def assert_results_match(got, expected, expanded=False):
+    """``got`` matches ``expected``; ``expanded``: the weight's sums must come from the
+    expanded square where the layer has several positions."""
     assert set(got) == set(expected)
-    for name, (sum_of_squares, norms, x) in expected.items():
-        torch.testing.assert_close(got[name][0], norms, rtol=RTOL, atol=0)
-        total, squares = got[name][1]
-        torch.testing.assert_close(squares, sum_of_squares, rtol=RTOL, atol=0)
+    for name, reference in expected.items():
+        x = reference.contributions
+        torch.testing.assert_close(got[name][0], reference.norms, rtol=RTOL, atol=0)
+        sums = got[name][1]
+        has_magnitudes = name.endswith("weight") and reference.positions > 1 and expanded
+        assert len(sums) == (3 if has_magnitudes else 2), name
+        total, squares = sums[:2]
+        if len(sums) == 3:
+            assert_expansion_within_bound(sums, reference)
+        else:
+            torch.testing.assert_close(squares, reference.squares, rtol=RTOL, atol=0)
         # sum_i x_i can cancel: its error is relative to sum_i |x_i|, per element.
         error = (total - x.sum(0)).abs()
         assert (error <= RTOL * x.abs().sum(0)).all(), name
+
+
+def assert_expansion_within_bound(sums, reference):
+    """``S`` and ``R = w(L) A`` of the expanded square within their float64 rounding bounds.
+
+    First order, ``M = N L(L+1)/2`` products of positions: ``S`` is off by at
+    most ``(M + 2) u A`` (three rounded products per term, :mod:`._conv_math`),
+    the reference ``sum_i x_i**2`` by ``(2L + N) u A`` (each ``x_i`` a sum of
+    ``L`` products, squared, summed over ``N``); ``A``'s terms are positive, so
+    ``R / w(L)`` and the reference ``A`` are off by as much relative to ``A``
+    (and ``R`` by one more rounding for ``w(L)``). ``eps = 2u`` covers the
+    second-order terms.
+    """
+    _, squares, magnitudes = sums
+    n, positions = len(reference.contributions), reference.positions
+    terms = n * positions * (positions + 1) // 2 + 2 * positions + n + 3
+    allowed = terms * EPS64 * reference.absolute
+    assert ((squares - reference.squares).abs() <= allowed).all()
+    weight = _conv_math.expansion_rounding_terms(positions)
+    assert ((magnitudes / weight - reference.absolute).abs() <= allowed).all()
 
 
 @pytest.mark.parametrize("method", ["formation", "expansion"])
@@ -200,14 +263,17 @@ def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, me
     if chunked:  # chunks of 3, 3 and 1 examples
         monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: 3)
     got = extension_results(model, loss_fn, inputs, targets)
-    assert_results_match(got, expected_for(case, bias, n, reduction))
+    assert_results_match(got, expected_for(case, bias, n, reduction), method == "expansion")
 
 
 @pytest.mark.parametrize("case", CONVS, ids=lambda case: case.name)
 def test_chosen_method_matches_per_example_loop(case):
     model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
     got = extension_results(model, loss_fn, inputs, targets)
-    assert_results_match(got, expected_for(case, True, 7, "mean"))
+    with torch.no_grad():
+        _, c_b, c_a, positions = _conv_math.layer_shape(model[0], inputs, model[0](inputs))
+    expanded = not _cost.formation_is_cheaper(_cost.expansion_cost, c_b, c_a, positions)
+    assert_results_match(got, expected_for(case, True, 7, "mean"), expanded)
 
 
 @pytest.mark.parametrize("case", CONVS[4::4], ids=lambda case: case.name)
@@ -223,36 +289,67 @@ def test_backpacks_save_memory_setting_does_not_matter(case):
 
 
 @pytest.mark.parametrize(
-    "shape, formation_for_norms",
+    "shape, formation_for_norms, formation_for_sums",
     [
-        ((64, 147, 256), True),  # resnet18 conv1: 16x16 output positions
-        ((64, 576, 64), False),  # layer1: 8x8
-        ((128, 1152, 16), False),  # layer2: 4x4
-        ((256, 2304, 4), False),  # layer3: 2x2
-        ((512, 4608, 1), False),  # layer4: one position
-        ((64, 288, 576), True),  # benchmark CNN's second convolution
+        ((64, 147, 256), True, True),  # resnet18 conv1: 16x16 output positions
+        ((64, 576, 64), False, True),  # layer1: 8x8
+        ((128, 1152, 16), False, True),  # layer2: 4x4
+        ((128, 64, 16), False, True),  # layer2's 1x1 downsample
+        ((256, 2304, 4), False, False),  # layer3: 2x2
+        ((256, 1152, 4), False, False),  # layer3's first, strided
+        ((512, 4608, 1), False, False),  # layer4: one position
+        ((64, 288, 576), True, True),  # benchmark CNN's second convolution
     ],
 )
-def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms):
-    """The choices that measurement on these layers found fastest (per-layer tables of
-    benchmarks/README.md at bb7178a, in git); the sums ask the cost model only for one position (resnet18's layer4)."""
+def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms, formation_for_sums):
+    """The choices that measurement on these layers found fastest: the norms' per-layer
+    tables of benchmarks/README.md at bb7178a (in git); the sums' from
+    ``python -m benchmarks.conv_sums_methods`` (benchmarks/README.md): expansion,
+    with its absolute terms, 1.5-2.1x faster than formation at ``L = 4`` (also
+    layer3's 1x1 downsample, ``256 x 128``, the closest call: 1.1-1.7x over
+    two runs, left out), formation 3.6-5.7x faster at ``L = 16``."""
     assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation_for_norms
-    if shape[2] == 1:
-        assert not _cost.formation_is_cheaper(_cost.expansion_cost, *shape)
+    assert _cost.formation_is_cheaper(_cost.expansion_cost, *shape) is formation_for_sums
 
 
-def test_case_matrix_reaches_both_methods_for_the_sums():
-    """tests/cases.py drives the quantities through both methods of the sums:
-    formation where a convolution has several positions, the two products of
-    one position where the cost model picks them."""
-    shapes = {}
-    for name in ("cnn", "conv-one-position"):
-        case = next(c for c in MODELS if c.name == name)
-        conv, inputs = case.make()[0], case.inputs(2)
-        shapes[name] = _conv_math.layer_shape(conv, inputs, conv(inputs))[1:]
-    assert shapes["cnn"][2] > 1
-    assert shapes["conv-one-position"][2] == 1
-    assert not _cost.formation_is_cheaper(_cost.expansion_cost, *shapes["conv-one-position"])
+def test_cost_model_expands_only_few_positions():
+    """Expansion's products grow like ``L**2``, formation's writes do not: past
+    ``L = 5`` formation is cheaper whatever the channels (``_conv_math``'s docstring)."""
+    for c_b, c_a in [(1, 1), (4, 18), (64, 27), (512, 4608), (4096, 4096)]:
+        assert _cost.formation_is_cheaper(_cost.expansion_cost, c_b, c_a, 6), (c_b, c_a)
+
+
+def _sums_methods(case):
+    """``{"formation", "expansion", "one position"}``: how the sums of the case's
+    convolutions are computed, found from the layers' shapes in one forward pass."""
+    shapes = []
+
+    def record(module, args, output):
+        shapes.append(_conv_math.layer_shape(module, args[0], output)[1:])
+
+    model = case.make()
+    handles = [m.register_forward_hook(record) for m in model.modules()
+               if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_conv_math.TRANSPOSED))]
+    with torch.no_grad():
+        model(case.inputs(2))
+    for handle in handles:
+        handle.remove()
+    return {
+        "formation" if _cost.formation_is_cheaper(_cost.expansion_cost, *shape)
+        else "expansion" if shape[2] > 1 else "one position"
+        for shape in shapes
+    }
+
+
+def test_case_matrix_reaches_every_method_for_the_sums():
+    """tests/cases.py drives the quantities through the three ways of the sums:
+    formation (the CNN), the two products of one position (``conv-one-position``),
+    and the expanded square with its absolute terms (resnet18's layer3, 2x2 positions)."""
+    methods = {name: _sums_methods(next(c for c in MODELS if c.name == name))
+               for name in ("cnn", "conv-one-position", "resnet18")}
+    assert methods["cnn"] == {"formation"}
+    assert methods["conv-one-position"] == {"one position"}
+    assert methods["resnet18"] == {"formation", "expansion", "one position"}
 
 
 def test_unknown_forced_method_is_refused(monkeypatch):
@@ -284,7 +381,7 @@ def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch
     model, _, loss_fn, inputs, targets = build(case, True, 7, "sum")
     got = extension_results(model, loss_fn, inputs, targets)
     assert seen == [1] * 14  # 7 examples, for each of the two extensions
-    assert_results_match(got, expected_for(case, True, 7, "sum"))
+    assert_results_match(got, expected_for(case, True, 7, "sum"), method == "expansion")
 
 
 
@@ -304,7 +401,8 @@ def test_rows_are_overridden_on_the_instances_given():
     with backpack(*extensions):
         loss_fn(model(inputs), targets).backward()
     assert calls == [SumsOfContributions]
-    for name, (_, norms, x) in expected_for(CONVS[0], True, 5, "sum").items():
+    for name, reference in expected_for(CONVS[0], True, 5, "sum").items():
+        norms, x = reference.norms, reference.contributions
         param = model.get_parameter(name)
         torch.testing.assert_close(getattr(param, BATCH_L2_SAVEFIELD), norms, rtol=RTOL, atol=0)
         total, squares = getattr(param, SUMS_SAVEFIELD)

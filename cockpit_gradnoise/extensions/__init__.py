@@ -156,8 +156,11 @@ class SumsOfContributions(_RecordingExtension):
 
     Shape ``[2, *param.shape]``. Both sums come from one computation of the
     contributions ``x_i`` (:mod:`.sums`), so that identical examples give a
-    variance of exactly 0; ``sum_i x_i`` is this backward pass's own gradient
-    on this process, also under distributed training.
+    variance of exactly 0; a convolution's weight whose square is expanded
+    over its few positions has a third row, ``R``, the absolute terms of the
+    rounding bound (:mod:`._conv_math`, ``[3, *param.shape]``); ``sum_i x_i``
+    is this backward pass's own gradient on this process, also under
+    distributed training.
     """
 
     reduce_normalization = staticmethod(sums.sums_of)

@@ -29,8 +29,68 @@ Two exact ways to compute each result, chosen per layer by the cost model of
   products ``B^T A`` and ``(B**2)^T (A**2)``, as for a Linear layer.
 
 For ``[sum_i x_i, sum_i x_i**2]`` (:func:`weight_sums`, behind the
-gradient's standard deviation) only formation is accurate enough where
-``L > 1``; it is used there whatever the cost.
+gradient's standard deviation) formation sums ``T`` and ``S`` from the same
+computed ``x_i``: identical examples give identical ``x_i`` and so a centred
+sum within :func:`~cockpit_gradnoise.functional.variance_rounding_bound`
+(``inner_terms = 1``), however the terms of one ``x_i`` cancel. The expanded
+square (:func:`expanded_sums`) forms no ``x_i``; its rounding is relative to
+the absolute terms, which it sums alongside:
+
+.. math::
+
+    A = \\sum_i \\Big(\\sum_l |b_{il}|\\,|a_{il}|^T\\Big)^2
+      = \\sum_i \\sum_{l,l'} |b_{il} b_{il'}|\\,|a_{il} a_{il'}|^T \\ \\ge S
+      \\quad \\text{(elementwise)} .
+
+**The expansion's rounding bound.** Per element, with ``u = eps / 2`` and
+Higham's ``gamma_m = m u / (1 - m u)`` (Higham 2002, "Accuracy and Stability
+of Numerical Algorithms", ch. 3-4: a sum of ``m`` terms in any order, each
+term a product of ``k`` rounded factors, is off by at most
+``gamma_{m - 1 + k}`` times the sum of the absolute terms), ``M = N L(L+1)/2``
+pairs ``(i, l <= l')``, ``alpha_i = sum_l |b_il| |a_il|``:
+
+- ``S``: each term ``w (b_il b_il') (a_il a_il')`` has three rounded
+  products (the factor ``w = 2`` above the diagonal is exact) and enters a
+  sum of ``M`` terms: ``|dS| <= gamma_{M+2} A``.
+- ``T = sum_{i,l} b_il a_il``: a sum of ``N L`` products,
+  ``|dT| <= gamma_{NL} sum_i alpha_i``, and ``(sum_i alpha_i)**2 <= N A``
+  (Cauchy-Schwarz), so ``|d(T**2) / N| <= (2 gamma_{NL} + gamma_{NL}**2) A``;
+  squaring ``T`` and multiplying by ``1 / N`` add ``gamma_3 A``
+  (``T**2 / N <= A``).
+- The subtraction: ``u |S - T**2 / N| <= u (1 + gamma) A``.
+- Sums of ``K <= N`` micro-batches or processes: ``K - 1`` more additions
+  in each of ``S`` and ``T``, and ``T``'s rows are then those of the largest
+  part (``N_k <= N``); unscaling by the loss scale: two roundings.
+
+Together, since ``gamma_a + gamma_b <= gamma_{a+b}`` (Higham, Lemma 3.3),
+the centred sum ``S - T**2 / N`` is off by at most ``gamma_m A`` with
+``m = M + 2 N L + 3 K + 6 <= N w(L)``, ``w(L) = L(L+1)/2 + 2L + 6``
+(:func:`expansion_rounding_terms`; ``N >= 2``), and
+``gamma_m <= 2 m u = m eps`` wherever ``m u <= 1/2``: the bound is
+``N w(L) eps A``. (Where ``m u > 1/4``, ``N L**2`` above about ``8e6`` in
+float32, the rounding of ``A`` itself is no longer negligible. The cost
+model expands only layers with ``L <= 5``: the expansion's products have
+``L(L+1)`` rows per example for ``S`` and ``A``, and more than ``40`` of
+them cost more than formation's writes, :mod:`._cost`.)
+The extension saves ``R = w(L) A`` as a third row, ``[T, S, R]``, which adds
+over examples, micro-batches and processes as the sums do;
+:func:`~cockpit_gradnoise.functional.expansion_rounding_bound` gives
+``N eps R``, which :class:`~cockpit_gradnoise.GradientVarianceQuantiles` adds
+to ``variance_rounding_bound``: the sd is exact (to the sums' rounding)
+where the centred sum is above the bound and 0 where it is rounding noise,
+the contract of formation.
+
+Measured (``python -m benchmarks.conv_sums_methods``, resnet18 3x32x32,
+batch 64, float32, random weights; benchmarks/README.md): the largest error
+of the centred sum was ``5e-3`` of the bound on the ``L = 4`` layers
+(``3e-4`` for ``L = 16``); identical examples gave at most ``0.06`` of it
+(so sd 0); and no element with real variance came within it at ``L = 4``:
+the smallest exact centred sum was ``32`` times the bound (about ``1000`` at
+the 0.001 quantile), and there expansion took half to two thirds of
+formation's time. At ``L = 16`` the smallest was ``0.24`` times the bound (1
+element in 1e5) and at ``L = 64`` 0.6% of the elements fall below it: the
+bound grows like ``N L**2``; the cost model chooses formation there anyway
+(expansion is 4-6 times slower at ``L = 16``, 50 at ``L = 64``).
 
 Both run over chunks of examples sized to :data:`._cost.CHUNK_BYTES`: no more
 than about that is allocated at once beyond the layer's inputs and output
@@ -158,39 +218,103 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
         yield torch.matmul(b, a)
 
 
-def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
-    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``.
+def expansion_rounding_terms(positions: int) -> int:
+    """``w(L) = L(L+1)/2 + 2L + 6``: the rounding error of ``S - T**2 / N`` from
+    :func:`expanded_sums` is at most ``N w(L) eps A`` (the module's docstring)."""
+    return positions * (positions + 1) // 2 + 2 * positions + 6
 
-    Both from the same formed ``x_i`` wherever the layer has ``L > 1``
-    positions, whatever the cost model says: expanding the square forms no
-    ``x_i``, and where the terms of one contribution cancel its ``S`` is off by
-    far more than the rounding bound of ``S - T**2 / N``
-    (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`): identical
-    examples gave an sd of ``1e-3`` to ``1e-6`` of the contributions
-    (``|S - T**2 / N|`` up to ``1e6`` eps ``S`` in float32, ``4e9`` in float64)
-    on a 3x3 convolution with 2x2 output positions. With one position each
-    contribution is one product, ``x_i = b_i a_i^T``, as in a Linear layer:
-    ``T = sum_i b_i a_i^T`` and ``S = sum_i b_i**2 (a_i**2)^T`` are within the
-    bound (``inner_terms = 1``), and the cost model decides between them and
-    formation. At a power-of-two scale of the input and the output gradient
+
+def expanded_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[T, S, A]``, each ``[G, C_b, C_a]``, by products of positions (no ``x_i`` formed).
+
+    .. math::
+
+        T = \\sum_{i,l} b_{il} a_{il}^T, \\quad
+        S = \\sum_i \\sum_{l \\le l'} w_{ll'} (b_{il} b_{il'}) (a_{il} a_{il'})^T, \\quad
+        A = \\sum_i \\sum_{l \\le l'} w_{ll'} |b_{il} b_{il'}| |a_{il} a_{il'}|^T
+
+    (products of factors elementwise, ``w = 1`` on the diagonal and ``2``
+    above it): three matrix products per chunk of examples, with inner
+    dimensions ``n L``, ``n L(L+1)/2`` and ``n L(L+1)/2``. ``A = sum_i (sum_l
+    |b_il| |a_il|^T)**2`` is the expansion's absolute counterpart of ``S``,
+    which its rounding is relative to (the module's docstring). Outside
+    autograd (also under ``create_graph``): the products are written in place,
+    and nothing differentiates statistics.
+    """
+    with torch.no_grad():
+        return _expanded_sums(module, inputs, grad_output)
+
+
+def _expanded_sums(module, inputs, grad_output):
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    rows = positions + positions * (positions + 1) // 2  # T's, then S's
+    sums = inputs.new_zeros(3, groups, c_b, c_a)
+    # Both factors' rows, and b's doubled copy.
+    temporaries = groups * (rows * (c_b + c_a) + positions * c_b)
+    for b, a in _chunks(module, inputs, grad_output, temporaries):
+        n = len(b)
+        # Rows (of the products' inner dimension) outermost: each block a plain matrix.
+        b_rows = b.new_empty(groups, c_b, rows, n)
+        a_rows = a.new_empty(groups, rows, n, c_a)
+        b_rows[:, :, :positions] = b.permute(1, 2, 3, 0)
+        a_rows[:, :positions] = a.permute(1, 2, 0, 3)
+        b, a = b_rows[:, :, :positions], a_rows[:, :positions]
+        doubled = b * 2  # the pairs above the diagonal count twice (exact)
+        row = positions
+        for first in range(positions):  # pairs (first, first..L-1)
+            end = row + positions - first
+            own = slice(first, first + 1)
+            torch.mul(b[:, :, own], b[:, :, own], out=b_rows[:, :, row : row + 1])
+            torch.mul(doubled[:, :, own], b[:, :, first + 1 :], out=b_rows[:, :, row + 1 : end])
+            torch.mul(a[:, own], a[:, first:], out=a_rows[:, row:end])
+            row = end
+        sums[0].baddbmm_(b.flatten(2), a.flatten(1, 2))
+        products_b, products_a = b_rows[:, :, positions:].flatten(2), a_rows[:, positions:].flatten(1, 2)
+        sums[1].baddbmm_(products_b, products_a)
+        sums[2].baddbmm_(products_b.abs_(), products_a.abs_())
+    return sums
+
+
+def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``; with
+    a third row ``R = w(L) A`` where ``S`` is expanded over positions.
+
+    Where the cost model (:func:`._cost.use_formation` with
+    :func:`._cost.expansion_cost`) chooses formation, ``T`` and ``S``
+    come from the same formed ``x_i``, within
+    :func:`~cockpit_gradnoise.functional.variance_rounding_bound` with
+    ``inner_terms = 1``. With one position each contribution is one product,
+    ``x_i = b_i a_i^T``, as in a Linear layer: ``T = sum_i b_i a_i^T`` and
+    ``S = sum_i b_i**2 (a_i**2)^T`` are two matrix products, within the same
+    bound. With ``L > 1`` positions the expansion (:func:`expanded_sums`) is
+    off by up to ``N w(L) eps A`` (the module's docstring), far more than that
+    bound where the terms of one contribution cancel: it saves ``[T, S, R]``,
+    ``R = w(L) A`` (:func:`expansion_rounding_terms`), which
+    :func:`~cockpit_gradnoise.functional.expansion_rounding_bound` turns into
+    the bound. At a power-of-two scale of the input and the output gradient
     (:func:`._squares.scaled_factors`), saved in float64 for float32 (no underflow).
     """
     (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    squares = inputs.new_zeros(groups, c_b, c_a)
-    total = inputs.new_zeros(groups, c_b, c_a)
-    if positions > 1 or _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions):
+    if _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions):
+        sums = inputs.new_zeros(2, groups, c_b, c_a)
         for gradients in _formed_gradients(module, inputs, grad_output):
-            total += gradients.sum(0)
-            squares += gradients.square_().sum(0)
+            sums[0] += gradients.sum(0)
+            sums[1] += gradients.square_().sum(0)
+    elif positions > 1:
+        sums = expanded_sums(module, inputs, grad_output)
     else:
+        sums = inputs.new_zeros(2, groups, c_b, c_a)
         # The squared factors, and one factor's copy while flattening it.
         for b, a in _chunks(module, inputs, grad_output, 2 * groups * (c_b + c_a)):
             b = b.permute(1, 2, 0, 3).flatten(2)  # [G, C_b, n]
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
-            total.baddbmm_(b, a)
-            squares.baddbmm_(b.square(), a.square())
-    return unscaled_sums(torch.stack([as_weight(module, total), as_weight(module, squares)]), scale)
+            sums[0].baddbmm_(b, a)
+            sums[1].baddbmm_(b.square(), a.square())
+    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale)
+    if len(sums) == 3:  # A, to R = w(L) A
+        sums[2] *= expansion_rounding_terms(positions)
+    return sums
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 CHUNK_BYTES = 16 * 2**20
 
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
-#: or ``"expansion"`` (expanding the square, or Gram matrices for norms)
+#: or ``"expansion"`` (expanding the square, with its absolute terms, or Gram matrices for norms)
 #: forces one method for every convolution and sequence Linear (tests,
 #: measurements).
 FORCE_METHOD: Optional[str] = None
@@ -44,13 +44,21 @@ def formation_cost(c_b: int, c_a: int, positions: int) -> int:
 
 
 def expansion_cost(c_b: int, c_a: int, positions: int) -> int:
-    """Work of one example's and group's share of the expanded ``sum_i x_i**2``.
+    """Work of one example's and group's share of ``[T, S]`` (and ``A``) without forming ``x_i``.
 
-    ``L(L+1)/2`` products of positions, ``C_b + C_a`` numbers each, written and
-    read by the matrix product, which spends ``2 C_b C_a`` operations on each.
+    With one position (:func:`._conv_math.weight_sums`): two products of one
+    row each, for ``T`` and ``S``, whose ``C_b + C_a`` numbers are written and
+    read. With ``L > 1`` (:func:`._conv_math.expanded_sums`): ``L`` rows for
+    ``T`` (copied, read: 3 moves per number) and ``L(L+1)/2`` products of
+    positions for both ``S`` and ``A`` (written, made absolute, read twice:
+    6 moves). Each row costs ``2 C_b C_a`` operations in each product it
+    enters.
     """
+    if positions == 1:
+        return 2 * c_b * c_a * 2 + FLOPS_PER_ELEMENT_MOVED * 2 * 2 * (c_b + c_a)
     pairs = positions * (positions + 1) // 2
-    return 2 * c_b * c_a * pairs + FLOPS_PER_ELEMENT_MOVED * 2 * pairs * (c_b + c_a)
+    moves = (3 * positions + 6 * pairs) * (c_b + c_a)
+    return 2 * c_b * c_a * (positions + 2 * pairs) + FLOPS_PER_ELEMENT_MOVED * moves
 
 
 def gram_cost(c_b: int, c_a: int, positions: int) -> int:

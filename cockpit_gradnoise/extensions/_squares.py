@@ -109,14 +109,15 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 
 def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
-    """``[T, S]`` formed from contributions times ``scale``: ``[T / scale, S / scale**2]``
-    (:func:`unscaled`)."""
+    """``[T, S, ...]`` formed from contributions times ``scale``: ``[T / scale, S / scale**2, ...]``,
+    every row after the first a sum of squares (``A`` of :func:`._conv_math.expanded_sums`)."""
     if scale is None:
         return sums
     wide = saved_dtype(sums.dtype)
     scale = scale.to(wide)  # its square may exceed float32's range
-    inverse = torch.stack([scale, scale.square()]).reciprocal_()  # powers of two: exact
-    return sums.to(wide) * inverse.reshape(2, *[1] * (sums.dim() - 1))
+    powers = [scale] + [scale.square()] * (len(sums) - 1)
+    inverse = torch.stack(powers).reciprocal_()  # powers of two: exact
+    return sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
 
 
 def squared_norms_of(contributions: Tensor) -> Tensor:

@@ -17,7 +17,10 @@ one result and one savefield per parameter, which Cockpit frees after the
 step as it frees every savefield. The contributions are formed wherever
 each is a sum of several terms; where each is one product (a Linear layer
 without extra dimensions, a convolution with one output position) the two
-sums are two matrix products, within the bound with ``inner_terms = 1``.
+sums are two matrix products, within the bound with ``inner_terms = 1``. A
+convolution with few output positions expands the square instead and saves
+a third row, ``[T, S, R]``, the absolute terms its bound needs
+(:mod:`._conv_math`, :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
 Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`.
 
 **Underflow.** For float32 and narrower, where squares could underflow,

@@ -34,7 +34,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     is read, never altered), not ``param.grad``, which sums the same numbers
     in another order: so that identical examples give ``sd_j = 0`` exactly
     (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
-    ``inner_terms = 1``).
+    ``inner_terms = 1``; where a convolution's sums expand the square over its
+    few positions, plus
+    :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
     Needs ``info["individual_losses"]`` (or ``info["batch_size"]``); under
     distributed training and gradient accumulation ``info["individual_losses"]``
     and ``info["loss"]``, to add the processes' (micro-batches') sums in
@@ -52,7 +54,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
     """
 
     extension_classes = (SumsOfContributions,)
-    sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM}
+    # "rounding_magnitudes": R of sums expanded over positions (a convolution's
+    # weight with few positions: functional.expansion_rounding_bound); 0-dim 0 elsewhere.
+    sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM,
+            "rounding_magnitudes": SUM}
 
     def __init__(
         self,
@@ -86,7 +91,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # Views of what the backward pass left, never altered: another quantity
         # may read the same savefield in the same step. Both sums are this
         # process's own, also under distributed training.
-        grad, squares = getattr(param, SUMS_SAVEFIELD).detach()
+        grad, squares, *magnitudes = getattr(param, SUMS_SAVEFIELD).detach()
+        magnitudes = magnitudes[0] if magnitudes else squares.new_zeros(())
         # The extensions may keep float32 sums in float64 (where squares
         # below 1e-38 would underflow); the gradient's sum goes back, exactly,
         # to the dtype it was accumulated in, which sets the rounding bound
@@ -94,14 +100,20 @@ class GradientVarianceQuantiles(ParameterQuantity):
         grad = grad.to(accumulation_dtype(param.dtype))
         if batch.loss_scale != 1.0:  # in units of g_i, to add across processes
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
-        return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares}
+            magnitudes = magnitudes / batch.loss_scale**2
+        return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares,
+                "rounding_magnitudes": magnitudes}
 
     def value_from_sums(self, sums, batch):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
         # The sums were accumulated in the contributions' dtype (grad's), whose
         # rounding the bound takes; squares may be wider (float64 for float32
         # models: no underflow). sd is computed and reported in grad's dtype.
-        sd = functional.gradient_sd(squares, grad, batch.examples, dtype=grad.dtype)
+        magnitudes = sums["rounding_magnitudes"]
+        extra = None if magnitudes.dim() == 0 else functional.expansion_rounding_bound(
+            magnitudes, batch.examples, grad.dtype)
+        sd = functional.gradient_sd(squares, grad, batch.examples, dtype=grad.dtype,
+                                    extra_rounding=extra)
         # SNR is elementwise and free of units: the network's elements are the
         # layers', computed once. Elements whose examples agree to rounding
         # (sd 0, grad not 0) count at the largest resolvable SNR.

@@ -1,0 +1,192 @@
+"""The expanded square of a convolution's sums: its rounding bound holds, and it decides.
+
+Where a convolution has few output positions the extensions sum ``S`` over
+products of positions and save ``[T, S, R]``, ``R = w(L) A`` with ``A`` the
+absolute terms (:mod:`cockpit_gradnoise.extensions._conv_math`); the sd's
+rounding bound adds ``N eps R``
+(:func:`~cockpit_gradnoise.functional.expansion_rounding_bound`). Checked
+here in float32, on the layers alone against float64 per-example gradients of
+the same factors (autograd, one example at a time), and through Cockpit:
+
+- random examples: the centred sum is within the bound of the exact one,
+  and no element is clamped (real variance is far above the bound);
+- identical examples: sd exactly 0 with the bound, not without it;
+- micro-batches and the loss scaler carry ``R`` as they carry ``S``.
+"""
+
+import copy
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import amp, functional
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, _conv_math, _cost
+
+import pytest
+import torch
+from cockpit.utils.schedules import linear
+from torch import nn
+
+from tests.cases import run_step
+from tests.test_accumulation import (
+    test_micro_batches_give_the_statistics_of_one_batch_of_all_their_examples as accumulated,
+)
+from tests.test_rounding import MODELS as ROUNDING_MODELS
+from tests.test_rounding import problem
+
+EPS32 = torch.finfo(torch.float32).eps
+
+# (name, layer, example shape): 4, 4 and 3 positions (a transposed convolution's are its input's).
+LAYERS = [
+    ("conv2d-2x2", lambda: nn.Conv2d(3, 16, 3, stride=2, padding=1), (3, 4, 4)),
+    ("convtranspose2d-groups", lambda: nn.ConvTranspose2d(
+        4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (4, 2, 2)),
+    ("conv1d-circular", lambda: nn.Conv1d(4, 8, 3, padding=1, padding_mode="circular"), (4, 3)),
+]
+
+
+def factors(make, shape, n, seed, identical=False, cancelling=False):
+    """``(layer, inputs, output gradient)`` in float32, standard normal; ``cancelling``:
+    output gradients spanning six decades, so that the terms of a contribution cancel."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
+    layer = make()
+    inputs = torch.randn(1 if identical else n, *shape, generator=generator)
+    with torch.no_grad():
+        out = layer(inputs)
+    grad = torch.randn(out.shape, generator=generator)
+    if cancelling:
+        grad = grad * 10.0 ** torch.randint(-3, 4, out.shape, generator=generator)
+    if identical:
+        inputs, grad = inputs.expand(n, *shape), grad.expand(n, *grad.shape[1:])
+    return layer, inputs, grad
+
+
+def expanded_sums(layer, inputs, grad, monkeypatch):
+    """The extension's ``[T, S, R]`` of the weight, the expansion forced."""
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    sums = _conv_math.weight_sums(layer, inputs, grad)
+    assert len(sums) == 3
+    return sums
+
+
+def exact_centred_sum(layer, inputs, grad):
+    """``sum_i (x_i - mean)**2`` in float64 from each example's weight gradient by autograd."""
+    wide = copy.deepcopy(layer).double()
+    rows = []
+    for x, g in zip(inputs.double(), grad.double()):
+        (row,) = torch.autograd.grad((wide(x[None]) * g[None]).sum(), wide.weight)
+        rows.append(row)
+    x = torch.stack(rows)
+    return (x - x.mean(0)).square().sum(0)
+
+
+def bound(sums, n):
+    """The sd's rounding bound of ``[T, S, R]``: ``(3N + 4) eps S + N eps R``, float64."""
+    relative = functional.variance_rounding_bound(sums[1].double(), n, dtype=torch.float32)
+    return relative + functional.expansion_rounding_bound(sums[2].double(), n, torch.float32)
+
+
+def sd_of(sums, n, with_bound=True):
+    """:func:`~cockpit_gradnoise.functional.gradient_sd` as GradientVarianceQuantiles computes it."""
+    total, squares, magnitudes = sums
+    extra = functional.expansion_rounding_bound(magnitudes, n, torch.float32) if with_bound else None
+    return functional.gradient_sd(squares.clone(), total.float(), n, dtype=torch.float32,
+                                  extra_rounding=extra)
+
+
+@pytest.mark.parametrize("n", [2, 7, 64])
+@pytest.mark.parametrize("name, make, shape", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_random_examples_are_within_the_bound_and_kept(name, make, shape, n, monkeypatch):
+    """Within the bound also where the terms cancel; nothing clamped where they do not.
+    (Where they cancel by more than about ``1 / (N w(L) eps)``, ``1e4`` here,
+    the expansion cannot resolve an element's variance, and sets it to 0.)"""
+    for seed in range(2):
+        layer, inputs, grad = factors(make, shape, n, seed, cancelling=True)
+        sums = expanded_sums(layer, inputs, grad, monkeypatch)
+        exact, allowed = exact_centred_sum(layer, inputs, grad), bound(sums, n)
+        centred = sums[1].double() - sums[0].double().square() / n
+        assert ((centred - exact).abs() <= allowed).all(), (seed, (centred - exact).abs().max())
+        layer, inputs, grad = factors(make, shape, n, seed)
+        sums = expanded_sums(layer, inputs, grad, monkeypatch)
+        exact, allowed = exact_centred_sum(layer, inputs, grad), bound(sums, n)
+        sd = sd_of(sums, n)
+        # Only what rounding cannot resolve is set to 0: a computed centred sum within
+        # the bound of 0 and of the exact one.
+        assert (exact[sd == 0] <= 2 * allowed[sd == 0]).all()
+        if n > 2:
+            # Real variance: none of it taken for rounding noise (0 where padding alone is
+            # read). Two examples can agree to 1e-5 by chance: there the sd is 0 only
+            # where x_1 - x_2 is within the bound (above); from 7 examples on the
+            # smallest centred sum is 968 times the bound (seeds 0 and 1).
+            assert torch.equal(sd > 0, exact > 0)
+        # The sd's own roundings (scale, product, square root): a few eps of sd**2.
+        from_sd = sd.double().square() * (n - 1) / n
+        assert ((from_sd - exact).abs() <= allowed + 8 * EPS32 * exact).all()
+
+
+@pytest.mark.parametrize("n", [2, 7, 64])
+@pytest.mark.parametrize("name, make, shape", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_identical_examples_give_sd_exactly_zero(name, make, shape, n, monkeypatch):
+    """With the bound every element is 0; without it, formation's bound alone
+    (relative to ``S``), rounding noise of the expansion passes (shown on some seed)."""
+    noisy = 0
+    for seed in range(4):
+        layer, inputs, grad = factors(make, shape, n, seed, identical=True, cancelling=True)
+        sums = expanded_sums(layer, inputs, grad, monkeypatch)
+        assert torch.equal(sd_of(sums, n), torch.zeros_like(sums[0], dtype=torch.float32))
+        noisy += int(sd_of(sums, n, with_bound=False).count_nonzero())
+    assert noisy > 0, "formation's bound alone must let the expansion's noise through"
+
+
+def _spy_on_expansion(monkeypatch):
+    calls = []
+    original = _conv_math.expanded_sums
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(_conv_math, "expanded_sums", spy)
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_identical_examples_through_cockpit_give_sd_zero_and_the_largest_snr(dtype, monkeypatch):
+    """test_rounding's cancelling 2x2 convolution, its sums expanded: sd 0 and the
+    SNR at :func:`~cockpit_gradnoise.functional.resolvable_snr`, as with formation."""
+    calls = _spy_on_expansion(monkeypatch)
+    name, make, shape = next(m for m in ROUNDING_MODELS if m[0] == "conv2d-few-positions")
+    for n, reduction in [(7, "mean"), (33, "sum")]:
+        for seed in range(2):
+            case = problem(make, shape, n, reduction, dtype, seed)
+            quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=case.names)
+            output = run_step(case, [quantity]).get_output()[0]["GradientVarianceQuantiles"]
+            limit = torch.tensor(functional.resolvable_snr(n, dtype), dtype=dtype).item()
+            statistics = output["0.weight"]
+            assert all(v == 0 for s, v in statistics.items() if not s.startswith("snr_"))
+            assert statistics["snr_q0.5"] == limit
+    assert calls
+
+
+def test_micro_batches_add_the_magnitudes_as_they_add_the_sums(monkeypatch):
+    """The accumulation test's CNN (3x3 positions) with its sums expanded: the
+    statistics of the micro-batches are those of one batch of all their examples."""
+    calls = _spy_on_expansion(monkeypatch)
+    accumulated("cnn", "tracker", (2, 3), "mean")
+    assert calls
+
+
+def test_the_loss_scaler_divides_the_magnitudes_as_sums_of_squares():
+    value = torch.tensor([[2.0], [8.0], [16.0]])
+    unscaled = amp.unscaled_savefield(SUMS_SAVEFIELD, value, 2.0)
+    assert unscaled.flatten().tolist() == [1.0, 2.0, 4.0]
+
+
+def test_a_backward_pass_with_create_graph_gets_the_expanded_sums(monkeypatch):
+    """Under ``create_graph`` (Cockpit's second-order quantities) the output gradients
+    require grad; the expansion writes its products in place, outside autograd."""
+    _spy_on_expansion(monkeypatch)
+    layer, inputs, grad = factors(*LAYERS[0][1:], 5, 0)
+    reference = _conv_math.weight_sums(layer, inputs, grad)
+    sums = _conv_math.weight_sums(layer, inputs, grad.requires_grad_())
+    assert torch.equal(sums, reference) and not sums.requires_grad
