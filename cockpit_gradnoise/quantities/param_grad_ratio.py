@@ -38,7 +38,7 @@ class ParamGradRatio(ParameterQuantity):
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
         # On a GPU, tensors left there until the step's one transfer.
-        zeros = functional.scalar(grad.numel() - grad.count_nonzero().double())
+        zeros = functional.zero_count(grad)
         theta_sq = functional.squared_norm(theta, defer=True)
         grad_sq = functional.squared_norm(grad, defer=True)
         # Floats on the CPU: finite sums of squares prove every element finite.
