@@ -32,7 +32,7 @@ the step's one transfer (``docs/quantities.md``).
 """
 
 import math
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.schema import MEAN, quantile_name
@@ -184,6 +184,10 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     Raises:
         ValueError: If an element is NaN (no order).
     """
+    if values.size <= SORT_WHOLE_AT_MOST:  # a sort costs less than the calls then
+        values.sort()
+        _check_no_nan(float(values[-1]))
+        return values[list(ranks)].tolist()
     found: Dict[int, float] = {}
     largest = values.max()  # NaN if any is (NumPy's max propagates it)
     _check_no_nan(float(largest))
@@ -362,6 +366,59 @@ def quantile_summaries(
     ]
     union = interpolate(union_values[:k], union_values[k:], union_ranks[2])
     return each, _named(levels, prefix, union, sum(totals) / sum(sizes))
+
+
+def quantile_summaries_in_place(
+    arrays: Sequence[numpy.ndarray], levels: Sequence[float], prefix: str = "",
+    left_out: Optional[Sequence[int]] = None, *, union: bool = True,
+    joined: Optional[numpy.ndarray] = None,
+) -> Tuple[List[Dict[str, float]], Optional[Dict[str, float]]]:
+    """:func:`quantile_summaries` of 1d NumPy arrays the caller owns, reordering them.
+
+    Each array's quantiles by :func:`select_in_place` on the array itself;
+    the union's, after the arrays' own, on ``joined`` or else on one joined
+    copy (each element copied once). The means are float64 sums taken
+    before any reordering.
+
+    Args:
+        arrays: 1d float32 or float64 arrays, non-negative where ``left_out``
+            is given.
+        levels: Quantile levels in ``[0, 1]``.
+        prefix: Prepended to every statistic name.
+        left_out: Per array, how many of its elements are placeholders
+            ``0.0`` for values left out (which sort first and add nothing to
+            a sum: :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`);
+            the statistics are those of the other elements. None: 0 each.
+        union: Whether to compute the union's summary.
+        joined: The union of ``arrays``, in any order (e.g. the buffer they
+            are views of), reordered too; None: a copy is joined.
+
+    Returns:
+        ``(summary of each array, summary of the union)``: an empty dict for
+        an array with no kept element; the union's is ``None`` if not asked
+        for, empty if no element is kept.
+    """
+    left_out = list(left_out) if left_out is not None else [0] * len(arrays)
+    each, totals, kept = [], [], []
+    for values, z in zip(arrays, left_out):
+        kept.append(values.size - z)
+        totals.append(float(values.sum(dtype=numpy.float64)))
+        each.append(_summary_in_place(values, z, kept[-1], totals[-1], levels, prefix))
+    if not union:
+        return each, None
+    if joined is None:
+        joined = numpy.concatenate(arrays) if arrays else numpy.zeros(0)
+    return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels, prefix)
+
+
+def _summary_in_place(values, left_out, kept, total, levels, prefix) -> Dict[str, float]:
+    """Quantiles and mean of the ``kept`` elements of ``values`` above its ``left_out`` zeros."""
+    if kept == 0:
+        return {}
+    lower, upper, weights = quantile_ranks(levels, kept)
+    found = select_in_place(values, [left_out + rank for rank in lower + upper])
+    k = len(levels)
+    return _named(levels, prefix, interpolate(found[:k], found[k:], weights), total / kept)
 
 
 def _named(levels, prefix, quantile_values, mean) -> Dict[str, float]:
