@@ -24,6 +24,11 @@ faster there.
 ``benchmarks/benchmark_order_statistics.py`` measures both against sorting
 and partitioning.
 
+Where the caller owns the values and may have them reordered (the arrays a
+quantity formed for this step: :func:`select_in_place`,
+:func:`quantile_summaries_in_place`), NumPy's partitions are cheaper still:
+no bucket passes, nothing gathered; the union is then one joined array.
+
 That is the CPU's path. On other devices (GPUs) the union is sorted with
 ``torch.sort``, and :func:`quantile_summary` (``defer=True``) and
 :func:`kept_quantile_summary` leave their results there as tensors: no
