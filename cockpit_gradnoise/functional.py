@@ -702,7 +702,8 @@ def abs_ratio_statistics(
         # NumPy divides, compares and counts several times faster than torch
         # on CPU (torch's division slows down on subnormal gradients).
         with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            ratio = numpy.abs(a.numpy() / b.numpy())
+            ratio = numpy.divide(a.numpy(), b.numpy())
+            numpy.abs(ratio, out=ratio)  # in place: one array of the layer's size
     else:
         ratio = torch.div(a, b).abs_().numpy()
     if finite and plain:
