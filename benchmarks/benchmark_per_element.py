@@ -18,13 +18,25 @@ Candidates:
   tensors): the floor the quantities' own work is compared with (issue 21's
   target: within 1.5x).
 - ``GradientVarianceQuantiles``: the quantity's computation
-  (``value_from_sums`` per layer: sd with the rounding clamp and SNR;
-  ``statistics_of_values``: exact quantiles and means of both, per layer and
-  for the network), and its two halves.
+  (``value_from_sums`` per layer, ``statistics_of_values``: sd with the
+  rounding clamp and SNR of all layers into two buffers, exact quantiles and
+  means of both, per layer and for the network), and its two halves: the
+  elementwise part (``functional.sd_and_signal_to_noise``), and the
+  quantiles and means of its results (``functional.sd_statistics_in_place``,
+  on a copy of the buffers made in the timed call: the selection reorders
+  them).
+- ``torch.compile``: the elementwise part as one compiled function (sd with
+  the rounding clamp, SNR capped at the limit, the left-out count), inductor
+  on the CPU, ``dynamic=True`` so that one compile serves every layer; its
+  first call's seconds (the compile) are printed, and whether its sd and SNR
+  equal the eager ones bit for bit. The claim weighed (issue 21): only a
+  fused compiled kernel would reach 1.5x the reference. ``--no-compile``
+  leaves it out.
+- ``the bucket selection``: the earlier path of the quantity on the CPU,
+  still that of ``functional.sd_statistics_of_layers`` (``gradient_sd``,
+  ``signal_to_noise``, bucket counts and gathered candidates sorted).
 - ``ParamGradRatio``: the quantity's ``parameter_value`` per layer and its
   statistics (the passes over ``param`` and ``param.grad``).
-- ``whole tensors``: the same computation from the functions it is made of
-  (``gradient_sd``, ``signal_to_noise``, ``sd_statistics_of_layers``).
 
 Run ``python benchmarks/benchmark_per_element.py`` (``--models mlp,resnet18``,
 ``--rounds``, ``--quick`` for a smoke test). The machine may be shared:
@@ -33,6 +45,7 @@ the median is the figure to read.
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -66,6 +79,7 @@ def tracked_tensors(model_name, batch_size=None):
 
 
 _BUCKET_SHIFT = 32 - 14
+LEVELS = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 def reference(params, n):
@@ -90,8 +104,29 @@ def pgr_all(quantity, params, n):
     return quantity.statistics_of_values([quantity.parameter_value(p, None) for p in params], True)
 
 
-def gvq_whole(params, n, levels=(0.05, 0.25, 0.5, 0.75, 0.95)):
-    """sd and SNR as whole tensors, then the selection of their quantiles."""
+def layer_sums(params):
+    """Per layer ``(S, T)``, views of the sums savefield."""
+    return [(sums[1], sums[0]) for sums in (getattr(p, SUMS_SAVEFIELD) for p in params)]
+
+
+def gvq_elementwise(params, n):
+    sums = layer_sums(params)
+    return functional.sd_and_signal_to_noise(sums, n, functional.resolvable_snr(n, torch.float32))
+
+
+def gvq_statistics(formed, levels=LEVELS):
+    """Quantiles and means of formed sd and SNR, on copies (the selection reorders them)."""
+    sd, snr, sds, snrs, left_out = formed
+    sd, snr = sd.clone(), snr.clone()
+    offsets = [0]
+    for view in sds:
+        offsets.append(offsets[-1] + view.numel())
+    views = [[b[o:e] for o, e in zip(offsets, offsets[1:])] for b in (sd, snr)]
+    return functional.sd_statistics_in_place(*views, left_out, levels, True, (sd, snr))
+
+
+def gvq_bucket_selection(params, n, levels=LEVELS):
+    """The earlier path: gradient_sd, signal_to_noise, bucket selection of the quantiles."""
     sds, snrs = [], []
     for param in params:
         total, squares = getattr(param, SUMS_SAVEFIELD)
@@ -101,27 +136,74 @@ def gvq_whole(params, n, levels=(0.05, 0.25, 0.5, 0.75, 0.95)):
     return functional.sd_statistics_of_layers(sds, snrs, levels, True)
 
 
-def candidates(params, n):
+def compiled_elementwise():
+    """sd with the rounding clamp, capped SNR and the left-out count of one layer, compiled."""
+
+    def elementwise(squares, total, n: int, rounding: float, limit: float):
+        centred = torch.addcmul(squares, total, total, value=-1.0 / n)
+        kept = centred > squares * rounding
+        sd = torch.where(kept, centred.clamp(min=0.0) * (n / (n - 1)), 0.0).sqrt()
+        snr = (total.abs() / sd).clamp(max=limit)
+        left_out = snr.isnan()
+        return sd, snr.nan_to_num(nan=0.0, posinf=math.inf), left_out.sum()
+
+    return torch.compile(elementwise, dynamic=True)
+
+
+def compiled_run(function, params, n):
+    rounding = (3 * n + 4) * torch.finfo(torch.float32).eps
+    limit = functional.resolvable_snr(n, torch.float32)
+    return [
+        # In the order of memory, as the eager function takes them.
+        function(functional._memory_order(s), functional._memory_order(t), n, rounding, limit)
+        for s, t in layer_sums(params)
+    ]
+
+
+def compile_check(function, params, n):
+    """Seconds of the first call (the compile), and whether sd and SNR equal the eager ones."""
+    start = time.perf_counter()
+    compiled = compiled_run(function, params, n)
+    seconds = time.perf_counter() - start
+    _, _, sds, snrs, _ = gvq_elementwise(params, n)
+    same = all(
+        torch.equal(c_sd, sd) and torch.equal(c_snr, snr)
+        for (c_sd, c_snr, _), sd, snr in zip(compiled, sds, snrs)
+    )
+    return seconds, same
+
+
+def candidates(params, n, compiled=None):
     """Name -> function of no arguments (each returns what it computed)."""
     gvq = cgn.GradientVarianceQuantiles(lambda step: True)
     pgr = cgn.ParamGradRatio(lambda step: True)
-    values = gvq_values(gvq, params, n)
-    return {
+    formed = gvq_elementwise(params, n)
+    functions = {
         "reference: one sd, one SNR, one bincount": lambda: reference(params, n),
         "GradientVarianceQuantiles: all": lambda: gvq_all(gvq, params, n),
-        "  sd with rounding clamp, SNR (value_from_sums)": lambda: gvq_values(gvq, params, n),
-        "  quantiles and means (statistics_of_values)": lambda: gvq.statistics_of_values(values, True),
-        "  whole tensors (gradient_sd, signal_to_noise, sd_statistics_of_layers)": (
-            lambda: gvq_whole(params, n)
+        "  sd with rounding clamp, SNR (sd_and_signal_to_noise)": lambda: gvq_elementwise(params, n),
+        "  quantiles and means (sd_statistics_in_place, with a copy)": lambda: gvq_statistics(formed),
+        "  the bucket selection (gradient_sd, signal_to_noise, sd_statistics_of_layers)": (
+            lambda: gvq_bucket_selection(params, n)
         ),
         "ParamGradRatio: all": lambda: pgr_all(pgr, params, n),
     }
+    if compiled is not None:
+        functions["torch.compile: sd with rounding clamp, SNR, left-out count"] = (
+            lambda: compiled_run(compiled, params, n)
+        )
+    return functions
 
 
-def measure(model_name, rounds, batch_size=None):
+def measure(model_name, rounds, batch_size=None, compiled=None):
     params, n = tracked_tensors(model_name, batch_size)
     elements = sum(p.numel() for p in params)
-    functions = candidates(params, n)
+    note = None
+    if compiled is not None:
+        seconds, same = compile_check(compiled, params, n)
+        note = (f"{model_name}: torch.compile's first call {seconds:.1f} s; its sd and SNR equal "
+                f"the eager ones bit for bit: {same}")
+    functions = candidates(params, n, compiled)
     for function in functions.values():  # warm up
         function()
     times = {name: [] for name in functions}
@@ -130,7 +212,7 @@ def measure(model_name, rounds, batch_size=None):
             start = time.process_time()
             function()
             times[name].append(time.process_time() - start)
-    return elements, {name: [1e9 * t / elements for t in ts] for name, ts in times.items()}
+    return elements, {name: [1e9 * t / elements for t in ts] for name, ts in times.items()}, note
 
 
 def main(argv=None):
@@ -139,20 +221,23 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="smoke test: MLP, batch 8, 3 rounds")
+    parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if args.quick:
-        models, args.rounds, args.batch_size = ["mlp"], 3, 8
+        models, args.rounds, args.batch_size, args.no_compile = ["mlp"], 3, 8, True
     torch.set_num_threads(1)
     print(
         f"torch {torch.__version__}, 1 thread, {args.rounds} interleaved rounds, load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
+    compiled, notes = None if args.no_compile else compiled_elementwise(), []
     print("\n| model | elements | candidate | ns/element, median | min | ratio to reference |")
     print("|---|---:|---|---:|---:|---:|")
     for model_name in models:
         print(f"measuring {model_name}", file=sys.stderr)
-        elements, times = measure(model_name, args.rounds, args.batch_size)
+        elements, times, note = measure(model_name, args.rounds, args.batch_size, compiled)
+        notes.append(note)
         floor = statistics.median(next(iter(times.values())))
         for name, ns in times.items():
             median = statistics.median(ns)
@@ -160,6 +245,7 @@ def main(argv=None):
                 f"| {model_name} | {elements:,} | {name} | {median:.2f} | {min(ns):.2f} "
                 f"| {median / floor:.2f} |"
             )
+    print("", *(note for note in notes if note), sep="\n")
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -30,6 +30,18 @@ def scalar(tensor: Tensor):
     return tensor.item() if _device.on_host(tensor) else tensor
 
 
+def zero_count(tensor: Tensor):
+    """The number of elements exactly 0: an int on the CPU, a 0-dim tensor elsewhere.
+
+    On the CPU NumPy counts ``x == 0`` in a third of the time of
+    ``torch.count_nonzero``; elsewhere the count stays on the device for the
+    step's one transfer (:func:`scalar`).
+    """
+    if _device.on_host(tensor) and tensor.dtype in (torch.float32, torch.float64):
+        return int(numpy.count_nonzero(tensor.detach().reshape(-1).numpy() == 0))
+    return scalar(tensor.numel() - tensor.count_nonzero().double())
+
+
 def norm_ratio(squared_numerator, squared_denominator):
     """``sqrt(a) / sqrt(b)`` (:func:`~cockpit_gradnoise.schema.ratio_or_inf`), floats or tensors."""
     if isinstance(squared_numerator, Tensor):
@@ -321,6 +333,110 @@ def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> 
     return torch.from_numpy(result[:start])
 
 
+def sd_and_signal_to_noise(
+    sums: Sequence[Tuple[Tensor, Tensor]], n: int, limit: float
+) -> Tuple[Tensor, Tensor, List[Tensor], List[Tensor], List[int]]:
+    """:func:`gradient_sd` and :func:`signal_to_noise` (with ``limit``) of several layers, on the CPU.
+
+    The same formulas, into two buffers of all the layers' elements (the
+    network's union, with no copy), with no step whose cost depends on which
+    elements are kept: the rounding clamp multiplies by ``1`` where
+    ``C_j = S_j - T_j**2 / N`` exceeds the bound ``(3N + 4) eps S_j`` and by
+    ``0`` elsewhere (``sd_j = sqrt(max(C_j, 0) N / (N - 1))`` where kept)
+    instead of filling a mask, and the SNR's left-out elements (``0 / 0``,
+    NaN) become ``0.0`` instead of being compressed out: they sort first and
+    add nothing to a sum, so statistics of the kept ratios are those of ranks
+    ``z`` and above (``z`` left out). Applying a boolean mask that keeps and
+    drops elements in no regular pattern costs several nanoseconds per
+    element on this CPU; these products a fraction of one. Small layers
+    (biases, norms) are computed together, in one call per operation: a torch
+    call on a few hundred elements costs several microseconds.
+
+    Args:
+        sums: Per layer ``(S, T)``: ``sum_i x_ij**2`` and ``sum_i x_ij``, on
+            the CPU, one dtype (float32 or float64) and the same strides
+            within a layer (the two halves of the package's sums savefield),
+            one dtype for all.
+        n: ``N >= 2``.
+        limit: :func:`resolvable_snr` of ``N`` and the dtype.
+
+    Returns:
+        ``(sd, snr, sds, snrs, z)``: the two buffers; per layer, 1d views of
+        them (``T``'s elements in the order they lie in memory: the
+        statistics do not depend on it); per layer the number of ``0.0`` in
+        its SNR that stand for left-out elements.
+    """
+    if n < 2:
+        raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
+    flat = [(_memory_order(squares), _memory_order(total)) for squares, total in sums]
+    dtype = flat[0][0].dtype
+    sizes = [total.numel() for _, total in flat]
+    small = [k for k, size in enumerate(sizes) if size < _JOINED_BELOW]
+    large = [k for k, size in enumerate(sizes) if size >= _JOINED_BELOW]
+    # The buffers hold the large layers, then the small ones, each contiguous.
+    sd, snr = torch.empty(sum(sizes), dtype=dtype), torch.empty(sum(sizes), dtype=dtype)
+    offsets, start = [0] * len(sizes), 0
+    for k in large + small:
+        offsets[k], start = start, start + sizes[k]
+    rounding = _relative_rounding(n, 1, dtype)
+    for k in large:
+        region = slice(offsets[k], offsets[k] + sizes[k])
+        _sd_and_snr_into(*flat[k], sd[region], snr[region], n, limit, rounding)
+    if small:
+        joined = [torch.cat([flat[k][side] for k in small]) for side in (0, 1)]
+        region = slice(offsets[small[0]], sd.numel())
+        _sd_and_snr_into(*joined, sd[region], snr[region], n, limit, rounding)
+    ratios = snr.numpy()
+    left_out = [
+        int(numpy.count_nonzero(numpy.isnan(ratios[offset : offset + size])))
+        for offset, size in zip(offsets, sizes)
+    ]
+    snr.nan_to_num_(nan=0.0, posinf=math.inf)
+    views = [[buffer[o : o + size] for o, size in zip(offsets, sizes)] for buffer in (sd, snr)]
+    return sd, snr, views[0], views[1], left_out
+
+
+def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding):
+    """:func:`sd_and_signal_to_noise` of one 1d ``(S, T)`` into ``sd`` and ``snr`` (NaN for 0 / 0)."""
+    pieces = zip(*(x.split(_PIECE) for x in (squares, grad, sd, snr)))
+    for s, t, out, ratio in pieces if squares.numel() > _PIECE else [(squares, grad, sd, snr)]:
+        # In place in the two results, the SNR's serving first for the clamp:
+        # no temporaries (fresh memory costs more in page faults than the
+        # work here).
+        torch.mul(s, rounding, out=ratio)  # the bound (3N + 4) eps S
+        torch.addcmul(s, t, t, value=-1.0 / n, out=out)  # C = S - T**2 / N
+        # 1 where C exceeds the bound, else 0: C - bound > 0 exactly when C >
+        # bound (a difference of floats is 0 only when they are equal).
+        kept = torch.sub(out, ratio, out=ratio).clamp_(min=0.0).sign_()
+        out.clamp_(min=0.0).mul_(n / (n - 1)).sqrt_().mul_(kept)
+        # x / 0 = inf becomes the limit; 0 / 0 stays NaN (torch's clamp:
+        # a third of the time of NumPy's minimum here).
+        torch.abs(t, out=ratio).div_(out).clamp_(max=limit)
+
+
+#: Elements per piece in :func:`sd_and_signal_to_noise`: each piece costs
+#: about ten calls of a few microseconds each, which pieces of
+#: :data:`~cockpit_gradnoise._device.CHUNK` elements made 20% of the time
+#: on the benchmark MLP.
+_PIECE = 1 << 20
+
+#: Layers with fewer elements are computed together by
+#: :func:`sd_and_signal_to_noise` (their sums copied into one pair first).
+_JOINED_BELOW = 1 << 14
+
+
+def _memory_order(tensor: Tensor) -> Tensor:
+    """A 1d view of a dense tensor's elements in the order they lie in memory.
+
+    For the permuted layouts of convolutions' sums: a view, not a copy (a
+    copy when the tensor is not dense).
+    """
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)
+    order = sorted(range(tensor.dim()), key=lambda d: tensor.stride(d), reverse=True)
+    return tensor.permute(order).reshape(-1)
+
+
 def loss_tolerance(*dtypes: torch.dtype) -> float:
     """Relative distance allowed between a loss and ``c sum_i l_i`` (:func:`loss_scale`).
 
@@ -532,6 +648,36 @@ def sd_statistics_of_layers(
     return rows, union
 
 
+def sd_statistics_in_place(
+    sds: Sequence[Tensor], snrs: Sequence[Tensor], left_out: Sequence[int],
+    levels: Sequence[float], network: bool, joined: Optional[Tuple[Tensor, Tensor]] = None,
+) -> Tuple[List[Dict[str, float]], Optional[Dict[str, float]]]:
+    """:func:`sd_statistics_of_layers` of :func:`sd_and_signal_to_noise`'s results, on the CPU.
+
+    ``snrs`` hold ``left_out`` placeholder zeros each; the tensors are
+    reordered (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_in_place`:
+    each layer's quantiles by nested partitions of its own values, the
+    network's of ``joined``, the buffers of all layers' sd and SNR, or of a
+    copy).
+
+    Returns:
+        ``(statistics of each layer, of the network or None)``.
+    """
+    unions = [None, None] if joined is None else [buffer.numpy() for buffer in joined]
+    rows, union = order_statistics.quantile_summaries_in_place(
+        [sd.reshape(-1).numpy() for sd in sds], levels, union=network, joined=unions[0]
+    )
+    snr_rows, snr_union = order_statistics.quantile_summaries_in_place(
+        [snr.numpy() for snr in snrs], (0.5,), schema.SNR_PREFIX, left_out, union=network,
+        joined=unions[1],
+    )
+    for row, snr_row in zip(rows, snr_rows):
+        row.update(snr_row)
+    if network:
+        union.update(snr_union)
+    return rows, union
+
+
 def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
     """``sum_j tensor_j**2``, accumulated in float64, as a Python float.
 
@@ -591,25 +737,40 @@ def abs_ratio_statistics(
     # A finite sum proves every element finite (NaN and inf propagate): then
     # only b = 0 is left out.
     finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
-    ratio = torch.div(a, b).abs_()
-    # Left-out elements become zeros, which sort first (tied at worst with a
-    # kept 0) and add nothing to the sum: the kept ratios are ranks z .. end.
-    if finite and a.dtype == b.dtype and b.dtype in (torch.float32, torch.float64):
-        # NumPy compares, fills and counts several times faster than torch on CPU.
-        left_out = b.numpy() == 0
-        numpy.putmask(ratio.numpy(), left_out, 0.0)
-        z = int(numpy.count_nonzero(left_out))
+    plain = a.dtype == b.dtype and b.dtype in (torch.float32, torch.float64)
+    if plain:
+        # NumPy divides, compares and counts several times faster than torch
+        # on CPU (torch's division slows down on subnormal gradients).
+        with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            ratio = numpy.divide(a.numpy(), b.numpy())
+            numpy.abs(ratio, out=ratio)  # in place: one array of the layer's size
     else:
-        left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
-        ratio.masked_fill_(left_out, 0.0)
-        z = int(torch.count_nonzero(left_out))
-    n = ratio.numel() - z
+        ratio = torch.div(a, b).abs_().numpy()
+    if finite and plain:
+        left_out = b.numpy() == 0
+    else:
+        left_out = (~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)).numpy()
+    # The left-out elements by index (few, usually): a mask applied to every
+    # element (compress, putmask) costs several ns per element when the kept
+    # and left-out ones alternate irregularly.
+    out = numpy.flatnonzero(left_out)
+    z, n = out.size, ratio.size - out.size
     if n == 0:
         return {}
-    ranks = [z, z + (n - 1) // 2, z + n // 2, z + n - 1]
-    smallest, lower, upper, largest = order_statistics.select(ratio, ranks)
+    # The smallest kept ratio with the left-out ones at inf, then at 0, where
+    # they sort first (tied at worst with a kept 0) and add nothing to the
+    # sum: the kept ratios are ranks z .. end.
+    ratio[out] = numpy.inf
+    smallest = float(ratio.min())
+    ratio[out] = 0.0
+    mean = float(ratio.sum(dtype=numpy.float64)) / n
+    # Nested partitions of the fresh array (order_statistics.select_in_place):
+    # no bucket passes and no sort.
+    lower, upper, largest = order_statistics.select_in_place(
+        ratio, [z + (n - 1) // 2, z + n // 2, z + n - 1]
+    )
     return {
-        schema.MEAN: order_statistics.float64_sum(ratio) / n,
+        schema.MEAN: mean,
         schema.MEDIAN: (lower + upper) / 2,
         schema.MIN: smallest,
         schema.MAX: largest,

@@ -1,10 +1,15 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
-from cockpit_gradnoise import distributed, functional, order_statistics, schema
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from cockpit_gradnoise import _device, distributed, functional, order_statistics, schema
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import Batch
+
+import torch
+from torch import Tensor
 
 
 class GradientVarianceQuantiles(ParameterQuantity):
@@ -106,6 +111,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def value_from_sums(self, sums, batch):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
+        if _fused(grad, squares):
+            # Formed with the other layers' in statistics_of_values: into
+            # buffers of the network's elements, small layers together.
+            return _Sums(squares, grad, batch)
         # The sums were accumulated in the contributions' dtype (grad's), whose
         # rounding the bound takes; squares may be wider (float64 for float32
         # models: no underflow). sd is computed and reported in grad's dtype.
@@ -122,24 +131,71 @@ class GradientVarianceQuantiles(ParameterQuantity):
         )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
-        # The network's statistics are those of the union of the layers' values,
-        # found without joining them (order_statistics.select).
-        return [sd], [snr]
+        return sd, snr, 0  # the SNR's left-out elements are absent here
 
     def network_value(self, values):
-        sds, snrs = zip(*values)
-        return [a for sd in sds for a in sd], [a for snr in snrs for a in snr]
+        return list(values)
 
     def statistics(self, value):
-        sds, snrs = value
-        return functional.sd_statistics(sds, snrs, self.quantiles, defer=True)
+        return self.statistics_of_values(value, network=True)[1]
 
     def statistics_of_values(self, values, network):
         if not values:
             return [], None
-        # The network's quantiles share the layers' passes over the elements.
-        sds, snrs = ([part for layer in parts for part in layer] for parts in zip(*values))
+        values, joined = _formed(values)
+        sds, snrs, left_out = zip(*values)
+        if _device.on_host(sds[0]):
+            # Reorders the values, which are this step's own and read only here.
+            return functional.sd_statistics_in_place(
+                sds, snrs, left_out, self.quantiles, network, joined
+            )
         return functional.sd_statistics_of_layers(sds, snrs, self.quantiles, network)
 
     def statistic_names(self):
         return schema.sd_statistic_names(self.quantiles)
+
+
+def _fused(grad, squares) -> bool:
+    """Whether :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise` serves these sums."""
+    return (
+        _device.on_host(grad)
+        and grad.dtype == squares.dtype
+        and grad.dtype in (torch.float32, torch.float64)
+        and grad.stride() == squares.stride()
+    )
+
+
+class _Sums(NamedTuple):
+    """A layer's sums, whose sd and SNR are formed with the other layers' (:func:`_formed`)."""
+
+    squares: Tensor
+    grad: Tensor
+    batch: Batch
+
+
+def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
+    """The values with every :class:`_Sums` formed: ``[(sd, snr, left out)]``, and the
+    buffers of all layers' sd and SNR where they hold the whole network (else None).
+
+    Layers of one dtype are formed together
+    (:func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`); the SNR of
+    an element left out is a counted ``0.0`` there, absent elsewhere.
+    """
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for k, value in enumerate(values):
+        if isinstance(value, _Sums):
+            by_dtype.setdefault(value.grad.dtype, []).append(k)
+    values, joined = list(values), None
+    for indices in by_dtype.values():
+        batch = values[indices[0]].batch
+        limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
+        sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
+            [(values[k].squares, values[k].grad) for k in indices], batch.examples, limit
+        )
+        if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
+            sd.mul_(batch.loss_scale)
+        for k, formed in zip(indices, zip(sds, snrs, left_out)):
+            values[k] = formed
+        if len(indices) == len(values):
+            joined = sd, snr
+    return values, joined

@@ -1,0 +1,97 @@
+"""sd and SNR of several layers into two buffers, and their quantiles in place."""
+
+from cockpit_gradnoise import functional, order_statistics
+
+import numpy
+import pytest
+import torch
+
+N = 8
+
+
+def layer_sums(shape, dtype, seed, permute=False):
+    """``(S, T)`` of ``N`` contributions per element, and the contributions (float64).
+
+    A third of the elements have identical examples (rounded as a per-example
+    computation rounds them), a tenth are 0 for every example.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, *shape, generator=generator, dtype=torch.float64)
+    row = torch.randn(shape, generator=generator, dtype=torch.float64)
+    same = torch.rand(shape, generator=generator) < 1 / 3
+    x = torch.where(same, row, x)
+    x = torch.where(torch.rand(shape, generator=generator) < 0.1, 0.0, x).to(dtype)
+    s, t = (x * x).sum(0), x.sum(0)
+    if permute:  # the layout of a convolution's sums: not contiguous, dense
+        s, t, x = s.permute(2, 0, 1), t.permute(2, 0, 1), x.permute(0, 3, 1, 2)
+    return s, t, x.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sd_and_signal_to_noise_of_layers(dtype):
+    """Against a float64 two-pass sd within the rounding bound; sd exactly 0 for
+    identical examples; SNR at the limit there, 0 / 0 left out and counted."""
+    eps = torch.finfo(dtype).eps
+    limit = functional.resolvable_snr(N, dtype)
+    layers = [layer_sums((3,), dtype, 0), layer_sums((700,), dtype, 1),
+              layer_sums((20_000,), dtype, 2), layer_sums((5, 4, 6), dtype, 3, permute=True)]
+    sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
+        [(s, t) for s, t, _ in layers], N, limit
+    )
+    assert not layers[-1][0].is_contiguous() and layers[-1][0].stride() == layers[-1][1].stride()
+    assert sd.numel() == snr.numel() == sum(t.numel() for _, t, _ in layers)
+    assert sum(view.numel() for view in sds) == sd.numel()
+    cases = {}
+    for (s, t, x), got_sd, got_snr, z in zip(layers, sds, snrs, left_out):
+        # Per element in the order of the sums' memory, as the function gives them.
+        def ordered(per_element, like=s):
+            return functional._memory_order(torch.empty_like(like).copy_(per_element))
+
+        identical = ordered((x == x[0]).all(0), torch.empty_like(s, dtype=torch.bool))
+        centred = ordered(((x - x.mean(0)) ** 2).sum(0), torch.empty_like(s, dtype=torch.float64))
+        s, t = (functional._memory_order(a).double() for a in (s, t))
+        got = got_sd.double()
+        assert torch.equal(got[identical], torch.zeros_like(got[identical]))
+        # C_j = S_j - T_j**2 / N is off by at most (3N + 4) eps S_j (the
+        # rounding bound); the factor N / (N - 1), the sqrt and sd's
+        # rounding add at most 4 eps of sd**2 <= 2 N / (N - 1) S_j.
+        bound = N / (N - 1) * ((3 * N + 4) * eps * s + 4 * eps * 2 * s)
+        assert ((got**2 - N / (N - 1) * centred).abs() <= bound).all()
+        ratio = got_snr.double()
+        kept = got > 0
+        expected = torch.clamp(t.abs()[kept] / got[kept], max=limit)
+        assert ((ratio[kept] - expected).abs() <= eps * expected).all()
+        at_limit = ~kept & (t != 0)
+        assert (ratio[at_limit] == torch.tensor(limit, dtype=dtype).item()).all()
+        out = ~kept & (t == 0)
+        assert (ratio[out] == 0).all() and z == int(out.sum())
+        cases.update(identical=identical.any(), at_limit=at_limit.any(), out=out.any())
+    assert all(cases.values()), "every case must occur"
+
+
+def test_quantile_summaries_in_place_equal_numpy_on_the_kept_values():
+    """Bit for bit numpy.quantile, per array and of the union (joined or given),
+    with placeholder zeros left out; an array with nothing kept has no summary."""
+    rng = numpy.random.default_rng(0)
+    levels = (0.0, 0.05, 0.5, 0.95, 1.0)
+    kept = [numpy.abs(rng.standard_normal(size)).astype(numpy.float32) for size in (5, 9000, 1)]
+    kept[1][:300] = 0.0  # kept zeros tie with the placeholders
+    left_out = [2, 100, 0]
+    arrays = [numpy.concatenate([numpy.zeros(z, numpy.float32), a]) for a, z in zip(kept, left_out)]
+    for a in arrays:
+        rng.shuffle(a)
+    arrays.append(numpy.zeros(4, numpy.float32))
+    left_out.append(4)
+    for joined in (None, numpy.concatenate(arrays)):
+        work = [a.copy() for a in arrays]
+        each, union = order_statistics.quantile_summaries_in_place(
+            work, levels, "p_", left_out, joined=None if joined is None else joined.copy()
+        )
+        for values, summary in zip(kept, each):
+            expected = numpy.quantile(values.astype(numpy.float64), levels).tolist()
+            assert [summary[f"p_q{q:g}"] for q in levels] == expected
+            assert summary["p_mean"] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
+        assert each[-1] == {}
+        everything = numpy.concatenate(kept).astype(numpy.float64)
+        assert [union[f"p_q{q:g}"] for q in levels] == numpy.quantile(everything, levels).tolist()
+        assert union["p_mean"] == pytest.approx(everything.mean(), rel=1e-12)
