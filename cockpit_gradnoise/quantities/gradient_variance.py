@@ -111,14 +111,15 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def value_from_sums(self, sums, batch):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
-        if _fused(grad, squares):
+        magnitudes = sums["rounding_magnitudes"]
+        if magnitudes.dim() == 0 and _fused(grad, squares):
             # Formed with the other layers' in statistics_of_values: into
             # buffers of the network's elements, small layers together.
+            # (Not sums expanded over positions, whose bound adds their R.)
             return _Sums(squares, grad, batch)
         # The sums were accumulated in the contributions' dtype (grad's), whose
         # rounding the bound takes; squares may be wider (float64 for float32
         # models: no underflow). sd is computed and reported in grad's dtype.
-        magnitudes = sums["rounding_magnitudes"]
         extra = None if magnitudes.dim() == 0 else functional.expansion_rounding_bound(
             magnitudes, batch.examples, grad.dtype)
         sd = functional.gradient_sd(squares, grad, batch.examples, dtype=grad.dtype,
