@@ -50,6 +50,9 @@ class Arming:
         self.cockpit, self.switch = cockpit, switch
         self.last_step: Optional[int] = None  # of the tracker's last call
         self._watched = weakref.WeakKeyDictionary()  # optimizer -> its step post hook's handle
+        # needs(last_step + 1), as the last call found it: the optimizer's step hook reuses it
+        # (each Python call on an untracked step costs, with caches cold from the layers' work).
+        self._next_needed: Optional[bool] = None
 
     def needs(self, step: int) -> bool:
         """Whether ``step``'s backward pass runs BackPACK's extensions (so its forward
@@ -80,8 +83,8 @@ class Arming:
         needed = tracked and self.needs(step)
         if needed and switch.missed:
             raise RuntimeError(unrecorded_message(step, switch.step, self.last_step))
-        self.last_step = step
-        switch.armed, switch.step = needed or self.needs(step + 1), step + 1
+        self.last_step, self._next_needed = step, self.needs(step + 1)
+        switch.armed, switch.step = needed or self._next_needed, step + 1
         if optimizer is not None and optimizer not in self._watched:
             self._watch(optimizer)
 
@@ -103,9 +106,10 @@ class Arming:
             pass
 
     def stepped(self):
-        """After ``optimizer.step()``: the last call's step is over; arm for the next."""
-        if self.last_step is not None:
-            self.arm(self.last_step + 1)
+        """After ``optimizer.step()``: the last call's step is over; arm for the next
+        (as the last call found that step's needs)."""
+        if self.last_step is not None and self.switch is not None:
+            self.switch.armed, self.switch.step = self._next_needed, self.last_step + 1
 
 
 def _stepped(arming: "weakref.ref[Arming]", optimizer, args, kwargs):

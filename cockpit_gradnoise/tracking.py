@@ -318,6 +318,8 @@ class Tracker:
     def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
         self.cockpit = cockpit
         self.arming = arming.Arming(cockpit, switch)  # the hooks idle at untracked steps
+        # Whether untracked steps may skip Cockpit's context (of the quantities it was built with).
+        self._idles = arming.idle_step(cockpit, tracked=False)
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
@@ -448,13 +450,13 @@ class Tracker:
         clashes = sorted(set(info) & set(DERIVED_KEYS)) if info else ()
         if clashes:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
-        full = {"batch_size": len(losses), "individual_losses": losses, "loss": info_loss,
+        full = {"batch_size": losses.shape[0], "individual_losses": losses, "loss": info_loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
         if micro is not None:
             full.update({accumulation.MICRO_BATCH: micro.index,
                          accumulation.MICRO_BATCHES: micro.count})
         self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
-        if arming.idle_step(self.cockpit, tracked):
+        if not tracked and self._idles:
             return IdleStep(step, full)  # scaled is None: a GradScaler is divided out at tracked steps
         return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
 
@@ -650,24 +652,22 @@ class IdleStep:
     untracked step (issue 21): a lean class, not Cockpit's context.
     """
 
-    __slots__ = ("step", "info", "reached", "_hook", "_store_io")
+    __slots__ = ("step", "info", "_arrived", "_store_io")
 
     def __init__(self, step: int, info: dict):
-        self.step, self.info, self.reached = step, info, False  # info: as a TrackedStep's
+        self.step, self.info = step, info  # info: as a TrackedStep's
+        self._arrived = []  # the loss's gradient, once the backward pass reaches it
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"]
-        self._hook = loss.register_hook(self._arrived)
+        # Left on the loss (it goes with the step): the hook holds only the list, no cycle.
+        loss.register_hook(self._arrived.append)
         self._store_io, disable.store_io = disable.store_io, False  # backpack.disable().__enter__
         return loss
 
-    def _arrived(self, grad):
-        self.reached = True
-
     def __exit__(self, kind, error, traceback):
-        self._hook.remove()
         disable.store_io = self._store_io
-        if kind is None and not self.reached:
+        if kind is None and not self._arrived:
             raise RuntimeError(not_differentiated(self.step))
         return False
 
