@@ -7,7 +7,8 @@ On a step at which no quantity needs per-example results that is all
 wasted: it cost 1.01-1.7x a plain step (issue 21). The forward pass comes
 before ``with tracker(step, losses)``, so the hooks must know beforehand
 whether the backward pass to come is tracked. The tracker tells them, through
-the model's :class:`~cockpit_gradnoise.extensions.hooks.Switch`:
+the model's :class:`~cockpit_gradnoise.extensions.hooks.Switch`, which parks
+the hooks (out of the modules' hook tables) while it is off:
 
 - at its call for step ``s`` (after that step's forward pass), it arms the
   hooks if ``s`` or ``s + 1`` needs BackPACK's extensions: ``s`` again is
