@@ -60,7 +60,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     :func:`~cockpit_gradnoise.track` gives it to the tracker, which parks the
     hooks (takes them out of the modules' hook tables) for the forward passes
     of untracked steps; torch.compile, made to guard on hooks, compiles the
-    model once with them and once without.
+    model at most once with them and once without.
 
     Where ``torch.compile`` has been used in this process, its compiled graphs
     are dropped and it is made to guard on module hooks
