@@ -15,13 +15,17 @@ numbers):
 A step is ``zero_grad``, forward, the per-example losses, backward (inside
 the tracker's ``with`` where there is one) and ``optimizer.step()``; the plain
 step differentiates ``losses.mean()`` as the tracker does. Each round is ten
-consecutive steps of the run, each paired with a plain step right before it
-(and a "before" step at untracked steps): plain, run 10r, plain, run 10r+1, ...
-so that drifts of the machine hit both alike.
+consecutive steps of the run; at each, the plain copy and the run (and at
+untracked steps "before" and a second plain copy, **A/A**) take that step once
+each, in an order drawn afresh (seeded), so that drifts of the machine hit all
+alike and no copy profits from caches another left warm: timed in a fixed
+order with the plain copy stepping twice in a row (once for the run, once for
+"before"), an A/A pair in the run's place read 1.04 on the MLP.
 
 - **untracked / plain**: at steps where no quantity computes (10r+2 ... 10r+9:
   10r+1 is UpdateSize's end step), the median over all such pairs of the run's
-  step over its plain step; the same for "before";
+  step over its plain step; the same for "before" and the A/A copy (the noise
+  floor: a plain copy of its own, with weights elsewhere in memory);
 - **whole run / plain**: per round, the ten run steps' total over the ten plain
   steps' total; the median over rounds;
 - **tracked step / plain**: at the tracked steps 10r (all five quantities), the
@@ -39,6 +43,7 @@ CUDA each step is synchronized and timed on the wall clock. ::
 import argparse
 import copy
 import os
+import random
 import statistics
 import time
 
@@ -159,36 +164,42 @@ class Runner:
 
 
 def measure(name, args, device):
-    """``{"untracked", "before", "whole run", "plain ms", ...}`` for one model."""
+    """``{"untracked", "before", "A/A", "whole run", "plain ms", ...}`` for one model."""
     spec = ALL_MODELS[name]
     clock = time.process_time if args.clock == "cpu" and device.type == "cpu" else time.perf_counter
     model, x, y = model_and_batch(spec, spec.batch_size, device)
     if name in ("tv-resnet18", "convnext_tiny", "nanogpt"):
         model.train()
-    runners = {kind: Runner(copy.deepcopy(model), spec, x, y, kind)
-               for kind in ("plain", "run", "before")}
-    plain, run, before = runners["plain"], runners["run"], runners["before"]
-    untracked, earlier, whole, plain_times, tracked_steps = [], [], [], [], []
+    runners = {kind: Runner(copy.deepcopy(model), spec, x, y, "plain" if kind == "A/A" else kind)
+               for kind in ("plain", "run", "before", "A/A")}
+    run = runners["run"]
+    order = random.Random(0)
+    ratios = {"untracked": [], "before": [], "A/A": []}
+    whole, plain_times, tracked_steps = [], [], []
     for r in range(args.rounds + 1):  # round 0 warms up
         totals = [0.0, 0.0]
         for k in range(EVERY * r, EVERY * (r + 1)):
             idle = not run.tracks(k)
-            base = plain.timed(k, device, clock)
-            tracked = run.timed(k, device, clock)
-            totals[0] += base
-            totals[1] += tracked
+            kinds = ["plain", "run", "before", "A/A"] if idle else ["plain", "run"]
+            order.shuffle(kinds)
+            times = {kind: runners[kind].timed(k, device, clock) for kind in kinds}
+            totals[0] += times["plain"]
+            totals[1] += times["run"]
             if r and k % EVERY == 0:  # all five compute (UpdateSize starts)
-                tracked_steps.append(tracked / base)
+                tracked_steps.append(times["run"] / times["plain"])
             if idle and r:
-                plain_times.append(base)
-                untracked.append(tracked / base)
-                earlier.append(before.timed(k, device, clock) / plain.timed(k, device, clock))
+                plain_times.append(times["plain"])
+                ratios["untracked"].append(times["run"] / times["plain"])
+                ratios["before"].append(times["before"] / times["plain"])
+                ratios["A/A"].append(times["A/A"] / times["plain"])
         if r:
             whole.append(totals[1] / totals[0])
+    untracked = ratios["untracked"]
     return {
         "untracked": statistics.median(untracked),
         "untracked quartiles": statistics.quantiles(untracked, n=4)[::2],
-        "before": statistics.median(earlier),
+        "before": statistics.median(ratios["before"]),
+        "A/A": statistics.median(ratios["A/A"]),
         "whole run": statistics.median(whole),
         "whole run quartiles": statistics.quantiles(whole, n=4)[::2] if len(whole) > 1 else whole * 2,
         "tracked": statistics.median(tracked_steps),
@@ -200,14 +211,15 @@ def measure(name, args, device):
 def table(results) -> str:
     lines = [
         "| model | plain step, ms | untracked / plain (quartiles) | before: hooks recording, "
-        "Cockpit's context | whole run, every 10 / plain (quartiles) | tracked step / plain |",
-        "|---|---:|---:|---:|---:|---:|",
+        "Cockpit's context | A/A: plain copy / plain | whole run, every 10 / plain (quartiles) "
+        "| tracked step / plain |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         uq, wq = r["untracked quartiles"], r["whole run quartiles"]
         lines.append(
             f"| {name} (B{ALL_MODELS[name].batch_size}) | {r['plain ms']:.2f} | "
-            f"**{r['untracked']:.3f}** ({uq[0]:.3f}-{uq[1]:.3f}) | {r['before']:.3f} | "
+            f"**{r['untracked']:.3f}** ({uq[0]:.3f}-{uq[1]:.3f}) | {r['before']:.3f} | {r['A/A']:.3f} | "
             f"**{r['whole run']:.3f}** ({wq[0]:.3f}-{wq[1]:.3f}) | {r['tracked']:.2f} |"
         )
     return "\n".join(lines)

@@ -7,7 +7,8 @@ On a step at which no quantity needs per-example results that is all
 wasted: it cost 1.01-1.7x a plain step (issue 21). The forward pass comes
 before ``with tracker(step, losses)``, so the hooks must know beforehand
 whether the backward pass to come is tracked. The tracker tells them, through
-the model's :class:`~cockpit_gradnoise.extensions.hooks.Switch`:
+the model's :class:`~cockpit_gradnoise.extensions.hooks.Switch`, which parks
+the hooks (out of the modules' hook tables) while it is off:
 
 - at its call for step ``s`` (after that step's forward pass), it arms the
   hooks if ``s`` or ``s + 1`` needs BackPACK's extensions: ``s`` again is
@@ -50,6 +51,9 @@ class Arming:
         self.cockpit, self.switch = cockpit, switch
         self.last_step: Optional[int] = None  # of the tracker's last call
         self._watched = weakref.WeakKeyDictionary()  # optimizer -> its step post hook's handle
+        # needs(last_step + 1), as the last call found it: the optimizer's step hook reuses it
+        # (each Python call on an untracked step costs, with caches cold from the layers' work).
+        self._next_needed: Optional[bool] = None
 
     def needs(self, step: int) -> bool:
         """Whether ``step``'s backward pass runs BackPACK's extensions (so its forward
@@ -80,8 +84,8 @@ class Arming:
         needed = tracked and self.needs(step)
         if needed and switch.missed:
             raise RuntimeError(unrecorded_message(step, switch.step, self.last_step))
-        self.last_step = step
-        switch.armed, switch.step = needed or self.needs(step + 1), step + 1
+        self.last_step, self._next_needed = step, self.needs(step + 1)
+        switch.armed, switch.step = needed or self._next_needed, step + 1
         if optimizer is not None and optimizer not in self._watched:
             self._watch(optimizer)
 
@@ -103,9 +107,10 @@ class Arming:
             pass
 
     def stepped(self):
-        """After ``optimizer.step()``: the last call's step is over; arm for the next."""
-        if self.last_step is not None:
-            self.arm(self.last_step + 1)
+        """After ``optimizer.step()``: the last call's step is over; arm for the next
+        (as the last call found that step's needs)."""
+        if self.last_step is not None and self.switch is not None:
+            self.switch.armed, self.switch.step = self._next_needed, self.last_step + 1
 
 
 def _stepped(arming: "weakref.ref[Arming]", optimizer, args, kwargs):

@@ -13,7 +13,9 @@ which need hooks on every module.
 Every prepared model gets one switch for the package's hooks
 (:class:`~cockpit_gradnoise.extensions.hooks.Switch`), on by default: a
 :class:`~cockpit_gradnoise.Tracker` turns the hooks off for the forward
-passes of steps at which no quantity needs per-example results.
+passes of steps at which no quantity needs per-example results, and they are
+then out of the modules' hook tables (parked), so that those forward passes
+run as the plain model's.
 """
 
 import sys
@@ -55,8 +57,10 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     The model's hooks share one switch
     (:class:`~cockpit_gradnoise.extensions.hooks.Switch`), on: they record
     every forward pass with gradients, as the explicit API needs.
-    :func:`~cockpit_gradnoise.track` gives it to the tracker, which keeps the
-    hooks idle on the forward passes of untracked steps.
+    :func:`~cockpit_gradnoise.track` gives it to the tracker, which parks the
+    hooks (takes them out of the modules' hook tables) for the forward passes
+    of untracked steps; torch.compile, made to guard on hooks, compiles the
+    model at most once with them and once without.
 
     Where ``torch.compile`` has been used in this process, its compiled graphs
     are dropped and it is made to guard on module hooks

@@ -318,6 +318,8 @@ class Tracker:
     def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
         self.cockpit = cockpit
         self.arming = arming.Arming(cockpit, switch)  # the hooks idle at untracked steps
+        # Whether untracked steps may skip Cockpit's context (of the quantities it was built with).
+        self._idles = arming.idle_step(cockpit, tracked=False)
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
@@ -445,17 +447,17 @@ class Tracker:
                 "the loss does not require gradients: compute losses from the model's "
                 "output outside torch.no_grad(), and do not detach them"
             )
-        clashes = sorted(set(info or {}) & set(DERIVED_KEYS))
+        clashes = sorted(set(info) & set(DERIVED_KEYS)) if info else ()
         if clashes:
             raise ValueError(f"info= must not hold {clashes}: pass them as arguments")
-        full = {"batch_size": len(losses), "individual_losses": losses, "loss": info_loss,
+        full = {"batch_size": losses.shape[0], "individual_losses": losses, "loss": info_loss,
                 **({} if optimizer is None else {"optimizer": optimizer}), **(info or {})}
         if micro is not None:
             full.update({accumulation.MICRO_BATCH: micro.index,
                          accumulation.MICRO_BATCHES: micro.count})
         self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
-        if arming.idle_step(self.cockpit, tracked):
-            return TrackedStep(self.cockpit, step, full, idle=True)
+        if not tracked and self._idles:
+            return IdleStep(step, full)  # scaled is None: a GradScaler is divided out at tracked steps
         return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
 
     def arm(self, step: int) -> bool:
@@ -571,17 +573,16 @@ class TrackedStep:
     """
 
     def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
-                 scaled: Optional[amp.ScaledStep] = None, idle: bool = False):
+                 scaled: Optional[amp.ScaledStep] = None):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
         self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
-        self.idle = idle  # no quantity computes: BackPACK's disable(), none of Cockpit's work
         self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
         self._hook = loss.register_hook(self._reached)
-        self._context = _IdleContext() if self.idle else self.cockpit(self.step, info=self.info)
+        self._context = self.cockpit(self.step, info=self.info)
         self._context.__enter__()
         return loss
 
@@ -629,13 +630,10 @@ class TrackedStep:
 
     def _problem(self) -> Optional[str]:
         if not self._backward_reached_loss:
-            return (
-                f"step {self.step}: call loss.backward() inside `with tracker(step, losses) "
-                "as loss:`, on the loss it gives"
-            )
+            return not_differentiated(self.step)
         if self.scaled is not None and self.scaled.problem(self.step):
             return self.scaled.problem(self.step)
-        if not self.idle and self.cockpit.create_graph(self.step) and not any(
+        if self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):
             return (
@@ -645,18 +643,39 @@ class TrackedStep:
         return None
 
 
-class _IdleContext:
-    """Cockpit's context at a step where no quantity computes, less its bookkeeping:
-    only ``backpack.disable()``, as Cockpit enters it then."""
+class IdleStep:
+    """What ``with tracker(step, losses)`` enters at a step where no quantity computes.
 
-    def __init__(self):
-        self.contexts = (disable(),)
+    Only what Cockpit does then: ``backpack.disable()`` for the block; and, as
+    at every step, the check on the way out that the loss it gave was
+    differentiated. The fewest Python operations, for what they cost per
+    untracked step (issue 21): a lean class, not Cockpit's context.
+    """
 
-    def __enter__(self):
-        self.contexts[0].__enter__()
+    __slots__ = ("step", "info", "_arrived", "_store_io")
+
+    def __init__(self, step: int, info: dict):
+        self.step, self.info = step, info  # info: as a TrackedStep's
+        self._arrived = []  # the loss's gradient, once the backward pass reaches it
+
+    def __enter__(self) -> torch.Tensor:
+        loss = self.info["loss"]
+        # Left on the loss (it goes with the step): the hook holds only the list, no cycle.
+        loss.register_hook(self._arrived.append)
+        self._store_io, disable.store_io = disable.store_io, False  # backpack.disable().__enter__
+        return loss
 
     def __exit__(self, kind, error, traceback):
-        self.contexts[0].__exit__(kind, error, traceback)
+        disable.store_io = self._store_io
+        if kind is None and not self._arrived:
+            raise RuntimeError(not_differentiated(self.step))
+        return False
+
+
+def not_differentiated(step: int) -> str:
+    """The error of a ``with tracker(step, losses)`` block that did not differentiate its loss."""
+    return (f"step {step}: call loss.backward() inside `with tracker(step, losses) as loss:`, "
+            "on the loss it gives")
 
 
 def _loss_to_differentiate(losses, loss, reduction, micro):
@@ -717,5 +736,5 @@ def _check_loss(loss, losses, tracked, micro=None):
         ) from None
 
 
-__all__ = ["track", "configuration", "Tracker", "TrackedStep", "PRESETS", "trainable_names",
+__all__ = ["track", "configuration", "Tracker", "TrackedStep", "IdleStep", "PRESETS", "trainable_names",
            "schedule_of"]

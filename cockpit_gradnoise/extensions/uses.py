@@ -19,7 +19,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, tied
+from cockpit_gradnoise.extensions import batchless, facts, hooks, tied
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 
 from torch import Tensor, nn
@@ -56,11 +56,19 @@ def _storage(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+def _forget(model: nn.Module):
+    """Let go of what the last recorded forward pass left (its layers' inputs)."""
+    uses = model.__dict__.get(USES_ATTR)
+    if uses is not None and (uses.calls or uses.broadcasts):
+        uses.new_forward(None)
+
+
+hooks.ON_PARK.append(_forget)  # when the model's hooks are parked (hooks.park)
+
+
 def _begin_forward(model, args, kwargs):
     if idle(model):  # nothing recorded; let go of what an earlier forward pass recorded
-        uses = model.__dict__[USES_ATTR]
-        if uses.calls or uses.broadcasts:
-            uses.new_forward(None)
+        _forget(model)
         return
     tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, Tensor)]
     first = tensors[0] if tensors else None
