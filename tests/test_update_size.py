@@ -111,7 +111,7 @@ def test_cache_holds_one_reused_copy_over_10000_steps():
     generator = random.Random(1)
     chosen = {s for s in range(10_000) if generator.random() < 0.7}
     quantity = cgn.UpdateSize(lambda s: s in chosen, param_names=["w", "b"])
-    tensors_before, reused = None, 0
+    tensors_before, reused = [], 0
     with torch.no_grad():
         for step in range(10_000):
             if generator.random() < 0.1:
@@ -125,16 +125,20 @@ def test_cache_holds_one_reused_copy_over_10000_steps():
             for p in params:
                 p.add_(0.001)
             if step == 100:
-                tensors_before = count_tensors() - len(quantity.cached_tensors())
-    assert count_tensors() - len(quantity.cached_tensors()) == tensors_before
+                # Held: no tensor of another test freed meanwhile lends its id to a new one.
+                tensors_before = live_tensors()
+    known = {id(t) for t in tensors_before} | {id(t) for t in quantity.cached_tensors()}
+    assert [t for t in live_tensors() if id(t) not in known] == []
     assert reused > 4000
     value = next(iter(quantity.get_output().values()))
     assert all(isinstance(v, LayerUpdate) and type(v.norm) is float for v in value)
 
 
-def count_tensors():
+def live_tensors():
+    """Every tensor alive (after a collection): new ones are the test's concern, not the
+    count, which other tests' objects freed meanwhile would lower."""
     gc.collect()
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
 
 
 @pytest.mark.parametrize("cache_on_cpu", [False, True])
