@@ -56,26 +56,6 @@ def per_example_gradients(
     return result
 
 
-def per_example_gradients_of_one_pass(
-    model: nn.Module, per_example_loss: Callable, inputs: Tensor, targets: Tensor
-) -> Dict[str, Tensor]:
-    """Gradients ``g_i`` of each example's own loss, through one forward pass of the batch.
-
-    For models whose examples do not interact but whose forward pass draws
-    random numbers (dropout, stochastic depth): the one pass draws them as a
-    tracked pass from the same random state does, and each example's loss is
-    differentiated through it (one backward pass per example, the graph kept).
-
-    Args, returns: as :func:`per_example_gradients`.
-    """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    losses = per_example_loss(model(inputs), targets)
-    rows = [torch.autograd.grad(losses[i], [p for _, p in named], retain_graph=True,
-                                allow_unused=True) for i in range(len(inputs))]
-    return {name: torch.stack([row[k] for row in rows])
-            for k, (name, _) in enumerate(named) if rows[0][k] is not None}
-
-
 def contributions_through_batch(
     model: nn.Module, loss_fn: Callable, inputs: Tensor, targets: Tensor
 ) -> Dict[str, Tensor]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 from cockpit_gradnoise import Cockpit, prepare_model, references
+from cockpit_gradnoise.check import reference_contributions
 
 import torch
 from backpack import extend
@@ -139,7 +140,7 @@ class ModelCase:
     examples_interact: bool = False
     #: Random numbers drawn in the forward pass (stochastic depth), examples independent:
     #: the reference differentiates each example's loss through one pass of the batch
-    #: (``references.per_example_gradients_of_one_pass``), from the tracked pass's random state.
+    #: (``check.reference_contributions``), from the tracked pass's random state.
     random_forward: bool = False
 
 
@@ -292,9 +293,11 @@ def reference_gradients(case: ModelCase, problem: Problem) -> dict:
         grads = {name: x / scale for name, x in contributions.items()}
     elif case.random_forward:
         torch.set_rng_state(problem.random_state)
-        grads = references.per_example_gradients_of_one_pass(
-            problem.model, problem.per_example_loss, problem.inputs, problem.targets
+        contributions = reference_contributions(
+            problem.model, (problem.inputs,), problem.targets, problem.loss_fn
         )
+        scale = 1.0 / len(problem.inputs) if problem.reduction == "mean" else 1.0
+        grads = {name: x / scale for name, x in contributions.items()}
     else:
         grads = references.per_example_gradients(
             problem.model, problem.per_example_loss, problem.inputs, problem.targets
