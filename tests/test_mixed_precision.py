@@ -497,11 +497,7 @@ def scaler_run(scale, overflow_at=None, steps=3):
             (loss if scaler is None else scaler.scale(loss)).backward()
             if step == overflow_at:
                 next(model.parameters()).grad[0, 0] = math.inf
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        optimizer_step(opt, scaler)
     return tracker.frame(), tracker
 
 
@@ -580,12 +576,17 @@ def by_hand_under_autocast(dtype, scaler=None):
             losses = F.cross_entropy(model(x), y, reduction="none")
         with tracker(step, losses, optimizer=opt, scaler=scaler) as loss:
             (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        optimizer_step(opt, scaler)
     return tracker.frame()
+
+
+def optimizer_step(opt, scaler):
+    """``opt.step()``, or through ``scaler`` (which may skip it) and its update."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
 
 
 def lightning_fit(tmp_path, **trainer_options):
@@ -682,11 +683,7 @@ def accumulated_scaler_run(scale, steps=2, sizes=(3, 5)):
             with tracker(step, losses, optimizer=opt, scaler=scaler, micro_batch=k,
                          micro_batches=len(sizes)) as loss:
                 (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        optimizer_step(opt, scaler)
     return tracker.frame()
 
 
