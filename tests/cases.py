@@ -459,3 +459,11 @@ MODELS.append(ModelCase(
     batch_sizes=(2, T5_DECODER_LENGTH, T5_LENGTH), inner_terms=3 * T5_LENGTH, losses=token_losses,
     targets=lambda n: torch.randint(0, T5_VOCABULARY, (n, T5_DECODER_LENGTH)),
 ))
+# In training mode: the dropout masks the tracked pass drew, per example (random_forward).
+MODELS.append(ModelCase(
+    "hf-t5-train", lambda: matrix_models.t5(T5_VOCABULARY, T5_DECODER_LENGTH, training=True),
+    lambda n: matrix_models.t5_batch(n, T5_VOCABULARY, T5_LENGTH, T5_DECODER_LENGTH),
+    batch_sizes=(2, T5_LENGTH), inner_terms=3 * T5_LENGTH, losses=token_losses,
+    targets=lambda n: torch.randint(0, T5_VOCABULARY, (n, T5_DECODER_LENGTH)),
+    random_forward=True,
+))

@@ -189,25 +189,27 @@ class T5(nn.Module):
                           decoder_input_ids=decoder[:, : self.decoder_length]).logits
 
 
-def t5_config(vocabulary, width=16, heads=2, layers=2, buckets=8):
-    """A tiny ``T5Config``: relative position buckets, no dropout."""
+def t5_config(vocabulary, width=16, heads=2, layers=2, buckets=8, dropout=0.0):
+    """A tiny ``T5Config``: relative position buckets, dropout ``dropout``."""
     from transformers import T5Config
 
     return T5Config(vocab_size=vocabulary, d_model=width, d_kv=width // heads, d_ff=2 * width,
                     num_layers=layers, num_decoder_layers=layers, num_heads=heads,
                     relative_attention_num_buckets=buckets, relative_attention_max_distance=16,
-                    dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0)
+                    dropout_rate=dropout, pad_token_id=0, decoder_start_token_id=0)
 
 
-def t5(vocabulary, decoder_length, attention="sdpa"):
+def t5(vocabulary, decoder_length, attention="sdpa", training=False):
     """``T5ForConditionalGeneration``: a relative position bias table in the encoder's and
     the decoder's first layer, applied to a ``[q, k]`` bucket index without the batch
-    and reused by every layer; one embedding used three times (encoder, decoder, head)."""
+    and reused by every layer; one embedding used three times (encoder, decoder, head).
+    In training mode with dropout 0.3 (on the embeddings, the attention weights, which the
+    bias enters before, and every residual branch)."""
     from transformers import T5ForConditionalGeneration
 
-    config = t5_config(vocabulary)
+    config = t5_config(vocabulary, dropout=0.3 if training else 0.0)
     config._attn_implementation = attention
-    return T5(T5ForConditionalGeneration(config), decoder_length).eval()
+    return T5(T5ForConditionalGeneration(config), decoder_length).train(training)
 
 
 def t5_batch(n, vocabulary, length, decoder_length):
