@@ -209,6 +209,15 @@ MODELS = [
               batch_sizes=(3,), inner_terms=8 * 8),
     ModelCase("timm-vit-16px", timm_vit, lambda n: torch.randn(n, 3, 16, 16), batch_sizes=(3,),
               inner_terms=4 * 4),
+    # Training mode, examples independent: exact per example through the dropout and drop
+    # path masks the tracked pass drew (the fallback replays the top module's and the
+    # blocks' children).
+    ModelCase("timm-vit-train", lambda: library_models.timm_vit(training=True),
+              lambda n: torch.randn(n, 2, 8, 8), batch_sizes=(2, 7), inner_terms=5,
+              random_forward=True),
+    ModelCase("timm-convnext-train", library_models.timm_convnext_train,
+              lambda n: torch.randn(n, 3, 32, 32), batch_sizes=(2, 7), inner_terms=8 * 8,
+              random_forward=True),
 ]
 REDUCTIONS = ["mean", "sum"]
 

@@ -66,12 +66,26 @@ def gpt2(vocabulary, width, heads, layers=2, batch_positions=True, attention_bia
     return Logits(model, batch_positions=batch_positions).eval()
 
 
-def timm_vit(image=8, patch=4, width=8, heads=2, classes=3):
+def timm_vit(image=8, patch=4, width=8, heads=2, classes=3, training=False):
     """timm ``VisionTransformer``: class token and position table added in the model's own
-    ``forward``, layer-scale ``gamma`` (``init_values``), timm's LayerNorm."""
+    ``forward``, layer-scale ``gamma`` (``init_values``), timm's LayerNorm. In training
+    mode with dropout 0.3 (after the position table, on the attention weights, after
+    each projection, before the head) and drop path 0.5 (per example)."""
     from timm.models.vision_transformer import VisionTransformer
 
+    dropout = dict(drop_rate=0.3, pos_drop_rate=0.3, attn_drop_rate=0.3, proj_drop_rate=0.3,
+                   drop_path_rate=0.5) if training else {}
     return VisionTransformer(
         img_size=image, patch_size=patch, in_chans=2, num_classes=classes, embed_dim=width,
-        depth=1, num_heads=heads, mlp_ratio=2.0, init_values=0.5, qkv_bias=False,
-    ).eval()
+        depth=1, num_heads=heads, mlp_ratio=2.0, init_values=0.5, qkv_bias=False, **dropout,
+    ).train(training)
+
+
+def timm_convnext_train(classes=3):
+    """timm ``ConvNeXt`` (``convnext_atto``'s layout, four stages of one block) in training
+    mode: layer-scale ``gamma`` used directly in each block's forward, then drop path 0.5
+    (per example), head dropout 0.3; ``LayerNorm2d`` and timm's ``LayerNorm``."""
+    from timm.models.convnext import ConvNeXt
+
+    return ConvNeXt(num_classes=classes, depths=(1, 1, 1, 1), dims=(4, 8, 8, 8),
+                    conv_mlp=True, ls_init_value=0.5, drop_path_rate=0.5, drop_rate=0.3).train()
