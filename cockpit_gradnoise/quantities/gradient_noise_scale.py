@@ -2,7 +2,7 @@
 
 import math
 
-from cockpit_gradnoise import functional, schema
+from cockpit_gradnoise import _device, functional, schema
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import check_example_count
@@ -99,11 +99,18 @@ class GradientNoiseScale(ParameterQuantity):
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2; param.grad = c * sum_i g_i.
         total = squared_norms.sum(dtype=torch.float64)
         # Every contribution exactly 0 (a structural zero: an attention key's bias): so is
-        # the gradient, where autograd's is rounding noise. != keeps a NaN (no sync).
-        gradient = torch.where(total != 0, self.local_gradient(param), 0.0)
+        # the gradient, where autograd's is rounding noise.
+        gradient = self.local_gradient(param)
+        if not _device.on_host(total):
+            gradient = torch.where(total != 0, gradient, 0.0)  # != keeps a NaN (no sync)
+        elif total.item() == 0:  # the CPU reads it at no cost; no copy of the gradient
+            gradient = torch.zeros_like(gradient)
+        if batch.loss_scale != 1.0:
+            gradient = gradient / batch.loss_scale
+        # The gradient itself may be passed on (a view): the sums are never altered.
         return {
             "sum_of_squared_norms": total / batch.loss_scale**2,
-            "sum_of_gradients": gradient / batch.loss_scale,
+            "sum_of_gradients": gradient,
         }
 
     def value_from_sums(self, sums, batch):
