@@ -334,7 +334,7 @@ def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> 
 
 
 def sd_and_signal_to_noise(
-    sums: Sequence[Tuple[Tensor, Tensor]], n: int, limit: float
+    sums: Sequence[Tuple[Tensor, ...]], n: int, limit: float
 ) -> Tuple[Tensor, Tensor, List[Tensor], List[Tensor], List[int]]:
     """:func:`gradient_sd` and :func:`signal_to_noise` (with ``limit``) of several layers, on the CPU.
 
@@ -356,7 +356,10 @@ def sd_and_signal_to_noise(
         sums: Per layer ``(S, T)``: ``sum_i x_ij**2`` and ``sum_i x_ij``, on
             the CPU, one dtype (float32 or float64) and the same strides
             within a layer (the two halves of the package's sums savefield),
-            one dtype for all.
+            one dtype for all; or ``(S, T, R)`` for sums expanded over
+            positions, whose bound adds :func:`expansion_rounding_bound` of
+            ``R`` (the savefield's third row), as :func:`gradient_sd`'s
+            ``extra_rounding`` does.
         n: ``N >= 2``.
         limit: :func:`resolvable_snr` of ``N`` and the dtype.
 
@@ -368,11 +371,12 @@ def sd_and_signal_to_noise(
     """
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
-    flat = [(_memory_order(squares), _memory_order(total)) for squares, total in sums]
+    flat = [tuple(_memory_order(x) for x in layer) for layer in sums]
     dtype = flat[0][0].dtype
-    sizes = [total.numel() for _, total in flat]
-    small = [k for k, size in enumerate(sizes) if size < _JOINED_BELOW]
-    large = [k for k, size in enumerate(sizes) if size >= _JOINED_BELOW]
+    sizes = [layer[1].numel() for layer in flat]
+    # Expanded sums (with R) are formed alone, whatever their size.
+    small = [k for k, size in enumerate(sizes) if size < _JOINED_BELOW and len(flat[k]) == 2]
+    large = [k for k in range(len(sizes)) if k not in set(small)]
     # The buffers hold the large layers, then the small ones, each contiguous.
     sd, snr = torch.empty(sum(sizes), dtype=dtype), torch.empty(sum(sizes), dtype=dtype)
     offsets, start = [0] * len(sizes), 0
@@ -381,7 +385,9 @@ def sd_and_signal_to_noise(
     rounding = _relative_rounding(n, 1, dtype)
     for k in large:
         region = slice(offsets[k], offsets[k] + sizes[k])
-        _sd_and_snr_into(*flat[k], sd[region], snr[region], n, limit, rounding)
+        squares, total, *magnitudes = flat[k]
+        _sd_and_snr_into(squares, total, sd[region], snr[region], n, limit, rounding,
+                         magnitudes[0] if magnitudes else None)
     if small:
         joined = [torch.cat([flat[k][side] for k in small]) for side in (0, 1)]
         region = slice(offsets[small[0]], sd.numel())
@@ -396,14 +402,18 @@ def sd_and_signal_to_noise(
     return sd, snr, views[0], views[1], left_out
 
 
-def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding):
-    """:func:`sd_and_signal_to_noise` of one 1d ``(S, T)`` into ``sd`` and ``snr`` (NaN for 0 / 0)."""
-    pieces = zip(*(x.split(_PIECE) for x in (squares, grad, sd, snr)))
-    for s, t, out, ratio in pieces if squares.numel() > _PIECE else [(squares, grad, sd, snr)]:
+def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None):
+    """:func:`sd_and_signal_to_noise` of one 1d ``(S, T)`` (and ``R``, if not None) into
+    ``sd`` and ``snr`` (NaN for 0 / 0)."""
+    tensors = (squares, grad, sd, snr) + (() if magnitudes is None else (magnitudes,))
+    pieces = zip(*(x.split(_PIECE) for x in tensors))
+    for s, t, out, ratio, *r in pieces if squares.numel() > _PIECE else [tensors]:
         # In place in the two results, the SNR's serving first for the clamp:
         # no temporaries (fresh memory costs more in page faults than the
         # work here).
         torch.mul(s, rounding, out=ratio)  # the bound (3N + 4) eps S
+        if r:  # plus expansion_rounding_bound's N eps R, formed in sd's place first
+            ratio.add_(torch.mul(r[0], n * torch.finfo(s.dtype).eps, out=out))
         torch.addcmul(s, t, t, value=-1.0 / n, out=out)  # C = S - T**2 / N
         # 1 where C exceeds the bound, else 0: C - bound > 0 exactly when C >
         # bound (a difference of floats is 0 only when they are equal).

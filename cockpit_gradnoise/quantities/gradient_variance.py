@@ -112,11 +112,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
     def value_from_sums(self, sums, batch):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
         magnitudes = sums["rounding_magnitudes"]
-        if magnitudes.dim() == 0 and _fused(grad, squares):
+        if _fused(grad, squares, magnitudes):
             # Formed with the other layers' in statistics_of_values: into
-            # buffers of the network's elements, small layers together.
-            # (Not sums expanded over positions, whose bound adds their R.)
-            return _Sums(squares, grad, batch)
+            # buffers of the network's elements, small layers together (sums
+            # expanded over positions alone: their bound adds their R).
+            return _Sums(squares, grad, batch, None if magnitudes.dim() == 0 else magnitudes)
         # The sums were accumulated in the contributions' dtype (grad's), whose
         # rounding the bound takes; squares may be wider (float64 for float32
         # models: no underflow). sd is computed and reported in grad's dtype.
@@ -156,13 +156,16 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return schema.sd_statistic_names(self.quantiles)
 
 
-def _fused(grad, squares) -> bool:
-    """Whether :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise` serves these sums."""
+def _fused(grad, squares, magnitudes) -> bool:
+    """Whether :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise` serves these sums
+    (``magnitudes``: ``R``, or 0-dim where the sums are not expanded)."""
     return (
         _device.on_host(grad)
         and grad.dtype == squares.dtype
         and grad.dtype in (torch.float32, torch.float64)
         and grad.stride() == squares.stride()
+        and (magnitudes.dim() == 0
+             or (magnitudes.dtype == squares.dtype and magnitudes.stride() == squares.stride()))
     )
 
 
@@ -172,6 +175,9 @@ class _Sums(NamedTuple):
     squares: Tensor
     grad: Tensor
     batch: Batch
+    #: ``R`` of sums expanded over positions
+    #: (:func:`~cockpit_gradnoise.functional.expansion_rounding_bound`), else None.
+    magnitudes: Optional[Tensor]
 
 
 def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
@@ -191,7 +197,9 @@ def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
         batch = values[indices[0]].batch
         limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
         sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
-            [(values[k].squares, values[k].grad) for k in indices], batch.examples, limit
+            [(values[k].squares, values[k].grad) if values[k].magnitudes is None
+             else (values[k].squares, values[k].grad, values[k].magnitudes) for k in indices],
+            batch.examples, limit,
         )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
