@@ -392,7 +392,10 @@ def _band(ax, series, name, low, high, color):
     steps, bottom, top = steps[kept], bottom[kept], top[kept]
     # Zero or non-finite edges have no place on a log scale: no band there.
     drawable = numpy.isfinite(bottom) & numpy.isfinite(top) & (bottom > 0) & (top > 0)
-    ax.fill_between(steps, bottom, top, where=drawable, color=color, alpha=0.12, linewidth=0)
+    # An edge colour, even at linewidth 0, makes Agg stroke a hairline along every
+    # zig-zag of the edges: three quarters of the time to draw a long run's bands.
+    ax.fill_between(steps, bottom, top, where=drawable, facecolor=color, edgecolor="none",
+                    linewidth=0, alpha=0.12)
 
 
 def _bands(ax, series, layers, colors, legend, title, ylabel):
