@@ -207,7 +207,7 @@ class Series:
 
     def steps(self) -> List[int]:
         """The quantity's tracked steps, ascending."""
-        return [int(step) for step in numpy.unique(self._steps)]
+        return numpy.unique(self._steps).astype(numpy.int64).tolist()
 
     def statistics(self) -> List[str]:
         """The statistics the quantity logged."""
