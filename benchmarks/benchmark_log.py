@@ -247,7 +247,8 @@ def run_cli_repeated(arguments, repeats: int) -> dict:
 
 
 #: What each command imports before it reads the log (the rest of its modules are light).
-_IMPORTS = {"report": "import pandas", "plot": "import pandas, matplotlib.pyplot"}
+_IMPORTS = {"report": "import pandas",
+            "plot": "import pandas, matplotlib.figure, matplotlib.backends.backend_agg"}
 
 
 def import_seconds(repeats: int) -> dict:

@@ -28,13 +28,11 @@ text = format_report(build_report(frame, source=LOG))
 lap("build_report, format_report")
 """,
     "plot": """
-import matplotlib
-matplotlib.use("Agg")
 from cockpit_gradnoise import dashboard, view_rows
-lap("import (pandas, matplotlib, the package)")
+lap("import (pandas, matplotlib without pyplot, the package)")
 frame, layers = view_rows.plot_frame(LOG)
 lap(f"plot_frame: {len(frame):,} rows")
-fig = dashboard.plot(frame, layers=layers)
+fig = dashboard.plot(frame, layers=layers, fig=dashboard.OwnFigure())  # as the command line
 lap("plot, without saving")
 fig.savefig(OUT)
 lap("savefig (layout and drawing)")

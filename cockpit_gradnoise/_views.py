@@ -173,8 +173,8 @@ def _defined_infinite(rows: "pandas.DataFrame") -> numpy.ndarray:
 
 
 def tracked_steps(frame: "pandas.DataFrame") -> List[int]:
-    """The frame's distinct steps, ascending."""
-    return sorted(int(step) for step in frame.step.unique())
+    """The frame's distinct steps, ascending (Python ints)."""
+    return numpy.unique(frame.step.to_numpy(dtype=numpy.int64)).tolist()
 
 
 class NonFinite(NamedTuple):

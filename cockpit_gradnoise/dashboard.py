@@ -27,8 +27,8 @@ from cockpit_gradnoise.schema import (
     UPDATE_SIZE,
 )
 
-import matplotlib.pyplot as plt
 import pandas
+from matplotlib.figure import Figure
 from matplotlib.layout_engine import ConstrainedLayoutEngine
 
 #: Label of the pyplot figure that :func:`plot` reuses when given no figure.
@@ -142,9 +142,20 @@ class _Layout:
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+class OwnFigure(Figure):
+    """A figure of the dashboard's own, outside pyplot: :func:`plot` lays it out as the figure
+    it makes itself (:func:`_place`), as ``fig``. For saving only (the command line): it
+    spares importing pyplot and a GUI backend."""
+
+    def __init__(self):
+        super().__init__(layout="none")
+
+
 def _figure(fig, size):
     """``fig``, or the reused pyplot figure of the dashboard, sized ``size``."""
     if fig is None:
+        import matplotlib.pyplot as plt  # only here: the command line draws without it
+
         fig = plt.figure(num=FIGURE_LABEL, layout="none")  # laid out by _place
         if tuple(fig.get_size_inches()) != size:
             fig.set_size_inches(size)
@@ -184,6 +195,7 @@ def _heatmap(layout, frame, statistic):
                                        label=mesh.get_label())
     else:
         layout.colorbar = fig.colorbar(mesh, ax=ax, pad=0.01, label=mesh.get_label())
+    panels.log_labels(layout.colorbar.ax.yaxis)
     panels.minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
 
 
@@ -326,7 +338,8 @@ def plot(
             model has more layers than are drawn as lines.
         fig: A ``Figure`` or ``SubFigure`` to draw into (cleared first), e.g.
             one half of a figure whose other half holds Cockpit's own
-            dashboard (see ``docs/dashboard.md``).
+            dashboard (see ``docs/dashboard.md``). An :class:`OwnFigure` is laid
+            out as the figure made without ``fig``.
         dpi: Resolution when saving, at most :data:`MAX_DPI`; the image at
             most :data:`MAX_PIXELS` pixels.
         writer_rank: Under distributed training only this process saves the
@@ -357,7 +370,7 @@ def plot(
     statistic = _heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
                                    n_layers)
     mosaic, heights = _mosaic(keys or ["empty"], n_layers if statistic else 0)
-    fixed = fig is None
+    fixed = fig is None or isinstance(fig, OwnFigure)
     fig = _figure(fig, (2 * _PANEL_INCHES[0], sum(heights) + 0.8))
     layout = _layout(fig, mosaic, heights, fixed)
     axes = layout.axes

@@ -135,6 +135,16 @@ class LogIndex:
         except (_Unexpected, OSError, ValueError):
             return None
 
+    def numbers(self, picks: Sequence["Pick"]) -> Optional["Numbers"]:
+        """The rows of :meth:`frame` as arrays, without building the frame (nor pandas).
+
+        ``None`` where :meth:`frame` gives ``None``.
+        """
+        try:
+            return _numbers(self, _plans(self, picks), True)
+        except (_Unexpected, OSError, ValueError):
+            return None
+
 
 @dataclass
 class Pick:
@@ -516,15 +526,42 @@ def _known(index: LogIndex, plans: _Plans, firsts: numpy.ndarray, total: int) ->
     return values
 
 
-def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
-    from cockpit_gradnoise.frame import _frame as tidy
-    from cockpit_gradnoise.frame import _names
+class Numbers(NamedTuple):
+    """Rows of the tidy frame as arrays (:meth:`LogIndex.numbers`), in the frame's order.
 
-    plans = _plans(index, picks)
+    ``records``: the records read; ``counts``: how many rows each; ``param``,
+    ``statistic``: each row's position in the index's name tables; ``value``.
+    """
+
+    records: numpy.ndarray
+    counts: numpy.ndarray
+    param: numpy.ndarray
+    statistic: numpy.ndarray
+    value: numpy.ndarray
+
+
+def _numbers(index: LogIndex, plans: _Plans, decode: bool) -> Numbers:
     records = plans.records
     counts = numpy.array([len(found) for found in plans.positions], dtype=numpy.int64)[plans.plan]
     firsts = numpy.cumsum(counts) - counts  # each record's first row
     total = int(counts.sum())
+    names = [numpy.empty(total, dtype=numpy.int64), numpy.empty(total, dtype=numpy.int64)]
+    for members in _by_plan(numpy.arange(len(records)), plans.plan) if total else []:
+        plan = int(plans.plan[members[0]])
+        found, layout = plans.positions[plan], index.layouts[plans.layout[plan]]
+        rows = _rows(firsts[members], len(found))
+        for column, positions in zip(names, layout):
+            column[rows] = positions[found]
+    values = (_values if decode else _known)(index, plans, firsts, total)
+    return Numbers(records, counts, *names, values)
+
+
+def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
+    from cockpit_gradnoise.frame import _frame as tidy
+    from cockpit_gradnoise.frame import _names
+
+    found = _numbers(index, _plans(index, picks), decode)
+    records, counts = found.records, found.counts
     # Categories as the full frame's: the names of every record's layout.
     used = numpy.unique(index.layout).tolist()
     quantities = _names(index.quantities, set(index.quantity.tolist()))
@@ -532,18 +569,10 @@ def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pand
         _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
         for i, table in ((0, index.params), (1, index.statistics))
     )
-    codes = [numpy.empty(total, dtype=params[0].dtype),
-             numpy.empty(total, dtype=statistics[0].dtype)]
-    for members in _by_plan(numpy.arange(len(records)), plans.plan) if total else []:
-        plan = int(plans.plan[members[0]])
-        found, layout = plans.positions[plan], index.layouts[plans.layout[plan]]
-        rows = _rows(firsts[members], len(found))
-        for column, (remap, _), names in zip(codes, (params, statistics), layout):
-            column[rows] = remap[names[found]]
-    values = (_values if decode else _known)(index, plans, firsts, total)
+    codes = [params[0][found.param], statistics[0][found.statistic]]
     columns = [numpy.repeat(quantities[0][index.quantity[records]], counts), *codes]
     steps = numpy.repeat(index.step[records], counts)
-    return tidy(steps, columns, [quantities[1], params[1], statistics[1]], values)
+    return tidy(steps, columns, [quantities[1], params[1], statistics[1]], found.value)
 
 
 def first_rows(index: LogIndex) -> Pick:
@@ -604,5 +633,5 @@ def named(index: LogIndex, records: numpy.ndarray, **names) -> Pick:
     return Pick(records, positions)
 
 
-__all__ = ["LogIndex", "Pick", "index_log", "first_rows", "non_finite_rows", "whole",
+__all__ = ["LogIndex", "Numbers", "Pick", "index_log", "first_rows", "non_finite_rows", "whole",
            "first_of_each_layout", "named"]

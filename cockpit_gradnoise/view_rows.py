@@ -35,7 +35,6 @@ from cockpit_gradnoise import selective
 from cockpit_gradnoise._views import (
     DEFAULT_TOP_K,
     RANKINGS,
-    default_layers,
     layer_order,
     non_finite,
     non_finite_summary,
@@ -124,16 +123,53 @@ def _batch_size(index: selective.LogIndex, records: numpy.ndarray) -> selective.
     return selective.named(index, chosen, statistics=[BATCH_SIZE])
 
 
-def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selective.Pick]:
-    """The statistic ``noise_ranking`` ranks by among ``records``, of every parameter."""
-    for quantity, statistic, _ in RANKINGS:
+def _ranked_by(index: selective.LogIndex, records: numpy.ndarray):
+    """``(lowest first, pick)``: the statistic ``noise_ranking`` ranks by among ``records``,
+    of every parameter; ``None`` without one."""
+    for quantity, statistic, lowest_first in RANKINGS:
         held = records & index.records_of(quantity)
         for layout in numpy.unique(index.layout[held]).tolist():
             positions = index.positions(layout, statistics=[statistic])
             params = [index.params[p] for p in index.layouts[layout][0][positions].tolist()]
             if any(param != NETWORK for param in params):
-                return [selective.named(index, held, statistics=[statistic])]
-    return []
+                return lowest_first, selective.named(index, held, statistics=[statistic])
+    return None
+
+
+def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selective.Pick]:
+    """The statistic ``noise_ranking`` ranks by among ``records``, of every parameter."""
+    found = _ranked_by(index, records)
+    return [] if found is None else [found[1]]
+
+
+def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Optional[List[str]]:
+    """``default_layers(frame, top_k, order)`` of the full frame, from the ranking's numbers
+    alone: 2 M of them on a long run, without their frame.
+
+    The same scores as :func:`~cockpit_gradnoise._views.noise_ranking`'s
+    (pandas' group mean of the finite values, over the rows in the frame's
+    order, groups in order of appearance), the same stable sort, the same
+    choice. ``None`` where a number cannot be read.
+    """
+    import pandas
+
+    found = _ranked_by(index, numpy.ones(len(index), dtype=bool))
+    ranked = []
+    if found is not None:
+        lowest_first, pick = found
+        numbers = index.numbers([pick])
+        if numbers is None:
+            return None
+        finite = numpy.isfinite(numbers.value)
+        means = pandas.Series(numbers.value[finite]).groupby(numbers.param[finite],
+                                                              sort=False).mean()
+        network = index.params.index(NETWORK) if NETWORK in index.params else -1
+        means = means.drop(network, errors="ignore").sort_values(ascending=lowest_first,
+                                                                  kind="stable")
+        ranked = [index.params[p] for p in means.index.tolist()]
+    scored = set(ranked)
+    noisiest = set((ranked + [name for name in order if name not in scored])[:top_k])
+    return [name for name in order if name in noisiest]
 
 
 def _alarm(index: selective.LogIndex):
@@ -285,11 +321,10 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         return None
     order, drawn = layer_order(firsts), list(layers or [])
     if layers is None:
-        ranked = index.frame(_ranking(index, everything))
-        if ranked is None:
+        noisiest = _noisiest(index, top_k, order)
+        if noisiest is None:
             return None
-        drawn = dashboard.Ranked(default_layers(ranked, top_k, order))
-        del ranked
+        drawn = dashboard.Ranked(noisiest)
     variance_rows = not select(firsts, GRADIENT_VARIANCE).empty
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
