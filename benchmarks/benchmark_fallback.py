@@ -179,6 +179,7 @@ def measure(module, inputs, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--only", default="", help="the rows whose label contains this")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -188,6 +189,8 @@ def main(argv=None):
           "| fallback / plain |")
     print("|---|---|---|---|---|---|")
     for label, (module, inputs) in cases().items():
+        if args.only not in label:
+            continue
         plain, rows, by_fallback = measure(module, inputs, args.repeats)
         print(f"| {label} | {1e3 * plain:.2f} | {1e3 * rows:.2f} | {(rows - plain) / plain:.2f} "
               f"| {1e3 * by_fallback:.2f} | {by_fallback / plain:.2f} |")

@@ -66,6 +66,7 @@ from cockpit_gradnoise.extensions._squares import (
     SMALLEST_UNSCALED,
     contributions_scale,
     needs_scale,
+    saved_dtype,
     unscaled_norms,
     unscaled_sums,
 )
@@ -403,7 +404,8 @@ def layer_norm_contributions(module, x: Tensor, grad: Tensor, eps: float) -> Dic
 
     dims = _positions(x)
     normalized = normalization.layer_normalized(x, x.shape[-1:], eps)
-    result = {"weight": normalization.scale_contributions(normalized, grad, dims)}
+    # x_hat * G in x_hat's buffer: it is needed no more.
+    result = {"weight": normalization.sum_over(normalized.mul_(grad), dims)}
     if "bias" in direct_parameters(module):
         result["bias"] = normalization.shift_contributions(grad, dims)
     return result
@@ -733,8 +735,8 @@ def _blockwise(contributions: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _reduced(chunk: Dict[str, Tensor]) -> Dict[str, Tuple[Tensor, Tensor]]:
-    """``{name: (norms, sums)}`` of one chunk (:func:`norms_and_sums`); on the CPU, small
-    contributions (:data:`BLOCK_BYTES`) of one shape and dtype together
+    """``{name: (norms, sums)}`` of one chunk: :func:`norms_and_sums`, and on the CPU
+    small contributions (:data:`BLOCK_BYTES`) of one shape and dtype together
     (:func:`norms_and_sums_together`: a layer norm's weight and bias)."""
     found, groups = {}, {}
     for name, x in chunk.items():
@@ -743,43 +745,27 @@ def _reduced(chunk: Dict[str, Tensor]) -> Dict[str, Tuple[Tensor, Tensor]]:
         else:
             found[name] = norms_and_sums(x)
     for names in groups.values():
-        if len(names) == 1:
-            found[names[0]] = norms_and_sums(chunk[names[0]])
-        else:
-            found.update(zip(names, norms_and_sums_together(torch.stack([chunk[n] for n in names], 1))))
+        together = torch.stack([chunk[n] for n in names], 1)
+        found.update(zip(names, norms_and_sums_together(together)))
     return found
 
 
 def norms_and_sums_together(contributions: Tensor) -> List[Tuple[Tensor, Tensor]]:
-    """:func:`norms_and_sums` of ``contributions[:, k]`` for each ``k``
-    (``[N, K, *shape]``: ``K`` parameters of one shape), in a few operations for all.
+    """``(||x_i||^2 [N], [sum_i x_i, sum_i x_i**2])`` of ``contributions[:, k]`` for each
+    ``k`` (``[N, K, *shape]``: ``K`` small parameters of one shape), in a few operations
+    for all, in :func:`._squares.saved_dtype` (float64).
 
-    On the CPU only. The scale is decided after the fact, for each parameter
-    (:func:`norms_and_sums`); where one needs it, all are summed again with
-    each at its own scale (1 for the others), in the same operations: the
-    results of one parameter are then the same at any power-of-two scale of
-    its contributions.
+    The results of :func:`norms_and_sums` without a scale: a float32 (or
+    narrower) number's square is exact in float64 (48 bits of significand of
+    53) and cannot underflow there, and the sums are saved in float64 anyway.
+    Summed in float64 they are within float32's rounding bound, which the
+    quantities take for the parameter's dtype.
     """
-    norms, sums = _summed_together(contributions)
-    scales = [None] * len(sums)
-    if needs_scale(contributions.dtype):
-        least = contributions[0, 0].numel() * SMALLEST_UNSCALED**2
-        for k, largest in enumerate(norms.amax(0).tolist()):
-            if not largest >= least:
-                scales[k] = contributions_scale(contributions[:, k])
-    if any(scale is not None for scale in scales):
-        factors = torch.tensor([1.0 if scale is None else float(scale) for scale in scales],
-                               dtype=contributions.dtype)
-        norms, sums = _summed_together(contributions * factors.view(1, -1, *[1] * (contributions.dim() - 2)))
-    norms = norms.T.contiguous()
-    return [(unscaled_norms(norms[k], scale), unscaled_sums(sums[k], scale))
-            for k, scale in enumerate(scales)]
-
-
-def _summed_together(contributions: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(sum_k x_ik**2 [N, K], [K, 2, *shape])`` of ``[N, K, *shape]``."""
-    squares = contributions.square()
-    return squares.flatten(start_dim=2).sum(2), torch.stack([contributions, squares], 2).sum(0)
+    wide = contributions.to(saved_dtype(contributions.dtype))
+    squares = wide.square()
+    norms = squares.flatten(start_dim=2).sum(2).T.contiguous()  # [K, N]
+    sums = torch.stack([wide, squares], 2).sum(0)  # [K, 2, *shape]
+    return [(norms[k], sums[k]) for k in range(len(sums))]
 
 
 def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]) -> Dict[str, Dict[str, Tensor]]:
@@ -913,14 +899,15 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
                         delattr(param, extension.savefield)
                 _refuse(module, state, "it was called more than once in one forward pass")
             return
+        active = _active_savefields()
         if _after_backward(state):
-            _defer(module, state, g_out, _active_savefields() or [extension.savefield])
+            _defer(module, state, g_out, active or [extension.savefield])
             return
         state.params = computed_parameters(module, state.call)
-        state.results = compute(module, state, g_out, _active_savefields() or [extension.savefield])
+        state.results = compute(module, state, g_out, active or [extension.savefield])
         if state.results:
             state.refused, state.computed = None, True
-        state.pending = set(_active_savefields()) | {extension.savefield}
+        state.pending = set(active) | {extension.savefield}
     _save(state, state.params, extension.savefield, state.results.pop(extension.savefield, {}))
     state.pending.discard(extension.savefield)
     if not state.pending:  # every active extension has its results: free the call
