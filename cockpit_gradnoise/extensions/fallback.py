@@ -520,6 +520,16 @@ def per_example_gradients(
     n = stop - start
     replay = _Replay(call.children, total, start, stop)
     copies = {name: p.expand(n, *p.shape).requires_grad_() for name, p in params.items()}
+    recorded = replay.recorded_outputs()
+    # vmap's arguments and results as flat tuples of tensors: its pytree work on dicts
+    # was half of a small module's fallback.
+    names, keys, own_end = list(copies), list(recorded), len(copies)
+    examples_end = own_end + len(examples)
+
+    def flat_forward(*flat):
+        own = dict(zip(names, flat[:own_end]))
+        outputs, sinks = forward(own, flat[own_end:examples_end], dict(zip(keys, flat[examples_end:])))
+        return (*outputs, *sinks)
 
     def forward(own, examples, recorded):
         if call.one_input is not None:  # module(x): nothing to rebuild
@@ -535,7 +545,8 @@ def per_example_gradients(
         return outputs, tuple(sink for sink, _ in replay.sinks)
 
     with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
-        outputs, sinks = torch.func.vmap(forward)(copies, examples, replay.recorded_outputs())
+        results = torch.func.vmap(flat_forward)(*copies.values(), *examples, *recorded.values())
+    outputs, sinks = results[: len(positions)], results[len(positions) :]
     pairs = [(out, grads[p][start:stop].unsqueeze(1)) for out, p in zip(outputs, positions)]
     pairs += [(sink, cotangent) for sink, (_, cotangent) in zip(sinks, replay.sinks)]
     replay.check(any(_depends_on_copies(out) for out in outputs))
