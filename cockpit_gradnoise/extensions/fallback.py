@@ -756,14 +756,14 @@ def _reduced(chunk: Dict[str, Tensor]) -> Dict[str, Tuple[Tensor, Tensor]]:
         else:
             found[name] = norms_and_sums(x)
     for names in groups.values():
-        together = torch.stack([chunk[n] for n in names], 1)
+        together = torch.stack([chunk[n] for n in names])
         found.update(zip(names, norms_and_sums_together(together)))
     return found
 
 
 def norms_and_sums_together(contributions: Tensor) -> List[Tuple[Tensor, Tensor]]:
-    """``(||x_i||^2 [N], [sum_i x_i, sum_i x_i**2])`` of ``contributions[:, k]`` for each
-    ``k`` (``[N, K, *shape]``: ``K`` small parameters of one shape), in a few operations
+    """``(||x_i||^2 [N], [sum_i x_i, sum_i x_i**2])`` of ``contributions[k]`` for each
+    ``k`` (``[K, N, *shape]``: ``K`` small parameters of one shape), in a few operations
     for all, in :func:`._squares.saved_dtype` (float64).
 
     The results of :func:`norms_and_sums` without a scale: a float32 (or
@@ -774,8 +774,8 @@ def norms_and_sums_together(contributions: Tensor) -> List[Tuple[Tensor, Tensor]
     """
     wide = contributions.to(saved_dtype(contributions.dtype))
     squares = wide.square()
-    norms = squares.flatten(start_dim=2).sum(2).T.contiguous()  # [K, N]
-    sums = torch.stack([wide, squares], 2).sum(0)  # [K, 2, *shape]
+    norms = squares.flatten(start_dim=2).sum(2)  # [K, N]
+    sums = torch.stack([wide, squares], 1).sum(2)  # [K, 2, *shape]
     return [(norms[k], sums[k]) for k in range(len(sums))]
 
 
