@@ -85,7 +85,7 @@ LEVELS = (0.05, 0.25, 0.5, 0.75, 0.95)
 def reference(params, n):
     """One sd, one SNR and one bincount of the sd's buckets per layer (the floor)."""
     for param in params:
-        total, squares = getattr(param, SUMS_SAVEFIELD)
+        total, squares = getattr(param, SUMS_SAVEFIELD)[:2]
         sd = (squares - total * total / n).clamp_(min=0).mul_(n / (n - 1)).sqrt_()
         snr = total.abs() / sd  # noqa: F841 (the work is what is measured)
         torch.bincount((sd.view(torch.int32) >> _BUCKET_SHIFT).reshape(-1), minlength=1 << 14)
@@ -105,8 +105,9 @@ def pgr_all(quantity, params, n):
 
 
 def layer_sums(params):
-    """Per layer ``(S, T)``, views of the sums savefield."""
-    return [(sums[1], sums[0]) for sums in (getattr(p, SUMS_SAVEFIELD) for p in params)]
+    """Per layer ``(S, T)``, views of the sums savefield, and ``R`` where it has one
+    (sums expanded over positions: resnet18's layer3 convolutions)."""
+    return [(sums[1], sums[0], *sums[2:]) for sums in (getattr(p, SUMS_SAVEFIELD) for p in params)]
 
 
 def gvq_elementwise(params, n):
@@ -129,7 +130,7 @@ def gvq_bucket_selection(params, n, levels=LEVELS):
     """The earlier path: gradient_sd, signal_to_noise, bucket selection of the quantiles."""
     sds, snrs = [], []
     for param in params:
-        total, squares = getattr(param, SUMS_SAVEFIELD)
+        total, squares = getattr(param, SUMS_SAVEFIELD)[:2]
         sd = functional.gradient_sd(squares, total, n, dtype=total.dtype)
         snrs.append(functional.signal_to_noise(total, sd, functional.resolvable_snr(n, total.dtype)))
         sds.append(sd)
@@ -156,7 +157,7 @@ def compiled_run(function, params, n):
     return [
         # In the order of memory, as the eager function takes them.
         function(functional._memory_order(s), functional._memory_order(t), n, rounding, limit)
-        for s, t in layer_sums(params)
+        for s, t, *_ in layer_sums(params)
     ]
 
 
