@@ -53,6 +53,7 @@ from backpack import backpack
 from torch import nn
 from torch.nn import functional as F
 
+from tests.layer_models import Gate
 from tests.test_integrations import _lightning_module
 
 F32_UNIT = 2.0**-24
@@ -67,17 +68,6 @@ def gamma(k: int, unit: float = F32_UNIT) -> float:
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
-
-
-class Gate(nn.Module):
-    """``x * sigmoid(gate)``: direct parameters, no rule, no look-alike: the ``torch.func`` fallback."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.gate = nn.Parameter(torch.randn(width))
-
-    def forward(self, x):
-        return x * torch.sigmoid(self.gate)
 
 
 class Image(nn.Module):

@@ -24,6 +24,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.helpers import rows
+from tests.layer_models import Gate
 from tests.models import NanoLayerNorm
 
 N = 8
@@ -56,17 +57,6 @@ class Tokens(nn.Module):
 
     def forward(self, tokens):
         return self.head(self.norm(self.embedding(tokens)).flatten(1))
-
-
-class Gate(nn.Module):
-    """``x * sigmoid(w)``: no rule and no closed form, the fallback's ``vmap``."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(width))
-
-    def forward(self, x):
-        return x * torch.sigmoid(self.weight)
 
 
 class Positions(nn.Module):
