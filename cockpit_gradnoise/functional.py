@@ -108,7 +108,8 @@ def _relative_rounding(n: int, inner_terms: int, dtype: torch.dtype) -> float:
 
 
 def expansion_rounding_bound(
-    magnitudes: Tensor, n: int, dtype: Optional[torch.dtype] = None
+    magnitudes: Tensor, n: int, dtype: Optional[torch.dtype] = None, *,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Bound on the rounding error of ``S - T**2 / N`` where ``S`` expands squares: ``N eps R``.
 
@@ -132,8 +133,10 @@ def expansion_rounding_bound(
         n: ``N``.
         dtype: The dtype the sums were accumulated in, whose ``eps`` the
             bound takes; ``R``'s by default.
+        out: Where to write the bound (e.g. a buffer about to be overwritten);
+            a new tensor if None.
     """
-    return magnitudes * (n * torch.finfo(dtype or magnitudes.dtype).eps)
+    return torch.mul(magnitudes, n * torch.finfo(dtype or magnitudes.dtype).eps, out=out)
 
 
 def resolvable_snr(n: int, dtype: torch.dtype, inner_terms: int = 1) -> float:
@@ -376,7 +379,7 @@ def sd_and_signal_to_noise(
     sizes = [layer[1].numel() for layer in flat]
     # Expanded sums (with R) are formed alone, whatever their size.
     small = [k for k, size in enumerate(sizes) if size < _JOINED_BELOW and len(flat[k]) == 2]
-    large = [k for k in range(len(sizes)) if k not in set(small)]
+    large = [k for k, size in enumerate(sizes) if size >= _JOINED_BELOW or len(flat[k]) == 3]
     # The buffers hold the large layers, then the small ones, each contiguous.
     sd, snr = torch.empty(sum(sizes), dtype=dtype), torch.empty(sum(sizes), dtype=dtype)
     offsets, start = [0] * len(sizes), 0
@@ -412,8 +415,8 @@ def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None
         # no temporaries (fresh memory costs more in page faults than the
         # work here).
         torch.mul(s, rounding, out=ratio)  # the bound (3N + 4) eps S
-        if r:  # plus expansion_rounding_bound's N eps R, formed in sd's place first
-            ratio.add_(torch.mul(r[0], n * torch.finfo(s.dtype).eps, out=out))
+        if r:  # plus N eps R, formed in sd's place first
+            ratio.add_(expansion_rounding_bound(r[0], n, s.dtype, out=out))
         torch.addcmul(s, t, t, value=-1.0 / n, out=out)  # C = S - T**2 / N
         # 1 where C exceeds the bound, else 0: C - bound > 0 exactly when C >
         # bound (a difference of floats is 0 only when they are equal).

@@ -179,6 +179,10 @@ class _Sums(NamedTuple):
     #: (:func:`~cockpit_gradnoise.functional.expansion_rounding_bound`), else None.
     magnitudes: Optional[Tensor]
 
+    def layer(self) -> Tuple[Tensor, ...]:
+        """``(S, T)``, or ``(S, T, R)``: a layer of :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`."""
+        return (self.squares, self.grad) + (() if self.magnitudes is None else (self.magnitudes,))
+
 
 def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
     """The values with every :class:`_Sums` formed: ``[(sd, snr, left out)]``, and the
@@ -197,9 +201,7 @@ def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
         batch = values[indices[0]].batch
         limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
         sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
-            [(values[k].squares, values[k].grad) if values[k].magnitudes is None
-             else (values[k].squares, values[k].grad, values[k].magnitudes) for k in indices],
-            batch.examples, limit,
+            [values[k].layer() for k in indices], batch.examples, limit
         )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
