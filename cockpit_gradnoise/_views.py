@@ -299,17 +299,39 @@ def noise_ranking(frame: "pandas.DataFrame", until: Optional[int] = None) -> Opt
         # Two columns of the rows, not a copy of them: a long run has millions.
         params, values = frame.param[chosen], frame.value[chosen]
         if (~equals(params, NETWORK)).any():
-            finite = numpy.isfinite(values.to_numpy(dtype=float))
-            finite = values[finite].groupby(params[finite], sort=False)
-            means = finite.mean()
+            scores, means, groups = ranked_means(values, params, NETWORK, lowest_first)
             network = float(means.get(NETWORK, math.nan))
-            # A stable sort keeps ties in layer order.
-            scores = means.drop(NETWORK, errors="ignore").sort_values(
-                ascending=lowest_first, kind="stable"
-            )
             return Ranking(quantity, statistic, scores, network, len(numpy.unique(steps[chosen])),
-                           finite.count())
+                           groups.count())
     return None
+
+
+def ranked_means(values: "pandas.Series", keys, network, lowest_first: bool):
+    """:func:`noise_ranking`'s scores: ``(scores, means, groups)``.
+
+    ``groups``: ``values``' finite elements grouped by ``keys`` (in order of
+    appearance); ``means``: their means; ``scores``: the means without the
+    ``network`` key, sorted (``lowest_first`` or highest), stably, so ties keep
+    the order of appearance (the layers' order).
+    """
+    finite = numpy.isfinite(values.to_numpy(dtype=float))
+    groups = values[finite].groupby(keys[finite], sort=False)
+    means = groups.mean()
+    scores = means.drop(network, errors="ignore").sort_values(ascending=lowest_first, kind="stable")
+    return scores, means, groups
+
+
+def chosen_layers(ranked: List[str], order: List[str], k: int) -> List[str]:
+    """:func:`default_layers` of a ranking: the first ``k`` of ``ranked`` (noisiest first),
+    then of the unranked layers of ``order``, given in ``order``."""
+    chosen = set(top_layers(ranked, order, k))
+    return [name for name in order if name in chosen]
+
+
+def top_layers(ranked: List[str], order: List[str], k: int) -> List[str]:
+    """The first ``k`` of ``ranked`` and then of ``order``'s layers not in it."""
+    scored = set(ranked)
+    return (ranked + [name for name in order if name not in scored])[:k]
 
 
 def noisiest_layers(frame: "pandas.DataFrame", k: int, order: Optional[List[str]] = None
@@ -320,9 +342,7 @@ def noisiest_layers(frame: "pandas.DataFrame", k: int, order: Optional[List[str]
     """
     ranking = noise_ranking(frame)
     ranked = [] if ranking is None else list(ranking.scores.index)
-    order = layer_order(frame) if order is None else order
-    scored = set(ranked)
-    return (ranked + [name for name in order if name not in scored])[:k]
+    return top_layers(ranked, layer_order(frame) if order is None else order, k)
 
 
 def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K,
@@ -332,8 +352,8 @@ def default_layers(frame: "pandas.DataFrame", top_k: int = DEFAULT_TOP_K,
     ``order``: the frame's :func:`layer_order`, if known (it reads every row).
     """
     order = layer_order(frame) if order is None else order
-    noisiest = set(noisiest_layers(frame, top_k, order))
-    return [name for name in order if name in noisiest]
+    ranking = noise_ranking(frame)
+    return chosen_layers([] if ranking is None else list(ranking.scores.index), order, top_k)
 
 
 class Coverage(NamedTuple):

@@ -35,9 +35,11 @@ from cockpit_gradnoise import selective
 from cockpit_gradnoise._views import (
     DEFAULT_TOP_K,
     RANKINGS,
+    chosen_layers,
     layer_order,
     non_finite,
     non_finite_summary,
+    ranked_means,
     select,
 )
 from cockpit_gradnoise.schema import (
@@ -160,16 +162,11 @@ def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Option
         numbers = index.numbers([pick])
         if numbers is None:
             return None
-        finite = numpy.isfinite(numbers.value)
-        means = pandas.Series(numbers.value[finite]).groupby(numbers.param[finite],
-                                                              sort=False).mean()
         network = index.params.index(NETWORK) if NETWORK in index.params else -1
-        means = means.drop(network, errors="ignore").sort_values(ascending=lowest_first,
-                                                                  kind="stable")
-        ranked = [index.params[p] for p in means.index.tolist()]
-    scored = set(ranked)
-    noisiest = set((ranked + [name for name in order if name not in scored])[:top_k])
-    return [name for name in order if name in noisiest]
+        scores, _, _ = ranked_means(pandas.Series(numbers.value), numbers.param, network,
+                                    lowest_first)
+        ranked = [index.params[p] for p in scores.index.tolist()]
+    return chosen_layers(ranked, order, top_k)
 
 
 def _alarm(index: selective.LogIndex):
