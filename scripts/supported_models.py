@@ -56,7 +56,17 @@ def t5():
     return T5ForConditionalGeneration(config).eval(), inputs, torch.randint(0, 32, (4, 5)), token_loss
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "vit": vit, "t5": t5}
+def swin():
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    # swin_t's layout at a tiny width: two stages, plain and shifted windows, patch merging.
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                            window_size=[2, 2], stochastic_depth_prob=0.0, num_classes=10)
+    images = torch.randn(4, 3, 32, 32)
+    return model.eval(), images, torch.randint(0, 10, (4,)), torch.nn.CrossEntropyLoss()
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "vit": vit, "t5": t5, "swin": swin}
 
 
 def main(names):

@@ -397,6 +397,7 @@ MODELS.extend(FULL_NANOGPT_AND_GPT2)
 VIT_POSITIONS = 2 * 2 + 1  # patches and the class token
 BERT_VOCABULARY, BERT_LENGTH = 13, 5
 IMAGE = (3, 16, 16)
+SWIN_POSITIONS = 4 * 4  # 4x4 patches of a 16x16 image, in windows of 2x2
 
 
 def key_third_is_zero(suffix, width):
@@ -439,6 +440,11 @@ MODELS.extend([
               batch_sizes=(2, BERT_LENGTH), inner_terms=2 * BERT_LENGTH,
               losses=masked_token_losses, known_zeros=key_bias_is_zero,
               targets=lambda n: matrix_models.masked_lm_batch(n, BERT_VOCABULARY, BERT_LENGTH)[1]),
+    # ShiftedWindowAttention uses its qkv and proj Linears' parameters through F.linear (the
+    # fallback); the key third of qkv.bias is zero by structure there too.
+    ModelCase("torchvision-swin", matrix_models.torchvision_swin, lambda n: torch.randn(n, *IMAGE),
+              batch_sizes=(2, 7), inner_terms=SWIN_POSITIONS,
+              known_zeros=key_third_is_zero("attn.qkv.bias", matrix_models.SWIN_WIDTH)),
     _image_case("torchvision-mobilenet", matrix_models.torchvision_mobilenet),
     _image_case("torchvision-efficientnet", matrix_models.torchvision_efficientnet),
     _image_case("torchvision-convnext", matrix_models.torchvision_convnext),

@@ -63,13 +63,16 @@ def torchvision_convnext(training=False):
                     num_classes=CLASSES).train(training)
 
 
+SWIN_WIDTH = 8
+
+
 def torchvision_swin():
     """``SwinTransformer`` with one stage of two blocks (the second with shifted windows and
     their mask): ``ShiftedWindowAttention`` holds ``relative_position_bias_table`` and uses
     its ``qkv`` and ``proj`` Linears' parameters itself (``F.linear``), never calling them."""
     from torchvision.models.swin_transformer import SwinTransformer
 
-    return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2], num_heads=[2],
+    return SwinTransformer(patch_size=[4, 4], embed_dim=SWIN_WIDTH, depths=[2], num_heads=[2],
                            window_size=[2, 2], stochastic_depth_prob=0.0,
                            num_classes=CLASSES).eval()
 

@@ -216,3 +216,90 @@ def test_param_grad_ratio_reads_param_grad_whose_key_bias_keeps_its_noise():
         rest = torch.ones_like(nonzero)
         rest[where] = False
         assert got[param]["max"] > 1e10 * (theta.abs() / grad.abs())[rest].max().item()
+
+
+def fallback_sums(model, inputs, targets, reduction="mean"):
+    """``{name: [T, S]}`` and the gradients of a model prepared as the front door prepares it
+    (the torch.func fallback on the modules that need it)."""
+    model = cgn.prepare_model(model)
+    loss = extend(nn.CrossEntropyLoss(reduction=reduction))(model(inputs), targets)
+    with backpack(SumsOfContributions()):
+        loss.backward()
+    return {name: getattr(p, SUMS_SAVEFIELD) for name, p in model.named_parameters()}, model
+
+
+@pytest.mark.parametrize("n", [2, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_swin_key_bias_through_the_fallback_is_exactly_zero(dtype, reduction, n):
+    """torchvision's ``ShiftedWindowAttention`` adds ``qkv.bias`` in ``F.linear`` (the
+    fallback computes it): its key third is zero by structure, as a fused ``c_attn``'s,
+    and comes out as exact zeros; its query and value thirds and ``proj.bias`` do not."""
+    from tests.matrix_models import SWIN_WIDTH, torchvision_swin
+
+    torch.manual_seed(0)
+    model = torchvision_swin().to(dtype)
+    inputs, targets = torch.randn(n, 3, 16, 16, dtype=dtype), torch.randint(0, 3, (n,))
+    sums, prepared = fallback_sums(model, inputs, targets, reduction)
+    key = slice(SWIN_WIDTH, 2 * SWIN_WIDTH)
+    biases = [name for name in sums if name.endswith("attn.qkv.bias")]
+    assert len(biases) == 2
+    for name in biases:
+        assert torch.equal(sums[name][:, key], torch.zeros_like(sums[name][:, key]))
+        rest = torch.ones(3 * SWIN_WIDTH, dtype=torch.bool)
+        rest[key] = False
+        assert (sums[name][1, rest] > 0).all(), name
+        # What it was: rounding noise, not zero.
+        grad = prepared.get_parameter(name).grad
+        assert (grad[key] != 0).any()
+        assert grad[key].abs().max() < 100 * torch.finfo(dtype).eps * grad.abs().max()
+    for name, value in sums.items():
+        if name not in biases:
+            assert (value[1] > 0).all(), name
+
+
+class BiasUsedTwice(nn.Module):
+    """An attention whose key bias is also added elsewhere: there it gets a real gradient,
+    which the ``F.linear`` terms alone do not show. Scaled so that it stays below the
+    structural-zero test's allowance for the attention's terms (``(L + 1024) eps`` of
+    them, about ``1e-13`` relative here), which would otherwise take it for noise."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.randn(3 * width, width) / width**0.5)
+        self.bias = nn.Parameter(torch.randn(3 * width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        q, k, v = F.linear(x, self.weight, self.bias).split(self.width, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.head((y + 1e-14 * self.bias[self.width : 2 * self.width]).mean(1))
+
+
+class KeyBiasOnly(BiasUsedTwice):
+    def forward(self, x):
+        q, k, v = F.linear(x, self.weight, self.bias).split(self.width, dim=-1)
+        return self.head(F.scaled_dot_product_attention(q, k, v).mean(1))
+
+
+@pytest.mark.parametrize("make, key_is_zero", [(KeyBiasOnly, True), (BiasUsedTwice, False)])
+def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_zero):
+    torch.manual_seed(0)
+    model = make().double()
+    inputs, targets = torch.randn(5, 6, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    sums, _ = fallback_sums(model, inputs, targets)
+    key = sums["bias"][:, 4:8]
+    assert torch.equal(key, torch.zeros_like(key)) == key_is_zero
+    expected = references.per_example_gradients(
+        model, nn.CrossEntropyLoss(reduction="none"), inputs, targets)["bias"] / 5
+    if key_is_zero:
+        expected[:, 4:8] = 0.0
+    # Within the rounding of the sums over 5 examples of 6 positions' terms (float64), which
+    # for the key elements is that of the attention's terms, of the layer's largest size.
+    magnitudes = expected.abs().sum(0)
+    bound = 1e-13 * (magnitudes + magnitudes.max())
+    assert ((sums["bias"][0] - expected.sum(0)).abs() <= bound).all()
+    # | ||x|| - ||y|| | <= ||x - y||_2 <= ||x - y||_1, within the same bound.
+    norms = expected.square().sum(0).sqrt()
+    assert ((sums["bias"][1].sqrt() - norms).abs() <= bound).all()

@@ -25,6 +25,11 @@ Per-layer reductions only: the per-example gradients of one module's
 parameters, for a chunk of examples at a time (:func:`._cost.examples_per_chunk`),
 are reduced at once to the three results the extensions save
 (``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``) and freed.
+A bias added by ``F.linear`` and used nowhere else is held back to the end
+(it is small): the gradient at that call's output holds the terms of each
+contribution, so its structural zeros (an attention key's bias) are exact
+zeros, as the native Linear rule makes them (:class:`_LinearBiases`,
+:func:`.sums.structural_zeros`).
 
 How it is wired:
 
@@ -76,10 +81,12 @@ from cockpit_gradnoise.extensions.savefields import (
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
 )
+from cockpit_gradnoise.extensions.sums import structural_zeros
 
 import torch
 from backpack.context import CTX
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
 #: The attribute of a module that :func:`install_fallback` equipped: its :class:`Fallback`.
@@ -544,20 +551,96 @@ def per_example_gradients(
         outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in positions)
         return outputs, tuple(sink for sink, _ in replay.sinks)
 
+    biases = _LinearBiases([name for name, copy in copies.items()
+                            if copy.dim() == 2 and name.endswith("bias")])
+
+    def traced_forward(*flat):
+        with biases.watching(dict(zip(names, flat[:own_end]))):
+            return (*flat_forward(*flat), *biases.outputs)
+
+    traced = traced_forward if biases.watched else flat_forward
     with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
-        results = torch.func.vmap(flat_forward)(*copies.values(), *examples, *recorded.values())
-    outputs, sinks = results[: len(positions)], results[len(positions) :]
+        results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
+    outputs, sinks = results[: len(positions)], results[len(positions) : len(results) - len(biases.names)]
+    spread = results[len(results) - len(biases.names) :]  # F.linear's outputs, [n, ..., out]
     pairs = [(out, grads[p][start:stop].unsqueeze(1)) for out, p in zip(outputs, positions)]
     pairs += [(sink, cotangent) for sink, (_, cotangent) in zip(sinks, replay.sinks)]
     replay.check(any(_depends_on_copies(out) for out in outputs))
     pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
     if not pairs:  # no output depends on the parameters: zero contributions
-        return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}
-    found = torch.autograd.grad([o for o, _ in pairs], list(copies.values()),
+        return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}, {}
+    found = torch.autograd.grad([o for o, _ in pairs], [*copies.values(), *spread],
                                 [g for _, g in pairs], allow_unused=True)
     # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
-    return {name: torch.zeros_like(copy) if x is None else x
-            for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
+    contributions = {name: torch.zeros_like(copy) if x is None else x
+                     for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
+    return contributions, biases.terms(spread, found[len(copies) :], contributions)
+
+
+class _LinearBiases(TorchFunctionMode):
+    """In the recomputation: the outputs of the ``F.linear`` calls that add one of the
+    ``watched`` copies (the examples' copies of 1-D parameters named ``*bias``: watching
+    costs a Python call per operation, a quarter of a small layer scale's fallback) as
+    their ``bias``.
+
+    The gradient at such an output, ``[n, ..., out]``, holds the terms
+    ``t_il`` (one per position ``l``) that the bias's contribution
+    ``x_i = sum_l t_il`` adds up: with ``sum_l |t_il|`` at hand, its
+    structural zeros (an attention key's bias: Swin's ``qkv`` bias) are told
+    from rounding noise as the native Linear rule tells them
+    (:func:`.sums.structural_zeros`). A copy any other operation uses is left
+    out: not all its terms are known.
+    """
+
+    def __init__(self, watched: List[str]):
+        super().__init__()
+        self.watched = watched
+        self.copies: Dict[int, str] = {}
+        self.names: List[str] = []  # of each output, in order
+        self.outputs: List[Tensor] = []
+        self.other_uses: set = set()
+
+    @contextlib.contextmanager
+    def watching(self, own: Dict[str, Tensor]):
+        """Active, on ``own``'s copies (under ``vmap``: the examples' parts, as the module sees them)."""
+        self.copies = {id(own[name]): name for name in self.watched}
+        with self:
+            yield
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor):  # a size or a property: not a use
+            return out
+        bias = (kwargs.get("bias", args[2] if len(args) > 2 else None)
+                if func is torch.nn.functional.linear else None)
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            name = self.copies.get(id(leaf)) if isinstance(leaf, Tensor) else None
+            if name is None:
+                continue
+            if leaf is bias and out.dim() >= 2:
+                self.names.append(name)
+                self.outputs.append(out)
+            else:
+                self.other_uses.add(name)
+        return out
+
+    def terms(self, outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]],
+              contributions: Dict[str, Tensor]) -> Dict:
+        """``{name: (sum_l |t_il| [n, out], number of terms)}`` of the copies used by these
+        ``F.linear`` calls only, from ``vmap``'s results of their outputs and the gradients
+        there."""
+        found: Dict[str, Tuple[Tensor, int]] = {}
+        for name, out, grad in zip(self.names, outputs, grads):
+            if name in self.other_uses or name not in contributions:
+                continue
+            count = out[0].numel() // out.shape[-1]
+            magnitudes = (torch.zeros_like(contributions[name]) if grad is None
+                          else grad.abs().flatten(1, -2).sum(1))
+            if name in found:
+                magnitudes, count = found[name][0] + magnitudes, found[name][1] + count
+            found[name] = (magnitudes, count)
+        return found
 
 
 def _is_example(tensor) -> bool:
@@ -813,6 +896,28 @@ def reduce_chunks(chunks: Iterator[Dict[str, Tensor]], savefields: Sequence[str]
     return results
 
 
+def with_structural_zeros(chunks: Iterator[Tuple[Dict[str, Tensor], Dict]]) -> Iterator[Dict[str, Tensor]]:
+    """The chunks' contributions, with those that come with their terms' magnitudes
+    (:class:`_LinearBiases`) held back to a last chunk of all examples, where an element
+    all of whose contributions are rounding noise (:func:`.sums.structural_zeros`) is set
+    to exactly 0: gradient 0 and sd 0, as the native rules give (an attention key's bias)."""
+    held: Dict[str, List[tuple]] = {}
+    for contributions, terms in chunks:
+        for name, (magnitudes, count) in terms.items():
+            held.setdefault(name, []).append((contributions.pop(name), magnitudes, count))
+        yield contributions
+    last = {}
+    for name, parts in held.items():
+        if len({count for *_, count in parts}) != 1:  # the uses differ between chunks
+            last[name] = torch.cat([x for x, *_ in parts])
+            continue
+        x, magnitudes = torch.cat([x for x, *_ in parts]), torch.cat([m for _, m, _ in parts])
+        eps = max(torch.finfo(x.dtype).eps, torch.finfo(magnitudes.dtype).eps)
+        last[name] = x.masked_fill(structural_zeros(x, magnitudes, parts[0][2], eps), 0.0)
+    if last:
+        yield last
+
+
 def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -> Optional[str]:
     """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
     if call is None:
@@ -868,7 +973,7 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
             for start in range(0, examples, size)
         )
         try:
-            return reduce_chunks(chunks, savefields)
+            return reduce_chunks(with_structural_zeros(chunks), savefields)
         except _Refused as error:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example

@@ -76,10 +76,14 @@ weights of sd 0.02 and a bias of sd 0.1 gave up to ``4.7e3 eps A_i`` at
 ``L = 4``).
 
 Applied to the biases of ``Linear`` layers on sequences (also Hugging Face's
-``Conv1D``, whose rule is the Linear one) and of convolutions (sums of output
-gradients over positions); a weight's terms ``g_il a_il^T`` would need a
-second matrix product per layer.
+``Conv1D``, whose rule is the Linear one), of convolutions (sums of output
+gradients over positions) and to the biases the torch.func fallback sees
+added by ``F.linear`` only (torchvision's Swin attention:
+:class:`.fallback._LinearBiases`); a weight's terms ``g_il a_il^T`` would
+need a second matrix product per layer.
 """
+
+from typing import Optional
 
 from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
 from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode
@@ -127,7 +131,8 @@ ROUNDING_NOISE = 1.0
 TERM_ROUNDING = 1024
 
 
-def structural_zeros(contributions: Tensor, magnitudes: Tensor, terms: int) -> Tensor:
+def structural_zeros(contributions: Tensor, magnitudes: Tensor, terms: int,
+                     eps: Optional[float] = None) -> Tensor:
     """Elements (``[*shape]``, bool) all of whose contributions are rounding noise.
 
     ``contributions``: ``x_i = sum_l t_il``, ``[N, *shape]``, each a sum of
@@ -135,9 +140,10 @@ def structural_zeros(contributions: Tensor, magnitudes: Tensor, terms: int) -> T
     An ``x_i`` with ``|x_i| <= ROUNDING_NOISE * (terms + TERM_ROUNDING) * eps * magnitudes_i``
     is rounding noise, of the summation and of the terms themselves (the
     module's docstring); an element is a structural zero when every
-    example's is.
+    example's is. ``eps``: of the contributions' dtype unless given (the
+    larger of two dtypes', where the terms were rounded in another).
     """
-    eps = torch.finfo(contributions.dtype).eps
+    eps = torch.finfo(contributions.dtype).eps if eps is None else eps
     noise = contributions.abs() <= magnitudes * (ROUNDING_NOISE * (terms + TERM_ROUNDING) * eps)
     return noise.all(0)
 
