@@ -13,7 +13,7 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 """
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, order_statistics, schema
 from cockpit_gradnoise.order_statistics import Tensors
@@ -717,7 +717,16 @@ def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
 def abs_ratio_statistics(
     numerator: Tensor, denominator: Tensor, *, defer: bool = False, all_finite: bool = False
 ) -> Dict[str, float]:
-    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite.
+    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite:
+    the first result of :func:`abs_ratio_statistics_and_zeros`."""
+    return abs_ratio_statistics_and_zeros(numerator, denominator, defer=defer, all_finite=all_finite)[0]
+
+
+def abs_ratio_statistics_and_zeros(
+    numerator: Tensor, denominator: Tensor, *, defer: bool = False, all_finite: bool = False
+) -> Tuple[Dict[str, float], Any]:
+    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite,
+    and the number of ``b_j == 0`` (:func:`zero_count`, from the same pass where it can).
 
     The per-element ratio of :class:`~cockpit_gradnoise.ParamGradRatio`
     (``a = theta``, ``b = grad``): how many steps of size ``lr * |grad_j|``
@@ -736,8 +745,8 @@ def abs_ratio_statistics(
 
     Returns:
         ``mean``, ``median`` (as ``numpy.median``: the mean of the two middle
-        values for an even count), ``min`` and ``max``; an empty dict when no
-        element qualifies.
+        values for an even count), ``min`` and ``max``, an empty dict when no
+        element qualifies; and the zero count.
     """
     a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
     # Ratios of bfloat16 or float16 numbers in float32: float16's range ends at
@@ -746,7 +755,7 @@ def abs_ratio_statistics(
     a, b = a.to(wide), b.to(wide)
     if not _device.on_host(a):
         result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
-        return result if defer else _device.resolve(result)
+        return (result if defer else _device.resolve(result)), zero_count(b)
     # A finite sum proves every element finite (NaN and inf propagate): then
     # only b = 0 is left out.
     finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
@@ -768,8 +777,9 @@ def abs_ratio_statistics(
     # and left-out ones alternate irregularly.
     out = numpy.flatnonzero(left_out)
     z, n = out.size, ratio.size - out.size
+    zeros = z if finite and plain else zero_count(b)  # left out: exactly the zeros
     if n == 0:
-        return {}
+        return {}, zeros
     # The smallest kept ratio with the left-out ones at inf, then at 0, where
     # they sort first (tied at worst with a kept 0) and add nothing to the
     # sum: the kept ratios are ranks z .. end.
@@ -787,7 +797,7 @@ def abs_ratio_statistics(
         schema.MEDIAN: (lower + upper) / 2,
         schema.MIN: smallest,
         schema.MAX: largest,
-    }
+    }, zeros
 
 
 def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPositive:

@@ -39,18 +39,14 @@ class ParamGradRatio(ParameterQuantity):
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
         # On a GPU, tensors left there until the step's one transfer.
-        zeros = functional.zero_count(grad)
         theta_sq = functional.squared_norm(theta, defer=True)
         grad_sq = functional.squared_norm(grad, defer=True)
         # Floats on the CPU: finite sums of squares prove every element finite.
         all_finite = isinstance(theta_sq, float) and math.isfinite(theta_sq + grad_sq)
-        return (
-            theta_sq,
-            grad_sq,
-            zeros,
-            grad.numel(),
-            functional.abs_ratio_statistics(theta, grad, defer=True, all_finite=all_finite),
-        )
+        # The zeros counted by the ratios' own pass over grad == 0.
+        ratios, zeros = functional.abs_ratio_statistics_and_zeros(
+            theta, grad, defer=True, all_finite=all_finite)
+        return theta_sq, grad_sq, zeros, grad.numel(), ratios
 
     def network_value(self, values):
         # Sums over parameters; per-element ratio statistics are per layer only.
