@@ -283,7 +283,21 @@ class KeyBiasOnly(BiasUsedTwice):
         return self.head(F.scaled_dot_product_attention(q, k, v).mean(1))
 
 
-@pytest.mark.parametrize("make, key_is_zero", [(KeyBiasOnly, True), (BiasUsedTwice, False)])
+class ScaledInPlace(BiasUsedTwice):
+    """``F.linear``'s output scaled in place through a view and back: the gradient at the
+    changed tensor is no longer the terms of the bias's contributions (1e14 times them),
+    which would take every contribution for noise."""
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        y[..., : 2 * self.width].mul_(1e-14)
+        y = y * torch.cat([torch.full((2 * self.width,), 1e14), torch.ones(self.width)]).to(y)
+        q, k, v = y.split(self.width, dim=-1)
+        return self.head((F.scaled_dot_product_attention(q, k, v) + q).mean(1))
+
+
+@pytest.mark.parametrize("make, key_is_zero", [
+    (KeyBiasOnly, True), (BiasUsedTwice, False), (ScaledInPlace, False)])
 def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_zero):
     torch.manual_seed(0)
     model = make().double()

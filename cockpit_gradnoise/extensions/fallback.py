@@ -556,7 +556,9 @@ def per_example_gradients(
 
     def traced_forward(*flat):
         with biases.watching(dict(zip(names, flat[:own_end]))):
-            return (*flat_forward(*flat), *biases.outputs)
+            results = flat_forward(*flat)
+        biases.check_versions()
+        return (*results, *biases.outputs)
 
     traced = traced_forward if biases.watched else flat_forward
     with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
@@ -598,6 +600,7 @@ class _LinearBiases(TorchFunctionMode):
         self.copies: Dict[int, str] = {}
         self.names: List[str] = []  # of each output, in order
         self.outputs: List[Tensor] = []
+        self.versions: List[int] = []
         self.other_uses: set = set()
 
     @contextlib.contextmanager
@@ -621,9 +624,17 @@ class _LinearBiases(TorchFunctionMode):
             if leaf is bias and out.dim() >= 2:
                 self.names.append(name)
                 self.outputs.append(out)
+                self.versions.append(_version(out))
             else:
                 self.other_uses.add(name)
         return out
+
+    def check_versions(self):
+        """After the forward: an output changed in place (``y.mul_(s)``, through a view too)
+        holds no longer the gradient at ``F.linear``'s output; its bias is left out."""
+        for name, out, version in zip(self.names, self.outputs, self.versions):
+            if _version(out) != version:
+                self.other_uses.add(name)
 
     def terms(self, outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]],
               contributions: Dict[str, Tensor]) -> Dict:
@@ -641,6 +652,16 @@ class _LinearBiases(TorchFunctionMode):
                 magnitudes, count = found[name][0] + magnitudes, found[name][1] + count
             found[name] = (magnitudes, count)
         return found
+
+
+def _version(tensor: Tensor) -> int:
+    """The version counter of a tensor under ``vmap`` (its batched tensor's; the wrapper's
+    stays 0), which in-place changes to it or to a view of it advance."""
+    from torch._C import _functorch
+
+    if _functorch.is_batchedtensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor._version
 
 
 def _is_example(tensor) -> bool:
