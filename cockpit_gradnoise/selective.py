@@ -244,15 +244,7 @@ class _Scan:
         elif "summary" in item:
             self.summary = item["summary"] if isinstance(item["summary"], dict) else None
         elif "layout" in item and "step" not in item:
-            params = [p for p, names in item["layout"] for _ in names]
-            statistics = [s for _, names in item["layout"] for s in names]
-            layout = (numpy.asarray(params, dtype=numpy.int64),
-                      numpy.asarray(statistics, dtype=numpy.int64))
-            for codes, table in zip(layout, ("params", "statistics")):
-                if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
-                    raise _Unexpected
-            self.layouts.append(layout)
-            self.chars.append(_chars(len(params)))
+            self.layout(item["layout"])
         elif "step" in item and "value" in item and "layout" not in item:
             step, quantity = item["step"], item["quantity"]
             if not isinstance(step, int) or not isinstance(quantity, int) or not (
@@ -263,6 +255,18 @@ class _Scan:
             self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
         else:
             raise _Unexpected
+
+    def layout(self, declared):
+        """A layout line's ``[[param, [statistic, ...]], ...]``."""
+        params = [p for p, names in declared for _ in names]
+        statistics = [s for _, names in declared for s in names]
+        layout = (numpy.asarray(params, dtype=numpy.int64),
+                  numpy.asarray(statistics, dtype=numpy.int64))
+        for codes, table in zip(layout, ("params", "statistics")):
+            if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
+                raise _Unexpected
+        self.layouts.append(layout)
+        self.chars.append(_chars(len(params)))
 
 
 def _index(file, path: str) -> LogIndex:
