@@ -119,7 +119,8 @@ def select(frame: "pandas.DataFrame", quantity=None, param=None, statistic=None)
         if value is not None:
             found = equals(frame[column], value)
             mask = found if mask is None else mask & found
-    return frame if mask is None else frame[mask]
+    # All rows (a panel's own quantity, split off before): the frame, not a copy of it.
+    return frame if mask is None or mask.all() else frame[mask]
 
 
 def finite_rows(frame: "pandas.DataFrame") -> "pandas.DataFrame":
@@ -174,7 +175,19 @@ def _defined_infinite(rows: "pandas.DataFrame") -> numpy.ndarray:
 
 def tracked_steps(frame: "pandas.DataFrame") -> List[int]:
     """The frame's distinct steps, ascending (Python ints)."""
-    return numpy.unique(frame.step.to_numpy(dtype=numpy.int64)).tolist()
+    return distinct(frame.step.to_numpy(dtype=numpy.int64)).tolist()
+
+
+def distinct(values: numpy.ndarray) -> numpy.ndarray:
+    """``numpy.unique(values)``, in one pass where they already ascend.
+
+    A frame's steps do: hashing the million steps of a long run's rows, as
+    ``numpy.unique`` does, took a tenth of the dashboard's time.
+    """
+    values = numpy.asarray(values)
+    if len(values) > 1 and (values[1:] >= values[:-1]).all():
+        return values[numpy.r_[True, values[1:] != values[:-1]]]
+    return numpy.unique(values)
 
 
 class NonFinite(NamedTuple):
@@ -300,7 +313,7 @@ def noise_ranking(frame: "pandas.DataFrame", until: Optional[int] = None) -> Opt
         params, values = frame.param[chosen], frame.value[chosen]
         if (~equals(params, NETWORK)).any():
             return ranking_of(quantity, statistic, *finite_means(values, params),
-                              len(numpy.unique(steps[chosen])))
+                              len(distinct(steps[chosen])))
     return None
 
 

@@ -36,6 +36,7 @@ from cockpit_gradnoise._views import (
     THRESHOLDS,
     coverage_note,
     default_layers,
+    distinct,
     equals,
     layer_order,
     network_coverage,
@@ -190,7 +191,7 @@ class Series:
         params, param_names = rows.param.factorize()
         statistics, self._statistics = rows.statistic.factorize()
         key = params.astype(numpy.int64) * max(len(self._statistics), 1) + statistics
-        steps = rows.step.to_numpy()
+        steps = self._row_steps = rows.step.to_numpy()
         order = numpy.lexsort((steps, key))  # stable: equal steps keep the frame's order
         key, steps = key[order], steps[order]
         last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True][:len(key)]
@@ -207,7 +208,7 @@ class Series:
 
     def steps(self) -> List[int]:
         """The quantity's tracked steps, ascending."""
-        return numpy.unique(self._steps).astype(numpy.int64).tolist()
+        return distinct(self._row_steps).astype(numpy.int64).tolist()
 
     def statistics(self) -> List[str]:
         """The statistics the quantity logged."""
