@@ -236,6 +236,7 @@ class _Scan:
         item = json.loads(line)
         if not isinstance(item, dict):
             raise _Unexpected
+        self.summary = None  # a summary sums the records before it: it must be the last line
         if "names" in item:
             for table, names in item["names"].items():
                 if table not in _TABLES or not all(isinstance(n, str) for n in names):
