@@ -20,8 +20,9 @@ What both views read, and the picks that serve it:
 - the batch size (``recorded_batch_size``: the first finite ``batch_size``
   row at the latest step that has one): ``batch_size`` of each quantity's
   latest record holding a finite one (:func:`_batch_size`);
-- the ranking (``noise_ranking``): the first of ``RANKINGS`` that the
-  records hold for a layer, of every parameter (:func:`_ranking`);
+- the ranking (``noise_ranking``): from the sums of the log's summary line
+  where it has one (:func:`_summed`), else the first of ``RANKINGS`` that
+  the records hold for a layer, of every parameter (:func:`_ranking`);
 
 ``None`` from either: read the log whole (not a streamed log, damage, or
 numbers this reader does not take).
@@ -158,8 +159,7 @@ def _summed(index: selective.LogIndex, until: Optional[int] = None
     if sums is None or (until is not None and (index.step[index.records_of(quantity)]
                                                > until).any()):
         return False, None
-    with numpy.errstate(divide="ignore", invalid="ignore"):
-        means = pandas.Series(sums.sums / sums.finite, index=sums.params)
+    means = pandas.Series(sums.sums / sums.finite, index=sums.params)  # each finite at least once
     return True, ranking_of(quantity, statistic, means,
                             pandas.Series(sums.finite, index=sums.params), sums.steps)
 
@@ -191,7 +191,7 @@ def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Option
         means, counts = finite_means(pandas.Series(numbers.value), numbers.param)
         names = [index.params[p] for p in means.index.tolist()]
         means.index = counts.index = names
-        ranking = ranking_of(quantity, statistic, means, counts, 0)
+        ranking = ranking_of(quantity, statistic, means, counts, steps=0)  # its scores only
     ranked = [] if ranking is None else ranking.scores.index.tolist()
     return chosen_layers(ranked, order, top_k)
 
@@ -258,10 +258,10 @@ def report_frame(path, step: Optional[int] = None
     package's quantities), the first numbers alone: it raises the same on them.
 
     Returns:
-        ``(frame, ranking)``: ``ranking`` is the full frame's ``noise_ranking``
-        up to the report's step, from the log's summary (:func:`_summed`),
-        and the frame then leaves out the ranking's rows; ``None``: the frame
-        holds them (``build_report`` ranks them).
+        ``(frame, ranking)``, ``ranking`` the full frame's ``noise_ranking`` up to
+        the report's step from the log's summary (:func:`_summed`), the frame
+        then without the ranking's rows; or ``(frame, None)``, the frame with
+        them (``build_report`` ranks them). ``None``: read the log whole.
     """
     from cockpit_gradnoise.findings import finite_report_step, quantity_steps
 
