@@ -24,7 +24,9 @@ Its lines, in the order they are written:
   (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
   lists);
 - last, written by :meth:`LogStream.close` (a killed writer leaves none):
-  ``{"summary": {"records": [[q, n], ...], "sums": [...]}}``, ``n`` the
+  ``{"layout": [], "summary": {"records": [[q, n], ...], "sums": [...]}}``
+  (to a reader from before summaries, which refuses lines it does not know,
+  an empty layout that no record names), ``n`` the
   records with numbers of quantity ``q``, and for each statistic that ranks
   layers (:data:`~cockpit_gradnoise._views.RANKINGS`) of a quantity whose
   steps only grew, ``{"quantity": q, "statistic": s, "steps": records holding
@@ -216,7 +218,8 @@ class LogStream:
     def close(self):
         """Write the summary line and close the file; later appends only drop results."""
         if self._file is not None:
-            self._file.write(json.dumps({"summary": self._summary.line()}, allow_nan=False) + "\n")
+            summary = {"layout": [], "summary": self._summary.line()}  # see the module's doc
+            self._file.write(json.dumps(summary, allow_nan=False) + "\n")
             self._file.close()
             self._file = None
 

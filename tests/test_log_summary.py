@@ -9,6 +9,7 @@ written twice) must be ranked from its numbers, with the same report and
 dashboard.
 """
 
+import json
 import math
 
 import cockpit_gradnoise as cgn
@@ -60,7 +61,7 @@ def write_log(path, steps=STEPS, *, repeat=None):
 def without_summary(path, to):
     """The log at ``path`` as a killed writer (or an older version) leaves it."""
     data = path.read_bytes()
-    to.write_bytes(data[:data.rindex(b'{"summary"')])
+    to.write_bytes(data[:data.rindex(b'{"layout": [], "summary"')])
     return to
 
 
@@ -168,3 +169,15 @@ def test_logs_with_and_without_the_summary_give_the_same_report_and_picture(tmp_
         frame, drawn = view_rows.plot_frame(log)
         shown.append((list(drawn), pandas.util.hash_pandas_object(frame).sum()))
     assert shown[0] == shown[1]
+
+
+def test_a_reader_from_before_summaries_takes_the_line_for_an_empty_layout(tmp_path):
+    """Readers before the summary refuse lines they do not know; to them it is a layout
+    line that declares nothing, and that no record names."""
+    path = write_log(tmp_path / "run.jsonl", range(5))
+    last = path.read_bytes().splitlines()[-1]
+    item = json.loads(last)
+    assert set(item) == {"layout", "summary"} and item["layout"] == []
+    old = tmp_path / "old.jsonl"  # what such a reader reads of it
+    old.write_bytes(path.read_bytes()[:-len(last) - 1] + b'{"layout": []}\n')
+    pandas.testing.assert_frame_equal(cgn.to_frame(old), cgn.to_frame(path))
