@@ -291,7 +291,7 @@ class _RunningMeans:
 
     def __init__(self):
         self.order: List[int] = []  # parameters in the order each first had a finite value
-        self.sums = self.compensations = numpy.zeros(0)
+        self.sums, self.compensations = numpy.zeros(0), numpy.zeros(0)
         self.counts = numpy.zeros(0, dtype=numpy.int64)
         self.steps = 0
 
@@ -305,7 +305,7 @@ class _RunningMeans:
             self.sums = numpy.r_[self.sums, numpy.zeros(grown)]
             self.compensations = numpy.r_[self.compensations, numpy.zeros(grown)]
             self.counts = numpy.r_[self.counts, numpy.zeros(grown, dtype=numpy.int64)]
-        self.order += [p for p in params[self.counts[params] == 0].tolist()]
+        self.order += params[self.counts[params] == 0].tolist()
         y = values - self.compensations[params]
         t = self.sums[params] + y
         self.compensations[params] = (t - self.sums[params]) - y
@@ -313,6 +313,7 @@ class _RunningMeans:
         self.counts[params] += 1
 
     def finite(self) -> bool:
+        """Whether every sum is finite (pandas' sums then equal these)."""
         return bool(numpy.isfinite(self.sums).all() and numpy.isfinite(self.compensations).all())
 
 
@@ -333,7 +334,7 @@ class _Summary:
         self.ranked.append([
             (statistics[name], numpy.flatnonzero(codes == statistics[name]),
              params[codes == statistics[name]])
-            for name in {statistic for _, statistic, _ in RANKINGS} if name in statistics
+            for name in sorted({statistic for _, statistic, _ in RANKINGS}) if name in statistics
         ])
 
     def add(self, quantity: int, step: int, layout: Optional[int] = None, numbers=None):
