@@ -6,16 +6,10 @@ needs them is first used (PEP 562), so the command line starts fast.
 """
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 
 from cockpit_gradnoise._compat import install_cockpit_hook
 
 install_cockpit_hook()
-
-try:
-    __version__ = version("cockpit-gradnoise")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0+unknown"
 
 # Public name -> (module, attribute); attribute None means the module itself.
 _EXPORTS = {
@@ -60,7 +54,20 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
+def _version() -> str:
+    """The installed version (importlib.metadata: 60 ms to import, so only when asked)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cockpit-gradnoise")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "0+unknown"
+
+
 def __getattr__(name):
+    if name == "__version__":
+        globals()[name] = _version()
+        return globals()[name]
     try:
         module_name, attribute = _EXPORTS[name]
     except KeyError:

@@ -11,7 +11,6 @@ hook imports nothing; Cockpit is imported only when somebody asks for it.
 
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -25,6 +24,8 @@ def _pkg_resources_stand_in():
         """Raised when a distribution is not installed."""
 
     def get_distribution(name):
+        import importlib.metadata  # only here: importing it is a tenth of the CLI's start
+
         # "cockpit" is installed as the distribution "cockpit-for-pytorch".
         dists = importlib.metadata.packages_distributions().get(name, [name])
         try:

@@ -145,12 +145,11 @@ def _plot(args):
 def _report(args):
     from cockpit_gradnoise.view_rows import report_frame
 
-    frame = _streamed_frame(args.log, lambda file: report_frame(file, args.step))
-    if frame is None:
-        frame = load_frame(args.log)
+    found = _streamed_frame(args.log, lambda file: report_frame(file, args.step))
+    frame, ranking = (load_frame(args.log), None) if found is None else found
     try:
         built = build_report(
-            frame, source=args.log, step=args.step, batch_size=args.batch_size
+            frame, source=args.log, step=args.step, batch_size=args.batch_size, ranking=ranking
         )
     except ValueError as error:
         raise BadInput(f"{args.log}: {_one_line(error)}") from None

@@ -221,7 +221,8 @@ def finite_report_step(summary: Optional[NonFinite], step: Optional[int] = None)
     return step
 
 
-def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS):
+def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS,
+                 ranking: Optional[Ranking] = None):
     """Build the :class:`Report` of ``frame`` at ``step``.
 
     Args:
@@ -234,6 +235,9 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
         batch_size: The batch size used, to compare with the noise scale;
             default :func:`recorded_batch_size`.
         thresholds: A :class:`Thresholds`.
+        ranking: ``noise_ranking`` of the frame up to the reported step, if
+            known (:func:`cockpit_gradnoise.view_rows.report_frame` reads it
+            from a streamed log's summary); default: ranked from ``frame``.
 
     Raises:
         ValueError: If ``frame`` holds none of this package's quantities or
@@ -245,7 +249,8 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
     steps = quantity_steps(frame, reported)
     last = max(steps.values())
     # Before the rows below are copied: a long run's ranking reads millions of rows.
-    ranking = noise_ranking(frame, until=last)
+    if ranking is None:
+        ranking = noise_ranking(frame, until=last)
     # One pass over the whole frame; everything after reads the rows it needs of these.
     read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(_READ).to_numpy()]
     table = layer_table(read, steps)
@@ -729,10 +734,12 @@ def report(source, path=None, *, step: Optional[int] = None, batch_size: Optiona
         from cockpit_gradnoise.view_rows import report_frame, streamed_rows
 
         frame = streamed_rows(source, lambda path: report_frame(path, step))
+    frame, ranking = (None, None) if frame is None else frame
     if frame is None:
         frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
     kwargs = {} if thresholds is None else {"thresholds": thresholds}
-    built = build_report(frame, source=name, step=step, batch_size=batch_size, **kwargs)
+    built = build_report(frame, source=name, step=step, batch_size=batch_size, ranking=ranking,
+                         **kwargs)
     text = format_report(built, fmt)
     if path is not None:
         path = Path(path)

@@ -22,7 +22,20 @@ Its lines, in the order they are written:
 - ``{"step": s, "quantity": q, "value": ...}``: a value that is not
   per-parameter numbers (Cockpit's own quantities, ``cockpit.log``), as JSON
   (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
-  lists).
+  lists);
+- last, written by :meth:`LogStream.close` (a killed writer leaves none):
+  ``{"layout": [], "summary": {"records": [[q, n], ...], "sums": [...]}}``
+  (to a reader from before summaries, which refuses lines it does not know,
+  an empty layout that no record names), ``n`` the
+  records with numbers of quantity ``q``, and for each statistic that ranks
+  layers (:data:`~cockpit_gradnoise._views.RANKINGS`) of a quantity whose
+  steps only grew, ``{"quantity": q, "statistic": s, "steps": records holding
+  it, "params": [...], "sums": [...], "finite": [...]}``: per parameter (in
+  the order each first had a finite value) the sum of its finite values over
+  the run and how many there were. The sums are pandas' compensated ones
+  (:class:`_RunningMeans`), so ``sums / finite`` are, to the bit, the means
+  the ranking takes of the whole frame; a reader then need not decode
+  millions of numbers to rank the layers (``cockpit_gradnoise.view_rows``).
 
 A later record of the same step and quantity replaces an earlier one, as a
 Cockpit's output dict does. :func:`read_stream` reads a log back as a
@@ -43,6 +56,7 @@ from collections.abc import Mapping as MappingABC
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from cockpit_gradnoise._views import RANKINGS
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
 from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
 
@@ -170,6 +184,7 @@ class LogStream:
         self.path = path if path.suffix else path.with_name(path.name + SUFFIX)
         self._tables: Dict[str, Dict[str, int]] = {table: {} for table in _TABLES}
         self._layouts: Dict[tuple, int] = {}
+        self._summary = _Summary()
         self._file = None
         if is_writer(writer_rank):
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +216,10 @@ class LogStream:
         return self._file is not None
 
     def close(self):
-        """Close the file; later appends only drop results."""
+        """Write the summary line and close the file; later appends only drop results."""
         if self._file is not None:
+            summary = {"layout": [], "summary": self._summary.line()}  # see the module's doc
+            self._file.write(json.dumps(summary, allow_nan=False) + "\n")
             self._file.close()
             self._file = None
 
@@ -220,10 +237,12 @@ class LogStream:
             record = {"step": _integer(step), "quantity": self._tables["quantities"][quantity]}
             if numbers is None:
                 record["value"] = _jsonable(value)
+                self._summary.add(record["quantity"], record["step"])
             else:
                 layout, new = self._layout(rows)
                 yield from new
                 record["layout"] = layout
+                self._summary.add(record["quantity"], record["step"], layout, numbers)
                 # Where the NaN and inf are: a reader that decodes only some of the
                 # numbers (cockpit_gradnoise.selective) still finds every one.
                 record["nonfinite"] = non_finite_runs(numbers)
@@ -255,8 +274,94 @@ class LogStream:
         params, statistics = self._tables["params"], self._tables["statistics"]
         layout = [[params[param], [statistics[s] for s in names]] for param, names in key]
         self._layouts[key] = len(self._layouts)
+        self._summary.layout(layout, statistics)
         lines.append(json.dumps({"layout": layout}) + "\n")
         return self._layouts[key], lines
+
+
+class _RunningMeans:
+    """Per parameter, the finite values of one statistic summed as pandas' group mean sums them.
+
+    pandas' ``groupby(...).mean()`` adds a group's values in row order with
+    Kahan's compensation (``y = x - c; t = s + y; c = (t - s) - y; s = t``)
+    and divides by their count; the same operations in the same order (the
+    frame's rows are in step order, and steps only grow here) give the same
+    sum to the bit. Stays exact only while every sum is finite (``finite``).
+    """
+
+    def __init__(self):
+        self.order: List[int] = []  # parameters in the order each first had a finite value
+        self.sums, self.compensations = numpy.zeros(0), numpy.zeros(0)
+        self.counts = numpy.zeros(0, dtype=numpy.int64)
+        self.steps = 0
+
+    def add(self, params: numpy.ndarray, values: numpy.ndarray):
+        """One record's values of the statistic, of ``params`` (table positions, each once)."""
+        self.steps += 1
+        kept = numpy.isfinite(values)
+        params, values = params[kept], values[kept]
+        if len(params) and params.max() >= len(self.sums):
+            grown = int(params.max()) + 1 - len(self.sums)
+            self.sums = numpy.r_[self.sums, numpy.zeros(grown)]
+            self.compensations = numpy.r_[self.compensations, numpy.zeros(grown)]
+            self.counts = numpy.r_[self.counts, numpy.zeros(grown, dtype=numpy.int64)]
+        self.order += params[self.counts[params] == 0].tolist()
+        y = values - self.compensations[params]
+        t = self.sums[params] + y
+        self.compensations[params] = (t - self.sums[params]) - y
+        self.sums[params] = t
+        self.counts[params] += 1
+
+    def finite(self) -> bool:
+        """Whether every sum is finite (pandas' sums then equal these)."""
+        return bool(numpy.isfinite(self.sums).all() and numpy.isfinite(self.compensations).all())
+
+
+class _Summary:
+    """What the summary line says, gathered as the records are written."""
+
+    def __init__(self):
+        self.last: Dict[int, int] = {}  # quantity -> its last step written
+        self.grew = set()  # quantities whose steps only grew (no record replaced)
+        self.records: Dict[int, int] = {}  # quantity -> records with numbers
+        self.ranked: List[List[Tuple[int, numpy.ndarray, numpy.ndarray]]] = []  # per layout
+        self.means: Dict[Tuple[int, int], _RunningMeans] = {}
+
+    def layout(self, layout, statistics: Dict[str, int]):
+        """A new layout: where its ranked statistics are, and of which parameters."""
+        params = numpy.array([p for p, names in layout for _ in names], dtype=numpy.int64)
+        codes = numpy.array([s for _, names in layout for s in names], dtype=numpy.int64)
+        self.ranked.append([
+            (statistics[name], numpy.flatnonzero(codes == statistics[name]),
+             params[codes == statistics[name]])
+            for name in sorted({statistic for _, statistic, _ in RANKINGS}) if name in statistics
+        ])
+
+    def add(self, quantity: int, step: int, layout: Optional[int] = None, numbers=None):
+        """A record written: of ``quantity`` at ``step``, its ``numbers`` in ``layout``."""
+        if quantity not in self.last:
+            self.grew.add(quantity)
+        elif step <= self.last[quantity]:
+            self.grew.discard(quantity)  # a step replaced or out of order: no sums
+        self.last[quantity] = step
+        if layout is None or not len(numbers):
+            return
+        self.records[quantity] = self.records.get(quantity, 0) + 1
+        if quantity not in self.grew:
+            return
+        for statistic, positions, params in self.ranked[layout]:
+            if len(positions):
+                self.means.setdefault((quantity, statistic), _RunningMeans()).add(
+                    params, numbers[positions])
+
+    def line(self) -> dict:
+        """The summary line's content."""
+        sums = [{"quantity": quantity, "statistic": statistic, "steps": means.steps,
+                 "params": means.order, "sums": means.sums[means.order].tolist(),
+                 "finite": means.counts[means.order].tolist()}
+                for (quantity, statistic), means in self.means.items()
+                if quantity in self.grew and means.finite()]
+        return {"records": sorted(map(list, self.records.items())), "sums": sums}
 
 
 def _integer(step) -> int:
@@ -389,6 +494,8 @@ def _read_line(log: StreamedLog, line: bytes):
                 if table not in _TABLES or not all(isinstance(n, str) for n in names):
                     raise ValueError(f"bad names table {table!r}")
                 getattr(log, table).extend(names)
+        elif "summary" in item:
+            pass  # sums of numbers the log holds, for a faster reader (selective)
         elif "layout" in item:
             params = [p for p, names in item["layout"] for _ in names]
             statistics = [s for _, names in item["layout"] for s in names]

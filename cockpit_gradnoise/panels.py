@@ -36,6 +36,7 @@ from cockpit_gradnoise._views import (
     THRESHOLDS,
     coverage_note,
     default_layers,
+    distinct,
     equals,
     layer_order,
     network_coverage,
@@ -177,6 +178,18 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = No
     return numpy.unique(numpy.concatenate(kept))
 
 
+def line_order(key: numpy.ndarray, steps: numpy.ndarray) -> numpy.ndarray:
+    """``numpy.lexsort((steps, key))``: the rows by line (``key``), then step; stable, so
+    equal steps keep the frame's order.
+
+    Where the steps already ascend (a frame's do), a stable sort by ``key`` alone
+    keeps them so; as 16-bit integers NumPy sorts those by radix, three times as fast.
+    """
+    if len(key) > 1 and key.max() < 2**15 and key.min() >= 0 and (steps[1:] >= steps[:-1]).all():
+        return numpy.argsort(key.astype(numpy.int16), kind="stable")
+    return numpy.lexsort((steps, key))
+
+
 class Series:
     """One quantity's rows, each ``(param, statistic)`` as arrays sorted by step.
 
@@ -190,8 +203,8 @@ class Series:
         params, param_names = rows.param.factorize()
         statistics, self._statistics = rows.statistic.factorize()
         key = params.astype(numpy.int64) * max(len(self._statistics), 1) + statistics
-        steps = rows.step.to_numpy()
-        order = numpy.lexsort((steps, key))  # stable: equal steps keep the frame's order
+        steps = self._row_steps = rows.step.to_numpy()
+        order = line_order(key, steps)
         key, steps = key[order], steps[order]
         last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True][:len(key)]
         self._key, self._steps = key[last], steps[last]
@@ -207,7 +220,7 @@ class Series:
 
     def steps(self) -> List[int]:
         """The quantity's tracked steps, ascending."""
-        return numpy.unique(self._steps).astype(numpy.int64).tolist()
+        return distinct(self._row_steps).astype(numpy.int64).tolist()
 
     def statistics(self) -> List[str]:
         """The statistics the quantity logged."""

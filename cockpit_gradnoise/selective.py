@@ -81,6 +81,8 @@ class LogIndex:
         finite: Whether each record's numbers are all finite.
         non_finite: ``{record: pattern}`` of the records with a NaN or inf.
         patterns: Each ``{"nan": positions, "inf": ..., "-inf": ...}``.
+        summary: The log's summary line (:mod:`cockpit_gradnoise.log`), if it
+            ends with one; ``None`` if it does not (a writer killed, or older).
     """
 
     path: str
@@ -95,6 +97,7 @@ class LogIndex:
     finite: numpy.ndarray
     non_finite: Dict[int, int]
     patterns: List[Dict[str, numpy.ndarray]]
+    summary: Optional[dict] = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -135,6 +138,33 @@ class LogIndex:
         except (_Unexpected, OSError, ValueError):
             return None
 
+    def sums(self, quantity: str, statistic: str) -> Optional["Sums"]:
+        """The summary's sums of ``statistic`` over every record of ``quantity``; ``None``
+        without them, or where they do not match the records (then decode the numbers)."""
+        if self.summary is None or quantity not in self.quantities \
+                or statistic not in self.statistics:
+            return None
+        code, wanted = self.quantities.index(quantity), self.statistics.index(statistic)
+        try:
+            counted = {int(q): int(n) for q, n in self.summary["records"]}
+            if counted.get(code, 0) != int(numpy.count_nonzero(self.quantity == code)):
+                return None
+            for entry in self.summary["sums"]:
+                if (entry["quantity"], entry["statistic"]) != (code, wanted):
+                    continue
+                params = numpy.asarray(entry["params"], dtype=numpy.int64)
+                sums = numpy.asarray(entry["sums"], dtype=numpy.float64)
+                finite = numpy.asarray(entry["finite"], dtype=numpy.int64)
+                if not (params.ndim == 1 and sums.shape == finite.shape == params.shape
+                        and (params.size == 0 or 0 <= params.min() <= params.max()
+                             < len(self.params))):
+                    return None
+                return Sums([self.params[p] for p in params.tolist()], sums, finite,
+                            int(entry["steps"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return None
+
     def numbers(self, picks: Sequence["Pick"]) -> Optional["Numbers"]:
         """The rows of :meth:`frame` as arrays, without building the frame (nor pandas).
 
@@ -144,6 +174,19 @@ class LogIndex:
             return _numbers(self, _plans(self, picks), True)
         except (_Unexpected, OSError, ValueError):
             return None
+
+
+class Sums(NamedTuple):
+    """A statistic's finite values summed per parameter over a log (its summary line)."""
+
+    #: Parameters, in the order each first had a finite value (the frame's order).
+    params: List[str]
+    #: Their sums, as pandas' group mean adds them (``sums / finite`` is its mean).
+    sums: numpy.ndarray
+    #: How many finite values each.
+    finite: numpy.ndarray
+    #: The records holding the statistic (one per step).
+    steps: int
 
 
 @dataclass
@@ -185,27 +228,24 @@ class _Scan:
         self.layouts: List[Tuple[numpy.ndarray, numpy.ndarray]] = []
         self.chars: List[int] = []
         self.current: Dict[Tuple[int, int], Tuple[int, int, int, Optional[bool]]] = {}
+        self.summary: Optional[dict] = None
+        self.end = 0  # where the last line read whole ends
 
     def line(self, line: bytes):
         """A names, layout or value line (read whole; record lines are not)."""
         item = json.loads(line)
         if not isinstance(item, dict):
             raise _Unexpected
+        self.summary = None  # a summary sums the records before it: it must be the last line
         if "names" in item:
             for table, names in item["names"].items():
                 if table not in _TABLES or not all(isinstance(n, str) for n in names):
                     raise _Unexpected
                 self.tables[table].extend(names)
+        elif "summary" in item:
+            self.summary = item["summary"] if isinstance(item["summary"], dict) else None
         elif "layout" in item and "step" not in item:
-            params = [p for p, names in item["layout"] for _ in names]
-            statistics = [s for _, names in item["layout"] for s in names]
-            layout = (numpy.asarray(params, dtype=numpy.int64),
-                      numpy.asarray(statistics, dtype=numpy.int64))
-            for codes, table in zip(layout, ("params", "statistics")):
-                if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
-                    raise _Unexpected
-            self.layouts.append(layout)
-            self.chars.append(_chars(len(params)))
+            self.layout(item["layout"])
         elif "step" in item and "value" in item and "layout" not in item:
             step, quantity = item["step"], item["quantity"]
             if not isinstance(step, int) or not isinstance(quantity, int) or not (
@@ -216,6 +256,18 @@ class _Scan:
             self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
         else:
             raise _Unexpected
+
+    def layout(self, declared):
+        """A layout line's ``[[param, [statistic, ...]], ...]``."""
+        params = [p for p, names in declared for _ in names]
+        statistics = [s for _, names in declared for s in names]
+        layout = (numpy.asarray(params, dtype=numpy.int64),
+                  numpy.asarray(statistics, dtype=numpy.int64))
+        for codes, table in zip(layout, ("params", "statistics")):
+            if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
+                raise _Unexpected
+        self.layouts.append(layout)
+        self.chars.append(_chars(len(params)))
 
 
 def _index(file, path: str) -> LogIndex:
@@ -249,6 +301,8 @@ def _index(file, path: str) -> LogIndex:
             raise _Unexpected  # a line of another length: damaged, or not LogStream's
         current[int(step), quantity] = (layout, start, runs)
         offset, head = end + tail, head[tail:]
+    if scan.end != size:
+        scan.summary = None  # only a summary at the end sums every record before it
     return _finish(fd, scan, path)
 
 
@@ -266,6 +320,7 @@ def _other_line(fd, scan: _Scan, offset: int, size: int) -> Tuple[int, bytes]:
         raise _Unexpected
     scan.line(line)
     offset += len(line)
+    scan.end = offset
     return offset, os.pread(fd, _HEAD, offset)
 
 
@@ -290,6 +345,7 @@ def _finish(fd, scan: _Scan, path: str) -> LogIndex:
         path, quantities, scan.tables["params"], scan.tables["statistics"], scan.layouts,
         steps[kept], quantity[kept], layout[kept], offset[kept],
         finite=numpy.ones(len(kept), dtype=bool), non_finite={}, patterns=[],
+        summary=scan.summary,
     )
     texts = [rests[record][2] for record in kept.tolist()]
     found: Dict[bytes, int] = {}
@@ -633,5 +689,5 @@ def named(index: LogIndex, records: numpy.ndarray, **names) -> Pick:
     return Pick(records, positions)
 
 
-__all__ = ["LogIndex", "Numbers", "Pick", "index_log", "first_rows", "non_finite_rows", "whole",
+__all__ = ["LogIndex", "Numbers", "Pick", "Sums", "index_log", "first_rows", "non_finite_rows", "whole",
            "first_of_each_layout", "named"]

@@ -20,8 +20,9 @@ What both views read, and the picks that serve it:
 - the batch size (``recorded_batch_size``: the first finite ``batch_size``
   row at the latest step that has one): ``batch_size`` of each quantity's
   latest record holding a finite one (:func:`_batch_size`);
-- the ranking (``noise_ranking``): the first of ``RANKINGS`` that the
-  records hold for a layer, of every parameter (:func:`_ranking`);
+- the ranking (``noise_ranking``): from the sums of the log's summary line
+  where it has one (:func:`_summed`), else the first of ``RANKINGS`` that
+  the records hold for a layer, of every parameter (:func:`_ranking`);
 
 ``None`` from either: read the log whole (not a streamed log, damage, or
 numbers this reader does not take).
@@ -35,11 +36,13 @@ from cockpit_gradnoise import selective
 from cockpit_gradnoise._views import (
     DEFAULT_TOP_K,
     RANKINGS,
+    Ranking,
     chosen_layers,
+    finite_means,
     layer_order,
     non_finite,
     non_finite_summary,
-    ranked_means,
+    ranking_of,
     select,
 )
 from cockpit_gradnoise.schema import (
@@ -126,27 +129,51 @@ def _batch_size(index: selective.LogIndex, records: numpy.ndarray) -> selective.
 
 
 def _ranked_by(index: selective.LogIndex, records: numpy.ndarray):
-    """``(lowest first, pick)``: the statistic ``noise_ranking`` ranks by among ``records``,
-    of every parameter; ``None`` without one."""
-    for quantity, statistic, lowest_first in RANKINGS:
+    """``(quantity, statistic, pick)``: what ``noise_ranking`` ranks by among ``records``, and
+    the pick of its numbers, of every parameter; ``None`` without one."""
+    for quantity, statistic, _ in RANKINGS:
         held = records & index.records_of(quantity)
         for layout in numpy.unique(index.layout[held]).tolist():
             positions = index.positions(layout, statistics=[statistic])
             params = [index.params[p] for p in index.layouts[layout][0][positions].tolist()]
             if any(param != NETWORK for param in params):
-                return lowest_first, selective.named(index, held, statistics=[statistic])
+                return quantity, statistic, selective.named(index, held, statistics=[statistic])
     return None
+
+
+def _summed(index: selective.LogIndex, until: Optional[int] = None
+            ) -> Tuple[bool, Optional[Ranking]]:
+    """``(True, noise_ranking(frame, until))`` of the full frame from the log's summary
+    (:meth:`selective.LogIndex.sums`), nothing decoded; ``(False, None)`` where the summary
+    does not give it (none, or ``until`` before the last step ranked).
+
+    ``sums / finite`` are the group means ``noise_ranking`` takes, to the bit.
+    """
+    import pandas
+
+    found = _ranked_by(index, numpy.ones(len(index), dtype=bool))
+    if found is None:
+        return True, None
+    quantity, statistic, _ = found
+    sums = index.sums(quantity, statistic)
+    if sums is None or (until is not None and (index.step[index.records_of(quantity)]
+                                               > until).any()):
+        return False, None
+    means = pandas.Series(sums.sums / sums.finite, index=sums.params)  # each finite at least once
+    return True, ranking_of(quantity, statistic, means,
+                            pandas.Series(sums.finite, index=sums.params), sums.steps)
 
 
 def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selective.Pick]:
     """The statistic ``noise_ranking`` ranks by among ``records``, of every parameter."""
     found = _ranked_by(index, records)
-    return [] if found is None else [found[1]]
+    return [] if found is None else [found[2]]
 
 
 def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Optional[List[str]]:
-    """``default_layers(frame, top_k, order)`` of the full frame, from the ranking's numbers
-    alone: 2 M of them on a long run, without their frame.
+    """``default_layers(frame, top_k, order)`` of the full frame, from the log's summary
+    (:func:`_summed`), else from the ranking's numbers alone: 2 M of them on a long run,
+    without their frame.
 
     The same scores as :func:`~cockpit_gradnoise._views.noise_ranking`'s
     (pandas' group mean of the finite values, over the rows in the frame's
@@ -155,17 +182,17 @@ def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Option
     """
     import pandas
 
-    found = _ranked_by(index, numpy.ones(len(index), dtype=bool))
-    ranked = []
-    if found is not None:
-        lowest_first, pick = found
+    summed, ranking = _summed(index)
+    if not summed:
+        quantity, statistic, pick = _ranked_by(index, numpy.ones(len(index), dtype=bool))
         numbers = index.numbers([pick])
         if numbers is None:
             return None
-        network = index.params.index(NETWORK) if NETWORK in index.params else -1
-        scores, _, _ = ranked_means(pandas.Series(numbers.value), numbers.param, network,
-                                    lowest_first)
-        ranked = [index.params[p] for p in scores.index.tolist()]
+        means, counts = finite_means(pandas.Series(numbers.value), numbers.param)
+        names = [index.params[p] for p in means.index.tolist()]
+        means.index = counts.index = names
+        ranking = ranking_of(quantity, statistic, means, counts, steps=0)  # its scores only
+    ranked = [] if ranking is None else ranking.scores.index.tolist()
     return chosen_layers(ranked, order, top_k)
 
 
@@ -220,7 +247,8 @@ def _first_bad(index: selective.LogIndex, summary) -> List[selective.Pick]:
     return [selective.whole(index, index.step == summary.first)]
 
 
-def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame"]:
+def report_frame(path, step: Optional[int] = None
+                 ) -> Optional[Tuple["pandas.DataFrame", Optional[Ranking]]]:
     """The rows of the streamed log at ``path`` that ``build_report(frame, step=step)`` reads.
 
     Besides :func:`_base`'s: every number of the records at the steps the
@@ -228,6 +256,12 @@ def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame
     network's rows the statistics of its run history, up to the report's step.
     Where ``build_report`` raises (``step`` outside the log, none of this
     package's quantities), the first numbers alone: it raises the same on them.
+
+    Returns:
+        ``(frame, ranking)``, ``ranking`` the full frame's ``noise_ranking`` up to
+        the report's step from the log's summary (:func:`_summed`), the frame
+        then without the ranking's rows; or ``(frame, None)``, the frame with
+        them (``build_report`` ranks them). ``None``: read the log whole.
     """
     from cockpit_gradnoise.findings import finite_report_step, quantity_steps
 
@@ -239,15 +273,18 @@ def report_frame(path, step: Optional[int] = None) -> Optional["pandas.DataFrame
     try:
         steps = quantity_steps(base, finite_report_step(summary, step))
     except ValueError:
-        return index.frame(picks)  # build_report raises the same on it
+        frame = index.frame(picks)  # build_report raises the same on it
+        return None if frame is None else (frame, None)
     upto = index.step <= max(steps.values())
-    picks += _first_bad(index, summary) + _ranking(index, upto) + [
+    summed, ranking = _summed(index, max(steps.values()))
+    picks += _first_bad(index, summary) + ([] if summed else _ranking(index, upto)) + [
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
         selective.named(index, upto, params=[NETWORK],
                         statistics=[ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE]),
         _batch_size(index, upto),
     ]
-    return index.frame(picks)
+    frame = index.frame(picks)
+    return None if frame is None else (frame, ranking)
 
 
 #: What each panel draws of its quantity besides quantiles (the ones ``_bands`` draws).

@@ -249,3 +249,14 @@ def test_synthetic_frames_in_the_documented_format_draw_too(tmp_path):
     frame = pandas.DataFrame(rows, columns=["step", "quantity", "param", "statistic", "value"])
     ax, _ = render(panels.noise_scale_panel, tmp_path, frame=frame, batch_size=32)
     assert list(labelled(ax)["b_simple (one batch)"].get_ydata()) == [100.0, 110.0, 120.0]
+
+
+@pytest.mark.parametrize("ascending", [True, False])
+def test_line_order_is_lexsort_by_line_then_step(ascending):
+    rng = numpy.random.default_rng(0)
+    steps = numpy.repeat(numpy.arange(300), 5)  # some steps twice in a line, below
+    if not ascending:
+        steps = rng.permutation(steps)
+    for width in (7, 40_000):  # codes that fit in 16 bits, and some that do not
+        key = rng.integers(0, width, len(steps)).astype(numpy.int64)
+        assert panels.line_order(key, steps).tolist() == numpy.lexsort((steps, key)).tolist()

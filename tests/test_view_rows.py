@@ -104,17 +104,17 @@ def assert_rows_of(part, full):
 @pytest.mark.parametrize("step", [None, 0, 151, 200, 298])
 def test_the_report_of_the_rows_read_is_the_full_report(streamed, step):
     full = cgn.to_frame(streamed)
-    part = view_rows.report_frame(streamed, step)
+    part, ranking = view_rows.report_frame(streamed, step)
     assert_rows_of(part, full)
     assert len(part) < len(full) / 3 + (~numpy.isfinite(full.value)).sum()  # NaN: all kept
     expected = build_report(full, source="run", step=step)
-    got = build_report(part, source="run", step=step)
+    got = build_report(part, source="run", step=step, ranking=ranking)
     for fmt in ("text", "csv", "json"):
         assert format_report(got, fmt) == format_report(expected, fmt)
 
 
 def test_a_step_outside_the_log_is_refused_alike(streamed):
-    part, full = view_rows.report_frame(streamed, 5000), cgn.to_frame(streamed)
+    (part, _), full = view_rows.report_frame(streamed, 5000), cgn.to_frame(streamed)
     with pytest.raises(ValueError) as expected:
         build_report(full, step=5000)
     with pytest.raises(ValueError, match=re.escape(str(expected.value))):
@@ -228,5 +228,5 @@ def test_a_record_with_many_runs_of_nan_is_indexed_past_its_first_bytes(tmp_path
     index = selective.index_log(path)
     full = cgn.to_frame(path)
     assert_rows_of(index.frame([selective.non_finite_rows(index)]), full)
-    assert format_report(build_report(view_rows.report_frame(path))) == \
-        format_report(build_report(full))
+    part, ranking = view_rows.report_frame(path)
+    assert format_report(build_report(part, ranking=ranking)) == format_report(build_report(full))

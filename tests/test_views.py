@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import cli, panels  # noqa: E402
+from cockpit_gradnoise import _views, cli, panels  # noqa: E402
 from cockpit_gradnoise._views import Coverage, coverage_note, network_coverage  # noqa: E402
 from cockpit_gradnoise.findings import COLUMNS as REPORT_COLUMNS  # noqa: E402
 from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
@@ -228,3 +228,12 @@ def test_the_command_line_reports_a_partial_network_row_of_a_log(tmp_path, capsy
     out = capsys.readouterr().out
     assert "all: 7 of 15 parameters in GradientVarianceQuantiles" in out
     assert out.index("stem.weight") < out.index("layer1.weight") < out.index("head.weight")
+
+
+@pytest.mark.parametrize("values", [[], [3], [1, 1, 2, 5, 5, 5, 9], [4, 2, 2, 7, 1], [2, 2, 2],
+                                    numpy.repeat(numpy.arange(0, 2000, 3), 7)])
+def test_distinct_is_numpy_unique_in_order_or_not(values):
+    values = numpy.asarray(values, dtype=numpy.int64)
+    found = _views.distinct(values)
+    assert found.dtype == numpy.unique(values).dtype
+    assert found.tolist() == numpy.unique(values).tolist()
