@@ -214,8 +214,48 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
     time, which on a shared machine wait less for descheduled threads.
     """
     groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
+    if is_depthwise(module):
+        # The padded input's copy and the gradients.
+        per_example = inputs[0].numel() * 2 + groups * c_b * c_a
+        size = _cost.examples_per_chunk(per_example, inputs.element_size())
+        for start in range(0, inputs.shape[0], size):
+            end = start + size
+            yield depthwise_gradients(module, inputs[start:end], grad_output[start:end]).reshape(
+                -1, groups, c_b, c_a)
+        return
     for b, a in _chunks(module, inputs, grad_output, groups * c_b * c_a):
         yield torch.matmul(b, a)
+
+
+def is_depthwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a convolution (not transposed) with one input channel per group."""
+    return not isinstance(module, TRANSPOSED) and module.in_channels == module.groups
+
+
+def depthwise_gradients(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """Per-example weight gradients of a :func:`is_depthwise` convolution, ``[N, C_out, k_1..k_d]``.
+
+    Output channel ``o`` reads input channel ``c = o // m`` (``m = C_out / G``);
+    with ``p`` the padded input, stride ``s`` and dilation ``d``,
+
+    .. math:: x_i[o, k] = \\sum_l g_{i o l}\\, p_{i c}[l s + k d],
+
+    a convolution of ``p_ic`` with the output gradient ``g_io`` as its kernel
+    (dilation ``s``, stride ``d``), one group per example and input channel:
+    one grouped convolution of ``p`` as ``[1, N C_in, ...]`` with the
+    ``N C_out`` kernels ``g``. No patches are unfolded. Its output reaches the
+    first ``k`` of each dimension, and further where the stride skips the
+    input's end (those are dropped).
+    """
+    n, kernel, dims = inputs.shape[0], module.kernel_size, len(module.kernel_size)
+    padded = padded_input(module, inputs)
+    kernels = grad_output.reshape(n * module.out_channels, 1, *grad_output.shape[2:])
+    result = torch.convolution(
+        padded.reshape(1, -1, *padded.shape[2:]), kernels, None, module.dilation, (0,) * dims,
+        module.stride, False, (0,) * dims, n * module.groups,
+    )
+    reached = result[(0, ..., *(slice(k) for k in kernel))]
+    return reached.reshape(n, module.out_channels, *kernel)
 
 
 def expansion_rounding_terms(positions: int) -> int:
@@ -224,7 +264,23 @@ def expansion_rounding_terms(positions: int) -> int:
     return positions * (positions + 1) // 2 + 2 * positions + 6
 
 
+def expansion_temporaries(groups: int, c_b: int, c_a: int, positions: int) -> int:
+    """Numbers :func:`expanded_sums_of_factors` allocates per example: both factors'
+    rows (``L`` for ``T``, ``L(L+1)/2`` products of positions) and ``b``'s doubled copy."""
+    rows = positions + positions * (positions + 1) // 2
+    return groups * (rows * (c_b + c_a) + positions * c_b)
+
+
 def expanded_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[T, S, A]`` of a convolution's weight, each ``[G, C_b, C_a]``, by products of
+    positions (:func:`expanded_sums_of_factors` of :func:`weight_factors`' chunks)."""
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    temporaries = expansion_temporaries(groups, c_b, c_a, positions)
+    chunks = _chunks(module, inputs, grad_output, temporaries)
+    return expanded_sums_of_factors(chunks, positions)
+
+
+def expanded_sums_of_factors(chunks: Iterator[Tuple[Tensor, Tensor]], positions: int) -> Tensor:
     """``[T, S, A]``, each ``[G, C_b, C_a]``, by products of positions (no ``x_i`` formed).
 
     .. math::
@@ -240,39 +296,45 @@ def expanded_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Ten
     which its rounding is relative to (the module's docstring). Outside
     autograd (also under ``create_graph``): the products are written in place,
     and nothing differentiates statistics.
+
+    Args:
+        chunks: Factors ``(b [n, G, C_b, L], a [n, G, L, C_a])`` of consecutive
+            chunks of examples (at least one), ``x_i[g] = b[i, g] @ a[i, g]``.
+        positions: ``L``.
     """
-    with torch.no_grad():
-        return _expanded_sums(module, inputs, grad_output)
-
-
-def _expanded_sums(module, inputs, grad_output):
-    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     rows = positions + positions * (positions + 1) // 2  # T's, then S's
-    sums = inputs.new_zeros(3, groups, c_b, c_a)
-    # Both factors' rows, and b's doubled copy.
-    temporaries = groups * (rows * (c_b + c_a) + positions * c_b)
-    for b, a in _chunks(module, inputs, grad_output, temporaries):
-        n = len(b)
-        # Rows (of the products' inner dimension) outermost: each block a plain matrix.
-        b_rows = b.new_empty(groups, c_b, rows, n)
-        a_rows = a.new_empty(groups, rows, n, c_a)
-        b_rows[:, :, :positions] = b.permute(1, 2, 3, 0)
-        a_rows[:, :positions] = a.permute(1, 2, 0, 3)
-        b, a = b_rows[:, :, :positions], a_rows[:, :positions]
-        doubled = b * 2  # the pairs above the diagonal count twice (exact)
-        row = positions
-        for first in range(positions):  # pairs (first, first..L-1)
-            end = row + positions - first
-            own = slice(first, first + 1)
-            torch.mul(b[:, :, own], b[:, :, own], out=b_rows[:, :, row : row + 1])
-            torch.mul(doubled[:, :, own], b[:, :, first + 1 :], out=b_rows[:, :, row + 1 : end])
-            torch.mul(a[:, own], a[:, first:], out=a_rows[:, row:end])
-            row = end
-        sums[0].baddbmm_(b.flatten(2), a.flatten(1, 2))
-        products_b, products_a = b_rows[:, :, positions:].flatten(2), a_rows[:, positions:].flatten(1, 2)
-        sums[1].baddbmm_(products_b, products_a)
-        sums[2].baddbmm_(products_b.abs_(), products_a.abs_())
+    sums = None
+    with torch.no_grad():
+        for b, a in chunks:
+            if sums is None:
+                sums = b.new_zeros(3, b.shape[1], b.shape[2], a.shape[3])
+            _add_expanded(sums, b, a, rows)
     return sums
+
+
+def _add_expanded(sums: Tensor, b: Tensor, a: Tensor, rows: int):
+    """Add one chunk's share to ``[T, S, A]`` (:func:`expanded_sums_of_factors`)."""
+    n, groups, c_b, positions = b.shape
+    c_a = a.shape[3]
+    # Rows (of the products' inner dimension) outermost: each block a plain matrix.
+    b_rows = b.new_empty(groups, c_b, rows, n)
+    a_rows = a.new_empty(groups, rows, n, c_a)
+    b_rows[:, :, :positions] = b.permute(1, 2, 3, 0)
+    a_rows[:, :positions] = a.permute(1, 2, 0, 3)
+    b, a = b_rows[:, :, :positions], a_rows[:, :positions]
+    doubled = b * 2  # the pairs above the diagonal count twice (exact)
+    row = positions
+    for first in range(positions):  # pairs (first, first..L-1)
+        end = row + positions - first
+        own = slice(first, first + 1)
+        torch.mul(b[:, :, own], b[:, :, own], out=b_rows[:, :, row : row + 1])
+        torch.mul(doubled[:, :, own], b[:, :, first + 1 :], out=b_rows[:, :, row + 1 : end])
+        torch.mul(a[:, own], a[:, first:], out=a_rows[:, row:end])
+        row = end
+    sums[0].baddbmm_(b.flatten(2), a.flatten(1, 2))
+    products_b, products_a = b_rows[:, :, positions:].flatten(2), a_rows[:, positions:].flatten(1, 2)
+    sums[1].baddbmm_(products_b, products_a)
+    sums[2].baddbmm_(products_b.abs_(), products_a.abs_())
 
 
 def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
