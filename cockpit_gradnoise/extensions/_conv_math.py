@@ -98,6 +98,7 @@ gradients. Neither uses BackPACK's derivatives, so BackPACK's
 ``weight_jac_t_save_memory`` setting does not matter.
 """
 
+import itertools
 import math
 from typing import Iterator, Tuple
 
@@ -220,8 +221,7 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
         size = _cost.examples_per_chunk(per_example, inputs.element_size())
         for start in range(0, inputs.shape[0], size):
             end = start + size
-            yield depthwise_gradients(module, inputs[start:end], grad_output[start:end]).reshape(
-                -1, groups, c_b, c_a)
+            yield depthwise_gradients(module, inputs[start:end], grad_output[start:end])
         return
     for b, a in _chunks(module, inputs, grad_output, groups * c_b * c_a):
         yield torch.matmul(b, a)
@@ -233,29 +233,34 @@ def is_depthwise(module: nn.Module) -> bool:
 
 
 def depthwise_gradients(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
-    """Per-example weight gradients of a :func:`is_depthwise` convolution, ``[N, C_out, k_1..k_d]``.
+    """Per-example weight gradients of a :func:`is_depthwise` convolution, ``[N, C_in, m, K]``.
 
-    Output channel ``o`` reads input channel ``c = o // m`` (``m = C_out / G``);
-    with ``p`` the padded input, stride ``s`` and dilation ``d``,
+    Output channel ``(c, j)`` (``m = C_out / C_in`` per input channel ``c``)
+    reads input channel ``c`` only; with ``p`` the padded input, stride ``s``
+    and dilation ``d``, its contribution at kernel element ``k`` is
 
-    .. math:: x_i[o, k] = \\sum_l g_{i o l}\\, p_{i c}[l s + k d],
+    .. math:: x_i[c, j, k] = \\sum_l g_{i,cj,l}\\; p_{ic}[l s + k d] ,
 
-    a convolution of ``p_ic`` with the output gradient ``g_io`` as its kernel
-    (dilation ``s``, stride ``d``), one group per example and input channel:
-    one grouped convolution of ``p`` as ``[1, N C_in, ...]`` with the
-    ``N C_out`` kernels ``g``. No patches are unfolded. Its output reaches the
-    first ``k`` of each dimension, and further where the stride skips the
-    input's end (those are dropped).
+    ``L`` multiply-adds of the window read at output position ``l`` (a view,
+    ``K`` elements per channel) by that position's output gradient: no
+    patches are copied. (Per layer of ConvNeXt-T at 32x32, batch 32, one
+    thread, ms: 1.2, 1.0, 2.1, 5.3 for 1, 4, 16, 64 positions, against
+    12-30 unfolding patches; one grouped convolution of ``p`` with ``g`` as
+    its kernels took 4.2 at 64 positions but 165 at 1; both about 300 at 56x56.)
+    ``[N, C_in, m, K]`` is :func:`weight_factors`' ``[N, G, C_b, C_a]``.
     """
-    n, kernel, dims = inputs.shape[0], module.kernel_size, len(module.kernel_size)
-    padded = padded_input(module, inputs)
-    kernels = grad_output.reshape(n * module.out_channels, 1, *grad_output.shape[2:])
-    result = torch.convolution(
-        padded.reshape(1, -1, *padded.shape[2:]), kernels, None, module.dilation, (0,) * dims,
-        module.stride, False, (0,) * dims, n * module.groups,
-    )
-    reached = result[(0, ..., *(slice(k) for k in kernel))]
-    return reached.reshape(n, module.out_channels, *kernel)
+    n, channels, grid = inputs.shape[0], module.in_channels, grad_output.shape[2:]
+    padded = padded_input(module, inputs).unsqueeze(2)  # [N, C_in, 1, *padded]
+    grad = grad_output.reshape(n, channels, -1, *grid)  # [N, C_in, m, *L]
+    gradients = None
+    for position in itertools.product(*(range(size) for size in grid)):
+        window = padded[(..., *(
+            slice(p * s, p * s + d * (k - 1) + 1, d)
+            for p, s, d, k in zip(position, module.stride, module.dilation, module.kernel_size)
+        ))]
+        term = grad[(..., *(slice(p, p + 1) for p in position))]
+        gradients = window * term if gradients is None else gradients.addcmul_(window, term)
+    return gradients.reshape(n, channels, grad.shape[2], -1)
 
 
 def expansion_rounding_terms(positions: int) -> int:
