@@ -86,6 +86,18 @@ def exact_centred_sum(layer, inputs, grad):
     return (x - x.mean(0)).square().sum(0)
 
 
+def absolute_terms(layer, inputs, grad):
+    """``A = sum_i (sum_l |b_il| |a_il|^T)**2`` in float64: ``sum_l |b_il| |a_il|^T`` is the
+    weight gradient of the layer applied to ``|input_i|`` with output gradient
+    ``|grad_i|`` (its patches, padded in any mode, are the input's made absolute)."""
+    wide = copy.deepcopy(layer).double()
+    total = torch.zeros_like(wide.weight)
+    for x, g in zip(inputs.double(), grad.double()):
+        (alpha,) = torch.autograd.grad((wide(x.abs()[None]) * g.abs()[None]).sum(), wide.weight)
+        total += alpha.square()
+    return total
+
+
 def bound(sums, n):
     """The sd's rounding bound of ``[T, S, R]``: ``(3N + 4) eps S + N eps R``, float64."""
     relative = functional.variance_rounding_bound(sums[1].double(), n, dtype=torch.float32)
@@ -128,6 +140,24 @@ def test_random_examples_are_within_the_bound_and_kept(name, make, shape, n, mon
         # The sd's own roundings (scale, product, square root): a few eps of sd**2.
         from_sd = sd.double().square() * (n - 1) / n
         assert ((from_sd - exact).abs() <= allowed + 8 * EPS32 * exact).all()
+
+
+@pytest.mark.parametrize("n", [2, 7, 64])
+@pytest.mark.parametrize("name, make, shape", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_the_magnitudes_are_w_of_L_times_the_absolute_terms(name, make, shape, n, monkeypatch):
+    """``R = w(L) A`` to float32's rounding of a sum of ``M = N L(L+1)/2`` positive terms,
+    each three rounded products: ``(M + 2) u`` relative, one more for ``w(L)``, and
+    ``eps = 2u`` for the second-order terms."""
+    layer, inputs, grad = factors(make, shape, n, 0, cancelling=True)
+    sums = expanded_sums(layer, inputs, grad, monkeypatch)
+    if isinstance(layer, nn.Linear):
+        positions = grad[0, ..., 0].numel()
+    else:
+        positions = (inputs if isinstance(layer, _conv_math.TRANSPOSED) else grad)[0, 0].numel()
+    weight = _conv_math.expansion_rounding_terms(positions)
+    exact = weight * absolute_terms(layer, inputs, grad)
+    terms = n * positions * (positions + 1) // 2 + 3
+    assert ((sums[2].double() - exact).abs() <= terms * EPS32 * exact).all()
 
 
 @pytest.mark.parametrize("n", [2, 7, 64])
