@@ -216,9 +216,11 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
     """
     groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
     if is_depthwise(module):
+        pads = module._reversed_padding_repeated_twice  # (last left, last right, ..., first right)
+        padded = inputs.shape[1] * math.prod(
+            size + pads[-2 * d - 2] + pads[-2 * d - 1] for d, size in enumerate(inputs.shape[2:]))
         # The padded input's copy and the gradients.
-        per_example = inputs[0].numel() * 2 + groups * c_b * c_a
-        size = _cost.examples_per_chunk(per_example, inputs.element_size())
+        size = _cost.examples_per_chunk(padded + groups * c_b * c_a, inputs.element_size())
         for start in range(0, inputs.shape[0], size):
             end = start + size
             yield depthwise_gradients(module, inputs[start:end], grad_output[start:end])
