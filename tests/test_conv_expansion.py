@@ -1,6 +1,7 @@
 """The expanded square of a convolution's sums: its rounding bound holds, and it decides.
 
-Where a convolution has few output positions the extensions sum ``S`` over
+Where a convolution (or a Linear on a sequence: a 1x1 convolution,
+``cockpit_gradnoise.extensions.linear``) has few output positions the extensions sum ``S`` over
 products of positions and save ``[T, S, R]``, ``R = w(L) A`` with ``A`` the
 absolute terms (:mod:`cockpit_gradnoise.extensions._conv_math`); the sd's
 rounding bound adds ``N eps R``
@@ -18,11 +19,11 @@ import copy
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import amp, functional
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, _conv_math, _cost
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, _conv_math, _cost, linear
 
 import pytest
 import torch
-from cockpit.utils.schedules import linear
+from cockpit.utils.schedules import linear as linear_schedule
 from torch import nn
 
 from tests.cases import run_step
@@ -30,7 +31,7 @@ from tests.test_accumulation import (
     test_micro_batches_give_the_statistics_of_one_batch_of_all_their_examples as accumulated,
 )
 from tests.test_rounding import MODELS as ROUNDING_MODELS
-from tests.test_rounding import problem
+from tests.test_rounding import ConvThenSequenceLinear, problem
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -40,6 +41,9 @@ LAYERS = [
     ("convtranspose2d-groups", lambda: nn.ConvTranspose2d(
         4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (4, 2, 2)),
     ("conv1d-circular", lambda: nn.Conv1d(4, 8, 3, padding=1, padding_mode="circular"), (4, 3)),
+    # 2x2 and 3 positions, as ConvNeXt's stage-3 pointwise layers see at 32x32.
+    ("linear-2x2", lambda: nn.Linear(12, 16), (2, 2, 12)),
+    ("linear-3-positions", lambda: nn.Linear(10, 8), (3, 10)),
 ]
 
 
@@ -63,7 +67,10 @@ def factors(make, shape, n, seed, identical=False, cancelling=False):
 def expanded_sums(layer, inputs, grad, monkeypatch):
     """The extension's ``[T, S, R]`` of the weight, the expansion forced."""
     monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
-    sums = _conv_math.weight_sums(layer, inputs, grad)
+    if isinstance(layer, nn.Linear):
+        sums = linear.linear_expanded_sums(inputs, grad)
+    else:
+        sums = _conv_math.weight_sums(layer, inputs, grad)
     assert len(sums) == 3
     return sums
 
@@ -77,6 +84,18 @@ def exact_centred_sum(layer, inputs, grad):
         rows.append(row)
     x = torch.stack(rows)
     return (x - x.mean(0)).square().sum(0)
+
+
+def absolute_terms(layer, inputs, grad):
+    """``A = sum_i (sum_l |b_il| |a_il|^T)**2`` in float64: ``sum_l |b_il| |a_il|^T`` is the
+    weight gradient of the layer applied to ``|input_i|`` with output gradient
+    ``|grad_i|`` (its patches, padded in any mode, are the input's made absolute)."""
+    wide = copy.deepcopy(layer).double()
+    total = torch.zeros_like(wide.weight)
+    for x, g in zip(inputs.double(), grad.double()):
+        (alpha,) = torch.autograd.grad((wide(x.abs()[None]) * g.abs()[None]).sum(), wide.weight)
+        total += alpha.square()
+    return total
 
 
 def bound(sums, n):
@@ -125,6 +144,24 @@ def test_random_examples_are_within_the_bound_and_kept(name, make, shape, n, mon
 
 @pytest.mark.parametrize("n", [2, 7, 64])
 @pytest.mark.parametrize("name, make, shape", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_the_magnitudes_are_w_of_L_times_the_absolute_terms(name, make, shape, n, monkeypatch):
+    """``R = w(L) A`` to float32's rounding of a sum of ``M = N L(L+1)/2`` positive terms,
+    each three rounded products: ``(M + 2) u`` relative, one more for ``w(L)``, and
+    ``eps = 2u`` for the second-order terms."""
+    layer, inputs, grad = factors(make, shape, n, 0, cancelling=True)
+    sums = expanded_sums(layer, inputs, grad, monkeypatch)
+    if isinstance(layer, nn.Linear):
+        positions = grad[0, ..., 0].numel()
+    else:
+        positions = (inputs if isinstance(layer, _conv_math.TRANSPOSED) else grad)[0, 0].numel()
+    weight = _conv_math.expansion_rounding_terms(positions)
+    exact = weight * absolute_terms(layer, inputs, grad)
+    terms = n * positions * (positions + 1) // 2 + 3
+    assert ((sums[2].double() - exact).abs() <= terms * EPS32 * exact).all()
+
+
+@pytest.mark.parametrize("n", [2, 7, 64])
+@pytest.mark.parametrize("name, make, shape", LAYERS, ids=[layer[0] for layer in LAYERS])
 def test_identical_examples_give_sd_exactly_zero(name, make, shape, n, monkeypatch):
     """With the bound every element is 0; without it, formation's bound alone
     (relative to ``S``), rounding noise of the expansion passes (shown on some seed)."""
@@ -138,42 +175,56 @@ def test_identical_examples_give_sd_exactly_zero(name, make, shape, n, monkeypat
 
 
 def _spy_on_expansion(monkeypatch):
+    """Counts the calls of the convolutions' and the Linear layers' expansion, forced."""
     calls = []
-    original = _conv_math.expanded_sums
-
-    def spy(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(_conv_math, "expanded_sums", spy)
+    for module, name in [(_conv_math, "expanded_sums"), (linear, "linear_expanded_sums")]:
+        monkeypatch.setattr(module, name, _counting(getattr(module, name), calls, name))
     monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
     return calls
 
 
+def _counting(function, calls, name):
+    def spy(*args):
+        calls.append(name)
+        return function(*args)
+
+    return spy
+
+
+# The 2x2 convolution whose terms cancel, and a Linear over 4 positions of a Conv1d's output.
+THROUGH_COCKPIT = [(next(m[1:] for m in ROUNDING_MODELS if m[0] == "conv2d-few-positions"), "0.weight"),
+                   ((lambda: ConvThenSequenceLinear(6), (2, 6)), "step.weight")]
+
+
+@pytest.mark.parametrize("model, weight", THROUGH_COCKPIT, ids=["conv2d", "sequence-linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_identical_examples_through_cockpit_give_sd_zero_and_the_largest_snr(dtype, monkeypatch):
-    """test_rounding's cancelling 2x2 convolution, its sums expanded: sd 0 and the
-    SNR at :func:`~cockpit_gradnoise.functional.resolvable_snr`, as with formation."""
+def test_identical_examples_through_cockpit_give_sd_zero_and_the_largest_snr(
+        model, weight, dtype, monkeypatch):
+    """test_rounding's cancelling 2x2 convolution, and a Linear over 4 positions, their
+    sums expanded: sd 0 and the SNR at
+    :func:`~cockpit_gradnoise.functional.resolvable_snr`, as with formation."""
     calls = _spy_on_expansion(monkeypatch)
-    name, make, shape = next(m for m in ROUNDING_MODELS if m[0] == "conv2d-few-positions")
+    make, shape = model
     for n, reduction in [(7, "mean"), (33, "sum")]:
         for seed in range(2):
             case = problem(make, shape, n, reduction, dtype, seed)
-            quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=case.names)
+            quantity = cgn.GradientVarianceQuantiles(linear_schedule(1), param_names=case.names)
             output = run_step(case, [quantity]).get_output()[0]["GradientVarianceQuantiles"]
             limit = torch.tensor(functional.resolvable_snr(n, dtype), dtype=dtype).item()
-            statistics = output["0.weight"]
+            statistics = output[weight]
             assert all(v == 0 for s, v in statistics.items() if not s.startswith("snr_"))
             assert statistics["snr_q0.5"] == limit
     assert calls
 
 
-def test_micro_batches_add_the_magnitudes_as_they_add_the_sums(monkeypatch):
-    """The accumulation test's CNN (3x3 positions) with its sums expanded: the
-    statistics of the micro-batches are those of one batch of all their examples."""
+@pytest.mark.parametrize("model, expanded", [("cnn", "expanded_sums"), ("gpt", "linear_expanded_sums")])
+def test_micro_batches_add_the_magnitudes_as_they_add_the_sums(model, expanded, monkeypatch):
+    """The accumulation test's CNN (3x3 positions) and the case matrix's GPT (Linear
+    layers over 4 positions) with their sums expanded: the statistics of the
+    micro-batches are those of one batch of all their examples."""
     calls = _spy_on_expansion(monkeypatch)
-    accumulated("cnn", "tracker", (2, 3), "mean")
-    assert calls
+    accumulated(model, "tracker", (2, 3), "mean")
+    assert expanded in calls
 
 
 def test_the_loss_scaler_divides_the_magnitudes_as_sums_of_squares():

@@ -130,6 +130,30 @@ CONVS = [
     ),
 ]
 
+# Depthwise (one input channel per group): formed from windows, _conv_math.depthwise_gradients.
+DEPTHWISE = [
+    ConvCase(
+        "conv2d-depthwise-7x7-4-positions",  # ConvNeXt's stage 3 at 32x32
+        lambda bias: nn.Conv2d(4, 4, 7, padding=3, groups=4, bias=bias),
+        (4, 2, 2),
+    ),
+    ConvCase(
+        "conv1d-depthwise-same-reflect-dilated",
+        lambda bias: nn.Conv1d(
+            3, 3, 4, padding="same", padding_mode="reflect", dilation=2, groups=3, bias=bias
+        ),
+        (3, 9),
+    ),
+    ConvCase(
+        "conv3d-depthwise-multiplier-stride-skips-the-end",
+        lambda bias: nn.Conv3d(
+            2, 4, (2, 3, 2), stride=(2, 2, 3), dilation=(1, 2, 1), padding=(1, 0, 1), groups=2,
+            bias=bias,
+        ),
+        (2, 5, 7, 6),
+    ),
+]
+
 
 def build(case, bias, n, reduction, seed=0):
     """``(extended model, un-extended copy, loss, inputs, targets)`` in float64."""
@@ -256,7 +280,7 @@ def assert_expansion_within_bound(sums, reference):
     "n, chunked", [(2, False), (7, False), (7, True)], ids=["N2", "N7", "N7-chunked"]
 )
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("case", CONVS, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", CONVS + DEPTHWISE, ids=lambda case: case.name)
 def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, method, monkeypatch):
     monkeypatch.setattr(_cost, "FORCE_METHOD", method)
     model, _, loss_fn, inputs, targets = build(case, bias, n, reduction)
@@ -266,14 +290,39 @@ def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, me
     assert_results_match(got, expected_for(case, bias, n, reduction), method == "expansion")
 
 
-@pytest.mark.parametrize("case", CONVS, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", CONVS + DEPTHWISE, ids=lambda case: case.name)
 def test_chosen_method_matches_per_example_loop(case):
     model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
     got = extension_results(model, loss_fn, inputs, targets)
     with torch.no_grad():
         _, c_b, c_a, positions = _conv_math.layer_shape(model[0], inputs, model[0](inputs))
-    expanded = not _cost.formation_is_cheaper(_cost.expansion_cost, c_b, c_a, positions)
+    expanded = not _conv_math.forms(model[0], _cost.expansion_cost, c_b, c_a, positions)
     assert_results_match(got, expected_for(case, True, 7, "mean"), expanded)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+@pytest.mark.parametrize("case", [case for case in CONVS + DEPTHWISE if "depthwise" in case.name],
+                         ids=lambda case: case.name)
+def test_depthwise_convolutions_are_formed_from_windows(case, channels_last, monkeypatch):
+    """As the cost model chooses (formation, whatever the positions): from the input's
+    windows, no patches copied (:func:`._conv_math.weight_factors` never called),
+    exact; also from channels-last inputs and output gradients (ConvNeXt's blocks)."""
+    calls, original = [], _conv_math.weight_factors
+    monkeypatch.setattr(_conv_math, "weight_factors", lambda *args: calls.append(1) or original(*args))
+    model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
+    if channels_last:
+        inputs = inputs.movedim(1, -1).contiguous().movedim(-1, 1)
+        model.insert(1, ChannelsLast())
+    got = extension_results(model, loss_fn, inputs, targets)
+    assert not calls
+    assert_results_match(got, expected_for(case, True, 7, "mean"))
+
+
+class ChannelsLast(nn.Module):
+    """The identity, its output (so the convolution's output gradient) channels-last."""
+
+    def forward(self, x):
+        return x.movedim(1, -1).contiguous().movedim(-1, 1)
 
 
 @pytest.mark.parametrize("case", CONVS[4::4], ids=lambda case: case.name)

@@ -220,3 +220,47 @@ def test_one_position_is_two_products_and_no_formation(reduction, order, monkeyp
     problem, results, formed, names = run(case, 5, reduction, ORDERS[order], monkeypatch)
     assert names == ["inner.weight"] and formed == []
     assert_match(results, expected(problem, 5, reduction), ORDERS[order])
+
+
+class FewPositionsMLP(nn.Module):
+    """A Linear 160 -> 160 on ``[N, 2, 2, 160]`` (4 positions, as ConvNeXt's stage-3
+    pointwise layers at 32x32: the cost model expands its sums), then one on ``[N, 640]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = nn.Linear(160, 160), nn.Linear(640, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(x)).flatten(1))
+
+
+FEW_POSITIONS = ModelCase("few-positions-mlp", FewPositionsMLP, lambda n: torch.randn(n, 2, 2, 160))
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_few_positions_expand_the_sums_and_take_the_norms_apart(reduction, order, monkeypatch):
+    """The sums are ``[T, S, R]`` by the expansion, the norms by the Gram matrices, alone
+    or together: no contribution is formed; both match the per-example loop."""
+    problem, results, formed, names = run(FEW_POSITIONS, 5, reduction, ORDERS[order], monkeypatch)
+    assert names == ["inner.weight"] and formed == []
+    assert_match(results, expected(problem, 5, reduction), ORDERS[order])
+    sums, _ = results["inner.weight"]
+    if sums is not None:
+        assert len(sums) == 3 and (sums[2] >= sums[1]).all()  # R = w(L) A >= A >= S
+
+
+@pytest.mark.parametrize(
+    "shape, formation",
+    [
+        ((1536, 384, 4), False),  # ConvNeXt-T stage 3 at 32x32: pointwise in
+        ((384, 1536, 4), False),  # and out
+        ((768, 192, 16), True),  # stage 2
+        ((384, 96, 64), True),  # stage 1
+        ((160, 160, 4), False),  # the few-positions MLP above
+    ],
+)
+def test_cost_model_expands_the_sums_of_convnext_stage_3(shape, formation):
+    """ConvNeXt-T's pointwise layers at 32x32: expansion measured 2-4x faster at 4
+    positions (``benchmarks/README.md``); formation at 16 and 64."""
+    assert _cost.formation_is_cheaper(_cost.expansion_cost, *shape) is formation

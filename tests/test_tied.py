@@ -21,6 +21,7 @@ from cockpit_gradnoise.extensions import (
     _cost,
     uses,
 )
+from cockpit_gradnoise.extensions import linear as linear_layers
 
 import pytest
 import torch
@@ -161,6 +162,24 @@ def test_two_linear_uses_are_combined_from_dense_contributions_in_chunks(reducti
     monkeypatch.setattr(_cost, "CHUNK_BYTES", 6 * 6 * 8 * 2 * 2)  # two examples per chunk
     problem = _token_problem(TwoLinearUses(), 5, reduction)
     assert_matches_references(problem, inner_terms=2 * NANO_CONTEXT)
+
+
+def test_a_tied_linear_weight_is_formed_where_the_untied_ones_are_expanded(monkeypatch):
+    """:func:`~cockpit_gradnoise.extensions.tied.combine` adds the uses' ``[T, S]``: a
+    tied Linear weight is never expanded (its ``R`` would be dropped), the untied
+    Linear layers over the 4 positions are, with the expansion forced; all match."""
+    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    choices, original = {}, linear_layers.expands
+
+    def recording(module, inputs, grad_output):
+        choices[module] = original(module, inputs, grad_output)
+        return choices[module]
+
+    monkeypatch.setattr(linear_layers, "expands", recording)
+    problem = _token_problem(TwoLinearUses(), 5)
+    assert_matches_references(problem, inner_terms=2 * NANO_CONTEXT)
+    model = problem.model
+    assert choices == {model.first: False, model.second: False, model.head: True}
 
 
 class Positions(nn.Module):

@@ -19,19 +19,31 @@ which ``_cost.FORCE_METHOD`` overrides as it does for convolutions):
 
 BackPACK's ``BatchL2Linear`` contracts the Gram form as one four-operand
 ``einsum``, slower than the two ``bmm`` here (a path search every call,
-another order of products). The sums need the formed ``x_i`` whatever the
-cost (:mod:`.sums`). So when ``SumsOfContributions`` and
-``PerExampleSquaredNorms`` both run in one backward pass, whichever reaches
-the layer first forms each chunk of ``x_i`` once and takes both results from
-it (:func:`linear_weight_sums_and_squared_norms`); the second takes its
-result from :data:`._layer_cache.LAYER_CACHE` and computes nothing. Its norms
-then come from formation, not the Gram matrices it would use alone: the same
-numbers up to rounding, not bit for bit.
+another order of products).
+
+The sums ``[T, S]`` (:mod:`.sums`) have the same two ways, chosen by
+``_cost.use_formation(expansion_cost, out, in, L)``: formation, or, with
+few positions (ConvNeXt's stage-3 pointwise layers see 4 positions at
+32x32), the convolutions' expansion of the square over pairs of positions
+(:func:`._conv_math.expanded_sums_of_factors`: a Linear over ``L``
+positions is a 1x1 convolution with one group, ``b_il = g_il``, ``a_il =
+a_il``), which saves ``[T, S, R]`` with the same rounding bound ``N eps R``
+(:func:`linear_expanded_sums`). Where the sums are formed and
+``SumsOfContributions`` and ``PerExampleSquaredNorms`` both run in one
+backward pass, whichever reaches the layer first forms each chunk of ``x_i``
+once and takes both results from it
+(:func:`linear_weight_sums_and_squared_norms`); the second takes its result
+from :data:`._layer_cache.LAYER_CACHE` and computes nothing. Its norms then
+come from formation, not the Gram matrices it would use alone: the same
+numbers up to rounding, not bit for bit. Where the sums are expanded, each
+extension computes alone (the norms by the Gram matrices or formation, as
+the cost model chooses). A tied weight (:mod:`.tied`) is never expanded:
+its uses' sums are combined over ``[T, S]`` only.
 """
 
 from typing import Iterator, Tuple
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import _conv_math, _cost
 from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
@@ -48,6 +60,7 @@ from cockpit_gradnoise.extensions.sums import (
     sums_of,
     sums_of_position_sums,
 )
+from cockpit_gradnoise.extensions.tied import TIED_ATTR
 
 import torch
 from backpack.context import CTX
@@ -130,6 +143,45 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
     return unscaled_sums(sums, scale), unscaled_norms(torch.cat(norms), scale)
 
 
+def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
+    """Whether the sums of a sequence Linear's weight are expanded over pairs of
+    positions (:func:`linear_expanded_sums`): the cost model chooses it over
+    formation, and the weight is not tied."""
+    out, positions = grad_output.shape[-1], grad_output[0].numel() // grad_output.shape[-1]
+    if "weight" in module.__dict__.get(TIED_ATTR, {}) or positions < 2:
+        return False
+    return not _cost.use_formation(_cost.expansion_cost, out, inputs.shape[-1], positions)
+
+
+def linear_expanded_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[T, S, R]`` of a Linear's weight on sequences (inputs ``[N, ..., in]``), no ``x_i`` formed.
+
+    ``x_i = sum_l g_il a_il^T`` is a 1x1 convolution's contribution with one
+    group, so :func:`._conv_math.expanded_sums_of_factors` of the factors
+    ``b_i = g_i^T`` (``[1, out, L]``) and ``a_i`` (``[1, L, in]``) gives
+
+    .. math::
+
+        T = \\sum_{i,l} g_{il} a_{il}^T, \\quad
+        S = \\sum_i \\sum_{l \\le l'} w_{ll'} (g_{il} g_{il'}) (a_{il} a_{il'})^T, \\quad
+        R = w(L) \\sum_i \\Big(\\sum_l |g_{il}|\\,|a_{il}|^T\\Big)^2,
+
+    ``w(L) = L(L+1)/2 + 2L + 6`` (:func:`._conv_math.expansion_rounding_terms`),
+    and the centred sum ``S - T**2 / N`` is off by at most ``N eps R``
+    (the derivation of :mod:`._conv_math`, which is about the factors only).
+    At a power-of-two scale of each factor (:func:`._squares.scaled_factors`).
+    """
+    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
+    positions = g.shape[1]
+    size = _cost.examples_per_chunk(
+        _conv_math.expansion_temporaries(1, g.shape[2], a.shape[2], positions), a.element_size())
+    chunks = ((g[start : start + size].transpose(1, 2).unsqueeze(1), a[start : start + size].unsqueeze(1))
+              for start in range(0, g.shape[0], size))
+    sums = unscaled_sums(_conv_math.expanded_sums_of_factors(chunks, positions)[:, 0], scale)
+    sums[2] *= _conv_math.expansion_rounding_terms(positions)  # A, to R = w(L) A
+    return sums
+
+
 def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``[T, S]`` of a Linear's weight, with inputs ``[N, ..., in]``.
 
@@ -166,7 +218,7 @@ def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str
     ``other_savefield``): ``alone(inputs, grad_output)`` when the other does not
     run, else formed with the other's by whichever reaches the layer first and
     taken from :data:`LAYER_CACHE` by the second."""
-    if not is_active(other_savefield):
+    if not is_active(other_savefield) or expands(module, module.input0, grad_output):
         return alone(module.input0, grad_output)
     sources = (module, module.input0, grad_output)
     both = LAYER_CACHE.take(_SUMS_AND_NORMS, sources)
@@ -178,7 +230,8 @@ def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str
 
 
 class SumsLinear(SumsFromContributionsMixin, SGSBase):
-    """``[T, S]`` of a ``Linear``: weight by :func:`linear_weight_sums`, bias from its
+    """``[T, S]`` of a ``Linear``: weight by :func:`linear_weight_sums` (``[T, S, R]`` by
+    :func:`linear_expanded_sums` where it :func:`expands`), bias from its
     contributions (on sequences with its structural zeros, :func:`.sums.sums_of_position_sums`)."""
 
     def __init__(self):
@@ -187,6 +240,8 @@ class SumsLinear(SumsFromContributionsMixin, SGSBase):
     def weight(self, ext, module, g_inp, g_out, bp_quantities):
         if one_position(g_out[0]):
             return linear_weight_sums(*as_products(module.input0, g_out[0]))
+        if expands(module, module.input0, g_out[0]):
+            return linear_expanded_sums(module.input0, g_out[0])
         return _shared_weight_result(ext, module, g_out[0], BATCH_L2_SAVEFIELD, linear_weight_sums)
 
     def bias(self, ext, module, g_inp, g_out, bp_quantities):
