@@ -17,7 +17,13 @@ import copy
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+from cockpit_gradnoise.extensions import (
+    BATCH_L2_SAVEFIELD,
+    SUMS_SAVEFIELD,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+    _cost,
+)
 
 import numpy
 import pytest
@@ -223,7 +229,7 @@ def fallback_sums(model, inputs, targets, reduction="mean"):
     (the torch.func fallback on the modules that need it)."""
     model = cgn.prepare_model(model)
     loss = extend(nn.CrossEntropyLoss(reduction=reduction))(model(inputs), targets)
-    with backpack(SumsOfContributions()):
+    with backpack(SumsOfContributions(), PerExampleSquaredNorms()):
         loss.backward()
     return {name: getattr(p, SUMS_SAVEFIELD) for name, p in model.named_parameters()}, model
 
@@ -296,13 +302,19 @@ class ScaledInPlace(BiasUsedTwice):
         return self.head((F.scaled_dot_product_attention(q, k, v) + q).mean(1))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks-of-2"])
 @pytest.mark.parametrize("make, key_is_zero", [
     (KeyBiasOnly, True), (BiasUsedTwice, False), (ScaledInPlace, False)])
-def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_zero):
+def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_zero, chunked,
+                                                                   monkeypatch):
+    """Also with the examples in chunks (5 = 2 + 2 + 1): a bias's contributions are held
+    to the end in every chunk, in the examples' order."""
+    if chunked:
+        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: 2)
     torch.manual_seed(0)
     model = make().double()
     inputs, targets = torch.randn(5, 6, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
-    sums, _ = fallback_sums(model, inputs, targets)
+    sums, prepared = fallback_sums(model, inputs, targets)
     key = sums["bias"][:, 4:8]
     assert torch.equal(key, torch.zeros_like(key)) == key_is_zero
     expected = references.per_example_gradients(
@@ -317,3 +329,6 @@ def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_
     # | ||x|| - ||y|| | <= ||x - y||_2 <= ||x - y||_1, within the same bound.
     norms = expected.square().sum(0).sqrt()
     assert ((sums["bias"][1].sqrt() - norms).abs() <= bound).all()
+    # Per example, in the examples' order: ||x_i|| within the same bound, ||x_i - y_i||_1.
+    per_example = getattr(prepared.bias, BATCH_L2_SAVEFIELD).sqrt()
+    assert ((per_example - expected.norm(dim=1)).abs() <= bound.sum()).all()

@@ -640,15 +640,16 @@ class _LinearBiases(TorchFunctionMode):
               contributions: Dict[str, Tensor]) -> Dict:
         """``{name: (sum_l |t_il| [n, out], number of terms)}`` of the copies used by these
         ``F.linear`` calls only, from ``vmap``'s results of their outputs and the gradients
-        there."""
-        found: Dict[str, Tuple[Tensor, int]] = {}
+        there; ``None`` for the other watched copies (so every chunk names the same)."""
+        found: Dict[str, Optional[Tuple[Tensor, int]]] = {
+            name: None for name in self.watched if name in contributions}
         for name, out, grad in zip(self.names, outputs, grads):
             if name in self.other_uses or name not in contributions:
                 continue
             count = out[0].numel() // out.shape[-1]
             magnitudes = (torch.zeros_like(contributions[name]) if grad is None
                           else grad.abs().flatten(1, -2).sum(1))
-            if name in found:
+            if found[name] is not None:
                 magnitudes, count = found[name][0] + magnitudes, found[name][1] + count
             found[name] = (magnitudes, count)
         return found
@@ -922,19 +923,23 @@ def with_structural_zeros(chunks: Iterator[Tuple[Dict[str, Tensor], Dict]]) -> I
     (:class:`_LinearBiases`) held back to a last chunk of all examples, where an element
     all of whose contributions are rounding noise (:func:`.sums.structural_zeros`) is set
     to exactly 0: gradient 0 and sd 0, as the native rules give (an attention key's bias)."""
-    held: Dict[str, List[tuple]] = {}
+    held: Dict[str, List[Tensor]] = {}
+    found: Dict[str, List[Optional[tuple]]] = {}
     for contributions, terms in chunks:
-        for name, (magnitudes, count) in terms.items():
-            held.setdefault(name, []).append((contributions.pop(name), magnitudes, count))
+        for name, magnitudes_and_count in terms.items():  # the same names in every chunk
+            held.setdefault(name, []).append(contributions.pop(name))
+            found.setdefault(name, []).append(magnitudes_and_count)
         yield contributions
     last = {}
     for name, parts in held.items():
-        if len({count for *_, count in parts}) != 1:  # the uses differ between chunks
-            last[name] = torch.cat([x for x, *_ in parts])
+        x = torch.cat(parts)
+        counts = {None if part is None else part[1] for part in found[name]}
+        if len(counts) != 1 or None in counts:  # terms unknown, or uses differing, somewhere
+            last[name] = x
             continue
-        x, magnitudes = torch.cat([x for x, *_ in parts]), torch.cat([m for _, m, _ in parts])
+        magnitudes = torch.cat([part[0] for part in found[name]])
         eps = max(torch.finfo(x.dtype).eps, torch.finfo(magnitudes.dtype).eps)
-        last[name] = x.masked_fill(structural_zeros(x, magnitudes, parts[0][2], eps), 0.0)
+        last[name] = x.masked_fill(structural_zeros(x, magnitudes, counts.pop(), eps), 0.0)
     if last:
         yield last
 
