@@ -29,11 +29,12 @@ from tests.helpers import RTOL
 
 
 class SequenceMLP(nn.Module):
-    """A Linear on ``[N, 2, 5, 3]`` (two extra dimensions, 10 positions), then one on ``[N, 40]``."""
+    """A Linear on ``[N, 2, 5, 3]`` (two extra dimensions, 10 positions), then one on ``[N, 40]``;
+    other widths (``inner`` in and out, ``flat`` the second's input) as given."""
 
-    def __init__(self):
+    def __init__(self, inner=(3, 4), flat=40):
         super().__init__()
-        self.inner, self.out = nn.Linear(3, 4), nn.Linear(40, 3)
+        self.inner, self.out = nn.Linear(*inner), nn.Linear(flat, 3)
 
     def forward(self, x):
         return self.out(torch.tanh(self.inner(x)).flatten(1))
@@ -222,19 +223,10 @@ def test_one_position_is_two_products_and_no_formation(reduction, order, monkeyp
     assert_match(results, expected(problem, 5, reduction), ORDERS[order])
 
 
-class FewPositionsMLP(nn.Module):
-    """A Linear 160 -> 160 on ``[N, 2, 2, 160]`` (4 positions, as ConvNeXt's stage-3
-    pointwise layers at 32x32: the cost model expands its sums), then one on ``[N, 640]``."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner, self.out = nn.Linear(160, 160), nn.Linear(640, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.inner(x)).flatten(1))
-
-
-FEW_POSITIONS = ModelCase("few-positions-mlp", FewPositionsMLP, lambda n: torch.randn(n, 2, 2, 160))
+# A Linear 160 -> 160 on [N, 2, 2, 160] (4 positions, as ConvNeXt's stage-3 pointwise layers
+# at 32x32: the cost model expands its sums), then one on [N, 640].
+FEW_POSITIONS = ModelCase("few-positions-mlp", lambda: SequenceMLP((160, 160), 640),
+                          lambda n: torch.randn(n, 2, 2, 160))
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
