@@ -37,6 +37,24 @@ Candidates:
   ``signal_to_noise``, bucket counts and gathered candidates sorted).
 - ``ParamGradRatio``: the quantity's ``parameter_value`` per layer and its
   statistics (the passes over ``param`` and ``param.grad``).
+- Floors, to weigh the targets (issue 21: GradientVarianceQuantiles within
+  1.5x of the reference, and on the MLP at most 2.5x a plain step):
+
+  - ``plain step``: forward and backward of the model without extensions,
+    per gradient element;
+  - ``floor of an exact selection``: less than any exact selection of the
+    quantity's statistics can do, one single-rank partition (NumPy's SIMD
+    selection, its fastest) of each layer's sd and SNR, nothing for the
+    network's, and the float64 sums of the means, on copies as in
+    ``quantiles and means``; five levels need more than one rank;
+  - ``the sums' two matrix products`` (MLP only): ``T = G^T A`` and
+    ``S = (G^2)^T (A^2)`` per weight, of random factors of its shapes, which
+    ``SumsOfContributions`` computes for a Linear layer without positions.
+
+  A line per model then adds them up: the elementwise part plus the
+  selection floor against the reference, and, on the MLP, a plain step plus
+  the products, the elementwise part and the selection floor against a plain
+  step (the extensions' and Cockpit's own costs left out).
 
 Run ``python benchmarks/benchmark_per_element.py`` (``--models mlp,resnet18``,
 ``--rounds``, ``--quick`` for a smoke test). The machine may be shared:
@@ -60,6 +78,7 @@ from cockpit_gradnoise import functional  # noqa: E402
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions  # noqa: E402
 from cockpit_gradnoise.step import Batch  # noqa: E402
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
 from backpack import backpack, extend  # noqa: E402
 
@@ -126,6 +145,60 @@ def gvq_statistics(formed, levels=LEVELS):
     return functional.sd_statistics_in_place(*views, left_out, levels, True, (sd, snr))
 
 
+def selection_floor(formed):
+    """One single-rank partition (the median) of each layer's sd and SNR, and the float64
+    sums of both, on copies: less than an exact selection of five levels, per layer and of
+    the network, can do."""
+    sd, snr, sds, _, _ = formed
+    offsets = [0]
+    for view in sds:
+        offsets.append(offsets[-1] + view.numel())
+    for buffer in (sd.clone().numpy(), snr.clone().numpy()):
+        buffer.sum(dtype=numpy.float64)
+        for start, end in zip(offsets, offsets[1:]):
+            buffer[start:end].partition((end - start) // 2)
+
+
+def plain_step(model_name, batch_size=None):
+    """A training step's forward and backward of the model without extensions."""
+    spec = MODELS[model_name]
+    model, x, y = model_and_batch(spec, batch_size or spec.batch_size, torch.device("cpu"))
+    loss = spec.loss("mean")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()
+
+    return step
+
+
+def sums_products(params, n):
+    """``T = G^T A`` and ``S = (G^2)^T (A^2)`` per 2-D weight, of random factors of its shapes."""
+    factors = [(torch.randn(n, p.shape[0]), torch.randn(n, p.shape[1])) for p in params if p.dim() == 2]
+
+    def products():
+        for g, a in factors:
+            torch.mm(g.T, a)
+            torch.mm(g.square().T, a.square())
+
+    return products
+
+
+def floors(model_name, times):
+    """The per-model line adding up the floors (module docstring), from median times."""
+    median = {name: statistics.median(ns) for name, ns in times.items()}
+    reference = median["reference: one sd, one SNR, one bincount"]
+    per_element = median[ELEMENTWISE] + median[SELECTION_FLOOR]
+    line = (f"{model_name}: elementwise part + selection floor = {per_element:.2f} ns/element, "
+            f"{per_element / reference:.2f} x the reference (target 1.5)")
+    if PRODUCTS in median:
+        step = median[PLAIN] + median[PRODUCTS] + per_element
+        line += (f"; plain step + sums' products + that = {step:.2f} ns/element, "
+                 f"{step / median[PLAIN]:.2f} x the plain step's {median[PLAIN]:.2f} "
+                 "(GradientVarianceQuantiles' target on the MLP: 2.5)")
+    return line
+
+
 def gvq_bucket_selection(params, n, levels=LEVELS):
     """The earlier path: gradient_sd, signal_to_noise, bucket selection of the quantiles."""
     sds, snrs = [], []
@@ -174,7 +247,13 @@ def compile_check(function, params, n):
     return seconds, same
 
 
-def candidates(params, n, compiled=None):
+ELEMENTWISE = "  sd with rounding clamp, SNR (sd_and_signal_to_noise)"
+PLAIN = "plain step (forward, backward; no extensions)"
+SELECTION_FLOOR = "  floor of an exact selection: one partition per layer's sd and SNR, means"
+PRODUCTS = "  the sums' two matrix products (T = G^T A, S = (G^2)^T A^2)"
+
+
+def candidates(params, n, compiled=None, model_name=None, batch_size=None):
     """Name -> function of no arguments (each returns what it computed)."""
     gvq = cgn.GradientVarianceQuantiles(lambda step: True)
     pgr = cgn.ParamGradRatio(lambda step: True)
@@ -182,13 +261,18 @@ def candidates(params, n, compiled=None):
     functions = {
         "reference: one sd, one SNR, one bincount": lambda: reference(params, n),
         "GradientVarianceQuantiles: all": lambda: gvq_all(gvq, params, n),
-        "  sd with rounding clamp, SNR (sd_and_signal_to_noise)": lambda: gvq_elementwise(params, n),
+        ELEMENTWISE: lambda: gvq_elementwise(params, n),
         "  quantiles and means (sd_statistics_in_place, with a copy)": lambda: gvq_statistics(formed),
         "  the bucket selection (gradient_sd, signal_to_noise, sd_statistics_of_layers)": (
             lambda: gvq_bucket_selection(params, n)
         ),
         "ParamGradRatio: all": lambda: pgr_all(pgr, params, n),
+        SELECTION_FLOOR: lambda: selection_floor(formed),
     }
+    if model_name is not None:
+        functions[PLAIN] = plain_step(model_name, batch_size)
+    if model_name == "mlp":
+        functions[PRODUCTS] = sums_products(params, n)
     if compiled is not None:
         functions["torch.compile: sd with rounding clamp, SNR, left-out count"] = (
             lambda: compiled_run(compiled, params, n)
@@ -204,7 +288,7 @@ def measure(model_name, rounds, batch_size=None, compiled=None):
         seconds, same = compile_check(compiled, params, n)
         note = (f"{model_name}: torch.compile's first call {seconds:.1f} s; its sd and SNR equal "
                 f"the eager ones bit for bit: {same}")
-    functions = candidates(params, n, compiled)
+    functions = candidates(params, n, compiled, model_name, batch_size)
     for function in functions.values():  # warm up
         function()
     times = {name: [] for name in functions}
@@ -232,13 +316,14 @@ def main(argv=None):
         f"torch {torch.__version__}, 1 thread, {args.rounds} interleaved rounds, load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    compiled, notes = None if args.no_compile else compiled_elementwise(), []
+    compiled, notes, lines = None if args.no_compile else compiled_elementwise(), [], []
     print("\n| model | elements | candidate | ns/element, median | min | ratio to reference |")
     print("|---|---:|---|---:|---:|---:|")
     for model_name in models:
         print(f"measuring {model_name}", file=sys.stderr)
         elements, times, note = measure(model_name, args.rounds, args.batch_size, compiled)
         notes.append(note)
+        lines.append(floors(model_name, times))
         floor = statistics.median(next(iter(times.values())))
         for name, ns in times.items():
             median = statistics.median(ns)
@@ -246,7 +331,7 @@ def main(argv=None):
                 f"| {model_name} | {elements:,} | {name} | {median:.2f} | {min(ns):.2f} "
                 f"| {median / floor:.2f} |"
             )
-    print("", *(note for note in notes if note), sep="\n")
+    print("", *lines, *(note for note in notes if note), sep="\n")
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 
