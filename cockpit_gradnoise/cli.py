@@ -102,12 +102,12 @@ def _plot(args):
         )
     if not 1 <= args.dpi <= dashboard.MAX_DPI:
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
-    from cockpit_gradnoise.view_rows import plot_frame
+    from cockpit_gradnoise.view_rows import plot_rows
 
     layers, read = args.layers, {}
 
-    def fast(file):  # the rows drawn, and the layers they are drawn for
-        found = plot_frame(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
+    def fast(file):  # the rows drawn (no pandas), and the layers they are drawn for
+        found = plot_rows(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
         if found is None:
             return None
         read["layers"] = found[1]
