@@ -174,10 +174,18 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = No
             [numpy.isfinite(value) & (value > 0), value == 0, value == math.inf], [0, 1, 2], 3
         )
         group = position * 4 + kind
-        order = numpy.lexsort((value, group))
-        ordered = group[order]
-        edges = numpy.flatnonzero(ordered[1:] != ordered[:-1])
-        kept += [order[numpy.r_[0, edges + 1]], order[numpy.r_[edges, n - 1]]]
+        # Each group's smallest and largest value, the first and last of equal ones: what
+        # sorting each group by value gave, without that sort (most of the time here).
+        order = numpy.argsort(group, kind="stable")  # a group's points in step order
+        ordered, by_group = group[order], value[order]
+        by_group[numpy.isnan(by_group)] = math.inf  # NaN (kind 3) counts as the largest
+        head = numpy.r_[True, ordered[1:] != ordered[:-1]]
+        segment, heads = numpy.cumsum(head) - 1, numpy.flatnonzero(head)
+        lowest = numpy.flatnonzero(numpy.minimum.reduceat(by_group, heads)[segment] == by_group)
+        highest = numpy.flatnonzero(numpy.maximum.reduceat(by_group, heads)[segment] == by_group)
+        first = lowest[numpy.r_[True, segment[lowest][1:] != segment[lowest][:-1]]]
+        last = highest[numpy.r_[segment[highest][1:] != segment[highest][:-1], True]]
+        kept += [order[first], order[last]]
     return numpy.unique(numpy.concatenate(kept))
 
 
