@@ -87,11 +87,33 @@ def _no_collector():
             gc.enable()
 
 
+@contextlib.contextmanager
+def _no_artist_docs():
+    """matplotlib's artists without their generated ``set()`` docstrings, if imported meanwhile.
+
+    matplotlib writes each artist class's when it defines it, from the class's
+    setters (``matplotlib.artist.kwdoc``): a fifth of the time to import it,
+    for help text a command never shows. Outside a command (matplotlib
+    already imported) nothing changes.
+    """
+    if "matplotlib.artist" in sys.modules:
+        yield
+        return
+    import matplotlib.artist
+
+    kwdoc, matplotlib.artist.kwdoc = matplotlib.artist.kwdoc, lambda artist: ""
+    try:
+        yield
+    finally:
+        matplotlib.artist.kwdoc = kwdoc
+
+
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
-    from cockpit_gradnoise import dashboard
+    with _no_artist_docs():
+        from cockpit_gradnoise import dashboard
 
-    from matplotlib.backend_bases import FigureCanvasBase
+        from matplotlib.backend_bases import FigureCanvasBase
 
     suffix = Path(args.output).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()

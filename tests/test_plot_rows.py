@@ -98,3 +98,32 @@ def test_stable_order_is_pandas_stable_sort(ascending):
     values = numpy.array([2.0, numpy.nan, 1.0, 2.0, -numpy.inf, 1.0, numpy.inf, 2.0, numpy.nan])
     expected = pandas.Series(values).sort_values(ascending=ascending, kind="stable").index
     assert stable_order(values, ascending).tolist() == expected.tolist()
+
+
+_DOCS = """
+import matplotlib.artist
+from cockpit_gradnoise import cli
+kwdoc = matplotlib.artist.kwdoc
+with cli._no_artist_docs():
+    assert matplotlib.artist.kwdoc is kwdoc  # matplotlib already imported: nothing changes
+print(matplotlib.artist.kwdoc is kwdoc)
+"""
+
+_FRESH = """
+import sys
+from cockpit_gradnoise import cli
+with cli._no_artist_docs():
+    import matplotlib.lines
+import matplotlib.artist
+print("solid_capstyle" in matplotlib.artist.kwdoc(matplotlib.lines.Line2D),
+      "solid_capstyle" in matplotlib.lines.Line2D.set.__doc__)
+"""
+
+
+def test_the_command_line_imports_matplotlib_without_artist_docs_and_restores_them():
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    assert run(_FRESH) == ["True", "False"]  # restored after; the classes made meanwhile lack them
+    assert run(_DOCS) == ["True"]
