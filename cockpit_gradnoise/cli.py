@@ -9,7 +9,8 @@ a ``--dpi`` or an image too large to render) ends with a one-line error that
 names the file or option and the problem, and exit code 2.
 
 Start-up stays fast: ``--help`` imports neither pandas nor matplotlib,
-``report`` no matplotlib, and neither imports torch or Cockpit.
+``report`` no matplotlib, ``plot`` of a streamed log with its summary line
+no pandas, and neither imports torch or Cockpit.
 """
 
 import argparse
