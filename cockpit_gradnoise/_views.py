@@ -9,6 +9,11 @@ its own methods) nor matplotlib, so that the command line starts fast.
 
 Frames of long runs have millions of rows: every selection here is one
 vectorised comparison per column (:func:`select`), never a loop over rows.
+
+Besides a pandas frame, the functions the panels and the dashboard call
+here (all but the ranking's) take :class:`Rows`: the same rows as NumPy
+arrays, which the command line draws from without importing pandas (its
+import was a tenth of ``plot``'s time).
 """
 
 import math
@@ -94,6 +99,102 @@ RANKINGS = (
 )
 
 
+class Column(NamedTuple):
+    """A text column of :class:`Rows`: each row's code into ``categories``, as a pandas
+    categorical stores it (``-1``: missing)."""
+
+    codes: numpy.ndarray
+    categories: List[str]
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, rows) -> "Column":
+        return Column(self.codes[rows], self.categories)
+
+    @property
+    def iloc(self) -> "Column":
+        """Itself: its rows are taken by position, as a frame's ``iloc`` takes them."""
+        return self
+
+    def unique(self) -> List[str]:
+        """The distinct names, in the order they first appear (as ``Series.unique``)."""
+        return self.factorize()[1]
+
+    def factorize(self) -> Tuple[numpy.ndarray, List]:
+        """``(codes, names)`` as ``Series.factorize`` gives them: codes by first appearance."""
+        present, first, inverse = numpy.unique(self.codes, return_index=True,
+                                               return_inverse=True)
+        order = numpy.argsort(first, kind="stable")  # the present codes by first appearance
+        kept = present[order] >= 0  # as pandas: a missing name has code -1, no name
+        rank = numpy.full(len(order), -1, dtype=numpy.int64)
+        rank[order[kept]] = numpy.arange(int(kept.sum()))
+        names = [self.categories[c] for c in present[order][kept].tolist()]
+        return rank[inverse.reshape(-1)], names
+
+    def isin(self, names) -> numpy.ndarray:
+        """Mask of the rows whose name is one of ``names``."""
+        wanted = set(names)
+        return numpy.isin(self.codes, [i for i, name in enumerate(self.categories)
+                                       if name in wanted])
+
+
+@dataclass
+class Rows:
+    """Rows of the tidy frame as NumPy arrays: ``step``, ``value`` and the text
+    :class:`Column` s ``quantity``, ``param``, ``statistic``.
+
+    What the dashboard reads of a frame, without pandas: ``rows[mask]``,
+    ``rows.iloc[positions]``, ``rows["param"]``, ``len``, ``empty``.
+    :meth:`frame` is the pandas frame of the same rows and categories.
+    """
+
+    step: numpy.ndarray
+    quantity: Column
+    param: Column
+    statistic: Column
+    value: numpy.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def __getitem__(self, rows):
+        if isinstance(rows, str):
+            return getattr(self, rows)
+        return Rows(self.step[rows], self.quantity[rows], self.param[rows],
+                    self.statistic[rows], self.value[rows])
+
+    @property
+    def iloc(self) -> "Rows":
+        """Itself: its rows are taken by position, as a frame's ``iloc`` takes them."""
+        return self
+
+    @property
+    def empty(self) -> bool:
+        return len(self) == 0
+
+    def frame(self) -> "pandas.DataFrame":
+        """The pandas frame of these rows, with the same categories."""
+        from cockpit_gradnoise.frame import _frame
+
+        import pandas
+
+        columns = (self.quantity, self.param, self.statistic)
+        return _frame(self.step, [c.codes for c in columns],
+                      [pandas.Index(c.categories, dtype=str) for c in columns], self.value)
+
+
+def steps_of(frame) -> numpy.ndarray:
+    """The ``step`` column of a frame or :class:`Rows` as a NumPy array."""
+    return numpy.asarray(frame.step)
+
+
+def values_of(frame) -> numpy.ndarray:
+    """The ``value`` column of a frame or :class:`Rows` as float64."""
+    value = frame.value
+    return value if isinstance(value, numpy.ndarray) else value.to_numpy(dtype=float)
+
+
 def equals(column: "pandas.Series", value) -> numpy.ndarray:
     """The boolean mask ``column == value`` of a text column, fast for every storage.
 
@@ -102,6 +203,10 @@ def equals(column: "pandas.Series", value) -> numpy.ndarray:
     about four times faster than pandas' own comparison; other storage (e.g.
     pyarrow) uses pandas'.
     """
+    if isinstance(column, Column):
+        if value not in column.categories:
+            return numpy.zeros(len(column), dtype=bool)
+        return column.codes == column.categories.index(value)
     categories = getattr(column.dtype, "categories", None)
     if categories is not None:
         if value not in categories:
@@ -125,7 +230,7 @@ def select(frame: "pandas.DataFrame", quantity=None, param=None, statistic=None)
 
 def finite_rows(frame: "pandas.DataFrame") -> "pandas.DataFrame":
     """The rows of ``frame`` with a finite value (a boolean mask even when empty)."""
-    return frame[numpy.isfinite(frame.value.to_numpy(dtype=float))]
+    return frame[numpy.isfinite(values_of(frame))]
 
 
 #: ``(quantity, statistic)``: ``+inf`` by definition where a denominator is 0 or
@@ -148,7 +253,7 @@ def non_finite(frame: "pandas.DataFrame") -> numpy.ndarray:
     non-finite gradient makes every statistic of its layer and of the
     network NaN, so these exceptions never hide one.
     """
-    values = frame.value.to_numpy(dtype=float)
+    values = values_of(frame)
     mask = ~numpy.isfinite(values)
     if not mask.any():
         return mask
@@ -175,7 +280,7 @@ def _defined_infinite(rows: "pandas.DataFrame") -> numpy.ndarray:
 
 def tracked_steps(frame: "pandas.DataFrame") -> List[int]:
     """The frame's distinct steps, ascending (Python ints)."""
-    return distinct(frame.step.to_numpy(dtype=numpy.int64)).tolist()
+    return distinct(steps_of(frame).astype(numpy.int64, copy=False)).tolist()
 
 
 def distinct(values: numpy.ndarray) -> numpy.ndarray:
@@ -226,10 +331,10 @@ def non_finite_summary(frame: "pandas.DataFrame") -> Optional[NonFinite]:
     if bad.empty:
         return None
     steps = tracked_steps(bad)
-    first = bad[bad.step.to_numpy() == steps[0]]
+    first = bad[steps_of(bad) == steps[0]]
     params = set(first.param.unique())
     # In model order: that of the step's rows, finite or not.
-    params = [name for name in layer_order(frame[frame.step.to_numpy() == steps[0]])
+    params = [name for name in layer_order(frame[steps_of(frame) == steps[0]])
               if name in params] + ([NETWORK] if NETWORK in params else [])
     return NonFinite(steps[0], params, unique_in_order(first.quantity), steps,
                      tracked_steps(frame))
@@ -237,6 +342,8 @@ def non_finite_summary(frame: "pandas.DataFrame") -> Optional[NonFinite]:
 
 def _comparable(column: "pandas.Series") -> numpy.ndarray:
     """``column``'s values as an array that compares fast: a categorical's codes."""
+    if isinstance(column, Column):
+        return column.codes
     return column.cat.codes.to_numpy() if hasattr(column, "cat") else column.to_numpy()
 
 
@@ -329,8 +436,8 @@ def ranking_of(quantity: str, statistic: str, means: "pandas.Series", counts: "p
                steps: int) -> Ranking:
     """The :class:`Ranking` by ``statistic`` of ``quantity``, from each parameter's mean of
     its finite values (``means``, in the frame's order) and their ``counts``."""
-    lowest_first = next(low for q, s, low in RANKINGS if (q, s) == (quantity, statistic))
-    return Ranking(quantity, statistic, ranked_scores(means, NETWORK, lowest_first),
+    return Ranking(quantity, statistic,
+                   ranked_scores(means, NETWORK, lowest_first(quantity, statistic)),
                    float(means.get(NETWORK, math.nan)), steps, counts)
 
 
@@ -338,7 +445,23 @@ def ranked_scores(means: "pandas.Series", network, lowest_first: bool) -> "panda
     """:func:`noise_ranking`'s scores: ``means`` without the ``network`` key, sorted
     (``lowest_first`` or highest), stably, so ties keep the order of appearance (the
     layers' order)."""
-    return means.drop(network, errors="ignore").sort_values(ascending=lowest_first, kind="stable")
+    kept = means.drop(network, errors="ignore")
+    return kept.iloc[stable_order(kept.to_numpy(dtype=float), lowest_first)]
+
+
+def lowest_first(quantity: str, statistic: str) -> bool:
+    """Whether the lowest of ``statistic`` is the noisiest (:data:`RANKINGS`)."""
+    return next(low for q, s, low in RANKINGS if (q, s) == (quantity, statistic))
+
+
+def stable_order(values: numpy.ndarray, ascending: bool) -> numpy.ndarray:
+    """Positions of ``values`` in the order pandas' ``sort_values(kind="stable")`` gives:
+    ties in their order (also descending), NaN last."""
+    values = numpy.asarray(values, dtype=float)
+    nan = numpy.isnan(values)
+    kept = numpy.flatnonzero(~nan)
+    order = kept[numpy.argsort(values[kept] if ascending else -values[kept], kind="stable")]
+    return numpy.r_[order, numpy.flatnonzero(nan)].astype(numpy.int64)
 
 
 def chosen_layers(ranked: List[str], order: List[str], k: int) -> List[str]:
@@ -396,7 +519,7 @@ def network_coverage(frame: "pandas.DataFrame", quantity: str) -> Optional[Cover
     rows = finite_rows(select(frame, quantity, NETWORK))
     covered = select(rows, statistic=PARAMS_COVERED).value
     total = select(rows, statistic=PARAMS_TOTAL).value
-    if covered.empty or total.empty or covered.min() >= total.max():
+    if len(covered) == 0 or len(total) == 0 or covered.min() >= total.max():
         return None
     return Coverage(int(covered.min()), int(covered.max()), int(total.max()))
 
@@ -418,4 +541,5 @@ def recorded_batch_size(frame: "pandas.DataFrame") -> Optional[int]:
     the gradient noise scale.
     """
     rows = finite_rows(select(frame, statistic=BATCH_SIZE))
-    return None if rows.empty else int(rows.loc[rows.step.idxmax(), "value"])
+    # The first row at the latest step (as ``idxmax``), by position.
+    return None if rows.empty else int(values_of(rows)[numpy.argmax(steps_of(rows))])

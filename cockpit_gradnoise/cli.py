@@ -9,7 +9,8 @@ a ``--dpi`` or an image too large to render) ends with a one-line error that
 names the file or option and the problem, and exit code 2.
 
 Start-up stays fast: ``--help`` imports neither pandas nor matplotlib,
-``report`` no matplotlib, and neither imports torch or Cockpit.
+``report`` no matplotlib, ``plot`` of a streamed log with its summary line
+no pandas, and neither imports torch or Cockpit.
 """
 
 import argparse
@@ -87,11 +88,33 @@ def _no_collector():
             gc.enable()
 
 
+@contextlib.contextmanager
+def _no_artist_docs():
+    """matplotlib's artists without their generated ``set()`` docstrings, if imported meanwhile.
+
+    matplotlib writes each artist class's when it defines it, from the class's
+    setters (``matplotlib.artist.kwdoc``): a fifth of the time to import it,
+    for help text a command never shows. Outside a command (matplotlib
+    already imported) nothing changes.
+    """
+    if "matplotlib.artist" in sys.modules:
+        yield
+        return
+    import matplotlib.artist
+
+    kwdoc, matplotlib.artist.kwdoc = matplotlib.artist.kwdoc, lambda artist: ""
+    try:
+        yield
+    finally:
+        matplotlib.artist.kwdoc = kwdoc
+
+
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
-    from cockpit_gradnoise import dashboard
+    with _no_artist_docs():
+        from cockpit_gradnoise import dashboard
 
-    from matplotlib.backend_bases import FigureCanvasBase
+        from matplotlib.backend_bases import FigureCanvasBase
 
     suffix = Path(args.output).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -102,12 +125,12 @@ def _plot(args):
         )
     if not 1 <= args.dpi <= dashboard.MAX_DPI:
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
-    from cockpit_gradnoise.view_rows import plot_frame
+    from cockpit_gradnoise.view_rows import plot_rows
 
     layers, read = args.layers, {}
 
-    def fast(file):  # the rows drawn, and the layers they are drawn for
-        found = plot_frame(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
+    def fast(file):  # the rows drawn (no pandas), and the layers they are drawn for
+        found = plot_rows(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
         if found is None:
             return None
         read["layers"] = found[1]

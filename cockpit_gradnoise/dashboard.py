@@ -10,13 +10,13 @@ from typing import Optional, Sequence
 from cockpit_gradnoise import distributed, panels
 from cockpit_gradnoise._views import (
     DEFAULT_TOP_K,
+    Rows,
     default_layers,
     layer_order,
     non_finite_summary,
     recorded_batch_size,
     select,
 )
-from cockpit_gradnoise.frame import to_frame
 from cockpit_gradnoise.schema import (
     GRADIENT_VARIANCE,
     NOISE_SCALE,
@@ -27,7 +27,6 @@ from cockpit_gradnoise.schema import (
     UPDATE_SIZE,
 )
 
-import pandas
 from matplotlib.figure import Figure
 from matplotlib.layout_engine import ConstrainedLayoutEngine
 
@@ -88,8 +87,15 @@ def _check_size(fig, dpi):
         )
 
 
-def frame_of(source) -> pandas.DataFrame:
-    """The tidy frame of ``source``: a frame itself, else :func:`to_frame` of it."""
+def frame_of(source):
+    """The tidy frame of ``source``: a frame (or :class:`~cockpit_gradnoise._views.Rows`)
+    itself, else :func:`~cockpit_gradnoise.to_frame` of it."""
+    if isinstance(source, Rows):
+        return source
+    from cockpit_gradnoise.frame import to_frame
+
+    import pandas
+
     return source if isinstance(source, pandas.DataFrame) else to_frame(source)
 
 
@@ -275,6 +281,8 @@ def _nothing_tracked(frame) -> str:
         return "no cockpit-gradnoise quantities tracked yet"
     from cockpit_gradnoise.findings import holdings  # the report's wording
 
+    if isinstance(frame, Rows):
+        frame = frame.frame()
     return "none of cockpit-gradnoise's quantities in this log;\nit holds " + holdings(frame)
 
 
@@ -289,11 +297,11 @@ def _non_finite_note(frame) -> str:
 
 def _read(source, layers, top_k, heatmap):
     """The frame to draw and its layers: of a streamed log only the rows drawn
-    (:func:`cockpit_gradnoise.view_rows.plot_frame`), else :func:`frame_of`."""
+    (:func:`cockpit_gradnoise.view_rows.plot_rows`), else :func:`frame_of`."""
     if isinstance(source, (str, os.PathLike)):
-        from cockpit_gradnoise.view_rows import plot_frame, streamed_rows
+        from cockpit_gradnoise.view_rows import plot_rows, streamed_rows
 
-        found = streamed_rows(source, lambda path: plot_frame(
+        found = streamed_rows(source, lambda path: plot_rows(
             path, layers=layers, top_k=top_k, heatmap=heatmap))
         if found is not None:
             return found
@@ -357,8 +365,8 @@ def plot(
     # Each panel reads its own quantity's rows: split once, not once per panel.
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
     order = layer_order(frame)  # reads every row: once
-    if layers is None:
-        layers = default_layers(frame, top_k, order)
+    if layers is None:  # ranked on a pandas frame (its group means)
+        layers = default_layers(frame.frame() if isinstance(frame, Rows) else frame, top_k, order)
         chosen = "noisiest"
     else:
         chosen = "noisiest" if isinstance(layers, Ranked) else "chosen"

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.log import SUFFIX, StreamedLog, is_streamed, per_parameter, read_stream
+from cockpit_gradnoise.log import (  # noqa: F401  (json_log_path: this module's name for it)
+    StreamedLog,
+    category_codes,
+    is_streamed,
+    json_log_path,
+    per_parameter,
+    read_path,
+    read_stream,
+)
 from cockpit_gradnoise.schema import decode_float, encode_float
 
 import json_tricks
@@ -64,24 +72,6 @@ def _logged_update_hook(dct, properties=None):
     )
 
 
-def json_log_path(path) -> Path:
-    """The path :func:`write_log` writes for ``path``: ``.json`` added unless it ends so."""
-    path = Path(path)
-    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
-
-
-def _read_path(path) -> Path:
-    """The file to read for ``path``: as given if it is a file, else with ``.json`` or ``.jsonl``."""
-    path = Path(path)
-    if path.is_file() or path.suffix in (".json", SUFFIX):
-        return path
-    for suffix in (".json", SUFFIX):
-        candidate = path.with_name(path.name + suffix)
-        if candidate.is_file():
-            return candidate
-    return json_log_path(path)
-
-
 def read_log(path) -> Mapping[int, Dict[str, Any]]:
     """Read a log written by ``Cockpit.write``, :func:`write_log` or a :class:`~cockpit_gradnoise.LogStream`.
 
@@ -101,7 +91,7 @@ def read_log(path) -> Mapping[int, Dict[str, Any]]:
         ValueError: If the file is empty, truncated (a JSON log; a streamed
             log's cut last line is left out with a warning) or not a log.
     """
-    path = _read_path(path)
+    path = read_path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such log file")
     if is_streamed(path):
@@ -337,16 +327,9 @@ def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
 
 
 def _names(table: Sequence[str], present) -> tuple:
-    """``(remap, categories)``: the present names of ``table`` sorted, and each position's code.
-
-    ``remap[i]`` is the code of ``table[i]`` among ``categories`` (in the
-    smallest integer type that holds them, as pandas stores codes).
-    """
-    names = sorted((table[i], i) for i in present)
-    dtype = numpy.int8 if len(names) < 2**7 else numpy.int16 if len(names) < 2**15 else numpy.int32
-    remap = numpy.full(len(table), -1, dtype=dtype)
-    remap[[i for _, i in names]] = numpy.arange(len(names))
-    return remap, pandas.Index([name for name, _ in names], dtype=str)
+    """:func:`~cockpit_gradnoise.log.category_codes`, the categories as a pandas ``Index``."""
+    remap, names = category_codes(table, present)
+    return remap, pandas.Index(names, dtype=str)
 
 
 def _frame(steps, codes, categories, values) -> pandas.DataFrame:

@@ -54,7 +54,7 @@ import operator
 import warnings
 from collections.abc import Mapping as MappingABC
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._views import RANKINGS
 from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
@@ -76,6 +76,38 @@ STEPS_IN_MEMORY = 0
 _TABLES = ("quantities", "params", "statistics")
 _DTYPE = numpy.dtype("<f8")
 _UPDATE_FIELDS = ("name", "norm", "start_norm")  # frame.LoggedUpdate's, a live LayerUpdate's
+
+
+def json_log_path(path) -> Path:
+    """The path :func:`write_log` writes for ``path``: ``.json`` added unless it ends so."""
+    path = Path(path)
+    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
+
+
+def read_path(path) -> Path:
+    """The file to read for ``path``: as given if it is a file, else with ``.json`` or ``.jsonl``."""
+    path = Path(path)
+    if path.is_file() or path.suffix in (".json", SUFFIX):
+        return path
+    for suffix in (".json", SUFFIX):
+        candidate = path.with_name(path.name + suffix)
+        if candidate.is_file():
+            return candidate
+    return json_log_path(path)
+
+
+def category_codes(table: Sequence[str], present) -> Tuple[numpy.ndarray, List[str]]:
+    """``(remap, categories)``: the present names of ``table`` sorted, and each position's code.
+
+    ``remap[i]`` is the code of ``table[i]`` among ``categories`` (in the
+    smallest integer type that holds them, as pandas stores codes); ``-1``
+    for a name not present. The categories of a tidy frame's text columns.
+    """
+    names = sorted((table[i], i) for i in present)
+    dtype = numpy.int8 if len(names) < 2**7 else numpy.int16 if len(names) < 2**15 else numpy.int32
+    remap = numpy.full(len(table), -1, dtype=dtype)
+    remap[[i for _, i in names]] = numpy.arange(len(names))
+    return remap, [name for name, _ in names]
 
 
 def _is_update(item) -> bool:

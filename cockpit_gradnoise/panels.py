@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._views import (
     THRESHOLDS,
+    Column,
     coverage_note,
     default_layers,
     distinct,
@@ -42,7 +43,9 @@ from cockpit_gradnoise._views import (
     network_coverage,
     non_finite,
     select,
+    steps_of,
     tracked_steps,
+    values_of,
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
@@ -171,10 +174,18 @@ def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = No
             [numpy.isfinite(value) & (value > 0), value == 0, value == math.inf], [0, 1, 2], 3
         )
         group = position * 4 + kind
-        order = numpy.lexsort((value, group))
-        ordered = group[order]
-        edges = numpy.flatnonzero(ordered[1:] != ordered[:-1])
-        kept += [order[numpy.r_[0, edges + 1]], order[numpy.r_[edges, n - 1]]]
+        # Each group's smallest and largest value, the first and last of equal ones: what
+        # sorting each group by value gave, without that sort (most of the time here).
+        order = numpy.argsort(group, kind="stable")  # a group's points in step order
+        ordered, by_group = group[order], value[order]
+        by_group[numpy.isnan(by_group)] = math.inf  # NaN (kind 3) counts as the largest
+        head = numpy.r_[True, ordered[1:] != ordered[:-1]]
+        segment, heads = numpy.cumsum(head) - 1, numpy.flatnonzero(head)
+        lowest = numpy.flatnonzero(numpy.minimum.reduceat(by_group, heads)[segment] == by_group)
+        highest = numpy.flatnonzero(numpy.maximum.reduceat(by_group, heads)[segment] == by_group)
+        first = lowest[numpy.r_[True, segment[lowest][1:] != segment[lowest][:-1]]]
+        last = highest[numpy.r_[segment[highest][1:] != segment[highest][:-1], True]]
+        kept += [order[first], order[last]]
     return numpy.unique(numpy.concatenate(kept))
 
 
@@ -203,12 +214,12 @@ class Series:
         params, param_names = rows.param.factorize()
         statistics, self._statistics = rows.statistic.factorize()
         key = params.astype(numpy.int64) * max(len(self._statistics), 1) + statistics
-        steps = self._row_steps = rows.step.to_numpy()
+        steps = self._row_steps = steps_of(rows)
         order = line_order(key, steps)
         key, steps = key[order], steps[order]
         last = numpy.r_[(key[1:] != key[:-1]) | (steps[1:] != steps[:-1]), True][:len(key)]
         self._key, self._steps = key[last], steps[last]
-        self._values = rows.value.to_numpy(dtype=float)[order][last]
+        self._values = values_of(rows)[order][last]
         starts = numpy.flatnonzero(numpy.r_[True, self._key[1:] != self._key[:-1]]
                                    [:len(self._key)])
         ends = numpy.r_[starts[1:], len(self._key)]
@@ -243,7 +254,7 @@ def _series(frame, quantity, params=None) -> Series:
     """The :class:`Series` of ``quantity``, of ``params`` only if given."""
     rows = select(frame, quantity)
     if params is not None:
-        rows = rows[rows.param.isin(list(params)).to_numpy(dtype=bool)]
+        rows = rows[numpy.asarray(rows.param.isin(list(params)), dtype=bool)]
     return Series(rows)
 
 
@@ -576,7 +587,7 @@ def _heatmap_values(frame, series, statistic, layers):
     """
     steps = heatmap_steps(numpy.array(series.steps()))
     rows = series.of_statistic(statistic)
-    rows = rows[rows.step.isin(steps).to_numpy(dtype=bool)]
+    rows = rows[numpy.isin(steps_of(rows), steps)]
     present = set(rows.param.unique()) - {NETWORK}
     names = [name for name in (layer_order(frame) if layers is None else layers)
              if name in present]
@@ -584,13 +595,18 @@ def _heatmap_values(frame, series, statistic, layers):
     values = numpy.full((len(names), len(steps)), math.nan)
     shown = row >= 0
     # Rows in frame order: of a step logged twice, the later row counts.
-    values[row[shown], numpy.searchsorted(steps, rows.step.to_numpy()[shown])] = (
-        rows.value.to_numpy(dtype=float)[shown])
+    values[row[shown], numpy.searchsorted(steps, steps_of(rows)[shown])] = (
+        values_of(rows)[shown])
     return names, steps, values
 
 
 def _positions(column, names) -> numpy.ndarray:
     """The position of each value of ``column`` in ``names``; -1 for the others."""
+    if isinstance(column, Column):
+        where = {name: i for i, name in enumerate(names)}
+        # And a last -1, which a missing name's code -1 picks.
+        return numpy.array([where.get(name, -1) for name in column.categories] + [-1])[
+            column.codes]
     return column.astype("category").cat.set_categories(names).cat.codes.to_numpy()
 
 

@@ -39,7 +39,15 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from cockpit_gradnoise.log import _DTYPE, _TABLES, HEADER, non_finite_runs, per_parameter
+from cockpit_gradnoise._views import Column, Rows
+from cockpit_gradnoise.log import (
+    _DTYPE,
+    _TABLES,
+    HEADER,
+    category_codes,
+    non_finite_runs,
+    per_parameter,
+)
 
 import numpy
 
@@ -133,8 +141,13 @@ class LogIndex:
         ``decode=False``: nothing is read; the values are the NaN and inf the
         index knows of, 0 for the others (a frame of where things are).
         """
+        rows = self.rows(picks, decode=decode)
+        return None if rows is None else rows.frame()
+
+    def rows(self, picks: Sequence["Pick"], *, decode: bool = True) -> Optional[Rows]:
+        """The rows of :meth:`frame` as :class:`~cockpit_gradnoise._views.Rows` (no pandas)."""
         try:
-            return _frame(self, picks, decode)
+            return _tidy(self, picks, decode)
         except (_Unexpected, OSError, ValueError):
             return None
 
@@ -612,23 +625,21 @@ def _numbers(index: LogIndex, plans: _Plans, decode: bool) -> Numbers:
     return Numbers(records, counts, *names, values)
 
 
-def _frame(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> "pandas.DataFrame":
-    from cockpit_gradnoise.frame import _frame as tidy
-    from cockpit_gradnoise.frame import _names
-
+def _tidy(index: LogIndex, picks: Sequence[Pick], decode: bool = True) -> Rows:
     found = _numbers(index, _plans(index, picks), decode)
     records, counts = found.records, found.counts
     # Categories as the full frame's: the names of every record's layout.
     used = numpy.unique(index.layout).tolist()
-    quantities = _names(index.quantities, set(index.quantity.tolist()))
+    quantities = category_codes(index.quantities, set(index.quantity.tolist()))
     params, statistics = (
-        _names(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
+        category_codes(table, set().union(*(index.layouts[layout][i].tolist() for layout in used)))
         for i, table in ((0, index.params), (1, index.statistics))
     )
-    codes = [params[0][found.param], statistics[0][found.statistic]]
-    columns = [numpy.repeat(quantities[0][index.quantity[records]], counts), *codes]
-    steps = numpy.repeat(index.step[records], counts)
-    return tidy(steps, columns, [quantities[1], params[1], statistics[1]], found.value)
+    return Rows(numpy.repeat(index.step[records], counts),
+                Column(numpy.repeat(quantities[0][index.quantity[records]], counts),
+                       quantities[1]),
+                Column(params[0][found.param], params[1]),
+                Column(statistics[0][found.statistic], statistics[1]), found.value)
 
 
 def first_rows(index: LogIndex) -> Pick:

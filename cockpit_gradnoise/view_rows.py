@@ -36,14 +36,18 @@ from cockpit_gradnoise import selective
 from cockpit_gradnoise._views import (
     DEFAULT_TOP_K,
     RANKINGS,
+    Column,
     Ranking,
+    Rows,
     chosen_layers,
     finite_means,
     layer_order,
+    lowest_first,
     non_finite,
     non_finite_summary,
     ranking_of,
     select,
+    stable_order,
 )
 from cockpit_gradnoise.schema import (
     B_SIMPLE,
@@ -79,11 +83,10 @@ def streamed_rows(path, read):
     ``None`` (another kind of log, damage, nothing of this package's): read
     the log whole, which says what is wrong.
     """
-    from cockpit_gradnoise.frame import _read_path
-    from cockpit_gradnoise.log import is_streamed
+    from cockpit_gradnoise.log import is_streamed, read_path
 
     try:
-        file = _read_path(path)
+        file = read_path(path)
         if not (file.is_file() and is_streamed(file)):
             return None
         found = read(file)
@@ -141,27 +144,37 @@ def _ranked_by(index: selective.LogIndex, records: numpy.ndarray):
     return None
 
 
+def _summary_sums(index: selective.LogIndex, until: Optional[int] = None):
+    """``(True, (quantity, statistic), sums)``: what ``noise_ranking(frame, until)`` ranks by
+    and its sums from the log's summary (:meth:`selective.LogIndex.sums`), nothing decoded;
+    ``(True, None, None)`` with nothing to rank by; ``(False, None, None)`` where the summary
+    does not give it (none, or ``until`` before the last step ranked)."""
+    found = _ranked_by(index, numpy.ones(len(index), dtype=bool))
+    if found is None:
+        return True, None, None
+    quantity, statistic, _ = found
+    sums = index.sums(quantity, statistic)
+    if sums is None or (until is not None and (index.step[index.records_of(quantity)]
+                                               > until).any()):
+        return False, None, None
+    return True, (quantity, statistic), sums
+
+
 def _summed(index: selective.LogIndex, until: Optional[int] = None
             ) -> Tuple[bool, Optional[Ranking]]:
     """``(True, noise_ranking(frame, until))`` of the full frame from the log's summary
-    (:meth:`selective.LogIndex.sums`), nothing decoded; ``(False, None)`` where the summary
-    does not give it (none, or ``until`` before the last step ranked).
+    (:func:`_summary_sums`); ``(False, None)`` where the summary does not give it.
 
     ``sums / finite`` are the group means ``noise_ranking`` takes, to the bit.
     """
     import pandas
 
-    found = _ranked_by(index, numpy.ones(len(index), dtype=bool))
-    if found is None:
-        return True, None
-    quantity, statistic, _ = found
-    sums = index.sums(quantity, statistic)
-    if sums is None or (until is not None and (index.step[index.records_of(quantity)]
-                                               > until).any()):
-        return False, None
+    summed, ranked_by, sums = _summary_sums(index, until)
+    if sums is None:
+        return summed, None
     means = pandas.Series(sums.sums / sums.finite, index=sums.params)  # each finite at least once
-    return True, ranking_of(quantity, statistic, means,
-                            pandas.Series(sums.finite, index=sums.params), sums.steps)
+    return True, ranking_of(*ranked_by, means, pandas.Series(sums.finite, index=sums.params),
+                            sums.steps)
 
 
 def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selective.Pick]:
@@ -172,28 +185,32 @@ def _ranking(index: selective.LogIndex, records: numpy.ndarray) -> List[selectiv
 
 def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Optional[List[str]]:
     """``default_layers(frame, top_k, order)`` of the full frame, from the log's summary
-    (:func:`_summed`), else from the ranking's numbers alone: 2 M of them on a long run,
-    without their frame.
+    (:func:`_summary_sums`), else from the ranking's numbers alone: 2 M of them on a long
+    run, without their frame.
 
     The same scores as :func:`~cockpit_gradnoise._views.noise_ranking`'s
     (pandas' group mean of the finite values, over the rows in the frame's
     order, groups in order of appearance), the same stable sort, the same
-    choice. ``None`` where a number cannot be read.
+    choice. ``None`` where a number cannot be read. With a summary, pandas is not imported.
     """
+    summed, ranked_by, sums = _summary_sums(index)
+    if sums is not None:
+        kept = [i for i, name in enumerate(sums.params) if name != NETWORK]
+        means = (sums.sums / sums.finite)[kept]  # each finite at least once
+        ranked = [sums.params[kept[i]] for i in stable_order(means, lowest_first(*ranked_by))]
+        return chosen_layers(ranked, order, top_k)
+    if summed:
+        return chosen_layers([], order, top_k)  # nothing to rank by
     import pandas
 
-    summed, ranking = _summed(index)
-    if not summed:
-        quantity, statistic, pick = _ranked_by(index, numpy.ones(len(index), dtype=bool))
-        numbers = index.numbers([pick])
-        if numbers is None:
-            return None
-        means, counts = finite_means(pandas.Series(numbers.value), numbers.param)
-        names = [index.params[p] for p in means.index.tolist()]
-        means.index = counts.index = names
-        ranking = ranking_of(quantity, statistic, means, counts, steps=0)  # its scores only
-    ranked = [] if ranking is None else ranking.scores.index.tolist()
-    return chosen_layers(ranked, order, top_k)
+    quantity, statistic, pick = _ranked_by(index, numpy.ones(len(index), dtype=bool))
+    numbers = index.numbers([pick])
+    if numbers is None:
+        return None
+    means, counts = finite_means(pandas.Series(numbers.value), numbers.param)
+    means.index = counts.index = [index.params[p] for p in means.index.tolist()]
+    ranking = ranking_of(quantity, statistic, means, counts, steps=0)  # its scores only
+    return chosen_layers(ranking.scores.index.tolist(), order, top_k)
 
 
 def _alarm(index: selective.LogIndex):
@@ -203,18 +220,15 @@ def _alarm(index: selective.LogIndex):
     ``non_finite_summary`` needs of each step only whether it holds one, and
     every row of its first such step (:func:`_first_bad`).
     """
-    import pandas
-
     def first(quantity: int, layout: int, pattern) -> numpy.ndarray:
         positions = numpy.concatenate(list(pattern.values()))
         values = numpy.concatenate([numpy.full(len(p), float(kind)) for kind, p in pattern.items()])
         params, statistics = index.layouts[layout]
-        rows = pandas.DataFrame({
-            "quantity": [index.quantities[quantity]] * len(positions),
-            "param": [index.params[p] for p in params[positions].tolist()],
-            "statistic": [index.statistics[s] for s in statistics[positions].tolist()],
-            "value": values,
-        })
+        rows = Rows(numpy.zeros(len(positions), dtype=numpy.int64),
+                    Column(numpy.zeros(len(positions), dtype=numpy.int64),
+                           [index.quantities[quantity]]),
+                    Column(params[positions], index.params),
+                    Column(statistics[positions], index.statistics), values)
         return numpy.sort(positions[non_finite(rows)])[:1]
 
     return first
@@ -223,10 +237,10 @@ def _alarm(index: selective.LogIndex):
 def _base(index: selective.LogIndex):
     """A number of every record and the NaN and inf that count: blocks, steps, divergence.
 
-    The frame of where they are, nothing decoded (:meth:`selective.LogIndex.frame`).
+    The rows of where they are, nothing decoded (:meth:`selective.LogIndex.rows`).
     """
     picks = [selective.first_rows(index), selective.non_finite_rows(index, _alarm(index))]
-    return picks, index.frame(picks, decode=False)
+    return picks, index.rows(picks, decode=False)
 
 
 def _indexed(path):
@@ -269,6 +283,7 @@ def report_frame(path, step: Optional[int] = None
     if found is None:
         return None
     index, picks, base = found
+    base = base.frame()  # what the report's functions take
     summary = non_finite_summary(base)  # its steps are the full frame's
     try:
         steps = quantity_steps(base, finite_report_step(summary, step))
@@ -322,6 +337,13 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[
 
 def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
                heatmap: str = "auto") -> Optional[Tuple["pandas.DataFrame", List[str]]]:
+    """:func:`plot_rows` as a pandas frame."""
+    found = plot_rows(path, layers=layers, top_k=top_k, heatmap=heatmap)
+    return None if found is None else (found[0].frame(), found[1])
+
+
+def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
+              heatmap: str = "auto") -> Optional[Tuple[Rows, List[str]]]:
     """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads, and its layers.
 
     ``plot(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
@@ -350,7 +372,7 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
     ]
     # The layers' order (every layer is in the first record of a quantity and layout),
     # and the ranking's rows apart (the frame drawn leaves them out).
-    firsts = index.frame([first])
+    firsts = index.rows([first])
     if firsts is None:
         return None
     order, drawn = layer_order(firsts), list(layers or [])
@@ -372,5 +394,5 @@ def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEF
         shown = panels.heatmap_steps(numpy.unique(index.step[variance]))
         picks.append(selective.named(index, variance & numpy.isin(index.step, shown),
                                      statistics=[statistic]))
-    frame = index.frame(picks)
-    return None if frame is None else (frame, drawn)
+    rows = index.rows(picks)
+    return None if rows is None else (rows, drawn)

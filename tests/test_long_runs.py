@@ -47,6 +47,37 @@ def test_thinning_keeps_extremes_gaps_marks_and_both_ends():
         range(panels.MAX_POINTS))
 
 
+def thinned(steps, values, limit):
+    """:func:`panels.thin`'s points, one bin and kind at a time: per kind of value (finite
+    positive; 0; +inf; anything else) the first of its smallest and the last of its largest,
+    NaN counting as the largest."""
+    bins = (limit - 2) // 2
+    kept = {0, len(steps) - 1}
+    for value in values:
+        where = {}
+        for i, (step, v) in enumerate(zip(steps, value)):
+            position = min(int((step - steps[0]) * bins / max(steps[-1] - steps[0], 1.0)),
+                           bins - 1)
+            kind = 0 if math.isfinite(v) and v > 0 else 1 if v == 0 else 2 if v == math.inf else 3
+            where.setdefault((position, kind), []).append(i)
+        for members in where.values():
+            key = [math.inf if math.isnan(value[i]) else value[i] for i in members]
+            kept.add(members[key.index(min(key))])
+            kept.add(members[len(key) - 1 - key[::-1].index(max(key))])
+    return sorted(kept)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_thinning_keeps_what_each_bin_and_kind_would_keep(seed):
+    rng = numpy.random.default_rng(seed)
+    n = int(rng.integers(300, 1500))
+    steps = numpy.sort(rng.integers(0, 4000, n)) if seed % 2 else numpy.arange(n) * 3
+    choices = [0.0, -0.0, 0.5, 1.0, 2.0, 2.0, math.inf, -math.inf, math.nan, -1.0]
+    values = [rng.choice(choices, n), rng.lognormal(size=n).round(1)][: 1 + seed % 2]
+    limit = int(rng.integers(6, 120))
+    assert panels.thin(steps, *values, limit=limit).tolist() == thinned(steps, values, limit)
+
+
 def test_long_lines_are_thinned_to_an_envelope(long_frame):
     fig = cgn.plot(long_frame, fig=Figure(layout="constrained"))
     found = panel_axes(fig)
