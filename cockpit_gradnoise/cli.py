@@ -102,7 +102,8 @@ def _no_artist_docs():
         return
     import matplotlib.artist
 
-    kwdoc, matplotlib.artist.kwdoc = matplotlib.artist.kwdoc, lambda artist: ""
+    # Any signature: should a later matplotlib call it otherwise, the import still works.
+    kwdoc, matplotlib.artist.kwdoc = matplotlib.artist.kwdoc, lambda *args, **kwargs: ""
     try:
         yield
     finally:
