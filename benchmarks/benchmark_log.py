@@ -22,7 +22,11 @@ Four measurements (``benchmarks/README.md`` lists results):
    in a fresh subprocess: its CPU time (``os.wait4``; the fewest of the runs,
    since a loaded machine only adds), wall time, and peak RSS (``VmHWM``);
    and the CPU time of a fresh interpreter importing only what each command
-   imports first (pandas; pandas and matplotlib).
+   imports first (pandas; matplotlib). And ``plot``'s phases, each in CPU
+   time, the fewest of as many fresh processes (:func:`plot_phases`):
+   importing NumPy, matplotlib with the dashboard, reading the rows drawn,
+   creating the artists, saving the PNG; matplotlib's part (its import, the
+   artists and the PNG) is what ``plot`` would take if reading cost nothing.
 
 Never a timed assertion: ``tests/test_benchmark_log.py`` runs ``--quick``
 and checks what is written, not how fast.
@@ -265,6 +269,48 @@ def import_seconds(repeats: int) -> dict:
     return found
 
 
+#: ``plot``'s phases in a fresh process, as the command line goes through them: CPU seconds
+#: of importing NumPy; matplotlib and the dashboard; reading the rows drawn; creating the
+#: figure's artists; saving the PNG (rendering and encoding).
+_PHASES = """
+import json, sys, time
+marks = [time.process_time()]
+import numpy
+marks.append(time.process_time())
+from cockpit_gradnoise import cli
+with cli._no_artist_docs():
+    from cockpit_gradnoise import dashboard
+marks.append(time.process_time())
+from cockpit_gradnoise.view_rows import plot_rows, streamed_rows
+rows, layers = streamed_rows(sys.argv[1], plot_rows)
+marks.append(time.process_time())
+figure = dashboard.plot(rows, layers=layers, fig=dashboard.OwnFigure())
+marks.append(time.process_time())
+figure.savefig(sys.argv[2], dpi=100, pil_kwargs={"compress_level": 3})
+marks.append(time.process_time())
+print(json.dumps([b - a for a, b in zip(marks, marks[1:])]))
+"""
+PHASES = ("NumPy", "matplotlib and the dashboard", "reading the rows", "creating the artists",
+          "saving the PNG")
+MATPLOTLIB_PART = "matplotlib's part"
+
+
+def plot_phases(log: Path, image: Path, repeats: int) -> dict:
+    """CPU seconds of each of ``plot``'s phases (:data:`PHASES`), the fewest of ``repeats``
+    fresh processes each, and what matplotlib's own phases (its import with the dashboard's,
+    the artists, the PNG) add up to: ``plot``'s time if reading and NumPy cost nothing."""
+    import cockpit_gradnoise
+
+    home = str(Path(cockpit_gradnoise.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([home, os.environ.get("PYTHONPATH", "")])}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _PHASES, str(log), str(image)],
+                                      check=True, capture_output=True, text=True, env=env).stdout)
+            for _ in range(repeats)]
+    fewest = dict(zip(PHASES, (min(times) for times in zip(*runs))))
+    fewest[MATPLOTLIB_PART] = sum(fewest[name] for name in PHASES[1:2] + PHASES[3:])
+    return fewest
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="training steps (default 10000)")
@@ -322,6 +368,12 @@ def markdown(results: dict, args) -> str:
         (f"cockpit-gradnoise report ({args.repeats} runs)", _cli_cell(report)),
         (f"cockpit-gradnoise plot ({args.repeats} runs)", _cli_cell(plot)),
     ]
+    phases = results["plot_phases"]
+    if phases:
+        rows.append((f"  its phases (CPU, fewest of {args.repeats}): "
+                     + ", ".join(PHASES) + "; matplotlib's part (without NumPy and reading)",
+                     " / ".join(f"{phases[name]:.2f} s" for name in PHASES)
+                     + f"; {phases[MATPLOTLIB_PART]:.2f} s"))
     load = results["load"]
     lines = [f"`{' '.join(results['command'])}`", "",
              f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
@@ -355,6 +407,8 @@ def main(argv=None) -> dict:
             "report": run_cli_repeated(["report", log], args.repeats),
             "plot": None if args.no_plot else run_cli_repeated(
                 ["plot", log, "-o", folder / "dashboard.png"], args.repeats),
+            "plot_phases": None if args.no_plot else plot_phases(
+                log, folder / "phases.png", args.repeats),
         }
         results["load"] = (load, os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan)
     if args.quick:

@@ -25,3 +25,18 @@ def test_quick_run_streams_the_log_and_the_report_reads_it(tmp_path, capsys):
     real = to_frame(tmp_path / "real.jsonl")
     assert sorted(set(real.step)) == list(range(20))
     assert json.loads((tmp_path / "results.json").read_text())["real"]["tensors"] == 10
+
+
+def test_quick_run_measures_plot_and_its_phases_on_the_same_picture(tmp_path, capsys):
+    """The phases draw the dashboard the command draws (the same PNG, byte for byte), and
+    matplotlib's part is the sum of its three phases."""
+    results = benchmark_log.main(["--quick", "--no-to-frame", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert results["plot"]["returncode"] == 0, results["plot"]["error"]
+    assert (tmp_path / "phases.png").read_bytes() == (tmp_path / "dashboard.png").read_bytes()
+    phases = results["plot_phases"]
+    assert all(phases[name] > 0 for name in benchmark_log.PHASES)
+    assert phases[benchmark_log.MATPLOTLIB_PART] == (
+        phases["matplotlib and the dashboard"] + phases["creating the artists"]
+        + phases["saving the PNG"])
+    assert "its phases (CPU, fewest of 1)" in out
