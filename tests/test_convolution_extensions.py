@@ -12,6 +12,7 @@ in one chunk or several, against autograd on an un-extended copy of the model.
 
 import copy
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Tuple
 
@@ -304,11 +305,13 @@ def test_chosen_method_matches_per_example_loop(case):
 @pytest.mark.parametrize("case", [case for case in CONVS + DEPTHWISE if "depthwise" in case.name],
                          ids=lambda case: case.name)
 def test_depthwise_convolutions_are_formed_from_windows(case, channels_last, monkeypatch):
-    """As the cost model chooses (formation, whatever the positions): from the input's
-    windows, no patches copied (:func:`._conv_math.weight_factors` never called),
-    exact; also from channels-last inputs and output gradients (ConvNeXt's blocks)."""
+    """Formed from the input's windows (here at any number of positions), no patches
+    copied (:func:`._conv_math.weight_factors` never called), exact; also from
+    channels-last inputs and output gradients (ConvNeXt's blocks)."""
     calls, original = [], _conv_math.weight_factors
     monkeypatch.setattr(_conv_math, "weight_factors", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(_conv_math, "from_windows",
+                        lambda module, positions: module.in_channels == module.groups)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
     if channels_last:
         inputs = inputs.movedim(1, -1).contiguous().movedim(-1, 1)
@@ -316,6 +319,28 @@ def test_depthwise_convolutions_are_formed_from_windows(case, channels_last, mon
     got = extension_results(model, loss_fn, inputs, targets)
     assert not calls
     assert_results_match(got, expected_for(case, True, 7, "mean"))
+
+
+@pytest.mark.parametrize("conv, shape, windows", [
+    (nn.Conv2d(768, 768, 7, padding=3, groups=768), (768, 1, 1), True),  # ConvNeXt-T's last stage
+    (nn.Conv2d(384, 384, 7, padding=3, groups=384), (384, 2, 2), True),
+    (nn.Conv2d(96, 96, 7, padding=3, groups=96), (96, 7, 7), True),  # 49 positions, 49 elements
+    (nn.Conv2d(96, 96, 7, padding=3, groups=96), (96, 8, 8), False),  # ConvNeXt-T's first stage
+    (nn.Conv2d(32, 32, 3, padding=1, groups=32), (32, 28, 28), False),  # MobileNet's early layers
+    (nn.Conv2d(1, 32, 3), (1, 28, 28), False),  # an MNIST network's first (one group)
+    (nn.Conv2d(1, 4, 3), (1, 3, 3), True),
+    (nn.Conv2d(4, 8, 3, groups=2), (4, 3, 3), False),  # two input channels per group
+    (nn.ConvTranspose2d(4, 4, 3, groups=4), (4, 1, 1), False),
+], ids=lambda value: None)
+def test_formation_from_windows_only_over_at_most_as_many_positions_as_kernel_elements(
+        conv, shape, windows):
+    """Windows take a multiply-add per output position, patches a copy per kernel
+    element: windows where the positions are at most the kernel's elements
+    (:func:`._conv_math.from_windows`); an MNIST network's first convolution, over
+    676 positions, was 18 times slower from windows."""
+    with torch.no_grad():
+        positions = math.prod(conv(torch.zeros(1, *shape)).shape[2:])
+    assert _conv_math.from_windows(conv, positions) is windows
 
 
 class ChannelsLast(nn.Module):

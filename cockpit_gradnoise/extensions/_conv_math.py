@@ -214,8 +214,8 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
     A whole chunk at once: fewer, larger operations than one example at a
     time, which on a shared machine wait less for descheduled threads.
     """
-    groups, c_b, c_a, _ = layer_shape(module, inputs, grad_output)
-    if is_depthwise(module):
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    if from_windows(module, positions):
         pads = module._reversed_padding_repeated_twice  # (last left, last right, ..., first right)
         padded = inputs.shape[1] * math.prod(
             size + pads[-2 * d - 2] + pads[-2 * d - 1] for d, size in enumerate(inputs.shape[2:]))
@@ -230,23 +230,35 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
 
 
 def forms(module: nn.Module, alternative_cost: _cost.Cost, c_b: int, c_a: int, positions: int) -> bool:
-    """Whether to form ``x_i`` rather than use ``alternative_cost``'s method: always for a
-    :func:`is_depthwise` convolution (formed without copying patches, which
-    the alternatives copy: 2-6 times faster on ConvNeXt-T's at 1 and 4
-    positions), unless :data:`._cost.FORCE_METHOD` says otherwise; else
-    :func:`._cost.use_formation`."""
-    if _cost.FORCE_METHOD is None and is_depthwise(module):
+    """Whether to form ``x_i`` rather than use ``alternative_cost``'s method: always where
+    :func:`from_windows` (formed without copying patches, which the alternatives
+    copy: 2-6 times faster on ConvNeXt-T's at 1 and 4 positions), unless
+    :data:`._cost.FORCE_METHOD` says otherwise; else :func:`._cost.use_formation`."""
+    if _cost.FORCE_METHOD is None and from_windows(module, positions):
         return True
     return _cost.use_formation(alternative_cost, c_b, c_a, positions)
 
 
-def is_depthwise(module: nn.Module) -> bool:
-    """Whether ``module`` is a convolution (not transposed) with one input channel per group."""
-    return not isinstance(module, TRANSPOSED) and module.in_channels == module.groups
+def from_windows(module: nn.Module, positions: int) -> bool:
+    """Whether a convolution's per-example weight gradients are formed from the input's
+    windows (:func:`depthwise_gradients`): not transposed, one input channel per group,
+    and at most as many output positions as its kernel has elements.
+
+    The windows take one multiply-add per output position, the patches of the
+    other ways one copy per kernel element. Per layer, one thread, batch 32,
+    formation alone (ms, windows against patches): 2.2 against 11.4 at one
+    position (a 7x7 depthwise convolution, 768 channels), about equal at 16 and
+    64 (7x7), 125 against 105 at 256 (7x7), 78 against 40 at 784 (3x3), and
+    170 against 9 for a 3x3 convolution of one input channel over 676
+    positions (an MNIST network's first, batch 128).
+    """
+    return (not isinstance(module, TRANSPOSED) and module.in_channels == module.groups
+            and positions <= math.prod(module.kernel_size))
 
 
 def depthwise_gradients(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
-    """Per-example weight gradients of a :func:`is_depthwise` convolution, ``[N, C_in, m, K]``.
+    """Per-example weight gradients of a convolution with one input channel per group
+    (:func:`from_windows`), ``[N, C_in, m, K]``.
 
     Output channel ``(c, j)`` (``m = C_out / C_in`` per input channel ``c``)
     reads input channel ``c`` only; with ``p`` the padded input, stride ``s``
