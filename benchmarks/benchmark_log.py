@@ -210,16 +210,21 @@ def _wait(process, deadline):
         time.sleep(0.05)
 
 
+def _child_env() -> dict:
+    """This environment, with the package measured here first on the path of a child
+    process (also where another one is installed)."""
+    import cockpit_gradnoise
+
+    home = str(Path(cockpit_gradnoise.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([home, os.environ.get("PYTHONPATH", "")])}
+
+
 def run_cli(arguments, timeout: float = 900.0) -> dict:
     """``cockpit-gradnoise ARGUMENTS`` in a fresh process: wall and CPU seconds, peak RSS.
 
     Killed after ``timeout`` seconds (exit code -9, said in the table).
     """
-    import cockpit_gradnoise
-
-    # The package measured here, also where another one is installed.
-    home = str(Path(cockpit_gradnoise.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([home, os.environ.get("PYTHONPATH", "")])}
+    env = _child_env()
     with tempfile.TemporaryDirectory() as scratch:
         peak_file = Path(scratch) / "peak"
         command = [sys.executable, "-c", _CHILD, str(peak_file), *map(str, arguments)]
@@ -299,10 +304,7 @@ def plot_phases(log: Path, image: Path, repeats: int) -> dict:
     """CPU seconds of each of ``plot``'s phases (:data:`PHASES`), the fewest of ``repeats``
     fresh processes each, and what matplotlib's own phases (its import with the dashboard's,
     the artists, the PNG) add up to: ``plot``'s time if reading and NumPy cost nothing."""
-    import cockpit_gradnoise
-
-    home = str(Path(cockpit_gradnoise.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([home, os.environ.get("PYTHONPATH", "")])}
+    env = _child_env()
     runs = [json.loads(subprocess.run([sys.executable, "-c", _PHASES, str(log), str(image)],
                                       check=True, capture_output=True, text=True, env=env).stdout)
             for _ in range(repeats)]

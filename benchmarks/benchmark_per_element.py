@@ -134,14 +134,19 @@ def gvq_elementwise(params, n):
     return functional.sd_and_signal_to_noise(sums, n, functional.resolvable_snr(n, torch.float32))
 
 
+def layer_views(buffer, sds):
+    """``buffer`` (a tensor or array of all layers' elements) cut into the layers of ``sds``."""
+    offsets = [0]
+    for view in sds:
+        offsets.append(offsets[-1] + view.numel())
+    return [buffer[start:end] for start, end in zip(offsets, offsets[1:])]
+
+
 def gvq_statistics(formed, levels=LEVELS):
     """Quantiles and means of formed sd and SNR, on copies (the selection reorders them)."""
     sd, snr, sds, snrs, left_out = formed
     sd, snr = sd.clone(), snr.clone()
-    offsets = [0]
-    for view in sds:
-        offsets.append(offsets[-1] + view.numel())
-    views = [[b[o:e] for o, e in zip(offsets, offsets[1:])] for b in (sd, snr)]
+    views = [layer_views(b, sds) for b in (sd, snr)]
     return functional.sd_statistics_in_place(*views, left_out, levels, True, (sd, snr))
 
 
@@ -152,12 +157,8 @@ def selection_floor(formed):
     down tenfold on a value repeated that often), and each layer's values are copied into a
     buffer made beforehand (the partition reorders them), so no time goes to fresh memory."""
     sd, snr, sds, _, _ = formed
-    offsets = [0]
-    for view in sds:
-        offsets.append(offsets[-1] + view.numel())
     buffers = [buffer.numpy() for buffer in (sd, snr)]
-    layers = [values[values != 0] for buffer in buffers
-              for values in (buffer[start:end] for start, end in zip(offsets, offsets[1:]))]
+    layers = [values[values != 0] for buffer in buffers for values in layer_views(buffer, sds)]
     work = [numpy.empty_like(values) for values in layers]
 
     def floor():
