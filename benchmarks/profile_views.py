@@ -29,10 +29,10 @@ lap("build_report, format_report")
 """,
     "plot": """
 from cockpit_gradnoise import dashboard, view_rows
-lap("import (pandas, matplotlib without pyplot, the package)")
-frame, layers = view_rows.plot_frame(LOG)
-lap(f"plot_frame: {len(frame):,} rows")
-fig = dashboard.plot(frame, layers=layers, fig=dashboard.OwnFigure())  # as the command line
+lap("import (matplotlib without pyplot, the package)")
+rows, layers = view_rows.plot_rows(LOG)
+lap(f"plot_rows: {len(rows):,} rows")
+fig = dashboard.plot(rows, layers=layers, fig=dashboard.OwnFigure())  # as the command line
 lap("plot, without saving")
 fig.savefig(OUT)
 lap("savefig (layout and drawing)")

@@ -66,7 +66,7 @@ class Ranked(list):
 
     Given as ``layers``, :func:`plot` draws them as the ``top_k`` noisiest
     (and says so), without ranking the frame itself: the frame of
-    :func:`cockpit_gradnoise.view_rows.plot_frame` leaves out what ranked them.
+    :func:`cockpit_gradnoise.view_rows.plot_rows` leaves out what ranked them.
     """
 
 

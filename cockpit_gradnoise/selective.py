@@ -18,7 +18,7 @@ together, with NumPy, from the characters of those numbers only
 (:func:`_gather`): decoding loops over windows and plans, not records.
 
 Which rows a view needs is the view's business (``view_rows.report_frame``,
-``view_rows.plot_frame``); this module reads what it is told.
+``view_rows.plot_rows``); this module reads what it is told.
 
 Damage is not this module's to report: anything unexpected (a line of
 another shape or length, a name or layout not declared, a value record with

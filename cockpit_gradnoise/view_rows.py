@@ -1,6 +1,6 @@
 """The rows of a streamed log that the report and the dashboard read, and only those.
 
-:func:`report_frame` and :func:`plot_frame` give a subset of the rows of
+:func:`report_frame` and :func:`plot_rows` give a subset of the rows of
 :func:`cockpit_gradnoise.to_frame` (same order, same categories, same
 values, :mod:`cockpit_gradnoise.selective`) on which
 :func:`~cockpit_gradnoise.findings.build_report` and
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 def streamed_rows(path, read):
     """``read(file)`` if ``path`` names a streamed log, and it holds this package's quantities.
 
-    ``read`` is :func:`report_frame` or :func:`plot_frame` (with the file);
+    ``read`` is :func:`report_frame` or :func:`plot_rows` (with the file);
     ``None`` (another kind of log, damage, nothing of this package's): read
     the log whole, which says what is wrong.
     """
@@ -333,13 +333,6 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[
 
     return [selective.named(index, records, params=params, statistics=sorted(wanted)),
             selective.Pick(records, one)]
-
-
-def plot_frame(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
-               heatmap: str = "auto") -> Optional[Tuple["pandas.DataFrame", List[str]]]:
-    """:func:`plot_rows` as a pandas frame."""
-    found = plot_rows(path, layers=layers, top_k=top_k, heatmap=heatmap)
-    return None if found is None else (found[0].frame(), found[1])
 
 
 def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,

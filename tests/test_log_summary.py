@@ -109,7 +109,7 @@ def test_the_summary_line_holds_sums_and_counts(tmp_path):
 def test_plot_and_report_read_no_ranking_number_with_a_summary(tmp_path, monkeypatch):
     path = write_log(tmp_path / "run.jsonl")
     full = cgn.to_frame(path)
-    expected_layers = view_rows.plot_frame(without_summary(path, tmp_path / "old.jsonl"))[1]
+    expected_layers = view_rows.plot_rows(without_summary(path, tmp_path / "old.jsonl"))[1]
     part, ranking = view_rows.report_frame(path)
     snr = (part.quantity == GRADIENT_VARIANCE) & (part.statistic == SNR_MEDIAN)
     assert ranking is not None and snr.sum() <= TENSORS + 1 + (~numpy.isfinite(part.value)).sum()
@@ -119,7 +119,7 @@ def test_plot_and_report_read_no_ranking_number_with_a_summary(tmp_path, monkeyp
         raise AssertionError("decoded the ranking's numbers")
 
     monkeypatch.setattr(selective.LogIndex, "numbers", refuse)
-    assert view_rows.plot_frame(path)[1] == expected_layers
+    assert view_rows.plot_rows(path)[1] == expected_layers
 
 
 @pytest.mark.parametrize("case", ["killed writer", "appended after", "step twice"])
@@ -166,8 +166,8 @@ def test_logs_with_and_without_the_summary_give_the_same_report_and_picture(tmp_
     assert cgn.report(path).replace(str(path), "") == cgn.report(old).replace(str(old), "")
     shown = []
     for log in (path, old):
-        frame, drawn = view_rows.plot_frame(log)
-        shown.append((list(drawn), pandas.util.hash_pandas_object(frame).sum()))
+        rows, drawn = view_rows.plot_rows(log)
+        shown.append((list(drawn), pandas.util.hash_pandas_object(rows.frame()).sum()))
     assert shown[0] == shown[1]
 
 

@@ -66,7 +66,7 @@ def test_the_noisiest_layers_are_those_of_the_full_frame(tmp_path, options):
     assert index is not None
     for k in range(1, TENSORS + 2):
         assert view_rows._noisiest(index, k, order) == default_layers(full, k, order), k
-    frame, drawn = view_rows.plot_frame(path, top_k=4)
+    rows, drawn = view_rows.plot_rows(path, top_k=4)
     assert isinstance(drawn, list) and drawn == default_layers(full, 4, order)
 
 

@@ -1,6 +1,6 @@
 """The fast path: the rows of a streamed log the report and the dashboard read.
 
-`view_rows.report_frame` / `plot_frame` decode only some of a log's numbers
+`view_rows.report_frame` / `plot_rows` decode only some of a log's numbers
 (`selective`); the report and the dashboard drawn from them must be those of
 the full frame (`to_frame`), and their rows the full frame's rows.
 """
@@ -146,7 +146,8 @@ def drawn(fig):
                                      {"top_k": 2, "heatmap": "off"}])
 def test_the_dashboard_of_the_rows_read_is_the_full_dashboard(streamed, options):
     full = cgn.to_frame(streamed)
-    part, layers = view_rows.plot_frame(streamed, **options)
+    rows, layers = view_rows.plot_rows(streamed, **options)
+    part = rows.frame()
     assert_rows_of(part, full)
     assert len(part) < len(full) / 2 + (~numpy.isfinite(full.value)).sum()
     pictures = []
