@@ -337,7 +337,8 @@ def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> 
 
 
 def sd_and_signal_to_noise(
-    sums: Sequence[Tuple[Tensor, ...]], n: int, limit: float
+    sums: Sequence[Tuple[Tensor, ...]], n: int, limit: float,
+    union: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, List[Tensor], List[Tensor], List[int]]:
     """:func:`gradient_sd` and :func:`signal_to_noise` (with ``limit``) of several layers, on the CPU.
 
@@ -365,6 +366,11 @@ def sd_and_signal_to_noise(
             ``extra_rounding`` does.
         n: ``N >= 2``.
         limit: :func:`resolvable_snr` of ``N`` and the dtype.
+        union: ``(S, T)``, two 1d tensors that the layers' ``(S, T)`` (without
+            ``R``) tile: each layer's are disjoint pieces of them, together
+            all of them (:func:`~cockpit_gradnoise.extensions.arena.union_of`).
+            Then sd is formed over ``S`` and SNR over ``T``, in place: the
+            layers' sums are overwritten, and no buffer is made.
 
     Returns:
         ``(sd, snr, sds, snrs, z)``: the two buffers; per layer, 1d views of
@@ -375,6 +381,8 @@ def sd_and_signal_to_noise(
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     flat = [tuple(_memory_order(x) for x in layer) for layer in sums]
+    if union is not None:
+        return _sd_and_snr_over_union(flat, union, n, limit)
     dtype = flat[0][0].dtype
     sizes = [layer[1].numel() for layer in flat]
     # Expanded sums (with R) are formed alone, whatever their size.
@@ -396,13 +404,31 @@ def sd_and_signal_to_noise(
         region = slice(offsets[small[0]], sd.numel())
         _sd_and_snr_into(*joined, sd[region], snr[region], n, limit, rounding)
     ratios = snr.numpy()
-    left_out = [
-        int(numpy.count_nonzero(numpy.isnan(ratios[offset : offset + size])))
-        for offset, size in zip(offsets, sizes)
-    ]
+    left_out = [order_statistics.count_where(ratios[offset : offset + size], numpy.isnan)
+                for offset, size in zip(offsets, sizes)]
     snr.nan_to_num_(nan=0.0, posinf=math.inf)
     views = [[buffer[o : o + size] for o, size in zip(offsets, sizes)] for buffer in (sd, snr)]
     return sd, snr, views[0], views[1], left_out
+
+
+def _sd_and_snr_over_union(flat, union, n, limit):
+    """:func:`sd_and_signal_to_noise` in place over ``union``, which the 1d ``flat`` tile."""
+    squares, total = union
+    rounding = _relative_rounding(n, 1, squares.dtype)
+    # The clamp's bound in a scratch piece: the only memory besides the sums.
+    scratch = torch.empty(min(_IN_PLACE_PIECE, squares.numel()), dtype=squares.dtype)
+    for s, t in zip(squares.split(_IN_PLACE_PIECE), total.split(_IN_PLACE_PIECE)):
+        bound = torch.mul(s, rounding, out=scratch[: s.numel()])  # (3N + 4) eps S
+        s.addcmul_(t, t, value=-1.0 / n)  # C = S - T**2 / N, over S
+        kept = torch.sub(s, bound, out=bound).clamp_(min=0.0).sign_()  # as _sd_and_snr_into
+        s.clamp_(min=0.0).mul_(n / (n - 1)).sqrt_().mul_(kept)  # sd, over S
+        t.abs_().div_(s).clamp_(max=limit)  # SNR over T; 0 / 0 stays NaN
+    ratios = total.numpy()
+    starts = [t.storage_offset() - total.storage_offset() for _, t in flat]
+    left_out = [order_statistics.count_where(ratios[start : start + t.numel()], numpy.isnan)
+                for start, (_, t) in zip(starts, flat)]
+    total.nan_to_num_(nan=0.0, posinf=math.inf)
+    return squares, total, [layer[0] for layer in flat], [layer[1] for layer in flat], left_out
 
 
 def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None):
@@ -432,6 +458,10 @@ def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None
 #: :data:`~cockpit_gradnoise._device.CHUNK` elements made 20% of the time
 #: on the benchmark MLP.
 _PIECE = 1 << 20
+
+#: Elements per piece of :func:`sd_and_signal_to_noise` in place: its scratch
+#: piece stays in the cache beside the two pieces it is formed from.
+_IN_PLACE_PIECE = 1 << 16
 
 #: Layers with fewer elements are computed together by
 #: :func:`sd_and_signal_to_noise` (their sums copied into one pair first).

@@ -193,7 +193,7 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         values.sort()
         _check_no_nan(float(values[-1]))
         return values[list(ranks)].tolist()
-    zeros = int(numpy.count_nonzero(values == 0))
+    zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
         return _select_around_zeros(values, ranks, zeros)
     found: Dict[int, float] = {}
@@ -202,6 +202,18 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     found[values.size - 1] = float(largest)
     _select_within(values, 0, sorted(set(ranks) - {values.size - 1}), found)
     return [found[rank] for rank in ranks]
+
+
+def count_where(values: numpy.ndarray, test, *args) -> int:
+    """``numpy.count_nonzero(test(values, *args))`` of a 1d array, counted in pieces of
+    :data:`COUNT_PIECE` elements: no mask of the array's size (a network's
+    elements: as much memory as a layer's sums), at a few percent of the time."""
+    return sum(int(numpy.count_nonzero(test(values[start : start + COUNT_PIECE], *args)))
+               for start in range(0, values.size, COUNT_PIECE))
+
+
+#: Elements per piece of :func:`count_where`.
+COUNT_PIECE = 1 << 16
 
 
 #: :func:`select_in_place` takes the zeros out first where more than

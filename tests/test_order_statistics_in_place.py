@@ -50,3 +50,13 @@ def test_select_in_place_with_many_zeros(zero_fraction):
     with_nan[7] = math.nan
     with pytest.raises(ValueError, match="NaN"):
         order_statistics.select_in_place(with_nan, [n // 2])
+
+
+@pytest.mark.parametrize("n", [0, 1, order_statistics.COUNT_PIECE, 3 * order_statistics.COUNT_PIECE + 5])
+def test_count_where_counts_every_piece(n):
+    """The counts of the whole array, pieces ending inside and at the array's end."""
+    values = numpy.random.default_rng(n).standard_normal(n).astype(numpy.float32)
+    values[::7] = 0.0
+    values[3::11] = numpy.nan
+    assert order_statistics.count_where(values, numpy.equal, 0) == numpy.count_nonzero(values == 0)
+    assert order_statistics.count_where(values, numpy.isnan) == numpy.count_nonzero(numpy.isnan(values))

@@ -1,6 +1,7 @@
 """sd and SNR of several layers into two buffers, and their quantiles in place."""
 
 from cockpit_gradnoise import functional, order_statistics
+from cockpit_gradnoise.extensions import arena
 
 import numpy
 import pytest
@@ -27,18 +28,46 @@ def layer_sums(shape, dtype, seed, permute=False):
     return s, t, x.double()
 
 
+def in_one_buffer(layers):
+    """The layers' ``(S, T)`` copied into the slots of one ``[2, total]`` buffer, in
+    another order than the layers' (as :func:`.arena.place` lays them out)."""
+    sizes = [t.numel() for _, t, _ in layers]
+    buffer = torch.empty(2, sum(sizes), dtype=layers[0][0].dtype)
+    offsets = dict(zip(reversed(range(len(sizes))), numpy.cumsum([0] + sizes[::-1][:-1])))
+    placed = []
+    for k, (s, t, x) in enumerate(layers):
+        slot = buffer[:, offsets[k] : offsets[k] + sizes[k]].view(2, *t.shape)
+        slot[0].copy_(t)
+        slot[1].copy_(s)
+        placed.append((slot[1], slot[0], x))
+    return placed, buffer
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sd_and_signal_to_noise_of_layers(dtype):
+@pytest.mark.parametrize("over_union", [False, True], ids=["into buffers", "in place over a union"])
+def test_sd_and_signal_to_noise_of_layers(dtype, over_union):
     """Against a float64 two-pass sd within the rounding bound; sd exactly 0 for
-    identical examples; SNR at the limit there, 0 / 0 left out and counted."""
+    identical examples; SNR at the limit there, 0 / 0 left out and counted. Over
+    a union (the layers' sums in one buffer): the same, formed over the sums."""
     eps = torch.finfo(dtype).eps
     limit = functional.resolvable_snr(N, dtype)
     layers = [layer_sums((3,), dtype, 0), layer_sums((700,), dtype, 1),
-              layer_sums((20_000,), dtype, 2), layer_sums((5, 4, 6), dtype, 3, permute=True)]
-    sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
-        [(s, t) for s, t, _ in layers], N, limit
-    )
-    assert not layers[-1][0].is_contiguous() and layers[-1][0].stride() == layers[-1][1].stride()
+              layer_sums((70_000,), dtype, 2), layer_sums((5, 4, 6), dtype, 3, permute=True)]
+    union = None
+    if over_union:  # a union's layers are contiguous: the permuted layout left out
+        layers, buffer = in_one_buffer(layers[:3])
+        union = arena.union_of([(s, t) for s, t, _ in layers])
+        assert union is not None
+    sums = [(s, t) for s, t, _ in layers]
+    layers = [(s.clone(), t.clone(), x) for s, t, x in layers]  # the sums, for the checks
+    sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(sums, N, limit, union)
+    if over_union:  # formed over the sums
+        assert sd.data_ptr() == buffer[1].data_ptr() and snr.data_ptr() == buffer[0].data_ptr()
+        assert all(view.data_ptr() == s.data_ptr() for view, (s, _) in zip(sds, sums))
+        assert all(view.data_ptr() == t.data_ptr() for view, (_, t) in zip(snrs, sums))
+    else:
+        assert not layers[-1][0].is_contiguous()
+        assert layers[-1][0].stride() == layers[-1][1].stride()
     assert sd.numel() == snr.numel() == sum(t.numel() for _, t, _ in layers)
     assert sum(view.numel() for view in sds) == sd.numel()
     cases = {}

@@ -33,9 +33,11 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to each table below.
 """
 
+from contextlib import nullcontext
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from cockpit_gradnoise.extensions import (
+    arena,
     batchnorm,
     convolution,
     embedding,
@@ -102,6 +104,13 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         if isinstance(module, _BatchNorm) and module.training:
             # Also where no rule covers the layer: the others' rows are contributions.
             found.examples_interact = True
+        # The sums may lie in one buffer of the backward pass (.arena).
+        sums = self.savefield == SUMS_SAVEFIELD
+        with arena.serving(found, module, SUMS_SAVEFIELD) if sums else nullcontext():
+            return self._rules_run(module, g_inp, g_out)
+
+    def _rules_run(self, module, g_inp, g_out) -> bool:
+        """:meth:`_results` once the facts are recorded: the rule that covers ``module`` runs."""
         # BackPACK's own __call__ is a lookup by exact class, and the call.
         rule = self._rule_for(type(module))
         if rule is not None:
@@ -160,7 +169,9 @@ class SumsOfContributions(_RecordingExtension):
     over its few positions has a third row, ``R``, the absolute terms of the
     rounding bound (:mod:`._conv_math`, ``[3, *param.shape]``); ``sum_i x_i``
     is this backward pass's own gradient on this process, also under
-    distributed training.
+    distributed training. On the CPU the sums of several layers may be
+    slots of one buffer (:mod:`.arena`), which GradientVarianceQuantiles
+    overwrites with sd and SNR.
     """
 
     reduce_normalization = staticmethod(sums.sums_of)

@@ -45,6 +45,8 @@ class BackwardFacts:
         owners: ``{id(param): class name}`` of the module that owns each
             parameter, also where no rule covered it (for the warning that
             names the layers without rows).
+        arena: Where this backward pass's sums are written side by side
+            (:mod:`.arena`), from the first layer it reaches; ``None`` before.
     """
 
     def __init__(self):
@@ -55,6 +57,7 @@ class BackwardFacts:
         self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
         self.owners: Dict[int, str] = {}
+        self.arena = None
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""

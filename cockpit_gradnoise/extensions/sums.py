@@ -85,6 +85,7 @@ need a second matrix product per layer.
 
 from typing import Optional
 
+from cockpit_gradnoise.extensions import arena
 from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
 from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode
 from cockpit_gradnoise.extensions.embedding import SGSEmbeddingAnyDtype
@@ -98,11 +99,13 @@ def stacked(op, first: tuple, second: tuple, shape) -> Tensor:
     """``torch.stack([op(*first), op(*second)])``, each written in place where autograd allows.
 
     Under ``create_graph`` the operands require grad and ``out=`` is refused;
-    otherwise writing into the result saves a copy of it.
+    otherwise writing into the result saves a copy of it. In a backward pass
+    the result may be a slot of the pass's buffer of all layers' sums
+    (:func:`.arena.place`).
     """
     if torch.is_grad_enabled():
         return torch.stack([op(*first), op(*second)])
-    result = first[0].new_empty(2, *shape)
+    result = arena.place(first[0], shape)
     op(*first, out=result[0])
     op(*second, out=result[1])
     return result

@@ -3,7 +3,7 @@
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from cockpit_gradnoise import _device, distributed, functional, order_statistics, schema
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import Batch
@@ -35,8 +35,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     Declared sums per parameter: ``sum_i x_ij`` and ``sum_i x_ij**2``, both
     summed from one computation of the contributions ``x_ij`` (the extension
-    :class:`~cockpit_gradnoise.extensions.SumsOfContributions`; its savefield
-    is read, never altered), not ``param.grad``, which sums the same numbers
+    :class:`~cockpit_gradnoise.extensions.SumsOfContributions`), not
+    ``param.grad``, which sums the same numbers
     in another order: so that identical examples give ``sd_j = 0`` exactly
     (:func:`~cockpit_gradnoise.functional.variance_rounding_bound`, with
     ``inner_terms = 1``; where a convolution's sums expand the square over its
@@ -50,6 +50,15 @@ class GradientVarianceQuantiles(ParameterQuantity):
     ``c = 1/N`` for a mean loss, ``1`` for a sum.
     With batch size 1 no variance is defined: nothing is recorded, with one
     warning.
+
+    Memory: on the CPU, for one batch on one process, where every layer's
+    sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
+    from the second tracked step of a model whose sums are all two matrix
+    products or sums of per-example contributions, such as an MLP), sd and
+    SNR are formed over the sums and their quantiles taken there, so the
+    savefield holds sd and SNR afterwards; otherwise into two buffers of the
+    network's elements. This quantity is the savefield's only reader in a
+    step (a Cockpit holds one instance of it).
 
     Args:
         track_schedule: Function from step to bool.
@@ -79,7 +88,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
         # One batch on one process: the sums stay in units of x (scale 1), as sd
-        # is wanted in them, and the reduction need not be known.
+        # is wanted in them, and the reduction need not be known. sd and SNR can
+        # then be formed over the sums: the next backward pass of this model
+        # writes them into one buffer (extensions.arena).
+        arena.confirm(step.facts)
         return Batch(step.examples(self), 1.0)
 
     def accepts(self, batch):
@@ -93,9 +105,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return True
 
     def parameter_sums(self, param, batch):
-        # Views of what the backward pass left, never altered: another quantity
-        # may read the same savefield in the same step. Both sums are this
-        # process's own, also under distributed training.
+        # Views of what the backward pass left (overwritten by sd and SNR where
+        # they tile one buffer: _formed). Both sums are this process's own,
+        # also under distributed training.
         grad, squares, *magnitudes = getattr(param, SUMS_SAVEFIELD).detach()
         magnitudes = magnitudes[0] if magnitudes else squares.new_zeros(())
         # The extensions may keep float32 sums in float64 (where squares
@@ -200,8 +212,11 @@ def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
     for indices in by_dtype.values():
         batch = values[indices[0]].batch
         limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
+        layers = [values[k].layer() for k in indices]
+        # Sums of this step's one batch that tile one buffer: overwritten by sd and SNR.
+        union = arena.union_of(layers) if batch.loss_scale == 1.0 else None
         sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
-            [values[k].layer() for k in indices], batch.examples, limit
+            layers, batch.examples, limit, union
         )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
