@@ -56,6 +56,15 @@ Candidates:
   the products, the elementwise part and the selection floor against a plain
   step (the extensions' and Cockpit's own costs left out).
 
+A second table gives the same figure per layer family (the class of the
+layer that holds the parameters: Linear, Conv2d, BatchNorm2d, LayerNorm,
+Embedding, ...), issue 21's measure of what each family's rows cost after the
+backward pass: the reference and the quantities' work on that family's
+layers alone (GradientVarianceQuantiles' and ParamGradRatio's statistics of
+each layer, not the network's), interleaved in rounds, each against the
+reference on the same elements. Small layers (biases, norms) show their
+fixed costs per call there. ``--no-families`` leaves it out.
+
 Run ``python benchmarks/benchmark_per_element.py`` (``--models mlp,resnet18``,
 ``--rounds``, ``--quick`` for a smoke test). The machine may be shared:
 rounds are interleaved so that disturbances hit every candidate alike, and
@@ -85,16 +94,29 @@ from backpack import backpack, extend  # noqa: E402
 from benchmarks.models import MODELS, model_and_batch  # noqa: E402
 
 
-def tracked_tensors(model_name, batch_size=None):
-    """``(params, n)``: a model's parameters after one backward pass with the sums extension."""
+def tracked_tensors(model_name, batch_size=None, by_family=False):
+    """``(params, n)``: a model's parameters after one backward pass with the sums extension
+    (with ``by_family``: ``{family: params}`` for the params, :func:`families`)."""
     spec = MODELS[model_name]
     model, x, y = model_and_batch(spec, batch_size or spec.batch_size, torch.device("cpu"))
     model = cgn.prepare_model(model)
     loss = extend(spec.loss("mean"))(model(x), y)
     with backpack(SumsOfContributions()):
         loss.backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    return params, len(x)
+    if by_family:
+        return families(model), len(x)
+    return [p for p in model.parameters() if p.requires_grad], len(x)
+
+
+def families(model):
+    """``{family: trainable params}``, a family being the class of the layer that holds a
+    parameter (Linear, Conv2d, LayerNorm, Embedding, ...), in the order first met."""
+    found = {}
+    for module in model.modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            found.setdefault(type(module).__name__, []).extend(params)
+    return found
 
 
 _BUCKET_SHIFT = 32 - 14
@@ -119,8 +141,9 @@ def gvq_all(quantity, params, n):
     return quantity.statistics_of_values(gvq_values(quantity, params, n), True)
 
 
-def pgr_all(quantity, params, n):
-    return quantity.statistics_of_values([quantity.parameter_value(p, None) for p in params], True)
+def pgr_all(quantity, params, n, network=True):
+    values = [quantity.parameter_value(p, None) for p in params]
+    return quantity.statistics_of_values(values, network)
 
 
 def layer_sums(params):
@@ -293,6 +316,51 @@ def candidates(params, n, compiled=None, model_name=None, batch_size=None):
     return functions
 
 
+FAMILY_CANDIDATES = ("reference: one sd, one SNR, one bincount",
+                     "GradientVarianceQuantiles: its layers' statistics", "ParamGradRatio: its layers'")
+
+
+def family_candidates(params, n):
+    """Per family: the reference, and the quantities' work on the family's layers alone
+    (no network statistics: those are of all families together)."""
+    gvq = cgn.GradientVarianceQuantiles(lambda step: True)
+    pgr = cgn.ParamGradRatio(lambda step: True)
+    functions = (
+        lambda: reference(params, n),
+        lambda: gvq.statistics_of_values(gvq_values(gvq, params, n), False),
+        lambda: pgr_all(pgr, params, n, network=False),
+    )
+    return dict(zip(FAMILY_CANDIDATES, functions))
+
+
+def measure_families(model_name, rounds, batch_size=None):
+    """``{family: (layers, elements, {candidate: ns per element of each round})}``: the
+    candidates of every family, interleaved in rounds as :func:`measure`'s."""
+    by_family, n = tracked_tensors(model_name, batch_size, by_family=True)
+    functions = {(family, name): function for family, params in by_family.items()
+                 for name, function in family_candidates(params, n).items()}
+    times = interleaved(functions, rounds)
+    result = {}
+    for family, params in by_family.items():
+        elements = sum(p.numel() for p in params)
+        result[family] = (len(params), elements, {
+            name: [1e9 * t / elements for t in times[(family, name)]] for name in FAMILY_CANDIDATES})
+    return result
+
+
+def interleaved(functions, rounds):
+    """``{name: [CPU seconds of each round]}`` of functions run in turn, after one warm-up call."""
+    for function in functions.values():
+        function()
+    times = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            start = time.process_time()
+            function()
+            times[name].append(time.process_time() - start)
+    return times
+
+
 def measure(model_name, rounds, batch_size=None, compiled=None):
     params, n = tracked_tensors(model_name, batch_size)
     elements = sum(p.numel() for p in params)
@@ -301,15 +369,7 @@ def measure(model_name, rounds, batch_size=None, compiled=None):
         seconds, same = compile_check(compiled, params, n)
         note = (f"{model_name}: torch.compile's first call {seconds:.1f} s; its sd and SNR equal "
                 f"the eager ones bit for bit: {same}")
-    functions = candidates(params, n, compiled, model_name, batch_size)
-    for function in functions.values():  # warm up
-        function()
-    times = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, function in functions.items():
-            start = time.process_time()
-            function()
-            times[name].append(time.process_time() - start)
+    times = interleaved(candidates(params, n, compiled, model_name, batch_size), rounds)
     return elements, {name: [1e9 * t / elements for t in ts] for name, ts in times.items()}, note
 
 
@@ -320,6 +380,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="smoke test: MLP, batch 8, 3 rounds")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument("--no-families", action="store_true", help="leave out the table per family")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if args.quick:
@@ -345,7 +406,26 @@ def main(argv=None):
                 f"| {median / floor:.2f} |"
             )
     print("", *lines, *(note for note in notes if note), sep="\n")
+    if not args.no_families:
+        print_families(models, args.rounds, args.batch_size)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
+
+
+def print_families(models, rounds, batch_size):
+    """The table per layer family (:func:`measure_families`), each family's ratios to its
+    own reference."""
+    print("\nPer layer family (the class of the layer holding the parameters):\n")
+    print("| model | family | layers | elements | candidate | ns/element, median | min "
+          "| ratio to the family's reference |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    for model_name in models:
+        print(f"measuring {model_name} per family", file=sys.stderr)
+        for family, (layers, elements, times) in measure_families(model_name, rounds, batch_size).items():
+            floor = statistics.median(times[FAMILY_CANDIDATES[0]])
+            for name, ns in times.items():
+                median = statistics.median(ns)
+                print(f"| {model_name} | {family} | {layers} | {elements:,} | {name} | {median:.2f} "
+                      f"| {min(ns):.2f} | {median / floor:.2f} |")
 
 
 if __name__ == "__main__":

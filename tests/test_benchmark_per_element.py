@@ -44,3 +44,42 @@ def test_quick_run_prints_every_candidate_and_the_floors(one_thread, capsys):
     assert step == pytest.approx(
         plain + median[benchmark_per_element.PRODUCTS.strip()] + per_element, abs=0.016)
     assert to_plain == pytest.approx(step / plain, rel=0.01, abs=0.006)
+
+
+def family_rows(stdout):
+    """``[(model, family, layers, elements, candidate, median)]`` of the table per family."""
+    rows = []
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[2].isdigit():
+            rows.append((cells[0], cells[1], int(cells[2]), int(cells[3].replace(",", "")),
+                         cells[4], float(cells[5])))
+    return rows
+
+
+def test_quick_run_prints_each_family_with_every_candidate(one_thread, capsys):
+    benchmark_per_element.main(["--quick"])
+    rows = family_rows(capsys.readouterr().out)
+    # The MLP 784-512-512-10: one family, its three Linear layers' six parameters.
+    assert {(model, family, layers) for model, family, layers, *_ in rows} == {("mlp", "Linear", 6)}
+    assert [row[4] for row in rows] == list(benchmark_per_element.FAMILY_CANDIDATES)
+    assert {row[3] for row in rows} == {784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10}
+    assert all(row[5] > 0 for row in rows)
+
+
+def test_families_partition_the_trainable_parameters_by_the_class_holding_them(one_thread):
+    """On the benchmark GPT: its Linear layers, LayerNorms and embeddings, every trainable
+    parameter in exactly one family, each candidate timed once per round."""
+    measured = benchmark_per_element.measure_families("gpt", 2, batch_size=2)
+    by_family, _ = benchmark_per_element.tracked_tensors("gpt", 2, by_family=True)
+    assert {"Linear", "LayerNorm", "Embedding"} <= set(measured)
+    model_params = [p for params in by_family.values() for p in params]
+    assert len({id(p) for p in model_params}) == len(model_params)
+    spec = benchmark_per_element.MODELS["gpt"]
+    assert sum(p.numel() for p in model_params) == sum(
+        p.numel() for p in spec.make().parameters() if p.requires_grad)
+    for family, (layers, elements, times) in measured.items():
+        assert layers == len(by_family[family])
+        assert elements == sum(p.numel() for p in by_family[family])
+        assert set(times) == set(benchmark_per_element.FAMILY_CANDIDATES)
+        assert all(len(ns) == 2 and min(ns) > 0 for ns in times.values())
