@@ -188,3 +188,17 @@ def test_float64_sums_by_pieces_on_either_path(paths, monkeypatch):
     squares = math.fsum((finite.double() ** 2).tolist())
     assert abs(functional.squared_norm(finite) - squares) <= 50 * 2.0**-53 * squares
     assert math.isnan(_device.float64_total(values).item())
+
+
+@pytest.mark.parametrize("numel", [1, 128, functional._NUMPY_NORM_AT_MOST,
+                                   functional._NUMPY_NORM_AT_MOST + 1, 3 * (1 << 17) + 7])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.bfloat16])
+def test_squared_norm_within_its_bound_on_both_sides_of_the_numpy_path(numel, dtype):
+    """Against the exactly rounded sum of the exact squares (math.fsum of float64
+    squares, exact for float32 and narrower): off by at most n 2**-53 relative
+    ((n + 1) for float64), NumPy's dot for small tensors, torch's pieces above."""
+    values = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype)
+    exact = math.fsum(float(v) ** 2 for v in values.double().tolist())
+    got = functional.squared_norm(values)
+    assert isinstance(got, float)
+    assert abs(got - exact) <= (numel + 1) * 2.0**-53 * exact
