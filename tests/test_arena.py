@@ -1,11 +1,14 @@
 """The sums of one backward pass in one buffer (``extensions.arena``), sd and SNR formed over it."""
 
+import weakref
+
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import Cockpit, functional, references
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, arena
 
 import pytest
 import torch
+from backpack import extend
 from cockpit.utils.schedules import linear
 
 from tests.cases import build, case_named, reference_gradients, run_step
@@ -43,8 +46,8 @@ def _quantity(problem):
 
 def _unions(monkeypatch):
     """The unions the quantity forms sd and SNR over (None: into new buffers), call by call;
-    no plans from earlier tests (a model's id may be an earlier one's)."""
-    monkeypatch.setattr(arena, "_PLANS", {})
+    no plans from earlier tests."""
+    monkeypatch.setattr(arena, "_PLANS", weakref.WeakKeyDictionary())
     found, union_of = [], arena.union_of
 
     def spy(layers):
@@ -113,7 +116,7 @@ def test_savefields_of_a_planned_backward_pass_share_one_buffer_and_models_keep_
 ):
     """Two models tracked in turn each get their own plan; a model's savefields, after
     its second tracked backward pass, are slots of one buffer (read before any quantity)."""
-    monkeypatch.setattr(arena, "_PLANS", {})
+    monkeypatch.setattr(arena, "_PLANS", weakref.WeakKeyDictionary())
     problems = [build(case_named("mlp"), 3, "mean"), build(case_named("embedding"), 3, "mean")]
     storages = []
 
@@ -139,3 +142,35 @@ def test_no_buffer_outside_a_served_rule_or_off_the_cpu():
     total = torch.zeros(6)
     sums = functional.sd_and_signal_to_noise([(total.abs() + 1, total)], 3, 1e3)
     assert sums[0].data_ptr() != total.data_ptr()  # without a union: new buffers
+
+
+def _mlp_run(loss_fn, steps=3, seed=0):
+    """GradientVarianceQuantiles of a fresh seeded MLP over ``steps`` tracked steps (one batch)."""
+    torch.manual_seed(seed)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)))
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    cockpit = Cockpit(list(model.parameters()), quantities=[cgn.GradientVarianceQuantiles(linear(1))])
+    for step in range(steps):
+        model.zero_grad()
+        outputs = model(x)
+        loss = loss_fn(outputs, y)
+        info = {"batch_size": 7, "loss": loss,
+                "individual_losses": torch.nn.functional.cross_entropy(outputs, y, reduction="none")}
+        with cockpit(step, info=info):
+            loss.backward()
+    return model, [cockpit.get_output()[step]["GradientVarianceQuantiles"] for step in range(steps)]
+
+
+def test_two_runs_alike_compute_alike_and_models_sharing_a_loss_keep_their_own_plans(monkeypatch):
+    """A new model starts without a plan, even one alike after another (so its numbers are
+    those of the same run alone), and two models differentiated through one loss module
+    (a GAN's) each plan from their own last layer."""
+    unions = _unions(monkeypatch)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    first, first_rows = _mlp_run(loss_fn)
+    second, second_rows = _mlp_run(loss_fn)
+    assert first_rows == second_rows
+    assert [union is not None for union in unions] == [False, True, True] * 2
+    assert set(arena._PLANS) == {first[2], second[2]}  # each model's last layer
+    del first
+    assert set(arena._PLANS) == {second[2]}  # the plan goes with its model

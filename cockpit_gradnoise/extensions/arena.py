@@ -16,14 +16,15 @@ of the network tile it, sd and SNR are formed in place over the two rows
 and their quantiles taken on the rows themselves: no buffer beyond the sums.
 
 The buffer's size is what the same model's previous backward pass wrote
-through :func:`.sums.stacked`, confirmed by the quantity that can use it
-(:func:`confirm`: one batch on one process, on the CPU). Until then, and
-where a layer's sums do not fit, each is a tensor of its own as before. A
-slot the plan had and this backward pass did not use is the only memory
-this costs; the results are the same numbers either way, only where they lie
-differs. On other devices than the CPU nothing changes. (A layer's own
-``[2, *shape]`` sums tile their storage too: a network of one layer needs
-no buffer of the backward pass.)
+through :func:`.sums.stacked` (the model: the first layer whose sums it
+placed), confirmed by the quantity that can use it (:func:`confirm`: one
+batch on one process, on the CPU). Until then, and where a layer's sums do
+not fit, each is a tensor of its own as before. A slot the plan had and this
+backward pass did not use is the only memory this costs. sd and SNR are the
+same numbers either way; the network's means, float64 sums of the union in
+another order, may differ in their last bits. On other devices than the CPU
+nothing changes. (A layer's own ``[2, *shape]`` sums tile their storage too:
+a network of one layer needs no buffer of the backward pass.)
 """
 
 import contextlib
@@ -35,19 +36,19 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-#: ``{the first module of a backward pass (its id, class and parameters' shapes):
-#: {(device, dtype): elements}}``, as confirmed.
-_PLANS: Dict[tuple, Dict[Tuple[torch.device, torch.dtype], int]] = {}
-#: Plans kept (the models tracked in one process; the oldest goes first).
-_KEPT_PLANS = 16
+#: ``{layer: {(device, dtype): elements}}``, as confirmed, by the first layer whose sums a
+#: backward pass placed (the model's last: it names the model). Weak: a new model, even one
+#: alike, starts without a plan, so that two runs alike compute alike.
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Backward:
     """What :func:`.sums.stacked` needs of the backward pass in progress."""
 
-    def __init__(self, key: tuple):
-        self.key = key
-        self.plan = _PLANS.get(key, {})
+    def __init__(self):
+        self.layer = None  # the layer being served
+        self.first: Optional[weakref.ref] = None  # the first layer whose sums were placed
+        self.plan: Optional[Dict[Tuple[torch.device, torch.dtype], int]] = None  # from it
         self.kept: Counter = Counter()  # (device, dtype) -> elements of stacked's saved results
         self.buffers: Dict[Tuple[torch.device, torch.dtype], list] = {}  # -> [weakref, used]
         self.made: Dict[int, Tensor] = {}  # data_ptr -> result of stacked, in the current rule
@@ -63,14 +64,14 @@ def serving(facts, module, savefield: str):
     :func:`place` may give slots of the backward pass's buffer. Afterwards, the
     results of :func:`place` that ``module``'s parameters keep as ``savefield`` count
     towards the plan :func:`confirm` makes."""
-    if facts.arena is None:  # the first layer the backward pass reaches names the model
-        facts.arena = _Backward((id(module), type(module), tuple(
-            tuple(p.shape) for p in module._parameters.values() if p is not None)))
+    if facts.arena is None:
+        facts.arena = _Backward()
     backward = _SERVING[0] = facts.arena
+    backward.layer = module
     try:
         yield
     finally:
-        _SERVING[0] = None
+        _SERVING[0] = backward.layer = None
         for param in module._parameters.values():
             kept = getattr(param, savefield, None) if param is not None else None
             made = backward.made.get(kept.data_ptr()) if isinstance(kept, Tensor) else None
@@ -86,6 +87,8 @@ def place(like: Tensor, shape: Sequence[int]) -> Tensor:
     buffer, its next free elements (while it has room).
     """
     backward = _SERVING[0]
+    if backward is not None and backward.plan is None:  # the first layer placed: the model's plan
+        backward.first, backward.plan = weakref.ref(backward.layer), _PLANS.get(backward.layer, {})
     result = _slot(backward, like, shape) if backward is not None else None
     if result is None:
         result = like.new_empty(2, *shape)
@@ -117,12 +120,9 @@ def confirm(facts) -> None:
     a buffer of the sums of :func:`.sums.stacked` it kept. Called by the quantity that forms
     sd and SNR in place, where it can (one batch on one process)."""
     backward = facts.arena
-    if backward is None:
-        return
-    _PLANS.pop(backward.key, None)
-    _PLANS[backward.key] = dict(backward.kept)
-    while len(_PLANS) > _KEPT_PLANS:
-        del _PLANS[next(iter(_PLANS))]
+    layer = None if backward is None or backward.first is None else backward.first()
+    if layer is not None:
+        _PLANS[layer] = dict(backward.kept)
 
 
 def union_of(layers: Sequence[Tuple[Tensor, ...]]) -> Optional[Tuple[Tensor, Tensor]]:
