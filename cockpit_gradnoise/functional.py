@@ -403,10 +403,7 @@ def sd_and_signal_to_noise(
         joined = [torch.cat([flat[k][side] for k in small]) for side in (0, 1)]
         region = slice(offsets[small[0]], sd.numel())
         _sd_and_snr_into(*joined, sd[region], snr[region], n, limit, rounding)
-    ratios = snr.numpy()
-    left_out = [order_statistics.count_where(ratios[offset : offset + size], numpy.isnan)
-                for offset, size in zip(offsets, sizes)]
-    snr.nan_to_num_(nan=0.0, posinf=math.inf)
+    left_out = _left_out_counted(snr, offsets, sizes)
     views = [[buffer[o : o + size] for o, size in zip(offsets, sizes)] for buffer in (sd, snr)]
     return sd, snr, views[0], views[1], left_out
 
@@ -414,39 +411,49 @@ def sd_and_signal_to_noise(
 def _sd_and_snr_over_union(flat, union, n, limit):
     """:func:`sd_and_signal_to_noise` in place over ``union``, which the 1d ``flat`` tile."""
     squares, total = union
-    rounding = _relative_rounding(n, 1, squares.dtype)
-    # The clamp's bound in a scratch piece: the only memory besides the sums.
+    # The clamp's bound in a scratch piece (T is in SNR's place): the only memory besides the sums.
     scratch = torch.empty(min(_IN_PLACE_PIECE, squares.numel()), dtype=squares.dtype)
-    for s, t in zip(squares.split(_IN_PLACE_PIECE), total.split(_IN_PLACE_PIECE)):
-        bound = torch.mul(s, rounding, out=scratch[: s.numel()])  # (3N + 4) eps S
-        s.addcmul_(t, t, value=-1.0 / n)  # C = S - T**2 / N, over S
-        kept = torch.sub(s, bound, out=bound).clamp_(min=0.0).sign_()  # as _sd_and_snr_into
-        s.clamp_(min=0.0).mul_(n / (n - 1)).sqrt_().mul_(kept)  # sd, over S
-        t.abs_().div_(s).clamp_(max=limit)  # SNR over T; 0 / 0 stays NaN
-    ratios = total.numpy()
+    _sd_and_snr_into(squares, total, squares, total, n, limit,
+                     _relative_rounding(n, 1, squares.dtype), scratch=scratch)
     starts = [t.storage_offset() - total.storage_offset() for _, t in flat]
-    left_out = [order_statistics.count_where(ratios[start : start + t.numel()], numpy.isnan)
-                for start, (_, t) in zip(starts, flat)]
-    total.nan_to_num_(nan=0.0, posinf=math.inf)
+    left_out = _left_out_counted(total, starts, [t.numel() for _, t in flat])
     return squares, total, [layer[0] for layer in flat], [layer[1] for layer in flat], left_out
 
 
-def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None):
+def _left_out_counted(snr: Tensor, starts: Sequence[int], sizes: Sequence[int]) -> List[int]:
+    """Per layer, the NaNs (``0 / 0``) of its SNR ``snr[start : start + size]``; then every NaN
+    of ``snr`` made ``0.0``, counted instead of compressed out."""
+    ratios = snr.numpy()
+    counts = [order_statistics.count_where(ratios[start : start + size], numpy.isnan)
+              for start, size in zip(starts, sizes)]
+    snr.nan_to_num_(nan=0.0, posinf=math.inf)
+    return counts
+
+
+def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None, scratch=None):
     """:func:`sd_and_signal_to_noise` of one 1d ``(S, T)`` (and ``R``, if not None) into
-    ``sd`` and ``snr`` (NaN for 0 / 0)."""
+    ``sd`` and ``snr`` (NaN for 0 / 0).
+
+    With a ``scratch`` tensor, ``sd`` and ``snr`` may be ``S`` and ``T`` themselves
+    (without ``R``): the clamp's bound goes to the scratch, in pieces of its size.
+    """
+    if scratch is not None and magnitudes is not None:
+        raise ValueError("sums expanded over positions (R) are formed into buffers")
+    piece = _PIECE if scratch is None else scratch.numel()
     tensors = (squares, grad, sd, snr) + (() if magnitudes is None else (magnitudes,))
-    pieces = zip(*(x.split(_PIECE) for x in tensors))
-    for s, t, out, ratio, *r in pieces if squares.numel() > _PIECE else [tensors]:
-        # In place in the two results, the SNR's serving first for the clamp:
-        # no temporaries (fresh memory costs more in page faults than the
-        # work here).
-        torch.mul(s, rounding, out=ratio)  # the bound (3N + 4) eps S
+    pieces = zip(*(x.split(piece) for x in tensors))
+    for s, t, out, ratio, *r in pieces if squares.numel() > piece else [tensors]:
+        # In place in the two results, the SNR's serving first for the clamp
+        # (or the scratch): no temporaries (fresh memory costs more in page
+        # faults than the work here).
+        bound = ratio if scratch is None else scratch[: s.numel()]
+        torch.mul(s, rounding, out=bound)  # (3N + 4) eps S
         if r:  # plus N eps R, formed in sd's place first
-            ratio.add_(expansion_rounding_bound(r[0], n, s.dtype, out=out))
+            bound.add_(expansion_rounding_bound(r[0], n, s.dtype, out=out))
         torch.addcmul(s, t, t, value=-1.0 / n, out=out)  # C = S - T**2 / N
         # 1 where C exceeds the bound, else 0: C - bound > 0 exactly when C >
         # bound (a difference of floats is 0 only when they are equal).
-        kept = torch.sub(out, ratio, out=ratio).clamp_(min=0.0).sign_()
+        kept = torch.sub(out, bound, out=bound).clamp_(min=0.0).sign_()
         out.clamp_(min=0.0).mul_(n / (n - 1)).sqrt_().mul_(kept)
         # x / 0 = inf becomes the limit; 0 / 0 stays NaN (torch's clamp:
         # a third of the time of NumPy's minimum here).
