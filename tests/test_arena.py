@@ -137,18 +137,38 @@ def test_savefields_of_a_planned_backward_pass_share_one_buffer_and_models_keep_
     assert sizes[2:] == [1, 1, 1, 1]
 
 
-def test_no_buffer_outside_a_served_rule_or_off_the_cpu():
+def test_no_buffer_outside_a_served_rule_or_without_a_union():
     assert arena.place(torch.zeros(3), (4,)).shape == (2, 4)  # no backward pass served
     total = torch.zeros(6)
     sums = functional.sd_and_signal_to_noise([(total.abs() + 1, total)], 3, 1e3)
     assert sums[0].data_ptr() != total.data_ptr()  # without a union: new buffers
 
 
-def _mlp_run(loss_fn, steps=3, seed=0):
+def test_no_buffer_on_other_devices(paths, monkeypatch):
+    """On other devices (their paths run on CPU tensors) no sums are placed in a buffer,
+    from the second tracked step on too; on the CPU they are. float64: its sums are not
+    formed at a scale on other devices either, so they would be planned there."""
+    monkeypatch.setattr(arena, "_PLANS", weakref.WeakKeyDictionary())
+    in_buffer, place = [], arena.place
+
+    def spy(like, shape):
+        result = place(like, shape)
+        in_buffer.append(result.untyped_storage().nbytes() > result.numel() * result.element_size())
+        return result
+
+    monkeypatch.setattr(arena, "place", spy)
+    _mlp_run(extend(torch.nn.CrossEntropyLoss()), dtype=torch.float64)
+    per_step = len(in_buffer) // 3  # the MLP's four parameters, at each of three steps
+    expected = [False] * per_step + [paths == "cpu"] * 2 * per_step
+    assert per_step == 4 and in_buffer == expected
+
+
+def _mlp_run(loss_fn, steps=3, seed=0, dtype=torch.float32):
     """GradientVarianceQuantiles of a fresh seeded MLP over ``steps`` tracked steps (one batch)."""
     torch.manual_seed(seed)
     model = extend(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)))
-    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    model = model.to(dtype)
+    x, y = torch.randn(7, 6, dtype=dtype), torch.randint(0, 3, (7,))
     cockpit = Cockpit(list(model.parameters()), quantities=[cgn.GradientVarianceQuantiles(linear(1))])
     for step in range(steps):
         model.zero_grad()

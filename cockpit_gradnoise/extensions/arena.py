@@ -33,6 +33,8 @@ import weakref
 from collections import Counter
 from typing import Dict, Optional, Sequence, Tuple
 
+from cockpit_gradnoise import _device
+
 import torch
 from torch import Tensor
 
@@ -101,7 +103,7 @@ def _slot(backward: _Backward, like: Tensor, shape: Sequence[int]) -> Optional[T
     """:func:`place`'s view of the buffer, or ``None``."""
     key = (like.device, like.dtype)
     total = backward.plan.get(key, 0)
-    if like.device.type != "cpu" or total == 0:
+    if not _device.on_host(like) or total == 0:
         return None
     if key not in backward.buffers:
         buffer = torch.empty(2, total, dtype=like.dtype)
