@@ -202,3 +202,14 @@ def test_squared_norm_within_its_bound_on_both_sides_of_the_numpy_path(numel, dt
     got = functional.squared_norm(values)
     assert isinstance(got, float)
     assert abs(got - exact) <= (numel + 1) * 2.0**-53 * exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_count_over_pieces_on_either_path(paths, dtype):
+    """Exact zeros (either sign), not NaN or inf, over several of count_where's pieces;
+    also of a strided view."""
+    n = 3 * order_statistics.COUNT_PIECE + 5
+    values = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    values[::7], values[3::11], values[5::13], values[-1] = 0.0, -0.0, math.nan, math.inf
+    for tensor in (values, values[::2]):
+        assert float(functional.zero_count(tensor)) == int((tensor == 0).sum())
