@@ -78,13 +78,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 if not __package__:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import functional  # noqa: E402
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions  # noqa: E402
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena  # noqa: E402
 from cockpit_gradnoise.step import Batch  # noqa: E402
 
 import numpy  # noqa: E402
@@ -137,8 +138,12 @@ def gvq_values(quantity, params, n):
     return [quantity.value_from_sums(quantity.parameter_sums(p, batch), batch) for p in params]
 
 
-def gvq_all(quantity, params, n):
-    return quantity.statistics_of_values(gvq_values(quantity, params, n), True)
+def gvq_all(quantity, params, n, network=True):
+    """The quantity's statistics of the savefields' sums, formed into new buffers each call:
+    over a union (one layer's own sums tile their storage) sd and SNR would overwrite the
+    sums the next round reads."""
+    with mock.patch.object(arena, "union_of", lambda layers: None):
+        return quantity.statistics_of_values(gvq_values(quantity, params, n), network)
 
 
 def pgr_all(quantity, params, n, network=True):
@@ -327,7 +332,7 @@ def family_candidates(params, n):
     pgr = cgn.ParamGradRatio(lambda step: True)
     functions = (
         lambda: reference(params, n),
-        lambda: gvq.statistics_of_values(gvq_values(gvq, params, n), False),
+        lambda: gvq_all(gvq, params, n, network=False),
         lambda: pgr_all(pgr, params, n, network=False),
     )
     return dict(zip(FAMILY_CANDIDATES, functions))

@@ -3,7 +3,12 @@ line adds up the table's medians. Never a timed assertion."""
 
 import re
 
+import cockpit_gradnoise  # noqa: F401  (first: makes `import cockpit` work)
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+
 import pytest
+import torch
+from backpack import backpack, extend
 
 from benchmarks import benchmark_per_element
 
@@ -83,3 +88,17 @@ def test_families_partition_the_trainable_parameters_by_the_class_holding_them(o
         assert elements == sum(p.numel() for p in by_family[family])
         assert set(times) == set(benchmark_per_element.FAMILY_CANDIDATES)
         assert all(len(ns) == 2 and min(ns) > 0 for ns in times.values())
+
+
+def test_the_quantities_candidates_leave_the_sums_for_the_next_round():
+    """A family of one layer, whose own sums tile their storage: each round of the
+    candidates computes from the same sums (the quantity would form sd over them)."""
+    model = torch.nn.Linear(4, 3, bias=False)
+    x = torch.randn(6, 4)
+    with backpack(SumsOfContributions()):
+        extend(torch.nn.MSELoss())(extend(model)(x), torch.zeros(6, 3)).backward()
+    sums = getattr(model.weight, SUMS_SAVEFIELD).clone()
+    candidates = benchmark_per_element.family_candidates([model.weight], 6)
+    first = [function() for function in candidates.values()]
+    assert torch.equal(getattr(model.weight, SUMS_SAVEFIELD), sums)
+    assert [function() for function in candidates.values()][1:] == first[1:]
