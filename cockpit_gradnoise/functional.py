@@ -583,8 +583,8 @@ def per_example_norm_statistics(
         ``q<level>``, ``mean`` and ``max`` of ``||g_i||``.
     """
     norms = squared_norms.detach().clamp(min=0).sqrt_()
-    result = order_statistics.quantile_summary(norms, levels, defer=True)
-    result[schema.MAX] = scalar(norms.max())
+    values = order_statistics.quantile_summary(norms, levels, defer=True) + [scalar(norms.max())]
+    result = dict(zip(schema.norm_statistic_names(levels), values))
     return result if defer else _device.resolve(result)
 
 
@@ -658,15 +658,34 @@ def sd_statistics(
     sds = [sd] if isinstance(sd, Tensor) else list(sd)
     if sds and not _device.on_host(sds[0]):
         # SNR's left-out elements are NaN here (signal_to_noise).
-        result = order_statistics.quantile_summary(sds, levels, defer=True)
-        result[schema.SNR_PREFIX] = order_statistics.kept_quantile_summary(
-            snrs, (0.5,), prefix=schema.SNR_PREFIX
-        )
+        sd_names, snr_names = _sd_names(levels)
+        result = dict(zip(sd_names, order_statistics.quantile_summary(sds, levels, defer=True)))
+        kept, snr_values = order_statistics.kept_quantile_summary(snrs, SNR_LEVELS)
+        result[schema.SNR_PREFIX] = _device.PresentIfPositive(kept, dict(zip(snr_names, snr_values)))
         return result if defer else _device.resolve(result)
-    result = order_statistics.quantile_summary(sd, levels)
-    if any(s.numel() > 0 for s in snrs):
-        result.update(order_statistics.quantile_summary(snrs, (0.5,), prefix=schema.SNR_PREFIX))
-    return result
+    has_snr = any(s.numel() > 0 for s in snrs)
+    return _sd_row(levels, order_statistics.quantile_summary(sd, levels),
+                   order_statistics.quantile_summary(snrs, SNR_LEVELS) if has_snr else [])
+
+
+#: The SNR's one quantile level, its median (:data:`~cockpit_gradnoise.schema.SNR_MEDIAN`).
+SNR_LEVELS = (0.5,)
+
+
+def _sd_names(levels: Sequence[float]) -> Tuple[List[str], List[str]]:
+    """The names of sd's quantiles and mean, and of the SNR's median and mean
+    (:func:`~cockpit_gradnoise.schema.sd_statistic_names`, which lists them in that order)."""
+    names = schema.sd_statistic_names(levels)
+    return names[: len(levels) + 1], names[len(levels) + 1 :]
+
+
+def _sd_row(levels: Sequence[float], sd_values: List[float], snr_values: List[float]) -> Dict[str, float]:
+    """sd's quantiles and mean, then the SNR's median and mean (absent where
+    ``snr_values`` is empty), named (:func:`_sd_names`)."""
+    sd_names, snr_names = _sd_names(levels)
+    row = dict(zip(sd_names, sd_values))
+    row.update(zip(snr_names, snr_values))
+    return row
 
 
 def sd_statistics_of_layers(
@@ -688,15 +707,16 @@ def sd_statistics_of_layers(
         rows = [sd_statistics(sd, snr, levels, defer=True) for sd, snr in zip(sds, snrs)]
         return rows, sd_statistics(sds, snrs, levels, defer=True) if network else None
     rows, union = order_statistics.quantile_summaries(sds, levels)
+    snr_rows, snr_union = [[] for _ in rows], []
     with_snr = [k for k, snr in enumerate(snrs) if snr.numel() > 0]
     if with_snr:
-        snr_rows, snr_union = order_statistics.quantile_summaries(
-            [snrs[k] for k in with_snr], (0.5,), prefix=schema.SNR_PREFIX
+        found, snr_union = order_statistics.quantile_summaries(
+            [snrs[k] for k in with_snr], SNR_LEVELS
         )
-        for k, snr_row in zip(with_snr, snr_rows):
-            rows[k].update(snr_row)
-        union.update(snr_union)
-    return rows, union
+        for k, snr_row in zip(with_snr, found):
+            snr_rows[k] = snr_row
+    rows = [_sd_row(levels, row, snr_row) for row, snr_row in zip(rows, snr_rows)]
+    return rows, _sd_row(levels, union, snr_union)
 
 
 def sd_statistics_in_place(
@@ -719,14 +739,10 @@ def sd_statistics_in_place(
         [sd.reshape(-1).numpy() for sd in sds], levels, union=network, joined=unions[0]
     )
     snr_rows, snr_union = order_statistics.quantile_summaries_in_place(
-        [snr.numpy() for snr in snrs], (0.5,), schema.SNR_PREFIX, left_out, union=network,
-        joined=unions[1],
+        [snr.numpy() for snr in snrs], SNR_LEVELS, left_out, union=network, joined=unions[1],
     )
-    for row, snr_row in zip(rows, snr_rows):
-        row.update(snr_row)
-    if network:
-        union.update(snr_union)
-    return rows, union
+    rows = [_sd_row(levels, row, snr_row) for row, snr_row in zip(rows, snr_rows)]
+    return rows, _sd_row(levels, union, snr_union) if network else None
 
 
 #: The dtypes NumPy takes from torch as they are.

@@ -37,10 +37,9 @@ the step's one transfer (``docs/quantities.md``).
 """
 
 import math
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
-from cockpit_gradnoise.schema import MEAN, quantile_name
 
 import numpy
 import torch
@@ -331,15 +330,17 @@ def quantiles(tensors: Tensors, levels: Sequence[float]) -> List[float]:
 
 
 def quantile_summary(
-    tensors: Tensors, levels: Sequence[float], prefix: str = "", *, defer: bool = False
-) -> Dict[str, float]:
-    """Quantiles ``q<level>`` and ``mean`` of all elements of ``tensors``.
+    tensors: Tensors, levels: Sequence[float], *, defer: bool = False
+) -> List[float]:
+    """The quantiles at ``levels`` and the mean of all elements of ``tensors``.
+
+    Numbers only, in level order: the quantities' formulas name them
+    (:func:`cockpit_gradnoise.schema.quantile_name`).
 
     Args:
         tensors: A tensor with at least one element, or a sequence of tensors
             whose union is meant.
         levels: Quantile levels in ``[0, 1]``.
-        prefix: Prepended to every statistic name (e.g. ``"snr_"``).
         defer: On other devices than the CPU, return 0-dim float64 tensors
             left on the device (the host does not wait; a NaN then gives NaN
             instead of an error), for one transfer with the step's other
@@ -347,13 +348,13 @@ def quantile_summary(
             effect on CPU tensors.
 
     Returns:
-        ``{prefix + "q<level>": float, ..., prefix + "mean": float}``; the
+        ``[quantile at levels[0], ..., quantile at levels[-1], mean]``; the
         mean is summed in float64.
     """
     flats = _flat_tensors(tensors)
     if flats and not _device.on_host(flats[0]):
         ordered = _sorted_on_device(flats)
-        summary = _summary_of_sorted(ordered, flats, len(ordered), levels, prefix)
+        summary = _summary_of_sorted(ordered, flats, len(ordered), levels)
         if defer:
             return summary
         summary, last = _device.resolve((summary, ordered[-1]))
@@ -371,12 +372,12 @@ def quantile_summary(
         (values,), _ = _select_on_host([flats], [lower + upper])
         mean = sum(map(float64_sum, flats)) / n
     k = len(levels)
-    return _named(levels, prefix, interpolate(values[:k], values[k:], weights), mean)
+    return interpolate(values[:k], values[k:], weights) + [mean]
 
 
 def quantile_summaries(
-    groups: Sequence[Tensors], levels: Sequence[float], prefix: str = "", *, defer: bool = False
-) -> Tuple[List[Dict[str, float]], Dict[str, float]]:
+    groups: Sequence[Tensors], levels: Sequence[float], *, defer: bool = False
+) -> Tuple[List[List[float]], List[float]]:
     """:func:`quantile_summary` of each group, and of the union of all groups.
 
     A network's statistics beside its layers': on the CPU each element is
@@ -386,7 +387,6 @@ def quantile_summaries(
     Args:
         groups: Each a tensor or a sequence of tensors, with elements.
         levels: Quantile levels in ``[0, 1]``.
-        prefix: Prepended to every statistic name.
         defer: As for :func:`quantile_summary`.
 
     Returns:
@@ -395,8 +395,8 @@ def quantile_summaries(
     flats_of = [_flat_tensors(group) for group in groups]
     if not _device.on_host(flats_of[0][0]):
         union = [flat for flats in flats_of for flat in flats]
-        each = [quantile_summary(flats, levels, prefix, defer=defer) for flats in flats_of]
-        return each, quantile_summary(union, levels, prefix, defer=defer)
+        each = [quantile_summary(flats, levels, defer=defer) for flats in flats_of]
+        return each, quantile_summary(union, levels, defer=defer)
     sizes = [sum(flat.numel() for flat in flats) for flats in flats_of]
     totals = [sum(map(float64_sum, flats)) for flats in flats_of]
     ranks = [quantile_ranks(levels, n) for n in sizes]
@@ -406,18 +406,18 @@ def quantile_summaries(
     )
     k = len(levels)
     each = [
-        _named(levels, prefix, interpolate(found[:k], found[k:], weights), total / n)
+        interpolate(found[:k], found[k:], weights) + [total / n]
         for found, (_, _, weights), total, n in zip(values, ranks, totals, sizes)
     ]
     union = interpolate(union_values[:k], union_values[k:], union_ranks[2])
-    return each, _named(levels, prefix, union, sum(totals) / sum(sizes))
+    return each, union + [sum(totals) / sum(sizes)]
 
 
 def quantile_summaries_in_place(
-    arrays: Sequence[numpy.ndarray], levels: Sequence[float], prefix: str = "",
+    arrays: Sequence[numpy.ndarray], levels: Sequence[float],
     left_out: Optional[Sequence[int]] = None, *, union: bool = True,
     joined: Optional[numpy.ndarray] = None,
-) -> Tuple[List[Dict[str, float]], Optional[Dict[str, float]]]:
+) -> Tuple[List[List[float]], Optional[List[float]]]:
     """:func:`quantile_summaries` of 1d NumPy arrays the caller owns, reordering them.
 
     Each array's quantiles by :func:`select_in_place` on the array itself;
@@ -429,7 +429,6 @@ def quantile_summaries_in_place(
         arrays: 1d float32 or float64 arrays, non-negative where ``left_out``
             is given.
         levels: Quantile levels in ``[0, 1]``.
-        prefix: Prepended to every statistic name.
         left_out: Per array, how many of its elements are placeholders
             ``0.0`` for values left out (which sort first and add nothing to
             a sum: :func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`);
@@ -439,7 +438,8 @@ def quantile_summaries_in_place(
             are views of), reordered too; None: a copy is joined.
 
     Returns:
-        ``(summary of each array, summary of the union)``: an empty dict for
+        ``(summary of each array, summary of the union)``, each as
+        :func:`quantile_summary`'s: an empty list for
         an array with no kept element; the union's is ``None`` if not asked
         for, empty if no element is kept.
     """
@@ -448,34 +448,25 @@ def quantile_summaries_in_place(
     for values, z in zip(arrays, left_out):
         kept.append(values.size - z)
         totals.append(float(values.sum(dtype=numpy.float64)))
-        each.append(_summary_in_place(values, z, kept[-1], totals[-1], levels, prefix))
+        each.append(_summary_in_place(values, z, kept[-1], totals[-1], levels))
     if not union:
         return each, None
     if joined is None:
         joined = numpy.concatenate(arrays) if arrays else numpy.zeros(0)
-    return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels, prefix)
+    return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels)
 
 
-def _summary_in_place(values, left_out, kept, total, levels, prefix) -> Dict[str, float]:
+def _summary_in_place(values, left_out, kept, total, levels) -> List[float]:
     """Quantiles and mean of the ``kept`` elements of ``values`` above its ``left_out`` zeros."""
     if kept == 0:
-        return {}
+        return []
     lower, upper, weights = quantile_ranks(levels, kept)
     found = select_in_place(values, [left_out + rank for rank in lower + upper])
     k = len(levels)
-    return _named(levels, prefix, interpolate(found[:k], found[k:], weights), total / kept)
+    return interpolate(found[:k], found[k:], weights) + [total / kept]
 
 
-def _named(levels, prefix, quantile_values, mean) -> Dict[str, float]:
-    """``{prefix + "q<level>": value, ..., prefix + "mean": mean}``."""
-    result = {quantile_name(level, prefix): v for level, v in zip(levels, quantile_values)}
-    result[prefix + MEAN] = mean
-    return result
-
-
-def kept_quantile_summary(
-    tensors: Tensors, levels: Sequence[float], prefix: str = ""
-) -> _device.PresentIfPositive:
+def kept_quantile_summary(tensors: Tensors, levels: Sequence[float]) -> Tuple[Any, List[Tensor]]:
     """:func:`quantile_summary` of the elements that are not NaN, left on the device.
 
     For data-dependent selections without data-dependent shapes (which make
@@ -485,15 +476,17 @@ def kept_quantile_summary(
     (used on devices other than the CPU).
 
     Returns:
-        A :class:`~cockpit_gradnoise._device.PresentIfPositive` over the number
-        kept: the summary exists only when some element is kept.
+        ``(number kept, summary)``: the number a 0-dim tensor (0 when there are
+        no tensors, with an empty summary), the summary as
+        :func:`quantile_summary`'s, which exists only when some element is
+        kept (:class:`~cockpit_gradnoise._device.PresentIfPositive`).
     """
     flats = _flat_tensors(tensors)
     if not flats:
-        return _device.PresentIfPositive(0, {})
+        return 0, []
     ordered = _sorted_on_device(flats)
     kept = torch.stack([(~flat.isnan()).sum() for flat in flats]).sum()
-    return _device.PresentIfPositive(kept, _summary_of_sorted(ordered, flats, kept, levels, prefix))
+    return kept, _summary_of_sorted(ordered, flats, kept, levels)
 
 
 def _sorted_on_device(flats: List[Tensor]) -> Tensor:
@@ -501,7 +494,7 @@ def _sorted_on_device(flats: List[Tensor]) -> Tensor:
     return torch.sort(flats[0] if len(flats) == 1 else torch.cat(flats)).values
 
 
-def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tensor]:
+def _summary_of_sorted(ordered, flats, count, levels) -> List[Tensor]:
     """Quantiles and mean of the first ``count`` of ``ordered`` (the union of ``flats``).
 
     ``count``: the number of elements (an int), or a 0-dim tensor with the
@@ -527,9 +520,7 @@ def _summary_of_sorted(ordered, flats, count, levels, prefix) -> Dict[str, Tenso
             diff = b - a
             values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
         total = sum(_device.float64_total(flat, skip_nan=True) for flat in flats)
-    result = {quantile_name(level, prefix): value for level, value in zip(levels, values)}
-    result[prefix + MEAN] = total / count
-    return result
+    return values + [total / count]
 
 
 def float64_sum(tensor: Tensor) -> float:
