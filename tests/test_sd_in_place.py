@@ -2,6 +2,7 @@
 
 from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import arena
+from cockpit_gradnoise.functional.fused import memory_order
 
 import numpy
 import pytest
@@ -74,11 +75,11 @@ def test_sd_and_signal_to_noise_of_layers(dtype, over_union):
     for (s, t, x), got_sd, got_snr, z in zip(layers, sds, snrs, left_out):
         # Per element in the order of the sums' memory, as the function gives them.
         def ordered(per_element, like=s):
-            return functional._memory_order(torch.empty_like(like).copy_(per_element))
+            return memory_order(torch.empty_like(like).copy_(per_element))
 
         identical = ordered((x == x[0]).all(0), torch.empty_like(s, dtype=torch.bool))
         centred = ordered(((x - x.mean(0)) ** 2).sum(0), torch.empty_like(s, dtype=torch.float64))
-        s, t = (functional._memory_order(a).double() for a in (s, t))
+        s, t = (memory_order(a).double() for a in (s, t))
         got = got_sd.double()
         assert torch.equal(got[identical], torch.zeros_like(got[identical]))
         # C_j = S_j - T_j**2 / N is off by at most (3N + 4) eps S_j (the
