@@ -12,6 +12,9 @@ from cockpit_gradnoise.order_statistics import Tensors
 
 from torch import Tensor
 
+#: The SNR's one quantile level, its median (:data:`~cockpit_gradnoise.schema.SNR_MEDIAN`).
+SNR_LEVELS = (0.5,)
+
 
 def sd_statistics(
     sd: Tensors, snr: Tensors, levels: Sequence[float], *, defer: bool = False
@@ -41,10 +44,6 @@ def sd_statistics(
     has_snr = any(s.numel() > 0 for s in snrs)
     return _sd_row(levels, order_statistics.quantile_summary(sd, levels),
                    order_statistics.quantile_summary(snrs, SNR_LEVELS) if has_snr else [])
-
-
-#: The SNR's one quantile level, its median (:data:`~cockpit_gradnoise.schema.SNR_MEDIAN`).
-SNR_LEVELS = (0.5,)
 
 
 def _sd_names(levels: Sequence[float]) -> Tuple[List[str], List[str]]:
