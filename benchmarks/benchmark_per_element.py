@@ -86,6 +86,7 @@ if not __package__:
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import functional  # noqa: E402
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena  # noqa: E402
+from cockpit_gradnoise.functional.fused import memory_order  # noqa: E402
 from cockpit_gradnoise.step import Batch  # noqa: E402
 
 import numpy  # noqa: E402
@@ -270,7 +271,7 @@ def compiled_run(function, params, n):
     limit = functional.resolvable_snr(n, torch.float32)
     return [
         # In the order of memory, as the eager function takes them.
-        function(functional._memory_order(s), functional._memory_order(t), n, rounding, limit)
+        function(memory_order(s), memory_order(t), n, rounding, limit)
         for s, t, *_ in layer_sums(params)
     ]
 

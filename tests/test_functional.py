@@ -3,6 +3,7 @@
 import math
 
 from cockpit_gradnoise import _device, functional, order_statistics
+from cockpit_gradnoise.functional.norms import NUMPY_NORM_AT_MOST
 
 import numpy
 import pytest
@@ -190,8 +191,8 @@ def test_float64_sums_by_pieces_on_either_path(paths, monkeypatch):
     assert math.isnan(_device.float64_total(values).item())
 
 
-@pytest.mark.parametrize("numel", [1, 128, functional._NUMPY_NORM_AT_MOST,
-                                   functional._NUMPY_NORM_AT_MOST + 1, 3 * (1 << 17) + 7])
+@pytest.mark.parametrize("numel", [1, 128, NUMPY_NORM_AT_MOST,
+                                   NUMPY_NORM_AT_MOST + 1, 3 * (1 << 17) + 7])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.bfloat16])
 def test_squared_norm_within_its_bound_on_both_sides_of_the_numpy_path(numel, dtype):
     """Against the exactly rounded sum of the exact squares (math.fsum of float64

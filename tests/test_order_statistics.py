@@ -5,7 +5,6 @@ from pathlib import Path
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
-from cockpit_gradnoise.schema import quantile_name
 
 import numpy
 import pytest
@@ -86,13 +85,14 @@ def test_each_group_and_their_union_equal_numpy_bit_for_bit(dtype):
     # Groups of different scales, as layers are: the union's ranks fall elsewhere.
     values[4] *= 1e-3
     groups = [random_parts(v, rng) for v in values]
-    each, union = order_statistics.quantile_summaries(groups, LEVELS, prefix="p_")
+    # A summary: the quantiles in level order, then the mean.
+    each, union = order_statistics.quantile_summaries(groups, LEVELS)
     for got, v in zip(each, values):
-        quantiles = [got[quantile_name(level, "p_")] for level in LEVELS]
+        quantiles = got[: len(LEVELS)]
         numpy.testing.assert_array_equal(quantiles, expected_quantiles(v, LEVELS))
     everything = numpy.concatenate(values)
     numpy.testing.assert_array_equal(
-        [union[quantile_name(level, "p_")] for level in LEVELS],
+        union[: len(LEVELS)],
         expected_quantiles(everything, LEVELS),
     )
     non_negative = [numpy.abs(numpy.nan_to_num(v, posinf=1.0, neginf=1.0)) for v in values]
@@ -100,10 +100,10 @@ def test_each_group_and_their_union_equal_numpy_bit_for_bit(dtype):
         [torch.from_numpy(v) for v in non_negative], (0.5,)
     )
     for got, v in zip(each, non_negative):
-        assert got["mean"] == pytest.approx(v.astype(numpy.float64).mean(), rel=1e-12)
+        assert got[-1] == pytest.approx(v.astype(numpy.float64).mean(), rel=1e-12)
     joined = numpy.concatenate(non_negative).astype(numpy.float64)
-    assert union["mean"] == pytest.approx(joined.mean(), rel=1e-12)
-    assert union["q0.5"] == expected_quantiles(joined, (0.5,))[0]
+    assert union[-1] == pytest.approx(joined.mean(), rel=1e-12)
+    assert union[0] == expected_quantiles(joined, (0.5,))[0]
 
 
 @pytest.mark.parametrize("small_groups", [3, 40])
@@ -123,10 +123,10 @@ def test_union_of_many_small_groups_equals_numpy_bit_for_bit(small_groups):
     )
     for got, v in zip(each, values):
         numpy.testing.assert_array_equal(
-            [got[quantile_name(level)] for level in levels], expected_quantiles(v, levels)
+            got[: len(levels)], expected_quantiles(v, levels)
         )
     numpy.testing.assert_array_equal(
-        [union[quantile_name(level)] for level in levels],
+        union[: len(levels)],
         expected_quantiles(numpy.concatenate(values), levels),
     )
 
@@ -149,10 +149,10 @@ def test_mostly_zeros_are_counted_exactly_beside_the_tiniest_subnormals(subnorma
         [torch.from_numpy(v) for v in values], levels
     )
     for got, v in zip(each, values):
-        quantiles = [got[quantile_name(level)] for level in levels]
+        quantiles = got[: len(levels)]
         numpy.testing.assert_array_equal(quantiles, expected_quantiles(v, levels))
     numpy.testing.assert_array_equal(
-        [union[quantile_name(level)] for level in levels],
+        union[: len(levels)],
         expected_quantiles(numpy.concatenate(values), levels),
     )
     ranks = [0, 6, 7, 8, 9, 10, 45_000, 50_000]
@@ -266,12 +266,12 @@ def test_quantile_summary_of_a_union(n):
     values = numpy.abs(awkward_values(n, numpy.float32, 0))
     values[numpy.isinf(values)] = 1.0
     parts = random_parts(values, rng)
-    got = order_statistics.quantile_summary(parts, (0.1, 0.5), prefix="snr_")
-    assert list(got) == ["snr_q0.1", "snr_q0.5", "snr_mean"]
+    got = order_statistics.quantile_summary(parts, (0.1, 0.5))
+    assert len(got) == 3  # the two quantiles in level order, then the mean
     numpy.testing.assert_array_equal(
-        [got["snr_q0.1"], got["snr_q0.5"]], expected_quantiles(values, (0.1, 0.5))
+        got[:2], expected_quantiles(values, (0.1, 0.5))
     )
-    assert got["snr_mean"] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
+    assert got[2] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
     values[n // 2] = numpy.nan
     with pytest.raises(ValueError, match=r"NaN.*values\[~values.isnan\(\)\]"):
         order_statistics.quantile_summary(random_parts(values, rng), (0.5,))
@@ -297,7 +297,7 @@ def test_the_paths_of_other_devices_are_exact_too(monkeypatch):
     finite = numpy.abs(awkward_values(100_000, numpy.float64, 0))
     finite[numpy.isinf(finite)] = 0.0
     summary = order_statistics.quantile_summary(torch.from_numpy(finite), (0.5,))
-    assert summary["mean"] == pytest.approx(finite.mean(), rel=1e-12)
+    assert summary[-1] == pytest.approx(finite.mean(), rel=1e-12)
     with pytest.raises(ValueError, match="NaN"):
         order_statistics.select(torch.tensor([1.0, float("nan")]), [0])
 
@@ -312,19 +312,17 @@ def test_kept_quantile_summary_equals_numpy_on_the_elements_not_nan(n):
         marked = values.copy()
         marked[rng.random(n) < left_out] = numpy.nan
         kept = marked[~numpy.isnan(marked)]
-        conditional = order_statistics.kept_quantile_summary(
-            random_parts(marked, rng), LEVELS, prefix="snr_"
-        )
-        got = _device.resolve({"group": conditional})
+        count, summary = order_statistics.kept_quantile_summary(random_parts(marked, rng), LEVELS)
+        got = _device.resolve(_device.PresentIfPositive(count, summary))
         if kept.size == 0:
             assert got == {}
             continue
         expected = expected_quantiles(kept, LEVELS)
-        quantiles = [got[quantile_name(level, "snr_")] for level in LEVELS]
+        quantiles = got[: len(LEVELS)]
         numpy.testing.assert_array_equal(quantiles, expected)
         with numpy.errstate(invalid="ignore"):  # inf - inf
             mean = kept.astype(numpy.float64).mean()
-        assert got["snr_mean"] == pytest.approx(mean, rel=1e-12, nan_ok=True)
+        assert got[-1] == pytest.approx(mean, rel=1e-12, nan_ok=True)
 
 
 def test_benchmark_script_checks_every_candidate_and_prints_its_table(capsys):

@@ -2,6 +2,7 @@
 
 from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import arena
+from cockpit_gradnoise.functional.fused import memory_order
 
 import numpy
 import pytest
@@ -74,11 +75,11 @@ def test_sd_and_signal_to_noise_of_layers(dtype, over_union):
     for (s, t, x), got_sd, got_snr, z in zip(layers, sds, snrs, left_out):
         # Per element in the order of the sums' memory, as the function gives them.
         def ordered(per_element, like=s):
-            return functional._memory_order(torch.empty_like(like).copy_(per_element))
+            return memory_order(torch.empty_like(like).copy_(per_element))
 
         identical = ordered((x == x[0]).all(0), torch.empty_like(s, dtype=torch.bool))
         centred = ordered(((x - x.mean(0)) ** 2).sum(0), torch.empty_like(s, dtype=torch.float64))
-        s, t = (functional._memory_order(a).double() for a in (s, t))
+        s, t = (memory_order(a).double() for a in (s, t))
         got = got_sd.double()
         assert torch.equal(got[identical], torch.zeros_like(got[identical]))
         # C_j = S_j - T_j**2 / N is off by at most (3N + 4) eps S_j (the
@@ -114,13 +115,14 @@ def test_quantile_summaries_in_place_equal_numpy_on_the_kept_values():
     for joined in (None, numpy.concatenate(arrays)):
         work = [a.copy() for a in arrays]
         each, union = order_statistics.quantile_summaries_in_place(
-            work, levels, "p_", left_out, joined=None if joined is None else joined.copy()
+            work, levels, left_out, joined=None if joined is None else joined.copy()
         )
+        # A summary: the quantiles in level order, then the mean.
         for values, summary in zip(kept, each):
             expected = numpy.quantile(values.astype(numpy.float64), levels).tolist()
-            assert [summary[f"p_q{q:g}"] for q in levels] == expected
-            assert summary["p_mean"] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
-        assert each[-1] == {}
+            assert summary[: len(levels)] == expected
+            assert summary[-1] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
+        assert each[-1] == []
         everything = numpy.concatenate(kept).astype(numpy.float64)
-        assert [union[f"p_q{q:g}"] for q in levels] == numpy.quantile(everything, levels).tolist()
-        assert union["p_mean"] == pytest.approx(everything.mean(), rel=1e-12)
+        assert union[: len(levels)] == numpy.quantile(everything, levels).tolist()
+        assert union[-1] == pytest.approx(everything.mean(), rel=1e-12)

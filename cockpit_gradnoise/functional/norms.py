@@ -1,0 +1,80 @@
+"""Norms: squared norms accumulated in float64, their ratios, and per-example norm statistics."""
+
+import math
+from typing import Dict, Sequence
+
+from cockpit_gradnoise import _device, order_statistics, schema
+
+import numpy
+import torch
+from torch import Tensor
+
+
+def scalar(tensor: Tensor):
+    """A one-element tensor as a Python float on the CPU (no wait there); on
+    other devices the tensor itself, left there for the step's one transfer
+    (:func:`cockpit_gradnoise._device.resolve`)."""
+    return tensor.item() if _device.on_host(tensor) else tensor
+
+
+def norm_ratio(squared_numerator, squared_denominator):
+    """``sqrt(a) / sqrt(b)`` (:func:`~cockpit_gradnoise.schema.ratio_or_inf`), floats or tensors."""
+    if isinstance(squared_numerator, Tensor):
+        return schema.ratio_or_inf(squared_numerator.sqrt(), squared_denominator.sqrt())
+    return schema.ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))
+
+
+#: The dtypes NumPy takes from torch as they are.
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+#: :func:`squared_norm` of at most this many elements on the CPU is one NumPy dot
+#: (8 us against 62 for the torch calls, on a 128-element bias here); below
+#: OpenBLAS's threshold for threads in a dot (10,000).
+NUMPY_NORM_AT_MOST = 1 << 13
+
+
+def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
+    """``sum_j tensor_j**2``, accumulated in float64, as a Python float.
+
+    Dot products of float64 copies of pieces of the tensor
+    (:func:`~cockpit_gradnoise._device.float64_pieces`: never all of it in
+    float64 at once). Squares of float32 and narrower values are exact in
+    float64, so only the sum rounds: the result is off by at most
+    ``n 2**-53`` relative for ``n`` elements (``(n + 1) 2**-53`` for float64
+    input), whatever order the CPU's kernels add in (Higham 2002, ch. 4):
+    ``1.1e-10`` for a million elements. A float32 dot product's error depends
+    on the CPU's kernel (``1e-6`` to ``1e-5`` relative on a million elements).
+
+    With ``defer``, on other devices than the CPU: a 0-dim float64 tensor
+    left on the device (the same number).
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= NUMPY_NORM_AT_MOST and _device.on_host(flat) and flat.dtype in _NUMPY_FLOATS:
+        # One NumPy float64 dot: a few torch calls cost more than the work on a
+        # small tensor (a bias, a norm's weight).
+        values = flat.numpy().astype(numpy.float64)
+        return float(numpy.dot(values, values))
+    parts = [torch.dot(piece, piece) for piece in _device.float64_pieces(flat)]
+    result = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    if defer and not _device.on_host(flat):
+        return result
+    return result.item()
+
+
+def per_example_norm_statistics(
+    squared_norms: Tensor, levels: Sequence[float], *, defer: bool = False
+) -> Dict[str, float]:
+    """Statistics over a batch of per-example gradient norms.
+
+    Args:
+        squared_norms: ``||g_i||^2`` for each example, shape ``[N]``.
+        levels: Quantile levels.
+        defer: Leave the results on the device as 0-dim tensors (see
+            :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
+
+    Returns:
+        ``q<level>``, ``mean`` and ``max`` of ``||g_i||``.
+    """
+    norms = squared_norms.detach().clamp(min=0).sqrt_()
+    values = order_statistics.quantile_summary(norms, levels, defer=True) + [scalar(norms.max())]
+    result = dict(zip(schema.norm_statistic_names(levels), values))
+    return result if defer else _device.resolve(result)

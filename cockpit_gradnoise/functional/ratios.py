@@ -1,0 +1,137 @@
+"""Elementwise ratios ``|a_j| / |b_j|`` (``theta / grad``) and their statistics, and zero counts."""
+
+import math
+from typing import Any, Dict, Tuple
+
+from cockpit_gradnoise import _device, order_statistics, schema
+from cockpit_gradnoise.functional.norms import scalar
+
+import numpy
+import torch
+from torch import Tensor
+
+
+def zero_count(tensor: Tensor):
+    """The number of elements exactly 0: an int on the CPU, a 0-dim tensor elsewhere.
+
+    On the CPU NumPy counts ``x == 0`` in a third of the time of
+    ``torch.count_nonzero``, in pieces (:func:`~cockpit_gradnoise.order_statistics.count_where`:
+    no mask of the tensor's size); elsewhere the count stays on the device for
+    the step's one transfer (:func:`scalar`).
+    """
+    if _device.on_host(tensor) and tensor.dtype in (torch.float32, torch.float64):
+        return order_statistics.count_where(tensor.detach().reshape(-1).numpy(), numpy.equal, 0)
+    return scalar(tensor.numel() - tensor.count_nonzero().double())
+
+
+def abs_ratio_statistics(
+    numerator: Tensor, denominator: Tensor, *, defer: bool = False, all_finite: bool = False
+) -> Dict[str, float]:
+    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite:
+    the first result of :func:`abs_ratio_statistics_and_zeros`."""
+    return abs_ratio_statistics_and_zeros(numerator, denominator, defer=defer, all_finite=all_finite)[0]
+
+
+def abs_ratio_statistics_and_zeros(
+    numerator: Tensor, denominator: Tensor, *, defer: bool = False, all_finite: bool = False
+) -> Tuple[Dict[str, float], Any]:
+    """Statistics of ``|a_j| / |b_j|`` over the elements with ``b_j != 0`` and both finite,
+    and the number of ``b_j == 0`` (:func:`zero_count`, from the same pass where it can).
+
+    The per-element ratio of :class:`~cockpit_gradnoise.ParamGradRatio`
+    (``a = theta``, ``b = grad``): how many steps of size ``lr * |grad_j|``
+    it takes to move ``theta_j`` by its own size. Elements with a zero or
+    non-finite gradient, or a non-finite parameter, are left out, so no
+    statistic is a NaN from 0/0. A ratio too large for the dtype is ``inf``.
+
+    Args:
+        numerator: ``a``, any shape.
+        denominator: ``b``, same number of elements.
+        defer: Leave the results on the device (see
+            :func:`~cockpit_gradnoise.order_statistics.quantile_summary`).
+        all_finite: The caller knows every element of both to be finite
+            (e.g. both sums of squares are: a NaN or inf would make them
+            non-finite), which saves a pass over each; ``False`` checks.
+
+    Returns:
+        ``mean``, ``median`` (as ``numpy.median``: the mean of the two middle
+        values for an even count), ``min`` and ``max``, an empty dict when no
+        element qualifies; and the zero count.
+    """
+    a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
+    # Ratios of bfloat16 or float16 numbers in float32: float16's range ends at
+    # 65504, below many |theta_j| / |grad_j| (exact widening; one rounding per ratio).
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.to(wide), b.to(wide)
+    if not _device.on_host(a):
+        result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
+        return (result if defer else _device.resolve(result)), zero_count(b)
+    # A finite sum proves every element finite (NaN and inf propagate): then
+    # only b = 0 is left out.
+    finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
+    plain = a.dtype == b.dtype and b.dtype in (torch.float32, torch.float64)
+    if plain:
+        # NumPy divides, compares and counts several times faster than torch
+        # on CPU (torch's division slows down on subnormal gradients).
+        with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            ratio = numpy.divide(a.numpy(), b.numpy())
+            numpy.abs(ratio, out=ratio)  # in place: one array of the layer's size
+    else:
+        ratio = torch.div(a, b).abs_().numpy()
+    if finite and plain:
+        left_out = b.numpy() == 0
+    else:
+        left_out = (~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)).numpy()
+    # The left-out elements by index (few, usually): a mask applied to every
+    # element (compress, putmask) costs several ns per element when the kept
+    # and left-out ones alternate irregularly.
+    out = numpy.flatnonzero(left_out)
+    z, n = out.size, ratio.size - out.size
+    zeros = z if finite and plain else zero_count(b)  # left out: exactly the zeros
+    if n == 0:
+        return {}, zeros
+    # The smallest kept ratio with the left-out ones at inf, then at 0, where
+    # they sort first (tied at worst with a kept 0) and add nothing to the
+    # sum: the kept ratios are ranks z .. end.
+    ratio[out] = numpy.inf
+    smallest = float(ratio.min())
+    ratio[out] = 0.0
+    mean = float(ratio.sum(dtype=numpy.float64)) / n
+    # Nested partitions of the fresh array (order_statistics.select_in_place):
+    # no bucket passes and no sort.
+    lower, upper, largest = order_statistics.select_in_place(
+        ratio, [z + (n - 1) // 2, z + n // 2, z + n - 1]
+    )
+    return {
+        schema.MEAN: mean,
+        schema.MEDIAN: (lower + upper) / 2,
+        schema.MIN: smallest,
+        schema.MAX: largest,
+    }, zeros
+
+
+def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPositive:
+    """:func:`abs_ratio_statistics` without waiting for the device.
+
+    Left-out elements become NaN, which sorts last, and the ranks come from
+    the number kept, on the device.
+    """
+    left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
+    ratio = torch.div(a, b).abs_().masked_fill_(left_out, math.nan)
+    n = ratio.numel() - left_out.sum()
+    ordered = torch.sort(ratio).values
+    last = (n - 1).clamp(min=0)
+
+    def at(rank):
+        return ordered.gather(0, rank.clamp(min=0).reshape(1))[0].double()
+
+    lower, upper = at(torch.div(n - 1, 2, rounding_mode="floor")), at(n // 2)
+    return _device.PresentIfPositive(
+        n,
+        {
+            schema.MEAN: _device.float64_total(ratio, skip_nan=True) / n,
+            schema.MEDIAN: (lower + upper) / 2,
+            schema.MIN: at(torch.zeros_like(n)),
+            schema.MAX: at(last),
+        },
+    )

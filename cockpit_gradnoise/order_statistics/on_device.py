@@ -1,0 +1,75 @@
+"""Quantiles on other devices than the CPU (GPUs): ``torch.sort``, results left on the device.
+
+No result whose size depends on the data, nothing read back by the host
+until the step's one transfer (:func:`cockpit_gradnoise._device.resolve`).
+"""
+
+from typing import Any, List, Sequence, Tuple
+
+from cockpit_gradnoise import _device
+from cockpit_gradnoise.order_statistics.ranks import (
+    Tensors,
+    flat_tensors,
+    interpolate,
+    quantile_ranks,
+)
+
+import torch
+from torch import Tensor
+
+
+def kept_quantile_summary(tensors: Tensors, levels: Sequence[float]) -> Tuple[Any, List[Tensor]]:
+    """:func:`quantile_summary` of the elements that are not NaN, left on the device.
+
+    For data-dependent selections without data-dependent shapes (which make
+    the host wait): the elements left out are marked NaN, which sorts last,
+    and the ranks are computed on the device from the number kept. Exact as
+    :func:`quantile_summary` on the kept elements. For tensors on any device
+    (used on devices other than the CPU).
+
+    Returns:
+        ``(number kept, summary)``: the number a 0-dim tensor (0 when there are
+        no tensors, with an empty summary), the summary as
+        :func:`quantile_summary`'s, which exists only when some element is
+        kept (:class:`~cockpit_gradnoise._device.PresentIfPositive`).
+    """
+    flats = flat_tensors(tensors)
+    if not flats:
+        return 0, []
+    ordered = sorted_on_device(flats)
+    kept = torch.stack([(~flat.isnan()).sum() for flat in flats]).sum()
+    return kept, summary_of_sorted(ordered, flats, kept, levels)
+
+
+def sorted_on_device(flats: List[Tensor]) -> Tensor:
+    """The union sorted ascending with torch, NaN last: no data-dependent shape."""
+    return torch.sort(flats[0] if len(flats) == 1 else torch.cat(flats)).values
+
+
+def summary_of_sorted(ordered, flats, count, levels) -> List[Tensor]:
+    """Quantiles and mean of the first ``count`` of ``ordered`` (the union of ``flats``).
+
+    ``count``: the number of elements (an int), or a 0-dim tensor with the
+    number that are not NaN (the others sort last). 0-dim float64 tensors,
+    computed as :func:`quantile_ranks` and :func:`interpolate` compute them,
+    so equal to ``numpy.quantile`` bit for bit.
+    """
+    if isinstance(count, int):
+        lower, upper, weights = quantile_ranks(levels, count)
+        a = [ordered[k].double() for k in lower]
+        b = [ordered[k].double() for k in upper]
+        values = interpolate(a, b, weights)
+        total = sum(_device.float64_total(flat) for flat in flats)
+    else:
+        last = (count - 1).clamp(min=0)
+        values = []
+        for level in levels:
+            position = (count - 1).double() * float(level)
+            k = torch.minimum(position.floor(), last).clamp(min=0)
+            t = position - k
+            a = ordered.gather(0, k.long().reshape(1))[0].double()
+            b = ordered.gather(0, torch.minimum(k + 1, last).long().reshape(1))[0].double()
+            diff = b - a
+            values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
+        total = sum(_device.float64_total(flat, skip_nan=True) for flat in flats)
+    return values + [total / count]
