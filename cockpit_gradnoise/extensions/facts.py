@@ -10,11 +10,9 @@ the extensions record into the one started last (:func:`recording`).
 from collections import Counter
 from typing import Dict, Set
 
-from torch import nn
+from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
-#: The attribute of a layer holding a tied parameter, set by ``prepare_model``
-#: (:data:`.tied.TIED_ATTR`; here so that this module imports no extension).
-_TIED_ATTR = "_cgn_tied"
+from torch import nn
 
 _SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
 
@@ -62,7 +60,7 @@ class BackwardFacts:
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
-        marked = module.__dict__.get(_TIED_ATTR, {})
+        marked = module.__dict__.get(TIED_ATTR, {})
         for attribute, param in module._parameters.items():
             if param is not None and param.requires_grad and hasattr(param, extension.savefield):
                 key = (type(extension), id(param))

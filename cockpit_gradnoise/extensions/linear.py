@@ -52,7 +52,7 @@ from cockpit_gradnoise.extensions._squares import (
     unscaled_norms,
     unscaled_sums,
 )
-from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, TIED_ATTR
 from cockpit_gradnoise.extensions.sums import (
     SumsFromContributionsMixin,
     position_sums,
@@ -60,7 +60,6 @@ from cockpit_gradnoise.extensions.sums import (
     sums_of,
     sums_of_position_sums,
 )
-from cockpit_gradnoise.extensions.tied import TIED_ATTR
 
 import torch
 from backpack.context import CTX

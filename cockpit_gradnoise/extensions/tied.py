@@ -29,7 +29,7 @@ per-example contributions in chunks of examples of at most
 Which parameters are tied is known before any backward pass:
 :func:`~cockpit_gradnoise.extensions.uses.install` (run by ``prepare_model``)
 finds them in ``model.named_parameters(remove_duplicate=False)`` and marks
-each layer that holds one (:data:`TIED_ATTR`). A layer of another class than
+each layer that holds one (:data:`.savefields.TIED_ATTR`). A layer of another class than
 ``Linear`` and ``Embedding`` among the uses, or one applied twice in one
 forward pass (BackPACK keeps its last input only), is refused with an error
 naming the parameter.
@@ -42,14 +42,12 @@ from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
+    TIED_ATTR,
 )
 
 import torch
 from backpack.context import CTX
 from torch import Tensor, nn
-
-#: The attribute of a layer that holds a tied parameter: ``{attribute name: TiedGroup}``.
-TIED_ATTR = "_cgn_tied"
 
 #: The savefields :func:`combine` sums over uses.
 COMBINED_SAVEFIELDS = (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
