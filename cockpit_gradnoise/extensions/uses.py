@@ -64,8 +64,6 @@ def _forget(model: nn.Module):
         uses.new_forward(None)
 
 
-hooks.ON_PARK.append(_forget)  # when the model's hooks are parked (hooks.park)
-
 
 def _begin_forward(model, args, kwargs):
     if idle(model):  # nothing recorded; let go of what an earlier forward pass recorded
@@ -113,6 +111,7 @@ def install(model: nn.Module) -> nn.Module:
         model.__dict__[_ROOT_HOOKED] = True
         model.register_forward_pre_hook(eager_under_compile(_begin_forward), with_kwargs=True)
         model.register_forward_hook(eager_under_compile(_end_forward), with_kwargs=True)
+    hooks.on_park(model, _forget)  # when the model's hooks are parked (hooks.park)
     for module in model.modules():
         module.__dict__.pop(TIED_ATTR, None)
     uses.groups = tied.mark(model)
