@@ -129,10 +129,3 @@ def rule_for(savefield: str, module: nn.Module) -> Optional[Callable]:
 def has_rule(module: nn.Module) -> bool:
     """Whether ``module``'s class has a rule here."""
     return qualified_name(module) in RULES
-
-
-def run(extension, module: nn.Module, g_inp, g_out) -> None:
-    """Apply ``extension``'s rule for ``module`` if its class is one of these."""
-    rule = rule_for(getattr(extension, "savefield", None), module)
-    if rule is not None:
-        rule(extension, module, g_inp, g_out)

@@ -80,7 +80,7 @@ Applied to the biases of ``Linear`` layers on sequences (also Hugging Face's
 ``Conv1D``, whose rule is the Linear one), of convolutions (sums of output
 gradients over positions) and to the biases the torch.func fallback sees
 added by ``F.linear`` only (torchvision's Swin attention:
-:class:`.fallback._LinearBiases`); a weight's terms ``g_il a_il^T`` would
+:class:`.fallback.replay._LinearBiases`); a weight's terms ``g_il a_il^T`` would
 need a second matrix product per layer.
 """
 

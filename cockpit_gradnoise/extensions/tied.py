@@ -37,7 +37,8 @@ naming the parameter.
 
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import _cost, fallback
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions.fallback.parameters import delegated_parameters
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -263,8 +264,8 @@ def mark(model: nn.Module) -> List[TiedGroup]:
         names.setdefault(id(param), []).append(name)
     holders: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for module in model.modules():  # each module object once
-        # A parameter a submodule holds too is that layer's (fallback.delegated_parameters).
-        delegated = fallback.delegated_parameters(module)
+        # A parameter a submodule holds too is that layer's (.fallback.parameters).
+        delegated = delegated_parameters(module)
         for attribute, param in module._parameters.items():
             if param is not None and len(names.get(id(param), ())) > 1 \
                     and id(param) not in delegated:
