@@ -100,7 +100,11 @@ class BackwardFacts:
 
 
 #: The backward pass being run: replaced, never reset, by :func:`begin` (between passes),
-#: so facts a Step holds are never changed by a later backward pass.
+#: so facts a Step holds are never changed by a later backward pass. The one module-level
+#: cell of the pass (BackPACK's ``CTX`` is one too); during a pass only its object changes.
+#: Not per pass, and kept where they are: the sums' plans per model (``arena._PLANS``),
+#: the patched BackPACK ``__init__``s (``normalization._STOCK_INITS``) and the tests'
+#: setting ``_cost.FORCE_METHOD``.
 _RECORDING = [BackwardFacts()]
 
 

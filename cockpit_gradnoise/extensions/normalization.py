@@ -292,7 +292,8 @@ def _reducer_for(extension) -> Callable:
 
 
 # Each patched class -> its own __init__, as it was before patching: the record
-# of the one global change this module makes, on request (not a cache).
+# of the one global change this module makes, on request (not a cache, and not
+# per backward pass: it lasts from register_extensions to unregister_extensions).
 _STOCK_INITS: Dict[type, Callable] = {}
 
 

@@ -64,7 +64,6 @@ def _forget(model: nn.Module):
         uses.new_forward(None)
 
 
-
 def _begin_forward(model, args, kwargs):
     if idle(model):  # nothing recorded; let go of what an earlier forward pass recorded
         _forget(model)
