@@ -13,7 +13,7 @@ in CPU time of one thread (``time.process_time``, the fastest of
   by the module's native rule or by the fallback;
 - ``added / plain``: what the rows add, in units of the bound;
 - ``fallback ms``: of ``rows``, the time spent in the fallback itself
-  (:func:`cockpit_gradnoise.extensions.fallback.run`, called by each
+  (:func:`cockpit_gradnoise.extensions.fallback.running.run`, called by each
   extension on each module, and the computations it leaves to the end of the
   backward pass, all modules that have it), and ``fallback / plain``: that
   time in units of the bound. For
@@ -36,6 +36,7 @@ from cockpit_gradnoise.extensions import (
     SumsOfContributions,
     fallback,
 )
+from cockpit_gradnoise.extensions.fallback import running
 
 import torch
 from backpack import backpack
@@ -127,14 +128,14 @@ def _step(module, inputs, grad, extensions):
 
 class _FallbackClock:
     """Adds up the CPU time spent in the fallback's backward-pass entry points while
-    installed: ``fallback.run`` and ``fallback._compute_after_backward`` (neither calls
+    installed: ``running.run`` and ``running._compute_after_backward`` (neither calls
     the other)."""
 
     ENTRY_POINTS = ("run", "_compute_after_backward")
 
     def __init__(self):
         self.seconds = 0.0
-        self._originals = {name: getattr(fallback, name) for name in self.ENTRY_POINTS}
+        self._originals = {name: getattr(running, name) for name in self.ENTRY_POINTS}
 
     def _timed(self, function):
         def timed(*args, **kwargs):
@@ -148,12 +149,12 @@ class _FallbackClock:
 
     def __enter__(self):
         for name, function in self._originals.items():
-            setattr(fallback, name, self._timed(function))
+            setattr(running, name, self._timed(function))
         return self
 
     def __exit__(self, *exc):
         for name, function in self._originals.items():
-            setattr(fallback, name, function)
+            setattr(running, name, function)
 
 
 def measure(module, inputs, repeats):

@@ -25,7 +25,8 @@ import functools
 import time
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.extensions import batchless, fallback
+from cockpit_gradnoise.extensions import batchless
+from cockpit_gradnoise.extensions.fallback import running
 
 import torch
 from backpack import extend
@@ -50,7 +51,7 @@ def _timed_parts(parts):
 
     wrap(batchless, "find_broadcasts", "meetings")
     wrap(batchless.Broadcast, "keep", "meetings")
-    wrap(fallback, "compute", "fallback")
+    wrap(running, "compute", "fallback")
 
 
 def steps(args):

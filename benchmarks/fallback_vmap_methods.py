@@ -9,7 +9,7 @@ reductions):
 - ``plain``: the module's forward and backward (input and parameter gradients);
 - ``forward + autograd``: the module's forward under ``vmap`` with an expanded
   copy of each parameter per example, then one ``torch.autograd.grad`` to
-  the copies (what :func:`cockpit_gradnoise.extensions.fallback.per_example_gradients`
+  the copies (what :func:`cockpit_gradnoise.extensions.fallback.replay.per_example_gradients`
   does, there with the parameters swapped in place rather than by
   ``functional_call``);
 - ``vmap of vjp``: ``vmap`` over the examples of ``torch.func.vjp`` of the

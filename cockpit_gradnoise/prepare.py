@@ -22,7 +22,7 @@ import sys
 from typing import Optional
 
 from cockpit_gradnoise.attention import convert_attention
-from cockpit_gradnoise.extensions import uses
+from cockpit_gradnoise.extensions import has_rule, uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
 from cockpit_gradnoise.extensions.hooks import add_hooks, install_switch
 
@@ -84,7 +84,7 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             or drop-path do), or if the converter changed parameter names.
     """
     model = convert_attention(model)  # same parameters, same names (attention.py)
-    install_fallback(model)  # modules that use their parameters directly (extensions.fallback)
+    install_fallback(model, has_rule)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:
         if not any(getattr(module, "_backpack_extend", False) for module in model.modules()):
             add_hooks(model)

@@ -7,7 +7,7 @@ import warnings
 import weakref
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.extensions import PerExampleSquaredNorms, SumsOfContributions, hooks
+from cockpit_gradnoise.extensions import PerExampleSquaredNorms, SumsOfContributions, facts
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 
 import numpy
@@ -191,7 +191,7 @@ class Keywords(nn.Module):
 
 class SeesCall(BatchGrad):
     def __call__(self, module, g_inp, g_out):
-        self.call = hooks.current_call()
+        self.call = facts.recording().call
         super().__call__(module, g_inp, g_out)
 
 
@@ -204,7 +204,7 @@ def test_rules_see_the_call_keywords_included_and_only_during_the_dispatch():
         with backpack(extension):
             model(inputs, scale=2.0).sum().backward()
     assert extension.call.kwargs == {} and extension.call.inputs == ()  # cleared after the backward
-    assert hooks.current_call() is None
+    assert facts.recording().call is None
 
 
 def test_what_the_rules_saw_is_released_after_the_backward_pass():

@@ -14,7 +14,8 @@ import pickle
 import weakref
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.extensions import batchless, fallback, hooks
+from cockpit_gradnoise.extensions import batchless, hooks
+from cockpit_gradnoise.extensions.fallback import capture
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ class Recorded:
                 counts["calls"] += 1
                 super().__init__(*args)
 
-        class CountedFallbackCall(fallback.Call):
+        class CountedFallbackCall(capture.Call):
             def __init__(self, *args, **kwargs):
                 counts["captures"] += 1
                 super().__init__(*args, **kwargs)
@@ -62,7 +63,7 @@ class Recorded:
             return walk(*args)
 
         monkeypatch.setattr(hooks, "Call", CountedCall)
-        monkeypatch.setattr(fallback, "Call", CountedFallbackCall)
+        monkeypatch.setattr(capture, "Call", CountedFallbackCall)
         monkeypatch.setattr(batchless, "find_broadcasts", counted_walk)
 
     def take(self):

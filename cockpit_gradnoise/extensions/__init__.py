@@ -42,7 +42,6 @@ from cockpit_gradnoise.extensions import (
     convolution,
     embedding,
     facts,
-    fallback,
     hf,
     linear,
     normalization,
@@ -50,6 +49,7 @@ from cockpit_gradnoise.extensions import (
     sums,
     uses,
 )
+from cockpit_gradnoise.extensions.fallback import capture, running
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -73,7 +73,8 @@ class _RecordingExtension(FirstOrderBackpropExtension):
     A subclass of a layer in its table gets the rule :func:`.subclasses.rule_for`
     finds (BackPACK looks rules up by exact class), decided once per class; a
     layer without a rule gets :mod:`.hf`'s rule for its class name, else the
-    ``torch.func`` fallback where ``prepare_model`` installed it (:mod:`.fallback`).
+    ``torch.func`` fallback where ``prepare_model`` installed it (:mod:`.fallback`),
+    chosen in one place (:meth:`_rules_run`).
     """
 
     #: Its reducer of a normalization layer's per-example contributions.
@@ -110,16 +111,29 @@ class _RecordingExtension(FirstOrderBackpropExtension):
             return self._rules_run(module, g_inp, g_out)
 
     def _rules_run(self, module, g_inp, g_out) -> bool:
-        """:meth:`_results` once the facts are recorded: the rule that covers ``module`` runs."""
-        # BackPACK's own __call__ is a lookup by exact class, and the call.
-        rule = self._rule_for(type(module))
+        """:meth:`_results` once the facts are recorded: the one choice between a rule, the
+        fallback and nothing.
+
+        The rule that covers ``module`` (:meth:`rule_of`) runs; else the
+        ``torch.func`` fallback where ``prepare_model`` installed it (which
+        may itself refuse, warning); else nothing covers ``module`` (``False``:
+        it gets no rows, and the quantities name its parameters).
+        """
+        rule = self.rule_of(module)
         if rule is not None:
             rule(self, module, g_inp, g_out)
             return True
-        hf.run(self, module, g_inp, g_out)
-        fallback.run(self, module, g_inp, g_out)
-        return hf.has_rule(module) or isinstance(getattr(module, fallback.ATTRIBUTE, None),
-                                                 fallback.Fallback)
+        if isinstance(getattr(module, capture.ATTRIBUTE, None), capture.Fallback):
+            running.run(self, module, g_inp, g_out)
+            return True
+        return False
+
+    def rule_of(self, module: nn.Module) -> Optional[ModuleExtension]:
+        """This extension's rule for ``module``: the table's for its class or a parent's
+        (:meth:`_rule_for`), else :mod:`.hf`'s for its class name; ``None`` if neither."""
+        # BackPACK's own __call__ is a lookup by exact class, and the call.
+        rule = self._rule_for(type(module))
+        return rule if rule is not None else hf.rule_for(self.savefield, module)
 
     def _rule_for(self, module_class: type) -> Optional[ModuleExtension]:
         """The table's rule, or the one derived for a subclass (:func:`.subclasses.rule_for`)."""
@@ -189,10 +203,10 @@ class SumsOfContributions(_RecordingExtension):
                 nn.ConvTranspose3d: convolution.SumsConv(),
                 nn.RNN: sums.SumsRNN(),
                 nn.LSTM: sums.SumsLSTM(),
-                nn.BatchNorm1d: sums.SumsBatchNormAnyMode(),
-                nn.BatchNorm2d: sums.SumsBatchNormAnyMode(),
-                nn.BatchNorm3d: sums.SumsBatchNormAnyMode(),
-                nn.Embedding: sums.SumsEmbeddingAnyDtype(),
+                nn.BatchNorm1d: batchnorm.SumsBatchNormAnyMode(),
+                nn.BatchNorm2d: batchnorm.SumsBatchNormAnyMode(),
+                nn.BatchNorm3d: batchnorm.SumsBatchNormAnyMode(),
+                nn.Embedding: embedding.SumsEmbeddingAnyDtype(),
                 **normalization.module_extensions(sums.sums_of),
             },
             fail_mode=FAIL_SILENT,
@@ -277,8 +291,8 @@ def unregister_extensions() -> None:
 
 def has_rule(module: nn.Module) -> bool:
     """Whether the package's extensions have a native rule for ``module``
-    (a table row for its class or a parent's, or :mod:`.hf`); the others with direct
-    parameters get the ``torch.func`` fallback (:mod:`.fallback`)."""
+    (a table row for its class or a parent's, or :mod:`.hf`: ``rule_of``); the others with
+    direct parameters get the ``torch.func`` fallback (``prepare_model`` passes this
+    function to :func:`.fallback.install_fallback`)."""
     extensions = (PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient())
-    return (any(ext._rule_for(type(module)) is not None for ext in extensions)
-            or hf.has_rule(module))
+    return any(ext.rule_of(module) is not None for ext in extensions)

@@ -22,7 +22,7 @@ CHUNK_BYTES = 16 * 2**20
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
 #: or ``"expansion"`` (expanding the square, with its absolute terms, or Gram matrices for norms)
 #: forces one method for every convolution and sequence Linear (tests,
-#: measurements).
+#: measurements). A setting, not per-pass state: no backward pass changes it.
 FORCE_METHOD: Optional[str] = None
 
 #: Cost of moving one number through memory, in floating-point operations of a

@@ -3,8 +3,9 @@
 BackPACK runs every active extension on a layer, one after the other, before
 it goes on to the next layer; several of them may need the same intermediate
 result (a sequence Linear's formed contributions, a normalization layer's
-per-example contributions). :data:`LAYER_CACHE` keeps the result computed
-for the first, for the others.
+per-example contributions). The backward pass's :class:`LayerCache`
+(``facts.recording().layer_cache``, :mod:`.facts`) keeps the result
+computed for the first, for the others.
 
 A stale result cannot be served: an entry is keyed on the layer and the
 tensors it was computed from (``module.input0``, the output gradient), held
@@ -68,9 +69,3 @@ class LayerCache:
     def put(self, slot: Hashable, sources: Sequence[Any], result: Any, extra: Hashable = None) -> None:
         """Keep ``result`` in ``slot``, replacing what it held."""
         self._slots[slot] = (_Key(sources, extra), result)
-
-
-#: The package's one layer cache (module-level: BackPACK gives its module
-#: extensions no per-pass object to keep it on; its keys make staleness
-#: impossible, see the module docstring).
-LAYER_CACHE = LayerCache()

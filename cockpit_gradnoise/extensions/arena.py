@@ -34,30 +34,28 @@ from collections import Counter
 from typing import Dict, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.extensions import facts as backward_facts
 
 import torch
 from torch import Tensor
 
 #: ``{layer: {(device, dtype): elements}}``, as confirmed, by the first layer whose sums a
 #: backward pass placed (the model's last: it names the model). Weak: a new model, even one
-#: alike, starts without a plan, so that two runs alike compute alike.
+#: alike, starts without a plan, so that two runs alike compute alike. Module-level, and not
+#: on the backward pass (:mod:`.facts`): a plan outlives its pass, for the model's next one.
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Backward:
-    """What :func:`.sums.stacked` needs of the backward pass in progress."""
+    """What :func:`.sums.stacked` needs of the backward pass in progress (its ``arena``)."""
 
     def __init__(self):
-        self.layer = None  # the layer being served
+        self.layer = None  # the layer being served (None: no sums rule runs)
         self.first: Optional[weakref.ref] = None  # the first layer whose sums were placed
         self.plan: Optional[Dict[Tuple[torch.device, torch.dtype], int]] = None  # from it
         self.kept: Counter = Counter()  # (device, dtype) -> elements of stacked's saved results
         self.buffers: Dict[Tuple[torch.device, torch.dtype], list] = {}  # -> [weakref, used]
         self.made: Dict[int, Tensor] = {}  # data_ptr -> result of stacked, in the current rule
-
-
-#: The backward pass being served, while one of its rules runs (:func:`serving`).
-_SERVING: list = [None]
 
 
 @contextlib.contextmanager
@@ -68,12 +66,12 @@ def serving(facts, module, savefield: str):
     towards the plan :func:`confirm` makes."""
     if facts.arena is None:
         facts.arena = _Backward()
-    backward = _SERVING[0] = facts.arena
+    backward = facts.arena
     backward.layer = module
     try:
         yield
     finally:
-        _SERVING[0] = backward.layer = None
+        backward.layer = None
         for param in module._parameters.values():
             kept = getattr(param, savefield, None) if param is not None else None
             made = backward.made.get(kept.data_ptr()) if isinstance(kept, Tensor) else None
@@ -88,7 +86,9 @@ def place(like: Tensor, shape: Sequence[int]) -> Tensor:
     In a served backward pass on the CPU, with a plan: a view of the pass's
     buffer, its next free elements (while it has room).
     """
-    backward = _SERVING[0]
+    backward = backward_facts.recording().arena
+    if backward is not None and backward.layer is None:  # not served now
+        backward = None
     if backward is not None and backward.plan is None:  # the first layer placed: the model's plan
         backward.first, backward.plan = weakref.ref(backward.layer), _PLANS.get(backward.layer, {})
     result = _slot(backward, like, shape) if backward is not None else None

@@ -16,6 +16,7 @@ training mode was met, so that the quantities can say so.
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.normalization import scale_contributions, shift_contributions
+from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin
 
 import torch
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
@@ -42,6 +43,10 @@ class SGSBatchNormAnyMode(_AnyModeMixin, SGSBatchNormNd):
 
 class GradBatchNormAnyMode(_AnyModeMixin, GradBatchNormNd):
     """The gradient of a BatchNorm's parameters, in any mode."""
+
+
+class SumsBatchNormAnyMode(SumsFromContributionsMixin, SGSBatchNormAnyMode):
+    """``[T, S]`` of a BatchNorm's parameters (``BatchNorm1d/2d/3d``), in any mode (:mod:`.sums`)."""
 
 
 def uses_batch_statistics(module: nn.Module) -> bool:

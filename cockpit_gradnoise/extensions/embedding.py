@@ -9,6 +9,7 @@ contribution to it, is exactly 0 by definition (not a sum that rounds to 0).
 """
 
 from cockpit_gradnoise.extensions._squares import SquaredNormsFromContributionsMixin
+from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin
 
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
@@ -61,6 +62,10 @@ class SGSEmbeddingAnyDtype(SGSEmbedding):
     def __init__(self):
         super().__init__()
         self.derivatives = EmbeddingDerivativesAnyDtype()
+
+
+class SumsEmbeddingAnyDtype(SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
+    """``[T, S]`` of an Embedding's weight, any dtype (:mod:`.sums`)."""
 
 
 class GradEmbeddingAnyDtype(GradEmbedding):

@@ -1,26 +1,31 @@
-"""What one backward pass revealed about the model, for the quantities to check.
+"""One backward pass: what it revealed about the model, and what its rules share while it runs.
 
 Cockpit runs one instance of each extension class for all the quantities that
-request it, so these facts cannot live on an extension instance. The
-:class:`~cockpit_gradnoise.step.Step` of a cockpit call starts a new
-:class:`BackwardFacts` before the backward pass (:func:`begin`) and keeps it;
-the extensions record into the one started last (:func:`recording`).
+request it, and BackPACK hands module extensions no per-pass object, so what
+a backward pass records cannot live on an extension instance. As BackPACK
+keeps its own pass in one ``backpack.context.CTX``, this package keeps it in
+one :class:`BackwardFacts`: the facts the quantities check, the buffer plan
+of the sums being served (:mod:`.arena`), the layer cache (:mod:`._layer_cache`)
+and the call being dispatched (:mod:`.hooks`). The
+:class:`~cockpit_gradnoise.step.Step` of a cockpit call starts a new one
+before the backward pass (:func:`begin`) and keeps it; the extensions and
+their rules reach the one started last through :func:`recording`, the one
+accessor. During a pass only that object changes.
 """
 
 from collections import Counter
 from typing import Dict, Set
 
-from torch import nn
+from cockpit_gradnoise.extensions._layer_cache import LayerCache
+from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
-#: The attribute of a layer holding a tied parameter, set by ``prepare_model``
-#: (:data:`.tied.TIED_ATTR`; here so that this module imports no extension).
-_TIED_ATTR = "_cgn_tied"
+from torch import nn
 
 _SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
 
 
 class BackwardFacts:
-    """Facts about the current backward pass.
+    """One backward pass: the facts it revealed, and what its rules share while it runs.
 
     Attributes:
         examples_interact: A layer mixed the examples of the batch (BatchNorm
@@ -47,6 +52,11 @@ class BackwardFacts:
             names the layers without rows).
         arena: Where this backward pass's sums are written side by side
             (:mod:`.arena`), from the first layer it reaches; ``None`` before.
+        layer_cache: One layer's work shared between the extensions that run
+            on it (:mod:`._layer_cache`).
+        call: The call of a hooked module whose rules are running
+            (:class:`.hooks.Call`), ``None`` outside a dispatch; a rule's own
+            forward call stores nothing while it is set.
     """
 
     def __init__(self):
@@ -58,11 +68,13 @@ class BackwardFacts:
         self.leading_sizes: Dict[int, int] = {}
         self.owners: Dict[int, str] = {}
         self.arena = None
+        self.layer_cache = LayerCache()
+        self.call = None
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
-        marked = module.__dict__.get(_TIED_ATTR, {})
+        marked = module.__dict__.get(TIED_ATTR, {})
         for attribute, param in module._parameters.items():
             if param is not None and param.requires_grad and hasattr(param, extension.savefield):
                 key = (type(extension), id(param))
@@ -87,17 +99,23 @@ class BackwardFacts:
         self.refusals.setdefault(id(param), reason)
 
 
-#: The facts of the backward pass being run: replaced, never reset, by :func:`begin`,
-#: so facts a Step holds are never changed by a later backward pass.
+#: The backward pass being run: replaced, never reset, by :func:`begin` (between passes),
+#: so facts a Step holds are never changed by a later backward pass. The one module-level
+#: cell of the pass (BackPACK's ``CTX`` is one too); during a pass only its object changes.
+#: Not per pass, and kept where they are: the sums' plans per model (``arena._PLANS``),
+#: the patched BackPACK ``__init__``s (``normalization._STOCK_INITS``) and the tests'
+#: setting ``_cost.FORCE_METHOD``.
 _RECORDING = [BackwardFacts()]
 
 
 def begin() -> BackwardFacts:
-    """New facts, into which the extensions record from now on."""
+    """A new backward pass, into which the extensions record from now on."""
+    # The layer cache serves one pass only (its keys are the pass's tensors): let it go.
+    _RECORDING[0].layer_cache = LayerCache()
     _RECORDING[0] = BackwardFacts()
     return _RECORDING[0]
 
 
 def recording() -> BackwardFacts:
-    """The facts the extensions record into (those of the last :func:`begin`)."""
+    """The backward pass the extensions record into (that of the last :func:`begin`)."""
     return _RECORDING[0]

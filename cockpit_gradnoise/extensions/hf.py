@@ -22,8 +22,7 @@ imports ``transformers``; a model that has these layers imported it.
 
 from typing import Callable, Dict, Optional
 
-from cockpit_gradnoise.extensions import linear, normalization
-from cockpit_gradnoise.extensions.precision import layer_input_dtype
+from cockpit_gradnoise.extensions import facts, linear, normalization
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -64,6 +63,15 @@ class GradConv1D(GradLinear):
     def weight(self, ext, module, g_inp, g_out, bp_quantities):
         inputs, grads = module.input0, g_out[0]
         return torch.mm(inputs.reshape(-1, inputs.shape[-1]).T, grads.reshape(-1, grads.shape[-1]))
+
+
+def layer_input_dtype(input: Tensor) -> torch.dtype:
+    """The dtype of the layer's first input as the layer got it (the hooks widen what the
+    rules see, :mod:`.precision`), where a rule's result depends on it (Hugging Face
+    RMSNorm's cast of ``x_hat``); ``input``'s own dtype outside a dispatch of :mod:`.hooks`."""
+    call = facts.recording().call
+    first = call.inputs[0] if call is not None and call.inputs else None
+    return first.dtype if isinstance(first, Tensor) and first.is_floating_point() else input.dtype
 
 
 def hf_rms_norm_contributions(module: nn.Module, input: Tensor, grad_output: Tensor, name: str) -> Tensor:
@@ -121,10 +129,3 @@ def rule_for(savefield: str, module: nn.Module) -> Optional[Callable]:
 def has_rule(module: nn.Module) -> bool:
     """Whether ``module``'s class has a rule here."""
     return qualified_name(module) in RULES
-
-
-def run(extension, module: nn.Module, g_inp, g_out) -> None:
-    """Apply ``extension``'s rule for ``module`` if its class is one of these."""
-    rule = rule_for(getattr(extension, "savefield", None), module)
-    if rule is not None:
-        rule(extension, module, g_inp, g_out)

@@ -79,9 +79,9 @@ recorded is refused, never computed from nothing.
 import functools
 import sys
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
-from cockpit_gradnoise.extensions import precision
+from cockpit_gradnoise.extensions import facts, precision
 
 import torch
 from backpack import disable
@@ -182,9 +182,9 @@ _TABLES = {
 #: The attribute (in ``module.__dict__``) of a module's :class:`Parked` hooks.
 PARKED_ATTR = "_cgn_parked"
 
-#: Functions ``f(model)`` run when a model's hooks are parked: they let go of
-#: what the last recorded forward pass left on it (the tied uses' record).
-ON_PARK: List[Callable[[nn.Module], None]] = []
+#: The attribute (in ``model.__dict__``) of the functions ``f(model)`` run when the model's
+#: hooks are parked (:func:`on_park`).
+ON_PARK_ATTR = "_cgn_on_park"
 
 
 class Parked:
@@ -246,8 +246,20 @@ def park(model: nn.Module):
     for module in model.modules():
         if module.__dict__.get(PARKED_ATTR) is None:
             _park_module(module)
-    for forget in ON_PARK:
+    for forget in model.__dict__.get(ON_PARK_ATTR, ()):
         forget(model)
+
+
+def on_park(model: nn.Module, forget: Callable[[nn.Module], None]):
+    """Run ``forget(model)`` whenever ``model``'s hooks are parked (:func:`park`), once however
+    often it is asked: it lets go of what the last recorded forward pass left on the model.
+
+    Asked by whoever installs such a record (the tied uses', :func:`.uses.install`);
+    ``forget`` is a module-level function, so that the model still copies and pickles.
+    """
+    functions = model.__dict__.setdefault(ON_PARK_ATTR, [])
+    if forget not in functions:
+        functions.append(forget)
 
 
 def unpark(model: nn.Module):
@@ -288,20 +300,6 @@ def idle(module: nn.Module) -> bool:
     if torch.is_grad_enabled():
         switch.missed = not switch.armed
     return not switch.armed
-
-
-class _State:
-    """Whether the rules are running (a rule's own forward call stores nothing)."""
-
-    dispatching: Optional[Call] = None
-
-
-def current_call() -> Optional[Call]:
-    """The :class:`Call` whose rules are running, or ``None`` outside a dispatch.
-
-    For rules that need more than BackPACK's names give (keyword arguments).
-    """
-    return _State.dispatching
 
 
 def has_own_parameters(module: nn.Module) -> bool:
@@ -364,7 +362,7 @@ def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output)
         return
     if not (torch.is_grad_enabled() and disable.should_store_io()):
         return
-    if _State.dispatching is not None or _functorch_active():
+    if facts.recording().call is not None or _functorch_active():  # the rules' own call
         return
     first = output[0] if isinstance(output, tuple) else output
     if not (isinstance(first, Tensor) and first.requires_grad):
@@ -395,7 +393,9 @@ def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
     # for the time of the dispatch and leave it untouched.
     hidden = {key: module.__dict__[key] for key in shown if key in module.__dict__}
     module.__dict__.update(shown)
-    _State.dispatching = call
+    # On the backward pass, for rules that need more than BackPACK's names give (.hf).
+    backward = facts.recording()
+    backward.call = call
     try:
         g_inp = (None,) * len(call.inputs)
         debug = CTX.get_debug()
@@ -405,7 +405,7 @@ def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
             extension(module, g_inp, g_out)
         CTX.get_extension_hook()(module)
     finally:
-        _State.dispatching = None
+        backward.call = None
         for key in shown:
             module.__dict__.pop(key, None)
         module.__dict__.update(hidden)

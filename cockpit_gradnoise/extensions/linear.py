@@ -33,8 +33,8 @@ a_il``), which saves ``[T, S, R]`` with the same rounding bound ``N eps R``
 backward pass, whichever reaches the layer first forms each chunk of ``x_i``
 once and takes both results from it
 (:func:`linear_weight_sums_and_squared_norms`); the second takes its result
-from :data:`._layer_cache.LAYER_CACHE` and computes nothing. Its norms then
-come from formation, not the Gram matrices it would use alone: the same
+from the backward pass's layer cache (:mod:`._layer_cache`) and computes
+nothing. Its norms then come from formation, not the Gram matrices it would use alone: the same
 numbers up to rounding, not bit for bit. Where the sums are expanded, each
 extension computes alone (the norms by the Gram matrices or formation, as
 the cost model chooses). A tied weight (:mod:`.tied`) is never expanded:
@@ -43,8 +43,7 @@ its uses' sums are combined over ``[T, S]`` only.
 
 from typing import Iterator, Tuple
 
-from cockpit_gradnoise.extensions import _conv_math, _cost
-from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
+from cockpit_gradnoise.extensions import _conv_math, _cost, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
     scaled_factors,
@@ -52,7 +51,7 @@ from cockpit_gradnoise.extensions._squares import (
     unscaled_norms,
     unscaled_sums,
 )
-from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, TIED_ATTR
 from cockpit_gradnoise.extensions.sums import (
     SumsFromContributionsMixin,
     position_sums,
@@ -60,7 +59,6 @@ from cockpit_gradnoise.extensions.sums import (
     sums_of,
     sums_of_position_sums,
 )
-from cockpit_gradnoise.extensions.tied import TIED_ATTR
 
 import torch
 from backpack.context import CTX
@@ -203,7 +201,7 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
 
 # Sharing one formation between the two extensions, within one layer's hook ----------
 
-#: The :data:`LAYER_CACHE` slot of a sequence Linear's ``([T, S], ||x_i||^2)``.
+#: The layer cache's slot (:mod:`._layer_cache`) of a sequence Linear's ``([T, S], ||x_i||^2)``.
 _SUMS_AND_NORMS = "linear weight sums and squared norms"
 
 
@@ -217,14 +215,14 @@ def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str
     :data:`SUMS_SAVEFIELD` or :data:`BATCH_L2_SAVEFIELD`, the other one
     ``other_savefield``): ``alone(inputs, grad_output)`` when the other does not
     run, else formed with the other's by whichever reaches the layer first and
-    taken from :data:`LAYER_CACHE` by the second."""
+    taken from the backward pass's layer cache by the second."""
     if not is_active(other_savefield) or expands(module, module.input0, grad_output):
         return alone(module.input0, grad_output)
     sources = (module, module.input0, grad_output)
-    both = LAYER_CACHE.take(_SUMS_AND_NORMS, sources)
+    both = facts.recording().layer_cache.take(_SUMS_AND_NORMS, sources)
     if both is None:
         both = linear_weight_sums_and_squared_norms(module.input0, grad_output)
-        LAYER_CACHE.put(_SUMS_AND_NORMS, sources, both)
+        facts.recording().layer_cache.put(_SUMS_AND_NORMS, sources, both)
     sums, norms = both
     return sums if ext.savefield == SUMS_SAVEFIELD else norms
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, Tuple, Type
 
-from cockpit_gradnoise.extensions._layer_cache import LAYER_CACHE
+from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions._squares import squared_norms_of
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -176,7 +176,7 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
     The contributions are formed once per layer, parameter and backward pass
     for all active extensions (GradientVarianceQuantiles' sums and the
     per-example norms both read them) and kept in
-    :data:`~._layer_cache.LAYER_CACHE`: recomputing ``x_hat`` cost as much as
+    :mod:`._layer_cache` of the backward pass: recomputing ``x_hat`` cost as much as
     the layer's forward pass per extension.
     """
 
@@ -211,13 +211,13 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
         subsampling = ext.get_subsampling()
         key = None if subsampling is None else tuple(subsampling)
         slot, sources = ("normalization", name), (module, module.input0, g_out[0])
-        found = LAYER_CACHE.get(slot, sources, key)
+        found = facts.recording().layer_cache.get(slot, sources, key)
         if found is not None:
             return found
         input = subsample(module.input0, subsampling=subsampling)
         grad_output = subsample(g_out[0], subsampling=subsampling)
         contributions = self._contributions_of(module, input, grad_output, name)
-        LAYER_CACHE.put(slot, sources, contributions, key)
+        facts.recording().layer_cache.put(slot, sources, contributions, key)
         return contributions
 
 
@@ -292,7 +292,8 @@ def _reducer_for(extension) -> Callable:
 
 
 # Each patched class -> its own __init__, as it was before patching: the record
-# of the one global change this module makes, on request (not a cache).
+# of the one global change this module makes, on request (not a cache, and not
+# per backward pass: it lasts from register_extensions to unregister_extensions).
 _STOCK_INITS: Dict[type, Callable] = {}
 
 

@@ -31,7 +31,7 @@ the autocast dtype). So, before the rules run (:func:`shown_inputs`,
   internally (``RMSNorm``'s default ``eps`` is then float32's, as torch's
   kernels add for bfloat16 and float16 inputs); where the result depends on
   the dtype the layer got (Hugging Face's RMSNorm rounds ``x_hat`` to it),
-  the rule reads it (:func:`layer_input_dtype`).
+  the rule reads it (:func:`.hf.layer_input_dtype`).
   Embeddings' indices are left as they are.
 
 Every savefield is therefore summed in float32 or float64, never in the
@@ -104,17 +104,6 @@ def shown_inputs(module: nn.Module, inputs: tuple, output: Tensor) -> tuple:
             x = x.to(accumulation_dtype(x.dtype))
         shown.append(x)
     return tuple(shown)
-
-
-def layer_input_dtype(input: Tensor) -> torch.dtype:
-    """The dtype of the layer's first input as the layer got it, where a rule's result
-    depends on it (Hugging Face RMSNorm's cast of ``x_hat``);
-    ``input``'s own dtype outside a dispatch of :mod:`.hooks`."""
-    from cockpit_gradnoise.extensions import hooks
-
-    call = hooks.current_call()
-    first = call.inputs[0] if call is not None and call.inputs else None
-    return first.dtype if _is_float(first) else input.dtype
 
 
 def shown_grad_output(grad_output: Tensor) -> Tensor:

@@ -21,7 +21,8 @@ sums are two matrix products, within the bound with ``inner_terms = 1``. A
 convolution with few output positions expands the square instead and saves
 a third row, ``[T, S, R]``, the absolute terms its bound needs
 (:mod:`._conv_math`, :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
-Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`.
+Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`,
+BatchNorm and Embedding in :mod:`.batchnorm` and :mod:`.embedding`.
 
 **Underflow.** For float32 and narrower, where squares could underflow,
 they are formed at a power-of-two scale and the sums saved in float64
@@ -79,7 +80,7 @@ Applied to the biases of ``Linear`` layers on sequences (also Hugging Face's
 ``Conv1D``, whose rule is the Linear one), of convolutions (sums of output
 gradients over positions) and to the biases the torch.func fallback sees
 added by ``F.linear`` only (torchvision's Swin attention:
-:class:`.fallback._LinearBiases`); a weight's terms ``g_il a_il^T`` would
+:class:`.fallback.replay._LinearBiases`); a weight's terms ``g_il a_il^T`` would
 need a second matrix product per layer.
 """
 
@@ -87,8 +88,6 @@ from typing import Optional
 
 from cockpit_gradnoise.extensions import arena
 from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
-from cockpit_gradnoise.extensions.batchnorm import SGSBatchNormAnyMode
-from cockpit_gradnoise.extensions.embedding import SGSEmbeddingAnyDtype
 
 import torch
 from backpack.extensions.firstorder.sum_grad_squared.rnn import SGSLSTM, SGSRNN
@@ -194,11 +193,3 @@ class SumsRNN(SumsFromContributionsMixin, SGSRNN):
 
 class SumsLSTM(SumsFromContributionsMixin, SGSLSTM):
     """``LSTM``."""
-
-
-class SumsBatchNormAnyMode(SumsFromContributionsMixin, SGSBatchNormAnyMode):
-    """``BatchNorm1d/2d/3d``, in any mode (:mod:`.batchnorm`)."""
-
-
-class SumsEmbeddingAnyDtype(SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
-    """``Embedding``, any dtype (:mod:`.embedding`)."""

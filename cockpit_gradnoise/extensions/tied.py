@@ -29,7 +29,7 @@ per-example contributions in chunks of examples of at most
 Which parameters are tied is known before any backward pass:
 :func:`~cockpit_gradnoise.extensions.uses.install` (run by ``prepare_model``)
 finds them in ``model.named_parameters(remove_duplicate=False)`` and marks
-each layer that holds one (:data:`TIED_ATTR`). A layer of another class than
+each layer that holds one (:data:`.savefields.TIED_ATTR`). A layer of another class than
 ``Linear`` and ``Embedding`` among the uses, or one applied twice in one
 forward pass (BackPACK keeps its last input only), is refused with an error
 naming the parameter.
@@ -37,19 +37,18 @@ naming the parameter.
 
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import _cost, fallback
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions.fallback.parameters import delegated_parameters
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
+    TIED_ATTR,
 )
 
 import torch
 from backpack.context import CTX
 from torch import Tensor, nn
-
-#: The attribute of a layer that holds a tied parameter: ``{attribute name: TiedGroup}``.
-TIED_ATTR = "_cgn_tied"
 
 #: The savefields :func:`combine` sums over uses.
 COMBINED_SAVEFIELDS = (SUMS_SAVEFIELD, BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
@@ -265,8 +264,8 @@ def mark(model: nn.Module) -> List[TiedGroup]:
         names.setdefault(id(param), []).append(name)
     holders: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for module in model.modules():  # each module object once
-        # A parameter a submodule holds too is that layer's (fallback.delegated_parameters).
-        delegated = fallback.delegated_parameters(module)
+        # A parameter a submodule holds too is that layer's (.fallback.parameters).
+        delegated = delegated_parameters(module)
         for attribute, param in module._parameters.items():
             if param is not None and len(names.get(id(param), ())) > 1 \
                     and id(param) not in delegated:

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import batchless, facts, hooks, tied
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
+from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
 from torch import Tensor, nn
 
@@ -61,9 +62,6 @@ def _forget(model: nn.Module):
     uses = model.__dict__.get(USES_ATTR)
     if uses is not None and (uses.calls or uses.broadcasts):
         uses.new_forward(None)
-
-
-hooks.ON_PARK.append(_forget)  # when the model's hooks are parked (hooks.park)
 
 
 def _begin_forward(model, args, kwargs):
@@ -112,11 +110,12 @@ def install(model: nn.Module) -> nn.Module:
         model.__dict__[_ROOT_HOOKED] = True
         model.register_forward_pre_hook(eager_under_compile(_begin_forward), with_kwargs=True)
         model.register_forward_hook(eager_under_compile(_end_forward), with_kwargs=True)
+    hooks.on_park(model, _forget)  # when the model's hooks are parked (hooks.park)
     for module in model.modules():
-        module.__dict__.pop(tied.TIED_ATTR, None)
+        module.__dict__.pop(TIED_ATTR, None)
     uses.groups = tied.mark(model)
     for module in model.modules():
-        if isinstance(module, nn.Embedding) or tied.TIED_ATTR in module.__dict__:
+        if isinstance(module, nn.Embedding) or TIED_ATTR in module.__dict__:
             module.__dict__[USES_ATTR] = uses
             if _LAYER_HOOKED not in module.__dict__:
                 module.__dict__[_LAYER_HOOKED] = True
@@ -172,7 +171,7 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     if not param.requires_grad or not hasattr(param, extension.savefield):
         return
     reason = broadcast.refusal()
-    if reason is None and broadcast.exact and tied.TIED_ATTR in module.__dict__:
+    if reason is None and broadcast.exact and TIED_ATTR in module.__dict__:
         reason = "it is tied and applied without the batch dimension"
     if reason is None and broadcast.meetings and broadcast.gradient is None:
         reason = "the backward pass did not reach where its output meets the batch"

@@ -1,0 +1,72 @@
+"""Exact per-example results of any module that uses its parameters directly, by ``torch.func``.
+
+A module that uses its own parameters in ``forward`` (``x * self.gamma``,
+``F.layer_norm(x, ..., self.weight, self.bias)``, a class token or a position
+table added to its input) has no rule in the extension tables. Its
+parameters' per-example contributions are still exact vector-Jacobian
+products of that module's own forward pass, as Opacus computes them for
+layers without a rule (``opacus/grad_sample/functorch.py``): with ``a_i`` the
+module's input(s) of example ``i``, ``G_i`` the gradient of the batch's loss
+with respect to its output of example ``i`` and ``f`` its forward pass,
+
+.. math::
+
+    x_i(\\theta) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial \\theta}\\Big)^{\\top} G_i ,
+
+``torch.func.vmap`` over the examples of ``torch.func.vjp`` of the module's
+forward with its own direct parameters as the primal. ``G`` is the
+output gradient the backward pass hands the module, of the batch's loss: for
+a mean-reduced loss it holds the ``1/N``, so ``x_i`` is the contribution
+``c g_i`` of the package's contract, as for every other rule. The rest of the
+network is computed as before; the vector-Jacobian product runs over the
+module's own forward only, with its own parameters as the primal.
+
+Per-layer reductions only: the per-example gradients of one module's
+parameters, for a chunk of examples at a time (:func:`._cost.examples_per_chunk`),
+are reduced at once to the three results the extensions save
+(``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``) and freed.
+A bias added by ``F.linear`` and used nowhere else is held back to the end
+(it is small): the gradient at that call's output holds the terms of each
+contribution, so its structural zeros (an attention key's bias) are exact
+zeros, as the native Linear rule makes them (:class:`.replay._LinearBiases`,
+:func:`.sums.structural_zeros`).
+
+How it is wired, one file each:
+
+- :mod:`.capture`: :func:`install_fallback` (called by ``prepare_model``,
+  told which modules have a rule) puts forward hooks on each module with
+  direct trainable parameters that no rule covers and on its direct
+  children, which keep the call (:class:`~.capture.Call`) and the
+  children's calls (:class:`~.capture.ChildCall`) until the backward pass;
+- :mod:`.closed_form`: a module that behaves like a layer scale or a layer
+  norm gets that closed form instead of the ``vmap``;
+- :mod:`.replay`: the per-example gradients, the module's forward under
+  ``vmap`` with its children's calls replayed instead of run;
+- :mod:`.reduce`: the three results from chunks of per-example gradients;
+- :mod:`.running`: :func:`~.running.run`, called by the package's extensions on the
+  modules that have the fallback (the one choice between a rule, the
+  fallback and nothing is theirs, ``_RecordingExtension._rules_run``):
+  once per module and backward pass, every active package extension's
+  results, each extension taking its own;
+- :mod:`.parameters`: which parameters, and the module run with others in
+  their place and without its hooks.
+
+Refused, with a warning and without rows (never a silently wrong number):
+a module none of whose inputs leads with the batch dimension of its output,
+a module with a BatchNorm in training mode inside (its examples interact), a
+forward pass ``vmap`` cannot run per example (random operations such as
+dropout in training mode, data-dependent Python), and an input changed in
+place after the call. Inside the recomputation, the hooks of the module and
+its submodules are switched off (:func:`.parameters.hooks_off`): BackPACK's would
+overwrite the inputs it stored for the real backward pass.
+"""
+
+from cockpit_gradnoise.extensions.fallback.capture import (
+    ATTRIBUTE,
+    PARENT_ATTRIBUTE,
+    Fallback,
+    install_fallback,
+)
+
+# The face: what prepare_model and the checker read of a module's fallback.
+__all__ = ["ATTRIBUTE", "PARENT_ATTRIBUTE", "Fallback", "install_fallback"]

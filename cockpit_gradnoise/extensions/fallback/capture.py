@@ -1,0 +1,280 @@
+"""What the fallback keeps of a forward pass, on the modules that need it.
+
+:func:`install_fallback` (called by ``prepare_model`` with the package's
+``has_rule``) puts a forward hook (``with_kwargs=True``) on each module with
+direct trainable parameters that no rule covers: it keeps the call's
+positional and keyword arguments (detached, so no graph is held twice) until
+the backward pass (:class:`Call`). The module's direct children get a
+forward pre-hook and hook that record each of their calls during the
+module's call (:class:`ChildCall`): the output, and the gradient that flows
+into the child through each input that requires grad (the child is given a
+view of it, whose gradient is kept).
+"""
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions import precision
+from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
+from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+
+import torch
+from backpack.context import CTX
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+#: The attribute of a module that :func:`install_fallback` equipped: its :class:`Fallback`.
+ATTRIBUTE = "cgn_fallback"
+
+#: The savefields the fallback computes.
+SAVEFIELDS = (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
+
+
+@dataclass
+class Call:
+    """One call of a module, as its forward hook saw it.
+
+    Attributes:
+        leaves: The tensors and other values of ``(args, kwargs)``, flattened
+            (``torch.utils._pytree``); tensors detached.
+        spec: How to rebuild ``(args, kwargs)`` from ``leaves``.
+        versions: ``{leaf index: tensor._version}`` at the call, to see in-place changes.
+        outputs: Positions of the output's tensors, in the order of the
+            output gradients the backward hooks hand over: the output itself
+            (``None``), or the indices of the tensors of an output tuple.
+    """
+
+    leaves: List[Any]
+    spec: Any
+    versions: Dict[int, int]
+    outputs: Optional[Tuple[int, ...]]
+    #: The autocast of the call (:func:`.precision.autocast_state`), re-entered to recompute it.
+    autocast: Optional[Tuple[str, torch.dtype]] = None
+    #: The calls of the module's direct children during this call, in order (:class:`ChildCall`).
+    children: List["ChildCall"] = field(default_factory=list)
+    #: The input of a call ``module(x)`` with one tensor and one tensor out (detached), else ``None``.
+    one_input: Optional[Tensor] = None
+
+
+@dataclass
+class ChildCall:
+    """One call of a direct child of a module with the fallback, during the module's call.
+
+    The recomputation replays it (:class:`.replay._Replay`) instead of running it.
+
+    Attributes:
+        module: The child.
+        output: Its output, detached, if one tensor (else ``None``: it is run again).
+        version: ``output._version`` right after the call: a later in-place
+            change makes the recorded value differ from what the child returned.
+        grads: ``{leaf index: gradient}`` of the inputs that required grad, as
+            the backward pass hands them to the child through its input only
+            (each input was given to the child as a view of its own).
+    """
+
+    module: nn.Module
+    output: Optional[Tensor] = None
+    version: int = 0
+    grads: Dict[int, Tensor] = field(default_factory=dict)
+    #: Whether an input was given as a view whose gradient is kept.
+    viewed: bool = False
+    #: Copies of earlier calls' outputs this call received, taken before it ran (in case
+    #: it changes them in place: ``ReLU(inplace=True)`` after a dropout).
+    copies: List[Tuple["ChildCall", Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class Fallback:
+    """A module's fallback state.
+
+    Attributes:
+        call: The last call with gradients enabled, until its backward pass used it.
+        refused: Why the last backward pass gave no rows (``None`` if it gave them).
+        computed: Whether a backward pass computed rows with the fallback.
+        warned: The reasons already warned about.
+    """
+
+    call: Optional[Call] = None
+    refused: Optional[str] = None
+    computed: bool = False
+    warned: set = field(default_factory=set)
+    #: Between the first and the last active extension of a backward hook: their results.
+    results: Optional[Dict[str, Dict[str, Tensor]]] = None
+    pending: set = field(default_factory=set)
+    #: The call was used by a backward pass and no forward pass came since.
+    taken: bool = False
+    #: A closed form that gives the same contributions as the vmap (:func:`look_alike`).
+    closed_form: Optional[ClosedForm] = None
+    #: The children's calls of the module's call in progress (``None``: not recording).
+    recording: Optional[List[ChildCall]] = None
+    #: The output gradients of a computation left to the end of the backward pass
+    #: (:func:`.running._compute_after_backward`), and whether another use of the module came.
+    deferred: Optional[tuple] = None
+    used_twice: bool = False
+    #: ``id``s of the children's parameters it computed (:func:`.running.computed_parameters`).
+    borrowed: set = field(default_factory=set)
+    #: The parameters of the call whose results the active extensions are taking.
+    params: Optional[Dict[str, nn.Parameter]] = None
+
+
+# Which modules: direct trainable parameters and no rule -----------------------
+
+
+def needs_fallback(module: nn.Module, has_rule: Callable[[nn.Module], bool]) -> bool:
+    """Whether ``module`` has direct trainable parameters that no rule covers (``has_rule``)."""
+    return bool(direct_parameters(module)) and not has_rule(module)
+
+
+def install_fallback(model: nn.Module, has_rule: Callable[[nn.Module], bool]) -> List[str]:
+    """Equip every module that needs it (:func:`needs_fallback`) with the fallback.
+
+    Idempotent. The hook is a module-level function: it survives
+    ``copy.deepcopy`` and pickling of the model.
+
+    Args:
+        model: The network.
+        has_rule: Whether the package's extensions have a rule for a module
+            (:func:`cockpit_gradnoise.extensions.has_rule`): the fallback is
+            told, and asks nothing back.
+
+    Returns:
+        The names (``model.named_modules()``) of the modules that have it.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, ATTRIBUTE, None), Fallback):
+            names.append(name)
+        elif needs_fallback(module, has_rule):
+            state = Fallback(closed_form=look_alike(module))
+            setattr(module, ATTRIBUTE, state)
+            module.register_forward_pre_hook(eager_under_compile(_start_recording))
+            module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+            for child in module.children():
+                _record_calls_of(child, state)
+            names.append(name)
+    return names
+
+
+#: The attribute of a direct child of a module with the fallback: that module's :class:`Fallback`.
+PARENT_ATTRIBUTE = "cgn_fallback_parent"
+
+
+def _record_calls_of(child: nn.Module, state: Fallback):
+    if getattr(child, PARENT_ATTRIBUTE, None) is None:
+        child.register_forward_pre_hook(eager_under_compile(_child_inputs), with_kwargs=True)
+        child.register_forward_hook(eager_under_compile(_child_output))
+    setattr(child, PARENT_ATTRIBUTE, state)
+
+
+def _start_recording(module, args):
+    """Forward pre-hook: record the calls of the direct children during this call."""
+    state = getattr(module, ATTRIBUTE, None)
+    if state is not None:
+        recording = torch.is_grad_enabled() and not idle(module)
+        state.recording = [] if recording else None
+
+
+def _child_inputs(child, args, kwargs):
+    """Forward pre-hook of a child: give it views of its inputs that require grad, whose
+    gradients are then what flows into the child (not into other uses of the inputs)."""
+    state = getattr(child, PARENT_ATTRIBUTE, None)
+    if state is None or state.recording is None:
+        return None
+    record = ChildCall(child)
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    for earlier in state.recording:
+        if any(_same_tensor(leaf, earlier) for leaf in leaves):
+            record.copies.append((earlier, earlier.output.clone()))
+    state.recording.append(record)
+    if not any(isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves):
+        return None
+    record.viewed = True
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            leaves[k] = leaf.view_as(leaf)
+            leaves[k].register_hook(functools.partial(_keep_gradient, record, k))
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def _keep_gradient(record: ChildCall, k: int, grad: Tensor):
+    record.grads[k] = grad.detach()
+
+
+def _child_output(child, args, output):
+    """Forward hook of a child: keep its output (one tensor) for the recomputation."""
+    state = getattr(child, PARENT_ATTRIBUTE, None)
+    if state is None or not state.recording or state.recording[-1].module is not child:
+        return
+    record = state.recording[-1]
+    for earlier, copy in record.copies:
+        if earlier.output._version != earlier.version:  # changed by this call: keep the copy
+            earlier.output, earlier.version = copy, copy._version
+    record.copies = []
+    if isinstance(output, Tensor):
+        record.output, record.version = output.detach(), output._version
+
+
+def _same_tensor(leaf, earlier: ChildCall) -> bool:
+    """Whether ``leaf`` is the (unchanged) output an earlier call recorded."""
+    output = earlier.output
+    return (isinstance(leaf, Tensor) and output is not None and leaf.data_ptr() == output.data_ptr()
+            and leaf.shape == output.shape and output._version == earlier.version)
+
+
+def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
+    """The output's tensors as the backward hooks hand their gradients over."""
+    if isinstance(output, Tensor):
+        return None
+    if isinstance(output, tuple):
+        return tuple(i for i, value in enumerate(output) if isinstance(value, Tensor))
+    return ()  # no tensor whose gradient a backward hook would report
+
+
+def _capture(module, args, kwargs, output):
+    """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``,
+    nor while the model's hooks are idle)."""
+    if idle(module):
+        return
+    state = getattr(module, ATTRIBUTE, None)
+    positions = _tensor_positions(output)
+    if state is None or not torch.is_grad_enabled() or positions == ():
+        if state is not None:
+            state.recording = None
+        return  # no gradient to come (a torch.fx trace's proxies, too)
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+    leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
+    call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
+                children=state.recording or [])
+    if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        call.one_input = leaves[0]
+    state.recording = None
+    state.call, state.results, state.taken = call, None, False
+    first = output if positions is None else output[positions[0]] if positions else None
+    if first is not None and first.requires_grad:
+        # Steps without the package's extensions free the arguments in the backward pass.
+        first.register_hook(_releaser(state))
+
+
+def _releaser(state: Fallback):
+    def release(grad):
+        if not active_savefields():
+            state.call, state.taken = None, True
+
+    return release
+
+
+def active_savefields() -> List[str]:
+    """The savefields of :data:`SAVEFIELDS` whose extensions run in this backward pass."""
+    return [
+        ext.savefield for ext in CTX.get_active_exts()
+        if getattr(ext, "savefield", None) in SAVEFIELDS
+    ]

@@ -1,0 +1,82 @@
+"""The parameters the fallback computes, and a module run with others in their place.
+
+Direct parameters only: a parameter a module hands to a submodule is that
+layer's (:func:`delegated_parameters`). The recomputation runs the module with
+the examples' copies in place of them (:func:`own_parameters`) and without
+its hooks or its submodules' (:func:`hooks_off`).
+"""
+
+import contextlib
+from collections import OrderedDict
+from typing import Dict
+
+from torch import Tensor, nn
+
+
+def direct_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """``{name: parameter}`` of the trainable parameters ``module`` holds itself.
+
+    Not those a submodule also holds: the module hands them to that layer
+    (``attention.LinearAttention``'s ``in_proj_weight`` is its ``in_proj``'s weight).
+    """
+    # From ``_parameters``: ``named_parameters`` costs more than the fallback's closed forms'
+    # reductions of a small module; the same parameter under two names counts once.
+    seen = delegated_parameters(module) if module._modules else set()
+    found = {}
+    for n, p in module._parameters.items():
+        if p is not None and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            found[n] = p
+    return found
+
+
+def delegated_parameters(module: nn.Module) -> set:
+    """``{id(param)}`` of the parameters ``module`` holds that a submodule holds too."""
+    own = {id(p) for p in module._parameters.values() if p is not None}
+    if not own:
+        return set()
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return own & below
+
+
+@contextlib.contextmanager
+def hooks_off(module: nn.Module):
+    """Run ``module`` and its submodules without their hooks (restored afterwards).
+
+    ``nn.Module.__call__`` skips every hook when these four dicts are empty:
+    inside the recomputation BackPACK's forward hooks would overwrite the
+    inputs stored for the real backward pass, its backward hooks are
+    autograd Functions ``vmap`` cannot run, and a nested fallback's hook
+    would replace its own saved call.
+    """
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    # Through __dict__: nn.Module.__setattr__ costs a tenth of a small module's fallback.
+    saved = [(m.__dict__, [m.__dict__[n] for n in names]) for m in module.modules()]
+    try:
+        for attributes, _ in saved:
+            for n in names:
+                attributes[n] = OrderedDict()
+        yield
+    finally:
+        for attributes, hooks in saved:
+            for n, hook in zip(names, hooks):
+                attributes[n] = hook
+
+
+@contextlib.contextmanager
+def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
+    """``module``'s parameters named in ``tensors`` (``"child.name"`` for a child's) replaced
+    by them (restored afterwards).
+
+    Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
+    """
+    owners = {name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+              for name in tensors}
+    saved = {name: owner._parameters[attr] for name, (owner, attr) in owners.items()}
+    try:
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = tensors[name]
+        yield
+    finally:
+        for name, (owner, attr) in owners.items():
+            owner._parameters[attr] = saved[name]

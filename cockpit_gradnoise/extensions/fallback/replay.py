@@ -1,0 +1,298 @@
+"""The per-example replay: a module's forward under ``vmap``, its children replayed.
+
+:func:`per_example_gradients` gives the contributions ``x_i`` of a module's
+parameters for a chunk of examples from the :class:`.capture.Call` its
+forward hook kept; the children's calls are replayed (:class:`_Replay`)
+instead of run, and the ``F.linear`` biases' terms kept for their structural
+zeros (:class:`_LinearBiases`).
+"""
+
+import contextlib
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from cockpit_gradnoise.extensions import precision
+from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
+from cockpit_gradnoise.extensions.fallback.parameters import hooks_off, own_parameters
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+
+def per_example_gradients(
+    module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
+    grads: Dict[int, Tensor], start: int, stop: int,
+) -> Dict[str, Tensor]:
+    """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
+
+    The module's forward under ``vmap`` over the examples, with a copy of
+    each direct parameter per example in place of its own (what
+    ``torch.func.functional_call`` does, for these only, at a third of the
+    cost under ``vmap``), then one ordinary backward pass to those copies: the
+    gradient of example ``i``'s copy is ``x_i``, the vector-Jacobian product
+    of the module's docstring. Its children are replayed (:class:`_Replay`):
+    the recomputation runs the module's own operations only. ``batched`` are
+    the indices of the leaves that lead with the batch dimension, ``grads``
+    the output gradients by output position.
+    """
+    positions = list(grads)
+    total = grads[positions[0]].shape[0]
+    stop = min(stop, total)
+    examples = tuple(call.leaves[k][start:stop] for k in batched)
+    n = stop - start
+    replay = _Replay(call.children, total, start, stop)
+    copies = {name: p.expand(n, *p.shape).requires_grad_() for name, p in params.items()}
+    recorded = replay.recorded_outputs()
+    # vmap's arguments and results as flat tuples of tensors: its pytree work on dicts
+    # was half of a small module's fallback.
+    names, keys, own_end = list(copies), list(recorded), len(copies)
+    examples_end = own_end + len(examples)
+
+    def flat_forward(*flat):
+        own = dict(zip(names, flat[:own_end]))
+        outputs, sinks = forward(own, flat[own_end:examples_end], dict(zip(keys, flat[examples_end:])))
+        return (*outputs, *sinks)
+
+    def forward(own, examples, recorded):
+        if call.one_input is not None:  # module(x): nothing to rebuild
+            args, kwargs = (examples[0].unsqueeze(0),), {}
+        else:
+            leaves = list(call.leaves)
+            for k, example in zip(batched, examples):
+                leaves[k] = example.unsqueeze(0)
+            args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+        with own_parameters(module, own), replay.replacing(module, recorded):
+            output = module.forward(*args, **kwargs)
+        outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in positions)
+        return outputs, tuple(sink for sink, _ in replay.sinks)
+
+    biases = _LinearBiases([name for name, copy in copies.items()
+                            if copy.dim() == 2 and name.endswith("bias")])
+
+    def traced_forward(*flat):
+        with biases.watching(dict(zip(names, flat[:own_end]))):
+            results = flat_forward(*flat)
+        biases.check_versions()
+        return (*results, *biases.outputs)
+
+    traced = traced_forward if biases.watched else flat_forward
+    with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
+        results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
+    outputs, sinks = results[: len(positions)], results[len(positions) : len(results) - len(biases.names)]
+    spread = results[len(results) - len(biases.names) :]  # F.linear's outputs, [n, ..., out]
+    pairs = [(out, grads[p][start:stop].unsqueeze(1)) for out, p in zip(outputs, positions)]
+    pairs += [(sink, cotangent) for sink, (_, cotangent) in zip(sinks, replay.sinks)]
+    replay.check(any(_depends_on_copies(out) for out in outputs))
+    pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
+    if not pairs:  # no output depends on the parameters: zero contributions
+        return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}, {}
+    found = torch.autograd.grad([o for o, _ in pairs], [*copies.values(), *spread],
+                                [g for _, g in pairs], allow_unused=True)
+    # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
+    contributions = {name: torch.zeros_like(copy) if x is None else x
+                     for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
+    return contributions, biases.terms(spread, found[len(copies) :], contributions)
+
+
+class _LinearBiases(TorchFunctionMode):
+    """In the recomputation: the outputs of the ``F.linear`` calls that add one of the
+    ``watched`` copies (the examples' copies of 1-D parameters named ``*bias``: watching
+    costs a Python call per operation, a quarter of a small layer scale's fallback) as
+    their ``bias``.
+
+    The gradient at such an output, ``[n, ..., out]``, holds the terms
+    ``t_il`` (one per position ``l``) that the bias's contribution
+    ``x_i = sum_l t_il`` adds up: with ``sum_l |t_il|`` at hand, its
+    structural zeros (an attention key's bias: Swin's ``qkv`` bias) are told
+    from rounding noise as the native Linear rule tells them
+    (:func:`.sums.structural_zeros`). A copy any other operation uses is left
+    out: not all its terms are known.
+    """
+
+    def __init__(self, watched: List[str]):
+        super().__init__()
+        self.watched = watched
+        self.copies: Dict[int, str] = {}
+        self.names: List[str] = []  # of each output, in order
+        self.outputs: List[Tensor] = []
+        self.versions: List[int] = []
+        self.other_uses: set = set()
+
+    @contextlib.contextmanager
+    def watching(self, own: Dict[str, Tensor]):
+        """Active, on ``own``'s copies (under ``vmap``: the examples' parts, as the module sees them)."""
+        self.copies = {id(own[name]): name for name in self.watched}
+        with self:
+            yield
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor):  # a size or a property: not a use
+            return out
+        bias = (kwargs.get("bias", args[2] if len(args) > 2 else None)
+                if func is torch.nn.functional.linear else None)
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            name = self.copies.get(id(leaf)) if isinstance(leaf, Tensor) else None
+            if name is None:
+                continue
+            if leaf is bias and out.dim() >= 2:
+                self.names.append(name)
+                self.outputs.append(out)
+                self.versions.append(_version(out))
+            else:
+                self.other_uses.add(name)
+        return out
+
+    def check_versions(self):
+        """After the forward: an output changed in place (``y.mul_(s)``, through a view too)
+        holds no longer the gradient at ``F.linear``'s output; its bias is left out."""
+        for name, out, version in zip(self.names, self.outputs, self.versions):
+            if _version(out) != version:
+                self.other_uses.add(name)
+
+    def terms(self, outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]],
+              contributions: Dict[str, Tensor]) -> Dict:
+        """``{name: (sum_l |t_il| [n, out], number of terms)}`` of the copies used by these
+        ``F.linear`` calls only, from ``vmap``'s results of their outputs and the gradients
+        there; ``None`` for the other watched copies (so every chunk names the same)."""
+        found: Dict[str, Optional[Tuple[Tensor, int]]] = {
+            name: None for name in self.watched if name in contributions}
+        for name, out, grad in zip(self.names, outputs, grads):
+            if name in self.other_uses or name not in contributions:
+                continue
+            count = out[0].numel() // out.shape[-1]
+            magnitudes = (torch.zeros_like(contributions[name]) if grad is None
+                          else grad.abs().flatten(1, -2).sum(1))
+            if found[name] is not None:
+                magnitudes, count = found[name][0] + magnitudes, found[name][1] + count
+            found[name] = (magnitudes, count)
+        return found
+
+
+def _version(tensor: Tensor) -> int:
+    """The version counter of a tensor under ``vmap`` (its batched tensor's; the wrapper's
+    stays 0), which in-place changes to it or to a view of it advance."""
+    from torch._C import _functorch
+
+    if _functorch.is_batchedtensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor._version
+
+
+def _is_example(tensor) -> bool:
+    """Whether a tensor under ``vmap`` is an example's part of a batch (``[1, ...]``)."""
+    from torch._C import _functorch
+
+    return (isinstance(tensor, Tensor) and _functorch.is_batchedtensor(tensor)
+            and tensor.dim() > 0 and tensor.shape[0] == 1)
+
+
+def _depends_on_copies(tensor) -> bool:
+    """Whether a tensor computed under ``vmap`` depends on the parameters' copies."""
+    from torch._C import _functorch
+
+    if isinstance(tensor, Tensor) and _functorch.is_batchedtensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return isinstance(tensor, Tensor) and tensor.requires_grad
+
+
+class _Replay:
+    """The recomputation's stand-in for the module's children: their recorded calls.
+
+    Each child's call returns the output it gave in the forward pass (a
+    copy of example ``i``'s part) instead of running again: nothing below the
+    module is recomputed, random operations inside a child (dropout,
+    stochastic depth) give what they gave, and in-place changes to the
+    returned value touch a copy. Where an input of the call depends on the
+    module's own parameters, the output's dependence on them runs through
+    that input only: the input becomes an output of the recomputation (a
+    *sink*), with the gradient that flowed into the child through it in the
+    backward pass as its cotangent (the child was given a view of it:
+    :func:`.capture._child_inputs`). So, with the sinks' cotangents, the
+    vector-Jacobian product is the same as running the children.
+
+    Run again instead: a child whose output was not one tensor, or one of
+    whose parameter-dependent inputs did not lead with the batch dimension.
+    Refused (:class:`Refused`): calls in another order than recorded, and an
+    output changed in place after its call (its recorded value is not what
+    the child returned) if anything that depends on the parameters comes
+    after it.
+    """
+
+    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int):
+        self.children, self.examples, self.start, self.stop = children, examples, start, stop
+        self.sinks: List[Tuple[Tensor, Tensor]] = []  # (input in the recomputation, cotangent)
+        self.stale = False
+        self._next = 0
+        self._recorded: Dict[int, Tensor] = {}
+
+    def _leads_with_batch(self, tensor: Optional[Tensor]) -> bool:
+        return isinstance(tensor, Tensor) and tensor.dim() > 0 and tensor.shape[0] == self.examples
+
+    def recorded_outputs(self) -> Dict[int, Tensor]:
+        """``{call index: output of the examples}`` of the calls whose output leads with
+        the batch dimension, for ``vmap``."""
+        return {k: c.output[self.start : self.stop] for k, c in enumerate(self.children)
+                if self._leads_with_batch(c.output)}
+
+    @contextlib.contextmanager
+    def replacing(self, module: nn.Module, recorded: Dict[int, Tensor]):
+        self._recorded, self._next = recorded, 0
+        saved = {}
+        for child in module.children():
+            if "forward" not in child.__dict__:
+                saved[child] = child.forward
+                child.forward = functools.partial(self._call, child, child.forward)
+        try:
+            yield
+        finally:
+            for child in saved:
+                del child.forward
+
+    def _call(self, child, forward, *args, **kwargs):
+        k, self._next = self._next, self._next + 1
+        if k >= len(self.children) or self.children[k].module is not child:
+            raise Refused("its children are called in another order than in the forward pass")
+        record = self.children[k]
+        leaves, _ = _pytree.tree_flatten((args, kwargs))
+        # Replayed where the call's inputs are the examples' parts of batch-leading tensors
+        # (never for a call on tensors without the batch, such as wpe(arange(T))).
+        if k not in self._recorded or not any(_is_example(leaf) for leaf in leaves):
+            return forward(*args, **kwargs)
+        sinks = []
+        for j, leaf in enumerate(leaves):
+            if not _depends_on_copies(leaf):
+                continue
+            grad = record.grads.get(j)
+            if not self._leads_with_batch(grad) or tuple(leaf.shape) != (1, *grad.shape[1:]):
+                return forward(*args, **kwargs)  # no per-example gradient there: run it
+            sinks.append((leaf, grad[self.start : self.stop].unsqueeze(1)))
+        if sinks and self.stale:
+            raise Refused("a child's output that was changed in place is needed")
+        self.sinks.extend(sinks)
+        if record.output._version != record.version:
+            self.stale = True
+        return self._recorded[k].unsqueeze(0).clone()
+
+    def check(self, outputs_depend: bool):
+        """After the recomputation: refuse a stale output followed by parameter-dependent outputs."""
+        if self.stale and outputs_depend:
+            raise Refused("a child's output that was changed in place is needed")
+
+
+class Refused(Exception):
+    """The recomputation cannot replay the module's children exactly (:func:`.running.compute`
+    refuses the module with its message)."""
+
+
+def _math_attention():
+    """``scaled_dot_product_attention`` by its math form: the fused kernels' backward
+    has no batching rule, and ``vmap`` would loop over the examples one by one."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: the math form is what runs on CPU anyway
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)

@@ -1,0 +1,200 @@
+"""Running the fallback in the backward pass: once per module, every active extension's results.
+
+The package's extensions call :func:`run` on every module that has the
+fallback (the choice is theirs: ``_RecordingExtension._rules_run``); it
+computes, once per module and backward pass, the results of every active
+package extension from the call the forward hook kept (:mod:`.capture`),
+and saves each extension's own. A module with children computes at the end
+of the backward pass, when the gradients flowing into them are there
+(:func:`_defer`). What cannot be computed exactly is refused, with a
+warning and without rows (:func:`refusal`).
+"""
+
+import functools
+import warnings
+from typing import Dict, List, Optional
+
+from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions.fallback.capture import (
+    ATTRIBUTE,
+    SAVEFIELDS,
+    Call,
+    Fallback,
+    active_savefields,
+)
+from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
+from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
+
+import torch
+from torch import Tensor, nn
+
+
+def computed_parameters(module: nn.Module, call: Optional[Call]) -> Dict[str, nn.Parameter]:
+    """The parameters the fallback computes for a call of ``module``: its direct ones, and
+    those of the children the call did not run, which ``module`` uses itself
+    (torchvision's Swin attention: ``F.linear(x, self.qkv.weight, ...)``), under
+    ``"child.name"``; a child's parameter ``module`` did not use gets no rows."""
+    params = direct_parameters(module)
+    if call is None:
+        return params
+    ran = {id(child.module) for child in call.children}
+    for child_name, child in module.named_children():
+        if id(child) not in ran:
+            params.update({f"{child_name}.{n}": p for n, p in child.named_parameters()
+                           if p.requires_grad})
+    return params
+
+
+def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -> Optional[str]:
+    """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
+    if call is None:
+        return "no call of the module was recorded in the forward pass (prepare the model first)"
+    if 0 not in grads:  # the first output's gradient is where the batch is read from
+        return "its (first) output received no gradient"
+    sizes = {g.shape[0] if g.dim() else None for g in grads.values()}
+    if len(sizes) != 1 or None in sizes:
+        return f"its outputs lead with different sizes {sorted(map(str, sizes))}"
+    for k, version in call.versions.items():
+        if call.leaves[k]._version != version:
+            return "an input was changed in place after the call"
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            return (f"its submodule {name!r} is a BatchNorm in training mode: examples "
+                    "interact, so no per-example gradient of the module's parameters exists")
+    if not batched_leaves(call, sizes.pop()):
+        return "none of its inputs leads with the batch dimension of its output"
+    return None
+
+
+def batched_leaves(call: Call, examples: int) -> List[int]:
+    """Indices of the tensor leaves that lead with the batch dimension (``examples``)."""
+    return [
+        k for k, leaf in enumerate(call.leaves)
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == examples
+    ]
+
+
+def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
+    """``{output position: gradient}`` of the outputs that received one."""
+    positions = (0,) if call.outputs is None else range(len(call.outputs))
+    return {p: g_out[p] for p in positions if p < len(g_out) and g_out[p] is not None}
+
+
+def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
+    """The results of ``savefields`` for ``module``'s direct parameters; ``{}`` if refused (warned)."""
+    call = state.call
+    grads = output_gradients(call, g_out) if call is not None else {}
+    reason = refusal(module, call, grads)
+    if reason is None and state.closed_form is not None and call.one_input is not None:
+        form = state.closed_form
+        contributions = form.contributions(module, call.one_input, grads[0], form.eps)
+        return reduce_chunks(iter([contributions]), savefields)
+    if reason is None:
+        params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
+        examples = next(iter(grads.values())).shape[0]
+        batched = batched_leaves(call, examples)
+        numel = sum(p.numel() for p in params.values())
+        size = _cost.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        chunks = (
+            per_example_gradients(module, params, call, batched, grads, start, start + size)
+            for start in range(0, examples, size)
+        )
+        try:
+            return reduce_chunks(with_structural_zeros(chunks), savefields)
+        except Refused as error:
+            reason = str(error)
+        except Exception as error:  # vmap cannot run this forward per example
+            reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    _refuse(module, state, reason)
+    return {}
+
+
+def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
+    state.refused = reason
+    if reason not in state.warned:
+        state.warned.add(reason)
+        warnings.warn(
+            f"cockpit-gradnoise: {type(module).__name__} ({', '.join(direct_parameters(module))}) "
+            f"gets no per-example rows from the torch.func fallback: {reason}", stacklevel=3,
+        )
+
+
+def run(extension, module: nn.Module, g_inp, g_out) -> None:
+    """Save ``extension``'s results on ``module``'s direct parameters, if it has the fallback.
+
+    Called by the package's extensions on the modules that have the
+    fallback (their one choice point); does nothing for others. The first
+    active extension to reach the module computes every active extension's
+    results from the call its forward hook kept; each extension takes its
+    own, and the last frees the call. A second backward hook of the module in the same backward pass (the
+    module was called twice in one forward pass) finds the call taken: the
+    uses would have to be summed per example, so the rows already saved are
+    removed and the module refused.
+    """
+    state = getattr(module, ATTRIBUTE, None)
+    if not isinstance(state, Fallback) or extension.savefield not in SAVEFIELDS:
+        return
+    if state.results is None:
+        if state.call is None:
+            if state.taken:
+                for param in direct_parameters(module).values():
+                    if hasattr(param, extension.savefield):
+                        delattr(param, extension.savefield)
+                _refuse(module, state, "it was called more than once in one forward pass")
+            return
+        active = active_savefields()
+        if _after_backward(state):
+            _defer(module, state, g_out, active or [extension.savefield])
+            return
+        state.params = computed_parameters(module, state.call)
+        state.results = compute(module, state, g_out, active or [extension.savefield])
+        if state.results:
+            state.refused, state.computed = None, True
+        state.pending = set(active) | {extension.savefield}
+    _save(state, state.params, extension.savefield, state.results.pop(extension.savefield, {}))
+    state.pending.discard(extension.savefield)
+    if not state.pending:  # every active extension has its results: free the call
+        state.call, state.results, state.taken, state.params = None, None, True, None
+
+
+def _after_backward(state: Fallback) -> bool:
+    """Whether the computation needs gradients the backward pass has not reached yet: those
+    flowing into the children (the module's hook runs when its output's gradient arrives)."""
+    form = state.closed_form is not None and state.call.one_input is not None
+    return not form and any(child.viewed for child in state.call.children)
+
+
+def _defer(module: nn.Module, state: Fallback, g_out, savefields: List[str]) -> None:
+    """Leave the computation to the end of the backward pass, once per backward pass; a
+    second use of the module in the same pass is noted (and refused there)."""
+    if state.deferred is None:
+        state.deferred, state.used_twice = g_out, False
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(functools.partial(_compute_after_backward, module, state, savefields))
+    elif g_out[0] is not state.deferred[0]:
+        state.used_twice = True
+
+
+def _compute_after_backward(module: nn.Module, state: Fallback, savefields: List[str]) -> None:
+    """Compute and save every active extension's results (:func:`_defer`), free the call."""
+    g_out, state.deferred = state.deferred, None
+    if state.used_twice:
+        _refuse(module, state, "it was called more than once in one forward pass")
+        results = {}
+    else:
+        results = compute(module, state, g_out, savefields)
+    if results:
+        state.refused, state.computed = None, True
+    params = computed_parameters(module, state.call)
+    for savefield, values in results.items():
+        _save(state, params, savefield, values)
+    state.call, state.results, state.taken = None, None, True
+
+
+def _save(state: Fallback, params: Dict[str, nn.Parameter], savefield: str, values: Dict[str, Tensor]):
+    """Save one extension's results on the parameters; note the children's (``"child.name"``)."""
+    for name, value in values.items():
+        setattr(params[name], savefield, value)
+        if "." in name:
+            state.borrowed.add(id(params[name]))
