@@ -15,7 +15,8 @@ and ``g_i`` is the gradient of example ``i``'s own loss. For a loss that is
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _device, order_statistics, schema
+from cockpit_gradnoise import _device, order_statistics
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.order_statistics import Tensors
 
 import numpy

@@ -40,7 +40,7 @@ import math
 from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
-from cockpit_gradnoise.schema import MEAN, quantile_name
+from cockpit_gradnoise.logs.schema import MEAN, quantile_name
 
 import numpy
 import torch

@@ -29,11 +29,11 @@ from cockpit_gradnoise import accumulation, amp, arming, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
-from cockpit_gradnoise.findings import report
-from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
-from cockpit_gradnoise.log import LogStream
+from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
+from cockpit_gradnoise.logs.stream import LogStream
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.step import check_individual_losses, step_number
+from cockpit_gradnoise.views.sources import report
 
 import cockpit.quantities
 import torch
@@ -487,7 +487,7 @@ class Tracker:
             target: A ``torch.utils.tensorboard.SummaryWriter``, a Weights &
                 Biases run, or a function ``(step, {quantity: value}) -> None``.
         """
-        from cockpit_gradnoise.integrations.loggers import logger_for
+        from cockpit_gradnoise.logs.loggers import logger_for
 
         self.loggers.append(logger_for(target))
         return self
@@ -551,9 +551,9 @@ class Tracker:
 
     def plot(self, **kwargs):
         """The dashboard of what is tracked so far: :func:`~cockpit_gradnoise.plot`'s arguments."""
-        from cockpit_gradnoise import dashboard  # matplotlib only where a figure is drawn
+        from cockpit_gradnoise.views.sources import plot  # matplotlib only where a figure is drawn
 
-        return dashboard.plot(self, **kwargs)
+        return plot(self, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
         """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""

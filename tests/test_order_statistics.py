@@ -4,8 +4,8 @@ import importlib.util
 from pathlib import Path
 
 from cockpit_gradnoise import _device, order_statistics
+from cockpit_gradnoise.logs.schema import quantile_name
 from cockpit_gradnoise.order_statistics import SORT_WHOLE_AT_MOST
-from cockpit_gradnoise.schema import quantile_name
 
 import numpy
 import pytest

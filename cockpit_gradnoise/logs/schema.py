@@ -92,6 +92,16 @@ def quantile_levels(names: Iterable[str], prefix: str = "") -> List[float]:
     return sorted({level for level in levels if level is not None})
 
 
+#: What ranks layers, noisiest first: (quantity, statistic, lowest first), the
+#: first one present in the frame (:func:`cockpit_gradnoise.views.common.noise_ranking`;
+#: a streamed log sums them as it goes, :mod:`cockpit_gradnoise.logs.stream`).
+RANKINGS = (
+    (GRADIENT_VARIANCE, SNR_MEDIAN, True),
+    (GRADIENT_VARIANCE, SD_MEDIAN, False),
+    (PER_EXAMPLE_NORM, quantile_name(0.5), False),
+)
+
+
 def sd_statistic_names(levels: Iterable[float]) -> List[str]:
     """GradientVarianceQuantiles' statistics for quantile ``levels``."""
     return [quantile_name(q) for q in levels] + [MEAN, SNR_MEDIAN, SNR_MEAN]
@@ -171,7 +181,7 @@ def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
     Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
     ``start_norm = ||theta(s)||`` (a live
     :class:`~cockpit_gradnoise.quantities.update_size.LayerUpdate` or a
-    :class:`~cockpit_gradnoise.frame.LoggedUpdate` read from a log).
+    :class:`~cockpit_gradnoise.logs.frame.LoggedUpdate` read from a log).
     ``relative = norm / start_norm``, ``+inf`` when ``start_norm`` is 0
     (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums
     of squares of the parameters' norms.

@@ -12,7 +12,7 @@ each quantity in its own section (the part of the tag before the first ``/``).
 
 from typing import Callable, Dict, Iterator, Mapping, Tuple
 
-from cockpit_gradnoise.frame import to_frame
+from cockpit_gradnoise.logs.frame import to_frame
 
 #: One step's output, as Cockpit stores it: ``{quantity name: value}``.
 StepOutput = Mapping[str, object]
