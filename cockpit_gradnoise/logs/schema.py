@@ -36,7 +36,9 @@ MIN = "min"
 MAX = "max"
 SNR_PREFIX = "snr_"
 
-# GradientVarianceQuantiles: quantiles and mean of sd, SNR median and mean.
+# GradientVarianceQuantiles: quantiles and mean of sd, SNR median and mean. SD_MEDIAN is
+# logged only where 0.5 is among the quantiles asked for (:func:`median_name`); the SNR's
+# median always.
 SD_MEDIAN = "q0.5"
 SNR_MEDIAN = SNR_PREFIX + "q0.5"
 SNR_MEAN = SNR_PREFIX + MEAN
@@ -100,6 +102,16 @@ RANKINGS = (
     (GRADIENT_VARIANCE, SD_MEDIAN, False),
     (PER_EXAMPLE_NORM, quantile_name(0.5), False),
 )
+
+
+#: The level of the median among a quantity's quantiles.
+MEDIAN_LEVEL = 0.5
+
+
+def median_name(names: Iterable[str], prefix: str = "") -> Optional[str]:
+    """The name of the median (the quantile at :data:`MEDIAN_LEVEL`) among the logged
+    statistic ``names``; ``None`` where it was not logged (other levels were asked for)."""
+    return next((name for name in names if quantile_level(name, prefix) == MEDIAN_LEVEL), None)
 
 
 def sd_statistic_names(levels: Iterable[float]) -> List[str]:

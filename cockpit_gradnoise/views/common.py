@@ -27,6 +27,7 @@ from cockpit_gradnoise.logs.schema import (
     GRADIENT_VARIANCE,
     MAX,
     MEAN,
+    MEDIAN_LEVEL,
     NETWORK,
     NOISE_SCALE,
     NORM_RATIO,
@@ -37,6 +38,9 @@ from cockpit_gradnoise.logs.schema import (
     SNR_PREFIX,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
+    median_name,
+    quantile_level,
+    quantile_levels,
 )
 from cockpit_gradnoise.logs.table import Column, steps_of, values_of
 
@@ -87,6 +91,30 @@ THRESHOLDS = Thresholds()
 
 #: Layers drawn as lines by default; more become unreadable (the heatmap shows all).
 DEFAULT_TOP_K = 6
+
+def band_statistics(names) -> Optional[Tuple[str, str, str]]:
+    """``(lowest, middle, highest)``: the quantiles a band is drawn of, of the logged ``names``.
+
+    ``middle`` is the median where it was logged, else the quantile closest to
+    it (:func:`median_note` says so); ``None`` without quantiles.
+    """
+    levels = {quantile_level(name): name for name in names if quantile_level(name) is not None}
+    if not levels:
+        return None
+    ordered = sorted(levels)
+    middle = min(ordered, key=lambda q: abs(q - MEDIAN_LEVEL))
+    return levels[ordered[0]], levels[middle], levels[ordered[-1]]
+
+
+def median_note(what: str, names) -> str:
+    """``"median sd not logged (quantiles asked: 0.1, 0.9)"``, or ``""`` where the median of
+    the logged statistic ``names`` is among them (:func:`~cockpit_gradnoise.logs.schema.median_name`)."""
+    if median_name(names) is not None:
+        return ""
+    levels = quantile_levels(names)
+    asked = f"quantiles asked: {', '.join(f'{q:g}' for q in levels)}" if levels else "no quantiles asked"
+    return f"median {what} not logged ({asked})"
+
 
 def equals(column: "pandas.Series", value) -> numpy.ndarray:
     """The boolean mask ``column == value`` of a text column, fast for every storage.

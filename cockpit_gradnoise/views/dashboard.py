@@ -17,7 +17,8 @@ from cockpit_gradnoise.logs.schema import (
     UPDATE_SIZE,
 )
 from cockpit_gradnoise.logs.table import Rows
-from cockpit_gradnoise.views import axes, panels
+from cockpit_gradnoise.views import panels
+from cockpit_gradnoise.views.axes import clear_panel, log_labels, minor_ticks, no_data
 from cockpit_gradnoise.views.common import (
     DEFAULT_TOP_K,
     default_layers,
@@ -172,7 +173,7 @@ def _layout(fig, mosaic, heights, fixed: bool) -> _Layout:
             layout.colorbar.remove()
             layout.colorbar = None
         for ax in layout.axes.values():
-            axes.clear_panel(ax)
+            clear_panel(ax)
         for legend in list(fig.legends):
             legend.remove()
         return layout
@@ -194,8 +195,8 @@ def _heatmap(layout, frame, statistic):
                                        label=mesh.get_label())
     else:
         layout.colorbar = fig.colorbar(mesh, ax=ax, pad=0.01, label=mesh.get_label())
-    axes.log_labels(layout.colorbar.ax.yaxis)
-    axes.minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
+    log_labels(layout.colorbar.ax.yaxis)
+    minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
 
 
 def _widest(strings, font) -> float:
@@ -345,7 +346,7 @@ def figure(
     layout = _layout(fig, mosaic, heights, fixed)
     axes = layout.axes
     if not keys:
-        axes.no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
+        no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
     for key, quantity, panel in PANELS:
         if key == "noise_scale" and key in axes:
             panel(axes[key], parts[quantity], batch_size=batch_size)

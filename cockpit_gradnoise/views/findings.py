@@ -316,6 +316,11 @@ def _network_series(frame, quantity, statistic) -> pandas.Series:
     return rows.set_index("step").value.astype(float).sort_index()
 
 
+#: The network's statistics over the run that :func:`run_history` reads (its rows
+#: of ``param == NETWORK``): what the streamed log's reader decodes for it.
+HISTORY = (ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE)
+
+
 def run_history(frame: pandas.DataFrame, thresholds: Thresholds = THRESHOLDS) -> RunHistory:
     """The :class:`RunHistory` of ``frame`` (its steps up to the report's)."""
     zero = _network_series(frame, PARAM_GRAD_RATIO, ZERO_GRAD_FRACTION)

@@ -47,8 +47,7 @@ from cockpit_gradnoise.logs.schema import (
     SNR_MEDIAN,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
-    quantile_levels,
-    quantile_name,
+    median_name,
 )
 from cockpit_gradnoise.logs.table import Column, steps_of, values_of
 from cockpit_gradnoise.views.axes import (
@@ -72,11 +71,13 @@ from cockpit_gradnoise.views.axes import (
 )
 from cockpit_gradnoise.views.common import (
     THRESHOLDS,
+    band_statistics,
     coverage_note,
     default_layers,
     distinct,
     equals,
     layer_order,
+    median_note,
     network_coverage,
     non_finite,
     select,
@@ -263,17 +264,18 @@ def _band(ax, series, name, low, high, color):
 
 def _bands(ax, series, layers, colors, legend, title, ylabel):
     """Median lines and lowest-to-highest quantile bands per layer; network median bold."""
-    levels = quantile_levels(series.statistics())
-    if not levels:  # no quantiles logged: the mean is all there is
+    band = band_statistics(series.statistics())
+    if band is None:  # no quantiles logged: the mean is all there is
         _lines(ax, series, MEAN, layers, colors)
         _finish(ax, title, f"{ylabel}: {MEAN}", legend)
         return
-    middle = quantile_name(min(levels, key=lambda q: abs(q - 0.5)))
-    low, high = quantile_name(levels[0]), quantile_name(levels[-1])
+    low, middle, high = band
     for name in layers if low != high else []:
         _band(ax, series, name, low, high, colors[name])
     _lines(ax, series, middle, layers, colors)
-    _finish(ax, title, f"{ylabel}: {middle}, band {low} to {high}", legend)
+    # Where no median was logged the line is another quantile: the label says so.
+    missing = " (no median)" if median_name(series.statistics()) is None else ""
+    _finish(ax, title, f"{ylabel}: {middle}{missing}, band {low} to {high}", legend)
 
 
 def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
@@ -474,6 +476,9 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     title = f"{label} per layer ({GRADIENT_VARIANCE} {statistic})"
     series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
     if series is None:
+        return None
+    if statistic == SD_MEDIAN and median_name(series.statistics()) is None:
+        no_data(ax, title, "no data:\n" + median_note("sd", series.statistics()))
         return None
     names, steps, values = _heatmap_values(frame, series, statistic, layers)
     positive = values[numpy.isfinite(values) & (values > 0)]

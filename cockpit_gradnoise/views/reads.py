@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.logs import selective
 from cockpit_gradnoise.logs.schema import (
-    B_SIMPLE,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
     GRADIENT_VARIANCE,
@@ -44,15 +43,12 @@ from cockpit_gradnoise.logs.schema import (
     PER_EXAMPLE_NORM,
     QUANTITIES,
     RANKINGS,
-    UPDATE_RELATIVE,
-    ZERO_GRAD_FRACTION,
-    quantile_levels,
-    quantile_name,
 )
 from cockpit_gradnoise.logs.table import Column, Rows
 from cockpit_gradnoise.views.common import (
     DEFAULT_TOP_K,
     Ranking,
+    band_statistics,
     chosen_layers,
     finite_means,
     layer_order,
@@ -63,6 +59,7 @@ from cockpit_gradnoise.views.common import (
     select,
     stable_order,
 )
+from cockpit_gradnoise.views.findings import HISTORY
 from cockpit_gradnoise.views.report import finite_report_step, quantity_steps
 
 import numpy
@@ -265,8 +262,7 @@ def report_frame(path, step: Optional[int] = None
     summed, ranking = _summed(index, max(steps.values()))
     picks += _first_bad(index, summary) + ([] if summed else _ranking(index, upto)) + [
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
-        selective.named(index, upto, params=[NETWORK],
-                        statistics=[ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE]),
+        selective.named(index, upto, params=[NETWORK], statistics=list(HISTORY)),
         _batch_size(index, upto),
     ]
     frame = index.frame(picks)
@@ -280,8 +276,9 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str], declared
     ``declared``: the statistics the panel draws besides quantiles
     (:data:`~cockpit_gradnoise.views.panels.DRAWN`).
 
-    Of the quantiles, the lowest, the highest and the one closest to the
-    median (those ``panels._bands`` draws; the mean only without quantiles);
+    Of the quantiles, the lowest, the highest and the median or the one
+    closest to it (:func:`~cockpit_gradnoise.views.common.band_statistics`, as
+    ``panels._bands`` draws; the mean only without quantiles);
     one number of each record holding one of ``params`` keeps the panel's
     steps those of the full frame.
     """
@@ -289,10 +286,9 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str], declared
     names = {index.statistics[s] for layout in numpy.unique(index.layout[records]).tolist()
              for s in index.layouts[layout][1][index.positions(layout, params=params)].tolist()}
     wanted = set(declared) & names
-    levels = quantile_levels(names)
-    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and levels:
-        middle = min(levels, key=lambda q: abs(q - 0.5))
-        wanted |= {quantile_name(q) for q in (levels[0], middle, levels[-1])}
+    band = band_statistics(names)
+    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and band is not None:
+        wanted |= set(band)
     elif quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM):
         wanted |= {MEAN} & names
 

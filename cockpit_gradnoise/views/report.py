@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from cockpit_gradnoise.logs.schema import (
-    B_SIMPLE,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
+    GRADIENT_VARIANCE,
     NETWORK,
     PARAMS_COVERED,
     PARAMS_TOTAL,
+    PER_EXAMPLE_NORM,
     QUANTITIES,
     RANKINGS,
-    UPDATE_RELATIVE,
-    ZERO_GRAD_FRACTION,
     encode_float,
 )
 from cockpit_gradnoise.views.common import (
@@ -41,6 +40,7 @@ from cockpit_gradnoise.views.common import (
     coverage_note,
     equals,
     layer_order,
+    median_note,
     network_coverage,
     noise_ranking,
     non_finite_summary,
@@ -52,6 +52,7 @@ from cockpit_gradnoise.views.common import (
 )
 from cockpit_gradnoise.views.findings import (
     COLUMNS,
+    HISTORY,
     findings,
     non_finite_finding,
     run_findings,
@@ -150,6 +151,22 @@ def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFr
     return table
 
 
+#: The quantities whose median a report reads, and what the median is of.
+MEDIANS = {GRADIENT_VARIANCE: "sd", PER_EXAMPLE_NORM: "per-example gradient norm"}
+
+
+def median_notes(frame: pandas.DataFrame, steps: Dict[str, int]) -> List[str]:
+    """``"median sd not logged (quantiles asked: 0.1, 0.9)"`` for each quantity of
+    :data:`MEDIANS` whose statistics at its step in ``steps`` hold no median
+    (:func:`~cockpit_gradnoise.views.common.median_note`)."""
+    notes = []
+    for quantity, what in MEDIANS.items():
+        if quantity in steps:
+            rows = select(frame[frame.step.to_numpy() == steps[quantity]], quantity)
+            notes.append(median_note(what, unique_in_order(rows.statistic)))
+    return [note for note in notes if note]
+
+
 def coverages(frame: pandas.DataFrame, steps: Dict[str, int]) -> Dict[str, Coverage]:
     """``{quantity: coverage}`` of the quantities whose network row, at their step in
     ``steps``, leaves parameters out (:func:`~cockpit_gradnoise.views.common.network_coverage`)."""
@@ -166,7 +183,8 @@ class Report:
     ``"all"`` row covers only some of the parameters. ``non_finite`` says
     where the run went NaN or inf (its finding is the first); ``finite_step``:
     the report's step was moved back to the last step without NaN or inf,
-    the last tracked step being non-finite.
+    the last tracked step being non-finite. ``notes``: what the log lacks that
+    the report would show (a median not logged, :func:`median_notes`).
     """
 
     source: str
@@ -179,6 +197,7 @@ class Report:
     coverage: Dict[str, Coverage] = field(default_factory=dict)
     non_finite: Optional[NonFinite] = None
     finite_step: bool = False
+    notes: List[str] = field(default_factory=list)
 
 
 #: Every statistic a report reads: its columns, the ranking, the run's history,
@@ -186,7 +205,7 @@ class Report:
 READ = sorted(
     {statistic for _, statistic in COLUMNS.values()}
     | {statistic for _, statistic, _ in RANKINGS}
-    | {ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE, BATCH_SIZE, *COVERAGE_STATISTICS}
+    | {*HISTORY, BATCH_SIZE, *COVERAGE_STATISTICS}
 )
 
 
@@ -248,6 +267,7 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
                    stopped=history.stopped_at is not None),
         ranking=ranking,
         coverage=coverages(read, steps),
+        notes=median_notes(frame, steps),
         non_finite=summary,
         finite_step=finite_step,
     )
@@ -330,6 +350,7 @@ def _text(report: Report) -> str:
         *[f"NON-FINITE: {line}" for line in first],
         f"step {report.step}" + (f" ({other})" if other else "") + f", batch size {batch}",
         *_coverage_lines(report.coverage),
+        *report.notes,
         "",
         shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-") if len(shown.columns)
         else f"(no finite number at step {report.step})",
