@@ -65,8 +65,10 @@ def frame_rows(firsts: numpy.ndarray, width: int) -> numpy.ndarray:
 
 
 def read_values(index, plans, firsts: numpy.ndarray, total: int) -> numpy.ndarray:
-    """The numbers that ``plans`` (of a
-    :class:`~cockpit_gradnoise.logs.selective.LogIndex`) name, at their rows of the frame, read window by window.
+    """The numbers that ``plans`` name, at their rows of the frame, read window by window.
+
+    ``index`` is a :class:`~cockpit_gradnoise.logs.selective.LogIndex`, ``plans``
+    the positions each of its layouts is read at.
 
     Records are read in file order, many at a time (:func:`_windows`, one read
     into a buffer that is reused, so memory stays bounded); of each window the

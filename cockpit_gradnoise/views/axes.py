@@ -200,5 +200,6 @@ def log_labels(axis):
 
 
 def step_axis(ax):
+    """Label ``ax``'s x axis ``step``, with integer ticks."""
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -95,13 +95,13 @@ MAX_BANDS = 100
 #: The heatmap labels at most this many rows (every k-th layer beyond): so that each
 #: label is at least 6 pt (:func:`noise_heatmap_panel`), and few (each costs the drawing).
 MAX_ROW_LABELS = 60
+
 #: What each line panel draws of its quantity besides quantiles (the ones ``_bands`` draws):
 #: the declaration :mod:`cockpit_gradnoise.views.reads` reads a streamed log by.
 DRAWN = {
     PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
     UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
 }
-
 
 
 def _title(frame, quantity, title) -> str:

@@ -9,6 +9,13 @@ frame. Each pick below says which of their reads it serves; of a
 10,000-step, 200-tensor log (52 M numbers) about 2 M are decoded for the
 report and 0.8 M for the dashboard (``benchmarks/README.md``).
 
+The views declare what they read and this module reads by their
+declarations: the dashboard's panels (``dashboard.PANELS``), what each line
+panel draws besides quantiles (``panels.DRAWN``), the quantiles of a band
+(``common.band_statistics``) and the network's run history
+(``findings.HISTORY``). The dashboard and the panels, and matplotlib with
+them, are imported only to draw: a report needs neither.
+
 What both views read, and the picks that serve it:
 
 - the tracked steps and the (step, quantity) blocks (``quantity_steps``,
@@ -301,9 +308,9 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str], declared
 
 def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
               heatmap: str = "auto") -> Optional[Tuple[Rows, List[str]]]:
-    """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads, and its layers.
+    """The rows of the streamed log at ``path`` that ``dashboard.figure`` reads, and its layers.
 
-    ``plot(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
+    ``figure(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
     returned ``(frame, drawn)`` draws the dashboard of the full log with
     ``layers``: without them, ``drawn`` are the ``top_k`` noisiest as a
     :class:`~cockpit_gradnoise.views.dashboard.Ranked` (ranked here, on every
