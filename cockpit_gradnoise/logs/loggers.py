@@ -8,7 +8,7 @@ change during a run::
 
 (``all`` is the network, :data:`~cockpit_gradnoise.NETWORK`). TensorBoard puts
 each quantity in its own section (the part of the tag before the first ``/``).
-:meth:`Tracker.log_to <cockpit_gradnoise.tracking.Tracker.log_to>` feeds them
+:meth:`Tracker.log_to <cockpit_gradnoise.Tracker.log_to>` feeds them
 after every tracked step.
 """
 

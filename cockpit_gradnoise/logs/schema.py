@@ -191,8 +191,8 @@ def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
     """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
 
     Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
-    ``start_norm = ||theta(s)||`` (a live
-    :class:`~cockpit_gradnoise.quantities.update_size.LayerUpdate` or a
+    ``start_norm = ||theta(s)||`` (a live ``LayerUpdate`` of
+    :class:`~cockpit_gradnoise.UpdateSize` or a
     :class:`~cockpit_gradnoise.logs.frame.LoggedUpdate` read from a log).
     ``relative = norm / start_norm``, ``+inf`` when ``start_norm`` is 0
     (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums

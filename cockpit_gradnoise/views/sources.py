@@ -117,9 +117,9 @@ def plot(
     global is changed (no ``rcParams``, no interactive mode).
 
     Args:
-        source: A live ``Cockpit``, the path of its log (with or without
-            ``.json``), its ``get_output()`` dict, or a frame from
-            :func:`cockpit_gradnoise.to_frame`.
+        source: A live ``Cockpit`` or :class:`~cockpit_gradnoise.Tracker`,
+            the path of a log (with or without ``.json``), its ``get_output()``
+            dict, or a frame from :func:`cockpit_gradnoise.to_frame`.
         savefig: Path to save the figure to (format from the suffix); parent
             folders are created.
         layers: Names of the parameters drawn as lines; default the ``top_k``
@@ -128,7 +128,8 @@ def plot(
             (``"all"``) is always drawn, black and bold.
         top_k: How many layers to draw by default.
         batch_size: Batch size used in training, drawn in the noise-scale
-            panel; default: :func:`cockpit_gradnoise.views.common.recorded_batch_size`.
+            panel; default:
+            :func:`cockpit_gradnoise.views.common.recorded_batch_size`.
         heatmap: Layer-by-step heatmap of the median sd (``"sd"``) or median
             SNR (``"snr"``), ``"off"``, or ``"auto"``: the sd heatmap when the
             model has more layers than are drawn as lines.
@@ -137,8 +138,9 @@ def plot(
             dashboard (see ``docs/dashboard.md``). An
             :class:`~cockpit_gradnoise.views.dashboard.OwnFigure` is laid out
             as the figure made without ``fig``.
-        dpi: Resolution when saving, at most :data:`~cockpit_gradnoise.views.dashboard.MAX_DPI`; the image at
-            most :data:`~cockpit_gradnoise.views.dashboard.MAX_PIXELS` pixels.
+        dpi: Resolution when saving, at most
+            :data:`~cockpit_gradnoise.views.dashboard.MAX_DPI`; the image at most
+            :data:`~cockpit_gradnoise.views.dashboard.MAX_PIXELS` pixels.
         writer_rank: Under distributed training only this process saves the
             figure (``None``: every process).
 
@@ -148,7 +150,8 @@ def plot(
     Raises:
         ValueError: If ``layers`` names a parameter not in ``source``, or
             ``heatmap`` is not one of the values above.
-        ~cockpit_gradnoise.views.dashboard.ImageTooLarge: If the image to save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
+        ~cockpit_gradnoise.views.dashboard.ImageTooLarge: If the image to
+            save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
     """
     from cockpit_gradnoise.views.dashboard import figure  # matplotlib: only to draw
 
