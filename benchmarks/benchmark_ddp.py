@@ -38,7 +38,7 @@ from cockpit_gradnoise.extensions import (  # noqa: E402
     PerExampleSquaredNorms,
     SumsOfContributions,
 )
-from cockpit_gradnoise.schema import QUANTITIES  # noqa: E402
+from cockpit_gradnoise.logs.schema import QUANTITIES  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -53,9 +53,9 @@ if not __package__:
     # Run as `python benchmarks/benchmark_log.py`: the repository holds `benchmarks`.
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from cockpit_gradnoise import schema  # noqa: E402
-from cockpit_gradnoise.frame import LoggedUpdate, to_frame  # noqa: E402
-from cockpit_gradnoise.log import LogStream  # noqa: E402
+from cockpit_gradnoise.logs import schema  # noqa: E402
+from cockpit_gradnoise.logs.frame import LoggedUpdate, to_frame  # noqa: E402
+from cockpit_gradnoise.logs.stream import LogStream  # noqa: E402
 
 import numpy  # noqa: E402
 
@@ -284,12 +284,13 @@ import numpy
 marks.append(time.process_time())
 from cockpit_gradnoise import cli
 with cli._no_artist_docs():
-    from cockpit_gradnoise import dashboard
+    from cockpit_gradnoise.views import dashboard
 marks.append(time.process_time())
-from cockpit_gradnoise.view_rows import plot_rows, streamed_rows
+from cockpit_gradnoise.views.reads import plot_rows
+from cockpit_gradnoise.views.sources import streamed_rows
 rows, layers = streamed_rows(sys.argv[1], plot_rows)
 marks.append(time.process_time())
-figure = dashboard.plot(rows, layers=layers, fig=dashboard.OwnFigure())
+figure = dashboard.figure(rows, layers=layers, fig=dashboard.OwnFigure())
 marks.append(time.process_time())
 figure.savefig(sys.argv[2], dpi=100, pil_kwargs={"compress_level": 3})
 marks.append(time.process_time())

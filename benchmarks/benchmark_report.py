@@ -28,7 +28,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from cockpit_gradnoise.schema import (
+from cockpit_gradnoise.logs.schema import (
     GRADIENT_VARIANCE,
     NETWORK,
     NOISE_SCALE,
@@ -123,8 +123,8 @@ def main(argv=None):
     import matplotlib
 
     matplotlib.use("Agg")
-    from cockpit_gradnoise import dashboard
-    from cockpit_gradnoise.findings import build_report, format_report
+    from cockpit_gradnoise.views import dashboard
+    from cockpit_gradnoise.views.report import build_report, format_report
 
     start = time.perf_counter()
     frame = synthetic_frame(args.steps, args.layers, args.every, args.diverge_at)
@@ -138,7 +138,7 @@ def main(argv=None):
     def plot():
         import matplotlib.pyplot as plt
 
-        plt.close(dashboard.plot(frame, savefig=image))
+        plt.close(dashboard.figure(frame, savefig=image))
 
     for name, function in (("report", report), ("plot", plot)):
         if args.only in (None, name):

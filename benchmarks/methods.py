@@ -17,7 +17,7 @@ import warnings
 import cockpit_gradnoise as cgn  # first: makes `import cockpit` work
 from cockpit_gradnoise import extensions as cgn_extensions
 from cockpit_gradnoise.extensions import sums as cgn_sums
-from cockpit_gradnoise.schema import QUANTITIES
+from cockpit_gradnoise.logs.schema import QUANTITIES
 
 import torch
 from backpack import backpack, extend

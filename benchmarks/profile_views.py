@@ -17,22 +17,23 @@ from pathlib import Path
 
 _PHASES = {
     "report": """
-from cockpit_gradnoise import selective, view_rows
+from cockpit_gradnoise.logs import selective
+from cockpit_gradnoise.views import reads as view_rows
 lap("import (the package; pandas comes with the first frame)")
 index = selective.index_log(LOG)
 lap(f"index_log: {len(index):,} records")
 frame = view_rows.report_frame(LOG)
 lap(f"report_frame (its own index too): {len(frame):,} rows")
-from cockpit_gradnoise.findings import build_report, format_report
+from cockpit_gradnoise.views.report import build_report, format_report
 text = format_report(build_report(frame, source=LOG))
 lap("build_report, format_report")
 """,
     "plot": """
-from cockpit_gradnoise import dashboard, view_rows
+from cockpit_gradnoise.views import dashboard, reads as view_rows
 lap("import (matplotlib without pyplot, the package)")
 rows, layers = view_rows.plot_rows(LOG)
 lap(f"plot_rows: {len(rows):,} rows")
-fig = dashboard.plot(rows, layers=layers, fig=dashboard.OwnFigure())  # as the command line
+fig = dashboard.figure(rows, layers=layers, fig=dashboard.OwnFigure())  # as the command line
 lap("plot, without saving")
 fig.savefig(OUT)
 lap("savefig (layout and drawing)")

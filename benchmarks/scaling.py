@@ -4,7 +4,7 @@ import functools
 import statistics
 import sys
 
-from cockpit_gradnoise.schema import QUANTITIES
+from cockpit_gradnoise.logs.schema import QUANTITIES
 
 from benchmarks.harness import benchmark_model, build_steps, timed
 from benchmarks.methods import METHODS, plain_step

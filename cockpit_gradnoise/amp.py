@@ -45,7 +45,7 @@ from cockpit_gradnoise.extensions.savefields import (
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
 )
-from cockpit_gradnoise.schema import GRAD_SCALER, LOSS_SCALE, NETWORK, SKIPPED
+from cockpit_gradnoise.logs.schema import GRAD_SCALER, LOSS_SCALE, NETWORK, SKIPPED
 
 import torch
 from torch import Tensor

@@ -19,9 +19,9 @@ import gc
 import sys
 from pathlib import Path
 
-from cockpit_gradnoise._views import DEFAULT_TOP_K
-from cockpit_gradnoise.findings import FORMATS, build_report, format_report, holdings
-from cockpit_gradnoise.schema import QUANTITIES
+from cockpit_gradnoise.logs.schema import QUANTITIES
+from cockpit_gradnoise.views.common import DEFAULT_TOP_K
+from cockpit_gradnoise.views.report import FORMATS, build_report, format_report, holdings
 
 EXIT_BAD_INPUT = 2
 
@@ -41,7 +41,7 @@ def load_frame(path):
         BadInput: Naming the file, if it is missing, unreadable, not a Cockpit
             log, or holds none of this package's quantities.
     """
-    from cockpit_gradnoise.frame import read_log, to_frame  # pandas: not for --help
+    from cockpit_gradnoise.logs.frame import read_log, to_frame  # pandas: not for --help
 
     try:
         output = read_log(path)
@@ -64,14 +64,6 @@ def load_frame(path):
             "cockpit_gradnoise.GradientVarianceQuantiles in the Cockpit"
         )
     return frame
-
-
-def _streamed_frame(path, read):
-    """:func:`cockpit_gradnoise.view_rows.streamed_rows`: ``None`` leaves it to :func:`load_frame`,
-    which reads the log whole and says what is wrong."""
-    from cockpit_gradnoise.view_rows import streamed_rows
-
-    return streamed_rows(path, read)
 
 
 @contextlib.contextmanager
@@ -113,7 +105,7 @@ def _no_artist_docs():
 def _plot(args):
     # matplotlib only here: it takes longer to import than the rest of a report.
     with _no_artist_docs():
-        from cockpit_gradnoise import dashboard
+        from cockpit_gradnoise.views import dashboard
 
         from matplotlib.backend_bases import FigureCanvasBase
 
@@ -126,28 +118,17 @@ def _plot(args):
         )
     if not 1 <= args.dpi <= dashboard.MAX_DPI:
         raise BadInput(f"--dpi {args.dpi}: use 1 to {dashboard.MAX_DPI} (default: 100)")
-    from cockpit_gradnoise.view_rows import plot_rows
+    from cockpit_gradnoise.views.sources import rows_to_plot
 
-    layers, read = args.layers, {}
-
-    def fast(file):  # the rows drawn (no pandas), and the layers they are drawn for
-        found = plot_rows(file, layers=args.layers, top_k=args.top_k, heatmap=args.heatmap)
-        if found is None:
-            return None
-        read["layers"] = found[1]
-        return found[0]
-
-    frame = _streamed_frame(args.log, fast)
-    if frame is None:
-        frame = load_frame(args.log)
-    else:
-        layers = read["layers"]
+    # Of a streamed log the rows drawn (no pandas), and the layers they are drawn for.
+    frame, layers = rows_to_plot(args.log, layers=args.layers, top_k=args.top_k,
+                                 heatmap=args.heatmap, whole=load_frame)
     folder = Path(args.output).parent
     if not folder.exists():
         folder.mkdir(parents=True)
         print(f"cockpit-gradnoise plot: created folder {folder}", file=sys.stderr)
     try:
-        dashboard.plot(
+        dashboard.figure(
             frame,
             savefig=args.output,
             layers=layers,
@@ -167,10 +148,9 @@ def _plot(args):
 
 
 def _report(args):
-    from cockpit_gradnoise.view_rows import report_frame
+    from cockpit_gradnoise.views.sources import rows_to_report
 
-    found = _streamed_frame(args.log, lambda file: report_frame(file, args.step))
-    frame, ranking = (load_frame(args.log), None) if found is None else found
+    frame, ranking = rows_to_report(args.log, args.step, whole=load_frame)
     try:
         built = build_report(
             frame, source=args.log, step=args.step, batch_size=args.batch_size, ranking=ranking
@@ -229,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
         description="Print a per-layer table at the last (or chosen) step: median sd, "
         "SNR, per-example norms, norm ratio, relative update size, B_simple; the text "
         "format adds one plain-language line per finding (thresholds: "
-        "cockpit_gradnoise.findings.THRESHOLDS).",
+        "cockpit_gradnoise.views.common.THRESHOLDS).",
     )
     report_parser.add_argument("log", help="the JSON log (the .json suffix may be left out)")
     report_parser.add_argument(

@@ -27,13 +27,11 @@ without an initialised default process group, nothing here communicates.
 
 import itertools
 import math
-import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-#: The process that writes logs and figures by default.
-WRITER_RANK = 0
+from cockpit_gradnoise._ranks import WRITER_RANK, is_writer, process_group, rank, world_size  # noqa: F401
 
 # The header: one row per process, then one column per (quantity, parameter) slot.
 _EXAMPLES, _MEAN, _SUM, _FAILED, _LAYOUT, _STEP = range(6)
@@ -43,44 +41,6 @@ _HEADER_FIELDS = 6
 # tensor parallelism), by name: FSDP is not imported to detect it.
 _SHARDED_PARAMETER_CLASSES = ("FlatParameter", "DTensor")
 _SHARDED_MODULE_CLASSES = ("FullyShardedDataParallel", "FSDPModule")
-
-
-def _process_group():
-    """``torch.distributed`` when a default process group is initialised, else ``None``.
-
-    Looked up in ``sys.modules``: where torch was never imported, no process
-    group can exist, and nothing is imported to find that out.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist
-
-
-def world_size() -> int:
-    """Number of processes in the default group; 1 outside distributed training."""
-    dist = _process_group()
-    return 1 if dist is None else dist.get_world_size()
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 outside distributed training."""
-    dist = _process_group()
-    return 0 if dist is None else dist.get_rank()
-
-
-def is_writer(writer_rank: Optional[int] = WRITER_RANK) -> bool:
-    """Whether this process writes logs and figures.
-
-    Args:
-        writer_rank: The rank that writes (default 0), or ``None`` for every
-            process (then give each its own path).
-
-    Returns:
-        ``True`` outside distributed training, on rank ``writer_rank``, or
-        everywhere when ``writer_rank`` is ``None``.
-    """
-    return writer_rank is None or rank() == writer_rank
 
 
 def check_not_sharded(params: Iterable, model=None):
@@ -375,7 +335,7 @@ def share(batches: Iterable) -> Iterable:
 
 def gather_objects(value) -> list:
     """Every process's ``value`` (picklable), in rank order; ``[value]`` on one process."""
-    dist = _process_group()
+    dist = process_group()
     if dist is None or dist.get_world_size() == 1:
         return [value]
     values = [None] * dist.get_world_size()
@@ -385,7 +345,7 @@ def gather_objects(value) -> list:
 
 def all_reduce_(tensors: Iterable) -> None:
     """Sum each tensor over the processes, in place (nothing outside distributed training)."""
-    dist = _process_group()
+    dist = process_group()
     if dist is None or dist.get_world_size() == 1:
         return
     for tensor in tensors:

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise.logs.schema import NETWORK, sd_statistic_names
 from cockpit_gradnoise.order_statistics import check_quantile_levels
-from cockpit_gradnoise.schema import NETWORK, sd_statistic_names
 
 import torch
 from torch import Tensor, nn

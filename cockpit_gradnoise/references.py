@@ -17,7 +17,7 @@ import copy
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from cockpit_gradnoise.functional import resolvable_snr
-from cockpit_gradnoise.schema import NETWORK
+from cockpit_gradnoise.logs.schema import NETWORK
 
 import numpy
 import torch

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, accumulation, distributed, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import facts as backward_facts
-from cockpit_gradnoise.schema import NETWORK
+from cockpit_gradnoise.logs.schema import NETWORK
 
 import torch
 

@@ -29,11 +29,11 @@ from cockpit_gradnoise import accumulation, amp, arming, functional
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
-from cockpit_gradnoise.findings import report
-from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
-from cockpit_gradnoise.log import LogStream
+from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
+from cockpit_gradnoise.logs.stream import LogStream
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.step import check_individual_losses, step_number
+from cockpit_gradnoise.views.sources import report
 
 import cockpit.quantities
 import torch
@@ -336,7 +336,7 @@ class Tracker:
         log, :class:`~cockpit_gradnoise.LogStream`; ``.jsonl`` is added to a
         path without a suffix; a log there is replaced), starting with what
         was tracked before. The quantities then hold no step between tracked
-        calls (:data:`~cockpit_gradnoise.log.STEPS_IN_MEMORY`); :meth:`get_output`,
+        calls (:data:`~cockpit_gradnoise.logs.stream.STEPS_IN_MEMORY`); :meth:`get_output`,
         :meth:`frame`, :meth:`plot`, :meth:`report` and :meth:`write` read
         the streamed log. A ``kill -9`` loses at most the last tracked step.
 
@@ -480,14 +480,14 @@ class Tracker:
             tracker.log_to(SummaryWriter("runs/tb"))   # or a wandb run, or a function
 
         Tags are ``<quantity>/<parameter>/<statistic>``
-        (:mod:`cockpit_gradnoise.integrations.loggers`). The tracker's own
+        (:mod:`cockpit_gradnoise.logs.loggers`). The tracker's own
         log (:meth:`write`) is unchanged.
 
         Args:
             target: A ``torch.utils.tensorboard.SummaryWriter``, a Weights &
                 Biases run, or a function ``(step, {quantity: value}) -> None``.
         """
-        from cockpit_gradnoise.integrations.loggers import logger_for
+        from cockpit_gradnoise.logs.loggers import logger_for
 
         self.loggers.append(logger_for(target))
         return self
@@ -551,9 +551,9 @@ class Tracker:
 
     def plot(self, **kwargs):
         """The dashboard of what is tracked so far: :func:`~cockpit_gradnoise.plot`'s arguments."""
-        from cockpit_gradnoise import dashboard  # matplotlib only where a figure is drawn
+        from cockpit_gradnoise.views.sources import plot  # matplotlib only where a figure is drawn
 
-        return dashboard.plot(self, **kwargs)
+        return plot(self, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
         """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.findings import build_report, format_report, run_findings, run_history
+from cockpit_gradnoise.views.findings import run_findings, run_history
+from cockpit_gradnoise.views.report import build_report, format_report
 
 import matplotlib
 
@@ -73,7 +74,7 @@ def write_test_data(frames, folder):
 
 
 def history_row(seed, name, batch_size, frame):
-    """Seed, run, and what :func:`cockpit_gradnoise.findings.run_history` reads from it."""
+    """Seed, run, and what :func:`cockpit_gradnoise.views.findings.run_history` reads from it."""
     history = run_history(frame)
     stopped = "-" if history.stopped_at is None else history.stopped_at
     step, largest = history.largest_update or (None, float("nan"))

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cockpit_gradnoise import panels
+from cockpit_gradnoise.views import panels
 
 import torch
 

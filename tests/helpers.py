@@ -1,7 +1,7 @@
 """Assertions and frame helpers shared by several test files."""
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import schema
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

@@ -28,7 +28,8 @@ import warnings
 from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
-from cockpit_gradnoise import references, schema
+from cockpit_gradnoise import references
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.tracking import Tracker
 
 import pytest

@@ -5,7 +5,8 @@ import itertools
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references, schema
+from cockpit_gradnoise import references
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

@@ -12,7 +12,8 @@ import math
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.findings import build_report, run_findings, run_history
+from cockpit_gradnoise.views.findings import run_findings, run_history
+from cockpit_gradnoise.views.report import build_report
 
 import pandas
 import pytest

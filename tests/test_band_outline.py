@@ -8,7 +8,7 @@ polygons filled by the same renderer, with no edge.
 """
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import panels
+from cockpit_gradnoise.views import panels
 
 import matplotlib
 import numpy

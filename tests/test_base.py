@@ -3,8 +3,8 @@
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import schema
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import SUM
 
 import pytest

@@ -5,7 +5,8 @@ Never a timed or memory-threshold assertion: those depend on the machine.
 
 import json
 
-from cockpit_gradnoise import schema, to_frame
+from cockpit_gradnoise import to_frame
+from cockpit_gradnoise.logs import schema
 
 from benchmarks import benchmark_log
 

@@ -19,10 +19,9 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise import cli  # noqa: E402
-from cockpit_gradnoise.findings import (  # noqa: E402
+from cockpit_gradnoise.views.findings import (  # noqa: E402
     COLUMNS,
     THRESHOLDS,
-    build_report,
     noise_scale_finding,
     norm_ratio_findings,
     outlier_findings,
@@ -30,6 +29,7 @@ from cockpit_gradnoise.findings import (  # noqa: E402
     update_size_findings,
     zero_grad_findings,
 )
+from cockpit_gradnoise.views.report import build_report
 
 import pytest  # noqa: E402
 

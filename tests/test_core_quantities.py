@@ -7,7 +7,8 @@ import functools
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references, schema
+from cockpit_gradnoise import references
+from cockpit_gradnoise.logs import schema
 
 import numpy
 import pytest

@@ -9,9 +9,9 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import dashboard, panels  # noqa: E402
-from cockpit_gradnoise._views import DEFAULT_TOP_K, default_layers  # noqa: E402
-from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
+from cockpit_gradnoise.views import dashboard, panels  # noqa: E402
+from cockpit_gradnoise.views.common import DEFAULT_TOP_K, default_layers  # noqa: E402
+from cockpit_gradnoise.views.report import build_report, format_report  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402

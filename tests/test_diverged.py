@@ -16,10 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import cli, panels  # noqa: E402
-from cockpit_gradnoise._views import non_finite, non_finite_summary  # noqa: E402
-from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
-from cockpit_gradnoise.schema import (  # noqa: E402
+from cockpit_gradnoise import cli  # noqa: E402
+from cockpit_gradnoise.logs.schema import (  # noqa: E402
     GRADIENT_VARIANCE,
     NETWORK,
     NOISE_SCALE,
@@ -27,6 +25,9 @@ from cockpit_gradnoise.schema import (  # noqa: E402
     PER_EXAMPLE_NORM,
     UPDATE_SIZE,
 )
+from cockpit_gradnoise.views import panels
+from cockpit_gradnoise.views.common import non_finite, non_finite_summary  # noqa: E402
+from cockpit_gradnoise.views.report import build_report, format_report  # noqa: E402
 
 import numpy  # noqa: E402
 import pytest  # noqa: E402

@@ -10,9 +10,10 @@ import types
 from collections import OrderedDict
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.frame import COLUMNS, decode_float, encode_float
+from cockpit_gradnoise.logs.frame import decode_float, encode_float
+from cockpit_gradnoise.logs.schema import UPDATE_SIZE
+from cockpit_gradnoise.logs.table import COLUMNS
 from cockpit_gradnoise.quantities.update_size import LayerUpdate
-from cockpit_gradnoise.schema import UPDATE_SIZE
 
 import pandas
 import pytest
@@ -113,7 +114,7 @@ def test_update_size_reads_from_a_log_without_torch_as_computed(named_cockpit, t
     logged = cgn.read_log(path)
     for step in (0, 1):
         expected = LayerUpdate.statistics_of_list(outputs[step][UPDATE_SIZE])
-        assert [type(item) for item in logged[step][UPDATE_SIZE]] == [cgn.frame.LoggedUpdate] * 6
+        assert [type(item) for item in logged[step][UPDATE_SIZE]] == [cgn.logs.frame.LoggedUpdate] * 6
         assert cgn.schema.update_statistics(logged[step][UPDATE_SIZE]) == expected
     zero_start = [LayerUpdate("w", 0.5, 0.0), LayerUpdate("b", 0.0, 0.0)]
     assert cgn.schema.update_statistics(zero_start)["w"]["relative"] == math.inf

@@ -4,8 +4,9 @@ import itertools
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references, schema
+from cockpit_gradnoise import functional, references
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 
 import numpy

@@ -12,7 +12,7 @@ import copy
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise.integrations.loggers import logger_for, scalars
+from cockpit_gradnoise.logs.loggers import logger_for, scalars
 
 import pandas
 import pytest

@@ -12,8 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import cli, log
-from cockpit_gradnoise.frame import COLUMNS, STALE_SECONDS, LoggedUpdate, remove_stale_temporaries
+from cockpit_gradnoise import cli
+from cockpit_gradnoise.logs import stream as log
+from cockpit_gradnoise.logs.frame import STALE_SECONDS, LoggedUpdate, remove_stale_temporaries
+from cockpit_gradnoise.logs.table import COLUMNS
 
 import numpy
 import pandas
@@ -133,7 +135,7 @@ WRITER = """
 import sys
 from collections import defaultdict
 from types import SimpleNamespace
-from cockpit_gradnoise.log import LogStream
+from cockpit_gradnoise.logs.stream import LogStream
 
 quantity = type("GradientNoiseScale", (), {})()
 quantity.output = defaultdict(dict)

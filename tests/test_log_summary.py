@@ -13,10 +13,12 @@ import json
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import cli, selective, view_rows
-from cockpit_gradnoise._views import noise_ranking
-from cockpit_gradnoise.findings import build_report, format_report
-from cockpit_gradnoise.schema import GRADIENT_VARIANCE, NETWORK, SNR_MEDIAN, encode_float
+from cockpit_gradnoise import cli
+from cockpit_gradnoise.logs import selective
+from cockpit_gradnoise.logs.schema import GRADIENT_VARIANCE, NETWORK, SNR_MEDIAN, encode_float
+from cockpit_gradnoise.views import reads as view_rows
+from cockpit_gradnoise.views.common import noise_ranking
+from cockpit_gradnoise.views.report import build_report, format_report
 
 import numpy
 import pandas

@@ -12,10 +12,10 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import panels  # noqa: E402
-from cockpit_gradnoise._views import equals, layer_order, select  # noqa: E402
-from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
-from cockpit_gradnoise.schema import GRADIENT_VARIANCE, NETWORK, SD_MEDIAN  # noqa: E402
+from cockpit_gradnoise.logs.schema import GRADIENT_VARIANCE, NETWORK, SD_MEDIAN  # noqa: E402
+from cockpit_gradnoise.views import axes, panels  # noqa: E402
+from cockpit_gradnoise.views.common import equals, layer_order, select  # noqa: E402
+from cockpit_gradnoise.views.report import build_report, format_report  # noqa: E402
 
 import numpy  # noqa: E402
 import pytest  # noqa: E402
@@ -38,13 +38,13 @@ def test_thinning_keeps_extremes_gaps_marks_and_both_ends():
     values[4321], values[1234] = 1e6, 1e-9  # a spike up and one down
     values[777], values[9000], values[5000:5005] = math.nan, math.inf, 0.0
     steps = numpy.arange(n) * 3
-    kept = panels.thin(steps, values)
-    assert len(kept) <= panels.MAX_POINTS + 8  # two per bin, and the marks' bins
+    kept = axes.thin(steps, values)
+    assert len(kept) <= axes.MAX_POINTS + 8  # two per bin, and the marks' bins
     assert numpy.all(numpy.diff(kept) > 0) and kept[0] == 0 and kept[-1] == n - 1
     assert {4321, 1234, 777, 9000} <= set(kept.tolist())
     assert set(range(5000, 5005)) & set(kept.tolist())
-    assert list(panels.thin(steps[:panels.MAX_POINTS], values[:panels.MAX_POINTS])) == list(
-        range(panels.MAX_POINTS))
+    assert list(axes.thin(steps[:axes.MAX_POINTS], values[:axes.MAX_POINTS])) == list(
+        range(axes.MAX_POINTS))
 
 
 def thinned(steps, values, limit):
@@ -75,7 +75,7 @@ def test_thinning_keeps_what_each_bin_and_kind_would_keep(seed):
     choices = [0.0, -0.0, 0.5, 1.0, 2.0, 2.0, math.inf, -math.inf, math.nan, -1.0]
     values = [rng.choice(choices, n), rng.lognormal(size=n).round(1)][: 1 + seed % 2]
     limit = int(rng.integers(6, 120))
-    assert panels.thin(steps, *values, limit=limit).tolist() == thinned(steps, values, limit)
+    assert axes.thin(steps, *values, limit=limit).tolist() == thinned(steps, values, limit)
 
 
 def test_long_lines_are_thinned_to_an_envelope(long_frame):
@@ -84,11 +84,11 @@ def test_long_lines_are_thinned_to_an_envelope(long_frame):
     rows = select(long_frame, GRADIENT_VARIANCE, NETWORK, SD_MEDIAN)
     network = labelled(found[GRADIENT_VARIANCE])[NETWORK]
     x, y = network.get_xdata(), network.get_ydata()
-    assert len(x) <= panels.MAX_POINTS and (x[0], x[-1]) == (0, (STEPS - 1) * 5)
+    assert len(x) <= axes.MAX_POINTS and (x[0], x[-1]) == (0, (STEPS - 1) * 5)
     assert y.max() == rows.value.max() and y.min() == rows.value.min()
     for quantity in found:
         for line in found[quantity].lines:
-            assert len(line.get_xdata()) <= panels.MAX_POINTS, quantity
+            assert len(line.get_xdata()) <= axes.MAX_POINTS, quantity
 
 
 def test_the_heatmap_shows_at_most_max_columns_evenly_spaced_steps(long_frame):

@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references, schema
+from cockpit_gradnoise import functional, references
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

@@ -11,9 +11,10 @@ fallback statistics when the log has no signal-to-noise ratios.
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import selective, view_rows
-from cockpit_gradnoise._views import default_layers, layer_order
-from cockpit_gradnoise.schema import GRADIENT_VARIANCE, NETWORK, SNR_MEDIAN, encode_float
+from cockpit_gradnoise.logs import selective
+from cockpit_gradnoise.logs.schema import GRADIENT_VARIANCE, NETWORK, SNR_MEDIAN, encode_float
+from cockpit_gradnoise.views import reads as view_rows
+from cockpit_gradnoise.views.common import default_layers, layer_order
 
 import numpy
 import pytest
@@ -75,7 +76,7 @@ def test_the_log_makes_the_choice_delicate(tmp_path):
     full = cgn.to_frame(write_log(tmp_path / "run.jsonl"))
     names = layer_order(full)
     tied = [names[3], names[5], names[8]]
-    from cockpit_gradnoise._views import noisiest_layers
+    from cockpit_gradnoise.views.common import noisiest_layers
 
     ranked = noisiest_layers(full, TENSORS)
     # Layer 10's mean (0.2) is lowest, then the three tied in layer order, then layer 6.

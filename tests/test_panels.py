@@ -11,9 +11,14 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import panels  # noqa: E402
-from cockpit_gradnoise._views import THRESHOLDS, default_layers, layer_order, noisiest_layers  # noqa: E402
-from cockpit_gradnoise.schema import QUANTITIES, quantile_levels  # noqa: E402
+from cockpit_gradnoise.logs.schema import QUANTITIES, quantile_levels  # noqa: E402
+from cockpit_gradnoise.views import panels  # noqa: E402
+from cockpit_gradnoise.views.common import (  # noqa: E402
+    THRESHOLDS,
+    default_layers,
+    layer_order,
+    noisiest_layers,
+)
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402

@@ -3,7 +3,8 @@
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, references, schema
+from cockpit_gradnoise import functional, references
+from cockpit_gradnoise.logs import schema
 
 import numpy
 import pytest

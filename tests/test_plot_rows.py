@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import dashboard, view_rows
-from cockpit_gradnoise._views import Column, Rows, stable_order
+from cockpit_gradnoise.logs.table import Column, Rows
+from cockpit_gradnoise.views import reads as view_rows
+from cockpit_gradnoise.views import sources
+from cockpit_gradnoise.views.common import stable_order
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -27,7 +29,7 @@ matplotlib.use("Agg")
 
 def picture(source, **options):
     fig = plt.figure()
-    dashboard.plot(source, fig=fig, **options)
+    sources.plot(source, fig=fig, **options)
     shown = drawn(fig)
     plt.close(fig)
     return shown
@@ -55,7 +57,7 @@ def test_a_log_cut_inside_a_record_is_drawn_from_the_full_reader(tmp_path):
     path = write_log(tmp_path / "run.jsonl", range(0, 40, 2))
     data = path.read_bytes()
     path.write_bytes(data[:data.rindex(b'{"step"') + 100])  # a killed writer's last line
-    assert view_rows.streamed_rows(path, view_rows.plot_rows) is None
+    assert sources.streamed_rows(path, view_rows.plot_rows) is None
     with pytest.warns(UserWarning, match="cut short"):
         expected = picture(cgn.to_frame(path))
     with pytest.warns(UserWarning, match="cut short"):

@@ -7,7 +7,7 @@ exactly, computed as rounding noise.
 """
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import schema
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ import pickle
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references, schema
+from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import (
     LocalGradient,
     PerExampleSquaredNorms,
@@ -22,6 +22,7 @@ from cockpit_gradnoise.extensions import (
     uses,
 )
 from cockpit_gradnoise.extensions import linear as linear_layers
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

@@ -16,7 +16,8 @@ import copy
 import math
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import functional, schema
+from cockpit_gradnoise import functional
+from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch

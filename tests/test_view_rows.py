@@ -9,9 +9,12 @@ import math
 import re
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import cli, dashboard, panels, selective, view_rows
-from cockpit_gradnoise.findings import build_report, format_report
-from cockpit_gradnoise.frame import LoggedUpdate
+from cockpit_gradnoise import cli
+from cockpit_gradnoise.logs import selective
+from cockpit_gradnoise.logs.frame import LoggedUpdate
+from cockpit_gradnoise.views import axes, panels, sources
+from cockpit_gradnoise.views import reads as view_rows
+from cockpit_gradnoise.views.report import build_report, format_report
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -75,7 +78,7 @@ STEPS = range(0, 300, 2)  # over the MAX_POINTS and MAX_COLUMNS below
 @pytest.fixture(autouse=True)
 def few_points(monkeypatch):
     """Lines thinned and heatmaps cut to fewer steps than the logs have, as on long runs."""
-    monkeypatch.setattr(panels, "MAX_POINTS", 60)
+    monkeypatch.setattr(axes, "MAX_POINTS", 60)
     monkeypatch.setattr(panels, "MAX_COLUMNS", 25)
 
 
@@ -153,7 +156,7 @@ def test_the_dashboard_of_the_rows_read_is_the_full_dashboard(streamed, options)
     pictures = []
     for frame, given in ((full, options), (part, {**options, "layers": layers})):
         fig = plt.figure()
-        dashboard.plot(frame, fig=fig, **given)
+        sources.plot(frame, fig=fig, **given)
         pictures.append(drawn(fig))
         plt.close(fig)
     assert "noisiest" in pictures[0] or "layers" in options
@@ -164,7 +167,7 @@ def test_the_command_line_reads_only_the_rows_and_says_the_same(streamed, tmp_pa
                                                                  monkeypatch):
     assert cli.main(["report", str(streamed)]) == 0
     fast = capsys.readouterr().out
-    monkeypatch.setattr(cli, "_streamed_frame", lambda *args: None)  # read whole
+    monkeypatch.setattr(sources, "streamed_rows", lambda *args: None)  # read whole
     assert cli.main(["report", str(streamed)]) == 0
     assert capsys.readouterr().out == fast
 
@@ -206,7 +209,7 @@ def test_a_cut_last_line_reads_as_the_full_reader_does(tmp_path, capsys):
 
 def test_report_and_plot_of_a_path_read_only_the_rows(streamed, monkeypatch):
     fast_text, fast_figure = cgn.report(streamed, step=151), drawn(cgn.plot(streamed, fig=plt.figure()))
-    monkeypatch.setattr(view_rows, "streamed_rows", lambda *args: None)  # read whole
+    monkeypatch.setattr(sources, "streamed_rows", lambda *args: None)  # read whole
     assert cgn.report(streamed, step=151) == fast_text
     assert drawn(cgn.plot(streamed, fig=plt.figure())) == fast_figure
     plt.close("all")

@@ -11,12 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
-from cockpit_gradnoise import _views, cli, panels  # noqa: E402
-from cockpit_gradnoise._views import Coverage, coverage_note, network_coverage  # noqa: E402
-from cockpit_gradnoise.findings import COLUMNS as REPORT_COLUMNS  # noqa: E402
-from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
-from cockpit_gradnoise.frame import COLUMNS  # noqa: E402
-from cockpit_gradnoise.schema import (  # noqa: E402
+from cockpit_gradnoise import cli
+from cockpit_gradnoise.logs.schema import (  # noqa: E402
     GRADIENT_VARIANCE,
     NETWORK,
     NOISE_SCALE,
@@ -26,6 +22,12 @@ from cockpit_gradnoise.schema import (  # noqa: E402
     PER_EXAMPLE_NORM,
     UPDATE_SIZE,
 )
+from cockpit_gradnoise.logs.table import COLUMNS  # noqa: E402
+from cockpit_gradnoise.views import common as _views  # noqa: E402
+from cockpit_gradnoise.views import panels
+from cockpit_gradnoise.views.common import Coverage, coverage_note, network_coverage  # noqa: E402
+from cockpit_gradnoise.views.findings import COLUMNS as REPORT_COLUMNS  # noqa: E402
+from cockpit_gradnoise.views.report import build_report, format_report  # noqa: E402
 
 import numpy  # noqa: E402
 import pandas  # noqa: E402

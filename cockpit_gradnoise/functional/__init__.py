@@ -4,8 +4,8 @@ Nothing here knows about Cockpit or BackPACK. The quantities fetch what
 BackPACK leaves on the parameters and call one of these functions; tests check
 each function on its own against NumPy or a brute-force loop. Quantiles come
 from :mod:`cockpit_gradnoise.order_statistics` as numbers in level order; the
-statistics here name them (:func:`~cockpit_gradnoise.schema.sd_statistic_names`,
-:func:`~cockpit_gradnoise.schema.norm_statistic_names`).
+statistics here name them (:func:`~cockpit_gradnoise.logs.schema.sd_statistic_names`,
+:func:`~cockpit_gradnoise.logs.schema.norm_statistic_names`).
 
 One module per family of formulas, every public formula re-exported here
 (``functional.gradient_sd``, as ``torchmetrics.functional`` does):

@@ -3,7 +3,8 @@
 import math
 from typing import Dict, Sequence
 
-from cockpit_gradnoise import _device, order_statistics, schema
+from cockpit_gradnoise import _device, order_statistics
+from cockpit_gradnoise.logs import schema
 
 import numpy
 import torch
@@ -18,7 +19,7 @@ def scalar(tensor: Tensor):
 
 
 def norm_ratio(squared_numerator, squared_denominator):
-    """``sqrt(a) / sqrt(b)`` (:func:`~cockpit_gradnoise.schema.ratio_or_inf`), floats or tensors."""
+    """``sqrt(a) / sqrt(b)`` (:func:`~cockpit_gradnoise.logs.schema.ratio_or_inf`), floats or tensors."""
     if isinstance(squared_numerator, Tensor):
         return schema.ratio_or_inf(squared_numerator.sqrt(), squared_denominator.sqrt())
     return schema.ratio_or_inf(math.sqrt(squared_numerator), math.sqrt(squared_denominator))

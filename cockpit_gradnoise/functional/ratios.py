@@ -3,8 +3,9 @@
 import math
 from typing import Any, Dict, Tuple
 
-from cockpit_gradnoise import _device, order_statistics, schema
+from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.functional.norms import scalar
+from cockpit_gradnoise.logs import schema
 
 import numpy
 import torch

@@ -2,17 +2,18 @@
 
 The selection (:mod:`cockpit_gradnoise.order_statistics`) returns numbers in
 level order; they are named here, by
-:func:`~cockpit_gradnoise.schema.sd_statistic_names`.
+:func:`~cockpit_gradnoise.logs.schema.sd_statistic_names`.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import _device, order_statistics, schema
+from cockpit_gradnoise import _device, order_statistics
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.order_statistics import Tensors
 
 from torch import Tensor
 
-#: The SNR's one quantile level, its median (:data:`~cockpit_gradnoise.schema.SNR_MEDIAN`).
+#: The SNR's one quantile level, its median (:data:`~cockpit_gradnoise.logs.schema.SNR_MEDIAN`).
 SNR_LEVELS = (0.5,)
 
 
@@ -48,7 +49,7 @@ def sd_statistics(
 
 def _sd_names(levels: Sequence[float]) -> Tuple[List[str], List[str]]:
     """The names of sd's quantiles and mean, and of the SNR's median and mean
-    (:func:`~cockpit_gradnoise.schema.sd_statistic_names`, which lists them in that order)."""
+    (:func:`~cockpit_gradnoise.logs.schema.sd_statistic_names`, which lists them in that order)."""
     names = schema.sd_statistic_names(levels)
     return names[: len(levels) + 1], names[len(levels) + 1 :]
 

@@ -1,10 +1,8 @@
-"""Where the numbers go, and the training loops they come from.
+"""The training loops the numbers come from.
 
-- :mod:`.loggers`: TensorBoard, Weights & Biases or any function, fed by
-  :meth:`Tracker.log_to <cockpit_gradnoise.tracking.Tracker.log_to>` after
-  every tracked step.
 - :mod:`.lightning`: a callback for ``lightning.pytorch.Trainer``.
 - :mod:`.huggingface`: a ``transformers.Trainer`` that tracks its steps.
 
-Each module imports its library only when used.
+Each module imports its library only when used. Where the numbers go (TensorBoard,
+Weights & Biases): :mod:`cockpit_gradnoise.logs.loggers`.
 """

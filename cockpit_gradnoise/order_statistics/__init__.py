@@ -37,7 +37,7 @@ the step's one transfer (``docs/quantities.md``).
 
 The results are numbers: values at ranks, quantiles in level order, the mean
 after them. The quantities' formulas name them
-(:func:`cockpit_gradnoise.schema.quantile_name`); nothing here knows a
+(:func:`cockpit_gradnoise.logs.schema.quantile_name`); nothing here knows a
 statistic's name.
 
 The modules: :mod:`~cockpit_gradnoise.order_statistics.ranks` (levels, ranks,

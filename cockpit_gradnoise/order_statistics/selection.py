@@ -110,7 +110,7 @@ def quantile_summary(
     """The quantiles at ``levels`` and the mean of all elements of ``tensors``.
 
     Numbers only, in level order: the quantities' formulas name them
-    (:func:`cockpit_gradnoise.schema.quantile_name`).
+    (:func:`cockpit_gradnoise.logs.schema.quantile_name`).
 
     Args:
         tensors: A tensor with at least one element, or a sequence of tensors

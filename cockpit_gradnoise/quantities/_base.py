@@ -24,8 +24,8 @@ from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.accumulation import MicroBatchGradient
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.precision import widened
+from cockpit_gradnoise.logs.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.quantities._accumulation import Accumulation
-from cockpit_gradnoise.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.step import (
     Batch,
     Step,

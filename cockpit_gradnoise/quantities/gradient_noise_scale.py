@@ -2,8 +2,9 @@
 
 import math
 
-from cockpit_gradnoise import _device, functional, schema
+from cockpit_gradnoise import _device, functional
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import check_example_count
 

@@ -2,9 +2,10 @@
 
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from cockpit_gradnoise import _device, distributed, functional, order_statistics, schema
+from cockpit_gradnoise import _device, distributed, functional, order_statistics
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
 from cockpit_gradnoise.step import Batch
 

@@ -3,8 +3,8 @@
 import math
 
 from cockpit_gradnoise import functional
+from cockpit_gradnoise.logs.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 from cockpit_gradnoise.quantities._base import ParameterQuantity
-from cockpit_gradnoise.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 
 
 class ParamGradRatio(ParameterQuantity):
@@ -22,7 +22,7 @@ class ParamGradRatio(ParameterQuantity):
     attention key's bias) counts as nonzero, with a huge ratio
     (``docs/param-grad-ratio.md``). A parameter whose gradient is all zero has
     ``zero_grad_fraction`` 1, ``norm_ratio`` ``inf`` and no ratio statistics:
-    never a NaN from 0/0 (:func:`~cockpit_gradnoise.schema.ratio_or_inf`).
+    never a NaN from 0/0 (:func:`~cockpit_gradnoise.logs.schema.ratio_or_inf`).
 
     Needs no BackPACK extension and no ``info`` beyond Cockpit's ``loss``. It
     reads the tensors a few times and partitions each layer's ratios for the

@@ -1,7 +1,8 @@
 """Per-example gradient norms, per layer, from one backward pass."""
 
-from cockpit_gradnoise import functional, order_statistics, schema
+from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity
 from cockpit_gradnoise.step import check_example_count
 

@@ -17,8 +17,8 @@ import math
 from typing import Dict, List, Sequence
 
 from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise.logs.schema import decode_float, encode_float, update_statistics
 from cockpit_gradnoise.quantities._two_step import TwoStepParameterQuantity
-from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
 
 import torch
 
@@ -51,7 +51,7 @@ class LayerUpdate:
     def statistics_of_list(updates: Sequence["LayerUpdate"]) -> Dict[str, Dict[str, float]]:
         """``{name: {"norm": ..., "relative": ...}}`` plus ``"all"`` for the network.
 
-        :func:`cockpit_gradnoise.schema.update_statistics`, the one formula that
+        :func:`cockpit_gradnoise.logs.schema.update_statistics`, the one formula that
         live items and logged ones (read without torch) share.
         """
         return update_statistics(updates)

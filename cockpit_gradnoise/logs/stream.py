@@ -28,14 +28,14 @@ Its lines, in the order they are written:
   (to a reader from before summaries, which refuses lines it does not know,
   an empty layout that no record names), ``n`` the
   records with numbers of quantity ``q``, and for each statistic that ranks
-  layers (:data:`~cockpit_gradnoise._views.RANKINGS`) of a quantity whose
+  layers (:data:`~cockpit_gradnoise.logs.schema.RANKINGS`) of a quantity whose
   steps only grew, ``{"quantity": q, "statistic": s, "steps": records holding
   it, "params": [...], "sums": [...], "finite": [...]}``: per parameter (in
   the order each first had a finite value) the sum of its finite values over
   the run and how many there were. The sums are pandas' compensated ones
   (:class:`_RunningMeans`), so ``sums / finite`` are, to the bit, the means
   the ranking takes of the whole frame; a reader then need not decode
-  millions of numbers to rank the layers (``cockpit_gradnoise.view_rows``).
+  millions of numbers to rank the layers (``cockpit_gradnoise.views.reads``).
 
 A later record of the same step and quantity replaces an earlier one, as a
 Cockpit's output dict does. :func:`read_stream` reads a log back as a
@@ -49,139 +49,31 @@ This module imports neither torch nor Cockpit.
 
 import base64
 import json
-import math
 import operator
 import warnings
 from collections.abc import Mapping as MappingABC
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from cockpit_gradnoise._views import RANKINGS
-from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.schema import decode_float, encode_float, update_statistics
+from cockpit_gradnoise._ranks import WRITER_RANK, is_writer
+from cockpit_gradnoise.logs.codec import (
+    DTYPE,
+    HEADER,
+    SUFFIX,
+    TABLES,
+    as_numbers,
+    jsonable,
+    non_finite_runs,
+    per_parameter,
+)
+from cockpit_gradnoise.logs.schema import RANKINGS
 
 import numpy
-
-FORMAT = "cockpit-gradnoise-log"
-VERSION = 1
-SUFFIX = ".jsonl"
-#: The first line of every streamed log (also how a reader tells it from a JSON log).
-HEADER = json.dumps({"format": FORMAT, "version": VERSION})
 
 #: Steps a cockpit holds in its quantities' outputs after :meth:`LogStream.append`.
 #: Between two appends it holds what one tracked call computed: the call's
 #: step and, for a two-step quantity (``UpdateSize``), the step before.
 STEPS_IN_MEMORY = 0
-
-_TABLES = ("quantities", "params", "statistics")
-_DTYPE = numpy.dtype("<f8")
-_UPDATE_FIELDS = ("name", "norm", "start_norm")  # frame.LoggedUpdate's, a live LayerUpdate's
-
-
-def json_log_path(path) -> Path:
-    """The path :func:`write_log` writes for ``path``: ``.json`` added unless it ends so."""
-    path = Path(path)
-    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
-
-
-def read_path(path) -> Path:
-    """The file to read for ``path``: as given if it is a file, else with ``.json`` or ``.jsonl``."""
-    path = Path(path)
-    if path.is_file() or path.suffix in (".json", SUFFIX):
-        return path
-    for suffix in (".json", SUFFIX):
-        candidate = path.with_name(path.name + suffix)
-        if candidate.is_file():
-            return candidate
-    return json_log_path(path)
-
-
-def category_codes(table: Sequence[str], present) -> Tuple[numpy.ndarray, List[str]]:
-    """``(remap, categories)``: the present names of ``table`` sorted, and each position's code.
-
-    ``remap[i]`` is the code of ``table[i]`` among ``categories`` (in the
-    smallest integer type that holds them, as pandas stores codes); ``-1``
-    for a name not present. The categories of a tidy frame's text columns.
-    """
-    names = sorted((table[i], i) for i in present)
-    dtype = numpy.int8 if len(names) < 2**7 else numpy.int16 if len(names) < 2**15 else numpy.int32
-    remap = numpy.full(len(table), -1, dtype=dtype)
-    remap[[i for _, i in names]] = numpy.arange(len(names))
-    return remap, [name for name, _ in names]
-
-
-def _is_update(item) -> bool:
-    return all(hasattr(item, attribute) for attribute in _UPDATE_FIELDS)
-
-
-def per_parameter(value) -> Optional[Mapping[str, Mapping[str, Any]]]:
-    """``{param: {statistic: value}}`` if ``value`` is one of this package's, else ``None``."""
-    # A plain list of per-parameter items (UpdateSize: Cockpit's Distance panel
-    # reads only floats and plain lists).
-    if isinstance(value, list) and value and all(map(_is_update, value)):
-        return update_statistics(value)
-    if isinstance(value, Mapping) and value and all(
-        isinstance(stats, Mapping) for stats in value.values()
-    ):
-        return value
-    return None
-
-
-def _jsonable(value):
-    """``value`` as plain JSON: non-finite floats encoded, NumPy arrays as lists."""
-    if isinstance(value, Mapping):
-        return {str(key): _jsonable(val) for key, val in value.items()}
-    if isinstance(value, numpy.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(val) for val in value]
-    if isinstance(value, (bool, numpy.bool_)):
-        return bool(value)
-    if isinstance(value, (int, numpy.integer)):
-        return int(value)
-    if isinstance(value, (float, numpy.floating)):
-        return encode_float(value)
-    if value is None or isinstance(value, str):
-        return value
-    return str(value)  # an object JSON cannot hold: its text, never a crash mid-training
-
-
-_CODES = {encode_float(x) for x in (math.nan, math.inf, -math.inf)}
-
-
-def _numbers(rows: Mapping[str, Mapping[str, Any]]) -> Optional[numpy.ndarray]:
-    """Every value of ``rows``, row after row, as float64 (codes decoded); ``None`` if one is not a number.
-
-    What :func:`~cockpit_gradnoise.to_frame` makes of them
-    (:func:`~cockpit_gradnoise.schema.decode_float` of each), faster.
-    """
-    flat = [number for statistics in rows.values() for number in statistics.values()]
-    kinds = {number.__class__ for number in flat}
-    try:
-        if kinds <= {float, int, str} and all(
-            number in _CODES for number in flat if number.__class__ is str
-        ):
-            return numpy.array(flat, dtype=_DTYPE)  # floats, and the codes' text as numpy reads it
-        return numpy.fromiter(map(decode_float, flat), dtype=_DTYPE, count=len(flat))
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def non_finite_runs(numbers: numpy.ndarray) -> Dict[str, List[List[int]]]:
-    """``{"nan": [[start, stop], ...], "inf": ..., "-inf": ...}``: the runs of positions of each.
-
-    Runs, not positions: a diverged step (every number NaN) is one run, a
-    healthy one none.
-    """
-    if numpy.isfinite(numbers).all():
-        return {}
-    runs = {}
-    for kind, mask in (("nan", numpy.isnan(numbers)), ("inf", numbers == math.inf),
-                       ("-inf", numbers == -math.inf)):
-        if mask.any():
-            edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], mask.view(numpy.int8), [0]))))
-            runs[kind] = edges.reshape(-1, 2).tolist()
-    return runs
 
 
 class LogStream:
@@ -214,7 +106,7 @@ class LogStream:
     def __init__(self, path, *, writer_rank: Optional[int] = WRITER_RANK):
         path = Path(path)
         self.path = path if path.suffix else path.with_name(path.name + SUFFIX)
-        self._tables: Dict[str, Dict[str, int]] = {table: {} for table in _TABLES}
+        self._tables: Dict[str, Dict[str, int]] = {table: {} for table in TABLES}
         self._layouts: Dict[tuple, int] = {}
         self._summary = _Summary()
         self._file = None
@@ -264,11 +156,11 @@ class LogStream:
     def _lines(self, step, values) -> Iterator[str]:
         for quantity, value in values.items():
             rows = per_parameter(value)
-            numbers = None if rows is None else _numbers(rows)
+            numbers = None if rows is None else as_numbers(rows)
             yield from self._new_names({"quantities": [quantity]})
             record = {"step": _integer(step), "quantity": self._tables["quantities"][quantity]}
             if numbers is None:
-                record["value"] = _jsonable(value)
+                record["value"] = jsonable(value)
                 self._summary.add(record["quantity"], record["step"])
             else:
                 layout, new = self._layout(rows)
@@ -276,7 +168,7 @@ class LogStream:
                 record["layout"] = layout
                 self._summary.add(record["quantity"], record["step"], layout, numbers)
                 # Where the NaN and inf are: a reader that decodes only some of the
-                # numbers (cockpit_gradnoise.selective) still finds every one.
+                # numbers (cockpit_gradnoise.logs.selective) still finds every one.
                 record["nonfinite"] = non_finite_runs(numbers)
                 record["values"] = base64.b64encode(numbers.tobytes()).decode("ascii")
             yield json.dumps(record, allow_nan=False) + "\n"
@@ -523,7 +415,7 @@ def _read_line(log: StreamedLog, line: bytes):
             log._add(_record(log, item))
         elif "names" in item:
             for table, names in item["names"].items():
-                if table not in _TABLES or not all(isinstance(n, str) for n in names):
+                if table not in TABLES or not all(isinstance(n, str) for n in names):
                     raise ValueError(f"bad names table {table!r}")
                 getattr(log, table).extend(names)
         elif "summary" in item:
@@ -558,7 +450,7 @@ def _record(log: StreamedLog, item) -> Tuple[int, int, Optional[int], Any]:
         raw = base64.b64decode(item["values"], validate=True)
     except (ValueError, TypeError) as error:
         raise ValueError(f"values are not base64 ({error})") from None
-    values = numpy.frombuffer(raw, dtype=_DTYPE) if len(raw) % 8 == 0 else None
+    values = numpy.frombuffer(raw, dtype=DTYPE) if len(raw) % 8 == 0 else None
     if values is None or len(values) != len(log.layouts[layout][0]):
         raise ValueError(
             f"record holds {len(raw) / 8:g} numbers, its layout {len(log.layouts[layout][0])}"
@@ -566,11 +458,4 @@ def _record(log: StreamedLog, item) -> Tuple[int, int, Optional[int], Any]:
     return step, quantity, layout, values
 
 
-def is_streamed(path) -> bool:
-    """Whether the file at ``path`` starts with a streamed log's header."""
-    with open(path, "rb") as file:
-        return file.readline(len(HEADER) + 2).rstrip(b"\r\n") == HEADER.encode()
-
-
-__all__ = ["LogStream", "StreamedLog", "read_stream", "is_streamed", "per_parameter",
-           "STEPS_IN_MEMORY", "HEADER", "SUFFIX"]
+__all__ = ["LogStream", "StreamedLog", "read_stream", "STEPS_IN_MEMORY"]

@@ -22,7 +22,8 @@ import math
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise import distributed, functional, schema
+from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
 from cockpit_gradnoise.step import Step
 
@@ -252,7 +253,7 @@ class TwoBatchNoiseScale(Quantity):
 
     def frame(self):
         """The recorded numbers as :func:`~cockpit_gradnoise.to_frame`'s table."""
-        from cockpit_gradnoise.frame import to_frame
+        from cockpit_gradnoise.logs.frame import to_frame
 
         return to_frame(self.get_output())
 

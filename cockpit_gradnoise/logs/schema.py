@@ -36,7 +36,9 @@ MIN = "min"
 MAX = "max"
 SNR_PREFIX = "snr_"
 
-# GradientVarianceQuantiles: quantiles and mean of sd, SNR median and mean.
+# GradientVarianceQuantiles: quantiles and mean of sd, SNR median and mean. SD_MEDIAN is
+# logged only where 0.5 is among the quantiles asked for (:func:`median_name`); the SNR's
+# median always.
 SD_MEDIAN = "q0.5"
 SNR_MEDIAN = SNR_PREFIX + "q0.5"
 SNR_MEAN = SNR_PREFIX + MEAN
@@ -90,6 +92,26 @@ def quantile_levels(names: Iterable[str], prefix: str = "") -> List[float]:
     """Sorted levels of the quantile statistics among ``names``."""
     levels = (quantile_level(name, prefix) for name in names)
     return sorted({level for level in levels if level is not None})
+
+
+#: What ranks layers, noisiest first: (quantity, statistic, lowest first), the
+#: first one present in the frame (:func:`cockpit_gradnoise.views.common.noise_ranking`;
+#: a streamed log sums them as it goes, :mod:`cockpit_gradnoise.logs.stream`).
+RANKINGS = (
+    (GRADIENT_VARIANCE, SNR_MEDIAN, True),
+    (GRADIENT_VARIANCE, SD_MEDIAN, False),
+    (PER_EXAMPLE_NORM, quantile_name(0.5), False),
+)
+
+
+#: The level of the median among a quantity's quantiles.
+MEDIAN_LEVEL = 0.5
+
+
+def median_name(names: Iterable[str], prefix: str = "") -> Optional[str]:
+    """The name of the median (the quantile at :data:`MEDIAN_LEVEL`) among the logged
+    statistic ``names``; ``None`` where it was not logged (other levels were asked for)."""
+    return next((name for name in names if quantile_level(name, prefix) == MEDIAN_LEVEL), None)
 
 
 def sd_statistic_names(levels: Iterable[float]) -> List[str]:
@@ -169,9 +191,9 @@ def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:
     """``UpdateSize``'s stored items as ``{name: {"norm": ..., "relative": ...}}``.
 
     Each item has ``name``, ``norm = ||theta(s+1) - theta(s)||`` and
-    ``start_norm = ||theta(s)||`` (a live
-    :class:`~cockpit_gradnoise.quantities.update_size.LayerUpdate` or a
-    :class:`~cockpit_gradnoise.frame.LoggedUpdate` read from a log).
+    ``start_norm = ||theta(s)||`` (a live ``LayerUpdate`` of
+    :class:`~cockpit_gradnoise.UpdateSize` or a
+    :class:`~cockpit_gradnoise.logs.frame.LoggedUpdate` read from a log).
     ``relative = norm / start_norm``, ``+inf`` when ``start_norm`` is 0
     (:func:`ratio_or_inf`). The network (``"all"``, last) has the root sums
     of squares of the parameters' norms.

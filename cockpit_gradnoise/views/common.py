@@ -11,7 +11,7 @@ Frames of long runs have millions of rows: every selection here is one
 vectorised comparison per column (:func:`select`), never a loop over rows.
 
 Besides a pandas frame, the functions the panels and the dashboard call
-here (all but the ranking's) take :class:`Rows`: the same rows as NumPy
+here (all but the ranking's) take :class:`~cockpit_gradnoise.logs.table.Rows`: the same rows as NumPy
 arrays, which the command line draws from without importing pandas (its
 import was a tenth of ``plot``'s time).
 """
@@ -20,27 +20,29 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
-from cockpit_gradnoise.schema import (
+from cockpit_gradnoise.logs.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
     BATCH_SIZE,
     GRADIENT_VARIANCE,
     MAX,
     MEAN,
+    MEDIAN_LEVEL,
     NETWORK,
     NOISE_SCALE,
     NORM_RATIO,
     PARAM_GRAD_RATIO,
     PARAMS_COVERED,
     PARAMS_TOTAL,
-    PER_EXAMPLE_NORM,
-    SD_MEDIAN,
-    SNR_MEDIAN,
+    RANKINGS,
     SNR_PREFIX,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
-    quantile_name,
+    median_name,
+    quantile_level,
+    quantile_levels,
 )
+from cockpit_gradnoise.logs.table import Column, steps_of, values_of
 
 import numpy
 
@@ -90,109 +92,28 @@ THRESHOLDS = Thresholds()
 #: Layers drawn as lines by default; more become unreadable (the heatmap shows all).
 DEFAULT_TOP_K = 6
 
-#: What ranks layers, noisiest first: (quantity, statistic, lowest first), the
-#: first one present in the frame. See :func:`noise_ranking`.
-RANKINGS = (
-    (GRADIENT_VARIANCE, SNR_MEDIAN, True),
-    (GRADIENT_VARIANCE, SD_MEDIAN, False),
-    (PER_EXAMPLE_NORM, quantile_name(0.5), False),
-)
+def band_statistics(names) -> Optional[Tuple[str, str, str]]:
+    """``(lowest, middle, highest)``: the quantiles a band is drawn of, of the logged ``names``.
 
-
-class Column(NamedTuple):
-    """A text column of :class:`Rows`: each row's code into ``categories``, as a pandas
-    categorical stores it (``-1``: missing)."""
-
-    codes: numpy.ndarray
-    categories: List[str]
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def __getitem__(self, rows) -> "Column":
-        return Column(self.codes[rows], self.categories)
-
-    @property
-    def iloc(self) -> "Column":
-        """Itself: its rows are taken by position, as a frame's ``iloc`` takes them."""
-        return self
-
-    def unique(self) -> List[str]:
-        """The distinct names, in the order they first appear (as ``Series.unique``)."""
-        return self.factorize()[1]
-
-    def factorize(self) -> Tuple[numpy.ndarray, List]:
-        """``(codes, names)`` as ``Series.factorize`` gives them: codes by first appearance."""
-        present, first, inverse = numpy.unique(self.codes, return_index=True,
-                                               return_inverse=True)
-        order = numpy.argsort(first, kind="stable")  # the present codes by first appearance
-        kept = present[order] >= 0  # as pandas: a missing name has code -1, no name
-        rank = numpy.full(len(order), -1, dtype=numpy.int64)
-        rank[order[kept]] = numpy.arange(int(kept.sum()))
-        names = [self.categories[c] for c in present[order][kept].tolist()]
-        return rank[inverse.reshape(-1)], names
-
-    def isin(self, names) -> numpy.ndarray:
-        """Mask of the rows whose name is one of ``names``."""
-        wanted = set(names)
-        return numpy.isin(self.codes, [i for i, name in enumerate(self.categories)
-                                       if name in wanted])
-
-
-@dataclass
-class Rows:
-    """Rows of the tidy frame as NumPy arrays: ``step``, ``value`` and the text
-    :class:`Column` s ``quantity``, ``param``, ``statistic``.
-
-    What the dashboard reads of a frame, without pandas: ``rows[mask]``,
-    ``rows.iloc[positions]``, ``rows["param"]``, ``len``, ``empty``.
-    :meth:`frame` is the pandas frame of the same rows and categories.
+    ``middle`` is the median where it was logged, else the quantile closest to
+    it (:func:`median_note` says so); ``None`` without quantiles.
     """
-
-    step: numpy.ndarray
-    quantity: Column
-    param: Column
-    statistic: Column
-    value: numpy.ndarray
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-    def __getitem__(self, rows):
-        if isinstance(rows, str):
-            return getattr(self, rows)
-        return Rows(self.step[rows], self.quantity[rows], self.param[rows],
-                    self.statistic[rows], self.value[rows])
-
-    @property
-    def iloc(self) -> "Rows":
-        """Itself: its rows are taken by position, as a frame's ``iloc`` takes them."""
-        return self
-
-    @property
-    def empty(self) -> bool:
-        return len(self) == 0
-
-    def frame(self) -> "pandas.DataFrame":
-        """The pandas frame of these rows, with the same categories."""
-        from cockpit_gradnoise.frame import _frame
-
-        import pandas
-
-        columns = (self.quantity, self.param, self.statistic)
-        return _frame(self.step, [c.codes for c in columns],
-                      [pandas.Index(c.categories, dtype=str) for c in columns], self.value)
+    levels = {quantile_level(name): name for name in names if quantile_level(name) is not None}
+    if not levels:
+        return None
+    ordered = sorted(levels)
+    middle = min(ordered, key=lambda q: abs(q - MEDIAN_LEVEL))
+    return levels[ordered[0]], levels[middle], levels[ordered[-1]]
 
 
-def steps_of(frame) -> numpy.ndarray:
-    """The ``step`` column of a frame or :class:`Rows` as a NumPy array."""
-    return numpy.asarray(frame.step)
-
-
-def values_of(frame) -> numpy.ndarray:
-    """The ``value`` column of a frame or :class:`Rows` as float64."""
-    value = frame.value
-    return value if isinstance(value, numpy.ndarray) else value.to_numpy(dtype=float)
+def median_note(what: str, names) -> str:
+    """``"median sd not logged (quantiles asked: 0.1, 0.9)"``, or ``""`` where the median of
+    the logged statistic ``names`` is among them (:func:`~cockpit_gradnoise.logs.schema.median_name`)."""
+    if median_name(names) is not None:
+        return ""
+    levels = quantile_levels(names)
+    asked = f"quantiles asked: {', '.join(f'{q:g}' for q in levels)}" if levels else "no quantiles asked"
+    return f"median {what} not logged ({asked})"
 
 
 def equals(column: "pandas.Series", value) -> numpy.ndarray:
@@ -234,7 +155,7 @@ def finite_rows(frame: "pandas.DataFrame") -> "pandas.DataFrame":
 
 
 #: ``(quantity, statistic)``: ``+inf`` by definition where a denominator is 0 or
-#: negative (:func:`cockpit_gradnoise.schema.ratio_or_inf`) or where a ratio
+#: negative (:func:`cockpit_gradnoise.logs.schema.ratio_or_inf`) or where a ratio
 #: overflows: a value of a healthy run, not a sign of divergence.
 DEFINED_INFINITE = frozenset({
     (NOISE_SCALE, B_SIMPLE), (NOISE_SCALE, B_SIMPLE_SMOOTHED),

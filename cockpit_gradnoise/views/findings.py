@@ -1,50 +1,21 @@
-"""The report: a per-layer table at one step, and findings in plain language.
+"""The findings: what the numbers of a report mean, in plain language.
 
-Every threshold that turns a number into a finding is a field of
-:data:`THRESHOLDS`, a :class:`Thresholds` (documented in ``docs/dashboard.md``).
-Both live in :mod:`cockpit_gradnoise._views`, the helpers the views share:
-the dashboard's reference band for update sizes reads the same values. Like
-the panels, the report reads only the tidy frame of
-:func:`cockpit_gradnoise.to_frame`, and it ranks the noisiest layers as the
-dashboard does (:func:`cockpit_gradnoise._views.noise_ranking`).
-
-Importing this module imports no pandas (only building a table does), so the
-command line's ``--help`` starts fast.
+Each function turns the report's per-layer table at one step, or the
+network's history over the run, into sentences; every threshold that turns a
+number into a finding is a field of :data:`~cockpit_gradnoise.views.common.THRESHOLDS`.
+:mod:`cockpit_gradnoise.views.report` builds the report from them. Importing
+this module imports no pandas.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from cockpit_gradnoise._views import (
-    RANKINGS,
-    THRESHOLDS,
-    Coverage,
-    NonFinite,
-    Ranking,
-    Thresholds,
-    coverage_note,
-    equals,
-    layer_order,
-    network_coverage,
-    noise_ranking,
-    non_finite_summary,
-    recorded_batch_size,
-    run_heads,
-    select,
-    tracked_steps,
-    unique_in_order,
-)
-from cockpit_gradnoise.schema import (
+from cockpit_gradnoise.logs.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
-    BATCH_SIZE,
-    COVERAGE_STATISTICS,
     GRAD_SCALER,
     GRADIENT_VARIANCE,
     MAX,
@@ -52,21 +23,22 @@ from cockpit_gradnoise.schema import (
     NOISE_SCALE,
     NORM_RATIO,
     PARAM_GRAD_RATIO,
-    PARAMS_COVERED,
-    PARAMS_TOTAL,
     PER_EXAMPLE_NORM,
-    QUANTITIES,
     SD_MEDIAN,
     SKIPPED,
     SNR_MEDIAN,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
     ZERO_GRAD_FRACTION,
-    encode_float,
     quantile_name,
 )
-
-import numpy
+from cockpit_gradnoise.views.common import (
+    THRESHOLDS,
+    NonFinite,
+    Ranking,
+    Thresholds,
+    select,
+)
 
 if TYPE_CHECKING:
     import pandas
@@ -85,194 +57,9 @@ COLUMNS: Dict[str, Tuple[str, str]] = {
     "b_simple_smoothed": (NOISE_SCALE, B_SIMPLE_SMOOTHED),
 }
 
-FORMATS = ("text", "csv", "json")
-
 #: Findings of one kind named one layer per line, at most this many; the rest are counted.
 MAX_LAYER_LINES = 5
 
-
-def _steps_text(steps: List[int]) -> str:
-    """``"26 tracked steps: 0, 2, 4, ..., 48, 50"``: the first three and the last two."""
-    shown = [str(s) for s in steps]
-    if len(shown) > 6:
-        shown = shown[:3] + ["..."] + shown[-2:]
-    counted = "1 tracked step" if len(steps) == 1 else f"{len(steps)} tracked steps"
-    return f"{counted}: {', '.join(shown)}"
-
-
-def _step_blocks(frame: pandas.DataFrame) -> pandas.DataFrame:
-    """``step, quantity`` of the first row of each run of rows of one step and quantity.
-
-    A tidy frame is sorted by step and quantity: a few thousand runs stand
-    for millions of rows (any order is right, just slower).
-    """
-    return frame.iloc[run_heads(frame.step, frame.quantity)][["step", "quantity"]]
-
-
-def holdings(frame: pandas.DataFrame) -> str:
-    """``"Custom (3 tracked steps: 0, 1, 2)"``: the frame's quantities and their steps."""
-    blocks = _step_blocks(frame)
-    return "; ".join(
-        f"{quantity} ({_steps_text(tracked_steps(blocks[equals(blocks.quantity, quantity)]))})"
-        for quantity in unique_in_order(blocks.quantity)
-    )
-
-
-def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[str, int]:
-    """For each quantity, its latest tracked step at or before ``step`` (default: the last).
-
-    Raises:
-        ValueError: If the frame holds none of this package's quantities
-            (naming those it holds and their steps), or ``step`` is before the
-            first or after the last tracked step (naming them).
-    """
-    if frame.empty:
-        raise ValueError("the log holds none of cockpit-gradnoise's quantities")
-    blocks = _step_blocks(frame)
-    if not any(equals(blocks.quantity, quantity).any() for quantity in QUANTITIES):
-        raise ValueError(
-            f"the log holds none of cockpit-gradnoise's quantities ({', '.join(QUANTITIES)}), "
-            f"only {holdings(frame)}: its numbers are in cockpit_gradnoise.to_frame"
-        )
-    tracked = tracked_steps(blocks)
-    if step is not None and step < tracked[0]:
-        raise ValueError(
-            f"no tracked step at or before step {step}: the first is {tracked[0]} "
-            f"({_steps_text(tracked)})"
-        )
-    if step is not None and step > tracked[-1]:
-        raise ValueError(
-            f"no tracked step {step}: the log ends at step {tracked[-1]} "
-            f"({_steps_text(tracked)})"
-        )
-    last = tracked[-1] if step is None else int(step)
-    steps = blocks[blocks.step <= last].groupby("quantity", observed=True).step.max()
-    return {str(quantity): int(s) for quantity, s in steps.items()}
-
-
-def layer_table(frame: pandas.DataFrame, steps: Dict[str, int]) -> pandas.DataFrame:
-    """One row per layer (model order, :func:`~cockpit_gradnoise._views.layer_order`),
-    the network last; one column per :data:`COLUMNS` entry.
-
-    Each quantity's numbers come from its step in ``steps``; NaN where absent.
-    """
-    import pandas  # here, not at the top: see the module's docstring
-
-    at_steps = frame[frame.step.isin(set(steps.values()))]
-    chosen = numpy.zeros(len(at_steps), dtype=bool)
-    for quantity, step in steps.items():
-        chosen |= (at_steps.step.to_numpy() == step) & equals(at_steps.quantity, quantity)
-    chosen = at_steps[chosen]
-    params = layer_order(chosen) + ([NETWORK] if equals(chosen.param, NETWORK).any() else [])
-    table = pandas.DataFrame(index=pandas.Index(params, name="param"))
-    for column, (quantity, statistic) in COLUMNS.items():
-        rows = select(chosen, quantity, statistic=statistic)
-        values = rows.drop_duplicates("param", keep="last").set_index("param").value
-        table[column] = values.reindex(table.index).astype(float)
-    return table
-
-
-def coverages(frame: pandas.DataFrame, steps: Dict[str, int]) -> Dict[str, Coverage]:
-    """``{quantity: coverage}`` of the quantities whose network row, at their step in
-    ``steps``, leaves parameters out (:func:`~cockpit_gradnoise._views.network_coverage`)."""
-    found = {q: network_coverage(frame[frame.step.to_numpy() == s], q) for q, s in steps.items()}
-    return {quantity: coverage for quantity, coverage in found.items() if coverage}
-
-
-@dataclass
-class Report:
-    """A report: the table, the steps it was read at, the batch size and the findings.
-
-    ``ranking`` ranks the layers noisiest first over the tracked steps up to
-    ``step``, as the dashboard does; ``coverage`` names the quantities whose
-    ``"all"`` row covers only some of the parameters. ``non_finite`` says
-    where the run went NaN or inf (its finding is the first); ``finite_step``:
-    the report's step was moved back to the last step without NaN or inf,
-    the last tracked step being non-finite.
-    """
-
-    source: str
-    step: int
-    steps: Dict[str, int]
-    batch_size: Optional[int]
-    table: pandas.DataFrame
-    findings: List[str]
-    ranking: Optional[Ranking] = None
-    coverage: Dict[str, Coverage] = field(default_factory=dict)
-    non_finite: Optional[NonFinite] = None
-    finite_step: bool = False
-
-
-#: Every statistic a report reads: its columns, the ranking, the run's history,
-#: coverage and the batch size. The rest of a large frame is left out at once.
-_READ = sorted(
-    {statistic for _, statistic in COLUMNS.values()}
-    | {statistic for _, statistic, _ in RANKINGS}
-    | {ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE, BATCH_SIZE, *COVERAGE_STATISTICS}
-)
-
-
-def finite_report_step(summary: Optional[NonFinite], step: Optional[int] = None) -> Optional[int]:
-    """The step to report: ``step``; by default the last tracked one, unless the run
-    diverged: then the last without NaN or inf (``None``: the last tracked step)."""
-    if step is None and summary is not None and summary.since is not None \
-            and summary.last_finite is not None:
-        return summary.last_finite
-    return step
-
-
-def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Thresholds = THRESHOLDS,
-                 ranking: Optional[Ranking] = None):
-    """Build the :class:`Report` of ``frame`` at ``step``.
-
-    Args:
-        frame: Tidy frame from :func:`cockpit_gradnoise.to_frame`.
-        source: Name of the log, for the header.
-        step: Step to report; each quantity is read at its latest step at or
-            before it. Default: the last tracked step; if it holds NaN or inf
-            (:func:`~cockpit_gradnoise._views.non_finite`), the last one that
-            does not.
-        batch_size: The batch size used, to compare with the noise scale;
-            default :func:`recorded_batch_size`.
-        thresholds: A :class:`Thresholds`.
-        ranking: ``noise_ranking`` of the frame up to the reported step, if
-            known (:func:`cockpit_gradnoise.view_rows.report_frame` reads it
-            from a streamed log's summary); default: ranked from ``frame``.
-
-    Raises:
-        ValueError: If ``frame`` holds none of this package's quantities or
-            ``step`` is outside its tracked steps.
-    """
-    summary = non_finite_summary(frame)
-    reported = finite_report_step(summary, step)
-    finite_step = reported != step
-    steps = quantity_steps(frame, reported)
-    last = max(steps.values())
-    # Before the rows below are copied: a long run's ranking reads millions of rows.
-    if ranking is None:
-        ranking = noise_ranking(frame, until=last)
-    # One pass over the whole frame; everything after reads the rows it needs of these.
-    read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(_READ).to_numpy()]
-    table = layer_table(read, steps)
-    if batch_size is None:
-        batch_size = recorded_batch_size(read)
-    history = run_history(select(read, param=NETWORK), thresholds)
-    return Report(
-        source=str(source),
-        step=last,
-        steps=steps,
-        batch_size=batch_size,
-        table=table,
-        findings=non_finite_finding(summary)
-        + skipped_finding(frame)
-        + run_findings(history, batch_size, thresholds)
-        + findings(table, batch_size, thresholds, ranking=ranking,
-                   stopped=history.stopped_at is not None),
-        ranking=ranking,
-        coverage=coverages(read, steps),
-        non_finite=summary,
-        finite_step=finite_step,
-    )
 
 
 # Findings -------------------------------------------------------------------------
@@ -356,7 +143,7 @@ _RANKED_BY = {
 
 
 def noisiest_finding(ranking: Optional[Ranking]) -> List[str]:
-    """The noisiest layer by :func:`~cockpit_gradnoise._views.noise_ranking`.
+    """The noisiest layer by :func:`~cockpit_gradnoise.views.common.noise_ranking`.
 
     The dashboard draws the layers of the same ranking, so the two agree.
     """
@@ -384,7 +171,7 @@ def _named(params: List[str]) -> str:
 
 
 def non_finite_finding(summary: Optional[NonFinite]) -> List[str]:
-    """Where the run went NaN or inf (:func:`~cockpit_gradnoise._views.non_finite_summary`).
+    """Where the run went NaN or inf (:func:`~cockpit_gradnoise.views.common.non_finite_summary`).
 
     The report's first finding: numbers after a NaN or inf say nothing.
     """
@@ -485,7 +272,7 @@ def findings(
 ) -> List[str]:
     """Every finding of the report's table, one plain-language line each.
 
-    ``ranking`` (:func:`~cockpit_gradnoise._views.noise_ranking`) names the
+    ``ranking`` (:func:`~cockpit_gradnoise.views.common.noise_ranking`) names the
     noisiest layer; without it that line is left out. ``stopped``: the network
     has stopped learning (:func:`run_history`), so its noise scale, measured on
     the few elements that still get a gradient, says nothing about the batch
@@ -527,6 +314,11 @@ class RunHistory:
 def _network_series(frame, quantity, statistic) -> pandas.Series:
     rows = select(frame, quantity, NETWORK, statistic)
     return rows.set_index("step").value.astype(float).sort_index()
+
+
+#: The network's statistics over the run that :func:`run_history` reads (its rows
+#: of ``param == NETWORK``): what the streamed log's reader decodes for it.
+HISTORY = (ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE)
 
 
 def run_history(frame: pandas.DataFrame, thresholds: Thresholds = THRESHOLDS) -> RunHistory:
@@ -608,141 +400,3 @@ def run_findings(history: RunHistory, batch_size=None, thresholds: Thresholds = 
                 f"{NETWORK})"
             )
     return lines
-
-
-# Formats --------------------------------------------------------------------------
-
-
-def format_report(report: Report, fmt: str = "text") -> str:
-    """The report as ``"text"`` (table and findings), ``"csv"`` or ``"json"`` (table only)."""
-    if fmt == "csv":
-        table = report.table.copy()
-        table.insert(0, "step", report.step)
-        return table.to_csv(na_rep="nan")
-    if fmt == "json":
-        rows = [
-            {"param": param, **{c: encode_float(v) for c, v in row.items()}}
-            for param, row in report.table.iterrows()
-        ]
-        return json.dumps(
-            {
-                "log": report.source,
-                "step": report.step,
-                "quantity_steps": report.steps,
-                "batch_size": report.batch_size,
-                "columns": {c: list(qs) for c, qs in COLUMNS.items()},
-                "layers": rows,
-                # Only quantities whose "all" row leaves parameters out.
-                "network_coverage": {
-                    q: {PARAMS_COVERED: c.fewest, PARAMS_TOTAL: c.total}
-                    for q, c in report.coverage.items()
-                },
-                "non_finite": _non_finite_json(report.non_finite),
-            },
-            indent=2,
-        ) + "\n"
-    if fmt != "text":
-        raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
-    return _text(report)
-
-
-def _non_finite_json(summary: Optional[NonFinite]):
-    """Where the run went NaN or inf, for the JSON format (``None``: it never did)."""
-    if summary is None:
-        return None
-    return {
-        "first_step": summary.first,
-        "params": summary.params,
-        "quantities": summary.quantities,
-        "steps": summary.steps,
-        "tracked_steps": len(summary.tracked),
-        "diverged_from": summary.since,
-        "last_finite_step": summary.last_finite,
-    }
-
-
-def _coverage_lines(coverage: Dict[str, Coverage]) -> List[str]:
-    """``"all: 7 of 15 parameters in A, B (...)"``, one line per distinct coverage."""
-    quantities: Dict[str, List[str]] = {}
-    for quantity, covered in sorted(coverage.items()):
-        quantities.setdefault(coverage_note(covered), []).append(quantity)
-    return [
-        f"{note} in {', '.join(names)} (the {NETWORK} row leaves the other parameters out)"
-        for note, names in quantities.items()
-    ]
-
-
-def _text(report: Report) -> str:
-    other = ", ".join(
-        f"{q} from step {s}" for q, s in sorted(report.steps.items()) if s != report.step
-    )
-    if report.finite_step:
-        other = "the last tracked step without NaN or inf" + (f"; {other}" if other else "")
-    batch = "unknown (pass --batch-size)" if report.batch_size is None else report.batch_size
-    shown = report.table.dropna(axis=1, how="all")
-    # A run that went NaN or inf says so first; its finding is not repeated below.
-    first = report.findings[:1] if report.non_finite is not None else []
-    lines = [
-        f"cockpit-gradnoise report: {report.source}",
-        *[f"NON-FINITE: {line}" for line in first],
-        f"step {report.step}" + (f" ({other})" if other else "") + f", batch size {batch}",
-        *_coverage_lines(report.coverage),
-        "",
-        shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-") if len(shown.columns)
-        else f"(no finite number at step {report.step})",
-        "",
-        "findings:",
-    ]
-    lines += [f"- {line}" for line in report.findings[len(first):]] or ["- none"]
-    return "\n".join(lines) + "\n"
-
-
-def report(source, path=None, *, step: Optional[int] = None, batch_size: Optional[int] = None,
-           fmt: str = "text", thresholds=None) -> str:
-    """The report of a run in one call: a per-layer table of one step and findings.
-
-    ``format_report(build_report(to_frame(source)))`` (the text of
-    ``cockpit-gradnoise report``).
-
-    Args:
-        source: A log's path, a :class:`~cockpit_gradnoise.Tracker`, a
-            ``Cockpit``, its output dict or a frame of
-            :func:`~cockpit_gradnoise.to_frame`.
-        path: Where to write the text too (parent folders are created).
-        step: The step to report (default: the last tracked step).
-        batch_size: The batch size, compared with the noise scale; default
-            the one GradientNoiseScale recorded.
-        fmt: ``"text"``, ``"csv"`` or ``"json"``.
-        thresholds: A :class:`Thresholds` (default: ``THRESHOLDS``).
-
-    Returns:
-        The report's text.
-    """
-    from cockpit_gradnoise.frame import to_frame
-
-    import pandas  # only here: importing this module stays light
-
-    # The header names the log, else what was reported ("Tracker", "DataFrame").
-    if isinstance(source, (str, os.PathLike)):
-        name = str(source)
-    elif hasattr(source, "cockpit"):  # a Tracker: its get_output reads a streamed log back
-        name = str(source.log or "Tracker")
-    else:
-        name = type(source).__name__
-    frame = None
-    if isinstance(source, (str, os.PathLike)):  # a streamed log: only the rows a report reads
-        from cockpit_gradnoise.view_rows import report_frame, streamed_rows
-
-        frame = streamed_rows(source, lambda path: report_frame(path, step))
-    frame, ranking = (None, None) if frame is None else frame
-    if frame is None:
-        frame = source if isinstance(source, pandas.DataFrame) else to_frame(source)
-    kwargs = {} if thresholds is None else {"thresholds": thresholds}
-    built = build_report(frame, source=name, step=step, batch_size=batch_size, ranking=ranking,
-                         **kwargs)
-    text = format_report(built, fmt)
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return text

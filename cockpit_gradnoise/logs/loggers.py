@@ -8,11 +8,13 @@ change during a run::
 
 (``all`` is the network, :data:`~cockpit_gradnoise.NETWORK`). TensorBoard puts
 each quantity in its own section (the part of the tag before the first ``/``).
+:meth:`Tracker.log_to <cockpit_gradnoise.Tracker.log_to>` feeds them
+after every tracked step.
 """
 
 from typing import Callable, Dict, Iterator, Mapping, Tuple
 
-from cockpit_gradnoise.frame import to_frame
+from cockpit_gradnoise.logs.frame import to_frame
 
 #: One step's output, as Cockpit stores it: ``{quantity name: value}``.
 StepOutput = Mapping[str, object]

@@ -1,23 +1,13 @@
 """The gradient-noise dashboard: the panels of the quantities present, in one figure."""
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cockpit_gradnoise import distributed, panels
-from cockpit_gradnoise._views import (
-    DEFAULT_TOP_K,
-    Rows,
-    default_layers,
-    layer_order,
-    non_finite_summary,
-    recorded_batch_size,
-    select,
-)
-from cockpit_gradnoise.schema import (
+from cockpit_gradnoise._ranks import WRITER_RANK, is_writer
+from cockpit_gradnoise.logs.schema import (
     GRADIENT_VARIANCE,
     NOISE_SCALE,
     PARAM_GRAD_RATIO,
@@ -26,6 +16,18 @@ from cockpit_gradnoise.schema import (
     SNR_MEDIAN,
     UPDATE_SIZE,
 )
+from cockpit_gradnoise.logs.table import Rows
+from cockpit_gradnoise.views import panels
+from cockpit_gradnoise.views.axes import clear_panel, log_labels, minor_ticks, no_data
+from cockpit_gradnoise.views.common import (
+    DEFAULT_TOP_K,
+    default_layers,
+    layer_order,
+    non_finite_summary,
+    recorded_batch_size,
+    select,
+)
+from cockpit_gradnoise.views.report import holdings
 
 from matplotlib.figure import Figure
 from matplotlib.layout_engine import ConstrainedLayoutEngine
@@ -62,11 +64,11 @@ MAX_PIXELS = 100_000_000
 
 
 class Ranked(list):
-    """Layers that :func:`~cockpit_gradnoise._views.default_layers` chose, ranked elsewhere.
+    """Layers that :func:`~cockpit_gradnoise.views.common.default_layers` chose, ranked elsewhere.
 
     Given as ``layers``, :func:`plot` draws them as the ``top_k`` noisiest
     (and says so), without ranking the frame itself: the frame of
-    :func:`cockpit_gradnoise.view_rows.plot_rows` leaves out what ranked them.
+    :func:`cockpit_gradnoise.views.reads.plot_rows` leaves out what ranked them.
     """
 
 
@@ -87,18 +89,6 @@ def _check_size(fig, dpi):
         )
 
 
-def frame_of(source):
-    """The tidy frame of ``source``: a frame (or :class:`~cockpit_gradnoise._views.Rows`)
-    itself, else :func:`~cockpit_gradnoise.to_frame` of it."""
-    if isinstance(source, Rows):
-        return source
-    from cockpit_gradnoise.frame import to_frame
-
-    import pandas
-
-    return source if isinstance(source, pandas.DataFrame) else to_frame(source)
-
-
 def _check_layers(names, layers):
     unknown = [name for name in layers if name not in names]
     if unknown:
@@ -107,9 +97,13 @@ def _check_layers(names, layers):
     return list(layers)
 
 
-def _heatmap_statistic(heatmap, variance: bool, n_shown, n_layers):
+def heatmap_statistic(heatmap, variance: bool, n_shown, n_layers):
     """The heatmap's statistic, or ``None`` for no heatmap; ``variance``: the frame holds
-    ``GradientVarianceQuantiles`` rows."""
+    ``GradientVarianceQuantiles`` rows.
+
+    Raises:
+        ValueError: If ``heatmap`` is not ``"auto"``, ``"off"``, ``"sd"`` or ``"snr"``.
+    """
     if heatmap not in ("auto", "off", *HEATMAPS):
         raise ValueError(f"heatmap must be 'auto', 'off', 'sd' or 'snr', got {heatmap!r}")
     if heatmap == "off" or not variance:
@@ -179,7 +173,7 @@ def _layout(fig, mosaic, heights, fixed: bool) -> _Layout:
             layout.colorbar.remove()
             layout.colorbar = None
         for ax in layout.axes.values():
-            panels.clear_panel(ax)
+            clear_panel(ax)
         for legend in list(fig.legends):
             legend.remove()
         return layout
@@ -201,8 +195,8 @@ def _heatmap(layout, frame, statistic):
                                        label=mesh.get_label())
     else:
         layout.colorbar = fig.colorbar(mesh, ax=ax, pad=0.01, label=mesh.get_label())
-    panels.log_labels(layout.colorbar.ax.yaxis)
-    panels.minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
+    log_labels(layout.colorbar.ax.yaxis)
+    minor_ticks(layout.colorbar.ax.yaxis, mesh.norm.vmin, mesh.norm.vmax)
 
 
 def _widest(strings, font) -> float:
@@ -279,8 +273,6 @@ def _nothing_tracked(frame) -> str:
     """What the empty dashboard says: nothing yet, or which other quantities the frame holds."""
     if frame.empty:
         return "no cockpit-gradnoise quantities tracked yet"
-    from cockpit_gradnoise.findings import holdings  # the report's wording
-
     if isinstance(frame, Rows):
         frame = frame.frame()
     return "none of cockpit-gradnoise's quantities in this log;\nit holds " + holdings(frame)
@@ -295,21 +287,8 @@ def _non_finite_note(frame) -> str:
     return f", NaN or inf at {counted} from step {summary.first} (red)"
 
 
-def _read(source, layers, top_k, heatmap):
-    """The frame to draw and its layers: of a streamed log only the rows drawn
-    (:func:`cockpit_gradnoise.view_rows.plot_rows`), else :func:`frame_of`."""
-    if isinstance(source, (str, os.PathLike)):
-        from cockpit_gradnoise.view_rows import plot_rows, streamed_rows
-
-        found = streamed_rows(source, lambda path: plot_rows(
-            path, layers=layers, top_k=top_k, heatmap=heatmap))
-        if found is not None:
-            return found
-    return frame_of(source), layers
-
-
-def plot(
-    source,
+def figure(
+    frame,
     *,
     savefig=None,
     layers: Optional[Sequence[str]] = None,
@@ -318,50 +297,34 @@ def plot(
     heatmap: str = "auto",
     fig=None,
     dpi: int = 100,
-    writer_rank: Optional[int] = distributed.WRITER_RANK,
+    writer_rank: Optional[int] = WRITER_RANK,
 ):
-    """Draw the gradient-noise dashboard: one panel per quantity present.
+    """Draw the gradient-noise dashboard of ``frame``: one panel per quantity present.
 
-    Call it offline on a log, or during training every k steps on the live
-    Cockpit: without ``fig`` it clears and redraws one pyplot figure (label
-    ``"cockpit-gradnoise"``), so repeated calls create no new figures. In a
-    GUI session, ``plt.pause(0.001)`` after it shows the update. Nothing
-    global is changed (no ``rcParams``, no interactive mode).
+    What :func:`cockpit_gradnoise.plot` draws once its source became rows
+    (:mod:`cockpit_gradnoise.views.sources`); the arguments are its own.
 
     Args:
-        source: A live ``Cockpit``, the path of its log (with or without
-            ``.json``), its ``get_output()`` dict, or a frame from
-            :func:`cockpit_gradnoise.to_frame`.
-        savefig: Path to save the figure to (format from the suffix); parent
-            folders are created.
-        layers: Names of the parameters drawn as lines; default the ``top_k``
-            noisiest, ranked as the report ranks them, in model order
-            (:func:`cockpit_gradnoise._views.default_layers`). The network
-            (``"all"``) is always drawn, black and bold.
+        frame: A tidy frame of :func:`cockpit_gradnoise.to_frame`, or its
+            :class:`~cockpit_gradnoise.logs.table.Rows` (the command line's).
+        savefig: See :func:`cockpit_gradnoise.plot`, as every argument below.
+        layers: ``None``: the ``top_k`` noisiest; a :class:`Ranked` list: those,
+            ranked elsewhere; else the layers chosen.
         top_k: How many layers to draw by default.
-        batch_size: Batch size used in training, drawn in the noise-scale
-            panel; default: :func:`cockpit_gradnoise._views.recorded_batch_size`.
-        heatmap: Layer-by-step heatmap of the median sd (``"sd"``) or median
-            SNR (``"snr"``), ``"off"``, or ``"auto"``: the sd heatmap when the
-            model has more layers than are drawn as lines.
-        fig: A ``Figure`` or ``SubFigure`` to draw into (cleared first), e.g.
-            one half of a figure whose other half holds Cockpit's own
-            dashboard (see ``docs/dashboard.md``). An :class:`OwnFigure` is laid
-            out as the figure made without ``fig``.
-        dpi: Resolution when saving, at most :data:`MAX_DPI`; the image at
-            most :data:`MAX_PIXELS` pixels.
-        writer_rank: Under distributed training only this process saves the
-            figure (``None``: every process).
+        batch_size: Batch size used in training (default: the one recorded).
+        heatmap: ``"sd"``, ``"snr"``, ``"off"`` or ``"auto"``.
+        fig: A ``Figure`` or ``SubFigure`` to draw into.
+        dpi: Resolution when saving.
+        writer_rank: The process that saves the figure.
 
     Returns:
         The figure drawn into.
 
     Raises:
-        ValueError: If ``layers`` names a parameter not in ``source``, or
+        ValueError: If ``layers`` names a parameter not in ``frame``, or
             ``heatmap`` is not one of the values above.
         ImageTooLarge: If the image to save exceeds ``MAX_DPI`` or ``MAX_PIXELS``.
     """
-    frame, layers = _read(source, layers, top_k, heatmap)
     # Each panel reads its own quantity's rows: split once, not once per panel.
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
     order = layer_order(frame)  # reads every row: once
@@ -375,7 +338,7 @@ def plot(
         batch_size = recorded_batch_size(frame)
     keys = [key for key, quantity, _ in PANELS if not parts[quantity].empty]
     n_layers = len(order)
-    statistic = _heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
+    statistic = heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
                                    n_layers)
     mosaic, heights = _mosaic(keys or ["empty"], n_layers if statistic else 0)
     fixed = fig is None or isinstance(fig, OwnFigure)
@@ -383,7 +346,7 @@ def plot(
     layout = _layout(fig, mosaic, heights, fixed)
     axes = layout.axes
     if not keys:
-        panels.no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
+        no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
     for key, quantity, panel in PANELS:
         if key == "noise_scale" and key in axes:
             panel(axes[key], parts[quantity], batch_size=batch_size)
@@ -400,7 +363,7 @@ def plot(
                              fontsize="medium")
     if fixed:
         _place(fig, layout, mosaic, heights, legend_rows, title)
-    if savefig is not None and distributed.is_writer(writer_rank):
+    if savefig is not None and is_writer(writer_rank):
         _check_size(fig, dpi)
         Path(savefig).parent.mkdir(parents=True, exist_ok=True)
         # zlib level 3, not 6: half the time to compress a large PNG, 7% larger.

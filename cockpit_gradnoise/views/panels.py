@@ -7,7 +7,7 @@ instead of drawing; no panel raises on missing data.
 
 Layers are told apart by colour: the colour of a layer is its position in
 ``layers``, so panels given the same ``layers`` agree. With ``layers=None`` a
-panel shows :func:`~cockpit_gradnoise._views.default_layers` (the
+panel shows :func:`~cockpit_gradnoise.views.common.default_layers` (the
 ``DEFAULT_TOP_K`` noisiest, ranked as the report ranks them, in model order).
 The whole network (``"all"``) is drawn black and bold; when its row covers
 only some parameters, the title says so (``"all: 7 of 15 parameters"``).
@@ -16,11 +16,12 @@ Values a log scale cannot show are marked on the figure: a zero as a gap in
 its line with a downward triangle at the bottom edge (an ``x`` in the
 heatmap), an infinite noise scale as an upward triangle at the top edge.
 Steps at which the panel's quantity went NaN or inf
-(:func:`~cockpit_gradnoise._views.non_finite`) are red bands; the finite part
+(:func:`~cockpit_gradnoise.views.common.non_finite`) are red bands; the finite part
 of each line is drawn as usual.
 
 Plot time does not grow with the run's length: a line of more than
-:data:`MAX_POINTS` steps is thinned to a min/max envelope (:func:`thin`),
+:data:`~cockpit_gradnoise.views.axes.MAX_POINTS` steps is thinned to a min/max envelope
+(:func:`~cockpit_gradnoise.views.axes.thin`),
 the heatmap to at most :data:`MAX_COLUMNS` evenly spaced steps, and runs of
 non-finite steps to at most :data:`MAX_BANDS` bands.
 
@@ -29,25 +30,9 @@ pyplot figures.
 """
 
 import math
-import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
-from cockpit_gradnoise._views import (
-    THRESHOLDS,
-    Column,
-    coverage_note,
-    default_layers,
-    distinct,
-    equals,
-    layer_order,
-    network_coverage,
-    non_finite,
-    select,
-    steps_of,
-    tracked_steps,
-    values_of,
-)
-from cockpit_gradnoise.schema import (
+from cockpit_gradnoise.logs.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
     GRADIENT_VARIANCE,
@@ -62,28 +47,47 @@ from cockpit_gradnoise.schema import (
     SNR_MEDIAN,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
-    quantile_levels,
-    quantile_name,
+    median_name,
+)
+from cockpit_gradnoise.logs.table import Column, steps_of, values_of
+from cockpit_gradnoise.views.axes import (
+    INFINITE_LABEL,
+    NETWORK_STYLE,
+    NON_FINITE_LABEL,
+    ZERO_LABEL,
+    ZERO_MARKS,
+    clear_panel,
+    edge_marks,
+    layer_colors,
+    line_order,
+    log_labels,
+    minor_ticks,
+    no_data,
+    on_log_scale,
+    step_axis,
+    thin,
+    title_at,
+    zero_marks,
+)
+from cockpit_gradnoise.views.common import (
+    THRESHOLDS,
+    band_statistics,
+    coverage_note,
+    default_layers,
+    distinct,
+    equals,
+    layer_order,
+    median_note,
+    network_coverage,
+    non_finite,
+    select,
+    tracked_steps,
 )
 
 import matplotlib
 import matplotlib.colors
 import numpy
-from matplotlib.ticker import LogFormatterSciNotation, MaxNLocator, NullLocator
 
-NETWORK_STYLE = {"color": "black", "linewidth": 2.2, "zorder": 3}
-_PALETTE = matplotlib.colormaps["tab10"].colors
-
-#: Legend label of the marks of zeros, which a log scale cannot show.
-ZERO_LABEL = "0 (off the log scale)"
-#: Legend label of the marks of infinite noise-scale estimates.
-INFINITE_LABEL = "infinite (|G|^2 est. <= 0)"
-
-#: Legend label of the bands at the steps where the quantity went NaN or inf.
-NON_FINITE_LABEL = "NaN or inf"
-
-#: A line of more steps than this is thinned (:func:`thin`).
-MAX_POINTS = 1000
 #: The heatmap shows at most this many steps, evenly spaced over the run.
 MAX_COLUMNS = 500
 #: Non-finite steps are shown as at most this many bands (nearby runs merged).
@@ -91,114 +95,19 @@ MAX_BANDS = 100
 #: The heatmap labels at most this many rows (every k-th layer beyond): so that each
 #: label is at least 6 pt (:func:`noise_heatmap_panel`), and few (each costs the drawing).
 MAX_ROW_LABELS = 60
-#: A log axis spanning more decades than this has no minor ticks: its decade ticks are
-#: close enough to read between, and ticks are most of the time to draw a large figure.
-MINOR_DECADES = 3
 
-
-def layer_colors(layers: Sequence[str]) -> Dict[str, tuple]:
-    """``{layer: colour}``: tab10 by position in ``layers``, black for the network."""
-    colors = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(layers)}
-    colors[NETWORK] = NETWORK_STYLE["color"]
-    return colors
-
-
-def clear_panel(ax):
-    """Remove what a panel drew on ``ax``, far cheaper than ``ax.clear()``.
-
-    Redrawing a dashboard every few steps reuses its axes: this removes the
-    data artists, texts and legend and restores linear scales with their
-    default ticks, so any panel can draw on ``ax`` again.
-    """
-    for artist in [*ax.lines, *ax.collections, *ax.patches, *ax.texts, *ax.images]:
-        artist.remove()
-    if ax.get_legend() is not None:
-        ax.get_legend().remove()
-    _title_at(ax, "")
-    ax.set_xscale("linear")
-    ax.set_yscale("linear")
-    ax.relim()
-    ax.set_autoscale_on(True)
-
-
-def _title_at(ax, title: str):
-    """``ax.set_title(title)`` at a set height: that of ``rcParams["axes.titley"]``, else 1.0.
-
-    Without a height matplotlib places a title above whatever the axes draw on
-    top, measuring their tick labels at every draw to find out; a panel draws
-    nothing there, so the title lands at 1.0 either way.
-    """
-    y = matplotlib.rcParams["axes.titley"]
-    ax.set_title(title, y=1.0 if y is None else y)
-
-
-def no_data(ax, title: str, reason: str):
-    """Write ``reason`` in the middle of ``ax`` under ``title``; hide the ticks."""
-    _title_at(ax, title)
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.text(0.5, 0.5, reason, ha="center", va="center", transform=ax.transAxes, color="0.35")
+#: What each line panel draws of its quantity besides quantiles (the ones ``_bands`` draws):
+#: the declaration :mod:`cockpit_gradnoise.views.reads` reads a streamed log by.
+DRAWN = {
+    PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
+    UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
+}
 
 
 def _title(frame, quantity, title) -> str:
     """``title``, with what the network's row covers when it leaves parameters out."""
     note = coverage_note(network_coverage(frame, quantity))
     return f"{title} ({note})" if note else title
-
-
-def thin(steps: numpy.ndarray, *values: numpy.ndarray, limit: Optional[int] = None) -> numpy.ndarray:
-    """Indices of at most about ``limit`` points of a line that keep its look.
-
-    The steps are cut into ``(limit - 2) // 2`` bins of equal width in steps;
-    in each bin the smallest and the largest drawable value (finite and
-    positive, for log scales) are kept, and the first and last of each kind a
-    log scale cannot show (0, ``+inf``, NaN or ``-inf``), so that spikes, gaps
-    and their marks survive; the first and last step are always kept. Lines
-    of at most ``limit`` points (default :data:`MAX_POINTS`) are kept whole.
-    Several ``values`` (a band's edges): the union of their points.
-
-    Returns:
-        Ascending indices into ``steps``.
-    """
-    n, limit = len(steps), MAX_POINTS if limit is None else limit
-    if n <= limit:
-        return numpy.arange(n)
-    steps = numpy.asarray(steps, dtype=float)
-    bins = max((limit - 2) // 2, 1)  # two points each, and both ends
-    span = max(steps[-1] - steps[0], 1.0)
-    position = numpy.minimum(((steps - steps[0]) * bins / span).astype(numpy.int64), bins - 1)
-    kept = [numpy.array([0, n - 1])]
-    for value in values:
-        value = numpy.asarray(value, dtype=float)
-        kind = numpy.select(
-            [numpy.isfinite(value) & (value > 0), value == 0, value == math.inf], [0, 1, 2], 3
-        )
-        group = position * 4 + kind
-        # Each group's smallest and largest value, the first and last of equal ones: what
-        # sorting each group by value gave, without that sort (most of the time here).
-        order = numpy.argsort(group, kind="stable")  # a group's points in step order
-        ordered, by_group = group[order], value[order]
-        by_group[numpy.isnan(by_group)] = math.inf  # NaN (kind 3) counts as the largest
-        head = numpy.r_[True, ordered[1:] != ordered[:-1]]
-        segment, heads = numpy.cumsum(head) - 1, numpy.flatnonzero(head)
-        lowest = numpy.flatnonzero(numpy.minimum.reduceat(by_group, heads)[segment] == by_group)
-        highest = numpy.flatnonzero(numpy.maximum.reduceat(by_group, heads)[segment] == by_group)
-        first = lowest[numpy.r_[True, segment[lowest][1:] != segment[lowest][:-1]]]
-        last = highest[numpy.r_[segment[highest][1:] != segment[highest][:-1], True]]
-        kept += [order[first], order[last]]
-    return numpy.unique(numpy.concatenate(kept))
-
-
-def line_order(key: numpy.ndarray, steps: numpy.ndarray) -> numpy.ndarray:
-    """``numpy.lexsort((steps, key))``: the rows by line (``key``), then step; stable, so
-    equal steps keep the frame's order.
-
-    Where the steps already ascend (a frame's do), a stable sort by ``key`` alone
-    keeps them so; as 16-bit integers NumPy sorts those by radix, three times as fast.
-    """
-    if len(key) > 1 and key.max() < 2**15 and key.min() >= 0 and (steps[1:] >= steps[:-1]).all():
-        return numpy.argsort(key.astype(numpy.int16), kind="stable")
-    return numpy.lexsort((steps, key))
 
 
 class Series:
@@ -303,85 +212,16 @@ def non_finite_bands(ax, frame, quantity):
     return bad_steps
 
 
-def _on_log_scale(values):
-    """``values`` with the ones a log scale cannot show (0, inf, NaN) as NaN: gaps."""
-    return numpy.where(numpy.isfinite(values) & (values != 0), values, math.nan)
-
-
-def _edge_marks(ax, steps, *, top, label, **style):
-    """Triangles at the top or bottom edge of ``ax`` at ``steps``."""
-    ax.plot(steps, [0.97 if top else 0.03] * len(steps), "^" if top else "v",
-            transform=ax.get_xaxis_transform(), clip_on=False, label=label,
-            **{"alpha": 0.7, "markersize": 5, **style})
-
-
-_ZERO_MARKS = "_zero"  # the label of each layer's zero marks: no legend entry of its own
-
-
-def _zero_marks(ax, steps, values, color):
-    """Mark the steps where ``values`` is 0 at the bottom edge, in ``color``."""
-    zero = values == 0
-    if zero.any():
-        _edge_marks(ax, steps[zero], top=False, label=_ZERO_MARKS, color=color)
-
-
 def _layers(frame, layers):
     return default_layers(frame) if layers is None else list(layers)
 
 
-def minor_ticks(axis, low, high):
-    """No minor ticks on the log ``axis`` from ``low`` to ``high`` if it spans more than
-    :data:`MINOR_DECADES` decades (fewer keep matplotlib's, labelled below one decade)."""
-    if 0 < low and 0 < high and max(high / low, low / high) > 10.0 ** MINOR_DECADES:
-        axis.set_minor_locator(NullLocator())
-
-
-_SUPERSCRIPTS = str.maketrans("0123456789-", "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b")
-# The labels LogFormatterSciNotation writes: "$\mathdefault{10^{-2}}$", "$\mathdefault{2\times10^{-1}}$".
-_MATHTEXT_POWER = re.compile(r"^\$\\mathdefault\{(-?)(?:([0-9.]+)\\times)?(\d+)\^\{(-?\d+)\}\}\$$")
-
-
-class PlainLogFormatter(LogFormatterSciNotation):
-    """Log-axis labels as ``LogFormatterSciNotation`` writes them, in plain text (``10\u207b\u00b2``).
-
-    The same numbers and layout, with Unicode superscripts instead of
-    mathtext: parsing mathtext is a fifth of the time to draw the dashboard
-    (its parser is built on first use, then each label parsed). A label of
-    another form (a non-integer exponent) stays mathtext.
-    """
-
-    def __call__(self, x, pos=None):
-        label = super().__call__(x, pos)
-        match = _MATHTEXT_POWER.match(label)
-        if match is None:
-            return label
-        sign, coefficient, base, exponent = match.groups()
-        times = f"{coefficient}\u00d7" if coefficient else ""
-        return f"{sign}{times}{base}{exponent.translate(_SUPERSCRIPTS)}"
-
-
-def log_labels(axis):
-    """Label the log ``axis`` (major and minor ticks) with :class:`PlainLogFormatter`."""
-    for formatter, setter in ((axis.get_major_formatter(), axis.set_major_formatter),
-                              (axis.get_minor_formatter(), axis.set_minor_formatter)):
-        if type(formatter) is LogFormatterSciNotation:
-            plain = PlainLogFormatter(formatter._base, labelOnlyBase=formatter.labelOnlyBase,
-                                      minor_thresholds=formatter.minor_thresholds,
-                                      linthresh=formatter._linthresh)
-            setter(plain)
-
-
-def _step_axis(ax):
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def _finish(ax, title, ylabel, legend):
-    if any(line.get_label() == _ZERO_MARKS for line in ax.lines):
+    if any(line.get_label() == ZERO_MARKS for line in ax.lines):
         # One legend entry for the zero marks of every layer (each in its colour).
         ax.plot([], [], "v", color="0.4", label=ZERO_LABEL)
-    _title_at(ax, title)
-    _step_axis(ax)
+    title_at(ax, title)
+    step_axis(ax)
     ax.set_ylabel(ylabel)
     ax.set_yscale("log")
     log_labels(ax.yaxis)
@@ -401,8 +241,8 @@ def _lines(ax, series, statistic, layers, colors, **style):
         if xy is not None:
             steps, values = xy
             line = NETWORK_STYLE if name == NETWORK else {"color": colors[name], "linewidth": 1.2}
-            ax.plot(steps, _on_log_scale(values), **{"label": name, **line, **style})
-            _zero_marks(ax, steps, values, line["color"])
+            ax.plot(steps, on_log_scale(values), **{"label": name, **line, **style})
+            zero_marks(ax, steps, values, line["color"])
 
 
 def _band(ax, series, name, low, high, color):
@@ -424,17 +264,18 @@ def _band(ax, series, name, low, high, color):
 
 def _bands(ax, series, layers, colors, legend, title, ylabel):
     """Median lines and lowest-to-highest quantile bands per layer; network median bold."""
-    levels = quantile_levels(series.statistics())
-    if not levels:  # no quantiles logged: the mean is all there is
+    band = band_statistics(series.statistics())
+    if band is None:  # no quantiles logged: the mean is all there is
         _lines(ax, series, MEAN, layers, colors)
         _finish(ax, title, f"{ylabel}: {MEAN}", legend)
         return
-    middle = quantile_name(min(levels, key=lambda q: abs(q - 0.5)))
-    low, high = quantile_name(levels[0]), quantile_name(levels[-1])
+    low, middle, high = band
     for name in layers if low != high else []:
         _band(ax, series, name, low, high, colors[name])
     _lines(ax, series, middle, layers, colors)
-    _finish(ax, title, f"{ylabel}: {middle}, band {low} to {high}", legend)
+    # Where no median was logged the line is another quantile: the label says so.
+    missing = " (no median)" if median_name(series.statistics()) is None else ""
+    _finish(ax, title, f"{ylabel}: {middle}{missing}, band {low} to {high}", legend)
 
 
 def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
@@ -448,7 +289,7 @@ def gradient_variance_panel(ax, frame, *, layers=None, legend=True):
         ax: Axes to draw into.
         frame: Tidy frame from :func:`cockpit_gradnoise.to_frame`.
         layers: Parameter names to draw; default
-            :func:`~cockpit_gradnoise._views.default_layers`.
+            :func:`~cockpit_gradnoise.views.common.default_layers`.
         legend: Draw a legend in ``ax``.
     """
     title = _title(frame, GRADIENT_VARIANCE, "gradient noise: sd of grad elements")
@@ -493,7 +334,7 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
     """Per-layer relative update ``||theta(s+1) - theta(s)|| / ||theta(s)||`` (``UpdateSize``).
 
     The grey band is the range of relative updates that the report does not
-    flag, around the usual 1e-3 (:data:`cockpit_gradnoise._views.THRESHOLDS`).
+    flag, around the usual 1e-3 (:data:`cockpit_gradnoise.views.common.THRESHOLDS`).
     Log scale.
     """
     title = _title(frame, UPDATE_SIZE, "relative update size per step")
@@ -543,14 +384,14 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         ax.plot(steps[shown], values[shown], "o", color="tab:blue", alpha=0.3, markersize=3,
                 label=f"{B_SIMPLE} (one batch)")
         if infinite.any():
-            _edge_marks(ax, steps[infinite], top=True, label=INFINITE_LABEL, color="tab:red")
-        _zero_marks(ax, steps, values, "tab:blue")
+            edge_marks(ax, steps[infinite], top=True, label=INFINITE_LABEL, color="tab:red")
+        zero_marks(ax, steps, values, "tab:blue")
     smoothed = _xy(series, param, B_SIMPLE_SMOOTHED)
     if smoothed is not None:
         steps, values = smoothed
-        ax.plot(steps, _on_log_scale(values), color="tab:blue", linewidth=2,
+        ax.plot(steps, on_log_scale(values), color="tab:blue", linewidth=2,
                 label=B_SIMPLE_SMOOTHED)
-        _zero_marks(ax, steps, values, "tab:blue")
+        zero_marks(ax, steps, values, "tab:blue")
     if batch_size is None:
         ax.text(0.02, 0.03, "batch size unknown: pass batch_size=", transform=ax.transAxes,
                 fontsize="x-small", color="0.35")
@@ -636,6 +477,9 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
     series = _drawable(ax, frame, GRADIENT_VARIANCE, title)
     if series is None:
         return None
+    if statistic == SD_MEDIAN and median_name(series.statistics()) is None:
+        no_data(ax, title, "no data:\n" + median_note("sd", series.statistics()))
+        return None
     names, steps, values = _heatmap_values(frame, series, statistic, layers)
     positive = values[numpy.isfinite(values) & (values > 0)]
     if positive.size == 0:
@@ -656,8 +500,8 @@ def noise_heatmap_panel(ax, frame, *, statistic: str = SD_MEDIAN, layers=None, c
                 markersize=max(2.0, min(5.0, 200.0 / len(names))), label=ZERO_LABEL)
         title += "; x: 0"
     non_finite_bands(ax, frame, GRADIENT_VARIANCE)
-    _title_at(ax, title)
-    _step_axis(ax)
+    title_at(ax, title)
+    step_axis(ax)
     if colorbar:
         log_labels(ax.get_figure().colorbar(mesh, ax=ax, label=label, pad=0.01).ax.yaxis)
     return mesh

@@ -2,12 +2,19 @@
 
 :func:`report_frame` and :func:`plot_rows` give a subset of the rows of
 :func:`cockpit_gradnoise.to_frame` (same order, same categories, same
-values, :mod:`cockpit_gradnoise.selective`) on which
-:func:`~cockpit_gradnoise.findings.build_report` and
-:func:`~cockpit_gradnoise.dashboard.plot` give what they give on the full
+values, :mod:`cockpit_gradnoise.logs.selective`) on which
+:func:`~cockpit_gradnoise.views.report.build_report` and
+:func:`~cockpit_gradnoise.views.sources.plot` give what they give on the full
 frame. Each pick below says which of their reads it serves; of a
 10,000-step, 200-tensor log (52 M numbers) about 2 M are decoded for the
 report and 0.8 M for the dashboard (``benchmarks/README.md``).
+
+The views declare what they read and this module reads by their
+declarations: the dashboard's panels (``dashboard.PANELS``), what each line
+panel draws besides quantiles (``panels.DRAWN``), the quantiles of a band
+(``common.band_statistics``) and the network's run history
+(``findings.HISTORY``). The dashboard and the panels, and matplotlib with
+them, are imported only to draw: a report needs neither.
 
 What both views read, and the picks that serve it:
 
@@ -32,13 +39,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise import selective
-from cockpit_gradnoise._views import (
-    DEFAULT_TOP_K,
+from cockpit_gradnoise.logs import selective
+from cockpit_gradnoise.logs.schema import (
+    BATCH_SIZE,
+    COVERAGE_STATISTICS,
+    GRADIENT_VARIANCE,
+    MEAN,
+    NETWORK,
+    NOISE_SCALE,
+    PER_EXAMPLE_NORM,
+    QUANTITIES,
     RANKINGS,
-    Column,
+)
+from cockpit_gradnoise.logs.table import Column, Rows
+from cockpit_gradnoise.views.common import (
+    DEFAULT_TOP_K,
     Ranking,
-    Rows,
+    band_statistics,
     chosen_layers,
     finite_means,
     layer_order,
@@ -49,26 +66,8 @@ from cockpit_gradnoise._views import (
     select,
     stable_order,
 )
-from cockpit_gradnoise.schema import (
-    B_SIMPLE,
-    B_SIMPLE_SMOOTHED,
-    BATCH_SIZE,
-    COVERAGE_STATISTICS,
-    GRADIENT_VARIANCE,
-    MAX,
-    MEAN,
-    NETWORK,
-    NOISE_SCALE,
-    NORM_RATIO,
-    PARAM_GRAD_RATIO,
-    PER_EXAMPLE_NORM,
-    QUANTITIES,
-    UPDATE_RELATIVE,
-    UPDATE_SIZE,
-    ZERO_GRAD_FRACTION,
-    quantile_levels,
-    quantile_name,
-)
+from cockpit_gradnoise.views.findings import HISTORY
+from cockpit_gradnoise.views.report import finite_report_step, quantity_steps
 
 import numpy
 
@@ -76,29 +75,7 @@ if TYPE_CHECKING:
     import pandas
 
 
-def streamed_rows(path, read):
-    """``read(file)`` if ``path`` names a streamed log, and it holds this package's quantities.
-
-    ``read`` is :func:`report_frame` or :func:`plot_rows` (with the file);
-    ``None`` (another kind of log, damage, nothing of this package's): read
-    the log whole, which says what is wrong.
-    """
-    from cockpit_gradnoise.log import is_streamed, read_path
-
-    try:
-        file = read_path(path)
-        if not (file.is_file() and is_streamed(file)):
-            return None
-        found = read(file)
-    except (OSError, ValueError):
-        return None
-    frame = found[0] if isinstance(found, tuple) else found
-    if frame is None or not _held(frame):
-        return None
-    return found
-
-
-def _held(frame) -> bool:
+def held(frame) -> bool:
     """Whether the frame holds one of this package's quantities (else the caller says what it holds)."""
     return not frame.empty and bool(frame.quantity.isin(QUANTITIES).any())
 
@@ -188,7 +165,7 @@ def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Option
     (:func:`_summary_sums`), else from the ranking's numbers alone: 2 M of them on a long
     run, without their frame.
 
-    The same scores as :func:`~cockpit_gradnoise._views.noise_ranking`'s
+    The same scores as :func:`~cockpit_gradnoise.views.common.noise_ranking`'s
     (pandas' group mean of the finite values, over the rows in the frame's
     order, groups in order of appearance), the same stable sort, the same
     choice. ``None`` where a number cannot be read. With a summary, pandas is not imported.
@@ -215,7 +192,7 @@ def _noisiest(index: selective.LogIndex, top_k: int, order: List[str]) -> Option
 
 def _alarm(index: selective.LogIndex):
     """For :func:`selective.non_finite_rows`: of a record's NaN and inf, the first that
-    :func:`~cockpit_gradnoise._views.non_finite` counts (none if it counts none).
+    :func:`~cockpit_gradnoise.views.common.non_finite` counts (none if it counts none).
 
     ``non_finite_summary`` needs of each step only whether it holds one, and
     every row of its first such step (:func:`_first_bad`).
@@ -250,7 +227,7 @@ def _indexed(path):
     if index is None:
         return None
     picks, base = _base(index)
-    if base is None or not _held(base):
+    if base is None or not held(base):
         return None
     return index, picks, base
 
@@ -277,8 +254,6 @@ def report_frame(path, step: Optional[int] = None
         then without the ranking's rows; or ``(frame, None)``, the frame with
         them (``build_report`` ranks them). ``None``: read the log whole.
     """
-    from cockpit_gradnoise.findings import finite_report_step, quantity_steps
-
     found = _indexed(path)
     if found is None:
         return None
@@ -294,37 +269,33 @@ def report_frame(path, step: Optional[int] = None
     summed, ranking = _summed(index, max(steps.values()))
     picks += _first_bad(index, summary) + ([] if summed else _ranking(index, upto)) + [
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
-        selective.named(index, upto, params=[NETWORK],
-                        statistics=[ZERO_GRAD_FRACTION, UPDATE_RELATIVE, B_SIMPLE]),
+        selective.named(index, upto, params=[NETWORK], statistics=list(HISTORY)),
         _batch_size(index, upto),
     ]
     frame = index.frame(picks)
     return None if frame is None else (frame, ranking)
 
 
-#: What each panel draws of its quantity besides quantiles (the ones ``_bands`` draws).
-_DRAWN = {
-    PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
-    UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
-}
-
-
-def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[selective.Pick]:
+def _drawn(index: selective.LogIndex, quantity: str, params: List[str], declared: List[str]
+           ) -> List[selective.Pick]:
     """What a line panel reads of ``params``: its statistics, and one number per record.
 
-    Of the quantiles, the lowest, the highest and the one closest to the
-    median (those ``panels._bands`` draws; the mean only without quantiles);
+    ``declared``: the statistics the panel draws besides quantiles
+    (:data:`~cockpit_gradnoise.views.panels.DRAWN`).
+
+    Of the quantiles, the lowest, the highest and the median or the one
+    closest to it (:func:`~cockpit_gradnoise.views.common.band_statistics`, as
+    ``panels._bands`` draws; the mean only without quantiles);
     one number of each record holding one of ``params`` keeps the panel's
     steps those of the full frame.
     """
     records = index.records_of(quantity)
     names = {index.statistics[s] for layout in numpy.unique(index.layout[records]).tolist()
              for s in index.layouts[layout][1][index.positions(layout, params=params)].tolist()}
-    wanted = set(_DRAWN.get(quantity, [])) & names
-    levels = quantile_levels(names)
-    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and levels:
-        middle = min(levels, key=lambda q: abs(q - 0.5))
-        wanted |= {quantile_name(q) for q in (levels[0], middle, levels[-1])}
+    wanted = set(declared) & names
+    band = band_statistics(names)
+    if quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM) and band is not None:
+        wanted |= set(band)
     elif quantity in (GRADIENT_VARIANCE, PER_EXAMPLE_NORM):
         wanted |= {MEAN} & names
 
@@ -337,12 +308,12 @@ def _drawn(index: selective.LogIndex, quantity: str, params: List[str]) -> List[
 
 def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFAULT_TOP_K,
               heatmap: str = "auto") -> Optional[Tuple[Rows, List[str]]]:
-    """The rows of the streamed log at ``path`` that ``dashboard.plot`` reads, and its layers.
+    """The rows of the streamed log at ``path`` that ``dashboard.figure`` reads, and its layers.
 
-    ``plot(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
+    ``figure(frame, layers=drawn, top_k=top_k, heatmap=heatmap)`` with the
     returned ``(frame, drawn)`` draws the dashboard of the full log with
     ``layers``: without them, ``drawn`` are the ``top_k`` noisiest as a
-    :class:`~cockpit_gradnoise.dashboard.Ranked` (ranked here, on every
+    :class:`~cockpit_gradnoise.views.dashboard.Ranked` (ranked here, on every
     layer's SNR, which the frame then leaves out).
 
     Besides :func:`_base`'s: the first record of each quantity and layout
@@ -350,7 +321,8 @@ def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFA
     draw of the drawn layers and the network (:func:`_drawn`; the network
     only, for the noise scale), and the heatmap's statistic at its steps.
     """
-    from cockpit_gradnoise import dashboard, panels
+    # The views' declarations, and matplotlib with them: only to draw (a report needs neither).
+    from cockpit_gradnoise.views import dashboard, panels
 
     found = _indexed(path)
     if found is None:
@@ -377,9 +349,9 @@ def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFA
     variance_rows = not select(firsts, GRADIENT_VARIANCE).empty
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
-                        else [*drawn, NETWORK])
+                        else [*drawn, NETWORK], panels.DRAWN.get(quantity, []))
     try:
-        statistic = dashboard._heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
+        statistic = dashboard.heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
     except ValueError:
         statistic = None  # plot raises the same
     if statistic:

@@ -15,10 +15,10 @@ the same rows, in the same order, with the same categories, as the full
 frame's, of which they are a subset. It reads the file in windows of up to
 16 MB in file order, and decodes the records that read the same positions
 together, with NumPy, from the characters of those numbers only
-(:func:`_gather`): decoding loops over windows and plans, not records.
+(:mod:`cockpit_gradnoise.logs.decode`).
 
-Which rows a view needs is the view's business (``view_rows.report_frame``,
-``view_rows.plot_rows``); this module reads what it is told.
+Which rows a view needs is the view's business (``views.reads.report_frame``,
+``views.reads.plot_rows``); this module reads what it is told.
 
 Damage is not this module's to report: anything unexpected (a line of
 another shape or length, a name or layout not declared, a value record with
@@ -32,22 +32,28 @@ This module imports neither pandas (only building a frame does) nor torch.
 
 from __future__ import annotations
 
-import binascii
 import json
 import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from cockpit_gradnoise._views import Column, Rows
-from cockpit_gradnoise.log import (
-    _DTYPE,
-    _TABLES,
+from cockpit_gradnoise.logs.codec import (
     HEADER,
+    TABLES,
     category_codes,
     non_finite_runs,
     per_parameter,
 )
+from cockpit_gradnoise.logs.decode import (
+    Unexpected,
+    base64_chars,
+    by_plan,
+    decode_all,
+    frame_rows,
+    read_values,
+)
+from cockpit_gradnoise.logs.table import Column, Rows
 
 import numpy
 
@@ -61,15 +67,6 @@ _RECORD = re.compile(
 )
 _TAIL = b'"}\n'
 _HEAD = 200  # bytes read per record: its end and the next line's start
-
-
-class _Unexpected(Exception):
-    """The log is not one this reader takes: the caller reads it whole."""
-
-
-def _chars(count: int) -> int:
-    """Length of the base64 text of ``count`` float64 numbers."""
-    return 4 * -(-8 * count // 3)
 
 
 @dataclass
@@ -89,7 +86,7 @@ class LogIndex:
         finite: Whether each record's numbers are all finite.
         non_finite: ``{record: pattern}`` of the records with a NaN or inf.
         patterns: Each ``{"nan": positions, "inf": ..., "-inf": ...}``.
-        summary: The log's summary line (:mod:`cockpit_gradnoise.log`), if it
+        summary: The log's summary line (:mod:`cockpit_gradnoise.logs.stream`), if it
             ends with one; ``None`` if it does not (a writer killed, or older).
     """
 
@@ -145,10 +142,10 @@ class LogIndex:
         return None if rows is None else rows.frame()
 
     def rows(self, picks: Sequence["Pick"], *, decode: bool = True) -> Optional[Rows]:
-        """The rows of :meth:`frame` as :class:`~cockpit_gradnoise._views.Rows` (no pandas)."""
+        """The rows of :meth:`frame` as :class:`~cockpit_gradnoise.logs.table.Rows` (no pandas)."""
         try:
             return _tidy(self, picks, decode)
-        except (_Unexpected, OSError, ValueError):
+        except (Unexpected, OSError, ValueError):
             return None
 
     def sums(self, quantity: str, statistic: str) -> Optional["Sums"]:
@@ -185,7 +182,7 @@ class LogIndex:
         """
         try:
             return _numbers(self, _plans(self, picks), True)
-        except (_Unexpected, OSError, ValueError):
+        except (Unexpected, OSError, ValueError):
             return None
 
 
@@ -229,7 +226,7 @@ def index_log(path) -> Optional[LogIndex]:
     try:
         with open(path, "rb") as file:
             return _index(file, str(path))
-    except (_Unexpected, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (Unexpected, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None  # binascii.Error and UnicodeDecodeError are ValueErrors
 
 
@@ -237,7 +234,7 @@ class _Scan:
     """What :func:`_index` gathers line by line."""
 
     def __init__(self):
-        self.tables: Dict[str, List[str]] = {table: [] for table in _TABLES}
+        self.tables: Dict[str, List[str]] = {table: [] for table in TABLES}
         self.layouts: List[Tuple[numpy.ndarray, numpy.ndarray]] = []
         self.chars: List[int] = []
         self.current: Dict[Tuple[int, int], Tuple[int, int, int, Optional[bool]]] = {}
@@ -248,12 +245,12 @@ class _Scan:
         """A names, layout or value line (read whole; record lines are not)."""
         item = json.loads(line)
         if not isinstance(item, dict):
-            raise _Unexpected
+            raise Unexpected
         self.summary = None  # a summary sums the records before it: it must be the last line
         if "names" in item:
             for table, names in item["names"].items():
-                if table not in _TABLES or not all(isinstance(n, str) for n in names):
-                    raise _Unexpected
+                if table not in TABLES or not all(isinstance(n, str) for n in names):
+                    raise Unexpected
                 self.tables[table].extend(names)
         elif "summary" in item:
             self.summary = item["summary"] if isinstance(item["summary"], dict) else None
@@ -263,12 +260,12 @@ class _Scan:
             step, quantity = item["step"], item["quantity"]
             if not isinstance(step, int) or not isinstance(quantity, int) or not (
                     0 <= quantity < len(self.tables["quantities"])):
-                raise _Unexpected
+                raise Unexpected
             if per_parameter(item["value"]) is not None:
-                raise _Unexpected  # numbers the frame reads from a value: read it whole
+                raise Unexpected  # numbers the frame reads from a value: read it whole
             self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
         else:
-            raise _Unexpected
+            raise Unexpected
 
     def layout(self, declared):
         """A layout line's ``[[param, [statistic, ...]], ...]``."""
@@ -278,9 +275,9 @@ class _Scan:
                   numpy.asarray(statistics, dtype=numpy.int64))
         for codes, table in zip(layout, ("params", "statistics")):
             if len(codes) and not (codes.min() >= 0 and codes.max() < len(self.tables[table])):
-                raise _Unexpected
+                raise Unexpected
         self.layouts.append(layout)
-        self.chars.append(_chars(len(params)))
+        self.chars.append(base64_chars(len(params)))
 
 
 def _index(file, path: str) -> LogIndex:
@@ -288,7 +285,7 @@ def _index(file, path: str) -> LogIndex:
     size = os.fstat(fd).st_size
     header = (HEADER + "\n").encode()
     if os.pread(fd, len(header), 0) != header:
-        raise _Unexpected
+        raise Unexpected
     scan, offset = _Scan(), len(header)
     # Once per record: the names the loop reads looked up once (the lists grow in place).
     current, chars, layouts = scan.current, scan.chars, scan.layouts
@@ -306,12 +303,12 @@ def _index(file, path: str) -> LogIndex:
         step, quantity, layout, runs = match.groups()
         quantity, layout = int(quantity), int(layout)
         if quantity >= len(quantities) or layout >= len(layouts):
-            raise _Unexpected
+            raise Unexpected
         start = offset + match.end()
         end = start + chars[layout]
         head = pread(fd, ahead, end)
         if head[:tail] != _TAIL and not (end + 2 == size and head == _TAIL[:2]):
-            raise _Unexpected  # a line of another length: damaged, or not LogStream's
+            raise Unexpected  # a line of another length: damaged, or not LogStream's
         current[int(step), quantity] = (layout, start, runs)
         offset, head = end + tail, head[tail:]
     if scan.end != size:
@@ -330,7 +327,7 @@ def _other_line(fd, scan: _Scan, offset: int, size: int) -> Tuple[int, bytes]:
             break
     line = b"".join(parts)
     if not line.endswith(b"\n") and offset + len(line) < size:
-        raise _Unexpected
+        raise Unexpected
     scan.line(line)
     offset += len(line)
     scan.end = offset
@@ -365,7 +362,7 @@ def _finish(fd, scan: _Scan, path: str) -> LogIndex:
     for record in [r for r, runs in enumerate(texts) if runs != _FINITE]:
         runs = texts[record]
         if runs is None:  # written before records said: decode to find out
-            runs = json.dumps(non_finite_runs(_decode_all(fd, index, record))).encode()
+            runs = json.dumps(non_finite_runs(decode_all(fd, index, record))).encode()
             if runs == _FINITE:
                 continue
         key = b"%d:%s" % (index.layout[record], runs)
@@ -381,146 +378,14 @@ def _pattern(runs: bytes, count: int) -> Dict[str, numpy.ndarray]:
     """``{"nan": positions, "inf": ..., "-inf": ...}`` of a record's ``nonfinite`` runs."""
     parsed = json.loads(runs)
     if not isinstance(parsed, dict) or not set(parsed) <= {"nan", "inf", "-inf"}:
-        raise _Unexpected
+        raise Unexpected
     pattern = {}
     for kind, pairs in parsed.items():
         positions = numpy.concatenate([numpy.arange(a, b) for a, b in pairs] or [[]]).astype(int)
         if len(positions) and not (positions.min() >= 0 and positions.max() < count):
-            raise _Unexpected
+            raise Unexpected
         pattern[kind] = positions
     return pattern
-
-
-def _decode_all(fd, index: LogIndex, record: int) -> numpy.ndarray:
-    layout = int(index.layout[record])
-    count = len(index.layouts[layout][0])
-    text = os.pread(fd, _chars(count), int(index.offset[record]))
-    raw = binascii.a2b_base64(text)
-    if len(raw) != 8 * count:
-        raise _Unexpected
-    return numpy.frombuffer(raw, dtype=_DTYPE)
-
-
-def _windows(starts: numpy.ndarray, ends: numpy.ndarray) -> List[slice]:
-    """Runs of records (texts ``[starts, ends)``, ascending starts) to read at once.
-
-    A new run starts where the texts pass a multiple of :data:`_WINDOW` bytes
-    into the file, and after a gap of more than :data:`_GAP` bytes not needed.
-    """
-    if not len(starts):
-        return []
-    reach = numpy.maximum.accumulate(ends)
-    block = (starts - starts[0]) // _WINDOW
-    cuts = numpy.flatnonzero((starts[1:] - reach[:-1] > _GAP) | (block[1:] != block[:-1])) + 1
-    bounds = [0, *cuts.tolist(), len(starts)]
-    return [slice(first, end) for first, end in zip(bounds[:-1], bounds[1:])]
-
-
-def _by_plan(places: numpy.ndarray, plan: numpy.ndarray) -> List[numpy.ndarray]:
-    """``places`` split by their plan (``plan[places]``), each part in the given order."""
-    places = places[numpy.argsort(plan[places], kind="stable")]
-    return numpy.split(places, numpy.flatnonzero(numpy.diff(plan[places])) + 1)
-
-
-def _rows(firsts: numpy.ndarray, width: int) -> numpy.ndarray:
-    """The frame's rows of records whose first rows are ``firsts``, ``width`` each."""
-    return firsts[:, None] + numpy.arange(width)
-
-
-def _values(index: LogIndex, plans: "_Plans", firsts: numpy.ndarray, total: int
-            ) -> numpy.ndarray:
-    """The numbers that ``plans`` name, at their rows of the frame, read window by window.
-
-    Records are read in file order, many at a time (:func:`_windows`, one read
-    into a buffer that is reused, so memory stays bounded); of each window the
-    records of one plan are decoded together (:func:`_gather`).
-    """
-    values = numpy.empty(total)
-    chars = numpy.array([_chars(len(index.layouts[layout][0])) for layout in plans.layout],
-                        dtype=numpy.int64)
-    starts = index.offset[plans.records]
-    ends = starts + chars[plans.plan]
-    order = numpy.argsort(starts, kind="stable")
-    buffer = numpy.empty(0, dtype=numpy.uint8)
-    with open(index.path, "rb", buffering=0) as file:
-        for window in _windows(starts[order], ends[order]):
-            places = order[window]
-            first, size = int(starts[places[0]]), int(ends[places].max() - starts[places[0]])
-            if len(buffer) < size + 1:
-                buffer = numpy.empty(size + 1, dtype=numpy.uint8)
-            file.seek(first)
-            # And the byte after the last text (a '"' there: the index checked it).
-            if file.readinto(memoryview(buffer)[:size + 1]) != size + 1:
-                raise _Unexpected  # the file is shorter than its index says
-            for members in _by_plan(places, plans.plan):
-                plan = int(plans.plan[members[0]])
-                found = plans.positions[plan]
-                values[_rows(firsts[members], len(found))] = _gather(
-                    buffer[:size + 1], starts[members] - first, found, int(chars[plan]))
-    return values
-
-
-#: Bytes of the file read at once (at most; a longer record is read whole), and the
-#: largest gap of unneeded bytes read through rather than skipped.
-_WINDOW, _GAP = 1 << 24, 1 << 20
-#: Numbers decoded together by :func:`_gather` (bounds its arrays).
-_GATHER = 1 << 16
-
-
-def _pair_table() -> numpy.ndarray:
-    """The 12 bits of each pair of base64 characters, by the pair read as a little-endian
-    ``uint16``; ``1 << 12`` for a pair with a character that is not base64 (``=``: 0)."""
-    sixes = numpy.full(256, 64, dtype=numpy.uint16)
-    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-    sixes[numpy.frombuffer(alphabet, dtype=numpy.uint8)] = numpy.arange(64)
-    sixes[ord("=")] = 0
-    byte = numpy.arange(256)
-    table = numpy.full(1 << 16, 1 << 12, dtype=numpy.uint16)
-    valid = (sixes[:, None] < 64) & (sixes[None, :] < 64)
-    # [first, second] character: first | second << 8 as a little-endian uint16.
-    table[(byte[:, None] | byte[None, :] << 8).ravel()] = numpy.where(
-        valid, sixes[:, None] << 6 | sixes[None, :], 1 << 12).ravel()
-    return table
-
-
-_PAIRS = _pair_table()
-
-
-def _gather(text: numpy.ndarray, starts: numpy.ndarray, positions: numpy.ndarray, chars: int):
-    """The numbers at ``positions`` of the base64 texts of ``chars`` characters at ``starts``.
-
-    Only the characters of those numbers are decoded, all texts at once. The
-    64 bits of number ``p`` start at bit ``64 p`` of the decoded text: in
-    character ``c = 64 p // 6``, ``r = 64 p - 6 c`` (0, 2 or 4) bits in. Twelve
-    characters from ``c`` (72 bits) hold them: read as six pairs
-    (:data:`_PAIRS`: 12 bits each), the 64 bits from bit ``r`` are the
-    number's bytes, first byte highest.
-
-    ``text`` must hold one byte after each text, which this overwrites: the
-    twelfth character of the last number runs one past a text whose count of
-    numbers divides by 3, and is then not needed (``r = 2``).
-
-    Returns:
-        The numbers, one row per text.
-    """
-    first = 32 * positions // 3  # = 64 p // 6
-    shift = (64 * positions - 6 * first).astype(numpy.uint64)
-    text[starts + chars] = ord("A")
-    pairs = [numpy.ndarray((len(text) - 1 - 2 * j,), numpy.dtype("<u2"), text, 2 * j, (1,))
-             for j in range(6)]
-    rows = numpy.empty((len(starts), len(positions)))
-    step = max(1, _GATHER // max(len(positions), 1))
-    for at in range(0, len(starts), step):
-        where = starts[at:at + step, None] + first
-        bits = [_PAIRS[pair[where]] for pair in pairs]
-        if any((part >> 12).any() for part in bits):
-            raise _Unexpected  # not base64 where a number is read
-        bits = [part.astype(numpy.uint64) for part in bits]
-        high = bits[0] << 24 | bits[1] << 12 | bits[2]
-        low = bits[3] << 24 | bits[4] << 12 | bits[5]
-        number = high << (numpy.uint64(28) + shift) | low >> (numpy.uint64(8) - shift)
-        rows[at:at + step] = number.astype(">u8").view(_DTYPE)
-    return rows
 
 
 def _signed(index: LogIndex, picks: Sequence[Pick], bits: int, layout: int) -> numpy.ndarray:
@@ -615,13 +480,13 @@ def _numbers(index: LogIndex, plans: _Plans, decode: bool) -> Numbers:
     firsts = numpy.cumsum(counts) - counts  # each record's first row
     total = int(counts.sum())
     names = [numpy.empty(total, dtype=numpy.int64), numpy.empty(total, dtype=numpy.int64)]
-    for members in _by_plan(numpy.arange(len(records)), plans.plan) if total else []:
+    for members in by_plan(numpy.arange(len(records)), plans.plan) if total else []:
         plan = int(plans.plan[members[0]])
         found, layout = plans.positions[plan], index.layouts[plans.layout[plan]]
-        rows = _rows(firsts[members], len(found))
+        rows = frame_rows(firsts[members], len(found))
         for column, positions in zip(names, layout):
             column[rows] = positions[found]
-    values = (_values if decode else _known)(index, plans, firsts, total)
+    values = (read_values if decode else _known)(index, plans, firsts, total)
     return Numbers(records, counts, *names, values)
 
 
@@ -680,7 +545,7 @@ def first_of_each_layout(index: LogIndex) -> Pick:
 
     A parameter first appears in the frame (or in any quantity's rows) in the
     first record of its quantity and layout that holds it, so these give
-    :func:`~cockpit_gradnoise._views.layer_order` of the full frame.
+    :func:`~cockpit_gradnoise.views.common.layer_order` of the full frame.
     """
     key = index.quantity * (len(index.layouts) + 1) + index.layout
     mask = numpy.zeros(len(index), dtype=bool)

@@ -8,7 +8,7 @@ decodes them back to floats.
 
 Two kinds of log are read: the JSON logs of ``Cockpit.write`` and
 :func:`write_log` (the whole output at once), and the streamed logs of
-:class:`~cockpit_gradnoise.log.LogStream` (JSON lines, appended step by step).
+:class:`~cockpit_gradnoise.logs.stream.LogStream` (JSON lines, appended step by step).
 Reading either imports neither torch nor Cockpit: ``UpdateSize``'s items in a
 JSON log are read as :class:`LoggedUpdate` instead of the quantity's own class.
 """
@@ -21,23 +21,21 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
-from cockpit_gradnoise.distributed import WRITER_RANK, is_writer
-from cockpit_gradnoise.log import (  # noqa: F401  (json_log_path: this module's name for it)
-    StreamedLog,
+from cockpit_gradnoise._ranks import WRITER_RANK, is_writer
+from cockpit_gradnoise.logs.codec import (  # noqa: F401  (json_log_path: this module's name for it)
     category_codes,
     is_streamed,
     json_log_path,
     per_parameter,
     read_path,
-    read_stream,
 )
-from cockpit_gradnoise.schema import decode_float, encode_float
+from cockpit_gradnoise.logs.schema import decode_float, encode_float
+from cockpit_gradnoise.logs.stream import StreamedLog, read_stream
+from cockpit_gradnoise.logs.table import tidy_frame
 
 import json_tricks
 import numpy
 import pandas
-
-COLUMNS = ["step", "quantity", "param", "statistic", "value"]
 
 #: The class ``UpdateSize`` stores its items as; json_tricks records it in logs.
 _UPDATE_CLASS = "LayerUpdate"
@@ -83,7 +81,7 @@ def read_log(path) -> Mapping[int, Dict[str, Any]]:
         ``{step: {quantity name: value}}`` with integer steps, in the log's
         order. From a JSON log, a dict with ``UpdateSize``'s items as
         :class:`LoggedUpdate`; from a streamed log, a
-        :class:`~cockpit_gradnoise.log.StreamedLog` mapping, per-parameter
+        :class:`~cockpit_gradnoise.logs.stream.StreamedLog` mapping, per-parameter
         values (``UpdateSize``'s too) as ``{param: {statistic: float}}``.
 
     Raises:
@@ -287,7 +285,7 @@ def _output_frame(output) -> pandas.DataFrame:
             steps.extend([int(step)] * (len(codes[0]) - len(steps)))
     names = [_names(list(table), range(len(table))) for table in tables]
     columns = [remap[numpy.asarray(c, dtype=numpy.int64)] for c, (remap, _) in zip(codes, names)]
-    frame = _frame(numpy.asarray(steps, dtype=numpy.int64), columns,
+    frame = tidy_frame(numpy.asarray(steps, dtype=numpy.int64), columns,
                    [categories for _, categories in names], numpy.asarray(values, dtype=numpy.float64))
     # Sorted by step and quantity name; stable, so the stored order stays within them.
     order = numpy.lexsort((frame.quantity.cat.codes.to_numpy(), frame.step.to_numpy()))
@@ -323,16 +321,10 @@ def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
         for i in (0, 1)
     ]
     values = numpy.concatenate([values for *_, values in records] or [numpy.empty(0)])
-    return _frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
+    return tidy_frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
 
 
 def _names(table: Sequence[str], present) -> tuple:
-    """:func:`~cockpit_gradnoise.log.category_codes`, the categories as a pandas ``Index``."""
+    """:func:`~cockpit_gradnoise.logs.codec.category_codes`, the categories as a pandas ``Index``."""
     remap, names = category_codes(table, present)
     return remap, pandas.Index(names, dtype=str)
-
-
-def _frame(steps, codes, categories, values) -> pandas.DataFrame:
-    names = [pandas.Categorical.from_codes(c, categories=k, validate=False)
-             for c, k in zip(codes, categories)]
-    return pandas.DataFrame(dict(zip(COLUMNS, [steps, *names, values])), copy=False)
