@@ -4,8 +4,9 @@ Cockpit calls its quantities one by one, so nothing in Cockpit represents "this
 tracked backward pass". :class:`Step` is that object. The first quantity that
 takes part in a cockpit call builds it; the others of the same call read it:
 
-- the batch (:meth:`Step.examples`, :meth:`Step.loss_batch`), from ``info``
-  by one rule for every quantity;
+- the batch (:meth:`Step.examples`, :meth:`Step.loss_batch`): declared by
+  the front door when it begins the step (it chose the reduction), else
+  inferred from ``info`` by one rule for every quantity;
 - which parameters have usable results, with the warnings about the others
   (:meth:`Step.usable`), each warning shown once per step for all quantities;
 - whether tensors are finite (:meth:`Step.finite`), found once per tensor;
@@ -22,6 +23,7 @@ a key no step number can take. So a Step lives exactly as long as its call,
 and no module of this package holds one.
 """
 
+import contextlib
 import math
 import numbers
 import sys
@@ -319,6 +321,10 @@ class Step:
         self._members: List[Any] = []  # quantities whose sums reduce together
         self._reduced: Optional[Dict[Any, Any]] = None
         self._loss_batch: Optional[Batch] = None
+        self._declared: Optional[Batch] = None  # the front door's (begin)
+        # Whether the declared batch's losses are finite: a bool, or a 0-dim tensor not read yet.
+        self._losses_finite: Any = True
+        self._deferring = False
         self._finite: Dict[int, Tuple[torch.Tensor, int, bool]] = {}
         self._shown: set = set()
         self._micro: Any = self  # not read yet (None: no accumulation)
@@ -331,17 +337,32 @@ class Step:
     # Finding the call's Step ----------------------------------------------------
 
     @classmethod
-    def begin(cls, global_step: int, quantity=None) -> "Step":
+    def begin(cls, global_step: int, quantity=None, *, batch: Optional[Batch] = None,
+              losses_finite: Any = True) -> "Step":
         """The Step of the call that is beginning; ``quantity`` joins its reduction.
 
         A Step in which a quantity already computed belongs to an earlier call
         (Cockpit keeps its storage when a quantity raised): a new one replaces it.
+
+        Args:
+            global_step: The call's step.
+            quantity: A quantity whose declared sums reduce with the others'.
+            batch: The batch the front door differentiates, declared as
+                Opacus' ``loss_reduction`` is (the tracker chose the loss, so
+                it knows ``N`` and ``c``): the quantities then read it, and
+                nothing is inferred from ``info``.
+            losses_finite: With ``batch``, whether the losses are finite (the
+                scale is NaN otherwise, as inferred): a bool, or on other
+                devices than the CPU a 0-dim tensor, read with the step's one
+                transfer where the values allow (:meth:`loss_known`).
         """
         step = cls._stored(global_step)
         if step is None or step._computed:
             step = cls._store(cls(global_step))  # new facts for the coming backward pass
         if quantity is not None and quantity not in step._members:
             step._members.append(quantity)
+        if batch is not None:
+            step._declared, step._losses_finite, step._loss_batch = batch, losses_finite, None
         return step
 
     @classmethod
@@ -393,7 +414,9 @@ class Step:
             ) from None
 
     def examples(self, owner) -> int:
-        """The batch's number of examples: ``len(info["individual_losses"])``, else ``info["batch_size"]``.
+        """The batch's number of examples: declared (:meth:`begin`), else from ``info``.
+
+        From ``info``: ``len(info["individual_losses"])``, else ``info["batch_size"]``.
 
         Raises:
             KeyError: Neither is in ``info``.
@@ -401,6 +424,8 @@ class Step:
                 :func:`check_individual_losses`, :func:`check_batch_size`), or
                 both are given and disagree.
         """
+        if self._declared is not None:
+            return self._declared.examples
         info = CockpitCTX.INFO.get(self.global_step, {})
         size = check_batch_size(info["batch_size"]) if "batch_size" in info else None
         if "individual_losses" in info:
@@ -422,27 +447,72 @@ class Step:
 
     def examples_if_known(self) -> Optional[int]:
         """As :meth:`examples`, ``None`` where ``info`` holds neither key."""
+        if self._declared is not None:
+            return self._declared.examples
         info = CockpitCTX.INFO.get(self.global_step, {})
         known = "individual_losses" in info or "batch_size" in info
         return self.examples("") if known else None
 
     def loss_batch(self, owner) -> Batch:
-        """The :class:`Batch` of ``info["individual_losses"]`` and ``info["loss"]``.
+        """The :class:`Batch` declared by the front door, else inferred from ``info``.
 
-        Telling a mean from a sum needs the losses' values on the host: one
-        transfer per step, shared by every quantity.
+        Declared (:meth:`begin`): its ``N`` and ``c``, with a NaN scale where
+        the losses are not finite. Inferred (the explicit API): from
+        ``info["individual_losses"]`` and ``info["loss"]``; telling a mean
+        from a sum needs the losses' values on the host, one transfer per
+        step, shared by every quantity.
         """
+        if self._deferring and self._declared is not None and not isinstance(self._losses_finite, bool):
+            return self._declared  # its finiteness is read with the values (loss_known)
         if self._loss_batch is None:
-            individual_losses = check_individual_losses(self.info("individual_losses", owner))
-            loss = self.info("loss", owner)
-            examples = self.examples(owner)
-            micro = self.micro_batch()
-            if micro is None:
-                scale = functional.loss_scale(loss, individual_losses)
-            else:  # losses.mean() / K or losses.sum()
-                scale = accumulation.micro_batch_loss_scale(loss, individual_losses, micro.count)
-            self._loss_batch = Batch(examples, scale)
+            self._loss_batch = self._inferred(owner) if self._declared is None else self._settled()
         return self._loss_batch
+
+    def _settled(self) -> Batch:
+        """The declared batch, its scale NaN where the losses are not finite."""
+        if not isinstance(self._losses_finite, bool):
+            self._losses_finite = bool(_device.transfer([self._losses_finite])[0])
+        declared = self._declared
+        return declared if self._losses_finite else Batch(declared.examples, math.nan)
+
+    def _inferred(self, owner) -> Batch:
+        individual_losses = check_individual_losses(self.info("individual_losses", owner))
+        loss = self.info("loss", owner)
+        examples = self.examples(owner)
+        micro = self.micro_batch()
+        if micro is None:
+            scale = functional.loss_scale(loss, individual_losses)
+        else:  # losses.mean() / K or losses.sum()
+            scale = accumulation.micro_batch_loss_scale(loss, individual_losses, micro.count)
+        return Batch(examples, scale)
+
+    @contextlib.contextmanager
+    def deferred_loss_check(self):
+        """Within it, :meth:`loss_batch` gives a declared batch before its losses' finiteness is read.
+
+        For a quantity that forms its values on the device and reads
+        :meth:`loss_known` with them, so that the host does not wait.
+        """
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def loss_known(self, context) -> Any:
+        """Whether the loss scale of ``context`` (a quantity's context) is known.
+
+        ``False`` for a :class:`Batch` with a NaN scale; for the declared batch
+        handed out within :meth:`deferred_loss_check`, whether its losses are
+        finite, a 0-dim tensor where not read yet; ``True`` otherwise.
+        """
+        if not isinstance(context, Batch):
+            return True
+        if math.isnan(context.loss_scale):
+            return False
+        if context is self._declared and not isinstance(self._losses_finite, bool):
+            return self._losses_finite
+        return True
 
     def micro_batch(self) -> Optional[accumulation.MicroBatch]:
         """Which micro-batch of the optimizer step this call is; ``None`` without accumulation.

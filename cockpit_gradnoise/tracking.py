@@ -25,15 +25,16 @@ import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import accumulation, amp, arming, functional
+from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise import quantities as package_quantities
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.findings import report
 from cockpit_gradnoise.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.log import LogStream
+from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differentiate, micro_batch_given
 from cockpit_gradnoise.prepare import prepare_model
-from cockpit_gradnoise.step import check_individual_losses, step_number
+from cockpit_gradnoise.step import Step, check_individual_losses, step_number
 
 import cockpit.quantities
 import torch
@@ -70,9 +71,6 @@ PRESETS = {"all": ALL, "cheap": ALL[1:],
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
 DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
                 accumulation.MICRO_BATCH, accumulation.MICRO_BATCHES)
-
-_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
-
 
 def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], bool]:
     """The track schedule of ``every``: an int ``k`` is Cockpit's ``linear(k)``, a function itself.
@@ -424,19 +422,18 @@ class Tracker:
                 given, or the loss does not depend on the parameters.
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
-        losses = check_individual_losses(losses, "losses")
+        losses = check_individual_losses(losses, "losses")  # the step's one check of them
         tracked = self._tracks(step)
-        micro = _micro_batch(micro_batch, micro_batches)
+        micro = micro_batch_given(micro_batch, micro_batches)
         given = loss is not None
-        loss = _loss_to_differentiate(losses, loss, reduction, micro)
+        loss = loss_to_differentiate(losses, loss, reduction, micro)
         scaled = amp.ScaledStep(scaler) if scaler is not None and tracked else None
         if loss_scaled and scaler is None:
             raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
         info_loss = loss
         if scaled is not None and loss_scaled:
             scaled.given, info_loss = loss, loss.detach() / scaled.scale  # the info's: unscaled
-        if given:
-            _check_loss(info_loss, losses, tracked=tracked, micro=micro)
+        scale = check_loss(info_loss, losses, tracked=tracked, micro=micro) if given else None
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -458,7 +455,10 @@ class Tracker:
         self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
         if not tracked and self._idles:
             return IdleStep(step, full)  # scaled is None: a GradScaler is divided out at tracked steps
-        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
+        # The reduction is declared, not inferred back from the values (Opacus' loss_reduction).
+        declared = declared_batch(losses, info_loss, reduction, micro, scale) if tracked else None
+        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled,
+                           declared=declared)
 
     def arm(self, step: int) -> bool:
         """Get the model's hooks ready for the forward pass of ``step``; whether they record it.
@@ -573,15 +573,20 @@ class TrackedStep:
     """
 
     def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
-                 scaled: Optional[amp.ScaledStep] = None):
+                 scaled: Optional[amp.ScaledStep] = None, declared: Optional[tuple] = None):
         self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
         self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
+        # (Batch, whether its losses are finite) of losses.declared_batch, at a tracked step.
+        self.declared = declared
         self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
         self._hook = loss.register_hook(self._reached)
+        if self.declared is not None:  # before Cockpit asks the quantities (Step.begin)
+            batch, finite = self.declared
+            Step.begin(self.step, batch=batch, losses_finite=finite)
         self._context = self.cockpit(self.step, info=self.info)
         self._context.__enter__()
         return loss
@@ -676,64 +681,6 @@ def not_differentiated(step: int) -> str:
     """The error of a ``with tracker(step, losses)`` block that did not differentiate its loss."""
     return (f"step {step}: call loss.backward() inside `with tracker(step, losses) as loss:`, "
             "on the loss it gives")
-
-
-def _loss_to_differentiate(losses, loss, reduction, micro):
-    """``loss`` as given, else ``losses``' mean (over ``K`` under accumulation) or sum."""
-    if loss is not None:
-        if reduction is not None:
-            raise ValueError(
-                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
-                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
-            )
-        return loss
-    if reduction not in (None, *_REDUCTIONS):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    loss = _REDUCTIONS[reduction or "mean"](losses)
-    if micro is not None and reduction != "sum":
-        loss = loss / micro.count  # the accumulated gradient: the mean of all examples
-    return loss
-
-
-def _micro_batch(index, count) -> Optional[accumulation.MicroBatch]:
-    """The :class:`~cockpit_gradnoise.accumulation.MicroBatch` of ``micro_batch=``, ``micro_batches=``."""
-    if index is None and count is None:
-        return None
-    if index is None or count is None:
-        raise ValueError(
-            "give micro_batch= and micro_batches= together: under gradient accumulation "
-            "micro_batch=k (from 0) of micro_batches=K in the optimizer step"
-        )
-    return accumulation.micro_batch_of({accumulation.MICRO_BATCH: index,
-                                        accumulation.MICRO_BATCHES: count})
-
-
-def _check_loss(loss, losses, tracked, micro=None):
-    """Raise unless ``loss`` is the mean or the sum of ``losses`` (the quantities' own rule).
-
-    Under accumulation over ``K`` micro-batches: ``losses.mean() / K`` or ``losses.sum()``.
-    The values are compared at tracked steps only: that needs a device-to-host transfer.
-    """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss= must be a scalar tensor, got {loss!r}")
-    if not tracked:
-        return
-    if micro is not None:
-        try:
-            accumulation.micro_batch_loss_scale(loss.reshape(()), losses, micro.count)
-        except ValueError as error:
-            raise ValueError(f"loss= {error}; or leave loss= out (the tracker gives it)") from None
-        return
-    try:
-        functional.loss_scale(loss.reshape(()), losses)
-    except ValueError:
-        total = losses.detach().double().sum().item()
-        raise ValueError(
-            f"loss= {loss.item():.6g} is neither the mean ({total / len(losses):.6g}) nor the "
-            f"sum ({total:.6g}) of losses: leave loss= out (the tracker differentiates "
-            "losses.mean(), or losses.sum() with reduction='sum'), or pass the per-example "
-            "losses of the loss you differentiate"
-        ) from None
 
 
 __all__ = ["track", "configuration", "Tracker", "TrackedStep", "IdleStep", "PRESETS", "trainable_names",

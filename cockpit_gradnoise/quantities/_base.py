@@ -142,8 +142,9 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
     - ``loss_free_statistics`` (with sums): the statistics that do not depend
       on the loss scale ``c`` (``x_i = c g_i``). Where the loss is not finite
       while the gradients are (a ``-inf`` logit on a label), ``c`` cannot be
-      told: the values are then formed with ``c = 1`` and every other
-      statistic is NaN, with one warning. Default: none.
+      told: the values are then formed with ``c = 1`` (on other devices than
+      the CPU, with the front door's declared ``c``: the same, to rounding)
+      and every other statistic is NaN, with one warning. Default: none.
     - ``reads_local_gradient``: whether ``parameter_sums`` reads this
       backward pass's gradient through :meth:`local_gradient` (under
       distributed training ``param.grad`` is averaged across processes, and
@@ -484,9 +485,12 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             rows[NETWORK] = network_row
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
-        rows, finite = _device.resolve((rows, finite))
+        deferred = isinstance(loss_known, torch.Tensor)
+        rows, finite, loss_known = _device.resolve((rows, finite, loss_known))
         rows = self._with_nan_rows(step, rows, usable, finite)
         if not loss_known:
+            if deferred:
+                self._warn_if_loss_not_finite(step)
             kept = set(self.loss_free_statistics)
             rows = {name: {k: v if k in kept else math.nan for k, v in row.items()}
                     for name, row in rows.items()}
@@ -532,17 +536,23 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         return self._local_values(step, params)
 
     def _local_values(self, step, params):
-        """``(usable names, [(name, value)], {name: finite})`` of this batch.
+        """``(usable names, [(name, value)], {name: finite}, loss known)`` of this batch.
 
         Finite: a bool on CPU, where the values of non-finite parameters are
         not formed; a 0-dim tensor on other devices (known after the step's
         transfer), where every value is formed, without the host waiting.
+        Loss known: likewise a 0-dim tensor for a batch the front door
+        declared on other devices (:meth:`Step.loss_known`): the values are
+        formed with its scale, and what depends on it is NaN after the
+        transfer if the losses were not finite.
         """
-        context = self.step_context(step, params)
+        with step.deferred_loss_check():
+            context = self.step_context(step, params)
         if context is None:
             return None
-        loss_known = not (isinstance(context, Batch) and math.isnan(context.loss_scale))
-        if not loss_known:
+        # True, False, or (a declared batch on a device) a 0-dim tensor read with the values.
+        loss_known = step.loss_known(context)
+        if loss_known is False:
             # Units of x_i (scale 1) for what is free of the scale; the rest is NaN (_compute).
             self._warn_if_loss_not_finite(step)
             context = Batch(context.examples, 1.0)
