@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import cli, log
 from cockpit_gradnoise.frame import COLUMNS, STALE_SECONDS, LoggedUpdate, remove_stale_temporaries
+from cockpit_gradnoise.quantities.presets import ALL
 
 import numpy
 import pandas
@@ -76,7 +77,7 @@ def tracked_run(log_path=None, steps=6):
     """A short tracked run of all five quantities and Cockpit's GradNorm; its tracker."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    model, tracker = cgn.track(model, every=2, quantities=[*cgn.tracking.ALL, "GradNorm"],
+    model, tracker = cgn.track(model, every=2, quantities=[*ALL, "GradNorm"],
                                log=log_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     held = []

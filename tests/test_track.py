@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 
 import cockpit_gradnoise as cgn  # noqa: E402
 from cockpit_gradnoise.findings import build_report, format_report  # noqa: E402
-from cockpit_gradnoise.tracking import ALL, PRESETS  # noqa: E402
+from cockpit_gradnoise.quantities.presets import ALL, PRESETS  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy  # noqa: E402

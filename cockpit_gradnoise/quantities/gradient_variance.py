@@ -5,7 +5,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from cockpit_gradnoise import _device, distributed, functional, order_statistics, schema
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
-from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.step import Batch
 
 import torch
