@@ -200,8 +200,12 @@ class Tracker:
 
         Cockpit's ``info`` is ``{"batch_size": len(losses), "individual_losses":
         losses, "loss": loss}`` and ``"optimizer"`` when given, at every step
-        and for every quantity. With a quantity that needs the graph (Cockpit's
-        ``HessMaxEV``), write ``loss.backward(create_graph=tracker.create_graph(step))``.
+        and for every quantity. The package's quantities take the batch's size
+        and the loss's scale (``1/N`` for the mean, ``1`` for the sum) from the
+        tracker, which chose the loss, rather than back from ``info``'s values
+        (:meth:`Step.begin <cockpit_gradnoise.step.Step.begin>`). With a
+        quantity that needs the graph (Cockpit's ``HessMaxEV``), write
+        ``loss.backward(create_graph=tracker.create_graph(step))``.
 
         Gradient accumulation: call it around every micro-batch of the
         optimizer step, with the same ``step``, ``micro_batch=k`` and
