@@ -27,7 +27,7 @@ _EXPORTS = {
     "panels": ("cockpit_gradnoise.views.panels", None),
     "report": ("cockpit_gradnoise.views.sources", "report"),
     "track": ("cockpit_gradnoise.tracking", "track"),
-    "configuration": ("cockpit_gradnoise.tracking", "configuration"),
+    "configuration": ("cockpit_gradnoise.quantities.presets", "configuration"),
     "Tracker": ("cockpit_gradnoise.tracking", "Tracker"),
     "minibatch_gradient_stats": ("cockpit_gradnoise.minibatch", "minibatch_gradient_stats"),
     "dataset_gradient": ("cockpit_gradnoise.minibatch", "dataset_gradient"),

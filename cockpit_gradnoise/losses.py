@@ -1,10 +1,26 @@
-"""Per-example losses of batches the quantities cannot read as they come: padded sequences."""
+"""The losses a tracked step differentiates: the tracker's reduction, and padded sequences.
 
-from typing import Optional
+The front door (:class:`~cockpit_gradnoise.Tracker`) chooses the loss it
+hands to the ``with`` block, ``losses.mean()`` (over ``K`` under gradient
+accumulation) or ``losses.sum()``, so it knows the batch the quantities
+describe, ``N`` and the scale ``c`` (``x_i = c g_i``), and declares it
+(:func:`declared_batch`), as Opacus' ``make_private(loss_reduction="mean")``
+does; only the explicit API infers them from Cockpit's ``info``
+(:meth:`~cockpit_gradnoise.step.Step.loss_batch`).
+:func:`sequence_losses` gives per-example losses of padded sequences.
+"""
+
+from typing import Any, Optional, Tuple
+
+from cockpit_gradnoise import _device, accumulation, functional
+from cockpit_gradnoise.step import Batch
 
 import torch
 
 WEIGHTINGS = ("tokens", "examples")
+
+#: The reductions a tracker differentiates, by name.
+REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
 
 
 def sequence_losses(
@@ -80,3 +96,92 @@ def sequence_losses(
     if bool(total == 0):
         raise ValueError("no token of the batch is labelled: there is no loss to train on")
     return sums * (len(sums) / total)
+
+
+def loss_to_differentiate(losses, loss, reduction, micro):
+    """``loss`` as given, else ``losses``' mean (over ``K`` under accumulation) or sum."""
+    if loss is not None:
+        if reduction is not None:
+            raise ValueError(
+                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
+                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
+            )
+        return loss
+    if reduction not in (None, *REDUCTIONS):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    loss = REDUCTIONS[reduction or "mean"](losses)
+    if micro is not None and reduction != "sum":
+        loss = loss / micro.count  # the accumulated gradient: the mean of all examples
+    return loss
+
+
+def micro_batch_given(index, count) -> Optional[accumulation.MicroBatch]:
+    """The :class:`~cockpit_gradnoise.accumulation.MicroBatch` of ``micro_batch=``, ``micro_batches=``."""
+    if index is None and count is None:
+        return None
+    if index is None or count is None:
+        raise ValueError(
+            "give micro_batch= and micro_batches= together: under gradient accumulation "
+            "micro_batch=k (from 0) of micro_batches=K in the optimizer step"
+        )
+    return accumulation.micro_batch_of({accumulation.MICRO_BATCH: index,
+                                        accumulation.MICRO_BATCHES: count})
+
+
+def check_loss(loss, losses, tracked, micro=None) -> Optional[float]:
+    """Raise unless ``loss`` is the mean or the sum of ``losses`` (the quantities' own rule); its scale ``c``.
+
+    Under accumulation over ``K`` micro-batches: ``losses.mean() / K`` or ``losses.sum()``.
+    The values are compared at tracked steps only: that needs a device-to-host
+    transfer. Returns ``c`` (NaN where the losses are not finite) at tracked
+    steps, ``None`` at others.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss= must be a scalar tensor, got {loss!r}")
+    if not tracked:
+        return None
+    if micro is not None:
+        try:
+            return accumulation.micro_batch_loss_scale(loss.reshape(()), losses, micro.count)
+        except ValueError as error:
+            raise ValueError(f"loss= {error}; or leave loss= out (the tracker gives it)") from None
+    try:
+        return functional.loss_scale(loss.reshape(()), losses)
+    except ValueError:
+        total = losses.detach().double().sum().item()
+        raise ValueError(
+            f"loss= {loss.item():.6g} is neither the mean ({total / len(losses):.6g}) nor the "
+            f"sum ({total:.6g}) of losses: leave loss= out (the tracker differentiates "
+            "losses.mean(), or losses.sum() with reduction='sum'), or pass the per-example "
+            "losses of the loss you differentiate"
+        ) from None
+
+
+def declared_batch(losses, loss, reduction, micro, scale=None) -> Tuple[Batch, Any]:
+    """The :class:`~cockpit_gradnoise.step.Batch` a tracker differentiates, and whether its losses are finite.
+
+    ``N = len(losses)``; ``c`` is ``scale`` (that of a given ``loss=``, found
+    by :func:`check_loss`), else that of the reduction the tracker chose:
+    ``1/N`` for the mean (``1/(K N)`` over ``K`` micro-batches), ``1`` for the
+    sum, the very numbers the explicit API infers. Whether the losses are
+    finite is what the inference would find (the scale is NaN otherwise): a
+    bool on the CPU, a 0-dim tensor on other devices, not read here.
+
+    Args:
+        losses: The per-example losses, ``[N]``.
+        loss: The loss differentiated (unscaled).
+        reduction: ``"mean"``, ``"sum"`` or ``None`` (the mean).
+        micro: The call's micro-batch, or ``None``.
+        scale: ``c`` of a given ``loss=``; the losses' finiteness is then in it.
+    """
+    n = losses.shape[0]
+    if scale is not None:
+        return Batch(n, scale), True
+    if reduction == "sum":
+        scale = 1.0
+    else:
+        scale = 1.0 / n if micro is None else 1.0 / (micro.count * n)
+    if micro is None and n == 1:
+        return Batch(n, 1.0), True  # the mean is the sum: never told apart, never NaN
+    finite = torch.isfinite(loss.detach().double()) & torch.isfinite(losses.detach().double().sum())
+    return Batch(n, scale), bool(finite) if _device.on_host(finite) else finite

@@ -20,202 +20,28 @@ Cockpit's ``info`` from the per-example losses. What it does by hand is the
 explicit API (``docs/getting-started.md``), which stays available.
 """
 
-import inspect
-import numbers
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from cockpit_gradnoise import accumulation, amp, arming, functional
-from cockpit_gradnoise import quantities as package_quantities
+from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
 from cockpit_gradnoise.logs.stream import LogStream
+from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differentiate, micro_batch_given
 from cockpit_gradnoise.prepare import prepare_model
-from cockpit_gradnoise.step import check_individual_losses, step_number
+from cockpit_gradnoise.quantities.presets import build_quantities, quantity_plan, schedule_of, trainable_names
+from cockpit_gradnoise.step_checks import check_individual_losses, step_number
+from cockpit_gradnoise.tracked_step import IdleStep, TrackedStep
 from cockpit_gradnoise.views.sources import report
 
-import cockpit.quantities
 import torch
-from backpack import disable
 from cockpit import Cockpit
-from cockpit.context import CockpitCTX
-from cockpit.utils.schedules import linear
 from torch import nn
-
-#: The package's quantities, in the order of the explicit API's documentation.
-ALL = (
-    "GradientVarianceQuantiles",
-    "PerExampleGradNorm",
-    "ParamGradRatio",
-    "UpdateSize",
-    "GradientNoiseScale",
-)
-
-#: Preset label -> quantity class names. ``"cheap"`` leaves out
-#: GradientVarianceQuantiles, the most expensive of the five (a second
-#: parameter-sized sum per parameter and a sort of every gradient element,
-#: ``docs/benchmark.md``): what stays needs one BackPACK extension, the
-#: per-example squared norms, shared by PerExampleGradNorm and
-#: GradientNoiseScale, and ParamGradRatio and UpdateSize read only ``param``
-#: and ``param.grad``.
-#: ``"norms"``: no per-example gradient, no BackPACK extension, for large runs:
-#: the noise scale from micro-batch and process gradient norms
-#: (:class:`~cockpit_gradnoise.TwoBatchNoiseScale`, needs gradient accumulation
-#: or several processes), and the two quantities that read ``param``,
-#: ``param.grad`` and the update.
-PRESETS = {"all": ALL, "cheap": ALL[1:],
-           "norms": ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize")}
 
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
 DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
                 accumulation.MICRO_BATCH, accumulation.MICRO_BATCHES)
-
-_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
-
-
-def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], bool]:
-    """The track schedule of ``every``: an int ``k`` is Cockpit's ``linear(k)``, a function itself.
-
-    Raises:
-        ValueError: If ``every`` is neither a positive int nor a function of the step.
-    """
-    if callable(every):
-        return every
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-        raise ValueError(
-            f"every must be a positive int (track every k-th step) or a schedule "
-            f"function step -> bool (cockpit.utils.schedules), got {every!r}"
-        )
-    return linear(int(every))
-
-
-def trainable_names(model: nn.Module) -> list:
-    """Names of ``model``'s parameters that require gradients, in model order.
-
-    They are the names, in the order, of the parameters a :class:`Tracker`
-    gives its ``Cockpit`` (``[p for p in model.parameters() if p.requires_grad]``).
-
-    Raises:
-        ValueError: If no parameter requires gradients.
-    """
-    names = [name for name, param in model.named_parameters() if param.requires_grad]
-    if not names:
-        raise ValueError(
-            f"{type(model).__name__} has no parameter that requires gradients: "
-            "unfreeze the ones to track (param.requires_grad_(True)) before tracking"
-        )
-    return names
-
-
-def configuration(
-    quantities: Union[str, Sequence] = "all",
-    every: Union[int, Callable[[int], bool]] = 10,
-    model: Optional[nn.Module] = None,
-    *,
-    param_names: Optional[Sequence[str]] = None,
-    quantiles: Optional[Sequence[float]] = None,
-    options: Optional[Mapping[str, Mapping]] = None,
-    verbose: bool = False,
-) -> list:
-    """Quantity instances for a preset or a list, as Cockpit's ``configuration`` builds them.
-
-    Args:
-        quantities: A preset of :data:`PRESETS` (``"all"``: the five;
-            ``"cheap"``: all but GradientVarianceQuantiles), or a list of
-            quantity classes, their names (this package's five, or Cockpit's
-            own such as ``"GradNorm"``) and instances (used as they are).
-        every: Track every ``every``-th step (Cockpit's ``linear(every)``), or
-            a schedule function ``step -> bool``.
-        model: The model whose trainable parameters the quantities describe:
-            each quantity that takes ``param_names`` gets
-            :func:`trainable_names` of it.
-        param_names: The names to give instead (not with ``model``): those
-            of the parameters handed to the ``Cockpit``, in its order.
-        quantiles: The quantile levels of GradientVarianceQuantiles.
-        options: Keyword arguments per class name, e.g.
-            ``{"GradientNoiseScale": {"smoothing": 0.9}}``.
-        verbose: Cockpit's ``verbose`` for every quantity built here.
-
-    Returns:
-        The quantities, one per class.
-
-    Raises:
-        ValueError: For an unknown preset or name, two quantities of one class
-            (Cockpit keys results by class name), ``quantiles``/``options``
-            for a class that is not built here, or both ``model`` and
-            ``param_names``.
-    """
-    if model is not None and param_names is not None:
-        raise ValueError("give model= or param_names=, not both: names come from the model")
-    plan = _plan(quantities, quantiles, options)
-    names = param_names
-    if model is not None:
-        trainable_names(model)  # refuses a model without trainable parameters
-        names = {name: param for name, param in model.named_parameters() if param.requires_grad}
-    return _build(plan, schedule_of(every), names, verbose)
-
-
-def _plan(quantities, quantiles, options):
-    """``[(class or instance, keyword arguments)]``, checked before anything is built."""
-    options = {name: dict(kwargs) for name, kwargs in (options or {}).items()}
-    if quantiles is not None:
-        options.setdefault("GradientVarianceQuantiles", {})["quantiles"] = quantiles
-    plan = [(entry, options.pop(entry.__name__, {}) if inspect.isclass(entry) else None)
-            for entry in _entries(quantities)]
-    classes = [entry.__name__ if kwargs is not None else type(entry).__name__
-               for entry, kwargs in plan]
-    if options:
-        raise ValueError(
-            f"options or quantiles given for {sorted(options)}, which are not built here "
-            f"(built: {classes}): add them to quantities="
-        )
-    repeated = sorted({name for name in classes if classes.count(name) > 1})
-    if repeated:
-        raise ValueError(
-            f"two quantities of class {repeated}: Cockpit keys results by class name, so "
-            "one would overwrite the other; track one of each"
-        )
-    return plan
-
-
-def _build(plan, schedule, names, verbose):
-    built = []
-    for entry, kwargs in plan:
-        if kwargs is None:  # an instance
-            built.append(entry)
-            continue
-        kwargs = {"verbose": verbose, **kwargs}
-        if getattr(entry, "needs_parameters", False):  # TwoBatchNoiseScale: hooks on them
-            built.append(entry(track_schedule=schedule, param_names=names, **kwargs))
-            continue
-        if names is not None and "param_names" in inspect.signature(entry).parameters:
-            kwargs.setdefault("param_names", names)
-        built.append(entry(schedule, **kwargs))
-    return built
-
-
-def _entries(quantities):
-    """The classes and instances that ``quantities`` (a preset or a list) names."""
-    if isinstance(quantities, str):
-        if quantities not in PRESETS:
-            raise ValueError(
-                f"unknown preset {quantities!r}: use one of {sorted(PRESETS)} or a list of "
-                "quantity classes, names or instances"
-            )
-        quantities = PRESETS[quantities]
-    return [_quantity_class(q) if isinstance(q, str) else q for q in quantities]
-
-
-def _quantity_class(name):
-    for home in (package_quantities, cockpit.quantities):
-        found = getattr(home, name, None)
-        if inspect.isclass(found) and issubclass(found, cockpit.quantities.quantity.Quantity):
-            return found
-    raise ValueError(
-        f"unknown quantity {name!r}: use one of {list(ALL)} or a class of "
-        "cockpit.quantities (e.g. 'GradNorm')"
-    )
 
 
 def track(
@@ -234,7 +60,7 @@ def track(
     Prepares the model for BackPACK (:func:`~cockpit_gradnoise.prepare_model`,
     which also converts every ``nn.MultiheadAttention``), and builds a ``Cockpit`` over
     the parameters that require gradients with the quantities of
-    :func:`configuration`, named after the model's parameters. If a quantity
+    :func:`~cockpit_gradnoise.configuration`, named after the model's parameters. If a quantity
     is not this package's own (Cockpit's ``GradNorm``, say), BackPACK's own
     extensions get this package's layer support
     (:func:`~cockpit_gradnoise.register_extensions`).
@@ -252,7 +78,7 @@ def track(
         model: The network.
         every: Track every ``every``-th step, or a schedule function ``step -> bool``.
         quantities: ``"all"`` (the five), ``"cheap"`` (all but
-            GradientVarianceQuantiles), or a list; see :func:`configuration`.
+            GradientVarianceQuantiles), or a list; see :func:`~cockpit_gradnoise.configuration`.
         quantiles: The quantile levels of GradientVarianceQuantiles.
         options: Keyword arguments per quantity class name.
         use_converter: As :func:`~cockpit_gradnoise.prepare_model`'s.
@@ -266,7 +92,7 @@ def track(
 
     Raises:
         ValueError: If no parameter requires gradients, or for a bad
-            ``every``, preset, name or option (see :func:`configuration`).
+            ``every``, preset, name or option (see :func:`~cockpit_gradnoise.configuration`).
     """
     # A torch.compile'd model: prepare and name the module it wraps (no "_orig_mod."
     # prefix); the compiled wrapper, which calls that module, is what is returned.
@@ -275,7 +101,7 @@ def track(
         model = compiled._orig_mod
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
-    schedule, plan = schedule_of(every), _plan(quantities, quantiles, options)
+    schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options)
     model = prepare_model(model, use_converter=use_converter)
     if compiled is not None and model is not compiled._orig_mod:
         raise ValueError(
@@ -285,7 +111,7 @@ def track(
     names = trainable_names(model)
     # Names found by identity (a mapping), so a quantity can never mislabel a row.
     by_name = {name: param for name, param in model.named_parameters() if param.requires_grad}
-    built = _build(plan, schedule, by_name, verbose)
+    built = build_quantities(plan, schedule, by_name, verbose)
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
@@ -374,8 +200,12 @@ class Tracker:
 
         Cockpit's ``info`` is ``{"batch_size": len(losses), "individual_losses":
         losses, "loss": loss}`` and ``"optimizer"`` when given, at every step
-        and for every quantity. With a quantity that needs the graph (Cockpit's
-        ``HessMaxEV``), write ``loss.backward(create_graph=tracker.create_graph(step))``.
+        and for every quantity. The package's quantities take the batch's size
+        and the loss's scale (``1/N`` for the mean, ``1`` for the sum) from the
+        tracker, which chose the loss, rather than back from ``info``'s values
+        (:meth:`Step.begin <cockpit_gradnoise.step.Step.begin>`). With a
+        quantity that needs the graph (Cockpit's ``HessMaxEV``), write
+        ``loss.backward(create_graph=tracker.create_graph(step))``.
 
         Gradient accumulation: call it around every micro-batch of the
         optimizer step, with the same ``step``, ``micro_batch=k`` and
@@ -424,19 +254,18 @@ class Tracker:
                 given, or the loss does not depend on the parameters.
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
-        losses = check_individual_losses(losses, "losses")
+        losses = check_individual_losses(losses, "losses")  # the step's one check of them
         tracked = self._tracks(step)
-        micro = _micro_batch(micro_batch, micro_batches)
+        micro = micro_batch_given(micro_batch, micro_batches)
         given = loss is not None
-        loss = _loss_to_differentiate(losses, loss, reduction, micro)
+        loss = loss_to_differentiate(losses, loss, reduction, micro)
         scaled = amp.ScaledStep(scaler) if scaler is not None and tracked else None
         if loss_scaled and scaler is None:
             raise ValueError("loss_scaled=True needs scaler=, the GradScaler that scaled it")
         info_loss = loss
         if scaled is not None and loss_scaled:
             scaled.given, info_loss = loss, loss.detach() / scaled.scale  # the info's: unscaled
-        if given:
-            _check_loss(info_loss, losses, tracked=tracked, micro=micro)
+        scale = check_loss(info_loss, losses, tracked=tracked, micro=micro) if given else None
         if batch_size is not None and batch_size != len(losses):
             raise ValueError(
                 f"batch_size={batch_size} but losses holds {len(losses)} per-example losses: "
@@ -458,7 +287,10 @@ class Tracker:
         self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
         if not tracked and self._idles:
             return IdleStep(step, full)  # scaled is None: a GradScaler is divided out at tracked steps
-        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled)
+        # The reduction is declared, not inferred back from the values (Opacus' loss_reduction).
+        declared = declared_batch(losses, info_loss, reduction, micro, scale) if tracked else None
+        return TrackedStep(self.cockpit, step, full, after=self._after_step, scaled=scaled,
+                           declared=declared)
 
     def arm(self, step: int) -> bool:
         """Get the model's hooks ready for the forward pass of ``step``; whether they record it.
@@ -563,178 +395,4 @@ class Tracker:
         return report(self, path, **kwargs)
 
 
-class TrackedStep:
-    """What ``with tracker(step, losses)`` enters: Cockpit's context, checked on the way out.
-
-    On the way out it checks that the loss it gave was differentiated (and
-    with the graph kept where Cockpit's ``create_graph`` asks for it) before
-    the quantities compute; if the body raised, nothing is tracked at this
-    step and the body's error is the one raised.
-    """
-
-    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
-                 scaled: Optional[amp.ScaledStep] = None):
-        self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
-        self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
-        self._backward_reached_loss = self._computed = False
-        self._context = self._hook = None
-
-    def __enter__(self) -> torch.Tensor:
-        loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
-        self._hook = loss.register_hook(self._reached)
-        self._context = self.cockpit(self.step, info=self.info)
-        self._context.__enter__()
-        return loss
-
-    def _reached(self, grad):
-        self._backward_reached_loss = True
-        if self.scaled is not None:
-            self.scaled.arrived(grad)
-
-    def __exit__(self, kind, error, traceback):
-        self._hook.remove()
-        problem = None if kind is not None else self._problem()
-        if kind is None and problem is None:
-            if self.scaled is not None and self.scaled.skipped(self.cockpit.params):
-                self._leave(None, None, None)  # the scaler skips this step: no rows
-                self.scaled.discard(self.cockpit.params)
-            else:
-                self._compute()
-            if self.scaled is not None:
-                self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
-            if self.after is not None:
-                self.after()  # the tracker's loggers and stream
-            return False
-        self._leave(kind, error, traceback)
-        if problem is not None:
-            raise RuntimeError(problem)
-        return False
-
-    def _compute(self):
-        """The quantities compute, of the unscaled loss where a GradScaler scaled it."""
-        if self.scaled is None:
-            self._context.__exit__(None, None, None)
-        else:
-            self.scaled.unscale(self.cockpit.params, self.cockpit.quantities)
-            try:
-                self._context.__exit__(None, None, None)
-            finally:
-                self.scaled.restore(self.cockpit.quantities)
-        self._computed = True
-
-    def _leave(self, kind, error, traceback):
-        """Leave BackPACK's context without tracking: nothing of this step is recorded."""
-        for context in self._context.contexts:
-            context.__exit__(kind, error, traceback)
-        CockpitCTX.erase()
-
-    def _problem(self) -> Optional[str]:
-        if not self._backward_reached_loss:
-            return not_differentiated(self.step)
-        if self.scaled is not None and self.scaled.problem(self.step):
-            return self.scaled.problem(self.step)
-        if self.cockpit.create_graph(self.step) and not any(
-            p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
-        ):
-            return (
-                f"step {self.step}: a quantity needs the graph: call "
-                "loss.backward(create_graph=tracker.create_graph(step))"
-            )
-        return None
-
-
-class IdleStep:
-    """What ``with tracker(step, losses)`` enters at a step where no quantity computes.
-
-    Only what Cockpit does then: ``backpack.disable()`` for the block; and, as
-    at every step, the check on the way out that the loss it gave was
-    differentiated. The fewest Python operations, for what they cost per
-    untracked step (issue 21): a lean class, not Cockpit's context.
-    """
-
-    __slots__ = ("step", "info", "_arrived", "_store_io")
-
-    def __init__(self, step: int, info: dict):
-        self.step, self.info = step, info  # info: as a TrackedStep's
-        self._arrived = []  # the loss's gradient, once the backward pass reaches it
-
-    def __enter__(self) -> torch.Tensor:
-        loss = self.info["loss"]
-        # Left on the loss (it goes with the step): the hook holds only the list, no cycle.
-        loss.register_hook(self._arrived.append)
-        self._store_io, disable.store_io = disable.store_io, False  # backpack.disable().__enter__
-        return loss
-
-    def __exit__(self, kind, error, traceback):
-        disable.store_io = self._store_io
-        if kind is None and not self._arrived:
-            raise RuntimeError(not_differentiated(self.step))
-        return False
-
-
-def not_differentiated(step: int) -> str:
-    """The error of a ``with tracker(step, losses)`` block that did not differentiate its loss."""
-    return (f"step {step}: call loss.backward() inside `with tracker(step, losses) as loss:`, "
-            "on the loss it gives")
-
-
-def _loss_to_differentiate(losses, loss, reduction, micro):
-    """``loss`` as given, else ``losses``' mean (over ``K`` under accumulation) or sum."""
-    if loss is not None:
-        if reduction is not None:
-            raise ValueError(
-                "give loss= or reduction=, not both: reduction= says which of losses.mean() "
-                "and losses.sum() the tracker differentiates; loss= is differentiated as given"
-            )
-        return loss
-    if reduction not in (None, *_REDUCTIONS):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    loss = _REDUCTIONS[reduction or "mean"](losses)
-    if micro is not None and reduction != "sum":
-        loss = loss / micro.count  # the accumulated gradient: the mean of all examples
-    return loss
-
-
-def _micro_batch(index, count) -> Optional[accumulation.MicroBatch]:
-    """The :class:`~cockpit_gradnoise.accumulation.MicroBatch` of ``micro_batch=``, ``micro_batches=``."""
-    if index is None and count is None:
-        return None
-    if index is None or count is None:
-        raise ValueError(
-            "give micro_batch= and micro_batches= together: under gradient accumulation "
-            "micro_batch=k (from 0) of micro_batches=K in the optimizer step"
-        )
-    return accumulation.micro_batch_of({accumulation.MICRO_BATCH: index,
-                                        accumulation.MICRO_BATCHES: count})
-
-
-def _check_loss(loss, losses, tracked, micro=None):
-    """Raise unless ``loss`` is the mean or the sum of ``losses`` (the quantities' own rule).
-
-    Under accumulation over ``K`` micro-batches: ``losses.mean() / K`` or ``losses.sum()``.
-    The values are compared at tracked steps only: that needs a device-to-host transfer.
-    """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss= must be a scalar tensor, got {loss!r}")
-    if not tracked:
-        return
-    if micro is not None:
-        try:
-            accumulation.micro_batch_loss_scale(loss.reshape(()), losses, micro.count)
-        except ValueError as error:
-            raise ValueError(f"loss= {error}; or leave loss= out (the tracker gives it)") from None
-        return
-    try:
-        functional.loss_scale(loss.reshape(()), losses)
-    except ValueError:
-        total = losses.detach().double().sum().item()
-        raise ValueError(
-            f"loss= {loss.item():.6g} is neither the mean ({total / len(losses):.6g}) nor the "
-            f"sum ({total:.6g}) of losses: leave loss= out (the tracker differentiates "
-            "losses.mean(), or losses.sum() with reduction='sum'), or pass the per-example "
-            "losses of the loss you differentiate"
-        ) from None
-
-
-__all__ = ["track", "configuration", "Tracker", "TrackedStep", "IdleStep", "PRESETS", "trainable_names",
-           "schedule_of"]
+__all__ = ["track", "Tracker"]

@@ -5,7 +5,7 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.logs import schema
-from cockpit_gradnoise.quantities._base import SUM
+from cockpit_gradnoise.quantities._declarations import SUM
 
 import pytest
 import torch

@@ -3,8 +3,9 @@
 On a GPU, ``.item()``, ``float(tensor)``, ``bool(tensor)``, ``.tolist()``,
 NumPy and shapes that depend on the data (boolean-mask indexing, ``nonzero``)
 make the host wait for the device. The quantities keep everything on the
-device and copy a step's statistics once (``_device.transfer``); telling a
-mean loss from a sum needs one more, shared by the quantities that need it.
+device and copy a step's statistics once (``_device.transfer``); with the
+explicit API, telling a mean loss from a sum needs one more, shared by the
+quantities that need it (the front door declares it).
 
 The CUDA test checks this with ``torch.cuda.set_sync_debug_mode("error")``.
 The CPU test runs the paths taken on other devices (forced on CPU tensors)
@@ -267,3 +268,35 @@ def test_no_synchronisation_on_cuda_but_the_transfers(case, monkeypatch):
     cockpit, computed = tracked_steps(problem, all_quantities(problem.names), check, after_step)
     assert counts == expected_transfers(computed)
     assert all(rows(cockpit, q) for q in QUANTITIES)
+
+
+def test_the_front_door_spares_the_transfer_of_the_loss_reduction(monkeypatch, one_thread):
+    """The tracker declares the batch (issue 36): per step one transfer per quantity that
+    stored statistics, none for the loss's reduction; the backward pass and the
+    quantities read nothing else back."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    torch.manual_seed(0)
+    model, tracker = cgn.track(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(),
+                                                   torch.nn.Linear(4, 3)), every=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    order = []
+    recorder = SyncRecorder()
+    for quantity in tracker.cockpit.quantities:
+        quantity.compute = _noting(quantity.compute, type(quantity).__name__, order, lambda: recorder)
+    counts, computed = [], []
+    with recording(monkeypatch, recorder) as transfers:
+        for step in range(2):
+            order.clear()
+            optimizer.zero_grad()
+            x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+            seen = len(transfers)
+            losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            with tracker(step, losses, optimizer=optimizer) as loss:
+                with recorder:
+                    loss.backward()
+            counts.append(len(transfers) - seen)
+            computed.append(list(order))
+            optimizer.step()
+    assert recorder.calls == []
+    assert counts == [n - 1 for n in expected_transfers(computed)]
+    assert all(rows(tracker.cockpit, q) for q in QUANTITIES)

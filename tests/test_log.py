@@ -16,6 +16,7 @@ from cockpit_gradnoise import cli
 from cockpit_gradnoise.logs import stream as log
 from cockpit_gradnoise.logs.frame import STALE_SECONDS, LoggedUpdate, remove_stale_temporaries
 from cockpit_gradnoise.logs.table import COLUMNS
+from cockpit_gradnoise.quantities.presets import ALL
 
 import numpy
 import pandas
@@ -78,7 +79,7 @@ def tracked_run(log_path=None, steps=6):
     """A short tracked run of all five quantities and Cockpit's GradNorm; its tracker."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    model, tracker = cgn.track(model, every=2, quantities=[*cgn.tracking.ALL, "GradNorm"],
+    model, tracker = cgn.track(model, every=2, quantities=[*ALL, "GradNorm"],
                                log=log_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     held = []

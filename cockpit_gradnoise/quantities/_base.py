@@ -12,11 +12,13 @@ declares a metric's state with its reduction: they are what combines across
 examples, micro-batches and processes. What a quantity shares with the others
 of its cockpit call (the batch, usable parameters, warnings, finiteness, the
 distributed reduction) is the call's :class:`~cockpit_gradnoise.step.Step`.
-The two-step base is in :mod:`cockpit_gradnoise.quantities._two_step`.
+Its declared sums across micro-batches and processes are formed by its part
+:class:`~cockpit_gradnoise.quantities._sums.DeclaredSums`; what both bases
+share is :class:`~cockpit_gradnoise.quantities._named.NamedQuantity`; the
+two-step base is in :mod:`cockpit_gradnoise.quantities._two_step`.
 """
 
 import math
-import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, distributed
@@ -26,15 +28,10 @@ from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.logs.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.quantities._accumulation import Accumulation
-from cockpit_gradnoise.step import (
-    Batch,
-    Step,
-    backward_failed,
-    check_call,
-    check_names,
-    parameter_names,
-    repeated_step_message,
-)
+from cockpit_gradnoise.quantities._declarations import check_declarations, check_statistic_names
+from cockpit_gradnoise.quantities._named import NamedQuantity
+from cockpit_gradnoise.quantities._sums import DeclaredSums
+from cockpit_gradnoise.step import Batch, Step, backward_failed
 
 import torch
 
@@ -42,79 +39,8 @@ import_cockpit()
 from cockpit.context import CockpitCTX  # noqa: E402
 from cockpit.quantities.quantity import SingleStepQuantity  # noqa: E402
 
-#: How a declared sum combines across examples of several batches (or processes).
-SUM = "sum"  # elementwise addition: sums over examples (tensors of any shape, or scalars)
-CAT = "cat"  # concatenation along dimension 0: one row per example
-REDUCTIONS = (SUM, CAT)
 
-_REQUIRED_METHODS = ("network_value", "statistics", "statistic_names")
-
-
-class NamedQuantity:
-    """Parameter names and one-time warnings, shared by both bases.
-
-    Attributes:
-        warned: The keys of the warnings this quantity was told (by
-            :meth:`warn_once` or its step's :meth:`~cockpit_gradnoise.step.Step.warn`):
-            each is told once per run.
-    """
-
-    def _init_names(self, param_names):
-        self._param_names = check_names(param_names)
-        self.warned = set()
-        #: ``{name: (weak reference to .grad, its version)}`` at the last tracked step,
-        #: to tell a gradient left from an earlier backward pass (Step.usable).
-        self.seen_gradients = {}
-        #: The last step a record was stored under (for a two-step quantity, the
-        #: last start step, under which its record is stored); None before the first.
-        self.last_recorded: Optional[int] = None
-        #: The step of the current call if it repeats (see check_call), else None.
-        self.skipped_step: Optional[int] = None
-        #: The Cockpit's parameters, once known (the first tracked call, or the
-        #: Tracker): checked before each tracked backward pass for gradients
-        #: left from earlier ones (Step.check_earlier_gradients).
-        self.known_params: Optional[List[torch.Tensor]] = None
-
-    def repeats(self, global_step) -> bool:
-        """Whether ``global_step`` is not after the last step recorded: its record would overwrite."""
-        return self.last_recorded is not None and global_step <= self.last_recorded
-
-    def check_call(self, global_step) -> bool:
-        """Check the call's step (an int) before anything runs; whether the schedule selects it.
-
-        At a step the schedule selects that :meth:`repeats`, warn (once for all
-        quantities of the call, and once per run per quantity).
-
-        Raises:
-            TypeError: The step is not an int.
-        """
-        check_call(global_step)
-        scheduled = bool(self._track_schedule(global_step))
-        # Decided once per call: the record stored during the call must not make
-        # the rest of it (Cockpit freeing the savefields) look like a repeat.
-        self.skipped_step = global_step if scheduled and self.repeats(global_step) else None
-        if self.skipped_step is not None:
-            Step.begin(global_step).warn(
-                "repeated-step", repeated_step_message(global_step, self.last_recorded), self
-            )
-        return scheduled
-
-    def _record(self, global_step):
-        if self.last_recorded is None or global_step > self.last_recorded:
-            self.last_recorded = global_step
-
-    def names(self, params) -> List[str]:
-        """Names of ``params``: by identity from the model, else from ``param_names``."""
-        return parameter_names(self._param_names, params, type(self).__name__)
-
-    def warn_once(self, key: str, message: str):
-        """Warn with ``message`` the first time ``key`` is seen by this quantity."""
-        if key not in self.warned:
-            self.warned.add(key)
-            warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
-
-
-class ParameterQuantity(NamedQuantity, SingleStepQuantity):
+class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     """A Cockpit quantity that reports statistics per parameter and for ``"all"``.
 
     A subclass declares what it reads and implements four methods; the base
@@ -142,8 +68,9 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
     - ``loss_free_statistics`` (with sums): the statistics that do not depend
       on the loss scale ``c`` (``x_i = c g_i``). Where the loss is not finite
       while the gradients are (a ``-inf`` logit on a label), ``c`` cannot be
-      told: the values are then formed with ``c = 1`` and every other
-      statistic is NaN, with one warning. Default: none.
+      told: the values are then formed with ``c = 1`` (on other devices than
+      the CPU, with the front door's declared ``c``: the same, to rounding)
+      and every other statistic is NaN, with one warning. Default: none.
     - ``reads_local_gradient``: whether ``parameter_sums`` reads this
       backward pass's gradient through :meth:`local_gradient` (under
       distributed training ``param.grad`` is averaged across processes, and
@@ -216,23 +143,7 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        bad = {name: how for name, how in cls.sums.items() if how not in REDUCTIONS}
-        if bad:
-            raise TypeError(f"{cls.__name__}.sums: reductions must be one of {REDUCTIONS}, got {bad}")
-        required = list(_REQUIRED_METHODS)
-        required += ["parameter_sums", "value_from_sums"] if cls.sums else ["parameter_value"]
-        if "prepare" in vars(cls):
-            raise TypeError(
-                f"{cls.__name__}.prepare(global_step, params) is now "
-                "step_context(step, params): read info with step.info(key, owner) or "
-                "step.loss_batch(owner) (see cockpit_gradnoise.step.Step)"
-            )
-        missing = [m for m in required if getattr(cls, m) is getattr(ParameterQuantity, m)]
-        if missing:
-            raise TypeError(
-                f"{cls.__name__} must implement {', '.join(missing)} "
-                "(see cockpit_gradnoise.ParameterQuantity)"
-            )
+        check_declarations(cls, ParameterQuantity)
 
     def __init__(self, track_schedule, *, param_names=None, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
@@ -326,101 +237,6 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         """``(name, param)`` of the parameters that require gradients, in order."""
         return [(n, p) for n, p in zip(self.names(params), params) if p.requires_grad]
 
-    def local_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
-        """This process's :class:`Batch` and ``{name: declared sums}``, in per-example units.
-
-        What :meth:`Step.reduced_sums` reduces across processes; ``None`` when
-        ``step_context`` records nothing.
-        """
-        batch = self.step_context(step, params)
-        if batch is None:
-            return None
-        if isinstance(batch, Batch) and math.isnan(batch.loss_scale):
-            self._warn_if_loss_not_finite(step)  # its sums are NaN, so the reduced ones are
-        if not isinstance(batch, Batch):
-            raise TypeError(
-                f"{type(self).__name__}.step_context returned {type(batch).__name__}: a quantity "
-                "with declared sums returns a Batch, whose examples and loss scale are "
-                "combined across processes"
-            )
-        self._warn_if_examples_interact(step)
-        usable = step.usable(
-            self, self.trainable(params), self._savefields, self._has_local_results,
-            batch.examples,
-        )
-        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
-
-    def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
-        """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.
-
-        What :meth:`Step.reduced_sums` reduces across processes.
-        """
-        micro = step.micro_batch()
-        if micro is None:
-            return self.local_sums(step, params)
-        accumulated = self._accumulate(step, params, micro)
-        if accumulated is None or accumulated.void:
-            return None
-        if accumulated.error is not None:
-            raise accumulated.error
-        if accumulated.dropped:
-            step.warn_names(
-                "accumulation-dropped", sorted(set(accumulated.dropped)),
-                lambda names: f"parameters {names} got no per-example results in some "
-                f"micro-batches of step {step.global_step} (unused in their forward pass): "
-                f"they have no rows at such steps and are left out of {NETWORK!r}",
-                self,
-            )
-        if accumulated.micro_batches:
-            self.micro_batch_gradients = {step.global_step: accumulated.micro_batches}
-        return accumulated.total()
-
-    def _accumulate(self, step, params, micro) -> Optional[Accumulation]:
-        """Add this micro-batch's sums to the step's; ``None`` where the step cannot be recorded."""
-        held = self._accumulation
-        if micro.index == 0:
-            if held is not None:
-                self._warn_incomplete(step, held)
-            held = self._accumulation = Accumulation(step.global_step, micro.count)
-        elif held is None or not held.expects(step.global_step, micro.index, micro.count):
-            self._accumulation = None
-            step.warn(
-                "micro-batch-order",
-                f"micro-batch {micro.index} of {micro.count} at step {step.global_step} does "
-                f"not follow micro-batch {micro.index - 1} of the same step: this step is not "
-                "recorded. Track every micro-batch of a step, in order, from micro_batch=0",
-                self,
-            )
-            return None
-        if micro.last:
-            self._accumulation = None
-        if not self.sums:  # param.grad accumulates: only the order is followed
-            held.next += 1
-            return held
-        try:
-            part = self.local_sums(step, params)
-        except Exception as error:
-            if distributed.world_size() == 1:
-                self._accumulation = None
-                raise
-            # Raised at the last micro-batch, where every process takes part.
-            held.error, part = held.error or error, None
-        if part is None:
-            held.next += 1
-            held.void = held.void or held.error is None
-        else:
-            held.add(*part, self.sums, self.micro_batch_gradient)
-        return held
-
-    def _warn_incomplete(self, step, held):
-        step.warn(
-            "incomplete-accumulation",
-            f"step {held.global_step} ended after {held.next} of its {held.count} "
-            f"micro-batches (micro_batches={held.count}): it is not recorded. Track every "
-            "micro-batch of a step, with micro_batches the number of micro-batches in it",
-            self,
-        )
-
     # Cockpit interface ----------------------------------------------------------
 
     def extensions(self, global_step):
@@ -484,9 +300,12 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             rows[NETWORK] = network_row
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
-        rows, finite = _device.resolve((rows, finite))
+        deferred = isinstance(loss_known, torch.Tensor)
+        rows, finite, loss_known = _device.resolve((rows, finite, loss_known))
         rows = self._with_nan_rows(step, rows, usable, finite)
         if not loss_known:
+            if deferred:
+                self._warn_if_loss_not_finite(step)
             kept = set(self.loss_free_statistics)
             rows = {name: {k: v if k in kept else math.nan for k, v in row.items()}
                     for name, row in rows.items()}
@@ -532,17 +351,23 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
         return self._local_values(step, params)
 
     def _local_values(self, step, params):
-        """``(usable names, [(name, value)], {name: finite})`` of this batch.
+        """``(usable names, [(name, value)], {name: finite}, loss known)`` of this batch.
 
         Finite: a bool on CPU, where the values of non-finite parameters are
         not formed; a 0-dim tensor on other devices (known after the step's
         transfer), where every value is formed, without the host waiting.
+        Loss known: likewise a 0-dim tensor for a batch the front door
+        declared on other devices (:meth:`Step.loss_known`): the values are
+        formed with its scale, and what depends on it is NaN after the
+        transfer if the losses were not finite.
         """
-        context = self.step_context(step, params)
+        with step.deferred_loss_check():
+            context = self.step_context(step, params)
         if context is None:
             return None
-        loss_known = not (isinstance(context, Batch) and math.isnan(context.loss_scale))
-        if not loss_known:
+        # True, False, or (a declared batch on a device) a 0-dim tensor read with the values.
+        loss_known = step.loss_known(context)
+        if loss_known is False:
             # Units of x_i (scale 1) for what is free of the scale; the rest is NaN (_compute).
             self._warn_if_loss_not_finite(step)
             context = Batch(context.examples, 1.0)
@@ -560,27 +385,6 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             if finite[name] is not False
         ]
         return [name for name, _ in usable], values, finite, loss_known
-
-    def _global_values(self, step, params):
-        """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
-        reduced = step.reduced_sums(self, params)
-        if reduced is None:
-            return None
-        return self._values_of_sums(step, *reduced)
-
-    def _values_of_sums(self, step, batch, sums):
-        """As :meth:`_local_values`, from sums over the batch (reduced, or accumulated)."""
-        if not self.accepts(batch):
-            return None
-        # The parameters with results on every process, in order (see local_sums);
-        # the reduced sums are identical on every process, so is this split.
-        usable = list(sums)
-        finite = {name: step.finite(list(sums[name].values())) for name in usable}
-        values = [
-            (name, self.value_from_sums(sums.pop(name), batch)) for name in usable if finite[name]
-        ]
-        # A process's non-finite loss made its sums, and so the reduced ones, NaN.
-        return usable, values, finite, True
 
     def _with_nan_rows(self, step, rows, usable, finite):
         """The rows in the given order, NaN for parameters whose gradient is not finite."""
@@ -618,26 +422,10 @@ class ParameterQuantity(NamedQuantity, SingleStepQuantity):
             return self.parameter_value(param, context)
         return self.value_from_sums(self._checked_sums(param, context), context)
 
-    def _checked_sums(self, param, context) -> Dict[str, torch.Tensor]:
-        sums = self.parameter_sums(param, context)
-        if set(sums) != set(self.sums):
-            raise TypeError(
-                f"{type(self).__name__}.parameter_sums returned {sorted(sums)}, "
-                f"but the class declares sums {sorted(self.sums)}"
-            )
-        return sums
-
     def _check_statistic_names(self, rows):
-        if self._checked_names:
-            return
-        declared = set(self.statistic_names())
-        undeclared = sorted({s for row in rows.values() for s in row} - declared)
-        if undeclared:
-            raise TypeError(
-                f"{type(self).__name__}.statistics returned {undeclared}, which "
-                "statistic_names() does not list: declare every name it can return"
-            )
-        self._checked_names = True
+        if not self._checked_names:
+            check_statistic_names(self, rows)
+            self._checked_names = True
 
     def _warn_if_examples_interact(self, step):
         if self._extensions and step.facts.examples_interact:

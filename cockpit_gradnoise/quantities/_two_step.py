@@ -4,7 +4,7 @@ from typing import Any, Optional
 
 from cockpit_gradnoise import distributed
 from cockpit_gradnoise._compat import import_cockpit
-from cockpit_gradnoise.quantities._base import NamedQuantity
+from cockpit_gradnoise.quantities._named import NamedQuantity
 from cockpit_gradnoise.step import Step, backward_failed
 
 import_cockpit()

@@ -5,8 +5,9 @@ import math
 from cockpit_gradnoise import _device, functional
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
-from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
-from cockpit_gradnoise.step import check_example_count
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._declarations import SUM
+from cockpit_gradnoise.step_checks import check_example_count
 
 import torch
 

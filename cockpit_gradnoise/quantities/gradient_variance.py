@@ -6,7 +6,8 @@ from cockpit_gradnoise import _device, distributed, functional, order_statistics
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.logs import schema
-from cockpit_gradnoise.quantities._base import SUM, ParameterQuantity
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.step import Batch
 
 import torch

@@ -3,8 +3,9 @@
 from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
-from cockpit_gradnoise.quantities._base import CAT, ParameterQuantity
-from cockpit_gradnoise.step import check_example_count
+from cockpit_gradnoise.quantities._base import ParameterQuantity
+from cockpit_gradnoise.quantities._declarations import CAT
+from cockpit_gradnoise.step_checks import check_example_count
 
 
 class PerExampleGradNorm(ParameterQuantity):

@@ -1,0 +1,221 @@
+"""A quantity's declared sums over the batch: added across micro-batches, reduced across processes.
+
+:class:`DeclaredSums` is the part of
+:class:`~cockpit_gradnoise.quantities._base.ParameterQuantity` that forms
+the declared :attr:`~cockpit_gradnoise.ParameterQuantity.sums` of a step:
+this process's (:meth:`DeclaredSums.local_sums`), those of every
+micro-batch of an accumulated step (:class:`Accumulation`), and under
+distributed training those of every process, where every quantity of a
+cockpit call reduces its sums in one round of collectives
+(:func:`reduced_sums`).
+"""
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+from cockpit_gradnoise import distributed
+from cockpit_gradnoise.logs.schema import NETWORK
+from cockpit_gradnoise.quantities._accumulation import Accumulation
+from cockpit_gradnoise.step import Batch, Step
+
+import torch
+
+
+def reduced_sums(step, quantity, params):
+    """``(global Batch, {name: reduced sums})`` of ``quantity``, or ``None`` (skipped).
+
+    The first quantity of the call to ask forms the local sums of every
+    quantity that joined the call (:attr:`Step.members
+    <cockpit_gradnoise.step.Step.members>`) and reduces them all in one
+    round of collectives
+    (:func:`~cockpit_gradnoise.distributed.reduce_step`); the others take
+    their results, so no collective runs after the first quantity. A
+    quantity that did not join reduces alone.
+    """
+    if quantity not in step.members:
+        return _reduce(step, [quantity], params)[quantity]
+    if step.reduced is None:
+        step.reduced = {}  # taken, also if the reduction raises
+        step.reduced = _reduce(step, step.members, params)
+    return step.reduced.pop(quantity, None)
+
+
+def _reduce(step, quantities, params):
+    # Fixed by the model and the quantities, so the header has one length everywhere.
+    slots = [(q, name) for q in quantities for name, _ in q.trainable(params)]
+    contribution = distributed.Contribution(
+        slots=[f"{type(q).__name__}:{name}" for q, name in slots]
+    )
+    parts = {}
+    try:
+        for q in quantities:
+            parts[q] = q.step_sums(step, params)
+        batches = [part[0] for part in parts.values() if part is not None]
+        if any(not b.same_as(batches[0]) for b in batches):
+            raise ValueError(
+                f"the quantities read different batches from info at step "
+                f"{step.global_step}: {batches}; pass consistent 'batch_size', "
+                "'individual_losses' and 'loss'"
+            )
+        if batches:
+            contribution.examples = batches[0].examples
+            contribution.scale = batches[0].loss_scale
+        contribution.sums = [
+            (sums[sum_name], how)
+            for q, part in parts.items()
+            if part is not None
+            for sums in part[1].values()
+            for sum_name, how in q.sums.items()
+        ]
+    except Exception as error:  # every process must still take part, to raise together
+        contribution.error, contribution.sums = error, []
+    contribution.available = [
+        parts.get(q) is not None and name in parts[q][1] for q, name in slots
+    ]
+    device = params[0].device if params else torch.device("cpu")
+    reduced = distributed.reduce_step(contribution, device, step.global_step)
+    batch = Batch(reduced.examples, reduced.scale)
+    values = iter(reduced.sums)
+    results = {}
+    for q, part in parts.items():
+        if part is None:
+            results[q] = None
+            continue
+        sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
+        results[q] = (batch, sums)
+    return results
+
+
+class DeclaredSums:
+    """The declared sums of a :class:`~cockpit_gradnoise.ParameterQuantity`: local, accumulated, reduced.
+
+    What the :class:`~cockpit_gradnoise.step.Step` and the quantity's
+    ``_values`` ask; it reads the quantity's declarations and hooks
+    (``sums``, ``step_context``, ``parameter_sums``, ``value_from_sums``,
+    ``accepts``).
+    """
+
+    def local_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
+        """This process's :class:`Batch` and ``{name: declared sums}``, in per-example units.
+
+        What :func:`reduced_sums` reduces across processes; ``None`` when
+        ``step_context`` records nothing.
+        """
+        batch = self.step_context(step, params)
+        if batch is None:
+            return None
+        if isinstance(batch, Batch) and math.isnan(batch.loss_scale):
+            self._warn_if_loss_not_finite(step)  # its sums are NaN, so the reduced ones are
+        if not isinstance(batch, Batch):
+            raise TypeError(
+                f"{type(self).__name__}.step_context returned {type(batch).__name__}: a quantity "
+                "with declared sums returns a Batch, whose examples and loss scale are "
+                "combined across processes"
+            )
+        self._warn_if_examples_interact(step)
+        usable = step.usable(
+            self, self.trainable(params), self._savefields, self._has_local_results,
+            batch.examples,
+        )
+        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
+
+    def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
+        """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.
+
+        What :func:`reduced_sums` reduces across processes.
+        """
+        micro = step.micro_batch()
+        if micro is None:
+            return self.local_sums(step, params)
+        accumulated = self._accumulate(step, params, micro)
+        if accumulated is None or accumulated.void:
+            return None
+        if accumulated.error is not None:
+            raise accumulated.error
+        if accumulated.dropped:
+            step.warn_names(
+                "accumulation-dropped", sorted(set(accumulated.dropped)),
+                lambda names: f"parameters {names} got no per-example results in some "
+                f"micro-batches of step {step.global_step} (unused in their forward pass): "
+                f"they have no rows at such steps and are left out of {NETWORK!r}",
+                self,
+            )
+        if accumulated.micro_batches:
+            self.micro_batch_gradients = {step.global_step: accumulated.micro_batches}
+        return accumulated.total()
+
+    def _accumulate(self, step, params, micro) -> Optional[Accumulation]:
+        """Add this micro-batch's sums to the step's; ``None`` where the step cannot be recorded."""
+        held = self._accumulation
+        if micro.index == 0:
+            if held is not None:
+                self._warn_incomplete(step, held)
+            held = self._accumulation = Accumulation(step.global_step, micro.count)
+        elif held is None or not held.expects(step.global_step, micro.index, micro.count):
+            self._accumulation = None
+            step.warn(
+                "micro-batch-order",
+                f"micro-batch {micro.index} of {micro.count} at step {step.global_step} does "
+                f"not follow micro-batch {micro.index - 1} of the same step: this step is not "
+                "recorded. Track every micro-batch of a step, in order, from micro_batch=0",
+                self,
+            )
+            return None
+        if micro.last:
+            self._accumulation = None
+        if not self.sums:  # param.grad accumulates: only the order is followed
+            held.next += 1
+            return held
+        try:
+            part = self.local_sums(step, params)
+        except Exception as error:
+            if distributed.world_size() == 1:
+                self._accumulation = None
+                raise
+            # Raised at the last micro-batch, where every process takes part.
+            held.error, part = held.error or error, None
+        if part is None:
+            held.next += 1
+            held.void = held.void or held.error is None
+        else:
+            held.add(*part, self.sums, self.micro_batch_gradient)
+        return held
+
+    def _warn_incomplete(self, step, held):
+        step.warn(
+            "incomplete-accumulation",
+            f"step {held.global_step} ended after {held.next} of its {held.count} "
+            f"micro-batches (micro_batches={held.count}): it is not recorded. Track every "
+            "micro-batch of a step, with micro_batches the number of micro-batches in it",
+            self,
+        )
+
+    def _global_values(self, step, params):
+        """As :meth:`_local_values`, for the global batch: the sums reduced across processes."""
+        reduced = reduced_sums(step, self, params)
+        if reduced is None:
+            return None
+        return self._values_of_sums(step, *reduced)
+
+    def _values_of_sums(self, step, batch, sums):
+        """As :meth:`_local_values`, from sums over the batch (reduced, or accumulated)."""
+        if not self.accepts(batch):
+            return None
+        # The parameters with results on every process, in order (see local_sums);
+        # the reduced sums are identical on every process, so is this split.
+        usable = list(sums)
+        finite = {name: step.finite(list(sums[name].values())) for name in usable}
+        values = [
+            (name, self.value_from_sums(sums.pop(name), batch)) for name in usable if finite[name]
+        ]
+        # A process's non-finite loss made its sums, and so the reduced ones, NaN.
+        return usable, values, finite, True
+
+    def _checked_sums(self, param, context) -> Dict[str, torch.Tensor]:
+        sums = self.parameter_sums(param, context)
+        if set(sums) != set(self.sums):
+            raise TypeError(
+                f"{type(self).__name__}.parameter_sums returned {sorted(sums)}, "
+                f"but the class declares sums {sorted(self.sums)}"
+            )
+        return sums

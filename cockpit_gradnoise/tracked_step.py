@@ -1,0 +1,138 @@
+"""What ``with tracker(step, losses)`` enters: :class:`TrackedStep` at a tracked step, :class:`IdleStep` at others.
+
+Both check on the way out that the loss they gave was differentiated. A
+tracked step begins the call's :class:`~cockpit_gradnoise.step.Step` with
+the batch the tracker declared, enters Cockpit's context and, where a
+``GradScaler`` scaled the loss, lets the quantities compute on the unscaled
+gradients (:mod:`cockpit_gradnoise.amp`).
+"""
+
+from typing import Callable, Optional
+
+from cockpit_gradnoise import amp
+from cockpit_gradnoise.step import Step
+
+import torch
+from backpack import disable
+from cockpit import Cockpit
+from cockpit.context import CockpitCTX
+
+
+class TrackedStep:
+    """What ``with tracker(step, losses)`` enters: Cockpit's context, checked on the way out.
+
+    On the way out it checks that the loss it gave was differentiated (and
+    with the graph kept where Cockpit's ``create_graph`` asks for it) before
+    the quantities compute; if the body raised, nothing is tracked at this
+    step and the body's error is the one raised.
+    """
+
+    def __init__(self, cockpit: Cockpit, step: int, info: dict, after: Optional[Callable] = None,
+                 scaled: Optional[amp.ScaledStep] = None, declared: Optional[tuple] = None):
+        self.cockpit, self.step, self.info, self.after = cockpit, step, info, after
+        self.scaled = scaled  # the loss scale of a GradScaler, at a tracked step
+        # (Batch, whether its losses are finite) of losses.declared_batch, at a tracked step.
+        self.declared = declared
+        self._backward_reached_loss = self._computed = False
+        self._context = self._hook = None
+
+    def __enter__(self) -> torch.Tensor:
+        loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
+        self._hook = loss.register_hook(self._reached)
+        if self.declared is not None:  # before Cockpit asks the quantities (Step.begin)
+            batch, finite = self.declared
+            Step.begin(self.step, batch=batch, losses_finite=finite)
+        self._context = self.cockpit(self.step, info=self.info)
+        self._context.__enter__()
+        return loss
+
+    def _reached(self, grad):
+        self._backward_reached_loss = True
+        if self.scaled is not None:
+            self.scaled.arrived(grad)
+
+    def __exit__(self, kind, error, traceback):
+        self._hook.remove()
+        problem = None if kind is not None else self._problem()
+        if kind is None and problem is None:
+            if self.scaled is not None and self.scaled.skipped(self.cockpit.params):
+                self._leave(None, None, None)  # the scaler skips this step: no rows
+                self.scaled.discard(self.cockpit.params)
+            else:
+                self._compute()
+            if self.scaled is not None:
+                self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
+            if self.after is not None:
+                self.after()  # the tracker's loggers and stream
+            return False
+        self._leave(kind, error, traceback)
+        if problem is not None:
+            raise RuntimeError(problem)
+        return False
+
+    def _compute(self):
+        """The quantities compute, of the unscaled loss where a GradScaler scaled it."""
+        if self.scaled is None:
+            self._context.__exit__(None, None, None)
+        else:
+            self.scaled.unscale(self.cockpit.params, self.cockpit.quantities)
+            try:
+                self._context.__exit__(None, None, None)
+            finally:
+                self.scaled.restore(self.cockpit.quantities)
+        self._computed = True
+
+    def _leave(self, kind, error, traceback):
+        """Leave BackPACK's context without tracking: nothing of this step is recorded."""
+        for context in self._context.contexts:
+            context.__exit__(kind, error, traceback)
+        CockpitCTX.erase()
+
+    def _problem(self) -> Optional[str]:
+        if not self._backward_reached_loss:
+            return not_differentiated(self.step)
+        if self.scaled is not None and self.scaled.problem(self.step):
+            return self.scaled.problem(self.step)
+        if self.cockpit.create_graph(self.step) and not any(
+            p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
+        ):
+            return (
+                f"step {self.step}: a quantity needs the graph: call "
+                "loss.backward(create_graph=tracker.create_graph(step))"
+            )
+        return None
+
+
+class IdleStep:
+    """What ``with tracker(step, losses)`` enters at a step where no quantity computes.
+
+    Only what Cockpit does then: ``backpack.disable()`` for the block; and, as
+    at every step, the check on the way out that the loss it gave was
+    differentiated. The fewest Python operations, for what they cost per
+    untracked step (issue 21): a lean class, not Cockpit's context.
+    """
+
+    __slots__ = ("step", "info", "_arrived", "_store_io")
+
+    def __init__(self, step: int, info: dict):
+        self.step, self.info = step, info  # info: as a TrackedStep's
+        self._arrived = []  # the loss's gradient, once the backward pass reaches it
+
+    def __enter__(self) -> torch.Tensor:
+        loss = self.info["loss"]
+        # Left on the loss (it goes with the step): the hook holds only the list, no cycle.
+        loss.register_hook(self._arrived.append)
+        self._store_io, disable.store_io = disable.store_io, False  # backpack.disable().__enter__
+        return loss
+
+    def __exit__(self, kind, error, traceback):
+        disable.store_io = self._store_io
+        if kind is None and not self._arrived:
+            raise RuntimeError(not_differentiated(self.step))
+        return False
+
+
+def not_differentiated(step: int) -> str:
+    """The error of a ``with tracker(step, losses)`` block that did not differentiate its loss."""
+    return (f"step {step}: call loss.backward() inside `with tracker(step, losses) as loss:`, "
+            "on the loss it gives")
