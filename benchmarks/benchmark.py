@@ -25,9 +25,13 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 if not __package__:
     # Run as `python benchmarks/benchmark.py`, Python puts benchmarks/ on the path,
     # not the repository that holds the packages `benchmarks` and `experiments` (the
-    # GPT); appended, so that an installed cockpit_gradnoise, or PYTHONPATH, still
-    # comes first.
-    sys.path.append(str(Path(__file__).resolve().parents[1]))
+    # GPT). The repository's `benchmarks` is imported first, ahead of site-packages
+    # (Opacus' wheel installs a top-level package of that name, which would shadow
+    # it); then the repository goes last, so that an installed cockpit_gradnoise, or
+    # PYTHONPATH, still comes first.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
 
 import torch  # noqa: E402
 

@@ -23,13 +23,20 @@ as many small graphs::
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import cockpit_gradnoise as cgn
 
 import torch
 
-from benchmarks.models import MODELS, model_and_batch
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.models import MODELS, model_and_batch  # noqa: E402
 
 
 def plain_step(model, loss_fn, x, y):

@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-if not __package__:  # run as a script: the repository, for `benchmarks` (see benchmark.py)
-    sys.path.append(str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
 
 import cockpit_gradnoise as cgn  # noqa: E402
 

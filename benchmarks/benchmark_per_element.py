@@ -80,8 +80,10 @@ import time
 from pathlib import Path
 from unittest import mock
 
-if not __package__:
-    sys.path.append(str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
 
 import cockpit_gradnoise as cgn  # noqa: E402  (first: makes `import cockpit` work)
 from cockpit_gradnoise import functional  # noqa: E402

@@ -22,7 +22,9 @@ the fastest round of each (on a shared machine noise only adds time)::
 import argparse
 import copy
 import functools
+import sys
 import time
+from pathlib import Path
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise.extensions import batchless
@@ -32,7 +34,12 @@ import torch
 from backpack import extend
 from torch import nn
 
-from tests import matrix_models
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from tests import matrix_models  # noqa: E402
 
 
 def _timed_parts(parts):

@@ -45,13 +45,20 @@ import copy
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import cockpit_gradnoise as cgn
 
 import torch
 
-from benchmarks.models import GPT_CONTEXT, MODELS, ModelSpec, classes, images, model_and_batch
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.models import GPT_CONTEXT, MODELS, ModelSpec, classes, images, model_and_batch  # noqa: E402
 
 EVERY = 10
 

@@ -25,7 +25,9 @@ real backward pass; then, per layer:
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions import _conv_math, _cost
@@ -34,7 +36,12 @@ import numpy
 import torch
 from torch import nn
 
-from benchmarks.models import MODELS, model_and_batch
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.models import MODELS, model_and_batch  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -20,12 +20,19 @@ Run: ``PYTHONPATH=. python -m benchmarks.fallback_vmap_methods [--repeats 15]``.
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.func import functional_call, vjp, vmap
 
-from benchmarks.benchmark_fallback import WIDTH, LayerScale, N, NanoLayerNorm, T
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.benchmark_fallback import WIDTH, LayerScale, N, NanoLayerNorm, T  # noqa: E402
 
 
 def forward_and_autograd(module, params, x, grad):

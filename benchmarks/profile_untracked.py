@@ -17,13 +17,20 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import cockpit_gradnoise as cgn
 
 import torch
 
-from benchmarks.models import make_mlp
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.models import make_mlp  # noqa: E402
 
 
 def _with_block(tracker, step, losses, optimizer):

@@ -19,13 +19,21 @@ every layer), per fused ``c_attn`` bias, this prints in units of ``eps A_i``:
     python -m benchmarks.structural_zero_margins
 """
 
+import sys
+from pathlib import Path
+
 from cockpit_gradnoise.extensions.sums import TERM_ROUNDING
 
 import numpy
 import torch
 import torch.nn.functional as F
 
-from tests.models import NanoGPT
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from tests.models import NanoGPT  # noqa: E402
 
 
 def ratios(length, examples, dtype, seed, width, heads, vocabulary=50):

@@ -31,10 +31,13 @@ def keep_threads():
 
 
 def test_runs_as_documented_a_script_from_anywhere(tmp_path):
-    """``python benchmarks/benchmark.py`` from another directory finds ``benchmarks`` and the GPT."""
+    """``python benchmarks/benchmark.py`` from another directory finds its ``benchmarks`` and the GPT."""
     # On the path: this checkout's package alone, as an install gives it (not the repository).
     (tmp_path / "installed").mkdir()
     (tmp_path / "installed" / "cockpit_gradnoise").symlink_to(ROOT / "cockpit_gradnoise")
+    # Beside it a top-level `benchmarks`, as Opacus' wheel installs one: it must not shadow ours.
+    (tmp_path / "installed" / "benchmarks").mkdir()
+    (tmp_path / "installed" / "benchmarks" / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "installed")}
     command = [sys.executable, str(ROOT / "benchmarks" / "benchmark.py"), "--quick", "--no-memory",
                "--models", "gpt", "--methods", "", "--threads", "1"]

@@ -765,7 +765,10 @@ def test_local_gradient_extension_is_the_gradient_of_the_backward_pass(case):
     loss = problem.loss_fn(problem.model(problem.inputs), problem.targets)
     with backpack(LocalGradient()):
         loss.backward()
+    compared = []
     for name, param in zip(problem.names, problem.params):
         if param.grad is not None and name != "unused.weight":
             local = getattr(param, LOCAL_GRADIENT_SAVEFIELD)
             torch.testing.assert_close(local, param.grad, rtol=1e-12, atol=1e-14)
+            compared.append(name)
+    assert compared, "no parameter had a gradient to compare"

@@ -26,6 +26,7 @@ from cockpit_gradnoise.extensions import (
 from cockpit_gradnoise.references import contributions_through_batch
 
 import pytest
+import timm
 import torch
 from backpack import backpack, extend
 from torch import nn
@@ -33,9 +34,6 @@ from torch.func import functional_call, grad, vmap
 
 from tests.helpers import RTOL
 from tests.layer_models import PADDING, Attention, embedding_padding, padded_tokens
-
-timm = pytest.importorskip("timm")
-torchvision = pytest.importorskip("torchvision")
 
 
 class Inherits(nn.Linear):

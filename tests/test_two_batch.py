@@ -45,6 +45,36 @@ def squared_norms(grads):
     return values + [sum(values)]
 
 
+def from_the_model_of_the_paper(small, big_squared_norm, big_examples):
+    """``(grad_sq, trace_cov)`` solved from McCandlish et al. 2018, appendix A's model
+    ``E |G_b|^2 = |G|^2 + tr(Sigma) / b``: for each small batch ``(M_j, b_j)`` the two
+    equations at ``b_j`` and ``B`` (the big batch's ``M``), solved as a linear system;
+    the mean over small batches (written apart from the package's closed form)."""
+    solutions = [torch.linalg.solve(
+        torch.tensor([[1.0, 1 / b], [1.0, 1 / big_examples]], dtype=torch.float64),
+        torch.tensor([float(m), float(big_squared_norm)], dtype=torch.float64)) for m, b in small]
+    grad_sq, trace_cov = torch.stack(solutions).mean(0).tolist()
+    return grad_sq, trace_cov
+
+
+@pytest.mark.parametrize("estimate", [functional.two_batch_noise_scale_estimates, from_the_model_of_the_paper])
+def test_the_estimates_equal_hand_computed_values(estimate):
+    # |G|^2 = 1, tr(Sigma) = 8 give |G_b|^2 = 1 + 8 / b exactly: 5 at b = 2, 3 at 4, 2 at B = 8.
+    assert estimate([(5.0, 2), (3.0, 4)], 2.0, 8) == pytest.approx((1.0, 8.0), rel=1e-14, abs=0)
+    # With |G_2|^2 = 6 instead: at b = 2, |G|^2 = (8*2 - 2*6) / (8 - 2) = 2/3 and
+    # tr(Sigma) = (6 - 2) / (1/2 - 1/8) = 32/3; at b = 4, 1 and 8 as above; their means 5/6, 28/3.
+    grad_sq, trace_cov = estimate([(6.0, 2), (3.0, 4)], 2.0, 8)
+    assert grad_sq == pytest.approx(5 / 6, rel=1e-14, abs=0) and trace_cov == pytest.approx(28 / 3, rel=1e-14, abs=0)
+
+
+def test_the_estimates_are_elementwise_on_tensors():
+    grad_sq, trace_cov = functional.two_batch_noise_scale_estimates(
+        [(torch.tensor([5.0, 6.0], dtype=torch.float64), 2), (torch.tensor([3.0, 3.0], dtype=torch.float64), 4)],
+        torch.tensor([2.0, 2.0], dtype=torch.float64), 8)
+    assert grad_sq.tolist() == pytest.approx([1.0, 5 / 6], rel=1e-14, abs=0)
+    assert trace_cov.tolist() == pytest.approx([8.0, 28 / 3], rel=1e-14, abs=0)
+
+
 def reference(model, batches, weights):
     """``{name: (grad_sq, trace_cov)}`` from each batch's own gradient, by autograd on a copy."""
     plain = copy.deepcopy(model)
@@ -56,7 +86,7 @@ def reference(model, batches, weights):
     big = [sum(w * s[i] for w, s in zip(weights, sums)) / total for i in range(len(params))]
     small = [squared_norms([g / len(y) for g in s]) for s, (_, y) in zip(sums, batches)]
     names = [n for n, _ in plain.named_parameters()] + [schema.NETWORK]
-    return {name: functional.two_batch_noise_scale_estimates(
+    return {name: from_the_model_of_the_paper(
         [(m[i], len(y)) for m, (_, y) in zip(small, batches)], squared_norms(big)[i], effective)
         for i, name in enumerate(names)}
 

@@ -146,6 +146,7 @@ def test_cache_has_no_autograd_history_and_lives_on_the_chosen_device(cache_on_c
     problem = build(MODELS[0], 7, "mean")
     quantity = cgn.UpdateSize(linear(1), param_names=problem.names, cache_on_cpu=cache_on_cpu)
     run_step(problem, [quantity])
+    assert len(quantity.cached_tensors()) == len(problem.params)  # zip below compares them all
     for buffer, param in zip(quantity.cached_tensors(), problem.params):
         assert not buffer.requires_grad and buffer.grad_fn is None
         assert buffer.device == (torch.device("cpu") if cache_on_cpu else param.device)
