@@ -4,8 +4,8 @@ On torchvision's resnet18 (float32, 3x32x32, batch 64, eval mode, random
 weights), each convolution's input and output gradient are captured from one
 real backward pass; then, per layer:
 
-- **time**: :func:`cockpit_gradnoise.extensions._conv_math.weight_sums` with
-  each method forced (``_cost.FORCE_METHOD``), CPU time of one thread
+- **time**: :func:`cockpit_gradnoise.extensions.conv_math.weight_sums` with
+  each method forced (``cost_model.FORCE_METHOD``), CPU time of one thread
   (``time.process_time``), the minimum of ``--repeats`` interleaved
   repetitions, and the method the cost model chooses;
 - **margins** (layers with ``L > 1``): the expansion's ``[T, S, R]`` in
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from cockpit_gradnoise import functional
-from cockpit_gradnoise.extensions import _conv_math, _cost
+from cockpit_gradnoise.extensions import conv_math, cost_model
 
 import numpy
 import torch
@@ -64,13 +64,13 @@ def captured_layers(model, inputs, targets, loss_fn):
 
 
 def timed(method, conv, inputs, grad_output):
-    _cost.FORCE_METHOD = method
+    cost_model.FORCE_METHOD = method
     try:
         start = time.process_time()
-        _conv_math.weight_sums(conv, inputs, grad_output)
+        conv_math.weight_sums(conv, inputs, grad_output)
         return time.process_time() - start
     finally:
-        _cost.FORCE_METHOD = None
+        cost_model.FORCE_METHOD = None
 
 
 def bounds(sums, n):
@@ -88,16 +88,16 @@ def centred(sums, n):
 def margins(conv, inputs, grad_output):
     """The margin figures of one layer (module docstring)."""
     n = len(inputs)
-    _cost.FORCE_METHOD = "expansion"
+    cost_model.FORCE_METHOD = "expansion"
     try:
-        got = _conv_math.weight_sums(conv, inputs, grad_output)
-        same = _conv_math.weight_sums(
+        got = conv_math.weight_sums(conv, inputs, grad_output)
+        same = conv_math.weight_sums(
             conv, inputs[:1].expand_as(inputs), grad_output[:1].expand_as(grad_output)
         )
-        _cost.FORCE_METHOD = "formation"
-        exact = _conv_math.weight_sums(conv.double(), inputs.double(), grad_output.double())
+        cost_model.FORCE_METHOD = "formation"
+        exact = conv_math.weight_sums(conv.double(), inputs.double(), grad_output.double())
     finally:
-        _cost.FORCE_METHOD = None
+        cost_model.FORCE_METHOD = None
         conv.float()
     bound, relative = bounds(got, n)
     exact_centred = centred(exact, n)
@@ -132,13 +132,13 @@ def main():
           "| clamped (formation's bound) | C / bound: min, q0.001, q0.01, median | identical |")
     print("|---|---|---:|---:|---:|---|---:|---:|---|---:|")
     for name, conv, x, g in layers:
-        _, c_b, c_a, positions = _conv_math.layer_shape(conv, x, g)
+        _, c_b, c_a, positions = conv_math.layer_shape(conv, x, g)
         times = {"formation": [], "expansion": []}
         for _ in range(args.repeats):
             for method in times:
                 times[method].append(timed(method, conv, x, g))
         formation, expansion = (1e3 * min(times[m]) for m in times)
-        chosen = "formation" if _cost.use_formation(_cost.expansion_cost, c_b, c_a, positions) \
+        chosen = "formation" if cost_model.use_formation(cost_model.expansion_cost, c_b, c_a, positions) \
             else "expansion"
         row = f"| {name} | {c_b} x {c_a} | {positions} | {formation:.1f} | {expansion:.1f} | {chosen} |"
         if positions > 1 and not args.times_only:

@@ -3,7 +3,7 @@
 Where a convolution (or a Linear on a sequence: a 1x1 convolution,
 ``cockpit_gradnoise.extensions.linear``) has few output positions the extensions sum ``S`` over
 products of positions and save ``[T, S, R]``, ``R = w(L) A`` with ``A`` the
-absolute terms (:mod:`cockpit_gradnoise.extensions._conv_math`); the sd's
+absolute terms (:mod:`cockpit_gradnoise.extensions.conv_math`); the sd's
 rounding bound adds ``N eps R``
 (:func:`~cockpit_gradnoise.functional.expansion_rounding_bound`). Checked
 here in float32, on the layers alone against float64 per-example gradients of
@@ -19,7 +19,7 @@ import copy
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import amp, functional
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, _conv_math, _cost, linear
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, conv_math, cost_model, linear
 
 import pytest
 import torch
@@ -66,11 +66,11 @@ def factors(make, shape, n, seed, identical=False, cancelling=False):
 
 def expanded_sums(layer, inputs, grad, monkeypatch):
     """The extension's ``[T, S, R]`` of the weight, the expansion forced."""
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")
     if isinstance(layer, nn.Linear):
         sums = linear.linear_expanded_sums(inputs, grad)
     else:
-        sums = _conv_math.weight_sums(layer, inputs, grad)
+        sums = conv_math.weight_sums(layer, inputs, grad)
     assert len(sums) == 3
     return sums
 
@@ -153,8 +153,8 @@ def test_the_magnitudes_are_w_of_L_times_the_absolute_terms(name, make, shape, n
     if isinstance(layer, nn.Linear):
         positions = grad[0, ..., 0].numel()
     else:
-        positions = (inputs if isinstance(layer, _conv_math.TRANSPOSED) else grad)[0, 0].numel()
-    weight = _conv_math.expansion_rounding_terms(positions)
+        positions = (inputs if isinstance(layer, conv_math.TRANSPOSED) else grad)[0, 0].numel()
+    weight = conv_math.expansion_rounding_terms(positions)
     exact = weight * absolute_terms(layer, inputs, grad)
     terms = n * positions * (positions + 1) // 2 + 3
     assert ((sums[2].double() - exact).abs() <= terms * EPS32 * exact).all()
@@ -177,9 +177,9 @@ def test_identical_examples_give_sd_exactly_zero(name, make, shape, n, monkeypat
 def _spy_on_expansion(monkeypatch):
     """Counts the calls of the convolutions' and the Linear layers' expansion, forced."""
     calls = []
-    for module, name in [(_conv_math, "expanded_sums"), (linear, "linear_expanded_sums")]:
+    for module, name in [(conv_math, "expanded_sums"), (linear, "linear_expanded_sums")]:
         monkeypatch.setattr(module, name, _counting(getattr(module, name), calls, name))
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")
     return calls
 
 
@@ -238,6 +238,6 @@ def test_a_backward_pass_with_create_graph_gets_the_expanded_sums(monkeypatch):
     require grad; the expansion writes its products in place, outside autograd."""
     _spy_on_expansion(monkeypatch)
     layer, inputs, grad = factors(*LAYERS[0][1:], 5, 0)
-    reference = _conv_math.weight_sums(layer, inputs, grad)
-    sums = _conv_math.weight_sums(layer, inputs, grad.requires_grad_())
+    reference = conv_math.weight_sums(layer, inputs, grad)
+    sums = conv_math.weight_sums(layer, inputs, grad.requires_grad_())
     assert torch.equal(sums, reference) and not sums.requires_grad

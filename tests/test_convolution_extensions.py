@@ -22,8 +22,8 @@ from cockpit_gradnoise.extensions import (
     SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
     SumsOfContributions,
-    _conv_math,
-    _cost,
+    conv_math,
+    cost_model,
     override_module_extensions,
     sums,
 )
@@ -131,7 +131,7 @@ CONVS = [
     ),
 ]
 
-# Depthwise (one input channel per group): formed from windows, _conv_math.depthwise_gradients.
+# Depthwise (one input channel per group): formed from windows, conv_math.depthwise_gradients.
 DEPTHWISE = [
     ConvCase(
         "conv2d-depthwise-7x7-4-positions",  # ConvNeXt's stage 3 at 32x32
@@ -199,7 +199,7 @@ def expected_results(plain, inputs, targets, reduction):
     handle.remove()
     (grad_output,) = torch.autograd.grad(loss, outputs)
     absolute = absolute_terms(conv, inputs, grad_output)
-    transposed = isinstance(conv, _conv_math.TRANSPOSED)
+    transposed = isinstance(conv, conv_math.TRANSPOSED)
     positions = (inputs if transposed else grad_output)[0, 0].numel()
     return {
         name: Expected(x.pow(2).sum(0), x.flatten(start_dim=1).pow(2).sum(1), x, absolute, positions)
@@ -259,7 +259,7 @@ def assert_expansion_within_bound(sums, reference):
     """``S`` and ``R = w(L) A`` of the expanded square within their float64 rounding bounds.
 
     First order, ``M = N L(L+1)/2`` products of positions: ``S`` is off by at
-    most ``(M + 2) u A`` (three rounded products per term, :mod:`._conv_math`),
+    most ``(M + 2) u A`` (three rounded products per term, :mod:`.conv_math`),
     the reference ``sum_i x_i**2`` by ``(2L + N) u A`` (each ``x_i`` a sum of
     ``L`` products, squared, summed over ``N``); ``A``'s terms are positive, so
     ``R / w(L)`` and the reference ``A`` are off by as much relative to ``A``
@@ -271,7 +271,7 @@ def assert_expansion_within_bound(sums, reference):
     terms = n * positions * (positions + 1) // 2 + 2 * positions + n + 3
     allowed = terms * EPS64 * reference.absolute
     assert ((squares - reference.squares).abs() <= allowed).all()
-    weight = _conv_math.expansion_rounding_terms(positions)
+    weight = conv_math.expansion_rounding_terms(positions)
     assert ((magnitudes / weight - reference.absolute).abs() <= allowed).all()
 
 
@@ -283,10 +283,10 @@ def assert_expansion_within_bound(sums, reference):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("case", CONVS + DEPTHWISE, ids=lambda case: case.name)
 def test_extensions_match_per_example_loop(case, bias, n, chunked, reduction, method, monkeypatch):
-    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", method)
     model, _, loss_fn, inputs, targets = build(case, bias, n, reduction)
     if chunked:  # chunks of 3, 3 and 1 examples
-        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: 3)
+        monkeypatch.setattr(cost_model, "examples_per_chunk", lambda *args: 3)
     got = extension_results(model, loss_fn, inputs, targets)
     assert_results_match(got, expected_for(case, bias, n, reduction), method == "expansion")
 
@@ -296,8 +296,8 @@ def test_chosen_method_matches_per_example_loop(case):
     model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
     got = extension_results(model, loss_fn, inputs, targets)
     with torch.no_grad():
-        _, c_b, c_a, positions = _conv_math.layer_shape(model[0], inputs, model[0](inputs))
-    expanded = not _conv_math.forms(model[0], _cost.expansion_cost, c_b, c_a, positions)
+        _, c_b, c_a, positions = conv_math.layer_shape(model[0], inputs, model[0](inputs))
+    expanded = not conv_math.forms(model[0], cost_model.expansion_cost, c_b, c_a, positions)
     assert_results_match(got, expected_for(case, True, 7, "mean"), expanded)
 
 
@@ -306,11 +306,11 @@ def test_chosen_method_matches_per_example_loop(case):
                          ids=lambda case: case.name)
 def test_depthwise_convolutions_are_formed_from_windows(case, channels_last, monkeypatch):
     """Formed from the input's windows (here at any number of positions), no patches
-    copied (:func:`._conv_math.weight_factors` never called), exact; also from
+    copied (:func:`.conv_math.weight_factors` never called), exact; also from
     channels-last inputs and output gradients (ConvNeXt's blocks)."""
-    calls, original = [], _conv_math.weight_factors
-    monkeypatch.setattr(_conv_math, "weight_factors", lambda *args: calls.append(1) or original(*args))
-    monkeypatch.setattr(_conv_math, "from_windows",
+    calls, original = [], conv_math.weight_factors
+    monkeypatch.setattr(conv_math, "weight_factors", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(conv_math, "from_windows",
                         lambda module, positions: module.in_channels == module.groups)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "mean")
     if channels_last:
@@ -336,11 +336,11 @@ def test_formation_from_windows_only_over_at_most_as_many_positions_as_kernel_el
         conv, shape, windows):
     """Windows take a multiply-add per output position, patches a copy per kernel
     element: windows where the positions are at most the kernel's elements
-    (:func:`._conv_math.from_windows`); an MNIST network's first convolution, over
+    (:func:`.conv_math.from_windows`); an MNIST network's first convolution, over
     676 positions, was 18 times slower from windows."""
     with torch.no_grad():
         positions = math.prod(conv(torch.zeros(1, *shape)).shape[2:])
-    assert _conv_math.from_windows(conv, positions) is windows
+    assert conv_math.from_windows(conv, positions) is windows
 
 
 class ChannelsLast(nn.Module):
@@ -382,15 +382,15 @@ def test_cost_model_picks_the_measured_faster_method(shape, formation_for_norms,
     with its absolute terms, 1.5-2.1x faster than formation at ``L = 4`` (also
     layer3's 1x1 downsample, ``256 x 128``, the closest call: 1.1-1.7x over
     two runs, left out), formation 3.6-5.7x faster at ``L = 16``."""
-    assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation_for_norms
-    assert _cost.formation_is_cheaper(_cost.expansion_cost, *shape) is formation_for_sums
+    assert cost_model.formation_is_cheaper(cost_model.gram_cost, *shape) is formation_for_norms
+    assert cost_model.formation_is_cheaper(cost_model.expansion_cost, *shape) is formation_for_sums
 
 
 def test_cost_model_expands_only_few_positions():
     """Expansion's products grow like ``L**2``, formation's writes do not: past
-    ``L = 5`` formation is cheaper whatever the channels (``_conv_math``'s docstring)."""
+    ``L = 5`` formation is cheaper whatever the channels (``conv_math``'s docstring)."""
     for c_b, c_a in [(1, 1), (4, 18), (64, 27), (512, 4608), (4096, 4096)]:
-        assert _cost.formation_is_cheaper(_cost.expansion_cost, c_b, c_a, 6), (c_b, c_a)
+        assert cost_model.formation_is_cheaper(cost_model.expansion_cost, c_b, c_a, 6), (c_b, c_a)
 
 
 def _sums_methods(case):
@@ -399,17 +399,17 @@ def _sums_methods(case):
     shapes = []
 
     def record(module, args, output):
-        shapes.append(_conv_math.layer_shape(module, args[0], output)[1:])
+        shapes.append(conv_math.layer_shape(module, args[0], output)[1:])
 
     model = case.make()
     handles = [m.register_forward_hook(record) for m in model.modules()
-               if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_conv_math.TRANSPOSED))]
+               if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, *conv_math.TRANSPOSED))]
     with torch.no_grad():
         model(case.inputs(2))
     for handle in handles:
         handle.remove()
     return {
-        "formation" if _cost.formation_is_cheaper(_cost.expansion_cost, *shape)
+        "formation" if cost_model.formation_is_cheaper(cost_model.expansion_cost, *shape)
         else "expansion" if shape[2] > 1 else "one position"
         for shape in shapes
     }
@@ -427,31 +427,31 @@ def test_case_matrix_reaches_every_method_for_the_sums():
 
 
 def test_unknown_forced_method_is_refused(monkeypatch):
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "gram")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "gram")
     model, _, loss_fn, inputs, targets = build(CONVS[0], True, 2, "mean")
     with pytest.raises(ValueError, match="'formation' or 'expansion'"):
         extension_results(model, loss_fn, inputs, targets)
 
 
 def test_examples_per_chunk_fit_the_budget(monkeypatch):
-    monkeypatch.setattr(_cost, "CHUNK_BYTES", 1000)
-    assert _cost.examples_per_chunk(60, 8) == 2  # 960 bytes
-    assert _cost.examples_per_chunk(200, 8) == 1  # over the budget: one at a time
+    monkeypatch.setattr(cost_model, "CHUNK_BYTES", 1000)
+    assert cost_model.examples_per_chunk(60, 8) == 2  # 960 bytes
+    assert cost_model.examples_per_chunk(200, 8) == 1  # over the budget: one at a time
 
 
 @pytest.mark.parametrize("method", ["formation", "expansion"])
 @pytest.mark.parametrize("case", CONVS[4::4], ids=lambda case: case.name)
 def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch):
-    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
-    monkeypatch.setattr(_cost, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", method)
+    monkeypatch.setattr(cost_model, "CHUNK_BYTES", 1)
     seen = []
-    original = _conv_math.weight_factors
+    original = conv_math.weight_factors
 
     def recording(module, inputs, grad_output):
         seen.append(len(inputs))
         return original(module, inputs, grad_output)
 
-    monkeypatch.setattr(_conv_math, "weight_factors", recording)
+    monkeypatch.setattr(conv_math, "weight_factors", recording)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "sum")
     got = extension_results(model, loss_fn, inputs, targets)
     assert seen == [1] * 14  # 7 examples, for each of the two extensions

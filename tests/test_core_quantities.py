@@ -329,12 +329,12 @@ def test_per_example_norms_do_not_depend_on_reduction():
 def test_both_per_example_norm_paths_for_convolutions_are_in_the_case_matrix():
     """Convolutions contract Gram matrices or form per-example gradients,
     whichever is cheaper; the matrix covers both."""
-    from cockpit_gradnoise.extensions import _conv_math, _cost
+    from cockpit_gradnoise.extensions import conv_math, cost_model
 
     chosen = {}
     for name in ("cnn", "conv-one-position"):
         case = next(c for c in MODELS if c.name == name)
         conv, inputs = case.make()[0], case.inputs(2)
-        _, c_b, c_a, positions = _conv_math.layer_shape(conv, inputs, conv(inputs))
-        chosen[name] = _cost.formation_is_cheaper(_cost.gram_cost, c_b, c_a, positions)
+        _, c_b, c_a, positions = conv_math.layer_shape(conv, inputs, conv(inputs))
+        chosen[name] = cost_model.formation_is_cheaper(cost_model.gram_cost, c_b, c_a, positions)
     assert chosen == {"cnn": True, "conv-one-position": False}

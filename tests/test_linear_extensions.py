@@ -15,7 +15,7 @@ from cockpit_gradnoise.extensions import (
     SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
     SumsOfContributions,
-    _cost,
+    cost_model,
     linear,
 )
 
@@ -83,7 +83,7 @@ def run(case, n, reduction, extensions, monkeypatch, chunk=None):
 
     monkeypatch.setattr(linear, "formed_contributions", recording)
     if chunk is not None:
-        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: chunk)
+        monkeypatch.setattr(cost_model, "examples_per_chunk", lambda *args: chunk)
     loss = problem.loss_fn(problem.model(problem.inputs), problem.targets)
     with backpack(*(extension() for extension in extensions)):
         loss.backward()
@@ -127,7 +127,7 @@ def assert_match(results, contributions, order):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_results_match_per_example_loop(case, reduction, order, method, monkeypatch):
-    monkeypatch.setattr(_cost, "FORCE_METHOD", method)
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", method)
     problem, results, _, _ = run(case, 5, reduction, ORDERS[order], monkeypatch)
     assert_match(results, expected(problem, 5, reduction), ORDERS[order])
 
@@ -136,11 +136,11 @@ def test_results_match_per_example_loop(case, reduction, order, method, monkeypa
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
     """7 examples in chunks of 3, 3 and 1, formed or by Gram matrices."""
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
     problem, results, formed, names = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
     assert formed == [3, 3, 1] * len(names)
     assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")
     problem, results, _, _ = run(case, 7, "sum", ORDERS[order], monkeypatch, chunk=3)
     assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
 
@@ -150,7 +150,7 @@ def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
 def test_together_each_layer_is_formed_once(case, order, monkeypatch):
     """Each sequence Linear's contributions are formed once for both extensions,
     and the sums are the very numbers computed alone."""
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
     _, together, formed, names = run(case, 5, "mean", ORDERS[order], monkeypatch)
     assert len(formed) == len(names) > 0
     _, sums_alone, formed_sums, _ = run(case, 5, "mean", ORDERS["sums-alone"], monkeypatch)
@@ -182,7 +182,7 @@ def test_cost_model_chooses_gram_for_the_tests_gpt_and_formation_for_long_sequen
 def test_cost_model_choices(shape, formation):
     """The choices for the benchmark GPT's layers, measured faster (per-layer tables of
     benchmarks/README.md at bb7178a, in git)."""
-    assert _cost.formation_is_cheaper(_cost.gram_cost, *shape) is formation
+    assert cost_model.formation_is_cheaper(cost_model.gram_cost, *shape) is formation
 
 
 @pytest.mark.parametrize("order", ["sums-first", "norms-first"])
@@ -190,7 +190,7 @@ def test_cost_model_choices(shape, formation):
 def test_together_no_result_outlives_its_savefield(case, order, monkeypatch):
     """The result formed for the second extension is not kept once it took it:
     deleting the savefields frees every result."""
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
     problem, results, _, _ = run(case, 5, "mean", ORDERS[order], monkeypatch)
     refs = [weakref.ref(result) for pair in results.values() for result in pair]
     del results
@@ -255,4 +255,4 @@ def test_few_positions_expand_the_sums_and_take_the_norms_apart(reduction, order
 def test_cost_model_expands_the_sums_of_convnext_stage_3(shape, formation):
     """ConvNeXt-T's pointwise layers at 32x32: expansion measured 2-4x faster at 4
     positions (``benchmarks/README.md``); formation at 16 and 64."""
-    assert _cost.formation_is_cheaper(_cost.expansion_cost, *shape) is formation
+    assert cost_model.formation_is_cheaper(cost_model.expansion_cost, *shape) is formation

@@ -117,7 +117,7 @@ def conv2d_many_positions():
 
 def conv2d_few_positions():
     """2x2 output positions: the cost model would expand the square for ``S``
-    alone (``_cost.formation_is_cheaper``), whose terms cancel here."""
+    alone (``cost_model.formation_is_cheaper``), whose terms cancel here."""
     return nn.Sequential(
         nn.Conv2d(3, 64, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(256, 3)
     )

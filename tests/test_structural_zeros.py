@@ -22,7 +22,7 @@ from cockpit_gradnoise.extensions import (
     SUMS_SAVEFIELD,
     PerExampleSquaredNorms,
     SumsOfContributions,
-    _cost,
+    cost_model,
 )
 
 import numpy
@@ -310,7 +310,7 @@ def test_fallback_zeros_a_bias_only_where_f_linear_is_its_only_use(make, key_is_
     """Also with the examples in chunks (5 = 2 + 2 + 1): a bias's contributions are held
     to the end in every chunk, in the examples' order."""
     if chunked:
-        monkeypatch.setattr(_cost, "examples_per_chunk", lambda *args: 2)
+        monkeypatch.setattr(cost_model, "examples_per_chunk", lambda *args: 2)
     torch.manual_seed(0)
     model = make().double()
     inputs, targets = torch.randn(5, 6, 4, dtype=torch.float64), torch.randint(0, 3, (5,))

@@ -18,7 +18,7 @@ from cockpit_gradnoise.extensions import (
     LocalGradient,
     PerExampleSquaredNorms,
     SumsOfContributions,
-    _cost,
+    cost_model,
     uses,
 )
 from cockpit_gradnoise.extensions import linear as linear_layers
@@ -160,7 +160,7 @@ def _token_problem(model, n, reduction="mean", length=NANO_CONTEXT, vocabulary=1
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_two_linear_uses_are_combined_from_dense_contributions_in_chunks(reduction, monkeypatch):
-    monkeypatch.setattr(_cost, "CHUNK_BYTES", 6 * 6 * 8 * 2 * 2)  # two examples per chunk
+    monkeypatch.setattr(cost_model, "CHUNK_BYTES", 6 * 6 * 8 * 2 * 2)  # two examples per chunk
     problem = _token_problem(TwoLinearUses(), 5, reduction)
     assert_matches_references(problem, inner_terms=2 * NANO_CONTEXT)
 
@@ -169,7 +169,7 @@ def test_a_tied_linear_weight_is_formed_where_the_untied_ones_are_expanded(monke
     """:func:`~cockpit_gradnoise.extensions.tied.combine` adds the uses' ``[T, S]``: a
     tied Linear weight is never expanded (its ``R`` would be dropped), the untied
     Linear layers over the 4 positions are, with the expansion forced; all match."""
-    monkeypatch.setattr(_cost, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")
     choices, original = {}, linear_layers.expands
 
     def recording(module, inputs, grad_output):

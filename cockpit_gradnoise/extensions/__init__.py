@@ -181,7 +181,7 @@ class SumsOfContributions(_RecordingExtension):
     contributions ``x_i`` (:mod:`.sums`), so that identical examples give a
     variance of exactly 0; a convolution's weight whose square is expanded
     over its few positions has a third row, ``R``, the absolute terms of the
-    rounding bound (:mod:`._conv_math`, ``[3, *param.shape]``); ``sum_i x_i``
+    rounding bound (:mod:`.conv_math`, ``[3, *param.shape]``); ``sum_i x_i``
     is this backward pass's own gradient on this process, also under
     distributed training. On the CPU the sums of several layers may be
     slots of one buffer (:mod:`.arena`), which GradientVarianceQuantiles

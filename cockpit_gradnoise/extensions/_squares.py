@@ -110,7 +110,7 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
     """``[T, S, ...]`` formed from contributions times ``scale``: ``[T / scale, S / scale**2, ...]``,
-    every row after the first a sum of squares (``A`` of :func:`._conv_math.expanded_sums`)."""
+    every row after the first a sum of squares (``A`` of :func:`.conv_math.expanded_sums`)."""
     if scale is None:
         return sums
     wide = saved_dtype(sums.dtype)

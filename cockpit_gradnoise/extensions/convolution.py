@@ -2,13 +2,13 @@
 
 ``Conv1d/2d/3d`` and ``ConvTranspose1d/2d/3d``, any ``groups``. The maths
 (the factors of each example's contribution, the two exact methods and their
-choice) is in :mod:`._conv_math` and :mod:`._cost`; here it is plugged into
+choice) is in :mod:`.conv_math` and :mod:`.cost_model`; here it is plugged into
 BackPACK, one module extension per result.
 """
 
 from typing import Callable
 
-from cockpit_gradnoise.extensions import _conv_math
+from cockpit_gradnoise.extensions import conv_math
 from cockpit_gradnoise.extensions._squares import squared_norms_of
 from cockpit_gradnoise.extensions.sums import position_sums, sums_of_position_sums
 
@@ -45,7 +45,7 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
 class SumsConv(_ConvolutionExtension):
     """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
 
-    weight_result = staticmethod(_conv_math.weight_sums)
+    weight_result = staticmethod(conv_math.weight_sums)
     # Sums over positions, with their structural zeros (e.g. before a BatchNorm).
     bias_result = staticmethod(lambda grad_output: sums_of_position_sums(grad_output.flatten(2), 2))
 
@@ -53,7 +53,7 @@ class SumsConv(_ConvolutionExtension):
 class SquaredNormsConv(_ConvolutionExtension):
     """``||x_i||^2`` of weight and bias, ``[N]`` each."""
 
-    weight_result = staticmethod(_conv_math.weight_squared_norms)
+    weight_result = staticmethod(conv_math.weight_squared_norms)
     # Structural zeros exactly 0, as in the sums.
     bias_result = staticmethod(
         lambda grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2))
@@ -71,9 +71,9 @@ class _ConvGradientMixin:
         if isinstance(padding, str) or module.padding_mode != "zeros":
             # "same" pads asymmetrically for even kernels, other modes pad
             # before a convolution without padding.
-            inputs = _conv_math.padded_input(module, inputs)
+            inputs = conv_math.padded_input(module, inputs)
             padding = (0,) * (module.weight.dim() - 2)
-        transposed = isinstance(module, _conv_math.TRANSPOSED)
+        transposed = isinstance(module, conv_math.TRANSPOSED)
         output_padding = module.output_padding if transposed else (0,) * (module.weight.dim() - 2)
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
             # The weight's dtype as the inputs' (float32 for low-precision layers, .precision).

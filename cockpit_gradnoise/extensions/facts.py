@@ -104,7 +104,7 @@ class BackwardFacts:
 #: cell of the pass (BackPACK's ``CTX`` is one too); during a pass only its object changes.
 #: Not per pass, and kept where they are: the sums' plans per model (``arena._PLANS``),
 #: the patched BackPACK ``__init__``s (``normalization._STOCK_INITS``) and the tests'
-#: setting ``_cost.FORCE_METHOD``.
+#: setting ``cost_model.FORCE_METHOD``.
 _RECORDING = [BackwardFacts()]
 
 

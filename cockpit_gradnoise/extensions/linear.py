@@ -3,14 +3,14 @@
 Applied to ``[N, L, in]`` (``L`` positions of a sequence; any extra dimensions
 are flattened into ``L``), a Linear's weight contributions are sums over
 positions, ``x_i = sum_l g_il a_il^T``: the convolution's case with one group
-(:mod:`._conv_math`), ``C_b = out``, ``C_a = in``. Without extra dimensions
+(:mod:`.conv_math`), ``C_b = out``, ``C_a = in``. Without extra dimensions
 each is one product, and BackPACK's identities are exact and cheap: the
 sums are :func:`linear_weight_sums`' two matrix products, the norms
 ``(sum_j g_ij^2)(sum_k a_ik^2)`` by BackPACK's ``BatchL2Linear``.
 
 With positions, two exact ways to get ``||x_i||^2``, chosen per layer by the
-convolutions' cost model (``_cost.use_formation(gram_cost, out, in, L)``,
-which ``_cost.FORCE_METHOD`` overrides as it does for convolutions):
+convolutions' cost model (``cost_model.use_formation(gram_cost, out, in, L)``,
+which ``cost_model.FORCE_METHOD`` overrides as it does for convolutions):
 
 - **Gram matrices**: ``||x_i||^2 = sum_{l,l'} (g_il . g_il') (a_il . a_il')``
   (:func:`gram_squared_norms`), ``2 L^2 (out + in)`` operations per example;
@@ -22,10 +22,10 @@ BackPACK's ``BatchL2Linear`` contracts the Gram form as one four-operand
 another order of products).
 
 The sums ``[T, S]`` (:mod:`.sums`) have the same two ways, chosen by
-``_cost.use_formation(expansion_cost, out, in, L)``: formation, or, with
+``cost_model.use_formation(expansion_cost, out, in, L)``: formation, or, with
 few positions (ConvNeXt's stage-3 pointwise layers see 4 positions at
 32x32), the convolutions' expansion of the square over pairs of positions
-(:func:`._conv_math.expanded_sums_of_factors`: a Linear over ``L``
+(:func:`.conv_math.expanded_sums_of_factors`: a Linear over ``L``
 positions is a 1x1 convolution with one group, ``b_il = g_il``, ``a_il =
 a_il``), which saves ``[T, S, R]`` with the same rounding bound ``N eps R``
 (:func:`linear_expanded_sums`). Where the sums are formed and
@@ -43,7 +43,7 @@ its uses' sums are combined over ``[T, S]`` only.
 
 from typing import Iterator, Tuple
 
-from cockpit_gradnoise.extensions import _conv_math, _cost, facts
+from cockpit_gradnoise.extensions import conv_math, cost_model, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
     scaled_factors,
@@ -87,7 +87,7 @@ def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tenso
 
 def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
     """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples."""
-    size = _cost.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size())
+    size = cost_model.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size())
     for start in range(0, g.shape[0], size):
         yield torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size])
 
@@ -95,7 +95,7 @@ def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
 def gram_squared_norms(g: Tensor, a: Tensor) -> Tensor:
     """``||x_i||^2 = sum_{l,l'} (g_il . g_il') (a_il . a_il')``, ``[N]``, chunk by chunk."""
     positions = g.shape[1]
-    size = _cost.examples_per_chunk(2 * positions**2, a.element_size())
+    size = cost_model.examples_per_chunk(2 * positions**2, a.element_size())
     norms = []
     for start in range(0, g.shape[0], size):
         g_chunk, a_chunk = g[start : start + size], a[start : start + size]
@@ -117,7 +117,7 @@ def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     cheaper; at a power-of-two scale of each factor (:func:`._squares.scaled_factors`).
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
-    if _cost.use_formation(_cost.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
+    if cost_model.use_formation(cost_model.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
         return unscaled_norms(formed_squared_norms(g, a), scale)
     return unscaled_norms(gram_squared_norms(g, a), scale)
 
@@ -148,14 +148,14 @@ def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
     out, positions = grad_output.shape[-1], grad_output[0].numel() // grad_output.shape[-1]
     if "weight" in module.__dict__.get(TIED_ATTR, {}) or positions < 2:
         return False
-    return not _cost.use_formation(_cost.expansion_cost, out, inputs.shape[-1], positions)
+    return not cost_model.use_formation(cost_model.expansion_cost, out, inputs.shape[-1], positions)
 
 
 def linear_expanded_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``[T, S, R]`` of a Linear's weight on sequences (inputs ``[N, ..., in]``), no ``x_i`` formed.
 
     ``x_i = sum_l g_il a_il^T`` is a 1x1 convolution's contribution with one
-    group, so :func:`._conv_math.expanded_sums_of_factors` of the factors
+    group, so :func:`.conv_math.expanded_sums_of_factors` of the factors
     ``b_i = g_i^T`` (``[1, out, L]``) and ``a_i`` (``[1, L, in]``) gives
 
     .. math::
@@ -164,19 +164,19 @@ def linear_expanded_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
         S = \\sum_i \\sum_{l \\le l'} w_{ll'} (g_{il} g_{il'}) (a_{il} a_{il'})^T, \\quad
         R = w(L) \\sum_i \\Big(\\sum_l |g_{il}|\\,|a_{il}|^T\\Big)^2,
 
-    ``w(L) = L(L+1)/2 + 2L + 6`` (:func:`._conv_math.expansion_rounding_terms`),
+    ``w(L) = L(L+1)/2 + 2L + 6`` (:func:`.conv_math.expansion_rounding_terms`),
     and the centred sum ``S - T**2 / N`` is off by at most ``N eps R``
-    (the derivation of :mod:`._conv_math`, which is about the factors only).
+    (the derivation of :mod:`.conv_math`, which is about the factors only).
     At a power-of-two scale of each factor (:func:`._squares.scaled_factors`).
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
     positions = g.shape[1]
-    size = _cost.examples_per_chunk(
-        _conv_math.expansion_temporaries(1, g.shape[2], a.shape[2], positions), a.element_size())
+    size = cost_model.examples_per_chunk(
+        conv_math.expansion_temporaries(1, g.shape[2], a.shape[2], positions), a.element_size())
     chunks = ((g[start : start + size].transpose(1, 2).unsqueeze(1), a[start : start + size].unsqueeze(1))
               for start in range(0, g.shape[0], size))
-    sums = unscaled_sums(_conv_math.expanded_sums_of_factors(chunks, positions)[:, 0], scale)
-    sums[2] *= _conv_math.expansion_rounding_terms(positions)  # A, to R = w(L) A
+    sums = unscaled_sums(conv_math.expanded_sums_of_factors(chunks, positions)[:, 0], scale)
+    sums[2] *= conv_math.expansion_rounding_terms(positions)  # A, to R = w(L) A
     return sums
 
 
@@ -187,7 +187,7 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
     ``T = G^T A`` and ``S = (G**2)^T (A**2)`` are two matrix products (no
     ``N x |W|`` tensor), exact to the bound with ``inner_terms = 1``. With extra
     dimensions (positions of a sequence), ``x_i = sum_l g_il a_il^T`` is formed
-    for chunks of examples of at most :data:`._cost.CHUNK_BYTES`, and both sums
+    for chunks of examples of at most :data:`.cost_model.CHUNK_BYTES`, and both sums
     taken from it, by :func:`linear_weight_sums_and_squared_norms` (so that
     ``T`` and ``S`` are the same numbers, alone or beside the norms).
     """

@@ -3,7 +3,7 @@
 BATCH_L2_SAVEFIELD = "cgn_batch_l2"
 LOCAL_GRADIENT_SAVEFIELD = "cgn_local_grad"
 #: ``[sum_i x_i, sum_i x_i**2]``, ``[2, *shape]``; ``[3, *shape]`` with the rounding
-#: magnitudes ``R`` where a convolution's square is expanded (``_conv_math.weight_sums``).
+#: magnitudes ``R`` where a convolution's square is expanded (``conv_math.weight_sums``).
 SUMS_SAVEFIELD = "cgn_sums_of_contributions"
 
 #: The attribute of a layer that holds a tied parameter: ``{attribute name: TiedGroup}``,

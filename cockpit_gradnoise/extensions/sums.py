@@ -20,7 +20,7 @@ without extra dimensions, a convolution with one output position) the two
 sums are two matrix products, within the bound with ``inner_terms = 1``. A
 convolution with few output positions expands the square instead and saves
 a third row, ``[T, S, R]``, the absolute terms its bound needs
-(:mod:`._conv_math`, :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
+(:mod:`.conv_math`, :func:`~cockpit_gradnoise.functional.expansion_rounding_bound`).
 Linear layers are in :mod:`.linear`, convolutions in :mod:`.convolution`,
 BatchNorm and Embedding in :mod:`.batchnorm` and :mod:`.embedding`.
 

@@ -24,7 +24,7 @@ of the vocabulary-sized matrix. Then ``<x_i^(u), x_i^(w)> = sum_t <e_it,
 x_i^(w)[idx_it]>`` and the elementwise cross term lands on those rows only
 (:func:`rows_cross_terms`). Two Linear uses (no embedding) form their
 per-example contributions in chunks of examples of at most
-:data:`._cost.CHUNK_BYTES` each (:func:`dense_cross_terms`).
+:data:`.cost_model.CHUNK_BYTES` each (:func:`dense_cross_terms`).
 
 Which parameters are tied is known before any backward pass:
 :func:`~cockpit_gradnoise.extensions.uses.install` (run by ``prepare_model``)
@@ -37,7 +37,7 @@ naming the parameter.
 
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions.fallback.parameters import delegated_parameters
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -135,10 +135,10 @@ def dense_cross_terms(first: _Use, second: _Use, examples: int, shape) -> Tuple[
     """The same two cross terms from per-example contributions formed in chunks.
 
     Memory: two ``[n, *shape]`` tensors at a time, ``n`` examples of at most
-    :data:`._cost.CHUNK_BYTES` each (one example at least).
+    :data:`.cost_model.CHUNK_BYTES` each (one example at least).
     """
     numel = torch.Size(shape).numel()
-    size = _cost.examples_per_chunk(2 * numel, first.grad.element_size())
+    size = cost_model.examples_per_chunk(2 * numel, first.grad.element_size())
     norms, elementwise = [], None
     for start in range(0, examples, size):
         stop = min(start + size, examples)

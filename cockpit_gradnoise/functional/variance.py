@@ -83,11 +83,11 @@ def expansion_rounding_bound(
 
     Where ``sum_i x_i**2`` of a convolution's weight is summed over products
     of positions, ``S = sum_i sum_{l,l'} (b_il b_il') (a_il a_il')^T``
-    (:func:`cockpit_gradnoise.extensions._conv_math.expanded_sums`), no
+    (:func:`cockpit_gradnoise.extensions.conv_math.expanded_sums`), no
     ``x_i`` is formed, and the error of ``S`` and of ``T`` is relative to the
     absolute terms ``A = sum_i (sum_l |b_il| |a_il|^T)**2 >= S``, not to ``S``:
     ``|d(S - T**2 / N)| <= N w(L) eps A`` (the derivation is in
-    :mod:`cockpit_gradnoise.extensions._conv_math`), saved as ``R = w(L) A``,
+    :mod:`cockpit_gradnoise.extensions.conv_math`), saved as ``R = w(L) A``,
     the savefield's third row. It is added to :func:`variance_rounding_bound`
     (so that sums of micro-batches of which only some were expanded stay
     covered), and every element the sum keeps has an SNR below

@@ -19,7 +19,7 @@ class PerExampleGradNorm(ParameterQuantity):
 
     Computed without materializing per-example gradients (BackPACK's
     ``BatchL2Grad``; exact also for grouped convolutions, see
-    ``cockpit_gradnoise.extensions._conv_math``). Needs ``info["loss"]`` and
+    ``cockpit_gradnoise.extensions.conv_math``). Needs ``info["loss"]`` and
     ``info["individual_losses"]`` (shape ``[N]``) to tell a mean-reduced loss
     (``x_i = g_i / N``) from a sum-reduced one (``x_i = g_i``); where they
     are not finite while the gradients are, that cannot be told, and the

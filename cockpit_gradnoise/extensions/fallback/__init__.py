@@ -22,7 +22,7 @@ network is computed as before; the vector-Jacobian product runs over the
 module's own forward only, with its own parameters as the primal.
 
 Per-layer reductions only: the per-example gradients of one module's
-parameters, for a chunk of examples at a time (:func:`._cost.examples_per_chunk`),
+parameters, for a chunk of examples at a time (:func:`.cost_model.examples_per_chunk`),
 are reduced at once to the three results the extensions save
 (``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``) and freed.
 A bias added by ``F.linear`` and used nowhere else is held back to the end

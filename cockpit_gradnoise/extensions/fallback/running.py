@@ -14,7 +14,7 @@ import functools
 import warnings
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -95,7 +95,7 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         examples = next(iter(grads.values())).shape[0]
         batched = batched_leaves(call, examples)
         numel = sum(p.numel() for p in params.values())
-        size = _cost.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        size = cost_model.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
         chunks = (
             per_example_gradients(module, params, call, batched, grads, start, start + size)
             for start in range(0, examples, size)

@@ -2,7 +2,7 @@
 
 Each result of a layer whose contributions are sums over ``L`` positions,
 ``x_i = sum_l b_il a_il^T`` (``C_b x L`` by ``L x C_a`` per example and
-group), has two exact computations (:mod:`._conv_math`, :mod:`.linear`):
+group), has two exact computations (:mod:`.conv_math`, :mod:`.linear`):
 forming ``x_i`` or working on products of positions (the expanded square,
 Gram matrices for norms). :func:`use_formation` chooses between them per
 layer from the work each takes per example and group; :data:`FORCE_METHOD`
@@ -46,9 +46,9 @@ def formation_cost(c_b: int, c_a: int, positions: int) -> int:
 def expansion_cost(c_b: int, c_a: int, positions: int) -> int:
     """Work of one example's and group's share of ``[T, S]`` (and ``A``) without forming ``x_i``.
 
-    With one position (:func:`._conv_math.weight_sums`): two products of one
+    With one position (:func:`.conv_math.weight_sums`): two products of one
     row each, for ``T`` and ``S``, whose ``C_b + C_a`` numbers are written and
-    read. With ``L > 1`` (:func:`._conv_math.expanded_sums`): ``L`` rows for
+    read. With ``L > 1`` (:func:`.conv_math.expanded_sums`): ``L`` rows for
     ``T`` (copied, read: 3 moves per number) and ``L(L+1)/2`` products of
     positions for both ``S`` and ``A`` (written, made absolute, read twice:
     6 moves). Each row costs ``2 C_b C_a`` operations in each product it

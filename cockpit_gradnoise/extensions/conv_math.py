@@ -16,7 +16,7 @@ positions ``l`` of outer products, ``x_i = sum_l b_il a_il^T``:
   mostly-zero unfolding over output positions.
 
 Two exact ways to compute each result, chosen per layer by the cost model of
-:mod:`._cost`:
+:mod:`.cost_model`:
 
 - **formation**: form ``x_i`` for a chunk of examples, square them and add
   them up at once. About the flops of the layer's weight gradient, but
@@ -71,7 +71,7 @@ the centred sum ``S - T**2 / N`` is off by at most ``gamma_m A`` with
 float32, the rounding of ``A`` itself is no longer negligible. The cost
 model expands only layers with ``L <= 5``: the expansion's products have
 ``L(L+1)`` rows per example for ``S`` and ``A``, and more than ``40`` of
-them cost more than formation's writes, :mod:`._cost`.)
+them cost more than formation's writes, :mod:`.cost_model`.)
 The extension saves ``R = w(L) A`` as a third row, ``[T, S, R]``, which adds
 over examples, micro-batches and processes as the sums do;
 :func:`~cockpit_gradnoise.functional.expansion_rounding_bound` gives
@@ -92,7 +92,7 @@ element in 1e5) and at ``L = 64`` 0.6% of the elements fall below it: the
 bound grows like ``N L**2``; the cost model chooses formation there anyway
 (expansion is 4-6 times slower at ``L = 16``, 50 at ``L = 64``).
 
-Both run over chunks of examples sized to :data:`._cost.CHUNK_BYTES`: no more
+Both run over chunks of examples sized to :data:`.cost_model.CHUNK_BYTES`: no more
 than about that is allocated at once beyond the layer's inputs and output
 gradients. Neither uses BackPACK's derivatives, so BackPACK's
 ``weight_jac_t_save_memory`` setting does not matter.
@@ -102,7 +102,7 @@ import itertools
 import math
 from typing import Iterator, Tuple
 
-from cockpit_gradnoise.extensions import _cost
+from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions._squares import scaled_factors, unscaled_norms, unscaled_sums
 
 import torch
@@ -194,7 +194,7 @@ def layer_shape(
 
 
 def _chunks(module, inputs, grad_output, temporaries_per_example) -> Iterator[Tuple[Tensor, Tensor]]:
-    """:func:`weight_factors` of consecutive chunks of examples within :data:`._cost.CHUNK_BYTES`.
+    """:func:`weight_factors` of consecutive chunks of examples within :data:`.cost_model.CHUNK_BYTES`.
 
     ``temporaries_per_example``: numbers a method allocates per example besides
     the factors; the factors' copies (padded channels-last tensor, patches) are
@@ -202,7 +202,7 @@ def _chunks(module, inputs, grad_output, temporaries_per_example) -> Iterator[Tu
     """
     _, _, c_a, positions = layer_shape(module, inputs, grad_output)
     copies = inputs[0].numel() + grad_output[0].numel() + module.groups * c_a * positions
-    size = _cost.examples_per_chunk(copies + temporaries_per_example, inputs.element_size())
+    size = cost_model.examples_per_chunk(copies + temporaries_per_example, inputs.element_size())
     for start in range(0, inputs.shape[0], size):
         end = start + size
         yield weight_factors(module, inputs[start:end], grad_output[start:end])
@@ -220,7 +220,7 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
         padded = inputs.shape[1] * math.prod(
             size + pads[-2 * d - 2] + pads[-2 * d - 1] for d, size in enumerate(inputs.shape[2:]))
         # The padded input's copy and the gradients.
-        size = _cost.examples_per_chunk(padded + groups * c_b * c_a, inputs.element_size())
+        size = cost_model.examples_per_chunk(padded + groups * c_b * c_a, inputs.element_size())
         for start in range(0, inputs.shape[0], size):
             end = start + size
             yield depthwise_gradients(module, inputs[start:end], grad_output[start:end])
@@ -229,14 +229,14 @@ def _formed_gradients(module, inputs, grad_output) -> Iterator[Tensor]:
         yield torch.matmul(b, a)
 
 
-def forms(module: nn.Module, alternative_cost: _cost.Cost, c_b: int, c_a: int, positions: int) -> bool:
+def forms(module: nn.Module, alternative_cost: cost_model.Cost, c_b: int, c_a: int, positions: int) -> bool:
     """Whether to form ``x_i`` rather than use ``alternative_cost``'s method: always where
     :func:`from_windows` (formed without copying patches, which the alternatives
     copy: 2-6 times faster on ConvNeXt-T's at 1 and 4 positions), unless
-    :data:`._cost.FORCE_METHOD` says otherwise; else :func:`._cost.use_formation`."""
-    if _cost.FORCE_METHOD is None and from_windows(module, positions):
+    :data:`.cost_model.FORCE_METHOD` says otherwise; else :func:`.cost_model.use_formation`."""
+    if cost_model.FORCE_METHOD is None and from_windows(module, positions):
         return True
-    return _cost.use_formation(alternative_cost, c_b, c_a, positions)
+    return cost_model.use_formation(alternative_cost, c_b, c_a, positions)
 
 
 def from_windows(module: nn.Module, positions: int) -> bool:
@@ -383,8 +383,8 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
     """``[sum_i x_i, sum_i x_i**2]`` of ``module.weight``, ``[2, *weight.shape]``; with
     a third row ``R = w(L) A`` where ``S`` is expanded over positions.
 
-    Where the cost model (:func:`._cost.use_formation` with
-    :func:`._cost.expansion_cost`) chooses formation, ``T`` and ``S``
+    Where the cost model (:func:`.cost_model.use_formation` with
+    :func:`.cost_model.expansion_cost`) chooses formation, ``T`` and ``S``
     come from the same formed ``x_i``, within
     :func:`~cockpit_gradnoise.functional.variance_rounding_bound` with
     ``inner_terms = 1``. With one position each contribution is one product,
@@ -400,7 +400,7 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
     """
     (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    if forms(module, _cost.expansion_cost, c_b, c_a, positions):
+    if forms(module, cost_model.expansion_cost, c_b, c_a, positions):
         sums = inputs.new_zeros(2, groups, c_b, c_a)
         for gradients in _formed_gradients(module, inputs, grad_output):
             sums[0] += summed_over_examples(gradients)
@@ -431,7 +431,7 @@ def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     """
     (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
-    if forms(module, _cost.gram_cost, c_b, c_a, positions):
+    if forms(module, cost_model.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)
         return unscaled_norms(torch.cat([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
     norms = []
