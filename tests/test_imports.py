@@ -8,6 +8,7 @@ and the failure such a loop causes, a module that cannot be imported first.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,13 @@ def test_every_module_imports_first():
     failures = {module: error for module, error in json.loads(result.stdout).items() if error}
     assert set(json.loads(result.stdout)) == set(modules)
     assert not failures, "\n\n".join(f"{module}:\n{error}" for module, error in failures.items())
+
+
+def test_the_architecture_page_names_every_contract_and_room():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    contracts = re.findall(r"^\[importlinter:contract:([\w-]+)\]$", (ROOT / ".importlinter").read_text(), re.M)
+    assert len(contracts) >= 7
+    assert [c for c in contracts if f"`{c}`" not in page] == []
+    rooms = {path.stem for path in (ROOT / PACKAGE).iterdir()
+             if path.name != "__init__.py" and (path.suffix == ".py" or (path / "__init__.py").exists())}
+    assert [room for room in sorted(rooms) if room not in page] == []
