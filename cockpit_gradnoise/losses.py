@@ -10,12 +10,14 @@ does; only the explicit API infers them from Cockpit's ``info``
 :func:`sequence_losses` gives per-example losses of padded sequences.
 """
 
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from cockpit_gradnoise import _device, accumulation, functional
-from cockpit_gradnoise.step import Batch
 
 import torch
+
+if TYPE_CHECKING:  # step imports Cockpit: sequence_losses alone does not need it
+    from cockpit_gradnoise.step import Batch
 
 WEIGHTINGS = ("tokens", "examples")
 
@@ -157,7 +159,7 @@ def check_loss(loss, losses, tracked, micro=None) -> Optional[float]:
         ) from None
 
 
-def declared_batch(losses, loss, reduction, micro, scale=None) -> Tuple[Batch, Any]:
+def declared_batch(losses, loss, reduction, micro, scale=None) -> Tuple["Batch", Any]:
     """The :class:`~cockpit_gradnoise.step.Batch` a tracker differentiates, and whether its losses are finite.
 
     ``N = len(losses)``; ``c`` is ``scale`` (that of a given ``loss=``, found
@@ -174,6 +176,8 @@ def declared_batch(losses, loss, reduction, micro, scale=None) -> Tuple[Batch, A
         micro: The call's micro-batch, or ``None``.
         scale: ``c`` of a given ``loss=``; the losses' finiteness is then in it.
     """
+    from cockpit_gradnoise.step import Batch  # here: importing step imports Cockpit
+
     n = losses.shape[0]
     if scale is not None:
         return Batch(n, scale), True
