@@ -155,12 +155,13 @@ class Tracker:
             if hasattr(quantity, "known_params"):
                 quantity.known_params = list(cockpit.params)
 
-    def stream_to(self, path) -> Path:
+    def stream_to(self, path, *, resume: bool = True) -> Path:
         """Append each tracked step to the streamed log at ``path`` and drop it from memory.
 
         From now on the steps are written as they are computed (a JSON-lines
         log, :class:`~cockpit_gradnoise.LogStream`; ``.jsonl`` is added to a
-        path without a suffix; a log there is replaced), starting with what
+        path without a suffix; a streamed log there is continued, or with
+        ``resume=False`` kept under a new name), starting with what
         was tracked before. The quantities then hold no step between tracked
         calls (:data:`~cockpit_gradnoise.logs.stream.STEPS_IN_MEMORY`); :meth:`get_output`,
         :meth:`frame`, :meth:`plot`, :meth:`report` and :meth:`write` read
@@ -171,7 +172,7 @@ class Tracker:
         """
         if self.stream is not None:
             self.stream.close()
-        self.stream = LogStream(path)
+        self.stream = LogStream(path, resume=resume)
         self.stream.append(self.cockpit)
         self.log = self.stream.path
         return self.stream.path

@@ -113,11 +113,14 @@ def test_a_streaming_tracker_holds_no_step_and_logs_what_memory_would(tmp_path):
     assert cgn.report(streamed).split("\n", 1)[1] == body
 
 
-def test_explicit_cockpit_streams_and_an_existing_log_is_replaced(tmp_path):
+def test_explicit_cockpit_streams_and_an_existing_file_is_kept_aside_on_request(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text("old content\n")
     cockpit = cockpit_like("GradientNoiseScale")
-    stream = cgn.LogStream(path)
+    with pytest.raises(ValueError, match="not a cockpit-gradnoise streamed log"):
+        cgn.LogStream(path)  # resumed by default: this file is not a streamed log
+    stream = cgn.LogStream(path, resume=False)
+    assert stream.kept.read_text() == "old content\n"
     cockpit.quantities[0].output[7] = special_outputs(7)["GradientNoiseScale"]
     stream.append(cockpit)
     stream.close()

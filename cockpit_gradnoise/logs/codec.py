@@ -10,6 +10,8 @@ This module imports neither torch nor Cockpit.
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -18,10 +20,15 @@ from cockpit_gradnoise.logs.schema import decode_float, encode_float, update_sta
 import numpy
 
 FORMAT = "cockpit-gradnoise-log"
-VERSION = 1
+#: Version 2 added the ``{"superseded": s}`` line (a run resumed from an earlier
+#: step); readers take both, and a version-1 log continued by a resumed run keeps
+#: its header (readers from before version 2 refuse it at a superseded line).
+VERSION = 2
 SUFFIX = ".jsonl"
 #: The first line of every streamed log (also how a reader tells it from a JSON log).
 HEADER = json.dumps({"format": FORMAT, "version": VERSION})
+#: The header lines this version reads (all of the same length).
+HEADERS = tuple(json.dumps({"format": FORMAT, "version": v}).encode() for v in (1, VERSION))
 
 #: The three name tables of a streamed log, in the order its ``names`` lines list them.
 TABLES = ("quantities", "params", "statistics")
@@ -139,4 +146,70 @@ def non_finite_runs(numbers: numpy.ndarray) -> Dict[str, List[List[int]]]:
 def is_streamed(path) -> bool:
     """Whether the file at ``path`` starts with a streamed log's header."""
     with open(path, "rb") as file:
-        return file.readline(len(HEADER) + 2).rstrip(b"\r\n") == HEADER.encode()
+        return file.readline(len(HEADER) + 2).rstrip(b"\r\n") in HEADERS
+
+
+def free_name(path: Path, template: str) -> Path:
+    """The first of ``template.format(stem=..., n=1, suffix=...)``, ``n=2``, ... not taken."""
+    number = 1
+    while True:
+        candidate = path.with_name(template.format(stem=path.stem, n=number, suffix=path.suffix,
+                                                   name=path.name))
+        if not os.path.lexists(candidate):
+            return candidate
+        number += 1
+
+
+def keep_aside(path: Path) -> Path:
+    """Move the file at ``path`` to a free name (``run.jsonl`` -> ``run.1.jsonl``, ...); that name.
+
+    A hard link, then the old name removed: an existing file is never overwritten.
+    """
+    while True:
+        kept = free_name(path, "{stem}.{n}{suffix}")
+        try:
+            os.link(path, kept)
+        except FileExistsError:  # taken meanwhile
+            continue
+        except OSError:  # no hard links here: a rename to the name found free
+            os.rename(path, kept)
+            return kept
+        os.unlink(path)
+        return kept
+
+
+def trim_for_append(path: Path):
+    """Make the streamed log at ``path`` ready to append to: cut after its last whole line,
+    and a summary line there (a resumed writer rewrites it, whole, at close).
+
+    A cut line (a writer killed mid-write) goes to a side file, with a warning.
+    """
+    with open(path, "rb+") as file:
+        size = file.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:  # the end of the last whole line, read backwards in chunks
+            start = max(0, end - (1 << 16))
+            file.seek(start)
+            cut = file.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+        if end < size:
+            file.seek(end)
+            side = free_name(path, "{name}.cut{n}")
+            side.write_bytes(file.read())
+            warnings.warn(f"{path}: its last line was cut short (the writer stopped mid-write); "
+                          f"moved to {side}, the log continues after the last whole line",
+                          stacklevel=4)
+        if end > 0:  # the summary of the run that closed: the next close writes all of it
+            file.seek(max(0, end - (1 << 20)))
+            tail = file.read(end - file.tell())
+            line = tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
+            if line.startswith(b'{"layout": [], "summary": '):
+                end -= len(line)
+        if end < len(HEADER) + 1:  # nothing but a (cut) header
+            file.seek(0)
+            file.write((HEADER + "\n").encode())
+            end = len(HEADER) + 1
+        file.truncate(end)

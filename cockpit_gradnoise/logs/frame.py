@@ -224,7 +224,7 @@ def remove_stale_temporaries(path) -> List[Path]:
     return removed
 
 
-def to_frame(source) -> pandas.DataFrame:
+def to_frame(source, *, superseded: bool = False) -> pandas.DataFrame:
     """One tidy table of every statistic of this package's quantities.
 
     Args:
@@ -232,6 +232,11 @@ def to_frame(source) -> pandas.DataFrame:
             their ``get_output()``, the :func:`read_log` of a log, or the path
             of a log written by ``Cockpit.write``, :func:`write_log` or a
             :class:`~cockpit_gradnoise.LogStream` (see :func:`read_log`).
+        superseded: Add the rows a resumed run superseded (a streamed log's
+            steps written after the checkpoint it restarted from, see
+            :class:`~cockpit_gradnoise.LogStream`) and a boolean column
+            ``superseded`` that tells them (within a step and quantity,
+            before the rows that replaced them).
 
     Returns:
         A DataFrame with columns ``step`` (int64), ``quantity``, ``param``,
@@ -251,8 +256,11 @@ def to_frame(source) -> pandas.DataFrame:
     else:
         output = source
     if isinstance(output, StreamedLog):
-        return _streamed_frame(output)
-    return _output_frame(output)
+        return _streamed_frame(output, superseded)
+    frame = _output_frame(output)
+    if superseded:  # only a streamed log holds superseded rows
+        frame["superseded"] = numpy.zeros(len(frame), dtype=bool)
+    return frame
 
 
 class _Codes(dict):
@@ -292,16 +300,24 @@ def _output_frame(output) -> pandas.DataFrame:
     return frame.take(order).reset_index(drop=True)
 
 
-def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
+def _streamed_frame(log: StreamedLog, superseded: bool = False) -> pandas.DataFrame:
     """The frame of a streamed log, from its columns: one array per record, no dict per row.
 
     Names are coded per layout (a few small arrays), then the layouts of the
     records are concatenated: nothing is done per number but copying it.
     """
+    old = log.superseded() if superseded else []
     records = [log.records[r] for r in log.current()]
-    if any(layout is None and per_parameter(value) is not None for *_, layout, value in records):
-        return _output_frame(log)  # per-parameter values that are not all numbers: as in memory
-    records = [record for record in records if record[2] is not None and len(record[3])]
+    if any(layout is None and per_parameter(value) is not None
+           for *_, layout, value in records + [log.records[r] for r in old]):
+        # per-parameter values that are not all numbers: as in memory
+        frame = _output_frame(log)
+        if superseded:
+            frame["superseded"] = numpy.zeros(len(frame), dtype=bool)
+        return frame
+    kept = [(record, flag) for flag, part in ((False, records), (True, [log.records[r] for r in old]))
+            for record in part if record[2] is not None and len(record[3])]
+    records, flags = [record for record, _ in kept], [flag for _, flag in kept]
     used = sorted({layout for _, _, layout, _ in records})
     quantities = _names(log.quantities, {quantity for _, quantity, _, _ in records})
     params, statistics = (
@@ -310,8 +326,10 @@ def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
     )
     layouts = {layout: (params[0][log.layouts[layout][0]], statistics[0][log.layouts[layout][1]])
                for layout in used}
-    # Sorted by step and quantity name, as the in-memory frame.
-    records.sort(key=lambda record: (record[0], quantities[0][record[1]]))
+    # Sorted by step and quantity name, as the in-memory frame (superseded rows first).
+    order = sorted(range(len(records)),
+                   key=lambda r: (records[r][0], quantities[0][records[r][1]], not flags[r]))
+    records, flags = [records[r] for r in order], [flags[r] for r in order]
     counts = numpy.asarray([len(values) for *_, values in records], dtype=numpy.int64)
     steps = numpy.repeat(numpy.asarray([step for step, *_ in records], dtype=numpy.int64), counts)
     quantity_codes = quantities[0][[quantity for _, quantity, _, _ in records]]
@@ -321,7 +339,10 @@ def _streamed_frame(log: StreamedLog) -> pandas.DataFrame:
         for i in (0, 1)
     ]
     values = numpy.concatenate([values for *_, values in records] or [numpy.empty(0)])
-    return tidy_frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
+    frame = tidy_frame(steps, columns, [quantities[1], params[1], statistics[1]], values)
+    if superseded:
+        frame["superseded"] = numpy.repeat(numpy.asarray(flags, dtype=bool), counts)
+    return frame
 
 
 def _names(table: Sequence[str], present) -> tuple:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.logs.codec import (
-    HEADER,
+    HEADERS,
     TABLES,
     category_codes,
     non_finite_runs,
@@ -254,6 +254,8 @@ class _Scan:
                 self.tables[table].extend(names)
         elif "summary" in item:
             self.summary = item["summary"] if isinstance(item["summary"], dict) else None
+        elif "superseded" in item:
+            self.supersede(item["superseded"])
         elif "layout" in item and "step" not in item:
             self.layout(item["layout"])
         elif "step" in item and "value" in item and "layout" not in item:
@@ -266,6 +268,13 @@ class _Scan:
             self.current[step, quantity] = (-1, -1, -1, None)  # replaces, adds no rows
         else:
             raise Unexpected
+
+    def supersede(self, first):
+        """A resumed run's ``{"superseded": first}``: the records so far of steps ``>= first`` set apart."""
+        if not isinstance(first, int):
+            raise Unexpected
+        for key in [key for key in self.current if key[0] >= first]:
+            del self.current[key]
 
     def layout(self, declared):
         """A layout line's ``[[param, [statistic, ...]], ...]``."""
@@ -283,8 +292,8 @@ class _Scan:
 def _index(file, path: str) -> LogIndex:
     fd = file.fileno()
     size = os.fstat(fd).st_size
-    header = (HEADER + "\n").encode()
-    if os.pread(fd, len(header), 0) != header:
+    header = os.pread(fd, len(HEADERS[0]) + 1, 0)
+    if header[:-1] not in HEADERS or header[-1:] != b"\n":
         raise Unexpected
     scan, offset = _Scan(), len(header)
     # Once per record: the names the loop reads looked up once (the lists grow in place).

@@ -6,7 +6,8 @@ append-only, so that memory stays flat over any number of steps and a
 (a line cut mid-write is left out, with a warning, when the log is read).
 Its lines, in the order they are written:
 
-- the header, first and once: ``{"format": "cockpit-gradnoise-log", "version": 1}``;
+- the header, first and once: ``{"format": "cockpit-gradnoise-log", "version": 2}``
+  (version 1: the same lines but ``superseded``);
 - ``{"names": {"quantities": [...], "params": [...], "statistics": [...]}}``:
   names not seen before, appended to three tables (each name is stored once,
   rows refer to it by its position in its table);
@@ -37,6 +38,12 @@ Its lines, in the order they are written:
   the ranking takes of the whole frame; a reader then need not decode
   millions of numbers to rank the layers (``cockpit_gradnoise.views.reads``).
 
+- ``{"superseded": s}``: written by a resumed run (:class:`LogStream`) whose
+  first step ``s`` is at or before the last step of the log: the records of
+  steps ``>= s`` before this line were written by a run that died after its
+  checkpoint. They stay in the file, left out of the log's steps and frame
+  (:meth:`StreamedLog.superseded_records`, ``to_frame(..., superseded=True)``).
+
 A later record of the same step and quantity replaces an earlier one, as a
 Cockpit's output dict does. :func:`read_stream` reads a log back as a
 :class:`StreamedLog` (``{step: {quantity: value}}``, and the tidy frame
@@ -59,12 +66,16 @@ from cockpit_gradnoise._ranks import WRITER_RANK, is_writer
 from cockpit_gradnoise.logs.codec import (
     DTYPE,
     HEADER,
+    HEADERS,
     SUFFIX,
     TABLES,
     as_numbers,
+    is_streamed,
     jsonable,
+    keep_aside,
     non_finite_runs,
     per_parameter,
+    trim_for_append,
 )
 from cockpit_gradnoise.logs.schema import RANKINGS
 
@@ -90,31 +101,78 @@ class LogStream:
             stream.append(cockpit)   # written, and dropped from the cockpit
         stream.close()
 
-    The file is created anew (an existing log at ``path`` is replaced, as
-    ``Cockpit.write`` replaces one). Each :meth:`append` writes whole lines and
+    A streamed log already at ``path`` is continued (``resume=True``): its
+    names, layouts and summary are read back, so the lines appended are
+    coded as one run's; a line cut by a killed writer is moved to a side
+    file (``run.jsonl.cut``) with a warning. If the first step appended is
+    at or before the log's last step (a restart from an earlier checkpoint),
+    a ``{"superseded": s}`` line keeps the earlier lines of steps ``>= s``
+    readable but out of the frame. ``resume=False`` starts afresh and keeps
+    the old file under a free name (``run.1.jsonl``, :attr:`kept`); nothing
+    is deleted or overwritten. Each :meth:`append` writes whole lines and
     flushes them to the operating system, so a killed process leaves a log
     that reads back up to its last append; it does not ``fsync`` (a power
     loss may lose more).
 
     Args:
         path: The log's path; ``.jsonl`` is added when it has no suffix.
+        resume: Continue a log at ``path`` (``False``: start afresh, the old
+            file kept under a new name).
         writer_rank: Under distributed training only this process writes
             (``None``: every process; give each its own path). The others
             drop the results without writing, so their memory stays flat too.
+
+    Attributes:
+        kept: Where ``resume=False`` moved the earlier file (``None``: none).
+
+    Raises:
+        ValueError: Resuming a file at ``path`` that is not a streamed log.
     """
 
-    def __init__(self, path, *, writer_rank: Optional[int] = WRITER_RANK):
+    def __init__(self, path, *, resume: bool = True, writer_rank: Optional[int] = WRITER_RANK):
         path = Path(path)
         self.path = path if path.suffix else path.with_name(path.name + SUFFIX)
         self._tables: Dict[str, Dict[str, int]] = {table: {} for table in TABLES}
         self._layouts: Dict[tuple, int] = {}
         self._summary = _Summary()
         self._file = None
-        if is_writer(writer_rank):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w", encoding="utf-8")
-            self._file.write(HEADER + "\n")
-            self._file.flush()
+        self._last: Optional[int] = None  # resumed: the log's last step, until the first append
+        self.kept: Optional[Path] = None
+        if not is_writer(writer_rank):
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        exists = self.path.is_file() and self.path.stat().st_size > 0
+        if exists and not resume:
+            self.kept = keep_aside(self.path)
+        elif exists:
+            self._resume()
+            return
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._file.write(HEADER + "\n")
+        self._file.flush()
+
+    def _resume(self):
+        """Continue the log at :attr:`path`: its tables, layouts and summary read back."""
+        if not is_streamed(self.path):
+            raise ValueError(
+                f"{self.path}: not a cockpit-gradnoise streamed log, so it cannot be resumed; "
+                "give resume=False to keep it under a new name and start afresh")
+        trim_for_append(self.path)
+        log = read_stream(self.path)
+        for table in TABLES:
+            self._tables[table] = {name: code for code, name in enumerate(getattr(log, table))}
+        statistics = self._tables["statistics"]
+        for number, (params, codes) in enumerate(log.layouts):
+            key: Dict[str, list] = {}
+            for param, statistic in zip(params.tolist(), codes.tolist()):
+                key.setdefault(log.params[param], []).append(log.statistics[statistic])
+            self._layouts.setdefault(tuple((p, tuple(names)) for p, names in key.items()), number)
+            self._summary.layout([[self._tables["params"][p], [statistics[n] for n in names]]
+                                  for p, names in key.items()], statistics)
+        for step, quantity, layout, values in log.records:  # in file order, as written
+            self._summary.add(quantity, step, layout, None if layout is None else values)
+        self._last = max(log, default=None)
+        self._file = open(self.path, "a", encoding="utf-8")
 
     def append(self, cockpit) -> int:
         """Write what ``cockpit`` holds and drop it from its quantities and itself.
@@ -130,6 +188,9 @@ class LogStream:
         if self._file is None or not held:
             return 0
         lines = [line for step, values in held.items() for line in self._lines(step, values)]
+        if self._last is not None and min(held) <= self._last:  # a restart from an earlier step
+            lines.insert(0, json.dumps({"superseded": min(held)}) + "\n")
+        self._last = None
         self._file.write("".join(lines))  # one write: a kill cuts at most the last lines
         self._file.flush()
         return sum(1 for line in lines if line.startswith('{"step"'))
@@ -343,10 +404,31 @@ class StreamedLog(MappingABC):
         # Records, each (step, quantity position, layout or None, values or JSON value).
         self.records: List[Tuple[int, int, Optional[int], Any]] = []
         self._index: Dict[int, Dict[int, int]] = {}  # step -> quantity -> last record
+        self._superseded: List[int] = []  # records a resumed run superseded
 
     def _add(self, record: Tuple[int, int, Optional[int], Any]):
         self._index.setdefault(record[0], {})[record[1]] = len(self.records)
         self.records.append(record)
+
+    def _supersede(self, first: int):
+        """A ``{"superseded": first}`` line: the records so far of steps ``>= first`` set apart."""
+        if not isinstance(first, int):
+            raise ValueError("a superseded line's step is not an integer")
+        for step in [step for step in self._index if step >= first]:
+            self._superseded.extend(self._index.pop(step).values())
+
+    def superseded_records(self) -> List[Tuple[int, str, Any]]:
+        """``(step, quantity, value)`` of each record a resumed run superseded, in file order.
+
+        The lines of steps at and after a resumed run's first step that the
+        run which died wrote: kept in the file, left out of the log's steps.
+        """
+        return [(self.records[r][0], self.quantities[self.records[r][1]],
+                 self._value(self.records[r])) for r in sorted(self._superseded)]
+
+    def superseded(self) -> List[int]:
+        """The positions in :attr:`records` of the superseded records, in file order."""
+        return sorted(self._superseded)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._index)
@@ -386,7 +468,7 @@ def read_stream(path) -> StreamedLog:
     log = StreamedLog(path)
     with open(path, "rb") as file:
         first = file.readline()
-        if first.rstrip(b"\r\n") != HEADER.encode():
+        if first.rstrip(b"\r\n") not in HEADERS:
             raise ValueError(f"{path}: not a cockpit-gradnoise streamed log (no header line)")
         number = 1
         for number, line in enumerate(file, start=2):
@@ -420,19 +502,26 @@ def _read_line(log: StreamedLog, line: bytes):
                 getattr(log, table).extend(names)
         elif "summary" in item:
             pass  # sums of numbers the log holds, for a faster reader (selective)
+        elif "superseded" in item:
+            log._supersede(item["superseded"])
         elif "layout" in item:
-            params = [p for p, names in item["layout"] for _ in names]
-            statistics = [s for _, names in item["layout"] for s in names]
-            layout = (numpy.asarray(params, dtype=numpy.int64),
-                      numpy.asarray(statistics, dtype=numpy.int64))
-            if any(len(a) and not (0 <= a.min() and a.max() < len(t))
-                   for a, t in zip(layout, (log.params, log.statistics))):
-                raise ValueError("layout names a parameter or statistic not declared")
-            log.layouts.append(layout)
+            log.layouts.append(_layout(log, item["layout"]))
         else:
             raise ValueError(f"unknown line with keys {sorted(item)}")
     except (KeyError, TypeError, IndexError) as error:
         raise ValueError(f"malformed line ({type(error).__name__}: {error})") from None
+
+
+def _layout(log: StreamedLog, declared) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """A layout line's ``[[param, [statistic, ...]], ...]`` as positions per number."""
+    params = [p for p, names in declared for _ in names]
+    statistics = [s for _, names in declared for s in names]
+    layout = (numpy.asarray(params, dtype=numpy.int64),
+              numpy.asarray(statistics, dtype=numpy.int64))
+    if any(len(a) and not (0 <= a.min() and a.max() < len(t))
+           for a, t in zip(layout, (log.params, log.statistics))):
+        raise ValueError("layout names a parameter or statistic not declared")
+    return layout
 
 
 def _record(log: StreamedLog, item) -> Tuple[int, int, Optional[int], Any]:
