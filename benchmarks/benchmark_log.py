@@ -118,6 +118,7 @@ def stream_synthetic(path: Path, steps: int, every: int, n_tensors: int, seed: i
     """Measurement 1: stream ``steps // every`` tracked steps; RSS growth after the first tenth."""
     cockpit, rng = synthetic_cockpit(n_tensors), numpy.random.default_rng(seed)
     tracked = list(range(0, steps, every))
+    path.unlink(missing_ok=True)  # a fresh log (LogStream continues one)
     warm, seconds = max(1, len(tracked) // 10), 0.0
     with LogStream(path) as stream:
         for i, step in enumerate(tracked):
@@ -151,6 +152,7 @@ def stream_real(path: Path, steps: int, n_tensors: int) -> dict:
     import torch
     from torch import nn
 
+    path.unlink(missing_ok=True)  # a fresh log (LogStream continues one)
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8) for _ in range(max(1, n_tensors // 2))]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())][:-1])

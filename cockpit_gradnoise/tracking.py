@@ -85,7 +85,9 @@ def track(
         verbose: Cockpit's ``verbose`` for the quantities.
         log: Stream the log to this path (:meth:`Tracker.stream_to`): each
             tracked step is appended as it is computed and dropped from
-            memory, so memory stays flat over any number of steps.
+            memory, so memory stays flat over any number of steps. A
+            streamed log already there is continued, never replaced
+            (:class:`~cockpit_gradnoise.LogStream`).
 
     Returns:
         ``(model, tracker)``: the model to train and its :class:`Tracker`.
