@@ -24,7 +24,13 @@ Its lines, in the order they are written:
   per-parameter numbers (Cockpit's own quantities, ``cockpit.log``), as JSON
   (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``, NumPy arrays as
   lists);
-- last, written by :meth:`LogStream.close` (a killed writer leaves none):
+- ``{"superseded": s}``: written by a resumed run (:class:`LogStream`) whose
+  first step ``s`` is at or before the last step of the log: the records of
+  steps ``>= s`` before this line were written by a run that died after its
+  checkpoint. They stay in the file, left out of the log's steps and frame
+  (:meth:`StreamedLog.superseded_records`, ``to_frame(..., superseded=True)``).
+- last, written by :meth:`LogStream.close` (a killed writer leaves none; a
+  resumed writer cuts it and writes the whole log's at its own close):
   ``{"layout": [], "summary": {"records": [[q, n], ...], "sums": [...]}}``
   (to a reader from before summaries, which refuses lines it does not know,
   an empty layout that no record names), ``n`` the
@@ -37,12 +43,6 @@ Its lines, in the order they are written:
   (:class:`_RunningMeans`), so ``sums / finite`` are, to the bit, the means
   the ranking takes of the whole frame; a reader then need not decode
   millions of numbers to rank the layers (``cockpit_gradnoise.views.reads``).
-
-- ``{"superseded": s}``: written by a resumed run (:class:`LogStream`) whose
-  first step ``s`` is at or before the last step of the log: the records of
-  steps ``>= s`` before this line were written by a run that died after its
-  checkpoint. They stay in the file, left out of the log's steps and frame
-  (:meth:`StreamedLog.superseded_records`, ``to_frame(..., superseded=True)``).
 
 A later record of the same step and quantity replaces an earlier one, as a
 Cockpit's output dict does. :func:`read_stream` reads a log back as a
@@ -104,7 +104,7 @@ class LogStream:
     A streamed log already at ``path`` is continued (``resume=True``): its
     names, layouts and summary are read back, so the lines appended are
     coded as one run's; a line cut by a killed writer is moved to a side
-    file (``run.jsonl.cut``) with a warning. If the first step appended is
+    file (``run.jsonl.cut1``) with a warning. If the first step appended is
     at or before the log's last step (a restart from an earlier checkpoint),
     a ``{"superseded": s}`` line keeps the earlier lines of steps ``>= s``
     readable but out of the frame. ``resume=False`` starts afresh and keeps
