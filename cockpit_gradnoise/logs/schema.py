@@ -95,7 +95,7 @@ def quantile_levels(names: Iterable[str], prefix: str = "") -> List[float]:
 
 
 #: What ranks layers, noisiest first: (quantity, statistic, lowest first), the
-#: first one present in the frame (:func:`cockpit_gradnoise.views.common.noise_ranking`;
+#: first one present in the frame (the views' noise ranking uses it;
 #: a streamed log sums them as it goes, :mod:`cockpit_gradnoise.logs.stream`).
 RANKINGS = (
     (GRADIENT_VARIANCE, SNR_MEDIAN, True),

@@ -554,7 +554,7 @@ def first_of_each_layout(index: LogIndex) -> Pick:
 
     A parameter first appears in the frame (or in any quantity's rows) in the
     first record of its quantity and layout that holds it, so these give
-    :func:`~cockpit_gradnoise.views.common.layer_order` of the full frame.
+    the layer order the views take of the full frame.
     """
     key = index.quantity * (len(index.layouts) + 1) + index.layout
     mask = numpy.zeros(len(index), dtype=bool)

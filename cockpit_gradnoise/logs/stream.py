@@ -42,7 +42,7 @@ Its lines, in the order they are written:
   the run and how many there were. The sums are pandas' compensated ones
   (:class:`_RunningMeans`), so ``sums / finite`` are, to the bit, the means
   the ranking takes of the whole frame; a reader then need not decode
-  millions of numbers to rank the layers (``cockpit_gradnoise.views.reads``).
+  millions of numbers to rank the layers (the views' reads).
 
 A later record of the same step and quantity replaces an earlier one, as a
 Cockpit's output dict does. :func:`read_stream` reads a log back as a
