@@ -37,47 +37,65 @@ from cockpit_gradnoise._ranks import WRITER_RANK, is_writer, process_group, rank
 _EXAMPLES, _MEAN, _SUM, _FAILED, _LAYOUT, _STEP = range(6)
 _HEADER_FIELDS = 6
 
-# Classes whose parameters are not full per-process copies (sharded data or
-# tensor parallelism), by name: FSDP is not imported to detect it.
-_SHARDED_PARAMETER_CLASSES = ("FlatParameter", "DTensor")
-_SHARDED_MODULE_CLASSES = ("FullyShardedDataParallel", "FSDPModule")
+# What holds parameters that are not full per-process copies (sharded data,
+# tensor or pipeline parallelism), by class name: nothing is imported to detect it.
+_SHARDED_PARAMETER_CLASSES = {
+    "FlatParameter": "FSDP (FullyShardedDataParallel)",
+    "DTensor": "FSDP2 (fully_shard) or tensor parallelism",
+}
+_SHARDED_MODULE_CLASSES = {
+    "FullyShardedDataParallel": "FSDP (FullyShardedDataParallel)",
+    "FSDPModule": "FSDP2 (fully_shard)",
+    "DeepSpeedEngine": "DeepSpeed",
+    "PipelineStage": "pipeline parallelism",
+    "Pipe": "pipeline parallelism",
+}
+# "Pipe" is a common word: only torch's own pipelining classes count.
+_QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.distributed.pipelining"}
 
 
 def check_not_sharded(params: Iterable, model=None):
-    """Raise if the parameters (or the model) are sharded across processes.
+    """Raise if the parameters (or any module of the model) are sharded across processes.
 
     Every quantity needs each process to hold the full parameters and
-    gradients, as DistributedDataParallel does; FSDP and tensor parallelism
-    shard them. Detected by class name and FSDP's ``_fsdp_flattened`` mark,
-    without importing FSDP.
+    gradients, as DistributedDataParallel does; FSDP (FullyShardedDataParallel,
+    with or without ``use_orig_params``), FSDP2 (``fully_shard``), tensor
+    parallelism (DTensor parameters), DeepSpeed and pipeline parallelism shard
+    them, wrap them or split the model. Detected by class name (of the model,
+    every submodule and every parameter) and FSDP's ``_fsdp_flattened`` mark,
+    without importing any of them.
 
     Raises:
         TypeError: Naming what was found and what is supported.
     """
     found = None
     if model is not None:
-        found = _sharded_class(type(model), _SHARDED_MODULE_CLASSES)
+        found = next(filter(None, (_sharded_class(type(module), _SHARDED_MODULE_CLASSES)
+                                   for module in model.modules())), None)
     for param in params:
         if found is not None:
             break
         if getattr(param, "_fsdp_flattened", False):
-            found = "an FSDP-flattened parameter"
+            found = ("a parameter flattened by FSDP", "FSDP (FullyShardedDataParallel)")
         else:
             found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
     if found is not None:
+        what, parallelism = found
         raise TypeError(
-            f"cockpit_gradnoise got {found}: FullyShardedDataParallel and tensor "
-            "parallelism shard parameters and gradients across processes, which the "
-            "quantities do not support. Wrap the model in "
-            "torch.nn.parallel.DistributedDataParallel instead (every process holds "
-            "the full model); see docs/distributed.md"
+            f"cockpit_gradnoise found {what}, from {parallelism}, which is not "
+            "supported: every quantity needs each process to hold the full parameters "
+            "and gradients. Supported: one process, or "
+            "torch.nn.parallel.DistributedDataParallel (every process holds the full "
+            "model; the statistics are those of the global batch); see "
+            "docs/distributed.md"
         )
 
 
-def _sharded_class(cls, names) -> Optional[str]:
+def _sharded_class(cls, names) -> Optional[Tuple[str, str]]:
+    """``(what was found, parallelism)`` for the first of ``cls``'s classes in ``names``."""
     for base in cls.__mro__:
-        if base.__name__ in names:
-            return f"a {base.__name__}"
+        if base.__name__ in names and base.__module__.startswith(_QUALIFIED.get(base.__name__, "")):
+            return f"the class {base.__name__}", names[base.__name__]
     return None
 
 

@@ -21,6 +21,7 @@ run as the plain model's.
 import sys
 from typing import Optional
 
+from cockpit_gradnoise import distributed
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import has_rule, uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
@@ -78,11 +79,15 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
         The model to train.
 
     Raises:
+        TypeError: If the model is sharded or split across processes (FSDP,
+            FSDP2, tensor parallelism, DeepSpeed, pipeline parallelism), see
+            :func:`~cockpit_gradnoise.distributed.check_not_sharded`.
         RuntimeError: With ``use_converter=True``, if the model's traced code
             depends on ``self.training`` (the converter would freeze it: a
             ``.train()`` or ``.eval()`` later would not change what dropout
             or drop-path do), or if the converter changed parameter names.
     """
+    distributed.check_not_sharded(model.parameters(), model)  # before anything is changed
     model = convert_attention(model)  # same parameters, same names (attention.py)
     install_fallback(model, has_rule)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:

@@ -95,6 +95,9 @@ def track(
     Raises:
         ValueError: If no parameter requires gradients, or for a bad
             ``every``, preset, name or option (see :func:`~cockpit_gradnoise.configuration`).
+        TypeError: If the model is sharded or split across processes (FSDP,
+            FSDP2, tensor parallelism, DeepSpeed, pipeline parallelism): only
+            one process or DistributedDataParallel is supported.
     """
     # A torch.compile'd model: prepare and name the module it wraps (no "_orig_mod."
     # prefix); the compiled wrapper, which calls that module, is what is returned.

@@ -283,8 +283,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         step.warn_frozen(self, list(zip(self.names(params), params)))
         if self._extensions:
             step.warn_earlier_gradients(self)
+        distributed.check_not_sharded(params)  # a DTensor breaks every formula, one process or many
         if distributed.world_size() > 1:
-            distributed.check_not_sharded(params)
             self._warn_if_rank_local()
         found = self._values(step, params)
         if found is None:

@@ -87,9 +87,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         if micro is not None and not micro.last:
             return global_step, None  # the parameters change after the last micro-batch only
         names = self.names(params)
-        if distributed.world_size() > 1:
-            # Parameters are the same on every process (DDP): nothing to reduce.
-            distributed.check_not_sharded(params)
+        # Parameters are the same on every process (DDP): nothing to reduce.
+        distributed.check_not_sharded(params)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None
