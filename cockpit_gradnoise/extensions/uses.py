@@ -88,7 +88,10 @@ def _after_layer(module, args, output):
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
     uses.inputs[module] = args[0]
-    if isinstance(module, nn.Embedding) and isinstance(output, Tensor) and output.grad_fn is not None:
+    # An embedding subclass may take something else (Blenderbot's and LED's learned
+    # positions take the input's torch.Size and build the index inside).
+    if (isinstance(module, nn.Embedding) and isinstance(args[0], Tensor)
+            and isinstance(output, Tensor) and output.grad_fn is not None):
         index = args[0]
         from_inputs = _storage(index) in uses.storages
         if batchless.suspect(index, uses.examples, from_inputs):

@@ -1,0 +1,90 @@
+"""An embedding subclass whose forward takes something other than an index tensor.
+
+Blenderbot's and LED's learned positions (``nn.Embedding`` subclasses) take the
+input's ``torch.Size`` and build the index inside; recording their call used to
+crash the forward pass. Now the step completes: the position table, applied
+without the batch dimension, is left out with a warning naming it, and every
+other parameter is exact against a float64 per-example loop.
+"""
+
+import copy
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.references import per_example_grad_norm, per_example_gradients
+
+import pytest
+import torch
+from torch import nn
+
+
+class Seq2Seq(nn.Module):
+    """``logits`` of an encoder-decoder from one tensor holding both token sequences."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens[:, 0], decoder_input_ids=tokens[:, 1], use_cache=False).logits
+
+
+def token_losses(logits, targets):
+    per_token = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return per_token.view(len(targets), -1).mean(1)
+
+
+def blenderbot():
+    from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration
+
+    config = BlenderbotConfig(
+        vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    return Seq2Seq(BlenderbotForConditionalGeneration(config)).eval()
+
+
+POSITIONS = ["model.model.encoder.embed_positions.weight", "model.model.decoder.embed_positions.weight"]
+# The key projection's bias adds the same number to every score of a query, which
+# softmax ignores: its gradient is zero by structure (the loop's is rounding noise).
+ZERO_BY_STRUCTURE = ".k_proj.bias"
+
+
+def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact():
+    torch.manual_seed(0)
+    with torch.random.fork_rng():
+        torch.set_default_dtype(torch.float64)
+        try:
+            model = blenderbot()
+            examples, length = 5, 6  # the batch differs from every length of the model
+            tokens = torch.randint(2, 32, (examples, 2, length))
+            targets = tokens[:, 1]
+            reference_model = copy.deepcopy(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tracked, tracker = cgn.track(model, every=1, quantities=["PerExampleGradNorm"])
+                losses = token_losses(tracked(tokens), targets)
+                with tracker(0, losses) as loss:
+                    loss.backward()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    rows = tracker.get_output()[0]["PerExampleGradNorm"]
+    messages = " ".join(str(w.message) for w in caught if "cockpit-gradnoise" in str(w.message))
+    for name in POSITIONS:
+        assert name not in rows
+        assert name in messages
+    gradients = per_example_gradients(reference_model, token_losses, tokens, targets)
+    for name in gradients:
+        if name.endswith(ZERO_BY_STRUCTURE):
+            gradients[name] = torch.zeros_like(gradients[name])
+    kept = {name: value for name, value in gradients.items() if name not in POSITIONS}
+    expected = per_example_grad_norm(None, None, tokens, None, gradients=kept)
+    assert set(rows) - {"all"} == set(kept)
+    compared = 0
+    for name, statistics in expected.items():
+        for statistic, value in statistics.items():
+            # float64 sums of a few hundred products: far below 1e-10 relative.
+            assert rows[name][statistic] == pytest.approx(value, rel=1e-10, abs=0), (name, statistic)
+            compared += 1
+    assert compared > 100
