@@ -33,7 +33,7 @@ from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.quantities.presets import build_quantities, quantity_plan, schedule_of, trainable_names
 from cockpit_gradnoise.step_checks import check_individual_losses, step_number
 from cockpit_gradnoise.tracked_step import IdleStep, TrackedStep
-from cockpit_gradnoise.views.sources import report
+from cockpit_gradnoise.views.sources import advice, report
 
 import torch
 from cockpit import Cockpit
@@ -389,6 +389,14 @@ class Tracker:
         from cockpit_gradnoise.views.sources import plot  # matplotlib only where a figure is drawn
 
         return plot(self, **kwargs)
+
+    def advice(self, **kwargs):
+        """What the noise scale tracked so far advises: :func:`~cockpit_gradnoise.advice`'s
+        arguments; ``print`` it (``docs/advice.md``)."""
+        if self.stream is not None:
+            self._append()
+            return advice(self.stream.path, **kwargs)
+        return advice(self, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
         """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""
