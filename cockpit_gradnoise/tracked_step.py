@@ -115,9 +115,9 @@ def record_optimizer(cockpit: Cockpit, step: int, optimizer) -> None:
     Accelerate's ``AcceleratedOptimizer``) is named by the optimizer it wraps. Nothing is
     logged without an optimizer.
     """
-    for _ in range(4):  # wrappers hold the optimizer as .optimizer
+    for _ in range(4):  # wrappers hold the optimizer as .optimizer (Accelerate's is an Optimizer too)
         inner = getattr(optimizer, "optimizer", None)
-        if inner is None or isinstance(optimizer, torch.optim.Optimizer):
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
             break
         optimizer = inner
     if optimizer is None:

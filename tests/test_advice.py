@@ -13,12 +13,10 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import cli
 from cockpit_gradnoise.logs.schema import optimizer_class, optimizer_statistics
-from cockpit_gradnoise.views.advice import (
-    CAVEATS,
-    NO_NOISE_SCALE,
+from cockpit_gradnoise.views.advice import CAVEATS, NO_NOISE_SCALE, advice_of
+from cockpit_gradnoise.views.batch_size import (
     SGD_RULE,
     SQRT_RULE,
-    advice_of,
     learning_rate_factor,
     learning_rate_for,
     noise_range,
@@ -358,3 +356,69 @@ def test_a_report_without_a_noise_scale_says_what_to_track():
     output = {0: {"ParamGradRatio": {"all": {"norm_ratio": 2.0}, "w": {"norm_ratio": 2.0}}}}
     text = cgn.report(cgn.to_frame(output))
     assert text.split("\n\n")[1] == f"advice:\n- {NO_NOISE_SCALE}"
+
+
+def test_a_streamed_log_read_in_part_gives_the_advice_of_the_whole_log(capsys, tmp_path):
+    """The report of a streamed log decodes only some rows (``views/reads.py``): among them
+    the recent noise scales the advice falls back on where the last is NaN."""
+    from types import SimpleNamespace
+
+    output = log_of(noise=128.0, optimizer=("SGD", 0.1), smoothed_nan_last=True)
+    with cgn.LogStream(tmp_path / "hand") as stream:
+        stream.append(SimpleNamespace(quantities=[], output=output))
+    path = tmp_path / "hand.jsonl"
+    assert cli.main(["report", str(path), "--step", "11"]) == 0
+    printed = capsys.readouterr().out
+    whole = build_report(cgn.to_frame(path), source=str(path), step=11)
+    assert whole.advice.step == 10 and whole.advice.new_lr == pytest.approx(0.25, rel=1e-15)
+    assert printed == format_report(whole)
+
+
+def test_the_docs_example_prints_what_the_page_shows(tmp_path, monkeypatch):
+    """docs/advice.md: its first example, run, prints the text block after it."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from tests.test_docs import code_blocks
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "advice.md"
+    blocks = code_blocks(page)
+    example, shown = blocks[0], blocks[1]
+    assert (example.language, shown.language) == ("python", "text")
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        exec(compile(example.code, str(page), "exec"), {"__name__": "docs_advice"})
+    assert printed.getvalue() == shown.code + "\n"  # print adds a newline to the block's own
+
+
+def test_a_wrapped_optimizer_is_logged_under_the_name_of_the_one_it_wraps():
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.tracked_step import record_optimizer
+
+    class Wrapper(torch.optim.Optimizer):  # as Accelerate's AcceleratedOptimizer: an Optimizer too
+        def __init__(self, optimizer):
+            self.optimizer, self.param_groups = optimizer, optimizer.param_groups
+
+    inner = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=torch.tensor(3e-4))
+    cockpit = SimpleNamespace(output=defaultdict(dict))
+    record_optimizer(cockpit, 3, SimpleNamespace(optimizer=Wrapper(inner)))  # Lightning's, around it
+    record_optimizer(cockpit, 4, None)
+    assert dict(cockpit.output) == {3: {"Optimizer": {"all": {"class:AdamW": 1.0,
+                                                              "lr": float(torch.tensor(3e-4))}}}}
+
+
+@pytest.mark.parametrize("name", ["write_log.json", "cockpit_write.json"])
+def test_an_old_log_on_disk_gets_the_batch_advice_and_says_why_there_is_no_learning_rate(name):
+    from pathlib import Path
+
+    old = Path(__file__).resolve().parent / "data" / "logs" / name  # written before Optimizer rows
+    got = cgn.advice(old, batch_size=2)
+    # B_noise 6.28 (smoothed), range [3.14, inf]: batch 2 is below it
+    assert (got.optimizer, got.lr, got.new_batch, got.new_lr) == (None, None, 6, None)
+    assert "- no learning rate: the log does not record the optimizer" in str(got)
+    assert cgn.report(old).split("\n\n")[1].startswith("advice:\n- noise scale B_noise = 6.28 at step 4")

@@ -33,6 +33,7 @@ from backpack import extend  # noqa: E402
 from cockpit.utils.schedules import linear  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tests.helpers import without_quantities  # noqa: E402
 from tests.test_docs import README, code_blocks  # noqa: E402
 
 GETTING_STARTED = Path(__file__).resolve().parent.parent / "docs" / "getting-started.md"
@@ -93,19 +94,11 @@ def classes_of(names):
     return [getattr(cgn, name) for name in names]
 
 
-def without_optimizer(frame):
-    """``frame`` without the tracker's ``Optimizer`` rows, which the explicit API does not log."""
-    kept = frame[frame.quantity != "Optimizer"].reset_index(drop=True)
-    for column in ("quantity", "param", "statistic"):  # their names too (categories)
-        kept[column] = kept[column].cat.remove_unused_categories()
-    return kept
-
-
 def assert_same_numbers(tracker, cockpit):
     got, expected = tracker.frame(), cgn.to_frame(cockpit)
     assert len(got) > 0
     assert set(got.quantity) - set(expected.quantity) <= {"Optimizer"}
-    assert without_optimizer(got).equals(expected)
+    assert without_quantities(got).equals(expected)
 
 
 def front_door_block(path):
@@ -190,7 +183,7 @@ def test_a_loss_given_is_used_when_it_is_the_mean_or_the_sum():
             assert loss is mean
             loss.backward()
         opt.step()
-    got, expected = without_optimizer(tracker.frame()), cgn.to_frame(explicit)
+    got, expected = without_quantities(tracker.frame()), cgn.to_frame(explicit)
     # Another loss kernel: the same rows, values to rounding.
     assert got[["step", "quantity", "param", "statistic"]].equals(
         expected[["step", "quantity", "param", "statistic"]])
@@ -392,7 +385,7 @@ def test_logs_of_the_explicit_api_and_of_the_front_door_read_the_same(tmp_path):
     tracker = front_door(tiny_model(), batches())
     written = tracker.write(tmp_path / "front")
     assert written == tmp_path / "front.json" and tracker.log == written
-    assert cgn.to_frame(explicit).equals(without_optimizer(cgn.to_frame(written)))
+    assert cgn.to_frame(explicit).equals(without_quantities(cgn.to_frame(written)))
     assert cgn.to_frame(tracker).equals(tracker.frame())  # a tracker passes for its Cockpit
     text = tracker.report()
     assert text.splitlines()[0] == f"cockpit-gradnoise report: {written}"
