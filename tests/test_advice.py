@@ -422,3 +422,12 @@ def test_an_old_log_on_disk_gets_the_batch_advice_and_says_why_there_is_no_learn
     assert (got.optimizer, got.lr, got.new_batch, got.new_lr) == (None, None, 6, None)
     assert "- no learning rate: the log does not record the optimizer" in str(got)
     assert cgn.report(old).split("\n\n")[1].startswith("advice:\n- noise scale B_noise = 6.28 at step 4")
+
+
+def test_the_norms_preset_is_advised_from_two_batch_noise_scale():
+    output = log_of(noise=128.0, optimizer=("SGD", 0.1))
+    for values in output.values():
+        values["TwoBatchNoiseScale"] = values.pop("GradientNoiseScale")
+    got = advised(output)
+    assert (got.source, got.new_batch) == ("TwoBatchNoiseScale", 128)
+    assert "(b_simple_smoothed of all, TwoBatchNoiseScale)" in str(got)
