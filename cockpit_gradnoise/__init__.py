@@ -26,6 +26,7 @@ _EXPORTS = {
     "plot": ("cockpit_gradnoise.views.sources", "plot"),
     "panels": ("cockpit_gradnoise.views.panels", None),
     "report": ("cockpit_gradnoise.views.sources", "report"),
+    "advice": ("cockpit_gradnoise.views.sources", "advice"),
     "track": ("cockpit_gradnoise.tracking", "track"),
     "configuration": ("cockpit_gradnoise.quantities.presets", "configuration"),
     "Tracker": ("cockpit_gradnoise.tracking", "Tracker"),

@@ -10,6 +10,7 @@ gradients (:mod:`cockpit_gradnoise.amp`).
 from typing import Callable, Optional
 
 from cockpit_gradnoise import amp
+from cockpit_gradnoise.logs.schema import NETWORK, OPTIMIZER, optimizer_statistics
 from cockpit_gradnoise.step import Step
 
 import torch
@@ -62,6 +63,9 @@ class TrackedStep:
                 self._compute()
             if self.scaled is not None:
                 self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
+            if any(self.step in quantity.output for quantity in self.cockpit.quantities):
+                # Not at a step only a two-step quantity ends (it stores under its start).
+                record_optimizer(self.cockpit, self.step, self.info.get("optimizer"))
             if self.after is not None:
                 self.after()  # the tracker's loggers and stream
             return False
@@ -101,6 +105,30 @@ class TrackedStep:
                 "loss.backward(create_graph=tracker.create_graph(step))"
             )
         return None
+
+
+def record_optimizer(cockpit: Cockpit, step: int, optimizer) -> None:
+    """Log ``Optimizer / all / {class:<name>, lr}`` at ``step``: what the advice reads to
+    choose its learning-rate rule (:func:`~cockpit_gradnoise.logs.schema.optimizer_statistics`).
+
+    ``lr`` is the first parameter group's; a wrapper (Lightning's ``LightningOptimizer``,
+    Accelerate's ``AcceleratedOptimizer``) is named by the optimizer it wraps. Nothing is
+    logged without an optimizer.
+    """
+    for _ in range(4):  # wrappers hold the optimizer as .optimizer (Accelerate's is an Optimizer too)
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    if optimizer is None:
+        return
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    lr = groups[0].get("lr")
+    try:
+        lr = None if lr is None else float(lr)  # a tensor lr (capturable Adam) too
+    except (TypeError, ValueError):
+        lr = None
+    cockpit.output[step][OPTIMIZER] = {NETWORK: optimizer_statistics(type(optimizer).__name__, lr)}
 
 
 class IdleStep:

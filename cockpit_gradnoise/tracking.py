@@ -27,13 +27,14 @@ from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
+from cockpit_gradnoise.logs.schema import OPTIMIZER
 from cockpit_gradnoise.logs.stream import LogStream
 from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differentiate, micro_batch_given
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.quantities.presets import build_quantities, quantity_plan, schedule_of, trainable_names
 from cockpit_gradnoise.step_checks import check_individual_losses, step_number
 from cockpit_gradnoise.tracked_step import IdleStep, TrackedStep
-from cockpit_gradnoise.views.sources import report
+from cockpit_gradnoise.views.sources import advice, report
 
 import torch
 from cockpit import Cockpit
@@ -336,18 +337,26 @@ class Tracker:
             return
         new = {}
         for quantity in self.cockpit.quantities:
-            name = type(quantity).__name__
-            last = self._logged.get(name)
-            # Newest first, stopping at the last one given: steps increase, so
-            # this reads only the new results however long the run.
-            for step in reversed(quantity.output):
-                if last is not None and step <= last:
-                    break
-                new.setdefault(step, {})[name] = quantity.output[step]
-                self._logged[name] = max(step, self._logged.get(name, step))
+            self._new_results(new, type(quantity).__name__, quantity.output, lambda value: value)
+        # The optimizer the tracker logs, in Cockpit's own output (tracked_step.record_optimizer).
+        self._new_results(new, OPTIMIZER, self.cockpit.output, lambda values: values.get(OPTIMIZER))
         for step in sorted(new):
             for logger in self.loggers:
                 logger(step, new[step])
+
+    def _new_results(self, new: dict, name: str, output: Mapping, pick: Callable):
+        """Add to ``new`` (``{step: {name: value}}``) ``pick(output[step])`` of the steps after
+        the last one given to the loggers under ``name`` (``None``: nothing at that step)."""
+        last = self._logged.get(name)
+        # Newest first, stopping at the last one given: steps increase, so this reads
+        # only the new results however long the run.
+        for step in reversed(output):
+            if last is not None and step <= last:
+                break
+            value = pick(output[step])
+            if value is not None:
+                new.setdefault(step, {})[name] = value
+                self._logged[name] = max(step, self._logged.get(name, step))
 
     def _after_step(self):
         """After the quantities computed: the loggers get the new numbers, then the stream."""
@@ -392,6 +401,14 @@ class Tracker:
         from cockpit_gradnoise.views.sources import plot  # matplotlib only where a figure is drawn
 
         return plot(self, **kwargs)
+
+    def advice(self, **kwargs):
+        """What the noise scale tracked so far advises: :func:`~cockpit_gradnoise.advice`'s
+        arguments; ``print`` it (``docs/advice.md``)."""
+        if self.stream is not None:
+            self._append()
+            return advice(self.stream.path, **kwargs)
+        return advice(self, **kwargs)
 
     def report(self, path=None, **kwargs) -> str:
         """The report of what is tracked so far: :func:`~cockpit_gradnoise.report`'s arguments."""

@@ -10,6 +10,16 @@ RTOL = 1e-10
 EPS64 = torch.finfo(torch.float64).eps
 
 
+def without_quantities(frame, quantities=(schema.OPTIMIZER,)):
+    """A tidy ``frame`` without the rows of ``quantities``, their names dropped from its
+    categories: by default the tracker's ``Optimizer`` rows, which the explicit API does
+    not log."""
+    kept = frame[~frame.quantity.isin(quantities)].reset_index(drop=True)
+    for column in ("quantity", "param", "statistic"):
+        kept[column] = kept[column].cat.remove_unused_categories()
+    return kept
+
+
 def without_coverage(rows):
     """``rows`` without the network's ``params_covered``/``params_total`` (tested apart)."""
     return {

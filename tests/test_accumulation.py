@@ -67,8 +67,10 @@ def quantities(names):
 
 
 def stored(tracker):
-    """``{(step, quantity): {param: {statistic: value}}}`` of the tracker, decoded."""
+    """``{(step, quantity): {param: {statistic: value}}}`` of the tracker's quantities, decoded
+    (not the optimizer it logs)."""
     frame = tracker.frame()
+    frame = frame[frame.quantity != "Optimizer"]
     result = {}
     for step, quantity, param, statistic, value in zip(
         frame.step, frame.quantity, frame.param, frame.statistic, frame.value

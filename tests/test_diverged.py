@@ -76,7 +76,9 @@ def test_the_report_of_a_diverged_run_says_so_first_and_shows_the_last_finite_st
         "NON-FINITE: the run diverged: its statistics are NaN or inf from step 3 to the last "
         "tracked step 5 (3 of 6 tracked steps); first at step 3, in 0.weight (")
     assert lines[2].startswith("step 2 (the last tracked step without NaN or inf")
-    assert "Empty DataFrame" not in text and lines[6].startswith("0.weight")
+    blocks = text.split("\n\n")  # the header, the advice, the table, the findings
+    assert blocks[1].startswith("advice:")
+    assert "Empty DataFrame" not in text and blocks[2].splitlines()[2].startswith("0.weight")
     (noisiest,) = [line for line in lines if "noisiest layer" in line]
     assert "on average over 3 finite steps (network" in noisiest
     assert text.count("the run diverged") == 1  # not repeated among the findings

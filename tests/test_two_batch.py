@@ -241,7 +241,8 @@ def test_the_norms_preset_records_each_tracked_accumulated_step_and_its_log(tmp_
     assert quantity._pending is None  # the untracked step's backward passes left nothing
     tracker.close()
     frame = cgn.to_frame(cgn.read_log(tmp_path / "run.jsonl"))  # the stream keeps no step in memory
-    assert set(frame["quantity"]) == {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"}
+    assert set(frame["quantity"]) == {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize",
+                                      "Optimizer"}  # the tracker logs its optimizer too
     rows = frame[frame.quantity == "TwoBatchNoiseScale"]
     assert sorted(set(rows["step"])) == [0, 2]
     for step, values in expected.items():

@@ -27,6 +27,10 @@ PER_EXAMPLE_NORM = "PerExampleGradNorm"
 PARAM_GRAD_RATIO = "ParamGradRatio"
 UPDATE_SIZE = "UpdateSize"
 NOISE_SCALE = "GradientNoiseScale"
+#: The noise scale of the preconditioned gradient ``P g_i`` (Adam's), and of micro-batch
+#: norms (the ``"norms"`` preset): both store GradientNoiseScale's statistics.
+PRECONDITIONED_NOISE_SCALE = "PreconditionedNoiseScale"
+TWO_BATCH_NOISE_SCALE = "TwoBatchNoiseScale"
 QUANTITIES = (GRADIENT_VARIANCE, PER_EXAMPLE_NORM, PARAM_GRAD_RATIO, UPDATE_SIZE, NOISE_SCALE)
 
 # Statistics shared by several quantities.
@@ -64,6 +68,14 @@ BATCH_SIZE = "batch_size"
 GRAD_SCALER = "GradScaler"
 LOSS_SCALE = "scale"
 SKIPPED = "skipped"
+
+# The optimizer of each tracked step, recorded by the tracker under NETWORK: the
+# learning rate of its first parameter group, and its class as a statistic named
+# ``class:<name>`` of value 1 (a log holds numbers; names are text). Logs written
+# before they existed have no such rows: the advice then gives no learning rate.
+OPTIMIZER = "Optimizer"
+LEARNING_RATE = "lr"
+OPTIMIZER_CLASS_PREFIX = "class:"
 
 # Stored under NETWORK by a per-parameter quantity whose network row leaves
 # out some of the parameters it was given (with requires_grad): how many it
@@ -122,6 +134,22 @@ def sd_statistic_names(levels: Iterable[float]) -> List[str]:
 def norm_statistic_names(levels: Iterable[float]) -> List[str]:
     """PerExampleGradNorm's statistics for quantile ``levels``."""
     return [quantile_name(q) for q in levels] + [MEAN, MAX]
+
+
+def optimizer_statistics(class_name: str, lr: Optional[float]) -> Dict[str, float]:
+    """The statistics of an :data:`OPTIMIZER` row: ``{"class:<class_name>": 1.0, "lr": lr}``
+    (no ``lr`` where it is ``None``)."""
+    statistics = {OPTIMIZER_CLASS_PREFIX + class_name: 1.0}
+    if lr is not None:
+        statistics[LEARNING_RATE] = float(lr)
+    return statistics
+
+
+def optimizer_class(names: Iterable[str]) -> Optional[str]:
+    """The optimizer's class name among the statistic ``names`` of an :data:`OPTIMIZER` row
+    (:func:`optimizer_statistics`); ``None`` if none names it."""
+    return next((name[len(OPTIMIZER_CLASS_PREFIX):] for name in names
+                 if name.startswith(OPTIMIZER_CLASS_PREFIX)), None)
 
 
 def ratio_or_inf(numerator, denominator):

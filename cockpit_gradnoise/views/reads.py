@@ -52,6 +52,7 @@ from cockpit_gradnoise.logs.schema import (
     RANKINGS,
 )
 from cockpit_gradnoise.logs.table import Column, Rows
+from cockpit_gradnoise.views.advice import READ as ADVICE_READ
 from cockpit_gradnoise.views.common import (
     DEFAULT_TOP_K,
     Ranking,
@@ -244,7 +245,8 @@ def report_frame(path, step: Optional[int] = None
 
     Besides :func:`_base`'s: every number of the records at the steps the
     report reads each quantity at (its table and coverage), and of the
-    network's rows the statistics of its run history, up to the report's step.
+    network's rows the statistics of its run history and of the advice
+    (``advice.READ``: recent noise scales, batch, learning rate), up to the report's step.
     Where ``build_report`` raises (``step`` outside the log, none of this
     package's quantities), the first numbers alone: it raises the same on them.
 
@@ -269,7 +271,7 @@ def report_frame(path, step: Optional[int] = None
     summed, ranking = _summed(index, max(steps.values()))
     picks += _first_bad(index, summary) + ([] if summed else _ranking(index, upto)) + [
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
-        selective.named(index, upto, params=[NETWORK], statistics=list(HISTORY)),
+        selective.named(index, upto, params=[NETWORK], statistics=sorted({*HISTORY, *ADVICE_READ})),
         _batch_size(index, upto),
     ]
     frame = index.frame(picks)

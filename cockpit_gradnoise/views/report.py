@@ -31,6 +31,7 @@ from cockpit_gradnoise.logs.schema import (
     RANKINGS,
     encode_float,
 )
+from cockpit_gradnoise.views.advice import Advice, advice_json, advice_of
 from cockpit_gradnoise.views.common import (
     THRESHOLDS,
     Coverage,
@@ -185,6 +186,8 @@ class Report:
     the report's step was moved back to the last step without NaN or inf,
     the last tracked step being non-finite. ``notes``: what the log lacks that
     the report would show (a median not logged, :func:`median_notes`).
+    ``advice``: the batch size and learning rate the noise scale advises
+    (:func:`~cockpit_gradnoise.views.advice.advice_of`), the report's first block.
     """
 
     source: str
@@ -198,6 +201,7 @@ class Report:
     non_finite: Optional[NonFinite] = None
     finite_step: bool = False
     notes: List[str] = field(default_factory=list)
+    advice: Optional[Advice] = None
 
 
 #: Every statistic a report reads: its columns, the ranking, the run's history,
@@ -251,9 +255,14 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
     # One pass over the whole frame; everything after reads the rows it needs of these.
     read = frame[(frame.step.to_numpy() <= last) & frame.statistic.isin(READ).to_numpy()]
     table = layer_table(read, steps)
+    # The batch given, else the one the advice's noise scale recorded.
+    advice_batch = batch_size
     if batch_size is None:
         batch_size = recorded_batch_size(read)
     history = run_history(select(read, param=NETWORK), thresholds)
+    advice = advice_of(frame, batch_size=advice_batch, until=last,
+                       stopped=history.stopped_at is not None,
+                       factor=thresholds.noise_scale_factor)
     return Report(
         source=str(source),
         step=last,
@@ -270,6 +279,7 @@ def build_report(frame, *, source="", step=None, batch_size=None, thresholds: Th
         notes=median_notes(frame, steps),
         non_finite=summary,
         finite_step=finite_step,
+        advice=advice,
     )
 
 
@@ -301,6 +311,7 @@ def format_report(report: Report, fmt: str = "text") -> str:
                     for q, c in report.coverage.items()
                 },
                 "non_finite": _non_finite_json(report.non_finite),
+                "advice": None if report.advice is None else advice_json(report.advice),
             },
             indent=2,
         ) + "\n"
@@ -351,6 +362,7 @@ def _text(report: Report) -> str:
         f"step {report.step}" + (f" ({other})" if other else "") + f", batch size {batch}",
         *_coverage_lines(report.coverage),
         *report.notes,
+        *(["", str(report.advice).rstrip("\n")] if report.advice is not None else []),
         "",
         shown.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-") if len(shown.columns)
         else f"(no finite number at step {report.step})",

@@ -160,6 +160,24 @@ def plot(
                   heatmap=heatmap, fig=fig, dpi=dpi, writer_rank=writer_rank)
 
 
+def advice(source, *, step: Optional[int] = None, batch_size: Optional[int] = None):
+    """What the noise scale of ``source`` advises: batch size, trade-off, learning rate.
+
+    The :class:`~cockpit_gradnoise.views.advice.Advice` that is the first
+    block of :func:`report` (the same step, the same numbers); ``print`` it
+    for its sentences.
+
+    Args:
+        source: As :func:`report`'s.
+        step: The step to advise at (default: the last tracked step; the last
+            without NaN or inf where the run diverged).
+        batch_size: The batch used; default the one the noise scale recorded.
+    """
+    frame, ranking = rows_to_report(source, step)
+    return build_report(frame, source=source_name(source), step=step, batch_size=batch_size,
+                        ranking=ranking).advice
+
+
 def report(source, path=None, *, step: Optional[int] = None, batch_size: Optional[int] = None,
            fmt: str = "text", thresholds=None) -> str:
     """The report of a run in one call: a per-layer table of one step and findings.
