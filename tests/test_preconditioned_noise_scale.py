@@ -12,6 +12,7 @@ from cockpit_gradnoise import references
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.tracking import Tracker
 
+import numpy
 import pytest
 import torch
 from cockpit import Cockpit
@@ -277,3 +278,44 @@ def test_through_the_front_door_with_accelerate_s_wrapper_shape():
     frame = cgn.to_frame(tracker.cockpit)
     network = frame[(frame.quantity == QUANTITY) & (frame.param == schema.NETWORK)]
     assert set(network.statistic) == STATISTICS and sorted(set(network.step)) == [0, 1]
+
+
+def adam_run(quantity_names, steps=3, log=None):
+    """A tiny MLP trained with Adam through the front door, tracking ``quantity_names``."""
+    problem = build(case_named("mlp"), 6, "mean", dtype=torch.float32)
+    model, tracker = cgn.track(problem.model, every=1, quantities=quantity_names, log=log)
+    optimizer = adam(list(model.parameters()))
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = problem.per_example_loss(model(problem.inputs), problem.targets)
+        with tracker(step, losses, optimizer=optimizer) as loss:
+            loss.backward()
+        optimizer.step()
+    return tracker
+
+
+def noise_panel(fig):
+    (ax,) = [ax for ax in fig.axes if "noise scale B_simple" in ax.get_title()]
+    return ax
+
+
+def test_the_dashboard_draws_it_beside_the_plain_noise_scale_and_alone(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    both = adam_run(["GradientNoiseScale", QUANTITY], log=tmp_path / "run.jsonl")
+    drawn = []
+    for source in (both, tmp_path / "run.jsonl"):  # a live tracker, its streamed log
+        ax = noise_panel(cgn.plot(source, fig=Figure()))
+        lines = {line.get_label(): line for line in ax.lines}
+        assert {"b_simple (one batch)", "b_simple_smoothed", "b_simple preconditioned (one batch)",
+                "b_simple_smoothed preconditioned"} <= set(lines)
+        assert "purple: preconditioned" in ax.get_title()
+        drawn.append(lines["b_simple_smoothed preconditioned"].get_xydata())
+    assert len(drawn[0]) == 3 and numpy.array_equal(drawn[0], drawn[1], equal_nan=True)
+    alone = adam_run([QUANTITY])
+    ax = noise_panel(cgn.plot(alone.cockpit, fig=Figure()))
+    assert ax.get_title().startswith("preconditioned noise scale B_simple")
+    assert {"b_simple (one batch)", "b_simple_smoothed", "batch size 6"} <= {
+        line.get_label() for line in ax.lines}

@@ -15,8 +15,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     + eps))`` from its own running second moment, so the noise that matters
     for its batch size is that of ``P g_i``, not of ``g_i`` (Malladi et al.
     2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms":
-    Adam's stochastic dynamics are driven by ``P Sigma P``; McCandlish et al.
-    2018 define the noise scale of a preconditioned update likewise). Here the
+    Adam's stochastic dynamics are driven by the preconditioned noise; Merrill
+    et al. 2025 find the raw noise scale a weak proxy under Adam). Here the
     estimators of :class:`~cockpit_gradnoise.GradientNoiseScale`
     (:func:`~cockpit_gradnoise.functional.noise_scale_estimates`) are applied
     to ``P g_i``: with ``Q_j = sum_i g_ij^2`` and ``T_j = sum_i g_ij`` per
