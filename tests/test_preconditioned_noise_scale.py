@@ -6,6 +6,7 @@ denominator: independent of the package's reading of the state before the step.
 """
 
 import math
+from pathlib import Path
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
@@ -319,3 +320,98 @@ def test_the_dashboard_draws_it_beside_the_plain_noise_scale_and_alone(tmp_path)
     assert ax.get_title().startswith("preconditioned noise scale B_simple")
     assert {"b_simple (one batch)", "b_simple_smoothed", "batch size 6"} <= {
         line.get_label() for line in ax.lines}
+
+
+# Distributed data parallel: 2 processes ------------------------------------------------------
+
+DDP_CONFIGS = [("mean", (3, 3)), ("mean", (1, 4)), ("sum", (2, 3))]
+
+
+def ddp_worker(rank, world, port, out):
+    """Three tracked DDP steps with Adam per configuration; each process saves its table."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from tests.test_distributed import local_part, table
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        for reduction, sizes in DDP_CONFIGS:
+            problem = build(case_named("mlp"), sum(sizes), reduction)
+            model = nn.parallel.DistributedDataParallel(problem.model)
+            inputs = local_part(problem.inputs, sizes)
+            targets = local_part(problem.targets, sizes)
+            names = problem.names
+            cockpit = cgn.Cockpit(problem.params, quantities=[
+                cgn.PreconditionedNoiseScale(linear(1), param_names=names),
+                cgn.GradientVarianceQuantiles(linear(1), param_names=names),
+            ])
+            optimizer = adam(problem.params)
+            for step in range(3):
+                optimizer.zero_grad()
+                outputs = model(inputs)
+                loss = problem.loss_fn(outputs, targets)
+                info = {"individual_losses": problem.per_example_loss(outputs, targets),
+                        "loss": loss, "optimizer": optimizer}
+                with cockpit(step, info=info):
+                    loss.backward()
+                optimizer.step()
+            results[(reduction, sizes)] = table(cockpit)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_reference(reduction, sizes):
+    """One process: per-example gradients of the whole batch times the ``P`` of Adam
+    stepped with DDP's gradient (the mean of the processes' losses' gradients)."""
+    from tests.test_distributed import ddp_mean_loss
+
+    case = case_named("mlp")
+    problem = build(case, sum(sizes), reduction)
+    optimizer = adam(problem.params)
+    expected = []
+    for _ in range(3):
+        gradients = reference_gradients(case, problem)
+        optimizer.zero_grad()
+        ddp_mean_loss(problem, sizes).backward()
+        optimizer.step()
+        expected.append(brute_force(problem, optimizer, gradients))
+    return expected
+
+
+@pytest.fixture(scope="module")
+def ddp_tables(tmp_path_factory):
+    from tests.test_distributed import run_group
+
+    results, error, _ = run_group(2, tmp_path_factory.mktemp("ddp"), target=ddp_worker)
+    assert len(results) == 2, error
+    return results
+
+
+@pytest.mark.parametrize("reduction, sizes", DDP_CONFIGS)
+def test_under_ddp_it_is_that_of_the_global_batch_on_every_process(ddp_tables, reduction, sizes):
+    tables = [result[(reduction, sizes)] for result in ddp_tables]
+    assert tables[0] == tables[1]  # identical on both processes
+    for step, (expected, elements) in enumerate(ddp_reference(reduction, sizes)):
+        got = {}
+        for (at, quantity, param, statistic), value in tables[0].items():
+            if at == step and quantity == QUANTITY:
+                got.setdefault(param, {})[statistic] = value
+        for row in got.values():  # smoothed over steps: not the brute force's
+            row["b_simple_smoothed"] = row["b_simple"]
+        assert_matches(got, expected, elements, sum(sizes))
+
+
+def test_the_adaptive_preset_is_the_five_and_this_one():
+    from cockpit_gradnoise.quantities.presets import ALL, PRESETS
+
+    assert PRESETS["adaptive"] == (*ALL, QUANTITY)
+    problem = build(case_named("mlp"), 4, "mean")
+    built = cgn.configuration("adaptive", 1, problem.model)
+    assert [type(q).__name__ for q in built] == [*ALL, QUANTITY]

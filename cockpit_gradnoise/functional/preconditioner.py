@@ -13,6 +13,7 @@ import math
 from typing import Optional, Tuple, Union
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.norms import squared_norm
 
 import torch
 from torch import Tensor
@@ -53,7 +54,7 @@ def adam_preconditioner(
         second_moment = torch.maximum(torch.as_tensor(max_exp_avg_sq).to(second_moment), second_moment)
     bias_correction2 = 1 - beta2 ** (step + 1)
     root = bias_correction2.sqrt() if isinstance(bias_correction2, Tensor) else math.sqrt(bias_correction2)
-    return (second_moment.sqrt_() / root).add_(eps).reciprocal_()
+    return second_moment.sqrt_().div_(root).add_(eps).reciprocal_()
 
 
 def rmsprop_preconditioner(
@@ -100,8 +101,9 @@ def adagrad_preconditioner(state_sum: Number, grad: Tensor, *, eps: float) -> Te
 
 def _moving_average(previous: Number, grad: Tensor, weight: float) -> Tensor:
     """``weight * previous + (1 - weight) * grad**2``, in torch's order (``mul_``, ``addcmul_``)."""
-    previous = torch.as_tensor(previous, dtype=grad.dtype, device=grad.device)
-    return torch.addcmul(previous * weight, grad, grad, value=1 - weight)
+    if isinstance(previous, Tensor):
+        return previous.mul(weight).addcmul_(grad, grad, value=1 - weight)
+    return torch.mul(grad, grad).mul_(1 - weight).add_(previous * weight)  # no state yet
 
 
 def preconditioned_noise_sums(
@@ -116,11 +118,14 @@ def preconditioned_noise_sums(
     .. math::
 
         S_P = \\frac{1}{N} \\sum_j p_j^2 Q_j, \\qquad
-        M_P = \\frac{1}{N^2} \\sum_j p_j^2 T_j^2,
+        M_P = \\frac{1}{N^2} \\sum_j (p_j T_j)^2,
 
     the ``S`` and ``M`` of :func:`noise_scale_estimates` for the
-    preconditioned gradients ``P g_i``. Accumulated in float64, piece by
-    piece (never a whole float64 copy of the parameter).
+    preconditioned gradients ``P g_i``. The products ``p_j^2`` and ``p_j T_j``
+    are formed in the tensors' dtype (``p T`` first, so that ``T^2`` cannot
+    underflow where ``p`` is large), each within one rounding of it, as
+    the optimizer forms ``p`` itself; the sums over ``j`` are accumulated in
+    float64, piece by piece (never a whole float64 copy of the parameter).
 
     Args:
         preconditioner: ``p``, shaped as the sums; ``None`` for ``P = I``.
@@ -133,19 +138,20 @@ def preconditioned_noise_sums(
         ``(S_P, M_P)``.
     """
     squares, gradients = sum_of_squares.reshape(-1), sum_of_gradients.reshape(-1)
-    weights = None if preconditioner is None else preconditioner.reshape(-1)
-    size = _device.CHUNK if _device.on_host(squares) else _device.DEVICE_CHUNK
-    mean_squared_norm = squared_norm_of_mean = 0.0
-    for start in range(0, squares.numel(), size):
-        piece = slice(start, start + size)
-        square, gradient = squares[piece].double(), gradients[piece].double()
-        gradient = gradient * gradient
-        if weights is not None:
-            weight = weights[piece].double().square_()
-            square, gradient = square * weight, gradient.mul_(weight)
-        mean_squared_norm = mean_squared_norm + square.sum()
-        squared_norm_of_mean = squared_norm_of_mean + gradient.sum()
-    result = (mean_squared_norm / n, squared_norm_of_mean / n**2)
+    if preconditioner is None:
+        weighted_squares = _device.float64_total(squares)
+    else:
+        weights = preconditioner.reshape(-1)
+        weighted_squares = _float64_dot(weights * weights, squares)
+        gradients = weights * gradients
+    result = (weighted_squares / n, squared_norm(gradients, defer=True) / n**2)
     if defer and not _device.on_host(squares):
         return result
     return tuple(float(value) for value in result)
+
+
+def _float64_dot(first: Tensor, second: Tensor) -> Tensor:
+    """``sum_j first_j second_j`` of two 1d tensors, accumulated in float64: a 0-dim tensor."""
+    size = _device.CHUNK if _device.on_host(first) else _device.DEVICE_CHUNK
+    parts = [torch.dot(a.double(), b.double()) for a, b in zip(first.split(size), second.split(size))]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()

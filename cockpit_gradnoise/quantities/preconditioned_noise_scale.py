@@ -1,5 +1,6 @@
 """The noise scale Adam sees: ``B_simple`` of the preconditioned gradients ``P g_i``, per layer."""
 
+from cockpit_gradnoise import distributed
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
@@ -99,10 +100,14 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         super().__init__(track_schedule, smoothing=smoothing, param_names=param_names, verbose=verbose)
         self._preconditioner = None  # this step's OptimizerPreconditioner
         self._params = {}  # name -> parameter, this step's
+        self._scalars_scaled = False  # sums in units of x_i, scalars divided by c^2 (step_context)
 
     def step_context(self, step, params):
         batch = step.loss_batch(self)
         micro = step.micro_batch()
+        # One batch on one process: the sums stay in units of x_i = c g_i, and the two
+        # scalars are divided by c^2 (no pass over them); else in units of g_i, to add.
+        self._scalars_scaled = micro is None and distributed.world_size() == 1
         if micro is not None and not micro.last:
             return batch  # P is read after the last micro-batch, from the step's gradient
         try:
@@ -141,7 +146,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         # What the backward pass left, as GradientVarianceQuantiles reads it (never altered).
         grad, squares = getattr(param, SUMS_SAVEFIELD).detach()[:2]
         grad = grad.to(accumulation_dtype(param.dtype))
-        if batch.loss_scale != 1.0:  # x_i = c g_i: in units of g_i, to add across batches
+        if batch.loss_scale != 1.0 and not self._scalars_scaled:  # in units of g_i
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_squares": squares, "sum_of_gradients": grad}
 
@@ -151,4 +156,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         mean_squared_norm, squared_norm_of_mean = preconditioned_noise_sums(
             weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True
         )
+        if self._scalars_scaled and batch.loss_scale != 1.0:  # x_i = c g_i
+            scale = batch.loss_scale**2
+            mean_squared_norm, squared_norm_of_mean = mean_squared_norm / scale, squared_norm_of_mean / scale
         return mean_squared_norm, squared_norm_of_mean, n
