@@ -415,3 +415,29 @@ def test_the_adaptive_preset_is_the_five_and_this_one():
     problem = build(case_named("mlp"), 4, "mean")
     built = cgn.configuration("adaptive", 1, problem.model)
     assert [type(q).__name__ for q in built] == [*ALL, QUANTITY]
+
+
+def test_under_a_grad_scaler_it_is_that_of_the_unscaled_loss():
+    """The tracker unscales ``param.grad`` and the sums while the quantities compute:
+    ``P`` is that of the gradient ``scaler.step`` gives the optimizer."""
+    tables = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**10)):
+        problem = build(case_named("mlp"), 5, "mean")
+        model, tracker = cgn.track(problem.model, every=1, quantities=[QUANTITY])
+        optimizer = adam(list(model.parameters()))
+        for step in range(3):
+            optimizer.zero_grad()
+            losses = problem.per_example_loss(model(problem.inputs), problem.targets)
+            with tracker(step, losses, optimizer=optimizer, scaler=scaler) as loss:
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+        frame = tracker.frame()
+        frame = frame[frame.quantity == QUANTITY]  # not the scaler's own rows
+        tables.append(dict(zip(zip(frame.step, frame.param, frame.statistic), frame.value)))
+    assert tables[0].keys() == tables[1].keys()
+    for key, value in tables[0].items():  # powers of two: the division is exact
+        assert tables[1][key] == pytest.approx(value, rel=1e-12, abs=0), key
