@@ -74,8 +74,9 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     Cost: the per-element sums of
     :class:`~cockpit_gradnoise.GradientVarianceQuantiles` (the extension
     :class:`~cockpit_gradnoise.extensions.SumsOfContributions`, computed once
-    when both are tracked), and one elementwise pass forming ``P`` and the two
-    weighted sums; no per-example squared norms. Under gradient accumulation
+    when both are tracked), and elementwise passes over the parameters, about
+    ten: ``P`` as the optimizer forms it, and the two weighted sums in float64;
+    no per-example squared norms (measured: ``benchmarks/README.md``). Under gradient accumulation
     (``docs/accumulation.md``) and distributed training (``docs/distributed.md``)
     ``Q`` and ``T`` are added over every micro-batch and process, as
     GradientVarianceQuantiles' are, and ``P`` is applied once, after the
