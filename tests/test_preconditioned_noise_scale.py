@@ -441,3 +441,23 @@ def test_under_a_grad_scaler_it_is_that_of_the_unscaled_loss():
     assert tables[0].keys() == tables[1].keys()
     for key, value in tables[0].items():  # powers of two: the division is exact
         assert tables[1][key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+@pytest.mark.parametrize("squares_dtype", [torch.float32, torch.float64])
+def test_the_weighted_sums_are_float64_sums_of_exact_products_over_pieces(squares_dtype):
+    """More elements than a piece (``_device.CHUNK``), float32 inputs: the products are exact
+    in float64, so only the float64 sums round (``n 2**-53`` relative, all terms positive)."""
+    from cockpit_gradnoise import _device
+    from cockpit_gradnoise.functional import preconditioned_noise_sums
+
+    generator = torch.Generator().manual_seed(0)
+    size = 2 * _device.CHUNK + 5
+    p = torch.rand(size, generator=generator) * 1e4
+    squares = (torch.rand(size, generator=generator) * 1e-30).to(squares_dtype)
+    gradients = torch.randn(size, generator=generator) * 1e-20  # T^2 underflows float32
+    got = preconditioned_noise_sums(p, squares, gradients, 3)
+    p64 = p.double().numpy()
+    expected = (float((p64**2 * squares.double().numpy()).sum()) / 3,
+                float(((p64 * gradients.double().numpy()) ** 2).sum()) / 9)
+    assert got == pytest.approx(expected, rel=size * 2.0**-52, abs=0)
+    assert preconditioned_noise_sums(p[:0], squares[:0], gradients[:0], 3) == (0.0, 0.0)

@@ -121,11 +121,11 @@ def preconditioned_noise_sums(
         M_P = \\frac{1}{N^2} \\sum_j (p_j T_j)^2,
 
     the ``S`` and ``M`` of :func:`noise_scale_estimates` for the
-    preconditioned gradients ``P g_i``. The products ``p_j^2`` and ``p_j T_j``
-    are formed in the tensors' dtype (``p T`` first, so that ``T^2`` cannot
-    underflow where ``p`` is large), each within one rounding of it, as
-    the optimizer forms ``p`` itself; the sums over ``j`` are accumulated in
-    float64, piece by piece (never a whole float64 copy of the parameter).
+    preconditioned gradients ``P g_i``. In float64, piece by piece, in two
+    buffers of a piece each (never a float64 copy of the whole parameter,
+    no tensor of its size made): the products of float32 numbers are exact
+    there, and ``p T`` is formed before it is squared, so nothing underflows
+    where ``p`` is large.
 
     Args:
         preconditioner: ``p``, shaped as the sums; ``None`` for ``P = I``.
@@ -139,19 +139,30 @@ def preconditioned_noise_sums(
     """
     squares, gradients = sum_of_squares.reshape(-1), sum_of_gradients.reshape(-1)
     if preconditioner is None:
-        weighted_squares = _device.float64_total(squares)
+        result = (_device.float64_total(squares) / n, squared_norm(gradients, defer=True) / n**2)
     else:
-        weights = preconditioner.reshape(-1)
-        weighted_squares = _float64_dot(weights * weights, squares)
-        gradients = weights * gradients
-    result = (weighted_squares / n, squared_norm(gradients, defer=True) / n**2)
+        result = tuple(total / scale for total, scale in zip(
+            _weighted_sums(preconditioner.reshape(-1), squares, gradients), (n, n**2)))
     if defer and not _device.on_host(squares):
         return result
     return tuple(float(value) for value in result)
 
 
-def _float64_dot(first: Tensor, second: Tensor) -> Tensor:
-    """``sum_j first_j second_j`` of two 1d tensors, accumulated in float64: a 0-dim tensor."""
-    size = _device.CHUNK if _device.on_host(first) else _device.DEVICE_CHUNK
-    parts = [torch.dot(a.double(), b.double()) for a, b in zip(first.split(size), second.split(size))]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+def _weighted_sums(weights: Tensor, squares: Tensor, gradients: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(sum_j w_j^2 Q_j, sum_j (w_j T_j)^2)`` of 1d tensors in float64: 0-dim tensors."""
+    if weights.numel() == 0:
+        return (weights.new_zeros((), dtype=torch.float64),) * 2
+    size = _device.CHUNK if _device.on_host(weights) else _device.DEVICE_CHUNK
+    shape = (min(size, weights.numel()),)
+    weight_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
+    gradient_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
+    weighted_squares, weighted_gradients = [], []
+    for start in range(0, weights.numel(), size):
+        piece = slice(start, start + size)
+        weight = weight_piece[: min(size, weights.numel() - start)].copy_(weights[piece])
+        gradient = gradient_piece[: weight.numel()].copy_(gradients[piece]).mul_(weight)
+        weighted_gradients.append(torch.dot(gradient, gradient))
+        weighted_squares.append(torch.dot(weight.square_(), squares[piece].double()))
+    if len(weighted_squares) == 1:
+        return weighted_squares[0], weighted_gradients[0]
+    return torch.stack(weighted_squares).sum(), torch.stack(weighted_gradients).sum()
