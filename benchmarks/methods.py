@@ -59,16 +59,17 @@ def trainable(model):
     return [n for n, _ in named], [p for _, p in named]
 
 
-def cockpit_step(model, loss, make_quantities, every=1):
+def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
     """A step tracked by a Cockpit holding ``make_quantities(param_names, schedule)``.
 
     The schedule is Cockpit's ``linear(every)``: every ``every``-th step is tracked.
+    The optimizer in ``info`` (never stepped): SGD, or ``make_optimizer(params)``.
     """
     model = extended_copy(model)
     loss_fn, individual_loss = extend(loss("mean")), loss("none")
     names, params = trainable(model)
     cockpit = cgn.Cockpit(params, quantities=make_quantities(names, linear(every)))
-    optimizer = torch.optim.SGD(params, lr=0.0)
+    optimizer = (make_optimizer or (lambda params: torch.optim.SGD(params, lr=0.0)))(params)
     steps = itertools.count()
 
     def step(x, y):
@@ -96,6 +97,27 @@ def package_quantity(name):
             loss,
             lambda names, schedule: [getattr(cgn, name)(schedule, param_names=names)],
             every,
+        )
+
+    return build
+
+
+def adam_with_state(params):
+    """Adam whose state is that of a later step (what PreconditionedNoiseScale reads)."""
+    optimizer = torch.optim.Adam(params, lr=0.0)
+    for param in params:
+        optimizer.state[param] = {"step": torch.tensor(10.0), "exp_avg": torch.zeros_like(param),
+                                  "exp_avg_sq": torch.full_like(param, 1e-6)}
+    return optimizer
+
+
+def with_adam(*names):
+    """A step tracking the quantities ``names`` together, with Adam in ``info``."""
+    def build(model, loss, every=1):
+        return cockpit_step(
+            model, loss,
+            lambda params, schedule: [getattr(cgn, n)(schedule, param_names=params) for n in names],
+            every, make_optimizer=adam_with_state,
         )
 
     return build
@@ -400,6 +422,15 @@ METHODS = {
     "empty Cockpit": empty_cockpit,
     **{name: package_quantity(name) for name in QUANTITIES},
     "package: all together": package_all,
+    # The noise scale Adam sees, alone and beside the quantities it shares work with.
+    "GradientNoiseScale (Adam)": with_adam("GradientNoiseScale"),
+    "PreconditionedNoiseScale (Adam)": with_adam("PreconditionedNoiseScale"),
+    "GradientNoiseScale+PreconditionedNoiseScale (Adam)": with_adam(
+        "GradientNoiseScale", "PreconditionedNoiseScale"),
+    "GradientVarianceQuantiles+GradientNoiseScale (Adam)": with_adam(
+        "GradientVarianceQuantiles", "GradientNoiseScale"),
+    "GradientVarianceQuantiles+GradientNoiseScale+PreconditionedNoiseScale (Adam)": with_adam(
+        "GradientVarianceQuantiles", "GradientNoiseScale", "PreconditionedNoiseScale"),
     **{f"package: all together {label}": with_frozen(package_all, label) for label in FROZEN_LABELS},
     "GradientVarianceQuantiles (BackPACK's conv rows)": with_backpack_convolution_rows(
         "GradientVarianceQuantiles"

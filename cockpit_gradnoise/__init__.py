@@ -51,6 +51,7 @@ _EXPORTS = {
     "UpdateSize": ("cockpit_gradnoise.quantities", "UpdateSize"),
     "GradientNoiseScale": ("cockpit_gradnoise.quantities", "GradientNoiseScale"),
     "TwoBatchNoiseScale": ("cockpit_gradnoise.quantities", "TwoBatchNoiseScale"),
+    "PreconditionedNoiseScale": ("cockpit_gradnoise.quantities", "PreconditionedNoiseScale"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -109,6 +109,9 @@ class Step(ParameterChecks):
         #: ``{quantity: (global Batch, reduced sums)}`` once the members' sums are
         #: reduced (:func:`~cockpit_gradnoise.quantities._sums.reduced_sums`).
         self.reduced: Optional[Dict[Any, Any]] = None
+        #: ``{savefield: [quantities]}``: which quantities of the call read each savefield
+        #: (those that began it, :meth:`begin`); one alone may overwrite what it read.
+        self.readers: Dict[str, List[Any]] = {}
         self._loss_batch: Optional[Batch] = None
         self._declared: Optional[Batch] = None  # the front door's (begin)
         # Whether the declared batch's losses are finite: a bool, or a 0-dim tensor not read yet.

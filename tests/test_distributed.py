@@ -102,12 +102,14 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def run_group(world, out):
-    """Spawn ``world`` processes running :func:`worker`; their results, error and folder."""
+def run_group(world, out, target=None):
+    """Spawn ``world`` processes running ``target(rank, world, port, out)`` (:func:`worker`,
+    or a function of another test module); their results, error and folder."""
+    target = worker if target is None else target
     if START_METHOD == "forkserver":  # before the server starts; it then imports once
-        mp.get_context("forkserver").set_forkserver_preload([__name__])
+        mp.get_context("forkserver").set_forkserver_preload([target.__module__])
     context = mp.start_processes(
-        worker, args=(world, free_port(), str(out)), nprocs=world, join=False,
+        target, args=(world, free_port(), str(out)), nprocs=world, join=False,
         start_method=START_METHOD,
     )
     deadline, error = time.monotonic() + JOIN_TIMEOUT, None

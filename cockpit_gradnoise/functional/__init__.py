@@ -19,6 +19,8 @@ One module per family of formulas, every public formula re-exported here
 - :mod:`~cockpit_gradnoise.functional.norms`, :mod:`~cockpit_gradnoise.functional.ratios`:
   norms, per-example norms, ``theta / grad`` ratios;
 - :mod:`~cockpit_gradnoise.functional.noise_scale`: the gradient noise scale;
+- :mod:`~cockpit_gradnoise.functional.preconditioner`: adaptive optimizers' diagonal
+  preconditioners, and the noise-scale sums of preconditioned gradients;
 - :mod:`~cockpit_gradnoise.functional.reduction`: the loss's reduction;
 - :mod:`~cockpit_gradnoise.functional.welford`: running means and variances.
 
@@ -40,6 +42,12 @@ from cockpit_gradnoise.functional.norms import (
     per_example_norm_statistics,
     scalar,
     squared_norm,
+)
+from cockpit_gradnoise.functional.preconditioner import (
+    adagrad_preconditioner,
+    adam_preconditioner,
+    preconditioned_noise_sums,
+    rmsprop_preconditioner,
 )
 from cockpit_gradnoise.functional.ratios import (
     abs_ratio_statistics,
@@ -64,6 +72,8 @@ from cockpit_gradnoise.functional.welford import welford_sd, welford_update_
 
 __all__ = [
     "abs_ratio_statistics",
+    "adagrad_preconditioner",
+    "adam_preconditioner",
     "abs_ratio_statistics_and_zeros",
     "centred_sum_of_squares",
     "expansion_rounding_bound",
@@ -75,7 +85,9 @@ __all__ = [
     "noise_scale_estimates",
     "norm_ratio",
     "per_example_norm_statistics",
+    "preconditioned_noise_sums",
     "resolvable_snr",
+    "rmsprop_preconditioner",
     "scalar",
     "sd_and_signal_to_noise",
     "sd_statistics",

@@ -32,6 +32,9 @@ NOISE_SCALE = "GradientNoiseScale"
 PRECONDITIONED_NOISE_SCALE = "PreconditionedNoiseScale"
 TWO_BATCH_NOISE_SCALE = "TwoBatchNoiseScale"
 QUANTITIES = (GRADIENT_VARIANCE, PER_EXAMPLE_NORM, PARAM_GRAD_RATIO, UPDATE_SIZE, NOISE_SCALE)
+#: The noise scale of the preconditioned gradients ``P g_i`` the optimizer's update sees
+#: (Adam's ``P``); the statistics of NOISE_SCALE under the same names. Not a preset's.
+PRECONDITIONED_NOISE_SCALE = "PreconditionedNoiseScale"
 
 # Statistics shared by several quantities.
 MEAN = "mean"

@@ -184,6 +184,15 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         """One parameter's value from its declared sums."""
         raise NotImplementedError
 
+    def named_value_from_sums(self, name: str, sums: Dict[str, torch.Tensor], context: Any) -> Any:
+        """:meth:`value_from_sums` of the parameter ``name``; what the base calls.
+
+        Override it instead of :meth:`value_from_sums` where the value needs
+        more of the parameter than its sums (the optimizer's state:
+        :class:`~cockpit_gradnoise.PreconditionedNoiseScale`).
+        """
+        return self.value_from_sums(sums, context)
+
     def accepts(self, batch: Batch) -> bool:
         """Whether ``batch`` defines the quantity (with declared sums); ``False`` records nothing."""
         return True
@@ -263,6 +272,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return set()
         joins = self.sums and distributed.world_size() > 1
         step = Step.begin(global_step, self if joins else None)
+        for field in self._savefields:
+            readers = step.readers.setdefault(field, [])
+            readers += [] if self in readers else [self]
         try:
             micro = step.micro_batch()
         except (TypeError, ValueError):
@@ -380,7 +392,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         finite = {name: step.finite(self._read_tensors(param)) for name, param in usable}
         # One parameter at a time: a parameter's sums are freed once its value is formed.
         values = [
-            (name, self._value(param, context))
+            (name, self._value(name, param, context))
             for name, param in usable
             if finite[name] is not False
         ]
@@ -417,10 +429,10 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return self._distributed_extensions
         return self._extensions
 
-    def _value(self, param, context) -> Any:
+    def _value(self, name, param, context) -> Any:
         if not self.sums:
             return self.parameter_value(param, context)
-        return self.value_from_sums(self._checked_sums(param, context), context)
+        return self.named_value_from_sums(name, self._checked_sums(param, context), context)
 
     def _check_statistic_names(self, rows):
         if not self._checked_names:

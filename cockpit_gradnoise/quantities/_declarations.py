@@ -21,6 +21,8 @@ def check_declarations(cls, base):
         raise TypeError(f"{cls.__name__}.sums: reductions must be one of {REDUCTIONS}, got {bad}")
     required = list(REQUIRED_METHODS)
     required += ["parameter_sums", "value_from_sums"] if cls.sums else ["parameter_value"]
+    if cls.sums and cls.named_value_from_sums is not base.named_value_from_sums:
+        required.remove("value_from_sums")  # the value is formed knowing the parameter's name
     if "prepare" in vars(cls):
         raise TypeError(
             f"{cls.__name__}.prepare(global_step, params) is now "

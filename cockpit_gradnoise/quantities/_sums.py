@@ -206,7 +206,7 @@ class DeclaredSums:
         usable = list(sums)
         finite = {name: step.finite(list(sums[name].values())) for name in usable}
         values = [
-            (name, self.value_from_sums(sums.pop(name), batch)) for name in usable if finite[name]
+            (name, self.named_value_from_sums(name, sums.pop(name), batch)) for name in usable if finite[name]
         ]
         # A process's non-finite loss made its sums, and so the reduced ones, NaN.
         return usable, values, finite, True

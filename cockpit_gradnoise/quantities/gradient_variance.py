@@ -59,8 +59,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
     products or sums of per-example contributions, such as an MLP), sd and
     SNR are formed over the sums and their quantiles taken there, so the
     savefield holds sd and SNR afterwards; otherwise into two buffers of the
-    network's elements. This quantity is the savefield's only reader in a
-    step (a Cockpit holds one instance of it).
+    network's elements, also where another quantity of the cockpit call reads
+    the same sums (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`:
+    :attr:`Step.readers <cockpit_gradnoise.step.Step.readers>`), which must
+    find them unaltered whichever computes first.
 
     Args:
         track_schedule: Function from step to bool.
@@ -85,8 +87,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
     ):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.quantiles = order_statistics.check_quantile_levels(quantiles)
+        self._in_place = True  # sd and SNR may overwrite the sums (step_context)
 
     def step_context(self, step, params):
+        # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
+        self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
         # One batch on one process: the sums stay in units of x (scale 1), as sd
@@ -157,7 +162,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     def statistics_of_values(self, values, network):
         if not values:
             return [], None
-        values, joined = _formed(values)
+        values, joined = _formed(values, self._in_place)
         sds, snrs, left_out = zip(*values)
         if _device.on_host(sds[0]):
             # Reorders the values, which are this step's own and read only here.
@@ -198,11 +203,12 @@ class _Sums(NamedTuple):
         return (self.squares, self.grad) + (() if self.magnitudes is None else (self.magnitudes,))
 
 
-def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
+def _formed(values, in_place: bool = True) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
     """The values with every :class:`_Sums` formed: ``[(sd, snr, left out)]``, and the
     buffers of all layers' sd and SNR where they hold the whole network (else None).
 
-    Layers of one dtype are formed together
+    Layers of one dtype are formed together (over their sums, overwritten, where
+    ``in_place`` and they tile one buffer)
     (:func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`); the SNR of
     an element left out is a counted ``0.0`` there, absent elsewhere.
     """
@@ -216,7 +222,7 @@ def _formed(values) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
         limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
         layers = [values[k].layer() for k in indices]
         # Sums of this step's one batch that tile one buffer: overwritten by sd and SNR.
-        union = arena.union_of(layers) if batch.loss_scale == 1.0 else None
+        union = arena.union_of(layers) if batch.loss_scale == 1.0 and in_place else None
         sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
             layers, batch.examples, limit, union
         )

@@ -37,8 +37,12 @@ ALL = (
 #: (:class:`~cockpit_gradnoise.TwoBatchNoiseScale`, needs gradient accumulation
 #: or several processes), and the two quantities that read ``param``,
 #: ``param.grad`` and the update.
+#: ``"adaptive"``: the five and the noise scale Adam sees
+#: (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`, which reads the optimizer's
+#: state: pass ``optimizer=`` to the tracker), for Adam, AdamW, RMSprop or Adagrad.
 PRESETS = {"all": ALL, "cheap": ALL[1:],
-           "norms": ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize")}
+           "norms": ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"),
+           "adaptive": (*ALL, "PreconditionedNoiseScale")}
 
 
 def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], bool]:
@@ -89,7 +93,8 @@ def configuration(
 
     Args:
         quantities: A preset of :data:`PRESETS` (``"all"``: the five;
-            ``"cheap"``: all but GradientVarianceQuantiles), or a list of
+            ``"cheap"``: all but GradientVarianceQuantiles; ``"adaptive"``: the five
+            and PreconditionedNoiseScale), or a list of
             quantity classes, their names (this package's five, or Cockpit's
             own such as ``"GradNorm"``) and instances (used as they are).
         every: Track every ``every``-th step (Cockpit's ``linear(every)``), or

@@ -12,6 +12,7 @@ from cockpit_gradnoise.logs.schema import (
     NOISE_SCALE,
     PARAM_GRAD_RATIO,
     PER_EXAMPLE_NORM,
+    PRECONDITIONED_NOISE_SCALE,
     SD_MEDIAN,
     SNR_MEDIAN,
     UPDATE_SIZE,
@@ -327,6 +328,8 @@ def figure(
     """
     # Each panel reads its own quantity's rows: split once, not once per panel.
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
+    # Drawn in the noise scale's panel, beside it (or alone).
+    preconditioned = select(frame, PRECONDITIONED_NOISE_SCALE)
     order = layer_order(frame)  # reads every row: once
     if layers is None:  # ranked on a pandas frame (its group means)
         layers = default_layers(frame.frame() if isinstance(frame, Rows) else frame, top_k, order)
@@ -336,7 +339,8 @@ def figure(
         layers = _check_layers(order, layers)
     if batch_size is None:
         batch_size = recorded_batch_size(frame)
-    keys = [key for key, quantity, _ in PANELS if not parts[quantity].empty]
+    keys = [key for key, quantity, _ in PANELS
+            if not parts[quantity].empty or key == "noise_scale" and not preconditioned.empty]
     n_layers = len(order)
     statistic = heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
                                    n_layers)
@@ -349,7 +353,7 @@ def figure(
         no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
     for key, quantity, panel in PANELS:
         if key == "noise_scale" and key in axes:
-            panel(axes[key], parts[quantity], batch_size=batch_size)
+            panel(axes[key], parts[quantity], batch_size=batch_size, preconditioned=preconditioned)
         elif key in axes:
             panel(axes[key], parts[quantity], layers=layers, legend=False)
     if statistic:

@@ -43,6 +43,7 @@ from cockpit_gradnoise.logs.schema import (
     NORM_RATIO,
     PARAM_GRAD_RATIO,
     PER_EXAMPLE_NORM,
+    PRECONDITIONED_NOISE_SCALE,
     SD_MEDIAN,
     SNR_MEDIAN,
     UPDATE_RELATIVE,
@@ -101,6 +102,7 @@ MAX_ROW_LABELS = 60
 DRAWN = {
     PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
     UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
+    PRECONDITIONED_NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],  # in the noise scale's panel
 }
 
 
@@ -350,7 +352,7 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
 
 
 def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str = NETWORK,
-                      legend=True):
+                      legend=True, preconditioned=None):
     """The gradient noise scale ``B_simple`` over steps (``GradientNoiseScale``).
 
     ``b_simple`` of each batch as faint points, ``b_simple_smoothed`` as a
@@ -361,6 +363,11 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     triangles at the top edge, steps where it is 0 at the bottom edge. Log
     scale; units: examples.
 
+    Where the log also holds ``PreconditionedNoiseScale`` (the noise scale of
+    the gradients preconditioned as the optimizer's update sees them, Adam's
+    ``P g_i``), it is drawn beside, alike in purple; where it holds only that
+    one, it is drawn alone.
+
     Args:
         ax: Axes to draw into.
         frame: Tidy frame from :func:`cockpit_gradnoise.to_frame`.
@@ -368,30 +375,27 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
             panel says so.
         param: Parameter name; the network (``"all"``) by default.
         legend: Draw a legend in ``ax``.
+        preconditioned: The rows of ``PreconditionedNoiseScale`` (default:
+            those in ``frame``).
     """
-    if param == NETWORK:
-        title = _title(frame, NOISE_SCALE, "gradient noise scale B_simple")
-    else:
-        title = f"gradient noise scale B_simple ({param})"
-    series = _drawable(ax, frame, NOISE_SCALE, title, [param])
+    extra = _series(frame if preconditioned is None else preconditioned,
+                    PRECONDITIONED_NOISE_SCALE, [param])
+    quantity, name = NOISE_SCALE, "gradient noise scale B_simple"
+    if not extra.steps():
+        extra = None
+    elif select(frame, NOISE_SCALE).empty:  # the preconditioned one alone
+        quantity, name, extra = PRECONDITIONED_NOISE_SCALE, "preconditioned noise scale B_simple", None
+        frame = frame if preconditioned is None else preconditioned
+    if extra is not None:
+        name += " (purple: preconditioned as the optimizer sees it)"
+    title = _title(frame, quantity, name) if param == NETWORK else f"{name} ({param})"
+    series = _drawable(ax, frame, quantity, title, [param])
     if series is None:
         return
-    non_finite_bands(ax, frame, NOISE_SCALE)
-    raw = _xy(series, param, B_SIMPLE)
-    if raw is not None:
-        steps, values = raw
-        shown, infinite = numpy.isfinite(values) & (values != 0), numpy.isposinf(values)
-        ax.plot(steps[shown], values[shown], "o", color="tab:blue", alpha=0.3, markersize=3,
-                label=f"{B_SIMPLE} (one batch)")
-        if infinite.any():
-            edge_marks(ax, steps[infinite], top=True, label=INFINITE_LABEL, color="tab:red")
-        zero_marks(ax, steps, values, "tab:blue")
-    smoothed = _xy(series, param, B_SIMPLE_SMOOTHED)
-    if smoothed is not None:
-        steps, values = smoothed
-        ax.plot(steps, on_log_scale(values), color="tab:blue", linewidth=2,
-                label=B_SIMPLE_SMOOTHED)
-        zero_marks(ax, steps, values, "tab:blue")
+    non_finite_bands(ax, frame, quantity)
+    _noise_scale_lines(ax, series, param, "tab:blue", "")
+    if extra is not None:
+        _noise_scale_lines(ax, extra, param, "tab:purple", " preconditioned")
     if batch_size is None:
         ax.text(0.02, 0.03, "batch size unknown: pass batch_size=", transform=ax.transAxes,
                 fontsize="x-small", color="0.35")
@@ -399,6 +403,26 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         ax.axhline(batch_size, color="tab:orange", linestyle="--", linewidth=1.5,
                    label=f"batch size {batch_size}")
     _finish(ax, title, "B_simple (examples)", legend)
+
+
+def _noise_scale_lines(ax, series, param, color, suffix):
+    """``b_simple`` as faint points (infinite ones at the top edge), ``b_simple_smoothed`` as a line."""
+    raw = _xy(series, param, B_SIMPLE)
+    if raw is not None:
+        steps, values = raw
+        shown, infinite = numpy.isfinite(values) & (values != 0), numpy.isposinf(values)
+        ax.plot(steps[shown], values[shown], "o", color=color, alpha=0.3, markersize=3,
+                label=f"{B_SIMPLE}{suffix} (one batch)")
+        if infinite.any():
+            edge_marks(ax, steps[infinite], top=True,
+                       label=INFINITE_LABEL + suffix, color="tab:red" if not suffix else color)
+        zero_marks(ax, steps, values, color)
+    smoothed = _xy(series, param, B_SIMPLE_SMOOTHED)
+    if smoothed is not None:
+        steps, values = smoothed
+        ax.plot(steps, on_log_scale(values), color=color, linewidth=2,
+                label=B_SIMPLE_SMOOTHED + suffix)
+        zero_marks(ax, steps, values, color)
 
 
 def label_stride(n_rows: int) -> int:

@@ -48,6 +48,7 @@ from cockpit_gradnoise.logs.schema import (
     NETWORK,
     NOISE_SCALE,
     PER_EXAMPLE_NORM,
+    PRECONDITIONED_NOISE_SCALE,
     QUANTITIES,
     RANKINGS,
 )
@@ -352,6 +353,8 @@ def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFA
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
                         else [*drawn, NETWORK], panels.DRAWN.get(quantity, []))
+    picks += _drawn(index, PRECONDITIONED_NOISE_SCALE, [NETWORK],  # in the noise scale's panel
+                    panels.DRAWN[PRECONDITIONED_NOISE_SCALE])
     try:
         statistic = dashboard.heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
     except ValueError:

@@ -1,0 +1,149 @@
+"""Which diagonal preconditioner ``P`` an optimizer's next step applies, read from its own state.
+
+:class:`OptimizerPreconditioner` reads ``torch.optim``'s ``Adam``, ``AdamW``,
+``RMSprop`` (plain and centered), ``Adagrad`` and ``SGD`` (``P = I``, with or
+without momentum) exactly: the formulas are those of torch's own
+``_single_tensor_*`` functions (``foreach``, ``fused``, ``capturable`` and
+``differentiable`` compute the same numbers), in
+:mod:`cockpit_gradnoise.functional.preconditioner`. Any other class, a
+subclass of these included (it may change ``step``), is refused: never an
+approximation.
+"""
+
+from typing import Dict, Optional
+
+from cockpit_gradnoise.functional import preconditioner as formulas
+
+import torch
+from torch import Tensor
+
+#: Wrappers that hold the optimizer itself: class name -> attribute (Accelerate's,
+#: which the Hugging Face Trainer steps, and Lightning's).
+_WRAPPERS = {"AcceleratedOptimizer": "optimizer", "LightningOptimizer": "_optimizer"}
+
+
+class UnsupportedOptimizer(ValueError):
+    """An optimizer (or a parameter's gradient) whose preconditioner cannot be read exactly."""
+
+
+def unwrapped(optimizer):
+    """The ``torch.optim`` optimizer inside Accelerate's or Lightning's wrapper (else ``optimizer``)."""
+    while type(optimizer).__name__ in _WRAPPERS:
+        optimizer = getattr(optimizer, _WRAPPERS[type(optimizer).__name__])
+    return optimizer
+
+
+class OptimizerPreconditioner:
+    """``P``'s diagonal of the next ``optimizer.step()``, per parameter.
+
+    Read when the backward pass of the step has ended: ``param.grad`` is the
+    gradient the step adds to the optimizer's moment (averaged across
+    processes under DDP, summed over micro-batches under accumulation,
+    unscaled by the tracker under a ``GradScaler``), and the state is that of
+    the step before. A gradient clipped after the backward pass is not seen.
+
+    Raises:
+        UnsupportedOptimizer: For a class not read exactly, naming it.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = unwrapped(optimizer)
+        kind = type(self.optimizer)
+        if kind not in _RULES:
+            raise UnsupportedOptimizer(
+                f"{kind.__module__}.{kind.__qualname__} is not an optimizer whose preconditioner "
+                f"is read exactly (those are torch.optim's {', '.join(c.__name__ for c in _RULES)}, "
+                "not their subclasses)"
+            )
+        self._rule = _RULES[kind]
+        self._groups: Dict[int, dict] = {
+            id(param): group for group in self.optimizer.param_groups for param in group["params"]
+        }
+
+    @property
+    def identity(self) -> bool:
+        """Whether ``P = I`` for every parameter (``SGD``)."""
+        return self._rule is None
+
+    def updates(self, param: Tensor) -> bool:
+        """Whether the optimizer updates ``param`` (it is in one of its groups)."""
+        return id(param) in self._groups
+
+    def check(self, param: Tensor) -> None:
+        """Raise :class:`UnsupportedOptimizer` where ``param``'s ``P`` cannot be read exactly."""
+        if self.identity:
+            return
+        if param.grad is not None and param.grad.is_sparse:
+            raise UnsupportedOptimizer(
+                f"{type(self.optimizer).__name__}'s update of a sparse gradient (Embedding(sparse=True))"
+            )
+        if torch.is_complex(param):
+            raise UnsupportedOptimizer(f"{type(self.optimizer).__name__}'s update of a complex parameter")
+
+    def preconditioner(self, param: Tensor) -> Optional[Tensor]:
+        """``P``'s diagonal for ``param`` (shaped as it), ``None`` for ``P = I``."""
+        if self._rule is None:
+            return None
+        group = self._groups[id(param)]
+        return self._rule(group, self.optimizer.state.get(param, {}), param)
+
+
+def _gradient(param: Tensor, group: dict, decoupled: bool = False) -> Tensor:
+    """The gradient the step adds to the moment: ``-grad`` under ``maximize``, plus
+    ``weight_decay * param`` unless the decay is decoupled (AdamW)."""
+    grad = param.grad.detach()
+    if group.get("maximize", False):
+        grad = -grad
+    decay = group.get("weight_decay", 0)
+    if decay != 0 and not (decoupled or group.get("decoupled_weight_decay", False)):
+        grad = grad.add(param.detach(), alpha=decay)
+    return grad
+
+
+def _number(value):
+    """A hyperparameter as a float (a tensor hyperparameter on the CPU is read there)."""
+    return float(value) if isinstance(value, Tensor) and value.numel() == 1 else value
+
+
+def _steps(state: dict):
+    """The steps taken: a float, or under ``capturable`` the device tensor itself."""
+    step = state.get("step", 0)
+    if isinstance(step, Tensor) and step.device.type == "cpu":
+        return float(step)
+    return step
+
+
+def _adam(group, state, param, decoupled=False):
+    return formulas.adam_preconditioner(
+        state.get("exp_avg_sq", 0.0), _gradient(param, group, decoupled),
+        beta2=_number(group["betas"][1]), step=_steps(state), eps=group["eps"],
+        max_exp_avg_sq=state.get("max_exp_avg_sq", 0.0) if group["amsgrad"] else None,
+    )
+
+
+def _rmsprop(group, state, param):
+    return formulas.rmsprop_preconditioner(
+        state.get("square_avg", 0.0), _gradient(param, group), alpha=group["alpha"], eps=group["eps"],
+        grad_avg=state.get("grad_avg", 0.0) if group["centered"] else None,
+    )
+
+
+def _adagrad(group, state, param):
+    initial = group["initial_accumulator_value"]
+    return formulas.adagrad_preconditioner(
+        state.get("sum", initial), _gradient(param, group), eps=group["eps"]
+    )
+
+
+def _adamw(group, state, param):
+    return _adam(group, state, param, decoupled=True)
+
+
+_RULES = {
+    torch.optim.Adam: _adam,
+    # torch >= 2.4 gives AdamW's groups decoupled_weight_decay=True; earlier ones no key.
+    torch.optim.AdamW: _adamw,
+    torch.optim.RMSprop: _rmsprop,
+    torch.optim.Adagrad: _adagrad,
+    torch.optim.SGD: None,
+}
