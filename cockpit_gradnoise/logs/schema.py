@@ -27,14 +27,12 @@ PER_EXAMPLE_NORM = "PerExampleGradNorm"
 PARAM_GRAD_RATIO = "ParamGradRatio"
 UPDATE_SIZE = "UpdateSize"
 NOISE_SCALE = "GradientNoiseScale"
-#: The noise scale of the preconditioned gradient ``P g_i`` (Adam's), and of micro-batch
-#: norms (the ``"norms"`` preset): both store GradientNoiseScale's statistics.
+#: The noise scale of the preconditioned gradients ``P g_i`` the optimizer's update sees
+#: (Adam's ``P``; the ``"adaptive"`` preset), and of micro-batch norms (the ``"norms"``
+#: preset): both store GradientNoiseScale's statistics under the same names.
 PRECONDITIONED_NOISE_SCALE = "PreconditionedNoiseScale"
 TWO_BATCH_NOISE_SCALE = "TwoBatchNoiseScale"
 QUANTITIES = (GRADIENT_VARIANCE, PER_EXAMPLE_NORM, PARAM_GRAD_RATIO, UPDATE_SIZE, NOISE_SCALE)
-#: The noise scale of the preconditioned gradients ``P g_i`` the optimizer's update sees
-#: (Adam's ``P``); the statistics of NOISE_SCALE under the same names. Not a preset's.
-PRECONDITIONED_NOISE_SCALE = "PreconditionedNoiseScale"
 
 # Statistics shared by several quantities.
 MEAN = "mean"
