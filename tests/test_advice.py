@@ -292,12 +292,12 @@ def test_the_optimizer_row_is_a_number_per_statistic():
 # A real run, its report and the command line ---------------------------------------------
 
 
-def tracked_run(optimizer, lr, batch=4, steps=12, log=None):
+def tracked_run(optimizer, lr, batch=4, steps=12, log=None, quantities="cheap"):
     torch.manual_seed(0)
     x, w = torch.randn(256, 6), torch.randn(6, 3)
     y = (x @ w).argmax(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    model, tracker = cgn.track(model, every=1, quantities="cheap", log=log)
+    model, tracker = cgn.track(model, every=1, quantities=quantities, log=log)
     opt = optimizer(model.parameters(), lr=lr)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -333,6 +333,19 @@ def test_a_tracked_run_logs_its_optimizer_and_its_report_starts_with_the_advice(
     if advice.new_batch is not None:
         assert advice.new_lr == pytest.approx(
             learning_rate_for(lr, rule, 4, advice.new_batch, found.noise_scale), rel=1e-15)
+
+
+def test_a_tracked_adam_run_with_the_adaptive_preset_is_advised_from_the_preconditioned_noise_scale():
+    tracker = tracked_run(torch.optim.Adam, 1e-3, quantities="adaptive")
+    frame = tracker.frame()
+    advice = tracker.advice()
+    assert advice.source == "PreconditionedNoiseScale" and advice.rule == SQRT_RULE
+    smoothed = frame[(frame.param == "all") & (frame.statistic == "b_simple_smoothed")]
+    preconditioned = smoothed[smoothed.quantity == "PreconditionedNoiseScale"].value
+    plain = smoothed[smoothed.quantity == "GradientNoiseScale"].value
+    assert len(preconditioned) == len(plain) == 12
+    assert advice.recommendation.noise_scale == preconditioned.iloc[-1] != plain.iloc[-1]
+    assert "PreconditionedNoiseScale" in str(advice) and "weak proxy" not in str(advice)
 
 
 def test_the_command_line_report_of_a_streamed_log_starts_with_the_same_advice(capsys, tmp_path):
