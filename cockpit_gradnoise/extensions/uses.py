@@ -19,7 +19,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, hooks, tied
+from cockpit_gradnoise.extensions import batchless, facts, hooks, scaled_embedding, tied
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
@@ -173,6 +173,10 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     reason = broadcast.refusal()
     if reason is None and broadcast.exact and TIED_ATTR in module.__dict__:
         reason = "it is tied and applied without the batch dimension"
+    if reason is None and broadcast.exact and scaled_embedding.lookup_gradient(
+            module, grad_output) is None:
+        reason = (f"it is applied without the batch dimension by {type(module).__name__}, "
+                  "whose forward is not nn.Embedding's")
     if reason is None and broadcast.meetings and broadcast.gradient is None:
         reason = "the backward pass did not reach where its output meets the batch"
     if reason is not None:

@@ -1,0 +1,79 @@
+"""Issue 32, class 3: numbers that were wrong with no warning, against float64 per-example loops.
+
+Real library classes from tiny random configs (nothing downloaded), float64, at the
+batch sizes where the old path went wrong:
+
+- a tied weight whose embedding class overrides ``forward`` (Gemma's scaled word
+  embedding shares its weight with the head): the cross terms of its two uses were
+  formed at the scaled output, off by the scale;
+- a batch-free input whose leading size equals the batch size (Funnel's ``cls_mask``
+  at batch 4): the torch.func fallback took it for per-example input;
+- an eval-mode cache of a tensor computed from a parameter (timm's LeViT
+  ``attention_bias_cache``): the recomputation read the cache, rows of zeros;
+- a second backward pass without ``zero_grad``: GradientNoiseScale mixed
+  ``param.grad`` (both batches) with this batch's per-example sums;
+- a NumPy integer step, and the explicit API under autocast on a model extended by
+  ``backpack.extend`` alone.
+"""
+
+import copy
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise import check
+
+import pytest
+import torch
+from backpack import extend
+
+from tests.cases import Problem, classification_losses, token_losses
+from tests.library_models import Logits
+from tests.test_tied import assert_matches_references
+
+
+def assert_exact(model, inputs, targets, losses=None, inner_terms=1):
+    """GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale of the prepared
+    ``model`` (mean reduction) against ``g_i`` from one backward pass per example through
+    one float64 forward pass of the batch on an un-prepared copy
+    (``check.reference_contributions``): models that compute parts in float32 (Gemma's
+    RMSNorm) round the same there; no warning (no refusal) allowed."""
+    loss_fn, per_example_loss = losses or classification_losses("mean")
+    contributions = check.reference_contributions(
+        copy.deepcopy(model), (inputs,), targets, loss_fn)
+    grads = {name: x * len(inputs) for name, x in contributions.items()}  # x_i = g_i / N
+    problem = Problem(cgn.prepare_model(model), extend(loss_fn), per_example_loss, inputs,
+                      targets, "mean")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert_matches_references(problem, inner_terms, grads=grads)
+
+
+# 1. A tied weight whose embedding overrides forward ---------------------------------------
+
+
+def gemma(config, family):
+    """A tiny ``<family>ForCausalLM`` with its head tied to the scaled word embedding.
+
+    The RMSNorm weights are frozen: Gemma's RMSNorm computes in float32 whatever the
+    model's dtype (``x.float()``), so no float64 reference is exact to 1e-10 there.
+    """
+    import transformers
+
+    config = getattr(transformers, config)(
+        vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=16,
+        tie_word_embeddings=True, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).double().eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        param.requires_grad_("norm" not in name)
+    return Logits(model)
+
+
+@pytest.mark.parametrize("config, family", [
+    ("GemmaConfig", "Gemma"), ("Gemma2Config", "Gemma2"), ("Gemma3TextConfig", "Gemma3")])
+def test_a_tied_scaled_word_embedding_is_exact(config, family):
+    torch.manual_seed(1)
+    inputs, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
+    assert_exact(gemma(config, family), inputs, targets, token_losses("mean"), inner_terms=2 * 5)
