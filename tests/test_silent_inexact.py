@@ -31,18 +31,21 @@ from tests.library_models import Logits
 from tests.test_tied import assert_matches_references
 
 
-def assert_exact(model, inputs, targets, losses=None, inner_terms=1):
+def assert_exact(model, inputs, targets, losses=None, inner_terms=1, steps_before=0):
     """GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale of the prepared
     ``model`` (mean reduction) against ``g_i`` from one backward pass per example through
     one float64 forward pass of the batch on an un-prepared copy
     (``check.reference_contributions``): models that compute parts in float32 (Gemma's
-    RMSNorm) round the same there; no warning (no refusal) allowed."""
+    RMSNorm) round the same there; no warning (no refusal) allowed. ``steps_before``: plain
+    steps of the prepared model first (forward and backward, no quantity)."""
     loss_fn, per_example_loss = losses or classification_losses("mean")
     contributions = check.reference_contributions(
         copy.deepcopy(model), (inputs,), targets, loss_fn)
     grads = {name: x * len(inputs) for name, x in contributions.items()}  # x_i = g_i / N
     problem = Problem(cgn.prepare_model(model), extend(loss_fn), per_example_loss, inputs,
                       targets, "mean")
+    for _ in range(steps_before):
+        problem.loss_fn(problem.model(inputs), targets).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert_matches_references(problem, inner_terms, grads=grads)
@@ -77,3 +80,54 @@ def test_a_tied_scaled_word_embedding_is_exact(config, family):
     torch.manual_seed(1)
     inputs, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
     assert_exact(gemma(config, family), inputs, targets, token_losses("mean"), inner_terms=2 * 5)
+
+
+# 3. A cache of a tensor computed from a parameter --------------------------------------------
+
+
+def randomized(model):
+    """``model`` in float64, evaluation mode, every parameter drawn (timm initializes the
+    attention biases and the last BatchNorm weight of each branch to zero)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    return model.double().eval()
+
+
+def levit():
+    from timm.models.levit import Levit
+
+    model = randomized(Levit(img_size=32, num_classes=3, embed_dim=(16,), key_dim=4, depth=(1,),
+                             num_heads=(2,)))
+    # Its blocks' BatchNorm1d run on the tokens flattened to [B*N, C] (issue 32's class 1).
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (name.startswith("stages") and ".bn." in name))
+    return model
+
+
+def efficientformer():
+    from timm.models.efficientformer import EfficientFormer
+
+    # Its attention is built for 7 x 7 positions: the last stage of a 224 x 224 image.
+    model = randomized(EfficientFormer(depths=(1, 1, 1, 1), embed_dims=(4, 4, 4, 8), num_vit=1,
+                                       num_classes=3, mlp_ratios=2, img_size=224))
+    # The key part of the fused qkv bias has a gradient of exactly zero, computed as
+    # rounding noise, whose sd no reference matches (structural zeros, issue 19).
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.endswith("qkv.bias"))
+    return model
+
+
+@pytest.mark.parametrize("make, size", [(levit, 32), (efficientformer, 224)])
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_an_eval_mode_attention_bias_cache_gives_exact_rows(make, size, steps_before):
+    """Read from ``attention_bias_cache`` in evaluation mode, the biases' rows were zeros;
+    after a first step the cache holds that step's graph, which a second backward pass of
+    the plain model cannot go through (the tracked model computes it again, as in training)."""
+    model = make()
+    attention = next(m for m in model.modules() if hasattr(m, "attention_bias_cache"))
+    torch.manual_seed(1)
+    inputs, targets = torch.randn(3, 3, size, size, dtype=torch.float64), torch.randint(0, 3, (3,))
+    assert_exact(model, inputs, targets, inner_terms=16, steps_before=steps_before)
+    assert attention.attention_bias_cache  # the model still caches

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
-from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -179,6 +179,8 @@ def _start_recording(module, args):
     if state is not None:
         recording = torch.is_grad_enabled() and not idle(module)
         state.recording = [] if recording else None
+        if recording:  # computed again from the parameters, as in training mode
+            clear_parameter_caches(module)
 
 
 def _child_inputs(child, args, kwargs):

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
-from cockpit_gradnoise.extensions.fallback.parameters import hooks_off, own_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off, own_parameters
 
 import torch
 from torch import Tensor, nn
@@ -78,7 +78,8 @@ def per_example_gradients(
         return (*results, *biases.outputs)
 
     traced = traced_forward if biases.watched else flat_forward
-    with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
+    with hooks_off(module), caches_bypassed(module), _math_attention(), torch.enable_grad(), \
+            precision.autocast_as(call.autocast):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     outputs, sinks = results[: len(positions)], results[len(positions) : len(results) - len(biases.names)]
     spread = results[len(results) - len(biases.names) :]  # F.linear's outputs, [n, ..., out]
