@@ -21,14 +21,27 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import check
+from cockpit_gradnoise.extensions import (
+    SUMS_SAVEFIELD,
+    LocalGradient,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+)
 
 import pytest
 import torch
-from backpack import extend
+from backpack import backpack, extend
+from cockpit.utils.schedules import linear
+from torch import nn
 
 from tests.cases import Problem, classification_losses, token_losses
 from tests.library_models import Logits
+from tests.models import LogitsOf
 from tests.test_tied import assert_matches_references
+
+
+def extensions():
+    return PerExampleSquaredNorms(), SumsOfContributions(), LocalGradient()
 
 
 def assert_exact(model, inputs, targets, losses=None, inner_terms=1, steps_before=0):
@@ -131,3 +144,82 @@ def test_an_eval_mode_attention_bias_cache_gives_exact_rows(make, size, steps_be
     inputs, targets = torch.randn(3, 3, size, size, dtype=torch.float64), torch.randint(0, 3, (3,))
     assert_exact(model, inputs, targets, inner_terms=16, steps_before=steps_before)
     assert attention.attention_bias_cache  # the model still caches
+
+
+# 2. A batch-free input whose leading size equals the batch size ------------------------------
+
+
+def funnel():
+    """``FunnelForSequenceClassification``: two blocks, the second on 8 / 2 = 4 positions,
+    whose attention gets ``cls_mask`` (``[4, 8]``, batch-free) beside the attention mask
+    (``[B, 8]``, built from the batch's shape)."""
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+
+    config = FunnelConfig(
+        vocab_size=11, block_sizes=[1, 1], num_decoder_layers=1, d_model=8, n_head=2, d_head=4,
+        d_inner=16, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=16, num_labels=3)
+    torch.manual_seed(0)
+    model = FunnelForSequenceClassification(config).double().eval()
+    for name, param in model.named_parameters():  # the keys' bias: structural zeros (issue 19)
+        param.requires_grad_(not name.endswith("k_head.bias"))
+    return LogitsOf(model)  # [N, 3] here
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_funnel_is_exact_where_its_pooled_length_equals_the_batch_size(batch):
+    torch.manual_seed(1)
+    inputs, targets = torch.randint(0, 11, (batch, 8)), torch.randint(0, 3, (batch,))
+    assert_exact(funnel(), inputs, targets, inner_terms=8)
+
+
+class FixedBatch(nn.Module):
+    """A layer scale the fallback computes, in a model that takes batches of 4 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma, self.head = nn.Parameter(torch.randn(4, 5)), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head((x.view(4, 2, 5) * self.gamma[:, None]).sum(1))
+
+
+def test_a_module_whose_inputs_cannot_be_told_apart_is_refused_naming_why():
+    """The layout is learned from a pass one example larger; a model that cannot run it
+    leaves the module without rows, with a warning (not the old guess by sizes)."""
+    torch.manual_seed(0)
+    model = cgn.prepare_model(FixedBatch().double())
+    x, y = torch.randn(4, 2, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.warns(UserWarning, match=r"FixedBatch \(gamma\).*could not be learned.*"
+                                          r"one example more failed \(RuntimeError"):
+        with backpack(*extensions()):
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert not hasattr(model.gamma, SUMS_SAVEFIELD) and hasattr(model.head.weight, SUMS_SAVEFIELD)
+
+
+# 5. Autocast on a model extended by backpack.extend alone ------------------------------------
+
+
+def test_autocast_on_a_model_extended_by_backpack_alone_names_the_fix_after_the_backward_pass():
+    """It crashed inside ``loss.backward()`` (``expected m1 and m2 to have the same dtype``):
+    BackPACK keeps the float32 input of a layer whose output gradient is bfloat16. Now the
+    backward pass completes (``param.grad`` is there) and the quantities raise, naming the
+    layer's parameters and ``cgn.prepare_model``."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)))
+    names = [name for name, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(model.parameters(), quantities=[
+        cgn.GradientVarianceQuantiles(linear(1), param_names=names),
+        cgn.GradientNoiseScale(linear(1), param_names=names)])
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = model(x)
+        loss = extend(nn.CrossEntropyLoss())(outputs, y)
+        losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    info = {"batch_size": 8, "individual_losses": losses, "loss": loss}
+    with pytest.raises(ValueError, match=r"\['0.bias', '0.weight'\]: '0.weight': its layer "
+                                         r"\(Linear\) ran under torch.autocast .*"
+                                         r"cgn.prepare_model\(model\)"):
+        with cockpit(0, info=info):
+            loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

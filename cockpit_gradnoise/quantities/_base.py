@@ -319,8 +319,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     def _save(self, global_step, result):
         # Encoded once, here: Cockpit.write refuses raw non-finite floats, and
         # Cockpit's own formatter would reject the strings.
-        self.output[global_step] = {name: encode_statistics(row) for name, row in result.items()}
-        self._record(global_step)
+        step = int(global_step)  # a NumPy integer's record under its int (step_number)
+        self.output[step] = {name: encode_statistics(row) for name, row in result.items()}
+        self._record(step)
 
     # Internals ------------------------------------------------------------------
 

@@ -122,6 +122,9 @@ class Fallback:
     borrowed: set = field(default_factory=set)
     #: The parameters of the call whose results the active extensions are taking.
     params: Optional[Dict[str, nn.Parameter]] = None
+    #: Which tensors of a call depend on the batch, per structure of its arguments
+    #: (:mod:`.layout`, learned from a forward pass one example larger).
+    layouts: Dict[str, Any] = field(default_factory=dict)
 
 
 # Which modules: direct trainable parameters and no rule -----------------------

@@ -9,7 +9,7 @@ zeros (:class:`_LinearBiases`).
 
 import contextlib
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
@@ -23,7 +23,7 @@ from torch.utils import _pytree
 
 def per_example_gradients(
     module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
-    grads: Dict[int, Tensor], start: int, stop: int,
+    batched_children: Collection[int], grads: Dict[int, Tensor], start: int, stop: int,
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
@@ -34,15 +34,16 @@ def per_example_gradients(
     gradient of example ``i``'s copy is ``x_i``, the vector-Jacobian product
     of the module's docstring. Its children are replayed (:class:`_Replay`):
     the recomputation runs the module's own operations only. ``batched`` are
-    the indices of the leaves that lead with the batch dimension, ``grads``
-    the output gradients by output position.
+    the indices of the leaves that lead with the batch dimension and depend on the batch,
+    ``batched_children`` the children's calls whose outputs depend on it (:mod:`.layout`),
+    ``grads`` the output gradients by output position.
     """
     positions = list(grads)
     total = grads[positions[0]].shape[0]
     stop = min(stop, total)
     examples = tuple(call.leaves[k][start:stop] for k in batched)
     n = stop - start
-    replay = _Replay(call.children, total, start, stop)
+    replay = _Replay(call.children, total, start, stop, batched_children)
     copies = {name: p.expand(n, *p.shape).requires_grad_() for name, p in params.items()}
     recorded = replay.recorded_outputs()
     # vmap's arguments and results as flat tuples of tensors: its pytree work on dicts
@@ -223,8 +224,10 @@ class _Replay:
     after it.
     """
 
-    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int):
+    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int,
+                 batched: Collection[int]):
         self.children, self.examples, self.start, self.stop = children, examples, start, stop
+        self.batched = batched  # the calls whose outputs depend on the batch
         self.sinks: List[Tuple[Tensor, Tensor]] = []  # (input in the recomputation, cotangent)
         self.stale = False
         self._next = 0
@@ -237,7 +240,7 @@ class _Replay:
         """``{call index: output of the examples}`` of the calls whose output leads with
         the batch dimension, for ``vmap``."""
         return {k: c.output[self.start : self.stop] for k, c in enumerate(self.children)
-                if self._leads_with_batch(c.output)}
+                if k in self.batched and self._leads_with_batch(c.output)}
 
     @contextlib.contextmanager
     def replacing(self, module: nn.Module, recorded: Dict[int, Tensor]):
