@@ -141,6 +141,29 @@ def micro_batch_loss_scale(loss: torch.Tensor, individual_losses: torch.Tensor, 
     )
 
 
+def parameters_reached(loss) -> list:
+    """The tensors a backward pass of ``loss`` accumulates gradients into (the variables of
+    its graph's ``AccumulateGrad`` nodes), in no particular order; ``[]`` without a graph.
+
+    Before the first tracked backward pass of a plain cockpit call, Cockpit has not given
+    the quantities its parameters yet: these are the ones the pass will add to.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return []
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return found
+
+
 def gradients_held(params) -> list:
     """Positions in ``params`` of those whose ``.grad`` holds a non-zero element.
 

@@ -20,7 +20,7 @@ import copy
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import check
+from cockpit_gradnoise import check, references
 from cockpit_gradnoise.extensions import (
     SUMS_SAVEFIELD,
     LocalGradient,
@@ -223,3 +223,34 @@ def test_autocast_on_a_model_extended_by_backpack_alone_names_the_fix_after_the_
         with cockpit(0, info=info):
             loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+# 4. A second backward pass without zero_grad -------------------------------------------------
+
+
+def test_gradient_noise_scale_of_a_second_backward_pass_without_zero_grad_is_this_batchs():
+    """The cockpit around the second of two backward passes, no micro-batch keys, at its
+    first call (Cockpit gives the quantities its parameters only after the backward pass):
+    ``grad_sq`` mixed ``param.grad`` (both batches) with this batch's per-example norms.
+    Now it is this batch's, from this backward pass's own gradient (BackPACK's), with a
+    warning that names ``zero_grad`` and the accumulation keys."""
+    torch.manual_seed(0)
+    model = cgn.prepare_model(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double())
+    loss_fn, per_example_loss = classification_losses("mean")
+    names = [name for name, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(model.parameters(),
+                          quantities=[cgn.GradientNoiseScale(linear(1), param_names=names)])
+    (x1, x2), (y1, y2) = torch.randn(2, 8, 4, dtype=torch.float64), torch.randint(0, 3, (2, 8))
+    loss_fn(model(x1), y1).backward()
+    outputs = model(x2)
+    loss = extend(loss_fn)(outputs, y2)
+    info = {"batch_size": 8, "individual_losses": per_example_loss(outputs, y2), "loss": loss}
+    with pytest.warns(UserWarning, match=r"already holds gradients before the tracked backward "
+                                         r"pass of step 0.*micro_batch.*zero_grad\(\)"):
+        with cockpit(0, info=info):
+            loss.backward()
+    got = cockpit.get_output()[0]["GradientNoiseScale"]
+    expected = references.gradient_noise_scale(model, per_example_loss, x2, y2)
+    for name in [*names, "all"]:
+        for statistic in ("grad_sq", "trace_cov"):
+            assert got[name][statistic] == pytest.approx(expected[name][statistic], rel=1e-10)
