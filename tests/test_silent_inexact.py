@@ -34,7 +34,7 @@ from backpack import backpack, extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.cases import Problem, classification_losses, token_losses
+from tests.cases import Problem, classification_losses, run_step, token_losses
 from tests.library_models import Logits
 from tests.models import LogitsOf
 from tests.test_tied import assert_matches_references
@@ -254,3 +254,35 @@ def test_gradient_noise_scale_of_a_second_backward_pass_without_zero_grad_is_thi
     for name in [*names, "all"]:
         for statistic in ("grad_sq", "trace_cov"):
             assert got[name][statistic] == pytest.approx(expected[name][statistic], rel=1e-10)
+
+
+class NormedEmbedding(nn.Embedding):
+    """Not a lookup times a constant: each row is normalized."""
+
+    def forward(self, index):
+        return nn.functional.normalize(super().forward(index), dim=-1)
+
+
+class TiedNormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.head = NormedEmbedding(11, 8), nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embedding.weight
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, index):
+        return self.head(torch.tanh(self.mix(self.embedding(index))))
+
+
+def test_a_tied_embedding_whose_forward_is_no_lookup_is_refused_naming_it():
+    """The torch.func fallback computes its own rows, but its use cannot be combined with
+    the head's as an Embedding's (its output gradient is not the lookup's): refused."""
+    torch.manual_seed(0)
+    model = cgn.prepare_model(TiedNormed().double())
+    loss_fn, per_example_loss = token_losses("mean")
+    inputs, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=model)
+    problem = Problem(model, extend(loss_fn), per_example_loss, inputs, targets, "mean")
+    with pytest.raises(ValueError, match=r"'embedding.weight': it is tied and used as the "
+                                         r"weight of a NormedEmbedding"):
+        run_step(problem, [quantity])

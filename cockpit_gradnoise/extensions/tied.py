@@ -220,7 +220,8 @@ class TiedGroup:
         if own is None or self.uses[module] is None:
             self.refusal = self.refusal or (
                 f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
-                "parameters are combined over the weights of Linear and Embedding layers only"
+                "parameters are combined over the weights of layers that compute a Linear's "
+                "or an Embedding's function only (a scaled embedding too)"
             )
         previous = list(done)
         done.append(module)
