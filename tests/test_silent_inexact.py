@@ -26,6 +26,7 @@ from cockpit_gradnoise.extensions import (
     LocalGradient,
     PerExampleSquaredNorms,
     SumsOfContributions,
+    fallback,
 )
 
 import pytest
@@ -286,3 +287,35 @@ def test_a_tied_embedding_whose_forward_is_no_lookup_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"'embedding.weight': it is tied and used as the "
                                          r"weight of a NormedEmbedding"):
         run_step(problem, [quantity])
+
+
+class Shift(nn.Module):
+    """Parameters used in its own forward: the fallback (and so the layout's pass) covers it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.shift, self.gain = nn.Parameter(torch.randn(width)), nn.Parameter(torch.randn(()))
+
+    def forward(self, x):
+        return torch.tanh(x * self.gain + self.shift)
+
+
+def test_the_layout_pass_leaves_training_as_it_was():
+    """The pass one example larger (``fallback/layout.py``) restores the random state and
+    the buffers: a BatchNorm's running statistics, the next dropout mask and the outputs
+    are those of the plain model."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), Shift(6),
+                          nn.Linear(6, 3)).double().train()
+    prepared = cgn.prepare_model(copy.deepcopy(plain))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    outputs = []
+    for model in (plain, prepared):
+        torch.manual_seed(1)
+        outputs.append([model(x), model(x)])  # the second draws after the first's pass
+    state = next(iter(prepared[3].__dict__[fallback.ATTRIBUTE].layouts.values()))
+    assert state.refusal is None and state.leaves == {0}  # the pass ran, x is per example
+    for got, expected in zip(outputs[1], outputs[0]):
+        assert torch.equal(got, expected)
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(dict(prepared.named_buffers())[name], buffer), name
