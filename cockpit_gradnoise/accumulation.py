@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise.extensions.fallback.parameters import variables_reached
 
 import torch
 
@@ -150,18 +151,7 @@ def parameters_reached(loss) -> list:
     """
     if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
         return []
-    found, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.append(variable)
-        else:
-            stack.extend(child for child, _ in node.next_functions)
-    return found
+    return variables_reached(loss.grad_fn)
 
 
 def gradients_held(params) -> list:

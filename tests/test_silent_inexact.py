@@ -319,3 +319,32 @@ def test_the_layout_pass_leaves_training_as_it_was():
         assert torch.equal(got, expected)
     for name, buffer in plain.named_buffers():
         assert torch.equal(dict(prepared.named_buffers())[name], buffer), name
+
+
+class CachedTable(nn.Module):
+    """Adds a table; in evaluation mode through a tensor computed from it once and kept in a
+    plain attribute (no dict cache the fallback would empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.kept = nn.Parameter(torch.randn(1, 4)), None
+
+    def forward(self, x):
+        if self.training:
+            return x + self.table
+        if self.kept is None:
+            self.kept = self.table * 2.0
+        return x + self.kept
+
+
+def test_a_parameter_used_through_a_kept_tensor_is_refused_not_zero():
+    torch.manual_seed(0)
+    model = cgn.prepare_model(nn.Sequential(nn.Linear(3, 4), CachedTable(), nn.Tanh(),
+                                            nn.Linear(4, 2)).double().eval())
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with pytest.warns(UserWarning, match=r"CachedTable \(table\).*the forward pass used "
+                                         r"\['table'\] but its recomputation"):
+        with backpack(*extensions()):
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert model[1].table.grad is not None and not hasattr(model[1].table, SUMS_SAVEFIELD)
+    assert hasattr(model[0].weight, SUMS_SAVEFIELD)

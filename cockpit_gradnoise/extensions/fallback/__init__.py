@@ -62,7 +62,9 @@ a module none of whose inputs leads with the batch dimension of its output,
 a module with a BatchNorm in training mode inside (its examples interact), a
 forward pass ``vmap`` cannot run per example (random operations such as
 dropout in training mode, data-dependent Python), and an input changed in
-place after the call. Inside the recomputation, the hooks of the module and
+place after the call, and a parameter the forward pass used that the
+recomputation did not use (a tensor computed from it and kept: :func:`.replay.used_by_forward`).
+Inside the recomputation, the hooks of the module and
 its submodules are switched off (:func:`.parameters.hooks_off`): BackPACK's would
 overwrite the inputs it stored for the real backward pass.
 """

@@ -118,3 +118,20 @@ def caches_bypassed(module: nn.Module):
         yield
     finally:
         module.__dict__.update(saved)
+
+
+def variables_reached(node, stop=frozenset()) -> list:
+    """The tensors a backward pass from the autograd ``node`` accumulates into (the variables
+    of the ``AccumulateGrad`` nodes it reaches), not going past the nodes of ``stop``."""
+    found, seen, stack = [], set(stop), [node]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            found.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return found

@@ -13,7 +13,12 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
-from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off, own_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import (
+    caches_bypassed,
+    hooks_off,
+    own_parameters,
+    variables_reached,
+)
 
 import torch
 from torch import Tensor, nn
@@ -89,13 +94,38 @@ def per_example_gradients(
     replay.check(any(_depends_on_copies(out) for out in outputs))
     pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
     if not pairs:  # no output depends on the parameters: zero contributions
+        _check_unused(module, call, [name for name in copies if "." not in name])
         return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}, {}
     found = torch.autograd.grad([o for o, _ in pairs], [*copies.values(), *spread],
                                 [g for _, g in pairs], allow_unused=True)
+    _check_unused(module, call, [name for name, x in zip(copies, found) if x is None and "." not in name])
     # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
     contributions = {name: torch.zeros_like(copy) if x is None else x
                      for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
+
+
+def used_by_forward(call: Call, params: Dict[str, Tensor]) -> List[str]:
+    """The names of ``params`` the call's own part of the forward graph accumulates into:
+    from its output's node down to its arguments' nodes (not below them)."""
+    wanted = {id(p): name for name, p in params.items()}
+    reached = variables_reached(call.nodes.output, call.nodes.inputs)
+    return [wanted[id(v)] for v in reached if id(v) in wanted]
+
+
+def _check_unused(module: nn.Module, call: Call, unused: List[str]) -> None:
+    """Refuse where a direct parameter the recomputation did not use was used by the
+    forward pass: it read a tensor computed from the parameter and kept (a cache the
+    module keeps otherwise than :func:`.parameters.parameter_caches` finds), and its rows
+    would be zeros. Walks the graph only then (no cost otherwise)."""
+    if not unused:
+        return
+    used = used_by_forward(call, {name: module._parameters[name] for name in unused})
+    if used:
+        raise Refused(
+            f"the forward pass used {sorted(used)} but its recomputation with other tensors "
+            "in their place did not (a tensor computed from them and kept, a cache?): clear "
+            "the module's cache before each tracked step, or train it in training mode")
 
 
 class _LinearBiases(TorchFunctionMode):
