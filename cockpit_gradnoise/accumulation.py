@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise.extensions.fallback.parameters import variables_reached
 
 import torch
 
@@ -139,6 +140,18 @@ def micro_batch_loss_scale(loss: torch.Tensor, individual_losses: torch.Tensor, 
         "accumulated gradient is the mean over all examples) or losses.sum() "
         "(docs/accumulation.md)"
     )
+
+
+def parameters_reached(loss) -> list:
+    """The tensors a backward pass of ``loss`` accumulates gradients into (the variables of
+    its graph's ``AccumulateGrad`` nodes), in no particular order; ``[]`` without a graph.
+
+    Before the first tracked backward pass of a plain cockpit call, Cockpit has not given
+    the quantities its parameters yet: these are the ones the pass will add to.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return []
+    return variables_reached(loss.grad_fn)
 
 
 def gradients_held(params) -> list:

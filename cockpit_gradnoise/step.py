@@ -341,16 +341,21 @@ class Step(ParameterChecks):
         self._held_before = [(named[i][0], named[i][1], named[i][1].grad,
                               named[i][1].grad._version) for i in held]
 
-    def warn_earlier_gradients(self, quantity):
+    def warn_earlier_gradients(self, quantity, names: Optional[Dict[int, str]] = None):
         """After the backward pass: warn once, naming the fix, if it added to gradients held before.
 
         Gradients held before that it left alone (a replaced module's
         parameters) are the stale gradients of :meth:`usable`, told apart there.
+        ``names``: ``{id(param): name}`` for those checked before their names were known
+        (the first call, :func:`~cockpit_gradnoise.accumulation.parameters_reached`).
         """
         if not self._held_before:
             return
-        added = [name for name, param, grad, version in self._held_before
+        names = names or {}
+        added = [name if name is not None else names.get(id(param))
+                 for name, param, grad, version in self._held_before
                  if param.grad is not grad or grad._version != version]
+        added = [name for name in added if name is not None]
         if added:
             self.warn("earlier-gradients", accumulation.earlier_gradients_message(
                 self.global_step, added, self.micro_batch()), quantity)

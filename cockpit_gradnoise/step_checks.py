@@ -10,6 +10,7 @@ result a quantity reads, with one warning per fact about the others.
 """
 
 import numbers
+import operator
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,25 +38,25 @@ def check_example_count(results: int, individual_losses: int):
 
 
 def step_number(step, convert: bool = False) -> int:
-    """``step`` as the plain ``int`` that Cockpit keys the call's records by.
+    """``step`` as the plain ``int`` that the quantities key the call's records by.
 
-    A float step writes a log that cannot be read back, a NumPy integer or a
-    tensor one that cannot be written, so a step is checked at the call.
+    A float step writes a log that cannot be read back, a tensor one that
+    cannot be written, so a step is checked at the call. Any integral number
+    (``numbers.Integral``: a NumPy integer, as steps taken from an array are)
+    is its ``int``; the quantities store their records under that ``int``.
 
     Args:
         step: The step handed to the cockpit call.
-        convert: Also take NumPy integers and 0-dim integer tensors, as their
-            ``int`` (the front door, :class:`~cockpit_gradnoise.Tracker`,
-            converts before Cockpit stores anything under the step).
+        convert: Also take 0-dim integer tensors, as their ``int`` (the front
+            door, :class:`~cockpit_gradnoise.Tracker`, converts before Cockpit
+            stores anything under the step).
 
     Raises:
         TypeError: Anything else (a float, a bool, a string, a tensor with
             elements of another dtype or more than one), naming ``int(step)``.
     """
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    if convert and isinstance(step, numbers.Integral) and not isinstance(step, bool):
-        return int(step)  # NumPy's integers are Integral; numpy.bool_ is not
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return operator.index(step)  # NumPy's integers are Integral; numpy.bool_ is not
     if convert and isinstance(step, torch.Tensor) and step.dim() == 0 and _integer_dtype(step):
         return int(step)
     raise TypeError(

@@ -103,7 +103,8 @@ def test_individual_losses_that_are_not_a_1d_tensor_are_refused_naming_key_and_f
 # The step -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("step", [2.0, np.int64(2), torch.tensor(2), True, "2"], ids=repr)
+@pytest.mark.parametrize("step", [2.0, np.float64(2), torch.tensor(2), True, np.bool_(True), "2"],
+                         ids=repr)
 @pytest.mark.parametrize("classes", [ALL, (cgn.UpdateSize,)], ids=["all", "two-step-only"])
 def test_a_step_that_is_not_an_int_is_refused_at_the_call(step, classes):
     problem = build(MODELS[0], 4, "mean")
@@ -114,6 +115,19 @@ def test_a_step_that_is_not_an_int_is_refused_at_the_call(step, classes):
     assert CockpitCTX.INFO == {}  # nothing left behind
     call(problem, cockpit, 2)  # the same cockpit works with an int
     assert list(cockpit.get_output()) == ([2] if classes == ALL else [])
+
+
+@pytest.mark.parametrize("step", [np.int64(2), np.int32(2), np.uint8(2)], ids=repr)
+def test_the_explicit_api_takes_a_numpy_integer_step_under_its_int(step, tmp_path):
+    """Steps taken from an array (issue 32): records keyed by the plain int, written and read."""
+    problem = build(MODELS[0], 4, "mean")
+    cockpit = cgn.Cockpit(problem.params, quantities=quantities(problem))
+    call(problem, cockpit, step)
+    call(problem, cockpit, step + 1)  # UpdateSize's record is stored at its start step
+    assert [type(k) for k in cockpit.get_output()] == [int, int]
+    assert all(type(k) is int for q in cockpit.quantities for k in q.output)
+    cockpit.write(str(tmp_path / "log"))
+    assert set(cgn.to_frame(str(tmp_path / "log.json")).step) == {2, 3}
 
 
 @pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3), torch.tensor(3, dtype=torch.int32)],

@@ -213,14 +213,15 @@ def test_children_are_replayed_exactly_through_random_and_in_place_ones(reductio
 
 
 def test_a_table_applied_without_the_batch_dimension_is_reported_not_wrong():
-    """Its output leads with T = 3, not the batch's 6: the checker names it (the
-    quantities leave it out with their warning, as for ``wpe(torch.arange(T))``)."""
+    """Its output leads with T = 3, not the batch's 6, and its input ``arange(3)`` does not
+    depend on the batch: the fallback refuses it, naming why, and the checker says so."""
     torch.manual_seed(0)
     model = UsesTable()
     x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
-    frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
+    with pytest.warns(UserWarning, match="none of its inputs leads with the batch"):
+        frame = cgn.check_model(model, x, y, nn.CrossEntropyLoss(), verbose=False)
     row = frame.set_index("param").loc["table.table"]
-    assert not row.rows and "without the batch dimension (output leads with 3, batch 6)" in row.note
+    assert not row.rows and "none of its inputs leads with the batch" in row.note
 
 
 class Shared(nn.Module):

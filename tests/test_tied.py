@@ -44,13 +44,15 @@ def _quantities(names):
     ]
 
 
-def assert_matches_references(problem, inner_terms):
+def assert_matches_references(problem, inner_terms, grads=None):
     """GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale equal their
-    references on every trainable parameter the forward pass uses, and on ``"all"``."""
+    references on every trainable parameter the forward pass uses, and on ``"all"``
+    (``grads``: the per-example gradients, by default a per-example loop)."""
     named = dict(problem.model.named_parameters())
     n = len(problem.inputs)
-    grads = references.per_example_gradients(
-        problem.model, problem.per_example_loss, problem.inputs, problem.targets)
+    if grads is None:
+        grads = references.per_example_gradients(
+            problem.model, problem.per_example_loss, problem.inputs, problem.targets)
     names = [name for name in problem.names if name in grads]
     quantities = _quantities(names)
     cockpit = cgn.Cockpit([named[name] for name in names], quantities=quantities)

@@ -34,7 +34,7 @@ batch size.
 import functools
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import meetings
+from cockpit_gradnoise.extensions import meetings, scaled_embedding
 from cockpit_gradnoise.extensions._squares import squared_norms_of
 from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.extensions.savefields import (
@@ -233,8 +233,10 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     rows only, ``x_i[r] = sum_{p: idx_p = r} E_ip`` (``[B, R, d]``), from which
     ``sum_i x_i``, ``sum_i x_i**2`` and ``||x_i||^2`` follow directly.
     """
-    # Widened to float32 where narrower (a meeting under autocast): results to be summed.
-    gradient = widened(call.per_example_output_gradients(module.embedding_dim))
+    # Widened to float32 where narrower (a meeting under autocast): results to be summed;
+    # at the lookup's output (a scaled embedding's, times its scale: .scaled_embedding).
+    gradient = scaled_embedding.lookup_gradient(
+        module, widened(call.per_example_output_gradients(module.embedding_dim)))
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)

@@ -37,7 +37,7 @@ naming the parameter.
 
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import cost_model
+from cockpit_gradnoise.extensions import cost_model, scaled_embedding, subclasses
 from cockpit_gradnoise.extensions.fallback.parameters import delegated_parameters
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -110,10 +110,15 @@ class LinearUse(_Use):
 def use_of(module: nn.Module, attribute: str, inputs: Tensor, grad_output: Tensor
            ) -> Optional[_Use]:
     """The :class:`_Use` of ``module``'s ``attribute`` (its layer's input and output
-    gradient): ``None`` but for the weight of a Linear or an Embedding."""
-    if attribute == "weight" and isinstance(module, nn.Embedding):
-        return EmbeddingUse(module, inputs, grad_output)
-    if attribute == "weight" and isinstance(module, nn.Linear):
+    gradient): ``None`` but for the weight of a layer that computes a Linear's or an
+    Embedding's function (a subclass that overrides ``forward`` does not, but for a
+    scaled embedding, whose use is read at its lookup: :mod:`.scaled_embedding`)."""
+    if attribute != "weight":
+        return None
+    if isinstance(module, nn.Embedding):
+        lookup = scaled_embedding.lookup_gradient(module, grad_output)
+        return None if lookup is None else EmbeddingUse(module, inputs, lookup)
+    if isinstance(module, nn.Linear) and subclasses.inherits_forward(type(module), nn.Linear):
         return LinearUse(module, inputs, grad_output)
     return None
 
@@ -215,7 +220,8 @@ class TiedGroup:
         if own is None or self.uses[module] is None:
             self.refusal = self.refusal or (
                 f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
-                "parameters are combined over the weights of Linear and Embedding layers only"
+                "parameters are combined over the weights of layers that compute a Linear's "
+                "or an Embedding's function only (a scaled embedding too)"
             )
         previous = list(done)
         done.append(module)

@@ -19,10 +19,12 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, hooks, tied
+from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, scaled_embedding, tied
+from cockpit_gradnoise.extensions.fallback import layout
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
+import torch
 from torch import Tensor, nn
 
 #: The attribute of the model and its marked layers that holds their :class:`Uses`.
@@ -78,6 +80,8 @@ def _end_forward(model, args, kwargs, output):
     if idle(model):
         return
     uses = model.__dict__[USES_ATTR]
+    if torch.is_grad_enabled():  # the fallback's calls recorded: which inputs are per example
+        layout.learn(model, args, kwargs, uses.examples)
     if uses.broadcasts:
         batchless.find_broadcasts(output, uses.broadcasts, uses.examples)
 
@@ -146,6 +150,8 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     """``call(module, g_inp, g_out)`` (the extension's work on ``module``; ``False`` if no
     rule covers it), then the above."""
     recorded = facts.recording()
+    if _autocast_without_hooks(module, recorded, g_out):
+        return
     uses = module.__dict__.get(USES_ATTR)
     if uses is not None and _ran_twice(module, recorded):
         for param in module.parameters(recurse=False):
@@ -169,6 +175,32 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         recorded.refuse(param, why)
 
 
+def _autocast_without_hooks(module: nn.Module, recorded: facts.BackwardFacts, g_out) -> bool:
+    """Refuse the parameters of a layer that ran under ``torch.autocast`` in a model extended
+    by ``backpack.extend`` alone (whether it was refused).
+
+    BackPACK's hooks keep the float32 input the layer was given while its output gradient
+    arrives in the autocast dtype, and its rules crash on the mix (``expected m1 and m2
+    to have the same dtype``) inside ``loss.backward()``. The package's hooks
+    (``prepare_model``) keep what the layer computed with (:mod:`.precision`); here the
+    layer is left without results and the quantities raise, naming the parameters and
+    the fix, once the backward pass is over.
+    """
+    if recorded.call is not None or not precision.is_bilinear(module):  # the package's hooks
+        return False
+    given, grad = getattr(module, "input0", None), g_out[0] if g_out else None
+    if not (isinstance(given, Tensor) and isinstance(grad, Tensor) and given.is_floating_point()
+            and grad.is_floating_point() and given.dtype != grad.dtype):
+        return False
+    for param in module.parameters(recurse=False):
+        recorded.refuse(param, (
+            f"its layer ({type(module).__name__}) ran under torch.autocast (input {given.dtype}, "
+            f"output gradient {grad.dtype}) in a model extended by backpack.extend alone: "
+            "prepare the model with cgn.prepare_model(model) (or cgn.track(model)) instead, "
+            "whose hooks keep the input the layer computed with"))
+    return True
+
+
 def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     param = module.weight
     if not param.requires_grad or not hasattr(param, extension.savefield):
@@ -176,6 +208,10 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     reason = broadcast.refusal()
     if reason is None and broadcast.exact and TIED_ATTR in module.__dict__:
         reason = "it is tied and applied without the batch dimension"
+    if reason is None and broadcast.exact and scaled_embedding.lookup_gradient(
+            module, grad_output) is None:
+        reason = (f"it is applied without the batch dimension by {type(module).__name__}, "
+                  "whose forward is not nn.Embedding's")
     if reason is None and broadcast.meetings and broadcast.gradient is None:
         reason = "the backward pass did not reach where its output meets the batch"
     if reason is not None:

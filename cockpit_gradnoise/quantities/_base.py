@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
-from cockpit_gradnoise.accumulation import MicroBatchGradient
+from cockpit_gradnoise.accumulation import MicroBatchGradient, parameters_reached
 from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
 from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.logs.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
@@ -280,10 +280,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         except (TypeError, ValueError):
             CockpitCTX.erase()  # a refused call leaves nothing behind
             raise
-        if self.known_params is not None and self._extensions:
+        if self._extensions:
             # Per-example results describe this backward pass only; param.grad
-            # alone (ParamGradRatio) is the optimizer's, however accumulated.
-            step.check_earlier_gradients(self, self.trainable(self.known_params))
+            # alone (ParamGradRatio) is the optimizer's, however accumulated. At the
+            # first call Cockpit has not given its parameters yet: those the loss
+            # reaches, named once they are known (warn_earlier_gradients).
+            if self.known_params is not None:
+                named = self.trainable(self.known_params)
+            else:
+                loss = CockpitCTX.INFO.get(global_step, {}).get("loss")
+                named = [(None, p) for p in parameters_reached(loss)]
+            step.check_earlier_gradients(self, named)
         self._own_gradient = micro is not None or step.earlier_gradients
         return {field for field in self._savefields if field == "grad_batch"}
 
@@ -294,7 +301,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         step = Step.of(self, global_step)
         step.warn_frozen(self, list(zip(self.names(params), params)))
         if self._extensions:
-            step.warn_earlier_gradients(self)
+            step.warn_earlier_gradients(self, {id(p): n for n, p in self.trainable(params)})
         distributed.check_not_sharded(params)  # a DTensor breaks every formula, one process or many
         if distributed.world_size() > 1:
             self._warn_if_rank_local()
@@ -331,8 +338,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     def _save(self, global_step, result):
         # Encoded once, here: Cockpit.write refuses raw non-finite floats, and
         # Cockpit's own formatter would reject the strings.
-        self.output[global_step] = {name: encode_statistics(row) for name, row in result.items()}
-        self._record(global_step)
+        step = int(global_step)  # a NumPy integer's record under its int (step_number)
+        self.output[step] = {name: encode_statistics(row) for name, row in result.items()}
+        self._record(step)
 
     # Internals ------------------------------------------------------------------
 

@@ -101,5 +101,5 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         return (start, value) if value is not None else (global_step, None)
 
     def _save(self, global_step, result):
-        self.output[global_step] = result
-        self._record(global_step)
+        self.output[int(global_step)] = result  # a NumPy integer's under its int (step_number)
+        self._record(int(global_step))

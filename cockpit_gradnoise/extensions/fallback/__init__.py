@@ -51,12 +51,20 @@ How it is wired, one file each:
 - :mod:`.parameters`: which parameters, and the module run with others in
   their place and without its hooks.
 
+A module's caches of tensors computed from its parameters (timm's eval-mode
+``attention_bias_cache``, :func:`.parameters.parameter_caches`) are emptied at
+each recorded call, as the model's own ``train()`` empties them (the outputs
+are the same), and bypassed in the recomputation, which would otherwise read
+the cache instead of the parameters' copies (rows of zeros).
+
 Refused, with a warning and without rows (never a silently wrong number):
 a module none of whose inputs leads with the batch dimension of its output,
 a module with a BatchNorm in training mode inside (its examples interact), a
 forward pass ``vmap`` cannot run per example (random operations such as
 dropout in training mode, data-dependent Python), and an input changed in
-place after the call. Inside the recomputation, the hooks of the module and
+place after the call, and a parameter the forward pass used that the
+recomputation did not use (a tensor computed from it and kept: :func:`.replay.used_by_forward`).
+Inside the recomputation, the hooks of the module and
 its submodules are switched off (:func:`.parameters.hooks_off`): BackPACK's would
 overwrite the inputs it stored for the real backward pass.
 """

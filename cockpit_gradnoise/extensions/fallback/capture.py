@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
-from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -61,6 +61,23 @@ class Call:
     children: List["ChildCall"] = field(default_factory=list)
     #: The input of a call ``module(x)`` with one tensor and one tensor out (detached), else ``None``.
     one_input: Optional[Tensor] = None
+    #: The call's own part of the autograd graph (:class:`Nodes`).
+    nodes: "Nodes" = field(default_factory=lambda: Nodes())
+
+
+class Nodes:
+    """The autograd node of a call's (first) output and those of its tensor arguments: the
+    call's own part of the graph lies between (:func:`.replay.used_by_forward`). Not copied
+    with the model (autograd nodes cannot be): a copy has none."""
+
+    def __init__(self, output=None, inputs: frozenset = frozenset()):
+        self.output, self.inputs = output, inputs
+
+    def __deepcopy__(self, memo):
+        return Nodes()
+
+    def __reduce__(self):
+        return (Nodes, ())
 
 
 @dataclass
@@ -122,6 +139,9 @@ class Fallback:
     borrowed: set = field(default_factory=set)
     #: The parameters of the call whose results the active extensions are taking.
     params: Optional[Dict[str, nn.Parameter]] = None
+    #: Which tensors of a call depend on the batch, per structure of its arguments
+    #: (:mod:`.layout`, learned from a forward pass one example larger).
+    layouts: Dict[str, Any] = field(default_factory=dict)
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -179,6 +199,8 @@ def _start_recording(module, args):
     if state is not None:
         recording = torch.is_grad_enabled() and not idle(module)
         state.recording = [] if recording else None
+        if recording:  # computed again from the parameters, as in training mode
+            clear_parameter_caches(module)
 
 
 def _child_inputs(child, args, kwargs):
@@ -250,6 +272,8 @@ def _capture(module, args, kwargs, output):
         return  # no gradient to come (a torch.fx trace's proxies, too)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+    input_nodes = frozenset(leaf.grad_fn for leaf in leaves
+                            if isinstance(leaf, Tensor) and leaf.grad_fn is not None)
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
@@ -259,6 +283,7 @@ def _capture(module, args, kwargs, output):
     state.recording = None
     state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
+    call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))

@@ -80,3 +80,58 @@ def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
     finally:
         for name, (owner, attr) in owners.items():
             owner._parameters[attr] = saved[name]
+
+
+def parameter_caches(module: nn.Module) -> Dict[str, dict]:
+    """``{attribute: dict}`` of ``module``'s caches of tensors computed from its parameters.
+
+    timm's LeViT, EfficientFormer and EfficientViT keep ``attention_bias_cache``:
+    in evaluation mode ``attention_biases[:, idxs]`` is computed once and read
+    back from the dict at every call, so a recomputation with other tensors in
+    place of the parameter would read the cache and not depend on them (rows of
+    zeros). A cache here: a non-empty dict attribute of tensors whose name holds
+    ``cache`` or one of whose tensors has a ``grad_fn`` (computed with grad).
+    """
+    found = {}
+    for name, value in module.__dict__.items():
+        if isinstance(value, dict) and value and all(isinstance(v, Tensor) for v in value.values()) \
+                and ("cache" in name or any(v.grad_fn is not None for v in value.values())):
+            found[name] = value
+    return found
+
+
+def clear_parameter_caches(module: nn.Module) -> None:
+    """Empty ``module``'s :func:`parameter_caches` (a new dict each, as timm's ``train()``
+    does): the call computes them again from its parameters, with this forward pass's graph."""
+    for name in parameter_caches(module):
+        module.__dict__[name] = {}
+
+
+@contextlib.contextmanager
+def caches_bypassed(module: nn.Module):
+    """``module`` with empty :func:`parameter_caches` (restored afterwards): a recomputation
+    computes from the tensors in place of its parameters, and leaves nothing in the caches."""
+    saved = parameter_caches(module)
+    try:
+        for name in saved:
+            module.__dict__[name] = {}
+        yield
+    finally:
+        module.__dict__.update(saved)
+
+
+def variables_reached(node, stop=frozenset()) -> list:
+    """The tensors a backward pass from the autograd ``node`` accumulates into (the variables
+    of the ``AccumulateGrad`` nodes it reaches), not going past the nodes of ``stop``."""
+    found, seen, stack = [], set(stop), [node]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            found.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return found

@@ -9,11 +9,16 @@ zeros (:class:`_LinearBiases`).
 
 import contextlib
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
-from cockpit_gradnoise.extensions.fallback.parameters import hooks_off, own_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import (
+    caches_bypassed,
+    hooks_off,
+    own_parameters,
+    variables_reached,
+)
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +28,7 @@ from torch.utils import _pytree
 
 def per_example_gradients(
     module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
-    grads: Dict[int, Tensor], start: int, stop: int,
+    batched_children: Collection[int], grads: Dict[int, Tensor], start: int, stop: int,
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
@@ -34,15 +39,16 @@ def per_example_gradients(
     gradient of example ``i``'s copy is ``x_i``, the vector-Jacobian product
     of the module's docstring. Its children are replayed (:class:`_Replay`):
     the recomputation runs the module's own operations only. ``batched`` are
-    the indices of the leaves that lead with the batch dimension, ``grads``
-    the output gradients by output position.
+    the indices of the leaves that lead with the batch dimension and depend on the batch,
+    ``batched_children`` the children's calls whose outputs depend on it (:mod:`.layout`),
+    ``grads`` the output gradients by output position.
     """
     positions = list(grads)
     total = grads[positions[0]].shape[0]
     stop = min(stop, total)
     examples = tuple(call.leaves[k][start:stop] for k in batched)
     n = stop - start
-    replay = _Replay(call.children, total, start, stop)
+    replay = _Replay(call.children, total, start, stop, batched_children)
     copies = {name: p.expand(n, *p.shape).requires_grad_() for name, p in params.items()}
     recorded = replay.recorded_outputs()
     # vmap's arguments and results as flat tuples of tensors: its pytree work on dicts
@@ -78,7 +84,8 @@ def per_example_gradients(
         return (*results, *biases.outputs)
 
     traced = traced_forward if biases.watched else flat_forward
-    with hooks_off(module), _math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast):
+    with hooks_off(module), caches_bypassed(module), _math_attention(), torch.enable_grad(), \
+            precision.autocast_as(call.autocast):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     outputs, sinks = results[: len(positions)], results[len(positions) : len(results) - len(biases.names)]
     spread = results[len(results) - len(biases.names) :]  # F.linear's outputs, [n, ..., out]
@@ -87,13 +94,38 @@ def per_example_gradients(
     replay.check(any(_depends_on_copies(out) for out in outputs))
     pairs = [(out, g) for out, g in pairs if _depends_on_copies(out)]
     if not pairs:  # no output depends on the parameters: zero contributions
+        _check_unused(module, call, [name for name in copies if "." not in name])
         return {name: torch.zeros_like(copy) for name, copy in copies.items() if "." not in name}, {}
     found = torch.autograd.grad([o for o, _ in pairs], [*copies.values(), *spread],
                                 [g for _, g in pairs], allow_unused=True)
+    _check_unused(module, call, [name for name, x in zip(copies, found) if x is None and "." not in name])
     # A direct parameter the forward did not use contributes exact zeros; a child's, nothing.
     contributions = {name: torch.zeros_like(copy) if x is None else x
                      for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
+
+
+def used_by_forward(call: Call, params: Dict[str, Tensor]) -> List[str]:
+    """The names of ``params`` the call's own part of the forward graph accumulates into:
+    from its output's node down to its arguments' nodes (not below them)."""
+    wanted = {id(p): name for name, p in params.items()}
+    reached = variables_reached(call.nodes.output, call.nodes.inputs)
+    return [wanted[id(v)] for v in reached if id(v) in wanted]
+
+
+def _check_unused(module: nn.Module, call: Call, unused: List[str]) -> None:
+    """Refuse where a direct parameter the recomputation did not use was used by the
+    forward pass: it read a tensor computed from the parameter and kept (a cache the
+    module keeps otherwise than :func:`.parameters.parameter_caches` finds), and its rows
+    would be zeros. Walks the graph only then (no cost otherwise)."""
+    if not unused:
+        return
+    used = used_by_forward(call, {name: module._parameters[name] for name in unused})
+    if used:
+        raise Refused(
+            f"the forward pass used {sorted(used)} but its recomputation with other tensors "
+            "in their place did not (a tensor computed from them and kept, a cache?): clear "
+            "the module's cache before each tracked step, or train it in training mode")
 
 
 class _LinearBiases(TorchFunctionMode):
@@ -222,8 +254,10 @@ class _Replay:
     after it.
     """
 
-    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int):
+    def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int,
+                 batched: Collection[int]):
         self.children, self.examples, self.start, self.stop = children, examples, start, stop
+        self.batched = batched  # the calls whose outputs depend on the batch
         self.sinks: List[Tuple[Tensor, Tensor]] = []  # (input in the recomputation, cotangent)
         self.stale = False
         self._next = 0
@@ -236,7 +270,7 @@ class _Replay:
         """``{call index: output of the examples}`` of the calls whose output leads with
         the batch dimension, for ``vmap``."""
         return {k: c.output[self.start : self.stop] for k, c in enumerate(self.children)
-                if self._leads_with_batch(c.output)}
+                if k in self.batched and self._leads_with_batch(c.output)}
 
     @contextlib.contextmanager
     def replacing(self, module: nn.Module, recorded: Dict[int, Tensor]):

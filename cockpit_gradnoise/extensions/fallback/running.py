@@ -22,6 +22,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     Fallback,
     active_savefields,
 )
+from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
@@ -46,8 +47,10 @@ def computed_parameters(module: nn.Module, call: Optional[Call]) -> Dict[str, nn
     return params
 
 
-def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -> Optional[str]:
-    """Why ``module``'s per-example results cannot be computed from ``call`` (``None``: they can)."""
+def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor],
+            layout: Layout) -> Optional[str]:
+    """Why ``module``'s per-example results cannot be computed from ``call`` with ``layout``
+    (:mod:`.layout`; ``None``: they can)."""
     if call is None:
         return "no call of the module was recorded in the forward pass (prepare the model first)"
     if 0 not in grads:  # the first output's gradient is where the batch is read from
@@ -62,16 +65,22 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor]) -
         if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
             return (f"its submodule {name!r} is a BatchNorm in training mode: examples "
                     "interact, so no per-example gradient of the module's parameters exists")
-    if not batched_leaves(call, sizes.pop()):
-        return "none of its inputs leads with the batch dimension of its output"
+    if layout.refusal is not None:
+        return layout.refusal
+    if not batched_leaves(call, sizes.pop(), layout):
+        return ("none of its inputs leads with the batch dimension of its output and depends "
+                "on the batch")
     return None
 
 
-def batched_leaves(call: Call, examples: int) -> List[int]:
-    """Indices of the tensor leaves that lead with the batch dimension (``examples``)."""
+def batched_leaves(call: Call, examples: int, layout: Layout) -> List[int]:
+    """Indices of the tensor leaves that lead with the batch dimension (``examples``) and
+    depend on the batch (``layout``): a batch-free tensor whose leading size happens to
+    equal the batch size is not per example (Funnel's ``cls_mask`` at batch 4)."""
     return [
         k for k, leaf in enumerate(call.leaves)
         if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == examples
+        and k in layout.leaves
     ]
 
 
@@ -85,7 +94,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     """The results of ``savefields`` for ``module``'s direct parameters; ``{}`` if refused (warned)."""
     call = state.call
     grads = output_gradients(call, g_out) if call is not None else {}
-    reason = refusal(module, call, grads)
+    layout = layout_of(state) if call is not None else Layout()
+    reason = refusal(module, call, grads, layout)
     if reason is None and state.closed_form is not None and call.one_input is not None:
         form = state.closed_form
         contributions = form.contributions(module, call.one_input, grads[0], form.eps)
@@ -93,11 +103,12 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     if reason is None:
         params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
         examples = next(iter(grads.values())).shape[0]
-        batched = batched_leaves(call, examples)
+        batched = batched_leaves(call, examples, layout)
         numel = sum(p.numel() for p in params.values())
         size = cost_model.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
         chunks = (
-            per_example_gradients(module, params, call, batched, grads, start, start + size)
+            per_example_gradients(module, params, call, batched, layout.children, grads,
+                                  start, start + size)
             for start in range(0, examples, size)
         )
         try:

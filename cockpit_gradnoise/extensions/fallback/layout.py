@@ -1,0 +1,186 @@
+"""Which inputs of a module's call are per example: learned from a forward pass one example larger.
+
+The recomputation (:mod:`.replay`) gives each example its part of the
+inputs that are per example and the whole of every other one. No shape tells
+them apart: Funnel's ``cls_mask`` is ``[L, T]`` with ``L`` the pooled length,
+and where ``L`` equals the batch size it leads with the batch size like the
+attention mask beside it, so the old guess ("leads with the batch size")
+gave each example one row of it, a wrong number with no warning. A trace of
+the data that flows from the model's inputs does not tell either: masks are
+built as ``torch.ones(input_ids.shape)``, from a size, not from the inputs.
+
+What does tell is a second forward pass of the model on a batch one example
+larger (:func:`learn`), the first time a call of a module with the fallback
+is recorded with a new structure of arguments: a tensor whose leading size
+changes with the batch depends on it (a per-example input, a mask built
+from the batch's shape); one whose size stays is batch-free, whatever its
+size. The pass runs once per structure, on the model's own inputs with their
+first example repeated, under ``torch.no_grad`` and without any hook, with
+the random state and every buffer restored afterwards (a BatchNorm in training
+mode keeps its running statistics), so training goes on as if it had not run.
+The layout of the arguments (:class:`Layout`) is kept per module and
+structure; :func:`.running.compute` reads it, and refuses a module whose
+layout could not be learned, naming why.
+"""
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, PARENT_ATTRIBUTE, Call, Fallback
+from cockpit_gradnoise.extensions.fallback.parameters import hooks_off
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which tensors of a call depend on the batch (their leading size changes with it).
+
+    Attributes:
+        leaves: Indices of the call's flattened arguments (:class:`.capture.Call`'s
+            ``leaves``) that depend on the batch.
+        children: Indices of the children's calls whose output depends on it.
+        refusal: Why no layout could be learned (``None`` if it was).
+    """
+
+    leaves: FrozenSet[int] = frozenset()
+    children: FrozenSet[int] = frozenset()
+    refusal: Optional[str] = None
+
+
+def structure(call: Call) -> str:
+    """The key of a call's layout: the structure of its arguments, not their sizes."""
+    return str(call.spec)
+
+
+def layout_of(state: Fallback) -> Layout:
+    """The layout learned for the structure of ``state``'s call (a refusal if none was)."""
+    found = state.layouts.get(structure(state.call))
+    if found is None:
+        return Layout(refusal=(
+            "which of its inputs are per example was not learned: the model's forward pass "
+            "did not run through the prepared model with its batch as tensor arguments"))
+    return found
+
+
+def _leading(value) -> Optional[int]:
+    return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
+
+
+def _larger(value, examples: int):
+    """``value`` with its first example repeated at the end, if it leads with the batch."""
+    if _leading(value) == examples:
+        return torch.cat([value, value[:1]])
+    return value
+
+
+class _Sizes:
+    """The leading sizes of the pending modules' arguments and children's outputs in a pass."""
+
+    def __init__(self):
+        self.leaves: Dict[nn.Module, List[Optional[int]]] = {}
+        self.children: Dict[nn.Module, List[Optional[int]]] = {}
+        self.active: Dict[nn.Module, List[Optional[int]]] = {}
+
+    def install(self, modules: List[nn.Module]) -> list:
+        """Hook ``modules`` and their children; the handles."""
+        handles = []
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(self._begin))
+            handles.append(module.register_forward_hook(self._end, with_kwargs=True))
+            handles.extend(child.register_forward_hook(self._child) for child in module.children())
+        return handles
+
+    def _begin(self, module, args):
+        self.active[module] = []
+
+    def _end(self, module, args, kwargs, output):
+        leaves, _ = _pytree.tree_flatten((args, kwargs))
+        self.leaves[module] = [_leading(leaf) for leaf in leaves]
+        self.children[module] = self.active.pop(module, [])
+
+    def _child(self, child, args, output):
+        parent = getattr(child, PARENT_ATTRIBUTE, None)
+        for module, calls in self.active.items():
+            if getattr(module, ATTRIBUTE, None) is parent:
+                calls.append(_leading(output))
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, devices: List[int]):
+    """The random state and every buffer restored after the block: the block runs on copies
+    of the buffers, the originals (which the real pass may have saved for its backward
+    pass, version counters included) are put back untouched."""
+    saved = [(m._buffers, dict(m._buffers)) for m in model.modules() if m._buffers]
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for buffers, originals in saved:
+                for name, value in originals.items():
+                    if value is not None:
+                        buffers[name] = value.clone()
+            yield
+        finally:
+            for buffers, originals in saved:
+                buffers.update(originals)
+
+
+def _depends(real: List[Optional[int]], probe: List[Optional[int]]) -> Optional[FrozenSet[int]]:
+    if len(real) != len(probe):
+        return None
+    return frozenset(k for k, (r, p) in enumerate(zip(real, probe)) if r is not None and r != p)
+
+
+def _pending(model: nn.Module) -> List[Tuple[nn.Module, Fallback, str]]:
+    found = []
+    for module in model.modules():
+        state = getattr(module, ATTRIBUTE, None)
+        if isinstance(state, Fallback) and state.call is not None \
+                and structure(state.call) not in state.layouts:
+            found.append((module, state, structure(state.call)))
+    return found
+
+
+def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) -> None:
+    """After a recorded forward pass of ``model``: learn the layout of each call of a module
+    with the fallback whose structure is new, from a pass one example larger."""
+    pending = _pending(model)
+    if not pending:
+        return
+    if not examples:
+        for _, state, key in pending:
+            state.layouts[key] = Layout(refusal="the model's forward pass had no batch argument")
+        return
+    larger_args, larger_kwargs = _pytree.tree_map(lambda v: _larger(v, examples), (args, kwargs))
+    devices = sorted({leaf.device.index or 0 for leaf in _pytree.tree_leaves((args, kwargs))
+                      if isinstance(leaf, Tensor) and leaf.device.type == "cuda"})
+    sizes = _Sizes()
+    try:
+        with hooks_off(model), _state_kept(model, devices), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the model's own warnings came with the real pass
+            handles = sizes.install([module for module, _, _ in pending])
+            try:
+                getattr(model, "_orig_mod", model)(*larger_args, **larger_kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    except Exception as error:  # a model that takes one batch size only, say
+        reason = ("which of its inputs are per example could not be learned: a forward pass "
+                  f"with one example more failed ({type(error).__name__}: {error})")
+        for _, state, key in pending:
+            state.layouts[key] = Layout(refusal=reason)
+        return
+    for module, state, key in pending:
+        real_leaves = [_leading(leaf) for leaf in state.call.leaves]
+        real_children = [_leading(child.output) for child in state.call.children]
+        leaves = _depends(real_leaves, sizes.leaves.get(module, []))
+        children = _depends(real_children, sizes.children.get(module, []))
+        if leaves is None or children is None:
+            state.layouts[key] = Layout(refusal=(
+                "which of its inputs are per example could not be learned: a forward pass "
+                "with one example more called it differently"))
+        else:
+            state.layouts[key] = Layout(leaves, children)
