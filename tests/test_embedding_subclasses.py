@@ -4,7 +4,8 @@ Blenderbot's and LED's learned positions (``nn.Embedding`` subclasses) take the
 input's ``torch.Size`` and build the index inside; recording their call used to
 crash the forward pass. Now the step completes: the position table, applied
 without the batch dimension, is left out with a warning naming it, and every
-other parameter is exact against a float64 per-example loop.
+other parameter is exact against a float64 per-example loop, also where the batch size equals the
+sequence length.
 """
 
 import copy
@@ -51,13 +52,16 @@ POSITIONS = ["model.model.encoder.embed_positions.weight", "model.model.decoder.
 ZERO_BY_STRUCTURE = ".k_proj.bias"
 
 
-def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact():
+# 6 is the sequence length: the position table's output [6, 8] then leads with the
+# batch size, which used to give it (wrong) rows, silently.
+@pytest.mark.parametrize("examples", [5, 6])
+def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
     torch.manual_seed(0)
     with torch.random.fork_rng():
         torch.set_default_dtype(torch.float64)
         try:
             model = blenderbot()
-            examples, length = 5, 6  # the batch differs from every length of the model
+            length = 6
             tokens = torch.randint(2, 32, (examples, 2, length))
             targets = tokens[:, 1]
             reference_model = copy.deepcopy(model)
