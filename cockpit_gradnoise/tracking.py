@@ -20,8 +20,9 @@ Cockpit's ``info`` from the per-example losses. What it does by hand is the
 explicit API (``docs/getting-started.md``), which stays available.
 """
 
+import sys
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise.extensions import register_extensions
@@ -123,11 +124,12 @@ def track(
     return (model if compiled is None else compiled), tracker
 
 
-def _compiled_module_type() -> type:
-    """The class ``torch.compile`` wraps a module in (``OptimizedModule``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return OptimizedModule
+def _compiled_module_type() -> Union[type, tuple]:
+    """The class ``torch.compile`` wraps a module in (``OptimizedModule``); ``()`` (no class)
+    while ``torch._dynamo`` is not imported: no module can be compiled then, and importing it
+    costs seconds."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return () if eval_frame is None else eval_frame.OptimizedModule
 
 
 class Tracker:
@@ -151,7 +153,10 @@ class Tracker:
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
-        self._logged = {}  # quantity name -> the last step given to the loggers
+        #: Quantity name -> the last step given to the loggers (kept in :meth:`state_dict`).
+        self.logged: Dict[str, int] = {}
+        #: The step of the last call (``None`` before the first).
+        self.last_step: Optional[int] = None
         self.stream: Optional[LogStream] = None
         for quantity in cockpit.quantities:  # checked for earlier gradients from the first step
             if hasattr(quantity, "known_params"):
@@ -178,6 +183,42 @@ class Tracker:
         self.stream.append(self.cockpit)
         self.log = self.stream.path
         return self.stream.path
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The tracker's state for a checkpoint, saved next to the model's and optimizer's.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "tracker": tracker.state_dict()}, path)
+
+        Plain tensors, numbers, lists and dicts (``torch.load`` reads it with
+        ``weights_only=True``): every quantity's running state, the step of
+        the last call, and the log's path and position when streaming (the
+        steps written so far are on disk first), else the steps tracked so far
+        (:mod:`cockpit_gradnoise.checkpoint`).
+        """
+        from cockpit_gradnoise.checkpoint import tracker_state
+
+        return tracker_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]):
+        """Resume from :meth:`state_dict`: a tracker built as before continues where it was.
+
+        The quantities' running state comes back, and the log is continued:
+        a streamed log's records written after the checkpoint (by the run that
+        died) are superseded, kept in the file but out of the frame
+        (:meth:`LogStream.continue_from <cockpit_gradnoise.LogStream.continue_from>`);
+        a tracker without a stream streams to the checkpoint's log.
+
+        Raises:
+            ValueError: Naming what differs, if the state is of a model with
+                other parameters (names, shapes) or of other quantities,
+                options or schedules.
+        """
+        from cockpit_gradnoise.checkpoint import load_tracker_state
+
+        load_tracker_state(self, state)
 
     def close(self):
         """Close the streamed log's file (nothing to do without :meth:`stream_to`)."""
@@ -258,6 +299,7 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = check_individual_losses(losses, "losses")  # the step's one check of them
+        self.last_step = step
         tracked = self._tracks(step)
         micro = micro_batch_given(micro_batch, micro_batches)
         given = loss is not None
@@ -334,14 +376,14 @@ class Tracker:
         new = {}
         for quantity in self.cockpit.quantities:
             name = type(quantity).__name__
-            last = self._logged.get(name)
+            last = self.logged.get(name)
             # Newest first, stopping at the last one given: steps increase, so
             # this reads only the new results however long the run.
             for step in reversed(quantity.output):
                 if last is not None and step <= last:
                     break
                 new.setdefault(step, {})[name] = quantity.output[step]
-                self._logged[name] = max(step, self._logged.get(name, step))
+                self.logged[name] = max(step, self.logged.get(name, step))
         for step in sorted(new):
             for logger in self.loggers:
                 logger(step, new[step])
@@ -363,7 +405,7 @@ class Tracker:
         if self.stream is None:
             return self.cockpit.get_output()
         self._append()
-        return read_log(self.stream.path) if self.stream.writes else {}
+        return read_log(self.stream.path) if self.stream.writer else {}
 
     def frame(self):
         """The tidy frame of every statistic tracked so far (:func:`~cockpit_gradnoise.to_frame`)."""
