@@ -17,7 +17,7 @@ import pandas
 import pytest
 import torch
 
-from tests.test_integrations import _lightning_module, batches, mlp
+from tests.test_integrations import _lightning_module, _llama, batches, mlp
 
 ACCUMULATE, LIGHTNING_STEPS = 2, 4  # 4 batches an epoch: 2 optimizer steps an epoch
 
@@ -70,3 +70,44 @@ def test_lightning_resumed_from_its_checkpoint_logs_what_a_run_never_stopped_log
             (2, "GradientNoiseScale"), (2, "GradientVarianceQuantiles"), (2, "ParamGradRatio"),
             (2, "PerExampleGradNorm"), (1, "UpdateSize")}
 
+
+HF_STEPS = 4  # 16 sequences, 4 a micro-batch, 2 micro-batches a step: 2 steps an epoch
+
+
+def _hugging_face(tmp_path, max_steps, resume=None):
+    """A TrackingTrainer over 16 sequences (shuffled by the Trainer's seed); a checkpoint
+    every 2 optimizer steps. Returns the tracker."""
+    from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 19, (16, 6), generator=generator)
+    labels[0, 3:] = -100  # padding: ignored tokens
+    data = [{"input_ids": torch.randint(0, 19, (6,), generator=generator), "labels": row}
+            for row in labels]
+    model, tracker = cgn.track(_llama(), every=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATE, report_to=[], use_cpu=True,
+        save_strategy="steps", save_steps=2, logging_strategy="no", disable_tqdm=True,
+        lr_scheduler_type="constant")  # a run stopped early (max_steps) trains as the whole
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers without rules are warned about
+        trainer = TrackingTrainer(tracker=tracker, model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+    return tracker
+
+
+def test_hugging_face_trainer_resumed_from_its_checkpoint_logs_what_a_run_never_stopped_logs(
+        tmp_path):
+    """Stopped after 3 optimizer steps, resumed from checkpoint-2: the tracker's state came
+    in the checkpoint folder, the Trainer skips the batches seen."""
+    expected = _hugging_face(tmp_path / "whole", HF_STEPS).frame()
+    _hugging_face(tmp_path / "run", HF_STEPS - 1)
+    resumed = _hugging_face(tmp_path / "run", HF_STEPS,
+                            resume=str(tmp_path / "run" / "checkpoint-2")).frame()
+    assert set(expected.step) == set(range(HF_STEPS))
+    assert 1 in set(expected[expected.quantity == "UpdateSize"].step)
+    pandas.testing.assert_frame_equal(resumed, expected, check_exact=True)
