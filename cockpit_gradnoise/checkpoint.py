@@ -42,7 +42,7 @@ VERSION = 1
 OPTIONS = ("smoothing", "quantiles")
 #: The steps whose schedule decision is compared, from 0 and after the checkpoint's step.
 SCHEDULE_WINDOW = 64
-_UPDATES = "cockpit_gradnoise.LayerUpdate"  # the key of an UpdateSize value in a state
+_UPDATE = "cockpit_gradnoise.LayerUpdate"  # the key of an UpdateSize item in a state
 
 
 def tracker_state(tracker) -> Dict[str, Any]:
@@ -62,15 +62,18 @@ def tracker_state(tracker) -> Dict[str, Any]:
             "options": options_of(quantity),
             "schedule": schedule_of(quantity, tracker.last_step),
             "state": None if own is None else own(),
-            "output": None if streamed else _plain_output(quantity.output, quantity),
+            "output": None if streamed else _plain_output(quantity.output,
+                                                          type(quantity).__name__),
         })
     return {
         "format": FORMAT, "version": VERSION, "step": tracker.last_step,
         "params": [[name, list(param.shape)]
                    for name, param in zip(tracker.param_names, tracker.cockpit.params)],
         "quantities": quantities,
-        "cockpit_output": None if streamed else _plain_output(tracker.cockpit.output, None),
-        "loggers": dict(tracker.logged),
+        "cockpit_output": None if streamed else _plain_output(tracker.cockpit.output,
+                                                              "cockpit.log"),
+        "loggers": {"logged": dict(tracker.logged),
+                    "given": _plain_output(tracker.given, "the loggers") or {}},
         "log": tracker.stream.position() if streamed else None,
     }
 
@@ -100,11 +103,11 @@ def load_tracker_state(tracker, state: Mapping[str, Any]):
         if saved["state"] is not None and hasattr(quantity, "load_state_dict"):
             quantity.load_state_dict(saved["state"])
         if saved["output"] is not None:
-            quantity.output.update(_output_from(saved["output"]))
+            quantity.output.update(_from_plain(saved["output"]))
     if state["cockpit_output"] is not None:
-        tracker.cockpit.output.update(_output_from(state["cockpit_output"]))
+        tracker.cockpit.output.update(_from_plain(state["cockpit_output"]))
     tracker.last_step = state["step"]
-    tracker.logged.update(state["loggers"])
+    _resume_loggers(tracker, state["loggers"])
     log = state["log"]
     if log is None:
         return
@@ -116,6 +119,22 @@ def load_tracker_state(tracker, state: Mapping[str, Any]):
                       "is", stacklevel=3)
         return
     tracker.stream.continue_from(log)
+
+
+def _resume_loggers(tracker, saved):
+    """The steps given to the loggers; a TensorBoard's steps from the first one the resumed
+    run gives are purged (the run that died logged them) and what the checkpoint's run gave
+    there is given again (:func:`~cockpit_gradnoise.logs.loggers.resume_logger`)."""
+    from cockpit_gradnoise.logs.loggers import resume_logger
+
+    tracker.logged.update(saved["logged"])
+    tracker.given = _from_plain(saved["given"])
+    # Every quantity gives steps after its own last one (logged): the first of them is the
+    # earliest step given but not by all, or after the last.
+    purge = min(tracker.given, default=max(tracker.logged.values(), default=-1) + 1)
+    tracker.resumed_loggers = (purge, dict(tracker.given))
+    for logger in tracker.loggers:
+        resume_logger(logger, *tracker.resumed_loggers)
 
 
 def options_of(quantity) -> Dict[str, Any]:
@@ -178,38 +197,45 @@ def _by_name(quantities, state) -> list:
     return [by_name[saved["name"]] for saved in state["quantities"]]
 
 
-def _plain_output(output: Mapping, quantity) -> Optional[Dict[int, Any]]:
-    """``{step: value}`` as plain data (UpdateSize's items as lists); ``None`` if a value is
-    not plain (a foreign quantity's arrays), with a warning."""
-    plain = {}
-    for step, value in output.items():
-        if isinstance(value, list) and value and all(isinstance(v, LayerUpdate) for v in value):
-            value = {_UPDATES: [[v.name, v.norm, v.start_norm] for v in value]}
-        if not _is_plain(value):
-            warnings.warn(
-                f"{type(quantity).__name__ if quantity is not None else 'cockpit.log'}: its "
-                "stored values are not plain numbers, lists and dicts, so the checkpoint does "
-                "not keep them: stream the log (cgn.track(..., log=path)) to keep every step",
-                stacklevel=4)
-            return None
-        plain[int(step)] = value
-    return plain
+def _plain_output(output: Mapping, owner: str) -> Optional[Dict[int, Any]]:
+    """``{step: value}`` as plain data (:func:`_plain`); ``None`` if a value is not plain
+    (a foreign quantity's arrays), with a warning."""
+    try:
+        return {int(step): _plain(value) for step, value in output.items()}
+    except TypeError:
+        warnings.warn(
+            f"{owner}: its stored values are not plain numbers, lists and dicts, so the "
+            "checkpoint does not keep them: stream the log (cgn.track(..., log=path)) to keep "
+            "every step", stacklevel=4)
+        return None
 
 
-def _output_from(plain: Mapping[int, Any]) -> Dict[int, Any]:
-    return {step: [LayerUpdate(*item) for item in value[_UPDATES]]
-            if isinstance(value, dict) and _UPDATES in value else value
-            for step, value in plain.items()}
+def _plain(value):
+    """``value`` as plain data, an UpdateSize item as ``{_UPDATE: [name, norm, start norm]}``.
 
-
-def _is_plain(value) -> bool:
+    Raises:
+        TypeError: A value that ``torch.load(weights_only=True)`` would refuse.
+    """
+    if isinstance(value, LayerUpdate):
+        return {_UPDATE: [value.name, value.norm, value.start_norm]}
     if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
-        return True
+        return value
     if isinstance(value, (list, tuple)):
-        return all(map(_is_plain, value))
+        return [_plain(item) for item in value]
+    if isinstance(value, dict) and all(isinstance(key, (str, int)) for key in value):
+        return {key: _plain(item) for key, item in value.items()}
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def _from_plain(value):
+    """The value :func:`_plain` was given (tuples come back as lists)."""
     if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
-    return False
+        if set(value) == {_UPDATE}:
+            return LayerUpdate(*value[_UPDATE])
+        return {key: _from_plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_from_plain(item) for item in value]
+    return value
 
 
 __all__ = ["tracker_state", "load_tracker_state", "options_of", "schedule_of", "FORMAT", "VERSION"]

@@ -40,6 +40,9 @@ import torch
 from cockpit import Cockpit
 from torch import nn
 
+#: At most so many steps of :attr:`Tracker.given` are kept (quantities on schedules far apart).
+GIVEN_STEPS = 64
+
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
 DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
                 accumulation.MICRO_BATCH, accumulation.MICRO_BATCHES)
@@ -155,6 +158,11 @@ class Tracker:
         self.loggers = []
         #: Quantity name -> the last step given to the loggers (kept in :meth:`state_dict`).
         self.logged: Dict[str, int] = {}
+        #: ``{step: {quantity: value}}`` given to the loggers after the step every quantity
+        #: has given (what a resumed TensorBoard gets again after its purge).
+        self.given: Dict[int, Dict[str, Any]] = {}
+        #: ``(purge step, given)`` of a state loaded, for the loggers until the next step.
+        self.resumed_loggers = None
         #: The step of the last call (``None`` before the first).
         self.last_step: Optional[int] = None
         self.stream: Optional[LogStream] = None
@@ -364,15 +372,18 @@ class Tracker:
             target: A ``torch.utils.tensorboard.SummaryWriter``, a Weights &
                 Biases run, or a function ``(step, {quantity: value}) -> None``.
         """
-        from cockpit_gradnoise.logs.loggers import logger_for
+        from cockpit_gradnoise.logs.loggers import logger_for, resume_logger
 
         self.loggers.append(logger_for(target))
+        if self.resumed_loggers is not None:  # a state loaded: its TensorBoard steps purged
+            resume_logger(self.loggers[-1], *self.resumed_loggers)
         return self
 
     def _to_loggers(self):
         """Give the loggers each quantity's results stored since they last saw it."""
         if not self.loggers:
             return
+        self.resumed_loggers = None
         new = {}
         for quantity in self.cockpit.quantities:
             name = type(quantity).__name__
@@ -387,6 +398,11 @@ class Tracker:
         for step in sorted(new):
             for logger in self.loggers:
                 logger(step, new[step])
+            self.given.setdefault(step, {}).update(new[step])
+        floor = min(self.logged.values(), default=None)  # every quantity has given up to it
+        stale = [step for step in self.given if floor is not None and step <= floor]
+        for step in stale + sorted(self.given)[:-GIVEN_STEPS]:
+            self.given.pop(step, None)
 
     def _after_step(self):
         """After the quantities computed: the loggers get the new numbers, then the stream."""

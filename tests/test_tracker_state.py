@@ -177,3 +177,52 @@ def test_a_state_that_does_not_fit_names_what_differs_and_loads_nothing(build, m
     assert tracker.last_step is None and not any(q.output for q in tracker.cockpit.quantities)
     with pytest.raises(ValueError, match="not a tracker's state"):
         tracker.load_state_dict({"model": {}})
+
+
+def _tensorboard_run(log_dir, steps, state=None, stop=None):
+    """An in-memory tracker logging to a SummaryWriter on ``log_dir``; its state taken after
+    step ``stop`` (the checkpoint) while the run goes on; from ``state`` if given."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, tracker = cgn.track(network(), every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    writer = SummaryWriter(str(log_dir))
+    tracker.log_to(writer)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        tracker.load_state_dict(state["tracker"])
+    saved = None
+    for step in steps:
+        _steps(model, tracker, opt, [step], 1)
+        if step == stop:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "tracker": tracker.state_dict()}, buffer)
+            saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    writer.close()  # on disk, as a run that died after flushing would leave it
+    return saved
+
+
+def _scalars(log_dir):
+    """``{tag: [(step, value), ...]}`` as TensorBoard reads the directory (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once_with_the_numbers_of_a_run_never_stopped(
+        tmp_path):
+    """The run that died logged steps 3-4 (UpdateSize's 2-3) after its checkpoint at step 2.
+    The resumed run purges from step 2 (UpdateSize's step 2 ends after the checkpoint), gives
+    step 2's other numbers again, and logs steps 3-5 (UpdateSize's 2-4)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _tensorboard_run(tmp_path / "whole", range(6))
+        state = _tensorboard_run(tmp_path / "run", range(5), stop=2)
+        _tensorboard_run(tmp_path / "run", range(3, 6), state=state)
+    expected, got = _scalars(tmp_path / "whole"), _scalars(tmp_path / "run")
+    assert set(expected["UpdateSize/all/norm"][i][0] for i in range(5)) == set(range(5))
+    assert got == expected
