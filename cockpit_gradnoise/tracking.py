@@ -20,8 +20,9 @@ Cockpit's ``info`` from the per-example losses. What it does by hand is the
 explicit API (``docs/getting-started.md``), which stays available.
 """
 
+import sys
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise.extensions import register_extensions
@@ -39,6 +40,9 @@ from cockpit_gradnoise.views.sources import advice, report
 import torch
 from cockpit import Cockpit
 from torch import nn
+
+#: At most so many steps of :attr:`Tracker.given` are kept (quantities on schedules far apart).
+GIVEN_STEPS = 64
 
 #: The keys of ``info`` that a :class:`Tracker` call derives from its arguments.
 DERIVED_KEYS = ("batch_size", "individual_losses", "loss", "optimizer",
@@ -127,11 +131,12 @@ def track(
     return (model if compiled is None else compiled), tracker
 
 
-def _compiled_module_type() -> type:
-    """The class ``torch.compile`` wraps a module in (``OptimizedModule``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return OptimizedModule
+def _compiled_module_type() -> Union[type, tuple]:
+    """The class ``torch.compile`` wraps a module in (``OptimizedModule``); ``()`` (no class)
+    while ``torch._dynamo`` is not imported: no module can be compiled then, and importing it
+    costs seconds."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return () if eval_frame is None else eval_frame.OptimizedModule
 
 
 class Tracker:
@@ -155,7 +160,15 @@ class Tracker:
         self.param_names = list(param_names)
         self.log = None  # the last log written, named in the report
         self.loggers = []
-        self._logged = {}  # quantity name -> the last step given to the loggers
+        #: Quantity name -> the last step given to the loggers (kept in :meth:`state_dict`).
+        self.logged: Dict[str, int] = {}
+        #: ``{step: {quantity: value}}`` given to the loggers after the step every quantity
+        #: has given (what a resumed TensorBoard gets again after its purge).
+        self.given: Dict[int, Dict[str, Any]] = {}
+        #: ``(purge step, given)`` of a state loaded, for the loggers until the next step.
+        self.resumed_loggers = None
+        #: The step of the last call (``None`` before the first).
+        self.last_step: Optional[int] = None
         self.stream: Optional[LogStream] = None
         for quantity in cockpit.quantities:  # checked for earlier gradients from the first step
             if hasattr(quantity, "known_params"):
@@ -182,6 +195,42 @@ class Tracker:
         self.stream.append(self.cockpit)
         self.log = self.stream.path
         return self.stream.path
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The tracker's state for a checkpoint, saved next to the model's and optimizer's.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "tracker": tracker.state_dict()}, path)
+
+        Plain tensors, numbers, lists and dicts (``torch.load`` reads it with
+        ``weights_only=True``): every quantity's running state, the step of
+        the last call, and the log's path and position when streaming (the
+        steps written so far are on disk first), else the steps tracked so far
+        (:mod:`cockpit_gradnoise.checkpoint`).
+        """
+        from cockpit_gradnoise.checkpoint import tracker_state
+
+        return tracker_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]):
+        """Resume from :meth:`state_dict`: a tracker built as before continues where it was.
+
+        The quantities' running state comes back, and the log is continued:
+        a streamed log's records written after the checkpoint (by the run that
+        died) are superseded, kept in the file but out of the frame
+        (:meth:`LogStream.continue_from <cockpit_gradnoise.LogStream.continue_from>`);
+        a tracker without a stream streams to the checkpoint's log.
+
+        Raises:
+            ValueError: Naming what differs, if the state is of a model with
+                other parameters (names, shapes) or of other quantities,
+                options or schedules.
+        """
+        from cockpit_gradnoise.checkpoint import load_tracker_state
+
+        load_tracker_state(self, state)
 
     def close(self):
         """Close the streamed log's file (nothing to do without :meth:`stream_to`)."""
@@ -262,6 +311,7 @@ class Tracker:
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = check_individual_losses(losses, "losses")  # the step's one check of them
+        self.last_step = step
         tracked = self._tracks(step)
         micro = micro_batch_given(micro_batch, micro_batches)
         given = loss is not None
@@ -326,15 +376,18 @@ class Tracker:
             target: A ``torch.utils.tensorboard.SummaryWriter``, a Weights &
                 Biases run, or a function ``(step, {quantity: value}) -> None``.
         """
-        from cockpit_gradnoise.logs.loggers import logger_for
+        from cockpit_gradnoise.logs.loggers import logger_for, resume_logger
 
         self.loggers.append(logger_for(target))
+        if self.resumed_loggers is not None:  # a state loaded: its TensorBoard steps purged
+            resume_logger(self.loggers[-1], *self.resumed_loggers)
         return self
 
     def _to_loggers(self):
         """Give the loggers each quantity's results stored since they last saw it."""
         if not self.loggers:
             return
+        self.resumed_loggers = None
         new = {}
         for quantity in self.cockpit.quantities:
             self._new_results(new, type(quantity).__name__, quantity.output, lambda value: value)
@@ -343,11 +396,16 @@ class Tracker:
         for step in sorted(new):
             for logger in self.loggers:
                 logger(step, new[step])
+            self.given.setdefault(step, {}).update(new[step])
+        floor = min(self.logged.values(), default=None)  # every quantity has given up to it
+        stale = [step for step in self.given if floor is not None and step <= floor]
+        for step in stale + sorted(self.given)[:-GIVEN_STEPS]:
+            self.given.pop(step, None)
 
     def _new_results(self, new: dict, name: str, output: Mapping, pick: Callable):
         """Add to ``new`` (``{step: {name: value}}``) ``pick(output[step])`` of the steps after
         the last one given to the loggers under ``name`` (``None``: nothing at that step)."""
-        last = self._logged.get(name)
+        last = self.logged.get(name)
         # Newest first, stopping at the last one given: steps increase, so this reads
         # only the new results however long the run.
         for step in reversed(output):
@@ -356,7 +414,7 @@ class Tracker:
             value = pick(output[step])
             if value is not None:
                 new.setdefault(step, {})[name] = value
-                self._logged[name] = max(step, self._logged.get(name, step))
+                self.logged[name] = max(step, self.logged.get(name, step))
 
     def _after_step(self):
         """After the quantities computed: the loggers get the new numbers, then the stream."""
@@ -375,7 +433,7 @@ class Tracker:
         if self.stream is None:
             return self.cockpit.get_output()
         self._append()
-        return read_log(self.stream.path) if self.stream.writes else {}
+        return read_log(self.stream.path) if self.stream.writer else {}
 
     def frame(self):
         """The tidy frame of every statistic tracked so far (:func:`~cockpit_gradnoise.to_frame`)."""

@@ -39,10 +39,12 @@ from typing import Tuple
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 from cockpit_gradnoise import _ranks, cli, distributed
 
+import pandas
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
@@ -148,6 +150,7 @@ def worker(rank, world, port, out):
             ("fsdp", fsdp_message),
             ("train_ddp", lambda: train_ddp_quick(out / "train_ddp")),
             ("two_batch", test_two_batch.two_processes_with_micro_batches),
+            ("resume", lambda: resumed_ddp_run(out / "resume")),
         ]
     try:
         for key, job in jobs:
@@ -391,6 +394,60 @@ def train_ddp_quick(out):
     return train_ddp.main(["--quick", "--out", str(out)])
 
 
+def resumed_ddp_run(out):
+    """tests/resume_training.py's run under DDP (each process half of each batch), streamed:
+    once whole, and once checkpointed after step 2 (rank 0's state, saved and loaded by every
+    process), stopped after step 4 without closing (as if killed), restarted from the
+    checkpoint (docs/training-setups.md, "Resuming a run"). Returns the files under ``out``
+    this process opened while restarting."""
+    from tests.resume_training import batch, network
+
+    out.mkdir(parents=True, exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(log, steps, state=None, stop=None):
+        model, tracker = cgn.track(network(), every=1, log=log)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            tracker.load_state_dict(state["tracker"])
+        for step in steps:
+            x, y = (part.chunk(world)[rank] for part in batch(step))
+            opt.zero_grad()
+            with tracker(step, F.cross_entropy(ddp(x), y, reduction="none"), optimizer=opt) as loss:
+                loss.backward()
+            opt.step()
+            if step == stop:
+                saved = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "tracker": tracker.state_dict()}
+                if rank == 0:
+                    torch.save(saved, out / "ckpt.pt")
+                dist.barrier()
+        return tracker
+
+    run(out / "whole", range(6)).close()
+    run(out / "run", range(5), stop=2)  # not closed: no summary line, as a killed run's log
+    opened, builtin_open = [], open
+
+    def recording_open(file, *args, **kwargs):
+        if str(out) in str(file):
+            opened.append(str(file))
+        return builtin_open(file, *args, **kwargs)
+
+    import builtins
+
+    builtins.open = recording_open
+    try:
+        state = torch.load(out / "ckpt.pt", weights_only=True)
+        tracker = run(out / "run", range(3, 6), state=state)
+        tracker.close()
+    finally:
+        builtins.open = builtin_open
+    return {"opened": opened, "writer": tracker.stream.writer}
+
+
 def loss_fails_on_rank_1():
     """The last job: rank 1's loss raises inside the cockpit; the group must end, not hang."""
     problem = build(CASES["mlp"], 8, "mean")
@@ -627,6 +684,21 @@ def test_only_the_writer_rank_writes_logs_and_figures(tmp_path, monkeypatch):
     assert cgn.write_log(cockpit, tmp_path / "log", writer_rank=1) == tmp_path / "log.json"
     cgn.plot(cockpit, savefig=tmp_path / "dash.png", writer_rank=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dash.png", "log.json"]
+
+
+def test_a_ddp_run_restarted_from_its_checkpoint_logs_what_a_run_never_stopped_logs(groups):
+    """Only rank 0 touches the log; the restarted run's log equals the whole run's exactly."""
+    ranks = results_of(groups, 2, "resume")
+    out = groups(2)[2] / "resume"
+    assert [r["writer"] for r in ranks] == [True, False]
+    assert not [path for path in ranks[1]["opened"] if "run.jsonl" in path]
+    assert any(path.endswith("run.jsonl") for path in ranks[0]["opened"])
+    expected = cgn.to_frame(out / "whole.jsonl")
+    assert sorted(set(expected.step)) == list(range(6))
+    pandas.testing.assert_frame_equal(cgn.to_frame(out / "run.jsonl"), expected, check_exact=True)
+    superseded = cgn.read_log(out / "run.jsonl").superseded_records()
+    assert {(step, q) for step, q, _ in superseded if q == "UpdateSize"} == {(2, "UpdateSize"),
+                                                                           (3, "UpdateSize")}
 
 
 def test_an_exception_in_one_process_ends_the_group_with_its_error(groups):

@@ -25,8 +25,17 @@ quantities report the statistics of the accumulated batch
 per-example losses divided by the number of micro-batches of the step (as
 the Trainer does without ``num_items_in_batch``): micro-batches weigh
 equally, not by their numbers of labelled tokens.
+
+Resuming: each checkpoint folder the Trainer saves (``checkpoint-<step>``)
+also holds the tracker's state (:data:`TRACKER_STATE`,
+:meth:`Tracker.state_dict <cockpit_gradnoise.Tracker.state_dict>`), and
+``train(resume_from_checkpoint=...)`` loads it into the tracker before
+training goes on: the quantities' running state and the log continue where
+the checkpoint left them.
 """
 
+import os
+import warnings
 from typing import Callable, Optional
 
 from cockpit_gradnoise.losses import sequence_losses
@@ -36,6 +45,8 @@ import torch.nn.functional as F
 import transformers
 
 IGNORE_INDEX = -100  # transformers' label of tokens without a loss
+#: The file of a checkpoint folder that holds the tracker's state (``torch.save``).
+TRACKER_STATE = "cockpit_gradnoise_tracker.pt"
 
 
 def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
@@ -77,6 +88,26 @@ class TrackingTrainer(transformers.Trainer):
         self.loss_is_scaled_for_ga = True  # the loss is ours (divided by K), never divided again
         self._tracked_step = None
         self._micro = (None, -1)  # (global step, index) of the last micro-batch
+        self.add_callback(_SaveTrackerState(tracker))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's ``train``; resuming from a checkpoint, the tracker resumes from its state.
+
+        Raises:
+            ValueError: The checkpoint's tracker state does not fit the tracker
+                (:meth:`Tracker.load_state_dict <cockpit_gradnoise.Tracker.load_state_dict>`).
+        """
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+        if folder:
+            path = os.path.join(folder, TRACKER_STATE)
+            if os.path.isfile(path):
+                self.tracker.load_state_dict(torch.load(path, weights_only=True))
+            else:
+                warnings.warn(f"{folder} holds no tracker state ({TRACKER_STATE}; saved by "
+                              "another Trainer?): the quantities start afresh", stacklevel=2)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:  # evaluation: the Trainer's own loss
@@ -117,3 +148,21 @@ class TrackingTrainer(transformers.Trainer):
         tracked, self._tracked_step = self._tracked_step, None
         if tracked is not None:
             tracked.__exit__(*exception)
+
+
+class _SaveTrackerState(transformers.TrainerCallback):
+    """Puts the tracker's state in each checkpoint folder the Trainer saves (its ``on_save``)."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def on_save(self, args, state, control, **kwargs):
+        # Every process takes the state (a streamed log's own is on disk first); the first writes it.
+        saved = self.tracker.state_dict()
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir,
+                              f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(saved, os.path.join(folder, TRACKER_STATE + ".tmp"))
+        os.replace(os.path.join(folder, TRACKER_STATE + ".tmp"), os.path.join(folder, TRACKER_STATE))

@@ -28,6 +28,13 @@ and the quantities report the statistics of the accumulated batch
 ``K``, which is what the tracker expects. A last step of an epoch with
 fewer than ``K`` micro-batches (Lightning still divides by ``K``) is not
 tracked, with one warning.
+
+Resuming: the callback keeps the tracker's state in Lightning's checkpoint
+(its ``state_dict``, :meth:`Tracker.state_dict <cockpit_gradnoise.Tracker.state_dict>`),
+and ``trainer.fit(model, ckpt_path=...)`` continues from it: the quantities'
+running state, and the log (a streamed ``.jsonl`` log is continued, what the
+run that died wrote after the checkpoint superseded; a JSON log is written at
+the end of ``fit`` with the steps before the checkpoint too).
 """
 
 import warnings
@@ -55,7 +62,9 @@ class TrackingCallback(pl.Callback):
         losses_attribute: The LightningModule attribute that its
             ``training_step`` sets to the batch's per-example losses (shape
             ``[N]``); the loss it returns must be their mean or their sum.
-        log: Where to write the log at the end of ``fit`` (``None``: not written).
+        log: Where to write the log at the end of ``fit`` (``None``: not written); a
+            path ending in ``.jsonl`` is streamed during ``fit`` instead
+            (:meth:`Tracker.stream_to <cockpit_gradnoise.Tracker.stream_to>`).
         tensorboard: Give every tracked step to the Trainer's logger when it
             is a TensorBoard logger (tags ``<quantity>/<parameter>/<statistic>``).
         **track_options: ``quantiles=``, ``options=``, ``verbose=`` of
@@ -73,21 +82,48 @@ class TrackingCallback(pl.Callback):
         self.every, self.quantities, self.track_options = every, quantities, track_options
         self.losses_attribute, self.log_path, self.tensorboard = losses_attribute, log, tensorboard
         self.tracker = None
+        self._loaded = None  # a checkpoint's tracker state loaded before setup
         self._tracked_step = None
         self._batch_idx = 0
         self._warned_short = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "fit" or self.tracker is not None:
+        if stage != "fit":
+            return
+        if self.tracker is not None:  # another fit: its streamed log continued
+            if self._streamed() and not self.tracker.stream.writes:
+                self.tracker.stream_to(self.log_path)
             return
         _check_trainer(trainer)
         prepared, self.tracker = track(pl_module, self.every, self.quantities,
-                                       use_converter=False, **self.track_options)
+                                       use_converter=False, **self.track_options,
+                                       log=self.log_path if self._streamed() else None)
         if prepared is not pl_module:  # cannot happen without the converter; say so if it does
             raise RuntimeError("the LightningModule must be prepared in place")
         experiment = getattr(trainer.logger, "experiment", None)
         if self.tensorboard and hasattr(experiment, "add_scalar"):
             self.tracker.log_to(experiment)
+        if self._loaded is not None:
+            self.tracker.load_state_dict(self._loaded)
+            self._loaded = None
+
+    def state_dict(self) -> dict:
+        """The tracker's state, for Lightning's checkpoint (:meth:`Tracker.state_dict
+        <cockpit_gradnoise.Tracker.state_dict>`); empty before ``fit``."""
+        return {} if self.tracker is None else {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume the tracker from Lightning's checkpoint (``fit(ckpt_path=...)``)."""
+        state = state_dict.get("tracker")
+        if state is None:
+            return
+        if self.tracker is None:  # Lightning restores after setup; kept for setup if not
+            self._loaded = state
+        else:
+            self.tracker.load_state_dict(state)
+
+    def _streamed(self) -> bool:
+        return self.log_path is not None and str(self.log_path).endswith(".jsonl")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx  # its place in the epoch: the micro-batch's
@@ -150,7 +186,9 @@ class TrackingCallback(pl.Callback):
             tracked.__exit__(type(exception), exception, exception.__traceback__)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self.log_path is not None and self.tracker is not None:
+        if self.tracker is not None and self._streamed():
+            self.tracker.close()  # its summary line written
+        elif self.log_path is not None and self.tracker is not None:
             self.tracker.write(self.log_path)
 
 

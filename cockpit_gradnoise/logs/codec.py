@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.logs.schema import decode_float, encode_float, update_statistics
 
@@ -21,7 +21,7 @@ import numpy
 
 FORMAT = "cockpit-gradnoise-log"
 #: Version 2 added the ``{"superseded": s}`` line (a run resumed from an earlier
-#: step); readers take both, and a version-1 log continued by a resumed run keeps
+#: step, :func:`superseded_by`); readers take both, and a version-1 log continued by a resumed run keeps
 #: its header (readers from before version 2 refuse it at a superseded line).
 VERSION = 2
 SUFFIX = ".jsonl"
@@ -141,6 +141,33 @@ def non_finite_runs(numbers: numpy.ndarray) -> Dict[str, List[List[int]]]:
             edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], mask.view(numpy.int8), [0]))))
             runs[kind] = edges.reshape(-1, 2).tolist()
     return runs
+
+
+def superseded_by(item: Mapping) -> Callable[[int, str], bool]:
+    """Which records a ``{"superseded": s, "after": {quantity: t}}`` line sets apart.
+
+    Of the records before the line: those of a quantity listed in ``after``
+    at steps ``> t`` (a run resumed from a checkpoint at which the quantity's
+    last record was of step ``t``), and of any other quantity at steps
+    ``>= s``. Without ``after`` (a restart at step ``s`` without a
+    checkpoint): every record of a step ``>= s``.
+
+    Returns:
+        ``(step, quantity name) -> bool``: whether that record is superseded.
+
+    Raises:
+        ValueError: The line's steps are not integers.
+    """
+    first, after = item["superseded"], item.get("after", {})
+    if not isinstance(first, int) or not isinstance(after, dict) or not all(
+            isinstance(step, int) for step in after.values()):
+        raise ValueError("a superseded line's steps are not integers")
+
+    def superseded(step: int, quantity: str) -> bool:
+        last = after.get(quantity)
+        return step >= first if last is None else step > last
+
+    return superseded
 
 
 def is_streamed(path) -> bool:

@@ -12,6 +12,7 @@ each quantity in its own section (the part of the tag before the first ``/``).
 after every tracked step.
 """
 
+import warnings
 from typing import Callable, Dict, Iterator, Mapping, Tuple
 
 from cockpit_gradnoise.logs.frame import to_frame
@@ -48,6 +49,34 @@ class TensorBoardLogger:
     def __call__(self, step: int, output: StepOutput) -> None:
         for tag, value in scalars(step, output):
             self.writer.add_scalar(self.prefix + tag, value, global_step=step)
+
+    def purge(self, step: int) -> None:
+        """Hide the events at steps ``>= step`` written before (by a run that died after its
+        checkpoint), as ``SummaryWriter(purge_step=step)`` does: TensorBoard drops them
+        where it reads this restart event."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        opener = getattr(self.writer, "_get_file_writer", None)  # SummaryWriter's, reopened if closed
+        file_writer = opener() if opener is not None else getattr(self.writer, "file_writer", None)
+        if file_writer is None:
+            warnings.warn(f"{type(self.writer).__name__} has no event file: the steps a resumed "
+                          "run logs again may show twice in TensorBoard", stacklevel=3)
+            return
+        file_writer.add_event(Event(step=step, file_version="brain.Event:2"))
+        file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+
+
+def resume_logger(logger, purge_step: int, given: Mapping[int, StepOutput]) -> None:
+    """After a resume from a checkpoint: a logger that can purge (TensorBoard) hides its steps
+    ``>= purge_step``, and gets again what the checkpoint's run had given it there (``given``,
+    ``{step: output}``); other loggers are left as they are (they get the steps after the
+    checkpoint's, as they come)."""
+    purge = getattr(logger, "purge", None)
+    if purge is None:
+        return
+    purge(purge_step)
+    for step in sorted(given):
+        logger(step, given[step])
 
 
 class WandbLogger:

@@ -44,6 +44,7 @@ from cockpit_gradnoise.logs.codec import (
     category_codes,
     non_finite_runs,
     per_parameter,
+    superseded_by,
 )
 from cockpit_gradnoise.logs.decode import (
     Unexpected,
@@ -255,7 +256,7 @@ class _Scan:
         elif "summary" in item:
             self.summary = item["summary"] if isinstance(item["summary"], dict) else None
         elif "superseded" in item:
-            self.supersede(item["superseded"])
+            self.supersede(item)
         elif "layout" in item and "step" not in item:
             self.layout(item["layout"])
         elif "step" in item and "value" in item and "layout" not in item:
@@ -269,11 +270,11 @@ class _Scan:
         else:
             raise Unexpected
 
-    def supersede(self, first):
-        """A resumed run's ``{"superseded": first}``: the records so far of steps ``>= first`` set apart."""
-        if not isinstance(first, int):
-            raise Unexpected
-        for key in [key for key in self.current if key[0] >= first]:
+    def supersede(self, line):
+        """A resumed run's superseded line: the records so far that it names set apart
+        (:func:`~cockpit_gradnoise.logs.codec.superseded_by`)."""
+        superseded, quantities = superseded_by(line), self.tables["quantities"]
+        for key in [key for key in self.current if superseded(key[0], quantities[key[1]])]:
             del self.current[key]
 
     def layout(self, declared):

@@ -29,6 +29,11 @@ Its lines, in the order they are written:
   steps ``>= s`` before this line were written by a run that died after its
   checkpoint. They stay in the file, left out of the log's steps and frame
   (:meth:`StreamedLog.superseded_records`, ``to_frame(..., superseded=True)``).
+  ``{"superseded": s, "after": {quantity: t}}``: written by a run resumed
+  from a tracker's checkpoint (:meth:`LogStream.continue_from`): the records
+  the run that died wrote after it, those of each listed quantity at steps
+  ``> t``, of others at steps ``>= s``
+  (:func:`~cockpit_gradnoise.logs.codec.superseded_by`).
 - last, written by :meth:`LogStream.close` (a killed writer leaves none; a
   resumed writer cuts it and writes the whole log's at its own close):
   ``{"layout": [], "summary": {"records": [[q, n], ...], "sums": [...]}}``
@@ -40,7 +45,7 @@ Its lines, in the order they are written:
   it, "params": [...], "sums": [...], "finite": [...]}``: per parameter (in
   the order each first had a finite value) the sum of its finite values over
   the run and how many there were. The sums are pandas' compensated ones
-  (:class:`_RunningMeans`), so ``sums / finite`` are, to the bit, the means
+  (:class:`~cockpit_gradnoise.logs.summary.RunningMeans`), so ``sums / finite`` are, to the bit, the means
   the ranking takes of the whole frame; a reader then need not decode
   millions of numbers to rank the layers (the views' reads).
 
@@ -75,9 +80,10 @@ from cockpit_gradnoise.logs.codec import (
     keep_aside,
     non_finite_runs,
     per_parameter,
+    superseded_by,
     trim_for_append,
 )
-from cockpit_gradnoise.logs.schema import RANKINGS
+from cockpit_gradnoise.logs.summary import Summary
 
 import numpy
 
@@ -134,11 +140,14 @@ class LogStream:
         self.path = path if path.suffix else path.with_name(path.name + SUFFIX)
         self._tables: Dict[str, Dict[str, int]] = {table: {} for table in TABLES}
         self._layouts: Dict[tuple, int] = {}
-        self._summary = _Summary()
+        self._summary = Summary()
         self._file = None
         self._last: Optional[int] = None  # resumed: the log's last step, until the first append
+        self._log: Optional[StreamedLog] = None  # resumed: the log read, until the first append
         self.kept: Optional[Path] = None
-        if not is_writer(writer_rank):
+        self.records = 0  # record lines in the file
+        self._writer = is_writer(writer_rank)
+        if not self._writer:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         exists = self.path.is_file() and self.path.stat().st_size > 0
@@ -161,18 +170,69 @@ class LogStream:
         log = read_stream(self.path)
         for table in TABLES:
             self._tables[table] = {name: code for code, name in enumerate(getattr(log, table))}
-        statistics = self._tables["statistics"]
         for number, (params, codes) in enumerate(log.layouts):
             key: Dict[str, list] = {}
             for param, statistic in zip(params.tolist(), codes.tolist()):
                 key.setdefault(log.params[param], []).append(log.statistics[statistic])
             self._layouts.setdefault(tuple((p, tuple(names)) for p, names in key.items()), number)
-            self._summary.layout([[self._tables["params"][p], [statistics[n] for n in names]]
-                                  for p, names in key.items()], statistics)
-        for step, quantity, layout, values in log.records:  # in file order, as written
-            self._summary.add(quantity, step, layout, None if layout is None else values)
-        self._last = max(log, default=None)
+        self._summarize(log)
+        self._last, self._log, self.records = max(log, default=None), log, len(log.records)
         self._file = open(self.path, "a", encoding="utf-8")
+
+    def _summarize(self, log: "StreamedLog"):
+        """The summary of the records in effect in ``log`` (the file's so far), in file order."""
+        self._summary = Summary()
+        for key, _ in sorted(self._layouts.items(), key=operator.itemgetter(1)):
+            self._summary.layout(self._declared(key), self._tables["statistics"])
+        for position in sorted(log.current()):  # superseded and replaced records left out
+            step, quantity, layout, values = log.records[position]
+            self._summary.add(quantity, step, layout, None if layout is None else values)
+
+    def _supersede(self, line: dict):
+        """Write a superseded line, and apply it to the summary of the log read at resume."""
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+        log = self._log if self._log is not None else read_stream(self.path)
+        log._supersede(line)
+        self._summarize(log)
+        self._last, self._log = None, None
+
+    def position(self) -> Optional[Dict[str, Any]]:
+        """Where the log stands: its path, the records written, each quantity's last step.
+
+        What a tracker's checkpoint keeps (:meth:`Tracker.state_dict
+        <cockpit_gradnoise.Tracker.state_dict>`) so that the run resumed from
+        it supersedes what was written after it (:meth:`continue_from`); also
+        once closed. ``None`` on a process that does not write the log.
+        """
+        if not self._writer:
+            return None
+        quantities = list(self._tables["quantities"])
+        return {"path": str(self.path), "records": self.records,
+                "last": {quantities[q]: step for q, step in sorted(self._summary.last.items())}}
+
+    def continue_from(self, position: Mapping[str, Any]):
+        """Continue the log from a checkpoint's :meth:`position`: later records superseded.
+
+        The records that the run which died wrote after its checkpoint (those
+        of each quantity after its last step then) are set apart by a
+        ``{"superseded": s, "after": {...}}`` line; the first step appended
+        then supersedes nothing more. A log holding fewer records than at the
+        checkpoint is continued as it is, with a warning.
+        """
+        if self._file is None:
+            return
+        if self.records < position["records"]:
+            warnings.warn(
+                f"{self.path} holds {self.records} records, fewer than the "
+                f"{position['records']} it held at the checkpoint (the file was replaced or "
+                "cut, or the checkpoint is of another run): it is continued as it is",
+                stacklevel=3)
+        if self.records > position["records"]:
+            log = self._log if self._log is not None else read_stream(self.path)
+            self._log = log
+            self._supersede({"superseded": min(log, default=0), "after": dict(position["last"])})
+        self._last, self._log = None, None
 
     def append(self, cockpit) -> int:
         """Write what ``cockpit`` holds and drop it from its quantities and itself.
@@ -187,13 +247,20 @@ class LogStream:
         held = _take(cockpit)
         if self._file is None or not held:
             return 0
-        lines = [line for step, values in held.items() for line in self._lines(step, values)]
         if self._last is not None and min(held) <= self._last:  # a restart from an earlier step
-            lines.insert(0, json.dumps({"superseded": min(held)}) + "\n")
-        self._last = None
+            self._supersede({"superseded": min(held)})
+        self._last, self._log = None, None
+        lines = [line for step, values in held.items() for line in self._lines(step, values)]
         self._file.write("".join(lines))  # one write: a kill cuts at most the last lines
         self._file.flush()
-        return sum(1 for line in lines if line.startswith('{"step"'))
+        written = sum(1 for line in lines if line.startswith('{"step"'))
+        self.records += written
+        return written
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the log (open, or closed since)."""
+        return self._writer
 
     @property
     def writes(self) -> bool:
@@ -246,6 +313,11 @@ class LogStream:
         if new:
             yield json.dumps({"names": new}) + "\n"
 
+    def _declared(self, key) -> list:
+        """A layout's line content, ``[[param, [statistic, ...]], ...]`` as table positions."""
+        params, statistics = self._tables["params"], self._tables["statistics"]
+        return [[params[param], [statistics[s] for s in names]] for param, names in key]
+
     def _layout(self, rows) -> Tuple[int, List[str]]:
         """The number of ``rows``' layout, and the lines declaring it if it is new."""
         key = tuple((param, tuple(statistics)) for param, statistics in rows.items())
@@ -256,97 +328,11 @@ class LogStream:
             "params": [param for param, _ in key],
             "statistics": [name for _, statistics in key for name in statistics],
         }))
-        params, statistics = self._tables["params"], self._tables["statistics"]
-        layout = [[params[param], [statistics[s] for s in names]] for param, names in key]
+        layout = self._declared(key)
         self._layouts[key] = len(self._layouts)
-        self._summary.layout(layout, statistics)
+        self._summary.layout(layout, self._tables["statistics"])
         lines.append(json.dumps({"layout": layout}) + "\n")
         return self._layouts[key], lines
-
-
-class _RunningMeans:
-    """Per parameter, the finite values of one statistic summed as pandas' group mean sums them.
-
-    pandas' ``groupby(...).mean()`` adds a group's values in row order with
-    Kahan's compensation (``y = x - c; t = s + y; c = (t - s) - y; s = t``)
-    and divides by their count; the same operations in the same order (the
-    frame's rows are in step order, and steps only grow here) give the same
-    sum to the bit. Stays exact only while every sum is finite (``finite``).
-    """
-
-    def __init__(self):
-        self.order: List[int] = []  # parameters in the order each first had a finite value
-        self.sums, self.compensations = numpy.zeros(0), numpy.zeros(0)
-        self.counts = numpy.zeros(0, dtype=numpy.int64)
-        self.steps = 0
-
-    def add(self, params: numpy.ndarray, values: numpy.ndarray):
-        """One record's values of the statistic, of ``params`` (table positions, each once)."""
-        self.steps += 1
-        kept = numpy.isfinite(values)
-        params, values = params[kept], values[kept]
-        if len(params) and params.max() >= len(self.sums):
-            grown = int(params.max()) + 1 - len(self.sums)
-            self.sums = numpy.r_[self.sums, numpy.zeros(grown)]
-            self.compensations = numpy.r_[self.compensations, numpy.zeros(grown)]
-            self.counts = numpy.r_[self.counts, numpy.zeros(grown, dtype=numpy.int64)]
-        self.order += params[self.counts[params] == 0].tolist()
-        y = values - self.compensations[params]
-        t = self.sums[params] + y
-        self.compensations[params] = (t - self.sums[params]) - y
-        self.sums[params] = t
-        self.counts[params] += 1
-
-    def finite(self) -> bool:
-        """Whether every sum is finite (pandas' sums then equal these)."""
-        return bool(numpy.isfinite(self.sums).all() and numpy.isfinite(self.compensations).all())
-
-
-class _Summary:
-    """What the summary line says, gathered as the records are written."""
-
-    def __init__(self):
-        self.last: Dict[int, int] = {}  # quantity -> its last step written
-        self.grew = set()  # quantities whose steps only grew (no record replaced)
-        self.records: Dict[int, int] = {}  # quantity -> records with numbers
-        self.ranked: List[List[Tuple[int, numpy.ndarray, numpy.ndarray]]] = []  # per layout
-        self.means: Dict[Tuple[int, int], _RunningMeans] = {}
-
-    def layout(self, layout, statistics: Dict[str, int]):
-        """A new layout: where its ranked statistics are, and of which parameters."""
-        params = numpy.array([p for p, names in layout for _ in names], dtype=numpy.int64)
-        codes = numpy.array([s for _, names in layout for s in names], dtype=numpy.int64)
-        self.ranked.append([
-            (statistics[name], numpy.flatnonzero(codes == statistics[name]),
-             params[codes == statistics[name]])
-            for name in sorted({statistic for _, statistic, _ in RANKINGS}) if name in statistics
-        ])
-
-    def add(self, quantity: int, step: int, layout: Optional[int] = None, numbers=None):
-        """A record written: of ``quantity`` at ``step``, its ``numbers`` in ``layout``."""
-        if quantity not in self.last:
-            self.grew.add(quantity)
-        elif step <= self.last[quantity]:
-            self.grew.discard(quantity)  # a step replaced or out of order: no sums
-        self.last[quantity] = step
-        if layout is None or not len(numbers):
-            return
-        self.records[quantity] = self.records.get(quantity, 0) + 1
-        if quantity not in self.grew:
-            return
-        for statistic, positions, params in self.ranked[layout]:
-            if len(positions):
-                self.means.setdefault((quantity, statistic), _RunningMeans()).add(
-                    params, numbers[positions])
-
-    def line(self) -> dict:
-        """The summary line's content."""
-        sums = [{"quantity": quantity, "statistic": statistic, "steps": means.steps,
-                 "params": means.order, "sums": means.sums[means.order].tolist(),
-                 "finite": means.counts[means.order].tolist()}
-                for (quantity, statistic), means in self.means.items()
-                if quantity in self.grew and means.finite()]
-        return {"records": sorted(map(list, self.records.items())), "sums": sums}
 
 
 def _integer(step) -> int:
@@ -410,12 +396,15 @@ class StreamedLog(MappingABC):
         self._index.setdefault(record[0], {})[record[1]] = len(self.records)
         self.records.append(record)
 
-    def _supersede(self, first: int):
-        """A ``{"superseded": first}`` line: the records so far of steps ``>= first`` set apart."""
-        if not isinstance(first, int):
-            raise ValueError("a superseded line's step is not an integer")
-        for step in [step for step in self._index if step >= first]:
-            self._superseded.extend(self._index.pop(step).values())
+    def _supersede(self, line: Mapping):
+        """A superseded line: the records so far that it names set apart (:func:`superseded_by`)."""
+        superseded = superseded_by(line)
+        for step in list(self._index):
+            quantities = self._index[step]
+            for quantity in [q for q in quantities if superseded(step, self.quantities[q])]:
+                self._superseded.append(quantities.pop(quantity))
+            if not quantities:
+                del self._index[step]
 
     def superseded_records(self) -> List[Tuple[int, str, Any]]:
         """``(step, quantity, value)`` of each record a resumed run superseded, in file order.
@@ -503,7 +492,7 @@ def _read_line(log: StreamedLog, line: bytes):
         elif "summary" in item:
             pass  # sums of numbers the log holds, for a faster reader (selective)
         elif "superseded" in item:
-            log._supersede(item["superseded"])
+            log._supersede(item)
         elif "layout" in item:
             log.layouts.append(_layout(log, item["layout"]))
         else:

@@ -1,7 +1,7 @@
 """What both quantity bases share: the parameters' names, the call's step checked, one-time warnings."""
 
 import warnings
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from cockpit_gradnoise.step import Step
 from cockpit_gradnoise.step_checks import check_call, check_names, parameter_names, repeated_step_message
@@ -61,6 +61,21 @@ class NamedQuantity:
     def _record(self, global_step):
         if self.last_recorded is None or global_step > self.last_recorded:
             self.last_recorded = global_step
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The running state a checkpoint keeps (torch's convention: plain numbers and lists).
+
+        The last step recorded (a record is never overwritten after a resume)
+        and the warnings told (each once per run, resumed or not); subclasses
+        add theirs. :meth:`Tracker.state_dict <cockpit_gradnoise.Tracker.state_dict>`
+        gathers every quantity's.
+        """
+        return {"last_recorded": self.last_recorded, "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: Mapping[str, Any]):
+        """Take back the running state of :meth:`state_dict`."""
+        self.last_recorded = state["last_recorded"]
+        self.warned = set(state["warned"])
 
     def names(self, params) -> List[str]:
         """Names of ``params``: by identity from the model, else from ``param_names``."""

@@ -61,6 +61,24 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         """Whether ``cache`` was taken from parameters like ``params``."""
         return True
 
+    def state_dict(self):
+        """As the base's, with the start step cached and its cache (:meth:`cache_state`)."""
+        cache = None if self._cache_step is None else self.cache_state(self._cache)
+        return {**super().state_dict(), "cache_step": self._cache_step, "cache": cache}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._cache_step = state["cache_step"]
+        self._cache = None if self._cache_step is None else self.cache_from_state(state["cache"])
+
+    def cache_state(self, cache) -> Any:
+        """``cache`` as a checkpoint keeps it (a copy: the cache is reused in place)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to save its cache")
+
+    def cache_from_state(self, state) -> Any:
+        """The cache from what :meth:`cache_state` gave."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to load its cache")
+
     def extensions(self, global_step):
         """No BackPACK extension."""
         return []

@@ -138,6 +138,15 @@ class GradientNoiseScale(ParameterQuantity):
     def statistic_names(self):
         return [schema.GRAD_SQ, schema.TRACE_COV, schema.B_SIMPLE, schema.B_SIMPLE_SMOOTHED, schema.BATCH_SIZE]
 
+    def state_dict(self):
+        """As the base's, with the moving averages of ``b_simple_smoothed`` (per row)."""
+        return {**super().state_dict(),
+                "averages": {name: list(pair) for name, pair in self._averages.items()}}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._averages = {name: tuple(pair) for name, pair in state["averages"].items()}
+
     def derived_statistics(self, name, statistics):
         return {schema.B_SIMPLE_SMOOTHED: self._smoothed(name, statistics)}
 

@@ -195,6 +195,25 @@ class TwoBatchNoiseScale(Quantity):
         self.output[int(step)] = record
         return record
 
+    def state_dict(self) -> dict:
+        """The running state a checkpoint keeps: the moving averages of ``b_simple_smoothed``,
+        the micro-batches closed since the last :meth:`step` (and a backward pass not
+        closed yet), and the warnings told."""
+        return {"averages": {name: list(pair) for name, pair in self._averages.items()},
+                "micro_batches": [[squared.clone(), examples, weight]
+                                  for squared, examples, weight in self._micro_batches],
+                "pending": None if self._pending is None else self._pending.clone(),
+                "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state) -> None:
+        """Take back the running state of :meth:`state_dict`."""
+        device = self.params[0].device
+        self._averages = {name: tuple(pair) for name, pair in state["averages"].items()}
+        self._micro_batches = [(squared.to(device), examples, weight)
+                               for squared, examples, weight in state["micro_batches"]]
+        self._pending = None if state["pending"] is None else state["pending"].to(device)
+        self.warned = set(state["warned"])
+
     # As a Cockpit quantity ----------------------------------------------------------
 
     def should_compute(self, global_step) -> bool:
@@ -248,7 +267,11 @@ class TwoBatchNoiseScale(Quantity):
         """``{step: {"TwoBatchNoiseScale": {name: {statistic: value}}}}``, Cockpit's layout.
 
         For :func:`~cockpit_gradnoise.to_frame` and :func:`~cockpit_gradnoise.write_log`.
+        In a Cockpit, :attr:`output` itself (``{step: value}``): the Cockpit puts each
+        value under the quantity's name.
         """
+        if not self._standalone:
+            return self.output
         return {step: {self.name: value} for step, value in self.output.items()}
 
     def frame(self):

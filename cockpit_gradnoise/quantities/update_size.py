@@ -143,6 +143,17 @@ class UpdateSize(TwoStepParameterQuantity):
         )
         return False
 
+    def cache_state(self, cache) -> List[torch.Tensor]:
+        """A copy of the cached parameters (the cache is overwritten at the next step)."""
+        return [tensor.detach().clone() for tensor in cache]
+
+    def cache_from_state(self, state) -> List[torch.Tensor]:
+        """The saved parameters, on the parameters' device (the CPU with ``cache_on_cpu``)."""
+        params = self.known_params or []
+        return [tensor.to(torch.device("cpu") if self.cache_on_cpu or i >= len(params)
+                          else params[i].device, copy=True)
+                for i, tensor in enumerate(state)]
+
     def cached_tensors(self) -> List[torch.Tensor]:
         """The cached copy of the parameters (empty when none)."""
         return list(self._cache or [])
