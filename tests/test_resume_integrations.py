@@ -68,7 +68,7 @@ def test_lightning_resumed_from_its_checkpoint_logs_what_a_run_never_stopped_log
         superseded = cgn.read_log(tmp_path / "run" / log).superseded_records()
         assert {(step, q) for step, q, _ in superseded} == {
             (2, "GradientNoiseScale"), (2, "GradientVarianceQuantiles"), (2, "ParamGradRatio"),
-            (2, "PerExampleGradNorm"), (1, "UpdateSize")}
+            (2, "PerExampleGradNorm"), (2, "Optimizer"), (1, "UpdateSize")}
 
 
 HF_STEPS = 4  # 16 sequences, 4 a micro-batch, 2 micro-batches a step: 2 steps an epoch

@@ -72,8 +72,9 @@ def test_a_run_killed_and_resumed_from_its_checkpoint_logs_what_a_run_never_stop
     assert path.read_bytes().startswith(killed)
     log = read_stream(path)
     superseded = {(step, quantity) for step, quantity, _ in log.superseded_records()}
-    # What it wrote after its checkpoint (steps 6-7; UpdateSize's 5-6, ended at 6-7) ...
-    after = {(step, q) for step in (6, 7) for q in ALL if q != "UpdateSize"}
+    # What it wrote after its checkpoint (steps 6-7, with the tracker's Optimizer rows;
+    # UpdateSize's 5-6, ended at 6-7) ...
+    after = {(step, q) for step in (6, 7) for q in (*ALL, "Optimizer") if q != "UpdateSize"}
     assert superseded == after | {(5, "UpdateSize"), (6, "UpdateSize")}
     # ... set apart, readable on request, and the very numbers the resumed run wrote again.
     every = cgn.to_frame(path, superseded=True)
