@@ -1,11 +1,12 @@
-"""An embedding subclass whose forward takes something other than an index tensor.
+"""Embedding subclasses that build their own index: learned position tables.
 
 Blenderbot's and LED's learned positions (``nn.Embedding`` subclasses) take the
 input's ``torch.Size`` and build the index inside; recording their call used to
 crash the forward pass. Now the step completes: the position table, applied
 without the batch dimension, is left out with a warning naming it, and every
 other parameter is exact against a float64 per-example loop, also where the batch size equals the
-sequence length.
+sequence length. BioGPT's positions, computed from the attention mask, used to
+crash the backward pass; they are left out the same way.
 """
 
 import copy
@@ -52,18 +53,35 @@ POSITIONS = ["model.model.encoder.embed_positions.weight", "model.model.decoder.
 ZERO_BY_STRUCTURE = ".k_proj.bias"
 
 
-# 6 is the sequence length: the position table's output [6, 8] then leads with the
-# batch size, which used to give it (wrong) rows, silently.
-@pytest.mark.parametrize("examples", [5, 6])
-def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
+class CausalLM(nn.Module):
+    """``logits`` of a causal language model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def biogpt():
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    config = BioGptConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return CausalLM(BioGptForCausalLM(config)).eval()
+
+
+def check_left_out_by_name_and_the_rest_exact(make_model, tokens, targets, left_out):
+    """Track one float64 step of ``make_model()``; ``left_out`` have no rows and are named in
+    a warning, every other parameter's PerExampleGradNorm equals a per-example loop's."""
     torch.manual_seed(0)
     with torch.random.fork_rng():
         torch.set_default_dtype(torch.float64)
         try:
-            model = blenderbot()
-            length = 6
-            tokens = torch.randint(2, 32, (examples, 2, length))
-            targets = tokens[:, 1]
+            model = make_model()
             reference_model = copy.deepcopy(model)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -71,18 +89,18 @@ def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact
                 losses = token_losses(tracked(tokens), targets)
                 with tracker(0, losses) as loss:
                     loss.backward()
+            gradients = per_example_gradients(reference_model, token_losses, tokens, targets)
         finally:
             torch.set_default_dtype(torch.float32)
     rows = tracker.get_output()[0]["PerExampleGradNorm"]
     messages = " ".join(str(w.message) for w in caught if "cockpit-gradnoise" in str(w.message))
-    for name in POSITIONS:
+    for name in left_out:
         assert name not in rows
         assert name in messages
-    gradients = per_example_gradients(reference_model, token_losses, tokens, targets)
     for name in gradients:
         if name.endswith(ZERO_BY_STRUCTURE):
             gradients[name] = torch.zeros_like(gradients[name])
-    kept = {name: value for name, value in gradients.items() if name not in POSITIONS}
+    kept = {name: value for name, value in gradients.items() if name not in left_out}
     expected = per_example_grad_norm(None, None, tokens, None, gradients=kept)
     assert set(rows) - {"all"} == set(kept)
     compared = 0
@@ -91,4 +109,21 @@ def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact
             # float64 sums of a few hundred products: far below 1e-10 relative.
             assert rows[name][statistic] == pytest.approx(value, rel=1e-10, abs=0), (name, statistic)
             compared += 1
-    assert compared > 100
+    assert compared > 40
+
+
+# 6 is the sequence length: the position table's output [6, 8] then leads with the
+# batch size, which used to give it (wrong) rows, silently.
+@pytest.mark.parametrize("examples", [5, 6])
+def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
+    tokens = torch.randint(2, 32, (examples, 2, 6), generator=torch.Generator().manual_seed(1))
+    check_left_out_by_name_and_the_rest_exact(blenderbot, tokens, tokens[:, 1], POSITIONS)
+
+
+# BioGPT's positions come from the attention mask inside an nn.Embedding subclass; the
+# embedding's rule used to crash in the backward pass (index_add_ with 48 indices for 6 rows).
+@pytest.mark.parametrize("examples", [5, 6])
+def test_biogpt_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
+    generator = torch.Generator().manual_seed(2)
+    tokens, targets = torch.randint(2, 32, (2, examples, 6), generator=generator)
+    check_left_out_by_name_and_the_rest_exact(biogpt, tokens, targets, ["model.biogpt.embed_positions.weight"])
