@@ -12,7 +12,7 @@ result a quantity reads, with one warning per fact about the others.
 import numbers
 import operator
 import weakref
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.logs.schema import NETWORK
@@ -268,8 +268,9 @@ class ParameterChecks:
         Raises:
             RuntimeError: No parameter got BackPACK's results (the model was not extended).
             ValueError: A parameter used by several layers (tied weights) in a
-                model not prepared by ``prepare_model``, or one whose results
-                could not be computed.
+                model not prepared by ``prepare_model``, or one refused because
+                of how the model was set up (the others whose results could not
+                be computed are left out with a warning).
         """
         if has_results is None:
             def has_results(param):
@@ -290,9 +291,18 @@ class ParameterChecks:
                 "make sure the model has layers this package supports (see "
                 "docs/architectures.md)."
             )
-        unsupported = [(n, p) for n, p in with_grad if n not in supported]
+        refused = self._refused(owner, with_grad) if savefields else {}
+        unsupported = [(n, p) for n, p in with_grad if n not in supported and n not in refused]
+        if refused:
+            usable = [(n, p) for n, p in usable if n not in refused]
+            self.warn_names(
+                "refused", sorted(refused),
+                lambda names: f"no exact per-example results for parameters {names}: "
+                + "; ".join(f"{n!r}: {refused[n]}" for n in names)
+                + f" (see docs/architectures.md); they have no rows and are left out of {NETWORK!r}",
+                quantity,
+            )
         if savefields:
-            self._refuse_shared(owner, with_grad)
             usable = self._without_batchless(quantity, usable, examples)
         self.warn_names(
             "no-grad",
@@ -354,8 +364,14 @@ class ParameterChecks:
             quantity,
         )
 
-    def _refuse_shared(self, owner, named):
-        """Raise for parameters whose uses by several layers were not combined.
+    def _refused(self, owner, named) -> Dict[str, str]:
+        """``{name: reason}`` of parameters whose results the backward pass could not compute.
+
+        Those refused for the model's structure (``facts.refusals``: an embedding
+        applied without the batch dimension whose output meets the batch
+        elsewhere than in an addition, a layer run several times in one forward
+        pass, a tied parameter used by an unsupported layer) are returned, to be
+        left out with a warning: the step keeps every other parameter's rows.
 
         ``prepare_model`` (and ``cgn.track``) marks the layers that hold a tied
         parameter, and their results are then summed over the uses
@@ -363,18 +379,19 @@ class ParameterChecks:
         ``backpack.extend`` alone keeps the result of the use reached last.
 
         Raises:
-            ValueError: For such parameters, and for those whose results the
-                backward pass could not compute (``facts.refusals``: an
-                embedding applied without the batch dimension whose output
-                meets the batch elsewhere than in an addition, a tied
-                parameter used by an unsupported layer), naming them.
+            ValueError: For parameters used by several layers in a model not
+                prepared by ``prepare_model``, and for those refused because of
+                how the model was set up (``facts.setup_refusals``), naming them
+                and the fix.
         """
         refused = {n: self.facts.refusals[id(p)] for n, p in named if id(p) in self.facts.refusals}
-        if refused:
-            reasons = "; ".join(f"{n!r}: {why}" for n, why in refused.items())
+        ids = {n: id(p) for n, p in named}
+        setup = {n: why for n, why in refused.items() if ids[n] in self.facts.setup_refusals}
+        if setup:
+            reasons = "; ".join(f"{n!r}: {why}" for n, why in setup.items())
             raise ValueError(
                 f"{owner}: no exact per-example results for parameters "
-                f"{sorted(refused)}: {reasons} (see docs/architectures.md)"
+                f"{sorted(setup)}: {reasons} (see docs/architectures.md)"
             )
         shared = [n for n, p in named if self.facts.shared(p)]
         if shared:
@@ -385,6 +402,7 @@ class ParameterChecks:
                 "with `cgn.prepare_model(model)` (or `cgn.track(model)`) instead of "
                 "`backpack.extend(model)`, after tying, so that the uses are combined"
             )
+        return refused
 
     def _without_batchless(self, quantity, named, examples):
         """``named`` without parameters of layers applied without the batch dimension."""

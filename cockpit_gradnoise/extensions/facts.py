@@ -41,8 +41,10 @@ class BackwardFacts:
             :meth:`shared` asks; a set, as it is asked for every parameter by
             every quantity).
         refusals: ``{id(param): reason}``, parameters whose results this
-            backward pass could not compute (removed), for the quantities to
-            refuse with an error naming them.
+            backward pass could not compute (removed): the quantities leave them
+            out with a warning naming them and the reason.
+        setup_refusals: ``{id(param)}`` of those refused because of how the
+            model was set up (the reason names the fix): the quantities raise.
         leading_sizes: ``{id(param): size}``, the size of the batch dimension
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
@@ -64,6 +66,7 @@ class BackwardFacts:
         self.uses: Counter = Counter()
         self.unmarked_uses: Counter = Counter()
         self.refusals: Dict[int, str] = {}
+        self.setup_refusals: Set[int] = set()
         self.shared_ids: Set[int] = set()
         self.leading_sizes: Dict[int, int] = {}
         self.owners: Dict[int, str] = {}
@@ -94,9 +97,15 @@ class BackwardFacts:
         """Whether several layers wrote one extension's result on ``param``, not all marked."""
         return id(param) in self.shared_ids
 
-    def refuse(self, param, reason: str):
-        """Record that ``param``'s results could not be computed, and why."""
+    def refuse(self, param, reason: str, *, setup: bool = False):
+        """Record that ``param``'s results could not be computed, and why.
+
+        ``setup``: the cause is how the model was set up, and the reason names the fix
+        (the quantities raise); otherwise the model's structure (they leave it out, warning).
+        """
         self.refusals.setdefault(id(param), reason)
+        if setup:
+            self.setup_refusals.add(id(param))
 
 
 #: The backward pass being run: replaced, never reset, by :func:`begin` (between passes),

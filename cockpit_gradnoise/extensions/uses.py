@@ -197,7 +197,7 @@ def _autocast_without_hooks(module: nn.Module, recorded: facts.BackwardFacts, g_
             f"its layer ({type(module).__name__}) ran under torch.autocast (input {given.dtype}, "
             f"output gradient {grad.dtype}) in a model extended by backpack.extend alone: "
             "prepare the model with cgn.prepare_model(model) (or cgn.track(model)) instead, "
-            "whose hooks keep the input the layer computed with"))
+            "whose hooks keep the input the layer computed with"), setup=True)
     return True
 
 
