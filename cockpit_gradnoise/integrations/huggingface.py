@@ -32,12 +32,21 @@ also holds the tracker's state (:data:`TRACKER_STATE`,
 ``train(resume_from_checkpoint=...)`` loads it into the tracker before
 training goes on: the quantities' running state and the log continue where
 the checkpoint left them.
+
+An adaptive batch schedule: ``TrackingTrainer(schedule=cgn.BatchSchedule(...))``
+sets ``args.gradient_accumulation_steps`` to the schedule's accumulation after
+each optimizer step (``per_device_train_batch_size`` is its ``micro_batch``);
+its state is saved in each checkpoint folder (:data:`SCHEDULE_STATE`) and the
+place in the data with it (:mod:`cockpit_gradnoise.integrations.scheduling`,
+``docs/training-setups.md``).
 """
 
 import os
+import sys
 import warnings
 from typing import Callable, Optional
 
+from cockpit_gradnoise.integrations.scheduling import ScheduleDriver
 from cockpit_gradnoise.losses import sequence_losses
 
 import torch
@@ -47,6 +56,8 @@ import transformers
 IGNORE_INDEX = -100  # transformers' label of tokens without a loss
 #: The file of a checkpoint folder that holds the tracker's state (``torch.save``).
 TRACKER_STATE = "cockpit_gradnoise_tracker.pt"
+#: The file of a checkpoint folder that holds the batch schedule's state and the place in the data.
+SCHEDULE_STATE = "cockpit_gradnoise_schedule.pt"
 
 
 def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
@@ -76,12 +87,20 @@ class TrackingTrainer(transformers.Trainer):
             :func:`~cockpit_gradnoise.track` on the model given to the Trainer.
         per_example_loss: ``(logits, labels) -> losses [N]``;
             :func:`per_example_cross_entropy` by default.
+        schedule: A :class:`~cockpit_gradnoise.BatchSchedule`: after each optimizer
+            step it is updated and ``args.gradient_accumulation_steps`` set to its
+            accumulation (a change takes effect where the epoch's batches allow,
+            :mod:`~cockpit_gradnoise.integrations.scheduling`). With ``max_steps``
+            the run takes that many optimizer steps over as many epochs as they
+            need; with ``num_train_epochs`` it ends after them, its steps planned
+            (the scheduler's horizon) at the first step's accumulation.
         args: The Trainer's positional arguments.
         kwargs: The Trainer's keyword arguments.
 
     """
 
-    def __init__(self, *args, tracker, per_example_loss: Optional[Callable] = None, **kwargs):
+    def __init__(self, *args, tracker, per_example_loss: Optional[Callable] = None,
+                 schedule=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tracker = tracker
         self.per_example_loss = per_example_loss or per_example_cross_entropy
@@ -89,6 +108,16 @@ class TrackingTrainer(transformers.Trainer):
         self._tracked_step = None
         self._micro = (None, -1)  # (global step, index) of the last micro-batch
         self.add_callback(_SaveTrackerState(tracker))
+        #: The :class:`~cockpit_gradnoise.integrations.scheduling.ScheduleDriver` of ``schedule``.
+        self.driver = None if schedule is None else ScheduleDriver(schedule)
+        self._place = (0, 0)  # (epoch, micro-batches done in it) of the data
+        self._resumed_place = None
+        self._steps_in_epoch = None
+        if self.driver is not None:
+            if self.is_deepspeed_enabled:
+                raise ValueError("TrackingTrainer(schedule=): DeepSpeed fixes the accumulation in "
+                                 "its configuration at the start; train without DeepSpeed")
+            self.add_callback(_ApplySchedule(self))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """The Trainer's ``train``; resuming from a checkpoint, the tracker resumes from its state.
@@ -107,7 +136,47 @@ class TrackingTrainer(transformers.Trainer):
             else:
                 warnings.warn(f"{folder} holds no tracker state ({TRACKER_STATE}; saved by "
                               "another Trainer?): the quantities start afresh", stacklevel=2)
+        if self.driver is not None:
+            self._place, self._resumed_place = (0, 0), None
+            path = os.path.join(folder, SCHEDULE_STATE) if folder else None
+            if path and os.path.isfile(path):
+                state = torch.load(path, weights_only=True)
+                self.driver.load_state_dict(state["driver"])
+                self._resumed_place = tuple(state["place"])
+            elif folder:
+                raise ValueError(f"{folder} holds no batch schedule state ({SCHEDULE_STATE}): "
+                                 "resume a run of a TrackingTrainer(schedule=) from its checkpoint")
+            self.args.gradient_accumulation_steps = self.driver.accumulation
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def set_initial_training_values(self, args, dataloader):
+        """The Trainer's plan; with a schedule, one whose epochs and steps any accumulation fits.
+
+        An epoch's loop runs up to one optimizer step per batch (each takes
+        ``args.gradient_accumulation_steps`` batches, fewer at the epoch's end), and with ``max_steps`` the epochs are
+        not counted: the run stops at ``max_steps`` (as the Trainer does for data
+        of unknown length).
+        """
+        if self.driver is not None and not transformers.trainer_utils.has_length(dataloader):
+            raise ValueError("TrackingTrainer(schedule=) needs a training dataset with a length "
+                             "(the epoch's place decides where a new accumulation can start)")
+        values = list(super().set_initial_training_values(args, dataloader))
+        if self.driver is not None:
+            self._steps_in_epoch = values[5]
+            values[1] = max(values[5], 1)  # update steps per epoch: at most one per batch
+            if args.max_steps > 0:
+                values[0] = sys.maxsize
+        return tuple(values)
+
+    def _init_training_state(self, *args, **kwargs):
+        # With a schedule the Trainer's count of the batches seen (steps x its accumulation)
+        # does not hold: the place saved with the schedule's state does.
+        epochs, batches = super()._init_training_state(*args, **kwargs)
+        if self.driver is not None and self._resumed_place is not None:
+            epochs, batches = self._place = self._resumed_place
+            if self.args.ignore_data_skip:
+                batches = 0
+        return epochs, batches
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:  # evaluation: the Trainer's own loss
@@ -150,6 +219,39 @@ class TrackingTrainer(transformers.Trainer):
             tracked.__exit__(*exception)
 
 
+class _ApplySchedule(transformers.TrainerCallback):
+    """Updates the schedule after each optimizer step and sets the Trainer's accumulation;
+    saves the schedule's state and the place in the data in each checkpoint folder."""
+
+    def __init__(self, trainer: TrackingTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.trainer.driver.check([lr_scheduler], "TrackingTrainer(schedule=)")
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        trainer = self.trainer
+        epoch, done = trainer._place
+        done += trainer.current_gradient_accumulation_steps
+        trainer._place = (epoch, done)
+        # The Trainer has stepped its scheduler; a checkpoint is saved after this.
+        args.gradient_accumulation_steps = trainer.driver.after_step(
+            state.global_step - 1, trainer.tracker, optimizer, [lr_scheduler],
+            done % trainer._steps_in_epoch)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.trainer._place = (self.trainer._place[0] + 1, 0)
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        epoch, done = self.trainer._place
+        if done >= self.trainer._steps_in_epoch:  # a step that ended the epoch
+            epoch, done = epoch + 1, 0
+        saved = {"driver": self.trainer.driver.state_dict(), "place": [epoch, done]}
+        _save(saved, args.output_dir, state.global_step, SCHEDULE_STATE)
+
+
 class _SaveTrackerState(transformers.TrainerCallback):
     """Puts the tracker's state in each checkpoint folder the Trainer saves (its ``on_save``)."""
 
@@ -159,10 +261,13 @@ class _SaveTrackerState(transformers.TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         # Every process takes the state (a streamed log's own is on disk first); the first writes it.
         saved = self.tracker.state_dict()
-        if not state.is_world_process_zero:
-            return
-        folder = os.path.join(args.output_dir,
-                              f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(saved, os.path.join(folder, TRACKER_STATE + ".tmp"))
-        os.replace(os.path.join(folder, TRACKER_STATE + ".tmp"), os.path.join(folder, TRACKER_STATE))
+        if state.is_world_process_zero:
+            _save(saved, args.output_dir, state.global_step, TRACKER_STATE)
+
+
+def _save(saved, output_dir: str, step: int, name: str) -> None:
+    """``torch.save`` into the Trainer's checkpoint folder of ``step``, whole or not at all."""
+    folder = os.path.join(output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{step}")
+    os.makedirs(folder, exist_ok=True)
+    torch.save(saved, os.path.join(folder, name + ".tmp"))
+    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))

@@ -35,11 +35,19 @@ and ``trainer.fit(model, ckpt_path=...)`` continues from it: the quantities'
 running state, and the log (a streamed ``.jsonl`` log is continued, what the
 run that died wrote after the checkpoint superseded; a JSON log is written at
 the end of ``fit`` with the steps before the checkpoint too).
+
+An adaptive batch schedule: ``TrackingCallback(schedule=cgn.BatchSchedule(...))``
+consults the schedule after each optimizer step and sets
+``trainer.accumulate_grad_batches`` to its accumulation (the DataLoader's
+batch is the schedule's ``micro_batch``); its state is in the checkpoint
+with the tracker's (:mod:`cockpit_gradnoise.integrations.scheduling`,
+``docs/training-setups.md``).
 """
 
 import warnings
 from typing import Callable, Optional, Sequence, Union
 
+from cockpit_gradnoise.integrations.scheduling import ScheduleDriver
 from cockpit_gradnoise.tracking import track
 
 import lightning.pytorch as pl
@@ -50,6 +58,7 @@ import lightning.pytorch as pl
 #: :mod:`cockpit_gradnoise.extensions.precision`); ``"16-mixed"``'s GradScaler
 #: is divided out and its skipped steps logged (:mod:`cockpit_gradnoise.amp`).
 SUPPORTED_PRECISIONS = ("32-true", "64-true", "32", "64", "bf16-mixed", "16-mixed")
+_WHERE = "TrackingCallback(schedule=)"
 
 
 class TrackingCallback(pl.Callback):
@@ -67,18 +76,25 @@ class TrackingCallback(pl.Callback):
             (:meth:`Tracker.stream_to <cockpit_gradnoise.Tracker.stream_to>`).
         tensorboard: Give every tracked step to the Trainer's logger when it
             is a TensorBoard logger (tags ``<quantity>/<parameter>/<statistic>``).
+        schedule: A :class:`~cockpit_gradnoise.BatchSchedule`: after each optimizer
+            step it is updated and ``trainer.accumulate_grad_batches`` set to its
+            accumulation (a change takes effect where the epoch's batches allow,
+            :mod:`~cockpit_gradnoise.integrations.scheduling`); ``None``: the
+            Trainer's accumulation is left alone.
         **track_options: ``quantiles=``, ``options=``, ``verbose=`` of
             :func:`~cockpit_gradnoise.track`.
 
     Attributes:
         tracker: The :class:`~cockpit_gradnoise.Tracker`, once ``fit`` has
             started: ``callback.tracker.report()``, ``.frame()``, ``.plot()``.
+        driver: The :class:`~cockpit_gradnoise.integrations.scheduling.ScheduleDriver`
+            of ``schedule`` (its ``applied``: the changes as they took effect), or ``None``.
     """
 
     def __init__(self, every: Union[int, Callable[[int], bool]] = 10,
                  quantities: Union[str, Sequence] = "all", *,
                  losses_attribute: str = "per_example_losses", log=None,
-                 tensorboard: bool = True, **track_options):
+                 tensorboard: bool = True, schedule=None, **track_options):
         self.every, self.quantities, self.track_options = every, quantities, track_options
         self.losses_attribute, self.log_path, self.tensorboard = losses_attribute, log, tensorboard
         self.tracker = None
@@ -86,6 +102,8 @@ class TrackingCallback(pl.Callback):
         self._tracked_step = None
         self._batch_idx = 0
         self._warned_short = False
+        self.driver = None if schedule is None else ScheduleDriver(schedule)
+        self._steps_before = 0  # trainer.global_step at the batch's start
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -110,10 +128,15 @@ class TrackingCallback(pl.Callback):
     def state_dict(self) -> dict:
         """The tracker's state, for Lightning's checkpoint (:meth:`Tracker.state_dict
         <cockpit_gradnoise.Tracker.state_dict>`); empty before ``fit``."""
-        return {} if self.tracker is None else {"tracker": self.tracker.state_dict()}
+        state = {} if self.tracker is None else {"tracker": self.tracker.state_dict()}
+        if self.driver is not None:
+            state["schedule"] = self.driver.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resume the tracker from Lightning's checkpoint (``fit(ckpt_path=...)``)."""
+        """Resume the tracker (and the schedule) from Lightning's checkpoint (``fit(ckpt_path=...)``)."""
+        if self.driver is not None and "schedule" in state_dict:
+            self.driver.load_state_dict(state_dict["schedule"])
         state = state_dict.get("tracker")
         if state is None:
             return
@@ -125,8 +148,24 @@ class TrackingCallback(pl.Callback):
     def _streamed(self) -> bool:
         return self.log_path is not None and str(self.log_path).endswith(".jsonl")
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.driver is not None:  # the checkpoint's accumulation when resumed
+            _check_schedulable(trainer)
+            self.driver.check([c.scheduler for c in trainer.lr_scheduler_configs], _WHERE)
+            trainer.accumulate_grad_batches = self.driver.accumulation
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx  # its place in the epoch: the micro-batch's
+        self._steps_before = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.driver is None or trainer.global_step == self._steps_before:
+            return  # no schedule, or no optimizer step after this batch
+        # Lightning has stepped its schedulers; ModelCheckpoint saves after this (it runs last).
+        position = (batch_idx + 1) % trainer.num_training_batches  # 0: the epoch's end
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        trainer.accumulate_grad_batches = self.driver.after_step(
+            trainer.global_step - 1, self.tracker, _optimizer(trainer), schedulers, position)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         losses = getattr(pl_module, self.losses_attribute, None)
@@ -199,6 +238,21 @@ def _check_trainer(trainer) -> None:
             f"TrackingCallback: precision={precision!r} is not supported yet: use "
             f"one of {SUPPORTED_PRECISIONS}"
         )
+
+
+def _check_schedulable(trainer) -> None:
+    """A schedule needs Lightning's own accumulation of one optimizer, and schedulers it can scale."""
+    where = _WHERE
+    if not trainer.lightning_module.automatic_optimization or len(trainer.optimizers) != 1:
+        raise ValueError(f"{where} needs automatic optimization with one optimizer: the "
+                         "accumulation it sets is Lightning's accumulate_grad_batches")
+    for callback in trainer.callbacks:
+        if isinstance(callback, pl.callbacks.GradientAccumulationScheduler):
+            raise ValueError(f"{where}: remove the GradientAccumulationScheduler, the schedule "
+                             "sets accumulate_grad_batches")
+    if "deepspeed" in type(trainer.strategy).__name__.lower():
+        raise ValueError(f"{where}: DeepSpeed fixes the accumulation in its configuration at "
+                         "the start; use the schedule with the default strategy or DDP")
 
 
 def _optimizer(trainer) -> Optional[object]:
