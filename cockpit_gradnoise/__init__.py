@@ -27,6 +27,7 @@ _EXPORTS = {
     "panels": ("cockpit_gradnoise.views.panels", None),
     "report": ("cockpit_gradnoise.views.sources", "report"),
     "advice": ("cockpit_gradnoise.views.sources", "advice"),
+    "BatchSchedule": ("cockpit_gradnoise.schedule.batch_schedule", "BatchSchedule"),
     "track": ("cockpit_gradnoise.tracking", "track"),
     "configuration": ("cockpit_gradnoise.quantities.presets", "configuration"),
     "Tracker": ("cockpit_gradnoise.tracking", "Tracker"),

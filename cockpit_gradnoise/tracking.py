@@ -22,13 +22,13 @@ explicit API (``docs/getting-started.md``), which stays available.
 
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import accumulation, amp, arming
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
-from cockpit_gradnoise.logs.schema import OPTIMIZER
+from cockpit_gradnoise.logs.schema import NETWORK, OPTIMIZER
 from cockpit_gradnoise.logs.stream import LogStream
 from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differentiate, micro_batch_given
 from cockpit_gradnoise.prepare import prepare_model
@@ -170,6 +170,10 @@ class Tracker:
         #: The step of the last call (``None`` before the first).
         self.last_step: Optional[int] = None
         self.stream: Optional[LogStream] = None
+        #: Quantity name -> ``(step, {statistic: value})``: its newest row of the network,
+        #: kept as it is computed (a stream drops it from memory), for a schedule that reads
+        #: it each step (:class:`~cockpit_gradnoise.BatchSchedule`) without building a frame.
+        self.latest: Dict[str, Tuple[int, Mapping[str, float]]] = {}
         for quantity in cockpit.quantities:  # checked for earlier gradients from the first step
             if hasattr(quantity, "known_params"):
                 quantity.known_params = list(cockpit.params)
@@ -418,7 +422,32 @@ class Tracker:
 
     def _after_step(self):
         """After the quantities computed: the loggers get the new numbers, then the stream."""
+        self._keep_latest()
         self._to_loggers()
+        self._append()
+
+    def _keep_latest(self):
+        """:attr:`latest`: each quantity's newest row of the network (steps only grow, so
+        the newest is the last one stored)."""
+        for quantity in self.cockpit.quantities:
+            if quantity.output:
+                step = next(reversed(quantity.output))
+                rows = quantity.output[step]
+                if isinstance(rows, Mapping) and NETWORK in rows:
+                    self.latest[type(quantity).__name__] = (step, rows[NETWORK])
+
+    def record(self, step: int, quantity: str, statistics: Mapping[str, float]) -> None:
+        """Log ``statistics`` of the network (``{name: number}``) under ``quantity`` at ``step``.
+
+        Rows beside the quantities' (what a :class:`~cockpit_gradnoise.BatchSchedule`
+        changed, and why), as the tracker's ``Optimizer`` rows: in the frame, the written
+        and the streamed log (appended now), the checkpoint and the loggers.
+        """
+        step = step_number(step, convert=True)
+        value = {NETWORK: {name: float(number) for name, number in statistics.items()}}
+        self.cockpit.output[step][quantity] = value
+        for logger in self.loggers:
+            logger(step, {quantity: value})
         self._append()
 
     def _tracks(self, step) -> bool:

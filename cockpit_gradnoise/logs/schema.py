@@ -78,6 +78,24 @@ OPTIMIZER = "Optimizer"
 LEARNING_RATE = "lr"
 OPTIMIZER_CLASS_PREFIX = "class:"
 
+# The changes of an adaptive batch schedule (cgn.BatchSchedule), under NETWORK at the
+# step whose noise-scale estimate decided them (the new batch applies from the next
+# step): the batch and accumulation before and after, the learning rate of the first
+# parameter group before and after and the factor every group's was scaled by, the
+# noise scale and the range of the estimate the decision rests on, and why, as a
+# statistic ``why:<reason>`` of value 1 (names are text).
+BATCH_SCHEDULE = "BatchSchedule"
+SCHEDULE_BATCH = "batch"
+SCHEDULE_NEW_BATCH = "new_batch"
+SCHEDULE_ACCUMULATION = "accumulation"
+SCHEDULE_NEW_ACCUMULATION = "new_accumulation"
+SCHEDULE_NEW_LR = "new_lr"
+SCHEDULE_LR_FACTOR = "lr_factor"
+SCHEDULE_NOISE_SCALE = "noise_scale"
+SCHEDULE_LOW = "low"
+SCHEDULE_HIGH = "high"
+SCHEDULE_WHY_PREFIX = "why:"
+
 # Stored under NETWORK by a per-parameter quantity whose network row leaves
 # out some of the parameters it was given (with requires_grad): how many it
 # covers, of how many. Absent: the row covers every parameter.
@@ -149,8 +167,19 @@ def optimizer_statistics(class_name: str, lr: Optional[float]) -> Dict[str, floa
 def optimizer_class(names: Iterable[str]) -> Optional[str]:
     """The optimizer's class name among the statistic ``names`` of an :data:`OPTIMIZER` row
     (:func:`optimizer_statistics`); ``None`` if none names it."""
-    return next((name[len(OPTIMIZER_CLASS_PREFIX):] for name in names
-                 if name.startswith(OPTIMIZER_CLASS_PREFIX)), None)
+    return _text_after(OPTIMIZER_CLASS_PREFIX, names)
+
+
+def _text_after(prefix: str, names: Iterable[str]) -> Optional[str]:
+    """The text after ``prefix`` in the first of ``names`` that starts with it (a text
+    stored as a statistic's name), ``None`` if none does."""
+    return next((name[len(prefix):] for name in names if name.startswith(prefix)), None)
+
+
+def schedule_reason(names: Iterable[str]) -> Optional[str]:
+    """The reason among the statistic ``names`` of a :data:`BATCH_SCHEDULE` row
+    (``why:<reason>``); ``None`` if none names it."""
+    return _text_after(SCHEDULE_WHY_PREFIX, names)
 
 
 def ratio_or_inf(numerator, denominator):

@@ -1,0 +1,136 @@
+"""The adaptive batch schedule's rule: pure functions of numbers (no torch, no tracker).
+
+Each optimizer step runs ``K`` micro-batches of ``micro_batch`` examples: the
+batch is ``B = micro_batch * K``. After each new noise-scale estimate the
+rule decides ``K`` of the next step from the recommendation of
+:func:`~cockpit_gradnoise.views.batch_size.recommended_batch` (the critical
+batch estimate ``B_crit ~ B_noise``, McCandlish et al. 2018, and the range of
+the estimate):
+
+- **grow** where ``B`` lies below the range of the estimate (the recent
+  quartiles of ``b_simple`` widened to at least ``[B_noise/2, 2 B_noise]``):
+  toward ``round(B_noise)``, by at most ``max_change`` per change (an
+  infinite ``B_noise``, no signal resolved: by ``max_change``);
+- **shrink** only where the whole range lies below ``B``, toward
+  ``round(B_noise)`` and by at most ``max_change``: never faster than the
+  spread of the estimate justifies;
+- **keep** otherwise, without an estimate (NaN), within ``patience``
+  estimates of the last change (or of the start: the range needs them), and
+  where a bound stops the move.
+
+``K`` stays within ``[min_accumulation, max_accumulation]``
+(:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
+micro-batches). The learning rate is rescaled by
+:func:`~cockpit_gradnoise.views.batch_size.learning_rate_factor`.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from cockpit_gradnoise.views.batch_size import DEFAULT_RECENT, Recommendation, recommended_batch
+from cockpit_gradnoise.views.common import THRESHOLDS
+
+#: The most the batch changes by at one change (doubling, as batch-size warmups do).
+DEFAULT_MAX_CHANGE = 2.0
+#: New estimates needed after a change (and at the start) before the next one: the
+#: memory of ``b_simple_smoothed``'s moving average, and the range's window.
+DEFAULT_PATIENCE = DEFAULT_RECENT
+
+# Why a decision was taken (the ``why:<reason>`` of a logged change).
+GROW, SHRINK, KEEP, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP = (
+    "grow", "shrink", "keep", "wait", "no-estimate", "at-bound", "bootstrap")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The micro-batch's size and the accumulation's range ``[low, high]`` (micro-batches)."""
+
+    micro_batch: int
+    low: int
+    high: int
+
+    def clamp(self, accumulation: int) -> int:
+        return min(self.high, max(self.low, accumulation))
+
+
+def bounds_of(micro_batch: int, min_batch: Optional[int] = None, max_batch: Optional[int] = None,
+              max_accumulation: Optional[int] = None) -> Bounds:
+    """The accumulation's :class:`Bounds`: ``K`` with ``min_batch <= micro_batch * K <=
+    max_batch`` and ``K <= max_accumulation`` (``None``: no bound but 1 micro-batch).
+
+    Raises:
+        ValueError: Naming the fix, for a size that is not a positive int, or bounds no
+            accumulation meets.
+    """
+    for name, value in (("micro_batch", micro_batch), ("min_batch", min_batch),
+                        ("max_batch", max_batch), ("max_accumulation", max_accumulation)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    low = 1 if min_batch is None else -(-min_batch // micro_batch)  # ceil
+    high = math.inf if max_batch is None else max_batch // micro_batch
+    if max_accumulation is not None:
+        high = min(high, max_accumulation)
+    if high == math.inf:
+        raise ValueError("give max_batch or max_accumulation: the schedule's batch needs a bound")
+    if high < low:
+        raise ValueError(
+            f"no accumulation of micro-batches of {micro_batch} lies within min_batch={min_batch}, "
+            f"max_batch={max_batch} and max_accumulation={max_accumulation}: widen the bounds")
+    return Bounds(micro_batch, low, int(high))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` found: the accumulation of the next step and why.
+
+    ``why`` is one of ``grow``, ``shrink`` (a change), ``keep``, ``wait``,
+    ``no-estimate``, ``at-bound`` (none); ``recommendation`` the
+    :class:`~cockpit_gradnoise.views.batch_size.Recommendation` it rests on
+    (``None`` without an estimate).
+    """
+
+    accumulation: int
+    why: str
+    recommendation: Optional[Recommendation] = None
+
+    @property
+    def changes(self) -> bool:
+        return self.why in (GROW, SHRINK)
+
+
+def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequence[float] = (),
+           *, since_change: int = DEFAULT_PATIENCE, patience: int = DEFAULT_PATIENCE,
+           max_change: float = DEFAULT_MAX_CHANGE,
+           factor: float = THRESHOLDS.noise_scale_factor) -> Decision:
+    """The accumulation of the next step (the rule of this module's docstring).
+
+    Args:
+        accumulation: ``K`` of the step just taken (batch ``micro_batch * K``).
+        bounds: The accumulation's bounds (:func:`bounds_of`).
+        noise_scale: ``B_noise``, e.g. the newest ``b_simple_smoothed`` (NaN: none).
+        recent: The last tracked ``b_simple`` values (the range of the estimate).
+        since_change: New estimates since the last change (or the start).
+        patience: Estimates needed after a change before the next.
+        max_change: The most the batch changes by at one change (> 1).
+        factor: ``recommended_batch``'s band around ``B_noise``.
+    """
+    if not max_change > 1:
+        raise ValueError(f"max_change must be > 1 (a factor of the batch), got {max_change!r}")
+    batch = bounds.micro_batch * accumulation
+    if math.isnan(noise_scale):
+        return Decision(accumulation, NO_ESTIMATE)
+    found = recommended_batch(noise_scale, recent, batch, factor)
+    if found.move not in (GROW, SHRINK):
+        return Decision(accumulation, KEEP, found)
+    if since_change < patience:
+        return Decision(accumulation, WAIT, found)
+    if found.move == GROW:
+        target = batch * max_change if found.batch is None else min(found.batch, batch * max_change)
+        new = bounds.clamp(max(accumulation + 1, round(target / bounds.micro_batch)))
+    else:
+        target = max(found.batch, batch / max_change)
+        new = bounds.clamp(min(accumulation - 1, max(1, round(target / bounds.micro_batch))))
+    if new == accumulation:
+        return Decision(accumulation, AT_BOUND, found)
+    return Decision(new, found.move, found)
