@@ -297,3 +297,28 @@ def test_hugging_face_trainer_resumed_mid_epoch_continues_the_same_schedule(tmp_
     assert resumed.driver.applied == whole.driver.applied
     pandas.testing.assert_frame_equal(resumed.tracker.frame(), whole.tracker.frame(),
                                       check_exact=True)
+
+
+def test_lightning_with_a_real_batch_schedule_follows_its_changes(tmp_path):
+    """cgn.BatchSchedule under quantities="norms" starts at one micro-batch and raises it to
+    two after step 0 (its bootstrap: TwoBatchNoiseScale needs two): held back to step 2 (one
+    batch done), then each step accumulates what the changes applied say, and the changes
+    are in the tracker's log."""
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    schedule = cgn.BatchSchedule(micro_batch=BATCH, max_batch=4 * BATCH, rule="sgd", patience=1)
+    callback = TrackingCallback(every=1, quantities="norms", schedule=schedule)
+    recorder = _fit(mlp(), callback, tmp_path, STEPS, scheduler=False)
+    first = schedule.changes[0]
+    assert (first["step"], first["why"], first["new_accumulation"]) == (0, "bootstrap", 2)
+    applied = callback.driver.applied
+    assert (applied[0]["step"], applied[0]["accumulation"], applied[0]["decided"]) == (2, 2, 0)
+    in_effect, lrs = [1] * STEPS, [LR] * STEPS
+    for change in applied:
+        in_effect[change["step"]:] = [change["accumulation"]] * (STEPS - change["step"])
+        lrs[change["step"]:] = [lrs[change["step"]] * change["lr_factor"]] * (STEPS - change["step"])
+    assert [recorder.micro[s] for s in range(STEPS)] == in_effect
+    assert [recorder.lr[s] for s in range(STEPS)] == lrs
+    assert [c["new_accumulation"] for c in schedule.changes] == [a["accumulation"] for a in applied]
+    logged = callback.tracker.frame()
+    assert set(logged[logged.quantity == "BatchSchedule"].step) == {c["step"] for c in schedule.changes}
