@@ -216,10 +216,11 @@ def test_a_schedule_is_the_interface_of_batch_schedule():
 HF_SEQUENCES, HF_MICRO = 16, 2  # 8 micro-batches an epoch
 
 
-def _hugging_face(tmp_path, max_steps, resume=None):
-    """A TrackingTrainer with SGD and a LambdaLR over 16 sequences (shuffled by the Trainer's
-    seed), 2 a micro-batch; a checkpoint every 4 optimizer steps. Returns the trainer and
-    the micro-batches each optimizer step got."""
+def _hugging_face(tmp_path, max_steps, resume=None, schedule=None, quantities="all",
+                  optimizers=True):
+    """A TrackingTrainer with SGD and a LambdaLR (else the Trainer's AdamW and linear decay)
+    over 16 sequences (shuffled by the Trainer's seed), 2 a micro-batch; a checkpoint every
+    4 optimizer steps. Returns the trainer and the micro-batches each optimizer step got."""
     from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
 
     import transformers
@@ -230,7 +231,7 @@ def _hugging_face(tmp_path, max_steps, resume=None):
     labels[0, 3:] = -100  # padding: ignored tokens
     sequences = [{"input_ids": torch.randint(0, 19, (6,), generator=generator), "labels": row}
                  for row in labels]
-    model, tracker = cgn.track(_llama(), every=1)
+    model, tracker = cgn.track(_llama(), every=1, quantities=quantities)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     seen = defaultdict(list)
 
@@ -246,8 +247,9 @@ def _hugging_face(tmp_path, max_steps, resume=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # layers without rules are warned about
         trainer = Recording(tracker=tracker, model=model, args=args, train_dataset=sequences,
-                            optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, decay)),
-                            schedule=Scripted())
+                            optimizers=((opt, torch.optim.lr_scheduler.LambdaLR(opt, decay))
+                                        if optimizers else (None, None)),
+                            schedule=schedule or Scripted())
         trainer.train(resume_from_checkpoint=resume)
     return trainer, seen
 
@@ -322,3 +324,27 @@ def test_lightning_with_a_real_batch_schedule_follows_its_changes(tmp_path):
     assert [c["new_accumulation"] for c in schedule.changes] == [a["accumulation"] for a in applied]
     logged = callback.tracker.frame()
     assert set(logged[logged.quantity == "BatchSchedule"].step) == {c["step"] for c in schedule.changes}
+
+
+def test_hugging_face_trainer_with_a_real_batch_schedule_follows_its_changes(tmp_path):
+    """The Trainer's AdamW and linear decay, cgn.BatchSchedule under "norms" (the square-root
+    rule for AdamW): each step accumulates, and its learning rate is the decay's times the
+    factors of, the changes applied so far."""
+    schedule = cgn.BatchSchedule(micro_batch=HF_MICRO, max_batch=4 * HF_MICRO, patience=1)
+    trainer, seen = _hugging_face(tmp_path, STEPS, schedule=schedule, quantities="norms",
+                                  optimizers=False)
+    applied = trainer.driver.applied
+    assert schedule.changes[0]["why"] == "bootstrap" and applied[0]["step"] == 2
+    in_effect, factors = [1] * STEPS, [1.0] * STEPS
+    for change in applied:
+        in_effect[change["step"]:] = [change["accumulation"]] * (STEPS - change["step"])
+        factors[change["step"]:] = [factors[change["step"]] * change["lr_factor"]] * (
+            STEPS - change["step"])
+    assert [len(seen[s]) for s in range(STEPS)] == in_effect
+    assert any(change["lr_factor"] != 1.0 for change in applied)
+    logged = trainer.tracker.frame()
+    logged = logged[(logged.quantity == "Optimizer") & (logged.statistic == "lr")]
+    lr = trainer.args.learning_rate
+    expected = [lr * (STEPS - step) / STEPS * factor for step, factor in enumerate(factors)]
+    torch.testing.assert_close(list(logged.sort_values("step").value), expected,
+                               rtol=8 * 2.0**-52, atol=0)
