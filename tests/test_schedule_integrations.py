@@ -216,9 +216,13 @@ def test_a_schedule_is_the_interface_of_batch_schedule():
 HF_SEQUENCES, HF_MICRO = 16, 2  # 8 micro-batches an epoch
 
 
+def _lambdas(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, decay)
+
+
 def _hugging_face(tmp_path, max_steps, resume=None, schedule=None, quantities="all",
-                  optimizers=True):
-    """A TrackingTrainer with SGD and a LambdaLR (else the Trainer's AdamW and linear decay)
+                  scheduler=_lambdas):
+    """A TrackingTrainer with SGD and ``scheduler(opt)`` (``None``: the Trainer's AdamW and linear decay)
     over 16 sequences (shuffled by the Trainer's seed), 2 a micro-batch; a checkpoint every
     4 optimizer steps. Returns the trainer and the micro-batches each optimizer step got."""
     from cockpit_gradnoise.integrations.huggingface import TrackingTrainer
@@ -247,8 +251,7 @@ def _hugging_face(tmp_path, max_steps, resume=None, schedule=None, quantities="a
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # layers without rules are warned about
         trainer = Recording(tracker=tracker, model=model, args=args, train_dataset=sequences,
-                            optimizers=((opt, torch.optim.lr_scheduler.LambdaLR(opt, decay))
-                                        if optimizers else (None, None)),
+                            optimizers=(opt, scheduler(opt)) if scheduler else (None, None),
                             schedule=schedule or Scripted())
         trainer.train(resume_from_checkpoint=resume)
     return trainer, seen
@@ -332,7 +335,7 @@ def test_hugging_face_trainer_with_a_real_batch_schedule_follows_its_changes(tmp
     factors of, the changes applied so far."""
     schedule = cgn.BatchSchedule(micro_batch=HF_MICRO, max_batch=4 * HF_MICRO, patience=1)
     trainer, seen = _hugging_face(tmp_path, STEPS, schedule=schedule, quantities="norms",
-                                  optimizers=False)
+                                  scheduler=None)
     applied = trainer.driver.applied
     assert schedule.changes[0]["why"] == "bootstrap" and applied[0]["step"] == 2
     in_effect, factors = [1] * STEPS, [1.0] * STEPS
@@ -348,3 +351,14 @@ def test_hugging_face_trainer_with_a_real_batch_schedule_follows_its_changes(tmp
     expected = [lr * (STEPS - step) / STEPS * factor for step, factor in enumerate(factors)]
     torch.testing.assert_close(list(logged.sort_values("step").value), expected,
                                rtol=8 * 2.0**-52, atol=0)
+
+
+def test_hugging_face_trainer_refuses_what_would_undo_the_schedule(tmp_path):
+    """A scheduler that would undo the learning rate's rescaling, and a resume from a
+    checkpoint without the schedule's state (the place in the data unknown)."""
+    with pytest.raises(ValueError, match="OneCycleLR would not keep"):
+        _hugging_face(tmp_path, STEPS, scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=LR, total_steps=STEPS))
+    (tmp_path / "checkpoint-4").mkdir()
+    with pytest.raises(ValueError, match="holds no batch schedule state"):
+        _hugging_face(tmp_path, STEPS, resume=str(tmp_path / "checkpoint-4"))
