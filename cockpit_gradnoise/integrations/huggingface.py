@@ -153,9 +153,9 @@ class TrackingTrainer(transformers.Trainer):
         """The Trainer's plan; with a schedule, one whose epochs and steps any accumulation fits.
 
         An epoch's loop runs up to one optimizer step per batch (each takes
-        ``args.gradient_accumulation_steps`` batches, fewer at the epoch's end), and with ``max_steps`` the epochs are
-        not counted: the run stops at ``max_steps`` (as the Trainer does for data
-        of unknown length).
+        ``args.gradient_accumulation_steps`` batches, fewer at the epoch's end),
+        and with ``max_steps`` the epochs are not counted: the run stops at
+        ``max_steps`` (as the Trainer does for data of unknown length).
         """
         if self.driver is not None and not transformers.trainer_utils.has_length(dataloader):
             raise ValueError("TrackingTrainer(schedule=) needs a training dataset with a length "
