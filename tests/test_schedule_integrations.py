@@ -50,7 +50,10 @@ class Scripted:
             return None
         factor = new / self.accumulation
         for group in inner_optimizer(optimizer).param_groups:
-            group["lr"] = group["lr"] * factor
+            if isinstance(group["lr"], torch.Tensor):  # in place, as cgn.BatchSchedule
+                group["lr"].mul_(factor)
+            else:
+                group["lr"] = group["lr"] * factor
         change = {"step": step, "accumulation": self.accumulation, "new_accumulation": new,
                   "lr_factor": factor}
         self.accumulation, self.lr_factor = new, self.lr_factor * factor
@@ -208,6 +211,26 @@ def test_lightning_refuses_a_scheduler_that_would_undo_the_learning_rate(tmp_pat
 def test_a_schedule_is_the_interface_of_batch_schedule():
     with pytest.raises(TypeError, match="cgn.BatchSchedule"):
         ScheduleDriver(4)
+
+
+def test_the_driver_holds_a_change_back_and_keeps_a_tensor_learning_rate_in_place():
+    """A tensor learning rate (capturable Adam) is restored in place while the change waits
+    and scaled in place when it takes effect, with the scheduler's base learning rates; a
+    schedule that leaves the learning rate alone takes any scheduler."""
+    parameter = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.Adam([parameter], lr=torch.tensor(0.5, dtype=torch.float64))
+    lr = opt.param_groups[0]["lr"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    driver = ScheduleDriver(Scripted({0: 2}))
+    assert driver.after_step(0, None, opt, [scheduler], position=1) == 1  # 1 % 2: held
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.5 and driver.applied == []
+    assert driver.after_step(1, None, opt, [scheduler], position=2) == 2
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 1.0 and scheduler.base_lrs == [1.0]
+    assert driver.applied == [{"step": 2, "accumulation": 2, "lr_factor": 2.0, "decided": 0}]
+    unscaled = Scripted()
+    unscaled.rule = None
+    ScheduleDriver(unscaled).check([torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=1.0, total_steps=4)], "here")
 
 
 # ---------------------------------------------------------------- Hugging Face
