@@ -244,7 +244,7 @@ def _lambdas(opt):
 
 
 def _hugging_face(tmp_path, max_steps, resume=None, schedule=None, quantities="all",
-                  scheduler=_lambdas):
+                  scheduler=_lambdas, epochs=None):
     """A TrackingTrainer with SGD and ``scheduler(opt)`` (``None``: the Trainer's AdamW and linear decay)
     over 16 sequences (shuffled by the Trainer's seed), 2 a micro-batch; a checkpoint every
     4 optimizer steps. Returns the trainer and the micro-batches each optimizer step got."""
@@ -268,7 +268,8 @@ def _hugging_face(tmp_path, max_steps, resume=None, schedule=None, quantities="a
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=HF_MICRO,
+        output_dir=str(tmp_path), max_steps=max_steps, num_train_epochs=epochs or 3,
+        per_device_train_batch_size=HF_MICRO,
         report_to=[], use_cpu=True, save_strategy="steps", save_steps=4, logging_strategy="no",
         disable_tqdm=True, max_grad_norm=0)
     with warnings.catch_warnings():
@@ -385,3 +386,11 @@ def test_hugging_face_trainer_refuses_what_would_undo_the_schedule(tmp_path):
     (tmp_path / "checkpoint-4").mkdir()
     with pytest.raises(ValueError, match="holds no batch schedule state"):
         _hugging_face(tmp_path, STEPS, resume=str(tmp_path / "checkpoint-4"))
+
+
+def test_hugging_face_trainer_with_epochs_ends_after_them_in_the_steps_they_take(tmp_path):
+    """num_train_epochs=2 (16 micro-batches): the growing batch takes 7 optimizer steps, not
+    the 16 the Trainer planned at one micro-batch a step."""
+    trainer, seen = _hugging_face(tmp_path, -1, epochs=2)
+    assert [len(seen[s]) for s in sorted(seen)] == EXPECTED_K[:7]
+    assert trainer.state.global_step == 7 and trainer.state.max_steps == 2 * BATCHES
