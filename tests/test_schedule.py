@@ -230,20 +230,27 @@ def test_adaptive_optimizer_reads_the_preconditioned_noise_scale():
 
 def test_state_restored_mid_run_gives_the_same_sequence():
     generator = torch.Generator().manual_seed(1)
-    series = (100.0 * torch.exp(torch.randn(60, generator=generator))).tolist()
-    whole = BatchSchedule(4, max_batch=512, patience=2)
+    noise = torch.exp(0.3 * torch.randn(60, generator=generator))
+    series = [(float(10 * 1.2 ** step * n), 10 * 1.2 ** step) for step, n in enumerate(noise)]
+    whole = BatchSchedule(4, max_batch=4096, patience=3)
     optimizer = SGD(0.1)
     batches = run(series, whole, optimizer=optimizer)
-    first = BatchSchedule(4, max_batch=512, patience=2)
+    assert len(whole.changes) >= 4
+    # Stopped one estimate after a change that the next follows as soon as patience allows.
+    steps = [change["step"] for change in whole.changes]
+    split = next(step for step, later in zip(steps, steps[1:]) if later - step == 3) + 2
+    first = BatchSchedule(4, max_batch=4096, patience=3)
     resumed_optimizer = SGD(0.1)
-    head = run(series[:25], first, optimizer=resumed_optimizer)
+    tracker = FakeTracker()
+    head = run(series[:split], first, tracker=tracker, optimizer=resumed_optimizer)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
-    second = BatchSchedule(4, max_batch=512, patience=2)
+    second = BatchSchedule(4, max_batch=4096, patience=3)
     second.load_state_dict(torch.load(buffer, weights_only=True))
-    tail = run(series[25:], second, optimizer=resumed_optimizer, start=25)
-    assert head + tail == batches and len(whole.changes) >= 3
+    assert second.update(split - 1, tracker, resumed_optimizer) is None  # read before the stop
+    tail = run(series[split:], second, optimizer=resumed_optimizer, start=split)
+    assert head + tail == batches
     assert second.changes == whole.changes
     assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     with pytest.raises(ValueError, match="build it as before"):
