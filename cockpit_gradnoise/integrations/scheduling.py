@@ -30,7 +30,7 @@ import torch
 _LR = torch.optim.lr_scheduler
 #: Learning-rate schedulers whose learning rates a change scales by scaling their base
 #: learning rates: those computed from ``base_lrs`` (``LambdaLR``, every schedule of
-#: transformers' ``get_scheduler`` but ``"reduce_lr_on_plateau"``) or chained on the
+#: transformers' ``get_scheduler`` but ``"reduce_lr_on_plateau"`` and ``"greedy"``) or chained on the
 #: group's current learning rate; the cosine ones only without a floor (``eta_min=0``).
 SCALABLE_SCHEDULERS = (_LR.LambdaLR, _LR.MultiplicativeLR, _LR.StepLR, _LR.MultiStepLR,
                        _LR.ConstantLR, _LR.LinearLR, _LR.ExponentialLR, _LR.PolynomialLR,
