@@ -10,7 +10,9 @@ micro-batches), tracked by the same quantities, with the DDP tests' tolerance.
 
 Jobs: ``fully_shard`` on every Linear and the root with ``reshard_after_forward=True``
 (mean loss, unequal local batches), on the root only with ``False`` (sum loss), two
-micro-batches accumulated, and the quantities not exact under FSDP2 refused by name.
+micro-batches accumulated, and GradientVarianceQuantiles (not exact under FSDP2 yet) refused by name.
+ParamGradRatio and UpdateSize are compared with one process whose ``param.grad`` is
+FSDP2's, the gradient of the mean over processes of their local losses.
 """
 
 import datetime
@@ -70,9 +72,14 @@ def make_batch(n, seed):
             torch.randint(0, 3, (n,), generator=generator))
 
 
-def quantities(names):
+def per_example(names):
     return [cgn.GradientNoiseScale(linear(1), param_names=names),
             cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names)]
+
+
+def from_grad(names):
+    """The quantities of ``param.grad`` and the parameters (FSDP2's: the mean over processes)."""
+    return [cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
 
 
 def trainable(model):
@@ -149,7 +156,7 @@ def fsdp2_job(job, world, rank, mesh):
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     named = trainable(model)
     assert all(type(p).__name__ == "DTensor" for _, p in named)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)) + from_grad(dict(named)))
     micro = len(SIZES[job][world]) if job == "accumulation" else 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -165,7 +172,7 @@ def refused_job(mesh):
     fully_shard(model, mesh=mesh)
     named = trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=[
-        cgn.ParamGradRatio(linear(1), param_names=dict(named))])
+        cgn.GradientVarianceQuantiles(linear(1), param_names=dict(named))])
     x, y = make_batch(4, seed=0)
     try:
         run_steps(model, cockpit, [[(x, y)]], "mean")
@@ -202,7 +209,8 @@ def reference(job, world):
     model = make_model()
     named = trainable(model)
     params = [p for _, p in named]
-    cockpit = cgn.Cockpit(params, quantities=quantities(dict(named)))
+    cockpit = cgn.Cockpit(params, quantities=per_example(dict(named)))
+    gradient_cockpit = cgn.Cockpit(params, quantities=from_grad(dict(named)))
     optimizer = torch.optim.SGD(params, lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
     per_rank = [local_batches(job, world, rank) for rank in range(world)]
@@ -219,9 +227,10 @@ def reference(job, world):
             scale = len(micro) if reduction == "mean" else 1
             fsdp_loss = sum(loss_fn(model(xr), yr) for batches in per_rank
                             for xr, yr in batches[step]) / (world * scale)
-            fsdp_loss.backward()
+            with gradient_cockpit(step, info={"loss": fsdp_loss}):
+                fsdp_loss.backward()
             optimizer.step()
-    return table(cockpit)
+    return {**table(cockpit), **table(gradient_cockpit)}
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +253,13 @@ def test_equals_one_process_on_the_global_batch(groups, world, job):
     assert_identical(tables)
     expected = reference(job, world)
     assert_tables_match(tables[0], expected)
-    params = {key[2] for key in expected}
-    # Every trained layer has rows, and the network's row leaves out the unused layer.
-    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "all"} <= params
-    assert not any(p.startswith("unused") for p in params)
+    rows = {(key[1], key[2]) for key in expected}
+    # Every trained layer has rows, and the network's row leaves out the unused layer
+    # (UpdateSize reads the parameters alone: the unused layer's update is 0).
+    trained = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "all")
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+        assert {(quantity, name) for name in trained} <= rows, quantity
+        assert any(name.startswith("unused") for q, name in rows if q == quantity) == (quantity == "UpdateSize")
     assert any(key[2] == "all" and key[3] == "params_covered" for key in expected)
     assert any("unused.weight" in message for message in results[0]["warnings"])
     assert not any(math.isnan(value) for value in tables[0].values())

@@ -74,7 +74,7 @@ CHILD = textwrap.dedent('''
     EXPLICIT = {
         # GradientNoiseScale is exact under FSDP2 on two processes or more (tests/test_fsdp2.py).
         "explicit_after_fsdp2": (fully_sharded, cgn.GradientNoiseScale),
-        "explicit_fsdp2_param_grad_ratio": (fully_sharded, cgn.ParamGradRatio),
+        "explicit_fsdp2_variance": (fully_sharded, cgn.GradientVarianceQuantiles),
         "explicit_tensor_parallel": (tensor_parallel_of, cgn.GradientNoiseScale),
     }
 
@@ -108,7 +108,7 @@ CASES = {
     "fsdp1": "the class FullyShardedDataParallel, from FSDP (FullyShardedDataParallel)",
     "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
     "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",
-    "explicit_fsdp2_param_grad_ratio": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
+    "explicit_fsdp2_variance": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
     "explicit_tensor_parallel": "a DTensor parameter not sharded by FSDP2, from tensor parallelism",
 }
 

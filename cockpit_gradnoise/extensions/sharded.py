@@ -60,6 +60,11 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
     mesh = fsdp_param.mesh_info.mesh
     if mesh.ndim != 1:
         return f"HSDP or a {mesh.ndim}-D device mesh (only a 1-D mesh is supported)"
+    import torch.distributed as dist
+
+    if mesh.size() != dist.get_world_size():
+        return (f"a device mesh of {mesh.size()} of the {dist.get_world_size()} processes "
+                "(the mesh must span every process)")
     return None
 
 
@@ -91,6 +96,25 @@ def clear() -> None:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         for field in SAVEFIELDS if unsharded is not None else ():
             unsharded.__dict__.pop(field, None)
+
+
+def gathered(param):
+    """A plain tensor holding a DTensor parameter's full values, its ``.grad`` the full gradient.
+
+    Collective (two all-gathers over the parameter's mesh): every process must
+    ask for the same parameters in the same order. Memory: one parameter and its
+    gradient unsharded, as FSDP2 itself holds them around a layer's backward pass.
+    Any other tensor is returned as it is.
+    """
+    if type(param).__name__ != "DTensor":
+        return param
+    import torch
+
+    with torch.no_grad():
+        full = param.full_tensor()
+        if param.grad is not None:
+            full.grad = param.grad.full_tensor()
+    return full
 
 
 def local_tensor(tensor):

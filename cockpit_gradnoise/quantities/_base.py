@@ -405,13 +405,14 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite = {name: step.finite(self._read_tensors(param)) for name, param in usable}
-        # One parameter at a time: a parameter's sums are freed once its value is formed.
-        values = [
-            (name, self._value(name, param, context))
-            for name, param in usable
-            if finite[name] is not False
-        ]
+        finite, values = {}, []
+        # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
+        # gathered on every process alike) are freed once its value is formed.
+        for name, param in usable:
+            param = sharded.gathered(param) if self.supports_fsdp2 else param
+            finite[name] = step.finite(self._read_tensors(param))
+            if finite[name] is not False:
+                values.append((name, self._value(name, param, context)))
         return [name for name, _ in usable], values, finite, loss_known
 
     def _with_nan_rows(self, step, rows, usable, finite):
