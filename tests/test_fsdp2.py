@@ -269,3 +269,29 @@ def test_equals_one_process_on_the_global_batch(groups, world, job):
 def test_quantities_not_exact_under_fsdp2_are_refused(groups, world):
     for message in results_of(groups, world, "refused"):
         assert message is not None and "FSDP2" in message and "GradientNoiseScale" in message
+
+
+def test_layouts_not_made_exact_are_named():
+    """HSDP, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
+    FSDP2's parameter as the check reads it)."""
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.extensions import sharded
+
+    def fsdp_param(ndim=1, size=2, param_dtype=None, tensor_parallel=None):
+        mesh = SimpleNamespace(ndim=ndim, size=lambda: size)
+        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=mesh), param_dtype=param_dtype,
+                               orig_dtype=torch.float32, _unsharded_dtensor_spec=tensor_parallel)
+
+    world = SimpleNamespace(get_world_size=lambda: 2)
+    original = sharded.dist_world_size
+    sharded.dist_world_size = world.get_world_size
+    try:
+        assert sharded.unsupported_layout(fsdp_param()) is None
+        assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.float32)) is None
+        assert "HSDP" in sharded.unsupported_layout(fsdp_param(ndim=2))
+        assert "span every process" in sharded.unsupported_layout(fsdp_param(size=1))
+        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16))
+        assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))
+    finally:
+        sharded.dist_world_size = original

@@ -19,8 +19,10 @@ backward pass left there, before the next tracked one.
 
 FSDP2's parameters are found through torch's registry of composable states
 (``torch.distributed._composable_state``): private, read here only.
-:func:`fsdp2_parameters` names what is refused: HSDP (a 2-D mesh) and
-tensor parallelism inside FSDP2 (a DTensor parameter before sharding).
+:func:`unsupported_layout` names what is refused: HSDP (a 2-D mesh), a mesh
+that does not span every process, tensor parallelism inside FSDP2 (a DTensor
+parameter before sharding) and a ``MixedPrecisionPolicy`` that casts the
+parameters (not tested yet).
 """
 
 from typing import Dict, Iterable, Optional
@@ -57,15 +59,24 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
         fsdp_param, "is_dtensor", False
     ):
         return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
+    param_dtype = getattr(fsdp_param, "param_dtype", None)
+    if param_dtype is not None and param_dtype != fsdp_param.orig_dtype:
+        return (f"a MixedPrecisionPolicy (parameters cast to {param_dtype} for the forward "
+                "and backward pass: not tested yet)")
     mesh = fsdp_param.mesh_info.mesh
     if mesh.ndim != 1:
         return f"HSDP or a {mesh.ndim}-D device mesh (only a 1-D mesh is supported)"
-    import torch.distributed as dist
-
-    if mesh.size() != dist.get_world_size():
-        return (f"a device mesh of {mesh.size()} of the {dist.get_world_size()} processes "
+    if mesh.size() != dist_world_size():
+        return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
                 "(the mesh must span every process)")
     return None
+
+
+def dist_world_size() -> int:
+    """The default process group's size (a name the tests replace)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def collect(params: Iterable) -> None:
