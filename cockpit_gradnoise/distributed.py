@@ -101,8 +101,9 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
             "and gradients. Supported: one process, or "
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
             "model; the statistics are those of the global batch); and FSDP2 "
-            f"(fully_shard on a 1-D device mesh, two processes or more) for "
-            f"{', '.join(FSDP2_QUANTITIES)} only; see docs/distributed.md"
+            "(fully_shard on a 1-D device mesh over two processes or more; "
+            "cgn.prepare_model before fully_shard, then a Cockpit over the sharded "
+            f"parameters) for {', '.join(FSDP2_QUANTITIES)} only; see docs/distributed.md"
         )
 
 
