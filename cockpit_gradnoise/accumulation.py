@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise.extensions import sharded
 from cockpit_gradnoise.extensions.fallback.parameters import variables_reached
 
 import torch
@@ -163,7 +164,8 @@ def gradients_held(params) -> list:
     present = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
     if not present:
         return []
-    nonzero = _device.transfer([grad.detach().ne(0).any() for _, grad in present])
+    # This process's shard of an FSDP2 gradient (a DTensor).
+    nonzero = _device.transfer([sharded.local_tensor(grad.detach()).ne(0).any() for _, grad in present])
     return [i for (i, _), flag in zip(present, nonzero) if flag]
 
 

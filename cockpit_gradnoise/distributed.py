@@ -54,8 +54,12 @@ _SHARDED_MODULE_CLASSES = {
 _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.distributed.pipelining"}
 
 
-def check_not_sharded(params: Iterable, model=None):
-    """Raise if the parameters (or any module of the model) are sharded across processes.
+#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals.
+FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+
+
+def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
+    """Raise if the parameters (or any module of the model) are sharded in a way not supported.
 
     Every quantity needs each process to hold the full parameters and
     gradients, as DistributedDataParallel does; FSDP (FullyShardedDataParallel,
@@ -65,20 +69,30 @@ def check_not_sharded(params: Iterable, model=None):
     every submodule and every parameter) and FSDP's ``_fsdp_flattened`` mark,
     without importing any of them.
 
+    With ``fsdp2`` (a quantity exact under FSDP2, see
+    :data:`FSDP2_QUANTITIES`), parameters sharded by FSDP2 over a 1-D device
+    mesh, on two processes or more, pass; HSDP, tensor parallelism (also
+    inside FSDP2) and the others are still refused.
+
     Raises:
         TypeError: Naming what was found and what is supported.
     """
     found = None
+    allowed = {"FSDPModule"} if fsdp2 else set()
     if model is not None:
-        found = next(filter(None, (_sharded_class(type(module), _SHARDED_MODULE_CLASSES)
+        found = next(filter(None, (_sharded_class(type(module), _SHARDED_MODULE_CLASSES, allowed)
                                    for module in model.modules())), None)
+    managed = None
     for param in params:
         if found is not None:
             break
         if getattr(param, "_fsdp_flattened", False):
             found = ("a parameter flattened by FSDP", "FSDP (FullyShardedDataParallel)")
-        else:
-            found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
+            continue
+        found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
+        if found is not None and fsdp2:
+            managed = _fsdp2_managed() if managed is None else managed
+            found = _fsdp2_refusal(param, managed, found)
     if found is not None:
         what, parallelism = found
         raise TypeError(
@@ -86,14 +100,40 @@ def check_not_sharded(params: Iterable, model=None):
             "supported: every quantity needs each process to hold the full parameters "
             "and gradients. Supported: one process, or "
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
-            "model; the statistics are those of the global batch); see "
-            "docs/distributed.md"
+            "model; the statistics are those of the global batch); and FSDP2 "
+            "(fully_shard on a 1-D device mesh over two processes or more; "
+            "cgn.prepare_model before fully_shard, then a Cockpit over the sharded "
+            f"parameters) for {', '.join(FSDP2_QUANTITIES)} only; see docs/distributed.md"
         )
 
 
-def _sharded_class(cls, names) -> Optional[Tuple[str, str]]:
-    """``(what was found, parallelism)`` for the first of ``cls``'s classes in ``names``."""
+def _fsdp2_managed() -> dict:
+    from cockpit_gradnoise.extensions import sharded
+
+    return sharded.fsdp2_parameters()
+
+
+def _fsdp2_refusal(param, managed, found) -> Optional[Tuple[str, str]]:
+    """``None`` where ``param`` is sharded by FSDP2 as supported, else what to refuse."""
+    from cockpit_gradnoise.extensions import sharded
+
+    fsdp_param = managed.get(id(param))
+    if fsdp_param is None:
+        return "a DTensor parameter not sharded by FSDP2", "tensor parallelism"
+    why = sharded.unsupported_layout(fsdp_param)
+    if why is not None:
+        return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"
+    if world_size() < 2:
+        return "FSDP2 on one process", "FSDP2 (fully_shard)"
+    return None
+
+
+def _sharded_class(cls, names, allowed=frozenset()) -> Optional[Tuple[str, str]]:
+    """``(what was found, parallelism)`` for the first of ``cls``'s classes in ``names``
+    (those in ``allowed`` pass)."""
     for base in cls.__mro__:
+        if base.__name__ in allowed:
+            return None
         if base.__name__ in names and base.__module__.startswith(_QUALIFIED.get(base.__name__, "")):
             return f"the class {base.__name__}", names[base.__name__]
     return None

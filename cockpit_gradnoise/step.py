@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, accumulation, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import facts as backward_facts
-from cockpit_gradnoise.step_checks import ParameterChecks, check_batch_size, check_individual_losses
+from cockpit_gradnoise.step_checks import ParameterChecks, check_batch_size, check_individual_losses, version_of
 
 import torch
 
@@ -339,7 +339,7 @@ class Step(ParameterChecks):
             return
         self.earlier_gradients = True
         self._held_before = [(named[i][0], named[i][1], named[i][1].grad,
-                              named[i][1].grad._version) for i in held]
+                              version_of(named[i][1].grad)) for i in held]
 
     def warn_earlier_gradients(self, quantity, names: Optional[Dict[int, str]] = None):
         """After the backward pass: warn once, naming the fix, if it added to gradients held before.
@@ -354,7 +354,7 @@ class Step(ParameterChecks):
         names = names or {}
         added = [name if name is not None else names.get(id(param))
                  for name, param, grad, version in self._held_before
-                 if param.grad is not grad or grad._version != version]
+                 if param.grad is not grad or version_of(grad) != version]
         added = [name for name in added if name is not None]
         if added:
             self.warn("earlier-gradients", accumulation.earlier_gradients_message(

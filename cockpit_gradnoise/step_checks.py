@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._compat import import_cockpit
+from cockpit_gradnoise.extensions import sharded
 from cockpit_gradnoise.logs.schema import NETWORK
 
 import torch
@@ -207,7 +208,13 @@ def check_names(param_names) -> Any:
 
 def _same_version(seen, grad) -> bool:
     """Whether ``grad`` is the tensor recorded in ``seen`` (a weak reference), at its version."""
-    return seen is not None and seen[0]() is grad and seen[1] == grad._version
+    return seen is not None and seen[0]() is grad and seen[1] == version_of(grad)
+
+
+def version_of(grad) -> int:
+    """``grad._version``; of its local shard for an FSDP2 gradient (a DTensor), which FSDP2
+    adds to in place under accumulation without moving the DTensor's own."""
+    return sharded.local_tensor(grad)._version
 
 
 def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown: int = 4) -> str:
@@ -332,7 +339,7 @@ class ParameterChecks:
         seen = quantity.seen_gradients
         stale = [n for n, p in named if _same_version(seen.get(n), p.grad)]
         for name, param in named:
-            seen[name] = (weakref.ref(param.grad), param.grad._version)
+            seen[name] = (weakref.ref(param.grad), version_of(param.grad))
         self.warn_names(
             "stale-grad",
             stale,

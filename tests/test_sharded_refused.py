@@ -51,24 +51,36 @@ CHILD = textwrap.dedent('''
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         return parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
-    def explicit_after_fsdp2():
-        """prepare_model first, then fully_shard: the tracked step refuses the DTensors."""
-        from torch.distributed.fsdp import fully_shard
-        model = cgn.prepare_model(mlp())
-        fully_shard(model, mesh=mesh)
+    def explicit(wrap, quantity):
+        """prepare_model first, then wrap: the tracked step refuses the DTensors."""
+        model = wrap(cgn.prepare_model(mlp()))
         params = [p for p in model.parameters()]
-        quantity = cgn.GradientNoiseScale(track_schedule=lambda step: True)
         from cockpit import Cockpit
-        cockpit = Cockpit(params, quantities=[quantity])
+        cockpit = Cockpit(params, quantities=[quantity(track_schedule=lambda step: True)])
         x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
         losses = nn.functional.cross_entropy(model(x), y, reduction="none")
         loss = losses.mean()
         with cockpit(0, info={"batch_size": 6, "individual_losses": losses, "loss": loss}):
             loss.backward(create_graph=cockpit.create_graph(0))
 
+    def fully_sharded(model):
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard(model, mesh=mesh)
+
+    def tensor_parallel_of(model):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    EXPLICIT = {
+        # GradientNoiseScale is exact under FSDP2 on two processes or more (tests/test_fsdp2.py).
+        "explicit_after_fsdp2": (fully_sharded, cgn.GradientNoiseScale),
+        "explicit_fsdp2_variance": (fully_sharded, cgn.GradientVarianceQuantiles),
+        "explicit_tensor_parallel": (tensor_parallel_of, cgn.GradientNoiseScale),
+    }
+
     def attempt(case):
-        if case == "explicit_after_fsdp2":
-            explicit_after_fsdp2()
+        if case in EXPLICIT:
+            explicit(*EXPLICIT[case])
             return "NOT REFUSED"
         model = globals()[case]()
         before = [type(m).__name__ for m in model.modules()]
@@ -95,7 +107,9 @@ CASES = {
     "fsdp2_inner": "the class FSDPModule, from FSDP2 (fully_shard)",
     "fsdp1": "the class FullyShardedDataParallel, from FSDP (FullyShardedDataParallel)",
     "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
-    "explicit_after_fsdp2": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
+    "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",
+    "explicit_fsdp2_variance": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
+    "explicit_tensor_parallel": "a DTensor parameter not sharded by FSDP2, from tensor parallelism",
 }
 
 

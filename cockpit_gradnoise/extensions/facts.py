@@ -93,6 +93,21 @@ class BackwardFacts:
         for param in module.parameters(recurse=False):
             self.owners.setdefault(id(param), type(module).__name__)
 
+    def alias(self, source, target):
+        """Record ``source``'s facts for ``target`` too (FSDP2's unsharded and sharded
+        parameter: :func:`.sharded.collect`)."""
+        old, new = id(source), id(target)
+        for (extension, key), count in list(self.uses.items()):
+            if key == old:
+                self.uses[(extension, new)] = count
+                self.unmarked_uses[(extension, new)] = self.unmarked_uses[(extension, old)]
+        for ids in (self.shared_ids, self.setup_refusals):
+            if old in ids:
+                ids.add(new)
+        for table in (self.refusals, self.leading_sizes, self.owners):
+            if old in table:
+                table.setdefault(new, table[old])
+
     def shared(self, param) -> bool:
         """Whether several layers wrote one extension's result on ``param``, not all marked."""
         return id(param) in self.shared_ids

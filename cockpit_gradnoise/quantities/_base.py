@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.accumulation import MicroBatchGradient, parameters_reached
-from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient
+from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient, sharded
 from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.logs.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.quantities._accumulation import Accumulation
@@ -140,6 +140,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     reads_local_gradient: bool = False
     loss_free_statistics: Sequence[str] = ()
     micro_batch_gradient: Optional[str] = None
+    #: Exact under FSDP2 (``fully_shard``): its results are collected onto the sharded
+    #: parameters (:mod:`~cockpit_gradnoise.extensions.sharded`); else FSDP2 is refused.
+    supports_fsdp2: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -271,6 +274,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         if not self.check_call(global_step) or not self.should_compute(global_step):
             return set()
         joins = self.sums and distributed.world_size() > 1
+        if self.supports_fsdp2 and joins:
+            sharded.clear()  # what a failed backward pass left on FSDP2's unsharded parameters
         step = Step.begin(global_step, self if joins else None)
         for field in self._savefields:
             readers = step.readers.setdefault(field, [])
@@ -302,7 +307,10 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         step.warn_frozen(self, list(zip(self.names(params), params)))
         if self._extensions:
             step.warn_earlier_gradients(self, {id(p): n for n, p in self.trainable(params)})
-        distributed.check_not_sharded(params)  # a DTensor breaks every formula, one process or many
+        if self.supports_fsdp2:
+            sharded.collect(params)  # FSDP2: the unsharded parameters' results onto the sharded
+        # A DTensor breaks every other formula, one process or many.
+        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2)
         if distributed.world_size() > 1:
             self._warn_if_rank_local()
         found = self._values(step, params)
@@ -397,13 +405,14 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite = {name: step.finite(self._read_tensors(param)) for name, param in usable}
-        # One parameter at a time: a parameter's sums are freed once its value is formed.
-        values = [
-            (name, self._value(name, param, context))
-            for name, param in usable
-            if finite[name] is not False
-        ]
+        finite, values = {}, []
+        # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
+        # gathered on every process alike) are freed once its value is formed.
+        for name, param in usable:
+            param = sharded.gathered(param) if self.supports_fsdp2 else param
+            finite[name] = step.finite(self._read_tensors(param))
+            if finite[name] is not False:
+                values.append((name, self._value(name, param, context)))
         return [name for name, _ in usable], values, finite, loss_known
 
     def _with_nan_rows(self, step, rows, usable, finite):

@@ -43,6 +43,9 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         verbose: Print what is computed.
     """
 
+    #: Exact under FSDP2 (``fully_shard``); else FSDP2 is refused.
+    supports_fsdp2: bool = False
+
     def __init__(self, track_schedule, *, param_names=None, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
         self._init_names(param_names)
@@ -106,7 +109,7 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
             return global_step, None  # the parameters change after the last micro-batch only
         names = self.names(params)
         # Parameters are the same on every process (DDP): nothing to reduce.
-        distributed.check_not_sharded(params)
+        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None

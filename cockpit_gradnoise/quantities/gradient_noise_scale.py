@@ -64,6 +64,7 @@ class GradientNoiseScale(ParameterQuantity):
     """
 
     extension_classes = (PerExampleSquaredNorms,)
+    supports_fsdp2 = True
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
     micro_batch_gradient = "sum_of_gradients"  # sum_i g_i, kept per micro-batch

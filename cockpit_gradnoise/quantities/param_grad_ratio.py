@@ -36,6 +36,10 @@ class ParamGradRatio(ParameterQuantity):
         verbose: Print what is computed.
     """
 
+    #: Under FSDP2 each parameter and its gradient are all-gathered in turn (one at a
+    #: time, as FSDP2 unshards them), so the median is exact and the same everywhere.
+    supports_fsdp2 = True
+
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
         # On a GPU, tensors left there until the step's one transfer.

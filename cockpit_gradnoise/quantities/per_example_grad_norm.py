@@ -33,6 +33,7 @@ class PerExampleGradNorm(ParameterQuantity):
     """
 
     extension_classes = (PerExampleSquaredNorms,)
+    supports_fsdp2 = True
     sums = {"squared_norms": CAT}
 
     def __init__(

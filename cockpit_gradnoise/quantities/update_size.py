@@ -16,7 +16,8 @@ round-trips the items through ``__json_encode__``/``__json_decode__``.
 import math
 from typing import Dict, List, Sequence
 
-from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise import _device, distributed, functional
+from cockpit_gradnoise.extensions import sharded
 from cockpit_gradnoise.logs.schema import decode_float, encode_float, update_statistics
 from cockpit_gradnoise.quantities._two_step import TwoStepParameterQuantity
 
@@ -105,6 +106,10 @@ class UpdateSize(TwoStepParameterQuantity):
             layer is then moved to the CPU in turn to measure the update.
     """
 
+    #: Under FSDP2 the copy is sharded like the parameters, and each process's sums of
+    #: squares over its shards are added across processes (one all_reduce).
+    supports_fsdp2 = True
+
     def __init__(self, track_schedule, *, param_names=None, verbose=False, cache_on_cpu=False):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.cache_on_cpu = bool(cache_on_cpu)
@@ -121,12 +126,16 @@ class UpdateSize(TwoStepParameterQuantity):
         """One :class:`LayerUpdate` per parameter; overwrites ``cache`` with the update."""
         squares = []
         for buffer, param in zip(cache, params):
+            # FSDP2: this process's shard of each (the sums of squares add across processes).
+            buffer, param = sharded.local_tensor(buffer), sharded.local_tensor(param.detach())
             start = functional.squared_norm(buffer, defer=True)
             # The cache is overwritten next or dropped: reuse it for the difference.
-            difference = buffer.sub_(param.detach().to(buffer.device))
+            difference = buffer.sub_(param.to(buffer.device))
             squares.append((functional.squared_norm(difference, defer=True), start))
         # On a GPU: the step's one transfer, for every layer at once.
         squares = _device.resolve(squares)
+        if any(type(p).__name__ == "DTensor" for p in params):
+            squares = _summed_over_processes(squares)
         return [
             LayerUpdate(name, math.sqrt(norm_sq), math.sqrt(start_sq))
             for name, (norm_sq, start_sq) in zip(names, squares)
@@ -174,3 +183,10 @@ class UpdateSize(TwoStepParameterQuantity):
         ):
             return source.to(device=device, copy=True)
         return buffer.copy_(source)
+
+
+def _summed_over_processes(squares):
+    """``[(norm_sq, start_sq)]`` of the processes' shards, added (one all_reduce, float64)."""
+    total = torch.tensor(squares, dtype=torch.float64).reshape(-1, 2)
+    distributed.all_reduce_([total])
+    return [tuple(row) for row in total.tolist()]

@@ -1,0 +1,134 @@
+"""FSDP2 (``fully_shard``): where the per-example results of a sharded parameter land.
+
+FSDP2 registers on each module a sharded ``DTensor`` parameter (what
+``model.parameters()`` returns and what a Cockpit holds) and, around the
+module's forward and backward pass, swaps it for the unsharded plain
+parameter (``FSDPParam._unsharded_param``, one object kept for the whole
+run). This package's rules run in the module's backward pass on each
+process's local examples, from the layer's input and output gradient, which
+are whole there: their results are those of the full parameter. They are
+written on whichever parameter the module holds when the rule runs, the
+unsharded one or (for a layer whose output gradient arrives before FSDP2
+unshards it, a first layer say) the sharded one.
+
+:func:`collect` moves them, after the backward pass, from the unsharded
+parameter onto the sharded one, with the backward pass's facts
+(:class:`~.facts.BackwardFacts`, keyed by the parameter's ``id``), so the
+quantities find them where they look. :func:`clear` drops what a failed
+backward pass left there, before the next tracked one.
+
+FSDP2's parameters are found through torch's registry of composable states
+(``torch.distributed._composable_state``): private, read here only.
+:func:`unsupported_layout` names what is refused: HSDP (a 2-D mesh), a mesh
+that does not span every process, tensor parallelism inside FSDP2 (a DTensor
+parameter before sharding) and a ``MixedPrecisionPolicy`` that casts the
+parameters (not tested yet).
+"""
+
+from typing import Dict, Iterable, Optional
+
+from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions.savefields import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    SUMS_SAVEFIELD,
+)
+
+#: The results this package's extensions write on a parameter.
+SAVEFIELDS = (BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD)
+
+
+def fsdp2_parameters() -> Dict[int, object]:
+    """``{id(sharded parameter): FSDPParam}`` of every FSDP2 module alive in this process."""
+    try:
+        from torch.distributed import _composable_state
+    except ImportError:  # torch without distributed support
+        return {}
+    found = {}
+    for ref in list(_composable_state._module_state_mapping.values()):
+        state = ref()
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            for fsdp_param in group.fsdp_params:
+                found[id(fsdp_param.sharded_param)] = fsdp_param
+    return found
+
+
+def unsupported_layout(fsdp_param) -> Optional[str]:
+    """Why an FSDP2 parameter's results cannot be made exact here, or ``None``."""
+    if getattr(fsdp_param, "_unsharded_dtensor_spec", None) is not None or getattr(
+        fsdp_param, "is_dtensor", False
+    ):
+        return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
+    param_dtype = getattr(fsdp_param, "param_dtype", None)
+    if param_dtype is not None and param_dtype != fsdp_param.orig_dtype:
+        return (f"a MixedPrecisionPolicy (parameters cast to {param_dtype} for the forward "
+                "and backward pass: not tested yet)")
+    mesh = fsdp_param.mesh_info.mesh
+    if mesh.ndim != 1:
+        return f"HSDP or a {mesh.ndim}-D device mesh (only a 1-D mesh is supported)"
+    if mesh.size() != dist_world_size():
+        return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
+                "(the mesh must span every process)")
+    return None
+
+
+def dist_world_size() -> int:
+    """The default process group's size (a name the tests replace)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def collect(params: Iterable) -> None:
+    """Move the per-example results of FSDP2's unsharded parameters onto the sharded ones.
+
+    Where both hold one (cannot happen within one backward pass), the
+    unsharded parameter's, written by this pass, wins.
+    """
+    managed = fsdp2_parameters()
+    recording = facts.recording()
+    for param in params:
+        fsdp_param = managed.get(id(param))
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None or unsharded is param:
+            continue
+        moved = False
+        for field in SAVEFIELDS:
+            if field in unsharded.__dict__:
+                setattr(param, field, unsharded.__dict__.pop(field))
+                moved = True
+        if moved:
+            recording.alias(unsharded, param)
+
+
+def clear() -> None:
+    """Drop results left on FSDP2's unsharded parameters (by a backward pass that failed)."""
+    for fsdp_param in fsdp2_parameters().values():
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        for field in SAVEFIELDS if unsharded is not None else ():
+            unsharded.__dict__.pop(field, None)
+
+
+def gathered(param):
+    """A plain tensor holding a DTensor parameter's full values, its ``.grad`` the full gradient.
+
+    Collective (two all-gathers over the parameter's mesh): every process must
+    ask for the same parameters in the same order. Memory: one parameter and its
+    gradient unsharded, as FSDP2 itself holds them around a layer's backward pass.
+    Any other tensor is returned as it is.
+    """
+    if type(param).__name__ != "DTensor":
+        return param
+    import torch
+
+    with torch.no_grad():
+        full = param.full_tensor()
+        if param.grad is not None:
+            full.grad = param.grad.full_tensor()
+    return full
+
+
+def local_tensor(tensor):
+    """This process's shard of a ``DTensor`` (``to_local()``), any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor

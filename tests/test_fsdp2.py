@@ -1,0 +1,297 @@
+"""FSDP2 (``fully_shard``): exact global-batch statistics, identical on every process.
+
+2 and 3 processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu",
+(W,))``) run every job of a group in one launch (``test_distributed.run_group``: a
+join timeout, collectives time out). The model has a layer of width 7 (uneven
+shards over 2 and 3 processes: 4 + 3 and 3 + 3 + 1 rows), a frozen layer and an unused
+one (2 rows: an empty shard on the third process). Each job is compared with one process
+holding the whole model and the whole global batch (all processes' examples, all
+micro-batches), tracked by the same quantities, with the DDP tests' tolerance.
+
+Jobs: ``fully_shard`` on every Linear and the root with ``reshard_after_forward=True``
+(mean loss, unequal local batches), on the root only with ``False`` (sum loss), two
+micro-batches accumulated, and GradientVarianceQuantiles (not exact under FSDP2 yet) refused by name.
+ParamGradRatio and UpdateSize are compared with one process whose ``param.grad`` is
+FSDP2's, the gradient of the mean over processes of their local losses.
+"""
+
+import datetime
+import math
+import warnings
+from pathlib import Path
+
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from backpack import extend
+from cockpit.utils.schedules import linear
+from torch import nn
+
+from tests.test_distributed import (
+    GLOO_TIMEOUT,
+    assert_identical,
+    assert_tables_match,
+    results_of,
+    run_group,
+)
+
+QUANTILES = (0.0, 0.25, 0.5, 1.0)
+LR = 0.1
+# Local batch sizes, per job and world size (per micro-batch for "accumulation").
+SIZES = {
+    "per_linear": {2: (3, 5), 3: (2, 4, 1)},
+    "root_only": {2: (4, 4), 3: (3, 3, 3)},
+    "accumulation": {2: ((2, 3), (4, 1)), 3: ((1, 2, 2), (3, 1, 2))},
+}
+
+
+class Net(nn.Module):
+    """Two trained layers (width 7: uneven shards), a frozen one and an unused one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.frozen = nn.Linear(5, 3).requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))) + self.frozen(x)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return cgn.prepare_model(Net().double())
+
+
+def make_batch(n, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 5, dtype=torch.float64, generator=generator),
+            torch.randint(0, 3, (n,), generator=generator))
+
+
+def per_example(names):
+    return [cgn.GradientNoiseScale(linear(1), param_names=names),
+            cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names)]
+
+
+def from_grad(names):
+    """The quantities of ``param.grad`` and the parameters (FSDP2's: the mean over processes)."""
+    return [cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def table(cockpit):
+    frame = cgn.to_frame(cockpit)
+    return dict(zip(zip(frame.step, frame.quantity, frame.param, frame.statistic), frame.value))
+
+
+def info(outputs, targets, loss, **extra):
+    return {"batch_size": len(targets), "loss": loss, **extra,
+            "individual_losses": F.cross_entropy(outputs, targets, reduction="none")}
+
+
+def run_steps(model, cockpit, batches, reduction, micro_batches=1):
+    """Tracked steps: ``batches[step][k]`` the ``(x, y)`` of micro-batch ``k`` (this process's)."""
+    named = trainable(model)
+    optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
+    loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
+    for step, micro in enumerate(batches):
+        optimizer.zero_grad()
+        for k, (x, y) in enumerate(micro):
+            outputs = model(x)
+            loss = loss_fn(outputs, y) / (micro_batches if reduction == "mean" else 1)
+            extra = {"micro_batch": k, "micro_batches": micro_batches} if micro_batches > 1 else {}
+            with cockpit(step, info=info(outputs, y, loss, **extra)):
+                loss.backward()
+        optimizer.step()
+
+
+def local_batches(job, world, rank, steps=2):
+    """This process's micro-batches of each step; the global ones are all processes' in rank order."""
+    sizes = SIZES[job][world]
+    sizes = sizes if isinstance(sizes[0], tuple) else (sizes,)
+    batches = []
+    for step in range(steps):
+        micro = []
+        for k, local in enumerate(sizes):
+            x, y = make_batch(sum(local), seed=100 * step + k)
+            start = sum(local[:rank])
+            micro.append((x[start : start + local[rank]], y[start : start + local[rank]]))
+        batches.append(micro)
+    return batches
+
+
+def global_batches(job, world, steps=2):
+    """One batch per step: every micro-batch of every process."""
+    sizes = SIZES[job][world]
+    sizes = sizes if isinstance(sizes[0], tuple) else (sizes,)
+    out = []
+    for step in range(steps):
+        parts = [make_batch(sum(local), seed=100 * step + k) for k, local in enumerate(sizes)]
+        out.append([(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))])
+    return out
+
+
+JOBS = {  # job: (wrap every Linear, reshard_after_forward, reduction)
+    "per_linear": (True, True, "mean"),
+    "root_only": (False, False, "sum"),
+    "accumulation": (True, True, "mean"),
+}
+
+
+def fsdp2_job(job, world, rank, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    per_linear, reshard, reduction = JOBS[job]
+    model = make_model()
+    if per_linear:
+        for module in (model.fc1, model.fc2, model.frozen, model.unused):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    named = trainable(model)
+    assert all(type(p).__name__ == "DTensor" for _, p in named)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)) + from_grad(dict(named)))
+    micro = len(SIZES[job][world]) if job == "accumulation" else 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_steps(model, cockpit, local_batches(job, world, rank), reduction, micro)
+    return {"table": table(cockpit), "warnings": [str(w.message) for w in caught]}
+
+
+def refused_job(mesh):
+    """The error of a quantity not exact under FSDP2, at its tracked step."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
+        cgn.GradientVarianceQuantiles(linear(1), param_names=dict(named))])
+    x, y = make_batch(4, seed=0)
+    try:
+        run_steps(model, cockpit, [[(x, y)]], "mean")
+    except TypeError as error:
+        return str(error)
+    return None
+
+
+def worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT),
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    try:
+        for job in JOBS:
+            results[job] = fsdp2_job(job, world, rank, mesh)
+            torch.save(results, Path(out) / f"rank{rank}.pt")
+        results["refused"] = refused_job(mesh)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def reference(job, world):
+    """One process, the whole model and every step's whole global batch; the optimizer
+    steps with FSDP2's gradient, the mean over processes of the local ones."""
+    _, _, reduction = JOBS[job]
+    model = make_model()
+    named = trainable(model)
+    params = [p for _, p in named]
+    cockpit = cgn.Cockpit(params, quantities=per_example(dict(named)))
+    gradient_cockpit = cgn.Cockpit(params, quantities=from_grad(dict(named)))
+    optimizer = torch.optim.SGD(params, lr=LR)
+    loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
+    per_rank = [local_batches(job, world, rank) for rank in range(world)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, [(x, y)] in enumerate(global_batches(job, world)):
+            optimizer.zero_grad()
+            outputs = model(x)
+            loss = loss_fn(outputs, y)
+            with cockpit(step, info=info(outputs, y, loss)):
+                loss.backward()
+            optimizer.zero_grad()
+            micro = per_rank[0][step]
+            scale = len(micro) if reduction == "mean" else 1
+            fsdp_loss = sum(loss_fn(model(xr), yr) for batches in per_rank
+                            for xr, yr in batches[step]) / (world * scale)
+            with gradient_cockpit(step, info={"loss": fsdp_loss}):
+                fsdp_loss.backward()
+            optimizer.step()
+    return {**table(cockpit), **table(gradient_cockpit)}
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_group(world, tmp_path_factory.mktemp(f"fsdp2_{world}"), worker)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("job", list(JOBS))
+def test_equals_one_process_on_the_global_batch(groups, world, job):
+    results = results_of(groups, world, job)
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    expected = reference(job, world)
+    assert_tables_match(tables[0], expected)
+    rows = {(key[1], key[2]) for key in expected}
+    # Every trained layer has rows, and the network's row leaves out the unused layer
+    # (UpdateSize reads the parameters alone: the unused layer's update is 0).
+    trained = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "all")
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+        assert {(quantity, name) for name in trained} <= rows, quantity
+        assert any(name.startswith("unused") for q, name in rows if q == quantity) == (quantity == "UpdateSize")
+    assert any(key[2] == "all" and key[3] == "params_covered" for key in expected)
+    assert any("unused.weight" in message for message in results[0]["warnings"])
+    assert not any(math.isnan(value) for value in tables[0].values())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_quantities_not_exact_under_fsdp2_are_refused(groups, world):
+    for message in results_of(groups, world, "refused"):
+        assert message is not None and "FSDP2" in message and "GradientNoiseScale" in message
+
+
+def test_layouts_not_made_exact_are_named():
+    """HSDP, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
+    FSDP2's parameter as the check reads it)."""
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.extensions import sharded
+
+    def fsdp_param(ndim=1, size=2, param_dtype=None, tensor_parallel=None):
+        mesh = SimpleNamespace(ndim=ndim, size=lambda: size)
+        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=mesh), param_dtype=param_dtype,
+                               orig_dtype=torch.float32, _unsharded_dtensor_spec=tensor_parallel)
+
+    world = SimpleNamespace(get_world_size=lambda: 2)
+    original = sharded.dist_world_size
+    sharded.dist_world_size = world.get_world_size
+    try:
+        assert sharded.unsupported_layout(fsdp_param()) is None
+        assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.float32)) is None
+        assert "HSDP" in sharded.unsupported_layout(fsdp_param(ndim=2))
+        assert "span every process" in sharded.unsupported_layout(fsdp_param(size=1))
+        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16))
+        assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))
+    finally:
+        sharded.dist_world_size = original
