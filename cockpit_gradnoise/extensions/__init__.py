@@ -50,7 +50,7 @@ from cockpit_gradnoise.extensions import (
     sums,
     uses,
 )
-from cockpit_gradnoise.extensions.fallback import capture, running
+from cockpit_gradnoise.extensions.fallback import blocks, capture, running
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -115,11 +115,15 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         """:meth:`_results` once the facts are recorded: the one choice between a rule, the
         fallback and nothing.
 
-        The rule that covers ``module`` (:meth:`rule_of`) runs; else the
+        Nothing where a block computes ``module``'s parameters itself (its layers run on
+        rows that are not examples, :mod:`.fallback.blocks`); else the rule that covers
+        ``module`` (:meth:`rule_of`) runs; else the
         ``torch.func`` fallback where ``prepare_model`` installed it (which
         may itself refuse, warning); else nothing covers ``module`` (``False``:
         it gets no rows, and the quantities name its parameters).
         """
+        if blocks.covers(module):  # its block computes its parameters' results (.fallback.blocks)
+            return False
         rule = self.rule_of(module)
         if rule is not None:
             rule(self, module, g_inp, g_out)

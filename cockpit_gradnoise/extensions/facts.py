@@ -59,6 +59,9 @@ class BackwardFacts:
         call: The call of a hooked module whose rules are running
             (:class:`.hooks.Call`), ``None`` outside a dispatch; a rule's own
             forward call stores nothing while it is set.
+        inside_blocks: ``{id(module)}`` of the modules inside a block that computes their
+            parameters' results itself in this pass (:mod:`.fallback.blocks`): they get none
+            of their own.
     """
 
     def __init__(self):
@@ -73,6 +76,7 @@ class BackwardFacts:
         self.arena = None
         self.layer_cache = LayerCache()
         self.call = None
+        self.inside_blocks: Set[int] = set()
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""

@@ -69,12 +69,8 @@ its submodules are switched off (:func:`.parameters.hooks_off`): BackPACK's woul
 overwrite the inputs it stored for the real backward pass.
 """
 
-from cockpit_gradnoise.extensions.fallback.capture import (
-    ATTRIBUTE,
-    PARENT_ATTRIBUTE,
-    Fallback,
-    install_fallback,
-)
+from cockpit_gradnoise.extensions.fallback.blocks import install_fallback
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, PARENT_ATTRIBUTE, Fallback
 
 # The face: what prepare_model and the checker read of a module's fallback.
 __all__ = ["ATTRIBUTE", "PARENT_ATTRIBUTE", "Fallback", "install_fallback"]

@@ -33,6 +33,9 @@ from torch.utils import _pytree
 #: The attribute of a module that :func:`install_fallback` equipped: its :class:`Fallback`.
 ATTRIBUTE = "cgn_fallback"
 
+#: The attribute (in ``__dict__``) of a module hooked as a block (:mod:`.blocks`): its ``Block``.
+BLOCK_ATTRIBUTE = "cgn_block"
+
 #: The savefields the fallback computes.
 SAVEFIELDS = (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)
 

@@ -15,7 +15,8 @@ is recorded with a new structure of arguments: a tensor whose leading size
 changes with the batch depends on it (a per-example input, a mask built
 from the batch's shape); one whose size stays is batch-free, whatever its
 size. The pass runs once per structure, on the model's own inputs with their
-first example repeated, under ``torch.no_grad`` and without any hook, with
+first example repeated, under ``torch.no_grad`` and without any hook (if that fails, with
+the model's own hooks: ``transformers`` collects the routers' logits by hooks), with
 the random state and every buffer restored afterwards (a BatchNorm in training
 mode keeps its running statistics), so training goes on as if it had not run.
 The layout of the arguments (:class:`Layout`) is kept per module and
@@ -28,8 +29,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, PARENT_ATTRIBUTE, Call, Fallback
-from cockpit_gradnoise.extensions.fallback.parameters import hooks_off
+from cockpit_gradnoise.extensions.fallback.capture import (
+    ATTRIBUTE,
+    BLOCK_ATTRIBUTE,
+    PARENT_ATTRIBUTE,
+    Call,
+    Fallback,
+)
+from cockpit_gradnoise.extensions.fallback.parameters import foreign, hooks_off
 
 import torch
 from torch import Tensor, nn
@@ -105,17 +112,22 @@ class _Sizes:
 
     def _child(self, child, args, output):
         parent = getattr(child, PARENT_ATTRIBUTE, None)
+        if parent is None:  # a child of a block (.blocks) only: no call of it is replayed
+            return
         for module, calls in self.active.items():
             if getattr(module, ATTRIBUTE, None) is parent:
                 calls.append(_leading(output))
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, devices: List[int]):
-    """The random state and every buffer restored after the block: the block runs on copies
-    of the buffers, the originals (which the real pass may have saved for its backward
-    pass, version counters included) are put back untouched."""
+def state_kept(model: nn.Module, devices: List[int]):
+    """The random state, every buffer and the modules' attributes restored after the block:
+    the block runs on copies of the buffers, the originals (which the real pass may have
+    saved for its backward pass, version counters included) are put back untouched; an
+    attribute a forward pass sets (a block keeping its auxiliary loss, ``self.aux_loss =
+    ...``) gets the real pass's value back, one it added is removed."""
     saved = [(m._buffers, dict(m._buffers)) for m in model.modules() if m._buffers]
+    attributes = [(m.__dict__, dict(m.__dict__)) for m in model.modules()]
     with torch.random.fork_rng(devices=devices):
         try:
             for buffers, originals in saved:
@@ -124,6 +136,10 @@ def _state_kept(model: nn.Module, devices: List[int]):
                         buffers[name] = value.clone()
             yield
         finally:
+            for now, before in attributes:
+                for name in [name for name in now if name not in before]:
+                    del now[name]
+                now.update((name, value) for name, value in before.items() if now[name] is not value)
             for buffers, originals in saved:
                 buffers.update(originals)
 
@@ -137,10 +153,13 @@ def _depends(real: List[Optional[int]], probe: List[Optional[int]]) -> Optional[
 def _pending(model: nn.Module) -> List[Tuple[nn.Module, Fallback, str]]:
     found = []
     for module in model.modules():
-        state = getattr(module, ATTRIBUTE, None)
-        if isinstance(state, Fallback) and state.call is not None \
-                and structure(state.call) not in state.layouts:
-            found.append((module, state, structure(state.call)))
+        fallback = getattr(module, ATTRIBUTE, None)
+        # A block's (.blocks) is learned as a Fallback's, from the same call.
+        for state in (fallback if isinstance(fallback, Fallback) else None,
+                      module.__dict__.get(BLOCK_ATTRIBUTE)):
+            if state is not None and state.call is not None \
+                    and structure(state.call) not in state.layouts:
+                found.append((module, state, structure(state.call)))
     return found
 
 
@@ -157,19 +176,27 @@ def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) 
     larger_args, larger_kwargs = _pytree.tree_map(lambda v: _larger(v, examples), (args, kwargs))
     devices = sorted({leaf.device.index or 0 for leaf in _pytree.tree_leaves((args, kwargs))
                       if isinstance(leaf, Tensor) and leaf.device.type == "cuda"})
-    sizes = _Sizes()
-    try:
-        with hooks_off(model), _state_kept(model, devices), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the model's own warnings came with the real pass
-            handles = sizes.install([module for module, _, _ in pending])
-            try:
-                getattr(model, "_orig_mod", model)(*larger_args, **larger_kwargs)
-            finally:
-                for handle in handles:
-                    handle.remove()
-    except Exception as error:  # a model that takes one batch size only, say
+    modules = list({id(module): module for module, _, _ in pending}.values())
+    # Without any hook; if that fails, with the model's own (.parameters.foreign):
+    # transformers collects the routers' logits for the auxiliary loss by hooks.
+    for keep in (None, foreign):
+        sizes = _Sizes()
+        try:
+            with hooks_off(model, keep=keep), state_kept(model, devices), torch.no_grad(), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the model's own warnings came with the real pass
+                handles = sizes.install(modules)
+                try:
+                    getattr(model, "_orig_mod", model)(*larger_args, **larger_kwargs)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+            break
+        except Exception as error:  # a model that takes one batch size only, say
+            failed = error
+    else:
         reason = ("which of its inputs are per example could not be learned: a forward pass "
-                  f"with one example more failed ({type(error).__name__}: {error})")
+                  f"with one example more failed ({type(failed).__name__}: {failed})")
         for _, state, key in pending:
             state.layouts[key] = Layout(refusal=reason)
         return
@@ -177,7 +204,8 @@ def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) 
         real_leaves = [_leading(leaf) for leaf in state.call.leaves]
         real_children = [_leading(child.output) for child in state.call.children]
         leaves = _depends(real_leaves, sizes.leaves.get(module, []))
-        children = _depends(real_children, sizes.children.get(module, []))
+        children = _depends(real_children, sizes.children.get(module, [])) \
+            if isinstance(state, Fallback) else frozenset()  # a block replays no child
         if leaves is None or children is None:
             state.layouts[key] = Layout(refusal=(
                 "which of its inputs are per example could not be learned: a forward pass "

@@ -8,7 +8,9 @@ its hooks or its submodules' (:func:`hooks_off`).
 
 import contextlib
 from collections import OrderedDict
-from typing import Dict
+from typing import Callable, Dict, Optional
+
+from cockpit_gradnoise.extensions.hooks import eager_under_compile
 
 from torch import Tensor, nn
 
@@ -40,8 +42,9 @@ def delegated_parameters(module: nn.Module) -> set:
 
 
 @contextlib.contextmanager
-def hooks_off(module: nn.Module):
-    """Run ``module`` and its submodules without their hooks (restored afterwards).
+def hooks_off(module: nn.Module, keep: Optional[Callable[[Callable], bool]] = None):
+    """Run ``module`` and its submodules without their hooks (restored afterwards); ``keep``:
+    which hooks stay (:func:`foreign`), none by default.
 
     ``nn.Module.__call__`` skips every hook when these four dicts are empty:
     inside the recomputation BackPACK's forward hooks would overwrite the
@@ -53,14 +56,22 @@ def hooks_off(module: nn.Module):
     # Through __dict__: nn.Module.__setattr__ costs a tenth of a small module's fallback.
     saved = [(m.__dict__, [m.__dict__[n] for n in names]) for m in module.modules()]
     try:
-        for attributes, _ in saved:
-            for n in names:
-                attributes[n] = OrderedDict()
+        for attributes, hooks in saved:
+            for n, table in zip(names, hooks):
+                attributes[n] = OrderedDict(
+                    (key, hook) for key, hook in table.items() if keep is not None and keep(hook))
         yield
     finally:
         for attributes, hooks in saved:
             for n, hook in zip(names, hooks):
                 attributes[n] = hook
+
+
+def foreign(hook: Callable) -> bool:
+    """Whether ``hook`` is neither the package's nor BackPACK's: a model's own (the output
+    recorders of ``transformers``, which collect the routers' logits for the auxiliary loss)."""
+    module = getattr(getattr(hook, "func", hook), "__module__", None) or ""
+    return not isinstance(hook, eager_under_compile) and not module.startswith("backpack")
 
 
 @contextlib.contextmanager

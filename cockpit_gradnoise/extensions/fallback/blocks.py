@@ -1,0 +1,305 @@
+"""Blocks whose layers see rows that are not examples: recomputed one example at a time.
+
+A mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE in
+``transformers``) takes ``[N, T, C]`` and returns ``[N, T, C]``, but inside it
+flattens the tokens to ``[N*T, C]``: its router and its experts (3-D
+parameters, or ``nn.Linear`` modules) run on rows that are tokens, gathered
+by expert (``torch.where``, ``index_add_``, grouped matrix products). No
+rule of a layer inside sees the examples, and ``vmap`` cannot run the
+routing (``nonzero`` has a data-dependent shape).
+
+The block as a whole is batch-first, and where its examples are independent
+(each token routed on its own, as in ``transformers``' blocks: no capacity
+limit), each example's contribution to the gradient of every parameter ``p``
+inside it is exact from the block alone, with ``a_i`` the block's input of
+example ``i``, ``f`` its forward pass and ``G_i`` the gradient of the batch's
+loss with respect to its output of example ``i``:
+
+.. math::
+
+    x_i(p) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial p}\\Big)^{\\top} G_i .
+
+:func:`compute` computes it by running the block again on each example alone
+(the full parameters, ``torch.autograd.grad`` of the output at ``G_i``), at
+the end of the backward pass, and reduces each example's gradients at once
+(``||x_i||^2``, ``[sum_i x_i, sum_i x_i**2]``, ``sum_i x_i``, :mod:`.reduce`):
+one example's gradients of one block at a time, never the network's. No rule
+per module: the block's own forward pass, whatever it does inside.
+
+Which blocks: the parent of each module with the fallback (direct parameters
+and no rule, :func:`install_fallback`) is hooked; it takes over (it is
+*active* for a backward pass) when one of those children's calls had a
+per-example input that does not lead with the batch (:func:`takes_over`,
+from their :mod:`.layout`). Then the one choice point
+(``_RecordingExtension._rules_run``) gives no layer inside it rows of its own
+(:func:`covers`), and the block saves every parameter's.
+
+Checked at each step, refused with a warning naming the parameters (never a
+silently wrong number): the block's output for one example alone must equal
+its output in the batch (to ``sqrt(eps)`` of its largest magnitude: examples
+that interact, through capacity limits or batch-level routing, or a random
+forward pass, such as router jitter or dropout, change it by far more); and
+the contributions must add up to the gradient the backward pass gave each
+parameter (a parameter hook): a gradient reaching the parameter other than
+through the block's output (the router's auxiliary load-balancing loss with
+``output_router_logits=True``, a batch-level term; a parameter shared with a
+layer outside) leaves that parameter out.
+"""
+
+import math
+from typing import Dict, Iterator, List, Optional
+
+from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions.fallback.capture import (
+    ATTRIBUTE,
+    BLOCK_ATTRIBUTE,
+    Call,
+    Fallback,
+    active_savefields,
+)
+from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
+from cockpit_gradnoise.extensions.fallback.layout import layout_of, state_kept, structure
+from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off
+from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks
+from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+
+class Block:
+    """A hooked block's state: its last call, and what its backward pass brings.
+
+    Not copied with the model (a copy starts without a call): tensors of a
+    forward pass and hook handles stay with the model that ran it.
+    """
+
+    def __init__(self):
+        self.call: Optional[Call] = None
+        self.output: Optional[Tensor] = None  # the first tensor output, detached
+        self.version = 0
+        self.layouts: Dict[str, object] = {}  # learned by .layout, as a Fallback's
+        self.totals: Dict[int, Tensor] = {}  # id(param) -> this backward pass's gradient
+        self.handles: list = []
+
+    def __reduce__(self):
+        return (Block, ())
+
+
+def install_fallback(model: nn.Module, has_rule) -> List[str]:
+    """:func:`.capture.install_fallback`, and the hooks of a :class:`Block` on the parent of
+    each module that got the fallback. Idempotent; the names of the modules with the fallback."""
+    names = install_on_modules(model, has_rule)
+    for parent in model.modules():
+        if parent.__dict__.get(BLOCK_ATTRIBUTE) is None and any(
+                isinstance(getattr(child, ATTRIBUTE, None), Fallback) for child in parent.children()):
+            parent.__dict__[BLOCK_ATTRIBUTE] = Block()
+            parent.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+    return names
+
+
+def _capture(module, args, kwargs, output):
+    """Forward hook: keep the call, hook its output's gradient and its parameters' gradients."""
+    block = module.__dict__.get(BLOCK_ATTRIBUTE)
+    if block is None or idle(module) or not torch.is_grad_enabled():
+        return
+    for handle in block.handles:
+        handle.remove()
+    block.handles, block.totals, block.call = [], {}, None
+    first = output if isinstance(output, Tensor) else next(
+        (o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
+    if first is None or not first.requires_grad or first.dim() == 0 \
+            or not takes_over(module, first.shape[0], unknown=True):
+        return  # (the hooks below cost a Python call per parameter and pass)
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+    leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
+    block.call = Call(leaves, spec, versions, None, precision.autocast_state(device))
+    block.output, block.version = first.detach(), first._version
+    block.handles.append(first.register_hook(lambda grad: _output_gradient(module, block, grad)))
+    for param in _parameters(module).values():
+        block.handles.append(param.register_hook(_keep_total(block, param)))
+
+
+def _keep_total(block: Block, param: nn.Parameter):
+    def keep(grad):
+        block.totals[id(param)] = grad.detach()
+
+    return keep
+
+
+def _parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def _batched(call: Call, examples: int, leaves) -> List[int]:
+    """Tensor leaves that lead with ``examples`` and depend on the batch (``leaves``)."""
+    return [k for k, leaf in enumerate(call.leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0
+            and leaf.shape[0] == examples and k in leaves]
+
+
+def takes_over(module: nn.Module, examples: int, unknown: bool = False) -> bool:
+    """Whether a child of ``module`` with the fallback ran on rows that are not examples in
+    its last call: a per-example input (:mod:`.layout`) none of which leads with ``examples``;
+    ``unknown``: what a call whose layout is not learned yet counts as."""
+    for child in module.children():
+        state = getattr(child, ATTRIBUTE, None)
+        if not isinstance(state, Fallback) or state.call is None:
+            continue
+        if structure(state.call) not in state.layouts:
+            if unknown:
+                return True
+            continue
+        found = layout_of(state)
+        if found.refusal is None and found.leaves and not _batched(state.call, examples, found.leaves):
+            return True
+    return False
+
+
+def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
+    """Tensor hook on the block's output: in a tracked backward pass where the block takes
+    over, note it in the pass's facts (its layers then get no rows of their own) and leave
+    the computation to the end of the pass."""
+    savefields = active_savefields()
+    if not savefields or block.call is None or grad.dim() == 0 or not takes_over(module, grad.shape[0]):
+        for handle in block.handles:  # no totals needed (the parameters' gradients come later)
+            handle.remove()
+        block.handles, block.call, block.output = [], None, None
+        return
+    recorded = facts.recording()
+    recorded.inside_blocks.update(id(sub) for sub in module.modules())
+    for sub in module.modules():
+        state = getattr(sub, ATTRIBUTE, None)
+        if isinstance(state, Fallback):  # its call is the block's business now
+            state.call, state.taken = None, True
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(lambda: _save(module, block, grad.detach(), savefields, recorded))
+
+
+def covers(module: nn.Module) -> bool:
+    """Whether an active block computes ``module``'s parameters in this backward pass."""
+    return id(module) in facts.recording().inside_blocks
+
+
+def refusal(module: nn.Module, block: Block, examples: int) -> Optional[str]:
+    """Why the block's per-example results cannot be computed (``None``: they can)."""
+    call = block.call
+    found = layout_of(block)
+    if found.refusal is not None:
+        return found.refusal
+    if not _batched(call, examples, found.leaves):
+        return "none of its inputs leads with the batch dimension of its output"
+    if any(call.leaves[k]._version != v for k, v in call.versions.items()) \
+            or block.output._version != block.version:
+        return "an input or its output was changed in place after the call"
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            return f"its submodule {name!r} is a BatchNorm in training mode: examples interact"
+    return None
+
+
+class Interacting(Exception):
+    """The block's output for an example alone is not its output in the batch."""
+
+
+def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
+                          params: Dict[str, nn.Parameter]) -> Iterator[Dict[str, Tensor]]:
+    """``{name: x_i[None]}`` for each example ``i``: the block run again on example ``i``
+    alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring).
+
+    Raises:
+        Interacting: Where the block's output for an example alone differs from its
+            output in the batch by more than ``sqrt(eps)`` of the latter's largest magnitude.
+    """
+    call, examples = block.call, grad.shape[0]
+    batched = set(_batched(call, examples, layout_of(block).leaves))
+    tensors = list(params.values())
+    eps = torch.finfo(call.autocast[1] if call.autocast else block.output.dtype).eps
+    tolerance = math.sqrt(eps) * float(block.output.abs().max()) if block.output.numel() else 0.0
+    for i in range(examples):
+        leaves = [leaf[i : i + 1] if k in batched else leaf for k, leaf in enumerate(call.leaves)]
+        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+        with torch.enable_grad(), precision.autocast_as(call.autocast):
+            output = module(*args, **kwargs)
+        first = output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
+        difference = (first.detach() - block.output[i : i + 1]).abs().max()
+        if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
+            raise Interacting(
+                "its output for one example alone differs from its output in the batch: its "
+                "examples interact (a capacity limit, routing over the batch) or its forward pass "
+                "is random (router jitter, dropout in training mode)")
+        found = torch.autograd.grad(first, tensors, grad[i : i + 1].to(first.dtype), allow_unused=True)
+        yield {name: (torch.zeros_like(p) if g is None else g).unsqueeze(0)
+               for (name, p), g in zip(params.items(), found)}
+
+
+def compute(module: nn.Module, block: Block, grad: Tensor, savefields) -> Dict[str, Dict[str, Tensor]]:
+    """``{savefield: {name: result}}`` of every trainable parameter of the block, plus
+    ``sum_i x_i`` (:data:`LOCAL_GRADIENT_SAVEFIELD`) and ``||x_i||^2`` for the check; or a
+    refusal's reason (a string)."""
+    examples = grad.shape[0]
+    reason = refusal(module, block, examples)
+    if reason is not None:
+        return reason
+    params = _parameters(module)
+    wanted = set(savefields) | {LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}
+    devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
+    try:
+        with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
+            return reduce_chunks(per_example_gradients(module, block, grad, params), sorted(wanted))
+    except Interacting as error:
+        return str(error)
+    except Exception as error:  # the block cannot run on one example
+        return f"it cannot run on one example alone ({type(error).__name__}: {error})"
+
+
+def reached_otherwise(total: Optional[Tensor], summed: Tensor, norms: Tensor, eps: float) -> bool:
+    """Whether a parameter's gradient in the backward pass (``total``) is not the sum of the
+    block's contributions (``summed``): farther than ``sqrt(eps)`` times ``||total||`` plus
+    ``sqrt(sum_i ||x_i||^2)`` (``norms``), far above the rounding of two orders of summation."""
+    if total is None:  # no gradient reached it in this pass: its contributions are zeros
+        return bool(summed.abs().max() > 0) if summed.numel() else False
+    scale = float(total.double().norm()) + float(norms.double().sum().sqrt())
+    return float((summed.double() - total.double()).norm()) > math.sqrt(eps) * scale
+
+
+def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -> None:
+    """End of the backward pass: the block's results saved on its parameters, or its
+    parameters refused (left out with a warning by the quantities)."""
+    for handle in block.handles:  # the recomputation must not overwrite the totals
+        handle.remove()
+    try:
+        results = compute(module, block, grad, savefields)
+        params = _parameters(module)
+        eps = torch.finfo(block.call.autocast[1] if block.call.autocast else grad.dtype).eps
+        for name, param in params.items():
+            for savefield in savefields:
+                if hasattr(param, savefield):
+                    delattr(param, savefield)
+            if isinstance(results, str):
+                _refuse(module, recorded, param, results)
+                continue
+            summed = results[LOCAL_GRADIENT_SAVEFIELD][name]
+            if reached_otherwise(block.totals.get(id(param)), summed, results[BATCH_L2_SAVEFIELD][name], eps):
+                _refuse(module, recorded, param, (
+                    "part of its gradient did not come through its block's output: a term of the "
+                    "loss reaches it another way (the router's auxiliary load-balancing loss, "
+                    "output_router_logits=True, is a term of the whole batch, not of examples) or "
+                    "it is shared with a layer outside the block"))
+                continue
+            for savefield in savefields:
+                setattr(param, savefield, results[savefield][name])
+            recorded.leading_sizes[id(param)] = grad.shape[0]
+    finally:
+        for handle in block.handles:
+            handle.remove()
+        block.handles, block.totals, block.call, block.output = [], {}, None, None
+
+
+def _refuse(module: nn.Module, recorded, param, reason: str) -> None:
+    """Left out by the quantities, with a warning naming it and ``reason``."""
+    recorded.refuse(param, f"its block ({type(module).__name__}), whose layers run on rows that "
+                    f"are not examples, was recomputed per example, and {reason}")
