@@ -214,11 +214,13 @@ def check_model(
         how = how_computed(module, param)
         if interact or recorded.examples_interact:
             how += ", contributions through the batch"
-        error = math.nan
-        if not note and name in reference:
-            error = _errors(param, reference[name])
+        error = scale = math.nan
+        if name in reference:
+            scale = reference[name].abs().max().item()
+            if not note:
+                error = _errors(param, reference[name])
         records.append({"param": name, "elements": param.numel(), "rows": not note, "how": how,
-                        "max_rel_error": error, "note": note})
+                        "max_rel_error": error, "reference_scale": scale, "note": note})
     frame = pandas.DataFrame.from_records(records)
     total = frame.elements.sum()
     frame.attrs["coverage"] = float(frame.elements[frame.rows].sum() / total) if total else 0.0

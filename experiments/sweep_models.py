@@ -1,0 +1,337 @@
+"""Tiny random-weight models of transformers, timm and torchvision for the architecture sweep.
+
+Each builder returns a :class:`Case`: a float64 model in evaluation mode, one
+small batch, targets and the loss a user would train it with. Nothing is
+downloaded: configurations are the libraries' defaults shrunk generically
+(width 32, 2 layers, 2 heads, vocabulary 99, images of 32 or 64 pixels).
+A model that cannot be built or trained that way raises :class:`Unavailable`
+with the reason, and the sweep records it as skipped.
+"""
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+BATCH = 4
+LENGTH = 7  # not the batch size: a coincidence of sizes must not pass for exactness
+VOCABULARY = 99
+IMAGE = 32
+TIMM_IMAGE = 64
+
+# transformers' tasks, in the order a model type takes its first: one head per architecture.
+TASKS = (
+    ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),  # encoders: before their causal head
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+)
+
+# A default configuration's keys and the tiny values they get (only keys the config has).
+WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
+              "d_embed", "word_embed_proj_dim")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
+              "decoder_layers", "num_decoder_layers", "num_encoder_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+             "decoder_attention_heads")
+TINY = {
+    **dict.fromkeys(WIDTH_KEYS, 32),
+    **dict.fromkeys(LAYER_KEYS, 2),
+    **dict.fromkeys(HEAD_KEYS, 2),
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "d_kv": 16,
+    "rotary_dim": 8,
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff",
+                     "d_inner"), 64),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    **dict.fromkeys(("num_experts", "num_local_experts"), 4),
+    "num_experts_per_tok": 2,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), 64),
+    "vocab_size": VOCABULARY,
+    "image_size": IMAGE,
+    "patch_size": 4,
+    "num_channels": 3,
+    "num_labels": 5,
+}
+TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+              "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
+SUB_CONFIGS = ("text_config", "vision_config", "encoder", "decoder")
+
+
+class Unavailable(Exception):
+    """The model cannot be built or trained from a generic tiny configuration (the reason)."""
+
+
+@dataclass
+class Case:
+    """One model as a user trains it: ``loss_fn(model(*inputs), targets)``."""
+
+    model: nn.Module
+    inputs: Tuple[torch.Tensor, ...]
+    targets: torch.Tensor
+    loss_fn: Callable
+    detail: str  # the class and the configuration's notable choices
+
+
+def logits_loss(logits, targets):
+    """Mean cross-entropy over every position (or example) of the batch."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def _staged(values: dict) -> dict:
+    """Staged vision models (``depths`` a list): one block per stage, widths and heads follow."""
+    stages = len(values["depths"])
+    kwargs = {"depths": [1] * stages}
+    if isinstance(values.get("hidden_sizes"), list):  # multiples of 32: BiT's 32 groups
+        kwargs["hidden_sizes"] = [32 * 2 ** i for i in range(len(values["hidden_sizes"]))]
+    if isinstance(values.get("embed_dim"), list):
+        kwargs["embed_dim"] = [16 * 2 ** i for i in range(len(values["embed_dim"]))]
+    for key in ("num_heads", "num_attention_heads"):
+        if isinstance(values.get(key), list):
+            kwargs[key] = [1] * len(values[key])
+    return kwargs
+
+
+def _one_layer_per_kind(values: dict) -> dict:
+    """Hybrid stacks (attention and state-space, sliding, dense and sparse layers): the first
+    layer of each kind, with every per-layer list (``*layer_types``) cut alike."""
+    depth = values.get("num_hidden_layers")
+    per_layer = [key for key, value in values.items() if key.endswith("layer_types")
+                 and isinstance(value, list) and len(value) == depth]
+    if not per_layer:
+        return {}
+    kinds = [tuple(values[key][i] for key in per_layer) for i in range(depth)]
+    first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    return {"num_hidden_layers": len(first),
+            **{key: [values[key][i] for i in first] for key in per_layer}}
+
+
+def _tiny_kwargs(config) -> dict:
+    values = config.to_dict()
+    kwargs = {key: tiny for key, tiny in TINY.items() if isinstance(values.get(key), int)
+              and not isinstance(values.get(key), bool)}
+    if isinstance(values.get("depths"), list):  # widths and depth follow the stages
+        for key in ("hidden_size", "num_layers", "num_hidden_layers"):
+            kwargs.pop(key, None)
+        kwargs.update(_staged(values))
+    elif "num_hidden_layers" in kwargs:
+        kwargs.update(_one_layer_per_kind(values))
+    if isinstance(values.get("num_groups"), int):
+        kwargs["num_groups"] = 2  # group norms (BiT) at tiny widths
+    for key in TOKEN_KEYS:
+        token = values.get(key)
+        if isinstance(token, int) and token >= VOCABULARY:
+            kwargs[key] = 2
+    if values.get("pad_token_id") is None and "pad_token_id" in values:
+        kwargs["pad_token_id"] = 0
+    for key in SUB_CONFIGS:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
+            kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub)}).to_dict()
+    return kwargs
+
+
+def tiny_config(model_type: str):
+    """The default configuration of ``model_type``, shrunk (see ``TINY``)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    values = {key: value for key, value in default.to_dict().items()
+              if key not in ("out_features", "out_indices", "stage_names")}  # follow the stages
+    return type(default)(**{**values, **_tiny_kwargs(default)})
+
+
+def transformers_architectures() -> Dict[str, Tuple[str, str]]:
+    """``{model_type: (task, class name)}``: each architecture with its first head in ``TASKS``."""
+    from transformers.models.auto import modeling_auto
+
+    found = {}
+    for task, mapping in TASKS:
+        for model_type, names in getattr(modeling_auto, mapping).items():
+            name = names[0] if isinstance(names, (tuple, list)) else names
+            found.setdefault(model_type, (task, name))
+    return dict(sorted(found.items()))
+
+
+class Logits(nn.Module):
+    """``model(**inputs).logits``: positional inputs named for the wrapped model's forward."""
+
+    def __init__(self, model, names):
+        super().__init__()
+        self.model, self.names = model, names
+        self.use_cache = "use_cache" in inspect.signature(model.forward).parameters
+
+    def forward(self, *inputs):
+        kwargs = dict(zip(self.names, inputs))
+        if self.use_cache:
+            kwargs["use_cache"] = False
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
+            return self.model(**kwargs).logits
+
+
+def transformers_case(model_type: str) -> Case:
+    """A tiny ``model_type`` with its first head of ``TASKS``, random weights, float64."""
+    import transformers
+
+    task, name = transformers_architectures()[model_type]
+    try:
+        config = tiny_config(model_type)
+        model = getattr(transformers, name)(config)
+    except Exception as error:  # noqa: BLE001 - any failure of a generic config is a skip
+        raise Unavailable(f"build: {type(error).__name__}: {str(error)[:300]}") from error
+    model = model.double().eval()
+    tokens = torch.randint(3, VOCABULARY, (BATCH, LENGTH))
+    if task == "image-classification":
+        size = getattr(config, "image_size", IMAGE)
+        size = size if isinstance(size, int) else IMAGE
+        channels = getattr(config, "num_channels", 3)
+        inputs, names = (torch.randn(BATCH, channels, size, size, dtype=torch.float64),), ["pixel_values"]
+    elif task == "seq2seq":
+        inputs = (tokens, torch.randint(3, VOCABULARY, (BATCH, LENGTH - 2)))
+        names = ["input_ids", "decoder_input_ids"]
+    else:
+        inputs, names = (tokens,), ["input_ids"]
+    return _with_targets(Logits(model, names), inputs, f"{name} ({task})")
+
+
+def _perturb(model: nn.Module):
+    """Add noise to every parameter: zero initializations (timm's and torchvision's last
+    BatchNorm of a residual block, layer scales) would leave whole branches with a gradient
+    of exactly zero, which the comparison would pass without testing anything."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=0.1)
+
+
+def _with_targets(model: nn.Module, inputs: tuple, detail: str) -> Case:
+    """The case with random class targets shaped as ``model``'s logits; checks it trains."""
+    _perturb(model)
+    try:
+        logits = model(*inputs)
+        targets = torch.randint(0, logits.shape[-1], logits.shape[:-1])
+        logits_loss(logits, targets).backward()
+    except Exception as error:  # noqa: BLE001
+        raise Unavailable(f"plain step: {type(error).__name__}: {str(error)[:300]}") from error
+    if not all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None):
+        raise Unavailable("plain step: gradients with NaN or Inf at this tiny configuration")
+    model.zero_grad(set_to_none=True)
+    return Case(model, inputs, targets, logits_loss, detail)
+
+
+# timm and torchvision: one model per family (module), the smallest by its number of parameters.
+SMALL_WORDS = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "mini", "small", "s_", "_s", "b0",
+               "18", "t_", "_t")
+
+
+def _candidates(names: List[str], limit=10) -> List[str]:
+    def rank(name):
+        hits = [i for i, word in enumerate(SMALL_WORDS) if word in name]
+        return (min(hits) if hits else len(SMALL_WORDS), len(name), name)
+
+    return sorted(names, key=rank)[:limit]
+
+
+def _smallest(names: List[str], build: Callable[[str], nn.Module]) -> str:
+    """The name among a few likely ones whose model has the fewest parameters (built on ``meta``)."""
+    sizes = {}
+    for name in _candidates(names):
+        try:
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sizes[name] = sum(p.numel() for p in build(name).parameters())
+        except Exception:  # noqa: BLE001,S112 - a candidate that does not build is not chosen
+            continue
+    if not sizes:
+        raise Unavailable("no model of the family builds with random weights")
+    return min(sizes, key=sizes.get)
+
+
+def timm_families() -> List[str]:
+    import timm
+
+    return list(timm.list_modules())
+
+
+def timm_case(family: str, model_name: str = "") -> Case:
+    """The smallest model of timm's module ``family`` (or ``model_name``), random weights."""
+    import timm
+
+    name = model_name or _smallest(timm.list_models(module=family),
+                                   lambda n: timm.create_model(n, pretrained=False))
+    errors = []
+    default = timm.get_pretrained_cfg(name, allow_unregistered=True)
+    default_size = tuple(getattr(default, "input_size", (3, 224, 224)) or (3, 224, 224))[-1]
+    for kwargs, size in (({"img_size": TIMM_IMAGE}, TIMM_IMAGE), ({}, TIMM_IMAGE), ({}, default_size)):
+        try:
+            model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).double().eval()
+            images = torch.randn(BATCH, 3, size, size, dtype=torch.float64)
+            shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            return _with_targets(model, (images,), f"{name}({shown}) at {size}px")
+        except (Unavailable, TypeError, RuntimeError, AssertionError, ValueError) as error:
+            errors.append(str(error)[:200])
+    raise Unavailable(f"{name}: " + " | ".join(errors))
+
+
+def torchvision_families() -> Dict[str, List[str]]:
+    import torchvision
+
+    families = {}
+    for name in torchvision.models.list_models(module=torchvision.models):
+        module = torchvision.models.get_model_builder(name).__module__.rsplit(".", 1)[-1]
+        families.setdefault(module, []).append(name)
+    return families
+
+
+def torchvision_case(family: str, model_name: str = "") -> Case:
+    """The smallest classification model of torchvision's module ``family`` (or ``model_name``)."""
+    import torchvision
+
+    name = model_name or _smallest(torchvision_families()[family],
+                                   lambda n: torchvision.models.get_model(n, num_classes=5))
+    errors = []
+    for size in (64, 224, 299):
+        try:
+            model = torchvision.models.get_model(name, num_classes=5).double().eval()
+            images = torch.randn(BATCH, 3, size, size, dtype=torch.float64)
+            return _with_targets(model, (images,), f"{name} at {size}px")
+        except Unavailable as error:
+            errors.append(str(error)[:200])
+    raise Unavailable(f"{name}: " + " | ".join(errors))
+
+
+def build(library: str, name: str) -> Case:
+    """The case of ``name`` in ``library`` (``transformers``, ``timm``, ``torchvision``);
+    ``family:model`` picks a model of a timm or torchvision family."""
+    torch.manual_seed(0)
+    family, _, model_name = name.partition(":")
+    if library == "transformers":
+        return transformers_case(name)
+    if library == "timm":
+        return timm_case(family, model_name)
+    if library == "torchvision":
+        return torchvision_case(family, model_name)
+    raise ValueError(f"unknown library {library!r}")
+
+
+def all_names() -> Dict[str, List[str]]:
+    """Every architecture of the full sweep, per library."""
+    return {
+        "transformers": list(transformers_architectures()),
+        "timm": timm_families(),
+        "torchvision": sorted(torchvision_families()),
+    }
+
+
+# A handful per library for --quick (the test suite): seconds each.
+QUICK = {
+    "transformers": ["llama", "gpt2", "bert", "t5", "vit"],
+    "timm": ["resnet:resnet10t", "vision_transformer:vit_tiny_patch16_224"],
+    "torchvision": ["mobilenetv3:mobilenet_v3_small", "squeezenet:squeezenet1_1"],
+}

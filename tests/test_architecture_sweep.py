@@ -1,0 +1,66 @@
+"""The architecture sweep's --quick mode: a few models per library, none silently inexact."""
+
+import math
+
+import pandas
+
+from experiments import architecture_sweep as sweep
+
+
+def frame(errors, scales, notes=None):
+    """A ``check_model`` table: one parameter per error (NaN: no rows)."""
+    notes = notes or [""] * len(errors)
+    return pandas.DataFrame.from_records([
+        {"param": f"model.p{i}", "elements": 4, "rows": not note, "how": "native (Linear)",
+         "max_rel_error": error, "reference_scale": scale, "note": note}
+        for i, (error, scale, note) in enumerate(zip(errors, scales, notes, strict=True))])
+
+
+def test_a_structural_zero_is_compared_with_the_networks_scale_and_a_wrong_row_is_not_hidden():
+    # key bias: reference rounding noise (1e-17), rows another noise: relative error 1
+    assert sweep.classify(frame([1e-15, 1.0], [1.0, 1e-17]), set())["status"] == "exact"
+    # rows of 1e-3 where the reference is zero to rounding: 1e14 times its scale
+    record = sweep.classify(frame([1e-15, 1e14], [1.0, 1e-17]), set())
+    assert record["status"] == "inexact" and record["worst_param"] == "p1"
+
+
+def test_the_float32_tolerance_is_for_the_parameters_of_modules_computing_in_float32_only():
+    errors = frame([1e-15, 1e-6], [1.0, 1.0])
+    assert sweep.classify(errors, set())["status"] == "inexact"
+    assert sweep.classify(errors, {"model.p1"})["status"] == "exact to float32"
+    assert sweep.classify(errors, {"model.p0"})["status"] == "inexact"
+    assert sweep.classify(frame([1e-3, 1e-15], [1.0, 1.0]), {"model.p0"})["status"] == "inexact"
+
+
+def test_left_out_and_unused_parameters_are_told_apart():
+    notes = ["", "fallback refused: called twice", "no gradient (unused in the forward pass)"]
+    record = sweep.classify(frame([1e-15, math.nan, math.nan], [1.0, 1.0, math.nan], notes), set())
+    assert record["status"] == "exact, left out" and record["coverage"] == 0.5
+    assert record["left_out"] == [{"param": "p1", "elements": 4, "reason": notes[1]}]
+    assert record["unused"] == ["p2"]
+
+
+def test_the_page_is_written_between_the_markers_only(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"# kept\n{sweep.BEGIN}\nold table\n{sweep.END}\nkept too\n")
+    record = {"library": "timm", "name": "a|b", "status": "error", "message": "x\ny", "seconds": 1}
+    sweep.write_page({"versions": {"torch": "2"}, "tolerance": 1e-10, "float32_tolerance": 1e-4,
+                      "results": {"timm/a": record}}, str(page))
+    text = page.read_text()
+    assert text.startswith("# kept\n") and text.endswith(f"{sweep.END}\nkept too\n")
+    assert "old table" not in text and "| `a\\|b` | error |  |  | x y |" in text
+
+
+def test_quick_sweep_tracks_each_model_exactly():
+    """Two to five models per library, each in the spawned worker: exact, none inexact."""
+    jobs = sweep.jobs_of(quick=True, only=[])
+    assert {library for library, _ in jobs} == {"transformers", "timm", "torchvision"}
+    results = sweep.sweep(jobs, timeout=200, log=lambda line: None)
+    statuses = {key: record["status"] for key, record in results.items()}
+    assert len(statuses) == len(jobs)
+    assert not [key for key, status in statuses.items() if status == "inexact"], results
+    assert set(statuses.values()) == {"exact"}, results
+    # BERT's key biases: a gradient zero by structure, checked against the network's scale
+    assert {"bert.encoder.layer.0.attention.self.key.bias",
+            "bert.encoder.layer.1.attention.self.key.bias"} == set(
+        results["transformers/bert"]["zero_by_structure"])
