@@ -306,7 +306,8 @@ def statistics_of(change: Mapping[str, Any]) -> Dict[str, float]:
     if change["lr"] is not None:
         statistics[schema.LEARNING_RATE] = change["lr"]
         statistics[schema.SCHEDULE_NEW_LR] = change["new_lr"]
-    return statistics
+    # No estimate (the bootstrap): left out, not NaN, which the views read as a run gone NaN.
+    return {name: value for name, value in statistics.items() if not math.isnan(value)}
 
 
 def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
@@ -315,6 +316,8 @@ def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
     if change["why"] == BOOTSTRAP:
         why = ("TwoBatchNoiseScale needs two micro-batches per step to estimate the noise scale "
                "on one process")
+    elif math.isinf(change["noise_scale"]):
+        why = "no gradient signal resolved (the smoothed |G|^2 estimate <= 0, B_noise infinite)"
     else:
         where = "below" if change["why"] == GROW else "above"
         why = (f"batch {old} lies {where} the range of the estimate ({change['low']:.3g}-"

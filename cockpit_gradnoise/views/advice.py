@@ -39,7 +39,7 @@ from cockpit_gradnoise.views.batch_size import (
     rule_for,
     steps_and_examples_change,
 )
-from cockpit_gradnoise.views.common import THRESHOLDS, select
+from cockpit_gradnoise.views.common import THRESHOLDS, schedule_changes, select
 
 import numpy
 
@@ -87,6 +87,8 @@ class Advice:
     rule: Optional[str] = None
     new_lr: Optional[float] = None
     recent_steps: Tuple[int, ...] = field(default_factory=tuple)
+    #: The changes of a batch schedule the log holds (``BatchSchedule`` rows), by step.
+    schedule: List[dict] = field(default_factory=list)
 
     def __str__(self) -> str:
         return "\n".join(["advice:", *[f"- {line}" for line in self.sentences]]) + "\n"
@@ -190,9 +192,37 @@ def advice_of(frame: pandas.DataFrame, *, batch_size: Optional[int] = None,
         if advice.rule is not None and lr is not None:
             advice.new_lr = learning_rate_for(lr, advice.rule, batch_size, advice.new_batch,
                                               found.noise_scale)
+    advice.schedule = schedule_changes(rows)
     advice.sentences = [_basis(advice, basis), _batch_sentence(advice, factor), *_move_sentences(advice),
-                        *_adaptive_note(advice, adaptive), _caveats(advice, recent)]
+                        *_adaptive_note(advice, adaptive), *_schedule_sentence(advice.schedule),
+                        _caveats(advice, recent)]
     return advice
+
+
+#: The latest changes of a batch schedule the advice spells out (the others are counted).
+SCHEDULE_SHOWN = 3
+
+
+def _schedule_sentence(changes: List[dict]) -> List[str]:
+    """What a batch schedule (``cgn.BatchSchedule``) changed, the latest changes in full."""
+    if not changes:
+        return []
+    shown = []
+    for change in changes[-SCHEDULE_SHOWN:]:
+        why, noise_scale = change["why"] or "?", change.get("noise_scale", math.nan)
+        if why in ("grow", "shrink") and math.isinf(noise_scale):
+            why += ": B_noise infinite, no gradient signal resolved"
+        elif why in ("grow", "shrink"):
+            why += (f": B_noise {noise_scale:.3g}, range "
+                    f"{change.get('low', math.nan):.3g}-{change.get('high', math.nan):.3g}")
+        lr = change.get("lr_factor", 1.0)
+        shown.append(f"step {change['step']}: {change['batch']:g} -> {change['new_batch']:g} "
+                     f"({why}{f'; lr x {lr:.3g}' if lr != 1.0 else ''})")
+    earlier = len(changes) - len(shown)
+    last = changes[-1]
+    return [f"the batch schedule changed the batch {len(changes)} time{'s' if len(changes) > 1 else ''}"
+            f"{f' ({earlier} earlier not shown)' if earlier else ''}: {'; '.join(shown)}; batch "
+            f"{last['new_batch']:g} from step {last['step'] + 1} (cgn.BatchSchedule, docs/advice.md)"]
 
 
 def _basis(advice: Advice, basis: str) -> str:
@@ -319,4 +349,6 @@ def advice_json(advice: Advice) -> dict:
         "examples_change": encode_float(advice.examples_change),
         "optimizer": advice.optimizer, "lr": advice.lr, "rule": advice.rule,
         "new_lr": advice.new_lr, "sentences": list(advice.sentences),
+        "schedule": [{key: encode_float(value) if isinstance(value, float) else value
+                      for key, value in change.items()} for change in advice.schedule],
     }

@@ -146,6 +146,21 @@ def edge_marks(ax, steps, *, top, label, **style):
             **{"alpha": 0.7, "markersize": 5, **style})
 
 
+#: At most so many changes of a batch schedule are labelled with their batches.
+MAX_CHANGE_LABELS = 20
+
+
+def change_marks(ax, steps, texts, *, label, color="tab:green"):
+    """Vertical dotted lines at ``steps`` (one legend entry), each labelled with its text
+    along it at the top (the first :data:`MAX_CHANGE_LABELS`)."""
+    for k, step in enumerate(steps):
+        ax.axvline(step, color=color, linestyle=":", linewidth=1.2, alpha=0.9,
+                   label=label if k == 0 else "_change")
+        if k < MAX_CHANGE_LABELS:
+            ax.text(step, 0.96, texts[k], transform=ax.get_xaxis_transform(), rotation=90,
+                    ha="right", va="top", fontsize="xx-small", color=color)
+
+
 #: The label of each layer's zero marks: no legend entry of its own.
 ZERO_MARKS = "_zero"
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 from cockpit_gradnoise.logs.schema import (
     B_SIMPLE,
     B_SIMPLE_SMOOTHED,
+    BATCH_SCHEDULE,
     BATCH_SIZE,
     GRADIENT_VARIANCE,
     MAX,
@@ -34,13 +35,19 @@ from cockpit_gradnoise.logs.schema import (
     PARAM_GRAD_RATIO,
     PARAMS_COVERED,
     PARAMS_TOTAL,
+    PRECONDITIONED_NOISE_SCALE,
     RANKINGS,
+    SCHEDULE_HIGH,
+    SCHEDULE_LOW,
+    SCHEDULE_NOISE_SCALE,
     SNR_PREFIX,
+    TWO_BATCH_NOISE_SCALE,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
     median_name,
     quantile_level,
     quantile_levels,
+    schedule_reason,
 )
 from cockpit_gradnoise.logs.table import Column, steps_of, values_of
 
@@ -158,7 +165,10 @@ def finite_rows(frame: "pandas.DataFrame") -> "pandas.DataFrame":
 #: negative (:func:`cockpit_gradnoise.logs.schema.ratio_or_inf`) or where a ratio
 #: overflows: a value of a healthy run, not a sign of divergence.
 DEFINED_INFINITE = frozenset({
-    (NOISE_SCALE, B_SIMPLE), (NOISE_SCALE, B_SIMPLE_SMOOTHED),
+    *((quantity, statistic) for quantity in (NOISE_SCALE, TWO_BATCH_NOISE_SCALE, PRECONDITIONED_NOISE_SCALE)
+      for statistic in (B_SIMPLE, B_SIMPLE_SMOOTHED)),
+    # A batch schedule's change where B_noise is infinite, or the estimate's range unbounded.
+    *((BATCH_SCHEDULE, statistic) for statistic in (SCHEDULE_NOISE_SCALE, SCHEDULE_LOW, SCHEDULE_HIGH)),
     (PARAM_GRAD_RATIO, NORM_RATIO), (PARAM_GRAD_RATIO, MEAN), (PARAM_GRAD_RATIO, MAX),
     (UPDATE_SIZE, UPDATE_RELATIVE),
 })
@@ -464,3 +474,17 @@ def recorded_batch_size(frame: "pandas.DataFrame") -> Optional[int]:
     rows = finite_rows(select(frame, statistic=BATCH_SIZE))
     # The first row at the latest step (as ``idxmax``), by position.
     return None if rows.empty else int(values_of(rows)[numpy.argmax(steps_of(rows))])
+
+
+def schedule_changes(frame: "pandas.DataFrame") -> List[dict]:
+    """The changes of a batch schedule the log holds (``BatchSchedule`` rows of the
+    network), by step: ``{"step": s, "why": reason, statistic: value, ...}``."""
+    rows = select(frame, BATCH_SCHEDULE, param=NETWORK)
+    steps, values = steps_of(rows), values_of(rows)
+    codes, names = rows.statistic.factorize()
+    changes = {}
+    for step, code, value in zip(steps.tolist(), numpy.asarray(codes).tolist(), values.tolist()):
+        changes.setdefault(step, {"step": step})[names[code]] = value
+    for change in changes.values():
+        change["why"] = schedule_reason(change)
+    return [changes[step] for step in sorted(changes)]

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 from cockpit_gradnoise._ranks import WRITER_RANK, is_writer
 from cockpit_gradnoise.logs.schema import (
+    BATCH_SCHEDULE,
     GRADIENT_VARIANCE,
     NOISE_SCALE,
     PARAM_GRAD_RATIO,
@@ -15,6 +16,7 @@ from cockpit_gradnoise.logs.schema import (
     PRECONDITIONED_NOISE_SCALE,
     SD_MEDIAN,
     SNR_MEDIAN,
+    TWO_BATCH_NOISE_SCALE,
     UPDATE_SIZE,
 )
 from cockpit_gradnoise.logs.table import Rows
@@ -330,6 +332,8 @@ def figure(
     parts = {quantity: select(frame, quantity) for _, quantity, _ in PANELS}
     # Drawn in the noise scale's panel, beside it (or alone).
     preconditioned = select(frame, PRECONDITIONED_NOISE_SCALE)
+    # Drawn there without either (the "norms" preset), with a batch schedule's changes.
+    two_batch, schedule = select(frame, TWO_BATCH_NOISE_SCALE), select(frame, BATCH_SCHEDULE)
     order = layer_order(frame)  # reads every row: once
     if layers is None:  # ranked on a pandas frame (its group means)
         layers = default_layers(frame.frame() if isinstance(frame, Rows) else frame, top_k, order)
@@ -340,7 +344,8 @@ def figure(
     if batch_size is None:
         batch_size = recorded_batch_size(frame)
     keys = [key for key, quantity, _ in PANELS
-            if not parts[quantity].empty or key == "noise_scale" and not preconditioned.empty]
+            if not parts[quantity].empty or key == "noise_scale" and not (preconditioned.empty
+                                                                           and two_batch.empty)]
     n_layers = len(order)
     statistic = heatmap_statistic(heatmap, not parts[GRADIENT_VARIANCE].empty, len(layers),
                                    n_layers)
@@ -353,7 +358,8 @@ def figure(
         no_data(axes["empty"], "cockpit-gradnoise", _nothing_tracked(frame))
     for key, quantity, panel in PANELS:
         if key == "noise_scale" and key in axes:
-            panel(axes[key], parts[quantity], batch_size=batch_size, preconditioned=preconditioned)
+            panel(axes[key], parts[quantity], batch_size=batch_size, preconditioned=preconditioned,
+                  two_batch=two_batch, schedule=schedule)
         elif key in axes:
             panel(axes[key], parts[quantity], layers=layers, legend=False)
     if statistic:

@@ -46,6 +46,7 @@ from cockpit_gradnoise.logs.schema import (
     PRECONDITIONED_NOISE_SCALE,
     SD_MEDIAN,
     SNR_MEDIAN,
+    TWO_BATCH_NOISE_SCALE,
     UPDATE_RELATIVE,
     UPDATE_SIZE,
     median_name,
@@ -57,6 +58,7 @@ from cockpit_gradnoise.views.axes import (
     NON_FINITE_LABEL,
     ZERO_LABEL,
     ZERO_MARKS,
+    change_marks,
     clear_panel,
     edge_marks,
     layer_colors,
@@ -81,6 +83,7 @@ from cockpit_gradnoise.views.common import (
     median_note,
     network_coverage,
     non_finite,
+    schedule_changes,
     select,
     tracked_steps,
 )
@@ -103,6 +106,7 @@ DRAWN = {
     PER_EXAMPLE_NORM: [MAX], PARAM_GRAD_RATIO: [NORM_RATIO],
     UPDATE_SIZE: [UPDATE_RELATIVE], NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],
     PRECONDITIONED_NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],  # in the noise scale's panel
+    TWO_BATCH_NOISE_SCALE: [B_SIMPLE, B_SIMPLE_SMOOTHED],  # the noise scale's panel without those
 }
 
 
@@ -352,7 +356,7 @@ def update_size_panel(ax, frame, *, layers=None, legend=True):
 
 
 def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str = NETWORK,
-                      legend=True, preconditioned=None):
+                      legend=True, preconditioned=None, two_batch=None, schedule=None):
     """The gradient noise scale ``B_simple`` over steps (``GradientNoiseScale``).
 
     ``b_simple`` of each batch as faint points, ``b_simple_smoothed`` as a
@@ -366,7 +370,11 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     Where the log also holds ``PreconditionedNoiseScale`` (the noise scale of
     the gradients preconditioned as the optimizer's update sees them, Adam's
     ``P g_i``), it is drawn beside, alike in purple; where it holds only that
-    one, it is drawn alone.
+    one, it is drawn alone. Without either, ``TwoBatchNoiseScale`` (the
+    ``"norms"`` preset) is drawn. The changes of a batch schedule
+    (``BatchSchedule`` rows, :class:`~cockpit_gradnoise.BatchSchedule`) are
+    green dotted vertical lines at the steps that decided them, labelled
+    ``old -> new`` batch, and the batch line follows them.
 
     Args:
         ax: Axes to draw into.
@@ -377,7 +385,11 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
         legend: Draw a legend in ``ax``.
         preconditioned: The rows of ``PreconditionedNoiseScale`` (default:
             those in ``frame``).
+        two_batch: The rows of ``TwoBatchNoiseScale`` (default: those in ``frame``).
+        schedule: The rows of ``BatchSchedule`` (default: those in ``frame``).
     """
+    changes = schedule_changes(frame if schedule is None else schedule)
+    two_batch = select(frame if two_batch is None else two_batch, TWO_BATCH_NOISE_SCALE)
     extra = _series(frame if preconditioned is None else preconditioned,
                     PRECONDITIONED_NOISE_SCALE, [param])
     quantity, name = NOISE_SCALE, "gradient noise scale B_simple"
@@ -386,6 +398,9 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     elif select(frame, NOISE_SCALE).empty:  # the preconditioned one alone
         quantity, name, extra = PRECONDITIONED_NOISE_SCALE, "preconditioned noise scale B_simple", None
         frame = frame if preconditioned is None else preconditioned
+    if extra is None and quantity == NOISE_SCALE and select(frame, NOISE_SCALE).empty \
+            and not two_batch.empty:  # the "norms" preset's
+        quantity, name, frame = TWO_BATCH_NOISE_SCALE, "two-batch noise scale B_simple", two_batch
     if extra is not None:
         name += " (purple: preconditioned as the optimizer sees it)"
     title = _title(frame, quantity, name) if param == NETWORK else f"{name} ({param})"
@@ -396,13 +411,26 @@ def noise_scale_panel(ax, frame, *, batch_size: Optional[int] = None, param: str
     _noise_scale_lines(ax, series, param, "tab:blue", "")
     if extra is not None:
         _noise_scale_lines(ax, extra, param, "tab:purple", " preconditioned")
-    if batch_size is None:
+    if changes:
+        _schedule_lines(ax, changes, series.steps())
+    elif batch_size is None:
         ax.text(0.02, 0.03, "batch size unknown: pass batch_size=", transform=ax.transAxes,
                 fontsize="x-small", color="0.35")
     else:
         ax.axhline(batch_size, color="tab:orange", linestyle="--", linewidth=1.5,
                    label=f"batch size {batch_size}")
     _finish(ax, title, "B_simple (examples)", legend)
+
+
+def _schedule_lines(ax, changes, steps):
+    """A batch schedule's changes as vertical marks, and the batch used as a dashed staircase
+    (a change decided at step ``s`` applies from ``s + 1``)."""
+    change_marks(ax, [c["step"] for c in changes],
+                 [f"{c['batch']:g}->{c['new_batch']:g}" for c in changes], label="batch schedule change")
+    x = [min(steps[0], changes[0]["step"])] + [c["step"] + 1 for c in changes]
+    y = [changes[0]["batch"]] + [c["new_batch"] for c in changes]
+    ax.step(x + [max(steps[-1], x[-1])], y + [y[-1]], where="post", color="tab:orange",
+            linestyle="--", linewidth=1.5, label="batch size (schedule)")
 
 
 def _noise_scale_lines(ax, series, param, color, suffix):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.logs import selective
 from cockpit_gradnoise.logs.schema import (
+    BATCH_SCHEDULE,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
     GRADIENT_VARIANCE,
@@ -51,6 +52,7 @@ from cockpit_gradnoise.logs.schema import (
     PRECONDITIONED_NOISE_SCALE,
     QUANTITIES,
     RANKINGS,
+    TWO_BATCH_NOISE_SCALE,
 )
 from cockpit_gradnoise.logs.table import Column, Rows
 from cockpit_gradnoise.views.advice import READ as ADVICE_READ
@@ -274,6 +276,7 @@ def report_frame(path, step: Optional[int] = None
         selective.whole(index, numpy.isin(index.step, list(set(steps.values())))),
         selective.named(index, upto, params=[NETWORK], statistics=sorted({*HISTORY, *ADVICE_READ})),
         _batch_size(index, upto),
+        selective.whole(index, upto & index.records_of(BATCH_SCHEDULE)),  # the advice's schedule
     ]
     frame = index.frame(picks)
     return None if frame is None else (frame, ranking)
@@ -353,8 +356,9 @@ def plot_rows(path, *, layers: Optional[Sequence[str]] = None, top_k: int = DEFA
     for _, quantity, _ in dashboard.PANELS:
         picks += _drawn(index, quantity, [NETWORK] if quantity == NOISE_SCALE
                         else [*drawn, NETWORK], panels.DRAWN.get(quantity, []))
-    picks += _drawn(index, PRECONDITIONED_NOISE_SCALE, [NETWORK],  # in the noise scale's panel
-                    panels.DRAWN[PRECONDITIONED_NOISE_SCALE])
+    for quantity in (PRECONDITIONED_NOISE_SCALE, TWO_BATCH_NOISE_SCALE):  # the noise scale's panel
+        picks += _drawn(index, quantity, [NETWORK], panels.DRAWN[quantity])
+    picks.append(selective.whole(index, index.records_of(BATCH_SCHEDULE)))  # its marks
     try:
         statistic = dashboard.heatmap_statistic(heatmap, variance_rows, len(drawn), len(order))
     except ValueError:

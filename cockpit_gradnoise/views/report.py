@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from cockpit_gradnoise.logs.schema import (
+    BATCH_SCHEDULE,
     BATCH_SIZE,
     COVERAGE_STATISTICS,
     GRADIENT_VARIANCE,
@@ -126,6 +127,7 @@ def quantity_steps(frame: pandas.DataFrame, step: Optional[int] = None) -> Dict[
             f"({_steps_text(tracked)})"
         )
     last = tracked[-1] if step is None else int(step)
+    blocks = blocks[~equals(blocks.quantity, BATCH_SCHEDULE)]  # a schedule's changes: not a quantity
     steps = blocks[blocks.step <= last].groupby("quantity", observed=True).step.max()
     return {str(quantity): int(s) for quantity, s in steps.items()}
 

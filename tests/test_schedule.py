@@ -1,0 +1,346 @@
+"""The adaptive batch schedule (issue 34 part 3): the rule on synthetic noise-scale series, the
+learning rate by hand, bounds, state, real loops with "norms" and "all", and the logged changes."""
+
+import io
+import math
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.logs import schema
+from cockpit_gradnoise.schedule.batch_schedule import BatchSchedule
+from cockpit_gradnoise.schedule.rule import AT_BOUND, GROW, KEEP, NO_ESTIMATE, SHRINK, WAIT, bounds_of, decide
+from cockpit_gradnoise.views.common import schedule_changes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# A tracker and optimizers for the rule alone: the schedule reads only their names and numbers.
+
+
+class FakeTracker:
+    """What the schedule reads of a tracker: its quantities' names, ``latest``, ``record``."""
+
+    def __init__(self, source=schema.NOISE_SCALE):
+        quantity = type(source, (), {})()
+        self.cockpit = type("Cockpit", (), {"quantities": [quantity]})()
+        self.source, self.latest, self.recorded = source, {}, []
+
+    def estimate(self, step, b_simple, smoothed=None):
+        self.latest[self.source] = (step, {schema.B_SIMPLE: b_simple,
+                                           schema.B_SIMPLE_SMOOTHED: b_simple if smoothed is None else smoothed})
+
+    def record(self, step, quantity, statistics):
+        self.recorded.append((step, quantity, dict(statistics)))
+
+
+class SGD:
+    def __init__(self, *lrs):
+        self.param_groups = [{"lr": lr} for lr in lrs]
+
+
+class AdamW(SGD):
+    pass
+
+
+def run(series, schedule, tracker=None, optimizer=None, start=0):
+    """Feed ``(b_simple, smoothed)`` (or one number for both) one per step; the batches after each."""
+    tracker = tracker or FakeTracker()
+    optimizer = optimizer if optimizer is not None else SGD(0.1)
+    batches = []
+    for step, value in enumerate(series, start):
+        b_simple, smoothed = value if isinstance(value, tuple) else (value, value)
+        tracker.estimate(step, b_simple, smoothed)
+        schedule.update(step, tracker, optimizer)
+        batches.append(schedule.batch)
+    return batches
+
+
+# The rule ----------------------------------------------------------------------------
+
+
+def test_bounds_from_batches_and_accumulation():
+    assert bounds_of(8, 16, 100, 64) == bounds_of(8, 9, 103, 12)  # K in [2, 12]
+    found = bounds_of(8, 16, 100, 64)
+    assert (found.low, found.high) == (2, 12)
+    assert bounds_of(8, None, 512, 16).high == 16
+    with pytest.raises(ValueError, match="widen the bounds"):
+        bounds_of(8, 64, 32)
+    with pytest.raises(ValueError, match="give max_batch or max_accumulation"):
+        bounds_of(8)
+    with pytest.raises(ValueError, match="micro_batch must be a positive int"):
+        bounds_of(0, max_batch=8)
+
+
+def test_decide_grows_by_at_most_the_factor_and_waits_for_patience():
+    bounds = bounds_of(8, max_batch=1024)
+    # B_noise 64, batch 8: below the range [32, 128]: grow, by at most x2.
+    assert decide(1, bounds, 64.0, [64.0] * 10) .accumulation == 2
+    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16).accumulation == 8  # round(64 / 8)
+    assert decide(1, bounds, 64.0, [64.0] * 10, since_change=3, patience=4).why == WAIT
+    assert decide(4, bounds, 64.0, [64.0] * 10).why == KEEP  # 32 is inside [32, 128]
+    assert decide(1, bounds, math.nan, [64.0]).why == NO_ESTIMATE
+    # An infinite noise scale (no signal resolved): double.
+    assert decide(3, bounds, math.inf, [math.inf] * 4).accumulation == 6
+    assert decide(1, bounds_of(8, max_batch=8), 64.0, [64.0]).why == AT_BOUND
+
+
+def test_decide_shrinks_only_where_the_whole_range_lies_below_the_batch():
+    bounds = bounds_of(8, max_batch=1024)
+    # Batch 256, B_noise 64, quartiles of recent within [32, 128]: shrink by at most 2.
+    found = decide(32, bounds, 64.0, [50, 60, 64, 70, 80])
+    assert (found.why, found.accumulation) == (SHRINK, 16)
+    # One quartile of the recent values reaches 256: the estimate does not resolve it.
+    spread = [20, 64, 300, 400, 500]
+    assert decide(32, bounds, 64.0, spread).why == KEEP
+    assert decide(32, bounds_of(8, min_batch=256, max_batch=1024), 64.0, [64.0] * 5).why == AT_BOUND
+
+
+# The schedule on synthetic series ----------------------------------------------------
+
+
+def test_constant_noise_scale_grows_to_within_its_range_then_keeps():
+    schedule = BatchSchedule(8, max_batch=1024, patience=3)
+    batches = run([64.0] * 20, schedule)
+    # patience 3: changes after the 3rd estimate and 3 after each change; x2 each; 32 is in range.
+    assert batches == [8, 8, 16, 16, 16, 32] + [32] * 14
+    assert [c["why"] for c in schedule.changes] == [GROW, GROW]
+    assert [c["step"] for c in schedule.changes] == [2, 5]
+
+
+def test_growing_noise_scale_is_followed_within_bounds():
+    schedule = BatchSchedule(4, min_batch=8, max_batch=200, patience=2)
+    series = [10.0 * 1.15 ** step for step in range(60)]  # 10 to 37000
+    batches = run(series, schedule)
+    assert batches[0] == 8 and max(batches) == 200 and batches[-1] == 200  # K at most 50
+    assert all(b1 >= b0 for b0, b1 in zip(batches, batches[1:]))
+    for change in schedule.changes:
+        assert change["new_batch"] <= 2 * change["batch"]
+    steps = [c["step"] for c in schedule.changes]
+    assert all(later - earlier >= 2 for earlier, later in zip(steps, steps[1:]))
+
+
+def test_noisy_estimates_do_not_shrink_the_batch_but_a_range_wholly_below_does():
+    generator = torch.Generator().manual_seed(0)
+    noisy = (64.0 * torch.exp(2.0 * torch.randn(40, generator=generator))).tolist()
+    schedule = BatchSchedule(8, max_batch=1024, accumulation=16, patience=3)  # batch 128
+    batches = run([(value, 64.0) for value in noisy], schedule)
+    assert SHRINK not in [c["why"] for c in schedule.changes]
+    assert min(batches) == 128
+    # Every recent value well below the batch: shrink, by at most 2 per change, to the range.
+    schedule = BatchSchedule(8, max_batch=1024, accumulation=16, patience=3)
+    batches = run([20.0] * 12, schedule)
+    assert batches == [128, 128, 64, 64, 64, 32, 32, 32, 32, 32, 32, 32]
+
+
+def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
+    schedule = BatchSchedule(8, max_batch=1024, patience=1)
+    with pytest.warns(UserWarning, match="NaN") as caught:
+        batches = run([math.nan] * 5, schedule)
+    assert batches == [8] * 5 and len(caught) == 1
+    tracker = FakeTracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert schedule.update(5, tracker, SGD(0.1)) is None  # no estimate at all: kept
+    untracked, schedule = FakeTracker(), BatchSchedule(8, max_batch=1024, patience=1)
+    untracked.cockpit.quantities = []
+    with pytest.warns(UserWarning, match="tracks no noise scale") as caught:
+        for step in range(3):
+            schedule.update(step, untracked, SGD(0.1))
+    assert len(caught) == 1 and schedule.batch == 8
+
+
+def test_the_same_estimate_counts_once():
+    schedule = BatchSchedule(8, max_batch=1024, patience=3)
+    tracker = FakeTracker()
+    tracker.estimate(0, 64.0)
+    for step in range(10):  # untracked steps after one tracked: one estimate
+        schedule.update(step, tracker, SGD(0.1))
+    assert schedule.changes == [] and schedule.batch == 8
+
+
+# The learning rate -------------------------------------------------------------------
+
+
+def test_sgd_learning_rate_follows_mccandlish_by_hand():
+    optimizer = SGD(0.1, 0.02)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1)
+    run([64.0], schedule, optimizer=optimizer)
+    # B 8 -> 16 at B_noise 64: (1 + 64/8) / (1 + 64/16) = 9 / 5.
+    change = schedule.changes[0]
+    assert change["lr_factor"] == pytest.approx(1.8, rel=1e-15)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.18, 0.036], rel=1e-15)
+    assert (change["lr"], change["new_lr"]) == pytest.approx((0.1, 0.18), rel=1e-15)
+
+
+def test_adam_learning_rate_follows_the_square_root_rule_and_none_leaves_it():
+    optimizer = AdamW(1e-3)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1)
+    run([64.0, 64.0], schedule, optimizer=optimizer)  # 8 -> 16 -> 32
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 2, rel=1e-15)  # sqrt(4)
+    assert schedule.lr_factor == pytest.approx(2.0, rel=1e-15)
+    optimizer = SGD(0.1)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1, rule=None)
+    run([64.0], schedule, optimizer=optimizer)
+    assert schedule.batch == 16 and optimizer.param_groups[0]["lr"] == 0.1
+    # A tensor learning rate (capturable Adam) is scaled in place.
+    optimizer = AdamW(torch.tensor(1e-3, dtype=torch.float64))
+    lr = optimizer.param_groups[0]["lr"]
+    run([64.0], BatchSchedule(8, max_batch=1024, patience=1), optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(1e-3 * 2 ** 0.5)
+
+
+def test_no_rule_for_the_optimizer_warns_once_and_keeps_the_lr():
+    Adagrad = type("Adagrad", (SGD,), {})
+    optimizer = Adagrad(0.1)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1)
+    with pytest.warns(UserWarning, match="no learning-rate rule is stated for Adagrad") as caught:
+        run([64.0, 64.0], schedule, optimizer=optimizer)
+    assert schedule.batch == 32 and optimizer.param_groups[0]["lr"] == 0.1 and len(caught) == 1
+
+
+def test_norms_at_one_micro_batch_bootstraps_to_two():
+    optimizer, tracker = SGD(0.1), FakeTracker(schema.TWO_BATCH_NOISE_SCALE)
+    schedule = BatchSchedule(8, max_batch=64)
+    change = schedule.update(0, tracker, optimizer)
+    assert change["why"] == "bootstrap" and schedule.accumulation == 2
+    assert optimizer.param_groups[0]["lr"] == 0.1  # no noise scale for McCandlish's rule yet
+    assert math.isnan(change["noise_scale"])
+    assert schema.SCHEDULE_NOISE_SCALE not in tracker.recorded[0][2]  # not logged as NaN
+    adam = AdamW(1e-3)
+    BatchSchedule(8, max_batch=64).update(0, FakeTracker(schema.TWO_BATCH_NOISE_SCALE), adam)
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 * 2 ** 0.5)
+    # The per-example estimate needs no bootstrap.
+    assert BatchSchedule(8, max_batch=64).update(0, FakeTracker(schema.NOISE_SCALE), SGD(0.1)) is None
+
+
+def test_adaptive_optimizer_reads_the_preconditioned_noise_scale():
+    tracker = FakeTracker(schema.NOISE_SCALE)
+    tracker.cockpit.quantities.append(type(schema.PRECONDITIONED_NOISE_SCALE, (), {})())
+    schedule = BatchSchedule(8, max_batch=64)
+    schedule.update(0, tracker, AdamW(1e-3))
+    assert schedule.source == schema.PRECONDITIONED_NOISE_SCALE
+    schedule = BatchSchedule(8, max_batch=64)
+    schedule.update(0, tracker, SGD(0.1))
+    assert schedule.source == schema.NOISE_SCALE
+
+
+# State -------------------------------------------------------------------------------
+
+
+def test_state_restored_mid_run_gives_the_same_sequence():
+    generator = torch.Generator().manual_seed(1)
+    series = (100.0 * torch.exp(torch.randn(60, generator=generator))).tolist()
+    whole = BatchSchedule(4, max_batch=512, patience=2)
+    optimizer = SGD(0.1)
+    batches = run(series, whole, optimizer=optimizer)
+    first = BatchSchedule(4, max_batch=512, patience=2)
+    resumed_optimizer = SGD(0.1)
+    head = run(series[:25], first, optimizer=resumed_optimizer)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    second = BatchSchedule(4, max_batch=512, patience=2)
+    second.load_state_dict(torch.load(buffer, weights_only=True))
+    tail = run(series[25:], second, optimizer=resumed_optimizer, start=25)
+    assert head + tail == batches and len(whole.changes) >= 3
+    assert second.changes == whole.changes
+    assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match="build it as before"):
+        BatchSchedule(8, max_batch=512).load_state_dict(first.state_dict())
+
+
+# Real loops --------------------------------------------------------------------------
+
+DATA = torch.Generator().manual_seed(0)
+X = torch.randn(4096, 6, generator=DATA)
+Y = (X @ torch.randn(6, 3, generator=DATA)).argmax(1)
+
+
+def model_of():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def train(model, tracker, optimizer, schedule, steps, start=0):
+    """The loop of the schedule's docs; micro-batch ``k`` of ``step`` drawn by a seed of its own."""
+    accumulations = []
+    for step in range(start, start + steps):
+        K = schedule.accumulation
+        accumulations.append(K)
+        optimizer.zero_grad()
+        for k in range(K):
+            rows = torch.randint(0, len(X), (schedule.micro_batch,),
+                                 generator=torch.Generator().manual_seed(1000 * step + k))
+            losses = F.cross_entropy(model(X[rows]), Y[rows], reduction="none")
+            with tracker(step, losses, optimizer=optimizer, micro_batch=k, micro_batches=K) as loss:
+                loss.backward()
+        optimizer.step()
+        schedule.update(step, tracker, optimizer)
+    return accumulations
+
+
+@pytest.mark.parametrize("preset", ["norms", "all"])
+def test_a_real_loop_changes_the_accumulation(preset, tmp_path):
+    model, tracker = cgn.track(model_of(), every=1, quantities=preset, log=tmp_path / "run")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    schedule = cgn.BatchSchedule(micro_batch=2, min_batch=4, max_batch=16, patience=2)
+    accumulations = train(model, tracker, optimizer, schedule, 12)
+    tracker.close()
+    assert max(accumulations) > accumulations[0] == 2 and schedule.changes
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * schedule.lr_factor, rel=1e-12)
+    # The changes round-trip through the streamed log, and the views read them.
+    logged = schedule_changes(cgn.to_frame(tmp_path / "run.jsonl"))
+    keys = ("step", "batch", "new_batch", "accumulation", "new_accumulation", "lr_factor",
+            "noise_scale", "low", "high", "lr", "new_lr", "why")
+    assert [{k: c[k] for k in keys} for c in logged] == [{k: c[k] for k in keys} for c in schedule.changes]
+    advice = cgn.advice(tmp_path / "run.jsonl")
+    assert advice.schedule == logged and "the batch schedule changed the batch" in str(advice)
+    report = cgn.report(tmp_path / "run.jsonl")
+    assert "NON-FINITE" not in report and "BatchSchedule from" not in report
+
+
+def test_the_changes_round_trip_through_the_written_log_and_are_marked(tmp_path):
+    model, tracker = cgn.track(model_of(), every=1, quantities="norms")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    schedule = cgn.BatchSchedule(micro_batch=2, min_batch=4, max_batch=16, patience=2)
+    train(model, tracker, optimizer, schedule, 12)
+    tracker.write(tmp_path / "run.json")
+    logged = schedule_changes(cgn.to_frame(tmp_path / "run.json"))
+    assert [(c["step"], c["new_batch"], c["lr_factor"]) for c in logged] == \
+        [(c["step"], c["new_batch"], c["lr_factor"]) for c in schedule.changes]
+    assert all(c["lr_factor"] == pytest.approx(2 ** 0.5) for c in logged)  # 2 -> 4 -> 8 micro-batches
+    figure = cgn.plot(tmp_path / "run.json")
+    marks = [line for ax in figure.axes for line in ax.lines
+             if line.get_label() in ("batch schedule change", "_change")]
+    assert len(marks) == len(schedule.changes)
+
+
+def test_a_checkpoint_resumes_the_same_schedule(tmp_path):
+    def build():
+        model, tracker = cgn.track(model_of(), every=1, quantities="norms", log=None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, tracker, optimizer, cgn.BatchSchedule(micro_batch=2, min_batch=4, max_batch=16,
+                                                            patience=2)
+
+    model, tracker, optimizer, schedule = build()
+    whole = train(model, tracker, optimizer, schedule, 16)
+    frame = tracker.frame()
+
+    model, tracker, optimizer, first = build()
+    head = train(model, tracker, optimizer, first, 3)
+    assert len(first.changes) == 1  # and one more after the checkpoint
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "tracker": tracker.state_dict(), "schedule": first.state_dict()}, path)
+    model, tracker, optimizer, second = build()
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    tracker.load_state_dict(checkpoint["tracker"])
+    second.load_state_dict(checkpoint["schedule"])
+    tail = train(model, tracker, optimizer, second, 13, start=3)
+    assert head + tail == whole and len(schedule.changes) >= 2
+    assert second.changes == schedule.changes
+    assert optimizer.param_groups[0]["lr"] == schedule.lr_factor * 0.01
+    assert schedule_changes(tracker.frame()) == schedule_changes(frame)
