@@ -11,6 +11,7 @@ import numpy as np
 from experiments import critical_batch_size as cbs
 from experiments.adaptive_batch import (
     ARMS,
+    EXAMPLES_CAP,
     MAX_BATCH,
     MICRO_BATCH,
     PER_EXAMPLE,
@@ -64,7 +65,7 @@ def plot_task(baseline, runs, unit, path):
         if not run.batches:
             continue
         seen = np.concatenate([[0], np.cumsum(run.batches)])
-        right.step(seen[:-1], run.batches, where="post", color=COLORS[run.arm],
+        right.step(seen, [*run.batches, run.batches[-1]], where="post", color=COLORS[run.arm],
                    alpha=1.0 if run.seed == min(r.seed for r in runs) else 0.35, lw=1,
                    label=run.arm if run.seed == min(r.seed for r in runs) else None)
     if math.isfinite(baseline.b_crit):
@@ -143,12 +144,17 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"- Baseline: the grid of [critical-batch-size](critical-batch-size.md) ({baseline.source}):"
         f" S_min = {_n(baseline.s_min, 4)}, E_min = {_n(baseline.e_min, 4)} {task.unit}, "
         f"B_crit = {_n(baseline.b_crit)}; target validation loss {task.target:g}; at most "
-        f"{task.max_steps:,} steps.",
+        f"{task.max_steps:,} steps, or {EXAMPLES_CAP} E_min examples (then \"not reached\").",
         f"- adaptive: `cgn.BatchSchedule(micro_batch=m, min_batch={START_BATCH}, "
         f"max_batch={MAX_BATCH}, max_accumulation={MAX_BATCH}/m, rule=\"auto\")`, which for "
         f"{task.optimizer.upper() if task.optimizer == 'sgd' else 'Adam'} rescales the learning "
         f"rate by {rule}; starting learning rate {baseline.lr_at(START_BATCH):g}, the grid's "
-        f"best at batch {START_BATCH}. `adaptive-norms`: m = {MICRO_BATCH['adaptive-norms']}, "
+        f"best at batch {START_BATCH}"
+        + (" (the smallest of the grid's rates: the best may lie below it)"
+           if baseline.lr_at(START_BATCH) == min(task.learning_rates) else "")
+        + f". The schedule's defaults otherwise (patience: 10 new estimates between changes; "
+        f"at most x2 per change); "
+        f"every step tracked. `adaptive-norms`: m = {MICRO_BATCH['adaptive-norms']}, "
         f"quantities=\"norms\" (TwoBatchNoiseScale from micro-batch norms, which needs two "
         f"micro-batches a step); `adaptive-per-example`: m = "
         f"{MICRO_BATCH['adaptive-per-example']}, quantities=[\"{PER_EXAMPLE[task.optimizer]}\"] "
@@ -172,17 +178,29 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
                      f"{row['examples']:,.0f} | {_n(row['value'])} ({_n(row['low'])} to "
                      f"{_n(row['high'])}) | {row['beats']} of {row['reached']} |")
     lines += ["", *verdicts(rows, task.name), "",
-              "| arm | seed | batch first-last | lr first-last | batch changes | steps S | "
-              "examples E | (S/S_min-1)(E/E_min-1) | seconds |",
+              "| arm | seed | batch: first, largest, last | lr: first, largest, last | batch "
+              "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        b = f"{r.batches[0]}-{r.batches[-1]}" if r.batches else "-"
-        lr = f"{r.lrs[0]:.3g}-{r.lrs[-1]:.3g}" if r.lrs else "-"
-        steps = f"{r.steps:.1f}" if math.isfinite(r.steps) else ("diverged" if r.diverged
-                                                                  else "not reached")
+        b = f"{r.batches[0]}, {max(r.batches)}, {r.batches[-1]}" if r.batches else "-"
+        lr = f"{r.lrs[0]:.3g}, {max(r.lrs):.3g}, {r.lrs[-1]:.3g}" if r.lrs else "-"
+        steps, examples = f"{r.steps:.1f}", f"{r.examples:,.0f}"
+        if not math.isfinite(r.steps):
+            steps = (f"{'diverged' if r.diverged else 'not reached'}: stopped at step "
+                     f"{len(r.batches)}, validation loss {r.eval_losses[-1]:.3g}")
+            examples = f"(stopped at {sum(r.batches):,})"
         lines.append(f"| {r.arm} | {r.seed} | {b} | {lr} | {len(r.changes)} | {steps} | "
-                     f"{r.examples:,.0f} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
+                     f"{examples} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
                      f"{r.seconds:.0f} |")
+    lines += ["", "The adaptive runs' changes (first seed): step, batch, the noise scale "
+              "B_noise it rested on (`inf`: no signal resolved yet, the estimate of |G|^2 at "
+              "or below 0), the learning-rate factor:", ""]
+    for r in runs:
+        if r.arm.startswith("adaptive") and r.seed == min(x.seed for x in runs):
+            moves = "; ".join(f"{c['step']}: {c['batch']}->{c['new_batch']} (B_noise "
+                              f"{_n(c['noise_scale'])}, lr x{c['lr_factor']:.3g})"
+                              for c in r.changes)
+            lines.append(f"- {r.arm}: {moves or 'none'}.")
     lines += ["", f"![{task.name}: runs against the frontier, and their batch]({figure})", ""]
     return lines
 
@@ -216,7 +234,8 @@ def write_page(stored, tasks, out) -> Path:
         "- Every run of a seed starts from the same initialization and draws its examples "
         "from a generator with that seed; the data split and validation set are the grid's "
         "(seed 0). The grid itself is seed 0 only: the spread of the fixed arm over seeds "
-        "shows how far one seed's frontier is from another's.",
+        "shows how far one seed's frontier is from another's. The fixed arm's seed-0 run is "
+        "the best of the learning rates tried, as in the grid; its other seeds use that rate.",
         "- Steps S: optimizer steps to the first crossing of the target, interpolated between "
         "evaluations as in the grid (validation loss at step 0 and whenever the examples since "
         "the last evaluation reach max(1, N // B) B, B the batch of the last step and N "
@@ -225,8 +244,9 @@ def write_page(stored, tasks, out) -> Path:
         "E: the sum of the batches of those steps, the fractional last step in proportion.",
         "- The warmup's fractions were set before any run and not tuned: geometric, because "
         "the critical batch rises fastest early in training and then plateaus (Merrill et "
-        "al. 2025), with the budget the fixed batch at B_crit needs; its final batch, "
-        f"{START_BATCH * 2 ** len(WARMUP_FRACTIONS)}, is above both tasks' B_crit. Its "
+        "al. 2025), with the budget the fixed batch at B_crit needs; its final batch is "
+        f"{START_BATCH * 2 ** len(WARMUP_FRACTIONS)} (B_crit: " + ", ".join(
+            f"{e['task']} {_n(e['baseline']['b_crit'])}" for e in stored) + "). Its "
         "learning rates are the grid's best per batch: the hand tuning a user with the grid "
         "would do, more than the adaptive arms get (their one tuned rate at the start, "
         "rescaled by the rule).",
