@@ -51,12 +51,16 @@ START_BATCH = 8
 #: The warmup doubles the batch when the examples seen pass these fractions of its budget.
 WARMUP_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
 #: Arms in the order of the page; "adaptive-*" use ``cgn.BatchSchedule``.
-ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed")
+ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "adaptive-lr-kept")
+#: The ablation ``adaptive-lr-kept``: the per-example schedule with ``rule=None`` (the learning
+#: rate stays the grid's best at the start), to tell the batch rule from the learning-rate rule.
+ABLATION = "adaptive-lr-kept"
 #: The per-example arm's noise scale: the preconditioned one under Adam (what the schedule
 #: reads for an adaptive optimizer), the plain one under SGD.
 PER_EXAMPLE = {"adam": "PreconditionedNoiseScale", "sgd": "GradientNoiseScale"}
 #: Micro-batch of each adaptive arm: the norms estimate needs two micro-batches a step.
-MICRO_BATCH = {"adaptive-norms": START_BATCH // 2, "adaptive-per-example": START_BATCH}
+MICRO_BATCH = {"adaptive-norms": START_BATCH // 2, "adaptive-per-example": START_BATCH,
+               ABLATION: START_BATCH}
 MAX_BATCH = 512
 #: A run stops ("not reached") past this many times E_min examples: beyond it the frontier
 #: value is below 1 only within 1 / (CAP - 1) of S_min steps, which no run comes near.
@@ -310,7 +314,8 @@ def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
         return train_scheduled(task, schedule, base_lr, seed, arm=arm, **limits)
     micro = MICRO_BATCH[arm]
     schedule = cgn.BatchSchedule(micro_batch=micro, min_batch=START_BATCH, max_batch=MAX_BATCH,
-                                 max_accumulation=MAX_BATCH // micro, rule="auto")
+                                 max_accumulation=MAX_BATCH // micro,
+                                 rule=None if arm == ABLATION else "auto")
     return train_scheduled(task, schedule, base_lr, seed, arm=arm,
                            quantities=quantities_of(arm, task), **limits)
 

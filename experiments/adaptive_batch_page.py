@@ -10,6 +10,7 @@ import numpy as np
 
 from experiments import critical_batch_size as cbs
 from experiments.adaptive_batch import (
+    ABLATION,
     ARMS,
     EXAMPLES_CAP,
     MAX_BATCH,
@@ -31,7 +32,8 @@ PAGE = "adaptive-batch.md"
 # Figures and the page
 # ----------------------------------------------------------------------------
 
-COLORS = {"adaptive-norms": "C3", "adaptive-per-example": "C2", "warmup": "C1", "fixed": "C0"}
+COLORS = {"adaptive-norms": "C3", "adaptive-per-example": "C2", "warmup": "C1", "fixed": "C0",
+          ABLATION: "C4"}
 
 
 def plot_task(baseline, runs, unit, path):
@@ -109,7 +111,7 @@ def verdicts(rows, task) -> List[str]:
     """Plain sentences on the issue's two targets, from the mean over seeds."""
     lines = []
     warm = rows.get("warmup")
-    for arm in ("adaptive-norms", "adaptive-per-example"):
+    for arm in ("adaptive-norms", "adaptive-per-example", ABLATION):
         row = rows.get(arm)
         if row is None:
             continue
@@ -161,6 +163,9 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"(from every example's gradient"
         + (", preconditioned by Adam's own state: the noise Adam sees" if task.optimizer == "adam"
            else "") + ").",
+        f"- {ABLATION} (an ablation, where it ran): `adaptive-per-example` with `rule=None`: "
+        f"the learning rate stays {baseline.lr_at(START_BATCH):g} whatever the batch, which "
+        f"tells the batch rule's effect from the learning-rate rule's.",
         f"- warmup: batches {stages}, doubling when the examples seen pass {thresholds} "
         f"(fractions {', '.join(f'{f:g}' for f in WARMUP_FRACTIONS)} of the budget 2 E_min = "
         f"{budget:,.0f}); each batch with the grid's best learning rate for it.",
