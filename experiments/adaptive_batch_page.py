@@ -1,0 +1,284 @@
+"""The figures and the page of ``experiments.adaptive_batch``, from its stored numbers."""
+
+import math
+from pathlib import Path
+from typing import List
+
+import matplotlib
+import matplotlib.ticker
+import numpy as np
+
+from experiments import critical_batch_size as cbs
+from experiments.adaptive_batch import (
+    ABLATION,
+    ARMS,
+    EXAMPLES_CAP,
+    MAX_BATCH,
+    MICRO_BATCH,
+    PER_EXAMPLE,
+    RESULTS,
+    START_BATCH,
+    WARMUP_FRACTIONS,
+    baseline_from_json,
+    beats_frontier,
+    run_from_json,
+    warmup_budget,
+)
+
+PAGE = "adaptive-batch.md"
+
+
+# ----------------------------------------------------------------------------
+# Figures and the page
+# ----------------------------------------------------------------------------
+
+COLORS = {"adaptive-norms": "C3", "adaptive-per-example": "C2", "warmup": "C1", "fixed": "C0",
+          ABLATION: "C4"}
+
+
+def plot_task(baseline, runs, unit, path):
+    """Left: steps against examples, the grid, its hyperbola and every run; right: batch over examples."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
+    points = np.asarray(baseline.points, dtype=float)
+    left.loglog(points[:, 0] * points[:, 1], points[:, 1], "o", color="0.5", mfc="none",
+                label="fixed batch (grid, best lr)")
+    for b, s in points:
+        left.annotate(f"{b:.0f}", (b * s, s), textcoords="offset points", xytext=(4, 4),
+                      fontsize=7, color="0.4")
+    if math.isfinite(baseline.s_min) and math.isfinite(baseline.e_min) and baseline.e_min > 0:
+        grid = np.geomspace(1, 4096, 300)
+        steps = cbs.predicted_steps(grid, baseline.s_min, baseline.e_min)
+        left.loglog(grid * steps, steps, "-", color="0.6", lw=1,
+                    label="(S/S_min - 1)(E/E_min - 1) = 1")
+    for arm in ARMS:
+        mine = [r for r in runs if r.arm == arm and math.isfinite(r.steps)]
+        if mine:
+            left.plot([r.examples for r in mine], [r.steps for r in mine], "x" if arm == "fixed"
+                      else "o", color=COLORS[arm], label=arm)
+    for axis in (left.xaxis, left.yaxis):
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.set_xlabel(f"examples to loss {baseline.target:g} ({unit})")
+    left.set_ylabel("steps to it")
+    left.set_title(f"{baseline.task}: runs against the fixed-batch frontier", fontsize=10)
+    left.legend(fontsize=7)
+    for run in runs:
+        if not run.batches:
+            continue
+        seen = np.concatenate([[0], np.cumsum(run.batches)])
+        right.step(seen, [*run.batches, run.batches[-1]], where="post", color=COLORS[run.arm],
+                   alpha=1.0 if run.seed == min(r.seed for r in runs) else 0.35, lw=1,
+                   label=run.arm if run.seed == min(r.seed for r in runs) else None)
+    if math.isfinite(baseline.b_crit):
+        right.axhline(baseline.b_crit, color="0.4", ls=":", lw=1,
+                      label=f"B_crit (fit) {baseline.b_crit:.3g}")
+    right.set_yscale("log", base=2)
+    right.set_xlabel(f"examples seen ({unit})")
+    right.set_ylabel("batch of the step")
+    right.set_title("batch over training (first seed solid)", fontsize=10)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _n(value, digits=3):
+    return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
+
+
+def summary(runs, baseline):
+    """Per arm: runs, reached, mean S, mean E, mean/min/max frontier value, beats count."""
+    rows = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r.arm == arm]
+        if not mine:
+            continue
+        done = [r for r in mine if math.isfinite(r.steps)]
+        values = [r.frontier(baseline.s_min, baseline.e_min) for r in done]
+        rows[arm] = {
+            "runs": len(mine), "reached": len(done),
+            "steps": float(np.mean([r.steps for r in done])) if done else math.inf,
+            "examples": float(np.mean([r.examples for r in done])) if done else math.inf,
+            "value": float(np.mean(values)) if done else math.nan,
+            "low": min(values, default=math.nan), "high": max(values, default=math.nan),
+            "beats": sum(beats_frontier(r.steps, r.examples, baseline.s_min, baseline.e_min)
+                         for r in done)}
+    return rows
+
+
+def verdicts(rows, task) -> List[str]:
+    """Plain sentences on the issue's two targets, from the mean over seeds."""
+    lines = []
+    warm = rows.get("warmup")
+    for arm in ("adaptive-norms", "adaptive-per-example", ABLATION):
+        row = rows.get(arm)
+        if row is None:
+            continue
+        if row["reached"] < row["runs"]:
+            lines.append(f"- {task}, {arm}: {row['runs'] - row['reached']} of {row['runs']} "
+                         f"runs did not reach the target.")
+        below = row["value"] < 1
+        lines.append(f"- {task}, {arm}: mean frontier value {_n(row['value'])} "
+                     f"({'below' if below else 'not below'} 1); {row['beats']} of "
+                     f"{row['reached']} runs below the fitted hyperbola.")
+        if warm is not None and warm["reached"]:
+            fewer = row["steps"] <= warm["steps"]
+            cheaper = row["examples"] <= warm["examples"]
+            word = "meets" if fewer and cheaper else "misses"
+            lines.append(f"- {task}, {arm} against the warmup: {row['steps']:.1f} steps and "
+                         f"{row['examples']:,.0f} examples against {warm['steps']:.1f} and "
+                         f"{warm['examples']:,.0f} (means): {word} the target of at most the "
+                         f"warmup's steps at no more of its examples.")
+    return lines
+
+
+def task_section(task, baseline, fixed, runs, figure) -> List[str]:
+    """The page's section of one task."""
+    budget = warmup_budget(baseline)
+    batches = [START_BATCH * 2 ** i for i in range(len(WARMUP_FRACTIONS) + 1)]
+    stages = ", ".join(f"{b} (lr {baseline.lr_at(b):g})" for b in batches)
+    thresholds = ", ".join(f"{f * budget:,.0f}" for f in WARMUP_FRACTIONS)
+    rule = "the SGD rule `eps_opt(B) = eps_max / (1 + B_noise / B)`" if task.optimizer == "sgd" \
+        else "the square-root rule `lr ~ sqrt(B)` (Malladi et al. 2022)"
+    lines = [
+        f"## {task.title}", "",
+        f"- Baseline: the grid of [critical-batch-size](critical-batch-size.md) ({baseline.source}):"
+        f" S_min = {_n(baseline.s_min, 4)}, E_min = {_n(baseline.e_min, 4)} {task.unit}, "
+        f"B_crit = {_n(baseline.b_crit)}; target validation loss {task.target:g}; at most "
+        f"{task.max_steps:,} steps, or {EXAMPLES_CAP} E_min examples (then \"not reached\").",
+        f"- adaptive: `cgn.BatchSchedule(micro_batch=m, min_batch={START_BATCH}, "
+        f"max_batch={MAX_BATCH}, max_accumulation={MAX_BATCH}/m, rule=\"auto\")`, which for "
+        f"{task.optimizer.upper() if task.optimizer == 'sgd' else 'Adam'} rescales the learning "
+        f"rate by {rule}; starting learning rate {baseline.lr_at(START_BATCH):g}, the grid's "
+        f"best at batch {START_BATCH}"
+        + (" (the smallest of the grid's rates: the best may lie below it)"
+           if baseline.lr_at(START_BATCH) == min(task.learning_rates) else "")
+        + f". The schedule's defaults otherwise (patience: 10 new estimates between changes; "
+        f"at most x2 per change); "
+        f"every step tracked. `adaptive-norms`: m = {MICRO_BATCH['adaptive-norms']}, "
+        f"quantities=\"norms\" (TwoBatchNoiseScale from micro-batch norms, which needs two "
+        f"micro-batches a step); `adaptive-per-example`: m = "
+        f"{MICRO_BATCH['adaptive-per-example']}, quantities=[\"{PER_EXAMPLE[task.optimizer]}\"] "
+        f"(from every example's gradient"
+        + (", preconditioned by Adam's own state: the noise Adam sees" if task.optimizer == "adam"
+           else "") + ").",
+        f"- {ABLATION} (an ablation, where it ran): `adaptive-per-example` with `rule=None`: "
+        f"the learning rate stays {baseline.lr_at(START_BATCH):g} whatever the batch, which "
+        f"tells the batch rule's effect from the learning-rate rule's.",
+        f"- warmup: batches {stages}, doubling when the examples seen pass {thresholds} "
+        f"(fractions {', '.join(f'{f:g}' for f in WARMUP_FRACTIONS)} of the budget 2 E_min = "
+        f"{budget:,.0f}); each batch with the grid's best learning rate for it.",
+        f"- fixed: batch {fixed['batch']} (B_crit rounded), learning rate {fixed['lr']:g}, the "
+        f"best of the grid's learning rates at that batch with seed 0 (steps per lr: "
+        + ", ".join(f"{k}: {v}" for k, v in fixed["steps per lr"].items()) + ").",
+        "",
+        "| arm | seeds run | reached | mean steps S | mean examples E | frontier value: mean "
+        "(min-max) | below the hyperbola |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = summary(runs, baseline)
+    for arm, row in rows.items():
+        lines.append(f"| {arm} | {row['runs']} | {row['reached']} | {row['steps']:.1f} | "
+                     f"{row['examples']:,.0f} | {_n(row['value'])} ({_n(row['low'])} to "
+                     f"{_n(row['high'])}) | {row['beats']} of {row['reached']} |")
+    lines += ["", *verdicts(rows, task.name), "",
+              "| arm | seed | batch: first, largest, last | lr: first, largest, last | batch "
+              "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        b = f"{r.batches[0]}, {max(r.batches)}, {r.batches[-1]}" if r.batches else "-"
+        lr = f"{r.lrs[0]:.3g}, {max(r.lrs):.3g}, {r.lrs[-1]:.3g}" if r.lrs else "-"
+        steps, examples = f"{r.steps:.1f}", f"{r.examples:,.0f}"
+        if not math.isfinite(r.steps):
+            steps = (f"{'diverged' if r.diverged else 'not reached'}: stopped at step "
+                     f"{len(r.batches)}, validation loss {r.eval_losses[-1]:.3g}")
+            examples = f"(stopped at {sum(r.batches):,})"
+        lines.append(f"| {r.arm} | {r.seed} | {b} | {lr} | {len(r.changes)} | {steps} | "
+                     f"{examples} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
+                     f"{r.seconds:.0f} |")
+    lines += ["", "The adaptive runs' changes (first seed): step, batch, the noise scale "
+              "B_noise it rested on (`inf`: no signal resolved yet, the estimate of |G|^2 at "
+              "or below 0), the learning-rate factor:", ""]
+    for r in runs:
+        if r.arm.startswith("adaptive") and r.seed == min(x.seed for x in runs):
+            moves = "; ".join(f"{c['step']}: {c['batch']}->{c['new_batch']} (B_noise "
+                              f"{_n(c['noise_scale'])}, lr x{c['lr_factor']:.3g})"
+                              for c in r.changes)
+            lines.append(f"- {r.arm}: {moves or 'none'}.")
+    lines += ["", f"![{task.name}: runs against the frontier, and their batch]({figure})", ""]
+    return lines
+
+
+def write_page(stored, tasks, out) -> Path:
+    """The markdown page from the stored numbers; returns its path."""
+    lines = [
+        "# Does the adaptive batch schedule beat every fixed batch?", "",
+        "<!-- Generated by experiments/adaptive_batch.py; do not edit by hand. -->", "",
+        "A fixed batch reaches the target loss on the hyperbola "
+        "$(S/S_{\\min} - 1)(E/E_{\\min} - 1) = 1$ of McCandlish et al. 2018 (measured and "
+        "fitted in [critical-batch-size](critical-batch-size.md)); the fixed batch at "
+        "$B_{\\text{crit}}$ sits at its knee, with value 1. A run whose batch grows during "
+        "training can land inside it (value below 1): fewer steps than any fixed batch that "
+        "uses as many examples. Here [`cgn.BatchSchedule`](../advice.md) grows the batch from "
+        f"{START_BATCH} through gradient accumulation, from the measured noise scale, against "
+        "a hand-set batch-size warmup (Merrill et al. 2025, \"Critical Batch Size Revisited\", "
+        "arXiv:2505.23971: start small, double as the critical batch grows) and the fixed "
+        "batch at the fitted $B_{\\text{crit}}$. The issue's targets: the adaptive run below "
+        "1 on both tasks, and at most the warmup's steps at no more of its examples.", "",
+        f"What ran: {what_ran(stored)}.", "",
+    ]
+    for entry in stored:
+        task = tasks[entry["task"]]
+        baseline = baseline_from_json(entry["baseline"])
+        runs = [run_from_json(r) for r in entry["runs"]]
+        lines += task_section(task, baseline, entry["fixed"], runs,
+                              f"adaptive-batch-{task.name}.png")
+    lines += [
+        "## How it is measured", "",
+        "- Every run of a seed starts from the same initialization and draws its examples "
+        "from a generator with that seed; the data split and validation set are the grid's "
+        "(seed 0). The grid itself is seed 0 only: the spread of the fixed arm over seeds "
+        "shows how far one seed's frontier is from another's. The fixed arm's seed-0 run is "
+        "the best of the learning rates tried, as in the grid; its other seeds use that rate.",
+        "- Steps S: optimizer steps to the first crossing of the target, interpolated between "
+        "evaluations as in the grid (validation loss at step 0 and whenever the examples since "
+        "the last evaluation reach max(1, N // B) B, B the batch of the last step and N "
+        "the grid's examples between evaluations: for a fixed batch every max(1, N // B) "
+        "steps, as the grid). Examples "
+        "E: the sum of the batches of those steps, the fractional last step in proportion.",
+        "- The warmup's fractions were set before any run and not tuned: geometric, because "
+        "the critical batch rises fastest early in training and then plateaus (Merrill et "
+        "al. 2025), with the budget the fixed batch at B_crit needs; its final batch is "
+        f"{START_BATCH * 2 ** len(WARMUP_FRACTIONS)} (B_crit: " + ", ".join(
+            f"{e['task']} {_n(e['baseline']['b_crit'])}" for e in stored) + "). Its "
+        "learning rates are the grid's best per batch: the hand tuning a user with the grid "
+        "would do, more than the adaptive arms get (their one tuned rate at the start, "
+        "rescaled by the rule).",
+        "- Frontier value below 0 means fewer steps than S_min or fewer examples than E_min; "
+        "\"below the hyperbola\" counts runs with fewer steps than any fixed batch would need "
+        "with their number of examples.", "",
+        "## Reproduce", "",
+        "Each task's runs are stored in `" + RESULTS.format(task="<task>") + "`; `--replot` "
+        "redraws the figures and this page from them, `--resume` adds only the runs missing "
+        "from them. One CPU thread each (`torch.set_num_threads(1)`), on a machine shared "
+        "with other jobs.", "",
+    ]
+    for entry in stored:
+        lines += [f"{entry['task']}: seeds {', '.join(map(str, entry['seeds']))}, wall time "
+                  f"{entry['seconds']:.0f} s, by", "", "```bash", *entry["commands"], "```", ""]
+    lines += ["| package | version |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in stored[-1]["versions"].items()] + [""]
+    path = Path(out) / PAGE
+    path.write_text("\n".join(lines))
+    return path
+
+
+def what_ran(stored) -> str:
+    """One sentence: the runs of each task and arm in the stored results."""
+    parts = []
+    for entry in stored:
+        counts = {arm: sum(r["arm"] == arm for r in entry["runs"]) for arm in ARMS}
+        parts.append(f"{entry['task']}: " + ", ".join(
+            f"{arm} {n} seed{'s' if n != 1 else ''}" for arm, n in counts.items()))
+    return "; ".join(parts)

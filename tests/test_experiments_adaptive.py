@@ -1,0 +1,137 @@
+"""experiments/adaptive_batch.py: its formulas against hand-computed answers, and its --quick run."""
+
+import json
+import math
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from experiments import adaptive_batch as ab  # noqa: E402
+from experiments import critical_batch_size as cbs  # noqa: E402
+
+BATCHES = np.array([4, 8, 16, 32, 64, 128, 256, 512, 4096], dtype=float)
+
+
+def test_a_fixed_batch_on_the_fitted_frontier_has_value_one():
+    s_min, e_min = 100.0, 2000.0
+    steps = cbs.predicted_steps(BATCHES, s_min, e_min)
+    values = ab.frontier_value(steps, BATCHES * steps, s_min, e_min)
+    np.testing.assert_allclose(values, 1.0, rtol=1e-13)
+    # B_crit = 20: twice the fewest steps and twice the fewest examples.
+    assert ab.frontier_value(200.0, 4000.0, s_min, e_min) == 1.0
+    assert ab.frontier_value(150.0, 3000.0, s_min, e_min) == 0.25
+
+
+def test_beats_frontier_is_below_the_hyperbola():
+    s_min, e_min = 100.0, 2000.0
+    for b in BATCHES:
+        s = float(cbs.predicted_steps(b, s_min, e_min))
+        assert ab.beats_frontier(s * 0.999, b * s, s_min, e_min)
+        assert not ab.beats_frontier(s * 1.001, b * s, s_min, e_min)
+        assert not ab.beats_frontier(s, b * s * 1.001, s_min, e_min)
+    # No fixed batch reaches the loss in S_min steps or E_min examples.
+    assert ab.beats_frontier(100.0, 1e6, s_min, e_min)
+    assert ab.beats_frontier(1e6, 2000.0, s_min, e_min)
+    # Inside both: a frontier value above 1, yet it beats every fixed batch.
+    assert ab.frontier_value(50.0, 1000.0, s_min, e_min) == 0.25
+    assert ab.beats_frontier(50.0, 1000.0, s_min, e_min)
+
+
+def test_examples_at_a_fractional_step_counts_that_steps_batch_in_proportion():
+    batches = [8, 8, 16, 32]
+    assert ab.examples_at(0, batches) == 0.0
+    assert ab.examples_at(2, batches) == 16.0
+    assert ab.examples_at(2.5, batches) == 24.0
+    assert ab.examples_at(3.25, batches) == 40.0
+    assert ab.examples_at(4, batches) == 64.0
+    assert ab.examples_at(math.inf, batches) == math.inf
+    with pytest.raises(ValueError, match="past"):
+        ab.examples_at(4.5, batches)
+
+
+def test_warmup_doubles_at_the_fractions_of_its_budget():
+    budget = 800.0  # doublings at 100, 200, 400 examples
+    assert [ab.warmup_batch(seen, 8, budget) for seen in (0, 99, 100, 199, 200, 399, 400, 1e9)] \
+        == [8, 8, 16, 16, 32, 32, 64, 64]
+
+
+def test_table_schedule_changes_batch_and_learning_rate_together():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = ab.TableSchedule(lambda seen: 8 if seen < 16 else 32, {8: 0.1, 32: 0.4})
+    batches = []
+    for step in range(4):
+        batches.append(schedule.batch)
+        schedule.update(step, None, opt)
+    assert batches == [8, 8, 32, 32]
+    assert opt.param_groups[0]["lr"] == 0.4
+    assert [(c["step"], c["batch"], c["new_batch"], c["lr_factor"]) for c in schedule.changes] \
+        == [(1, 8, 32, 4.0)]
+
+
+def test_train_scheduled_counts_steps_and_examples_of_a_growing_batch():
+    """Batch 8 then 16 from 32 examples on: S and E from the evaluations and the batches."""
+    task = cbs.make_tasks(True, 0)["digits"]
+    schedule = ab.TableSchedule(lambda seen: 8 if seen < 32 else 16, {8: 0.2, 16: 0.2})
+    run = ab.train_scheduled(task, schedule, 0.2, 0, arm="warmup", max_steps=task.max_steps)
+    assert run.batches[:6] == [8, 8, 8, 8, 16, 16]
+    assert math.isfinite(run.steps)
+    assert run.examples == pytest.approx(ab.examples_at(run.steps, run.batches))
+    # Evaluations every 64 examples: 4 steps of 8 and 2 of 16, then 4 steps of 16.
+    assert run.eval_steps[:3] == [0, 6, 10]
+    assert len(run.batches) == run.eval_steps[-1]
+    assert [c["new_batch"] for c in run.changes] == [16]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``--quick`` run once, one seed: its stored numbers and its output folder."""
+    out = tmp_path_factory.mktemp("adaptive")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored, page = ab.main(["--quick", "--seeds", "1", "--out", str(out)])
+    return stored, page, out
+
+
+def test_quick_run_writes_page_figures_and_json(quick):
+    stored, page, out = quick
+    text = page.read_text()
+    assert [entry["task"] for entry in stored] == ["digits", "gpt"]
+    for entry in stored:
+        path = out / ab.RESULTS.format(task=entry["task"])
+        assert json.loads(path.read_text()) == entry
+        figure = out / f"adaptive-batch-{entry['task']}.png"
+        assert 0 < figure.stat().st_size < 200_000
+        assert f"({figure.name})" in text
+        assert sorted(r["arm"] for r in entry["runs"]) == sorted(ab.ARMS)
+        for run in entry["runs"]:
+            assert f"| {run['arm']} | 0 |" in text
+            assert math.isfinite(run["steps"])  # the quick targets are easy
+    assert "python -m experiments.adaptive_batch --quick --seeds 1 --out" in text
+
+
+def test_quick_adaptive_runs_grow_through_accumulation(quick):
+    stored, _, _ = quick
+    for entry in stored:
+        for run in entry["runs"]:
+            if run["arm"].startswith("adaptive"):
+                assert run["batches"][0] == ab.START_BATCH
+                assert all(ab.START_BATCH <= b <= ab.MAX_BATCH for b in run["batches"])
+                # Each change recorded is one the run's batches show.
+                for change in run["changes"]:
+                    assert run["batches"][change["step"] + 1] == change["new_batch"]
+
+
+def test_replot_rewrites_the_same_page(quick):
+    _, page, out = quick
+    text = page.read_text()
+    page.unlink()
+    (out / "adaptive-batch-gpt.png").unlink()
+    _, replotted = ab.main(["--replot", "--out", str(out)])
+    assert replotted.read_text() == text
+    assert (out / "adaptive-batch-gpt.png").stat().st_size > 0
