@@ -181,6 +181,39 @@ def refused_job(mesh):
     return None
 
 
+class Twice(nn.Module):
+    """One layer run twice in a forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(torch.tanh(self.fc(x)))))
+
+
+def twice_tables(world, rank=None, mesh=None):
+    """GradientNoiseScale and PerExampleGradNorm of a layer run twice: under FSDP2 (this
+    process's batch) or on one process (the global batch); the table and the warnings."""
+    torch.manual_seed(0)
+    model = cgn.prepare_model(Twice().double())
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (model.fc, model.head, model):
+            fully_shard(module, mesh=mesh)
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)))
+    batches = local_batches("root_only", world, rank) if mesh is not None else global_batches("root_only", world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run_steps(model, cockpit, batches[:1], "mean")
+        except ValueError as error:  # recorded: compared with one process's
+            return {"error": str(error)}
+    return {"table": table(cockpit), "warnings": [str(w.message) for w in caught]}
+
+
 def worker(rank, world, port, out):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -197,6 +230,7 @@ def worker(rank, world, port, out):
             results[job] = fsdp2_job(job, world, rank, mesh)
             torch.save(results, Path(out) / f"rank{rank}.pt")
         results["refused"] = refused_job(mesh)
+        results["twice"] = twice_tables(world, rank, mesh)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -295,3 +329,42 @@ def test_layouts_not_made_exact_are_named():
         assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))
     finally:
         sharded.dist_world_size = original
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_layer_run_twice_is_as_on_one_process_or_left_out_by_name(groups, world):
+    """As on one process (today a ValueError for a layer run twice), or rows equal to one
+    process's, a parameter whose uses' results split between FSDP2's copies left out by name."""
+    results, expected = results_of(groups, world, "twice"), twice_tables(world)
+    if "error" in expected:
+        assert all(result.get("error") == expected["error"] for result in results)
+        return
+    assert_identical([result["table"] for result in results])
+    got = results[0]["table"]
+    for name in ("fc.weight", "fc.bias", "head.weight", "head.bias"):
+        rows = {key: value for key, value in expected["table"].items() if key[2] == name}
+        if any(key[2] == name for key in got):
+            assert_tables_match({key: got[key] for key in got if key[2] == name}, rows)
+        else:
+            assert any(name in message and "several times" in message for message in results[0]["warnings"])
+
+
+def test_results_split_between_the_copies_are_refused_not_half_counted(monkeypatch):
+    """collect: a result on the unsharded copy moves to the sharded one; results on both
+    (a layer's uses split between them) leave neither and refuse the parameter by name."""
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.extensions import facts, sharded
+
+    moved, split = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    copies = {id(p): SimpleNamespace(_unsharded_param=nn.Parameter(torch.zeros(2))) for p in (moved, split)}
+    monkeypatch.setattr(sharded, "fsdp2_parameters", lambda: copies)
+    recording = facts.begin()
+    for param in (moved, split):
+        setattr(copies[id(param)]._unsharded_param, sharded.BATCH_L2_SAVEFIELD, torch.ones(3))
+    setattr(split, sharded.BATCH_L2_SAVEFIELD, torch.ones(3))
+    sharded.collect([moved, split])
+    assert torch.equal(getattr(moved, sharded.BATCH_L2_SAVEFIELD), torch.ones(3))
+    assert id(moved) not in recording.refusals
+    assert not hasattr(split, sharded.BATCH_L2_SAVEFIELD) and "several times" in recording.refusals[id(split)]
+    assert all(sharded.BATCH_L2_SAVEFIELD not in c._unsharded_param.__dict__ for c in copies.values())

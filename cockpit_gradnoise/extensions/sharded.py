@@ -82,8 +82,9 @@ def dist_world_size() -> int:
 def collect(params: Iterable) -> None:
     """Move the per-example results of FSDP2's unsharded parameters onto the sharded ones.
 
-    Where both hold one (cannot happen within one backward pass), the
-    unsharded parameter's, written by this pass, wins.
+    Where both hold one (a layer run several times in one forward pass, whose
+    uses' results landed on both), neither is complete: the parameter is
+    refused (left out with a warning naming it), never half counted.
     """
     managed = fsdp2_parameters()
     recording = facts.recording()
@@ -92,13 +93,20 @@ def collect(params: Iterable) -> None:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is None or unsharded is param:
             continue
-        moved = False
-        for field in SAVEFIELDS:
-            if field in unsharded.__dict__:
-                setattr(param, field, unsharded.__dict__.pop(field))
-                moved = True
-        if moved:
-            recording.alias(unsharded, param)
+        found = [field for field in SAVEFIELDS if field in unsharded.__dict__]
+        if not found:
+            continue
+        recording.alias(unsharded, param)
+        if any(field in param.__dict__ for field in found):
+            for field in SAVEFIELDS:
+                param.__dict__.pop(field, None)
+                unsharded.__dict__.pop(field, None)
+            recording.refuse(param, "its layer ran several times in one pass under FSDP2, and "
+                             "the uses' results landed on both its sharded and unsharded "
+                             "copies (not combined yet)")
+            continue
+        for field in found:
+            setattr(param, field, unsharded.__dict__.pop(field))
 
 
 def clear() -> None:
