@@ -11,13 +11,17 @@ same weights train side by side in one process, each with its own AdamW:
 - **plain**: the model as written, no tracker, stepping with the **same number
   of micro-batches** as the scheduled run at each step (its ``losses.mean() / K``
   differentiated, as the tracker's), so the two do the same arithmetic but
-  for what tracking and the schedule add.
+  for what tracking and the schedule add;
+- **norms**: tracked as the scheduled copy, without a schedule, at the same
+  batches: what the ``"norms"`` preset (``TwoBatchNoiseScale``'s hooks) costs
+  by itself.
 
-At each optimizer step both take that step on the same micro-batches, in an
-order drawn afresh (seeded), so that drifts of the machine hit both alike.
+At each optimizer step the copies take that step on the same micro-batches, in
+an order drawn afresh (seeded), so that drifts of the machine hit all alike.
 Reported: **whole run / plain**, the scheduled run's total time over the plain
 copy's over all measured steps (the figure issue 34 asks to keep within 1.05),
-the median over rounds of ten steps of the same ratio (quartiles), and the
+the median over rounds of ten steps of the same ratio (quartiles), the same
+for the norms copy (the schedule's own cost is the difference), and the
 schedule's batches. Clock: as ``benchmark_untracked`` (CPU time of the process
 by default on CPU, meant with ``--threads 1``; on CUDA, synchronized wall
 clock). ::
@@ -28,6 +32,7 @@ clock). ::
 
 import argparse
 import copy
+import math
 import os
 import random
 import statistics
@@ -57,11 +62,12 @@ def _sync(device):
 class Copy:
     """One model and its optimizer; ``step(k, K, batches)`` is optimizer step ``k`` of ``K`` micro-batches."""
 
-    def __init__(self, model, scheduled: bool, args):
+    def __init__(self, model, kind: str, args):
         self.loss = MODELS["gpt"].loss("none")
         self.tracker = self.schedule = None
-        if scheduled:
+        if kind != "plain":
             model, self.tracker = cgn.track(model, every=1, quantities="norms")
+        if kind == "scheduled":
             self.schedule = cgn.BatchSchedule(args.micro_batch, 2 * args.micro_batch, args.max_batch,
                                               patience=args.patience)
         self.model = model
@@ -91,50 +97,53 @@ class Copy:
 
 
 def measure(args, device):
-    """``{"whole run", "rounds", "quartiles", "batches", "changes", "plain s"}``."""
+    """``{"whole run", "rounds", "quartiles", "norms", "batches", "changes", "plain s"}``."""
     clock = time.process_time if args.clock == "cpu" and device.type == "cpu" else time.perf_counter
     spec = MODELS["gpt"]
     model, _, _ = model_and_batch(spec, 1, device)
-    plain, scheduled = Copy(copy.deepcopy(model), False, args), Copy(model, True, args)
+    kinds = ("plain", "scheduled", "norms")
+    copies = {kind: Copy(copy.deepcopy(model), kind, args) for kind in kinds}
+    scheduled = copies["scheduled"]
     order = random.Random(0)
-    totals, rounds, batches = [0.0, 0.0], [], []
-    round_totals = [0.0, 0.0]
+    totals, rounds, batches = dict.fromkeys(kinds, 0.0), {"scheduled": [], "norms": []}, []
+    round_totals = dict.fromkeys(kinds, 0.0)
     for k in range(args.warmup + args.steps):
         K = scheduled.schedule.accumulation  # the plain copy follows the schedule's batches
         micro_batches = [(spec.inputs(args.micro_batch, device), spec.targets(args.micro_batch, device))
                          for _ in range(K)]
-        pair = [plain, scheduled]
-        order.shuffle(pair)
-        times = {id(c): c.timed(k, micro_batches, device, clock) for c in pair}
+        shuffled = list(kinds)
+        order.shuffle(shuffled)
+        times = {kind: copies[kind].timed(k, micro_batches, device, clock) for kind in shuffled}
         if k < args.warmup:
             continue
         batches.append(K * args.micro_batch)
-        for i, c in enumerate((plain, scheduled)):
-            totals[i] += times[id(c)]
-            round_totals[i] += times[id(c)]
+        for kind in kinds:
+            totals[kind] += times[kind]
+            round_totals[kind] += times[kind]
         if (k - args.warmup) % ROUND == ROUND - 1:
-            rounds.append(round_totals[1] / round_totals[0])
-            round_totals = [0.0, 0.0]
+            for kind in rounds:
+                rounds[kind].append(round_totals[kind] / round_totals["plain"])
+            round_totals = dict.fromkeys(kinds, 0.0)
+    ratios = rounds["scheduled"]
     return {
-        "whole run": totals[1] / totals[0],
-        "rounds": statistics.median(rounds),
-        "quartiles": statistics.quantiles(rounds, n=4)[::2] if len(rounds) > 1 else rounds * 2,
+        "whole run": totals["scheduled"] / totals["plain"],
+        "rounds": statistics.median(ratios) if ratios else math.nan,
+        "quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios or [math.nan]) * 2,
+        "norms": totals["norms"] / totals["plain"],
         "batches": batches,
         "changes": [c["reason"] for c in scheduled.schedule.changes],
-        "plain s": totals[0],
+        "plain s": totals["plain"],
     }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps measured")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before (not measured)")
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--max-batch", type=int, default=128)
-    parser.add_argument("--patience", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--device", default="cpu")
+    for name, kind, default, meaning in (
+            ("steps", int, 60, "optimizer steps measured"), ("warmup", int, 3, "steps before, not measured"),
+            ("micro-batch", int, 8, "examples per micro-batch"), ("max-batch", int, 128, "the schedule's"),
+            ("patience", int, 5, "the schedule's"), ("lr", float, 1e-3, "AdamW's"),
+            ("threads", int, 0, "torch threads (0: torch's default)"), ("device", str, "cpu", "")):
+        parser.add_argument(f"--{name}", type=kind, default=default, help=meaning)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = parser.parse_args(argv)
     if args.threads:
@@ -152,7 +161,8 @@ def main(argv=None):
     q = result["quartiles"]
     print(f"whole run, norms + schedule / plain at the same batches: **{result['whole run']:.3f}** "
           f"(rounds of {ROUND}: median {result['rounds']:.3f}, quartiles {q[0]:.3f}-{q[1]:.3f}; "
-          f"plain {result['plain s']:.1f} s)")
+          f"plain {result['plain s']:.1f} s); norms alone at the same batches / plain: "
+          f"{result['norms']:.3f}")
     return result
 
 

@@ -356,3 +356,12 @@ def test_a_checkpoint_resumes_the_same_schedule(tmp_path):
     assert second.changes == schedule.changes
     assert optimizer.param_groups[0]["lr"] == schedule.lr_factor * 0.01
     assert schedule_changes(tracker.frame()) == schedule_changes(frame)
+
+
+def test_the_benchmark_runs(capsys):
+    from benchmarks.benchmark_schedule import main
+
+    result = main(["--steps", "2", "--warmup", "0", "--micro-batch", "2", "--max-batch", "4",
+                   "--patience", "1", "--clock", "wall"])
+    assert result["whole run"] > 0 and result["plain s"] > 0
+    assert "whole run, norms + schedule / plain at the same batches" in capsys.readouterr().out
