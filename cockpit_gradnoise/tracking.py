@@ -150,6 +150,8 @@ class Tracker:
         cockpit: The ``cockpit.Cockpit`` (its quantities: ``cockpit.quantities``).
         param_names: Names of the Cockpit's parameters, in its order.
         stream: The :class:`~cockpit_gradnoise.LogStream` of :meth:`stream_to`, or ``None``.
+        latest: ``{quantity: (step, {statistic: value})}``: each quantity's newest row of
+            the network, what a :class:`~cockpit_gradnoise.BatchSchedule` reads each step.
     """
 
     def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
@@ -170,9 +172,8 @@ class Tracker:
         #: The step of the last call (``None`` before the first).
         self.last_step: Optional[int] = None
         self.stream: Optional[LogStream] = None
-        #: Quantity name -> ``(step, {statistic: value})``: its newest row of the network,
-        #: kept as it is computed (a stream drops it from memory), for a schedule that reads
-        #: it each step (:class:`~cockpit_gradnoise.BatchSchedule`) without building a frame.
+        # Kept as each step is computed (a stream then drops it from memory): a schedule
+        # reads it each step without building a frame.
         self.latest: Dict[str, Tuple[int, Mapping[str, float]]] = {}
         for quantity in cockpit.quantities:  # checked for earlier gradients from the first step
             if hasattr(quantity, "known_params"):

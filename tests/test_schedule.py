@@ -309,9 +309,14 @@ def test_a_real_loop_changes_the_accumulation(preset, tmp_path):
 
 def test_the_changes_round_trip_through_the_written_log_and_are_marked(tmp_path):
     model, tracker = cgn.track(model_of(), every=1, quantities="norms")
+    given = []
+    tracker.log_to(lambda step, values: given.extend(
+        (step, values[schema.BATCH_SCHEDULE]) for name in values if name == schema.BATCH_SCHEDULE))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     schedule = cgn.BatchSchedule(micro_batch=2, min_batch=4, max_batch=16, patience=2)
     train(model, tracker, optimizer, schedule, 12)
+    assert [(step, rows["all"]["new_batch"]) for step, rows in given] == \
+        [(c["step"], c["new_batch"]) for c in schedule.changes]  # the loggers get them
     tracker.write(tmp_path / "run.json")
     logged = schedule_changes(cgn.to_frame(tmp_path / "run.json"))
     assert [(c["step"], c["new_batch"], c["lr_factor"]) for c in logged] == \
@@ -351,3 +356,12 @@ def test_a_checkpoint_resumes_the_same_schedule(tmp_path):
     assert second.changes == schedule.changes
     assert optimizer.param_groups[0]["lr"] == schedule.lr_factor * 0.01
     assert schedule_changes(tracker.frame()) == schedule_changes(frame)
+
+
+def test_the_benchmark_runs(capsys):
+    from benchmarks.benchmark_schedule import main
+
+    result = main(["--steps", "2", "--warmup", "0", "--micro-batch", "2", "--max-batch", "4",
+                   "--patience", "1", "--clock", "wall"])
+    assert result["whole run"] > 0 and result["plain s"] > 0
+    assert "whole run, norms + schedule / plain at the same batches" in capsys.readouterr().out
