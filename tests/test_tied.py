@@ -226,14 +226,16 @@ def test_positions_through_views_and_label_embeddings_are_exact(how, n):
 
 
 def assert_left_out_by_name(problem, quantity, name, match):
-    """One step: ``name`` is left out with a warning matching ``match``; every other
-    parameter the loss reached keeps its rows, and the step is recorded (never lost)."""
+    """One step: ``name`` (or each of a tuple of names) is left out with a warning matching
+    ``match``; every other parameter the loss reached keeps its rows, and the step is
+    recorded (never lost)."""
+    names = {name} if isinstance(name, str) else set(name)
     with pytest.warns(UserWarning, match=match):
         cockpit = run_step(problem, [quantity])
     got = rows(cockpit, type(quantity).__name__)
     reached = {n for n, p in problem.model.named_parameters() if p.requires_grad and p.grad is not None}
-    assert name in reached and name not in got
-    assert set(got) == (reached - {name}) | {schema.NETWORK}
+    assert names <= reached and not names & set(got)
+    assert set(got) == (reached - names) | {schema.NETWORK}
 
 
 @pytest.mark.parametrize("n", [NANO_CONTEXT, 3])
@@ -270,14 +272,28 @@ class TiedToANorm(nn.Module):
         return self.head(torch.tanh(self.lin(self.norm(self.embedding(idx)))))
 
 
+class LinearRunTwice(nn.Module):
+    """One Linear applied twice in a row (ALBERT's shared layer, in small): no tie, so no
+    layer is marked, and BackPACK computes both calls from the second call's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.lin, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(self.embedding(idx))))))
+
+
 @pytest.mark.parametrize("model, name, reason", [
     (SharedModule, "shared.weight", "ran 2 times in one forward pass"),
     (TiedToANorm, "norm.weight", "used as the bias of a Linear"),
+    (LinearRunTwice, ("lin.bias", "lin.weight"), r"its layer \(Linear\) ran several times in one forward pass"),
 ])
 def test_uses_that_cannot_be_combined_are_refused_by_name(model, name, reason):
     problem = _token_problem(model(), 3)
     quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)
-    assert_left_out_by_name(problem, quantity, name, rf"\['{name}'\].*{reason}")
+    listed = ", ".join(f"'{n}'" for n in ((name,) if isinstance(name, str) else name))
+    assert_left_out_by_name(problem, quantity, name, rf"\[{listed}\].*{reason}")
 
 
 def test_the_front_door_tracks_nanogpt_under_its_first_names():

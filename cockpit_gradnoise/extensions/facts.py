@@ -36,8 +36,10 @@ class BackwardFacts:
         unmarked_uses: The same count of the layers not marked by
             ``prepare_model`` as holding a tied parameter (whose uses are not
             combined, :mod:`.tied`).
+        writers: ``{(extension class, id(param)): {id(module)}}``, the layers that
+            wrote it (one layer twice: a layer run several times, refused).
         shared_ids: ``{id(param)}`` of the parameters some extension wrote on
-            more than once, once at least from an unmarked layer (what
+            more than once from several layers, one at least unmarked (what
             :meth:`shared` asks; a set, as it is asked for every parameter by
             every quantity).
         refusals: ``{id(param): reason}``, parameters whose results this
@@ -71,6 +73,7 @@ class BackwardFacts:
         self.refusals: Dict[int, str] = {}
         self.setup_refusals: Set[int] = set()
         self.shared_ids: Set[int] = set()
+        self.writers: Dict[tuple, Set[int]] = {}
         self.leading_sizes: Dict[int, int] = {}
         self.owners: Dict[int, str] = {}
         self.arena = None
@@ -87,9 +90,21 @@ class BackwardFacts:
                 key = (type(extension), id(param))
                 self.uses[key] += 1
                 self.unmarked_uses[key] += attribute not in marked
+                self.writers.setdefault(key, set()).add(id(module))
                 if self.uses[key] > 1 and self.unmarked_uses[key]:
-                    self.shared_ids.add(id(param))
+                    self._shared_or_run_again(key, module, param)
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
+
+    def _shared_or_run_again(self, key, module: nn.Module, param):
+        """A second result on ``param``: from another layer, a tie ``prepare_model`` did not
+        mark (:meth:`shared`, the quantities raise naming the fix); from the same layer, a
+        layer run several times in one forward pass, whose first call BackPACK computed from
+        the last call's input: refused for the model's structure (left out with a warning)."""
+        if len(self.writers[key]) > 1:
+            self.shared_ids.add(id(param))
+        else:
+            self.refuse(param, f"its layer ({type(module).__name__}) ran several times in one "
+                        "forward pass, and BackPACK keeps the last input of a layer only")
 
     def record_owner(self, module: nn.Module):
         """Record ``module``'s class as the owner of its own parameters (the first module
