@@ -53,10 +53,12 @@ def plot_task(baseline, runs, unit, path):
         left.loglog(grid * steps, steps, "-", color="0.6", lw=1,
                     label="(S/S_min - 1)(E/E_min - 1) = 1")
     for arm in ARMS:
-        mine = [r for r in runs if r.arm == arm and math.isfinite(r.steps)]
+        mine = [r for r in runs if r.arm == arm]
+        done = [r for r in mine if math.isfinite(r.steps)]
         if mine:
-            left.plot([r.examples for r in mine], [r.steps for r in mine], "x" if arm == "fixed"
-                      else "o", color=COLORS[arm], label=arm)
+            left.plot([r.examples for r in done], [r.steps for r in done], "x" if arm == "fixed"
+                      else "o", color=COLORS[arm],
+                      label=f"{arm} ({len(done)} of {len(mine)} reached)")
     for axis in (left.xaxis, left.yaxis):
         axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.set_xlabel(f"examples to loss {baseline.target:g} ({unit})")
@@ -66,15 +68,15 @@ def plot_task(baseline, runs, unit, path):
     for run in runs:
         if not run.batches:
             continue
-        seen = np.concatenate([[0], np.cumsum(run.batches)])
-        right.step(seen, [*run.batches, run.batches[-1]], where="post", color=COLORS[run.arm],
+        right.step(np.cumsum(run.batches), run.batches, where="pre", color=COLORS[run.arm],
                    alpha=1.0 if run.seed == min(r.seed for r in runs) else 0.35, lw=1,
                    label=run.arm if run.seed == min(r.seed for r in runs) else None)
     if math.isfinite(baseline.b_crit):
         right.axhline(baseline.b_crit, color="0.4", ls=":", lw=1,
                       label=f"B_crit (fit) {baseline.b_crit:.3g}")
     right.set_yscale("log", base=2)
-    right.set_xlabel(f"examples seen ({unit})")
+    right.set_xscale("log")
+    right.set_xlabel(f"examples seen after the step ({unit})")
     right.set_ylabel("batch of the step")
     right.set_title("batch over training (first seed solid)", fontsize=10)
     right.legend(fontsize=7)
@@ -118,6 +120,8 @@ def verdicts(rows, task) -> List[str]:
         if row["reached"] < row["runs"]:
             lines.append(f"- {task}, {arm}: {row['runs'] - row['reached']} of {row['runs']} "
                          f"runs did not reach the target.")
+        if not row["reached"]:
+            continue
         below = row["value"] < 1
         lines.append(f"- {task}, {arm}: mean frontier value {_n(row['value'])} "
                      f"({'below' if below else 'not below'} 1); {row['beats']} of "
@@ -227,7 +231,18 @@ def write_page(stored, tasks, out) -> Path:
         "batch at the fitted $B_{\\text{crit}}$. The issue's targets: the adaptive run below "
         "1 on both tasks, and at most the warmup's steps at no more of its examples.", "",
         f"What ran: {what_ran(stored)}.", "",
+        "Mean frontier value $(S/S_{\\min} - 1)(E/E_{\\min} - 1)$ over the runs that reached "
+        "the target (reached of run); below 1 beats the fixed batches:", "",
+        "| task | " + " | ".join(ARMS) + " |", "|---|" + "---|" * len(ARMS),
     ]
+    for entry in stored:
+        rows = summary([run_from_json(r) for r in entry["runs"]],
+                       baseline_from_json(entry["baseline"]))
+        lines.append(f"| {entry['task']} | " + " | ".join(
+            f"{_n(rows[a]['value']) if rows[a]['reached'] else 'none reached'} "
+            f"({rows[a]['reached']} of {rows[a]['runs']})" if a in rows
+            else "not run" for a in ARMS) + " |")
+    lines.append("")
     for entry in stored:
         task = tasks[entry["task"]]
         baseline = baseline_from_json(entry["baseline"])
