@@ -318,6 +318,10 @@ def section(data: dict) -> str:
     for library, row in counts(results).items():
         lines.append(f"| {library} | " + " | ".join(str(row[s]) for s in STATUSES)
                      + f" | {sum(row.values())} |")
+    if data.get("not_reached"):
+        lines += ["", f"Not reached in this run ({len(data['not_reached'])}, the time given to the "
+                  "run ran out; `--resume` continues it): "
+                  + ", ".join(f"`{key}`" for key in data["not_reached"]) + "."]
     for library in ("transformers", "timm", "torchvision"):
         records = sorted((r for r in results.values() if r["library"] == library),
                          key=lambda r: r["name"])
@@ -365,6 +369,10 @@ def main(argv=None):
     parser.add_argument("--results", default=None, help=f"JSON file (default {RESULTS})")
     parser.add_argument("--resume", action="store_true", help="skip models in the JSON file")
     parser.add_argument("--page", action="store_true", help=f"write the section of {PAGE}")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: write the JSON (and the page) from --merge's files")
+    parser.add_argument("--reverse", action="store_true",
+                        help="last model first (a second process from the other end)")
     parser.add_argument("--merge", nargs="*", default=[],
                         help="JSON files of earlier runs (run in parallel) to start from")
     args = parser.parse_args(argv)
@@ -373,12 +381,21 @@ def main(argv=None):
     for earlier in args.merge + ([path] if args.resume and path and os.path.exists(path) else []):
         with open(earlier) as handle:
             previous.update(json.load(handle)["results"])
-    results = sweep(jobs_of(args.quick, args.only), args.timeout, previous, path)
+    jobs = jobs_of(args.quick, args.only)
+    if args.no_run:
+        results = {key: previous[key] for key in (f"{lib}/{name}" for lib, name in jobs)
+                   if key in previous}
+        if path:
+            write_results(results, path)
+    else:
+        results = sweep(jobs[::-1] if args.reverse else jobs, args.timeout, previous, path)
     for library, row in counts(results).items():
         print(library, {s: n for s, n in row.items() if n})
     if args.page:
+        not_reached = [f"{lib}/{name}" for lib, name in jobs if f"{lib}/{name}" not in results]
         write_page({"versions": versions(), "tolerance": TOLERANCE,
-                    "float32_tolerance": FLOAT32_TOLERANCE, "results": results})
+                    "float32_tolerance": FLOAT32_TOLERANCE, "results": results,
+                    "not_reached": not_reached})
     return results
 
 
