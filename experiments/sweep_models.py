@@ -21,7 +21,7 @@ BATCH = 4
 LENGTH = 7  # not the batch size: a coincidence of sizes must not pass for exactness
 VOCABULARY = 99
 IMAGE = 32
-TIMM_IMAGE = 64
+TIMM_IMAGE = 32
 
 # transformers' tasks, in the order a model type takes its first: one head per architecture.
 TASKS = (
@@ -296,7 +296,7 @@ def torchvision_case(family: str, model_name: str = "") -> Case:
     name = model_name or _smallest(torchvision_families()[family],
                                    lambda n: torchvision.models.get_model(n, num_classes=5))
     errors = []
-    for size in (64, 224, 299):
+    for size in (32, 64, 224, 299):
         try:
             model = torchvision.models.get_model(name, num_classes=5).double().eval()
             images = torch.randn(BATCH, 3, size, size, dtype=torch.float64)

@@ -19,6 +19,9 @@ def frame(errors, scales, notes=None):
 def test_a_structural_zero_is_compared_with_the_networks_scale_and_a_wrong_row_is_not_hidden():
     # key bias: reference rounding noise (1e-17), rows another noise: relative error 1
     assert sweep.classify(frame([1e-15, 1.0], [1.0, 1e-17]), set())["status"] == "exact"
+    # Funnel's k_head.bias: noise at 2e-9 of the network's scale, 1.5e-8 of its own
+    assert sweep.classify(frame([1e-15, 1.5e-8], [1.0, 2e-9]), set())["status"] == "exact"
+    assert sweep.classify(frame([1e-15, 1.5e-8], [1.0, 1e-7]), set())["status"] == "inexact"
     # rows of 1e-3 where the reference is zero to rounding: 1e14 times its scale
     record = sweep.classify(frame([1e-15, 1e14], [1.0, 1e-17]), set())
     assert record["status"] == "inexact" and record["worst_param"] == "p1"
