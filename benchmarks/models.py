@@ -58,6 +58,31 @@ def make_gpt():
 GPT_VOCABULARY, GPT_CONTEXT = 96, 64
 
 
+class _Logits(nn.Module):
+    """``model(input_ids).logits`` of a Hugging Face causal language model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def make_moe():
+    """A Mixtral-style mixture of experts (``transformers``' ``MixtralForCausalLM``, random
+    weights): 2 layers of width 128, 8 experts of width 256, top-2 routing, 4 heads,
+    sequence 64 and vocabulary 96 as the GPT's; its blocks are recomputed per example
+    (``extensions/fallback/blocks.py``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=GPT_VOCABULARY, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=GPT_CONTEXT)
+    return _Logits(MixtralForCausalLM(config).eval())
+
+
 def classification_loss(reduction):
     return nn.CrossEntropyLoss(reduction=reduction)
 
@@ -96,6 +121,7 @@ MODELS = {
     "cnn": ModelSpec(make_cnn, images(1, 28, 28), 128),
     "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
+    "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
 }
 
 

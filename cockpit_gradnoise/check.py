@@ -212,6 +212,8 @@ def check_model(
         module = owners[id(param)]
         note = _why_no_rows(param, module, recorded, examples)
         how = how_computed(module, param)
+        if id(param) in recorded.block_rows:  # (extensions/fallback/blocks.py)
+            how = f"per example (its block {recorded.block_rows[id(param)]} run on each example)"
         if interact or recorded.examples_interact:
             how += ", contributions through the batch"
         error = scale = math.nan

@@ -64,6 +64,8 @@ class BackwardFacts:
         inside_blocks: ``{id(module)}`` of the modules inside a block that computes their
             parameters' results itself in this pass (:mod:`.fallback.blocks`): they get none
             of their own.
+        block_rows: ``{id(param): class name}`` of the block that computed a parameter's
+            results (for the checker's "how").
     """
 
     def __init__(self):
@@ -80,6 +82,7 @@ class BackwardFacts:
         self.layer_cache = LayerCache()
         self.call = None
         self.inside_blocks: Set[int] = set()
+        self.block_rows: Dict[int, str] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""

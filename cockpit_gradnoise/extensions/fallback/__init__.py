@@ -48,6 +48,9 @@ How it is wired, one file each:
   fallback and nothing is theirs, ``_RecordingExtension._rules_run``):
   once per module and backward pass, every active package extension's
   results, each extension taking its own;
+- :mod:`.blocks`: a module's parent that runs it on rows that are not examples (a
+  mixture-of-experts block's router and experts on flattened tokens) takes over:
+  it is run again on each example alone, and gives every parameter inside it its rows;
 - :mod:`.parameters`: which parameters, and the module run with others in
   their place and without its hooks.
 

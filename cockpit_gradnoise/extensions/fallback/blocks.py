@@ -47,9 +47,9 @@ layer outside) leaves that parameter out.
 """
 
 import math
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Union
 
-from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions import cost_model, facts, precision
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -207,7 +207,8 @@ class Interacting(Exception):
 
 def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
                           params: Dict[str, nn.Parameter]) -> Iterator[Dict[str, Tensor]]:
-    """``{name: x_i[None]}`` for each example ``i``: the block run again on example ``i``
+    """``{name: [x_i for i in a chunk]}``, chunk by chunk (:func:`.cost_model.examples_per_chunk`
+    examples: one reduction per chunk), ``x_i`` from the block run again on example ``i``
     alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring).
 
     Raises:
@@ -219,6 +220,9 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
     tensors = list(params.values())
     eps = torch.finfo(call.autocast[1] if call.autocast else block.output.dtype).eps
     tolerance = math.sqrt(eps) * float(block.output.abs().max()) if block.output.numel() else 0.0
+    numel = sum(p.numel() for p in tensors)
+    size = min(examples, cost_model.examples_per_chunk(max(numel, 1), tensors[0].element_size()))
+    chunk = {name: p.new_empty(size, *p.shape) for name, p in params.items()}
     for i in range(examples):
         leaves = [leaf[i : i + 1] if k in batched else leaf for k, leaf in enumerate(call.leaves)]
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
@@ -232,11 +236,17 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
                 "examples interact (a capacity limit, routing over the batch) or its forward pass "
                 "is random (router jitter, dropout in training mode)")
         found = torch.autograd.grad(first, tensors, grad[i : i + 1].to(first.dtype), allow_unused=True)
-        yield {name: (torch.zeros_like(p) if g is None else g).unsqueeze(0)
-               for (name, p), g in zip(params.items(), found)}
+        for (name, rows), g in zip(chunk.items(), found):
+            if g is None:
+                rows[i % size].zero_()
+            else:
+                rows[i % size].copy_(g)
+        if i % size == size - 1 or i == examples - 1:
+            yield {name: rows[: i % size + 1] for name, rows in chunk.items()}
 
 
-def compute(module: nn.Module, block: Block, grad: Tensor, savefields) -> Dict[str, Dict[str, Tensor]]:
+def compute(module: nn.Module, block: Block, grad: Tensor,
+            savefields) -> Union[Dict[str, Dict[str, Tensor]], str]:
     """``{savefield: {name: result}}`` of every trainable parameter of the block, plus
     ``sum_i x_i`` (:data:`LOCAL_GRADIENT_SAVEFIELD`) and ``||x_i||^2`` for the check; or a
     refusal's reason (a string)."""
@@ -293,6 +303,7 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
             for savefield in savefields:
                 setattr(param, savefield, results[savefield][name])
             recorded.leading_sizes[id(param)] = grad.shape[0]
+            recorded.block_rows[id(param)] = type(module).__name__
     finally:
         for handle in block.handles:
             handle.remove()

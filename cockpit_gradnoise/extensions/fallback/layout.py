@@ -139,7 +139,8 @@ def state_kept(model: nn.Module, devices: List[int]):
             for now, before in attributes:
                 for name in [name for name in now if name not in before]:
                     del now[name]
-                now.update((name, value) for name, value in before.items() if now[name] is not value)
+                now.update((name, value) for name, value in before.items()
+                           if now.get(name, state_kept) is not value)
             for buffers, originals in saved:
                 buffers.update(originals)
 
