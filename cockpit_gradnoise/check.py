@@ -205,12 +205,18 @@ def check_model(
         loss_fn(prepared(*inputs), targets).backward()
     owners = _owners(prepared)
     examples = inputs[0].shape[0]
+    coincident = facts.batch_by_coincidence(
+        {name: recorded.leading_sizes[id(param)] for name, param in prepared.named_parameters()
+         if id(param) in recorded.leading_sizes}, examples)
     records = []
     for name, param in prepared.named_parameters():
         if not param.requires_grad:
             continue
         module = owners[id(param)]
         note = _why_no_rows(param, module, recorded, examples)
+        if not note and name in coincident:
+            note = (f"leads with the batch size ({examples}) by coincidence: layers of its kind "
+                    "run on rows that are not examples")
         how = how_computed(module, param)
         if id(param) in recorded.block_rows:  # (extensions/fallback/blocks.py)
             how = f"per example (its block {recorded.block_rows[id(param)]} run on each example)"

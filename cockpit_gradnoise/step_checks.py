@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cockpit_gradnoise._compat import import_cockpit
-from cockpit_gradnoise.extensions import sharded
+from cockpit_gradnoise.extensions import facts, sharded
 from cockpit_gradnoise.logs.schema import NETWORK
 
 import torch
@@ -420,6 +420,18 @@ class ParameterChecks:
         # Most layers see the batch: a count in info that disagrees with them is wrong.
         check_example_count(max(set(sizes), key=sizes.count), examples)
         batchless = {n: leading[id(p)] for n, p in named if leading.get(id(p), examples) != examples}
+        coincident = facts.batch_by_coincidence(
+            {n: leading[id(p)] for n, p in named if id(p) in leading}, examples)
+        if coincident:
+            self.warn(
+                "coincident",
+                f"parameters {sorted(coincident)} belong to layers whose output leads with "
+                f"the batch size ({examples}) while layers of their kind (the same name up "
+                "to its numbers, e.g. other experts of a mixture-of-experts block) run on "
+                "rows that are not examples: their rows are taken for the same, and left "
+                f"out of {NETWORK!r} with those (never counted as examples by coincidence)",
+                quantity,
+            )
         if batchless:
             self.warn(
                 "batchless",
@@ -432,4 +444,4 @@ class ParameterChecks:
                 f"left out of {NETWORK!r}",
                 quantity,
             )
-        return [(n, p) for n, p in named if n not in batchless]
+        return [(n, p) for n, p in named if n not in batchless and n not in coincident]

@@ -13,8 +13,9 @@ their rules reach the one started last through :func:`recording`, the one
 accessor. During a pass only that object changes.
 """
 
+import re
 from collections import Counter
-from typing import Dict, Set
+from typing import Dict, Mapping, Set
 
 from cockpit_gradnoise.extensions._layer_cache import LayerCache
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
@@ -152,6 +153,25 @@ class BackwardFacts:
 #: the patched BackPACK ``__init__``s (``normalization._STOCK_INITS``) and the tests'
 #: setting ``cost_model.FORCE_METHOD``.
 _RECORDING = [BackwardFacts()]
+
+
+def batch_by_coincidence(leading: Mapping[str, int], examples: int) -> Set[str]:
+    """The parameters whose layer's rows number the batch by coincidence.
+
+    Layers of one kind (the same name up to the numbers in it: the experts of a
+    mixture-of-experts block, ``experts.expert_0.wo`` to ``experts.expert_3.wo``) run
+    on rows of one kind. Where some of them lead with another size than the batch
+    (the tokens routed to an expert), those leading with the batch size have rows
+    that are not examples too (4 tokens routed to an expert of a batch of 4): they
+    are left out with the others, never taken for per-example rows.
+
+    Args:
+        leading: ``{parameter name: leading size of its layer's output}``.
+        examples: The batch size.
+    """
+    kind = {name: re.sub(r"\d+", "#", name) for name in leading}
+    other = {kind[name] for name, size in leading.items() if size != examples}
+    return {name for name, size in leading.items() if size == examples and kind[name] in other}
 
 
 def begin() -> BackwardFacts:
