@@ -10,7 +10,6 @@ from cockpit_gradnoise.extensions.facts import batch_by_coincidence
 
 import pytest
 import torch
-from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.helpers import rows
