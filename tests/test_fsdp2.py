@@ -6,7 +6,9 @@ join timeout, collectives time out). The model has a layer of width 7 (uneven
 shards over 2 and 3 processes: 4 + 3 and 3 + 3 + 1 rows), a frozen layer and an unused
 one (2 rows: an empty shard on the third process). Each job is compared with one process
 holding the whole model and the whole global batch (all processes' examples, all
-micro-batches), tracked by the same quantities, with the DDP tests' tolerance.
+micro-batches), tracked by the same quantities, with the DDP tests' tolerance. The jobs
+run the loop of docs/distributed.md's FSDP2 section (prepare_model, fully_shard, a
+Cockpit over the sharded parameters).
 
 Jobs: ``fully_shard`` on every Linear and the root with ``reshard_after_forward=True``
 (mean loss, unequal local batches), on the root only with ``False`` (sum loss), two

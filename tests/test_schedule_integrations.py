@@ -9,7 +9,8 @@ micro-batches per optimizer step and learning rates are compared with those
 the rule gives, and its tracker's numbers with a loop by hand over the same
 groups of batches; a run resumed from its checkpoint continues the same
 schedule. The real ``cgn.BatchSchedule`` changes the accumulation of a real
-fit too (its bootstrap under ``quantities="norms"``).
+fit too (its bootstrap under ``quantities="norms"``). These runs are those of
+docs/training-setups.md's section on a schedule in the Trainers.
 """
 
 import copy
