@@ -144,7 +144,9 @@ def tiny_config(model_type: str):
     default = AutoConfig.for_model(model_type)
     values = {key: value for key, value in default.to_dict().items()
               if key not in ("out_features", "out_indices", "stage_names")}  # follow the stages
-    return type(default)(**{**values, **_tiny_kwargs(default)})
+    # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
+    # (transformers' default) refuse float64, which the references need.
+    return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager"})
 
 
 def transformers_architectures() -> Dict[str, Tuple[str, str]]:
