@@ -64,6 +64,8 @@ class Call:
     children: List["ChildCall"] = field(default_factory=list)
     #: The input of a call ``module(x)`` with one tensor and one tensor out (detached), else ``None``.
     one_input: Optional[Tensor] = None
+    #: The leading sizes of the output's tensors (:func:`output_sizes`), for :mod:`.layout`.
+    output_sizes: List[Optional[int]] = field(default_factory=list)
     #: The call's own part of the autograd graph (:class:`Nodes`).
     nodes: "Nodes" = field(default_factory=lambda: Nodes())
 
@@ -253,7 +255,7 @@ def _same_tensor(leaf, earlier: ChildCall) -> bool:
             and leaf.shape == output.shape and output._version == earlier.version)
 
 
-def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
+def tensor_positions(output) -> Optional[Tuple[int, ...]]:
     """The output's tensors as the backward hooks hand their gradients over."""
     if isinstance(output, Tensor):
         return None
@@ -262,13 +264,20 @@ def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
     return ()  # no tensor whose gradient a backward hook would report
 
 
+def output_sizes(output) -> List[Optional[int]]:
+    """The leading sizes of the output's tensors, in the order of :func:`tensor_positions`."""
+    positions = tensor_positions(output)
+    tensors = [output] if positions is None else [output[p] for p in positions]
+    return [t.shape[0] if t.dim() > 0 else None for t in tensors]
+
+
 def _capture(module, args, kwargs, output):
     """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``,
     nor while the model's hooks are idle)."""
     if idle(module):
         return
     state = getattr(module, ATTRIBUTE, None)
-    positions = _tensor_positions(output)
+    positions = tensor_positions(output)
     if state is None or not torch.is_grad_enabled() or positions == ():
         if state is not None:
             state.recording = None
@@ -280,7 +289,7 @@ def _capture(module, args, kwargs, output):
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
-                children=state.recording or [])
+                children=state.recording or [], output_sizes=output_sizes(output))
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None

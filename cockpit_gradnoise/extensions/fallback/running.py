@@ -14,7 +14,7 @@ import functools
 import warnings
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import cost_model
+from cockpit_gradnoise.extensions import cost_model, facts
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -70,6 +70,8 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor],
     if not batched_leaves(call, sizes.pop(), layout):
         return ("none of its inputs leads with the batch dimension of its output and depends "
                 "on the batch")
+    if 0 not in layout.outputs:
+        return "its (first) output does not depend on the batch (its gradient is the batch's sum)"
     return None
 
 
@@ -101,24 +103,41 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         contributions = form.contributions(module, call.one_input, grads[0], form.eps)
         return reduce_chunks(iter([contributions]), savefields)
     if reason is None:
+        # An output without the batch dimension has no gradient per example (.replay: blind).
+        grads = {p: g for p, g in grads.items() if p in layout.outputs}
         params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
         examples = next(iter(grads.values())).shape[0]
         batched = batched_leaves(call, examples, layout)
         numel = sum(p.numel() for p in params.values())
         size = cost_model.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        blind: Dict[str, str] = {}
         chunks = (
             per_example_gradients(module, params, call, batched, layout.children, grads,
-                                  start, start + size)
+                                  start, start + size, blind)
             for start in range(0, examples, size)
         )
         try:
-            return reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = reduce_chunks(with_structural_zeros(chunks), savefields)
+            _leave_out(module, state, blind)
+            return results
         except Refused as error:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     _refuse(module, state, reason)
     return {}
+
+
+def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
+    """The parameters the recomputation could not give rows (``blind``, name: why): refused
+    in the pass's facts (the quantities leave them out, naming them), warned once."""
+    params = computed_parameters(module, state.call)
+    for name, reason in blind.items():
+        facts.recording().refuse(params[name], f"{type(module).__name__}.{name}: {reason}")
+        if (name, reason) not in state.warned:
+            state.warned.add((name, reason))
+            warnings.warn(f"cockpit-gradnoise: {type(module).__name__}.{name} gets no per-example "
+                          f"rows from the torch.func fallback: {reason}", stacklevel=4)
 
 
 def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
