@@ -6,8 +6,9 @@ output's gradient only, and the bias's gradient there would be the whole batch's
 anyway (the bias has no batch dimension): the fallback gave ``dense_bias`` zeros as its
 rows, a wrong number with no warning. A parameter that reaches such an output is now
 left out with a warning naming it; the others keep exact rows (float64 references:
-``check.reference_contributions``). Also: a later output of a tuple that is per example,
-and a first output without the batch dimension whose leading size equals the batch size.
+``check.reference_contributions``). Also: a later output of a tuple that is per example
+(exact: its gradient is kept by a tensor hook), and a first output without the batch
+dimension whose leading size equals the batch size (refused).
 """
 
 import copy
@@ -22,6 +23,7 @@ from torch import nn
 
 from tests.cases import Problem, classification_losses, token_losses
 from tests.library_models import Logits
+from tests.test_silent_inexact import assert_exact
 from tests.test_tied import assert_left_out_by_name, assert_matches_references
 
 BLIND = r"reaches an output of its module that has no gradient per example"
@@ -29,7 +31,7 @@ BLIND = r"reaches an output of its module that has no gradient per example"
 
 class ReturnsBias(nn.Module):
     """A layer scale that returns its bias for the parent to add (as GPT-NeoX-Japanese's
-    attention); ``per_example_second``: returns ``x * beta`` instead, per example."""
+    attention); ``per_example_second``: returns ``x * gamma * beta`` instead, per example."""
 
     def __init__(self, width, per_example_second=False):
         super().__init__()
@@ -37,17 +39,18 @@ class ReturnsBias(nn.Module):
         self.per_example_second = per_example_second
 
     def forward(self, x):
-        return x * self.gamma, x * self.beta if self.per_example_second else self.beta
+        return x * self.gamma, x * self.gamma * self.beta if self.per_example_second else self.beta
 
 
 class AddsBias(nn.Module):
-    def __init__(self, width=5, per_example_second=False):
+    def __init__(self, width=5, per_example_second=False, uses_second=True):
         super().__init__()
         self.block, self.head = ReturnsBias(width, per_example_second), nn.Linear(width, 3)
+        self.uses_second = uses_second
 
     def forward(self, x):
         y, b = self.block(x)
-        return self.head(torch.tanh(y + b.expand_as(y)))
+        return self.head(torch.tanh(y + b.expand_as(y) if self.uses_second else y))
 
 
 class Table(nn.Module):
@@ -91,12 +94,15 @@ def test_a_bias_returned_for_the_parent_to_add_is_left_out_by_name(batch):
     assert_exact_but(AddsBias().double(), inputs, targets, "block.beta", r"ReturnsBias\.beta.*" + BLIND)
 
 
+@pytest.mark.parametrize("uses_it", [True, False])
 @pytest.mark.parametrize("batch", [3, 5])
-def test_a_later_output_per_example_that_depends_on_a_parameter_is_left_out_by_name(batch):
+def test_a_later_output_per_example_is_exact_used_or_not(batch, uses_it):
+    """``x * gamma * beta`` as a second output: its gradient (kept by a tensor hook; the hooks
+    hand over the first output's only) gives exact rows; unused by the parent, it reaches
+    no loss and takes nothing (``gamma`` exact through the first output, ``beta`` unused)."""
     torch.manual_seed(0)
     inputs, targets = torch.randn(batch, 5, dtype=torch.float64), torch.randint(0, 3, (batch,))
-    assert_exact_but(AddsBias(per_example_second=True).double(), inputs, targets, "block.beta",
-                     r"ReturnsBias\.beta.*" + BLIND)
+    assert_exact(AddsBias(per_example_second=True, uses_second=uses_it).double(), inputs, targets)
 
 
 @pytest.mark.parametrize("batch", [4, 3])
@@ -131,3 +137,13 @@ def test_gpt_neox_japanese_leaves_out_its_dense_bias_and_is_exact_elsewhere(batc
     inputs, targets = torch.randint(0, 13, (batch, 6)), torch.randint(0, 13, (batch, 6))
     assert_exact_but(gpt_neox_japanese(), inputs, targets, "model.gpt_neox_japanese.layers.1.attention.dense_bias",
                      r"GPTNeoXJapaneseAttention\.dense_bias.*" + BLIND, losses=token_losses("mean"))
+
+
+def test_the_checker_names_why_a_returned_bias_has_no_rows():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    with pytest.warns(UserWarning, match=BLIND):
+        frame = cgn.check_model(AddsBias(), x, y, nn.CrossEntropyLoss(), verbose=False)
+    rows = frame.set_index("param")
+    assert not rows.loc["block.beta"].rows and "no gradient per example" in rows.loc["block.beta"].note
+    assert rows.loc["block.gamma"].rows and rows.loc["block.gamma"].max_rel_error < 1e-10

@@ -66,6 +66,12 @@ class Call:
     one_input: Optional[Tensor] = None
     #: The leading sizes of the output's tensors (:func:`output_sizes`), for :mod:`.layout`.
     output_sizes: List[Optional[int]] = field(default_factory=list)
+    #: The gradients of the later output tensors (positions 1, 2, ... of ``outputs``), which
+    #: the hooks do not hand over: kept by tensor hooks as the backward pass reaches them.
+    later_grads: Dict[int, Tensor] = field(default_factory=dict)
+    #: Later outputs that require grad and are leaves (a parameter returned as it is): no
+    #: hook on them (it would stay); whether they got a gradient is not known.
+    unhooked: List[int] = field(default_factory=list)
     #: The call's own part of the autograd graph (:class:`Nodes`).
     nodes: "Nodes" = field(default_factory=lambda: Nodes())
 
@@ -294,11 +300,29 @@ def _capture(module, args, kwargs, output):
         call.one_input = leaves[0]
     state.recording = None
     state.call, state.results, state.taken = call, None, False
+    _keep_later_gradients(call, output)
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))
+
+
+def _keep_later_gradients(call: Call, output) -> None:
+    """Hook the later output tensors that require grad: their gradients, where the backward
+    pass brings one, are kept on ``call`` (one that gets none did not reach the loss)."""
+    for p, position in enumerate((call.outputs or ())[1:], 1):
+        tensor = output[position]
+        if not tensor.requires_grad:
+            continue
+        if tensor.grad_fn is None:
+            call.unhooked.append(p)
+        else:
+            tensor.register_hook(functools.partial(_keep_output_gradient, call, p))
+
+
+def _keep_output_gradient(call: Call, p: int, grad: Tensor):
+    call.later_grads[p] = grad.detach()
 
 
 def _releaser(state: Fallback):

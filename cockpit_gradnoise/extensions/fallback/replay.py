@@ -29,7 +29,7 @@ from torch.utils import _pytree
 def per_example_gradients(
     module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
     batched_children: Collection[int], grads: Dict[int, Tensor], start: int, stop: int,
-    blind: Optional[Dict[str, str]] = None,
+    blind_outputs: Sequence[int] = (), blind: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
@@ -44,11 +44,12 @@ def per_example_gradients(
     ``batched_children`` the children's calls whose outputs depend on it (:mod:`.layout`),
     ``grads`` the output gradients by output position.
 
-    An output without a gradient per example (a later output of a tuple, whose gradient
-    the hooks do not hand over; one without the batch dimension, whose gradient is the
-    whole batch's sum: a bias returned for the parent to add) is *blind*: the parameters
-    it depends on are left out of the result and named in ``blind`` (with why), never
-    given their contributions through the other outputs only.
+    ``blind_outputs`` are the positions of outputs that got a gradient but none per example
+    (one without the batch dimension, whose gradient is the whole batch's sum: a bias
+    returned for the parent to add) or may have (a parameter returned as it is): the
+    parameters they depend on are left out of the result and named in ``blind`` (with
+    why), never given their contributions through the other outputs only. An output in
+    neither (no gradient: it did not reach the loss) contributes nothing.
     """
     positions = list(grads)
     total = grads[positions[0]].shape[0]
@@ -78,8 +79,7 @@ def per_example_gradients(
             args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         with own_parameters(module, own), replay.replacing(module, recorded):
             output = module.forward(*args, **kwargs)
-        every = range(len(call.outputs)) if call.outputs is not None else (0,)
-        ordered = [*positions, *(p for p in every if p not in grads)]
+        ordered = [*positions, *blind_outputs]
         outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in ordered)
         return outputs, tuple(sink for sink, _ in replay.sinks)
 
@@ -96,7 +96,7 @@ def per_example_gradients(
     with hooks_off(module), caches_bypassed(module), _math_attention(), torch.enable_grad(), \
             precision.autocast_as(call.autocast):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
-    count = len(positions) + _blind_count(call, grads)
+    count = len(positions) + len(blind_outputs)
     outputs, sinks = results[: len(positions)], results[count : len(results) - len(biases.names)]
     _refuse_blind(copies, results[len(positions) : count], blind)
     copies = {name: copy for name, copy in copies.items() if name not in (blind or {})}
@@ -119,11 +119,6 @@ def per_example_gradients(
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
 
 
-def _blind_count(call: Call, grads: Dict[int, Tensor]) -> int:
-    """How many of the call's output tensors got no gradient per example."""
-    return 0 if call.outputs is None else sum(p not in grads for p in range(len(call.outputs)))
-
-
 def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],
                   blind: Optional[Dict[str, str]]) -> None:
     """Name in ``blind`` the copies the ``outputs`` without a gradient per example depend on:
@@ -138,9 +133,9 @@ def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],
     for name, grad in zip(copies, reached):
         if grad is not None:
             blind.setdefault(name, (
-                "it reaches an output of its module that has no gradient per example (a later "
-                "output of a tuple, or one without the batch dimension, such as a bias returned "
-                "for the parent to add), so its contributions through that output are unknown"))
+                "it reaches an output of its module that has no gradient per example (one "
+                "without the batch dimension, such as a bias returned for the parent to add: its "
+                "gradient is the batch's sum), so its contributions through it are unknown"))
 
 
 def used_by_forward(call: Call, params: Dict[str, Tensor]) -> List[str]:
