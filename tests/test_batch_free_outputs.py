@@ -33,19 +33,21 @@ class ReturnsBias(nn.Module):
     """A layer scale that returns its bias for the parent to add (as GPT-NeoX-Japanese's
     attention); ``per_example_second``: returns ``x * gamma * beta`` instead, per example."""
 
-    def __init__(self, width, per_example_second=False):
+    def __init__(self, width, per_example_second=False, computed=False):
         super().__init__()
         self.gamma, self.beta = nn.Parameter(torch.randn(width)), nn.Parameter(torch.randn(width))
-        self.per_example_second = per_example_second
+        self.per_example_second, self.computed = per_example_second, computed
 
     def forward(self, x):
-        return x * self.gamma, x * self.gamma * self.beta if self.per_example_second else self.beta
+        if self.per_example_second:
+            return x * self.gamma, x * self.gamma * self.beta
+        return x * self.gamma, 2 * self.beta if self.computed else self.beta
 
 
 class AddsBias(nn.Module):
-    def __init__(self, width=5, per_example_second=False, uses_second=True):
+    def __init__(self, width=5, per_example_second=False, uses_second=True, computed=False):
         super().__init__()
-        self.block, self.head = ReturnsBias(width, per_example_second), nn.Linear(width, 3)
+        self.block, self.head = ReturnsBias(width, per_example_second, computed), nn.Linear(width, 3)
         self.uses_second = uses_second
 
     def forward(self, x):
@@ -87,11 +89,15 @@ def assert_exact_but(model, inputs, targets, left_out, match, losses=None):
     assert_matches_references(problem, inner_terms=1, grads=grads)
 
 
+@pytest.mark.parametrize("computed", [False, True])
 @pytest.mark.parametrize("batch", [3, 5])
-def test_a_bias_returned_for_the_parent_to_add_is_left_out_by_name(batch):
+def test_a_bias_returned_for_the_parent_to_add_is_left_out_by_name(batch, computed):
+    """Returned as it is (a leaf: no hook on it) or computed (``2 * beta``: its gradient,
+    ``[5]``, leads with the batch size at batch 5, and is the batch's sum all the same)."""
     torch.manual_seed(0)
     inputs, targets = torch.randn(batch, 5, dtype=torch.float64), torch.randint(0, 3, (batch,))
-    assert_exact_but(AddsBias().double(), inputs, targets, "block.beta", r"ReturnsBias\.beta.*" + BLIND)
+    assert_exact_but(AddsBias(computed=computed).double(), inputs, targets, "block.beta",
+                     r"ReturnsBias\.beta.*" + BLIND)
 
 
 @pytest.mark.parametrize("uses_it", [True, False])
