@@ -66,7 +66,15 @@ a module with a BatchNorm in training mode inside (its examples interact), a
 forward pass ``vmap`` cannot run per example (random operations such as
 dropout in training mode, data-dependent Python), and an input changed in
 place after the call, and a parameter the forward pass used that the
-recomputation did not use (a tensor computed from it and kept: :func:`.replay.used_by_forward`).
+recomputation did not use (a tensor computed from it and kept: :func:`.replay.used_by_forward`),
+and a module whose first output does not depend on the batch (:mod:`.layout`). A later
+output of a tuple (the hooks hand over the first's gradient only) has its gradient kept by
+a tensor hook (:mod:`.capture`), and the module computes at the end of the backward pass:
+one per example is used as the first; one that got no gradient reached no loss. Left out by
+name (the quantities leave it out, warning): a parameter that reaches an output with a
+gradient but none per example, one without the batch dimension (GPT-NeoX-Japanese's attention
+returns its ``dense_bias`` for its parent to add: that gradient is the batch's sum) or a
+parameter returned as it is (:func:`.replay.per_example_gradients`).
 Inside the recomputation, the hooks of the module and
 its submodules are switched off (:func:`.parameters.hooks_off`): BackPACK's would
 overwrite the inputs it stored for the real backward pass.

@@ -64,6 +64,14 @@ class Call:
     children: List["ChildCall"] = field(default_factory=list)
     #: The input of a call ``module(x)`` with one tensor and one tensor out (detached), else ``None``.
     one_input: Optional[Tensor] = None
+    #: The leading sizes of the output's tensors (:func:`output_sizes`), for :mod:`.layout`.
+    output_sizes: List[Optional[int]] = field(default_factory=list)
+    #: The gradients of the later output tensors (positions 1, 2, ... of ``outputs``), which
+    #: the hooks do not hand over: kept by tensor hooks as the backward pass reaches them.
+    later_grads: Dict[int, Tensor] = field(default_factory=dict)
+    #: Later outputs that require grad and are leaves (a parameter returned as it is): no
+    #: hook on them (it would stay); whether they got a gradient is not known.
+    unhooked: List[int] = field(default_factory=list)
     #: The call's own part of the autograd graph (:class:`Nodes`).
     nodes: "Nodes" = field(default_factory=lambda: Nodes())
 
@@ -253,7 +261,7 @@ def _same_tensor(leaf, earlier: ChildCall) -> bool:
             and leaf.shape == output.shape and output._version == earlier.version)
 
 
-def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
+def tensor_positions(output) -> Optional[Tuple[int, ...]]:
     """The output's tensors as the backward hooks hand their gradients over."""
     if isinstance(output, Tensor):
         return None
@@ -262,13 +270,20 @@ def _tensor_positions(output) -> Optional[Tuple[int, ...]]:
     return ()  # no tensor whose gradient a backward hook would report
 
 
+def output_sizes(output) -> List[Optional[int]]:
+    """The leading sizes of the output's tensors, in the order of :func:`tensor_positions`."""
+    positions = tensor_positions(output)
+    tensors = [output] if positions is None else [output[p] for p in positions]
+    return [t.shape[0] if t.dim() > 0 else None for t in tensors]
+
+
 def _capture(module, args, kwargs, output):
     """Forward hook: keep the call's arguments for the backward pass (not under ``no_grad``,
     nor while the model's hooks are idle)."""
     if idle(module):
         return
     state = getattr(module, ATTRIBUTE, None)
-    positions = _tensor_positions(output)
+    positions = tensor_positions(output)
     if state is None or not torch.is_grad_enabled() or positions == ():
         if state is not None:
             state.recording = None
@@ -280,16 +295,34 @@ def _capture(module, args, kwargs, output):
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
-                children=state.recording or [])
+                children=state.recording or [], output_sizes=output_sizes(output))
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None
     state.call, state.results, state.taken = call, None, False
+    _keep_later_gradients(call, output)
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))
+
+
+def _keep_later_gradients(call: Call, output) -> None:
+    """Hook the later output tensors that require grad: their gradients, where the backward
+    pass brings one, are kept on ``call`` (one that gets none did not reach the loss)."""
+    for p, position in enumerate((call.outputs or ())[1:], 1):
+        tensor = output[position]
+        if not tensor.requires_grad:
+            continue
+        if tensor.grad_fn is None:
+            call.unhooked.append(p)
+        else:
+            tensor.register_hook(functools.partial(_keep_output_gradient, call, p))
+
+
+def _keep_output_gradient(call: Call, p: int, grad: Tensor):
+    call.later_grads[p] = grad.detach()
 
 
 def _releaser(state: Fallback):

@@ -35,6 +35,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     PARENT_ATTRIBUTE,
     Call,
     Fallback,
+    output_sizes,
 )
 from cockpit_gradnoise.extensions.fallback.parameters import foreign, hooks_off
 
@@ -51,11 +52,15 @@ class Layout:
         leaves: Indices of the call's flattened arguments (:class:`.capture.Call`'s
             ``leaves``) that depend on the batch.
         children: Indices of the children's calls whose output depends on it.
+        outputs: Positions of the output's tensors (:func:`.capture.tensor_positions`)
+            that depend on it: one that does not (a bias returned for the parent to add)
+            has no gradient per example.
         refusal: Why no layout could be learned (``None`` if it was).
     """
 
     leaves: FrozenSet[int] = frozenset()
     children: FrozenSet[int] = frozenset()
+    outputs: FrozenSet[int] = frozenset()
     refusal: Optional[str] = None
 
 
@@ -91,6 +96,7 @@ class _Sizes:
     def __init__(self):
         self.leaves: Dict[nn.Module, List[Optional[int]]] = {}
         self.children: Dict[nn.Module, List[Optional[int]]] = {}
+        self.outputs: Dict[nn.Module, List[Optional[int]]] = {}
         self.active: Dict[nn.Module, List[Optional[int]]] = {}
 
     def install(self, modules: List[nn.Module]) -> list:
@@ -109,6 +115,7 @@ class _Sizes:
         leaves, _ = _pytree.tree_flatten((args, kwargs))
         self.leaves[module] = [_leading(leaf) for leaf in leaves]
         self.children[module] = self.active.pop(module, [])
+        self.outputs[module] = output_sizes(output)
 
     def _child(self, child, args, output):
         parent = getattr(child, PARENT_ATTRIBUTE, None)
@@ -207,9 +214,11 @@ def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) 
         leaves = _depends(real_leaves, sizes.leaves.get(module, []))
         children = _depends(real_children, sizes.children.get(module, [])) \
             if isinstance(state, Fallback) else frozenset()  # a block replays no child
-        if leaves is None or children is None:
+        outputs = _depends(state.call.output_sizes, sizes.outputs.get(module, [])) \
+            if isinstance(state, Fallback) else frozenset()  # a block's output is read otherwise
+        if leaves is None or children is None or outputs is None:
             state.layouts[key] = Layout(refusal=(
                 "which of its inputs are per example could not be learned: a forward pass "
                 "with one example more called it differently"))
         else:
-            state.layouts[key] = Layout(leaves, children)
+            state.layouts[key] = Layout(leaves, children, outputs)

@@ -29,6 +29,7 @@ from torch.utils import _pytree
 def per_example_gradients(
     module: nn.Module, params: Dict[str, Tensor], call: Call, batched: Sequence[int],
     batched_children: Collection[int], grads: Dict[int, Tensor], start: int, stop: int,
+    blind_outputs: Sequence[int] = (), blind: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Tensor]:
     """``{name: x_i}`` (``[stop - start, *shape]``) for examples ``start:stop``.
 
@@ -42,6 +43,13 @@ def per_example_gradients(
     the indices of the leaves that lead with the batch dimension and depend on the batch,
     ``batched_children`` the children's calls whose outputs depend on it (:mod:`.layout`),
     ``grads`` the output gradients by output position.
+
+    ``blind_outputs`` are the positions of outputs that got a gradient but none per example
+    (one without the batch dimension, whose gradient is the whole batch's sum: a bias
+    returned for the parent to add) or may have (a parameter returned as it is): the
+    parameters they depend on are left out of the result and named in ``blind`` (with
+    why), never given their contributions through the other outputs only. An output in
+    neither (no gradient: it did not reach the loss) contributes nothing.
     """
     positions = list(grads)
     total = grads[positions[0]].shape[0]
@@ -71,7 +79,8 @@ def per_example_gradients(
             args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         with own_parameters(module, own), replay.replacing(module, recorded):
             output = module.forward(*args, **kwargs)
-        outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in positions)
+        ordered = [*positions, *blind_outputs]
+        outputs = (output,) if call.outputs is None else tuple(output[call.outputs[p]] for p in ordered)
         return outputs, tuple(sink for sink, _ in replay.sinks)
 
     biases = _LinearBiases([name for name, copy in copies.items()
@@ -87,7 +96,12 @@ def per_example_gradients(
     with hooks_off(module), caches_bypassed(module), _math_attention(), torch.enable_grad(), \
             precision.autocast_as(call.autocast):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
-    outputs, sinks = results[: len(positions)], results[len(positions) : len(results) - len(biases.names)]
+    count = len(positions) + len(blind_outputs)
+    outputs, sinks = results[: len(positions)], results[count : len(results) - len(biases.names)]
+    _refuse_blind(copies, results[len(positions) : count], blind)
+    copies = {name: copy for name, copy in copies.items() if name not in (blind or {})}
+    if not copies:
+        return {}, {}
     spread = results[len(results) - len(biases.names) :]  # F.linear's outputs, [n, ..., out]
     pairs = [(out, grads[p][start:stop].unsqueeze(1)) for out, p in zip(outputs, positions)]
     pairs += [(sink, cotangent) for sink, (_, cotangent) in zip(sinks, replay.sinks)]
@@ -103,6 +117,25 @@ def per_example_gradients(
     contributions = {name: torch.zeros_like(copy) if x is None else x
                      for (name, copy), x in zip(copies.items(), found) if x is not None or "." not in name}
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
+
+
+def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],
+                  blind: Optional[Dict[str, str]]) -> None:
+    """Name in ``blind`` the copies the ``outputs`` without a gradient per example depend on:
+    their contributions through those outputs cannot be had from the output gradients."""
+    outputs = [out for out in outputs if _depends_on_copies(out)]
+    if not outputs:
+        return
+    if blind is None:
+        raise Refused("an output without a gradient per example depends on its parameters")
+    reached = torch.autograd.grad(outputs, list(copies.values()), [torch.ones_like(o) for o in outputs],
+                                  retain_graph=True, allow_unused=True)
+    for name, grad in zip(copies, reached):
+        if grad is not None:
+            blind.setdefault(name, (
+                "it reaches an output of its module that has no gradient per example (one "
+                "without the batch dimension, such as a bias returned for the parent to add: its "
+                "gradient is the batch's sum), so its contributions through it are unknown"))
 
 
 def used_by_forward(call: Call, params: Dict[str, Tensor]) -> List[str]:

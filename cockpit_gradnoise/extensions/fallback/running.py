@@ -14,7 +14,7 @@ import functools
 import warnings
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import cost_model
+from cockpit_gradnoise.extensions import cost_model, facts
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -55,7 +55,7 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor],
         return "no call of the module was recorded in the forward pass (prepare the model first)"
     if 0 not in grads:  # the first output's gradient is where the batch is read from
         return "its (first) output received no gradient"
-    sizes = {g.shape[0] if g.dim() else None for g in grads.values()}
+    sizes = {g.shape[0] if g.dim() else None for p, g in grads.items() if p == 0 or p in layout.outputs}
     if len(sizes) != 1 or None in sizes:
         return f"its outputs lead with different sizes {sorted(map(str, sizes))}"
     for k, version in call.versions.items():
@@ -70,6 +70,8 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor],
     if not batched_leaves(call, sizes.pop(), layout):
         return ("none of its inputs leads with the batch dimension of its output and depends "
                 "on the batch")
+    if 0 not in layout.outputs:
+        return "its (first) output does not depend on the batch (its gradient is the batch's sum)"
     return None
 
 
@@ -85,9 +87,10 @@ def batched_leaves(call: Call, examples: int, layout: Layout) -> List[int]:
 
 
 def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
-    """``{output position: gradient}`` of the outputs that received one."""
-    positions = (0,) if call.outputs is None else range(len(call.outputs))
-    return {p: g_out[p] for p in positions if p < len(g_out) and g_out[p] is not None}
+    """``{output position: gradient}`` of the outputs that received one: the first's from
+    the hooks (``g_out``), the later ones' as their tensor hooks kept them."""
+    found = {0: g_out[0]} if g_out and g_out[0] is not None else {}
+    return {**found, **call.later_grads}
 
 
 def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
@@ -101,24 +104,43 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         contributions = form.contributions(module, call.one_input, grads[0], form.eps)
         return reduce_chunks(iter([contributions]), savefields)
     if reason is None:
+        # An output without the batch dimension has no gradient per example (.replay: blind);
+        # one that got no gradient did not reach the loss.
+        blind_outputs = [p for p in grads if p not in layout.outputs] + call.unhooked
+        grads = {p: g for p, g in grads.items() if p in layout.outputs}
         params = {n: p.detach() for n, p in computed_parameters(module, call).items()}
         examples = next(iter(grads.values())).shape[0]
         batched = batched_leaves(call, examples, layout)
         numel = sum(p.numel() for p in params.values())
         size = cost_model.examples_per_chunk(max(numel, 1), next(iter(params.values())).element_size())
+        blind: Dict[str, str] = {}
         chunks = (
             per_example_gradients(module, params, call, batched, layout.children, grads,
-                                  start, start + size)
+                                  start, start + size, blind_outputs, blind)
             for start in range(0, examples, size)
         )
         try:
-            return reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = reduce_chunks(with_structural_zeros(chunks), savefields)
+            _leave_out(module, state, blind)
+            return results
         except Refused as error:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     _refuse(module, state, reason)
     return {}
+
+
+def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
+    """The parameters the recomputation could not give rows (``blind``, name: why): refused
+    in the pass's facts (the quantities leave them out, naming them), warned once."""
+    params = computed_parameters(module, state.call)
+    for name, reason in blind.items():
+        facts.recording().refuse(params[name], f"{type(module).__name__}.{name}: {reason}")
+        if (name, reason) not in state.warned:
+            state.warned.add((name, reason))
+            warnings.warn(f"cockpit-gradnoise: {type(module).__name__}.{name} gets no per-example "
+                          f"rows from the torch.func fallback: {reason}", stacklevel=4)
 
 
 def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
@@ -173,7 +195,9 @@ def _after_backward(state: Fallback) -> bool:
     """Whether the computation needs gradients the backward pass has not reached yet: those
     flowing into the children (the module's hook runs when its output's gradient arrives)."""
     form = state.closed_form is not None and state.call.one_input is not None
-    return not form and any(child.viewed for child in state.call.children)
+    # Also the later outputs' gradients (.capture._keep_later_gradients), which may come later.
+    later = state.call.outputs is not None and len(state.call.outputs) > 1
+    return not form and (later or any(child.viewed for child in state.call.children))
 
 
 def _defer(module: nn.Module, state: Fallback, g_out, savefields: List[str]) -> None:
