@@ -300,17 +300,24 @@ def _capture(module, args, kwargs, output):
         call.one_input = leaves[0]
     state.recording = None
     state.call, state.results, state.taken = call, None, False
-    _keep_later_gradients(call, output)
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))
+    return _keep_later_gradients(call, output)
 
 
-def _keep_later_gradients(call: Call, output) -> None:
+def _keep_later_gradients(call: Call, output) -> Optional[tuple]:
     """Hook the later output tensors that require grad: their gradients, where the backward
-    pass brings one, are kept on ``call`` (one that gets none did not reach the loss)."""
+    pass brings one, are kept on ``call`` (one that gets none did not reach the loss).
+
+    The hook goes on an alias of each (``view_as``), returned in its place: a later output
+    can also lead to the first inside the module (an attention's weights to its output),
+    and a hook on the tensor itself would add the gradient flowing back through the module
+    to the one from outside, counting that path twice. ``None``: the output is unchanged.
+    """
+    replaced = list(output) if call.outputs and len(call.outputs) > 1 else None
     for p, position in enumerate((call.outputs or ())[1:], 1):
         tensor = output[position]
         if not tensor.requires_grad:
@@ -318,7 +325,12 @@ def _keep_later_gradients(call: Call, output) -> None:
         if tensor.grad_fn is None:
             call.unhooked.append(p)
         else:
-            tensor.register_hook(functools.partial(_keep_output_gradient, call, p))
+            alias = tensor.view_as(tensor)
+            alias.register_hook(functools.partial(_keep_output_gradient, call, p))
+            replaced[position] = alias
+    if replaced is None:
+        return None
+    return type(output)._make(replaced) if hasattr(output, "_make") else tuple(replaced)  # a namedtuple
 
 
 def _keep_output_gradient(call: Call, p: int, grad: Tensor):
