@@ -131,13 +131,19 @@ def run_group(world, out, target=None):
     return results, error, out
 
 
-def worker(rank, world, port, out):
+def join_group(rank, world, port):
+    """This process's place in the gloo group on loopback: one thread, collectives that time
+    out, BackPACK's hook warning off (the workers of this file and of test_fsdp2)."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=GLOO_TIMEOUT),
     )
+
+
+def worker(rank, world, port, out):
+    join_group(rank, world, port)
     out = Path(out)
     results = {}
     jobs = [(config.id, lambda config=config: ddp_steps(config)) for config in CONFIGS[world]]

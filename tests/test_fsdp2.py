@@ -17,7 +17,6 @@ ParamGradRatio and UpdateSize are compared with one process whose ``param.grad``
 FSDP2's, the gradient of the mean over processes of their local losses.
 """
 
-import datetime
 import math
 import warnings
 from pathlib import Path
@@ -33,9 +32,9 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.test_distributed import (
-    GLOO_TIMEOUT,
     assert_identical,
     assert_tables_match,
+    join_group,
     results_of,
     run_group,
 )
@@ -217,12 +216,7 @@ def twice_tables(world, rank=None, mesh=None):
 
 
 def worker(rank, world, port, out):
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT),
-    )
+    join_group(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
