@@ -55,7 +55,8 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 
 
 #: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals.
-FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                    "GradientVarianceQuantiles", "PreconditionedNoiseScale")
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):

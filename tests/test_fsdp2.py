@@ -12,7 +12,7 @@ Cockpit over the sharded parameters).
 
 Jobs: ``fully_shard`` on every Linear and the root with ``reshard_after_forward=True``
 (mean loss, unequal local batches), on the root only with ``False`` (sum loss), two
-micro-batches accumulated, and GradientVarianceQuantiles (not exact under FSDP2 yet) refused by name.
+micro-batches accumulated, and a quantity not marked exact under FSDP2 refused by name.
 ParamGradRatio and UpdateSize are compared with one process whose ``param.grad`` is
 FSDP2's, the gradient of the mean over processes of their local losses.
 """
@@ -165,6 +165,12 @@ def fsdp2_job(job, world, rank, mesh):
     return {"table": table(cockpit), "warnings": [str(w.message) for w in caught]}
 
 
+class NotMarked(cgn.GradientNoiseScale):
+    """A quantity not marked exact under FSDP2 (``supports_fsdp2``)."""
+
+    supports_fsdp2 = False
+
+
 def refused_job(mesh):
     """The error of a quantity not exact under FSDP2, at its tracked step."""
     from torch.distributed.fsdp import fully_shard
@@ -172,8 +178,7 @@ def refused_job(mesh):
     model = make_model()
     fully_shard(model, mesh=mesh)
     named = trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
-        cgn.GradientVarianceQuantiles(linear(1), param_names=dict(named))])
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[NotMarked(linear(1), param_names=dict(named))])
     x, y = make_batch(4, seed=0)
     try:
         run_steps(model, cockpit, [[(x, y)]], "mean")
@@ -232,14 +237,15 @@ def worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def reference(job, world):
-    """One process, the whole model and every step's whole global batch; the optimizer
-    steps with FSDP2's gradient, the mean over processes of the local ones."""
+def reference(job, world, quantities=per_example):
+    """One process, the whole model and every step's whole global batch, tracked by
+    ``quantities(names)``; the optimizer steps with FSDP2's gradient, the mean over
+    processes of the local ones."""
     _, _, reduction = JOBS[job]
     model = make_model()
     named = trainable(model)
     params = [p for _, p in named]
-    cockpit = cgn.Cockpit(params, quantities=per_example(dict(named)))
+    cockpit = cgn.Cockpit(params, quantities=quantities(dict(named)))
     gradient_cockpit = cgn.Cockpit(params, quantities=from_grad(dict(named)))
     optimizer = torch.optim.SGD(params, lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))

@@ -72,7 +72,8 @@ CHILD = textwrap.dedent('''
         return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     EXPLICIT = {
-        # GradientNoiseScale is exact under FSDP2 on two processes or more (tests/test_fsdp2.py).
+        # GradientNoiseScale and GradientVarianceQuantiles are exact under FSDP2 on two processes
+        # or more (tests/test_fsdp2.py, tests/test_fsdp2_variance.py).
         "explicit_after_fsdp2": (fully_sharded, cgn.GradientNoiseScale),
         "explicit_fsdp2_variance": (fully_sharded, cgn.GradientVarianceQuantiles),
         "explicit_tensor_parallel": (tensor_parallel_of, cgn.GradientNoiseScale),
@@ -108,7 +109,7 @@ CASES = {
     "fsdp1": "the class FullyShardedDataParallel, from FSDP (FullyShardedDataParallel)",
     "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
     "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",
-    "explicit_fsdp2_variance": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
+    "explicit_fsdp2_variance": "FSDP2 on one process, from FSDP2 (fully_shard)",
     "explicit_tensor_parallel": "a DTensor parameter not sharded by FSDP2, from tensor parallelism",
 }
 

@@ -65,6 +65,7 @@ from cockpit_gradnoise.functional.variance import (
 )
 from cockpit_gradnoise.functional.variance_statistics import (
     sd_statistics,
+    sd_statistics_across,
     sd_statistics_in_place,
     sd_statistics_of_layers,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "scalar",
     "sd_and_signal_to_noise",
     "sd_statistics",
+    "sd_statistics_across",
     "sd_statistics_in_place",
     "sd_statistics_of_layers",
     "signal_to_noise",

@@ -118,3 +118,30 @@ def sd_statistics_in_place(
     )
     rows = [_sd_row(levels, row, snr_row) for row, snr_row in zip(rows, snr_rows)]
     return rows, _sd_row(levels, union, snr_union) if network else None
+
+
+def sd_statistics_across(
+    sds: Sequence[Tensor], snrs: Sequence[Tensor], levels: Sequence[float], network: bool
+) -> Tuple[List[Dict[str, float]], Optional[Dict[str, float]]]:
+    """:func:`sd_statistics_of_layers` where each process holds some elements of each layer.
+
+    Under FSDP2 every element of a layer's ``sd`` and SNR lives on one process
+    (its shard, possibly empty); the statistics are those of all processes'
+    elements together, identical on every process
+    (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`:
+    exact quantiles by a distributed selection, nothing gathered). Collective:
+    every process passes the same layers, in order.
+
+    Args:
+        sds: Per layer, this process's elements of :func:`gradient_sd`.
+        snrs: Per layer, this process's :func:`signal_to_noise` (NaN, left out
+            on devices other than the CPU, is dropped here).
+        levels: Quantile levels.
+        network: Whether to compute the union's statistics too.
+    """
+    snrs = [snr[~snr.isnan()] for snr in snrs]
+    union = [[list(sds)], [list(snrs)]] if network else [[], []]
+    sd_rows = order_statistics.quantile_summaries_across(list(sds) + union[0], levels)
+    snr_rows = order_statistics.quantile_summaries_across(list(snrs) + union[1], SNR_LEVELS)
+    rows = [_sd_row(levels, sd, snr or []) for sd, snr in zip(sd_rows, snr_rows)]
+    return rows[: len(sds)], rows[-1] if network else None

@@ -45,9 +45,12 @@ The modules: :mod:`~cockpit_gradnoise.order_statistics.ranks` (levels, ranks,
 (the functions above, on any device), :mod:`~cockpit_gradnoise.order_statistics.buckets`
 (the CPU's bucket selection), :mod:`~cockpit_gradnoise.order_statistics.partition`
 (NumPy partitions of arrays the caller owns), :mod:`~cockpit_gradnoise.order_statistics.on_device`
-(``torch.sort`` on other devices).
+(``torch.sort`` on other devices), :mod:`~cockpit_gradnoise.order_statistics.distributed`
+(elements spread over processes, FSDP2's shards: a bisection on the values' bits
+with counts added across processes).
 """
 
+from cockpit_gradnoise.order_statistics.distributed import quantile_summaries_across
 from cockpit_gradnoise.order_statistics.on_device import kept_quantile_summary
 from cockpit_gradnoise.order_statistics.partition import (
     COUNT_PIECE,
@@ -82,6 +85,7 @@ __all__ = [
     "kept_quantile_summary",
     "quantile_ranks",
     "quantile_summaries",
+    "quantile_summaries_across",
     "quantile_summaries_in_place",
     "quantile_summary",
     "quantiles",

@@ -6,6 +6,7 @@ from cockpit_gradnoise import _device, distributed, functional, order_statistics
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.logs import schema
+from cockpit_gradnoise.quantities import _shards
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.step import Batch
@@ -72,6 +73,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     """
 
     extension_classes = (SumsOfContributions,)
+    supports_fsdp2 = True
     # "rounding_magnitudes": R of sums expanded over positions (a convolution's
     # weight with few positions: functional.expansion_rounding_bound); 0-dim 0 elsewhere.
     sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM,
@@ -88,10 +90,12 @@ class GradientVarianceQuantiles(ParameterQuantity):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.quantiles = order_statistics.check_quantile_levels(quantiles)
         self._in_place = True  # sd and SNR may overwrite the sums (step_context)
+        self._cuts = None  # under FSDP2, {name: this process's rows} (step_context)
 
     def step_context(self, step, params):
         # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
         self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
+        self._cuts = _shards.cuts(self.trainable(params))
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
         # One batch on one process: the sums stay in units of x (scale 1), as sd
@@ -128,10 +132,16 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares,
                 "rounding_magnitudes": magnitudes}
 
+    def named_value_from_sums(self, name, sums, batch):
+        if self._cuts is not None:  # FSDP2: this process's elements of the reduced sums
+            rank = distributed.rank()
+            sums = {key: _shards.local_part(value, self._cuts[name], rank) for key, value in sums.items()}
+        return self.value_from_sums(sums, batch)
+
     def value_from_sums(self, sums, batch):
         grad, squares = sums["sum_of_contributions"], sums["sum_of_squared_contributions"]
         magnitudes = sums["rounding_magnitudes"]
-        if _fused(grad, squares, magnitudes):
+        if self._cuts is None and _fused(grad, squares, magnitudes):
             # Formed with the other layers' in statistics_of_values: into
             # buffers of the network's elements, small layers together (sums
             # expanded over positions alone: their bound adds their R).
@@ -164,6 +174,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
             return [], None
         values, joined = _formed(values, self._in_place)
         sds, snrs, left_out = zip(*values)
+        if self._cuts is not None:  # FSDP2: each process holds some elements of each layer
+            return functional.sd_statistics_across(sds, snrs, self.quantiles, network)
         if _device.on_host(sds[0]):
             # Reorders the values, which are this step's own and read only here.
             return functional.sd_statistics_in_place(

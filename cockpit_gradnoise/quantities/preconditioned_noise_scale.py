@@ -1,10 +1,10 @@
 """The noise scale Adam sees: ``B_simple`` of the preconditioned gradients ``P g_i``, per layer."""
 
 from cockpit_gradnoise import distributed
-from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions
+from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, sharded
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
-from cockpit_gradnoise.quantities import preconditioners
+from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, GradientNoiseScale
 
@@ -102,6 +102,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         self._preconditioner = None  # this step's OptimizerPreconditioner
         self._params = {}  # name -> parameter, this step's
         self._scalars_scaled = False  # sums in units of x_i, scalars divided by c^2 (step_context)
+        self._cuts = None  # under FSDP2, {name: this process's rows} (step_context)
 
     def step_context(self, step, params):
         batch = step.loss_batch(self)
@@ -109,6 +110,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         # One batch on one process: the sums stay in units of x_i = c g_i, and the two
         # scalars are divided by c^2 (no pass over them); else in units of g_i, to add.
         self._scalars_scaled = micro is None and distributed.world_size() == 1
+        self._cuts = _shards.cuts(self.trainable(params))
         if micro is not None and not micro.last:
             return batch  # P is read after the last micro-batch, from the step's gradient
         try:
@@ -154,6 +156,16 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     def named_value_from_sums(self, name, sums, batch):
         weights = self._preconditioner.preconditioner(self._params[name])
         n = batch.examples
+        if self._cuts is not None:
+            # FSDP2: P of this process's shard (the optimizer's state is a sharded DTensor
+            # beside the parameter: elementwise, its local values are those of the whole
+            # P's rows), on the same rows of the sums; the partial sums over elements
+            # are added across processes in statistics_of_values.
+            rank = distributed.rank()
+            sums = {key: _shards.local_part(value, self._cuts[name], rank) for key, value in sums.items()}
+            if weights is not None:
+                weights = sharded.local_tensor(weights)
+                weights = weights if self._cuts[name] is not None else _shards.local_part(weights, None, rank)
         mean_squared_norm, squared_norm_of_mean = preconditioned_noise_sums(
             weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True
         )
@@ -161,3 +173,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             scale = batch.loss_scale**2
             mean_squared_norm, squared_norm_of_mean = mean_squared_norm / scale, squared_norm_of_mean / scale
         return mean_squared_norm, squared_norm_of_mean, n
+
+    def statistics_of_values(self, values, network):
+        if self._cuts is not None and values:  # FSDP2: every process's partial sums added
+            values = _shards.added_across_processes(values)
+        return super().statistics_of_values(values, network)

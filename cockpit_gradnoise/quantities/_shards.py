@@ -1,0 +1,86 @@
+"""FSDP2: this process's shard of a parameter's per-element sums, cut where FSDP2 cuts the parameter.
+
+FSDP2 (``fully_shard``) keeps on each process a ``DTensor`` parameter of one
+placement, ``Shard(dim)`` (``dim = 0`` unless a ``shard_placement_fn`` says
+otherwise), cut with :func:`torch.chunk`: process ``r`` of ``W`` holds the
+rows ``[r c, (r + 1) c)`` of ``dim`` (``c = ceil(size / W)``, clipped at the
+size: the last processes may hold fewer rows, or none). The per-element sums
+of a parameter (reduced over the processes, identical on each) are cut the
+same way (:func:`local_part`), so that every element is held by exactly one
+process, beside the optimizer's state and the gradient of the same elements.
+A parameter that is not sharded (outside every ``fully_shard`` module) is held
+whole by process 0 and by no other, so that no element counts twice.
+"""
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise import distributed
+
+import torch
+from torch import Tensor
+
+#: ``(dim, start, stop)`` of this process's rows, or ``None`` for a parameter that is
+#: not sharded (whole on process 0, nothing elsewhere).
+Cut = Optional[Tuple[int, int, int]]
+
+
+def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
+    """``{name: Cut}`` where some parameter is an FSDP2 ``DTensor``, else ``None`` (nothing sharded).
+
+    Raises:
+        RuntimeError: Where a parameter's local shard is not the rows FSDP2's
+            ``torch.chunk`` gives this process (a layout this module does not know).
+    """
+    if not any(type(param).__name__ == "DTensor" for _, param in named_params):
+        return None
+    return {name: _cut(name, param) for name, param in named_params}
+
+
+def _cut(name: str, param) -> Cut:
+    if type(param).__name__ != "DTensor":
+        return None
+    placements = param.placements
+    dim = getattr(placements[0], "dim", None) if len(placements) == 1 else None
+    mesh = param.device_mesh
+    if dim is None or mesh.ndim != 1:
+        raise RuntimeError(
+            f"cockpit_gradnoise: parameter {name!r} is a DTensor placed {placements} on a "
+            f"{mesh.ndim}-D mesh; only FSDP2's one Shard(dim) on a 1-D mesh is supported"
+        )
+    size, world, rank = param.shape[dim], mesh.size(), mesh.get_local_rank()
+    rows = -(-size // world)
+    start = min(rank * rows, size)
+    stop = min(start + rows, size)
+    local = param.to_local().shape[dim]
+    if local != stop - start:
+        raise RuntimeError(
+            f"cockpit_gradnoise: parameter {name!r}'s shard on process {rank} has {local} rows "
+            f"of dim {dim}, not the {stop - start} that torch.chunk gives: a layout not supported"
+        )
+    return dim, start, stop
+
+
+def local_part(full: Tensor, cut: Cut, rank: int) -> Tensor:
+    """This process's part of ``full`` (shaped as the parameter): a copy of its rows.
+
+    A 0-dim tensor (a per-parameter number, not per element) is returned as it is.
+    """
+    if full.dim() == 0:
+        return full
+    if cut is None:
+        return full.clone() if rank == 0 else full.reshape(-1)[:0]
+    dim, start, stop = cut
+    return full.narrow(dim, start, stop - start).clone()  # the reduced buffer can then be freed
+
+
+def added_across_processes(values: List[Tuple[float, float, int]]) -> List[Tuple[float, float, int]]:
+    """``(S, M, N)`` per parameter with ``S`` and ``M`` (sums over elements, each process's
+    over its own) added over the processes, in rank order: the same floats on every process.
+
+    Collective (one ``all_reduce`` of ``W x 2P`` float64 numbers).
+    """
+    local = torch.tensor([float(v) for value in values for v in value[:2]], dtype=torch.float64)
+    table = distributed.gather_rows(local).tolist()
+    totals = [math.fsum(column) for column in zip(*table)]
+    return [(totals[2 * k], totals[2 * k + 1], value[2]) for k, value in enumerate(values)]
