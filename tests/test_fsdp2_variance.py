@@ -133,7 +133,31 @@ def selection_job(world, rank):
         quantile_summaries_across([mine[0] if rank else torch.tensor([math.nan])], levels)
     except ValueError as error:
         nan_error = str(error)
-    return {"found": found, "levels": levels, "nan_error": nan_error}
+    return {"found": found, "levels": levels, "nan_error": nan_error, "keys": search_job(world, rank)}
+
+
+def search_keys(world, rank):
+    """Small integer keys (ties, gaps, negatives): the search's points often land on them."""
+    union = torch.tensor([-7, -7, -3, 0, 0, 1, 2, 2, 2, 5, 64, 65, 66, 200, 4096, 4097], dtype=torch.int64)
+    return union[rank::world], union
+
+
+def search_job(world, rank):
+    """Every rank of the keys' union, by the search with 64 points and with 2 (a bisection)."""
+    from cockpit_gradnoise.order_statistics import distributed as selection
+
+    mine, union = search_keys(world, rank)
+    targets = [([0], k) for k in range(union.numel())]
+    found = []
+    for points in (64, 2):
+        default = selection.POINTS
+        selection.POINTS = points
+        try:
+            values = selection.select_across([mine], targets)
+        finally:
+            selection.POINTS = default
+        found.append(selection.order_keys(torch.tensor(values, dtype=torch.float64)).tolist())
+    return found
 
 
 def worker(rank, world, port, out):
@@ -186,6 +210,8 @@ def test_distributed_selection_is_numpys_quantile_on_every_process(groups, world
         assert same(summary[:-1], numpy.quantile(values, levels).tolist()), (summary, values)
         assert summary[-1] == pytest.approx(float(values.sum()) / values.size, rel=1e-12, nan_ok=True)
     assert found[0][-1] is None
+    for keys in (r["keys"] for r in results):  # an element's key, at every rank
+        assert keys == [search_keys(world, 0)[1].tolist()] * 2
     assert all("NaN" in r["nan_error"] for r in results)
 
 

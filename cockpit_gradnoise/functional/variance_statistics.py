@@ -141,7 +141,12 @@ def sd_statistics_across(
     """
     snrs = [snr[~snr.isnan()] for snr in snrs]
     union = [[list(sds)], [list(snrs)]] if network else [[], []]
-    sd_rows = order_statistics.quantile_summaries_across(list(sds) + union[0], levels)
-    snr_rows = order_statistics.quantile_summaries_across(list(snrs) + union[1], SNR_LEVELS)
+    sd_groups, snr_groups = list(sds) + union[0], list(snrs) + union[1]
+    # One search for both: its rounds of collectives are shared.
+    found = order_statistics.quantile_summaries_across(
+        sd_groups + snr_groups, levels,
+        group_levels=[levels] * len(sd_groups) + [SNR_LEVELS] * len(snr_groups),
+    )
+    sd_rows, snr_rows = found[: len(sd_groups)], found[len(sd_groups) :]
     rows = [_sd_row(levels, sd, snr or []) for sd, snr in zip(sd_rows, snr_rows)]
     return rows[: len(sds)], rows[-1] if network else None
