@@ -11,7 +11,8 @@ interleaved rounds of:
 - a plain FSDP2 step (forward, loss, backward with FSDP2's reduce-scatter);
 - an FSDP2 step tracked by a Cockpit holding the four quantities exact under
   FSDP2, every step, and one holding each of them alone;
-- the same model under DDP, plain and tracked by the same four quantities.
+- the same model under DDP, plain, tracked by the same four quantities, and
+  by GradientVarianceQuantiles alone.
 
 Medians over the rounds, on rank 0, and the ratios tracked / plain. Each
 process's peak resident memory (``ru_maxrss``) is printed once at the end: it
@@ -40,6 +41,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+# Alone, under FSDP2 and DDP: its sums sharded, quantiles by a distributed selection.
+VARIANCE = "GradientVarianceQuantiles"
 
 
 def mlp():
@@ -98,6 +101,8 @@ def main(argv=None):
         **{f"fsdp2 {name}": step_of(sharded, cockpit_of(sharded, [name])) for name in QUANTITIES},
         "ddp plain": step_of(ddp),
         "ddp tracked (4)": step_of(ddp, cockpit_of(replicated, QUANTITIES)),
+        f"fsdp2 {VARIANCE}": step_of(sharded, cockpit_of(sharded, [VARIANCE])),
+        f"ddp {VARIANCE}": step_of(ddp, cockpit_of(replicated, [VARIANCE])),
     }
     local = args.batch_size // world
     torch.manual_seed(1 + rank)

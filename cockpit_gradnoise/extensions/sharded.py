@@ -22,7 +22,8 @@ FSDP2's parameters are found through torch's registry of composable states
 :func:`unsupported_layout` names what is refused: HSDP (a 2-D mesh), a mesh
 that does not span every process, tensor parallelism inside FSDP2 (a DTensor
 parameter before sharding) and a ``MixedPrecisionPolicy`` that casts the
-parameters (not tested yet).
+parameters (its per-example results are rounded after each process's loss
+scale: no exact one-process reference).
 """
 
 from typing import Dict, Iterable, Optional
@@ -61,8 +62,11 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
         return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
     param_dtype = getattr(fsdp_param, "param_dtype", None)
     if param_dtype is not None and param_dtype != fsdp_param.orig_dtype:
-        return (f"a MixedPrecisionPolicy (parameters cast to {param_dtype} for the forward "
-                "and backward pass: not tested yet)")
+        return (f"a MixedPrecisionPolicy (parameters cast to {param_dtype}: the per-example "
+                f"results come from {param_dtype} output gradients rounded after each "
+                "process's own loss scale, 1/N_r for a mean, so no one-process reference "
+                "equals them beyond that dtype's rounding; leave param_dtype out of the "
+                "policy)")
     mesh = fsdp_param.mesh_info.mesh
     if mesh.ndim != 1:
         return f"HSDP or a {mesh.ndim}-D device mesh (only a 1-D mesh is supported)"

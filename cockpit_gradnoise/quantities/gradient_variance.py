@@ -54,6 +54,13 @@ class GradientVarianceQuantiles(ParameterQuantity):
     With batch size 1 no variance is defined: nothing is recorded, with one
     warning.
 
+    Under FSDP2 (``fully_shard``) each process keeps only its rows of the
+    reduced sums (those FSDP2 gives it of the parameter), forms sd and SNR
+    there, and the quantiles over all processes' elements come from a
+    distributed selection
+    (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`),
+    identical on every process (``docs/distributed.md``).
+
     Memory: on the CPU, for one batch on one process, where every layer's
     sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
     from the second tracked step of a model whose sums are all two matrix

@@ -80,7 +80,10 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     (``docs/accumulation.md``) and distributed training (``docs/distributed.md``)
     ``Q`` and ``T`` are added over every micro-batch and process, as
     GradientVarianceQuantiles' are, and ``P`` is applied once, after the
-    last micro-batch, to those of the global batch.
+    last micro-batch, to those of the global batch. Under FSDP2 each process
+    applies the ``P`` of its shard (the optimizer's state is sharded like the
+    parameter) to its rows of the sums, and the two sums over elements are
+    added across processes.
 
     Args:
         track_schedule: Function from step to bool.
