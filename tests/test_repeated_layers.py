@@ -160,7 +160,7 @@ def test_albert_masked_lm_sharing_one_layer_group_is_exact(examples):
     assert_exact(model, inputs, targets, token_losses("mean"), inner_terms=3 * SEQUENCE)
 
 
-@pytest.mark.parametrize("examples", [2, SEQUENCE])
+@pytest.mark.parametrize("examples", [2, 3, SEQUENCE])
 def test_albert_model_pooled_is_exact(examples):
     (inputs, _), targets = tokens(examples), torch.randint(0, 3, (examples,))
     assert_exact(albert("model"), inputs, targets, inner_terms=3 * SEQUENCE)

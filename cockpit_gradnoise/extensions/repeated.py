@@ -90,7 +90,8 @@ def defers(extension, module: nn.Module, g_out, broadcast: bool) -> bool:
     the forward pass was an embedding applied without the batch dimension (:mod:`.uses`)."""
     recorded = facts.recording()
     call = recorded.call
-    if call is None or not call.repeated or blocks.covers(module) or extension.rule_of(module) is None:
+    if call is None or not getattr(call, "repeated", False) or blocks.covers(module) \
+            or extension.rule_of(module) is None:
         return False
     reason = refusal(module, call, g_out[0], broadcast)
     if reason is not None:
