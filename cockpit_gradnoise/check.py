@@ -222,6 +222,9 @@ def check_model(
         how = how_computed(module, param)
         if id(param) in recorded.block_rows:  # (extensions/fallback/blocks.py)
             how = f"per example (its block {recorded.block_rows[id(param)]} run on each example)"
+        elif id(module) in recorded.repeated:  # (extensions/repeated.py)
+            how = (f"per example ({type(module).__name__}: its {recorded.repeated[id(module)].count} "
+                   "calls recomputed and summed)")
         if interact or recorded.examples_interact:
             how += ", contributions through the batch"
         error = scale = math.nan

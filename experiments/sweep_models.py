@@ -333,7 +333,7 @@ def all_names() -> Dict[str, List[str]]:
 
 # A handful per library for --quick (the test suite): seconds each.
 QUICK = {
-    "transformers": ["llama", "gpt2", "bert", "t5", "vit"],
+    "transformers": ["llama", "gpt2", "bert", "t5", "vit", "albert"],  # albert: a shared layer group
     "timm": ["resnet:resnet10t", "vision_transformer:vit_tiny_patch16_224"],
     "torchvision": ["mobilenetv3:mobilenet_v3_small", "squeezenet:squeezenet1_1"],
 }

@@ -274,7 +274,7 @@ class TiedToANorm(nn.Module):
 
 class LinearRunTwice(nn.Module):
     """One Linear applied twice in a row (ALBERT's shared layer, in small): no tie, so no
-    layer is marked, and BackPACK computes both calls from the second call's input."""
+    layer is marked; its two calls are summed per example (extensions/repeated.py)."""
 
     def __init__(self):
         super().__init__()
@@ -284,10 +284,16 @@ class LinearRunTwice(nn.Module):
         return self.head(torch.tanh(self.lin(torch.tanh(self.lin(self.embedding(idx))))))
 
 
+@pytest.mark.parametrize("model", [SharedModule, LinearRunTwice])
+@pytest.mark.parametrize("n", [3, NANO_CONTEXT])
+def test_a_module_called_twice_sums_its_calls_per_example(model, n):
+    """Left out before ("ran several times in one forward pass"); now each example's
+    contribution is the sum of its calls' (extensions/repeated.py, tests/test_repeated_layers.py)."""
+    assert_matches_references(_token_problem(model(), n), inner_terms=2 * NANO_CONTEXT)
+
+
 @pytest.mark.parametrize("model, name, reason", [
-    (SharedModule, "shared.weight", "ran 2 times in one forward pass"),
     (TiedToANorm, "norm.weight", "used as the bias of a Linear"),
-    (LinearRunTwice, ("lin.bias", "lin.weight"), r"its layer \(Linear\) ran several times in one forward pass"),
 ])
 def test_uses_that_cannot_be_combined_are_refused_by_name(model, name, reason):
     problem = _token_problem(model(), 3)

@@ -67,6 +67,9 @@ class BackwardFacts:
             of their own.
         block_rows: ``{id(param): class name}`` of the block that computed a parameter's
             results (for the checker's "how").
+        repeated: ``{id(module): calls}`` of the layers run several times in one forward
+            pass, whose calls' contributions are summed per example at the end of this
+            backward pass (:mod:`.repeated`).
     """
 
     def __init__(self):
@@ -84,6 +87,7 @@ class BackwardFacts:
         self.call = None
         self.inside_blocks: Set[int] = set()
         self.block_rows: Dict[int, str] = {}
+        self.repeated: Dict[int, object] = {}
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""

@@ -55,7 +55,10 @@ on the module: the record hangs on the graph and goes with it. Under
 transforms and while the rules run, the forward hook stores nothing.
 
 Several calls of one module in one forward pass (a tied or reused layer) each
-get their own record, so each use is dispatched with its own input.
+get their own record, so each use is dispatched with its own input; the
+records of one module in one forward pass whose backward pass has not run yet
+are marked ``repeated`` (:func:`_note_call`), and their contributions are summed
+per example (:mod:`.repeated`).
 
 Idle hooks: a prepared model carries one :class:`Switch`, shared by all its
 modules (:func:`install_switch`). It is on by default and stays on unless a
@@ -100,6 +103,10 @@ READS_OUTPUT = (nn.RNN, nn.LSTM)
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
+#: The forward pass being recorded: a count the model's forward pre-hook moves
+#: (:func:`new_forward`), so that calls of two forward passes are never taken for one's.
+_FORWARD = [0]
+
 
 class Call:
     """One call of a hooked module, as its rules see it in the backward pass.
@@ -111,9 +118,12 @@ class Call:
         output: The (first) output, detached.
         versions: The tensors' version counters after the forward pass:
             ``{position: version}`` of the inputs, ``"output"`` for the output.
+        repeated: Whether the module ran more than once in this forward pass
+            (set on every such call by :func:`_note_call`).
+        forward: The forward pass it belongs to (:func:`new_forward`'s count).
     """
 
-    __slots__ = ("inputs", "kwargs", "output", "versions")
+    __slots__ = ("inputs", "kwargs", "output", "versions", "repeated", "forward", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, output: Tensor):
         self.inputs = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -121,6 +131,7 @@ class Call:
         self.output = output.detach()
         self.versions = {i: a._version for i, a in enumerate(args) if isinstance(a, Tensor)}
         self.versions["output"] = output._version
+        self.repeated, self.forward = False, _FORWARD[0]
 
     def clear(self):
         """Let go of the tensors (after the backward pass)."""
@@ -368,7 +379,42 @@ def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output)
     if not (isinstance(first, Tensor) and first.requires_grad):
         return
     call = Call(args, kwargs, first)
+    _note_call(module, call)
     first.register_hook(functools.partial(_run_extensions, name, module, call))
+
+
+#: The attribute (in ``module.__dict__``) of a module's :class:`_Calls`.
+CALLS_ATTR = "_cgn_calls"
+
+
+def new_forward() -> None:
+    """A forward pass of a prepared model begins (``uses``' pre-hook on the model)."""
+    _FORWARD[0] += 1
+
+
+class _Calls:
+    """The calls of one module in one forward pass whose backward pass has not run yet,
+    held weakly (a call whose graph is gone goes with it). Not copied with the model."""
+
+    __slots__ = ("forward", "refs")
+
+    def __init__(self, forward: int = -1):
+        self.forward, self.refs = forward, []
+
+    def __reduce__(self):
+        return (_Calls, ())
+
+
+def _note_call(module: nn.Module, call: Call) -> None:
+    """Keep ``call`` among ``module``'s calls of this forward pass; where another is
+    pending (not yet cleared by its backward pass), mark them all ``repeated``."""
+    calls = module.__dict__.get(CALLS_ATTR)
+    if not isinstance(calls, _Calls) or calls.forward != call.forward:
+        calls = module.__dict__[CALLS_ATTR] = _Calls(call.forward)
+    pending = [c for c in (ref() for ref in calls.refs) if c is not None and c.output is not None]
+    for other in pending:
+        other.repeated = call.repeated = True
+    calls.refs = [weakref.ref(c) for c in pending] + [weakref.ref(call)]
 
 
 def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tensor):

@@ -19,7 +19,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, scaled_embedding, tied
+from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, repeated, scaled_embedding, tied
 from cockpit_gradnoise.extensions.fallback import layout
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
@@ -45,6 +45,7 @@ class Uses:
         self.calls: Dict[nn.Module, int] = {}
         self.inputs: Dict[nn.Module, Tensor] = {}  # of the marked layers, not BackPACK's input0
         self.broadcasts: Dict[nn.Module, batchless.Broadcast] = {}
+        self.suspects: Dict[nn.Module, List[batchless.Broadcast]] = {}  # of every call
         for group in self.groups:
             group.new_pass()
 
@@ -70,6 +71,7 @@ def _begin_forward(model, args, kwargs):
     if idle(model):  # nothing recorded; let go of what an earlier forward pass recorded
         _forget(model)
         return
+    hooks.new_forward()
     tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, Tensor)]
     first = tensors[0] if tensors else None
     examples = first.shape[0] if first is not None and first.dim() > 0 else None
@@ -82,8 +84,10 @@ def _end_forward(model, args, kwargs, output):
     uses = model.__dict__[USES_ATTR]
     if torch.is_grad_enabled():  # the fallback's calls recorded: which inputs are per example
         layout.learn(model, args, kwargs, uses.examples)
-    if uses.broadcasts:
-        batchless.find_broadcasts(output, uses.broadcasts, uses.examples)
+    if uses.broadcasts or uses.suspects:
+        earlier = {(module, k): call for module, calls in uses.suspects.items()
+                   for k, call in enumerate(calls) if call is not uses.broadcasts.get(module)}
+        batchless.find_broadcasts(output, {**uses.broadcasts, **earlier}, uses.examples)
 
 
 def _after_layer(module, args, output):
@@ -103,6 +107,8 @@ def _after_layer(module, args, output):
                 index, output.shape, output.grad_fn, uses.examples, from_inputs)
         else:
             uses.broadcasts.pop(module, None)
+        if module in uses.broadcasts:  # every call's, for a layer called several times (.repeated)
+            uses.suspects.setdefault(module, []).append(uses.broadcasts[module])
 
 
 def install(model: nn.Module) -> nn.Module:
@@ -153,6 +159,8 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     if _autocast_without_hooks(module, recorded, g_out):
         return
     uses = module.__dict__.get(USES_ATTR)
+    if repeated.defers(extension, module, g_out, _batch_free_call(uses, module)):
+        return  # one of several calls: summed per example at the end of the backward pass
     if uses is not None and _ran_twice(module, recorded):
         for param in module.parameters(recurse=False):
             if hasattr(param, extension.savefield):
@@ -173,6 +181,13 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         if hasattr(param, extension.savefield):
             delattr(param, extension.savefield)
         recorded.refuse(param, why)
+
+
+def _batch_free_call(uses: Optional[Uses], module: nn.Module) -> bool:
+    """Whether a call of the embedding ``module`` in the forward pass was not read per example:
+    applied without the batch dimension (broadcast) or refused (:meth:`.batchless.Broadcast.refusal`)."""
+    calls = () if uses is None else uses.suspects.get(module, ())
+    return any(call.exact or call.refusal() is not None for call in calls)
 
 
 def _autocast_without_hooks(module: nn.Module, recorded: facts.BackwardFacts, g_out) -> bool:
