@@ -98,6 +98,18 @@ def hooks_as_if_prepared_first(model: nn.Module):
                 table.move_to_end(key)
 
 
+def check_trackable(model: nn.Module, quantities: Sequence) -> None:
+    """Refuse, at ``cgn.track`` and before anything changes, a sharded layout not supported
+    (:func:`~cockpit_gradnoise.distributed.check_not_sharded`) and the quantities (classes or
+    instances) not exact under FSDP2 (``supports_fsdp2``).
+
+    Raises:
+        TypeError: Naming what was found, or the quantities, the exact ones and the preset.
+    """
+    distributed.check_not_sharded(model.parameters(), model, fsdp2=True)
+    refuse_quantities(quantities)
+
+
 def refuse_quantities(quantities: Sequence) -> None:
     """Refuse, at ``cgn.track``, the quantities (classes or instances) not exact under FSDP2
     (``supports_fsdp2``).

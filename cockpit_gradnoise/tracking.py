@@ -114,8 +114,8 @@ def track(
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
     schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options)
-    if fsdp2.fully_sharded(model):  # sharded by FSDP2 first: the quantities exact there only
-        fsdp2.refuse_quantities([entry for entry, _ in plan])
+    if fsdp2.fully_sharded(model):  # sharded by FSDP2 first: the layout, the quantities exact there
+        fsdp2.check_trackable(model, [entry for entry, _ in plan])
     model = prepare_model(model, use_converter=use_converter)
     if compiled is not None and model is not compiled._orig_mod:
         raise ValueError(

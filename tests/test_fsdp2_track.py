@@ -15,7 +15,8 @@ bit for bit, and only rank 0 writes the log (``tracker.write``).
   UpdateSize), root only with ``reshard_after_forward=False``, one micro-batch per process
   (small batch = a process's batch, big batch = the global one) and two micro-batches
   accumulated. One process sees the processes' micro-batches as its own micro-batches of the
-  same size: the same small batches and the same big one. Step 0's TwoBatchNoiseScale is
+  same size: the same small batches and the same big one. ``norms_no_sync``: the two
+  micro-batches with FSDP2's ``set_requires_gradient_sync(False)`` but for the last. Step 0's TwoBatchNoiseScale is
   also checked against ``test_two_batch.reference`` (each small batch's own gradient by
   autograd on an un-hooked copy).
 - ``hook_order``: the hooks of every module are in the same order whether the model was
@@ -48,6 +49,7 @@ JOBS = {
     "per_block": (PER_EXAMPLE, True, True, 1, 3),
     "norms": ("norms", False, False, 1, 4),
     "norms_accumulated": ("norms", True, True, 2, 2),
+    "norms_no_sync": ("norms", True, False, 2, 2),  # set_requires_gradient_sync(False) but the last
     "lightning": ("norms", True, True, 1, 3),  # 2 processes: the test of lightning below
 }
 
@@ -66,12 +68,15 @@ def micro_batches(job, world, step):
             for _ in range(world)]
 
 
-def run_tracked(model, tracker, batches):
-    """``batches[step]``: the micro-batches of the step, each ``(x, y)``."""
+def run_tracked(model, tracker, batches, no_sync=False):
+    """``batches[step]``: the micro-batches of the step, each ``(x, y)``; with ``no_sync``,
+    FSDP2 reduce-scatters after the last micro-batch only."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for step, micro in enumerate(batches):
         optimizer.zero_grad()
         for k, (x, y) in enumerate(micro):
+            if no_sync:
+                model.set_requires_gradient_sync(k == len(micro) - 1)
             losses = F.cross_entropy(model(x), y, reduction="none")
             extra = {"micro_batch": k, "micro_batches": len(micro)} if len(micro) > 1 else {}
             with tracker(step, losses, optimizer=optimizer, **extra) as loss:
@@ -101,7 +106,8 @@ def tracked_job(job, world, rank, mesh, out):
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run_tracked(model, tracker, [micro_batches(job, world, step)[rank] for step in range(STEPS)])
+        run_tracked(model, tracker, [micro_batches(job, world, step)[rank] for step in range(STEPS)],
+                    no_sync=job.endswith("no_sync"))
     written = tracker.write(out / f"{job}_written")
     return {"table": table(tracker), "warnings": [str(w.message) for w in caught],
             "written": None if written is None else str(written),
@@ -270,7 +276,7 @@ def two_batch_reference(model, batches, weights):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("job", ["norms", "norms_accumulated"])
+@pytest.mark.parametrize("job", ["norms", "norms_accumulated", "norms_no_sync"])
 def test_the_norms_preset_is_the_two_batch_estimator_of_each_process_batch(groups, world, job):
     """Step 0 against each small batch's own gradient (autograd, no hooks): the small batches
     are the processes' micro-batches, the big one all of them."""
