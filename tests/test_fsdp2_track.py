@@ -3,7 +3,8 @@
 2 and 3 processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu",
 (W,))``), one launch per world size running every job (``test_distributed.run_group``).
 The model (``test_fsdp2.Net``: width 7, uneven shards; a frozen and an unused layer) is
-built, sharded, then tracked, as a user writes it. Every job is compared with one process
+built, sharded, then tracked, as a user writes it (the loop of docs/distributed.md's FSDP2
+section, and its Lightning example). Every job is compared with one process
 holding the whole model and the whole global batch in float64, tracked by ``cgn.track``
 with the same quantities, with the DDP tests' tolerance; every process's table is the same
 bit for bit, and only rank 0 writes the log (``tracker.write``).
