@@ -14,7 +14,8 @@ interleaved rounds of:
 - the same model under DDP, plain and tracked by the same four quantities;
 - the front door on the model as users write it (built, ``fully_shard``, then
   ``cgn.track``): a bare FSDP2 step of a model never prepared, the same
-  model's tracker attached but the step not tracked (``every`` far away),
+  model's tracker attached but the step not tracked (step 0 tracked once
+  before the rounds, then ``every`` far away),
   and the ``"norms"`` preset tracked every step.
 
 Medians over the rounds, on rank 0, and the medians of each round's ratio
@@ -148,6 +149,7 @@ def main(argv=None):
     ddp = DistributedDataParallel(replicated)
     bare = fully_sharded(mlp(args.width), mesh)
     attached, idle = cgn.track(fully_sharded(mlp(args.width), mesh), every=10**9, quantities="norms")
+    front_step(attached, idle, first=0)(x, y)  # step 0 tracked: its hooks made, then steps 1, 2, ... not
     norms, norms_tracker = cgn.track(fully_sharded(mlp(args.width), mesh), every=1, quantities="norms")
     two_batch, two_batch_tracker = cgn.track(fully_sharded(mlp(args.width), mesh), every=1,
                                              quantities=["TwoBatchNoiseScale"])
