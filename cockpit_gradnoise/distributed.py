@@ -103,8 +103,9 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
             "model; the statistics are those of the global batch); and FSDP2 "
             "(fully_shard on a 1-D device mesh over two processes or more; "
-            "cgn.prepare_model before fully_shard, then a Cockpit over the sharded "
-            f"parameters) for {', '.join(FSDP2_QUANTITIES)} only; see docs/distributed.md"
+            "cgn.track(model) after fully_shard, or cgn.prepare_model before it and a Cockpit "
+            f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
+            "TwoBatchNoiseScale only; see docs/distributed.md"
         )
 
 

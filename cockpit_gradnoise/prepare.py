@@ -18,10 +18,11 @@ then out of the modules' hook tables (parked), so that those forward passes
 run as the plain model's.
 """
 
+import contextlib
 import sys
 from typing import Optional
 
-from cockpit_gradnoise import distributed
+from cockpit_gradnoise import distributed, fsdp2
 from cockpit_gradnoise.attention import convert_attention
 from cockpit_gradnoise.extensions import has_rule, uses
 from cockpit_gradnoise.extensions.fallback import install_fallback
@@ -55,6 +56,10 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
     A model already extended by ``backpack.extend`` is returned as it is
     (BackPACK's own hooks then record every forward pass).
 
+    A model already sharded with FSDP2 (``fully_shard``, on a 1-D mesh over
+    two processes or more) is prepared as if before sharding: the hooks run
+    before FSDP2's (:mod:`~cockpit_gradnoise.fsdp2`).
+
     The model's hooks share one switch
     (:class:`~cockpit_gradnoise.extensions.hooks.Switch`), on: they record
     every forward pass with gradients, as the explicit API needs.
@@ -80,14 +85,25 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
 
     Raises:
         TypeError: If the model is sharded or split across processes (FSDP,
-            FSDP2, tensor parallelism, DeepSpeed, pipeline parallelism), see
-            :func:`~cockpit_gradnoise.distributed.check_not_sharded`.
+            tensor parallelism, DeepSpeed, pipeline parallelism, FSDP2 but on a
+            1-D mesh over two processes or more), see
+            :func:`~cockpit_gradnoise.distributed.check_not_sharded`; if a model
+            sharded by FSDP2 holds an ``nn.MultiheadAttention`` or
+            ``use_converter`` is set (:func:`~cockpit_gradnoise.fsdp2.check_preparable`).
         RuntimeError: With ``use_converter=True``, if the model's traced code
             depends on ``self.training`` (the converter would freeze it: a
             ``.train()`` or ``.eval()`` later would not change what dropout
             or drop-path do), or if the converter changed parameter names.
     """
-    distributed.check_not_sharded(model.parameters(), model)  # before anything is changed
+    sharded_first = fsdp2.fully_sharded(model)  # fully_shard before: as if prepared first
+    distributed.check_not_sharded(model.parameters(), model, fsdp2=sharded_first)  # before any change
+    if sharded_first:
+        fsdp2.check_preparable(model, use_converter)
+    with fsdp2.hooks_as_if_prepared_first(model) if sharded_first else contextlib.nullcontext():
+        return _prepare(model, use_converter)
+
+
+def _prepare(model: nn.Module, use_converter: Optional[bool]) -> nn.Module:
     model = convert_attention(model)  # same parameters, same names (attention.py)
     install_fallback(model, has_rule)  # modules that use their parameters directly (extensions.fallback)
     if not use_converter:

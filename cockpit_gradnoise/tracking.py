@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from cockpit_gradnoise import accumulation, amp, arming
+from cockpit_gradnoise import accumulation, amp, arming, fsdp2
 from cockpit_gradnoise.extensions import register_extensions
 from cockpit_gradnoise.extensions.hooks import switch_of
 from cockpit_gradnoise.logs.frame import json_log_path, read_log, to_frame, write_log
@@ -101,8 +101,10 @@ def track(
         ValueError: If no parameter requires gradients, or for a bad
             ``every``, preset, name or option (see :func:`~cockpit_gradnoise.configuration`).
         TypeError: If the model is sharded or split across processes (FSDP,
-            FSDP2, tensor parallelism, DeepSpeed, pipeline parallelism): only
-            one process or DistributedDataParallel is supported.
+            tensor parallelism, DeepSpeed, pipeline parallelism): only one
+            process, DistributedDataParallel and FSDP2 (``fully_shard`` on a
+            1-D mesh, before or after this call; the quantities exact there,
+            such as the ``"norms"`` preset) are supported.
     """
     # A torch.compile'd model: prepare and name the module it wraps (no "_orig_mod."
     # prefix); the compiled wrapper, which calls that module, is what is returned.
@@ -112,6 +114,8 @@ def track(
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
     schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options)
+    if fsdp2.fully_sharded(model):  # sharded by FSDP2 first: the layout, the quantities exact there
+        fsdp2.check_trackable(model, [entry for entry, _ in plan])
     model = prepare_model(model, use_converter=use_converter)
     if compiled is not None and model is not compiled._orig_mod:
         raise ValueError(

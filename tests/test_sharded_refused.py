@@ -104,8 +104,8 @@ CHILD = textwrap.dedent('''
 
 
 CASES = {
-    "fsdp2_root": "the class FSDPModule, from FSDP2 (fully_shard)",
-    "fsdp2_inner": "the class FSDPModule, from FSDP2 (fully_shard)",
+    "fsdp2_root": "FSDP2 on one process, from FSDP2 (fully_shard)",  # on 2 or more: tests/test_fsdp2_track.py
+    "fsdp2_inner": "FSDP2 on one process, from FSDP2 (fully_shard)",  # on 2 or more: tests/test_fsdp2_track.py
     "fsdp1": "the class FullyShardedDataParallel, from FSDP (FullyShardedDataParallel)",
     "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
     "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",

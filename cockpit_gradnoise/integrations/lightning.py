@@ -16,7 +16,10 @@ Example::
     print(callback.tracker.report())
 
 The callback prepares the LightningModule in place at ``setup`` (before
-Lightning builds the optimizers), puts Lightning's backward pass of each step
+Lightning builds the optimizers; where the LightningModule has a
+``configure_model``, which may shard it with FSDP2 as Lightning's
+``ModelParallelStrategy`` asks, at ``on_fit_start``, over the parameters
+as sharded: ``docs/distributed.md``), puts Lightning's backward pass of each step
 inside the tracker's ``with`` statement (``on_before_backward`` /
 ``on_after_backward``), gives the numbers to the Trainer's TensorBoard logger
 when it has one, and writes the log at the end of ``fit``.
@@ -51,6 +54,7 @@ from cockpit_gradnoise.integrations.scheduling import ScheduleDriver
 from cockpit_gradnoise.tracking import track
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 #: Precisions whose backward pass the quantities support: with ``"bf16-mixed"``
 #: and ``"16-mixed"`` Lightning runs the forward pass under ``torch.autocast``
@@ -113,6 +117,15 @@ class TrackingCallback(pl.Callback):
                 self.tracker.stream_to(self.log_path)
             return
         _check_trainer(trainer)
+        if not is_overridden("configure_model", pl_module):  # else at on_fit_start, as sharded
+            self._start(trainer, pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.tracker is None:  # configure_model ran since setup: its parameters (FSDP2's)
+            self._start(trainer, pl_module)
+
+    def _start(self, trainer, pl_module) -> None:
+        """Prepare the LightningModule in place and build the tracker over its parameters."""
         prepared, self.tracker = track(pl_module, self.every, self.quantities,
                                        use_converter=False, **self.track_options,
                                        log=self.log_path if self._streamed() else None)

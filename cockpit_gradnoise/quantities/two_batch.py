@@ -22,7 +22,7 @@ import math
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise import distributed, fsdp2, functional
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
 from cockpit_gradnoise.step import Step
@@ -85,6 +85,8 @@ class TwoBatchNoiseScale(Quantity):
     name = "TwoBatchNoiseScale"
     #: The front door builds it with the parameters (``param_names``), not only their names.
     needs_parameters = True
+    #: Under FSDP2 the small batches' norms come from FSDP2's unsharded parameters (:mod:`.fsdp2`).
+    supports_fsdp2 = True
 
     def __init__(self, model: Optional[nn.Module] = None, track_schedule=None, *,
                  param_names: Optional[Dict[str, nn.Parameter]] = None,
@@ -111,6 +113,11 @@ class TwoBatchNoiseScale(Quantity):
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
         self._handles = [p.register_hook(functools.partial(self._record, i))
                          for i, p in enumerate(self.params)]
+        #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
+        self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
+        if self._sharded and self._standalone:
+            raise TypeError("under FSDP2 (fully_shard) TwoBatchNoiseScale runs in a Cockpit: "
+                            "cgn.track(model, quantities=\"norms\") after fully_shard")
 
     def _record(self, index: int, grad: Tensor) -> None:
         if not self._armed:
@@ -223,6 +230,9 @@ class TwoBatchNoiseScale(Quantity):
     def extensions(self, global_step):
         """No BackPACK extension; arms the hooks for a tracked step (Cockpit calls this first)."""
         self._armed = self._standalone or self.should_compute(global_step)
+        if self._armed and self._sharded:  # after the forward pass: FSDP2's copies exist
+            distributed.check_not_sharded(self.params, fsdp2=True)
+            fsdp2.hook_unsharded(self.params, self._record, self._unsharded_hooks)
         return []
 
     def track(self, global_step, params, batch_loss):
@@ -248,6 +258,9 @@ class TwoBatchNoiseScale(Quantity):
                 step.warn(f"two-batch: {warning.message}", f"{self.name}: {warning.message}", self)
 
     def _big_squared_norms(self, device) -> Tensor:
+        if self._sharded:  # FSDP2: this process holds a shard of each param.grad
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True)
         return torch.stack([
             torch.zeros((), dtype=torch.float64, device=device) if p.grad is None
             else torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
@@ -282,9 +295,9 @@ class TwoBatchNoiseScale(Quantity):
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
-        for handle in self._handles:
+        for handle in self._handles + [handle for _, handle in self._unsharded_hooks.values()]:
             handle.remove()
-        self._handles = []
+        self._handles, self._unsharded_hooks = [], {}
 
 
 def _with_network(squared_norms: Tensor) -> Tensor:

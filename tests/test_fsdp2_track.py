@@ -1,0 +1,318 @@
+"""The front door on a model already sharded by FSDP2: ``fully_shard``, then ``cgn.track``.
+
+2 and 3 processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu",
+(W,))``), one launch per world size running every job (``test_distributed.run_group``).
+The model (``test_fsdp2.Net``: width 7, uneven shards; a frozen and an unused layer) is
+built, sharded, then tracked, as a user writes it (the loop of docs/distributed.md's FSDP2
+section, and its Lightning example). Every job is compared with one process
+holding the whole model and the whole global batch in float64, tracked by ``cgn.track``
+with the same quantities, with the DDP tests' tolerance; every process's table is the same
+bit for bit, and only rank 0 writes the log (``tracker.write``).
+
+- ``per_block``: ``fully_shard`` on every Linear and the root (``reshard_after_forward=True``),
+  the four per-example and gradient quantities exact under FSDP2, equal local batches (FSDP2's
+  ``param.grad``, the mean of the processes' means, is then the global batch's mean gradient).
+- ``norms`` / ``norms_accumulated``: the cheap preset (TwoBatchNoiseScale, ParamGradRatio,
+  UpdateSize), root only with ``reshard_after_forward=False``, one micro-batch per process
+  (small batch = a process's batch, big batch = the global one) and two micro-batches
+  accumulated. One process sees the processes' micro-batches as its own micro-batches of the
+  same size: the same small batches and the same big one. ``norms_no_sync``: the two
+  micro-batches with FSDP2's ``set_requires_gradient_sync(False)`` but for the last. Step 0's TwoBatchNoiseScale is
+  also checked against ``test_two_batch.reference`` (each small batch's own gradient by
+  autograd on an un-hooked copy).
+- ``hook_order``: the hooks of every module are in the same order whether the model was
+  prepared before ``fully_shard`` or tracked after it.
+- ``refusals``: a quantity not marked exact under FSDP2 (``supports_fsdp2``),
+  an ``nn.MultiheadAttention`` and BackPACK's converter, each by a ``TypeError`` naming the fix.
+"""
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tests import test_two_batch
+from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
+from tests.test_fsdp2 import LR, Net, NotMarked
+
+STEPS = 2
+PER_EXAMPLE = ["GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"]
+# job: (quantities, fully_shard every Linear, reshard_after_forward, micro-batches, local batch)
+JOBS = {
+    "per_block": ("all", True, True, 1, 3),  # the default preset: every quantity exact under FSDP2
+    "norms": ("norms", False, False, 1, 4),
+    "norms_accumulated": ("norms", True, True, 2, 2),
+    "norms_no_sync": ("norms", True, False, 2, 2),  # set_requires_gradient_sync(False) but the last
+    "lightning": ("norms", True, True, 1, 3),  # 2 processes: the test of lightning below
+}
+
+
+def net():
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def micro_batches(job, world, step):
+    """Every micro-batch of one step, rank by rank: ``[rank][k] = (x, y)``."""
+    _, _, _, count, size = JOBS[job]
+    generator = torch.Generator().manual_seed(100 + step)
+    return [[(torch.randn(size, 5, dtype=torch.float64, generator=generator),
+              torch.randint(0, 3, (size,), generator=generator)) for _ in range(count)]
+            for _ in range(world)]
+
+
+def run_tracked(model, tracker, batches, no_sync=False):
+    """``batches[step]``: the micro-batches of the step, each ``(x, y)``; with ``no_sync``,
+    FSDP2 reduce-scatters after the last micro-batch only."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for step, micro in enumerate(batches):
+        optimizer.zero_grad()
+        for k, (x, y) in enumerate(micro):
+            if no_sync:
+                model.set_requires_gradient_sync(k == len(micro) - 1)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            extra = {"micro_batch": k, "micro_batches": len(micro)} if len(micro) > 1 else {}
+            with tracker(step, losses, optimizer=optimizer, **extra) as loss:
+                loss.backward()
+        optimizer.step()
+
+
+def table(tracker):
+    frame = cgn.to_frame(tracker)
+    return dict(zip(zip(frame.step, frame.quantity, frame.param, frame.statistic), frame.value))
+
+
+def shard(model, mesh, per_linear, reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    if per_linear:
+        for module in (model.fc1, model.fc2, model.frozen, model.unused):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def tracked_job(job, world, rank, mesh, out):
+    quantities, per_linear, reshard, _, _ = JOBS[job]
+    model = shard(net(), mesh, per_linear, reshard)
+    model, tracker = cgn.track(model, every=1, quantities=quantities)
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_tracked(model, tracker, [micro_batches(job, world, step)[rank] for step in range(STEPS)],
+                    no_sync=job.endswith("no_sync"))
+    written = tracker.write(out / f"{job}_written")
+    return {"table": table(tracker), "warnings": [str(w.message) for w in caught],
+            "written": None if written is None else str(written),
+            "files": sorted(path.name for path in out.iterdir() if path.name.startswith(job))}
+
+
+def reference(job, world):
+    """One process: the whole model, each step's micro-batches of every process as its own."""
+    quantities = JOBS[job][0]
+    model, tracker = cgn.track(net(), every=1, quantities=quantities)
+    batches = [[batch for rank in micro_batches(job, world, step) for batch in rank] for step in range(STEPS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_tracked(model, tracker, batches)
+    return table(tracker)
+
+
+def hook_order(mesh):
+    """The names of each module's forward hooks and pre-hooks: prepared first, tracked after."""
+    def names(model):
+        return [[getattr(getattr(hook, "__func__", hook), "__qualname__", type(hook).__name__)
+                 for table in (module._forward_pre_hooks, module._forward_hooks) for hook in table.values()]
+                for module in model.modules()]
+
+    first = shard(cgn.prepare_model(net()), mesh, True, True)
+    after, _ = cgn.track(shard(net(), mesh, True, True), quantities=PER_EXAMPLE)
+    return names(first), names(after)
+
+
+def refusals(mesh):
+    """The messages of what cgn.track refuses on a sharded model."""
+    messages = {}
+
+    class WithAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.head = nn.MultiheadAttention(4, 2), nn.Linear(4, 2)
+
+    cases = {"unmarked": lambda: cgn.track(shard(net(), mesh, True, True), quantities=[NotMarked()]),
+             "attention": lambda: cgn.track(shard(WithAttention().double(), mesh, False, True),
+                                            quantities="norms"),
+             "converter": lambda: cgn.track(shard(net(), mesh, False, True), quantities="norms",
+                                            use_converter=True)}
+    for key, case in cases.items():
+        try:
+            case()
+            messages[key] = None
+        except TypeError as error:
+            messages[key] = str(error)
+    return messages
+
+
+def lightning_job(world, rank, port, out):
+    """Lightning's ModelParallelStrategy (FSDP2 in ``configure_model``) with TrackingCallback."""
+    from cockpit_gradnoise.integrations.lightning import TrackingCallback
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            shard(self.net, mesh, True, True)
+            fully_shard(self, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.per_example_losses = F.cross_entropy(self.net(x), y, reduction="none")
+            return self.per_example_losses.mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+    # The group exists: Lightning joins it (processes started outside, as by torchrun).
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    loader = torch.utils.data.DataLoader(  # this process's batch of each step, as they are
+        [micro_batches("lightning", world, step)[rank][0] for step in range(STEPS)], batch_size=None)
+    callback = TrackingCallback(every=1, quantities=JOBS["lightning"][0], log=out / "lightning",
+                                tensorboard=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="32-true", max_steps=STEPS,
+                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                         callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Lit(), loader)
+    assert all(type(p).__name__ == "DTensor" for p in trainer.lightning_module.parameters())
+    return {"table": {(step, quantity, name.removeprefix("net."), statistic): value for
+                      (step, quantity, name, statistic), value in table(callback.tracker).items()},
+            "files": sorted(path.name for path in out.iterdir() if path.name.startswith("lightning"))}
+
+
+def worker(rank, world, port, out):
+    join_group(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out, results = Path(out), {}
+    folder = out / f"rank{rank}_files"
+    folder.mkdir(exist_ok=True)
+    try:
+        for job in [job for job in JOBS if job != "lightning"]:
+            results[job] = tracked_job(job, world, rank, mesh, folder)
+            torch.save(results, out / f"rank{rank}.pt")
+        results["hook_order"] = hook_order(mesh)
+        results["refusals"] = refusals(mesh)
+        torch.save(results, out / f"rank{rank}.pt")
+        if world == 2:
+            results["lightning"] = lightning_job(world, rank, port, folder)
+            torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_group(world, tmp_path_factory.mktemp(f"fsdp2_track_{world}"), worker)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("job", [job for job in JOBS if job != "lightning"])
+def test_track_after_fully_shard_equals_one_process_on_the_global_batch(groups, world, job):
+    results = results_of(groups, world, job)
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    expected = reference(job, world)
+    assert_tables_match(tables[0], expected)
+    quantities = {key[1] for key in expected}
+    assert quantities >= ({"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} if job.startswith("norms")
+                          else set(PER_EXAMPLE) | {"GradientVarianceQuantiles"})
+    assert {"fc1.weight", "fc2.bias", "all"} <= {key[2] for key in expected}
+    assert not any(math.isnan(value) for value in tables[0].values())
+    # Only rank 0 writes: the streamed log and the written one.
+    assert results[0]["written"] is not None and all(r["written"] is None for r in results[1:])
+    assert results[0]["files"]
+    assert all(result["files"] == [] for result in results[1:])
+
+
+def two_batch_reference(model, batches, weights):
+    """``test_two_batch.reference`` over the trainable parameters (an unused one: zero gradient)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    sums = [[torch.zeros_like(p) if g is None else g for p, g in zip(params, torch.autograd.grad(
+        F.cross_entropy(model(x), y, reduction="sum"), params, allow_unused=True))] for x, y in batches]
+    total = sum(w * len(y) for w, (_, y) in zip(weights, batches))
+    effective = total**2 / sum(w * w * len(y) for w, (_, y) in zip(weights, batches))
+    big = [sum(w * s[i] for w, s in zip(weights, sums)) / total for i in range(len(params))]
+    small = [test_two_batch.squared_norms([g / len(y) for g in s]) for s, (_, y) in zip(sums, batches)]
+    return {name: test_two_batch.from_the_model_of_the_paper(
+        [(m[i], len(y)) for m, (_, y) in zip(small, batches)], test_two_batch.squared_norms(big)[i], effective)
+        for i, name in enumerate([n for n, _ in named] + ["all"])}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("job", ["norms", "norms_accumulated", "norms_no_sync"])
+def test_the_norms_preset_is_the_two_batch_estimator_of_each_process_batch(groups, world, job):
+    """Step 0 against each small batch's own gradient (autograd, no hooks): the small batches
+    are the processes' micro-batches, the big one all of them."""
+    got = results_of(groups, world, job)[0]["table"]
+    batches = [batch for rank in micro_batches(job, world, 0) for batch in rank]
+    weights = [1 / (len(batches) * len(y)) for _, y in batches]
+    expected = two_batch_reference(net(), batches, weights)
+    for name, (grad_sq, trace_cov) in expected.items():
+        assert got[(0, "TwoBatchNoiseScale", name, "grad_sq")] == pytest.approx(grad_sq, rel=1e-11)
+        assert got[(0, "TwoBatchNoiseScale", name, "trace_cov")] == pytest.approx(trace_cov, rel=1e-11)
+        assert got[(0, "TwoBatchNoiseScale", name, "batch_size")] == sum(len(y) for _, y in batches)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_hooks_run_in_the_order_of_preparing_before_sharding(groups, world):
+    for first, after in results_of(groups, world, "hook_order"):
+        assert first == after
+        assert any("_post_forward" in name for hooks in after for name in hooks)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_what_cannot_be_exact_is_refused_naming_the_fix(groups, world):
+    for messages in results_of(groups, world, "refusals"):
+        assert "NotMarked" in messages["unmarked"] and "norms" in messages["unmarked"]
+        assert "MultiheadAttention" in messages["attention"] and "prepare_model" in messages["attention"]
+        assert "use_converter" in messages["converter"]
+
+
+def test_lightning_model_parallel_strategy_with_the_callback_equals_one_process(groups):
+    """FSDP2 applied in ``configure_model`` after the callback's ``setup``: the tracker is
+    built at ``on_fit_start`` over the sharded parameters (at ``setup`` it would hold the
+    parameters FSDP2 replaces, and record nothing or zeros)."""
+    results = results_of(groups, 2, "lightning")
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    assert_tables_match(tables[0], reference("lightning", 2))
+    assert {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} <= {key[1] for key in tables[0]}
+    assert results[0]["files"] and results[1]["files"] == []
