@@ -147,7 +147,7 @@ def refusals(mesh):
             super().__init__()
             self.attention, self.head = nn.MultiheadAttention(4, 2), nn.Linear(4, 2)
 
-    cases = {"unmarked": lambda: cgn.track(shard(net(), mesh, True, True), quantities=[NotMarked()]),
+    cases = {"unmarked": lambda: cgn.track(shard(net(), mesh, True, True), quantities=[NotMarked]),
              "attention": lambda: cgn.track(shard(WithAttention().double(), mesh, False, True),
                                             quantities="norms"),
              "converter": lambda: cgn.track(shard(net(), mesh, False, True), quantities="norms",
