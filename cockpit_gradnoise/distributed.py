@@ -54,7 +54,7 @@ _SHARDED_MODULE_CLASSES = {
 _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.distributed.pipelining"}
 
 
-#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals.
+#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D or HSDP mesh), named in refusals.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
 TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio")
@@ -74,10 +74,10 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
 
     With ``fsdp2`` (a quantity exact under FSDP2, see
     :data:`FSDP2_QUANTITIES`), parameters sharded by FSDP2 over a 1-D device
-    mesh, on two processes or more, pass; with ``tensor_parallel``
+    mesh or HSDP's (replicate x shard), on two processes or more, pass; with ``tensor_parallel``
     (:data:`TENSOR_PARALLEL_QUANTITIES`), DTensor parameters split by tensor
     parallelism over a 1-D mesh of every process
-    (:func:`.extensions.tensor_parallel.unsupported_layout`); HSDP, tensor
+    (:func:`.extensions.tensor_parallel.unsupported_layout`); tensor
     parallelism inside FSDP2 and the others are still refused.
 
     Raises:
@@ -107,7 +107,7 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             "and gradients. Supported: one process, or "
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
             "model; the statistics are those of the global batch); and FSDP2 "
-            "(fully_shard on a 1-D device mesh over two processes or more; "
+            "(fully_shard on a 1-D device mesh, or HSDP's 2-D one, over two processes or more; "
             "cgn.prepare_model before fully_shard, then a Cockpit over the sharded "
             f"parameters) for {', '.join(FSDP2_QUANTITIES)} only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "

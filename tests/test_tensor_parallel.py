@@ -31,6 +31,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
+from tests import test_fsdp2
 from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
 
 WORLD = 2
@@ -187,11 +188,18 @@ def worker(rank, world, port, out):
         for job in JOBS:
             results[job] = tracked(job, mesh)
             torch.save(results, Path(out) / f"rank{rank}.pt")
+        for job, shape in HSDP.items():
+            hsdp = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            results[f"hsdp_{job}"] = test_fsdp2.fsdp2_job(job, world, rank, hsdp)
         results["refused"] = refused_quantities(mesh)
         results["sequence_split"] = sequence_split(mesh)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+# HSDP (fully_shard on a replicate x shard mesh): test_fsdp2's jobs, each process its own examples.
+HSDP = {"per_linear": (2, 1), "root_only": (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +251,15 @@ def test_a_layer_split_along_positions_is_left_out_by_name(group):
     kept = {key for key in expected if not key[2].startswith("q.") and key[2] != "all"}
     assert kept and kept <= set(got)
     assert_tables_match({key: got[key] for key in kept}, {key: expected[key] for key in kept})
+
+
+@pytest.mark.parametrize("job", list(HSDP))
+def test_hsdp_equals_one_process_on_the_global_batch(group, job):
+    """Replicas (2 x 1: UpdateSize counts a replicated shard once) and shards (1 x 2), every
+    quantity exact under FSDP2, as test_fsdp2's 1-D mesh."""
+    tables = [result["table"] for result in results_of(group, WORLD, f"hsdp_{job}")]
+    assert_identical(tables)
+    expected = test_fsdp2.reference(job, WORLD)
+    assert_tables_match(tables[0], expected)
+    quantities = {key[1] for key in expected}
+    assert quantities == {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}

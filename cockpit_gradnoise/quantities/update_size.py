@@ -135,6 +135,8 @@ class UpdateSize(TwoStepParameterQuantity):
         # On a GPU: the step's one transfer, for every layer at once.
         squares = _device.resolve(squares)
         if any(type(p).__name__ == "DTensor" for p in params):
+            # HSDP: a shard's copies along the replicate dimension counted once.
+            squares = [pair if sharded.counted_here(p) else (0.0, 0.0) for pair, p in zip(squares, params)]
             squares = _summed_over_processes(squares)
         return [
             LayerUpdate(name, math.sqrt(norm_sq), math.sqrt(start_sq))
