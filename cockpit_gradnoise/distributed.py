@@ -57,7 +57,7 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 #: The quantities exact under FSDP2 (``fully_shard`` on a 1-D or HSDP mesh), named in refusals.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
-TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio")
+TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,

@@ -102,7 +102,7 @@ def per_example(names):
 def quantities(names):
     return [cgn.GradientNoiseScale(linear(1), param_names=names),
             cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names),
-            cgn.ParamGradRatio(linear(1), param_names=names)]
+            cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
 
 
 JOBS = {  # job: (reduction, micro-batch sizes)
@@ -162,7 +162,7 @@ def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
 def refused_quantities(mesh):
     """The errors of quantities not exact under tensor parallelism, at their tracked step."""
     messages = {}
-    for make in (cgn.GradientVarianceQuantiles, cgn.UpdateSize):
+    for make in (cgn.GradientVarianceQuantiles, cgn.PreconditionedNoiseScale):
         try:
             tracked("mean", mesh, lambda names, make=make: [make(linear(1), param_names=names)])
         except TypeError as error:
@@ -250,7 +250,7 @@ def test_equals_one_process_on_the_same_batch(group, job):
                       "v.weight"] if job == "attention" else ["fc1.bias", "fc1.weight", "fc2.bias",
                                                                "fc2.weight"])
     rows = {(key[1], key[2]) for key in expected}
-    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio"):
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
         assert {(quantity, name) for name in split + ["all"]} <= rows, quantity
     if job != "attention":
         assert any("unused.weight" in message for message in results[0]["warnings"])
@@ -259,7 +259,7 @@ def test_equals_one_process_on_the_same_batch(group, job):
 
 def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
-        assert set(messages) == {"GradientVarianceQuantiles", "UpdateSize"}
+        assert set(messages) == {"GradientVarianceQuantiles", "PreconditionedNoiseScale"}
         for message in messages.values():
             assert "tensor parallelism" in message and "PerExampleGradNorm" in message
 

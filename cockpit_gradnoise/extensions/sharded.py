@@ -82,6 +82,13 @@ def dist_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def dist_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def collect(params: Iterable) -> None:
     """Move the per-example results of FSDP2's unsharded parameters onto the sharded ones.
 
@@ -141,10 +148,11 @@ def gathered(param):
 
 def counted_here(param) -> bool:
     """Whether this process counts ``param``'s local shard in a sum over every process: a
-    DTensor replicated along a mesh dimension (HSDP's replicate dimension) is counted by
-    the first process along it only; any other tensor everywhere."""
+    DTensor replicated along a mesh dimension (HSDP's replicate dimension, a replicated
+    tensor-parallel bias) is counted by the first process along it only; any other tensor,
+    a whole copy on every process, by the first process."""
     if type(param).__name__ != "DTensor":
-        return True
+        return dist_rank() == 0
     coordinate = param.device_mesh.get_coordinate()
     return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
 
