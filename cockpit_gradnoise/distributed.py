@@ -54,12 +54,16 @@ _SHARDED_MODULE_CLASSES = {
 _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.distributed.pipelining"}
 
 
-#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals.
+#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; the
+#: first four also on HSDP's replicate x shard mesh (the others refuse it at their step).
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
+#: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
+TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 
 
-def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
+def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
+                      tensor_parallel: bool = False):
     """Raise if the parameters (or any module of the model) are sharded in a way not supported.
 
     Every quantity needs each process to hold the full parameters and
@@ -72,8 +76,11 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
 
     With ``fsdp2`` (a quantity exact under FSDP2, see
     :data:`FSDP2_QUANTITIES`), parameters sharded by FSDP2 over a 1-D device
-    mesh, on two processes or more, pass; HSDP, tensor parallelism (also
-    inside FSDP2) and the others are still refused.
+    mesh or HSDP's (replicate x shard), on two processes or more, pass; with ``tensor_parallel``
+    (:data:`TENSOR_PARALLEL_QUANTITIES`), DTensor parameters split by tensor
+    parallelism over a 1-D mesh of every process
+    (:func:`.extensions.tensor_parallel.unsupported_layout`); tensor
+    parallelism inside FSDP2 and the others are still refused.
 
     Raises:
         TypeError: Naming what was found and what is supported.
@@ -91,9 +98,9 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
             found = ("a parameter flattened by FSDP", "FSDP (FullyShardedDataParallel)")
             continue
         found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
-        if found is not None and fsdp2:
+        if found is not None and (fsdp2 or tensor_parallel):
             managed = _fsdp2_managed() if managed is None else managed
-            found = _fsdp2_refusal(param, managed, found)
+            found = _fsdp2_refusal(param, managed, fsdp2, tensor_parallel)
     if found is not None:
         what, parallelism = found
         raise TypeError(
@@ -102,10 +109,13 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False):
             "and gradients. Supported: one process, or "
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
             "model; the statistics are those of the global batch); and FSDP2 "
-            "(fully_shard on a 1-D device mesh over two processes or more; "
+            "(fully_shard on a 1-D device mesh, or HSDP's 2-D one, over two processes or more; "
             "cgn.track(model) after fully_shard, or cgn.prepare_model before it and a Cockpit "
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
-            "TwoBatchNoiseScale only; see docs/distributed.md"
+            "TwoBatchNoiseScale only; and tensor parallelism "
+            "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
+            "process, cgn.prepare_model first, then a Cockpit) for "
+            f"{', '.join(TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
         )
 
 
@@ -115,13 +125,20 @@ def _fsdp2_managed() -> dict:
     return sharded.fsdp2_parameters()
 
 
-def _fsdp2_refusal(param, managed, found) -> Optional[Tuple[str, str]]:
-    """``None`` where ``param`` is sharded by FSDP2 as supported, else what to refuse."""
+def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel) -> Optional[Tuple[str, str]]:
+    """``None`` where ``param`` is sharded by FSDP2 or split by tensor parallelism as
+    supported (and allowed), else what to refuse."""
     from cockpit_gradnoise.extensions import sharded
+    from cockpit_gradnoise.extensions import tensor_parallel as split
 
     fsdp_param = managed.get(id(param))
+    if fsdp_param is None and tensor_parallel:
+        why = split.unsupported_layout(param)
+        return None if why is None else (f"a parameter split by {why}", "tensor parallelism")
     if fsdp_param is None:
         return "a DTensor parameter not sharded by FSDP2", "tensor parallelism"
+    if not fsdp2:
+        return "a parameter sharded by FSDP2", "FSDP2 (fully_shard)"
     why = sharded.unsupported_layout(fsdp_param)
     if why is not None:
         return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"

@@ -212,9 +212,11 @@ def _same_version(seen, grad) -> bool:
 
 
 def version_of(grad) -> int:
-    """``grad._version``; of its local shard for an FSDP2 gradient (a DTensor), which FSDP2
-    adds to in place under accumulation without moving the DTensor's own."""
-    return sharded.local_tensor(grad)._version
+    """``grad._version``; for a DTensor, its own plus its local shard's: FSDP2 adds to the
+    shard in place under accumulation without moving the DTensor's, autograd adds to a
+    tensor-parallel DTensor gradient without moving its shard's."""
+    local = sharded.local_tensor(grad)
+    return grad._version + (local._version if local is not grad else 0)
 
 
 def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown: int = 4) -> str:

@@ -308,7 +308,7 @@ def test_quantities_not_exact_under_fsdp2_are_refused(groups, world):
 
 
 def test_layouts_not_made_exact_are_named():
-    """HSDP, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
+    """A 2-D mesh not HSDP's, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
     FSDP2's parameter as the check reads it)."""
     from types import SimpleNamespace
 
@@ -325,7 +325,7 @@ def test_layouts_not_made_exact_are_named():
     try:
         assert sharded.unsupported_layout(fsdp_param()) is None
         assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.float32)) is None
-        assert "HSDP" in sharded.unsupported_layout(fsdp_param(ndim=2))
+        assert "other than HSDP's" in sharded.unsupported_layout(fsdp_param(ndim=2))  # not HSDP's mesh_info
         assert "span every process" in sharded.unsupported_layout(fsdp_param(size=1))
         assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16))
         assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))

@@ -110,7 +110,7 @@ CASES = {
     "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
     "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",
     "explicit_fsdp2_variance": "FSDP2 on one process, from FSDP2 (fully_shard)",
-    "explicit_tensor_parallel": "a DTensor parameter not sharded by FSDP2, from tensor parallelism",
+    "explicit_tensor_parallel": "a parameter split by tensor parallelism on one process, from tensor parallelism",
 }
 
 

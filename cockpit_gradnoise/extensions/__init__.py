@@ -48,6 +48,7 @@ from cockpit_gradnoise.extensions import (
     scaled_embedding,
     subclasses,
     sums,
+    tensor_parallel,
     uses,
 )
 from cockpit_gradnoise.extensions.fallback import blocks, capture, running
@@ -232,6 +233,11 @@ class LocalGradient(_RecordingExtension):
     """
 
     reduce_normalization = staticmethod(normalization.gradient)
+
+    def _rules_run(self, module, g_inp, g_out) -> bool:
+        if tensor_parallel.splits(module):  # BackPACK's rule checks the global shape
+            return tensor_parallel.save_local_gradient(self, module, g_out)
+        return super()._rules_run(module, g_inp, g_out)
 
     def __init__(self):
         super().__init__(

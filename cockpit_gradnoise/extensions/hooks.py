@@ -84,7 +84,7 @@ import sys
 import weakref
 from typing import Callable, Optional, Tuple
 
-from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions import facts, precision, tensor_parallel
 
 import torch
 from backpack import disable
@@ -430,11 +430,16 @@ def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tenso
 
 def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
     """Run ``extensions`` on ``module`` with the call shown under BackPACK's names."""
+    # Tensor parallelism: this process's shards (.tensor_parallel); None: refused, no rule runs.
+    local = tensor_parallel.local_call(module, call.inputs, call.output, g_out)
+    if local is None:
+        extensions, local = (), (call.inputs, call.output, g_out)
+    inputs, output, g_out = local
     # Low-precision factors as the layer computed with them, in float32 (.precision).
-    inputs = precision.shown_inputs(module, call.inputs, call.output)
+    inputs = precision.shown_inputs(module, inputs, output)
     g_out = tuple(precision.shown_grad_output(g) for g in g_out)
     shown = {f"input{i}": x for i, x in enumerate(inputs)}
-    shown["output"] = call.output
+    shown["output"] = output
     # In __dict__, so that they shadow a submodule or parameter of that name
     # for the time of the dispatch and leave it untouched.
     hidden = {key: module.__dict__[key] for key in shown if key in module.__dict__}

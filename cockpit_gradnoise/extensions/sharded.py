@@ -19,11 +19,12 @@ backward pass left there, before the next tracked one.
 
 FSDP2's parameters are found through torch's registry of composable states
 (``torch.distributed._composable_state``): private, read here only.
-:func:`unsupported_layout` names what is refused: HSDP (a 2-D mesh), a mesh
-that does not span every process, tensor parallelism inside FSDP2 (a DTensor
-parameter before sharding) and a ``MixedPrecisionPolicy`` that casts the
-parameters (its per-example results are rounded after each process's loss
-scale: no exact one-process reference).
+:func:`unsupported_layout` names what is refused: a mesh of more than one
+dimension but HSDP's (replicate x shard), a mesh that does not span every
+process, tensor parallelism inside FSDP2 (a DTensor parameter before
+sharding) and a ``MixedPrecisionPolicy`` that casts the parameters (its
+per-example results are rounded after each process's loss scale: no exact
+one-process reference).
 """
 
 from typing import Dict, Iterable, Optional
@@ -68,8 +69,10 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
                 "equals them beyond that dtype's rounding; leave param_dtype out of the "
                 "policy)")
     mesh = fsdp_param.mesh_info.mesh
-    if mesh.ndim != 1:
-        return f"HSDP or a {mesh.ndim}-D device mesh (only a 1-D mesh is supported)"
+    # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
+    if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
+        return (f"a {mesh.ndim}-D device mesh other than HSDP's (only a 1-D mesh, or HSDP's "
+                "replicate x shard mesh, is supported)")
     if mesh.size() != dist_world_size():
         return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
                 "(the mesh must span every process)")
@@ -81,6 +84,13 @@ def dist_world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def dist_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def collect(params: Iterable) -> None:
@@ -138,6 +148,17 @@ def gathered(param):
         if param.grad is not None:
             full.grad = param.grad.full_tensor()
     return full
+
+
+def counted_here(param) -> bool:
+    """Whether this process counts ``param``'s local shard in a sum over every process: a
+    DTensor replicated along a mesh dimension (HSDP's replicate dimension, a replicated
+    tensor-parallel bias) is counted by the first process along it only; any other tensor,
+    a whole copy on every process, by the first process."""
+    if type(param).__name__ != "DTensor":
+        return dist_rank() == 0
+    coordinate = param.device_mesh.get_coordinate()
+    return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
 
 
 def local_tensor(tensor):

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.accumulation import MicroBatchGradient, parameters_reached
-from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient, sharded
+from cockpit_gradnoise.extensions import LOCAL_GRADIENT_SAVEFIELD, LocalGradient, sharded, tensor_parallel
 from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.logs.schema import NETWORK, PARAMS_COVERED, PARAMS_TOTAL, encode_statistics
 from cockpit_gradnoise.quantities._accumulation import Accumulation
@@ -143,6 +143,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     #: Exact under FSDP2 (``fully_shard``): its results are collected onto the sharded
     #: parameters (:mod:`~cockpit_gradnoise.extensions.sharded`); else FSDP2 is refused.
     supports_fsdp2: bool = False
+    #: Exact under tensor parallelism (:mod:`~cockpit_gradnoise.extensions.tensor_parallel`).
+    supports_tensor_parallel: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -310,7 +312,10 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         if self.supports_fsdp2:
             sharded.collect(params)  # FSDP2: the unsharded parameters' results onto the sharded
         # A DTensor breaks every other formula, one process or many.
-        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2)
+        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
+                                      tensor_parallel=self.supports_tensor_parallel)
+        if self.supports_tensor_parallel:
+            tensor_parallel.collect(params)  # split layers' results completed over their mesh
         if distributed.world_size() > 1:
             self._warn_if_rank_local()
         found = self._values(step, params)

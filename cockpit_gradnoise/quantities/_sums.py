@@ -14,6 +14,7 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 from cockpit_gradnoise import distributed
+from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.logs.schema import NETWORK
 from cockpit_gradnoise.quantities._accumulation import Accumulation
 from cockpit_gradnoise.step import Batch, Step
@@ -67,6 +68,8 @@ def _reduce(step, quantities, params):
             for sums in part[1].values()
             for sum_name, how in q.sums.items()
         ]
+        if tensor_parallel.duplicate_examples(params):
+            _contribute_no_examples(contribution)
     except Exception as error:  # every process must still take part, to raise together
         contribution.error, contribution.sums = error, []
     contribution.available = [
@@ -84,6 +87,14 @@ def _reduce(step, quantities, params):
         sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
         results[q] = (batch, sums)
     return results
+
+
+def _contribute_no_examples(contribution):
+    """Empty a part whose examples another process of its tensor-parallel mesh contributes:
+    no examples, no rows, sums of 0 (the layout unchanged)."""
+    contribution.examples = 0
+    contribution.sums = [(value[:0] if how == "cat" else torch.zeros_like(value), how)
+                         for value, how in contribution.sums]
 
 
 class DeclaredSums:

@@ -45,6 +45,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
 
     #: Exact under FSDP2 (``fully_shard``); else FSDP2 is refused.
     supports_fsdp2: bool = False
+    #: Exact under tensor parallelism; else it is refused.
+    supports_tensor_parallel: bool = False
 
     def __init__(self, track_schedule, *, param_names=None, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
@@ -109,7 +111,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
             return global_step, None  # the parameters change after the last micro-batch only
         names = self.names(params)
         # Parameters are the same on every process (DDP): nothing to reduce.
-        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2)
+        distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
+                                      tensor_parallel=self.supports_tensor_parallel)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None

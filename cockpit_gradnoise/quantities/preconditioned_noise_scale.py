@@ -97,6 +97,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     sums = {"sum_of_squares": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = False
     micro_batch_gradient = None
+    supports_tensor_parallel = False  # the optimizer's state of a split parameter: not built
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False

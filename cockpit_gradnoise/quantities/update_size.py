@@ -109,6 +109,9 @@ class UpdateSize(TwoStepParameterQuantity):
     #: Under FSDP2 the copy is sharded like the parameters, and each process's sums of
     #: squares over its shards are added across processes (one all_reduce).
     supports_fsdp2 = True
+    #: Under tensor parallelism the same: a split parameter's shards add, a replicated one
+    #: (and a plain tensor) is counted once.
+    supports_tensor_parallel = True
 
     def __init__(self, track_schedule, *, param_names=None, verbose=False, cache_on_cpu=False):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
@@ -135,6 +138,9 @@ class UpdateSize(TwoStepParameterQuantity):
         # On a GPU: the step's one transfer, for every layer at once.
         squares = _device.resolve(squares)
         if any(type(p).__name__ == "DTensor" for p in params):
+            # A shard's copies (HSDP's replicate dimension, a replicated or plain tensor
+            # under tensor parallelism) counted once.
+            squares = [pair if sharded.counted_here(p) else (0.0, 0.0) for pair, p in zip(squares, params)]
             squares = _summed_over_processes(squares)
         return [
             LayerUpdate(name, math.sqrt(norm_sq), math.sqrt(start_sq))

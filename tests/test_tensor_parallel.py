@@ -1,0 +1,293 @@
+"""Tensor parallelism (``parallelize_module``): exact global-batch statistics, identical on every process.
+
+Two processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu", (2,))``)
+run every job in one launch (``test_distributed.run_group``). The models split their
+Linear layers with ``ColwiseParallel`` (the output rows) and ``RowwiseParallel`` (the
+input columns; its bias replicated), and keep a plain layer (the same on both
+processes), a frozen one and an unused one (uneven splits are not tested: torch's
+RowwiseParallel after ColwiseParallel does not run them). Both processes see the same
+examples; each job is compared with one process holding the whole model and the same
+batch, tracked by the same quantities, with the DDP tests' tolerance. The jobs run the recipe of docs/distributed.md's
+"Tensor parallelism" section (prepare_model, parallelize_module, a Cockpit over the
+parameters).
+
+Jobs: an MLP with a mean loss, with a sum loss, two micro-batches accumulated, an
+attention block on sequences (q, k, v Colwise by heads, the output projection
+Rowwise); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x shard meshes, each
+process its own examples); refused by name: the quantities not exact under tensor
+parallelism, tensor parallelism inside FSDP2 (a 1 x 2 ``("dp", "tp")`` mesh), and a
+layer under SequenceParallel (its input split along positions).
+"""
+
+import math
+import warnings
+from pathlib import Path
+
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from backpack import extend
+from cockpit.utils.schedules import linear
+from torch import nn
+
+from tests import test_fsdp2
+from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
+
+WORLD = 2
+QUANTILES = (0.0, 0.25, 0.5, 1.0)
+LR = 0.1
+
+
+class Net(nn.Module):
+    """Two split layers, a plain one, a frozen one and an unused one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(5, 8), nn.Linear(8, 4), nn.Linear(4, 3)
+        self.frozen = nn.Linear(5, 3).requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))) + self.frozen(x)
+
+
+class Attention(nn.Module):
+    """One self-attention block on ``[N, L, 8]``, 2 heads; the heads are inferred from the
+    projections' width, so that each process runs its own heads when they are split."""
+
+    def __init__(self, width=8, head_dim=4):
+        super().__init__()
+        self.head_dim = head_dim
+        # No key bias: its gradient is 0 (softmax ignores it), ParamGradRatio's rows rounding noise.
+        self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width, bias=False), nn.Linear(width, width)
+        self.o, self.head = nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k, v = (layer(x).view(n, length, -1, self.head_dim).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
+        mixed = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, -1)
+        return self.head(torch.tanh(self.o(mixed)).mean(1))
+
+
+def plan(job):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if job == "attention":
+        return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                "o": RowwiseParallel()}
+    return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+def make_model(job):
+    torch.manual_seed(0)
+    return cgn.prepare_model((Attention() if job == "attention" else Net()).double())
+
+
+def make_batch(job, n, seed):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (n, 3, 8) if job == "attention" else (n, 5)
+    return (torch.randn(*shape, dtype=torch.float64, generator=generator),
+            torch.randint(0, 3, (n,), generator=generator))
+
+
+def per_example(names):
+    return [cgn.GradientNoiseScale(linear(1), param_names=names),
+            cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names)]
+
+
+def quantities(names):
+    return [cgn.GradientNoiseScale(linear(1), param_names=names),
+            cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names),
+            cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
+
+
+JOBS = {  # job: (reduction, micro-batch sizes)
+    "mean": ("mean", (6,)),
+    "sum": ("sum", (5,)),
+    "accumulation": ("mean", (3, 4)),
+    "attention": ("mean", (4,)),
+}
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def table(cockpit):
+    frame = cgn.to_frame(cockpit)
+    return dict(zip(zip(frame.step, frame.quantity, frame.param, frame.statistic), frame.value))
+
+
+def run_steps(job, model, cockpit, steps):
+    """Tracked steps of ``job``: the same batches on every process and on one process."""
+    reduction, sizes = JOBS[job]
+    named = trainable(model)
+    optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
+    loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
+    for step in range(steps):
+        optimizer.zero_grad()
+        for k, size in enumerate(sizes):
+            x, y = make_batch(job, size, seed=100 * step + k)
+            outputs = model(x)
+            loss = loss_fn(outputs, y) / (len(sizes) if reduction == "mean" else 1)
+            info = {"batch_size": size, "loss": loss,
+                    "individual_losses": F.cross_entropy(outputs, y, reduction="none")}
+            if len(sizes) > 1:
+                info.update(micro_batch=k, micro_batches=len(sizes))
+            with cockpit(step, info=info):
+                loss.backward()
+        optimizer.step()
+
+
+def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
+    """The table and warnings of ``job``, split over ``mesh`` (else on one process)."""
+    model = make_model(job)
+    if mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh, plan(job) if layout is None else layout)
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=make_quantities(dict(named)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_steps(job, model, cockpit, steps)
+    return {"table": table(cockpit), "warnings": [str(w.message) for w in caught],
+            "split": sorted(n for n, p in named if type(p).__name__ == "DTensor")}
+
+
+def refused_quantities(mesh):
+    """The errors of quantities not exact under tensor parallelism, at their tracked step."""
+    messages = {}
+    for make in (cgn.GradientVarianceQuantiles, cgn.PreconditionedNoiseScale):
+        try:
+            tracked("mean", mesh, lambda names, make=make: [make(linear(1), param_names=names)])
+        except TypeError as error:
+            messages[make.__name__] = str(error)
+    return messages
+
+
+def sequence_split(mesh):
+    """``q`` under SequenceParallel (its weight replicated, its input split along positions):
+    left out by name; the other layers' rows as on one process (one step: q's gradient, the
+    sum over processes of their positions', is not one process's)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return tracked("attention", mesh, per_example, {"q": SequenceParallel(use_local_output=True)},
+                   steps=1)
+
+
+def fsdp2_inside(world):
+    """FSDP2 on ``dp`` of a 1 x 2 ``("dp", "tp")`` mesh over tensor parallelism on ``tp``: the
+    error of the tracked step (tensor parallelism inside FSDP2 is not combined yet)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = make_model("mean")
+    parallelize_module(model, mesh["tp"], plan("mean"))
+    fully_shard(model, mesh=mesh["dp"])
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)))
+    try:
+        run_steps("mean", model, cockpit, steps=1)
+    except TypeError as error:
+        return str(error)
+    return None
+
+
+def worker(rank, world, port, out):
+    join_group(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    results = {}
+    try:
+        for job in JOBS:
+            results[job] = tracked(job, mesh)
+            torch.save(results, Path(out) / f"rank{rank}.pt")
+        for job, shape in HSDP.items():
+            hsdp = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            results[f"hsdp_{job}"] = test_fsdp2.fsdp2_job(job, world, rank, hsdp)
+        results["refused"] = refused_quantities(mesh)
+        results["fsdp2_inside"] = fsdp2_inside(world)
+        results["sequence_split"] = sequence_split(mesh)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# HSDP (fully_shard on a replicate x shard mesh): test_fsdp2's jobs, each process its own examples.
+HSDP = {"per_linear": (2, 1), "root_only": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_group(world, tmp_path_factory.mktemp("tensor_parallel"), worker)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_equals_one_process_on_the_same_batch(group, job):
+    results = results_of(group, WORLD, job)
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    expected = tracked(job)["table"]
+    assert_tables_match(tables[0], expected)
+    split = results[0]["split"]
+    # RowwiseParallel's bias is a replicated DTensor.
+    assert split == (["k.weight", "o.bias", "o.weight", "q.bias", "q.weight", "v.bias",
+                      "v.weight"] if job == "attention" else ["fc1.bias", "fc1.weight", "fc2.bias",
+                                                               "fc2.weight"])
+    rows = {(key[1], key[2]) for key in expected}
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+        assert {(quantity, name) for name in split + ["all"]} <= rows, quantity
+    if job != "attention":
+        assert any("unused.weight" in message for message in results[0]["warnings"])
+    assert not any(math.isnan(value) for value in tables[0].values())
+
+
+def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
+    for messages in results_of(group, WORLD, "refused"):
+        assert set(messages) == {"GradientVarianceQuantiles", "PreconditionedNoiseScale"}
+        for message in messages.values():
+            assert "tensor parallelism" in message and "PerExampleGradNorm" in message
+
+
+def test_tensor_parallelism_inside_fsdp2_is_refused_by_name(group):
+    for message in results_of(group, WORLD, "fsdp2_inside"):
+        assert message is not None and "tensor parallelism inside FSDP2" in message
+
+
+def test_a_layer_split_along_positions_is_left_out_by_name(group):
+    results = results_of(group, WORLD, "sequence_split")
+    assert_identical([result["table"] for result in results])
+    got, expected = results[0]["table"], tracked("attention", make_quantities=per_example, steps=1)["table"]
+    assert not any(key[2].startswith("q.") for key in got)
+    assert any("q.weight" in message and "split along positions" in message
+               for message in results[0]["warnings"])
+    kept = {key for key in expected if not key[2].startswith("q.") and key[2] != "all"}
+    assert kept and kept <= set(got)
+    assert_tables_match({key: got[key] for key in kept}, {key: expected[key] for key in kept})
+
+
+@pytest.mark.parametrize("job", list(HSDP))
+def test_hsdp_equals_one_process_on_the_global_batch(group, job):
+    """Replicas (2 x 1: UpdateSize counts a replicated shard once) and shards (1 x 2), every
+    quantity exact under FSDP2, as test_fsdp2's 1-D mesh."""
+    tables = [result["table"] for result in results_of(group, WORLD, f"hsdp_{job}")]
+    assert_identical(tables)
+    expected = test_fsdp2.reference(job, WORLD)
+    assert_tables_match(tables[0], expected)
+    quantities = {key[1] for key in expected}
+    assert quantities == {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
