@@ -161,6 +161,8 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
     if key in surveyed:
         return
     surveyed.add(key)
+    if any(c.__name__ == "DTensor" for p in model.parameters() for c in type(p).__mro__):
+        return  # sharded parameters (FSDP2, tensor parallel): no pass outside the wrapper's own
     real = _run(model, args, kwargs)
     larger = _run(model, *_pytree.tree_map(
         lambda v: torch.cat([v, v[:1]]) if _leading(v) == examples else v, (args, kwargs)))
@@ -181,22 +183,28 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         while block is not None and not _batch_first(
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
-        if block is None:
-            rows = (f"runs on rows that are not examples (its output leads with {calls[0][0]} "
-                    f"for a batch of {examples}, with {calls_larger[0][0] if calls_larger else None}"
-                    " for one more)") if calls else "is used directly by its parent's forward pass"
-            module.__dict__[ORPHAN] = (
-                f"its layer ({type(module).__name__}) {rows} and no module around it, called "
-                "once, takes and returns the batch first to be run again on each example alone")
-        else:
-            state = blocks.hook_block(block)
-            if module not in state.members:
-                state.members.append(module)
-            # Which inputs are per example, as .layout.learn would (the model's own block
-            # records its call after the model's hook that learns: it would never learn).
-            (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
-            state.layouts.setdefault(real.specs[block], Layout(frozenset(
-                k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
+        _hook(module, block, real, larger, examples)
+
+
+def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):
+    """``module`` a member of ``block``'s :class:`.blocks.Block`, or an orphan (no block)."""
+    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+    if block is None:
+        rows = (f"runs on rows that are not examples (its output leads with {calls[0][0]} "
+                f"for a batch of {examples}, with {calls_larger[0][0] if calls_larger else None}"
+                " for one more)") if calls else "is used directly by its parent's forward pass"
+        module.__dict__[ORPHAN] = (
+            f"its layer ({type(module).__name__}) {rows} and no module around it, called "
+            "once, takes and returns the batch first to be run again on each example alone")
+        return
+    state = blocks.hook_block(block)
+    if module not in state.members:
+        state.members.append(module)
+    # Which inputs are per example, as .layout.learn would (the model's own block
+    # records its call after the model's hook that learns: it would never learn).
+    (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
+    state.layouts.setdefault(real.specs[block], Layout(frozenset(
+        k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
 
 
 def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:
