@@ -83,6 +83,29 @@ def make_moe():
     return _Logits(MixtralForCausalLM(config).eval())
 
 
+class _ImageLogits(nn.Module):
+    """``model(pixel_values).logits`` of a Hugging Face image classifier."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).logits
+
+
+def make_swin():
+    """A small Swin (``transformers``' ``SwinForImageClassification``, random weights): 64x64
+    images in patches of 4, width 48, 2 blocks in each of 3 stages (heads 2, 4, 8), windows
+    of 4x4 tokens (16, then 4, then 1 per image); its window attention runs on
+    ``[N*W, 16, C]``, so each block is recomputed per example (``extensions/fallback/regroup.py``)."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=64, patch_size=4, embed_dim=48, depths=[2, 2, 2], num_heads=[2, 4, 8],
+                        window_size=4, num_labels=10, drop_path_rate=0.0)
+    return _ImageLogits(SwinForImageClassification(config).eval())
+
+
 def classification_loss(reduction):
     return nn.CrossEntropyLoss(reduction=reduction)
 
@@ -122,6 +145,7 @@ MODELS = {
     "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
+    "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
 }
 
 

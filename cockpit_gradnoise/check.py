@@ -20,6 +20,7 @@ per-example gradients: their rows are contributions through the batch, and
 the per-example reference does not apply (the error column is then empty).
 """
 
+import contextlib
 import copy
 import math
 from typing import Callable, Dict, Optional, Sequence, Union
@@ -33,6 +34,7 @@ from cockpit_gradnoise.extensions import (
     has_rule,
     hf,
 )
+from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -102,6 +104,8 @@ def _only_example(grad: Tensor, i: int) -> Tensor:
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:
+    if not expected.numel():  # a parameter without elements (MobileBERT's [0, V] dense.weight)
+        return 0.0 if got.shape == expected.shape else math.inf
     scale = expected.abs().max().item()
     error = (got.double() - expected).abs().max().item()
     return error / scale if scale > 0 else error
@@ -137,6 +141,16 @@ def how_computed(module: nn.Module, param: Optional[nn.Parameter] = None) -> str
     if isinstance(state, fallback.Fallback):
         return f"fallback (torch.func, {name})"
     return f"none ({name}: no rule)"
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``, its caches of tensors computed from its parameters empty
+    (timm's eval-mode ``attention_bias_cache``: tensors with a graph, which ``copy.deepcopy``
+    refuses), as its own ``train()`` leaves them; ``model``'s are kept."""
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            stack.enter_context(caches_bypassed(module))
+        return copy.deepcopy(model)
 
 
 def _owners(model: nn.Module) -> Dict[int, nn.Module]:
@@ -194,8 +208,8 @@ def check_model(
 
     inputs = tuple(_as_float64(x) for x in _tuple(inputs))
     targets = _as_float64(targets)
-    reference_model = copy.deepcopy(model).double()
-    prepared = prepare_model(copy.deepcopy(model).double())
+    reference_model = _copy(model).double()
+    prepared = prepare_model(_copy(model).double())
     interact = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
     state = torch.get_rng_state()  # both passes draw the same dropout, stochastic depth
     reference = {} if interact else reference_contributions(reference_model, inputs, targets, loss_fn)
@@ -229,7 +243,7 @@ def check_model(
             how += ", contributions through the batch"
         error = scale = math.nan
         if name in reference:
-            scale = reference[name].abs().max().item()
+            scale = reference[name].abs().max().item() if reference[name].numel() else 0.0
             if not note:
                 error = _errors(param, reference[name])
         records.append({"param": name, "elements": param.numel(), "rows": not note, "how": how,

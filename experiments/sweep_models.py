@@ -54,10 +54,19 @@ TINY = {
     "num_experts_per_tok": 2,
     **dict.fromkeys(("max_position_embeddings", "n_positions"), 64),
     "vocab_size": VOCABULARY,
+    "decoder_vocab_size": VOCABULARY,  # Marian: its own, tied to the shared embedding of vocab_size
     "image_size": IMAGE,
     "patch_size": 4,
     "num_channels": 3,
     "num_labels": 5,
+}
+# Configurations a generic shrink cannot reach (sub-configurations as plain dicts), or where
+# the library's defaults do not build: DBRX reads ``attn_config.rope_theta`` and clamps with
+# ``clip_qkv`` (its default ``None`` fails in ``torch.clamp``).
+FIXES = {
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 64, "moe_num_experts": 4,
+                            "moe_top_k": 2}},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -122,6 +131,10 @@ def _tiny_kwargs(config) -> dict:
         kwargs.update(_staged(values))
     elif "num_hidden_layers" in kwargs:
         kwargs.update(_one_layer_per_kind(values))
+    if isinstance(values.get("window_size"), int) and isinstance(values.get("depths"), list):
+        # Window attention (Swin): windows of 2x2 tokens that divide every stage's grid
+        # (16, 8, 4, 2 tokens a side at 64 pixels; several windows per image but the last).
+        kwargs.update(window_size=2, image_size=2 * IMAGE)
     if isinstance(values.get("num_groups"), int):
         kwargs["num_groups"] = 2  # group norms (BiT) at tiny widths
     for key in TOKEN_KEYS:
@@ -146,7 +159,8 @@ def tiny_config(model_type: str):
               if key not in ("out_features", "out_indices", "stage_names")}  # follow the stages
     # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
     # (transformers' default) refuse float64, which the references need.
-    return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager"})
+    return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager",
+                            **FIXES.get(model_type, {})})
 
 
 def transformers_architectures() -> Dict[str, Tuple[str, str]]:

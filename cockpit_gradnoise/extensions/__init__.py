@@ -51,7 +51,7 @@ from cockpit_gradnoise.extensions import (
     tensor_parallel,
     uses,
 )
-from cockpit_gradnoise.extensions.fallback import blocks, capture, running
+from cockpit_gradnoise.extensions.fallback import blocks, capture, regroup, running
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -124,6 +124,8 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         it gets no rows, and the quantities name its parameters).
         """
         if blocks.covers(module):  # its block computes its parameters' results (.fallback.blocks)
+            return False
+        if regroup.refuse_orphan(module):  # rows that are not examples, no block around
             return False
         rule = self.rule_of(module)
         if rule is not None:

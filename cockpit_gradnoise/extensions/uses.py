@@ -20,7 +20,7 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, repeated, scaled_embedding, tied
-from cockpit_gradnoise.extensions.fallback import layout
+from cockpit_gradnoise.extensions.fallback import layout, regroup
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
@@ -76,6 +76,8 @@ def _begin_forward(model, args, kwargs):
     first = tensors[0] if tensors else None
     examples = first.shape[0] if first is not None and first.dim() > 0 else None
     model.__dict__[USES_ATTR].new_forward(examples, map(_storage, tensors))
+    if torch.is_grad_enabled():  # layers on rows that are not examples: their blocks hooked
+        regroup.survey(model, args, kwargs, examples)
 
 
 def _end_forward(model, args, kwargs, output):

@@ -47,9 +47,10 @@ layer outside) leaves that parameter out.
 """
 
 import math
-from typing import Dict, Iterator, List, Optional, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
+from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -60,7 +61,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
 from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
 from cockpit_gradnoise.extensions.fallback.layout import layout_of, state_kept, structure
 from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off
-from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks
+from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
 
@@ -76,16 +77,29 @@ class Block:
     forward pass and hook handles stay with the model that ran it.
     """
 
-    def __init__(self):
+    def __init__(self, members=()):
         self.call: Optional[Call] = None
         self.output: Optional[Tensor] = None  # the first tensor output, detached
         self.version = 0
         self.layouts: Dict[str, object] = {}  # learned by .layout, as a Fallback's
         self.totals: Dict[int, Tensor] = {}  # id(param) -> this backward pass's gradient
         self.handles: list = []
+        # The layers inside on rows that are not examples (.regroup), whose parameters it
+        # always computes; all of them where a child with the fallback takes over.
+        self.members: List[nn.Module] = list(members)
+        self.covered: List[nn.Module] = []  # in this backward pass
 
     def __reduce__(self):
-        return (Block, ())
+        return (Block, (self.members,))
+
+
+def hook_block(module: nn.Module) -> Block:
+    """``module``'s :class:`Block`, its hook installed the first time."""
+    block = module.__dict__.get(BLOCK_ATTRIBUTE)
+    if block is None:
+        block = module.__dict__[BLOCK_ATTRIBUTE] = Block()
+        module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+    return block
 
 
 def install_fallback(model: nn.Module, has_rule) -> List[str]:
@@ -93,10 +107,8 @@ def install_fallback(model: nn.Module, has_rule) -> List[str]:
     each module that got the fallback. Idempotent; the names of the modules with the fallback."""
     names = install_on_modules(model, has_rule)
     for parent in model.modules():
-        if parent.__dict__.get(BLOCK_ATTRIBUTE) is None and any(
-                isinstance(getattr(child, ATTRIBUTE, None), Fallback) for child in parent.children()):
-            parent.__dict__[BLOCK_ATTRIBUTE] = Block()
-            parent.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+        if any(isinstance(getattr(child, ATTRIBUTE, None), Fallback) for child in parent.children()):
+            hook_block(parent)
     return names
 
 
@@ -111,7 +123,7 @@ def _capture(module, args, kwargs, output):
     first = output if isinstance(output, Tensor) else next(
         (o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
     if first is None or not first.requires_grad or first.dim() == 0 \
-            or not takes_over(module, first.shape[0], unknown=True):
+            or not (block.members or takes_over(module, first.shape[0], unknown=True)):
         return  # (the hooks below cost a Python call per parameter and pass)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
@@ -131,8 +143,18 @@ def _keep_total(block: Block, param: nn.Parameter):
     return keep
 
 
-def _parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
-    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+def _parameters(module: nn.Module, covered: Optional[List[nn.Module]] = None) -> Dict[str, nn.Parameter]:
+    """``{name: param}`` of ``module``'s trainable parameters (those of ``covered`` only)."""
+    if covered is None:
+        return {name: p for name, p in module.named_parameters() if p.requires_grad}
+    ids, found, seen = {id(sub) for sub in covered}, {}, set()
+    for prefix, sub in module.named_modules():
+        if id(sub) in ids:
+            for name, p in sub.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    found[f"{prefix}.{name}" if prefix else name] = p
+    return found
 
 
 def _batched(call: Call, examples: int, leaves) -> List[int]:
@@ -164,19 +186,47 @@ def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
     over, note it in the pass's facts (its layers then get no rows of their own) and leave
     the computation to the end of the pass."""
     savefields = active_savefields()
-    if not savefields or block.call is None or grad.dim() == 0 or not takes_over(module, grad.shape[0]):
-        for handle in block.handles:  # no totals needed (the parameters' gradients come later)
-            handle.remove()
-        block.handles, block.call, block.output = [], None, None
+    if not savefields or block.call is None or grad.dim() == 0 or covers(module):
+        _let_go(block)  # (inside an active block: that block computes it)
         return
+    if takes_over(module, grad.shape[0]):
+        block.covered = list(module.modules())
+    elif block.members:  # (.regroup): the other layers' rules give exact rows
+        block.covered = list({id(sub): sub for member in block.members for sub in member.modules()}.values())
+    else:
+        _let_go(block)
+        return
+    _absorb_inner_blocks(module, block)
     recorded = facts.recording()
-    recorded.inside_blocks.update(id(sub) for sub in module.modules())
-    for sub in module.modules():
+    recorded.inside_blocks.update(id(sub) for sub in block.covered)
+    for sub in block.covered:
         state = getattr(sub, ATTRIBUTE, None)
         if isinstance(state, Fallback):  # its call is the block's business now
             state.call, state.taken = None, True
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: _save(module, block, grad.detach(), savefields, recorded))
+
+
+def _let_go(block: Block) -> None:
+    """No totals needed (the parameters' gradients come later), nor the call."""
+    for handle in block.handles:
+        handle.remove()
+    block.handles, block.call, block.output, block.covered = [], None, None, []
+
+
+def _absorb_inner_blocks(module: nn.Module, block: Block) -> None:
+    """Let go of each block inside ``module`` with a module this one covers: this one
+    computes them, and also what that one covers where it took over first (its output
+    hook ran first: both outputs are one tensor, DBRX's experts' and their block's)."""
+    ids = {id(sub) for sub in block.covered}
+    for sub in module.modules():
+        inner = sub.__dict__.get(BLOCK_ATTRIBUTE)
+        if sub is module or inner is None or inner.call is None \
+                or not any(id(s) in ids for s in sub.modules()):
+            continue
+        block.covered += [s for s in inner.covered if id(s) not in ids]
+        ids.update(id(s) for s in inner.covered)
+        _let_go(inner)
 
 
 def covers(module: nn.Module) -> bool:
@@ -206,10 +256,11 @@ class Interacting(Exception):
 
 
 def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
-                          params: Dict[str, nn.Parameter]) -> Iterator[Dict[str, Tensor]]:
+                          params: Dict[str, nn.Parameter]) -> Iterator[Tuple[Dict[str, Tensor], Dict]]:
     """``{name: [x_i for i in a chunk]}``, chunk by chunk (:func:`.cost_model.examples_per_chunk`
     examples: one reduction per chunk), ``x_i`` from the block run again on example ``i``
-    alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring).
+    alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring); with the
+    terms' magnitudes of its linear layers' biases (:mod:`.block_biases`).
 
     Raises:
         Interacting: Where the block's output for an example alone differs from its
@@ -223,11 +274,17 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
     numel = sum(p.numel() for p in tensors)
     size = min(examples, cost_model.examples_per_chunk(max(numel, 1), tensors[0].element_size()))
     chunk = {name: p.new_empty(size, *p.shape) for name, p in params.items()}
+    biases, chunk_terms = LinearBiases(module, params), {}
     for i in range(examples):
         leaves = [leaf[i : i + 1] if k in batched else leaf for k, leaf in enumerate(call.leaves)]
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-        with torch.enable_grad(), precision.autocast_as(call.autocast):
-            output = module(*args, **kwargs)
+        handles = biases.install()
+        try:
+            with torch.enable_grad(), precision.autocast_as(call.autocast):
+                output = module(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
         first = output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
         difference = (first.detach() - block.output[i : i + 1]).abs().max()
         if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
@@ -235,14 +292,33 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
                 "its output for one example alone differs from its output in the batch: its "
                 "examples interact (a capacity limit, routing over the batch) or its forward pass "
                 "is random (router jitter, dropout in training mode)")
-        found = torch.autograd.grad(first, tensors, grad[i : i + 1].to(first.dtype), allow_unused=True)
+        outputs = biases.outputs()
+        found = torch.autograd.grad(first, tensors + outputs, grad[i : i + 1].to(first.dtype),
+                                    allow_unused=True)
         for (name, rows), g in zip(chunk.items(), found):
             if g is None:
                 rows[i % size].zero_()
             else:
                 rows[i % size].copy_(g)
+        for name, terms in biases.terms(list(found[len(tensors):])).items():
+            chunk_terms.setdefault(name, []).append(terms)
         if i % size == size - 1 or i == examples - 1:
-            yield {name: rows[: i % size + 1] for name, rows in chunk.items()}
+            contributions = {name: rows[: i % size + 1] for name, rows in chunk.items()}
+            yield contributions, _held_terms(contributions, chunk_terms)
+            chunk_terms = {}
+
+
+def _held_terms(contributions: Dict[str, Tensor], chunk_terms: Dict[str, list]) -> Dict[str, Optional[tuple]]:
+    """A chunk's ``{bias name: (magnitudes [chunk, out], rows) or None}`` for
+    :func:`.reduce.with_structural_zeros`, which holds those contributions to the end
+    (copied here: the chunk's buffers are filled again)."""
+    held = {}
+    for name, terms in chunk_terms.items():
+        contributions[name] = contributions[name].clone()
+        counts = {None if t is None else t[1] for t in terms}
+        held[name] = None if len(counts) != 1 or None in counts else (
+            torch.stack([t[0] for t in terms]), counts.pop())
+    return held
 
 
 def compute(module: nn.Module, block: Block, grad: Tensor,
@@ -254,37 +330,46 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     reason = refusal(module, block, examples)
     if reason is not None:
         return reason
-    params = _parameters(module)
+    params = _parameters(module, block.covered)
     wanted = set(savefields) | {LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
-            return reduce_chunks(per_example_gradients(module, block, grad, params), sorted(wanted))
+            chunks = per_example_gradients(module, block, grad, params)
+            return reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
     except Interacting as error:
         return str(error)
     except Exception as error:  # the block cannot run on one example
         return f"it cannot run on one example alone ({type(error).__name__}: {error})"
 
 
-def reached_otherwise(total: Optional[Tensor], summed: Tensor, norms: Tensor, eps: float) -> bool:
+def reached_otherwise(total: Optional[Tensor], summed: Tensor, norms: Tensor, eps: float,
+                      block_scale: float = 0.0) -> bool:
     """Whether a parameter's gradient in the backward pass (``total``) is not the sum of the
     block's contributions (``summed``): farther than ``sqrt(eps)`` times ``||total||`` plus
-    ``sqrt(sum_i ||x_i||^2)`` (``norms``), far above the rounding of two orders of summation."""
+    ``sqrt(sum_i ||x_i||^2)`` (``norms``), far above the rounding of two orders of summation,
+    plus ``eps`` times ``block_scale`` (the largest gradient norm of the block's parameters):
+    a gradient zero by structure (an attention key's bias) is rounding noise of terms of the
+    block's scale, both ways (1e-18 against 1e-17, OPT's ``k_proj.bias`` in float64)."""
     if total is None:  # no gradient reached it in this pass: its contributions are zeros
         return bool(summed.abs().max() > 0) if summed.numel() else False
     scale = float(total.double().norm()) + float(norms.double().sum().sqrt())
-    return float((summed.double() - total.double()).norm()) > math.sqrt(eps) * scale
+    distance = float((summed.double() - total.double()).norm())
+    return distance > math.sqrt(eps) * scale + eps * block_scale
 
 
 def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -> None:
     """End of the backward pass: the block's results saved on its parameters, or its
     parameters refused (left out with a warning by the quantities)."""
+    if block.call is None:  # let go of by a block around it, whose output is the same tensor
+        return
     for handle in block.handles:  # the recomputation must not overwrite the totals
         handle.remove()
     try:
         results = compute(module, block, grad, savefields)
-        params = _parameters(module)
+        params = _parameters(module, block.covered)
         eps = torch.finfo(block.call.autocast[1] if block.call.autocast else grad.dtype).eps
+        block_scale = max((float(t.double().norm()) for t in block.totals.values()), default=0.0)
         for name, param in params.items():
             for savefield in savefields:
                 if hasattr(param, savefield):
@@ -293,7 +378,8 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
                 _refuse(module, recorded, param, results)
                 continue
             summed = results[LOCAL_GRADIENT_SAVEFIELD][name]
-            if reached_otherwise(block.totals.get(id(param)), summed, results[BATCH_L2_SAVEFIELD][name], eps):
+            if reached_otherwise(block.totals.get(id(param)), summed, results[BATCH_L2_SAVEFIELD][name],
+                                 eps, block_scale):
                 _refuse(module, recorded, param, (
                     "part of its gradient did not come through its block's output: a term of the "
                     "loss reaches it another way (the router's auxiliary load-balancing loss, "
@@ -302,12 +388,14 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
                 continue
             for savefield in savefields:
                 setattr(param, savefield, results[savefield][name])
+            if id(param) not in recorded.setup_refusals:  # a rule's, before the block took over
+                recorded.refusals.pop(id(param), None)
             recorded.leading_sizes[id(param)] = grad.shape[0]
             recorded.block_rows[id(param)] = type(module).__name__
     finally:
         for handle in block.handles:
             handle.remove()
-        block.handles, block.totals, block.call, block.output = [], {}, None, None
+        block.handles, block.totals, block.call, block.output, block.covered = [], {}, None, None, []
 
 
 def _refuse(module: nn.Module, recorded, param, reason: str) -> None:

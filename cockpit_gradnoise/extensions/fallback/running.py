@@ -214,6 +214,9 @@ def _defer(module: nn.Module, state: Fallback, g_out, savefields: List[str]) -> 
 def _compute_after_backward(module: nn.Module, state: Fallback, savefields: List[str]) -> None:
     """Compute and save every active extension's results (:func:`_defer`), free the call."""
     g_out, state.deferred = state.deferred, None
+    if id(module) in facts.recording().inside_blocks:  # a block took it over after (.blocks)
+        state.call, state.results, state.taken = None, None, True
+        return
     if state.used_twice:
         _refuse(module, state, "it was called more than once in one forward pass")
         results = {}

@@ -1,0 +1,58 @@
+"""The biases of a block's linear layers, whose structural zeros are exact zeros, as the rule's.
+
+A block run again on each example alone (:mod:`.blocks`) gives each parameter its
+contributions by ``torch.autograd.grad``. An attention key's bias has a gradient of
+zero by structure (softmax does not change when one number is added to every
+score): its contributions are rounding noise, 1e-18 where the reference's is 1e-17,
+whose quantiles and standard deviations mean nothing; the native Linear rule makes
+them exact zeros (:func:`.sums.structural_zeros`). Here too: a bias of an
+``nn.Linear`` the block computes, called once in the recomputation, is the sum of the
+rows of that call's output gradient ``g``, so each contribution comes with its
+terms' magnitudes ``sum |g|`` over those rows; an element all of whose contributions
+are within rounding of them is set to exactly 0 (:func:`.reduce.with_structural_zeros`,
+the fallback's own).
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+from torch import Tensor, nn
+
+
+class LinearBiases:
+    """The outputs of the block's linear layers whose biases it computes, in one recomputation.
+
+    Use: :meth:`install` (inside the block's hooks switched off: the hooks go with them),
+    run the block, :meth:`outputs` to add to ``torch.autograd.grad``'s inputs, then
+    :meth:`terms` with their gradients.
+    """
+
+    def __init__(self, module: nn.Module, params: Dict[str, nn.Parameter]):
+        ids = {id(p): name for name, p in params.items()}
+        self.layers: List[Tuple[str, nn.Linear]] = [
+            (ids[id(sub.bias)], sub) for sub in module.modules()
+            if isinstance(sub, nn.Linear) and sub.bias is not None and id(sub.bias) in ids]
+        self.seen: Dict[int, List[Tensor]] = {}
+
+    def install(self) -> list:
+        self.seen = {id(layer): [] for _, layer in self.layers}
+        return [layer.register_forward_hook(self._keep) for _, layer in self.layers]
+
+    def _keep(self, layer, args, output):
+        self.seen[id(layer)].append(output)
+
+    def outputs(self) -> List[Tensor]:
+        """The output of each layer called once (the others get no magnitudes)."""
+        return [calls[0] for calls in self.seen.values() if len(calls) == 1 and calls[0].requires_grad]
+
+    def terms(self, grads: List[Optional[Tensor]]) -> Dict[str, Optional[Tuple[Tensor, int]]]:
+        """``{bias name: (sum |g| over the rows [out], rows)}``, ``None`` where unknown."""
+        found, k = {}, 0
+        for name, layer in self.layers:
+            calls = self.seen[id(layer)]
+            if len(calls) != 1 or not calls[0].requires_grad:
+                found[name] = None
+                continue
+            g, k = grads[k], k + 1
+            found[name] = None if g is None else (
+                g.abs().reshape(-1, g.shape[-1]).sum(0), g.numel() // max(g.shape[-1], 1))
+        return found

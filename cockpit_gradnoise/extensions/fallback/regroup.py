@@ -1,0 +1,231 @@
+"""Layers on rows that are not examples, found before the first tracked step: their block takes over.
+
+A layer with a rule computes one row per row of its output, and takes its
+output's rows for the examples. Many models regroup the batch before a layer:
+OPT's decoder layer flattens the tokens (``[N*T, C]``) before ``fc1``, ``fc2``
+and ``final_layer_norm``; window attention (Swin, SwinV2, MobileViT, TinyViT)
+runs on ``[N*W, tokens, C]`` windows; a mixture-of-experts router on the
+flattened tokens; SwinV2's position-bias MLP on a table without the batch. No
+shape tells such rows from examples: ``N*W`` equals ``N`` with one window, and
+``T`` equals ``N`` where a sequence-first layer's length happens to.
+
+What does tell is the model run on the batch and on the batch one example
+larger (its first example repeated, as :mod:`.layout` learns its inputs):
+a module's output whose leading size is ``N`` and then ``N + 1`` has one row
+per example; any other (``N*T`` then ``(N+1)*T``; a size that stays) does not.
+:func:`survey` runs both passes (``torch.no_grad``, every hook off, random
+state and buffers restored) before the first recorded forward pass of each
+new shape of the inputs (the batch size left out), and for each module with
+direct trainable parameters whose rows are not examples (``nn.Embedding``s
+without the batch excepted: :mod:`..batchless` gives them exact rows) hooks
+the smallest enclosing *batch-first* module, called once, whose output and
+one of whose inputs lead with ``N`` and ``N + 1``, as a block
+(:mod:`.blocks`): in a tracked backward pass it takes over, runs again on each
+example alone, with the same checks (one example alone gives its row of the
+batch's output; the contributions add up to the gradient), and gives every
+parameter inside it exact rows:
+
+.. math::
+
+    x_i(p) = \\Big(\\frac{\\partial f(a_i; \\theta)}{\\partial p}\\Big)^{\\top} G_i .
+
+A layer with no such module around it (the model's output does not lead with
+the batch) is refused by name at each tracked step (:func:`refuse_orphan`),
+whatever its leading size: never rows taken for examples by coincidence.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions.fallback import blocks
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback
+from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
+from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+#: The attribute (in the model's ``__dict__``) of the input shapes already surveyed.
+SURVEYED = "_cgn_regroup_surveyed"
+#: The attribute (in a layer's ``__dict__``) of why its rows are not examples and no block
+#: around it can give them: its parameters are refused at each tracked step.
+ORPHAN = "_cgn_rows_not_examples"
+
+
+def _leading(value) -> Optional[int]:
+    return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
+
+
+def _first_tensor(output) -> Optional[Tensor]:
+    return next((leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)), None)
+
+
+class _Calls(TorchFunctionMode):
+    """Each module's calls in one pass: ``(leading size of its first output tensor,
+    leading sizes of its tensor inputs)``; and ``used``, the ``id`` of each tensor an
+    operation of the pass took (a parameter read directly, ``self.decoder.weight.t()``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.calls: Dict[nn.Module, List[Tuple[Optional[int], Tuple[Optional[int], ...]]]] = {}
+        self.used: set = set()
+        self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
+        self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.used.update(id(leaf) for leaf in _pytree.tree_leaves((args, kwargs or {}))
+                         if isinstance(leaf, nn.Parameter))
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, module, args, kwargs, output):
+        leaves, spec = _pytree.tree_flatten((args, kwargs))
+        inputs = tuple(_leading(leaf) for leaf in leaves)
+        self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        self.specs[module] = str(spec)
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _run(model: nn.Module, args: tuple, kwargs: dict) -> Optional[_Calls]:
+    """The calls of one no-grad pass of ``model`` without hooks (with its own, where it needs
+    them); ``None`` where it fails (a model that takes one batch size only)."""
+    devices = sorted({leaf.device.index or 0 for leaf in _pytree.tree_leaves((args, kwargs))
+                      if isinstance(leaf, Tensor) and leaf.device.type == "cuda"})
+    for keep in (None, foreign):
+        try:
+            with hooks_off(model, keep=keep), state_kept(model, devices), torch.no_grad():
+                calls = _Calls(model)
+                try:
+                    with calls:
+                        getattr(model, "_orig_mod", model)(*args, **kwargs)
+                finally:
+                    calls.remove()
+            return calls
+        except Exception:  # noqa: BLE001,S112 - tried again with the model's own hooks
+            continue
+    return None
+
+
+def rows_are_examples(real: Optional[int], larger: Optional[int], examples: int) -> bool:
+    """Whether an output led by ``real`` rows in the batch and ``larger`` in the batch one
+    example larger has one row per example."""
+    return real == examples and larger == examples + 1
+
+
+def _batch_first(real, larger, examples: int) -> bool:
+    """Whether a module was called once in each pass, its output and one input per example,
+    and each other input per example too or without the batch (its size unchanged): an
+    input of rows that are not examples (DBRX's experts take the routing of the tokens,
+    ``[N*T, k]``) cannot be cut to one example."""
+    if len(real) != 1 or len(larger) != 1:
+        return False
+    (out, ins), (out_larger, ins_larger) = real[0], larger[0]
+    pairs = list(zip(ins, ins_larger))
+    return rows_are_examples(out, out_larger, examples) and len(ins) == len(ins_larger) \
+        and any(rows_are_examples(a, b, examples) for a, b in pairs) \
+        and all(a == b or rows_are_examples(a, b, examples) for a, b in pairs)
+
+
+def _regrouped(module: nn.Module, real, larger, examples: int) -> bool:
+    """Whether ``module``'s calls ran on rows that are not examples (an embedding without
+    the batch excepted); a call count that changes with the batch counts as such."""
+    if len(real) != len(larger):
+        return True
+    for (out, _), (out_larger, _) in zip(real, larger):
+        if out is None or rows_are_examples(out, out_larger, examples):
+            continue
+        if out == out_larger and isinstance(module, nn.Embedding):
+            continue  # without the batch: .batchless's
+        return True
+    return False
+
+
+def _key(args: tuple, kwargs: dict, examples: int, training: bool) -> tuple:
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    shapes = tuple(tuple(leaf.shape[1:]) if _leading(leaf) == examples else tuple(leaf.shape)
+                   for leaf in leaves if isinstance(leaf, Tensor))
+    return str(spec), shapes, training
+
+
+def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) -> None:
+    """Before a recorded forward pass of ``model``: for a new shape of its inputs, find the
+    layers on rows that are not examples and hook their blocks (module docstring)."""
+    if not examples:
+        return
+    surveyed = model.__dict__.setdefault(SURVEYED, set())
+    key = _key(args, kwargs, examples, model.training)
+    if key in surveyed:
+        return
+    surveyed.add(key)
+    if any(c.__name__ == "DTensor" for p in model.parameters() for c in type(p).__mro__):
+        return  # sharded parameters (FSDP2, tensor parallel): no pass outside the wrapper's own
+    real = _run(model, args, kwargs)
+    larger = _run(model, *_pytree.tree_map(
+        lambda v: torch.cat([v, v[:1]]) if _leading(v) == examples else v, (args, kwargs)))
+    if real is None or larger is None:
+        return  # the model's other checks (.layout, the rules' leading sizes) stand
+    parents = {child: module for module in model.modules() for child in module.children()}
+    for module in model.modules():
+        params = direct_parameters(module)
+        if not params or module.__dict__.get(ORPHAN) is not None:
+            continue
+        calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+        if calls and _regrouped(module, calls, calls_larger, examples):
+            block = parents.get(module)
+        elif not calls and _used_by_parent(module, params, parents, real):
+            block = parents[module]  # its parameters are used in its parent's own forward pass
+        else:
+            continue
+        while block is not None and not _batch_first(
+                real.calls.get(block, []), larger.calls.get(block, []), examples):
+            block = parents.get(block)
+        _hook(module, block, real, larger, examples)
+
+
+def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):
+    """``module`` a member of ``block``'s :class:`.blocks.Block`, or an orphan (no block)."""
+    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+    if block is None:
+        rows = (f"runs on rows that are not examples (its output leads with {calls[0][0]} "
+                f"for a batch of {examples}, with {calls_larger[0][0] if calls_larger else None}"
+                " for one more)") if calls else "is used directly by its parent's forward pass"
+        module.__dict__[ORPHAN] = (
+            f"its layer ({type(module).__name__}) {rows} and no module around it, called "
+            "once, takes and returns the batch first to be run again on each example alone")
+        return
+    state = blocks.hook_block(block)
+    if module not in state.members:
+        state.members.append(module)
+    # Which inputs are per example, as .layout.learn would (the model's own block
+    # records its call after the model's hook that learns: it would never learn).
+    (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
+    state.layouts.setdefault(real.specs[block], Layout(frozenset(
+        k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
+
+
+def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:
+    """Whether ``module`` was not called but an operation took its parameters directly, in a
+    pass where its parent was called without the fallback (which would compute them):
+    MobileBERT's head multiplies by its ``decoder``'s weight, tied to the word embeddings,
+    without calling the ``decoder``."""
+    parent = parents.get(module)
+    return parent is not None and parent in calls.calls \
+        and not isinstance(getattr(parent, ATTRIBUTE, None), Fallback) \
+        and any(id(p) in calls.used for p in params.values())
+
+
+def refuse_orphan(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer on rows that are not examples with no block around it:
+    then its parameters are refused in this backward pass (left out, warning), and no rule
+    runs on it."""
+    reason = module.__dict__.get(ORPHAN)
+    if reason is None:
+        return False
+    recorded = facts.recording()
+    for param in direct_parameters(module).values():
+        recorded.refuse(param, reason)
+    return True
