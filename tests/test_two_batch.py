@@ -250,3 +250,35 @@ def test_the_norms_preset_records_each_tracked_accumulated_step_and_its_log(tmp_
         record = {name: dict(zip(group.statistic.astype(str), group.value))
                   for name, group in at.groupby(at.param.astype(str), sort=False)}
         assert_matches(record, values, sum(sizes))
+
+
+class _ToFloat32(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_bfloat16_and_float32_gradients_are_normed_exactly_in_float64():
+    """Mixed dtypes (a bfloat16 layer, then float32 ones): each micro-batch's own gradient
+    (autograd on a copy, in the model's dtypes) and ``param.grad`` as accumulated, squared and
+    summed in float64 (exact squares; a bfloat16 or float32 sum would be off by 1e-3 or 1e-7)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 64).to(torch.bfloat16), _ToFloat32(), nn.Tanh(), nn.Linear(64, 2))
+    plain = copy.deepcopy(model)
+    noise = cgn.TwoBatchNoiseScale(model)
+    sizes = (3, 5)
+    own = []
+    for x, y in micro_batches(sizes, seed=4):
+        x = x.to(torch.bfloat16)
+        own.append(torch.autograd.grad(F.cross_entropy(plain(x), y) / len(sizes), list(plain.parameters())))
+        (F.cross_entropy(model(x), y) / len(sizes)).backward()
+        noise.micro_batch(len(y))
+    assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    record = noise.step(0)
+    # Weights 1 / (b K): a micro-batch's mean gradient is K g_k; the big batch's is param.grad.
+    small = [[m * len(sizes) ** 2 for m in squared_norms(grads)] for grads in own]
+    big = squared_norms([p.grad for p in model.parameters()])
+    effective = len(sizes) ** 2 / sum(1 / b for b in sizes)  # (sum w b)^2 / sum w^2 b: 7.5
+    names = [n for n, _ in model.named_parameters()] + [schema.NETWORK]
+    expected = {name: from_the_model_of_the_paper([(m[i], b) for m, b in zip(small, sizes)], big[i], effective)
+                for i, name in enumerate(names)}
+    assert_matches(record, expected, sum(sizes))

@@ -8,8 +8,9 @@ Under gradient accumulation and DataParallel training both batches come for
 free: each micro-batch on each process is a small batch, the optimizer's
 accumulated, all-reduced gradient is the big one. This is what nanoGNS and
 k-diffusion compute; it costs one float64 norm of every gradient per
-backward pass (a tensor hook on each parameter) and, under DDP, two small
-all-reduces per step. It needs at least two small batches per step (two
+backward pass (a tensor hook on each parameter; the norms stay tensors
+until the micro-batch closes, then are gathered in one vector) and, under
+DDP, two small all-reduces per step. It needs at least two small batches per step (two
 micro-batches, or two processes).
 
 Its estimates are noisier than :class:`~cockpit_gradnoise.GradientNoiseScale`'s,
@@ -107,7 +108,9 @@ class TwoBatchNoiseScale(Quantity):
         self._armed = self._standalone
         self.warned = set()  # keys of Step.warn told to this quantity
         self._averages: Dict[str, Tuple[float, float]] = {}
-        self._pending: Optional[Tensor] = None  # this backward's squared norms, [params]
+        # This backward pass's norms as the hooks give them, [(parameter index, 0-dim float64)]:
+        # gathered into one vector when the micro-batch closes (no per-parameter indexing).
+        self._pending: Optional[List[Tuple[Optional[int], Tensor]]] = None
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
         self._handles = [p.register_hook(functools.partial(self._record, i))
                          for i, p in enumerate(self.params)]
@@ -116,8 +119,25 @@ class TwoBatchNoiseScale(Quantity):
         if not self._armed:
             return
         if self._pending is None:
-            self._pending = torch.zeros(len(self.params), dtype=torch.float64, device=grad.device)
-        self._pending[index] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+            self._pending = []
+        # Accumulated in float64 (squares of float32 and narrower values are exact there);
+        # squared once per micro-batch, on the gathered vector (_squared_norms).
+        self._pending.append((index, torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)))
+
+    def _squared_norms(self, pending: List[Tuple[Optional[int], Tensor]]) -> Tensor:
+        """The squared norms of one backward pass, ``[params]`` float64, from the hooks' norms
+        ``(index, norm)``, or from a checkpoint's squared norms of every parameter
+        ``(None, squared norms)``."""
+        device = pending[0][1].device
+        total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        norms = [(i, norm.to(device)) for i, norm in pending if i is not None]
+        if norms:
+            index = torch.tensor([i for i, _ in norms], device=device)
+            total.index_add_(0, index, torch.stack([norm for _, norm in norms]).square_())
+        for i, squared in pending:
+            if i is None:
+                total += squared.to(device)
+        return total
 
     def micro_batch(self, examples: int, weight: Optional[float] = None) -> None:
         """Close the backward pass just run: ``examples`` examples, each loss weighted ``weight``.
@@ -141,7 +161,7 @@ class TwoBatchNoiseScale(Quantity):
                 "no gradient reached the model's parameters since the last micro_batch(): call "
                 "micro_batch() once after each loss.backward()"
             )
-        self._micro_batches.append((self._pending, examples, weight))
+        self._micro_batches.append((self._squared_norms(self._pending), examples, weight))
         self._pending = None
 
     def step(self, step: int) -> Optional[dict]:
@@ -202,7 +222,7 @@ class TwoBatchNoiseScale(Quantity):
         return {"averages": {name: list(pair) for name, pair in self._averages.items()},
                 "micro_batches": [[squared.clone(), examples, weight]
                                   for squared, examples, weight in self._micro_batches],
-                "pending": None if self._pending is None else self._pending.clone(),
+                "pending": None if self._pending is None else self._squared_norms(self._pending),
                 "warned": sorted(self.warned)}
 
     def load_state_dict(self, state) -> None:
@@ -211,7 +231,7 @@ class TwoBatchNoiseScale(Quantity):
         self._averages = {name: tuple(pair) for name, pair in state["averages"].items()}
         self._micro_batches = [(squared.to(device), examples, weight)
                                for squared, examples, weight in state["micro_batches"]]
-        self._pending = None if state["pending"] is None else state["pending"].to(device)
+        self._pending = None if state["pending"] is None else [(None, state["pending"].to(device))]
         self.warned = set(state["warned"])
 
     # As a Cockpit quantity ----------------------------------------------------------
@@ -248,10 +268,13 @@ class TwoBatchNoiseScale(Quantity):
                 step.warn(f"two-batch: {warning.message}", f"{self.name}: {warning.message}", self)
 
     def _big_squared_norms(self, device) -> Tensor:
-        return torch.stack([
-            torch.zeros((), dtype=torch.float64, device=device) if p.grad is None
-            else torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
-            for p in self.params])
+        grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        norms = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        if grads:  # one call for all (fused on a GPU), in float64 as the hooks' norms
+            found = torch._foreach_norm(grads, dtype=torch.float64)
+            index = torch.tensor([i for i, p in enumerate(self.params) if p.grad is not None], device=device)
+            norms.index_copy_(0, index, torch.stack([n.to(device) for n in found]))
+        return norms.square_()
 
     def _statistics(self, name, grad_sq, trace_cov, examples) -> dict:
         return {
