@@ -112,6 +112,7 @@ class TwoBatchNoiseScale(Quantity):
         # gathered into one vector when the micro-batch closes (no per-parameter indexing).
         self._pending: Optional[List[Tuple[Optional[int], Tensor]]] = None
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
+        self._dropped = False  # a micro-batch of this step was refused (micro_batch)
         self._handles = [p.register_hook(functools.partial(self._record, i))
                          for i, p in enumerate(self.params)]
 
@@ -150,7 +151,8 @@ class TwoBatchNoiseScale(Quantity):
                 i.e. ``1 / (examples * K)``. For ``loss.sum()``, 1.
 
         Raises:
-            RuntimeError: If no gradient reached a parameter since the last call.
+            RuntimeError: If no gradient reached a parameter since the last call, or
+                two backward passes reached one (the micro-batch is dropped).
         """
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
             raise ValueError(f"examples must be a positive int, got {examples!r}")
@@ -161,6 +163,15 @@ class TwoBatchNoiseScale(Quantity):
                 "no gradient reached the model's parameters since the last micro_batch(): call "
                 "micro_batch() once after each loss.backward()"
             )
+        indices = [i for i, _ in self._pending if i is not None]
+        if len(set(indices)) < len(indices):  # |g1|^2 + |g2|^2 is not |g1 + g2|^2
+            twice = sorted({self.names[i] for i in indices if indices.count(i) > 1})
+            self._pending, self._dropped = None, True  # param.grad holds it: not this step
+            raise RuntimeError(
+                f"two backward passes reached {twice} since the last micro_batch(): the squared "
+                "norm of their summed gradient is not known from the two norms, so this "
+                "micro-batch is dropped. Call micro_batch() after each loss.backward() (or "
+                "backward the sum of the losses once)")
         self._micro_batches.append((self._squared_norms(self._pending), examples, weight))
         self._pending = None
 
@@ -180,6 +191,11 @@ class TwoBatchNoiseScale(Quantity):
             raise RuntimeError("a backward pass since the last micro_batch() was not closed: "
                                "call micro_batch() after each loss.backward()")
         micro, self._micro_batches = self._micro_batches, []
+        dropped, self._dropped = self._dropped, False
+        if dropped:
+            warnings.warn("a micro-batch of this step was dropped (two backward passes), and "
+                          "param.grad holds its gradient: nothing recorded at this step", stacklevel=2)
+            return None
         if not micro:
             raise RuntimeError("no micro-batch since the last step: call micro_batch() after "
                                "each loss.backward() of the step")
@@ -218,12 +234,12 @@ class TwoBatchNoiseScale(Quantity):
     def state_dict(self) -> dict:
         """The running state a checkpoint keeps: the moving averages of ``b_simple_smoothed``,
         the micro-batches closed since the last :meth:`step` (and a backward pass not
-        closed yet), and the warnings told."""
+        closed yet, and whether one was dropped), and the warnings told."""
         return {"averages": {name: list(pair) for name, pair in self._averages.items()},
                 "micro_batches": [[squared.clone(), examples, weight]
                                   for squared, examples, weight in self._micro_batches],
                 "pending": None if self._pending is None else self._squared_norms(self._pending),
-                "warned": sorted(self.warned)}
+                "warned": sorted(self.warned), "dropped": self._dropped}
 
     def load_state_dict(self, state) -> None:
         """Take back the running state of :meth:`state_dict`."""
@@ -233,6 +249,7 @@ class TwoBatchNoiseScale(Quantity):
                                for squared, examples, weight in state["micro_batches"]]
         self._pending = None if state["pending"] is None else [(None, state["pending"].to(device))]
         self.warned = set(state["warned"])
+        self._dropped = state.get("dropped", False)  # absent from older checkpoints
 
     # As a Cockpit quantity ----------------------------------------------------------
 
@@ -259,7 +276,10 @@ class TwoBatchNoiseScale(Quantity):
                       "recorded at this step", self)
             self._pending, self._micro_batches = None, []
             return
-        self.micro_batch(batch.examples, batch.loss_scale)
+        try:
+            self.micro_batch(batch.examples, batch.loss_scale)
+        except RuntimeError as error:  # two backward passes in one tracked call: not this step
+            step.warn("two-batch-twice", f"{self.name}: {error}", self)
         if micro is None or micro.last:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
