@@ -250,3 +250,70 @@ def test_the_norms_preset_records_each_tracked_accumulated_step_and_its_log(tmp_
         record = {name: dict(zip(group.statistic.astype(str), group.value))
                   for name, group in at.groupby(at.param.astype(str), sort=False)}
         assert_matches(record, values, sum(sizes))
+
+
+class _ToFloat32(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_bfloat16_and_float32_gradients_are_normed_exactly_in_float64():
+    """Mixed dtypes (a bfloat16 layer, then float32 ones): each micro-batch's own gradient
+    (autograd on a copy, in the model's dtypes) and ``param.grad`` as accumulated, squared and
+    summed in float64 (exact squares; a bfloat16 or float32 sum would be off by 1e-3 or 1e-7)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 64).to(torch.bfloat16), _ToFloat32(), nn.Tanh(), nn.Linear(64, 2))
+    plain = copy.deepcopy(model)
+    noise = cgn.TwoBatchNoiseScale(model)
+    sizes = (3, 5)
+    own = []
+    for x, y in micro_batches(sizes, seed=4):
+        x = x.to(torch.bfloat16)
+        own.append(torch.autograd.grad(F.cross_entropy(plain(x), y) / len(sizes), list(plain.parameters())))
+        (F.cross_entropy(model(x), y) / len(sizes)).backward()
+        noise.micro_batch(len(y))
+    assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    record = noise.step(0)
+    # Weights 1 / (b K): a micro-batch's mean gradient is K g_k; the big batch's is param.grad.
+    small = [[m * len(sizes) ** 2 for m in squared_norms(grads)] for grads in own]
+    big = squared_norms([p.grad for p in model.parameters()])
+    effective = len(sizes) ** 2 / sum(1 / b for b in sizes)  # (sum w b)^2 / sum w^2 b: 7.5
+    names = [n for n, _ in model.named_parameters()] + [schema.NETWORK]
+    expected = {name: from_the_model_of_the_paper([(m[i], b) for m, b in zip(small, sizes)], big[i], effective)
+                for i, name in enumerate(names)}
+    assert_matches(record, expected, sum(sizes))
+
+
+def test_two_backward_passes_in_one_micro_batch_are_refused_not_added_as_squares():
+    """|g1|^2 + |g2|^2 is not the micro-batch's |g1 + g2|^2: refused, naming the fix; alone
+    and through the tracker (a warning, nothing recorded at that step, the next step recorded)."""
+    model = mlp()
+    noise = cgn.TwoBatchNoiseScale(model)
+    (x, y), = micro_batches([3])
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"two backward passes reached \['0.bias', '0.weight'"):
+        noise.micro_batch(3)
+    assert noise._pending is None and noise._micro_batches == []
+    for k in (1, 2):  # the step's other micro-batches: param.grad holds the dropped one's gradient
+        (x, y), = micro_batches([2], seed=k)
+        F.cross_entropy(model(x), y).backward()
+        noise.micro_batch(2)
+    with pytest.warns(UserWarning, match="a micro-batch of this step was dropped"):
+        assert noise.step(0) is None
+    model, tracker = cgn.track(mlp(), every=1, quantities=["TwoBatchNoiseScale"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning) as caught:
+        for step in range(2):
+            for k, (x, y) in enumerate(micro_batches((2, 3, 4), seed=30 + step)):
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                with tracker(step, losses, optimizer=optimizer, micro_batch=k, micro_batches=3) as loss:
+                    loss.backward(retain_graph=step == 0)
+                    if step == 0 and k == 0:
+                        loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    told = " ".join(str(warning.message) for warning in caught)
+    assert "two backward passes reached ['0.bias'" in told and "micro-batch of this step was dropped" in told
+    frame = cgn.to_frame(tracker.cockpit)
+    assert sorted(set(frame[frame.quantity == "TwoBatchNoiseScale"].step)) == [1]

@@ -8,8 +8,9 @@ Under gradient accumulation and DataParallel training both batches come for
 free: each micro-batch on each process is a small batch, the optimizer's
 accumulated, all-reduced gradient is the big one. This is what nanoGNS and
 k-diffusion compute; it costs one float64 norm of every gradient per
-backward pass (a tensor hook on each parameter) and, under DDP, two small
-all-reduces per step. It needs at least two small batches per step (two
+backward pass (a tensor hook on each parameter; the norms stay tensors
+until the micro-batch closes, then are gathered in one vector) and, under
+DDP, two small all-reduces per step. It needs at least two small batches per step (two
 micro-batches, or two processes).
 
 Its estimates are noisier than :class:`~cockpit_gradnoise.GradientNoiseScale`'s,
@@ -109,8 +110,11 @@ class TwoBatchNoiseScale(Quantity):
         self._armed = self._standalone
         self.warned = set()  # keys of Step.warn told to this quantity
         self._averages: Dict[str, Tuple[float, float]] = {}
-        self._pending: Optional[Tensor] = None  # this backward's squared norms, [params]
+        # This backward pass's norms as the hooks give them, [(parameter index, 0-dim float64)]:
+        # gathered into one vector when the micro-batch closes (no per-parameter indexing).
+        self._pending: Optional[List[Tuple[Optional[int], Tensor]]] = None
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
+        self._dropped = False  # a micro-batch of this step was refused (micro_batch)
         self._handles = [p.register_hook(functools.partial(self._record, i))
                          for i, p in enumerate(self.params)]
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
@@ -123,8 +127,25 @@ class TwoBatchNoiseScale(Quantity):
         if not self._armed:
             return
         if self._pending is None:
-            self._pending = torch.zeros(len(self.params), dtype=torch.float64, device=grad.device)
-        self._pending[index] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+            self._pending = []
+        # Accumulated in float64 (squares of float32 and narrower values are exact there);
+        # squared once per micro-batch, on the gathered vector (_squared_norms).
+        self._pending.append((index, torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)))
+
+    def _squared_norms(self, pending: List[Tuple[Optional[int], Tensor]]) -> Tensor:
+        """The squared norms of one backward pass, ``[params]`` float64, from the hooks' norms
+        ``(index, norm)``, or from a checkpoint's squared norms of every parameter
+        ``(None, squared norms)``."""
+        device = pending[0][1].device
+        total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        norms = [(i, norm.to(device)) for i, norm in pending if i is not None]
+        if norms:
+            index = torch.tensor([i for i, _ in norms], device=device)
+            total.index_add_(0, index, torch.stack([norm for _, norm in norms]).square_())
+        for i, squared in pending:
+            if i is None:
+                total += squared.to(device)
+        return total
 
     def micro_batch(self, examples: int, weight: Optional[float] = None) -> None:
         """Close the backward pass just run: ``examples`` examples, each loss weighted ``weight``.
@@ -137,7 +158,8 @@ class TwoBatchNoiseScale(Quantity):
                 i.e. ``1 / (examples * K)``. For ``loss.sum()``, 1.
 
         Raises:
-            RuntimeError: If no gradient reached a parameter since the last call.
+            RuntimeError: If no gradient reached a parameter since the last call, or
+                two backward passes reached one (the micro-batch is dropped).
         """
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
             raise ValueError(f"examples must be a positive int, got {examples!r}")
@@ -148,7 +170,16 @@ class TwoBatchNoiseScale(Quantity):
                 "no gradient reached the model's parameters since the last micro_batch(): call "
                 "micro_batch() once after each loss.backward()"
             )
-        self._micro_batches.append((self._pending, examples, weight))
+        indices = [i for i, _ in self._pending if i is not None]
+        if len(set(indices)) < len(indices):  # |g1|^2 + |g2|^2 is not |g1 + g2|^2
+            twice = sorted({self.names[i] for i in indices if indices.count(i) > 1})
+            self._pending, self._dropped = None, True  # param.grad holds it: not this step
+            raise RuntimeError(
+                f"two backward passes reached {twice} since the last micro_batch(): the squared "
+                "norm of their summed gradient is not known from the two norms, so this "
+                "micro-batch is dropped. Call micro_batch() after each loss.backward() (or "
+                "backward the sum of the losses once)")
+        self._micro_batches.append((self._squared_norms(self._pending), examples, weight))
         self._pending = None
 
     def step(self, step: int) -> Optional[dict]:
@@ -167,6 +198,11 @@ class TwoBatchNoiseScale(Quantity):
             raise RuntimeError("a backward pass since the last micro_batch() was not closed: "
                                "call micro_batch() after each loss.backward()")
         micro, self._micro_batches = self._micro_batches, []
+        dropped, self._dropped = self._dropped, False
+        if dropped:
+            warnings.warn("a micro-batch of this step was dropped (two backward passes), and "
+                          "param.grad holds its gradient: nothing recorded at this step", stacklevel=2)
+            return None
         if not micro:
             raise RuntimeError("no micro-batch since the last step: call micro_batch() after "
                                "each loss.backward() of the step")
@@ -205,12 +241,12 @@ class TwoBatchNoiseScale(Quantity):
     def state_dict(self) -> dict:
         """The running state a checkpoint keeps: the moving averages of ``b_simple_smoothed``,
         the micro-batches closed since the last :meth:`step` (and a backward pass not
-        closed yet), and the warnings told."""
+        closed yet, and whether one was dropped), and the warnings told."""
         return {"averages": {name: list(pair) for name, pair in self._averages.items()},
                 "micro_batches": [[squared.clone(), examples, weight]
                                   for squared, examples, weight in self._micro_batches],
-                "pending": None if self._pending is None else self._pending.clone(),
-                "warned": sorted(self.warned)}
+                "pending": None if self._pending is None else self._squared_norms(self._pending),
+                "warned": sorted(self.warned), "dropped": self._dropped}
 
     def load_state_dict(self, state) -> None:
         """Take back the running state of :meth:`state_dict`."""
@@ -218,8 +254,9 @@ class TwoBatchNoiseScale(Quantity):
         self._averages = {name: tuple(pair) for name, pair in state["averages"].items()}
         self._micro_batches = [(squared.to(device), examples, weight)
                                for squared, examples, weight in state["micro_batches"]]
-        self._pending = None if state["pending"] is None else state["pending"].to(device)
+        self._pending = None if state["pending"] is None else [(None, state["pending"].to(device))]
         self.warned = set(state["warned"])
+        self._dropped = state.get("dropped", False)  # absent from older checkpoints
 
     # As a Cockpit quantity ----------------------------------------------------------
 
@@ -249,7 +286,10 @@ class TwoBatchNoiseScale(Quantity):
                       "recorded at this step", self)
             self._pending, self._micro_batches = None, []
             return
-        self.micro_batch(batch.examples, batch.loss_scale)
+        try:
+            self.micro_batch(batch.examples, batch.loss_scale)
+        except RuntimeError as error:  # two backward passes in one tracked call: not this step
+            step.warn("two-batch-twice", f"{self.name}: {error}", self)
         if micro is None or micro.last:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -261,10 +301,13 @@ class TwoBatchNoiseScale(Quantity):
         if self._sharded:  # FSDP2: this process holds a shard of each param.grad
             zero = torch.zeros((), dtype=torch.float64, device=device)
             return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True)
-        return torch.stack([
-            torch.zeros((), dtype=torch.float64, device=device) if p.grad is None
-            else torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
-            for p in self.params])
+        grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        norms = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        if grads:  # one call for all (fused on a GPU), in float64 as the hooks' norms
+            found = torch._foreach_norm(grads, dtype=torch.float64)
+            index = torch.tensor([i for i, p in enumerate(self.params) if p.grad is not None], device=device)
+            norms.index_copy_(0, index, torch.stack([n.to(device) for n in found]))
+        return norms.square_()
 
     def _statistics(self, name, grad_sq, trace_cov, examples) -> dict:
         return {

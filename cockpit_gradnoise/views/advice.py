@@ -162,14 +162,15 @@ def advice_of(frame: pandas.DataFrame, *, batch_size: Optional[int] = None,
     optimizer, lr = _optimizer(rows)
     adaptive = optimizer in ADAPTIVE
     sources = ((PRECONDITIONED_NOISE_SCALE,) if adaptive else ()) + NOISE_SOURCES
-    source = next((q for q in sources if len(_series(rows, q, B_SIMPLE)[0])), None)
+    # The first source with b_simple rows, and those rows (read once).
+    source, (steps, values) = next(((q, found) for q in sources
+                                    if len((found := _series(rows, q, B_SIMPLE))[0])), (None, (None, None)))
     if source is None:
         return Advice([NO_NOISE_SCALE], optimizer=optimizer, lr=lr, rule=rule_for(optimizer))
     if stopped:
         return Advice(["the network has stopped learning (see the findings): its noise scale says "
                        "nothing about the batch, so no advice"], source=source, optimizer=optimizer,
                       lr=lr, rule=rule_for(optimizer))
-    steps, values = _series(rows, source, B_SIMPLE)
     steps, values = steps[-recent:], values[-recent:]
     smoothed_steps, smoothed = _series(rows, source, B_SIMPLE_SMOOTHED)
     kept = numpy.isin(smoothed_steps, steps) & ~numpy.isnan(smoothed)

@@ -1,0 +1,180 @@
+"""What a tracked step costs at a size users train (issue 32): GPT-2 small and a Llama of its size.
+
+Tiny configurations (``benchmark.py``'s models) measure the package's overhead per
+module more than the cost users pay. Here, with random weights (nothing downloaded),
+float32, sequence 256, batch 8:
+
+- ``gpt2``: Hugging Face's ``GPT2LMHeadModel`` from the default ``GPT2Config``
+  (12 layers, width 768, 12 heads, vocabulary 50257, tied head: 124M parameters);
+- ``llama``: ``LlamaForCausalLM`` from a ``LlamaConfig`` of similar size (12
+  layers, width 768, MLP 2048, 12 heads, vocabulary 32000, untied head: 134M);
+
+each step (forward, per-token cross-entropy, backward) timed as a plain step, with
+all five quantities (``benchmarks.methods.package_all``) and with
+PerExampleGradNorm + GradientNoiseScale alone (one BackPACK extension, the
+per-example squared norms). Then the same architectures at a tiny size (2 layers,
+width 32, vocabulary 128, sequence 16, batch 2), where compute is negligible:
+``(tracked - plain) / tracked modules``, the overhead per module in microseconds
+(what dominates a tracked step on a GPU). Targets (issue 32): all five <= 2x,
+PerExampleGradNorm + GradientNoiseScale <= 1.15x.
+
+CPU time of the process (``time.process_time``; meant with one thread), the
+methods interleaved in each round in a shuffled order, the fastest round of each
+reported (on a shared machine noise only adds time) and the median. A GPT-2 small
+step takes about 26 s of one thread here: ``--quick`` runs the realistic models at
+2 layers, sequence 64, batch 2, one round (a smoke test, not a measurement). ::
+
+    python -m benchmarks.benchmark_realistic --rounds 3
+    python -m benchmarks.benchmark_realistic --quick
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import cockpit_gradnoise as cgn
+
+import torch
+
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.methods import cockpit_step, package_all, plain_step  # noqa: E402
+from benchmarks.models import token_loss  # noqa: E402
+
+METHODS = {
+    "all five": package_all,
+    "PerExampleGradNorm+GradientNoiseScale": lambda model, loss: cockpit_step(
+        model, loss, lambda names, schedule: [cgn.PerExampleGradNorm(schedule, param_names=names),
+                                              cgn.GradientNoiseScale(schedule, param_names=names)]),
+}
+TARGETS = {"all five": 2.0, "PerExampleGradNorm+GradientNoiseScale": 1.15}
+
+
+def make_gpt2(layers=12, width=768, heads=12, vocabulary=50257, context=1024):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocabulary,
+                        n_positions=context)
+    return LanguageModel(GPT2LMHeadModel(config).eval())  # eval: no dropout, as benchmark.py's models
+
+
+def make_llama(layers=12, width=768, heads=12, vocabulary=32000, context=1024, mlp=2048):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=mlp, vocab_size=vocabulary,
+                         max_position_embeddings=context, tie_word_embeddings=False)
+    return LanguageModel(LlamaForCausalLM(config).eval())
+
+
+class LanguageModel(torch.nn.Module):
+    """The logits of a Hugging Face causal language model, from the token ids alone."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+MODELS = {"gpt2": make_gpt2, "llama": make_llama}
+#: (model options, sequence, batch): the realistic size, --quick's, and the tiny one.
+SIZES = {
+    "realistic": ({}, 256, 8),
+    "quick": ({"layers": 2}, 64, 2),
+    "tiny": ({"layers": 2, "width": 32, "heads": 2, "vocabulary": 128, "mlp": 64}, 16, 2),
+}
+
+
+def tracked_modules(model) -> int:
+    """Modules that hold a trainable parameter themselves (what the package tracks by module)."""
+    return sum(1 for module in model.modules()
+               if any(p.requires_grad for p in module.parameters(recurse=False)))
+
+
+def measure(name, size, rounds, seed=0, warmup=1):
+    """``{method: [CPU seconds per round]}`` (``"plain"`` too) and the number of tracked modules."""
+    options, sequence, batch = SIZES[size]
+    if name == "gpt2":
+        options = {k: v for k, v in options.items() if k != "mlp"}
+    torch.manual_seed(seed)
+    model = MODELS[name](**options)
+    vocabulary = model.model.config.vocab_size
+    x = torch.randint(0, vocabulary, (batch, sequence))
+    y = torch.randint(0, vocabulary, (batch, sequence))
+    steps = {"plain": plain_step(model, token_loss)}
+    steps.update({method: build(model, token_loss) for method, build in METHODS.items()})
+    for _ in range(warmup):  # untimed: first-call costs (BackPACK's checks, the fallback's plans)
+        for step in steps.values():
+            step(x, y)
+    times = {method: [] for method in steps}
+    order = random.Random(seed)
+    for _ in range(rounds):
+        methods = list(steps)
+        order.shuffle(methods)
+        for method in methods:
+            start = time.process_time()
+            steps[method](x, y)
+            times[method].append(time.process_time() - start)
+            if size != "tiny":  # a long run stopped early keeps what it measured
+                print(f"  {name} {method}: {times[method][-1]:.2f} s", flush=True)
+    return times, tracked_modules(model)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds at the realistic size")
+    parser.add_argument("--tiny-rounds", type=int, default=30, help="rounds at the tiny size")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each method first")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 layers, sequence 64, batch 2, one round: a smoke test")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    size, rounds = ("quick", 1) if args.quick else ("realistic", args.rounds)
+    tiny_rounds = 3 if args.quick else args.tiny_rounds
+    options, sequence, batch = SIZES[size]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU time, {size}: "
+          f"{options or 'full size'}, sequence {sequence}, batch {batch}, {rounds} round(s); "
+          f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    if args.quick:
+        print("QUICK MODE: a smoke test, not a measurement")
+    results = {}
+    for name in args.models.split(","):
+        times, _ = measure(name, size, rounds, warmup=args.warmup)
+        tiny, modules = measure(name, "tiny", tiny_rounds)
+        results[name] = report(name, times, tiny, modules)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    return results
+
+
+def report(name, times, tiny, modules):
+    """Print and return one model's ratios and per-module overhead."""
+    best, middle = min(times["plain"]), statistics.median(times["plain"])
+    print(f"\n{name}: plain step {best:.2f} s (fastest), {middle:.2f} s (median)")
+    result = {"plain s": best}
+    tiny_plain = statistics.median(tiny["plain"])
+    for method in METHODS:
+        ratio = min(times[method]) / best
+        per_module = (statistics.median(tiny[method]) - tiny_plain) / modules * 1e6
+        verdict = "met" if ratio <= TARGETS[method] else "MISSED"
+        print(f"  {method}: {ratio:.2f}x (fastest rounds; medians {statistics.median(times[method]) / middle:.2f}x)"
+              f", target <= {TARGETS[method]}x {verdict}; tiny config: {per_module:.0f} us per tracked "
+              f"module ({modules} modules, plain {tiny_plain * 1e3:.1f} ms)")
+        result[method] = {"ratio": ratio, "per module us": per_module}
+    return result
+
+
+if __name__ == "__main__":
+    main()
