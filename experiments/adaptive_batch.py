@@ -298,6 +298,13 @@ def warmup_budget(baseline) -> float:
     return 2.0 * baseline.e_min
 
 
+def lr_cap(baseline) -> float:
+    """The adaptive arms' ``max_lr_factor``: the grid's best learning rate at its largest
+    batch over its best at ``START_BATCH`` (at least 1): the grid knowledge the warmup arm
+    uses, given to the schedule as its bound."""
+    return max(1.0, baseline.best_lr[max(baseline.best_lr)] / baseline.lr_at(START_BATCH))
+
+
 def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
     """One run of ``arm`` on ``task`` with ``seed``."""
     base_lr = baseline.lr_at(START_BATCH)
@@ -315,7 +322,8 @@ def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
     micro = MICRO_BATCH[arm]
     schedule = cgn.BatchSchedule(micro_batch=micro, min_batch=START_BATCH, max_batch=MAX_BATCH,
                                  max_accumulation=MAX_BATCH // micro,
-                                 rule=None if arm == ABLATION else "auto")
+                                 rule=None if arm == ABLATION else "auto",
+                                 max_lr_factor=lr_cap(baseline))
     return train_scheduled(task, schedule, base_lr, seed, arm=arm,
                            quantities=quantities_of(arm, task), **limits)
 
@@ -360,6 +368,8 @@ def main(argv=None):
     parser.add_argument("--grid", default=str(GRID), help="critical_batch_size's JSON")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs stored in <out> and run only the missing ones")
+    parser.add_argument("--rerun", action="store_true",
+                        help="with --resume: drop the stored runs of --arms and run them again")
     parser.add_argument("--replot", action="store_true",
                         help="no training: redraw and rewrite the page from the stored runs")
     args = parser.parse_args(argv)
@@ -418,6 +428,8 @@ def measure(task, args, command, out) -> dict:
                   "seconds": 0.0, "fixed": None, "runs": [],
                   "baseline": asdict(baseline_of(task, args.grid, args.quick, log))}
     stored["versions"] = cbs.versions()  # the code of the newest runs
+    if args.rerun:
+        stored["runs"] = [r for r in stored["runs"] if r["arm"] not in args.arms.split(",")]
     stored["commands"].append(command)
     stored["seeds"] = sorted(set(stored["seeds"]) | set(range(args.seeds)))
     baseline, arms = baseline_from_json(stored["baseline"]), args.arms.split(",")

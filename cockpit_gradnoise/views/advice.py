@@ -216,8 +216,14 @@ def _schedule_sentence(changes: List[dict]) -> List[str]:
             why += (f": B_noise {noise_scale:.3g}, range "
                     f"{change.get('low', math.nan):.3g}-{change.get('high', math.nan):.3g}")
         lr = change.get("lr_factor", 1.0)
+        lr = f"; lr x {lr:.3g}" if lr != 1.0 else ""
+        if change.get("lr_why") == "bound":
+            lr += (f"{'; lr' if not lr else ''} bounded at x {change.get('lr_bound', math.nan):.3g} "
+                   f"of the start's (the rule: x {change.get('lr_rule_factor', math.nan):.3g})")
+        elif change.get("lr_why") == "kept":
+            lr += "; lr kept: no finite B_noise"
         shown.append(f"step {change['step']}: {change['batch']:g} -> {change['new_batch']:g} "
-                     f"({why}{f'; lr x {lr:.3g}' if lr != 1.0 else ''})")
+                     f"({why}{lr})")
     earlier = len(changes) - len(shown)
     last = changes[-1]
     return [f"the batch schedule changed the batch {len(changes)} time{'s' if len(changes) > 1 else ''}"
