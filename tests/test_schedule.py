@@ -153,6 +153,19 @@ def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
     assert len(caught) == 1 and schedule.batch == 8
 
 
+def test_the_median_estimate_reads_the_per_step_values_not_the_smoothed_ratio():
+    # Every step resolves B_noise 20; the smoothed ratio is infinite (its grad_sq average <= 0).
+    series = [(20.0, math.inf)] * 12
+    smoothed = BatchSchedule(8, max_batch=1024, patience=3)
+    assert run(series, smoothed) == [8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 128]  # doubles blind
+    median = BatchSchedule(8, max_batch=1024, patience=3, estimate="median")
+    # Median 20, range [min(20, 20/2), max(20, 2 * 20)] = [10, 40]: 8 grows to round(20/8) * 8 = 16.
+    assert run(series, median) == [8, 8] + [16] * 10
+    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [(20.0, 16)]
+    with pytest.raises(ValueError, match="estimate must be one of"):
+        BatchSchedule(8, max_batch=1024, estimate="mean")
+
+
 def test_the_same_estimate_counts_once():
     schedule = BatchSchedule(8, max_batch=1024, patience=3)
     tracker = FakeTracker()

@@ -31,12 +31,15 @@ from cockpit_gradnoise.schedule.rule import (
     learning_rate_from_start,
 )
 from cockpit_gradnoise.views.advice import NOISE_SOURCES
-from cockpit_gradnoise.views.batch_size import ADAPTIVE, DEFAULT_RECENT, SGD_RULE, rule_for
+from cockpit_gradnoise.views.batch_size import ADAPTIVE, DEFAULT_RECENT, SGD_RULE, noise_range, rule_for
 from cockpit_gradnoise.views.common import THRESHOLDS
 
 #: ``rule=`` values: from the optimizer's class, McCandlish et al.'s, the square-root rule.
 AUTO = "auto"
 RULES = (AUTO, "sgd", "sqrt", None)
+#: ``estimate=`` values: the noise scale the rule reads (see :class:`BatchSchedule`).
+SMOOTHED, MEDIAN = "smoothed", "median"
+ESTIMATES = (SMOOTHED, MEDIAN)
 
 
 def inner_optimizer(optimizer):
@@ -104,6 +107,15 @@ class BatchSchedule:
             the linear regime is not trusted unbounded), for the square-root rule
             that rule itself. A change the bound stops is logged (``lr_why``
             ``"bound"``).
+        estimate: The ``B_noise`` the rule reads: ``"smoothed"``, the newest
+            ``b_simple_smoothed`` (a ratio of moving averages of ``trace_cov`` and
+            ``grad_sq``); ``"median"``, the median of the last ``recent`` per-step
+            ``b_simple`` (each a ratio within one step). The median does not mix
+            steps whose numbers are in different units: under Adam the
+            preconditioned ``(P g)^2`` shrinks by orders of magnitude over the
+            first steps as ``v`` fills, and the moving averages keep the first
+            steps' negative ``grad_sq`` for a hundred steps (``b_simple_smoothed``
+            infinite throughout, though most steps resolve a signal).
         accumulation: The micro-batches of the first step (default: the fewest
             the bounds allow).
         patience: New estimates needed after a change (and at the start)
@@ -133,7 +145,7 @@ class BatchSchedule:
                  rule: Optional[str] = AUTO, accumulation: Optional[int] = None,
                  patience: int = DEFAULT_PATIENCE, max_change: float = DEFAULT_MAX_CHANGE,
                  recent: int = DEFAULT_RECENT, factor: float = THRESHOLDS.noise_scale_factor,
-                 max_lr_factor: Optional[float] = None):
+                 max_lr_factor: Optional[float] = None, estimate: str = SMOOTHED):
         self.bounds = bounds_of(micro_batch, min_batch, max_batch, max_accumulation)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -147,6 +159,9 @@ class BatchSchedule:
         if self.bounds.clamp(accumulation) != accumulation:
             raise ValueError(f"accumulation={accumulation!r} lies outside the bounds "
                              f"[{self.bounds.low}, {self.bounds.high}] micro-batches")
+        if estimate not in ESTIMATES:
+            raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
+        self.estimate = estimate
         if max_lr_factor is not None and not (isinstance(max_lr_factor, (int, float))
                                               and max_lr_factor >= 1):
             raise ValueError(f"max_lr_factor must be a number >= 1 (the most the learning rate "
@@ -201,7 +216,8 @@ class BatchSchedule:
         row = newest[1]
         self._recent.append(float(row.get(schema.B_SIMPLE, math.nan)))
         self._since_change += 1
-        noise_scale = float(row.get(schema.B_SIMPLE_SMOOTHED, math.nan))
+        noise_scale = (noise_range(self._recent).median if self.estimate == MEDIAN
+                       else float(row.get(schema.B_SIMPLE_SMOOTHED, math.nan)))
         decision = decide(self.accumulation, self.bounds, noise_scale, self._recent,
                           since_change=self._since_change, patience=self.patience,
                           max_change=self.max_change, factor=self.factor)
