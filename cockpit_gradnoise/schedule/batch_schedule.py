@@ -110,12 +110,11 @@ class BatchSchedule:
         estimate: The ``B_noise`` the rule reads: ``"smoothed"``, the newest
             ``b_simple_smoothed`` (a ratio of moving averages of ``trace_cov`` and
             ``grad_sq``); ``"median"``, the median of the last ``recent`` per-step
-            ``b_simple`` (each a ratio within one step). The median does not mix
-            steps whose numbers are in different units: under Adam the
-            preconditioned ``(P g)^2`` shrinks by orders of magnitude over the
-            first steps as ``v`` fills, and the moving averages keep the first
-            steps' negative ``grad_sq`` for a hundred steps (``b_simple_smoothed``
-            infinite throughout, though most steps resolve a signal).
+            ``b_simple`` (each a ratio within one step), robust to single
+            steps. (Under Adam the preconditioned ``(P g)^2`` shrinks by orders
+            of magnitude over the first steps: PreconditionedNoiseScale's
+            ``b_simple_smoothed`` averages scale-free values for that,
+            :func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`.)
         accumulation: The micro-batches of the first step (default: the fewest
             the bounds allow).
         patience: New estimates needed after a change (and at the start)
