@@ -102,28 +102,44 @@ def exponential_moving_average(previous: Optional[float], value: float, smoothin
 
 def scale_free_smoothed_noise_scale(
     averages: Optional[Tuple[float, float]], grad_sq: float, trace_cov: float,
-    batch_size: float, smoothing: float,
+    smoothing: float,
 ) -> Tuple[Optional[Tuple[float, float]], float]:
     """Smoothed ``B_simple`` over steps whose gradients are in different units.
 
-    Each step's two estimates are divided by the squared norm of that step's
-    own batch gradient before they are averaged:
+    Each step's two estimates are divided by that step's mean per-example
+    squared norm before they are averaged:
 
     .. math::
 
-        M_t = \\widehat{|G|^2}_t + \\widehat{\\mathrm{tr}(\\Sigma)}_t / N_t
-            = \\|\\mathrm{mean}_i\\, g_{t,i}\\|^2 \\ge 0, \\qquad
-        B_\\text{smoothed} = \\frac{\\mathrm{EMA}_t(\\widehat{\\mathrm{tr}(\\Sigma)}_t / M_t)}
-                                  {\\mathrm{EMA}_t(\\widehat{|G|^2}_t / M_t)}
+        S_t = \\widehat{|G|^2}_t + \\widehat{\\mathrm{tr}(\\Sigma)}_t
+            = \\mathrm{mean}_i \\|g_{t,i}\\|^2 \\ge 0, \\qquad
+        B_\\text{smoothed} = \\frac{\\mathrm{EMA}_t(\\widehat{\\mathrm{tr}(\\Sigma)}_t / S_t)}
+                                  {\\mathrm{EMA}_t(\\widehat{|G|^2}_t / S_t)}
 
-    (the identity for ``M_t`` is the algebra of
-    :func:`noise_scale_estimates`: ``(N M - S)/(N - 1) + (S - M)/(N - 1) =
-    M``). With ``a_t = grad_sq_t / M_t`` (the share of the batch gradient's
-    squared norm that is signal, ``<= 1``) the averaged pair is ``(a_t, N_t
-    (1 - a_t))``: at a constant batch ``N``, ``B_smoothed = N (1 - EMA(a)) /
-    EMA(a)``. Each step's own ratio ``b_simple_t`` is unchanged by the
+    (the identity for ``S_t`` is the algebra of
+    :func:`noise_scale_estimates`: ``(N M - S)/(N - 1) + N (S - M)/(N - 1) =
+    S``). Each step's own ratio ``b_simple_t`` is unchanged by the
     division, and every step weighs the same in the averages whatever the
-    scale of its gradients.
+    scale of its gradients. The scaled values are bounded, so no single
+    step can hold the average: ``grad_sq / S`` lies in ``[-1/(N-1), 1]``
+    (``M >= 0``) and ``trace_cov / S`` in ``[0, N/(N-1)]`` (``M <= S``).
+    (Dividing by the batch gradient's ``M = grad_sq + trace_cov / N``
+    instead would not bound them: a step whose mean gradient nearly
+    cancels has ``grad_sq / M`` about ``-S / ((N-1) M)``, unbounded below;
+    measured on the experiment's GPT, that kept the average below 0 for a
+    whole run.)
+
+    Why: under an adaptive optimizer the gradients are those of ``P_t g``
+    with Adam's ``P_t = 1 / (sqrt(v_hat_t) + eps)``, which shrinks by orders
+    of magnitude over the first steps as ``v`` fills (measured on the
+    experiment's GPT: ``grad_sq`` ``-2.8e9`` at step 0, ``2.3e4`` at step 5).
+    Moving averages of the raw estimates (McCandlish et al. 2018's ratio of
+    averages, :func:`exponential_moving_average`) then let one early step
+    outweigh the next hundred, and one negative ``grad_sq`` held the average
+    below 0 (an infinite smoothed value) for ~110 steps whose own
+    ``b_simple`` were often finite. The raw convention is kept where the
+    units do not change (:class:`~cockpit_gradnoise.GradientNoiseScale`,
+    ``P = I``; nanoGNS does the same).
 
     The averages start at 0 (``EMA_0 = (1 - smoothing) x_0``): step ``k``
     of ``t`` has weight ``(1 - smoothing) smoothing^(t - k)``, the first
@@ -134,37 +150,22 @@ def scale_free_smoothed_noise_scale(
     weight at ``smoothing = 0.9``, and Adam's first step, sign descent
     (``v_hat = g^2``), is the one least like the others.
 
-    Why: under an adaptive optimizer the gradients are those of ``P_t g``
-    with Adam's ``P_t = 1 / (sqrt(v_hat_t) + eps)``, which shrinks by orders
-    of magnitude over the first steps as ``v`` fills (measured on the
-    experiment's GPT: ``grad_sq`` ``-2.8e9`` at step 0, ``2.3e4`` at step 5).
-    :func:`exponential_moving_average` of the raw estimates (McCandlish et
-    al. 2018's ratio of averages) then lets one early step outweigh the
-    next hundred, and one negative ``grad_sq`` held the average below 0 (an
-    infinite smoothed value) for ~110 steps whose own ``b_simple`` were
-    finite. The raw convention is kept where the units do not change
-    (:class:`~cockpit_gradnoise.GradientNoiseScale`, ``P = I``; nanoGNS
-    does the same): there a step with a larger gradient rightly carries
-    more signal, and the division would weight steps by ``1 / M_t``, a
-    noisy weight.
-
     Args:
-        averages: ``(EMA of trace_cov / M, EMA of grad_sq / M)`` so far, or
+        averages: ``(EMA of trace_cov / S, EMA of grad_sq / S)`` so far, or
             None before the first step averaged (then both start at 0).
         grad_sq: This step's ``|G|^2`` estimate.
         trace_cov: This step's ``tr(Sigma)`` estimate.
-        batch_size: This step's ``N``.
         smoothing: Weight of the past, in ``[0, 1)``.
 
     Returns:
         ``(averages, b_smoothed)``: ``b_smoothed`` is ``+inf`` when the
-        averaged ``grad_sq / M`` is ``<= 0`` (no signal resolved). A step
-        with a value that is not finite, or with ``M_t <= 0`` (a zero batch
-        gradient: no units to measure it in, e.g. a parameter that receives
-        no gradient), is skipped: ``averages`` are returned unchanged and
-        ``b_smoothed`` is NaN.
+        averaged ``grad_sq / S`` is ``<= 0`` (no signal resolved). A step
+        with a value that is not finite, or with ``S_t <= 0`` (every
+        example's gradient 0: no units to measure it in, e.g. a parameter
+        that receives no gradient), is skipped: ``averages`` are returned
+        unchanged and ``b_smoothed`` is NaN.
     """
-    scale = grad_sq + trace_cov / batch_size
+    scale = grad_sq + trace_cov
     if not (math.isfinite(grad_sq) and math.isfinite(trace_cov) and math.isfinite(scale)) \
             or scale <= 0:
         return averages, math.nan

@@ -32,13 +32,13 @@ class PreconditionedNoiseScale(GradientNoiseScale):
       GradientNoiseScale reports them (the same names), per parameter and
       for ``"all"``;
     - ``b_simple_smoothed``: moving averages of ``trace_cov`` and ``grad_sq``
-      each divided by the step's own ``M_P = grad_sq + trace_cov / N``
+      each divided by the step's own ``S_P = grad_sq + trace_cov``
       (:func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`),
       not of the raw values as GradientNoiseScale's: ``P`` changes by orders
       of magnitude over Adam's first steps, and the raw averages let one
-      early step outweigh a hundred later ones. A step with ``M_P = 0`` (a
-      zero preconditioned batch gradient) is not averaged (NaN there, with
-      a warning).
+      early step outweigh a hundred later ones. A step with ``S_P = 0``
+      (every example's preconditioned gradient 0) is not averaged (NaN
+      there, with a warning).
 
     **Which P.** The ``P`` the optimizer's next ``step()`` applies, read from
     its state when the backward pass has ended (:mod:`~cockpit_gradnoise.quantities.preconditioners`):
@@ -176,14 +176,13 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     def derived_statistics(self, name, statistics):
         grad_sq, trace_cov = statistics[schema.GRAD_SQ], statistics[schema.TRACE_COV]
         averages, smoothed = functional.scale_free_smoothed_noise_scale(
-            self._averages.get(name), grad_sq, trace_cov, statistics[schema.BATCH_SIZE],
-            self.smoothing)
+            self._averages.get(name), grad_sq, trace_cov, self.smoothing)
         if averages is not None:
             self._averages[name] = averages
         if math.isnan(smoothed) and math.isfinite(grad_sq) and math.isfinite(trace_cov):
-            self.warn_once(  # M_P <= 0: 0, or below by rounding
+            self.warn_once(  # S_P <= 0: 0, or below by rounding
                 "zero-batch-gradient",
-                f"the preconditioned batch gradient of {name!r} is 0, "
+                f"every example's preconditioned gradient of {name!r} is 0, "
                 "a step without units to average in: b_simple_smoothed is NaN at such steps "
                 "and their moving averages skip them",
             )
