@@ -351,9 +351,9 @@ VERDICT = [
     "the schedule grows early (on first estimates that are unresolved or high), shrinks as "
     "B_noise falls mid-training, then grows again late: it follows an estimate that moves by "
     "10x within a run, and examples spent on growth it undoes are lost, where the warmup's "
-    "monotone doubling loses none. The median estimate removes the blind growth of the "
-    "Adam per-example arm and is offered as an option (`estimate=\"median\"`), not made "
-    "the default on this evidence.",
+    "monotone doubling loses none. The scale-free smoothing removed the blind growth of "
+    "the Adam per-example arm (as the median estimate had); the median stays an option "
+    "(`estimate=\"median\"`), not the default, on this evidence.",
 ]
 
 
@@ -389,19 +389,31 @@ WHY = [
     "doublings, and all six adaptive runs diverged. The learning rate is now the start's "
     "times the rule's factor from the start batch at the current estimate, kept without a "
     "finite estimate, and bounded (`max_lr_factor`); every digits run reaches the target.",
-    "- The smoothed preconditioned noise scale is infinite throughout a GPT run. "
-    "`b_simple_smoothed` is the ratio of moving averages (weight 0.9 on the past) of "
-    "`trace_cov` and `grad_sq`. Under Adam these are in units of (P g)^2, and P = 1/(sqrt(v_hat) "
-    "+ eps) shrinks as v fills: in a 60-step loop at batch 8 (seed 0, tracking "
-    "PreconditionedNoiseScale and GradientNoiseScale), step 0 gave grad_sq = -2.8e9 and "
-    "trace_cov = 2.3e10, step 5 grad_sq = 2.3e4 and trace_cov = 3.0e5; the first steps' "
-    "negative grad_sq dominates the average for about a hundred steps (0.9^t x 2.8e9 "
-    "exceeds 2.3e4 until t = 111), so "
-    "`b_simple_smoothed` stayed infinite at every step while the per-step `b_simple` was "
-    "finite at most (13.5 at step 4, 41.7 at step 9, 31.3 at step 29); GradientNoiseScale's "
-    "smoothed value was finite (3.3 to 27). `adaptive-per-example` on the GPT therefore "
-    "doubles blind to 512, the examples it spends. The per-step values are each a ratio "
-    "within one step, in one unit: hence the one change tried, `estimate=\"median\"`.",
+    "- The smoothed preconditioned noise scale was infinite throughout a GPT run, before "
+    "the fix below. `b_simple_smoothed` was the ratio of moving averages (weight 0.9 on the "
+    "past) of the raw `trace_cov` and `grad_sq`. Under Adam these are in units of (P g)^2, "
+    "and P = 1/(sqrt(v_hat) + eps) shrinks as v fills: in a 60-step loop at batch 8 (seed "
+    "0, tracking PreconditionedNoiseScale and GradientNoiseScale), step 0 gave grad_sq = "
+    "-2.8e9 and trace_cov = 2.3e10, step 5 grad_sq = 2.3e4 and trace_cov = 3.0e5; the "
+    "first steps' negative grad_sq dominated the average for about a hundred steps (0.9^t x "
+    "2.8e9 exceeds 2.3e4 until t = 111), so `b_simple_smoothed` stayed infinite at every "
+    "step while the per-step `b_simple` was finite at most (13.5 at step 4, 41.7 at step 9, "
+    "31.3 at step 29); GradientNoiseScale's smoothed value was finite (3.3 to 27). "
+    "`adaptive-per-example` on the GPT therefore doubled blind to 512 (mean frontier value "
+    "1.78, 1.52 to 2.15, 5,785 examples). Hence the change tried first, `estimate=\"median\"` "
+    "(each per-step value a ratio within one step, in one unit).",
+    "- The fix: PreconditionedNoiseScale's `b_simple_smoothed` now averages each step's "
+    "`trace_cov` and `grad_sq` divided by that step's own mean per-example squared norm S = "
+    "grad_sq + trace_cov (each scaled value bounded, so every step weighs the same whatever P "
+    "was; averages from 0, the ratio of bias-corrected ones; "
+    "`cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`). Dividing by the batch "
+    "gradient's squared norm instead, tried first, still gave an infinite estimate at every "
+    "change (seed 0): a step whose mean gradient nearly cancels has grad_sq / M unbounded "
+    "below. `adaptive-per-example` (GPT) above is the rerun under the fix: every change "
+    "but one rests on a finite B_noise, the batch stops at 128, and the mean frontier value "
+    "moves 1.78 -> 1.24 (1.09 to 1.53; 5,785 -> 3,753 examples, 61.5 -> 71.2 steps). "
+    "`adaptive-lr-kept` (GPT) was not rerun: its rows are "
+    "those of the raw smoothing (infinite B_noise at every change).",
 ]
 
 
