@@ -51,7 +51,8 @@ START_BATCH = 8
 #: The warmup doubles the batch when the examples seen pass these fractions of its budget.
 WARMUP_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
 #: Arms in the order of the page; "adaptive-*" use ``cgn.BatchSchedule``.
-ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "adaptive-lr-kept")
+ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "adaptive-lr-kept",
+        "adaptive-norms-median", "adaptive-per-example-median")
 #: The ablation ``adaptive-lr-kept``: the per-example schedule with ``rule=None`` (the learning
 #: rate stays the grid's best at the start), to tell the batch rule from the learning-rate rule.
 ABLATION = "adaptive-lr-kept"
@@ -61,6 +62,10 @@ PER_EXAMPLE = {"adam": "PreconditionedNoiseScale", "sgd": "GradientNoiseScale"}
 #: Micro-batch of each adaptive arm: the norms estimate needs two micro-batches a step.
 MICRO_BATCH = {"adaptive-norms": START_BATCH // 2, "adaptive-per-example": START_BATCH,
                ABLATION: START_BATCH}
+#: The one change tried after the first rerun: ``estimate="median"`` (the median of the last
+#: per-step ``b_simple``, not ``b_simple_smoothed``), otherwise the arm without the suffix.
+MEDIAN = "-median"
+MICRO_BATCH.update({arm + MEDIAN: MICRO_BATCH[arm] for arm in ("adaptive-norms", "adaptive-per-example")})
 MAX_BATCH = 512
 #: A run stops ("not reached") past this many times E_min examples: beyond it the frontier
 #: value is below 1 only within 1 / (CAP - 1) of S_min steps, which no run comes near.
@@ -298,6 +303,13 @@ def warmup_budget(baseline) -> float:
     return 2.0 * baseline.e_min
 
 
+def lr_cap(baseline) -> float:
+    """The adaptive arms' ``max_lr_factor``: the grid's best learning rate at its largest
+    batch over its best at ``START_BATCH`` (at least 1): the grid knowledge the warmup arm
+    uses, given to the schedule as its bound."""
+    return max(1.0, baseline.best_lr[max(baseline.best_lr)] / baseline.lr_at(START_BATCH))
+
+
 def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
     """One run of ``arm`` on ``task`` with ``seed``."""
     base_lr = baseline.lr_at(START_BATCH)
@@ -315,14 +327,16 @@ def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
     micro = MICRO_BATCH[arm]
     schedule = cgn.BatchSchedule(micro_batch=micro, min_batch=START_BATCH, max_batch=MAX_BATCH,
                                  max_accumulation=MAX_BATCH // micro,
-                                 rule=None if arm == ABLATION else "auto")
+                                 rule=None if arm == ABLATION else "auto",
+                                 max_lr_factor=lr_cap(baseline),
+                                 estimate="median" if arm.endswith(MEDIAN) else "smoothed")
     return train_scheduled(task, schedule, base_lr, seed, arm=arm,
                            quantities=quantities_of(arm, task), **limits)
 
 
 def quantities_of(arm, task):
     """The tracker's quantities of an adaptive arm: the ``"norms"`` preset, or one per-example one."""
-    return "norms" if arm == "adaptive-norms" else [PER_EXAMPLE[task.optimizer]]
+    return "norms" if arm.startswith("adaptive-norms") else [PER_EXAMPLE[task.optimizer]]
 
 
 def tune_fixed(task, baseline, log) -> Dict[str, object]:
@@ -360,6 +374,8 @@ def main(argv=None):
     parser.add_argument("--grid", default=str(GRID), help="critical_batch_size's JSON")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs stored in <out> and run only the missing ones")
+    parser.add_argument("--rerun", action="store_true",
+                        help="with --resume: drop the stored runs of --arms and run them again")
     parser.add_argument("--replot", action="store_true",
                         help="no training: redraw and rewrite the page from the stored runs")
     args = parser.parse_args(argv)
@@ -418,6 +434,8 @@ def measure(task, args, command, out) -> dict:
                   "seconds": 0.0, "fixed": None, "runs": [],
                   "baseline": asdict(baseline_of(task, args.grid, args.quick, log))}
     stored["versions"] = cbs.versions()  # the code of the newest runs
+    if args.rerun:
+        stored["runs"] = [r for r in stored["runs"] if r["arm"] not in args.arms.split(",")]
     stored["commands"].append(command)
     stored["seeds"] = sorted(set(stored["seeds"]) | set(range(args.seeds)))
     baseline, arms = baseline_from_json(stored["baseline"]), args.arms.split(",")

@@ -198,6 +198,9 @@ def test_sgd_from_32_to_128_sentences_with_their_numbers():
     assert "- use batch 128 instead of 32," in text
     assert "- batch 32 -> 128: about 60% fewer steps, 60% more examples to the same loss" in text
     assert "- learning rate 0.1 -> 0.25 = 0.1 x 2.5 (SGD: eps_opt(B) = eps_max / (1 + B_noise/B)" in text
+    # 2.5 > sqrt(128 / 32) = 2: the linear regime's caveat, with the square-root rule's factor.
+    assert ("trusted only if 0.25 stays below eps_max = |G|^2 / (G^T H G), which is not measured: "
+            "the square-root rule's x 2 is the safer step") in text
     assert text.rstrip().endswith(CAVEATS)
 
 
@@ -210,6 +213,7 @@ def test_the_advice_from_batches_12_and_16_to_48():
     # 16 -> 48: (1 + 1) / (1 + 3) = 0.5; (48 + 48) / (48 + 16) = 1.5; lr 0.1 * 4 / 2 = 0.2
     assert "batch 16 -> 48: about 50% fewer steps, 50% more examples" in str(got)
     assert "learning rate 0.1 -> 0.2 = 0.1 x 2 (SGD" in str(got)
+    assert "the square-root rule's x 1.73 is the safer step" in str(got)  # sqrt(48 / 16)
 
 
 def test_adamw_uses_the_preconditioned_noise_scale_and_the_square_root_rule():

@@ -111,7 +111,10 @@ def test_constant_noise_scale_grows_to_within_its_range_then_keeps():
 def test_growing_noise_scale_is_followed_within_bounds():
     schedule = BatchSchedule(4, min_batch=8, max_batch=200, patience=2)
     series = [10.0 * 1.15 ** step for step in range(60)]  # 10 to 37000
-    batches = run(series, schedule)
+    optimizer = SGD(0.1)
+    batches = run(series, schedule, optimizer=optimizer)
+    # McCandlish's factor from 8 to 200 at B_noise 37000 is ~25; the default bound sqrt(200 / 8) = 5.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5, rel=1e-15)
     assert batches[0] == 8 and max(batches) == 200 and batches[-1] == 200  # K at most 50
     assert all(b1 >= b0 for b0, b1 in zip(batches, batches[1:]))
     for change in schedule.changes:
@@ -150,6 +153,19 @@ def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
     assert len(caught) == 1 and schedule.batch == 8
 
 
+def test_the_median_estimate_reads_the_per_step_values_not_the_smoothed_ratio():
+    # Every step resolves B_noise 20; the smoothed ratio is infinite (its grad_sq average <= 0).
+    series = [(20.0, math.inf)] * 12
+    smoothed = BatchSchedule(8, max_batch=1024, patience=3)
+    assert run(series, smoothed) == [8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 128]  # doubles blind
+    median = BatchSchedule(8, max_batch=1024, patience=3, estimate="median")
+    # Median 20, range [min(20, 20/2), max(20, 2 * 20)] = [10, 40]: 8 grows to round(20/8) * 8 = 16.
+    assert run(series, median) == [8, 8] + [16] * 10
+    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [(20.0, 16)]
+    with pytest.raises(ValueError, match="estimate must be one of"):
+        BatchSchedule(8, max_batch=1024, estimate="mean")
+
+
 def test_the_same_estimate_counts_once():
     schedule = BatchSchedule(8, max_batch=1024, patience=3)
     tracker = FakeTracker()
@@ -162,15 +178,61 @@ def test_the_same_estimate_counts_once():
 # The learning rate -------------------------------------------------------------------
 
 
-def test_sgd_learning_rate_follows_mccandlish_by_hand():
+def test_sgd_learning_rate_follows_mccandlish_from_the_start_batch_by_hand():
     optimizer = SGD(0.1, 0.02)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=100)
+    run([64.0, 256.0], schedule, optimizer=optimizer)  # 8 -> 16 -> 32
+    # 8 -> 16 at B_noise 64: (1 + 64/8) / (1 + 64/16) = 9 / 5.
+    first, second = schedule.changes
+    assert first["lr_factor"] == pytest.approx(1.8, rel=1e-15)
+    assert (first["lr"], first["new_lr"]) == pytest.approx((0.1, 0.18), rel=1e-15)
+    # 16 -> 32 at B_noise 256, from the start batch 8: (1 + 256/8) / (1 + 256/32) = 33 / 9, not
+    # the product over changes 9/5 * (1 + 256/16) / (1 + 256/32) = 3.4.
+    assert schedule.lr_factor == pytest.approx(33 / 9, rel=1e-15)
+    assert second["lr_factor"] == pytest.approx(33 / 9 / 1.8, rel=1e-15)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.1 * 33 / 9, 0.02 * 33 / 9],
+                                                                      rel=1e-15)
+    assert second["lr_why"] == "rule" and second["lr_rule_factor"] == pytest.approx(33 / 9, rel=1e-15)
+
+
+def test_sgd_learning_rate_is_kept_without_a_finite_noise_scale():
+    optimizer = SGD(0.1)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=100)
+    run([math.inf, math.inf, 256.0], schedule, optimizer=optimizer)  # 8 -> 16 -> 32 -> 64
+    assert [c["new_batch"] for c in schedule.changes] == [16, 32, 64]
+    # No signal: kept (not x2 each); then from 8 to 64 at 256: (1 + 32) / (1 + 4) = 6.6.
+    assert [c["lr_why"] for c in schedule.changes] == ["kept", "kept", "rule"]
+    assert [c["lr_factor"] for c in schedule.changes][:2] == [1.0, 1.0]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.66, rel=1e-15)
+    assert "no finite B_noise" in schedule.changes[0]["reason"]
+
+
+def test_the_learning_rate_never_leaves_its_bound_and_the_bound_is_logged():
+    # Default under SGD: the square-root rule's factor, sqrt(16 / 8), below McCandlish's 1.8.
+    optimizer, tracker = SGD(0.1), FakeTracker()
     schedule = BatchSchedule(8, max_batch=1024, patience=1)
-    run([64.0], schedule, optimizer=optimizer)
-    # B 8 -> 16 at B_noise 64: (1 + 64/8) / (1 + 64/16) = 9 / 5.
+    run([64.0], schedule, tracker=tracker, optimizer=optimizer)
     change = schedule.changes[0]
-    assert change["lr_factor"] == pytest.approx(1.8, rel=1e-15)
-    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.18, 0.036], rel=1e-15)
-    assert (change["lr"], change["new_lr"]) == pytest.approx((0.1, 0.18), rel=1e-15)
+    assert (change["lr_why"], change["lr_rule_factor"]) == ("bound", pytest.approx(1.8, rel=1e-15))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 2 ** 0.5, rel=1e-15)
+    assert "bounded at x 1.414" in change["reason"]
+    logged = tracker.recorded[0][2]
+    assert logged[schema.SCHEDULE_LR_WHY_PREFIX + "bound"] == 1.0
+    assert logged[schema.SCHEDULE_LR_BOUND] == pytest.approx(2 ** 0.5, rel=1e-15)
+    # A stated bound: 1.8 and 33/9 both stopped at 1.5; the second change keeps the rate.
+    optimizer = SGD(0.1)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=1.5)
+    run([64.0, 256.0], schedule, optimizer=optimizer)
+    assert [c["lr_factor"] for c in schedule.changes] == pytest.approx([1.5, 1.0], rel=1e-15)
+    assert [c["lr_why"] for c in schedule.changes] == ["bound", "bound"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.15, rel=1e-15)
+    # The square-root rule under a bound: sqrt(2), then sqrt(4) = 2 stopped at 1.5.
+    optimizer = AdamW(1e-3)
+    run([64.0, 256.0], BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=1.5),
+        optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.5e-3, rel=1e-15)
+    with pytest.raises(ValueError, match="max_lr_factor must be a number >= 1"):
+        BatchSchedule(8, max_batch=1024, max_lr_factor=0.5)
 
 
 def test_adam_learning_rate_follows_the_square_root_rule_and_none_leaves_it():

@@ -35,6 +35,7 @@ from cockpit_gradnoise.functional.fused import sd_and_signal_to_noise
 from cockpit_gradnoise.functional.noise_scale import (
     exponential_moving_average,
     noise_scale_estimates,
+    scale_free_smoothed_noise_scale,
     two_batch_noise_scale_estimates,
 )
 from cockpit_gradnoise.functional.norms import (
@@ -90,6 +91,7 @@ __all__ = [
     "resolvable_snr",
     "rmsprop_preconditioner",
     "scalar",
+    "scale_free_smoothed_noise_scale",
     "sd_and_signal_to_noise",
     "sd_statistics",
     "sd_statistics_across",

@@ -1,5 +1,6 @@
 """The gradient noise scale's estimates of ``|G|^2`` and ``tr(Sigma)``, and their smoothing."""
 
+import math
 from typing import Optional, Sequence, Tuple
 
 
@@ -97,3 +98,79 @@ def exponential_moving_average(previous: Optional[float], value: float, smoothin
     if previous is None:
         return value
     return smoothing * previous + (1 - smoothing) * value
+
+
+def scale_free_smoothed_noise_scale(
+    averages: Optional[Tuple[float, float]], grad_sq: float, trace_cov: float,
+    smoothing: float,
+) -> Tuple[Optional[Tuple[float, float]], float]:
+    """Smoothed ``B_simple`` over steps whose gradients are in different units.
+
+    Each step's two estimates are divided by that step's mean per-example
+    squared norm before they are averaged:
+
+    .. math::
+
+        S_t = \\widehat{|G|^2}_t + \\widehat{\\mathrm{tr}(\\Sigma)}_t
+            = \\mathrm{mean}_i \\|g_{t,i}\\|^2 \\ge 0, \\qquad
+        B_\\text{smoothed} = \\frac{\\mathrm{EMA}_t(\\widehat{\\mathrm{tr}(\\Sigma)}_t / S_t)}
+                                  {\\mathrm{EMA}_t(\\widehat{|G|^2}_t / S_t)}
+
+    (the identity for ``S_t`` is the algebra of
+    :func:`noise_scale_estimates`: ``(N M - S)/(N - 1) + N (S - M)/(N - 1) =
+    S``). Each step's own ratio ``b_simple_t`` is unchanged by the
+    division, and every step weighs the same in the averages whatever the
+    scale of its gradients. The scaled values are bounded, so no single
+    step can hold the average: ``grad_sq / S`` lies in ``[-1/(N-1), 1]``
+    (``M >= 0``) and ``trace_cov / S`` in ``[0, N/(N-1)]`` (``M <= S``).
+    (Dividing by the batch gradient's ``M = grad_sq + trace_cov / N``
+    instead would not bound them: a step whose mean gradient nearly
+    cancels has ``grad_sq / M`` about ``-S / ((N-1) M)``, unbounded below;
+    measured on the experiment's GPT, that kept the average below 0 for a
+    whole run.)
+
+    Why: under an adaptive optimizer the gradients are those of ``P_t g``
+    with Adam's ``P_t = 1 / (sqrt(v_hat_t) + eps)``, which shrinks by orders
+    of magnitude over the first steps as ``v`` fills (measured on the
+    experiment's GPT: ``grad_sq`` ``-2.8e9`` at step 0, ``2.3e4`` at step 5).
+    Moving averages of the raw estimates (McCandlish et al. 2018's ratio of
+    averages, :func:`exponential_moving_average`) then let one early step
+    outweigh the next hundred, and one negative ``grad_sq`` held the average
+    below 0 (an infinite smoothed value) for ~110 steps whose own
+    ``b_simple`` were often finite. The raw convention is kept where the
+    units do not change (:class:`~cockpit_gradnoise.GradientNoiseScale`,
+    ``P = I``; nanoGNS does the same).
+
+    The averages start at 0 (``EMA_0 = (1 - smoothing) x_0``): step ``k``
+    of ``t`` has weight ``(1 - smoothing) smoothing^(t - k)``, the first
+    one too, and the ratio equals that of Adam-style bias-corrected averages
+    (the correction ``1 - smoothing^(t + 1)`` is common to both and cancels).
+    Started at the first value, as :func:`exponential_moving_average` is,
+    the first step would weigh ``smoothing^t``, ten times the geometric
+    weight at ``smoothing = 0.9``, and Adam's first step, sign descent
+    (``v_hat = g^2``), is the one least like the others.
+
+    Args:
+        averages: ``(EMA of trace_cov / S, EMA of grad_sq / S)`` so far, or
+            None before the first step averaged (then both start at 0).
+        grad_sq: This step's ``|G|^2`` estimate.
+        trace_cov: This step's ``tr(Sigma)`` estimate.
+        smoothing: Weight of the past, in ``[0, 1)``.
+
+    Returns:
+        ``(averages, b_smoothed)``: ``b_smoothed`` is ``+inf`` when the
+        averaged ``grad_sq / S`` is ``<= 0`` (no signal resolved). A step
+        with a value that is not finite, or with ``S_t <= 0`` (every
+        example's gradient 0: no units to measure it in, e.g. a parameter
+        that receives no gradient), is skipped: ``averages`` are returned
+        unchanged and ``b_smoothed`` is NaN.
+    """
+    scale = grad_sq + trace_cov
+    if not (math.isfinite(grad_sq) and math.isfinite(trace_cov) and math.isfinite(scale)) \
+            or scale <= 0:
+        return averages, math.nan
+    previous = averages if averages is not None else (0.0, 0.0)
+    averages = tuple(smoothing * old + (1 - smoothing) * new / scale
+                     for old, new in zip(previous, (trace_cov, grad_sq)))
+    numerator, denominator = averages
+    return averages, (numerator / denominator if denominator > 0 else math.inf)

@@ -95,6 +95,12 @@ SCHEDULE_NOISE_SCALE = "noise_scale"
 SCHEDULE_LOW = "low"
 SCHEDULE_HIGH = "high"
 SCHEDULE_WHY_PREFIX = "why:"
+# The learning rate's factor from the start batch that the rule gave (before the bound),
+# the bound, and ``lr_why:<bound|kept>`` (value 1) where the bound stopped the rule or no
+# finite noise scale kept the learning rate.
+SCHEDULE_LR_RULE_FACTOR = "lr_rule_factor"
+SCHEDULE_LR_BOUND = "lr_bound"
+SCHEDULE_LR_WHY_PREFIX = "lr_why:"
 
 # Stored under NETWORK by a per-parameter quantity whose network row leaves
 # out some of the parameters it was given (with requires_grad): how many it
@@ -180,6 +186,12 @@ def schedule_reason(names: Iterable[str]) -> Optional[str]:
     """The reason among the statistic ``names`` of a :data:`BATCH_SCHEDULE` row
     (``why:<reason>``); ``None`` if none names it."""
     return _text_after(SCHEDULE_WHY_PREFIX, names)
+
+
+def schedule_lr_reason(names: Iterable[str]) -> Optional[str]:
+    """Why the learning rate was not the rule's (``lr_why:<bound|kept>``) among the
+    statistic ``names`` of a :data:`BATCH_SCHEDULE` row; ``None``: the rule's."""
+    return _text_after(SCHEDULE_LR_WHY_PREFIX, names)
 
 
 def ratio_or_inf(numerator, denominator):

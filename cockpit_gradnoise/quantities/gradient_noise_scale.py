@@ -33,7 +33,13 @@ class GradientNoiseScale(ParameterQuantity):
     - ``b_simple_smoothed = EMA(trace_cov) / EMA(grad_sq)``, ``+inf`` when the
       smoothed denominator is ``<= 0``. A ratio of two noisy estimates is
       biased; smoothing numerator and denominator separately first is what
-      the literature does. The moving averages run over tracked steps,
+      the literature does (McCandlish et al.; nanoGNS). The raw values are
+      averaged: their units (those of ``g^2``) do not change from step to
+      step, and a step with a larger gradient carries more signal.
+      PreconditionedNoiseScale, whose ``P`` does change them, averages
+      scale-free values instead
+      (:func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`).
+      The moving averages run over tracked steps,
       start at the first tracked value and skip steps where a value is not
       finite (``b_simple_smoothed`` is NaN there);
     - ``batch_size``: ``N``, to compare ``B_simple`` with (the dashboard

@@ -1,9 +1,12 @@
 """The noise scale Adam sees: ``B_simple`` of the preconditioned gradients ``P g_i``, per layer."""
 
-from cockpit_gradnoise import distributed
+import math
+
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, sharded
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
+from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, GradientNoiseScale
@@ -25,9 +28,17 @@ class PreconditionedNoiseScale(GradientNoiseScale):
 
     - ``S_P = mean_i ||P g_i||^2 = sum_j p_j^2 Q_j / N`` and
       ``M_P = ||P mean_i g_i||^2 = sum_j p_j^2 T_j^2 / N^2``;
-    - ``grad_sq``, ``trace_cov``, ``b_simple``, ``b_simple_smoothed`` and
-      ``batch_size`` as GradientNoiseScale reports them (the same names, the
-      same smoothing), per parameter and for ``"all"``.
+    - ``grad_sq``, ``trace_cov``, ``b_simple`` and ``batch_size`` as
+      GradientNoiseScale reports them (the same names), per parameter and
+      for ``"all"``;
+    - ``b_simple_smoothed``: moving averages of ``trace_cov`` and ``grad_sq``
+      each divided by the step's own ``S_P = grad_sq + trace_cov``
+      (:func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`),
+      not of the raw values as GradientNoiseScale's: ``P`` changes by orders
+      of magnitude over Adam's first steps, and the raw averages let one
+      early step outweigh a hundred later ones. A step with ``S_P = 0``
+      (every example's preconditioned gradient 0) is not averaged (NaN
+      there, with a warning).
 
     **Which P.** The ``P`` the optimizer's next ``step()`` applies, read from
     its state when the backward pass has ended (:mod:`~cockpit_gradnoise.quantities.preconditioners`):
@@ -182,3 +193,18 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         if self._cuts is not None and values:  # FSDP2: every process's partial sums added
             values = _shards.added_across_processes(values)
         return super().statistics_of_values(values, network)
+
+    def derived_statistics(self, name, statistics):
+        grad_sq, trace_cov = statistics[schema.GRAD_SQ], statistics[schema.TRACE_COV]
+        averages, smoothed = functional.scale_free_smoothed_noise_scale(
+            self._averages.get(name), grad_sq, trace_cov, self.smoothing)
+        if averages is not None:
+            self._averages[name] = averages
+        if math.isnan(smoothed) and math.isfinite(grad_sq) and math.isfinite(trace_cov):
+            self.warn_once(  # S_P <= 0: 0, or below by rounding
+                "zero-batch-gradient",
+                f"every example's preconditioned gradient of {name!r} is 0, "
+                "a step without units to average in: b_simple_smoothed is NaN at such steps "
+                "and their moving averages skip them",
+            )
+        return {schema.B_SIMPLE_SMOOTHED: smoothed}

@@ -3,9 +3,10 @@
 It reads the tracker's newest noise-scale estimate (:attr:`Tracker.latest
 <cockpit_gradnoise.Tracker.latest>`, no frame), decides the number of
 micro-batches of the next step by the rule of
-:mod:`cockpit_gradnoise.schedule.rule`, rescales every parameter group's
-learning rate by :func:`~cockpit_gradnoise.views.batch_size.learning_rate_factor`
-when the batch changes, and logs each change, and why, into the tracker's log
+:mod:`cockpit_gradnoise.schedule.rule`, sets every parameter group's learning
+rate to its start value times :func:`~cockpit_gradnoise.schedule.rule.learning_rate_from_start`
+(the rule's factor from the start batch, within a bound) when the batch changes,
+and logs each change, and why, into the tracker's log
 (``BatchSchedule`` rows, :data:`~cockpit_gradnoise.logs.schema.BATCH_SCHEDULE`).
 """
 
@@ -21,18 +22,24 @@ from cockpit_gradnoise.schedule.rule import (
     DEFAULT_MAX_CHANGE,
     DEFAULT_PATIENCE,
     GROW,
+    LR_BOUND,
+    LR_KEPT,
     NO_ESTIMATE,
     Decision,
     bounds_of,
     decide,
+    learning_rate_from_start,
 )
 from cockpit_gradnoise.views.advice import NOISE_SOURCES
-from cockpit_gradnoise.views.batch_size import ADAPTIVE, DEFAULT_RECENT, learning_rate_factor, rule_for
+from cockpit_gradnoise.views.batch_size import ADAPTIVE, DEFAULT_RECENT, SGD_RULE, noise_range, rule_for
 from cockpit_gradnoise.views.common import THRESHOLDS
 
 #: ``rule=`` values: from the optimizer's class, McCandlish et al.'s, the square-root rule.
 AUTO = "auto"
 RULES = (AUTO, "sgd", "sqrt", None)
+#: ``estimate=`` values: the noise scale the rule reads (see :class:`BatchSchedule`).
+SMOOTHED, MEDIAN = "smoothed", "median"
+ESTIMATES = (SMOOTHED, MEDIAN)
 
 
 def inner_optimizer(optimizer):
@@ -89,6 +96,25 @@ class BatchSchedule:
             :data:`~cockpit_gradnoise.views.batch_size.RULES`: SGD McCandlish et
             al.'s, Adam and its kin the square-root rule, others none),
             ``"sgd"``, ``"sqrt"``, or ``None`` (the learning rate is left alone).
+            The learning rate at batch ``B`` is the one at the start batch ``B0``
+            times the rule's factor from ``B0`` to ``B`` at the current estimate
+            (:func:`~cockpit_gradnoise.schedule.rule.learning_rate_from_start`),
+            not a product over changes; without a finite estimate SGD's is kept.
+        max_lr_factor: The most any group's learning rate may be, as a multiple of
+            its value at the start (one factor, so the groups keep their ratios).
+            ``None``: for SGD's rule the square-root rule's ``sqrt(B/B0)``
+            (McCandlish et al.'s ``eps_max`` needs the Hessian, not measured here:
+            the linear regime is not trusted unbounded), for the square-root rule
+            that rule itself. A change the bound stops is logged (``lr_why``
+            ``"bound"``).
+        estimate: The ``B_noise`` the rule reads: ``"smoothed"``, the newest
+            ``b_simple_smoothed`` (a ratio of moving averages of ``trace_cov`` and
+            ``grad_sq``); ``"median"``, the median of the last ``recent`` per-step
+            ``b_simple`` (each a ratio within one step), robust to single
+            steps. (Under Adam the preconditioned ``(P g)^2`` shrinks by orders
+            of magnitude over the first steps: PreconditionedNoiseScale's
+            ``b_simple_smoothed`` averages scale-free values for that,
+            :func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`.)
         accumulation: The micro-batches of the first step (default: the fewest
             the bounds allow).
         patience: New estimates needed after a change (and at the start)
@@ -103,16 +129,22 @@ class BatchSchedule:
             new batch applies from the next step), ``batch``, ``new_batch``,
             ``accumulation``, ``new_accumulation``, ``lr``, ``new_lr`` (the first
             group's), ``lr_factor``, ``noise_scale``, ``low``, ``high`` (the
-            estimate's range), ``why`` (``grow``, ``shrink``, ``bootstrap``) and
-            ``reason`` (a sentence).
-        lr_factor: The product of every change's learning-rate factor so far.
+            estimate's range), ``why`` (``grow``, ``shrink``, ``bootstrap``),
+            ``lr_why`` (``rule``, ``bound``, ``kept``, ``none``), ``lr_rule_factor``
+            (the rule's factor from the start, before the bound), ``lr_bound``
+            and ``reason`` (a sentence).
+        start_batch: ``B0``, the batch of the first step: the learning rate the
+            optimizer holds there is the one the rule scales.
+        lr_factor: ``lr / lr0`` now, from the start batch (the product of every
+            change's ``lr_factor``).
     """
 
     def __init__(self, micro_batch: int, min_batch: Optional[int] = None,
                  max_batch: Optional[int] = None, max_accumulation: Optional[int] = None, *,
                  rule: Optional[str] = AUTO, accumulation: Optional[int] = None,
                  patience: int = DEFAULT_PATIENCE, max_change: float = DEFAULT_MAX_CHANGE,
-                 recent: int = DEFAULT_RECENT, factor: float = THRESHOLDS.noise_scale_factor):
+                 recent: int = DEFAULT_RECENT, factor: float = THRESHOLDS.noise_scale_factor,
+                 max_lr_factor: Optional[float] = None, estimate: str = SMOOTHED):
         self.bounds = bounds_of(micro_batch, min_batch, max_batch, max_accumulation)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -126,8 +158,17 @@ class BatchSchedule:
         if self.bounds.clamp(accumulation) != accumulation:
             raise ValueError(f"accumulation={accumulation!r} lies outside the bounds "
                              f"[{self.bounds.low}, {self.bounds.high}] micro-batches")
+        if estimate not in ESTIMATES:
+            raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
+        self.estimate = estimate
+        if max_lr_factor is not None and not (isinstance(max_lr_factor, (int, float))
+                                              and max_lr_factor >= 1):
+            raise ValueError(f"max_lr_factor must be a number >= 1 (the most the learning rate "
+                             f"grows by from the start; None: the default), got {max_lr_factor!r}")
         self.rule, self.patience, self.max_change, self.factor = rule, patience, max_change, factor
+        self.max_lr_factor = None if max_lr_factor is None else float(max_lr_factor)
         self.accumulation = int(accumulation)
+        self.start_batch = self.batch
         self.changes: List[Dict[str, Any]] = []
         self.lr_factor = 1.0
         self.source: Optional[str] = None  # the quantity the noise scale is read from
@@ -174,7 +215,8 @@ class BatchSchedule:
         row = newest[1]
         self._recent.append(float(row.get(schema.B_SIMPLE, math.nan)))
         self._since_change += 1
-        noise_scale = float(row.get(schema.B_SIMPLE_SMOOTHED, math.nan))
+        noise_scale = (noise_range(self._recent).median if self.estimate == MEDIAN
+                       else float(row.get(schema.B_SIMPLE_SMOOTHED, math.nan)))
         decision = decide(self.accumulation, self.bounds, noise_scale, self._recent,
                           since_change=self._since_change, patience=self.patience,
                           max_change=self.max_change, factor=self.factor)
@@ -221,9 +263,11 @@ class BatchSchedule:
         found = decision.recommendation
         noise_scale = math.nan if found is None else found.noise_scale
         rule = self._rule_of(optimizer)
-        lr_factor = 1.0 if rule is None else learning_rate_factor(rule, old, new, noise_scale)
-        if math.isnan(lr_factor):  # McCandlish's rule before any estimate (the bootstrap)
-            lr_factor = 1.0
+        found_lr = learning_rate_from_start(rule, self.start_batch, new, noise_scale,
+                                            self.lr_factor, self.max_lr_factor)
+        # Set from the start's value (lr0 * found), as a ratio to the factor now: a user's
+        # own change of the learning rate between changes is kept.
+        lr_factor = found_lr.factor / self.lr_factor
         groups = getattr(inner_optimizer(optimizer), "param_groups", None) or []
         lr = _number(groups[0].get("lr")) if groups else None
         for group in groups:
@@ -238,10 +282,12 @@ class BatchSchedule:
             "new_lr": None if lr is None else lr * lr_factor, "lr_factor": lr_factor,
             "noise_scale": noise_scale, "low": math.nan if found is None else found.low,
             "high": math.nan if found is None else found.high, "why": decision.why,
+            "lr_why": found_lr.why, "lr_rule_factor": found_lr.rule_factor,
+            "lr_bound": found_lr.bound,
         }
         change["reason"] = reason(change, rule)
         self.accumulation = decision.accumulation
-        self.lr_factor *= lr_factor
+        self.lr_factor = found_lr.factor
         self._since_change = 0
         self.changes.append(change)
         if hasattr(tracker, "record"):
@@ -260,7 +306,8 @@ class BatchSchedule:
         return {
             "bounds": [self.bounds.micro_batch, self.bounds.low, self.bounds.high],
             "accumulation": self.accumulation, "changes": [dict(c) for c in self.changes],
-            "lr_factor": self.lr_factor, "source": self.source, "recent": list(self._recent),
+            "lr_factor": self.lr_factor, "start_batch": self.start_batch,
+            "max_lr_factor": self.max_lr_factor, "source": self.source, "recent": list(self._recent),
             "since_change": self._since_change, "last_read": self._last_read,
             "warned": sorted(self._warned),
         }
@@ -279,6 +326,11 @@ class BatchSchedule:
         self.accumulation = int(state["accumulation"])
         self.changes = [dict(c) for c in state["changes"]]
         self.lr_factor = float(state["lr_factor"])
+        if state.get("max_lr_factor", self.max_lr_factor) != self.max_lr_factor:
+            raise ValueError(f"the state is of a schedule with max_lr_factor="
+                             f"{state['max_lr_factor']!r}, this one has {self.max_lr_factor!r}: "
+                             "build it as before")
+        self.start_batch = int(state.get("start_batch", self.start_batch))  # older states: ours
         self.source = state["source"]
         self._recent.clear()
         self._recent.extend(float(v) for v in state["recent"])
@@ -302,12 +354,18 @@ def statistics_of(change: Mapping[str, Any]) -> Dict[str, float]:
                   schema.SCHEDULE_LR_FACTOR: change["lr_factor"],
                   schema.SCHEDULE_NOISE_SCALE: change["noise_scale"],
                   schema.SCHEDULE_LOW: change["low"], schema.SCHEDULE_HIGH: change["high"],
+                  schema.SCHEDULE_LR_RULE_FACTOR: change.get("lr_rule_factor", math.nan),
+                  schema.SCHEDULE_LR_BOUND: change.get("lr_bound", math.nan),
                   schema.SCHEDULE_WHY_PREFIX + change["why"]: 1.0}
+    if change.get("lr_why") in (LR_BOUND, LR_KEPT):
+        statistics[schema.SCHEDULE_LR_WHY_PREFIX + change["lr_why"]] = 1.0
     if change["lr"] is not None:
         statistics[schema.LEARNING_RATE] = change["lr"]
         statistics[schema.SCHEDULE_NEW_LR] = change["new_lr"]
-    # No estimate (the bootstrap): left out, not NaN, which the views read as a run gone NaN.
-    return {name: value for name, value in statistics.items() if not math.isnan(value)}
+    # No estimate (the bootstrap), no bound: left out, not NaN or inf, which the views read
+    # as a run gone non-finite.
+    return {name: value for name, value in statistics.items()
+            if not math.isnan(value) and not (name == schema.SCHEDULE_LR_BOUND and math.isinf(value))}
 
 
 def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
@@ -322,7 +380,16 @@ def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
         where = "below" if change["why"] == GROW else "above"
         why = (f"batch {old} lies {where} the range of the estimate ({change['low']:.3g}-"
                f"{change['high']:.3g}) around B_noise = {change['noise_scale']:.3g}")
-    cited = "McCandlish et al. 2018" if rule == "sgd" else "the square-root rule, Malladi et al. 2022"
-    lr = ("learning rate unchanged" if rule is None or change["lr_factor"] == 1.0 else
-          f"learning rate x {change['lr_factor']:.4g} ({cited})")
+    cited = "McCandlish et al. 2018" if rule == SGD_RULE else "the square-root rule, Malladi et al. 2022"
+    lr_why = change.get("lr_why")
+    if lr_why == LR_KEPT:
+        lr = "learning rate unchanged (no finite B_noise for McCandlish et al. 2018's rule)"
+    elif rule is None or change["lr_factor"] == 1.0 and lr_why != LR_BOUND:
+        lr = "learning rate unchanged"
+    else:
+        lr = f"learning rate x {change['lr_factor']:.4g} ({cited}"
+        if lr_why == LR_BOUND:
+            lr += (f" gives x {change['lr_rule_factor']:.4g} from the start batch; bounded at "
+                   f"x {change['lr_bound']:.4g} of the start's learning rate")
+        lr += ")"
     return f"step {change['step']}: batch {old} -> {new} ({why}); {lr}"

@@ -20,15 +20,25 @@ the estimate):
 
 ``K`` stays within ``[min_accumulation, max_accumulation]``
 (:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
-micro-batches). The learning rate is rescaled by
-:func:`~cockpit_gradnoise.views.batch_size.learning_rate_factor`.
+micro-batches). The learning rate at batch ``B`` is the start's times
+:func:`learning_rate_from_start`: the rule's factor
+(:func:`~cockpit_gradnoise.views.batch_size.learning_rate_factor`) from the
+start batch ``B0`` to ``B`` at the current estimate, never a product over
+changes, and never above a stated bound.
 """
 
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from cockpit_gradnoise.views.batch_size import DEFAULT_RECENT, Recommendation, recommended_batch
+from cockpit_gradnoise.views.batch_size import (
+    DEFAULT_RECENT,
+    SGD_RULE,
+    SQRT_RULE,
+    Recommendation,
+    learning_rate_factor,
+    recommended_batch,
+)
 from cockpit_gradnoise.views.common import THRESHOLDS
 
 #: The most the batch changes by at one change (doubling, as batch-size warmups do).
@@ -40,6 +50,8 @@ DEFAULT_PATIENCE = DEFAULT_RECENT
 # Why a decision was taken (the ``why:<reason>`` of a logged change).
 GROW, SHRINK, KEEP, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP = (
     "grow", "shrink", "keep", "wait", "no-estimate", "at-bound", "bootstrap")
+# Why the learning-rate factor is what it is (the ``lr_why`` of a change).
+LR_RULE, LR_BOUND, LR_KEPT, LR_NONE = "rule", "bound", "kept", "none"
 
 
 @dataclass(frozen=True)
@@ -134,3 +146,62 @@ def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequen
     if new == accumulation:
         return Decision(accumulation, AT_BOUND, found)
     return Decision(new, found.move, found)
+
+
+@dataclass(frozen=True)
+class LearningRate:
+    """What :func:`learning_rate_from_start` found: the factor ``lr(B) / lr(B0)`` and why.
+
+    ``why``: ``rule`` (the rule's factor), ``bound`` (the bound stopped it; ``rule_factor``
+    is what the rule gave, ``bound`` the bound), ``kept`` (no finite estimate for a rule
+    that needs one: the current factor), ``none`` (no rule: 1).
+    """
+
+    factor: float
+    why: str
+    rule_factor: float = math.nan
+    bound: float = math.nan
+
+
+def learning_rate_from_start(rule: Optional[str], start_batch: float, batch: float,
+                             noise_scale: float, current: float = 1.0,
+                             max_lr_factor: Optional[float] = None) -> LearningRate:
+    """The learning rate's factor at ``batch`` against the one tuned at ``start_batch``.
+
+    Path-independent: ``lr(B) = lr(B0) * min(f(B0 -> B), bound)`` with ``f`` the
+    rule's :func:`~cockpit_gradnoise.views.batch_size.learning_rate_factor` at the
+    current ``noise_scale``, whatever batches came between (a product of factors
+    over changes, each with its own estimate, compounds their errors).
+
+    - ``"sgd"`` (McCandlish et al. 2018, ``eps_opt(B) = eps_max / (1 + B_noise/B)``):
+      ``f = (1 + B_noise/B0) / (1 + B_noise/B)``, which grows linearly in ``B`` while
+      ``B << B_noise``, up to ``B/B0``. Its bound, unless ``max_lr_factor`` is given,
+      is the square-root rule's ``sqrt(B/B0)``: ``eps_max = |G|^2 / (G^T H G)`` needs
+      the Hessian, which this package does not measure, so nothing shows that
+      ``eps(B0) * f`` stays below ``eps_max``. Without a finite ``B_noise`` (``inf``:
+      no signal resolved; NaN) the factor is ``current``, kept.
+    - ``"sqrt"`` (Malladi et al. 2022): ``f = sqrt(B/B0)``; ``noise_scale`` unused.
+    - ``None``: 1.
+
+    Args:
+        rule: ``"sgd"``, ``"sqrt"`` or ``None``.
+        start_batch: ``B0``, the batch the learning rate was tuned for.
+        batch: ``B``, the new batch.
+        noise_scale: ``B_noise`` now.
+        current: The factor now (kept without an estimate).
+        max_lr_factor: The most ``lr(B) / lr(B0)`` may be (``None``: see above).
+    """
+    if rule is None:
+        return LearningRate(1.0, LR_NONE)
+    if rule == SGD_RULE and not math.isfinite(noise_scale):
+        return LearningRate(current, LR_KEPT)
+    rule_factor = learning_rate_factor(rule, start_batch, batch, noise_scale)
+    if max_lr_factor is not None:
+        bound = float(max_lr_factor)
+    elif rule == SQRT_RULE:
+        bound = math.inf
+    else:
+        bound = learning_rate_factor(SQRT_RULE, start_batch, batch)
+    if rule_factor > bound:
+        return LearningRate(bound, LR_BOUND, rule_factor, bound)
+    return LearningRate(rule_factor, LR_RULE, rule_factor, bound)

@@ -217,8 +217,14 @@ def _schedule_sentence(changes: List[dict]) -> List[str]:
             why += (f": B_noise {noise_scale:.3g}, range "
                     f"{change.get('low', math.nan):.3g}-{change.get('high', math.nan):.3g}")
         lr = change.get("lr_factor", 1.0)
+        lr = f"; lr x {lr:.3g}" if lr != 1.0 else ""
+        if change.get("lr_why") == "bound":
+            lr += (f"{'; lr' if not lr else ','} bounded at x {change.get('lr_bound', math.nan):.3g} "
+                   f"of the start's (the rule: x {change.get('lr_rule_factor', math.nan):.3g})")
+        elif change.get("lr_why") == "kept":
+            lr += "; lr kept: no finite B_noise"
         shown.append(f"step {change['step']}: {change['batch']:g} -> {change['new_batch']:g} "
-                     f"({why}{f'; lr x {lr:.3g}' if lr != 1.0 else ''})")
+                     f"({why}{lr})")
     earlier = len(changes) - len(shown)
     last = changes[-1]
     return [f"the batch schedule changed the batch {len(changes)} time{'s' if len(changes) > 1 else ''}"
@@ -310,6 +316,12 @@ def _move_sentences(advice: Advice) -> List[str]:
             how = (f"the square-root rule of Malladi et al. 2022, lr1 = lr0 sqrt(B1/B0); it also "
                    f"scales 1 - beta1 and 1 - beta2 by B1/B0 = {new / old:.3g} and eps by "
                    "sqrt(B0/B1)")
+        root = math.sqrt(new / old)
+        if advice.rule == SGD_RULE and factor > root:
+            # McCandlish's linear regime needs lr1 below eps_max = |G|^2 / (G^T H G): not measured.
+            how += (f"; trusted only if {advice.new_lr:.3g} stays below eps_max = |G|^2 / (G^T H G), "
+                    f"which is not measured: the square-root rule's x {root:.3g} is the safer "
+                    "step, where cgn.BatchSchedule stops unless given max_lr_factor")
         lines.append(f"learning rate {lr:.3g} -> {advice.new_lr:.3g} = {lr:.3g} x {factor:.3g} "
                      f"({optimizer}: {how}; if {lr:.3g} is tuned for batch {old}; every "
                      "parameter group's by the same factor)")

@@ -47,6 +47,7 @@ from cockpit_gradnoise.logs.schema import (
     median_name,
     quantile_level,
     quantile_levels,
+    schedule_lr_reason,
     schedule_reason,
 )
 from cockpit_gradnoise.logs.table import Column, steps_of, values_of
@@ -487,4 +488,5 @@ def schedule_changes(frame: "pandas.DataFrame") -> List[dict]:
         changes.setdefault(step, {"step": step})[names[code]] = value
     for change in changes.values():
         change["why"] = schedule_reason(change)
+        change["lr_why"] = schedule_lr_reason(change)
     return [changes[step] for step in sorted(changes)]
