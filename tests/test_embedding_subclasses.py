@@ -103,11 +103,15 @@ def check_left_out_by_name_and_the_rest_exact(make_model, tokens, targets, left_
     kept = {name: value for name, value in gradients.items() if name not in left_out}
     expected = per_example_grad_norm(None, None, tokens, None, gradients=kept)
     assert set(rows) - {"all"} == set(kept)
+    # float64 sums of a few hundred products: far below 1e-10 relative, and an absolute error
+    # at most a few hundred roundings (eps = 2.2e-16) of the largest gradient in the network,
+    # which a gradient that is small by cancellation (LED's Longformer query, 1e-9 of the
+    # largest) carries whichever way it is computed.
+    floor = 1e-13 * max(float(g.flatten(1).norm(dim=1).max()) for g in gradients.values())
     compared = 0
     for name, statistics in expected.items():
         for statistic, value in statistics.items():
-            # float64 sums of a few hundred products: far below 1e-10 relative.
-            assert rows[name][statistic] == pytest.approx(value, rel=1e-10, abs=0), (name, statistic)
+            assert rows[name][statistic] == pytest.approx(value, rel=1e-10, abs=floor), (name, statistic)
             compared += 1
     assert compared > 40
 
@@ -141,14 +145,13 @@ def led():
     return Seq2Seq(LEDForConditionalGeneration(config)).eval()
 
 
-# LED calls its one shared embedding module in the encoder and in the decoder (issue 32's
-# class 2), and its Longformer self-attention runs the encoder on windows: those parameters
-# are left out by name, and the step keeps every other parameter's exact rows (it used to
-# raise, and the training step was lost).
+# LED calls its one shared embedding module (tied to the head) in the encoder and in the
+# decoder, a tied layer called several times (issue 32's class 2): those parameters are left
+# out by name, and the step keeps every other parameter's exact rows (it used to raise, and
+# the training step was lost). Its Longformer self-attention runs the encoder on windows: its
+# query, key and value layers get exact rows from their block (extensions/fallback/regroup).
 LED_LEFT_OUT = ["model.led.shared.weight", "model.led.encoder.embed_positions.weight",
-                "model.led.decoder.embed_positions.weight"] + [
-    f"model.led.encoder.layers.0.self_attn.longformer_self_attn.{layer}.{kind}"
-    for layer in ("query", "key", "value") for kind in ("weight", "bias")]
+                "model.led.decoder.embed_positions.weight"]
 
 
 def test_led_shared_embedding_called_twice_is_left_out_by_name_and_the_step_is_kept():
