@@ -25,12 +25,11 @@ import json
 import math
 import platform
 import sys
-import sysconfig
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import cockpit_gradnoise as cgn
 
@@ -42,10 +41,16 @@ import scipy
 import scipy.optimize
 import torch
 from cockpit.utils.schedules import linear
-from torch import nn
 
-from experiments.models import GPT, TokenCrossEntropy
-from experiments.train_digits import digits_cnn
+# The tasks (experiments/cbs_tasks.py), named here as the scripts and tests use them.
+from experiments.cbs_tasks import (  # noqa: F401 (VOCABULARY, encode_text: the tests)
+    VOCABULARY,
+    Task,
+    digits_task,
+    encode_text,
+    gpt_task,
+    stdlib_text,
+)
 
 #: Batch sizes of the full run: 8 to 512 in powers of two.
 BATCH_SIZES = (8, 16, 32, 64, 128, 256, 512)
@@ -170,168 +175,6 @@ def agreement_factor(b_crit, b_simple) -> float:
     if not (b_crit > 0 and b_simple > 0) or math.isinf(b_crit) or math.isinf(b_simple):
         return math.nan
     return max(b_crit / b_simple, b_simple / b_crit)
-
-
-# ----------------------------------------------------------------------------
-# The tasks
-# ----------------------------------------------------------------------------
-
-
-@dataclass
-class Task:
-    """One training problem: model, data, optimizer, learning-rate grid and target.
-
-    ``sample(batch_size, generator)`` draws a batch of i.i.d. training
-    examples; ``validation_loss(model)`` is the mean loss on a fixed
-    validation set; ``losses()`` is ``(mean loss, per-example loss)``.
-    """
-
-    name: str
-    title: str
-    unit: str
-    make_model: Callable[[], nn.Module]
-    losses: Callable[[], Tuple[nn.Module, nn.Module]]
-    sample: Callable[[int, torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
-    validation_loss: Callable[[nn.Module], float]
-    optimizer: str  # "sgd" (plain) or "adam"
-    learning_rates: Sequence[float]
-    target: float
-    max_steps: int
-    eval_examples: int  # evaluate every max(1, eval_examples // B) steps
-    gns_batch: int
-    description: str = ""
-    data_note: str = ""
-
-    def eval_every(self, batch_size):
-        return max(1, self.eval_examples // batch_size)
-
-    def make_optimizer(self, params, lr):
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=lr)
-        return torch.optim.Adam(params, lr=lr)
-
-
-def digits_task(learning_rates, target, max_steps, gns_batch, seed=0) -> Task:
-    """The digits CNN of ``experiments.train_digits`` with plain SGD; its 1500/297 split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    train, val = order[:1500], order[1500:]
-
-    def sample(batch_size, generator):
-        index = train[torch.randint(len(train), (batch_size,), generator=generator)]
-        return images[index], labels[index]
-
-    def validation_loss(model):
-        with torch.no_grad():
-            return nn.functional.cross_entropy(model(images[val]), labels[val]).item()
-
-    return Task(
-        name="digits", title="digits CNN (scikit-learn's 8x8 digits)", unit="images",
-        make_model=digits_cnn,
-        losses=lambda: (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="none")),
-        sample=sample, validation_loss=validation_loss, optimizer="sgd",
-        learning_rates=learning_rates, target=target, max_steps=max_steps,
-        eval_examples=64, gns_batch=gns_batch,
-        description="`experiments.train_digits.digits_cnn` (2 convolutions, 2 linear layers, "
-                    "6,922 parameters), cross-entropy, plain SGD (no momentum, constant "
-                    "learning rate)",
-        data_note="1,500 training images (batches drawn uniformly with replacement), the "
-                  "other 297 for validation (the split of `experiments.train_digits`)",
-    )
-
-
-#: Standard-library files read for the character-level model, in this order.
-STDLIB_FILES = (
-    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "csv.py",
-    "dataclasses.py", "difflib.py", "enum.py", "fractions.py", "functools.py", "heapq.py",
-    "inspect.py", "os.py", "random.py", "shutil.py", "string.py", "textwrap.py",
-    "threading.py", "tokenize.py", "typing.py", "weakref.py", "json/decoder.py",
-    "json/encoder.py", "logging/__init__.py", "collections/__init__.py",
-    "email/message.py", "http/client.py", "unittest/case.py",
-)
-#: Newline and printable ASCII: 96 characters.
-VOCABULARY = "\n" + "".join(chr(c) for c in range(32, 127))
-#: Tabs and every other character outside the vocabulary become this one.
-REPLACEMENT = "?"
-
-
-def encode_text(text) -> torch.Tensor:
-    """Indices into :data:`VOCABULARY`; characters outside it map to :data:`REPLACEMENT`."""
-    index = {c: i for i, c in enumerate(VOCABULARY)}
-    other = index[REPLACEMENT]
-    return torch.tensor([index.get(c, other) for c in text], dtype=torch.long)
-
-
-def stdlib_text(files=STDLIB_FILES, validation_fraction=0.1):
-    """Train and validation characters from the standard library's own sources.
-
-    Each file's last ``validation_fraction`` goes to validation, the rest to
-    training (so both see every file's style). Files this Python lacks are
-    left out, with a warning.
-
-    Returns:
-        ``(train, validation, files used)``: two 1-d index tensors and the
-        list of the files read.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, val, used = [], [], []
-    for name in files:
-        path = root / name
-        if not path.is_file():
-            warnings.warn(f"{path} does not exist in this Python; left out", stacklevel=2)
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        cut = int(len(text) * (1 - validation_fraction))
-        train.append(text[:cut])
-        val.append(text[cut:])
-        used.append(name)
-    if not used:
-        raise FileNotFoundError(f"none of the standard-library files exist under {root}")
-    return encode_text("\n".join(train)), encode_text("\n".join(val)), used
-
-
-def gpt_task(learning_rates, target, max_steps, gns_batch, seed=0, context=32,
-             validation_windows=256) -> Task:
-    """A 2-layer character-level GPT (width 64, context ``context``) with Adam."""
-    train, val, used = stdlib_text()
-    # Fixed validation windows, the same for every run.
-    starts = torch.randint(len(val) - context - 1, (validation_windows,),
-                           generator=torch.Generator().manual_seed(seed + 1))
-    val_x = torch.stack([val[s:s + context] for s in starts])
-    val_y = torch.stack([val[s + 1:s + context + 1] for s in starts])
-
-    def sample(batch_size, generator):
-        s = torch.randint(len(train) - context - 1, (batch_size,), generator=generator)
-        window = s[:, None] + torch.arange(context + 1)
-        chunk = train[window]
-        return chunk[:, :-1], chunk[:, 1:]
-
-    def validation_loss(model):
-        with torch.no_grad():
-            return TokenCrossEntropy()(model(val_x), val_y).item()
-
-    return Task(
-        name="gpt", title=f"character-level GPT (Python's standard library, context {context})",
-        unit=f"sequences of {context} characters",
-        make_model=lambda: GPT(len(VOCABULARY), context, width=64, heads=4, layers=2),
-        losses=lambda: (TokenCrossEntropy(), TokenCrossEntropy("none")),
-        sample=sample, validation_loss=validation_loss, optimizer="adam",
-        learning_rates=learning_rates, target=target, max_steps=max_steps,
-        eval_examples=512, gns_batch=gns_batch,
-        description=f"`experiments.models.GPT` (2 pre-norm blocks, width 64, 4 heads, "
-                    f"context {context}, vocabulary {len(VOCABULARY)}, untied head, 114,048 "
-                    f"parameters), mean per-token cross-entropy, Adam (constant learning rate)",
-        data_note=f"{len(used)} files of the standard library of Python "
-                  f"{platform.python_version()} ({', '.join(used)}); each file's first 90% "
-                  f"for training ({len(train):,} characters, windows drawn uniformly), its "
-                  f"last 10% for validation ({len(val):,} characters, {validation_windows} "
-                  f"fixed windows); newline and printable ASCII, every other character "
-                  f"(tabs included) read as `{REPLACEMENT}`",
-    )
 
 
 # ----------------------------------------------------------------------------
@@ -559,140 +402,6 @@ def run_task(task, batch_sizes, seed, log=print) -> Result:
     return result
 
 
-def plot_task(result, path):
-    """Steps against examples with the fitted hyperbola, and B_simple over training."""
-    import matplotlib.pyplot as plt
-
-    task = result.task
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
-    b, s = result.measured()
-    left.loglog(b * s, s, "o", color="C0", label="measured (best learning rate)")
-    for bi, si in zip(b, s):
-        left.annotate(f"{bi:.0f}", (bi * si, si), textcoords="offset points", xytext=(4, 4),
-                      fontsize=8)
-    if math.isfinite(result.s_min) and math.isfinite(result.e_min):
-        # From well below to well above the measured batches and B_crit: the whole knee.
-        knee = [result.b_crit] if 0 < result.b_crit < math.inf else []
-        grid = np.geomspace(min([b.min()] + knee) / 4, max([b.max()] + knee) * 4, 200)
-        fitted = predicted_steps(grid, result.s_min, result.e_min)
-        left.loglog(grid * fitted, fitted, "-", color="C1",
-                    label=f"fit: S_min={result.s_min:.3g}, E_min={result.e_min:.3g}")
-        left.axhline(result.s_min, color="0.6", ls=":", lw=1)
-        left.axvline(result.e_min, color="0.6", ls=":", lw=1)
-        if 0 < result.b_crit < math.inf:
-            left.plot(2 * result.e_min, 2 * result.s_min, "s", color="C3",
-                      label=f"B_crit = {result.b_crit:.3g}")
-        if result.b_simple > 0 and math.isfinite(result.b_simple):
-            s_pred = predicted_steps(result.b_simple, result.s_min, result.e_min)
-            left.plot(result.b_simple * s_pred, s_pred, "D", color="C2",
-                      label=f"B = B_simple = {result.b_simple:.3g}")
-    for axis in (left.xaxis, left.yaxis):  # decade labels only: the minor ones collide
-        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    left.set_xlabel(f"examples to reach loss {task.target:g} ({task.unit})")
-    left.set_ylabel("steps to reach it")
-    left.set_title(f"{task.name}: (S/S_min - 1)(E/E_min - 1) = 1", fontsize=10)
-    left.legend(fontsize=7)
-
-    if result.gns_series is not None:
-        steps, raw = result.series("b_simple")
-        finite = np.isfinite(raw) & (raw > 0)
-        right.semilogy(steps[finite], raw[finite], ".", color="C0", alpha=0.2, ms=3,
-                       label="B_simple of each batch")
-        steps, smoothed = result.series("b_simple_smoothed")
-        finite = np.isfinite(smoothed) & (smoothed > 0)
-        right.semilogy(steps[finite], smoothed[finite], "-", color="C0",
-                       label="B_simple smoothed")
-        right.axvline(result.gns_run.steps, color="0.4", ls="--", lw=1,
-                      label=f"loss {task.target:g} reached")
-        right.axhline(task.gns_batch, color="C1", ls=":", lw=1,
-                      label=f"batch size {task.gns_batch}")
-    if 0 < result.b_crit < math.inf:
-        right.axhline(result.b_crit, color="C3", lw=1.5, label=f"B_crit (fit) {result.b_crit:.3g}")
-        right.axhspan(result.b_crit / PAPER_FACTOR, result.b_crit * PAPER_FACTOR, color="C3",
-                      alpha=0.07, label=f"B_crit x/÷ {PAPER_FACTOR:g}")
-    right.set_xlabel(f"step (batch {task.gns_batch})")
-    right.set_ylabel(f"noise scale ({task.unit.split(' ')[0]})")
-    right.set_title("GradientNoiseScale over training", fontsize=10)
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def verdict(result) -> str:
-    """One plain sentence: do B_simple and B_crit agree within the paper's factor?"""
-    factor = agreement_factor(result.b_crit, result.b_simple)
-    if math.isnan(factor):
-        return (f"B_crit ({result.b_crit:.3g}) and B_simple ({result.b_simple:.3g}) cannot be "
-                f"compared here: one of them is not a finite positive number.")
-    if factor <= PAPER_FACTOR:
-        return (f"**They agree within the paper's factor:** B_simple = {result.b_simple:.3g} "
-                f"and B_crit = {result.b_crit:.3g} are a factor {factor:.2g} apart "
-                f"(at most {PAPER_FACTOR:g}).")
-    return (f"**They do not agree within the paper's factor:** B_simple = "
-            f"{result.b_simple:.3g} and B_crit = {result.b_crit:.3g} are a factor "
-            f"{factor:.2g} apart (more than {PAPER_FACTOR:g}).")
-
-
-def _number(value, digits=3):
-    return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
-
-
-def task_section(result, figure) -> List[str]:
-    """The page's section of one task."""
-    task = result.task
-    lrs = ", ".join(f"{lr:g}" for lr in task.learning_rates)
-    lines = [
-        f"## {task.title}", "",
-        f"- Model and optimizer: {task.description}.",
-        f"- Data: {task.data_note}.",
-        f"- Target: validation loss {task.target:g}; learning rates {lrs}; at most "
-        f"{task.max_steps:,} steps; validation loss every max(1, {task.eval_examples} // B) "
-        f"steps, the crossing interpolated linearly between evaluations.",
-        "",
-        "| batch B | best lr | steps S | examples E = B S | steps per learning rate |",
-        "|---|---|---|---|---|",
-    ]
-    for b, runs in result.runs.items():
-        best = best_of(runs)
-        per_lr = ", ".join(f"{r.lr:g}: {r.outcome()}" for r in runs)
-        if best is None:
-            lines.append(f"| {b} | – | not reached | – | {per_lr} |")
-            continue
-        edge = " (grid edge)" if best.lr in (min(task.learning_rates),
-                                             max(task.learning_rates)) else ""
-        lines.append(f"| {b} | {best.lr:g}{edge} | {best.steps:.1f} | {b * best.steps:,.0f} "
-                     f"| {per_lr} |")
-    b, s = result.measured()
-    residual = (np.log(s) - np.log(predicted_steps(b, result.s_min, result.e_min))
-                if len(b) >= 2 else np.array([math.nan]))
-    rms = float(np.sqrt(np.mean(residual ** 2)))
-    lines += [
-        "",
-        f"Fit (least squares of log S against log(S_min + E_min / B), {len(b)} batch sizes): "
-        f"S_min = {_number(result.s_min, 4)} steps, E_min = {_number(result.e_min, 4)} "
-        f"{task.unit}, **B_crit = E_min / S_min = {_number(result.b_crit)}**; root-mean-square "
-        f"residual {_number(rms, 2)} in log S (a factor {_number(math.exp(rms), 3)}).",
-        "",
-    ]
-    if result.gns_run is not None:
-        low, high = value_range(*result.series("b_simple_smoothed"),
-                                0.75 * result.gns_run.steps, 1.25 * result.gns_run.steps)
-        lines += [
-            f"Noise scale: the run at batch {task.gns_batch} with its best learning rate "
-            f"({result.gns_run.lr:g}) again, a Cockpit tracking `GradientNoiseScale` "
-            f"(smoothing 0.9) every step; it reached the target at step "
-            f"{result.gns_run.steps:.1f}, where the smoothed **B_simple = "
-            f"{_number(result.b_simple)}** {task.unit} (the network's, `\"all\"`). Over the "
-            f"steps within 25% of that one it ranges from {_number(low)} to {_number(high)}: "
-            f"how much the comparison hinges on where the value is read.",
-            "",
-        ]
-    lines += [verdict(result), "", f"![{task.name}: steps against examples, and B_simple]"
-              f"({figure})", ""]
-    return lines
-
-
 def versions() -> Dict[str, str]:
     """Versions of Python and the libraries the numbers came from."""
     import subprocess
@@ -715,85 +424,6 @@ def versions() -> Dict[str, str]:
         "scipy": scipy.__version__,
         "matplotlib": matplotlib.__version__,
     }
-
-
-def write_page(results, out, run_info) -> Path:
-    """The markdown summary, with the numbers of ``results``; returns its path.
-
-    ``run_info``: the run's ``command``, ``seed``, ``seconds`` and ``versions``
-    (and ``"replotted with"``: the commit that redrew them).
-    """
-    replotted = ""
-    if "replotted with" in run_info:
-        replotted = (f" The figures and this page were last redrawn with `--replot` at "
-                     f"commit {run_info['replotted with']}.")
-    lines = [
-        "# Does the gradient noise scale predict the critical batch size?", "",
-        "<!-- Generated by experiments/critical_batch_size.py; do not edit by hand. -->", "",
-        "McCandlish, Kaplan, Amodei et al. 2018, \"An Empirical Model of Large-Batch "
-        "Training\" (arXiv:1812.06162), model the steps $S$ and examples $E = BS$ that "
-        "batch size $B$ needs to reach a given loss, with the learning rate tuned for each "
-        "batch size, as", "",
-        "$$", r"\left(\frac{S}{S_{\min}} - 1\right)\left(\frac{E}{E_{\min}} - 1\right) = 1,"
-        r"\qquad B_{\text{crit}} = \frac{E_{\min}}{S_{\min}},", "$$", "",
-        "and find the critical batch size close to the noise scale, which "
-        "[GradientNoiseScale](../gradient-noise-scale.md)'s $B_{\\text{simple}}$ estimates. "
-        "Their Figure 4 compares the two on tasks whose critical batch sizes span six "
-        "orders of magnitude: the points scatter about equality by up to about an order of "
-        "magnitude (OpenAI's blog post on the paper, \"How AI training scales\": the noise "
-        "scale explains R² = 80% of the variation of the critical batch size). The check "
-        f"here is therefore agreement within a factor {PAPER_FACTOR:g}; the factor itself "
-        "is in the table. This page "
-        "tests it on two small tasks that train on a CPU.", "",
-        "| task | target loss | B_crit (fit) | B_simple at the target | factor apart | "
-        f"within {PAPER_FACTOR:g}? |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        factor = agreement_factor(r.b_crit, r.b_simple)
-        within = "–" if math.isnan(factor) else ("yes" if factor <= PAPER_FACTOR else "no")
-        lines.append(f"| {r.task.name} | {r.task.target:g} | {_number(r.b_crit)} | "
-                     f"{_number(r.b_simple)} | {_number(factor, 2)} | {within} |")
-    lines.append("")
-    for r in results:
-        lines += task_section(r, f"critical-batch-size-{r.task.name}.png")
-    lines += [
-        "## How it is measured", "",
-        "- Every run of a task starts from the same initialization (the seed) and draws "
-        "its batches from a generator with the same seed. The learning rate is constant.",
-        "- Steps to the target: the first crossing of the validation loss, interpolated "
-        "between evaluations. At each batch size the learning rate that was best at the "
-        "previous one runs first; a run stops (\"pruned\") once it is past the best "
-        "run's steps without reaching the target, since only the minimum over the grid "
-        "counts. A best learning rate at an edge of the grid is marked: there the "
-        "minimum may lie outside it, and the steps are an upper bound.",
-        "- The fit: $S = S_{\\min} + E_{\\min}/B$ is the hyperbola with $E = BS$; its "
-        "parameters minimize the squared differences of $\\log S$ (relative errors; the "
-        "steps span orders of magnitude) under $S_{\\min}, E_{\\min} \\ge 0$. On the "
-        "figures' left, the square is the hyperbola's knee $(2E_{\\min}, 2S_{\\min})$, "
-        "where $B = B_{\\text{crit}}$; the diamond is the point where $B = B_{\\text{simple}}$.",
-        "- $B_{\\text{simple}}$ is measured the way the paper compares it: at the point "
-        "of training where the target loss is reached, from the ratio of separately "
-        "smoothed estimates of $\\operatorname{tr}(\\Sigma)$ and $|G|^2$, all parameters "
-        "together. It ignores curvature ($B_{\\text{noise}}$ weights the covariance by the "
-        "Hessian), and under Adam the relevant noise scale is the preconditioned one: "
-        "the paper's caveats, which apply here too.",
-        "- The digits training set has 1,500 images: at large batches a run sees it "
-        "many times over, unlike the paper's large data sets.",
-        "",
-        "## Reproduce", "",
-        "```bash", run_info["command"], "```", "",
-        f"Seed {run_info['seed']}; total wall time {run_info['seconds']:.0f} s on one CPU "
-        "thread (`torch.set_num_threads(1)`), on a machine shared with other jobs. The "
-        f"measured numbers are also in `{RESULTS}`; `--replot` redraws the figures and "
-        "rewrites this page from them without training." + replotted, "",
-        "| package | version |", "|---|---|",
-    ]
-    lines += [f"| {k} | {v} |" for k, v in run_info["versions"].items()]
-    lines.append("")
-    path = Path(out) / PAGE
-    path.write_text("\n".join(lines))
-    return path
 
 
 # ----------------------------------------------------------------------------
@@ -846,6 +476,9 @@ def main(argv=None):
         results, run_info = measure(args, parser, argv)
         run_info["results"] = [r.to_json() for r in results]
         (out / RESULTS).write_text(json.dumps(run_info, indent=1))
+    # Here, not at the top: the page's module imports this one's results.
+    from experiments.critical_batch_size_page import plot_task, write_page
+
     for result in results:
         plot_task(result, out / f"critical-batch-size-{result.task.name}.png")
     page = write_page(results, out, run_info)
