@@ -58,8 +58,28 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 #: first four also on HSDP's replicate x shard mesh (the others refuse it at their step).
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
+#: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
+#: add sums over each process's shard, which would count a shard once per replica.
+HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
 TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+
+
+def refuse_hsdp(params: Iterable, quantity: str, supported: bool = False) -> None:
+    """Refuse ``quantity`` (one not marked ``supports_hsdp``) where a parameter is sharded on
+    HSDP's replicate x shard mesh: it adds sums over each process's shard, and a shard's
+    replicas would each count it.
+
+    Raises:
+        TypeError: Naming the quantity and the ones exact under HSDP (unless ``supported``).
+    """
+    if not supported and any(type(p).__name__ == "DTensor" and p.device_mesh.ndim > 1 for p in params):
+        raise TypeError(
+            f"{quantity} is not exact under HSDP (fully_shard on a replicate x shard mesh): it "
+            "adds sums over each process's shard, which would count a shard once per replica. "
+            f"Exact under HSDP: {', '.join(HSDP_QUANTITIES)}; or shard on a 1-D mesh; see "
+            "docs/distributed.md"
+        )
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,

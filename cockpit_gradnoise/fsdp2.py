@@ -98,6 +98,10 @@ def hooks_as_if_prepared_first(model: nn.Module):
                 table.move_to_end(key)
 
 
+def _name(quantity) -> str:
+    return quantity.__name__ if isinstance(quantity, type) else type(quantity).__name__
+
+
 def check_trackable(model: nn.Module, quantities: Sequence) -> None:
     """Refuse, at ``cgn.track`` and before anything changes, a sharded layout not supported
     (:func:`~cockpit_gradnoise.distributed.check_not_sharded`) and the quantities (classes or
@@ -108,6 +112,8 @@ def check_trackable(model: nn.Module, quantities: Sequence) -> None:
     """
     distributed.check_not_sharded(model.parameters(), model, fsdp2=True)
     refuse_quantities(quantities)
+    for quantity in quantities:
+        distributed.refuse_hsdp(model.parameters(), _name(quantity), getattr(quantity, "supports_hsdp", False))
 
 
 def refuse_quantities(quantities: Sequence) -> None:
@@ -117,13 +123,10 @@ def refuse_quantities(quantities: Sequence) -> None:
     Raises:
         TypeError: Naming them, the exact ones among those asked for, and the preset.
     """
-    def name(quantity):
-        return quantity.__name__ if isinstance(quantity, type) else type(quantity).__name__
-
-    refused = [name(q) for q in quantities if not getattr(q, "supports_fsdp2", False)]
+    refused = [_name(q) for q in quantities if not getattr(q, "supports_fsdp2", False)]
     if not refused:
         return
-    exact = [name(q) for q in quantities if getattr(q, "supports_fsdp2", False)]
+    exact = [_name(q) for q in quantities if getattr(q, "supports_fsdp2", False)]
     raise TypeError(
         f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not exact under FSDP2 "
         f"(fully_shard) yet. Exact: {', '.join(distributed.FSDP2_QUANTITIES)}, and "

@@ -200,6 +200,35 @@ def fsdp2_inside(world):
     return None
 
 
+def hsdp_refused(world):
+    """What cgn.track and the explicit API say on an HSDP model to the quantities that add sums
+    over each process's shard (a shard's replicas would each count it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    messages = {}
+    for key, quantities in {"variance": ["GradientVarianceQuantiles"], "norms": "norms",
+                            "exact": ["GradientNoiseScale", "PerExampleGradNorm"]}.items():
+        torch.manual_seed(0)
+        model = fully_shard(test_fsdp2.Net().double(), mesh=mesh)
+        try:
+            cgn.track(model, quantities=quantities)
+            messages[key] = None
+        except TypeError as error:
+            messages[key] = str(error)
+    model = fully_shard(test_fsdp2.make_model(), mesh=mesh)
+    named = test_fsdp2.trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
+        cgn.GradientVarianceQuantiles(linear(1), param_names=dict(named))])
+    try:
+        test_fsdp2.run_steps(model, cockpit, [[test_fsdp2.make_batch(4, seed=0)]], "mean")
+        messages["explicit"] = None
+    except TypeError as error:
+        messages["explicit"] = str(error)
+    return messages
+
+
 def worker(rank, world, port, out):
     join_group(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
@@ -214,6 +243,7 @@ def worker(rank, world, port, out):
             hsdp = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
             results[f"hsdp_{job}"] = test_fsdp2.fsdp2_job(job, world, rank, hsdp)
         results["refused"] = refused_quantities(mesh)
+        results["hsdp_refused"] = hsdp_refused(world)
         results["fsdp2_inside"] = fsdp2_inside(world)
         results["sequence_split"] = sequence_split(mesh)
         torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -291,3 +321,14 @@ def test_hsdp_equals_one_process_on_the_global_batch(group, job):
     assert_tables_match(tables[0], expected)
     quantities = {key[1] for key in expected}
     assert quantities == {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
+
+
+def test_hsdp_refuses_the_quantities_that_add_shard_sums_by_name(group):
+    """GradientVarianceQuantiles (its sums cut to each process's shard) and the "norms" preset
+    (its big batch adds each process's shard) would count a shard once per replica: refused at
+    cgn.track and at the explicit API's tracked step; the four exact ones pass."""
+    for messages in results_of(group, WORLD, "hsdp_refused"):
+        assert "GradientVarianceQuantiles" in messages["variance"] and "HSDP" in messages["variance"]
+        assert "TwoBatchNoiseScale" in messages["norms"] and "HSDP" in messages["norms"]
+        assert messages["exact"] is None
+        assert "GradientVarianceQuantiles" in messages["explicit"] and "HSDP" in messages["explicit"]

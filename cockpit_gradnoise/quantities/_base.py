@@ -143,6 +143,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     #: Exact under FSDP2 (``fully_shard``): its results are collected onto the sharded
     #: parameters (:mod:`~cockpit_gradnoise.extensions.sharded`); else FSDP2 is refused.
     supports_fsdp2: bool = False
+    #: Exact under HSDP (FSDP2 on a replicate x shard mesh); else refused there.
+    supports_hsdp: bool = False
     #: Exact under tensor parallelism (:mod:`~cockpit_gradnoise.extensions.tensor_parallel`).
     supports_tensor_parallel: bool = False
 
@@ -314,6 +316,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         # A DTensor breaks every other formula, one process or many.
         distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
                                       tensor_parallel=self.supports_tensor_parallel)
+        distributed.refuse_hsdp(params, type(self).__name__, supported=self.supports_hsdp)
         if self.supports_tensor_parallel:
             tensor_parallel.collect(params)  # split layers' results completed over their mesh
         if distributed.world_size() > 1:

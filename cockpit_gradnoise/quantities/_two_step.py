@@ -45,6 +45,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
 
     #: Exact under FSDP2 (``fully_shard``); else FSDP2 is refused.
     supports_fsdp2: bool = False
+    #: Exact under HSDP (FSDP2 on a replicate x shard mesh); else refused there.
+    supports_hsdp: bool = False
     #: Exact under tensor parallelism; else it is refused.
     supports_tensor_parallel: bool = False
 

@@ -71,6 +71,7 @@ class GradientNoiseScale(ParameterQuantity):
 
     extension_classes = (PerExampleSquaredNorms,)
     supports_fsdp2 = True
+    supports_hsdp = True
     supports_tensor_parallel = True
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True

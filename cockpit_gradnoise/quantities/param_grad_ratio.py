@@ -39,6 +39,7 @@ class ParamGradRatio(ParameterQuantity):
     #: Under FSDP2 each parameter and its gradient are all-gathered in turn (one at a
     #: time, as FSDP2 unshards them), so the median is exact and the same everywhere.
     supports_fsdp2 = True
+    supports_hsdp = True
     supports_tensor_parallel = True
 
     def parameter_value(self, param, context):

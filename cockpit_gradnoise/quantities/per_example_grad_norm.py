@@ -34,6 +34,7 @@ class PerExampleGradNorm(ParameterQuantity):
 
     extension_classes = (PerExampleSquaredNorms,)
     supports_fsdp2 = True
+    supports_hsdp = True
     supports_tensor_parallel = True
     sums = {"squared_norms": CAT}
 

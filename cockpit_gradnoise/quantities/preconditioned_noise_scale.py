@@ -108,6 +108,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     sums = {"sum_of_squares": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = False
     micro_batch_gradient = None
+    supports_hsdp = False  # its sums are cut to each process's shard (quantities/_shards.py)
     supports_tensor_parallel = False  # the optimizer's state of a split parameter: not built
 
     def __init__(

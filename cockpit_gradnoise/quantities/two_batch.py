@@ -119,6 +119,8 @@ class TwoBatchNoiseScale(Quantity):
                          for i, p in enumerate(self.params)]
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
+        if self._sharded:  # its big batch adds each process's shard: replicas would add twice
+            distributed.refuse_hsdp(self.params, "TwoBatchNoiseScale")
         if self._sharded and self._standalone:
             raise TypeError("under FSDP2 (fully_shard) TwoBatchNoiseScale runs in a Cockpit: "
                             "cgn.track(model, quantities=\"norms\") after fully_shard")

@@ -109,6 +109,7 @@ class UpdateSize(TwoStepParameterQuantity):
     #: Under FSDP2 the copy is sharded like the parameters, and each process's sums of
     #: squares over its shards are added across processes (one all_reduce).
     supports_fsdp2 = True
+    supports_hsdp = True
     #: Under tensor parallelism the same: a split parameter's shards add, a replicated one
     #: (and a plain tensor) is counted once.
     supports_tensor_parallel = True
