@@ -475,17 +475,22 @@ def loss_fails_on_rank_1():
 # The groups ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """``world -> (per-process results, error, folder)``, each group run once, when first needed."""
+def run_once_per_world(tmp_path_factory, prefix, target=None):
+    """``world -> (per-process results, error, folder)``: ``run_group(world, ..., target)`` run
+    once per world size, when first needed (a module fixture's, in a folder ``prefix<world>``)."""
     cache = {}
 
     def get(world):
         if world not in cache:
-            cache[world] = run_group(world, tmp_path_factory.mktemp(f"world{world}"))
+            cache[world] = run_group(world, tmp_path_factory.mktemp(f"{prefix}{world}"), target)
         return cache[world]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    return run_once_per_world(tmp_path_factory, "world")
 
 
 def results_of(groups, world, key):

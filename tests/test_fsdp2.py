@@ -36,7 +36,7 @@ from tests.test_distributed import (
     assert_tables_match,
     join_group,
     results_of,
-    run_group,
+    run_once_per_world,
 )
 
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
@@ -271,14 +271,7 @@ def reference(job, world, quantities=per_example):
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_group(world, tmp_path_factory.mktemp(f"fsdp2_{world}"), worker)
-        return cache[world]
-
-    return get
+    return run_once_per_world(tmp_path_factory, "fsdp2_", worker)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -40,7 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import test_two_batch
-from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
+from tests.test_distributed import (
+    assert_identical,
+    assert_tables_match,
+    join_group,
+    results_of,
+    run_once_per_world,
+)
 from tests.test_fsdp2 import LR, Net, NotMarked
 
 STEPS = 2
@@ -232,14 +238,7 @@ def worker(rank, world, port, out):
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_group(world, tmp_path_factory.mktemp(f"fsdp2_track_{world}"), worker)
-        return cache[world]
-
-    return get
+    return run_once_per_world(tmp_path_factory, "fsdp2_track_", worker)
 
 
 @pytest.mark.parametrize("world", [2, 3])

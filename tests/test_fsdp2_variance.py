@@ -33,7 +33,13 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
+from tests.test_distributed import (
+    assert_identical,
+    assert_tables_match,
+    join_group,
+    results_of,
+    run_once_per_world,
+)
 from tests.test_fsdp2 import (
     JOBS,
     SIZES,
@@ -183,14 +189,7 @@ def worker(rank, world, port, out):
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_group(world, tmp_path_factory.mktemp(f"fsdp2_variance_{world}"), worker)
-        return cache[world]
-
-    return get
+    return run_once_per_world(tmp_path_factory, "fsdp2_variance_", worker)
 
 
 def same(a, b):

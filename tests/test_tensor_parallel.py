@@ -34,7 +34,13 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests import test_fsdp2
-from tests.test_distributed import assert_identical, assert_tables_match, join_group, results_of, run_group
+from tests.test_distributed import (
+    assert_identical,
+    assert_tables_match,
+    join_group,
+    results_of,
+    run_once_per_world,
+)
 
 WORLD = 2
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
@@ -257,14 +263,7 @@ HSDP = {"per_linear": (2, 1), "root_only": (1, 2)}
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_group(world, tmp_path_factory.mktemp("tensor_parallel"), worker)
-        return cache[world]
-
-    return get
+    return run_once_per_world(tmp_path_factory, "tensor_parallel_", worker)
 
 
 @pytest.mark.parametrize("job", list(JOBS))
