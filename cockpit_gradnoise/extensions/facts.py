@@ -15,11 +15,12 @@ accessor. During a pass only that object changes.
 
 import re
 from collections import Counter
-from typing import Dict, Mapping, Set
+from typing import Dict, Mapping, Optional, Set
 
 from cockpit_gradnoise.extensions._layer_cache import LayerCache
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
+import torch
 from torch import nn
 
 _SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
@@ -65,6 +66,9 @@ class BackwardFacts:
         inside_blocks: ``{id(module)}`` of the modules inside a block that computes their
             parameters' results itself in this pass (:mod:`.fallback.blocks`): they get none
             of their own.
+        graph_task: The autograd graph task (:func:`_graph_task`) of the backward pass
+            these facts are of, from the first fact recorded in it; ``None`` before.
+        finished: That backward pass is over (its end reached, :func:`recording`).
         block_rows: ``{id(param): class name}`` of the block that computed a parameter's
             results (for the checker's "how").
         repeated: ``{id(module): calls}`` of the layers run several times in one forward
@@ -88,6 +92,8 @@ class BackwardFacts:
         self.inside_blocks: Set[int] = set()
         self.block_rows: Dict[int, str] = {}
         self.repeated: Dict[int, object] = {}
+        self.graph_task: Optional[int] = None
+        self.finished = False
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
@@ -186,6 +192,39 @@ def begin() -> BackwardFacts:
     return _RECORDING[0]
 
 
+def _graph_task() -> int:
+    """The id of the autograd graph task running now (one per ``backward()`` or
+    ``autograd.grad`` call), ``-1`` outside a backward pass (and before torch 2.1)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
 def recording() -> BackwardFacts:
-    """The backward pass the extensions record into (that of the last :func:`begin`)."""
-    return _RECORDING[0]
+    """The backward pass the extensions record into: that of the last :func:`begin`, or
+    a new one where a backward pass nobody began reaches here.
+
+    A cockpit's :class:`~cockpit_gradnoise.step.Step` begins each tracked backward pass;
+    BackPACK's ``with backpack(...)`` alone (the extensions used directly) does not. Such
+    a pass must not record into the facts of an earlier one: their keys are ``id()`` of
+    parameters and layers, which a new model may reuse once the old one is freed (a new
+    layer would then count as a second use of a freed one, and lose its results). So
+    the first fact a backward pass records ties the facts to its graph task, and ends
+    them with it (``queue_callback``: at the end of the outermost pass, so that a
+    backward pass a rule runs inside it keeps recording there); a later pass that
+    finds them ended begins its own.
+    """
+    facts, task = _RECORDING[0], _graph_task()
+    if task == -1:  # outside a backward pass (a forward hook, a quantity reading the facts)
+        return facts
+    if facts.graph_task is None:
+        facts.graph_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end(facts))
+    elif facts.finished and facts.graph_task != task:
+        facts = begin()
+        facts.graph_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end(facts))
+    return facts
+
+
+def _end(facts: BackwardFacts) -> None:
+    facts.finished = True
