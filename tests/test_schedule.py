@@ -8,7 +8,7 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.schedule.batch_schedule import BatchSchedule
-from cockpit_gradnoise.schedule.rule import AT_BOUND, GROW, KEEP, NO_ESTIMATE, SHRINK, WAIT, bounds_of, decide
+from cockpit_gradnoise.schedule.rule import AT_BOUND, GROW, HOLD, KEEP, NO_ESTIMATE, SHRINK, WAIT, bounds_of, decide
 from cockpit_gradnoise.views.common import schedule_changes
 
 import pytest
@@ -176,6 +176,69 @@ def test_the_same_estimate_counts_once():
     for step in range(10):  # untracked steps after one tracked: one estimate
         schedule.update(step, tracker, SGD(0.1))
     assert schedule.changes == [] and schedule.batch == 8
+
+
+# The near end of the range (hysteresis) on series by hand -----------------------------
+# With recent=1 the range is [v / 2, 2 v] (v the estimate); micro-batches of 4 from batch 8,
+# patience 2. Each comment gives the rule before (toward round(B_noise)), which these fail.
+
+
+def near_end(**kwargs):
+    return BatchSchedule(4, min_batch=8, max_batch=256, patience=2, recent=1, **kwargs)
+
+
+def test_a_constant_estimate_is_approached_to_the_near_end_of_its_range():
+    # v = 40, range [20, 80]: 8 -> min(16, 20) = 16 -> min(32, 20) = 20, then kept (the rule
+    # before: 8 -> 16 -> 32 = round(40) capped at x2, then kept).
+    assert run([40.0] * 8, near_end()) == [8, 16, 16, 20, 20, 20, 20, 20]
+    assert decide(2, bounds_of(4, max_batch=256), 40.0, [40.0]).why == GROW
+    assert decide(5, bounds_of(4, max_batch=256), 40.0, [40.0]).why == KEEP  # 20 is the near end
+    # 8 micro-batches of 8 at range [20, 80]: 16 -> 24 would pass 20: held, not grown.
+    assert decide(2, bounds_of(8, max_batch=256), 40.0, [40.0]).why == HOLD
+
+
+def test_a_growing_estimate_is_followed_at_the_lower_end_of_its_range():
+    series = [40.0, 40.0, 60.0, 60.0, 90.0, 90.0, 135.0, 135.0, 200.0, 200.0]  # x1.5 every 2
+    schedule = near_end()
+    # Changes at steps 1, 3, 5, 7, 9 to min(2B, v / 2) in whole micro-batches: 16, floor(30 / 4) * 4
+    # = 28, floor(45 / 4) * 4 = 44, floor(67.5 / 4) * 4 = 64, 100 (before: 16, 32, 64, 128, 128).
+    assert run(series, schedule) == [8, 16, 16, 28, 28, 44, 44, 64, 64, 100]
+    assert all(c["new_batch"] <= c["noise_scale"] / 2 for c in schedule.changes)
+    assert [c["why"] for c in schedule.changes] == [GROW] * 5
+
+
+def test_a_noisy_estimate_that_flips_by_its_range_never_shrinks_the_batch():
+    series = ([72.0] * 4 + [18.0] * 4) * 2  # by a factor 4, the range's width [v / 2, 2 v]
+    schedule = near_end()
+    # 8 -> 16 -> 32 at 72 ([36, 144]), kept at 18 ([9, 36]), -> 36 at 72, kept at 18. The rule
+    # before grew to 64 at the second 72 and shrank to 32 at the second 18.
+    assert run(series, schedule) == [8, 16, 16, 32, 32, 32, 32, 32, 36, 36, 36, 36, 36, 36, 36, 36]
+    assert SHRINK not in [c["why"] for c in schedule.changes]
+
+
+def test_a_falling_estimate_shrinks_to_the_near_end_and_a_reversal_needs_the_range_width():
+    series = [40.0] * 3 + [12.0] * 3 + [6.0] * 3 + [40.0] * 3
+    schedule = near_end(accumulation=16)  # batch 64
+    # v 12 ([6, 24]): 64 -> max(32, 24) = 32 -> 24; v 6 ([3, 12]): -> max(12, 12) = 12; v 40
+    # ([20, 80]): 12 -> min(24, 20) = 20 (before: 32, 16, 8, then 16 and 32).
+    assert run(series, schedule) == [64, 64, 64, 32, 32, 24, 24, 12, 12, 20, 20, 20]
+    # Batch 20 at the near end of v = 40: a fall to v = 10 ([5, 20]) keeps it, to 9.9 holds it
+    # (16 would pass the near end 19.8), to 8 ([4, 16]) shrinks it to 16: the estimate fell by
+    # the range's width. The rule before, at the centre 40, shrank at any v below 20.
+    bounds = bounds_of(4, max_batch=256)
+    assert decide(5, bounds, 10.0, [10.0]).why == KEEP
+    assert decide(5, bounds, 9.9, [9.9]).why == HOLD
+    assert decide(5, bounds, 8.0, [8.0]) .accumulation == 4
+
+
+def test_nan_estimates_keep_the_batch_and_count_toward_patience():
+    schedule = near_end()
+    with pytest.warns(UserWarning, match="NaN"):
+        batches = run([math.nan, math.nan, 40.0, math.nan, 40.0, 40.0], schedule)
+    # Step 2: 8 -> 16 (three estimates since the start); step 4: 16 -> min(32, 20) = 20
+    # (before: 32); the NaN at step 3 keeps the batch and counts as an estimate.
+    assert batches == [8, 8, 16, 16, 20, 20]
+    assert [c["step"] for c in schedule.changes] == [2, 4]
 
 
 # The learning rate -------------------------------------------------------------------
