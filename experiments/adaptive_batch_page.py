@@ -367,7 +367,10 @@ def rule_change(stored) -> List[str]:
                 f"{rows[0]['examples']:,.0f} -> {rows[1]['examples']:,.0f} | {how[0]['changes']} "
                 f"-> {how[1]['changes']} | {how[0]['shrinks']} -> {how[1]['shrinks']} | "
                 f"{how[0]['largest']:.0f} -> {how[1]['largest']:.0f} | "
-                f"{rows[0]['beats']} -> {rows[1]['beats']} |")
+                f"{rows[0]['beats']} -> {rows[1]['beats']} | " + ", ".join(
+                    f"{_n(a.frontier(baseline.s_min, baseline.e_min))} -> "
+                    f"{_n(b.frontier(baseline.s_min, baseline.e_min))}"
+                    for a, b in pairs if b.arm == arm) + " |")
     if not lines:
         return []
     return ["", f"The rule change, `{PREVIOUS_RULE}` (each change toward round(B_noise)) -> "
@@ -375,22 +378,33 @@ def rule_change(stored) -> List[str]:
             "on the same arms and seeds (means over the seeds that reached the target; changes "
             "and shrinks summed over the seeds, largest batch their mean):", "",
             "| task | arm | seeds | frontier value | steps S | examples E | changes | shrinks | "
-            "largest batch | below the hyperbola |", "|---|---|---|---|---|---|---|---|---|---|",
+            "largest batch | below the hyperbola | frontier value per seed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *lines, ""]
 
 
 #: The reading of the numbers above (written by hand after the runs of the Reproduce section).
 VERDICT = [
-    "- Reading: no adaptive arm's mean is below 1 on either task, and none meets \"at most the "
-    "warmup's steps at no more of its examples\". On the GPT the adaptive arms take fewer "
-    "steps than the warmup but spend more examples, ending near the fixed batch's value; on "
-    "the digits CNN the seeds' spread is as large as the differences between arms. On digits "
-    "the schedule grows early (on first estimates that are unresolved or high), shrinks as "
-    "B_noise falls mid-training, then grows again late: it follows an estimate that moves by "
-    "10x within a run, and examples spent on growth it undoes are lost, where the warmup's "
-    "monotone doubling loses none. The scale-free smoothing removed the blind growth of "
-    "the Adam per-example arm (as the median estimate had); the median stays an option "
-    "(`estimate=\"median\"`), not the default, on this evidence.",
+    "- Reading, under the near-end rule (this rerun): no adaptive arm's mean is below 1 on either "
+    "task (the GPT's `adaptive-norms` comes to 1.00, 2 of 3 seeds below the hyperbola), and none "
+    "meets \"at most the warmup's steps at no more of its examples\": the GPT's norms arm uses "
+    "fewer examples than the warmup (2,319 against 2,518) but more steps (127.1 against "
+    "118.2), its per-example arm fewer steps (89.7) but more examples (2,995).",
+    "- On the GPT the rule did what its math says: every arm's batch stops lower (largest "
+    "batch 64 -> 37, 128 -> 80, 256 -> 139), its examples fall by 12-32% and its steps rise "
+    "by 8-26%: the runs slide along the frontier toward the examples-saving side. The "
+    "frontier values move by less than the fixed batch's own seed spread (0.994 to 1.31), but "
+    "for `adaptive-lr-kept` (5.91 -> 3.99), whose batch lay furthest above B_crit.",
+    "- On the digits CNN the rule did not remove what it was aimed at: shrinks 10 -> 12 "
+    "(norms) and 9 -> 7 (per-example), now by smaller steps. The batch still grows early "
+    "on unresolved estimates (an infinite B_noise, 6 and 3 of the changes, has the range "
+    "[inf, inf]: the batch doubles) or on transiently high ones (B_noise 100 to 4,618 in "
+    "the first 50 steps, against B_crit 19.7), which the rule leaves as they were, and "
+    "shrinks back when the estimate falls to 5-10 mid-training: the loss is in that early "
+    "growth, not in the speed of the shrink. The seeds move both ways by more than the "
+    "rules differ (per-example: 1.12 -> 0.378, 0.437 -> 2.02, 3 -> 4.64), and the fixed "
+    "batch's own seeds span 0.818 to 3.47: three seeds do not resolve a difference "
+    "between the two rules on this task.",
 ]
 
 
