@@ -33,14 +33,15 @@ uncertainty): after a grow to ``B' <= low`` a shrink needs the whole new
 range below ``B'``, i.e. the estimate to fall by the range's width (at least
 ``factor**2 = 4``) below where it was, not by ``factor``; the same for a
 shrink followed by a grow. At an unchanged estimate no change is ever
-reversed. Moves in one direction are not slowed: the batch follows a rising
-estimate at the range's lower end (at most ``max(B_noise / factor, q25)``),
-which is where a batch-size warmup sits (Merrill et al. 2025, "Critical
+reversed. Moves in one direction are not delayed: the batch follows a rising
+estimate at the range's lower end (``min(B_noise / factor, q25)``), which
+is where a batch-size warmup sits (Merrill et al. 2025, "Critical
 Batch Size Revisited", arXiv:2505.23971: the batch doubles once the critical
 batch has passed it, and never shrinks). A fixed batch anywhere in the range
 lies on the same steps-examples frontier (McCandlish et al. 2018, eq. 2.11);
 what an adaptive batch gains is following the estimate as it drifts, and
-what it loses is examples spent on moves it undoes.
+what it loses is examples spent on moves it undoes. What the rule did on the
+experiment's two tasks: ``docs/experiments/adaptive-batch.md``.
 
 ``K`` stays within ``[min_accumulation, max_accumulation]``
 (:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
