@@ -70,6 +70,10 @@ MAX_BATCH = 512
 #: A run stops ("not reached") past this many times E_min examples: beyond it the frontier
 #: value is below 1 only within 1 / (CAP - 1) of S_min steps, which no run comes near.
 EXAMPLES_CAP = 20
+#: The schedule's rule the adaptive runs ran under (stored with each run): ``"near-end"``,
+#: a change moves the batch to the near end of the estimate's range (cgn.schedule.rule);
+#: runs stored without one ran under ``"centre"``, the rule before it (toward round(B_noise)).
+RULE, PREVIOUS_RULE = "near-end", "centre"
 
 
 # ----------------------------------------------------------------------------
@@ -180,6 +184,7 @@ class ScheduledRun:
     diverged: bool = False
     changes: List[dict] = field(default_factory=list)
     seconds: float = 0.0
+    rule: str = ""  # the schedule's rule of an adaptive run (RULE); "" for the others
 
     def frontier(self, s_min, e_min):
         return frontier_value(self.steps, self.examples, s_min, e_min)
@@ -330,8 +335,10 @@ def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
                                  rule=None if arm == ABLATION else "auto",
                                  max_lr_factor=lr_cap(baseline),
                                  estimate="median" if arm.endswith(MEDIAN) else "smoothed")
-    return train_scheduled(task, schedule, base_lr, seed, arm=arm,
-                           quantities=quantities_of(arm, task), **limits)
+    run = train_scheduled(task, schedule, base_lr, seed, arm=arm,
+                          quantities=quantities_of(arm, task), **limits)
+    run.rule = RULE
+    return run
 
 
 def quantities_of(arm, task):
@@ -355,6 +362,8 @@ def baseline_from_json(data) -> Baseline:
 
 
 def run_from_json(data) -> ScheduledRun:
+    if "rule" not in data and data["arm"].startswith("adaptive"):  # stored before RULE
+        data = {**data, "rule": PREVIOUS_RULE}
     return ScheduledRun(**data)
 
 
@@ -434,8 +443,10 @@ def measure(task, args, command, out) -> dict:
                   "seconds": 0.0, "fixed": None, "runs": [],
                   "baseline": asdict(baseline_of(task, args.grid, args.quick, log))}
     stored["versions"] = cbs.versions()  # the code of the newest runs
-    if args.rerun:
-        stored["runs"] = [r for r in stored["runs"] if r["arm"] not in args.arms.split(",")]
+    if args.rerun:  # the replaced runs are kept, for the page's comparison
+        rerun = [r for r in stored["runs"] if r["arm"] in args.arms.split(",")]
+        stored.setdefault("replaced", []).extend(rerun)
+        stored["runs"] = [r for r in stored["runs"] if r not in rerun]
     stored["commands"].append(command)
     stored["seeds"] = sorted(set(stored["seeds"]) | set(range(args.seeds)))
     baseline, arms = baseline_from_json(stored["baseline"]), args.arms.split(",")

@@ -17,7 +17,9 @@ from experiments.adaptive_batch import (
     MEDIAN,
     MICRO_BATCH,
     PER_EXAMPLE,
+    PREVIOUS_RULE,
     RESULTS,
+    RULE,
     START_BATCH,
     WARMUP_FRACTIONS,
     baseline_from_json,
@@ -170,7 +172,8 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"{START_BATCH}, the grid knowledge the warmup arm uses too"
         + (", and no scaling without a finite B_noise" if task.optimizer == "sgd" else "")
         + f". The schedule's defaults otherwise (patience: 10 new estimates between changes; "
-        f"at most x2 per change); "
+        f"at most x2 per change; each change to the near end of the estimate's range, never past "
+        f"it: the rule `{RULE}`, docs/advice.md \"Why the near end\"); "
         f"every step tracked. `adaptive-norms`: m = {MICRO_BATCH['adaptive-norms']}, "
         f"quantities=\"norms\" (TwoBatchNoiseScale from micro-batch norms, which needs two "
         f"micro-batches a step); `adaptive-per-example`: m = "
@@ -183,7 +186,7 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"tells the batch rule's effect from the learning-rate rule's.",
         f"- `adaptive-norms{MEDIAN}`, `adaptive-per-example{MEDIAN}` (the one change tried after "
         f"the first rerun): the same with `estimate=\"median\"`: B_noise is the median of the "
-        f"last 10 per-step b_simple, not b_simple_smoothed (see \"Why the adaptive runs miss\").",
+        f"last 10 per-step b_simple, not b_simple_smoothed (see \"What the adaptive runs did\").",
         f"- warmup: batches {stages}, doubling when the examples seen pass {thresholds} "
         f"(fractions {', '.join(f'{f:g}' for f in WARMUP_FRACTIONS)} of the budget 2 E_min = "
         f"{budget:,.0f}); each batch with the grid's best learning rate for it.",
@@ -325,7 +328,7 @@ def behaviour(runs, baseline) -> dict:
 
 def why_section(stored) -> List[str]:
     """What the adaptive runs did, from the stored runs, and what was found about it."""
-    lines = ["## Why the adaptive runs miss", "",
+    lines = ["## What the adaptive runs did", "",
              "Per adaptive arm, over its seeds: the batch changes, how many rested on an "
              "infinite B_noise (no signal resolved: the schedule doubles blind) and how many "
              "shrank the batch, the mean largest and last batch (the warmup ends at "
@@ -339,21 +342,69 @@ def why_section(stored) -> List[str]:
         lines += [f"| {entry['task']} | {arm} | {row['changes']} | {row['blind']} | "
                   f"{row['shrinks']} | {row['largest']:.0f} | {row['last']:.0f} | "
                   f"{row['above']:.0%} |" for arm, row in rows.items()]
-    return lines + ["", *WHY, *outcome(stored), *VERDICT, ""]
+    return lines + ["", *WHY, *outcome(stored), *rule_change(stored), *VERDICT, ""]
+
+
+def rule_change(stored) -> List[str]:
+    """The runs under the rule before (``centre``, kept as ``replaced``) against the same arms
+    and seeds under ``near-end``, per task: a table and the mean values."""
+    lines = []
+    for entry in stored:
+        baseline = baseline_from_json(entry["baseline"])
+        now = [run_from_json(r) for r in entry["runs"] if r["arm"] in ADAPTIVE_ARMS]
+        now = [r for r in now if r.rule == RULE]
+        before = {(r.arm, r.seed): r for r in map(run_from_json, entry.get("replaced", []))
+                  if r.rule == PREVIOUS_RULE}  # the last stored run of each arm and seed
+        pairs = [(before[(r.arm, r.seed)], r) for r in now if (r.arm, r.seed) in before]
+        for arm in dict.fromkeys(r.arm for _, r in pairs):
+            old = [a for a, b in pairs if a.arm == arm]
+            new = [b for a, b in pairs if b.arm == arm]
+            rows = [summary(runs, baseline)[arm] for runs in (old, new)]
+            how = [behaviour(runs, baseline)[arm] for runs in (old, new)]
+            lines.append(
+                f"| {entry['task']} | {arm} | {len(new)} | {_n(rows[0]['value'])} -> "
+                f"{_n(rows[1]['value'])} | {rows[0]['steps']:.1f} -> {rows[1]['steps']:.1f} | "
+                f"{rows[0]['examples']:,.0f} -> {rows[1]['examples']:,.0f} | {how[0]['changes']} "
+                f"-> {how[1]['changes']} | {how[0]['shrinks']} -> {how[1]['shrinks']} | "
+                f"{how[0]['largest']:.0f} -> {how[1]['largest']:.0f} | "
+                f"{rows[0]['beats']} -> {rows[1]['beats']} | " + ", ".join(
+                    f"{_n(a.frontier(baseline.s_min, baseline.e_min))} -> "
+                    f"{_n(b.frontier(baseline.s_min, baseline.e_min))}"
+                    for a, b in pairs if b.arm == arm) + " |")
+    if not lines:
+        return []
+    return ["", f"The rule change, `{PREVIOUS_RULE}` (each change toward round(B_noise)) -> "
+            f"`{RULE}` (each change to the near end of the estimate's range, never past it), "
+            "on the same arms and seeds (means over the seeds that reached the target; changes "
+            "and shrinks summed over the seeds, largest batch their mean):", "",
+            "| task | arm | seeds | frontier value | steps S | examples E | changes | shrinks | "
+            "largest batch | below the hyperbola | frontier value per seed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *lines, ""]
 
 
 #: The reading of the numbers above (written by hand after the runs of the Reproduce section).
 VERDICT = [
-    "- Reading: no adaptive arm's mean is below 1 on either task, and none meets \"at most the "
-    "warmup's steps at no more of its examples\". On the GPT the adaptive arms take fewer "
-    "steps than the warmup but spend more examples, ending near the fixed batch's value; on "
-    "the digits CNN the seeds' spread is as large as the differences between arms. On digits "
-    "the schedule grows early (on first estimates that are unresolved or high), shrinks as "
-    "B_noise falls mid-training, then grows again late: it follows an estimate that moves by "
-    "10x within a run, and examples spent on growth it undoes are lost, where the warmup's "
-    "monotone doubling loses none. The scale-free smoothing removed the blind growth of "
-    "the Adam per-example arm (as the median estimate had); the median stays an option "
-    "(`estimate=\"median\"`), not the default, on this evidence.",
+    "- Reading, under the near-end rule (this rerun): no adaptive arm's mean is below 1 on either "
+    "task (the GPT's `adaptive-norms` comes to 1.00, 2 of 3 seeds below the hyperbola), and none "
+    "meets \"at most the warmup's steps at no more of its examples\": the GPT's norms arm uses "
+    "fewer examples than the warmup (2,319 against 2,518) but more steps (127.1 against "
+    "118.2), its per-example arm fewer steps (89.7) but more examples (2,995).",
+    "- On the GPT the rule did what its math says: every arm's batch stops lower (largest "
+    "batch 64 -> 37, 128 -> 80, 256 -> 139), its examples fall by 12-32% and its steps rise "
+    "by 8-26%: the runs slide along the frontier toward the examples-saving side. The "
+    "frontier values move by less than the fixed batch's own seed spread (0.994 to 1.31), but "
+    "for `adaptive-lr-kept` (5.91 -> 3.99), whose batch lay furthest above B_crit.",
+    "- On the digits CNN the rule did not remove what it was aimed at: shrinks 10 -> 12 "
+    "(norms) and 9 -> 7 (per-example), now by smaller steps. The batch still grows early "
+    "on unresolved estimates (an infinite B_noise, 6 and 3 of the changes, has the range "
+    "[inf, inf]: the batch doubles) or on transiently high ones (B_noise 100 to 4,618 in "
+    "the first 50 steps, against B_crit 19.7), which the rule leaves as they were, and "
+    "shrinks back when the estimate falls to 5-10 mid-training: the loss is in that early "
+    "growth, not in the speed of the shrink. The seeds move both ways by more than the "
+    "rules differ (per-example: 1.12 -> 0.378, 0.437 -> 2.02, 3 -> 4.64), and the fixed "
+    "batch's own seeds span 0.818 to 3.47: three seeds do not resolve a difference "
+    "between the two rules on this task.",
 ]
 
 
@@ -422,6 +473,10 @@ def what_ran(stored) -> str:
     parts = []
     for entry in stored:
         counts = {arm: sum(r["arm"] == arm for r in entry["runs"]) for arm in ARMS}
+        rules = {arm: {run_from_json(r).rule for r in entry["runs"] if r["arm"] == arm}
+                 for arm in ADAPTIVE_ARMS}
         parts.append(f"{entry['task']}: " + ", ".join(
-            f"{arm} {n} seed{'s' if n != 1 else ''}" for arm, n in counts.items()))
+            f"{arm} {n} seed{'s' if n != 1 else ''}"
+            + (f" (rule {'/'.join(sorted(rules[arm]))})" if rules.get(arm) else "")
+            for arm, n in counts.items()))
     return "; ".join(parts)

@@ -138,3 +138,31 @@ def test_replot_rewrites_the_same_page(quick):
     _, replotted = ab.main(["--replot", "--out", str(out)])
     assert replotted.read_text() == text
     assert (out / "adaptive-batch-gpt.png").stat().st_size > 0
+
+
+def test_a_rerun_keeps_the_replaced_runs_and_the_page_compares_the_rules(quick, tmp_path):
+    stored, _, out = quick
+    for entry in stored:
+        runs = {r["arm"]: r for r in entry["runs"]}
+        assert runs["adaptive-norms"]["rule"] == ab.RULE and runs["warmup"]["rule"] == ""
+        before = dict(runs["adaptive-norms"], steps=2 * runs["adaptive-norms"]["steps"])
+        del before["rule"]  # as stored before the rule was: read as the previous one
+        assert ab.run_from_json(before).rule == ab.PREVIOUS_RULE
+        (tmp_path / ab.RESULTS.format(task=entry["task"])).write_text(
+            json.dumps(dict(entry, replaced=[before])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, page = ab.main(["--quick", "--seeds", "1", "--tasks", "digits", "--arms", "warmup",
+                           "--resume", "--rerun", "--out", str(tmp_path)])
+    digits = json.loads((tmp_path / ab.RESULTS.format(task="digits")).read_text())
+    old_warmup = next(r for r in stored[0]["runs"] if r["arm"] == "warmup")
+    assert [r["arm"] for r in digits["replaced"]] == ["adaptive-norms", "warmup"]
+    assert digits["replaced"][1] == old_warmup  # kept as it was stored
+    text = page.read_text()
+    for entry in stored:
+        baseline = ab.baseline_from_json(entry["baseline"])
+        new = next(ab.run_from_json(r) for r in entry["runs"] if r["arm"] == "adaptive-norms")
+        old = ab.frontier_value(2 * new.steps, new.examples, baseline.s_min, baseline.e_min)
+        value = new.frontier(baseline.s_min, baseline.e_min)
+        assert (f"| {entry['task']} | adaptive-norms | 1 | {old:.3g} -> {value:.3g} | "
+                f"{2 * new.steps:.1f} -> {new.steps:.1f} |") in text

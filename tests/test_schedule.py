@@ -8,7 +8,7 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.schedule.batch_schedule import BatchSchedule
-from cockpit_gradnoise.schedule.rule import AT_BOUND, GROW, KEEP, NO_ESTIMATE, SHRINK, WAIT, bounds_of, decide
+from cockpit_gradnoise.schedule.rule import AT_BOUND, GROW, HOLD, KEEP, NO_ESTIMATE, SHRINK, WAIT, bounds_of, decide
 from cockpit_gradnoise.views.common import schedule_changes
 
 import pytest
@@ -76,7 +76,8 @@ def test_decide_grows_by_at_most_the_factor_and_waits_for_patience():
     bounds = bounds_of(8, max_batch=1024)
     # B_noise 64, batch 8: below the range [32, 128]: grow, by at most x2.
     assert decide(1, bounds, 64.0, [64.0] * 10) .accumulation == 2
-    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16).accumulation == 8  # round(64 / 8)
+    # Up to the range's near end 32, not to round(64) (the rule before, which gave 8 micro-batches).
+    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16).accumulation == 4
     assert decide(1, bounds, 64.0, [64.0] * 10, since_change=3, patience=4).why == WAIT
     assert decide(4, bounds, 64.0, [64.0] * 10).why == KEEP  # 32 is inside [32, 128]
     assert decide(1, bounds, math.nan, [64.0]).why == NO_ESTIMATE
@@ -130,10 +131,11 @@ def test_noisy_estimates_do_not_shrink_the_batch_but_a_range_wholly_below_does()
     batches = run([(value, 64.0) for value in noisy], schedule)
     assert SHRINK not in [c["why"] for c in schedule.changes]
     assert min(batches) == 128
-    # Every recent value well below the batch: shrink, by at most 2 per change, to the range.
+    # Every recent value well below the batch: shrink, by at most 2 per change, to the range's
+    # near end: [10, 40]; 128 -> max(64, 40) = 64 -> max(32, 40) = 40 (the rule before: 32).
     schedule = BatchSchedule(8, max_batch=1024, accumulation=16, patience=3)
     batches = run([20.0] * 12, schedule)
-    assert batches == [128, 128, 64, 64, 64, 32, 32, 32, 32, 32, 32, 32]
+    assert batches == [128, 128, 64, 64, 64, 40, 40, 40, 40, 40, 40, 40]
 
 
 def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
@@ -154,14 +156,15 @@ def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
 
 
 def test_the_median_estimate_reads_the_per_step_values_not_the_smoothed_ratio():
-    # Every step resolves B_noise 20; the smoothed ratio is infinite (its grad_sq average <= 0).
-    series = [(20.0, math.inf)] * 12
+    # Every step resolves B_noise 40; the smoothed ratio is infinite (its grad_sq average <= 0).
+    series = [(40.0, math.inf)] * 12
     smoothed = BatchSchedule(8, max_batch=1024, patience=3)
     assert run(series, smoothed) == [8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 128]  # doubles blind
     median = BatchSchedule(8, max_batch=1024, patience=3, estimate="median")
-    # Median 20, range [min(20, 20/2), max(20, 2 * 20)] = [10, 40]: 8 grows to round(20/8) * 8 = 16.
+    # Median 40, range [min(40, 40/2), max(40, 2 * 40)] = [20, 80]: 8 grows to min(16, 20) = 16;
+    # from 16, min(32, 20) = 20 holds 2 micro-batches (3 would pass the near end 20).
     assert run(series, median) == [8, 8] + [16] * 10
-    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [(20.0, 16)]
+    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [(40.0, 16)]
     with pytest.raises(ValueError, match="estimate must be one of"):
         BatchSchedule(8, max_batch=1024, estimate="mean")
 
@@ -173,6 +176,69 @@ def test_the_same_estimate_counts_once():
     for step in range(10):  # untracked steps after one tracked: one estimate
         schedule.update(step, tracker, SGD(0.1))
     assert schedule.changes == [] and schedule.batch == 8
+
+
+# The near end of the range (hysteresis) on series by hand -----------------------------
+# With recent=1 the range is [v / 2, 2 v] (v the estimate); micro-batches of 4 from batch 8,
+# patience 2. Each comment gives the rule before (toward round(B_noise)), which these fail.
+
+
+def near_end(**kwargs):
+    return BatchSchedule(4, min_batch=8, max_batch=256, patience=2, recent=1, **kwargs)
+
+
+def test_a_constant_estimate_is_approached_to_the_near_end_of_its_range():
+    # v = 40, range [20, 80]: 8 -> min(16, 20) = 16 -> min(32, 20) = 20, then kept (the rule
+    # before: 8 -> 16 -> 32 = round(40) capped at x2, then kept).
+    assert run([40.0] * 8, near_end()) == [8, 16, 16, 20, 20, 20, 20, 20]
+    assert decide(2, bounds_of(4, max_batch=256), 40.0, [40.0]).why == GROW
+    assert decide(5, bounds_of(4, max_batch=256), 40.0, [40.0]).why == KEEP  # 20 is the near end
+    # 8 micro-batches of 8 at range [20, 80]: 16 -> 24 would pass 20: held, not grown.
+    assert decide(2, bounds_of(8, max_batch=256), 40.0, [40.0]).why == HOLD
+
+
+def test_a_growing_estimate_is_followed_at_the_lower_end_of_its_range():
+    series = [40.0, 40.0, 60.0, 60.0, 90.0, 90.0, 135.0, 135.0, 200.0, 200.0]  # x1.5 every 2
+    schedule = near_end()
+    # Changes at steps 1, 3, 5, 7, 9 to min(2B, v / 2) in whole micro-batches: 16, floor(30 / 4) * 4
+    # = 28, floor(45 / 4) * 4 = 44, floor(67.5 / 4) * 4 = 64, 100 (before: 16, 32, 64, 128, 128).
+    assert run(series, schedule) == [8, 16, 16, 28, 28, 44, 44, 64, 64, 100]
+    assert all(c["new_batch"] <= c["noise_scale"] / 2 for c in schedule.changes)
+    assert [c["why"] for c in schedule.changes] == [GROW] * 5
+
+
+def test_a_noisy_estimate_that_flips_by_its_range_never_shrinks_the_batch():
+    series = ([72.0] * 4 + [18.0] * 4) * 2  # by a factor 4, the range's width [v / 2, 2 v]
+    schedule = near_end()
+    # 8 -> 16 -> 32 at 72 ([36, 144]), kept at 18 ([9, 36]), -> 36 at 72, kept at 18. The rule
+    # before grew to 64 at the second 72 and shrank to 32 at the second 18.
+    assert run(series, schedule) == [8, 16, 16, 32, 32, 32, 32, 32, 36, 36, 36, 36, 36, 36, 36, 36]
+    assert SHRINK not in [c["why"] for c in schedule.changes]
+
+
+def test_a_falling_estimate_shrinks_to_the_near_end_and_a_reversal_needs_the_range_width():
+    series = [40.0] * 3 + [12.0] * 3 + [6.0] * 3 + [40.0] * 3
+    schedule = near_end(accumulation=16)  # batch 64
+    # v 12 ([6, 24]): 64 -> max(32, 24) = 32 -> 24; v 6 ([3, 12]): -> max(12, 12) = 12; v 40
+    # ([20, 80]): 12 -> min(24, 20) = 20 (before: 32, 16, 8, then 16 and 32).
+    assert run(series, schedule) == [64, 64, 64, 32, 32, 24, 24, 12, 12, 20, 20, 20]
+    # Batch 20 at the near end of v = 40: a fall to v = 10 ([5, 20]) keeps it, to 9.9 holds it
+    # (16 would pass the near end 19.8), to 8 ([4, 16]) shrinks it to 16: the estimate fell by
+    # the range's width. The rule before, at the centre 40, shrank at any v below 20.
+    bounds = bounds_of(4, max_batch=256)
+    assert decide(5, bounds, 10.0, [10.0]).why == KEEP
+    assert decide(5, bounds, 9.9, [9.9]).why == HOLD
+    assert decide(5, bounds, 8.0, [8.0]) .accumulation == 4
+
+
+def test_nan_estimates_keep_the_batch_and_count_toward_patience():
+    schedule = near_end()
+    with pytest.warns(UserWarning, match="NaN"):
+        batches = run([math.nan, math.nan, 40.0, math.nan, 40.0, 40.0], schedule)
+    # Step 2: 8 -> 16 (three estimates since the start); step 4: 16 -> min(32, 20) = 20
+    # (before: 32); the NaN at step 3 keeps the batch and counts as an estimate.
+    assert batches == [8, 8, 16, 16, 20, 20]
+    assert [c["step"] for c in schedule.changes] == [2, 4]
 
 
 # The learning rate -------------------------------------------------------------------
@@ -383,7 +449,9 @@ def test_the_changes_round_trip_through_the_written_log_and_are_marked(tmp_path)
     logged = schedule_changes(cgn.to_frame(tmp_path / "run.json"))
     assert [(c["step"], c["new_batch"], c["lr_factor"]) for c in logged] == \
         [(c["step"], c["new_batch"], c["lr_factor"]) for c in schedule.changes]
-    assert all(c["lr_factor"] == pytest.approx(2 ** 0.5) for c in logged)  # 2 -> 4 -> 8 micro-batches
+    # Adam's square-root rule: lr x sqrt(new batch / batch) at each change (batch 4 -> 6 -> 10 -> 12).
+    assert len(logged) >= 2
+    assert all(c["lr_factor"] == pytest.approx((c["new_batch"] / c["batch"]) ** 0.5) for c in logged)
     figure = cgn.plot(tmp_path / "run.json")
     marks = [line for ax in figure.axes for line in ax.lines
              if line.get_label() in ("batch schedule change", "_change")]
@@ -402,8 +470,8 @@ def test_a_checkpoint_resumes_the_same_schedule(tmp_path):
     frame = tracker.frame()
 
     model, tracker, optimizer, first = build()
-    head = train(model, tracker, optimizer, first, 3)
-    assert len(first.changes) == 1  # and one more after the checkpoint
+    head = train(model, tracker, optimizer, first, 4)
+    assert len(first.changes) == 1  # and more after the checkpoint
     path = tmp_path / "checkpoint.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "tracker": tracker.state_dict(), "schedule": first.state_dict()}, path)
@@ -413,7 +481,7 @@ def test_a_checkpoint_resumes_the_same_schedule(tmp_path):
     optimizer.load_state_dict(checkpoint["optimizer"])
     tracker.load_state_dict(checkpoint["tracker"])
     second.load_state_dict(checkpoint["schedule"])
-    tail = train(model, tracker, optimizer, second, 13, start=3)
+    tail = train(model, tracker, optimizer, second, 12, start=4)
     assert head + tail == whole and len(schedule.changes) >= 2
     assert second.changes == schedule.changes
     assert optimizer.param_groups[0]["lr"] == schedule.lr_factor * 0.01

@@ -73,9 +73,11 @@ class BatchSchedule:
             schedule.update(step, tracker, opt)  # may change .accumulation and the lr
 
     The rule (:mod:`cockpit_gradnoise.schedule.rule`): after each new estimate,
-    grow toward ``round(B_noise)`` where the batch lies below the range of the
-    estimate, shrink only where the whole range lies below the batch, by at
-    most ``max_change`` per change and at most once per ``patience`` new
+    grow where the batch lies below the range of the estimate, shrink only
+    where the whole range lies below the batch, each time to the range's near
+    end and never past it (hysteresis of the range's width: a change is
+    reversed only once the estimate has moved by that width), by at most
+    ``max_change`` per change and at most once per ``patience`` new
     estimates, within the bounds. ``B_noise`` is the network's
     ``b_simple_smoothed`` of ``PreconditionedNoiseScale`` where the optimizer
     is adaptive and it is tracked, else of ``GradientNoiseScale`` or
@@ -377,9 +379,10 @@ def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
     elif math.isinf(change["noise_scale"]):
         why = "no gradient signal resolved (the smoothed |G|^2 estimate <= 0, B_noise infinite)"
     else:
-        where = "below" if change["why"] == GROW else "above"
+        where, end = ("below", "low") if change["why"] == GROW else ("above", "high")
         why = (f"batch {old} lies {where} the range of the estimate ({change['low']:.3g}-"
-               f"{change['high']:.3g}) around B_noise = {change['noise_scale']:.3g}")
+               f"{change['high']:.3g}) around B_noise = {change['noise_scale']:.3g}; moved toward "
+               f"its near end {change[end]:.3g}, never past it")
     cited = "McCandlish et al. 2018" if rule == SGD_RULE else "the square-root rule, Malladi et al. 2022"
     lr_why = change.get("lr_why")
     if lr_why == LR_KEPT:

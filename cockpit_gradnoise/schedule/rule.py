@@ -9,14 +9,39 @@ the estimate):
 
 - **grow** where ``B`` lies below the range of the estimate (the recent
   quartiles of ``b_simple`` widened to at least ``[B_noise/2, 2 B_noise]``):
-  toward ``round(B_noise)``, by at most ``max_change`` per change (an
-  infinite ``B_noise``, no signal resolved: by ``max_change``);
-- **shrink** only where the whole range lies below ``B``, toward
-  ``round(B_noise)`` and by at most ``max_change``: never faster than the
-  spread of the estimate justifies;
+  to the range's **near end** ``low``, never past it, by at most
+  ``max_change`` per change (an infinite ``B_noise``, no signal resolved, has
+  ``low = inf``: by ``max_change``);
+- **shrink** only where the whole range lies below ``B``: to its near end
+  ``high``, never below it, and by at most ``max_change``;
+- **hold** where the batch lies outside the range but the next whole
+  micro-batch toward it would pass its near end;
 - **keep** otherwise, without an estimate (NaN), within ``patience``
   estimates of the last change (or of the start: the range needs them), and
   where a bound stops the move.
+
+Why the near end, not ``round(B_noise)`` (the rule until this change): a
+move to the centre of the range is reversed as soon as the estimate moves by
+the range's half-width (``factor = 2``: a batch grown to ``B_noise`` shrinks
+once ``B_noise`` halves), and on the digits CNN of
+``docs/experiments/adaptive-batch.md`` the estimate moves by 10x within a
+run: the schedule grew to 64-128 early, shrank to 8-16 as ``B_noise`` fell,
+and grew again, 9-10 shrinks per arm over 3 seeds, each spending examples on
+growth it then undid. Moving only to the near end is hysteresis of the
+range's full width (the estimate's own noise, what the advice reports as its
+uncertainty): after a grow to ``B' <= low`` a shrink needs the whole new
+range below ``B'``, i.e. the estimate to fall by the range's width (at least
+``factor**2 = 4``) below where it was, not by ``factor``; the same for a
+shrink followed by a grow. At an unchanged estimate no change is ever
+reversed. Moves in one direction are not delayed: the batch follows a rising
+estimate at the range's lower end (``min(B_noise / factor, q25)``), which
+is where a batch-size warmup sits (Merrill et al. 2025, "Critical
+Batch Size Revisited", arXiv:2505.23971: the batch doubles once the critical
+batch has passed it, and never shrinks). A fixed batch anywhere in the range
+lies on the same steps-examples frontier (McCandlish et al. 2018, eq. 2.11);
+what an adaptive batch gains is following the estimate as it drifts, and
+what it loses is examples spent on moves it undoes. What the rule did on the
+experiment's two tasks: ``docs/experiments/adaptive-batch.md``.
 
 ``K`` stays within ``[min_accumulation, max_accumulation]``
 (:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
@@ -48,8 +73,8 @@ DEFAULT_MAX_CHANGE = 2.0
 DEFAULT_PATIENCE = DEFAULT_RECENT
 
 # Why a decision was taken (the ``why:<reason>`` of a logged change).
-GROW, SHRINK, KEEP, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP = (
-    "grow", "shrink", "keep", "wait", "no-estimate", "at-bound", "bootstrap")
+GROW, SHRINK, KEEP, HOLD, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP = (
+    "grow", "shrink", "keep", "hold", "wait", "no-estimate", "at-bound", "bootstrap")
 # Why the learning-rate factor is what it is (the ``lr_why`` of a change).
 LR_RULE, LR_BOUND, LR_KEPT, LR_NONE = "rule", "bound", "kept", "none"
 
@@ -96,8 +121,8 @@ def bounds_of(micro_batch: int, min_batch: Optional[int] = None, max_batch: Opti
 class Decision:
     """What :func:`decide` found: the accumulation of the next step and why.
 
-    ``why`` is one of ``grow``, ``shrink`` (a change), ``keep``, ``wait``,
-    ``no-estimate``, ``at-bound`` (none); ``recommendation`` the
+    ``why`` is one of ``grow``, ``shrink`` (a change), ``keep``, ``hold``,
+    ``wait``, ``no-estimate``, ``at-bound`` (none); ``recommendation`` the
     :class:`~cockpit_gradnoise.views.batch_size.Recommendation` it rests on
     (``None`` without an estimate).
     """
@@ -137,12 +162,16 @@ def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequen
         return Decision(accumulation, KEEP, found)
     if since_change < patience:
         return Decision(accumulation, WAIT, found)
-    if found.move == GROW:
-        target = batch * max_change if found.batch is None else min(found.batch, batch * max_change)
-        new = bounds.clamp(max(accumulation + 1, round(target / bounds.micro_batch)))
-    else:
-        target = max(found.batch, batch / max_change)
-        new = bounds.clamp(min(accumulation - 1, max(1, round(target / bounds.micro_batch))))
+    micro = bounds.micro_batch
+    if found.move == GROW:  # to the range's near end (low), never past it
+        candidate = math.floor(min(batch * max_change, found.low) / micro)
+        too_close = candidate <= accumulation
+    else:  # to the near end (high), never below it
+        candidate = max(1, math.ceil(max(batch / max_change, found.high) / micro))
+        too_close = candidate >= accumulation
+    if too_close:  # the next whole micro-batch would pass the near end
+        return Decision(accumulation, HOLD, found)
+    new = bounds.clamp(candidate)
     if new == accumulation:
         return Decision(accumulation, AT_BOUND, found)
     return Decision(new, found.move, found)
