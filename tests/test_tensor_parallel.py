@@ -13,10 +13,11 @@ parameters).
 
 Jobs: an MLP with a mean loss, with a sum loss, two micro-batches accumulated, an
 attention block on sequences (q, k, v Colwise by heads, the output projection
-Rowwise); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x shard meshes, each
-process its own examples); refused by name: the quantities not exact under tensor
-parallelism, tensor parallelism inside FSDP2 (a 1 x 2 ``("dp", "tp")`` mesh), and a
-layer under SequenceParallel (its input split along positions).
+Rowwise); FSDP2 over tensor parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job;
+2 x 2: test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
+shard meshes, each process its own examples); refused by name: the quantities not exact
+under tensor parallelism, and a layer under SequenceParallel (its input split along
+positions).
 """
 
 import math
@@ -188,7 +189,7 @@ def sequence_split(mesh):
 
 def fsdp2_inside(world):
     """FSDP2 on ``dp`` of a 1 x 2 ``("dp", "tp")`` mesh over tensor parallelism on ``tp``: the
-    error of the tracked step (tensor parallelism inside FSDP2 is not combined yet)."""
+    table of the mean job (every process the same examples)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -198,12 +199,9 @@ def fsdp2_inside(world):
     parallelize_module(model, mesh["tp"], plan("mean"))
     fully_shard(model, mesh=mesh["dp"])
     named = trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)))
-    try:
-        run_steps("mean", model, cockpit, steps=1)
-    except TypeError as error:
-        return str(error)
-    return None
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
+    run_steps("mean", model, cockpit, steps=2)
+    return table(cockpit)
 
 
 def hsdp_refused(world):
@@ -293,9 +291,10 @@ def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group
             assert "tensor parallelism" in message and "PerExampleGradNorm" in message
 
 
-def test_tensor_parallelism_inside_fsdp2_is_refused_by_name(group):
-    for message in results_of(group, WORLD, "fsdp2_inside"):
-        assert message is not None and "tensor parallelism inside FSDP2" in message
+def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):
+    tables = results_of(group, WORLD, "fsdp2_inside")
+    assert_identical(tables)
+    assert_tables_match(tables[0], tracked("mean")["table"])
 
 
 def test_a_layer_split_along_positions_is_left_out_by_name(group):

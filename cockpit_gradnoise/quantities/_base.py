@@ -315,8 +315,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             sharded.collect(params)  # FSDP2: the unsharded parameters' results onto the sharded
         # A DTensor breaks every other formula, one process or many.
         distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
-                                      tensor_parallel=self.supports_tensor_parallel)
-        distributed.refuse_hsdp(params, type(self).__name__, supported=self.supports_hsdp)
+                                      tensor_parallel=self.supports_tensor_parallel,
+                                      hsdp=self.supports_hsdp, quantity=type(self).__name__)
         if self.supports_tensor_parallel:
             tensor_parallel.collect(params)  # split layers' results completed over their mesh
         if distributed.world_size() > 1:

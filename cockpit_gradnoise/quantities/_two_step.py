@@ -114,7 +114,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         names = self.names(params)
         # Parameters are the same on every process (DDP): nothing to reduce.
         distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
-                                      tensor_parallel=self.supports_tensor_parallel)
+                                      tensor_parallel=self.supports_tensor_parallel,
+                                      hsdp=self.supports_hsdp, quantity=type(self).__name__)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None
