@@ -11,6 +11,8 @@ ones (test_fsdp2's local batches of 2 processes). Each job is compared with one 
 holding the whole model and the global batch (both ``dp`` groups' examples, all
 micro-batches; ``ParamGradRatio`` and ``UpdateSize`` with FSDP2's ``param.grad``, the mean
 over ``dp`` of the local gradients: test_fsdp2's reference), with the DDP tests' tolerance.
+The jobs run the recipe of docs/distributed.md's "FSDP2 over tensor parallelism" section
+(prepare_model, parallelize_module on ``tp``, fully_shard on ``dp``, a Cockpit).
 
 Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 ``reshard_after_forward=True`` (mean loss, unequal local batches), on the root only with
