@@ -61,14 +61,17 @@ FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio"
 #: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
 #: add sums over each process's shard, which would count a shard once per replica.
 HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
-#: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``),
-#: alone or inside FSDP2 (a ``("dp", "tp")`` mesh).
-TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+#: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
+TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                              "GradientVarianceQuantiles")
+#: The quantities exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh).
+FSDP2_TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio",
+                                    "UpdateSize")
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
-                      tensor_parallel: bool = False, hsdp: bool = False,
-                      quantity: Optional[str] = None):
+                      tensor_parallel: bool = False, fsdp2_tensor_parallel: bool = False,
+                      hsdp: bool = False, quantity: Optional[str] = None):
     """Raise if the parameters (or any module of the model) are sharded in a way not supported.
 
     Every quantity needs each process to hold the full parameters and
@@ -86,9 +89,10 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             process, two or more (a quantity exact under FSDP2: :data:`FSDP2_QUANTITIES`).
         tensor_parallel: Allow DTensor parameters split by tensor parallelism over a 1-D
             mesh of every process (:data:`TENSOR_PARALLEL_QUANTITIES`,
-            :func:`.extensions.tensor_parallel.unsupported_layout`); with ``fsdp2`` too,
-            FSDP2 on ``dp`` of a ``("dp", "tp")`` mesh over tensor parallelism on ``tp``
-            (:func:`.extensions.sharded.unsupported_layout`).
+            :func:`.extensions.tensor_parallel.unsupported_layout`).
+        fsdp2_tensor_parallel: With ``fsdp2``, allow FSDP2 on ``dp`` of a ``("dp", "tp")``
+            mesh over tensor parallelism on ``tp`` (:data:`FSDP2_TENSOR_PARALLEL_QUANTITIES`,
+            :func:`.extensions.sharded.unsupported_layout`).
         hsdp: With ``fsdp2``, allow HSDP's replicate x shard mesh (:data:`HSDP_QUANTITIES`;
             else refused with a message naming ``quantity``).
         quantity: The quantity asking, named in the refusal.
@@ -112,9 +116,10 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
         if found is not None and (fsdp2 or tensor_parallel):
             managed = _fsdp2_managed() if managed is None else managed
             if over_tp is None:  # the dp meshes of FSDP2 over tensor parallelism
-                over_tp = [managed[id(p)].mesh_info.mesh for p in params if tensor_parallel
+                over_tp = [managed[id(p)].mesh_info.mesh for p in params if fsdp2_tensor_parallel
                            and getattr(managed.get(id(p)), "_unsharded_dtensor_spec", None) is not None]
-            found = _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, hsdp, over_tp)
+            found = _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel,
+                                   hsdp, over_tp)
     asking = "" if quantity is None else f"{quantity} is refused: "
     if found == _HSDP:
         raise TypeError(
@@ -137,8 +142,9 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
-            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh; cgn.prepare_model first, then "
-            f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
+            "process; cgn.prepare_model first, then a Cockpit) for "
+            f"{', '.join(TENSOR_PARALLEL_QUANTITIES)} only, inside FSDP2 (a (\"dp\", \"tp\") mesh) "
+            f"for {', '.join(FSDP2_TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
         )
 
 
@@ -152,7 +158,8 @@ def _fsdp2_managed() -> dict:
     return sharded.fsdp2_parameters()
 
 
-def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, hsdp, over_tp) -> Optional[Tuple[str, str]]:
+def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel, hsdp,
+                   over_tp) -> Optional[Tuple[str, str]]:
     """``None`` where ``param`` is sharded by FSDP2 or split by tensor parallelism as
     supported (and allowed), else what to refuse (:data:`_HSDP` for HSDP not allowed)."""
     from cockpit_gradnoise.extensions import sharded
@@ -166,7 +173,7 @@ def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, hsdp, over_tp) -> Opt
         return "a DTensor parameter not sharded by FSDP2", "tensor parallelism"
     if not fsdp2:
         return "a parameter sharded by FSDP2", "FSDP2 (fully_shard)"
-    why = sharded.unsupported_layout(fsdp_param, tensor_parallel=tensor_parallel, over_tp=over_tp)
+    why = sharded.unsupported_layout(fsdp_param, tensor_parallel=fsdp2_tensor_parallel, over_tp=over_tp)
     if why is not None:
         return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"
     if world_size() < 2:

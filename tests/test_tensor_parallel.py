@@ -7,7 +7,9 @@ input columns; its bias replicated), and keep a plain layer (the same on both
 processes), a frozen one and an unused one (uneven splits are not tested: torch's
 RowwiseParallel after ColwiseParallel does not run them). Both processes see the same
 examples; each job is compared with one process holding the whole model and the same
-batch, tracked by the same quantities, with the DDP tests' tolerance. The jobs run the recipe of docs/distributed.md's
+batch, tracked by the same quantities (GradientVarianceQuantiles too: its split parameters'
+sums stay with their shard, the quantiles a distributed selection), with the DDP tests'
+tolerance. The jobs run the recipe of docs/distributed.md's
 "Tensor parallelism" section (prepare_model, parallelize_module, a Cockpit over the
 parameters).
 
@@ -107,9 +109,15 @@ def per_example(names):
 
 
 def quantities(names):
-    return [cgn.GradientNoiseScale(linear(1), param_names=names),
+    return [cgn.GradientVarianceQuantiles(linear(1), quantiles=QUANTILES, param_names=names),
+            cgn.GradientNoiseScale(linear(1), param_names=names),
             cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names),
             cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
+
+
+def inside_fsdp2(names):
+    """The quantities exact under FSDP2 over tensor parallelism (all but the quantiles)."""
+    return [q for q in quantities(names) if not isinstance(q, cgn.GradientVarianceQuantiles)]
 
 
 JOBS = {  # job: (reduction, micro-batch sizes)
@@ -169,7 +177,7 @@ def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
 def refused_quantities(mesh):
     """The errors of quantities not exact under tensor parallelism, at their tracked step."""
     messages = {}
-    for make in (cgn.GradientVarianceQuantiles, cgn.PreconditionedNoiseScale):
+    for make in (cgn.PreconditionedNoiseScale,):
         try:
             tracked("mean", mesh, lambda names, make=make: [make(linear(1), param_names=names)])
         except TypeError as error:
@@ -199,7 +207,7 @@ def fsdp2_inside(world):
     parallelize_module(model, mesh["tp"], plan("mean"))
     fully_shard(model, mesh=mesh["dp"])
     named = trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=inside_fsdp2(dict(named)))
     run_steps("mean", model, cockpit, steps=2)
     return table(cockpit)
 
@@ -277,7 +285,8 @@ def test_equals_one_process_on_the_same_batch(group, job):
                       "v.weight"] if job == "attention" else ["fc1.bias", "fc1.weight", "fc2.bias",
                                                                "fc2.weight"])
     rows = {(key[1], key[2]) for key in expected}
-    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                     "GradientVarianceQuantiles"):
         assert {(quantity, name) for name in split + ["all"]} <= rows, quantity
     if job != "attention":
         assert any("unused.weight" in message for message in results[0]["warnings"])
@@ -286,7 +295,7 @@ def test_equals_one_process_on_the_same_batch(group, job):
 
 def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
-        assert set(messages) == {"GradientVarianceQuantiles", "PreconditionedNoiseScale"}
+        assert set(messages) == {"PreconditionedNoiseScale"}
         for message in messages.values():
             assert "tensor parallelism" in message and "PerExampleGradNorm" in message
 
@@ -294,7 +303,7 @@ def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group
 def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):
     tables = results_of(group, WORLD, "fsdp2_inside")
     assert_identical(tables)
-    assert_tables_match(tables[0], tracked("mean")["table"])
+    assert_tables_match(tables[0], tracked("mean", make_quantities=inside_fsdp2)["table"])
 
 
 def test_a_layer_split_along_positions_is_left_out_by_name(group):

@@ -16,6 +16,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed
+from cockpit_gradnoise.extensions import tensor_parallel
 
 import torch
 from torch import Tensor
@@ -26,7 +27,11 @@ Cut = Optional[Tuple[int, int, int]]
 
 
 def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
-    """``{name: Cut}`` where some parameter is an FSDP2 ``DTensor``, else ``None`` (nothing sharded).
+    """``{name: Cut}`` where some parameter is a ``DTensor``, else ``None`` (nothing sharded).
+
+    A parameter split by tensor parallelism alone has its sums on this process
+    already, of its shard (``quantities/_sums.py``): its cut is all of them; a
+    replicated one is whole on every process: held by process 0.
 
     Raises:
         RuntimeError: Where a parameter's local shard is not the rows FSDP2's
@@ -34,12 +39,17 @@ def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
     """
     if not any(type(param).__name__ == "DTensor" for _, param in named_params):
         return None
-    return {name: _cut(name, param) for name, param in named_params}
+    split = {id(param): placements for param, _, placements in
+             tensor_parallel.split_parameters([param for _, param in named_params])}
+    return {name: _cut(name, param, split.get(id(param))) for name, param in named_params}
 
 
-def _cut(name: str, param) -> Cut:
+def _cut(name: str, param, split=None) -> Cut:
     if type(param).__name__ != "DTensor":
         return None
+    if split is not None:  # tensor parallelism: this process's sums, of its shard
+        dim = next((p.dim for p in split if p.is_shard()), None)
+        return None if dim is None else (dim, 0, param.to_local().shape[dim])
     placements = param.placements
     dim = getattr(placements[0], "dim", None) if len(placements) == 1 else None
     mesh = param.device_mesh

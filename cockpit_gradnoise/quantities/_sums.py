@@ -47,7 +47,7 @@ def _reduce(step, quantities, params):
     contribution = distributed.Contribution(
         slots=[f"{type(q).__name__}:{name}" for q, name in slots]
     )
-    parts = {}
+    parts, kept = {}, _with_their_shard(quantities, params)
     try:
         for q in quantities:
             parts[q] = q.step_sums(step, params)
@@ -62,10 +62,10 @@ def _reduce(step, quantities, params):
             contribution.examples = batches[0].examples
             contribution.scale = batches[0].loss_scale
         contribution.sums = [
-            (sums[sum_name], how)
+            (sums[sum_name].new_zeros(0) if (q, name) in kept else sums[sum_name], how)
             for q, part in parts.items()
             if part is not None
-            for sums in part[1].values()
+            for name, sums in part[1].items()
             for sum_name, how in q.sums.items()
         ]
         if tensor_parallel.duplicate_examples(params):
@@ -85,8 +85,22 @@ def _reduce(step, quantities, params):
             results[q] = None
             continue
         sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
+        # Kept with their shard: this process's own (every process of the mesh has every example).
+        sums.update({name: local for name, local in part[1].items() if (q, name) in kept})
         results[q] = (batch, sums)
     return results
+
+
+def _with_their_shard(quantities, params) -> set:
+    """``(quantity, name)`` whose sums are not reduced: the per-element sums
+    (``per_element_sums_stay``) of a parameter split by tensor parallelism, whose processes
+    hold disjoint elements of it, each over every example of the batch."""
+    split = {id(param) for param, _, placements in tensor_parallel.split_parameters(params)
+             if any(placement.is_shard() for placement in placements)}
+    if not split:
+        return set()
+    return {(q, name) for q in quantities if q.per_element_sums_stay
+            for name, param in q.trainable(params) if id(param) in split}
 
 
 def _contribute_no_examples(contribution):
