@@ -55,7 +55,7 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 
 
 #: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; the
-#: first four also on HSDP's replicate x shard mesh and over tensor parallelism.
+#: first four also on HSDP's replicate x shard mesh, the first five over tensor parallelism.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
 #: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
@@ -65,8 +65,7 @@ HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio",
 TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                               "GradientVarianceQuantiles")
 #: The quantities exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh).
-FSDP2_TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio",
-                                    "UpdateSize")
+FSDP2_TENSOR_PARALLEL_QUANTITIES = TENSOR_PARALLEL_QUANTITIES
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
@@ -142,9 +141,8 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
-            "process; cgn.prepare_model first, then a Cockpit) for "
-            f"{', '.join(TENSOR_PARALLEL_QUANTITIES)} only, inside FSDP2 (a (\"dp\", \"tp\") mesh) "
-            f"for {', '.join(FSDP2_TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
+            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh; cgn.prepare_model first, then "
+            f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
         )
 
 

@@ -16,10 +16,11 @@ The jobs run the recipe of docs/distributed.md's "FSDP2 over tensor parallelism"
 
 Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 ``reshard_after_forward=True`` (mean loss, unequal local batches), on the root only with
-``False`` (sum loss), two micro-batches accumulated; refused by name: the quantities not
-exact there (per-element sums and the optimizer's state of split parameters; the
-two-batch noise scale), and ``cgn.track`` (tensor parallelism goes through the explicit
-API).
+``False`` (sum loss), two micro-batches accumulated, each tracked by the five quantities
+exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
+their ``tp`` shard); refused by name: PreconditionedNoiseScale (the optimizer's state of
+split parameters), a cockpit over the layer sharded on ``dp`` alone, and ``cgn.track``
+(tensor parallelism goes through the explicit API).
 """
 
 import math
@@ -52,6 +53,12 @@ def make_model():
     return test_tensor_parallel.make_model("mean")
 
 
+def per_example(names):
+    """test_fsdp2's per-example quantities and the quantiles of the gradient's sd."""
+    return test_fsdp2.per_example(names) + [
+        cgn.GradientVarianceQuantiles(linear(1), quantiles=test_fsdp2.QUANTILES, param_names=names)]
+
+
 def sharded_model(mesh, per_linear=True, reshard=True):
     """The model split on ``tp``, then sharded on ``dp`` (the order torchtitan uses)."""
     from torch.distributed.fsdp import fully_shard
@@ -73,7 +80,7 @@ def job_table(job, mesh):
     named = test_fsdp2.trainable(model)
     names = dict(named)
     cockpit = cgn.Cockpit([p for _, p in named],
-                          quantities=test_fsdp2.per_example(names) + test_fsdp2.from_grad(names))
+                          quantities=per_example(names) + test_fsdp2.from_grad(names))
     micro = len(test_fsdp2.SIZES[job][DP]) if job == "accumulation" else 1
     batches = test_fsdp2.local_batches(job, DP, mesh["dp"].get_local_rank())
     with warnings.catch_warnings(record=True) as caught:
@@ -88,8 +95,7 @@ def refusals(mesh):
     over the plain layer alone (sharded on ``dp`` only: nothing tells the ``tp`` groups, whose
     processes hold the same examples), and what cgn.track says."""
     messages = {}
-    for key, make in {"GradientVarianceQuantiles": cgn.GradientVarianceQuantiles,
-                      "PreconditionedNoiseScale": cgn.PreconditionedNoiseScale,
+    for key, make in {"PreconditionedNoiseScale": cgn.PreconditionedNoiseScale,
                       "plain_only": cgn.GradientNoiseScale}.items():
         model = sharded_model(mesh)
         named = [(n, p) for n, p in test_fsdp2.trainable(model) if key != "plain_only" or n.startswith("head")]
@@ -135,7 +141,7 @@ def test_equals_one_process_on_the_global_batch(group, job):
     results = results_of(group, WORLD, job)
     tables = [result["table"] for result in results]
     assert_identical(tables)
-    expected = test_fsdp2.reference(job, DP, make=make_model)
+    expected = test_fsdp2.reference(job, DP, quantities=per_example, make=make_model)
     assert_tables_match(tables[0], expected)
     placements = results[0]["placements"]
     # FSDP2's Shard(0) on dp (strided where tp splits dim 0 too) before tp's Colwise / Rowwise.
@@ -143,7 +149,8 @@ def test_equals_one_process_on_the_global_batch(group, job):
     assert placements["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["fc2.bias"] == "(Shard(dim=0), Replicate())"
     rows = {(key[1], key[2]) for key in expected}
-    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                     "GradientVarianceQuantiles"):
         assert {(quantity, name) for name in SPLIT + ("head.weight", "head.bias", "all")} <= rows
         assert not any(name.startswith("frozen") for q, name in rows if q == quantity)
     assert any("unused.weight" in message for message in results[0]["warnings"])
@@ -152,10 +159,10 @@ def test_equals_one_process_on_the_global_batch(group, job):
 
 def test_quantities_not_exact_there_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
-        for name in ("GradientVarianceQuantiles", "PreconditionedNoiseScale"):
-            assert messages[name].startswith(f"{name} is refused"), messages[name]
-            assert "tensor parallelism inside FSDP2" in messages[name]
-            assert "PerExampleGradNorm" in messages[name]
+        name = "PreconditionedNoiseScale"
+        assert messages[name].startswith(f"{name} is refused"), messages[name]
+        assert "tensor parallelism inside FSDP2" in messages[name]
+        assert "PerExampleGradNorm" in messages[name]
         assert messages["plain_only"].startswith("GradientNoiseScale is refused")
         assert "a device mesh of 2 of the 4 processes" in messages["plain_only"]
         assert "tensor parallelism inside FSDP2" in messages["norms"]

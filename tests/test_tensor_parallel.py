@@ -115,11 +115,6 @@ def quantities(names):
             cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
 
 
-def inside_fsdp2(names):
-    """The quantities exact under FSDP2 over tensor parallelism (all but the quantiles)."""
-    return [q for q in quantities(names) if not isinstance(q, cgn.GradientVarianceQuantiles)]
-
-
 JOBS = {  # job: (reduction, micro-batch sizes)
     "mean": ("mean", (6,)),
     "sum": ("sum", (5,)),
@@ -207,7 +202,7 @@ def fsdp2_inside(world):
     parallelize_module(model, mesh["tp"], plan("mean"))
     fully_shard(model, mesh=mesh["dp"])
     named = trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=inside_fsdp2(dict(named)))
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
     run_steps("mean", model, cockpit, steps=2)
     return table(cockpit)
 
@@ -303,7 +298,7 @@ def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group
 def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):
     tables = results_of(group, WORLD, "fsdp2_inside")
     assert_identical(tables)
-    assert_tables_match(tables[0], tracked("mean", make_quantities=inside_fsdp2)["table"])
+    assert_tables_match(tables[0], tracked("mean")["table"])
 
 
 def test_a_layer_split_along_positions_is_left_out_by_name(group):
