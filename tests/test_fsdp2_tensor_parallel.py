@@ -167,3 +167,38 @@ def test_quantities_not_exact_there_are_refused_by_name(group):
         assert "a device mesh of 2 of the 4 processes" in messages["plain_only"]
         assert "tensor parallelism inside FSDP2" in messages["norms"]
         assert "tensor parallelism inside FSDP2" in messages["exact"]
+
+
+def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):
+    """HSDP or dp_mesh_dims over tensor parallelism, a dp x tp mesh over some processes, a
+    placement other than Shard or Replicate, a layer on a dp mesh no split layer shares (no
+    processes: FSDP2's parameter as the check reads it)."""
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.extensions import sharded
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    def mesh(ndim=1, size=2):
+        return SimpleNamespace(ndim=ndim, size=lambda: size)
+
+    dp = mesh()
+
+    def fsdp_param(dp_mesh=dp, tp_size=2, placements=(Shard(0),), spmd=False, inside=True):
+        spec = SimpleNamespace(mesh=mesh(size=tp_size), placements=placements) if inside else None
+        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=dp_mesh, is_spmd_mesh=spmd), param_dtype=None,
+                               orig_dtype=torch.float64, _unsharded_dtensor_spec=spec, is_dtensor=inside)
+
+    monkeypatch.setattr(sharded, "dist_world_size", lambda: 4)
+    assert "tensor parallelism inside FSDP2" in sharded.unsupported_layout(fsdp_param())
+    assert sharded.unsupported_layout(fsdp_param(), tensor_parallel=True) is None
+    assert sharded.unsupported_layout(fsdp_param(placements=(Replicate(),)), tensor_parallel=True) is None
+    assert "HSDP" in sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=2)), tensor_parallel=True)
+    assert "dp_mesh_dims" in sharded.unsupported_layout(fsdp_param(spmd=True), tensor_parallel=True)
+    assert "of the 4 processes" in sharded.unsupported_layout(fsdp_param(tp_size=4), tensor_parallel=True)
+    assert "only Shard and Replicate" in sharded.unsupported_layout(
+        fsdp_param(placements=(Partial(),)), tensor_parallel=True)
+    plain = fsdp_param(inside=False)  # a layer not split, sharded on the dp mesh
+    assert "2 of the 4 processes" in sharded.unsupported_layout(plain, tensor_parallel=True)
+    assert sharded.unsupported_layout(plain, tensor_parallel=True, over_tp=[dp]) is None
