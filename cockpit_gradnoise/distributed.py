@@ -55,35 +55,22 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 
 
 #: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; the
-#: first four also on HSDP's replicate x shard mesh (the others refuse it at their step).
+#: first four also on HSDP's replicate x shard mesh, the first five over tensor parallelism.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
 #: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
 #: add sums over each process's shard, which would count a shard once per replica.
 HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
-TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
-
-
-def refuse_hsdp(params: Iterable, quantity: str, supported: bool = False) -> None:
-    """Refuse ``quantity`` (one not marked ``supports_hsdp``) where a parameter is sharded on
-    HSDP's replicate x shard mesh: it adds sums over each process's shard, and a shard's
-    replicas would each count it.
-
-    Raises:
-        TypeError: Naming the quantity and the ones exact under HSDP (unless ``supported``).
-    """
-    if not supported and any(type(p).__name__ == "DTensor" and p.device_mesh.ndim > 1 for p in params):
-        raise TypeError(
-            f"{quantity} is not exact under HSDP (fully_shard on a replicate x shard mesh): it "
-            "adds sums over each process's shard, which would count a shard once per replica. "
-            f"Exact under HSDP: {', '.join(HSDP_QUANTITIES)}; or shard on a 1-D mesh; see "
-            "docs/distributed.md"
-        )
+TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                              "GradientVarianceQuantiles")
+#: The quantities exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh).
+FSDP2_TENSOR_PARALLEL_QUANTITIES = TENSOR_PARALLEL_QUANTITIES
 
 
 def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
-                      tensor_parallel: bool = False):
+                      tensor_parallel: bool = False, fsdp2_tensor_parallel: bool = False,
+                      hsdp: bool = False, quantity: Optional[str] = None):
     """Raise if the parameters (or any module of the model) are sharded in a way not supported.
 
     Every quantity needs each process to hold the full parameters and
@@ -94,23 +81,30 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
     every submodule and every parameter) and FSDP's ``_fsdp_flattened`` mark,
     without importing any of them.
 
-    With ``fsdp2`` (a quantity exact under FSDP2, see
-    :data:`FSDP2_QUANTITIES`), parameters sharded by FSDP2 over a 1-D device
-    mesh or HSDP's (replicate x shard), on two processes or more, pass; with ``tensor_parallel``
-    (:data:`TENSOR_PARALLEL_QUANTITIES`), DTensor parameters split by tensor
-    parallelism over a 1-D mesh of every process
-    (:func:`.extensions.tensor_parallel.unsupported_layout`); tensor
-    parallelism inside FSDP2 and the others are still refused.
+    Args:
+        params: The parameters (DTensors are checked against the flags below).
+        model: The model, whose modules are checked too.
+        fsdp2: Allow parameters sharded by FSDP2 over a 1-D device mesh of every
+            process, two or more (a quantity exact under FSDP2: :data:`FSDP2_QUANTITIES`).
+        tensor_parallel: Allow DTensor parameters split by tensor parallelism over a 1-D
+            mesh of every process (:data:`TENSOR_PARALLEL_QUANTITIES`,
+            :func:`.extensions.tensor_parallel.unsupported_layout`).
+        fsdp2_tensor_parallel: With ``fsdp2``, allow FSDP2 on ``dp`` of a ``("dp", "tp")``
+            mesh over tensor parallelism on ``tp`` (:data:`FSDP2_TENSOR_PARALLEL_QUANTITIES`,
+            :func:`.extensions.sharded.unsupported_layout`).
+        hsdp: With ``fsdp2``, allow HSDP's replicate x shard mesh (:data:`HSDP_QUANTITIES`;
+            else refused with a message naming ``quantity``).
+        quantity: The quantity asking, named in the refusal.
 
     Raises:
-        TypeError: Naming what was found and what is supported.
+        TypeError: Naming the quantity, what was found and what is supported.
     """
     found = None
     allowed = {"FSDPModule"} if fsdp2 else set()
     if model is not None:
         found = next(filter(None, (_sharded_class(type(module), _SHARDED_MODULE_CLASSES, allowed)
                                    for module in model.modules())), None)
-    managed = None
+    managed, over_tp, params = None, None, list(params)
     for param in params:
         if found is not None:
             break
@@ -120,11 +114,24 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
         found = _sharded_class(type(param), _SHARDED_PARAMETER_CLASSES)
         if found is not None and (fsdp2 or tensor_parallel):
             managed = _fsdp2_managed() if managed is None else managed
-            found = _fsdp2_refusal(param, managed, fsdp2, tensor_parallel)
+            if over_tp is None:  # the dp meshes of FSDP2 over tensor parallelism
+                over_tp = [managed[id(p)].mesh_info.mesh for p in params if fsdp2_tensor_parallel
+                           and getattr(managed.get(id(p)), "_unsharded_dtensor_spec", None) is not None]
+            found = _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel,
+                                   hsdp, over_tp)
+    asking = "" if quantity is None else f"{quantity} is refused: "
+    if found == _HSDP:
+        raise TypeError(
+            f"{quantity or 'this quantity'} {'are' if ', ' in (quantity or '') else 'is'} not "
+            "exact under HSDP (fully_shard on a "
+            "replicate x shard mesh): it adds sums over each process's shard, which would count "
+            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)}; or shard "
+            "on a 1-D mesh; see docs/distributed.md"
+        )
     if found is not None:
         what, parallelism = found
         raise TypeError(
-            f"cockpit_gradnoise found {what}, from {parallelism}, which is not "
+            f"{asking}cockpit_gradnoise found {what}, from {parallelism}, which is not "
             "supported: every quantity needs each process to hold the full parameters "
             "and gradients. Supported: one process, or "
             "torch.nn.parallel.DistributedDataParallel (every process holds the full "
@@ -134,9 +141,13 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
-            "process, cgn.prepare_model first, then a Cockpit) for "
-            f"{', '.join(TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
+            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh; cgn.prepare_model first, then "
+            f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} only; see docs/distributed.md"
         )
+
+
+# What _fsdp2_refusal returns for a parameter sharded by HSDP where HSDP is not allowed.
+_HSDP = ("a parameter sharded by HSDP", "HSDP")
 
 
 def _fsdp2_managed() -> dict:
@@ -145,9 +156,10 @@ def _fsdp2_managed() -> dict:
     return sharded.fsdp2_parameters()
 
 
-def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel) -> Optional[Tuple[str, str]]:
+def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel, hsdp,
+                   over_tp) -> Optional[Tuple[str, str]]:
     """``None`` where ``param`` is sharded by FSDP2 or split by tensor parallelism as
-    supported (and allowed), else what to refuse."""
+    supported (and allowed), else what to refuse (:data:`_HSDP` for HSDP not allowed)."""
     from cockpit_gradnoise.extensions import sharded
     from cockpit_gradnoise.extensions import tensor_parallel as split
 
@@ -159,11 +171,13 @@ def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel) -> Optional[Tuple[str
         return "a DTensor parameter not sharded by FSDP2", "tensor parallelism"
     if not fsdp2:
         return "a parameter sharded by FSDP2", "FSDP2 (fully_shard)"
-    why = sharded.unsupported_layout(fsdp_param)
+    why = sharded.unsupported_layout(fsdp_param, tensor_parallel=fsdp2_tensor_parallel, over_tp=over_tp)
     if why is not None:
         return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"
     if world_size() < 2:
         return "FSDP2 on one process", "FSDP2 (fully_shard)"
+    if not hsdp and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo":
+        return _HSDP
     return None
 
 

@@ -110,10 +110,11 @@ def check_trackable(model: nn.Module, quantities: Sequence) -> None:
     Raises:
         TypeError: Naming what was found, or the quantities, the exact ones and the preset.
     """
-    distributed.check_not_sharded(model.parameters(), model, fsdp2=True)
+    distributed.check_not_sharded(model.parameters(), model, fsdp2=True, hsdp=True)
     refuse_quantities(quantities)
-    for quantity in quantities:
-        distributed.refuse_hsdp(model.parameters(), _name(quantity), getattr(quantity, "supports_hsdp", False))
+    not_hsdp = [_name(q) for q in quantities if not getattr(q, "supports_hsdp", False)]
+    if not_hsdp:
+        distributed.check_not_sharded(model.parameters(), fsdp2=True, quantity=", ".join(not_hsdp))
 
 
 def refuse_quantities(quantities: Sequence) -> None:

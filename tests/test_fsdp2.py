@@ -237,12 +237,12 @@ def worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def reference(job, world, quantities=per_example):
-    """One process, the whole model and every step's whole global batch, tracked by
-    ``quantities(names)``; the optimizer steps with FSDP2's gradient, the mean over
+def reference(job, world, quantities=per_example, make=make_model):
+    """One process, the whole model (``make()``) and every step's whole global batch, tracked
+    by ``quantities(names)``; the optimizer steps with FSDP2's gradient, the mean over
     processes of the local ones."""
     _, _, reduction = JOBS[job]
-    model = make_model()
+    model = make()
     named = trainable(model)
     params = [p for _, p in named]
     cockpit = cgn.Cockpit(params, quantities=quantities(dict(named)))

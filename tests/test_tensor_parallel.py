@@ -7,16 +7,19 @@ input columns; its bias replicated), and keep a plain layer (the same on both
 processes), a frozen one and an unused one (uneven splits are not tested: torch's
 RowwiseParallel after ColwiseParallel does not run them). Both processes see the same
 examples; each job is compared with one process holding the whole model and the same
-batch, tracked by the same quantities, with the DDP tests' tolerance. The jobs run the recipe of docs/distributed.md's
+batch, tracked by the same quantities (GradientVarianceQuantiles too: its split parameters'
+sums stay with their shard, the quantiles a distributed selection), with the DDP tests'
+tolerance. The jobs run the recipe of docs/distributed.md's
 "Tensor parallelism" section (prepare_model, parallelize_module, a Cockpit over the
 parameters).
 
 Jobs: an MLP with a mean loss, with a sum loss, two micro-batches accumulated, an
 attention block on sequences (q, k, v Colwise by heads, the output projection
-Rowwise); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x shard meshes, each
-process its own examples); refused by name: the quantities not exact under tensor
-parallelism, tensor parallelism inside FSDP2 (a 1 x 2 ``("dp", "tp")`` mesh), and a
-layer under SequenceParallel (its input split along positions).
+Rowwise); FSDP2 over tensor parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job;
+2 x 2: test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
+shard meshes, each process its own examples); refused by name: the quantities not exact
+under tensor parallelism, and a layer under SequenceParallel (its input split along
+positions).
 """
 
 import math
@@ -106,7 +109,8 @@ def per_example(names):
 
 
 def quantities(names):
-    return [cgn.GradientNoiseScale(linear(1), param_names=names),
+    return [cgn.GradientVarianceQuantiles(linear(1), quantiles=QUANTILES, param_names=names),
+            cgn.GradientNoiseScale(linear(1), param_names=names),
             cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names),
             cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
 
@@ -168,7 +172,7 @@ def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
 def refused_quantities(mesh):
     """The errors of quantities not exact under tensor parallelism, at their tracked step."""
     messages = {}
-    for make in (cgn.GradientVarianceQuantiles, cgn.PreconditionedNoiseScale):
+    for make in (cgn.PreconditionedNoiseScale,):
         try:
             tracked("mean", mesh, lambda names, make=make: [make(linear(1), param_names=names)])
         except TypeError as error:
@@ -188,7 +192,7 @@ def sequence_split(mesh):
 
 def fsdp2_inside(world):
     """FSDP2 on ``dp`` of a 1 x 2 ``("dp", "tp")`` mesh over tensor parallelism on ``tp``: the
-    error of the tracked step (tensor parallelism inside FSDP2 is not combined yet)."""
+    table of the mean job (every process the same examples)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -198,12 +202,9 @@ def fsdp2_inside(world):
     parallelize_module(model, mesh["tp"], plan("mean"))
     fully_shard(model, mesh=mesh["dp"])
     named = trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)))
-    try:
-        run_steps("mean", model, cockpit, steps=1)
-    except TypeError as error:
-        return str(error)
-    return None
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
+    run_steps("mean", model, cockpit, steps=2)
+    return table(cockpit)
 
 
 def hsdp_refused(world):
@@ -279,7 +280,8 @@ def test_equals_one_process_on_the_same_batch(group, job):
                       "v.weight"] if job == "attention" else ["fc1.bias", "fc1.weight", "fc2.bias",
                                                                "fc2.weight"])
     rows = {(key[1], key[2]) for key in expected}
-    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"):
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                     "GradientVarianceQuantiles"):
         assert {(quantity, name) for name in split + ["all"]} <= rows, quantity
     if job != "attention":
         assert any("unused.weight" in message for message in results[0]["warnings"])
@@ -288,14 +290,15 @@ def test_equals_one_process_on_the_same_batch(group, job):
 
 def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
-        assert set(messages) == {"GradientVarianceQuantiles", "PreconditionedNoiseScale"}
+        assert set(messages) == {"PreconditionedNoiseScale"}
         for message in messages.values():
             assert "tensor parallelism" in message and "PerExampleGradNorm" in message
 
 
-def test_tensor_parallelism_inside_fsdp2_is_refused_by_name(group):
-    for message in results_of(group, WORLD, "fsdp2_inside"):
-        assert message is not None and "tensor parallelism inside FSDP2" in message
+def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):
+    tables = results_of(group, WORLD, "fsdp2_inside")
+    assert_identical(tables)
+    assert_tables_match(tables[0], tracked("mean")["table"])
 
 
 def test_a_layer_split_along_positions_is_left_out_by_name(group):

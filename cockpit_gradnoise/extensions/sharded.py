@@ -22,9 +22,10 @@ FSDP2's parameters are found through torch's registry of composable states
 :func:`unsupported_layout` names what is refused: a mesh of more than one
 dimension but HSDP's (replicate x shard), a mesh that does not span every
 process, tensor parallelism inside FSDP2 (a DTensor parameter before
-sharding) and a ``MixedPrecisionPolicy`` that casts the parameters (its
-per-example results are rounded after each process's loss scale: no exact
-one-process reference).
+sharding) unless the quantity is exact there (FSDP2 on ``dp`` of a
+``("dp", "tp")`` mesh, :mod:`.tensor_parallel` completes the split layers' results), and a
+``MixedPrecisionPolicy`` that casts the parameters (its per-example results are
+rounded after each process's loss scale: no exact one-process reference).
 """
 
 from typing import Dict, Iterable, Optional
@@ -55,11 +56,17 @@ def fsdp2_parameters() -> Dict[int, object]:
     return found
 
 
-def unsupported_layout(fsdp_param) -> Optional[str]:
-    """Why an FSDP2 parameter's results cannot be made exact here, or ``None``."""
-    if getattr(fsdp_param, "_unsharded_dtensor_spec", None) is not None or getattr(
-        fsdp_param, "is_dtensor", False
-    ):
+def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) -> Optional[str]:
+    """Why an FSDP2 parameter's results cannot be made exact here, or ``None``.
+
+    With ``tensor_parallel``, FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh) passes,
+    and so does a parameter not split by it, sharded on one of ``over_tp`` (the ``dp`` meshes
+    of the parameters over tensor parallelism): the processes of a ``tp`` group hold the same
+    shard of it, and the same examples.
+    """
+    tp_spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    inside = tp_spec is not None or getattr(fsdp_param, "is_dtensor", False)
+    if inside and not tensor_parallel:
         return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
     param_dtype = getattr(fsdp_param, "param_dtype", None)
     if param_dtype is not None and param_dtype != fsdp_param.orig_dtype:
@@ -69,13 +76,32 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
                 "equals them beyond that dtype's rounding; leave param_dtype out of the "
                 "policy)")
     mesh = fsdp_param.mesh_info.mesh
+    if inside:
+        return _unsupported_inside(fsdp_param, mesh, tp_spec)
     # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
     if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
         return (f"a {mesh.ndim}-D device mesh other than HSDP's (only a 1-D mesh, or HSDP's "
                 "replicate x shard mesh, is supported)")
-    if mesh.size() != dist_world_size():
+    if mesh.size() != dist_world_size() and not any(mesh == dp for dp in over_tp):
         return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
-                "(the mesh must span every process)")
+                "(the mesh must span every process, or be the dp mesh of parameters split by "
+                "tensor parallelism among the tracked ones)")
+    return None
+
+
+def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
+    """Why FSDP2 on ``dp_mesh`` over tensor parallelism (``tp_spec``) is refused, or ``None``:
+    supported is a 1-D ``dp`` mesh over a 1-D tensor-parallel one, together every process."""
+    tp_mesh = getattr(tp_spec, "mesh", None)
+    if (getattr(fsdp_param.mesh_info, "is_spmd_mesh", False) or tp_mesh is None
+            or dp_mesh.ndim != 1 or tp_mesh.ndim != 1):
+        return ("tensor parallelism inside FSDP2 other than FSDP2 on a 1-D dp mesh over a "
+                "1-D tp mesh (HSDP, expert parallelism or dp_mesh_dims are not supported)")
+    if dp_mesh.size() * tp_mesh.size() != dist_world_size():
+        return (f"a dp x tp mesh of {dp_mesh.size()} x {tp_mesh.size()} of the "
+                f"{dist_world_size()} processes (the mesh must span every process)")
+    if any(not (p.is_shard() or p.is_replicate()) for p in tp_spec.placements):
+        return f"a tensor-parallel parameter placed {tp_spec.placements} (only Shard and Replicate)"
     return None
 
 
@@ -157,8 +183,12 @@ def counted_here(param) -> bool:
     a whole copy on every process, by the first process."""
     if type(param).__name__ != "DTensor":
         return dist_rank() == 0
-    coordinate = param.device_mesh.get_coordinate()
-    return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    # A mesh over some processes (FSDP2's dp part of a ("dp", "tp") mesh): its copies hold the
+    # same shards; the copy holding process 0 counts.
+    return bool((mesh.mesh == 0).any()) and all(
+        c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
 
 
 def local_tensor(tensor):

@@ -24,13 +24,20 @@ The processes of the mesh hold one copy of the examples: only the first
 (:func:`duplicate_examples` is ``False`` there) contributes them to the
 reduction across processes, the others contribute none.
 
+Inside FSDP2 (``fully_shard`` on ``dp`` of a ``("dp", "tp")`` mesh, after
+``parallelize_module`` on ``tp``) the same holds along ``tp``: the layer computes
+with FSDP2's unsharded parameter, a DTensor split over ``tp`` whose spec
+(:func:`split_parameters`) says what to add and gather; the ``dp`` groups hold
+distinct examples, whose sums the reduction across processes adds as under FSDP2.
+
 Refused by name (:func:`unsupported_call`, :func:`unsupported_layout`):
 layers other than ``nn.Linear`` with DTensor parameters or inputs (a
 ``RowwiseParallel`` Embedding: its rule reads global row indices), an input
 or output gradient split along positions (``SequenceParallel`` and
 ``Shard(1)`` layouts: each process's per-example gradients are partial sums
 over its positions, whose squared norms do not add) or partial, and a mesh of
-more than one dimension or not over every process.
+more than one dimension or not over every process (but FSDP2's ``dp`` x ``tp``:
+:func:`.sharded.unsupported_layout`).
 """
 
 from typing import Optional
@@ -128,10 +135,19 @@ def save_local_gradient(extension, module: nn.Module, g_out: tuple) -> bool:
 
 
 def split_parameters(params) -> list:
-    """The DTensor parameters split by tensor parallelism alone (not sharded by FSDP2)."""
+    """``(param, mesh, placements)`` of each parameter split by tensor parallelism, with the
+    tensor-parallel mesh and placements: a DTensor's own where FSDP2 does not shard it; where
+    FSDP2 shards it over tensor parallelism (a ``("dp", "tp")`` mesh), those of FSDP2's
+    unsharded parameter (``FSDPParam._unsharded_dtensor_spec``, what the layer computes with)."""
     found = [p for p in params if is_dtensor(p)]
     managed = sharded.fsdp2_parameters() if found else {}
-    return [p for p in found if id(p) not in managed]
+    split = []
+    for param in found:
+        fsdp_param = managed.get(id(param))
+        spec = param if fsdp_param is None else getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+        if spec is not None:
+            split.append((param, spec.device_mesh if fsdp_param is None else spec.mesh, spec.placements))
+    return split
 
 
 def collect(params) -> None:
@@ -145,15 +161,15 @@ def collect(params) -> None:
     import torch.distributed as dist
 
     pending = {}
-    for param in split_parameters(params):
-        if not any(p.is_shard() for p in param.placements):
+    for param, mesh, placements in split_parameters(params):
+        if not any(p.is_shard() for p in placements):
             continue  # replicated: the whole result on every process already
         norms = param.__dict__.get(BATCH_L2_SAVEFIELD)
         if norms is not None and not norms.__dict__.get(_COMBINED):
-            pending.setdefault((param.device_mesh, norms.dtype), []).append(norms)
+            pending.setdefault((mesh, norms.dtype), []).append(norms)
         gradient = param.__dict__.get(LOCAL_GRADIENT_SAVEFIELD)
         if gradient is not None and not gradient.__dict__.get(_COMBINED):
-            whole = _gathered(gradient, param)
+            whole = _gathered(gradient, param, mesh, placements)
             whole.__dict__[_COMBINED] = True
             setattr(param, LOCAL_GRADIENT_SAVEFIELD, whole)
     for (mesh, _), tensors in pending.items():
@@ -164,11 +180,12 @@ def collect(params) -> None:
             tensor.__dict__[_COMBINED] = True
 
 
-def _gathered(local_result, param):
-    """A shard's result (shaped like ``param``'s local shard) gathered whole, like ``param``."""
+def _gathered(local_result, param, mesh, placements):
+    """A shard's result (this process's part of ``param`` split by ``placements`` over the
+    tensor-parallel ``mesh``) gathered whole, shaped like ``param``."""
     from torch.distributed.tensor import DTensor
 
-    spread = DTensor.from_local(local_result, param.device_mesh, param.placements,
+    spread = DTensor.from_local(local_result, mesh, placements,
                                 run_check=False, shape=param.shape, stride=param.stride())
     return spread.full_tensor()
 
@@ -180,4 +197,4 @@ def duplicate_examples(params) -> bool:
     them to the reduction across processes, the others none.
     """
     split = split_parameters(params)
-    return bool(split) and split[0].device_mesh.get_local_rank() != 0
+    return bool(split) and split[0][1].get_local_rank() != 0

@@ -147,6 +147,11 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     supports_hsdp: bool = False
     #: Exact under tensor parallelism (:mod:`~cockpit_gradnoise.extensions.tensor_parallel`).
     supports_tensor_parallel: bool = False
+    #: Exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh); else refused there.
+    supports_fsdp2_tensor_parallel: bool = False
+    #: Its sums are per element: under tensor parallelism a split parameter's stay with the
+    #: process holding the shard, not reduced (``quantities/_sums.py``).
+    per_element_sums_stay: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -315,8 +320,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             sharded.collect(params)  # FSDP2: the unsharded parameters' results onto the sharded
         # A DTensor breaks every other formula, one process or many.
         distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
-                                      tensor_parallel=self.supports_tensor_parallel)
-        distributed.refuse_hsdp(params, type(self).__name__, supported=self.supports_hsdp)
+                                      tensor_parallel=self.supports_tensor_parallel,
+                                      fsdp2_tensor_parallel=self.supports_fsdp2_tensor_parallel,
+                                      hsdp=self.supports_hsdp, quantity=type(self).__name__)
         if self.supports_tensor_parallel:
             tensor_parallel.collect(params)  # split layers' results completed over their mesh
         if distributed.world_size() > 1:

@@ -16,6 +16,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed
+from cockpit_gradnoise.extensions import sharded, tensor_parallel
 
 import torch
 from torch import Tensor
@@ -26,7 +27,13 @@ Cut = Optional[Tuple[int, int, int]]
 
 
 def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
-    """``{name: Cut}`` where some parameter is an FSDP2 ``DTensor``, else ``None`` (nothing sharded).
+    """``{name: Cut}`` where some parameter is a ``DTensor``, else ``None`` (nothing sharded).
+
+    Tensor parallelism (``quantities/_sums.py``): a split parameter's sums are
+    this process's already, of its shard: alone, its cut is all of them; inside
+    FSDP2 (added over ``dp``) their rows cut by the ``dp`` rank as ``torch.chunk``
+    does. A parameter whose sums are whole on every process of a ``tp`` group
+    (replicated, or sharded on ``dp`` only) is held by the first of the group.
 
     Raises:
         RuntimeError: Where a parameter's local shard is not the rows FSDP2's
@@ -34,12 +41,35 @@ def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
     """
     if not any(type(param).__name__ == "DTensor" for _, param in named_params):
         return None
-    return {name: _cut(name, param) for name, param in named_params}
+    split = tensor_parallel.split_parameters([param for _, param in named_params])
+    tp = (split[0][1].get_local_rank(), split[0][1].size()) if split else (0, 1)
+    managed = sharded.fsdp2_parameters() if split else {}
+    placed = {id(param): placements for param, _, placements in split}
+    return {name: _cut(name, param, placed.get(id(param)), managed.get(id(param)), tp)
+            for name, param in named_params}
 
 
-def _cut(name: str, param) -> Cut:
+def _rows(size: int, parts: int, index: int) -> Tuple[int, int]:
+    """``[start, stop)`` of part ``index`` of ``size`` rows cut in ``parts`` by ``torch.chunk``."""
+    rows = -(-size // parts)
+    start = min(index * rows, size)
+    return start, min(start + rows, size)
+
+
+def _cut(name: str, param, split=None, fsdp_param=None, tp=(0, 1)) -> Cut:
+    """The cut of ``param`` (``split``: its tensor-parallel placements; ``tp``: this
+    process's rank in its tensor-parallel mesh, and the mesh's size)."""
     if type(param).__name__ != "DTensor":
         return None
+    tp_rank, tp_size = tp
+    dim = next((p.dim for p in split or () if p.is_shard()), None)
+    if split is not None and fsdp_param is None:  # tensor parallelism alone: this process's sums
+        return None if dim is None else (dim, 0, param.to_local().shape[dim])
+    if split is not None:  # inside FSDP2: the tp shard's sums (or whole ones), rows by dp
+        rows = _rows(param.shape[0], tp_size, tp_rank) if dim == 0 else (0, param.shape[0])
+        dp = fsdp_param.mesh_info.mesh
+        start, stop = _rows(rows[1] - rows[0], dp.size(), dp.get_local_rank())
+        return (0, start, stop) if dim is not None or tp_rank == 0 else (0, 0, 0)
     placements = param.placements
     dim = getattr(placements[0], "dim", None) if len(placements) == 1 else None
     mesh = param.device_mesh
@@ -48,17 +78,16 @@ def _cut(name: str, param) -> Cut:
             f"cockpit_gradnoise: parameter {name!r} is a DTensor placed {placements} on a "
             f"{mesh.ndim}-D mesh; only FSDP2's one Shard(dim) on a 1-D mesh is supported"
         )
-    size, world, rank = param.shape[dim], mesh.size(), mesh.get_local_rank()
-    rows = -(-size // world)
-    start = min(rank * rows, size)
-    stop = min(start + rows, size)
+    rank = mesh.get_local_rank()
+    start, stop = _rows(param.shape[dim], mesh.size(), rank)
     local = param.to_local().shape[dim]
     if local != stop - start:
         raise RuntimeError(
             f"cockpit_gradnoise: parameter {name!r}'s shard on process {rank} has {local} rows "
             f"of dim {dim}, not the {stop - start} that torch.chunk gives: a layout not supported"
         )
-    return dim, start, stop
+    # On the dp part of a ("dp", "tp") mesh, a layer not split: held by the first tp group.
+    return (dim, start, stop) if tp_rank == 0 else (dim, 0, 0)
 
 
 def local_part(full: Tensor, cut: Cut, rank: int) -> Tensor:

@@ -14,7 +14,7 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 from cockpit_gradnoise import distributed
-from cockpit_gradnoise.extensions import tensor_parallel
+from cockpit_gradnoise.extensions import sharded, tensor_parallel
 from cockpit_gradnoise.logs.schema import NETWORK
 from cockpit_gradnoise.quantities._accumulation import Accumulation
 from cockpit_gradnoise.step import Batch, Step
@@ -47,7 +47,7 @@ def _reduce(step, quantities, params):
     contribution = distributed.Contribution(
         slots=[f"{type(q).__name__}:{name}" for q, name in slots]
     )
-    parts = {}
+    parts, kept = {}, _with_their_shard(quantities, params)
     try:
         for q in quantities:
             parts[q] = q.step_sums(step, params)
@@ -62,10 +62,10 @@ def _reduce(step, quantities, params):
             contribution.examples = batches[0].examples
             contribution.scale = batches[0].loss_scale
         contribution.sums = [
-            (sums[sum_name], how)
+            (sums[sum_name].new_zeros(0) if (q, name) in kept else sums[sum_name], how)
             for q, part in parts.items()
             if part is not None
-            for sums in part[1].values()
+            for name, sums in part[1].items()
             for sum_name, how in q.sums.items()
         ]
         if tensor_parallel.duplicate_examples(params):
@@ -79,14 +79,55 @@ def _reduce(step, quantities, params):
     reduced = distributed.reduce_step(contribution, device, step.global_step)
     batch = Batch(reduced.examples, reduced.scale)
     values = iter(reduced.sums)
+    own = _added_over_dp(parts, kept)
     results = {}
     for q, part in parts.items():
         if part is None:
             results[q] = None
             continue
         sums = {name: {sum_name: next(values) for sum_name in q.sums} for name in part[1]}
+        # Kept with their shard: this process's own, added over dp inside FSDP2.
+        sums.update(own[q])
         results[q] = (batch, sums)
     return results
+
+
+def _with_their_shard(quantities, params) -> dict:
+    """``{(quantity, name): dp mesh or None}`` whose sums are not reduced across every
+    process: the per-element sums (``per_element_sums_stay``) of a parameter split by
+    tensor parallelism, whose processes hold disjoint elements of it, each over every
+    example of its batch; inside FSDP2 they are added over the ``dp`` mesh only."""
+    split = {id(param) for param, _, placements in tensor_parallel.split_parameters(params)
+             if any(placement.is_shard() for placement in placements)}
+    if not split:
+        return {}
+    managed = sharded.fsdp2_parameters()
+    dp = {key: fsdp_param.mesh_info.mesh for key, fsdp_param in managed.items()}
+    return {(q, name): dp.get(id(param)) for q in quantities if q.per_element_sums_stay
+            for name, param in q.trainable(params) if id(param) in split}
+
+
+def _added_over_dp(parts, kept) -> dict:
+    """``{quantity: {name: sums}}`` of the sums ``kept`` with their shard, added over their
+    ``dp`` mesh where FSDP2 shards them (one ``all_reduce`` per mesh and dtype; collective)."""
+    import torch.distributed as dist
+
+    found: dict = {q: {} for q in parts}
+    pending: dict = {}
+    for (q, name), dp in kept.items():
+        part = parts.get(q)
+        if part is None or name not in part[1]:
+            continue
+        found[q][name] = sums = dict(part[1][name])
+        for key, value in sums.items():
+            if dp is not None:
+                pending.setdefault((dp, value.dtype), []).append((sums, key))
+    for (dp, _), entries in pending.items():
+        buffer = torch.cat([sums[key].reshape(-1) for sums, key in entries])
+        dist.all_reduce(buffer, group=dp.get_group())
+        for (sums, key), block in zip(entries, buffer.split([sums[key].numel() for sums, key in entries])):
+            sums[key] = block.view_as(sums[key])
+    return found
 
 
 def _contribute_no_examples(contribution):

@@ -49,6 +49,8 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
     supports_hsdp: bool = False
     #: Exact under tensor parallelism; else it is refused.
     supports_tensor_parallel: bool = False
+    #: Exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh); else it is refused.
+    supports_fsdp2_tensor_parallel: bool = False
 
     def __init__(self, track_schedule, *, param_names=None, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
@@ -114,7 +116,9 @@ class TwoStepParameterQuantity(NamedQuantity, Quantity):
         names = self.names(params)
         # Parameters are the same on every process (DDP): nothing to reduce.
         distributed.check_not_sharded(params, fsdp2=self.supports_fsdp2,
-                                      tensor_parallel=self.supports_tensor_parallel)
+                                      tensor_parallel=self.supports_tensor_parallel,
+                                      fsdp2_tensor_parallel=self.supports_fsdp2_tensor_parallel,
+                                      hsdp=self.supports_hsdp, quantity=type(self).__name__)
         start, cache = self._cache_step, self._cache
         self._cache_step, self._cache = None, None
         value = None

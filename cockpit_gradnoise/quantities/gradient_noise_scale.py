@@ -73,6 +73,7 @@ class GradientNoiseScale(ParameterQuantity):
     supports_fsdp2 = True
     supports_hsdp = True
     supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
     micro_batch_gradient = "sum_of_gradients"  # sum_i g_i, kept per micro-batch

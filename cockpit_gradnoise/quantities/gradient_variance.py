@@ -59,7 +59,11 @@ class GradientVarianceQuantiles(ParameterQuantity):
     there, and the quantiles over all processes' elements come from a
     distributed selection
     (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`),
-    identical on every process (``docs/distributed.md``).
+    identical on every process (``docs/distributed.md``). Under tensor
+    parallelism (``parallelize_module``, a 1-D mesh) a split parameter's sums
+    are this process's, of its shard, over every example: they stay there, not
+    reduced (inside FSDP2, on a ``("dp", "tp")`` mesh, added over ``dp`` only); the
+    quantiles as under FSDP2.
 
     Memory: on the CPU, for one batch on one process, where every layer's
     sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
@@ -81,6 +85,12 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     extension_classes = (SumsOfContributions,)
     supports_fsdp2 = True
+    #: Under tensor parallelism a split parameter's sums stay with its shard (inside FSDP2
+    #: added over dp), whole sums of every other parameter are held by the first process of
+    #: the tp group; the quantiles as under FSDP2.
+    supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
+    per_element_sums_stay = True
     # "rounding_magnitudes": R of sums expanded over positions (a convolution's
     # weight with few positions: functional.expansion_rounding_bound); 0-dim 0 elsewhere.
     sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM,

@@ -41,6 +41,7 @@ class ParamGradRatio(ParameterQuantity):
     supports_fsdp2 = True
     supports_hsdp = True
     supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
 
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()

@@ -36,6 +36,7 @@ class PerExampleGradNorm(ParameterQuantity):
     supports_fsdp2 = True
     supports_hsdp = True
     supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
     sums = {"squared_norms": CAT}
 
     def __init__(

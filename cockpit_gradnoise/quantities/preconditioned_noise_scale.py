@@ -110,6 +110,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     micro_batch_gradient = None
     supports_hsdp = False  # its sums are cut to each process's shard (quantities/_shards.py)
     supports_tensor_parallel = False  # the optimizer's state of a split parameter: not built
+    supports_fsdp2_tensor_parallel = False
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False

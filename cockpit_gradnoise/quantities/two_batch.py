@@ -120,7 +120,7 @@ class TwoBatchNoiseScale(Quantity):
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
         if self._sharded:  # its big batch adds each process's shard: replicas would add twice
-            distributed.refuse_hsdp(self.params, "TwoBatchNoiseScale")
+            distributed.check_not_sharded(self.params, fsdp2=True, quantity="TwoBatchNoiseScale")
         if self._sharded and self._standalone:
             raise TypeError("under FSDP2 (fully_shard) TwoBatchNoiseScale runs in a Cockpit: "
                             "cgn.track(model, quantities=\"norms\") after fully_shard")
@@ -270,7 +270,7 @@ class TwoBatchNoiseScale(Quantity):
         """No BackPACK extension; arms the hooks for a tracked step (Cockpit calls this first)."""
         self._armed = self._standalone or self.should_compute(global_step)
         if self._armed and self._sharded:  # after the forward pass: FSDP2's copies exist
-            distributed.check_not_sharded(self.params, fsdp2=True)
+            distributed.check_not_sharded(self.params, fsdp2=True, quantity="TwoBatchNoiseScale")
             fsdp2.hook_unsharded(self.params, self._record, self._unsharded_hooks)
         return []
 

@@ -113,6 +113,7 @@ class UpdateSize(TwoStepParameterQuantity):
     #: Under tensor parallelism the same: a split parameter's shards add, a replicated one
     #: (and a plain tensor) is counted once.
     supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
 
     def __init__(self, track_schedule, *, param_names=None, verbose=False, cache_on_cpu=False):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)

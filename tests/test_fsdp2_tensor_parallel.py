@@ -1,0 +1,204 @@
+"""FSDP2 over tensor parallelism (a 2 x 2 ``("dp", "tp")`` mesh): exact global-batch statistics.
+
+Four processes (gloo on loopback, a free port, float64,
+``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``) run every job in one
+launch (``test_distributed.run_once_per_world``). The model is test_tensor_parallel's:
+``fc1`` split by ``ColwiseParallel`` and ``fc2`` by ``RowwiseParallel`` on ``tp`` (its bias
+replicated), a plain layer, a frozen one and an unused one; then ``fully_shard`` on ``dp``
+(the split parameters become DTensors placed ``(Shard(0) on dp, Shard(k) on tp)``).
+The two processes of a ``tp`` group see the same examples, the two ``dp`` groups distinct
+ones (test_fsdp2's local batches of 2 processes). Each job is compared with one process
+holding the whole model and the global batch (both ``dp`` groups' examples, all
+micro-batches; ``ParamGradRatio`` and ``UpdateSize`` with FSDP2's ``param.grad``, the mean
+over ``dp`` of the local gradients: test_fsdp2's reference), with the DDP tests' tolerance.
+The jobs run the recipe of docs/distributed.md's "FSDP2 over tensor parallelism" section
+(prepare_model, parallelize_module on ``tp``, fully_shard on ``dp``, a Cockpit).
+
+Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
+``reshard_after_forward=True`` (mean loss, unequal local batches), on the root only with
+``False`` (sum loss), two micro-batches accumulated, each tracked by the five quantities
+exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
+their ``tp`` shard); refused by name: PreconditionedNoiseScale (the optimizer's state of
+split parameters), a cockpit over the layer sharded on ``dp`` alone, and ``cgn.track``
+(tensor parallelism goes through the explicit API).
+"""
+
+import math
+import warnings
+from pathlib import Path
+
+import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+from cockpit_gradnoise import distributed
+
+import pytest
+import torch
+import torch.distributed as dist
+from cockpit.utils.schedules import linear
+
+from tests import test_fsdp2, test_tensor_parallel
+from tests.test_distributed import (
+    assert_identical,
+    assert_tables_match,
+    join_group,
+    results_of,
+    run_once_per_world,
+)
+
+DP, TP = 2, 2
+WORLD = DP * TP
+SPLIT = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+def make_model():
+    return test_tensor_parallel.make_model("mean")
+
+
+def per_example(names):
+    """test_fsdp2's per-example quantities and the quantiles of the gradient's sd."""
+    return test_fsdp2.per_example(names) + [
+        cgn.GradientVarianceQuantiles(linear(1), quantiles=test_fsdp2.QUANTILES, param_names=names)]
+
+
+def sharded_model(mesh, per_linear=True, reshard=True):
+    """The model split on ``tp``, then sharded on ``dp`` (the order torchtitan uses)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = make_model()
+    parallelize_module(model, mesh["tp"], test_tensor_parallel.plan("mean"))
+    if per_linear:
+        for module in (model.fc1, model.fc2, model.head, model.frozen, model.unused):
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
+    return model
+
+
+def job_table(job, mesh):
+    """The table, warnings and placements of test_fsdp2's ``job`` on this process's batches."""
+    per_linear, reshard, reduction = test_fsdp2.JOBS[job]
+    model = sharded_model(mesh, per_linear, reshard)
+    named = test_fsdp2.trainable(model)
+    names = dict(named)
+    cockpit = cgn.Cockpit([p for _, p in named],
+                          quantities=per_example(names) + test_fsdp2.from_grad(names))
+    micro = len(test_fsdp2.SIZES[job][DP]) if job == "accumulation" else 1
+    batches = test_fsdp2.local_batches(job, DP, mesh["dp"].get_local_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        test_fsdp2.run_steps(model, cockpit, batches, reduction, micro)
+    return {"table": test_fsdp2.table(cockpit), "warnings": [str(w.message) for w in caught],
+            "placements": {name: str(p.placements) for name, p in named}}
+
+
+def refusals(mesh):
+    """What the quantities not exact here say at their tracked step, what an exact one says
+    over the plain layer alone (sharded on ``dp`` only: nothing tells the ``tp`` groups, whose
+    processes hold the same examples), and what cgn.track says."""
+    messages = {}
+    for key, make in {"PreconditionedNoiseScale": cgn.PreconditionedNoiseScale,
+                      "plain_only": cgn.GradientNoiseScale}.items():
+        model = sharded_model(mesh)
+        named = [(n, p) for n, p in test_fsdp2.trainable(model) if key != "plain_only" or n.startswith("head")]
+        cockpit = cgn.Cockpit([p for _, p in named], quantities=[make(linear(1), param_names=dict(named))])
+        batches = test_fsdp2.local_batches("per_linear", DP, mesh["dp"].get_local_rank(), steps=1)
+        try:
+            test_fsdp2.run_steps(model, cockpit, batches, "mean")
+            messages[key] = None
+        except TypeError as error:
+            messages[key] = str(error)
+    for key, quantities in {"norms": "norms", "exact": list(distributed.TENSOR_PARALLEL_QUANTITIES)}.items():
+        try:
+            cgn.track(sharded_model(mesh), quantities=quantities)
+            messages[key] = None
+        except TypeError as error:
+            messages[key] = str(error)
+    return messages
+
+
+def worker(rank, world, port, out):
+    join_group(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    results = {}
+    try:
+        for job in test_fsdp2.JOBS:
+            results[job] = job_table(job, mesh)
+            torch.save(results, Path(out) / f"rank{rank}.pt")
+        results["refused"] = refusals(mesh)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    return run_once_per_world(tmp_path_factory, "fsdp2_tensor_parallel_", worker)
+
+
+@pytest.mark.parametrize("job", list(test_fsdp2.JOBS))
+def test_equals_one_process_on_the_global_batch(group, job):
+    results = results_of(group, WORLD, job)
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    expected = test_fsdp2.reference(job, DP, quantities=per_example, make=make_model)
+    assert_tables_match(tables[0], expected)
+    placements = results[0]["placements"]
+    # FSDP2's Shard(0) on dp (strided where tp splits dim 0 too) before tp's Colwise / Rowwise.
+    assert placements["fc1.weight"].endswith("Shard(dim=0))") and "Shard" in placements["fc1.weight"][:20]
+    assert placements["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placements["fc2.bias"] == "(Shard(dim=0), Replicate())"
+    rows = {(key[1], key[2]) for key in expected}
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                     "GradientVarianceQuantiles"):
+        assert {(quantity, name) for name in SPLIT + ("head.weight", "head.bias", "all")} <= rows
+        assert not any(name.startswith("frozen") for q, name in rows if q == quantity)
+    assert any("unused.weight" in message for message in results[0]["warnings"])
+    assert not any(math.isnan(value) for value in tables[0].values())
+
+
+def test_quantities_not_exact_there_are_refused_by_name(group):
+    for messages in results_of(group, WORLD, "refused"):
+        name = "PreconditionedNoiseScale"
+        assert messages[name].startswith(f"{name} is refused"), messages[name]
+        assert "tensor parallelism inside FSDP2" in messages[name]
+        assert "PerExampleGradNorm" in messages[name]
+        assert messages["plain_only"].startswith("GradientNoiseScale is refused")
+        assert "a device mesh of 2 of the 4 processes" in messages["plain_only"]
+        assert "tensor parallelism inside FSDP2" in messages["norms"]
+        assert "tensor parallelism inside FSDP2" in messages["exact"]
+
+
+def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):
+    """HSDP or dp_mesh_dims over tensor parallelism, a dp x tp mesh over some processes, a
+    placement other than Shard or Replicate, a layer on a dp mesh no split layer shares (no
+    processes: FSDP2's parameter as the check reads it)."""
+    from types import SimpleNamespace
+
+    from cockpit_gradnoise.extensions import sharded
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    def mesh(ndim=1, size=2):
+        return SimpleNamespace(ndim=ndim, size=lambda: size)
+
+    dp = mesh()
+
+    def fsdp_param(dp_mesh=dp, tp_size=2, placements=(Shard(0),), spmd=False, inside=True):
+        spec = SimpleNamespace(mesh=mesh(size=tp_size), placements=placements) if inside else None
+        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=dp_mesh, is_spmd_mesh=spmd), param_dtype=None,
+                               orig_dtype=torch.float64, _unsharded_dtensor_spec=spec, is_dtensor=inside)
+
+    monkeypatch.setattr(sharded, "dist_world_size", lambda: 4)
+    assert "tensor parallelism inside FSDP2" in sharded.unsupported_layout(fsdp_param())
+    assert sharded.unsupported_layout(fsdp_param(), tensor_parallel=True) is None
+    assert sharded.unsupported_layout(fsdp_param(placements=(Replicate(),)), tensor_parallel=True) is None
+    assert "HSDP" in sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=2)), tensor_parallel=True)
+    assert "dp_mesh_dims" in sharded.unsupported_layout(fsdp_param(spmd=True), tensor_parallel=True)
+    assert "of the 4 processes" in sharded.unsupported_layout(fsdp_param(tp_size=4), tensor_parallel=True)
+    assert "only Shard and Replicate" in sharded.unsupported_layout(
+        fsdp_param(placements=(Partial(),)), tensor_parallel=True)
+    plain = fsdp_param(inside=False)  # a layer not split, sharded on the dp mesh
+    assert "2 of the 4 processes" in sharded.unsupported_layout(plain, tensor_parallel=True)
+    assert sharded.unsupported_layout(plain, tensor_parallel=True, over_tp=[dp]) is None
