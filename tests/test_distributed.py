@@ -142,6 +142,22 @@ def join_group(rank, world, port):
     )
 
 
+def run_jobs(rank, world, port, out, jobs):
+    """A worker's body: join the group, run ``jobs`` (``{name: job(mesh)}``, a 1-D mesh over
+    every process) in order, saving this process's results after each, and leave the group."""
+    join_group(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    try:
+        for name, job in jobs.items():
+            results[name] = job(mesh)
+            torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def worker(rank, world, port, out):
     join_group(rank, world, port)
     out = Path(out)

@@ -301,8 +301,8 @@ def test_quantities_not_exact_under_fsdp2_are_refused(groups, world):
 
 
 def test_layouts_not_made_exact_are_named():
-    """A 2-D mesh not HSDP's, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
-    FSDP2's parameter as the check reads it)."""
+    """A 2-D mesh not HSDP's, a mesh over some processes only, TP inside FSDP2 and a float16 policy (no
+    processes: FSDP2's parameter as the check reads it); a bfloat16 policy passes."""
     from types import SimpleNamespace
 
     from cockpit_gradnoise.extensions import sharded
@@ -320,7 +320,9 @@ def test_layouts_not_made_exact_are_named():
         assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.float32)) is None
         assert "other than HSDP's" in sharded.unsupported_layout(fsdp_param(ndim=2))  # not HSDP's mesh_info
         assert "span every process" in sharded.unsupported_layout(fsdp_param(size=1))
-        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16))
+        assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16)) is None  # tests/test_fsdp2_bf16.py
+        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.float16))
+        assert "HSDP or tensor" in sharded.unsupported_layout(fsdp_param(ndim=2, param_dtype=torch.bfloat16))
         assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))
     finally:
         sharded.dist_world_size = original
