@@ -249,10 +249,30 @@ def norms_job(world, rank, mesh, *, reduce_dtype):
     return {"table": table(tracker), "steps": steps}
 
 
+def float16_job(world, rank, mesh):
+    """A float16 policy through the front door: the error at the first tracked step (FSDP2
+    sets the parameters' dtype at its first forward pass, after ``cgn.track``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(Net(), mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    model, tracker = cgn.track(model, every=1)
+    x, y = local_batch(world, rank, 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker(0, F.cross_entropy(model(x).float(), y, reduction="none")) as loss:
+                loss.backward()
+    except TypeError as error:
+        return str(error)
+    return None
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(bf16_job, job, world, rank) for job in JOBS}
     for job, dtype in NORMS_JOBS.items():
         jobs[job] = functools.partial(norms_job, world, rank, reduce_dtype=dtype)
+    jobs["float16"] = functools.partial(float16_job, world, rank)
     run_jobs(rank, world, port, out, jobs)
 
 
@@ -617,3 +637,10 @@ def test_preconditioned_noise_scale_within_the_bfloat16_bound(groups, world, sou
             network = [a + v for a, v in zip(network, values)]
             check_noise_scale(got, step, name, values, n, "PreconditionedNoiseScale")
         check_noise_scale(got, step, "all", network, n, "PreconditionedNoiseScale")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_float16_policy_is_refused_by_name(groups, world):
+    for message in results_of(groups, world, "float16"):
+        assert message is not None and "MixedPrecisionPolicy" in message and "torch.float16" in message
+        assert "param_dtype=torch.bfloat16" in message  # what is supported
