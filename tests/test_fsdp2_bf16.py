@@ -8,6 +8,7 @@ bfloat16). Jobs: ``mean`` (``cgn.track`` after ``fully_shard`` on every Linear a
 root, the five quantities of the default preset), ``sum`` (a Cockpit over the sharded
 parameters, the root only, ``reshard_after_forward=False``), ``reduce_bf16``
 (``reduce_dtype=torch.bfloat16``), ``adam`` (PreconditionedNoiseScale with Adam) and
+``accumulation`` (two micro-batches per step, ``reshard_after_forward=False``) and
 ``norms`` / ``norms_reduce_bf16`` (``cgn.track(quantities="norms")``); unequal local
 batches (``1/N_r`` not a power of two), two steps.
 
@@ -63,7 +64,9 @@ JOBS = {  # job: (fully_shard every Linear, reshard_after_forward, reduction, re
     "sum": (False, False, "sum", torch.float32, "SGD"),
     "reduce_bf16": (True, True, "mean", torch.bfloat16, "SGD"),
     "adam": (True, True, "mean", torch.float32, "Adam"),  # PreconditionedNoiseScale alone
+    "accumulation": (True, False, "mean", torch.float32, "SGD"),  # two micro-batches per step
 }
+MICRO_BATCHES = {"accumulation": 2}
 NORMS_JOBS = {"norms": torch.float32, "norms_reduce_bf16": torch.bfloat16}  # job: reduce_dtype
 FRONT_DOOR = "mean"  # through cgn.track after fully_shard; the others a Cockpit over the sharded parameters
 ADAM = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
@@ -84,9 +87,9 @@ def from_grad(names):
     return [cgn.ParamGradRatio(linear(1), param_names=names), cgn.UpdateSize(linear(1), param_names=names)]
 
 
-def local_batch(world, rank, step):
+def local_batch(world, rank, step, micro_batch=0):
     sizes = SIZES[world]
-    x, y = make_batch(sum(sizes), seed=100 + step)
+    x, y = make_batch(sum(sizes), seed=100 + step + 10 * micro_batch)
     start = sum(sizes[:rank])
     return x[start : start + sizes[rank]].float(), y[start : start + sizes[rank]]
 
@@ -110,7 +113,7 @@ def capture(model):
     return seen
 
 
-def low_precision_reference(full, x, y, reduction, dtype=torch.bfloat16):
+def low_precision_reference(full, x, y, reduction, micro_batches=1, dtype=torch.bfloat16):
     """This process's bfloat16 computation on a plain copy: per-example gradients and the factors.
 
     ``full``: the float32 parameters, gathered. Returns the per-example gradients (float64,
@@ -132,12 +135,12 @@ def low_precision_reference(full, x, y, reduction, dtype=torch.bfloat16):
     rows, rows_agree = {name: [] for name in names}, True
     per_example_g = []
     for i in range(n):
-        own = losses[i] / n if reduction == "mean" else losses[i]
+        own = (losses[i] / n if reduction == "mean" else losses[i]) / micro_batches
         grads = torch.autograd.grad(own, [params[name] for name in names], retain_graph=True)
         for name, g in zip(names, grads):
             rows[name].append(g.double())
         per_example_g.append({layer: seen[layer][1].clone() for layer in LAYERS})
-    scaled(losses, reduction).backward()
+    (scaled(losses, reduction) / micro_batches).backward()
     factors = {layer: (a.clone(), g.clone()) for layer, (a, g) in seen.items()}
     for i, gs in enumerate(per_example_g):
         for layer, g in gs.items():
@@ -180,35 +183,41 @@ def bf16_job(job, world, rank, mesh):
         optimizer = torch.optim.SGD(params, lr=LR)
     if not front_door:
         cockpit = cgn.Cockpit(params, quantities=quantities)
-    steps = []
+    micro_batches, steps = MICRO_BATCHES.get(job, 1), []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            x, y = local_batch(world, rank, step)
             full = {name: p.full_tensor() for name, p in model.named_parameters()}
-            reference = low_precision_reference(full, x, y, reduction)
-            # The float32 model's (FSDP2 without the policy): not what the bfloat16 pass gives.
-            reference["float32"] = low_precision_reference(full, x, y, reduction, torch.float32)["autograd"]
             # Adam's second moment before this step's update (none at the first), gathered.
             moments = {name: optimizer.state[p]["exp_avg_sq"].full_tensor() for name, p in named
                        if "exp_avg_sq" in optimizer.state.get(p, {})}
             optimizer.zero_grad()
-            losses = F.cross_entropy(model(x).float(), y, reduction="none")
-            loss = scaled(losses, reduction)
-            if front_door:
-                with cockpit(step, losses, optimizer=optimizer) as loss:
-                    loss.backward()
-            else:
-                info = {"batch_size": len(y), "loss": loss, "individual_losses": losses, "optimizer": optimizer}
-                with cockpit(step, info=info):
-                    loss.backward()
-            factors_agree = all(torch.equal(a, seen[layer][0]) and torch.equal(g, seen[layer][1])
-                                for layer, (a, g) in reference.pop("factors").items())
+            parts = []
+            for k in range(micro_batches):
+                x, y = local_batch(world, rank, step, k)
+                part = low_precision_reference(full, x, y, reduction, micro_batches)
+                # The float32 model's (FSDP2 without the policy): not what the bfloat16 pass gives.
+                float32 = low_precision_reference(full, x, y, reduction, micro_batches, torch.float32)
+                part["float32"] = float32["autograd"]
+                losses = F.cross_entropy(model(x).float(), y, reduction="none")
+                loss = scaled(losses, reduction) / micro_batches
+                if front_door:
+                    with cockpit(step, losses, optimizer=optimizer) as loss:
+                        loss.backward()
+                else:
+                    info = {"batch_size": len(y), "loss": loss, "individual_losses": losses, "optimizer": optimizer}
+                    if micro_batches > 1:
+                        info.update(micro_batch=k, micro_batches=micro_batches)
+                    with cockpit(step, info=info):
+                        loss.backward()
+                part["factors_agree"] = all(torch.equal(a, seen[layer][0]) and torch.equal(g, seen[layer][1])
+                                            for layer, (a, g) in part.pop("factors").items())
+                part["scale"] = (1.0 / len(y) if reduction == "mean" else 1.0) / micro_batches
+                parts.append(part)
             grads = {name: p.grad.full_tensor() for name, p in named if p.grad is not None}
             optimizer.step()
             steps.append({"params": {name: full[name] for name, _ in named}, "grads": grads, "moments": moments,
-                          "factors_agree": factors_agree, "scale": 1.0 / len(y) if reduction == "mean" else 1.0,
-                          **reference})
+                          "parts": parts})
     return {"table": table(cockpit), "steps": steps, "warnings": [str(w.message) for w in caught]}
 
 
@@ -304,10 +313,9 @@ def element_bounds(results, step, source="autograd", unit=U):
     float32's sums round: ``unit = 0``.
     """
     out = {}
-    for name in results[0]["steps"][step][source]:
+    for name in results[0]["steps"][step]["parts"][0][source]:
         g, d = [], []
-        for result in results:
-            part = result["steps"][step]
+        for part in (part for result in results for part in result["steps"][step]["parts"]):
             x, scale, magnitude = part[source][name], part["scale"], part["elements"][name]
             delta = unit * (1 + unit) * x.abs() + (gamma(1, unit) + 2 * gamma(part["terms"][name])) * magnitude
             g.append(x / scale)
@@ -376,7 +384,7 @@ def test_the_reference_computes_what_each_process_computed(groups, world, job):
     rows of the batch's (other rows 0): the reference is the same computation."""
     for result in results_of(groups, world, job):
         for step in result["steps"]:
-            assert step["factors_agree"] and step["rows_agree"]
+            assert all(part["factors_agree"] and part["rows_agree"] for part in step["parts"])
 
 
 @pytest.mark.parametrize("world,job", SGD_MATRIX)
@@ -413,7 +421,7 @@ def check_per_example(results, world, job, source, unit):
     (:func:`global_examples` ``(source, unit)``); how many b_simple and SNR rows were checked."""
     got = results[0]["table"]
     reduction = JOBS[job][2]
-    n = sum(SIZES[world])
+    n = sum(SIZES[world]) * MICRO_BATCHES.get(job, 1)  # every micro-batch of every process
     scale = 1.0 / n if reduction == "mean" else 1.0  # x_i = c g_i of the global loss
     checked = {"b_simple": 0, "snr": 0}
     for step in range(STEPS):
@@ -521,17 +529,23 @@ def check_snr(got, step, name, snr):
 def test_fsdp2_gradient_is_the_mean_of_the_processes_bfloat16_gradients(groups, world, job):
     """What ParamGradRatio reads: FSDP2's float32 gradient is the mean over processes of their
     bfloat16 batch gradients (the copy's, by autograd), per element within the reduction's
-    rounding in ``reduce_dtype``: ``gamma_{W+2}(unit) mean_r |G_r|`` (``W - 1`` additions, a
-    division before and after, in float32 or bfloat16)."""
+    rounding in ``reduce_dtype``: ``gamma_{W+2+K}(unit) sum_k mean_r |G_rk|`` (``W - 1``
+    additions, a division before and after, in float32 or bfloat16, and ``K`` micro-batches
+    accumulated in float32)."""
     results = results_of(groups, world, job)
     unit = torch.finfo(JOBS[job][3]).eps / 2
     within_float32 = []
+    count = MICRO_BATCHES.get(job, 1)
     for step in range(STEPS):
         for name, grad in results[0]["steps"][step]["grads"].items():
-            local = torch.stack([result["steps"][step]["local_grad"][name].double() for result in results])
-            error = (grad.double() - local.mean(0)).abs()
-            assert (error <= gamma(world + 2, unit) * local.abs().mean(0)).all(), (step, name)
-            within_float32.append(bool((error <= gamma(world + 2) * local.abs().mean(0)).all()))
+            # [micro-batch, process]: added over micro-batches, the mean over processes.
+            local = torch.stack([torch.stack([part["local_grad"][name].double()
+                                              for part in result["steps"][step]["parts"]])
+                                 for result in results], dim=1)
+            error = (grad.double() - local.mean(1).sum(0)).abs()
+            magnitude = local.abs().mean(1).sum(0)
+            assert (error <= gamma(world + 2 + count, unit) * magnitude).all(), (step, name)
+            within_float32.append(bool((error <= gamma(world + 2 + count) * magnitude).all()))
     # The bound can fail: reduced in bfloat16, FSDP2's gradient is not the float32 mean.
     assert all(within_float32) == (JOBS[job][3] == torch.float32)
 
