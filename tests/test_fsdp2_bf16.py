@@ -7,10 +7,10 @@ that casts the parameters to bfloat16 and reduces FSDP2's gradient in float32 (o
 bfloat16). Jobs: ``mean`` (``cgn.track`` after ``fully_shard`` on every Linear and the
 root, the five quantities of the default preset), ``sum`` (a Cockpit over the sharded
 parameters, the root only, ``reshard_after_forward=False``), ``reduce_bf16``
-(``reduce_dtype=torch.bfloat16``), ``adam`` (PreconditionedNoiseScale with Adam) and
-``accumulation`` (two micro-batches per step, ``reshard_after_forward=False``) and
-``norms`` / ``norms_reduce_bf16`` (``cgn.track(quantities="norms")``); unequal local
-batches (``1/N_r`` not a power of two), two steps.
+(``reduce_dtype=torch.bfloat16``), ``adam`` (PreconditionedNoiseScale with Adam),
+``accumulation`` (two micro-batches per step, ``reshard_after_forward=False``),
+``norms`` / ``norms_reduce_bf16`` (``cgn.track(quantities="norms")``) and ``float16`` (a
+float16 policy, refused); unequal local batches (``1/N_r`` not a power of two), two steps.
 
 What "exact" means here (docs/training-setups.md, "autocast, and bfloat16 or float16
 models", and docs/distributed.md, "FSDP2 with a MixedPrecisionPolicy"): each statistic of
@@ -20,15 +20,18 @@ each process, in the worker, to reproduce that process's rounding: an un-extende
 the model holding FSDP2's unsharded parameters (the float32 parameters gathered and cast
 to bfloat16, as FSDP2 casts each shard before its all-gather), run on the process's batch
 (cast to bfloat16, as FSDP2 casts the root's inputs), each example's loss backpropagated
-alone with the process's scale (``losses[i] / N_r``, ``losses[i]`` for a sum), widened to
-float64. The test checks that this copy computes what the FSDP2 process computed: every
-Linear's input and output gradient equal bit for bit, and each example's output gradient
-row in its own backward pass equal bit for bit to its row in the batch's. The global
-statistics of those per-example gradients are formed in float64 and compared within the
-bound derived from bfloat16's unit roundoff ``u = 2**-8`` (tests/test_mixed_precision.py's
-``delta_i``, carried through each formula by the triangle inequality; written where it
-is checked). ParamGradRatio and UpdateSize read FSDP2's float32 gradient and parameters,
-not per-example gradients: equal, with the DDP tests' tolerance, to one process holding
+alone with the process's scale (``losses[i] / N_r``, ``losses[i]`` for a sum; divided by
+``K`` for ``K`` micro-batches), widened to float64. The test checks that this copy computes
+what the FSDP2 process computed: every Linear's input and output gradient equal bit for
+bit, and each example's output gradient row in its own backward pass equal bit for bit
+to its row in the batch's. The global statistics of those per-example gradients are
+formed in float64 and compared within the bound derived from bfloat16's unit roundoff
+``u = 2**-8`` (tests/test_mixed_precision.py's ``delta_i``, per element, carried through
+each formula by the triangle inequality; written where it is checked); and, tighter,
+against the copy's bfloat16 factors multiplied out in float64, within float32's rounding
+alone (``u = 0``), which the float32 model's per-example gradients are far outside.
+ParamGradRatio and UpdateSize read FSDP2's float32 gradient and parameters, not
+per-example gradients: equal, with the DDP tests' tolerance, to one process holding
 FSDP2's gathered gradient and parameters; and FSDP2's gradient is the mean over processes
 of their bfloat16 gradients, within the reduction's rounding in ``reduce_dtype``.
 TwoBatchNoiseScale is a float64 function of the gradients the pass computed (each
@@ -42,6 +45,7 @@ import warnings
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 from cockpit_gradnoise import functional
 from cockpit_gradnoise.logs import schema
+from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING
 
 import pytest
 import torch
@@ -423,7 +427,7 @@ def check_per_example(results, world, job, source, unit):
     reduction = JOBS[job][2]
     n = sum(SIZES[world]) * MICRO_BATCHES.get(job, 1)  # every micro-batch of every process
     scale = 1.0 / n if reduction == "mean" else 1.0  # x_i = c g_i of the global loss
-    checked = {"b_simple": 0, "snr": 0}
+    checked, averages = {"b_simple": 0, "snr": 0}, {}
     for step in range(STEPS):
         all_norms, all_norm_bounds = 0.0, 0.0
         gns_all = [0.0, 0.0, 0.0, 0.0]  # S, M and their bounds
@@ -447,7 +451,7 @@ def check_per_example(results, world, job, source, unit):
             m_ref, m_err = total.norm().square() / n**2, e * (2 * total.norm() + e) / n**2
             gns = [s_ref.item(), m_ref.item(), s_err.item(), m_err.item()]
             gns_all = [a + v for a, v in zip(gns_all, gns)]
-            checked["b_simple"] += check_noise_scale(got, step, name, gns, n)
+            checked["b_simple"] += check_noise_scale(got, step, name, gns, n, averages=averages)
             # GradientVarianceQuantiles: sd in units of param.grad (c g); quantiles 1-Lipschitz
             # in max_j |sd_j - sd_ref,j| <= ||sd - sd_ref||_2, the mean in ||.||_2 / sqrt(P).
             sd_g, bound_g = g.std(0, unbiased=True).flatten() * n**0.5, sd_bound(g, d, world).item()
@@ -468,7 +472,7 @@ def check_per_example(results, world, job, source, unit):
             check(row("PerExampleGradNorm", q_name(level)), quantile(norms, level), b.max().item(), "all")
         check(row("PerExampleGradNorm", "mean"), norms.mean().item(), b.mean().item(), "all")
         check(row("PerExampleGradNorm", "max"), norms.max().item(), b.max().item(), "all")
-        checked["b_simple"] += check_noise_scale(got, step, "all", gns_all, n)
+        checked["b_simple"] += check_noise_scale(got, step, "all", gns_all, n, averages=averages)
         sd = torch.cat(sds)
         for level in QUANTILES:
             check(row("GradientVarianceQuantiles", q_name(level)), quantile(sd, level), max(sd_bounds), "all")
@@ -479,9 +483,15 @@ def check_per_example(results, world, job, source, unit):
     return checked
 
 
-def check_noise_scale(got, step, name, gns, n, quantity="GradientNoiseScale"):
+def check_noise_scale(got, step, name, gns, n, quantity="GradientNoiseScale", averages=None):
     """grad_sq = (N M - S)/(N-1), trace_cov = N (S - M)/(N-1), b_simple their ratio (+inf where
-    grad_sq is negative); 1 if b_simple was checked (its bound finite, or both signs negative)."""
+    grad_sq is negative); 1 if b_simple was checked (its bound finite, or both signs negative).
+
+    With ``averages`` (GradientNoiseScale's ``b_simple_smoothed``: ``EMA(trace_cov) /
+    EMA(grad_sq)``, both averaged with the same weights, which are positive): the averages of
+    the reference values and of their bounds (:func:`~cockpit_gradnoise.functional.exponential_moving_average`
+    is linear), their ratio as b_simple's.
+    """
     s_ref, m_ref, s_err, m_err = gns
     grad_sq, trace_cov = functional.noise_scale_estimates(s_ref, m_ref, n)
     e_grad, e_trace = (n * m_err + s_err) / (n - 1), n * (s_err + m_err) / (n - 1)
@@ -489,13 +499,24 @@ def check_noise_scale(got, step, name, gns, n, quantity="GradientNoiseScale"):
     check(row("grad_sq"), grad_sq, e_grad, name)
     check(row("trace_cov"), trace_cov, e_trace, name)
     assert row("batch_size") == n
-    if grad_sq < -e_grad:  # negative for certain: +inf on both (schema.ratio_or_inf)
-        assert row("b_simple") == math.inf, name
+    checked = check_ratio(row("b_simple"), trace_cov, e_trace, grad_sq, e_grad, name)
+    if averages is not None:
+        previous = averages.get(name, (None,) * 4)
+        averages[name] = tuple(functional.exponential_moving_average(old, new, DEFAULT_SMOOTHING)
+                               for old, new in zip(previous, (trace_cov, e_trace, grad_sq, e_grad)))
+        check_ratio(row("b_simple_smoothed"), *averages[name], name)
+    return checked
+
+
+def check_ratio(got, a, ea, b, eb, name):
+    """``a / b`` within :func:`ratio_bound` (+inf where ``b`` is negative for certain); 1 if checked."""
+    if b < -eb:  # +inf on both (schema.ratio_or_inf)
+        assert got == math.inf, name
         return 1
-    bound = ratio_bound(trace_cov, e_trace, grad_sq, e_grad)
+    bound = ratio_bound(a, ea, b, eb)
     if math.isinf(bound):
         return 0
-    check(row("b_simple"), trace_cov / grad_sq, bound, name)
+    check(got, a / b, bound, name)
     return 1
 
 
@@ -629,15 +650,20 @@ def test_preconditioned_noise_scale_within_the_bfloat16_bound(groups, world, sou
 
     so ``|dS_P| <= sum_j p_j^2 (|dQ_j| + (gamma_17 + gamma_{P+W+1}) (Q_j + |dQ_j|)) / N`` and
     ``|dM_P| <= sum_j p_j^2 (|dT_j| (2 |T_j| + |dT_j|) + (gamma_17 + gamma_{P+W+1}) (|T_j| + |dT_j|)^2) / N^2``;
-    grad_sq, trace_cov and b_simple follow as for GradientNoiseScale. Against the products
-    of the factors (``u = 0``) too."""
+    grad_sq, trace_cov and b_simple follow as for GradientNoiseScale, and
+    b_simple_smoothed, ``EMA(trace_cov / S_P) / EMA(grad_sq / S_P)`` (averages from 0, the
+    same positive weights for both:
+    :func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`), from each step's
+    two ratios within :func:`ratio_bound`. Against the products of the factors (``u = 0``) too."""
     results = results_of(groups, world, "adam")
     assert_identical([result["table"] for result in results])
     got = results[0]["table"]
     n = sum(SIZES[world])
+    averages = {}  # name: EMAs of trace_cov / S_P, grad_sq / S_P and their bounds
     for step in range(STEPS):
         recorded = results[0]["steps"][step]
         network = [0.0, 0.0, 0.0, 0.0]
+        values = {}
         for name, (g, d) in element_bounds(results, step, source, unit).items():
             weights = adam_weights(recorded["grads"][name], recorded["moments"].get(name), step)
             rounding = gamma(17) + gamma(weights.numel() + world + 1)
@@ -647,10 +673,20 @@ def test_preconditioned_noise_scale_within_the_bfloat16_bound(groups, world, sou
             s_p, m_p = (weights * q).sum() / n, (weights * t.square()).sum() / n**2
             s_err = (weights * (dq + rounding * (q + dq))).sum() / n
             m_err = (weights * (dt * (2 * t.abs() + dt) + rounding * (t.abs() + dt).square())).sum() / n**2
-            values = [s_p.item(), m_p.item(), s_err.item(), m_err.item()]
-            network = [a + v for a, v in zip(network, values)]
-            check_noise_scale(got, step, name, values, n, "PreconditionedNoiseScale")
-        check_noise_scale(got, step, "all", network, n, "PreconditionedNoiseScale")
+            values[name] = [s_p.item(), m_p.item(), s_err.item(), m_err.item()]
+            network = [a + v for a, v in zip(network, values[name])]
+        values["all"] = network
+        for name, gns in values.items():
+            check_noise_scale(got, step, name, gns, n, "PreconditionedNoiseScale")
+            s_p, _, s_err, _ = gns
+            grad_sq, trace_cov = functional.noise_scale_estimates(gns[0], gns[1], n)
+            e_grad, e_trace = (n * gns[3] + s_err) / (n - 1), n * (s_err + gns[3]) / (n - 1)
+            scaled = (trace_cov / s_p, ratio_bound(trace_cov, e_trace, s_p, s_err),
+                      grad_sq / s_p, ratio_bound(grad_sq, e_grad, s_p, s_err))
+            previous = averages.get(name, (0.0,) * 4)
+            averages[name] = tuple(DEFAULT_SMOOTHING * old + (1 - DEFAULT_SMOOTHING) * new
+                                   for old, new in zip(previous, scaled))
+            check_ratio(got[(step, "PreconditionedNoiseScale", name, "b_simple_smoothed")], *averages[name], name)
 
 
 @pytest.mark.parametrize("world", [2, 3])
