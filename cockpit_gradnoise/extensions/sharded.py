@@ -65,9 +65,6 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
         fsdp_param, "is_dtensor", False
     ):
         return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
-    why = _mixed_precision_refusal(fsdp_param)
-    if why is not None:
-        return why
     mesh = fsdp_param.mesh_info.mesh
     # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
     if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
@@ -76,7 +73,7 @@ def unsupported_layout(fsdp_param) -> Optional[str]:
     if mesh.size() != dist_world_size():
         return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
                 "(the mesh must span every process)")
-    return None
+    return _mixed_precision_refusal(fsdp_param)
 
 
 def _mixed_precision_refusal(fsdp_param) -> Optional[str]:
