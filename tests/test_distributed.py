@@ -43,6 +43,11 @@ import pandas
 import pytest
 import torch
 import torch.distributed as dist
+
+# Imported here, so that the forkserver, which preloads the test module whose group starts it
+# (this one, or one importing it), holds them: spawned processes skip their import (half their CPU).
+import torch.distributed.device_mesh  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from backpack import extend
