@@ -43,6 +43,11 @@ import pandas
 import pytest
 import torch
 import torch.distributed as dist
+
+# Imported here, so that the forkserver, which preloads the test module whose group starts it
+# (this one, or one importing it), holds them: spawned processes skip their import (half their CPU).
+import torch.distributed.device_mesh  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from backpack import extend
@@ -140,6 +145,22 @@ def join_group(rank, world, port):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=GLOO_TIMEOUT),
     )
+
+
+def run_jobs(rank, world, port, out, jobs):
+    """A worker's body: join the group, run ``jobs`` (``{name: job(mesh)}``, a 1-D mesh over
+    every process) in order, saving this process's results after each, and leave the group."""
+    join_group(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    try:
+        for name, job in jobs.items():
+            results[name] = job(mesh)
+            torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
 
 
 def worker(rank, world, port, out):

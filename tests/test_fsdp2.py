@@ -301,16 +301,20 @@ def test_quantities_not_exact_under_fsdp2_are_refused(groups, world):
 
 
 def test_layouts_not_made_exact_are_named():
-    """A 2-D mesh not HSDP's, a mesh over some processes only, TP inside FSDP2 and a bf16 policy (no processes:
-    FSDP2's parameter as the check reads it)."""
+    """A 2-D mesh not HSDP's, a mesh over some processes only, TP inside FSDP2 and a float16 policy (no
+    processes: FSDP2's parameter as the check reads it); a bfloat16 policy passes."""
     from types import SimpleNamespace
 
     from cockpit_gradnoise.extensions import sharded
 
-    def fsdp_param(ndim=1, size=2, param_dtype=None, tensor_parallel=None):
+    class HSDPMeshInfo(SimpleNamespace):  # FSDP2's, as the check knows it: by name
+        pass
+
+    def fsdp_param(ndim=1, size=2, param_dtype=None, tensor_parallel=None, hsdp=False):
         mesh = SimpleNamespace(ndim=ndim, size=lambda: size)
-        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=mesh), param_dtype=param_dtype,
-                               orig_dtype=torch.float32, _unsharded_dtensor_spec=tensor_parallel)
+        return SimpleNamespace(mesh_info=(HSDPMeshInfo if hsdp else SimpleNamespace)(mesh=mesh),
+                               param_dtype=param_dtype, orig_dtype=torch.float32,
+                               _unsharded_dtensor_spec=tensor_parallel)
 
     world = SimpleNamespace(get_world_size=lambda: 2)
     original = sharded.dist_world_size
@@ -320,7 +324,10 @@ def test_layouts_not_made_exact_are_named():
         assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.float32)) is None
         assert "other than HSDP's" in sharded.unsupported_layout(fsdp_param(ndim=2))  # not HSDP's mesh_info
         assert "span every process" in sharded.unsupported_layout(fsdp_param(size=1))
-        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16))
+        assert sharded.unsupported_layout(fsdp_param(param_dtype=torch.bfloat16)) is None  # tests/test_fsdp2_bf16.py
+        assert "MixedPrecisionPolicy" in sharded.unsupported_layout(fsdp_param(param_dtype=torch.float16))
+        assert sharded.unsupported_layout(fsdp_param(ndim=2, hsdp=True)) is None
+        assert "HSDP or tensor" in sharded.unsupported_layout(fsdp_param(ndim=2, hsdp=True, param_dtype=torch.bfloat16))
         assert "tensor parallelism" in sharded.unsupported_layout(fsdp_param(tensor_parallel=object()))
     finally:
         sharded.dist_world_size = original

@@ -24,8 +24,11 @@ dimension but HSDP's (replicate x shard), a mesh that does not span every
 process, tensor parallelism inside FSDP2 (a DTensor parameter before
 sharding) unless the quantity is exact there (FSDP2 on ``dp`` of a
 ``("dp", "tp")`` mesh, :mod:`.tensor_parallel` completes the split layers' results), and a
-``MixedPrecisionPolicy`` that casts the parameters (its per-example results are
-rounded after each process's loss scale: no exact one-process reference).
+``MixedPrecisionPolicy`` that casts the parameters to another dtype than bfloat16, or to
+bfloat16 with HSDP or tensor parallelism (not examined). Under ``param_dtype=torch.bfloat16``
+the rules see the module's bfloat16 parameter, input and output gradient as in a bfloat16
+model (:mod:`.precision`), so the statistics are those of the bfloat16 pass's per-example
+gradients, each process's rounded after its own loss scale (``docs/distributed.md``).
 """
 
 from typing import Dict, Iterable, Optional
@@ -68,16 +71,9 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
     inside = tp_spec is not None or getattr(fsdp_param, "is_dtensor", False)
     if inside and not tensor_parallel:
         return "tensor parallelism inside FSDP2 (a DTensor parameter sharded again)"
-    param_dtype = getattr(fsdp_param, "param_dtype", None)
-    if param_dtype is not None and param_dtype != fsdp_param.orig_dtype:
-        return (f"a MixedPrecisionPolicy (parameters cast to {param_dtype}: the per-example "
-                f"results come from {param_dtype} output gradients rounded after each "
-                "process's own loss scale, 1/N_r for a mean, so no one-process reference "
-                "equals them beyond that dtype's rounding; leave param_dtype out of the "
-                "policy)")
     mesh = fsdp_param.mesh_info.mesh
     if inside:
-        return _unsupported_inside(fsdp_param, mesh, tp_spec)
+        return _unsupported_inside(fsdp_param, mesh, tp_spec) or _mixed_precision_refusal(fsdp_param)
     # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
     if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
         return (f"a {mesh.ndim}-D device mesh other than HSDP's (only a 1-D mesh, or HSDP's "
@@ -86,7 +82,7 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
         return (f"a device mesh of {mesh.size()} of the {dist_world_size()} processes "
                 "(the mesh must span every process, or be the dp mesh of parameters split by "
                 "tensor parallelism among the tracked ones)")
-    return None
+    return _mixed_precision_refusal(fsdp_param)
 
 
 def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
@@ -102,6 +98,27 @@ def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
                 f"{dist_world_size()} processes (the mesh must span every process)")
     if any(not (p.is_shard() or p.is_replicate()) for p in tp_spec.placements):
         return f"a tensor-parallel parameter placed {tp_spec.placements} (only Shard and Replicate)"
+    return None
+
+
+def _mixed_precision_refusal(fsdp_param) -> Optional[str]:
+    """Why a ``MixedPrecisionPolicy``'s cast of the parameters is refused, or ``None``: only
+    ``param_dtype=torch.bfloat16`` on a 1-D mesh without tensor parallelism is examined
+    (``tests/test_fsdp2_bf16.py``)."""
+    import torch
+
+    # None: no cast (FSDP2 sets both at its first forward pass; absent before).
+    param_dtype = getattr(fsdp_param, "param_dtype", None)
+    if param_dtype in (None, getattr(fsdp_param, "orig_dtype", None)):
+        return None
+    if param_dtype != torch.bfloat16:
+        return (f"a MixedPrecisionPolicy casting the parameters to {param_dtype} (supported: "
+                "param_dtype=torch.bfloat16, whose statistics are those of the bfloat16 pass's "
+                "per-example gradients; float16 training needs a gradient scaler, not examined)")
+    if fsdp_param.mesh_info.mesh.ndim != 1 or getattr(fsdp_param, "is_dtensor", False) \
+            or getattr(fsdp_param, "_unsharded_dtensor_spec", None) is not None:
+        return ("a MixedPrecisionPolicy (param_dtype=torch.bfloat16) with HSDP or tensor "
+                "parallelism (not examined: supported on a 1-D mesh of FSDP2 alone)")
     return None
 
 
