@@ -81,6 +81,9 @@ class Broadcast:
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
         #: The index is (a view of) a tensor the model was called with.
         self.from_inputs = from_inputs
+        #: The index was built by the layer's own forward, whose output is the lookup's
+        #: (:mod:`.own_index`): its output gradient is the lookup's.
+        self.built = False
         #: The index is expanded over a leading dimension of the batch's size (stride 0),
         #: ``index.expand(B, *index.shape)``: every example's own indices.
         self.expanded = (index.dim() >= 2 and index.stride(0) == 0
@@ -235,8 +238,8 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     """
     # Widened to float32 where narrower (a meeting under autocast): results to be summed;
     # at the lookup's output (a scaled embedding's, times its scale: .scaled_embedding).
-    gradient = scaled_embedding.lookup_gradient(
-        module, widened(call.per_example_output_gradients(module.embedding_dim)))
+    gradient = widened(call.per_example_output_gradients(module.embedding_dim))
+    gradient = gradient if call.built else scaled_embedding.lookup_gradient(module, gradient)
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)

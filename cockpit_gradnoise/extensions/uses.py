@@ -19,7 +19,16 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, repeated, scaled_embedding, tied
+from cockpit_gradnoise.extensions import (
+    batchless,
+    facts,
+    hooks,
+    own_index,
+    precision,
+    repeated,
+    scaled_embedding,
+    tied,
+)
 from cockpit_gradnoise.extensions.fallback import layout, regroup
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
@@ -97,16 +106,17 @@ def _after_layer(module, args, output):
         return
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
-    uses.inputs[module] = args[0]
     # An embedding subclass may take something else (Blenderbot's and LED's learned
-    # positions take the input's torch.Size and build the index inside).
-    if (isinstance(module, nn.Embedding) and isinstance(args[0], Tensor)
+    # positions take the input's torch.Size and build the index inside: .own_index).
+    built = own_index.index_of(module, output)
+    index = uses.inputs[module] = args[0] if built is None else built
+    if (isinstance(module, nn.Embedding) and isinstance(index, Tensor)
             and isinstance(output, Tensor) and output.grad_fn is not None):
-        index = args[0]
         from_inputs = _storage(index) in uses.storages
         if batchless.suspect(index, uses.examples, from_inputs):
             uses.broadcasts[module] = batchless.Broadcast(
                 index, output.shape, output.grad_fn, uses.examples, from_inputs)
+            uses.broadcasts[module].built = built is not None
         else:
             uses.broadcasts.pop(module, None)
         if module in uses.broadcasts:  # every call's, for a layer called several times (.repeated)
@@ -225,7 +235,7 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     reason = broadcast.refusal()
     if reason is None and broadcast.exact and TIED_ATTR in module.__dict__:
         reason = "it is tied and applied without the batch dimension"
-    if reason is None and broadcast.exact and scaled_embedding.lookup_gradient(
+    if reason is None and broadcast.exact and not broadcast.built and scaled_embedding.lookup_gradient(
             module, grad_output) is None:
         reason = (f"it is applied without the batch dimension by {type(module).__name__}, "
                   "whose forward is not nn.Embedding's")
