@@ -19,6 +19,8 @@ left out by name, its class and the reason; every other parameter is exact.
 
 import dataclasses
 
+import cockpit_gradnoise as cgn
+
 import pytest
 import torch
 
@@ -99,3 +101,24 @@ def test_cvt_stage_class_token_is_left_out_by_name_with_its_class_and_reason(exa
     assert_exact_with_structural_zeros(
         cvt(), *images(examples), left_out="model.cvt.encoder.stages.2.cls_token",
         match=r"CvtStage.*only a later output of the tuple CvtStage returns reached the loss")
+
+
+def test_a_drop_path_run_again_inside_a_module_is_named_in_its_refusal():
+    """timm's BEiT in training mode: its ``cls_token`` is used in ``Beit``'s own forward, whose
+    recomputation would run the blocks' drop path again; the warning names the modules that
+    draw, and the step keeps every other parameter's rows."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("beit_base_patch16_224", pretrained=False, num_classes=3, img_size=32,
+                              patch_size=8, embed_dim=16, depth=2, num_heads=2, drop_path_rate=0.2,
+                              init_values=0.1).train()
+    inputs, targets = images(3)
+    tracked, tracker = cgn.track(model, every=1, quantities=["PerExampleGradNorm"])
+    losses = torch.nn.functional.cross_entropy(tracked(inputs.float()), targets, reduction="none")
+    with pytest.warns(UserWarning, match=r"Beit \(cls_token\).*draws random numbers in training "
+                      r"mode \(blocks\.1\.drop_path1, blocks\.1\.drop_path2: dropout or drop path"):
+        with tracker(0, losses) as loss:
+            loss.backward()
+    rows = tracker.get_output()[0]["PerExampleGradNorm"]
+    assert "cls_token" not in rows and "blocks.1.gamma_1" in rows and "head.weight" in rows
