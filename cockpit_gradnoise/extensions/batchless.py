@@ -213,6 +213,7 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
     (:func:`.meetings.follow`), and hook every meeting.
 
     One walk over the autograd graph, done only when a forward pass had such a call.
+    Returns the consumers it found (``{node: [(consumer, operand position)]}``).
     """
     consumers = _consumers(output)
     for call in calls.values():
@@ -226,6 +227,7 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
             call.meetings = None
             call.added = _added_per_example(node, consumers)
             call.stopped_at = None if stopped is None else stopped.name()
+    return consumers
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
