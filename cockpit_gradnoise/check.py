@@ -33,6 +33,7 @@ from cockpit_gradnoise.extensions import (
     fallback,
     has_rule,
     hf,
+    own_index,
 )
 from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed
 from cockpit_gradnoise.extensions.savefields import (
@@ -135,6 +136,8 @@ def how_computed(module: nn.Module, param: Optional[nn.Parameter] = None) -> str
         return f"native ({name}, transformers rule)"
     if has_rule(module):
         return f"native ({name})"
+    if own_index.builds_index(module):
+        return f"native (Embedding, the index {name}'s forward builds)"
     state = getattr(module, fallback.ATTRIBUTE, None)
     if isinstance(state, fallback.Fallback) and state.closed_form is not None:
         return f"native ({name} behaves as {state.closed_form.name})"

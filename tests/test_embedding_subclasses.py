@@ -2,11 +2,13 @@
 
 Blenderbot's and LED's learned positions (``nn.Embedding`` subclasses) take the
 input's ``torch.Size`` and build the index inside; recording their call used to
-crash the forward pass. Now the step completes: the position table, applied
-without the batch dimension, is left out with a warning naming it, and every
-other parameter is exact against a float64 per-example loop, also where the batch size equals the
-sequence length. BioGPT's positions, computed from the attention mask, used to
-crash the backward pass; they are left out the same way.
+crash the forward pass. BioGPT's positions, computed from the attention mask, used
+to crash the backward pass. Then they were left out by name (issue 32, class 4);
+now each call whose output is ``F.embedding``'s own result on the table gets
+``nn.Embedding``'s rule with the index its forward built (``extensions/own_index.py``),
+and the tables are exact against a float64 per-example loop with every other
+parameter, also where the batch size equals the sequence length (the decoder's
+``[1, T]`` positions broadcast over the batch: ``extensions/batchless.py``).
 """
 
 import copy
@@ -47,7 +49,6 @@ def blenderbot():
     return Seq2Seq(BlenderbotForConditionalGeneration(config)).eval()
 
 
-POSITIONS = ["model.model.encoder.embed_positions.weight", "model.model.decoder.embed_positions.weight"]
 # The key projection's bias adds the same number to every score of a query, which
 # softmax ignores: its gradient is zero by structure (the loop's is rounding noise).
 ZERO_BY_STRUCTURE = ".k_proj.bias"
@@ -119,18 +120,18 @@ def check_left_out_by_name_and_the_rest_exact(make_model, tokens, targets, left_
 # 6 is the sequence length: the position table's output [6, 8] then leads with the
 # batch size, which used to give it (wrong) rows, silently.
 @pytest.mark.parametrize("examples", [5, 6])
-def test_blenderbot_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
+def test_blenderbot_learned_positions_are_exact(examples):
     tokens = torch.randint(2, 32, (examples, 2, 6), generator=torch.Generator().manual_seed(1))
-    check_left_out_by_name_and_the_rest_exact(blenderbot, tokens, tokens[:, 1], POSITIONS)
+    check_left_out_by_name_and_the_rest_exact(blenderbot, tokens, tokens[:, 1], [])
 
 
 # BioGPT's positions come from the attention mask inside an nn.Embedding subclass; the
 # embedding's rule used to crash in the backward pass (index_add_ with 48 indices for 6 rows).
 @pytest.mark.parametrize("examples", [5, 6])
-def test_biogpt_learned_positions_are_left_out_by_name_and_the_rest_is_exact(examples):
+def test_biogpt_learned_positions_are_exact(examples):
     generator = torch.Generator().manual_seed(2)
     tokens, targets = torch.randint(2, 32, (2, examples, 6), generator=generator)
-    check_left_out_by_name_and_the_rest_exact(biogpt, tokens, targets, ["model.biogpt.embed_positions.weight"])
+    check_left_out_by_name_and_the_rest_exact(biogpt, tokens, targets, [])
 
 
 def led():
@@ -150,8 +151,8 @@ def led():
 # out by name, and the step keeps every other parameter's exact rows (it used to raise, and
 # the training step was lost). Its Longformer self-attention runs the encoder on windows: its
 # query, key and value layers get exact rows from their block (extensions/fallback/regroup).
-LED_LEFT_OUT = ["model.led.shared.weight", "model.led.encoder.embed_positions.weight",
-                "model.led.decoder.embed_positions.weight"]
+# Its learned positions are exact (extensions/own_index.py).
+LED_LEFT_OUT = ["model.led.shared.weight"]
 
 
 def test_led_shared_embedding_called_twice_is_left_out_by_name_and_the_step_is_kept():

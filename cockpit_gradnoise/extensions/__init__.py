@@ -45,6 +45,7 @@ from cockpit_gradnoise.extensions import (
     hf,
     linear,
     normalization,
+    own_index,
     scaled_embedding,
     subclasses,
     sums,
@@ -139,12 +140,16 @@ class _RecordingExtension(FirstOrderBackpropExtension):
     def rule_of(self, module: nn.Module) -> Optional[ModuleExtension]:
         """This extension's rule for ``module``: the table's for its class or a parent's
         (:meth:`_rule_for`), else :mod:`.hf`'s for its class name, else the Embedding rule
-        of a scaled embedding (:mod:`.scaled_embedding`); ``None`` if none."""
+        of a scaled embedding (:mod:`.scaled_embedding`), or of an embedding whose call was
+        recorded with the index it built (:mod:`.own_index`: asked per call, in the backward
+        pass); ``None`` if none."""
         # BackPACK's own __call__ is a lookup by exact class, and the call.
         rule = self._rule_for(type(module))
         rule = rule if rule is not None else hf.rule_for(self.savefield, module)
         if rule is None and scaled_embedding.is_scaled_embedding(module):
             rule = scaled_embedding.ScaledEmbeddingRule(self._rules[nn.Embedding])
+        if rule is None and own_index.built(facts.recording().call):
+            rule = self._rules[nn.Embedding]
         return rule
 
     def _rule_for(self, module_class: type) -> Optional[ModuleExtension]:

@@ -81,6 +81,9 @@ class Broadcast:
         self.clearly = index.dim() == 0 or (examples is not None and index.shape[0] != examples)
         #: The index is (a view of) a tensor the model was called with.
         self.from_inputs = from_inputs
+        #: The index was built by the layer's own forward, whose output is the lookup's
+        #: (:mod:`.own_index`): its output gradient is the lookup's.
+        self.built = False
         #: The index is expanded over a leading dimension of the batch's size (stride 0),
         #: ``index.expand(B, *index.shape)``: every example's own indices.
         self.expanded = (index.dim() >= 2 and index.stride(0) == 0
@@ -210,6 +213,7 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
     (:func:`.meetings.follow`), and hook every meeting.
 
     One walk over the autograd graph, done only when a forward pass had such a call.
+    Returns the consumers it found (``{node: [(consumer, operand position)]}``).
     """
     consumers = _consumers(output)
     for call in calls.values():
@@ -223,6 +227,7 @@ def find_broadcasts(output, calls: Dict[nn.Module, "Broadcast"], examples: Optio
             call.meetings = None
             call.added = _added_per_example(node, consumers)
             call.stopped_at = None if stopped is None else stopped.name()
+    return consumers
 
 
 def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> Tensor:
@@ -235,8 +240,8 @@ def embedding_results(module: nn.Embedding, call: Broadcast, savefield: str) -> 
     """
     # Widened to float32 where narrower (a meeting under autocast): results to be summed;
     # at the lookup's output (a scaled embedding's, times its scale: .scaled_embedding).
-    gradient = scaled_embedding.lookup_gradient(
-        module, widened(call.per_example_output_gradients(module.embedding_dim)))
+    gradient = widened(call.per_example_output_gradients(module.embedding_dim))
+    gradient = gradient if call.built else scaled_embedding.lookup_gradient(module, gradient)
     index = call.index.reshape(-1)
     if module.padding_idx is not None:
         gradient = gradient * (index != module.padding_idx).reshape(1, -1, 1)

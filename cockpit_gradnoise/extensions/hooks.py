@@ -84,7 +84,7 @@ import sys
 import weakref
 from typing import Callable, Optional, Tuple
 
-from cockpit_gradnoise.extensions import facts, precision, tensor_parallel
+from cockpit_gradnoise.extensions import facts, own_index, precision, tensor_parallel
 
 import torch
 from backpack import disable
@@ -378,7 +378,10 @@ def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output)
     first = output[0] if isinstance(output, tuple) else output
     if not (isinstance(first, Tensor) and first.requires_grad):
         return
-    call = Call(args, kwargs, first)
+    index = own_index.index_of(module, first)  # learned positions: the index it built
+    call = Call(args if index is None else (index,), kwargs if index is None else {}, first)
+    if index is not None:
+        own_index.note(call, module)
     _note_call(module, call)
     first.register_hook(functools.partial(_run_extensions, name, module, call))
 

@@ -19,7 +19,16 @@ why in the facts: the quantities refuse it with an error naming the parameter).
 
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import batchless, facts, hooks, precision, repeated, scaled_embedding, tied
+from cockpit_gradnoise.extensions import (
+    batchless,
+    facts,
+    hooks,
+    own_index,
+    precision,
+    repeated,
+    scaled_embedding,
+    tied,
+)
 from cockpit_gradnoise.extensions.fallback import layout, regroup
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
@@ -46,6 +55,10 @@ class Uses:
         self.inputs: Dict[nn.Module, Tensor] = {}  # of the marked layers, not BackPACK's input0
         self.broadcasts: Dict[nn.Module, batchless.Broadcast] = {}
         self.suspects: Dict[nn.Module, List[batchless.Broadcast]] = {}  # of every call
+        #: The lookups' autograd nodes of the embeddings that built their index (.own_index),
+        #: and those whose table was also used otherwise in the pass (why: refused).
+        self.built: Dict[nn.Module, list] = {}
+        self.used_otherwise: Dict[nn.Module, str] = {}
         for group in self.groups:
             group.new_pass()
 
@@ -86,10 +99,26 @@ def _end_forward(model, args, kwargs, output):
     uses = model.__dict__[USES_ATTR]
     if torch.is_grad_enabled():  # the fallback's calls recorded: which inputs are per example
         layout.learn(model, args, kwargs, uses.examples)
-    if uses.broadcasts or uses.suspects:
+    if uses.broadcasts or uses.suspects or uses.built:
         earlier = {(module, k): call for module, calls in uses.suspects.items()
                    for k, call in enumerate(calls) if call is not uses.broadcasts.get(module)}
-        batchless.find_broadcasts(output, {**uses.broadcasts, **earlier}, uses.examples)
+        consumers = batchless.find_broadcasts(output, {**uses.broadcasts, **earlier}, uses.examples)
+        _tables_used_otherwise(uses, consumers)
+
+
+def _tables_used_otherwise(uses: Uses, consumers) -> None:
+    """Note the embeddings that built their index (:mod:`.own_index`) whose weight an
+    operation of the pass took outside their calls' lookups (ProphetNet's decoder looks its
+    positions up again through ``_forward``, which no hook sees): the rule would miss that use."""
+    for module, nodes in uses.built.items():
+        weight_node = nodes[0].next_functions[0][0]
+        users = {consumer for consumer, _ in consumers.get(weight_node, [])}
+        if users - set(nodes):
+            uses.used_otherwise[module] = (
+                f"its layer ({type(module).__name__}) builds its index, and its weight is also "
+                f"used outside its calls ({len(users - set(nodes))} more operations take it "
+                "directly, as ProphetNet's decoder looks its positions up again through "
+                "_forward), which no hook sees")
 
 
 def _after_layer(module, args, output):
@@ -97,16 +126,21 @@ def _after_layer(module, args, output):
         return
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
-    uses.inputs[module] = args[0]
     # An embedding subclass may take something else (Blenderbot's and LED's learned
-    # positions take the input's torch.Size and build the index inside).
-    if (isinstance(module, nn.Embedding) and isinstance(args[0], Tensor)
+    # positions take the input's torch.Size and build the index inside: .own_index).
+    first = output[0] if isinstance(output, tuple) and output else output  # as the hooks read it
+    built = own_index.index_of(module, first)
+    index = uses.inputs[module] = args[0] if built is None else built
+    if built is not None:
+        output = first
+        uses.built.setdefault(module, []).append(output.grad_fn)
+    if (isinstance(module, nn.Embedding) and isinstance(index, Tensor)
             and isinstance(output, Tensor) and output.grad_fn is not None):
-        index = args[0]
         from_inputs = _storage(index) in uses.storages
         if batchless.suspect(index, uses.examples, from_inputs):
             uses.broadcasts[module] = batchless.Broadcast(
                 index, output.shape, output.grad_fn, uses.examples, from_inputs)
+            uses.broadcasts[module].built = built is not None
         else:
             uses.broadcasts.pop(module, None)
         if module in uses.broadcasts:  # every call's, for a layer called several times (.repeated)
@@ -161,8 +195,10 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     if _autocast_without_hooks(module, recorded, g_out):
         return
     uses = module.__dict__.get(USES_ATTR)
-    if repeated.defers(extension, module, g_out, _batch_free_call(uses, module)):
-        return  # one of several calls: summed per example at the end of the backward pass
+    if _refuse_used_otherwise(extension, module, uses, recorded) or repeated.defers(
+            extension, module, g_out, _batch_free_call(uses, module)):
+        return  # refused (its rule would miss a use); or one of several calls: summed per
+        # example at the end of the backward pass
     if uses is not None and _ran_twice(module, recorded):
         for param in module.parameters(recurse=False):
             if hasattr(param, extension.savefield):
@@ -183,6 +219,19 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         if hasattr(param, extension.savefield):
             delattr(param, extension.savefield)
         recorded.refuse(param, why)
+
+
+def _refuse_used_otherwise(extension, module: nn.Module, uses: Optional[Uses],
+                           recorded: facts.BackwardFacts) -> bool:
+    """Refuse the parameters of an embedding that built its index and whose weight the pass
+    also used outside its calls (:func:`_tables_used_otherwise`); whether it did."""
+    if uses is None or module not in uses.used_otherwise:
+        return False
+    for param in module.parameters(recurse=False):
+        if hasattr(param, extension.savefield):
+            delattr(param, extension.savefield)
+        recorded.refuse(param, uses.used_otherwise[module])
+    return True
 
 
 def _batch_free_call(uses: Optional[Uses], module: nn.Module) -> bool:
@@ -225,7 +274,7 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     reason = broadcast.refusal()
     if reason is None and broadcast.exact and TIED_ATTR in module.__dict__:
         reason = "it is tied and applied without the batch dimension"
-    if reason is None and broadcast.exact and scaled_embedding.lookup_gradient(
+    if reason is None and broadcast.exact and not broadcast.built and scaled_embedding.lookup_gradient(
             module, grad_output) is None:
         reason = (f"it is applied without the batch dimension by {type(module).__name__}, "
                   "whose forward is not nn.Embedding's")

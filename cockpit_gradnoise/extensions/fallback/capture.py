@@ -12,10 +12,11 @@ view of it, whose gradient is kept).
 """
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions import precision
+from cockpit_gradnoise.extensions import facts, precision
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
 from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
@@ -74,6 +75,9 @@ class Call:
     unhooked: List[int] = field(default_factory=list)
     #: The call's own part of the autograd graph (:class:`Nodes`).
     nodes: "Nodes" = field(default_factory=lambda: Nodes())
+    #: Whether the end of this backward pass checks that the first output's hook ran
+    #: (:func:`_first_output_without_gradient`).
+    watched: bool = False
 
 
 class Nodes:
@@ -305,10 +309,10 @@ def _capture(module, args, kwargs, output):
     if first is not None and first.requires_grad:
         # Steps without the package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state))
-    return _keep_later_gradients(call, output)
+    return _keep_later_gradients(module, call, output)
 
 
-def _keep_later_gradients(call: Call, output) -> Optional[tuple]:
+def _keep_later_gradients(module: nn.Module, call: Call, output) -> Optional[tuple]:
     """Hook the later output tensors that require grad: their gradients, where the backward
     pass brings one, are kept on ``call`` (one that gets none did not reach the loss).
 
@@ -326,15 +330,44 @@ def _keep_later_gradients(call: Call, output) -> Optional[tuple]:
             call.unhooked.append(p)
         else:
             alias = tensor.view_as(tensor)
-            alias.register_hook(functools.partial(_keep_output_gradient, call, p))
+            alias.register_hook(functools.partial(_keep_output_gradient, module, call, p))
             replaced[position] = alias
     if replaced is None:
         return None
     return type(output)._make(replaced) if hasattr(output, "_make") else tuple(replaced)  # a namedtuple
 
 
-def _keep_output_gradient(call: Call, p: int, grad: Tensor):
+def _keep_output_gradient(module: nn.Module, call: Call, p: int, grad: Tensor):
     call.later_grads[p] = grad.detach()
+    if not call.watched and active_savefields():
+        call.watched = True
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(functools.partial(_first_output_without_gradient, module, call))
+
+
+def _first_output_without_gradient(module: nn.Module, call: Call):
+    """End of the backward pass: where a later output reached the loss and the first did not
+    (CvT's last stage returns its hidden states, which the classifier does not use, then its
+    class token), the first output's hook never ran and no extension saw the module: its
+    parameters are left out by name, with that reason (they used to be counted in layers of
+    class "unknown", with none)."""
+    state = getattr(module, ATTRIBUTE, None)
+    if state is None or state.call is not call or state.taken or state.deferred is not None \
+            or state.results is not None:
+        return  # the first output's hook ran (or the call is gone)
+    name = type(module).__name__
+    reason = (f"only a later output of the tuple {name} returns reached the loss, not its first, "
+              "and the package computes a module's rows when the gradient of its first output "
+              "arrives: return the output that reaches the loss first to give it rows")
+    recorded = facts.recording()
+    recorded.record_owner(module)
+    for param_name, param in direct_parameters(module).items():
+        recorded.refuse(param, f"{name}.{param_name}: {reason}")
+    state.refused = reason
+    if reason not in state.warned:
+        state.warned.add(reason)
+        warnings.warn(f"cockpit-gradnoise: {name} ({', '.join(direct_parameters(module))}) gets no "
+                      f"per-example rows: {reason}", stacklevel=2)
 
 
 def _releaser(state: Fallback):

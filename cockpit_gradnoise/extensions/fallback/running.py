@@ -127,8 +127,26 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+            if "random" in str(error):
+                reason = random_forward(module, reason)
     _refuse(module, state, reason)
     return {}
+
+
+def random_forward(module: nn.Module, reason: str) -> str:
+    """Why a forward that draws random numbers gets no rows, naming the submodules that draw
+    them (dropout, drop path: timm's BEiT, EVA-02, CrossViT, Hiera in training mode)."""
+    drawing = [name or type(module).__name__ for name, sub in module.named_modules()
+               if sub.training and (
+                   (isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0)
+                   or ("DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0) > 0))]
+    if not drawing:
+        return reason
+    shown = ", ".join(drawing[:3]) + (f" and {len(drawing) - 3} more" if len(drawing) > 3 else "")
+    return (f"its forward draws random numbers in training mode ({shown}: dropout or drop path "
+            "run again inside it), which a recomputation per example cannot draw as the "
+            "forward pass did: set their rate to 0 (or call them outside the module) to give "
+            "its parameters rows")
 
 
 def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
