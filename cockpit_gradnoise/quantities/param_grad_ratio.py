@@ -56,7 +56,7 @@ class ParamGradRatio(ParameterQuantity):
 
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
-        known = context.get(id(param))
+        known = context.get(id(param)) if isinstance(context, dict) else None  # a subclass's own context
         if known is not None and known[0] is param and known[1] is param.grad:
             theta_sq, grad_sq = known[2:]
         else:  # a parameter gathered for this call (FSDP2): its own
