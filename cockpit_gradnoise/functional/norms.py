@@ -71,15 +71,17 @@ def squared_norms(tensors: Sequence[Tensor], *, defer: bool = False) -> List:
     bound ``n 2**-53`` otherwise. A network's layers, biases and norms' weights took
     half the time of :func:`squared_norm` per tensor (49 tensors of the benchmark GPT,
     825k elements: 1.3 ms for both the weights and the gradients, against 2.7). The
-    others (larger tensors, other devices) are :func:`squared_norm`'s.
+    others (larger tensors, other devices, subclasses such as DTensor) are
+    :func:`squared_norm`'s.
 
     Returns:
         One Python float per tensor (with ``defer``, on other devices: a 0-dim float64
         tensor left there).
     """
     flats = [tensor.detach().reshape(-1) for tensor in tensors]
-    small = [i for i, flat in enumerate(flats)
-             if _device.on_host(flat) and flat.numel() <= _device.CHUNK and flat.dtype in _NUMPY_FLOATS]
+    # Plain tensors only: a DTensor (tensor parallelism, FSDP2) is normed by its own rules.
+    small = [i for i, flat in enumerate(flats) if type(flat) is Tensor and _device.on_host(flat)
+             and flat.numel() <= _device.CHUNK and flat.dtype in _NUMPY_FLOATS]
     results: List = [None] * len(flats)
     if small:
         norms = torch._foreach_norm([flats[i] for i in small], ord=2, dtype=torch.float64)

@@ -6,6 +6,11 @@ from cockpit_gradnoise import functional
 from cockpit_gradnoise.logs.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
+import torch
+
+#: The parameter types whose norms :meth:`ParamGradRatio.step_context` forms for all at once.
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+
 
 class ParamGradRatio(ParameterQuantity):
     """How large are gradients relative to the weights, layer by layer?
@@ -47,7 +52,10 @@ class ParamGradRatio(ParameterQuantity):
         every parameter with a gradient and of its gradient, in one call for all
         (:func:`~cockpit_gradnoise.functional.squared_norms`). A gradient whose sum of
         squares is finite is known finite to the step (its check need not sum it)."""
-        with_grad = [(p, p.grad) for p in params if p.requires_grad and p.grad is not None]
+        # Plain tensors: a DTensor's (tensor parallelism, FSDP2) are formed per parameter, as it is
+        # gathered or collected for its value.
+        with_grad = [(p, p.grad) for p in params if p.requires_grad and type(p) in _PLAIN
+                     and type(p.grad) is torch.Tensor]
         found = functional.squared_norms([t for pair in with_grad for t in pair], defer=True)
         for i, (_, grad) in enumerate(with_grad):
             if isinstance(found[2 * i + 1], float) and math.isfinite(found[2 * i + 1]):
