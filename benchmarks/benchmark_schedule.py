@@ -14,7 +14,10 @@ same weights train side by side in one process, each with its own AdamW:
   for what tracking and the schedule add;
 - **norms**: tracked as the scheduled copy, without a schedule, at the same
   batches: what the ``"norms"`` preset (``TwoBatchNoiseScale``'s hooks) costs
-  by itself.
+  by itself;
+- with ``--parts``, a copy per quantity of the preset, tracked alone
+  (``TwoBatchNoiseScale``, ``ParamGradRatio``, ``UpdateSize``): where the
+  preset's time goes.
 
 At each optimizer step the copies take that step on the same micro-batches, in
 an order drawn afresh (seeded), so that drifts of the machine hit all alike.
@@ -52,6 +55,8 @@ if not __package__:  # run as a file: the repository's packages on the path (see
 from benchmarks.models import MODELS, model_and_batch  # noqa: E402
 
 ROUND = 10  # steps per round of the median
+#: The "norms" preset's quantities, each tracked alone by a copy of its own with --parts.
+PARTS = ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize")
 
 
 def _sync(device):
@@ -65,8 +70,9 @@ class Copy:
     def __init__(self, model, kind: str, args):
         self.loss = MODELS["gpt"].loss("none")
         self.tracker = self.schedule = None
-        if kind != "plain":
-            model, self.tracker = cgn.track(model, every=1, quantities="norms")
+        if kind != "plain":  # "scheduled", "norms", or one quantity of the preset (--parts)
+            preset = "norms" if kind in ("scheduled", "norms") else [kind]
+            model, self.tracker = cgn.track(model, every=1, quantities=preset)
         if kind == "scheduled":
             self.schedule = cgn.BatchSchedule(args.micro_batch, 2 * args.micro_batch, args.max_batch,
                                               patience=args.patience)
@@ -101,7 +107,7 @@ def measure(args, device):
     clock = time.process_time if args.clock == "cpu" and device.type == "cpu" else time.perf_counter
     spec = MODELS["gpt"]
     model, _, _ = model_and_batch(spec, 1, device)
-    kinds = ("plain", "scheduled", "norms")
+    kinds = ("plain", "scheduled", "norms") + (PARTS if args.parts else ())
     copies = {kind: Copy(copy.deepcopy(model), kind, args) for kind in kinds}
     scheduled = copies["scheduled"]
     order = random.Random(0)
@@ -130,6 +136,7 @@ def measure(args, device):
         "rounds": statistics.median(ratios) if ratios else math.nan,
         "quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios or [math.nan]) * 2,
         "norms": totals["norms"] / totals["plain"],
+        "parts": {kind: totals[kind] / totals["plain"] for kind in kinds if kind in PARTS},
         "batches": batches,
         "changes": [c["reason"] for c in scheduled.schedule.changes],
         "plain s": totals["plain"],
@@ -145,6 +152,8 @@ def main(argv=None):
             ("threads", int, 0, "torch threads (0: torch's default)"), ("device", str, "cpu", "")):
         parser.add_argument(f"--{name}", type=kind, default=default, help=meaning)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--parts", action="store_true",
+                        help="also a copy per quantity of the preset, tracked alone: what each costs")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,6 +172,9 @@ def main(argv=None):
           f"(rounds of {ROUND}: median {result['rounds']:.3f}, quartiles {q[0]:.3f}-{q[1]:.3f}; "
           f"plain {result['plain s']:.1f} s); norms alone at the same batches / plain: "
           f"{result['norms']:.3f}")
+    if result["parts"]:
+        print("each alone at the same batches / plain: " + ", ".join(
+            f"{kind} {ratio:.3f}" for kind, ratio in result["parts"].items()))
     return result
 
 

@@ -135,5 +135,8 @@ def unrecorded_message(step: int, armed_for: Optional[int], last_call: Optional[
 def idle_step(cockpit, tracked: bool) -> bool:
     """Whether a call may skip Cockpit's context altogether: no quantity computes at this
     step (``tracked`` is ``False``) and each uses Cockpit's own ``track``, which does
-    nothing then (Cockpit's ``GradHist1d`` adapts its range on a schedule of its own)."""
-    return not tracked and all(type(q).track is Quantity.track for q in cockpit.quantities)
+    nothing then (Cockpit's ``GradHist1d`` adapts its range on a schedule of its own),
+    or declares that its own does nothing then (``idle_when_untracked``:
+    :class:`~cockpit_gradnoise.TwoBatchNoiseScale`)."""
+    return not tracked and all(type(q).track is Quantity.track or getattr(q, "idle_when_untracked", False)
+                               for q in cockpit.quantities)

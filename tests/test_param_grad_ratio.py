@@ -162,6 +162,58 @@ def test_squared_norm_is_accurate_as_documented(paths):
     assert functional.squared_norm(huge) == 3 * 2.0**200
 
 
+def test_squared_norms_of_many_tensors_are_accurate_as_documented(paths):
+    """Each within ``(n + 4) 2**-53`` relative of the exact sum: ``n 2**-53`` for the
+    float64 sum (``n + 1`` for float64 input), and on the CPU's one call for the small
+    tensors, one rounding of the norm's square root and one of its square (each
+    ``2**-53``, and ``2**-52`` for their product's first order). Small and large tensors
+    (past a piece, by :func:`squared_norm`), float64, float32, half and bfloat16, and
+    an empty one, in one call."""
+    from cockpit_gradnoise import _device
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(_device.CHUNK + 5, dtype=torch.float64, generator=generator)
+    tensors = [x[:70_000].float().reshape(700, 100), x[:3].float(), x[:1000], x[:5000].half(),
+               x.float(), x[:4097].bfloat16(), torch.zeros(0)]
+    got = functional.squared_norms(tensors)
+    u = 2.0**-53
+    for tensor, value in zip(tensors, got):
+        assert isinstance(value, float)
+        exact = math.fsum((tensor.double().reshape(-1) ** 2).tolist())
+        assert abs(value - exact) <= (tensor.numel() + 4) * u * exact, (tensor.dtype, tensor.numel())
+
+
+def test_gradients_proved_finite_by_their_norms_are_not_checked_again_and_others_are(monkeypatch):
+    """ParamGradRatio's finite sums of squares spare the step's finiteness pass over each
+    gradient; a gradient with an inf is still checked, and its row (and the network's) is NaN."""
+    from cockpit_gradnoise.step import Step
+
+    checked = []  # the gradients the step sums to check them (not known already)
+    check = Step._finite_on_host
+
+    def counted(self, tensor):
+        known = self._finite.get(id(tensor))
+        if known is None or known[0] is not tensor or known[1] != tensor._version:
+            checked.append(tensor)
+        return check(self, tensor)
+
+    monkeypatch.setattr(Step, "_finite_on_host", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    names = [n for n, _ in model.named_parameters()]
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    params = list(model.parameters())
+    got = cgn.ParamGradRatio(linear(1), param_names=names)._compute(10**6, params, None)  # a step of its own
+    assert checked == [] and not any(math.isnan(v) for row in got.values() for v in row.values())
+    model[2].weight.grad[0, 0] = math.inf
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        got = cgn.ParamGradRatio(linear(1), param_names=names)._compute(10**6 + 1, params, None)
+    assert [t is model[2].weight.grad for t in checked] == [True]
+    assert all(math.isnan(v) for name in ("2.weight", "all") for v in got[name].values())
+    assert got["0.weight"]["max"] == pytest.approx((params[0].abs() / params[0].grad.abs()).max().item())
+
+
 def test_unused_parameter_is_left_out_with_a_warning():
     problem = build(case_named("unused-frozen"), 7, "sum")
     quantity = cgn.ParamGradRatio(linear(1), param_names=problem.names)

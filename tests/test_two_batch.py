@@ -317,3 +317,36 @@ def test_two_backward_passes_in_one_micro_batch_are_refused_not_added_as_squares
     assert "two backward passes reached ['0.bias'" in told and "micro-batch of this step was dropped" in told
     frame = cgn.to_frame(tracker.cockpit)
     assert sorted(set(frame[frame.quantity == "TwoBatchNoiseScale"].step)) == [1]
+
+
+def test_untracked_steps_run_without_its_hooks_and_cockpits_context_and_tracked_ones_stay_exact():
+    """Untracked steps of the norms preset cost nothing of it: the tracker skips Cockpit's
+    context (IdleStep) and no hook is on the parameters (taken off after the last tracked
+    step before an untracked one, put back at the next tracked step's call), and each
+    tracked step after a gap is exact."""
+    from cockpit_gradnoise.tracked_step import IdleStep
+
+    model, tracker = cgn.track(mlp(), every=3, quantities="norms")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    quantity = next(q for q in tracker.cockpit.quantities if isinstance(q, cgn.TwoBatchNoiseScale))
+    params = list(model.parameters())
+    sizes, expected = (2, 3), {}
+    for step in range(7):
+        batches = micro_batches(sizes, seed=40 + step)
+        tracked = step % 3 == 0
+        if tracked:
+            expected[step] = reference(model, batches, [1 / (len(sizes) * b) for b in sizes])
+        for k, (x, y) in enumerate(batches):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            context = tracker(step, losses, optimizer=optimizer, micro_batch=k, micro_batches=len(sizes))
+            # Steps 1 and 4 end UpdateSize's two-step measurement: Cockpit's context, no hooks.
+            assert isinstance(context, IdleStep) == (step in (2, 5)), step
+            with context as loss:
+                # hooks on the parameters at tracked steps only (Cockpit's, then none)
+                assert all(bool(p._backward_hooks) == tracked for p in params), step
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert sorted(quantity.output) == [0, 3, 6]
+    for step, values in expected.items():
+        assert_matches(quantity.output[step], values, sum(sizes))

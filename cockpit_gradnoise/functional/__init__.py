@@ -43,6 +43,7 @@ from cockpit_gradnoise.functional.norms import (
     per_example_norm_statistics,
     scalar,
     squared_norm,
+    squared_norms,
 )
 from cockpit_gradnoise.functional.preconditioner import (
     adagrad_preconditioner,
@@ -99,6 +100,7 @@ __all__ = [
     "sd_statistics_of_layers",
     "signal_to_noise",
     "squared_norm",
+    "squared_norms",
     "two_batch_noise_scale_estimates",
     "variance_rounding_bound",
     "welford_sd",

@@ -1,7 +1,7 @@
 """Norms: squared norms accumulated in float64, their ratios, and per-example norm statistics."""
 
 import math
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.logs import schema
@@ -59,6 +59,38 @@ def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
     if defer and not _device.on_host(flat):
         return result
     return result.item()
+
+
+def squared_norms(tensors: Sequence[Tensor], *, defer: bool = False) -> List:
+    """:func:`squared_norm` of each of ``tensors``, the small ones on the CPU in one call.
+
+    The CPU tensors of at most :data:`~cockpit_gradnoise._device.CHUNK` elements go
+    through one ``torch._foreach_norm`` in float64 (no Python per tensor; it converts
+    each tensor to float64 in turn, at most 1 MiB), whose norms are squared: two more
+    roundings than :func:`squared_norm`'s sum (``2**-52`` relative), and the same
+    bound ``n 2**-53`` otherwise. A network's layers, biases and norms' weights took
+    half the time of :func:`squared_norm` per tensor (49 tensors of the benchmark GPT,
+    825k elements: 1.3 ms for both the weights and the gradients, against 2.7). The
+    others (larger tensors, other devices, subclasses such as DTensor) are
+    :func:`squared_norm`'s.
+
+    Returns:
+        One Python float per tensor (with ``defer``, on other devices: a 0-dim float64
+        tensor left there).
+    """
+    flats = [tensor.detach().reshape(-1) for tensor in tensors]
+    # Plain tensors only: a DTensor (tensor parallelism, FSDP2) is normed by its own rules.
+    small = [i for i, flat in enumerate(flats) if type(flat) is Tensor and _device.on_host(flat)
+             and flat.numel() <= _device.CHUNK and flat.dtype in _NUMPY_FLOATS]
+    results: List = [None] * len(flats)
+    if small:
+        norms = torch._foreach_norm([flats[i] for i in small], ord=2, dtype=torch.float64)
+        for i, squared in zip(small, torch.stack(norms).square_().tolist()):
+            results[i] = squared
+    for i, flat in enumerate(flats):
+        if results[i] is None:
+            results[i] = squared_norm(flat, defer=defer)
+    return results
 
 
 def per_example_norm_statistics(

@@ -6,6 +6,11 @@ from cockpit_gradnoise import functional
 from cockpit_gradnoise.logs.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
+import torch
+
+#: The parameter types whose norms :meth:`ParamGradRatio.step_context` forms for all at once.
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+
 
 class ParamGradRatio(ParameterQuantity):
     """How large are gradients relative to the weights, layer by layer?
@@ -43,11 +48,30 @@ class ParamGradRatio(ParameterQuantity):
     supports_tensor_parallel = True
     supports_fsdp2_tensor_parallel = True
 
+    def step_context(self, step, params):
+        """``{id(param): (param, its grad, ||theta||^2, ||grad||^2)}``: the squared norms of
+        every parameter with a gradient and of its gradient, in one call for all
+        (:func:`~cockpit_gradnoise.functional.squared_norms`). A gradient whose sum of
+        squares is finite is known finite to the step (its check need not sum it)."""
+        # Plain tensors: a DTensor's (tensor parallelism, FSDP2) are formed per parameter, as it is
+        # gathered or collected for its value.
+        with_grad = [(p, p.grad) for p in params if p.requires_grad and type(p) in _PLAIN
+                     and type(p.grad) is torch.Tensor]
+        found = functional.squared_norms([t for pair in with_grad for t in pair], defer=True)
+        for i, (_, grad) in enumerate(with_grad):
+            if isinstance(found[2 * i + 1], float) and math.isfinite(found[2 * i + 1]):
+                step.note_finite(grad)  # NaN and inf propagate into the sum: the step's check is done
+        return {id(p): (p, grad, found[2 * i], found[2 * i + 1]) for i, (p, grad) in enumerate(with_grad)}
+
     def parameter_value(self, param, context):
         theta, grad = param.detach(), param.grad.detach()
-        # On a GPU, tensors left there until the step's one transfer.
-        theta_sq = functional.squared_norm(theta, defer=True)
-        grad_sq = functional.squared_norm(grad, defer=True)
+        known = context.get(id(param)) if isinstance(context, dict) else None  # a subclass's own context
+        if known is not None and known[0] is param and known[1] is param.grad:
+            theta_sq, grad_sq = known[2:]
+        else:  # a parameter gathered for this call (FSDP2): its own
+            # On a GPU, tensors left there until the step's one transfer.
+            theta_sq = functional.squared_norm(theta, defer=True)
+            grad_sq = functional.squared_norm(grad, defer=True)
         # Floats on the CPU: finite sums of squares prove every element finite.
         all_finite = isinstance(theta_sq, float) and math.isfinite(theta_sq + grad_sq)
         # The zeros counted by the ratios' own pass over grad == 0.

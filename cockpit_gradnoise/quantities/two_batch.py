@@ -114,9 +114,14 @@ class TwoBatchNoiseScale(Quantity):
         # gathered into one vector when the micro-batch closes (no per-parameter indexing).
         self._pending: Optional[List[Tuple[Optional[int], Tensor]]] = None
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
+        self._indices: Dict[tuple, Tensor] = {}  # _index_of's
         self._dropped = False  # a micro-batch of this step was refused (micro_batch)
-        self._handles = [p.register_hook(functools.partial(self._record, i))
-                         for i, p in enumerate(self.params)]
+        # The hooks on the parameters: on its own always; in a Cockpit only from a tracked
+        # step's call to the end of the last tracked step before an untracked one (_hook, _park),
+        # so that an untracked backward pass makes no Python call per parameter.
+        self._handles, self._removed = [], False
+        if self._standalone:
+            self._hook()
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
         if self._sharded:  # its big batch adds each process's shard: replicas would add twice
@@ -140,14 +145,25 @@ class TwoBatchNoiseScale(Quantity):
         ``(None, squared norms)``."""
         device = pending[0][1].device
         total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        norms = [(i, norm.to(device)) for i, norm in pending if i is not None]
+        norms = [norm.to(device) for i, norm in pending if i is not None]
         if norms:
-            index = torch.tensor([i for i, _ in norms], device=device)
-            total.index_add_(0, index, torch.stack([norm for _, norm in norms]).square_())
+            index = self._index_of(tuple(i for i, _ in pending if i is not None), device)
+            total.index_add_(0, index, torch.stack(norms).square_())
         for i, squared in pending:
             if i is None:
                 total += squared.to(device)
         return total
+
+    def _index_of(self, indices: Tuple[int, ...], device) -> Tensor:
+        """``indices`` as a tensor on ``device``, kept: the backward pass reaches the parameters
+        in the same order at every micro-batch (a tensor from a list costs more than the sum)."""
+        key = (indices, device)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= 8:  # orders that change (a model whose path varies)
+                self._indices.clear()
+            index = self._indices[key] = torch.tensor(indices, device=device)
+        return index
 
     def micro_batch(self, examples: int, weight: Optional[float] = None) -> None:
         """Close the backward pass just run: ``examples`` examples, each loss weighted ``weight``.
@@ -267,12 +283,32 @@ class TwoBatchNoiseScale(Quantity):
         return bool(self._track_schedule(global_step))
 
     def extensions(self, global_step):
-        """No BackPACK extension; arms the hooks for a tracked step (Cockpit calls this first)."""
+        """No BackPACK extension (asked without effect: the tracker asks about steps ahead)."""
+        return []
+
+    #: A call at an untracked step does nothing (:meth:`track` returns at once, the hooks
+    #: are parked): the tracker may skip Cockpit's context then (:func:`~cockpit_gradnoise.arming.idle_step`).
+    idle_when_untracked = True
+
+    def protected_savefields(self, global_step):
+        """None; arms the hooks for a tracked step (Cockpit asks this before the backward pass)."""
         self._armed = self._standalone or self.should_compute(global_step)
+        if self._armed and not self._handles and not self._removed:
+            self._hook()
         if self._armed and self._sharded:  # after the forward pass: FSDP2's copies exist
             distributed.check_not_sharded(self.params, fsdp2=True, quantity="TwoBatchNoiseScale")
             fsdp2.hook_unsharded(self.params, self._record, self._unsharded_hooks)
-        return []
+        return set()
+
+    def _hook(self):
+        self._handles = [p.register_hook(functools.partial(self._record, i))
+                         for i, p in enumerate(self.params)]
+
+    def _park(self):
+        """Take the hooks on the parameters off until the next tracked step (in a Cockpit)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def track(self, global_step, params, batch_loss):
         """After a tracked call's backward pass: close its micro-batch, and record after the last."""
@@ -281,6 +317,8 @@ class TwoBatchNoiseScale(Quantity):
         self._armed = False
         step = Step.of(self, global_step)
         batch, micro = step.loss_batch(self), step.micro_batch()
+        if (micro is None or micro.last) and not self.should_compute(global_step + 1):
+            self._park()  # the step's last backward pass is over, and the next step is not tracked
         if self._pending is None:  # no gradient reached the parameters: nothing to close
             return
         if not math.isfinite(batch.loss_scale):
@@ -342,7 +380,7 @@ class TwoBatchNoiseScale(Quantity):
         """Take the hooks off the parameters."""
         for handle in self._handles + [handle for _, handle in self._unsharded_hooks.values()]:
             handle.remove()
-        self._handles, self._unsharded_hooks = [], {}
+        self._handles, self._unsharded_hooks, self._removed = [], {}, True
 
 
 def _with_network(squared_norms: Tensor) -> Tensor:
