@@ -147,13 +147,14 @@ def join_group(rank, world, port):
     )
 
 
-def run_jobs(rank, world, port, out, jobs):
-    """A worker's body: join the group, run ``jobs`` (``{name: job(mesh)}``, a 1-D mesh over
-    every process) in order, saving this process's results after each, and leave the group."""
+def run_jobs(rank, world, port, out, jobs, mesh_shape=None, mesh_dim_names=None):
+    """A worker's body: join the group, run ``jobs`` (``{name: job(mesh)}``; the mesh of
+    ``mesh_shape`` and ``mesh_dim_names``, by default 1-D over every process) in order,
+    saving this process's results after each, and leave the group."""
     join_group(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape or (world,), mesh_dim_names=mesh_dim_names)
     results = {}
     try:
         for name, job in jobs.items():
@@ -570,6 +571,13 @@ def assert_tables_match(got, expected, rtol=RTOL):
             assert got[key] == pytest.approx(value, rel=rtol, abs=0), key
 
 
+def agreed_table(results) -> dict:
+    """Rank 0's ``"table"`` of ``results`` (one per process), checked equal on every process."""
+    tables = [result["table"] for result in results]
+    assert_identical(tables)
+    return tables[0]
+
+
 def assert_identical(tables):
     """Every process's table equal to rank 0's, bit for bit (NaN equal to NaN)."""
     for rank, other in enumerate(tables[1:], start=1):
@@ -588,11 +596,10 @@ MATRIX = [(world, config) for world, configs_ in CONFIGS.items() for config in c
 
 @pytest.mark.parametrize("world, config", MATRIX, ids=[f"W{w}-{c.id}" for w, c in MATRIX])
 def test_every_statistic_equals_one_process_on_the_concatenated_batch(groups, world, config):
-    tables = [result["table"] for result in results_of(groups, world, config.id)]
-    assert_identical(tables)
+    got = agreed_table(results_of(groups, world, config.id))
     expected = reference_steps(config)
     assert {key[1] for key in expected} == set(PER_EXAMPLE + FROM_GRAD)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(got, expected)
 
 
 @pytest.mark.parametrize("world", sorted(CONFIGS))

@@ -17,25 +17,24 @@ ParamGradRatio and UpdateSize are compared with one process whose ``param.grad``
 FSDP2's, the gradient of the mean over processes of their local losses.
 """
 
+import functools
 import math
 import warnings
-from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.test_distributed import (
-    assert_identical,
+    agreed_table,
     assert_tables_match,
-    join_group,
     results_of,
+    run_jobs,
     run_once_per_world,
 )
 
@@ -221,20 +220,10 @@ def twice_tables(world, rank=None, mesh=None):
 
 
 def worker(rank, world, port, out):
-    join_group(rank, world, port)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    try:
-        for job in JOBS:
-            results[job] = fsdp2_job(job, world, rank, mesh)
-            torch.save(results, Path(out) / f"rank{rank}.pt")
-        results["refused"] = refused_job(mesh)
-        results["twice"] = twice_tables(world, rank, mesh)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    jobs = {job: functools.partial(fsdp2_job, job, world, rank) for job in JOBS}
+    jobs["refused"] = refused_job
+    jobs["twice"] = functools.partial(twice_tables, world, rank)
+    run_jobs(rank, world, port, out, jobs)
 
 
 def reference(job, world, quantities=per_example, make=make_model):
@@ -278,10 +267,9 @@ def groups(tmp_path_factory):
 @pytest.mark.parametrize("job", list(JOBS))
 def test_equals_one_process_on_the_global_batch(groups, world, job):
     results = results_of(groups, world, job)
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
+    table = agreed_table(results)
     expected = reference(job, world)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     rows = {(key[1], key[2]) for key in expected}
     # Every trained layer has rows, and the network's row leaves out the unused layer
     # (UpdateSize reads the parameters alone: the unused layer's update is 0).
@@ -291,7 +279,7 @@ def test_equals_one_process_on_the_global_batch(groups, world, job):
         assert any(name.startswith("unused") for q, name in rows if q == quantity) == (quantity == "UpdateSize")
     assert any(key[2] == "all" and key[3] == "params_covered" for key in expected)
     assert any("unused.weight" in message for message in results[0]["warnings"])
-    assert not any(math.isnan(value) for value in tables[0].values())
+    assert not any(math.isnan(value) for value in table.values())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -341,8 +329,7 @@ def test_a_layer_run_twice_is_as_on_one_process_or_left_out_by_name(groups, worl
     if "error" in expected:
         assert all(result.get("error") == expected["error"] for result in results)
         return
-    assert_identical([result["table"] for result in results])
-    got = results[0]["table"]
+    got = agreed_table(results)
     for name in ("fc.weight", "fc.bias", "head.weight", "head.bias"):
         rows = {key: value for key, value in expected["table"].items() if key[2] == name}
         if any(key[2] == name for key in got):

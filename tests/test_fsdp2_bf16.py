@@ -53,7 +53,14 @@ import torch.nn.functional as F
 from cockpit.utils.schedules import linear
 
 from tests import test_two_batch
-from tests.test_distributed import assert_identical, assert_tables_match, results_of, run_jobs, run_once_per_world
+from tests.test_distributed import (
+    agreed_table,
+    assert_identical,
+    assert_tables_match,
+    results_of,
+    run_jobs,
+    run_once_per_world,
+)
 from tests.test_fsdp2 import Net, make_batch, table, trainable
 
 F32_UNIT = 2.0**-24
@@ -604,8 +611,7 @@ def test_the_norms_preset_is_the_two_batch_estimator_of_the_bfloat16_gradients(g
     the processes' means: weights ``1 / (W N_r)``, as tests/test_fsdp2_track.py's reference),
     reduced in float32 or in bfloat16."""
     results = results_of(groups, world, job)
-    assert_identical([result["table"] for result in results])
-    got = results[0]["table"]
+    got = agreed_table(results)
     sizes = SIZES[world]
     total = sum(1 / world for _ in sizes)  # sum_r w_r N_r
     effective = total**2 / sum(n / (world * n) ** 2 for n in sizes)
@@ -656,8 +662,7 @@ def test_preconditioned_noise_scale_within_the_bfloat16_bound(groups, world, sou
     :func:`~cockpit_gradnoise.functional.scale_free_smoothed_noise_scale`), from each step's
     two ratios within :func:`ratio_bound`. Against the products of the factors (``u = 0``) too."""
     results = results_of(groups, world, "adam")
-    assert_identical([result["table"] for result in results])
-    got = results[0]["table"]
+    got = agreed_table(results)
     n = sum(SIZES[world])
     averages = {}  # name: EMAs of trace_cov / S_P, grad_sq / S_P and their bounds
     for step in range(STEPS):

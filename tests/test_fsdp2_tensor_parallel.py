@@ -23,24 +23,23 @@ split parameters), a cockpit over the layer sharded on ``dp`` alone, and ``cgn.t
 (tensor parallelism goes through the explicit API).
 """
 
+import functools
 import math
 import warnings
-from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 from cockpit_gradnoise import distributed
 
 import pytest
 import torch
-import torch.distributed as dist
 from cockpit.utils.schedules import linear
 
 from tests import test_fsdp2, test_tensor_parallel
 from tests.test_distributed import (
-    assert_identical,
+    agreed_table,
     assert_tables_match,
-    join_group,
     results_of,
+    run_jobs,
     run_once_per_world,
 )
 
@@ -116,19 +115,9 @@ def refusals(mesh):
 
 
 def worker(rank, world, port, out):
-    join_group(rank, world, port)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    results = {}
-    try:
-        for job in test_fsdp2.JOBS:
-            results[job] = job_table(job, mesh)
-            torch.save(results, Path(out) / f"rank{rank}.pt")
-        results["refused"] = refusals(mesh)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs["refused"] = refusals
+    run_jobs(rank, world, port, out, jobs, mesh_shape=(DP, TP), mesh_dim_names=("dp", "tp"))
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +128,9 @@ def group(tmp_path_factory):
 @pytest.mark.parametrize("job", list(test_fsdp2.JOBS))
 def test_equals_one_process_on_the_global_batch(group, job):
     results = results_of(group, WORLD, job)
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
+    table = agreed_table(results)
     expected = test_fsdp2.reference(job, DP, quantities=per_example, make=make_model)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     placements = results[0]["placements"]
     # FSDP2's Shard(0) on dp (strided where tp splits dim 0 too) before tp's Colwise / Rowwise.
     assert placements["fc1.weight"].endswith("Shard(dim=0))") and "Shard" in placements["fc1.weight"][:20]
@@ -154,7 +142,7 @@ def test_equals_one_process_on_the_global_batch(group, job):
         assert {(quantity, name) for name in SPLIT + ("head.weight", "head.bias", "all")} <= rows
         assert not any(name.startswith("frozen") for q, name in rows if q == quantity)
     assert any("unused.weight" in message for message in results[0]["warnings"])
-    assert not any(math.isnan(value) for value in tables[0].values())
+    assert not any(math.isnan(value) for value in table.values())
 
 
 def test_quantities_not_exact_there_are_refused_by_name(group):

@@ -35,16 +35,15 @@ import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `impo
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from tests import test_two_batch
 from tests.test_distributed import (
-    assert_identical,
+    agreed_table,
     assert_tables_match,
-    join_group,
     results_of,
+    run_jobs,
     run_once_per_world,
 )
 from tests.test_fsdp2 import LR, Net, NotMarked
@@ -215,25 +214,15 @@ def lightning_job(world, rank, port, out):
 
 
 def worker(rank, world, port, out):
-    join_group(rank, world, port)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    out, results = Path(out), {}
-    folder = out / f"rank{rank}_files"
+    folder = Path(out) / f"rank{rank}_files"
     folder.mkdir(exist_ok=True)
-    try:
-        for job in [job for job in JOBS if job != "lightning"]:
-            results[job] = tracked_job(job, world, rank, mesh, folder)
-            torch.save(results, out / f"rank{rank}.pt")
-        results["hook_order"] = hook_order(mesh)
-        results["refusals"] = refusals(mesh)
-        torch.save(results, out / f"rank{rank}.pt")
-        if world == 2:
-            results["lightning"] = lightning_job(world, rank, port, folder)
-            torch.save(results, out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    jobs = {job: lambda mesh, job=job: tracked_job(job, world, rank, mesh, folder)
+            for job in JOBS if job != "lightning"}
+    jobs["hook_order"] = hook_order
+    jobs["refusals"] = refusals
+    if world == 2:
+        jobs["lightning"] = lambda mesh: lightning_job(world, rank, port, folder)
+    run_jobs(rank, world, port, out, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +234,14 @@ def groups(tmp_path_factory):
 @pytest.mark.parametrize("job", [job for job in JOBS if job != "lightning"])
 def test_track_after_fully_shard_equals_one_process_on_the_global_batch(groups, world, job):
     results = results_of(groups, world, job)
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
+    table = agreed_table(results)
     expected = reference(job, world)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     quantities = {key[1] for key in expected}
     assert quantities >= ({"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} if job.startswith("norms")
                           else set(PER_EXAMPLE) | {"GradientVarianceQuantiles"})
     assert {"fc1.weight", "fc2.bias", "all"} <= {key[2] for key in expected}
-    assert not any(math.isnan(value) for value in tables[0].values())
+    assert not any(math.isnan(value) for value in table.values())
     # Only rank 0 writes: the streamed log and the written one.
     assert results[0]["written"] is not None and all(r["written"] is None for r in results[1:])
     assert results[0]["files"]
@@ -310,8 +298,7 @@ def test_lightning_model_parallel_strategy_with_the_callback_equals_one_process(
     built at ``on_fit_start`` over the sharded parameters (at ``setup`` it would hold the
     parameters FSDP2 replaces, and record nothing or zeros)."""
     results = results_of(groups, 2, "lightning")
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
-    assert_tables_match(tables[0], reference("lightning", 2))
-    assert {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} <= {key[1] for key in tables[0]}
+    table = agreed_table(results)
+    assert_tables_match(table, reference("lightning", 2))
+    assert {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} <= {key[1] for key in table}
     assert results[0]["files"] and results[1]["files"] == []

@@ -19,25 +19,25 @@ with Adam (its ``exp_avg_sq`` a sharded DTensor; ``fully_shard`` on every Linear
 which sets Adam's ``P``, is the global batch's.
 """
 
+import functools
 import math
 import warnings
-from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 
 import numpy
 import pytest
 import torch
-import torch.distributed as dist
 from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.test_distributed import (
+    agreed_table,
     assert_identical,
     assert_tables_match,
-    join_group,
     results_of,
+    run_jobs,
     run_once_per_world,
 )
 from tests.test_fsdp2 import (
@@ -169,22 +169,12 @@ def search_job(world, rank):
 
 
 def worker(rank, world, port, out):
-    join_group(rank, world, port)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    try:
-        results["selection"] = selection_job(world, rank)
-        for job in JOBS:
-            results[job] = variance_job(job, world, rank, mesh)
-            torch.save(results, Path(out) / f"rank{rank}.pt")
-        results["adam"] = adam_steps(sharded_model(mesh, True, True), world, rank)
-        results["sgd"] = adam_steps(sharded_model(mesh, False, False), world, rank,
-                                    optimizer_class=torch.optim.SGD)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    jobs = {"selection": lambda mesh: selection_job(world, rank)}
+    jobs.update({job: functools.partial(variance_job, job, world, rank) for job in JOBS})
+    jobs["adam"] = lambda mesh: adam_steps(sharded_model(mesh, True, True), world, rank)
+    jobs["sgd"] = lambda mesh: adam_steps(sharded_model(mesh, False, False), world, rank,
+                                          optimizer_class=torch.optim.SGD)
+    run_jobs(rank, world, port, out, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -222,15 +212,14 @@ def test_distributed_selection_is_numpys_quantile_on_every_process(groups, world
 @pytest.mark.parametrize("job", list(JOBS))
 def test_variance_quantiles_equal_one_process_on_the_global_batch(groups, world, job):
     results = results_of(groups, world, job)
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
+    table = agreed_table(results)
     expected = variance_reference(job, world)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     names = {key[2] for key in expected}
     assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "all"} <= names
     assert not any(name.startswith(("unused", "frozen")) for name in names)
     assert any(key[3] == "snr_q0.5" for key in expected)
-    assert not any(math.isnan(value) for value in tables[0].values())
+    assert not any(math.isnan(value) for value in table.values())
 
 
 @pytest.mark.parametrize("world", [2, 3])

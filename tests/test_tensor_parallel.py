@@ -22,15 +22,14 @@ under tensor parallelism, and a layer under SequenceParallel (its input split al
 positions).
 """
 
+import functools
 import math
 import warnings
-from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from backpack import extend
 from cockpit.utils.schedules import linear
@@ -38,10 +37,11 @@ from torch import nn
 
 from tests import test_fsdp2
 from tests.test_distributed import (
+    agreed_table,
     assert_identical,
     assert_tables_match,
-    join_group,
     results_of,
+    run_jobs,
     run_once_per_world,
 )
 
@@ -237,25 +237,19 @@ def hsdp_refused(world):
 
 
 def worker(rank, world, port, out):
-    join_group(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    results = {}
-    try:
-        for job in JOBS:
-            results[job] = tracked(job, mesh)
-            torch.save(results, Path(out) / f"rank{rank}.pt")
-        for job, shape in HSDP.items():
-            hsdp = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-            results[f"hsdp_{job}"] = test_fsdp2.fsdp2_job(job, world, rank, hsdp)
-        results["refused"] = refused_quantities(mesh)
-        results["hsdp_refused"] = hsdp_refused(world)
-        results["fsdp2_inside"] = fsdp2_inside(world)
-        results["sequence_split"] = sequence_split(mesh)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    def hsdp(job, shape):  # an HSDP mesh of its own
+        return lambda mesh: test_fsdp2.fsdp2_job(
+            job, world, rank, init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+
+    jobs = {job: functools.partial(tracked, job) for job in JOBS}
+    jobs.update({f"hsdp_{job}": hsdp(job, shape) for job, shape in HSDP.items()})
+    jobs["refused"] = refused_quantities
+    jobs["hsdp_refused"] = lambda mesh: hsdp_refused(world)
+    jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
+    jobs["sequence_split"] = sequence_split
+    run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
 
 
 # HSDP (fully_shard on a replicate x shard mesh): test_fsdp2's jobs, each process its own examples.
@@ -270,10 +264,9 @@ def group(tmp_path_factory):
 @pytest.mark.parametrize("job", list(JOBS))
 def test_equals_one_process_on_the_same_batch(group, job):
     results = results_of(group, WORLD, job)
-    tables = [result["table"] for result in results]
-    assert_identical(tables)
+    table = agreed_table(results)
     expected = tracked(job)["table"]
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     split = results[0]["split"]
     # RowwiseParallel's bias is a replicated DTensor.
     assert split == (["k.weight", "o.bias", "o.weight", "q.bias", "q.weight", "v.bias",
@@ -285,7 +278,7 @@ def test_equals_one_process_on_the_same_batch(group, job):
         assert {(quantity, name) for name in split + ["all"]} <= rows, quantity
     if job != "attention":
         assert any("unused.weight" in message for message in results[0]["warnings"])
-    assert not any(math.isnan(value) for value in tables[0].values())
+    assert not any(math.isnan(value) for value in table.values())
 
 
 def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
@@ -303,8 +296,7 @@ def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(grou
 
 def test_a_layer_split_along_positions_is_left_out_by_name(group):
     results = results_of(group, WORLD, "sequence_split")
-    assert_identical([result["table"] for result in results])
-    got, expected = results[0]["table"], tracked("attention", make_quantities=per_example, steps=1)["table"]
+    got, expected = agreed_table(results), tracked("attention", make_quantities=per_example, steps=1)["table"]
     assert not any(key[2].startswith("q.") for key in got)
     assert any("q.weight" in message and "split along positions" in message
                for message in results[0]["warnings"])
@@ -317,10 +309,9 @@ def test_a_layer_split_along_positions_is_left_out_by_name(group):
 def test_hsdp_equals_one_process_on_the_global_batch(group, job):
     """Replicas (2 x 1: UpdateSize counts a replicated shard once) and shards (1 x 2), every
     quantity exact under FSDP2, as test_fsdp2's 1-D mesh."""
-    tables = [result["table"] for result in results_of(group, WORLD, f"hsdp_{job}")]
-    assert_identical(tables)
+    table = agreed_table(results_of(group, WORLD, f"hsdp_{job}"))
     expected = test_fsdp2.reference(job, WORLD)
-    assert_tables_match(tables[0], expected)
+    assert_tables_match(table, expected)
     quantities = {key[1] for key in expected}
     assert quantities == {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
 
