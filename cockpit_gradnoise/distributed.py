@@ -55,15 +55,14 @@ _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.di
 
 
 #: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; the
-#: first four also on HSDP's replicate x shard mesh, the first five over tensor parallelism.
+#: first four also on HSDP's replicate x shard mesh, all six under tensor parallelism.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
 #: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
 #: add sums over each process's shard, which would count a shard once per replica.
 HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
-TENSOR_PARALLEL_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
-                              "GradientVarianceQuantiles")
+TENSOR_PARALLEL_QUANTITIES = FSDP2_QUANTITIES
 #: The quantities exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh).
 FSDP2_TENSOR_PARALLEL_QUANTITIES = TENSOR_PARALLEL_QUANTITIES
 

@@ -18,9 +18,10 @@ Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 ``reshard_after_forward=True`` (mean loss, unequal local batches), on the root only with
 ``False`` (sum loss), two micro-batches accumulated, each tracked by the five quantities
 exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
-their ``tp`` shard); refused by name: PreconditionedNoiseScale (the optimizer's state of
-split parameters), a cockpit over the layer sharded on ``dp`` alone, and ``cgn.track``
-(tensor parallelism goes through the explicit API).
+their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
+state DTensors placed as the parameters on ``(dp, tp)``); refused by name: a cockpit over
+the layer sharded on ``dp`` alone, and ``cgn.track`` (tensor parallelism goes through the
+explicit API).
 """
 
 import functools
@@ -34,7 +35,7 @@ import pytest
 import torch
 from cockpit.utils.schedules import linear
 
-from tests import test_fsdp2, test_tensor_parallel
+from tests import test_fsdp2, test_fsdp2_variance, test_tensor_parallel
 from tests.test_distributed import (
     agreed_table,
     assert_tables_match,
@@ -94,17 +95,16 @@ def refusals(mesh):
     over the plain layer alone (sharded on ``dp`` only: nothing tells the ``tp`` groups, whose
     processes hold the same examples), and what cgn.track says."""
     messages = {}
-    for key, make in {"PreconditionedNoiseScale": cgn.PreconditionedNoiseScale,
-                      "plain_only": cgn.GradientNoiseScale}.items():
-        model = sharded_model(mesh)
-        named = [(n, p) for n, p in test_fsdp2.trainable(model) if key != "plain_only" or n.startswith("head")]
-        cockpit = cgn.Cockpit([p for _, p in named], quantities=[make(linear(1), param_names=dict(named))])
-        batches = test_fsdp2.local_batches("per_linear", DP, mesh["dp"].get_local_rank(), steps=1)
-        try:
-            test_fsdp2.run_steps(model, cockpit, batches, "mean")
-            messages[key] = None
-        except TypeError as error:
-            messages[key] = str(error)
+    model = sharded_model(mesh)
+    named = [(n, p) for n, p in test_fsdp2.trainable(model) if n.startswith("head")]
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
+        cgn.GradientNoiseScale(linear(1), param_names=dict(named))])
+    batches = test_fsdp2.local_batches("per_linear", DP, mesh["dp"].get_local_rank(), steps=1)
+    try:
+        test_fsdp2.run_steps(model, cockpit, batches, "mean")
+        messages["plain_only"] = None
+    except TypeError as error:
+        messages["plain_only"] = str(error)
     for key, quantities in {"norms": "norms", "exact": list(distributed.TENSOR_PARALLEL_QUANTITIES)}.items():
         try:
             cgn.track(sharded_model(mesh), quantities=quantities)
@@ -114,8 +114,21 @@ def refusals(mesh):
     return messages
 
 
+def adam(mesh):
+    """PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: equal local batches of a
+    mean loss, so that FSDP2's gradient, which sets P, is the global batch's): the table, and
+    each parameter's ``exp_avg_sq`` placements (placed as the parameter)."""
+    state = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the jobs' test
+        table = test_fsdp2_variance.adam_steps(sharded_model(mesh), DP, rank=mesh["dp"].get_local_rank(),
+                                               state=state)
+    return {"table": table, "state": state}
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs["adam"] = adam
     jobs["refused"] = refusals
     run_jobs(rank, world, port, out, jobs, mesh_shape=(DP, TP), mesh_dim_names=("dp", "tp"))
 
@@ -145,12 +158,23 @@ def test_equals_one_process_on_the_global_batch(group, job):
     assert not any(math.isnan(value) for value in table.values())
 
 
-def test_quantities_not_exact_there_are_refused_by_name(group):
+def test_preconditioned_noise_scale_with_adam_equals_one_process(group):
+    """Each process applies the P of its elements (Adam's exp_avg_sq, placed as the parameter
+    on (dp, tp)) to its rows of its tp shard's sums; the replicated bias's on the first tp
+    process only."""
+    results = results_of(group, WORLD, "adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = test_fsdp2_variance.adam_steps(make_model(), DP)
+    assert_tables_match(agreed_table(results), expected)
+    state = results[0]["state"]
+    assert state["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert state["fc2.bias"] == "(Shard(dim=0), Replicate())" and state["head.weight"] == "(Shard(dim=0),)"
+    assert {key[2] for key in expected} == {*SPLIT, "head.weight", "head.bias", "all"}
+
+
+def test_layers_sharded_on_dp_alone_and_cgn_track_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
-        name = "PreconditionedNoiseScale"
-        assert messages[name].startswith(f"{name} is refused"), messages[name]
-        assert "tensor parallelism inside FSDP2" in messages[name]
-        assert "PerExampleGradNorm" in messages[name]
         assert messages["plain_only"].startswith("GradientNoiseScale is refused")
         assert "a device mesh of 2 of the 4 processes" in messages["plain_only"]
         assert "tensor parallelism inside FSDP2" in messages["norms"]

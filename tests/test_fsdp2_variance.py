@@ -92,9 +92,10 @@ def variance_reference(job, world):
     return {key: value for key, value in rows.items() if key[1] == "GradientVarianceQuantiles"}
 
 
-def adam_steps(model, world, rank=None, steps=2, optimizer_class=torch.optim.Adam):
+def adam_steps(model, world, rank=None, steps=2, optimizer_class=torch.optim.Adam, state=None):
     """Adam (or SGD: P = I), PreconditionedNoiseScale every step; this process's batch (or
-    the global one). Adam's state is a DTensor from the second step on."""
+    the global one). Adam's state is a DTensor from the second step on (``state``, if given,
+    gets each parameter's ``exp_avg_sq`` placements after the last step)."""
     named = trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=[
         cgn.PreconditionedNoiseScale(linear(1), param_names=dict(named))])
@@ -112,6 +113,9 @@ def adam_steps(model, world, rank=None, steps=2, optimizer_class=torch.optim.Ada
         with cockpit(step, info=info(outputs, y, loss, optimizer=optimizer)):
             loss.backward()
         optimizer.step()
+    if state is not None:
+        state.update({name: str(getattr(optimizer.state[p].get("exp_avg_sq"), "placements", None))
+                      for name, p in named})
     return table(cockpit)
 
 

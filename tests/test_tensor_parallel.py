@@ -15,11 +15,11 @@ parameters).
 
 Jobs: an MLP with a mean loss, with a sum loss, two micro-batches accumulated, an
 attention block on sequences (q, k, v Colwise by heads, the output projection
-Rowwise); FSDP2 over tensor parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job;
+Rowwise); PreconditionedNoiseScale with Adam (its state DTensors placed as the split
+parameters); FSDP2 over tensor parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job;
 2 x 2: test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
-shard meshes, each process its own examples); refused by name: the quantities not exact
-under tensor parallelism, and a layer under SequenceParallel (its input split along
-positions).
+shard meshes, each process its own examples); left out by name: a layer under
+SequenceParallel (its input split along positions).
 """
 
 import functools
@@ -35,7 +35,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests import test_fsdp2
+from tests import test_fsdp2, test_fsdp2_variance
 from tests.test_distributed import (
     agreed_table,
     assert_identical,
@@ -169,15 +169,19 @@ def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
             "split": sorted(n for n, p in named if type(p).__name__ == "DTensor")}
 
 
-def refused_quantities(mesh):
-    """The errors of quantities not exact under tensor parallelism, at their tracked step."""
-    messages = {}
-    for make in (cgn.PreconditionedNoiseScale,):
-        try:
-            tracked("mean", mesh, lambda names, make=make: [make(linear(1), param_names=names)])
-        except TypeError as error:
-            messages[make.__name__] = str(error)
-    return messages
+def adam(mesh=None):
+    """PreconditionedNoiseScale with Adam on the mean job's model and test_fsdp2_variance's
+    batches (the same on every process): the table, and the placements of each parameter's
+    ``exp_avg_sq`` (a DTensor placed as the split parameter from the second step on)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = make_model("mean")
+    if mesh is not None:
+        parallelize_module(model, mesh, plan("mean"))
+    state = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the mean job's test
+        return {"table": test_fsdp2_variance.adam_steps(model, WORLD, state=state), "state": state}
 
 
 def sequence_split(mesh):
@@ -245,7 +249,7 @@ def worker(rank, world, port, out):
 
     jobs = {job: functools.partial(tracked, job) for job in JOBS}
     jobs.update({f"hsdp_{job}": hsdp(job, shape) for job, shape in HSDP.items()})
-    jobs["refused"] = refused_quantities
+    jobs["adam"] = adam
     jobs["hsdp_refused"] = lambda mesh: hsdp_refused(world)
     jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
     jobs["sequence_split"] = sequence_split
@@ -281,11 +285,19 @@ def test_equals_one_process_on_the_same_batch(group, job):
     assert not any(math.isnan(value) for value in table.values())
 
 
-def test_quantities_not_exact_under_tensor_parallelism_are_refused_by_name(group):
-    for messages in results_of(group, WORLD, "refused"):
-        assert set(messages) == {"PreconditionedNoiseScale"}
-        for message in messages.values():
-            assert "tensor parallelism" in message and "PerExampleGradNorm" in message
+def test_preconditioned_noise_scale_with_adam_equals_one_process(group):
+    """P from Adam's exp_avg_sq of each split parameter, a DTensor placed as it: its local
+    values are P's on the shard's elements, applied to the sums that stay with the shard."""
+    results = results_of(group, WORLD, "adam")
+    expected = adam()["table"]
+    assert_tables_match(agreed_table(results), expected)
+    assert results[0]["state"] == {"fc1.weight": "(Shard(dim=0),)", "fc1.bias": "(Shard(dim=0),)",
+                                   "fc2.weight": "(Shard(dim=1),)", "fc2.bias": "(Replicate(),)",
+                                   "head.weight": "None", "head.bias": "None",
+                                   "unused.weight": "None", "unused.bias": "None"}  # no step, no state
+    assert {key[2] for key in expected} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+                                            "head.weight", "head.bias", "all"}
+    assert {key[0] for key in expected} == {0, 1}
 
 
 def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):

@@ -103,6 +103,26 @@ def local_part(full: Tensor, cut: Cut, rank: int) -> Tensor:
     return full.narrow(dim, start, stop - start).clone()  # the reduced buffer can then be freed
 
 
+def local_weights(local: Tensor, cut: Cut, rank: int) -> Tensor:
+    """This process's part of a per-element tensor held like the parameter (``local``: the
+    local tensor of a DTensor placed as it, or a plain tensor), on the elements of ``cut``.
+
+    Where another process holds them (a parameter not split by tensor parallelism, on a
+    ``tp`` rank other than the first: an empty cut), none; a plain tensor as
+    :func:`local_part` cuts the sums.
+    """
+    if cut is None:
+        return local_part(local, None, rank)
+    dim, start, stop = cut
+    if local.shape[dim] == stop - start:
+        return local
+    if stop == start:
+        return local.narrow(dim, 0, 0)
+    raise RuntimeError(
+        f"cockpit_gradnoise: a shard of {local.shape[dim]} rows of dim {dim} where this "
+        f"process's sums hold {stop - start}: a layout not supported")
+
+
 def added_across_processes(values: List[Tuple[float, float, int]]) -> List[Tuple[float, float, int]]:
     """``(S, M, N)`` per parameter with ``S`` and ``M`` (sums over elements, each process's
     over its own) added over the processes, in rank order: the same floats on every process.

@@ -94,7 +94,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     last micro-batch, to those of the global batch. Under FSDP2 each process
     applies the ``P`` of its shard (the optimizer's state is sharded like the
     parameter) to its rows of the sums, and the two sums over elements are
-    added across processes.
+    added across processes; under tensor parallelism (alone or inside FSDP2)
+    likewise, on the elements of the process's shard of a split parameter.
 
     Args:
         track_schedule: Function from step to bool.
@@ -109,8 +110,12 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     reads_local_gradient = False
     micro_batch_gradient = None
     supports_hsdp = False  # its sums are cut to each process's shard (quantities/_shards.py)
-    supports_tensor_parallel = False  # the optimizer's state of a split parameter: not built
-    supports_fsdp2_tensor_parallel = False
+    #: Under tensor parallelism a split parameter's sums stay with its shard (inside FSDP2
+    #: added over dp), beside the optimizer's state of the same elements (a DTensor placed
+    #: as the parameter): each process applies the P of its elements, as under FSDP2.
+    supports_tensor_parallel = True
+    supports_fsdp2_tensor_parallel = True
+    per_element_sums_stay = True
 
     def __init__(
         self, track_schedule, *, smoothing=DEFAULT_SMOOTHING, param_names=None, verbose=False
@@ -174,15 +179,14 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         weights = self._preconditioner.preconditioner(self._params[name])
         n = batch.examples
         if self._cuts is not None:
-            # FSDP2: P of this process's shard (the optimizer's state is a sharded DTensor
-            # beside the parameter: elementwise, its local values are those of the whole
-            # P's rows), on the same rows of the sums; the partial sums over elements
-            # are added across processes in statistics_of_values.
+            # FSDP2, tensor parallelism: P of this process's shard (the optimizer's state is
+            # a DTensor beside the parameter: elementwise, its local values are those of the
+            # whole P's elements), on the same elements of the sums; the partial sums over
+            # elements are added across processes in statistics_of_values.
             rank = distributed.rank()
             sums = {key: _shards.local_part(value, self._cuts[name], rank) for key, value in sums.items()}
             if weights is not None:
-                weights = sharded.local_tensor(weights)
-                weights = weights if self._cuts[name] is not None else _shards.local_part(weights, None, rank)
+                weights = _shards.local_weights(sharded.local_tensor(weights), self._cuts[name], rank)
         mean_squared_norm, squared_norm_of_mean = preconditioned_noise_sums(
             weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True
         )
