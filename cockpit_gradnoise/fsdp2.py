@@ -169,14 +169,24 @@ def hook_unsharded(params: Sequence[Tensor], hook: Callable[[int, Tensor], None]
         hooked[index] = (copy, copy.register_hook(functools.partial(hook, index)))
 
 
-def squared_norms(grads: List[Tensor], shards: bool) -> Tensor:
+def fsdp2_managed(params: Iterable[Tensor]) -> bool:
+    """Whether any of ``params`` is sharded by FSDP2 (a ``DTensor`` may be tensor parallelism's alone)."""
+    managed = sharded.fsdp2_parameters()
+    return any(id(param) in managed for param in params)
+
+
+def squared_norms(grads: List[Tensor], shards: bool, counted=None) -> Tensor:
     """``|g|^2`` of each gradient (at least one), in float64; with ``shards``, ``grads`` are
-    this process's shards (or ``DTensor`` s) and the squares are summed over the processes.
+    this process's shards (or ``DTensor`` s) and the squares are summed over the processes,
+    where given only those ``counted`` (per gradient: ``False`` where another process holds
+    the same elements, under tensor parallelism).
 
     Collective with ``shards`` (one ``all_reduce``): every process must call it.
     """
     norms = torch.stack([torch.linalg.vector_norm(sharded.local_tensor(g.detach()),
                                                   dtype=torch.float64) ** 2 for g in grads])
+    if counted is not None:
+        norms *= torch.tensor(counted, dtype=norms.dtype, device=norms.device)
     if shards:
         distributed.all_reduce_([norms])
     return norms

@@ -19,7 +19,8 @@ Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 ``False`` (sum loss), two micro-batches accumulated, each tracked by the five quantities
 exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
 their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
-state DTensors placed as the parameters on ``(dp, tp)``); refused by name: a cockpit over
+state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
+accumulation job: each ``dp`` group's micro-batches the small batches); refused by name: a cockpit over
 the layer sharded on ``dp`` alone, and ``cgn.track`` (tensor parallelism goes through the
 explicit API).
 """
@@ -38,6 +39,7 @@ from cockpit.utils.schedules import linear
 from tests import test_fsdp2, test_fsdp2_variance, test_tensor_parallel
 from tests.test_distributed import (
     agreed_table,
+    assert_identical,
     assert_tables_match,
     results_of,
     run_jobs,
@@ -126,9 +128,32 @@ def adam(mesh):
     return {"table": table, "state": state}
 
 
+def two_batch(mesh=None):
+    """TwoBatchNoiseScale on test_fsdp2's accumulation job: each ``dp`` group's micro-batches
+    the small batches (the two processes of a ``tp`` group hold the same: counted once), the
+    step's FSDP2 gradient the big one. Without ``mesh``, one process with every group's
+    micro-batches as its own, each loss weighted as FSDP2's mean over ``dp`` weights it."""
+    micro = len(test_fsdp2.SIZES["accumulation"][DP][0])
+    if mesh is None:
+        model = make_model()
+        per_rank = [test_fsdp2.local_batches("accumulation", DP, rank) for rank in range(DP)]
+        batches = [[batch for batches in per_rank for batch in batches[step]] for step in range(2)]
+        micro *= DP
+    else:
+        model = sharded_model(mesh)
+        batches = test_fsdp2.local_batches("accumulation", DP, mesh["dp"].get_local_rank())
+    named = test_fsdp2.trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=test_tensor_parallel.two_batch(dict(named)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        test_fsdp2.run_steps(model, cockpit, batches, "mean", micro)
+    return test_fsdp2.table(cockpit)
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
     jobs["adam"] = adam
+    jobs["two_batch"] = two_batch
     jobs["refused"] = refusals
     run_jobs(rank, world, port, out, jobs, mesh_shape=(DP, TP), mesh_dim_names=("dp", "tp"))
 
@@ -171,6 +196,16 @@ def test_preconditioned_noise_scale_with_adam_equals_one_process(group):
     assert state["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert state["fc2.bias"] == "(Shard(dim=0), Replicate())" and state["head.weight"] == "(Shard(dim=0),)"
     assert {key[2] for key in expected} == {*SPLIT, "head.weight", "head.bias", "all"}
+
+
+def test_two_batch_noise_scale_equals_one_process(group):
+    tables = results_of(group, WORLD, "two_batch")
+    assert_identical(tables)
+    expected = two_batch()
+    assert_tables_match(tables[0], expected)
+    assert {key[2] for key in expected} >= {*SPLIT, "head.weight", "head.bias", "all"}
+    sizes = test_fsdp2.SIZES["accumulation"][DP]
+    assert {value for key, value in expected.items() if key[3] == "batch_size"} == {sum(map(sum, sizes))}
 
 
 def test_layers_sharded_on_dp_alone_and_cgn_track_are_refused_by_name(group):

@@ -16,8 +16,9 @@ parameters).
 Jobs: an MLP with a mean loss, with a sum loss, two micro-batches accumulated, an
 attention block on sequences (q, k, v Colwise by heads, the output projection
 Rowwise); PreconditionedNoiseScale with Adam (its state DTensors placed as the split
-parameters); FSDP2 over tensor parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job;
-2 x 2: test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
+parameters); TwoBatchNoiseScale over the accumulated micro-batches; FSDP2 over tensor
+parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job; 2 x 2:
+test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
 shard meshes, each process its own examples); left out by name: a layer under
 SequenceParallel (its input split along positions).
 """
@@ -106,6 +107,11 @@ def make_batch(job, n, seed):
 def per_example(names):
     return [cgn.GradientNoiseScale(linear(1), param_names=names),
             cgn.PerExampleGradNorm(linear(1), quantiles=QUANTILES, param_names=names)]
+
+
+def two_batch(names):
+    """The two-batch noise scale (the "norms" preset's), from each micro-batch's gradient norms."""
+    return [cgn.TwoBatchNoiseScale(track_schedule=linear(1), param_names=names)]
 
 
 def quantities(names):
@@ -250,6 +256,7 @@ def worker(rank, world, port, out):
     jobs = {job: functools.partial(tracked, job) for job in JOBS}
     jobs.update({f"hsdp_{job}": hsdp(job, shape) for job, shape in HSDP.items()})
     jobs["adam"] = adam
+    jobs["two_batch"] = functools.partial(tracked, "accumulation", make_quantities=two_batch)
     jobs["hsdp_refused"] = lambda mesh: hsdp_refused(world)
     jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
     jobs["sequence_split"] = sequence_split
@@ -298,6 +305,18 @@ def test_preconditioned_noise_scale_with_adam_equals_one_process(group):
     assert {key[2] for key in expected} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
                                             "head.weight", "head.bias", "all"}
     assert {key[0] for key in expected} == {0, 1}
+
+
+def test_two_batch_noise_scale_equals_one_process(group):
+    """The accumulation job's micro-batches the small batches (the processes hold the same
+    ones: counted once), the step's gradient the big one; a split parameter's squared norms
+    added over the processes' shards."""
+    results = results_of(group, WORLD, "two_batch")
+    expected = tracked("accumulation", make_quantities=two_batch)["table"]
+    assert_tables_match(agreed_table(results), expected)
+    assert {key[2] for key in expected} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+                                            "head.weight", "head.bias", "unused.weight", "unused.bias", "all"}
+    assert {value for key, value in expected.items() if key[3] == "batch_size"} == {7.0}
 
 
 def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):

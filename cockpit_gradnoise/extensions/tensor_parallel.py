@@ -190,6 +190,22 @@ def _gathered(local_result, param, mesh, placements):
     return spread.full_tensor()
 
 
+def norm_counts(params) -> Optional[tuple]:
+    """``(mesh, counted, first)`` where some of ``params`` is split by tensor parallelism
+    (alone or inside FSDP2), else ``None``: the tensor-parallel mesh, per parameter whether
+    this process counts the squared norm of its local gradient, and whether it is the mesh's
+    first process. A split parameter's elements are disjoint across the mesh: counted on
+    every process (the squares add); any other's local gradient (whole, or FSDP2's ``dp``
+    shard) is the same on every process of the mesh: counted on the first only."""
+    split = split_parameters(params)
+    if not split:
+        return None
+    mesh = split[0][1]
+    first = mesh.get_local_rank() == 0
+    shards = {id(param) for param, _, placements in split if any(p.is_shard() for p in placements)}
+    return mesh, [first or id(param) in shards for param in params], first
+
+
 def duplicate_examples(params) -> bool:
     """Whether this process's examples are another's: not the first of a tensor-parallel mesh.
 

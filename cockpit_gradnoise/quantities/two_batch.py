@@ -24,6 +24,7 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import distributed, fsdp2, functional
+from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
 from cockpit_gradnoise.step import Step
@@ -88,6 +89,9 @@ class TwoBatchNoiseScale(Quantity):
     needs_parameters = True
     #: Under FSDP2 the small batches' norms come from FSDP2's unsharded parameters (:mod:`.fsdp2`).
     supports_fsdp2 = True
+    #: Under tensor parallelism (alone or inside FSDP2) each process's squared norms of a split
+    #: parameter's elements add over the mesh, examples counted once per tp group (:meth:`_over_tp`).
+    supports_tensor_parallel = True
 
     def __init__(self, model: Optional[nn.Module] = None, track_schedule=None, *,
                  param_names: Optional[Dict[str, nn.Parameter]] = None,
@@ -124,17 +128,28 @@ class TwoBatchNoiseScale(Quantity):
             self._hook()
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
+        #: Tensor parallelism: (mesh, which local norms this process counts, first of the mesh).
+        self._tp = tensor_parallel.norm_counts(self.params) if self._sharded else None
         if self._sharded:  # its big batch adds each process's shard: replicas would add twice
-            distributed.check_not_sharded(self.params, fsdp2=True, quantity="TwoBatchNoiseScale")
-        if self._sharded and self._standalone:
-            raise TypeError("under FSDP2 (fully_shard) TwoBatchNoiseScale runs in a Cockpit: "
-                            "cgn.track(model, quantities=\"norms\") after fully_shard")
+            self._check_layout()
+            if self._standalone:
+                raise TypeError("under FSDP2 (fully_shard) or tensor parallelism TwoBatchNoiseScale "
+                                "runs in a Cockpit: cgn.track(model, quantities=\"norms\") after "
+                                "fully_shard, or cgn.Cockpit(params, quantities=[cgn.TwoBatchNoiseScale("
+                                "track_schedule=..., param_names=...)])")
+            self._sharded = fsdp2.fsdp2_managed(self.params)  # not tensor parallelism alone
+
+    def _check_layout(self):
+        distributed.check_not_sharded(self.params, fsdp2=True, tensor_parallel=True,
+                                      fsdp2_tensor_parallel=True, quantity="TwoBatchNoiseScale")
 
     def _record(self, index: int, grad: Tensor) -> None:
         if not self._armed:
             return
         if self._pending is None:
             self._pending = []
+        if self._tp is not None and type(grad).__name__ == "DTensor":  # this process's elements
+            grad = grad.to_local()
         # Accumulated in float64 (squares of float32 and narrower values are exact there);
         # squared once per micro-batch, on the gathered vector (_squared_norms).
         self._pending.append((index, torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)))
@@ -226,12 +241,16 @@ class TwoBatchNoiseScale(Quantity):
                                "each loss.backward() of the step")
         weights = [1.0 / (b * len(micro)) if w is None else w for _, b, w in micro]
         device = micro[0][0].device
+        if self._tp is not None:
+            micro = self._over_tp(micro)
+        once = self._tp is None or self._tp[2]  # a tp group's examples: counted by its first
         # Summed over processes: total weight, sum of w^2 b, examples, small batches.
         totals = torch.tensor(
             [sum(w * b for w, (_, b, _) in zip(weights, micro)),
              sum(w * w * b for w, (_, b, _) in zip(weights, micro)),
-             sum(b for _, b, _ in micro), len(micro)], dtype=torch.float64, device=device)
-        world = distributed.world_size()
+             sum(b for _, b, _ in micro), len(micro)], dtype=torch.float64, device=device) * once
+        # The processes whose param.grad FSDP2 averages: one per tp group.
+        world = distributed.world_size() // (1 if self._tp is None else self._tp[0].size())
         distributed.all_reduce_([totals])
         weight, squared_weights, examples, small_batches = totals.tolist()
         if small_batches < 2:
@@ -248,7 +267,7 @@ class TwoBatchNoiseScale(Quantity):
         small = [(_with_network(squared / (w * b) ** 2), b) for (squared, b, _), w in zip(micro, weights)]
         # This process's mean over its small batches, times their number: summed over processes.
         sums = torch.stack(functional.two_batch_noise_scale_estimates(small, big, big_examples))
-        sums *= len(micro)
+        sums *= len(micro) * once
         distributed.all_reduce_([sums])
         grad_sq, trace_cov = (sums / small_batches).tolist()
         record = {name: self._statistics(name, g, t, examples)
@@ -296,7 +315,7 @@ class TwoBatchNoiseScale(Quantity):
         if self._armed and not self._handles and not self._removed:
             self._hook()
         if self._armed and self._sharded:  # after the forward pass: FSDP2's copies exist
-            distributed.check_not_sharded(self.params, fsdp2=True, quantity="TwoBatchNoiseScale")
+            self._check_layout()
             fsdp2.hook_unsharded(self.params, self._record, self._unsharded_hooks)
         return set()
 
@@ -337,10 +356,23 @@ class TwoBatchNoiseScale(Quantity):
             for warning in caught:  # once per run, not at every step
                 step.warn(f"two-batch: {warning.message}", f"{self.name}: {warning.message}", self)
 
+    def _over_tp(self, micro):
+        """Each small batch's squared norms added over the tensor-parallel mesh (a split
+        parameter's local ones on every process, any other's from the first: ``norm_counts``),
+        so that every process of a tp group holds its group's (one ``all_reduce``)."""
+        import torch.distributed as dist
+
+        mesh, counted, _ = self._tp
+        stacked = torch.stack([squared for squared, _, _ in micro])
+        stacked *= torch.tensor(counted, dtype=stacked.dtype, device=stacked.device)
+        dist.all_reduce(stacked, group=mesh.get_group())
+        return [(row, b, w) for row, (_, b, w) in zip(stacked, micro)]
+
     def _big_squared_norms(self, device) -> Tensor:
-        if self._sharded:  # FSDP2: this process holds a shard of each param.grad
+        if self._sharded or self._tp is not None:  # FSDP2, tensor parallelism: shards of param.grad
             zero = torch.zeros((), dtype=torch.float64, device=device)
-            return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True)
+            return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True,
+                                       None if self._tp is None else self._tp[1])
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         norms = torch.zeros(len(self.params), dtype=torch.float64, device=device)
         if grads:  # one call for all (fused on a GPU), in float64 as the hooks' norms
