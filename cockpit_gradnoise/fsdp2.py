@@ -37,8 +37,9 @@ from cockpit_gradnoise.extensions import sharded
 import torch
 from torch import Tensor, nn
 
-#: Where FSDP2's own hooks are defined (their functions' ``__module__``).
-FSDP2_HOOK_MODULE = "torch.distributed.fsdp"
+#: Where FSDP2's own hooks are defined (their functions' ``__module__``), and tensor
+#: parallelism's (``distribute_module``'s input and output functions, by ``parallelize_module``).
+FSDP2_HOOK_MODULE = ("torch.distributed.fsdp", "torch.distributed.tensor")
 
 #: What to write instead, in the refusals below.
 RECIPE = ("model = cgn.prepare_model(build_model()); fully_shard(...) on the blocks and the root; "
@@ -105,32 +106,38 @@ def _name(quantity) -> str:
 def check_trackable(model: nn.Module, quantities: Sequence) -> None:
     """Refuse, at ``cgn.track`` and before anything changes, a sharded layout not supported
     (:func:`~cockpit_gradnoise.distributed.check_not_sharded`) and the quantities (classes or
-    instances) not exact under FSDP2 (``supports_fsdp2``).
+    instances) not exact under FSDP2 (``supports_fsdp2``), or under tensor parallelism
+    (alone or inside FSDP2: ``supports_tensor_parallel``) where a parameter is split.
 
     Raises:
         TypeError: Naming what was found, or the quantities, the exact ones and the preset.
     """
-    distributed.check_not_sharded(model.parameters(), model, fsdp2=True, hsdp=True)
-    refuse_quantities(quantities)
+    from cockpit_gradnoise.extensions import tensor_parallel
+
+    split = bool(tensor_parallel.split_parameters(list(model.parameters())))
+    layouts = {"fsdp2": True, "tensor_parallel": split, "fsdp2_tensor_parallel": split}
+    distributed.check_not_sharded(model.parameters(), model, hsdp=True, **layouts)
+    refuse_quantities(quantities, "supports_tensor_parallel" if split else "supports_fsdp2")
     not_hsdp = [_name(q) for q in quantities if not getattr(q, "supports_hsdp", False)]
     if not_hsdp:
-        distributed.check_not_sharded(model.parameters(), fsdp2=True, quantity=", ".join(not_hsdp))
+        distributed.check_not_sharded(model.parameters(), quantity=", ".join(not_hsdp), **layouts)
 
 
-def refuse_quantities(quantities: Sequence) -> None:
+def refuse_quantities(quantities: Sequence, exact_if: str = "supports_fsdp2") -> None:
     """Refuse, at ``cgn.track``, the quantities (classes or instances) not exact under FSDP2
-    (``supports_fsdp2``).
+    (``supports_fsdp2``), or not marked ``exact_if``.
 
     Raises:
         TypeError: Naming them, the exact ones among those asked for, and the preset.
     """
-    refused = [_name(q) for q in quantities if not getattr(q, "supports_fsdp2", False)]
+    refused = [_name(q) for q in quantities if not getattr(q, exact_if, False)]
     if not refused:
         return
-    exact = [_name(q) for q in quantities if getattr(q, "supports_fsdp2", False)]
+    exact = [_name(q) for q in quantities if getattr(q, exact_if, False)]
+    where = "FSDP2 (fully_shard)" if exact_if == "supports_fsdp2" else "tensor parallelism"
     raise TypeError(
-        f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not exact under FSDP2 "
-        f"(fully_shard) yet. Exact: {', '.join(distributed.FSDP2_QUANTITIES)}, and "
+        f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not exact under {where} "
+        f"yet. Exact: {', '.join(distributed.FSDP2_QUANTITIES)}, and "
         "TwoBatchNoiseScale (the preset quantities=\"norms\"). Pass "
         f"quantities=\"norms\" or a list{' such as ' + repr(exact) if exact else ''}; "
         "see docs/distributed.md"

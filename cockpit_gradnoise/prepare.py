@@ -96,10 +96,12 @@ def prepare_model(model: nn.Module, *, use_converter: Optional[bool] = False) ->
             or drop-path do), or if the converter changed parameter names.
     """
     sharded_first = fsdp2.fully_sharded(model)  # fully_shard before: as if prepared first
-    distributed.check_not_sharded(model.parameters(), model, fsdp2=sharded_first, hsdp=True)  # before any change
-    if sharded_first:
+    split_first = fsdp2.is_sharded(model.parameters())  # or parallelize_module (DTensors)
+    distributed.check_not_sharded(model.parameters(), model, fsdp2=sharded_first, hsdp=True,  # before any change
+                                  tensor_parallel=split_first, fsdp2_tensor_parallel=split_first)
+    if sharded_first or split_first:
         fsdp2.check_preparable(model, use_converter)
-    with fsdp2.hooks_as_if_prepared_first(model) if sharded_first else contextlib.nullcontext():
+    with fsdp2.hooks_as_if_prepared_first(model) if sharded_first or split_first else contextlib.nullcontext():
         return _prepare(model, use_converter)
 
 

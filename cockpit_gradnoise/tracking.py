@@ -101,9 +101,10 @@ def track(
         ValueError: If no parameter requires gradients, or for a bad
             ``every``, preset, name or option (see :func:`~cockpit_gradnoise.configuration`).
         TypeError: If the model is sharded or split across processes (FSDP,
-            tensor parallelism, DeepSpeed, pipeline parallelism): only one
-            process, DistributedDataParallel and FSDP2 (``fully_shard`` on a
-            1-D mesh, before or after this call; the quantities exact there,
+            DeepSpeed, pipeline parallelism): only one
+            process, DistributedDataParallel, FSDP2 (``fully_shard`` on a
+            1-D mesh, before or after this call) and tensor parallelism (``parallelize_module``
+            before this call, alone or inside FSDP2; the quantities exact there,
             such as the ``"norms"`` preset) are supported.
     """
     # A torch.compile'd model: prepare and name the module it wraps (no "_orig_mod."
@@ -114,7 +115,7 @@ def track(
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
     schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options)
-    if fsdp2.fully_sharded(model):  # sharded by FSDP2 first: the layout, the quantities exact there
+    if fsdp2.fully_sharded(model) or fsdp2.is_sharded(model.parameters()):  # FSDP2 or tensor parallelism
         fsdp2.check_trackable(model, [entry for entry, _ in plan])
     model = prepare_model(model, use_converter=use_converter)
     if compiled is not None and model is not compiled._orig_mod:

@@ -20,9 +20,9 @@ Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
 their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
 state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
-accumulation job: each ``dp`` group's micro-batches the small batches); refused by name: a cockpit over
-the layer sharded on ``dp`` alone, and ``cgn.track`` (tensor parallelism goes through the
-explicit API).
+accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.track`` on the model built, split, then
+sharded (the "adaptive" and "norms" presets); refused by name: a cockpit over the layer
+sharded on ``dp`` alone.
 """
 
 import functools
@@ -30,7 +30,6 @@ import math
 import warnings
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
-from cockpit_gradnoise import distributed
 
 import pytest
 import torch
@@ -61,12 +60,13 @@ def per_example(names):
         cgn.GradientVarianceQuantiles(linear(1), quantiles=test_fsdp2.QUANTILES, param_names=names)]
 
 
-def sharded_model(mesh, per_linear=True, reshard=True):
-    """The model split on ``tp``, then sharded on ``dp`` (the order torchtitan uses)."""
+def sharded_model(mesh, per_linear=True, reshard=True, model=None):
+    """The model (by default prepared) split on ``tp``, then sharded on ``dp`` (the order
+    torchtitan uses)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    model = make_model()
+    model = make_model() if model is None else model
     parallelize_module(model, mesh["tp"], test_tensor_parallel.plan("mean"))
     if per_linear:
         for module in (model.fc1, model.fc2, model.head, model.frozen, model.unused):
@@ -93,9 +93,8 @@ def job_table(job, mesh):
 
 
 def refusals(mesh):
-    """What the quantities not exact here say at their tracked step, what an exact one says
-    over the plain layer alone (sharded on ``dp`` only: nothing tells the ``tp`` groups, whose
-    processes hold the same examples), and what cgn.track says."""
+    """What an exact quantity says over the plain layer alone (sharded on ``dp`` only: nothing
+    tells the ``tp`` groups, whose processes hold the same examples)."""
     messages = {}
     model = sharded_model(mesh)
     named = [(n, p) for n, p in test_fsdp2.trainable(model) if n.startswith("head")]
@@ -107,12 +106,6 @@ def refusals(mesh):
         messages["plain_only"] = None
     except TypeError as error:
         messages["plain_only"] = str(error)
-    for key, quantities in {"norms": "norms", "exact": list(distributed.TENSOR_PARALLEL_QUANTITIES)}.items():
-        try:
-            cgn.track(sharded_model(mesh), quantities=quantities)
-            messages[key] = None
-        except TypeError as error:
-            messages[key] = str(error)
     return messages
 
 
@@ -154,6 +147,9 @@ def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
+    jobs.update({f"track_{preset}": functools.partial(
+        test_tensor_parallel.front_door, quantities=preset, rank=rank // TP,
+        split=lambda model, mesh: sharded_model(mesh, model=model)) for preset in test_tensor_parallel.PRESETS})
     jobs["refused"] = refusals
     run_jobs(rank, world, port, out, jobs, mesh_shape=(DP, TP), mesh_dim_names=("dp", "tp"))
 
@@ -208,12 +204,19 @@ def test_two_batch_noise_scale_equals_one_process(group):
     assert {value for key, value in expected.items() if key[3] == "batch_size"} == {sum(map(sum, sizes))}
 
 
-def test_layers_sharded_on_dp_alone_and_cgn_track_are_refused_by_name(group):
+@pytest.mark.parametrize("preset", test_tensor_parallel.PRESETS)
+def test_cgn_track_after_splitting_and_sharding_equals_one_process(group, preset):
+    """The front door on the model split on ``tp`` and sharded on ``dp``, as users write it:
+    each ``dp`` group's micro-batches of test_fsdp2_track, one process all of them."""
+    tables = results_of(group, WORLD, f"track_{preset}")
+    assert_identical(tables)
+    assert_tables_match(tables[0], test_tensor_parallel.front_door(quantities=preset))
+
+
+def test_layers_sharded_on_dp_alone_are_refused_by_name(group):
     for messages in results_of(group, WORLD, "refused"):
         assert messages["plain_only"].startswith("GradientNoiseScale is refused")
         assert "a device mesh of 2 of the 4 processes" in messages["plain_only"]
-        assert "tensor parallelism inside FSDP2" in messages["norms"]
-        assert "tensor parallelism inside FSDP2" in messages["exact"]
 
 
 def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):

@@ -107,7 +107,8 @@ CASES = {
     "fsdp2_root": "FSDP2 on one process, from FSDP2 (fully_shard)",  # on 2 or more: tests/test_fsdp2_track.py
     "fsdp2_inner": "FSDP2 on one process, from FSDP2 (fully_shard)",  # on 2 or more: tests/test_fsdp2_track.py
     "fsdp1": "the class FullyShardedDataParallel, from FSDP (FullyShardedDataParallel)",
-    "tensor_parallel": "the class DTensor, from FSDP2 (fully_shard) or tensor parallelism",
+    # cgn.track takes a split model (on two processes or more: tests/test_tensor_parallel.py)
+    "tensor_parallel": "a parameter split by tensor parallelism on one process, from tensor parallelism",
     "explicit_after_fsdp2": "FSDP2 on one process, from FSDP2 (fully_shard)",
     "explicit_fsdp2_variance": "FSDP2 on one process, from FSDP2 (fully_shard)",
     "explicit_tensor_parallel": "a parameter split by tensor parallelism on one process, from tensor parallelism",

@@ -28,6 +28,7 @@ import math
 import warnings
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+from cockpit_gradnoise import distributed
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests import test_fsdp2, test_fsdp2_variance
+from tests import test_fsdp2, test_fsdp2_track, test_fsdp2_variance
 from tests.test_distributed import (
     agreed_table,
     assert_identical,
@@ -190,6 +191,44 @@ def adam(mesh=None):
         return {"table": test_fsdp2_variance.adam_steps(model, WORLD, state=state), "state": state}
 
 
+def front_door(mesh=None, quantities="adaptive", split=None, rank=None):
+    """``cgn.track`` on the mean job's model as users write it (built, split by ``split(model,
+    mesh)``, then tracked; on one process not split) over test_fsdp2_track's accumulated
+    micro-batches of 2 processes, all of them (or ``rank``'s): the table (``"adaptive"``: the
+    six quantities; ``"norms"``: the preset)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    model = Net().double()
+    if mesh is not None:
+        model = split(model, mesh) if split else parallelize_module(model, mesh, plan("mean"))
+    model, tracker = cgn.track(model, every=1, quantities=quantities,
+                               quantiles=None if quantities == "norms" else QUANTILES)
+    batches = [[batch for r, micro in enumerate(test_fsdp2_track.micro_batches("norms_accumulated", 2, step))
+                if rank in (None, r) for batch in micro] for step in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the mean job's test
+        test_fsdp2_track.run_tracked(model, tracker, batches)
+    return test_fsdp2_track.table(tracker)
+
+
+class NotMarked(cgn.GradientNoiseScale):
+    """A quantity not marked exact under tensor parallelism (``supports_tensor_parallel``)."""
+
+    supports_tensor_parallel = False
+
+
+def track_refused(mesh):
+    """What cgn.track says to a quantity not marked exact under tensor parallelism."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    try:
+        cgn.track(parallelize_module(Net().double(), mesh, plan("mean")), quantities=[NotMarked])
+    except TypeError as error:
+        return str(error)
+    return None
+
+
 def sequence_split(mesh):
     """``q`` under SequenceParallel (its weight replicated, its input split along positions):
     left out by name; the other layers' rows as on one process (one step: q's gradient, the
@@ -257,9 +296,11 @@ def worker(rank, world, port, out):
     jobs.update({f"hsdp_{job}": hsdp(job, shape) for job, shape in HSDP.items()})
     jobs["adam"] = adam
     jobs["two_batch"] = functools.partial(tracked, "accumulation", make_quantities=two_batch)
+    jobs.update({f"track_{preset}": functools.partial(front_door, quantities=preset) for preset in PRESETS})
     jobs["hsdp_refused"] = lambda mesh: hsdp_refused(world)
     jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
     jobs["sequence_split"] = sequence_split
+    jobs["track_refused"] = track_refused
     run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
 
 
@@ -317,6 +358,28 @@ def test_two_batch_noise_scale_equals_one_process(group):
     assert {key[2] for key in expected} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
                                             "head.weight", "head.bias", "unused.weight", "unused.bias", "all"}
     assert {value for key, value in expected.items() if key[3] == "batch_size"} == {7.0}
+
+
+PRESETS = ("adaptive", "norms")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cgn_track_after_splitting_equals_one_process(group, preset):
+    """The front door on a split model: prepared after parallelize_module (tensor parallelism's
+    hooks moved after the package's, as if prepared first), every quantity of the preset."""
+    tables = results_of(group, WORLD, f"track_{preset}")
+    assert_identical(tables)
+    expected = front_door(quantities=preset)
+    assert_tables_match(tables[0], expected)
+    assert {key[1] for key in expected} >= ({"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"}
+                                            if preset == "norms" else set(distributed.FSDP2_QUANTITIES))
+    assert {"fc1.weight", "fc2.bias", "all"} <= {key[2] for key in expected}
+
+
+def test_cgn_track_refuses_a_quantity_not_exact_under_tensor_parallelism_by_name(group):
+    for message in results_of(group, WORLD, "track_refused"):
+        assert message.startswith("NotMarked is not exact under tensor parallelism"), message
+        assert "PreconditionedNoiseScale" in message and "quantities=\"norms\"" in message
 
 
 def test_fsdp2_over_tensor_parallelism_on_one_dp_process_equals_one_process(group):
