@@ -30,6 +30,9 @@ with FSDP2's unsharded parameter, a DTensor split over ``tp`` whose spec
 (:func:`split_parameters`) says what to add and gather; the ``dp`` groups hold
 distinct examples, whose sums the reduction across processes adds as under FSDP2.
 
+The two-batch noise scale, which runs no rule, reads this process's local gradients:
+:func:`norm_counts` says which of their squared norms each process adds over the mesh.
+
 Refused by name (:func:`unsupported_call`, :func:`unsupported_layout`):
 layers other than ``nn.Linear`` with DTensor parameters or inputs (a
 ``RowwiseParallel`` Embedding: its rule reads global row indices), an input
