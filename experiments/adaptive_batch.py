@@ -70,10 +70,12 @@ MAX_BATCH = 512
 #: A run stops ("not reached") past this many times E_min examples: beyond it the frontier
 #: value is below 1 only within 1 / (CAP - 1) of S_min steps, which no run comes near.
 EXAMPLES_CAP = 20
-#: The schedule's rule the adaptive runs ran under (stored with each run): ``"near-end"``,
-#: a change moves the batch to the near end of the estimate's range (cgn.schedule.rule);
-#: runs stored without one ran under ``"centre"``, the rule before it (toward round(B_noise)).
-RULE, PREVIOUS_RULE = "near-end", "centre"
+#: The schedule's rules the adaptive runs ran under, oldest first (stored with each run; runs
+#: stored without one ran under the first): ``"centre"``, each change toward round(B_noise);
+#: ``"near-end"``, to the near end of the estimate's range; ``"resolved"``, the near end and no
+#: growth on an estimate whose range has no upper end (cgn.schedule.rule). RULE: the newest.
+RULES = ("centre", "near-end", "resolved")
+RULE = RULES[-1]
 
 
 # ----------------------------------------------------------------------------
@@ -185,6 +187,7 @@ class ScheduledRun:
     changes: List[dict] = field(default_factory=list)
     seconds: float = 0.0
     rule: str = ""  # the schedule's rule of an adaptive run (RULE); "" for the others
+    decisions: Dict[str, int] = field(default_factory=dict)  # BatchSchedule.decisions
 
     def frontier(self, s_min, e_min):
         return frontier_value(self.steps, self.examples, s_min, e_min)
@@ -244,6 +247,7 @@ def train_scheduled(task, schedule, lr, seed, *, arm, quantities=None, max_steps
     # A change after step s applies from step s + 1: one after the last step never did.
     run.changes = [{k: (float(v) if isinstance(v, float) else v) for k, v in c.items()}
                    for c in schedule.changes if c["step"] + 1 < len(run.batches)]
+    run.decisions = dict(getattr(schedule, "decisions", {}))
     run.seconds = time.perf_counter() - start
     return run
 
@@ -363,7 +367,7 @@ def baseline_from_json(data) -> Baseline:
 
 def run_from_json(data) -> ScheduledRun:
     if "rule" not in data and data["arm"].startswith("adaptive"):  # stored before RULE
-        data = {**data, "rule": PREVIOUS_RULE}
+        data = {**data, "rule": RULES[0]}
     return ScheduledRun(**data)
 
 

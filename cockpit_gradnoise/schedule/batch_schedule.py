@@ -73,7 +73,10 @@ class BatchSchedule:
             schedule.update(step, tracker, opt)  # may change .accumulation and the lr
 
     The rule (:mod:`cockpit_gradnoise.schedule.rule`): after each new estimate,
-    grow where the batch lies below the range of the estimate, shrink only
+    grow where the batch lies below the range of the estimate and the
+    estimate is resolved (the range's upper end finite: no growth on an
+    infinite ``B_noise``, nor where a quarter of the recent steps resolve no
+    signal), shrink only
     where the whole range lies below the batch, each time to the range's near
     end and never past it (hysteresis of the range's width: a change is
     reversed only once the estimate has moved by that width), by at most
@@ -139,6 +142,9 @@ class BatchSchedule:
             optimizer holds there is the one the rule scales.
         lr_factor: ``lr / lr0`` now, from the start batch (the product of every
             change's ``lr_factor``).
+        decisions: How many new estimates led to each decision, by its ``why``
+            (``grow``, ``shrink``, and those that kept the batch:
+            :data:`~cockpit_gradnoise.schedule.rule.NON_CHANGES`).
     """
 
     def __init__(self, micro_batch: int, min_batch: Optional[int] = None,
@@ -174,6 +180,7 @@ class BatchSchedule:
         self.changes: List[Dict[str, Any]] = []
         self.lr_factor = 1.0
         self.source: Optional[str] = None  # the quantity the noise scale is read from
+        self.decisions: Dict[str, int] = {}
         self._recent = deque(maxlen=recent)  # the last b_simple values
         self._since_change = 0  # new estimates since the last change (or the start)
         self._last_read: Optional[int] = None  # the step of the newest estimate read
@@ -222,6 +229,7 @@ class BatchSchedule:
         decision = decide(self.accumulation, self.bounds, noise_scale, self._recent,
                           since_change=self._since_change, patience=self.patience,
                           max_change=self.max_change, factor=self.factor)
+        self.decisions[decision.why] = self.decisions.get(decision.why, 0) + 1
         if decision.why == NO_ESTIMATE:
             self._warn("nan", f"the noise scale ({source}) is NaN at step {newest[0]}: the batch "
                        f"schedule keeps batch {self.batch} while it is (see the report's findings)")
@@ -311,7 +319,7 @@ class BatchSchedule:
             "lr_factor": self.lr_factor, "start_batch": self.start_batch,
             "max_lr_factor": self.max_lr_factor, "source": self.source, "recent": list(self._recent),
             "since_change": self._since_change, "last_read": self._last_read,
-            "warned": sorted(self._warned),
+            "warned": sorted(self._warned), "decisions": dict(self.decisions),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -339,6 +347,7 @@ class BatchSchedule:
         self._since_change = int(state["since_change"])
         self._last_read = state["last_read"]
         self._warned = set(state["warned"])
+        self.decisions = {str(k): int(v) for k, v in state.get("decisions", {}).items()}  # older: none
 
 
 def _number(value) -> Optional[float]:
@@ -376,8 +385,6 @@ def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
     if change["why"] == BOOTSTRAP:
         why = ("TwoBatchNoiseScale needs two micro-batches per step to estimate the noise scale "
                "on one process")
-    elif math.isinf(change["noise_scale"]):
-        why = "no gradient signal resolved (the smoothed |G|^2 estimate <= 0, B_noise infinite)"
     else:
         where, end = ("below", "low") if change["why"] == GROW else ("above", "high")
         why = (f"batch {old} lies {where} the range of the estimate ({change['low']:.3g}-"

@@ -8,10 +8,13 @@ batch estimate ``B_crit ~ B_noise``, McCandlish et al. 2018, and the range of
 the estimate):
 
 - **grow** where ``B`` lies below the range of the estimate (the recent
-  quartiles of ``b_simple`` widened to at least ``[B_noise/2, 2 B_noise]``):
-  to the range's **near end** ``low``, never past it, by at most
-  ``max_change`` per change (an infinite ``B_noise``, no signal resolved, has
-  ``low = inf``: by ``max_change``);
+  quartiles of ``b_simple`` widened to at least ``[B_noise/2, 2 B_noise]``)
+  and the estimate is **resolved** (the range's upper end finite, below): to
+  the range's **near end** ``low``, never past it, by at most ``max_change``
+  per change;
+- **unresolved**: no growth where the range's upper end is infinite (an
+  infinite ``B_noise``, or a quarter or more of the recent steps with no
+  signal resolved): the batch is kept;
 - **shrink** only where the whole range lies below ``B``: to its near end
   ``high``, never below it, and by at most ``max_change``;
 - **hold** where the batch lies outside the range but the next whole
@@ -43,6 +46,39 @@ what an adaptive batch gains is following the estimate as it drifts, and
 what it loses is examples spent on moves it undoes. What the rule did on the
 experiment's two tasks: ``docs/experiments/adaptive-batch.md``.
 
+Why no growth on an unresolved estimate (the rule ``resolved``, after
+``near-end``). ``b_simple = tr(Sigma) / |G|^2`` of one step is ``+inf``
+exactly where that step's unbiased estimate ``g_t`` of ``|G|^2`` is ``<= 0``,
+and the range's upper end is ``max(factor B_noise, q75)`` of the last
+``recent`` steps: it is finite only where ``B_noise`` is and fewer than a
+quarter of those steps are unresolved (at ``recent = 10``, at most 2). With
+``g_t`` approximately normal, mean ``|G|^2`` and standard deviation ``s``,
+a step is unresolved with probability ``Phi(-|G|^2 / s)``; below a quarter
+means ``|G|^2 / s > z_0.75 = 0.674``, so the mean of ``g_t`` over the
+window of ``n = 10`` has a relative standard error below ``1 / (0.674
+sqrt(10)) = 0.47``, and one standard error moves ``B_noise`` by a factor
+within ``[1/1.47, 1/0.53] = [0.68, 1.9]``: inside the band ``factor = 2``
+within which the rule calls a batch close. Past that bound the ratio is
+ruled by its denominator's noise: heavy-tailed, with no moments (the delta
+method fails), and a moving average of ``g_t`` that is positive by chance
+gives any value. A grow is a move toward the range's lower end, and that end
+carries no information when the upper one is unbounded: the data are then
+consistent with ``|G|^2 = 0``, and with a critical batch at any value above
+the batch. What it cost, in the experiment's run under ``near-end``: on the
+digits CNN (SGD, ``B_crit`` 19.7 fitted), in the two main arms' 6 runs, 22
+of the 23 grows before step 50 (24 of all 28) rested on an infinite upper
+end (``B_noise`` infinite, or 35 to 4,618 with it), the batch reached 32 to
+136, and 19 shrinks then undid them: the examples of those batches were
+spent at ``E / E_min - 1 = B / B_noise`` (McCandlish et al. 2018, eq. 2.11)
+on steps the run did not keep. Keeping the batch instead costs at most the
+steps of the fixed batch it stays at, a point on the same frontier. A
+shrink needs the whole range below the batch, hence a resolved estimate;
+nothing changes for it. The price: a grow waits until the estimate is
+resolved at the current batch. For Gaussian gradient noise the batch
+gradient's ``|g_B|^2`` has variance ``4 G^T Sigma G / B + 2 tr(Sigma^2) /
+B^2``: ``s`` falls with the batch, and a batch far below ``B_noise`` is the
+last to resolve it.
+
 ``K`` stays within ``[min_accumulation, max_accumulation]``
 (:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
 micro-batches). The learning rate at batch ``B`` is the start's times
@@ -73,8 +109,10 @@ DEFAULT_MAX_CHANGE = 2.0
 DEFAULT_PATIENCE = DEFAULT_RECENT
 
 # Why a decision was taken (the ``why:<reason>`` of a logged change).
-GROW, SHRINK, KEEP, HOLD, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP = (
-    "grow", "shrink", "keep", "hold", "wait", "no-estimate", "at-bound", "bootstrap")
+GROW, SHRINK, KEEP, HOLD, WAIT, NO_ESTIMATE, AT_BOUND, BOOTSTRAP, UNRESOLVED = (
+    "grow", "shrink", "keep", "hold", "wait", "no-estimate", "at-bound", "bootstrap", "unresolved")
+#: Why a decision did not change the batch (``Decision.why``).
+NON_CHANGES = (KEEP, HOLD, WAIT, NO_ESTIMATE, AT_BOUND, UNRESOLVED)
 # Why the learning-rate factor is what it is (the ``lr_why`` of a change).
 LR_RULE, LR_BOUND, LR_KEPT, LR_NONE = "rule", "bound", "kept", "none"
 
@@ -122,7 +160,8 @@ class Decision:
     """What :func:`decide` found: the accumulation of the next step and why.
 
     ``why`` is one of ``grow``, ``shrink`` (a change), ``keep``, ``hold``,
-    ``wait``, ``no-estimate``, ``at-bound`` (none); ``recommendation`` the
+    ``wait``, ``no-estimate``, ``at-bound``, ``unresolved`` (none:
+    :data:`NON_CHANGES`); ``recommendation`` the
     :class:`~cockpit_gradnoise.views.batch_size.Recommendation` it rests on
     (``None`` without an estimate).
     """
@@ -160,6 +199,8 @@ def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequen
     found = recommended_batch(noise_scale, recent, batch, factor)
     if found.move not in (GROW, SHRINK):
         return Decision(accumulation, KEEP, found)
+    if found.move == GROW and math.isinf(found.high):  # no upper end: the estimate bounds nothing
+        return Decision(accumulation, UNRESOLVED, found)
     if since_change < patience:
         return Decision(accumulation, WAIT, found)
     micro = bounds.micro_batch
