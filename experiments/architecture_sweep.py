@@ -11,7 +11,9 @@ classified:
 - ``exact, left out``: the rows there are exact; some parameters have none,
   named with the reason the package gives;
 - ``exact to float32``: as ``exact`` (or left out), but some parameters'
-  own modules compute in float32 inside the float64 model (an RMSNorm's
+  own modules, or the blocks run on each example that compute their rows
+  (a mixture-of-experts router's ``router_logits.float()``), compute in
+  float32 inside the float64 model (an RMSNorm's
   ``x.float()``), and their errors are within ``FLOAT32_TOLERANCE`` (every
   other parameter's within ``TOLERANCE``);
 - ``error``: the checker raised (a user's tracked step would be lost);
@@ -59,8 +61,9 @@ END = "<!-- END architecture sweep -->"
 
 
 def computed_in_float32(case) -> set:
-    """Names of the parameters whose own module computes in float32 in the float64 model
-    (an RMSNorm's ``x.float()``): the operations run while that module is the innermost."""
+    """Names of the modules that compute in float32 in the float64 model (an RMSNorm's
+    ``x.float()``, a router's ``router_logits.float()``): the operations run while that
+    module is the innermost."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,9 +92,36 @@ def computed_in_float32(case) -> set:
     finally:
         for handle in handles:
             handle.remove()
-    return {f"{prefix}.{name}" if prefix else name
-            for prefix, module in case.model.named_modules() if id(module) in found
-            for name, _ in module.named_parameters(recurse=False)}
+    return {name for name, module in case.model.named_modules() if id(module) in found}
+
+
+def float32_parameters(model, frame, modules: set) -> set:
+    """Names of the parameters whose rows are computed in float32 (:func:`computed_in_float32`'s
+    ``modules``): those of such a module, and every parameter whose rows come from its block
+    run on each example (``check_model``'s ``how``) where a module inside that block computes
+    in float32: one example alone rounds there otherwise than the batch (a float32 product of
+    7 rows against one of 28), and every contribution of the block follows that rounding."""
+    prefix = "per example (its block "
+    block_of = {r.param: r.how[len(prefix):].split(" ", 1)[0] for r in frame.itertuples()
+                if r.how.startswith(prefix)}
+    found = set()
+    for name, _ in model.named_parameters():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if owner in modules:
+            found.add(name)
+        elif name in block_of:
+            parts = owner.split(".") if owner else []
+            block = next((".".join(parts[:k]) for k in range(len(parts), -1, -1)
+                          if type(model.get_submodule(".".join(parts[:k]))).__name__ == block_of[name]),
+                         None)
+            if block is not None and any(_inside(module, block) for module in modules):
+                found.add(name)
+    return found
+
+
+def _inside(module: str, block: str) -> bool:
+    """Whether the module named ``module`` is ``block`` or inside it (by their names)."""
+    return not block or module == block or module.startswith(f"{block}.")
 
 
 def _short(name: str) -> str:
@@ -167,7 +197,7 @@ def check_one(library: str, name: str) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             frame = cgn.check_model(case.model, case.inputs, case.targets, case.loss_fn, verbose=False)
-        record.update(classify(frame, float32))
+        record.update(classify(frame, float32_parameters(case.model, frame, float32)))
         record["warnings"] = sorted({str(w.message)[:300] for w in caught
                                      if "cockpit_gradnoise" in (w.filename or "")})
     except Exception as error:  # noqa: BLE001 - the class "error": the step a user would lose
@@ -313,8 +343,9 @@ def section(data: dict) -> str:
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_.items()) + ". "
         f"Tolerances: {data['tolerance']:g} relative (float64), {data['float32_tolerance']:g} for the "
-        "parameters of modules that compute in float32. Coverage: the share of the trainable "
-        "elements with a gradient that get rows. The classes are described above.",
+        "parameters of modules (or of blocks run on each example) that compute in float32. "
+        "Coverage: the share of the trainable elements with a gradient that get rows. The "
+        "classes are described above.",
         "",
         "| library | " + " | ".join(STATUSES) + " | total |",
         "|---|" + "---:|" * (len(STATUSES) + 1),

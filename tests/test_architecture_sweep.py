@@ -3,6 +3,7 @@
 import math
 
 import pandas
+import torch
 
 from experiments import architecture_sweep as sweep
 
@@ -67,3 +68,24 @@ def test_quick_sweep_tracks_each_model_exactly():
     assert {"bert.encoder.layer.0.attention.self.key.bias",
             "bert.encoder.layer.1.attention.self.key.bias"} == set(
         results["transformers/bert"]["zero_by_structure"])
+
+
+class MoeBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+
+def test_a_blocks_parameters_get_the_float32_tolerance_where_a_module_inside_computes_in_float32():
+    """Rows from a block run on each example follow its float32 routing's rounding, one
+    example alone against the batch: every parameter of that block, not only the router's."""
+    model = torch.nn.Module()
+    model.first, model.second, model.head = MoeBlock(), MoeBlock(), torch.nn.Linear(2, 2)
+    names = [name for name, _ in model.named_parameters()]
+    how = {name: "per example (its block MoeBlock run on each example)" for name in names
+           if not name.startswith("head")}
+    table = pandas.DataFrame({"param": names, "how": [how.get(n, "native (Linear)") for n in names]})
+    found = sweep.float32_parameters(model, table, {"first.router", "head"})
+    assert found == {"first.router.weight", "first.router.bias", "first.experts.weight",
+                     "first.experts.bias", "head.weight", "head.bias"}
+    assert sweep.float32_parameters(model, table, set()) == set()

@@ -64,6 +64,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
 
 #: Hugging Face's GPT-2 projection, ``y = x W + b`` (:mod:`.hf`), matched by name.
 _HF_CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -140,3 +142,21 @@ def autocast_as(state: Optional[Tuple[str, torch.dtype]]):
     if state is None:
         return contextlib.nullcontext()
     return torch.autocast(state[0], dtype=state[1])
+
+
+class NarrowestResult(TorchFunctionMode):
+    """The narrowest floating dtype among the results of the operations run inside
+    (``dtype``, starting from the one given): a float64 model whose mixture-of-experts
+    router computes in float32 (``router_logits.float()``, ``self.weight.type(torch.float32)``
+    in ``transformers``) rounds to float32 there, whatever the model's dtype."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for leaf in _pytree.tree_leaves(result):
+            if _is_float(leaf) and torch.finfo(leaf.dtype).eps > torch.finfo(self.dtype).eps:
+                self.dtype = leaf.dtype
+        return result

@@ -43,9 +43,14 @@ the contributions must add up to the gradient the backward pass gave each
 parameter (a parameter hook): a gradient reaching the parameter other than
 through the block's output (the router's auxiliary load-balancing loss with
 ``output_router_logits=True``, a batch-level term; a parameter shared with a
-layer outside) leaves that parameter out.
+layer outside) leaves that parameter out. ``eps`` is that of the narrowest dtype the
+block computes in (:func:`rounding`): a float64 model whose router computes in float32
+(AFMoE, MiniMax-M2, Llama 4, ERNIE-4.5-MoE in ``transformers``: ``router_logits.float()``)
+rounds the routing of one example alone otherwise than the batch's, by float32's rounding;
+the rows are then each example's own gradient through the block run alone.
 """
 
+import contextlib
 import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
@@ -88,6 +93,9 @@ class Block:
         # always computes; all of them where a child with the fallback takes over.
         self.members: List[nn.Module] = list(members)
         self.covered: List[nn.Module] = []  # in this backward pass
+        # The narrowest floating dtype the recomputation computes in (its first example's
+        # operations): float32 inside a float64 model rounds there (:func:`rounding`).
+        self.dtype: Optional[torch.dtype] = None
 
     def __reduce__(self):
         return (Block, (self.members,))
@@ -269,8 +277,7 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
     call, examples = block.call, grad.shape[0]
     batched = set(_batched(call, examples, layout_of(block).leaves))
     tensors = list(params.values())
-    eps = torch.finfo(call.autocast[1] if call.autocast else block.output.dtype).eps
-    tolerance = math.sqrt(eps) * float(block.output.abs().max()) if block.output.numel() else 0.0
+    narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else block.output.dtype)
     numel = sum(p.numel() for p in tensors)
     size = min(examples, cost_model.examples_per_chunk(max(numel, 1), tensors[0].element_size()))
     chunk = {name: p.new_empty(size, *p.shape) for name, p in params.items()}
@@ -280,11 +287,16 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         handles = biases.install()
         try:
-            with torch.enable_grad(), precision.autocast_as(call.autocast):
+            with torch.enable_grad(), precision.autocast_as(call.autocast), \
+                    narrowest if i == 0 else contextlib.nullcontext():
                 output = module(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
+        if i == 0:
+            block.dtype = narrowest.dtype
+            tolerance = math.sqrt(rounding(block, block.output.dtype)) * float(block.output.abs().max()) \
+                if block.output.numel() else 0.0
         first = output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
         difference = (first.detach() - block.output[i : i + 1]).abs().max()
         if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
@@ -368,7 +380,7 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
     try:
         results = compute(module, block, grad, savefields)
         params = _parameters(module, block.covered)
-        eps = torch.finfo(block.call.autocast[1] if block.call.autocast else grad.dtype).eps
+        eps = rounding(block, grad.dtype)
         block_scale = max((float(t.double().norm()) for t in block.totals.values()), default=0.0)
         for name, param in params.items():
             for savefield in savefields:
@@ -396,6 +408,17 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
         for handle in block.handles:
             handle.remove()
         block.handles, block.totals, block.call, block.output, block.covered = [], {}, None, None, []
+        block.dtype = None
+
+
+def rounding(block: Block, dtype: torch.dtype) -> float:
+    """The unit of rounding of the block's computation: ``eps`` of the narrowest dtype its
+    recomputation computed in (:attr:`Block.dtype`), of the autocast dtype of its call, or of
+    ``dtype``. A float64 model whose router computes in float32 gives one example alone its
+    output in the batch to float32's rounding only (the float32 products of 7 rows and of 28
+    round differently), and its router's contributions add up to the gradient to it only."""
+    narrow = block.dtype or (block.call.autocast[1] if block.call and block.call.autocast else dtype)
+    return torch.finfo(narrow).eps
 
 
 def _refuse(module: nn.Module, recorded, param, reason: str) -> None:
