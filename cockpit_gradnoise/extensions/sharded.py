@@ -11,6 +11,11 @@ written on whichever parameter the module holds when the rule runs, the
 unsharded one or (for a layer whose output gradient arrives before FSDP2
 unshards it, a first layer say) the sharded one.
 
+:func:`reduce_in_backward` reduce-scatters a layer's per-element sums (those of
+GradientVarianceQuantiles and PreconditionedNoiseScale) inside the backward pass, as
+soon as its gradient is accumulated, so that each process keeps only its
+:func:`torch.chunk` rows of them between layers (:func:`reduced_rows`).
+
 :func:`collect` moves them, after the backward pass, from the unsharded
 parameter onto the sharded one, with the backward pass's facts
 (:class:`~.facts.BackwardFacts`, keyed by the parameter's ``id``), so the
@@ -306,31 +311,41 @@ def reduced_rows(value, units, dim: int, mesh):
     over ``mesh``'s processes, multiplied back by ``units[j]``, for each ``j`` of ``value``'s
     first dimension: ``[k, *rows]``.
 
-    Collective: ``reduce_scatter_tensor`` of zero-padded blocks, in pieces of at most
-    :data:`PIECE` elements (the same pieces on every process).
+    Collective: ``reduce_scatter_tensor`` of each process's ``k`` blocks one after the other,
+    zero-padded to the largest, in pieces of at most :data:`PIECE` elements (the same pieces
+    on every process: one collective for a layer of fewer elements).
     """
-    import torch
     import torch.distributed as dist
 
     world, me = mesh.size(), mesh.get_local_rank()
     cuts = [chunk_rows(value.shape[dim + 1], world, r) for r in range(world)]
     out = value.new_empty(value.shape[0], *value[0].narrow(dim, *_span(cuts[me])).shape)
-    across = math.prod(size for axis, size in enumerate(value.shape[1:]) if axis != dim)
-    most = max(stop - start for start, stop in cuts) * across  # elements of the largest block
-    piece = max(PIECE // world, 1)
-    for row, unit, mine in zip(value, units, out.view(value.shape[0], out[0].numel())):
-        blocks = [row.narrow(dim, *_span(cut)).reshape(-1) for cut in cuts]
-        for offset in range(0, most, piece):
-            size = min(piece, most - offset)
-            buffer = value.new_zeros(world, size)
-            for into, block in zip(buffer, blocks):
-                part = block[offset : offset + size]
-                torch.div(part, unit, out=into[: part.numel()])
-            got = value.new_empty(size)
-            dist.reduce_scatter_tensor(got, buffer.view(-1), group=mesh.get_group())
-            kept = mine[offset : offset + size]
-            kept.copy_(got[: kept.numel()]).mul_(unit)
-    return out
+    blocks = [[row.narrow(dim, *_span(cut)).reshape(-1) for row in value] for cut in cuts]
+    most = max(sum(block.numel() for block in rows) for rows in blocks)
+    piece, received = max(PIECE // world, 1), out.view(-1)
+    for offset in range(0, most, piece):
+        size = min(piece, most - offset)
+        buffer = value.new_zeros(world, size)
+        for into, rows in zip(buffer, blocks):
+            _scaled_part(into, rows, units, offset)
+        got = value.new_empty(size)
+        dist.reduce_scatter_tensor(got, buffer.view(-1), group=mesh.get_group())
+        kept = received[offset : offset + size]
+        kept.copy_(got[: kept.numel()])
+    return out.mul_(out.new_tensor(units).view(-1, *[1] * (out.dim() - 1)))
+
+
+def _scaled_part(into, rows, units, offset) -> None:
+    """``into`` = elements ``[offset, offset + len(into))`` of ``rows`` one after the other,
+    each row divided by its unit (what lies past them stays 0)."""
+    import torch
+
+    start = 0
+    for row, unit in zip(rows, units):
+        low, high = max(offset, start), min(offset + into.numel(), start + row.numel())
+        if low < high:
+            torch.div(row[low - start : high - start], unit, out=into[low - offset : high - offset])
+        start += row.numel()
 
 
 def _span(cut) -> Tuple[int, int]:

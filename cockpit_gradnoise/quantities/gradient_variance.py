@@ -55,7 +55,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     warning.
 
     Under FSDP2 (``fully_shard``) each process keeps only its rows of the
-    reduced sums (those FSDP2 gives it of the parameter), forms sd and SNR
+    reduced sums (those FSDP2 gives it of the parameter; reduce-scattered inside
+    the backward pass as each layer's gradient is accumulated:
+    ``sums_sharded_in_backward``), forms sd and SNR
     there, and the quantiles over all processes' elements come from a
     distributed selection
     (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`),
