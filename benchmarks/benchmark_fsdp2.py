@@ -25,7 +25,7 @@ tracked / plain (the front door's rows / the bare step of the same round).
 Memory (``--memory MODE``, one kind of step per process group, so that the
 high-water mark is of that kind alone)::
 
-    for mode in bare untracked four norms ddp_four; do
+    for mode in bare untracked four norms ddp_four variance variance_at_end ddp_variance; do
         torchrun --standalone --nproc_per_node 2 benchmarks/benchmark_fsdp2.py --memory $mode --width 2048
     done
 
@@ -108,6 +108,13 @@ def cockpit_of(model, names):
     return cgn.Cockpit(params, quantities=[getattr(cgn, name)(linear(1)) for name in names])
 
 
+def reduced_at_end_cockpit(model):
+    """A Cockpit of GradientVarianceQuantiles whose sums are reduced whole after the backward pass."""
+    cockpit = cockpit_of(model, [VARIANCE])
+    reduced_at_end(cockpit.quantities)
+    return cockpit
+
+
 def step_of(model, cockpit=None):
     loss_fn = extend(nn.CrossEntropyLoss())
     state = {"step": 0}
@@ -165,6 +172,7 @@ def main(argv=None):
         "ddp plain": step_of(ddp),
         "ddp tracked (4)": step_of(ddp, cockpit_of(replicated, QUANTITIES)),
         f"fsdp2 {VARIANCE}": step_of(sharded, cockpit_of(sharded, [VARIANCE])),
+        f"fsdp2 {VARIANCE}, sums at the end": step_of(sharded, reduced_at_end_cockpit(sharded)),
         f"ddp {VARIANCE}": step_of(ddp, cockpit_of(replicated, [VARIANCE])),
     }
     times = {key: [] for key in steps}
@@ -197,7 +205,19 @@ MEMORY_MODES = {
     "four": "FSDP2, cgn.track after fully_shard, the four exact quantities every step",
     "norms": "FSDP2, cgn.track after fully_shard, the norms preset every step",
     "ddp_four": "DDP (the unsharded model), cgn.track, the four quantities every step",
+    "variance": "FSDP2, cgn.track after fully_shard, GradientVarianceQuantiles every step",
+    "variance_at_end": "the same, its sums reduced whole after the backward pass",
+    "ddp_variance": "DDP (the unsharded model), cgn.track, GradientVarianceQuantiles every step",
 }
+
+
+def reduced_at_end(quantities):
+    """``quantities`` with their per-element sums reduced whole after the backward pass, as
+    before they were reduce-scattered inside it (an instance attribute: this cockpit's)."""
+    for quantity in quantities:
+        if getattr(quantity, "sums_sharded_in_backward", None):
+            quantity.sums_sharded_in_backward = None
+    return quantities
 
 
 class _MallInfo2(ctypes.Structure):
@@ -237,16 +257,20 @@ class PeakSampler(threading.Thread):
 def memory(args, mesh, x, y):
     """One kind of step, 3 times: the growth of this process's peak resident memory."""
     mode, model = args.memory, mlp(args.width)
-    if mode == "ddp_four":
-        model, tracker = cgn.track(model, every=1, quantities=list(QUANTITIES))
+    if mode.startswith("ddp_"):
+        model, tracker = cgn.track(model, every=1, quantities=[VARIANCE] if mode == "ddp_variance"
+                                   else list(QUANTITIES))
         model = DistributedDataParallel(model)
     else:
         model = fully_sharded(model, mesh)
         tracker = None
         if mode != "bare":
-            quantities = {"untracked": "norms", "four": list(QUANTITIES), "norms": "norms"}[mode]
+            quantities = {"untracked": "norms", "four": list(QUANTITIES), "norms": "norms",
+                          "variance": [VARIANCE], "variance_at_end": [VARIANCE]}[mode]
             model, tracker = cgn.track(model, every=10**9 if mode == "untracked" else 1,
                                        quantities=quantities)
+            if mode == "variance_at_end":
+                reduced_at_end(tracker.cockpit.quantities)
     step = front_step(model, tracker)
     before = malloc_in_use()
     for _ in range(2):  # warm-up: the runtime's one-time allocations, the kept state

@@ -125,6 +125,9 @@ class Step(ParameterChecks):
         #: Whether ``param.grad`` held gradients before this backward pass, outside
         #: accumulation or at its first micro-batch (:meth:`check_earlier_gradients`).
         self.earlier_gradients = False
+        #: ``id`` s of FSDP2's sharded parameters whose per-element sums were reduce-scattered
+        #: inside this backward pass (``DeclaredSums.arm_reduction_in_backward``).
+        self.presharded: set = set()
 
     # Finding the call's Step ----------------------------------------------------
 

@@ -11,6 +11,11 @@ written on whichever parameter the module holds when the rule runs, the
 unsharded one or (for a layer whose output gradient arrives before FSDP2
 unshards it, a first layer say) the sharded one.
 
+:func:`reduce_in_backward` reduce-scatters a layer's per-element sums (those of
+GradientVarianceQuantiles and PreconditionedNoiseScale) inside the backward pass, as
+soon as its gradient is accumulated, so that each process keeps only its
+:func:`torch.chunk` rows of them between layers (:func:`reduced_rows`).
+
 :func:`collect` moves them, after the backward pass, from the unsharded
 parameter onto the sharded one, with the backward pass's facts
 (:class:`~.facts.BackwardFacts`, keyed by the parameter's ``id``), so the
@@ -31,7 +36,9 @@ model (:mod:`.precision`), so the statistics are those of the bfloat16 pass's pe
 gradients, each process's rounded after its own loss scale (``docs/distributed.md``).
 """
 
-from typing import Dict, Iterable, Optional
+import functools
+import math
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.savefields import (
@@ -143,6 +150,7 @@ def collect(params: Iterable) -> None:
     uses' results landed on both), neither is complete: the parameter is
     refused (left out with a warning naming it), never half counted.
     """
+    disarm()  # the backward pass is over
     managed = fsdp2_parameters()
     recording = facts.recording()
     for param in params:
@@ -212,3 +220,134 @@ def local_tensor(tensor):
     """This process's shard of a ``DTensor`` (``to_local()``), any other tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+
+
+# Per-element sums reduce-scattered inside the backward pass ---------------------------
+
+#: ``(armed step, hook handles)`` of :func:`reduce_in_backward`, until the backward pass ends.
+_armed: Tuple[object, list] = (None, [])
+
+
+def chunk_rows(size: int, parts: int, index: int) -> Tuple[int, int]:
+    """``[start, stop)`` of part ``index`` of ``size`` rows cut in ``parts`` by :func:`torch.chunk`
+    (as FSDP2 cuts a parameter: the last parts may be short, or empty)."""
+    rows = -(-size // parts)
+    start = min(index * rows, size)
+    return start, min(start + rows, size)
+
+
+def reduce_in_backward(step, field: str, scale: Callable[[], Optional[float]], done: set) -> None:
+    """Arm, for the coming backward pass, the reduction of ``field`` (per-element sums,
+    ``[k, *shape]``) over the processes as soon as each parameter's gradient is accumulated.
+
+    For each FSDP2 parameter sharded ``Shard(dim)`` on a 1-D mesh of every process (no
+    tensor parallelism, not HSDP), a hook on its unsharded copy
+    (``register_post_accumulate_grad_hook``: after the module's rules ran, before FSDP2's
+    own reduce-scatter) puts the sums in per-example units (row 0 divided by this process's
+    loss scale ``c = scale()``, the other rows by ``c**2``; ``None``: left alone), reduce-scatters them with
+    :func:`torch.chunk`'s rows of ``dim`` (:func:`chunk_rows`, empty shards included), and
+    leaves this process's rows in this process's units (multiplied back by ``c``, ``c**2``)
+    on whichever parameter held them, so that the quantities read them as before; ``done``
+    gets the sharded parameter's ``id``. Memory: one layer's sums twice, for the collective,
+    instead of every layer's until the backward pass ends. Idempotent for one ``step``.
+
+    Collective in the backward pass: every process reduces the same parameters in the same
+    order (the autograd engine's, the same graph on every process), as FSDP2's own
+    reduce-scatters need. Disarmed by :func:`collect` (the backward pass is over) and by
+    arming the next step.
+    """
+    global _armed
+    if _armed[0] is step:
+        return
+    disarm()
+    world, handles = dist_world_size(), []
+    for fsdp_param in fsdp2_parameters().values():
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        param = fsdp_param.sharded_param
+        mesh = fsdp_param.mesh_info.mesh
+        if (unsharded is None or not unsharded.requires_grad or param.dim() == 0
+                or type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo" or mesh.ndim != 1
+                or mesh.size() != world or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+                is not None):
+            continue
+        hook = functools.partial(_reduce_field, field, scale, fsdp_param, done)
+        handles.append(unsharded.register_post_accumulate_grad_hook(hook))
+    _armed = (step, handles)
+
+
+def disarm() -> None:
+    """Remove the hooks of :func:`reduce_in_backward`."""
+    global _armed
+    for handle in _armed[1]:
+        handle.remove()
+    _armed = (None, [])
+
+
+def _reduce_field(field, scale, fsdp_param, done, unsharded) -> None:
+    param = fsdp_param.sharded_param
+    holders = [p for p in (unsharded, param) if field in p.__dict__]
+    if len(holders) != 1:  # none, or both (refused by collect): on every process alike
+        return
+    try:
+        c = scale()
+    except Exception:  # raised again after the backward pass, on every process together
+        c = math.nan
+    if c is None:  # not wanted in this call (on every process alike)
+        return
+    value = holders[0].__dict__[field]
+    c = float(c)
+    units = [c] + [c * c] * (value.shape[0] - 1)
+    holders[0].__dict__[field] = reduced_rows(value, units, param.placements[0].dim, fsdp_param.mesh_info.mesh)
+    done.add(id(param))
+
+
+#: Elements of one collective's buffer in :func:`reduced_rows` (8 MiB of float64), so that
+#: what it adds to a layer's sums and this process's rows of them stays small.
+PIECE = 2**20
+
+
+def reduced_rows(value, units, dim: int, mesh):
+    """This process's :func:`torch.chunk` rows of ``dim`` of ``value[j] / units[j]`` summed
+    over ``mesh``'s processes, multiplied back by ``units[j]``, for each ``j`` of ``value``'s
+    first dimension: ``[k, *rows]``.
+
+    Collective: ``reduce_scatter_tensor`` of each process's ``k`` blocks one after the other,
+    zero-padded to the largest, in pieces of at most :data:`PIECE` elements (the same pieces
+    on every process: one collective for a layer of fewer elements).
+    """
+    import torch.distributed as dist
+
+    world, me = mesh.size(), mesh.get_local_rank()
+    cuts = [chunk_rows(value.shape[dim + 1], world, r) for r in range(world)]
+    out = value.new_empty(value.shape[0], *value[0].narrow(dim, *_span(cuts[me])).shape)
+    blocks = [[row.narrow(dim, *_span(cut)).reshape(-1) for row in value] for cut in cuts]
+    most = max(sum(block.numel() for block in rows) for rows in blocks)
+    piece, received = max(PIECE // world, 1), out.view(-1)
+    for offset in range(0, most, piece):
+        size = min(piece, most - offset)
+        buffer = value.new_zeros(world, size)
+        for into, rows in zip(buffer, blocks):
+            _scaled_part(into, rows, units, offset)
+        got = value.new_empty(size)
+        dist.reduce_scatter_tensor(got, buffer.view(-1), group=mesh.get_group())
+        kept = received[offset : offset + size]
+        kept.copy_(got[: kept.numel()])
+    return out.mul_(out.new_tensor(units).view(-1, *[1] * (out.dim() - 1)))
+
+
+def _scaled_part(into, rows, units, offset) -> None:
+    """``into`` = elements ``[offset, offset + len(into))`` of ``rows`` one after the other,
+    each row divided by its unit (what lies past them stays 0)."""
+    import torch
+
+    start = 0
+    for row, unit in zip(rows, units):
+        low, high = max(offset, start), min(offset + into.numel(), start + row.numel())
+        if low < high:
+            torch.div(row[low - start : high - start], unit, out=into[low - offset : high - offset])
+        start += row.numel()
+
+
+def _span(cut) -> Tuple[int, int]:
+    """``(start, length)`` of ``[start, stop)``."""
+    return cut[0], cut[1] - cut[0]

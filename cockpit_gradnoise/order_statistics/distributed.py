@@ -19,8 +19,9 @@ an element's own, so the value is exact;
 :func:`~cockpit_gradnoise.order_statistics.interpolate` then gives
 ``numpy.quantile``'s numbers.
 
-Memory: this process's keys, sorted (8 bytes per local element; a tensor in
-several groups, a layer in the network's union, sorted once). Communication
+Memory: this process's keys, sorted in place (8 bytes per local element; a tensor in
+several groups, a layer in the network's union, sorted once), and nothing else of
+that size: the values are read as they are, widened to float64 one piece at a time. Communication
 per call: two ``all_reduce`` (sizes, NaN flags and float64 sums of every
 process, in rank order for the means; the keys' range), then one per round
 of ``64`` counts per wanted rank. Collective: every process must call with
@@ -38,7 +39,6 @@ from cockpit_gradnoise.order_statistics.ranks import (
 )
 from cockpit_gradnoise.order_statistics.selection import float64_sum
 
-import numpy
 import torch
 from torch import Tensor
 
@@ -51,8 +51,9 @@ def order_keys(values: Tensor) -> Tensor:
 
     NaN has no order: leave it out first (its key is past infinity's).
     """
-    bits = (values.to(torch.float64) + 0.0).view(torch.int64)  # -0.0 + 0.0 is 0.0
-    return torch.where(bits < 0, bits ^ _LOW_BITS, bits)
+    bits = values.to(torch.float64, copy=True).add_(0.0).view(torch.int64)  # -0.0 + 0.0 is 0.0
+    bits[bits < 0] ^= _LOW_BITS  # in place: no second tensor of 8 bytes per element
+    return bits
 
 
 def values_of_keys(keys: Tensor) -> Tensor:
@@ -87,7 +88,7 @@ def quantile_summaries_across(
     import torch.distributed as dist
 
     pieces, members = _pieces(groups)
-    flats = [piece.detach().reshape(-1).double() for piece in pieces]
+    flats = [piece.detach().reshape(-1) for piece in pieces]  # widened one at a time below
     device = _device_of(groups)
     # Sizes, NaN flags and float64 sums of every process (rank order: the same sums everywhere).
     local = torch.tensor(
@@ -197,9 +198,11 @@ def _pieces(groups: Sequence[Tensors]):
 
 
 def _sorted(keys: Tensor) -> Tensor:
-    """``keys`` sorted ascending: by NumPy on the CPU (several times faster there), else torch."""
+    """``keys`` sorted ascending: by NumPy on the CPU (several times faster there), in place
+    (``keys`` is :func:`order_keys`' own tensor), else torch."""
     if keys.device.type == "cpu":
-        return torch.from_numpy(numpy.sort(keys.numpy()))
+        keys.numpy().sort()
+        return keys
     return torch.sort(keys).values
 
 

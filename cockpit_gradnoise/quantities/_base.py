@@ -152,6 +152,10 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
     #: Its sums are per element: under tensor parallelism a split parameter's stay with the
     #: process holding the shard, not reduced (``quantities/_sums.py``).
     per_element_sums_stay: bool = False
+    #: Under FSDP2, the savefield whose per-element sums (all its declared sums but 0-dim
+    #: ones) are reduce-scattered inside the backward pass, each process keeping its rows
+    #: (:meth:`arm_reduction_in_backward`); ``None``: reduced after it, whole.
+    sums_sharded_in_backward: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -289,6 +293,8 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         for field in self._savefields:
             readers = step.readers.setdefault(field, [])
             readers += [] if self in readers else [self]
+        if joins:
+            self.arm_reduction_in_backward(step)
         try:
             micro = step.micro_batch()
         except (TypeError, ValueError):

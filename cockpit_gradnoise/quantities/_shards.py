@@ -26,8 +26,12 @@ from torch import Tensor
 Cut = Optional[Tuple[int, int, int]]
 
 
-def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
+def cuts(named_params: List[Tuple[str, Tensor]], presharded=frozenset()) -> Optional[Dict[str, Cut]]:
     """``{name: Cut}`` where some parameter is a ``DTensor``, else ``None`` (nothing sharded).
+
+    A parameter whose ``id`` is in ``presharded`` has its sums reduce-scattered in the
+    backward pass (:func:`.extensions.sharded.reduce_in_backward`): they are this
+    process's rows already, and its cut is all of them.
 
     Tensor parallelism (``quantities/_sums.py``): a split parameter's sums are
     this process's already, of its shard: alone, its cut is all of them; inside
@@ -45,15 +49,17 @@ def cuts(named_params: List[Tuple[str, Tensor]]) -> Optional[Dict[str, Cut]]:
     tp = (split[0][1].get_local_rank(), split[0][1].size()) if split else (0, 1)
     managed = sharded.fsdp2_parameters() if split else {}
     placed = {id(param): placements for param, _, placements in split}
-    return {name: _cut(name, param, placed.get(id(param)), managed.get(id(param)), tp)
+    return {name: _own(_cut(name, param, placed.get(id(param)), managed.get(id(param)), tp),
+                       id(param) in presharded)
             for name, param in named_params}
 
 
-def _rows(size: int, parts: int, index: int) -> Tuple[int, int]:
-    """``[start, stop)`` of part ``index`` of ``size`` rows cut in ``parts`` by ``torch.chunk``."""
-    rows = -(-size // parts)
-    start = min(index * rows, size)
-    return start, min(start + rows, size)
+def _own(cut: Cut, presharded: bool) -> Cut:
+    """``cut`` of sums that are this process's rows already where ``presharded``."""
+    return (cut[0], 0, cut[2] - cut[1]) if presharded and cut is not None else cut
+
+
+_rows = sharded.chunk_rows
 
 
 def _cut(name: str, param, split=None, fsdp_param=None, tp=(0, 1)) -> Cut:

@@ -51,6 +51,7 @@ def _reduce(step, quantities, params):
     try:
         for q in quantities:
             parts[q] = q.step_sums(step, params)
+        shards = _sharded_in_backward(step, parts, params)
         batches = [part[0] for part in parts.values() if part is not None]
         if any(not b.same_as(batches[0]) for b in batches):
             raise ValueError(
@@ -62,7 +63,8 @@ def _reduce(step, quantities, params):
             contribution.examples = batches[0].examples
             contribution.scale = batches[0].loss_scale
         contribution.sums = [
-            (sums[sum_name].new_zeros(0) if (q, name) in kept else sums[sum_name], how)
+            (sums[sum_name].new_zeros(0) if (q, name) in kept
+             else _non_finite(sums[sum_name]) if (q, name, sum_name) in shards else sums[sum_name], how)
             for q, part in parts.items()
             if part is not None
             for name, sums in part[1].items()
@@ -71,7 +73,7 @@ def _reduce(step, quantities, params):
         if tensor_parallel.duplicate_examples(params):
             _contribute_no_examples(contribution)
     except Exception as error:  # every process must still take part, to raise together
-        contribution.error, contribution.sums = error, []
+        contribution.error, contribution.sums, shards = error, [], set()
     contribution.available = [
         parts.get(q) is not None and name in parts[q][1] for q, name in slots
     ]
@@ -89,7 +91,39 @@ def _reduce(step, quantities, params):
         # Kept with their shard: this process's own, added over dp inside FSDP2.
         sums.update(own[q])
         results[q] = (batch, sums)
+    _take_shards(shards, parts, results)
     return results
+
+
+def _sharded_in_backward(step, parts, params) -> set:
+    """``{(quantity, name, sum name)}`` of the per-element sums that FSDP2's parameters'
+    hooks reduce-scattered inside the backward pass (:meth:`DeclaredSums.arm_reduction_in_backward`):
+    this process's rows of the global sums already, not reduced again."""
+    done = step.presharded
+    if not done:
+        return set()
+    return {(q, name, sum_name) for q, part in parts.items() if part is not None and q.sums_sharded_in_backward
+            for name, param in q.trainable(params) if id(param) in done and name in part[1]
+            for sum_name, value in part[1][name].items() if value.dim() > 0}
+
+
+def _non_finite(shard):
+    """What a sum reduce-scattered in the backward pass adds to the reduction: whether this
+    process's rows hold a value that is not finite (0 or 1, float64, 0-dim), so that every
+    process tells the same parameters' sums not finite."""
+    return torch.logical_not(torch.isfinite(shard).all()).to(torch.float64)
+
+
+def _take_shards(shards, parts, results) -> None:
+    """Put this process's rows of the sums reduced in the backward pass in ``results``, in
+    place of their counts of processes with values not finite; all NaN where there are."""
+    if not shards:
+        return
+    keys = list(shards)
+    counts = torch.stack([results[q][1][name][sum_name] for q, name, sum_name in keys]).tolist()
+    for (q, name, sum_name), count in zip(keys, counts):
+        shard = parts[q][1][name][sum_name]
+        results[q][1][name][sum_name] = shard if count == 0 else torch.full_like(shard, math.nan)
 
 
 def _with_their_shard(quantities, params) -> dict:
@@ -128,6 +162,16 @@ def _added_over_dp(parts, kept) -> dict:
         for (sums, key), block in zip(entries, buffer.split([sums[key].numel() for sums, key in entries])):
             sums[key] = block.view_as(sums[key])
     return found
+
+
+def _scale_in_backward(step, field) -> Optional[float]:
+    """This process's loss scale ``c`` for the sums of ``field`` reduced in the backward
+    pass, or ``None`` (not reduced there) where a reader of it in the call does not declare
+    them so; raises where ``c`` cannot be read (raised again after the backward pass)."""
+    readers = step.readers.get(field, [])
+    if not readers or any(getattr(q, "sums_sharded_in_backward", None) != field for q in readers):
+        return None
+    return step.loss_batch(readers[0]).loss_scale
 
 
 def _contribute_no_examples(contribution):
@@ -170,6 +214,17 @@ class DeclaredSums:
             batch.examples,
         )
         return batch, {name: self._checked_sums(param, batch) for name, param in usable}
+
+    def arm_reduction_in_backward(self, step: Step) -> None:
+        """Under FSDP2, reduce-scatter this quantity's per-element sums inside the coming
+        backward pass, one parameter at a time (:func:`.extensions.sharded.reduce_in_backward`),
+        where it declares them so (``sums_sharded_in_backward``: the savefield) and every
+        reader of that savefield in the call does too; the parameters done are noted in
+        :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`."""
+        field = self.sums_sharded_in_backward
+        if field and self.supports_fsdp2 and distributed.world_size() > 1:
+            sharded.reduce_in_backward(step, field, lambda: _scale_in_backward(step, field),
+                                       step.presharded)
 
     def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
         """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.

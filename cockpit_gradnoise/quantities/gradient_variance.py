@@ -55,7 +55,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     warning.
 
     Under FSDP2 (``fully_shard``) each process keeps only its rows of the
-    reduced sums (those FSDP2 gives it of the parameter), forms sd and SNR
+    reduced sums (those FSDP2 gives it of the parameter; reduce-scattered inside
+    the backward pass as each layer's gradient is accumulated:
+    ``sums_sharded_in_backward``), forms sd and SNR
     there, and the quantiles over all processes' elements come from a
     distributed selection
     (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`),
@@ -91,6 +93,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     supports_tensor_parallel = True
     supports_fsdp2_tensor_parallel = True
     per_element_sums_stay = True
+    sums_sharded_in_backward = SUMS_SAVEFIELD  # under FSDP2: each process keeps its rows
     # "rounding_magnitudes": R of sums expanded over positions (a convolution's
     # weight with few positions: functional.expansion_rounding_bound); 0-dim 0 elsewhere.
     sums = {"sum_of_contributions": SUM, "sum_of_squared_contributions": SUM,
@@ -112,7 +115,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     def step_context(self, step, params):
         # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
         self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
-        self._cuts = _shards.cuts(self.trainable(params))
+        self._cuts = _shards.cuts(self.trainable(params), step.presharded)
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
         # One batch on one process: the sums stay in units of x (scale 1), as sd

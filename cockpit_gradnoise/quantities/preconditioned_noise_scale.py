@@ -110,6 +110,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     reads_local_gradient = False
     micro_batch_gradient = None
     supports_hsdp = False  # its sums are cut to each process's shard (quantities/_shards.py)
+    sums_sharded_in_backward = SUMS_SAVEFIELD  # under FSDP2: each process keeps its rows
     #: Under tensor parallelism a split parameter's sums stay with its shard (inside FSDP2
     #: added over dp), beside the optimizer's state of the same elements (a DTensor placed
     #: as the parameter): each process applies the P of its elements, as under FSDP2.
@@ -132,7 +133,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         # One batch on one process: the sums stay in units of x_i = c g_i, and the two
         # scalars are divided by c^2 (no pass over them); else in units of g_i, to add.
         self._scalars_scaled = micro is None and distributed.world_size() == 1
-        self._cuts = _shards.cuts(self.trainable(params))
+        self._cuts = _shards.cuts(self.trainable(params), step.presharded)
         if micro is not None and not micro.last:
             return batch  # P is read after the last micro-batch, from the step's gradient
         try:
