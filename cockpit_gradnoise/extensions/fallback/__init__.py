@@ -51,6 +51,7 @@ How it is wired, one file each:
 - :mod:`.blocks`: a module's parent that runs it on rows that are not examples (a
   mixture-of-experts block's router and experts on flattened tokens) takes over:
   it is run again on each example alone, and gives every parameter inside it its rows;
+  :mod:`.block_vmap` runs it on a chunk of examples at once where ``vmap`` can;
 - :mod:`.parameters`: which parameters, and the module run with others in
   their place and without its hooks.
 

@@ -55,6 +55,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
+from cockpit_gradnoise.extensions.fallback import block_vmap
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -96,6 +97,7 @@ class Block:
         # The narrowest floating dtype the recomputation computes in (its first example's
         # operations): float32 inside a float64 model rounds there (:func:`rounding`).
         self.dtype: Optional[torch.dtype] = None
+        self.vectorized: Optional[bool] = None  # whether vmap runs it (.block_vmap), once known
 
     def __reduce__(self):
         return (Block, (self.members,))
@@ -333,6 +335,33 @@ def _held_terms(contributions: Dict[str, Tensor], chunk_terms: Dict[str, list]) 
     return held
 
 
+def vectorized(module: nn.Module, block: Block, grad: Tensor,
+               params: Dict[str, nn.Parameter]) -> Optional[Iterator[Tuple[Dict[str, Tensor], Dict]]]:
+    """:func:`per_example_gradients`' chunks by :mod:`.block_vmap` (a chunk of examples per
+    pass), or ``None`` where ``vmap`` cannot run the block or its first chunk's outputs
+    differ from the batch's: then the loop runs and checks (at every later step too)."""
+    if block.vectorized is False or not params:
+        return None
+    call, examples = block.call, grad.shape[0]
+    eps = torch.finfo(call.autocast[1] if call.autocast else block.output.dtype).eps
+    tolerance = math.sqrt(eps) * float(block.output.abs().max()) if block.output.numel() else 0.0
+
+    def check(output: Tensor, expected: Tensor) -> None:
+        if not float((output - expected).abs().max()) <= tolerance:
+            raise Interacting("its output for one example alone differs from its output in the batch: "
+                              "its examples interact or its forward pass is random")
+
+    tensors = list(params.values())
+    size = min(examples, cost_model.examples_per_chunk(
+        max(sum(p.numel() for p in tensors), 1), tensors[0].element_size()))
+    batched = _batched(call, examples, layout_of(block).leaves)
+    biases = LinearBiases(module, params).layers
+    found = block_vmap.chunks(lambda start, stop: block_vmap.chunk(
+        module, call, batched, params, biases, block.output, grad, start, stop, check), examples, size)
+    block.vectorized = found is not None
+    return found
+
+
 def compute(module: nn.Module, block: Block, grad: Tensor,
             savefields) -> Union[Dict[str, Dict[str, Tensor]], str]:
     """``{savefield: {name: result}}`` of every trainable parameter of the block, plus
@@ -347,7 +376,7 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
-            chunks = per_example_gradients(module, block, grad, params)
+            chunks = vectorized(module, block, grad, params) or per_example_gradients(module, block, grad, params)
             return reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
     except Interacting as error:
         return str(error)

@@ -93,7 +93,7 @@ def per_example_gradients(
         return (*results, *biases.outputs)
 
     traced = traced_forward if biases.watched else flat_forward
-    with hooks_off(module), caches_bypassed(module), _math_attention(), torch.enable_grad(), \
+    with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
             precision.autocast_as(call.autocast):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     count = len(positions) + len(blind_outputs)
@@ -355,7 +355,7 @@ class Refused(Exception):
     refuses the module with its message)."""
 
 
-def _math_attention():
+def math_attention():
     """``scaled_dot_product_attention`` by its math form: the fused kernels' backward
     has no batching rule, and ``vmap`` would loop over the examples one by one."""
     try:
