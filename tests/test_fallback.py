@@ -18,6 +18,8 @@ import torch
 from backpack import backpack
 from torch import nn
 
+from tests.helpers import rows
+
 RTOL = 1e-12
 
 
@@ -165,6 +167,34 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
     with pytest.warns(UserWarning, match=reason):
         got = _run(model.train(), x, y, nn.CrossEntropyLoss())
     assert got[name] == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    "model, name, reason",
+    [
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
+        (Twice(), "scale.gamma", "called more than once"),
+        (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
+    ],
+    ids=["dropout", "called-twice", "child-output-changed-in-place"],
+)
+def test_the_quantities_name_the_fallbacks_reason_and_keep_the_other_rows(model, name, reason):
+    """The tracker's warning about the parameters left out gives the fallback's reason
+    (not "no per-example rule"), and the step keeps the other parameters' rows."""
+    torch.manual_seed(0)
+    model, tracker = cgn.track(model.double().train(), every=1, quantities=["PerExampleGradNorm"])
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with tracker(0, losses) as loss:
+            loss.backward()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "no per-example rule" in m], messages
+    assert [m for m in messages if f"{name!r}: " in m and reason in m and "left out" in m], messages
+    got = set(rows(tracker.cockpit, "PerExampleGradNorm"))
+    head = "head.weight" if isinstance(model, Twice) else "1.weight"
+    assert name not in got and head in got
 
 
 class Gated(nn.Module):

@@ -162,7 +162,12 @@ def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> Non
 
 
 def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
+    """No rows for ``module``'s parameters: warned once, and the reason recorded in the
+    pass's facts, for the quantities' warning about the parameters without results."""
     state.refused = reason
+    recorded = facts.recording()
+    for name, param in computed_parameters(module, state.call).items():
+        recorded.reasons.setdefault(id(param), f"{type(module).__name__}.{name}: {reason}")
     if reason not in state.warned:
         state.warned.add(reason)
         warnings.warn(
