@@ -1,8 +1,12 @@
 """The architecture sweep's --quick mode: a few models per library, none silently inexact."""
 
 import math
+import os
+import time
+import types
 
 import pandas
+import pytest
 
 from experiments import architecture_sweep as sweep
 
@@ -67,3 +71,17 @@ def test_quick_sweep_tracks_each_model_exactly():
     assert {"bert.encoder.layer.0.attention.self.key.bias",
             "bert.encoder.layer.1.attention.self.key.bias"} == set(
         results["transformers/bert"]["zero_by_structure"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="CPU time read from /proc")
+def test_the_time_limit_reads_the_workers_cpu_time_not_the_clock():
+    """A worker starved by other processes is not timed out: its CPU time is what counts."""
+    worker = sweep.Worker()
+    worker.process = types.SimpleNamespace(pid=os.getpid())
+    before, process_before = worker.cpu_seconds(), time.process_time()
+    time.sleep(0.3)  # the clock runs, the CPU time does not
+    while time.process_time() - process_before < 0.3:
+        pass
+    used, process_used = worker.cpu_seconds() - before, time.process_time() - process_before
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert abs(used - process_used) <= 3 * tick, (used, process_used)
