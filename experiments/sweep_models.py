@@ -73,7 +73,8 @@ LATENT_ATTENTION = {"num_key_value_heads": 2, "kv_lora_rank": 16, "q_lora_rank":
 # ``clip_qkv`` (its default ``None`` fails in ``torch.clamp``).
 # Widths of their own names, which the generic keys miss (full size, the check of one such
 # model ran past the time limit): EfficientNet's coefficients, Falcon-H1's Mamba mixer,
-# LongCat-Flash's latent attention and experts; the HF wrapper of timm: a small timm model.
+# LongCat-Flash's latent attention and experts, Perceiver's latents; the HF wrapper of timm:
+# a small timm model.
 FIXES = {
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 64, "moe_num_experts": 4,
@@ -87,6 +88,9 @@ FIXES = {
                       "v_head_dim": 8, "qk_head_dim": 16, "n_routed_experts": 4,
                       "zero_expert_num": 2, "moe_topk": 2, "expert_ffn_hidden_size": 32},
     "timm_wrapper": {"architecture": "resnet10t"},
+    # 26 self-attention layers of 256 latents 1280 wide: the worker ran out of memory.
+    "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2,
+                  "num_self_attention_heads": 2, "num_cross_attention_heads": 2},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
