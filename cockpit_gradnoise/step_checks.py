@@ -301,6 +301,9 @@ class ParameterChecks:
                 "docs/architectures.md)."
             )
         refused = self._refused(owner, with_grad) if savefields else {}
+        reasons = self.facts.reasons  # a rule's reason for giving no results: named, not "no rule"
+        refused.update({n: reasons[id(p)] for n, p in with_grad
+                        if n not in supported and n not in refused and id(p) in reasons})
         unsupported = [(n, p) for n, p in with_grad if n not in supported and n not in refused]
         if refused:
             usable = [(n, p) for n, p in usable if n not in refused]

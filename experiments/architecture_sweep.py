@@ -23,7 +23,12 @@ classified:
 
 Models run one after the other in a worker process (spawned once, killed and
 started again when a model runs past ``--timeout`` or crashes), so one bad
-model does not stop the sweep. Results go to a JSON file (written after each
+model does not stop the sweep. The time limit counts the worker's CPU time
+(where ``/proc`` tells it), not the clock's: on a machine shared with other
+work a model's check runs many times slower by the clock, and a wall-clock
+limit would time out models that finish in seconds alone (the last full run's
+timeouts). A model also stops after ``WALL_FACTOR`` times the limit by the
+clock (one that waits without computing). Results go to a JSON file (written after each
 model; ``--resume`` skips those done) and to a generated section of
 ``docs/supported-models.md``, between ``BEGIN`` and ``END``.
 
@@ -53,6 +58,7 @@ FLOAT32_TOLERANCE = 1e-4
 # is compared against the network's scale.
 ZERO_SCALE = 1.5e-8
 STATUSES = ("exact", "exact, left out", "exact to float32", "error", "inexact", "skipped", "timeout")
+WALL_FACTOR = 10  # the clock's limit, in CPU-time limits (a worker starved by other processes)
 STARTUP = 900  # seconds for the worker's imports, not counted in a model's time limit
 RESULTS = os.path.join("experiments", "results", "architecture_sweep.json")
 PAGE = os.path.join("docs", "supported-models.md")
@@ -171,24 +177,31 @@ def classify(frame, float32: set) -> dict:
 
 
 def check_one(library: str, name: str) -> dict:
-    """Build, check and classify one architecture (in the worker process)."""
+    """Build, check and classify one architecture (in the worker process); with the
+    seconds by the clock and of CPU time it took."""
+    start, cpu = time.perf_counter(), time.process_time()
+    record = {"library": library, "name": name}
+    record.update(_checked(library, name, start))
+    record["cpu_seconds"] = time.process_time() - cpu
+    return record
+
+
+def _checked(library: str, name: str, start: float) -> dict:
     import cockpit_gradnoise as cgn
 
     import torch
 
     from experiments import sweep_models
 
-    start = time.perf_counter()
-    record = {"library": library, "name": name}
+    record = {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             case = sweep_models.build(library, name)
     except sweep_models.Unavailable as reason:
-        return {**record, "status": "skipped", "message": str(reason),
-                "seconds": time.perf_counter() - start}
+        return {"status": "skipped", "message": str(reason), "seconds": time.perf_counter() - start}
     except Exception as error:  # noqa: BLE001 - a builder's bug is a skip with its message
-        return {**record, "status": "skipped", "message": f"build: {type(error).__name__}: {error}"[:400],
+        return {"status": "skipped", "message": f"build: {type(error).__name__}: {error}"[:400],
                 "seconds": time.perf_counter() - start}
     record["detail"] = case.detail
     try:
@@ -242,15 +255,33 @@ class Worker:
         if not self.connection.poll(STARTUP) or self.connection.recv() != "ready":
             raise RuntimeError(f"the sweep's worker did not start within {STARTUP} s")
 
+    def cpu_seconds(self) -> Optional[float]:
+        """The worker's CPU time so far (user and system), ``None`` without ``/proc``."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     def run(self, library: str, name: str, timeout: float) -> dict:
+        """Check one model; a timeout after ``timeout`` s of the worker's CPU time (of the
+        clock's where it cannot be read), or ``WALL_FACTOR`` times it by the clock."""
         if self.process is None or not self.process.is_alive():
             self.start()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), self.cpu_seconds()
         self.connection.send((library, name))
         try:
-            if self.connection.poll(timeout):
-                return self.connection.recv()
-            status, message = "timeout", f"ran past {timeout:.0f} s"
+            while True:
+                if self.connection.poll(min(1.0, timeout)):
+                    return self.connection.recv()
+                wall = time.perf_counter() - start
+                used = wall if cpu is None else (self.cpu_seconds() or cpu) - cpu
+                if used > timeout or wall > WALL_FACTOR * timeout:
+                    break
+            status = "timeout"
+            message = (f"ran past {timeout:.0f} s" + ("" if cpu is None else " of CPU time")
+                       + (f" ({wall:.0f} s by the clock)" if wall > timeout else ""))
         except EOFError:
             status, message = "error", f"the worker process died (exit code {self.process.exitcode})"
         self.stop()
@@ -276,7 +307,8 @@ def sweep(jobs: List[tuple], timeout: float, results: Optional[Dict[str, dict]] 
                 continue
             record = worker.run(library, name, timeout)
             results[key] = record
-            log(f"{key}: {record['status']} ({record['seconds']:.1f} s)"
+            cpu = f", {record['cpu_seconds']:.1f} s CPU" if "cpu_seconds" in record else ""
+            log(f"{key}: {record['status']} ({record['seconds']:.1f} s{cpu})"
                 + (f" {record.get('message', '')[:150]}" if "message" in record else ""))
             if path:
                 write_results(results, path)
@@ -400,7 +432,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a handful of models per library")
     parser.add_argument("--only", nargs="*", default=[], help="libraries or library/name")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds of CPU time per model (10 times that by the clock)")
     parser.add_argument("--results", default=None, help=f"JSON file (default {RESULTS})")
     parser.add_argument("--resume", action="store_true", help="skip models in the JSON file")
     parser.add_argument("--page", action="store_true", help=f"write the section of {PAGE}")

@@ -22,6 +22,9 @@ LENGTH = 7  # not the batch size: a coincidence of sizes must not pass for exact
 VOCABULARY = 99
 IMAGE = 32
 TIMM_IMAGE = 32
+# Transformers of timm that take these (ViT, DeiT, CaiT, EVA, XCiT, ...) are built this
+# narrow: at their smallest named width one check takes tens of seconds of CPU time.
+TIMM_NARROW = {"embed_dim": 32, "depth": 2, "num_heads": 2}
 
 # transformers' tasks, in the order a model type takes its first: one head per architecture.
 TASKS = (
@@ -34,7 +37,7 @@ TASKS = (
 
 # A default configuration's keys and the tiny values they get (only keys the config has).
 WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
-              "d_embed", "word_embed_proj_dim")
+              "d_embed", "word_embed_proj_dim", "emb_dim")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
               "decoder_layers", "num_decoder_layers", "num_encoder_layers")
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
@@ -60,13 +63,34 @@ TINY = {
     "num_channels": 3,
     "num_labels": 5,
 }
+# Multi-head latent attention (DeepSeek-V2/V3 and their kin): the rotary part of a head is
+# ``head_dim`` too, the query's head is its rotary and plain parts together, and keys and
+# values have as many heads as queries.
+LATENT_ATTENTION = {"num_key_value_heads": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "qk_head_dim": 16, "v_head_dim": 8, "head_dim": 8}
 # Configurations a generic shrink cannot reach (sub-configurations as plain dicts), or where
 # the library's defaults do not build: DBRX reads ``attn_config.rope_theta`` and clamps with
 # ``clip_qkv`` (its default ``None`` fails in ``torch.clamp``).
+# Widths of their own names, which the generic keys miss (full size, the check of one such
+# model ran past the time limit): EfficientNet's coefficients, Falcon-H1's Mamba mixer,
+# LongCat-Flash's latent attention and experts, Perceiver's latents; the HF wrapper of timm:
+# a small timm model.
 FIXES = {
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 64, "moe_num_experts": 4,
                             "moe_top_k": 2}},
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320,
+                     "num_hidden_layers": 8},
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
+                  "mamba_chunk_size": 8},
+    "longcat_flash": {"ffn_hidden_size": 64, "q_lora_rank": 16, "kv_lora_rank": 16,
+                      "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "head_dim": 8,
+                      "v_head_dim": 8, "qk_head_dim": 16, "n_routed_experts": 4,
+                      "zero_expert_num": 2, "moe_topk": 2, "expert_ffn_hidden_size": 32},
+    "timm_wrapper": {"architecture": "resnet10t"},
+    # 26 self-attention layers of 256 latents 1280 wide: the worker ran out of memory.
+    "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2,
+                  "num_self_attention_heads": 2, "num_cross_attention_heads": 2},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -121,10 +145,22 @@ def _one_layer_per_kind(values: dict) -> dict:
             **{key: [values[key][i] for i in first] for key in per_layer}}
 
 
+def _tokens(values: dict) -> dict:
+    """Special tokens inside the tiny vocabulary, and a padding token where it is ``None``."""
+    kwargs = {key: 2 for key in TOKEN_KEYS
+              if isinstance(values.get(key), int) and values[key] >= VOCABULARY}
+    if values.get("pad_token_id") is None and "pad_token_id" in values:
+        kwargs["pad_token_id"] = 0
+    return kwargs
+
+
 def _tiny_kwargs(config) -> dict:
     values = config.to_dict()
     kwargs = {key: tiny for key, tiny in TINY.items() if isinstance(values.get(key), int)
               and not isinstance(values.get(key), bool)}
+    if isinstance(values.get("qk_rope_head_dim"), int):
+        kwargs.update({key: tiny for key, tiny in LATENT_ATTENTION.items()
+                       if isinstance(values.get(key), int)})
     if isinstance(values.get("depths"), list):  # widths and depth follow the stages
         for key in ("hidden_size", "num_layers", "num_hidden_layers"):
             kwargs.pop(key, None)
@@ -137,13 +173,8 @@ def _tiny_kwargs(config) -> dict:
         kwargs.update(window_size=2, image_size=2 * IMAGE)
     if isinstance(values.get("num_groups"), int):
         kwargs["num_groups"] = 2  # group norms (BiT) at tiny widths
-    for key in TOKEN_KEYS:
-        token = values.get(key)
-        if isinstance(token, int) and token >= VOCABULARY:
-            kwargs[key] = 2
-    if values.get("pad_token_id") is None and "pad_token_id" in values:
-        kwargs["pad_token_id"] = 0
-    for key in SUB_CONFIGS:
+    kwargs.update(_tokens(values))
+    for key in [*SUB_CONFIGS, *(k for k in values if k.endswith("_config"))]:  # audio_config, ...
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub)}).to_dict()
@@ -284,7 +315,9 @@ def timm_case(family: str, model_name: str = "") -> Case:
     errors = []
     default = timm.get_pretrained_cfg(name, allow_unregistered=True)
     default_size = tuple(getattr(default, "input_size", (3, 224, 224)) or (3, 224, 224))[-1]
-    for kwargs, size in (({"img_size": TIMM_IMAGE}, TIMM_IMAGE), ({}, TIMM_IMAGE), ({}, default_size)):
+    attempts = (({"img_size": TIMM_IMAGE, **TIMM_NARROW}, TIMM_IMAGE), ({"img_size": TIMM_IMAGE}, TIMM_IMAGE),
+                ({}, TIMM_IMAGE), ({}, default_size))
+    for kwargs, size in attempts:
         try:
             model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).double().eval()
             images = torch.randn(BATCH, 3, size, size, dtype=torch.float64)

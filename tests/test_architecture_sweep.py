@@ -1,9 +1,13 @@
 """The architecture sweep's --quick mode: a few models per library, none silently inexact."""
 
 import math
+import os
+import time
+import types
 
 import pandas
 import torch
+import pytest
 
 from experiments import architecture_sweep as sweep
 
@@ -89,3 +93,17 @@ def test_a_blocks_parameters_get_the_float32_tolerance_where_a_module_inside_com
     assert found == {"first.router.weight", "first.router.bias", "first.experts.weight",
                      "first.experts.bias", "head.weight", "head.bias"}
     assert sweep.float32_parameters(model, table, set()) == set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="CPU time read from /proc")
+def test_the_time_limit_reads_the_workers_cpu_time_not_the_clock():
+    """A worker starved by other processes is not timed out: its CPU time is what counts."""
+    worker = sweep.Worker()
+    worker.process = types.SimpleNamespace(pid=os.getpid())
+    before, process_before = worker.cpu_seconds(), time.process_time()
+    time.sleep(0.3)  # the clock runs, the CPU time does not
+    while time.process_time() - process_before < 0.3:
+        pass
+    used, process_used = worker.cpu_seconds() - before, time.process_time() - process_before
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert abs(used - process_used) <= 3 * tick, (used, process_used)

@@ -18,6 +18,8 @@ import torch
 from backpack import backpack
 from torch import nn
 
+from tests.helpers import rows
+
 RTOL = 1e-12
 
 
@@ -165,6 +167,34 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
     with pytest.warns(UserWarning, match=reason):
         got = _run(model.train(), x, y, nn.CrossEntropyLoss())
     assert got[name] == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    "model, name, reason",
+    [
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
+        (Twice(), "scale.gamma", "called more than once"),
+        (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
+    ],
+    ids=["dropout", "called-twice", "child-output-changed-in-place"],
+)
+def test_the_quantities_name_the_fallbacks_reason_and_keep_the_other_rows(model, name, reason):
+    """The tracker's warning about the parameters left out gives the fallback's reason
+    (not "no per-example rule"), and the step keeps the other parameters' rows."""
+    torch.manual_seed(0)
+    model, tracker = cgn.track(model.double().train(), every=1, quantities=["PerExampleGradNorm"])
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with tracker(0, losses) as loss:
+            loss.backward()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "no per-example rule" in m], messages
+    assert [m for m in messages if f"{name!r}: " in m and reason in m and "left out" in m], messages
+    got = set(rows(tracker.cockpit, "PerExampleGradNorm"))
+    head = "head.weight" if isinstance(model, Twice) else "1.weight"
+    assert name not in got and head in got
 
 
 class Gated(nn.Module):
@@ -362,3 +392,43 @@ def test_swin_attention_parameters_used_through_f_linear_get_exact_rows():
     assert frame.max_rel_error.max() < 1e-12
     borrowed = frame[frame.param.str.contains(r"attn\.(?:qkv|proj)\.")]
     assert len(borrowed) == 8 and borrowed.how.str.contains("used by its parent").all()
+
+
+class EmbeddingDecoder(nn.Module):
+    """Perceiver's ``PerceiverEmbeddingDecoder``: logits from the input embedding's weight,
+    the layer passed in as an argument, plus a bias of its own."""
+
+    def __init__(self, vocabulary):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(vocabulary))
+
+    def forward(self, hidden, embedding_layer):
+        return hidden @ embedding_layer.weight.T + self.bias
+
+
+class TiedThroughArgument(nn.Module):
+    def __init__(self, vocabulary=7, width=4):
+        super().__init__()
+        self.embeddings, self.linear = nn.Embedding(vocabulary, width), nn.Linear(width, width)
+        self.decoder = EmbeddingDecoder(vocabulary)
+
+    def forward(self, tokens):
+        return self.decoder(torch.tanh(self.linear(self.embeddings(tokens))), embedding_layer=self.embeddings)
+
+
+@pytest.mark.parametrize("examples", [2, 5, 3])  # 3: the sequence length
+def test_a_layer_passed_as_an_argument_to_a_module_is_left_out_not_counted_half(examples):
+    """The decoder uses the embedding's weight directly: the embedding's rule sees only its
+    own call, so its rows would miss the decoder's use. Left out, named; the rest exact."""
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(0, 7, (examples, 3)), torch.randint(0, 7, (examples, 3))
+
+    def loss_fn(logits, y):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    frame = cgn.check_model(TiedThroughArgument(), tokens, targets, loss_fn, verbose=False)
+    rows = frame.set_index("param")
+    assert not rows.loc["embeddings.weight"].rows
+    assert "passed as an argument to EmbeddingDecoder" in rows.loc["embeddings.weight"].note
+    others = rows.drop("embeddings.weight")
+    assert others.rows.all() and (others.max_rel_error < 1e-10).all(), others

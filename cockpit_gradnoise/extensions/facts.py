@@ -49,6 +49,9 @@ class BackwardFacts:
             out with a warning naming them and the reason.
         setup_refusals: ``{id(param)}`` of those refused because of how the
             model was set up (the reason names the fix): the quantities raise.
+        reasons: ``{id(param): reason}``, why a rule gave a parameter no results
+            (the fallback refused its module): the quantities name the reason when
+            it has none (a parameter that got results elsewhere keeps them).
         leading_sizes: ``{id(param): size}``, the size of the batch dimension
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
@@ -82,6 +85,7 @@ class BackwardFacts:
         self.unmarked_uses: Counter = Counter()
         self.refusals: Dict[int, str] = {}
         self.setup_refusals: Set[int] = set()
+        self.reasons: Dict[int, str] = {}
         self.shared_ids: Set[int] = set()
         self.writers: Dict[tuple, Set[int]] = {}
         self.leading_sizes: Dict[int, int] = {}
@@ -137,7 +141,7 @@ class BackwardFacts:
         for ids in (self.shared_ids, self.setup_refusals):
             if old in ids:
                 ids.add(new)
-        for table in (self.refusals, self.leading_sizes, self.owners):
+        for table in (self.refusals, self.reasons, self.leading_sizes, self.owners):
             if old in table:
                 table.setdefault(new, table[old])
 

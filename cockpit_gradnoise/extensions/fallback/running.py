@@ -96,6 +96,8 @@ def output_gradients(call: Call, g_out) -> Dict[int, Tensor]:
 def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     """The results of ``savefields`` for ``module``'s direct parameters; ``{}`` if refused (warned)."""
     call = state.call
+    if call is not None:
+        _refuse_layers_passed_in(module, call)
     grads = output_gradients(call, g_out) if call is not None else {}
     layout = layout_of(state) if call is not None else Layout()
     reason = refusal(module, call, grads, layout)
@@ -161,8 +163,33 @@ def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> Non
                           f"rows from the torch.func fallback: {reason}", stacklevel=4)
 
 
+def _refuse_layers_passed_in(module: nn.Module, call: Call) -> None:
+    """Refuse the parameters of the layers ``module`` was called with as arguments.
+
+    Perceiver's decoder gets the input embedding as an argument and multiplies by its
+    weight: a use of that weight that neither the embedding's rule nor the recomputation
+    of ``module`` (which holds the argument's parameters constant) sees. The embedding's
+    rows would miss that use's contributions: silently wrong, so refused (left out, named).
+    """
+    own = {id(p) for p in module.parameters()}
+    reason = (f"its layer was passed as an argument to {type(module).__name__}, whose forward "
+              "may use its parameters directly, a use no rule sees: call the layer itself "
+              "(or use the parameter in a layer of its own) to give it rows")
+    recorded = facts.recording()
+    for leaf in call.leaves:
+        if isinstance(leaf, nn.Module):
+            for param in leaf.parameters():
+                if param.requires_grad and id(param) not in own:
+                    recorded.refuse(param, f"{type(leaf).__name__}: {reason}")
+
+
 def _refuse(module: nn.Module, state: Fallback, reason: str) -> None:
+    """No rows for ``module``'s parameters: warned once, and the reason recorded in the
+    pass's facts, for the quantities' warning about the parameters without results."""
     state.refused = reason
+    recorded = facts.recording()
+    for name, param in computed_parameters(module, state.call).items():
+        recorded.reasons.setdefault(id(param), f"{type(module).__name__}.{name}: {reason}")
     if reason not in state.warned:
         state.warned.add(reason)
         warnings.warn(
