@@ -43,6 +43,8 @@ from cockpit_gradnoise.functional.norms import (
     per_example_norm_statistics,
     scalar,
     squared_norm,
+    squared_norm_tensor,
+    squared_norm_tensors,
     squared_norms,
 )
 from cockpit_gradnoise.functional.preconditioner import (
@@ -100,6 +102,8 @@ __all__ = [
     "sd_statistics_of_layers",
     "signal_to_noise",
     "squared_norm",
+    "squared_norm_tensor",
+    "squared_norm_tensors",
     "squared_norms",
     "two_batch_noise_scale_estimates",
     "variance_rounding_bound",
