@@ -1,4 +1,4 @@
-"""Squared norms in float64 as 0-dim tensors (what TwoBatchNoiseScale's hooks keep), a large CPU
+"""Norms in float64 as 0-dim tensors (what TwoBatchNoiseScale's hooks keep), a large CPU
 tensor by pieces: against ``math.fsum``, and TwoBatchNoiseScale exact with every gradient
 going by pieces."""
 
@@ -31,9 +31,9 @@ def test_squared_norm_tensors_are_accurate_as_documented_small_and_large():
     together = functional.squared_norm_tensors(tensors)
     assert together.dtype == torch.float64 and together.shape == (len(tensors),)
     for tensor, value in zip(tensors, together.tolist()):
-        alone = functional.squared_norm_tensor(tensor)
+        alone = functional.norm_tensor(tensor)
         assert alone.dtype == torch.float64 and alone.dim() == 0
-        for got in (value, alone.item()):
+        for got in (value, alone.item() ** 2):
             assert abs(got - exact(tensor)) <= (tensor.numel() + 4) * U * exact(tensor), tensor.shape
 
 
@@ -49,11 +49,11 @@ def test_a_large_cpu_tensor_is_never_in_float64_whole(monkeypatch):
 
     monkeypatch.setattr(_device, "float64_pieces", spied)
     large = torch.randn(2 * _device.CHUNK + 3)
-    functional.squared_norm_tensor(large)
+    functional.norm_tensor(large)
     functional.squared_norm_tensors([torch.randn(10), large])
     assert seen == [_device.CHUNK, _device.CHUNK, 3] * 2
     seen.clear()
-    functional.squared_norm_tensor(torch.randn(_device.CHUNK))  # one vector_norm
+    functional.norm_tensor(torch.randn(_device.CHUNK))  # one vector_norm
     assert seen == []
 
 

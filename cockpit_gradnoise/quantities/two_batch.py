@@ -9,7 +9,7 @@ free: each micro-batch on each process is a small batch, the optimizer's
 accumulated, all-reduced gradient is the big one. This is what nanoGNS and
 k-diffusion compute; it costs one float64 norm of every gradient per
 backward pass (a tensor hook on each parameter,
-:func:`~cockpit_gradnoise.functional.squared_norm_tensor`; the norms stay tensors
+:func:`~cockpit_gradnoise.functional.norm_tensor`; the norms stay tensors
 until the micro-batch closes, then are gathered in one vector) and, under
 DDP, two small all-reduces per step. It needs at least two small batches per step (two
 micro-batches, or two processes).
@@ -136,20 +136,20 @@ class TwoBatchNoiseScale(Quantity):
             return
         if self._pending is None:
             self._pending = []
-        # Accumulated in float64 (squares of float32 and narrower values are exact there),
-        # a large CPU gradient by pieces (never all of it in float64 at once).
-        self._pending.append((index, functional.squared_norm_tensor(grad)))
+        # Accumulated in float64 (squares of float32 and narrower values are exact there), a
+        # large CPU gradient by pieces; squared once per micro-batch, on the gathered vector.
+        self._pending.append((index, functional.norm_tensor(grad)))
 
     def _squared_norms(self, pending: List[Tuple[Optional[int], Tensor]]) -> Tensor:
-        """The squared norms of one backward pass, ``[params]`` float64, from the hooks'
-        ``(index, squared norm)``, or from a checkpoint's squared norms of every parameter
+        """The squared norms of one backward pass, ``[params]`` float64, from the hooks' norms
+        ``(index, norm)``, or from a checkpoint's squared norms of every parameter
         ``(None, squared norms)``."""
         device = pending[0][1].device
         total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        squares = [squared.to(device) for i, squared in pending if i is not None]
-        if squares:
+        norms = [norm.to(device) for i, norm in pending if i is not None]
+        if norms:
             index = self._index_of(tuple(i for i, _ in pending if i is not None), device)
-            total.index_add_(0, index, torch.stack(squares))
+            total.index_add_(0, index, torch.stack(norms).square_())
         for i, squared in pending:
             if i is None:
                 total += squared.to(device)
