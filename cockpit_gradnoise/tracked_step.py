@@ -9,7 +9,7 @@ gradients (:mod:`cockpit_gradnoise.amp`).
 
 from typing import Callable, Optional
 
-from cockpit_gradnoise import amp
+from cockpit_gradnoise import accumulation, amp
 from cockpit_gradnoise.logs.schema import NETWORK, OPTIMIZER, optimizer_statistics
 from cockpit_gradnoise.step import Step
 
@@ -63,7 +63,7 @@ class TrackedStep:
                 self._compute()
             if self.scaled is not None:
                 self.scaled.record(self.cockpit, self.step, skipped=not self._computed)
-            if any(self.step in quantity.output for quantity in self.cockpit.quantities):
+            if any(self.step in quantity.output for quantity in self.cockpit.quantities) or self._scheduled():
                 # Not at a step only a two-step quantity ends (it stores under its start).
                 record_optimizer(self.cockpit, self.step, self.info.get("optimizer"))
             if self.after is not None:
@@ -73,6 +73,15 @@ class TrackedStep:
         if problem is not None:
             raise RuntimeError(problem)
         return False
+
+    def _scheduled(self) -> bool:
+        """Whether this call computed the step's last micro-batch and a quantity's own schedule
+        tracks the step: its optimizer is logged even where none recorded a row (a noise scale
+        from one small batch), so that a quantity on a sparser cadence loses no step's ``lr``."""
+        micro, count = self.info.get(accumulation.MICRO_BATCH), self.info.get(accumulation.MICRO_BATCHES)
+        return self._computed and (micro is None or micro == count - 1) and any(
+            getattr(quantity, "_track_schedule", lambda step: False)(self.step)
+            for quantity in self.cockpit.quantities)
 
     def _compute(self):
         """The quantities compute, of the unscaled loss where a GradScaler scaled it."""

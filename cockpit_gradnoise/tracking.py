@@ -85,7 +85,8 @@ def track(
         quantities: ``"all"`` (the five), ``"cheap"`` (all but
             GradientVarianceQuantiles), or a list; see :func:`~cockpit_gradnoise.configuration`.
         quantiles: The quantile levels of GradientVarianceQuantiles.
-        options: Keyword arguments per quantity class name.
+        options: Keyword arguments per quantity class name; ``"every"`` gives one its own
+            cadence (see :func:`~cockpit_gradnoise.configuration`).
         use_converter: As :func:`~cockpit_gradnoise.prepare_model`'s.
         verbose: Cockpit's ``verbose`` for the quantities.
         log: Stream the log to this path (:meth:`Tracker.stream_to`): each
@@ -114,7 +115,7 @@ def track(
         model = compiled._orig_mod
     # Every check before the model is changed (converted in place, extended).
     trainable_names(model)
-    schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options)
+    schedule, plan = schedule_of(every), quantity_plan(quantities, quantiles, options, every)
     if fsdp2.fully_sharded(model) or fsdp2.is_sharded(model.parameters()):  # FSDP2 or tensor parallelism
         fsdp2.check_trackable(model, [entry for entry, _ in plan])
     model = prepare_model(model, use_converter=use_converter)

@@ -40,9 +40,11 @@ from cockpit_gradnoise.functional.noise_scale import (
 )
 from cockpit_gradnoise.functional.norms import (
     norm_ratio,
+    norm_tensor,
     per_example_norm_statistics,
     scalar,
     squared_norm,
+    squared_norm_tensors,
     squared_norms,
 )
 from cockpit_gradnoise.functional.preconditioner import (
@@ -99,7 +101,9 @@ __all__ = [
     "sd_statistics_in_place",
     "sd_statistics_of_layers",
     "signal_to_noise",
+    "norm_tensor",
     "squared_norm",
+    "squared_norm_tensors",
     "squared_norms",
     "two_batch_noise_scale_estimates",
     "variance_rounding_bound",

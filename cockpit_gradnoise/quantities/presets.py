@@ -44,6 +44,17 @@ PRESETS = {"all": ALL, "cheap": ALL[1:],
            "norms": ("TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"),
            "adaptive": (*ALL, "PreconditionedNoiseScale")}
 
+#: A preset's own options per class when the tracker tracks every step (``every=1``), under
+#: the user's ``options`` (which override them). ``"norms"``: ParamGradRatio and UpdateSize at
+#: every :data:`NORMS_DETAIL_EVERY`-th step (``"every"``, :func:`build_quantities`): the noise
+#: scale a batch schedule reads stays at every step, and the two quantities that describe the
+#: weights cost a tenth (``docs/gradient-noise-scale.md``, "Cadence"). With a sparser ``every``
+#: they run at the tracker's steps. ``options={"ParamGradRatio": {"every": 1}}`` puts one back
+#: at every step.
+NORMS_DETAIL_EVERY = 10
+PRESET_OPTIONS = {"norms": {"ParamGradRatio": {"every": NORMS_DETAIL_EVERY},
+                            "UpdateSize": {"every": NORMS_DETAIL_EVERY}}}
+
 
 def schedule_of(every: Union[int, Callable[[int], bool]]) -> Callable[[int], bool]:
     """The track schedule of ``every``: an int ``k`` is Cockpit's ``linear(k)``, a function itself.
@@ -93,7 +104,8 @@ def configuration(
 
     Args:
         quantities: A preset of :data:`PRESETS` (``"all"``: the five;
-            ``"cheap"``: all but GradientVarianceQuantiles; ``"adaptive"``: the five
+            ``"cheap"``: all but GradientVarianceQuantiles; ``"norms"``: TwoBatchNoiseScale,
+            ParamGradRatio and UpdateSize; ``"adaptive"``: the five
             and PreconditionedNoiseScale), or a list of
             quantity classes, their names (this package's five, or Cockpit's
             own such as ``"GradNorm"``) and instances (used as they are).
@@ -106,7 +118,11 @@ def configuration(
             of the parameters handed to the ``Cockpit``, in its order.
         quantiles: The quantile levels of GradientVarianceQuantiles.
         options: Keyword arguments per class name, e.g.
-            ``{"GradientNoiseScale": {"smoothing": 0.9}}``.
+            ``{"GradientNoiseScale": {"smoothing": 0.9}}``; ``"every"`` (an int or
+            a schedule, as ``every``) runs that quantity only at the steps both
+            it and ``every`` track. Over the preset's own (:data:`PRESET_OPTIONS`:
+            with ``every=1``, ``"norms"`` runs ParamGradRatio and UpdateSize at every
+            10th step).
         verbose: Cockpit's ``verbose`` for every quantity built here.
 
     Returns:
@@ -120,7 +136,7 @@ def configuration(
     """
     if model is not None and param_names is not None:
         raise ValueError("give model= or param_names=, not both: names come from the model")
-    plan = quantity_plan(quantities, quantiles, options)
+    plan = quantity_plan(quantities, quantiles, options, every)
     names = param_names
     if model is not None:
         trainable_names(model)  # refuses a model without trainable parameters
@@ -128,9 +144,17 @@ def configuration(
     return build_quantities(plan, schedule_of(every), names, verbose)
 
 
-def quantity_plan(quantities, quantiles, options):
-    """``[(class or instance, keyword arguments)]``, checked before anything is built."""
-    options = {name: dict(kwargs) for name, kwargs in (options or {}).items()}
+def quantity_plan(quantities, quantiles, options, every=None):
+    """``[(class or instance, keyword arguments)]``, checked before anything is built; with
+    ``every=1``, over the preset's :data:`PRESET_OPTIONS`."""
+    given = options or {}
+    preset = PRESET_OPTIONS.get(quantities, {}) if isinstance(quantities, str) and every == 1 else {}
+    options = {name: dict(kwargs) for name, kwargs in preset.items()}
+    for name, kwargs in given.items():  # the user's over the preset's
+        options.setdefault(name, {}).update(kwargs)
+    for kwargs in options.values():
+        if "every" in kwargs:  # refused before anything is built
+            schedule_of(kwargs["every"])
     if quantiles is not None:
         options.setdefault("GradientVarianceQuantiles", {})["quantiles"] = quantiles
     plan = [(entry, options.pop(entry.__name__, {}) if inspect.isclass(entry) else None)
@@ -159,13 +183,23 @@ def build_quantities(plan, schedule, names, verbose):
             built.append(entry)
             continue
         kwargs = {"verbose": verbose, **kwargs}
+        own = schedule if "every" not in kwargs else both(schedule, schedule_of(kwargs.pop("every")))
         if getattr(entry, "needs_parameters", False):  # TwoBatchNoiseScale: hooks on them
-            built.append(entry(track_schedule=schedule, param_names=names, **kwargs))
+            built.append(entry(track_schedule=own, param_names=names, **kwargs))
             continue
         if names is not None and "param_names" in inspect.signature(entry).parameters:
             kwargs.setdefault("param_names", names)
-        built.append(entry(schedule, **kwargs))
+        built.append(entry(own, **kwargs))
     return built
+
+
+def both(schedule: Callable[[int], bool], own: Callable[[int], bool]) -> Callable[[int], bool]:
+    """The schedule of a quantity with an ``"every"`` option: the steps that the tracker's
+    ``schedule`` and its ``own`` both track (never more often than the tracker's)."""
+    def tracks(step: int) -> bool:
+        return bool(schedule(step)) and bool(own(step))
+
+    return tracks
 
 
 def _entries(quantities):
@@ -191,4 +225,5 @@ def _quantity_class(name):
     )
 
 
-__all__ = ["configuration", "PRESETS", "ALL", "trainable_names", "schedule_of"]
+__all__ = ["configuration", "PRESETS", "PRESET_OPTIONS", "NORMS_DETAIL_EVERY", "ALL", "trainable_names",
+           "schedule_of", "both"]

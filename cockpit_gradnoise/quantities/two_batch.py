@@ -8,7 +8,8 @@ Under gradient accumulation and DataParallel training both batches come for
 free: each micro-batch on each process is a small batch, the optimizer's
 accumulated, all-reduced gradient is the big one. This is what nanoGNS and
 k-diffusion compute; it costs one float64 norm of every gradient per
-backward pass (a tensor hook on each parameter; the norms stay tensors
+backward pass (a tensor hook on each parameter,
+:func:`~cockpit_gradnoise.functional.norm_tensor`; the norms stay tensors
 until the micro-batch closes, then are gathered in one vector) and, under
 DDP, two small all-reduces per step. It needs at least two small batches per step (two
 micro-batches, or two processes).
@@ -150,9 +151,9 @@ class TwoBatchNoiseScale(Quantity):
             self._pending = []
         if self._tp is not None and type(grad).__name__ == "DTensor":  # this process's elements
             grad = grad.to_local()
-        # Accumulated in float64 (squares of float32 and narrower values are exact there);
-        # squared once per micro-batch, on the gathered vector (_squared_norms).
-        self._pending.append((index, torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)))
+        # Accumulated in float64 (squares of float32 and narrower values are exact there), a
+        # large CPU gradient by pieces; squared once per micro-batch, on the gathered vector.
+        self._pending.append((index, functional.norm_tensor(grad)))
 
     def _squared_norms(self, pending: List[Tuple[Optional[int], Tensor]]) -> Tensor:
         """The squared norms of one backward pass, ``[params]`` float64, from the hooks' norms
@@ -374,12 +375,11 @@ class TwoBatchNoiseScale(Quantity):
             return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True,
                                        None if self._tp is None else self._tp[1])
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        norms = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        if grads:  # one call for all (fused on a GPU), in float64 as the hooks' norms
-            found = torch._foreach_norm(grads, dtype=torch.float64)
+        squares = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        if grads:  # in float64 as the hooks' norms, in one call for all but large CPU ones
             index = torch.tensor([i for i, p in enumerate(self.params) if p.grad is not None], device=device)
-            norms.index_copy_(0, index, torch.stack([n.to(device) for n in found]))
-        return norms.square_()
+            squares.index_copy_(0, index, functional.squared_norm_tensors(grads).to(device))
+        return squares
 
     def _statistics(self, name, grad_sq, trace_cov, examples) -> dict:
         return {
