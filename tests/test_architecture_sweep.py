@@ -6,8 +6,8 @@ import time
 import types
 
 import pandas
-import torch
 import pytest
+import torch
 
 from experiments import architecture_sweep as sweep
 
