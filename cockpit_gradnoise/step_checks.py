@@ -248,6 +248,31 @@ def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown
     )
 
 
+def explained_message(explained: Mapping[str, str], shown: int = 2) -> str:
+    """The warning about parameters a rule gave no results, with its reason (the fallback's
+    refusal of their module), a few hundred characters per distinct reason for any model:
+    the parameters grouped by reason, each group's classes, first ``shown`` names and count.
+
+    Args:
+        explained: ``{name: "Class.attribute: reason"}`` (as the fallback records it).
+        shown: How many names to give per reason.
+    """
+    groups: Dict[str, Tuple[List[str], set]] = {}
+    for name in sorted(explained):
+        owner, _, reason = explained[name].partition(": ")
+        names, classes = groups.setdefault(reason or owner, ([], set()))
+        names.append(name)
+        classes.add(owner.split(".")[0] if reason else "unknown")
+    parts = []
+    for reason, (names, classes) in groups.items():
+        listed = ", ".join(repr(n) for n in names[:shown])
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{listed}{more} (in {', '.join(sorted(classes))}): {reason}")
+    count = f"{len(explained)} parameter" + ("s" if len(explained) > 1 else "")
+    return (f"no exact per-example results for {count}, left out (they have no rows and are left "
+            f"out of {NETWORK!r}): " + "; ".join(parts) + " (see docs/architectures.md)")
+
+
 class ParameterChecks:
     """Which parameters have usable results: the part of :class:`~cockpit_gradnoise.step.Step` that checks them.
 
@@ -302,9 +327,13 @@ class ParameterChecks:
             )
         refused = self._refused(owner, with_grad) if savefields else {}
         reasons = self.facts.reasons  # a rule's reason for giving no results: named, not "no rule"
-        refused.update({n: reasons[id(p)] for n, p in with_grad
-                        if n not in supported and n not in refused and id(p) in reasons})
-        unsupported = [(n, p) for n, p in with_grad if n not in supported and n not in refused]
+        explained = {n: reasons[id(p)] for n, p in with_grad
+                     if n not in supported and n not in refused and id(p) in reasons}
+        unsupported = [(n, p) for n, p in with_grad
+                       if n not in supported and n not in refused and n not in explained]
+        if explained:
+            self.warn_names("explained", sorted(explained),
+                            lambda names: explained_message({n: explained[n] for n in names}), quantity)
         if refused:
             usable = [(n, p) for n, p in usable if n not in refused]
             self.warn_names(
