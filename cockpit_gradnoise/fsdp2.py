@@ -31,7 +31,7 @@ import contextlib
 import functools
 from typing import Callable, Dict, Iterable, List, Sequence
 
-from cockpit_gradnoise import distributed
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import sharded
 
 import torch
@@ -186,12 +186,12 @@ def squared_norms(grads: List[Tensor], shards: bool, counted=None) -> Tensor:
     """``|g|^2`` of each gradient (at least one), in float64; with ``shards``, ``grads`` are
     this process's shards (or ``DTensor`` s) and the squares are summed over the processes,
     where given only those ``counted`` (per gradient: ``False`` where another process holds
-    the same elements, under tensor parallelism).
+    the same elements, under tensor parallelism). The local squares are
+    :func:`~cockpit_gradnoise.functional.squared_norm_tensors`' (a large CPU shard by float64 pieces).
 
     Collective with ``shards`` (one ``all_reduce``): every process must call it.
     """
-    norms = torch.stack([torch.linalg.vector_norm(sharded.local_tensor(g.detach()),
-                                                  dtype=torch.float64) ** 2 for g in grads])
+    norms = functional.squared_norm_tensors([sharded.local_tensor(g.detach()) for g in grads])
     if counted is not None:
         norms *= torch.tensor(counted, dtype=norms.dtype, device=norms.device)
     if shards:
