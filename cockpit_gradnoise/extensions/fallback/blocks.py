@@ -297,8 +297,7 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
                 handle.remove()
         if i == 0:
             block.dtype = narrowest.dtype
-            tolerance = math.sqrt(rounding(block, block.output.dtype)) * float(block.output.abs().max()) \
-                if block.output.numel() else 0.0
+            tolerance = output_tolerance(block)
         first = output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
         difference = (first.detach() - block.output[i : i + 1]).abs().max()
         if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
@@ -343,8 +342,7 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     if block.vectorized is False or not params:
         return None
     call, examples = block.call, grad.shape[0]
-    eps = torch.finfo(call.autocast[1] if call.autocast else block.output.dtype).eps
-    tolerance = math.sqrt(eps) * float(block.output.abs().max()) if block.output.numel() else 0.0
+    tolerance = output_tolerance(block)
 
     def check(output: Tensor, expected: Tensor) -> None:
         if not float((output - expected).abs().max()) <= tolerance:
@@ -448,6 +446,15 @@ def rounding(block: Block, dtype: torch.dtype) -> float:
     round differently), and its router's contributions add up to the gradient to it only."""
     narrow = block.dtype or (block.call.autocast[1] if block.call and block.call.autocast else dtype)
     return torch.finfo(narrow).eps
+
+
+def output_tolerance(block: Block) -> float:
+    """How far one example's output alone may lie from its row of the batch's output:
+    ``sqrt(eps)`` of :func:`rounding` times the batch output's largest magnitude (0 for an
+    empty output)."""
+    if not block.output.numel():
+        return 0.0
+    return math.sqrt(rounding(block, block.output.dtype)) * float(block.output.abs().max())
 
 
 def _refuse(module: nn.Module, recorded, param, reason: str) -> None:
