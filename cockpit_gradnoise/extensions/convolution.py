@@ -29,7 +29,7 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
 
     #: ``(module, inputs, grad_output) -> result`` for the weight.
     weight_result: Callable
-    #: ``output gradient [N, C_out, *positions] -> result`` for the bias.
+    #: ``(module, output gradient [N, C_out, *positions]) -> result`` for the bias.
     bias_result: Callable
 
     def __init__(self):
@@ -39,7 +39,7 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
         return type(self).weight_result(module, module.input0, g_out[0])
 
     def bias(self, ext, module, g_inp, g_out, backproped):
-        return type(self).bias_result(g_out[0])
+        return type(self).bias_result(module, g_out[0])
 
 
 class SumsConv(_ConvolutionExtension):
@@ -47,7 +47,8 @@ class SumsConv(_ConvolutionExtension):
 
     weight_result = staticmethod(conv_math.weight_sums)
     # Sums over positions, with their structural zeros (e.g. before a BatchNorm).
-    bias_result = staticmethod(lambda grad_output: sums_of_position_sums(grad_output.flatten(2), 2))
+    bias_result = staticmethod(
+        lambda module, grad_output: sums_of_position_sums(grad_output.flatten(2), 2, (module, grad_output)))
 
 
 class SquaredNormsConv(_ConvolutionExtension):
@@ -56,7 +57,7 @@ class SquaredNormsConv(_ConvolutionExtension):
     weight_result = staticmethod(conv_math.weight_squared_norms)
     # Structural zeros exactly 0, as in the sums.
     bias_result = staticmethod(
-        lambda grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2))
+        lambda module, grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2, (module, grad_output)))
     )
 
 

@@ -246,7 +246,7 @@ class SumsLinear(SumsFromContributionsMixin, SGSBase):
         if g_out[0].dim() == 2:
             return sums_of(g_out[0])
         # Sums over positions: an attention key's bias is a structural zero (.sums).
-        return sums_of_position_sums(g_out[0].flatten(1, -2), 1)
+        return sums_of_position_sums(g_out[0].flatten(1, -2), 1, (module, g_out[0]))
 
 
 class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
@@ -268,4 +268,4 @@ class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
         if g_out[0].dim() == 2:
             return squared_norms_of(g_out[0])
         # Structural zeros exactly 0, as in the sums (an attention key's bias).
-        return squared_norms_of(position_sums(g_out[0].flatten(1, -2), 1))
+        return squared_norms_of(position_sums(g_out[0].flatten(1, -2), 1, (module, g_out[0])))

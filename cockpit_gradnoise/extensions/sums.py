@@ -84,9 +84,9 @@ added by ``F.linear`` only (torchvision's Swin attention:
 need a second matrix product per layer.
 """
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
-from cockpit_gradnoise.extensions import arena
+from cockpit_gradnoise.extensions import arena, facts
 from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
 
 import torch
@@ -150,26 +150,51 @@ def structural_zeros(contributions: Tensor, magnitudes: Tensor, terms: int,
     return noise.all(0)
 
 
-def sums_of_position_sums(per_position: Tensor, dims) -> Tensor:
+#: The layer cache's slot (:mod:`._layer_cache`) of :func:`summed_over_positions`' result.
+_SUMMED_OVER_POSITIONS = "contributions summed over positions and their structural zeros"
+
+
+def summed_over_positions(per_position: Tensor, dims, sources: Sequence = ()) -> Tuple[Tensor, Tensor]:
+    """``(x_i, structural zeros)``: the sums over ``dims`` of ``per_position`` (``[N, *shape]``)
+    and :func:`structural_zeros` of them (``[*shape]``, bool).
+
+    With ``sources`` (the layer and its output gradient, of which ``per_position`` is a
+    view), computed once per layer in a backward pass: the sums' extension and the norms'
+    extension both read them from the layer cache (:mod:`._layer_cache`), which serves
+    them only for these very tensors, unchanged. Each pass over ``per_position``
+    (``abs()`` writes a copy of it) then runs once per layer instead of once per extension.
+    """
+    cache = facts.recording().layer_cache if sources else None
+    if cache is not None:
+        found = cache.get(_SUMMED_OVER_POSITIONS, sources, (tuple(per_position.shape), dims))
+        if found is not None:
+            return found
+    contributions = per_position.sum(dims)
+    terms = per_position[0].numel() // max(contributions[0].numel(), 1)
+    zeros = structural_zeros(contributions, per_position.abs().sum(dims), terms)
+    if cache is not None:
+        cache.put(_SUMMED_OVER_POSITIONS, sources, (contributions, zeros), (tuple(per_position.shape), dims))
+    return contributions, zeros
+
+
+def sums_of_position_sums(per_position: Tensor, dims, sources: Sequence = ()) -> Tensor:
     """``[T, S]`` of contributions that are sums over positions, structural zeros exactly 0.
 
     ``x_i = sum over dims of per_position`` (e.g. a bias's output gradient
     ``[N, L, C]`` over ``dims = 1``); :func:`sums_of` of them, with ``T = S = 0``
     where :func:`structural_zeros` finds every contribution to be rounding noise.
+    ``sources``: as in :func:`summed_over_positions`.
     """
-    contributions = per_position.sum(dims)
-    terms = per_position[0].numel() // max(contributions[0].numel(), 1)
-    zeros = structural_zeros(contributions, per_position.abs().sum(dims), terms)
+    contributions, zeros = summed_over_positions(per_position, dims, sources)
     return sums_of(contributions).masked_fill(zeros, 0.0)
 
 
-def position_sums(per_position: Tensor, dims) -> Tensor:
+def position_sums(per_position: Tensor, dims, sources: Sequence = ()) -> Tensor:
     """Contributions ``x_i`` (sums over ``dims`` of ``per_position``), structural zeros
     exactly 0 (:func:`structural_zeros`): per-example norms agree with the sums of
-    :func:`sums_of_position_sums`, where ``T = S = 0``."""
-    contributions = per_position.sum(dims)
-    terms = per_position[0].numel() // max(contributions[0].numel(), 1)
-    zeros = structural_zeros(contributions, per_position.abs().sum(dims), terms)
+    :func:`sums_of_position_sums`, where ``T = S = 0``. ``sources``: as in
+    :func:`summed_over_positions`."""
+    contributions, zeros = summed_over_positions(per_position, dims, sources)
     return contributions.masked_fill(zeros, 0.0)
 
 
