@@ -167,6 +167,8 @@ def _why_no_rows(param, module, recorded: facts.BackwardFacts, examples: int) ->
     state = getattr(module, fallback.ATTRIBUTE, None)
     if isinstance(state, fallback.Fallback) and state.refused:
         return f"fallback refused: {state.refused}"
+    if id(param) in recorded.mixed:  # its rows mix the examples (extensions/fallback/mixing.py)
+        return recorded.mixed[id(param)].partition(": ")[2]
     if id(param) in recorded.refusals:  # refused by name (the fallback: an output without the batch)
         return recorded.refusals[id(param)]
     if not all(hasattr(param, f) for f in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)):

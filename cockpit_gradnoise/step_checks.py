@@ -314,7 +314,8 @@ class ParameterChecks:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
         with_grad = self._without_stale([(n, p) for n, p in trainable if p.grad is not None], quantity)
-        usable = [(n, p) for n, p in with_grad if has_results(p)]
+        mixed = self.facts.mixed  # whatever results they got: their rows mix the examples
+        usable = [(n, p) for n, p in with_grad if has_results(p) and id(p) not in mixed]
         supported = {n for n, _ in usable}
         if with_grad and not usable:
             raise RuntimeError(
@@ -326,7 +327,7 @@ class ParameterChecks:
                 "docs/architectures.md)."
             )
         refused = self._refused(owner, with_grad) if savefields else {}
-        reasons = self.facts.reasons  # a rule's reason for giving no results: named, not "no rule"
+        reasons = {**self.facts.reasons, **mixed}  # a rule's reason for no results: named, not "no rule"
         explained = {n: reasons[id(p)] for n, p in with_grad
                      if n not in supported and n not in refused and id(p) in reasons}
         unsupported = [(n, p) for n, p in with_grad

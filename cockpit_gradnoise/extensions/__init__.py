@@ -52,7 +52,7 @@ from cockpit_gradnoise.extensions import (
     tensor_parallel,
     uses,
 )
-from cockpit_gradnoise.extensions.fallback import blocks, capture, regroup, running
+from cockpit_gradnoise.extensions.fallback import blocks, capture, mixing, regroup, running
 from cockpit_gradnoise.extensions.savefields import (  # noqa: F401 (the package's names)
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -117,13 +117,16 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         """:meth:`_results` once the facts are recorded: the one choice between a rule, the
         fallback and nothing.
 
-        Nothing where a block computes ``module``'s parameters itself (its layers run on
+        Nothing where the examples' rows of ``module``'s output mix (:mod:`.fallback.mixing`),
+        or where a block computes ``module``'s parameters itself (its layers run on
         rows that are not examples, :mod:`.fallback.blocks`); else the rule that covers
         ``module`` (:meth:`rule_of`) runs; else the
         ``torch.func`` fallback where ``prepare_model`` installed it (which
         may itself refuse, warning); else nothing covers ``module`` (``False``:
         it gets no rows, and the quantities name its parameters).
         """
+        if mixing.refuse_mixed(module):  # its rows mix the examples (.fallback.mixing)
+            return False
         if blocks.covers(module):  # its block computes its parameters' results (.fallback.blocks)
             return False
         if regroup.refuse_orphan(module):  # rows that are not examples, no block around

@@ -52,6 +52,9 @@ class BackwardFacts:
         reasons: ``{id(param): reason}``, why a rule gave a parameter no results
             (the fallback refused its module): the quantities name the reason when
             it has none (a parameter that got results elsewhere keeps them).
+        mixed: ``{id(param): "Class.attribute: reason"}``, parameters of layers whose output
+            rows the gradient of one example's loss reaches on other examples
+            (:mod:`.fallback.mixing`): left out with the reason, whatever results they got.
         leading_sizes: ``{id(param): size}``, the size of the batch dimension
             of the output of the layer that owns the parameter: not the batch
             size for a layer applied without the batch dimension
@@ -86,6 +89,7 @@ class BackwardFacts:
         self.refusals: Dict[int, str] = {}
         self.setup_refusals: Set[int] = set()
         self.reasons: Dict[int, str] = {}
+        self.mixed: Dict[int, str] = {}
         self.shared_ids: Set[int] = set()
         self.writers: Dict[tuple, Set[int]] = {}
         self.leading_sizes: Dict[int, int] = {}
@@ -141,7 +145,7 @@ class BackwardFacts:
         for ids in (self.shared_ids, self.setup_refusals):
             if old in ids:
                 ids.add(new)
-        for table in (self.refusals, self.reasons, self.leading_sizes, self.owners):
+        for table in (self.refusals, self.reasons, self.mixed, self.leading_sizes, self.owners):
             if old in table:
                 table.setdefault(new, table[old])
 

@@ -37,7 +37,7 @@ whatever its leading size: never rows taken for examples by coincidence.
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
-from cockpit_gradnoise.extensions.fallback import blocks
+from cockpit_gradnoise.extensions.fallback import blocks, mixing
 from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
@@ -64,12 +64,17 @@ def _first_tensor(output) -> Optional[Tensor]:
 
 class _Calls(TorchFunctionMode):
     """Each module's calls in one pass: ``(leading size of its first output tensor,
-    leading sizes of its tensor inputs)``; and ``used``, the ``id`` of each tensor an
-    operation of the pass took (a parameter read directly, ``self.decoder.weight.t()``)."""
+    leading sizes of its tensor inputs)``, and the leading sizes of all its output tensors
+    (``outputs``; the tensors themselves in ``tensors`` where ``keep``); and ``used``, the
+    ``id`` of each tensor an operation of the pass took (a parameter read directly,
+    ``self.decoder.weight.t()``)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep: bool = False):
         super().__init__()
         self.calls: Dict[nn.Module, List[Tuple[Optional[int], Tuple[Optional[int], ...]]]] = {}
+        self.outputs: Dict[nn.Module, List[Tuple[Optional[int], ...]]] = {}
+        self.tensors: Dict[nn.Module, List[List[Tensor]]] = {}
+        self.keep = keep
         self.used: set = set()
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
@@ -83,6 +88,10 @@ class _Calls(TorchFunctionMode):
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
         self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        tensors = [leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+        self.outputs.setdefault(module, []).append(tuple(_leading(t) for t in tensors))
+        if self.keep:
+            self.tensors.setdefault(module, []).append(tensors)
         self.specs[module] = str(spec)
 
     def remove(self):
@@ -90,15 +99,18 @@ class _Calls(TorchFunctionMode):
             handle.remove()
 
 
-def _run(model: nn.Module, args: tuple, kwargs: dict) -> Optional[_Calls]:
+def _run(model: nn.Module, args: tuple, kwargs: dict, grad: bool = False) -> Optional[_Calls]:
     """The calls of one no-grad pass of ``model`` without hooks (with its own, where it needs
-    them); ``None`` where it fails (a model that takes one batch size only)."""
+    them); ``None`` where it fails (a model that takes one batch size only). ``grad``: with
+    gradients, its modules' outputs kept, its BatchNorm layers in evaluation mode (the
+    check of :mod:`.mixing`)."""
     devices = sorted({leaf.device.index or 0 for leaf in _pytree.tree_leaves((args, kwargs))
                       if isinstance(leaf, Tensor) and leaf.device.type == "cuda"})
     for keep in (None, foreign):
         try:
-            with hooks_off(model, keep=keep), state_kept(model, devices), torch.no_grad():
-                calls = _Calls(model)
+            with hooks_off(model, keep=keep), state_kept(model, devices), \
+                    torch.set_grad_enabled(grad), mixing.BatchNormEval(model if grad else nn.Module()):
+                calls = _Calls(model, keep=grad)
                 try:
                     with calls:
                         getattr(model, "_orig_mod", model)(*args, **kwargs)
@@ -158,12 +170,16 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         return
     surveyed = model.__dict__.setdefault(SURVEYED, set())
     key = _key(args, kwargs, examples, model.training)
-    if key in surveyed:
+    # Surveyed again where one example was all there was for .mixing to check.
+    checked = model.__dict__.setdefault(mixing.CHECKED, set())
+    if key in surveyed and (examples < 2 or key in checked):
         return
     surveyed.add(key)
+    if examples > 1:
+        checked.add(key)
     if any(c.__name__ == "DTensor" for p in model.parameters() for c in type(p).__mro__):
         return  # sharded parameters (FSDP2, tensor parallel): no pass outside the wrapper's own
-    real = _run(model, args, kwargs)
+    real = _run(model, args, kwargs, grad=True)
     larger = _run(model, *_pytree.tree_map(
         lambda v: torch.cat([v, v[:1]]) if _leading(v) == examples else v, (args, kwargs)))
     if real is None or larger is None:
@@ -184,6 +200,7 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
         _hook(module, block, real, larger, examples)
+    mixing.check(model, real, larger, examples)
 
 
 def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):

@@ -1,0 +1,155 @@
+"""Models whose examples meet in the backward pass: their layers found by one gradient, and left out.
+
+Every rule (and every block, :mod:`.blocks`) gives example ``i`` the rows ``i`` of its
+layer's output gradient ``G``: exact only where those rows come from example ``i``'s
+loss alone. A model that mixes the examples of the batch breaks that, and one that
+mixes them in a way its forward outputs cannot show breaks it silently. timm's
+``csatv2``: its ``SpatialTransformerBlock`` attends over the *batch* (``(B, N)``
+queries and keys, ``(B, B)`` scores) behind a ``LayerNorm(1)`` whose output is its
+bias for every example, so one example alone gives its row of the batch's output,
+but the gradient of each example's loss reaches every other example's rows of
+``norm1``, the position convolution and ``qkv`` (``norm1.bias`` off by 83% to 99.9%).
+
+So the assumption is checked itself, by one gradient, where the layers on rows
+that are not examples are found (:mod:`.regroup`'s survey: before the first
+recorded forward pass of each new shape of the inputs, on a pass with every hook
+off). With ``e`` one example, ``y`` the model's outputs that lead with the batch
+and ``c`` a random cotangent on ``y``'s rows of ``e`` only (zero elsewhere), and
+``o`` the output of each layer with trainable parameters of its own, or of each
+block, whose rows are examples:
+
+.. math::
+
+    \\Big(\\frac{\\partial y}{\\partial o}\\Big)^{\\top} c \\;=\\; 0
+    \\quad\\text{on every row of } o \\text{ but } e .
+
+A model whose examples are independent gives exact zeros there (zero times a
+finite number sums to zero, whatever the order), so the test is exact, not a
+tolerance: a layer with one finite non-zero on another example's rows has its
+parameters left out by name at each tracked step, with a warning (never rows
+taken from other examples' losses); inside a block that fails, every layer.
+Non-finite entries tell nothing (``0 * inf``) and are passed over. BatchNorm
+layers in training mode run in evaluation mode for the check: their mixing is
+told apart (``examples_interact``: the rows are contributions through the batch).
+One example is tried: a model that mixes only other pairs of examples is not seen.
+A model whose outputs have no rows per example (a loss only) is not checked.
+"""
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions.fallback.capture import BLOCK_ATTRIBUTE
+from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+#: The attribute (in a layer's ``__dict__``) of why its rows are not its examples' own:
+#: its parameters are left out at each tracked step.
+MIXED = "_cgn_examples_mixed"
+
+
+#: The attribute (in the model's ``__dict__``) of the input shapes checked (the survey's keys).
+CHECKED = "_cgn_mixing_checked"
+#: Why a layer's parameters are left out (one text for every such layer: one group in
+#: the warning, :func:`~cockpit_gradnoise.step_checks.explained_message`).
+REASON = ("the gradient of one example's loss reaches other examples' rows of their layer's "
+          "output: the model mixes the examples of the batch (attention over the batch "
+          "dimension, say), so no per-example row of theirs is that example's own; make the "
+          "examples independent, or take per-example gradients by a loop (cgn.check_model "
+          "shows which layers)")
+
+
+class BatchNormEval:
+    """Every BatchNorm layer in training mode in evaluation mode inside the ``with``."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training]
+
+    def __enter__(self):
+        for layer in self.layers:
+            layer.training = False
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            layer.training = True
+
+
+def _per_example(tensors: Sequence, real: Sequence, larger: Sequence, examples: int) -> List[Tensor]:
+    """The tensors of one call's outputs led by ``examples`` rows in the batch and by one
+    more in the batch one example larger, that require gradients."""
+    if len(real) != len(larger):
+        return []
+    return [t for t, a, b in zip(tensors, real, larger)
+            if a == examples and b == examples + 1 and t.requires_grad]
+
+
+def _outputs(calls, larger, examples: int, module: nn.Module) -> List[Tensor]:
+    """The per-example output tensors of every call of ``module`` in the checked pass."""
+    kept = calls.tensors.get(module, [])
+    real, more = calls.outputs.get(module, []), larger.outputs.get(module, [])
+    if not (len(kept) == len(real) == len(more)):
+        return []
+    return [t for call, a, b in zip(kept, real, more) for t in _per_example(call, a, b, examples)]
+
+
+def _mixed(grad: Optional[Tensor], example: int) -> bool:
+    """Whether ``grad`` has, on a row other than ``example``'s, a finite entry above
+    ``sqrt(eps)`` of its largest finite magnitude (module docstring)."""
+    if grad is None or not grad.is_floating_point():
+        return False
+    magnitudes = torch.where(torch.isfinite(grad), grad.abs(), torch.zeros((), dtype=grad.dtype,
+                                                                            device=grad.device))
+    others = torch.cat([magnitudes[:example], magnitudes[example + 1:]]).max()
+    return bool(others > 0) and float(others) > math.sqrt(torch.finfo(grad.dtype).eps) * float(
+        magnitudes.max())
+
+
+def check(model: nn.Module, calls, larger, examples: int) -> None:
+    """Mark the layers of ``model`` whose output rows the gradient of one example's outputs
+    reaches on other examples (module docstring), from ``calls``, the survey's pass with
+    gradients that kept its modules' outputs, and ``larger``, its pass one example larger."""
+    if examples < 2:
+        return
+    cotangents = {}
+    generator = torch.Generator().manual_seed(0)  # the model's own random state untouched
+    example = examples - 1
+    for output in _outputs(calls, larger, examples, getattr(model, "_orig_mod", model)):
+        only = torch.zeros_like(output)
+        row = torch.rand(output[example].shape, generator=generator, dtype=torch.float64) + 0.5
+        only[example] = row.to(output.dtype).to(output.device)
+        cotangents[output] = only
+    checked: Dict[nn.Module, List[Tensor]] = {}
+    for module in model.modules():
+        if module is not model and (direct_parameters(module) or BLOCK_ATTRIBUTE in module.__dict__):
+            checked[module] = _outputs(calls, larger, examples, module)
+    tensors = [t for outputs in checked.values() for t in outputs]
+    if not cotangents or not tensors:
+        return
+    try:
+        grads = torch.autograd.grad(list(cotangents), tensors, list(cotangents.values()),
+                                    allow_unused=True)
+    except RuntimeError:  # noqa: S110 - a pass that cannot be differentiated tells nothing
+        return
+    by_tensor = {id(t): g for t, g in zip(tensors, grads)}
+    for module, outputs in checked.items():
+        if any(_mixed(by_tensor[id(t)], example) for t in outputs):
+            inside = module.modules() if BLOCK_ATTRIBUTE in module.__dict__ else (module,)
+            for layer in inside:
+                if direct_parameters(layer):
+                    layer.__dict__[MIXED] = REASON
+
+
+def refuse_mixed(module: nn.Module) -> bool:
+    """Whether the check found ``module``'s rows mixed: then its parameters are recorded
+    as left out in this backward pass (:attr:`.facts.BackwardFacts.mixed`, with the reason
+    the warning gives), and no rule runs on it."""
+    why = module.__dict__.get(MIXED)
+    if why is None:
+        return False
+    recorded = facts.recording()
+    for name, param in direct_parameters(module).items():
+        recorded.mixed[id(param)] = f"{type(module).__name__}.{name}: {why}"
+    return True
