@@ -383,7 +383,31 @@ def _store_call(name: str, module: nn.Module, args: tuple, kwargs: dict, output)
     if index is not None:
         own_index.note(call, module)
     _note_call(module, call)
-    first.register_hook(functools.partial(_run_extensions, name, module, call))
+    hook = functools.partial(_run_extensions, name, module, call)
+    base = _linear_base(module, first)
+    if base is None:
+        first.register_hook(hook)
+    else:  # the gradient of the matrix product, in the output's shape
+        base.register_hook(lambda grad: hook(grad.view(first.shape)))
+
+
+def _linear_base(module: nn.Module, output: Tensor) -> Optional[Tensor]:
+    """The result of ``F.linear`` of which ``output`` is a view, where it is one.
+
+    ``F.linear`` on an input of three or more dimensions returns a view of its
+    matrix product (``[N, out]``), and a hook on a view is lost when the view is
+    modified in place (the view's node is replaced; timm's NaFlexViT adds its
+    position table to its projection's output with ``add_``): hooked on that
+    product, which no other operation reads, the gradient arrives, with respect to
+    the value before the change, as for any other output. Only for ``nn.Linear``'s
+    own forward, and a view of all of it in the same order.
+    """
+    base = output._base
+    if (base is None or type(module).forward is not nn.Linear.forward or not base.requires_grad
+            or base.numel() != output.numel() or not base.is_contiguous()
+            or not output.is_contiguous() or output.storage_offset() != base.storage_offset()):
+        return None
+    return base
 
 
 #: The attribute (in ``module.__dict__``) of a module's :class:`_Calls`.

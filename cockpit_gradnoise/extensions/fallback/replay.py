@@ -264,6 +264,15 @@ def _depends_on_copies(tensor) -> bool:
     return isinstance(tensor, Tensor) and tensor.requires_grad
 
 
+#: Layers whose output for an example is a function of that example's input alone, with
+#: no random numbers and no state (their exact classes: a subclass may override
+#: ``forward``): a child of these whose recorded output was changed in place is run
+#: again on the example instead of refusing the module.
+ROW_WISE = tuple(layer for layer in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,
+                                      nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None),
+                                      nn.Identity) if layer is not None)  # RMSNorm: torch >= 2.4
+
+
 class _Replay:
     """The recomputation's stand-in for the module's children: their recorded calls.
 
@@ -281,10 +290,11 @@ class _Replay:
 
     Run again instead: a child whose output was not one tensor, or one of
     whose parameter-dependent inputs did not lead with the batch dimension.
-    Refused (:class:`Refused`): calls in another order than recorded, and an
-    output changed in place after its call (its recorded value is not what
-    the child returned) if anything that depends on the parameters comes
-    after it.
+    Run again too: a child of :data:`ROW_WISE` whose output was changed in place
+    after its call (its recorded value is not what it returned), on the example's
+    inputs. Refused (:class:`Refused`): calls in another order than recorded, and
+    another child's output changed in place after its call if anything that
+    depends on the parameters comes after it.
     """
 
     def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int,
@@ -328,6 +338,10 @@ class _Replay:
         # Replayed where the call's inputs are the examples' parts of batch-leading tensors
         # (never for a call on tensors without the batch, such as wpe(arange(T))).
         if k not in self._recorded or not any(_is_example(leaf) for leaf in leaves):
+            return forward(*args, **kwargs)
+        if record.output._version != record.version and type(child) in ROW_WISE:
+            # Changed in place after its call (ConvBERT's ``x += bias`` on its pointwise
+            # convolution): a row-wise layer's output for the example, computed again.
             return forward(*args, **kwargs)
         sinks = []
         for j, leaf in enumerate(leaves):
