@@ -73,8 +73,10 @@ EXAMPLES_CAP = 20
 #: The schedule's rules the adaptive runs ran under, oldest first (stored with each run; runs
 #: stored without one ran under the first): ``"centre"``, each change toward round(B_noise);
 #: ``"near-end"``, to the near end of the estimate's range; ``"resolved"``, the near end and no
-#: growth on an estimate whose range has no upper end (cgn.schedule.rule). RULE: the newest.
-RULES = ("centre", "near-end", "resolved")
+#: growth on an estimate whose range has no upper end (cgn.schedule.rule); ``"target"``, that
+#: rule on the band scaled so that a rising estimate is followed at B_noise (``multiple=1``),
+#: not at the range's near end B_noise / 2. RULE: the newest.
+RULES = ("centre", "near-end", "resolved", "target")
 RULE = RULES[-1]
 
 

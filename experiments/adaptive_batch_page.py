@@ -359,7 +359,9 @@ def why_section(stored) -> List[str]:
 RULE_WORDS = {"centre": "each change toward round(B_noise)",
               "near-end": "each change to the near end of the estimate's range, never past it",
               "resolved": "the near end, and no growth where the estimate's range has no upper "
-                          "end: an infinite B_noise, or a quarter of the recent steps unresolved"}
+                          "end: an infinite B_noise, or a quarter of the recent steps unresolved",
+              "target": "the rule `resolved` on the estimate's range scaled by 2: a rising "
+                        "estimate is followed at B_noise, the critical batch, not at B_noise / 2"}
 
 
 def rule_change(stored) -> List[str]:

@@ -85,25 +85,28 @@ def test_bounds_from_batches_and_accumulation():
 
 def test_decide_grows_by_at_most_the_factor_and_waits_for_patience():
     bounds = bounds_of(8, max_batch=1024)
-    # B_noise 64, batch 8: below the range [32, 128]: grow, by at most x2.
+    # B_noise 64, batch 8: below the target band 2 x [32, 128] = [64, 256]: grow, by at most x2.
     assert decide(1, bounds, 64.0, [64.0] * 10) .accumulation == 2
-    # Up to the range's near end 32, not to round(64) (the rule before, which gave 8 micro-batches).
-    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16).accumulation == 4
+    # Up to the band's near end 64 = 1 x B_noise; at multiple 0.5 the range's near end 32.
+    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16).accumulation == 8
+    assert decide(1, bounds, 64.0, [64.0] * 10, max_change=16, multiple=0.5).accumulation == 4
     assert decide(1, bounds, 64.0, [64.0] * 10, since_change=3, patience=4).why == WAIT
-    assert decide(4, bounds, 64.0, [64.0] * 10).why == KEEP  # 32 is inside [32, 128]
+    assert decide(8, bounds, 64.0, [64.0] * 10).why == KEEP  # 64 is inside [64, 256]
     assert decide(1, bounds, math.nan, [64.0]).why == NO_ESTIMATE
     assert decide(1, bounds_of(8, max_batch=8), 64.0, [64.0]).why == AT_BOUND
 
 
 def test_decide_shrinks_only_where_the_whole_range_lies_below_the_batch():
     bounds = bounds_of(8, max_batch=1024)
-    # Batch 256, B_noise 64, quartiles of recent within [32, 128]: shrink by at most 2.
-    found = decide(32, bounds, 64.0, [50, 60, 64, 70, 80])
-    assert (found.why, found.accumulation) == (SHRINK, 16)
-    # One quartile of the recent values reaches 256: the estimate does not resolve it.
+    # Batch 512, B_noise 64, quartiles of recent within [32, 128]: the band [64, 256] lies below:
+    # shrink by at most 2, to 256 (batch 256 lies at the band's upper end: kept).
+    found = decide(64, bounds, 64.0, [50, 60, 64, 70, 80])
+    assert (found.why, found.accumulation) == (SHRINK, 32)
+    assert decide(32, bounds, 64.0, [50, 60, 64, 70, 80]).why == KEEP
+    # The upper quartile of the recent values, 400, puts the band's end at 800: not resolved.
     spread = [20, 64, 300, 400, 500]
-    assert decide(32, bounds, 64.0, spread).why == KEEP
-    assert decide(32, bounds_of(8, min_batch=256, max_batch=1024), 64.0, [64.0] * 5).why == AT_BOUND
+    assert decide(64, bounds, 64.0, spread).why == KEEP
+    assert decide(64, bounds_of(8, min_batch=512, max_batch=1024), 64.0, [64.0] * 5).why == AT_BOUND
 
 
 # The schedule on synthetic series ----------------------------------------------------
@@ -112,10 +115,11 @@ def test_decide_shrinks_only_where_the_whole_range_lies_below_the_batch():
 def test_constant_noise_scale_grows_to_within_its_range_then_keeps():
     schedule = BatchSchedule(8, max_batch=1024, patience=3)
     batches = run([64.0] * 20, schedule)
-    # patience 3: changes after the 3rd estimate and 3 after each change; x2 each; 32 is in range.
-    assert batches == [8, 8, 16, 16, 16, 32] + [32] * 14
-    assert [c["why"] for c in schedule.changes] == [GROW, GROW]
-    assert [c["step"] for c in schedule.changes] == [2, 5]
+    # patience 3: changes after the 3rd estimate and 3 after each change; x2 each up to the band's
+    # lower end 64 = B_noise (the rule `resolved`, at multiple 0.5: kept at 32).
+    assert batches == [8, 8, 16, 16, 16, 32, 32, 32, 64] + [64] * 11
+    assert [c["why"] for c in schedule.changes] == [GROW, GROW, GROW]
+    assert [c["step"] for c in schedule.changes] == [2, 5, 8]
 
 
 def test_growing_noise_scale_is_followed_within_bounds():
@@ -140,11 +144,13 @@ def test_noisy_estimates_do_not_shrink_the_batch_but_a_range_wholly_below_does()
     batches = run([(value, 64.0) for value in noisy], schedule)
     assert SHRINK not in [c["why"] for c in schedule.changes]
     assert min(batches) == 128
-    # Every recent value well below the batch: shrink, by at most 2 per change, to the range's
-    # near end: [10, 40]; 128 -> max(64, 40) = 64 -> max(32, 40) = 40 (the rule before: 32).
+    # Every recent value well below the batch: shrink, by at most 2 per change, to the band's
+    # near end: 2 x [10, 40] = [20, 80]; 128 -> max(64, 80) = 80, then kept (multiple 0.5: 64, 40).
     schedule = BatchSchedule(8, max_batch=1024, accumulation=16, patience=3)
     batches = run([20.0] * 12, schedule)
-    assert batches == [128, 128, 64, 64, 64, 40, 40, 40, 40, 40, 40, 40]
+    assert batches == [128, 128] + [80] * 10
+    schedule = BatchSchedule(8, max_batch=1024, accumulation=16, patience=3, multiple=0.5)
+    assert run([20.0] * 12, schedule) == [128, 128, 64, 64, 64, 40, 40, 40, 40, 40, 40, 40]
 
 
 def test_nan_or_missing_estimates_keep_the_batch_and_warn_once():
@@ -171,10 +177,11 @@ def test_the_median_estimate_reads_the_per_step_values_not_the_smoothed_ratio():
     assert run(series, smoothed) == [8] * 12  # unresolved: kept (the rule before doubled blind)
     assert smoothed.decisions == {UNRESOLVED: 12}
     median = BatchSchedule(8, max_batch=1024, patience=3, estimate="median")
-    # Median 40, range [min(40, 40/2), max(40, 2 * 40)] = [20, 80]: 8 grows to min(16, 20) = 16;
-    # from 16, min(32, 20) = 20 holds 2 micro-batches (3 would pass the near end 20).
-    assert run(series, median) == [8, 8] + [16] * 10
-    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [(40.0, 16)]
+    # Median 40, range [min(40, 40/2), max(40, 2 * 40)] = [20, 80], band 2 x that = [40, 160]:
+    # 8 -> 16 -> 32 -> min(64, 40) = 40 (multiple 0.5: 16, then held: 24 would pass 20).
+    assert run(series, median) == [8, 8, 16, 16, 16, 32, 32, 32, 40, 40, 40, 40]
+    assert [(c["noise_scale"], c["new_batch"]) for c in median.changes] == [
+        (40.0, 16), (40.0, 32), (40.0, 40)]
     with pytest.raises(ValueError, match="estimate must be one of"):
         BatchSchedule(8, max_batch=1024, estimate="mean")
 
@@ -190,21 +197,25 @@ def test_the_same_estimate_counts_once():
 
 # The near end of the range (hysteresis) on series by hand -----------------------------
 # With recent=1 the range is [v / 2, 2 v] (v the estimate); micro-batches of 4 from batch 8,
-# patience 2. Each comment gives the rule before (toward round(B_noise)), which these fail.
+# patience 2. At multiple=0.5 the band is that range itself (scale 0.5 x factor 2 = 1): these
+# test the band's mechanics at unit scale. Each comment gives the rule before (toward
+# round(B_noise)), which these fail. Its default multiple 1 (the band 2 x the range): below.
 
 
 def near_end(**kwargs):
-    return BatchSchedule(4, min_batch=8, max_batch=256, patience=2, recent=1, **kwargs)
+    return BatchSchedule(4, min_batch=8, max_batch=256, patience=2, recent=1,
+                         **{"multiple": 0.5, **kwargs})
 
 
 def test_a_constant_estimate_is_approached_to_the_near_end_of_its_range():
     # v = 40, range [20, 80]: 8 -> min(16, 20) = 16 -> min(32, 20) = 20, then kept (the rule
     # before: 8 -> 16 -> 32 = round(40) capped at x2, then kept).
     assert run([40.0] * 8, near_end()) == [8, 16, 16, 20, 20, 20, 20, 20]
-    assert decide(2, bounds_of(4, max_batch=256), 40.0, [40.0]).why == GROW
-    assert decide(5, bounds_of(4, max_batch=256), 40.0, [40.0]).why == KEEP  # 20 is the near end
+    half = {"multiple": 0.5}
+    assert decide(2, bounds_of(4, max_batch=256), 40.0, [40.0], **half).why == GROW
+    assert decide(5, bounds_of(4, max_batch=256), 40.0, [40.0], **half).why == KEEP  # near end 20
     # 8 micro-batches of 8 at range [20, 80]: 16 -> 24 would pass 20: held, not grown.
-    assert decide(2, bounds_of(8, max_batch=256), 40.0, [40.0]).why == HOLD
+    assert decide(2, bounds_of(8, max_batch=256), 40.0, [40.0], **half).why == HOLD
 
 
 def test_a_growing_estimate_is_followed_at_the_lower_end_of_its_range():
@@ -235,10 +246,10 @@ def test_a_falling_estimate_shrinks_to_the_near_end_and_a_reversal_needs_the_ran
     # Batch 20 at the near end of v = 40: a fall to v = 10 ([5, 20]) keeps it, to 9.9 holds it
     # (16 would pass the near end 19.8), to 8 ([4, 16]) shrinks it to 16: the estimate fell by
     # the range's width. The rule before, at the centre 40, shrank at any v below 20.
-    bounds = bounds_of(4, max_batch=256)
-    assert decide(5, bounds, 10.0, [10.0]).why == KEEP
-    assert decide(5, bounds, 9.9, [9.9]).why == HOLD
-    assert decide(5, bounds, 8.0, [8.0]) .accumulation == 4
+    bounds, half = bounds_of(4, max_batch=256), {"multiple": 0.5}
+    assert decide(5, bounds, 10.0, [10.0], **half).why == KEEP
+    assert decide(5, bounds, 9.9, [9.9], **half).why == HOLD
+    assert decide(5, bounds, 8.0, [8.0], **half).accumulation == 4
 
 
 def test_nan_estimates_keep_the_batch_and_count_toward_patience():
@@ -280,18 +291,77 @@ def test_a_transiently_high_unresolved_estimate_waits_until_resolved():
     # Half the steps unresolved around B_noise 400, then a resolved 40: the digits CNN's first
     # 50 steps in docs/experiments/adaptive-batch.md, by hand (patience 3, recent 10).
     series = [(400.0 if step % 2 == 0 else math.inf, 400.0) for step in range(10)] + [40.0] * 12
-    schedule = BatchSchedule(4, min_batch=8, max_batch=256, patience=3)
+    schedule = BatchSchedule(4, min_batch=8, max_batch=256, patience=3, multiple=0.5)
     batches = run(series, schedule)
-    # Step 0: one value, range [200, 800]: waits (patience). Steps 1-14: the upper quartile of
-    # the recent values is infinite (1 of 2, 1 of 3, 2 of 4, ..., then 5, 5, 4, 4, 3, 3 of the
-    # last 10): kept. Step 15: steps 6-15 hold 400 x 2, inf x 2, 40 x 6: quartiles
-    # 40 and 400, range [min(20, 40), max(80, 400)] = [20, 400]: 8 -> min(16, 20) = 16.
-    # Step 18 (patience): steps 9-18, one inf: range [20, 80]: 16 -> 20, the near end; kept.
+    # multiple 0.5: the band is the estimate's range. Step 0: one value, range [200, 800]:
+    # waits (patience). Steps 1-14: the upper quartile of the recent values is infinite (1
+    # of 2, 1 of 3, 2 of 4, ..., then 5, 5, 4, 4, 3, 3 of the last 10): kept. Step 15: steps
+    # 6-15 hold 400 x 2, inf x 2, 40 x 6: quartiles 40 and 400, range [min(20, 40), max(80,
+    # 400)] = [20, 400]: 8 -> min(16, 20) = 16. Step 18 (patience): steps 9-18, one inf:
+    # range [20, 80]: 16 -> 20, the near end; kept.
     assert batches == [8] * 15 + [16] * 3 + [20] * 4
     assert [(c["step"], c["new_batch"]) for c in schedule.changes] == [(15, 16), (18, 20)]
     assert schedule.decisions == {WAIT: 3, UNRESOLVED: 14, GROW: 2, KEEP: 3}
     # The rule before grew at step 2 (range [200, inf]) and doubled every 3 steps to 128.
     assert max(batches) == 20
+
+
+# The target multiple (a rising estimate followed at multiple x B_noise), by hand -----
+# The rule before it (`resolved`, the band the estimate's range itself: multiple 0.5) gives
+# what each comment says, which these fail. recent=1: the band is 2 x [v / 2, 2 v] = [v, 4 v].
+
+
+def test_a_batch_within_the_range_but_below_the_estimate_grows_to_it():
+    bounds = bounds_of(4, max_batch=256)
+    # Batch 8, B_noise 12: the band [12, 48]; 8 -> min(16, 12) = 12 (before: 8 lies in [6, 24]).
+    found = decide(2, bounds, 12.0, [12.0] * 10)
+    assert (found.why, found.accumulation) == (GROW, 3)
+    assert found.recommendation.noise_scale == 12.0 and found.recommendation.batch == 12
+    assert (found.recommendation.low, found.recommendation.high) == (12.0, 48.0)
+    assert decide(2, bounds, 12.0, [12.0] * 10, multiple=0.5).why == KEEP
+    # multiple 2: the band [24, 96]: 8 -> 16, at most x2.
+    assert decide(2, bounds, 12.0, [12.0] * 10, multiple=2).accumulation == 4
+
+
+def test_a_growing_estimate_is_followed_at_the_estimate():
+    series = [40.0, 40.0, 60.0, 60.0, 90.0, 90.0, 135.0, 135.0, 200.0, 200.0]
+    schedule = BatchSchedule(4, min_batch=8, max_batch=256, patience=2, recent=1)
+    # Changes at steps 1, 3, 5, 7, 9 to min(2B, v): 16, 32, 64, 128, 200 (before: 16, 28, 44, 64,
+    # 100, at v / 2).
+    assert run(series, schedule) == [8, 16, 16, 32, 32, 64, 64, 128, 128, 200]
+    assert [c["noise_scale"] for c in schedule.changes] == [40.0, 60.0, 90.0, 135.0, 200.0]
+    assert all(c["new_batch"] <= c["noise_scale"] for c in schedule.changes)
+    assert "target band (200-800) of B_noise = 200" in schedule.changes[-1]["reason"]
+
+
+def test_a_falling_estimate_shrinks_only_past_the_band_width():
+    bounds = bounds_of(4, max_batch=256)
+    # At batch 40 (followed to v = 40): the band [v, 4 v] keeps it down to v = 10 (before: a v
+    # of 15, [v / 2, 2 v], shrank it); at 9.9 it holds (39.6 rounds up to 40 micro-batches of 4:
+    # no move); at 8 the band [8, 32] lies below it: to max(20, 32) = 32. The estimate fell by
+    # the band's width, 4, as under the rule before.
+    assert decide(10, bounds, 10.0, [10.0]).why == KEEP
+    assert decide(10, bounds, 9.9, [9.9]).why == HOLD
+    assert (decide(10, bounds, 8.0, [8.0]).why, decide(10, bounds, 8.0, [8.0]).accumulation) == (
+        SHRINK, 8)
+    assert decide(10, bounds, 15.0, [15.0], multiple=0.5).why == SHRINK  # [7.5, 30] below 40
+
+
+def test_multiple_is_checked_and_kept_in_the_state():
+    for wrong in (0, -1.0, math.inf, math.nan, True, "1"):
+        with pytest.raises(ValueError, match="multiple must be a finite number > 0"):
+            BatchSchedule(8, max_batch=64, multiple=wrong)
+        with pytest.raises(ValueError, match="multiple must be a finite number > 0"):
+            decide(1, bounds_of(8, max_batch=64), 16.0, [16.0], multiple=wrong)
+    state = BatchSchedule(8, max_batch=64, multiple=2).state_dict()
+    assert state["multiple"] == 2.0
+    BatchSchedule(8, max_batch=64, multiple=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="multiple=2.0"):
+        BatchSchedule(8, max_batch=64).load_state_dict(state)
+    del state["multiple"]  # a state saved before multiple: the rule at 0.5
+    BatchSchedule(8, max_batch=64, multiple=0.5).load_state_dict(state)
+    with pytest.raises(ValueError, match="the rule before it"):
+        BatchSchedule(8, max_batch=64, multiple=2).load_state_dict(state)
 
 
 # The learning rate -------------------------------------------------------------------
@@ -472,9 +542,11 @@ def train(model, tracker, optimizer, schedule, steps, start=0):
 
 def real_schedule():
     """From batch 64, above this task's B_noise (about 10-15, resolved at 16 and above: at 4,
-    a third of the steps resolve no signal and the rule keeps the batch): shrinks."""
+    a third of the steps resolve no signal and the rule keeps the batch): shrinks. At
+    multiple 0.5 (the band the estimate's range) it shrinks twice within 12 steps, which the
+    log's tests need; at the default 1 once (to the band's upper end 4 B_noise, about 40)."""
     return cgn.BatchSchedule(micro_batch=8, min_batch=16, max_batch=128, accumulation=8,
-                             patience=2)
+                             patience=2, multiple=0.5)
 
 
 @pytest.mark.parametrize("preset", ["norms", "all"])

@@ -20,6 +20,7 @@ from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.schedule.rule import (
     BOOTSTRAP,
     DEFAULT_MAX_CHANGE,
+    DEFAULT_MULTIPLE,
     DEFAULT_PATIENCE,
     GROW,
     LR_BOUND,
@@ -27,6 +28,7 @@ from cockpit_gradnoise.schedule.rule import (
     NO_ESTIMATE,
     Decision,
     bounds_of,
+    check_multiple,
     decide,
     learning_rate_from_start,
 )
@@ -73,13 +75,14 @@ class BatchSchedule:
             schedule.update(step, tracker, opt)  # may change .accumulation and the lr
 
     The rule (:mod:`cockpit_gradnoise.schedule.rule`): after each new estimate,
-    grow where the batch lies below the range of the estimate and the
-    estimate is resolved (the range's upper end finite: no growth on an
-    infinite ``B_noise``, nor where a quarter of the recent steps resolve no
-    signal), shrink only
-    where the whole range lies below the batch, each time to the range's near
-    end and never past it (hysteresis of the range's width: a change is
-    reversed only once the estimate has moved by that width), by at most
+    grow where the batch lies below the target band (the range of the
+    estimate scaled by ``multiple * factor``, so that its lower end is
+    ``multiple * B_noise``) and the estimate is resolved (the range's upper
+    end finite: no growth on an infinite ``B_noise``, nor where a quarter of
+    the recent steps resolve no signal), shrink only where the whole band
+    lies below the batch, each time to the band's near end and never past it
+    (hysteresis of the band's width: a change is reversed only once the
+    estimate has moved by that width), by at most
     ``max_change`` per change and at most once per ``patience`` new
     estimates, within the bounds. ``B_noise`` is the network's
     ``b_simple_smoothed`` of ``PreconditionedNoiseScale`` where the optimizer
@@ -127,6 +130,14 @@ class BatchSchedule:
         max_change: The most the batch changes by at one change.
         recent: How many of the last ``b_simple`` values give the estimate's range.
         factor: The band around ``B_noise`` within which the batch is kept.
+        multiple: ``k``, the batch the schedule steers to as a multiple of
+            ``B_noise``: it follows a rising estimate at ``k B_noise`` and keeps
+            the batch within ``k * factor`` times the estimate's range
+            (:func:`~cockpit_gradnoise.schedule.rule.target_band`). 1 (the
+            default): the critical batch, where ``(S/S_min)(E/E_min)`` is least;
+            below 1 saves examples and spends steps, above 1 the reverse
+            (McCandlish et al. 2018, eq. 2.11). ``0.5``: the rule before
+            ``target`` (the band's near end ``B_noise / factor``).
 
     Attributes:
         accumulation: Micro-batches of the next optimizer step.
@@ -152,7 +163,8 @@ class BatchSchedule:
                  rule: Optional[str] = AUTO, accumulation: Optional[int] = None,
                  patience: int = DEFAULT_PATIENCE, max_change: float = DEFAULT_MAX_CHANGE,
                  recent: int = DEFAULT_RECENT, factor: float = THRESHOLDS.noise_scale_factor,
-                 max_lr_factor: Optional[float] = None, estimate: str = SMOOTHED):
+                 max_lr_factor: Optional[float] = None, estimate: str = SMOOTHED,
+                 multiple: float = DEFAULT_MULTIPLE):
         self.bounds = bounds_of(micro_batch, min_batch, max_batch, max_accumulation)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -169,6 +181,8 @@ class BatchSchedule:
         if estimate not in ESTIMATES:
             raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
         self.estimate = estimate
+        check_multiple(multiple)
+        self.multiple = float(multiple)
         if max_lr_factor is not None and not (isinstance(max_lr_factor, (int, float))
                                               and max_lr_factor >= 1):
             raise ValueError(f"max_lr_factor must be a number >= 1 (the most the learning rate "
@@ -228,7 +242,7 @@ class BatchSchedule:
                        else float(row.get(schema.B_SIMPLE_SMOOTHED, math.nan)))
         decision = decide(self.accumulation, self.bounds, noise_scale, self._recent,
                           since_change=self._since_change, patience=self.patience,
-                          max_change=self.max_change, factor=self.factor)
+                          max_change=self.max_change, multiple=self.multiple, factor=self.factor)
         self.decisions[decision.why] = self.decisions.get(decision.why, 0) + 1
         if decision.why == NO_ESTIMATE:
             self._warn("nan", f"the noise scale ({source}) is NaN at step {newest[0]}: the batch "
@@ -317,7 +331,8 @@ class BatchSchedule:
             "bounds": [self.bounds.micro_batch, self.bounds.low, self.bounds.high],
             "accumulation": self.accumulation, "changes": [dict(c) for c in self.changes],
             "lr_factor": self.lr_factor, "start_batch": self.start_batch,
-            "max_lr_factor": self.max_lr_factor, "source": self.source, "recent": list(self._recent),
+            "max_lr_factor": self.max_lr_factor, "multiple": self.multiple,
+            "source": self.source, "recent": list(self._recent),
             "since_change": self._since_change, "last_read": self._last_read,
             "warned": sorted(self._warned), "decisions": dict(self.decisions),
         }
@@ -340,6 +355,11 @@ class BatchSchedule:
             raise ValueError(f"the state is of a schedule with max_lr_factor="
                              f"{state['max_lr_factor']!r}, this one has {self.max_lr_factor!r}: "
                              "build it as before")
+        # Older states, without it, were of the rule before `multiple` (0.5): state it to resume.
+        if float(state.get("multiple", 0.5)) != self.multiple:
+            raise ValueError(f"the state is of a schedule with multiple={state.get('multiple', 0.5)!r}"
+                             f" (a state without one: 0.5, the rule before it), this one has "
+                             f"{self.multiple!r}: build it as before")
         self.start_batch = int(state.get("start_batch", self.start_batch))  # older states: ours
         self.source = state["source"]
         self._recent.clear()
@@ -387,8 +407,8 @@ def reason(change: Mapping[str, Any], rule: Optional[str]) -> str:
                "on one process")
     else:
         where, end = ("below", "low") if change["why"] == GROW else ("above", "high")
-        why = (f"batch {old} lies {where} the range of the estimate ({change['low']:.3g}-"
-               f"{change['high']:.3g}) around B_noise = {change['noise_scale']:.3g}; moved toward "
+        why = (f"batch {old} lies {where} the target band ({change['low']:.3g}-"
+               f"{change['high']:.3g}) of B_noise = {change['noise_scale']:.3g}; moved toward "
                f"its near end {change[end]:.3g}, never past it")
     cited = "McCandlish et al. 2018" if rule == SGD_RULE else "the square-root rule, Malladi et al. 2022"
     lr_why = change.get("lr_why")

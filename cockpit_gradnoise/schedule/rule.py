@@ -7,23 +7,51 @@ rule decides ``K`` of the next step from the recommendation of
 batch estimate ``B_crit ~ B_noise``, McCandlish et al. 2018, and the range of
 the estimate):
 
-- **grow** where ``B`` lies below the range of the estimate (the recent
-  quartiles of ``b_simple`` widened to at least ``[B_noise/2, 2 B_noise]``)
-  and the estimate is **resolved** (the range's upper end finite, below): to
-  the range's **near end** ``low``, never past it, by at most ``max_change``
-  per change;
+- **grow** where ``B`` lies below the **target band** (:func:`target_band`:
+  the range of the estimate, the recent quartiles of ``b_simple`` widened to
+  at least ``[B_noise/2, 2 B_noise]``, times ``multiple * factor``; at
+  ``multiple = 1``, ``[min(B_noise, 2 q25), max(4 B_noise, 2 q75)]``) and the
+  estimate is **resolved** (the range's upper end finite, below): to the
+  band's **near end** ``low``, never past it, by at most ``max_change`` per
+  change;
 - **unresolved**: no growth where the range's upper end is infinite (an
   infinite ``B_noise``, or a quarter or more of the recent steps with no
   signal resolved): the batch is kept;
-- **shrink** only where the whole range lies below ``B``: to its near end
+- **shrink** only where the whole band lies below ``B``: to its near end
   ``high``, never below it, and by at most ``max_change``;
-- **hold** where the batch lies outside the range but the next whole
+- **hold** where the batch lies outside the band but the next whole
   micro-batch toward it would pass its near end;
 - **keep** otherwise, without an estimate (NaN), within ``patience``
   estimates of the last change (or of the start: the range needs them), and
   where a bound stops the move.
 
-Why the near end, not ``round(B_noise)`` (the rule until this change): a
+Why the band is the range times ``multiple * factor`` (the rule ``target``,
+after ``resolved``, which moved to the near end of the range itself: the
+same as ``multiple = 1 / factor`` here). On McCandlish et al. 2018's model
+(eq. 2.11) a fixed batch ``B = k B_noise`` takes ``S / S_min - 1 = 1 / k``
+and ``E / E_min - 1 = k``: the product is 1 for every ``k``, which sets only
+the trade. A batch tracking a changing estimate, ``B(t) = k B_noise(t)``,
+makes that trade at each step, ``S = (1 + 1/k) S_min*`` and ``E = (1 + k)
+E_min*`` with ``E_min* = int B_noise dS_min``, below the fixed-batch fit's
+``E_min`` where ``B_noise`` varies: that is what can take it below the fitted
+hyperbola, and ``k`` where along it. The schedule states ``k = multiple``,
+default 1, the critical batch the advice recommends: ``(S / S_min)(E /
+E_min) = 2 + k + 1/k`` is least there, and ``d ln S / d ln E = -1 / k = -1``.
+The band's near end is where a rising estimate is followed, so the rule
+before, at the range's lower end ``B_noise / factor``, had ``k = 1/2`` (less
+between changes): the examples-saving side, where the experiment's adaptive
+runs took more steps than the batch-size warmup with fewer examples (digits
+per-example 230.1 steps and 2,939 examples against 173.8 and 5,080, GPT norms
+135.7 and 2,225 against 118.2 and 2,518; ``docs/experiments/adaptive-batch.md``).
+Scaling the band, not narrowing it, keeps the hysteresis below: a change is
+reversed only once the estimate has moved by the band's width. The price: a
+batch may sit at up to ``multiple * factor**2 * B_noise`` before a falling
+estimate shrinks it; and a larger ``k`` is no lower frontier value by itself
+(with ``r = E_min* / E_min``, ``S_min* = S_min``: ``(1/k)((1 + k) r - 1)``,
+``3r - 2`` at ``k = 1/2``, ``2r - 1`` at ``k = 1``): it moves the run along
+the frontier toward fewer steps.
+
+Why the near end, not ``round(B_noise)`` (the rule until ``near-end``): a
 move to the centre of the range is reversed as soon as the estimate moves by
 the range's half-width (``factor = 2``: a batch grown to ``B_noise`` shrinks
 once ``B_noise`` halves), and on the digits CNN of
@@ -89,7 +117,7 @@ changes, and never above a stated bound.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from cockpit_gradnoise.views.batch_size import (
@@ -98,12 +126,16 @@ from cockpit_gradnoise.views.batch_size import (
     SQRT_RULE,
     Recommendation,
     learning_rate_factor,
+    noise_range,
     recommended_batch,
 )
 from cockpit_gradnoise.views.common import THRESHOLDS
 
 #: The most the batch changes by at one change (doubling, as batch-size warmups do).
 DEFAULT_MAX_CHANGE = 2.0
+#: The batch as a multiple of ``B_noise`` that the rule follows a rising estimate at: the
+#: critical batch, where ``(S / S_min)(E / E_min)`` is least (the module's docstring).
+DEFAULT_MULTIPLE = 1.0
 #: New estimates needed after a change (and at the start) before the next one: the
 #: memory of ``b_simple_smoothed``'s moving average, and the range's window.
 DEFAULT_PATIENCE = DEFAULT_RECENT
@@ -177,7 +209,7 @@ class Decision:
 
 def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequence[float] = (),
            *, since_change: int = DEFAULT_PATIENCE, patience: int = DEFAULT_PATIENCE,
-           max_change: float = DEFAULT_MAX_CHANGE,
+           max_change: float = DEFAULT_MAX_CHANGE, multiple: float = DEFAULT_MULTIPLE,
            factor: float = THRESHOLDS.noise_scale_factor) -> Decision:
     """The accumulation of the next step (the rule of this module's docstring).
 
@@ -189,14 +221,17 @@ def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequen
         since_change: New estimates since the last change (or the start).
         patience: Estimates needed after a change before the next.
         max_change: The most the batch changes by at one change (> 1).
+        multiple: ``k``: the batch follows a rising estimate at ``k B_noise``
+            (:func:`target_band`; ``1/factor``: the rule before ``target``).
         factor: ``recommended_batch``'s band around ``B_noise``.
     """
     if not max_change > 1:
         raise ValueError(f"max_change must be > 1 (a factor of the batch), got {max_change!r}")
+    check_multiple(multiple)
     batch = bounds.micro_batch * accumulation
     if math.isnan(noise_scale):
         return Decision(accumulation, NO_ESTIMATE)
-    found = recommended_batch(noise_scale, recent, batch, factor)
+    found = target_band(noise_scale, recent, batch, multiple, factor)
     if found.move not in (GROW, SHRINK):
         return Decision(accumulation, KEEP, found)
     if found.move == GROW and math.isinf(found.high):  # no upper end: the estimate bounds nothing
@@ -216,6 +251,37 @@ def decide(accumulation: int, bounds: Bounds, noise_scale: float, recent: Sequen
     if new == accumulation:
         return Decision(accumulation, AT_BOUND, found)
     return Decision(new, found.move, found)
+
+
+def check_multiple(multiple: float) -> None:
+    """Raises ValueError, naming the fix, unless ``multiple`` is a finite number > 0."""
+    if isinstance(multiple, bool) or not isinstance(multiple, (int, float)) or not (
+            0 < multiple < math.inf):
+        raise ValueError(f"multiple must be a finite number > 0 (the batch as a multiple of "
+                         f"B_noise; 1: the critical batch), got {multiple!r}")
+
+
+def target_band(noise_scale: float, recent: Sequence[float], batch: float,
+                multiple: float = DEFAULT_MULTIPLE,
+                factor: float = THRESHOLDS.noise_scale_factor) -> Recommendation:
+    """The band the batch is kept in: the estimate's range scaled by ``multiple * factor``.
+
+    :func:`~cockpit_gradnoise.views.batch_size.recommended_batch` of
+    ``c B_noise`` and ``c b_simple`` (``c = multiple * factor``): its ``low``
+    and ``high`` are ``c`` times the estimate's range, ``[min(k B_noise, c q25),
+    max(k factor**2 B_noise, c q75)]`` with ``k = multiple``, and its ``move``
+    is the batch's place against them; ``noise_scale`` (and ``spread``, the
+    quartiles of ``recent``) are the estimate's own
+    (``max(B_noise, 0)``; the learning-rate rule and the log read it) and
+    ``batch`` the target ``round(k B_noise)`` (at least 1). A rising estimate
+    is followed at the band's lower end, ``k B_noise`` (or ``c q25`` below it).
+    """
+    scale = multiple * factor
+    found = recommended_batch(noise_scale * scale, [value * scale for value in recent], batch,
+                              factor)
+    estimate = max(float(noise_scale), 0.0)
+    return replace(found, noise_scale=estimate, spread=noise_range(recent),
+                   batch=None if found.batch is None else max(1, round(multiple * estimate)))
 
 
 @dataclass(frozen=True)
