@@ -25,7 +25,8 @@ tracked / plain (the front door's rows / the bare step of the same round).
 Memory (``--memory MODE``, one kind of step per process group, so that the
 high-water mark is of that kind alone)::
 
-    for mode in bare untracked four norms ddp_four variance variance_at_end ddp_variance; do
+    for mode in bare untracked four norms ddp_four variance variance_at_end ddp_variance \
+            gns gns_at_end ddp_gns; do
         torchrun --standalone --nproc_per_node 2 benchmarks/benchmark_fsdp2.py --memory $mode --width 2048
     done
 
@@ -66,15 +67,18 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
 # Alone, under FSDP2 and DDP: its sums sharded, quantiles by a distributed selection.
 VARIANCE = "GradientVarianceQuantiles"
+# Alone, under FSDP2 and DDP: its local gradient reduce-scattered in the backward pass.
+NOISE_SCALE = "GradientNoiseScale"
 #: The front door's rows: the bare step first (their baseline).
 FRONT_DOOR = ("fsdp2 bare (front door loop)", "fsdp2 tracker attached, untracked",
               "fsdp2 norms preset (cgn.track)", "fsdp2 TwoBatchNoiseScale alone")
 
 
-def mlp(width=512):
+def mlp(width=512, depth=1):
+    """784-width-...-width-10: ``depth`` hidden layers of ``width x width``."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 10))
+    hidden = [module for _ in range(depth) for module in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(nn.Linear(784, width), nn.ReLU(), *hidden, nn.Linear(width, 10))
 
 
 def fully_sharded(model, mesh):
@@ -108,9 +112,9 @@ def cockpit_of(model, names):
     return cgn.Cockpit(params, quantities=[getattr(cgn, name)(linear(1)) for name in names])
 
 
-def reduced_at_end_cockpit(model):
-    """A Cockpit of GradientVarianceQuantiles whose sums are reduced whole after the backward pass."""
-    cockpit = cockpit_of(model, [VARIANCE])
+def reduced_at_end_cockpit(model, name=VARIANCE):
+    """A Cockpit of ``name`` whose sums are reduced whole after the backward pass."""
+    cockpit = cockpit_of(model, [name])
     reduced_at_end(cockpit.quantities)
     return cockpit
 
@@ -140,6 +144,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers (--memory)")
     parser.add_argument("--memory", choices=sorted(MEMORY_MODES))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -174,6 +179,7 @@ def main(argv=None):
         f"fsdp2 {VARIANCE}": step_of(sharded, cockpit_of(sharded, [VARIANCE])),
         f"fsdp2 {VARIANCE}, sums at the end": step_of(sharded, reduced_at_end_cockpit(sharded)),
         f"ddp {VARIANCE}": step_of(ddp, cockpit_of(replicated, [VARIANCE])),
+        f"fsdp2 {NOISE_SCALE}, gradient at the end": step_of(sharded, reduced_at_end_cockpit(sharded, NOISE_SCALE)),
     }
     times = {key: [] for key in steps}
     for _ in range(args.rounds):
@@ -208,12 +214,16 @@ MEMORY_MODES = {
     "variance": "FSDP2, cgn.track after fully_shard, GradientVarianceQuantiles every step",
     "variance_at_end": "the same, its sums reduced whole after the backward pass",
     "ddp_variance": "DDP (the unsharded model), cgn.track, GradientVarianceQuantiles every step",
+    "gns": "FSDP2, cgn.track after fully_shard, GradientNoiseScale every step",
+    "gns_at_end": "the same, its local gradient reduced whole after the backward pass",
+    "ddp_gns": "DDP (the unsharded model), cgn.track, GradientNoiseScale every step",
 }
 
 
 def reduced_at_end(quantities):
-    """``quantities`` with their per-element sums reduced whole after the backward pass, as
-    before they were reduce-scattered inside it (an instance attribute: this cockpit's)."""
+    """``quantities`` with their per-element sums (GradientNoiseScale: its local gradient)
+    reduced whole after the backward pass, as before they were reduce-scattered inside it (an
+    instance attribute: this cockpit's)."""
     for quantity in quantities:
         if getattr(quantity, "sums_sharded_in_backward", None):
             quantity.sums_sharded_in_backward = None
@@ -256,20 +266,21 @@ class PeakSampler(threading.Thread):
 
 def memory(args, mesh, x, y):
     """One kind of step, 3 times: the growth of this process's peak resident memory."""
-    mode, model = args.memory, mlp(args.width)
+    mode, model = args.memory, mlp(args.width, args.depth)
     if mode.startswith("ddp_"):
-        model, tracker = cgn.track(model, every=1, quantities=[VARIANCE] if mode == "ddp_variance"
-                                   else list(QUANTITIES))
+        alone = {"ddp_variance": [VARIANCE], "ddp_gns": [NOISE_SCALE]}
+        model, tracker = cgn.track(model, every=1, quantities=alone.get(mode, list(QUANTITIES)))
         model = DistributedDataParallel(model)
     else:
         model = fully_sharded(model, mesh)
         tracker = None
         if mode != "bare":
             quantities = {"untracked": "norms", "four": list(QUANTITIES), "norms": "norms",
-                          "variance": [VARIANCE], "variance_at_end": [VARIANCE]}[mode]
+                          "variance": [VARIANCE], "variance_at_end": [VARIANCE],
+                          "gns": [NOISE_SCALE], "gns_at_end": [NOISE_SCALE]}[mode]
             model, tracker = cgn.track(model, every=10**9 if mode == "untracked" else 1,
                                        quantities=quantities)
-            if mode == "variance_at_end":
+            if mode.endswith("_at_end"):
                 reduced_at_end(tracker.cockpit.quantities)
     step = front_step(model, tracker)
     before = malloc_in_use()

@@ -125,9 +125,10 @@ class Step(ParameterChecks):
         #: Whether ``param.grad`` held gradients before this backward pass, outside
         #: accumulation or at its first micro-batch (:meth:`check_earlier_gradients`).
         self.earlier_gradients = False
-        #: ``id`` s of FSDP2's sharded parameters whose per-element sums were reduce-scattered
-        #: inside this backward pass (``DeclaredSums.arm_reduction_in_backward``).
-        self.presharded: set = set()
+        #: ``{savefield: {id of an FSDP2 sharded parameter: note}}``: the parameters whose
+        #: savefield was reduce-scattered inside this backward pass, each process keeping its
+        #: rows (``DeclaredSums.arm_reduction_in_backward``), with what was noted before.
+        self.presharded: Dict[str, Dict[int, Any]] = {}
 
     # Finding the call's Step ----------------------------------------------------
 

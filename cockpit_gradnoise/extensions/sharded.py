@@ -12,9 +12,9 @@ unsharded one or (for a layer whose output gradient arrives before FSDP2
 unshards it, a first layer say) the sharded one.
 
 :func:`reduce_in_backward` reduce-scatters a layer's per-element sums (those of
-GradientVarianceQuantiles and PreconditionedNoiseScale) inside the backward pass, as
-soon as its gradient is accumulated, so that each process keeps only its
-:func:`torch.chunk` rows of them between layers (:func:`reduced_rows`).
+GradientVarianceQuantiles and PreconditionedNoiseScale) and GradientNoiseScale's local
+gradient inside the backward pass, as soon as its gradient is accumulated, so that each
+process keeps only its :func:`torch.chunk` rows of them between layers (:func:`reduced_rows`).
 
 :func:`collect` moves them, after the backward pass, from the unsharded
 parameter onto the sharded one, with the backward pass's facts
@@ -38,7 +38,7 @@ gradients, each process's rounded after its own loss scale (``docs/distributed.m
 
 import functools
 import math
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.savefields import (
@@ -224,8 +224,13 @@ def local_tensor(tensor):
 
 # Per-element sums reduce-scattered inside the backward pass ---------------------------
 
-#: ``(armed step, hook handles)`` of :func:`reduce_in_backward`, until the backward pass ends.
-_armed: Tuple[object, list] = (None, [])
+#: ``(armed step, {field: hook handles})`` of :func:`reduce_in_backward`, until the backward
+#: pass ends.
+_armed: Tuple[object, Dict[str, list]] = (None, {})
+
+#: What :func:`reduce_in_backward` sends of a parameter: ``(value [k, *shape], units, note)``,
+#: or ``None`` (left alone), from the parameter holding the field.
+Prepare = Callable[[object], Optional[Tuple[object, Sequence[float], object]]]
 
 
 def chunk_rows(size: int, parts: int, index: int) -> Tuple[int, int]:
@@ -236,20 +241,24 @@ def chunk_rows(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, min(start + rows, size)
 
 
-def reduce_in_backward(step, field: str, scale: Callable[[], Optional[float]], done: set) -> None:
-    """Arm, for the coming backward pass, the reduction of ``field`` (per-element sums,
-    ``[k, *shape]``) over the processes as soon as each parameter's gradient is accumulated.
+def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
+    """Arm, for the coming backward pass, the reduction of ``field`` over the processes as
+    soon as each parameter's gradient is accumulated.
 
     For each FSDP2 parameter sharded ``Shard(dim)`` on a 1-D mesh of every process (no
     tensor parallelism, not HSDP), a hook on its unsharded copy
     (``register_post_accumulate_grad_hook``: after the module's rules ran, before FSDP2's
-    own reduce-scatter) puts the sums in per-example units (row 0 divided by this process's
-    loss scale ``c = scale()``, the other rows by ``c**2``; ``None``: left alone), reduce-scatters them with
-    :func:`torch.chunk`'s rows of ``dim`` (:func:`chunk_rows`, empty shards included), and
-    leaves this process's rows in this process's units (multiplied back by ``c``, ``c**2``)
-    on whichever parameter held them, so that the quantities read them as before; ``done``
-    gets the sharded parameter's ``id``. Memory: one layer's sums twice, for the collective,
-    instead of every layer's until the backward pass ends. Idempotent for one ``step``.
+    own reduce-scatter) asks ``prepare(holder)`` (holder: whichever parameter holds
+    ``field``) what to send: ``(value, units, note)``, ``value`` ``[k, *shape]`` in this
+    process's units (``None``: left alone, on every process alike;
+    :func:`sums_in_units` for per-element sums). It reduce-scatters ``value[j] / units[j]``
+    with :func:`torch.chunk`'s rows of ``dim`` (:func:`reduced_rows`, empty shards
+    included) and leaves this process's rows in this process's units (multiplied back by
+    ``units[j]``) on the holder, shaped as ``field`` was (``[k, *rows]``, or ``rows`` for a
+    field of the parameter's shape sent as ``[1, *shape]``), so that the quantities read
+    them as before; ``done[id(sharded parameter)] = note``. Memory: one layer's ``value``
+    twice, for the collective, instead of every layer's until the backward pass ends.
+    Idempotent for one ``step`` and ``field``; several fields are reduced in the order armed.
 
     Collective in the backward pass: every process reduces the same parameters in the same
     order (the autograd engine's, the same graph on every process), as FSDP2's own
@@ -257,9 +266,11 @@ def reduce_in_backward(step, field: str, scale: Callable[[], Optional[float]], d
     arming the next step.
     """
     global _armed
-    if _armed[0] is step:
+    if _armed[0] is not step:
+        disarm()
+        _armed = (step, {})
+    if field in _armed[1]:
         return
-    disarm()
     world, handles = dist_world_size(), []
     for fsdp_param in fsdp2_parameters().values():
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
@@ -270,35 +281,56 @@ def reduce_in_backward(step, field: str, scale: Callable[[], Optional[float]], d
                 or mesh.size() != world or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
                 is not None):
             continue
-        hook = functools.partial(_reduce_field, field, scale, fsdp_param, done)
+        hook = functools.partial(_reduce_field, field, prepare, fsdp_param, done)
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
-    _armed = (step, handles)
+    _armed[1][field] = handles
 
 
 def disarm() -> None:
     """Remove the hooks of :func:`reduce_in_backward`."""
     global _armed
-    for handle in _armed[1]:
-        handle.remove()
-    _armed = (None, [])
+    for handles in _armed[1].values():
+        for handle in handles:
+            handle.remove()
+    _armed = (None, {})
 
 
-def _reduce_field(field, scale, fsdp_param, done, unsharded) -> None:
+def loss_scale_or_nan(scale: Callable[[], Optional[float]]) -> Optional[float]:
+    """``scale()`` as a float (``None``: not wanted); NaN where it raises (raised again after
+    the backward pass, on every process together)."""
+    try:
+        c = scale()
+    except Exception:
+        return math.nan
+    return None if c is None else float(c)
+
+
+def sums_in_units(field: str, scale: Callable[[], Optional[float]]) -> Prepare:
+    """The ``prepare`` of :func:`reduce_in_backward` for per-element sums ``[k, *shape]`` of
+    ``field``: row 0 in units of this process's loss scale ``c = scale()``, the other rows
+    (sums of squares) in units of ``c**2``."""
+    def prepare(holder):
+        c = loss_scale_or_nan(scale)
+        if c is None:  # not wanted in this call (on every process alike)
+            return None
+        value = holder.__dict__[field]
+        return value, [c] + [c * c] * (value.shape[0] - 1), None
+    return prepare
+
+
+def _reduce_field(field, prepare, fsdp_param, done, unsharded) -> None:
     param = fsdp_param.sharded_param
     holders = [p for p in (unsharded, param) if field in p.__dict__]
     if len(holders) != 1:  # none, or both (refused by collect): on every process alike
         return
-    try:
-        c = scale()
-    except Exception:  # raised again after the backward pass, on every process together
-        c = math.nan
-    if c is None:  # not wanted in this call (on every process alike)
+    sent = prepare(holders[0])
+    if sent is None:
         return
-    value = holders[0].__dict__[field]
-    c = float(c)
-    units = [c] + [c * c] * (value.shape[0] - 1)
-    holders[0].__dict__[field] = reduced_rows(value, units, param.placements[0].dim, fsdp_param.mesh_info.mesh)
-    done.add(id(param))
+    value, units, note = sent
+    rows = reduced_rows(value, units, param.placements[0].dim, fsdp_param.mesh_info.mesh)
+    # Shaped as the field was: [k, *rows], or rows where it was sent as [1, *shape].
+    holders[0].__dict__[field] = rows if holders[0].__dict__[field].dim() == rows.dim() else rows[0]
+    done[id(param)] = note
 
 
 #: Elements of one collective's buffer in :func:`reduced_rows` (8 MiB of float64), so that

@@ -73,20 +73,24 @@ class Accumulation:
         return (global_step, count, index) == (self.global_step, self.count, self.next)
 
     def add(self, batch: Batch, sums: Mapping[str, Mapping[str, torch.Tensor]],
-            reductions: Mapping[str, str], gradient_sum: Optional[str] = None):
+            reductions: Mapping[str, str], gradient_sum: Optional[str] = None,
+            squared_norms: Optional[Mapping[str, Any]] = None):
         """Add one micro-batch's ``{name: declared sums}`` (per-example units).
 
         ``"sum"`` sums are added (the first kept as given: never altered in
         place, it may be a view of what the backward pass left); ``"cat"``
         rows are kept per micro-batch and joined by :meth:`total`.
         ``gradient_sum`` names the sum that is the micro-batch's gradient,
-        whose squared norm is recorded in :attr:`micro_batches`.
+        whose squared norm is recorded in :attr:`micro_batches` (``squared_norms[name]``
+        where given: that of this process's gradient, whose sum holds only its rows of every
+        process's under FSDP2).
         """
         self.next += 1
         self.batches.append(batch)
         if gradient_sum is not None:
             self.micro_batches.append(MicroBatchGradient(batch.examples, batch.loss_scale, {
-                name: functional.squared_norm(named[gradient_sum], defer=True)
+                name: squared_norms[name] if name in (squared_norms or {})
+                else functional.squared_norm(named[gradient_sum], defer=True)
                 for name, named in sums.items()
             }))
         if self.sums is None:

@@ -290,7 +290,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         if self.supports_fsdp2 and joins:
             sharded.clear()  # what a failed backward pass left on FSDP2's unsharded parameters
         step = Step.begin(global_step, self if joins else None)
-        for field in self._savefields:
+        for field in self._savefields + ((LOCAL_GRADIENT_SAVEFIELD,) if self.reads_local_gradient else ()):
             readers = step.readers.setdefault(field, [])
             readers += [] if self in readers else [self]
         if joins:

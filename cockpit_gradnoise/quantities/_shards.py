@@ -129,13 +129,20 @@ def local_weights(local: Tensor, cut: Cut, rank: int) -> Tensor:
         f"process's sums hold {stop - start}: a layout not supported")
 
 
-def added_across_processes(values: List[Tuple[float, float, int]]) -> List[Tuple[float, float, int]]:
+def added_across_processes(values: List[Tuple[float, float, int]],
+                           added: Optional[List[Tuple[bool, bool]]] = None) -> List[Tuple[float, float, int]]:
     """``(S, M, N)`` per parameter with ``S`` and ``M`` (sums over elements, each process's
     over its own) added over the processes, in rank order: the same floats on every process.
 
+    ``added``: per parameter, which of ``S`` and ``M`` are this process's part (the others,
+    the same on every process already, are kept); default both.
+
     Collective (one ``all_reduce`` of ``W x 2P`` float64 numbers).
     """
-    local = torch.tensor([float(v) for value in values for v in value[:2]], dtype=torch.float64)
+    added = [(True, True)] * len(values) if added is None else added
+    local = torch.tensor([float(v) if a else 0.0 for value, flags in zip(values, added)
+                          for v, a in zip(value[:2], flags)], dtype=torch.float64)
     table = distributed.gather_rows(local).tolist()
     totals = [math.fsum(column) for column in zip(*table)]
-    return [(totals[2 * k], totals[2 * k + 1], value[2]) for k, value in enumerate(values)]
+    return [tuple(totals[2 * k + j] if flags[j] else value[j] for j in (0, 1)) + (value[2],)
+            for k, (value, flags) in enumerate(zip(values, added))]

@@ -99,11 +99,11 @@ def _sharded_in_backward(step, parts, params) -> set:
     """``{(quantity, name, sum name)}`` of the per-element sums that FSDP2's parameters'
     hooks reduce-scattered inside the backward pass (:meth:`DeclaredSums.arm_reduction_in_backward`):
     this process's rows of the global sums already, not reduced again."""
-    done = step.presharded
-    if not done:
+    if not step.presharded:
         return set()
     return {(q, name, sum_name) for q, part in parts.items() if part is not None and q.sums_sharded_in_backward
-            for name, param in q.trainable(params) if id(param) in done and name in part[1]
+            for name, param in q.trainable(params)
+            if id(param) in step.presharded.get(q.sums_sharded_in_backward, ()) and name in part[1]
             for sum_name, value in part[1][name].items() if value.dim() > 0}
 
 
@@ -223,8 +223,23 @@ class DeclaredSums:
         :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`."""
         field = self.sums_sharded_in_backward
         if field and self.supports_fsdp2 and distributed.world_size() > 1:
-            sharded.reduce_in_backward(step, field, lambda: _scale_in_backward(step, field),
-                                       step.presharded)
+            sent = self.sent_in_backward(step, lambda: _scale_in_backward(step, field))
+            sharded.reduce_in_backward(step, field, sent, step.presharded.setdefault(field, {}))
+
+    def sent_in_backward(self, step: Step, scale) -> sharded.Prepare:
+        """What :meth:`arm_reduction_in_backward` reduce-scatters of a parameter (``prepare``
+        of :func:`.extensions.sharded.reduce_in_backward`), ``scale()`` being this process's
+        loss scale: by default the per-element sums ``[k, *shape]`` of the savefield, row 0
+        in units of ``c``, the others of ``c**2``."""
+        return sharded.sums_in_units(self.sums_sharded_in_backward, scale)
+
+    def noted_squared_norms(self, step: Step, params) -> Dict[str, Any]:
+        """``{name: ||sum_i g_i||^2}`` of this process's micro-batch gradient, noted by the
+        hooks of :meth:`arm_reduction_in_backward` before they reduce-scattered it (the
+        ``micro_batch_gradient`` sum is then this process's rows of every process's)."""
+        notes = step.presharded.get(self.sums_sharded_in_backward, {}) if self.micro_batch_gradient else {}
+        return {name: notes[id(param)] for name, param in self.trainable(params)
+                if notes.get(id(param)) is not None}
 
     def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
         """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.
@@ -285,7 +300,7 @@ class DeclaredSums:
             held.next += 1
             held.void = held.void or held.error is None
         else:
-            held.add(*part, self.sums, self.micro_batch_gradient)
+            held.add(*part, self.sums, self.micro_batch_gradient, self.noted_squared_norms(step, params))
         return held
 
     def _warn_incomplete(self, step, held):

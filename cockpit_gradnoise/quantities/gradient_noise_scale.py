@@ -1,10 +1,18 @@
 """The simple gradient noise scale of McCandlish et al. 2018, per layer, from one batch."""
 
+import functools
 import math
 
 from cockpit_gradnoise import _device, functional
-from cockpit_gradnoise.extensions import PerExampleSquaredNorms
+from cockpit_gradnoise.extensions import (
+    BATCH_L2_SAVEFIELD,
+    LOCAL_GRADIENT_SAVEFIELD,
+    PerExampleSquaredNorms,
+    sharded,
+)
+from cockpit_gradnoise.extensions.precision import widened
 from cockpit_gradnoise.logs import schema
+from cockpit_gradnoise.quantities import _shards
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.step_checks import check_example_count
@@ -60,6 +68,12 @@ class GradientNoiseScale(ParameterQuantity):
     holds the earlier micro-batches too), and the squared norm of each
     micro-batch's is kept in :attr:`micro_batch_gradients`.
 
+    Under FSDP2 each process's local gradient of a layer (``sum_i g_i`` of its
+    examples) is reduce-scattered inside the backward pass, as soon as the
+    layer's gradient is accumulated, each process keeping the rows of the sum
+    that FSDP2 gives it of the parameter (``sums_sharded_in_backward``); ``M``
+    adds every process's squared norm of its rows.
+
     Args:
         track_schedule: Function from step to bool.
         smoothing: Weight of the past in the moving averages, in ``[0, 1)``:
@@ -77,6 +91,7 @@ class GradientNoiseScale(ParameterQuantity):
     sums = {"sum_of_squared_norms": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = True
     micro_batch_gradient = "sum_of_gradients"  # sum_i g_i, kept per micro-batch
+    sums_sharded_in_backward = LOCAL_GRADIENT_SAVEFIELD  # under FSDP2: each process keeps its rows
     # A ratio of two sums of squares, both scaled by 1/c^2; and the count.
     loss_free_statistics = (schema.B_SIMPLE, schema.BATCH_SIZE)
 
@@ -91,9 +106,21 @@ class GradientNoiseScale(ParameterQuantity):
         self.smoothing = float(smoothing)
         # {name: (EMA of trace_cov, EMA of grad_sq)}
         self._averages = {}
+        # Under FSDP2, the local gradients reduce-scattered in the backward pass: {id: note},
+        # and {name} of those parameters (step_context); whether each value's M is this
+        # process's part, in the order formed (named_value_from_sums).
+        self._presharded, self._partial_names, self._partial = {}, set(), []
 
     def step_context(self, step, params):
+        self._presharded = step.presharded.get(LOCAL_GRADIENT_SAVEFIELD, {})
+        self._partial_names = {name for name, param in self.trainable(params) if id(param) in self._presharded}
+        self._partial = []
         return step.loss_batch(self)
+
+    def sent_in_backward(self, step, scale):
+        if self.sums_sharded_in_backward != LOCAL_GRADIENT_SAVEFIELD:  # a subclass's own sums
+            return super().sent_in_backward(step, scale)
+        return functools.partial(_gradient_to_send, step, scale)
 
     def accepts(self, batch):
         if batch.examples < 2:
@@ -110,13 +137,9 @@ class GradientNoiseScale(ParameterQuantity):
         check_example_count(squared_norms.shape[0], batch.examples)
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2; param.grad = c * sum_i g_i.
         total = squared_norms.sum(dtype=torch.float64)
-        # Every contribution exactly 0 (a structural zero: an attention key's bias): so is
-        # the gradient, where autograd's is rounding noise.
         gradient = self.local_gradient(param)
-        if not _device.on_host(total):
-            gradient = torch.where(total != 0, gradient, 0.0)  # != keeps a NaN (no sync)
-        elif total.item() == 0:  # the CPU reads it at no cost; no copy of the gradient
-            gradient = torch.zeros_like(gradient)
+        if id(param) not in self._presharded:  # else applied before it was reduce-scattered
+            gradient = without_rounding_noise(gradient, total)
         if batch.loss_scale != 1.0:
             gradient = gradient / batch.loss_scale
         # The gradient itself may be passed on (a view): the sums are never altered.
@@ -131,6 +154,17 @@ class GradientNoiseScale(ParameterQuantity):
         mean_squared_norm = functional.scalar(sums["sum_of_squared_norms"] / n)
         squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"], defer=True) / n**2
         return mean_squared_norm, squared_norm_of_mean, n
+
+    def named_value_from_sums(self, name, sums, batch):
+        # FSDP2: M of this process's rows of the gradient, added in statistics_of_values.
+        self._partial.append(name in self._partial_names)
+        return self.value_from_sums(sums, batch)
+
+    def statistics_of_values(self, values, network):
+        partial, self._partial = self._partial, []
+        if any(partial):  # the same parameters on every process: collective everywhere or nowhere
+            values = _shards.added_across_processes(values, [(False, p) for p in partial])
+        return super().statistics_of_values(values, network)
 
     def network_value(self, values):
         return sum(v[0] for v in values), sum(v[1] for v in values), values[0][2]
@@ -164,6 +198,43 @@ class GradientNoiseScale(ParameterQuantity):
         """Update the moving averages of ``name`` and return their ratio."""
         return smoothed_noise_scale(self._averages, name, stats[schema.TRACE_COV],
                                     stats[schema.GRAD_SQ], self.smoothing)
+
+
+def without_rounding_noise(gradient: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``gradient`` (``sum_i x_i``), or 0 where ``total = sum_i ||x_i||^2`` is exactly 0.
+
+    Every contribution exactly 0 (a structural zero: an attention key's bias): so is the
+    gradient, where autograd's is rounding noise. A NaN ``total`` keeps the gradient.
+    """
+    if not _device.on_host(total):
+        return torch.where(total != 0, gradient, 0.0)  # != keeps a NaN (no sync)
+    if total.item() == 0:  # the CPU reads it at no cost; no copy of the gradient
+        return torch.zeros_like(gradient)
+    return gradient
+
+
+def _gradient_to_send(step, scale, holder):
+    """What FSDP2's hook reduce-scatters of a layer's local gradient ``sum_i x_i``
+    (:func:`.extensions.sharded.reduce_in_backward`): ``[1, *shape]`` in units of this
+    process's loss scale ``c``, in float32 or wider, after :func:`without_rounding_noise`
+    (a rule of this process's examples, applied before the sum over processes as after
+    the backward pass); noted under accumulation, this process's ``||sum_i g_i||^2``
+    (its micro-batch gradient, :attr:`GradientNoiseScale.micro_batch_gradients`).
+    ``None`` (left alone, reduced after the backward pass) without the per-example norms
+    beside it, or where the scale is not wanted: on every process alike."""
+    if BATCH_L2_SAVEFIELD not in holder.__dict__:
+        return None
+    c = sharded.loss_scale_or_nan(scale)
+    if c is None:
+        return None
+    total = holder.__dict__[BATCH_L2_SAVEFIELD].detach().sum(dtype=torch.float64)
+    gradient = without_rounding_noise(widened(holder.__dict__[LOCAL_GRADIENT_SAVEFIELD].detach()), total)
+    try:
+        micro = step.micro_batch() is not None
+    except (TypeError, ValueError):  # refused at the call already
+        micro = False
+    note = functional.squared_norm(gradient / c, defer=True) if micro else None
+    return gradient.unsqueeze(0), [c], note
 
 
 def smoothed_noise_scale(averages: dict, name: str, trace_cov: float, grad_sq: float,

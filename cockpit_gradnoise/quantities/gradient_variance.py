@@ -115,7 +115,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
     def step_context(self, step, params):
         # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
         self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
-        self._cuts = _shards.cuts(self.trainable(params), step.presharded)
+        self._cuts = _shards.cuts(self.trainable(params), step.presharded.get(SUMS_SAVEFIELD, {}))
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
         # One batch on one process: the sums stay in units of x (scale 1), as sd

@@ -133,7 +133,7 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         # One batch on one process: the sums stay in units of x_i = c g_i, and the two
         # scalars are divided by c^2 (no pass over them); else in units of g_i, to add.
         self._scalars_scaled = micro is None and distributed.world_size() == 1
-        self._cuts = _shards.cuts(self.trainable(params), step.presharded)
+        self._cuts = _shards.cuts(self.trainable(params), step.presharded.get(SUMS_SAVEFIELD, {}))
         if micro is not None and not micro.last:
             return batch  # P is read after the last micro-batch, from the step's gradient
         try:
