@@ -21,8 +21,9 @@ exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, 
 their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
 state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
 accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.track`` on the model built, split, then
-sharded (the "adaptive" and "norms" presets); refused by name: a cockpit over the layer
-sharded on ``dp`` alone.
+sharded (the "adaptive" and "norms" presets); test_tensor_parallel's Sequence model with its
+norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities); refused by
+name: a cockpit over the layer sharded on ``dp`` alone.
 """
 
 import functools
@@ -143,8 +144,34 @@ def two_batch(mesh=None):
     return test_fsdp2.table(cockpit)
 
 
+def sequence(mesh=None):
+    """test_tensor_parallel's Sequence model (torchtitan's layout: norms under SequenceParallel)
+    split on ``tp`` by its sequence_plan, its norm and its split layers sharded on ``dp`` (and
+    the root), tracked by the five quantities over two SGD steps of a mean loss: each ``dp``
+    group 2 of the step's 4 sequences (equal shares: FSDP2's mean over ``dp`` is the global
+    batch's gradient). Without ``mesh``, one process with all 4."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = test_tensor_parallel.make_model("sequence")
+    batches = [[test_tensor_parallel.make_batch("sequence", 4, seed=100 * step)] for step in range(2)]
+    if mesh is not None:
+        test_tensor_parallel.sequence_plan(model, mesh["tp"])
+        for name in ("norm", "fc1", "fc2"):
+            fully_shard(model.block[name], mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        part = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+        batches = [[(x[part], y[part]) for x, y in micro] for micro in batches]
+    named = test_fsdp2.trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=test_tensor_parallel.quantities(dict(named)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in test_tensor_parallel
+        test_fsdp2.run_steps(model, cockpit, batches, "mean")
+    return test_fsdp2.table(cockpit)
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs["sequence"] = sequence
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
     jobs.update({f"track_{preset}": functools.partial(
@@ -211,6 +238,18 @@ def test_cgn_track_after_splitting_and_sharding_equals_one_process(group, preset
     tables = results_of(group, WORLD, f"track_{preset}")
     assert_identical(tables)
     assert_tables_match(tables[0], test_tensor_parallel.front_door(quantities=preset))
+
+
+def test_sequence_parallel_norms_under_fsdp2_equal_one_process(group):
+    """Norms under SequenceParallel inside FSDP2: their contributions added over ``tp`` (each
+    process's positions), the ``dp`` groups' examples added as under FSDP2."""
+    tables = results_of(group, WORLD, "sequence")
+    assert_identical(tables)
+    expected = sequence()
+    assert_tables_match(tables[0], expected)
+    assert {"block.norm.weight", "block.norm.bias", "norm.weight", "all"} <= {key[2] for key in expected}
+    assert {key[1] for key in expected} == {"GradientVarianceQuantiles", "GradientNoiseScale",
+                                            "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
 
 
 def test_layers_sharded_on_dp_alone_are_refused_by_name(group):

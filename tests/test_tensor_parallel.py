@@ -19,8 +19,12 @@ Rowwise); PreconditionedNoiseScale with Adam (its state DTensors placed as the s
 parameters); TwoBatchNoiseScale over the accumulated micro-batches; FSDP2 over tensor
 parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job; 2 x 2:
 test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
-shard meshes, each process its own examples); left out by name: a layer under
-SequenceParallel (its input split along positions).
+shard meshes, each process its own examples); SequenceParallel (the Sequence model split by
+sequence_plan, torchtitan's layout: a LayerNorm and an RMSNorm on each process's positions,
+their contributions added over the mesh) with every quantity, a mean loss and a sum loss
+over two micro-batches, TwoBatchNoiseScale, PreconditionedNoiseScale with Adam, cgn.track's
+presets and FSDP2 over it on a 1 x 2 mesh; left out by name: a Linear under SequenceParallel
+(its input split along positions).
 """
 
 import functools
@@ -84,6 +88,61 @@ class Attention(nn.Module):
         return self.head(torch.tanh(self.o(mixed)).mean(1))
 
 
+class Sequence(nn.Module):
+    """A Megatron-style block on ``[N, 4, 6]`` sequences, split as torchtitan's llama plan
+    (:func:`plan`): a plain layer on whole sequences, then a LayerNorm under SequenceParallel,
+    ``fc1`` Colwise, ``fc2`` Rowwise back to positions, a residual, an RMSNorm under
+    SequenceParallel, the head Colwise gathered whole (the loss not parallel), the logits'
+    mean over positions classified; an unused layer."""
+
+    def __init__(self, width=8, hidden=16, classes=4):
+        super().__init__()
+        self.embed = nn.Linear(6, width)
+        self.block = nn.ModuleDict({"norm": nn.LayerNorm(width), "fc1": nn.Linear(width, hidden),
+                                    "fc2": nn.Linear(hidden, width)})
+        self.norm, self.head, self.unused = nn.RMSNorm(width), nn.Linear(width, classes), nn.Linear(2, 2)
+
+    def forward(self, x):
+        x = self.positions(self.embed(x))
+        block = self.block
+        x = x + block["fc2"](torch.tanh(block["fc1"](block["norm"](x))))
+        return self.head(self.norm(x)).mean(1)
+
+    def positions(self, x):
+        """The residual stream: whole, or this process's positions where the plan says so."""
+        cut = getattr(self, "cut", None)
+        return x if cut is None else cut(x)
+
+
+class Cut(nn.Module):
+    """An identity whose input PrepareModuleInput cuts along positions (``Shard(1)``)."""
+
+    def forward(self, x):
+        return x
+
+
+def sequence_plan(model, mesh):
+    """torchtitan's layout: the residual stream split along positions (``Shard(1)``) from
+    the block on; norms under SequenceParallel; fc2's output reduce-scattered to positions;
+    the head's input gathered (``input_layouts=Shard(1)``) and its output whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    model.cut = Cut()
+    return parallelize_module(model, mesh, {
+        "cut": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                  use_local_output=True),
+        "block.norm": SequenceParallel(), "block.fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "block.fc2": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+
+
 def plan(job):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -95,14 +154,15 @@ def plan(job):
 
 def make_model(job):
     torch.manual_seed(0)
-    return cgn.prepare_model((Attention() if job == "attention" else Net()).double())
+    classes = {"attention": Attention, "sequence": Sequence}
+    return cgn.prepare_model(classes.get(job.split("_")[0], Net)().double())
 
 
 def make_batch(job, n, seed):
     generator = torch.Generator().manual_seed(seed)
-    shape = (n, 3, 8) if job == "attention" else (n, 5)
+    shape = {"attention": (n, 3, 8), "sequence": (n, 4, 6)}.get(job.split("_")[0], (n, 5))
     return (torch.randn(*shape, dtype=torch.float64, generator=generator),
-            torch.randint(0, 3, (n,), generator=generator))
+            torch.randint(0, 4 if job.startswith("sequence") else 3, (n,), generator=generator))
 
 
 def per_example(names):
@@ -128,6 +188,8 @@ JOBS = {  # job: (reduction, micro-batch sizes)
     "accumulation": ("mean", (3, 4)),
     "attention": ("mean", (4,)),
 }
+# SequenceParallel: the Sequence model split by sequence_plan.
+SEQUENCE_JOBS = {"sequence": ("mean", (4,)), "sequence_accumulation": ("sum", (3, 2))}
 
 
 def trainable(model):
@@ -141,7 +203,7 @@ def table(cockpit):
 
 def run_steps(job, model, cockpit, steps):
     """Tracked steps of ``job``: the same batches on every process and on one process."""
-    reduction, sizes = JOBS[job]
+    reduction, sizes = {**JOBS, **SEQUENCE_JOBS}[job]
     named = trainable(model)
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
@@ -166,7 +228,10 @@ def tracked(job, mesh=None, make_quantities=quantities, layout=None, steps=2):
     if mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, mesh, plan(job) if layout is None else layout)
+        if job.startswith("sequence"):
+            sequence_plan(model, mesh)
+        else:
+            parallelize_module(model, mesh, plan(job) if layout is None else layout)
     named = trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=make_quantities(dict(named)))
     with warnings.catch_warnings(record=True) as caught:
@@ -212,6 +277,46 @@ def front_door(mesh=None, quantities="adaptive", split=None, rank=None):
     return test_fsdp2_track.table(tracker)
 
 
+def sequence_adam(mesh=None):
+    """PreconditionedNoiseScale with Adam on the Sequence model, two steps: the norms' ``P``
+    from their ``Partial`` gradients (torch completes the sum in Adam's update)."""
+    model = make_model("sequence")
+    if mesh is not None:
+        sequence_plan(model, mesh)
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
+        cgn.PreconditionedNoiseScale(linear(1), param_names=dict(named))])
+    optimizer = torch.optim.Adam([p for _, p in named], lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the sequence job's test
+        for step in range(2):
+            x, y = make_batch("sequence", 4, seed=7 + step)
+            optimizer.zero_grad()
+            outputs = model(x)
+            loss = F.cross_entropy(outputs, y)
+            with cockpit(step, info=test_fsdp2.info(outputs, y, loss, optimizer=optimizer)):
+                loss.backward()
+            optimizer.step()
+    return table(cockpit)
+
+
+def sequence_front_door(mesh=None, quantities="adaptive"):
+    """``cgn.track`` on the Sequence model built, split by sequence_plan, then tracked (on one
+    process not split), two micro-batches of 3 and 2 sequences per step: the table."""
+    torch.manual_seed(0)
+    model = Sequence().double()
+    if mesh is not None:
+        sequence_plan(model, mesh)
+    model, tracker = cgn.track(model, every=1, quantities=quantities,
+                               quantiles=None if quantities == "norms" else QUANTILES)
+    batches = [[make_batch("sequence", size, seed=10 * step + k) for k, size in enumerate((3, 2))]
+               for step in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the sequence job's test
+        test_fsdp2_track.run_tracked(model, tracker, batches)
+    return test_fsdp2_track.table(tracker)
+
+
 class NotMarked(cgn.GradientNoiseScale):
     """A quantity not marked exact under tensor parallelism (``supports_tensor_parallel``)."""
 
@@ -239,20 +344,25 @@ def sequence_split(mesh):
                    steps=1)
 
 
-def fsdp2_inside(world):
+def fsdp2_inside(world, job="mean"):
     """FSDP2 on ``dp`` of a 1 x 2 ``("dp", "tp")`` mesh over tensor parallelism on ``tp``: the
-    table of the mean job (every process the same examples)."""
+    table of ``job`` (every process the same examples)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    model = make_model("mean")
-    parallelize_module(model, mesh["tp"], plan("mean"))
+    model = make_model(job)
+    if job.startswith("sequence"):
+        sequence_plan(model, mesh["tp"])
+    else:
+        parallelize_module(model, mesh["tp"], plan(job))
     fully_shard(model, mesh=mesh["dp"])
     named = trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=quantities(dict(named)))
-    run_steps("mean", model, cockpit, steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the single-mesh tests
+        run_steps(job, model, cockpit, steps=2)
     return table(cockpit)
 
 
@@ -292,13 +402,18 @@ def worker(rank, world, port, out):
         return lambda mesh: test_fsdp2.fsdp2_job(
             job, world, rank, init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
 
-    jobs = {job: functools.partial(tracked, job) for job in JOBS}
+    jobs = {job: functools.partial(tracked, job) for job in {**JOBS, **SEQUENCE_JOBS}}
+    jobs["sequence_two_batch"] = functools.partial(tracked, "sequence_accumulation", make_quantities=two_batch)
+    jobs["sequence_adam"] = sequence_adam
+    jobs.update({f"sequence_track_{preset}": functools.partial(sequence_front_door, quantities=preset)
+                 for preset in PRESETS})
     jobs.update({f"hsdp_{job}": hsdp(job, shape) for job, shape in HSDP.items()})
     jobs["adam"] = adam
     jobs["two_batch"] = functools.partial(tracked, "accumulation", make_quantities=two_batch)
     jobs.update({f"track_{preset}": functools.partial(front_door, quantities=preset) for preset in PRESETS})
     jobs["hsdp_refused"] = lambda mesh: hsdp_refused(world)
     jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
+    jobs["sequence_fsdp2_inside"] = lambda mesh: fsdp2_inside(world, "sequence_accumulation")
     jobs["sequence_split"] = sequence_split
     jobs["track_refused"] = track_refused
     run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
@@ -419,3 +534,55 @@ def test_hsdp_refuses_the_quantities_that_add_shard_sums_by_name(group):
         assert "TwoBatchNoiseScale" in messages["norms"] and "HSDP" in messages["norms"]
         assert messages["exact"] is None
         assert "GradientVarianceQuantiles" in messages["explicit"] and "HSDP" in messages["explicit"]
+
+
+SEQUENCE_SPLIT = ["block.fc1.bias", "block.fc1.weight", "block.fc2.bias", "block.fc2.weight",
+                  "block.norm.bias", "block.norm.weight", "head.bias", "head.weight", "norm.weight"]
+
+
+@pytest.mark.parametrize("job", list(SEQUENCE_JOBS))
+def test_sequence_parallel_norms_equal_one_process(group, job):
+    """torchtitan's layout (Sequence, sequence_plan): each process's per-example contributions
+    to a norm's parameters are sums over its positions, added over the mesh before any square;
+    every quantity and row as on one process (mean loss; sum loss over two micro-batches)."""
+    results = results_of(group, WORLD, job)
+    expected = tracked(job)["table"]
+    assert_tables_match(agreed_table(results), expected)
+    assert results[0]["split"] == SEQUENCE_SPLIT
+    rows = {(key[1], key[2]) for key in expected}
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                     "GradientVarianceQuantiles"):
+        assert {(quantity, name) for name in SEQUENCE_SPLIT + ["embed.weight", "all"]} <= rows, quantity
+    assert any("unused.weight" in message for message in results[0]["warnings"])
+    assert not any("norm" in message for message in results[0]["warnings"])
+
+
+def test_sequence_parallel_two_batch_and_adam_equal_one_process(group):
+    """TwoBatchNoiseScale (the norms' gradients Partial: summed over the mesh before their
+    squares) and PreconditionedNoiseScale with Adam on the Sequence model."""
+    two_batch_table = agreed_table(results_of(group, WORLD, "sequence_two_batch"))
+    expected = tracked("sequence_accumulation", make_quantities=two_batch)["table"]
+    assert_tables_match(two_batch_table, expected)
+    assert {"block.norm.weight", "norm.weight"} <= {key[2] for key in expected}
+    tables = results_of(group, WORLD, "sequence_adam")
+    assert_identical(tables)
+    expected = sequence_adam()
+    assert_tables_match(tables[0], expected)
+    assert {"block.norm.weight", "norm.weight", "all"} <= {key[2] for key in expected}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cgn_track_under_sequence_parallel_equals_one_process(group, preset):
+    tables = results_of(group, WORLD, f"sequence_track_{preset}")
+    assert_identical(tables)
+    expected = sequence_front_door(quantities=preset)
+    assert_tables_match(tables[0], expected)
+    assert {"block.norm.weight", "norm.weight", "all"} <= {key[2] for key in expected}
+
+
+def test_fsdp2_over_sequence_parallel_on_one_dp_process_equals_one_process(group):
+    tables = results_of(group, WORLD, "sequence_fsdp2_inside")
+    assert_identical(tables)
+    expected = tracked("sequence_accumulation")["table"]
+    assert_tables_match(tables[0], expected)
+    assert {"block.norm.weight", "norm.weight", "all"} <= {key[2] for key in expected}

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, Tuple, Type
 
-from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions import facts, tensor_parallel
 from cockpit_gradnoise.extensions._squares import squared_norms_of
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -217,6 +217,8 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
         input = subsample(module.input0, subsampling=subsampling)
         grad_output = subsample(g_out[0], subsampling=subsampling)
         contributions = self._contributions_of(module, input, grad_output, name)
+        # SequenceParallel: this process's positions' part, added over the mesh (.tensor_parallel).
+        contributions = tensor_parallel.whole_contributions(module, contributions)
         facts.recording().layer_cache.put(slot, sources, contributions, key)
         return contributions
 

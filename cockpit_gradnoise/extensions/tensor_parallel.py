@@ -33,13 +33,26 @@ distinct examples, whose sums the reduction across processes adds as under FSDP2
 The two-batch noise scale, which runs no rule, reads this process's local gradients:
 :func:`norm_counts` says which of their squared norms each process adds over the mesh.
 
+``SequenceParallel`` on ``nn.LayerNorm`` and ``nn.RMSNorm`` (:data:`SEQUENCE_NORMS`): the
+weight is replicated and the input split along positions (``Shard(1)``), so each
+process's contributions ``x_i^(r) = sum_{p in r} x_hat_ip G_ip`` are partial sums
+over its positions, ``x_i = sum_r x_i^(r)``, and squares do not add. The output
+gradient is brought to the input's placements (:func:`local_call`), and the
+normalization rule adds each example's contributions over the mesh
+(:func:`whole_contributions`, one ``all_reduce`` of ``[N, *param.shape]`` per
+parameter and backward pass) before any extension reduces them: norms, sums and
+the local gradient are then whole and the same on every process, as a replicated
+parameter's (counted once). Its ``param.grad`` is a ``Partial`` DTensor (torch
+leaves the sum to whoever reads it): :func:`local_values` completes it for the
+two-batch noise scale.
+
 Refused by name (:func:`unsupported_call`, :func:`unsupported_layout`):
-layers other than ``nn.Linear`` with DTensor parameters or inputs (a
-``RowwiseParallel`` Embedding: its rule reads global row indices), an input
-or output gradient split along positions (``SequenceParallel`` and
-``Shard(1)`` layouts: each process's per-example gradients are partial sums
-over its positions, whose squared norms do not add) or partial, and a mesh of
-more than one dimension or not over every process (but FSDP2's ``dp`` x ``tp``:
+other layers with DTensor parameters or inputs (a ``RowwiseParallel`` Embedding:
+its rule reads global row indices), a Linear whose input or output gradient is
+split along positions (a Linear under ``SequenceParallel``: its per-example
+gradients are partial sums over positions) or partial, a normalization layer
+split along its examples or normalized dimensions, and a mesh of more than one
+dimension or not over every process (but FSDP2's ``dp`` x ``tp``:
 :func:`.sharded.unsupported_layout`).
 """
 
@@ -79,19 +92,61 @@ def unsupported_layout(param) -> Optional[str]:
     return None
 
 
+#: Layers exact under ``SequenceParallel`` (by exact class: their rule is normalization's,
+#: which adds the contributions over the mesh): the module docstring.
+SEQUENCE_NORMS = tuple(c for c in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if c is not None)
+
+
+def sequence_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is one of :data:`SEQUENCE_NORMS`, by exact class (FSDP2's class for
+    it, ``FSDP<name>`` of ``(FSDPModule, class)``, seen through)."""
+    kind = type(module)
+    if kind.__name__.startswith("FSDP") and len(kind.__bases__) == 2 and kind.__bases__[0].__name__ == "FSDPModule":
+        kind = kind.__bases__[1]
+    return kind in SEQUENCE_NORMS
+
+
 def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional[str]:
     """Why a call with DTensors cannot give exact per-example results, or ``None``."""
+    if sequence_norm(module):
+        return _unsupported_norm_call(module, inputs, g_out)
     if not isinstance(module, nn.Linear):
         return (f"tensor parallelism on a {type(module).__name__} (only nn.Linear layers "
-                "split by ColwiseParallel or RowwiseParallel are supported)")
+                "split by ColwiseParallel or RowwiseParallel, and nn.LayerNorm and nn.RMSNorm "
+                "under SequenceParallel, are supported)")
     for what, tensor in (("input", inputs[0] if inputs else None), ("output gradient", g_out[0])):
         for placement in getattr(tensor, "placements", ()) if is_dtensor(tensor) else ():
             if placement.is_partial():
                 return f"its {what} is a partial sum over processes ({placement})"
             if placement.is_shard() and placement.dim % tensor.ndim != tensor.ndim - 1:
                 return (f"its {what} is split along positions ({placement}: SequenceParallel "
-                        "or a sequence-sharded layout), where each process's per-example "
-                        "gradients are partial sums whose squared norms do not add")
+                        "or a sequence-sharded layout on a Linear), where each process's "
+                        "per-example gradients are partial sums whose squared norms do not add "
+                        "(only nn.LayerNorm and nn.RMSNorm are supported under SequenceParallel)")
+    return None
+
+
+def _unsupported_norm_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional[str]:
+    """Why a normalization layer's call with DTensors cannot be made exact, or ``None``: its
+    input must be placed on a 1-D mesh, split along positions only (between the examples and
+    ``normalized_shape``) or replicated, its parameters replicated."""
+    x = inputs[0] if inputs else None
+    if not is_dtensor(x):
+        return "its input is not a DTensor while its parameters are (a layout not examined)"
+    if x.device_mesh.ndim != 1:
+        return f"its input is placed on a {x.device_mesh.ndim}-D mesh (only a 1-D one is supported)"
+    positions = range(1, x.ndim - len(module.normalized_shape))
+    for placement in x.placements:
+        if placement.is_partial():
+            return f"its input is a partial sum over processes ({placement})"
+        if placement.is_shard() and placement.dim % x.ndim not in positions:
+            split = "examples" if placement.dim % x.ndim == 0 else "normalized dimensions"
+            return f"its input is split along its {split} ({placement}; SequenceParallel splits positions)"
+    for _, _, placements in split_parameters(module.parameters(recurse=False)):  # on tp (FSDP2: unsharded)
+        if not all(p.is_replicate() for p in placements):
+            return f"its parameters are placed {placements} (SequenceParallel replicates them)"
+    if not is_dtensor(g_out[0]) and g_out[0].shape != x.to_local().shape:
+        return "its output gradient is a plain tensor not placed as its input"
     return None
 
 
@@ -112,7 +167,46 @@ def local_call(module: nn.Module, inputs: tuple, output, g_out: tuple):
             if param.requires_grad:
                 recording.refuse(param, why)
         return None
+    if sequence_norm(module) and is_dtensor(g_out[0]) and g_out[0].placements != inputs[0].placements:
+        # The positions of this process's input: the same cut of the output gradient.
+        g_out = (g_out[0].redistribute(inputs[0].device_mesh, inputs[0].placements), *g_out[1:])
     return tuple(map(local, inputs)), local(output), tuple(map(local, g_out))
+
+
+def whole_contributions(module: nn.Module, contributions):
+    """A normalization layer's per-example contributions ``[N, *param.shape]`` of this
+    call, added over the tensor-parallel mesh where its input is split along positions
+    (``SequenceParallel``: each process's are the sums over its positions); else as they are.
+
+    Collective over the input's mesh (one ``all_reduce``): every process of the mesh runs the
+    same layers' rules in the same order (the backward pass of the same model).
+    """
+    call = facts.recording().call
+    x = call.inputs[0] if call is not None and call.inputs else None
+    if not sequence_norm(module) or not is_dtensor(x) or not any(p.is_shard() for p in x.placements):
+        return contributions
+    import torch
+    import torch.distributed as dist
+
+    summed = contributions.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(summed, group=x.device_mesh.get_group())
+    return summed
+
+
+def completed(tensor):
+    """A DTensor with its partial sums over the mesh added (``Partial`` placements made
+    ``Replicate``: a ``SequenceParallel`` norm's gradient, each process's the part of its
+    positions; collective there); any other tensor as it is."""
+    if not is_dtensor(tensor) or not any(p.is_partial() for p in tensor.placements):
+        return tensor
+    from torch.distributed.tensor import Replicate
+
+    return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
+
+
+def local_values(tensor):
+    """This process's values of a DTensor, :func:`completed` first; any other tensor as it is."""
+    return completed(tensor).to_local() if is_dtensor(tensor) else tensor
 
 
 def local(tensor):
@@ -121,8 +215,9 @@ def local(tensor):
 
 
 def splits(module: nn.Module) -> bool:
-    """Whether ``module`` holds a DTensor parameter of its own."""
-    return any(map(is_dtensor, module.parameters(recurse=False)))
+    """Whether ``module`` is a Linear holding a DTensor parameter of its own (its local
+    gradient from :func:`save_local_gradient`; a norm's from its rule, :func:`whole_contributions`)."""
+    return isinstance(module, nn.Linear) and any(map(is_dtensor, module.parameters(recurse=False)))
 
 
 def save_local_gradient(extension, module: nn.Module, g_out: tuple) -> bool:

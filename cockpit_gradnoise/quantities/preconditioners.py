@@ -12,6 +12,7 @@ approximation.
 
 from typing import Dict, Optional
 
+from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.functional import preconditioner as formulas
 
 import torch
@@ -91,7 +92,7 @@ class OptimizerPreconditioner:
 def _gradient(param: Tensor, group: dict, decoupled: bool = False) -> Tensor:
     """The gradient the step adds to the moment: ``-grad`` under ``maximize``, plus
     ``weight_decay * param`` unless the decay is decoupled (AdamW)."""
-    grad = param.grad.detach()
+    grad = tensor_parallel.completed(param.grad.detach())  # a SequenceParallel norm's: Partial
     if group.get("maximize", False):
         grad = -grad
     decay = group.get("weight_decay", 0)

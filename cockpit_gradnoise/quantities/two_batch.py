@@ -149,8 +149,8 @@ class TwoBatchNoiseScale(Quantity):
             return
         if self._pending is None:
             self._pending = []
-        if self._tp is not None and type(grad).__name__ == "DTensor":  # this process's elements
-            grad = grad.to_local()
+        if self._tp is not None:  # this process's elements (a SequenceParallel norm's: summed first)
+            grad = tensor_parallel.local_values(grad)
         # Accumulated in float64 (squares of float32 and narrower values are exact there), a
         # large CPU gradient by pieces; squared once per micro-batch, on the gathered vector.
         self._pending.append((index, functional.norm_tensor(grad)))
@@ -372,7 +372,8 @@ class TwoBatchNoiseScale(Quantity):
     def _big_squared_norms(self, device) -> Tensor:
         if self._sharded or self._tp is not None:  # FSDP2, tensor parallelism: shards of param.grad
             zero = torch.zeros((), dtype=torch.float64, device=device)
-            return fsdp2.squared_norms([zero if p.grad is None else p.grad for p in self.params], True,
+            grads = [zero if p.grad is None else tensor_parallel.local_values(p.grad) for p in self.params]
+            return fsdp2.squared_norms(grads, True,
                                        None if self._tp is None else self._tp[1])
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         squares = torch.zeros(len(self.params), dtype=torch.float64, device=device)
