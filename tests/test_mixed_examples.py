@@ -207,15 +207,32 @@ def bert():
     return BertForSequenceClassification(config).double().eval(), torch.randint(0, 11, (3, 5))
 
 
-def test_independent_examples_are_not_touched():
+def checked_layers(monkeypatch, model, inputs):
+    """The names of the layers whose output gradients the check saw, none of them mixed."""
+    seen = []
+    note = mixing._note
+
+    def counted(module, *args):
+        seen.append(module)
+        note(module, *args)
+
+    monkeypatch.setattr(mixing, "_note", counted)
+    model = surveyed(model, inputs)
+    assert not flagged(model)
+    return {name for name, module in model.named_modules() if module in seen}
+
+
+def test_independent_examples_are_not_touched(monkeypatch):
     """An MLP, a GPT, BERT (a ``ModelOutput``) and a regrouped Swin (windows ``[N*W, ...]``,
-    its block run on each example): nothing found."""
+    its block run on each example): every layer with rows per example checked, none found."""
     torch.manual_seed(0)
-    assert not flagged(surveyed(mlp().double(), torch.randn(3, 6, dtype=torch.float64)))
-    assert not flagged(surveyed(gpt().double(), torch.randint(0, VOCABULARY, (3, CONTEXT))))
+    assert checked_layers(monkeypatch, mlp().double(), torch.randn(3, 6, dtype=torch.float64)) == {"0", "2"}
+    layers = checked_layers(monkeypatch, gpt().double(), torch.randint(0, VOCABULARY, (3, CONTEXT)))
+    assert {"wte", "blocks.1.qkv", "blocks.1.ln_2"} <= layers
     model, tokens = bert()
-    assert not flagged(surveyed(model, tokens))
-    assert not flagged(surveyed(swin("Swin"), torch.randn(4, 3, 16, 16, dtype=torch.float64)))
+    assert "classifier" in checked_layers(monkeypatch, model, tokens)
+    layers = checked_layers(monkeypatch, swin("Swin"), torch.randn(4, 3, 16, 16, dtype=torch.float64))
+    assert "model.classifier" in layers
 
 
 def test_an_mlp_keeps_its_exact_rows_and_warns_nothing():

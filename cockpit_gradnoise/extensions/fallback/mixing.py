@@ -24,17 +24,29 @@ block, whose rows are examples:
     \\quad\\text{on every row of } o \\text{ but } e .
 
 A model whose examples are independent gives exact zeros there (zero times a
-finite number sums to zero, whatever the order), so the test is exact, not a
-tolerance: a layer with one finite non-zero on another example's rows has its
-parameters left out by name at each tracked step, with a warning (never rows
-taken from other examples' losses); inside a block that fails, every layer.
-Non-finite entries tell nothing (``0 * inf``) and are passed over. BatchNorm
-layers in training mode run in evaluation mode for the check: their mixing is
-told apart (``examples_interact``: the rows are contributions through the batch).
-One example is tried: a model that mixes only other pairs of examples is not seen.
-A model whose outputs have no rows per example (a loss only) is not checked.
+finite number sums to zero, whatever the order). A layer with a finite entry on
+another example's rows above ``sqrt(eps)`` of that gradient's largest magnitude
+has its parameters left out by name at each tracked step, with a warning (never
+rows taken from other examples' losses); inside a block that fails, every layer.
+The margin is for the rounding residue of a mixing layer behind a ``LayerNorm(1)``,
+whose exact gradient is zero (about ``eps`` of the gradient in csatv2's earlier
+stages, against 1 where it mixes). Non-finite entries tell nothing (``0 * inf``)
+and are passed over. BatchNorm layers in training mode run in evaluation mode
+for the check: their mixing is told apart (``examples_interact``: the rows are
+contributions through the batch). One example is tried: a model that mixes only
+other pairs of examples is not seen. A model whose outputs have no rows per
+example (a loss only) is not checked; nor is a batch of one example (checked
+again at the first larger batch of the same shape).
+
+The one gradient is taken with respect to a zero added to every output of the pass
+(:class:`Probe`), so that a hook on each checks its gradient as it passes and lets
+it go: the outputs' gradients are never all held at once, and no parameter's
+gradient is computed (no hook on a parameter runs). Its cost, once per new shape
+of the inputs: that pass with gradients instead of without, and one backward pass
+to the layers' outputs, before the real forward pass (not on top of its memory).
 """
 
+import functools
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -45,12 +57,11 @@ from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree
 
 #: The attribute (in a layer's ``__dict__``) of why its rows are not its examples' own:
 #: its parameters are left out at each tracked step.
 MIXED = "_cgn_examples_mixed"
-
-
 #: The attribute (in the model's ``__dict__``) of the input shapes checked (the survey's keys).
 CHECKED = "_cgn_mixing_checked"
 #: Why a layer's parameters are left out (one text for every such layer: one group in
@@ -75,6 +86,25 @@ class BatchNormEval:
     def __exit__(self, *exc):
         for layer in self.layers:
             layer.training = True
+
+
+class Probe:
+    """A zero added to every output of the survey's pass with gradients (:meth:`through`): one
+    gradient with respect to it reaches every output, and a hook on each checks its gradient
+    as it passes, with no parameter's gradient computed (their hooks, the model's own or
+    a quantity's, never run) and no output's kept."""
+
+    def __init__(self):
+        self.zero = torch.zeros((), requires_grad=True)
+
+    def through(self, output):
+        """``output`` with the zero added to each floating tensor that requires gradients."""
+        def add(leaf):
+            if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+                return leaf + self.zero.to(device=leaf.device, dtype=leaf.dtype)
+            return leaf
+
+        return _pytree.tree_map(add, output)
 
 
 def _per_example(tensors: Sequence, real: Sequence, larger: Sequence, examples: int) -> List[Tensor]:
@@ -125,21 +155,31 @@ def check(model: nn.Module, calls, larger, examples: int) -> None:
     for module in model.modules():
         if module is not model and (direct_parameters(module) or BLOCK_ATTRIBUTE in module.__dict__):
             checked[module] = _outputs(calls, larger, examples, module)
-    tensors = [t for outputs in checked.values() for t in outputs]
-    if not cotangents or not tensors:
+    if not cotangents:
         return
+    # Each output's gradient checked by a hook as it passes, and let go: never every layer's at
+    # once (as large as the activations); no parameter's gradient asked for (their hooks run not).
+    found = set()
+    handles = [t.register_hook(functools.partial(_note, module, example, found))
+               for module, outputs in checked.items() for t in outputs]
     try:
-        grads = torch.autograd.grad(list(cotangents), tensors, list(cotangents.values()),
-                                    allow_unused=True)
+        torch.autograd.grad(list(cotangents), calls.probe.zero, list(cotangents.values()),
+                            allow_unused=True)
     except RuntimeError:  # noqa: S110 - a pass that cannot be differentiated tells nothing
         return
-    by_tensor = {id(t): g for t, g in zip(tensors, grads)}
-    for module, outputs in checked.items():
-        if any(_mixed(by_tensor[id(t)], example) for t in outputs):
-            inside = module.modules() if BLOCK_ATTRIBUTE in module.__dict__ else (module,)
-            for layer in inside:
-                if direct_parameters(layer):
-                    layer.__dict__[MIXED] = REASON
+    finally:
+        for handle in handles:
+            handle.remove()
+    for module in found:
+        inside = module.modules() if BLOCK_ATTRIBUTE in module.__dict__ else (module,)
+        for layer in inside:
+            if direct_parameters(layer):
+                layer.__dict__[MIXED] = REASON
+
+
+def _note(module: nn.Module, example: int, found: set, grad: Tensor) -> None:
+    if _mixed(grad, example):
+        found.add(module)
 
 
 def refuse_mixed(module: nn.Module) -> bool:

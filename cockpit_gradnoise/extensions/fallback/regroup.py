@@ -65,7 +65,8 @@ def _first_tensor(output) -> Optional[Tensor]:
 class _Calls(TorchFunctionMode):
     """Each module's calls in one pass: ``(leading size of its first output tensor,
     leading sizes of its tensor inputs)``, and the leading sizes of all its output tensors
-    (``outputs``; the tensors themselves in ``tensors`` where ``keep``); and ``used``, the
+    (``outputs``; where ``keep``, the tensors themselves in ``tensors``, each through
+    :class:`.mixing.Probe`); and ``used``, the
     ``id`` of each tensor an operation of the pass took (a parameter read directly,
     ``self.decoder.weight.t()``)."""
 
@@ -74,7 +75,7 @@ class _Calls(TorchFunctionMode):
         self.calls: Dict[nn.Module, List[Tuple[Optional[int], Tuple[Optional[int], ...]]]] = {}
         self.outputs: Dict[nn.Module, List[Tuple[Optional[int], ...]]] = {}
         self.tensors: Dict[nn.Module, List[List[Tensor]]] = {}
-        self.keep = keep
+        self.keep, self.probe = keep, mixing.Probe()
         self.used: set = set()
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
@@ -88,11 +89,15 @@ class _Calls(TorchFunctionMode):
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
         self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        self.specs[module] = str(spec)
+        if self.keep:
+            output = self.probe.through(output)
         tensors = [leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
         self.outputs.setdefault(module, []).append(tuple(_leading(t) for t in tensors))
         if self.keep:
             self.tensors.setdefault(module, []).append(tensors)
-        self.specs[module] = str(spec)
+            return output
+        return None
 
     def remove(self):
         for handle in self.handles:
