@@ -115,9 +115,11 @@ def summary(runs, baseline):
     return rows
 
 
-def verdicts(rows, task) -> List[str]:
-    """Plain sentences on the issue's two targets, from the mean over seeds."""
+def verdicts(rows, task, runs=()) -> List[str]:
+    """Plain sentences on the issue's two targets, from the mean over seeds, and seed by seed
+    against the warmup run of the same seed (same initialization and draws of examples)."""
     lines = []
+    warmups = {r.seed: r for r in runs if r.arm == "warmup" and math.isfinite(r.steps)}
     warm = rows.get("warmup")
     for arm in ADAPTIVE_ARMS:
         row = rows.get(arm)
@@ -140,6 +142,14 @@ def verdicts(rows, task) -> List[str]:
                          f"{row['examples']:,.0f} examples against {warm['steps']:.1f} and "
                          f"{warm['examples']:,.0f} (means): {word} the target of at most the "
                          f"warmup's steps at no more of its examples.")
+        pairs = [(r, warmups[r.seed]) for r in runs
+                 if r.arm == arm and r.seed in warmups and math.isfinite(r.steps)]
+        if pairs:
+            steps, examples = ([getattr(r, key) <= getattr(w, key) for r, w in pairs]
+                               for key in ("steps", "examples"))
+            lines.append(f"- {task}, {arm} against the warmup seed by seed: at most its steps in "
+                         f"{sum(steps)} of {len(pairs)}, at most its examples in {sum(examples)}, "
+                         f"both in {sum(map(all, zip(steps, examples)))}.")
     return lines
 
 
@@ -172,10 +182,11 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"{START_BATCH}, the grid knowledge the warmup arm uses too"
         + (", and no scaling without a finite B_noise" if task.optimizer == "sgd" else "")
         + f". The schedule's defaults otherwise (patience: 10 new estimates between changes; "
-        f"at most x2 per change; each change to the near end of the estimate's range, never past "
-        f"it, and no growth where that range has no upper end: the rule `{RULE}`, docs/advice.md "
-        f"\"Why the near end\" and \"Why not grow on an unresolved estimate\"; the runs' rules: "
-        f"\"What ran\" above); "
+        f"at most x2 per change; each change to the near end of the target band, twice the "
+        f"estimate's range, never past it, so that a rising estimate is followed at B_noise "
+        f"(multiple=1), and no growth where the range has no upper end: the rule `{RULE}`, "
+        f"docs/advice.md \"Why the band is twice the range\", \"Why the near end\" and \"Why "
+        f"not grow on an unresolved estimate\"; the runs' rules: \"What ran\" above); "
         f"every step tracked. `adaptive-norms`: m = {MICRO_BATCH['adaptive-norms']}, "
         f"quantities=\"norms\" (TwoBatchNoiseScale from micro-batch norms, which needs two "
         f"micro-batches a step); `adaptive-per-example`: m = "
@@ -205,7 +216,7 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         lines.append(f"| {arm} | {row['runs']} | {row['reached']} | {row['steps']:.1f} | "
                      f"{row['examples']:,.0f} | {_n(row['value'])} ({_n(row['low'])} to "
                      f"{_n(row['high'])}) | {row['beats']} of {row['reached']} |")
-    lines += ["", *verdicts(rows, task.name), "",
+    lines += ["", *verdicts(rows, task.name, runs), "",
               "| arm | seed | batch: first, largest, last | lr: first, largest, last | batch "
               "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -468,14 +479,19 @@ VERDICT = [
 
 
 def outcome(stored) -> List[str]:
-    """The median change against the smoothed estimate, and the seeds' own spread, per task."""
+    """The median change against the smoothed estimate, on the seeds both ran under one rule,
+    and the seeds' own spread, per task."""
     lines = []
     for entry in stored:
-        rows = summary([run_from_json(r) for r in entry["runs"]],
-                       baseline_from_json(entry["baseline"]))
+        runs = [run_from_json(r) for r in entry["runs"]]
+        rows = summary(runs, baseline_from_json(entry["baseline"]))
         pairs = [(arm, arm + MEDIAN) for arm in ("adaptive-norms", "adaptive-per-example")
                  if arm in rows and arm + MEDIAN in rows]
-        if not pairs:
+        both = {(r.seed, r.rule) for r in runs if r.arm.endswith(MEDIAN)} & {
+            (r.seed, r.rule) for r in runs if r.arm in ("adaptive-norms", "adaptive-per-example")}
+        rows.update(summary([r for r in runs if (r.seed, r.rule) in both and r.arm in sum(
+            pairs, ())], baseline_from_json(entry["baseline"])))
+        if not pairs or not both:
             continue
         said = "; ".join(
             f"{a}: {_n(rows[a]['value'])} -> {_n(rows[m]['value'])}, steps "
@@ -486,7 +502,9 @@ def outcome(stored) -> List[str]:
             spread = (f"; for scale, the fixed batch's own seeds span {_n(rows['fixed']['low'])} "
                       f"to {_n(rows['fixed']['high'])}")
         lines.append(f"- {entry['task']}, the median change (mean frontier value, smoothed -> "
-                     f"median): {said}{spread}.")
+                     f"median, on the runs of both with the same seed and rule: "
+                     + ", ".join(f"seed {seed} `{rule}`" for seed, rule in sorted(both))
+                     + f"): {said}{spread}.")
     return lines
 
 
