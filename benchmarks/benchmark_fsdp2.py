@@ -30,7 +30,8 @@ high-water mark is of that kind alone)::
         torchrun --standalone --nproc_per_node 2 benchmarks/benchmark_fsdp2.py --memory $mode --width 2048
     done
 
-prints, per process, bytes in use by malloc (glibc's ``mallinfo2``, where
+(``--depth D``: ``D`` hidden ``width x width`` layers instead of one) prints, per
+process, bytes in use by malloc (glibc's ``mallinfo2``, where
 torch's CPU tensors live; memory freed but cached by malloc is not in it):
 kept after 2 warm-up steps above what was in use before the first (the
 gradients, the tracker's state, and the runtime's one-time allocations, the

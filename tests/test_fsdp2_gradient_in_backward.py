@@ -236,9 +236,16 @@ def test_what_is_sent_has_this_process_exact_zero_rule_applied_and_its_norm_note
     value, units, note = sent(0.0, None)  # every contribution exactly 0: so is the gradient sent
     assert torch.equal(value, torch.zeros(1, 2, 2, dtype=torch.float64)) and units == [0.5] and note is None
     value, units, note = sent(0.0, object())  # under accumulation, its squared norm noted
-    assert not value.any() and note == 0.0
+    assert not value.any() and note[0] == 0.0
     value, units, note = sent(3.0, object())
-    assert torch.equal(value[0], noise) and note == float((noise / 0.5).square().sum())
+    assert torch.equal(value[0], noise) and note[0] == float((noise / 0.5).square().sum())
+    # Read after the backward pass: as noted, or divided by s**2 where a GradScaler's s was
+    # divided out of the savefields since (the per-example norms beside it tell how much).
+    param = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    step = SimpleNamespace(presharded={LOCAL_GRADIENT_SAVEFIELD: {id(param): note}})
+    for divided in (1.0, 8.0):
+        setattr(param, BATCH_L2_SAVEFIELD, torch.full((3,), 1.0 / divided**2, dtype=torch.float64))
+        assert quantity.noted_squared_norms(step, [param]) == {"param0": note[0] / divided**2}
     assert sent(math.nan, None)[0].equal(noise.unsqueeze(0))  # a NaN keeps the gradient
     assert sent(3.0, None, scale=None) is None  # not wanted in this call: left alone
     assert sent(3.0, None, fields=(LOCAL_GRADIENT_SAVEFIELD,)) is None  # no norms beside it

@@ -234,12 +234,11 @@ class DeclaredSums:
         return sharded.sums_in_units(self.sums_sharded_in_backward, scale)
 
     def noted_squared_norms(self, step: Step, params) -> Dict[str, Any]:
-        """``{name: ||sum_i g_i||^2}`` of this process's micro-batch gradient, noted by the
-        hooks of :meth:`arm_reduction_in_backward` before they reduce-scattered it (the
-        ``micro_batch_gradient`` sum is then this process's rows of every process's)."""
-        notes = step.presharded.get(self.sums_sharded_in_backward, {}) if self.micro_batch_gradient else {}
-        return {name: notes[id(param)] for name, param in self.trainable(params)
-                if notes.get(id(param)) is not None}
+        """``{name: ||sum_i g_i||^2}`` of this process's micro-batch gradient where the hooks
+        of :meth:`arm_reduction_in_backward` noted it before they reduce-scattered it (the
+        ``micro_batch_gradient`` sum is then this process's rows of every process's); none
+        by default."""
+        return {}
 
     def step_sums(self, step: Step, params) -> Optional[Tuple[Batch, Dict[str, Dict[str, Any]]]]:
         """:meth:`local_sums`, or at the last micro-batch of an accumulated step, those of all.

@@ -148,6 +148,20 @@ class GradientNoiseScale(ParameterQuantity):
             "sum_of_gradients": gradient,
         }
 
+    def noted_squared_norms(self, step, params):
+        notes = step.presharded.get(self.sums_sharded_in_backward, {})
+        found = {}
+        for name, param in self.trainable(params):
+            if notes.get(id(param)) is None:
+                continue
+            squared, total = notes[id(param)]
+            # Noted in the backward pass's units: under a GradScaler the savefields have been
+            # divided by s**2 since (amp.py), the per-example norms beside it too: by as much.
+            now = param.__dict__[BATCH_L2_SAVEFIELD].detach().sum(dtype=torch.float64)
+            ratio = torch.where(total != 0, now / total, 1.0)
+            found[name] = squared * (ratio.item() if _device.on_host(ratio) else ratio)
+        return found
+
     def value_from_sums(self, sums, batch):
         n = batch.examples
         # On a GPU, tensors left there until the step's one transfer (float64).
@@ -219,7 +233,8 @@ def _gradient_to_send(step, scale, holder):
     process's loss scale ``c``, in float32 or wider, after :func:`without_rounding_noise`
     (a rule of this process's examples, applied before the sum over processes as after
     the backward pass); noted under accumulation, this process's ``||sum_i g_i||^2``
-    (its micro-batch gradient, :attr:`GradientNoiseScale.micro_batch_gradients`).
+    (its micro-batch gradient, :attr:`GradientNoiseScale.micro_batch_gradients`), with
+    ``sum_i ||x_i||^2`` then (:meth:`GradientNoiseScale.noted_squared_norms`).
     ``None`` (left alone, reduced after the backward pass) without the per-example norms
     beside it, or where the scale is not wanted: on every process alike."""
     if BATCH_L2_SAVEFIELD not in holder.__dict__:
@@ -233,7 +248,7 @@ def _gradient_to_send(step, scale, holder):
         micro = step.micro_batch() is not None
     except (TypeError, ValueError):  # refused at the call already
         micro = False
-    note = functional.squared_norm(gradient / c, defer=True) if micro else None
+    note = (functional.squared_norm(gradient / c, defer=True), total) if micro else None
     return gradient.unsqueeze(0), [c], note
 
 
