@@ -55,7 +55,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap
+from cockpit_gradnoise.extensions.fallback import block_vmap, experts
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -109,6 +109,7 @@ def hook_block(module: nn.Module) -> Block:
     if block is None:
         block = module.__dict__[BLOCK_ATTRIBUTE] = Block()
         module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+        experts.install(module)  # its experts' rows kept in the batch's pass, where it has them
     return block
 
 
@@ -372,10 +373,22 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     params = _parameters(module, block.covered)
     wanted = set(savefields) | {LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
+    # Experts (and their router) in transformers' 3-D layout: from the batch's pass (.experts).
+    fast = {} if block.call.autocast else experts.results(
+        module, [block.call.leaves[k] for k in _batched(block.call, examples, layout_of(block).leaves)], grad, params,
+        sorted(wanted))
+    names = fast.get(BATCH_L2_SAVEFIELD, {})
+    rest = params if experts.confirming(module) else {n: p for n, p in params.items() if n not in names}
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
-            chunks = vectorized(module, block, grad, params) or per_example_gradients(module, block, grad, params)
-            return reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
+            found = {savefield: {} for savefield in wanted}
+            if rest:
+                chunks = vectorized(module, block, grad, rest) or per_example_gradients(module, block, grad, rest)
+                found = reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
+            if names and experts.confirmed(module, fast, found, rounding(block, grad.dtype)):
+                for savefield in wanted:
+                    found[savefield].update(fast[savefield])
+            return found
     except Interacting as error:
         return str(error)
     except Exception as error:  # the block cannot run on one example

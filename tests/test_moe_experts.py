@@ -1,0 +1,172 @@
+"""Mixture-of-experts experts in ``transformers``' 3-D layout, from the batch's own pass.
+
+``extensions/fallback/experts.py`` computes the experts' (and a Mixtral-style router's)
+per-example results from the rows, routing and output gradient of the batch's pass,
+where the block was recomputed per example (``blocks.py``). Here the fast way is made
+to serve from the first step (``experts.CONFIRM = False``: no comparison with the
+recomputation first) and must be exact against one float64 backward pass per example
+for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-OSS (transposed weights, biases, its
+clamped gate), at batch sizes 2, odd and the sequence length, with top-2 routing and
+with an expert no token reaches; and it must give way to the recomputation, still
+exact, where its reimplementation of the experts is not theirs, or where its rows
+disagree with the recomputation's on the first step.
+"""
+
+from cockpit_gradnoise.extensions.fallback import experts
+
+import pytest
+import torch
+
+from tests.cases import token_losses
+from tests.library_models import Logits
+from tests.test_moe import (
+    SEQUENCE,
+    WithAuxiliaryLoss,
+    assert_rows_exact,
+    causal_lm,
+    mixtral,
+    qwen2_moe,
+    qwen3_moe,
+    tokens,
+    track_one_step,
+)
+from tests.test_silent_inexact import assert_exact
+
+
+def olmoe():
+    return causal_lm("Olmoe", num_experts=4)
+
+
+def gpt_oss():
+    """Transposed 3-D weights with biases, interleaved gate and up, a clamped gate."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=11, hidden_size=8, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=16, experts_implementation="eager", layer_types=["full_attention"])
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(config).double().eval()
+
+
+def many_experts():
+    """16 experts, top-2, for 2 examples of 6 tokens: some expert gets no token."""
+    return causal_lm("Mixtral", num_local_experts=16)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The fast way from the first step; ``fast`` lists the names it gave results, per call."""
+    monkeypatch.setattr(experts, "CONFIRM", False)
+    served, routed = [], []
+    results, factors = experts._results, experts._factors
+
+    def spy_results(*args, **kwargs):
+        found = results(*args, **kwargs)
+        served.append(sorted(next(iter(found.values()), {})))
+        return found
+
+    def spy_factors(module, roles, rows, index, *args):
+        routed.append(torch.bincount(index.reshape(-1), minlength=len(module.down_proj)))
+        return factors(module, roles, rows, index, *args)
+
+    monkeypatch.setattr(experts, "_results", spy_results)
+    monkeypatch.setattr(experts, "_factors", spy_factors)
+    return served, routed
+
+
+MIXTRAL_LIKE = ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
+FAMILIES = {"mixtral": (mixtral, MIXTRAL_LIKE), "qwen2-moe": (qwen2_moe, MIXTRAL_LIKE),
+            "qwen3-moe": (qwen3_moe, MIXTRAL_LIKE), "olmoe": (olmoe, MIXTRAL_LIKE),
+            "gpt-oss": (gpt_oss, ["experts.down_proj", "experts.down_proj_bias", "experts.gate_up_proj",
+                                  "experts.gate_up_proj_bias", "router.bias", "router.weight"]),
+            "16 experts": (many_experts, MIXTRAL_LIKE)}
+
+
+@pytest.mark.parametrize("family, examples", [
+    ("mixtral", 2), ("mixtral", 5), ("mixtral", SEQUENCE), ("qwen2-moe", 5), ("qwen3-moe", 2),
+    ("olmoe", 3), ("gpt-oss", 3), ("16 experts", 2)])
+def test_experts_and_router_from_the_batch_pass_are_exact(fast, family, examples):
+    make, names = FAMILIES[family]
+    inputs, targets = tokens(examples)
+    assert_exact(Logits(make()), inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    served, routed = fast
+    assert served == [names]  # every expert parameter (and the router) the fast way
+    if family == "16 experts":
+        assert (routed[0][:16] == 0).any()  # an expert no token reached: zero rows
+
+
+def test_norms_alone_by_gram_matrices_are_exact(fast):
+    """PerExampleGradNorm alone asks for no sums of squares: the norms by Gram matrices."""
+    inputs, targets = tokens(5)
+    model = mixtral()
+    reference = Logits(mixtral())
+    rows, messages = track_one_step(Logits(model), inputs, targets)
+    assert messages == ""
+    assert_rows_exact(rows, reference, inputs, targets, [
+        f"model.model.layers.0.mlp.{name}" for name in MIXTRAL_LIKE])
+    assert fast[0] == [MIXTRAL_LIKE]
+
+
+def test_the_router_reached_by_the_auxiliary_loss_is_still_left_out(fast):
+    """The router's rows through the experts only: the load-balancing loss's term is not in
+    them, so they do not add up to its gradient, and it is left out by name as before."""
+    inputs, targets = tokens(5)
+    model = WithAuxiliaryLoss(mixtral(output_router_logits=True))
+    reference = WithAuxiliaryLoss(mixtral(output_router_logits=True))
+    rows, messages = track_one_step(model, inputs, targets, lambda m: 0.1 * m.aux_loss)
+    router = "model.model.layers.0.mlp.gate.weight"
+    assert router not in rows and router in messages and "auxiliary" in messages
+    experts_names = [f"model.model.layers.0.mlp.experts.{name}" for name in ("gate_up_proj", "down_proj")]
+    assert_rows_exact(rows, reference, inputs, targets, experts_names)
+    assert fast[0] == [MIXTRAL_LIKE]
+
+
+def test_experts_computing_otherwise_are_recomputed_per_example(fast, monkeypatch):
+    """A gate the reimplementation applies that the module's forward does not (a future
+    ``transformers``, another activation): outputs differ, the block is recomputed per
+    example for good, still exact."""
+    import transformers
+
+    def other_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.tanh(gate) * up
+
+    monkeypatch.setattr(transformers.models.mixtral.modeling_mixtral.MixtralExperts, "_apply_gate", other_gate)
+    inputs, targets = tokens(3)
+    model = Logits(mixtral())
+    assert_exact(model, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert fast[0] == [[]]
+    block = model.model.model.layers[0].mlp
+    assert block.__dict__[experts.ATTRIBUTE].verified is False
+
+
+def test_rows_that_disagree_with_the_recomputation_on_the_first_step_are_not_used(monkeypatch):
+    """With the comparison on (the default): fast rows made wrong (each example's tokens taken
+    for the next example's) are caught on the first step; that step and the next are the
+    recomputation's, exact."""
+    segments = experts._segments
+
+    def shifted(tokens, positions):
+        reached, counts, segment = segments(tokens, positions)
+        return (reached + 1) % 3, counts, segment
+
+    monkeypatch.setattr(experts, "_segments", shifted)
+    inputs, targets = tokens(3)
+    model = Logits(mixtral())
+    assert_exact(model, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE, steps_before=0)
+    block = model.model.model.layers[0].mlp
+    assert block.__dict__[experts.ATTRIBUTE].verified is False
+
+
+def test_the_first_step_confirms_the_fast_way_and_the_next_uses_it():
+    inputs, targets = tokens(3)
+    model = Logits(mixtral())
+    reference = Logits(mixtral())
+    names = [f"model.model.layers.0.mlp.{name}" for name in MIXTRAL_LIKE]
+    for step in range(2):
+        rows, messages = track_one_step(model, inputs, targets)
+        assert messages == ""
+        assert_rows_exact(rows, reference, inputs, targets, names)
+        model.zero_grad()
+    assert model.model.model.layers[0].mlp.__dict__[experts.ATTRIBUTE].verified is True
