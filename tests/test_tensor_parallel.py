@@ -24,7 +24,7 @@ sequence_plan, torchtitan's layout: a LayerNorm and an RMSNorm on each process's
 their contributions added over the mesh) with every quantity, a mean loss and a sum loss
 over two micro-batches, TwoBatchNoiseScale, PreconditionedNoiseScale with Adam, cgn.track's
 presets and FSDP2 over it on a 1 x 2 mesh; left out by name: a Linear under SequenceParallel
-(its input split along positions).
+(its input split along positions), a LayerNorm whose input is split along the examples.
 """
 
 import functools
@@ -344,6 +344,29 @@ def sequence_split(mesh):
                    steps=1)
 
 
+def norm_split_along_examples(mesh):
+    """A LayerNorm under ``SequenceParallel(sequence_dim=0)`` (each process's input taken as a
+    part of the examples), then a plain head, on the sequence batch: the warnings and the
+    parameters with rows (the norm's must be left out by name: its examples are not this
+    process's alone)."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = cgn.prepare_model(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 4)).double())
+    parallelize_module(model, mesh, {"0": SequenceParallel(sequence_dim=0, use_local_output=True)})
+    named = trainable(model)
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=per_example(dict(named)))
+    x, y = make_batch("sequence", 4, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = model(x).mean(1)
+        loss = F.cross_entropy(outputs, y)
+        with cockpit(0, info={"batch_size": 4, "loss": loss,
+                              "individual_losses": F.cross_entropy(outputs, y, reduction="none")}):
+            loss.backward()
+    return {"warnings": [str(w.message) for w in caught], "rows": sorted({key[2] for key in table(cockpit)})}
+
+
 def fsdp2_inside(world, job="mean"):
     """FSDP2 on ``dp`` of a 1 x 2 ``("dp", "tp")`` mesh over tensor parallelism on ``tp``: the
     table of ``job`` (every process the same examples)."""
@@ -415,6 +438,7 @@ def worker(rank, world, port, out):
     jobs["fsdp2_inside"] = lambda mesh: fsdp2_inside(world)
     jobs["sequence_fsdp2_inside"] = lambda mesh: fsdp2_inside(world, "sequence_accumulation")
     jobs["sequence_split"] = sequence_split
+    jobs["norm_split_along_examples"] = norm_split_along_examples
     jobs["track_refused"] = track_refused
     run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
 
@@ -586,3 +610,11 @@ def test_fsdp2_over_sequence_parallel_on_one_dp_process_equals_one_process(group
     expected = tracked("sequence_accumulation")["table"]
     assert_tables_match(tables[0], expected)
     assert {"block.norm.weight", "norm.weight", "all"} <= {key[2] for key in expected}
+
+
+def test_a_norm_split_along_examples_is_left_out_by_name(group):
+    for result in results_of(group, WORLD, "norm_split_along_examples"):
+        assert not any(name.startswith("0.") for name in result["rows"]), result["rows"]
+        assert "1.weight" in result["rows"]
+        assert any("0.weight" in message and "split along its examples" in message
+                   for message in result["warnings"]), result["warnings"]
