@@ -452,7 +452,7 @@ VERDICT = [
     "rules differ (per-example: 1.12 -> 0.378, 0.437 -> 2.02, 3 -> 4.64), and the fixed "
     "batch's own seeds span 0.818 to 3.47: three seeds do not resolve a difference "
     "between the two rules on this task.",
-    "- Reading of the `resolved` rerun (this one; every adaptive arm, 3 seeds): on the digits "
+    "- Reading of the `resolved` rerun (the rule before `target`; every adaptive arm, 3 seeds): on the digits "
     "CNN every adaptive arm's mean falls (norms 2.28 -> 1.09, per-example 2.35 -> 0.658, "
     "lr-kept 3.92 -> 1.28, norms-median 2.24 -> 1.4, per-example-median 3.45 -> 0.517). The "
     "early growth is gone: shrinks 55 -> 1 over the five arms, largest batch 69-155 -> 21-56 "
