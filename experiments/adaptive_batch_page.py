@@ -308,7 +308,9 @@ def write_page(stored, tasks, out) -> Path:
         "Each task's runs are stored in `" + RESULTS.format(task="<task>") + "`; `--replot` "
         "redraws the figures and this page from them, `--resume` adds only the runs missing "
         "from them. One CPU thread each (`torch.set_num_threads(1)`), on a machine shared "
-        "with other jobs.", "",
+        "with other jobs. Commands with `--out` elsewhere ran in parallel into a copy whose "
+        "new runs were then added to the stored file (a run is one seed of one arm, the "
+        "same whichever folder holds it); `--out docs/experiments` gives the same runs.", "",
     ]
     for entry in stored:
         lines += [f"{entry['task']}: seeds {', '.join(map(str, entry['seeds']))}, wall time "
