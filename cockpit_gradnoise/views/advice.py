@@ -214,7 +214,7 @@ def _schedule_sentence(changes: List[dict]) -> List[str]:
         if why in ("grow", "shrink") and math.isinf(noise_scale):
             why += ": B_noise infinite, no gradient signal resolved"
         elif why in ("grow", "shrink"):
-            why += (f": B_noise {noise_scale:.3g}, range "
+            why += (f": B_noise {noise_scale:.3g}, target band "
                     f"{change.get('low', math.nan):.3g}-{change.get('high', math.nan):.3g}")
         lr = change.get("lr_factor", 1.0)
         lr = f"; lr x {lr:.3g}" if lr != 1.0 else ""
