@@ -125,7 +125,7 @@ def _outputs(calls, larger, examples: int, module: nn.Module) -> List[Tensor]:
     return [t for call, a, b in zip(kept, real, more) for t in _per_example(call, a, b, examples)]
 
 
-def _mixed(grad: Optional[Tensor], example: int) -> bool:
+def mixes(grad: Optional[Tensor], example: int) -> bool:
     """Whether ``grad`` has, on a row other than ``example``'s, a finite entry above
     ``sqrt(eps)`` of its largest finite magnitude (module docstring)."""
     if grad is None or not grad.is_floating_point():
@@ -178,7 +178,7 @@ def check(model: nn.Module, calls, larger, examples: int) -> None:
 
 
 def _note(module: nn.Module, example: int, found: set, grad: Tensor) -> None:
-    if _mixed(grad, example):
+    if mixes(grad, example):
         found.add(module)
 
 
