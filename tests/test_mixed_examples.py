@@ -265,6 +265,19 @@ def test_non_finite_rows_tell_nothing():
     assert not flagged(surveyed(Squares().double(), inputs))
 
 
+def test_non_finite_entries_hide_no_mixed_row():
+    """``0 * inf`` (NaN) and an infinite entry on other examples' rows tell nothing, and do not
+    hide a finite one: the largest magnitudes are those of the finite entries."""
+    grad = torch.zeros(4, 3, dtype=torch.float64)
+    grad[3] = 1.0  # the example's own row
+    grad[0, 0], grad[1, 1] = float("nan"), float("inf")
+    assert not mixing.mixes(grad, 3)
+    grad[2, 2] = 1e-3
+    assert mixing.mixes(grad, 3)
+    grad[2, 2] = 1e-9  # below sqrt(eps) of the largest: a rounding residue
+    assert not mixing.mixes(grad, 3)
+
+
 def test_batchnorm_in_training_mode_is_told_as_before_not_as_mixed():
     """Its mixing is told apart (``examples_interact``): the check runs it in evaluation mode."""
     torch.manual_seed(0)

@@ -125,16 +125,16 @@ def _outputs(calls, larger, examples: int, module: nn.Module) -> List[Tensor]:
     return [t for call, a, b in zip(kept, real, more) for t in _per_example(call, a, b, examples)]
 
 
-def _mixed(grad: Optional[Tensor], example: int) -> bool:
+def mixes(grad: Optional[Tensor], example: int) -> bool:
     """Whether ``grad`` has, on a row other than ``example``'s, a finite entry above
     ``sqrt(eps)`` of its largest finite magnitude (module docstring)."""
     if grad is None or not grad.is_floating_point():
         return False
-    magnitudes = torch.where(torch.isfinite(grad), grad.abs(), torch.zeros((), dtype=grad.dtype,
-                                                                            device=grad.device))
-    others = torch.cat([magnitudes[:example], magnitudes[example + 1:]]).max()
-    return bool(others > 0) and float(others) > math.sqrt(torch.finfo(grad.dtype).eps) * float(
-        magnitudes.max())
+    magnitudes = grad.abs().nan_to_num_(nan=0.0, posinf=0.0)  # non-finite: tells nothing
+    largest = magnitudes.amax()
+    magnitudes[example] = 0
+    others = float(magnitudes.amax())
+    return others > 0 and others > math.sqrt(torch.finfo(grad.dtype).eps) * float(largest)
 
 
 def check(model: nn.Module, calls, larger, examples: int) -> None:
@@ -178,7 +178,7 @@ def check(model: nn.Module, calls, larger, examples: int) -> None:
 
 
 def _note(module: nn.Module, example: int, found: set, grad: Tensor) -> None:
-    if _mixed(grad, example):
+    if mixes(grad, example):
         found.add(module)
 
 

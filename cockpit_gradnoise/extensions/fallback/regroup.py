@@ -168,23 +168,32 @@ def _key(args: tuple, kwargs: dict, examples: int, training: bool) -> tuple:
     return str(spec), shapes, training
 
 
+def _new_shape(model: nn.Module, args: tuple, kwargs: dict, examples: int) -> bool:
+    """Whether the shape of the inputs is new (recorded now), or was seen with one example
+    only, all there was for :mod:`.mixing` to check."""
+    surveyed = model.__dict__.setdefault(SURVEYED, set())
+    checked = model.__dict__.setdefault(mixing.CHECKED, set())
+    key = _key(args, kwargs, examples, model.training)
+    if key in surveyed and (examples < 2 or key in checked):
+        return False
+    surveyed.add(key)
+    if examples > 1:
+        checked.add(key)
+    return True
+
+
 def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) -> None:
     """Before a recorded forward pass of ``model``: for a new shape of its inputs, find the
     layers on rows that are not examples and hook their blocks (module docstring)."""
     if not examples:
         return
-    surveyed = model.__dict__.setdefault(SURVEYED, set())
-    key = _key(args, kwargs, examples, model.training)
-    # Surveyed again where one example was all there was for .mixing to check.
-    checked = model.__dict__.setdefault(mixing.CHECKED, set())
-    if key in surveyed and (examples < 2 or key in checked):
+    if not _new_shape(model, args, kwargs, examples):
         return
-    surveyed.add(key)
-    if examples > 1:
-        checked.add(key)
     if any(c.__name__ == "DTensor" for p in model.parameters() for c in type(p).__mro__):
         return  # sharded parameters (FSDP2, tensor parallel): no pass outside the wrapper's own
     real = _run(model, args, kwargs, grad=True)
+    if real is None:  # a pass with gradients fails where one without would not: no .mixing check
+        real = _run(model, args, kwargs)
     larger = _run(model, *_pytree.tree_map(
         lambda v: torch.cat([v, v[:1]]) if _leading(v) == examples else v, (args, kwargs)))
     if real is None or larger is None:
