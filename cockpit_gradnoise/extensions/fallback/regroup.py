@@ -49,6 +49,9 @@ from torch.utils import _pytree
 
 #: The attribute (in the model's ``__dict__``) of the input shapes already surveyed.
 SURVEYED = "_cgn_regroup_surveyed"
+#: The attribute (in an embedding's ``__dict__``): whether every survey saw each of its calls
+#: return one row per example (:func:`embedding_rows_are_examples`).
+EXAMPLE_ROWS = "_cgn_embedding_rows_are_examples"
 #: The attribute (in a layer's ``__dict__``) of why its rows are not examples and no block
 #: around it can give them: its parameters are refused at each tracked step.
 ORPHAN = "_cgn_rows_not_examples"
@@ -170,6 +173,8 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         return  # the model's other checks (.layout, the rules' leading sizes) stand
     parents = {child: module for module in model.modules() for child in module.children()}
     for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)
         if not params or module.__dict__.get(ORPHAN) is not None:
             continue
@@ -184,6 +189,27 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
         _hook(module, block, real, larger, examples)
+
+
+def _note_embedding_rows(module: nn.Embedding, real, larger, examples: int) -> None:
+    """Keep whether each call of ``module`` returned one row per example in this survey, and
+    in every earlier one (once not, never: a shape surveyed before is not surveyed again)."""
+    if not real:
+        return
+    rows = len(real) == len(larger) and all(
+        rows_are_examples(out, out_larger, examples) for (out, _), (out_larger, _) in zip(real, larger))
+    module.__dict__[EXAMPLE_ROWS] = module.__dict__.get(EXAMPLE_ROWS, True) and rows
+
+
+def embedding_rows_are_examples(module: nn.Module) -> bool:
+    """Whether the surveys saw every call of the embedding ``module`` return one row per
+    example: an output led by ``N`` rows for a batch of ``N`` and ``N + 1`` for one more.
+    Its index is then read per example where it is not a model input: MarkupLM's XPath
+    indices and RoCBERT's shape and pronunciation indices, built by the forward from the
+    input's shape (``torch.full((N, T, depth), pad)``), whose outputs are concatenated
+    with the batch's (no shape tells their ``N`` from a ``T`` equal to it; the larger
+    batch does)."""
+    return bool(module.__dict__.get(EXAMPLE_ROWS, False))
 
 
 def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):
