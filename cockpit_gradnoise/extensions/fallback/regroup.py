@@ -74,6 +74,9 @@ class _Calls(TorchFunctionMode):
         super().__init__()
         self.calls: Dict[nn.Module, List[Tuple[Optional[int], Tuple[Optional[int], ...]]]] = {}
         self.used: set = set()
+        #: The modules that returned one of their own parameters as it is (GPT-NeoX-Japanese's
+        #: attention returns its ``dense_bias`` for its parent to add).
+        self.returned: set = set()
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
 
@@ -86,6 +89,9 @@ class _Calls(TorchFunctionMode):
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
         self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        own = {id(p) for p in module.parameters(recurse=False)}
+        if own and any(id(leaf) in own for leaf in _pytree.tree_leaves(output)):
+            self.returned.add(module)
         self.specs[module] = str(spec)
 
     def remove(self):
@@ -178,17 +184,29 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         params = direct_parameters(module)
         if not params or module.__dict__.get(ORPHAN) is not None:
             continue
-        calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
-        if calls and _regrouped(module, calls, calls_larger, examples):
-            block = parents.get(module)
-        elif not calls and _used_by_parent(module, params, parents, real):
-            block = parents[module]  # its parameters are used in its parent's own forward pass
-        else:
+        why = _needs_block(module, params, parents, real, larger, examples)
+        if why is None:
             continue
+        block = parents.get(module)
         while block is not None and not _batch_first(
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
-        _hook(module, block, real, larger, examples)
+        if block is not None or why != "returned":  # else the fallback's refusal names it
+            _hook(module, block, real, larger, examples)
+
+
+def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, larger: _Calls,
+                 examples: int) -> Optional[str]:
+    """Why ``module``'s parameters need a block around it, or ``None``: its calls ran on rows
+    that are not examples (``"regrouped"``); it was not called and its parent's own forward
+    pass used its parameters (``"used"``); it returned a parameter as it is for its parent
+    to use (``"returned"``)."""
+    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+    if calls and _regrouped(module, calls, calls_larger, examples):
+        return "regrouped"
+    if calls and module in real.returned and module in larger.returned:
+        return "returned"
+    return "used" if not calls and _used_by_parent(module, params, parents, real) else None
 
 
 def _note_embedding_rows(module: nn.Embedding, real, larger, examples: int) -> None:
