@@ -157,15 +157,40 @@ class ChangedInPlace(nn.Module):
         return out * torch.sigmoid(self.gamma)
 
 
+class Cached(nn.Module):
+    """A layer scale whose forward appends its keys to the key/value cache of ``transformers``
+    it is given (GraniteMoE-SWA's attention with its ``sinks``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, cache):
+        keys, _ = cache.update((x * self.gamma)[:, None, None], x[:, None, None], 0)
+        return keys.reshape(len(x), -1)
+
+
+class GivesACache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cached = Cached()
+
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        return self.cached(x, cache=DynamicCache())
+
+
 @pytest.mark.parametrize(
     "model, name, reason",
     [
         (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
+        (nn.Sequential(GivesACache(), nn.Linear(4, 3)), "0.cached.gamma", "use_cache=False"),
         (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
         (Twice(), "scale.gamma", "called more than once"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],
-    ids=["batchnorm-inside", "dropout", "called-twice", "child-output-changed-in-place"],
+    ids=["batchnorm-inside", "key-value-cache", "dropout", "called-twice", "child-output-changed-in-place"],
 )
 def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason):
     torch.manual_seed(0)

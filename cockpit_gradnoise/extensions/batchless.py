@@ -24,7 +24,9 @@ needs none of this: its gradient is the example's.
 
 Otherwise the index is read as BackPACK reads it (its leading dimension the
 batch) where it leads with the batch size and either is a model input (a
-label per example) or its output was added to a tensor of that leading size;
+label per example, or an index whose rows the model run on one example more
+saw follow the batch: :func:`.regroup.embedding_rows_are_examples`) or its
+output was added to a tensor of that leading size;
 any other index is refused (:meth:`Broadcast.refusal`) with an error at the
 first tracked step naming the parameter and the operation where following
 stopped: no shape tells the batch from the positions when ``T`` equals the

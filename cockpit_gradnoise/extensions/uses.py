@@ -136,7 +136,8 @@ def _after_layer(module, args, output):
         uses.built.setdefault(module, []).append(output.grad_fn)
     if (isinstance(module, nn.Embedding) and isinstance(index, Tensor)
             and isinstance(output, Tensor) and output.grad_fn is not None):
-        from_inputs = _storage(index) in uses.storages
+        # A model input, or an index whose rows the survey saw follow the batch (.regroup).
+        from_inputs = _storage(index) in uses.storages or regroup.embedding_rows_are_examples(module)
         if batchless.suspect(index, uses.examples, from_inputs):
             uses.broadcasts[module] = batchless.Broadcast(
                 index, output.shape, output.grad_fn, uses.examples, from_inputs)

@@ -49,6 +49,9 @@ from torch.utils import _pytree
 
 #: The attribute (in the model's ``__dict__``) of the input shapes already surveyed.
 SURVEYED = "_cgn_regroup_surveyed"
+#: The attribute (in an embedding's ``__dict__``): whether every survey saw each of its calls
+#: return one row per example (:func:`embedding_rows_are_examples`).
+EXAMPLE_ROWS = "_cgn_embedding_rows_are_examples"
 #: The attribute (in a layer's ``__dict__``) of why its rows are not examples and no block
 #: around it can give them: its parameters are refused at each tracked step.
 ORPHAN = "_cgn_rows_not_examples"
@@ -77,6 +80,9 @@ class _Calls(TorchFunctionMode):
         self.tensors: Dict[nn.Module, List[List[Tensor]]] = {}
         self.keep, self.probe = keep, mixing.Probe()
         self.used: set = set()
+        #: The modules that returned one of their own parameters as it is (GPT-NeoX-Japanese's
+        #: attention returns its ``dense_bias`` for its parent to add).
+        self.returned: set = set()
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
 
@@ -89,6 +95,9 @@ class _Calls(TorchFunctionMode):
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
         self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        own = {id(p) for p in module.parameters(recurse=False)}
+        if own and any(id(leaf) in own for leaf in _pytree.tree_leaves(output)):
+            self.returned.add(module)
         self.specs[module] = str(spec)
         if self.keep:
             output = self.probe.through(output)
@@ -200,21 +209,56 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         return  # the model's other checks (.layout, the rules' leading sizes) stand
     parents = {child: module for module in model.modules() for child in module.children()}
     for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)
         if not params or module.__dict__.get(ORPHAN) is not None:
             continue
-        calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
-        if calls and _regrouped(module, calls, calls_larger, examples):
-            block = parents.get(module)
-        elif not calls and _used_by_parent(module, params, parents, real):
-            block = parents[module]  # its parameters are used in its parent's own forward pass
-        else:
+        why = _needs_block(module, params, parents, real, larger, examples)
+        if why is None:
             continue
+        block = parents.get(module)
         while block is not None and not _batch_first(
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
-        _hook(module, block, real, larger, examples)
+        if block is not None or why != "returned":  # else the fallback's refusal names it
+            _hook(module, block, real, larger, examples)
     mixing.check(model, real, larger, examples)
+
+
+def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, larger: _Calls,
+                 examples: int) -> Optional[str]:
+    """Why ``module``'s parameters need a block around it, or ``None``: its calls ran on rows
+    that are not examples (``"regrouped"``); it was not called and its parent's own forward
+    pass used its parameters (``"used"``); it returned a parameter as it is for its parent
+    to use (``"returned"``)."""
+    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+    if calls and _regrouped(module, calls, calls_larger, examples):
+        return "regrouped"
+    if calls and module in real.returned and module in larger.returned:
+        return "returned"
+    return "used" if not calls and _used_by_parent(module, params, parents, real) else None
+
+
+def _note_embedding_rows(module: nn.Embedding, real, larger, examples: int) -> None:
+    """Keep whether each call of ``module`` returned one row per example in this survey, and
+    in every earlier one (once not, never: a shape surveyed before is not surveyed again)."""
+    if not real:
+        return
+    rows = len(real) == len(larger) and all(
+        rows_are_examples(out, out_larger, examples) for (out, _), (out_larger, _) in zip(real, larger))
+    module.__dict__[EXAMPLE_ROWS] = module.__dict__.get(EXAMPLE_ROWS, True) and rows
+
+
+def embedding_rows_are_examples(module: nn.Module) -> bool:
+    """Whether the surveys saw every call of the embedding ``module`` return one row per
+    example: an output led by ``N`` rows for a batch of ``N`` and ``N + 1`` for one more.
+    Its index is then read per example where it is not a model input: MarkupLM's XPath
+    indices and RoCBERT's shape and pronunciation indices, built by the forward from the
+    input's shape (``torch.full((N, T, depth), pad)``), whose outputs are concatenated
+    with the batch's (no shape tells their ``N`` from a ``T`` equal to it; the larger
+    batch does)."""
+    return bool(module.__dict__.get(EXAMPLE_ROWS, False))
 
 
 def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):

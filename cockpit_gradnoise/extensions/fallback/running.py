@@ -131,6 +131,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
             if "random" in str(error):
                 reason = random_forward(module, reason)
+            elif _given_a_cache(call):
+                reason = cache_updated(reason)
     _refuse(module, state, reason)
     return {}
 
@@ -149,6 +151,21 @@ def random_forward(module: nn.Module, reason: str) -> str:
             "run again inside it), which a recomputation per example cannot draw as the "
             "forward pass did: set their rate to 0 (or call them outside the module) to give "
             "its parameters rows")
+
+
+def _given_a_cache(call) -> bool:
+    """Whether the call was given a key/value cache of ``transformers`` (a ``Cache``)."""
+    return any(any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+                   for c in type(leaf).__mro__) for leaf in call.leaves)
+
+
+def cache_updated(reason: str) -> str:
+    """Why a module given a key/value cache gets no rows: its forward appended this pass's
+    keys to the cache, so a recomputation per example finds the batch's there
+    (GraniteMoE-SWA's attention, whose ``sinks`` the fallback computes)."""
+    return (f"{reason}: its forward updates the key/value cache it was given (past_key_values), "
+            "which already holds the batch's keys when it runs again per example: call the model "
+            "with use_cache=False at tracked steps (as for training) to give its parameters rows")
 
 
 def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
