@@ -207,6 +207,13 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         lambda v: torch.cat([v, v[:1]]) if _leading(v) == examples else v, (args, kwargs)))
     if real is None or larger is None:
         return  # the model's other checks (.layout, the rules' leading sizes) stand
+    _hook_blocks(model, real, larger, examples)
+    mixing.check(model, real, larger, examples)
+
+
+def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
+    """Hook the block around each layer whose parameters need one (:func:`_needs_block`),
+    and note which embeddings return one row per example."""
     parents = {child: module for module in model.modules() for child in module.children()}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
@@ -223,7 +230,6 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
             block = parents.get(block)
         if block is not None or why != "returned":  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
-    mixing.check(model, real, larger, examples)
 
 
 def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, larger: _Calls,
