@@ -48,6 +48,10 @@ block computes in (:func:`rounding`): a float64 model whose router computes in f
 (AFMoE, MiniMax-M2, Llama 4, ERNIE-4.5-MoE in ``transformers``: ``router_logits.float()``)
 rounds the routing of one example alone otherwise than the batch's, by float32's rounding;
 the rows are then each example's own gradient through the block run alone.
+
+The experts of ``transformers``' mixture-of-experts blocks in their common 3-D layout,
+and a Mixtral-style router, get their rows from the batch's own pass instead
+(:mod:`.experts`): only the block's other parameters are recomputed per example.
 """
 
 import contextlib

@@ -16,36 +16,45 @@ sets (``has_gate``, ``has_bias``, ``is_transposed``): on tokens ``x_t``
 
 ``gate`` the module's own ``_apply_gate`` (``act_fn(gate) * up``; GPT-OSS's
 clamped one) or ``act_fn`` without a gate. With ``G_t`` the gradient of the
-batch's loss at ``out_t``, each routed row ``r = (t, s)`` of expert ``e``
-contributes the outer products ``(w_ts G_t) u_r^T`` to ``W^down_e`` and
-``dh_r x_t^T`` to ``W^up_e`` (``dh_r`` the vector-Jacobian product of
-``gate`` at ``h_r`` with ``W^down_e^T w_ts G_t``), and its factors to the
-biases; example ``i``'s contribution sums the rows of its tokens:
-``x_i(W_e) = sum_{r of i} b_r a_r^T``, formed for the examples that reach
-``e``, a chunk of examples and one expert at a time (never every expert's
-per-example gradients at once), and reduced at once (:func:`.reduce.norms_and_sums`).
+batch's loss at ``out_t`` (kept by a tensor hook on the experts' output), each
+routed row ``r = (t, s)`` of expert ``e`` contributes the outer products
+``(w_ts G_t) u_r^T`` to ``W^down_e`` and ``dh_r x_t^T`` to ``W^up_e`` (``dh_r``
+the vector-Jacobian product of ``gate`` at ``h_r`` with ``w_ts W^down_e^T G_t``),
+and those factors to the biases; example ``i``'s contribution sums the rows of
+its tokens, ``x_i(W_e) = sum_{r of i} b_r a_r^T``. Per expert, each example's
+``x_i`` is one product of its own rows, squared and added to
+``[sum_i x_i, sum_i x_i**2]`` while in the cache (:func:`formed_sums_and_norms`):
+one example's gradient of one expert at a time, never every expert's. Where
+the sums of squares are not asked for (``PerExampleGradNorm`` and
+``GradientNoiseScale`` alone), no ``x_i`` is formed: the norms come from Gram
+matrices, ``||x_i||^2 = sum_{r,r'} (b_r . b_r') (a_r . a_r')``
+(:func:`gradient_and_gram_norms`). Units as every rule's: the output gradient
+holds the loss's ``1/N``, so ``x_i`` is the contribution ``c g_i``.
 
 The router: where its first output is ``F.linear`` of the same token rows
-(``weight``, optionally ``bias``) and another output is the routing weights the
-experts got, its logits' gradient *through the experts* is the
-vector-Jacobian product of the router run again on the rows, at
-``dL/dw_ts = G_t . y_ts``; ``x_i(W) = sum_{t of i} dlogits_t x_t^T``. A term of the
-loss that reaches the router otherwise (the auxiliary load-balancing loss) is
-not in it, and the check that the contributions add up to the gradient
-(:func:`.blocks.reached_otherwise`) leaves the router out by name, as before.
+(``weight``, optionally ``bias``) and two others are the routing weights and
+indices the experts got (the very tensors), its logits' gradient *through the
+experts* is the vector-Jacobian product of the router run again on the rows
+at ``dL/dw_ts = G_t . y_ts = (W^down_e^T G_t) . u_r (+ G_t . b^down_e)``, and
+``x_i(W) = sum_{t of i} dlogits_t x_t^T``. A term of the loss that reaches the
+router otherwise (the auxiliary load-balancing loss) is not in it, so the check
+that the contributions add up to the gradient (:func:`.blocks.reached_otherwise`)
+leaves the router out by name, as before. Another router (DeepSeek-V3's, routed
+in its block) keeps the per-example recomputation, for its parameters only.
 
-Which token is whose: the block's input of example ``i`` (``[N, T, H]``) must
-be, exactly, the experts' rows ``i T .. (i+1) T - 1`` (``view(-1, H)``, as the
-blocks of ``transformers`` flatten it): then token ``t`` belongs to example
-``t // T``. Never a silently wrong number: the reimplemented output must equal
-the module's own (to ``sqrt(eps)`` of its largest magnitude, as
-:func:`.blocks.output_tolerance`), at every step; and on a block's first
-tracked step the block is also recomputed per example, and the per-example
-squared norms of both ways must agree, or the block keeps the per-example
-recomputation for good (a future ``transformers`` whose experts compute
-otherwise, a block that mixes tokens after its experts). Anything else (autocast,
-expert parallelism, a norm after each expert, a parameter the layout does not
-name) leaves the block to :mod:`.blocks`.
+Which token is whose: one of the block's per-example inputs (``[N, T, H]``) must
+be, exactly, the experts' rows (``view(-1, H)``, as the blocks of ``transformers``
+flatten it): token ``t`` is then example ``t // T``'s. Never a silently wrong
+number: on the experts' first call the reimplemented output must equal the
+module's own (to ``sqrt(eps)`` of its largest magnitude, as
+:func:`.blocks.output_tolerance`), and on a block's first tracked step the
+block is also recomputed per example and the per-example squared norms of both
+ways must agree (to ``sqrt(eps)`` of the largest; :data:`CONFIRM`); where either
+differs (a future ``transformers`` whose experts compute otherwise, a block that
+mixes tokens after its experts) the block is recomputed per example for good.
+Anything else (autocast, half precision, expert parallelism, a norm after each
+expert, a parameter the layout does not name, an experts module called twice)
+leaves the block to :mod:`.blocks`, that step. Tests: ``tests/test_moe_experts.py``.
 """
 
 import functools
