@@ -52,3 +52,34 @@ def test_the_resolvable_snr_is_the_square_root_of_n_minus_1_over_the_bound():
     # N = 2, L = 3, float64: sqrt(1 / ((6 + 12) * 2**-52)) = 2**26 / sqrt(18) = 2**26 / (3 sqrt(2)).
     assert functional.resolvable_snr(2, torch.float64, inner_terms=3) == pytest.approx(
         2**26 / (3 * math.sqrt(2)), rel=1e-15, abs=0)
+
+
+def test_the_rounding_bound_of_a_tensor_is_sqrt_eps_times_its_largest_magnitude():
+    from cockpit_gradnoise.extensions.precision import rounding_bound
+
+    # float64: sqrt(2**-52) * 4 = 2**-26 * 4 = 2**-24 = 5.960464477539063e-08 (exact in binary).
+    values = torch.tensor([3.0, -4.0, 0.5], dtype=torch.float64)
+    assert rounding_bound(values) == 2.0**-24 == 5.960464477539063e-08
+    # float32: sqrt(2**-23) * 4 = 2**-11.5 * 4 = 1.381067932004...e-03.
+    assert rounding_bound(values.float()) == pytest.approx(4 * 2.0**-11.5, rel=1e-15, abs=0)
+    assert rounding_bound(values.float()) == pytest.approx(1.3810679320049757e-03, rel=1e-12, abs=0)
+    # A float64 result of a float32 computation: the eps given, not the dtype's.
+    assert rounding_bound(values, F32_EPS) == rounding_bound(values.float())
+    assert rounding_bound(values, BF16_EPS) == pytest.approx(4 * 2.0**-3.5, rel=1e-15, abs=0)
+    assert rounding_bound(torch.empty(0, dtype=torch.float64)) == 0.0
+
+
+def test_the_checks_of_the_fallback_take_the_one_rounding_bound():
+    """A block's output tolerance (at its narrowest dtype's eps) and the mixing check (another
+    example's entry just above and just below the bound) use :func:`rounding_bound`."""
+    from cockpit_gradnoise.extensions.fallback import blocks, mixing
+
+    block = blocks.Block()
+    block.output = torch.tensor([[0.25, -2.0]], dtype=torch.float64)
+    assert blocks.output_tolerance(block) == 2 * 2.0**-26
+    block.dtype = torch.float32  # a float32 router inside a float64 model rounds at float32's
+    assert blocks.output_tolerance(block) == pytest.approx(2 * 2.0**-11.5, rel=1e-15, abs=0)
+    for factor, mixed in ((1.01, True), (0.99, False)):
+        grad = torch.tensor([[factor * 2.0**-26, 0.0], [1.0, -0.5]], dtype=torch.float64)
+        assert mixing.mixes(grad, 1) is mixed
+    assert not mixing.mixes(torch.tensor([[float("nan")], [1.0]], dtype=torch.float64), 1)

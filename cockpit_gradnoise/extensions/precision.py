@@ -59,6 +59,7 @@ Algorithms", ch. 3).
 """
 
 import contextlib
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -69,6 +70,44 @@ from torch.utils import _pytree
 
 #: Hugging Face's GPT-2 projection, ``y = x W + b`` (:mod:`.hf`), matched by name.
 _HF_CONV1D = "transformers.pytorch_utils.Conv1D"
+
+
+def rounding_bound(values: Tensor, eps: Optional[float] = None) -> float:
+    """``sqrt(eps) * max|values|``: how far another computation of ``values`` may lie from them
+    by rounding alone (0 for an empty tensor).
+
+    Used wherever one computation is checked against another of the same exact numbers in
+    another order of operations: a block's output for one example alone against its row of
+    the batch's output (:func:`.fallback.blocks.output_tolerance`), the experts' output
+    reimplemented and the router's logits recomputed against the module's own, the fast way's
+    per-example squared norms against the per-example recomputation's
+    (:mod:`.fallback.experts`), and a gradient's entries on other examples' rows against its
+    largest (:func:`.fallback.mixing.mixes`).
+
+    Why ``sqrt(eps)``: each computation's error is that of its sums and products, at most
+    ``(m - 1) eps sum_k |t_k|`` for a sum of ``m`` terms in any order (Higham 2002, "Accuracy
+    and Stability of Numerical Algorithms", ch. 3-4), plus the relative errors of the factors.
+    The values compared here are sums of at most a few thousand terms no larger than about
+    the largest magnitude, so two orders of computation differ by at most some thousand
+    ``eps * max|values|`` (by far less in practice: errors grow like the square root of the
+    number of terms). A difference that is not rounding (another example's rows, another
+    activation, a capacity limit, dropout) changes them by a fraction of order 1 of their
+    magnitude. ``sqrt(eps)`` is the geometric middle of the two scales, ``eps`` and ``1``:
+    it leaves a factor ``1 / sqrt(eps)`` (``6.7e7`` in float64, ``2.9e3`` in float32, ``11``
+    in bfloat16) above one rounding of the largest magnitude, and the same factor below a
+    difference of that magnitude. Relative to the largest magnitude, not per element: an
+    element near zero carries the rounding of the terms that formed it, of the scale of the
+    largest. What it cannot see: a real difference under ``sqrt(eps)`` of the largest
+    magnitude (``3.5e-4`` in float32, ``1.5e-8`` in float64, which the float64 tests use).
+
+    Args:
+        values: The reference computation's values (floating).
+        eps: The unit of rounding of the computations compared; ``values``' dtype's by
+            default (a float64 result of a float32 computation takes float32's).
+    """
+    if not values.numel():
+        return 0.0
+    return math.sqrt(torch.finfo(values.dtype).eps if eps is None else eps) * float(values.abs().max())
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:

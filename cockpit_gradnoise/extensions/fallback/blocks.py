@@ -467,11 +467,8 @@ def rounding(block: Block, dtype: torch.dtype) -> float:
 
 def output_tolerance(block: Block) -> float:
     """How far one example's output alone may lie from its row of the batch's output:
-    ``sqrt(eps)`` of :func:`rounding` times the batch output's largest magnitude (0 for an
-    empty output)."""
-    if not block.output.numel():
-        return 0.0
-    return math.sqrt(rounding(block, block.output.dtype)) * float(block.output.abs().max())
+    :func:`.precision.rounding_bound` of the batch's output at :func:`rounding`'s ``eps``."""
+    return precision.rounding_bound(block.output, rounding(block, block.output.dtype))
 
 
 def _refuse(module: nn.Module, recorded, param, reason: str) -> None:

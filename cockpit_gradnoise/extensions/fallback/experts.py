@@ -46,10 +46,10 @@ Which token is whose: one of the block's per-example inputs (``[N, T, H]``) must
 be, exactly, the experts' rows (``view(-1, H)``, as the blocks of ``transformers``
 flatten it): token ``t`` is then example ``t // T``'s. Never a silently wrong
 number: on the experts' first call the reimplemented output must equal the
-module's own (to ``sqrt(eps)`` of its largest magnitude, as
-:func:`.blocks.output_tolerance`), and on a block's first tracked step the
+module's own (to ``sqrt(eps)`` of its largest magnitude,
+:func:`.precision.rounding_bound`), and on a block's first tracked step the
 block is also recomputed per example and the per-example squared norms of both
-ways must agree (to ``sqrt(eps)`` of the largest; :data:`CONFIRM`); where either
+ways must agree (to :func:`.precision.rounding_bound` of the recomputation's; :data:`CONFIRM`); where either
 differs (a future ``transformers`` whose experts compute otherwise, a block that
 mixes tokens after its experts) the block is recomputed per example for good.
 Anything else (autocast, half precision, expert parallelism, a norm after each
@@ -58,7 +58,6 @@ leaves the block to :mod:`.blocks`, that step. Tests: ``tests/test_moe_experts.p
 """
 
 import functools
-import math
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions._squares import saved_dtype, scaled_factors, unscaled_norms, unscaled_sums
@@ -66,6 +65,7 @@ from cockpit_gradnoise.extensions.fallback.parameters import hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.linear import gram_squared_norms
+from cockpit_gradnoise.extensions.precision import rounding_bound
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -217,11 +217,6 @@ def _example_rows(rows: Tensor, leaves: List[Tensor], examples: int) -> Optional
     return None
 
 
-def _tolerance(output: Tensor) -> float:
-    """``sqrt(eps)`` of ``output``'s dtype times its largest magnitude (:func:`.blocks.output_tolerance`)."""
-    return math.sqrt(torch.finfo(output.dtype).eps) * float(output.abs().max()) if output.numel() else 0.0
-
-
 class _Factors:
     """Per expert, the rows routed to it (tokens, slots) and each parameter's factors
     ``(b_r, a_r)``: contribution ``b_r a_r^T`` (a bias: ``b_r``)."""
@@ -276,7 +271,7 @@ def _factors(experts: nn.Module, roles: Dict[str, str], rows: Tensor, index: Ten
         for role, name in roles.items():
             found.factors.setdefault(name, {})[e] = pairs[role]
     if recomputed is not None and (
-            not output.numel() or not float((recomputed - output).abs().max()) <= _tolerance(output)):
+            not output.numel() or not float((recomputed - output).abs().max()) <= rounding_bound(output)):
         return None
     return found
 
@@ -370,8 +365,8 @@ def _router_parts(capture: Capture, found: _Factors, rows: Tensor, positions: in
     logits, weights = again[0], again[slot_w]
     expected = F.linear(rows, params["weight"].detach(), None if "bias" not in params else params["bias"].detach())
     if not isinstance(logits, Tensor) or logits.shape != expected.shape or weights.shape != outputs[slot_w].shape \
-            or not float((logits.detach() - expected).abs().max()) <= _tolerance(expected) \
-            or not float((weights.detach() - outputs[slot_w]).abs().max()) <= _tolerance(outputs[slot_w]):
+            or not float((logits.detach() - expected).abs().max()) <= rounding_bound(expected) \
+            or not float((weights.detach() - outputs[slot_w]).abs().max()) <= rounding_bound(outputs[slot_w]):
         return None
     (d_logits,) = torch.autograd.grad(weights, logits, found.d_weights.to(weights.dtype))
     examples = rows.shape[0] // positions
@@ -436,7 +431,8 @@ def _results(capture: Capture, leaves: List[Tensor], grad: Tensor, params: Dict[
 def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: Dict[str, Dict[str, Tensor]],
               eps: float) -> bool:
     """On a block's first step with both ways: whether the fast way's per-example squared norms
-    agree with the per-example recomputation's (to ``sqrt(eps)`` of the largest), noted for
+    agree with the per-example recomputation's (to :func:`.precision.rounding_bound` of
+    the latter, at ``eps``), noted for
     good; ``True`` once noted so."""
     capture = block.__dict__.get(ATTRIBUTE)
     if capture is not None and not CONFIRM:
@@ -445,8 +441,8 @@ def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: 
         return capture is not None and bool(capture.verified)
     slow, quick = recomputed.get(BATCH_L2_SAVEFIELD, {}), fast.get(BATCH_L2_SAVEFIELD, {})
     capture.verified = bool(quick) and all(
-        name in slow and float((norms - slow[name]).abs().max())
-        <= math.sqrt(eps) * float(slow[name].abs().max()) for name, norms in quick.items())
+        name in slow and float((norms - slow[name]).abs().max()) <= rounding_bound(slow[name], eps)
+        for name, norms in quick.items())
     return capture.verified
 
 

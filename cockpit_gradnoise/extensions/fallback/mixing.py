@@ -47,12 +47,12 @@ to the layers' outputs, before the real forward pass (not on top of its memory).
 """
 
 import functools
-import math
 from typing import Dict, List, Optional, Sequence
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.fallback.capture import BLOCK_ATTRIBUTE
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.precision import rounding_bound
 
 import torch
 from torch import Tensor, nn
@@ -127,14 +127,15 @@ def _outputs(calls, larger, examples: int, module: nn.Module) -> List[Tensor]:
 
 def mixes(grad: Optional[Tensor], example: int) -> bool:
     """Whether ``grad`` has, on a row other than ``example``'s, a finite entry above
-    ``sqrt(eps)`` of its largest finite magnitude (module docstring)."""
+    ``sqrt(eps)`` of its largest finite magnitude (:func:`.precision.rounding_bound`; module
+    docstring)."""
     if grad is None or not grad.is_floating_point():
         return False
     magnitudes = grad.abs().nan_to_num_(nan=0.0, posinf=0.0)  # non-finite: tells nothing
-    largest = magnitudes.amax()
+    bound = rounding_bound(magnitudes)
     magnitudes[example] = 0
     others = float(magnitudes.amax())
-    return others > 0 and others > math.sqrt(torch.finfo(grad.dtype).eps) * float(largest)
+    return others > 0 and others > bound
 
 
 def check(model: nn.Module, calls, larger, examples: int) -> None:
