@@ -5,9 +5,11 @@ per-example results from the rows, routing and output gradient of the batch's pa
 where the block was recomputed per example (``blocks.py``). Here the fast way is made
 to serve from the first step (``experts.CONFIRM = False``: no comparison with the
 recomputation first) and must be exact against one float64 backward pass per example
-for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-OSS (transposed weights, biases, its
-clamped gate), at batch sizes 2, odd and the sequence length, with top-2 routing and
-with an expert no token reaches; and it must give way to the recomputation, still
+for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE (its router's logits in float32) and
+GPT-OSS (transposed weights, biases, its clamped gate), at batch sizes 2, odd and the
+sequence length, with top-2 routing and with an expert no token reaches; DeepSeek-V3's
+(group-limited, bias-corrected top-k routing in float32, a shared expert beside) to
+float32's rounding where its router computes in float32; and it must give way to the recomputation, still
 exact, where its reimplementation of the experts is not theirs, or where its rows
 disagree with the recomputation's on the first step.
 """
@@ -24,12 +26,15 @@ from tests.test_moe import (
     WithAuxiliaryLoss,
     assert_rows_exact,
     causal_lm,
+    granite_moe,
     mixtral,
     qwen2_moe,
     qwen3_moe,
     tokens,
     track_one_step,
 )
+from tests.test_moe_float32_routers import assert_exact_per_example
+from tests.test_moe_float32_routers import causal_lm as sweep_causal_lm
 from tests.test_silent_inexact import assert_exact
 
 
@@ -80,12 +85,13 @@ FAMILIES = {"mixtral": (mixtral, MIXTRAL_LIKE), "qwen2-moe": (qwen2_moe, MIXTRAL
             "qwen3-moe": (qwen3_moe, MIXTRAL_LIKE), "olmoe": (olmoe, MIXTRAL_LIKE),
             "gpt-oss": (gpt_oss, ["experts.down_proj", "experts.down_proj_bias", "experts.gate_up_proj",
                                   "experts.gate_up_proj_bias", "router.bias", "router.weight"]),
+            "granite-moe": (granite_moe, ["experts.down_proj", "experts.gate_up_proj", "router.weight"]),
             "16 experts": (many_experts, MIXTRAL_LIKE)}
 
 
 @pytest.mark.parametrize("family, examples", [
     ("mixtral", 2), ("mixtral", 5), ("mixtral", SEQUENCE), ("qwen2-moe", 5), ("qwen3-moe", 2),
-    ("olmoe", 3), ("gpt-oss", 3), ("16 experts", 2)])
+    ("olmoe", 3), ("granite-moe", SEQUENCE), ("gpt-oss", 3), ("16 experts", 2)])
 def test_experts_and_router_from_the_batch_pass_are_exact(fast, family, examples):
     make, names = FAMILIES[family]
     inputs, targets = tokens(examples)
@@ -94,6 +100,32 @@ def test_experts_and_router_from_the_batch_pass_are_exact(fast, family, examples
     assert served == [names]  # every expert parameter (and the router) the fast way
     if family == "16 experts":
         assert (routed[0][:16] == 0).any()  # an expert no token reached: zero rows
+
+
+def deepseek_v3():
+    """DeepSeek-V3's block: 8 experts in 4 groups, top-2 from the best 2 groups chosen by scores
+    plus a random ``e_score_correction_bias``, the weights the unbiased sigmoid scores,
+    normalized and scaled, all in float32 (``weight.type(torch.float32)``); a shared expert
+    beside (on the block's input, its rows examples: recomputed per example with the block)."""
+    model = sweep_causal_lm("deepseek_v3", first_k_dense_replace=0, n_routed_experts=8, num_local_experts=8,
+                            n_group=4, topk_group=2, num_hidden_layers=1)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(0.1 * torch.randn(8, generator=generator))
+                module.weight.copy_(0.3 * torch.randn(module.weight.shape, generator=generator))
+    return model
+
+
+def test_deepseek_v3_experts_and_float32_router_from_the_batch_pass(fast):
+    """Exact to float32's rounding (its router's product is float32's; every other parameter
+    to 1e-10: ``assert_exact_per_example``)."""
+    inputs, targets = tokens(3)
+    model = deepseek_v3()
+    assert_exact_per_example(model, inputs, targets)
+    served, routed = fast
+    assert served and all(names == MIXTRAL_LIKE for names in served)
 
 
 def test_norms_alone_by_gram_matrices_are_exact(fast):

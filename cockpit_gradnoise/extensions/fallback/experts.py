@@ -36,11 +36,18 @@ The router: where its first output is ``F.linear`` of the same token rows
 indices the experts got (the very tensors), its logits' gradient *through the
 experts* is the vector-Jacobian product of the router run again on the rows
 at ``dL/dw_ts = G_t . y_ts = (W^down_e^T G_t) . u_r (+ G_t . b^down_e)``, and
-``x_i(W) = sum_{t of i} dlogits_t x_t^T``. A term of the loss that reaches the
-router otherwise (the auxiliary load-balancing loss) is not in it, so the check
-that the contributions add up to the gradient (:func:`.blocks.reached_otherwise`)
-leaves the router out by name, as before. Another router (DeepSeek-V3's, routed
-in its block) keeps the per-example recomputation, for its parameters only.
+``x_i(W) = sum_{t of i} dlogits_t x_t^T`` (in the wider of the logits' and the rows'
+dtypes). Whatever the router does between its logits and its weights goes through
+that vector-Jacobian product: softmax then top-k (Mixtral, Qwen, OLMoE, Jamba), top-k
+then softmax (GraniteMoE), DeepSeek-V3's sigmoid scores with group-limited,
+bias-corrected top-k. A router that computes its logits in float32 inside a float64
+model (GraniteMoE's ``.float()``, DeepSeek-V3's ``weight.type(torch.float32)``) is
+compared with ``F.linear`` of the rows at float32's rounding. A term of the loss that
+reaches the router otherwise (the auxiliary load-balancing loss) is not in it, so the
+check that the contributions add up to the gradient (:func:`.blocks.reached_otherwise`)
+leaves the router out by name, as before. Any other parameter of the block (Qwen2-MoE's
+shared expert and its gate, DeepSeek-V3's shared experts) keeps the per-example
+recomputation, for its parameters only.
 
 Which token is whose: one of the block's per-example inputs (``[N, T, H]``) must
 be, exactly, the experts' rows (``view(-1, H)``, as the blocks of ``transformers``
@@ -350,6 +357,13 @@ def _expert_results(param: Tensor, found: _Factors, name: str, positions: int, t
     return norms, sums
 
 
+def _coarser_eps(*tensors: Tensor) -> float:
+    """The largest ``eps`` of the tensors' dtypes: a router of a float64 model that computes its
+    logits in float32 (GraniteMoE's ``.float()``, DeepSeek-V3's ``weight.type(torch.float32)``)
+    gives ``F.linear`` of the rows to float32's rounding."""
+    return max(torch.finfo(t.dtype).eps for t in tensors)
+
+
 def _router_parts(capture: Capture, found: _Factors, rows: Tensor, positions: int):
     """``{param: (||x_i||^2, [sum_i x_i, sum_i x_i**2])}`` of the router's parameters (module
     docstring), ``None`` where it
@@ -364,14 +378,16 @@ def _router_parts(capture: Capture, found: _Factors, rows: Tensor, positions: in
         return None
     logits, weights = again[0], again[slot_w]
     expected = F.linear(rows, params["weight"].detach(), None if "bias" not in params else params["bias"].detach())
-    if not isinstance(logits, Tensor) or logits.shape != expected.shape or weights.shape != outputs[slot_w].shape \
-            or not float((logits.detach() - expected).abs().max()) <= rounding_bound(expected) \
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.shape != expected.shape \
+            or weights.shape != outputs[slot_w].shape:
+        return None
+    if not float((logits.detach() - expected).abs().max()) <= rounding_bound(expected, _coarser_eps(logits, expected)) \
             or not float((weights.detach() - outputs[slot_w]).abs().max()) <= rounding_bound(outputs[slot_w]):
         return None
     (d_logits,) = torch.autograd.grad(weights, logits, found.d_weights.to(weights.dtype))
-    examples = rows.shape[0] // positions
+    examples, wide = rows.shape[0] // positions, torch.promote_types(d_logits.dtype, rows.dtype)
     d_logits, per_example_rows = d_logits.reshape(examples, positions, -1), rows.reshape(examples, positions, -1)
-    found = {params["weight"]: torch.bmm(d_logits.transpose(1, 2), per_example_rows.to(d_logits.dtype))}
+    found = {params["weight"]: torch.bmm(d_logits.transpose(1, 2).to(wide), per_example_rows.to(wide))}
     if "bias" in params:
         found[params["bias"]] = d_logits.sum(1)
     return {param: norms_and_sums(x) for param, x in found.items()}
