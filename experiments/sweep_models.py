@@ -79,6 +79,9 @@ FIXES = {
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 64, "moe_num_experts": 4,
                             "moe_top_k": 2}},
+    # Its default places dense layers first (3 of them: no MoE layer in 2) and 256 experts
+    # in 8 groups; here every layer routes, 8 experts in 4 groups, top-2 of the best 2.
+    "deepseek_v3": {"first_k_dense_replace": 0, "n_routed_experts": 8, "n_group": 4, "topk_group": 2},
     "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320,
                      "num_hidden_layers": 8},
     "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
