@@ -130,6 +130,20 @@ def test_deepseek_v3_experts_and_float32_router_from_the_batch_pass(fast):
     assert served and all(names == MIXTRAL_LIKE for names in served)
 
 
+@pytest.mark.parametrize("model_type, router", [
+    ("minimax_m2", "gate.weight"),  # a second input, the block's e_score_correction_bias
+    ("afmoe", "router.gate.weight"),  # the weight a child's (an nn.Linear inside the router)
+    ("ernie4_5_moe", "gate.weight")])  # a frozen parameter beside (its routing statistics)
+def test_routers_with_more_inputs_or_parameters_from_the_batch_pass(fast, model_type, router):
+    """Routers in float32 (the sweep's tiny configurations), to float32's rounding."""
+    inputs, targets = tokens(3)
+    model = sweep_causal_lm(model_type)
+    assert_exact_per_example(model, inputs, targets)
+    served, _ = fast
+    assert served and all(names[:2] == ["experts.down_proj", "experts.gate_up_proj"] and router in names
+                          for names in served)
+
+
 def test_jamba_experts_and_router_from_the_batch_pass_are_exact(fast):
     """Jamba's (the sweep's tiny configuration: Mamba and attention layers, one block of
     experts), per-example norms of its experts and router to 1e-10. (Not the whole model

@@ -31,9 +31,11 @@ matrices, ``||x_i||^2 = sum_{r,r'} (b_r . b_r') (a_r . a_r')``
 (:func:`gradient_and_gram_norms`). Units as every rule's: the output gradient
 holds the loss's ``1/N``, so ``x_i`` is the contribution ``c g_i``.
 
-The router: where its first output is ``F.linear`` of the same token rows
-(``weight``, optionally ``bias``) and two others are the routing weights and
-indices the experts got (the very tensors), its logits' gradient *through the
+The router: a child of the block whose trainable parameters are one 2-D weight and
+perhaps a bias (:func:`router_parameters`), called with the token rows first (any
+other input, a bias buffer, passed again as it was), whose first output is
+``F.linear`` of those rows and two others the routing weights and indices the
+experts got (the very tensors): its logits' gradient *through the
 experts* is the vector-Jacobian product of the router run again on the rows
 at ``dL/dw_ts = G_t . y_ts = (W^down_e^T G_t) . u_r (+ G_t . b^down_e)``, and
 ``x_i(W) = sum_{t of i} dlogits_t x_t^T`` (in the wider of the logits' and the rows'
@@ -82,6 +84,7 @@ from cockpit_gradnoise.extensions.savefields import (
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils import _pytree
 
 #: The attribute (in a block's ``__dict__``) of its :class:`Capture`.
 ATTRIBUTE = "_cgn_experts_capture"
@@ -110,9 +113,9 @@ class Capture:
         self.output: Optional[Tensor] = None
         self.grad: Optional[Tensor] = None
         self.router: Optional[nn.Module] = None
-        self.router_call: Optional[Tuple[Tensor, Tuple]] = None  # input, detached outputs
+        self.router_call: Optional[Tuple[tuple, dict, Tuple]] = None  # args, kwargs, detached outputs
         self.slots: Optional[Tuple[int, int]] = None  # router outputs: (weights, index)
-        self.pending: Dict[nn.Module, Tuple[Tensor, tuple]] = {}  # routers' calls, raw outputs
+        self.pending: Dict[nn.Module, Tuple[tuple, dict, tuple]] = {}  # routers' calls, raw outputs
 
     def __reduce__(self):  # a copy of the model starts afresh, with its own modules
         return (Capture, (self.experts, self.routers))
@@ -159,9 +162,22 @@ def _reset(block, args):
         capture.reset()
 
 
+def router_parameters(module: nn.Module) -> Optional[Dict[str, nn.Parameter]]:
+    """``{"weight": W, "bias": b}`` (no bias: ``W`` only) of a router candidate: its trainable
+    parameters are one 2-D weight (``weight``, or a child's: AFMoE's ``gate.weight``) and
+    perhaps one 1-D bias beside it; frozen ones (ERNIE-4.5's routing statistics) aside."""
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    weights = [name for name, p in trainable.items() if name.rsplit(".", 1)[-1] == "weight" and p.dim() == 2]
+    if len(weights) != 1:
+        return None
+    bias = weights[0][: -len("weight")] + "bias"
+    if set(trainable) - {weights[0], bias} or (bias in trainable and trainable[bias].dim() != 1):
+        return None
+    return {"weight": trainable[weights[0]], **({"bias": trainable[bias]} if bias in trainable else {})}
+
+
 def _router_like(module: nn.Module) -> bool:
-    params = dict(module.named_parameters())
-    return "weight" in params and params["weight"].dim() == 2 and set(params) <= {"weight", "bias"}
+    return router_parameters(module) is not None
 
 
 def _tensors(args, kwargs) -> List[Tensor]:
@@ -172,9 +188,9 @@ def _router_hook(module, args, kwargs, output):
     capture = module.__dict__.get(ATTRIBUTE)
     if capture is None or idle(module) or not torch.is_grad_enabled():
         return
-    inputs = _tensors(args, kwargs)
-    if len(inputs) == 1 and isinstance(output, tuple):  # raw outputs, for their identity
-        capture.pending[module] = (inputs[0].detach(), output)
+    if _tensors(args, kwargs) and isinstance(output, tuple):  # raw outputs, for their identity
+        detached = _pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, (args, kwargs))
+        capture.pending[module] = (*detached, output)
 
 
 def _experts_hook(module, args, kwargs, output):
@@ -189,12 +205,13 @@ def _experts_hook(module, args, kwargs, output):
     rows, index, weights = inputs
     capture.inputs = (rows.detach(), index.detach(), weights.detach())
     capture.output = output.detach()
-    for router, (router_input, outputs) in capture.pending.items():
+    for router, (router_args, router_kwargs, outputs) in capture.pending.items():
         slot_w = [k for k, o in enumerate(outputs) if o is weights]
         slot_i = [k for k, o in enumerate(outputs) if o is index]
         if len(slot_w) == 1 and len(slot_i) == 1:
             capture.router, capture.slots = router, (slot_w[0], slot_i[0])
-            capture.router_call = (router_input, tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs))
+            capture.router_call = (router_args, router_kwargs,
+                                   tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs))
     capture.pending = {}
     output.register_hook(functools.partial(_keep_grad, capture))
 
@@ -368,12 +385,14 @@ def _router_parts(capture: Capture, found: _Factors, rows: Tensor, positions: in
     """``{param: (||x_i||^2, [sum_i x_i, sum_i x_i**2])}`` of the router's parameters (module
     docstring), ``None`` where it
     is not ``F.linear`` of the rows with its routing weights among its outputs."""
-    router, (router_input, outputs), (slot_w, slot_i) = capture.router, capture.router_call, capture.slots
-    params = dict(router.named_parameters())
-    if router_input.numel() != rows.numel() or not torch.equal(router_input.reshape(rows.shape), rows):
+    router, (args, kwargs, outputs), (slot_w, slot_i) = capture.router, capture.router_call, capture.slots
+    params = router_parameters(router)
+    router_input = _tensors(args, kwargs)[0]  # the rows; any other input (a bias buffer) as it was
+    if params is None or router_input.numel() != rows.numel() \
+            or not torch.equal(router_input.reshape(rows.shape), rows):
         return None
     with torch.enable_grad(), hooks_off(router):
-        again = router(router_input)
+        again = router(*args, **kwargs)
     if not isinstance(again, tuple) or len(again) != len(outputs) or not torch.equal(again[slot_i], outputs[slot_i]):
         return None
     logits, weights = again[0], again[slot_w]
@@ -432,7 +451,7 @@ def _results(capture: Capture, leaves: List[Tensor], grad: Tensor, params: Dict[
     reduced = {own[name]: _expert_results(own[name], found, name, positions,
                                           experts.is_transposed and role in ("up", "down"), grad.shape[0], squares)
                for role, name in roles.items()}
-    if capture.router is not None and all(id(p) in wanted for p in capture.router.parameters()):
+    if capture.router is not None and all(id(p) in wanted for p in (router_parameters(capture.router) or {}).values()):
         reduced.update(_router_parts(capture, found, rows, positions) or {})
     names = {id(p): name for name, p in params.items()}
     out = {savefield: {} for savefield in savefields}
