@@ -176,7 +176,7 @@ def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel
         return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"
     if world_size() < 2:
         return "FSDP2 on one process", "FSDP2 (fully_shard)"
-    if not hsdp and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo":
+    if not hsdp and sharded.is_hsdp(fsdp_param):
         return _HSDP
     return None
 

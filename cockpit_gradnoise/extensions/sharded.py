@@ -82,7 +82,7 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
     if inside:
         return _unsupported_inside(fsdp_param, mesh, tp_spec) or _mixed_precision_refusal(fsdp_param)
     # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
-    if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
+    if mesh.ndim != 1 and not (mesh.ndim == 2 and is_hsdp(fsdp_param)):
         return (f"a {mesh.ndim}-D device mesh other than HSDP's (only a 1-D mesh, or HSDP's "
                 "replicate x shard mesh, is supported)")
     if mesh.size() != dist_world_size() and not any(mesh == dp for dp in over_tp):
@@ -92,14 +92,24 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
     return _mixed_precision_refusal(fsdp_param)
 
 
+def is_hsdp(fsdp_param) -> bool:
+    """Whether FSDP2 shards ``fsdp_param`` on HSDP's replicate x shard mesh (its mesh info's
+    class, by name: nothing is imported)."""
+    return type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"
+
+
 def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
     """Why FSDP2 on ``dp_mesh`` over tensor parallelism (``tp_spec``) is refused, or ``None``:
-    supported is a 1-D ``dp`` mesh over a 1-D tensor-parallel one, together every process."""
+    supported is a 1-D ``dp`` mesh, or HSDP's replicate x shard one, over a 1-D tensor-parallel
+    one, together every process (every process of a ``dp`` mesh, replicas included, runs its
+    own examples; the processes of a ``tp`` group the same ones)."""
     tp_mesh = getattr(tp_spec, "mesh", None)
+    dp_dims = 2 if is_hsdp(fsdp_param) else 1
     if (getattr(fsdp_param.mesh_info, "is_spmd_mesh", False) or tp_mesh is None
-            or dp_mesh.ndim != 1 or tp_mesh.ndim != 1):
-        return ("tensor parallelism inside FSDP2 other than FSDP2 on a 1-D dp mesh over a "
-                "1-D tp mesh (HSDP, expert parallelism or dp_mesh_dims are not supported)")
+            or dp_mesh.ndim != dp_dims or tp_mesh.ndim != 1):
+        return ("tensor parallelism inside FSDP2 other than FSDP2 on a 1-D dp mesh or HSDP's "
+                "replicate x shard mesh over a 1-D tp mesh (expert parallelism or "
+                "dp_mesh_dims are not supported)")
     if dp_mesh.size() * tp_mesh.size() != dist_world_size():
         return (f"a dp x tp mesh of {dp_mesh.size()} x {tp_mesh.size()} of the "
                 f"{dist_world_size()} processes (the mesh must span every process)")
@@ -277,7 +287,7 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
         param = fsdp_param.sharded_param
         mesh = fsdp_param.mesh_info.mesh
         if (unsharded is None or not unsharded.requires_grad or param.dim() == 0
-                or type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo" or mesh.ndim != 1
+                or is_hsdp(fsdp_param) or mesh.ndim != 1
                 or mesh.size() != world or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
                 is not None):
             continue
