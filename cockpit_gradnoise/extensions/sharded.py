@@ -66,6 +66,23 @@ def fsdp2_parameters() -> Dict[int, object]:
     return found
 
 
+def class_before_sharding(module) -> type:
+    """``module``'s class before ``fully_shard``: FSDP2 gives a module it shards the class
+    ``FSDP<name>`` of bases ``(FSDPModule, <its class>)`` (seen through here, by name:
+    nothing is imported); any other module's class as it is."""
+    kind = type(module)
+    bases = kind.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and kind.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return kind
+
+
+def sharded_by_fsdp2(module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied to ``module`` (its class changed:
+    :func:`class_before_sharding`)."""
+    return class_before_sharding(module) is not type(module)
+
+
 def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) -> Optional[str]:
     """Why an FSDP2 parameter's results cannot be made exact here, or ``None``.
 
