@@ -140,7 +140,8 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
-            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh; cgn.prepare_model first, then "
+            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh, or HSDP's (\"replicate\", "
+            "\"shard\", \"tp\") one for the four exact under HSDP; cgn.prepare_model first, then "
             f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} and TwoBatchNoiseScale only; "
             "see docs/distributed.md"
         )
