@@ -41,10 +41,10 @@ from tests.test_distributed import (
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
 LR = 0.1
 # Local batch sizes, per job and world size (per micro-batch for "accumulation").
-SIZES = {
+SIZES = {  # 4 processes: HSDP's 2 x 2 mesh (test_fsdp2_tensor_parallel)
     "per_linear": {2: (3, 5), 3: (2, 4, 1)},
     "root_only": {2: (4, 4), 3: (3, 3, 3)},
-    "accumulation": {2: ((2, 3), (4, 1)), 3: ((1, 2, 2), (3, 1, 2))},
+    "accumulation": {2: ((2, 3), (4, 1)), 3: ((1, 2, 2), (3, 1, 2)), 4: ((1, 2, 1, 2), (2, 1, 3, 1))},
 }
 
 

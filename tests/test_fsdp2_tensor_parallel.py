@@ -43,7 +43,7 @@ import pytest
 import torch
 from cockpit.utils.schedules import linear
 
-from tests import test_fsdp2, test_fsdp2_variance, test_tensor_parallel
+from tests import test_fsdp2, test_fsdp2_gradient_in_backward, test_fsdp2_variance, test_tensor_parallel
 from tests.tensor_parallel_models import Net
 from tests.test_distributed import (
     agreed_table,
@@ -226,8 +226,19 @@ def hsdp_track(layout, rank, _):
     return {"table": table, "refused": refused}
 
 
+def hsdp_in_backward(rank, _):
+    """test_fsdp2_gradient_in_backward's accumulation job on HSDP's 2 x 2 mesh (no tensor
+    parallelism): GradientNoiseScale's local gradient reduce-scattered over ``shard`` and
+    added over ``replicate`` in the backward pass; the table and the reductions made."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs["hsdp_in_backward"] = functools.partial(hsdp_in_backward, rank)
     jobs.update({f"hsdp_{layout}_{job}": functools.partial(hsdp_job, layout, job)
                  for layout, (_, names) in HSDP_TP.items() for job in names})
     jobs.update({f"hsdp_{layout}_track": functools.partial(hsdp_track, layout, rank) for layout in HSDP_TP})
@@ -396,3 +407,18 @@ def test_cgn_track_under_hsdp_over_tensor_parallelism_equals_one_process(group, 
         assert "GradientVarianceQuantiles" in result["refused"]["GradientVarianceQuantiles"]
         assert "HSDP" in result["refused"]["GradientVarianceQuantiles"]
         assert "TwoBatchNoiseScale" in result["refused"]["norms"] and "HSDP" in result["refused"]["norms"]
+
+
+def test_hsdp_local_gradient_is_reduced_in_the_backward_pass_and_equals_one_process(group):
+    """HSDP on 2 x 2 (replicas of shards): each process keeps its shard's rows of the global
+    batch gradient, once per backward pass and parameter; each row's ``M`` counted by the
+    first replica only; GradientNoiseScale as one process on the global batch."""
+    results = results_of(group, WORLD, "hsdp_in_backward")
+    expected = {key: value for key, value in test_fsdp2.reference("accumulation", WORLD).items()
+                if key[1] == "GradientNoiseScale"}
+    assert_tables_match(agreed_table(results), expected)
+    for rank, result in enumerate(results):
+        shard = rank % 2  # the mesh (replicate, shard): shard innermost
+        want = [(name, (1,) + test_fsdp2_gradient_in_backward.chunk_shape(shape, 2, shard), "in the backward pass")
+                for name, shape in test_fsdp2_gradient_in_backward.SHAPES.items()] * 4  # 2 steps x 2 micro-batches
+        assert sorted(result["reduced"]) == sorted(want), rank
