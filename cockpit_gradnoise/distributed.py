@@ -124,8 +124,8 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"{quantity or 'this quantity'} {'are' if ', ' in (quantity or '') else 'is'} not "
             "exact under HSDP (fully_shard on a "
             "replicate x shard mesh): it adds sums over each process's shard, which would count "
-            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)}; or shard "
-            "on a 1-D mesh; see docs/distributed.md"
+            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)} (cgn.track's "
+            "quantities=\"cheap\"); or shard on a 1-D mesh; see docs/distributed.md"
         )
     if found is not None:
         what, parallelism = found
