@@ -197,7 +197,10 @@ HSDP_QUANTITIES = {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio",
 HSDP_TRACKED = {"replicas": sorted(HSDP_QUANTITIES), "shards": "cheap"}  # the preset: the same four
 
 
+@functools.lru_cache(maxsize=None)
 def hsdp_mesh(layout):
+    """The 3-D mesh of ``layout``, made once per process (each new mesh makes process groups:
+    a rendezvous of every process)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", HSDP_TP[layout][0], mesh_dim_names=("replicate", "shard", "tp"))
@@ -227,13 +230,13 @@ def hsdp_track(layout, rank, _):
     return {"table": table, "refused": refused}
 
 
-def hsdp_in_backward(rank, _):
+def hsdp_in_backward(rank, mesh):
     """test_fsdp2_gradient_in_backward's accumulation job on HSDP's 2 x 2 mesh (no tensor
     parallelism): GradientNoiseScale's local gradient reduce-scattered over ``shard`` and
-    added over ``replicate`` in the backward pass; the table and the reductions made."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    added over ``replicate`` in the backward pass; the table and the reductions made.
+    ``mesh`` is the launch's 2 x 2 one: ``fully_shard`` on a 2-D mesh is HSDP, its first
+    dimension the replicate one, whatever their names (no new mesh: a new one makes process
+    groups, a rendezvous of every process)."""
     return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
 
 

@@ -138,16 +138,14 @@ SCALED = "norms_accumulated"
 POISONED = (1, 0, 1)  # (step, process, micro-batch)
 
 
-def scaled_run(rank=None, world=2, scaler=True):
+def scaled_run(rank=None, world=2, scaler=True, mesh=None):
     """``cgn.track`` with the five quantities exact under FSDP2 and a ``torch.amp.GradScaler``
     (scale 2**10, doubled after each finite step): sharded (this ``rank``'s micro-batches), or
     on one process with every process's micro-batches as its own (without ``scaler``: none,
     and no step poisoned). The table, the warnings and the scaler's scale after each step."""
     model = net()
     if rank is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        model = shard(model, init_device_mesh("cpu", (world,)), True, True)
+        model = shard(model, mesh, True, True)
     model, tracker = cgn.track(model, every=1, quantities=PER_EXAMPLE + ["GradientVarianceQuantiles"])
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1, enabled=scaler)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -281,7 +279,7 @@ def worker(rank, world, port, out):
     jobs["refusals"] = refusals
     if world == 2:
         jobs["lightning"] = lambda mesh: lightning_job(world, rank, port, folder)
-        jobs["scaler"] = lambda mesh: scaled_run(rank, world)
+        jobs["scaler"] = lambda mesh: scaled_run(rank, world, mesh=mesh)
         jobs["inf_in_one_shard"] = inf_in_one_shard
     run_jobs(rank, world, port, out, jobs)
 
