@@ -46,6 +46,7 @@ from cockpit_gradnoise.extensions.savefields import (
     SUMS_SAVEFIELD,
 )
 from cockpit_gradnoise.logs.schema import GRAD_SCALER, LOSS_SCALE, NETWORK, SKIPPED
+from cockpit_gradnoise.step_checks import version_of
 
 import torch
 from torch import Tensor
@@ -122,7 +123,9 @@ class ScaledStep:
             for field in _SAVEFIELDS:
                 if hasattr(param, field):
                     setattr(param, field, unscaled_savefield(field, getattr(param, field), self.scale))
-            if param.grad is not None and (id(param.grad), param.grad._version) not in left:
+            # The version as the quantities record it (a DTensor's with its shard's: FSDP2
+            # accumulates into the shard in place, leaving the DTensor's own unmoved).
+            if param.grad is not None and (id(param.grad), version_of(param.grad)) not in left:
                 original = param.grad
                 param.grad = original / self.scale
                 self._originals.append((param, original, param.grad))
@@ -139,7 +142,7 @@ class ScaledStep:
             for name, (ref, _) in list((seen or {}).items()):
                 original = copies.get(id(ref())) if ref() is not None else None
                 if original is not None:
-                    seen[name] = (weakref.ref(original), original._version)
+                    seen[name] = (weakref.ref(original), version_of(original))
         self._originals = []
 
     def record(self, cockpit, step: int, skipped: bool):

@@ -124,8 +124,8 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"{quantity or 'this quantity'} {'are' if ', ' in (quantity or '') else 'is'} not "
             "exact under HSDP (fully_shard on a "
             "replicate x shard mesh): it adds sums over each process's shard, which would count "
-            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)}; or shard "
-            "on a 1-D mesh; see docs/distributed.md"
+            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)} (cgn.track's "
+            "quantities=\"cheap\"); or shard on a 1-D mesh; see docs/distributed.md"
         )
     if found is not None:
         what, parallelism = found
@@ -140,7 +140,8 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             f"over the sharded parameters) for {', '.join(FSDP2_QUANTITIES)} and "
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
-            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh; cgn.prepare_model first, then "
+            "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh, or HSDP's (\"replicate\", "
+            "\"shard\", \"tp\") one for the four exact under HSDP; cgn.prepare_model first, then "
             f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} and TwoBatchNoiseScale only; "
             "see docs/distributed.md"
         )
@@ -176,7 +177,7 @@ def _fsdp2_refusal(param, managed, fsdp2, tensor_parallel, fsdp2_tensor_parallel
         return f"a parameter sharded by {why}", "FSDP2 (fully_shard)"
     if world_size() < 2:
         return "FSDP2 on one process", "FSDP2 (fully_shard)"
-    if not hsdp and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo":
+    if not hsdp and sharded.is_hsdp(fsdp_param):
         return _HSDP
     return None
 

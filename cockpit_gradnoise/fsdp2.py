@@ -47,9 +47,9 @@ RECIPE = ("model = cgn.prepare_model(build_model()); fully_shard(...) on the blo
 
 
 def fully_sharded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` or to one of its modules."""
-    return any(base.__name__ == "FSDPModule" for module in model.modules()
-               for base in type(module).__mro__)
+    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` or to one of its modules
+    (:func:`.extensions.sharded.sharded_by_fsdp2`)."""
+    return any(map(sharded.sharded_by_fsdp2, model.modules()))
 
 
 def check_preparable(model: nn.Module, use_converter) -> None:

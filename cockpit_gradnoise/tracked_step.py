@@ -59,6 +59,8 @@ class TrackedStep:
             if self.scaled is not None and self.scaled.skipped(self.cockpit.params):
                 self._leave(None, None, None)  # the scaler skips this step: no rows
                 self.scaled.discard(self.cockpit.params)
+                for quantity in self.cockpit.quantities:  # its micro-batches so far: dropped
+                    getattr(quantity, "forget_step", lambda step: None)(self.step)
             else:
                 self._compute()
             if self.scaled is not None:

@@ -41,10 +41,10 @@ from tests.test_distributed import (
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
 LR = 0.1
 # Local batch sizes, per job and world size (per micro-batch for "accumulation").
-SIZES = {
+SIZES = {  # 4 processes: HSDP's 2 x 2 mesh (test_fsdp2_tensor_parallel)
     "per_linear": {2: (3, 5), 3: (2, 4, 1)},
     "root_only": {2: (4, 4), 3: (3, 3, 3)},
-    "accumulation": {2: ((2, 3), (4, 1)), 3: ((1, 2, 2), (3, 1, 2))},
+    "accumulation": {2: ((2, 3), (4, 1)), 3: ((1, 2, 2), (3, 1, 2)), 4: ((1, 2, 1, 2), (2, 1, 3, 1))},
 }
 
 
@@ -357,3 +357,24 @@ def test_results_split_between_the_copies_are_refused_not_half_counted(monkeypat
     assert id(moved) not in recording.refusals
     assert not hasattr(split, sharded.BATCH_L2_SAVEFIELD) and "several times" in recording.refusals[id(split)]
     assert all(sharded.BATCH_L2_SAVEFIELD not in c._unsharded_param.__dict__ for c in copies.values())
+
+
+def test_fsdp2_class_is_seen_through_one_way():
+    """fully_shard's class for a module (``FSDP<name>`` of ``(FSDPModule, class)``, as torch's
+    ``_apply_to_module`` builds it, no processes): the module's own class behind it, for the
+    sequence-parallel norms' exact-class test and for telling a model sharded."""
+    from cockpit_gradnoise import fsdp2
+    from cockpit_gradnoise.extensions import sharded, tensor_parallel
+
+    from torch.distributed.fsdp import FSDPModule
+
+    norm = nn.LayerNorm(3)
+    norm.__class__ = type("FSDPLayerNorm", (FSDPModule, nn.LayerNorm), {})
+    assert sharded.class_before_sharding(norm) is nn.LayerNorm and sharded.sharded_by_fsdp2(norm)
+    assert tensor_parallel.sequence_norm(norm) and fsdp2.fully_sharded(nn.Sequential(nn.Linear(3, 3), norm))
+
+    class Norm(nn.LayerNorm):  # a subclass: not the exact class, sharded or not
+        pass
+
+    assert not tensor_parallel.sequence_norm(Norm(3)) and not fsdp2.fully_sharded(nn.Sequential(Norm(3)))
+    assert sharded.class_before_sharding(Norm(3)) is Norm and not sharded.sharded_by_fsdp2(Norm(3))

@@ -68,8 +68,8 @@ def gradient_job(job, at_end, world, rank, mesh):
     reduced, original, stage = [], sharded.reduced_rows, ["in the backward pass"]
     shapes = {tuple(p.shape): n for n, p in named}
 
-    def recording(value, units, dim, mesh):
-        rows = original(value, units, dim, mesh)
+    def recording(value, units, dim, mesh, *dims):
+        rows = original(value, units, dim, mesh, *dims)
         reduced.append((shapes[tuple(value.shape[1:])], tuple(rows.shape), stage[0]))
         return rows
 

@@ -96,8 +96,8 @@ def tracked_steps(mesh, world, rank, at_end=False, poison=None):
     reduced, original = [], sharded.reduced_rows
     shapes = {tuple(p.shape): n for n, p in named}
 
-    def recording(value, units, dim, mesh):
-        rows = original(value, units, dim, mesh)
+    def recording(value, units, dim, mesh, *dims):
+        rows = original(value, units, dim, mesh, *dims)
         name = shapes[tuple(value.shape[1:])]
         reduced.append((name, tuple(rows.shape), stage[0]))
         if name == poison and rank == 0 and rows.numel():

@@ -24,6 +24,13 @@ accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.tr
 sharded (the "adaptive" and "norms" presets); test_tensor_parallel's Sequence model with its
 norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities); refused by
 name: a cockpit over the layer sharded on ``dp`` alone.
+
+HSDP over tensor parallelism (``fully_shard`` on ``("replicate", "shard")`` of a 3-D mesh of
+the same 4 processes, ``tp`` innermost), in the same launch: replicas (2 x 1 x 2) and shards
+(1 x 2 x 2), test_fsdp2's jobs with the four quantities exact under HSDP (each data-parallel
+group its own examples, counted once per ``tp`` group), and ``cgn.track`` with them over
+accumulated micro-batches (the batch size every group's examples of every micro-batch);
+GradientVarianceQuantiles and the "norms" preset refused there by name.
 """
 
 import functools
@@ -36,7 +43,8 @@ import pytest
 import torch
 from cockpit.utils.schedules import linear
 
-from tests import test_fsdp2, test_fsdp2_variance, test_tensor_parallel
+from tests import test_fsdp2, test_fsdp2_gradient_in_backward, test_fsdp2_variance, test_tensor_parallel
+from tests.tensor_parallel_models import Net
 from tests.test_distributed import (
     agreed_table,
     assert_identical,
@@ -61,9 +69,20 @@ def per_example(names):
         cgn.GradientVarianceQuantiles(linear(1), quantiles=test_fsdp2.QUANTILES, param_names=names)]
 
 
+def dp_mesh(mesh):
+    """The data-parallel part of ``mesh``: ``dp``, or HSDP's ``("replicate", "shard")``."""
+    names = tuple(name for name in mesh.mesh_dim_names if name != "tp")
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+
+def dp_rank(mesh):
+    """This process's rank among the data-parallel groups (``tp`` is the innermost dimension)."""
+    return mesh.get_rank() // mesh["tp"].size()
+
+
 def sharded_model(mesh, per_linear=True, reshard=True, model=None):
     """The model (by default prepared) split on ``tp``, then sharded on ``dp`` (the order
-    torchtitan uses)."""
+    torchtitan uses; HSDP: on ``("replicate", "shard")``)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -71,21 +90,21 @@ def sharded_model(mesh, per_linear=True, reshard=True, model=None):
     parallelize_module(model, mesh["tp"], test_tensor_parallel.plan("mean"))
     if per_linear:
         for module in (model.fc1, model.fc2, model.head, model.frozen, model.unused):
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(module, mesh=dp_mesh(mesh), reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh(mesh), reshard_after_forward=reshard)
     return model
 
 
-def job_table(job, mesh):
+def job_table(job, mesh, quantities=per_example):
     """The table, warnings and placements of test_fsdp2's ``job`` on this process's batches."""
     per_linear, reshard, reduction = test_fsdp2.JOBS[job]
     model = sharded_model(mesh, per_linear, reshard)
     named = test_fsdp2.trainable(model)
     names = dict(named)
     cockpit = cgn.Cockpit([p for _, p in named],
-                          quantities=per_example(names) + test_fsdp2.from_grad(names))
+                          quantities=quantities(names) + test_fsdp2.from_grad(names))
     micro = len(test_fsdp2.SIZES[job][DP]) if job == "accumulation" else 1
-    batches = test_fsdp2.local_batches(job, DP, mesh["dp"].get_local_rank())
+    batches = test_fsdp2.local_batches(job, DP, dp_rank(mesh))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         test_fsdp2.run_steps(model, cockpit, batches, reduction, micro)
@@ -135,7 +154,7 @@ def two_batch(mesh=None):
         micro *= DP
     else:
         model = sharded_model(mesh)
-        batches = test_fsdp2.local_batches("accumulation", DP, mesh["dp"].get_local_rank())
+        batches = test_fsdp2.local_batches("accumulation", DP, dp_rank(mesh))
     named = test_fsdp2.trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=test_tensor_parallel.two_batch(dict(named)))
     with warnings.catch_warnings():
@@ -169,8 +188,64 @@ def sequence(mesh=None):
     return test_fsdp2.table(cockpit)
 
 
+# HSDP over tensor parallelism: fully_shard on ("replicate", "shard") of a 3-D mesh of the 4
+# processes, tp innermost; replicas (2 x 1 x 2: UpdateSize counts a replicated shard once)
+# and shards (1 x 2 x 2), each with its jobs; every process of a dp group its own examples.
+HSDP_TP = {"replicas": ((2, 1, 2), ("per_linear", "accumulation")),
+           "shards": ((1, 2, 2), ("root_only", "accumulation"))}
+HSDP_QUANTITIES = {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
+HSDP_TRACKED = {"replicas": sorted(HSDP_QUANTITIES), "shards": "cheap"}  # the preset: the same four
+
+
+@functools.lru_cache(maxsize=None)
+def hsdp_mesh(layout):
+    """The 3-D mesh of ``layout``, made once per process (each new mesh makes process groups:
+    a rendezvous of every process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", HSDP_TP[layout][0], mesh_dim_names=("replicate", "shard", "tp"))
+
+
+def hsdp_job(layout, job, _):
+    """test_fsdp2's ``job`` on the HSDP x TP mesh of ``layout``, the four quantities exact
+    under HSDP."""
+    return job_table(job, hsdp_mesh(layout), quantities=test_fsdp2.per_example)
+
+
+def hsdp_track(layout, rank, _):
+    """``cgn.track`` with the four quantities (listed, or the "cheap" preset) on the model
+    built, split on ``tp`` and sharded by HSDP, each dp group's accumulated micro-batches;
+    and what it says to the quantities that add sums over each process's shard."""
+    mesh = hsdp_mesh(layout)
+    split = lambda model, _: sharded_model(mesh, model=model)  # noqa: E731
+    refused = {}
+    for key in ("GradientVarianceQuantiles", "norms"):
+        try:
+            cgn.track(split(Net().double(), mesh), quantities=[key] if key != "norms" else key)
+            refused[key] = None
+        except TypeError as error:
+            refused[key] = str(error)
+    table = test_tensor_parallel.front_door(mesh, quantities=HSDP_TRACKED[layout], rank=rank // TP,
+                                            split=split, quantiles=None)
+    return {"table": table, "refused": refused}
+
+
+def hsdp_in_backward(rank, mesh):
+    """test_fsdp2_gradient_in_backward's accumulation job on HSDP's 2 x 2 mesh (no tensor
+    parallelism): GradientNoiseScale's local gradient reduce-scattered over ``shard`` and
+    added over ``replicate`` in the backward pass; the table and the reductions made.
+    ``mesh`` is the launch's 2 x 2 one: ``fully_shard`` on a 2-D mesh is HSDP, its first
+    dimension the replicate one, whatever their names (no new mesh: a new one makes process
+    groups, a rendezvous of every process)."""
+    return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs["hsdp_in_backward"] = functools.partial(hsdp_in_backward, rank)
+    jobs.update({f"hsdp_{layout}_{job}": functools.partial(hsdp_job, layout, job)
+                 for layout, (_, names) in HSDP_TP.items() for job in names})
+    jobs.update({f"hsdp_{layout}_track": functools.partial(hsdp_track, layout, rank) for layout in HSDP_TP})
     jobs["sequence"] = sequence
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
@@ -259,9 +334,9 @@ def test_layers_sharded_on_dp_alone_are_refused_by_name(group):
 
 
 def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):
-    """HSDP or dp_mesh_dims over tensor parallelism, a dp x tp mesh over some processes, a
-    placement other than Shard or Replicate, a layer on a dp mesh no split layer shares (no
-    processes: FSDP2's parameter as the check reads it)."""
+    """A 2-D dp mesh not HSDP's or dp_mesh_dims over tensor parallelism, a dp x tp mesh over
+    some processes, a placement other than Shard or Replicate, a layer on a dp mesh no split
+    layer shares (no processes: FSDP2's parameter as the check reads it); HSDP's passes."""
     from types import SimpleNamespace
 
     from cockpit_gradnoise.extensions import sharded
@@ -274,16 +349,24 @@ def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):
 
     dp = mesh()
 
-    def fsdp_param(dp_mesh=dp, tp_size=2, placements=(Shard(0),), spmd=False, inside=True):
+    class HSDPMeshInfo(SimpleNamespace):  # FSDP2's, as the check knows it: by name
+        pass
+
+    def fsdp_param(dp_mesh=dp, tp_size=2, placements=(Shard(0),), spmd=False, inside=True, hsdp=False):
         spec = SimpleNamespace(mesh=mesh(size=tp_size), placements=placements) if inside else None
-        return SimpleNamespace(mesh_info=SimpleNamespace(mesh=dp_mesh, is_spmd_mesh=spmd), param_dtype=None,
+        info = (HSDPMeshInfo if hsdp else SimpleNamespace)(mesh=dp_mesh, is_spmd_mesh=spmd)
+        return SimpleNamespace(mesh_info=info, param_dtype=None,
                                orig_dtype=torch.float64, _unsharded_dtensor_spec=spec, is_dtensor=inside)
 
     monkeypatch.setattr(sharded, "dist_world_size", lambda: 4)
     assert "tensor parallelism inside FSDP2" in sharded.unsupported_layout(fsdp_param())
     assert sharded.unsupported_layout(fsdp_param(), tensor_parallel=True) is None
     assert sharded.unsupported_layout(fsdp_param(placements=(Replicate(),)), tensor_parallel=True) is None
-    assert "HSDP" in sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=2)), tensor_parallel=True)
+    assert "1-D dp mesh or HSDP's" in sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=2)),
+                                                                 tensor_parallel=True)
+    assert sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=2), hsdp=True), tensor_parallel=True) is None
+    assert "1-D dp mesh or HSDP's" in sharded.unsupported_layout(fsdp_param(dp_mesh=mesh(ndim=3), hsdp=True),
+                                                                 tensor_parallel=True)
     assert "dp_mesh_dims" in sharded.unsupported_layout(fsdp_param(spmd=True), tensor_parallel=True)
     assert "of the 4 processes" in sharded.unsupported_layout(fsdp_param(tp_size=4), tensor_parallel=True)
     assert "only Shard and Replicate" in sharded.unsupported_layout(
@@ -291,3 +374,55 @@ def test_layouts_inside_fsdp2_not_made_exact_are_named(monkeypatch):
     plain = fsdp_param(inside=False)  # a layer not split, sharded on the dp mesh
     assert "2 of the 4 processes" in sharded.unsupported_layout(plain, tensor_parallel=True)
     assert sharded.unsupported_layout(plain, tensor_parallel=True, over_tp=[dp]) is None
+
+
+@pytest.mark.parametrize("layout, job", [(layout, job) for layout, (_, jobs) in HSDP_TP.items() for job in jobs])
+def test_hsdp_over_tensor_parallelism_equals_one_process(group, layout, job):
+    """Examples counted over the data-parallel dimensions (replicate x shard), once per ``tp``
+    group; every row, the network's included, as one process on the global batch."""
+    results = results_of(group, WORLD, f"hsdp_{layout}_{job}")
+    table = agreed_table(results)
+    expected = test_fsdp2.reference(job, DP, make=make_model)
+    assert_tables_match(table, expected)
+    assert {key[1] for key in expected} == HSDP_QUANTITIES
+    assert {*SPLIT, "head.weight", "head.bias", "all"} <= {key[2] for key in expected}
+    sizes = test_fsdp2.SIZES[job][DP]
+    assert {value for key, value in expected.items() if key[3] == "batch_size"} == {
+        sum(map(sum, sizes)) if job == "accumulation" else sum(sizes)}
+    placements = results[0]["placements"]
+    assert placements["fc2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    assert placements["fc2.bias"] == "(Replicate(), Shard(dim=0), Replicate())"
+    assert placements["head.weight"] == "(Replicate(), Shard(dim=0))"
+    assert any("unused.weight" in message for message in results[0]["warnings"])
+    assert not any(math.isnan(value) for value in table.values())
+
+
+@pytest.mark.parametrize("layout", list(HSDP_TP))
+def test_cgn_track_under_hsdp_over_tensor_parallelism_equals_one_process(group, layout):
+    """The front door with accumulated micro-batches: the batch size is every dp group's
+    examples of every micro-batch; the quantities that add shard sums refused by name."""
+    results = results_of(group, WORLD, f"hsdp_{layout}_track")
+    assert_identical([result["table"] for result in results])
+    expected = test_tensor_parallel.front_door(quantities=HSDP_TRACKED[layout], quantiles=None)
+    assert_tables_match(results[0]["table"], expected)
+    assert {key[1] for key in expected} == HSDP_QUANTITIES | {"Optimizer"}
+    assert {value for key, value in expected.items() if key[3] == "batch_size"} == {8.0}
+    for result in results:
+        assert "GradientVarianceQuantiles" in result["refused"]["GradientVarianceQuantiles"]
+        assert "HSDP" in result["refused"]["GradientVarianceQuantiles"]
+        assert "TwoBatchNoiseScale" in result["refused"]["norms"] and "HSDP" in result["refused"]["norms"]
+
+
+def test_hsdp_local_gradient_is_reduced_in_the_backward_pass_and_equals_one_process(group):
+    """HSDP on 2 x 2 (replicas of shards): each process keeps its shard's rows of the global
+    batch gradient, once per backward pass and parameter; each row's ``M`` counted by the
+    first replica only; GradientNoiseScale as one process on the global batch."""
+    results = results_of(group, WORLD, "hsdp_in_backward")
+    expected = {key: value for key, value in test_fsdp2.reference("accumulation", WORLD).items()
+                if key[1] == "GradientNoiseScale"}
+    assert_tables_match(agreed_table(results), expected)
+    for rank, result in enumerate(results):
+        shard = rank % 2  # the mesh (replicate, shard): shard innermost
+        want = [(name, (1,) + test_fsdp2_gradient_in_backward.chunk_shape(shape, 2, shard), "in the backward pass")
+                for name, shape in test_fsdp2_gradient_in_backward.SHAPES.items()] * 4  # 2 steps x 2 micro-batches
+        assert sorted(result["reduced"]) == sorted(want), rank

@@ -131,6 +131,63 @@ def reference(job, world):
     return table(tracker)
 
 
+# A GradScaler over two accumulated micro-batches per process, three steps; at step 1 the
+# last micro-batch of process 0 has an infinite loss: every shard's gradient is then not
+# finite (FSDP2 adds the processes' gradients), and the scaler skips the step.
+SCALED = "norms_accumulated"
+POISONED = (1, 0, 1)  # (step, process, micro-batch)
+
+
+def scaled_run(rank=None, world=2, scaler=True, mesh=None):
+    """``cgn.track`` with the five quantities exact under FSDP2 and a ``torch.amp.GradScaler``
+    (scale 2**10, doubled after each finite step): sharded (this ``rank``'s micro-batches), or
+    on one process with every process's micro-batches as its own (without ``scaler``: none,
+    and no step poisoned). The table, the warnings and the scaler's scale after each step."""
+    model = net()
+    if rank is not None:
+        model = shard(model, mesh, True, True)
+    model, tracker = cgn.track(model, every=1, quantities=PER_EXAMPLE + ["GradientVarianceQuantiles"])
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1, enabled=scaler)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    scales = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            optimizer.zero_grad()
+            per_rank = micro_batches(SCALED, world, step)
+            micro = [(r, k, batch) for r, batches in enumerate(per_rank) for k, batch in enumerate(batches)
+                     if rank in (None, r)]
+            for index, (r, k, (x, y)) in enumerate(micro):
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                if scaler and (step, r, k) == POISONED:
+                    losses = losses * math.inf
+                with tracker(step, losses, optimizer=optimizer, scaler=grad_scaler, micro_batch=index,
+                             micro_batches=len(micro)) as loss:
+                    grad_scaler.scale(loss).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+            scales.append(float(grad_scaler.get_scale()))
+    return {"table": table(tracker), "scales": scales, "warnings": [str(w.message) for w in caught]}
+
+
+def inf_in_one_shard(mesh):
+    """One element of one process's shard of a gradient made infinite: whether the package
+    (the tracker's skip test) and the scaler (its ``found_inf``) each see a step to skip."""
+    from cockpit_gradnoise import amp
+
+    model = shard(net(), mesh, True, True)
+    x, y = micro_batches(SCALED, mesh.size(), 0)[mesh.get_local_rank()][0]
+    F.cross_entropy(model(x), y).backward()
+    if mesh.get_local_rank() == 0:
+        model.fc1.weight.grad.to_local()[0, 0] = math.inf
+    scaler, optimizer = torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=LR)
+    scaler.scale(torch.zeros((), dtype=torch.float64))  # the scaler's state, as after a step
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    return {"package": amp.ScaledStep(scaler).skipped(params),
+            "scaler": sum(float(v) for v in scaler._found_inf_per_device(optimizer).values()) > 0}
+
+
 def hook_order(mesh):
     """The names of each module's forward hooks and pre-hooks: prepared first, tracked after."""
     def names(model):
@@ -222,6 +279,8 @@ def worker(rank, world, port, out):
     jobs["refusals"] = refusals
     if world == 2:
         jobs["lightning"] = lambda mesh: lightning_job(world, rank, port, folder)
+        jobs["scaler"] = lambda mesh: scaled_run(rank, world, mesh=mesh)
+        jobs["inf_in_one_shard"] = inf_in_one_shard
     run_jobs(rank, world, port, out, jobs)
 
 
@@ -302,3 +361,37 @@ def test_lightning_model_parallel_strategy_with_the_callback_equals_one_process(
     assert_tables_match(table, reference("lightning", 2))
     assert {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize"} <= {key[1] for key in table}
     assert results[0]["files"] and results[1]["files"] == []
+
+
+def test_grad_scaler_with_accumulation_equals_one_process(groups):
+    """The scale divided out of every statistic (step 0 as one process without a scaler), the
+    step whose gradients are not finite skipped as the scaler skips it (no rows but the
+    scaler's, ``skipped = 1``), every process's table the same and one process's with the
+    same scaler and the same micro-batches."""
+    results = results_of(groups, 2, "scaler")
+    got = agreed_table(results)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = scaled_run()
+        unscaled = scaled_run(scaler=False)["table"]
+    assert_tables_match(got, expected["table"])
+    assert all(result["scales"] == expected["scales"] == [2.0**11, 2.0**10, 2.0**11] for result in results)
+    assert {key: value for key, value in got.items() if key[1] == "GradScaler"} == {
+        (0, "GradScaler", "all", "scale"): 2.0**10, (0, "GradScaler", "all", "skipped"): 0.0,
+        (1, "GradScaler", "all", "scale"): 2.0**11, (1, "GradScaler", "all", "skipped"): 1.0,
+        (2, "GradScaler", "all", "scale"): 2.0**10, (2, "GradScaler", "all", "skipped"): 0.0}
+    assert {key[1] for key in got if key[0] == 1} == {"GradScaler"}
+    first = {key: value for key, value in got.items() if key[0] == 0 and key[1] not in ("GradScaler", "UpdateSize")}
+    assert {"GradientVarianceQuantiles", "GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio"} <= {
+        key[1] for key in first}
+    assert_tables_match(first, {key: value for key, value in unscaled.items() if key in first})
+    assert set(first) <= set(unscaled)
+    assert not any(math.isnan(value) for value in got.values())
+    # Logged as skipped, not warned about as a step that ended early (one process, or each).
+    assert not any("ended after" in message for result in [*results, expected] for message in result["warnings"])
+
+
+def test_an_inf_in_one_shard_skips_the_step_on_every_process(groups):
+    """The skip test reads the sharded gradients as DTensors (a reduction over the mesh): it
+    agrees with the scaler on every process, also where one process's shard alone holds the inf."""
+    assert results_of(groups, 2, "inf_in_one_shard") == [{"package": True, "scaler": True}] * 2

@@ -170,7 +170,7 @@ def adam(mesh=None):
         return {"table": test_fsdp2_variance.adam_steps(model, WORLD, state=state), "state": state}
 
 
-def front_door(mesh=None, quantities="adaptive", split=None, rank=None):
+def front_door(mesh=None, quantities="adaptive", split=None, rank=None, quantiles=QUANTILES):
     """``cgn.track`` on the mean job's model as users write it (built, split by ``split(model,
     mesh)``, then tracked; on one process not split) over test_fsdp2_track's accumulated
     micro-batches of 2 processes, all of them (or ``rank``'s): the table (``"adaptive"``: the
@@ -182,7 +182,7 @@ def front_door(mesh=None, quantities="adaptive", split=None, rank=None):
     if mesh is not None:
         model = split(model, mesh) if split else parallelize_module(model, mesh, plan("mean"))
     model, tracker = cgn.track(model, every=1, quantities=quantities,
-                               quantiles=None if quantities == "norms" else QUANTILES)
+                               quantiles=None if quantities == "norms" else quantiles)
     batches = [[batch for r, micro in enumerate(test_fsdp2_track.micro_batches("norms_accumulated", 2, step))
                 if rank in (None, r) for batch in micro] for step in range(2)]
     with warnings.catch_warnings():

@@ -66,6 +66,23 @@ def fsdp2_parameters() -> Dict[int, object]:
     return found
 
 
+def class_before_sharding(module) -> type:
+    """``module``'s class before ``fully_shard``: FSDP2 gives a module it shards the class
+    ``FSDP<name>`` of bases ``(FSDPModule, <its class>)`` (seen through here, by name:
+    nothing is imported); any other module's class as it is."""
+    kind = type(module)
+    bases = kind.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and kind.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return kind
+
+
+def sharded_by_fsdp2(module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied to ``module`` (its class changed:
+    :func:`class_before_sharding`)."""
+    return class_before_sharding(module) is not type(module)
+
+
 def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) -> Optional[str]:
     """Why an FSDP2 parameter's results cannot be made exact here, or ``None``.
 
@@ -82,7 +99,7 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
     if inside:
         return _unsupported_inside(fsdp_param, mesh, tp_spec) or _mixed_precision_refusal(fsdp_param)
     # HSDP (a 2-D mesh: replicate x shard): every process runs its own examples, as on a 1-D mesh.
-    if mesh.ndim != 1 and not (mesh.ndim == 2 and type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"):
+    if mesh.ndim != 1 and not (mesh.ndim == 2 and is_hsdp(fsdp_param)):
         return (f"a {mesh.ndim}-D device mesh other than HSDP's (only a 1-D mesh, or HSDP's "
                 "replicate x shard mesh, is supported)")
     if mesh.size() != dist_world_size() and not any(mesh == dp for dp in over_tp):
@@ -92,14 +109,24 @@ def unsupported_layout(fsdp_param, tensor_parallel: bool = False, over_tp=()) ->
     return _mixed_precision_refusal(fsdp_param)
 
 
+def is_hsdp(fsdp_param) -> bool:
+    """Whether FSDP2 shards ``fsdp_param`` on HSDP's replicate x shard mesh (its mesh info's
+    class, by name: nothing is imported)."""
+    return type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"
+
+
 def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
     """Why FSDP2 on ``dp_mesh`` over tensor parallelism (``tp_spec``) is refused, or ``None``:
-    supported is a 1-D ``dp`` mesh over a 1-D tensor-parallel one, together every process."""
+    supported is a 1-D ``dp`` mesh, or HSDP's replicate x shard one, over a 1-D tensor-parallel
+    one, together every process (every process of a ``dp`` mesh, replicas included, runs its
+    own examples; the processes of a ``tp`` group the same ones)."""
     tp_mesh = getattr(tp_spec, "mesh", None)
+    dp_dims = 2 if is_hsdp(fsdp_param) else 1
     if (getattr(fsdp_param.mesh_info, "is_spmd_mesh", False) or tp_mesh is None
-            or dp_mesh.ndim != 1 or tp_mesh.ndim != 1):
-        return ("tensor parallelism inside FSDP2 other than FSDP2 on a 1-D dp mesh over a "
-                "1-D tp mesh (HSDP, expert parallelism or dp_mesh_dims are not supported)")
+            or dp_mesh.ndim != dp_dims or tp_mesh.ndim != 1):
+        return ("tensor parallelism inside FSDP2 other than FSDP2 on a 1-D dp mesh or HSDP's "
+                "replicate x shard mesh over a 1-D tp mesh (expert parallelism or "
+                "dp_mesh_dims are not supported)")
     if dp_mesh.size() * tp_mesh.size() != dist_world_size():
         return (f"a dp x tp mesh of {dp_mesh.size()} x {tp_mesh.size()} of the "
                 f"{dist_world_size()} processes (the mesh must span every process)")
@@ -245,19 +272,21 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
     """Arm, for the coming backward pass, the reduction of ``field`` over the processes as
     soon as each parameter's gradient is accumulated.
 
-    For each FSDP2 parameter sharded ``Shard(dim)`` on a 1-D mesh of every process (no
-    tensor parallelism, not HSDP), a hook on its unsharded copy
-    (``register_post_accumulate_grad_hook``: after the module's rules ran, before FSDP2's
-    own reduce-scatter) asks ``prepare(holder)`` (holder: whichever parameter holds
-    ``field``) what to send: ``(value, units, note)``, ``value`` ``[k, *shape]`` in this
-    process's units (``None``: left alone, on every process alike;
+    For each FSDP2 parameter sharded ``Shard(dim)`` on a 1-D mesh of every process, or on
+    HSDP's replicate x shard mesh of every process (no tensor parallelism), a hook on its
+    unsharded copy (``register_post_accumulate_grad_hook``: after the module's rules ran,
+    before FSDP2's own reduce-scatter) asks ``prepare(holder)`` (holder: whichever parameter
+    holds ``field``) what to send: ``(value, units, note)``, ``value`` ``[k, *shape]`` in
+    this process's units (``None``: left alone, on every process alike;
     :func:`sums_in_units` for per-element sums). It reduce-scatters ``value[j] / units[j]``
-    with :func:`torch.chunk`'s rows of ``dim`` (:func:`reduced_rows`, empty shards
-    included) and leaves this process's rows in this process's units (multiplied back by
-    ``units[j]``) on the holder, shaped as ``field`` was (``[k, *rows]``, or ``rows`` for a
-    field of the parameter's shape sent as ``[1, *shape]``), so that the quantities read
-    them as before; ``done[id(sharded parameter)] = note``. Memory: one layer's ``value``
-    twice, for the collective, instead of every layer's until the backward pass ends.
+    with :func:`torch.chunk`'s rows of ``dim`` over the shard dimension, then adds them over
+    HSDP's replicate dimension (:func:`reduced_rows`, empty shards included: every process
+    holds its rows of the sum over every process, the replicas the same) and leaves this
+    process's rows in this process's units (multiplied back by ``units[j]``) on the holder,
+    shaped as ``field`` was (``[k, *rows]``, or ``rows`` for a field of the parameter's
+    shape sent as ``[1, *shape]``), so that the quantities read them as before;
+    ``done[id(sharded parameter)] = note``. Memory: one layer's ``value`` twice, for the
+    collective, instead of every layer's until the backward pass ends.
     Idempotent for one ``step`` and ``field``; several fields are reduced in the order armed.
 
     Collective in the backward pass: every process reduces the same parameters in the same
@@ -277,7 +306,7 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
         param = fsdp_param.sharded_param
         mesh = fsdp_param.mesh_info.mesh
         if (unsharded is None or not unsharded.requires_grad or param.dim() == 0
-                or type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo" or mesh.ndim != 1
+                or mesh.ndim != (2 if is_hsdp(fsdp_param) else 1)
                 or mesh.size() != world or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
                 is not None):
             continue
@@ -327,7 +356,10 @@ def _reduce_field(field, prepare, fsdp_param, done, unsharded) -> None:
     if sent is None:
         return
     value, units, note = sent
-    rows = reduced_rows(value, units, param.placements[0].dim, fsdp_param.mesh_info.mesh)
+    info = fsdp_param.mesh_info
+    hsdp = is_hsdp(fsdp_param)  # HSDP's placements: (Replicate(), Shard(dim))
+    rows = reduced_rows(value, units, param.placements[-1].dim, info.mesh,
+                        info.shard_mesh_dim if hsdp else None, info.replicate_mesh_dim if hsdp else None)
     # Shaped as the field was: [k, *rows], or rows where it was sent as [1, *shape].
     holders[0].__dict__[field] = rows if holders[0].__dict__[field].dim() == rows.dim() else rows[0]
     done[id(param)] = note
@@ -338,18 +370,24 @@ def _reduce_field(field, prepare, fsdp_param, done, unsharded) -> None:
 PIECE = 2**20
 
 
-def reduced_rows(value, units, dim: int, mesh):
+def reduced_rows(value, units, dim: int, mesh, shard_dim: Optional[int] = None,
+                 replicate_dim: Optional[int] = None):
     """This process's :func:`torch.chunk` rows of ``dim`` of ``value[j] / units[j]`` summed
     over ``mesh``'s processes, multiplied back by ``units[j]``, for each ``j`` of ``value``'s
     first dimension: ``[k, *rows]``.
 
+    The rows are cut over ``mesh`` (1-D), or over its dimension ``shard_dim``; with
+    ``replicate_dim`` (HSDP's), the rows are then added over that dimension too, so that
+    every process holds its rows of the sum over every process of ``mesh``.
+
     Collective: ``reduce_scatter_tensor`` of each process's ``k`` blocks one after the other,
     zero-padded to the largest, in pieces of at most :data:`PIECE` elements (the same pieces
-    on every process: one collective for a layer of fewer elements).
+    on every process: one collective for a layer of fewer elements); with ``replicate_dim``,
+    one ``all_reduce`` of this process's rows over it.
     """
     import torch.distributed as dist
 
-    world, me = mesh.size(), mesh.get_local_rank()
+    world, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     cuts = [chunk_rows(value.shape[dim + 1], world, r) for r in range(world)]
     out = value.new_empty(value.shape[0], *value[0].narrow(dim, *_span(cuts[me])).shape)
     blocks = [[row.narrow(dim, *_span(cut)).reshape(-1) for row in value] for cut in cuts]
@@ -361,9 +399,11 @@ def reduced_rows(value, units, dim: int, mesh):
         for into, rows in zip(buffer, blocks):
             _scaled_part(into, rows, units, offset)
         got = value.new_empty(size)
-        dist.reduce_scatter_tensor(got, buffer.view(-1), group=mesh.get_group())
+        dist.reduce_scatter_tensor(got, buffer.view(-1), group=mesh.get_group(shard_dim))
         kept = received[offset : offset + size]
         kept.copy_(got[: kept.numel()])
+    if replicate_dim is not None and mesh.size(replicate_dim) > 1:
+        dist.all_reduce(out, group=mesh.get_group(replicate_dim))
     return out.mul_(out.new_tensor(units).view(-1, *[1] * (out.dim() - 1)))
 
 

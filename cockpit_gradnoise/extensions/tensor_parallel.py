@@ -99,11 +99,8 @@ SEQUENCE_NORMS = tuple(c for c in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) i
 
 def sequence_norm(module: nn.Module) -> bool:
     """Whether ``module`` is one of :data:`SEQUENCE_NORMS`, by exact class (FSDP2's class for
-    it, ``FSDP<name>`` of ``(FSDPModule, class)``, seen through)."""
-    kind = type(module)
-    if kind.__name__.startswith("FSDP") and len(kind.__bases__) == 2 and kind.__bases__[0].__name__ == "FSDPModule":
-        kind = kind.__bases__[1]
-    return kind in SEQUENCE_NORMS
+    it seen through: :func:`.sharded.class_before_sharding`)."""
+    return sharded.class_before_sharding(module) in SEQUENCE_NORMS
 
 
 def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional[str]:

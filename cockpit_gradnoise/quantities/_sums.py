@@ -302,6 +302,14 @@ class DeclaredSums:
             held.add(*part, self.sums, self.micro_batch_gradient, self.noted_squared_norms(step, params))
         return held
 
+    def forget_step(self, global_step: int) -> None:
+        """Drop the micro-batches held of ``global_step``: a step the ``GradScaler`` skips
+        (logged as skipped), whose later micro-batches are not computed, so that the next
+        step does not warn that it ended early."""
+        held = self._accumulation
+        if held is not None and held.global_step == global_step:
+            self._accumulation = None
+
     def _warn_incomplete(self, step, held):
         step.warn(
             "incomplete-accumulation",

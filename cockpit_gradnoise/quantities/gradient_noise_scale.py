@@ -107,13 +107,17 @@ class GradientNoiseScale(ParameterQuantity):
         # {name: (EMA of trace_cov, EMA of grad_sq)}
         self._averages = {}
         # Under FSDP2, the local gradients reduce-scattered in the backward pass: {id: note},
-        # and {name} of those parameters (step_context); whether each value's M is this
-        # process's part, in the order formed (named_value_from_sums).
-        self._presharded, self._partial_names, self._partial = {}, set(), []
+        # and {name} of those parameters (step_context), {name} of those whose rows are a
+        # copy of another process's (HSDP's replicas but the first); whether each value's M
+        # is this process's part, and whether it counts, in the order formed
+        # (named_value_from_sums).
+        self._presharded, self._partial_names, self._copies, self._partial = {}, set(), set(), []
 
     def step_context(self, step, params):
         self._presharded = step.presharded.get(LOCAL_GRADIENT_SAVEFIELD, {})
         self._partial_names = {name for name, param in self.trainable(params) if id(param) in self._presharded}
+        self._copies = {name for name, param in self.trainable(params)
+                        if name in self._partial_names and not sharded.counted_here(param)}
         self._partial = []
         return step.loss_batch(self)
 
@@ -170,14 +174,16 @@ class GradientNoiseScale(ParameterQuantity):
         return mean_squared_norm, squared_norm_of_mean, n
 
     def named_value_from_sums(self, name, sums, batch):
-        # FSDP2: M of this process's rows of the gradient, added in statistics_of_values.
-        self._partial.append(name in self._partial_names)
+        # FSDP2: M of this process's rows of the gradient, added in statistics_of_values
+        # (HSDP: by the first replica only, the others holding the same rows).
+        self._partial.append((name in self._partial_names, name not in self._copies))
         return self.value_from_sums(sums, batch)
 
     def statistics_of_values(self, values, network):
         partial, self._partial = self._partial, []
-        if any(partial):  # the same parameters on every process: collective everywhere or nowhere
-            values = _shards.added_across_processes(values, [(False, p) for p in partial])
+        if any(p for p, _ in partial):  # the same parameters on every process: collective everywhere or nowhere
+            values = [v if counted else (v[0], 0.0, v[2]) for v, (_, counted) in zip(values, partial)]
+            values = _shards.added_across_processes(values, [(False, p) for p, _ in partial])
         return super().statistics_of_values(values, network)
 
     def network_value(self, values):
