@@ -8,7 +8,7 @@ example's windows, once the rows' map to the examples is proven by NaN-poisoned 
 against the float64 brute force (one backward pass per example through the batch's forward
 pass) for GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale, with the key
 bias's structural zeros, on shifted windows of a grid padded to a multiple of the window, at
-batch sizes 2, 3 and the number of windows (4). A model whose windows are
+batch sizes 2, 3 and the number of windows (4), and at one window per example. A model whose windows are
 ordered otherwise (each window one row later in the batch: still independent examples, but
 row ``r`` is no longer example ``r // W``'s) fails the proof and is recomputed per example,
 exact; taking the map for granted there would be silently wrong (asserted too).
@@ -34,13 +34,13 @@ IMAGE = 12  # patches of 2: 6x6 tokens, padded to 8x8: 4 windows of 4x4
 WINDOWS = 4
 
 
-def swin():
-    """One stage of two blocks, the second shifted; float64, evaluation mode."""
+def swin(image=IMAGE, depths=(2,)):
+    """Stages of ``depths`` blocks, every second one shifted; float64, evaluation mode."""
     from transformers import SwinConfig, SwinForImageClassification
 
-    config = SwinConfig(image_size=IMAGE, patch_size=2, num_channels=3, embed_dim=8, depths=[2],
-                        num_heads=[2], window_size=4, mlp_ratio=1.0, num_labels=3, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    config = SwinConfig(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
+                        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
     return Pixels(perturbed(SwinForImageClassification(config)))
 
 
@@ -78,9 +78,9 @@ def _warm_up(model, inputs, targets, steps=2):
     return prepared
 
 
-def _batch(examples):
+def _batch(examples, image=IMAGE):
     generator = torch.Generator().manual_seed(examples)
-    inputs = torch.randn(examples, 3, IMAGE, IMAGE, dtype=torch.float64, generator=generator)
+    inputs = torch.randn(examples, 3, image, image, dtype=torch.float64, generator=generator)
     return inputs, torch.randint(0, 3, (examples,), generator=generator)
 
 
@@ -91,6 +91,16 @@ def test_window_layers_from_the_batch_pass_are_exact(ways, examples):
     assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
+
+
+def test_one_window_per_example_is_exact(ways):
+    """16 pixels: 8x8 tokens (4 windows), then 4x4, one window: there the rows of the attention's
+    layers are examples (their own rules) and only its position bias table is a member, its
+    block the attention itself, the table expanded to the rows of the attention's input."""
+    inputs, targets = _batch(3, image=16)
+    prepared = _warm_up(swin(image=16, depths=(2, 1)), inputs, targets)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 6, "recomputed": 6}
 
 
 def _windows_one_row_later(monkeypatch):

@@ -63,6 +63,8 @@ from torch.utils import _pytree
 ATTRIBUTE = "_cgn_window_rows"
 #: The attribute (in a layer's ``__dict__``) saying its capture hook is registered.
 INSTALLED = "_cgn_window_rows_installed"
+#: The attribute (in a table's parent's ``__dict__``) saying its hook is registered.
+PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
 #: Whether a block's first step with the fast way also recomputes it per example and compares
 #: (module docstring). A setting for tests and measurements, not per-pass state.
 CONFIRM = True
@@ -122,8 +124,19 @@ def _linear_call(state: Windows, module, args, kwargs, output) -> None:
     state.rows = inputs[0].shape[0]
 
 
+def _parent_call(state: Windows, args, kwargs) -> None:
+    """A table's parent's call (``SwinAttention``): its first tensor input leads with the rows."""
+    inputs = _tensors(args, kwargs)
+    rows = inputs[0].shape[0] if inputs and inputs[0].dim() else None
+    if rows is None or state.rows not in (None, rows):
+        state.broken = True
+        return
+    state.rows = rows
+
+
 def _table_call(state: Windows, module, args, kwargs, output) -> Optional[Tensor]:
-    """A table's call: its output ``[1, ...]`` expanded to the rows of the Linear call before it."""
+    """A table's call: its output ``[1, ...]`` expanded to the rows of its parent's call (those
+    of its Linear siblings; where they are examples, one window each, only the table is a member)."""
     state.calls[id(module)] = state.calls.get(id(module), 0) + 1
     if _tensors(args, kwargs) or not isinstance(output, Tensor) or output.dim() < 1 \
             or output.shape[0] != 1 or state.rows is None:
@@ -156,21 +169,39 @@ def _capture(module, args, kwargs, output):
     return expanded
 
 
+def _rows_from_parent(module, args, kwargs):
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is not None and state.maps and not state.failed and not idle(module) and torch.is_grad_enabled():
+        _parent_call(state, args, kwargs)
+
+
 def _reset(block, args):
     state = block.__dict__.get(ATTRIBUTE)
     if state is not None:
         state.reset()
 
 
+def _parents(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
+    """The parents (inside ``block``) of its table members."""
+    tables = {id(m) for m in members if kind(m) == TABLE}
+    return list({id(parent): parent for parent in block.modules()
+                 for child in parent.children() if id(child) in tables}.values())
+
+
 def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None:
-    for module in (block, *members):
+    block.__dict__[ATTRIBUTE] = state
+    if not block.__dict__.get(INSTALLED):  # first: a table's parent may be the block itself
+        block.__dict__[INSTALLED] = True
+        block.register_forward_pre_hook(eager_under_compile(_reset))
+    for parent in _parents(block, members):
+        parent.__dict__[ATTRIBUTE] = state
+        if not parent.__dict__.get(PARENT_INSTALLED):
+            parent.__dict__[PARENT_INSTALLED] = True
+            parent.register_forward_pre_hook(eager_under_compile(_rows_from_parent), with_kwargs=True)
+    for module in members:
         module.__dict__[ATTRIBUTE] = state
-        if module.__dict__.get(INSTALLED):
-            continue
-        module.__dict__[INSTALLED] = True
-        if module is block:
-            module.register_forward_pre_hook(eager_under_compile(_reset))
-        else:
+        if not module.__dict__.get(INSTALLED):
+            module.__dict__[INSTALLED] = True
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
 
 
@@ -217,6 +248,8 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     devices = sorted({leaf.device.index or 0 for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda})
     with hooks_off(block), state_kept(block, devices), torch.no_grad():
         handles = [m.register_forward_hook(observe, with_kwargs=True) for m in members]
+        handles += [parent.register_forward_pre_hook(lambda module, args, kwargs: _parent_call(state, args, kwargs),
+                                                     with_kwargs=True) for parent in _parents(block, members)]
         try:
             output = block(*args, **kwargs)
         finally:
