@@ -35,6 +35,8 @@ outside ``P`` NaN. A row that depended on another example's input, or an output 
 depended on another example's rows, would be NaN in a pass that poisons that example but
 not its own; so each example's loss reaches only its own rows. And the block run with the
 bias expanded must give the batch's output (to ``sqrt(eps)`` of its largest magnitude).
+Until a shape of the block's inputs is proven, its forward pass runs as it is (no table
+expanded, nothing kept), and a step the fast way cannot reduce is recomputed.
 Where any fails (windows that mix examples, another order of the windows), the block is
 recomputed per example, as before, for good. On the first step with the fast way, the block
 is also recomputed per example and both ways' per-example squared norms must agree
@@ -81,7 +83,8 @@ class Windows:
         self.verified: Optional[bool] = None  # the confirmation against the recomputation
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, shapes: Optional[tuple] = None) -> None:
+        self.shapes = shapes  # of this block call's tensor inputs: its map proven, or not
         self.rows: Optional[int] = None  # N*W of this block call
         self.broken = False  # a call the fast way does not know (noted by the hooks)
         self.calls: Dict[int, int] = {}
@@ -153,8 +156,9 @@ def _capture(module, args, kwargs, output):
     """Forward hook of a member in the batch's pass: keep its rows' input and output gradient
     (a table: its output expanded to the rows, and that view's gradient)."""
     state = module.__dict__.get(ATTRIBUTE)
-    if state is None or not state.maps or state.failed or idle(module) or not torch.is_grad_enabled():
-        return None
+    if state is None or not state.maps.get(state.shapes) or state.failed or idle(module) \
+            or not torch.is_grad_enabled():
+        return None  # (a shape not proven yet: its forward pass as it is, tables not expanded)
     found = kind(module)
     if found == LINEAR:
         _linear_call(state, module, args, kwargs, output)
@@ -171,14 +175,15 @@ def _capture(module, args, kwargs, output):
 
 def _rows_from_parent(module, args, kwargs):
     state = module.__dict__.get(ATTRIBUTE)
-    if state is not None and state.maps and not state.failed and not idle(module) and torch.is_grad_enabled():
+    if state is not None and state.maps.get(state.shapes) and not state.failed and not idle(module) \
+            and torch.is_grad_enabled():
         _parent_call(state, args, kwargs)
 
 
-def _reset(block, args):
+def _reset(block, args, kwargs):
     state = block.__dict__.get(ATTRIBUTE)
     if state is not None:
-        state.reset()
+        state.reset(_shapes(_pytree.tree_leaves((args, kwargs))))
 
 
 def _parents(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
@@ -192,7 +197,7 @@ def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None
     block.__dict__[ATTRIBUTE] = state
     if not block.__dict__.get(INSTALLED):  # first: a table's parent may be the block itself
         block.__dict__[INSTALLED] = True
-        block.register_forward_pre_hook(eager_under_compile(_reset))
+        block.register_forward_pre_hook(eager_under_compile(_reset), with_kwargs=True)
     for parent in _parents(block, members):
         parent.__dict__[ATTRIBUTE] = state
         if not parent.__dict__.get(PARENT_INSTALLED):
@@ -205,8 +210,9 @@ def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
 
 
-def _key(call, batched: List[int], examples: int) -> tuple:
-    return examples, tuple(tuple(call.leaves[k].shape) for k in batched)
+def _shapes(leaves) -> tuple:
+    """The shapes of a block call's tensor inputs: a proof holds for them."""
+    return tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, Tensor))
 
 
 def _nan_rows(tensor: Tensor) -> Tensor:
@@ -301,7 +307,7 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
     if state.failed or not members or any(kind(m) is None for m in members) \
             or any(id(p) not in owned for p in params.values()) or output.shape[0] != grad.shape[0]:
         return {}
-    key = _key(call, batched, grad.shape[0])
+    key = _shapes(call.leaves)
     if key not in state.maps:
         try:
             state.maps[key] = proven(block, call, batched, members, output)
@@ -312,10 +318,12 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
             _install(block, members, state)
         return {}
     try:
-        if not state.maps[key] or state.broken or state.rows is None \
+        if not state.maps[key] or state.shapes != key or state.broken or state.rows is None \
                 or any(state.calls.get(id(m)) != 1 or id(m) not in state.grads for m in members):
             return {}
         return _results(state, members, grad.shape[0], params, savefields)
+    except Exception:  # noqa: BLE001 - a layer it cannot reduce: the block is recomputed this step
+        return {}
     finally:
         state.reset()
 
