@@ -230,7 +230,7 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
         if not leaves[k].is_floating_point():
             return None
         leaves[k] = leaves[k].clone()
-        leaves[k][poisoned] = math.nan
+        leaves[k][poisoned.to(leaves[k].device)] = math.nan
     args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
     seen: Dict[nn.Module, list] = {m: [] for m in members}
     state = Windows()
@@ -247,7 +247,7 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
             state.broken = True
             return None
         expanded = expanded.clone()
-        expanded[poisoned.repeat_interleave(state.rows // examples)] = math.nan
+        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
         seen[module].append(None)
         return expanded
 
