@@ -59,7 +59,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, experts
+from cockpit_gradnoise.extensions.fallback import block_vmap, experts, windows
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -377,19 +377,22 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     params = _parameters(module, block.covered)
     wanted = set(savefields) | {LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
-    # Experts (and their router) in transformers' 3-D layout: from the batch's pass (.experts).
+    # Experts (and their router) in transformers' 3-D layout, or window attention's layers on
+    # rows whose map to the examples is proven: from the batch's pass (.experts, .windows).
+    batched = _batched(block.call, examples, layout_of(block).leaves)
+    way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
     fast = {} if block.call.autocast else experts.results(
-        module, [block.call.leaves[k] for k in _batched(block.call, examples, layout_of(block).leaves)], grad, params,
-        sorted(wanted))
+        module, [block.call.leaves[k] for k in batched], grad, params, sorted(wanted)) if way is experts \
+        else windows.results(module, block.call, batched, block.members, block.output, grad, params, sorted(wanted))
     names = fast.get(BATCH_L2_SAVEFIELD, {})
-    rest = params if experts.confirming(module) else {n: p for n, p in params.items() if n not in names}
+    rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
             found = {savefield: {} for savefield in wanted}
             if rest:
                 chunks = vectorized(module, block, grad, rest) or per_example_gradients(module, block, grad, rest)
                 found = reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
-            if names and experts.confirmed(module, fast, found, rounding(block, grad.dtype)):
+            if names and way.confirmed(module, fast, found, rounding(block, grad.dtype)):
                 for savefield in wanted:
                     found[savefield].update(fast[savefield])
             return found

@@ -1,0 +1,78 @@
+"""CPU time of a tracked step against a plain step, side by side in one process.
+
+For each model of ``benchmarks/models.py`` named, a plain step and a step with the
+package's five quantities (``methods.package_all``) are timed alternately in CPU time of
+one thread (``time.process_time``: on a shared machine, waiting for a core adds no time),
+after ``--warmup`` untimed steps each (a Swin block proves its windows' map on its first
+tracked step and compares both ways on the second: ``extensions/fallback/windows.py``).
+Printed per model: the median CPU time of each, their ratio, and the spread of the ratios
+of the rounds (each tracked step over the plain step of its round).
+
+Run: ``PYTHONPATH=. python benchmarks/benchmark_cpu_ratio.py --models gpt,swin --rounds 15``.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # as benchmarks/benchmark.py: the repository's `benchmarks`, ahead of Opacus'
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+import torch  # noqa: E402
+
+from benchmarks.methods import package_all, plain_step  # noqa: E402
+from benchmarks.models import MODELS  # noqa: E402
+
+
+def cpu_seconds(step, x, y) -> float:
+    start = time.process_time()
+    step(x, y)
+    return time.process_time() - start
+
+
+def measure(name: str, rounds: int, warmup: int):
+    """``(plain times, tracked times)`` of ``rounds`` alternating steps of model ``name``."""
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    model = spec.make()
+    device = torch.device("cpu")
+    x, y = spec.inputs(spec.batch_size, device), spec.targets(spec.batch_size, device)
+    plain, tracked = plain_step(model, spec.loss), package_all(model, spec.loss)
+    for _ in range(warmup):
+        plain(x, y)
+        tracked(x, y)
+    times = {"plain": [], "tracked": []}
+    for _ in range(rounds):
+        times["plain"].append(cpu_seconds(plain, x, y))
+        times["tracked"].append(cpu_seconds(tracked, x, y))
+    return times["plain"], times["tracked"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,swin")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, one thread, CPU time, {args.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
+    print("| model | plain ms | all five ms | all five / plain | per-round ratios (min, quartiles, max) |")
+    print("|---|---:|---:|---:|---|")
+    for name in args.models.split(","):
+        plain, tracked = measure(name, args.rounds, args.warmup)
+        ratios = sorted(t / p for p, t in zip(plain, tracked))
+        quartiles = statistics.quantiles(ratios, n=4)
+        print(f"| {name} | {1e3 * statistics.median(plain):.1f} | {1e3 * statistics.median(tracked):.1f} "
+              f"| {statistics.median(tracked) / statistics.median(plain):.2f} | {ratios[0]:.2f}, "
+              f"{quartiles[0]:.2f}, {quartiles[1]:.2f}, {quartiles[2]:.2f}, {ratios[-1]:.2f} |")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Window attention's layers: per-example results from the batch's own pass, where the rows' map is proven.
+
+Swin's blocks (``transformers``' ``SwinLayer``) take ``[N, H*W, C]`` and return it, but
+run their attention on windows, ``[N*W, t, C]`` (``window_partition`` of each example's
+grid, padded to a multiple of the window and rolled within it for the shifted variant):
+the rows are a fixed regrouping of the batch, window ``r`` being example ``r // W``'s.
+:mod:`.blocks` recomputes such a block per example. Where every layer it computes is
+either an ``nn.Linear`` on those rows (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) or a
+module called without a tensor input whose output, ``[1, ...]``, is broadcast over them
+(``SwinRelativePositionBias``: the table gathered into ``[1, heads, t, t]``), each
+example's contribution comes from the batch's own backward pass instead, with ``G_r`` the
+gradient at a layer's output rows and ``a_r`` its input rows:
+
+.. math::
+
+    x_i(W) = \\sum_{r:\\, r // W = i} G_r^{\\top} a_r, \\qquad
+    x_i(b) = \\sum_{r:\\, r // W = i} \\mathbf{1}^{\\top} G_r, \\qquad
+    x_i(\\theta) = J_\\theta^{\\top} \\sum_{r:\\, r // W = i} D_r,
+
+the Linear rule's own formulas on the rows regrouped as ``[N, W*t, C]``
+(:func:`.linear.linear_weight_sums_and_squared_norms`, the bias with its structural zeros:
+Swin's key bias, :func:`.sums.position_sums`); ``D_r`` the gradient at row ``r`` of the
+position bias's output, made per row in the batch's pass by returning it expanded to the
+``N*W`` rows (a view: the same numbers reach every window), and ``J_theta`` the Jacobian
+of that module's output with respect to its parameters (one vector-Jacobian product per
+example). No forward pass per example.
+
+The map is proven, not assumed (:func:`proven`, once per shape of the block's inputs, at
+its first tracked step): the block is run (no gradient, hooks off) on its inputs with the
+examples of a set ``P`` set to NaN, for ``P`` each half of the batch by each bit of the
+example's index (``2 ceil(log2 N)`` passes), and must show, in every pass, each layer's
+input and output row ``r`` NaN exactly where ``r // W`` is in ``P``, the position bias's
+expanded rows (NaN on ``P``'s) reach no output row outside ``P``, and no output row
+outside ``P`` NaN. A row that depended on another example's input, or an output that
+depended on another example's rows, would be NaN in a pass that poisons that example but
+not its own; so each example's loss reaches only its own rows. And the block run with the
+bias expanded must give the batch's output (to ``sqrt(eps)`` of its largest magnitude).
+Until a shape of the block's inputs is proven, its forward pass runs as it is (no table
+expanded, nothing kept), and a step the fast way cannot reduce is recomputed.
+Where any fails (windows that mix examples, another order of the windows), the block is
+recomputed per example, as before, for good. On the first step with the fast way, the block
+is also recomputed per example and both ways' per-example squared norms must agree
+(:data:`CONFIRM`, as :mod:`.experts`); and every step, the contributions must add up to
+each parameter's gradient (:func:`.blocks.reached_otherwise`).
+Tests: ``tests/test_swin_windows.py``.
+"""
+
+import functools
+import math
+from typing import Dict, List, Optional
+
+from cockpit_gradnoise.extensions.fallback.layout import state_kept
+from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off
+from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
+from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
+from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
+from cockpit_gradnoise.extensions.sums import position_sums
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+#: The attribute (in the block's and its layers' ``__dict__``) of the :class:`Windows` state.
+ATTRIBUTE = "_cgn_window_rows"
+#: The attribute (in a layer's ``__dict__``) saying its capture hook is registered.
+INSTALLED = "_cgn_window_rows_installed"
+#: The attribute (in a table's parent's ``__dict__``) saying its hook is registered.
+PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
+#: Whether a block's first step with the fast way also recomputes it per example and compares
+#: (module docstring). A setting for tests and measurements, not per-pass state.
+CONFIRM = True
+
+LINEAR, TABLE = "linear", "table"
+
+
+class Windows:
+    """A block's proven maps and what its last forward and backward pass left."""
+
+    def __init__(self):
+        self.maps: Dict[tuple, bool] = {}  # shape of the inputs -> the map proven
+        self.failed = False  # a map or the confirmation failed: recomputed for good
+        self.verified: Optional[bool] = None  # the confirmation against the recomputation
+        self.reset()
+
+    def reset(self, shapes: Optional[tuple] = None) -> None:
+        self.shapes = shapes  # of this block call's tensor inputs: its map proven, or not
+        self.rows: Optional[int] = None  # N*W of this block call
+        self.broken = False  # a call the fast way does not know (noted by the hooks)
+        self.calls: Dict[int, int] = {}
+        self.inputs: Dict[int, Tensor] = {}
+        self.grads: Dict[int, Tensor] = {}
+
+    def __reduce__(self):  # a copy of the model proves its maps again
+        return (Windows, ())
+
+
+def kind(module: nn.Module) -> Optional[str]:
+    """How the fast way computes ``module``: a plain ``nn.Linear``; a module without children
+    with parameters (called, :func:`proven` checks, without a tensor input: a table); else ``None``."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return LINEAR
+    if direct_parameters(module) and not any(True for child in module.children() for _ in child.parameters()):
+        return TABLE
+    return None
+
+
+def _state(block: nn.Module) -> Windows:
+    state = block.__dict__.get(ATTRIBUTE)
+    if state is None:
+        state = block.__dict__[ATTRIBUTE] = Windows()
+    return state
+
+
+def _tensors(args, kwargs) -> List[Tensor]:
+    return [leaf for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+
+
+def _linear_call(state: Windows, module, args, kwargs, output) -> None:
+    """A Linear member's call: its rows (``N*W``, the same for every member), input and output."""
+    inputs = _tensors(args, kwargs)
+    state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    if len(inputs) != 1 or not isinstance(output, Tensor) or inputs[0].dim() < 2 \
+            or state.rows not in (None, inputs[0].shape[0]):
+        state.broken = True
+        return
+    state.rows = inputs[0].shape[0]
+
+
+def _parent_call(state: Windows, args, kwargs) -> None:
+    """A table's parent's call (``SwinAttention``): its first tensor input leads with the rows."""
+    inputs = _tensors(args, kwargs)
+    rows = inputs[0].shape[0] if inputs and inputs[0].dim() else None
+    if rows is None or state.rows not in (None, rows):
+        state.broken = True
+        return
+    state.rows = rows
+
+
+def _table_call(state: Windows, module, args, kwargs, output) -> Optional[Tensor]:
+    """A table's call: its output ``[1, ...]`` expanded to the rows of its parent's call (those
+    of its Linear siblings; where they are examples, one window each, only the table is a member)."""
+    state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    if _tensors(args, kwargs) or not isinstance(output, Tensor) or output.dim() < 1 \
+            or output.shape[0] != 1 or state.rows is None:
+        state.broken = True
+        return None
+    return output.expand(state.rows, *output.shape[1:])
+
+
+def _keep(store: Dict[int, Tensor], key: int, grad: Tensor) -> None:
+    store[key] = grad.detach()
+
+
+def _capture(module, args, kwargs, output):
+    """Forward hook of a member in the batch's pass: keep its rows' input and output gradient
+    (a table: its output expanded to the rows, and that view's gradient)."""
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is None or not state.maps.get(state.shapes) or state.failed or idle(module) \
+            or not torch.is_grad_enabled():
+        return None  # (a shape not proven yet: its forward pass as it is, tables not expanded)
+    found = kind(module)
+    if found == LINEAR:
+        _linear_call(state, module, args, kwargs, output)
+        if not state.broken and output.requires_grad:
+            state.inputs[id(module)] = _tensors(args, kwargs)[0].detach()
+            output.register_hook(functools.partial(_keep, state.grads, id(module)))
+        return None
+    expanded = _table_call(state, module, args, kwargs, output)
+    if expanded is None or not expanded.requires_grad:
+        return None
+    expanded.register_hook(functools.partial(_keep, state.grads, id(module)))
+    return expanded
+
+
+def _rows_from_parent(module, args, kwargs):
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is not None and state.maps.get(state.shapes) and not state.failed and not idle(module) \
+            and torch.is_grad_enabled():
+        _parent_call(state, args, kwargs)
+
+
+def _reset(block, args, kwargs):
+    state = block.__dict__.get(ATTRIBUTE)
+    if state is not None:
+        state.reset(_shapes(_pytree.tree_leaves((args, kwargs))))
+
+
+def _parents(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
+    """The parents (inside ``block``) of its table members."""
+    tables = {id(m) for m in members if kind(m) == TABLE}
+    return list({id(parent): parent for parent in block.modules()
+                 for child in parent.children() if id(child) in tables}.values())
+
+
+def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None:
+    block.__dict__[ATTRIBUTE] = state
+    if not block.__dict__.get(INSTALLED):  # first: a table's parent may be the block itself
+        block.__dict__[INSTALLED] = True
+        block.register_forward_pre_hook(eager_under_compile(_reset), with_kwargs=True)
+    for parent in _parents(block, members):
+        parent.__dict__[ATTRIBUTE] = state
+        if not parent.__dict__.get(PARENT_INSTALLED):
+            parent.__dict__[PARENT_INSTALLED] = True
+            parent.register_forward_pre_hook(eager_under_compile(_rows_from_parent), with_kwargs=True)
+    for module in members:
+        module.__dict__[ATTRIBUTE] = state
+        if not module.__dict__.get(INSTALLED):
+            module.__dict__[INSTALLED] = True
+            module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+
+
+def _shapes(leaves) -> tuple:
+    """The shapes of a block call's tensor inputs: a proof holds for them."""
+    return tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, Tensor))
+
+
+def _nan_rows(tensor: Tensor) -> Tensor:
+    return tensor.isnan().reshape(tensor.shape[0], -1).any(1)
+
+
+def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.Module],
+                  poisoned: Tensor) -> Optional[tuple]:
+    """The block run on its inputs with the examples ``poisoned`` (``[N]`` bool) set to NaN and
+    each table's output expanded to the rows (NaN on the poisoned examples' rows): ``(rows,
+    {member: [(input rows NaN, output rows NaN)]}, first output)``; ``None`` where it cannot."""
+    examples = len(poisoned)
+    leaves = list(call.leaves)
+    for k in batched:
+        if not leaves[k].is_floating_point():
+            return None
+        leaves[k] = leaves[k].clone()
+        leaves[k][poisoned.to(leaves[k].device)] = math.nan
+    args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+    seen: Dict[nn.Module, list] = {m: [] for m in members}
+    state = Windows()
+
+    def observe(module, args, kwargs, output):
+        if kind(module) == LINEAR:
+            _linear_call(state, module, args, kwargs, output)
+            inputs = _tensors(args, kwargs)
+            if not state.broken:
+                seen[module].append((_nan_rows(inputs[0]), _nan_rows(output)))
+            return None
+        expanded = _table_call(state, module, args, kwargs, output)
+        if expanded is None or state.rows % examples:
+            state.broken = True
+            return None
+        expanded = expanded.clone()
+        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
+        seen[module].append(None)
+        return expanded
+
+    devices = sorted({leaf.device.index or 0 for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda})
+    with hooks_off(block), state_kept(block, devices), torch.no_grad():
+        handles = [m.register_forward_hook(observe, with_kwargs=True) for m in members]
+        handles += [parent.register_forward_pre_hook(lambda module, args, kwargs: _parent_call(state, args, kwargs),
+                                                     with_kwargs=True) for parent in _parents(block, members)]
+        try:
+            output = block(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    first = next((leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)), None)
+    if state.broken or state.rows is None or state.rows % examples or first is None \
+            or any(len(calls) != 1 for calls in seen.values()):
+        return None
+    return state.rows, seen, first
+
+
+def proven(block: nn.Module, call, batched: List[int], members: List[nn.Module], output: Tensor) -> bool:
+    """Whether row ``r`` of every member's ``N*W`` rows is example ``r // W``'s alone, and the block
+    with its tables expanded gives ``output`` (module docstring)."""
+    examples = output.shape[0]
+    clean = _run_poisoned(block, call, batched, members, torch.zeros(examples, dtype=torch.bool))
+    if clean is None or clean[2].shape != output.shape or not float(
+            (clean[2] - output).abs().max()) <= math.sqrt(torch.finfo(output.dtype).eps) * float(output.abs().max()):
+        return False
+    owners = torch.arange(examples)
+    for bit in range(max(1, (examples - 1).bit_length())):
+        for polarity in (0, 1):
+            poisoned = (owners >> bit) % 2 == polarity
+            if poisoned.all() or not poisoned.any():
+                continue
+            found = _run_poisoned(block, call, batched, members, poisoned)
+            if found is None:
+                return False
+            rows, seen, first = found
+            expected = poisoned.repeat_interleave(rows // examples).to(first.device)
+            if first.shape[0] != examples or bool((_nan_rows(first) & ~poisoned.to(first.device)).any()):
+                return False
+            for calls in seen.values():
+                if calls[0] is not None and not all(torch.equal(nan, expected) for nan in calls[0]):
+                    return False
+    return True
+
+
+def results(block: nn.Module, call, batched: List[int], members: List[nn.Module], output: Tensor, grad: Tensor,
+            params: Dict[str, nn.Parameter], savefields) -> Dict[str, Dict[str, Tensor]]:
+    """``{savefield: {name: result}}`` of every parameter of ``params`` (``{name: param}`` of the
+    block's members), from the batch's pass; empty where the fast way cannot give all of them
+    (a member of another kind, a map not proven, a call it does not know). At a block's first
+    tracked step of a shape, the map is proven (and the capture installed) and this step is
+    left to the recomputation."""
+    state = _state(block)
+    owned = {id(p) for m in members for p in direct_parameters(m).values()}
+    if state.failed or not members or any(kind(m) is None for m in members) \
+            or any(id(p) not in owned for p in params.values()) or output.shape[0] != grad.shape[0]:
+        return {}
+    key = _shapes(call.leaves)
+    if key not in state.maps:
+        try:
+            state.maps[key] = proven(block, call, batched, members, output)
+        except Exception:  # noqa: BLE001 - a block the poisoned passes cannot run: recomputed
+            state.maps[key] = False
+        state.failed = not state.maps[key]
+        if not state.failed:
+            _install(block, members, state)
+        return {}
+    try:
+        if not state.maps[key] or state.shapes != key or state.broken or state.rows is None \
+                or any(state.calls.get(id(m)) != 1 or id(m) not in state.grads for m in members):
+            return {}
+        return _results(state, members, grad.shape[0], params, savefields)
+    except Exception:  # noqa: BLE001 - a layer it cannot reduce: the block is recomputed this step
+        return {}
+    finally:
+        state.reset()
+
+
+def _linear_results(module: nn.Linear, a: Tensor, g: Tensor, squares: bool) -> Dict[str, tuple]:
+    """``{param name: (||x_i||^2, [sum_i x_i(, sum_i x_i**2)])}`` of a Linear on rows ``[N, L, C]``."""
+    found = {}
+    if squares:
+        sums, norms = linear_weight_sums_and_squared_norms(a, g)
+    else:
+        norms = linear_weight_squared_norms(a, g)
+        sums = (g.flatten(0, 1).T @ a.flatten(0, 1)).unsqueeze(0)
+    found["weight"] = (norms, sums)
+    if module.bias is not None and module.bias.requires_grad:
+        norms, sums = norms_and_sums(position_sums(g, 1))
+        found["bias"] = (norms, sums if squares else sums[:1])
+    return found
+
+
+def _table_results(module: nn.Module, grad: Tensor, examples: int, squares: bool) -> Dict[str, tuple]:
+    """``{param name: (||x_i||^2, sums)}`` of a table from its output's per-row gradient ``[N*W, ...]``."""
+    per_example = grad.reshape(examples, -1, *grad.shape[1:]).sum(1).unsqueeze(1)  # [N, 1, ...]
+    params = direct_parameters(module)
+    with torch.enable_grad(), hooks_off(module):
+        out = module()
+    found = torch.autograd.grad(out, list(params.values()), per_example.to(out.dtype), is_grads_batched=True,
+                                allow_unused=True)
+    results = {}
+    for (name, param), x in zip(params.items(), found):
+        x = torch.zeros(examples, *param.shape, dtype=param.dtype, device=param.device) if x is None else x
+        norms, sums = norms_and_sums(x)
+        results[name] = (norms, sums if squares else sums[:1])
+    return results
+
+
+def _results(state: Windows, members: List[nn.Module], examples: int, params: Dict[str, nn.Parameter],
+             savefields) -> Dict[str, Dict[str, Tensor]]:
+    squares = SUMS_SAVEFIELD in savefields
+    names = {id(p): name for name, p in params.items()}
+    out = {savefield: {} for savefield in savefields}
+    for module in members:
+        grad = state.grads[id(module)]
+        if kind(module) == LINEAR:
+            a = state.inputs[id(module)]
+            found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
+                                    grad.reshape(examples, -1, grad.shape[-1]), squares)
+        else:
+            found = _table_results(module, grad, examples, squares)
+        for attribute, (norms, sums) in found.items():
+            name = names.get(id(getattr(module, attribute)))
+            if name is None:
+                continue
+            here = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums, LOCAL_GRADIENT_SAVEFIELD: sums[0]}
+            for savefield in savefields:
+                out[savefield][name] = here[savefield]
+    if any(len(found) != len(params) for found in out.values()):
+        return {}
+    return out
+
+
+def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: Dict[str, Dict[str, Tensor]],
+              eps: float) -> bool:
+    """On a block's first step with both ways: whether the per-example squared norms agree (to
+    ``sqrt(eps)`` of the largest), noted for good (a failure recomputes the block for good)."""
+    state = block.__dict__.get(ATTRIBUTE)
+    if state is None or state.failed:
+        return False
+    if state.verified is None and CONFIRM:
+        slow, quick = recomputed.get(BATCH_L2_SAVEFIELD, {}), fast.get(BATCH_L2_SAVEFIELD, {})
+        state.verified = bool(quick) and all(
+            name in slow and float((norms.double() - slow[name].double()).abs().max())
+            <= math.sqrt(eps) * float(slow[name].double().abs().max()) for name, norms in quick.items())
+        state.failed = not state.verified
+    return not state.failed
+
+
+def confirming(block: nn.Module) -> bool:
+    """Whether ``block``'s fast way is still to be compared with the per-example recomputation."""
+    state = block.__dict__.get(ATTRIBUTE)
+    return CONFIRM and state is not None and state.verified is None

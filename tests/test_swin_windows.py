@@ -1,0 +1,141 @@
+"""Issue 32, speed of windowed attention: Swin's window layers from the batch's own pass.
+
+``transformers``' ``SwinLayer`` runs its attention on windows, ``[N*W, t, C]``. Its
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and relative position bias table get each
+example's contributions from the batch's backward pass, summed over the rows of the
+example's windows, once the rows' map to the examples is proven by NaN-poisoned passes
+(``extensions/fallback/windows.py``); the block is no longer run again per example. Exact
+against the float64 brute force (one backward pass per example through the batch's forward
+pass) for GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale, with the key
+bias's structural zeros, on shifted windows of a grid padded to a multiple of the window, at
+batch sizes 2, 3 and the number of windows (4), and at one window per example. A model whose windows are
+ordered otherwise (each window one row later in the batch: still independent examples, but
+row ``r`` is no longer example ``r // W``'s) fails the proof and is recomputed per example,
+exact; taking the map for granted there would be silently wrong (asserted too).
+SwinV2 (its attention's ``logit_scale`` used directly) and timm's Swin (the table a parameter
+of the attention module itself) keep the per-example recomputation (``tests/test_regroup.py``,
+``tests/test_position_bias_and_class_tokens.py``).
+"""
+
+import warnings
+
+import cockpit_gradnoise as cgn
+from cockpit_gradnoise.extensions.fallback import blocks, windows
+
+import pytest
+import torch
+from backpack import extend
+from cockpit.utils.schedules import linear
+
+from tests.cases import Problem, classification_losses, run_step
+from tests.test_regroup import Pixels, assert_exact_with_structural_zeros, perturbed
+
+IMAGE = 12  # patches of 2: 6x6 tokens, padded to 8x8: 4 windows of 4x4
+WINDOWS = 4
+
+
+def swin(image=IMAGE, depths=(2,)):
+    """Stages of ``depths`` blocks, every second one shifted; float64, evaluation mode."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
+                        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return Pixels(perturbed(SwinForImageClassification(config)))
+
+
+@pytest.fixture
+def ways(monkeypatch):
+    """``{"fast": blocks from the batch's pass, "recomputed": blocks run again per example}``, per step."""
+    found = {"fast": 0, "recomputed": 0}
+    fast, recomputed = windows._results, blocks.vectorized
+
+    def counted_fast(*args):
+        result = fast(*args)
+        found["fast"] += bool(result)
+        return result
+
+    def counted_recomputed(*args):
+        found["recomputed"] += 1
+        return recomputed(*args)
+
+    monkeypatch.setattr(windows, "_results", counted_fast)
+    monkeypatch.setattr(blocks, "vectorized", counted_recomputed)
+    return found
+
+
+def _warm_up(model, inputs, targets, steps=2):
+    """Two tracked steps: the first proves the map, the second confirms the fast way against the
+    recomputation. Returns the prepared model."""
+    prepared = cgn.prepare_model(model)
+    loss_fn, per_example_loss = classification_losses("mean")
+    problem = Problem(prepared, extend(loss_fn), per_example_loss, inputs, targets, "mean")
+    for step in range(steps):
+        quantities = [cgn.PerExampleGradNorm(linear(1), param_names=problem.names)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            run_step(problem, quantities, step=step)
+    return prepared
+
+
+def _batch(examples, image=IMAGE):
+    generator = torch.Generator().manual_seed(examples)
+    inputs = torch.randn(examples, 3, image, image, dtype=torch.float64, generator=generator)
+    return inputs, torch.randint(0, 3, (examples,), generator=generator)
+
+
+def test_window_layers_from_the_batch_pass_are_exact(ways):
+    inputs, targets = _batch(3)
+    prepared = _warm_up(swin(), inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
+
+
+@pytest.mark.parametrize("examples", [2, WINDOWS])
+def test_window_layers_unconfirmed_are_exact(ways, monkeypatch, examples):
+    """Without the comparison step (one warm-up step: the proof), the fast way alone is exact."""
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = _batch(examples)
+    prepared = _warm_up(swin(), inputs, targets, steps=1)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 2}
+
+
+def test_one_window_per_example_is_exact(ways):
+    """16 pixels: 8x8 tokens (4 windows), then 4x4, one window: there the rows of the attention's
+    layers are examples (their own rules) and only its position bias table is a member, its
+    block the attention itself, the table expanded to the rows of the attention's input."""
+    inputs, targets = _batch(3, image=16)
+    prepared = _warm_up(swin(image=16, depths=(2, 1)), inputs, targets)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 6, "recomputed": 6}
+
+
+def _windows_one_row_later(monkeypatch):
+    """Every window one row later in the batch (the last first), and back: the model computes
+    the same, but row ``r`` of the attention is example ``(r - 1) // W``'s."""
+    from transformers.models.swin import modeling_swin
+
+    partition, reverse = modeling_swin.window_partition, modeling_swin.window_reverse
+    monkeypatch.setattr(modeling_swin, "window_partition", lambda x, size: partition(x, size).roll(1, 0))
+    monkeypatch.setattr(modeling_swin, "window_reverse", lambda w, *args: reverse(w.roll(-1, 0), *args))
+
+
+def test_windows_that_are_not_in_example_order_are_recomputed(ways, monkeypatch):
+    _windows_one_row_later(monkeypatch)
+    inputs, targets = _batch(3)
+    prepared = _warm_up(swin(), inputs, targets)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 0, "recomputed": 6}
+
+
+def test_the_map_taken_for_granted_would_be_silently_wrong(monkeypatch):
+    """What the proof prevents: the same model with the map assumed, unconfirmed, is inexact."""
+    _windows_one_row_later(monkeypatch)
+    monkeypatch.setattr(windows, "proven", lambda *args: True)
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = _batch(3)
+    prepared = _warm_up(swin(), inputs, targets)
+    with pytest.raises(AssertionError):
+        assert_exact_with_structural_zeros(prepared, inputs, targets)
