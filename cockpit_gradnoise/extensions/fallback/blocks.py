@@ -381,9 +381,13 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     # rows whose map to the examples is proven: from the batch's pass (.experts, .windows).
     batched = _batched(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
-    fast = {} if block.call.autocast else experts.results(
-        module, [block.call.leaves[k] for k in batched], grad, params, sorted(wanted)) if way is experts \
-        else windows.results(module, block.call, batched, block.members, block.output, grad, params, sorted(wanted))
+    if block.call.autocast:
+        fast = {}
+    elif way is experts:
+        fast = experts.results(module, [block.call.leaves[k] for k in batched], grad, params, sorted(wanted))
+    else:
+        fast = windows.results(module, block.call, batched, block.members, block.output, grad, params,
+                               sorted(wanted))
     names = fast.get(BATCH_L2_SAVEFIELD, {})
     rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
     try:
