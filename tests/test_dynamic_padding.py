@@ -100,8 +100,9 @@ def test_a_new_length_of_a_surveyed_structure_runs_no_survey_and_stays_exact(sur
 
 def test_a_new_length_whose_rows_stop_being_examples_is_surveyed_again(surveys):
     """One window (the layer's rows are the examples, no block), then two: the layer's
-    output no longer leads with the batch, the signature differs, the survey hooks its block."""
-    tracked_lengths([WINDOW, 2 * WINDOW])
+    output no longer leads with the batch, the signature differs, the survey hooks its block;
+    then three, with the signature of two (every surveyed signature is kept)."""
+    tracked_lengths([WINDOW, 2 * WINDOW, 3 * WINDOW])
     assert len(surveys) == 2
 
 

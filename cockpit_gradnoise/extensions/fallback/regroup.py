@@ -38,7 +38,7 @@ one of them with the backward pass of :mod:`.mixing`'s check) would run at every
 tracked step. A shape whose inputs have the structure of one surveyed before
 (the same tree, ranks, dtypes and batch-led leaves, :func:`_structure`) runs one
 pass without gradients instead, and is surveyed only where its
-:func:`_signature` differs from that survey's: for every module, the same calls,
+:func:`_signature` differs from every such survey's: for every module, the same calls,
 each output and input led by the batch size exactly where it was then, the same
 parameters read directly and returned. A leading size is the batch's ``N``
 (rows per example), ``N * g`` or ``g`` with ``g`` a function of the other sizes
@@ -71,8 +71,8 @@ from torch.utils import _pytree
 
 #: The attribute (in the model's ``__dict__``) of the input shapes already surveyed.
 SURVEYED = "_cgn_regroup_surveyed"
-#: The attribute (in the model's ``__dict__``): ``{structure: signature}`` of the inputs'
-#: structures surveyed in full (:func:`_structure`, :func:`_signature`).
+#: The attribute (in the model's ``__dict__``): ``{structure: {signature}}`` of the shapes
+#: surveyed in full, by their inputs' structure (:func:`_structure`, :func:`_signature`).
 SIGNATURES = "_cgn_regroup_signatures"
 #: The attribute (in an embedding's ``__dict__``): whether every survey saw each of its calls
 #: return one row per example (:func:`embedding_rows_are_examples`).
@@ -250,8 +250,8 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
     structure = _structure(args, kwargs, examples, model.training)
     if examples > 1 and structure in signatures:  # a new length of a known structure
         cheap = _run(model, args, kwargs)
-        if cheap is not None and _signature(model, cheap, examples) == signatures[structure]:
-            return  # the same calls with the same rows per example (module docstring)
+        if cheap is not None and _signature(model, cheap, examples) in signatures[structure]:
+            return  # the same calls with the same rows per example as a surveyed shape (docstring)
     real = _run(model, args, kwargs, grad=True)
     if real is None:  # a pass with gradients fails where one without would not: no .mixing check
         real = _run(model, args, kwargs)
@@ -262,7 +262,7 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
     _hook_blocks(model, real, larger, examples)
     mixing.check(model, real, larger, examples)
     if examples > 1:
-        signatures.setdefault(structure, _signature(model, real, examples))
+        signatures.setdefault(structure, set()).add(_signature(model, real, examples))
 
 
 def _structure(args: tuple, kwargs: dict, examples: int, training: bool) -> tuple:
