@@ -246,10 +246,7 @@ def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown
                      f"{named} {'have' if len(seen) > 1 else 'has'} no per-example rule ({_first(seen)})")
     if unseen:
         parts.append(f"{_counted(unseen, total)} of layers no hook saw in the backward pass "
-                     f"({_first(unseen)}) got a gradient another way than through the layer's "
-                     "output (read directly by another module's forward, as layer.weight), a use "
-                     "no rule sees: call the layer itself, or use the parameter in a module of "
-                     f"its own, to give {'them' if len(unseen) > 1 else 'it'} rows")
+                     f"({_first(unseen)}): each {facts.UNSEEN}")
     return (
         "; ".join(parts) + ": they have no rows in the quantities "
         f"that need per-example results and are left out of their {NETWORK!r}. Supported "
