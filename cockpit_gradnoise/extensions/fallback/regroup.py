@@ -291,9 +291,8 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
     """Hook the block around each layer whose parameters need one (:func:`_needs_block`),
     and note which embeddings return one row per example."""
     parents = {child: module for module in model.modules() for child in module.children()}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
+    for module in model.modules():  # (every module: .running's expanded parameters read it too)
+        _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)
         if not params or module.__dict__.get(ORPHAN) is not None:
             continue
@@ -340,6 +339,12 @@ def embedding_rows_are_examples(module: nn.Module) -> bool:
     input's shape (``torch.full((N, T, depth), pad)``), whose outputs are concatenated
     with the batch's (no shape tells their ``N`` from a ``T`` equal to it; the larger
     batch does)."""
+    return bool(module.__dict__.get(EXAMPLE_ROWS, False))
+
+
+def rows_were_examples(module: nn.Module) -> bool:
+    """Whether the surveys saw every call of ``module`` return one row per example (as
+    :func:`embedding_rows_are_examples`, for any module)."""
     return bool(module.__dict__.get(EXAMPLE_ROWS, False))
 
 
