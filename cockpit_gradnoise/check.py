@@ -172,6 +172,8 @@ def _why_no_rows(param, module, recorded: facts.BackwardFacts, examples: int) ->
     if id(param) in recorded.refusals:  # refused by name (the fallback: an output without the batch)
         return recorded.refusals[id(param)]
     if not all(hasattr(param, f) for f in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD)):
+        if id(param) not in recorded.owners:  # no hook saw its layer in the backward pass
+            return f"{type(module).__name__}: it {facts.UNSEEN}"
         return f"no rule for {type(module).__name__}"
     if recorded.shared(param):
         return "used by several layers (tied weights)"

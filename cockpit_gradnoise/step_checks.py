@@ -233,19 +233,35 @@ def unsupported_message(unsupported, with_grad, owners: Mapping[int, str], shown
         owners: Owning module class name per ``id(param)``.
         shown: How many classes to name.
     """
-    elements = sum(p.numel() for _, p in unsupported)
-    share = 100 * elements / max(1, sum(p.numel() for _, p in with_grad))
-    classes = sorted({owners.get(id(p), "unknown") for _, p in unsupported})
-    named = ", ".join(classes[:shown]) + (f" and {len(classes) - shown} more" if len(classes) > shown else "")
-    examples = ", ".join(repr(n) for n, _ in unsupported[:2]) + (", ..." if len(unsupported) > 2 else "")
-    count = f"{len(unsupported)} parameter" + ("s" if len(unsupported) > 1 else "")
+    total = max(1, sum(p.numel() for _, p in with_grad))
+    # A parameter whose layer no hook saw in the backward pass (no owner recorded): read
+    # directly by another module's forward (ProphetNet's ngram_embeddings.weight).
+    unseen = [(n, p) for n, p in unsupported if id(p) not in owners]
+    seen = [(n, p) for n, p in unsupported if id(p) in owners]
+    parts = []
+    if seen:
+        classes = sorted({owners[id(p)] for _, p in seen})
+        named = ", ".join(classes[:shown]) + (f" and {len(classes) - shown} more" if len(classes) > shown else "")
+        parts.append(f"{_counted(seen, total)} in layers of class{'es' if len(classes) > 1 else ''} "
+                     f"{named} {'have' if len(seen) > 1 else 'has'} no per-example rule ({_first(seen)})")
+    if unseen:
+        parts.append(f"{_counted(unseen, total)} of layers no hook saw in the backward pass "
+                     f"({_first(unseen)}): each {facts.UNSEEN}")
     return (
-        f"{count} ({share:.3g}% of the elements) in layers of class{'es' if len(classes) > 1 else ''} "
-        f"{named} {'have' if len(unsupported) > 1 else 'has'} no per-example rule ({examples}): "
-        "they have no rows in the quantities "
+        "; ".join(parts) + ": they have no rows in the quantities "
         f"that need per-example results and are left out of their {NETWORK!r}. Supported "
         "layers and what to do with others: docs/architectures.md"
     )
+
+
+def _counted(named, total: int) -> str:
+    """``"3 parameters (1.2% of the elements)"``."""
+    share = 100 * sum(p.numel() for _, p in named) / total
+    return f"{len(named)} parameter" + ("s" if len(named) > 1 else "") + f" ({share:.3g}% of the elements)"
+
+
+def _first(named) -> str:
+    return ", ".join(repr(n) for n, _ in named[:2]) + (", ..." if len(named) > 2 else "")
 
 
 def explained_message(explained: Mapping[str, str], shown: int = 2) -> str:

@@ -266,3 +266,31 @@ def test_two_instances_of_one_quantity_class_fail_clearly():
     ]
     with pytest.raises(RuntimeError, match="two GradientVarianceQuantiles quantities in one Cockpit"):
         run_step(problem, quantities)
+
+
+def test_a_weight_read_directly_by_another_module_is_named_with_the_reason():
+    """ProphetNet's decoder reads ``ngram_embeddings.weight`` directly, never calling the
+    embedding: no hook sees its layer, and the warning said "layers of class unknown" with no
+    reason. It now names the parameter, the reason and what to do; the others keep their rows."""
+    from experiments import sweep_models
+
+    case = sweep_models.build("transformers", "prophetnet")
+    model = cgn.prepare_model(case.model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=names)
+    cockpit = cgn.Cockpit([p for p in model.parameters() if p.requires_grad], quantities=[quantity])
+    outputs = model(*case.inputs)
+    loss = case.loss_fn(outputs, case.targets)
+    losses = nn.functional.cross_entropy(outputs.transpose(1, 2), case.targets, reduction="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cockpit(0, info={"batch_size": len(losses), "individual_losses": losses.mean(1),
+                              "loss": loss}):
+            loss.backward()
+    messages = [str(w.message) for w in caught if "no per-example rule" in str(w.message)
+                or "no hook saw" in str(w.message)]
+    ngram = "model.prophetnet.decoder.ngram_embeddings.weight"
+    assert any(ngram in m and "read directly by another module's forward" in m
+               and "call the layer itself" in m and "unknown" not in m for m in messages), messages
+    rows = cockpit.get_output()[0]["PerExampleGradNorm"]
+    assert ngram not in rows and "model.prophetnet.word_embeddings.weight" in rows

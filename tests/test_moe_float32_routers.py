@@ -29,6 +29,7 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import check, references
 from cockpit_gradnoise.extensions import facts
+from cockpit_gradnoise.extensions.fallback.capture import BLOCK_ATTRIBUTE
 
 import pytest
 import torch
@@ -185,3 +186,17 @@ def test_the_auxiliary_loss_at_its_default_coefficient_still_leaves_a_float32_ro
     routers = [name for name in rows if name.endswith("mlp.gate.weight")]
     assert not routers and "auxiliary" in messages and "model.model.layers.1.mlp.gate.weight" in messages
     assert set(experts_of(model)) <= set(rows)
+
+
+def test_a_block_computing_in_float32_under_vmap_is_exact():
+    """OLMo-Hybrid's gated delta rule computes in float32 inside the float64 model
+    (``.to(torch.float32)``, ``A_log.float()``), on rows that are not examples: its block
+    runs per example under ``vmap`` (``block_vmap``), which now notes the narrowest dtype as
+    the loop does, so ``A_log``'s sum check is at float32's rounding (it was refused as
+    "reached another way", 2e-8 against float64's 1.5e-8)."""
+    inputs, targets = tokens(3)
+    model = causal_lm("olmo_hybrid", linear_num_key_heads=2, linear_num_value_heads=2,
+                      linear_key_head_dim=8, linear_value_head_dim=8)
+    block = next(m for m in model.modules() if type(m).__name__ == "OlmoHybridGatedDeltaNet")
+    assert_exact_per_example(model, inputs, targets)
+    assert block.__dict__[BLOCK_ATTRIBUTE].vectorized is True  # the vmap path, not the loop

@@ -122,3 +122,59 @@ def test_a_drop_path_run_again_inside_a_module_is_named_in_its_refusal():
             loss.backward()
     rows = tracker.get_output()[0]["PerExampleGradNorm"]
     assert "cls_token" not in rows and "blocks.1.gamma_1" in rows and "head.weight" in rows
+
+
+# (d) A parameter expanded over the batch by its module's own forward ------------------------
+
+
+def test_perceivers_latents_and_position_table_expanded_over_the_batch_are_exact():
+    """Perceiver's ``PerceiverEmbeddings`` returns ``self.latents.expand(batch_size, -1, -1)``
+    and its trainable position encoding its table expanded the same way: no input leads with
+    the batch, and the fallback refused both. Example ``i``'s contribution is its row of the
+    output's gradient (``extensions/fallback/running.py``, ``expanded_parameter``), where the
+    survey saw the rows follow the batch. Against check_model's per-example float64 loop."""
+    from experiments import sweep_models
+
+    case = sweep_models.build("transformers", "perceiver")
+    frame = cgn.check_model(case.model, case.inputs, case.targets, case.loss_fn, verbose=False)
+    table = frame.set_index("param")
+    for name in ("model.perceiver.embeddings.latents",
+                 "model.perceiver.decoder.output_position_encodings.position_embeddings"):
+        assert table.rows[name] and table.max_rel_error[name] < 1e-10, table.loc[name]
+    # every row exact; a gradient zero by structure (a key's bias) against the network's scale
+    errors = table.max_rel_error * table.reference_scale / table.reference_scale.max()
+    relative = table.max_rel_error.where(table.reference_scale > 1e-8 * table.reference_scale.max(), errors)
+    assert (relative[table.rows] < 1e-10).all(), relative[table.rows].sort_values().tail()
+
+
+class ExpandedTo(torch.nn.Module):
+    """A table ``[1, C]`` expanded to the sequence length, not the batch: ``[T, C]``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(1, width))
+
+    def forward(self, length: int):
+        return self.table.expand(length, -1)
+
+
+class AddsExpanded(torch.nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.embed, self.expanded, self.head = (torch.nn.Linear(3, width), ExpandedTo(width),
+                                                torch.nn.Linear(width, 3))
+
+    def forward(self, x):  # [N, T, 3]
+        hidden = torch.tanh(self.embed(x) * self.expanded(x.shape[1]))
+        return self.head(hidden.mean(1))
+
+
+@pytest.mark.parametrize("examples", [2, 5])  # 5: the length, the expanded rows' number
+def test_a_parameter_expanded_to_a_size_equal_to_the_batch_by_chance_is_not_read_per_example(examples):
+    """Its rows are positions, whatever their number: exact through its block, never the
+    positions' gradients taken for examples'."""
+    torch.manual_seed(0)
+    x, y = torch.randn(examples, 5, 3, dtype=torch.float64), torch.randint(0, 3, (examples,))
+    frame = cgn.check_model(AddsExpanded().double(), x, y, torch.nn.CrossEntropyLoss(), verbose=False)
+    table = frame.set_index("param")
+    assert (table.max_rel_error[table.rows] < 1e-10).all(), table

@@ -24,6 +24,11 @@ import torch
 from torch import nn
 
 _SEQUENCE_FIRST = (nn.RNN, nn.LSTM)
+#: Why a parameter with a gradient whose layer no hook saw in the backward pass (no owner
+#: recorded) has no rows: ProphetNet's decoder reads ``ngram_embeddings.weight`` directly.
+UNSEEN = ("got a gradient another way than through its layer's output (read directly by "
+          "another module's forward, as layer.weight), a use no rule sees: call the layer "
+          "itself, or use the parameter in a module of its own, to give it rows")
 
 
 class BackwardFacts:

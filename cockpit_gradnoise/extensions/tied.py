@@ -221,7 +221,9 @@ class TiedGroup:
             self.refusal = self.refusal or (
                 f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
                 "parameters are combined over the weights of layers that compute a Linear's "
-                "or an Embedding's function only (a scaled embedding too)"
+                "or an Embedding's function only (a scaled embedding too): to give it rows, "
+                "tie it between such layers only, or untie it (tie_word_embeddings=False in "
+                "transformers), and prepare the model (cgn.prepare_model) again"
             )
         previous = list(done)
         done.append(module)

@@ -118,7 +118,8 @@ def _tables_used_otherwise(uses: Uses, consumers) -> None:
                 f"its layer ({type(module).__name__}) builds its index, and its weight is also "
                 f"used outside its calls ({len(users - set(nodes))} more operations take it "
                 "directly, as ProphetNet's decoder looks its positions up again through "
-                "_forward), which no hook sees")
+                "_forward), which no hook sees: take every lookup through the layer's own "
+                "calls (or give the other use a layer of its own) to give it rows")
 
 
 def _after_layer(module, args, output):

@@ -347,20 +347,27 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     if block.vectorized is False or not params:
         return None
     call, examples = block.call, grad.shape[0]
-    tolerance = output_tolerance(block)
+    # The narrowest dtype the first chunk computes in, as the loop's first example: a float64
+    # block computing in float32 inside (OLMo-Hybrid's gated delta rule) rounds to float32.
+    narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else block.output.dtype)
 
     def check(output: Tensor, expected: Tensor) -> None:
-        if not float((output - expected).abs().max()) <= tolerance:
+        block.dtype = narrowest.dtype
+        if not float((output - expected).abs().max()) <= output_tolerance(block):
             raise Interacting("its output for one example alone differs from its output in the batch: "
                               "its examples interact or its forward pass is random")
+
+    def run(start: int, stop: int):
+        with narrowest if start == 0 else contextlib.nullcontext():
+            return block_vmap.chunk(module, call, batched, params, biases, block.output, grad,
+                                    start, stop, check)
 
     tensors = list(params.values())
     size = min(examples, cost_model.examples_per_chunk(
         max(sum(p.numel() for p in tensors), 1), tensors[0].element_size()))
     batched = _batched(call, examples, layout_of(block).leaves)
     biases = LinearBiases(module, params).layers
-    found = block_vmap.chunks(lambda start, stop: block_vmap.chunk(
-        module, call, batched, params, biases, block.output, grad, start, stop, check), examples, size)
+    found = block_vmap.chunks(run, examples, size)
     block.vectorized = found is not None
     return found
 

@@ -32,6 +32,28 @@ parameter inside it exact rows:
 A layer with no such module around it (the model's output does not lead with
 the batch) is refused by name at each tracked step (:func:`refuse_orphan`),
 whatever its leading size: never rows taken for examples by coincidence.
+
+Under dynamic padding every batch has a new length, and the survey (two passes,
+one of them with the backward pass of :mod:`.mixing`'s check) would run at every
+tracked step. A shape whose inputs have the structure of one surveyed before
+(the same tree, ranks, dtypes and batch-led leaves, :func:`_structure`) runs one
+pass without gradients instead, and is surveyed only where its
+:func:`_signature` differs from every such survey's: for every module, the same calls,
+each output and input led by the batch size exactly where it was then, the same
+parameters read directly and returned. A leading size is the batch's ``N``
+(rows per example), ``N * g`` or ``g`` with ``g`` a function of the other sizes
+(flattened tokens, windows, a sequence-first layout, a table): a module with one
+row per example at the surveyed shape has ``g = 1`` there, and still leads with
+``N`` at the new shape only where ``g = 1`` again, rows per example; a module
+that did not lead with ``N`` then (found regrouped, its block hooked) and does
+now (``T = N``, the coincidence no shape tells) changes the signature, and the
+shape is surveyed. The same calls with the same rows per example are the same
+computation on longer or shorter rows: it mixes the examples where the surveyed
+one did (:mod:`.mixing`; a model that branches on a length into another
+computation with the same calls is not seen). Data-dependent sizes (the tokens
+routed to an expert) are not of that form: the survey of the first shape hooks
+their block (their size follows neither ``N`` nor ``N + 1``), or the signature
+differs (a count equal to ``N`` by chance).
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -49,6 +71,9 @@ from torch.utils import _pytree
 
 #: The attribute (in the model's ``__dict__``) of the input shapes already surveyed.
 SURVEYED = "_cgn_regroup_surveyed"
+#: The attribute (in the model's ``__dict__``): ``{structure: {signature}}`` of the shapes
+#: surveyed in full, by their inputs' structure (:func:`_structure`, :func:`_signature`).
+SIGNATURES = "_cgn_regroup_signatures"
 #: The attribute (in an embedding's ``__dict__``): whether every survey saw each of its calls
 #: return one row per example (:func:`embedding_rows_are_examples`).
 EXAMPLE_ROWS = "_cgn_embedding_rows_are_examples"
@@ -87,8 +112,9 @@ class _Calls(TorchFunctionMode):
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.used.update(id(leaf) for leaf in _pytree.tree_leaves((args, kwargs or {}))
-                         if isinstance(leaf, nn.Parameter))
+        _note_parameters(args, self.used)
+        if kwargs:
+            _note_parameters(kwargs, self.used)
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
@@ -98,7 +124,7 @@ class _Calls(TorchFunctionMode):
         own = {id(p) for p in module.parameters(recurse=False)}
         if own and any(id(leaf) in own for leaf in _pytree.tree_leaves(output)):
             self.returned.add(module)
-        self.specs[module] = str(spec)
+        self.specs[module] = spec  # (its text when used: a repr per call is slow)
         if self.keep:
             output = self.probe.through(output)
         tensors = [leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
@@ -111,6 +137,26 @@ class _Calls(TorchFunctionMode):
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+#: Arguments of a torch function that hold no parameter: not flattened.
+_PLAIN = (Tensor, int, float, bool, str, type(None), slice, torch.dtype, torch.device)
+
+
+def _note_parameters(value, used: set) -> None:
+    """Add the ``id`` of each parameter in ``value`` (the arguments of one operation) to
+    ``used``: what ``_pytree.tree_leaves`` finds, without flattening plain tuples of numbers
+    and tensors per operation (the survey's pass ran at 3 times a forward pass)."""
+    if isinstance(value, nn.Parameter):
+        used.add(id(value))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if not isinstance(item, _PLAIN) or isinstance(item, nn.Parameter):
+                _note_parameters(item, used)
+    elif isinstance(value, dict):
+        _note_parameters(tuple(value.values()), used)
+    elif not isinstance(value, _PLAIN):
+        used.update(id(leaf) for leaf in _pytree.tree_leaves(value) if isinstance(leaf, nn.Parameter))
 
 
 def _run(model: nn.Module, args: tuple, kwargs: dict, grad: bool = False) -> Optional[_Calls]:
@@ -200,6 +246,12 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         return
     if any(c.__name__ == "DTensor" for p in model.parameters() for c in type(p).__mro__):
         return  # sharded parameters (FSDP2, tensor parallel): no pass outside the wrapper's own
+    signatures = model.__dict__.setdefault(SIGNATURES, {})
+    structure = _structure(args, kwargs, examples, model.training)
+    if examples > 1 and structure in signatures:  # a new length of a known structure
+        cheap = _run(model, args, kwargs)
+        if cheap is not None and _signature(model, cheap, examples) in signatures[structure]:
+            return  # the same calls with the same rows per example as a surveyed shape (docstring)
     real = _run(model, args, kwargs, grad=True)
     if real is None:  # a pass with gradients fails where one without would not: no .mixing check
         real = _run(model, args, kwargs)
@@ -209,15 +261,38 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
         return  # the model's other checks (.layout, the rules' leading sizes) stand
     _hook_blocks(model, real, larger, examples)
     mixing.check(model, real, larger, examples)
+    if examples > 1:
+        signatures.setdefault(structure, set()).add(_signature(model, real, examples))
+
+
+def _structure(args: tuple, kwargs: dict, examples: int, training: bool) -> tuple:
+    """The inputs' structure, their sizes left out: the tree, and each tensor's rank, dtype
+    and whether it leads with the batch."""
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    return str(spec), training, tuple((leaf.dim(), leaf.dtype, _leading(leaf) == examples)
+                                      for leaf in leaves if isinstance(leaf, Tensor))
+
+
+def _signature(model: nn.Module, calls: _Calls, examples: int) -> tuple:
+    """What a pass's survey depends on, its sizes left out: each module's calls, whether
+    each output and input of each led with the batch size, the parameters read directly and
+    the modules that returned one of theirs."""
+    def rows(size: Optional[int]) -> Optional[bool]:
+        return None if size is None else size == examples
+
+    return (
+        tuple(tuple((rows(out), tuple(map(rows, ins))) for out, ins in calls.calls.get(m, ()))
+              for m in model.modules()),
+        tuple(tuple(tuple(map(rows, outs)) for outs in calls.outputs.get(m, ())) for m in model.modules()),
+        frozenset(calls.used), frozenset(id(m) for m in calls.returned))
 
 
 def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
     """Hook the block around each layer whose parameters need one (:func:`_needs_block`),
     and note which embeddings return one row per example."""
     parents = {child: module for module in model.modules() for child in module.children()}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
+    for module in model.modules():  # (every module: .running's expanded parameters read it too)
+        _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)
         if not params or module.__dict__.get(ORPHAN) is not None:
             continue
@@ -267,6 +342,12 @@ def embedding_rows_are_examples(module: nn.Module) -> bool:
     return bool(module.__dict__.get(EXAMPLE_ROWS, False))
 
 
+def rows_were_examples(module: nn.Module) -> bool:
+    """Whether the surveys saw every call of ``module`` return one row per example (as
+    :func:`embedding_rows_are_examples`, for any module)."""
+    return bool(module.__dict__.get(EXAMPLE_ROWS, False))
+
+
 def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _Calls, examples: int):
     """``module`` a member of ``block``'s :class:`.blocks.Block`, or an orphan (no block)."""
     calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
@@ -284,7 +365,7 @@ def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _
     # Which inputs are per example, as .layout.learn would (the model's own block
     # records its call after the model's hook that learns: it would never learn).
     (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
-    state.layouts.setdefault(real.specs[block], Layout(frozenset(
+    state.layouts.setdefault(str(real.specs[block]), Layout(frozenset(
         k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
 
 

@@ -14,7 +14,8 @@ import functools
 import warnings
 from typing import Dict, List, Optional
 
-from cockpit_gradnoise.extensions import cost_model, facts
+from cockpit_gradnoise.extensions import cost_model, facts, meetings
+from cockpit_gradnoise.extensions.fallback import regroup
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -75,6 +76,34 @@ def refusal(module: nn.Module, call: Optional[Call], grads: Dict[int, Tensor],
     return None
 
 
+def expanded_parameter(module: nn.Module, call: Optional[Call],
+                       grads: Dict[int, Tensor]) -> Optional[Dict[str, Tensor]]:
+    """``{name: [N, *shape]}``, each example's contribution, where ``module``'s one output
+    is its one parameter expanded over the batch and nothing else (Perceiver's latents,
+    ``self.latents.expand(batch_size, -1, -1)``, and trainable position encodings): example
+    ``i``'s contribution is its row ``G_i`` of the output's gradient, summed over the other
+    dimensions the parameter broadcasts from. ``None`` otherwise. The output's rows must
+    have been seen to be the examples (the survey's batch one example larger,
+    :func:`.regroup.rows_were_examples`): a size equal to the batch's by chance is not."""
+    params = direct_parameters(module)
+    if call is None or set(grads) != {0} or len(params) != 1 or call.nodes.output is None \
+            or not regroup.rows_were_examples(module):
+        return None
+    (name, param), = params.items()
+    node = call.nodes.output
+    while node is not None and node.name() == "BackwardHookFunctionBackward" \
+            and len(node.next_functions) == 1:  # BackPACK's module hooks
+        node = node.next_functions[0][0]
+    if node is None or node.name() != "ExpandBackward0":
+        return None
+    source = node.next_functions[0][0]
+    gradient = grads[0]
+    padded = (1,) * (gradient.dim() - param.dim()) + tuple(param.shape)
+    if getattr(source, "variable", None) is not param or padded[0] != 1 or gradient.dim() < 1:
+        return None
+    return {name: meetings.sum_to(gradient.unsqueeze(1), param.shape)}
+
+
 def batched_leaves(call: Call, examples: int, layout: Layout) -> List[int]:
     """Indices of the tensor leaves that lead with the batch dimension (``examples``) and
     depend on the batch (``layout``): a batch-free tensor whose leading size happens to
@@ -101,6 +130,9 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
     grads = output_gradients(call, g_out) if call is not None else {}
     layout = layout_of(state) if call is not None else Layout()
     reason = refusal(module, call, grads, layout)
+    expanded = None if reason is None else expanded_parameter(module, call, grads)
+    if expanded is not None:
+        return reduce_chunks(iter([expanded]), savefields)
     if reason is None and state.closed_form is not None and call.one_input is not None:
         form = state.closed_form
         contributions = form.contributions(module, call.one_input, grads[0], form.eps)
