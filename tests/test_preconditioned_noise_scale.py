@@ -464,35 +464,3 @@ def test_the_weighted_sums_are_float64_sums_of_exact_products_over_pieces(square
                 float(((p64 * gradients.double().numpy()) ** 2).sum()) / 9)
     assert got == pytest.approx(expected, rel=size * 2.0**-52, abs=0)
     assert preconditioned_noise_sums(p[:0], squares[:0], gradients[:0], 3) == (0.0, 0.0)
-
-
-@pytest.mark.parametrize("name", ["adam-coupled-decay", "adamw", "adam-amsgrad", "adam-groups",
-                                  "rmsprop-centered-momentum", "adagrad"])
-def test_p_by_pieces_is_p_of_the_whole_parameter(name, monkeypatch):
-    """``preconditioner_pieces`` (the CPU path: ``P`` made and weighted piece by piece) gives
-    the elements of ``preconditioner`` in order over more than two pieces, from no state and
-    from a later step's, and the weighted sums from those pieces are the whole ``P``'s."""
-    from cockpit_gradnoise import _device
-    from cockpit_gradnoise.functional import preconditioned_noise_sums
-    from cockpit_gradnoise.quantities.preconditioners import OptimizerPreconditioner
-
-    monkeypatch.setattr(_device, "CHUNK", 1000)  # pieces of 1000 elements: three of them
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(5, 503, generator=generator))
-    other = torch.nn.Parameter(torch.randn(3, generator=generator))  # a second group for adam-groups
-    optimizer = OPTIMIZERS[name]([param, other])
-    for steps_before in (0, 2):
-        for _ in range(steps_before):
-            param.grad, other.grad = torch.randn(param.shape, generator=generator), torch.randn(3)
-            optimizer.step()
-        param.grad = torch.randn(param.shape, generator=generator)
-        reader = OptimizerPreconditioner(optimizer)
-        whole = reader.preconditioner(param).reshape(-1)
-        pieces = list(reader.preconditioner_pieces(param, _device.CHUNK))
-        assert [len(piece) for piece in pieces] == [1000, 1000, 515]
-        torch.testing.assert_close(torch.cat(pieces), whole, rtol=4 * torch.finfo(whole.dtype).eps, atol=0)
-        squares = torch.rand(param.shape, generator=generator)
-        gradients = torch.randn(param.shape, generator=generator)
-        expected = preconditioned_noise_sums(whole, squares, gradients, 4)
-        got = preconditioned_noise_sums(iter(pieces), squares, gradients, 4)
-        assert got == pytest.approx(expected, rel=1e-12)

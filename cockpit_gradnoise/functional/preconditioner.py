@@ -10,7 +10,7 @@ the ``P`` the next ``optimizer.step()`` applies.
 """
 
 import math
-from typing import Iterable, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.norms import squared_norm
@@ -107,8 +107,8 @@ def _moving_average(previous: Number, grad: Tensor, weight: float) -> Tensor:
 
 
 def preconditioned_noise_sums(
-    preconditioner: Union[None, Tensor, Iterable[Tensor]], sum_of_squares: Tensor,
-    sum_of_gradients: Tensor, n: int, *, defer: bool = False,
+    preconditioner: Optional[Tensor], sum_of_squares: Tensor, sum_of_gradients: Tensor, n: int,
+    *, defer: bool = False,
 ) -> Tuple[float, float]:
     """``S_P = mean_i ||P g_i||^2`` and ``M_P = ||P mean_i g_i||^2`` from per-element sums.
 
@@ -121,18 +121,14 @@ def preconditioned_noise_sums(
         M_P = \\frac{1}{N^2} \\sum_j (p_j T_j)^2,
 
     the ``S`` and ``M`` of :func:`noise_scale_estimates` for the
-    preconditioned gradients ``P g_i``. In float64, piece by piece, in three
+    preconditioned gradients ``P g_i``. In float64, piece by piece, in two
     buffers of a piece each (never a float64 copy of the whole parameter,
     no tensor of its size made): the products of float32 numbers are exact
     there, and ``p T`` is formed before it is squared, so nothing underflows
     where ``p`` is large.
 
     Args:
-        preconditioner: ``p``, shaped as the sums; ``None`` for ``P = I``; or, on
-            the CPU, its flattened elements in consecutive pieces of
-            :data:`~cockpit_gradnoise._device.CHUNK` (the last one shorter), so
-            that each piece of ``p`` is made, weighted and summed while it is in
-            the cache (``OptimizerPreconditioner.preconditioner_pieces``).
+        preconditioner: ``p``, shaped as the sums; ``None`` for ``P = I``.
         sum_of_squares: ``Q``.
         sum_of_gradients: ``T``.
         n: ``N``.
@@ -145,35 +141,28 @@ def preconditioned_noise_sums(
     if preconditioner is None:
         result = (_device.float64_total(squares) / n, squared_norm(gradients, defer=True) / n**2)
     else:
-        size = _device.CHUNK if _device.on_host(squares) else _device.DEVICE_CHUNK
-        if isinstance(preconditioner, Tensor):
-            preconditioner = preconditioner.reshape(-1).split(size)
         result = tuple(total / scale for total, scale in zip(
-            _weighted_sums(preconditioner, size, squares, gradients), (n, n**2)))
+            _weighted_sums(preconditioner.reshape(-1), squares, gradients), (n, n**2)))
     if defer and not _device.on_host(squares):
         return result
     return tuple(float(value) for value in result)
 
 
-def _weighted_sums(
-    weight_pieces: Iterable[Tensor], size: int, squares: Tensor, gradients: Tensor
-) -> Tuple[Tensor, Tensor]:
-    """``(sum_j w_j^2 Q_j, sum_j (w_j T_j)^2)`` of 1d tensors in float64: 0-dim tensors.
-
-    ``w`` in consecutive pieces of ``size`` elements (of ``Q``'s and ``T``'s).
-    """
-    if squares.numel() == 0:
-        return (squares.new_zeros((), dtype=torch.float64),) * 2
-    shape = (min(size, squares.numel()),)
-    weight_piece, gradient_piece, square_piece = (
-        torch.empty(shape, dtype=torch.float64, device=squares.device) for _ in range(3))
+def _weighted_sums(weights: Tensor, squares: Tensor, gradients: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(sum_j w_j^2 Q_j, sum_j (w_j T_j)^2)`` of 1d tensors in float64: 0-dim tensors."""
+    if weights.numel() == 0:
+        return (weights.new_zeros((), dtype=torch.float64),) * 2
+    size = _device.CHUNK if _device.on_host(weights) else _device.DEVICE_CHUNK
+    shape = (min(size, weights.numel()),)
+    weight_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
+    gradient_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
     weighted_squares, weighted_gradients = [], []
-    for start, weights in zip(range(0, squares.numel(), size), weight_pieces):
+    for start in range(0, weights.numel(), size):
         piece = slice(start, start + size)
-        weight = weight_piece[: weights.numel()].copy_(weights)
+        weight = weight_piece[: min(size, weights.numel() - start)].copy_(weights[piece])
         gradient = gradient_piece[: weight.numel()].copy_(gradients[piece]).mul_(weight)
         weighted_gradients.append(torch.dot(gradient, gradient))
-        weighted_squares.append(torch.dot(weight.square_(), square_piece[: weight.numel()].copy_(squares[piece])))
+        weighted_squares.append(torch.dot(weight.square_(), squares[piece].double()))
     if len(weighted_squares) == 1:
         return weighted_squares[0], weighted_gradients[0]
     return torch.stack(weighted_squares).sum(), torch.stack(weighted_gradients).sum()

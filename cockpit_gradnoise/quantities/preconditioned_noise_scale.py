@@ -2,7 +2,7 @@
 
 import math
 
-from cockpit_gradnoise import _device, distributed, functional
+from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, sharded
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
 from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
@@ -10,8 +10,6 @@ from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, GradientNoiseScale
-
-import torch
 
 
 class PreconditionedNoiseScale(GradientNoiseScale):
@@ -179,14 +177,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         return {"sum_of_squares": squares, "sum_of_gradients": grad}
 
     def named_value_from_sums(self, name, sums, batch):
-        param, n = self._params[name], batch.examples
-        if self._cuts is None and not self._preconditioner.identity and _in_pieces(param, sums):
-            # P made piece by piece and weighted while the piece is in the cache: one pass
-            # over the optimizer's state, the gradient and the sums, no tensor of P's size.
-            weights = self._preconditioner.preconditioner_pieces(param, _device.CHUNK)
-            return self._scaled(preconditioned_noise_sums(
-                weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True), batch) + (n,)
-        weights = self._preconditioner.preconditioner(param)
+        weights = self._preconditioner.preconditioner(self._params[name])
+        n = batch.examples
         if self._cuts is not None:
             # FSDP2, tensor parallelism: P of this process's shard (the optimizer's state is
             # a DTensor beside the parameter: elementwise, its local values are those of the
@@ -196,15 +188,13 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             sums = {key: _shards.local_part(value, self._cuts[name], rank) for key, value in sums.items()}
             if weights is not None:
                 weights = _shards.local_weights(sharded.local_tensor(weights), self._cuts[name], rank)
-        return self._scaled(preconditioned_noise_sums(
-            weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True), batch) + (n,)
-
-    def _scaled(self, noise_sums, batch):
-        """``(S_P, M_P)`` in units of ``g_i``: divided by ``c^2`` where the sums are in units of ``x_i = c g_i``."""
-        if self._scalars_scaled and batch.loss_scale != 1.0:
+        mean_squared_norm, squared_norm_of_mean = preconditioned_noise_sums(
+            weights, sums["sum_of_squares"], sums["sum_of_gradients"], n, defer=True
+        )
+        if self._scalars_scaled and batch.loss_scale != 1.0:  # x_i = c g_i
             scale = batch.loss_scale**2
-            return tuple(value / scale for value in noise_sums)
-        return tuple(noise_sums)
+            mean_squared_norm, squared_norm_of_mean = mean_squared_norm / scale, squared_norm_of_mean / scale
+        return mean_squared_norm, squared_norm_of_mean, n
 
     def statistics_of_values(self, values, network):
         if self._cuts is not None and values:  # FSDP2: every process's partial sums added
@@ -225,10 +215,3 @@ class PreconditionedNoiseScale(GradientNoiseScale):
                 "and their moving averages skip them",
             )
         return {schema.B_SIMPLE_SMOOTHED: smoothed}
-
-
-def _in_pieces(param, sums) -> bool:
-    """Whether ``P`` is made piece by piece: a plain parameter (not a DTensor's) whose sums
-    are on the CPU, where pieces stay in the cache (elsewhere one launch per operation
-    over the whole tensor is cheaper)."""
-    return type(param.data) is torch.Tensor and _device.on_host(sums["sum_of_squares"])

@@ -10,7 +10,7 @@ subclass of these included (it may change ``step``), is refused: never an
 approximation.
 """
 
-from typing import Dict, Iterator, Optional
+from typing import Dict, Optional
 
 from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.functional import preconditioner as formulas
@@ -86,38 +86,18 @@ class OptimizerPreconditioner:
         if self._rule is None:
             return None
         group = self._groups[id(param)]
-        return self._rule(group, self.optimizer.state.get(param, {}), param, None)
-
-    def preconditioner_pieces(self, param: Tensor, size: int) -> Iterator[Tensor]:
-        """``P``'s diagonal for ``param``'s flattened elements, ``size`` at a time (``P != I``).
-
-        Each piece is formed from the same pieces of the state and the gradient,
-        by the same elementwise operations as :meth:`preconditioner`: a pass
-        that stays in the cache, never a tensor of the parameter's size. For
-        plain CPU tensors (a DTensor's pieces are not its local elements).
-        """
-        group, state = self._groups[id(param)], self.optimizer.state.get(param, {})
-        for start in range(0, param.numel(), size):
-            yield self._rule(group, state, param, slice(start, start + size))
+        return self._rule(group, self.optimizer.state.get(param, {}), param)
 
 
-def _part(value, piece: Optional[slice]):
-    """A tensor shaped as the parameter, flattened and cut to ``piece`` (``None``: whole);
-    anything else (no state yet: a number) as it is."""
-    if piece is None or not isinstance(value, Tensor):
-        return value
-    return value.detach().reshape(-1)[piece]
-
-
-def _gradient(param: Tensor, group: dict, piece: Optional[slice], decoupled: bool = False) -> Tensor:
+def _gradient(param: Tensor, group: dict, decoupled: bool = False) -> Tensor:
     """The gradient the step adds to the moment: ``-grad`` under ``maximize``, plus
-    ``weight_decay * param`` unless the decay is decoupled (AdamW); of ``piece``'s elements."""
-    grad = _part(tensor_parallel.completed(param.grad.detach()), piece)  # a SequenceParallel norm's: Partial
+    ``weight_decay * param`` unless the decay is decoupled (AdamW)."""
+    grad = tensor_parallel.completed(param.grad.detach())  # a SequenceParallel norm's: Partial
     if group.get("maximize", False):
         grad = -grad
     decay = group.get("weight_decay", 0)
     if decay != 0 and not (decoupled or group.get("decoupled_weight_decay", False)):
-        grad = grad.add(_part(param.detach(), piece), alpha=decay)
+        grad = grad.add(param.detach(), alpha=decay)
     return grad
 
 
@@ -134,30 +114,30 @@ def _steps(state: dict):
     return step
 
 
-def _adam(group, state, param, piece, decoupled=False):
+def _adam(group, state, param, decoupled=False):
     return formulas.adam_preconditioner(
-        _part(state.get("exp_avg_sq", 0.0), piece), _gradient(param, group, piece, decoupled),
+        state.get("exp_avg_sq", 0.0), _gradient(param, group, decoupled),
         beta2=_number(group["betas"][1]), step=_steps(state), eps=group["eps"],
-        max_exp_avg_sq=_part(state.get("max_exp_avg_sq", 0.0), piece) if group["amsgrad"] else None,
+        max_exp_avg_sq=state.get("max_exp_avg_sq", 0.0) if group["amsgrad"] else None,
     )
 
 
-def _rmsprop(group, state, param, piece):
+def _rmsprop(group, state, param):
     return formulas.rmsprop_preconditioner(
-        _part(state.get("square_avg", 0.0), piece), _gradient(param, group, piece), alpha=group["alpha"],
-        eps=group["eps"], grad_avg=_part(state.get("grad_avg", 0.0), piece) if group["centered"] else None,
+        state.get("square_avg", 0.0), _gradient(param, group), alpha=group["alpha"], eps=group["eps"],
+        grad_avg=state.get("grad_avg", 0.0) if group["centered"] else None,
     )
 
 
-def _adagrad(group, state, param, piece):
+def _adagrad(group, state, param):
     initial = group["initial_accumulator_value"]
     return formulas.adagrad_preconditioner(
-        _part(state.get("sum", initial), piece), _gradient(param, group, piece), eps=group["eps"]
+        state.get("sum", initial), _gradient(param, group), eps=group["eps"]
     )
 
 
-def _adamw(group, state, param, piece):
-    return _adam(group, state, param, piece, decoupled=True)
+def _adamw(group, state, param):
+    return _adam(group, state, param, decoupled=True)
 
 
 _RULES = {
