@@ -11,7 +11,7 @@ Run ``python benchmarks/benchmark.py --help``; ``benchmarks/README.md`` explains
 what is measured and lists results. This file is the command line; beside it:
 ``models``, ``methods`` (one training step per method), ``harness`` (timing and
 memory), ``readme_tables``, and the other measurements ``scaling``,
-``support_cost`` and ``profile_floor``.
+``support_cost``, ``preconditioned_cost`` and ``profile_floor``.
 """
 
 import argparse
@@ -38,6 +38,10 @@ import torch  # noqa: E402
 from benchmarks.harness import benchmark_model, environment  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.preconditioned_cost import (  # noqa: E402
+    preconditioned_cost_markdown,
+    preconditioned_cost_rows,
+)
 from benchmarks.profile_floor import profile_floor  # noqa: E402
 from benchmarks.readme_tables import report_markdown  # noqa: E402
 from benchmarks.scaling import scaling_columns, scaling_page, schedule_rows  # noqa: E402
@@ -94,6 +98,11 @@ def parse_args(argv):
         "(min over interleaved rounds, with a control family); write its table here",
     )
     parser.add_argument(
+        "--preconditioned-cost", default=None, metavar="PATH",
+        help="instead: issue 34's cost of PreconditionedNoiseScale over GradientNoiseScale on "
+        "--models in CPU time of one thread (interleaved rounds); write its table here",
+    )
+    parser.add_argument(
         "--profile", action="store_true",
         help="instead: where an empty Cockpit's time goes on the MLP (cProfile)",
     )
@@ -132,8 +141,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available")
-    if args.support_cost:
-        args.threads = 1  # CPU time of one thread (support_cost_rows)
+    if args.support_cost or args.preconditioned_cost:
+        args.threads = 1  # CPU time of one thread (support_cost_rows, preconditioned_cost_rows)
     torch.set_num_threads(args.threads)
     env = environment(args, device)
     for key, value in env.items():
@@ -148,6 +157,14 @@ def main(argv=None):
         rows, best = support_cost_rows(args)
         page = support_cost_markdown_cpu(rows, best)
         with open(args.support_cost, "w") as file:
+            file.write(page + "\n")
+        print(page)
+        return rows
+    if args.preconditioned_cost:
+        rows = preconditioned_cost_rows(args)
+        page = preconditioned_cost_markdown(rows)
+        page += f"\n\nload average (1 min) at the end: {os.getloadavg()[0]:.2f}"
+        with open(args.preconditioned_cost, "w") as file:
             file.write(page + "\n")
         print(page)
         return rows

@@ -33,7 +33,6 @@ import os
 import random
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -46,6 +45,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
+from benchmarks.harness import cpu_times_in_shuffled_rounds  # noqa: E402
 from benchmarks.methods import cockpit_step, package_all, plain_step  # noqa: E402
 from benchmarks.models import token_loss  # noqa: E402
 
@@ -116,17 +116,11 @@ def measure(name, size, rounds, seed=0, warmup=1):
     for _ in range(warmup):  # untimed: first-call costs (BackPACK's checks, the fallback's plans)
         for step in steps.values():
             step(x, y)
-    times = {method: [] for method in steps}
-    order = random.Random(seed)
-    for _ in range(rounds):
-        methods = list(steps)
-        order.shuffle(methods)
-        for method in methods:
-            start = time.process_time()
-            steps[method](x, y)
-            times[method].append(time.process_time() - start)
-            if size != "tiny":  # a long run stopped early keeps what it measured
-                print(f"  {name} {method}: {times[method][-1]:.2f} s", flush=True)
+    def report(method, seconds):
+        if size != "tiny":  # a long run stopped early keeps what it measured
+            print(f"  {name} {method}: {seconds:.2f} s", flush=True)
+
+    times = cpu_times_in_shuffled_rounds(steps, x, y, rounds, random.Random(seed), report)
     return times, tracked_modules(model)
 
 

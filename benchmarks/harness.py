@@ -35,6 +35,23 @@ def timed(step, x, y, device):
     return time.perf_counter() - start
 
 
+def cpu_times_in_shuffled_rounds(steps, x, y, rounds, order, after=None):
+    """``{name: [CPU seconds per round]}``: every step once per round, in an order drawn
+    afresh each round from ``order`` (a seeded ``random.Random``), timed by
+    ``time.process_time`` (meant with one thread); ``after(name, seconds)`` after each."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        names = list(steps)
+        order.shuffle(names)
+        for name in names:
+            start = time.process_time()
+            steps[name](x, y)
+            times[name].append(time.process_time() - start)
+            if after is not None:
+                after(name, times[name][-1])
+    return times
+
+
 def _drop_step_state(step):
     """Free what a step left on its model (gradients, BackPACK results, inputs)."""
     for module in step.model.modules():

@@ -18,7 +18,16 @@ import torch
 from backpack.extensions.firstorder.batch_l2_grad.convnd import BatchL2Conv2d
 from cockpit.utils.schedules import linear
 
-from benchmarks import benchmark, harness, methods, models, readme_tables, scaling, support_cost
+from benchmarks import (
+    benchmark,
+    harness,
+    methods,
+    models,
+    preconditioned_cost,
+    readme_tables,
+    scaling,
+    support_cost,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,6 +223,23 @@ def test_support_cost_quick_run_measures_every_family_and_the_control(
         assert math.isfinite(row["cost"]) and row["cost_quartiles"][0] <= row["cost_quartiles"][1]
     mlp = methods.family_members(models.make_gpt(), methods._frozen_families()[methods.MLP_FROZEN])
     assert len(mlp) == 8 and all(isinstance(m, torch.nn.Linear) for m in mlp)  # 4 blocks x 2
+
+
+def test_preconditioned_cost_quick_run_times_both_pairs_and_says_met_or_missed(
+    keep_threads, tmp_path, capsys
+):
+    path = tmp_path / "preconditioned.md"
+    rows = benchmark.main(["--quick", "--models", "mlp", "--preconditioned-cost", str(path)])
+    assert "threads: 1" in capsys.readouterr().out
+    assert [row["beside"] for row in rows] == [label for label, _, _ in preconditioned_cost.PAIRS]
+    for row in rows:
+        assert row["cost"] == pytest.approx(row["with_ratio"] / row["without_ratio"] - 1)
+        assert row["cost_quartiles"][0] <= row["cost_median"] <= row["cost_quartiles"][1]
+    assert path.read_text().count("| mlp (") == 2
+    made_up = [dict(rows[0], cost=cost) for cost in (0.049, 0.051)]
+    verdicts = [line.rsplit("|", 2)[1].strip()
+                for line in preconditioned_cost.preconditioned_cost_markdown(made_up).splitlines()[2:]]
+    assert verdicts == ["met", "missed"]  # the target: at most +5%
 
 
 def test_backpack_conv_rows_replace_rows_of_the_quantitys_own_extensions_only():

@@ -24,7 +24,7 @@ import math
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise import distributed, fsdp2, functional
+from cockpit_gradnoise import _device, distributed, fsdp2, functional
 from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
@@ -125,8 +125,6 @@ class TwoBatchNoiseScale(Quantity):
         # step's call to the end of the last tracked step before an untracked one (_hook, _park),
         # so that an untracked backward pass makes no Python call per parameter.
         self._handles, self._removed = [], False
-        if self._standalone:
-            self._hook()
         #: FSDP2: hooks on the unsharded copies, made at tracked steps ({index: (copy, handle)}).
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
         #: Tensor parallelism: (mesh, which local norms this process counts, first of the mesh).
@@ -139,6 +137,8 @@ class TwoBatchNoiseScale(Quantity):
                                 "fully_shard, or cgn.Cockpit(params, quantities=[cgn.TwoBatchNoiseScale("
                                 "track_schedule=..., param_names=...)])")
             self._sharded = fsdp2.fsdp2_managed(self.params)  # not tensor parallelism alone
+        if self._standalone:  # after self._tp: the hooks depend on it (_hook_of)
+            self._hook()
 
     def _check_layout(self):
         distributed.check_not_sharded(self.params, fsdp2=True, tensor_parallel=True,
@@ -321,8 +321,22 @@ class TwoBatchNoiseScale(Quantity):
         return set()
 
     def _hook(self):
-        self._handles = [p.register_hook(functools.partial(self._record, i))
+        self._handles = [p.register_hook(functools.partial(self._hook_of(p), i))
                          for i, p in enumerate(self.params)]
+
+    def _hook_of(self, param):
+        """:meth:`_record`, or for a gradient that :func:`~cockpit_gradnoise.functional.norm_tensor`
+        takes whole (not a large CPU one, not a DTensor's) :meth:`_record_whole`, the same
+        norm with fewer Python calls: the hooks run for every parameter at every micro-batch."""
+        plain = self._tp is None and type(param.data) is torch.Tensor  # not a DTensor (FSDP2's)
+        whole = plain and not (_device.on_host(param) and param.numel() > _device.CHUNK)
+        return self._record_whole if whole else self._record
+
+    def _record_whole(self, index: int, grad: Tensor) -> None:
+        if self._armed:
+            if self._pending is None:
+                self._pending = []
+            self._pending.append((index, torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)))
 
     def _park(self):
         """Take the hooks on the parameters off until the next tracked step (in a Cockpit)."""
