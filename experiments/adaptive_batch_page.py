@@ -159,8 +159,9 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
     batches = [START_BATCH * 2 ** i for i in range(len(WARMUP_FRACTIONS) + 1)]
     stages = ", ".join(f"{b} (lr {baseline.lr_at(b):g})" for b in batches)
     thresholds = ", ".join(f"{f * budget:,.0f}" for f in WARMUP_FRACTIONS)
-    rule = "the SGD rule `eps_opt(B) = eps_max / (1 + B_noise / B)`" if task.optimizer == "sgd" \
-        else "the square-root rule `lr ~ sqrt(B)` (Malladi et al. 2022)"
+    rule = "the SGD rule `eps_opt(B) = eps_max / (1 + B_noise / B)`" + (
+        "" if task.optimizer == "sgd" else " on its preconditioned step (the rule `adam-lr`; "
+        "under `target` and before, the square-root rule `lr ~ sqrt(B)` of Malladi et al. 2022)")
     lines = [
         f"## {task.title}", "",
         f"- Baseline: the grid of [critical-batch-size](critical-batch-size.md) ({baseline.source}):"
@@ -180,7 +181,7 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f"max_lr_factor = {lr_cap(baseline):g}: the grid's best learning rate at its largest batch "
         f"({baseline.best_lr[max(baseline.best_lr)]:g} at {max(baseline.best_lr)}) over its best at "
         f"{START_BATCH}, the grid knowledge the warmup arm uses too"
-        + (", and no scaling without a finite B_noise" if task.optimizer == "sgd" else "")
+        + ", and no scaling without a finite B_noise"
         + f". The schedule's defaults otherwise (patience: 10 new estimates between changes; "
         f"at most x2 per change; each change to the near end of the target band, twice the "
         f"estimate's range, never past it, so that a rising estimate is followed at B_noise "
@@ -374,7 +375,9 @@ RULE_WORDS = {"centre": "each change toward round(B_noise)",
               "resolved": "the near end, and no growth where the estimate's range has no upper "
                           "end: an infinite B_noise, or a quarter of the recent steps unresolved",
               "target": "the rule `resolved` on the estimate's range scaled by 2: a rising "
-                        "estimate is followed at B_noise, the critical batch, not at B_noise / 2"}
+                        "estimate is followed at B_noise, the critical batch, not at B_noise / 2",
+              "adam-lr": "the rule `target` with McCandlish et al.'s learning-rate rule under "
+                         "Adam too (on its preconditioned step), not the square-root rule"}
 
 
 def rule_change(stored) -> List[str]:
