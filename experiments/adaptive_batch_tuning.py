@@ -35,6 +35,8 @@ def seeds_of(text):
 
 
 def main(argv=None):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="gpt")
     parser.add_argument("--arms", default="adaptive-norms,adaptive-per-example,warmup,fixed")
@@ -44,8 +46,6 @@ def main(argv=None):
     parser.add_argument("--results", default="docs/experiments",
                         help="the folder of adaptive-batch-<task>.json (the fixed arm's lr)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
     task = cbs.make_tasks(False, 0)[args.task]
     baseline = ab.baseline_of(task, ab.GRID, False, print)
     fixed_lr = json.loads((Path(args.results) / ab.RESULTS.format(task=task.name)).read_text())[
