@@ -130,7 +130,7 @@ VERDICT = [
     "on this task. Within a run Adam's v_hat keeps the earlier batches' noise (about 1,000 "
     "steps at beta2 = 0.999, against runs of about 100), so after a change the step is SGD "
     "with a fixed preconditioner, for which McCandlish et al.'s eps_opt(B) = eps_max / (1 + "
-    "B_noise / B) holds: the rule `adam-lr` (docs/advice.md, \"Why McCandlish's rule under "
+    "B_noise / B) holds: the rule `adam-lr` (docs/advice.md, \"Why the SGD rule under "
     "Adam within a run\"; the digits CNN's SGD runs are the same under both rules).",
     "- The rule `adam-lr` was decided on tuning seeds 100-105, none of them on this page "
     "(`python -m experiments.adaptive_batch_tuning --rule auto --seeds 100-105` against "
