@@ -75,8 +75,11 @@ EXAMPLES_CAP = 20
 #: ``"near-end"``, to the near end of the estimate's range; ``"resolved"``, the near end and no
 #: growth on an estimate whose range has no upper end (cgn.schedule.rule); ``"target"``, that
 #: rule on the band scaled so that a rising estimate is followed at B_noise (``multiple=1``),
-#: not at the range's near end B_noise / 2. RULE: the newest.
-RULES = ("centre", "near-end", "resolved", "target")
+#: not at the range's near end B_noise / 2; ``"adam-lr"``, that rule with McCandlish et al.'s
+#: learning-rate rule for Adam too, on its preconditioned step, not the square-root rule
+#: (cgn.schedule.rule.in_run_rule; the digits CNN's SGD runs are the same as under ``target``).
+#: RULE: the newest.
+RULES = ("centre", "near-end", "resolved", "target", "adam-lr")
 RULE = RULES[-1]
 
 
@@ -383,7 +386,10 @@ def main(argv=None):
     parser.add_argument("--out", default="docs/experiments", help="folder for the outputs")
     parser.add_argument("--quick", action="store_true",
                         help="tiny: a 2-batch grid measured now, few steps")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default: 3)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="how many seeds: first-seed..first-seed+N-1 (default: 3)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0; others: seeds no earlier run was read on)")
     parser.add_argument("--tasks", default="digits,gpt", help="comma-separated tasks")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
     parser.add_argument("--grid", default=str(GRID), help="critical_batch_size's JSON")
@@ -454,12 +460,13 @@ def measure(task, args, command, out) -> dict:
         stored.setdefault("replaced", []).extend(rerun)
         stored["runs"] = [r for r in stored["runs"] if r not in rerun]
     stored["commands"].append(command)
-    stored["seeds"] = sorted(set(stored["seeds"]) | set(range(args.seeds)))
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    stored["seeds"] = sorted(set(stored["seeds"]) | set(seeds))
     baseline, arms = baseline_from_json(stored["baseline"]), args.arms.split(",")
     start = time.perf_counter()
     if "fixed" in arms and stored["fixed"] is None:
         stored["fixed"] = tune_fixed(task, baseline, log)
-    for seed in range(args.seeds):
+    for seed in seeds:
         for arm in arms:
             if any(r["arm"] == arm and r["seed"] == seed for r in stored["runs"]):
                 continue

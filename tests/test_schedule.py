@@ -18,6 +18,7 @@ from cockpit_gradnoise.schedule.rule import (
     WAIT,
     bounds_of,
     decide,
+    in_run_rule,
 )
 
 import pytest
@@ -440,6 +441,40 @@ def test_adam_learning_rate_follows_the_square_root_rule_and_none_leaves_it():
     assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(1e-3 * 2 ** 0.5)
 
 
+def test_adam_within_a_run_follows_mccandlish_rule_on_its_preconditioned_step():
+    # Adam's kin ("sqrt" in the advice) -> McCandlish's rule in the schedule; others as they are.
+    assert (in_run_rule("sqrt"), in_run_rule("sgd"), in_run_rule(None)) == ("sgd", "sgd", None)
+    # B_noise 64, batch 8 -> 16 -> 32 within max_lr_factor 4: (1 + 64/8) / (1 + 64/16) = 9/5,
+    # then (1 + 64/8) / (1 + 64/32) = 3 from the start: x 3 / 1.8 at the second change.
+    optimizer = AdamW(1e-3)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=4)
+    run([64.0, 64.0], schedule, optimizer=optimizer)
+    assert [c["new_batch"] for c in schedule.changes] == [16, 32]
+    assert [c["lr_factor"] for c in schedule.changes] == pytest.approx([1.8, 3 / 1.8], rel=1e-15)
+    assert [c["lr_why"] for c in schedule.changes] == ["rule", "rule"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-3, rel=1e-15)
+    assert "McCandlish et al. 2018" in schedule.changes[0]["reason"]
+    # The same with rule="sqrt" (Malladi et al. 2022): sqrt(4) = 2 at batch 32.
+    optimizer = AdamW(1e-3)
+    run([64.0, 64.0], BatchSchedule(8, max_batch=1024, patience=1, max_lr_factor=4, rule="sqrt"),
+        optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3, rel=1e-15)
+    # The default bound sqrt(B/B0) stops 9/5 at sqrt(2) (B_noise**2 >= B0 B: the rule's factor
+    # is at least the square-root rule's), logged as such.
+    optimizer = AdamW(1e-3)
+    schedule = BatchSchedule(8, max_batch=1024, patience=1)
+    run([64.0], schedule, optimizer=optimizer)
+    change = schedule.changes[0]
+    assert (change["lr_why"], change["lr_rule_factor"]) == ("bound", pytest.approx(1.8, rel=1e-15))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 2 ** 0.5, rel=1e-15)
+    # B_noise 12 from batch 8 by micro-batches of 4: to 12, (1 + 12/8) / (1 + 12/12) = 1.25,
+    # above sqrt(12/8) = 1.2247, so stopped there; within max_lr_factor 4: 1.25.
+    optimizer = AdamW(1e-3)
+    run([12.0], BatchSchedule(4, min_batch=8, max_batch=64, patience=1, max_lr_factor=4),
+        optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.25e-3, rel=1e-15)
+
+
 def test_no_rule_for_the_optimizer_warns_once_and_keeps_the_lr():
     Adagrad = type("Adagrad", (SGD,), {})
     optimizer = Adagrad(0.1)
@@ -459,7 +494,7 @@ def test_norms_at_one_micro_batch_bootstraps_to_two():
     assert schema.SCHEDULE_NOISE_SCALE not in tracker.recorded[0][2]  # not logged as NaN
     adam = AdamW(1e-3)
     BatchSchedule(8, max_batch=64).update(0, FakeTracker(schema.TWO_BATCH_NOISE_SCALE), adam)
-    assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 * 2 ** 0.5)
+    assert adam.param_groups[0]["lr"] == 1e-3  # Adam: McCandlish's rule too (in_run_rule): kept
     # The per-example estimate needs no bootstrap.
     assert BatchSchedule(8, max_batch=64).update(0, FakeTracker(schema.NOISE_SCALE), SGD(0.1)) is None
 

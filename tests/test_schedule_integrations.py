@@ -356,9 +356,11 @@ def test_lightning_with_a_real_batch_schedule_follows_its_changes(tmp_path):
 
 def test_hugging_face_trainer_with_a_real_batch_schedule_follows_its_changes(tmp_path):
     """The Trainer's AdamW and linear decay, cgn.BatchSchedule under "norms" (the square-root
-    rule for AdamW): each step accumulates, and its learning rate is the decay's times the
+    rule, stated: its bootstrap scales the rate, which "auto"'s McCandlish rule keeps without
+    an estimate): each step accumulates, and its learning rate is the decay's times the
     factors of, the changes applied so far."""
-    schedule = cgn.BatchSchedule(micro_batch=HF_MICRO, max_batch=4 * HF_MICRO, patience=1)
+    schedule = cgn.BatchSchedule(micro_batch=HF_MICRO, max_batch=4 * HF_MICRO, patience=1,
+                                 rule="sqrt")
     trainer, seen = _hugging_face(tmp_path, STEPS, schedule=schedule, quantities="norms",
                                   scheduler=None)
     applied = trainer.driver.applied

@@ -30,6 +30,7 @@ from cockpit_gradnoise.schedule.rule import (
     bounds_of,
     check_multiple,
     decide,
+    in_run_rule,
     learning_rate_from_start,
 )
 from cockpit_gradnoise.views.advice import NOISE_SOURCES
@@ -102,8 +103,11 @@ class BatchSchedule:
         max_accumulation: The most micro-batches per step.
         rule: The learning rate's rule: ``"auto"`` (from the optimizer's class,
             :data:`~cockpit_gradnoise.views.batch_size.RULES`: SGD McCandlish et
-            al.'s, Adam and its kin the square-root rule, others none),
-            ``"sgd"``, ``"sqrt"``, or ``None`` (the learning rate is left alone).
+            al.'s, Adam and its kin McCandlish et al.'s too, on the preconditioned
+            step (:func:`~cockpit_gradnoise.schedule.rule.in_run_rule`: within a run
+            Adam's ``v`` keeps the earlier batches' noise, so the square-root rule's
+            ``sqrt(B)`` held in ``P`` is not there), others none), ``"sgd"``,
+            ``"sqrt"`` (Malladi et al. 2022), or ``None`` (the learning rate is left alone).
             The learning rate at batch ``B`` is the one at the start batch ``B0``
             times the rule's factor from ``B0`` to ``B`` at the current estimate
             (:func:`~cockpit_gradnoise.schedule.rule.learning_rate_from_start`),
@@ -273,7 +277,7 @@ class BatchSchedule:
         if self.rule != AUTO:
             return self.rule
         name = type(inner_optimizer(optimizer)).__name__ if optimizer is not None else None
-        rule = rule_for(name)
+        rule = in_run_rule(rule_for(name))  # Adam's kin: McCandlish's rule on the P g step
         if rule is None:
             self._warn("rule", "the learning rate is left alone: "
                        + ("update() got no optimizer" if name is None else

@@ -107,6 +107,36 @@ gradient's ``|g_B|^2`` has variance ``4 G^T Sigma G / B + 2 tr(Sigma^2) /
 B^2``: ``s`` falls with the batch, and a batch far below ``B_noise`` is the
 last to resolve it.
 
+Why McCandlish et al.'s learning-rate rule under Adam too, not the square-root
+rule (:func:`in_run_rule`; the rule ``adam-lr``, after ``target``). Malladi et
+al. 2022's ``sqrt(B/B0)`` compares runs each at its own fixed batch, in which
+Adam's second moment ``v`` has settled to that batch's gradient noise: where
+the noise dominates, ``v ~ 1/B``, ``P = 1/(sqrt(v_hat) + eps) ~ sqrt(B)``, and
+``sqrt(B)`` of the linear scaling is already in ``P``. Within a run ``v_hat``
+averages ``g_B**2`` over the last ``min(t, 1/(1 - beta2))`` steps (1,000 at
+``beta2 = 0.999``; with the bias correction, evenly over the first ones): after
+a change of batch ``P`` is still the earlier batches' for as many steps again,
+and the step ``-eps P g_B`` is SGD with a fixed preconditioner. McCandlish et
+al. 2018's eq. 2.6-2.7 for it: ``E[L(theta - eps P g_B)] ~ L - eps G^T P G +
+eps**2 / 2 (G^T P H P G + tr(P H P Sigma) / B)``, least at ``eps_opt(B) =
+eps_max / (1 + B_noise / B)`` with ``B_noise = tr(P H P Sigma) / (G^T P H P
+G)``, under their ``H ~ I`` the preconditioned ``B_simple = tr(P Sigma P) /
+|P G|**2`` that ``PreconditionedNoiseScale`` measures: the SGD rule, on the
+noise scale the schedule reads. On the experiment's GPT (Adam) the
+square-root rule held the learning rate below the grid's best at the batches
+the schedule passed (x1.41 at batch 16, x2.83 at 64, against the grid's x2
+and x4 from batch 8: ``docs/experiments/critical-batch-size.md``); on six
+tuning seeds (100-105, none of those reported) the rule lowered every
+``adaptive-norms`` run's frontier value (mean 1.38 -> 1.16) and five of six
+``adaptive-per-example`` runs' (``docs/experiments/adaptive-batch.md``). The
+bound is SGD's: ``sqrt(B/B0)`` unless ``max_lr_factor`` is given (``eps_max``
+needs ``H``, not measured here). With ``a = B_noise/B0 > b = B_noise/B``,
+``f**2 - B/B0 = (a - b)(a b - 1) / (b (1 + b)**2)``: the rule's ``f`` is at
+least ``sqrt(B/B0)`` wherever ``B_noise**2 >= B0 B``, so a batch grown toward
+``B_noise`` (never past it) gets the square-root rule's rate by default, as
+before: the rule changes the rate where ``max_lr_factor`` is given (as in the
+experiment), or where ``B_noise**2 < B0 B`` (less than the square-root rule).
+
 ``K`` stays within ``[min_accumulation, max_accumulation]``
 (:func:`bounds_of`: from ``min_batch``, ``max_batch`` and the most
 micro-batches). The learning rate at batch ``B`` is the start's times
@@ -282,6 +312,19 @@ def target_band(noise_scale: float, recent: Sequence[float], batch: float,
     estimate = max(float(noise_scale), 0.0)
     return replace(found, noise_scale=estimate, spread=noise_range(recent),
                    batch=None if found.batch is None else max(1, round(multiple * estimate)))
+
+
+def in_run_rule(rule: Optional[str]) -> Optional[str]:
+    """The learning-rate rule the schedule applies within a run for an optimizer whose
+    advice rule (:func:`~cockpit_gradnoise.views.batch_size.rule_for`) is ``rule``.
+
+    ``"sqrt"`` (Adam and its kin) -> ``"sgd"``: McCandlish et al. 2018's
+    ``eps_opt(B) = eps_max / (1 + B_noise / B)`` (eq. 2.6-2.7) on the
+    preconditioned step ``-eps P g_B``, whose ``P`` a change of batch leaves as
+    it was for about as many steps as the run has taken (the module's docstring,
+    "Why McCandlish et al.'s learning-rate rule under Adam too"). Others unchanged.
+    """
+    return SGD_RULE if rule == SQRT_RULE else rule
 
 
 @dataclass(frozen=True)
