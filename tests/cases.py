@@ -228,7 +228,8 @@ def case_named(name: str) -> ModelCase:
     return next(case for case in MODELS if case.name == name)
 BATCH_SIZES = [2, 7, 64]
 #: Where :func:`build` puts a problem's model and batch: the CPU, or the device that
-#: ``CGN_TEST_DEVICE`` names (``benchmarks/gpu_check.sh`` runs the brute-force tests on a GPU).
+#: ``CGN_TEST_DEVICE`` names (``benchmarks/gpu_check.sh`` runs the brute-force tests on a GPU,
+#: on cases without random numbers in the forward pass: ``random_state`` is the CPU's).
 DEVICE = torch.device(os.environ.get("CGN_TEST_DEVICE", "cpu"))
 
 
