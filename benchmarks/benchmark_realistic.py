@@ -22,17 +22,27 @@ CPU time of the process (``time.process_time``; meant with one thread), the
 methods interleaved in each round in a shuffled order, the fastest round of each
 reported (on a shared machine noise only adds time) and the median. A GPT-2 small
 step takes about 26 s of one thread here: ``--quick`` runs the realistic models at
-2 layers, sequence 64, batch 2, one round (a smoke test, not a measurement). ::
+2 layers, sequence 64, batch 2, one round (a smoke test, not a measurement).
+
+``--device cuda``: the models and batches on the GPU, and each step's wall-clock time
+(``time.perf_counter`` after ``torch.cuda.synchronize``, before and after the step, so
+the host's Python and the device's kernels both count, as a training loop waits for
+them), the same interleaved rounds after the warm-up steps; then each method's peak
+CUDA memory over two steps above a clean start (``harness.peak_extra_bytes``); the
+tiny size's per-module overhead in wall-clock microseconds on the GPU. ::
 
     python -m benchmarks.benchmark_realistic --rounds 3
     python -m benchmarks.benchmark_realistic --quick
+    python -m benchmarks.benchmark_realistic --device cuda --rounds 10 --warmup 2 --json runs/gpu.json
 """
 
 import argparse
+import json
 import os
 import random
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -45,7 +55,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
-from benchmarks.harness import cpu_times_in_shuffled_rounds  # noqa: E402
+from benchmarks.harness import peak_extra_bytes, synchronize, times_in_shuffled_rounds  # noqa: E402
 from benchmarks.methods import cockpit_step, package_all, plain_step  # noqa: E402
 from benchmarks.models import token_loss  # noqa: E402
 
@@ -101,27 +111,46 @@ def tracked_modules(model) -> int:
                if any(p.requires_grad for p in module.parameters(recurse=False)))
 
 
-def measure(name, size, rounds, seed=0, warmup=1):
-    """``{method: [CPU seconds per round]}`` (``"plain"`` too) and the number of tracked modules."""
+def clock(device):
+    """The timer of ``device``: CPU time of the process on a CPU; on a GPU, wall-clock
+    seconds read once the device has finished what was queued (the step's kernels count)."""
+    if device.type != "cuda":
+        return time.process_time
+
+    def wall_clock_after_the_device():
+        synchronize(device)
+        return time.perf_counter()
+
+    return wall_clock_after_the_device
+
+
+def measure(name, size, rounds, seed=0, warmup=1, device=torch.device("cpu"), memory=False):
+    """``{method: [seconds per round]}`` (``"plain"`` too), the number of tracked modules, and
+    ``{method: peak extra bytes}`` (empty unless ``memory``).
+
+    Seconds of CPU time on a CPU, of wall-clock time on a GPU (:func:`clock`).
+    """
     options, sequence, batch = SIZES[size]
     if name == "gpt2":
         options = {k: v for k, v in options.items() if k != "mlp"}
     torch.manual_seed(seed)
-    model = MODELS[name](**options)
+    model = MODELS[name](**options).to(device)
     vocabulary = model.model.config.vocab_size
-    x = torch.randint(0, vocabulary, (batch, sequence))
-    y = torch.randint(0, vocabulary, (batch, sequence))
+    x = torch.randint(0, vocabulary, (batch, sequence), device=device)
+    y = torch.randint(0, vocabulary, (batch, sequence), device=device)
     steps = {"plain": plain_step(model, token_loss)}
     steps.update({method: build(model, token_loss) for method, build in METHODS.items()})
     for _ in range(warmup):  # untimed: first-call costs (BackPACK's checks, the fallback's plans)
         for step in steps.values():
             step(x, y)
+
     def report(method, seconds):
         if size != "tiny":  # a long run stopped early keeps what it measured
-            print(f"  {name} {method}: {seconds:.2f} s", flush=True)
+            print(f"  {name} {method}: {seconds:.3f} s", flush=True)
 
-    times = cpu_times_in_shuffled_rounds(steps, x, y, rounds, random.Random(seed), report)
-    return times, tracked_modules(model)
+    times = times_in_shuffled_rounds(steps, x, y, rounds, random.Random(seed), report, clock(device))
+    peaks = {method: peak_extra_bytes(step, x, y, device) for method, step in steps.items()} if memory else {}
+    return times, tracked_modules(model), peaks
 
 
 def main(argv=None):
@@ -131,33 +160,63 @@ def main(argv=None):
     parser.add_argument("--tiny-rounds", type=int, default=30, help="rounds at the tiny size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each method first")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (CPU time) or cuda (wall-clock, synchronized)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="peak memory of each method's step (default: on cuda only)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also save the results here")
     parser.add_argument("--quick", action="store_true",
                         help="2 layers, sequence 64, batch 2, one round: a smoke test")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: CUDA is not available")
+    memory = device.type == "cuda" if args.memory is None else args.memory
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     size, rounds = ("quick", 1) if args.quick else ("realistic", args.rounds)
     tiny_rounds = 3 if args.quick else args.tiny_rounds
     options, sequence, batch = SIZES[size]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU time, {size}: "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {timer_name(device)}, {size}: "
           f"{options or 'full size'}, sequence {sequence}, batch {batch}, {rounds} round(s); "
           f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
     if args.quick:
         print("QUICK MODE: a smoke test, not a measurement")
-    results = {}
+    results = {"environment": environment(device, size, rounds, tiny_rounds, args)}
     for name in args.models.split(","):
-        times, _ = measure(name, size, rounds, warmup=args.warmup)
-        tiny, modules = measure(name, "tiny", tiny_rounds)
-        results[name] = report(name, times, tiny, modules)
+        times, _, peaks = measure(name, size, rounds, warmup=args.warmup, device=device, memory=memory)
+        tiny, modules, _ = measure(name, "tiny", tiny_rounds, device=device)
+        results[name] = report(name, times, tiny, modules, peaks)
+        if args.json:  # after every model: a run stopped early keeps what it measured
+            with open(args.json, "w") as file:
+                json.dump(results, file, indent=1)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return results
 
 
-def report(name, times, tiny, modules):
-    """Print and return one model's ratios and per-module overhead."""
+def timer_name(device):
+    return "wall-clock synchronized" if device.type == "cuda" else "CPU time"
+
+
+def environment(device, size, rounds, tiny_rounds, args):
+    """What the figures were measured on."""
+    found = {"torch": torch.__version__, "device": str(device), "timer": timer_name(device),
+             "threads": torch.get_num_threads(), "size": size, "rounds": rounds,
+             "tiny_rounds": tiny_rounds, "warmup": args.warmup}
+    if device.type == "cuda":
+        found["device"] += f" ({torch.cuda.get_device_name(device)})"
+        found["tf32 matmul"] = torch.backends.cuda.matmul.allow_tf32  # float32 is float32 unless asked
+    return found
+
+
+def report(name, times, tiny, modules, peaks=None):
+    """Print and return one model's ratios, per-module overhead and peak memory (where measured)."""
+    peaks = peaks or {}
     best, middle = min(times["plain"]), statistics.median(times["plain"])
-    print(f"\n{name}: plain step {best:.2f} s (fastest), {middle:.2f} s (median)")
-    result = {"plain s": best}
+    print(f"\n{name}: plain step {best:.3f} s (fastest), {middle:.3f} s (median)")
+    result = {"plain s": best, "plain median s": middle}
+    if "plain" in peaks:
+        print(f"  plain: peak extra memory {peaks['plain'] / 2**20:.0f} MiB")
+        result["plain peak MiB"] = peaks["plain"] / 2**20
     tiny_plain = statistics.median(tiny["plain"])
     for method in METHODS:
         ratio = min(times[method]) / best
@@ -166,7 +225,14 @@ def report(name, times, tiny, modules):
         print(f"  {method}: {ratio:.2f}x (fastest rounds; medians {statistics.median(times[method]) / middle:.2f}x)"
               f", target <= {TARGETS[method]}x {verdict}; tiny config: {per_module:.0f} us per tracked "
               f"module ({modules} modules, plain {tiny_plain * 1e3:.1f} ms)")
-        result[method] = {"ratio": ratio, "per module us": per_module}
+        result[method] = {"ratio": ratio, "median ratio": statistics.median(times[method]) / middle,
+                          "per module us": per_module, "seconds": times[method]}
+        if method in peaks:
+            print(f"    peak extra memory {peaks[method] / 2**20:.0f} MiB "
+                  f"({peaks[method] / peaks['plain']:.2f}x the plain step's)")
+            result[method]["peak MiB"] = peaks[method] / 2**20
+    result["plain seconds"] = times["plain"]
+    result["tiny plain ms"], result["tracked modules"] = tiny_plain * 1e3, modules
     return result
 
 

@@ -35,18 +35,19 @@ def timed(step, x, y, device):
     return time.perf_counter() - start
 
 
-def cpu_times_in_shuffled_rounds(steps, x, y, rounds, order, after=None):
-    """``{name: [CPU seconds per round]}``: every step once per round, in an order drawn
-    afresh each round from ``order`` (a seeded ``random.Random``), timed by
-    ``time.process_time`` (meant with one thread); ``after(name, seconds)`` after each."""
+def times_in_shuffled_rounds(steps, x, y, rounds, order, after=None, clock=time.process_time):
+    """``{name: [seconds per round]}``: every step once per round, in an order drawn
+    afresh each round from ``order`` (a seeded ``random.Random``), timed by ``clock``
+    (by default ``time.process_time``, CPU time, meant with one thread; on a GPU a wall
+    clock read after synchronizing); ``after(name, seconds)`` after each."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
         names = list(steps)
         order.shuffle(names)
         for name in names:
-            start = time.process_time()
+            start = clock()
             steps[name](x, y)
-            times[name].append(time.process_time() - start)
+            times[name].append(clock() - start)
             if after is not None:
                 after(name, times[name][-1])
     return times

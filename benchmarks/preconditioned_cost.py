@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import cpu_times_in_shuffled_rounds
+from benchmarks.harness import times_in_shuffled_rounds
 from benchmarks.methods import METHODS, plain_step
 from benchmarks.models import MODELS, model_and_batch
 
@@ -50,7 +50,7 @@ def preconditioned_cost_rows(args):
                 step(x, y)
         print(f"{model_name}: PreconditionedNoiseScale's cost, {len(steps)} steps, {args.rounds} rounds",
               file=sys.stderr)
-        times = cpu_times_in_shuffled_rounds(steps, x, y, args.rounds, order)
+        times = times_in_shuffled_rounds(steps, x, y, args.rounds, order)
         best = {name: min(t) for name, t in times.items()}
         for label, without, with_ in PAIRS:
             per_round = [b / a - 1 for a, b in zip(times[without], times[with_])]

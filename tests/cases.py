@@ -7,6 +7,7 @@ over the product of ``MODELS`` x ``REDUCTIONS`` x ``BATCH_SIZES``, in float64.
 import contextlib
 import copy
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -226,6 +227,10 @@ def case_named(name: str) -> ModelCase:
     """The case of ``MODELS`` called ``name``."""
     return next(case for case in MODELS if case.name == name)
 BATCH_SIZES = [2, 7, 64]
+#: Where :func:`build` puts a problem's model and batch: the CPU, or the device that
+#: ``CGN_TEST_DEVICE`` names (``benchmarks/gpu_check.sh`` runs the brute-force tests on a GPU,
+#: on cases without random numbers in the forward pass: ``random_state`` is the CPU's).
+DEVICE = torch.device(os.environ.get("CGN_TEST_DEVICE", "cpu"))
 
 
 @dataclass
@@ -270,12 +275,12 @@ def build(case: ModelCase, n: int, reduction: str, dtype=torch.float64, seed=0,
     which Cockpit's second-order quantities (its ``"full"`` configuration) need.
     """
     model, random_state = _prepared(case, dtype, seed, converter)
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(DEVICE)
     torch.set_rng_state(random_state)
     inputs = case.inputs(n)
     if inputs.is_floating_point():
         inputs = inputs.to(dtype)
-    targets = case.targets(n)
+    inputs, targets = inputs.to(DEVICE), case.targets(n).to(DEVICE)
     loss_fn, per_example_loss = case.losses(reduction)
     return Problem(
         model,
