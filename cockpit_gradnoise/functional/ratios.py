@@ -120,7 +120,7 @@ def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPo
     left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
     ratio = torch.div(a, b).abs_().masked_fill_(left_out, math.nan)
     n = ratio.numel() - left_out.sum()
-    ordered = torch.sort(ratio).values
+    ordered = order_statistics.sorted_on_device([ratio])
     last = (n - 1).clamp(min=0)
 
     def at(rank):

@@ -51,7 +51,7 @@ with counts added across processes).
 """
 
 from cockpit_gradnoise.order_statistics.distributed import quantile_summaries_across
-from cockpit_gradnoise.order_statistics.on_device import kept_quantile_summary
+from cockpit_gradnoise.order_statistics.on_device import kept_quantile_summary, sorted_on_device
 from cockpit_gradnoise.order_statistics.partition import (
     COUNT_PIECE,
     count_where,
@@ -92,4 +92,5 @@ __all__ = [
     "select",
     "select_each_and_union",
     "select_in_place",
+    "sorted_on_device",
 ]

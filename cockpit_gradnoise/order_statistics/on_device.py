@@ -4,6 +4,7 @@ No result whose size depends on the data, nothing read back by the host
 until the step's one transfer (:func:`cockpit_gradnoise._device.resolve`).
 """
 
+import math
 from typing import Any, List, Sequence, Tuple
 
 from cockpit_gradnoise import _device
@@ -42,8 +43,18 @@ def kept_quantile_summary(tensors: Tensors, levels: Sequence[float]) -> Tuple[An
 
 
 def sorted_on_device(flats: List[Tensor]) -> Tensor:
-    """The union sorted ascending with torch, NaN last: no data-dependent shape."""
-    return torch.sort(flats[0] if len(flats) == 1 else torch.cat(flats)).values
+    """The union sorted ascending with torch, every NaN last: no data-dependent shape.
+
+    ``torch.sort`` alone does not put NaN last on every device: CUDA's radix sort orders
+    a float by its bits, so a NaN whose sign bit is set sorts before ``-inf`` (seen on an
+    H200: the median of the SNR, whose left-out elements are ``0 / 0``, came out low).
+    So the NaNs are sorted as ``+inf`` and written back over the last places.
+    """
+    joined = flats[0] if len(flats) == 1 else torch.cat(flats)
+    nan = joined.isnan()
+    ordered = torch.sort(joined.masked_fill(nan, math.inf)).values
+    places = torch.arange(ordered.numel(), device=ordered.device)
+    return ordered.masked_fill_(places >= ordered.numel() - nan.sum(), math.nan)
 
 
 def summary_of_sorted(ordered, flats, count, levels) -> List[Tensor]:
