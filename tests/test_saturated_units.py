@@ -14,6 +14,7 @@ captured tensor is the gradient at the layer's output. The same model on the nat
 layer's own output gradient.
 """
 
+from cockpit_gradnoise import functional
 from cockpit_gradnoise.extensions.fallback import block_vmap, blocks
 
 import pytest
@@ -99,3 +100,21 @@ def test_block_path_keeps_a_saturated_unit(vectorized, monkeypatch):
 def test_native_rules_keep_a_saturated_unit():
     inputs, targets = saturating_inputs(3)
     assert_exact_with_structural_zeros(saturated(flatten=False), inputs, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_underflowed_square_gives_sd_plus_zero_not_a_negative_snr(dtype):
+    """``S = 0`` beside ``T != 0`` (every square underflowed: contributions below 1e-162 in
+    float64): ``C = S - T**2 / N`` by a fused multiply-add is -0.0 there, and ``|T| / -0.0``
+    was ``-inf``, reported as an SNR of ``-1.8e308``. sd is +0 now and the SNR the cap, as
+    :func:`gradient_sd` and :func:`signal_to_noise` give (examples that agree to rounding)."""
+    n = 3
+    limit = functional.resolvable_snr(n, dtype)
+    tiny = 1e-40 if dtype == torch.float32 else 1e-184
+    squares, total = torch.tensor([0.0, 2e-5], dtype=dtype), torch.tensor([-tiny, 4e-3], dtype=dtype)
+    assert total[0] != 0 and torch.addcmul(squares, total, total, value=-1.0 / n)[0] == 0
+    sd, snr, _, _, left_out = functional.sd_and_signal_to_noise([(squares, total)], n, limit)
+    assert sd[0] == 0 and not sd[0].signbit()
+    assert snr[0] == limit and left_out == [0]
+    plain = functional.signal_to_noise(total, functional.gradient_sd(squares.clone(), total, n), limit)
+    assert torch.equal(snr, plain)
