@@ -134,7 +134,11 @@ def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None
         # 1 where C exceeds the bound, else 0: C - bound > 0 exactly when C >
         # bound (a difference of floats is 0 only when they are equal).
         kept = torch.sub(out, bound, out=bound).clamp_(min=0.0).sign_()
-        out.clamp_(min=0.0).mul_(n / (n - 1)).sqrt_().mul_(kept)
+        # |C| (where kept, C > bound >= 0: C itself) rather than max(C, 0), which keeps a
+        # -0.0: C's fused multiply-add gives -0.0 where S = 0 and T**2 / N underflows
+        # (squares of contributions below 1e-162 in float64), and |T| / -0.0 = -inf
+        # would become an SNR of -1.8e308, at the bottom of the order.
+        out.abs_().mul_(n / (n - 1)).sqrt_().mul_(kept)
         # x / 0 = inf becomes the limit; 0 / 0 stays NaN (torch's clamp:
         # a third of the time of NumPy's minimum here).
         torch.abs(t, out=ratio).div_(out).clamp_(max=limit)

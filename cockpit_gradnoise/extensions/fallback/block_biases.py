@@ -11,11 +11,28 @@ rows of that call's output gradient ``g``, so each contribution comes with its
 terms' magnitudes ``sum |g|`` over those rows; an element all of whose contributions
 are within rounding of them is set to exactly 0 (:func:`.reduce.with_structural_zeros`,
 the fallback's own).
+
+Those magnitudes must be read at the layer's own output. An operation that changes
+that tensor in place (``ReLU(inplace=True)``: Swinv2's position-bias MLP) rebases it
+to its own output, whose gradient is not zero where the ReLU is off, although the
+bias's terms are there: a unit on only where a sigmoid saturates (contributions of
+1e-88, each one exact term) then looked like rounding of terms of 1e-4 and was set to
+0 (issue 32). So the rest of the block gets a copy of each output (:func:`kept`),
+and the captured tensor is never changed.
 """
 
 from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
+
+
+def kept(calls: List[Tensor], output: Tensor) -> Tensor:
+    """Appends a linear layer's ``output`` to ``calls`` and returns a copy of it for the
+    rest of the block (a forward hook's result replaces the output): an in-place change
+    downstream changes the copy, and the gradient at ``output`` stays that at the layer's
+    output, whose rows are the bias's terms (the module docstring)."""
+    calls.append(output)
+    return output.clone()
 
 
 class LinearBiases:
@@ -38,7 +55,7 @@ class LinearBiases:
         return [layer.register_forward_hook(self._keep) for _, layer in self.layers]
 
     def _keep(self, layer, args, output):
-        self.seen[id(layer)].append(output)
+        return kept(self.seen[id(layer)], output)
 
     def outputs(self) -> List[Tensor]:
         """The output of each layer called once (the others get no magnitudes)."""

@@ -29,13 +29,14 @@ outputs differ from the batch's, :func:`chunks` returns ``None`` and
 way (:class:`.blocks.Interacting`: the block's parameters refused by name). The
 linear biases the block computes keep their structural zeros: each example's
 output gradient of the layer, called once, gives its terms' magnitudes, as in
-the loop (:mod:`.block_biases`).
+the loop, read at the layer's own output (:mod:`.block_biases`).
 """
 
 import contextlib
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
+from cockpit_gradnoise.extensions.fallback.block_biases import kept
 from cockpit_gradnoise.extensions.fallback.capture import Call
 from cockpit_gradnoise.extensions.fallback.parameters import own_parameters
 from cockpit_gradnoise.extensions.fallback.replay import math_attention
@@ -87,7 +88,7 @@ def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[st
             leaves[k] = example.unsqueeze(0)
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         seen.update({id(layer): [] for _, layer in biases})
-        handles = [layer.register_forward_hook(lambda m, a, out: seen[id(m)].append(out))
+        handles = [layer.register_forward_hook(lambda m, a, out: kept(seen[id(m)], out))
                    for _, layer in biases]
         try:
             with own_parameters(module, dict(zip(names, flat[: len(names)]))):
