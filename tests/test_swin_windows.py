@@ -27,8 +27,8 @@ import torch
 from backpack import extend
 from cockpit.utils.schedules import linear
 
-from tests.cases import Problem, classification_losses, run_step
-from tests.test_regroup import Pixels, assert_exact_with_structural_zeros, perturbed
+from tests.cases import Problem, classification_losses, run_step, token_losses
+from tests.test_regroup import SEQUENCE, Pixels, assert_exact_with_structural_zeros, opt, perturbed, tokens
 
 IMAGE = 12  # patches of 2: 6x6 tokens, padded to 8x8: 4 windows of 4x4
 WINDOWS = 4
@@ -64,11 +64,11 @@ def ways(monkeypatch):
     return found
 
 
-def _warm_up(model, inputs, targets, steps=2):
+def _warm_up(model, inputs, targets, steps=2, losses=None):
     """Two tracked steps: the first proves the map, the second confirms the fast way against the
     recomputation. Returns the prepared model."""
     prepared = cgn.prepare_model(model)
-    loss_fn, per_example_loss = classification_losses("mean")
+    loss_fn, per_example_loss = losses or classification_losses("mean")
     problem = Problem(prepared, extend(loss_fn), per_example_loss, inputs, targets, "mean")
     for step in range(steps):
         quantities = [cgn.PerExampleGradNorm(linear(1), param_names=problem.names)]
@@ -139,3 +139,26 @@ def test_the_map_taken_for_granted_would_be_silently_wrong(monkeypatch):
     prepared = _warm_up(swin(), inputs, targets)
     with pytest.raises(AssertionError):
         assert_exact_with_structural_zeros(prepared, inputs, targets)
+
+
+
+def test_opt_flattened_tokens_from_the_batch_pass_are_exact(ways):
+    """OPT's decoder layer: ``final_layer_norm``, ``fc1`` and ``fc2`` on the flattened tokens
+    ``[N*T, C]`` (row ``r`` example ``r // T``'s), the LayerNorm's rows ``G_r * x_hat_r`` and
+    ``G_r``, from the batch's pass; its integer ``position_ids`` per example kept as they are in
+    the NaN passes (their values part of the proof)."""
+    inputs, targets = tokens(3)
+    prepared = _warm_up(opt(), inputs, targets, losses=token_losses("mean"))
+    assert ways == {"fast": 1, "recomputed": 2}  # step 1: proof, recomputed; step 2: both, compared
+    assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert ways == {"fast": 2, "recomputed": 2}  # step 3: from the batch's pass alone
+
+
+@pytest.mark.parametrize("examples", [2, SEQUENCE])
+def test_opt_unconfirmed_is_exact(ways, monkeypatch, examples):
+    """The fast way alone (no comparison step), at 2 and at the batch size equal to the length."""
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = tokens(examples)
+    prepared = _warm_up(opt(), inputs, targets, steps=1, losses=token_losses("mean"))
+    assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert ways == {"fast": 1, "recomputed": 1}

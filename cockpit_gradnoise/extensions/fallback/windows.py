@@ -54,6 +54,7 @@ from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, 
 from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
+from cockpit_gradnoise.extensions.normalization import layer_norm_contributions
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import position_sums
 
@@ -71,7 +72,9 @@ PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
 #: (module docstring). A setting for tests and measurements, not per-pass state.
 CONFIRM = True
 
-LINEAR, TABLE = "linear", "table"
+LINEAR, NORM, TABLE = "linear", "norm", "table"
+#: The kinds computed from their own rows' input and output gradient.
+ON_ROWS = (LINEAR, NORM)
 
 
 class Windows:
@@ -79,6 +82,9 @@ class Windows:
 
     def __init__(self):
         self.maps: Dict[tuple, bool] = {}  # shape of the inputs -> the map proven
+        # shape of the inputs -> the per-example integer inputs (OPT's position_ids) of the
+        # calls proven: their values, which no NaN can mark, are part of a proof.
+        self.integers: Dict[tuple, List[List[Tensor]]] = {}
         self.failed = False  # a map or the confirmation failed: recomputed for good
         self.verified: Optional[bool] = None  # the confirmation against the recomputation
         self.reset()
@@ -96,10 +102,13 @@ class Windows:
 
 
 def kind(module: nn.Module) -> Optional[str]:
-    """How the fast way computes ``module``: a plain ``nn.Linear``; a module without children
-    with parameters (called, :func:`proven` checks, without a tensor input: a table); else ``None``."""
+    """How the fast way computes ``module``: a plain ``nn.Linear``; a plain ``nn.LayerNorm`` (OPT's
+    ``final_layer_norm`` on the flattened tokens); a module without children with parameters
+    (called, :func:`proven` checks, without a tensor input: a table); else ``None``."""
     if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
         return LINEAR
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        return NORM
     if direct_parameters(module) and not any(True for child in module.children() for _ in child.parameters()):
         return TABLE
     return None
@@ -117,7 +126,7 @@ def _tensors(args, kwargs) -> List[Tensor]:
 
 
 def _linear_call(state: Windows, module, args, kwargs, output) -> None:
-    """A Linear member's call: its rows (``N*W``, the same for every member), input and output."""
+    """A Linear's or LayerNorm's call: its rows (``N*W``, the same for every member), input and output."""
     inputs = _tensors(args, kwargs)
     state.calls[id(module)] = state.calls.get(id(module), 0) + 1
     if len(inputs) != 1 or not isinstance(output, Tensor) or inputs[0].dim() < 2 \
@@ -160,7 +169,7 @@ def _capture(module, args, kwargs, output):
             or not torch.is_grad_enabled():
         return None  # (a shape not proven yet: its forward pass as it is, tables not expanded)
     found = kind(module)
-    if found == LINEAR:
+    if found in ON_ROWS:
         _linear_call(state, module, args, kwargs, output)
         if not state.broken and output.requires_grad:
             state.inputs[id(module)] = _tensors(args, kwargs)[0].detach()
@@ -226,9 +235,10 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     {member: [(input rows NaN, output rows NaN)]}, first output)``; ``None`` where it cannot."""
     examples = len(poisoned)
     leaves = list(call.leaves)
-    for k in batched:
-        if not leaves[k].is_floating_point():
-            return None
+    floating = [k for k in batched if leaves[k].is_floating_point()]
+    if not floating:  # (integer inputs kept as they are: their values are part of the proof)
+        return None
+    for k in floating:
         leaves[k] = leaves[k].clone()
         leaves[k][poisoned.to(leaves[k].device)] = math.nan
     args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
@@ -236,7 +246,7 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     state = Windows()
 
     def observe(module, args, kwargs, output):
-        if kind(module) == LINEAR:
+        if kind(module) in ON_ROWS:
             _linear_call(state, module, args, kwargs, output)
             inputs = _tensors(args, kwargs)
             if not state.broken:
@@ -295,6 +305,32 @@ def proven(block: nn.Module, call, batched: List[int], members: List[nn.Module],
     return True
 
 
+#: How many calls' integer inputs are kept per shape (:attr:`Windows.integers`): a model whose
+#: position ids change every step proves its map every step (its rows still from the batch's pass).
+INTEGERS_KEPT = 4
+
+
+def _equal(tensors: List[Tensor], others: List[Tensor]) -> bool:
+    return len(tensors) == len(others) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, others))
+
+
+def _prove(state: Windows, key: tuple, integers: List[Tensor], block: nn.Module, call, batched: List[int],
+           members: List[nn.Module], output: Tensor) -> bool:
+    """:func:`proven` for this call, noted: for good where it fails, with the call's per-example
+    integer inputs (which the NaN passes keep as they are) where it holds."""
+    try:
+        state.maps[key] = proven(block, call, batched, members, output)
+    except Exception:  # noqa: BLE001 - a block the poisoned passes cannot run: recomputed
+        state.maps[key] = False
+    state.failed = not state.maps[key]
+    if state.maps[key]:
+        kept = state.integers.setdefault(key, [])
+        kept.append([tensor.clone() for tensor in integers])
+        del kept[:-INTEGERS_KEPT]
+    return state.maps[key]
+
+
 def results(block: nn.Module, call, batched: List[int], members: List[nn.Module], output: Tensor, grad: Tensor,
             params: Dict[str, nn.Parameter], savefields) -> Dict[str, Dict[str, Tensor]]:
     """``{savefield: {name: result}}`` of every parameter of ``params`` (``{name: param}`` of the
@@ -308,19 +344,18 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
             or any(id(p) not in owned for p in params.values()) or output.shape[0] != grad.shape[0]:
         return {}
     key = _shapes(call.leaves)
+    integers = [call.leaves[k] for k in batched if not call.leaves[k].is_floating_point()]
     if key not in state.maps:
-        try:
-            state.maps[key] = proven(block, call, batched, members, output)
-        except Exception:  # noqa: BLE001 - a block the poisoned passes cannot run: recomputed
-            state.maps[key] = False
-        state.failed = not state.maps[key]
-        if not state.failed:
+        if _prove(state, key, integers, block, call, batched, members, output):
             _install(block, members, state)
         return {}
     try:
         if not state.maps[key] or state.shapes != key or state.broken or state.rows is None \
                 or any(state.calls.get(id(m)) != 1 or id(m) not in state.grads for m in members):
             return {}
+        if not any(_equal(integers, known) for known in state.integers.get(key, ())) \
+                and not _prove(state, key, integers, block, call, batched, members, output):
+            return {}  # (new integer inputs: this call proven, its rows kept used at once)
         return _results(state, members, grad.shape[0], params, savefields)
     except Exception:  # noqa: BLE001 - a layer it cannot reduce: the block is recomputed this step
         return {}
@@ -340,6 +375,18 @@ def _linear_results(module: nn.Linear, a: Tensor, g: Tensor, squares: bool) -> D
     if module.bias is not None and module.bias.requires_grad:
         norms, sums = norms_and_sums(position_sums(g, 1))
         found["bias"] = (norms, sums if squares else sums[:1])
+    return found
+
+
+def _norm_results(module: nn.LayerNorm, a: Tensor, g: Tensor, squares: bool) -> Dict[str, tuple]:
+    """``{param name: (||x_i||^2, sums)}`` of a LayerNorm on rows ``[N, L, *normalized_shape]``:
+    ``x_i(gamma) = sum_l G_il * x_hat_il``, ``x_i(beta) = sum_l G_il`` (:mod:`..normalization`)."""
+    found = {}
+    for name in ("weight", "bias"):
+        param = getattr(module, name)
+        if param is not None and param.requires_grad:
+            norms, sums = norms_and_sums(layer_norm_contributions(module, a, g, name))
+            found[name] = (norms, sums if squares else sums[:1])
     return found
 
 
@@ -370,6 +417,10 @@ def _results(state: Windows, members: List[nn.Module], examples: int, params: Di
             a = state.inputs[id(module)]
             found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
                                     grad.reshape(examples, -1, grad.shape[-1]), squares)
+        elif kind(module) == NORM:
+            shape, a = tuple(module.normalized_shape), state.inputs[id(module)]
+            found = _norm_results(module, a.reshape(examples, -1, *shape), grad.reshape(examples, -1, *shape),
+                                  squares)
         else:
             found = _table_results(module, grad, examples, squares)
         for attribute, (norms, sums) in found.items():
