@@ -34,14 +34,14 @@ IMAGE = 12  # patches of 2: 6x6 tokens, padded to 8x8: 4 windows of 4x4
 WINDOWS = 4
 
 
-def swin(image=IMAGE, depths=(2,)):
+def swin(image=IMAGE, depths=(2,), family="Swin"):
     """Stages of ``depths`` blocks, every second one shifted; float64, evaluation mode."""
-    from transformers import SwinConfig, SwinForImageClassification
+    import transformers
 
-    config = SwinConfig(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
+    config = getattr(transformers, f"{family}Config")(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
                         num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    return Pixels(perturbed(SwinForImageClassification(config)))
+    return Pixels(perturbed(getattr(transformers, f"{family}ForImageClassification")(config)))
 
 
 @pytest.fixture
@@ -162,3 +162,24 @@ def test_opt_unconfirmed_is_exact(ways, monkeypatch, examples):
     prepared = _warm_up(opt(), inputs, targets, steps=1, losses=token_losses("mean"))
     assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
     assert ways == {"fast": 1, "recomputed": 1}
+
+
+def test_swinv2_from_the_batch_pass_is_exact(ways):
+    """SwinV2's attention reads its ``logit_scale`` in its own forward and adds a bias its MLP
+    computes from a table without the batch: both broadcast over the windows' rows, expanded
+    there, each example's share from its rows' gradient (``extensions/fallback/broadcast.py``);
+    shifted windows of a padded grid."""
+    inputs, targets = _batch(3)
+    prepared = _warm_up(swin(family="Swinv2"), inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
+
+
+@pytest.mark.parametrize("examples", [2, WINDOWS])
+def test_swinv2_unconfirmed_is_exact(ways, monkeypatch, examples):
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = _batch(examples)
+    prepared = _warm_up(swin(family="Swinv2"), inputs, targets, steps=1)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 2}

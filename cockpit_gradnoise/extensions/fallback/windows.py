@@ -49,6 +49,7 @@ import functools
 import math
 from typing import Dict, List, Optional
 
+from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts, example_shares, summed_per_example
 from cockpit_gradnoise.extensions.fallback.layout import state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
@@ -72,7 +73,7 @@ PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
 #: (module docstring). A setting for tests and measurements, not per-pass state.
 CONFIRM = True
 
-LINEAR, NORM, TABLE = "linear", "norm", "table"
+LINEAR, NORM, TABLE, DIRECT = "linear", "norm", "table", "direct"
 #: The kinds computed from their own rows' input and output gradient.
 ON_ROWS = (LINEAR, NORM)
 
@@ -96,6 +97,11 @@ class Windows:
         self.calls: Dict[int, int] = {}
         self.inputs: Dict[int, Tensor] = {}
         self.grads: Dict[int, Tensor] = {}
+        self.examples: Optional[int] = None  # N of this block call
+        self.mode: Optional[Broadcasts] = None  # during a DIRECT member's call
+        self.table_calls: set = set()  # members called on batch-free inputs inside it (SwinV2's MLP)
+        self.modes: Dict[int, Broadcasts] = {}  # id(DIRECT member) -> what its call recorded
+        self.shares: Dict[int, Dict[int, Tensor]] = {}  # id(DIRECT member) -> {k: k-th expanded's, per example}
 
     def __reduce__(self):  # a copy of the model proves its maps again
         return (Windows, ())
@@ -111,6 +117,8 @@ def kind(module: nn.Module) -> Optional[str]:
         return NORM
     if direct_parameters(module) and not any(True for child in module.children() for _ in child.parameters()):
         return TABLE
+    if direct_parameters(module):  # (SwinV2's attention: its logit_scale, its position-bias MLP)
+        return DIRECT
     return None
 
 
@@ -169,6 +177,12 @@ def _capture(module, args, kwargs, output):
             or not torch.is_grad_enabled():
         return None  # (a shape not proven yet: its forward pass as it is, tables not expanded)
     found = kind(module)
+    if found == DIRECT:
+        return None  # (its own hooks: _enter, _leave)
+    if found in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
+        state.calls[id(module)] = state.calls.get(id(module), 0) + 1  # inside a DIRECT member's tables
+        state.table_calls.add(id(module))
+        return None
     if found in ON_ROWS:
         _linear_call(state, module, args, kwargs, output)
         if not state.broken and output.requires_grad:
@@ -192,7 +206,56 @@ def _rows_from_parent(module, args, kwargs):
 def _reset(block, args, kwargs):
     state = block.__dict__.get(ATTRIBUTE)
     if state is not None:
-        state.reset(_shapes(_pytree.tree_leaves((args, kwargs))))
+        leaves = _pytree.tree_leaves((args, kwargs))
+        state.reset(_shapes(leaves))
+        state.examples = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim()), None)
+
+
+def _table_parameters(state: Windows, module: nn.Module) -> List[nn.Parameter]:
+    """A DIRECT member's parameters computed from its batch-free tensors: its own, and those of
+    the members called inside it on batch-free inputs."""
+    found = list(direct_parameters(module).values())
+    for sub in module.modules():
+        if id(sub) in state.table_calls:
+            found += list(direct_parameters(sub).values())
+    return found
+
+
+def _share(state: Windows, module: nn.Module, k: int, grad: Tensor) -> None:
+    """Tensor hook on a batch-free tensor expanded to the rows: its gradient summed per example."""
+    shares = state.shares.setdefault(id(module), {})
+    summed = summed_per_example(grad.detach(), state.examples)
+    shares[k] = summed + shares[k] if k in shares else summed
+
+
+def _expand_hooked(state: Windows, module: nn.Module, k: int, expanded: Tensor) -> Tensor:
+    if expanded.requires_grad:
+        expanded.register_hook(functools.partial(_share, state, module, k))
+    return expanded
+
+
+def _enter(module, args, kwargs):
+    """A DIRECT member's call in the batch's pass: its batch-free tensors expanded to its rows."""
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is None or not state.maps.get(state.shapes) or state.failed or idle(module) \
+            or not torch.is_grad_enabled() or state.mode is not None:
+        return
+    _parent_call(state, args, kwargs)
+    if state.broken or state.examples is None:
+        return
+    state.mode = Broadcasts(module, state.rows, functools.partial(_expand_hooked, state, module))
+    state.mode.__enter__()
+
+
+def _leave(module, args, kwargs, output):
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is None or state.mode is None:
+        return
+    mode, state.mode = state.mode, None
+    mode.__exit__(None, None, None)
+    state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    state.modes[id(module)] = mode
+    state.broken = state.broken or mode.broken or not mode.operands or state.rows % state.examples != 0
 
 
 def _parents(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
@@ -217,6 +280,9 @@ def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None
         if not module.__dict__.get(INSTALLED):
             module.__dict__[INSTALLED] = True
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+            if kind(module) == DIRECT:
+                module.register_forward_pre_hook(eager_under_compile(_enter), with_kwargs=True)
+                module.register_forward_hook(eager_under_compile(_leave), with_kwargs=True, always_call=True)
 
 
 def _shapes(leaves) -> tuple:
@@ -245,7 +311,33 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     seen: Dict[nn.Module, list] = {m: [] for m in members}
     state = Windows()
 
+    def poison(k: int, expanded: Tensor) -> Tensor:
+        if state.rows % examples:
+            state.broken = True
+            return expanded
+        expanded = expanded.clone()
+        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
+        return expanded
+
+    def enter(module, args, kwargs):
+        _parent_call(state, args, kwargs)
+        if state.mode is None and not state.broken:
+            state.mode = Broadcasts(module, state.rows, poison)
+            state.mode.__enter__()
+
+    def leave(module, args, kwargs, output):
+        if state.mode is not None:
+            mode, state.mode = state.mode, None
+            mode.__exit__(None, None, None)
+            state.broken = state.broken or mode.broken or not mode.operands
+            seen[module].append(None)
+
     def observe(module, args, kwargs, output):
+        if kind(module) == DIRECT:
+            return None
+        if kind(module) in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
+            seen[module].append(None)  # (inside a DIRECT member's tables)
+            return None
         if kind(module) in ON_ROWS:
             _linear_call(state, module, args, kwargs, output)
             inputs = _tensors(args, kwargs)
@@ -264,6 +356,9 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     devices = sorted({leaf.device.index or 0 for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda})
     with hooks_off(block), state_kept(block, devices), torch.no_grad():
         handles = [m.register_forward_hook(observe, with_kwargs=True) for m in members]
+        for direct in (m for m in members if kind(m) == DIRECT):
+            handles += [direct.register_forward_pre_hook(enter, with_kwargs=True),
+                        direct.register_forward_hook(leave, with_kwargs=True, always_call=True)]
         handles += [parent.register_forward_pre_hook(lambda module, args, kwargs: _parent_call(state, args, kwargs),
                                                      with_kwargs=True) for parent in _parents(block, members)]
         try:
@@ -351,7 +446,7 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
         return {}
     try:
         if not state.maps[key] or state.shapes != key or state.broken or state.rows is None \
-                or any(state.calls.get(id(m)) != 1 or id(m) not in state.grads for m in members):
+                or any(state.calls.get(id(m)) != 1 or not _kept(state, m) for m in members):
             return {}
         if not any(_equal(integers, known) for known in state.integers.get(key, ())) \
                 and not _prove(state, key, integers, block, call, batched, members, output):
@@ -406,12 +501,30 @@ def _table_results(module: nn.Module, grad: Tensor, examples: int, squares: bool
     return results
 
 
+def _kept(state: Windows, member: nn.Module) -> bool:
+    """Whether the batch's pass left what ``member``'s results need."""
+    return id(member) in state.grads or id(member) in state.table_calls or id(member) in state.modes
+
+
 def _results(state: Windows, members: List[nn.Module], examples: int, params: Dict[str, nn.Parameter],
              savefields) -> Dict[str, Dict[str, Tensor]]:
     squares = SUMS_SAVEFIELD in savefields
     names = {id(p): name for name, p in params.items()}
     out = {savefield: {} for savefield in savefields}
     for module in members:
+        if id(module) in state.table_calls:
+            continue  # (its DIRECT member's)
+        if kind(module) == DIRECT:
+            table = _table_parameters(state, module)
+            shares = example_shares(state.modes[id(module)], state.shares.get(id(module), {}), table)
+            for param, x in zip(table, shares):
+                norms, sums = norms_and_sums(param.new_zeros(examples, *param.shape) if x is None else x)
+                here = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums if squares else sums[:1],
+                        LOCAL_GRADIENT_SAVEFIELD: sums[0]}
+                for savefield in savefields:
+                    if id(param) in names:
+                        out[savefield][names[id(param)]] = here[savefield]
+            continue
         grad = state.grads[id(module)]
         if kind(module) == LINEAR:
             a = state.inputs[id(module)]
