@@ -38,9 +38,10 @@ def swin(image=IMAGE, depths=(2,), family="Swin"):
     """Stages of ``depths`` blocks, every second one shifted; float64, evaluation mode."""
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
-                        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    config = getattr(transformers, f"{family}Config")(
+        image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
+        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
     return Pixels(perturbed(getattr(transformers, f"{family}ForImageClassification")(config)))
 
 

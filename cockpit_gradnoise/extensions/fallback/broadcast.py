@@ -47,7 +47,8 @@ _IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.Tensor
 
 class Broadcasts(TorchFunctionMode):
     """During one call of ``module``: batch-free tensors followed, and expanded to ``rows`` where
-    they meet the rows (``expand(k, expanded)``, ``k`` its index in :attr:`operands`, gives the tensor put in its place)."""
+    they meet the rows (``expand(k, expanded)``, ``k`` its index in :attr:`operands`, gives the
+    tensor put in its place)."""
 
     def __init__(self, module: nn.Module, rows: int, expand: Callable[[Tensor, Tensor], Tensor]):
         super().__init__()
@@ -94,7 +95,8 @@ class Broadcasts(TorchFunctionMode):
         if func in ELEMENTWISE and not kwargs and len(args) == 2 and all(isinstance(a, Tensor) for a in args):
             k = 0 if self.is_free(args[0]) else 1
             operand, other = args[k], args[1 - k]
-            if (k == 1 or func not in _IN_PLACE) and other.dim() >= operand.dim() and other.dim() >= 1 and other.shape[0] == self.rows:
+            if (k == 1 or func not in _IN_PLACE) and other.dim() >= max(operand.dim(), 1) \
+                    and other.shape[0] == self.rows:
                 shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
                 if shaped.shape[0] == 1:
                     self.operands.append((operand, tuple(shaped.shape)))

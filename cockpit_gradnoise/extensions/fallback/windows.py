@@ -294,6 +294,60 @@ def _nan_rows(tensor: Tensor) -> Tensor:
     return tensor.isnan().reshape(tensor.shape[0], -1).any(1)
 
 
+def _poisoned_rows(expanded: Tensor, poisoned: Tensor, rows: int) -> Tensor:
+    """A copy of ``expanded`` (``[N*W, ...]``) NaN on the rows of the examples ``poisoned``."""
+    expanded = expanded.clone()
+    expanded[poisoned.repeat_interleave(rows // len(poisoned)).to(expanded.device)] = math.nan
+    return expanded
+
+
+class _Proof:
+    """The hooks of one NaN-poisoned pass (:func:`_run_poisoned`): what each member saw."""
+
+    def __init__(self, members: List[nn.Module], poisoned: Tensor):
+        self.seen: Dict[nn.Module, list] = {m: [] for m in members}
+        self.state, self.poisoned = Windows(), poisoned
+
+    def poison(self, k: int, expanded: Tensor) -> Tensor:
+        if self.state.rows % len(self.poisoned):
+            self.state.broken = True
+            return expanded
+        return _poisoned_rows(expanded, self.poisoned, self.state.rows)
+
+    def enter(self, module, args, kwargs):
+        _parent_call(self.state, args, kwargs)
+        if self.state.mode is None and not self.state.broken:
+            self.state.mode = Broadcasts(module, self.state.rows, self.poison)
+            self.state.mode.__enter__()
+
+    def leave(self, module, args, kwargs, output):
+        state = self.state
+        if state.mode is not None:
+            mode, state.mode = state.mode, None
+            mode.__exit__(None, None, None)
+            state.broken = state.broken or mode.broken or not mode.operands
+            self.seen[module].append(None)
+
+    def observe(self, module, args, kwargs, output):
+        state, found = self.state, kind(module)
+        if found == DIRECT:
+            return None
+        if found in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
+            self.seen[module].append(None)  # (inside a DIRECT member's tables)
+            return None
+        if found in ON_ROWS:
+            _linear_call(state, module, args, kwargs, output)
+            if not state.broken:
+                self.seen[module].append((_nan_rows(_tensors(args, kwargs)[0]), _nan_rows(output)))
+            return None
+        expanded = _table_call(state, module, args, kwargs, output)
+        if expanded is None or state.rows % len(self.poisoned):
+            state.broken = True
+            return None
+        self.seen[module].append(None)
+        return _poisoned_rows(expanded, self.poisoned, state.rows)
+
+
 def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.Module],
                   poisoned: Tensor) -> Optional[tuple]:
     """The block run on its inputs with the examples ``poisoned`` (``[N]`` bool) set to NaN and
@@ -308,57 +362,14 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
         leaves[k] = leaves[k].clone()
         leaves[k][poisoned.to(leaves[k].device)] = math.nan
     args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-    seen: Dict[nn.Module, list] = {m: [] for m in members}
-    state = Windows()
-
-    def poison(k: int, expanded: Tensor) -> Tensor:
-        if state.rows % examples:
-            state.broken = True
-            return expanded
-        expanded = expanded.clone()
-        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
-        return expanded
-
-    def enter(module, args, kwargs):
-        _parent_call(state, args, kwargs)
-        if state.mode is None and not state.broken:
-            state.mode = Broadcasts(module, state.rows, poison)
-            state.mode.__enter__()
-
-    def leave(module, args, kwargs, output):
-        if state.mode is not None:
-            mode, state.mode = state.mode, None
-            mode.__exit__(None, None, None)
-            state.broken = state.broken or mode.broken or not mode.operands
-            seen[module].append(None)
-
-    def observe(module, args, kwargs, output):
-        if kind(module) == DIRECT:
-            return None
-        if kind(module) in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
-            seen[module].append(None)  # (inside a DIRECT member's tables)
-            return None
-        if kind(module) in ON_ROWS:
-            _linear_call(state, module, args, kwargs, output)
-            inputs = _tensors(args, kwargs)
-            if not state.broken:
-                seen[module].append((_nan_rows(inputs[0]), _nan_rows(output)))
-            return None
-        expanded = _table_call(state, module, args, kwargs, output)
-        if expanded is None or state.rows % examples:
-            state.broken = True
-            return None
-        expanded = expanded.clone()
-        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
-        seen[module].append(None)
-        return expanded
-
+    proof = _Proof(members, poisoned)
+    state, seen = proof.state, proof.seen
     devices = sorted({leaf.device.index or 0 for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda})
     with hooks_off(block), state_kept(block, devices), torch.no_grad():
-        handles = [m.register_forward_hook(observe, with_kwargs=True) for m in members]
+        handles = [m.register_forward_hook(proof.observe, with_kwargs=True) for m in members]
         for direct in (m for m in members if kind(m) == DIRECT):
-            handles += [direct.register_forward_pre_hook(enter, with_kwargs=True),
-                        direct.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+            handles += [direct.register_forward_pre_hook(proof.enter, with_kwargs=True),
+                        direct.register_forward_hook(proof.leave, with_kwargs=True, always_call=True)]
         handles += [parent.register_forward_pre_hook(lambda module, args, kwargs: _parent_call(state, args, kwargs),
                                                      with_kwargs=True) for parent in _parents(block, members)]
         try:
@@ -506,6 +517,29 @@ def _kept(state: Windows, member: nn.Module) -> bool:
     return id(member) in state.grads or id(member) in state.table_calls or id(member) in state.modes
 
 
+def _member_results(state: Windows, module: nn.Module, examples: int, squares: bool) -> Dict[int, tuple]:
+    """``{id(param): (||x_i||^2, sums)}`` of a member's parameters (a DIRECT member's: of its tables)."""
+    if kind(module) == DIRECT:
+        table = _table_parameters(state, module)
+        shares = example_shares(state.modes[id(module)], state.shares.get(id(module), {}), table)
+        found = {}
+        for param, x in zip(table, shares):
+            norms, sums = norms_and_sums(param.new_zeros(examples, *param.shape) if x is None else x)
+            found[id(param)] = (norms, sums if squares else sums[:1])
+        return found
+    grad = state.grads[id(module)]
+    if kind(module) == LINEAR:
+        a = state.inputs[id(module)]
+        found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
+                                grad.reshape(examples, -1, grad.shape[-1]), squares)
+    elif kind(module) == NORM:
+        shape, a = tuple(module.normalized_shape), state.inputs[id(module)]
+        found = _norm_results(module, a.reshape(examples, -1, *shape), grad.reshape(examples, -1, *shape), squares)
+    else:
+        found = _table_results(module, grad, examples, squares)
+    return {id(getattr(module, attribute)): result for attribute, result in found.items()}
+
+
 def _results(state: Windows, members: List[nn.Module], examples: int, params: Dict[str, nn.Parameter],
              savefields) -> Dict[str, Dict[str, Tensor]]:
     squares = SUMS_SAVEFIELD in savefields
@@ -514,35 +548,12 @@ def _results(state: Windows, members: List[nn.Module], examples: int, params: Di
     for module in members:
         if id(module) in state.table_calls:
             continue  # (its DIRECT member's)
-        if kind(module) == DIRECT:
-            table = _table_parameters(state, module)
-            shares = example_shares(state.modes[id(module)], state.shares.get(id(module), {}), table)
-            for param, x in zip(table, shares):
-                norms, sums = norms_and_sums(param.new_zeros(examples, *param.shape) if x is None else x)
-                here = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums if squares else sums[:1],
-                        LOCAL_GRADIENT_SAVEFIELD: sums[0]}
-                for savefield in savefields:
-                    if id(param) in names:
-                        out[savefield][names[id(param)]] = here[savefield]
-            continue
-        grad = state.grads[id(module)]
-        if kind(module) == LINEAR:
-            a = state.inputs[id(module)]
-            found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
-                                    grad.reshape(examples, -1, grad.shape[-1]), squares)
-        elif kind(module) == NORM:
-            shape, a = tuple(module.normalized_shape), state.inputs[id(module)]
-            found = _norm_results(module, a.reshape(examples, -1, *shape), grad.reshape(examples, -1, *shape),
-                                  squares)
-        else:
-            found = _table_results(module, grad, examples, squares)
-        for attribute, (norms, sums) in found.items():
-            name = names.get(id(getattr(module, attribute)))
-            if name is None:
+        for key, (norms, sums) in _member_results(state, module, examples, squares).items():
+            if key not in names:
                 continue
             here = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums, LOCAL_GRADIENT_SAVEFIELD: sums[0]}
             for savefield in savefields:
-                out[savefield][name] = here[savefield]
+                out[savefield][names[key]] = here[savefield]
     if any(len(found) != len(params) for found in out.values()):
         return {}
     return out
