@@ -119,6 +119,17 @@ def make_swin():
     return _ImageLogits(SwinForImageClassification(config).eval())
 
 
+def make_swinv2():
+    """The Swin above as SwinV2 (``transformers``' ``Swinv2ForImageClassification``): its attention
+    reads ``logit_scale`` in its own forward and adds a bias from an MLP (2 -> 512 -> heads) on a
+    table without the batch (``extensions/fallback/broadcast.py``)."""
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    config = Swinv2Config(image_size=64, patch_size=4, embed_dim=48, depths=[2, 2, 2], num_heads=[2, 4, 8],
+                          window_size=4, num_labels=10, drop_path_rate=0.0)
+    return _ImageLogits(Swinv2ForImageClassification(config).eval())
+
+
 def classification_loss(reduction):
     return nn.CrossEntropyLoss(reduction=reduction)
 
@@ -159,6 +170,7 @@ MODELS = {
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
+    "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
     "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),
 }
 
