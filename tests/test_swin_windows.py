@@ -184,3 +184,40 @@ def test_swinv2_unconfirmed_is_exact(ways, monkeypatch, examples):
     prepared = _warm_up(swin(family="Swinv2"), inputs, targets, steps=1)
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 2, "recomputed": 2}
+
+
+class _Scaled(torch.nn.Module):
+    """Rows ``[R, 2, 3]`` scaled by a tensor of its parameter alone, then (``matmul``) multiplied
+    by another one: the first a broadcast the windows' way expands, the second a use it does not know."""
+
+    def __init__(self, matmul=False):
+        super().__init__()
+        self.scale, self.mixer = torch.nn.Parameter(torch.ones(2, 1)), torch.nn.Parameter(torch.eye(3))
+        self.matmul = matmul
+
+    def forward(self, rows):
+        scaled = rows * self.scale.exp()
+        return scaled @ (2 * self.mixer) if self.matmul else scaled
+
+
+@pytest.mark.parametrize("matmul", [False, True])
+def test_broadcasts_expand_a_batch_free_tensor_and_refuse_other_uses(matmul):
+    from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts, example_shares, summed_per_example
+
+    module, rows = _Scaled(matmul), torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    module.double()
+    kept = {}
+
+    def expand(k, expanded):
+        expanded.register_hook(lambda grad: kept.update({k: summed_per_example(grad, 3)}))
+        return expanded
+
+    with Broadcasts(module, 6, expand) as mode:
+        out = module(rows)
+    assert mode.broken == matmul and len(mode.operands) == 1 and mode.operands[0][1] == (1, 2, 1)
+    out.pow(2).sum().backward()
+    shares = example_shares(mode, kept, [module.scale])[0]  # rows 2i, 2i+1: example i's
+    expected = torch.stack([torch.autograd.grad(module(rows[2 * i : 2 * i + 2].detach()).pow(2).sum(),
+                                                module.scale)[0] for i in range(3)])
+    if not matmul:
+        torch.testing.assert_close(shares, expected, rtol=1e-12, atol=0)
