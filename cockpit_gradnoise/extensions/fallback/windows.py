@@ -42,6 +42,15 @@ recomputed per example, as before, for good. On the first step with the fast way
 is also recomputed per example and both ways' per-example squared norms must agree
 (:data:`CONFIRM`, as :mod:`.experts`); and every step, the contributions must add up to
 each parameter's gradient (:func:`.blocks.reached_otherwise`).
+Two more kinds of member: a plain ``nn.LayerNorm`` on the rows (OPT's ``final_layer_norm``
+on the flattened tokens, ``x_i(gamma) = sum_r G_r * x_hat_r``, ``x_i(beta) = sum_r G_r``,
+:func:`.normalization.layer_norm_contributions` on ``[N, L, C]``); and a module with
+parameters of its own and children (*direct*: SwinV2's attention, its ``logit_scale`` and
+position-bias MLP), whose tensors computed from its parameters alone are expanded to the rows
+where they meet them (:mod:`.broadcast`), the members called inside it on such tensors (the
+MLP's layers) its own. A block's per-example integer inputs (OPT's ``position_ids``) cannot be
+set to NaN: they are kept as they are in the poisoned passes, and their values are part of the
+proof (a call with others is proven again before its rows are used).
 Tests: ``tests/test_swin_windows.py``.
 """
 
