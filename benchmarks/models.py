@@ -83,6 +83,19 @@ def make_moe():
     return _Logits(MixtralForCausalLM(config).eval())
 
 
+def make_opt():
+    """A small OPT (``transformers``' ``OPTForCausalLM``, random weights): 4 layers of width 128,
+    4 heads, ``fc1``/``fc2`` of width 512, sequence 64 and vocabulary 96 as the GPT's. Its decoder
+    layer flattens the tokens to ``[N*T, C]`` before ``final_layer_norm``, ``fc1`` and ``fc2``, so
+    those get their rows from the layer's block (``extensions/fallback/windows.py``)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=GPT_VOCABULARY, hidden_size=128, ffn_dim=512, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=GPT_CONTEXT, word_embed_proj_dim=128,
+                       dropout=0.0, attention_dropout=0.0)
+    return _Logits(OPTForCausalLM(config).eval())
+
+
 class _ImageLogits(nn.Module):
     """``model(pixel_values).logits`` of a Hugging Face image classifier."""
 
@@ -104,6 +117,17 @@ def make_swin():
     config = SwinConfig(image_size=64, patch_size=4, embed_dim=48, depths=[2, 2, 2], num_heads=[2, 4, 8],
                         window_size=4, num_labels=10, drop_path_rate=0.0)
     return _ImageLogits(SwinForImageClassification(config).eval())
+
+
+def make_swinv2():
+    """The Swin above as SwinV2 (``transformers``' ``Swinv2ForImageClassification``): its attention
+    reads ``logit_scale`` in its own forward and adds a bias from an MLP (2 -> 512 -> heads) on a
+    table without the batch (``extensions/fallback/broadcast.py``)."""
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    config = Swinv2Config(image_size=64, patch_size=4, embed_dim=48, depths=[2, 2, 2], num_heads=[2, 4, 8],
+                          window_size=4, num_labels=10, drop_path_rate=0.0)
+    return _ImageLogits(Swinv2ForImageClassification(config).eval())
 
 
 def classification_loss(reduction):
@@ -146,6 +170,8 @@ MODELS = {
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
+    "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
+    "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),
 }
 
 

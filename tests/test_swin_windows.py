@@ -27,21 +27,22 @@ import torch
 from backpack import extend
 from cockpit.utils.schedules import linear
 
-from tests.cases import Problem, classification_losses, run_step
-from tests.test_regroup import Pixels, assert_exact_with_structural_zeros, perturbed
+from tests.cases import Problem, classification_losses, run_step, token_losses
+from tests.test_regroup import SEQUENCE, Pixels, assert_exact_with_structural_zeros, opt, perturbed, tokens
 
 IMAGE = 12  # patches of 2: 6x6 tokens, padded to 8x8: 4 windows of 4x4
 WINDOWS = 4
 
 
-def swin(image=IMAGE, depths=(2,)):
+def swin(image=IMAGE, depths=(2,), family="Swin"):
     """Stages of ``depths`` blocks, every second one shifted; float64, evaluation mode."""
-    from transformers import SwinConfig, SwinForImageClassification
+    import transformers
 
-    config = SwinConfig(image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
-                        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    return Pixels(perturbed(SwinForImageClassification(config)))
+    config = getattr(transformers, f"{family}Config")(
+        image_size=image, patch_size=2, num_channels=3, embed_dim=8, depths=list(depths),
+        num_heads=[2] * len(depths), window_size=4, mlp_ratio=1.0, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return Pixels(perturbed(getattr(transformers, f"{family}ForImageClassification")(config)))
 
 
 @pytest.fixture
@@ -64,11 +65,11 @@ def ways(monkeypatch):
     return found
 
 
-def _warm_up(model, inputs, targets, steps=2):
+def _warm_up(model, inputs, targets, steps=2, losses=None):
     """Two tracked steps: the first proves the map, the second confirms the fast way against the
     recomputation. Returns the prepared model."""
     prepared = cgn.prepare_model(model)
-    loss_fn, per_example_loss = classification_losses("mean")
+    loss_fn, per_example_loss = losses or classification_losses("mean")
     problem = Problem(prepared, extend(loss_fn), per_example_loss, inputs, targets, "mean")
     for step in range(steps):
         quantities = [cgn.PerExampleGradNorm(linear(1), param_names=problem.names)]
@@ -139,3 +140,84 @@ def test_the_map_taken_for_granted_would_be_silently_wrong(monkeypatch):
     prepared = _warm_up(swin(), inputs, targets)
     with pytest.raises(AssertionError):
         assert_exact_with_structural_zeros(prepared, inputs, targets)
+
+
+
+def test_opt_flattened_tokens_from_the_batch_pass_are_exact(ways):
+    """OPT's decoder layer: ``final_layer_norm``, ``fc1`` and ``fc2`` on the flattened tokens
+    ``[N*T, C]`` (row ``r`` example ``r // T``'s), the LayerNorm's rows ``G_r * x_hat_r`` and
+    ``G_r``, from the batch's pass; its integer ``position_ids`` per example kept as they are in
+    the NaN passes (their values part of the proof)."""
+    inputs, targets = tokens(3)
+    prepared = _warm_up(opt(), inputs, targets, losses=token_losses("mean"))
+    assert ways == {"fast": 1, "recomputed": 2}  # step 1: proof, recomputed; step 2: both, compared
+    assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert ways == {"fast": 2, "recomputed": 2}  # step 3: from the batch's pass alone
+
+
+@pytest.mark.parametrize("examples", [2, SEQUENCE])
+def test_opt_unconfirmed_is_exact(ways, monkeypatch, examples):
+    """The fast way alone (no comparison step), at 2 and at the batch size equal to the length."""
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = tokens(examples)
+    prepared = _warm_up(opt(), inputs, targets, steps=1, losses=token_losses("mean"))
+    assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert ways == {"fast": 1, "recomputed": 1}
+
+
+def test_swinv2_from_the_batch_pass_is_exact(ways):
+    """SwinV2's attention reads its ``logit_scale`` in its own forward and adds a bias its MLP
+    computes from a table without the batch: both broadcast over the windows' rows, expanded
+    there, each example's share from its rows' gradient (``extensions/fallback/broadcast.py``);
+    shifted windows of a padded grid."""
+    inputs, targets = _batch(3)
+    prepared = _warm_up(swin(family="Swinv2"), inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
+
+
+@pytest.mark.parametrize("examples", [2, WINDOWS])
+def test_swinv2_unconfirmed_is_exact(ways, monkeypatch, examples):
+    monkeypatch.setattr(windows, "CONFIRM", False)
+    inputs, targets = _batch(examples)
+    prepared = _warm_up(swin(family="Swinv2"), inputs, targets, steps=1)
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 2, "recomputed": 2}
+
+
+class _Scaled(torch.nn.Module):
+    """Rows ``[R, 2, 3]`` scaled by a tensor of its parameter alone, then (``matmul``) multiplied
+    by another one: the first a broadcast the windows' way expands, the second a use it does not know."""
+
+    def __init__(self, matmul=False):
+        super().__init__()
+        self.scale, self.mixer = torch.nn.Parameter(torch.ones(2, 1)), torch.nn.Parameter(torch.eye(3))
+        self.matmul = matmul
+
+    def forward(self, rows):
+        scaled = rows * self.scale.exp()
+        return scaled @ (2 * self.mixer) if self.matmul else scaled
+
+
+@pytest.mark.parametrize("matmul", [False, True])
+def test_broadcasts_expand_a_batch_free_tensor_and_refuse_other_uses(matmul):
+    from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts, example_shares, summed_per_example
+
+    module, rows = _Scaled(matmul), torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    module.double()
+    kept = {}
+
+    def expand(k, expanded):
+        expanded.register_hook(lambda grad: kept.update({k: summed_per_example(grad, 3)}))
+        return expanded
+
+    with Broadcasts(module, 6, expand) as mode:
+        out = module(rows)
+    assert mode.broken == matmul and len(mode.operands) == 1 and mode.operands[0][1] == (1, 2, 1)
+    out.pow(2).sum().backward()
+    shares = example_shares(mode, kept, [module.scale])[0]  # rows 2i, 2i+1: example i's
+    expected = torch.stack([torch.autograd.grad(module(rows[2 * i : 2 * i + 2].detach()).pow(2).sum(),
+                                                module.scale)[0] for i in range(3)])
+    if not matmul:
+        torch.testing.assert_close(shares, expected, rtol=1e-12, atol=0)

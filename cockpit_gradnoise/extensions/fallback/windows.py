@@ -42,6 +42,15 @@ recomputed per example, as before, for good. On the first step with the fast way
 is also recomputed per example and both ways' per-example squared norms must agree
 (:data:`CONFIRM`, as :mod:`.experts`); and every step, the contributions must add up to
 each parameter's gradient (:func:`.blocks.reached_otherwise`).
+Two more kinds of member: a plain ``nn.LayerNorm`` on the rows (OPT's ``final_layer_norm``
+on the flattened tokens, ``x_i(gamma) = sum_r G_r * x_hat_r``, ``x_i(beta) = sum_r G_r``,
+:func:`.normalization.layer_norm_contributions` on ``[N, L, C]``); and a module with
+parameters of its own and children (*direct*: SwinV2's attention, its ``logit_scale`` and
+position-bias MLP), whose tensors computed from its parameters alone are expanded to the rows
+where they meet them (:mod:`.broadcast`), the members called inside it on such tensors (the
+MLP's layers) its own. A block's per-example integer inputs (OPT's ``position_ids``) cannot be
+set to NaN: they are kept as they are in the poisoned passes, and their values are part of the
+proof (a call with others is proven again before its rows are used).
 Tests: ``tests/test_swin_windows.py``.
 """
 
@@ -49,11 +58,13 @@ import functools
 import math
 from typing import Dict, List, Optional
 
+from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts, example_shares, summed_per_example
 from cockpit_gradnoise.extensions.fallback.layout import state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
+from cockpit_gradnoise.extensions.normalization import layer_norm_contributions
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import position_sums
 
@@ -71,7 +82,9 @@ PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
 #: (module docstring). A setting for tests and measurements, not per-pass state.
 CONFIRM = True
 
-LINEAR, TABLE = "linear", "table"
+LINEAR, NORM, TABLE, DIRECT = "linear", "norm", "table", "direct"
+#: The kinds computed from their own rows' input and output gradient.
+ON_ROWS = (LINEAR, NORM)
 
 
 class Windows:
@@ -79,6 +92,9 @@ class Windows:
 
     def __init__(self):
         self.maps: Dict[tuple, bool] = {}  # shape of the inputs -> the map proven
+        # shape of the inputs -> the per-example integer inputs (OPT's position_ids) of the
+        # calls proven: their values, which no NaN can mark, are part of a proof.
+        self.integers: Dict[tuple, List[List[Tensor]]] = {}
         self.failed = False  # a map or the confirmation failed: recomputed for good
         self.verified: Optional[bool] = None  # the confirmation against the recomputation
         self.reset()
@@ -90,18 +106,28 @@ class Windows:
         self.calls: Dict[int, int] = {}
         self.inputs: Dict[int, Tensor] = {}
         self.grads: Dict[int, Tensor] = {}
+        self.examples: Optional[int] = None  # N of this block call
+        self.mode: Optional[Broadcasts] = None  # during a DIRECT member's call
+        self.table_calls: set = set()  # members called on batch-free inputs inside it (SwinV2's MLP)
+        self.modes: Dict[int, Broadcasts] = {}  # id(DIRECT member) -> what its call recorded
+        self.shares: Dict[int, Dict[int, Tensor]] = {}  # id(DIRECT member) -> {k: k-th expanded's, per example}
 
     def __reduce__(self):  # a copy of the model proves its maps again
         return (Windows, ())
 
 
 def kind(module: nn.Module) -> Optional[str]:
-    """How the fast way computes ``module``: a plain ``nn.Linear``; a module without children
-    with parameters (called, :func:`proven` checks, without a tensor input: a table); else ``None``."""
+    """How the fast way computes ``module``: a plain ``nn.Linear``; a plain ``nn.LayerNorm`` (OPT's
+    ``final_layer_norm`` on the flattened tokens); a module without children with parameters
+    (called, :func:`proven` checks, without a tensor input: a table); else ``None``."""
     if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
         return LINEAR
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        return NORM
     if direct_parameters(module) and not any(True for child in module.children() for _ in child.parameters()):
         return TABLE
+    if direct_parameters(module):  # (SwinV2's attention: its logit_scale, its position-bias MLP)
+        return DIRECT
     return None
 
 
@@ -117,7 +143,7 @@ def _tensors(args, kwargs) -> List[Tensor]:
 
 
 def _linear_call(state: Windows, module, args, kwargs, output) -> None:
-    """A Linear member's call: its rows (``N*W``, the same for every member), input and output."""
+    """A Linear's or LayerNorm's call: its rows (``N*W``, the same for every member), input and output."""
     inputs = _tensors(args, kwargs)
     state.calls[id(module)] = state.calls.get(id(module), 0) + 1
     if len(inputs) != 1 or not isinstance(output, Tensor) or inputs[0].dim() < 2 \
@@ -160,7 +186,13 @@ def _capture(module, args, kwargs, output):
             or not torch.is_grad_enabled():
         return None  # (a shape not proven yet: its forward pass as it is, tables not expanded)
     found = kind(module)
-    if found == LINEAR:
+    if found == DIRECT:
+        return None  # (its own hooks: _enter, _leave)
+    if found in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
+        state.calls[id(module)] = state.calls.get(id(module), 0) + 1  # inside a DIRECT member's tables
+        state.table_calls.add(id(module))
+        return None
+    if found in ON_ROWS:
         _linear_call(state, module, args, kwargs, output)
         if not state.broken and output.requires_grad:
             state.inputs[id(module)] = _tensors(args, kwargs)[0].detach()
@@ -183,7 +215,56 @@ def _rows_from_parent(module, args, kwargs):
 def _reset(block, args, kwargs):
     state = block.__dict__.get(ATTRIBUTE)
     if state is not None:
-        state.reset(_shapes(_pytree.tree_leaves((args, kwargs))))
+        leaves = _pytree.tree_leaves((args, kwargs))
+        state.reset(_shapes(leaves))
+        state.examples = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim()), None)
+
+
+def _table_parameters(state: Windows, module: nn.Module) -> List[nn.Parameter]:
+    """A DIRECT member's parameters computed from its batch-free tensors: its own, and those of
+    the members called inside it on batch-free inputs."""
+    found = list(direct_parameters(module).values())
+    for sub in module.modules():
+        if id(sub) in state.table_calls:
+            found += list(direct_parameters(sub).values())
+    return found
+
+
+def _share(state: Windows, module: nn.Module, k: int, grad: Tensor) -> None:
+    """Tensor hook on a batch-free tensor expanded to the rows: its gradient summed per example."""
+    shares = state.shares.setdefault(id(module), {})
+    summed = summed_per_example(grad.detach(), state.examples)
+    shares[k] = summed + shares[k] if k in shares else summed
+
+
+def _expand_hooked(state: Windows, module: nn.Module, k: int, expanded: Tensor) -> Tensor:
+    if expanded.requires_grad:
+        expanded.register_hook(functools.partial(_share, state, module, k))
+    return expanded
+
+
+def _enter(module, args, kwargs):
+    """A DIRECT member's call in the batch's pass: its batch-free tensors expanded to its rows."""
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is None or not state.maps.get(state.shapes) or state.failed or idle(module) \
+            or not torch.is_grad_enabled() or state.mode is not None:
+        return
+    _parent_call(state, args, kwargs)
+    if state.broken or state.examples is None:
+        return
+    state.mode = Broadcasts(module, state.rows, functools.partial(_expand_hooked, state, module))
+    state.mode.__enter__()
+
+
+def _leave(module, args, kwargs, output):
+    state = module.__dict__.get(ATTRIBUTE)
+    if state is None or state.mode is None:
+        return
+    mode, state.mode = state.mode, None
+    mode.__exit__(None, None, None)
+    state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    state.modes[id(module)] = mode
+    state.broken = state.broken or mode.broken or not mode.operands or state.rows % state.examples != 0
 
 
 def _parents(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
@@ -208,6 +289,9 @@ def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None
         if not module.__dict__.get(INSTALLED):
             module.__dict__[INSTALLED] = True
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
+            if kind(module) == DIRECT:
+                module.register_forward_pre_hook(eager_under_compile(_enter), with_kwargs=True)
+                module.register_forward_hook(eager_under_compile(_leave), with_kwargs=True, always_call=True)
 
 
 def _shapes(leaves) -> tuple:
@@ -219,6 +303,60 @@ def _nan_rows(tensor: Tensor) -> Tensor:
     return tensor.isnan().reshape(tensor.shape[0], -1).any(1)
 
 
+def _poisoned_rows(expanded: Tensor, poisoned: Tensor, rows: int) -> Tensor:
+    """A copy of ``expanded`` (``[N*W, ...]``) NaN on the rows of the examples ``poisoned``."""
+    expanded = expanded.clone()
+    expanded[poisoned.repeat_interleave(rows // len(poisoned)).to(expanded.device)] = math.nan
+    return expanded
+
+
+class _Proof:
+    """The hooks of one NaN-poisoned pass (:func:`_run_poisoned`): what each member saw."""
+
+    def __init__(self, members: List[nn.Module], poisoned: Tensor):
+        self.seen: Dict[nn.Module, list] = {m: [] for m in members}
+        self.state, self.poisoned = Windows(), poisoned
+
+    def poison(self, k: int, expanded: Tensor) -> Tensor:
+        if self.state.rows % len(self.poisoned):
+            self.state.broken = True
+            return expanded
+        return _poisoned_rows(expanded, self.poisoned, self.state.rows)
+
+    def enter(self, module, args, kwargs):
+        _parent_call(self.state, args, kwargs)
+        if self.state.mode is None and not self.state.broken:
+            self.state.mode = Broadcasts(module, self.state.rows, self.poison)
+            self.state.mode.__enter__()
+
+    def leave(self, module, args, kwargs, output):
+        state = self.state
+        if state.mode is not None:
+            mode, state.mode = state.mode, None
+            mode.__exit__(None, None, None)
+            state.broken = state.broken or mode.broken or not mode.operands
+            self.seen[module].append(None)
+
+    def observe(self, module, args, kwargs, output):
+        state, found = self.state, kind(module)
+        if found == DIRECT:
+            return None
+        if found in ON_ROWS and state.mode is not None and state.mode.is_free(_tensors(args, kwargs)[0]):
+            self.seen[module].append(None)  # (inside a DIRECT member's tables)
+            return None
+        if found in ON_ROWS:
+            _linear_call(state, module, args, kwargs, output)
+            if not state.broken:
+                self.seen[module].append((_nan_rows(_tensors(args, kwargs)[0]), _nan_rows(output)))
+            return None
+        expanded = _table_call(state, module, args, kwargs, output)
+        if expanded is None or state.rows % len(self.poisoned):
+            state.broken = True
+            return None
+        self.seen[module].append(None)
+        return _poisoned_rows(expanded, self.poisoned, state.rows)
+
+
 def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.Module],
                   poisoned: Tensor) -> Optional[tuple]:
     """The block run on its inputs with the examples ``poisoned`` (``[N]`` bool) set to NaN and
@@ -226,34 +364,21 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
     {member: [(input rows NaN, output rows NaN)]}, first output)``; ``None`` where it cannot."""
     examples = len(poisoned)
     leaves = list(call.leaves)
-    for k in batched:
-        if not leaves[k].is_floating_point():
-            return None
+    floating = [k for k in batched if leaves[k].is_floating_point()]
+    if not floating:  # (integer inputs kept as they are: their values are part of the proof)
+        return None
+    for k in floating:
         leaves[k] = leaves[k].clone()
         leaves[k][poisoned.to(leaves[k].device)] = math.nan
     args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-    seen: Dict[nn.Module, list] = {m: [] for m in members}
-    state = Windows()
-
-    def observe(module, args, kwargs, output):
-        if kind(module) == LINEAR:
-            _linear_call(state, module, args, kwargs, output)
-            inputs = _tensors(args, kwargs)
-            if not state.broken:
-                seen[module].append((_nan_rows(inputs[0]), _nan_rows(output)))
-            return None
-        expanded = _table_call(state, module, args, kwargs, output)
-        if expanded is None or state.rows % examples:
-            state.broken = True
-            return None
-        expanded = expanded.clone()
-        expanded[poisoned.repeat_interleave(state.rows // examples).to(expanded.device)] = math.nan
-        seen[module].append(None)
-        return expanded
-
+    proof = _Proof(members, poisoned)
+    state, seen = proof.state, proof.seen
     devices = sorted({leaf.device.index or 0 for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda})
     with hooks_off(block), state_kept(block, devices), torch.no_grad():
-        handles = [m.register_forward_hook(observe, with_kwargs=True) for m in members]
+        handles = [m.register_forward_hook(proof.observe, with_kwargs=True) for m in members]
+        for direct in (m for m in members if kind(m) == DIRECT):
+            handles += [direct.register_forward_pre_hook(proof.enter, with_kwargs=True),
+                        direct.register_forward_hook(proof.leave, with_kwargs=True, always_call=True)]
         handles += [parent.register_forward_pre_hook(lambda module, args, kwargs: _parent_call(state, args, kwargs),
                                                      with_kwargs=True) for parent in _parents(block, members)]
         try:
@@ -295,6 +420,32 @@ def proven(block: nn.Module, call, batched: List[int], members: List[nn.Module],
     return True
 
 
+#: How many calls' integer inputs are kept per shape (:attr:`Windows.integers`): a model whose
+#: position ids change every step proves its map every step (its rows still from the batch's pass).
+INTEGERS_KEPT = 4
+
+
+def _equal(tensors: List[Tensor], others: List[Tensor]) -> bool:
+    return len(tensors) == len(others) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, others))
+
+
+def _prove(state: Windows, key: tuple, integers: List[Tensor], block: nn.Module, call, batched: List[int],
+           members: List[nn.Module], output: Tensor) -> bool:
+    """:func:`proven` for this call, noted: for good where it fails, with the call's per-example
+    integer inputs (which the NaN passes keep as they are) where it holds."""
+    try:
+        state.maps[key] = proven(block, call, batched, members, output)
+    except Exception:  # noqa: BLE001 - a block the poisoned passes cannot run: recomputed
+        state.maps[key] = False
+    state.failed = not state.maps[key]
+    if state.maps[key]:
+        kept = state.integers.setdefault(key, [])
+        kept.append([tensor.clone() for tensor in integers])
+        del kept[:-INTEGERS_KEPT]
+    return state.maps[key]
+
+
 def results(block: nn.Module, call, batched: List[int], members: List[nn.Module], output: Tensor, grad: Tensor,
             params: Dict[str, nn.Parameter], savefields) -> Dict[str, Dict[str, Tensor]]:
     """``{savefield: {name: result}}`` of every parameter of ``params`` (``{name: param}`` of the
@@ -308,19 +459,18 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
             or any(id(p) not in owned for p in params.values()) or output.shape[0] != grad.shape[0]:
         return {}
     key = _shapes(call.leaves)
+    integers = [call.leaves[k] for k in batched if not call.leaves[k].is_floating_point()]
     if key not in state.maps:
-        try:
-            state.maps[key] = proven(block, call, batched, members, output)
-        except Exception:  # noqa: BLE001 - a block the poisoned passes cannot run: recomputed
-            state.maps[key] = False
-        state.failed = not state.maps[key]
-        if not state.failed:
+        if _prove(state, key, integers, block, call, batched, members, output):
             _install(block, members, state)
         return {}
     try:
         if not state.maps[key] or state.shapes != key or state.broken or state.rows is None \
-                or any(state.calls.get(id(m)) != 1 or id(m) not in state.grads for m in members):
+                or any(state.calls.get(id(m)) != 1 or not _kept(state, m) for m in members):
             return {}
+        if not any(_equal(integers, known) for known in state.integers.get(key, ())) \
+                and not _prove(state, key, integers, block, call, batched, members, output):
+            return {}  # (new integer inputs: this call proven, its rows kept used at once)
         return _results(state, members, grad.shape[0], params, savefields)
     except Exception:  # noqa: BLE001 - a layer it cannot reduce: the block is recomputed this step
         return {}
@@ -343,6 +493,18 @@ def _linear_results(module: nn.Linear, a: Tensor, g: Tensor, squares: bool) -> D
     return found
 
 
+def _norm_results(module: nn.LayerNorm, a: Tensor, g: Tensor, squares: bool) -> Dict[str, tuple]:
+    """``{param name: (||x_i||^2, sums)}`` of a LayerNorm on rows ``[N, L, *normalized_shape]``:
+    ``x_i(gamma) = sum_l G_il * x_hat_il``, ``x_i(beta) = sum_l G_il`` (:mod:`..normalization`)."""
+    found = {}
+    for name in ("weight", "bias"):
+        param = getattr(module, name)
+        if param is not None and param.requires_grad:
+            norms, sums = norms_and_sums(layer_norm_contributions(module, a, g, name))
+            found[name] = (norms, sums if squares else sums[:1])
+    return found
+
+
 def _table_results(module: nn.Module, grad: Tensor, examples: int, squares: bool) -> Dict[str, tuple]:
     """``{param name: (||x_i||^2, sums)}`` of a table from its output's per-row gradient ``[N*W, ...]``."""
     per_example = grad.reshape(examples, -1, *grad.shape[1:]).sum(1).unsqueeze(1)  # [N, 1, ...]
@@ -359,26 +521,48 @@ def _table_results(module: nn.Module, grad: Tensor, examples: int, squares: bool
     return results
 
 
+def _kept(state: Windows, member: nn.Module) -> bool:
+    """Whether the batch's pass left what ``member``'s results need."""
+    return id(member) in state.grads or id(member) in state.table_calls or id(member) in state.modes
+
+
+def _member_results(state: Windows, module: nn.Module, examples: int, squares: bool) -> Dict[int, tuple]:
+    """``{id(param): (||x_i||^2, sums)}`` of a member's parameters (a DIRECT member's: of its tables)."""
+    if kind(module) == DIRECT:
+        table = _table_parameters(state, module)
+        shares = example_shares(state.modes[id(module)], state.shares.get(id(module), {}), table)
+        found = {}
+        for param, x in zip(table, shares):
+            norms, sums = norms_and_sums(param.new_zeros(examples, *param.shape) if x is None else x)
+            found[id(param)] = (norms, sums if squares else sums[:1])
+        return found
+    grad = state.grads[id(module)]
+    if kind(module) == LINEAR:
+        a = state.inputs[id(module)]
+        found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
+                                grad.reshape(examples, -1, grad.shape[-1]), squares)
+    elif kind(module) == NORM:
+        shape, a = tuple(module.normalized_shape), state.inputs[id(module)]
+        found = _norm_results(module, a.reshape(examples, -1, *shape), grad.reshape(examples, -1, *shape), squares)
+    else:
+        found = _table_results(module, grad, examples, squares)
+    return {id(getattr(module, attribute)): result for attribute, result in found.items()}
+
+
 def _results(state: Windows, members: List[nn.Module], examples: int, params: Dict[str, nn.Parameter],
              savefields) -> Dict[str, Dict[str, Tensor]]:
     squares = SUMS_SAVEFIELD in savefields
     names = {id(p): name for name, p in params.items()}
     out = {savefield: {} for savefield in savefields}
     for module in members:
-        grad = state.grads[id(module)]
-        if kind(module) == LINEAR:
-            a = state.inputs[id(module)]
-            found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
-                                    grad.reshape(examples, -1, grad.shape[-1]), squares)
-        else:
-            found = _table_results(module, grad, examples, squares)
-        for attribute, (norms, sums) in found.items():
-            name = names.get(id(getattr(module, attribute)))
-            if name is None:
+        if id(module) in state.table_calls:
+            continue  # (its DIRECT member's)
+        for key, (norms, sums) in _member_results(state, module, examples, squares).items():
+            if key not in names:
                 continue
             here = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums, LOCAL_GRADIENT_SAVEFIELD: sums[0]}
             for savefield in savefields:
-                out[savefield][name] = here[savefield]
+                out[savefield][names[key]] = here[savefield]
     if any(len(found) != len(params) for found in out.values()):
         return {}
     return out

@@ -1,0 +1,146 @@
+"""Tensors a module computes from its parameters alone, broadcast over its rows: each example's share.
+
+SwinV2's window attention (``transformers``' ``Swinv2SelfAttention``) reads its ``logit_scale``
+(``[heads, 1, 1]``) in its own forward pass (``scores * exp(clamp(logit_scale))``) and adds a
+position bias an MLP computes from a table without the batch
+(``continuous_position_bias_mlp(relative_coords_table)``, then ``[1, heads, t, t]``): tensors
+``B`` computed from the module's parameters and buffers alone (*batch-free*), each broadcast
+over the ``N*W`` rows of the windows at one elementwise operation. During the module's call,
+:class:`Broadcasts` follows which tensors are batch-free, and at an elementwise operation of
+such a tensor (requiring a gradient) with a tensor led by the rows, puts ``B`` expanded to the
+rows in its place (``expand``: a view, the same numbers). With ``D_r`` the gradient at row
+``r`` of that view, each example's contribution to every parameter ``theta`` ``B`` is computed
+from is
+
+.. math::
+
+    x_i(\\theta) = J_\\theta(B)^{\\top} \\sum_{r:\\, r // W = i} D_r ,
+
+one vector-Jacobian product per example (:func:`example_shares`, batched), after the batch's
+backward pass (which keeps only ``sum_r D_r`` per example): through ``B`` computed again from
+the parameters by the operations the call recorded (:meth:`Broadcasts.replay`; no module is
+called again, no hook runs). Any other use of a batch-free tensor that requires a gradient together with
+the batch's tensors (a matrix product, an attention kernel's mask) marks the call
+:attr:`Broadcasts.broken`: the fast way does not know it (:mod:`.windows` then recomputes the
+block). A parameter used as it is (a member ``nn.Linear``'s weight) is that layer's business.
+"""
+
+import itertools
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+#: Elementwise operations at which a batch-free operand is expanded to the rows (as the tensor
+#: methods reach a mode, and as functions); in place, only as the second operand.
+IN_PLACE = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_")
+_NAMES = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+          "add", "sub", "mul", "div")
+ELEMENTWISE = frozenset(
+    {getattr(owner, name) for owner in (Tensor, torch._C.TensorBase) for name in _NAMES + IN_PLACE
+     if hasattr(owner, name)} | {torch.add, torch.sub, torch.mul, torch.div})
+_IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.TensorBase) for name in IN_PLACE
+                      if hasattr(owner, name))
+
+
+class Broadcasts(TorchFunctionMode):
+    """During one call of ``module``: batch-free tensors followed, and expanded to ``rows`` where
+    they meet the rows (``expand(k, expanded)``, ``k`` its index in :attr:`operands`, gives the
+    tensor put in its place)."""
+
+    def __init__(self, module: nn.Module, rows: int, expand: Callable[[Tensor, Tensor], Tensor]):
+        super().__init__()
+        self.rows, self.expand = rows, expand
+        self.own = {id(p) for p in module._parameters.values() if p is not None}
+        self.free = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+        # The batch-free tensors computed from a trainable parameter (known without autograd:
+        # the proof's passes run without gradients).
+        self.trained = {id(p) for p in module.parameters() if p.requires_grad}
+        self.operands: List[Tuple[Tensor, tuple]] = []  # the tensors expanded, and their shape there
+        self.tape: list = []  # (func, args, kwargs, output) of each operation on batch-free tensors
+        self.broken = False  # a use of a batch-free tensor the fast way does not know
+
+    def is_free(self, tensor) -> bool:
+        return isinstance(tensor, Tensor) and id(tensor) in self.free
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [leaf for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        free = [t for t in tensors if id(t) in self.free]
+        if free and len(free) < len(tensors):
+            args = self._met(func, args, kwargs, free)
+        out = func(*args, **kwargs)
+        outputs = [leaf for leaf in _pytree.tree_leaves(out) if isinstance(leaf, Tensor)]
+        trained = any(id(t) in self.trained for t in free)
+        if outputs and len(free) == len(tensors):  # (a factory's output, arange's, too)
+            self.tape.append((func, args, kwargs, out))
+        for leaf in outputs:  # (an in-place operation with the batch's tensors unmarks its target)
+            if len(free) == len(tensors):
+                self.free[id(leaf)] = leaf
+                if trained:
+                    self.trained.add(id(leaf))
+            else:
+                self.free.pop(id(leaf), None)
+                self.trained.discard(id(leaf))
+        return out
+
+    def _met(self, func, args, kwargs, free: List[Tensor]):
+        """``args`` with a batch-free operand expanded to the rows, where the operation is one
+        of :data:`ELEMENTWISE` of two tensors, the other led by the rows."""
+        grads = [t for t in free if id(t) in self.trained]
+        if not grads:
+            return args
+        if func in ELEMENTWISE and not kwargs and len(args) == 2 and all(isinstance(a, Tensor) for a in args):
+            k = 0 if self.is_free(args[0]) else 1
+            operand, other = args[k], args[1 - k]
+            if (k == 1 or func not in _IN_PLACE) and other.dim() >= max(operand.dim(), 1) \
+                    and other.shape[0] == self.rows:
+                shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
+                if shaped.shape[0] == 1:
+                    self.operands.append((operand, tuple(shaped.shape)))
+                    replaced = self.expand(len(self.operands) - 1, shaped.expand(self.rows, *shaped.shape[1:]))
+                    return (replaced, other) if k == 0 else (other, replaced)
+        if not all(isinstance(t, nn.Parameter) and id(t) not in self.own for t in grads):
+            self.broken = True
+        return args
+
+
+    def replay(self) -> Dict[int, Tensor]:
+        """``{id(recorded tensor): the same computed again}`` from the parameters and buffers, by
+        the recorded operations (with gradients where enabled: a graph of its own)."""
+        again: Dict[int, Tensor] = {}
+
+        def swap(leaf):
+            return again.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf
+
+        for func, args, kwargs, out in self.tape:
+            found = func(*_pytree.tree_map(swap, args), **_pytree.tree_map(swap, kwargs))
+            for leaf, new in zip(_pytree.tree_leaves(out), _pytree.tree_leaves(found)):
+                if isinstance(leaf, Tensor):
+                    again[id(leaf)] = new
+        return again
+
+
+def summed_per_example(rows_grad: Tensor, examples: int) -> Tensor:
+    """``[N, 1, ...]``: the gradient at the ``N*W`` rows of an expanded tensor, summed over each
+    example's ``W`` rows (row ``r`` example ``r // W``'s)."""
+    return rows_grad.reshape(examples, -1, *rows_grad.shape[1:]).sum(1, keepdim=True)
+
+
+def example_shares(mode: Broadcasts, shares: Dict[int, Tensor], params: List[nn.Parameter]
+                   ) -> List[Optional[Tensor]]:
+    """``[x_i(theta) for theta in params]`` (``[N, *theta.shape]``, ``None`` where no expanded
+    tensor depends on ``theta``) from ``shares`` (``{k: summed_per_example}`` of the ``k``-th
+    operand expanded), through the operands computed again (module docstring)."""
+    with torch.enable_grad():
+        again = mode.replay()
+        found: List[Optional[Tensor]] = [None] * len(params)
+        for k, share in shares.items():
+            operand, shape = mode.operands[k]
+            operand = again.get(id(operand), operand).reshape(shape)
+            grads = torch.autograd.grad(operand, params, share.to(operand.dtype), retain_graph=True,
+                                        is_grads_batched=True, allow_unused=True)
+            found = [g if x is None else x if g is None else x + g for x, g in zip(found, grads)]
+    return found
