@@ -59,7 +59,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, experts, windows
+from cockpit_gradnoise.extensions.fallback import block_vmap, experts, shared, windows
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -395,10 +395,15 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     else:
         fast = windows.results(module, block.call, batched, block.members, block.output, grad, params,
                                sorted(wanted))
-    names = fast.get(BATCH_L2_SAVEFIELD, {})
-    rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
+            if fast.get(BATCH_L2_SAVEFIELD) and way is experts:  # its shared experts too (.shared)
+                others = {n: p for n, p in params.items() if n not in fast[BATCH_L2_SAVEFIELD]}
+                rows, block.dtype = shared.results(module, block.call, grad, block.output, others, sorted(wanted))
+                for savefield, found in rows.items():
+                    fast[savefield].update(found)
+            names = fast.get(BATCH_L2_SAVEFIELD, {})
+            rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
             found = {savefield: {} for savefield in wanted}
             if rest:
                 chunks = vectorized(module, block, grad, rest) or per_example_gradients(module, block, grad, rest)
