@@ -12,10 +12,11 @@ wrong must be caught by the first step's comparison with the recomputation.
 from cockpit_gradnoise.extensions.fallback import experts, shared
 
 import pytest
+import torch
 
 from tests.cases import token_losses
 from tests.library_models import Logits
-from tests.test_moe import SEQUENCE, qwen2_moe, tokens
+from tests.test_moe import SEQUENCE, assert_rows_exact, qwen2_moe, tokens, track_one_step
 from tests.test_moe_experts import deepseek_v3
 from tests.test_moe_float32_routers import assert_exact_per_example
 from tests.test_silent_inexact import assert_exact
@@ -52,3 +53,50 @@ def test_deepseek_v3_shared_experts_are_exact(served):
     inputs, targets = tokens(3)
     assert_exact_per_example(deepseek_v3(), inputs, targets)
     assert served and all(names == DEEPSEEK_SHARED for names in served)
+
+
+def test_rows_that_disagree_with_the_recomputation_on_the_first_step_are_not_used(monkeypatch):
+    """With the comparison on (the default): shared rows made wrong (each example's rows
+    taken for the next example's) are caught on the first step, which is the recomputation's,
+    exact; the block's fast way is off for good."""
+    layer_results = shared.layer_results
+
+    def shifted(rows, deltas, examples, bias, squares):
+        per = rows.shape[0] // examples
+        return layer_results(rows.roll(per, 0), deltas, examples, bias, squares)
+
+    monkeypatch.setattr(shared, "layer_results", shifted)
+    inputs, targets = tokens(3)
+    model = Logits(qwen2_moe())
+    assert_exact(model, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert model.model.model.layers[0].mlp.__dict__[experts.ATTRIBUTE].verified is False
+
+
+class WithSharedGateTerm(torch.nn.Module):
+    """``logits``, keeping the shared expert gate's output: a term of the loss on it reaches
+    ``shared_expert_gate.weight`` other than through the block's output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.model.model.layers[0].mlp.shared_expert_gate.register_forward_hook(self.keep)
+
+    def keep(self, module, args, output):
+        self.gate_output = output
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_a_term_reaching_a_shared_layer_otherwise_leaves_it_out_by_name(served):
+    """Its rows through the block's output only do not add up to its gradient: left out with
+    a warning naming it, never split per token; the shared expert, which the term does not
+    reach, stays exact."""
+    inputs, targets = tokens(3)
+    model, reference = WithSharedGateTerm(qwen2_moe()), WithSharedGateTerm(qwen2_moe())
+    rows, messages = track_one_step(model, inputs, targets, lambda m: 0.1 * m.gate_output.square().sum())
+    gate = "model.model.layers.0.mlp.shared_expert_gate.weight"
+    assert gate not in rows and gate in messages
+    assert_rows_exact(rows, reference, inputs, targets, [
+        f"model.model.layers.0.mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")])
+    assert served == [QWEN2_SHARED]

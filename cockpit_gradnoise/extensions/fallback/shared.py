@@ -46,6 +46,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree
 
+#: Whether the shared layers' rows come from the batch (module docstring); ``False``: from the
+#: per-example recomputation, as before. A setting for measurements, not per-pass state.
+FROM_THE_BATCH = True
+
 
 def shared_linears(block: nn.Module, params: Dict[str, nn.Parameter]) -> Dict[nn.Linear, Dict[str, str]]:
     """``{layer: {"weight": name, "bias": name}}`` of the ``nn.Linear`` layers (the class itself)
@@ -136,7 +140,7 @@ def results(block: nn.Module, call, grad: Tensor, expected: Tensor, params: Dict
     float32 rounds there; ``None`` where it did not run). ``call``: the block's call in the
     batch's pass, ``expected`` its output there, ``grad`` the gradient at it. Run inside the
     caller's ``hooks_off``, ``caches_bypassed`` and ``state_kept``."""
-    layers = shared_linears(block, params)
+    layers = shared_linears(block, params) if FROM_THE_BATCH else {}
     if not layers:
         return {}, None
     narrowest = NarrowestResult(expected.dtype)
