@@ -9,6 +9,8 @@ one float64 backward pass per example, at batch 2, 3 and the sequence length; ro
 wrong must be caught by the first step's comparison with the recomputation.
 """
 
+import traceback
+
 from cockpit_gradnoise.extensions.fallback import experts, shared
 
 import pytest
@@ -100,3 +102,40 @@ def test_a_term_reaching_a_shared_layer_otherwise_leaves_it_out_by_name(served):
     assert_rows_exact(rows, reference, inputs, targets, [
         f"model.model.layers.0.mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")])
     assert served == [QWEN2_SHARED]
+
+
+def test_the_experts_are_replayed_not_run_again(served, monkeypatch):
+    """The pass on the batch gives the experts' output of the batch's pass (their inputs the
+    same): the routed experts do not run inside it."""
+    import transformers
+
+    experts_class = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts
+    calls, forward = [], experts_class.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(any(frame.filename == shared.__file__ for frame in traceback.extract_stack()))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(experts_class, "forward", counted)
+    inputs, targets = tokens(3)
+    rows, messages = track_one_step(Logits(qwen2_moe()), inputs, targets)
+    assert messages == "" and served == [QWEN2_SHARED] and calls and not any(calls)
+
+
+def test_a_shared_layer_feeding_the_experts_gives_way_to_the_recomputation(served, monkeypatch):
+    """A block whose routing weights are scaled by its shared gate's output: the experts'
+    output is no constant of that layer, so no shared rows from the batch (the block is
+    recomputed per example), still exact."""
+    import transformers
+
+    def forward(self, hidden_states):
+        rows = hidden_states.view(-1, hidden_states.shape[-1])
+        gate = torch.sigmoid(self.shared_expert_gate(rows))
+        _, weights, index = self.gate(rows)
+        out = self.experts(rows, index, weights * gate) + gate * self.shared_expert(rows)
+        return out.reshape(hidden_states.shape)
+
+    monkeypatch.setattr(transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock, "forward", forward)
+    inputs, targets = tokens(3)
+    assert_exact(Logits(qwen2_moe()), inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
+    assert served == [[]]

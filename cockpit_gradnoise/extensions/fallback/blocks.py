@@ -388,6 +388,7 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     # rows whose map to the examples is proven: from the batch's pass (.experts, .windows).
     batched = _batched(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
+    kept = experts.batch_call(module) if way is experts and not block.call.autocast else None
     if block.call.autocast:
         fast = {}
     elif way is experts:
@@ -399,7 +400,8 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
             if fast.get(BATCH_L2_SAVEFIELD) and way is experts:  # its shared experts too (.shared)
                 others = {n: p for n, p in params.items() if n not in fast[BATCH_L2_SAVEFIELD]}
-                rows, block.dtype = shared.results(module, block.call, grad, block.output, others, sorted(wanted))
+                rows, block.dtype = shared.results(module, block.call, grad, block.output, others, sorted(wanted),
+                                                   kept)
                 for savefield, found in rows.items():
                     fast[savefield].update(found)
             names = fast.get(BATCH_L2_SAVEFIELD, {})

@@ -228,6 +228,13 @@ def capture_of(block: nn.Module) -> Optional[Capture]:
     return capture
 
 
+def batch_call(block: nn.Module) -> Optional[Tuple[Tuple[Tensor, Tensor, Tensor], Tensor]]:
+    """The experts' inputs ``(rows, index, weights)`` and output (detached) in ``block``'s last
+    forward pass, where its :class:`Capture` keeps them (before :func:`results` lets go)."""
+    capture = capture_of(block)
+    return None if capture is None or capture.output is None else (capture.inputs, capture.output)
+
+
 def _example_rows(rows: Tensor, leaves: List[Tensor], examples: int) -> Optional[int]:
     """``T`` where one of the block's per-example inputs (``leaves``) is, exactly, the experts'
     rows (``view(-1, H)``) in example-major order: token ``t`` is example ``t // T``'s."""

@@ -31,6 +31,7 @@ a parameter of any other module stays with the recomputation. Tests:
 ``tests/test_moe_shared.py``.
 """
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions.fallback.experts import (
@@ -73,20 +74,68 @@ def shared_linears(block: nn.Module, params: Dict[str, nn.Parameter]) -> Dict[nn
     return found
 
 
+def _ancestors(tensors: List[Tensor]) -> set:
+    """The autograd nodes ``tensors`` were computed through (their graph, walked back)."""
+    seen, stack = set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(following for following, _ in node.next_functions)
+    return seen
+
+
+@contextlib.contextmanager
+def _experts_replayed(experts: nn.Module, kept, feeding: List[Tensor]):
+    """``experts`` giving their output of the batch's pass (``kept``: inputs and output) where
+    called on those very inputs, instead of running again (their routed products are most of
+    the block's cost); otherwise run. ``feeding``: their inputs that require grad, for
+    :func:`_ancestors`."""
+    inputs, output = kept
+
+    def replay(*args, **kwargs):
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+        feeding.extend(t for t in tensors if t.requires_grad)
+        if len(tensors) == len(inputs) and all(
+                t.shape == k.shape and t.dtype == k.dtype and torch.equal(t.detach(), k)
+                for t, k in zip(tensors, inputs)):
+            return output
+        return run(*args, **kwargs)
+
+    run = experts.forward
+    experts.forward = replay
+    try:
+        yield
+    finally:
+        del experts.forward  # (the instance attribute: the class's forward again)
+
+
 def _rows_again(block: nn.Module, call, grad: Tensor, expected: Tensor, layers: List[nn.Linear],
-                narrowest: NarrowestResult) -> Optional[Dict[nn.Linear, Tuple[Tensor, Tensor]]]:
+                narrowest: NarrowestResult, kept=None) -> Optional[Dict[nn.Linear, Tuple[Tensor, Tensor]]]:
     """``{layer: (inputs [M, in], output gradients [M, out])}`` of one pass of ``block`` on the
     whole batch (hooks off: the caller's context), ``None`` where its output is not
-    ``expected`` or a layer is not called exactly once; ``narrowest`` sees its forward pass."""
+    ``expected`` or a layer is not called exactly once; ``narrowest`` sees its forward pass.
+
+    ``kept``: the experts' inputs and output in the batch's pass (:func:`.experts.batch_call`),
+    replayed instead of run where no layer's output leads to their inputs (the autograd graph,
+    walked back): the layers' gradients through the block's output are then the same with
+    the experts' output a constant (a function of inputs that do not depend on the layers,
+    and of the experts' parameters, none of the layers'); otherwise ``None``.
+    """
     seen: Dict[nn.Linear, List[Tuple[Tensor, Tensor]]] = {layer: [] for layer in layers}
 
     def keep(layer, args, output):
         seen[layer].append((args[0].detach() if args else None, output))
 
+    capture = block.__dict__.get(ATTRIBUTE)
+    feeding: List[Tensor] = []
+    replayed = _experts_replayed(capture.experts, kept, feeding) if kept is not None and capture is not None \
+        and "forward" not in capture.experts.__dict__ else contextlib.nullcontext()
     handles = [layer.register_forward_hook(keep) for layer in layers]
     try:
         args, kwargs = _pytree.tree_unflatten(call.leaves, call.spec)
-        with torch.enable_grad(), narrowest:
+        with torch.enable_grad(), narrowest, replayed:
             output = block(*args, **kwargs)
     finally:
         for handle in handles:
@@ -99,6 +148,8 @@ def _rows_again(block: nn.Module, call, grad: Tensor, expected: Tensor, layers: 
     if any(len(calls) != 1 or calls[0][0] is None or not calls[0][1].requires_grad for calls in seen.values()):
         return None
     outputs = [seen[layer][0][1] for layer in layers]
+    if feeding and not _ancestors(feeding).isdisjoint(o.grad_fn for o in outputs):
+        return None  # a layer feeds the experts: their output is no constant of the layers
     deltas = torch.autograd.grad(first, outputs, grad.to(first.dtype), allow_unused=True)
     found = {}
     for layer, delta in zip(layers, deltas):
@@ -132,20 +183,21 @@ def layer_results(rows: Tensor, deltas: Tensor, examples: int, bias: bool,
 
 
 def results(block: nn.Module, call, grad: Tensor, expected: Tensor, params: Dict[str, nn.Parameter],
-            savefields) -> Tuple[Dict[str, Dict[str, Tensor]], Optional[torch.dtype]]:
+            savefields, kept=None) -> Tuple[Dict[str, Dict[str, Tensor]], Optional[torch.dtype]]:
     """``({savefield: {name: result}}, dtype)``: the results of the parameters of ``params`` held
     by the block's shared linear layers (:func:`shared_linears`), from one pass on the batch
     (module docstring), empty where it covers none; and the narrowest floating dtype that pass
     computed in (:class:`.precision.NarrowestResult`: a float64 block whose router computes in
     float32 rounds there; ``None`` where it did not run). ``call``: the block's call in the
     batch's pass, ``expected`` its output there, ``grad`` the gradient at it. Run inside the
-    caller's ``hooks_off``, ``caches_bypassed`` and ``state_kept``."""
+    caller's ``hooks_off``, ``caches_bypassed`` and ``state_kept``. ``kept``: the experts' call in
+    the batch's pass (:func:`.experts.batch_call`), replayed rather than run again."""
     layers = shared_linears(block, params) if FROM_THE_BATCH else {}
     if not layers:
         return {}, None
     narrowest = NarrowestResult(expected.dtype)
     try:
-        found = _rows_again(block, call, grad, expected, list(layers), narrowest)
+        found = _rows_again(block, call, grad, expected, list(layers), narrowest, kept)
     except Exception:  # noqa: BLE001 - a block that cannot run so: the recomputation computes them
         return {}, None
     if found is None:
