@@ -139,3 +139,21 @@ def test_a_shared_layer_feeding_the_experts_gives_way_to_the_recomputation(serve
     inputs, targets = tokens(3)
     assert_exact(Logits(qwen2_moe()), inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
     assert served == [[]]
+
+
+@pytest.mark.parametrize("squares", [True, False])
+def test_a_layers_results_from_its_rows_are_each_examples_own(squares):
+    """``layer_results`` against each example's gradient formed alone (float64), with a bias
+    (no family above has one) and 3 examples of 4 rows each."""
+    generator = torch.Generator().manual_seed(0)
+    rows, deltas = torch.randn(12, 5, generator=generator, dtype=torch.float64), torch.randn(
+        12, 3, generator=generator, dtype=torch.float64)
+    found = shared.layer_results(rows, deltas, 3, bias=True, squares=squares)
+    weight = torch.stack([deltas[4 * i : 4 * i + 4].T @ rows[4 * i : 4 * i + 4] for i in range(3)])
+    bias = deltas.reshape(3, 4, 3).sum(1)
+    for (norms, sums), x in ((found["weight"], weight), (found["bias"], bias)):
+        torch.testing.assert_close(norms, x.flatten(1).square().sum(1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(sums[0], x.sum(0), rtol=1e-12, atol=1e-14)
+        if squares:
+            torch.testing.assert_close(sums[1], x.square().sum(0), rtol=1e-12, atol=0)
+    assert shared.layer_results(rows[:11], deltas[:11], 3, bias=True, squares=squares) is None

@@ -34,12 +34,9 @@ a parameter of any other module stays with the recomputation. Tests:
 import contextlib
 from typing import Dict, List, Optional, Tuple
 
-from cockpit_gradnoise.extensions.fallback.experts import (
-    ATTRIBUTE,
-    formed_sums_and_norms,
-    gradient_and_gram_norms,
-)
+from cockpit_gradnoise.extensions.fallback.experts import ATTRIBUTE
 from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
+from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
 from cockpit_gradnoise.extensions.precision import NarrowestResult, rounding_bound
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
 
@@ -163,22 +160,22 @@ def layer_results(rows: Tensor, deltas: Tensor, examples: int, bias: bool,
                   squares: bool) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
     """``{"weight": (||x_i||^2 [N], [sum_i x_i(, sum_i x_i**2)]), "bias": ...}`` of one linear
     layer from its rows in example-major order (module docstring); ``None`` where their count
-    is not a multiple of ``examples``. One example's gradient at a time
-    (:func:`.experts.formed_sums_and_norms`), or none formed where the sums of squares are not
-    asked for (:func:`.experts.gradient_and_gram_norms`)."""
+    is not a multiple of ``examples``. As the rule of an ``nn.Linear`` on sequences
+    (``[N, P, in]``) computes them: chunks of formed ``x_i``
+    (:func:`.linear.linear_weight_sums_and_squared_norms`), or, where the sums of squares are
+    not asked for, the norms by Gram matrices or formation, whichever is cheaper
+    (:func:`.linear.linear_weight_squared_norms`)."""
     count = rows.shape[0]
     if not count or count % examples or deltas.shape[0] != count:
         return None
-    per = count // examples
-    counts = torch.full((examples,), per, dtype=torch.long, device=rows.device)
+    inputs, grad_output = rows.reshape(examples, count // examples, -1), deltas.reshape(examples, count // examples, -1)
     if squares:
-        sums, norms = formed_sums_and_norms(deltas, rows, counts, transposed=False)
+        sums, norms = linear_weight_sums_and_squared_norms(inputs, grad_output)
     else:
-        segment = torch.arange(examples, device=rows.device).repeat_interleave(per)
-        sums, norms = gradient_and_gram_norms(deltas, rows, counts, segment, transposed=False)
+        sums, norms = (deltas.T @ rows).unsqueeze(0), linear_weight_squared_norms(inputs, grad_output)
     found = {"weight": (norms, sums)}
     if bias:
-        found["bias"] = norms_and_sums(deltas.reshape(examples, per, -1).sum(1))
+        found["bias"] = norms_and_sums(grad_output.sum(1))
     return found
 
 
