@@ -51,7 +51,9 @@ the rows are then each example's own gradient through the block run alone.
 
 The experts of ``transformers``' mixture-of-experts blocks in their common 3-D layout,
 and a Mixtral-style router, get their rows from the batch's own pass instead
-(:mod:`.experts`): only the block's other parameters are recomputed per example.
+(:mod:`.experts`), and its shared experts' ``nn.Linear`` layers from one more pass of the
+block on the whole batch (:mod:`.shared`): only the block's other parameters are recomputed
+per example.
 """
 
 import contextlib

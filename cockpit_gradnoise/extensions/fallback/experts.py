@@ -47,8 +47,9 @@ model (GraniteMoE's ``.float()``, DeepSeek-V3's ``weight.type(torch.float32)``) 
 compared with ``F.linear`` of the rows at float32's rounding. A term of the loss that
 reaches the router otherwise (the auxiliary load-balancing loss) is not in it, so the
 check that the contributions add up to the gradient (:func:`.blocks.reached_otherwise`)
-leaves the router out by name, as before. Any other parameter of the block (Qwen2-MoE's
-shared expert and its gate, DeepSeek-V3's shared experts) keeps the per-example
+leaves the router out by name, as before. The block's shared experts (``nn.Linear`` layers:
+Qwen2-MoE's shared expert and its gate, DeepSeek-V3's shared experts) get theirs from one pass
+of the block on the batch (:mod:`.shared`); any other parameter keeps the per-example
 recomputation, for its parameters only.
 
 Which token is whose: one of the block's per-example inputs (``[N, T, H]``) must
