@@ -1,7 +1,8 @@
 """A mixture-of-experts step tracked against its plain step, in CPU time of one thread.
 
-The benchmark's Mixtral-style model (``--models moe``: 2 layers of width 128, 8 experts of
-256, top-2, sequence 64, batch 32). Each round runs the plain step, then each tracked
+The benchmark's Mixtral-style model (``--model moe``, the default: 2 layers of width 128, 8
+experts of 256, top-2, sequence 64, batch 32), or Qwen2-MoE's of those sizes with a shared
+expert of 256 and its gate (``--model qwen2-moe``). Each round runs the plain step, then each tracked
 method, interleaved, each timed by ``time.process_time`` on one thread (the machine is
 shared: CPU time is what the step itself spends, and interleaving lets drifts hit every
 step alike). Prints, per method, the median ratio to the plain step of the same round and
@@ -11,7 +12,10 @@ its quartiles over rounds, and the median milliseconds.
 after the warm-up; the first tracked step of each block also confirms the fast way by
 recomputing the block per example, so it is not what later steps cost).
 
-Run: ``PYTHONPATH=. python benchmarks/benchmark_moe.py [--rounds 10] [--profile]``.
+``--before`` adds each method with the shared experts' rows from the per-example
+recomputation (``shared.FROM_THE_BATCH = False``), the way before ``shared.py``, interleaved.
+
+Run: ``PYTHONPATH=. python benchmarks/benchmark_moe.py [--model qwen2-moe] [--before] [--rounds 10] [--profile]``.
 """
 
 import argparse
@@ -19,6 +23,8 @@ import cProfile
 import pstats
 import statistics
 import time
+
+from cockpit_gradnoise.extensions.fallback import shared
 
 import torch
 
@@ -28,12 +34,34 @@ from benchmarks.models import MODELS, model_and_batch
 METHODS = {"all five": package_all, "PerExampleGradNorm": package_quantity("PerExampleGradNorm")}
 
 
-def measure(rounds: int, warmup: int, batch_size: int, model_name: str = "moe"):
-    """``{method: [tracked / plain of each round]}`` and ``{step: [seconds of each round]}``."""
+def shared_per_example(build):
+    """``build``'s step with the shared experts' rows from the per-example recomputation
+    (``shared.FROM_THE_BATCH = False``): the way before them, side by side in one process."""
+    def built(model, loss):
+        step = build(model, loss)
+
+        def run(x, y):
+            shared.FROM_THE_BATCH = False
+            try:
+                return step(x, y)
+            finally:
+                shared.FROM_THE_BATCH = True
+
+        return run
+
+    return built
+
+
+def measure(rounds: int, warmup: int, batch_size: int, model_name: str = "moe", before: bool = False):
+    """``{method: [tracked / plain of each round]}`` and ``{step: [seconds of each round]}``;
+    ``before``: each method also with the shared experts recomputed per example."""
     spec = MODELS[model_name]
     model, x, y = model_and_batch(spec, batch_size, torch.device("cpu"))
+    methods = dict(METHODS)
+    if before:
+        methods.update({f"{name}, shared per example": shared_per_example(build) for name, build in METHODS.items()})
     steps = {"plain": plain_step(model, spec.loss)}
-    steps.update({name: build(model, spec.loss) for name, build in METHODS.items()})
+    steps.update({name: build(model, spec.loss) for name, build in methods.items()})
     for step in steps.values():
         for _ in range(warmup):
             step(x, y)
@@ -43,7 +71,7 @@ def measure(rounds: int, warmup: int, batch_size: int, model_name: str = "moe"):
             start = time.process_time()
             step(x, y)
             times[name].append(time.process_time() - start)
-    ratios = {name: [t / p for t, p in zip(times[name], times["plain"])] for name in METHODS}
+    ratios = {name: [t / p for t, p in zip(times[name], times["plain"])] for name in methods}
     return ratios, times
 
 
@@ -63,14 +91,17 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each method first")
     parser.add_argument("--batch-size", type=int, default=MODELS["moe"].batch_size)
+    parser.add_argument("--model", default="moe", choices=["moe", "qwen2-moe"])
+    parser.add_argument("--before", action="store_true",
+                        help="each method also with the shared experts recomputed per example, interleaved")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.profile:
-        profile(args.warmup, args.batch_size)
+        profile(args.warmup, args.batch_size, args.model)
         return
-    ratios, times = measure(args.rounds, args.warmup, args.batch_size)
-    print(f"moe, batch {args.batch_size}, {args.rounds} rounds, one thread, CPU time; "
+    ratios, times = measure(args.rounds, args.warmup, args.batch_size, args.model, args.before)
+    print(f"{args.model}, batch {args.batch_size}, {args.rounds} rounds, one thread, CPU time; "
           f"plain step median {1e3 * statistics.median(times['plain']):.0f} ms")
     for name, values in ratios.items():
         q1, median, q3 = statistics.quantiles(values, n=4)

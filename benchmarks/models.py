@@ -96,6 +96,20 @@ def make_opt():
     return _Logits(OPTForCausalLM(config).eval())
 
 
+def make_qwen2_moe():
+    """A Qwen2-MoE block's model (``transformers``' ``Qwen2MoeForCausalLM``, random weights) of
+    the Mixtral-style one's sizes (2 layers of width 128, 8 experts of width 256, top-2, 4
+    heads, sequence 64, vocabulary 96) with a shared expert of width 256 and its sigmoid gate
+    beside the routed experts, on the flattened tokens (``extensions/fallback/shared.py``)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=GPT_VOCABULARY, hidden_size=128, intermediate_size=256, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, max_position_embeddings=GPT_CONTEXT)
+    return _Logits(Qwen2MoeForCausalLM(config).eval())
+
+
 class _ImageLogits(nn.Module):
     """``model(pixel_values).logits`` of a Hugging Face image classifier."""
 
@@ -169,6 +183,7 @@ MODELS = {
     "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
+    "qwen2-moe": ModelSpec(make_qwen2_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
     "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
     "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),

@@ -51,7 +51,9 @@ the rows are then each example's own gradient through the block run alone.
 
 The experts of ``transformers``' mixture-of-experts blocks in their common 3-D layout,
 and a Mixtral-style router, get their rows from the batch's own pass instead
-(:mod:`.experts`): only the block's other parameters are recomputed per example.
+(:mod:`.experts`), and its shared experts' ``nn.Linear`` layers from one more pass of the
+block on the whole batch (:mod:`.shared`): only the block's other parameters are recomputed
+per example.
 """
 
 import contextlib
@@ -59,7 +61,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, experts, windows
+from cockpit_gradnoise.extensions.fallback import block_vmap, experts, shared, windows
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -388,6 +390,7 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     # rows whose map to the examples is proven: from the batch's pass (.experts, .windows).
     batched = _batched(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
+    kept = experts.batch_call(module) if way is experts and not block.call.autocast else None
     if block.call.autocast:
         fast = {}
     elif way is experts:
@@ -395,10 +398,16 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     else:
         fast = windows.results(module, block.call, batched, block.members, block.output, grad, params,
                                sorted(wanted))
-    names = fast.get(BATCH_L2_SAVEFIELD, {})
-    rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
+            if fast.get(BATCH_L2_SAVEFIELD) and way is experts:  # its shared experts too (.shared)
+                others = {n: p for n, p in params.items() if n not in fast[BATCH_L2_SAVEFIELD]}
+                rows, block.dtype = shared.results(module, block.call, grad, block.output, others, sorted(wanted),
+                                                   kept)
+                for savefield, found in rows.items():
+                    fast[savefield].update(found)
+            names = fast.get(BATCH_L2_SAVEFIELD, {})
+            rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
             found = {savefield: {} for savefield in wanted}
             if rest:
                 chunks = vectorized(module, block, grad, rest) or per_example_gradients(module, block, grad, rest)

@@ -47,8 +47,9 @@ model (GraniteMoE's ``.float()``, DeepSeek-V3's ``weight.type(torch.float32)``) 
 compared with ``F.linear`` of the rows at float32's rounding. A term of the loss that
 reaches the router otherwise (the auxiliary load-balancing loss) is not in it, so the
 check that the contributions add up to the gradient (:func:`.blocks.reached_otherwise`)
-leaves the router out by name, as before. Any other parameter of the block (Qwen2-MoE's
-shared expert and its gate, DeepSeek-V3's shared experts) keeps the per-example
+leaves the router out by name, as before. The block's shared experts (``nn.Linear`` layers:
+Qwen2-MoE's shared expert and its gate, DeepSeek-V3's shared experts) get theirs from one pass
+of the block on the batch (:mod:`.shared`); any other parameter keeps the per-example
 recomputation, for its parameters only.
 
 Which token is whose: one of the block's per-example inputs (``[N, T, H]``) must
@@ -226,6 +227,13 @@ def capture_of(block: nn.Module) -> Optional[Capture]:
     if capture is None or capture.verified is False or capture.inputs is None or capture.grad is None:
         return None
     return capture
+
+
+def batch_call(block: nn.Module) -> Optional[Tuple[Tuple[Tensor, Tensor, Tensor], Tensor]]:
+    """The experts' inputs ``(rows, index, weights)`` and output (detached) in ``block``'s last
+    forward pass, where its :class:`Capture` keeps them (before :func:`results` lets go)."""
+    capture = capture_of(block)
+    return None if capture is None or capture.output is None else (capture.inputs, capture.output)
 
 
 def _example_rows(rows: Tensor, leaves: List[Tensor], examples: int) -> Optional[int]:
