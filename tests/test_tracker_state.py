@@ -34,8 +34,12 @@ STEPS, KILLED_AFTER, CHECKPOINTED_AT = 12, 7, 6
 
 
 def _script(*arguments, **options):
+    # Intel MKL (torch's BLAS on x86) picks kernels by the operands' memory alignment, so
+    # the same product may round otherwise in another process: seen here as one statistic
+    # one unit in the last place apart at the resumed run's first step. Its conditional
+    # numerical reproducibility mode makes both processes compute alike (docs/training-setups.md).
     return subprocess.Popen([sys.executable, SCRIPT, *map(str, arguments)],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "MKL_CBWR": "AUTO,STRICT"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
 
 
