@@ -65,6 +65,8 @@ MINIBATCHES = 5  # over 2 or 3 processes: unequal shares
 
 
 def worker(rank, world, port, out):
+    """Every job of a group of ``world`` processes in order, saving this process's results
+    after each; with 2 processes, last, a loss that fails on rank 1 (the group must end)."""
     join_group(rank, world, port)
     out = Path(out)
     results = {}
