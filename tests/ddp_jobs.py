@@ -12,6 +12,12 @@ from typing import Tuple
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
 
+# The forkserver preloads the worker's module (this one): what the jobs would import lazily
+# (the log's frame, the report, the collectives) is imported here once, as the test module's
+# own imports did when the worker lived there, so spawned processes skip it.
+from cockpit_gradnoise import cli, distributed  # noqa: F401
+
+import pandas  # noqa: F401
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
