@@ -1,4 +1,4 @@
-"""Assertions and frame helpers shared by several test files."""
+"""Assertions, frame helpers and rounding units shared by several test files."""
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise.logs import schema
@@ -8,6 +8,16 @@ import torch
 
 RTOL = 1e-10
 EPS64 = torch.finfo(torch.float64).eps
+F32_UNIT = 2.0**-24  # float32's unit roundoff
+
+
+def gamma(k: int, unit: float = F32_UNIT) -> float:
+    """``gamma_k = k u / (1 - k u)``: the relative error of a sum of ``k`` terms (Higham 2002, ch. 3)."""
+    return k * unit / (1 - k * unit)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
 
 
 def without_quantities(frame, quantities=(schema.OPTIMIZER,)):

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``): exact global-batch statistics, identical on every process.
 
 2 and 3 processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu",
-(W,))``) run every job of a group in one launch (``test_distributed.run_group``: a
+(W,))``) run every job of a group in one launch (``process_groups.run_group``: a
 join timeout, collectives time out). The model has a layer of width 7 (uneven
 shards over 2 and 3 processes: 4 + 3 and 3 + 3 + 1 rows), a frozen layer and an unused
 one (2 rows: an empty shard on the third process). Each job is compared with one process
@@ -30,7 +30,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.test_distributed import (
+from tests.process_groups import (
     agreed_table,
     assert_tables_match,
     results_of,

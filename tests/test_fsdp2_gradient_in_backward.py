@@ -31,7 +31,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.test_distributed import agreed_table, assert_tables_match, results_of, run_jobs, run_once_per_world
+from tests.process_groups import agreed_table, assert_tables_match, results_of, run_jobs, run_once_per_world
 from tests.test_fsdp2 import SIZES, info, local_batches, make_model, reference, table, trainable
 
 SHAPES = {"fc1.weight": (7, 5), "fc1.bias": (7,), "fc2.weight": (3, 7), "fc2.bias": (3,)}

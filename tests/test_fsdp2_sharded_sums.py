@@ -27,7 +27,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.test_distributed import agreed_table, assert_identical, results_of, run_jobs, run_once_per_world
+from tests.process_groups import agreed_table, assert_identical, results_of, run_jobs, run_once_per_world
 from tests.test_fsdp2 import info, local_batches, make_model, table, trainable
 
 ROWS_CASES = [((7, 5), 0), ((1, 4), 0), ((2,), 0), ((5, 3, 2), 1), ((3, 7), 1), ((10,), 0)]

@@ -2,7 +2,7 @@
 
 Four processes (gloo on loopback, a free port, float64,
 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``) run every job in one
-launch (``test_distributed.run_once_per_world``). The model is test_tensor_parallel's:
+launch (``process_groups.run_once_per_world``). The model is test_tensor_parallel's:
 ``fc1`` split by ``ColwiseParallel`` and ``fc2`` by ``RowwiseParallel`` on ``tp`` (its bias
 replicated), a plain layer, a frozen one and an unused one; then ``fully_shard`` on ``dp``
 (the split parameters become DTensors placed ``(Shard(0) on dp, Shard(k) on tp)``).
@@ -44,8 +44,7 @@ import torch
 from cockpit.utils.schedules import linear
 
 from tests import test_fsdp2, test_fsdp2_gradient_in_backward, test_fsdp2_variance, test_tensor_parallel
-from tests.tensor_parallel_models import Net
-from tests.test_distributed import (
+from tests.process_groups import (
     agreed_table,
     assert_identical,
     assert_tables_match,
@@ -53,6 +52,7 @@ from tests.test_distributed import (
     run_jobs,
     run_once_per_world,
 )
+from tests.tensor_parallel_models import Net
 
 DP, TP = 2, 2
 WORLD = DP * TP

@@ -1,7 +1,7 @@
 """The front door on a model already sharded by FSDP2: ``fully_shard``, then ``cgn.track``.
 
 2 and 3 processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu",
-(W,))``), one launch per world size running every job (``test_distributed.run_group``).
+(W,))``), one launch per world size running every job (``process_groups.run_group``).
 The model (``test_fsdp2.Net``: width 7, uneven shards; a frozen and an unused layer) is
 built, sharded, then tracked, as a user writes it (the loop of docs/distributed.md's FSDP2
 section, and its Lightning example). Every job is compared with one process
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import test_two_batch
-from tests.test_distributed import (
+from tests.process_groups import (
     agreed_table,
     assert_tables_match,
     results_of,

@@ -1,7 +1,7 @@
 """FSDP2: GradientVarianceQuantiles and PreconditionedNoiseScale on sharded sums, exact.
 
 2 and 3 processes (gloo on loopback, float64, ``init_device_mesh("cpu", (W,))``), one
-launch per world size for every job (``test_distributed.run_group``). The model is
+launch per world size for every job (``process_groups.run_group``). The model is
 test_fsdp2's (a layer of width 7: shards of 4 + 3 and 3 + 3 + 1 rows; a frozen and an
 unused layer of 3 and 2 rows: an empty shard on the third process). Each process keeps
 only its rows of the reduced per-element sums; the quantiles over elements on different
@@ -32,7 +32,7 @@ from backpack import extend
 from cockpit.utils.schedules import linear
 from torch import nn
 
-from tests.test_distributed import (
+from tests.process_groups import (
     agreed_table,
     assert_identical,
     assert_tables_match,

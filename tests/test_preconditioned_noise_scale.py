@@ -337,7 +337,7 @@ def ddp_worker(rank, world, port, out):
     import torch.distributed as dist
     from torch import nn
 
-    from tests.test_distributed import local_part, table
+    from tests.ddp_jobs import local_part, table
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -390,7 +390,7 @@ def ddp_reference(reduction, sizes):
 
 @pytest.fixture(scope="module")
 def ddp_tables(tmp_path_factory):
-    from tests.test_distributed import run_group
+    from tests.process_groups import run_group
 
     results, error, _ = run_group(2, tmp_path_factory.mktemp("ddp"), target=ddp_worker)
     assert len(results) == 2, error

@@ -1,7 +1,7 @@
 """Tensor parallelism (``parallelize_module``): exact global-batch statistics, identical on every process.
 
 Two processes (gloo on loopback, a free port, float64, ``init_device_mesh("cpu", (2,))``)
-run every job in one launch (``test_distributed.run_group``). The models split their
+run every job in one launch (``process_groups.run_group``). The models split their
 Linear layers with ``ColwiseParallel`` (the output rows) and ``RowwiseParallel`` (the
 input columns; its bias replicated), and keep a plain layer (the same on both
 processes), a frozen one and an unused one (uneven splits are not tested: torch's
@@ -42,8 +42,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests import test_fsdp2, test_fsdp2_track, test_fsdp2_variance
-from tests.tensor_parallel_models import Attention, Net, Sequence, sequence_plan
-from tests.test_distributed import (
+from tests.process_groups import (
     agreed_table,
     assert_identical,
     assert_tables_match,
@@ -51,6 +50,7 @@ from tests.test_distributed import (
     run_jobs,
     run_once_per_world,
 )
+from tests.tensor_parallel_models import Attention, Net, Sequence, sequence_plan
 
 WORLD = 2
 QUANTILES = (0.0, 0.25, 0.5, 1.0)

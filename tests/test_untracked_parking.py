@@ -102,7 +102,7 @@ def test_a_copy_of_a_parked_model_has_its_hooks_and_records():
 def test_a_compiled_model_whose_hooks_park_has_the_numbers_of_the_uncompiled_one():
     """Parking changes the hook tables TorchDynamo guards on (``prepare_model`` makes it):
     the graphs without the hooks never run a recording forward pass. The eager backend runs
-    the same operations; bound as in tests/test_track.py."""
+    the same operations; bound as in tests/test_track_compiled.py."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     twin = copy.deepcopy(plain)

@@ -177,14 +177,22 @@ def install(model: nn.Module) -> nn.Module:
 _ROOT_HOOKED, _LAYER_HOOKED = "_cgn_uses_root_hooked", "_cgn_uses_layer_hooked"
 
 
-def _ran_twice(module: nn.Module, recorded: facts.BackwardFacts) -> bool:
+def _drop(extension, param, recorded: facts.BackwardFacts, why: str) -> None:
+    """Remove ``extension``'s result from ``param`` (where it wrote one) and refuse the
+    parameter, saying ``why`` (the quantities leave it out, warning)."""
+    if hasattr(param, extension.savefield):
+        delattr(param, extension.savefield)
+    recorded.refuse(param, why)
+
+
+def _ran_twice(extension, module: nn.Module, recorded: facts.BackwardFacts) -> bool:
     """Whether ``module`` ran more than once in the forward pass (T5 calls its shared
-    embedding in the encoder and in the decoder); then refuse its parameters."""
+    embedding in the encoder and in the decoder); then drop and refuse its parameters."""
     uses = module.__dict__[USES_ATTR]
     if uses.calls.get(module, 0) <= 1:
         return False
     for param in module.parameters(recurse=False):
-        recorded.refuse(param, (
+        _drop(extension, param, recorded, (
             f"its layer ({type(module).__name__}) ran {uses.calls[module]} times in one "
             "forward pass, and BackPACK keeps the last input of a layer only"))
     return True
@@ -201,10 +209,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
             extension, module, g_out, _batch_free_call(uses, module)):
         return  # refused (its rule would miss a use); or one of several calls: summed per
         # example at the end of the backward pass
-    if uses is not None and _ran_twice(module, recorded):
-        for param in module.parameters(recurse=False):
-            if hasattr(param, extension.savefield):
-                delattr(param, extension.savefield)
+    if uses is not None and _ran_twice(extension, module, recorded):
         return
     before = tied.values_before(extension, module)
     if call(module, g_inp, g_out) is False:  # no rule covers the module: it wrote nothing
@@ -217,10 +222,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         _broadcast_results(extension, module, broadcast, recorded, g_out[0])
     refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
     for attribute, why in refused.items():
-        param = getattr(module, attribute)
-        if hasattr(param, extension.savefield):
-            delattr(param, extension.savefield)
-        recorded.refuse(param, why)
+        _drop(extension, getattr(module, attribute), recorded, why)
 
 
 def _refuse_used_otherwise(extension, module: nn.Module, uses: Optional[Uses],
@@ -230,9 +232,7 @@ def _refuse_used_otherwise(extension, module: nn.Module, uses: Optional[Uses],
     if uses is None or module not in uses.used_otherwise:
         return False
     for param in module.parameters(recurse=False):
-        if hasattr(param, extension.savefield):
-            delattr(param, extension.savefield)
-        recorded.refuse(param, uses.used_otherwise[module])
+        _drop(extension, param, recorded, uses.used_otherwise[module])
     return True
 
 
@@ -283,8 +283,7 @@ def _broadcast_results(extension, module, broadcast, recorded, grad_output):
     if reason is None and broadcast.meetings and broadcast.gradient is None:
         reason = "the backward pass did not reach where its output meets the batch"
     if reason is not None:
-        delattr(param, extension.savefield)
-        recorded.refuse(param, reason)
+        _drop(extension, param, recorded, reason)
     elif broadcast.exact:
         if broadcast.single:  # one example: its gradient is the batch's
             broadcast.gradient = grad_output.unsqueeze(0)

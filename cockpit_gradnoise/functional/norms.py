@@ -33,6 +33,22 @@ _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 NUMPY_NORM_AT_MOST = 1 << 13
 
 
+def _squared_norm_by_pieces(flat: Tensor) -> Tensor:
+    """``sum_j flat_j**2`` of a 1-d tensor as a 0-dim float64 tensor on its device: dot
+    products of float64 copies of its pieces (:func:`~cockpit_gradnoise._device.float64_pieces`:
+    never all of it in float64 at once), added."""
+    parts = [torch.dot(piece, piece) for piece in _device.float64_pieces(flat)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _squared_norms_foreach(tensors: Sequence[Tensor], device) -> Tensor:
+    """``||t||^2`` of each of ``tensors`` as one float64 vector on ``device``: their norms
+    by one ``torch._foreach_norm`` in float64 (fused on a GPU; on the CPU it converts each
+    tensor to float64 in turn), squared: two roundings more than a sum of squares."""
+    norms = torch._foreach_norm(list(tensors), dtype=torch.float64)
+    return torch.stack([norm.to(device) for norm in norms]).square_()
+
+
 def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
     """``sum_j tensor_j**2``, accumulated in float64, as a Python float.
 
@@ -54,8 +70,7 @@ def squared_norm(tensor: Tensor, *, defer: bool = False) -> float:
         # small tensor (a bias, a norm's weight).
         values = flat.numpy().astype(numpy.float64)
         return float(numpy.dot(values, values))
-    parts = [torch.dot(piece, piece) for piece in _device.float64_pieces(flat)]
-    result = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    result = _squared_norm_by_pieces(flat)
     if defer and not _device.on_host(flat):
         return result
     return result.item()
@@ -76,7 +91,7 @@ def norm_tensor(tensor: Tensor) -> Tensor:
     """
     flat = tensor.detach().reshape(-1)
     if _device.on_host(flat) and flat.numel() > _device.CHUNK:
-        return torch.stack([torch.dot(piece, piece) for piece in _device.float64_pieces(flat)]).sum().sqrt()
+        return _squared_norm_by_pieces(flat).sqrt()
     return torch.linalg.vector_norm(flat, dtype=torch.float64)
 
 
@@ -90,14 +105,14 @@ def squared_norm_tensors(tensors: Sequence[Tensor]) -> Tensor:
     """
     device = tensors[0].device
     large = [_device.on_host(t) and t.numel() > _device.CHUNK for t in tensors]
-    norms = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    squares = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     rest = [i for i, is_large in enumerate(large) if not is_large]
     if rest:
-        found = torch._foreach_norm([tensors[i].detach() for i in rest], dtype=torch.float64)
-        norms.index_copy_(0, torch.tensor(rest, device=device), torch.stack([n.to(device) for n in found]))
+        found = _squared_norms_foreach([tensors[i].detach() for i in rest], device)
+        squares.index_copy_(0, torch.tensor(rest, device=device), found)
     for i in (i for i, is_large in enumerate(large) if is_large):
-        norms[i] = norm_tensor(tensors[i]).to(device)
-    return norms.square_()
+        squares[i] = norm_tensor(tensors[i]).to(device).square()
+    return squares
 
 
 def squared_norms(tensors: Sequence[Tensor], *, defer: bool = False) -> List:
@@ -123,8 +138,8 @@ def squared_norms(tensors: Sequence[Tensor], *, defer: bool = False) -> List:
              and flat.numel() <= _device.CHUNK and flat.dtype in _NUMPY_FLOATS]
     results: List = [None] * len(flats)
     if small:
-        norms = torch._foreach_norm([flats[i] for i in small], ord=2, dtype=torch.float64)
-        for i, squared in zip(small, torch.stack(norms).square_().tolist()):
+        found = _squared_norms_foreach([flats[i] for i in small], flats[small[0]].device)
+        for i, squared in zip(small, found.tolist()):
             results[i] = squared
     for i, flat in enumerate(flats):
         if results[i] is None:
