@@ -63,17 +63,27 @@ def _where(frame) -> str:
     return "model/torch"
 
 
+#: Ops that launch no kernel on a GPU (allocation, dtype arithmetic) besides views.
+_NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "promote_types", "result_type",
+              "lift_fresh", "detach", "_local_scalar_dense"}
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it: by op, and by (place, op)."""
+    """Counts the aten ops dispatched inside it: by op, and by (place, op); and ``launches``,
+    those that are neither views nor in :data:`_NO_KERNEL` (each a kernel on a GPU)."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
         self.places = collections.Counter()
+        self.launches = 0
+        self.host_reads = 0  # .item(), float(t), bool(t): a sync on a GPU
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.ops[name] += 1
+        self.launches += not (func.is_view or name in _NO_KERNEL)
+        self.host_reads += name == "_local_scalar_dense"
         self.places[(_where(sys._getframe(1)), name)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -114,13 +124,17 @@ def measure(name, top):
         step(x, y)
     counters = {method: count(step, x, y) for method, step in steps.items()}
     plain = sum(counters["plain"].ops.values())
-    print(f"\n{name}: {modules} tracked modules; plain step {plain} aten ops")
-    result = {"tracked modules": modules, "plain": plain}
+    plain_launches = counters["plain"].launches
+    print(f"\n{name}: {modules} tracked modules; plain step {plain} aten ops, {plain_launches} launching")
+    result = {"tracked modules": modules, "plain": plain, "plain launching": plain_launches}
     for method in METHODS:
         counter = counters[method]
         total = sum(counter.ops.values())
         extra = total - plain
-        print(f"  {method}: {total} ops, {extra} more than plain, {extra / modules:.0f} per tracked module")
+        launches = counter.launches - plain_launches
+        print(f"  {method}: {total} ops, {extra} more than plain, {extra / modules:.0f} per tracked module; "
+              f"launching (not views): {counter.launches}, {launches} more, {launches / modules:.0f} per "
+              f"tracked module; host reads (.item()) {counter.host_reads}")
         print("    top ops (tracked minus plain): " + ", ".join(
             f"{op} {n - counters['plain'].ops[op]}"
             for op, n in (counter.ops - counters["plain"].ops).most_common(top)))
@@ -134,7 +148,8 @@ def measure(name, top):
                 continue
             ops = collections.Counter({op: m for (p, op), m in counter.places.items() if p == place})
             print(f"      {n:6d}  {place}  (" + ", ".join(f"{op} {m}" for op, m in ops.most_common(6)) + ")")
-        result[method] = {"total": total, "per module": extra / modules}
+        result[method] = {"total": total, "per module": extra / modules, "launching": counter.launches,
+                          "launching per module": launches / modules, "host reads": counter.host_reads}
     return result
 
 
