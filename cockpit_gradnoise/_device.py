@@ -111,15 +111,21 @@ def transfer(tensors: List[Tensor]) -> List[float]:
     One copy per device holding any of them (CPU tensors cost no wait): the
     step's only host-device synchronisation.
     """
-    by_device: Dict[torch.device, List[int]] = {}
+    # Grouped by device and dtype: one stack and one conversion per group (exact:
+    # float64 holds every value of a narrower dtype), not one conversion per tensor,
+    # which on a GPU is a kernel launch each.
+    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(i)
+        groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+    by_device: Dict[torch.device, Tuple[List[int], List[Tensor]]] = {}
+    for (device, _), indices in groups.items():
+        order, parts = by_device.setdefault(device, ([], []))
+        order += indices
+        parts.append(torch.stack([tensors[i].detach().reshape(()) for i in indices]).to(torch.float64))
     values = [0.0] * len(tensors)
-    for indices in by_device.values():
-        stacked = torch.stack(
-            [tensors[i].detach().reshape(()).to(torch.float64) for i in indices]
-        )
-        for i, value in zip(indices, stacked.tolist()):
+    for order, parts in by_device.values():
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for i, value in zip(order, stacked.tolist()):
             values[i] = value
     return values
 

@@ -117,7 +117,8 @@ class Step(ParameterChecks):
         # Whether the declared batch's losses are finite: a bool, or a 0-dim tensor not read yet.
         self._losses_finite: Any = True
         self._deferring = False
-        self._finite: Dict[int, Tuple[torch.Tensor, int, bool]] = {}
+        self._finite: Dict[int, Tuple[torch.Tensor, int, Any]] = {}  # bool, or a device's witness
+        self._finite_answers: Dict[Tuple[int, ...], Tuple[List[torch.Tensor], torch.Tensor]] = {}
         self._shown: set = set()
         self._micro: Any = self  # not read yet (None: no accumulation)
         self._checked_gradients = False
@@ -410,7 +411,40 @@ class Step(ParameterChecks):
         """
         if all(_device.on_host(t) for t in tensors):
             return all(map(self._finite_on_host, tensors))
-        return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        if not all(t.is_floating_point() for t in tensors):
+            return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        witnesses = [self._finite_witness(t) for t in tensors]
+        key = tuple(map(id, witnesses))  # the witnesses are kept alive with the answer
+        known = self._finite_answers.get(key)
+        if known is not None:  # another quantity asked about the same tensors, unchanged
+            return known[1]
+        # Witnesses are at most 2**128 times a tensor's size: their sum is finite iff each is.
+        total = witnesses[0] if len(witnesses) == 1 else torch.stack(witnesses).sum()
+        answer = total.sub(total).eq(0)  # x - x is 0 iff x is finite (NaN for inf and NaN)
+        self._finite_answers[key] = (witnesses, answer)
+        return answer
+
+    def _finite_witness(self, tensor) -> torch.Tensor:
+        """A float64 0-dim tensor on ``tensor``'s device, finite iff every element of ``tensor`` is.
+
+        For the paths of other devices, where each small op is a kernel launch:
+        one reduction per tensor and step instead of ``isfinite(t).all()``'s five
+        (``isfinite`` is ``t == t`` times ``t.abs() != inf``), and none again for a
+        tensor another quantity asked about (unless changed in place: its version).
+        Exact: NaN and inf propagate into a sum; a float64 sum of float32 (or
+        narrower) values cannot overflow (below ``2**1024 / 2**128`` elements), and
+        ``t * 0`` turns a float64 tensor's finite elements into zeros, whose sum is 0.
+        """
+        known = self._finite.get(id(tensor))
+        if known is not None and known[0] is tensor and known[1] == tensor._version \
+                and isinstance(known[2], torch.Tensor):
+            return known[2]
+        if tensor.dtype == torch.float64:
+            witness = tensor.mul(0).sum()
+        else:
+            witness = tensor.sum(dtype=torch.float64)
+        self._finite[id(tensor)] = (tensor, tensor._version, witness)
+        return witness
 
     def _finite_on_host(self, tensor) -> bool:
         known = self._finite.get(id(tensor))

@@ -300,3 +300,15 @@ def test_the_front_door_spares_the_transfer_of_the_loss_reduction(monkeypatch, o
     assert recorder.calls == []
     assert counts == [n - 1 for n in expected_transfers(computed)]
     assert all(rows(tracker.cockpit, q) for q in QUANTITIES)
+
+
+def test_a_transfer_of_several_dtypes_gives_each_value_in_its_place():
+    """One stack and one float64 conversion per dtype, then back in the callers' order:
+    each value exactly (float64 holds every value of the narrower dtypes)."""
+    tensors = [torch.tensor(0.1), torch.tensor(True), torch.tensor(0.1, dtype=torch.float64),
+               torch.tensor([2**40 + 1]), torch.tensor(False), torch.tensor(-3.5, dtype=torch.float16),
+               torch.tensor(float("nan")), torch.tensor(1 / 3, dtype=torch.float64)]
+    expected = [float(t.reshape(()).to(torch.float64)) for t in tensors]
+    got = _device.transfer(tensors)
+    assert [type(v) for v in got] == [float] * len(tensors)
+    assert got[:6] == expected[:6] and got[7] == expected[7] and got[6] != got[6]  # NaN in its place

@@ -123,7 +123,9 @@ def test_abs_ratio_median_is_numpy_median(n):
     assert functional.abs_ratio_statistics(theta, grad)["median"] == numpy.median(ratio)
 
 
-RATIO_CASES = [(0.0, 0.0), (1.0, 0.0), (1.0, -2.0), (3.0, 2.0), (math.nan, 1.0), (1.0, math.nan)]
+RATIO_CASES = [(0.0, 0.0), (1.0, 0.0), (1.0, -2.0), (3.0, 2.0), (math.nan, 1.0), (1.0, math.nan),
+               (math.nan, 0.0), (math.nan, -1.0), (math.nan, math.nan), (0.0, math.nan), (math.inf, 0.0),
+               (-math.inf, -1.0), (math.inf, 2.0), (-math.inf, 2.0), (-3.0, 0.0)]
 
 
 def test_ratio_or_inf_never_gives_nan_from_a_zero_denominator():

@@ -64,6 +64,32 @@ def test_a_step_tested_for_finiteness_again_after_an_in_place_change():
     assert not step.finite([grad, torch.tensor([float("-inf")])])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_device_paths_finiteness_is_isfinite_all(dtype, monkeypatch):
+    """The paths of other devices (run on the CPU): one float64 sum per tensor and step,
+    shared by the quantities, gives ``isfinite(t).all()`` for every tensor of the list,
+    including the largest finite values (whose sum in their own dtype overflows)."""
+    from cockpit_gradnoise import _device
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    step = Step(0)
+    largest = torch.finfo(dtype).max
+    grad = torch.ones(5, dtype=dtype)
+    big = torch.full((4,), largest, dtype=dtype)
+    cases = [[grad], [big], [-big, big, grad], [torch.zeros(0, dtype=dtype)]]
+    for value in [float("inf"), float("-inf"), float("nan")]:
+        cases += [[torch.tensor([1.0, value], dtype=dtype)], [big, torch.tensor([value, -largest], dtype=dtype)]]
+    for tensors in cases:
+        expected = all(bool(torch.isfinite(t).all()) for t in tensors)
+        for _ in range(2):  # the second answer from what the first computed
+            answer = step.finite(tensors)
+            assert isinstance(answer, torch.Tensor) and bool(answer) == expected, tensors
+    grad[2] = float("nan")  # in place: its version moved, tested again
+    assert not bool(step.finite([grad]))
+    grad[2] = 1.0
+    assert bool(step.finite([grad])) and bool(step.finite([big, grad]))
+
+
 def test_batch_size_and_individual_losses_that_disagree_are_refused():
     problem = build(MODELS[0], 6, "mean")
     quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)

@@ -184,6 +184,29 @@ def test_power_of_two_scale_brings_the_largest_into_half_to_one(largest, monkeyp
             assert scale == 2.0**125
 
 
+@pytest.mark.parametrize("case", ["negative", "float64 rounds up", "nan", "inf", "empty", "all empty"])
+def test_power_of_two_scale_of_several_tensors_on_the_device_path(case, monkeypatch):
+    """Several tensors of several dtypes: the device's path (one stack and one amax of
+    the extremes) gives ``2**-e`` of the largest magnitude rounded to float32, 1 when
+    any tensor holds NaN or inf (the host's path reads the extremes as Python floats:
+    the same but where float32 rounding reaches the next power of two)."""
+    tensors = {
+        "negative": [torch.tensor([-3.0, 0.5]), torch.tensor([1e-30], dtype=torch.float64)],
+        # float64 just below 2**10 rounds to 2**10 in float32, whichever path rounds it
+        "float64 rounds up": [torch.tensor([2.0**10 - 2.0**-40], dtype=torch.float64),
+                              torch.tensor([-7.0], dtype=torch.float16)],
+        "nan": [torch.tensor([1.0]), torch.tensor([math.nan, 2.0], dtype=torch.bfloat16)],
+        "inf": [torch.tensor([-math.inf], dtype=torch.float64), torch.tensor([1e-20])],
+        "empty": [torch.zeros(0), torch.tensor([-1e-40, 5e-41])],
+        "all empty": [torch.zeros(0), torch.zeros(0, dtype=torch.float64)],
+    }[case]
+    magnitudes = [abs(float(x)) for t in tensors for x in t.float().flatten()]
+    largest = math.nan if any(map(math.isnan, magnitudes)) else max(magnitudes, default=0.0)
+    exponent = min(max(math.frexp(largest)[1], -125), 127) if math.isfinite(largest) else 0
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    assert _squares.power_of_two_scale(*tensors).item() == 2.0**-exponent, case
+
+
 def test_sums_are_float64_only_where_squares_could_underflow_on_the_cpu(monkeypatch):
     contributions = torch.randn(8, 5)
     assert _squares.contributions_scale(contributions) is None

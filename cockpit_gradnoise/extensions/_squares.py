@@ -51,11 +51,14 @@ def power_of_two_scale(*tensors: Tensor) -> Tensor:
         largest = max((max(float(high), -float(low)) for low, high in extremes), default=0.0)
         exponent = math.frexp(largest)[1] if math.isfinite(largest) else 0
         return torch.tensor(2.0 ** -min(max(exponent, -125), 127))
-    largest = torch.zeros((), device=tensors[0].device)
-    for lowest, highest in extremes:
-        largest = torch.maximum(largest, torch.maximum(highest, -lowest).float())
+    if not extremes:
+        return torch.ones((), device=tensors[0].device)  # 2**-0, as frexp(0) gives
+    # In few launches (each small op is one on a GPU): max(high, -low) = max(|high|, |low|),
+    # amax and maximum propagate NaN, and rounding to float32 is monotone, so the
+    # float32 maximum of the rounded extremes is the rounded maximum.
+    largest = torch.stack([bound.float() for pair in extremes for bound in pair]).abs().amax()
     _, exponent = torch.frexp(largest)
-    exponent = torch.where(largest.isfinite(), exponent.clamp(-125, 127), 0)
+    exponent = torch.where(largest < math.inf, exponent.clamp(-125, 127), 0)  # not NaN nor inf
     return torch.ldexp(torch.ones_like(largest), -exponent)
 
 

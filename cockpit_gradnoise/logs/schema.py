@@ -217,8 +217,9 @@ def ratio_or_inf(numerator, denominator):
             return math.inf
         return numerator / denominator
     numerator, denominator = torch.as_tensor(numerator), torch.as_tensor(denominator)
-    ratio = torch.where(denominator <= 0, math.inf, numerator / denominator)
-    return torch.where(numerator.isnan() | denominator.isnan(), math.nan, ratio)
+    # Four ops (each a kernel launch on a GPU), NaN kept: a NaN denominator is not <= 0
+    # and gives a NaN quotient; clamping to +inf keeps a NaN numerator NaN.
+    return torch.where(denominator <= 0, numerator.clamp(min=math.inf), numerator / denominator)
 
 
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
