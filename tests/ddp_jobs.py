@@ -93,7 +93,12 @@ def worker(rank, world, port, out):
             results[key] = job()
             torch.save(results, out / f"rank{rank}.pt")
         if world == 2:
-            loss_fails_on_rank_1()
+            try:
+                loss_fails_on_rank_1()
+            except Exception as error:  # written before the group closes (run_group reads it):
+                # the other process, cut off, may exit first and be the one torch reports
+                (out / f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}")
+                raise
     finally:
         dist.destroy_process_group()
 

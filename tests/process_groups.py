@@ -64,7 +64,9 @@ def run_group(world, out, target):
                 error = f"the group of {world} processes hung for {JOIN_TIMEOUT} s"
                 break
     except ProcessException as exception:  # a process raised: join ended the others
-        error = str(exception)
+        # torch names the first process to exit; a worker that raised may have written its
+        # own error first (rank<r>.error), before its exit cut the others off
+        error = "\n".join([str(exception)] + [path.read_text() for path in sorted(out.glob("rank*.error"))])
     finally:
         for process in context.processes:
             if process.is_alive():
