@@ -236,7 +236,8 @@ def test_only_the_writer_rank_writes_logs_and_figures(tmp_path, monkeypatch):
 
 
 def test_a_ddp_run_restarted_from_its_checkpoint_logs_what_a_run_never_stopped_logs(groups):
-    """Only rank 0 touches the log; the restarted run's log equals the whole run's exactly."""
+    """Only rank 0 touches the log; the restarted run's log equals the whole run's exactly
+    (the loop of docs/training-setups.md, "Resuming a run", run by ``ddp_jobs.resumed_ddp_run``)."""
     ranks = results_of(groups, 2, "resume")
     out = groups(2)[2] / "resume"
     assert [r["writer"] for r in ranks] == [True, False]
