@@ -72,7 +72,7 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions._squares import saved_dtype, scaled_factors, unscaled_norms, unscaled_sums
 from cockpit_gradnoise.extensions.fallback.parameters import hooks_off
-from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
+from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums, squared_norms_agree
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.linear import gram_squared_norms
 from cockpit_gradnoise.extensions.precision import rounding_bound
@@ -482,10 +482,7 @@ def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: 
         return capture.verified is not False
     if capture is None or capture.verified is not None:
         return capture is not None and bool(capture.verified)
-    slow, quick = recomputed.get(BATCH_L2_SAVEFIELD, {}), fast.get(BATCH_L2_SAVEFIELD, {})
-    capture.verified = bool(quick) and all(
-        name in slow and float((norms - slow[name]).abs().max()) <= rounding_bound(slow[name], eps)
-        for name, norms in quick.items())
+    capture.verified = squared_norms_agree(fast, recomputed, eps)
     return capture.verified
 
 

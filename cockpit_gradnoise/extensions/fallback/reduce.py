@@ -19,12 +19,13 @@ from cockpit_gradnoise.extensions._squares import (
     unscaled_norms,
     unscaled_sums,
 )
+from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
     SUMS_SAVEFIELD,
 )
-from cockpit_gradnoise.extensions.sums import structural_zeros
+from cockpit_gradnoise.extensions.sums import position_sums, structural_zeros
 
 import torch
 from torch import Tensor
@@ -172,3 +173,36 @@ def with_structural_zeros(chunks: Iterator[Tuple[Dict[str, Tensor], Dict]]) -> I
         last[name] = x.masked_fill(structural_zeros(x, magnitudes, counts.pop(), eps), 0.0)
     if last:
         yield last
+
+
+def linear_on_rows(inputs: Tensor, grad_output: Tensor, bias: bool,
+                   squares: bool) -> Dict[str, Tuple[Tensor, Tensor]]:
+    """``{"weight": (||x_i||^2 [N], sums), "bias": ...}`` of a linear layer from each example's
+    rows of its input ``[N, L, in]`` and output gradient ``[N, L, out]`` (the fast ways of
+    :mod:`.windows` and :mod:`.shared`), as the rule of an ``nn.Linear`` on sequences computes
+    them: ``x_i(W) = sum_l g_il a_il^T``, ``x_i(b) = sum_l g_il`` (its structural zeros exactly
+    0, :func:`.sums.position_sums`); ``sums`` ``[sum_i x_i, sum_i x_i**2]`` where ``squares``,
+    else ``[sum_i x_i]`` (the norms then by Gram matrices or formation, whichever is cheaper:
+    :func:`.linear.linear_weight_squared_norms`)."""
+    if squares:
+        sums, norms = linear_weight_sums_and_squared_norms(inputs, grad_output)
+    else:
+        norms = linear_weight_squared_norms(inputs, grad_output)
+        sums = (grad_output.flatten(0, 1).T @ inputs.flatten(0, 1)).unsqueeze(0)
+    found = {"weight": (norms, sums)}
+    if bias:
+        norms, sums = norms_and_sums(position_sums(grad_output, 1))
+        found["bias"] = (norms, sums if squares else sums[:1])
+    return found
+
+
+def squared_norms_agree(fast: Dict[str, Dict[str, Tensor]], recomputed: Dict[str, Dict[str, Tensor]],
+                        eps: float) -> bool:
+    """Whether a fast way's per-example squared norms agree with the per-example
+    recomputation's, each within :func:`.precision.rounding_bound` of the latter at ``eps``
+    (the first-step confirmation of :mod:`.experts` and :mod:`.windows`); ``False`` where the
+    fast way gave none."""
+    slow, quick = recomputed.get(BATCH_L2_SAVEFIELD, {}), fast.get(BATCH_L2_SAVEFIELD, {})
+    return bool(quick) and all(
+        name in slow and float((norms.double() - slow[name].double()).abs().max())
+        <= precision.rounding_bound(slow[name], eps) for name, norms in quick.items())

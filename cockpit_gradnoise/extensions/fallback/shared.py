@@ -35,8 +35,7 @@ import contextlib
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions.fallback.experts import ATTRIBUTE
-from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
-from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
+from cockpit_gradnoise.extensions.fallback.reduce import linear_on_rows
 from cockpit_gradnoise.extensions.precision import NarrowestResult, rounding_bound
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
 
@@ -159,24 +158,13 @@ def _rows_again(block: nn.Module, call, grad: Tensor, expected: Tensor, layers: 
 def layer_results(rows: Tensor, deltas: Tensor, examples: int, bias: bool,
                   squares: bool) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
     """``{"weight": (||x_i||^2 [N], [sum_i x_i(, sum_i x_i**2)]), "bias": ...}`` of one linear
-    layer from its rows in example-major order (module docstring); ``None`` where their count
-    is not a multiple of ``examples``. As the rule of an ``nn.Linear`` on sequences
-    (``[N, P, in]``) computes them: chunks of formed ``x_i``
-    (:func:`.linear.linear_weight_sums_and_squared_norms`), or, where the sums of squares are
-    not asked for, the norms by Gram matrices or formation, whichever is cheaper
-    (:func:`.linear.linear_weight_squared_norms`)."""
+    layer from its rows in example-major order (module docstring), by
+    :func:`.reduce.linear_on_rows`; ``None`` where their count is not a multiple of ``examples``."""
     count = rows.shape[0]
     if not count or count % examples or deltas.shape[0] != count:
         return None
-    inputs, grad_output = rows.reshape(examples, count // examples, -1), deltas.reshape(examples, count // examples, -1)
-    if squares:
-        sums, norms = linear_weight_sums_and_squared_norms(inputs, grad_output)
-    else:
-        sums, norms = (deltas.T @ rows).unsqueeze(0), linear_weight_squared_norms(inputs, grad_output)
-    found = {"weight": (norms, sums)}
-    if bias:
-        found["bias"] = norms_and_sums(grad_output.sum(1))
-    return found
+    return linear_on_rows(rows.reshape(examples, count // examples, -1),
+                          deltas.reshape(examples, count // examples, -1), bias, squares)
 
 
 def results(block: nn.Module, call, grad: Tensor, expected: Tensor, params: Dict[str, nn.Parameter],

@@ -61,12 +61,10 @@ from typing import Dict, List, Optional
 from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts, example_shares, summed_per_example
 from cockpit_gradnoise.extensions.fallback.layout import state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off
-from cockpit_gradnoise.extensions.fallback.reduce import norms_and_sums
+from cockpit_gradnoise.extensions.fallback.reduce import linear_on_rows, norms_and_sums, squared_norms_agree
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
-from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
 from cockpit_gradnoise.extensions.normalization import layer_norm_contributions
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, SUMS_SAVEFIELD
-from cockpit_gradnoise.extensions.sums import position_sums
 
 import torch
 from torch import Tensor, nn
@@ -478,21 +476,6 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
         state.reset()
 
 
-def _linear_results(module: nn.Linear, a: Tensor, g: Tensor, squares: bool) -> Dict[str, tuple]:
-    """``{param name: (||x_i||^2, [sum_i x_i(, sum_i x_i**2)])}`` of a Linear on rows ``[N, L, C]``."""
-    found = {}
-    if squares:
-        sums, norms = linear_weight_sums_and_squared_norms(a, g)
-    else:
-        norms = linear_weight_squared_norms(a, g)
-        sums = (g.flatten(0, 1).T @ a.flatten(0, 1)).unsqueeze(0)
-    found["weight"] = (norms, sums)
-    if module.bias is not None and module.bias.requires_grad:
-        norms, sums = norms_and_sums(position_sums(g, 1))
-        found["bias"] = (norms, sums if squares else sums[:1])
-    return found
-
-
 def _norm_results(module: nn.LayerNorm, a: Tensor, g: Tensor, squares: bool) -> Dict[str, tuple]:
     """``{param name: (||x_i||^2, sums)}`` of a LayerNorm on rows ``[N, L, *normalized_shape]``:
     ``x_i(gamma) = sum_l G_il * x_hat_il``, ``x_i(beta) = sum_l G_il`` (:mod:`..normalization`)."""
@@ -539,8 +522,9 @@ def _member_results(state: Windows, module: nn.Module, examples: int, squares: b
     grad = state.grads[id(module)]
     if kind(module) == LINEAR:
         a = state.inputs[id(module)]
-        found = _linear_results(module, a.reshape(examples, -1, a.shape[-1]),
-                                grad.reshape(examples, -1, grad.shape[-1]), squares)
+        bias = module.bias is not None and module.bias.requires_grad
+        found = linear_on_rows(a.reshape(examples, -1, a.shape[-1]), grad.reshape(examples, -1, grad.shape[-1]),
+                               bias, squares)
     elif kind(module) == NORM:
         shape, a = tuple(module.normalized_shape), state.inputs[id(module)]
         found = _norm_results(module, a.reshape(examples, -1, *shape), grad.reshape(examples, -1, *shape), squares)
@@ -576,10 +560,7 @@ def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: 
     if state is None or state.failed:
         return False
     if state.verified is None and CONFIRM:
-        slow, quick = recomputed.get(BATCH_L2_SAVEFIELD, {}), fast.get(BATCH_L2_SAVEFIELD, {})
-        state.verified = bool(quick) and all(
-            name in slow and float((norms.double() - slow[name].double()).abs().max())
-            <= math.sqrt(eps) * float(slow[name].double().abs().max()) for name, norms in quick.items())
+        state.verified = squared_norms_agree(fast, recomputed, eps)
         state.failed = not state.verified
     return not state.failed
 
