@@ -85,20 +85,26 @@ def _batch(examples, image=IMAGE):
     return inputs, torch.randint(0, 3, (examples,), generator=generator)
 
 
-def test_window_layers_from_the_batch_pass_are_exact(ways):
+@pytest.mark.parametrize("family", ["Swin", "Swinv2"])
+def test_window_layers_from_the_batch_pass_are_exact(ways, family):
+    """Swin; and SwinV2, whose attention reads its ``logit_scale`` in its own forward and adds a
+    bias its MLP computes from a table without the batch: both broadcast over the windows' rows,
+    expanded there, each example's share from its rows' gradient
+    (``extensions/fallback/broadcast.py``). Shifted windows of a padded grid."""
     inputs, targets = _batch(3)
-    prepared = _warm_up(swin(), inputs, targets)
+    prepared = _warm_up(swin(family=family), inputs, targets)
     assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
 
 
+@pytest.mark.parametrize("family", ["Swin", "Swinv2"])
 @pytest.mark.parametrize("examples", [2, WINDOWS])
-def test_window_layers_unconfirmed_are_exact(ways, monkeypatch, examples):
+def test_window_layers_unconfirmed_are_exact(ways, monkeypatch, examples, family):
     """Without the comparison step (one warm-up step: the proof), the fast way alone is exact."""
     monkeypatch.setattr(windows, "CONFIRM", False)
     inputs, targets = _batch(examples)
-    prepared = _warm_up(swin(), inputs, targets, steps=1)
+    prepared = _warm_up(swin(family=family), inputs, targets, steps=1)
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 2, "recomputed": 2}
 
@@ -163,27 +169,6 @@ def test_opt_unconfirmed_is_exact(ways, monkeypatch, examples):
     prepared = _warm_up(opt(), inputs, targets, steps=1, losses=token_losses("mean"))
     assert_exact_with_structural_zeros(prepared, inputs, targets, token_losses("mean"), inner_terms=SEQUENCE)
     assert ways == {"fast": 1, "recomputed": 1}
-
-
-def test_swinv2_from_the_batch_pass_is_exact(ways):
-    """SwinV2's attention reads its ``logit_scale`` in its own forward and adds a bias its MLP
-    computes from a table without the batch: both broadcast over the windows' rows, expanded
-    there, each example's share from its rows' gradient (``extensions/fallback/broadcast.py``);
-    shifted windows of a padded grid."""
-    inputs, targets = _batch(3)
-    prepared = _warm_up(swin(family="Swinv2"), inputs, targets)
-    assert ways == {"fast": 2, "recomputed": 4}  # step 1: proof, recomputed; step 2: both, compared
-    assert_exact_with_structural_zeros(prepared, inputs, targets)
-    assert ways == {"fast": 4, "recomputed": 4}  # step 3: the two blocks from the batch's pass alone
-
-
-@pytest.mark.parametrize("examples", [2, WINDOWS])
-def test_swinv2_unconfirmed_is_exact(ways, monkeypatch, examples):
-    monkeypatch.setattr(windows, "CONFIRM", False)
-    inputs, targets = _batch(examples)
-    prepared = _warm_up(swin(family="Swinv2"), inputs, targets, steps=1)
-    assert_exact_with_structural_zeros(prepared, inputs, targets)
-    assert ways == {"fast": 2, "recomputed": 2}
 
 
 class _Scaled(torch.nn.Module):
