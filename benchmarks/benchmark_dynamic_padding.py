@@ -43,6 +43,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
+from benchmarks.methods import tracked_token_step  # noqa: E402
 from tests.library_models import Logits  # noqa: E402
 
 
@@ -85,14 +86,7 @@ def steps(args):
         def step(length):
             if forget:
                 prepared.__dict__.get(regroup.SIGNATURES, {}).clear()
-            ids, targets = batch(length)
-            prepared.zero_grad()
-            logits = prepared(ids)
-            loss = loss_fn(logits.flatten(0, 1), targets.flatten())
-            tokens = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-            info = {"batch_size": args.batch_size, "individual_losses": tokens.mean(1), "loss": loss}
-            with cockpit(next(counter), info=info):
-                loss.backward()
+            tracked_token_step(prepared, cockpit, loss_fn, next(counter), *batch(length))
         return step
 
     return {"plain": (plain, True), "tracked, one length": (tracked(False), False),

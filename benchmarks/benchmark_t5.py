@@ -39,6 +39,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
+from benchmarks.methods import tracked_token_step  # noqa: E402
 from tests import matrix_models  # noqa: E402
 
 
@@ -81,13 +82,7 @@ def steps(args):
         nn.functional.cross_entropy(model(batch).flatten(0, 1), targets.flatten()).backward()
 
     def tracked():
-        prepared.zero_grad()
-        logits = prepared(batch)
-        loss = loss_fn(logits.flatten(0, 1), targets.flatten())
-        tokens = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        info = {"batch_size": args.batch_size, "individual_losses": tokens.mean(1), "loss": loss}
-        with cockpit(next(counter), info=info):
-            loss.backward()
+        tracked_token_step(prepared, cockpit, loss_fn, next(counter), batch, targets)
 
     return {"plain": plain, "tracked": tracked}
 

@@ -90,6 +90,18 @@ def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
     return step
 
 
+def tracked_token_step(model, cockpit, loss_fn, step, inputs, targets):
+    """One step of a token model tracked by ``cockpit`` at ``step``: the mean cross-entropy over
+    all tokens (``loss_fn``, extended), each example's own the mean over its tokens."""
+    model.zero_grad()
+    logits = model(inputs)
+    loss = loss_fn(logits.flatten(0, 1), targets.flatten())
+    tokens = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    info = {"batch_size": len(targets), "individual_losses": tokens.mean(1), "loss": loss}
+    with cockpit(step, info=info):
+        loss.backward()
+
+
 def package_quantity(name):
     def build(model, loss, every=1):
         return cockpit_step(
