@@ -54,13 +54,13 @@ _SHARDED_MODULE_CLASSES = {
 _QUALIFIED = {"Pipe": "torch.distributed.pipelining", "PipelineStage": "torch.distributed.pipelining"}
 
 
-#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; the
-#: first four also on HSDP's replicate x shard mesh, all six under tensor parallelism.
+#: The quantities exact under FSDP2 (``fully_shard`` on a 1-D mesh), named in refusals; all
+#: six also on HSDP's replicate x shard mesh and under tensor parallelism.
 FSDP2_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                     "GradientVarianceQuantiles", "PreconditionedNoiseScale")
-#: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh): the others
-#: add sums over each process's shard, which would count a shard once per replica.
-HSDP_QUANTITIES = ("GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize")
+#: The quantities exact under HSDP (``fully_shard`` on a replicate x shard mesh, alone or over
+#: tensor parallelism), each counting a shard once, not once per replica (``supports_hsdp``).
+HSDP_QUANTITIES = FSDP2_QUANTITIES
 #: The quantities exact under tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``).
 TENSOR_PARALLEL_QUANTITIES = FSDP2_QUANTITIES
 #: The quantities exact under FSDP2 over tensor parallelism (a ``("dp", "tp")`` mesh).
@@ -91,8 +91,9 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
         fsdp2_tensor_parallel: With ``fsdp2``, allow FSDP2 on ``dp`` of a ``("dp", "tp")``
             mesh over tensor parallelism on ``tp`` (:data:`FSDP2_TENSOR_PARALLEL_QUANTITIES`,
             :func:`.extensions.sharded.unsupported_layout`).
-        hsdp: With ``fsdp2``, allow HSDP's replicate x shard mesh (:data:`HSDP_QUANTITIES`;
-            else refused with a message naming ``quantity``).
+        hsdp: With ``fsdp2``, allow HSDP's replicate x shard mesh (a quantity marked
+            ``supports_hsdp``: :data:`HSDP_QUANTITIES` and TwoBatchNoiseScale; else refused
+            with a message naming ``quantity``).
         quantity: The quantity asking, named in the refusal.
 
     Raises:
@@ -122,10 +123,10 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
     if found == _HSDP:
         raise TypeError(
             f"{quantity or 'this quantity'} {'are' if ', ' in (quantity or '') else 'is'} not "
-            "exact under HSDP (fully_shard on a "
-            "replicate x shard mesh): it adds sums over each process's shard, which would count "
-            f"a shard once per replica. Exact under HSDP: {', '.join(HSDP_QUANTITIES)} (cgn.track's "
-            "quantities=\"cheap\"); or shard on a 1-D mesh; see docs/distributed.md"
+            "marked exact under HSDP (fully_shard on a replicate x shard mesh; supports_hsdp): "
+            "a sum over each process's shard would count a shard once per replica. Exact under "
+            f"HSDP: {', '.join(HSDP_QUANTITIES)} and TwoBatchNoiseScale (every preset of "
+            "cgn.track); or shard on a 1-D mesh; see docs/distributed.md"
         )
     if found is not None:
         what, parallelism = found
@@ -141,7 +142,7 @@ def check_not_sharded(params: Iterable, model=None, fsdp2: bool = False,
             "TwoBatchNoiseScale only; and tensor parallelism "
             "(ColwiseParallel and RowwiseParallel on nn.Linear layers, a 1-D mesh over every "
             "process, or inside FSDP2 on a (\"dp\", \"tp\") mesh, or HSDP's (\"replicate\", "
-            "\"shard\", \"tp\") one for the four exact under HSDP; cgn.prepare_model first, then "
+            "\"shard\", \"tp\") one; cgn.prepare_model first, then "
             f"a Cockpit) for {', '.join(TENSOR_PARALLEL_QUANTITIES)} and TwoBatchNoiseScale only; "
             "see docs/distributed.md"
         )

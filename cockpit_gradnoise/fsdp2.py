@@ -186,7 +186,7 @@ def squared_norms(grads: List[Tensor], shards: bool, counted=None) -> Tensor:
     """``|g|^2`` of each gradient (at least one), in float64; with ``shards``, ``grads`` are
     this process's shards (or ``DTensor`` s) and the squares are summed over the processes,
     where given only those ``counted`` (per gradient: ``False`` where another process holds
-    the same elements, under tensor parallelism). The local squares are
+    the same elements, under tensor parallelism or HSDP). The local squares are
     :func:`~cockpit_gradnoise.functional.squared_norm_tensors`' (a large CPU shard by float64 pieces).
 
     Collective with ``shards`` (one ``all_reduce``): every process must call it.

@@ -96,8 +96,9 @@ def info(outputs, targets, loss, **extra):
             "individual_losses": F.cross_entropy(outputs, targets, reduction="none")}
 
 
-def run_steps(model, cockpit, batches, reduction, micro_batches=1):
-    """Tracked steps: ``batches[step][k]`` the ``(x, y)`` of micro-batch ``k`` (this process's)."""
+def run_steps(model, cockpit, batches, reduction, micro_batches=1, optimizer_info=False):
+    """Tracked steps: ``batches[step][k]`` the ``(x, y)`` of micro-batch ``k`` (this process's);
+    with ``optimizer_info``, the SGD optimizer in ``info`` (PreconditionedNoiseScale: P = I)."""
     named = trainable(model)
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
@@ -107,6 +108,7 @@ def run_steps(model, cockpit, batches, reduction, micro_batches=1):
             outputs = model(x)
             loss = loss_fn(outputs, y) / (micro_batches if reduction == "mean" else 1)
             extra = {"micro_batch": k, "micro_batches": micro_batches} if micro_batches > 1 else {}
+            extra.update({"optimizer": optimizer} if optimizer_info else {})
             with cockpit(step, info=info(outputs, y, loss, **extra)):
                 loss.backward()
         optimizer.step()
@@ -226,10 +228,10 @@ def worker(rank, world, port, out):
     run_jobs(rank, world, port, out, jobs)
 
 
-def reference(job, world, quantities=per_example, make=make_model):
+def reference(job, world, quantities=per_example, make=make_model, optimizer_info=False):
     """One process, the whole model (``make()``) and every step's whole global batch, tracked
     by ``quantities(names)``; the optimizer steps with FSDP2's gradient, the mean over
-    processes of the local ones."""
+    processes of the local ones (``optimizer_info``: as :func:`run_steps`)."""
     _, _, reduction = JOBS[job]
     model = make()
     named = trainable(model)
@@ -245,7 +247,7 @@ def reference(job, world, quantities=per_example, make=make_model):
             optimizer.zero_grad()
             outputs = model(x)
             loss = loss_fn(outputs, y)
-            with cockpit(step, info=info(outputs, y, loss)):
+            with cockpit(step, info=info(outputs, y, loss, **({"optimizer": optimizer} if optimizer_info else {}))):
                 loss.backward()
             optimizer.zero_grad()
             micro = per_rank[0][step]

@@ -27,10 +27,13 @@ name: a cockpit over the layer sharded on ``dp`` alone.
 
 HSDP over tensor parallelism (``fully_shard`` on ``("replicate", "shard")`` of a 3-D mesh of
 the same 4 processes, ``tp`` innermost), in the same launch: replicas (2 x 1 x 2) and shards
-(1 x 2 x 2), test_fsdp2's jobs with the four quantities exact under HSDP (each data-parallel
-group its own examples, counted once per ``tp`` group), and ``cgn.track`` with them over
-accumulated micro-batches (the batch size every group's examples of every micro-batch);
-GradientVarianceQuantiles and the "norms" preset refused there by name.
+(1 x 2 x 2), test_fsdp2's jobs with the five per-example quantities (each data-parallel group
+its own examples, counted once per ``tp`` group; GradientVarianceQuantiles' sums added over
+both data-parallel dimensions, each element held by its shard's first replica), ``cgn.track``
+with the "adaptive", "all" and "norms" presets over accumulated micro-batches (the batch size
+every group's examples of every micro-batch), and PreconditionedNoiseScale with Adam. HSDP
+alone on the launch's 2 x 2 mesh: every quantity (TwoBatchNoiseScale too) over two
+micro-batches, and PreconditionedNoiseScale with Adam.
 """
 
 import functools
@@ -52,7 +55,6 @@ from tests.process_groups import (
     run_jobs,
     run_once_per_world,
 )
-from tests.tensor_parallel_models import Net
 
 DP, TP = 2, 2
 WORLD = DP * TP
@@ -141,17 +143,18 @@ def adam(mesh):
     return {"table": table, "state": state}
 
 
-def two_batch(mesh=None):
+def two_batch(mesh=None, dp=DP, make=make_model, quantities=None):
     """TwoBatchNoiseScale on test_fsdp2's accumulation job: each ``dp`` group's micro-batches
     the small batches (the two processes of a ``tp`` group hold the same: counted once), the
-    step's FSDP2 gradient the big one. Without ``mesh``, one process with every group's
-    micro-batches as its own, each loss weighted as FSDP2's mean over ``dp`` weights it."""
-    micro = len(test_fsdp2.SIZES["accumulation"][DP][0])
+    step's FSDP2 gradient the big one. Without ``mesh``, one process (the model ``make()``)
+    with every one of ``dp`` groups' micro-batches as its own, each loss weighted as FSDP2's
+    mean over ``dp`` weights it."""
+    micro = len(test_fsdp2.SIZES["accumulation"][dp])
     if mesh is None:
-        model = make_model()
-        per_rank = [test_fsdp2.local_batches("accumulation", DP, rank) for rank in range(DP)]
+        model = make()
+        per_rank = [test_fsdp2.local_batches("accumulation", dp, rank) for rank in range(dp)]
         batches = [[batch for batches in per_rank for batch in batches[step]] for step in range(2)]
-        micro *= DP
+        micro *= dp
     else:
         model = sharded_model(mesh)
         batches = test_fsdp2.local_batches("accumulation", DP, dp_rank(mesh))
@@ -193,8 +196,9 @@ def sequence(mesh=None):
 # and shards (1 x 2 x 2), each with its jobs; every process of a dp group its own examples.
 HSDP_TP = {"replicas": ((2, 1, 2), ("per_linear", "accumulation")),
            "shards": ((1, 2, 2), ("root_only", "accumulation"))}
-HSDP_QUANTITIES = {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
-HSDP_TRACKED = {"replicas": sorted(HSDP_QUANTITIES), "shards": "cheap"}  # the preset: the same four
+HSDP_QUANTITIES = {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
+                   "GradientVarianceQuantiles"}
+HSDP_TRACKED = {"replicas": ("adaptive", "norms"), "shards": ("all", "norms")}  # cgn.track's presets
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,27 +211,67 @@ def hsdp_mesh(layout):
 
 
 def hsdp_job(layout, job, _):
-    """test_fsdp2's ``job`` on the HSDP x TP mesh of ``layout``, the four quantities exact
-    under HSDP."""
-    return job_table(job, hsdp_mesh(layout), quantities=test_fsdp2.per_example)
+    """test_fsdp2's ``job`` on the HSDP x TP mesh of ``layout``, the five per-example quantities
+    and the two of ``param.grad``."""
+    return job_table(job, hsdp_mesh(layout))
 
 
-def hsdp_track(layout, rank, _):
-    """``cgn.track`` with the four quantities (listed, or the "cheap" preset) on the model
-    built, split on ``tp`` and sharded by HSDP, each dp group's accumulated micro-batches;
-    and what it says to the quantities that add sums over each process's shard."""
+def hsdp_track(layout, preset, rank, _):
+    """``cgn.track`` with ``preset`` on the model built, split on ``tp`` and sharded by HSDP,
+    each dp group's accumulated micro-batches."""
     mesh = hsdp_mesh(layout)
     split = lambda model, _: sharded_model(mesh, model=model)  # noqa: E731
-    refused = {}
-    for key in ("GradientVarianceQuantiles", "norms"):
-        try:
-            cgn.track(split(Net().double(), mesh), quantities=[key] if key != "norms" else key)
-            refused[key] = None
-        except TypeError as error:
-            refused[key] = str(error)
-    table = test_tensor_parallel.front_door(mesh, quantities=HSDP_TRACKED[layout], rank=rank // TP,
-                                            split=split, quantiles=None)
-    return {"table": table, "refused": refused}
+    return test_tensor_parallel.front_door(mesh, quantities=preset, rank=rank // TP, split=split)
+
+
+def hsdp_adam(layout, rank, _):
+    """PreconditionedNoiseScale with Adam on the HSDP x TP mesh of ``layout`` (each process
+    the P of its elements: ``exp_avg_sq`` placed as the parameter on (replicate, shard, tp))."""
+    mesh = hsdp_mesh(layout)
+    state = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the jobs' test
+        table = test_fsdp2_variance.adam_steps(sharded_model(mesh), DP, rank=rank // TP, state=state)
+    return {"table": table, "state": state}
+
+
+def hsdp_model(mesh):
+    """test_fsdp2's model, every Linear and the root sharded by HSDP on ``mesh`` (2-D: the
+    launch's, its first dimension the replicate one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = test_fsdp2.make_model()
+    for module in (model.fc1, model.fc2, model.frozen, model.unused):
+        fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def every_quantity(names):
+    """The five per-example quantities, PreconditionedNoiseScale (SGD: P = I) and the two of
+    ``param.grad``; TwoBatchNoiseScale is added on the processes (its reference: two_batch)."""
+    return per_example(names) + [cgn.PreconditionedNoiseScale(linear(1), param_names=names)]
+
+
+def hsdp_every_quantity(rank, mesh):
+    """test_fsdp2's accumulation job of 4 processes on HSDP's 2 x 2 mesh (no tensor
+    parallelism), tracked by every quantity in one cockpit."""
+    model = hsdp_model(mesh)
+    named = dict(test_fsdp2.trainable(model))
+    cockpit = cgn.Cockpit(list(named.values()), quantities=every_quantity(named) + test_fsdp2.from_grad(named)
+                          + test_tensor_parallel.two_batch(named))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in test_fsdp2
+        test_fsdp2.run_steps(model, cockpit, test_fsdp2.local_batches("accumulation", WORLD, rank), "mean", 2,
+                             optimizer_info=True)
+    return {"table": test_fsdp2.table(cockpit)}
+
+
+def hsdp_adam_alone(rank, mesh):
+    """PreconditionedNoiseScale with Adam on HSDP's 2 x 2 mesh: equal local batches of a mean
+    loss (FSDP2's gradient, which sets P, is the global batch's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"table": test_fsdp2_variance.adam_steps(hsdp_model(mesh), WORLD, rank=rank)}
 
 
 def hsdp_in_backward(rank, mesh):
@@ -245,7 +289,11 @@ def worker(rank, world, port, out):
     jobs["hsdp_in_backward"] = functools.partial(hsdp_in_backward, rank)
     jobs.update({f"hsdp_{layout}_{job}": functools.partial(hsdp_job, layout, job)
                  for layout, (_, names) in HSDP_TP.items() for job in names})
-    jobs.update({f"hsdp_{layout}_track": functools.partial(hsdp_track, layout, rank) for layout in HSDP_TP})
+    jobs.update({f"hsdp_{layout}_track_{preset}": functools.partial(hsdp_track, layout, preset, rank)
+                 for layout, presets in HSDP_TRACKED.items() for preset in presets})
+    jobs.update({f"hsdp_{layout}_adam": functools.partial(hsdp_adam, layout, rank) for layout in HSDP_TP})
+    jobs["hsdp_every_quantity"] = functools.partial(hsdp_every_quantity, rank)
+    jobs["hsdp_adam"] = functools.partial(hsdp_adam_alone, rank)
     jobs["sequence"] = sequence
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
@@ -382,7 +430,7 @@ def test_hsdp_over_tensor_parallelism_equals_one_process(group, layout, job):
     group; every row, the network's included, as one process on the global batch."""
     results = results_of(group, WORLD, f"hsdp_{layout}_{job}")
     table = agreed_table(results)
-    expected = test_fsdp2.reference(job, DP, make=make_model)
+    expected = test_fsdp2.reference(job, DP, quantities=per_example, make=make_model)
     assert_tables_match(table, expected)
     assert {key[1] for key in expected} == HSDP_QUANTITIES
     assert {*SPLIT, "head.weight", "head.bias", "all"} <= {key[2] for key in expected}
@@ -397,20 +445,56 @@ def test_hsdp_over_tensor_parallelism_equals_one_process(group, layout, job):
     assert not any(math.isnan(value) for value in table.values())
 
 
-@pytest.mark.parametrize("layout", list(HSDP_TP))
-def test_cgn_track_under_hsdp_over_tensor_parallelism_equals_one_process(group, layout):
-    """The front door with accumulated micro-batches: the batch size is every dp group's
-    examples of every micro-batch; the quantities that add shard sums refused by name."""
-    results = results_of(group, WORLD, f"hsdp_{layout}_track")
-    assert_identical([result["table"] for result in results])
-    expected = test_tensor_parallel.front_door(quantities=HSDP_TRACKED[layout], quantiles=None)
-    assert_tables_match(results[0]["table"], expected)
-    assert {key[1] for key in expected} == HSDP_QUANTITIES | {"Optimizer"}
+@pytest.mark.parametrize("layout, preset", [(layout, preset) for layout, presets in HSDP_TRACKED.items()
+                                             for preset in presets])
+def test_cgn_track_under_hsdp_over_tensor_parallelism_equals_one_process(group, layout, preset):
+    """The front door with accumulated micro-batches, every preset once: the batch size is
+    every dp group's examples of every micro-batch."""
+    tables = results_of(group, WORLD, f"hsdp_{layout}_track_{preset}")
+    assert_identical(tables)
+    expected = test_tensor_parallel.front_door(quantities=preset)
+    assert_tables_match(tables[0], expected)
+    assert {key[1] for key in expected} == {
+        "adaptive": HSDP_QUANTITIES | {"PreconditionedNoiseScale", "Optimizer"},
+        "all": HSDP_QUANTITIES | {"Optimizer"},
+        "norms": {"TwoBatchNoiseScale", "ParamGradRatio", "UpdateSize", "Optimizer"}}[preset]
+    assert {*SPLIT, "head.weight", "all"} <= {key[2] for key in expected}
     assert {value for key, value in expected.items() if key[3] == "batch_size"} == {8.0}
-    for result in results:
-        assert "GradientVarianceQuantiles" in result["refused"]["GradientVarianceQuantiles"]
-        assert "HSDP" in result["refused"]["GradientVarianceQuantiles"]
-        assert "TwoBatchNoiseScale" in result["refused"]["norms"] and "HSDP" in result["refused"]["norms"]
+
+
+@pytest.mark.parametrize("layout", list(HSDP_TP))
+def test_preconditioned_noise_scale_with_adam_under_hsdp_over_tensor_parallelism(group, layout):
+    """Each shard's P (Adam's exp_avg_sq, placed as the parameter) applied by its first
+    replica only; as one process on the global batch."""
+    results = results_of(group, WORLD, f"hsdp_{layout}_adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = test_fsdp2_variance.adam_steps(make_model(), DP)
+    assert_tables_match(agreed_table(results), expected)
+    assert results[0]["state"]["fc2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+
+
+def test_every_quantity_under_hsdp_equals_one_process(group):
+    """HSDP on 2 x 2, two micro-batches: the per-element sums of GradientVarianceQuantiles and
+    PreconditionedNoiseScale added over both dimensions, each shard's elements counted by its
+    first replica; TwoBatchNoiseScale's small batches every process's micro-batches, its big
+    batch FSDP2's gradient with each shard counted once; every row as one process."""
+    table = agreed_table(results_of(group, WORLD, "hsdp_every_quantity"))
+    expected = test_fsdp2.reference("accumulation", WORLD, quantities=every_quantity, optimizer_info=True)
+    expected.update(two_batch(dp=WORLD, make=test_fsdp2.make_model))
+    assert_tables_match(table, expected)
+    assert {key[1] for key in expected} == HSDP_QUANTITIES | {"PreconditionedNoiseScale", "TwoBatchNoiseScale"}
+    assert {"fc1.weight", "fc2.bias", "all"} <= {key[2] for key in expected}
+    sizes = sum(map(sum, test_fsdp2.SIZES["accumulation"][WORLD]))
+    assert {value for key, value in expected.items() if key[3] == "batch_size"} == {sizes}
+
+
+def test_preconditioned_noise_scale_with_adam_under_hsdp_equals_one_process(group):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = test_fsdp2_variance.adam_steps(test_fsdp2.make_model(), WORLD)
+    assert_tables_match(agreed_table(results_of(group, WORLD, "hsdp_adam")), expected)
+    assert {key[2] for key in expected} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "all"}
 
 
 def test_hsdp_local_gradient_is_reduced_in_the_backward_pass_and_equals_one_process(group):

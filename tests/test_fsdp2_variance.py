@@ -54,7 +54,7 @@ from tests.test_fsdp2 import (
 )
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.9, 1.0)
-ADAM_SIZES = {2: (3, 3), 3: (2, 2, 2)}
+ADAM_SIZES = {2: (3, 3), 3: (2, 2, 2), 4: (2, 2, 2, 2)}  # 4: HSDP 2 x 2 (test_fsdp2_tensor_parallel)
 
 
 def variance(names):

@@ -19,7 +19,8 @@ Rowwise); PreconditionedNoiseScale with Adam (its state DTensors placed as the s
 parameters); TwoBatchNoiseScale over the accumulated micro-batches; FSDP2 over tensor
 parallelism on a 1 x 2 ``("dp", "tp")`` mesh (the mean job; 2 x 2:
 test_fsdp2_tensor_parallel); HSDP (test_fsdp2's jobs on 2 x 1 and 1 x 2 replicate x
-shard meshes, each process its own examples); SequenceParallel (the Sequence model split by
+shard meshes, each process its own examples; cgn.track takes every preset, and refuses by
+name a quantity not marked exact under HSDP); SequenceParallel (the Sequence model split by
 sequence_plan, torchtitan's layout: a LayerNorm and an RMSNorm on each process's positions,
 their contributions added over the mesh) with every quantity, a mean loss and a sum loss
 over two micro-batches, TwoBatchNoiseScale, PreconditionedNoiseScale with Adam, cgn.track's
@@ -303,27 +304,32 @@ def fsdp2_inside(world, job="mean"):
     return table(cockpit)
 
 
+class NotMarkedHSDP(cgn.GradientNoiseScale):
+    """A quantity exact under FSDP2 but not marked exact under HSDP (``supports_hsdp``)."""
+
+    supports_hsdp = False
+
+
 def hsdp_refused(world):
-    """What cgn.track and the explicit API say on an HSDP model to the quantities that add sums
-    over each process's shard (a shard's replicas would each count it)."""
+    """What cgn.track says on an HSDP model to each preset (none refused: every quantity
+    counts a shard once, not once per replica) and to a quantity not marked exact under
+    HSDP, and what the explicit API says to it at its tracked step."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     messages = {}
-    for key, quantities in {"variance": ["GradientVarianceQuantiles"], "norms": "norms",
-                            "exact": ["GradientNoiseScale", "PerExampleGradNorm"]}.items():
+    for key in ("all", "adaptive", "norms", "not_marked"):
         torch.manual_seed(0)
         model = fully_shard(test_fsdp2.Net().double(), mesh=mesh)
         try:
-            cgn.track(model, quantities=quantities)
+            cgn.track(model, quantities=[NotMarkedHSDP] if key == "not_marked" else key)
             messages[key] = None
         except TypeError as error:
             messages[key] = str(error)
     model = fully_shard(test_fsdp2.make_model(), mesh=mesh)
     named = test_fsdp2.trainable(model)
-    cockpit = cgn.Cockpit([p for _, p in named], quantities=[
-        cgn.GradientVarianceQuantiles(linear(1), param_names=dict(named))])
+    cockpit = cgn.Cockpit([p for _, p in named], quantities=[NotMarkedHSDP(linear(1), param_names=dict(named))])
     try:
         test_fsdp2.run_steps(model, cockpit, [[test_fsdp2.make_batch(4, seed=0)]], "mean")
         messages["explicit"] = None
@@ -463,15 +469,15 @@ def test_hsdp_equals_one_process_on_the_global_batch(group, job):
     assert quantities == {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize"}
 
 
-def test_hsdp_refuses_the_quantities_that_add_shard_sums_by_name(group):
-    """GradientVarianceQuantiles (its sums cut to each process's shard) and the "norms" preset
-    (its big batch adds each process's shard) would count a shard once per replica: refused at
-    cgn.track and at the explicit API's tracked step; the four exact ones pass."""
+def test_hsdp_takes_every_preset_and_refuses_a_quantity_not_marked_by_name(group):
+    """Every preset passes cgn.track on HSDP (test_fsdp2_tensor_parallel compares their numbers
+    with one process); a quantity not marked ``supports_hsdp`` is refused by name at cgn.track
+    and at the explicit API's tracked step, with the exact ones."""
     for messages in results_of(group, WORLD, "hsdp_refused"):
-        assert "GradientVarianceQuantiles" in messages["variance"] and "HSDP" in messages["variance"]
-        assert "TwoBatchNoiseScale" in messages["norms"] and "HSDP" in messages["norms"]
-        assert messages["exact"] is None
-        assert "GradientVarianceQuantiles" in messages["explicit"] and "HSDP" in messages["explicit"]
+        assert messages["all"] is None and messages["adaptive"] is None and messages["norms"] is None
+        for key in ("not_marked", "explicit"):
+            assert messages[key].startswith("NotMarkedHSDP is not marked exact under HSDP"), messages[key]
+            assert "GradientVarianceQuantiles" in messages[key] and "TwoBatchNoiseScale" in messages[key]
 
 
 SEQUENCE_SPLIT = ["block.fc1.bias", "block.fc1.weight", "block.fc2.bias", "block.fc2.weight",

@@ -115,6 +115,24 @@ def is_hsdp(fsdp_param) -> bool:
     return type(fsdp_param.mesh_info).__name__ == "HSDPMeshInfo"
 
 
+def shard_position(fsdp_param) -> Tuple[int, int, bool]:
+    """``(index, shards, first replica)`` of an FSDP2 parameter on this process: its shard's
+    index among the shards (the ``torch.chunk`` part FSDP2 gives it), their number, and
+    whether this process holds the first copy of that shard along HSDP's replicate dimension
+    (always, on a 1-D mesh): each element of a sum over every process's shard is counted by
+    that copy only."""
+    info = fsdp_param.mesh_info
+    return info.shard_mesh_rank, info.shard_mesh_size, getattr(info, "replicate_mesh_rank", 0) == 0
+
+
+def first_replica(param, managed: Optional[Dict[int, object]] = None) -> bool:
+    """Whether this process counts its shard of ``param`` along HSDP's replicate dimension
+    (:func:`shard_position`; ``True`` for a parameter not sharded by HSDP). ``managed``:
+    :func:`fsdp2_parameters`, if known."""
+    fsdp_param = (fsdp2_parameters() if managed is None else managed).get(id(param))
+    return fsdp_param is None or shard_position(fsdp_param)[2]
+
+
 def _unsupported_inside(fsdp_param, dp_mesh, tp_spec) -> Optional[str]:
     """Why FSDP2 on ``dp_mesh`` over tensor parallelism (``tp_spec``) is refused, or ``None``:
     supported is a 1-D ``dp`` mesh, or HSDP's replicate x shard one, over a 1-D tensor-parallel

@@ -9,7 +9,11 @@ of a parameter (reduced over the processes, identical on each) are cut the
 same way (:func:`local_part`), so that every element is held by exactly one
 process, beside the optimizer's state and the gradient of the same elements.
 A parameter that is not sharded (outside every ``fully_shard`` module) is held
-whole by process 0 and by no other, so that no element counts twice.
+whole by process 0 and by no other, so that no element counts twice. Under HSDP
+(``fully_shard`` on a replicate x shard mesh, placed ``(Replicate(), Shard(dim))``) the
+rows are cut over the shard dimension, and the replicas of a shard after the first hold
+none of them (an empty cut): every element is held by one process, its shard's first
+replica.
 """
 
 import math
@@ -55,7 +59,8 @@ def cuts(named_params: List[Tuple[str, Tensor]], presharded=frozenset()) -> Opti
 
 
 def _own(cut: Cut, presharded: bool) -> Cut:
-    """``cut`` of sums that are this process's rows already where ``presharded``."""
+    """``cut`` of sums that are this process's rows already where ``presharded`` (an empty
+    cut stays empty: a replica after the first, under HSDP)."""
     return (cut[0], 0, cut[2] - cut[1]) if presharded and cut is not None else cut
 
 
@@ -73,27 +78,30 @@ def _cut(name: str, param, split=None, fsdp_param=None, tp=(0, 1)) -> Cut:
         return None if dim is None else (dim, 0, param.to_local().shape[dim])
     if split is not None:  # inside FSDP2: the tp shard's sums (or whole ones), rows by dp
         rows = _rows(param.shape[0], tp_size, tp_rank) if dim == 0 else (0, param.shape[0])
-        dp = fsdp_param.mesh_info.mesh
-        start, stop = _rows(rows[1] - rows[0], dp.size(), dp.get_local_rank())
-        return (0, start, stop) if dim is not None or tp_rank == 0 else (0, 0, 0)
-    placements = param.placements
-    dim = getattr(placements[0], "dim", None) if len(placements) == 1 else None
-    mesh = param.device_mesh
-    if dim is None or mesh.ndim != 1:
+        index, shards, first = sharded.shard_position(fsdp_param)
+        start, stop = _rows(rows[1] - rows[0], shards, index)
+        return (0, start, stop) if first and (dim is not None or tp_rank == 0) else (0, 0, 0)
+    placements, mesh = param.placements, param.device_mesh
+    # FSDP2's Shard(dim) on a 1-D mesh, or HSDP's (Replicate(), Shard(dim)) on a 2-D one.
+    dim = getattr(placements[-1], "dim", None)
+    if dim is None or mesh.ndim > 2 or not all(p.is_replicate() for p in placements[:-1]):
         raise RuntimeError(
             f"cockpit_gradnoise: parameter {name!r} is a DTensor placed {placements} on a "
-            f"{mesh.ndim}-D mesh; only FSDP2's one Shard(dim) on a 1-D mesh is supported"
+            f"{mesh.ndim}-D mesh; only FSDP2's one Shard(dim) on a 1-D mesh, or HSDP's "
+            "(Replicate(), Shard(dim)), is supported"
         )
-    rank = mesh.get_local_rank()
-    start, stop = _rows(param.shape[dim], mesh.size(), rank)
+    rank = mesh.get_local_rank(mesh.ndim - 1)
+    start, stop = _rows(param.shape[dim], mesh.size(mesh.ndim - 1), rank)
     local = param.to_local().shape[dim]
     if local != stop - start:
         raise RuntimeError(
             f"cockpit_gradnoise: parameter {name!r}'s shard on process {rank} has {local} rows "
             f"of dim {dim}, not the {stop - start} that torch.chunk gives: a layout not supported"
         )
-    # On the dp part of a ("dp", "tp") mesh, a layer not split: held by the first tp group.
-    return (dim, start, stop) if tp_rank == 0 else (dim, 0, 0)
+    # On the dp part of a ("dp", "tp") mesh, a layer not split: held by the first tp group;
+    # under HSDP by the shard's first replica.
+    first = all(mesh.get_local_rank(d) == 0 for d in range(mesh.ndim - 1))
+    return (dim, start, stop) if tp_rank == 0 and first else (dim, 0, 0)
 
 
 def local_part(full: Tensor, cut: Cut, rank: int) -> Tensor:

@@ -143,7 +143,8 @@ def _with_their_shard(quantities, params) -> dict:
 
 def _added_over_dp(parts, kept) -> dict:
     """``{quantity: {name: sums}}`` of the sums ``kept`` with their shard, added over their
-    ``dp`` mesh where FSDP2 shards them (one ``all_reduce`` per mesh and dtype; collective)."""
+    ``dp`` mesh where FSDP2 shards them (one ``all_reduce`` per mesh, dtype and mesh
+    dimension: HSDP's replicate x shard mesh adds over both; collective)."""
     import torch.distributed as dist
 
     found: dict = {q: {} for q in parts}
@@ -158,7 +159,8 @@ def _added_over_dp(parts, kept) -> dict:
                 pending.setdefault((dp, value.dtype), []).append((sums, key))
     for (dp, _), entries in pending.items():
         buffer = torch.cat([sums[key].reshape(-1) for sums, key in entries])
-        dist.all_reduce(buffer, group=dp.get_group())
+        for dim in range(dp.ndim):
+            dist.all_reduce(buffer, group=dp.get_group(dim))
         for (sums, key), block in zip(entries, buffer.split([sums[key].numel() for sums, key in entries])):
             sums[key] = block.view_as(sums[key])
     return found

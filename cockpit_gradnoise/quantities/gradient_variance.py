@@ -61,7 +61,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     there, and the quantiles over all processes' elements come from a
     distributed selection
     (:func:`~cockpit_gradnoise.order_statistics.quantile_summaries_across`),
-    identical on every process (``docs/distributed.md``). Under tensor
+    identical on every process (``docs/distributed.md``). Under HSDP (a replicate x
+    shard mesh) the sums are added over the replicas as well, and only a shard's first
+    replica holds its rows, so that each element is counted once. Under tensor
     parallelism (``parallelize_module``, a 1-D mesh) a split parameter's sums
     are this process's, of its shard, over every example: they stay there, not
     reduced (inside FSDP2, on a ``("dp", "tp")`` mesh, added over ``dp`` only); the
@@ -92,6 +94,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     #: the tp group; the quantiles as under FSDP2.
     supports_tensor_parallel = True
     supports_fsdp2_tensor_parallel = True
+    #: Under HSDP the sums are added over the replicas too, and a shard's elements are held by
+    #: its first replica only (quantities/_shards.py): each counted once in the selection.
+    supports_hsdp = True
     per_element_sums_stay = True
     sums_sharded_in_backward = SUMS_SAVEFIELD  # under FSDP2: each process keeps its rows
     # "rounding_magnitudes": R of sums expanded over positions (a convolution's

@@ -94,8 +94,9 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     last micro-batch, to those of the global batch. Under FSDP2 each process
     applies the ``P`` of its shard (the optimizer's state is sharded like the
     parameter) to its rows of the sums, and the two sums over elements are
-    added across processes; under tensor parallelism (alone or inside FSDP2)
-    likewise, on the elements of the process's shard of a split parameter.
+    added across processes (under HSDP, by each shard's first replica only); under
+    tensor parallelism (alone or inside FSDP2) likewise, on the elements of the
+    process's shard of a split parameter.
 
     Args:
         track_schedule: Function from step to bool.
@@ -109,7 +110,9 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     sums = {"sum_of_squares": SUM, "sum_of_gradients": SUM}
     reads_local_gradient = False
     micro_batch_gradient = None
-    supports_hsdp = False  # its sums are cut to each process's shard (quantities/_shards.py)
+    #: Under HSDP its sums are cut to each shard's first replica (quantities/_shards.py), beside
+    #: the optimizer's state of the same elements: the sums over elements count each once.
+    supports_hsdp = True
     sums_sharded_in_backward = SUMS_SAVEFIELD  # under FSDP2: each process keeps its rows
     #: Under tensor parallelism a split parameter's sums stay with its shard (inside FSDP2
     #: added over dp), beside the optimizer's state of the same elements (a DTensor placed

@@ -25,7 +25,7 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device, distributed, fsdp2, functional
-from cockpit_gradnoise.extensions import tensor_parallel
+from cockpit_gradnoise.extensions import sharded, tensor_parallel
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, smoothed_noise_scale
 from cockpit_gradnoise.step import Step
@@ -93,6 +93,9 @@ class TwoBatchNoiseScale(Quantity):
     #: Under tensor parallelism (alone or inside FSDP2) each process's squared norms of a split
     #: parameter's elements add over the mesh, examples counted once per tp group (:meth:`_over_tp`).
     supports_tensor_parallel = True
+    #: Under HSDP every process's micro-batch is a small batch; the big batch's squared norm
+    #: adds each shard once, from its first replica (:meth:`_big_squared_norms`).
+    supports_hsdp = True
 
     def __init__(self, model: Optional[nn.Module] = None, track_schedule=None, *,
                  param_names: Optional[Dict[str, nn.Parameter]] = None,
@@ -129,7 +132,7 @@ class TwoBatchNoiseScale(Quantity):
         self._sharded, self._unsharded_hooks = fsdp2.is_sharded(self.params), {}
         #: Tensor parallelism: (mesh, which local norms this process counts, first of the mesh).
         self._tp = tensor_parallel.norm_counts(self.params) if self._sharded else None
-        if self._sharded:  # its big batch adds each process's shard: replicas would add twice
+        if self._sharded:  # its big batch adds each process's shard, once per shard
             self._check_layout()
             if self._standalone:
                 raise TypeError("under FSDP2 (fully_shard) or tensor parallelism TwoBatchNoiseScale "
@@ -142,7 +145,7 @@ class TwoBatchNoiseScale(Quantity):
 
     def _check_layout(self):
         distributed.check_not_sharded(self.params, fsdp2=True, tensor_parallel=True,
-                                      fsdp2_tensor_parallel=True, quantity="TwoBatchNoiseScale")
+                                      fsdp2_tensor_parallel=True, hsdp=True, quantity="TwoBatchNoiseScale")
 
     def _record(self, index: int, grad: Tensor) -> None:
         if not self._armed:
@@ -387,8 +390,11 @@ class TwoBatchNoiseScale(Quantity):
         if self._sharded or self._tp is not None:  # FSDP2, tensor parallelism: shards of param.grad
             zero = torch.zeros((), dtype=torch.float64, device=device)
             grads = [zero if p.grad is None else tensor_parallel.local_values(p.grad) for p in self.params]
-            return fsdp2.squared_norms(grads, True,
-                                       None if self._tp is None else self._tp[1])
+            # A shard once: by the first process of its tp group, and of HSDP's replicas.
+            managed = sharded.fsdp2_parameters()
+            counted = [True] * len(self.params) if self._tp is None else self._tp[1]
+            counted = [c and sharded.first_replica(p, managed) for c, p in zip(counted, self.params)]
+            return fsdp2.squared_norms(grads, True, counted)
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         squares = torch.zeros(len(self.params), dtype=torch.float64, device=device)
         if grads:  # in float64 as the hooks' norms, in one call for all but large CPU ones
