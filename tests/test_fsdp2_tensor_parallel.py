@@ -291,7 +291,7 @@ def worker(rank, world, port, out):
                  for layout, (_, names) in HSDP_TP.items() for job in names})
     jobs.update({f"hsdp_{layout}_track_{preset}": functools.partial(hsdp_track, layout, preset, rank)
                  for layout, presets in HSDP_TRACKED.items() for preset in presets})
-    jobs.update({f"hsdp_{layout}_adam": functools.partial(hsdp_adam, layout, rank) for layout in HSDP_TP})
+    jobs["hsdp_shards_adam"] = functools.partial(hsdp_adam, "shards", rank)  # replicas: hsdp_adam, 2 x 2
     jobs["hsdp_every_quantity"] = functools.partial(hsdp_every_quantity, rank)
     jobs["hsdp_adam"] = functools.partial(hsdp_adam_alone, rank)
     jobs["sequence"] = sequence
@@ -462,16 +462,18 @@ def test_cgn_track_under_hsdp_over_tensor_parallelism_equals_one_process(group, 
     assert {value for key, value in expected.items() if key[3] == "batch_size"} == {8.0}
 
 
-@pytest.mark.parametrize("layout", list(HSDP_TP))
-def test_preconditioned_noise_scale_with_adam_under_hsdp_over_tensor_parallelism(group, layout):
-    """Each shard's P (Adam's exp_avg_sq, placed as the parameter) applied by its first
-    replica only; as one process on the global batch."""
-    results = results_of(group, WORLD, f"hsdp_{layout}_adam")
+def test_preconditioned_noise_scale_with_adam_under_hsdp_over_tensor_parallelism(group):
+    """Each process's P (Adam's exp_avg_sq, placed as the parameter on (replicate, shard, tp))
+    applied to its rows of its tp shard's sums; as one process on the global batch (the
+    replicas' count with Adam: the 2 x 2 test below; with tensor parallelism: cgn.track's
+    "adaptive" preset on 2 x 1 x 2, P = I)."""
+    results = results_of(group, WORLD, "hsdp_shards_adam")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = test_fsdp2_variance.adam_steps(make_model(), DP)
     assert_tables_match(agreed_table(results), expected)
     assert results[0]["state"]["fc2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    assert results[0]["state"]["head.weight"] == "(Replicate(), Shard(dim=0))"
 
 
 def test_every_quantity_under_hsdp_equals_one_process(group):
