@@ -30,8 +30,9 @@ high-water mark is of that kind alone)::
         torchrun --standalone --nproc_per_node 2 benchmarks/benchmark_fsdp2.py --memory $mode --width 2048
     done
 
-(``--depth D``: ``D`` hidden ``width x width`` layers instead of one; ``--replicas R``:
-HSDP, ``fully_shard`` on an ``R x (processes / R)`` replicate x shard mesh) prints, per
+(``--depth D``: ``D`` hidden ``width x width`` layers instead of one; ``--replicas R``, also
+for the timed rounds: HSDP, ``fully_shard`` on an ``R x (processes / R)`` replicate x shard
+mesh) prints, per
 process, bytes in use by malloc (glibc's ``mallinfo2``, where
 torch's CPU tensors live; memory freed but cached by malloc is not in it):
 kept after 2 warm-up steps above what was in use before the first (the
@@ -149,15 +150,13 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers (--memory)")
     parser.add_argument("--memory", choices=sorted(MEMORY_MODES))
     parser.add_argument("--replicas", type=int, default=1,
-                        help="with --memory: HSDP on a replicas x (processes / replicas) mesh")
+                        help="HSDP on a replicas x (processes / replicas) mesh")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if args.replicas > 1 and not args.memory:
-        parser.error("--replicas goes with --memory (the timed rounds hold quantities HSDP refuses)")
     mesh = init_device_mesh("cpu", (world,)) if args.replicas == 1 else init_device_mesh(
         "cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     local = args.batch_size // world
@@ -200,7 +199,8 @@ def main(argv=None):
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)
     if rank == 0:
-        print(f"{world} processes, global batch {args.batch_size}, MLP 784-{args.width}-{args.width}-10 "
+        layout = "" if args.replicas == 1 else f" (HSDP: {args.replicas} x {world // args.replicas})"
+        print(f"{world} processes{layout}, global batch {args.batch_size}, MLP 784-{args.width}-{args.width}-10 "
               f"float32, medians of {args.rounds - 1} rounds")
         for key, seconds in medians.items():
             plain = times["ddp plain" if key.startswith("ddp") else FRONT_DOOR[0] if key in FRONT_DOOR
