@@ -198,7 +198,8 @@ HSDP_TP = {"replicas": ((2, 1, 2), ("per_linear", "accumulation")),
            "shards": ((1, 2, 2), ("root_only", "accumulation"))}
 HSDP_QUANTITIES = {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
                    "GradientVarianceQuantiles"}
-HSDP_TRACKED = {"replicas": ("adaptive", "norms"), "shards": ("all", "norms")}  # cgn.track's presets
+# cgn.track's presets, each once ("norms" where replicas make its big batch count shards once).
+HSDP_TRACKED = {"replicas": ("adaptive", "norms"), "shards": ("all",)}
 
 
 @functools.lru_cache(maxsize=None)
