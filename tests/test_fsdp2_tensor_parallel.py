@@ -240,8 +240,26 @@ def hsdp_in_backward(rank, mesh):
     return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
 
 
+#: The ``tp`` shards of the split parameters (FSDP2's unsharded parameter on each process).
+TP_SHARDS = {(4, 5): "fc1.weight", (4,): "fc1.bias", (4, 4): "fc2.weight"}
+
+
+def split_gradient(layout, at_end, mesh):
+    """GradientNoiseScale alone on the model split on ``tp`` and sharded (every Linear and
+    the root) on ``dp`` (``"dp_tp"``, the launch's mesh) or by HSDP (``"replicas"``), each
+    data-parallel group's micro-batches of test_fsdp2's accumulation job: its local gradient
+    kept in the backward pass or (``at_end``) gathered whole after it."""
+    mesh = mesh if layout == "dp_tp" else hsdp_mesh(layout)
+    return test_fsdp2_gradient_in_backward.tracked_gradient(
+        sharded_model(mesh), test_fsdp2.local_batches("accumulation", DP, dp_rank(mesh)), at_end,
+        shapes=TP_SHARDS)
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs.update({f"{layout}_gradient_{'at_end' if at_end else 'in_backward'}":
+                 functools.partial(split_gradient, layout, at_end)
+                 for layout, at_end in (("dp_tp", False), ("dp_tp", True), ("replicas", False))})
     jobs["hsdp_in_backward"] = functools.partial(hsdp_in_backward, rank)
     jobs.update({f"hsdp_{layout}_{job}": functools.partial(hsdp_job, layout, job)
                  for layout, (_, names) in HSDP_TP.items() for job in names})
@@ -426,3 +444,37 @@ def test_hsdp_local_gradient_is_reduced_in_the_backward_pass_and_equals_one_proc
         want = [(name, (1,) + test_fsdp2_gradient_in_backward.chunk_shape(shape, 2, shard), "in the backward pass")
                 for name, shape in test_fsdp2_gradient_in_backward.SHAPES.items()] * 4  # 2 steps x 2 micro-batches
         assert sorted(result["reduced"]) == sorted(want), rank
+
+
+@pytest.mark.parametrize("layout", ["dp_tp", "replicas"])
+def test_split_local_gradient_is_reduced_in_the_backward_pass_never_gathered(group, layout):
+    """GradientNoiseScale's local gradient of a parameter split on ``tp`` (fc1, fc2's weight):
+    each process's ``tp`` shard reduce-scattered over the data-parallel mesh in the backward
+    pass, once per backward pass, to the shard's ``torch.chunk`` rows (HSDP's replicas: one
+    shard, added over ``replicate``), never gathered whole; as one process on the global batch."""
+    results = results_of(group, WORLD, f"{layout}_gradient_in_backward")
+    expected = {key: value for key, value in test_fsdp2.reference("accumulation", DP, make=make_model).items()
+                if key[1] == "GradientNoiseScale"}
+    assert_tables_match(agreed_table(results), expected)
+    shards = 1 if layout == "replicas" else DP
+    rank_rows = test_fsdp2_gradient_in_backward.chunk_shape
+    for rank, result in enumerate(results):
+        want = [(name, (1,) + rank_rows(shape, shards, (rank // TP) % shards), "in the backward pass")
+                for shape, name in TP_SHARDS.items()] * 4  # 2 steps x 2 micro-batches
+        assert sorted(result["reduced"]) == sorted(want), rank
+        assert result["gathered"] == [], rank
+
+
+def test_split_local_gradient_gathered_at_the_end_before_and_micro_batch_norms_agree(group):
+    """The path of before (``sums_sharded_in_backward = None``) gathers each split local
+    gradient whole; the micro-batch norms (each process's dp group's gradient) agree."""
+    inside = results_of(group, WORLD, "dp_tp_gradient_in_backward")
+    at_end = results_of(group, WORLD, "dp_tp_gradient_at_end")
+    assert_tables_match(agreed_table(inside), agreed_table(at_end))
+    for got, want in zip(inside, at_end):
+        assert set(want["gathered"]) == set(TP_SHARDS.values()) and want["reduced"] == []
+        assert got["micro"].keys() == want["micro"].keys() == {0, 1}
+        for step, norms in want["micro"].items():
+            assert len(norms) == 2
+            for a, b in zip(got["micro"][step], norms):
+                assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)

@@ -332,6 +332,23 @@ def hsdp_refused(world):
     return messages
 
 
+def split_gradient(at_end, mesh=None):
+    """GradientNoiseScale alone on the accumulation job's MLP split over ``mesh`` (else one
+    process), its local gradient kept in the backward pass or (``at_end``) gathered whole."""
+    from tests.test_fsdp2_gradient_in_backward import tracked_gradient
+
+    model = make_model("accumulation")
+    if mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh, plan("accumulation"))
+    sizes = JOBS["accumulation"][1]
+    batches = [[make_batch("accumulation", n, seed=100 * step + k) for k, n in enumerate(sizes)] for step in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the jobs above
+        return tracked_gradient(model, batches, at_end)
+
+
 def worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -354,6 +371,8 @@ def worker(rank, world, port, out):
     jobs["sequence_split"] = sequence_split
     jobs["norm_split_along_examples"] = norm_split_along_examples
     jobs["track_refused"] = track_refused
+    jobs.update({f"gradient_{path}": functools.partial(split_gradient, path == "at_end")
+                 for path in ("kept", "at_end")})
     run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
 
 
@@ -532,3 +551,19 @@ def test_a_norm_split_along_examples_is_left_out_by_name(group):
         assert "1.weight" in result["rows"]
         assert any("0.weight" in message and "split along its examples" in message
                    for message in result["warnings"]), result["warnings"]
+
+
+def test_split_local_gradient_is_kept_with_its_shard_never_gathered(group):
+    """GradientNoiseScale's local gradient of a split parameter stays this process's shard
+    (M adds the shards' squared norms), where the path of before gathered it whole; as one
+    process, the micro-batch norms (the whole parameter's) too."""
+    kept, at_end = (results_of(group, WORLD, f"gradient_{path}") for path in ("kept", "at_end"))
+    one = split_gradient(False)
+    assert_tables_match(agreed_table(kept), one["table"])
+    assert_tables_match(agreed_table(at_end), one["table"])
+    for got, before in zip(kept, at_end):
+        assert got["gathered"] == [] and set(before["gathered"]) == {"fc1.weight", "fc1.bias", "fc2.weight"}
+        assert got["micro"].keys() == one["micro"].keys() == {0, 1}
+        for step, norms in one["micro"].items():
+            for a, b in zip(got["micro"][step], norms, strict=True):
+                assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)

@@ -245,8 +245,11 @@ def split_parameters(params) -> list:
     return split
 
 
-def collect(params) -> None:
+def collect(params, kept=()) -> None:
     """Complete the results of the split parameters over their mesh (module docstring).
+
+    ``kept``: ids of parameters whose local gradient is this process's shard of the global
+    one, kept so in the backward pass (:func:`.sharded.reduce_in_backward`): not gathered.
 
     Collective over each split parameter's mesh: every process calls it with
     the same parameters in the same order (every quantity does, once per
@@ -263,7 +266,7 @@ def collect(params) -> None:
         if norms is not None and not norms.__dict__.get(_COMBINED):
             pending.setdefault((mesh, norms.dtype), []).append(norms)
         gradient = param.__dict__.get(LOCAL_GRADIENT_SAVEFIELD)
-        if gradient is not None and not gradient.__dict__.get(_COMBINED):
+        if gradient is not None and id(param) not in kept and not gradient.__dict__.get(_COMBINED):
             whole = _gathered(gradient, param, mesh, placements)
             whole.__dict__[_COMBINED] = True
             setattr(param, LOCAL_GRADIENT_SAVEFIELD, whole)
