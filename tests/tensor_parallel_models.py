@@ -86,9 +86,36 @@ def sequence_plan(model, mesh):
     )
 
     model.cut = Cut()
+    first, last = ("block.mlp.gate_proj", "block.mlp.up_proj"), "block.mlp.down_proj"  # LlamaBlock's
+    if "mlp" not in model.block:
+        first, last = ("block.fc1",), "block.fc2"
     return parallelize_module(model, mesh, {
         "cut": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                   use_local_output=True),
-        "block.norm": SequenceParallel(), "block.fc1": ColwiseParallel(input_layouts=Shard(1)),
-        "block.fc2": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+        "block.norm": SequenceParallel(), **{name: ColwiseParallel(input_layouts=Shard(1)) for name in first},
+        last: RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+
+
+class LlamaBlock(Sequence):
+    """:class:`Sequence` with transformers' own Llama classes (a tiny config, random weights):
+    ``LlamaRMSNorm`` before a ``LlamaMLP`` (gate, up, down projections, SiLU) with a residual,
+    and as the final norm; split by :func:`sequence_plan` as torchtitan splits Llama."""
+
+    def __init__(self, width=8, hidden=16, classes=4):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        nn.Module.__init__(self)
+        config = LlamaConfig(hidden_size=width, intermediate_size=hidden, hidden_act="silu", num_attention_heads=2,
+                             num_key_value_heads=2)
+        self.embed = nn.Linear(6, width)
+        self.block = nn.ModuleDict({"norm": LlamaRMSNorm(width), "mlp": LlamaMLP(config)})
+        self.norm, self.head, self.unused = LlamaRMSNorm(width), nn.Linear(width, classes), nn.Linear(2, 2)
+        for norm in (self.block["norm"], self.norm):
+            nn.init.normal_(norm.weight, 1.0, 0.3)  # not all ones
+
+    def forward(self, x):
+        x = self.positions(self.embed(x))
+        x = x + self.block["mlp"](self.block["norm"](x))
+        return self.head(self.norm(x)).mean(1)

@@ -50,7 +50,7 @@ from tests.process_groups import (
     run_jobs,
     run_once_per_world,
 )
-from tests.tensor_parallel_models import Attention, Net, Sequence, sequence_plan
+from tests.tensor_parallel_models import Attention, LlamaBlock, Net, Sequence, sequence_plan
 
 WORLD = 2
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
@@ -68,8 +68,8 @@ def plan(job):
 
 def make_model(job):
     torch.manual_seed(0)
-    classes = {"attention": Attention, "sequence": Sequence}
-    return cgn.prepare_model(classes.get(job.split("_")[0], Net)().double())
+    classes = {"attention": Attention, "sequence": Sequence, "sequence_llama": LlamaBlock}
+    return cgn.prepare_model(classes.get(job, classes.get(job.split("_")[0], Net))().double())
 
 
 def make_batch(job, n, seed):
@@ -104,6 +104,7 @@ JOBS = {  # job: (reduction, micro-batch sizes)
 }
 # SequenceParallel: the Sequence model split by sequence_plan.
 SEQUENCE_JOBS = {"sequence": ("mean", (4,)), "sequence_accumulation": ("sum", (3, 2))}
+LLAMA = {"sequence_llama": ("mean", (3, 2))}  # transformers' LlamaRMSNorm and LlamaMLP
 
 
 def trainable(model):
@@ -117,7 +118,7 @@ def table(cockpit):
 
 def run_steps(job, model, cockpit, steps):
     """Tracked steps of ``job``: the same batches on every process and on one process."""
-    reduction, sizes = {**JOBS, **SEQUENCE_JOBS}[job]
+    reduction, sizes = {**JOBS, **SEQUENCE_JOBS, **LLAMA}[job]
     named = trainable(model)
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
@@ -356,7 +357,7 @@ def worker(rank, world, port, out):
         return lambda mesh: test_fsdp2.fsdp2_job(
             job, world, rank, init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
 
-    jobs = {job: functools.partial(tracked, job) for job in {**JOBS, **SEQUENCE_JOBS}}
+    jobs = {job: functools.partial(tracked, job) for job in {**JOBS, **SEQUENCE_JOBS, **LLAMA}}
     jobs["sequence_two_batch"] = functools.partial(tracked, "sequence_accumulation", make_quantities=two_batch)
     jobs["sequence_adam"] = sequence_adam
     jobs.update({f"sequence_track_{preset}": functools.partial(sequence_front_door, quantities=preset)
@@ -567,3 +568,18 @@ def test_split_local_gradient_is_kept_with_its_shard_never_gathered(group):
         for step, norms in one["micro"].items():
             for a, b in zip(got["micro"][step], norms, strict=True):
                 assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)
+
+
+def test_hugging_face_llama_rms_norm_under_sequence_parallel_equals_one_process(group):
+    """transformers' LlamaRMSNorm under SequenceParallel (before a LlamaMLP split as torchtitan
+    splits it, and as the final norm): its contributions added over the mesh as nn.RMSNorm's;
+    every quantity and row as on one process (two micro-batches of a mean loss)."""
+    results = results_of(group, WORLD, "sequence_llama")
+    expected = tracked("sequence_llama")["table"]
+    assert_tables_match(agreed_table(results), expected)
+    norms = ["block.norm.weight", "norm.weight"]
+    assert set(norms) <= set(results[0]["split"])
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "GradientVarianceQuantiles"):
+        assert {(quantity, name) for name in norms + ["block.mlp.down_proj.weight", "all"]} <= {
+            (key[1], key[2]) for key in expected}, quantity
+    assert not any("norm" in message for message in results[0]["warnings"])

@@ -33,7 +33,8 @@ distinct examples, whose sums the reduction across processes adds as under FSDP2
 The two-batch noise scale, which runs no rule, reads this process's local gradients:
 :func:`norm_counts` says which of their squared norms each process adds over the mesh.
 
-``SequenceParallel`` on ``nn.LayerNorm`` and ``nn.RMSNorm`` (:data:`SEQUENCE_NORMS`): the
+``SequenceParallel`` on ``nn.LayerNorm``, ``nn.RMSNorm`` (:data:`SEQUENCE_NORMS`) and Hugging
+Face's RMSNorm of Llama, Qwen2 and Mistral (:data:`.hf_names.RMS_NORMS`, by name): the
 weight is replicated and the input split along positions (``Shard(1)``), so each
 process's contributions ``x_i^(r) = sum_{p in r} x_hat_ip G_ip`` are partial sums
 over its positions, ``x_i = sum_r x_i^(r)``, and squares do not add. The output
@@ -59,6 +60,7 @@ dimension or not over every process (but FSDP2's ``dp`` x ``tp``:
 from typing import Optional
 
 from cockpit_gradnoise.extensions import facts, sharded
+from cockpit_gradnoise.extensions.hf_names import RMS_NORMS
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
 
 from torch import nn
@@ -99,8 +101,18 @@ SEQUENCE_NORMS = tuple(c for c in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) i
 
 def sequence_norm(module: nn.Module) -> bool:
     """Whether ``module`` is one of :data:`SEQUENCE_NORMS`, by exact class (FSDP2's class for
-    it seen through: :func:`.sharded.class_before_sharding`)."""
-    return sharded.class_before_sharding(module) in SEQUENCE_NORMS
+    it seen through: :func:`.sharded.class_before_sharding`), or a Hugging Face RMSNorm of
+    :data:`.hf_names.RMS_NORMS` (Llama's, Qwen2's, Mistral's: by qualified name; their rule,
+    :mod:`.hf`'s, is normalization's too, normalizing the last dimension)."""
+    kind = sharded.class_before_sharding(module)
+    return kind in SEQUENCE_NORMS or f"{kind.__module__}.{kind.__qualname__}" in RMS_NORMS
+
+
+def _normalized_dims(module: nn.Module) -> int:
+    """How many trailing dimensions ``module`` normalizes: ``normalized_shape``'s, or a
+    Hugging Face RMSNorm's weight's (the last dimension)."""
+    shape = getattr(module, "normalized_shape", None)
+    return len(shape) if shape is not None else module.weight.dim()
 
 
 def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional[str]:
@@ -109,8 +121,8 @@ def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional
         return _unsupported_norm_call(module, inputs, g_out)
     if not isinstance(module, nn.Linear):
         return (f"tensor parallelism on a {type(module).__name__} (only nn.Linear layers "
-                "split by ColwiseParallel or RowwiseParallel, and nn.LayerNorm and nn.RMSNorm "
-                "under SequenceParallel, are supported)")
+                "split by ColwiseParallel or RowwiseParallel, and nn.LayerNorm, nn.RMSNorm and "
+                "the RMSNorm of Llama, Qwen2 and Mistral under SequenceParallel, are supported)")
     for what, tensor in (("input", inputs[0] if inputs else None), ("output gradient", g_out[0])):
         for placement in getattr(tensor, "placements", ()) if is_dtensor(tensor) else ():
             if placement.is_partial():
@@ -132,7 +144,7 @@ def _unsupported_norm_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Op
         return "its input is not a DTensor while its parameters are (a layout not examined)"
     if x.device_mesh.ndim != 1:
         return f"its input is placed on a {x.device_mesh.ndim}-D mesh (only a 1-D one is supported)"
-    positions = range(1, x.ndim - len(module.normalized_shape))
+    positions = range(1, x.ndim - _normalized_dims(module))
     for placement in x.placements:
         if placement.is_partial():
             return f"its input is a partial sum over processes ({placement})"
