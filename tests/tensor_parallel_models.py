@@ -72,10 +72,11 @@ class Cut(nn.Module):
         return x
 
 
-def sequence_plan(model, mesh):
+def sequence_plan(model, mesh, loss_parallel=False):
     """torchtitan's layout: the residual stream split along positions (``Shard(1)``) from
     the block on; norms under SequenceParallel; fc2's output reduce-scattered to positions;
-    the head's input gathered (``input_layouts=Shard(1)``) and its output whole."""
+    the head's input gathered (``input_layouts=Shard(1)``) and its output whole, or with
+    ``loss_parallel`` split along the classes (a DTensor for ``loss_parallel()``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -94,7 +95,8 @@ def sequence_plan(model, mesh):
                                   use_local_output=True),
         "block.norm": SequenceParallel(), **{name: ColwiseParallel(input_layouts=Shard(1)) for name in first},
         last: RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel)})
 
 
 class LlamaBlock(Sequence):

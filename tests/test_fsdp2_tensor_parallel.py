@@ -33,6 +33,7 @@ accumulated micro-batches (the batch size every group's examples of every micro-
 GradientVarianceQuantiles and the "norms" preset refused there by name.
 """
 
+import contextlib
 import functools
 import math
 import warnings
@@ -163,18 +164,20 @@ def two_batch(mesh=None):
     return test_fsdp2.table(cockpit)
 
 
-def sequence(mesh=None):
+def sequence(mesh=None, loss_parallel=False):
     """test_tensor_parallel's Sequence model (torchtitan's layout: norms under SequenceParallel)
     split on ``tp`` by its sequence_plan, its norm and its split layers sharded on ``dp`` (and
     the root), tracked by the five quantities over two SGD steps of a mean loss: each ``dp``
     group 2 of the step's 4 sequences (equal shares: FSDP2's mean over ``dp`` is the global
-    batch's gradient). Without ``mesh``, one process with all 4."""
+    batch's gradient). Without ``mesh``, one process with all 4. With ``loss_parallel``, the
+    head's output split along the classes and the loss computed under ``loss_parallel()``
+    (its per-example losses a replicated DTensor)."""
     from torch.distributed.fsdp import fully_shard
 
     model = test_tensor_parallel.make_model("sequence")
     batches = [[test_tensor_parallel.make_batch("sequence", 4, seed=100 * step)] for step in range(2)]
     if mesh is not None:
-        test_tensor_parallel.sequence_plan(model, mesh["tp"])
+        test_tensor_parallel.sequence_plan(model, mesh["tp"], loss_parallel)
         for name in ("norm", "fc1", "fc2"):
             fully_shard(model.block[name], mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -182,7 +185,9 @@ def sequence(mesh=None):
         batches = [[(x[part], y[part]) for x, y in micro] for micro in batches]
     named = test_fsdp2.trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=test_tensor_parallel.quantities(dict(named)))
-    with warnings.catch_warnings():
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+    with warnings.catch_warnings(), parallel_loss() if loss_parallel else contextlib.nullcontext():
         warnings.simplefilter("ignore")  # the unused layer, named in test_tensor_parallel
         test_fsdp2.run_steps(model, cockpit, batches, "mean")
     return test_fsdp2.table(cockpit)
@@ -265,6 +270,7 @@ def worker(rank, world, port, out):
                  for layout, (_, names) in HSDP_TP.items() for job in names})
     jobs.update({f"hsdp_{layout}_track": functools.partial(hsdp_track, layout, rank) for layout in HSDP_TP})
     jobs["sequence"] = sequence
+    jobs["loss_parallel"] = functools.partial(sequence, loss_parallel=True)
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
     jobs.update({f"track_{preset}": functools.partial(
@@ -478,3 +484,36 @@ def test_split_local_gradient_gathered_at_the_end_before_and_micro_batch_norms_a
             assert len(norms) == 2
             for a, b in zip(got["micro"][step], norms):
                 assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)
+
+
+def test_loss_parallel_equals_one_process(group):
+    """``loss_parallel()`` on the sequence block, its head's output split along the classes
+    (``Shard(-1)``) on ``tp``: the per-example losses, a replicated DTensor, taken whole; the
+    head's rule on each process's classes; every quantity and row as one process."""
+    tables = results_of(group, WORLD, "loss_parallel")
+    assert_identical(tables)
+    expected = sequence()
+    assert_tables_match(tables[0], expected)
+    assert {"head.weight", "head.bias", "norm.weight", "all"} <= {key[2] for key in expected}
+
+
+def test_losses_not_whole_on_every_process_are_refused_with_the_fix():
+    """A DTensor of losses split or partial (no process holds them whole): refused, naming
+    loss_parallel's reduction='none' and the head gathered whole (no processes: the check
+    reads the class name and placements)."""
+    from cockpit_gradnoise.step_checks import check_individual_losses, whole_loss
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    class DTensor(torch.Tensor):  # as the check knows it: by name
+        pass
+
+    for placements in ((Shard(0),), (Partial(),)):
+        losses = torch.ones(3).as_subclass(DTensor)
+        losses.placements = placements
+        with pytest.raises(TypeError, match=r"reduction='none'.*output_layouts=Replicate\(\)"):
+            check_individual_losses(losses, "losses")
+    replicated = torch.ones(3).as_subclass(DTensor)
+    replicated.placements, replicated.to_local = (Replicate(),), lambda: torch.full((3,), 2.0)
+    assert torch.equal(whole_loss(replicated), torch.full((3,), 2.0))
