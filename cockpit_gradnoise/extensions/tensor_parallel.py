@@ -15,8 +15,10 @@ backward pass, before the quantities read them):
 - a split parameter's per-example squared norms are **added** over the
   mesh (its elements are disjoint across processes:
   ``||x_i||^2 = sum_r ||x_i^(r)||^2``), one ``all_reduce`` per dtype;
-- its local gradient (``sum_i x_i`` of this shard) is gathered whole, for
-  ``GradientNoiseScale``'s ``||sum_i g_i||^2``;
+- its local gradient (``sum_i x_i`` of this shard), for ``GradientNoiseScale``'s
+  ``||sum_i g_i||^2``, stays this process's shard where the backward pass kept it so
+  (:func:`.sharded.reduce_in_backward`: ``||sum_i g_i||^2`` adds the shards' squared
+  norms), else is gathered whole;
 - a replicated parameter (Rowwise's bias) has the whole result on every
   process already: nothing is added (counted once).
 
