@@ -337,7 +337,7 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
     for param in params if split and world > 1 else ():
         if (type(param).__name__ == "DTensor" and id(param) not in managed and param.requires_grad
-                and split_over_tp(param.device_mesh, param.placements)):
+                and param.device_mesh.size() == world and split_over_tp(param.device_mesh, param.placements)):
             hook = functools.partial(_reduce_field, field, prepare, param, None, param.device_mesh, done)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     _armed[1][field] = handles
