@@ -245,8 +245,10 @@ def hsdp_in_backward(rank, mesh):
     return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
 
 
-#: The ``tp`` shards of the split parameters (FSDP2's unsharded parameter on each process).
-TP_SHARDS = {(4, 5): "fc1.weight", (4,): "fc1.bias", (4, 4): "fc2.weight"}
+#: The ``tp`` shards of the split parameters (FSDP2's unsharded parameter on each process),
+#: and the parameters not split (whole: ``fc2.bias`` replicated on ``tp``, ``head`` on ``dp`` only).
+TP_SHARDS = {(4, 5): "fc1.weight", (4, 4): "fc2.weight", (4,): "fc1.bias or fc2.bias"}
+NOT_SPLIT = {(3, 4): "head.weight", (3,): "head.bias"}
 
 
 def split_gradient(layout, at_end, mesh):
@@ -257,7 +259,7 @@ def split_gradient(layout, at_end, mesh):
     mesh = mesh if layout == "dp_tp" else hsdp_mesh(layout)
     return test_fsdp2_gradient_in_backward.tracked_gradient(
         sharded_model(mesh), test_fsdp2.local_batches("accumulation", DP, dp_rank(mesh)), at_end,
-        shapes=TP_SHARDS)
+        shapes={**TP_SHARDS, **NOT_SPLIT})
 
 
 def worker(rank, world, port, out):
@@ -457,7 +459,8 @@ def test_split_local_gradient_is_reduced_in_the_backward_pass_never_gathered(gro
     """GradientNoiseScale's local gradient of a parameter split on ``tp`` (fc1, fc2's weight):
     each process's ``tp`` shard reduce-scattered over the data-parallel mesh in the backward
     pass, once per backward pass, to the shard's ``torch.chunk`` rows (HSDP's replicas: one
-    shard, added over ``replicate``), never gathered whole; as one process on the global batch."""
+    shard, added over ``replicate``), never gathered whole; a parameter not split likewise
+    (whole, on every process of a ``tp`` group); as one process on the global batch."""
     results = results_of(group, WORLD, f"{layout}_gradient_in_backward")
     expected = {key: value for key, value in test_fsdp2.reference("accumulation", DP, make=make_model).items()
                 if key[1] == "GradientNoiseScale"}
@@ -465,8 +468,9 @@ def test_split_local_gradient_is_reduced_in_the_backward_pass_never_gathered(gro
     shards = 1 if layout == "replicas" else DP
     rank_rows = test_fsdp2_gradient_in_backward.chunk_shape
     for rank, result in enumerate(results):
+        named = [*TP_SHARDS.items(), ((4,), "fc1.bias or fc2.bias"), *NOT_SPLIT.items()]  # fc1.bias, fc2.bias
         want = [(name, (1,) + rank_rows(shape, shards, (rank // TP) % shards), "in the backward pass")
-                for shape, name in TP_SHARDS.items()] * 4  # 2 steps x 2 micro-batches
+                for shape, name in named] * 4  # 2 steps x 2 micro-batches
         assert sorted(result["reduced"]) == sorted(want), rank
         assert result["gathered"] == [], rank
 
@@ -478,7 +482,7 @@ def test_split_local_gradient_gathered_at_the_end_before_and_micro_batch_norms_a
     at_end = results_of(group, WORLD, "dp_tp_gradient_at_end")
     assert_tables_match(agreed_table(inside), agreed_table(at_end))
     for got, want in zip(inside, at_end):
-        assert set(want["gathered"]) == set(TP_SHARDS.values()) and want["reduced"] == []
+        assert set(want["gathered"]) == {"fc1.weight", "fc1.bias", "fc2.weight"} and want["reduced"] == []
         assert got["micro"].keys() == want["micro"].keys() == {0, 1}
         for step, norms in want["micro"].items():
             assert len(norms) == 2

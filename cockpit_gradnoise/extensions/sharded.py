@@ -297,9 +297,11 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
     data-parallel mesh as above, the rows :func:`torch.chunk` gives it of the shard's ``dim``;
     alone (one of ``params``, a DTensor split over a 1-D mesh of every process, whose
     processes run the same examples), the hook on the parameter keeps the shard's value as
-    it is (nothing to add: every example is on every process). Each process's rows are then
-    disjoint elements of the global sum (across ``tp`` and across the data-parallel shards),
-    never gathered whole: O(parameters / processes). A ``note`` (a tuple of numbers, each a
+    it is (nothing to add: every example is on every process). Inside FSDP2 a parameter not
+    split (replicated on ``tp``, or sharded on the data-parallel mesh only) is reduce-scattered
+    likewise, the processes of a ``tp`` group keeping the same rows. A split parameter's rows
+    are disjoint elements of the global sum (across ``tp`` and across the data-parallel
+    shards), never gathered whole: O(parameters / processes). A ``note`` (a tuple of numbers, each a
     sum over this process's elements: the squared norm of its local gradient) is added over
     ``tp`` (one ``all_reduce`` over the ``tp`` group), so that it is that of the whole
     parameter's.
@@ -317,23 +319,18 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
         return
     world, handles = dist_world_size(), []
     managed = fsdp2_parameters()
+    # FSDP2's data-parallel meshes over tensor parallelism: a layer not split is sharded on one.
+    dp_of_tp = [p.mesh_info.mesh for p in managed.values() if getattr(p, "_unsharded_dtensor_spec", None)]
     for fsdp_param in managed.values():
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         param = fsdp_param.sharded_param
-        mesh = fsdp_param.mesh_info.mesh
-        tp_spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
-        if unsharded is None or not unsharded.requires_grad or param.dim() == 0:
-            continue
-        if tp_spec is not None and not (split and split_over_tp(tp_spec.mesh, tp_spec.placements)
-                                        and _unsupported_inside(fsdp_param, mesh, tp_spec) is None):
-            continue
-        if tp_spec is None and (mesh.ndim != (2 if is_hsdp(fsdp_param) else 1) or mesh.size() != world):
+        kept = _kept_in_backward(fsdp_param, world, split, dp_of_tp)
+        if unsharded is None or not unsharded.requires_grad or param.dim() == 0 or kept is None:
             continue
         info, hsdp = fsdp_param.mesh_info, is_hsdp(fsdp_param)
-        over = (fsdp_param.fsdp_placement.dim, mesh, info.shard_mesh_dim if hsdp else None,
+        over = (fsdp_param.fsdp_placement.dim, info.mesh, info.shard_mesh_dim if hsdp else None,
                 info.replicate_mesh_dim if hsdp else None)
-        tp_mesh = None if tp_spec is None else tp_spec.mesh
-        hook = functools.partial(_reduce_field, field, prepare, param, over, tp_mesh, done)
+        hook = functools.partial(_reduce_field, field, prepare, param, over, kept[0], done)
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
     for param in params if split and world > 1 else ():
         if (type(param).__name__ == "DTensor" and id(param) not in managed and param.requires_grad
@@ -341,6 +338,21 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
             hook = functools.partial(_reduce_field, field, prepare, param, None, param.device_mesh, done)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     _armed[1][field] = handles
+
+
+def _kept_in_backward(fsdp_param, world: int, split: bool, dp_of_tp) -> Optional[tuple]:
+    """``(tp mesh or None,)`` where :func:`reduce_in_backward` hooks ``fsdp_param`` (the tensor-
+    parallel mesh of a split one, over which its notes add), else ``None``: FSDP2 or HSDP of
+    every process; with ``split``, also over tensor parallelism (a parameter split or
+    replicated on ``tp``, or not split, sharded on one of ``dp_of_tp``)."""
+    mesh, tp_spec = fsdp_param.mesh_info.mesh, getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    if tp_spec is not None:
+        if not split or _unsupported_inside(fsdp_param, mesh, tp_spec) is not None:
+            return None
+        return (tp_spec.mesh if split_over_tp(tp_spec.mesh, tp_spec.placements) else None,)
+    if mesh.ndim != (2 if is_hsdp(fsdp_param) else 1):
+        return None
+    return (None,) if mesh.size() == world or (split and any(mesh == dp for dp in dp_of_tp)) else None
 
 
 def split_over_tp(mesh, placements) -> bool:
