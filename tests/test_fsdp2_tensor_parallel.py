@@ -22,8 +22,10 @@ their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's j
 state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
 accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.track`` on the model built, split, then
 sharded (the "adaptive" and "norms" presets); test_tensor_parallel's Sequence model with its
-norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities); refused by
-name: a cockpit over the layer sharded on ``dp`` alone.
+norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities), and under
+``loss_parallel()`` (its head split along the classes); GradientNoiseScale's local gradient
+reduce-scattered over ``dp`` in the backward pass (``dp`` x ``tp`` and HSDP x TP), never
+gathered over ``tp``; refused by name: a cockpit over the layer sharded on ``dp`` alone.
 
 HSDP over tensor parallelism (``fully_shard`` on ``("replicate", "shard")`` of a 3-D mesh of
 the same 4 processes, ``tp`` innermost), in the same launch: replicas (2 x 1 x 2) and shards

@@ -23,7 +23,9 @@ shard meshes, each process its own examples); SequenceParallel (the Sequence mod
 sequence_plan, torchtitan's layout: a LayerNorm and an RMSNorm on each process's positions,
 their contributions added over the mesh) with every quantity, a mean loss and a sum loss
 over two micro-batches, TwoBatchNoiseScale, PreconditionedNoiseScale with Adam, cgn.track's
-presets and FSDP2 over it on a 1 x 2 mesh; left out by name: a Linear under SequenceParallel
+presets and FSDP2 over it on a 1 x 2 mesh; the same with transformers' LlamaRMSNorm and
+LlamaMLP (a tiny Llama block); GradientNoiseScale's local gradient of a split parameter kept
+as its shard, never gathered; left out by name: a Linear under SequenceParallel
 (its input split along positions), a LayerNorm whose input is split along the examples.
 """
 
