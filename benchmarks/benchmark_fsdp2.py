@@ -32,7 +32,10 @@ high-water mark is of that kind alone)::
 
 (``--depth D``: ``D`` hidden ``width x width`` layers instead of one; ``--replicas R``, also
 for the timed rounds: HSDP, ``fully_shard`` on an ``R x (processes / R)`` replicate x shard
-mesh) prints, per
+mesh; ``--tp T``, with ``--memory``: the
+hidden layers split in pairs by ``ColwiseParallel`` and ``RowwiseParallel`` over ``T``
+processes, then ``fully_shard`` on ``dp`` of a ``(processes / T) x T`` ``("dp", "tp")`` mesh,
+or not sharded where ``T`` is every process; each ``dp`` group the same examples) prints, per
 process, bytes in use by malloc (glibc's ``mallinfo2``, where
 torch's CPU tensors live; memory freed but cached by malloc is not in it):
 kept after 2 warm-up steps above what was in use before the first (the
@@ -95,6 +98,18 @@ def fully_sharded(model, mesh):
     return model
 
 
+def split_and_sharded(model, mesh):
+    """The hidden ``width x width`` layers of :func:`mlp` split in pairs over ``mesh["tp"]``
+    (``ColwiseParallel``, then ``RowwiseParallel``: Megatron's MLP), then ``fully_shard`` on
+    every Linear and the root over ``mesh["dp"]`` where it has more than one process."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    hidden = [str(k) for k, layer in enumerate(model) if isinstance(layer, nn.Linear)][1:-1]
+    parallelize_module(model, mesh["tp"], {name: ColwiseParallel() if j % 2 == 0 else RowwiseParallel()
+                                           for j, name in enumerate(hidden)})
+    return fully_sharded(model, mesh["dp"]) if mesh["dp"].size() > 1 else model
+
+
 def front_step(model, tracker=None, first=1):
     """A step of the front door's loop: per-example losses, their mean, ``tracker``'s block
     around the backward pass (from step ``first``); with no tracker a bare step."""
@@ -151,16 +166,24 @@ def main(argv=None):
     parser.add_argument("--memory", choices=sorted(MEMORY_MODES))
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP on a replicas x (processes / replicas) mesh")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --memory: the hidden layers split over tp processes (pairs Colwise, Rowwise)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    if args.tp > 1 and not args.memory:
+        parser.error("--tp goes with --memory")
+    if args.tp > 1 and (args.replicas > 1 or args.depth % 2):
+        parser.error("--tp needs an even --depth (pairs of split layers) and no --replicas")
     mesh = init_device_mesh("cpu", (world,)) if args.replicas == 1 else init_device_mesh(
         "cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
-    local = args.batch_size // world
-    torch.manual_seed(1 + rank)
+    if args.tp > 1:
+        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    local = args.batch_size // (world // args.tp)
+    torch.manual_seed(1 + rank // args.tp)  # the processes of a tp group: the same examples
     x, y = torch.randn(local, 784), torch.randint(0, 10, (local,))
     if args.memory:
         return memory(args, mesh, x, y)
@@ -279,7 +302,7 @@ def memory(args, mesh, x, y):
         model, tracker = cgn.track(model, every=1, quantities=alone.get(mode, list(QUANTITIES)))
         model = DistributedDataParallel(model)
     else:
-        model = fully_sharded(model, mesh)
+        model = fully_sharded(model, mesh) if args.tp == 1 else split_and_sharded(model, mesh)
         tracker = None
         if mode != "bare":
             quantities = {"untracked": "norms", "four": list(QUANTITIES), "norms": "norms",

@@ -37,7 +37,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from cockpit_gradnoise import _device, accumulation, functional
 from cockpit_gradnoise._compat import import_cockpit
 from cockpit_gradnoise.extensions import facts as backward_facts
-from cockpit_gradnoise.step_checks import ParameterChecks, check_batch_size, check_individual_losses, version_of
+from cockpit_gradnoise.step_checks import (
+    ParameterChecks,
+    check_batch_size,
+    check_individual_losses,
+    version_of,
+    whole_loss,
+)
 
 import torch
 
@@ -274,7 +280,7 @@ class Step(ParameterChecks):
 
     def _inferred(self, owner) -> Batch:
         individual_losses = check_individual_losses(self.info("individual_losses", owner))
-        loss = self.info("loss", owner)
+        loss = whole_loss(self.info("loss", owner))  # loss_parallel()'s: a replicated DTensor
         examples = self.examples(owner)
         micro = self.micro_batch()
         if micro is None:

@@ -122,8 +122,31 @@ def check_batch_size(batch_size) -> int:
     return size
 
 
+def whole_loss(loss, name: str = "info['loss']"):
+    """``loss`` as a plain tensor where it is a DTensor replicated over its mesh (the losses
+    of ``loss_parallel()``, torch's vocabulary-parallel cross entropy: every process holds
+    them whole; ``to_local()``, no communication, differentiable); anything else as it is.
+
+    Raises:
+        TypeError: A DTensor not replicated (sharded or partial): no process holds the losses.
+    """
+    if type(loss).__name__ != "DTensor":
+        return loss
+    if all(placement.is_replicate() for placement in loss.placements):
+        return loss.to_local()
+    raise TypeError(
+        f"{name} is a DTensor placed {loss.placements}: the per-example losses must be whole on "
+        "every process. Under loss_parallel() compute them with reduction='none' (torch gives "
+        "them replicated), or gather the head's output whole (output_layouts=Replicate() on its "
+        "ColwiseParallel) and compute the loss outside loss_parallel()"
+    )
+
+
 def check_individual_losses(losses, name: str = "info['individual_losses']") -> torch.Tensor:
     """``losses``, checked to be a 1-D tensor of at least one loss; ``name`` says whose.
+
+    A DTensor replicated over its mesh (``loss_parallel()``'s) is taken as its local tensor,
+    the whole losses (:func:`whole_loss`).
 
     ``info["individual_losses"]`` of a Cockpit call, or the ``losses`` of a
     tracker's call. Lists and NumPy arrays are refused rather than converted:
@@ -140,6 +163,7 @@ def check_individual_losses(losses, name: str = "info['individual_losses']") -> 
     )
     if not isinstance(losses, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(losses).__name__}: {fix}")
+    losses = whole_loss(losses, name)
     if losses.dim() != 1 or losses.numel() == 0:
         raise ValueError(
             f"{name} must hold one loss per example, got shape {tuple(losses.shape)}: {fix}; "

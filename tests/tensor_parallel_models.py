@@ -72,10 +72,11 @@ class Cut(nn.Module):
         return x
 
 
-def sequence_plan(model, mesh):
+def sequence_plan(model, mesh, loss_parallel=False):
     """torchtitan's layout: the residual stream split along positions (``Shard(1)``) from
     the block on; norms under SequenceParallel; fc2's output reduce-scattered to positions;
-    the head's input gathered (``input_layouts=Shard(1)``) and its output whole."""
+    the head's input gathered (``input_layouts=Shard(1)``) and its output whole, or with
+    ``loss_parallel`` split along the classes (a DTensor for ``loss_parallel()``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -86,9 +87,37 @@ def sequence_plan(model, mesh):
     )
 
     model.cut = Cut()
+    first, last = ("block.mlp.gate_proj", "block.mlp.up_proj"), "block.mlp.down_proj"  # LlamaBlock's
+    if "mlp" not in model.block:
+        first, last = ("block.fc1",), "block.fc2"
     return parallelize_module(model, mesh, {
         "cut": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                   use_local_output=True),
-        "block.norm": SequenceParallel(), "block.fc1": ColwiseParallel(input_layouts=Shard(1)),
-        "block.fc2": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        "block.norm": SequenceParallel(), **{name: ColwiseParallel(input_layouts=Shard(1)) for name in first},
+        last: RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel)})
+
+
+class LlamaBlock(Sequence):
+    """:class:`Sequence` with transformers' own Llama classes (a tiny config, random weights):
+    ``LlamaRMSNorm`` before a ``LlamaMLP`` (gate, up, down projections, SiLU) with a residual,
+    and as the final norm; split by :func:`sequence_plan` as torchtitan splits Llama."""
+
+    def __init__(self, width=8, hidden=16, classes=4):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        nn.Module.__init__(self)
+        config = LlamaConfig(hidden_size=width, intermediate_size=hidden, hidden_act="silu", num_attention_heads=2,
+                             num_key_value_heads=2)
+        self.embed = nn.Linear(6, width)
+        self.block = nn.ModuleDict({"norm": LlamaRMSNorm(width), "mlp": LlamaMLP(config)})
+        self.norm, self.head, self.unused = LlamaRMSNorm(width), nn.Linear(width, classes), nn.Linear(2, 2)
+        for norm in (self.block["norm"], self.norm):
+            nn.init.normal_(norm.weight, 1.0, 0.3)  # not all ones
+
+    def forward(self, x):
+        x = self.positions(self.embed(x))
+        x = x + self.block["mlp"](self.block["norm"](x))
+        return self.head(self.norm(x)).mean(1)

@@ -50,37 +50,51 @@ def batches_of(job, world, rank):
 def gradient_job(job, at_end, world, rank, mesh):
     """Two tracked steps of GradientNoiseScale under FSDP2 (every Linear and the root
     sharded); the table, the reductions made (name, rows' shape, when), the micro-batch norms."""
-    from cockpit_gradnoise.extensions import sharded
-
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
     for module in (model.fc1, model.fc2, model.frozen, model.unused):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return tracked_gradient(model, batches_of(job, world, rank), at_end)
+
+
+def tracked_gradient(model, batches, at_end, reduction="mean", shapes=None):
+    """GradientNoiseScale alone on ``model`` over ``batches[step][k]`` (this process's), its
+    local gradient reduced in the backward pass or, ``at_end``, after it (the path of before):
+    the table, the reductions made (name, rows' shape, when), the local gradients gathered
+    whole over a tensor-parallel mesh (names), and the micro-batch norms. A reduction is
+    named by its value's shape: ``shapes`` (``{shape: name}``), else the parameters'."""
+    from cockpit_gradnoise.extensions import sharded, tensor_parallel
+
     named = trainable(model)
     quantity = cgn.GradientNoiseScale(linear(1), param_names=dict(named))
     if at_end:
         quantity.sums_sharded_in_backward = None
     cockpit = cgn.Cockpit([p for _, p in named], quantities=[quantity])
     optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
-    loss_fn = extend(nn.CrossEntropyLoss())
-    reduced, original, stage = [], sharded.reduced_rows, ["in the backward pass"]
-    shapes = {tuple(p.shape): n for n, p in named}
+    loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
+    reduced, gathered, stage = [], [], ["in the backward pass"]
+    original, gather = sharded.reduced_rows, tensor_parallel._gathered
+    shapes = {tuple(p.shape): n for n, p in named} if shapes is None else shapes
 
     def recording(value, units, dim, mesh, *dims):
         rows = original(value, units, dim, mesh, *dims)
         reduced.append((shapes[tuple(value.shape[1:])], tuple(rows.shape), stage[0]))
         return rows
 
-    sharded.reduced_rows = recording
+    def gathering(local_result, param, *args):
+        gathered.append(dict((id(p), n) for n, p in named)[id(param)])
+        return gather(local_result, param, *args)
+
+    sharded.reduced_rows, tensor_parallel._gathered = recording, gathering
     micro_norms = {}
     try:
-        for step, micro in enumerate(batches_of(job, world, rank)):
+        for step, micro in enumerate(batches):
             optimizer.zero_grad()
             for k, (x, y) in enumerate(micro):
                 outputs = model(x)
-                loss = loss_fn(outputs, y) / len(micro)
+                loss = loss_fn(outputs, y) / (len(micro) if reduction == "mean" else 1)
                 extra = {"micro_batch": k, "micro_batches": len(micro)} if len(micro) > 1 else {}
                 with cockpit(step, info=info(outputs, y, loss, **extra)):
                     loss.backward()
@@ -90,8 +104,8 @@ def gradient_job(job, at_end, world, rank, mesh):
             for kept in quantity.micro_batch_gradients.get(step, []):
                 micro_norms.setdefault(step, []).append({n: float(v) for n, v in kept.squared_norms.items()})
     finally:
-        sharded.reduced_rows = original
-    return {"table": table(cockpit), "reduced": reduced, "micro": micro_norms}
+        sharded.reduced_rows, tensor_parallel._gathered = original, gather
+    return {"table": table(cockpit), "reduced": reduced, "gathered": gathered, "micro": micro_norms}
 
 
 def worker(rank, world, port, out):

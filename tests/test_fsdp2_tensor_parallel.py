@@ -22,8 +22,10 @@ their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's j
 state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
 accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.track`` on the model built, split, then
 sharded (the "adaptive" and "norms" presets); test_tensor_parallel's Sequence model with its
-norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities); refused by
-name: a cockpit over the layer sharded on ``dp`` alone.
+norms under SequenceParallel on ``tp``, sharded on ``dp`` (the five quantities), and under
+``loss_parallel()`` (its head split along the classes); GradientNoiseScale's local gradient
+reduce-scattered over ``dp`` in the backward pass (``dp`` x ``tp`` and HSDP x TP), never
+gathered over ``tp``; refused by name: a cockpit over the layer sharded on ``dp`` alone.
 
 HSDP over tensor parallelism (``fully_shard`` on ``("replicate", "shard")`` of a 3-D mesh of
 the same 4 processes, ``tp`` innermost), in the same launch: replicas (2 x 1 x 2) and shards
@@ -36,6 +38,7 @@ alone on the launch's 2 x 2 mesh: every quantity (TwoBatchNoiseScale too) over t
 micro-batches, and PreconditionedNoiseScale with Adam.
 """
 
+import contextlib
 import functools
 import math
 import warnings
@@ -166,18 +169,20 @@ def two_batch(mesh=None, dp=DP, make=make_model, quantities=None):
     return test_fsdp2.table(cockpit)
 
 
-def sequence(mesh=None):
+def sequence(mesh=None, loss_parallel=False):
     """test_tensor_parallel's Sequence model (torchtitan's layout: norms under SequenceParallel)
     split on ``tp`` by its sequence_plan, its norm and its split layers sharded on ``dp`` (and
     the root), tracked by the five quantities over two SGD steps of a mean loss: each ``dp``
     group 2 of the step's 4 sequences (equal shares: FSDP2's mean over ``dp`` is the global
-    batch's gradient). Without ``mesh``, one process with all 4."""
+    batch's gradient). Without ``mesh``, one process with all 4. With ``loss_parallel``, the
+    head's output split along the classes and the loss computed under ``loss_parallel()``
+    (its per-example losses a replicated DTensor)."""
     from torch.distributed.fsdp import fully_shard
 
     model = test_tensor_parallel.make_model("sequence")
     batches = [[test_tensor_parallel.make_batch("sequence", 4, seed=100 * step)] for step in range(2)]
     if mesh is not None:
-        test_tensor_parallel.sequence_plan(model, mesh["tp"])
+        test_tensor_parallel.sequence_plan(model, mesh["tp"], loss_parallel)
         for name in ("norm", "fc1", "fc2"):
             fully_shard(model.block[name], mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -185,7 +190,9 @@ def sequence(mesh=None):
         batches = [[(x[part], y[part]) for x, y in micro] for micro in batches]
     named = test_fsdp2.trainable(model)
     cockpit = cgn.Cockpit([p for _, p in named], quantities=test_tensor_parallel.quantities(dict(named)))
-    with warnings.catch_warnings():
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+    with warnings.catch_warnings(), parallel_loss() if loss_parallel else contextlib.nullcontext():
         warnings.simplefilter("ignore")  # the unused layer, named in test_tensor_parallel
         test_fsdp2.run_steps(model, cockpit, batches, "mean")
     return test_fsdp2.table(cockpit)
@@ -285,8 +292,28 @@ def hsdp_in_backward(rank, mesh):
     return test_fsdp2_gradient_in_backward.gradient_job("accumulation", False, WORLD, rank, mesh)
 
 
+#: The ``tp`` shards of the split parameters (FSDP2's unsharded parameter on each process),
+#: and the parameters not split (whole: ``fc2.bias`` replicated on ``tp``, ``head`` on ``dp`` only).
+TP_SHARDS = {(4, 5): "fc1.weight", (4, 4): "fc2.weight", (4,): "fc1.bias or fc2.bias"}
+NOT_SPLIT = {(3, 4): "head.weight", (3,): "head.bias"}
+
+
+def split_gradient(layout, at_end, mesh):
+    """GradientNoiseScale alone on the model split on ``tp`` and sharded (every Linear and
+    the root) on ``dp`` (``"dp_tp"``, the launch's mesh) or by HSDP (``"replicas"``), each
+    data-parallel group's micro-batches of test_fsdp2's accumulation job: its local gradient
+    kept in the backward pass or (``at_end``) gathered whole after it."""
+    mesh = mesh if layout == "dp_tp" else hsdp_mesh(layout)
+    return test_fsdp2_gradient_in_backward.tracked_gradient(
+        sharded_model(mesh), test_fsdp2.local_batches("accumulation", DP, dp_rank(mesh)), at_end,
+        shapes={**TP_SHARDS, **NOT_SPLIT})
+
+
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
+    jobs.update({f"{layout}_gradient_{'at_end' if at_end else 'in_backward'}":
+                 functools.partial(split_gradient, layout, at_end)
+                 for layout, at_end in (("dp_tp", False), ("dp_tp", True), ("replicas", False))})
     jobs["hsdp_in_backward"] = functools.partial(hsdp_in_backward, rank)
     jobs.update({f"hsdp_{layout}_{job}": functools.partial(hsdp_job, layout, job)
                  for layout, (_, names) in HSDP_TP.items() for job in names})
@@ -296,6 +323,7 @@ def worker(rank, world, port, out):
     jobs["hsdp_every_quantity"] = functools.partial(hsdp_every_quantity, rank)
     jobs["hsdp_adam"] = functools.partial(hsdp_adam_alone, rank)
     jobs["sequence"] = sequence
+    jobs["loss_parallel"] = functools.partial(sequence, loss_parallel=True)
     jobs["adam"] = adam
     jobs["two_batch"] = two_batch
     jobs.update({f"track_{preset}": functools.partial(
@@ -513,3 +541,72 @@ def test_hsdp_local_gradient_is_reduced_in_the_backward_pass_and_equals_one_proc
         want = [(name, (1,) + test_fsdp2_gradient_in_backward.chunk_shape(shape, 2, shard), "in the backward pass")
                 for name, shape in test_fsdp2_gradient_in_backward.SHAPES.items()] * 4  # 2 steps x 2 micro-batches
         assert sorted(result["reduced"]) == sorted(want), rank
+
+
+@pytest.mark.parametrize("layout", ["dp_tp", "replicas"])
+def test_split_local_gradient_is_reduced_in_the_backward_pass_never_gathered(group, layout):
+    """GradientNoiseScale's local gradient of a parameter split on ``tp`` (fc1, fc2's weight):
+    each process's ``tp`` shard reduce-scattered over the data-parallel mesh in the backward
+    pass, once per backward pass, to the shard's ``torch.chunk`` rows (HSDP's replicas: one
+    shard, added over ``replicate``), never gathered whole; a parameter not split likewise
+    (whole, on every process of a ``tp`` group); as one process on the global batch."""
+    results = results_of(group, WORLD, f"{layout}_gradient_in_backward")
+    expected = {key: value for key, value in test_fsdp2.reference("accumulation", DP, make=make_model).items()
+                if key[1] == "GradientNoiseScale"}
+    assert_tables_match(agreed_table(results), expected)
+    shards = 1 if layout == "replicas" else DP
+    rank_rows = test_fsdp2_gradient_in_backward.chunk_shape
+    for rank, result in enumerate(results):
+        named = [*TP_SHARDS.items(), ((4,), "fc1.bias or fc2.bias"), *NOT_SPLIT.items()]  # fc1.bias, fc2.bias
+        want = [(name, (1,) + rank_rows(shape, shards, (rank // TP) % shards), "in the backward pass")
+                for shape, name in named] * 4  # 2 steps x 2 micro-batches
+        assert sorted(result["reduced"]) == sorted(want), rank
+        assert result["gathered"] == [], rank
+
+
+def test_split_local_gradient_gathered_at_the_end_before_and_micro_batch_norms_agree(group):
+    """The path of before (``sums_sharded_in_backward = None``) gathers each split local
+    gradient whole; the micro-batch norms (each process's dp group's gradient) agree."""
+    inside = results_of(group, WORLD, "dp_tp_gradient_in_backward")
+    at_end = results_of(group, WORLD, "dp_tp_gradient_at_end")
+    assert_tables_match(agreed_table(inside), agreed_table(at_end))
+    for got, want in zip(inside, at_end):
+        assert set(want["gathered"]) == {"fc1.weight", "fc1.bias", "fc2.weight"} and want["reduced"] == []
+        assert got["micro"].keys() == want["micro"].keys() == {0, 1}
+        for step, norms in want["micro"].items():
+            assert len(norms) == 2
+            for a, b in zip(got["micro"][step], norms):
+                assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)
+
+
+def test_loss_parallel_equals_one_process(group):
+    """``loss_parallel()`` on the sequence block, its head's output split along the classes
+    (``Shard(-1)``) on ``tp``: the per-example losses, a replicated DTensor, taken whole; the
+    head's rule on each process's classes; every quantity and row as one process."""
+    tables = results_of(group, WORLD, "loss_parallel")
+    assert_identical(tables)
+    expected = sequence()
+    assert_tables_match(tables[0], expected)
+    assert {"head.weight", "head.bias", "norm.weight", "all"} <= {key[2] for key in expected}
+
+
+def test_losses_not_whole_on_every_process_are_refused_with_the_fix():
+    """A DTensor of losses split or partial (no process holds them whole): refused, naming
+    loss_parallel's reduction='none' and the head gathered whole (no processes: the check
+    reads the class name and placements)."""
+    from cockpit_gradnoise.step_checks import check_individual_losses, whole_loss
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    class DTensor(torch.Tensor):  # as the check knows it: by name
+        pass
+
+    for placements in ((Shard(0),), (Partial(),)):
+        losses = torch.ones(3).as_subclass(DTensor)
+        losses.placements = placements
+        with pytest.raises(TypeError, match=r"reduction='none'.*output_layouts=Replicate\(\)"):
+            check_individual_losses(losses, "losses")
+    replicated = torch.ones(3).as_subclass(DTensor)
+    replicated.placements, replicated.to_local = (Replicate(),), lambda: torch.full((3,), 2.0)
+    assert torch.equal(whole_loss(replicated), torch.full((3,), 2.0))

@@ -24,7 +24,9 @@ name a quantity not marked exact under HSDP); SequenceParallel (the Sequence mod
 sequence_plan, torchtitan's layout: a LayerNorm and an RMSNorm on each process's positions,
 their contributions added over the mesh) with every quantity, a mean loss and a sum loss
 over two micro-batches, TwoBatchNoiseScale, PreconditionedNoiseScale with Adam, cgn.track's
-presets and FSDP2 over it on a 1 x 2 mesh; left out by name: a Linear under SequenceParallel
+presets and FSDP2 over it on a 1 x 2 mesh; the same with transformers' LlamaRMSNorm and
+LlamaMLP (a tiny Llama block); GradientNoiseScale's local gradient of a split parameter kept
+as its shard, never gathered; left out by name: a Linear under SequenceParallel
 (its input split along positions), a LayerNorm whose input is split along the examples.
 """
 
@@ -51,7 +53,7 @@ from tests.process_groups import (
     run_jobs,
     run_once_per_world,
 )
-from tests.tensor_parallel_models import Attention, Net, Sequence, sequence_plan
+from tests.tensor_parallel_models import Attention, LlamaBlock, Net, Sequence, sequence_plan
 
 WORLD = 2
 QUANTILES = (0.0, 0.25, 0.5, 1.0)
@@ -69,8 +71,8 @@ def plan(job):
 
 def make_model(job):
     torch.manual_seed(0)
-    classes = {"attention": Attention, "sequence": Sequence}
-    return cgn.prepare_model(classes.get(job.split("_")[0], Net)().double())
+    classes = {"attention": Attention, "sequence": Sequence, "sequence_llama": LlamaBlock}
+    return cgn.prepare_model(classes.get(job, classes.get(job.split("_")[0], Net))().double())
 
 
 def make_batch(job, n, seed):
@@ -105,6 +107,7 @@ JOBS = {  # job: (reduction, micro-batch sizes)
 }
 # SequenceParallel: the Sequence model split by sequence_plan.
 SEQUENCE_JOBS = {"sequence": ("mean", (4,)), "sequence_accumulation": ("sum", (3, 2))}
+LLAMA = {"sequence_llama": ("mean", (3, 2))}  # transformers' LlamaRMSNorm and LlamaMLP
 
 
 def trainable(model):
@@ -118,7 +121,7 @@ def table(cockpit):
 
 def run_steps(job, model, cockpit, steps):
     """Tracked steps of ``job``: the same batches on every process and on one process."""
-    reduction, sizes = {**JOBS, **SEQUENCE_JOBS}[job]
+    reduction, sizes = {**JOBS, **SEQUENCE_JOBS, **LLAMA}[job]
     named = trainable(model)
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     loss_fn = extend(nn.CrossEntropyLoss(reduction=reduction))
@@ -338,6 +341,23 @@ def hsdp_refused(world):
     return messages
 
 
+def split_gradient(at_end, mesh=None):
+    """GradientNoiseScale alone on the accumulation job's MLP split over ``mesh`` (else one
+    process), its local gradient kept in the backward pass or (``at_end``) gathered whole."""
+    from tests.test_fsdp2_gradient_in_backward import tracked_gradient
+
+    model = make_model("accumulation")
+    if mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh, plan("accumulation"))
+    sizes = JOBS["accumulation"][1]
+    batches = [[make_batch("accumulation", n, seed=100 * step + k) for k, n in enumerate(sizes)] for step in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused layer, named in the jobs above
+        return tracked_gradient(model, batches, at_end)
+
+
 def worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -345,7 +365,7 @@ def worker(rank, world, port, out):
         return lambda mesh: test_fsdp2.fsdp2_job(
             job, world, rank, init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
 
-    jobs = {job: functools.partial(tracked, job) for job in {**JOBS, **SEQUENCE_JOBS}}
+    jobs = {job: functools.partial(tracked, job) for job in {**JOBS, **SEQUENCE_JOBS, **LLAMA}}
     jobs["sequence_two_batch"] = functools.partial(tracked, "sequence_accumulation", make_quantities=two_batch)
     jobs["sequence_adam"] = sequence_adam
     jobs.update({f"sequence_track_{preset}": functools.partial(sequence_front_door, quantities=preset)
@@ -360,6 +380,8 @@ def worker(rank, world, port, out):
     jobs["sequence_split"] = sequence_split
     jobs["norm_split_along_examples"] = norm_split_along_examples
     jobs["track_refused"] = track_refused
+    jobs.update({f"gradient_{path}": functools.partial(split_gradient, path == "at_end")
+                 for path in ("kept", "at_end")})
     run_jobs(rank, world, port, out, jobs, mesh_dim_names=("tp",))
 
 
@@ -538,3 +560,34 @@ def test_a_norm_split_along_examples_is_left_out_by_name(group):
         assert "1.weight" in result["rows"]
         assert any("0.weight" in message and "split along its examples" in message
                    for message in result["warnings"]), result["warnings"]
+
+
+def test_split_local_gradient_is_kept_with_its_shard_never_gathered(group):
+    """GradientNoiseScale's local gradient of a split parameter stays this process's shard
+    (M adds the shards' squared norms), where the path of before gathered it whole; as one
+    process, the micro-batch norms (the whole parameter's) too."""
+    kept, at_end = (results_of(group, WORLD, f"gradient_{path}") for path in ("kept", "at_end"))
+    one = split_gradient(False)
+    assert_tables_match(agreed_table(kept), one["table"])
+    assert_tables_match(agreed_table(at_end), one["table"])
+    for got, before in zip(kept, at_end):
+        assert got["gathered"] == [] and set(before["gathered"]) == {"fc1.weight", "fc1.bias", "fc2.weight"}
+        assert got["micro"].keys() == one["micro"].keys() == {0, 1}
+        for step, norms in one["micro"].items():
+            for a, b in zip(got["micro"][step], norms, strict=True):
+                assert a.keys() == b.keys() and all(a[n] == pytest.approx(b[n], rel=1e-12) for n in b)
+
+
+def test_hugging_face_llama_rms_norm_under_sequence_parallel_equals_one_process(group):
+    """transformers' LlamaRMSNorm under SequenceParallel (before a LlamaMLP split as torchtitan
+    splits it, and as the final norm): its contributions added over the mesh as nn.RMSNorm's;
+    every quantity and row as on one process (two micro-batches of a mean loss)."""
+    results = results_of(group, WORLD, "sequence_llama")
+    expected = tracked("sequence_llama")["table"]
+    assert_tables_match(agreed_table(results), expected)
+    norms = ["block.norm.weight", "norm.weight"]
+    assert set(norms) <= set(results[0]["split"])
+    for quantity in ("GradientNoiseScale", "PerExampleGradNorm", "GradientVarianceQuantiles"):
+        assert {(quantity, name) for name in norms + ["block.mlp.down_proj.weight", "all"]} <= {
+            (key[1], key[2]) for key in expected}, quantity
+    assert not any("norm" in message for message in results[0]["warnings"])

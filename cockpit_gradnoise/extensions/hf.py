@@ -23,6 +23,7 @@ imports ``transformers``; a model that has these layers imported it.
 from typing import Callable, Dict, Optional
 
 from cockpit_gradnoise.extensions import facts, linear, normalization
+from cockpit_gradnoise.extensions.hf_names import CONV1D, RMS_NORMS, T5_LAYER_NORM, qualified_name
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -34,20 +35,6 @@ import torch
 from backpack.extensions.firstorder.gradient.linear import GradLinear
 from backpack.extensions.module_extension import ModuleExtension
 from torch import Tensor, nn
-
-CONV1D = "transformers.pytorch_utils.Conv1D"
-RMS_NORMS = (
-    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
-    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
-    "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
-)
-T5_LAYER_NORM = "transformers.models.t5.modeling_t5.T5LayerNorm"
-
-
-def qualified_name(module: nn.Module) -> str:
-    """``module.class.qualname`` of ``module``'s class."""
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class SumsConv1D(linear.SumsLinear):

@@ -286,7 +286,7 @@ def chunk_rows(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, min(start + rows, size)
 
 
-def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
+def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=(), split: bool = False) -> None:
     """Arm, for the coming backward pass, the reduction of ``field`` over the processes as
     soon as each parameter's gradient is accumulated.
 
@@ -307,6 +307,23 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
     collective, instead of every layer's until the backward pass ends.
     Idempotent for one ``step`` and ``field``; several fields are reduced in the order armed.
 
+    With ``split`` (a field whose sums over a split parameter's elements are not kept with
+    their shard otherwise: GradientNoiseScale's local gradient), parameters split by tensor
+    parallelism too (:func:`split_over_tp`): inside FSDP2, on ``dp`` of a ``("dp", "tp")``
+    mesh or HSDP's replicate x shard over ``tp``, the hook on FSDP2's unsharded parameter (a
+    DTensor split over ``tp``) reduce-scatters this process's ``tp`` shard's value over the
+    data-parallel mesh as above, the rows :func:`torch.chunk` gives it of the shard's ``dim``;
+    alone (one of ``params``, a DTensor split over a 1-D mesh of every process, whose
+    processes run the same examples), the hook on the parameter keeps the shard's value as
+    it is (nothing to add: every example is on every process). Inside FSDP2 a parameter not
+    split (replicated on ``tp``, or sharded on the data-parallel mesh only) is reduce-scattered
+    likewise, the processes of a ``tp`` group keeping the same rows. A split parameter's rows
+    are disjoint elements of the global sum (across ``tp`` and across the data-parallel
+    shards), never gathered whole: O(parameters / processes). A ``note`` (a tuple of numbers, each a
+    sum over this process's elements: the squared norm of its local gradient) is added over
+    ``tp`` (one ``all_reduce`` over the ``tp`` group), so that it is that of the whole
+    parameter's.
+
     Collective in the backward pass: every process reduces the same parameters in the same
     order (the autograd engine's, the same graph on every process), as FSDP2's own
     reduce-scatters need. Disarmed by :func:`collect` (the backward pass is over) and by
@@ -319,18 +336,49 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict) -> None:
     if field in _armed[1]:
         return
     world, handles = dist_world_size(), []
-    for fsdp_param in fsdp2_parameters().values():
+    managed = fsdp2_parameters()
+    # FSDP2's data-parallel meshes over tensor parallelism: a layer not split is sharded on one.
+    dp_of_tp = [p.mesh_info.mesh for p in managed.values() if getattr(p, "_unsharded_dtensor_spec", None)]
+    for fsdp_param in managed.values():
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         param = fsdp_param.sharded_param
-        mesh = fsdp_param.mesh_info.mesh
-        if (unsharded is None or not unsharded.requires_grad or param.dim() == 0
-                or mesh.ndim != (2 if is_hsdp(fsdp_param) else 1)
-                or mesh.size() != world or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
-                is not None):
+        kept = _kept_in_backward(fsdp_param, world, split, dp_of_tp)
+        if unsharded is None or not unsharded.requires_grad or param.dim() == 0 or kept is None:
             continue
-        hook = functools.partial(_reduce_field, field, prepare, fsdp_param, done)
+        info, hsdp = fsdp_param.mesh_info, is_hsdp(fsdp_param)
+        over = (fsdp_param.fsdp_placement.dim, info.mesh, info.shard_mesh_dim if hsdp else None,
+                info.replicate_mesh_dim if hsdp else None)
+        hook = functools.partial(_reduce_field, field, prepare, param, over, kept[0], done)
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
+    for param in params if split and world > 1 else ():
+        if (type(param).__name__ == "DTensor" and id(param) not in managed and param.requires_grad
+                and param.device_mesh.size() == world and split_over_tp(param.device_mesh, param.placements)):
+            hook = functools.partial(_reduce_field, field, prepare, param, None, param.device_mesh, done)
+            handles.append(param.register_post_accumulate_grad_hook(hook))
     _armed[1][field] = handles
+
+
+def _kept_in_backward(fsdp_param, world: int, split: bool, dp_of_tp) -> Optional[tuple]:
+    """``(tp mesh or None,)`` where :func:`reduce_in_backward` hooks ``fsdp_param`` (the tensor-
+    parallel mesh of a split one, over which its notes add), else ``None``: FSDP2 or HSDP of
+    every process; with ``split``, also over tensor parallelism (a parameter split or
+    replicated on ``tp``, or not split, sharded on one of ``dp_of_tp``)."""
+    mesh, tp_spec = fsdp_param.mesh_info.mesh, getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    if tp_spec is not None:
+        if not split or _unsupported_inside(fsdp_param, mesh, tp_spec) is not None:
+            return None
+        return (tp_spec.mesh if split_over_tp(tp_spec.mesh, tp_spec.placements) else None,)
+    if mesh.ndim != (2 if is_hsdp(fsdp_param) else 1):
+        return None
+    return (None,) if mesh.size() == world or (split and any(mesh == dp for dp in dp_of_tp)) else None
+
+
+def split_over_tp(mesh, placements) -> bool:
+    """Whether a tensor-parallel DTensor on ``mesh`` placed ``placements`` is split (some
+    ``Shard``), on a 1-D mesh of two processes or more, whose other placements are
+    ``Replicate``: the layouts whose shards :func:`reduce_in_backward` keeps."""
+    return (mesh.ndim == 1 and mesh.size() > 1 and any(p.is_shard() for p in placements)
+            and all(p.is_shard() or p.is_replicate() for p in placements))
 
 
 def disarm() -> None:
@@ -365,22 +413,35 @@ def sums_in_units(field: str, scale: Callable[[], Optional[float]]) -> Prepare:
     return prepare
 
 
-def _reduce_field(field, prepare, fsdp_param, done, unsharded) -> None:
-    param = fsdp_param.sharded_param
-    holders = [p for p in (unsharded, param) if field in p.__dict__]
+def _reduce_field(field, prepare, param, over, tp_mesh, done, hooked) -> None:
+    """The hook of :func:`reduce_in_backward` on ``hooked`` (FSDP2's unsharded parameter, or
+    a tensor-parallel ``param`` itself): ``over`` the arguments of :func:`reduced_rows` but
+    the value and units (``None``: kept as it is), ``tp_mesh`` the tensor-parallel mesh of
+    a split parameter (its note added over it) or ``None``."""
+    holders = [p for p in {id(hooked): hooked, id(param): param}.values() if field in p.__dict__]
     if len(holders) != 1:  # none, or both (refused by collect): on every process alike
         return
     sent = prepare(holders[0])
     if sent is None:
         return
     value, units, note = sent
-    info = fsdp_param.mesh_info
-    hsdp = is_hsdp(fsdp_param)  # HSDP's placements: (Replicate(), Shard(dim))
-    rows = reduced_rows(value, units, param.placements[-1].dim, info.mesh,
-                        info.shard_mesh_dim if hsdp else None, info.replicate_mesh_dim if hsdp else None)
+    rows = value if over is None else reduced_rows(value, units, *over)
+    if note is not None and tp_mesh is not None:
+        note = added_over(note, tp_mesh)
     # Shaped as the field was: [k, *rows], or rows where it was sent as [1, *shape].
     holders[0].__dict__[field] = rows if holders[0].__dict__[field].dim() == rows.dim() else rows[0]
     done[id(param)] = note
+
+
+def added_over(numbers: tuple, mesh) -> tuple:
+    """``numbers`` (0-dim tensors or floats) each added over the 1-D ``mesh``'s processes, as
+    float64 0-dim tensors (one ``all_reduce``; collective)."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.stack([torch.as_tensor(number, dtype=torch.float64) for number in numbers])
+    dist.all_reduce(buffer, group=mesh.get_group())
+    return tuple(buffer.unbind())
 
 
 #: Elements of one collective's buffer in :func:`reduced_rows` (8 MiB of float64), so that

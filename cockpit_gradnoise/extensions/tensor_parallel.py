@@ -15,8 +15,10 @@ backward pass, before the quantities read them):
 - a split parameter's per-example squared norms are **added** over the
   mesh (its elements are disjoint across processes:
   ``||x_i||^2 = sum_r ||x_i^(r)||^2``), one ``all_reduce`` per dtype;
-- its local gradient (``sum_i x_i`` of this shard) is gathered whole, for
-  ``GradientNoiseScale``'s ``||sum_i g_i||^2``;
+- its local gradient (``sum_i x_i`` of this shard), for ``GradientNoiseScale``'s
+  ``||sum_i g_i||^2``, stays this process's shard where the backward pass kept it so
+  (:func:`.sharded.reduce_in_backward`: ``||sum_i g_i||^2`` adds the shards' squared
+  norms), else is gathered whole;
 - a replicated parameter (Rowwise's bias) has the whole result on every
   process already: nothing is added (counted once).
 
@@ -33,7 +35,8 @@ distinct examples, whose sums the reduction across processes adds as under FSDP2
 The two-batch noise scale, which runs no rule, reads this process's local gradients:
 :func:`norm_counts` says which of their squared norms each process adds over the mesh.
 
-``SequenceParallel`` on ``nn.LayerNorm`` and ``nn.RMSNorm`` (:data:`SEQUENCE_NORMS`): the
+``SequenceParallel`` on ``nn.LayerNorm``, ``nn.RMSNorm`` (:data:`SEQUENCE_NORMS`) and Hugging
+Face's RMSNorm of Llama, Qwen2 and Mistral (:data:`.hf_names.RMS_NORMS`, by name): the
 weight is replicated and the input split along positions (``Shard(1)``), so each
 process's contributions ``x_i^(r) = sum_{p in r} x_hat_ip G_ip`` are partial sums
 over its positions, ``x_i = sum_r x_i^(r)``, and squares do not add. The output
@@ -59,6 +62,7 @@ dimension or not over every process (but FSDP2's ``dp`` x ``tp``:
 from typing import Optional
 
 from cockpit_gradnoise.extensions import facts, sharded
+from cockpit_gradnoise.extensions.hf_names import RMS_NORMS
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
 
 from torch import nn
@@ -99,8 +103,18 @@ SEQUENCE_NORMS = tuple(c for c in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) i
 
 def sequence_norm(module: nn.Module) -> bool:
     """Whether ``module`` is one of :data:`SEQUENCE_NORMS`, by exact class (FSDP2's class for
-    it seen through: :func:`.sharded.class_before_sharding`)."""
-    return sharded.class_before_sharding(module) in SEQUENCE_NORMS
+    it seen through: :func:`.sharded.class_before_sharding`), or a Hugging Face RMSNorm of
+    :data:`.hf_names.RMS_NORMS` (Llama's, Qwen2's, Mistral's: by qualified name; their rule,
+    :mod:`.hf`'s, is normalization's too, normalizing the last dimension)."""
+    kind = sharded.class_before_sharding(module)
+    return kind in SEQUENCE_NORMS or f"{kind.__module__}.{kind.__qualname__}" in RMS_NORMS
+
+
+def _normalized_dims(module: nn.Module) -> int:
+    """How many trailing dimensions ``module`` normalizes: ``normalized_shape``'s, or a
+    Hugging Face RMSNorm's weight's (the last dimension)."""
+    shape = getattr(module, "normalized_shape", None)
+    return len(shape) if shape is not None else module.weight.dim()
 
 
 def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional[str]:
@@ -109,8 +123,8 @@ def unsupported_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Optional
         return _unsupported_norm_call(module, inputs, g_out)
     if not isinstance(module, nn.Linear):
         return (f"tensor parallelism on a {type(module).__name__} (only nn.Linear layers "
-                "split by ColwiseParallel or RowwiseParallel, and nn.LayerNorm and nn.RMSNorm "
-                "under SequenceParallel, are supported)")
+                "split by ColwiseParallel or RowwiseParallel, and nn.LayerNorm, nn.RMSNorm and "
+                "the RMSNorm of Llama, Qwen2 and Mistral under SequenceParallel, are supported)")
     for what, tensor in (("input", inputs[0] if inputs else None), ("output gradient", g_out[0])):
         for placement in getattr(tensor, "placements", ()) if is_dtensor(tensor) else ():
             if placement.is_partial():
@@ -132,7 +146,7 @@ def _unsupported_norm_call(module: nn.Module, inputs: tuple, g_out: tuple) -> Op
         return "its input is not a DTensor while its parameters are (a layout not examined)"
     if x.device_mesh.ndim != 1:
         return f"its input is placed on a {x.device_mesh.ndim}-D mesh (only a 1-D one is supported)"
-    positions = range(1, x.ndim - len(module.normalized_shape))
+    positions = range(1, x.ndim - _normalized_dims(module))
     for placement in x.placements:
         if placement.is_partial():
             return f"its input is a partial sum over processes ({placement})"
@@ -245,8 +259,11 @@ def split_parameters(params) -> list:
     return split
 
 
-def collect(params) -> None:
+def collect(params, kept=()) -> None:
     """Complete the results of the split parameters over their mesh (module docstring).
+
+    ``kept``: ids of parameters whose local gradient is this process's shard of the global
+    one, kept so in the backward pass (:func:`.sharded.reduce_in_backward`): not gathered.
 
     Collective over each split parameter's mesh: every process calls it with
     the same parameters in the same order (every quantity does, once per
@@ -263,7 +280,7 @@ def collect(params) -> None:
         if norms is not None and not norms.__dict__.get(_COMBINED):
             pending.setdefault((mesh, norms.dtype), []).append(norms)
         gradient = param.__dict__.get(LOCAL_GRADIENT_SAVEFIELD)
-        if gradient is not None and not gradient.__dict__.get(_COMBINED):
+        if gradient is not None and id(param) not in kept and not gradient.__dict__.get(_COMBINED):
             whole = _gathered(gradient, param, mesh, placements)
             whole.__dict__[_COMBINED] = True
             setattr(param, LOCAL_GRADIENT_SAVEFIELD, whole)

@@ -294,7 +294,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             readers = step.readers.setdefault(field, [])
             readers += [] if self in readers else [self]
         if joins:
-            self.arm_reduction_in_backward(step)
+            self.arm_reduction_in_backward(step, self._params_of_call(global_step))
         try:
             micro = step.micro_batch()
         except (TypeError, ValueError):
@@ -305,14 +305,18 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             # alone (ParamGradRatio) is the optimizer's, however accumulated. At the
             # first call Cockpit has not given its parameters yet: those the loss
             # reaches, named once they are known (warn_earlier_gradients).
-            if self.known_params is not None:
-                named = self.trainable(self.known_params)
-            else:
-                loss = CockpitCTX.INFO.get(global_step, {}).get("loss")
-                named = [(None, p) for p in parameters_reached(loss)]
+            named = (self.trainable(self.known_params) if self.known_params is not None
+                     else [(None, p) for p in self._params_of_call(global_step)])
             step.check_earlier_gradients(self, named)
         self._own_gradient = micro is not None or step.earlier_gradients
         return {field for field in self._savefields if field == "grad_batch"}
+
+    def _params_of_call(self, global_step) -> list:
+        """The parameters of this call before the backward pass: Cockpit's (known from the
+        first call on), or at the first call those the loss reaches."""
+        if self.known_params is not None:
+            return list(self.known_params)
+        return parameters_reached(CockpitCTX.INFO.get(global_step, {}).get("loss"))
 
     def _compute(self, global_step, params, batch_loss) -> Optional[Dict[str, Dict[str, float]]]:
         if backward_failed() or self.repeats(global_step):  # the latter outside a Cockpit only
@@ -330,7 +334,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
                                       fsdp2_tensor_parallel=self.supports_fsdp2_tensor_parallel,
                                       hsdp=self.supports_hsdp, quantity=type(self).__name__)
         if self.supports_tensor_parallel:
-            tensor_parallel.collect(params)  # split layers' results completed over their mesh
+            # Split layers' results completed over their mesh (but the shards of a local
+            # gradient kept in the backward pass: GradientNoiseScale's, never gathered).
+            tensor_parallel.collect(params, kept=step.presharded.get(LOCAL_GRADIENT_SAVEFIELD, {}))
         if distributed.world_size() > 1:
             self._warn_if_rank_local()
         found = self._values(step, params)

@@ -62,16 +62,15 @@ def _reduce(step, quantities, params):
         if batches:
             contribution.examples = batches[0].examples
             contribution.scale = batches[0].loss_scale
+        entries = [(q, name, sum_name, sums[sum_name], how) for q, part in parts.items() if part is not None
+                   for name, sums in part[1].items() for sum_name, how in q.sums.items()]
         contribution.sums = [
-            (sums[sum_name].new_zeros(0) if (q, name) in kept
-             else _non_finite(sums[sum_name]) if (q, name, sum_name) in shards else sums[sum_name], how)
-            for q, part in parts.items()
-            if part is not None
-            for name, sums in part[1].items()
-            for sum_name, how in q.sums.items()
+            (value.new_zeros(0) if (q, name) in kept
+             else _non_finite(value) if (q, name, sum_name) in shards else value, how)
+            for q, name, sum_name, value, how in entries
         ]
         if tensor_parallel.duplicate_examples(params):
-            _contribute_no_examples(contribution)
+            _contribute_no_examples(contribution, [(q, name, s) in shards for q, name, s, _, _ in entries])
     except Exception as error:  # every process must still take part, to raise together
         contribution.error, contribution.sums, shards = error, [], set()
     contribution.available = [
@@ -176,12 +175,14 @@ def _scale_in_backward(step, field) -> Optional[float]:
     return step.loss_batch(readers[0]).loss_scale
 
 
-def _contribute_no_examples(contribution):
+def _contribute_no_examples(contribution, own):
     """Empty a part whose examples another process of its tensor-parallel mesh contributes:
-    no examples, no rows, sums of 0 (the layout unchanged)."""
+    no examples, no rows, sums of 0 (the layout unchanged); but where ``own`` (per sum) is
+    true: the flag of this process's rows of a sum reduced in the backward pass (its own
+    elements: a value not finite there makes the row NaN on every process)."""
     contribution.examples = 0
-    contribution.sums = [(value[:0] if how == "cat" else torch.zeros_like(value), how)
-                         for value, how in contribution.sums]
+    contribution.sums = [(value if mine else value[:0] if how == "cat" else torch.zeros_like(value), how)
+                         for (value, how), mine in zip(contribution.sums, own)]
 
 
 class DeclaredSums:
@@ -217,16 +218,20 @@ class DeclaredSums:
         )
         return batch, {name: self._checked_sums(param, batch) for name, param in usable}
 
-    def arm_reduction_in_backward(self, step: Step) -> None:
+    def arm_reduction_in_backward(self, step: Step, params=()) -> None:
         """Under FSDP2, reduce-scatter this quantity's per-element sums inside the coming
         backward pass, one parameter at a time (:func:`.extensions.sharded.reduce_in_backward`),
         where it declares them so (``sums_sharded_in_backward``: the savefield) and every
         reader of that savefield in the call does too; the parameters done are noted in
-        :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`."""
+        :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`. Those of ``params``
+        split by tensor parallelism too (alone or inside FSDP2), unless their per-element sums
+        stay with their shard anyway (``per_element_sums_stay``: added after the backward pass)."""
         field = self.sums_sharded_in_backward
         if field and self.supports_fsdp2 and distributed.world_size() > 1:
             sent = self.sent_in_backward(step, lambda: _scale_in_backward(step, field))
-            sharded.reduce_in_backward(step, field, sent, step.presharded.setdefault(field, {}))
+            split = self.supports_tensor_parallel and not self.per_element_sums_stay
+            sharded.reduce_in_backward(step, field, sent, step.presharded.setdefault(field, {}),
+                                       params=params, split=split)
 
     def sent_in_backward(self, step: Step, scale) -> sharded.Prepare:
         """What :meth:`arm_reduction_in_backward` reduce-scatters of a parameter (``prepare``

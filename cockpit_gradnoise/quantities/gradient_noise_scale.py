@@ -72,7 +72,9 @@ class GradientNoiseScale(ParameterQuantity):
     examples) is reduce-scattered inside the backward pass, as soon as the
     layer's gradient is accumulated, each process keeping the rows of the sum
     that FSDP2 gives it of the parameter (``sums_sharded_in_backward``); ``M``
-    adds every process's squared norm of its rows.
+    adds every process's squared norm of its rows. A parameter split by tensor
+    parallelism likewise keeps its ``tp`` shard (alone), or its rows of it reduce-scattered
+    over the data-parallel mesh (inside FSDP2): never gathered whole.
 
     Args:
         track_schedule: Function from step to bool.
