@@ -134,7 +134,7 @@ def differentiated_once(reached: torch.Tensor, expected: float) -> bool:
 def scaled_again(step: int, factor: float) -> str:
     """The error of a block that differentiated ``factor`` times the tracker's loss."""
     return (
-        f"step {step}: the backward pass differentiated {factor:.6g} times the loss the tracker "
+        f"step {step}: the backward pass differentiated {factor:.9g} times the loss the tracker "
         "gave, so every statistic would be off by that factor: call loss.backward() on the loss "
         "it gives. Accelerate's accelerator.backward(loss) divides the loss by its "
         "gradient_accumulation_steps, and the tracker's loss is already divided by "
