@@ -26,36 +26,67 @@ GPUs): ``init_device_mesh("cpu", (2,))``, checked below.
 - ``accumulated``: root only (``reshard_after_forward=False``), two micro-batches per
   process under ``accelerator.accumulate(model)`` (FSDP2 reduce-scatters after the last),
   ``loss.backward()`` on the tracker's loss (already divided by the micro-batches).
+- ``llama``: transformers' ``LlamaForCausalLM`` (tiny config, random weights) with the
+  plugin's default ``transformer_based_wrap`` (the model's ``_no_split_modules``: each
+  decoder layer), which Accelerate completes with a unit of its own for the input
+  embedding and one for the final norm and the head together (``fully_shard([norm,
+  lm_head])``), then the root; per-sequence losses of
+  ``integrations.huggingface.per_example_cross_entropy``.
 - ``divided_again``: ``accelerator.backward(loss)`` under accumulation divides the tracker's
   loss by ``gradient_accumulation_steps`` once more: refused, naming the fix.
 - ``tracked_before``: ``cgn.track`` before ``prepare`` (whose ``fully_shard`` replaces the
   parameters): refused at the first tracked step, naming the order.
 """
 
+import contextlib
 import math
 import warnings
 from pathlib import Path
 
 import cockpit_gradnoise as cgn  # first, also in spawned processes: makes `import cockpit` work
+from cockpit_gradnoise.integrations.huggingface import per_example_cross_entropy
 
 import accelerate
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import library_models
+from tests.cases import HEADS, VOCABULARY, WIDTH
 from tests.process_groups import agreed_table, assert_tables_match, results_of, run_jobs, run_once_per_world
 from tests.test_fsdp2 import LR
-from tests.test_fsdp2_track import net, run_tracked, table
+from tests.test_fsdp2_track import net, table
 
 WORLD, STEPS = 2, 2
-# job: (fully_shard every Linear, reshard_after_forward, micro-batches, local batch)
-JOBS = {"prepared": (True, True, 1, 3), "accumulated": (False, False, 2, 2)}
+# job: (wrapped by the plugin: module class names, or None for the root only, or "default"
+# for the model's own; reshard_after_forward, micro-batches, local batch)
+JOBS = {"prepared": (["Linear"], True, 1, 3), "accumulated": (None, False, 2, 2),
+        "llama": ("default", True, 1, 2)}
+LLAMA_LENGTH = 5
+
+
+def model_of(job):
+    if job != "llama":
+        return net()
+    torch.manual_seed(0)
+    return library_models.llama(VOCABULARY, WIDTH, HEADS).model.double()  # no Logits wrapper:
+    # Accelerate finds the embedding and the head on the model it prepares
+
+
+def losses_of(job, model, x, y):
+    """The per-example losses: cross-entropy, or per sequence (next token, ``x`` the ids)."""
+    if job != "llama":
+        return F.cross_entropy(model(x), y, reduction="none")
+    return per_example_cross_entropy(model(input_ids=x, use_cache=False).logits, x)
 
 
 def micro_batches(job, step):
     """Every micro-batch of one step, process by process: ``[rank][k] = (x, y)``."""
     _, _, count, size = JOBS[job]
     generator = torch.Generator().manual_seed(200 + step)
+    if job == "llama":
+        return [[(torch.randint(0, VOCABULARY, (size, LLAMA_LENGTH), generator=generator), None)
+                 for _ in range(count)] for _ in range(WORLD)]
     return [[(torch.randn(size, 5, dtype=torch.float64, generator=generator),
               torch.randint(0, 3, (size,), generator=generator)) for _ in range(count)]
             for _ in range(WORLD)]
@@ -65,10 +96,11 @@ def fsdp2_accelerator(job):
     """An ``Accelerator`` with the FSDP2 plugin of ``job``, on CPUs (see the module's docstring)."""
     from accelerate.utils import DistributedType
 
-    per_linear, reshard, count, _ = JOBS[job]
-    wrap = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["Linear"]}
-    plugin = accelerate.FullyShardedDataParallelPlugin(
-        fsdp_version=2, reshard_after_forward=reshard, **(wrap if per_linear else {}))
+    wrapped, reshard, count, _ = JOBS[job]
+    wrap = {} if wrapped is None else {"auto_wrap_policy": "transformer_based_wrap"}
+    if isinstance(wrapped, list):
+        wrap["transformer_cls_names_to_wrap"] = wrapped
+    plugin = accelerate.FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=reshard, **wrap)
     accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=count)
     if accelerator.distributed_type != DistributedType.FSDP:
         # Accelerate's own assignment, which it makes on accelerator devices only.
@@ -80,26 +112,34 @@ def fsdp2_accelerator(job):
 
 
 def prepared(job, rank):
-    """``(model, optimizer, accelerator)``: the test's network and SGD through ``prepare``."""
+    """``(model, optimizer, accelerator)``: the job's network and SGD through ``prepare``."""
     accelerator = fsdp2_accelerator(job)
-    model = net()
+    model = model_of(job)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, accelerator
 
 
-def train(model, tracker, optimizer, accelerator, job, rank, accelerate_backward):
-    """Accelerate's loop over this process's micro-batches of each step."""
-    for step in range(STEPS):
-        micro = micro_batches(job, step)[rank]
+def train(model, tracker, optimizer, job, batches, backward, accumulate=contextlib.nullcontext):
+    """Accelerate's loop: ``batches[step]`` are the micro-batches of the step, each ``(x, y)``;
+    ``backward(loss)``; ``accumulate``: ``accelerator.accumulate`` (the optimizer then steps
+    and zeroes after the last micro-batch only, as an ``AcceleratedOptimizer`` does)."""
+    for step, micro in enumerate(batches):
         for k, (x, y) in enumerate(micro):
-            with accelerator.accumulate(model):
-                losses = F.cross_entropy(model(x), y, reduction="none")
+            with accumulate(model):
+                losses = losses_of(job, model, x, y)
                 extra = {"micro_batch": k, "micro_batches": len(micro)} if len(micro) > 1 else {}
                 with tracker(step, losses, optimizer=optimizer, **extra) as loss:
-                    accelerator.backward(loss) if accelerate_backward else loss.backward()
-                optimizer.step()  # AcceleratedOptimizer: only after the last micro-batch
-                optimizer.zero_grad()
+                    backward(loss)
+                if accumulate is not contextlib.nullcontext or k == len(micro) - 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+def train_prepared(model, tracker, optimizer, accelerator, job, rank, accelerate_backward):
+    """This process's micro-batches, through the Accelerator."""
+    train(model, tracker, optimizer, job, [micro_batches(job, step)[rank] for step in range(STEPS)],
+          accelerator.backward if accelerate_backward else torch.Tensor.backward, accelerator.accumulate)
 
 
 def tracked_job(job, rank, out):
@@ -109,7 +149,7 @@ def tracked_job(job, rank, out):
     mesh = params[0].device_mesh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(model, tracker, optimizer, accelerator, job, rank, accelerate_backward=job == "prepared")
+        train_prepared(model, tracker, optimizer, accelerator, job, rank, accelerate_backward=job != "accumulated")
     written = tracker.write(out / f"{job}_written")
     return {"table": table(tracker), "warnings": [str(w.message) for w in caught if "cockpit" in str(w.message)],
             "optimizer": type(optimizer).__name__, "params": {type(p).__name__ for p in params},
@@ -125,14 +165,14 @@ def refused(job, rank, before):
     under accumulation."""
     if before:
         accelerator = fsdp2_accelerator(job)
-        model, tracker = cgn.track(net(), every=1, quantities="all")
+        model, tracker = cgn.track(model_of(job), every=1, quantities="all")
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, accelerator = prepared(job, rank)
         model, tracker = cgn.track(model, every=1, quantities="all")
     try:
-        train(model, tracker, optimizer, accelerator, job, rank, accelerate_backward=True)
+        train_prepared(model, tracker, optimizer, accelerator, job, rank, accelerate_backward=True)
     except RuntimeError as error:
         return str(error)
     return None
@@ -155,12 +195,23 @@ def groups(tmp_path_factory):
 
 def reference(job):
     """One process: the whole model, each step's micro-batches of every process as its own."""
-    model, tracker = cgn.track(net(), every=1, quantities="all")
+    model, tracker = cgn.track(model_of(job), every=1, quantities="all")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batches = [[batch for rank in micro_batches(job, step) for batch in rank] for step in range(STEPS)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_tracked(model, tracker, batches)
+        train(model, tracker, optimizer, job, batches, torch.Tensor.backward)
     return table(tracker)
+
+
+# The modules Accelerate shards (their classes become FSDP<class>), per job.
+SHARDED = {"prepared": ["", "fc1", "fc2", "frozen", "unused"], "accumulated": [""],
+           "llama": ["", "lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]}
+
+
+def model_names(job):
+    """The names of the trainable parameters (the Net's unused layer too: its update size)."""
+    return [name for name, param in model_of(job).named_parameters() if param.requires_grad]
 
 
 @pytest.mark.parametrize("job", list(JOBS))
@@ -171,12 +222,12 @@ def test_accelerate_fsdp2_prepared_then_tracked_equals_one_process(groups, job):
     assert_tables_match(got, expected)
     assert {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
             "GradientVarianceQuantiles"} <= {key[1] for key in expected}
-    assert {"fc1.weight", "fc2.bias", "all"} <= {key[2] for key in expected}
     assert not any(math.isnan(value) for value in got.values())
+    assert {"all"} | set(model_names(job)) == {key[2] for key in expected}  # every trained parameter
     for result in results:  # Accelerate's FSDP2 on a 1-D CPU mesh over both processes
         assert result["params"] == {"DTensor"} and result["optimizer"] == "AcceleratedOptimizer"
         assert result["mesh"] == ("cpu", 1, WORLD)
-        assert result["sharded"] == (["", "fc1", "fc2", "frozen", "unused"] if JOBS[job][0] else [""])
+        assert result["sharded"] == SHARDED[job]
         # The unused layer's warning only: nothing else is left out.
         assert all("unused" in message for message in result["warnings"]), result["warnings"]
     assert results[0]["written"] is not None and results[1]["written"] is None
