@@ -32,6 +32,9 @@ GPUs): ``init_device_mesh("cpu", (2,))``, checked below.
   embedding and one for the final norm and the head together (``fully_shard([norm,
   lm_head])``), then the root; per-sequence losses of
   ``integrations.huggingface.per_example_cross_entropy``.
+- ``adam``: as ``prepared``, with AdamW: GradientNoiseScale and PreconditionedNoiseScale
+  (Adam's state read through the ``AcceleratedOptimizer``, whose parameters ``prepare``
+  swapped for the sharded ones).
 - ``divided_again``: ``accelerator.backward(loss)`` under accumulation divides the tracker's
   loss by ``gradient_accumulation_steps`` once more: refused, naming the fix.
 - ``tracked_before``: ``cgn.track`` before ``prepare`` (whose ``fully_shard`` replaces the
@@ -61,7 +64,11 @@ WORLD, STEPS = 2, 2
 # job: (wrapped by the plugin: module class names, or None for the root only, or "default"
 # for the model's own; reshard_after_forward, micro-batches, local batch)
 JOBS = {"prepared": (["Linear"], True, 1, 3), "accumulated": (None, False, 2, 2),
-        "llama": ("default", True, 1, 2)}
+        "llama": ("default", True, 1, 2), "adam": (["Linear"], True, 1, 3)}
+FIVE = ["GradientVarianceQuantiles", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize", "GradientNoiseScale"]
+# The quantities of each job: the default preset (the five), or with AdamW (whose state the
+# preconditioner reads through the AcceleratedOptimizer) the noise scales.
+QUANTITIES = {"adam": ["GradientNoiseScale", "PreconditionedNoiseScale"]}
 LLAMA_LENGTH = 5
 
 
@@ -92,6 +99,16 @@ def micro_batches(job, step):
             for _ in range(WORLD)]
 
 
+def optimizer_of(job, model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=LR) if job == "adam" else torch.optim.SGD(params, lr=LR)
+
+
+def tracked(job, model):
+    """``cgn.track`` with the job's quantities."""
+    return cgn.track(model, every=1, quantities=QUANTITIES.get(job, "all"))
+
+
 def fsdp2_accelerator(job):
     """An ``Accelerator`` with the FSDP2 plugin of ``job``, on CPUs (see the module's docstring)."""
     from accelerate.utils import DistributedType
@@ -115,8 +132,7 @@ def prepared(job, rank):
     """``(model, optimizer, accelerator)``: the job's network and SGD through ``prepare``."""
     accelerator = fsdp2_accelerator(job)
     model = model_of(job)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer_of(job, model))
     return model, optimizer, accelerator
 
 
@@ -144,7 +160,7 @@ def train_prepared(model, tracker, optimizer, accelerator, job, rank, accelerate
 
 def tracked_job(job, rank, out):
     model, optimizer, accelerator = prepared(job, rank)
-    model, tracker = cgn.track(model, every=1, quantities="all")
+    model, tracker = tracked(job, model)
     params = list(model.parameters())
     mesh = params[0].device_mesh
     with warnings.catch_warnings(record=True) as caught:
@@ -165,12 +181,11 @@ def refused(job, rank, before):
     under accumulation."""
     if before:
         accelerator = fsdp2_accelerator(job)
-        model, tracker = cgn.track(model_of(job), every=1, quantities="all")
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        model, tracker = tracked(job, model_of(job))
+        model, optimizer = accelerator.prepare(model, optimizer_of(job, model))
     else:
         model, optimizer, accelerator = prepared(job, rank)
-        model, tracker = cgn.track(model, every=1, quantities="all")
+        model, tracker = tracked(job, model)
     try:
         train_prepared(model, tracker, optimizer, accelerator, job, rank, accelerate_backward=True)
     except RuntimeError as error:
@@ -195,8 +210,8 @@ def groups(tmp_path_factory):
 
 def reference(job):
     """One process: the whole model, each step's micro-batches of every process as its own."""
-    model, tracker = cgn.track(model_of(job), every=1, quantities="all")
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    model, tracker = tracked(job, model_of(job))
+    optimizer = optimizer_of(job, model)
     batches = [[batch for rank in micro_batches(job, step) for batch in rank] for step in range(STEPS)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -206,12 +221,15 @@ def reference(job):
 
 # The modules Accelerate shards (their classes become FSDP<class>), per job.
 SHARDED = {"prepared": ["", "fc1", "fc2", "frozen", "unused"], "accumulated": [""],
+           "adam": ["", "fc1", "fc2", "frozen", "unused"],
            "llama": ["", "lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]}
 
 
 def model_names(job):
-    """The names of the trainable parameters (the Net's unused layer too: its update size)."""
-    return [name for name, param in model_of(job).named_parameters() if param.requires_grad]
+    """The names of the trainable parameters with rows (the Net's unused layer: only its update size)."""
+    update_size = "UpdateSize" in QUANTITIES.get(job, FIVE)
+    return [name for name, param in model_of(job).named_parameters()
+            if param.requires_grad and (update_size or not name.startswith("unused."))]
 
 
 @pytest.mark.parametrize("job", list(JOBS))
@@ -220,8 +238,7 @@ def test_accelerate_fsdp2_prepared_then_tracked_equals_one_process(groups, job):
     got = agreed_table(results)
     expected = reference(job)
     assert_tables_match(got, expected)
-    assert {"GradientNoiseScale", "PerExampleGradNorm", "ParamGradRatio", "UpdateSize",
-            "GradientVarianceQuantiles"} <= {key[1] for key in expected}
+    assert set(QUANTITIES.get(job, FIVE)) <= {key[1] for key in expected}
     assert not any(math.isnan(value) for value in got.values())
     assert {"all"} | set(model_names(job)) == {key[2] for key in expected}  # every trained parameter
     for result in results:  # Accelerate's FSDP2 on a 1-D CPU mesh over both processes
