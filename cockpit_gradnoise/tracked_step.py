@@ -22,8 +22,10 @@ from cockpit.context import CockpitCTX
 class TrackedStep:
     """What ``with tracker(step, losses)`` enters: Cockpit's context, checked on the way out.
 
-    On the way out it checks that the loss it gave was differentiated (and
-    with the graph kept where Cockpit's ``create_graph`` asks for it) before
+    On the way out it checks that the loss it gave was differentiated
+    (the gradient that reached it is ``1``, or the GradScaler's scale: not a
+    multiple of it, as ``accelerator.backward`` under accumulation makes), and
+    with the graph kept where Cockpit's ``create_graph`` asks for it, before
     the quantities compute; if the body raised, nothing is tracked at this
     step and the body's error is the one raised.
     """

@@ -325,6 +325,11 @@ class Tracker:
                 example, ``loss`` is neither their mean nor their sum, both
                 ``loss`` and ``reduction`` or a wrong ``batch_size`` are
                 given, or the loss does not depend on the parameters.
+            RuntimeError: At a tracked step, if the model's parameters are not those
+                ``cgn.track`` found (sharded by ``fully_shard`` after it, as Accelerate's
+                ``prepare`` does, or replaced); on the way out of the block, if the
+                backward pass differentiated a multiple of the loss it gave
+                (``accelerator.backward`` under accumulation).
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = check_individual_losses(losses, "losses")  # the step's one check of them
