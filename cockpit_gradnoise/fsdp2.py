@@ -29,7 +29,7 @@ processes' shards).
 
 import contextlib
 import functools
-from typing import Callable, Dict, Iterable, List, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from cockpit_gradnoise import distributed, functional
 from cockpit_gradnoise.extensions import sharded
@@ -72,6 +72,35 @@ def check_preparable(model: nn.Module, use_converter) -> None:
             f"({attention!r}), which cgn.prepare_model replaces by a LinearAttention: a new "
             "module FSDP2 does not know. Prepare the model before sharding it: " + RECIPE
         )
+
+
+def replaced_after_tracking(model: nn.Module, tracked: Dict[str, Tensor]) -> Optional[str]:
+    """Why ``tracked`` (``{name: parameter}`` at ``cgn.track``) are no longer ``model``'s, or ``None``.
+
+    ``fully_shard`` applied after ``cgn.track`` (as Accelerate's ``prepare`` does with an
+    FSDP2 plugin, or a Trainer that prepares the model it was given) replaces every
+    parameter of the sharded modules by a ``DTensor``: the tracker would read the old ones,
+    which get no gradient and never change (an update size of 0, silently). Under FSDP2 a
+    module holds its unsharded parameters between the forward and the backward pass, so
+    parameters tracked after sharding are not compared by identity; without FSDP2 they are,
+    by name (``load_state_dict(assign=True)`` and a module replaced also leave the tracker
+    with parameters the model no longer has).
+    """
+    if fully_sharded(model):
+        if is_sharded(tracked.values()):
+            return None
+        return ("the model was sharded with fully_shard after cgn.track (Accelerate's "
+                "accelerator.prepare with an FSDP2 plugin does so, and a transformers Trainer "
+                "with FSDP2, which TrackingTrainer does not support yet): its parameters are new "
+                "DTensors and the tracker holds the old ones. Call cgn.track on the model that "
+                "accelerator.prepare returns (or after fully_shard); see docs/distributed.md")
+    current = dict(model.named_parameters())
+    replaced = [name for name, param in tracked.items() if current.get(name) is not param]
+    if not replaced:
+        return None
+    return (f"parameters {replaced[:5]}{' ...' if len(replaced) > 5 else ''} of the model are not "
+            "those cgn.track found (replaced since: load_state_dict(assign=True), a new module): "
+            "the tracker would read the old ones. Call cgn.track on the model as it is trained")
 
 
 def _is_fsdp2_hook(hook) -> bool:

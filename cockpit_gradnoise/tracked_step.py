@@ -22,8 +22,10 @@ from cockpit.context import CockpitCTX
 class TrackedStep:
     """What ``with tracker(step, losses)`` enters: Cockpit's context, checked on the way out.
 
-    On the way out it checks that the loss it gave was differentiated (and
-    with the graph kept where Cockpit's ``create_graph`` asks for it) before
+    On the way out it checks that the loss it gave was differentiated
+    (the gradient that reached it is ``1``, or the GradScaler's scale: not a
+    multiple of it, as ``accelerator.backward`` under accumulation makes), and
+    with the graph kept where Cockpit's ``create_graph`` asks for it, before
     the quantities compute; if the body raised, nothing is tracked at this
     step and the body's error is the one raised.
     """
@@ -36,6 +38,7 @@ class TrackedStep:
         self.declared = declared
         self._backward_reached_loss = self._computed = False
         self._context = self._hook = None
+        self._reached_grad: Optional[torch.Tensor] = None  # the gradient that reached the loss
 
     def __enter__(self) -> torch.Tensor:
         loss = self.info["loss"] if self.scaled is None or self.scaled.given is None else self.scaled.given
@@ -49,6 +52,7 @@ class TrackedStep:
 
     def _reached(self, grad):
         self._backward_reached_loss = True
+        self._reached_grad = grad.detach()
         if self.scaled is not None:
             self.scaled.arrived(grad)
 
@@ -108,6 +112,9 @@ class TrackedStep:
             return not_differentiated(self.step)
         if self.scaled is not None and self.scaled.problem(self.step):
             return self.scaled.problem(self.step)
+        expected = 1.0 if self.scaled is None or self.scaled.given is not None else self.scaled.scale
+        if self._reached_grad is not None and not differentiated_once(self._reached_grad, expected):
+            return scaled_again(self.step, float(self._reached_grad) / expected)
         if self.cockpit.create_graph(self.step) and not any(
             p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
         ):
@@ -116,6 +123,26 @@ class TrackedStep:
                 "loss.backward(create_graph=tracker.create_graph(step))"
             )
         return None
+
+
+def differentiated_once(reached: torch.Tensor, expected: float) -> bool:
+    """Whether the gradient that reached the tracker's loss is ``expected`` (``1``, or a
+    GradScaler's scale), up to one rounding to the loss's dtype: the backward pass
+    differentiated the loss the tracker gave, not a multiple of it."""
+    tolerance = torch.finfo(reached.dtype).eps * abs(expected) if reached.is_floating_point() else 0.0
+    return reached.numel() == 1 and abs(float(reached) - expected) <= tolerance
+
+
+def scaled_again(step: int, factor: float) -> str:
+    """The error of a block that differentiated ``factor`` times the tracker's loss."""
+    return (
+        f"step {step}: the backward pass differentiated {factor:.9g} times the loss the tracker "
+        "gave, so every statistic would be off by that factor: call loss.backward() on the loss "
+        "it gives. Accelerate's accelerator.backward(loss) divides the loss by its "
+        "gradient_accumulation_steps, and the tracker's loss is already divided by "
+        "micro_batches: inside `with accelerator.accumulate(model):` call loss.backward(). "
+        "With a GradScaler, pass scaler= and call scaler.scale(loss).backward()"
+    )
 
 
 def record_optimizer(cockpit: Cockpit, step: int, optimizer) -> None:

@@ -21,6 +21,7 @@ explicit API (``docs/getting-started.md``), which stays available.
 """
 
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -131,7 +132,7 @@ def track(
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    tracker = Tracker(Cockpit(params, quantities=built), names, switch=switch_of(model))
+    tracker = Tracker(Cockpit(params, quantities=built), names, switch=switch_of(model), model=model)
     if log is not None:
         tracker.stream_to(log)
     return (model if compiled is None else compiled), tracker
@@ -160,8 +161,13 @@ class Tracker:
             the network, what a :class:`~cockpit_gradnoise.BatchSchedule` reads each step.
     """
 
-    def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None):
+    def __init__(self, cockpit: Cockpit, param_names: Sequence[str], switch=None,
+                 model: Optional[nn.Module] = None):
         self.cockpit = cockpit
+        # The model cgn.track prepared (weakly: the tracker may outlive it) and its parameters
+        # then, checked at each tracked call (fsdp2.replaced_after_tracking).
+        self._model = None if model is None else weakref.ref(model)
+        self._tracked = dict(zip(param_names, cockpit.params))
         self.arming = arming.Arming(cockpit, switch)  # the hooks idle at untracked steps
         # Whether untracked steps may skip Cockpit's context (of the quantities it was built with).
         self._idles = arming.idle_step(cockpit, tracked=False)
@@ -319,6 +325,11 @@ class Tracker:
                 example, ``loss`` is neither their mean nor their sum, both
                 ``loss`` and ``reduction`` or a wrong ``batch_size`` are
                 given, or the loss does not depend on the parameters.
+            RuntimeError: At a tracked step, if the model's parameters are not those
+                ``cgn.track`` found (sharded by ``fully_shard`` after it, as Accelerate's
+                ``prepare`` does, or replaced); on the way out of the block, if the
+                backward pass differentiated a multiple of the loss it gave
+                (``accelerator.backward`` under accumulation).
         """
         step = step_number(step, convert=True)  # a plain int before Cockpit keys anything by it
         losses = check_individual_losses(losses, "losses")  # the step's one check of them
@@ -352,6 +363,10 @@ class Tracker:
         if micro is not None:
             full.update({accumulation.MICRO_BATCH: micro.index,
                          accumulation.MICRO_BATCHES: micro.count})
+        model = None if self._model is None or not tracked else self._model()
+        replaced = None if model is None else fsdp2.replaced_after_tracking(model, self._tracked)
+        if replaced is not None:
+            raise RuntimeError(f"step {step}: {replaced}")
         self.arming.at_call(step, optimizer, tracked)  # refuses a tracked step no hook recorded
         if not tracked and self._idles:
             return IdleStep(step, full)  # scaled is None: a GradScaler is divided out at tracked steps

@@ -249,10 +249,12 @@ def _llama():
     return LlamaForCausalLM(config).double()
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path, accumulation):
+@pytest.mark.parametrize("accumulation, scaled", [(1, False), (2, False), (2, True)])
+def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_path, accumulation, scaled):
     """One optimizer step of 8 sequences: one batch, or 2 micro-batches of 4 (then each
-    micro-batch tracked with micro_batch=k, micro_batches=2)."""
+    micro-batch tracked with micro_batch=k, micro_batches=2). ``scaled``: Accelerate's
+    GradScaler, as with fp16 on GPUs (its backward is ``scaler.scale(loss).backward()``),
+    given to the Trainer's Accelerator on CPUs: divided out, logged under ``GradScaler``."""
     from cockpit_gradnoise.integrations.huggingface import (
         TrackingTrainer,
         per_example_cross_entropy,
@@ -282,7 +284,10 @@ def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_pa
         save_strategy="no", logging_strategy="no", disable_tqdm=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # layers without rules are warned about
-        Recording(tracker=tracker, model=model, args=args, train_dataset=data).train()
+        trainer = Recording(tracker=tracker, model=model, args=args, train_dataset=data)
+        if scaled:  # before train(), whose prepare gives it to the AcceleratedOptimizer
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        trainer.train()
 
         initial, by_hand_tracker = cgn.track(initial, every=EVERY)
         for k, inputs in enumerate(seen):
@@ -301,7 +306,10 @@ def test_hugging_face_trainer_tracks_the_numbers_of_the_same_step_by_hand(tmp_pa
     assert set(logged["statistic"]) == {"class:AdamW", "lr"}
     # UpdateSize needs the optimizer step the hand-written step did not take, which
     # was given no optimizer.
-    pandas.testing.assert_frame_equal(without_quantities(frame, ("UpdateSize", "Optimizer")),
+    if scaled:
+        logged = frame[frame["quantity"] == "GradScaler"]
+        assert dict(zip(logged["statistic"], logged["value"])) == {"scale": 2.0**10, "skipped": 0.0}
+    pandas.testing.assert_frame_equal(without_quantities(frame, ("UpdateSize", "Optimizer", "GradScaler")),
                                       without_quantities(expected, ("UpdateSize",)))
 
 

@@ -198,6 +198,45 @@ def test_a_step_without_backward_or_with_an_error_records_nothing_and_says_why()
     assert set(tracker.frame().step) == {2}
 
 
+def test_a_multiple_of_the_loss_differentiated_is_refused_naming_the_factor():
+    """Accelerate's ``accelerator.backward(loss)`` under accumulation differentiates ``loss / K``:
+    every statistic would be off by the factor. A GradScaler's scale, given, is no such factor."""
+    model, tracker = cgn.track(tiny_model(), every=1, quantities=["GradientNoiseScale"])
+    x, y = batches(steps=1)[0]
+
+    def losses():
+        model.zero_grad()
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    for k, (factor, shown) in enumerate([(0.5, "0.5"), (1 + 1e-6, "1.00000095"), (3.0, "3")]):  # float32
+        with pytest.raises(RuntimeError, match=f"step {k}: the backward pass differentiated {shown} times"):
+            with tracker(k, losses()) as loss:
+                (loss * factor).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with pytest.raises(RuntimeError, match="step 3: the backward pass differentiated 0.5 times"):
+        with tracker(3, losses(), scaler=scaler) as loss:
+            scaler.scale(loss / 2).backward()
+    assert tracker.frame().empty
+    with tracker(4, losses(), scaler=scaler) as loss:
+        scaler.scale(loss).backward()
+    with tracker(5, losses()) as loss:
+        loss.backward()
+    assert {4, 5} <= set(tracker.frame().step)
+
+
+def test_parameters_replaced_after_track_are_refused_before_the_step():
+    """``load_state_dict(assign=True)`` after ``cgn.track`` (as FSDP2's ``fully_shard`` does to
+    every parameter): the tracker would read the old ones, which never change."""
+    model, tracker = cgn.track(tiny_model(), every=2)
+    x, y = batches(steps=1)[0]
+    model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
+    with tracker(1, F.cross_entropy(model(x), y, reduction="none")) as loss:  # untracked: not checked
+        loss.backward()
+    with pytest.raises(RuntimeError, match=r"step 2: parameters \[.*\] of the model are not those cgn.track found"):
+        tracker(2, F.cross_entropy(model(x), y, reduction="none"))
+    assert tracker.frame().empty
+
+
 def test_batch_size_one_is_defined_and_warned_about():
     model, tracker = cgn.track(tiny_model(), every=1)
     x, y = batches(n=1, steps=1)[0]

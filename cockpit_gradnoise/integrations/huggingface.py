@@ -185,8 +185,11 @@ class TrackingTrainer(transformers.Trainer):
         labels = inputs.pop("labels")
         outputs = model(**inputs)
         losses = self.per_example_loss(outputs["logits"], labels)
+        # With fp16 on GPUs Accelerate's backward is scaler.scale(loss).backward(): the tracker
+        # divides the scale out, and logs a step the scaler skips (cockpit_gradnoise.amp).
+        scaler = getattr(self.accelerator, "scaler", None)
         self._tracked_step = self.tracker(self.state.global_step, losses, optimizer=self.optimizer,
-                                          **self._micro_batch())
+                                          scaler=scaler, **self._micro_batch())
         loss = self._tracked_step.__enter__()
         return (loss, outputs) if return_outputs else loss
 
