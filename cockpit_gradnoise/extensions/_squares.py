@@ -35,6 +35,25 @@ def needs_scale(dtype: torch.dtype) -> bool:
     return saved_dtype(dtype) != dtype
 
 
+def largest_magnitude(tensor: Tensor) -> Tensor:
+    """``max |t|``, 0-dim, in ``tensor``'s dtype: one pass, no copy (``abs()`` would write
+    one), NaN where ``tensor`` holds one (the inf-norm's maximum propagates NaN on the CPU
+    and on CUDA), ``inf`` where it holds an infinity. ``tensor`` must not be empty."""
+    return torch.linalg.vector_norm(tensor.detach(), math.inf)
+
+
+def scales_of_largest(largest: Tensor) -> Tensor:
+    """``2**-e`` of each float32 ``largest = m 2**e`` (``m`` in ``[0.5, 1)``), ``e`` kept within
+    ``[-125, 127]``; 1 where ``largest`` is 0, NaN or infinite. In five launches whatever the
+    number of values, never read on the host.
+
+    ``nan_to_num`` makes NaN and infinities 0, whose ``frexp`` exponent is 0 (as ``frexp(0)``
+    gives); ``pow(2, -e)`` is what ``ldexp(1, -e)`` computes, exactly.
+    """
+    _, exponent = torch.frexp(largest.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
+    return torch.pow(2.0, exponent.clamp_(-125, 127).neg_()).float()  # float32 whatever the default dtype
+
+
 def power_of_two_scale(*tensors: Tensor) -> Tensor:
     """``2**-e`` with ``max_k |t_k| = m 2**e``, ``m`` in ``[0.5, 1)``: a 0-dim float32 tensor.
 
@@ -44,22 +63,23 @@ def power_of_two_scale(*tensors: Tensor) -> Tensor:
     ``[-125, 127]``, where ``2**-e`` is a normal float32). 1 when all are
     zero or one is not finite. On the tensors' device, without waiting for it.
     """
-    # One pass each, no copy (abs() would write one).
-    extremes = [torch.aminmax(tensor.detach()) for tensor in tensors if tensor.numel()]
+    largest = [largest_magnitude(tensor) for tensor in tensors if tensor.numel()]
     if _device.on_host(tensors[0]):
         # In Python: a handful of tiny torch operations cost more on the CPU.
-        largest = max((max(float(high), -float(low)) for low, high in extremes), default=0.0)
-        exponent = math.frexp(largest)[1] if math.isfinite(largest) else 0
-        return torch.tensor(2.0 ** -min(max(exponent, -125), 127))
-    if not extremes:
+        return torch.tensor(_host_scale(max((float(value) for value in largest), default=0.0)))
+    if not largest:
         return torch.ones((), device=tensors[0].device)  # 2**-0, as frexp(0) gives
-    # In few launches (each small op is one on a GPU): max(high, -low) = max(|high|, |low|),
-    # amax and maximum propagate NaN, and rounding to float32 is monotone, so the
-    # float32 maximum of the rounded extremes is the rounded maximum.
-    largest = torch.stack([bound.float() for pair in extremes for bound in pair]).abs().amax()
-    _, exponent = torch.frexp(largest)
-    exponent = torch.where(largest < math.inf, exponent.clamp(-125, 127), 0)  # not NaN nor inf
-    return torch.ldexp(torch.ones_like(largest), -exponent)
+    # Rounding to float32 is monotone and amax propagates NaN: the float32 maximum of the
+    # rounded magnitudes is the rounded maximum.
+    if len(largest) > 1:
+        return scales_of_largest(torch.stack([value.float() for value in largest]).amax())
+    return scales_of_largest(largest[0].float())
+
+
+def _host_scale(largest: float) -> float:
+    """:func:`power_of_two_scale` of a largest magnitude read on the host."""
+    exponent = math.frexp(largest)[1] if math.isfinite(largest) else 0
+    return 2.0 ** -min(max(exponent, -125), 127)
 
 
 #: On the CPU, a layer whose largest magnitude (of the contributions, or the
@@ -82,15 +102,31 @@ def _needed(scale: Tensor) -> Optional[Tensor]:
 
 def scaled_factors(*factors: Tensor) -> Tuple[List[Tensor], Optional[Tensor]]:
     """The factors of products (``x_i = sum_l g_il a_il^T``) each at its own
-    :func:`power_of_two_scale`, and the product of the scales; unchanged with
-    scale ``None`` where their squares cannot underflow (float64, or
-    :data:`SMALLEST_UNSCALED`)."""
+    :func:`power_of_two_scale`, and the product of the scales (float32, 0-dim); unchanged
+    with scale ``None`` where their squares cannot underflow (float64, or
+    :data:`SMALLEST_UNSCALED`).
+
+    All factors' scales at once: on the host as Python numbers (one read per factor), on
+    other devices as one vector (:func:`scales_of_largest`), in a dozen launches for two
+    factors where one :func:`power_of_two_scale` each took thirty.
+    """
     if not needs_scale(factors[0].dtype):
         return list(factors), None
-    scales = [power_of_two_scale(factor) for factor in factors]
-    if _needed(math.prod(scales)) is None:
-        return list(factors), None
-    return [factor * scale for factor, scale in zip(factors, scales)], math.prod(scales)
+    if _device.on_host(factors[0]):
+        scales = [_host_scale(float(largest_magnitude(factor))) if factor.numel() else 1.0
+                  for factor in factors]
+        # Powers of two: the float64 product is exact, and rounding it to float32 (below) gives
+        # the float32 product of the float32 scales (0 or inf outside float32's range, as theirs,
+        # where the test below decides alike).
+        product = math.prod(scales)
+        if product * SMALLEST_UNSCALED <= 0.5:
+            return list(factors), None
+        return ([factor * scale for factor, scale in zip(factors, scales)],
+                torch.tensor(product, dtype=torch.float32))
+    largest = torch.stack([largest_magnitude(factor).float() if factor.numel()
+                           else factor.new_zeros((), dtype=torch.float32) for factor in factors])
+    scales = scales_of_largest(largest)
+    return [factor * scale for factor, scale in zip(factors, scales)], scales.prod()
 
 
 def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
@@ -98,6 +134,9 @@ def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
     cannot underflow (float64, or :data:`SMALLEST_UNSCALED`)."""
     if not needs_scale(contributions.dtype):
         return None
+    if _device.on_host(contributions) and contributions.numel():  # decided in Python, no tensor made
+        scale = _host_scale(float(largest_magnitude(contributions)))
+        return None if scale * SMALLEST_UNSCALED <= 0.5 else torch.tensor(scale)
     return _needed(power_of_two_scale(contributions))
 
 
@@ -108,7 +147,10 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
     wide = saved_dtype(at_scale.dtype)
     if scale is None:
         return at_scale.to(wide)
-    return at_scale.to(wide) / scale.to(wide).square()
+    divisor = scale.to(wide).square()
+    # As a 1-element vector, the divisor's dtype is the quotient's: the division widens
+    # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
+    return at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
 
 
 def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:

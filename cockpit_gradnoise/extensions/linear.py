@@ -102,7 +102,7 @@ def gram_squared_norms(g: Tensor, a: Tensor) -> Tensor:
         gram_g = torch.bmm(g_chunk, g_chunk.transpose(1, 2))
         gram_a = torch.bmm(a_chunk, a_chunk.transpose(1, 2))
         norms.append(gram_g.mul_(gram_a).sum((1, 2)))
-    return torch.cat(norms)
+    return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 
 def formed_squared_norms(g: Tensor, a: Tensor) -> Tensor:
