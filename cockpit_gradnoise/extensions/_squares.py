@@ -16,7 +16,7 @@ underflow only below ``1e-308``).
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device
 
@@ -42,16 +42,55 @@ def largest_magnitude(tensor: Tensor) -> Tensor:
     return torch.linalg.vector_norm(tensor.detach(), math.inf)
 
 
+#: ``k`` of the bounds ``2**k`` of :func:`exponent_table`: every power of two float32 holds.
+_BOUND_EXPONENTS = range(-149, 128)
+
+
+def _scale_for_exponent(exponent: int) -> float:
+    """``2**-e`` for ``frexp``'s exponent ``e``, ``e`` kept within ``[-125, 127]``."""
+    return 2.0 ** -min(max(exponent, -125), 127)
+
+
+#: ``{device: (bounds, scales)}`` of :func:`exponent_table`, made once per device.
+_EXPONENT_TABLES: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+
+
+def exponent_table(device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(bounds, scales)`` on ``device``, float32: the bounds ``2**k``, ``k = -149..127``, then
+    ``inf``; ``scales[i]`` the scale of a largest magnitude at or above exactly ``i`` bounds.
+
+    ``i = searchsorted(bounds, largest, right=True)`` counts the bounds at most ``largest``:
+    0 for 0, ``e + 149`` for ``largest`` in ``[2**(e - 1), 2**e)`` (``frexp``'s exponent
+    ``e``, subnormals included), 278 for ``inf``, and 0 or 278 for NaN (a binary search
+    whose comparisons with NaN are all false ends at one end): ``scales`` is 1 at both
+    ends and ``2**-e`` (``e`` within ``[-125, 127]``) between. Every entry is a power of
+    two written from Python's exact arithmetic; copied to ``device`` from pinned memory,
+    without waiting for it.
+    """
+    table = _EXPONENT_TABLES.get(device)
+    if table is None:
+        bounds = [2.0**k for k in _BOUND_EXPONENTS] + [math.inf]
+        scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
+        table = tuple(_device_copy(torch.tensor(values, dtype=torch.float32), device)
+                      for values in (bounds, scales))
+        _EXPONENT_TABLES[device] = table
+    return table
+
+
+def _device_copy(tensor: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":  # asynchronously: a copy from pageable memory would wait
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def scales_of_largest(largest: Tensor) -> Tensor:
     """``2**-e`` of each float32 ``largest = m 2**e`` (``m`` in ``[0.5, 1)``), ``e`` kept within
-    ``[-125, 127]``; 1 where ``largest`` is 0, NaN or infinite. In five launches whatever the
-    number of values, never read on the host.
-
-    ``nan_to_num`` makes NaN and infinities 0, whose ``frexp`` exponent is 0 (as ``frexp(0)``
-    gives); ``pow(2, -e)`` is what ``ldexp(1, -e)`` computes, exactly.
+    ``[-125, 127]``; 1 where ``largest`` is 0, NaN or infinite. Two launches (a binary search
+    in :func:`exponent_table`'s bounds, a lookup of its scales) whatever the number of
+    values, never read on the host.
     """
-    _, exponent = torch.frexp(largest.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
-    return torch.pow(2.0, exponent.clamp_(-125, 127).neg_()).float()  # float32 whatever the default dtype
+    bounds, scales = exponent_table(largest.device)
+    return torch.take(scales, torch.searchsorted(bounds, largest, right=True))
 
 
 def power_of_two_scale(*tensors: Tensor) -> Tensor:
@@ -78,8 +117,7 @@ def power_of_two_scale(*tensors: Tensor) -> Tensor:
 
 def _host_scale(largest: float) -> float:
     """:func:`power_of_two_scale` of a largest magnitude read on the host."""
-    exponent = math.frexp(largest)[1] if math.isfinite(largest) else 0
-    return 2.0 ** -min(max(exponent, -125), 127)
+    return _scale_for_exponent(math.frexp(largest)[1]) if math.isfinite(largest) else 1.0
 
 
 #: On the CPU, a layer whose largest magnitude (of the contributions, or the
@@ -163,6 +201,12 @@ def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
     powers = [scale] + [scale.square()] * (len(sums) - 1)
     inverse = torch.stack(powers).reciprocal_()  # powers of two: exact
     return sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
+
+
+def joined(chunks: List[Tensor]) -> Tensor:
+    """The results of consecutive chunks of examples as one: ``torch.cat``, or the one chunk
+    itself (no copy, no launch: most layers fit one chunk)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def squared_norms_of(contributions: Tensor) -> Tensor:
