@@ -13,7 +13,7 @@ each step's CPU time (``time.process_time``) and that of its ``loss.backward()``
 interleaved in a shuffled order each round. Reported, per tracked module, the
 median over the rounds of ``(tracked - plain)``: of the whole step and of the
 backward pass alone, in microseconds, with the quartiles of the backward's share
-(the machine's noise).
+(the machine's noise) and its difference of the fastest rounds (noise only adds time).
 
 By default the paths of other devices run (``_device.on_host`` patched as in
 ``benchmark_op_count``): the Python a GPU's host runs; ``--host-paths`` times the
@@ -102,10 +102,13 @@ def measure(name, rounds, methods, seed=0):
                       for part, seconds in times[method].items()}
         step, backward = (statistics.median(per_module[part]) for part in ("step", "backward"))
         low, _, high = quartiles(per_module["backward"])
+        # Fastest rounds (noise only adds time): (fastest tracked - fastest plain) / modules.
+        fastest = (min(times[method]["backward"]) - min(times["plain"]["backward"])) / modules * 1e6
         print(f"  {method}: {step:.0f} us per tracked module, of which the backward pass {backward:.0f} us "
-              f"(quartiles over rounds {low:.0f} to {high:.0f}), after it {step - backward:.0f} us")
+              f"(quartiles over rounds {low:.0f} to {high:.0f}; fastest rounds {fastest:.0f} us), "
+              f"after it {step - backward:.0f} us")
         result[method] = {"step us per module": step, "backward us per module": backward,
-                          "backward quartiles": (low, high)}
+                          "backward quartiles": (low, high), "backward fastest us per module": fastest}
     return result
 
 
