@@ -70,7 +70,9 @@ _NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "promote_type
 
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched inside it: by op, and by (place, op); and ``launches``,
-    those that are neither views nor in :data:`_NO_KERNEL` (each a kernel on a GPU)."""
+    those that are neither views nor in :data:`_NO_KERNEL` (each a kernel on a GPU); both
+    also for the backward pass alone (``backward_ops``, ``backward_launches``: while
+    autograd's engine runs, where the package's hooks do the per-module work)."""
 
     def __init__(self):
         super().__init__()
@@ -78,13 +80,22 @@ class OpCounter(TorchDispatchMode):
         self.places = collections.Counter()
         self.launches = 0
         self.host_reads = 0  # .item(), float(t), bool(t): a sync on a GPU
+        self.backward_ops = 0  # dispatched while autograd's engine runs: the backward pass and its hooks
+        self.backward_launches = 0
+        self.backward_places = collections.Counter()  # (place, op) of the launching ops in the backward pass
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        launches = not (func.is_view or name in _NO_KERNEL)
+        place = _where(sys._getframe(1))
         self.ops[name] += 1
-        self.launches += not (func.is_view or name in _NO_KERNEL)
+        self.launches += launches
         self.host_reads += name == "_local_scalar_dense"
-        self.places[(_where(sys._getframe(1)), name)] += 1
+        self.places[(place, name)] += 1
+        if torch._C._current_graph_task_id() != -1:  # inside loss.backward(): the layers' hooks run here
+            self.backward_ops += 1
+            self.backward_launches += launches
+            self.backward_places[(place, name)] += launches
         return func(*args, **(kwargs or {}))
 
 
@@ -114,6 +125,19 @@ def resnet18_small(batch=4):
 MODELS = {"gpt2-tiny": gpt2_tiny, "resnet18": resnet18_small}
 
 
+def _print_by_function(places, top):
+    """The ``top`` functions of ``{(place, op): count}`` with their most frequent ops."""
+    by_place = collections.Counter()
+    for (place, _), n in places.items():
+        by_place[place] += n
+    for place, n in by_place.most_common(top):
+        if place == "model/torch":
+            print(f"      {n:6d}  {place}")
+            continue
+        ops = collections.Counter({op: m for (p, op), m in places.items() if p == place and m})
+        print(f"      {n:6d}  {place}  (" + ", ".join(f"{op} {m}" for op, m in ops.most_common(6)) + ")")
+
+
 def measure(name, top):
     """Print and return the plain and tracked counts of model ``name``."""
     model, x, y, loss = MODELS[name]()
@@ -125,8 +149,11 @@ def measure(name, top):
     counters = {method: count(step, x, y) for method, step in steps.items()}
     plain = sum(counters["plain"].ops.values())
     plain_launches = counters["plain"].launches
-    print(f"\n{name}: {modules} tracked modules; plain step {plain} aten ops, {plain_launches} launching")
-    result = {"tracked modules": modules, "plain": plain, "plain launching": plain_launches}
+    plain_backward = counters["plain"].backward_launches
+    print(f"\n{name}: {modules} tracked modules; plain step {plain} aten ops, {plain_launches} launching, "
+          f"{plain_backward} of them in the backward pass")
+    result = {"tracked modules": modules, "plain": plain, "plain launching": plain_launches,
+              "plain backward launching": plain_backward}
     for method in METHODS:
         counter = counters[method]
         total = sum(counter.ops.values())
@@ -135,35 +162,45 @@ def measure(name, top):
         print(f"  {method}: {total} ops, {extra} more than plain, {extra / modules:.0f} per tracked module; "
               f"launching (not views): {counter.launches}, {launches} more, {launches / modules:.0f} per "
               f"tracked module; host reads (.item()) {counter.host_reads}")
+        backward = counter.backward_launches - plain_backward
+        print(f"    in the backward pass (the hooks): {counter.backward_ops} ops, launching "
+              f"{counter.backward_launches}, {backward} more than plain, {backward / modules:.0f} per tracked "
+              f"module; after it (the quantities): {launches - backward} more launching")
         print("    top ops (tracked minus plain): " + ", ".join(
             f"{op} {n - counters['plain'].ops[op]}"
             for op, n in (counter.ops - counters["plain"].ops).most_common(top)))
-        by_place = collections.Counter()
-        for (place, _), n in counter.places.items():
-            by_place[place] += n
         print("    by function:")
-        for place, n in by_place.most_common(top):
-            if place == "model/torch":
-                print(f"      {n:6d}  {place}")
-                continue
-            ops = collections.Counter({op: m for (p, op), m in counter.places.items() if p == place})
-            print(f"      {n:6d}  {place}  (" + ", ".join(f"{op} {m}" for op, m in ops.most_common(6)) + ")")
+        _print_by_function(counter.places, top)
+        print("    by function, launching ops of the backward pass:")
+        _print_by_function(counter.backward_places, top)
         result[method] = {"total": total, "per module": extra / modules, "launching": counter.launches,
-                          "launching per module": launches / modules, "host reads": counter.host_reads}
+                          "launching per module": launches / modules, "host reads": counter.host_reads,
+                          "backward launching": counter.backward_launches,
+                          "backward launching per module": backward / modules}
     return result
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_path_options(parser):
+    """``--models`` (of :data:`MODELS`) and ``--host-paths``."""
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--top", type=int, default=15, help="ops and functions listed")
     parser.add_argument("--host-paths", action="store_true",
-                        help="count the CPU paths (default: the paths other devices take, run on the CPU)")
-    args = parser.parse_args(argv)
+                        help="the CPU paths (default: the paths other devices take, run on the CPU)")
+
+
+def take_paths(args):
+    """One thread, and the paths ``args.host_paths`` chooses (:func:`add_path_options`)."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     if not args.host_paths:
         _device.on_host = lambda tensor: False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_path_options(parser)
+    parser.add_argument("--top", type=int, default=15, help="ops and functions listed")
+    args = parser.parse_args(argv)
+    take_paths(args)
     print(f"torch {torch.__version__}, cockpit_gradnoise {getattr(cgn, '__version__', '?')}, "
           f"{'CPU' if args.host_paths else 'device'} paths")
     return {name: measure(name, args.top) for name in args.models.split(",")}

@@ -229,3 +229,24 @@ def assert_within_rounding(got, contributions):
     bound = len(x) * EPS32
     assert ((got[0] - x.sum(0)).abs() <= bound * x.abs().sum(0)).all()
     assert ((got[1] - x.square().sum(0)).abs() <= bound * x.square().sum(0)).all()
+
+
+def test_the_scales_table_gives_frexp_s_scale_of_every_float32_magnitude():
+    """:func:`_squares.scales_of_largest` (a binary search in a table, the device's path)
+    against ``math.frexp``: every power of two float32 holds, its neighbours, seeded random
+    magnitudes over the whole range, 0, NaN and infinity, in one vector."""
+    powers = torch.tensor([2.0**k for k in range(-149, 128)], dtype=torch.float32)
+    zero, inf = torch.tensor(0.0), torch.tensor(math.inf)
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.exp2(torch.rand(2000, generator=generator, dtype=torch.float64) * 277 - 149).float()
+    values = torch.cat([powers, torch.nextafter(powers, zero), torch.nextafter(powers, inf), spread,
+                        torch.tensor([0.0, math.inf, math.nan, torch.finfo(torch.float32).max])])
+
+    def expected(value):
+        exponent = min(max(math.frexp(value)[1], -125), 127) if math.isfinite(value) else 0
+        return 2.0**-exponent
+
+    got = _squares.scales_of_largest(values)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [expected(value) for value in values.tolist()]
+    assert _squares.scales_of_largest(torch.tensor(3.0)).shape == ()  # a 0-dim largest stays 0-dim

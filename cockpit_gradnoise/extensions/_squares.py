@@ -16,7 +16,7 @@ underflow only below ``1e-308``).
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device
 
@@ -35,6 +35,64 @@ def needs_scale(dtype: torch.dtype) -> bool:
     return saved_dtype(dtype) != dtype
 
 
+def largest_magnitude(tensor: Tensor) -> Tensor:
+    """``max |t|``, 0-dim, in ``tensor``'s dtype: one pass, no copy (``abs()`` would write
+    one), NaN where ``tensor`` holds one (the inf-norm's maximum propagates NaN on the CPU
+    and on CUDA), ``inf`` where it holds an infinity. ``tensor`` must not be empty."""
+    return torch.linalg.vector_norm(tensor.detach(), math.inf)
+
+
+#: ``k`` of the bounds ``2**k`` of :func:`exponent_table`: every power of two float32 holds.
+_BOUND_EXPONENTS = range(-149, 128)
+
+
+def _scale_for_exponent(exponent: int) -> float:
+    """``2**-e`` for ``frexp``'s exponent ``e``, ``e`` kept within ``[-125, 127]``."""
+    return 2.0 ** -min(max(exponent, -125), 127)
+
+
+#: ``{device: (bounds, scales)}`` of :func:`exponent_table`, made once per device.
+_EXPONENT_TABLES: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+
+
+def exponent_table(device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(bounds, scales)`` on ``device``, float32: the bounds ``2**k``, ``k = -149..127``, then
+    ``inf``; ``scales[i]`` the scale of a largest magnitude at or above exactly ``i`` bounds.
+
+    ``i = searchsorted(bounds, largest, right=True)`` counts the bounds at most ``largest``:
+    0 for 0, ``e + 149`` for ``largest`` in ``[2**(e - 1), 2**e)`` (``frexp``'s exponent
+    ``e``, subnormals included), 278 for ``inf``, and 0 or 278 for NaN (a binary search
+    whose comparisons with NaN are all false ends at one end): ``scales`` is 1 at both
+    ends and ``2**-e`` (``e`` within ``[-125, 127]``) between. Every entry is a power of
+    two written from Python's exact arithmetic; copied to ``device`` from pinned memory,
+    without waiting for it.
+    """
+    table = _EXPONENT_TABLES.get(device)
+    if table is None:
+        bounds = [2.0**k for k in _BOUND_EXPONENTS] + [math.inf]
+        scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
+        table = tuple(_device_copy(torch.tensor(values, dtype=torch.float32), device)
+                      for values in (bounds, scales))
+        _EXPONENT_TABLES[device] = table
+    return table
+
+
+def _device_copy(tensor: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":  # asynchronously: a copy from pageable memory would wait
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def scales_of_largest(largest: Tensor) -> Tensor:
+    """``2**-e`` of each float32 ``largest = m 2**e`` (``m`` in ``[0.5, 1)``), ``e`` kept within
+    ``[-125, 127]``; 1 where ``largest`` is 0, NaN or infinite. Two launches (a binary search
+    in :func:`exponent_table`'s bounds, a lookup of its scales) whatever the number of
+    values, never read on the host.
+    """
+    bounds, scales = exponent_table(largest.device)
+    return torch.take(scales, torch.searchsorted(bounds, largest, right=True))
+
+
 def power_of_two_scale(*tensors: Tensor) -> Tensor:
     """``2**-e`` with ``max_k |t_k| = m 2**e``, ``m`` in ``[0.5, 1)``: a 0-dim float32 tensor.
 
@@ -44,22 +102,22 @@ def power_of_two_scale(*tensors: Tensor) -> Tensor:
     ``[-125, 127]``, where ``2**-e`` is a normal float32). 1 when all are
     zero or one is not finite. On the tensors' device, without waiting for it.
     """
-    # One pass each, no copy (abs() would write one).
-    extremes = [torch.aminmax(tensor.detach()) for tensor in tensors if tensor.numel()]
+    largest = [largest_magnitude(tensor) for tensor in tensors if tensor.numel()]
     if _device.on_host(tensors[0]):
         # In Python: a handful of tiny torch operations cost more on the CPU.
-        largest = max((max(float(high), -float(low)) for low, high in extremes), default=0.0)
-        exponent = math.frexp(largest)[1] if math.isfinite(largest) else 0
-        return torch.tensor(2.0 ** -min(max(exponent, -125), 127))
-    if not extremes:
+        return torch.tensor(_host_scale(max((float(value) for value in largest), default=0.0)))
+    if not largest:
         return torch.ones((), device=tensors[0].device)  # 2**-0, as frexp(0) gives
-    # In few launches (each small op is one on a GPU): max(high, -low) = max(|high|, |low|),
-    # amax and maximum propagate NaN, and rounding to float32 is monotone, so the
-    # float32 maximum of the rounded extremes is the rounded maximum.
-    largest = torch.stack([bound.float() for pair in extremes for bound in pair]).abs().amax()
-    _, exponent = torch.frexp(largest)
-    exponent = torch.where(largest < math.inf, exponent.clamp(-125, 127), 0)  # not NaN nor inf
-    return torch.ldexp(torch.ones_like(largest), -exponent)
+    # Rounding to float32 is monotone and amax propagates NaN: the float32 maximum of the
+    # rounded magnitudes is the rounded maximum.
+    if len(largest) > 1:
+        return scales_of_largest(torch.stack([value.float() for value in largest]).amax())
+    return scales_of_largest(largest[0].float())
+
+
+def _host_scale(largest: float) -> float:
+    """:func:`power_of_two_scale` of a largest magnitude read on the host."""
+    return _scale_for_exponent(math.frexp(largest)[1]) if math.isfinite(largest) else 1.0
 
 
 #: On the CPU, a layer whose largest magnitude (of the contributions, or the
@@ -82,15 +140,31 @@ def _needed(scale: Tensor) -> Optional[Tensor]:
 
 def scaled_factors(*factors: Tensor) -> Tuple[List[Tensor], Optional[Tensor]]:
     """The factors of products (``x_i = sum_l g_il a_il^T``) each at its own
-    :func:`power_of_two_scale`, and the product of the scales; unchanged with
-    scale ``None`` where their squares cannot underflow (float64, or
-    :data:`SMALLEST_UNSCALED`)."""
+    :func:`power_of_two_scale`, and the product of the scales (float32, 0-dim); unchanged
+    with scale ``None`` where their squares cannot underflow (float64, or
+    :data:`SMALLEST_UNSCALED`).
+
+    All factors' scales at once: on the host as Python numbers (one read per factor), on
+    other devices as one vector (:func:`scales_of_largest`), in a dozen launches for two
+    factors where one :func:`power_of_two_scale` each took thirty.
+    """
     if not needs_scale(factors[0].dtype):
         return list(factors), None
-    scales = [power_of_two_scale(factor) for factor in factors]
-    if _needed(math.prod(scales)) is None:
-        return list(factors), None
-    return [factor * scale for factor, scale in zip(factors, scales)], math.prod(scales)
+    if _device.on_host(factors[0]):
+        scales = [_host_scale(float(largest_magnitude(factor))) if factor.numel() else 1.0
+                  for factor in factors]
+        # Powers of two: the float64 product is exact, and rounding it to float32 (below) gives
+        # the float32 product of the float32 scales (0 or inf outside float32's range, as theirs,
+        # where the test below decides alike).
+        product = math.prod(scales)
+        if product * SMALLEST_UNSCALED <= 0.5:
+            return list(factors), None
+        return ([factor * scale for factor, scale in zip(factors, scales)],
+                torch.tensor(product, dtype=torch.float32))
+    largest = torch.stack([largest_magnitude(factor).float() if factor.numel()
+                           else factor.new_zeros((), dtype=torch.float32) for factor in factors])
+    scales = scales_of_largest(largest)
+    return [factor * scale for factor, scale in zip(factors, scales)], scales.prod()
 
 
 def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
@@ -98,6 +172,9 @@ def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
     cannot underflow (float64, or :data:`SMALLEST_UNSCALED`)."""
     if not needs_scale(contributions.dtype):
         return None
+    if _device.on_host(contributions) and contributions.numel():  # decided in Python, no tensor made
+        scale = _host_scale(float(largest_magnitude(contributions)))
+        return None if scale * SMALLEST_UNSCALED <= 0.5 else torch.tensor(scale)
     return _needed(power_of_two_scale(contributions))
 
 
@@ -108,7 +185,10 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
     wide = saved_dtype(at_scale.dtype)
     if scale is None:
         return at_scale.to(wide)
-    return at_scale.to(wide) / scale.to(wide).square()
+    divisor = scale.to(wide).square()
+    # As a 1-element vector, the divisor's dtype is the quotient's: the division widens
+    # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
+    return at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
 
 
 def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
@@ -121,6 +201,12 @@ def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
     powers = [scale] + [scale.square()] * (len(sums) - 1)
     inverse = torch.stack(powers).reciprocal_()  # powers of two: exact
     return sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
+
+
+def joined(chunks: List[Tensor]) -> Tensor:
+    """The results of consecutive chunks of examples as one: ``torch.cat``, or the one chunk
+    itself (no copy, no launch: most layers fit one chunk)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def squared_norms_of(contributions: Tensor) -> Tensor:

@@ -103,7 +103,7 @@ import math
 from typing import Iterator, Tuple
 
 from cockpit_gradnoise.extensions import cost_model
-from cockpit_gradnoise.extensions._squares import scaled_factors, unscaled_norms, unscaled_sums
+from cockpit_gradnoise.extensions._squares import joined, scaled_factors, unscaled_norms, unscaled_sums
 
 import torch
 import torch.nn.functional as F
@@ -433,10 +433,10 @@ def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     if forms(module, cost_model.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)
-        return unscaled_norms(torch.cat([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
+        return unscaled_norms(joined([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
     norms = []
     for b, a in _chunks(module, inputs, grad_output, 2 * groups * positions**2):
         gram_b = torch.matmul(b.transpose(-1, -2), b)
         gram_a = torch.matmul(a, a.transpose(-1, -2))
         norms.append(gram_b.mul_(gram_a).sum((1, 2, 3)))
-    return unscaled_norms(torch.cat(norms), scale)
+    return unscaled_norms(joined(norms), scale)

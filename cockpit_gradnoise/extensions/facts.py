@@ -136,8 +136,9 @@ class BackwardFacts:
     def record_owner(self, module: nn.Module):
         """Record ``module``'s class as the owner of its own parameters (the first module
         seen holding one: in the backward pass, a child before its parent)."""
-        for param in module.parameters(recurse=False):
-            self.owners.setdefault(id(param), type(module).__name__)
+        for param in module._parameters.values():  # parameters(recurse=False), without its generators
+            if param is not None:
+                self.owners.setdefault(id(param), type(module).__name__)
 
     def alias(self, source, target):
         """Record ``source``'s facts for ``target`` too (FSDP2's unsharded and sharded
@@ -205,11 +206,15 @@ def begin() -> BackwardFacts:
     return _RECORDING[0]
 
 
+#: torch's ``_current_graph_task_id`` (torch >= 2.1), looked up once: :func:`recording` runs
+#: several times per layer and extension.
+_CURRENT_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _graph_task() -> int:
     """The id of the autograd graph task running now (one per ``backward()`` or
     ``autograd.grad`` call), ``-1`` outside a backward pass (and before torch 2.1)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if current is None else current()
+    return _CURRENT_GRAPH_TASK()
 
 
 def recording() -> BackwardFacts:

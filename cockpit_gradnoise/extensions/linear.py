@@ -46,6 +46,7 @@ from typing import Iterator, Tuple
 from cockpit_gradnoise.extensions import conv_math, cost_model, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
+    joined,
     scaled_factors,
     squared_norms_of,
     unscaled_norms,
@@ -102,12 +103,12 @@ def gram_squared_norms(g: Tensor, a: Tensor) -> Tensor:
         gram_g = torch.bmm(g_chunk, g_chunk.transpose(1, 2))
         gram_a = torch.bmm(a_chunk, a_chunk.transpose(1, 2))
         norms.append(gram_g.mul_(gram_a).sum((1, 2)))
-    return torch.cat(norms)
+    return joined(norms)
 
 
 def formed_squared_norms(g: Tensor, a: Tensor) -> Tensor:
     """``||x_i||^2`` from the formed ``x_i``, ``[N]``."""
-    return torch.cat([x.square_().sum((1, 2)) for x in formed_contributions(g, a)])
+    return joined([x.square_().sum((1, 2)) for x in formed_contributions(g, a)])
 
 
 def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -138,7 +139,7 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
         squares = x.square_()
         sums[1] += squares.sum(0)
         norms.append(squares.sum((1, 2)))
-    return unscaled_sums(sums, scale), unscaled_norms(torch.cat(norms), scale)
+    return unscaled_sums(sums, scale), unscaled_norms(joined(norms), scale)
 
 
 def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
