@@ -350,6 +350,16 @@ def confirmed(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], recomputed: 
     return not state.failed
 
 
+def settled(block: nn.Module, fast: Dict[str, Dict[str, Tensor]], params: Dict[str, nn.Parameter]) -> bool:
+    """Whether ``fast`` (:func:`results`) holds every parameter of ``params`` and ``block``'s fast way
+    needs no recomputation to compare with (compared before, or :data:`CONFIRM` off) and has not
+    failed: the block's results are ``fast`` alone."""
+    state = block.__dict__.get(ATTRIBUTE)
+    names = fast.get(BATCH_L2_SAVEFIELD, {})
+    return state is not None and not state.failed and not confirming(block) and bool(names) \
+        and all(name in names for name in params)
+
+
 def confirming(block: nn.Module) -> bool:
     """Whether ``block``'s fast way is still to be compared with the per-example recomputation."""
     state = block.__dict__.get(ATTRIBUTE)
