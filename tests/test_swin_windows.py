@@ -109,12 +109,14 @@ def test_window_layers_unconfirmed_are_exact(ways, monkeypatch, examples, family
     assert ways == {"fast": 2, "recomputed": 2}
 
 
-def test_one_window_per_example_is_exact(ways):
+@pytest.mark.parametrize("family", ["Swin", "Swinv2"])
+def test_one_window_per_example_is_exact(ways, family):
     """16 pixels: 8x8 tokens (4 windows), then 4x4, one window: there the rows of the attention's
     layers are examples (their own rules) and only its position bias table is a member, its
-    block the attention itself, the table expanded to the rows of the attention's input."""
+    block the attention itself, the table expanded to the rows of the attention's input
+    (SwinV2: the attention, direct, is the block, its members the position-bias MLP's layers)."""
     inputs, targets = _batch(3, image=16)
-    prepared = _warm_up(swin(image=16, depths=(2, 1)), inputs, targets)
+    prepared = _warm_up(swin(image=16, depths=(2, 1), family=family), inputs, targets)
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 6, "recomputed": 6}
 

@@ -77,6 +77,8 @@ from torch.utils import _pytree
 ATTRIBUTE = "_cgn_window_rows"
 #: The attribute (in a layer's ``__dict__``) saying its capture hook is registered.
 INSTALLED = "_cgn_window_rows_installed"
+#: The attribute (in the block's ``__dict__``) saying its hook is registered.
+RESET_INSTALLED = "_cgn_window_rows_reset_installed"
 #: The attribute (in a table's parent's ``__dict__``) saying its hook is registered.
 PARENT_INSTALLED = "_cgn_window_rows_parent_installed"
 #: Whether a block's first step with the fast way also recomputes it per example and compares
@@ -185,8 +187,8 @@ def _leave(module, args, kwargs, output):
 
 def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None:
     block.__dict__[ATTRIBUTE] = state
-    if not block.__dict__.get(INSTALLED):  # first: a table's parent may be the block itself
-        block.__dict__[INSTALLED] = True
+    if not block.__dict__.get(RESET_INSTALLED):  # first: a table's parent may be the block itself
+        block.__dict__[RESET_INSTALLED] = True
         block.register_forward_pre_hook(eager_under_compile(_reset), with_kwargs=True)
     for parent in parents(block, members):
         parent.__dict__[ATTRIBUTE] = state
@@ -229,6 +231,12 @@ def _prove(state: Windows, key: tuple, integers: List[Tensor], block: nn.Module,
     return state.maps[key]
 
 
+def _with_block(block: nn.Module, members: List[nn.Module]) -> List[nn.Module]:
+    """``members``, and the block itself where it is *direct* (SwinV2's attention as the block, where
+    a stage has one window per example: its members the position-bias MLP's layers, on the table)."""
+    return members + [block] if kind(block) == DIRECT and all(m is not block for m in members) else members
+
+
 def results(block: nn.Module, call, batched: List[int], members: List[nn.Module], output: Tensor, grad: Tensor,
             params: Dict[str, nn.Parameter], savefields) -> Dict[str, Dict[str, Tensor]]:
     """``{savefield: {name: result}}`` of every parameter of ``params`` (``{name: param}`` of the
@@ -237,6 +245,7 @@ def results(block: nn.Module, call, batched: List[int], members: List[nn.Module]
     tracked step of a shape, the map is proven (and the capture installed) and this step is
     left to the recomputation."""
     state = _state(block)
+    members = _with_block(block, members)
     owned = {id(p) for m in members for p in direct_parameters(m).values()}
     if state.failed or not members or any(kind(m) is None for m in members) \
             or any(id(p) not in owned for p in params.values()) or output.shape[0] != grad.shape[0]:
