@@ -12,9 +12,10 @@ batch sizes 2, 3 and the number of windows (4), and at one window per example. A
 ordered otherwise (each window one row later in the batch: still independent examples, but
 row ``r`` is no longer example ``r // W``'s) fails the proof and is recomputed per example,
 exact; taking the map for granted there would be silently wrong (asserted too).
-SwinV2 (its attention's ``logit_scale`` used directly) and timm's Swin (the table a parameter
-of the attention module itself) keep the per-example recomputation (``tests/test_regroup.py``,
-``tests/test_position_bias_and_class_tokens.py``).
+SwinV2 (its attention's ``logit_scale`` and position-bias MLP, broadcast over the rows) takes
+the same way, also where its attention is the block itself (one window per example). timm's Swin
+(the table a parameter of the attention module itself) keeps the per-example recomputation
+(``tests/test_position_bias_and_class_tokens.py``).
 """
 
 import warnings
