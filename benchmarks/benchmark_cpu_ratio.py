@@ -9,6 +9,9 @@ Printed per model: the median CPU time of each, their ratio, and the spread of t
 of the rounds (each tracked step over the plain step of its round).
 
 Run: ``PYTHONPATH=. python benchmarks/benchmark_cpu_ratio.py --models gpt,swin --rounds 15``.
+With ``--phases``, also where the tracked step's time goes: its forward pass, backward pass
+(the rules and blocks) and the quantities after it (``methods._phases``), each the median
+over the rounds as a fraction of the plain step's median.
 """
 
 import argparse
@@ -36,7 +39,8 @@ def cpu_seconds(step, x, y) -> float:
 
 
 def measure(name: str, rounds: int, warmup: int):
-    """``(plain times, tracked times)`` of ``rounds`` alternating steps of model ``name``."""
+    """``(plain times, tracked times, phases)`` of ``rounds`` alternating steps of model ``name``
+    (``phases``: ``{"plain": ..., "tracked": ...}``, each step's ``methods._phases``)."""
     spec = MODELS[name]
     torch.manual_seed(0)
     model = spec.make()
@@ -47,10 +51,22 @@ def measure(name: str, rounds: int, warmup: int):
         plain(x, y)
         tracked(x, y)
     times = {"plain": [], "tracked": []}
+    for phases in (plain.phases, tracked.phases):
+        for kept in phases.values():
+            kept.clear()
     for _ in range(rounds):
         times["plain"].append(cpu_seconds(plain, x, y))
         times["tracked"].append(cpu_seconds(tracked, x, y))
-    return times["plain"], times["tracked"]
+    return times["plain"], times["tracked"], {"plain": plain.phases, "tracked": tracked.phases}
+
+
+def phases_row(name: str, plain, phases) -> str:
+    """A row of ``--phases``'s table: each phase's median over the rounds / the plain step's."""
+    unit = statistics.median(plain)
+    cells = [statistics.median(phases[way][phase]) / unit
+             for way, names in (("plain", ("forward", "backward")), ("tracked", ("forward", "backward", "quantities")))
+             for phase in names]
+    return f"| {name} | " + " | ".join(f"{cell:.2f}" for cell in cells) + " |"
 
 
 def main(argv=None):
@@ -58,19 +74,27 @@ def main(argv=None):
     parser.add_argument("--models", default="gpt,swin")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--phases", action="store_true", help="also each phase's share (module docstring)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, one thread, CPU time, {args.rounds} rounds, "
           f"load average {os.getloadavg()[0]:.2f} at the start")
     print("| model | plain ms | all five ms | all five / plain | per-round ratios (min, quartiles, max) |")
     print("|---|---:|---:|---:|---|")
+    rows = []
     for name in args.models.split(","):
-        plain, tracked = measure(name, args.rounds, args.warmup)
+        plain, tracked, phases = measure(name, args.rounds, args.warmup)
+        rows.append(phases_row(name, plain, phases))
         ratios = sorted(t / p for p, t in zip(plain, tracked))
         quartiles = statistics.quantiles(ratios, n=4)
         print(f"| {name} | {1e3 * statistics.median(plain):.1f} | {1e3 * statistics.median(tracked):.1f} "
               f"| {statistics.median(tracked) / statistics.median(plain):.2f} | {ratios[0]:.2f}, "
               f"{quartiles[0]:.2f}, {quartiles[1]:.2f}, {quartiles[2]:.2f}, {ratios[-1]:.2f} |")
+    if args.phases:
+        print("\nPhases, medians as fractions of the plain step's median:\n")
+        print("| model | plain forward | plain backward | tracked forward | tracked backward | quantities |")
+        print("|---|---:|---:|---:|---:|---:|")
+        print("\n".join(rows))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

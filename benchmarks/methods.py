@@ -12,6 +12,7 @@ cannot give a result for every trainable parameter of the model.
 
 import copy
 import itertools
+import time
 import warnings
 
 import cockpit_gradnoise as cgn  # first: makes `import cockpit` work
@@ -47,10 +48,28 @@ def plain_step(model, loss):
 
     def step(x, y):
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        start = time.process_time()
+        loss = loss_fn(model(x), y)
+        forward = time.process_time()
+        loss.backward()
+        _note_phases(step.phases, start, forward, time.process_time())
 
-    step.model = model
+    step.model, step.phases = model, _phases()
     return step
+
+
+def _phases():
+    """CPU times (``time.process_time``) of each step's phases: the forward pass (model and loss;
+    tracked, also the per-example losses and the Cockpit's entry), the backward pass (the
+    package's rules and blocks run in it), the Cockpit's quantities after it
+    (``benchmark_cpu_ratio.py --phases``)."""
+    return {"forward": [], "backward": [], "quantities": []}
+
+
+def _note_phases(phases, start, forward, backward, end=None):
+    phases["forward"].append(forward - start)
+    phases["backward"].append(backward - forward)
+    phases["quantities"].append(0.0 if end is None else end - backward)
 
 
 def trainable(model):
@@ -75,6 +94,7 @@ def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
     def step(x, y):
         global_step = next(steps)
         model.zero_grad(set_to_none=True)
+        start = time.process_time()
         out = model(x)
         loss = loss_fn(out, y)
         info = {
@@ -84,9 +104,12 @@ def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
             "optimizer": optimizer,
         }
         with cockpit(global_step, info=info):
+            before = time.process_time()
             loss.backward(create_graph=cockpit.create_graph(global_step))
+            backward = time.process_time()
+        _note_phases(step.phases, start, before, backward, time.process_time())
 
-    step.model = model
+    step.model, step.phases = model, _phases()
     return step
 
 

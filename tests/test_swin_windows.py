@@ -12,9 +12,10 @@ batch sizes 2, 3 and the number of windows (4), and at one window per example. A
 ordered otherwise (each window one row later in the batch: still independent examples, but
 row ``r`` is no longer example ``r // W``'s) fails the proof and is recomputed per example,
 exact; taking the map for granted there would be silently wrong (asserted too).
-SwinV2 (its attention's ``logit_scale`` used directly) and timm's Swin (the table a parameter
-of the attention module itself) keep the per-example recomputation (``tests/test_regroup.py``,
-``tests/test_position_bias_and_class_tokens.py``).
+SwinV2 (its attention's ``logit_scale`` and position-bias MLP, broadcast over the rows) takes
+the same way, also where its attention is the block itself (one window per example). timm's Swin
+(the table a parameter of the attention module itself) keeps the per-example recomputation
+(``tests/test_position_bias_and_class_tokens.py``).
 """
 
 import warnings
@@ -109,12 +110,14 @@ def test_window_layers_unconfirmed_are_exact(ways, monkeypatch, examples, family
     assert ways == {"fast": 2, "recomputed": 2}
 
 
-def test_one_window_per_example_is_exact(ways):
+@pytest.mark.parametrize("family", ["Swin", "Swinv2"])
+def test_one_window_per_example_is_exact(ways, family):
     """16 pixels: 8x8 tokens (4 windows), then 4x4, one window: there the rows of the attention's
     layers are examples (their own rules) and only its position bias table is a member, its
-    block the attention itself, the table expanded to the rows of the attention's input."""
+    block the attention itself, the table expanded to the rows of the attention's input
+    (SwinV2: the attention, direct, is the block, its members the position-bias MLP's layers)."""
     inputs, targets = _batch(3, image=16)
-    prepared = _warm_up(swin(image=16, depths=(2, 1)), inputs, targets)
+    prepared = _warm_up(swin(image=16, depths=(2, 1), family=family), inputs, targets)
     assert_exact_with_structural_zeros(prepared, inputs, targets)
     assert ways == {"fast": 6, "recomputed": 6}
 

@@ -374,6 +374,17 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     return found
 
 
+def _from_the_batch(module: nn.Module, block: Block, way, batched: List[int], grad: Tensor,
+                    params: Dict[str, nn.Parameter], wanted: List[str]) -> Dict[str, Dict[str, Tensor]]:
+    """The results ``way`` (:mod:`.experts` or :mod:`.windows`) gives from the batch's pass; none
+    under autocast."""
+    if block.call.autocast:
+        return {}
+    if way is experts:
+        return experts.results(module, [block.call.leaves[k] for k in batched], grad, params, wanted)
+    return windows.results(module, block.call, batched, block.members, block.output, grad, params, wanted)
+
+
 def compute(module: nn.Module, block: Block, grad: Tensor,
             savefields) -> Union[Dict[str, Dict[str, Tensor]], str]:
     """``{savefield: {name: result}}`` of every trainable parameter of the block, plus
@@ -391,13 +402,10 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     batched = _batched(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
     kept = experts.batch_call(module) if way is experts and not block.call.autocast else None
-    if block.call.autocast:
-        fast = {}
-    elif way is experts:
-        fast = experts.results(module, [block.call.leaves[k] for k in batched], grad, params, sorted(wanted))
-    else:
-        fast = windows.results(module, block.call, batched, block.members, block.output, grad, params,
-                               sorted(wanted))
+    fast = _from_the_batch(module, block, way, batched, grad, params, sorted(wanted))
+    if way is windows and windows.settled(module, fast, params):
+        # Nothing runs again: no module's hooks, caches or state to set aside (state_kept walks the block).
+        return {savefield: dict(fast[savefield]) for savefield in wanted}
     try:
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices):
             if fast.get(BATCH_L2_SAVEFIELD) and way is experts:  # its shared experts too (.shared)
