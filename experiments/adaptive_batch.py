@@ -275,6 +275,7 @@ class Baseline:
     points: List[List[float]]  # [batch, steps] of the batch sizes that reached the target
     best_lr: Dict[int, float]
     source: str
+    seeds: List[int] = field(default_factory=list)  # the grid's training seeds (averaged)
 
     def lr_at(self, batch):
         """The grid's best learning rate at ``batch``, or at the nearest batch measured."""
@@ -378,7 +379,8 @@ def averaged_baseline(grid_path, task) -> Optional[Baseline]:
     return Baseline(task.name, task.target, s_min, e_min, cbs.critical_batch(s_min, e_min),
                     [[b, s] for b, (_, s, _) in averaged.items()],
                     {b: lr for b, (lr, _, _) in averaged.items()},
-                    f"{grid_path} and {cbs_seeds.SEED_RESULTS} beside it, seeds {seeds} averaged")
+                    f"{grid_path} and {cbs_seeds.SEED_RESULTS} beside it, seeds {seeds} averaged",
+                    sorted(grids))
 
 
 def baseline_from_json(data) -> Baseline:

@@ -24,6 +24,7 @@ from experiments.adaptive_batch import (
     WARMUP_FRACTIONS,
     baseline_from_json,
     beats_frontier,
+    frontier_value,
     lr_cap,
     run_from_json,
     warmup_budget,
@@ -119,6 +120,9 @@ def summary(runs, baseline):
             "examples": float(np.mean([r.examples for r in done])) if done else math.inf,
             "value": float(np.mean(values)) if done else math.nan,
             "low": min(values, default=math.nan), "high": max(values, default=math.nan),
+            # The standard error of the mean over seeds: how far "below 1" is resolved.
+            "se": float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1
+            else math.nan,
             "beats": sum(beats_frontier(r.steps, r.examples, baseline.s_min, baseline.e_min)
                          for r in done)}
     return rows
@@ -168,15 +172,22 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
     if fair is None:
         return []
     rows = summary(runs, fair)
-    said = "; ".join(f"{arm} {_n(row['value'])}" for arm, row in rows.items() if row["reached"])
+    said = "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
+                     for arm, row in rows.items() if row["reached"])
     fixed = rows.get("fixed")
+    own = summary([r for r in runs if r.seed in fair.seeds], fair).get("fixed")
     check = "" if fixed is None or not fixed["reached"] else (
         f" The sanity check: the fixed batch ({fixed['runs']} seeds) comes to "
-        f"{_n(fixed['value'])} against it, {_n(summary(runs, baseline)['fixed']['value'])} "
-        f"against seed 0's.")
+        f"{_n(fixed['value'])} ± {_n(fixed['se'], 2)} against it "
+        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's)"
+        + ("" if own is None else f", {_n(own['value'])} on the grid's own seeds "
+           f"({own['reached']})") + ".")
+    # The fit's own residual, in the same unit: the averaged grid's points against it.
+    points = ", ".join(f"{b:.0f}: {_n(frontier_value(s, b * s, fair.s_min, fair.e_min))}"
+                       for b, s in fair.points)
     return [
         f"- Seed-averaged baseline (the fair one): the same grid on the training seeds "
-        f"{fair.source.rsplit('seeds ', 1)[-1]}; for each batch and learning rate the steps "
+        f"{', '.join(map(str, fair.seeds))}; for each batch and learning rate the steps "
         f"to the target averaged over the seeds, the best learning rate per batch on the "
         f"means, the hyperbola fitted to them (McCandlish et al. 2018 fit averaged runs): "
         f"S_min = {_n(fair.s_min, 4)}, E_min = {_n(fair.e_min, 4)} {task.unit}, B_crit = "
@@ -184,7 +195,9 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
         f"{_n(baseline.b_crit)}). A minimum over one seed's noisy runs lies below the typical "
         f"run, so seed 0's frontier puts runs of other seeds outside it, the fixed batch at "
         f"its own B_crit too; the averaged one is fitted to what a run typically takes. "
-        f"Mean frontier value against it: {said}.{check}",
+        f"The averaged grid's own points against it (batch: value): {points}; near the knee "
+        f"a few percent more steps than the fit moves the value by several times as much. "
+        f"Mean frontier value against it (± its standard error over the seeds): {said}.{check}",
     ]
 
 
