@@ -41,7 +41,8 @@ def steps_bounds(runs) -> Dict[float, Tuple[float, bool]]:
 
     A run that reached the target gives its steps, exactly. A pruned run
     stopped once past the best run of its batch size without reaching the
-    target, so its steps are above that best: the best is a lower bound
+    target, so its steps are above that best, and above the step it stopped
+    at where that is recorded (``stopped_at``): the larger is a lower bound
     (``exact`` False). A diverged run, or one that did not reach the target
     within the step budget, gives ``inf`` (exact: the grid's budget is the
     same for every seed).
@@ -52,7 +53,8 @@ def steps_bounds(runs) -> Dict[float, Tuple[float, bool]]:
         if math.isfinite(run.steps):
             bounds[run.lr] = (run.steps, True)
         elif run.pruned and best is not None:
-            bounds[run.lr] = (best.steps, False)
+            stopped = run.stopped_at if math.isfinite(run.stopped_at) else 0.0
+            bounds[run.lr] = (max(best.steps, stopped), False)
         else:
             bounds[run.lr] = (math.inf, True)
     return bounds
@@ -150,7 +152,8 @@ def runs_of(stored_runs) -> Dict[int, List[cbs.Run]]:
 
 
 def with_completed(runs, completed) -> List[cbs.Run]:
-    """``runs`` with each pruned run replaced by the run of its learning rate in ``completed``."""
+    """``runs`` with each pruned run replaced by the run of its learning rate in ``completed``
+    (the last of them: a run stopped with a tighter bound, or run to its end)."""
     full = {run.lr: run for run in completed}
     return [full.get(run.lr, run) if run.pruned else run for run in runs]
 
@@ -181,19 +184,35 @@ def load_grids(folder, task_name) -> Dict[int, Dict[int, List[cbs.Run]]]:
     return grids
 
 
+def decisive_steps(runs_by_seed, seed, lr) -> float:
+    """Past how many steps seed ``seed``'s run of ``lr`` cannot make ``lr`` the best: the
+    steps at which its rate's mean, with the other seeds' bounds, reaches the best exact mean
+    (``inf`` without one). A run stopped there leaves a bound that settles it."""
+    mean, exact = seed_means(runs_by_seed)
+    best = min([m for r, m in mean.items() if exact[r]], default=math.inf)
+    others = sum(steps_bounds(runs).get(lr, (math.inf, False))[0]
+                 for s, runs in runs_by_seed.items() if s != seed)
+    return len(runs_by_seed) * best - others
+
+
 def complete(task, grids, log=print, on_run=None) -> None:
-    """Run to the target (no pruning) each pruned run that could change the seed-averaged
-    best (:func:`undecided`), until none is left; ``grids`` is updated in place and
+    """Run on, past its pruning, each pruned run that could change the seed-averaged best
+    (:func:`undecided`), until none is left: each to the target, or until it passes
+    :func:`decisive_steps` (then its bound settles it). ``grids`` is updated in place and
     ``on_run(seed, run)`` called after each run (to store it)."""
     for b in sorted({b for grid in grids.values() for b in grid}):
         runs_by_seed = {seed: grid[b] for seed, grid in grids.items() if b in grid}
-        while todo := undecided(runs_by_seed):  # each round leaves fewer pruned runs
+        while todo := undecided(runs_by_seed):  # each round leaves fewer undecided runs
             for seed, lr in todo:
+                if (seed, lr) not in undecided(runs_by_seed):  # settled by an earlier run
+                    continue
                 start = time.perf_counter()
-                run = cbs.train(task, b, lr, seed, max_steps=task.max_steps)
+                run = cbs.train(task, b, lr, seed, max_steps=task.max_steps,
+                                stop_after=decisive_steps(runs_by_seed, seed, lr))
                 grids[seed][b] = runs_by_seed[seed] = with_completed(runs_by_seed[seed], [run])
-                log(f"  {task.name} B={b} lr={lr:g} seed {seed}, unpruned: {run.outcome()} "
-                    f"({time.perf_counter() - start:.1f} s)")
+                log(f"  {task.name} B={b} lr={lr:g} seed {seed}, run on: {run.outcome()}"
+                    + (f" at step {run.stopped_at:g}" if run.pruned else "")
+                    + f" ({time.perf_counter() - start:.1f} s)")
                 if on_run is not None:
                     on_run(seed, run)
 
@@ -247,7 +266,7 @@ def measure_seeds(tasks, names, seeds, batch_sizes, out, command, run_info, log=
 
         def store_full(seed, run, completed=completed):
             done = completed.setdefault(str(seed), {}).setdefault(str(run.batch_size), [])
-            done.append(cbs.run_summary(run))
+            done.append({**cbs.run_summary(run), "stopped_at": run.stopped_at})
             path.write_text(json.dumps(stored, indent=1))
 
         log(f"{name}: the pruned runs that could change the seed-averaged best, in full:")

@@ -194,6 +194,9 @@ class Run:
     pruned: bool = False  # stopped once it could no longer beat the best run
     diverged: bool = False  # stopped at a validation loss that is not finite
     cockpit: object = None  # the Cockpit, when quantities were tracked
+    # The last evaluated step of a pruned run: its loss was above the target there, so its
+    # steps to the target are above it (NaN: not recorded).
+    stopped_at: float = math.nan
 
     def outcome(self) -> str:
         """The steps to the target, or why there are none."""
@@ -245,7 +248,7 @@ def train(task, batch_size, lr, seed, *, max_steps, stop_after=math.inf, quantit
                         break
                     end = min(max_steps, math.ceil(run.steps * continue_after_target))
             if math.isinf(run.steps) and step > stop_after:
-                run.pruned = True
+                run.pruned, run.stopped_at = True, float(step)
                 break
         if step >= end:
             break

@@ -146,23 +146,39 @@ def test_complete_runs_the_undecided_pruned_runs_in_full(monkeypatch, tmp_path):
                  16: [run(16, 0.004, 60.0), run(16, 0.008, 45.0)]}}
     # At 16, seed 0's 0.008 is bounded below by 50: mean >= (50 + 45) / 2 = 47.5 < 55.
     assert cbs_seeds.undecided({s: g[16] for s, g in grids.items()}) == [(0, 0.008)]
+    # Seed 1's 0.004 at 8 can make 0.004 the best only below 2 * 87.5 - 70 = 105 steps;
+    # seed 0's 0.008 at 16 below 2 * 55 - 45 = 65.
+    assert cbs_seeds.decisive_steps({s: g[8] for s, g in grids.items()}, 1, 0.004) == 105.0
+    assert cbs_seeds.decisive_steps({s: g[16] for s, g in grids.items()}, 0, 0.008) == 65.0
     full = {(8, 0.004, 1): 120.0, (16, 0.008, 0): 70.0}
     trained = []
 
-    def train(task, b, lr, seed, *, max_steps):
-        assert max_steps == 1500  # the task's budget, no stop_after: no pruning
-        trained.append((b, lr, seed))
+    def train(task, b, lr, seed, *, max_steps, stop_after):
+        assert max_steps == 1500  # the task's budget
+        trained.append((b, lr, seed, stop_after))
+        if full[(b, lr, seed)] > stop_after:  # pruned at the first evaluation past it
+            return cbs.Run(b, lr, pruned=True, stopped_at=stop_after + 2)
         return run(b, lr, full[(b, lr, seed)])
 
     monkeypatch.setattr(cbs, "train", train)
     stored = []
     cbs_seeds.complete(SimpleNamespace(name="gpt", max_steps=1500), grids, log=lambda m: None,
                        on_run=lambda seed, r: stored.append((seed, r.batch_size, r.steps)))
-    assert trained == [(8, 0.004, 1), (16, 0.008, 0)]
-    assert stored == [(1, 8, 120.0), (0, 16, 70.0)]
+    assert trained == [(8, 0.004, 1, 105.0), (16, 0.008, 0, 65.0)]
+    # Both stopped past the decisive steps: their bounds (107 and 67) settle the best.
+    assert stored == [(1, 8, math.inf), (0, 16, math.inf)]
+    assert cbs_seeds.steps_bounds(grids[1][8])[0.004] == (107.0, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cbs_seeds.averaged_grid(grids) == {8: (0.008, 87.5, 2), 16: (0.004, 55.0, 2)}
+    # Run in full where the decisive steps are infinite (no rate exact on every seed).
+    trained.clear()
+    lone = {0: {8: [run(8, 0.004, 70.0), run(8, 0.008, math.inf, pruned=True)]},
+            1: {8: [run(8, 0.004, math.inf, diverged=True), run(8, 0.008, 100.0)]}}
+    full[(8, 0.008, 0)] = 90.0
+    cbs_seeds.complete(SimpleNamespace(name="gpt", max_steps=1500), lone, log=lambda m: None)
+    assert trained == [(8, 0.008, 0, math.inf)]
+    assert cbs_seeds.averaged_grid(lone) == {8: (0.008, 95.0, 2)}
     # Stored under "completed", the full runs replace the pruned ones when the grids are read.
     write_grid_files(tmp_path, {0: {8: grids[0][8]}, 1: {8: [run(8, 0.004, math.inf, pruned=True),
                                                               run(8, 0.008, 100.0)]}})
@@ -172,3 +188,21 @@ def test_complete_runs_the_undecided_pruned_runs_in_full(monkeypatch, tmp_path):
     loaded = cbs_seeds.load_grids(tmp_path, "gpt")
     assert [(r.lr, r.steps, r.pruned) for r in loaded[1][8]] == [(0.004, 120.0, False),
                                                                  (0.008, 100.0, False)]
+
+
+def test_a_pruned_run_records_the_step_it_stopped_at():
+    """Evaluations every 64 // 8 = 8 steps, a loss never at the target: pruned at the first
+    evaluation past 3, step 8."""
+    import torch
+
+    task = cbs.Task(
+        name="toy", title="toy", unit="rows", make_model=lambda: torch.nn.Linear(2, 2),
+        losses=lambda: (torch.nn.CrossEntropyLoss(), torch.nn.CrossEntropyLoss(reduction="none")),
+        sample=lambda b, g: (torch.randn(b, 2, generator=g), torch.randint(2, (b,), generator=g)),
+        validation_loss=lambda model: 10.0, optimizer="sgd", learning_rates=(0.1,), target=0.0,
+        max_steps=100, eval_examples=64, gns_batch=8)
+    pruned = cbs.train(task, 8, 0.1, 0, max_steps=task.max_steps, stop_after=3)
+    assert pruned.pruned and pruned.eval_steps == [0, 8] and pruned.stopped_at == 8.0
+    unpruned = cbs.train(task, 8, 0.1, 0, max_steps=4)  # to the budget: no bound recorded
+    assert not unpruned.pruned and unpruned.eval_steps == [0, 4]
+    assert math.isnan(unpruned.stopped_at)
