@@ -175,13 +175,20 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
     said = "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
                      for arm, row in rows.items() if row["reached"])
     fixed = rows.get("fixed")
-    own = summary([r for r in runs if r.seed in fair.seeds], fair).get("fixed")
     check = "" if fixed is None or not fixed["reached"] else (
         f" The sanity check: the fixed batch ({fixed['runs']} seeds) comes to "
         f"{_n(fixed['value'])} ± {_n(fixed['se'], 2)} against it "
-        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's)"
-        + ("" if own is None else f", {_n(own['value'])} on the grid's own seeds "
-           f"({own['reached']})") + ".")
+        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's).")
+    # The arms on the seeds the grid ran too (the same initializations and draws) and on the
+    # others: how much of an arm's value is its seeds'.
+    split = []
+    for words, mine in (("the grid's own seeds", [r for r in runs if r.seed in fair.seeds]),
+                        ("the other seeds", [r for r in runs if r.seed not in fair.seeds])):
+        part = summary(mine, fair)
+        if part:
+            split.append(f"On {words} ({', '.join(map(str, sorted({r.seed for r in mine})))}): "
+                         + "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
+                                     for arm, row in part.items() if row["reached"]))
     # The fit's own residual, in the same unit: the averaged grid's points against it.
     points = ", ".join(f"{b:.0f}: {_n(frontier_value(s, b * s, fair.s_min, fair.e_min))}"
                        for b, s in fair.points)
@@ -197,7 +204,8 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
         f"its own B_crit too; the averaged one is fitted to what a run typically takes. "
         f"The averaged grid's own points against it (batch: value): {points}; near the knee "
         f"a few percent more steps than the fit moves the value by several times as much. "
-        f"Mean frontier value against it (± its standard error over the seeds): {said}.{check}",
+        f"Mean frontier value against it (± its standard error over the seeds): {said}.{check}"
+        + "".join(f" {part}." for part in split if len(split) > 1),
     ]
 
 
