@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import cockpit_gradnoise as cgn
 
@@ -41,6 +41,7 @@ import matplotlib.ticker
 import numpy as np
 import torch
 
+from experiments import cbs_seeds
 from experiments import critical_batch_size as cbs
 
 RESULTS = "adaptive-batch-{task}.json"
@@ -274,6 +275,7 @@ class Baseline:
     points: List[List[float]]  # [batch, steps] of the batch sizes that reached the target
     best_lr: Dict[int, float]
     source: str
+    seeds: List[int] = field(default_factory=list)  # the grid's training seeds (averaged)
 
     def lr_at(self, batch):
         """The grid's best learning rate at ``batch``, or at the nearest batch measured."""
@@ -364,6 +366,23 @@ def tune_fixed(task, baseline, log) -> Dict[str, object]:
     return {"batch": batch, "lr": lr, "steps per lr": {str(r.lr): r.outcome() for r in runs}}
 
 
+def averaged_baseline(grid_path, task) -> Optional[Baseline]:
+    """The :class:`Baseline` of the seed-averaged grid (``experiments.cbs_seeds``) beside
+    ``grid_path``: steps averaged over seeds per batch and learning rate, the best learning
+    rate per batch on the means, the hyperbola fitted to them; None when only one seed ran."""
+    grids = cbs_seeds.load_grids(Path(grid_path).parent, task.name)
+    if len(grids) < 2:
+        return None
+    averaged = cbs_seeds.averaged_grid(grids)
+    s_min, e_min = cbs.fit_steps_examples(list(averaged), [s for _, s, _ in averaged.values()])
+    seeds = ", ".join(map(str, sorted(grids)))
+    return Baseline(task.name, task.target, s_min, e_min, cbs.critical_batch(s_min, e_min),
+                    [[b, s] for b, (_, s, _) in averaged.items()],
+                    {b: lr for b, (lr, _, _) in averaged.items()},
+                    f"{grid_path} and {cbs_seeds.SEED_RESULTS} beside it, seeds {seeds} averaged",
+                    sorted(grids))
+
+
 def baseline_from_json(data) -> Baseline:
     data = dict(data)
     data["best_lr"] = {int(b): lr for b, lr in data["best_lr"].items()}
@@ -426,11 +445,15 @@ def main(argv=None):
     if not stored:
         parser.error(f"no results in {out}: run without --replot first")
     tasks = cbs.make_tasks(stored[0]["quick"], 0)
+    # The fair frontier: the grid averaged over its seeds (--quick measures one seed's grid).
+    fair = {} if stored[0]["quick"] else {
+        e["task"]: averaged_baseline(args.grid, tasks[e["task"]]) for e in stored}
     for entry in stored:
         adaptive_batch_page.plot_task(
             baseline_from_json(entry["baseline"]), [run_from_json(r) for r in entry["runs"]],
-            tasks[entry["task"]].unit, out / f"adaptive-batch-{entry['task']}.png")
-    page = adaptive_batch_page.write_page(stored, tasks, out)
+            tasks[entry["task"]].unit, out / f"adaptive-batch-{entry['task']}.png",
+            fair=fair.get(entry["task"]))
+    page = adaptive_batch_page.write_page(stored, tasks, out, fair)
     print(f"page: {page}")
     return stored, page
 

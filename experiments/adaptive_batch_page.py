@@ -24,6 +24,7 @@ from experiments.adaptive_batch import (
     WARMUP_FRACTIONS,
     baseline_from_json,
     beats_frontier,
+    frontier_value,
     lr_cap,
     run_from_json,
     warmup_budget,
@@ -43,22 +44,30 @@ COLORS = {"adaptive-norms": "C3", "adaptive-per-example": "C2", "warmup": "C1", 
 ADAPTIVE_ARMS = [arm for arm in ARMS if arm.startswith("adaptive")]
 
 
-def plot_task(baseline, runs, unit, path):
-    """Left: steps against examples, the grid, its hyperbola and every run; right: batch over examples."""
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
+def plot_frontier(axes, baseline, color, style, label):
+    """The grid's points (best learning rate per batch) and its fitted hyperbola."""
     points = np.asarray(baseline.points, dtype=float)
-    left.loglog(points[:, 0] * points[:, 1], points[:, 1], "o", color="0.5", mfc="none",
-                label="fixed batch (grid, best lr)")
+    axes.loglog(points[:, 0] * points[:, 1], points[:, 1], style, color=color, mfc="none",
+                label=f"fixed batch, {label} (best lr)")
     for b, s in points:
-        left.annotate(f"{b:.0f}", (b * s, s), textcoords="offset points", xytext=(4, 4),
-                      fontsize=7, color="0.4")
+        axes.annotate(f"{b:.0f}", (b * s, s), textcoords="offset points", xytext=(4, 4),
+                      fontsize=7, color=color)
     if math.isfinite(baseline.s_min) and math.isfinite(baseline.e_min) and baseline.e_min > 0:
         grid = np.geomspace(1, 4096, 300)
         steps = cbs.predicted_steps(grid, baseline.s_min, baseline.e_min)
-        left.loglog(grid * steps, steps, "-", color="0.6", lw=1,
-                    label="(S/S_min - 1)(E/E_min - 1) = 1")
+        axes.loglog(grid * steps, steps, "-", color=color, lw=1,
+                    label=f"its fit (S/S_min - 1)(E/E_min - 1) = 1, B_crit {baseline.b_crit:.3g}")
+
+
+def plot_task(baseline, runs, unit, path, fair=None):
+    """Left: steps against examples, the grid(s), the hyperbola(s) and every run; right: batch
+    over examples. ``fair``: the seed-averaged grid's baseline, drawn beside seed 0's."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
+    plot_frontier(left, baseline, "0.6", "o", "seed 0's grid")
+    if fair is not None:
+        plot_frontier(left, fair, "k", "s", "seed-averaged grid")
     for arm in ARMS:
         mine = [r for r in runs if r.arm == arm]
         done = [r for r in mine if math.isfinite(r.steps)]
@@ -111,14 +120,18 @@ def summary(runs, baseline):
             "examples": float(np.mean([r.examples for r in done])) if done else math.inf,
             "value": float(np.mean(values)) if done else math.nan,
             "low": min(values, default=math.nan), "high": max(values, default=math.nan),
+            # The standard error of the mean over seeds: how far "below 1" is resolved.
+            "se": float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1
+            else math.nan,
             "beats": sum(beats_frontier(r.steps, r.examples, baseline.s_min, baseline.e_min)
                          for r in done)}
     return rows
 
 
-def verdicts(rows, task, runs=()) -> List[str]:
+def verdicts(rows, task, runs=(), against_warmup=True) -> List[str]:
     """Plain sentences on the issue's two targets, from the mean over seeds, and seed by seed
-    against the warmup run of the same seed (same initialization and draws of examples)."""
+    against the warmup run of the same seed (same initialization and draws of examples);
+    ``against_warmup=False``: the frontier's target alone (it does not depend on the grid)."""
     lines = []
     warmups = {r.seed: r for r in runs if r.arm == "warmup" and math.isfinite(r.steps)}
     warm = rows.get("warmup")
@@ -135,7 +148,7 @@ def verdicts(rows, task, runs=()) -> List[str]:
         lines.append(f"- {task}, {arm}: mean frontier value {_n(row['value'])} "
                      f"({'below' if below else 'not below'} 1); {row['beats']} of "
                      f"{row['reached']} runs below the fitted hyperbola.")
-        if warm is not None and warm["reached"]:
+        if against_warmup and warm is not None and warm["reached"]:
             fewer = row["steps"] <= warm["steps"]
             cheaper = row["examples"] <= warm["examples"]
             word = "meets" if fewer and cheaper else "misses"
@@ -154,8 +167,50 @@ def verdicts(rows, task, runs=()) -> List[str]:
     return lines
 
 
-def task_section(task, baseline, fixed, runs, figure) -> List[str]:
-    """The page's section of one task."""
+def fair_lines(task, baseline, fair, runs) -> List[str]:
+    """The seed-averaged frontier of one task, and each arm's mean value against it."""
+    if fair is None:
+        return []
+    rows = summary(runs, fair)
+    said = "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
+                     for arm, row in rows.items() if row["reached"])
+    fixed = rows.get("fixed")
+    check = "" if fixed is None or not fixed["reached"] else (
+        f" The sanity check: the fixed batch ({fixed['runs']} seeds) comes to "
+        f"{_n(fixed['value'])} ± {_n(fixed['se'], 2)} against it "
+        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's).")
+    # The arms on the seeds the grid ran too (the same initializations and draws) and on the
+    # others: how much of an arm's value is its seeds'.
+    split = []
+    for words, mine in (("the grid's own seeds", [r for r in runs if r.seed in fair.seeds]),
+                        ("the other seeds", [r for r in runs if r.seed not in fair.seeds])):
+        part = summary(mine, fair)
+        if part:
+            split.append(f"On {words} ({', '.join(map(str, sorted({r.seed for r in mine})))}): "
+                         + "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
+                                     for arm, row in part.items() if row["reached"]))
+    # The fit's own residual, in the same unit: the averaged grid's points against it.
+    points = ", ".join(f"{b:.0f}: {_n(frontier_value(s, b * s, fair.s_min, fair.e_min))}"
+                       for b, s in fair.points)
+    return [
+        f"- Seed-averaged baseline (the fair one): the same grid on the training seeds "
+        f"{', '.join(map(str, fair.seeds))}; for each batch and learning rate the steps "
+        f"to the target averaged over the seeds, the best learning rate per batch on the "
+        f"means, the hyperbola fitted to them (McCandlish et al. 2018 fit averaged runs): "
+        f"S_min = {_n(fair.s_min, 4)}, E_min = {_n(fair.e_min, 4)} {task.unit}, B_crit = "
+        f"{_n(fair.b_crit)} (seed 0 alone: {_n(baseline.s_min, 4)}, {_n(baseline.e_min, 4)}, "
+        f"{_n(baseline.b_crit)}). A minimum over one seed's noisy runs lies below the typical "
+        f"run, so seed 0's frontier puts runs of other seeds outside it, the fixed batch at "
+        f"its own B_crit too; the averaged one is fitted to what a run typically takes. "
+        f"The averaged grid's own points against it (batch: value): {points}; near the knee "
+        f"a few percent more steps than the fit moves the value by several times as much. "
+        f"Mean frontier value against it (± its standard error over the seeds): {said}.{check}"
+        + "".join(f" {part}." for part in split if len(split) > 1),
+    ]
+
+
+def task_section(task, baseline, fixed, runs, figure, fair=None) -> List[str]:
+    """The page's section of one task; ``fair``: the seed-averaged grid's baseline."""
     budget = warmup_budget(baseline)
     batches = [START_BATCH * 2 ** i for i in range(len(WARMUP_FRACTIONS) + 1)]
     stages = ", ".join(f"{b} (lr {baseline.lr_at(b):g})" for b in batches)
@@ -169,6 +224,7 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         f" S_min = {_n(baseline.s_min, 4)}, E_min = {_n(baseline.e_min, 4)} {task.unit}, "
         f"B_crit = {_n(baseline.b_crit)}; target validation loss {task.target:g}; at most "
         f"{task.max_steps:,} steps, or {EXAMPLES_CAP} E_min examples (then \"not reached\").",
+        *fair_lines(task, baseline, fair, runs),
         f"- adaptive: `cgn.BatchSchedule(micro_batch=m, min_batch={START_BATCH}, "
         f"max_batch={MAX_BATCH}, max_accumulation={MAX_BATCH}/m, rule=\"auto\", "
         f"max_lr_factor={lr_cap(baseline):g})`, which for "
@@ -210,18 +266,27 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
         + ", ".join(f"{k}: {v}" for k, v in fixed["steps per lr"].items()) + ").",
         "",
         "| arm | seeds run | reached | mean steps S | mean examples E | frontier value: mean "
-        "(min-max) | below the hyperbola |",
-        "|---|---|---|---|---|---|---|",
+        "(min-max) | below the hyperbola |" + (" seed-averaged frontier: value, mean (min-max) "
+                                               "| below its hyperbola |" if fair else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if fair else ""),
     ]
     rows = summary(runs, baseline)
+    fair_rows = summary(runs, fair) if fair else {}
     for arm, row in rows.items():
+        other = fair_rows.get(arm)
         lines.append(f"| {arm} | {row['runs']} | {row['reached']} | {row['steps']:.1f} | "
                      f"{row['examples']:,.0f} | {_n(row['value'])} ({_n(row['low'])} to "
-                     f"{_n(row['high'])}) | {row['beats']} of {row['reached']} |")
-    lines += ["", *verdicts(rows, task.name, runs), "",
+                     f"{_n(row['high'])}) | {row['beats']} of {row['reached']} |" + (
+                         "" if other is None else
+                         f" {_n(other['value'])} ({_n(other['low'])} to {_n(other['high'])}) | "
+                         f"{other['beats']} of {other['reached']} |"))
+    lines += ["", *verdicts(rows, task.name, runs),
+              *(verdicts(fair_rows, f"{task.name} (seed-averaged frontier)",
+                         against_warmup=False) if fair else []), "",
               "| arm | seed | batch: first, largest, last | lr: first, largest, last | batch "
-              "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |"
+              + (" value, seed-averaged frontier |" if fair else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|" if fair else "")]
     for r in runs:
         b = f"{r.batches[0]}, {max(r.batches)}, {r.batches[-1]}" if r.batches else "-"
         lr = f"{r.lrs[0]:.3g}, {max(r.lrs):.3g}, {r.lrs[-1]:.3g}" if r.lrs else "-"
@@ -232,7 +297,8 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
             examples = f"(stopped at {sum(r.batches):,})"
         lines.append(f"| {r.arm} | {r.seed} | {b} | {lr} | {len(r.changes)} | {steps} | "
                      f"{examples} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
-                     f"{r.seconds:.0f} |")
+                     f"{r.seconds:.0f} |"
+                     + (f" {_n(r.frontier(fair.s_min, fair.e_min))} |" if fair else ""))
     lines += ["", "The adaptive runs' changes (first seed): step, batch, the noise scale "
               "B_noise it rested on (`inf`: no signal resolved yet, the estimate of |G|^2 at "
               "or below 0), the learning-rate factor:", ""]
@@ -246,8 +312,10 @@ def task_section(task, baseline, fixed, runs, figure) -> List[str]:
     return lines
 
 
-def write_page(stored, tasks, out) -> Path:
-    """The markdown page from the stored numbers; returns its path."""
+def write_page(stored, tasks, out, fair=None) -> Path:
+    """The markdown page from the stored numbers; returns its path. ``fair``: ``{task:
+    Baseline or None}``, the seed-averaged grids (a second row of values against them)."""
+    fair = fair or {}
     lines = [
         "# Does the adaptive batch schedule beat every fixed batch?", "",
         "<!-- Generated by experiments/adaptive_batch.py; do not edit by hand. -->", "",
@@ -267,10 +335,13 @@ def write_page(stored, tasks, out) -> Path:
         "the target (reached of run); below 1 beats the fixed batches:", "",
         "| task | " + " | ".join(ARMS) + " |", "|---|" + "---|" * len(ARMS),
     ]
-    for entry in stored:
-        rows = summary([run_from_json(r) for r in entry["runs"]],
-                       baseline_from_json(entry["baseline"]))
-        lines.append(f"| {entry['task']} | " + " | ".join(
+    frontiers = [(entry, baseline_from_json(entry["baseline"]), "seed 0's frontier")
+                 for entry in stored]
+    frontiers += [(entry, fair[entry["task"]], "seed-averaged frontier") for entry in stored
+                  if fair.get(entry["task"]) is not None]
+    for entry, baseline, which in frontiers:
+        rows = summary([run_from_json(r) for r in entry["runs"]], baseline)
+        lines.append(f"| {entry['task']}, {which} | " + " | ".join(
             f"{_n(rows[a]['value']) if rows[a]['reached'] else 'none reached'} "
             f"({rows[a]['reached']} of {rows[a]['runs']})" if a in rows
             else "not run" for a in ARMS) + " |")
@@ -280,14 +351,20 @@ def write_page(stored, tasks, out) -> Path:
         baseline = baseline_from_json(entry["baseline"])
         runs = [run_from_json(r) for r in entry["runs"]]
         lines += task_section(task, baseline, entry["fixed"], runs,
-                              f"adaptive-batch-{task.name}.png")
+                              f"adaptive-batch-{task.name}.png", fair.get(task.name))
     lines += why_section(stored)
     lines += [
         "## How it is measured", "",
         "- Every run of a seed starts from the same initialization and draws its examples "
         "from a generator with that seed; the data split and validation set are the grid's "
-        "(seed 0). The grid itself is seed 0 only: the spread of the fixed arm over seeds "
-        "shows how far one seed's frontier is from another's. The fixed arm's seed-0 run is "
+        "(seed 0). Two frontiers: seed 0's grid alone (what the arms' batches and learning "
+        "rates were set from: B_crit, the warmup's budget, the grid's best rates), and, where "
+        "the grid ran on more training seeds (`critical_batch_size --seeds`, on the same data "
+        "split and validation set), the seed-averaged one: per batch and learning rate the "
+        "steps averaged over the seeds, the best rate per batch on the means (a batch where a "
+        "rate pruned on some seed could still have the smaller mean is left out, not "
+        "guessed), the hyperbola fitted to those means. The arms' seeds 0 to 2 (or more) are "
+        "also grid seeds; the others are not. The fixed arm's seed-0 run is "
         "the best of the learning rates tried, as in the grid; its other seeds use that rate.",
         "- Steps S: optimizer steps to the first crossing of the target, interpolated between "
         "evaluations as in the grid (validation loss at step 0 and whenever the examples since "

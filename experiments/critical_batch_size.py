@@ -194,6 +194,9 @@ class Run:
     pruned: bool = False  # stopped once it could no longer beat the best run
     diverged: bool = False  # stopped at a validation loss that is not finite
     cockpit: object = None  # the Cockpit, when quantities were tracked
+    # The last evaluated step of a pruned run: its loss was above the target there, so its
+    # steps to the target are above it (NaN: not recorded).
+    stopped_at: float = math.nan
 
     def outcome(self) -> str:
         """The steps to the target, or why there are none."""
@@ -245,7 +248,7 @@ def train(task, batch_size, lr, seed, *, max_steps, stop_after=math.inf, quantit
                         break
                     end = min(max_steps, math.ceil(run.steps * continue_after_target))
             if math.isinf(run.steps) and step > stop_after:
-                run.pruned = True
+                run.pruned, run.stopped_at = True, float(step)
                 break
         if step >= end:
             break
@@ -264,14 +267,18 @@ def train(task, batch_size, lr, seed, *, max_steps, stop_after=math.inf, quantit
     return run
 
 
-def sweep(task, batch_sizes, seed, log=print) -> Dict[int, List[Run]]:
+def sweep(task, batch_sizes, seed, log=print, *, first_lr=None,
+          on_batch=None) -> Dict[int, List[Run]]:
     """Every learning rate of the task's grid at every batch size; ``{B: runs}``.
 
-    The learning rate that was best at the previous batch size runs first;
+    The learning rate that was best at the previous batch size runs first
+    (at the first batch size, ``first_lr``, by default the grid's middle one);
     the others stop as soon as they cannot beat the best run of their batch
     size (only the minimum number of steps over the grid is used).
+    ``on_batch(B, runs)`` is called after each batch size (to store them).
     """
-    runs, previous = {}, task.learning_rates[len(task.learning_rates) // 2]
+    runs = {}
+    previous = task.learning_rates[len(task.learning_rates) // 2] if first_lr is None else first_lr
     for b in batch_sizes:
         order = sorted(task.learning_rates, key=lambda lr: (abs(math.log(lr / previous)), lr))
         runs[b], best = [], math.inf
@@ -286,6 +293,8 @@ def sweep(task, batch_sizes, seed, log=print) -> Dict[int, List[Run]]:
         best_run = best_of(runs[b])
         if best_run is not None:
             previous = best_run.lr
+        if on_batch is not None:
+            on_batch(b, runs[b])
     return runs
 
 
@@ -457,6 +466,12 @@ def main(argv=None):
                         help="comma-separated tasks (default: digits,gpt)")
     parser.add_argument("--replot", action="store_true",
                         help=f"no training: redraw and rewrite the page from <out>/{RESULTS}")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="only the grid, for this many more training seeds (from "
+                             "--first-seed), on --seed's data; stored beside the results "
+                             "(experiments.cbs_seeds), no page")
+    parser.add_argument("--first-seed", type=int, default=1,
+                        help="with --seeds: the first training seed (default: 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny models; and the machine is shared
     matplotlib.use("Agg")
@@ -465,6 +480,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.seeds:
+        return measure_more_seeds(args, parser, argv, out)
     if args.replot:
         stored = json.loads((out / RESULTS).read_text())
         tasks = make_tasks(stored["quick"], stored["seed"])
@@ -504,6 +521,26 @@ def measure(args, parser, argv):
                                 log=lambda m: print(m, flush=True)))
     run_info["seconds"] = time.perf_counter() - start
     return results, run_info
+
+
+def measure_more_seeds(args, parser, argv, out):
+    """``--seeds``: the grid of more training seeds (experiments.cbs_seeds), no page."""
+    from experiments import cbs_seeds  # it imports this module
+
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    if args.seed in seeds:
+        parser.error(f"training seed {args.seed} is the results' own ({RESULTS}); "
+                     f"choose --first-seed past it")
+    tasks, names = make_tasks(args.quick, args.seed), args.tasks.split(",")
+    for name in names:
+        if name not in tasks:
+            parser.error(f"unknown task {name!r}; choose from {', '.join(tasks)}")
+    command = "python -m experiments.critical_batch_size " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    run_info = {"seed": args.seed, "quick": args.quick, "versions": versions()}
+    return cbs_seeds.measure_seeds(tasks, names, seeds, (8, 32) if args.quick else BATCH_SIZES,
+                                   out, command.strip(), run_info,
+                                   log=lambda m: print(m, flush=True))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ imports the measurement's results, never the other way round (its command
 line imports this module inside ``main``).
 """
 
+import json
 import math
 from pathlib import Path
 from typing import List
@@ -13,6 +14,7 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 
+from experiments.cbs_seeds import SEED_RESULTS, seeds_section
 from experiments.critical_batch_size import (
     PAGE,
     PAPER_FACTOR,
@@ -158,6 +160,28 @@ def task_section(result, figure) -> List[str]:
     return lines
 
 
+def more_seeds(results, out) -> List[str]:
+    """The section on the grid over more training seeds, where ``out`` holds them."""
+    sections = [line for r in results for line in seeds_section(out, r.task)]
+    if not sections:
+        return []
+    stored = json.loads((Path(out) / SEED_RESULTS).read_text())
+    return [
+        "## The grid on more seeds", "",
+        "One seed's grid is noisy: its fitted S_min and E_min rest on the fewest steps over "
+        "single runs, and a run of another seed lands outside its hyperbola (the fixed batch "
+        "at its B_crit averages well above the frontier value 1 in "
+        "[adaptive-batch](adaptive-batch.md)). McCandlish et al. 2018 fit runs averaged over "
+        "seeds; so does the seed-averaged fit here, which "
+        "[adaptive-batch](adaptive-batch.md) uses as its fair frontier. The sections above "
+        "are seed 0's.", "",
+        *sections,
+        f"Measured by (stored in `{SEED_RESULTS}`; `critical_batch_size --seeds` runs only "
+        "the grid, with no noise-scale run):", "",
+        "```bash", *stored["commands"], "```", "",
+    ]
+
+
 def write_page(results, out, run_info) -> Path:
     """The markdown summary, with the numbers of ``results``; returns its path.
 
@@ -198,6 +222,7 @@ def write_page(results, out, run_info) -> Path:
     lines.append("")
     for r in results:
         lines += task_section(r, f"critical-batch-size-{r.task.name}.png")
+    lines += more_seeds(results, out)
     lines += [
         "## How it is measured", "",
         "- Every run of a task starts from the same initialization (the seed) and draws "

@@ -166,3 +166,34 @@ def test_a_rerun_keeps_the_replaced_runs_and_the_page_compares_the_rules(quick, 
         value = new.frontier(baseline.s_min, baseline.e_min)
         assert (f"| {entry['task']} | adaptive-norms | 1 | {old:.3g} -> {value:.3g} | "
                 f"{2 * new.steps:.1f} -> {new.steps:.1f} |") in text
+
+
+def test_the_page_states_every_arm_against_the_seed_averaged_frontier_too(quick, tmp_path):
+    """A seed-averaged baseline (here a made-up one) gives a second row of values, a column
+    per run and the fixed batch's sanity check, each the frontier value against it."""
+    from experiments import adaptive_batch_page
+
+    stored, _, _ = quick
+    fair = {entry["task"]: ab.Baseline(entry["task"], entry["baseline"]["target"], 5.0, 100.0,
+                                       20.0, [[8, 17.5], [32, 8.125]], {8: 0.2, 32: 0.2},
+                                       "made up", [0, 1]) for entry in stored}
+    tasks = cbs.make_tasks(True, 0)
+    text = adaptive_batch_page.write_page(stored, tasks, tmp_path, fair).read_text()
+    for entry in stored:
+        runs = [ab.run_from_json(r) for r in entry["runs"]]
+        values = {arm: np.mean([ab.frontier_value(r.steps, r.examples, 5.0, 100.0)
+                                for r in runs if r.arm == arm]) for arm in ARMS}
+        row = next(line for line in text.splitlines()
+                   if line.startswith(f"| {entry['task']}, seed-averaged frontier |"))
+        assert row.split(" | ")[1:3] == [f"{values[a]:.3g} (1 of 1)" for a in ARMS[:2]]
+        warmup = next(r for r in runs if r.arm == "warmup")
+        assert (f"| {warmup.steps:.1f} | {warmup.examples:,.0f} | "
+                f"{warmup.frontier(entry['baseline']['s_min'], entry['baseline']['e_min']):.3g}"
+                f" | {warmup.seconds:.0f} | "
+                f"{ab.frontier_value(warmup.steps, warmup.examples, 5.0, 100.0):.3g} |") in text
+        # On the fit: 17.5 steps at batch 8 is S_min + E_min / 8.
+        assert "(batch: value): 8: 1, 32: 1;" in text
+        assert f"the fixed batch (1 seeds) comes to {values['fixed']:.3g}" in text
+    adaptive_batch_page.plot_task(ab.baseline_from_json(stored[0]["baseline"]), runs, "x",
+                                  tmp_path / "f.png", fair=fair[stored[0]["task"]])
+    assert (tmp_path / "f.png").stat().st_size > 0

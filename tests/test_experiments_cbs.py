@@ -1,7 +1,9 @@
 """experiments/critical_batch_size.py: its formulas against known answers, and its --quick run."""
 
+import json
 import math
 import re
+import shutil
 import warnings
 
 import matplotlib
@@ -11,6 +13,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from experiments import cbs_seeds  # noqa: E402
 from experiments import critical_batch_size as cbs  # noqa: E402
 
 BATCHES = np.array([8, 16, 32, 64, 128, 256, 512], dtype=float)
@@ -176,3 +179,46 @@ def test_replot_rewrites_the_same_page_from_the_stored_numbers(quick):
     assert note.sub("", replotted.read_text()) == text
     assert (out / "critical-batch-size-gpt.png").stat().st_size > 0
     assert [r.task.name for r in results] == ["digits", "gpt"]
+
+
+@pytest.fixture(scope="module")
+def quick_seeds(quick, tmp_path_factory):
+    """A copy of the ``--quick`` run's folder, then ``--seeds 1`` (training seed 1)."""
+    out = tmp_path_factory.mktemp("cbs_seeds")
+    shutil.copytree(quick[2], out, dirs_exist_ok=True)
+    results = (out / cbs.RESULTS).read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cbs.main(["--quick", "--tasks", "gpt", "--seeds", "1", "--out", str(out)])
+    return out, results
+
+
+def test_seeds_run_the_grid_beside_the_results_without_touching_them(quick_seeds):
+    out, results = quick_seeds
+    assert (out / cbs.RESULTS).read_bytes() == results
+    grids = cbs_seeds.load_grids(out, "gpt")
+    assert sorted(grids) == [0, 1]
+    steps = {seed: grid[8][0].steps for seed, grid in grids.items()}
+    assert steps[0] != steps[1]  # the seed changes the runs
+    # One learning rate, no pruning: the average is the plain mean over the seeds.
+    averaged = cbs_seeds.averaged_grid(grids)
+    assert averaged[8] == (0.01, pytest.approx((steps[0] + steps[1]) / 2, rel=1e-15), 2)
+    stored = json.loads((out / cbs_seeds.SEED_RESULTS).read_text())
+    assert stored["grids"]["gpt"]["1"]["complete"] and stored["data_seed"] == 0
+    assert stored["commands"] == [
+        f"python -m experiments.critical_batch_size --quick --tasks gpt --seeds 1 --out {out}"]
+    with pytest.raises(SystemExit):
+        cbs.main(["--quick", "--tasks", "gpt", "--seeds", "1", "--first-seed", "0",
+                  "--out", str(out)])
+
+
+def test_the_page_shows_the_grid_over_seeds(quick, quick_seeds):
+    from experiments.critical_batch_size_page import more_seeds
+
+    out, _ = quick_seeds
+    text = "\n".join(more_seeds(quick[0], out))
+    assert "## The grid on more seeds" in text
+    assert "### gpt: the grid on training seeds 0, 1" in text
+    assert "--seeds 1" in text
+    assert "### digits" not in text  # one seed: no section
+    assert more_seeds(quick[0], quick[2]) == []  # no seeds file: no section
