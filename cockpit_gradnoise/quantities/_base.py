@@ -425,15 +425,18 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite, values = {}, []
+        finite, values, unresolved = {}, [], {}
         # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
         # gathered on every process alike) are freed once its value is formed.
         for name, param in usable:
             param = sharded.gathered(param) if self.supports_fsdp2 else param
             finite[name] = step.finite(self._read_tensors(param))
             if finite[name] is not False:
-                values.append((name, self._value(name, param, context)))
-        return [name for name, _ in usable], values, finite, loss_known
+                values.append((name, self._value(name, param, context, unresolved)))
+        # Squares that underflow lost (.functional.underflow): left out, named.
+        left_out = self._unresolved_reasons(step, unresolved)
+        values = [(name, value) for name, value in values if name not in left_out]
+        return [name for name, _ in usable if name not in left_out], values, finite, loss_known
 
     def _with_nan_rows(self, step, rows, usable, finite):
         """The rows in the given order, NaN for parameters whose gradient is not finite."""
@@ -466,10 +469,13 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return self._distributed_extensions
         return self._extensions
 
-    def _value(self, name, param, context) -> Any:
+    def _value(self, name, param, context, unresolved) -> Any:
+        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``."""
         if not self.sums:
             return self.parameter_value(param, context)
-        return self.named_value_from_sums(name, self._checked_sums(param, context), context)
+        sums = self._checked_sums(param, context)
+        unresolved[name] = self.unresolved(param, sums, context)
+        return self.named_value_from_sums(name, sums, context)
 
     def _check_statistic_names(self, rows):
         if not self._checked_names:

@@ -213,7 +213,44 @@ class DeclaredSums:
             self, self.trainable(params), self._savefields, self._has_local_results,
             batch.examples,
         )
-        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
+        sums = {name: self._checked_sums(param, batch) for name, param in usable}
+        return batch, self._without_unresolved(step, usable, sums, batch)
+
+    def unresolved(self, param, sums: Dict[str, Any], batch: Batch):
+        """``(count, reason)`` where ``param``'s values cannot be exact from its ``sums`` (this
+        process's, from :meth:`parameter_sums`) for squares of its contributions that underflow
+        lost (:mod:`~cockpit_gradnoise.functional.underflow`): ``count`` (an int, or a 0-dim
+        tensor on other devices than the CPU) of its elements or examples lost, ``reason(count)``
+        the words; ``None`` where nothing can be lost. Such a parameter is left out, named in a
+        warning. None by default."""
+        return None
+
+    def _without_unresolved(self, step, usable, sums, batch):
+        """``sums`` without the parameters :meth:`unresolved` finds, warning about them once."""
+        found = {name: self.unresolved(param, sums[name], batch) for name, param in usable}
+        left_out = self._unresolved_reasons(step, found)
+        return {name: value for name, value in sums.items() if name not in left_out}
+
+    def _unresolved_reasons(self, step, found) -> Dict[str, str]:
+        """``{name: reason}`` of the parameters :meth:`unresolved` found (``found``: ``{name:
+        its result}``) that lost something, told in a warning once; counts on other devices
+        than the CPU read in one transfer."""
+        found = {name: pair for name, pair in found.items() if pair is not None}
+        if not found:
+            return {}
+        counts = torch.stack([torch.as_tensor(count).cpu() for count, _ in found.values()]).tolist()
+        reasons = {name: found[name][1](count) for name, count in zip(found, counts) if count}
+        if reasons:
+            step.warn_names(
+                "underflow", sorted(reasons),
+                lambda names: f"{type(self).__name__} cannot give exact values for parameters "
+                f"{names} (from step {step.global_step}): "
+                + "; ".join(f"{n!r}: {reasons[n]}" for n in names)
+                + f"; they have no rows at such steps and are left out of {NETWORK!r} (see "
+                "docs/gradient-variance-quantiles.md, 'Underflow')",
+                self,
+            )
+        return reasons
 
     def arm_reduction_in_backward(self, step: Step) -> None:
         """Under FSDP2, reduce-scatter this quantity's per-element sums inside the coming
