@@ -49,25 +49,32 @@ def saturated(dtype, saturating, flatten, head_scale=1.0):
 
 
 class ExampleScaled(nn.Module):
-    """``head(tanh(fc(x)))``, on ``[N, in]`` or on sequences ``[N, T, in]``."""
+    """``head(tanh(fc(x)))``: ``fc`` a ``Linear`` on ``[N, in]`` (``"products"``) or on
+    sequences ``[N, T, in]`` (``"sequences"``), or a ``Conv2d`` on ``[N, in, 5, 5]``."""
 
-    def __init__(self):
+    def __init__(self, kind):
         super().__init__()
-        self.fc, self.head = nn.Linear(3, 4), nn.Linear(4, 3)
+        self.kind = kind
+        self.fc = nn.Conv2d(3, 2, 3) if kind == "convolutions" else nn.Linear(3, 4)
+        self.head = nn.Linear(18 if kind == "convolutions" else 4, 3)
 
     def forward(self, x):
-        y = self.head(torch.tanh(self.fc(x)))
-        return y if y.dim() == 2 else y.mean(1)
+        y = torch.tanh(self.fc(x))
+        y = self.head(y.flatten(1) if self.kind == "convolutions" else y)
+        return y.mean(1) if self.kind == "sequences" else y
 
 
-def example_scaled(dtype, tiny, positions):
+SHAPES = {"products": (4, 3), "sequences": (4, 5, 3), "convolutions": (4, 3, 5, 5)}
+
+
+def example_scaled(dtype, tiny, kind):
     """The model and inputs whose examples 1 and 3 are ``tiny`` times the others'."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    shape = (4, 3) if positions is None else (4, positions, 3)
+    shape = SHAPES[kind]
     scales = torch.tensor([1.0, tiny, 1.0, tiny], dtype=torch.float64).reshape(4, *[1] * (len(shape) - 1))
     inputs = (torch.randn(shape, generator=generator, dtype=torch.float64) * scales).to(dtype)
-    return ExampleScaled().to(dtype), inputs, torch.randint(0, 3, (4,), generator=generator)
+    return ExampleScaled(kind).to(dtype), inputs, torch.randint(0, 3, (4,), generator=generator)
 
 
 def tracked(model, inputs, targets):
@@ -188,19 +195,19 @@ def test_float64_saturated_unit_is_left_out_by_name(flatten):
     assert_exact_or_left_out(saturated(torch.float64, 370.0, flatten), inputs, targets, gone, TOKENS)
 
 
-@pytest.mark.parametrize("positions", [None, 5], ids=["products", "sequences"])
-def test_float32_tiny_examples_keep_their_norms(positions):
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_float32_tiny_examples_keep_their_norms(kind):
     """Examples with inputs ``1e-25`` times the others': ``fc.weight``'s squared norms of them,
     ~1e-50, were 0 in float32 (before: the norms' ``q0`` 0)."""
-    model, inputs, targets = example_scaled(torch.float32, 1e-25, positions)
-    assert_exact_or_left_out(model, inputs, targets, {}, positions or 1)
+    model, inputs, targets = example_scaled(torch.float32, 1e-25, kind)
+    assert_exact_or_left_out(model, inputs, targets, {}, 9 if kind == "convolutions" else 5)
 
 
-@pytest.mark.parametrize("positions", [None, 5], ids=["products", "sequences"])
-def test_float64_tiny_examples_are_left_out_of_the_norms_by_name(positions):
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_float64_tiny_examples_are_left_out_of_the_norms_by_name(kind):
     """Inputs ``1e-170`` times the others': ``fc.weight``'s squared norms of those examples
     underflow in float64 (before: 0, no warning). Its sums of squares over the batch, and so
     GradientVarianceQuantiles and GradientNoiseScale, are held by the other examples."""
-    model, inputs, targets = example_scaled(torch.float64, 1e-170, positions)
+    model, inputs, targets = example_scaled(torch.float64, 1e-170, kind)
     gone = {"PerExampleGradNorm": ("fc.weight",)}
-    assert_exact_or_left_out(model, inputs, targets, gone, positions or 1)
+    assert_exact_or_left_out(model, inputs, targets, gone, 9 if kind == "convolutions" else 5)

@@ -238,8 +238,15 @@ class DeclaredSums:
         found = {name: pair for name, pair in found.items() if pair is not None}
         if not found:
             return {}
-        counts = torch.stack([torch.as_tensor(count).cpu() for count, _ in found.values()]).tolist()
-        reasons = {name: found[name][1](count) for name, count in zip(found, counts) if count}
+        counts = {name: count for name, (count, _) in found.items()}
+        waiting = [name for name, count in counts.items() if isinstance(count, torch.Tensor)]
+        if waiting:  # one transfer (per device) for all
+            by_device: Dict[Any, list] = {}
+            for name in waiting:
+                by_device.setdefault(counts[name].device, []).append(name)
+            for names in by_device.values():
+                counts.update(zip(names, torch.stack([counts[n] for n in names]).tolist()))
+        reasons = {name: found[name][1](count) for name, count in counts.items() if count}
         if reasons:
             step.warn_names(
                 "underflow", sorted(reasons),
