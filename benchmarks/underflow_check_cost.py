@@ -15,12 +15,10 @@ of the step with checks over the one without.
 Run: ``PYTHONPATH=. python benchmarks/underflow_check_cost.py --models gpt,resnet18 --rounds 15``.
 """
 
-import argparse
 import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if not __package__:  # as benchmarks/benchmark.py: the repository's `benchmarks`, ahead of Opacus'
@@ -32,10 +30,7 @@ from cockpit_gradnoise import functional  # noqa: E402
 from cockpit_gradnoise.extensions import linear, sums  # noqa: E402
 from cockpit_gradnoise.extensions.fallback import reduce  # noqa: E402
 
-import torch  # noqa: E402
-
-from benchmarks.methods import package_all, plain_step  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.benchmark_cpu_ratio import cpu_seconds, one_thread, plain_and_tracked  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -59,24 +54,18 @@ def without_checks():
             setattr(module, name, value)
 
 
-def cpu_seconds(step, x, y, checks: bool) -> float:
+def cpu_seconds_of(step, x, y, checks: bool) -> float:
+    """:func:`.benchmark_cpu_ratio.cpu_seconds`, with the checks or without them."""
     with contextlib.nullcontext() if checks else without_checks():
-        start = time.process_time()
-        step(x, y)
-        return time.process_time() - start
+        return cpu_seconds(step, x, y)
 
 
 def measure(name: str, rounds: int, warmup: int):
     """``{"plain", "checks", "none"}`` CPU times of ``rounds`` rotating rounds of model ``name``."""
-    spec = MODELS[name]
-    torch.manual_seed(0)
-    model = spec.make()
-    device = torch.device("cpu")
-    x, y = spec.inputs(spec.batch_size, device), spec.targets(spec.batch_size, device)
-    plain, tracked = plain_step(model, spec.loss), package_all(model, spec.loss)
-    runs = {"plain": lambda: cpu_seconds(plain, x, y, True),
-            "checks": lambda: cpu_seconds(tracked, x, y, True),
-            "none": lambda: cpu_seconds(tracked, x, y, False)}
+    plain, tracked, x, y = plain_and_tracked(name)
+    runs = {"plain": lambda: cpu_seconds_of(plain, x, y, True),
+            "checks": lambda: cpu_seconds_of(tracked, x, y, True),
+            "none": lambda: cpu_seconds_of(tracked, x, y, False)}
     for _ in range(warmup):
         for run in runs.values():
             run()
@@ -89,14 +78,7 @@ def measure(name: str, rounds: int, warmup: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,resnet18")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, one thread, CPU time, {args.rounds} rounds, "
-          f"load average {os.getloadavg()[0]:.2f} at the start")
+    args = one_thread(argv, __doc__.splitlines()[0], "gpt,resnet18")
     print("| model | plain ms | all five, checks ms | all five, no checks ms | checks / plain "
           "| no checks / plain | checks / no checks | per-round (min, quartiles, max) |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
