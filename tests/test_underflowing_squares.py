@@ -23,7 +23,7 @@ import copy
 import warnings
 
 import cockpit_gradnoise as cgn
-from cockpit_gradnoise import references
+from cockpit_gradnoise import _device, references
 
 import pytest
 import torch
@@ -211,3 +211,17 @@ def test_float64_tiny_examples_are_left_out_of_the_norms_by_name(kind):
     model, inputs, targets = example_scaled(torch.float64, 1e-170, kind)
     gone = {"PerExampleGradNorm": ("fc.weight",)}
     assert_exact_or_left_out(model, inputs, targets, gone, 9 if kind == "convolutions" else 5)
+
+
+@pytest.mark.parametrize("case", ["saturated", "tiny examples"])
+def test_on_other_devices_float32_is_left_out_by_name(case, monkeypatch):
+    """Where the host would wait to know (a GPU: the device's path, here on CPU tensors), the
+    float32 sums are not formed again: what the checks find is left out by name, the rest exact."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    if case == "saturated":
+        inputs, targets = saturating_inputs(3)
+        gone = {"GradientVarianceQuantiles": ("fc.weight", "fc.bias", "out.weight")}
+        assert_exact_or_left_out(saturated(torch.float32, 50.0, False), inputs.float(), targets, gone, TOKENS)
+    else:
+        model, inputs, targets = example_scaled(torch.float32, 1e-25, "products")
+        assert_exact_or_left_out(model, inputs, targets, {"PerExampleGradNorm": ("fc.weight",)}, 5)

@@ -145,7 +145,7 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     """``||x_i||^2`` of contributions ``[N, *shape]``, ``[N]``; at a scale for float32
     and narrower, saved in float64.
 
-    Exact where the squares underflow: an example whose norm is below
+    Exact where the squares underflow, on the CPU: an example whose norm is below
     :func:`.functional.underflow.underflow_floor` (or 0 beside a nonzero
     contribution) is summed again from float64 squares of its contributions (no
     float32 number's square underflows there); in float64, where that cannot
@@ -155,7 +155,9 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     scale = contributions_scale(contributions)
     at_scale = (flat if scale is None else flat * scale).square().sum(1)
     suspect = at_scale < underflow_floor(flat.shape[1], at_scale.dtype)
-    if not bool(suspect.any()):
+    # Elsewhere than on the CPU the host would wait to know: nonzero norms below the floor
+    # are marked (unscaled_norms), and the quantities leave them out.
+    if not _device.on_host(at_scale) or not bool(suspect.any()):
         return unscaled_norms(at_scale, scale, flat.shape[1])
     return _norms_resolved(flat, at_scale, scale, suspect)
 
@@ -182,9 +184,10 @@ def exact_where_lost(compute: Callable[..., Results], kinds: str, examples: int,
     underflow lost a sum of squares (:func:`.functional.underflow.unresolved_sums`,
     ``unresolved_norms``, which find :data:`.functional.underflow.UNRESOLVED` too): no
     product of two float32 numbers, nor its square, underflows in float64, so those
-    results are exact. Only on the CPU (elsewhere the host would wait to know; the
-    quantities leave such a parameter out), and only where lost: the check is one
-    comparison per element.
+    results are exact. Only on the CPU (elsewhere the host would wait to know: a norm
+    of 0 beside nonzero factors is marked, and the quantities leave such a parameter
+    out), and only where lost: the check is one comparison per element (and, where a
+    norm is 0, one max-reduction of that example's factors).
 
     Args:
         compute: From the factors to the results, for float32 and float64 factors: one
@@ -197,9 +200,15 @@ def exact_where_lost(compute: Callable[..., Results], kinds: str, examples: int,
             the layer's dtype.
     """
     results = compute(*factors)
-    if not _device.on_host(factors[0]):
-        return results
     found = results if isinstance(results, tuple) else (results,)
+    if not _device.on_host(factors[0]):
+        # Without waiting: a norm of 0 beside nonzero rows of every factor is marked (one
+        # max-reduction of each factor), as nonzero norms below the floor and sums are
+        # (unscaled_norms, unscaled_sums); the quantities leave such parameters out.
+        for kind, r in zip(kinds, found):
+            if kind == "n":
+                r.masked_fill_((r == 0) & _nonzero_rows(factors, None), UNRESOLVED)
+        return results
     lost = [_lost_norms(r, numel, factors) if kind == "n" else unresolved_sums(r[1], r[0], examples)
             for kind, r in zip(kinds, found)]
     if all(rows is None for rows in lost):
@@ -220,9 +229,16 @@ def _lost_norms(norms: Tensor, numel: int, factors) -> Optional[Tensor]:
     zero = norms == 0
     if bool(zero.any()):
         rows = zero.nonzero().squeeze(1)
-        nonzero = torch.stack([(factor[rows] != 0).flatten(1).any(1) for factor in factors]).all(0)
-        lost[rows[nonzero]] = True
+        lost[rows[_nonzero_rows(factors, rows)]] = True
     return lost if bool(lost.any()) else None
+
+
+def _nonzero_rows(factors, rows: Optional[Tensor]) -> Tensor:
+    """Whether every factor's row (of ``rows``; all where None) of each example holds a
+    nonzero number: one max-reduction of magnitudes each, no copy."""
+    picked = [factor if rows is None else factor[rows] for factor in factors]
+    return torch.stack([torch.linalg.vector_norm(f.flatten(1), ord=math.inf, dim=1) != 0
+                        for f in picked]).all(0)
 
 
 class SquaredNormsFromContributionsMixin:

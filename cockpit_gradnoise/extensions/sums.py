@@ -86,6 +86,7 @@ need a second matrix product per layer.
 
 from typing import Optional, Sequence, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena, facts
 from cockpit_gradnoise.extensions._squares import contributions_scale, saved_dtype, unscaled_sums
 from cockpit_gradnoise.functional.underflow import underflow_floor
@@ -118,13 +119,15 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     power-of-two scale, saved in float64 (:mod:`._squares`); where some
     element's squares underflow even so (below
     :func:`.functional.underflow.underflow_floor`: contributions far below the
-    layer's largest), summed from float64 squares, exactly.
+    layer's largest), on the CPU summed from float64 squares, exactly (elsewhere
+    marked :data:`.functional.underflow.UNRESOLVED` by :func:`._squares.unscaled_sums`).
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
     scale = contributions_scale(contributions)
     scaled = contributions if scale is None else contributions * scale
     sums = stacked(torch.sum, (scaled, axis), (scaled.square(), axis), shape)
-    if saved_dtype(sums.dtype) != sums.dtype and _underflowed(sums, contributions.shape[axis]):
+    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)  # elsewhere: the mark
+            and _underflowed(sums, contributions.shape[axis])):
         wide = contributions.to(saved_dtype(sums.dtype))  # no square of a float32 number underflows
         return torch.stack([wide.sum(axis), wide.square().sum(axis)])
     return unscaled_sums(sums, scale, contributions.shape[axis])
