@@ -89,7 +89,7 @@ from typing import Optional, Sequence, Tuple
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena, facts
 from cockpit_gradnoise.extensions._squares import contributions_scale, saved_dtype, unscaled_sums
-from cockpit_gradnoise.functional.underflow import underflow_floor
+from cockpit_gradnoise.functional.underflow import unresolved_sums
 
 import torch
 from backpack.extensions.firstorder.sum_grad_squared.rnn import SGSLSTM, SGSRNN
@@ -136,8 +136,7 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
 def _underflowed(sums: Tensor, terms: int) -> bool:
     """Whether an element's ``S`` of ``terms`` squares is below the floor while ``S`` or ``T``
     is not 0 (:func:`.functional.underflow.unresolved_sums`)."""
-    below = sums[1] < underflow_floor(terms, sums.dtype)
-    return bool(below.any()) and bool(((sums[1][below] != 0) | (sums[0][below] != 0)).any())
+    return unresolved_sums(sums[1], sums[0], terms) is not None
 
 
 #: A contribution within ``ROUNDING_NOISE * (L + TERM_ROUNDING) * eps * sum_l |t_il|`` of zero
