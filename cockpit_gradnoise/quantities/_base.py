@@ -348,8 +348,12 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
         deferred = isinstance(loss_known, torch.Tensor)
-        rows, finite, loss_known = _device.resolve((rows, finite, loss_known))
-        rows = self._with_nan_rows(step, rows, usable, finite)
+        pending, self._unresolved_pending = getattr(self, "_unresolved_pending", {}), {}
+        rows, finite, loss_known, counts = _device.resolve(
+            (rows, finite, loss_known, {name: count for name, (count, _) in pending.items()}))
+        underflow = self._told_unresolved(step, pending, counts, f"their rows and {NETWORK!r}'s are NaN "
+                                          "at such steps (on this device)")
+        rows = self._with_nan_rows(step, rows, usable, finite, underflow)
         if not loss_known:
             if deferred:
                 self._warn_if_loss_not_finite(step)
@@ -433,13 +437,21 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             finite[name] = step.finite(self._read_tensors(param))
             if finite[name] is not False:
                 values.append((name, self._value(name, param, context, unresolved)))
-        # Squares that underflow lost (.functional.underflow): left out, named.
-        left_out = self._unresolved_reasons(step, unresolved)
+        # Squares that underflow lost (.functional.underflow): left out, named; on other
+        # devices than the CPU known after the step's transfer, then NaN (_compute).
+        found = {name: pair for name, pair in unresolved.items() if pair is not None}
+        self._unresolved_pending = {n: pair for n, pair in found.items() if isinstance(pair[0], torch.Tensor)}
+        for name, (count, _) in self._unresolved_pending.items():
+            finite[name] = torch.logical_and(torch.as_tensor(finite[name], device=count.device), count == 0)
+        now = {name: count for name, (count, _) in found.items() if name not in self._unresolved_pending}
+        left_out = self._told_unresolved(step, found, now, "they have no rows at such steps and are "
+                                         f"left out of {NETWORK!r}")
         values = [(name, value) for name, value in values if name not in left_out]
         return [name for name, _ in usable if name not in left_out], values, finite, loss_known
 
-    def _with_nan_rows(self, step, rows, usable, finite):
-        """The rows in the given order, NaN for parameters whose gradient is not finite."""
+    def _with_nan_rows(self, step, rows, usable, finite, underflow=()):
+        """The rows in the given order, NaN for parameters whose gradient is not finite
+        (or, ``underflow``, whose squares underflow lost: told about already)."""
         non_finite = [name for name in usable if not finite[name]]
         nan_row = dict.fromkeys(self.statistic_names(), math.nan)
         rows = {
@@ -447,6 +459,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             for name in usable + [NETWORK]
             if name in rows or name in non_finite
         }
+        if non_finite:
+            rows[NETWORK] = nan_row
+        non_finite = [name for name in non_finite if name not in underflow]
         if non_finite:
             step.warn(
                 "non-finite",

@@ -13,7 +13,7 @@ cockpit call reduces its sums in one round of collectives
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from cockpit_gradnoise import distributed
+from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise.extensions import sharded, tensor_parallel
 from cockpit_gradnoise.logs.schema import NETWORK
 from cockpit_gradnoise.quantities._accumulation import Accumulation
@@ -226,26 +226,20 @@ class DeclaredSums:
         return None
 
     def _without_unresolved(self, step, usable, sums, batch):
-        """``sums`` without the parameters :meth:`unresolved` finds, warning about them once."""
+        """``sums`` without the parameters :meth:`unresolved` finds, warning about them once.
+
+        Before the sums are added across micro-batches and processes: counts on other
+        devices than the CPU are read here, in one transfer per device."""
         found = {name: self.unresolved(param, sums[name], batch) for name, param in usable}
-        left_out = self._unresolved_reasons(step, found)
+        found = {name: pair for name, pair in found.items() if pair is not None}
+        counts = _device.resolve({name: count for name, (count, _) in found.items()})
+        left_out = self._told_unresolved(step, found, counts, "they have no rows at such steps and "
+                                         f"are left out of {NETWORK!r}")
         return {name: value for name, value in sums.items() if name not in left_out}
 
-    def _unresolved_reasons(self, step, found) -> Dict[str, str]:
-        """``{name: reason}`` of the parameters :meth:`unresolved` found (``found``: ``{name:
-        its result}``) that lost something, told in a warning once; counts on other devices
-        than the CPU read in one transfer."""
-        found = {name: pair for name, pair in found.items() if pair is not None}
-        if not found:
-            return {}
-        counts = {name: count for name, (count, _) in found.items()}
-        waiting = [name for name, count in counts.items() if isinstance(count, torch.Tensor)]
-        if waiting:  # one transfer (per device) for all
-            by_device: Dict[Any, list] = {}
-            for name in waiting:
-                by_device.setdefault(counts[name].device, []).append(name)
-            for names in by_device.values():
-                counts.update(zip(names, torch.stack([counts[n] for n in names]).tolist()))
+    def _told_unresolved(self, step, found, counts, outcome: str) -> Dict[str, str]:
+        """``{name: reason}`` of the parameters whose ``counts`` (of what :meth:`unresolved`
+        found, ``found``) are not 0, told in a warning once, with ``outcome``."""
         reasons = {name: found[name][1](count) for name, count in counts.items() if count}
         if reasons:
             step.warn_names(
@@ -253,8 +247,7 @@ class DeclaredSums:
                 lambda names: f"{type(self).__name__} cannot give exact values for parameters "
                 f"{names} (from step {step.global_step}): "
                 + "; ".join(f"{n!r}: {reasons[n]}" for n in names)
-                + f"; they have no rows at such steps and are left out of {NETWORK!r} (see "
-                "docs/gradient-variance-quantiles.md, 'Underflow')",
+                + f"; {outcome} (see docs/gradient-variance-quantiles.md, 'Squares that underflow')",
                 self,
             )
         return reasons
