@@ -3,7 +3,9 @@
 Every tracked step checks the sums of squares and the per-example squared norms it
 saved for ones underflow lost (``functional/underflow.py``: one comparison per element
 of each layer's sums, ``[N]`` per norm; ``extensions/_squares.exact_where_lost`` on the
-layers whose squares are formed from factors). This script times, in CPU time of one
+layers whose squares are formed from factors). Not switched off here: the ``[N]``
+comparisons inside ``_squares.squared_norms_of`` and ``unscaled_norms``, and the marks
+of ``unscaled_sums`` (only where a layer is summed at a scale). This script times, in CPU time of one
 thread (``time.process_time``), a plain step and the step with the package's five
 quantities (``methods.package_all``) with the checks and without them (the checks
 replaced by what they return where nothing underflows), the three in a rotating order
@@ -27,7 +29,7 @@ if not __package__:  # as benchmarks/benchmark.py: the repository's `benchmarks`
     sys.path.append(sys.path.pop(0))
 
 from cockpit_gradnoise import functional  # noqa: E402
-from cockpit_gradnoise.extensions import linear, sums  # noqa: E402
+from cockpit_gradnoise.extensions import convolution, linear, sums  # noqa: E402
 from cockpit_gradnoise.extensions.fallback import reduce  # noqa: E402
 
 from benchmarks.benchmark_cpu_ratio import cpu_seconds, one_thread, plain_and_tracked  # noqa: E402
@@ -42,6 +44,7 @@ def without_checks():
         (functional, "unresolved_norm_sum", lambda *args, **kwargs: None),
         (linear, "exact_where_lost", lambda compute, kinds, examples, numel, *factors: compute(*factors)),
         (reduce, "exact_where_lost", lambda compute, kinds, examples, numel, *factors: compute(*factors)),
+        (convolution, "exact_where_lost", lambda compute, kinds, examples, numel, *factors: compute(*factors)),
         (sums, "_underflowed", lambda *args: False),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
