@@ -38,15 +38,20 @@ def cpu_seconds(step, x, y) -> float:
     return time.process_time() - start
 
 
-def measure(name: str, rounds: int, warmup: int):
-    """``(plain times, tracked times, phases)`` of ``rounds`` alternating steps of model ``name``
-    (``phases``: ``{"plain": ..., "tracked": ...}``, each step's ``methods._phases``)."""
+def plain_and_tracked(name: str):
+    """``(plain step, step with the five quantities, inputs, targets)`` of model ``name`` on the CPU."""
     spec = MODELS[name]
     torch.manual_seed(0)
     model = spec.make()
     device = torch.device("cpu")
     x, y = spec.inputs(spec.batch_size, device), spec.targets(spec.batch_size, device)
-    plain, tracked = plain_step(model, spec.loss), package_all(model, spec.loss)
+    return plain_step(model, spec.loss), package_all(model, spec.loss), x, y
+
+
+def measure(name: str, rounds: int, warmup: int):
+    """``(plain times, tracked times, phases)`` of ``rounds`` alternating steps of model ``name``
+    (``phases``: ``{"plain": ..., "tracked": ...}``, each step's ``methods._phases``)."""
+    plain, tracked, x, y = plain_and_tracked(name)
     for _ in range(warmup):
         plain(x, y)
         tracked(x, y)
@@ -69,9 +74,11 @@ def phases_row(name: str, plain, phases) -> str:
     return f"| {name} | " + " | ".join(f"{cell:.2f}" for cell in cells) + " |"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,swin")
+def one_thread(argv, description: str, models: str):
+    """The arguments ``--models`` (default ``models``), ``--rounds``, ``--warmup``; torch on
+    one thread, and a first line that says so, with the machine's load."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", default=models)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phases", action="store_true", help="also each phase's share (module docstring)")
@@ -79,6 +86,11 @@ def main(argv=None):
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, one thread, CPU time, {args.rounds} rounds, "
           f"load average {os.getloadavg()[0]:.2f} at the start")
+    return args
+
+
+def main(argv=None):
+    args = one_thread(argv, __doc__.splitlines()[0], "gpt,swin")
     print("| model | plain ms | all five ms | all five / plain | per-round ratios (min, quartiles, max) |")
     print("|---|---:|---:|---:|---|")
     rows = []

@@ -16,9 +16,10 @@ underflow only below ``1e-308``).
 """
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor, unresolved_sums
 
 import torch
 from torch import Tensor
@@ -178,29 +179,49 @@ def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
     return _needed(power_of_two_scale(contributions))
 
 
-def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor]) -> Tensor:
+def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor], terms: int = 1 << 24) -> Tensor:
     """Per-example squared norms formed at ``scale``: ``at_scale / scale**2``, in
     :func:`saved_dtype` whatever the scale (``[N]`` numbers: converting costs
-    nothing, and the norms are then the same numbers on every path)."""
+    nothing, and the norms are then the same numbers on every path).
+
+    Where they were formed in a narrower dtype, a norm of ``terms`` squares that
+    underflow may have lost (nonzero, below :func:`.functional.underflow.underflow_floor`)
+    is written :data:`.functional.underflow.UNRESOLVED`: the wide dtype would
+    show it as a real number, and the quantities leave such a parameter out.
+    """
     wide = saved_dtype(at_scale.dtype)
     if scale is None:
-        return at_scale.to(wide)
-    divisor = scale.to(wide).square()
-    # As a 1-element vector, the divisor's dtype is the quotient's: the division widens
-    # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
-    return at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
+        result = at_scale.to(wide)
+    else:
+        divisor = scale.to(wide).square()
+        # As a 1-element vector, the divisor's dtype is the quotient's: the division widens
+        # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
+        result = at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
+    if wide != at_scale.dtype:
+        lost = (at_scale != 0) & (at_scale < underflow_floor(terms, at_scale.dtype))
+        result.masked_fill_(lost, UNRESOLVED)
+    return result
 
 
-def unscaled_sums(sums: Tensor, scale: Optional[Tensor]) -> Tensor:
+def unscaled_sums(sums: Tensor, scale: Optional[Tensor], terms: int = 1 << 24) -> Tensor:
     """``[T, S, ...]`` formed from contributions times ``scale``: ``[T / scale, S / scale**2, ...]``,
-    every row after the first a sum of squares (``A`` of :func:`.conv_math.expanded_sums`)."""
+    every row after the first a sum of squares (``A`` of :func:`.conv_math.expanded_sums`).
+
+    ``S`` of ``terms`` squares that underflow may have lost at the scale (below
+    :func:`.functional.underflow.underflow_floor`, with ``S`` or ``T`` not 0) is
+    written :data:`.functional.underflow.UNRESOLVED` (float64 would show it as a
+    real number): the quantities leave such a parameter out.
+    """
     if scale is None:
         return sums
     wide = saved_dtype(sums.dtype)
+    lost = (sums[1] < underflow_floor(terms, sums.dtype)) & ((sums[1] != 0) | (sums[0] != 0))
     scale = scale.to(wide)  # its square may exceed float32's range
     powers = [scale] + [scale.square()] * (len(sums) - 1)
     inverse = torch.stack(powers).reciprocal_()  # powers of two: exact
-    return sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
+    result = sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
+    result[1].masked_fill_(lost, UNRESOLVED)
+    return result
 
 
 def joined(chunks: List[Tensor]) -> Tensor:
@@ -211,12 +232,102 @@ def joined(chunks: List[Tensor]) -> Tensor:
 
 def squared_norms_of(contributions: Tensor) -> Tensor:
     """``||x_i||^2`` of contributions ``[N, *shape]``, ``[N]``; at a scale for float32
-    and narrower, saved in float64."""
+    and narrower, saved in float64.
+
+    Exact where the squares underflow, on the CPU: an example whose norm is below
+    :func:`.functional.underflow.underflow_floor` (or 0 beside a nonzero
+    contribution) is summed again from float64 squares of its contributions (no
+    float32 number's square underflows there); in float64, where that cannot
+    help, it is written :data:`.functional.underflow.UNRESOLVED`.
+    """
+    flat = contributions.flatten(start_dim=1)
     scale = contributions_scale(contributions)
-    if scale is None:
-        return unscaled_norms(contributions.square().flatten(start_dim=1).sum(1), None)
-    squares = (contributions * scale).square_().flatten(start_dim=1).sum(1)
-    return unscaled_norms(squares, scale)
+    at_scale = (flat if scale is None else flat * scale).square().sum(1)
+    suspect = at_scale < underflow_floor(flat.shape[1], at_scale.dtype)
+    # Elsewhere than on the CPU the host would wait to know: nonzero norms below the floor
+    # are marked (unscaled_norms), and the quantities leave them out.
+    if not _device.on_host(at_scale) or not bool(suspect.any()):
+        return unscaled_norms(at_scale, scale, flat.shape[1])
+    return _norms_resolved(flat, at_scale, scale, suspect)
+
+
+def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Tensor], suspect: Tensor) -> Tensor:
+    """:func:`squared_norms_of` where some examples' norms (``suspect``) are below the floor."""
+    wide = saved_dtype(flat.dtype)
+    result = at_scale.to(wide) if scale is None else at_scale.to(wide) / scale.to(wide).square()
+    rows = suspect.nonzero().squeeze(1)
+    if wide != flat.dtype:
+        result[rows] = flat[rows].to(wide).square().sum(1)  # exact: no underflow in float64
+    else:  # a 0 beside nonzero contributions, or a sum below the floor: unresolved
+        lost = (at_scale[rows] != 0) | (flat[rows] != 0).any(1)
+        result[rows[lost]] = UNRESOLVED
+    return result
+
+
+Results = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def exact_where_lost(compute: Callable[..., Results], kinds: str, examples: int, numel: int,
+                     *factors: Tensor) -> Results:
+    """``compute(*factors)`` of a float32 layer, again from the factors in float64 where
+    underflow lost a sum of squares (:func:`.functional.underflow.unresolved_sums`,
+    ``unresolved_norms``, which find :data:`.functional.underflow.UNRESOLVED` too): no
+    product of two float32 numbers, nor its square, underflows in float64, so those
+    results are exact. Only on the CPU (elsewhere the host would wait to know: a norm
+    of 0 beside nonzero factors is marked, and the quantities leave such a parameter
+    out), and only where lost: the check is one comparison per element (and, where a
+    norm is 0, one max-reduction of that example's factors).
+
+    Args:
+        compute: From the factors to the results, for float32 and float64 factors: one
+            tensor, or a tuple of them.
+        kinds: What each result is, one letter each: ``"s"`` for sums ``[T, S, ...]``,
+            ``"n"`` for squared norms ``[N]`` (``"sn"``: a pair of them).
+        examples: ``N``, the terms of each sum of squares.
+        numel: The parameter's elements, the terms of each squared norm.
+        factors: The layer's factors (inputs, output gradients, or contributions), in
+            the layer's dtype.
+    """
+    results = compute(*factors)
+    found = results if isinstance(results, tuple) else (results,)
+    if not _device.on_host(factors[0]):
+        # Without waiting: a norm of 0 beside nonzero rows of every factor is marked (one
+        # max-reduction of each factor), as nonzero norms below the floor and sums are
+        # (unscaled_norms, unscaled_sums); the quantities leave such parameters out.
+        for kind, r in zip(kinds, found):
+            if kind == "n":
+                r.masked_fill_((r == 0) & _nonzero_rows(factors, None), UNRESOLVED)
+        return results
+    lost = [_lost_norms(r, numel, factors) if kind == "n" else unresolved_sums(r[1], r[0], examples)
+            for kind, r in zip(kinds, found)]
+    if all(rows is None for rows in lost):
+        return results
+    if needs_scale(factors[0].dtype):
+        return compute(*(factor.to(torch.float64) for factor in factors))
+    for kind, r, rows in zip(kinds, found, lost):  # float64: the quantities leave them out
+        if kind == "n" and rows is not None:
+            r.masked_fill_(rows, UNRESOLVED)
+    return results
+
+
+def _lost_norms(norms: Tensor, numel: int, factors) -> Optional[Tensor]:
+    """``[N]`` True where a squared norm is unresolved, or 0 while every factor's row of
+    that example is not (``x_i = sum_l g_il a_il^T`` then not 0, but for an exact cancellation;
+    formed again, it is told apart); ``None`` where none is."""
+    lost = (norms != 0) & (norms < underflow_floor(numel, norms.dtype))
+    zero = norms == 0
+    if bool(zero.any()):
+        rows = zero.nonzero().squeeze(1)
+        lost[rows[_nonzero_rows(factors, rows)]] = True
+    return lost if bool(lost.any()) else None
+
+
+def _nonzero_rows(factors, rows: Optional[Tensor]) -> Tensor:
+    """Whether every factor's row (of ``rows``; all where None) of each example holds a
+    nonzero number: one max-reduction of magnitudes each, no copy."""
+    picked = [factor if rows is None else factor[rows] for factor in factors]
+    return torch.stack([torch.linalg.vector_norm(f.flatten(1), ord=math.inf, dim=1) != 0
+                        for f in picked]).all(0)
 
 
 class SquaredNormsFromContributionsMixin:

@@ -415,7 +415,9 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
             sums[0].baddbmm_(b, a)
             sums[1].baddbmm_(b.square(), a.square())
-    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale)
+    # Terms of each S: N squares, or N L**2 products of the expansion.
+    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale,
+                         len(inputs) * positions**2)
     if len(sums) == 3:  # A, to R = w(L) A
         sums[2] *= expansion_rounding_terms(positions)
     return sums
@@ -433,10 +435,11 @@ def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     if forms(module, cost_model.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)
-        return unscaled_norms(joined([x.square_().sum((1, 2, 3)) for x in gradients]), scale)
+        return unscaled_norms(joined([x.square_().sum((1, 2, 3)) for x in gradients]), scale,
+                              module.weight.numel())
     norms = []
     for b, a in _chunks(module, inputs, grad_output, 2 * groups * positions**2):
         gram_b = torch.matmul(b.transpose(-1, -2), b)
         gram_a = torch.matmul(a, a.transpose(-1, -2))
         norms.append(gram_b.mul_(gram_a).sum((1, 2, 3)))
-    return unscaled_norms(joined(norms), scale)
+    return unscaled_norms(joined(norms), scale, module.weight.numel() * positions**2)

@@ -9,7 +9,7 @@ BackPACK, one module extension per result.
 from typing import Callable
 
 from cockpit_gradnoise.extensions import conv_math
-from cockpit_gradnoise.extensions._squares import squared_norms_of
+from cockpit_gradnoise.extensions._squares import exact_where_lost, squared_norms_of
 from cockpit_gradnoise.extensions.sums import position_sums, sums_of_position_sums
 
 import torch
@@ -35,8 +35,13 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
     def __init__(self):
         super().__init__(params=["bias", "weight"])
 
+    #: What ``weight_result`` gives, as :func:`._squares.exact_where_lost` takes it.
+    weight_kind: str
+
     def weight(self, ext, module, g_inp, g_out, backproped):
-        return type(self).weight_result(module, module.input0, g_out[0])
+        # Formed again from float64 factors where a float32 layer's squares underflow.
+        return exact_where_lost(lambda inputs, grad_output: type(self).weight_result(module, inputs, grad_output),
+                                self.weight_kind, len(g_out[0]), module.weight.numel(), module.input0, g_out[0])
 
     def bias(self, ext, module, g_inp, g_out, backproped):
         return type(self).bias_result(module, g_out[0])
@@ -45,7 +50,7 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
 class SumsConv(_ConvolutionExtension):
     """``[sum_i x_i, sum_i x_i**2]`` of weight and bias (:mod:`.sums`)."""
 
-    weight_result = staticmethod(conv_math.weight_sums)
+    weight_result, weight_kind = staticmethod(conv_math.weight_sums), "s"
     # Sums over positions, with their structural zeros (e.g. before a BatchNorm).
     bias_result = staticmethod(
         lambda module, grad_output: sums_of_position_sums(grad_output.flatten(2), 2, (module, grad_output)))
@@ -54,7 +59,7 @@ class SumsConv(_ConvolutionExtension):
 class SquaredNormsConv(_ConvolutionExtension):
     """``||x_i||^2`` of weight and bias, ``[N]`` each."""
 
-    weight_result = staticmethod(conv_math.weight_squared_norms)
+    weight_result, weight_kind = staticmethod(conv_math.weight_squared_norms), "n"
     # Structural zeros exactly 0, as in the sums.
     bias_result = staticmethod(
         lambda module, grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2, (module, grad_output)))

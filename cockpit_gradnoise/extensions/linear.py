@@ -46,6 +46,7 @@ from typing import Iterator, Tuple
 from cockpit_gradnoise.extensions import conv_math, cost_model, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
+    exact_where_lost,
     joined,
     scaled_factors,
     squared_norms_of,
@@ -119,8 +120,8 @@ def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
     if cost_model.use_formation(cost_model.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
-        return unscaled_norms(formed_squared_norms(g, a), scale)
-    return unscaled_norms(gram_squared_norms(g, a), scale)
+        return unscaled_norms(formed_squared_norms(g, a), scale, g.shape[2] * a.shape[2])
+    return unscaled_norms(gram_squared_norms(g, a), scale, g.shape[2] * a.shape[2])
 
 
 def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
@@ -139,7 +140,7 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
         squares = x.square_()
         sums[1] += squares.sum(0)
         norms.append(squares.sum((1, 2)))
-    return unscaled_sums(sums, scale), unscaled_norms(joined(norms), scale)
+    return unscaled_sums(sums, scale, len(g)), unscaled_norms(joined(norms), scale, g.shape[2] * a.shape[2])
 
 
 def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
@@ -196,7 +197,7 @@ def linear_weight_sums(inputs: Tensor, grad_output: Tensor) -> Tensor:
         (g, a), scale = scaled_factors(grad_output, inputs)
         shape = (g.shape[1], a.shape[1])
         sums = stacked(torch.mm, (g.T, a), (g.square().T, a.square()), shape)
-        return unscaled_sums(sums, scale)
+        return unscaled_sums(sums, scale, len(g))
     return linear_weight_sums_and_squared_norms(inputs, grad_output)[0]
 
 
@@ -218,14 +219,30 @@ def _shared_weight_result(ext, module, grad_output: Tensor, other_savefield: str
     run, else formed with the other's by whichever reaches the layer first and
     taken from the backward pass's layer cache by the second."""
     if not is_active(other_savefield) or expands(module, module.input0, grad_output):
-        return alone(module.input0, grad_output)
+        kind = "s" if ext.savefield == SUMS_SAVEFIELD else "n"
+        return exact(alone, kind, module.input0, grad_output)
     sources = (module, module.input0, grad_output)
     both = facts.recording().layer_cache.take(_SUMS_AND_NORMS, sources)
     if both is None:
-        both = linear_weight_sums_and_squared_norms(module.input0, grad_output)
+        both = exact(linear_weight_sums_and_squared_norms, "sn", module.input0, grad_output)
         facts.recording().layer_cache.put(_SUMS_AND_NORMS, sources, both)
     sums, norms = both
     return sums if ext.savefield == SUMS_SAVEFIELD else norms
+
+
+def exact(compute, kinds: str, inputs: Tensor, grad_output: Tensor):
+    """``compute(inputs, grad_output)`` of a Linear's weight (``kinds`` as
+    :func:`._squares.exact_where_lost` takes them), from float64 factors where underflow
+    lost a sum of squares of a float32 layer."""
+    return exact_where_lost(compute, kinds, inputs.shape[0], inputs.shape[-1] * grad_output.shape[-1],
+                            inputs, grad_output)
+
+
+def _outer_product_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``||x_i||^2 = ||g_i||^2 ||a_i||^2`` of ``x_i = g_i a_i^T`` (inputs ``[N, in]``), ``[N]``,
+    at a power-of-two scale of each factor."""
+    (g, a), scale = scaled_factors(grad_output, inputs)
+    return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale, g.shape[1] * a.shape[1])
 
 
 class SumsLinear(SumsFromContributionsMixin, SGSBase):
@@ -238,9 +255,9 @@ class SumsLinear(SumsFromContributionsMixin, SGSBase):
 
     def weight(self, ext, module, g_inp, g_out, bp_quantities):
         if one_position(g_out[0]):
-            return linear_weight_sums(*as_products(module.input0, g_out[0]))
+            return exact(linear_weight_sums, "s", *as_products(module.input0, g_out[0]))
         if expands(module, module.input0, g_out[0]):
-            return linear_expanded_sums(module.input0, g_out[0])
+            return exact(linear_expanded_sums, "s", module.input0, g_out[0])
         return _shared_weight_result(ext, module, g_out[0], BATCH_L2_SAVEFIELD, linear_weight_sums)
 
     def bias(self, ext, module, g_inp, g_out, bp_quantities):
@@ -259,8 +276,7 @@ class SquaredNormsLinear(SquaredNormsFromContributionsMixin, BatchL2Linear):
     def weight(self, ext, module, g_inp, g_out, backproped):
         if one_position(g_out[0]):
             inputs, grad_output = as_products(module.input0, g_out[0])
-            (g, a), scale = scaled_factors(grad_output, inputs)
-            return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale)
+            return exact(_outer_product_squared_norms, "n", inputs, grad_output)
         return _shared_weight_result(
             ext, module, g_out[0], SUMS_SAVEFIELD, linear_weight_squared_norms
         )

@@ -86,8 +86,10 @@ need a second matrix product per layer.
 
 from typing import Optional, Sequence, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena, facts
-from cockpit_gradnoise.extensions._squares import contributions_scale, unscaled_sums
+from cockpit_gradnoise.extensions._squares import contributions_scale, saved_dtype, unscaled_sums
+from cockpit_gradnoise.functional.underflow import unresolved_sums
 
 import torch
 from backpack.extensions.firstorder.sum_grad_squared.rnn import SGSLSTM, SGSRNN
@@ -114,15 +116,27 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     """``[T, S]``: ``sum_i x_i`` and ``sum_i x_i**2`` over ``axis`` of the contributions.
 
     For float32 and narrower, where squares could underflow: summed at a
-    power-of-two scale, saved in float64 (:mod:`._squares`).
+    power-of-two scale, saved in float64 (:mod:`._squares`); where some
+    element's squares underflow even so (below
+    :func:`.functional.underflow.underflow_floor`: contributions far below the
+    layer's largest), on the CPU summed from float64 squares, exactly (elsewhere
+    marked :data:`.functional.underflow.UNRESOLVED` by :func:`._squares.unscaled_sums`).
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
     scale = contributions_scale(contributions)
-    if scale is None:
-        return stacked(torch.sum, (contributions, axis), (contributions.square(), axis), shape)
-    scaled = contributions * scale
+    scaled = contributions if scale is None else contributions * scale
     sums = stacked(torch.sum, (scaled, axis), (scaled.square(), axis), shape)
-    return unscaled_sums(sums, scale)
+    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)  # elsewhere: the mark
+            and _underflowed(sums, contributions.shape[axis])):
+        wide = contributions.to(saved_dtype(sums.dtype))  # no square of a float32 number underflows
+        return torch.stack([wide.sum(axis), wide.square().sum(axis)])
+    return unscaled_sums(sums, scale, contributions.shape[axis])
+
+
+def _underflowed(sums: Tensor, terms: int) -> bool:
+    """Whether an element's ``S`` of ``terms`` squares is below the floor while ``S`` or ``T``
+    is not 0 (:func:`.functional.underflow.unresolved_sums`)."""
+    return unresolved_sums(sums[1], sums[0], terms) is not None
 
 
 #: A contribution within ``ROUNDING_NOISE * (L + TERM_ROUNDING) * eps * sum_l |t_il|`` of zero

@@ -22,7 +22,8 @@ One module per family of formulas, every public formula re-exported here
 - :mod:`~cockpit_gradnoise.functional.preconditioner`: adaptive optimizers' diagonal
   preconditioners, and the noise-scale sums of preconditioned gradients;
 - :mod:`~cockpit_gradnoise.functional.reduction`: the loss's reduction;
-- :mod:`~cockpit_gradnoise.functional.welford`: running means and variances.
+- :mod:`~cockpit_gradnoise.functional.welford`: running means and variances;
+- :mod:`~cockpit_gradnoise.functional.underflow`: which sums of squares underflow lost.
 
 Notation (see ``DESIGN.md``): a mini-batch has ``N`` examples, ``x_i`` is
 example ``i``'s contribution to ``param.grad`` (``param.grad = sum_i x_i``),
@@ -59,6 +60,7 @@ from cockpit_gradnoise.functional.ratios import (
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
+from cockpit_gradnoise.functional.underflow import unresolved_norm_sum, unresolved_norms, unresolved_sums
 from cockpit_gradnoise.functional.variance import (
     centred_sum_of_squares,
     expansion_rounding_bound,
@@ -106,6 +108,9 @@ __all__ = [
     "squared_norm_tensors",
     "squared_norms",
     "two_batch_noise_scale_estimates",
+    "unresolved_norm_sum",
+    "unresolved_norms",
+    "unresolved_sums",
     "variance_rounding_bound",
     "welford_sd",
     "welford_update_",

@@ -9,6 +9,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import order_statistics
+from cockpit_gradnoise.functional.layout import memory_order  # noqa: F401 (also its public name here)
 from cockpit_gradnoise.functional.variance import expansion_rounding_bound, relative_rounding
 
 import numpy
@@ -157,15 +158,3 @@ _IN_PLACE_PIECE = 1 << 16
 #: Layers with fewer elements are computed together by
 #: :func:`sd_and_signal_to_noise` (their sums copied into one pair first).
 _JOINED_BELOW = 1 << 14
-
-
-def memory_order(tensor: Tensor) -> Tensor:
-    """A 1d view of a dense tensor's elements in the order they lie in memory.
-
-    For the permuted layouts of convolutions' sums: a view, not a copy (a
-    copy when the tensor is not dense).
-    """
-    if tensor.is_contiguous():
-        return tensor.reshape(-1)
-    order = sorted(range(tensor.dim()), key=lambda d: tensor.stride(d), reverse=True)
-    return tensor.permute(order).reshape(-1)

@@ -11,6 +11,7 @@ import math
 from typing import Optional
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.underflow import underflow_floor
 
 import numpy
 import torch
@@ -226,13 +227,23 @@ def gradient_sd(
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(sum_of_squares.dtype).bits:
-        squares, total, scale = _at_a_scale(sum_of_squares, total, dtype)
+        squares, narrow, scale = _at_a_scale(sum_of_squares, total, dtype)
+        # Elements far below the layer's largest (by 2**-126 in float32) whose S underflows
+        # at this scale, though it is not an exact 0 of exact zeros: formed in the wide
+        # dtype (with dtype's bound), which holds every S of float32 contributions.
+        lost = (squares < underflow_floor(n, dtype)) & ((sum_of_squares != 0) | (total != 0))
+        wide_extra = extra_rounding
         if extra_rounding is not None:
             extra_rounding = (extra_rounding * scale.to(extra_rounding.dtype).square()).to(dtype)
-        return gradient_sd(
-            squares, total, n, inner_terms=inner_terms, in_place=True,
+        sd = gradient_sd(
+            squares, narrow, n, inner_terms=inner_terms, in_place=True,
             extra_rounding=extra_rounding,
         ).div_(scale)
+        if _device.on_host(sd) and not bool(lost.any()):
+            return sd
+        wide = centred_sum_of_squares(sum_of_squares, total, n, inner_terms=inner_terms, dtype=dtype,
+                                      extra_rounding=wide_extra)
+        return torch.where(lost, wide.mul_(n / (n - 1)).sqrt_().to(dtype), sd)
     # In place on the fresh result: this runs on every element of the network.
     centred = centred_sum_of_squares(
         sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype,

@@ -354,8 +354,12 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         # On a GPU everything so far stayed on the device (finiteness too): the
         # step's one transfer; what depends on the numbers is decided after it.
         deferred = isinstance(loss_known, torch.Tensor)
-        rows, finite, loss_known = _device.resolve((rows, finite, loss_known))
-        rows = self._with_nan_rows(step, rows, usable, finite)
+        pending, self._unresolved_pending = getattr(self, "_unresolved_pending", {}), {}
+        rows, finite, loss_known, counts = _device.resolve(
+            (rows, finite, loss_known, {name: count for name, (count, _) in pending.items()}))
+        underflow = self._told_unresolved(step, pending, counts, f"their rows and {NETWORK!r}'s are NaN "
+                                          "at such steps (on this device)")
+        rows = self._with_nan_rows(step, rows, usable, finite, underflow)
         if not loss_known:
             if deferred:
                 self._warn_if_loss_not_finite(step)
@@ -431,18 +435,29 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite, values = {}, []
+        finite, values, unresolved = {}, [], {}
         # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
         # gathered on every process alike) are freed once its value is formed.
         for name, param in usable:
             param = sharded.gathered(param) if self.supports_fsdp2 else param
             finite[name] = step.finite(self._read_tensors(param))
             if finite[name] is not False:
-                values.append((name, self._value(name, param, context)))
-        return [name for name, _ in usable], values, finite, loss_known
+                values.append((name, self._value(name, param, context, unresolved)))
+        # Squares that underflow lost (.functional.underflow): left out, named; on other
+        # devices than the CPU known after the step's transfer, then NaN (_compute).
+        found = {name: pair for name, pair in unresolved.items() if pair is not None}
+        self._unresolved_pending = {n: pair for n, pair in found.items() if isinstance(pair[0], torch.Tensor)}
+        for name, (count, _) in self._unresolved_pending.items():
+            finite[name] = torch.logical_and(torch.as_tensor(finite[name], device=count.device), count == 0)
+        now = {name: count for name, (count, _) in found.items() if name not in self._unresolved_pending}
+        left_out = self._told_unresolved(step, found, now, "they have no rows at such steps and are "
+                                         f"left out of {NETWORK!r}")
+        values = [(name, value) for name, value in values if name not in left_out]
+        return [name for name, _ in usable if name not in left_out], values, finite, loss_known
 
-    def _with_nan_rows(self, step, rows, usable, finite):
-        """The rows in the given order, NaN for parameters whose gradient is not finite."""
+    def _with_nan_rows(self, step, rows, usable, finite, underflow=()):
+        """The rows in the given order, NaN for parameters whose gradient is not finite
+        (or, ``underflow``, whose squares underflow lost: told about already)."""
         non_finite = [name for name in usable if not finite[name]]
         nan_row = dict.fromkeys(self.statistic_names(), math.nan)
         rows = {
@@ -450,6 +465,9 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             for name in usable + [NETWORK]
             if name in rows or name in non_finite
         }
+        if non_finite:
+            rows[NETWORK] = nan_row
+        non_finite = [name for name in non_finite if name not in underflow]
         if non_finite:
             step.warn(
                 "non-finite",
@@ -472,10 +490,13 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return self._distributed_extensions
         return self._extensions
 
-    def _value(self, name, param, context) -> Any:
+    def _value(self, name, param, context, unresolved) -> Any:
+        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``."""
         if not self.sums:
             return self.parameter_value(param, context)
-        return self.named_value_from_sums(name, self._checked_sums(param, context), context)
+        sums = self._checked_sums(param, context)
+        unresolved[name] = self.unresolved(param, sums, context)
+        return self.named_value_from_sums(name, sums, context)
 
     def _check_statistic_names(self, rows):
         if not self._checked_names:

@@ -13,7 +13,7 @@ cockpit call reduces its sums in one round of collectives
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from cockpit_gradnoise import distributed
+from cockpit_gradnoise import _device, distributed
 from cockpit_gradnoise.extensions import sharded, tensor_parallel
 from cockpit_gradnoise.logs.schema import NETWORK
 from cockpit_gradnoise.quantities._accumulation import Accumulation
@@ -216,7 +216,44 @@ class DeclaredSums:
             self, self.trainable(params), self._savefields, self._has_local_results,
             batch.examples,
         )
-        return batch, {name: self._checked_sums(param, batch) for name, param in usable}
+        sums = {name: self._checked_sums(param, batch) for name, param in usable}
+        return batch, self._without_unresolved(step, usable, sums, batch)
+
+    def unresolved(self, param, sums: Dict[str, Any], batch: Batch):
+        """``(count, reason)`` where ``param``'s values cannot be exact from its ``sums`` (this
+        process's, from :meth:`parameter_sums`) for squares of its contributions that underflow
+        lost (:mod:`~cockpit_gradnoise.functional.underflow`): ``count`` (an int, or a 0-dim
+        tensor on other devices than the CPU) of its elements or examples lost, ``reason(count)``
+        the words; ``None`` where nothing can be lost. Such a parameter is left out, named in a
+        warning. None by default."""
+        return None
+
+    def _without_unresolved(self, step, usable, sums, batch):
+        """``sums`` without the parameters :meth:`unresolved` finds, warning about them once.
+
+        Before the sums are added across micro-batches and processes: counts on other
+        devices than the CPU are read here, in one transfer per device."""
+        found = {name: self.unresolved(param, sums[name], batch) for name, param in usable}
+        found = {name: pair for name, pair in found.items() if pair is not None}
+        counts = _device.resolve({name: count for name, (count, _) in found.items()})
+        left_out = self._told_unresolved(step, found, counts, "they have no rows at such steps and "
+                                         f"are left out of {NETWORK!r}")
+        return {name: value for name, value in sums.items() if name not in left_out}
+
+    def _told_unresolved(self, step, found, counts, outcome: str) -> Dict[str, str]:
+        """``{name: reason}`` of the parameters whose ``counts`` (of what :meth:`unresolved`
+        found, ``found``) are not 0, told in a warning once, with ``outcome``."""
+        reasons = {name: found[name][1](count) for name, count in counts.items() if count}
+        if reasons:
+            step.warn_names(
+                "underflow", sorted(reasons),
+                lambda names: f"{type(self).__name__} cannot give exact values for parameters "
+                f"{names} (from step {step.global_step}): "
+                + "; ".join(f"{n!r}: {reasons[n]}" for n in names)
+                + f"; {outcome} (see docs/gradient-variance-quantiles.md, 'Squares that underflow')",
+                self,
+            )
+        return reasons
 
     def arm_reduction_in_backward(self, step: Step, params=()) -> None:
         """Under FSDP2, reduce-scatter this quantity's per-element sums inside the coming

@@ -154,6 +154,14 @@ class GradientNoiseScale(ParameterQuantity):
             "sum_of_gradients": gradient,
         }
 
+    def unresolved(self, param, sums, batch):
+        norms = param.cgn_batch_l2.detach()
+        found = functional.unresolved_norm_sum(norms, param.numel())
+        return None if found is None else (found, lambda _: (
+            f"the squares of its per-example contributions underflow (the sum of its squared "
+            f"norms in {norms.dtype} is below N times 4 numel tiny), so tr(Sigma) and |G|^2 "
+            "cannot be told from it"))
+
     def noted_squared_norms(self, step, params):
         notes = step.presharded.get(self.sums_sharded_in_backward, {})
         found = {}

@@ -157,6 +157,14 @@ class GradientVarianceQuantiles(ParameterQuantity):
         return {"sum_of_contributions": grad, "sum_of_squared_contributions": squares,
                 "rounding_magnitudes": magnitudes}
 
+    def unresolved(self, param, sums, batch):
+        squares, grad = sums["sum_of_squared_contributions"], sums["sum_of_contributions"]
+        count = functional.unresolved_sums(squares, grad, batch.examples, batch.loss_scale)
+        return None if count is None else (count, lambda k: (
+            f"the squares of the per-example contributions of {k} of its elements underflow "
+            f"(their sums in {squares.dtype} are below 4 N tiny), so their sd and SNR cannot "
+            "be told from 0 and the SNR cap"))
+
     def named_value_from_sums(self, name, sums, batch):
         if self._cuts is not None:  # FSDP2: this process's elements of the reduced sums
             rank = distributed.rank()

@@ -54,6 +54,13 @@ class PerExampleGradNorm(ParameterQuantity):
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2.
         return {"squared_norms": squared_norms / batch.loss_scale**2}
 
+    def unresolved(self, param, sums, batch):
+        norms = sums["squared_norms"]
+        count = functional.unresolved_norms(norms, param.numel(), batch.loss_scale)
+        return None if count is None else (count, lambda k: (
+            f"the squares of the contributions of {k} examples underflow (their squared norms "
+            f"in {norms.dtype} are below 4 numel tiny), so their norms cannot be told from 0"))
+
     def value_from_sums(self, sums, batch):
         return sums["squared_norms"]
 

@@ -14,12 +14,13 @@ from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions._squares import (
     SMALLEST_UNSCALED,
     contributions_scale,
+    exact_where_lost,
     needs_scale,
     saved_dtype,
     unscaled_norms,
     unscaled_sums,
 )
-from cockpit_gradnoise.extensions.linear import linear_weight_squared_norms, linear_weight_sums_and_squared_norms
+from cockpit_gradnoise.extensions.linear import exact, linear_weight_squared_norms, linear_weight_sums_and_squared_norms
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
     LOCAL_GRADIENT_SAVEFIELD,
@@ -38,6 +39,13 @@ BLOCK_BYTES = 2**19
 
 
 def norms_and_sums(contributions: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`norms_and_sums_at_a_scale`, exact where underflow lost a sum of squares of
+    float32 contributions: then from their float64 squares (:func:`._squares.exact_where_lost`)."""
+    return exact_where_lost(norms_and_sums_at_a_scale, "ns", len(contributions),
+                            contributions[0].numel() if len(contributions) else 0, contributions)
+
+
+def norms_and_sums_at_a_scale(contributions: Tensor) -> Tuple[Tensor, Tensor]:
     """``(||x_i||^2 [N], [sum_i x_i, sum_i x_i**2])`` of contributions ``[N, *shape]``
     from one square of them.
 
@@ -54,10 +62,11 @@ def norms_and_sums(contributions: Tensor) -> Tuple[Tensor, Tensor]:
     if needs_scale(contributions.dtype) and _device.on_host(contributions) and len(contributions):
         norms, sums = _blockwise(contributions)
         if float(norms.max()) >= contributions[0].numel() * SMALLEST_UNSCALED**2:
-            return unscaled_norms(norms, None), sums
+            return unscaled_norms(norms, None, contributions[0].numel()), sums
     scale = contributions_scale(contributions)
     norms, sums = _blockwise(contributions if scale is None else contributions * scale)
-    return unscaled_norms(norms, scale), unscaled_sums(sums, scale)
+    return (unscaled_norms(norms, scale, contributions[0].numel()),
+            unscaled_sums(sums, scale, len(contributions)))
 
 
 def _blockwise(contributions: Tensor) -> Tuple[Tensor, Tensor]:
@@ -185,9 +194,9 @@ def linear_on_rows(inputs: Tensor, grad_output: Tensor, bias: bool,
     else ``[sum_i x_i]`` (the norms then by Gram matrices or formation, whichever is cheaper:
     :func:`.linear.linear_weight_squared_norms`)."""
     if squares:
-        sums, norms = linear_weight_sums_and_squared_norms(inputs, grad_output)
+        sums, norms = exact(linear_weight_sums_and_squared_norms, "sn", inputs, grad_output)
     else:
-        norms = linear_weight_squared_norms(inputs, grad_output)
+        norms = exact(linear_weight_squared_norms, "n", inputs, grad_output)
         sums = (grad_output.flatten(0, 1).T @ inputs.flatten(0, 1)).unsqueeze(0)
     found = {"weight": (norms, sums)}
     if bias:

@@ -1,0 +1,116 @@
+"""Which sums of squares underflow lost: the check that keeps them from reporting a wrong number.
+
+A square below the smallest normal number of its dtype (``tiny``: ``1.2e-38`` in
+float32, ``2.2e-308`` in float64) keeps fewer digits, and one below half the
+smallest subnormal is 0. Where every square of an element's contributions is
+that small, ``S_j = sum_i x_ij**2`` is 0 or subnormal although the
+contributions are real, and the one-pass formula would report ``sd_j = 0`` and
+the SNR cap ("the examples agree to rounding") where the exact SNR is of
+order 1; a per-example squared norm would be 0 for an example whose gradient
+is not.
+
+The bound. With gradual underflow (IEEE 754, torch's default: subnormals are
+not flushed) each square, and each addition, that lands below ``tiny`` is off
+by at most half the smallest subnormal, ``tiny * eps / 2``; so ``k`` terms'
+sum is off by at most ``k tiny eps`` from underflow. That is at most ``eps / 4``
+of the sum wherever the sum is at least :func:`underflow_floor`, ``4 k tiny``:
+within the rounding the formulas already allow. A sum below it that is not an
+exact 0 of exact zeros cannot be told from what underflow left of it:
+*unresolved*. The extensions that form squares at a power-of-two scale also
+write :data:`UNRESOLVED` (a positive number below every floor) where the
+scaled sums are unresolved, so that the unscaled sums show it
+(``extensions/_squares.py``); the quantities leave a parameter with an
+unresolved element out, naming it (:func:`unresolved_sums`,
+:func:`unresolved_norms`).
+"""
+
+from typing import Optional, Union
+
+from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.layout import memory_order
+
+import numpy
+import torch
+from torch import Tensor
+
+#: What an extension writes in place of a sum of squares that underflow left
+#: unresolved: the smallest positive float64 (and, converted, float32) number,
+#: below every :func:`underflow_floor`, so the quantities' checks find it.
+UNRESOLVED = 5e-324
+
+
+def underflow_floor(terms: int, dtype: torch.dtype) -> float:
+    """``4 k tiny``: the smallest sum of ``k = terms`` squares formed in ``dtype``
+    that underflow cannot have moved by more than ``eps / 4`` of itself."""
+    return 4.0 * max(terms, 1) * torch.finfo(dtype).tiny
+
+
+def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 1.0) -> Optional[Union[int, Tensor]]:
+    """How many elements have ``S_j = sum_i x_ij**2`` that underflow may have lost: on
+    the CPU an int, ``None`` for none; elsewhere a 0-dim tensor (the host does not wait).
+
+    ``S_j`` below the floor while ``S_j != 0`` or ``T_j = sum_i x_ij != 0``
+    (an exact 0 of exact zeros, ``S_j = T_j = 0``, is a dead unit and resolved).
+
+    Args:
+        squares: ``S``, in the dtype its squares were formed in, or wider
+            (float64 sums of float32 squares formed at a power-of-two scale,
+            where the extension wrote :data:`UNRESOLVED` for squares that
+            underflowed at that scale: float64 holds every other).
+        total: ``T``, shaped like ``squares``.
+        n: ``N``, the terms of each ``S_j``.
+        loss_scale: ``c`` where the sums are in units of ``g_i`` (``S / c**2``).
+
+    From wider sums, :func:`~cockpit_gradnoise.functional.gradient_sd` forms sd
+    without underflow (in the wide dtype where the narrow one would lose an element).
+    """
+    floor = underflow_floor(n, squares.dtype) / loss_scale**2
+    if not _device.on_host(squares):  # a 0-dim tensor: the host does not wait for it here
+        return ((squares < floor) & ((squares != 0) | (total != 0))).sum()
+    # In NumPy: several times faster than torch's comparisons here (a layer of 2.4M
+    # elements, most of them dead units: 1.2 ms against 6 ms, 32 ms by a boolean mask).
+    # In memory order (a view): a convolution's permuted sums are read in order, not by strides.
+    squares, total = memory_order(squares.detach()), memory_order(total.detach())
+    s = squares.numpy() if squares.dtype in _PLAIN else squares.double().numpy()
+    below = s < floor
+    if not below.any():  # one comparison per element: all a layer without dead units costs
+        return None
+    # Where a layer has dead units (S = T = 0, all below): the others below are unresolved.
+    t = total.numpy() if total.dtype in _PLAIN else total.double().numpy()
+    return int(numpy.count_nonzero(below)) - int(numpy.count_nonzero((s == 0) & (t == 0))) or None
+
+
+_PLAIN = (torch.float32, torch.float64)
+
+
+def unresolved_norms(squared_norms: Tensor, numel: int, loss_scale: float = 1.0) -> Optional[Union[int, Tensor]]:
+    """How many examples have a squared norm ``||x_i||^2`` that underflow may have lost
+    (as :func:`unresolved_sums` counts).
+
+    Non-zero and below the floor of ``numel`` terms in the norms' dtype. A norm
+    of exactly 0 is an example without a gradient there (a token routed
+    elsewhere); where an extension formed squares in float32 (at a scale or
+    not) and saw them underflow, or a norm of 0 beside nonzero contributions,
+    it wrote :data:`UNRESOLVED` (the norms of float32 parameters are saved in
+    float64, where no square of a float32 contribution underflows).
+
+    Args:
+        squared_norms: ``[N]``.
+        numel: The parameter's elements (terms of each norm).
+        loss_scale: ``c`` where the norms are in units of ``g_i``.
+    """
+    floor = underflow_floor(numel, squared_norms.dtype) / loss_scale**2
+    count = ((squared_norms != 0) & (squared_norms < floor)).sum()
+    return (int(count) or None) if _device.on_host(squared_norms) else count
+
+
+def unresolved_norm_sum(squared_norms: Tensor, numel: int) -> Optional[Union[int, Tensor]]:
+    """Whether ``sum_i ||x_i||^2`` may be off by more than ``eps / 4`` of itself for
+    underflow (1; where not, ``None`` on the CPU and 0 elsewhere): some norm is
+    unresolved (:func:`unresolved_norms`) and the sum is below ``N`` floors (each
+    unresolved norm is off by less than one floor)."""
+    floor = underflow_floor(numel, squared_norms.dtype)
+    lost = (squared_norms != 0) & (squared_norms < floor)
+    small = squared_norms.sum(dtype=torch.float64) < len(squared_norms) * floor
+    found = lost.any() & small
+    return (int(found) or None) if _device.on_host(squared_norms) else found.to(torch.int64)
