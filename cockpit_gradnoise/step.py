@@ -433,8 +433,10 @@ class Step(ParameterChecks):
         per parameter. The same answers as :meth:`finite`, and remembered as its are.
         """
         sizes = {len(group) for group in groups}
-        if len(sizes) != 1 or all(_device.on_host(t) for group in groups for t in group) \
-                or not all(t.is_floating_point() for group in groups for t in group):
+        if len(sizes) != 1 or not all(t.is_floating_point() for group in groups for t in group):
+            return [self.finite(group) for group in groups]
+        if all(_device.on_host(t) for group in groups for t in group):
+            self._prefetch_on_host([t for group in groups for t in group])
             return [self.finite(group) for group in groups]
         self._prefetch_witnesses([t for group in groups for t in group])
         witnesses = [[self._finite_witness(t) for t in group] for group in groups]
@@ -448,6 +450,28 @@ class Step(ParameterChecks):
                 answers[i] = answer
                 self._finite_answers[keys[i]] = (witnesses[i], answer)
         return answers
+
+    def _prefetch_on_host(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Whether each float32-or-narrower tensor of at most ``CHUNK`` elements not known yet
+        is finite, remembered as :meth:`_finite_on_host` does: one ``torch._foreach_norm``
+        (``sum_j |t_j|`` in float64, finite iff every element is) and one ``tolist``
+        instead of a few torch calls per tensor; larger tensors (whose float64 copy would
+        be large) are left to :meth:`_finite_on_host`; float64 ones times 0 first, as
+        :meth:`_finite_witness` does."""
+        narrow, wide, seen = [], [], set()
+        for tensor in tensors:
+            known = self._finite.get(id(tensor))
+            if id(tensor) in seen or tensor.numel() > _device.CHUNK or (
+                    known is not None and known[0] is tensor and known[1] == tensor._version):
+                continue
+            seen.add(id(tensor))
+            (wide if tensor.dtype == torch.float64 else narrow).append(tensor)
+        if not narrow and not wide:
+            return
+        zeros = list(torch._foreach_mul(wide, 0)) if wide else []  # finite elements 0, the rest NaN
+        witnesses = torch.stack(torch._foreach_norm(narrow + zeros, 1, dtype=torch.float64)).tolist()
+        for tensor, witness in zip(narrow + wide, witnesses):
+            self._finite[id(tensor)] = (tensor, tensor._version, math.isfinite(witness))
 
     def _prefetch_witnesses(self, tensors: Sequence[torch.Tensor]) -> None:
         """:meth:`_finite_witness` of every tensor not known yet but large float64 ones, by

@@ -67,6 +67,7 @@ def test_norm_statistics_of_rows_are_those_of_each_row(on_host, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_finiteness_of_every_parameter_at_once_is_isfinite_all(dtype, monkeypatch):
     monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    monkeypatch.setattr(_device, "CHUNK", 8)  # "large" tensors, small: the test stays fast
     largest = torch.finfo(dtype).max
     big = torch.full((4,), largest, dtype=dtype)
     groups = [[torch.ones(3, dtype=dtype), big]]
@@ -114,3 +115,21 @@ def test_noise_scale_estimates_of_every_parameter_at_once(monkeypatch):
     assert rows[1][schema.B_SIMPLE] == math.inf
     for got, wanted in zip(rows + [network], expected):
         assert got == pytest.approx(wanted, rel=1e-15, abs=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_finiteness_of_every_parameter_at_once_on_the_cpu(dtype, monkeypatch):
+    """The CPU's answers (bools), small tensors by one ``_foreach_norm``, the rest one by one."""
+    monkeypatch.setattr(_device, "CHUNK", 8)  # "large" tensors, small: the test stays fast
+    largest = torch.finfo(dtype).max
+    big = torch.full((4,), largest, dtype=dtype)
+    groups = [[torch.ones(3, dtype=dtype), big], [torch.ones(_device.CHUNK + 1, dtype=dtype), big]]
+    for value in (math.inf, -math.inf, math.nan):
+        groups += [[torch.tensor([1.0, value], dtype=dtype), big], [big, torch.tensor([value], dtype=dtype)]]
+    groups.append([torch.full((_device.CHUNK + 1,), value, dtype=dtype), big])
+    step = Step(0)
+    expected = [all(bool(torch.isfinite(t).all()) for t in group) for group in groups]
+    assert step.finite_each(groups) == expected
+    assert [step.finite(group) for group in groups] == expected
+    groups[0][0][1] = math.nan  # in place: its version moved, tested again
+    assert step.finite_each(groups)[0] is False
