@@ -433,7 +433,8 @@ class Step(ParameterChecks):
         per parameter. The same answers as :meth:`finite`, and remembered as its are.
         """
         sizes = {len(group) for group in groups}
-        if len(sizes) != 1 or not all(t.is_floating_point() for group in groups for t in group):
+        devices = {t.device for group in groups for t in group}  # one stack: one device (not model parallel)
+        if len(sizes) != 1 or len(devices) != 1 or not all(t.is_floating_point() for group in groups for t in group):
             return [self.finite(group) for group in groups]
         if all(_device.on_host(t) for group in groups for t in group):
             self._prefetch_finiteness([t for group in groups for t in group], on_host=True)
