@@ -434,12 +434,12 @@ class Step(ParameterChecks):
         """
         sizes = {len(group) for group in groups}
         devices = {t.device for group in groups for t in group}  # one stack: one device (not model parallel)
-        if len(sizes) != 1 or len(devices) != 1 or not all(t.is_floating_point() for group in groups for t in group):
+        # On the CPU one by one (a 0-dim op costs microseconds there, and a quantity may
+        # have proved some finite already: Step.note_finite).
+        if len(sizes) != 1 or len(devices) != 1 or _device.on_host(groups[0][0]) \
+                or not all(t.is_floating_point() for group in groups for t in group):
             return [self.finite(group) for group in groups]
-        if all(_device.on_host(t) for group in groups for t in group):
-            self._prefetch_finiteness([t for group in groups for t in group], on_host=True)
-            return [self.finite(group) for group in groups]
-        self._prefetch_finiteness([t for group in groups for t in group], on_host=False)
+        self._prefetch_witnesses([t for group in groups for t in group])
         witnesses = [[self._finite_witness(t) for t in group] for group in groups]
         keys = [tuple(map(id, group_witnesses)) for group_witnesses in witnesses]
         answers = [self._finite_answers.get(key, (None, None))[1] for key in keys]
@@ -452,33 +452,27 @@ class Step(ParameterChecks):
                 self._finite_answers[keys[i]] = (witnesses[i], answer)
         return answers
 
-    def _prefetch_finiteness(self, tensors: Sequence[torch.Tensor], on_host: bool) -> None:
-        """What :meth:`finite` remembers of each tensor not known yet, for all at once: one
+    def _prefetch_witnesses(self, tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`_finite_witness` of each tensor not known yet, for all at once: one
         ``torch._foreach_norm`` (``sum_j |t_j|`` in float64, fused on a GPU) instead of a
-        few torch calls per tensor. Finite iff every element is, as the float64 sum of
+        reduction per tensor. Finite iff every element is, as the float64 sum of
         :meth:`_finite_witness`: it cannot overflow below ``2**1024 / 2**128`` elements of
         float32 or narrower; float64 tensors are taken times 0 first (finite elements
-        become 0, the others NaN). On the host the answers (bools, one ``tolist``), as
-        :meth:`_finite_on_host` keeps them; elsewhere the witnesses. Left to those methods,
-        one by one: tensors over ``CHUNK`` elements on the host (a float64 copy of each),
-        float64 ones over ``CHUNK`` elsewhere."""
+        become 0, the others NaN). Float64 tensors over ``CHUNK`` elements are left to
+        :meth:`_finite_witness`, one by one (no copy of all of them at once)."""
         narrow, wide, seen = [], [], set()
         for tensor in tensors:
             known = self._finite.get(id(tensor))
-            large = tensor.numel() > _device.CHUNK and (on_host or tensor.dtype == torch.float64)
-            if id(tensor) in seen or large or (
+            if id(tensor) in seen or (tensor.dtype == torch.float64 and tensor.numel() > _device.CHUNK) or (
                     known is not None and known[0] is tensor and known[1] == tensor._version
-                    and (on_host or isinstance(known[2], torch.Tensor))):
+                    and isinstance(known[2], torch.Tensor)):
                 continue
             seen.add(id(tensor))
             (wide if tensor.dtype == torch.float64 else narrow).append(tensor)
         if not narrow and not wide:
             return
         zeros = list(torch._foreach_mul(wide, 0)) if wide else []
-        witnesses = torch._foreach_norm(narrow + zeros, 1, dtype=torch.float64)
-        if on_host:
-            witnesses = [math.isfinite(w) for w in torch.stack(witnesses).tolist()]
-        for tensor, witness in zip(narrow + wide, witnesses):
+        for tensor, witness in zip(narrow + wide, torch._foreach_norm(narrow + zeros, 1, dtype=torch.float64)):
             self._finite[id(tensor)] = (tensor, tensor._version, witness)
 
     def _finite_witness(self, tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ def test_noise_scale_estimates_of_every_parameter_at_once(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_finiteness_of_every_parameter_at_once_on_the_cpu(dtype, monkeypatch):
-    """The CPU's answers (bools), small tensors by one ``_foreach_norm``, the rest one by one."""
+    """The CPU's answers (bools): each group as :meth:`Step.finite` answers it."""
     monkeypatch.setattr(_device, "CHUNK", 8)  # "large" tensors, small: the test stays fast
     largest = torch.finfo(dtype).max
     big = torch.full((4,), largest, dtype=dtype)
