@@ -121,13 +121,21 @@ def transfer(tensors: List[Tensor]) -> List[float]:
     for (device, _), indices in groups.items():
         order, parts = by_device.setdefault(device, ([], []))
         order += indices
-        parts.append(torch.stack([tensors[i].detach().reshape(()) for i in indices]).to(torch.float64))
+        parts.append(torch.stack([_scalar(tensors[i]) for i in indices]).to(torch.float64))
     values = [0.0] * len(tensors)
     for order, parts in by_device.values():
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
         for i, value in zip(order, stacked.tolist()):
             values[i] = value
     return values
+
+
+def _scalar(tensor: Tensor) -> Tensor:
+    """``tensor`` as a 0-dim tensor without autograd history; itself where it is one
+    already (most are: two dispatched ops less each, host time on every device)."""
+    if tensor.dim() == 0 and not tensor.requires_grad:
+        return tensor
+    return tensor.detach().reshape(())
 
 
 def resolve(tree: Any) -> Any:

@@ -1,7 +1,7 @@
 """Norms: squared norms accumulated in float64, their ratios, and per-example norm statistics."""
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.logs import schema
@@ -165,3 +165,55 @@ def per_example_norm_statistics(
     values = order_statistics.quantile_summary(norms, levels, defer=True) + [scalar(norms.max())]
     result = dict(zip(schema.norm_statistic_names(levels), values))
     return result if defer else _device.resolve(result)
+
+
+def per_example_norm_statistics_of_rows(squared_norms: Tensor, levels: Sequence[float]) -> List[Tensor]:
+    """:func:`per_example_norm_statistics` of each row of ``squared_norms`` at once.
+
+    The per-example squared norms of many parameters (or micro-batches) that share
+    one batch, stacked ``[R, N]`` (``N >= 1``): one sort of the table and vector ops
+    over its rows, a constant number of ops whatever ``R``
+    (:mod:`~cockpit_gradnoise.order_statistics.rows`). Per row the same numbers: the
+    quantiles of ``||g_i||`` as ``numpy.quantile`` (bit for bit), the mean summed
+    in float64 (to rounding: another order of addition) and the max (NaN where a
+    row holds NaN, as ``Tensor.max``).
+
+    Returns:
+        One float64 column ``[R]`` per name of
+        :func:`~cockpit_gradnoise.logs.schema.norm_statistic_names` (quantiles in
+        level order, ``mean``, ``max``), left on the table's device.
+    """
+    norms = squared_norms.detach().clamp(min=0).sqrt_()
+    quantiles = order_statistics.quantiles_of_sorted_rows(order_statistics.sorted_rows(norms), levels)
+    mean = norms.sum(dim=1, dtype=torch.float64) / norms.shape[1]
+    return quantiles + [mean, norms.amax(dim=1).double()]
+
+
+def stacked_by_dtype(tensors: Sequence) -> Optional[List[Tuple[List[int], Tensor]]]:
+    """``[(indices, torch.stack(those tensors))]``, one group per dtype in order of first
+    appearance, where ``tensors`` are plain tensors of one shape and device (a batch's
+    per-example norms of each parameter, each parameter's 0-dim sums); ``None``
+    otherwise (none, a number, a DTensor), for the caller's path of one tensor at a
+    time. Stacking copies: the values are exact, each in its own dtype."""
+    if not tensors or any(type(t) is not Tensor for t in tensors):
+        return None
+    first = tensors[0]
+    if any(t.shape != first.shape or t.device != first.device for t in tensors):
+        return None
+    groups: Dict[torch.dtype, List[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(i)
+    return [(indices, torch.stack([tensors[i].detach() for i in indices])) for indices in groups.values()]
+
+
+def rows_of_columns(names: Sequence[str], columns: Sequence[Tensor]) -> List[Dict[str, float]]:
+    """``[{name: column[r]} for each row r]`` of columns of equal length ``R``.
+
+    On the CPU floats (one stack and one ``tolist``); on other devices 0-dim tensors
+    left there (views, no kernel), for the step's one transfer
+    (:func:`~cockpit_gradnoise._device.resolve`).
+    """
+    if _device.on_host(columns[0]):
+        table = torch.stack([column.double() for column in columns], dim=1).tolist()
+        return [dict(zip(names, row)) for row in table]
+    return [dict(zip(names, row)) for row in zip(*(column.unbind() for column in columns))]

@@ -47,7 +47,8 @@ The modules: :mod:`~cockpit_gradnoise.order_statistics.ranks` (levels, ranks,
 (NumPy partitions of arrays the caller owns), :mod:`~cockpit_gradnoise.order_statistics.on_device`
 (``torch.sort`` on other devices), :mod:`~cockpit_gradnoise.order_statistics.distributed`
 (elements spread over processes, FSDP2's shards: a bisection on the values' bits
-with counts added across processes).
+with counts added across processes), :mod:`~cockpit_gradnoise.order_statistics.rows`
+(every row of a table at once: many parameters' per-example norms in a few ops).
 """
 
 from cockpit_gradnoise.order_statistics.distributed import quantile_summaries_across
@@ -65,6 +66,7 @@ from cockpit_gradnoise.order_statistics.ranks import (
     interpolate,
     quantile_ranks,
 )
+from cockpit_gradnoise.order_statistics.rows import quantiles_of_sorted_rows, sorted_rows
 from cockpit_gradnoise.order_statistics.selection import (
     float64_sum,
     quantile_summaries,
@@ -88,9 +90,11 @@ __all__ = [
     "quantile_summaries_across",
     "quantile_summaries_in_place",
     "quantile_summary",
+    "quantiles_of_sorted_rows",
     "quantiles",
     "select",
     "select_each_and_union",
     "select_in_place",
     "sorted_on_device",
+    "sorted_rows",
 ]

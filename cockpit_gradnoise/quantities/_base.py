@@ -436,11 +436,15 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
         finite, values, unresolved = {}, [], {}
+        # Finiteness of every parameter at once (on other devices a few kernels for all, not
+        # a handful each), but of FSDP2's sharded ones, gathered one at a time below.
+        whole = not any(type(param).__name__ == "DTensor" for _, param in usable)
+        checked = step.finite_each([self._read_tensors(param) for _, param in usable]) if whole else None
         # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
         # gathered on every process alike) are freed once its value is formed.
-        for name, param in usable:
+        for i, (name, param) in enumerate(usable):
             param = sharded.gathered(param) if self.supports_fsdp2 else param
-            finite[name] = step.finite(self._read_tensors(param))
+            finite[name] = checked[i] if whole else step.finite(self._read_tensors(param))
             if finite[name] is not False:
                 values.append((name, self._value(name, param, context, unresolved)))
         # Squares that underflow lost (.functional.underflow): left out, named; on other

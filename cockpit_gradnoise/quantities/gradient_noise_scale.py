@@ -194,7 +194,23 @@ class GradientNoiseScale(ParameterQuantity):
         if any(p for p, _ in partial):  # the same parameters on every process: collective everywhere or nowhere
             values = [v if counted else (v[0], 0.0, v[2]) for v, (_, counted) in zip(values, partial)]
             values = _shards.added_across_processes(values, [(False, p) for p, _ in partial])
-        return super().statistics_of_values(values, network)
+        # On other devices S and M are 0-dim tensors: every parameter's (and the network's,
+        # their sums) estimates in one set of vector ops, not a handful of launches each.
+        stacks = [functional.stacked_by_dtype([v[k] for v in values]) for k in (0, 1)]
+        if any(groups is None or len(groups) > 1 or groups[0][1].dim() != 1 for groups in stacks):
+            return super().statistics_of_values(values, network)
+        (_, mean_squared_norms), (_, squared_norms_of_mean) = stacks[0][0], stacks[1][0]
+        if network:
+            mean_squared_norms = torch.cat([mean_squared_norms, mean_squared_norms.sum(dim=0, keepdim=True)])
+            squared_norms_of_mean = torch.cat([squared_norms_of_mean, squared_norms_of_mean.sum(dim=0, keepdim=True)])
+        n = values[0][2]
+        grad_sq, trace_cov = functional.noise_scale_estimates(mean_squared_norms, squared_norms_of_mean, n)
+        rows = functional.rows_of_columns(
+            [schema.GRAD_SQ, schema.TRACE_COV, schema.B_SIMPLE],
+            [grad_sq, trace_cov, schema.ratio_or_inf(trace_cov, grad_sq)],
+        )
+        rows = [{**row, schema.BATCH_SIZE: float(n)} for row in rows]
+        return rows[: len(values)], rows[-1] if network else None
 
     def network_value(self, values):
         return sum(v[0] for v in values), sum(v[1] for v in values), values[0][2]

@@ -1,11 +1,15 @@
 """Per-example gradient norms, per layer, from one backward pass."""
 
+import functools
+
 from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import CAT
 from cockpit_gradnoise.step_checks import check_example_count
+
+import torch
 
 
 class PerExampleGradNorm(ParameterQuantity):
@@ -66,6 +70,24 @@ class PerExampleGradNorm(ParameterQuantity):
 
     def network_value(self, values):
         return sum(values)
+
+    def statistics_of_values(self, values, network):
+        # Every parameter's per-example squared norms share the batch: one [P, N] table per
+        # dtype, summarised by a few vector ops over its rows, not a handful per parameter.
+        groups = functional.stacked_by_dtype(values)
+        if groups is None or values[0].dim() != 1:
+            return super().statistics_of_values(values, network)
+        names, rows = self.statistic_names(), [None] * len(values)
+        for indices, table in groups:
+            columns = functional.per_example_norm_statistics_of_rows(table, self.quantiles)
+            for i, row in zip(indices, functional.rows_of_columns(names, columns)):
+                rows[i] = row
+        if not network:
+            return rows, None
+        wide = functools.reduce(torch.promote_types, (table.dtype for _, table in groups))
+        total = torch.cat([table.to(wide) for _, table in groups]).sum(dim=0, keepdim=True)
+        columns = functional.per_example_norm_statistics_of_rows(total, self.quantiles)
+        return rows, functional.rows_of_columns(names, columns)[0]
 
     def statistics(self, squared_norms):
         return functional.per_example_norm_statistics(squared_norms, self.quantiles, defer=True)
