@@ -240,3 +240,29 @@ def test_on_other_devices_float32_is_nan_by_name(case, monkeypatch):
     named = [text for text in told if "underflow" in text]
     assert len(named) == 1 and quantity in named[0] and all(repr(n) in named[0] for n in gone), told
     assert not [text for text in told if "NaN or Inf" in text], told
+
+
+def test_preconditioned_noise_scale_leaves_out_the_saturated_unit_by_name():
+    """PreconditionedNoiseScale reads GradientVarianceQuantiles' per-element sums: the
+    float64 unit whose squares underflow (as above) is left out of it by name, checked
+    on its own sums (before, it read GradientNoiseScale's per-example norms, which it
+    does not have alone: an AttributeError); the others keep rows."""
+    inputs, targets = saturating_inputs(3)
+    model = cgn.prepare_model(saturated(torch.float64, 370.0, False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [name for name, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(list(model.parameters()),
+                          quantities=[cgn.PreconditionedNoiseScale(linear(1), param_names=names)])
+    loss_fn, per_example = extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none")
+    outputs = model(inputs)
+    loss = loss_fn(outputs, targets)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cockpit(0, info={"loss": loss, "individual_losses": per_example(outputs, targets),
+                              "batch_size": len(inputs), "optimizer": optimizer}):
+            loss.backward()
+    told = [str(w.message) for w in caught if "underflow" in str(w.message)]
+    assert len(told) == 1 and all(name in told[0] for name in ("fc.weight", "fc.bias", "out.weight"))
+    kept = rows(cockpit, "PreconditionedNoiseScale")
+    assert {"fc.weight", "fc.bias", "out.weight"}.isdisjoint(kept)
+    assert set(names) - {"fc.weight", "fc.bias", "out.weight"} <= set(kept)

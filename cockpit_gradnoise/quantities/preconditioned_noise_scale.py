@@ -179,6 +179,17 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_squares": squares, "sum_of_gradients": grad}
 
+    def unresolved(self, param, sums, batch):
+        # Its own per-element sums (GradientVarianceQuantiles' check), not the per-example
+        # norms GradientNoiseScale checks: P weights each element's S_j.
+        squares, grad = sums["sum_of_squares"], sums["sum_of_gradients"]
+        scale = 1.0 if self._scalars_scaled else batch.loss_scale
+        count = functional.unresolved_sums(squares, grad, batch.examples, scale)
+        return None if count is None else (count, lambda k: (
+            f"the squares of the per-example contributions of {k} of its elements underflow "
+            f"(their sums in {squares.dtype} are below 4 N tiny), so the preconditioned "
+            "tr(Sigma) cannot be told from them"))
+
     def named_value_from_sums(self, name, sums, batch):
         weights = self._preconditioner.preconditioner(self._params[name])
         n = batch.examples
