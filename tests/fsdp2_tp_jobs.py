@@ -63,11 +63,38 @@ def job_table(job, mesh, quantities=per_example):
                           quantities=quantities(names) + test_fsdp2.from_grad(names))
     micro = len(test_fsdp2.SIZES[job][DP]) if job == "accumulation" else 1
     batches = test_fsdp2.local_batches(job, DP, dp_rank(mesh))
-    with warnings.catch_warnings(record=True) as caught:
+    held = {}
+    with warnings.catch_warnings(record=True) as caught, sums_held(named, held):
         warnings.simplefilter("always")
         test_fsdp2.run_steps(model, cockpit, batches, reduction, micro)
     return {"table": test_fsdp2.table(cockpit), "warnings": [str(w.message) for w in caught],
-            "placements": {name: str(p.placements) for name, p in named}}
+            "placements": {name: str(p.placements) for name, p in named}, "held": held}
+
+
+@contextlib.contextmanager
+def sums_held(named, held):
+    """Record in ``held`` (``{name: {shape}}``) the shapes of the per-element sums
+    (``SUMS_SAVEFIELD``, ``[k, *rows]``) each parameter of ``named`` holds after each backward
+    pass: where the quantities' first step (``sharded.collect``) finds them, on FSDP2's
+    sharded or unsharded parameter."""
+    from cockpit_gradnoise.extensions import sharded
+    from cockpit_gradnoise.extensions.savefields import SUMS_SAVEFIELD
+
+    original, managed = sharded.collect, sharded.fsdp2_parameters()
+
+    def collecting(params):
+        for name, param in named:
+            for holder in (param, getattr(managed.get(id(param)), "_unsharded_param", None)):
+                value = getattr(holder, "__dict__", {}).get(SUMS_SAVEFIELD)
+                if value is not None:
+                    held.setdefault(name, set()).add(tuple(value.shape))
+        original(params)
+
+    sharded.collect = collecting
+    try:
+        yield
+    finally:
+        sharded.collect = original
 
 
 def refusals(mesh):

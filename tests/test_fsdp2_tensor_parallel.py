@@ -84,6 +84,10 @@ from tests.process_groups import (
     run_once_per_world,
 )
 
+#: Each trainable parameter's ``tp`` shard's shape (whole where not split).
+TP_SHARD_SHAPES = {"fc1.weight": (4, 5), "fc1.bias": (4,), "fc2.weight": (4, 4), "fc2.bias": (4,),
+                   "head.weight": (3, 4), "head.bias": (3,)}
+
 
 def worker(rank, world, port, out):
     jobs = {job: functools.partial(job_table, job) for job in test_fsdp2.JOBS}
@@ -132,6 +136,13 @@ def test_equals_one_process_on_the_global_batch(group, job):
         assert not any(name.startswith("frozen") for q, name in rows if q == quantity)
     assert any("unused.weight" in message for message in results[0]["warnings"])
     assert not any(math.isnan(value) for value in table.values())
+    # The per-element sums reduce-scattered over dp in the backward pass: after it each
+    # process holds the torch.chunk rows of its tp shard (a layer not split: of the whole),
+    # never the shard whole over dp.
+    for rank, result in enumerate(results):
+        held = {name: {shape[1:] for shape in shapes} for name, shapes in result["held"].items()}
+        rows = test_fsdp2_gradient_in_backward.chunk_shape
+        assert held == {name: {rows(shape, DP, rank // TP)} for name, shape in TP_SHARD_SHAPES.items()}, rank
 
 
 def test_preconditioned_noise_scale_with_adam_equals_one_process(group):

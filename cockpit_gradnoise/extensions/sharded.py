@@ -286,7 +286,8 @@ def chunk_rows(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, min(start + rows, size)
 
 
-def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=(), split: bool = False) -> None:
+def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=(), split: bool = False,
+                       alone: bool = True) -> None:
     """Arm, for the coming backward pass, the reduction of ``field`` over the processes as
     soon as each parameter's gradient is accumulated.
 
@@ -307,9 +308,10 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
     collective, instead of every layer's until the backward pass ends.
     Idempotent for one ``step`` and ``field``; several fields are reduced in the order armed.
 
-    With ``split`` (a field whose sums over a split parameter's elements are not kept with
-    their shard otherwise: GradientNoiseScale's local gradient), parameters split by tensor
-    parallelism too (:func:`split_over_tp`): inside FSDP2, on ``dp`` of a ``("dp", "tp")``
+    With ``split``, parameters split by tensor parallelism too (:func:`split_over_tp`):
+    GradientNoiseScale's local gradient, and (``alone`` false: inside FSDP2 only, a split
+    parameter's sums staying with their shard under tensor parallelism alone) the per-element
+    sums of GradientVarianceQuantiles and PreconditionedNoiseScale. Inside FSDP2, on ``dp`` of a ``("dp", "tp")``
     mesh or HSDP's replicate x shard over ``tp``, the hook on FSDP2's unsharded parameter (a
     DTensor split over ``tp``) reduce-scatters this process's ``tp`` shard's value over the
     data-parallel mesh as above, the rows :func:`torch.chunk` gives it of the shard's ``dim``;
@@ -350,7 +352,7 @@ def reduce_in_backward(step, field: str, prepare: Prepare, done: dict, params=()
                 info.replicate_mesh_dim if hsdp else None)
         hook = functools.partial(_reduce_field, field, prepare, param, over, kept[0], done)
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
-    for param in params if split and world > 1 else ():
+    for param in params if split and alone and world > 1 else ():
         if (type(param).__name__ == "DTensor" and id(param) not in managed and param.requires_grad
                 and param.device_mesh.size() == world and split_over_tp(param.device_mesh, param.placements)):
             hook = functools.partial(_reduce_field, field, prepare, param, None, param.device_mesh, done)

@@ -47,7 +47,7 @@ def _reduce(step, quantities, params):
     contribution = distributed.Contribution(
         slots=[f"{type(q).__name__}:{name}" for q, name in slots]
     )
-    parts, kept = {}, _with_their_shard(quantities, params)
+    parts, kept = {}, _with_their_shard(quantities, params, step.presharded)
     try:
         for q in quantities:
             parts[q] = q.step_sums(step, params)
@@ -125,11 +125,13 @@ def _take_shards(shards, parts, results) -> None:
         results[q][1][name][sum_name] = shard if count == 0 else torch.full_like(shard, math.nan)
 
 
-def _with_their_shard(quantities, params) -> dict:
+def _with_their_shard(quantities, params, presharded) -> dict:
     """``{(quantity, name): dp mesh or None}`` whose sums are not reduced across every
     process: the per-element sums (``per_element_sums_stay``) of a parameter split by
     tensor parallelism, whose processes hold disjoint elements of it, each over every
-    example of its batch; inside FSDP2 they are added over the ``dp`` mesh only."""
+    example of its batch; inside FSDP2 they are added over the ``dp`` mesh only, unless
+    reduce-scattered over it in the backward pass already (in ``presharded``, by savefield:
+    :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`)."""
     split = {id(param) for param, _, placements in tensor_parallel.split_parameters(params)
              if any(placement.is_shard() for placement in placements)}
     if not split:
@@ -137,7 +139,8 @@ def _with_their_shard(quantities, params) -> dict:
     managed = sharded.fsdp2_parameters()
     dp = {key: fsdp_param.mesh_info.mesh for key, fsdp_param in managed.items()}
     return {(q, name): dp.get(id(param)) for q in quantities if q.per_element_sums_stay
-            for name, param in q.trainable(params) if id(param) in split}
+            for name, param in q.trainable(params) if id(param) in split
+            and id(param) not in presharded.get(q.sums_sharded_in_backward, ())}
 
 
 def _added_over_dp(parts, kept) -> dict:
@@ -261,14 +264,15 @@ class DeclaredSums:
         where it declares them so (``sums_sharded_in_backward``: the savefield) and every
         reader of that savefield in the call does too; the parameters done are noted in
         :attr:`Step.presharded <cockpit_gradnoise.step.Step.presharded>`. Those of ``params``
-        split by tensor parallelism too (alone or inside FSDP2), unless their per-element sums
-        stay with their shard anyway (``per_element_sums_stay``: added after the backward pass)."""
+        split by tensor parallelism too: inside FSDP2 (over ``dp``, the rows each process keeps
+        those :func:`torch.chunk` gives it of its ``tp`` shard), and alone unless their
+        per-element sums stay with their shard there anyway (``per_element_sums_stay``)."""
         field = self.sums_sharded_in_backward
         if field and self.supports_fsdp2 and distributed.world_size() > 1:
             sent = self.sent_in_backward(step, lambda: _scale_in_backward(step, field))
-            split = self.supports_tensor_parallel and not self.per_element_sums_stay
             sharded.reduce_in_backward(step, field, sent, step.presharded.setdefault(field, {}),
-                                       params=params, split=split)
+                                       params=params, split=self.supports_tensor_parallel,
+                                       alone=not self.per_element_sums_stay)
 
     def sent_in_backward(self, step: Step, scale) -> sharded.Prepare:
         """What :meth:`arm_reduction_in_backward` reduce-scatters of a parameter (``prepare``
