@@ -17,8 +17,9 @@ The jobs run the recipe of docs/distributed.md's "FSDP2 over tensor parallelism"
 Jobs (test_fsdp2's): ``fully_shard`` on every Linear and the root with
 ``reshard_after_forward=True`` (mean loss, unequal local batches), on the root only with
 ``False`` (sum loss), two micro-batches accumulated, each tracked by the five quantities
-exact there (GradientVarianceQuantiles: a split layer's sums added over ``dp``, kept with
-their ``tp`` shard); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
+exact there (GradientVarianceQuantiles: a split layer's sums reduce-scattered over ``dp``
+in the backward pass, kept with their ``tp`` shard: each process holds its ``torch.chunk``
+rows after it, of every parameter); PreconditionedNoiseScale with Adam (test_fsdp2_variance's job: its
 state DTensors placed as the parameters on ``(dp, tp)``); TwoBatchNoiseScale (the
 accumulation job: each ``dp`` group's micro-batches the small batches); ``cgn.track`` on the model built, split, then
 sharded (the "adaptive" and "norms" presets); test_tensor_parallel's Sequence model with its

@@ -39,7 +39,8 @@ def cuts(named_params: List[Tuple[str, Tensor]], presharded=frozenset()) -> Opti
 
     Tensor parallelism (``quantities/_sums.py``): a split parameter's sums are
     this process's already, of its shard: alone, its cut is all of them; inside
-    FSDP2 (added over ``dp``) their rows cut by the ``dp`` rank as ``torch.chunk``
+    FSDP2 (reduce-scattered over ``dp`` in the backward pass, or added over it after)
+    their rows cut by the ``dp`` rank as ``torch.chunk``
     does. A parameter whose sums are whole on every process of a ``tp`` group
     (replicated, or sharded on ``dp`` only) is held by the first of the group.
 

@@ -66,8 +66,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
     replica holds its rows, so that each element is counted once. Under tensor
     parallelism (``parallelize_module``, a 1-D mesh) a split parameter's sums
     are this process's, of its shard, over every example: they stay there, not
-    reduced (inside FSDP2, on a ``("dp", "tp")`` mesh, added over ``dp`` only); the
-    quantiles as under FSDP2.
+    reduced (inside FSDP2, on a ``("dp", "tp")`` mesh, reduce-scattered over ``dp`` only,
+    in the backward pass: each process keeps its rows of its shard's); the quantiles as
+    under FSDP2.
 
     Memory: on the CPU, for one batch on one process, where every layer's
     sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
