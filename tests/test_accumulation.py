@@ -20,10 +20,7 @@ The loops of :func:`accumulate` and :func:`ddp_steps` are the recipes of
 import contextlib
 import copy
 import dataclasses
-import datetime
 import math
-import socket
-import time
 import warnings
 from pathlib import Path
 
@@ -35,13 +32,12 @@ from cockpit_gradnoise.tracking import Tracker
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from cockpit.utils.schedules import linear
 from torch import nn
-from torch.multiprocessing.spawn import ProcessException
 
 from tests.cases import build, case_named
 from tests.helpers import RTOL, assert_statistics_match, sd_rtol
+from tests.process_groups import join_group, run_group
 
 LR, STEPS = 0.1, 2
 GVQ_LEVELS, NORM_LEVELS = (0.0, 0.25, 0.5, 1.0), (0.0, 0.5, 1.0)
@@ -51,8 +47,6 @@ ONE_PROCESS = [(3, 4), (2, 1, 4)]  # examples per micro-batch: K = 2 and 3, unev
 TWO_PROCESSES = [((2, 3), (1, 2)), ((1, 2), (3, 1), (2, 2))]
 DDP_CASES = [("mlp", reduction, sizes) for reduction in ("mean", "sum") for sizes in TWO_PROCESSES]
 DDP_CASES += [("cnn", "mean", TWO_PROCESSES[1])]
-START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-JOIN_TIMEOUT, GLOO_TIMEOUT = 300, 60
 
 
 def quantities(names):
@@ -318,17 +312,8 @@ def test_gradients_held_before_the_first_micro_batch_are_warned_about():
 # Two processes (DDP) --------------------------------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ddp_worker(rank, world, port, out):
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))
+    join_group(rank, world, port)
     results = {}
     try:
         for key in DDP_CASES:
@@ -392,25 +377,7 @@ def deferred_error():
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """Each process's ``{(model, reduction, sizes): stored}``, and the group's error."""
-    out = tmp_path_factory.mktemp("accumulation_ddp")
-    if START_METHOD == "forkserver":
-        mp.get_context("forkserver").set_forkserver_preload([__name__])
-    context = mp.start_processes(ddp_worker, args=(2, free_port(), str(out)), nprocs=2,
-                                 join=False, start_method=START_METHOD)
-    deadline, error = time.monotonic() + JOIN_TIMEOUT, None
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                error = f"the 2 processes hung for {JOIN_TIMEOUT} s"
-                break
-    except ProcessException as exception:
-        error = str(exception)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False)
-               for r in range(2) if (out / f"rank{r}.pt").exists()]
+    results, error, _ = run_group(2, tmp_path_factory.mktemp("accumulation_ddp"), ddp_worker)
     return results, error
 
 
