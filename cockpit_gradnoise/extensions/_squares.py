@@ -253,11 +253,10 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
 
 def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Tensor], suspect: Tensor) -> Tensor:
     """:func:`squared_norms_of` where some examples' norms (``suspect``) are below the floor."""
-    wide = saved_dtype(flat.dtype)
-    result = at_scale.to(wide) if scale is None else at_scale.to(wide) / scale.to(wide).square()
+    result = unscaled_norms(at_scale, scale, flat.shape[1])  # the suspect rows settled below
     rows = suspect.nonzero().squeeze(1)
-    if wide != flat.dtype:
-        result[rows] = flat[rows].to(wide).square().sum(1)  # exact: no underflow in float64
+    if result.dtype != flat.dtype:
+        result[rows] = flat[rows].to(result.dtype).square().sum(1)  # exact: no underflow in float64
     else:  # a 0 beside nonzero contributions, or a sum below the floor: unresolved
         lost = (at_scale[rows] != 0) | (flat[rows] != 0).any(1)
         result[rows[lost]] = UNRESOLVED
