@@ -25,6 +25,7 @@ import warnings
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import _device, references
+from cockpit_gradnoise.extensions import _squares
 
 import pytest
 import torch
@@ -266,3 +267,18 @@ def test_preconditioned_noise_scale_leaves_out_the_saturated_unit_by_name():
     kept = rows(cockpit, "PreconditionedNoiseScale")
     assert {"fc.weight", "fc.bias", "out.weight"}.isdisjoint(kept)
     assert set(names) - {"fc.weight", "fc.bias", "out.weight"} <= set(kept)
+
+
+def test_contributions_norms_of_tiny_float32_examples_are_summed_again_in_float64():
+    """``_squares.squared_norms_of`` (biases, norms, the rows of blocks): examples 1e-30 and
+    1e-44 times the largest underflow at the float32 scale of the largest (0 there); their
+    norms are summed again from float64 squares, so each is within float32's rounding of
+    its ``numel`` float32 squares (the others) or float64's (those)."""
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[1] *= 1e-30
+    x[2] *= 1e-44
+    contributions = x.float()
+    got = _squares.squared_norms_of(contributions)
+    expected = contributions.double().square().flatten(1).sum(1)
+    assert got.dtype == torch.float64 and bool((expected > 0).all())
+    assert ((got - expected).abs() / expected).max().item() <= (20 + 1) * 2.0**-24
