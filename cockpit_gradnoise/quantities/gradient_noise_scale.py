@@ -203,13 +203,11 @@ class GradientNoiseScale(ParameterQuantity):
         if network:
             mean_squared_norms = torch.cat([mean_squared_norms, mean_squared_norms.sum(dim=0, keepdim=True)])
             squared_norms_of_mean = torch.cat([squared_norms_of_mean, squared_norms_of_mean.sum(dim=0, keepdim=True)])
-        n = values[0][2]
-        grad_sq, trace_cov = functional.noise_scale_estimates(mean_squared_norms, squared_norms_of_mean, n)
-        rows = functional.rows_of_columns(
-            [schema.GRAD_SQ, schema.TRACE_COV, schema.B_SIMPLE],
-            [grad_sq, trace_cov, schema.ratio_or_inf(trace_cov, grad_sq)],
-        )
-        rows = [{**row, schema.BATCH_SIZE: float(n)} for row in rows]
+        # statistics() of every row at once: its formulas are elementwise.
+        columns = self.statistics((mean_squared_norms, squared_norms_of_mean, values[0][2]))
+        batch_size = columns.pop(schema.BATCH_SIZE)
+        rows = [{**row, schema.BATCH_SIZE: batch_size}
+                for row in functional.rows_of_columns(list(columns), list(columns.values()))]
         return rows[: len(values)], rows[-1] if network else None
 
     def network_value(self, values):
