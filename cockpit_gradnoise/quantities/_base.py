@@ -469,17 +469,16 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             for name in usable + [NETWORK]
             if name in rows or name in non_finite
         }
-        if non_finite:
+        if non_finite:  # underflow's too: the network's sums lack them
             rows[NETWORK] = nan_row
-        non_finite = [name for name in non_finite if name not in underflow]
-        if non_finite:
+        told = [name for name in non_finite if name not in underflow]
+        if told:
             step.warn(
                 "non-finite",
-                f"gradient has NaN or Inf in {non_finite} at step {step.global_step}; "
+                f"gradient has NaN or Inf in {told} at step {step.global_step}; "
                 "their statistics and the network's are NaN at such steps",
                 self,
             )
-            rows[NETWORK] = nan_row
         return rows
 
     def _read_tensors(self, param) -> List[torch.Tensor]:
