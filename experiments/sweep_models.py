@@ -136,16 +136,23 @@ def _staged(values: dict) -> dict:
 
 def _one_layer_per_kind(values: dict) -> dict:
     """Hybrid stacks (attention and state-space, sliding, dense and sparse layers): the first
-    layer of each kind, with every per-layer list (``*layer_types``) cut alike."""
+    layer of each kind, with every per-layer list (``*layer_types``) cut alike, and the
+    lists of one equal entry per layer (Bailing's ``swiglu_limits``, which configs refuse at
+    another length) cut to the new depth. Lists of layer indices (Llama 4's ``moe_layers``)
+    and of other per-layer choices (``no_rope_layers``) stay: the kept layers read them."""
     depth = values.get("num_hidden_layers")
     per_layer = [key for key, value in values.items() if key.endswith("layer_types")
                  and isinstance(value, list) and len(value) == depth]
-    if not per_layer:
-        return {}
     kinds = [tuple(values[key][i] for key in per_layer) for i in range(depth)]
     first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    if not per_layer:  # one kind: TINY's depth where the default is deeper
+        first = list(range(min(depth, TINY["num_hidden_layers"])))
+        if depth <= TINY["num_hidden_layers"]:
+            return {}
+    constant = [key for key, value in values.items() if isinstance(value, list)
+                and len(value) == depth and len(set(map(repr, value))) == 1]
     return {"num_hidden_layers": len(first),
-            **{key: [values[key][i] for i in first] for key in per_layer}}
+            **{key: [values[key][i] for i in first] for key in {*per_layer, *constant}}}
 
 
 def _tokens(values: dict) -> dict:
@@ -157,13 +164,43 @@ def _tokens(values: dict) -> dict:
     return kwargs
 
 
+def _routing(values: dict, experts: int, aliases: dict) -> dict:
+    """Routing that fits ``experts``: top-2 where the default routes to more experts than
+    there are or leaves the number to the checkpoint (DeepSeek-V2's ``None``), and grouped
+    experts (a group scored by its best 2) in 2 groups, the best one kept, where the
+    default's groups would hold fewer than 2. Under the names the config serializes them
+    by (its ``attribute_map``: Kimi's and Bailing's ``num_experts_per_token``)."""
+    top_k, groups = (aliases.get(key, key) for key in ("num_experts_per_tok", "n_group"))
+    kwargs = {}
+    if top_k in values and (values[top_k] is None or values[top_k] > experts):
+        kwargs[top_k] = TINY["num_experts_per_tok"]
+    if isinstance(values.get(groups), int) and experts // values[groups] < 2:
+        kwargs.update({groups: 2, "topk_group": 1})
+    return kwargs
+
+
+def _latent_attention(values: dict) -> dict:
+    """``LATENT_ATTENTION``'s sizes; where the default's ``head_dim`` is the query's whole
+    head (Mistral 4: its rotary part follows as ``partial_rotary_factor`` of it), that."""
+    kwargs = {key: tiny for key, tiny in LATENT_ATTENTION.items() if isinstance(values.get(key), int)}
+    if values.get("head_dim") == values["qk_rope_head_dim"] + values.get("qk_nope_head_dim", 0) != \
+            values["qk_rope_head_dim"]:
+        kwargs["head_dim"] = LATENT_ATTENTION["qk_head_dim"]
+    return kwargs
+
+
 def _tiny_kwargs(config) -> dict:
     values = config.to_dict()
     kwargs = {key: tiny for key, tiny in TINY.items() if isinstance(values.get(key), int)
               and not isinstance(values.get(key), bool)}
+    aliases = getattr(config, "attribute_map", None) or {}
+    experts = [kwargs.get(key, values.get(aliases.get(key, key)))
+               for key in ("num_experts", "num_local_experts", "n_routed_experts")]
+    experts = [count for count in experts if isinstance(count, int) and count > 0]
+    if experts:
+        kwargs.update(_routing(values, min(experts), aliases))
     if isinstance(values.get("qk_rope_head_dim"), int):
-        kwargs.update({key: tiny for key, tiny in LATENT_ATTENTION.items()
-                       if isinstance(values.get(key), int)})
+        kwargs.update(_latent_attention(values))
     if isinstance(values.get("depths"), list):  # widths and depth follow the stages
         for key in ("hidden_size", "num_layers", "num_hidden_layers"):
             kwargs.pop(key, None)
