@@ -56,6 +56,7 @@ TINY = {
     **dict.fromkeys(("num_experts", "num_local_experts"), 4),
     "num_experts_per_tok": 2,
     **dict.fromkeys(("max_position_embeddings", "n_positions"), 64),
+    "hidden_size_global": 32,  # BLT's local encoder and decoder: the global model's width
     "vocab_size": VOCABULARY,
     "decoder_vocab_size": VOCABULARY,  # Marian: its own, tied to the shared embedding of vocab_size
     "image_size": IMAGE,
@@ -94,6 +95,28 @@ FIXES = {
     # 26 self-attention layers of 256 latents 1280 wide: the worker ran out of memory.
     "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2,
                   "num_self_attention_heads": 2, "num_cross_attention_heads": 2},
+}
+# Sizes that the generic shrink leaves inconsistent, found at the plain step (issue 32), each
+# the library's own constructor arguments: LeViT's patch embedding downsamples by 16 whatever
+# ``patch_size`` says and its subsampling attention has ``hidden_size / key_dim`` heads; LiLT
+# splits the width into 6 box coordinates and by its ``channel_shrink_ratio``; LayoutLMv3
+# concatenates 4 coordinates and 2 sizes to the width; HGNetV2's and TextNet's stages carry
+# their own channel lists; MobileViTV2's last stage works on 2x2 patches of a 1/32 map;
+# Hiera's position table follows its ``image_size`` (a list: the images are ``IMAGE``); xLSTM's width is
+# ``embedding_dim``.
+STEP_FIXES = {
+    "levit": {"patch_size": 16, "image_size": 64, "key_dim": [16, 16, 16],
+              "down_ops": [["Subsample", 16, 2, 4, 2, 2], ["Subsample", 16, 4, 4, 2, 2]]},
+    "lilt": {"hidden_size": 48},
+    "layoutlmv3": {"coordinate_size": 4, "shape_size": 8, "input_size": IMAGE},
+    "hgnet_v2": {"stem_channels": [3, 16, 16], "stage_in_channels": [16, 32, 64, 128],
+                 "stage_mid_channels": [16, 16, 32, 32], "stage_out_channels": [32, 64, 128, 256],
+                 "stage_numb_of_layers": [2, 2, 2, 2], "hidden_sizes": [32, 64, 128, 256]},
+    "textnet": {"stem_out_channels": 32, "hidden_sizes": [32, 32, 64, 128, 256]},
+    "mobilevitv2": {"patch_size": 2, "image_size": 2 * IMAGE, "n_attn_blocks": [1, 1, 1],
+                    "width_multiplier": 0.25},
+    "hiera": {"image_size": [IMAGE, IMAGE]},
+    "xlstm": {"embedding_dim": 32, "num_blocks": 2},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -231,7 +254,7 @@ def tiny_config(model_type: str):
     # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
     # (transformers' default) refuse float64, which the references need.
     return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager",
-                            **FIXES.get(model_type, {})})
+                            **FIXES.get(model_type, {}), **STEP_FIXES.get(model_type, {})})
 
 
 def transformers_architectures() -> Dict[str, Tuple[str, str]]:
@@ -260,7 +283,10 @@ class Logits(nn.Module):
             kwargs["use_cache"] = False
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="For backward hooks to be called")
-            return self.model(**kwargs).logits
+            output = self.model(**kwargs)
+        # A head whose output names its logits otherwise (PP-LCNet's ``last_hidden_state``
+        # is its classifier's output): the first output, as with ``return_dict=False``.
+        return output.logits if getattr(output, "logits", None) is not None else output[0]
 
 
 def transformers_case(model_type: str) -> Case:
@@ -274,18 +300,33 @@ def transformers_case(model_type: str) -> Case:
     except Exception as error:  # noqa: BLE001 - any failure of a generic config is a skip
         raise Unavailable(f"build: {type(error).__name__}: {str(error)[:300]}") from error
     model = model.double().eval()
+    if hasattr(model, "set_default_language"):  # X-MOD: one adapter per language
+        model.set_default_language(config.languages[0])
     tokens = torch.randint(3, VOCABULARY, (BATCH, LENGTH))
-    if task == "image-classification":
-        size = getattr(config, "image_size", IMAGE)
-        size = size if isinstance(size, int) else IMAGE
-        channels = getattr(config, "num_channels", 3)
-        inputs, names = (torch.randn(BATCH, channels, size, size, dtype=torch.float64),), ["pixel_values"]
+    if task == "image-classification" and model.main_input_name == "pixel_values":
+        inputs, names = _images(model, config)
     elif task == "seq2seq":
         inputs = (tokens, torch.randint(3, VOCABULARY, (BATCH, LENGTH - 2)))
         names = ["input_ids", "decoder_input_ids"]
     else:
         inputs, names = (tokens,), ["input_ids"]
     return _with_targets(Logits(model, names), inputs, f"{name} ({task})")
+
+
+def _images(model: nn.Module, config) -> Tuple[tuple, List[str]]:
+    """Images of ``config``'s ``image_size`` (``IMAGE`` where it is not one side); SigLIP 2's
+    as its vision tower takes them: flattened patches, their mask and each image's grid."""
+    size = getattr(config, "image_size", IMAGE)
+    size = size if isinstance(size, int) else IMAGE
+    channels = getattr(config, "num_channels", 3)
+    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+        vision = config.vision_config
+        patch, grid = vision.patch_size, int(vision.num_patches ** 0.5)
+        patches = torch.randn(BATCH, grid * grid, vision.num_channels * patch * patch, dtype=torch.float64)
+        mask = torch.ones(BATCH, grid * grid, dtype=torch.long)
+        shapes = torch.tensor([[grid, grid]] * BATCH)
+        return (patches, mask, shapes), ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
+    return (torch.randn(BATCH, channels, size, size, dtype=torch.float64),), ["pixel_values"]
 
 
 def _perturb(model: nn.Module):
