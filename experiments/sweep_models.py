@@ -117,6 +117,8 @@ STEP_FIXES = {
                     "width_multiplier": 0.25},
     "hiera": {"image_size": [IMAGE, IMAGE]},
     "xlstm": {"embedding_dim": 32, "num_blocks": 2},
+    # BLT's hashed byte n-gram tables: 500002 rows each (0.5 GB per float64 copy of them all).
+    "blt": {"encoder_hash_byte_group_vocab": 101},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -354,7 +356,7 @@ def _with_targets(model: nn.Module, inputs: tuple, detail: str) -> Case:
 
 
 # timm and torchvision: one model per family (module), the smallest by its number of parameters.
-SMALL_WORDS = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "mini", "small", "s_", "_s", "b0",
+SMALL_WORDS = ("400mf", "atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "mini", "small", "s_", "_s", "b0",
                "18", "t_", "_t")
 
 
@@ -376,7 +378,15 @@ def _smallest(names: List[str], build: Callable[[str], nn.Module]) -> str:
                 sizes[name] = sum(p.numel() for p in build(name).parameters())
         except Exception:  # noqa: BLE001,S112 - a candidate that does not build is not chosen
             continue
-    if not sizes:
+    if not sizes:  # builders computing their widths with tensors (RegNet) cannot run on meta:
+        for name in _candidates(names):  # the likeliest small name that builds on the CPU
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    build(name)
+                return name
+            except Exception:  # noqa: BLE001,S112
+                continue
         raise Unavailable("no model of the family builds with random weights")
     return min(sizes, key=sizes.get)
 
@@ -396,8 +406,13 @@ def timm_case(family: str, model_name: str = "") -> Case:
     errors = []
     default = timm.get_pretrained_cfg(name, allow_unregistered=True)
     default_size = tuple(getattr(default, "input_size", (3, 224, 224)) or (3, 224, 224))[-1]
-    attempts = (({"img_size": TIMM_IMAGE, **TIMM_NARROW}, TIMM_IMAGE), ({"img_size": TIMM_IMAGE}, TIMM_IMAGE),
-                ({}, TIMM_IMAGE), ({}, default_size))
+    # Narrow at the smallest size the model takes where it is more than TIMM_IMAGE (DeepSeek's
+    # ViT: patches of 14, 126 px at least), before its full width: 412M parameters at 546 px
+    # killed the worker for memory.
+    least = tuple(getattr(default, "min_input_size", None) or (TIMM_IMAGE,))[-1]
+    narrow = ((({"img_size": least, **TIMM_NARROW}, least),) if least > TIMM_IMAGE else ())
+    attempts = (({"img_size": TIMM_IMAGE, **TIMM_NARROW}, TIMM_IMAGE), *narrow,
+                ({"img_size": TIMM_IMAGE}, TIMM_IMAGE), ({}, TIMM_IMAGE), ({}, default_size))
     for kwargs, size in attempts:
         try:
             model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).double().eval()
@@ -419,10 +434,28 @@ def torchvision_families() -> Dict[str, List[str]]:
     return families
 
 
+# Families whose smallest named model is large (ViT-B/16 86M parameters, MaxViT-T 31M: past
+# the time limit in float64), built small with the library's own class and constructor
+# arguments. VGG's cannot be: its classifier is fixed at 25088x4096 and 4096x4096 (120M).
+TORCHVISION_SMALL = {
+    "vision_transformer": ("VisionTransformer", {"image_size": IMAGE, "patch_size": 8, "num_layers": 2,
+                                                 "num_heads": 2, "hidden_dim": 32, "mlp_dim": 64}),
+    "maxvit": ("MaxVit", {"input_size": (IMAGE, IMAGE), "stem_channels": 16, "partition_size": 2,
+                          "block_channels": [16, 32], "block_layers": [1, 1], "head_dim": 8,
+                          "stochastic_depth_prob": 0.0}),
+}
+
+
 def torchvision_case(family: str, model_name: str = "") -> Case:
     """The smallest classification model of torchvision's module ``family`` (or ``model_name``)."""
     import torchvision
 
+    if family in TORCHVISION_SMALL and not model_name:
+        cls, kwargs = TORCHVISION_SMALL[family]
+        model = getattr(torchvision.models, cls)(num_classes=5, **kwargs).double().eval()
+        images = torch.randn(BATCH, 3, IMAGE, IMAGE, dtype=torch.float64)
+        shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        return _with_targets(model, (images,), f"{cls}({shown}) at {IMAGE}px")
     name = model_name or _smallest(torchvision_families()[family],
                                    lambda n: torchvision.models.get_model(n, num_classes=5))
     errors = []
