@@ -15,7 +15,8 @@ classified:
   (a mixture-of-experts router's ``router_logits.float()``), compute in
   float32 inside the float64 model (an RMSNorm's
   ``x.float()``), and their errors are within ``FLOAT32_TOLERANCE`` (every
-  other parameter's within ``TOLERANCE``);
+  other parameter's within ``TOLERANCE``); every parameter of a model whose
+  own code cannot run in float64, built in float32 (``sweep_models.FLOAT32_ONLY``);
 - ``error``: the checker raised (a user's tracked step would be lost);
 - ``inexact``: some rows are off (silently wrong: should be none);
 - ``skipped``: the model cannot be built or trained plainly from the generic
@@ -125,6 +126,15 @@ def float32_parameters(model, frame, modules: set) -> set:
     return found
 
 
+def float32_model(model) -> set:
+    """Every parameter's name where the whole model is float32 (a model whose own code cannot
+    run in float64: ``sweep_models.FLOAT32_ONLY``), none otherwise."""
+    import torch
+
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    return {name for name, _ in model.named_parameters()} if dtypes == {torch.float32} else set()
+
+
 def _inside(module: str, block: str) -> bool:
     """Whether the module named ``module`` is ``block`` or inside it (by their names)."""
     return not block or module == block or module.startswith(f"{block}.")
@@ -210,7 +220,8 @@ def _checked(library: str, name: str, start: float) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             frame = cgn.check_model(case.model, case.inputs, case.targets, case.loss_fn, verbose=False)
-        record.update(classify(frame, float32_parameters(case.model, frame, float32)))
+        record.update(classify(frame, float32_parameters(case.model, frame, float32)
+                               | float32_model(case.model)))
         record["warnings"] = sorted({str(w.message)[:300] for w in caught
                                      if "cockpit_gradnoise" in (w.filename or "")})
     except Exception as error:  # noqa: BLE001 - the class "error": the step a user would lose
