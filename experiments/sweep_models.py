@@ -331,6 +331,11 @@ def transformers_case(model_type: str) -> Case:
     tokens = torch.randint(3, VOCABULARY, (BATCH, LENGTH))
     if task == "image-classification" and model.main_input_name == "pixel_values":
         inputs, names = _images(model, config, dtype)
+    elif task == "seq2seq" and {"input_features"} <= _arguments(model) and "decoder_input_ids" not in _arguments(model):
+        # Speech added to the text, a group of frames per token (Voxtral Realtime): mel features.
+        frames = config.audio_length_per_tok * LENGTH
+        features = torch.randn(BATCH, config.audio_config.num_mel_bins, frames, dtype=dtype)
+        inputs, names = (tokens, features), ["input_ids", "input_features"]
     elif task == "seq2seq":
         inputs = (tokens, torch.randint(3, VOCABULARY, (BATCH, LENGTH - 2)))
         names = ["input_ids", "decoder_input_ids"]
@@ -341,13 +346,17 @@ def transformers_case(model_type: str) -> Case:
     return _with_targets(Logits(model, names, default_dtype), inputs, detail)
 
 
+def _arguments(model: nn.Module) -> set:
+    return set(inspect.signature(model.forward).parameters)
+
+
 def _images(model: nn.Module, config, dtype) -> Tuple[tuple, List[str]]:
     """Images of ``config``'s ``image_size`` (``IMAGE`` where it is not one side); SigLIP 2's
     as its vision tower takes them: flattened patches, their mask and each image's grid."""
     size = getattr(config, "image_size", IMAGE)
     size = size if isinstance(size, int) else IMAGE
     channels = getattr(config, "num_channels", 3)
-    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+    if "spatial_shapes" in _arguments(model):
         vision = config.vision_config
         patch, grid = vision.patch_size, int(vision.num_patches ** 0.5)
         patches = torch.randn(BATCH, grid * grid, vision.num_channels * patch * patch, dtype=dtype)
