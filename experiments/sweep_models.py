@@ -118,6 +118,10 @@ STEP_FIXES = {
                     "width_multiplier": 0.25},
     "hiera": {"image_size": [IMAGE, IMAGE]},
     "xlstm": {"embedding_dim": 32, "num_blocks": 2},
+    # ShieldGemma 2: its image as 2x2 pooled tokens (of 8x8 patches), special tokens and the
+    # Yes/No tokens its head reads inside the tiny vocabulary.
+    "shieldgemma2": {"mm_tokens_per_image": 4, "boi_token_index": 95, "eoi_token_index": 96,
+                     "image_token_index": 97, "yes_token_index": 10, "no_token_index": 11},
     # Local attention in windows of 512 pads 7 tokens to 512 (gradients with NaN): windows of 4.
     "longformer": {"attention_window": 4},
     "led": {"attention_window": 4, "max_encoder_position_embeddings": 64,
@@ -331,6 +335,12 @@ def transformers_case(model_type: str) -> Case:
     tokens = torch.randint(3, VOCABULARY, (BATCH, LENGTH))
     if task == "image-classification" and model.main_input_name == "pixel_values":
         inputs, names = _images(model, config, dtype)
+    elif task == "image-classification" and "pixel_values" in _arguments(model):
+        # Text about an image (ShieldGemma 2): the image's tokens, then the text's.
+        image_tokens = torch.full((BATCH, config.mm_tokens_per_image), config.image_token_index)
+        text = torch.randint(3, config.boi_token_index, (BATCH, LENGTH))
+        images = _images(model, config.vision_config, dtype)[0][0]
+        inputs, names = (torch.cat([image_tokens, text], 1), images), ["input_ids", "pixel_values"]
     elif task == "seq2seq" and {"input_features"} <= _arguments(model) and "decoder_input_ids" not in _arguments(model):
         # Speech added to the text, a group of frames per token (Voxtral Realtime): mel features.
         frames = config.audio_length_per_tok * LENGTH
