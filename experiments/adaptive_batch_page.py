@@ -179,7 +179,12 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
     check = "" if fixed is None or not fixed["reached"] else (
         f" The sanity check: the fixed batch ({fixed['runs']} seeds) comes to "
         f"{_n(fixed['value'])} ± {_n(fixed['se'], 2)} against it "
-        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's).")
+        f"({_n(summary(runs, baseline)['fixed']['value'])} against seed 0's; its batch and "
+        f"rate are seed 0's grid's).")
+    at_average = rows.get("fixed-avg")
+    if at_average is not None and at_average["reached"]:
+        check += (f" At this grid's own B_crit and best rate (fixed-avg, {at_average['runs']} "
+                  f"seeds): {_n(at_average['value'])} ± {_n(at_average['se'], 2)}.")
     # The arms on the seeds the grid ran too (the same initializations and draws) and on the
     # others: how much of an arm's value is its seeds'.
     split = []
