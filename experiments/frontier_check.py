@@ -55,6 +55,16 @@ def check_row(steps, examples, s_min, e_min) -> Dict[str, float]:
             "spread": spread_term(steps, examples, s_min, e_min)}
 
 
+def paired_difference(values, reference) -> Dict[str, float]:
+    """``values - reference`` over the seeds both have (``{seed: value}`` each): the mean
+    difference and its standard error over those seeds, ``n`` of them. Runs of one seed share
+    the initialization and the draws of examples, so the pairs cancel what the seed adds to both."""
+    diffs = [values[seed] - reference[seed] for seed in sorted(values) if seed in reference]
+    n = len(diffs)
+    return {"n": n, "mean": float(np.mean(diffs)) if n else math.nan,
+            "se": float(np.std(diffs, ddof=1) / math.sqrt(n)) if n > 1 else math.nan}
+
+
 def bracketing_batches(batches: Sequence[int], b_crit) -> List[int]:
     """The measured batches next to ``b_crit``: the largest at or below it and the smallest at or
     above it (one batch when ``b_crit`` is measured or outside the range)."""
@@ -131,11 +141,17 @@ def check_table(fair, grids, runs) -> List[str]:
             label = f"grid, batch {b}, lr {fair.best_lr[b]:g}" + (
                 " (nearest B_crit)" if b == near else "")
             rows.append((label, check_row(steps, [b * s for s in steps], s_min, e_min)))
+    def by_seed(arm):
+        return {r.seed: frontier_value(r.steps, r.examples, s_min, e_min) for r in runs
+                if r.arm == arm and math.isfinite(r.steps)}
+
+    reference = by_seed(FIXED_AVG)
     for arm in ARMS:
         done = [r for r in runs if r.arm == arm and math.isfinite(r.steps)]
         if done:
-            rows.append((arm, check_row([r.steps for r in done], [r.examples for r in done],
-                                        s_min, e_min)))
+            row = check_row([r.steps for r in done], [r.examples for r in done], s_min, e_min)
+            row["paired"] = paired_difference(by_seed(arm), reference)
+            rows.append((arm, row))
     return [
         "", f"The sanity check analysed, against the seed-averaged frontier (B_crit "
         f"{_n(fair.b_crit)}). A run's value f = (S/S_min - 1)(E/E_min - 1) is bilinear in its "
@@ -144,11 +160,21 @@ def check_table(fair, grids, runs) -> List[str]:
         "(S_min E_min)). The fit is to the mean runs: a fixed batch whose mean run lies on the "
         "hyperbola has mean value 1 plus its spread term, not 1. The grid's rows are its own "
         "runs, one per seed, at the seed-averaged best learning rate of that batch: what a "
-        "fixed batch there comes to on this frontier.", "",
-        "| runs | seeds reached | mean value ± s.e. | value of the mean run | spread term |",
-        "|---|---|---|---|---|",
+        "fixed batch there comes to on this frontier. The last column: the arm's value minus "
+        f"{FIXED_AVG}'s on the same seeds (mean ± s.e. over the pairs; seeds compared): below "
+        "0 beats the fixed batch at this frontier's own B_crit.", "",
+        "| runs | seeds reached | mean value ± s.e. | value of the mean run | spread term | "
+        f"minus {FIXED_AVG}, same seeds |",
+        "|---|---|---|---|---|---|",
         *(f"| {label} | {row['n']} | {_n(row['mean'])} ± {_n(row['se'], 2)} | "
-          f"{_n(row['mean_run'])} | {_n(row['spread'], 2)} |" for label, row in rows), ""]
+          f"{_n(row['mean_run'])} | {_n(row['spread'], 2)} | " + _paired(row.get("paired"))
+          + " |" for label, row in rows), ""]
+
+
+def _paired(paired) -> str:
+    if paired is None or paired["n"] < 2:
+        return "–"
+    return f"{paired['mean']:+.3g} ± {_n(paired['se'], 2)} ({paired['n']})"
 
 
 def task_lines(entry, fair, grids) -> List[str]:

@@ -50,6 +50,18 @@ def test_the_mean_value_is_the_mean_runs_value_plus_the_spread_term_exactly():
         -20.0 * 1000.0 / (S_MIN * E_MIN))
 
 
+def test_a_paired_difference_is_over_the_seeds_both_ran():
+    """Seeds 0-2 in both (differences -0.5, -0.25, -0.75); seed 3 only in the arm, 4 only in
+    the reference: left out. Mean -0.5, standard error 0.25 / sqrt(3)."""
+    arm = {0: 0.5, 1: 1.0, 2: 0.25, 3: 9.0}
+    reference = {0: 1.0, 1: 1.25, 2: 1.0, 4: 9.0}
+    paired = fc.paired_difference(arm, reference)
+    assert paired["n"] == 3
+    assert paired["mean"] == pytest.approx(-0.5, rel=1e-15)
+    assert paired["se"] == pytest.approx(0.25 / math.sqrt(3), rel=1e-14)
+    assert fc.paired_difference({0: 1.0}, {1: 1.0})["n"] == 0
+
+
 def test_the_batches_around_b_crit_and_the_nearest_in_log_scale():
     assert fc.bracketing_batches(BATCHES, 50.75) == [32, 64]
     assert fc.bracketing_batches(BATCHES, 64.0) == [64]
@@ -98,12 +110,15 @@ def test_the_check_table_states_the_grids_runs_at_b_crit_and_each_arm():
                        {b: 0.008 for b in BATCHES}, "made up", [0, 1])
     runs = [ab.ScheduledRun("fixed-avg", seed, 0.008, steps=s, examples=50 * s)
             for seed, s in ((0, 72.0), (1, 88.0))]
+    # The fixed batch on the hyperbola on both seeds: value 1, minus (0.64, 1.44) per seed.
+    runs += [ab.ScheduledRun("fixed", seed, 0.008, steps=80.0, examples=4000.0) for seed in (0, 1)]
     runs.append(ab.ScheduledRun("warmup", 0, 0.008))  # did not reach: not counted
     text = "\n".join(fc.check_table(fair, synthetic_grids(), runs))
     spread = 32 * 10.25 ** 2 / (S_MIN * E_MIN)
     assert f"| grid, batch 32, lr 0.008 | 2 | {1 + spread:.3g} ± " in text
     assert f"| 1 | {spread:.2g} |" in text
     assert "| grid, batch 64, lr 0.008 (nearest B_crit) | 2 |" in text
-    assert "| fixed-avg | 2 | 1.04 ± 0.4 | 1 | 0.04 |" in text
+    assert "| fixed-avg | 2 | 1.04 ± 0.4 | 1 | 0.04 | +0 ± 0 (2) |" in text
+    assert "| fixed | 2 | 1 ± 0 | 1 | 0 | -0.04 ± 0.4 (2) |" in text
     assert "warmup" not in text.split("|---|")[-1]
     assert fc.check_table(None, synthetic_grids(), runs) == []
