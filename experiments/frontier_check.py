@@ -150,7 +150,8 @@ def check_table(fair, grids, runs) -> List[str]:
         done = [r for r in runs if r.arm == arm and math.isfinite(r.steps)]
         if done:
             row = check_row([r.steps for r in done], [r.examples for r in done], s_min, e_min)
-            row["paired"] = paired_difference(by_seed(arm), reference)
+            row["paired"] = None if arm == FIXED_AVG else paired_difference(by_seed(arm),
+                                                                             reference)
             rows.append((arm, row))
     return [
         "", f"The sanity check analysed, against the seed-averaged frontier (B_crit "
@@ -167,12 +168,15 @@ def check_table(fair, grids, runs) -> List[str]:
         f"minus {FIXED_AVG}, same seeds |",
         "|---|---|---|---|---|---|",
         *(f"| {label} | {row['n']} | {_n(row['mean'])} ± {_n(row['se'], 2)} | "
-          f"{_n(row['mean_run'])} | {_n(row['spread'], 2)} | " + _paired(row.get("paired"))
+          f"{_n(row['mean_run'])} | {_n(row['spread'], 2)} | "
+          + ("–" if label.startswith("grid") else _paired(row["paired"]))
           + " |" for label, row in rows), ""]
 
 
 def _paired(paired) -> str:
-    if paired is None or paired["n"] < 2:
+    if paired is None:
+        return "the reference"
+    if paired["n"] < 2:
         return "–"
     return f"{paired['mean']:+.3g} ± {_n(paired['se'], 2)} ({paired['n']})"
 

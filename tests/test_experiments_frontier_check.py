@@ -118,7 +118,7 @@ def test_the_check_table_states_the_grids_runs_at_b_crit_and_each_arm():
     assert f"| grid, batch 32, lr 0.008 | 2 | {1 + spread:.3g} ± " in text
     assert f"| 1 | {spread:.2g} |" in text
     assert "| grid, batch 64, lr 0.008 (nearest B_crit) | 2 |" in text
-    assert "| fixed-avg | 2 | 1.04 ± 0.4 | 1 | 0.04 | +0 ± 0 (2) |" in text
+    assert "| fixed-avg | 2 | 1.04 ± 0.4 | 1 | 0.04 | the reference |" in text
     assert "| fixed | 2 | 1 ± 0 | 1 | 0 | -0.04 ± 0.4 (2) |" in text
     assert "warmup" not in text.split("|---|")[-1]
     assert fc.check_table(None, synthetic_grids(), runs) == []
