@@ -14,6 +14,9 @@ character-level GPT with Adam) this script runs, for each seed:
 - ``warmup``: a hand-set batch-size warmup (doubling at fixed fractions of
   an example budget), each batch with the grid's best learning rate;
 - ``fixed``: the fixed batch at the fitted ``B_crit`` with its best learning rate;
+- ``fixed-avg``: the fixed batch at the seed-averaged grid's ``B_crit`` with that grid's
+  best learning rate (the sanity check on the frontier the arms are judged against,
+  ``experiments.frontier_check``);
 
 each until the validation loss reaches the task's target (the grid's
 evaluation). The baseline frontier is the grid stored in
@@ -52,8 +55,11 @@ START_BATCH = 8
 #: The warmup doubles the batch when the examples seen pass these fractions of its budget.
 WARMUP_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
 #: Arms in the order of the page; "adaptive-*" use ``cgn.BatchSchedule``.
-ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "adaptive-lr-kept",
-        "adaptive-norms-median", "adaptive-per-example-median")
+ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "fixed-avg",
+        "adaptive-lr-kept", "adaptive-norms-median", "adaptive-per-example-median")
+#: The fixed batch at the seed-averaged grid's B_crit with its best learning rate (both
+#: stored under this key of the task's results when it first runs: the grid may grow later).
+FIXED_AVG = "fixed-avg"
 #: The ablation ``adaptive-lr-kept``: the per-example schedule with ``rule=None`` (the learning
 #: rate stays the grid's best at the start), to tell the batch rule from the learning-rate rule.
 ABLATION = "adaptive-lr-kept"
@@ -326,14 +332,16 @@ def lr_cap(baseline) -> float:
     return max(1.0, baseline.best_lr[max(baseline.best_lr)] / baseline.lr_at(START_BATCH))
 
 
-def run_arm(task, arm, baseline, seed, fixed_lr) -> ScheduledRun:
-    """One run of ``arm`` on ``task`` with ``seed``."""
+def run_arm(task, arm, baseline, seed, fixed_lr, fixed_avg=None) -> ScheduledRun:
+    """One run of ``arm`` on ``task`` with ``seed``; ``fixed_avg``: the ``fixed-avg`` arm's
+    settings (``experiments.frontier_check.fixed_at_average``)."""
     base_lr = baseline.lr_at(START_BATCH)
     limits = {"max_steps": task.max_steps, "max_examples": EXAMPLES_CAP * baseline.e_min}
-    if arm == "fixed":
-        batch = fixed_batch(baseline)
-        schedule = TableSchedule(lambda seen: batch, {batch: fixed_lr})
-        return train_scheduled(task, schedule, fixed_lr, seed, arm=arm, **limits)
+    if arm in ("fixed", FIXED_AVG):
+        batch, lr = ((fixed_batch(baseline), fixed_lr) if arm == "fixed"
+                     else (fixed_avg["batch"], fixed_avg["lr"]))
+        schedule = TableSchedule(lambda seen: batch, {batch: lr})
+        return train_scheduled(task, schedule, lr, seed, arm=arm, **limits)
     if arm == "warmup":
         budget = warmup_budget(baseline)
         batches = [START_BATCH * 2 ** i for i in range(len(WARMUP_FRACTIONS) + 1)]
@@ -437,7 +445,7 @@ def main(argv=None):
             sys.argv[1:] if argv is None else argv)
         for name in names:
             measure(tasks[name], args, command.strip(), out)
-    from experiments import adaptive_batch_page  # it imports this module's names
+    from experiments import adaptive_batch_page, frontier_check  # they import this module
 
     # Every task stored in ``out``, also those another process measured.
     stored = [json.loads(path.read_text()) for path in
@@ -453,7 +461,11 @@ def main(argv=None):
             baseline_from_json(entry["baseline"]), [run_from_json(r) for r in entry["runs"]],
             tasks[entry["task"]].unit, out / f"adaptive-batch-{entry['task']}.png",
             fair=fair.get(entry["task"]))
-    page = adaptive_batch_page.write_page(stored, tasks, out, fair)
+    # The fixed-avg arm and the sanity check analysed (experiments.frontier_check).
+    checks = {e["task"]: frontier_check.task_lines(
+        e, fair.get(e["task"]), None if stored[0]["quick"] else
+        frontier_check.grids_of(args.grid, tasks[e["task"]])) for e in stored}
+    page = adaptive_batch_page.write_page(stored, tasks, out, fair, checks)
     print(f"page: {page}")
     return stored, page
 
@@ -489,11 +501,18 @@ def measure(task, args, command, out) -> dict:
     start = time.perf_counter()
     if "fixed" in arms and stored["fixed"] is None:
         stored["fixed"] = tune_fixed(task, baseline, log)
+    if FIXED_AVG in arms and stored.get(FIXED_AVG) is None:
+        from experiments.frontier_check import fixed_at_average  # it imports this module
+
+        # --quick has one seed's grid, measured now: the plumbing, on it.
+        averaged = None if args.quick else averaged_baseline(args.grid, task)
+        stored[FIXED_AVG] = fixed_at_average(averaged or baseline)
     for seed in seeds:
         for arm in arms:
             if any(r["arm"] == arm and r["seed"] == seed for r in stored["runs"]):
                 continue
-            run = run_arm(task, arm, baseline, seed, (stored["fixed"] or {}).get("lr"))
+            run = run_arm(task, arm, baseline, seed, (stored["fixed"] or {}).get("lr"),
+                          stored.get(FIXED_AVG))
             stored["runs"].append(asdict(run))
             stored["runs"].sort(key=lambda r: (ARMS.index(r["arm"]), r["seed"]))
             log(f"  {task.name} {arm} seed {seed}: S {run.steps:.1f}, E {run.examples:,.0f}, "

@@ -130,6 +130,21 @@ def test_quick_adaptive_runs_grow_through_accumulation(quick):
                     assert run["batches"][change["step"] + 1] == change["new_batch"]
 
 
+def test_quick_fixed_avg_runs_its_stored_batch_and_rate(quick):
+    """--quick has no seed-averaged grid: fixed-avg takes its one-seed grid's B_crit rounded
+    and that grid's best rate at the nearest batch, stored, and its runs keep both."""
+    stored, page, _ = quick
+    for entry in stored:
+        baseline = ab.baseline_from_json(entry["baseline"])
+        settings = entry[ab.FIXED_AVG]
+        assert settings["batch"] == ab.fixed_batch(baseline)
+        assert settings["lr"] == baseline.best_lr[settings["lr_of_batch"]]
+        run = next(r for r in entry["runs"] if r["arm"] == ab.FIXED_AVG)
+        assert set(run["batches"]) == {settings["batch"]}
+        assert set(run["lrs"]) == {settings["lr"]}
+    assert "- fixed-avg (the sanity check on the grid" in page.read_text()
+
+
 def test_replot_rewrites_the_same_page(quick):
     _, page, out = quick
     text = page.read_text()

@@ -1,0 +1,124 @@
+"""experiments/frontier_check.py: the sanity check's decomposition and the fixed-avg arm's
+settings, on synthetic runs and grids with hand-computed answers (the arm end to end: the
+--quick run of tests/test_experiments_adaptive.py)."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from experiments import adaptive_batch as ab  # noqa: E402
+from experiments import critical_batch_size as cbs  # noqa: E402
+from experiments import frontier_check as fc  # noqa: E402
+
+S_MIN, E_MIN = 40.0, 2000.0  # B_crit = 50
+BATCHES = (8, 16, 32, 64, 128, 256, 512)
+
+
+def on_hyperbola(b):
+    return float(cbs.predicted_steps(b, S_MIN, E_MIN))
+
+
+def test_two_fixed_runs_around_the_hyperbola_average_above_one_by_the_spread_term():
+    """Batch 50 (B_crit): the hyperbola's 80 steps, and runs at 72 and 88 steps: values
+    0.8 * 0.8 = 0.64 and 1.2 * 1.2 = 1.44, mean 1.04 = 1 + 50 * 8^2 / (40 * 2000)."""
+    steps = [72.0, 88.0]
+    examples = [50 * s for s in steps]
+    row = fc.check_row(steps, examples, S_MIN, E_MIN)
+    assert row["n"] == 2
+    assert row["mean"] == pytest.approx(1.04, rel=1e-14)
+    assert row["mean_run"] == pytest.approx(1.0, rel=1e-14)
+    assert row["spread"] == pytest.approx(0.04, rel=1e-14)
+    assert row["se"] == pytest.approx(0.4, rel=1e-14)  # std (0.64, 1.44) = 0.4 sqrt(2)
+
+
+def test_the_mean_value_is_the_mean_runs_value_plus_the_spread_term_exactly():
+    """f is bilinear in (S, E): the decomposition holds for any runs, not only to second order
+    (a sample covariance with ddof=1 would break it)."""
+    rng = np.random.default_rng(0)
+    steps = rng.uniform(50.0, 150.0, size=7)
+    examples = steps * rng.uniform(10.0, 80.0, size=7)
+    values = ab.frontier_value(steps, examples, S_MIN, E_MIN)
+    assert fc.mean_run_value(steps, examples, S_MIN, E_MIN) + fc.spread_term(
+        steps, examples, S_MIN, E_MIN) == pytest.approx(float(np.mean(values)), rel=1e-12)
+    # Steps and examples that vary against each other lower the mean below the mean run's.
+    assert fc.spread_term([60.0, 100.0], [4000.0, 2000.0], S_MIN, E_MIN) == pytest.approx(
+        -20.0 * 1000.0 / (S_MIN * E_MIN))
+
+
+def test_a_paired_difference_is_over_the_seeds_both_ran():
+    """Seeds 0-2 in both (differences -0.5, -0.25, -0.75); seed 3 only in the arm, 4 only in
+    the reference: left out. Mean -0.5, standard error 0.25 / sqrt(3)."""
+    arm = {0: 0.5, 1: 1.0, 2: 0.25, 3: 9.0}
+    reference = {0: 1.0, 1: 1.25, 2: 1.0, 4: 9.0}
+    paired = fc.paired_difference(arm, reference)
+    assert paired["n"] == 3
+    assert paired["mean"] == pytest.approx(-0.5, rel=1e-15)
+    assert paired["se"] == pytest.approx(0.25 / math.sqrt(3), rel=1e-14)
+    assert fc.paired_difference({0: 1.0}, {1: 1.0})["n"] == 0
+
+
+def test_the_batches_around_b_crit_and_the_nearest_in_log_scale():
+    assert fc.bracketing_batches(BATCHES, 50.75) == [32, 64]
+    assert fc.bracketing_batches(BATCHES, 64.0) == [64]
+    assert fc.bracketing_batches(BATCHES, 4.0) == [8]
+    assert fc.bracketing_batches(BATCHES, 1000.0) == [512]
+    # log(64 / 51) = 0.227 < log(51 / 32) = 0.466; log(45 / 32) = 0.341 < log(64 / 45) = 0.353.
+    assert fc.nearest_batch(BATCHES, 51) == 64
+    assert fc.nearest_batch(BATCHES, 45) == 32
+
+
+def test_the_fixed_avg_arm_takes_the_rounded_b_crit_and_the_nearest_batchs_best_rate():
+    fair = ab.Baseline("gpt", 2.3, 35.0, 35.0 * 50.75, 50.75, [[32, 90.0], [64, 65.0]],
+                       {32: 0.016, 64: 0.008}, "made up", [0, 1, 2])
+    settings = fc.fixed_at_average(fair)
+    assert (settings["batch"], settings["lr"], settings["lr_of_batch"]) == (51, 0.008, 64)
+    assert settings["grid_seeds"] == [0, 1, 2] and settings["b_crit"] == 50.75
+    assert "learning rate 0.008, that grid's best at its measured batch nearest it in log " \
+           "scale (64;" in fc.fixed_avg_bullet(settings)[0]
+    assert fc.fixed_avg_bullet(None) == []
+
+
+def synthetic_grids():
+    """Two seeds at 0.9 and 1.1 times the hyperbola's steps at 0.008 (their mean on it); a
+    pruned 0.004 on seed 1 and a diverged 0.016, which are not runs' steps."""
+    grids = {}
+    for seed, factor in ((0, 0.9), (1, 1.1)):
+        grids[seed] = {b: [cbs.Run(b, 0.004, steps=math.inf, pruned=seed == 1)
+                           if seed == 1 else cbs.Run(b, 0.004, steps=2 * on_hyperbola(b)),
+                           cbs.Run(b, 0.008, steps=factor * on_hyperbola(b)),
+                           cbs.Run(b, 0.016, steps=math.inf, diverged=True)] for b in BATCHES}
+    return grids
+
+
+def test_grid_steps_are_each_seeds_exact_run_of_the_batch_and_rate():
+    grids = synthetic_grids()
+    assert fc.grid_steps(grids, 32, 0.008) == pytest.approx([92.25, 112.75])  # 0.9, 1.1 * 102.5
+    assert fc.grid_steps(grids, 32, 0.004) == [205.0]  # seed 1's pruned bound left out
+    assert fc.grid_steps(grids, 32, 0.016) == []
+    assert fc.grid_steps(grids, 24, 0.008) == []
+
+
+def test_the_check_table_states_the_grids_runs_at_b_crit_and_each_arm():
+    """The grid's mean runs lie on the hyperbola (value 1); at batch 32 its runs spread by
+    +-10% of 102.5 steps: spread term 32 * 10.25^2 / (40 * 2000) = 0.042025."""
+    fair = ab.Baseline("gpt", 2.3, S_MIN, E_MIN, 50.0, [[b, on_hyperbola(b)] for b in BATCHES],
+                       {b: 0.008 for b in BATCHES}, "made up", [0, 1])
+    runs = [ab.ScheduledRun("fixed-avg", seed, 0.008, steps=s, examples=50 * s)
+            for seed, s in ((0, 72.0), (1, 88.0))]
+    # The fixed batch on the hyperbola on both seeds: value 1, minus (0.64, 1.44) per seed.
+    runs += [ab.ScheduledRun("fixed", seed, 0.008, steps=80.0, examples=4000.0) for seed in (0, 1)]
+    runs.append(ab.ScheduledRun("warmup", 0, 0.008))  # did not reach: not counted
+    text = "\n".join(fc.check_table(fair, synthetic_grids(), runs))
+    spread = 32 * 10.25 ** 2 / (S_MIN * E_MIN)
+    assert f"| grid, batch 32, lr 0.008 | 2 | {1 + spread:.3g} ± " in text
+    assert f"| 1 | {spread:.2g} |" in text
+    assert "| grid, batch 64, lr 0.008 (nearest B_crit) | 2 |" in text
+    assert "| fixed-avg | 2 | 1.04 ± 0.4 | 1 | 0.04 | the reference |" in text
+    assert "| fixed | 2 | 1 ± 0 | 1 | 0 | -0.04 ± 0.4 (2) |" in text
+    assert "warmup" not in text.split("|---|")[-1]
+    assert fc.check_table(None, synthetic_grids(), runs) == []
