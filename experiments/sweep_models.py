@@ -62,7 +62,14 @@ TINY = {
     "patch_size": 4,
     "num_channels": 3,
     "num_labels": 5,
+    # Per-layer inputs (Gemma 3n, Gemma 4): a table of vocabulary x layers x this width.
+    "vocab_size_per_layer_input": VOCABULARY,
+    "hidden_size_per_layer_input": 8,
+    "audio_hidden_size": 32,  # a speech head's input: the audio encoder's width
 }
+# Sizes a default leaves ``None`` and the model then fails on (``head_dim ** -0.5``,
+# ``heads // None``, an embedding of ``None`` rows): the tiny one.
+NONE_FILLED = {"head_dim": 16, "num_key_value_heads": 1, "vocab_size": VOCABULARY}
 # Multi-head latent attention (DeepSeek-V2/V3 and their kin): the rotary part of a head is
 # ``head_dim`` too, the query's head is its rotary and plain parts together, and keys and
 # values have as many heads as queries.
@@ -94,6 +101,45 @@ FIXES = {
     # 26 self-attention layers of 256 latents 1280 wide: the worker ran out of memory.
     "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2,
                   "num_self_attention_heads": 2, "num_cross_attention_heads": 2},
+}
+# Defaults that do not build even in transformers (a validator, a ``None`` the model needs) or
+# sizes tied together that the generic shrink breaks; see :func:`_derived_sizes` for the rules.
+BUILD_FIXES = {
+    # GQA refused (ESMC, dots.3 note); the differential attention splits values in two KV halves.
+    "esmc": {"num_key_value_heads": 2},
+    "diffllama": {"num_key_value_heads": 2},
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 16},  # its only routing
+    # A ``None`` MoE width and the rope table of each layer type: no default builds.
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                   "rope_theta": 10000.0}}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 4, "indexer_compress_ratio": 2, "hc_lowrank": 8,
+                       "ple_embed_dim": 32, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    # Serialized as (attention, mlp) pairs: 3 layers, one each of input, looped recurrent, output.
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
+    # The shared transformer block tied across hybrid layers needs two of them (see below).
+    # The last layers reuse the keys and values of earlier ones: two that compute, two that reuse.
+    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": [64] * 4,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2,
+                     "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "laurel_rank": 8},
+    # Its vision and audio towers take no part in a text-only step (their parameters get no
+    # gradient): the smallest that build, not 300M parameters of them.
+    "gemma3n_vision": {"architecture": "resnet10t"},
+    "gemma3n_audio": {"conf_num_hidden_layers": 1, "sscp_conv_channel_size": [8, 8]},
+    # Latent attention, its sliding layers with plain heads of qk_nope + qk_rope = head_dim.
+    "dots3_note_text": {"num_key_value_heads": 2, "head_dim": 16, "qk_nope_head_dim": 4},
+    "xlnet": {"d_head": 16},  # d_model // n_head
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+              "attention_hidden_size": 64, "attention_head_dim": 32, "mamba_dt_rank": 4},
+    "zamba2": {"attention_hidden_size": 64, "attention_head_dim": 32, "mamba_headdim": 16,
+               "kv_channels": 16, "adapter_rank": 8, "mamba_d_state": 8, "chunk_size": 8},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
+                 "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -136,16 +182,81 @@ def _staged(values: dict) -> dict:
 
 def _one_layer_per_kind(values: dict) -> dict:
     """Hybrid stacks (attention and state-space, sliding, dense and sparse layers): the first
-    layer of each kind, with every per-layer list (``*layer_types``) cut alike."""
+    layer of each kind, with every per-layer setting cut alike (see :func:`_per_layer`)."""
     depth = values.get("num_hidden_layers")
-    per_layer = [key for key, value in values.items() if key.endswith("layer_types")
-                 and isinstance(value, list) and len(value) == depth]
-    if not per_layer:
+    overrides = {int(i): layer for i, layer in (values.get("per_layer_config") or {}).items()}
+    per_layer = [key for key, value in values.items() if isinstance(value, list) and len(value) == depth]
+    # A layer's kind: its named types (strings, flags) and its own overrides; sizes are not kinds.
+    named = [key for key in per_layer if all(isinstance(v, (str, bool)) or v is None for v in values[key])]
+    if not named and not overrides:
         return {}
-    kinds = [tuple(values[key][i] for key in per_layer) for i in range(depth)]
-    first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
-    return {"num_hidden_layers": len(first),
-            **{key: [values[key][i] for i in first] for key in per_layer}}
+    kinds = [(tuple(values[key][i] for key in named), repr(overrides.get(i))) for i in range(depth)]
+    kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    return {"num_hidden_layers": len(kept), **_per_layer(values, per_layer, kept, depth, overrides)}
+
+
+def _per_layer(values: dict, per_layer: List[str], kept: List[int], depth: int, overrides: dict) -> dict:
+    """The per-layer settings of the layers ``kept``: lists of one entry per layer (sizes
+    shrunk as ``TINY`` shrinks the global one, layer indices renumbered), lists of layer
+    indices (``index_layers``, ``mlp_only_layers``) and ``per_layer_config`` renumbered."""
+    new = {old: i for i, old in enumerate(kept)}
+    kwargs = {}
+    for key in per_layer:
+        cut = [values[key][i] for i in kept]
+        size = TINY.get(key.replace("_per_layer", ""))
+        if key.endswith("_layers") and all(isinstance(v, int) and v in new for v in cut):
+            cut = [new[v] for v in cut]  # a layer's source layer (kv_source_layers)
+        elif isinstance(size, int) and all(isinstance(v, int) for v in cut):
+            cut = [size] * len(cut)
+        kwargs[key] = cut
+    for key, value in values.items():
+        if ("layer" in key and key not in per_layer and isinstance(value, list) and value
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in value)):
+            kwargs[key] = [new[v] for v in value if v in new]
+    if overrides:
+        kwargs["per_layer_config"] = {new[i]: {**layer, **_tiny_sizes(layer)} for i, layer in overrides.items()
+                                      if i in new}
+    return kwargs
+
+
+def _tiny_sizes(values: dict) -> dict:
+    """``TINY``'s sizes for the integer settings ``values`` has (a layer's overrides); as many
+    key-value heads as heads where the layer had as many."""
+    sizes = {key: TINY[key] for key, value in values.items()
+             if key in TINY and isinstance(value, int) and not isinstance(value, bool)}
+    if "num_key_value_heads" in sizes and values["num_key_value_heads"] == values.get("num_attention_heads"):
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    if isinstance(values.get("kv_lora_rank"), int):  # latent attention's sizes (dots.3)
+        sizes.update({key: tiny for key, tiny in LATENT_ATTENTION.items()
+                      if key in values and key != "num_key_value_heads"})
+    return sizes
+
+
+def _derived_sizes(values: dict, kwargs: dict) -> dict:
+    """Sizes a validator ties to the shrunk ones: Mamba-2's ``head_dim`` from the expanded width
+    and its heads, Mamba heads that split the expanded width (Bamba, GraniteMoeHybrid), and
+    ``None`` sizes the model needs (``NONE_FILLED``)."""
+    tiny = {**values, **kwargs}
+    derived = {key: size for key, size in NONE_FILLED.items() if key in values and values[key] is None}
+    if isinstance(values.get("expand"), int) and isinstance(values.get("num_heads"), int):  # Mamba-2
+        derived.update(head_dim=tiny["hidden_size"] * values["expand"] // tiny["num_heads"], n_groups=1,
+                       state_size=8, chunk_size=8, time_step_rank=8)
+    if isinstance(values.get("mamba_n_heads"), int) and "mamba_d_ssm" not in values:  # Bamba, Granite
+        derived.update(mamba_d_head=16, mamba_n_heads=tiny["hidden_size"] * values["mamba_expand"] // 16,
+                       mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8)
+    return derived
+
+
+def _for_head(config, head: type):
+    """The configuration ``head`` takes: a composite one's sub-configuration of that class
+    (the text model of Qwen3.5, Llama 4, Emu3; MusicGen's decoder), else ``config``."""
+    wanted = getattr(head, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for value in vars(config).values():
+        if isinstance(value, wanted):
+            return value
+    return config
 
 
 def _tokens(values: dict) -> dict:
@@ -177,10 +288,12 @@ def _tiny_kwargs(config) -> dict:
     if isinstance(values.get("num_groups"), int):
         kwargs["num_groups"] = 2  # group norms (BiT) at tiny widths
     kwargs.update(_tokens(values))
+    kwargs.update(_derived_sizes(values, kwargs))
     for key in [*SUB_CONFIGS, *(k for k in values if k.endswith("_config"))]:  # audio_config, ...
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
-            kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub)}).to_dict()
+            kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub),
+                                       **BUILD_FIXES.get(sub.model_type, {})}).to_dict()
     return kwargs
 
 
@@ -194,7 +307,7 @@ def tiny_config(model_type: str):
     # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
     # (transformers' default) refuse float64, which the references need.
     return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager",
-                            **FIXES.get(model_type, {})})
+                            **BUILD_FIXES.get(model_type, {}), **FIXES.get(model_type, {})})
 
 
 def transformers_architectures() -> Dict[str, Tuple[str, str]]:
@@ -232,8 +345,9 @@ def transformers_case(model_type: str) -> Case:
 
     task, name = transformers_architectures()[model_type]
     try:
-        config = tiny_config(model_type)
-        model = getattr(transformers, name)(config)
+        head = getattr(transformers, name)
+        config = _for_head(tiny_config(model_type), head)
+        model = head(config)
     except Exception as error:  # noqa: BLE001 - any failure of a generic config is a skip
         raise Unavailable(f"build: {type(error).__name__}: {str(error)[:300]}") from error
     model = model.double().eval()
