@@ -135,9 +135,19 @@ BUILD_FIXES = {
     "xlnet": {"d_head": 16},  # d_model // n_head
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
               "attention_hidden_size": 64, "attention_head_dim": 32, "mamba_dt_rank": 4},
-    "zamba2": {"attention_hidden_size": 64, "attention_head_dim": 32, "mamba_headdim": 16,
+    "zamba2": {"attention_hidden_size": 64, "attention_head_dim": 32, "mamba_headdim": 8,
                "kv_channels": 16, "adapter_rank": 8, "mamba_d_state": 8, "chunk_size": 8},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    # All Mamba by default, which its own mask code refuses: a hybrid of both kinds.
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2,
+                         "shared_intermediate_size": 32},
+    # Vision and audio towers that a text-only step does not use: their adapters' widths
+    # follow the tiny ones (the text model's 32), conv output = downsample width x 16.
+    "dots3_note_vision_encoder": {"adapter_in_dim": 32, "adapter_out_dim": 32, "moe_intermediate_size": 32},
+    "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32, "downsample_hidden_size": 8,
+                                 "conv_output_size": 128, "num_key_value_heads": 2},
+    "kolibri1_1": {"index_num_heads": 2, "index_topk": 4, "index_pool_size": 16, "index_compression": 2,
+                   "index_num_local_tokens": 2, "index_num_sink_tokens": 1, "mlp_only_intermediate_size": 64},
     "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
                  "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
 }
@@ -192,7 +202,10 @@ def _one_layer_per_kind(values: dict) -> dict:
         return {}
     kinds = [(tuple(values[key][i] for key in named), repr(overrides.get(i))) for i in range(depth)]
     kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
-    return {"num_hidden_layers": len(kept), **_per_layer(values, per_layer, kept, depth, overrides)}
+    kwargs = {"num_hidden_layers": len(kept), **_per_layer(values, per_layer, kept, depth, overrides)}
+    if values.get("num_kv_shared_layers") == depth:  # an assistant reading all its keys and values
+        kwargs["num_kv_shared_layers"] = len(kept)
+    return kwargs
 
 
 def _per_layer(values: dict, per_layer: List[str], kept: List[int], depth: int, overrides: dict) -> dict:
