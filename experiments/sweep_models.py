@@ -148,6 +148,10 @@ BUILD_FIXES = {
                                  "conv_output_size": 128, "num_key_value_heads": 2},
     "kolibri1_1": {"index_num_heads": 2, "index_topk": 4, "index_pool_size": 16, "index_compression": 2,
                    "index_num_local_tokens": 2, "index_num_sink_tokens": 1, "mlp_only_intermediate_size": 64},
+    # The decoder reads input_ids as (batch x codebooks, length): one codebook, so that the
+    # batch's 4 rows are 4 examples (with 4 codebooks they were 1).
+    "musicgen_decoder": {"num_codebooks": 1},
+    "musicgen_melody_decoder": {"num_codebooks": 1},
     "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
                  "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
 }
@@ -510,7 +514,8 @@ def all_names() -> Dict[str, List[str]]:
 
 # A handful per library for --quick (the test suite): seconds each.
 QUICK = {
-    "transformers": ["llama", "gpt2", "bert", "t5", "vit", "albert"],  # albert: a shared layer group
+    # albert: a shared layer group; lfm2_moe: short convolutions and attention, experts top-2
+    "transformers": ["llama", "gpt2", "bert", "t5", "vit", "albert", "lfm2_moe"],
     "timm": ["resnet:resnet10t", "vision_transformer:vit_tiny_patch16_224"],
     "torchvision": ["mobilenetv3:mobilenet_v3_small", "squeezenet:squeezenet1_1"],
 }
