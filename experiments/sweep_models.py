@@ -67,6 +67,8 @@ TINY = {
     "hidden_size_per_layer_input": 8,
     "audio_hidden_size": 32,  # a speech head's input: the audio encoder's width
 }
+# Sizes whose 0 turns their part off (a Gemma 4 assistant has no per-layer inputs): kept at 0.
+OFF_AT_ZERO = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
 # Sizes a default leaves ``None`` and the model then fails on (``head_dim ** -0.5``,
 # ``heads // None``, an embedding of ``None`` rows): the tiny one.
 NONE_FILLED = {"head_dim": 16, "num_key_value_heads": 1, "vocab_size": VOCABULARY}
@@ -152,8 +154,14 @@ BUILD_FIXES = {
     # batch's 4 rows are 4 examples (with 4 codebooks they were 1).
     "musicgen_decoder": {"num_codebooks": 1},
     "musicgen_melody_decoder": {"num_codebooks": 1},
+    "nemotron3_5_transcribe_word_timestamp": {"blank_token_id": 2},  # inside the tiny vocabulary
     "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
                  "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
+}
+# Defaults that fail the configuration's own validator: what it asks, given to the default.
+BUILD_DEFAULTS = {
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False}},
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
@@ -288,7 +296,7 @@ def _tokens(values: dict) -> dict:
 def _tiny_kwargs(config) -> dict:
     values = config.to_dict()
     kwargs = {key: tiny for key, tiny in TINY.items() if isinstance(values.get(key), int)
-              and not isinstance(values.get(key), bool)}
+              and not isinstance(values.get(key), bool) and not (key in OFF_AT_ZERO and values[key] == 0)}
     if isinstance(values.get("qk_rope_head_dim"), int):
         kwargs.update({key: tiny for key, tiny in LATENT_ATTENTION.items()
                        if isinstance(values.get(key), int)})
@@ -318,7 +326,7 @@ def tiny_config(model_type: str):
     """The default configuration of ``model_type``, shrunk (see ``TINY``)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    default = AutoConfig.for_model(model_type, **BUILD_DEFAULTS.get(model_type, {}))
     values = {key: value for key, value in default.to_dict().items()
               if key not in ("out_features", "out_indices", "stage_names")}  # follow the stages
     # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
