@@ -155,6 +155,10 @@ BUILD_FIXES = {
     "musicgen_decoder": {"num_codebooks": 1},
     "musicgen_melody_decoder": {"num_codebooks": 1},
     "nemotron3_5_transcribe_word_timestamp": {"blank_token_id": 2},  # inside the tiny vocabulary
+    # Mamba-2 mixers of 128 heads of 64 and a shared expert 7688 wide (NeMo's speech LM
+    # reuses it as its text model): their tiny sizes.
+    "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 8,
+                   "chunk_size": 8, "n_routed_experts": 4, "moe_shared_expert_intermediate_size": 32},
     "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
                  "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
 }
@@ -206,6 +210,8 @@ def _one_layer_per_kind(values: dict) -> dict:
     """Hybrid stacks (attention and state-space, sliding, dense and sparse layers): the first
     layer of each kind, with every per-layer setting cut alike (see :func:`_per_layer`)."""
     depth = values.get("num_hidden_layers")
+    if depth is None:  # a depth read from its block pattern (NemotronH)
+        depth = len(values.get("layers_block_type") or ())
     overrides = {int(i): layer for i, layer in (values.get("per_layer_config") or {}).items()}
     per_layer = [key for key, value in values.items() if isinstance(value, list) and len(value) == depth]
     # A layer's kind: its named types (strings, flags) and its own overrides; sizes are not kinds.
@@ -214,7 +220,9 @@ def _one_layer_per_kind(values: dict) -> dict:
         return {}
     kinds = [(tuple(values[key][i] for key in named), repr(overrides.get(i))) for i in range(depth)]
     kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
-    kwargs = {"num_hidden_layers": len(kept), **_per_layer(values, per_layer, kept, depth, overrides)}
+    kwargs = _per_layer(values, per_layer, kept, depth, overrides)
+    if values.get("num_hidden_layers") is not None:
+        kwargs["num_hidden_layers"] = len(kept)
     if values.get("num_kv_shared_layers") == depth:  # an assistant reading all its keys and values
         kwargs["num_kv_shared_layers"] = len(kept)
     return kwargs
@@ -304,7 +312,7 @@ def _tiny_kwargs(config) -> dict:
         for key in ("hidden_size", "num_layers", "num_hidden_layers"):
             kwargs.pop(key, None)
         kwargs.update(_staged(values))
-    elif "num_hidden_layers" in kwargs:
+    elif "num_hidden_layers" in kwargs or isinstance(values.get("layers_block_type"), list):
         kwargs.update(_one_layer_per_kind(values))
     if isinstance(values.get("window_size"), int) and isinstance(values.get("depths"), list):
         # Window attention (Swin): windows of 2x2 tokens that divide every stage's grid
