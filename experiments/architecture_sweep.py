@@ -111,9 +111,14 @@ def float32_parameters(model, frame, modules: set) -> set:
     prefix = "per example (its block "
     block_of = {r.param: r.how[len(prefix):].split(" ", 1)[0] for r in frame.itertuples()
                 if r.how.startswith(prefix)}
+    # A layer the fallback does not run whose parameters its parent uses (Mamba's conv1d):
+    # computed by the parent's replay, in the parent's precision.
+    by_parent = {r.param for r in frame.itertuples() if "its parameters used by its parent" in r.how}
     found = set()
     for name, _ in model.named_parameters():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if name in by_parent:
+            owner = owner.rsplit(".", 1)[0] if "." in owner else ""
         if owner in modules:
             found.add(name)
         elif name in block_of:

@@ -18,10 +18,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from experiments.sweep_fixes import (  # the per-model settings
+    BUILD_DEFAULTS,
+    BUILD_FIXES,
+    DEFAULT_FLOAT64,
+    FIXES,
+    FLOAT32_ONLY,
+    IMAGE,
+    STEP_FIXES,
+)
+
 BATCH = 4
 LENGTH = 7  # not the batch size: a coincidence of sizes must not pass for exactness
 VOCABULARY = 99
-IMAGE = 32
 TIMM_IMAGE = 32
 # Transformers of timm that take these (ViT, DeiT, CaiT, EVA, XCiT, ...) are built this
 # narrow: at their smallest named width one check takes tens of seconds of CPU time.
@@ -64,84 +73,21 @@ TINY = {
     "patch_size": 4,
     "num_channels": 3,
     "num_labels": 5,
+    # Per-layer inputs (Gemma 3n, Gemma 4): a table of vocabulary x layers x this width.
+    "vocab_size_per_layer_input": VOCABULARY,
+    "hidden_size_per_layer_input": 8,
+    "audio_hidden_size": 32,  # a speech head's input: the audio encoder's width
 }
+# Sizes whose 0 turns their part off (a Gemma 4 assistant has no per-layer inputs): kept at 0.
+OFF_AT_ZERO = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
+# Sizes a default leaves ``None`` and the model then fails on (``head_dim ** -0.5``,
+# ``heads // None``, an embedding of ``None`` rows): the tiny one.
+NONE_FILLED = {"head_dim": 16, "num_key_value_heads": 1, "vocab_size": VOCABULARY}
 # Multi-head latent attention (DeepSeek-V2/V3 and their kin): the rotary part of a head is
 # ``head_dim`` too, the query's head is its rotary and plain parts together, and keys and
 # values have as many heads as queries.
 LATENT_ATTENTION = {"num_key_value_heads": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
                     "qk_nope_head_dim": 8, "qk_head_dim": 16, "v_head_dim": 8, "head_dim": 8}
-# Configurations a generic shrink cannot reach (sub-configurations as plain dicts), or where
-# the library's defaults do not build: DBRX reads ``attn_config.rope_theta`` and clamps with
-# ``clip_qkv`` (its default ``None`` fails in ``torch.clamp``).
-# Widths of their own names, which the generic keys miss (full size, the check of one such
-# model ran past the time limit): EfficientNet's coefficients, Falcon-H1's Mamba mixer,
-# LongCat-Flash's latent attention and experts, Perceiver's latents; the HF wrapper of timm:
-# a small timm model.
-FIXES = {
-    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
-             "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 64, "moe_num_experts": 4,
-                            "moe_top_k": 2}},
-    # Its default places dense layers first (3 of them: no MoE layer in 2) and 256 experts
-    # in 8 groups; here every layer routes, 8 experts in 4 groups, top-2 of the best 2.
-    "deepseek_v3": {"first_k_dense_replace": 0, "n_routed_experts": 8, "n_group": 4, "topk_group": 2},
-    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320,
-                     "num_hidden_layers": 8},
-    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
-                  "mamba_chunk_size": 8},
-    "longcat_flash": {"ffn_hidden_size": 64, "q_lora_rank": 16, "kv_lora_rank": 16,
-                      "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "head_dim": 8,
-                      "v_head_dim": 8, "qk_head_dim": 16, "n_routed_experts": 4,
-                      "zero_expert_num": 2, "moe_topk": 2, "expert_ffn_hidden_size": 32},
-    "timm_wrapper": {"architecture": "resnet10t"},
-    # 26 self-attention layers of 256 latents 1280 wide: the worker ran out of memory.
-    "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2,
-                  "num_self_attention_heads": 2, "num_cross_attention_heads": 2},
-}
-# Sizes that the generic shrink leaves inconsistent, found at the plain step (issue 32), each
-# the library's own constructor arguments: LeViT's patch embedding downsamples by 16 whatever
-# ``patch_size`` says and its subsampling attention has ``hidden_size / key_dim`` heads; LiLT
-# splits the width into 6 box coordinates and by its ``channel_shrink_ratio``; LayoutLMv3
-# concatenates 4 coordinates and 2 sizes to the width; HGNetV2's and TextNet's stages carry
-# their own channel lists; MobileViTV2's last stage works on 2x2 patches of a 1/32 map;
-# Hiera's position table follows its ``image_size`` (a list: the images are ``IMAGE``); xLSTM's width is
-# ``embedding_dim``.
-STEP_FIXES = {
-    "levit": {"patch_size": 16, "image_size": 64, "key_dim": [16, 16, 16],
-              "down_ops": [["Subsample", 16, 2, 4, 2, 2], ["Subsample", 16, 4, 4, 2, 2]]},
-    "lilt": {"hidden_size": 48},
-    "layoutlmv3": {"coordinate_size": 4, "shape_size": 8, "input_size": IMAGE},
-    "hgnet_v2": {"stem_channels": [3, 16, 16], "stage_in_channels": [16, 32, 64, 128],
-                 "stage_mid_channels": [16, 16, 32, 32], "stage_out_channels": [32, 64, 128, 256],
-                 "stage_numb_of_layers": [2, 2, 2, 2], "hidden_sizes": [32, 64, 128, 256]},
-    "textnet": {"stem_out_channels": 32, "hidden_sizes": [32, 32, 64, 128, 256]},
-    "mobilevitv2": {"patch_size": 2, "image_size": 2 * IMAGE, "n_attn_blocks": [1, 1, 1],
-                    "width_multiplier": 0.25},
-    "hiera": {"image_size": [IMAGE, IMAGE]},
-    "xlstm": {"embedding_dim": 32, "num_blocks": 2},
-    # ShieldGemma 2: its image as 2x2 pooled tokens (of 8x8 patches), special tokens and the
-    # Yes/No tokens its head reads inside the tiny vocabulary.
-    "shieldgemma2": {"mm_tokens_per_image": 4, "boi_token_index": 95, "eoi_token_index": 96,
-                     "image_token_index": 97, "yes_token_index": 10, "no_token_index": 11},
-    # Local attention in windows of 512 pads 7 tokens to 512 (gradients with NaN): windows of 4.
-    "longformer": {"attention_window": 4},
-    "led": {"attention_window": 4, "max_encoder_position_embeddings": 64,
-            "max_decoder_position_embeddings": 64},
-    # BLT's hashed byte n-gram tables: 500002 rows each (0.5 GB per float64 copy of them all).
-    "blt": {"encoder_hash_byte_group_vocab": 101},
-}
-# Models whose own code cannot run in float64, built and checked in float32 (the sweep's
-# float32 tolerance for every parameter), with the reason; and those whose code builds
-# tensors in the default dtype next to float64 ones, run with float64 as the default.
-FLOAT32_ONLY = {
-    "canine": "its attention mask is (1 - mask.float()) * finfo(float64).min: -inf in float32, then NaN",
-    "fsmt": "its fill_with_neg_inf fills a float32 copy with float64's least value: an overflow",
-    "mra": "its attention casts queries, keys and values to float32 and passes float32 on to a Linear",
-    "inkling2_text": "its router multiplies float32 hidden states by its weight, kept float32 only in half "
-                     "precision",
-    "inkling2_loop_text": "its router multiplies float32 hidden states by its weight, kept float32 only in "
-                          "half precision",
-}
-DEFAULT_FLOAT64 = {"xglm"}  # torch.full((), finfo(float64).min): float32 by default, an overflow
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
 SUB_CONFIGS = ("text_config", "vision_config", "encoder", "decoder")
@@ -183,23 +129,91 @@ def _staged(values: dict) -> dict:
 
 def _one_layer_per_kind(values: dict) -> dict:
     """Hybrid stacks (attention and state-space, sliding, dense and sparse layers): the first
-    layer of each kind, with every per-layer list (``*layer_types``) cut alike, and the
-    lists of one equal entry per layer (Bailing's ``swiglu_limits``, which configs refuse at
-    another length) cut to the new depth. Lists of layer indices (Llama 4's ``moe_layers``)
-    and of other per-layer choices (``no_rope_layers``) stay: the kept layers read them."""
+    layer of each kind, with every per-layer setting cut alike (see :func:`_per_layer`)."""
     depth = values.get("num_hidden_layers")
-    per_layer = [key for key, value in values.items() if key.endswith("layer_types")
-                 and isinstance(value, list) and len(value) == depth]
-    kinds = [tuple(values[key][i] for key in per_layer) for i in range(depth)]
-    first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
-    if not per_layer:  # one kind: TINY's depth where the default is deeper
-        first = list(range(min(depth, TINY["num_hidden_layers"])))
-        if depth <= TINY["num_hidden_layers"]:
+    if depth is None:  # a depth read from its block pattern (NemotronH)
+        depth = len(values.get("layers_block_type") or ())
+    overrides = {int(i): layer for i, layer in (values.get("per_layer_config") or {}).items()}
+    per_layer = [key for key, value in values.items() if isinstance(value, list) and len(value) == depth]
+    # A layer's kind: its named types (strings, flags) and its own overrides; sizes are not kinds.
+    named = [key for key in per_layer if all(isinstance(v, (str, bool)) or v is None for v in values[key])]
+    if not named and not overrides:  # one kind: TINY's depth, lists of one entry per layer cut alike
+        if not per_layer or depth <= TINY["num_hidden_layers"]:
             return {}
-    constant = [key for key, value in values.items() if isinstance(value, list)
-                and len(value) == depth and len(set(map(repr, value))) == 1]
-    return {"num_hidden_layers": len(first),
-            **{key: [values[key][i] for i in first] for key in {*per_layer, *constant}}}
+        kept = list(range(TINY["num_hidden_layers"]))
+    else:
+        kinds = [(tuple(values[key][i] for key in named), repr(overrides.get(i))) for i in range(depth)]
+        kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    kwargs = _per_layer(values, per_layer, kept, depth, overrides)
+    if values.get("num_hidden_layers") is not None:
+        kwargs["num_hidden_layers"] = len(kept)
+    if values.get("num_kv_shared_layers") == depth:  # an assistant reading all its keys and values
+        kwargs["num_kv_shared_layers"] = len(kept)
+    return kwargs
+
+
+def _per_layer(values: dict, per_layer: List[str], kept: List[int], depth: int, overrides: dict) -> dict:
+    """The per-layer settings of the layers ``kept``: lists of one entry per layer (sizes
+    shrunk as ``TINY`` shrinks the global one, layer indices renumbered), lists of layer
+    indices (``index_layers``, ``mlp_only_layers``) and ``per_layer_config`` renumbered."""
+    new = {old: i for i, old in enumerate(kept)}
+    kwargs = {}
+    for key in per_layer:
+        cut = [values[key][i] for i in kept]
+        size = TINY.get(key.replace("_per_layer", ""))
+        if key.endswith("_layers") and all(isinstance(v, int) and v in new for v in cut):
+            cut = [new[v] for v in cut]  # a layer's source layer (kv_source_layers)
+        elif isinstance(size, int) and all(isinstance(v, int) for v in cut):
+            cut = [size] * len(cut)
+        kwargs[key] = cut
+    for key, value in values.items():
+        if ("layer" in key and key not in per_layer and isinstance(value, list) and value
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in value)):
+            kwargs[key] = [new[v] for v in value if v in new]
+    if overrides:
+        kwargs["per_layer_config"] = {new[i]: {**layer, **_tiny_sizes(layer)} for i, layer in overrides.items()
+                                      if i in new}
+    return kwargs
+
+
+def _tiny_sizes(values: dict) -> dict:
+    """``TINY``'s sizes for the integer settings ``values`` has (a layer's overrides); as many
+    key-value heads as heads where the layer had as many."""
+    sizes = {key: TINY[key] for key, value in values.items()
+             if key in TINY and isinstance(value, int) and not isinstance(value, bool)}
+    if "num_key_value_heads" in sizes and values["num_key_value_heads"] == values.get("num_attention_heads"):
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    if isinstance(values.get("kv_lora_rank"), int):  # latent attention's sizes (dots.3)
+        sizes.update({key: tiny for key, tiny in LATENT_ATTENTION.items()
+                      if key in values and key != "num_key_value_heads"})
+    return sizes
+
+
+def _derived_sizes(values: dict, kwargs: dict) -> dict:
+    """Sizes a validator ties to the shrunk ones: Mamba-2's ``head_dim`` from the expanded width
+    and its heads, Mamba heads that split the expanded width (Bamba, GraniteMoeHybrid), and
+    ``None`` sizes the model needs (``NONE_FILLED``)."""
+    tiny = {**values, **kwargs}
+    derived = {key: size for key, size in NONE_FILLED.items() if key in values and values[key] is None}
+    if isinstance(values.get("expand"), int) and isinstance(values.get("num_heads"), int):  # Mamba-2
+        derived.update(head_dim=tiny["hidden_size"] * values["expand"] // tiny["num_heads"], n_groups=1,
+                       state_size=8, chunk_size=8, time_step_rank=8)
+    if isinstance(values.get("mamba_n_heads"), int) and "mamba_d_ssm" not in values:  # Bamba, Granite
+        derived.update(mamba_d_head=16, mamba_n_heads=tiny["hidden_size"] * values["mamba_expand"] // 16,
+                       mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8)
+    return derived
+
+
+def _for_head(config, head: type):
+    """The configuration ``head`` takes: a composite one's sub-configuration of that class
+    (the text model of Qwen3.5, Llama 4, Emu3; MusicGen's decoder), else ``config``."""
+    wanted = getattr(head, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for value in vars(config).values():
+        if isinstance(value, wanted):
+            return value
+    return config
 
 
 def _tokens(values: dict) -> dict:
@@ -239,7 +253,7 @@ def _latent_attention(values: dict) -> dict:
 def _tiny_kwargs(config) -> dict:
     values = config.to_dict()
     kwargs = {key: tiny for key, tiny in TINY.items() if isinstance(values.get(key), int)
-              and not isinstance(values.get(key), bool)}
+              and not isinstance(values.get(key), bool) and not (key in OFF_AT_ZERO and values[key] == 0)}
     aliases = getattr(config, "attribute_map", None) or {}
     experts = [kwargs.get(key, values.get(aliases.get(key, key)))
                for key in ("num_experts", "num_local_experts", "n_routed_experts")]
@@ -252,7 +266,7 @@ def _tiny_kwargs(config) -> dict:
         for key in ("hidden_size", "num_layers", "num_hidden_layers"):
             kwargs.pop(key, None)
         kwargs.update(_staged(values))
-    elif "num_hidden_layers" in kwargs:
+    elif "num_hidden_layers" in kwargs or isinstance(values.get("layers_block_type"), list):
         kwargs.update(_one_layer_per_kind(values))
     if isinstance(values.get("window_size"), int) and isinstance(values.get("depths"), list):
         # Window attention (Swin): windows of 2x2 tokens that divide every stage's grid
@@ -261,10 +275,12 @@ def _tiny_kwargs(config) -> dict:
     if isinstance(values.get("num_groups"), int):
         kwargs["num_groups"] = 2  # group norms (BiT) at tiny widths
     kwargs.update(_tokens(values))
+    kwargs.update(_derived_sizes(values, kwargs))
     for key in [*SUB_CONFIGS, *(k for k in values if k.endswith("_config"))]:  # audio_config, ...
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
-            kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub)}).to_dict()
+            kwargs[key] = type(sub)(**{**sub.to_dict(), **_tiny_kwargs(sub),
+                                       **BUILD_FIXES.get(sub.model_type, {})}).to_dict()
     return kwargs
 
 
@@ -272,13 +288,14 @@ def tiny_config(model_type: str):
     """The default configuration of ``model_type``, shrunk (see ``TINY``)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    default = AutoConfig.for_model(model_type, **BUILD_DEFAULTS.get(model_type, {}))
     values = {key: value for key, value in default.to_dict().items()
               if key not in ("out_features", "out_indices", "stage_names")}  # follow the stages
     # The experts of mixture-of-experts blocks as a loop of products: the grouped ones
     # (transformers' default) refuse float64, which the references need.
     return type(default)(**{**values, **_tiny_kwargs(default), "experts_implementation": "eager",
-                            **FIXES.get(model_type, {}), **STEP_FIXES.get(model_type, {})})
+                            **BUILD_FIXES.get(model_type, {}), **FIXES.get(model_type, {}),
+                            **STEP_FIXES.get(model_type, {})})
 
 
 def transformers_architectures() -> Dict[str, Tuple[str, str]]:
@@ -324,8 +341,9 @@ def transformers_case(model_type: str) -> Case:
 
     task, name = transformers_architectures()[model_type]
     try:
-        config = tiny_config(model_type)
-        model = getattr(transformers, name)(config)
+        head = getattr(transformers, name)
+        config = _for_head(tiny_config(model_type), head)
+        model = head(config)
     except Exception as error:  # noqa: BLE001 - any failure of a generic config is a skip
         raise Unavailable(f"build: {type(error).__name__}: {str(error)[:300]}") from error
     dtype = torch.float32 if model_type in FLOAT32_ONLY else torch.float64
@@ -539,7 +557,8 @@ def all_names() -> Dict[str, List[str]]:
 
 # A handful per library for --quick (the test suite): seconds each.
 QUICK = {
-    "transformers": ["llama", "gpt2", "bert", "t5", "vit", "albert"],  # albert: a shared layer group
+    # albert: a shared layer group; lfm2_moe: short convolutions and attention, experts top-2
+    "transformers": ["llama", "gpt2", "bert", "t5", "vit", "albert", "lfm2_moe"],
     "timm": ["resnet:resnet10t", "vision_transformer:vit_tiny_patch16_224"],
     "torchvision": ["mobilenetv3:mobilenet_v3_small", "squeezenet:squeezenet1_1"],
 }

@@ -95,6 +95,21 @@ def test_a_blocks_parameters_get_the_float32_tolerance_where_a_module_inside_com
     assert sweep.float32_parameters(model, table, set()) == set()
 
 
+def test_a_layer_computed_by_its_parents_replay_follows_the_parents_precision():
+    """Mamba's ``conv1d`` is not run by the fallback: its mixer (which computes ``A`` in
+    float32) replays it per example, so its rows carry the mixer's rounding; a layer with
+    its own rule under that mixer keeps the float64 tolerance."""
+    model = torch.nn.Module()
+    model.mixer = torch.nn.Module()
+    model.mixer.conv, model.mixer.proj = torch.nn.Conv1d(2, 2, 1), torch.nn.Linear(2, 2)
+    names = [name for name, _ in model.named_parameters()]
+    how = {"mixer.conv.weight": "fallback (torch.func: Conv1d not run, its parameters used by its parent)",
+           "mixer.conv.bias": "fallback (torch.func: Conv1d not run, its parameters used by its parent)"}
+    table = pandas.DataFrame({"param": names, "how": [how.get(n, "native (Linear)") for n in names]})
+    assert sweep.float32_parameters(model, table, {"mixer"}) == {"mixer.conv.weight", "mixer.conv.bias"}
+    assert sweep.float32_parameters(model, table, {"mixer.proj"}) == {"mixer.proj.weight", "mixer.proj.bias"}
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="CPU time read from /proc")
 def test_the_time_limit_reads_the_workers_cpu_time_not_the_clock():
     """A worker starved by other processes is not timed out: its CPU time is what counts."""

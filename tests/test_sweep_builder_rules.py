@@ -20,10 +20,15 @@ def test_routing_fits_the_tiny_experts_and_leaves_a_fitting_default_alone():
     assert sweep_models._routing({"num_experts_per_tok": 6, "n_group": 8}, 256, {}) == {}
 
 
-def test_constant_per_layer_lists_follow_the_depth_and_lists_of_choices_or_indices_stay():
+def test_per_layer_lists_follow_the_layers_kept_and_layer_indices_are_renumbered():
     values = {"num_hidden_layers": 6, "swiglu_limits": [0] * 6, "moe_layers": list(range(6)),
-              "no_rope_layers": [1, 1, 0, 1, 1, 0]}
-    assert sweep_models._one_layer_per_kind(values) == {"num_hidden_layers": 2, "swiglu_limits": [0, 0]}
+              "no_rope_layers": [1, 0, 0, 1, 1, 0]}
+    assert sweep_models._one_layer_per_kind(values) == {
+        "num_hidden_layers": 2, "swiglu_limits": [0, 0], "moe_layers": [0, 1], "no_rope_layers": [1, 0]}
+    # indices of some layers only (interleaved experts): those kept, renumbered
+    interleaved = {"num_hidden_layers": 6, "limits": [3] * 6, "moe_layers": [1, 3, 5]}
+    assert sweep_models._one_layer_per_kind(interleaved) == {
+        "num_hidden_layers": 2, "limits": [3, 3], "moe_layers": [1]}
     # a hybrid stack: the first layer of each kind, every list cut alike
     hybrid = {"num_hidden_layers": 4, "layer_types": ["linear", "linear", "full", "linear"],
               "limits": [7] * 4}

@@ -174,6 +174,11 @@ def _graph_roots(output) -> List:
     return []
 
 
+def consumers_of(output) -> Dict[object, List[Tuple[object, int]]]:
+    """``{node: [(consumer, operand position)]}`` over the autograd graph of ``output``."""
+    return _consumers(output)
+
+
 def _consumers(output) -> Dict[object, List[Tuple[object, int]]]:
     """``{node: [(consumer, operand position)]}`` over the autograd graph of ``output``,
     BackPACK's hook nodes seen through."""

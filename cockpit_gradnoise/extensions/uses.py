@@ -43,8 +43,9 @@ USES_ATTR = "_cgn_uses"
 class Uses:
     """The tied groups of a model, and what its current forward pass did."""
 
-    def __init__(self, groups: List[tied.TiedGroup]):
+    def __init__(self, groups: List[tied.TiedGroup], holders=()):
         self.groups = groups
+        self.holders: List[nn.Module] = list(holders)  # the layers that hold a tied parameter
         self.new_forward(None)
 
     def new_forward(self, examples: Optional[int], storages=()):
@@ -59,14 +60,18 @@ class Uses:
         #: and those whose table was also used otherwise in the pass (why: refused).
         self.built: Dict[nn.Module, list] = {}
         self.used_otherwise: Dict[nn.Module, str] = {}
+        #: The tied layers' calls (their output's and input's autograd nodes), and the tied
+        #: parameters an operation took outside them (why: refused), :func:`_tied_used_directly`.
+        self.tied_calls: Dict[nn.Module, list] = {}
+        self.tied_otherwise: Dict[int, str] = {}
         for group in self.groups:
             group.new_pass()
 
     def __getstate__(self):
-        return {"groups": self.groups}
+        return {"groups": self.groups, "holders": self.holders}
 
     def __setstate__(self, state):
-        self.__init__(state["groups"])
+        self.__init__(state["groups"], state.get("holders", ()))
 
 
 def _storage(tensor: Tensor) -> int:
@@ -104,6 +109,8 @@ def _end_forward(model, args, kwargs, output):
                    for k, call in enumerate(calls) if call is not uses.broadcasts.get(module)}
         consumers = batchless.find_broadcasts(output, {**uses.broadcasts, **earlier}, uses.examples)
         _tables_used_otherwise(uses, consumers)
+    if torch.is_grad_enabled() and any(module not in uses.calls for module in uses.holders):
+        _tied_used_directly(uses, batchless.consumers_of(output))
 
 
 def _tables_used_otherwise(uses: Uses, consumers) -> None:
@@ -122,11 +129,60 @@ def _tables_used_otherwise(uses: Uses, consumers) -> None:
                 "calls (or give the other use a layer of its own) to give it rows")
 
 
+def _tied_used_directly(uses: Uses, consumers) -> None:
+    """Note the tied parameters whose weight an operation of the pass took outside the calls
+    of the layers that hold it, where one of those layers did not run: NeoMME's masked-LM
+    head multiplies by ``unembedding_projection.weight`` (tied to its embedding's
+    ``embedding_projection``) without calling that layer, a use no rule sees, so the rows
+    combined over the layers that ran would miss it (silently, as a gradient off by it)."""
+    for module in uses.holders:
+        if module in uses.calls:
+            continue
+        for attribute in module.__dict__.get(TIED_ATTR, {}):
+            param = getattr(module, attribute, None)
+            if param is None or not param.requires_grad or id(param) in uses.tied_otherwise:
+                continue
+            node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
+            inside = set()
+            for holder, calls in uses.tied_calls.items():
+                if any(p is param for p in holder.parameters(recurse=False)):
+                    for call in calls:
+                        inside |= _takers_in_call(call, node)
+            others = [taker for taker, _ in consumers.get(node, []) if taker not in inside]
+            if others:
+                uses.tied_otherwise[id(param)] = (
+                    f"it is tied, and {len(others)} operation(s) of the forward pass took it "
+                    f"directly ({others[0].name()}, as hidden @ {type(module).__name__}.{attribute}) "
+                    f"outside the calls of the layers that hold it, a use no rule sees: call the "
+                    f"layer itself, or untie it (tie_word_embeddings=False in transformers)")
+
+
+def _takers_in_call(call, node, depth: int = 8) -> set:
+    """The autograd nodes of one layer call (from its output's node down to, not past, its
+    input's) that take ``node`` (the weight's accumulator) as an operand."""
+    output, stop = call
+    found, seen, stack = set(), set(), [(output, 0)]
+    while stack:
+        current, level = stack.pop()
+        if current is None or current is stop or current in seen or level > depth:
+            continue
+        seen.add(current)
+        for child, _ in current.next_functions:
+            if child is node:
+                found.add(current)
+            elif child is not None:
+                stack.append((child, level + 1))
+    return found
+
+
 def _after_layer(module, args, output):
     if idle(module):
         return
     uses = module.__dict__[USES_ATTR]
     uses.calls[module] = uses.calls.get(module, 0) + 1
+    if TIED_ATTR in module.__dict__ and isinstance(output, Tensor) and output.grad_fn is not None:
+        given = args[0] if args and isinstance(args[0], Tensor) else None
+        uses.tied_calls.setdefault(module, []).append((output.grad_fn, getattr(given, "grad_fn", None)))
     # An embedding subclass may take something else (Blenderbot's and LED's learned
     # positions take the input's torch.Size and build the index inside: .own_index).
     first = output[0] if isinstance(output, tuple) and output else output  # as the hooks read it
@@ -165,6 +221,7 @@ def install(model: nn.Module) -> nn.Module:
     for module in model.modules():
         module.__dict__.pop(TIED_ATTR, None)
     uses.groups = tied.mark(model)
+    uses.holders = [module for module in model.modules() if TIED_ATTR in module.__dict__]
     for module in model.modules():
         if isinstance(module, nn.Embedding) or TIED_ATTR in module.__dict__:
             module.__dict__[USES_ATTR] = uses
@@ -221,8 +278,11 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     if broadcast is not None:
         _broadcast_results(extension, module, broadcast, recorded, g_out[0])
     refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
-    for attribute, why in refused.items():
-        _drop(extension, getattr(module, attribute), recorded, why)
+    for attribute in module.__dict__.get(TIED_ATTR, {}):
+        param = getattr(module, attribute)
+        why = refused.get(attribute) or uses.tied_otherwise.get(id(param))
+        if why is not None:
+            _drop(extension, param, recorded, why)
 
 
 def _refuse_used_otherwise(extension, module: nn.Module, uses: Optional[Uses],
