@@ -184,18 +184,33 @@ def takes_over(module: nn.Module, examples: int, unknown: bool = False) -> bool:
     """Whether a child of ``module`` with the fallback ran on rows that are not examples in
     its last call: a per-example input (:mod:`.layout`) none of which leads with ``examples``;
     ``unknown``: what a call whose layout is not learned yet counts as."""
+    return any(True for _ in _taking_over(module, examples, unknown))
+
+
+def _taking_over(module: nn.Module, examples: int, unknown: bool = False) -> Iterator[nn.Module]:
+    """The children of ``module`` that make it take over (:func:`takes_over`)."""
     for child in module.children():
         state = getattr(child, ATTRIBUTE, None)
         if not isinstance(state, Fallback) or state.call is None:
             continue
         if structure(state.call) not in state.layouts:
             if unknown:
-                return True
+                yield child
             continue
         found = layout_of(state)
         if found.refusal is None and found.leaves and not _batched(state.call, examples, found.leaves):
-            return True
-    return False
+            yield child
+
+
+def _members_alone(module: nn.Module, block: Block, examples: int) -> bool:
+    """Whether every child of ``module`` that takes over is one of its members (timm's Swin:
+    ``WindowAttention``, the relative position table its own parameter, on the windows' rows):
+    the block then computes its members alone, as where no child takes over, and its other
+    layers (``norm1``, ``mlp``: on rows that are examples, the survey found) keep their own
+    rows. Any other child that takes over (one the survey did not find regrouped) makes the
+    block compute every parameter inside it."""
+    members = {id(member) for member in block.members}
+    return bool(members) and all(id(child) in members for child in _taking_over(module, examples))
 
 
 def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
@@ -206,7 +221,7 @@ def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
     if not savefields or block.call is None or grad.dim() == 0 or covers(module):
         _let_go(block)  # (inside an active block: that block computes it)
         return
-    if takes_over(module, grad.shape[0]):
+    if takes_over(module, grad.shape[0]) and not _members_alone(module, block, grad.shape[0]):
         block.covered = list(module.modules())
     elif block.members:  # (.regroup): the other layers' rules give exact rows
         block.covered = list({id(sub): sub for member in block.members for sub in member.modules()}.values())

@@ -43,6 +43,10 @@ ELEMENTWISE = frozenset(
      if hasattr(owner, name)} | {torch.add, torch.sub, torch.mul, torch.div})
 _IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.TensorBase) for name in IN_PLACE
                       if hasattr(owner, name))
+#: Attention kernels whose floating ``attn_mask`` (their fourth argument) is added to the scores,
+#: broadcast over the query's leading dimensions (timm's fused window attention passes its
+#: position bias so): a batch-free mask is expanded to the rows there, as at an addition.
+MASKED = frozenset({torch.nn.functional.scaled_dot_product_attention})
 
 
 class Broadcasts(TorchFunctionMode):
@@ -70,7 +74,7 @@ class Broadcasts(TorchFunctionMode):
         tensors = [leaf for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
         free = [t for t in tensors if id(t) in self.free]
         if free and len(free) < len(tensors):
-            args = self._met(func, args, kwargs, free)
+            args, kwargs = self._met(func, args, kwargs, free)
         out = func(*args, **kwargs)
         outputs = [leaf for leaf in _pytree.tree_leaves(out) if isinstance(leaf, Tensor)]
         trained = any(id(t) in self.trained for t in free)
@@ -87,24 +91,54 @@ class Broadcasts(TorchFunctionMode):
         return out
 
     def _met(self, func, args, kwargs, free: List[Tensor]):
-        """``args`` with a batch-free operand expanded to the rows, where the operation is one
-        of :data:`ELEMENTWISE` of two tensors, the other led by the rows."""
+        """``(args, kwargs)`` with a batch-free operand expanded to the rows, where the operation
+        is one of :data:`ELEMENTWISE` of two tensors, the other led by the rows, or one of
+        :data:`MASKED` whose mask is the one batch-free operand, its query led by the rows."""
         grads = [t for t in free if id(t) in self.trained]
         if not grads:
-            return args
+            return args, kwargs
         if func in ELEMENTWISE and not kwargs and len(args) == 2 and all(isinstance(a, Tensor) for a in args):
             k = 0 if self.is_free(args[0]) else 1
             operand, other = args[k], args[1 - k]
-            if (k == 1 or func not in _IN_PLACE) and other.dim() >= max(operand.dim(), 1) \
-                    and other.shape[0] == self.rows:
-                shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
-                if shaped.shape[0] == 1:
-                    self.operands.append((operand, tuple(shaped.shape)))
-                    replaced = self.expand(len(self.operands) - 1, shaped.expand(self.rows, *shaped.shape[1:]))
-                    return (replaced, other) if k == 0 else (other, replaced)
+            if k == 1 or func not in _IN_PLACE:
+                replaced = self._expanded(operand, other)
+                if replaced is not None:
+                    return ((replaced, other) if k == 0 else (other, replaced)), kwargs
+        if func in MASKED:
+            found = self._masked(args, kwargs, grads)
+            if found is not None:
+                return found
         if not all(isinstance(t, nn.Parameter) and id(t) not in self.own for t in grads):
             self.broken = True
-        return args
+        return args, kwargs
+
+    def _expanded(self, operand: Tensor, other: Tensor) -> Optional[Tensor]:
+        """``operand`` broadcast to ``other`` (led by the rows), expanded to the rows and noted;
+        ``None`` where it has a leading size of its own there."""
+        if other.dim() < max(operand.dim(), 1) or other.shape[0] != self.rows:
+            return None
+        shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
+        if shaped.shape[0] != 1:
+            return None
+        self.operands.append((operand, tuple(shaped.shape)))
+        return self.expand(len(self.operands) - 1, shaped.expand(self.rows, *shaped.shape[1:]))
+
+    def _masked(self, args, kwargs, grads: List[Tensor]) -> Optional[tuple]:
+        """``(args, kwargs)`` of an attention kernel (:data:`MASKED`) with its floating mask, the one
+        batch-free operand that requires a gradient, expanded to the rows of its query: the
+        kernel adds it to the scores ``[rows, ..., L, S]`` as broadcast (the same numbers)."""
+        keyword = "attn_mask" in kwargs
+        mask = kwargs["attn_mask"] if keyword else args[3] if len(args) > 3 else None
+        query = args[0] if args else kwargs.get("query")
+        if not isinstance(mask, Tensor) or not isinstance(query, Tensor) or len(grads) != 1 \
+                or grads[0] is not mask or not mask.is_floating_point() or self.is_free(query):
+            return None
+        replaced = self._expanded(mask, query)
+        if replaced is None:
+            return None
+        if keyword:
+            return args, {**kwargs, "attn_mask": replaced}
+        return (*args[:3], replaced, *args[4:]), kwargs
 
 
     def replay(self) -> Dict[int, Tensor]:
