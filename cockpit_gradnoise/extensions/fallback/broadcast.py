@@ -19,10 +19,13 @@ from is
 one vector-Jacobian product per example (:func:`example_shares`, batched), after the batch's
 backward pass (which keeps only ``sum_r D_r`` per example): through ``B`` computed again from
 the parameters by the operations the call recorded (:meth:`Broadcasts.replay`; no module is
-called again, no hook runs). Any other use of a batch-free tensor that requires a gradient together with
-the batch's tensors (a matrix product, an attention kernel's mask) marks the call
-:attr:`Broadcasts.broken`: the fast way does not know it (:mod:`.windows` then recomputes the
-block). A parameter used as it is (a member ``nn.Linear``'s weight) is that layer's business.
+called again, no hook runs). An attention kernel's floating mask (:data:`MASKED`: timm's fused
+window attention passes its position bias to ``scaled_dot_product_attention`` so) is added to the
+scores as broadcast over the query's leading dimensions, and is expanded to the query's rows the
+same way. Any other use of a batch-free tensor that requires a gradient together with the batch's
+tensors (a matrix product) marks the call :attr:`Broadcasts.broken`: the fast way does not know it
+(:mod:`.windows` then recomputes the block). A parameter used as it is (a member ``nn.Linear``'s
+weight) is that layer's business.
 """
 
 import itertools
@@ -49,6 +52,29 @@ _IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.Tensor
 MASKED = frozenset({torch.nn.functional.scaled_dot_product_attention})
 
 
+#: Arguments that hold no tensor: not flattened (:func:`_tensors`).
+_PLAIN = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+          torch.Size, torch.layout, torch.memory_format)
+
+
+def _tensors(value, found: List[Tensor]) -> List[Tensor]:
+    """The tensors among ``value``'s leaves (``_pytree.tree_leaves``), appended to ``found``: tensors,
+    plain lists, tuples and dicts of them and of plain values walked here, anything else (a named
+    tuple, a registered node) flattened by ``_pytree``. Per operation of a module's call, where
+    ``_pytree`` cost a third of the attention's forward pass (timm's Swin)."""
+    if isinstance(value, Tensor):
+        found.append(value)
+    elif type(value) in (tuple, list):
+        for item in value:
+            _tensors(item, found)
+    elif type(value) is dict:
+        for item in value.values():
+            _tensors(item, found)
+    elif not isinstance(value, _PLAIN):
+        found.extend(leaf for leaf in _pytree.tree_leaves(value) if isinstance(leaf, Tensor))
+    return found
+
+
 class Broadcasts(TorchFunctionMode):
     """During one call of ``module``: batch-free tensors followed, and expanded to ``rows`` where
     they meet the rows (``expand(k, expanded)``, ``k`` its index in :attr:`operands`, gives the
@@ -71,12 +97,12 @@ class Broadcasts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [leaf for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        tensors = _tensors(kwargs, _tensors(args, []))
         free = [t for t in tensors if id(t) in self.free]
         if free and len(free) < len(tensors):
             args, kwargs = self._met(func, args, kwargs, free)
         out = func(*args, **kwargs)
-        outputs = [leaf for leaf in _pytree.tree_leaves(out) if isinstance(leaf, Tensor)]
+        outputs = _tensors(out, [])
         trained = any(id(t) in self.trained for t in free)
         if outputs and len(free) == len(tensors):  # (a factory's output, arange's, too)
             self.tape.append((func, args, kwargs, out))
