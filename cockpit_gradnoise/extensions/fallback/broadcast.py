@@ -61,7 +61,8 @@ def _tensors(value, found: List[Tensor]) -> List[Tensor]:
     """The tensors among ``value``'s leaves (``_pytree.tree_leaves``), appended to ``found``: tensors,
     plain lists, tuples and dicts of them and of plain values walked here, anything else (a named
     tuple, a registered node) flattened by ``_pytree``. Per operation of a module's call, where
-    ``_pytree`` cost a third of the attention's forward pass (timm's Swin)."""
+    ``_pytree`` took about half of the attention's calls' time under cProfile (timm's Swin, 52 of
+    110 ms a step)."""
     if isinstance(value, Tensor):
         found.append(value)
     elif type(value) in (tuple, list):
