@@ -144,6 +144,26 @@ def make_swinv2():
     return _ImageLogits(Swinv2ForImageClassification(config).eval())
 
 
+def make_timm_swin():
+    """The Swin above as timm builds it (``swin_tiny_patch4_window7_224``'s class at 64x64, width 48,
+    2 blocks in each of 3 stages, heads 2, 4, 8, windows of 4x4): its ``WindowAttention`` reads its
+    relative position table itself (``extensions/fallback/windows.py``)."""
+    import timm
+
+    return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=10, img_size=64,
+                             embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8), window_size=4).eval()
+
+
+def make_torchvision_swin():
+    """The Swin above as torchvision builds it (``SwinTransformer``, patches of 4, width 48, 2 blocks
+    in each of 3 stages, heads 2, 4, 8, windows of 4x4): ``ShiftedWindowAttention`` takes and
+    returns ``[N, H, W, C]`` and uses its ``qkv`` and ``proj`` through ``F.linear`` (the fallback)."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(patch_size=[4, 4], embed_dim=48, depths=[2, 2, 2], num_heads=[2, 4, 8],
+                           window_size=[4, 4], stochastic_depth_prob=0.0, num_classes=10).eval()
+
+
 def classification_loss(reduction):
     return nn.CrossEntropyLoss(reduction=reduction)
 
@@ -186,6 +206,8 @@ MODELS = {
     "qwen2-moe": ModelSpec(make_qwen2_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
     "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
+    "timm-swin": ModelSpec(make_timm_swin, images(3, 64, 64), 32),
+    "torchvision-swin": ModelSpec(make_torchvision_swin, images(3, 64, 64), 32),
     "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),
 }
 

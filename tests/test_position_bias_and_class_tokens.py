@@ -6,10 +6,11 @@ attention scores, batch-free, broadcast over batch x windows x heads: timm's Swi
 windows) and CoAtNet's ``RelPosBias`` (timm's ``maxxvit``). The module around the table whose
 input and output lead with the batch is run again on each example alone
 (``extensions/fallback/regroup.py``, ``blocks.py``): each example's contribution is the sum
-over its own windows. Exact against one backward pass per example on an un-prepared float64
-copy, for GradientVarianceQuantiles, PerExampleGradNorm and GradientNoiseScale, at batch
-sizes 2, 3 and the number of windows of the last stage. Hugging Face's Swin and SwinV2 are
-in ``tests/test_regroup.py``.
+over its own windows (at the first tracked step, this test's; from the next on, timm's Swin
+takes the windows' way: ``tests/test_swin_windows_timm.py``). Exact against one backward pass
+per example on an un-prepared float64 copy, for GradientVarianceQuantiles, PerExampleGradNorm
+and GradientNoiseScale, at batch sizes 2, 3 and the number of windows of the last stage.
+Hugging Face's Swin and SwinV2 are in ``tests/test_regroup.py``.
 
 (c) CvT's last stage (``CvtStage``) returns its hidden states, which the classifier does not
 use, then its class token: the first output gets no gradient, so the module's hook never

@@ -39,15 +39,18 @@ STRUCTURAL_ZERO = 1e-13
 
 
 def assert_exact_with_structural_zeros(model, inputs, targets, losses=None, inner_terms=1, left_out=None,
-                                       match=None):
+                                       match=None, known_zeros=None):
     """:func:`tests.test_silent_inexact.assert_exact` (no warning allowed), the references'
-    structural zeros exact zeros; or, with ``left_out``, that parameter left out by name with a
+    structural zeros exact zeros (a parameter's, and those ``known_zeros(grads)`` sets: a fused
+    ``qkv`` bias's key third); or, with ``left_out``, that parameter left out by name with a
     warning matching ``match`` and every other one exact."""
     loss_fn, per_example_loss = losses or classification_losses("mean")
     contributions = check.reference_contributions(copy.deepcopy(model), (inputs,), targets, loss_fn)
     scale = max(float(x.abs().max()) for x in contributions.values() if x.numel())
     grads = {name: (x if float(x.abs().max()) > STRUCTURAL_ZERO * scale else torch.zeros_like(x)) * len(inputs)
              for name, x in contributions.items() if x.numel() and name != left_out}
+    if known_zeros is not None:
+        known_zeros(grads)
     problem = Problem(cgn.prepare_model(model), extend(loss_fn), per_example_loss, inputs, targets, "mean")
     if left_out is not None:
         quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)

@@ -14,8 +14,7 @@ row ``r`` is no longer example ``r // W``'s) fails the proof and is recomputed p
 exact; taking the map for granted there would be silently wrong (asserted too).
 SwinV2 (its attention's ``logit_scale`` and position-bias MLP, broadcast over the rows) takes
 the same way, also where its attention is the block itself (one window per example). timm's Swin
-(the table a parameter of the attention module itself) keeps the per-example recomputation
-(``tests/test_position_bias_and_class_tokens.py``).
+(the table a parameter of the attention module itself) takes it too: ``tests/test_swin_windows_timm.py``.
 """
 
 import warnings

@@ -61,7 +61,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, experts, shared, windows
+from cockpit_gradnoise.extensions.fallback import block_vmap, experts, shared, window_map, windows
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -72,7 +72,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
 )
 from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
 from cockpit_gradnoise.extensions.fallback.layout import layout_of, state_kept, structure
-from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off
+from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, direct_parameters, hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
@@ -184,18 +184,37 @@ def takes_over(module: nn.Module, examples: int, unknown: bool = False) -> bool:
     """Whether a child of ``module`` with the fallback ran on rows that are not examples in
     its last call: a per-example input (:mod:`.layout`) none of which leads with ``examples``;
     ``unknown``: what a call whose layout is not learned yet counts as."""
+    return any(True for _ in _taking_over(module, examples, unknown))
+
+
+def _taking_over(module: nn.Module, examples: int, unknown: bool = False) -> Iterator[nn.Module]:
+    """The children of ``module`` that make it take over (:func:`takes_over`)."""
     for child in module.children():
         state = getattr(child, ATTRIBUTE, None)
         if not isinstance(state, Fallback) or state.call is None:
             continue
         if structure(state.call) not in state.layouts:
             if unknown:
-                return True
+                yield child
             continue
         found = layout_of(state)
         if found.refusal is None and found.leaves and not _batched(state.call, examples, found.leaves):
-            return True
-    return False
+            yield child
+
+
+def _members_alone(module: nn.Module, block: Block, examples: int) -> bool:
+    """Whether the block computes its members alone although a child takes over (timm's Swin:
+    ``WindowAttention``, with the relative position table as its own parameter, on the windows'
+    rows), as where no child takes over, its other layers (``norm1``, ``mlp``: on rows that are
+    examples, the survey found) keeping their own rows: where every child that takes over is a
+    member, every member is of a kind the windows' way knows (:func:`.window_map.kind`; not a
+    mixture of experts' 3-D experts), and the block has no parameter of its own (OLMo-Hybrid's
+    gated delta rule is its own block: its ``A_log`` is the block's). Otherwise the block
+    computes every parameter inside it."""
+    members = {id(member) for member in block.members}
+    return bool(members) and not direct_parameters(module) and module.__dict__.get(experts.ATTRIBUTE) is None \
+        and all(window_map.kind(m) is not None and experts.layout(m) is None for m in block.members) \
+        and all(id(child) in members for child in _taking_over(module, examples))
 
 
 def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
@@ -206,7 +225,7 @@ def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
     if not savefields or block.call is None or grad.dim() == 0 or covers(module):
         _let_go(block)  # (inside an active block: that block computes it)
         return
-    if takes_over(module, grad.shape[0]):
+    if takes_over(module, grad.shape[0]) and not _members_alone(module, block, grad.shape[0]):
         block.covered = list(module.modules())
     elif block.members:  # (.regroup): the other layers' rules give exact rows
         block.covered = list({id(sub): sub for member in block.members for sub in member.modules()}.values())

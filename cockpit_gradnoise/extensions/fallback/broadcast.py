@@ -19,10 +19,13 @@ from is
 one vector-Jacobian product per example (:func:`example_shares`, batched), after the batch's
 backward pass (which keeps only ``sum_r D_r`` per example): through ``B`` computed again from
 the parameters by the operations the call recorded (:meth:`Broadcasts.replay`; no module is
-called again, no hook runs). Any other use of a batch-free tensor that requires a gradient together with
-the batch's tensors (a matrix product, an attention kernel's mask) marks the call
-:attr:`Broadcasts.broken`: the fast way does not know it (:mod:`.windows` then recomputes the
-block). A parameter used as it is (a member ``nn.Linear``'s weight) is that layer's business.
+called again, no hook runs). An attention kernel's floating mask (:data:`MASKED`: timm's fused
+window attention passes its position bias to ``scaled_dot_product_attention`` so) is added to the
+scores as broadcast over the query's leading dimensions, and is expanded to the query's rows the
+same way. Any other use of a batch-free tensor that requires a gradient together with the batch's
+tensors (a matrix product) marks the call :attr:`Broadcasts.broken`: the fast way does not know it
+(:mod:`.windows` then recomputes the block). A parameter used as it is (a member ``nn.Linear``'s
+weight) is that layer's business.
 """
 
 import itertools
@@ -43,6 +46,34 @@ ELEMENTWISE = frozenset(
      if hasattr(owner, name)} | {torch.add, torch.sub, torch.mul, torch.div})
 _IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.TensorBase) for name in IN_PLACE
                       if hasattr(owner, name))
+#: Attention kernels whose floating ``attn_mask`` (their fourth argument) is added to the scores,
+#: broadcast over the query's leading dimensions (timm's fused window attention passes its
+#: position bias so): a batch-free mask is expanded to the rows there, as at an addition.
+MASKED = frozenset({torch.nn.functional.scaled_dot_product_attention})
+
+
+#: Arguments that hold no tensor: not flattened (:func:`_tensors`).
+_PLAIN = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+          torch.Size, torch.layout, torch.memory_format)
+
+
+def _tensors(value, found: List[Tensor]) -> List[Tensor]:
+    """The tensors among ``value``'s leaves (``_pytree.tree_leaves``), appended to ``found``: tensors,
+    plain lists, tuples and dicts of them and of plain values walked here, anything else (a named
+    tuple, a registered node) flattened by ``_pytree``. Per operation of a module's call, where
+    ``_pytree`` took about half of the attention's calls' time under cProfile (timm's Swin, 52 of
+    110 ms a step)."""
+    if isinstance(value, Tensor):
+        found.append(value)
+    elif type(value) in (tuple, list):
+        for item in value:
+            _tensors(item, found)
+    elif type(value) is dict:
+        for item in value.values():
+            _tensors(item, found)
+    elif not isinstance(value, _PLAIN):
+        found.extend(leaf for leaf in _pytree.tree_leaves(value) if isinstance(leaf, Tensor))
+    return found
 
 
 class Broadcasts(TorchFunctionMode):
@@ -67,12 +98,12 @@ class Broadcasts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [leaf for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        tensors = _tensors(kwargs, _tensors(args, []))
         free = [t for t in tensors if id(t) in self.free]
         if free and len(free) < len(tensors):
-            args = self._met(func, args, kwargs, free)
+            args, kwargs = self._met(func, args, kwargs, free)
         out = func(*args, **kwargs)
-        outputs = [leaf for leaf in _pytree.tree_leaves(out) if isinstance(leaf, Tensor)]
+        outputs = _tensors(out, [])
         trained = any(id(t) in self.trained for t in free)
         if outputs and len(free) == len(tensors):  # (a factory's output, arange's, too)
             self.tape.append((func, args, kwargs, out))
@@ -87,24 +118,54 @@ class Broadcasts(TorchFunctionMode):
         return out
 
     def _met(self, func, args, kwargs, free: List[Tensor]):
-        """``args`` with a batch-free operand expanded to the rows, where the operation is one
-        of :data:`ELEMENTWISE` of two tensors, the other led by the rows."""
+        """``(args, kwargs)`` with a batch-free operand expanded to the rows, where the operation
+        is one of :data:`ELEMENTWISE` of two tensors, the other led by the rows, or one of
+        :data:`MASKED` whose mask is the one batch-free operand, its query led by the rows."""
         grads = [t for t in free if id(t) in self.trained]
         if not grads:
-            return args
+            return args, kwargs
         if func in ELEMENTWISE and not kwargs and len(args) == 2 and all(isinstance(a, Tensor) for a in args):
             k = 0 if self.is_free(args[0]) else 1
             operand, other = args[k], args[1 - k]
-            if (k == 1 or func not in _IN_PLACE) and other.dim() >= max(operand.dim(), 1) \
-                    and other.shape[0] == self.rows:
-                shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
-                if shaped.shape[0] == 1:
-                    self.operands.append((operand, tuple(shaped.shape)))
-                    replaced = self.expand(len(self.operands) - 1, shaped.expand(self.rows, *shaped.shape[1:]))
-                    return (replaced, other) if k == 0 else (other, replaced)
+            if k == 1 or func not in _IN_PLACE:
+                replaced = self._expanded(operand, other)
+                if replaced is not None:
+                    return ((replaced, other) if k == 0 else (other, replaced)), kwargs
+        if func in MASKED:
+            found = self._masked(args, kwargs, grads)
+            if found is not None:
+                return found
         if not all(isinstance(t, nn.Parameter) and id(t) not in self.own for t in grads):
             self.broken = True
-        return args
+        return args, kwargs
+
+    def _expanded(self, operand: Tensor, other: Tensor) -> Optional[Tensor]:
+        """``operand`` broadcast to ``other`` (led by the rows), expanded to the rows and noted;
+        ``None`` where it has a leading size of its own there."""
+        if other.dim() < max(operand.dim(), 1) or other.shape[0] != self.rows:
+            return None
+        shaped = operand.reshape((1,) * (other.dim() - operand.dim()) + tuple(operand.shape))
+        if shaped.shape[0] != 1:
+            return None
+        self.operands.append((operand, tuple(shaped.shape)))
+        return self.expand(len(self.operands) - 1, shaped.expand(self.rows, *shaped.shape[1:]))
+
+    def _masked(self, args, kwargs, grads: List[Tensor]) -> Optional[tuple]:
+        """``(args, kwargs)`` of an attention kernel (:data:`MASKED`) with its floating mask, the one
+        batch-free operand that requires a gradient, expanded to the rows of its query: the
+        kernel adds it to the scores ``[rows, ..., L, S]`` as broadcast (the same numbers)."""
+        keyword = "attn_mask" in kwargs
+        mask = kwargs["attn_mask"] if keyword else args[3] if len(args) > 3 else None
+        query = args[0] if args else kwargs.get("query")
+        if not isinstance(mask, Tensor) or not isinstance(query, Tensor) or len(grads) != 1 \
+                or grads[0] is not mask or not mask.is_floating_point() or self.is_free(query):
+            return None
+        replaced = self._expanded(mask, query)
+        if replaced is None:
+            return None
+        if keyword:
+            return args, {**kwargs, "attn_mask": replaced}
+        return (*args[:3], replaced, *args[4:]), kwargs
 
 
     def replay(self) -> Dict[int, Tensor]:
