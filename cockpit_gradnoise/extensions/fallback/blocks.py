@@ -71,7 +71,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     active_savefields,
 )
 from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
-from cockpit_gradnoise.extensions.fallback.layout import layout_of, state_kept, structure
+from cockpit_gradnoise.extensions.fallback.layout import key_of, layout_of, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
@@ -188,7 +188,7 @@ def takes_over(module: nn.Module, examples: int, unknown: bool = False) -> bool:
         state = getattr(child, ATTRIBUTE, None)
         if not isinstance(state, Fallback) or state.call is None:
             continue
-        if structure(state.call) not in state.layouts:
+        if key_of(state, state.call) not in state.layouts:
             if unknown:
                 return True
             continue

@@ -13,6 +13,7 @@ view of it, whose gradient is kept).
 
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -157,6 +158,17 @@ class Fallback:
     #: Which tensors of a call depend on the batch, per structure of its arguments
     #: (:mod:`.layout`, learned from a forward pass one example larger).
     layouts: Dict[str, Any] = field(default_factory=dict)
+    #: Every call of the forward pass in progress or last recorded, in order (``call`` is the
+    #: last): more than one for a module called several times (:mod:`.several`).
+    calls: List[Call] = field(default_factory=list)
+    #: The recorded forward pass is over (:func:`.layout.learn`): the next call starts a new
+    #: list of ``calls``.
+    sealed: bool = False
+    #: The call whose first output's gradient arrived last (its hooks run next).
+    arriving: Optional[Call] = None
+    #: The calls of a module called several times that this backward pass reached, with their
+    #: output gradients, until its end (:func:`.running.run`).
+    arrivals: Optional[Any] = None
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -303,12 +315,16 @@ def _capture(module, args, kwargs, output):
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None
+    # The calls of one forward pass of the model (sealed at its end) are kept together.
+    earlier = [] if state.taken or state.sealed or state.call is None else state.calls
+    state.calls, state.sealed = [*earlier, call], False
     state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if first is not None and first.requires_grad:
-        # Steps without the package's extensions free the arguments in the backward pass.
-        first.register_hook(_releaser(state))
+        # Which call the module's backward hooks that follow are of; steps without the
+        # package's extensions free the arguments in the backward pass.
+        first.register_hook(_releaser(state, call))
     return _keep_later_gradients(module, call, output)
 
 
@@ -353,7 +369,7 @@ def _first_output_without_gradient(module: nn.Module, call: Call):
     class "unknown", with none)."""
     state = getattr(module, ATTRIBUTE, None)
     if state is None or state.call is not call or state.taken or state.deferred is not None \
-            or state.results is not None:
+            or state.results is not None or state.arrivals is not None:
         return  # the first output's hook ran (or the call is gone)
     name = type(module).__name__
     reason = (f"only a later output of the tuple {name} returns reached the loss, not its first, "
@@ -370,10 +386,13 @@ def _first_output_without_gradient(module: nn.Module, call: Call):
                       f"per-example rows: {reason}", stacklevel=2)
 
 
-def _releaser(state: Fallback):
+def _releaser(state: Fallback, call: Call):
+    kept = weakref.ref(call)  # (the graph must not keep a call the module let go of)
+
     def release(grad):
+        state.arriving = kept()
         if not active_savefields():
-            state.call, state.taken = None, True
+            state.call, state.calls, state.taken = None, [], True
 
     return release
 
