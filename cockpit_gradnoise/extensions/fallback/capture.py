@@ -12,7 +12,6 @@ view of it, whose gradient is kept).
 """
 
 import functools
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -79,6 +78,9 @@ class Call:
     #: Whether the end of this backward pass checks that the first output's hook ran
     #: (:func:`_first_output_without_gradient`).
     watched: bool = False
+    #: ``(shape, dtype, device)`` of the first output (a tensor), for its gradient of zeros
+    #: where only later outputs reached the loss (:func:`_first_output_without_gradient`).
+    first: Optional[Tuple[torch.Size, torch.dtype, torch.device]] = None
 
 
 class Nodes:
@@ -321,6 +323,8 @@ def _capture(module, args, kwargs, output):
     state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
+    if isinstance(first, Tensor):
+        call.first = (first.shape, first.dtype, first.device)
     if first is not None and first.requires_grad:
         # Which call the module's backward hooks that follow are of; steps without the
         # package's extensions free the arguments in the backward pass.
@@ -364,26 +368,21 @@ def _keep_output_gradient(module: nn.Module, call: Call, p: int, grad: Tensor):
 def _first_output_without_gradient(module: nn.Module, call: Call):
     """End of the backward pass: where a later output reached the loss and the first did not
     (CvT's last stage returns its hidden states, which the classifier does not use, then its
-    class token), the first output's hook never ran and no extension saw the module: its
-    parameters are left out by name, with that reason (they used to be counted in layers of
-    class "unknown", with none)."""
+    class token), the first output's hook never ran and no extension saw the module. The
+    first output did not reach the loss, so its gradient is exactly zero: the active
+    extensions are run on the module with that gradient of zeros (one output's size), as
+    the hook would have run them, and the later outputs' gradients the call kept
+    (:func:`.running.compute`)."""
     state = getattr(module, ATTRIBUTE, None)
     if state is None or state.call is not call or state.taken or state.deferred is not None \
             or state.results is not None or state.arrivals is not None:
         return  # the first output's hook ran (or the call is gone)
-    name = type(module).__name__
-    reason = (f"only a later output of the tuple {name} returns reached the loss, not its first, "
-              "and the package computes a module's rows when the gradient of its first output "
-              "arrives: return the output that reaches the loss first to give it rows")
-    recorded = facts.recording()
-    recorded.record_owner(module)
-    for param_name, param in direct_parameters(module).items():
-        recorded.refuse(param, f"{name}.{param_name}: {reason}")
-    state.refused = reason
-    if reason not in state.warned:
-        state.warned.add(reason)
-        warnings.warn(f"cockpit-gradnoise: {name} ({', '.join(direct_parameters(module))}) gets no "
-                      f"per-example rows: {reason}", stacklevel=2)
+    facts.recording().record_owner(module)
+    shape, dtype, device = call.first  # (a tuple's first tensor: set with the hooks on the later)
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    for extension in CTX.get_active_exts():
+        if getattr(extension, "savefield", None) in SAVEFIELDS:
+            extension(module, (None,), (zeros,))
 
 
 def _releaser(state: Fallback, call: Call):
