@@ -14,9 +14,10 @@ view of it, whose gradient is kept).
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions.fallback import caches
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
 from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
@@ -78,6 +79,9 @@ class Call:
     #: Whether the end of this backward pass checks that the first output's hook ran
     #: (:func:`_first_output_without_gradient`).
     watched: bool = False
+    #: Indices of the leaves that are key/value caches this call filled from empty: ``None``
+    #: in the recomputation (:mod:`.caches`).
+    fresh_caches: FrozenSet[int] = frozenset()
     #: ``(shape, dtype, device)`` of the first output (a tensor), for its gradient of zeros
     #: where only later outputs reached the loss (:func:`_first_output_without_gradient`).
     first: Optional[Tuple[torch.Size, torch.dtype, torch.device]] = None
@@ -166,6 +170,8 @@ class Fallback:
     #: The recorded forward pass is over (:func:`.layout.learn`): the next call starts a new
     #: list of ``calls``.
     sealed: bool = False
+    #: The lengths of the key/value caches the call in progress was given (:mod:`.caches`).
+    cache_lengths: Dict[int, List[int]] = field(default_factory=dict)
     #: The call whose first output's gradient arrived last (its hooks run next).
     arriving: Optional[Call] = None
     #: The calls of a module called several times that this backward pass reached, with their
@@ -203,7 +209,7 @@ def install_fallback(model: nn.Module, has_rule: Callable[[nn.Module], bool]) ->
         elif needs_fallback(module, has_rule):
             state = Fallback(closed_form=look_alike(module))
             setattr(module, ATTRIBUTE, state)
-            module.register_forward_pre_hook(eager_under_compile(_start_recording))
+            module.register_forward_pre_hook(eager_under_compile(_start_recording), with_kwargs=True)
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
             for child in module.children():
                 _record_calls_of(child, state)
@@ -222,12 +228,15 @@ def _record_calls_of(child: nn.Module, state: Fallback):
     setattr(child, PARENT_ATTRIBUTE, state)
 
 
-def _start_recording(module, args):
-    """Forward pre-hook: record the calls of the direct children during this call."""
+def _start_recording(module, args, kwargs):
+    """Forward pre-hook: record the calls of the direct children during this call, and the
+    lengths of the key/value caches it is given (:mod:`.caches`)."""
     state = getattr(module, ATTRIBUTE, None)
     if state is not None:
         recording = torch.is_grad_enabled() and not idle(module)
         state.recording = [] if recording else None
+        state.cache_lengths = caches.lengths(_pytree.tree_leaves((args, kwargs))) \
+            if recording and caches.reads_none_as_no_cache(module) else {}
         if recording:  # computed again from the parameters, as in training mode
             clear_parameter_caches(module)
 
@@ -307,6 +316,7 @@ def _capture(module, args, kwargs, output):
             state.recording = None
         return  # no gradient to come (a torch.fx trace's proxies, too)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
+    fresh = caches.filled_from_empty(leaves, state.cache_lengths) if state.cache_lengths else frozenset()
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     input_nodes = frozenset(leaf.grad_fn for leaf in leaves
                             if isinstance(leaf, Tensor) and leaf.grad_fn is not None)
@@ -314,6 +324,7 @@ def _capture(module, args, kwargs, output):
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
                 children=state.recording or [], output_sizes=output_sizes(output))
+    call.fresh_caches = fresh
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None

@@ -15,7 +15,7 @@ import warnings
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings
-from cockpit_gradnoise.extensions.fallback import regroup, several
+from cockpit_gradnoise.extensions.fallback import caches, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -165,8 +165,19 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
                 reason = random_forward(module, reason)
             elif _given_a_cache(call):
                 reason = cache_updated(reason)
+            elif "setup_context" in str(error):
+                reason = OLD_STYLE_FUNCTION
     _refuse(module, state, reason)
     return {}
+
+
+#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
+OLD_STYLE_FUNCTION = (
+    "its forward calls a custom torch.autograd.Function whose forward takes ctx (no separate "
+    "setup_context), which torch.func.vmap cannot run per example (RecurrentGemma's "
+    "SqrtBoundDerivative in its RG-LRU): give the Function a setup_context staticmethod (torch's "
+    "'Extending torch.func with autograd.Function'), or use plain torch operations at tracked "
+    "steps, to give its parameters rows")
 
 
 def random_forward(module: nn.Module, reason: str) -> str:
@@ -186,18 +197,22 @@ def random_forward(module: nn.Module, reason: str) -> str:
 
 
 def _given_a_cache(call) -> bool:
-    """Whether the call was given a key/value cache of ``transformers`` (a ``Cache``)."""
-    return any(any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-                   for c in type(leaf).__mro__) for leaf in call.leaves)
+    """Whether the call was given a key/value cache of ``transformers`` (a ``Cache``) that
+    its recomputation keeps (one filled from empty by the call is left out: :mod:`.caches`)."""
+    return any(caches.is_cache(leaf) for k, leaf in enumerate(call.leaves) if k not in call.fresh_caches)
 
 
 def cache_updated(reason: str) -> str:
     """Why a module given a key/value cache gets no rows: its forward appended this pass's
-    keys to the cache, so a recomputation per example finds the batch's there
-    (GraniteMoE-SWA's attention, whose ``sinks`` the fallback computes)."""
+    keys to the cache, so a recomputation per example finds the batch's there.
+
+    A cache of ``transformers`` the call filled from empty is left out of the recomputation
+    instead (:mod:`.caches`: GraniteMoE-SWA's attention with the cache its model creates).
+    """
     return (f"{reason}: its forward updates the key/value cache it was given (past_key_values), "
             "which already holds the batch's keys when it runs again per example: call the model "
-            "with use_cache=False at tracked steps (as for training) to give its parameters rows")
+            "with use_cache=False at tracked steps (transformers creates a cache in training mode "
+            "too where config.use_cache is true) to give its parameters rows")
 
 
 def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
