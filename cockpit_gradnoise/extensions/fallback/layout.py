@@ -194,10 +194,11 @@ def _pending(model: nn.Module) -> List[Tuple[nn.Module, object, Call, str]]:
 
 def _sizes_of(state, call: Call, sizes: List[list]) -> Optional[list]:
     """The larger pass's sizes of the call that corresponds to ``call``: the same place among
-    the calls of a module called several times (``None`` where it called it otherwise), the
-    last call's for one call."""
+    the calls of a module called several times, the last call's for the last call (as for
+    one call: what a block around the module reads, :func:`.blocks.takes_over`); ``None``
+    where the larger pass called it another number of times (a call but the last)."""
     calls = getattr(state, "calls", ())
-    if len(calls) <= 1:
+    if len(calls) <= 1 or call is calls[-1]:
         return sizes[-1] if sizes else []
     if len(sizes) != len(calls):
         return None
