@@ -128,13 +128,42 @@ class UsesTable(nn.Module):
 
 
 class Twice(nn.Module):
+    """A layer scale called on the batch and on a batch-free table of as many rows as the
+    batch has examples (6): one call has no per-example rows, so the module is refused (its
+    calls are summed per example where each has them: ``tests/test_fallback_several_calls.py``)."""
+
     def __init__(self):
         super().__init__()
         self.scale, self.head = Scaled(4), nn.Linear(4, 3)
+        self.table = torch.randn(6, 4)
 
     def forward(self, x):
         zero = torch.zeros(4)
-        return self.head(self.scale(self.scale(x, shift=zero)[0], shift=zero)[0])
+        return self.head(self.scale(x, shift=zero)[0] + self.scale(self.table.to(x), shift=zero)[0])
+
+
+class OldStyleSqrt(torch.autograd.Function):
+    """A square root whose ``forward`` takes ``ctx`` (no ``setup_context``), as RecurrentGemma's
+    ``SqrtBoundDerivative``: ``torch.func`` cannot run it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sqrt()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / (2 * x.sqrt())
+
+
+class OldStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return OldStyleSqrt.apply(x.square() + self.gamma.square())
 
 
 class Shift(nn.Module):
@@ -187,10 +216,12 @@ class GivesACache(nn.Module):
         (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
         (nn.Sequential(GivesACache(), nn.Linear(4, 3)), "0.cached.gamma", "use_cache=False"),
         (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
-        (Twice(), "scale.gamma", "called more than once"),
+        (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
+        (nn.Sequential(OldStyle(), nn.Linear(4, 3)), "0.gamma", "give the Function a setup_context"),
     ],
-    ids=["batchnorm-inside", "key-value-cache", "dropout", "called-twice", "child-output-changed-in-place"],
+    ids=["batchnorm-inside", "key-value-cache", "dropout", "called-twice", "child-output-changed-in-place",
+         "autograd-function-without-setup-context"],
 )
 def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason):
     torch.manual_seed(0)
@@ -204,7 +235,7 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
     "model, name, reason",
     [
         (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
-        (Twice(), "scale.gamma", "called more than once"),
+        (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],
     ids=["dropout", "called-twice", "child-output-changed-in-place"],

@@ -142,6 +142,13 @@ def _why_not(shape: Tuple[int, ...], stopped_at: Optional[str]) -> str:
             "goes into a graph compiled by torch.compile, where the package cannot see "
             "whether it is broadcast over the batch or taken per example: run the "
             "uncompiled module (compiled._orig_mod) at tracked steps")
+    if stopped_at is not None and "CopySlices" in stopped_at:
+        return start + (
+            f"is used by an in-place operation on a view ({stopped_at}: RoCBERT's "
+            "`embedding_in += position_embeddings` on a Linear's output), whose operation the "
+            "autograd graph does not show, so its broadcast over the batch is not proven: "
+            "write it out of place (x = x + table(positions)), or apply the embedding to every "
+            "example's indices (index.expand(B, *index.shape))")
     through = "" if stopped_at is None else f" ({stopped_at})"
     return start + (
         f"reaches the batch's tensors through an operation the package does not follow{through} "

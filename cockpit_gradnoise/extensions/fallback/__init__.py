@@ -48,6 +48,9 @@ How it is wired, one file each:
   fallback and nothing is theirs, ``_RecordingExtension._rules_run``):
   once per module and backward pass, every active package extension's
   results, each extension taking its own;
+- :mod:`.several`: a module called several times in one forward pass (T5Gemma2's
+  ``k_norm`` on its own keys and the encoder's): its calls' contributions summed per
+  example before they are reduced;
 - :mod:`.blocks`: a module's parent that runs it on rows that are not examples (a
   mixture-of-experts block's router and experts on flattened tokens) takes over:
   it is run again on each example alone, and gives every parameter inside it its rows;

@@ -71,11 +71,11 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     active_savefields,
 )
 from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
-from cockpit_gradnoise.extensions.fallback.layout import layout_of, state_kept, structure
+from cockpit_gradnoise.extensions.fallback.layout import key_of, layout_of, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import caches_bypassed, direct_parameters, hooks_off
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
-from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD, TIED_ATTR
 
 import torch
 from torch import Tensor, nn
@@ -193,7 +193,7 @@ def _taking_over(module: nn.Module, examples: int, unknown: bool = False) -> Ite
         state = getattr(child, ATTRIBUTE, None)
         if not isinstance(state, Fallback) or state.call is None:
             continue
-        if structure(state.call) not in state.layouts:
+        if key_of(state, state.call) not in state.layouts:
             if unknown:
                 yield child
             continue
@@ -486,11 +486,7 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
             summed = results[LOCAL_GRADIENT_SAVEFIELD][name]
             if reached_otherwise(block.totals.get(id(param)), summed, results[BATCH_L2_SAVEFIELD][name],
                                  eps, block_scale):
-                _refuse(module, recorded, param, (
-                    "part of its gradient did not come through its block's output: a term of the "
-                    "loss reaches it another way (the router's auxiliary load-balancing loss, "
-                    "output_router_logits=True, is a term of the whole batch, not of examples) or "
-                    "it is shared with a layer outside the block"))
+                _refuse(module, recorded, param, _why_reached_otherwise(block, param))
                 continue
             for savefield in savefields:
                 setattr(param, savefield, results[savefield][name])
@@ -503,6 +499,25 @@ def _save(module: nn.Module, block: Block, grad: Tensor, savefields, recorded) -
             handle.remove()
         block.handles, block.totals, block.call, block.output, block.covered = [], {}, None, None, []
         block.dtype = None
+
+
+def _why_reached_otherwise(block: Block, param: nn.Parameter) -> str:
+    """Why part of ``param``'s gradient did not come through its block's output: a tie with
+    a layer outside the block, where ``prepare_model`` marked one (MobileBERT's word
+    embedding, tied to its prediction head's decoder), else a term of the loss."""
+    start = "part of its gradient did not come through its block's output: "
+    for sub in block.covered:
+        for attribute, group in sub.__dict__.get(TIED_ATTR, {}).items():
+            if getattr(sub, attribute, None) is param:
+                return start + (
+                    f"it is tied ({', '.join(group.names)}) and used outside the block too, which "
+                    "the block run on each example does not see: untie it (tie_word_embeddings="
+                    "False in transformers) and prepare the model (cgn.prepare_model) again to "
+                    "give it rows")
+    return start + (
+        "a term of the loss reaches it another way (the router's auxiliary load-balancing loss, "
+        "output_router_logits=True, is a term of the whole batch, not of examples) or it is "
+        "shared with a layer outside the block")
 
 
 def rounding(block: Block, dtype: torch.dtype) -> float:

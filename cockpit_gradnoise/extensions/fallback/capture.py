@@ -12,11 +12,12 @@ view of it, whose gradient is kept).
 """
 
 import functools
-import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions.fallback import caches
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
 from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
@@ -78,6 +79,12 @@ class Call:
     #: Whether the end of this backward pass checks that the first output's hook ran
     #: (:func:`_first_output_without_gradient`).
     watched: bool = False
+    #: Indices of the leaves that are key/value caches this call filled from empty: ``None``
+    #: in the recomputation (:mod:`.caches`).
+    fresh_caches: FrozenSet[int] = frozenset()
+    #: ``(shape, dtype, device)`` of the first output (a tensor), for its gradient of zeros
+    #: where only later outputs reached the loss (:func:`_first_output_without_gradient`).
+    first: Optional[Tuple[torch.Size, torch.dtype, torch.device]] = None
 
 
 class Nodes:
@@ -157,6 +164,19 @@ class Fallback:
     #: Which tensors of a call depend on the batch, per structure of its arguments
     #: (:mod:`.layout`, learned from a forward pass one example larger).
     layouts: Dict[str, Any] = field(default_factory=dict)
+    #: Every call of the forward pass in progress or last recorded, in order (``call`` is the
+    #: last): more than one for a module called several times (:mod:`.several`).
+    calls: List[Call] = field(default_factory=list)
+    #: The recorded forward pass is over (:func:`.layout.learn`): the next call starts a new
+    #: list of ``calls``.
+    sealed: bool = False
+    #: The lengths of the key/value caches the call in progress was given (:mod:`.caches`).
+    cache_lengths: Dict[int, List[int]] = field(default_factory=dict)
+    #: The call whose first output's gradient arrived last (its hooks run next).
+    arriving: Optional[Call] = None
+    #: The calls of a module called several times that this backward pass reached, with their
+    #: output gradients, until its end (:func:`.running.run`).
+    arrivals: Optional[Any] = None
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -189,7 +209,7 @@ def install_fallback(model: nn.Module, has_rule: Callable[[nn.Module], bool]) ->
         elif needs_fallback(module, has_rule):
             state = Fallback(closed_form=look_alike(module))
             setattr(module, ATTRIBUTE, state)
-            module.register_forward_pre_hook(eager_under_compile(_start_recording))
+            module.register_forward_pre_hook(eager_under_compile(_start_recording), with_kwargs=True)
             module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
             for child in module.children():
                 _record_calls_of(child, state)
@@ -208,12 +228,15 @@ def _record_calls_of(child: nn.Module, state: Fallback):
     setattr(child, PARENT_ATTRIBUTE, state)
 
 
-def _start_recording(module, args):
-    """Forward pre-hook: record the calls of the direct children during this call."""
+def _start_recording(module, args, kwargs):
+    """Forward pre-hook: record the calls of the direct children during this call, and the
+    lengths of the key/value caches it is given (:mod:`.caches`)."""
     state = getattr(module, ATTRIBUTE, None)
     if state is not None:
         recording = torch.is_grad_enabled() and not idle(module)
         state.recording = [] if recording else None
+        state.cache_lengths = caches.lengths(_pytree.tree_leaves((args, kwargs))) \
+            if recording and caches.reads_none_as_no_cache(module) else {}
         if recording:  # computed again from the parameters, as in training mode
             clear_parameter_caches(module)
 
@@ -293,6 +316,7 @@ def _capture(module, args, kwargs, output):
             state.recording = None
         return  # no gradient to come (a torch.fx trace's proxies, too)
     leaves, spec = _pytree.tree_flatten((args, kwargs))
+    fresh = caches.filled_from_empty(leaves, state.cache_lengths) if state.cache_lengths else frozenset()
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     input_nodes = frozenset(leaf.grad_fn for leaf in leaves
                             if isinstance(leaf, Tensor) and leaf.grad_fn is not None)
@@ -300,15 +324,22 @@ def _capture(module, args, kwargs, output):
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
                 children=state.recording or [], output_sizes=output_sizes(output))
+    call.fresh_caches = fresh
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None
+    # The calls of one forward pass of the model (sealed at its end) are kept together.
+    earlier = [] if state.taken or state.sealed or state.call is None else state.calls
+    state.calls, state.sealed = [*earlier, call], False
     state.call, state.results, state.taken = call, None, False
     first = output if positions is None else output[positions[0]] if positions else None
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
+    if isinstance(first, Tensor):
+        call.first = (first.shape, first.dtype, first.device)
     if first is not None and first.requires_grad:
-        # Steps without the package's extensions free the arguments in the backward pass.
-        first.register_hook(_releaser(state))
+        # Which call the module's backward hooks that follow are of; steps without the
+        # package's extensions free the arguments in the backward pass.
+        first.register_hook(_releaser(state, call))
     return _keep_later_gradients(module, call, output)
 
 
@@ -348,32 +379,30 @@ def _keep_output_gradient(module: nn.Module, call: Call, p: int, grad: Tensor):
 def _first_output_without_gradient(module: nn.Module, call: Call):
     """End of the backward pass: where a later output reached the loss and the first did not
     (CvT's last stage returns its hidden states, which the classifier does not use, then its
-    class token), the first output's hook never ran and no extension saw the module: its
-    parameters are left out by name, with that reason (they used to be counted in layers of
-    class "unknown", with none)."""
+    class token), the first output's hook never ran and no extension saw the module. The
+    first output did not reach the loss, so its gradient is exactly zero: the active
+    extensions are run on the module with that gradient of zeros (one output's size), as
+    the hook would have run them, and the later outputs' gradients the call kept
+    (:func:`.running.compute`)."""
     state = getattr(module, ATTRIBUTE, None)
     if state is None or state.call is not call or state.taken or state.deferred is not None \
-            or state.results is not None:
+            or state.results is not None or state.arrivals is not None:
         return  # the first output's hook ran (or the call is gone)
-    name = type(module).__name__
-    reason = (f"only a later output of the tuple {name} returns reached the loss, not its first, "
-              "and the package computes a module's rows when the gradient of its first output "
-              "arrives: return the output that reaches the loss first to give it rows")
-    recorded = facts.recording()
-    recorded.record_owner(module)
-    for param_name, param in direct_parameters(module).items():
-        recorded.refuse(param, f"{name}.{param_name}: {reason}")
-    state.refused = reason
-    if reason not in state.warned:
-        state.warned.add(reason)
-        warnings.warn(f"cockpit-gradnoise: {name} ({', '.join(direct_parameters(module))}) gets no "
-                      f"per-example rows: {reason}", stacklevel=2)
+    facts.recording().record_owner(module)
+    shape, dtype, device = call.first  # (a tuple's first tensor: set with the hooks on the later)
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    for extension in CTX.get_active_exts():
+        if getattr(extension, "savefield", None) in SAVEFIELDS:
+            extension(module, (None,), (zeros,))
 
 
-def _releaser(state: Fallback):
+def _releaser(state: Fallback, call: Call):
+    kept = weakref.ref(call)  # (the graph must not keep a call the module let go of)
+
     def release(grad):
+        state.arriving = kept()
         if not active_savefields():
-            state.call, state.taken = None, True
+            state.call, state.calls, state.taken = None, [], True
 
     return release
 

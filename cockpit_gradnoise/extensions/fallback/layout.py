@@ -69,9 +69,22 @@ def structure(call: Call) -> str:
     return str(call.spec)
 
 
-def layout_of(state: Fallback) -> Layout:
-    """The layout learned for the structure of ``state``'s call (a refusal if none was)."""
-    found = state.layouts.get(structure(state.call))
+def key_of(state, call: Call) -> str:
+    """The key of ``call``'s layout among ``state``'s: its structure; for a module called
+    several times in the forward pass (:mod:`.several`), with its place among the calls, as
+    one call may be per example and another not (a bias table and a batch of the same
+    structure)."""
+    calls = getattr(state, "calls", ())
+    if len(calls) <= 1:
+        return structure(call)
+    place = next((k for k, other in enumerate(calls) if other is call), None)
+    return f"{structure(call)} (call {place} of {len(calls)})"
+
+
+def layout_of(state: Fallback, call: Optional[Call] = None) -> Layout:
+    """The layout learned for ``call`` (``state``'s last by default; a refusal if none was)."""
+    call = state.call if call is None else call
+    found = state.layouts.get(key_of(state, call))
     if found is None:
         return Layout(refusal=(
             "which of its inputs are per example was not learned: the model's forward pass "
@@ -94,9 +107,9 @@ class _Sizes:
     """The leading sizes of the pending modules' arguments and children's outputs in a pass."""
 
     def __init__(self):
-        self.leaves: Dict[nn.Module, List[Optional[int]]] = {}
-        self.children: Dict[nn.Module, List[Optional[int]]] = {}
-        self.outputs: Dict[nn.Module, List[Optional[int]]] = {}
+        self.leaves: Dict[nn.Module, List[List[Optional[int]]]] = {}
+        self.children: Dict[nn.Module, List[List[Optional[int]]]] = {}
+        self.outputs: Dict[nn.Module, List[List[Optional[int]]]] = {}
         self.active: Dict[nn.Module, List[Optional[int]]] = {}
 
     def install(self, modules: List[nn.Module]) -> list:
@@ -112,10 +125,10 @@ class _Sizes:
         self.active[module] = []
 
     def _end(self, module, args, kwargs, output):
-        leaves, _ = _pytree.tree_flatten((args, kwargs))
-        self.leaves[module] = [_leading(leaf) for leaf in leaves]
-        self.children[module] = self.active.pop(module, [])
-        self.outputs[module] = output_sizes(output)
+        leaves, _ = _pytree.tree_flatten((args, kwargs))  # one entry per call, in order
+        self.leaves.setdefault(module, []).append([_leading(leaf) for leaf in leaves])
+        self.children.setdefault(module, []).append(self.active.pop(module, []))
+        self.outputs.setdefault(module, []).append(output_sizes(output))
 
     def _child(self, child, args, output):
         parent = getattr(child, PARENT_ATTRIBUTE, None)
@@ -158,17 +171,38 @@ def _depends(real: List[Optional[int]], probe: List[Optional[int]]) -> Optional[
     return frozenset(k for k, (r, p) in enumerate(zip(real, probe)) if r is not None and r != p)
 
 
-def _pending(model: nn.Module) -> List[Tuple[nn.Module, Fallback, str]]:
+def _pending(model: nn.Module) -> List[Tuple[nn.Module, object, Call, str]]:
+    """``(module, state, call, key)`` of each call of the pass whose layout is not known; the
+    fallbacks' calls of the pass sealed (the next call begins another pass's)."""
     found = []
     for module in model.modules():
         fallback = getattr(module, ATTRIBUTE, None)
+        if isinstance(fallback, Fallback):
+            fallback.sealed = True
         # A block's (.blocks) is learned as a Fallback's, from the same call.
         for state in (fallback if isinstance(fallback, Fallback) else None,
                       module.__dict__.get(BLOCK_ATTRIBUTE)):
-            if state is not None and state.call is not None \
-                    and structure(state.call) not in state.layouts:
-                found.append((module, state, structure(state.call)))
+            if state is None or state.call is None:
+                continue
+            several = isinstance(state, Fallback) and any(c is state.call for c in state.calls)
+            calls = state.calls if several else [state.call]
+            for call in calls:
+                if key_of(state, call) not in state.layouts:
+                    found.append((module, state, call, key_of(state, call)))
     return found
+
+
+def _sizes_of(state, call: Call, sizes: List[list]) -> Optional[list]:
+    """The larger pass's sizes of the call that corresponds to ``call``: the same place among
+    the calls of a module called several times, the last call's for the last call (as for
+    one call: what a block around the module reads, :func:`.blocks.takes_over`); ``None``
+    where the larger pass called it another number of times (a call but the last)."""
+    calls = getattr(state, "calls", ())
+    if len(calls) <= 1 or call is calls[-1]:
+        return sizes[-1] if sizes else []
+    if len(sizes) != len(calls):
+        return None
+    return sizes[next(k for k, other in enumerate(calls) if other is call)]
 
 
 def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) -> None:
@@ -178,13 +212,13 @@ def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) 
     if not pending:
         return
     if not examples:
-        for _, state, key in pending:
+        for _, state, _, key in pending:
             state.layouts[key] = Layout(refusal="the model's forward pass had no batch argument")
         return
     larger_args, larger_kwargs = _pytree.tree_map(lambda v: _larger(v, examples), (args, kwargs))
     devices = sorted({leaf.device.index or 0 for leaf in _pytree.tree_leaves((args, kwargs))
                       if isinstance(leaf, Tensor) and leaf.device.type == "cuda"})
-    modules = list({id(module): module for module, _, _ in pending}.values())
+    modules = list({id(module): module for module, _, _, _ in pending}.values())
     # Without any hook; if that fails, with the model's own (.parameters.foreign):
     # transformers collects the routers' logits for the auxiliary loss by hooks.
     for keep in (None, foreign):
@@ -205,17 +239,22 @@ def learn(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int]) 
     else:
         reason = ("which of its inputs are per example could not be learned: a forward pass "
                   f"with one example more failed ({type(failed).__name__}: {failed})")
-        for _, state, key in pending:
+        for _, state, _, key in pending:
             state.layouts[key] = Layout(refusal=reason)
         return
-    for module, state, key in pending:
-        real_leaves = [_leading(leaf) for leaf in state.call.leaves]
-        real_children = [_leading(child.output) for child in state.call.children]
-        leaves = _depends(real_leaves, sizes.leaves.get(module, []))
-        children = _depends(real_children, sizes.children.get(module, [])) \
-            if isinstance(state, Fallback) else frozenset()  # a block replays no child
-        outputs = _depends(state.call.output_sizes, sizes.outputs.get(module, [])) \
-            if isinstance(state, Fallback) else frozenset()  # a block's output is read otherwise
+    for module, state, call, key in pending:
+        probes = [_sizes_of(state, call, table.get(module, []))
+                  for table in (sizes.leaves, sizes.children, sizes.outputs)]
+        if any(probe is None for probe in probes):
+            leaves = None
+        else:
+            real_leaves = [_leading(leaf) for leaf in call.leaves]
+            real_children = [_leading(child.output) for child in call.children]
+            leaves = _depends(real_leaves, probes[0])
+            children = _depends(real_children, probes[1]) \
+                if isinstance(state, Fallback) else frozenset()  # a block replays no child
+            outputs = _depends(call.output_sizes, probes[2]) \
+                if isinstance(state, Fallback) else frozenset()  # a block's output is read otherwise
         if leaves is None or children is None or outputs is None:
             state.layouts[key] = Layout(refusal=(
                 "which of its inputs are per example could not be learned: a forward pass "

@@ -74,6 +74,8 @@ def per_example_gradients(
             args, kwargs = (examples[0].unsqueeze(0),), {}
         else:
             leaves = list(call.leaves)
+            for k in call.fresh_caches:  # filled from empty by the call (.caches): none
+                leaves[k] = None
             for k, example in zip(batched, examples):
                 leaves[k] = example.unsqueeze(0)
             args, kwargs = _pytree.tree_unflatten(leaves, call.spec)

@@ -15,7 +15,7 @@ import warnings
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings
-from cockpit_gradnoise.extensions.fallback import regroup
+from cockpit_gradnoise.extensions.fallback import caches, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     SAVEFIELDS,
@@ -165,8 +165,19 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
                 reason = random_forward(module, reason)
             elif _given_a_cache(call):
                 reason = cache_updated(reason)
+            elif "setup_context" in str(error):
+                reason = OLD_STYLE_FUNCTION
     _refuse(module, state, reason)
     return {}
+
+
+#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
+OLD_STYLE_FUNCTION = (
+    "its forward calls a custom torch.autograd.Function whose forward takes ctx (no separate "
+    "setup_context), which torch.func.vmap cannot run per example (RecurrentGemma's "
+    "SqrtBoundDerivative in its RG-LRU): give the Function a setup_context staticmethod (torch's "
+    "'Extending torch.func with autograd.Function'), or use plain torch operations at tracked "
+    "steps, to give its parameters rows")
 
 
 def random_forward(module: nn.Module, reason: str) -> str:
@@ -186,18 +197,22 @@ def random_forward(module: nn.Module, reason: str) -> str:
 
 
 def _given_a_cache(call) -> bool:
-    """Whether the call was given a key/value cache of ``transformers`` (a ``Cache``)."""
-    return any(any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-                   for c in type(leaf).__mro__) for leaf in call.leaves)
+    """Whether the call was given a key/value cache of ``transformers`` (a ``Cache``) that
+    its recomputation keeps (one filled from empty by the call is left out: :mod:`.caches`)."""
+    return any(caches.is_cache(leaf) for k, leaf in enumerate(call.leaves) if k not in call.fresh_caches)
 
 
 def cache_updated(reason: str) -> str:
     """Why a module given a key/value cache gets no rows: its forward appended this pass's
-    keys to the cache, so a recomputation per example finds the batch's there
-    (GraniteMoE-SWA's attention, whose ``sinks`` the fallback computes)."""
+    keys to the cache, so a recomputation per example finds the batch's there.
+
+    A cache of ``transformers`` the call filled from empty is left out of the recomputation
+    instead (:mod:`.caches`: GraniteMoE-SWA's attention with the cache its model creates).
+    """
     return (f"{reason}: its forward updates the key/value cache it was given (past_key_values), "
             "which already holds the batch's keys when it runs again per example: call the model "
-            "with use_cache=False at tracked steps (as for training) to give its parameters rows")
+            "with use_cache=False at tracked steps (transformers creates a cache in training mode "
+            "too where config.use_cache is true) to give its parameters rows")
 
 
 def _leave_out(module: nn.Module, state: Fallback, blind: Dict[str, str]) -> None:
@@ -254,13 +269,18 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
     fallback (their one choice point); does nothing for others. The first
     active extension to reach the module computes every active extension's
     results from the call its forward hook kept; each extension takes its
-    own, and the last frees the call. A second backward hook of the module in the same backward pass (the
-    module was called twice in one forward pass) finds the call taken: the
-    uses would have to be summed per example, so the rows already saved are
-    removed and the module refused.
+    own, and the last frees the call. A module called several times in the forward pass
+    has its calls' contributions summed per example at the end of the backward pass
+    (:func:`_arrive`, :mod:`.several`). A second backward hook of a module called once in
+    the forward pass it recorded (two forward passes, one backward pass of both) finds the
+    call taken: the rows already saved are removed and the module refused.
     """
     state = getattr(module, ATTRIBUTE, None)
     if not isinstance(state, Fallback) or extension.savefield not in SAVEFIELDS:
+        return
+    if state.arrivals is not None or (state.results is None and state.call is not None
+                                      and len(state.calls) > 1):
+        _arrive(module, state, extension, g_out)  # one of several calls: summed at the end
         return
     if state.results is None:
         if state.call is None:
@@ -330,3 +350,83 @@ def _save(state: Fallback, params: Dict[str, nn.Parameter], savefield: str, valu
         setattr(params[name], savefield, value)
         if "." in name:
             state.borrowed.add(id(params[name]))
+
+
+def _arrive(module: nn.Module, state: Fallback, extension, g_out) -> None:
+    """A backward hook of one of the several calls of ``module`` in the forward pass: its
+    output gradients kept, the sum per example left to the end of the backward pass."""
+    for param in direct_parameters(module).values():  # (none before the sum is saved)
+        if hasattr(param, extension.savefield):
+            delattr(param, extension.savefield)
+    arrivals = state.arrivals
+    if arrivals is None:
+        arrivals = state.arrivals = several.Arrivals()
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(functools.partial(_sum_after_backward, module, state))
+    arrivals.savefields.update(active_savefields() or [extension.savefield])
+    call = state.arriving  # (its first output's hook, .capture, ran just before)
+    if call is None or not any(call is other for other in state.calls):
+        arrivals.stale = True  # a call of an earlier forward pass
+        return
+    arrivals.grads.setdefault(id(call), (call, g_out))
+
+
+def _sum_after_backward(module: nn.Module, state: Fallback) -> None:
+    """End of the backward pass: the calls' contributions summed per example, reduced and
+    saved (:mod:`.several`), or the module refused, naming why."""
+    calls = list(state.calls)
+    if id(module) not in facts.recording().inside_blocks:  # (a block took it over after: .blocks)
+        results = _summed_results(module, state, calls, state.arrivals)
+        if isinstance(results, str):
+            _refuse(module, state, f"it was called {len(calls)} times in one forward pass, and {results}")
+        else:
+            state.refused, state.computed = None, True
+            params = computed_parameters(module, calls[-1])
+            for savefield, values in results.items():
+                _save(state, params, savefield, values)
+    state.arrivals, state.call, state.calls, state.results, state.taken = None, None, [], None, True
+
+
+def _summed_results(module: nn.Module, state: Fallback, calls: List[Call],
+                    arrivals: "several.Arrivals"):
+    """``{savefield: {name: result}}`` of the calls summed per example, or why not (a string)."""
+    if arrivals.stale:
+        return "a call of another forward pass reached this backward pass (its rows are other examples)"
+    if any(id(call) not in arrivals.grads and call.later_grads for call in calls):
+        return ("a later output of one of its calls reached the loss and its first did not "
+                "(the package computes a call when the gradient of its first output arrives)")
+    reached = [arrivals.grads[id(call)] for call in calls if id(call) in arrivals.grads]
+    if not reached:
+        return "no call's gradient arrived"
+    params = computed_parameters(module, calls[-1])
+    if any(set(computed_parameters(module, call)) != set(params) for call, _ in reached):
+        return "its calls use different parameters of its children"
+    parts = []
+    for call, g_out in reached:
+        _refuse_layers_passed_in(module, call)
+        grads = output_gradients(call, g_out)
+        layout = layout_of(state, call)
+        reason = refusal(module, call, grads, layout)
+        if reason is not None:
+            return f"one of them cannot be computed: {reason}"
+        blind_outputs = [p for p in grads if p not in layout.outputs] + call.unhooked
+        grads = {p: g for p, g in grads.items() if p in layout.outputs}
+        examples = next(iter(grads.values())).shape[0]
+        parts.append(several.Part(call, batched_leaves(call, examples, layout), layout.children,
+                                  grads, blind_outputs))
+    sizes = {next(iter(part.grads.values())).shape[0] for part in parts}
+    if len(sizes) > 1:
+        return f"its calls' outputs lead with different sizes {sorted(sizes)}"
+    params = {name: p.detach() for name, p in params.items()}
+    numel = sum(p.numel() for p in params.values())
+    size = cost_model.examples_per_chunk(2 * max(numel, 1), next(iter(params.values())).element_size())
+    blind: Dict[str, str] = {}
+    chunks = several.summed_contributions(module, state, params, parts, sizes.pop(), size, blind)
+    try:
+        results = reduce_chunks(with_structural_zeros(chunks), sorted(arrivals.savefields))
+    except Refused as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 - vmap cannot run this forward per example
+        return f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    _leave_out(module, state, blind)
+    return results
