@@ -60,6 +60,7 @@ from cockpit_gradnoise.functional.preconditioner import (
 from cockpit_gradnoise.functional.ratios import (
     abs_ratio_statistics,
     abs_ratio_statistics_and_zeros,
+    abs_ratio_statistics_of_pairs,
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
@@ -85,6 +86,7 @@ __all__ = [
     "adagrad_preconditioner",
     "adam_preconditioner",
     "abs_ratio_statistics_and_zeros",
+    "abs_ratio_statistics_of_pairs",
     "centred_sum_of_squares",
     "expansion_rounding_bound",
     "exponential_moving_average",
