@@ -451,8 +451,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         # devices than the CPU known after the step's transfer, then NaN (_compute).
         found = {name: pair for name, pair in unresolved.items() if pair is not None}
         self._unresolved_pending = {n: pair for n, pair in found.items() if isinstance(pair[0], torch.Tensor)}
-        for name, (count, _) in self._unresolved_pending.items():
-            finite[name] = torch.logical_and(torch.as_tensor(finite[name], device=count.device), count == 0)
+        _and_resolved(finite, self._unresolved_pending)
         now = {name: count for name, (count, _) in found.items() if name not in self._unresolved_pending}
         left_out = self._told_unresolved(step, found, now, "they have no rows at such steps and are "
                                          f"left out of {NETWORK!r}")
@@ -543,3 +542,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
                 "declares no sums to reduce across them: its statistics are those "
                 "of the local batch (see docs/distributed.md)",
             )
+
+
+def _and_resolved(finite: Dict[str, Any], pending: Dict[str, Tuple[torch.Tensor, Any]]):
+    """``finite[name]`` and ``count == 0`` for each pending underflow count (0-dim tensors on a
+    device), in place: per device one stack and one comparison for all (on a GPU a
+    launch each), not two per parameter."""
+    by_device: Dict[torch.device, List[str]] = {}
+    for name, (count, _) in pending.items():
+        by_device.setdefault(count.device, []).append(name)
+    for device, names in by_device.items():
+        resolved = torch.stack([pending[name][0] for name in names]) == 0
+        known = torch.stack([torch.as_tensor(finite[name], device=device) for name in names])
+        for name, flag in zip(names, torch.logical_and(known, resolved).unbind()):
+            finite[name] = flag
