@@ -16,6 +16,7 @@ import math
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import _device, references
 from cockpit_gradnoise.extensions import _squares, sums
+from cockpit_gradnoise.functional import underflow
 
 import pytest
 import torch
@@ -250,3 +251,16 @@ def test_the_scales_table_gives_frexp_s_scale_of_every_float32_magnitude():
     assert got.dtype == torch.float32
     assert got.tolist() == [expected(value) for value in values.tolist()]
     assert _squares.scales_of_largest(torch.tensor(3.0)).shape == ()  # a 0-dim largest stays 0-dim
+
+
+def test_on_other_devices_a_zero_norm_is_marked_only_beside_nonzero_rows_of_every_factor(monkeypatch):
+    """``exact_where_lost`` on other devices' paths: a squared norm of 0 whose example has a
+    nonzero row in every factor (x_i = sum_l g_il a_il^T is not 0: underflow lost it) is
+    marked UNRESOLVED; one whose example has a zero row in some factor (x_i = 0 exactly) is
+    kept, as is a norm that is not 0."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    g = torch.tensor([[[1.0, 2.0]], [[0.0, 0.0]], [[1e-30, 0.0]], [[3.0, 0.0]]])
+    a = torch.tensor([[[1.0, 1.0]], [[4.0, 0.0]], [[0.0, 1e-30]], [[0.0, 0.0]]])
+    norms = torch.tensor([5.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    got = _squares.exact_where_lost(lambda *factors: norms.clone(), "n", 4, 4, g, a)
+    assert got.tolist() == [5.0, 0.0, underflow.UNRESOLVED, 0.0]
