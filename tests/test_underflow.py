@@ -264,3 +264,32 @@ def test_on_other_devices_a_zero_norm_is_marked_only_beside_nonzero_rows_of_ever
     norms = torch.tensor([5.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     got = _squares.exact_where_lost(lambda *factors: norms.clone(), "n", 4, 4, g, a)
     assert got.tolist() == [5.0, 0.0, underflow.UNRESOLVED, 0.0]
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 0.25])
+def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scale, monkeypatch):
+    """PerExampleGradNorm's and GradientNoiseScale's underflow checks of all parameters at
+    once (one table per dtype, on other devices) give each parameter's own check's count:
+    rows with unresolved norms, with zeros, with a sum above and below N floors, float32
+    and float64 norms, sizes whose floors differ."""
+    from cockpit_gradnoise.step import Batch
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    tiny32, tiny64 = torch.finfo(torch.float32).tiny, torch.finfo(torch.float64).tiny
+    rows = [([1.0, 2.0, 3.0], torch.float64, 5), ([0.0, 1e-310, 0.0], torch.float64, 5),
+            ([1e-310, 1e-300, 0.0], torch.float64, 7), ([0.0, 0.0, 0.0], torch.float64, 3),
+            ([tiny32, 0.0, 2.0], torch.float32, 2), ([tiny32 * 3, tiny32, 0.0], torch.float32, 1),
+            ([tiny64 * 8, tiny64, 0.0], torch.float64, 1)]
+    items = []
+    for k, (norms, dtype, numel) in enumerate(rows):
+        param = torch.zeros(numel, dtype=dtype)
+        param.cgn_batch_l2 = torch.tensor(norms, dtype=dtype)
+        items.append((f"p{k}", param, {"squared_norms": param.cgn_batch_l2 / loss_scale**2}))
+    batch = Batch(3, loss_scale)
+    for quantity in (cgn.PerExampleGradNorm(linear(1)), cgn.GradientNoiseScale(linear(1))):
+        together = quantity.unresolved_of_many(items, batch)
+        alone = {name: quantity.unresolved(param, sums, batch) for name, param, sums in items}
+        assert [int(together[name][0]) for name, _, _ in items] == [
+            int(alone[name][0]) for name, _, _ in items]
+        assert any(int(alone[name][0]) for name, _, _ in items)  # the rows hold findings
+        assert not all(int(alone[name][0]) for name, _, _ in items)

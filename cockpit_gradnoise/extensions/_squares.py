@@ -73,16 +73,10 @@ def exponent_table(device: torch.device) -> Tuple[Tensor, Tensor]:
     if table is None:
         bounds = [2.0**k for k in _BOUND_EXPONENTS] + [math.inf]
         scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
-        table = tuple(_device_copy(torch.tensor(values, dtype=torch.float32), device)
+        table = tuple(_device.copied_without_waiting(torch.tensor(values, dtype=torch.float32), device)
                       for values in (bounds, scales))
         _EXPONENT_TABLES[device] = table
     return table
-
-
-def _device_copy(tensor: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":  # asynchronously: a copy from pageable memory would wait
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def scales_of_largest(largest: Tensor) -> Tensor:

@@ -64,7 +64,14 @@ from cockpit_gradnoise.functional.ratios import (
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
-from cockpit_gradnoise.functional.underflow import unresolved_norm_sum, unresolved_norms, unresolved_sums
+from cockpit_gradnoise.functional.underflow import (
+    floors_of,
+    unresolved_norm_sum,
+    unresolved_norm_sums_of_rows,
+    unresolved_norms,
+    unresolved_norms_of_rows,
+    unresolved_sums,
+)
 from cockpit_gradnoise.functional.variance import (
     centred_sum_of_squares,
     expansion_rounding_bound,
@@ -82,6 +89,7 @@ from cockpit_gradnoise.functional.variance_statistics import (
 from cockpit_gradnoise.functional.welford import welford_sd, welford_update_
 
 __all__ = [
+    "floors_of",
     "abs_ratio_statistics",
     "adagrad_preconditioner",
     "adam_preconditioner",
@@ -118,6 +126,8 @@ __all__ = [
     "two_batch_noise_scale_estimates",
     "unresolved_norm_sum",
     "unresolved_norms",
+    "unresolved_norms_of_rows",
+    "unresolved_norm_sums_of_rows",
     "unresolved_sums",
     "variance_rounding_bound",
     "welford_sd",

@@ -27,6 +27,7 @@ devices than the CPU (the CPU's path partitions in NumPy).
 import math
 from typing import Dict, List, Sequence, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.order_statistics.on_device import (
     kept_quantile_summary,
     sorted_on_device,
@@ -130,15 +131,9 @@ def _layout(sizes: Tuple[int, ...], device: torch.device) -> Tuple[Tensor, Tenso
     if found is None:
         ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
         host = (ends - torch.tensor(sizes, dtype=torch.int64), ends, torch.tensor(sizes, dtype=torch.int64))
-        found = tuple(_to_device(t, device) for t in host)
+        found = tuple(_device.copied_without_waiting(t, device) for t in host)
         _LAYOUTS[(sizes, device)] = found
     return found
-
-
-def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":  # from pinned memory, without waiting (a pageable copy would)
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def segment_summaries(

@@ -435,7 +435,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite, values, unresolved = {}, [], {}
+        finite, values, unresolved, deferred = {}, [], {}, []
         # Finiteness of every parameter at once (on other devices a few kernels for all, not
         # a handful each), but of FSDP2's sharded ones, gathered one at a time below.
         whole = not any(type(param).__name__ == "DTensor" for _, param in usable)
@@ -446,9 +446,12 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             param = sharded.gathered(param) if self.supports_fsdp2 else param
             finite[name] = checked[i] if whole else step.finite(self._read_tensors(param))
             if finite[name] is not False:
-                values.append((name, self._value(name, param, context, unresolved)))
+                values.append((name, self._value(name, param, context, unresolved,
+                                                 deferred if whole else None)))
         # Squares that underflow lost (.functional.underflow): left out, named; on other
         # devices than the CPU known after the step's transfer, then NaN (_compute).
+        if deferred:
+            unresolved.update(self.unresolved_of_many(deferred, context))
         found = {name: pair for name, pair in unresolved.items() if pair is not None}
         self._unresolved_pending = {n: pair for n, pair in found.items() if isinstance(pair[0], torch.Tensor)}
         _and_resolved(finite, self._unresolved_pending)
@@ -492,12 +495,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return self._distributed_extensions
         return self._extensions
 
-    def _value(self, name, param, context, unresolved) -> Any:
-        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``."""
+    def _value(self, name, param, context, unresolved, deferred=None) -> Any:
+        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``,
+        or, where the quantity checks a step's parameters together (:attr:`unresolved_reads`)
+        and ``deferred`` is a list, ``(name, param, the sums it reads)`` into it."""
         if not self.sums:
             return self.parameter_value(param, context)
         sums = self._checked_sums(param, context)
-        unresolved[name] = self.unresolved(param, sums, context)
+        if deferred is None or self.unresolved_reads is None:
+            unresolved[name] = self.unresolved(param, sums, context)
+        else:  # only the small sums the check reads are kept past this parameter
+            deferred.append((name, param, {key: sums[key] for key in self.unresolved_reads}))
         return self.named_value_from_sums(name, sums, context)
 
     def _check_statistic_names(self, rows):
