@@ -151,7 +151,7 @@ def segment_summaries(
         if len(group) == 1:
             flat = flats[group[0]]
             results[group[0]] = kept_quantile_summary([flat], levels) if kept else (
-                flat.numel(), summary_of_sorted(sorted_on_device([flat]), [flat], flat.numel(), levels))
+                flat.numel(), summary_of_sorted(sorted_on_device([flat]), flat.numel(), levels))
             continue
         members = [flats[k] for k in group]
         segments = Segments(torch.cat(members), [flat.numel() for flat in members])
