@@ -65,6 +65,7 @@ class Segments:
     Attributes:
         ordered: ``[n]``, segment after segment, each ascending with its NaN last.
         starts: ``[P]`` int64, where each segment begins in ``ordered``.
+        ends: ``[P]`` int64, where each segment ends (the next one begins).
         lengths: ``[P]`` int64, the segments' sizes.
         nan: ``[n]`` bool, which joined values are NaN (in the joined order).
         joined: ``[n]``, the values in the given order.
