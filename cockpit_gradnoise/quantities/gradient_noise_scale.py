@@ -164,9 +164,10 @@ class GradientNoiseScale(ParameterQuantity):
     def unresolved_of_many(self, items, batch):
         # On other devices every parameter's norms (one length: the batch's) as one table per
         # dtype, checked row by row in a few launches for all (unresolved_norm_sum's tests).
+        if type(self).unresolved is not GradientNoiseScale.unresolved:  # a subclass checks its own
+            return super().unresolved_of_many(items, batch)
         norms = [param.cgn_batch_l2.detach() for _, param, _ in items]
-        plain = type(self).unresolved is GradientNoiseScale.unresolved  # a subclass checks its own
-        groups = functional.stacked_by_dtype(norms) if plain and not _device.on_host(norms[0]) else None
+        groups = None if _device.on_host(norms[0]) else functional.stacked_by_dtype(norms)
         if groups is None:
             return super().unresolved_of_many(items, batch)
         found = {}
