@@ -293,3 +293,18 @@ def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scal
             int(alone[name][0]) for name, _, _ in items]
         assert any(int(alone[name][0]) for name, _, _ in items)  # the rows hold findings
         assert not all(int(alone[name][0]) for name, _, _ in items)
+
+
+def test_unscaled_norms_mark_exactly_the_nonzero_norms_below_the_floor():
+    """Float32 squared norms formed at a scale, widened: 0 stays 0, NaN and inf stay, a norm
+    at or above the floor of its terms is divided by the scale's square (exactly), and a
+    nonzero one below it (underflow may have lost it) becomes UNRESOLVED."""
+    terms = 6
+    floor = underflow.underflow_floor(terms, torch.float32)
+    at_scale = torch.tensor([0.0, floor / 2, 1.4e-45, floor, 3.0, math.nan, math.inf])
+    scale = torch.tensor(2.0**-10)
+    got = _squares.unscaled_norms(at_scale, scale, terms)
+    assert got.dtype == torch.float64
+    expected = [0.0, underflow.UNRESOLVED, underflow.UNRESOLVED, float(torch.tensor(floor)) * 2.0**20,
+                3.0 * 2.0**20, math.nan, math.inf]
+    assert [(a == b) or (math.isnan(a) and math.isnan(b)) for a, b in zip(got.tolist(), expected)] == [True] * 7

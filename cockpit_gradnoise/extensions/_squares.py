@@ -193,8 +193,12 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor], terms: int = 1 << 
         # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
         result = at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
     if wide != at_scale.dtype:
-        lost = (at_scale != 0) & (at_scale < underflow_floor(terms, at_scale.dtype))
-        result.masked_fill_(lost, UNRESOLVED)
+        # UNRESOLVED where 0 < at_scale < floor, in 3 launches where (!= 0) & (< floor) and a
+        # fill took 4: a sum of squares is >= 0, so the result is 0 or at least the smallest
+        # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
+        # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
+        result = torch.where(at_scale < underflow_floor(terms, at_scale.dtype),
+                             result.clamp(max=UNRESOLVED), result)
     return result
 
 
