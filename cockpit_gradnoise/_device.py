@@ -52,6 +52,14 @@ def pieces(flat: Tensor) -> Tuple[Tensor, ...]:
     return flat.split(CHUNK) if on_host(flat) and flat.numel() > CHUNK else (flat,)
 
 
+def copied_without_waiting(tensor: Tensor, device: torch.device) -> Tensor:
+    """A CPU tensor copied to ``device``: on CUDA from pinned memory, without the host
+    waiting (a copy from pageable memory synchronises the stream)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def float64_pieces(flat: Tensor) -> Iterator[Tensor]:
     """A 1d tensor as float64 copies of its pieces, on its device, each valid until the next.
 

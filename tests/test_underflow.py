@@ -16,6 +16,7 @@ import math
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import _device, references
 from cockpit_gradnoise.extensions import _squares, sums
+from cockpit_gradnoise.functional import underflow
 
 import pytest
 import torch
@@ -250,3 +251,60 @@ def test_the_scales_table_gives_frexp_s_scale_of_every_float32_magnitude():
     assert got.dtype == torch.float32
     assert got.tolist() == [expected(value) for value in values.tolist()]
     assert _squares.scales_of_largest(torch.tensor(3.0)).shape == ()  # a 0-dim largest stays 0-dim
+
+
+def test_on_other_devices_a_zero_norm_is_marked_only_beside_nonzero_rows_of_every_factor(monkeypatch):
+    """``exact_where_lost`` on other devices' paths: a squared norm of 0 whose example has a
+    nonzero row in every factor (x_i = sum_l g_il a_il^T is not 0: underflow lost it) is
+    marked UNRESOLVED; one whose example has a zero row in some factor (x_i = 0 exactly) is
+    kept, as is a norm that is not 0."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    g = torch.tensor([[[1.0, 2.0]], [[0.0, 0.0]], [[1e-30, 0.0]], [[3.0, 0.0]]])
+    a = torch.tensor([[[1.0, 1.0]], [[4.0, 0.0]], [[0.0, 1e-30]], [[0.0, 0.0]]])
+    norms = torch.tensor([5.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    got = _squares.exact_where_lost(lambda *factors: norms.clone(), "n", 4, 4, g, a)
+    assert got.tolist() == [5.0, 0.0, underflow.UNRESOLVED, 0.0]
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 0.25])
+def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scale, monkeypatch):
+    """PerExampleGradNorm's and GradientNoiseScale's underflow checks of all parameters at
+    once (one table per dtype, on other devices) give each parameter's own check's count:
+    rows with unresolved norms, with zeros, with a sum above and below N floors, float32
+    and float64 norms, sizes whose floors differ."""
+    from cockpit_gradnoise.step import Batch
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    tiny32, tiny64 = torch.finfo(torch.float32).tiny, torch.finfo(torch.float64).tiny
+    rows = [([1.0, 2.0, 3.0], torch.float64, 5), ([0.0, 1e-310, 0.0], torch.float64, 5),
+            ([1e-310, 1e-300, 0.0], torch.float64, 7), ([0.0, 0.0, 0.0], torch.float64, 3),
+            ([tiny32, 0.0, 2.0], torch.float32, 2), ([tiny32 * 3, tiny32, 0.0], torch.float32, 1),
+            ([tiny64 * 8, tiny64, 0.0], torch.float64, 1)]
+    items = []
+    for k, (norms, dtype, numel) in enumerate(rows):
+        param = torch.zeros(numel, dtype=dtype)
+        param.cgn_batch_l2 = torch.tensor(norms, dtype=dtype)
+        items.append((f"p{k}", param, {"squared_norms": param.cgn_batch_l2 / loss_scale**2}))
+    batch = Batch(3, loss_scale)
+    for quantity in (cgn.PerExampleGradNorm(linear(1)), cgn.GradientNoiseScale(linear(1))):
+        together = quantity.unresolved_of_many(items, batch)
+        alone = {name: quantity.unresolved(param, sums, batch) for name, param, sums in items}
+        assert [int(together[name][0]) for name, _, _ in items] == [
+            int(alone[name][0]) for name, _, _ in items]
+        assert any(int(alone[name][0]) for name, _, _ in items)  # the rows hold findings
+        assert not all(int(alone[name][0]) for name, _, _ in items)
+
+
+def test_unscaled_norms_mark_exactly_the_nonzero_norms_below_the_floor():
+    """Float32 squared norms formed at a scale, widened: 0 stays 0, NaN and inf stay, a norm
+    at or above the floor of its terms is divided by the scale's square (exactly), and a
+    nonzero one below it (underflow may have lost it) becomes UNRESOLVED."""
+    terms = 6
+    floor = underflow.underflow_floor(terms, torch.float32)
+    at_scale = torch.tensor([0.0, floor / 2, 1.4e-45, floor, 3.0, math.nan, math.inf])
+    scale = torch.tensor(2.0**-10)
+    got = _squares.unscaled_norms(at_scale, scale, terms)
+    assert got.dtype == torch.float64
+    expected = [0.0, underflow.UNRESOLVED, underflow.UNRESOLVED, float(torch.tensor(floor)) * 2.0**20,
+                3.0 * 2.0**20, math.nan, math.inf]
+    assert [(a == b) or (math.isnan(a) and math.isnan(b)) for a, b in zip(got.tolist(), expected)] == [True] * 7

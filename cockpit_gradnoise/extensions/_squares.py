@@ -15,6 +15,7 @@ parameter's dtype. float64 parameters are summed as before (squares
 underflow only below ``1e-308``).
 """
 
+import functools
 import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -72,16 +73,10 @@ def exponent_table(device: torch.device) -> Tuple[Tensor, Tensor]:
     if table is None:
         bounds = [2.0**k for k in _BOUND_EXPONENTS] + [math.inf]
         scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
-        table = tuple(_device_copy(torch.tensor(values, dtype=torch.float32), device)
+        table = tuple(_device.copied_without_waiting(torch.tensor(values, dtype=torch.float32), device)
                       for values in (bounds, scales))
         _EXPONENT_TABLES[device] = table
     return table
-
-
-def _device_copy(tensor: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":  # asynchronously: a copy from pageable memory would wait
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def scales_of_largest(largest: Tensor) -> Tensor:
@@ -198,8 +193,12 @@ def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor], terms: int = 1 << 
         # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
         result = at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
     if wide != at_scale.dtype:
-        lost = (at_scale != 0) & (at_scale < underflow_floor(terms, at_scale.dtype))
-        result.masked_fill_(lost, UNRESOLVED)
+        # UNRESOLVED where 0 < at_scale < floor, in 3 launches where (!= 0) & (< floor) and a
+        # fill took 4: a sum of squares is >= 0, so the result is 0 or at least the smallest
+        # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
+        # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
+        result = torch.where(at_scale < underflow_floor(terms, at_scale.dtype),
+                             result.clamp(max=UNRESOLVED), result)
     return result
 
 
@@ -243,10 +242,12 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     flat = contributions.flatten(start_dim=1)
     scale = contributions_scale(contributions)
     at_scale = (flat if scale is None else flat * scale).square().sum(1)
-    suspect = at_scale < underflow_floor(flat.shape[1], at_scale.dtype)
     # Elsewhere than on the CPU the host would wait to know: nonzero norms below the floor
     # are marked (unscaled_norms), and the quantities leave them out.
-    if not _device.on_host(at_scale) or not bool(suspect.any()):
+    if not _device.on_host(at_scale):
+        return unscaled_norms(at_scale, scale, flat.shape[1])
+    suspect = at_scale < underflow_floor(flat.shape[1], at_scale.dtype)
+    if not bool(suspect.any()):
         return unscaled_norms(at_scale, scale, flat.shape[1])
     return _norms_resolved(flat, at_scale, scale, suspect)
 
@@ -325,8 +326,12 @@ def _nonzero_rows(factors, rows: Optional[Tensor]) -> Tensor:
     """Whether every factor's row (of ``rows``; all where None) of each example holds a
     nonzero number: one max-reduction of magnitudes each, no copy."""
     picked = [factor if rows is None else factor[rows] for factor in factors]
-    return torch.stack([torch.linalg.vector_norm(f.flatten(1), ord=math.inf, dim=1) != 0
-                        for f in picked]).all(0)
+    largest = [torch.linalg.vector_norm(f.flatten(1), ord=math.inf, dim=1) for f in picked]
+    # Magnitudes are >= 0: the smallest of them is not 0 exactly where none is (2 launches
+    # fewer than comparing each and stacking). Where a row holds NaN the smallest may be
+    # NaN (not 0) while another row is 0; then that example's x_i = sum_l g_il a_il^T, and
+    # its norm, are NaN too (NaN times anything), never the 0 this is asked beside.
+    return functools.reduce(torch.minimum, largest) != 0
 
 
 class SquaredNormsFromContributionsMixin:

@@ -60,10 +60,18 @@ from cockpit_gradnoise.functional.preconditioner import (
 from cockpit_gradnoise.functional.ratios import (
     abs_ratio_statistics,
     abs_ratio_statistics_and_zeros,
+    abs_ratio_statistics_of_pairs,
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
-from cockpit_gradnoise.functional.underflow import unresolved_norm_sum, unresolved_norms, unresolved_sums
+from cockpit_gradnoise.functional.underflow import (
+    floors_of,
+    unresolved_norm_sum,
+    unresolved_norm_sums_of_rows,
+    unresolved_norms,
+    unresolved_norms_of_rows,
+    unresolved_sums,
+)
 from cockpit_gradnoise.functional.variance import (
     centred_sum_of_squares,
     expansion_rounding_bound,
@@ -81,10 +89,12 @@ from cockpit_gradnoise.functional.variance_statistics import (
 from cockpit_gradnoise.functional.welford import welford_sd, welford_update_
 
 __all__ = [
+    "floors_of",
     "abs_ratio_statistics",
     "adagrad_preconditioner",
     "adam_preconditioner",
     "abs_ratio_statistics_and_zeros",
+    "abs_ratio_statistics_of_pairs",
     "centred_sum_of_squares",
     "expansion_rounding_bound",
     "exponential_moving_average",
@@ -116,6 +126,8 @@ __all__ = [
     "two_batch_noise_scale_estimates",
     "unresolved_norm_sum",
     "unresolved_norms",
+    "unresolved_norms_of_rows",
+    "unresolved_norm_sums_of_rows",
     "unresolved_sums",
     "variance_rounding_bound",
     "welford_sd",

@@ -1,7 +1,7 @@
 """Elementwise ratios ``|a_j| / |b_j|`` (``theta / grad``) and their statistics, and zero counts."""
 
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.functional.norms import scalar
@@ -59,11 +59,9 @@ def abs_ratio_statistics_and_zeros(
         values for an even count), ``min`` and ``max``, an empty dict when no
         element qualifies; and the zero count.
     """
-    a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
     # Ratios of bfloat16 or float16 numbers in float32: float16's range ends at
     # 65504, below many |theta_j| / |grad_j| (exact widening; one rounding per ratio).
-    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    a, b = a.to(wide), b.to(wide)
+    a, b = _widened(numerator, denominator)
     if not _device.on_host(a):
         result = {"ratio": _abs_ratio_statistics_on_device(a, b)}
         return (result if defer else _device.resolve(result)), zero_count(b)
@@ -111,15 +109,58 @@ def abs_ratio_statistics_and_zeros(
     }, zeros
 
 
+def abs_ratio_statistics_of_pairs(pairs: Sequence[Tuple[Tensor, Tensor]]) -> List[_device.PresentIfPositive]:
+    """:func:`abs_ratio_statistics` (``defer``) of each pair ``(a, b)`` on other devices than
+    the CPU, the pairs' sorts shared (:class:`~cockpit_gradnoise.order_statistics.Segments`:
+    one group of pairs joined, divided and sorted at once, not one sort and a dozen 0-dim
+    ops per pair); the same numbers, left on the device.
+
+    Args:
+        pairs: ``(numerator, denominator)`` tensors with elements, each pair the same size.
+    """
+    flat = [_widened(a, b) for a, b in pairs]
+    results: List[_device.PresentIfPositive] = [None] * len(flat)  # type: ignore[list-item]
+    for group in order_statistics.segment_groups([a for a, _ in flat]):
+        if len(group) == 1:
+            results[group[0]] = _abs_ratio_statistics_on_device(*flat[group[0]])
+            continue
+        ratio = _kept_ratios(torch.cat([flat[k][0] for k in group]), torch.cat([flat[k][1] for k in group]))
+        segments = order_statistics.Segments(ratio, [flat[k][0].numel() for k in group])
+        n = segments.kept_counts()  # a ratio is NaN exactly where it is left out
+        last = (n - 1).clamp(min=0)
+        lower, upper = segments.at(torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)), segments.at(n // 2)
+        columns = {
+            schema.MEAN: segments.sums(skip_nan=True) / n,
+            schema.MEDIAN: (lower + upper) / 2,
+            schema.MIN: segments.at(torch.zeros_like(n)),
+            schema.MAX: segments.at(last),
+        }
+        for j, k in enumerate(group):
+            results[k] = _device.PresentIfPositive(n[j], {name: c[j] for name, c in columns.items()})
+    return results
+
+
+def _widened(numerator: Tensor, denominator: Tensor) -> Tuple[Tensor, Tensor]:
+    """Both flat, detached, in float32 or wider (:func:`abs_ratio_statistics_and_zeros`'s dtype)."""
+    a, b = numerator.detach().reshape(-1), denominator.detach().reshape(-1)
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return a.to(wide), b.to(wide)
+
+
+def _kept_ratios(a: Tensor, b: Tensor) -> Tensor:
+    """``|a_j / b_j|``, NaN where left out (``b_j = 0``, or either not finite): a new tensor."""
+    left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
+    return torch.div(a, b).abs_().masked_fill_(left_out, math.nan)
+
+
 def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPositive:
     """:func:`abs_ratio_statistics` without waiting for the device.
 
     Left-out elements become NaN, which sorts last, and the ranks come from
     the number kept, on the device.
     """
-    left_out = ~(torch.isfinite(a) & torch.isfinite(b)) | (b == 0)
-    ratio = torch.div(a, b).abs_().masked_fill_(left_out, math.nan)
-    n = ratio.numel() - left_out.sum()
+    ratio = _kept_ratios(a, b)
+    n = ratio.numel() - ratio.isnan().sum()
     ordered = order_statistics.sorted_on_device([ratio])
     last = (n - 1).clamp(min=0)
 

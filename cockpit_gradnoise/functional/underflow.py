@@ -24,7 +24,7 @@ unresolved element out, naming it (:func:`unresolved_sums`,
 :func:`unresolved_norms`).
 """
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.layout import memory_order
@@ -114,3 +114,31 @@ def unresolved_norm_sum(squared_norms: Tensor, numel: int) -> Optional[Union[int
     small = squared_norms.sum(dtype=torch.float64) < len(squared_norms) * floor
     found = lost.any() & small
     return (int(found) or None) if _device.on_host(squared_norms) else found.to(torch.int64)
+
+
+def floors_of(numels: Sequence[int], dtype: torch.dtype, device: torch.device,
+              loss_scale: float = 1.0, times: int = 1, compared_in: Optional[torch.dtype] = None) -> Tensor:
+    """``[P]``: ``times * underflow_floor(numel, dtype) / loss_scale**2`` of each ``numel`` (a
+    Python float, as the checks of one tensor form it), rounded to ``compared_in`` (``dtype``
+    by default) as a Python number is where a tensor of that dtype is compared with it; on
+    ``device``, the host not waiting."""
+    floors = [times * underflow_floor(n, dtype) / loss_scale**2 for n in numels]
+    return _device.copied_without_waiting(torch.tensor(floors, dtype=compared_in or dtype), device)
+
+
+def unresolved_norms_of_rows(table: Tensor, floors: Tensor) -> Tensor:
+    """:func:`unresolved_norms` of each row of a ``[P, N]`` table of squared norms (each
+    parameter's batch), with each row's floor (``floors`` ``[P]``, in the table's dtype, as
+    a Python floor is compared in it): ``[P]`` int64 counts, a few launches for all rows."""
+    return ((table != 0) & (table < floors[:, None])).sum(1)
+
+
+def unresolved_norm_sums_of_rows(table: Tensor, floors: Tensor, sum_floors: Tensor) -> Tensor:
+    """:func:`unresolved_norm_sum` of each row of a ``[P, N]`` table: ``[P]`` int64, 1 where
+    some norm of the row is below its floor (``floors``, in the table's dtype) and not 0,
+    and the row's float64 sum below ``sum_floors`` (``N`` floors, float64). The sums are
+    the rows' float64 sums in another order than one row's: they may differ by rounding,
+    far inside the bound's slack (each unresolved norm is off by under one floor)."""
+    lost = ((table != 0) & (table < floors[:, None])).any(1)
+    small = table.sum(1, dtype=torch.float64) < sum_floors
+    return (lost & small).to(torch.int64)

@@ -78,9 +78,11 @@ def sd_statistics_of_layers(
         levels: Quantile levels.
         network: Whether to compute the union's statistics too.
     """
-    if not network or not _device.on_host(sds[0]):
-        rows = [sd_statistics(sd, snr, levels, defer=True) for sd, snr in zip(sds, snrs)]
-        return rows, sd_statistics(sds, snrs, levels, defer=True) if network else None
+    if not _device.on_host(sds[0]):
+        return _sd_rows_on_device(sds, snrs, levels), (
+            sd_statistics(sds, snrs, levels, defer=True) if network else None)
+    if not network:
+        return [sd_statistics(sd, snr, levels) for sd, snr in zip(sds, snrs)], None
     rows, union = order_statistics.quantile_summaries(sds, levels)
     snr_rows, snr_union = [[] for _ in rows], []
     with_snr = [k for k, snr in enumerate(snrs) if snr.numel() > 0]
@@ -92,6 +94,27 @@ def sd_statistics_of_layers(
             snr_rows[k] = snr_row
     rows = [_sd_row(levels, row, snr_row) for row, snr_row in zip(rows, snr_rows)]
     return rows, _sd_row(levels, union, snr_union)
+
+
+def _sd_rows_on_device(
+    sds: Sequence[Tensor], snrs: Sequence[Tensor], levels: Sequence[float]
+) -> List[Dict[str, float]]:
+    """:func:`sd_statistics` (``defer``) of each layer, the layers' sorts shared
+    (:func:`~cockpit_gradnoise.order_statistics.segment_summaries`: a few sorts for all
+    layers, not two per layer); the same numbers, left on the device."""
+    sd_flats = [order_statistics.flat_tensors(sd) for sd in sds]
+    snr_flats = [order_statistics.flat_tensors(snr) for snr in snrs]
+    if not all(len(flats) == 1 for flats in sd_flats + snr_flats):  # an empty layer: one by one
+        return [sd_statistics(sd, snr, levels, defer=True) for sd, snr in zip(sds, snrs)]
+    sd_names, snr_names = _sd_names(levels)
+    sd_found = order_statistics.segment_summaries([f for f, in sd_flats], levels)
+    snr_found = order_statistics.segment_summaries([f for f, in snr_flats], SNR_LEVELS, kept=True)
+    rows = []
+    for (_, sd_values), (kept, snr_values) in zip(sd_found, snr_found):
+        row = dict(zip(sd_names, sd_values))
+        row[schema.SNR_PREFIX] = _device.PresentIfPositive(kept, dict(zip(snr_names, snr_values)))
+        rows.append(row)
+    return rows
 
 
 def sd_statistics_in_place(

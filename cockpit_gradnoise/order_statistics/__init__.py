@@ -48,7 +48,9 @@ The modules: :mod:`~cockpit_gradnoise.order_statistics.ranks` (levels, ranks,
 (``torch.sort`` on other devices), :mod:`~cockpit_gradnoise.order_statistics.distributed`
 (elements spread over processes, FSDP2's shards: a bisection on the values' bits
 with counts added across processes), :mod:`~cockpit_gradnoise.order_statistics.rows`
-(every row of a table at once: many parameters' per-example norms in a few ops).
+(every row of a table at once: many parameters' per-example norms in a few ops),
+:mod:`~cockpit_gradnoise.order_statistics.segments` (tensors of different sizes in one
+sort on other devices: many parameters' per-element statistics in a few ops).
 """
 
 from cockpit_gradnoise.order_statistics.distributed import quantile_summaries_across
@@ -63,10 +65,12 @@ from cockpit_gradnoise.order_statistics.ranks import (
     SORT_WHOLE_AT_MOST,
     Tensors,
     check_quantile_levels,
+    flat_tensors,
     interpolate,
     quantile_ranks,
 )
 from cockpit_gradnoise.order_statistics.rows import quantiles_of_sorted_rows, sorted_rows
+from cockpit_gradnoise.order_statistics.segments import Segments, segment_groups, segment_summaries
 from cockpit_gradnoise.order_statistics.selection import (
     float64_sum,
     quantile_summaries,
@@ -79,9 +83,11 @@ from cockpit_gradnoise.order_statistics.selection import (
 __all__ = [
     "COUNT_PIECE",
     "SORT_WHOLE_AT_MOST",
+    "Segments",
     "Tensors",
     "check_quantile_levels",
     "count_where",
+    "flat_tensors",
     "float64_sum",
     "interpolate",
     "kept_quantile_summary",
@@ -94,6 +100,8 @@ __all__ = [
     "quantiles",
     "select",
     "select_each_and_union",
+    "segment_groups",
+    "segment_summaries",
     "select_in_place",
     "sorted_on_device",
     "sorted_rows",

@@ -38,8 +38,8 @@ def kept_quantile_summary(tensors: Tensors, levels: Sequence[float]) -> Tuple[An
     if not flats:
         return 0, []
     ordered = sorted_on_device(flats)
-    kept = torch.stack([(~flat.isnan()).sum() for flat in flats]).sum()
-    return kept, summary_of_sorted(ordered, flats, kept, levels)
+    kept = ordered.numel() - ordered.isnan().sum()
+    return kept, summary_of_sorted(ordered, kept, levels)
 
 
 def sorted_on_device(flats: List[Tensor]) -> Tensor:
@@ -57,20 +57,22 @@ def sorted_on_device(flats: List[Tensor]) -> Tensor:
     return ordered.masked_fill_(places >= ordered.numel() - nan.sum(), math.nan)
 
 
-def summary_of_sorted(ordered, flats, count, levels) -> List[Tensor]:
-    """Quantiles and mean of the first ``count`` of ``ordered`` (the union of ``flats``).
+def summary_of_sorted(ordered, count, levels) -> List[Tensor]:
+    """Quantiles and mean of the first ``count`` of ``ordered`` (a union, sorted).
 
     ``count``: the number of elements (an int), or a 0-dim tensor with the
     number that are not NaN (the others sort last). 0-dim float64 tensors,
     computed as :func:`quantile_ranks` and :func:`interpolate` compute them,
-    so equal to ``numpy.quantile`` bit for bit.
+    so equal to ``numpy.quantile`` bit for bit. The mean's float64 sum is taken
+    over ``ordered``, the union already joined (a few pieces, not one sum per
+    tensor of the union: on a GPU a few launches each).
     """
     if isinstance(count, int):
         lower, upper, weights = quantile_ranks(levels, count)
         a = [ordered[k].double() for k in lower]
         b = [ordered[k].double() for k in upper]
         values = interpolate(a, b, weights)
-        total = sum(_device.float64_total(flat) for flat in flats)
+        total = _device.float64_total(ordered)
     else:
         last = (count - 1).clamp(min=0)
         values = []
@@ -82,5 +84,5 @@ def summary_of_sorted(ordered, flats, count, levels) -> List[Tensor]:
             b = ordered.gather(0, torch.minimum(k + 1, last).long().reshape(1))[0].double()
             diff = b - a
             values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
-        total = sum(_device.float64_total(flat, skip_nan=True) for flat in flats)
+        total = _device.float64_total(ordered, skip_nan=True)
     return values + [total / count]

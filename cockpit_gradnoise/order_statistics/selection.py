@@ -129,7 +129,7 @@ def quantile_summary(
     flats = flat_tensors(tensors)
     if flats and not _device.on_host(flats[0]):
         ordered = sorted_on_device(flats)
-        summary = summary_of_sorted(ordered, flats, len(ordered), levels)
+        summary = summary_of_sorted(ordered, len(ordered), levels)
         if defer:
             return summary
         summary, last = _device.resolve((summary, ordered[-1]))

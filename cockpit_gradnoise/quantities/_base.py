@@ -435,7 +435,7 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         examples = step.examples_if_known() if self._savefields else None
         usable = step.usable(self, self.trainable(params), self._savefields,
                              self._has_local_results, examples=examples)
-        finite, values, unresolved = {}, [], {}
+        finite, values, unresolved, deferred = {}, [], {}, []
         # Finiteness of every parameter at once (on other devices a few kernels for all, not
         # a handful each), but of FSDP2's sharded ones, gathered one at a time below.
         whole = not any(type(param).__name__ == "DTensor" for _, param in usable)
@@ -446,13 +446,15 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             param = sharded.gathered(param) if self.supports_fsdp2 else param
             finite[name] = checked[i] if whole else step.finite(self._read_tensors(param))
             if finite[name] is not False:
-                values.append((name, self._value(name, param, context, unresolved)))
+                values.append((name, self._value(name, param, context, unresolved,
+                                                 deferred if whole else None)))
         # Squares that underflow lost (.functional.underflow): left out, named; on other
         # devices than the CPU known after the step's transfer, then NaN (_compute).
+        if deferred:
+            unresolved.update(self.unresolved_of_many(deferred, context))
         found = {name: pair for name, pair in unresolved.items() if pair is not None}
         self._unresolved_pending = {n: pair for n, pair in found.items() if isinstance(pair[0], torch.Tensor)}
-        for name, (count, _) in self._unresolved_pending.items():
-            finite[name] = torch.logical_and(torch.as_tensor(finite[name], device=count.device), count == 0)
+        _and_resolved(finite, self._unresolved_pending)
         now = {name: count for name, (count, _) in found.items() if name not in self._unresolved_pending}
         left_out = self._told_unresolved(step, found, now, "they have no rows at such steps and are "
                                          f"left out of {NETWORK!r}")
@@ -493,12 +495,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
             return self._distributed_extensions
         return self._extensions
 
-    def _value(self, name, param, context, unresolved) -> Any:
-        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``."""
+    def _value(self, name, param, context, unresolved, deferred=None) -> Any:
+        """The value of ``param``; what :meth:`unresolved` finds in its sums into ``unresolved``,
+        or, where the quantity checks a step's parameters together (:attr:`unresolved_reads`)
+        and ``deferred`` is a list, ``(name, param, the sums it reads)`` into it."""
         if not self.sums:
             return self.parameter_value(param, context)
         sums = self._checked_sums(param, context)
-        unresolved[name] = self.unresolved(param, sums, context)
+        if deferred is None or self.unresolved_reads is None:
+            unresolved[name] = self.unresolved(param, sums, context)
+        else:  # only the small sums the check reads are kept past this parameter
+            deferred.append((name, param, {key: sums[key] for key in self.unresolved_reads}))
         return self.named_value_from_sums(name, sums, context)
 
     def _check_statistic_names(self, rows):
@@ -543,3 +550,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
                 "declares no sums to reduce across them: its statistics are those "
                 "of the local batch (see docs/distributed.md)",
             )
+
+
+def _and_resolved(finite: Dict[str, Any], pending: Dict[str, Tuple[torch.Tensor, Any]]):
+    """``finite[name]`` and ``count == 0`` for each pending underflow count (0-dim tensors on a
+    device), in place: per device one stack and one comparison for all (on a GPU a
+    launch each), not two per parameter."""
+    by_device: Dict[torch.device, List[str]] = {}
+    for name, (count, _) in pending.items():
+        by_device.setdefault(count.device, []).append(name)
+    for device, names in by_device.items():
+        resolved = torch.stack([pending[name][0] for name in names]) == 0
+        known = torch.stack([torch.as_tensor(finite[name], device=device) for name in names])
+        for name, flag in zip(names, torch.logical_and(known, resolved).unbind()):
+            finite[name] = flag

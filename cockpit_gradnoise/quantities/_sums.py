@@ -222,6 +222,11 @@ class DeclaredSums:
         sums = {name: self._checked_sums(param, batch) for name, param in usable}
         return batch, self._without_unresolved(step, usable, sums, batch)
 
+    #: The keys of the sums :meth:`unresolved` reads where it checks a step's parameters
+    #: together, after all their values (:meth:`unresolved_of_many`; they are kept until
+    #: then: small ones only); ``None``: each parameter right after its value.
+    unresolved_reads: Optional[Tuple[str, ...]] = None
+
     def unresolved(self, param, sums: Dict[str, Any], batch: Batch):
         """``(count, reason)`` where ``param``'s values cannot be exact from its ``sums`` (this
         process's, from :meth:`parameter_sums`) for squares of its contributions that underflow
@@ -231,12 +236,18 @@ class DeclaredSums:
         warning. None by default."""
         return None
 
+    def unresolved_of_many(self, items, batch: Batch) -> Dict[str, Any]:
+        """``{name: unresolved(param, sums, batch)}`` of ``items`` ``[(name, param, sums)]``,
+        the parameters of one step: one at a time by default; a quantity may check them
+        together (on a GPU a few launches for all, not a few per parameter)."""
+        return {name: self.unresolved(param, sums, batch) for name, param, sums in items}
+
     def _without_unresolved(self, step, usable, sums, batch):
         """``sums`` without the parameters :meth:`unresolved` finds, warning about them once.
 
         Before the sums are added across micro-batches and processes: counts on other
         devices than the CPU are read here, in one transfer per device."""
-        found = {name: self.unresolved(param, sums[name], batch) for name, param in usable}
+        found = self.unresolved_of_many([(name, param, sums[name]) for name, param in usable], batch)
         found = {name: pair for name, pair in found.items() if pair is not None}
         counts = _device.resolve({name: count for name, (count, _) in found.items()})
         left_out = self._told_unresolved(step, found, counts, "they have no rows at such steps and "

@@ -154,13 +154,32 @@ class GradientNoiseScale(ParameterQuantity):
             "sum_of_gradients": gradient,
         }
 
+    unresolved_reads = ()  # the per-example norms on the parameter, not the sums
+
     def unresolved(self, param, sums, batch):
         norms = param.cgn_batch_l2.detach()
         found = functional.unresolved_norm_sum(norms, param.numel())
-        return None if found is None else (found, lambda _: (
-            f"the squares of its per-example contributions underflow (the sum of its squared "
-            f"norms in {norms.dtype} is below N times 4 numel tiny), so tr(Sigma) and |G|^2 "
-            "cannot be told from it"))
+        return None if found is None else (found, _lost_sum_reason(norms.dtype))
+
+    def unresolved_of_many(self, items, batch):
+        # On other devices every parameter's norms (one length: the batch's) as one table per
+        # dtype, checked row by row in a few launches for all (unresolved_norm_sum's tests).
+        if type(self).unresolved is not GradientNoiseScale.unresolved:  # a subclass checks its own
+            return super().unresolved_of_many(items, batch)
+        norms = [param.cgn_batch_l2.detach() for _, param, _ in items]
+        groups = None if _device.on_host(norms[0]) else functional.stacked_by_dtype(norms)
+        if groups is None:
+            return super().unresolved_of_many(items, batch)
+        found = {}
+        for indices, table in groups:
+            numels = [items[i][1].numel() for i in indices]
+            floors = functional.floors_of(numels, table.dtype, table.device)
+            sum_floors = functional.floors_of(numels, table.dtype, table.device, times=table.shape[1],
+                                              compared_in=torch.float64)
+            flags = functional.unresolved_norm_sums_of_rows(table, floors, sum_floors)
+            for i, flag in zip(indices, flags.unbind()):
+                found[items[i][0]] = (flag, _lost_sum_reason(table.dtype))
+        return found
 
     def noted_squared_norms(self, step, params):
         notes = step.presharded.get(self.sums_sharded_in_backward, {})
@@ -297,3 +316,11 @@ def smoothed_noise_scale(averages: dict, name: str, trace_cov: float, grad_sq: f
         for old, new in zip(previous, (trace_cov, grad_sq))
     )
     return schema.ratio_or_inf(*averages[name])
+
+
+def _lost_sum_reason(dtype):
+    """The words of :meth:`GradientNoiseScale.unresolved`'s finding."""
+    return lambda _: (
+        f"the squares of its per-example contributions underflow (the sum of its squared "
+        f"norms in {dtype} is below N times 4 numel tiny), so tr(Sigma) and |G|^2 "
+        "cannot be told from it")

@@ -1,12 +1,14 @@
 """Per-layer ratios of weights to gradients, from ``param.data`` and ``param.grad``."""
 
 import math
+from typing import NamedTuple
 
-from cockpit_gradnoise import functional
+from cockpit_gradnoise import _device, functional
 from cockpit_gradnoise.logs.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
 import torch
+from torch import Tensor
 
 #: The parameter types whose norms :meth:`ParamGradRatio.step_context` forms for all at once.
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
@@ -72,6 +74,10 @@ class ParamGradRatio(ParameterQuantity):
             # On a GPU, tensors left there until the step's one transfer.
             theta_sq = functional.squared_norm(theta, defer=True)
             grad_sq = functional.squared_norm(grad, defer=True)
+        if known is not None and not _device.on_host(grad) and grad.numel():
+            # On other devices the ratios' sorts of all parameters are shared: formed in
+            # statistics_of_values (theta and grad are the parameter's own, held anyway).
+            return theta_sq, grad_sq, functional.zero_count(grad), grad.numel(), _Ratios(theta, grad)
         # Floats on the CPU: finite sums of squares prove every element finite.
         all_finite = isinstance(theta_sq, float) and math.isfinite(theta_sq + grad_sq)
         # The zeros counted by the ratios' own pass over grad == 0.
@@ -84,8 +90,19 @@ class ParamGradRatio(ParameterQuantity):
         theta_sq, grad_sq, zeros, numel = (sum(value[k] for value in values) for k in range(4))
         return theta_sq, grad_sq, zeros, numel, {}
 
+    def statistics_of_values(self, values, network):
+        pending = [k for k, value in enumerate(values) if isinstance(value[4], _Ratios)]
+        if pending:
+            found = functional.abs_ratio_statistics_of_pairs([values[k][4] for k in pending])
+            values = list(values)
+            for k, ratios in zip(pending, found):
+                values[k] = values[k][:4] + ({"ratio": ratios},)
+        return super().statistics_of_values(values, network)
+
     def statistics(self, value):
         theta_sq, grad_sq, zeros, numel, ratio_statistics = value
+        if isinstance(ratio_statistics, _Ratios):  # not formed with the others': alone
+            ratio_statistics = {"ratio": functional.abs_ratio_statistics_of_pairs([ratio_statistics])[0]}
         return {
             **ratio_statistics,
             ZERO_GRAD_FRACTION: zeros / numel,
@@ -94,3 +111,11 @@ class ParamGradRatio(ParameterQuantity):
 
     def statistic_names(self):
         return [*RATIO_STATISTICS, ZERO_GRAD_FRACTION, NORM_RATIO]
+
+
+class _Ratios(NamedTuple):
+    """A parameter whose ratio statistics are formed with the other parameters'
+    (:func:`~cockpit_gradnoise.functional.abs_ratio_statistics_of_pairs`)."""
+
+    theta: Tensor
+    grad: Tensor

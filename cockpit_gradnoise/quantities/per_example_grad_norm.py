@@ -2,7 +2,7 @@
 
 import functools
 
-from cockpit_gradnoise import functional, order_statistics
+from cockpit_gradnoise import _device, functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import ParameterQuantity
@@ -58,12 +58,28 @@ class PerExampleGradNorm(ParameterQuantity):
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2.
         return {"squared_norms": squared_norms / batch.loss_scale**2}
 
+    unresolved_reads = ("squared_norms",)
+
     def unresolved(self, param, sums, batch):
         norms = sums["squared_norms"]
         count = functional.unresolved_norms(norms, param.numel(), batch.loss_scale)
-        return None if count is None else (count, lambda k: (
-            f"the squares of the contributions of {k} examples underflow (their squared norms "
-            f"in {norms.dtype} are below 4 numel tiny), so their norms cannot be told from 0"))
+        return None if count is None else (count, _lost_norms_reason(norms.dtype))
+
+    def unresolved_of_many(self, items, batch):
+        # On other devices every parameter's norms (one length: the batch's) as one table per
+        # dtype, checked row by row in a few launches for all (unresolved_norms' comparisons).
+        norms = [sums["squared_norms"] for _, _, sums in items]
+        groups = None if _device.on_host(norms[0]) else functional.stacked_by_dtype(norms)
+        if groups is None:
+            return super().unresolved_of_many(items, batch)
+        found = {}
+        for indices, table in groups:
+            floors = functional.floors_of([items[i][1].numel() for i in indices], table.dtype,
+                                          table.device, batch.loss_scale)
+            counts = functional.unresolved_norms_of_rows(table, floors)
+            for i, count in zip(indices, counts.unbind()):
+                found[items[i][0]] = (count, _lost_norms_reason(table.dtype))
+        return found
 
     def value_from_sums(self, sums, batch):
         return sums["squared_norms"]
@@ -94,3 +110,10 @@ class PerExampleGradNorm(ParameterQuantity):
 
     def statistic_names(self):
         return schema.norm_statistic_names(self.quantiles)
+
+
+def _lost_norms_reason(dtype):
+    """The words of :meth:`PerExampleGradNorm.unresolved`'s finding, from its count."""
+    return lambda k: (
+        f"the squares of the contributions of {k} examples underflow (their squared norms "
+        f"in {dtype} are below 4 numel tiny), so their norms cannot be told from 0")

@@ -179,6 +179,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             grad, squares = grad / batch.loss_scale, squares / batch.loss_scale**2
         return {"sum_of_squares": squares, "sum_of_gradients": grad}
 
+    unresolved_reads = None  # its own per-element sums: checked right after each value
+
     def unresolved(self, param, sums, batch):
         # Its own per-element sums (GradientVarianceQuantiles' check), not the per-example
         # norms GradientNoiseScale checks: P weights each element's S_j.
