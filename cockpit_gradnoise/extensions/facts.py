@@ -77,7 +77,7 @@ class BackwardFacts:
         inside_blocks: ``{id(module)}`` of the modules inside a block that computes their
             parameters' results itself in this pass (:mod:`.fallback.blocks`): they get none
             of their own.
-        graph_task: The autograd graph task (:func:`_graph_task`) of the backward pass
+        graph_task: The autograd graph task (:data:`_CURRENT_GRAPH_TASK`) of the backward pass
             these facts are of, from the first fact recorded in it; ``None`` before.
         finished: That backward pass is over (its end reached, :func:`recording`).
         block_rows: ``{id(param): class name}`` of the block that computed a parameter's
@@ -206,15 +206,10 @@ def begin() -> BackwardFacts:
     return _RECORDING[0]
 
 
-#: torch's ``_current_graph_task_id`` (torch >= 2.1), looked up once: :func:`recording` runs
-#: several times per layer and extension.
+#: The id of the autograd graph task running now (one per ``backward()`` or ``autograd.grad``
+#: call), ``-1`` outside a backward pass: torch's ``_current_graph_task_id`` (torch >= 2.1;
+#: before, always ``-1``), looked up once: :func:`recording` runs several times per layer.
 _CURRENT_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _graph_task() -> int:
-    """The id of the autograd graph task running now (one per ``backward()`` or
-    ``autograd.grad`` call), ``-1`` outside a backward pass (and before torch 2.1)."""
-    return _CURRENT_GRAPH_TASK()
 
 
 def recording() -> BackwardFacts:
@@ -231,9 +226,9 @@ def recording() -> BackwardFacts:
     backward pass a rule runs inside it keeps recording there); a later pass that
     finds them ended begins its own.
     """
-    facts, task = _RECORDING[0], _graph_task()
-    if task == -1:  # outside a backward pass (a forward hook, a quantity reading the facts)
-        return facts
+    facts, task = _RECORDING[0], _CURRENT_GRAPH_TASK()
+    if task == -1 or task == facts.graph_task:  # outside a backward pass (a forward hook, a
+        return facts  # quantity reading the facts), or inside the one they are of
     if facts.graph_task is None:
         facts.graph_task = task
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _end(facts))

@@ -446,47 +446,71 @@ def _note_call(module: nn.Module, call: Call) -> None:
 
 def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tensor):
     """Tensor hook on the output: BackPACK's dispatch of the active extensions."""
-    extensions = CTX.get_active_exts()
+    extensions = CTX.active_exts
     if extensions and call.output is not None:
-        _refuse_second_order(extensions)
+        if extensions is not _FIRST_ORDER[0]:  # one check per `with backpack(...)`: its tuple
+            _refuse_second_order(extensions)
+            _FIRST_ORDER[0] = extensions
         _refuse_modified(name, module, call)
         _dispatch(module, call, extensions, (grad_output,))
-    if not CTX.get_retain_graph():
+    if not CTX.retain_graph:
         call.clear()
+
+
+#: The last tuple of active extensions found first-order (``CTX.active_exts``, a new tuple
+#: for each ``with backpack(...)``): held, so that its ``id`` is never another's.
+_FIRST_ORDER = [None]
+
+
+def _shown(module: nn.Module, call: Call, g_out: Tuple[Tensor]):
+    """``(inputs, output, g_out)`` as the rules see them: this process's shards under tensor
+    parallelism (:mod:`.tensor_parallel`; ``None``: refused, no rule runs), low-precision
+    factors as the layer computed with them, in float32 (:mod:`.precision`)."""
+    local = tensor_parallel.local_call(module, call.inputs, call.output, g_out)
+    if local is None:
+        return None
+    inputs, output, g_out = local
+    return precision.shown_inputs(module, inputs, output), output, precision.shown_grad_outputs(g_out)
 
 
 def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
     """Run ``extensions`` on ``module`` with the call shown under BackPACK's names."""
-    # Tensor parallelism: this process's shards (.tensor_parallel); None: refused, no rule runs.
-    local = tensor_parallel.local_call(module, call.inputs, call.output, g_out)
-    if local is None:
-        extensions, local = (), (call.inputs, call.output, g_out)
-    inputs, output, g_out = local
-    # Low-precision factors as the layer computed with them, in float32 (.precision).
-    inputs = precision.shown_inputs(module, inputs, output)
-    g_out = tuple(precision.shown_grad_output(g) for g in g_out)
-    shown = {f"input{i}": x for i, x in enumerate(inputs)}
-    shown["output"] = output
+    shown = _shown(module, call, g_out)
+    if shown is None:  # refused (tensor parallelism): the names shown, no rule runs
+        extensions, shown = (), (call.inputs, call.output, g_out)
+    inputs, output, g_out = shown
     # In __dict__, so that they shadow a submodule or parameter of that name
     # for the time of the dispatch and leave it untouched.
-    hidden = {key: module.__dict__[key] for key in shown if key in module.__dict__}
-    module.__dict__.update(shown)
+    names = _NAMES[len(inputs)] if len(inputs) < len(_NAMES) else _names(len(inputs))
+    attributes = module.__dict__
+    hidden = {key: attributes[key] for key in names if key in attributes}
+    attributes.update(zip(names, inputs))
+    attributes["output"] = output
     # On the backward pass, for rules that need more than BackPACK's names give (.hf).
     backward = facts.recording()
     backward.call = call
     try:
         g_inp = (None,) * len(call.inputs)
-        debug = CTX.get_debug()
+        debug = CTX.debug
         for extension in extensions:
             if debug:
                 print("[DEBUG] Running extension", extension, "on", module)
             extension(module, g_inp, g_out)
-        CTX.get_extension_hook()(module)
+        CTX.extension_hook(module)
     finally:
         backward.call = None
-        for key in shown:
-            module.__dict__.pop(key, None)
-        module.__dict__.update(hidden)
+        for key in names:
+            attributes.pop(key, None)
+        attributes.update(hidden)
+
+
+def _names(inputs: int) -> Tuple[str, ...]:
+    """BackPACK's names of a call's ``inputs`` inputs and its output: ``input0``, ..., ``output``."""
+    return (*(f"input{i}" for i in range(inputs)), "output")
+
+
+#: :func:`_names` of calls of up to 7 inputs, made once.
+_NAMES = tuple(_names(inputs) for inputs in range(8))
 
 
 def _refuse_second_order(extensions):
@@ -503,11 +527,10 @@ def _refuse_second_order(extensions):
 
 def _refuse_modified(name: str, module: nn.Module, call: Call):
     """The rules need the input (and an RNN's output) as the layer saw it."""
-    changed = [
-        f"input {i}" for i, x in enumerate(call.inputs)
-        if i in call.versions and x._version != call.versions[i]
-    ]
-    if isinstance(module, READS_OUTPUT) and call.output._version != call.versions["output"]:
+    inputs, versions = call.inputs, call.versions
+    changed = [f"input {i}" for i, version in versions.items()
+               if i != "output" and inputs[i]._version != version]
+    if isinstance(module, READS_OUTPUT) and call.output._version != versions["output"]:
         changed.append("output")
     if changed:
         raise RuntimeError(
