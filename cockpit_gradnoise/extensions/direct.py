@@ -46,12 +46,6 @@ def generic(rule: ModuleExtension) -> bool:
     return _kind(rule)[0]
 
 
-def parameter_names(rule: ModuleExtension) -> Tuple[str, ...]:
-    """The parameters ``rule`` computes results for, in BackPACK's order (its ``params``,
-    which BackPACK keeps in the name-mangled ``_ModuleExtension__params``)."""
-    return tuple(rule._ModuleExtension__params)
-
-
 def run(rule: ModuleExtension, extension, module: nn.Module, g_inp, g_out) -> None:
     """``rule(extension, module, g_inp, g_out)``: for a first-order ``extension`` and a
     :func:`generic` rule, its work without the generic steps (the module's docstring);

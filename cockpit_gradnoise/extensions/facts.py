@@ -112,13 +112,15 @@ class BackwardFacts:
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
         marked = module.__dict__.get(TIED_ATTR, {})
+        savefield, kind, uses, unmarked = extension.savefield, type(extension), self.uses, self.unmarked_uses
         for attribute, param in module._parameters.items():
-            if param is not None and param.requires_grad and hasattr(param, extension.savefield):
-                key = (type(extension), id(param))
-                self.uses[key] += 1
-                self.unmarked_uses[key] += attribute not in marked
+            if param is not None and param.requires_grad and hasattr(param, savefield):
+                key = (kind, id(param))
+                # Counter's own += calls its Python __missing__ for a new key: get() does not.
+                count = uses[key] = uses.get(key, 0) + 1
+                unmarked[key] = unmarked.get(key, 0) + (attribute not in marked)
                 self.writers.setdefault(key, set()).add(id(module))
-                if self.uses[key] > 1 and self.unmarked_uses[key]:
+                if count > 1 and unmarked[key]:
                     self._shared_or_run_again(key, module, param)
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
 

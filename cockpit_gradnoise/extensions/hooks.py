@@ -126,11 +126,14 @@ class Call:
     __slots__ = ("inputs", "kwargs", "output", "versions", "repeated", "forward", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, output: Tensor):
-        self.inputs = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        self.kwargs = kwargs
-        self.output = output.detach()
-        self.versions = {i: a._version for i, a in enumerate(args) if isinstance(a, Tensor)}
-        self.versions["output"] = output._version
+        inputs, versions = [], {}
+        for i, a in enumerate(args):  # one loop, no generator: a call of every layer
+            if isinstance(a, Tensor):
+                versions[i] = a._version
+                a = a.detach()
+            inputs.append(a)
+        versions["output"] = output._version
+        self.inputs, self.kwargs, self.output, self.versions = tuple(inputs), kwargs, output.detach(), versions
         self.repeated, self.forward = False, _FORWARD[0]
 
     def clear(self):
@@ -438,6 +441,9 @@ def _note_call(module: nn.Module, call: Call) -> None:
     calls = module.__dict__.get(CALLS_ATTR)
     if not isinstance(calls, _Calls) or calls.forward != call.forward:
         calls = module.__dict__[CALLS_ATTR] = _Calls(call.forward)
+    if not calls.refs:  # the first call of this forward pass (every layer's, most layers' only)
+        calls.refs = [weakref.ref(call)]
+        return
     pending = [c for c in (ref() for ref in calls.refs) if c is not None and c.output is not None]
     for other in pending:
         other.repeated = call.repeated = True
