@@ -22,8 +22,10 @@ autograd notes, "Behavior of Tensor hooks when Tensor is modified in-place";
 ``tests/test_hooks.py`` checks it). That gradient is the layer's output
 gradient, with which the hook runs BackPACK's own dispatch of every active
 extension, ``extension(module, g_inp, g_out)``, then the context's extension
-hook (Cockpit's), as BackPACK's ``hook_run_extensions`` does. For the time of
-the dispatch only, the record is shown to the rules under BackPACK's names
+hook (Cockpit's), as BackPACK's ``hook_run_extensions`` does (a first-order
+rule's parameter methods are then called without BackPACK's generic steps,
+:mod:`.direct`). For the time of the dispatch only, the record is shown to the
+rules under BackPACK's names
 (``module.input0``, ``input1``, ..., ``module.output``), written into the
 module's ``__dict__`` so that they shadow, and never replace, a submodule of
 that name; they are removed right after.
