@@ -33,11 +33,11 @@ def _kind(rule: ModuleExtension) -> Tuple[bool, bool]:
     cls = type(rule)
     kind = _KINDS.get(cls)
     if kind is None:
-        kind = _KINDS[cls] = (
-            cls.__call__ is ModuleExtension.__call__,
+        # A rule may be any callable (.scaled_embedding's is no ModuleExtension at all).
+        generic_call = cls.__call__ is ModuleExtension.__call__
+        kind = _KINDS[cls] = (generic_call, generic_call and (
             cls.check_hyperparameters_module_extension
-            is not ModuleExtension.check_hyperparameters_module_extension,
-        )
+            is not ModuleExtension.check_hyperparameters_module_extension))
     return kind
 
 
