@@ -33,13 +33,13 @@ training, where ``param.grad`` is not this process's own gradient.
 A new layer is supported by adding one row to each table below.
 """
 
-from contextlib import nullcontext
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from cockpit_gradnoise.extensions import (
     arena,
     batchnorm,
     convolution,
+    direct,
     embedding,
     facts,
     hf,
@@ -86,12 +86,15 @@ class _RecordingExtension(FirstOrderBackpropExtension):
     def __init__(self, savefield: str, module_exts: Dict[type, ModuleExtension], **kwargs):
         self._rules = module_exts
         self._derived: Dict[type, Optional[ModuleExtension]] = {}  # subclass -> rule_for's
+        # Class -> the rule of the table or of .hf (None: neither), asked once per class.
+        self._by_class: Dict[type, Optional[ModuleExtension]] = {}
         super().__init__(savefield=savefield, module_exts=module_exts, **kwargs)
 
     def set_module_extension(self, module, extension, overwrite=False):
         super().set_module_extension(module, extension, overwrite=overwrite)
         self._rules[module] = extension
         self._derived.clear()  # derived from rows that may have changed
+        self._by_class.clear()
 
     def __call__(self, module, g_inp, g_out):
         uses.run(self, module, g_inp, g_out, self._results)
@@ -105,13 +108,17 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         """
         found = facts.recording()
         found.record_owner(module)
-        if isinstance(module, _BatchNorm) and module.training:
+        if module.training and isinstance(module, _BatchNorm):
             # Also where no rule covers the layer: the others' rows are contributions.
             found.examples_interact = True
-        # The sums may lie in one buffer of the backward pass (.arena).
-        sums = self.savefield == SUMS_SAVEFIELD
-        with arena.serving(found, module, SUMS_SAVEFIELD) if sums else nullcontext():
+        if self.savefield != SUMS_SAVEFIELD:
             return self._rules_run(module, g_inp, g_out)
+        # The sums may lie in one buffer of the backward pass (.arena).
+        arena.serve(found, module)
+        try:
+            return self._rules_run(module, g_inp, g_out)
+        finally:
+            arena.served(found, module, SUMS_SAVEFIELD)
 
     def _rules_run(self, module, g_inp, g_out) -> bool:
         """:meth:`_results` once the facts are recorded: the one choice between a rule, the
@@ -133,7 +140,7 @@ class _RecordingExtension(FirstOrderBackpropExtension):
             return False
         rule = self.rule_of(module)
         if rule is not None:
-            rule(self, module, g_inp, g_out)
+            direct.run(rule, self, module, g_inp, g_out)  # BackPACK's __call__, less its generic steps
             return True
         if isinstance(getattr(module, capture.ATTRIBUTE, None), capture.Fallback):
             running.run(self, module, g_inp, g_out)
@@ -147,8 +154,12 @@ class _RecordingExtension(FirstOrderBackpropExtension):
         recorded with the index it built (:mod:`.own_index`: asked per call, in the backward
         pass); ``None`` if none."""
         # BackPACK's own __call__ is a lookup by exact class, and the call.
-        rule = self._rule_for(type(module))
-        rule = rule if rule is not None else hf.rule_for(self.savefield, module)
+        cls = type(module)
+        if cls in self._by_class:
+            rule = self._by_class[cls]
+        else:
+            rule = self._rule_for(cls)
+            rule = self._by_class[cls] = rule if rule is not None else hf.rule_for(self.savefield, module)
         if rule is None and scaled_embedding.is_scaled_embedding(module):
             rule = scaled_embedding.ScaledEmbeddingRule(self._rules[nn.Embedding])
         if rule is None and own_index.built(facts.recording().call):

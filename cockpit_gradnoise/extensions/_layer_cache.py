@@ -19,28 +19,32 @@ most one layer's result per slot is kept alive.
 import weakref
 from typing import Any, Dict, Hashable, Optional, Sequence
 
+from torch import Tensor
 
-def _version(obj) -> Optional[int]:
-    # Tensor._version counts in-place changes (autograd's own staleness check);
-    # modules have none.
-    return getattr(obj, "_version", None)
+
+def _versions(sources: Sequence[Any]) -> tuple:
+    # Tensor._version counts in-place changes (autograd's own staleness check); modules
+    # have none (asked directly: getattr on a module raises inside nn.Module.__getattr__).
+    return tuple([source._version if isinstance(source, Tensor) else None for source in sources])
 
 
 class _Key:
     """Weak references to the sources of a result, their versions and an extra key."""
 
+    __slots__ = ("_refs", "_versions", "_extra")
+
     def __init__(self, sources: Sequence[Any], extra: Hashable):
-        self._refs = tuple(weakref.ref(source) for source in sources)
-        self._versions = tuple(_version(source) for source in sources)
+        self._refs = tuple(map(weakref.ref, sources))
+        self._versions = _versions(sources)
         self._extra = extra
 
     def matches(self, sources: Sequence[Any], extra: Hashable) -> bool:
-        return (
-            len(sources) == len(self._refs)
-            and all(ref() is source for ref, source in zip(self._refs, sources))
-            and self._versions == tuple(_version(source) for source in sources)
-            and self._extra == extra
-        )
+        if len(sources) != len(self._refs):
+            return False
+        for ref, source in zip(self._refs, sources):
+            if ref() is not source:
+                return False
+        return self._versions == _versions(sources) and self._extra == extra
 
 
 class LayerCache:

@@ -63,21 +63,35 @@ def serving(facts, module, savefield: str):
     """While a sums rule runs on ``module`` in the backward pass that ``facts`` records:
     :func:`place` may give slots of the backward pass's buffer. Afterwards, the
     results of :func:`place` that ``module``'s parameters keep as ``savefield`` count
-    towards the plan :func:`confirm` makes."""
-    if facts.arena is None:
-        facts.arena = _Backward()
-    backward = facts.arena
-    backward.layer = module
+    towards the plan :func:`confirm` makes. :func:`serve` and :func:`served` are the
+    same without the generator, for the rules' per-layer path."""
+    serve(facts, module)
     try:
         yield
     finally:
-        backward.layer = None
-        for param in module._parameters.values():
-            kept = getattr(param, savefield, None) if param is not None else None
-            made = backward.made.get(kept.data_ptr()) if isinstance(kept, Tensor) else None
-            if made is not None and made.dtype == kept.dtype and made.shape == kept.shape:
-                backward.kept[(kept.device, kept.dtype)] += kept[0].numel()
-        backward.made.clear()
+        served(facts, module, savefield)
+
+
+def serve(facts, module) -> None:
+    """A sums rule begins on ``module``: :func:`place` may give slots of the buffer."""
+    if facts.arena is None:
+        facts.arena = _Backward()
+    facts.arena.layer = module
+
+
+def served(facts, module, savefield: str) -> None:
+    """The sums rule on ``module`` is over (also when it raised): count what its
+    parameters keep of what :func:`place` gave."""
+    backward = facts.arena
+    backward.layer = None
+    if not backward.made:  # nothing placed (the GPU's paths place nothing)
+        return
+    for param in module._parameters.values():
+        kept = getattr(param, savefield, None) if param is not None else None
+        made = backward.made.get(kept.data_ptr()) if isinstance(kept, Tensor) else None
+        if made is not None and made.dtype == kept.dtype and made.shape == kept.shape:
+            backward.kept[(kept.device, kept.dtype)] += kept[0].numel()
+    backward.made.clear()
 
 
 def place(like: Tensor, shape: Sequence[int]) -> Tensor:

@@ -77,7 +77,7 @@ class BackwardFacts:
         inside_blocks: ``{id(module)}`` of the modules inside a block that computes their
             parameters' results itself in this pass (:mod:`.fallback.blocks`): they get none
             of their own.
-        graph_task: The autograd graph task (:func:`_graph_task`) of the backward pass
+        graph_task: The autograd graph task (:data:`_CURRENT_GRAPH_TASK`) of the backward pass
             these facts are of, from the first fact recorded in it; ``None`` before.
         finished: That backward pass is over (its end reached, :func:`recording`).
         block_rows: ``{id(param): class name}`` of the block that computed a parameter's
@@ -112,13 +112,15 @@ class BackwardFacts:
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
         batch_axis = 1 if isinstance(module, _SEQUENCE_FIRST) and not module.batch_first else 0
         marked = module.__dict__.get(TIED_ATTR, {})
+        savefield, kind, uses, unmarked = extension.savefield, type(extension), self.uses, self.unmarked_uses
         for attribute, param in module._parameters.items():
-            if param is not None and param.requires_grad and hasattr(param, extension.savefield):
-                key = (type(extension), id(param))
-                self.uses[key] += 1
-                self.unmarked_uses[key] += attribute not in marked
+            if param is not None and param.requires_grad and hasattr(param, savefield):
+                key = (kind, id(param))
+                # Counter's own += calls its Python __missing__ for a new key: get() does not.
+                count = uses[key] = uses.get(key, 0) + 1
+                unmarked[key] = unmarked.get(key, 0) + (attribute not in marked)
                 self.writers.setdefault(key, set()).add(id(module))
-                if self.uses[key] > 1 and self.unmarked_uses[key]:
+                if count > 1 and unmarked[key]:
                     self._shared_or_run_again(key, module, param)
                 self.leading_sizes[id(param)] = grad_output[0].shape[batch_axis]
 
@@ -206,15 +208,10 @@ def begin() -> BackwardFacts:
     return _RECORDING[0]
 
 
-#: torch's ``_current_graph_task_id`` (torch >= 2.1), looked up once: :func:`recording` runs
-#: several times per layer and extension.
+#: The id of the autograd graph task running now (one per ``backward()`` or ``autograd.grad``
+#: call), ``-1`` outside a backward pass: torch's ``_current_graph_task_id`` (torch >= 2.1;
+#: before, always ``-1``), looked up once: :func:`recording` runs several times per layer.
 _CURRENT_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _graph_task() -> int:
-    """The id of the autograd graph task running now (one per ``backward()`` or
-    ``autograd.grad`` call), ``-1`` outside a backward pass (and before torch 2.1)."""
-    return _CURRENT_GRAPH_TASK()
 
 
 def recording() -> BackwardFacts:
@@ -231,9 +228,9 @@ def recording() -> BackwardFacts:
     backward pass a rule runs inside it keeps recording there); a later pass that
     finds them ended begins its own.
     """
-    facts, task = _RECORDING[0], _graph_task()
-    if task == -1:  # outside a backward pass (a forward hook, a quantity reading the facts)
-        return facts
+    facts, task = _RECORDING[0], _CURRENT_GRAPH_TASK()
+    if task == -1 or task == facts.graph_task:  # outside a backward pass (a forward hook, a
+        return facts  # quantity reading the facts), or inside the one they are of
     if facts.graph_task is None:
         facts.graph_task = task
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _end(facts))

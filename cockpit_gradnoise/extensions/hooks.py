@@ -22,8 +22,10 @@ autograd notes, "Behavior of Tensor hooks when Tensor is modified in-place";
 ``tests/test_hooks.py`` checks it). That gradient is the layer's output
 gradient, with which the hook runs BackPACK's own dispatch of every active
 extension, ``extension(module, g_inp, g_out)``, then the context's extension
-hook (Cockpit's), as BackPACK's ``hook_run_extensions`` does. For the time of
-the dispatch only, the record is shown to the rules under BackPACK's names
+hook (Cockpit's), as BackPACK's ``hook_run_extensions`` does (a first-order
+rule's parameter methods are then called without BackPACK's generic steps,
+:mod:`.direct`). For the time of the dispatch only, the record is shown to the
+rules under BackPACK's names
 (``module.input0``, ``input1``, ..., ``module.output``), written into the
 module's ``__dict__`` so that they shadow, and never replace, a submodule of
 that name; they are removed right after.
@@ -126,11 +128,14 @@ class Call:
     __slots__ = ("inputs", "kwargs", "output", "versions", "repeated", "forward", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, output: Tensor):
-        self.inputs = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        self.kwargs = kwargs
-        self.output = output.detach()
-        self.versions = {i: a._version for i, a in enumerate(args) if isinstance(a, Tensor)}
-        self.versions["output"] = output._version
+        inputs, versions = [], {}
+        for i, a in enumerate(args):  # one loop, no generator: a call of every layer
+            if isinstance(a, Tensor):
+                versions[i] = a._version
+                a = a.detach()
+            inputs.append(a)
+        versions["output"] = output._version
+        self.inputs, self.kwargs, self.output, self.versions = tuple(inputs), kwargs, output.detach(), versions
         self.repeated, self.forward = False, _FORWARD[0]
 
     def clear(self):
@@ -438,6 +443,9 @@ def _note_call(module: nn.Module, call: Call) -> None:
     calls = module.__dict__.get(CALLS_ATTR)
     if not isinstance(calls, _Calls) or calls.forward != call.forward:
         calls = module.__dict__[CALLS_ATTR] = _Calls(call.forward)
+    if not calls.refs:  # the first call of this forward pass (every layer's, most layers' only)
+        calls.refs = [weakref.ref(call)]
+        return
     pending = [c for c in (ref() for ref in calls.refs) if c is not None and c.output is not None]
     for other in pending:
         other.repeated = call.repeated = True
@@ -446,47 +454,71 @@ def _note_call(module: nn.Module, call: Call) -> None:
 
 def _run_extensions(name: str, module: nn.Module, call: Call, grad_output: Tensor):
     """Tensor hook on the output: BackPACK's dispatch of the active extensions."""
-    extensions = CTX.get_active_exts()
+    extensions = CTX.active_exts
     if extensions and call.output is not None:
-        _refuse_second_order(extensions)
+        if extensions is not _FIRST_ORDER[0]:  # one check per `with backpack(...)`: its tuple
+            _refuse_second_order(extensions)
+            _FIRST_ORDER[0] = extensions
         _refuse_modified(name, module, call)
         _dispatch(module, call, extensions, (grad_output,))
-    if not CTX.get_retain_graph():
+    if not CTX.retain_graph:
         call.clear()
+
+
+#: The last tuple of active extensions found first-order (``CTX.active_exts``, a new tuple
+#: for each ``with backpack(...)``): held, so that its ``id`` is never another's.
+_FIRST_ORDER = [None]
+
+
+def _shown(module: nn.Module, call: Call, g_out: Tuple[Tensor]):
+    """``(inputs, output, g_out)`` as the rules see them: this process's shards under tensor
+    parallelism (:mod:`.tensor_parallel`; ``None``: refused, no rule runs), low-precision
+    factors as the layer computed with them, in float32 (:mod:`.precision`)."""
+    local = tensor_parallel.local_call(module, call.inputs, call.output, g_out)
+    if local is None:
+        return None
+    inputs, output, g_out = local
+    return precision.shown_inputs(module, inputs, output), output, precision.shown_grad_outputs(g_out)
 
 
 def _dispatch(module: nn.Module, call: Call, extensions, g_out: Tuple[Tensor]):
     """Run ``extensions`` on ``module`` with the call shown under BackPACK's names."""
-    # Tensor parallelism: this process's shards (.tensor_parallel); None: refused, no rule runs.
-    local = tensor_parallel.local_call(module, call.inputs, call.output, g_out)
-    if local is None:
-        extensions, local = (), (call.inputs, call.output, g_out)
-    inputs, output, g_out = local
-    # Low-precision factors as the layer computed with them, in float32 (.precision).
-    inputs = precision.shown_inputs(module, inputs, output)
-    g_out = tuple(precision.shown_grad_output(g) for g in g_out)
-    shown = {f"input{i}": x for i, x in enumerate(inputs)}
-    shown["output"] = output
+    shown = _shown(module, call, g_out)
+    if shown is None:  # refused (tensor parallelism): the names shown, no rule runs
+        extensions, shown = (), (call.inputs, call.output, g_out)
+    inputs, output, g_out = shown
     # In __dict__, so that they shadow a submodule or parameter of that name
     # for the time of the dispatch and leave it untouched.
-    hidden = {key: module.__dict__[key] for key in shown if key in module.__dict__}
-    module.__dict__.update(shown)
+    names = _NAMES[len(inputs)] if len(inputs) < len(_NAMES) else _names(len(inputs))
+    attributes = module.__dict__
+    hidden = {key: attributes[key] for key in names if key in attributes}
+    attributes.update(zip(names, inputs))
+    attributes["output"] = output
     # On the backward pass, for rules that need more than BackPACK's names give (.hf).
     backward = facts.recording()
     backward.call = call
     try:
         g_inp = (None,) * len(call.inputs)
-        debug = CTX.get_debug()
+        debug = CTX.debug
         for extension in extensions:
             if debug:
                 print("[DEBUG] Running extension", extension, "on", module)
             extension(module, g_inp, g_out)
-        CTX.get_extension_hook()(module)
+        CTX.extension_hook(module)
     finally:
         backward.call = None
-        for key in shown:
-            module.__dict__.pop(key, None)
-        module.__dict__.update(hidden)
+        for key in names:
+            attributes.pop(key, None)
+        attributes.update(hidden)
+
+
+def _names(inputs: int) -> Tuple[str, ...]:
+    """BackPACK's names of a call's ``inputs`` inputs and its output: ``input0``, ..., ``output``."""
+    return (*(f"input{i}" for i in range(inputs)), "output")
+
+
+#: :func:`_names` of calls of up to 7 inputs, made once.
+_NAMES = tuple(_names(inputs) for inputs in range(8))
 
 
 def _refuse_second_order(extensions):
@@ -503,11 +535,10 @@ def _refuse_second_order(extensions):
 
 def _refuse_modified(name: str, module: nn.Module, call: Call):
     """The rules need the input (and an RNN's output) as the layer saw it."""
-    changed = [
-        f"input {i}" for i, x in enumerate(call.inputs)
-        if i in call.versions and x._version != call.versions[i]
-    ]
-    if isinstance(module, READS_OUTPUT) and call.output._version != call.versions["output"]:
+    inputs, versions = call.inputs, call.versions
+    changed = [f"input {i}" for i, version in versions.items()
+               if i != "output" and inputs[i]._version != version]
+    if isinstance(module, READS_OUTPUT) and call.output._version != versions["output"]:
         changed.append("output")
     if changed:
         raise RuntimeError(

@@ -131,11 +131,19 @@ def _is_float(value) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
+#: The dtypes the rules compute in as they are: ``accumulation_dtype`` of each is itself.
+_WIDE = (torch.float32, torch.float64)
+
+
 def shown_inputs(module: nn.Module, inputs: tuple, output: Tensor) -> tuple:
     """The inputs as the rules see them (the module's docstring): rounded to the output's
     dtype where autocast cast them, then widened to float32."""
     if not _is_float(output):
         return inputs
+    dtype = output.dtype
+    if dtype in _WIDE and all(not isinstance(x, Tensor) or x.dtype is dtype or not x.is_floating_point()
+                              for x in inputs):
+        return inputs  # a float32 or float64 layer: each input is shown as it is (no cast, no widening)
     shown = []
     for x in inputs:
         if _is_float(x):
@@ -152,6 +160,13 @@ def shown_grad_output(grad_output: Tensor) -> Tensor:
     if not _is_float(grad_output):
         return grad_output
     return grad_output.to(accumulation_dtype(grad_output.dtype))
+
+
+def shown_grad_outputs(g_out: tuple) -> tuple:
+    """:func:`shown_grad_output` of each output gradient (``g_out`` itself where none changes)."""
+    if all(isinstance(g, Tensor) and g.dtype in _WIDE for g in g_out):
+        return g_out
+    return tuple(shown_grad_output(g) for g in g_out)
 
 
 def widened(tensor: Tensor) -> Tensor:

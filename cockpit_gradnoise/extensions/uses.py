@@ -259,9 +259,17 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     """``call(module, g_inp, g_out)`` (the extension's work on ``module``; ``False`` if no
     rule covers it), then the above."""
     recorded = facts.recording()
+    dispatched = recorded.call
+    uses = module.__dict__.get(USES_ATTR)
+    if dispatched is not None and uses is None and not dispatched.repeated:
+        # The package's hooks (.hooks), a layer without embedding or tied parameter, called
+        # once: none of the below applies (no autocast refusal: the hooks keep what the layer
+        # computed with; no tied use, broadcast or repeated call): the rule, the record.
+        if call(module, g_inp, g_out) is not False:
+            recorded.record(extension, module, g_out)
+        return
     if _autocast_without_hooks(module, recorded, g_out):
         return
-    uses = module.__dict__.get(USES_ATTR)
     if _refuse_used_otherwise(extension, module, uses, recorded) or repeated.defers(
             extension, module, g_out, _batch_free_call(uses, module)):
         return  # refused (its rule would miss a use); or one of several calls: summed per
