@@ -359,7 +359,8 @@ def transformers_case(model_type: str) -> Case:
         text = torch.randint(3, config.boi_token_index, (BATCH, LENGTH))
         images = _images(model, config.vision_config, dtype)[0][0]
         inputs, names = (torch.cat([image_tokens, text], 1), images), ["input_ids", "pixel_values"]
-    elif task == "seq2seq" and {"input_features"} <= _arguments(model) and "decoder_input_ids" not in _arguments(model):
+    elif (task == "seq2seq" and hasattr(config, "audio_length_per_tok")
+          and {"input_features"} <= _arguments(model) and "decoder_input_ids" not in _arguments(model)):
         # Speech added to the text, a group of frames per token (Voxtral Realtime): mel features.
         frames = config.audio_length_per_tok * LENGTH
         features = torch.randn(BATCH, config.audio_config.num_mel_bins, frames, dtype=dtype)
