@@ -246,7 +246,7 @@ def _worker(connection):
     import torchvision  # noqa: F401
     import transformers  # noqa: F401
 
-    from experiments import sweep_models  # noqa: F401
+    from experiments import sweep_behaviour, sweep_models  # noqa: F401
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -255,7 +255,9 @@ def _worker(connection):
         job = connection.recv()
         if job is None:
             return
-        connection.send(check_one(*job))
+        library, name, kind = job
+        connection.send(sweep_behaviour.behaviour_record(library, name) if kind == "behaviour"
+                        else check_one(library, name))
 
 
 class Worker:
@@ -281,13 +283,14 @@ class Worker:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
-    def run(self, library: str, name: str, timeout: float) -> dict:
-        """Check one model; a timeout after ``timeout`` s of the worker's CPU time (of the
-        clock's where it cannot be read), or ``WALL_FACTOR`` times it by the clock."""
+    def run(self, library: str, name: str, timeout: float, kind: str = "check") -> dict:
+        """Check one model (``kind="behaviour"``: the second pass); a timeout after
+        ``timeout`` s of the worker's CPU time (of the clock's where it cannot be read), or
+        ``WALL_FACTOR`` times it by the clock."""
         if self.process is None or not self.process.is_alive():
             self.start()
         start, cpu = time.perf_counter(), self.cpu_seconds()
-        self.connection.send((library, name))
+        self.connection.send((library, name, kind))
         try:
             while True:
                 if self.connection.poll(min(1.0, timeout)):
@@ -302,6 +305,10 @@ class Worker:
         except EOFError:
             status, message = "error", f"the worker process died (exit code {self.process.exitcode})"
         self.stop()
+        if kind == "behaviour":
+            return {"library": library, "name": name, "behaviour": {
+                "error" if status == "error" else "timeout": message,
+                "verdict": f"{status}: {message}", "seconds": time.perf_counter() - start}}
         return {"library": library, "name": name, "status": status, "message": message,
                 "seconds": time.perf_counter() - start}
 
@@ -332,6 +339,41 @@ def sweep(jobs: List[tuple], timeout: float, results: Optional[Dict[str, dict]] 
     finally:
         worker.stop()
     return results
+
+
+def behaviour_sweep(jobs: List[tuple], timeout: float, done: Optional[Dict[str, dict]] = None,
+                    path: Optional[str] = None, log=print) -> Dict[str, dict]:
+    """The second pass (``experiments/sweep_behaviour.py``) on each ``(library, name)`` of
+    ``jobs`` without a ``behaviour`` in ``done``: ``{"library/name": {"library", "name",
+    "behaviour"}}``, the fields to merge into the sweep's records (:func:`merged`)."""
+    results = {key: {"library": r["library"], "name": r["name"], "behaviour": r["behaviour"]}
+               for key, r in (done or {}).items() if "behaviour" in r}
+    worker = Worker()
+    try:
+        for library, name in jobs:
+            key = f"{library}/{name}"
+            if key in results:
+                continue
+            record = worker.run(library, name, timeout, kind="behaviour")
+            results[key] = record
+            behaviour = record["behaviour"]
+            log(f"{key}: {behaviour.get('verdict', behaviour.get('skipped', ''))[:200]} "
+                f"({behaviour['seconds']:.1f} s) {behaviour.get('time', '')}")
+            if path:
+                write_results(results, path)
+    finally:
+        worker.stop()
+    return results
+
+
+def merged(old: Optional[dict], new: dict) -> dict:
+    """``new`` in place of ``old``; a record of the second pass alone (``library``, ``name``,
+    ``behaviour``) adds its ``behaviour`` to ``old``'s fields instead."""
+    if old is not None and set(new) <= {"library", "name", "behaviour"}:
+        return {**old, "behaviour": new["behaviour"]}
+    if old is not None and "behaviour" in old and "behaviour" not in new:
+        return {**new, "behaviour": old["behaviour"]}  # a check run again keeps the second pass
+    return new
 
 
 def versions() -> Dict[str, str]:
@@ -379,6 +421,40 @@ def _left_out(record: dict, shown=3) -> str:
     return "; ".join(parts)
 
 
+def _behaviour(record: dict) -> str:
+    """The behaviour cell: ``kept``, what differs, or ``not measured``."""
+    behaviour = record.get("behaviour")
+    if behaviour is None:
+        return "not measured" if record["status"] != "skipped" else ""
+    if "skipped" in behaviour:
+        return "not measured (" + _cell(behaviour["skipped"])[:80] + ")"
+    text = _cell(behaviour["verdict"])[:250]
+    same = behaviour.get("train", {}).get("same_seed")
+    if text == "kept" and behaviour["train"].get("random") and same and not same["identical"]:
+        text += " (random; the same seed draws otherwise)"
+    return text
+
+
+def _time(record: dict) -> str:
+    """The step-time cell: ``ratio (plain ms)``."""
+    times = (record.get("behaviour") or {}).get("time")
+    if not times or times.get("ratio") is None:
+        return ""
+    return f"{times['ratio']:.1f} ({times['plain_ms']:.0f} ms)"
+
+
+def behaviour_counts(results: Dict[str, dict]) -> str:
+    """The line of the behaviour pass's counts."""
+    built = [r for r in results.values() if r["status"] != "skipped"]
+    measured = [r["behaviour"] for r in built if "behaviour" in r and "skipped" not in r["behaviour"]]
+    kept = sum(b["verdict"] == "kept" for b in measured)
+    ratios = sorted(b["time"]["ratio"] for b in measured if b.get("time", {}).get("ratio"))
+    median = f"; tracked/plain step time: median {ratios[len(ratios) // 2]:.1f}" if ratios else ""
+    return (f"Behaviour kept (eval outputs identical, training-mode randomness kept): {kept} of "
+            f"{len(measured)} measured; {len(built) - len(measured)} of the {len(built)} that built "
+            f"not measured{median}.")
+
+
 def section(data: dict) -> str:
     """The generated part of the page: the counts, then a table per library."""
     results, versions_ = data["results"], data["versions"]
@@ -402,6 +478,7 @@ def section(data: dict) -> str:
     for library, row in counts(results).items():
         lines.append(f"| {library} | " + " | ".join(str(row[s]) for s in STATUSES)
                      + f" | {sum(row.values())} |")
+    lines += ["", behaviour_counts(results)]
     if data.get("not_reached"):
         lines += ["", f"Not reached in this run ({len(data['not_reached'])}, the time given to the "
                   "run ran out; `--resume` continues it): "
@@ -412,8 +489,9 @@ def section(data: dict) -> str:
         if not records:
             continue
         lines += ["", f"### {library}", "",
-                  "| model | status | coverage | worst rel. error | left out: why, or the message |",
-                  "|---|---|---:|---:|---|"]
+                  "| model | status | coverage | worst rel. error | behaviour | tracked/plain step |"
+                  " left out: why, or the message |",
+                  "|---|---|---:|---:|---|---:|---|"]
         for r in records:
             coverage = f"{100 * r['coverage']:.1f}%" if "coverage" in r else ""
             error = f"{r['worst_rel_error']:.1e}" if r.get("worst_rel_error") is not None else ""
@@ -421,7 +499,8 @@ def section(data: dict) -> str:
             if r["status"] == "inexact":
                 why = f"worst: `{r.get('worst_param', '')}`; " + why
             model = f"`{_cell(r['name'])}`" + (f" ({_cell(r['detail'])})" if r.get("detail") else "")
-            lines.append(f"| {model} | {r['status']} | {coverage} | {error} | {why} |")
+            lines.append(f"| {model} | {r['status']} | {coverage} | {error} | {_behaviour(r)} | "
+                         f"{_time(r)} | {why} |")
     return "\n".join(lines)
 
 
@@ -460,16 +539,26 @@ def main(argv=None):
                         help="last model first (a second process from the other end)")
     parser.add_argument("--merge", nargs="*", default=[],
                         help="JSON files of earlier runs (run in parallel) to start from")
+    parser.add_argument("--behaviour", action="store_true",
+                        help="only the second pass (behaviour kept, step time) on the models that "
+                        "built in --merge's records without a behaviour yet; --results gets its fields")
     args = parser.parse_args(argv)
     path = args.results or (None if args.quick else RESULTS)
+    if args.behaviour and path == RESULTS and not args.results:
+        parser.error("--behaviour writes its own --results file, merged with --merge later")
     previous = {}
     for earlier in args.merge + ([path] if args.resume and path and os.path.exists(path) else []):
         with open(earlier) as handle:
-            previous.update(json.load(handle)["results"])
+            for key, record in json.load(handle)["results"].items():
+                previous[key] = merged(previous.get(key), record)
     jobs = jobs_of(args.quick, args.only)
+    if args.behaviour:
+        built = [(lib, name) for lib, name in jobs
+                 if previous.get(f"{lib}/{name}", {}).get("status", "skipped") != "skipped"]
+        return behaviour_sweep(built[::-1] if args.reverse else built, args.timeout, previous, path)
     if args.no_run:
         results = {key: previous[key] for key in (f"{lib}/{name}" for lib, name in jobs)
-                   if key in previous}
+                   if "status" in previous.get(key, {})}
         if path:
             write_results(results, path)
     else:

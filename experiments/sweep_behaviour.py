@@ -1,0 +1,215 @@
+"""The architecture sweep's second pass: behaviour kept, and a tracked step's time against a plain one.
+
+For one model of ``experiments/sweep_models.py`` (float64 as built), a plain copy and the
+model after ``cgn.track(model, every=1)`` (default quantities):
+
+- **eval outputs**: the plain copy's output in evaluation mode against the tracked
+  model's, outside a tracked step (the forward pass of a user's step, gradients on) and
+  inside one (after ``loss.backward()`` in the ``with tracker(...)`` block). The same
+  kernels give the same bits (``torch.equal``); where ``cgn.track`` replaced a module
+  (``nn.MultiheadAttention`` by its linear form) the sums are reassociated, and the
+  difference is held to :func:`rounding_bound`;
+- **dropout still random**: in training mode, the plain copy's outputs at two seeds; if
+  they differ (dropout, drop path), the tracked model's must differ too; the tracked
+  model at the plain copy's seed gives the plain output (else "other draws" is said);
+  a model without randomness must give the plain training-mode output (BatchNorm's
+  batch statistics);
+- **step time**: CPU time (``time.process_time``, the worker runs one thread) of a plain
+  training step (forward, loss, backward, SGD step) and of a tracked one, in training
+  mode, the median of ``ROUNDS`` alternated repetitions after one warm-up each. Tiny
+  models: this is the per-module overhead, not what a realistic model pays.
+"""
+
+import statistics
+import time
+
+# Two kernels computing the same function in a dtype of unit roundoff u (reassociated sums
+# of a tiny model: widths and lengths of at most a few hundred, a few layers) differ by at
+# most about n u times the output's scale, n the number of rounded operations along a path:
+# n = 10^3 (2e-13 of the scale in float64).
+ROUNDING_TERMS = 1e3
+ROUNDS = 3
+SEEDS = (1, 2)
+
+
+def flat_output(output):
+    """The model's output as one float64 vector (a tensor, or a tuple of tensors)."""
+    import torch
+
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    return torch.cat([t.detach().flatten().double() for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def rounding_bound(reference, dtype) -> float:
+    """``ROUNDING_TERMS * eps(dtype) * max(1, max |reference|)``: what reassociated
+    arithmetic can change (see ``ROUNDING_TERMS``)."""
+    import torch
+
+    scale = max(1.0, float(reference.abs().max())) if reference.numel() else 1.0
+    return ROUNDING_TERMS * torch.finfo(dtype).eps * scale
+
+
+def compared(reference, other, dtype) -> dict:
+    """``identical`` (the same bits), the largest absolute difference and the bound."""
+    import torch
+
+    identical = reference.shape == other.shape and torch.equal(reference, other)
+    difference = (0.0 if identical else float("inf") if reference.shape != other.shape
+                  else float((reference - other).abs().max()))
+    return {"identical": identical, "max_abs_diff": difference,
+            "bound": rounding_bound(reference, dtype)}
+
+
+def _within(comparison: dict) -> bool:
+    return comparison["identical"] or comparison["max_abs_diff"] <= comparison["bound"]
+
+
+def per_example_losses(logits, targets):
+    """One loss per example whose mean is ``sweep_models.logits_loss`` (every example has
+    the same number of positions)."""
+    import torch.nn.functional as F
+
+    losses = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+    return losses.view(targets.shape).flatten(1).mean(1) if targets.dim() > 1 else losses
+
+
+def _forward(model, inputs, train: bool, seed=None):
+    import torch
+
+    model.train(train)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        return flat_output(model(*inputs))
+
+
+def eval_outputs(case, plain, model, tracker) -> dict:
+    """Plain against tracked in evaluation mode, outside and inside a tracked step (step 0)."""
+    import torch
+
+    dtype = next(p.dtype for p in plain.parameters() if p.is_floating_point())
+    reference = _forward(plain, case.inputs, train=False)
+    model.eval()
+    logits = model(*case.inputs)  # a user's forward pass: gradients on
+    outside = flat_output(logits)
+    with tracker(0, per_example_losses(logits, case.targets)) as loss:
+        loss.backward()
+        with torch.no_grad():
+            inside = flat_output(model(*case.inputs))
+    model.zero_grad(set_to_none=True)
+    return {"outside": compared(reference, outside, dtype), "inside": compared(reference, inside, dtype)}
+
+
+def train_outputs(case, plain, model) -> dict:
+    """Training mode: whether the plain copy is random, whether the tracked model still is,
+    and the tracked output at the plain copy's first seed."""
+    import torch
+
+    dtype = next(p.dtype for p in plain.parameters() if p.is_floating_point())
+    first, second = (_forward(plain, case.inputs, True, seed) for seed in SEEDS)
+    random = not torch.equal(first, second)
+    tracked_first = _forward(model, case.inputs, True, SEEDS[0])
+    result = {"random": random, "same_seed": compared(first, tracked_first, dtype)}
+    if random:
+        result["tracked_random"] = not torch.equal(tracked_first, _forward(model, case.inputs, True, SEEDS[1]))
+    return result
+
+
+def _plain_step(case, model, optimizer, step):
+    optimizer.zero_grad(set_to_none=True)
+    case.loss_fn(model(*case.inputs), case.targets).backward()
+    optimizer.step()
+
+
+def _tracked_step(case, model, optimizer, step, tracker):
+    optimizer.zero_grad(set_to_none=True)
+    losses = per_example_losses(model(*case.inputs), case.targets)
+    with tracker(step, losses, optimizer=optimizer) as loss:
+        loss.backward()
+    optimizer.step()
+
+
+def step_times(case, plain, model, tracker) -> dict:
+    """Median CPU seconds of a plain and of a tracked training step, alternated."""
+    import torch
+
+    plain.train()
+    model.train()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+    tracked_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = {"plain": [], "tracked": []}
+    for step in range(1, ROUNDS + 2):  # step 1: the warm-up of each
+        for kind, run in (("plain", lambda: _plain_step(case, plain, plain_opt, step)),
+                          ("tracked", lambda: _tracked_step(case, model, tracked_opt, step, tracker))):
+            start = time.process_time()
+            run()
+            if step > 1:
+                times[kind].append(time.process_time() - start)
+    plain_s, tracked_s = statistics.median(times["plain"]), statistics.median(times["tracked"])
+    return {"plain_ms": 1e3 * plain_s, "tracked_ms": 1e3 * tracked_s,
+            "ratio": tracked_s / plain_s if plain_s > 0 else None}
+
+
+def verdict(behaviour: dict) -> str:
+    """``kept``, or what differs (a package defect)."""
+    differs = []
+    for where in ("outside", "inside"):
+        comparison = behaviour.get("eval", {}).get(where)
+        if comparison and not _within(comparison):
+            differs.append(f"eval output {where} the step differs by {comparison['max_abs_diff']:.1e} "
+                           f"(bound {comparison['bound']:.1e})")
+    train = behaviour.get("train", {})
+    if train.get("random") and not train.get("tracked_random"):
+        differs.append("training mode no longer random")
+    same = train.get("same_seed")
+    if same and not _within(same) and not train.get("random"):
+        differs.append(f"training-mode output differs by {same['max_abs_diff']:.1e}")
+    if "error" in behaviour:
+        differs.append(f"error: {behaviour['error']}")
+    return "; ".join(differs) or "kept"
+
+
+def behaviour_one(case, track=None) -> dict:
+    """The behaviour and the step times of ``case``'s model (changed: it is tracked); an
+    ``error`` with the message where tracking it raised (the parts measured so far kept).
+    ``track``: ``cgn.track`` (a test passes one that changes the model)."""
+    import traceback
+    import warnings
+
+    import cockpit_gradnoise as cgn
+    from cockpit_gradnoise.check import _copy
+
+    behaviour = {}
+    try:
+        plain = _copy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, tracker = (track or cgn.track)(case.model, every=1)
+            behaviour["eval"] = eval_outputs(case, plain, model, tracker)
+            behaviour["train"] = train_outputs(case, plain, model)
+            behaviour["time"] = step_times(case, plain, model, tracker)
+    except Exception as error:  # noqa: BLE001 - a finding: a user's tracked step raises
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        behaviour["error"] = f"{type(error).__name__}: {str(error)[:300]} ({where.filename}:{where.lineno})"
+    behaviour["verdict"] = verdict(behaviour)
+    return behaviour
+
+
+def behaviour_record(library: str, name: str) -> dict:
+    """``{"library", "name", "behaviour"}`` of one architecture (in the sweep's worker):
+    the fields this pass merges into the sweep's record."""
+    import warnings
+
+    from experiments import sweep_models
+
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            case = sweep_models.build(library, name)
+    except Exception as error:  # noqa: BLE001 - sweep_models.Unavailable or a builder's bug
+        behaviour = {"skipped": f"build: {type(error).__name__}: {error}"[:300]}
+    else:
+        behaviour = behaviour_one(case)
+    behaviour.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu)
+    return {"library": library, "name": name, "behaviour": behaviour}
