@@ -464,6 +464,10 @@ def section(data: dict) -> str:
         "",
         "```",
         "PYTHONPATH=. nice python -m experiments.architecture_sweep",
+        "PYTHONPATH=. nice python -m experiments.architecture_sweep --behaviour "
+        "--merge experiments/results/architecture_sweep.json --results BEHAVIOUR.json",
+        "PYTHONPATH=. python -m experiments.architecture_sweep --no-run --page "
+        "--merge experiments/results/architecture_sweep.json BEHAVIOUR.json",
         "```",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_.items()) + ". "

@@ -56,7 +56,7 @@ def test_the_page_is_written_between_the_markers_only(tmp_path):
                       "results": {"timm/a": record}}, str(page))
     text = page.read_text()
     assert text.startswith("# kept\n") and text.endswith(f"{sweep.END}\nkept too\n")
-    assert "old table" not in text and "| `a\\|b` | error |  |  | x y |" in text
+    assert "old table" not in text and "| `a\\|b` | error |  |  | not measured |  | x y |" in text
 
 
 def test_quick_sweep_tracks_each_model_exactly():
@@ -122,3 +122,75 @@ def test_the_time_limit_reads_the_workers_cpu_time_not_the_clock():
     used, process_used = worker.cpu_seconds() - before, time.process_time() - process_before
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert abs(used - process_used) <= 3 * tick, (used, process_used)
+
+
+def _bert():
+    from experiments import sweep_models
+
+    return sweep_models.build("transformers", "bert")
+
+
+def test_the_behaviour_pass_keeps_berts_eval_outputs_and_dropout(one_thread):
+    """BERT's tiny configuration has dropout: random in training mode, plain and tracked."""
+    from experiments import sweep_behaviour
+
+    behaviour = sweep_behaviour.behaviour_one(_bert())
+    assert behaviour["verdict"] == "kept", behaviour
+    assert behaviour["eval"]["outside"]["identical"] and behaviour["eval"]["inside"]["identical"]
+    assert behaviour["train"]["random"] and behaviour["train"]["tracked_random"]
+    assert behaviour["time"]["plain_ms"] > 0 and behaviour["time"]["tracked_ms"] > 0
+
+
+def _tracked_then(change):
+    """``cgn.track``, then ``change(model)``: a package that would alter the model."""
+    import cockpit_gradnoise as cgn
+
+    def track(model, **kwargs):
+        model, tracker = cgn.track(model, **kwargs)
+        change(model)
+        return model, tracker
+
+    return track
+
+
+def test_the_behaviour_pass_sees_an_eval_output_changed_by_tracking(one_thread):
+    """A forward hook adding 1e-9 (far above the 2e-13 rounding bound) to the output."""
+    from experiments import sweep_behaviour
+
+    def perturb(model):
+        model.register_forward_hook(lambda module, args, output: output + 1e-9)
+
+    behaviour = sweep_behaviour.behaviour_one(_bert(), track=_tracked_then(perturb))
+    assert not behaviour["eval"]["outside"]["identical"]
+    assert behaviour["eval"]["outside"]["max_abs_diff"] > behaviour["eval"]["outside"]["bound"]
+    assert behaviour["verdict"].startswith("eval output outside the step differs by 1.0e-09"), behaviour
+
+
+def test_the_behaviour_pass_sees_dropout_switched_off_by_tracking(one_thread):
+    from experiments import sweep_behaviour
+
+    def no_dropout(model):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+
+    behaviour = sweep_behaviour.behaviour_one(_bert(), track=_tracked_then(no_dropout))
+    assert behaviour["train"]["random"] and not behaviour["train"]["tracked_random"]
+    assert behaviour["verdict"] == "training mode no longer random", behaviour
+
+
+def test_the_behaviour_fields_merge_into_a_sweep_record_and_its_page_row(tmp_path):
+    check = {"library": "timm", "name": "a", "status": "exact", "coverage": 1.0, "seconds": 1}
+    second = {"library": "timm", "name": "a", "behaviour": {
+        "verdict": "kept", "train": {"random": False}, "time": {"plain_ms": 2.0, "tracked_ms": 5.0, "ratio": 2.5}}}
+    record = sweep.merged(check, second)
+    assert record == {**check, "behaviour": second["behaviour"]}
+    assert sweep.merged(record, check) == record  # the check run again keeps the second pass
+    page = tmp_path / "page.md"
+    page.write_text(f"{sweep.BEGIN}\n{sweep.END}\n")
+    sweep.write_page({"versions": {}, "tolerance": 1e-10, "float32_tolerance": 1e-4,
+                      "results": {"timm/a": record, "timm/b": {**check, "name": "b"}}}, str(page))
+    text = page.read_text()
+    assert "| `a` | exact | 100.0% |  | kept | 2.5 (2 ms) |" in text
+    assert "| `b` | exact | 100.0% |  | not measured |  |" in text
+    assert "kept): 1 of 1 measured; 1 of the 2 that built not measured" in text
