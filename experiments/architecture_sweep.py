@@ -426,8 +426,9 @@ def _behaviour(record: dict) -> str:
     behaviour = record.get("behaviour")
     if behaviour is None:
         return "not measured" if record["status"] != "skipped" else ""
-    if "skipped" in behaviour:
-        return "not measured (" + _cell(behaviour["skipped"])[:80] + ")"
+    for reason in ("skipped", "timeout"):
+        if reason in behaviour:
+            return "not measured (" + _cell(behaviour[reason])[:80] + ")"
     text = _cell(behaviour["verdict"])[:250]
     same = behaviour.get("train", {}).get("same_seed")
     if text == "kept" and behaviour["train"].get("random") and same and not same["identical"]:
@@ -446,13 +447,15 @@ def _time(record: dict) -> str:
 def behaviour_counts(results: Dict[str, dict]) -> str:
     """The line of the behaviour pass's counts."""
     built = [r for r in results.values() if r["status"] != "skipped"]
-    measured = [r["behaviour"] for r in built if "behaviour" in r and "skipped" not in r["behaviour"]]
+    measured = [r["behaviour"] for r in built
+                if "behaviour" in r and not {"skipped", "timeout"} & set(r["behaviour"])]
     kept = sum(b["verdict"] == "kept" for b in measured)
     ratios = sorted(b["time"]["ratio"] for b in measured if b.get("time", {}).get("ratio"))
     median = f"; tracked/plain step time: median {ratios[len(ratios) // 2]:.1f}" if ratios else ""
+    timeouts = sum("timeout" in r.get("behaviour", {}) for r in built)
     return (f"Behaviour kept (eval outputs identical, training-mode randomness kept): {kept} of "
             f"{len(measured)} measured; {len(built) - len(measured)} of the {len(built)} that built "
-            f"not measured{median}.")
+            f"not measured ({timeouts} past the pass's time limit){median}.")
 
 
 def section(data: dict) -> str:
