@@ -450,11 +450,13 @@ def behaviour_counts(results: Dict[str, dict]) -> str:
     measured = [r["behaviour"] for r in built
                 if "behaviour" in r and not {"skipped", "timeout"} & set(r["behaviour"])]
     kept = sum(b["verdict"] == "kept" for b in measured)
+    eval_only = sum(b["verdict"].startswith("kept in evaluation mode") for b in measured)
     ratios = sorted(b["time"]["ratio"] for b in measured if b.get("time", {}).get("ratio"))
     median = f"; tracked/plain step time: median {ratios[len(ratios) // 2]:.1f}" if ratios else ""
     timeouts = sum("timeout" in r.get("behaviour", {}) for r in built)
     return (f"Behaviour kept (eval outputs identical, training-mode randomness kept): {kept} of "
-            f"{len(measured)} measured; {len(built) - len(measured)} of the {len(built)} that built "
+            f"{len(measured)} measured, and {eval_only} more in evaluation mode (their plain "
+            f"training step fails); {len(built) - len(measured)} of the {len(built)} that built "
             f"not measured ({timeouts} past the pass's time limit){median}.")
 
 

@@ -171,7 +171,25 @@ def verdict(behaviour: dict) -> str:
         differs.append(f"training-mode output differs by {same['max_abs_diff']:.1e}")
     if "error" in behaviour:
         differs.append(f"error: {behaviour['error']}")
-    return "; ".join(differs) or "kept"
+    if differs:
+        return "; ".join(differs)
+    if "train_not_measured" in behaviour:
+        return f"kept in evaluation mode; training mode not measured: {behaviour['train_not_measured']}"
+    return "kept"
+
+
+def plain_training_failure(case, plain) -> str:
+    """Why the plain copy cannot take a training step (torchvision's Inception and
+    GoogLeNet: auxiliary heads in training mode, a tuple of outputs or a kernel larger
+    than the tiny image), or ``""``: a limit of the sweep's case, not of the package."""
+    import torch
+
+    plain.train()
+    try:
+        _plain_step(case, plain, torch.optim.SGD(plain.parameters(), lr=0.0), 0)
+    except Exception as error:  # noqa: BLE001 - the reason is the cell's text
+        return f"the plain model's training step raises {type(error).__name__}: {str(error)[:150]}"
+    return ""
 
 
 def behaviour_one(case, track=None) -> dict:
@@ -191,8 +209,12 @@ def behaviour_one(case, track=None) -> dict:
             warnings.simplefilter("ignore")
             model, tracker = (track or cgn.track)(case.model, every=1)
             behaviour["eval"] = eval_outputs(case, plain, model, tracker)
-            behaviour["train"] = train_outputs(case, plain, model)
-            behaviour["time"] = step_times(case, plain, model, tracker)
+            plain_failure = plain_training_failure(case, plain)
+            if plain_failure:
+                behaviour["train_not_measured"] = plain_failure
+            else:
+                behaviour["train"] = train_outputs(case, plain, model)
+                behaviour["time"] = step_times(case, plain, model, tracker)
     except Exception as error:  # noqa: BLE001 - a finding: a user's tracked step raises
         where = traceback.extract_tb(error.__traceback__)[-1]
         behaviour["error"] = f"{type(error).__name__}: {str(error)[:300]} ({where.filename}:{where.lineno})"
