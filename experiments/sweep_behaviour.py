@@ -21,6 +21,7 @@ model after ``cgn.track(model, every=1)`` (default quantities):
   models: this is the per-module overhead, not what a realistic model pays.
 """
 
+import os
 import statistics
 import time
 
@@ -217,7 +218,8 @@ def behaviour_one(case, track=None) -> dict:
                 behaviour["time"] = step_times(case, plain, model, tracker)
     except Exception as error:  # noqa: BLE001 - a finding: a user's tracked step raises
         where = traceback.extract_tb(error.__traceback__)[-1]
-        behaviour["error"] = f"{type(error).__name__}: {str(error)[:300]} ({where.filename}:{where.lineno})"
+        behaviour["error"] = (f"{type(error).__name__}: {str(error)[:300]} "
+                              f"({os.path.relpath(where.filename)}:{where.lineno})")
     behaviour["verdict"] = verdict(behaviour)
     return behaviour
 
