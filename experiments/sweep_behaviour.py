@@ -193,19 +193,39 @@ def plain_training_failure(case, plain) -> str:
     return ""
 
 
-def behaviour_one(case, track=None) -> dict:
+def _plain_copy(model, rebuild):
+    """A copy of ``model``: ``cgn.check``'s deep copy, else ``rebuild()``, checked to hold
+    the same parameters."""
+    from cockpit_gradnoise.check import _copy
+
+    import torch
+
+    try:
+        return _copy(model)
+    except RuntimeError:
+        if rebuild is None:
+            raise
+    plain = rebuild()
+    same = [torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True)]
+    if not all(same):
+        raise RuntimeError("the model built again differs from the first build: no plain copy")
+    return plain
+
+
+def behaviour_one(case, track=None, rebuild=None) -> dict:
     """The behaviour and the step times of ``case``'s model (changed: it is tracked); an
     ``error`` with the message where tracking it raised (the parts measured so far kept).
-    ``track``: ``cgn.track`` (a test passes one that changes the model)."""
+    ``track``: ``cgn.track`` (a test passes one that changes the model); ``rebuild``: a
+    function giving the same model again, for the plain copy where ``copy.deepcopy``
+    refuses the model (RecurrentGemma: a tensor with a graph in a buffer)."""
     import traceback
     import warnings
 
     import cockpit_gradnoise as cgn
-    from cockpit_gradnoise.check import _copy
 
     behaviour = {}
     try:
-        plain = _copy(case.model)
+        plain = _plain_copy(case.model, rebuild)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, tracker = (track or cgn.track)(case.model, every=1)
@@ -239,6 +259,6 @@ def behaviour_record(library: str, name: str) -> dict:
     except Exception as error:  # noqa: BLE001 - sweep_models.Unavailable or a builder's bug
         behaviour = {"skipped": f"build: {type(error).__name__}: {error}"[:300]}
     else:
-        behaviour = behaviour_one(case)
+        behaviour = behaviour_one(case, rebuild=lambda: sweep_models.build(library, name).model)
     behaviour.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu)
     return {"library": library, "name": name, "behaviour": behaviour}
