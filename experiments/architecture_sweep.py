@@ -307,7 +307,7 @@ class Worker:
         self.stop()
         if kind == "behaviour":
             return {"library": library, "name": name, "behaviour": {
-                "error" if status == "error" else "timeout": message,
+                "died" if status == "error" else "timeout": message,
                 "verdict": f"{status}: {message}", "seconds": time.perf_counter() - start}}
         return {"library": library, "name": name, "status": status, "message": message,
                 "seconds": time.perf_counter() - start}
@@ -426,7 +426,7 @@ def _behaviour(record: dict) -> str:
     behaviour = record.get("behaviour")
     if behaviour is None:
         return "not measured" if record["status"] != "skipped" else ""
-    for reason in ("skipped", "timeout"):
+    for reason in ("skipped", "timeout", "died"):
         if reason in behaviour:
             return "not measured (" + _cell(behaviour[reason])[:80] + ")"
     text = _cell(behaviour["verdict"])[:250]
@@ -448,16 +448,18 @@ def behaviour_counts(results: Dict[str, dict]) -> str:
     """The line of the behaviour pass's counts."""
     built = [r for r in results.values() if r["status"] != "skipped"]
     measured = [r["behaviour"] for r in built
-                if "behaviour" in r and not {"skipped", "timeout"} & set(r["behaviour"])]
+                if "behaviour" in r and not {"skipped", "timeout", "died"} & set(r["behaviour"])]
     kept = sum(b["verdict"] == "kept" for b in measured)
     eval_only = sum(b["verdict"].startswith("kept in evaluation mode") for b in measured)
+    died = sum("died" in r.get("behaviour", {}) for r in built)
     ratios = sorted(b["time"]["ratio"] for b in measured if b.get("time", {}).get("ratio"))
     median = f"; tracked/plain step time: median {ratios[len(ratios) // 2]:.1f}" if ratios else ""
     timeouts = sum("timeout" in r.get("behaviour", {}) for r in built)
-    return (f"Behaviour kept (eval outputs identical, training-mode randomness kept): {kept} of "
-            f"{len(measured)} measured, and {eval_only} more in evaluation mode (their plain "
-            f"training step fails); {len(built) - len(measured)} of the {len(built)} that built "
-            f"not measured ({timeouts} past the pass's time limit){median}.")
+    return (f"Behaviour (eval outputs identical, training-mode randomness kept), of {len(measured)} "
+            f"measured: kept by {kept}, in evaluation mode by {eval_only} more (their plain "
+            f"training step fails), not kept by {len(measured) - kept - eval_only}; "
+            f"{len(built) - len(measured)} of the {len(built)} that built not measured ({timeouts} past "
+            f"the pass's time limit, {died} whose worker died){median}.")
 
 
 def section(data: dict) -> str:

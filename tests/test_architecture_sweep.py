@@ -193,5 +193,5 @@ def test_the_behaviour_fields_merge_into_a_sweep_record_and_its_page_row(tmp_pat
     text = page.read_text()
     assert "| `a` | exact | 100.0% |  | kept | 2.5 (2 ms) |" in text
     assert "| `b` | exact | 100.0% |  | not measured |  |" in text
-    assert "kept): 1 of 1 measured, and 0 more in evaluation mode" in text
-    assert "; 1 of the 2 that built not measured (0 past" in text
+    assert "of 1 measured: kept by 1, in evaluation mode by 0 more" in text
+    assert "not kept by 0; 1 of the 2 that built not measured (0 past" in text
