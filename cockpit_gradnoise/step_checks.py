@@ -352,6 +352,10 @@ class ParameterChecks:
 
         owner = type(quantity).__name__
         trainable = [(n, p) for n, p in named if p.requires_grad]
+        # A parameter of no elements (a size 0 in a configuration: MobileBERT's tiny head) has no
+        # statistics; its ratios and fractions would be 0 / 0.
+        empty = [n for n, p in trainable if p.numel() == 0]
+        trainable = [(n, p) for n, p in trainable if p.numel() > 0]
         no_grad = [n for n, p in trainable if p.grad is None]
         with_grad = self._without_stale([(n, p) for n, p in trainable if p.grad is not None], quantity)
         mixed = self.facts.mixed  # whatever results they got: their rows mix the examples
@@ -386,6 +390,12 @@ class ParameterChecks:
             )
         if savefields:
             usable = self._without_batchless(quantity, usable, examples)
+        self.warn_names(
+            "empty", empty,
+            lambda names: f"parameters {names} have no elements (a size of 0 in the model's "
+            f"configuration), so no statistics; they have no rows and are left out of {NETWORK!r}",
+            quantity,
+        )
         self.warn_names(
             "no-grad",
             no_grad,
