@@ -5,8 +5,8 @@ statistics would be reductions over nothing (``amax`` raised, ``zeros / numel`` 
 import warnings
 
 import cockpit_gradnoise as cgn
-import pytest
 
+import pytest
 import torch
 from torch import nn
 
