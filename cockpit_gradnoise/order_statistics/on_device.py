@@ -74,15 +74,25 @@ def summary_of_sorted(ordered, count, levels) -> List[Tensor]:
         values = interpolate(a, b, weights)
         total = _device.float64_total(ordered)
     else:
-        last = (count - 1).clamp(min=0)
-        values = []
-        for level in levels:
-            position = (count - 1).double() * float(level)
-            k = torch.minimum(position.floor(), last).clamp(min=0)
-            t = position - k
-            a = ordered.gather(0, k.long().reshape(1))[0].double()
-            b = ordered.gather(0, torch.minimum(k + 1, last).long().reshape(1))[0].double()
-            diff = b - a
-            values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
+        values = quantiles_of_counted(
+            count, levels, lambda ranks: ordered.gather(0, ranks.long().reshape(-1)).reshape(ranks.shape).double())
         total = _device.float64_total(ordered, skip_nan=True)
     return values + [total / count]
+
+
+def quantiles_of_counted(counts: Tensor, levels, at) -> List[Tensor]:
+    """``numpy.quantile`` (linear) of the first ``counts`` sorted values, per level, without
+    the host: ``h = (c - 1) q``, ``k = floor(h)``, ``t = h - k``, from the upper value where
+    ``t >= 0.5``, as :func:`quantile_ranks` and :func:`interpolate` compute it on the host, so
+    equal bit for bit. ``counts``: a tensor (0-dim, or one count per segment); ``at(ranks)``:
+    the float64 values at those ranks (a tensor of ``counts``' shape)."""
+    last = (counts - 1).clamp(min=0)
+    values = []
+    for level in levels:
+        position = (counts - 1).double() * float(level)
+        k = torch.minimum(position.floor(), last).clamp(min=0)
+        t = position - k
+        a, b = at(k), at(torch.minimum(k + 1, last))
+        diff = b - a
+        values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
+    return values

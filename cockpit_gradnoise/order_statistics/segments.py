@@ -10,7 +10,7 @@ a sort of the values (NaN as ``+inf``), then a stable sort of ``2 segment + isna
 in that order, which keeps each segment's values in order and its NaN after its
 ``+inf``. Every segment's ranks are then read with one gather per rank, its
 quantiles with the arithmetic of
-:func:`~cockpit_gradnoise.order_statistics.on_device.summary_of_sorted` on vectors
+:func:`~cockpit_gradnoise.order_statistics.on_device.quantiles_of_counted` with one count per segment
 (the same ranks from the same counts, the same interpolation: ``numpy.quantile``
 bit for bit), and its float64 sum with one ``segment_reduce``. Nothing is read by
 the host: the counts, offsets and lengths are device tensors (copied once per
@@ -30,6 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.order_statistics.on_device import (
     kept_quantile_summary,
+    quantiles_of_counted,
     sorted_on_device,
     summary_of_sorted,
 )
@@ -95,19 +96,9 @@ class Segments:
 
     def quantiles(self, counts: Tensor, levels: Sequence[float]) -> List[Tensor]:
         """``numpy.quantile`` (linear) of each segment's first ``counts`` values, per level
-        a float64 ``[P]``: the arithmetic of :func:`.on_device.summary_of_sorted` on vectors
-        (``h = (c - 1) q``, ``k = floor(h)``, ``t = h - k``, from the upper value where
-        ``t >= 0.5``), so equal to it and to ``numpy.quantile`` bit for bit."""
-        last = (counts - 1).clamp(min=0)
-        values = []
-        for level in levels:
-            position = (counts - 1).double() * float(level)
-            k = torch.minimum(position.floor(), last).clamp(min=0)
-            t = position - k
-            a, b = self.at(k), self.at(torch.minimum(k + 1, last))
-            diff = b - a
-            values.append(torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t))
-        return values
+        a float64 ``[P]``: :func:`.on_device.quantiles_of_counted` with one count per segment,
+        so equal to ``numpy.quantile`` bit for bit."""
+        return quantiles_of_counted(counts, levels, self.at)
 
     def sums(self, *, skip_nan: bool) -> Tensor:
         """``[P]`` float64: each segment's sum in float64, NaN left out where ``skip_nan``."""
