@@ -322,18 +322,27 @@ class Worker:
 def sweep(jobs: List[tuple], timeout: float, results: Optional[Dict[str, dict]] = None,
           path: Optional[str] = None, log=print) -> Dict[str, dict]:
     """``{"library/name": record}`` for each ``(library, name)`` of ``jobs`` not in ``results``."""
-    results = dict(results or {})
+    def told(record):
+        cpu = f", {record['cpu_seconds']:.1f} s CPU" if "cpu_seconds" in record else ""
+        return (f"{record['status']} ({record['seconds']:.1f} s{cpu})"
+                + (f" {record.get('message', '')[:150]}" if "message" in record else ""))
+
+    return _each_in_worker(jobs, timeout, dict(results or {}), path, "check", told, log)
+
+
+def _each_in_worker(jobs, timeout, results, path, kind, told, log) -> Dict[str, dict]:
+    """``results`` with a record for each ``(library, name)`` of ``jobs`` not in it, each run by
+    one worker process (``kind``: the check or the second pass), logged (``told(record)``) and
+    written to ``path`` as it comes."""
     worker = Worker()
     try:
         for library, name in jobs:
             key = f"{library}/{name}"
             if key in results:
                 continue
-            record = worker.run(library, name, timeout)
+            record = worker.run(library, name, timeout, kind=kind)
             results[key] = record
-            cpu = f", {record['cpu_seconds']:.1f} s CPU" if "cpu_seconds" in record else ""
-            log(f"{key}: {record['status']} ({record['seconds']:.1f} s{cpu})"
-                + (f" {record.get('message', '')[:150]}" if "message" in record else ""))
+            log(f"{key}: {told(record)}")
             if path:
                 write_results(results, path)
     finally:
@@ -348,22 +357,13 @@ def behaviour_sweep(jobs: List[tuple], timeout: float, done: Optional[Dict[str, 
     "behaviour"}}``, the fields to merge into the sweep's records (:func:`merged`)."""
     results = {key: {"library": r["library"], "name": r["name"], "behaviour": r["behaviour"]}
                for key, r in (done or {}).items() if "behaviour" in r}
-    worker = Worker()
-    try:
-        for library, name in jobs:
-            key = f"{library}/{name}"
-            if key in results:
-                continue
-            record = worker.run(library, name, timeout, kind="behaviour")
-            results[key] = record
-            behaviour = record["behaviour"]
-            log(f"{key}: {behaviour.get('verdict', behaviour.get('skipped', ''))[:200]} "
+
+    def told(record):
+        behaviour = record["behaviour"]
+        return (f"{behaviour.get('verdict', behaviour.get('skipped', ''))[:200]} "
                 f"({behaviour['seconds']:.1f} s) {behaviour.get('time', '')}")
-            if path:
-                write_results(results, path)
-    finally:
-        worker.stop()
-    return results
+
+    return _each_in_worker(jobs, timeout, results, path, "behaviour", told, log)
 
 
 def merged(old: Optional[dict], new: dict) -> dict:
