@@ -127,14 +127,7 @@ def abs_ratio_statistics_of_pairs(pairs: Sequence[Tuple[Tensor, Tensor]]) -> Lis
         ratio = _kept_ratios(torch.cat([flat[k][0] for k in group]), torch.cat([flat[k][1] for k in group]))
         segments = order_statistics.Segments(ratio, [flat[k][0].numel() for k in group])
         n = segments.kept_counts()  # a ratio is NaN exactly where it is left out
-        last = (n - 1).clamp(min=0)
-        lower, upper = segments.at(torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)), segments.at(n // 2)
-        columns = {
-            schema.MEAN: segments.sums(skip_nan=True) / n,
-            schema.MEDIAN: (lower + upper) / 2,
-            schema.MIN: segments.at(torch.zeros_like(n)),
-            schema.MAX: segments.at(last),
-        }
+        columns = _ratio_columns(n, segments.at, segments.sums(skip_nan=True))
         for j, k in enumerate(group):
             results[k] = _device.PresentIfPositive(n[j], {name: c[j] for name, c in columns.items()})
     return results
@@ -162,18 +155,21 @@ def _abs_ratio_statistics_on_device(a: Tensor, b: Tensor) -> _device.PresentIfPo
     ratio = _kept_ratios(a, b)
     n = ratio.numel() - ratio.isnan().sum()
     ordered = order_statistics.sorted_on_device([ratio])
-    last = (n - 1).clamp(min=0)
 
     def at(rank):
-        return ordered.gather(0, rank.clamp(min=0).reshape(1))[0].double()
+        return ordered.gather(0, rank.reshape(1))[0].double()
 
-    lower, upper = at(torch.div(n - 1, 2, rounding_mode="floor")), at(n // 2)
-    return _device.PresentIfPositive(
-        n,
-        {
-            schema.MEAN: _device.float64_total(ratio, skip_nan=True) / n,
-            schema.MEDIAN: (lower + upper) / 2,
-            schema.MIN: at(torch.zeros_like(n)),
-            schema.MAX: at(last),
-        },
-    )
+    return _device.PresentIfPositive(n, _ratio_columns(n, at, _device.float64_total(ratio, skip_nan=True)))
+
+
+def _ratio_columns(n: Tensor, at, total: Tensor) -> Dict[str, Tensor]:
+    """Mean, median, min and max of the ``n`` sorted ratios kept (``n`` a tensor: 0-dim, or one
+    count per segment); ``at(ranks)``: the float64 ratios at those ranks; ``total``: their
+    float64 sum. Ranks are clamped to 0 for ``n = 0`` (the values are then dropped)."""
+    lower = at(torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0))
+    return {
+        schema.MEAN: total / n,
+        schema.MEDIAN: (lower + at(n // 2)) / 2,
+        schema.MIN: at(torch.zeros_like(n)),
+        schema.MAX: at((n - 1).clamp(min=0)),
+    }
