@@ -72,9 +72,14 @@ def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -
     backward pass per example through one forward pass of the batch (any
     reduction), so that random draws (dropout, stochastic depth) are the
     batch's; examples must not interact. Parameters without a gradient are
-    left out.
+    left out. A gradient that a custom ``autograd.Function`` accumulates by a
+    backward pass of its own (Reformer's reversible layers recompute their
+    forward and call ``.backward()``) reaches ``param.grad`` but not
+    ``torch.autograd.grad``: where one does, every row is taken from
+    ``param.grad`` instead (:func:`_accumulated_contributions`).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    state = torch.get_rng_state()
     outputs = model(*inputs)
     # The loss's own derivatives by each output, on detached copies: an output computed
     # from another (T5's encoder_last_hidden_state, from which the logits follow) would
@@ -91,6 +96,44 @@ def reference_contributions(model: nn.Module, inputs: tuple, targets, loss_fn) -
             [o for o, _ in pairs], [p for _, p in named], [_only_example(g, i) for _, g in pairs],
             retain_graph=True, allow_unused=True,
         ))
+    missing = [p for k, (_, p) in enumerate(named) if rows[0][k] is None]
+    if missing and _accumulated_elsewhere(model, inputs, grads, missing, state):
+        return _accumulated_contributions(model, inputs, grads, named, state)
+    return {
+        name: torch.stack([row[k] for row in rows])
+        for k, (name, _) in enumerate(named) if rows[0][k] is not None
+    }
+
+
+def _backward_of(model: nn.Module, inputs: tuple, grads: Sequence[Optional[Tensor]], state: Tensor):
+    """``param.grad`` of a fresh forward pass (random draws from ``state``, the first
+    pass's) after ``.backward()`` of ``grads`` (one per output leaf, ``None`` for none)."""
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(state)
+    pairs = [(o, g) for o, g in zip(_output_leaves(model(*inputs)), grads, strict=True) if g is not None]
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _accumulated_elsewhere(model: nn.Module, inputs: tuple, grads: Sequence[Optional[Tensor]],
+                           missing: list, state: Tensor) -> bool:
+    """Whether a parameter of ``missing`` (no gradient by ``torch.autograd.grad``) gets one
+    from the batch's ``.backward()``: a backward pass run inside a custom
+    ``autograd.Function``'s own backward."""
+    _backward_of(model, inputs, grads, state)
+    found = any(p.grad is not None for p in missing)
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def _accumulated_contributions(model: nn.Module, inputs: tuple, grads: Sequence[Optional[Tensor]],
+                               named: list, state: Tensor) -> Dict[str, Tensor]:
+    """:func:`reference_contributions` read from ``param.grad``: per example, a forward pass
+    with the batch's random draws and ``.backward()`` of that example's output gradient."""
+    rows = []
+    for i in range(inputs[0].shape[0]):
+        _backward_of(model, inputs, [None if g is None else _only_example(g, i) for g in grads], state)
+        rows.append([None if p.grad is None else p.grad.detach().clone() for _, p in named])
+    model.zero_grad(set_to_none=True)
     return {
         name: torch.stack([row[k] for row in rows])
         for k, (name, _) in enumerate(named) if rows[0][k] is not None
@@ -107,19 +150,24 @@ def _only_example(grad: Tensor, i: int) -> Tensor:
 def _relative_error(got: Tensor, expected: Tensor) -> float:
     if not expected.numel():  # a parameter without elements (MobileBERT's [0, V] dense.weight)
         return 0.0 if got.shape == expected.shape else math.inf
-    scale = expected.abs().max().item()
-    error = (got.double() - expected).abs().max().item()
+    scale = _largest_magnitude(expected)
+    # One difference in the wider of the two dtypes, no other copy (VGG's 103M-element layer:
+    # each copy of its sums is 0.8 GB in float32)
+    error = torch.sub(got, expected).abs_().max().item()
     return error / scale if scale > 0 else error
+
+
+def _largest_magnitude(tensor: Tensor) -> float:
+    """``max |tensor|`` without a copy of ``|tensor|``."""
+    return torch.linalg.vector_norm(tensor, ord=math.inf).item()
 
 
 def _errors(param, x: Tensor) -> float:
     """Largest relative error of ``param``'s three results against contributions ``x``."""
     squares = x.square()
-    expected = {
-        BATCH_L2_SAVEFIELD: squares.flatten(1).sum(1),
-        SUMS_SAVEFIELD: torch.stack([x.sum(0), squares.sum(0)]),
-        LOCAL_GRADIENT_SAVEFIELD: x.sum(0),
-    }
+    norms, sums = squares.flatten(1).sum(1), torch.stack([x.sum(0), squares.sum(0)])
+    del squares  # one copy of the contributions at a time (VGG's classifier: 0.8 GB each)
+    expected = {BATCH_L2_SAVEFIELD: norms, SUMS_SAVEFIELD: sums, LOCAL_GRADIENT_SAVEFIELD: sums[0]}
     # The sums' third row, where there is one, is a rounding magnitude, not a sum of x.
     got = {field: getattr(param, field) for field in expected}
     got[SUMS_SAVEFIELD] = got[SUMS_SAVEFIELD][:2]
@@ -219,11 +267,11 @@ def check_model(
 
     inputs = tuple(_as(x, dtype) for x in _tuple(inputs))
     targets = _as(targets, dtype)
-    reference_model = _copy(model).to(dtype)
-    prepared = prepare_model(_copy(model).to(dtype))
     interact = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
     state = torch.get_rng_state()  # both passes draw the same dropout, stochastic depth
-    reference = {} if interact else reference_contributions(reference_model, inputs, targets, loss_fn)
+    # One copy of the model at a time besides yours (VGG's 133M parameters: 0.5 GB each in float32)
+    reference = {} if interact else reference_contributions(_copy(model).to(dtype), inputs, targets, loss_fn)
+    prepared = prepare_model(_copy(model).to(dtype))
 
     torch.set_rng_state(state)
     prepared.zero_grad(set_to_none=True)
@@ -254,7 +302,7 @@ def check_model(
             how += ", contributions through the batch"
         error = scale = math.nan
         if name in reference:
-            scale = reference[name].abs().max().item() if reference[name].numel() else 0.0
+            scale = _largest_magnitude(reference[name]) if reference[name].numel() else 0.0
             if not note:
                 error = _errors(param, reference[name])
         records.append({"param": name, "elements": param.numel(), "rows": not note, "how": how,
