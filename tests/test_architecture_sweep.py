@@ -195,3 +195,47 @@ def test_the_behaviour_fields_merge_into_a_sweep_record_and_its_page_row(tmp_pat
     assert "| `b` | exact | 100.0% |  | not measured |  |" in text
     assert "of 1 measured: kept by 1, in evaluation mode by 0 more" in text
     assert "not kept by 0; 1 of the 2 that built not measured (0 past" in text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="memory read from /proc")
+def test_the_worker_is_worn_after_its_models_or_above_its_memory():
+    """Read on this process (resident well above 0.01 GiB, well below 1000 GiB)."""
+    worker = sweep.Worker(max_models=3, max_rss_gib=1000.0)
+    assert worker.worn() == ""  # not started
+    worker.process = types.SimpleNamespace(pid=os.getpid())
+    assert 0.01 < worker.rss_gib() < 1000.0
+    worker.models = 2
+    assert worker.worn() == ""
+    worker.models = 3
+    assert worker.worn() == "3 models run"
+    worker.models, worker.max_rss_gib = 0, 0.01
+    assert worker.worn().endswith("GiB resident")
+    assert sweep.Worker(max_models=None, max_rss_gib=None).worn() == ""
+
+
+class CountingWorker:
+    """A worker that runs nothing: records its runs and stops, worn after every ``every`` models."""
+
+    def __init__(self, every):
+        self.every, self.models, self.stops, self.runs = every, 0, 0, []
+
+    def run(self, library, name, timeout, kind):
+        self.models += 1
+        self.runs.append((name, self.stops))
+        return {"library": library, "name": name, "status": "exact", "seconds": 0.0}
+
+    def worn(self):
+        return "worn" if self.models >= self.every else ""
+
+    def stop(self):
+        self.stops, self.models = self.stops + 1, 0
+
+
+def test_the_sweep_starts_a_fresh_worker_when_the_last_one_is_worn():
+    worker, lines = CountingWorker(every=2), []
+    jobs = [("timm", name) for name in "abcde"]
+    results = sweep.sweep(jobs, timeout=1, log=lines.append, worker=worker)
+    assert list(results) == [f"timm/{name}" for name in "abcde"]
+    # models a, b in the first process; c, d in the second; e in the third (stopped at the end too)
+    assert worker.runs == [("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 2)]
+    assert worker.stops == 3 and lines.count("(a fresh worker: worn)") == 2
