@@ -88,14 +88,17 @@ def _forward(model, inputs, train: bool, seed=None):
 
 
 def eval_outputs(case, plain, model, tracker) -> dict:
-    """Plain against tracked in evaluation mode, outside and inside a tracked step (step 0)."""
+    """Plain against tracked in evaluation mode, outside and inside a tracked step (step 0);
+    in the mode the case was built in, where that is training mode without randomness (a
+    backward pass that runs in training mode only: Reformer's)."""
     import torch
 
     dtype = next(p.dtype for p in plain.parameters() if p.is_floating_point())
-    reference = _forward(plain, case.inputs, train=False)
+    built_training = plain.training
+    reference = _forward(plain, case.inputs, train=built_training)
     # with gradients on, torch can pick other kernels (attention): plain against tracked alike
     reference_with_grad = flat_output(plain(*case.inputs))
-    model.eval()
+    model.train(built_training)
     logits = model(*case.inputs)  # a user's forward pass: gradients on
     outside = flat_output(logits)
     with tracker(0, per_example_losses(logits, case.targets)) as loss:

@@ -134,8 +134,31 @@ BUILD_FIXES = {
     # reuses it as its text model): their tiny sizes.
     "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 8,
                    "chunk_size": 8, "n_routed_experts": 4, "moe_shared_expert_intermediate_size": 32},
-    "reformer": {"axial_pos_shape": [8, 8], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
-                 "feed_forward_size": 64, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
+    # Built in training mode (``TRAIN_MODE``), where its positions' axial shape must multiply to
+    # the sequence's length and the length be a multiple of the attention chunks: 7 = 7 x 1, chunks
+    # of 7; no dropout and a fixed hash seed (its random rotations): deterministic.
+    # Assistants drafting from a target model's hidden states and keys and values (built by
+    # ``sweep_models._assistant_inputs``): a target of the tiny width, not of 1536 or 3840.
+    "gemma4_assistant": {"backbone_hidden_size": 32},
+    "gemma4_unified_assistant": {"backbone_hidden_size": 32},
+    "reformer": {"axial_pos_shape": [7, 1], "axial_pos_embds_dim": [16, 16], "attention_head_size": 16,
+                 "feed_forward_size": 64, "local_attn_chunk_length": 7, "lsh_attn_chunk_length": 7,
+                 "max_position_embeddings": 7, "hash_seed": 0, "hidden_dropout_prob": 0.0,
+                 "local_attention_probs_dropout_prob": 0.0, "lsh_attention_probs_dropout_prob": 0.0},
+}
+# Models that need a library which cannot be installed here without compiling it (looked up in
+# the package index with pip, 2026-12-04), given as the reason where their build raises
+# ImportError (with the library installed they build).
+NOT_INSTALLABLE = {
+    "dinat": "natten, which the package index holds as sources only (0.14.2 to 0.21.7, C++ kernels "
+             "to compile), no wheel: `pip install --dry-run --only-binary=:all: natten` finds none",
+    "layoutlmv2": "detectron2, which is not in the package index (`pip install --dry-run "
+                  "--only-binary=:all: detectron2` finds none): built from its sources only",
+}
+# Models whose backward pass runs in training mode only, built and checked in training mode
+# with no randomness (their dropout probabilities 0, see ``BUILD_FIXES``), with the reason.
+TRAIN_MODE = {
+    "reformer": "its reversible layers' backward pass asserts training mode; no dropout, a fixed hash seed",
 }
 # Defaults that fail the configuration's own validator: what it asks, given to the default.
 BUILD_DEFAULTS = {

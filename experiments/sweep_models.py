@@ -1,7 +1,9 @@
 """Tiny random-weight models of transformers, timm and torchvision for the architecture sweep.
 
 Each builder returns a :class:`Case`: a float64 model in evaluation mode (float32 where
-the model's own code cannot run in float64: ``FLOAT32_ONLY``), one
+the model's own code cannot run in float64: ``FLOAT32_ONLY``, or where a float64 check
+would not fit in memory: ``TORCHVISION_FLOAT32``; in training mode without randomness where
+its backward pass runs only in training mode: ``TRAIN_MODE``), one
 small batch, targets and the loss a user would train it with. Nothing is
 downloaded: configurations are the libraries' defaults shrunk generically
 (width 32, 2 layers, 2 heads, vocabulary 99, images of 32 or 64 pixels).
@@ -25,7 +27,9 @@ from experiments.sweep_fixes import (  # the per-model settings
     FIXES,
     FLOAT32_ONLY,
     IMAGE,
+    NOT_INSTALLABLE,
     STEP_FIXES,
+    TRAIN_MODE,
 )
 
 BATCH = 4
@@ -335,6 +339,40 @@ class Logits(nn.Module):
         return output.logits if getattr(output, "logits", None) is not None else output[0]
 
 
+class DraftLogits(Logits):
+    """An assistant's logits (Gemma 4's): ``model(inputs_embeds=..., shared_kv_states=...)``,
+    the keys and values of each of ``kinds`` (layer types) passed as positional tensors."""
+
+    def __init__(self, model, kinds: List[str]):
+        super().__init__(model, ["inputs_embeds", "shared_kv_states"])
+        self.kinds = kinds
+
+    def forward(self, inputs_embeds, *keys_values):
+        shared = {kind: tuple(keys_values[2 * i:2 * i + 2]) for i, kind in enumerate(self.kinds)}
+        return super().forward(inputs_embeds, shared)
+
+
+def _assistant_inputs(config, tokens: torch.Tensor, dtype) -> Tuple[tuple, List[str]]:
+    """What transformers' generation passes an assistant (``AssistantDraftCandidateGenerator``
+    of ``generation/candidate_generator.py``): the target model's token embeddings beside its
+    last hidden states, and its ``shared_kv_states``. The target: the assistant's own text
+    configuration at its ``backbone_hidden_size``, computing its own keys and values, with its
+    first head of ``TASKS``; random weights, no gradient (the assistant is what trains)."""
+    import transformers
+
+    text = config.get_text_config()
+    target_config = type(text)(**{**text.to_dict(), "num_kv_shared_layers": 0,
+                                  "hidden_size": config.backbone_hidden_size})
+    target = getattr(transformers, transformers_architectures()[text.model_type][1])(target_config)
+    target = target.to(dtype).eval()
+    with torch.no_grad():
+        output = target(input_ids=tokens, output_hidden_states=True, return_shared_kv_states=True,
+                        use_cache=False)
+        embeds = torch.cat([target.get_input_embeddings()(tokens), output.hidden_states[-1]], -1)
+    kinds = sorted(output.shared_kv_states)
+    return (embeds, *[t for kind in kinds for t in output.shared_kv_states[kind]]), kinds
+
+
 def transformers_case(model_type: str) -> Case:
     """A tiny ``model_type`` with its first head of ``TASKS``, random weights, float64."""
     import transformers
@@ -345,9 +383,11 @@ def transformers_case(model_type: str) -> Case:
         config = _for_head(tiny_config(model_type), head)
         model = head(config)
     except Exception as error:  # noqa: BLE001 - any failure of a generic config is a skip
+        if isinstance(error, ImportError) and model_type in NOT_INSTALLABLE:
+            raise Unavailable(f"build: needs {NOT_INSTALLABLE[model_type]}") from error
         raise Unavailable(f"build: {type(error).__name__}: {str(error)[:300]}") from error
     dtype = torch.float32 if model_type in FLOAT32_ONLY else torch.float64
-    model = model.to(dtype).eval()
+    model = model.to(dtype).train(model_type in TRAIN_MODE)
     if hasattr(model, "set_default_language"):  # X-MOD: one adapter per language
         model.set_default_language(config.languages[0])
     tokens = torch.randint(3, VOCABULARY, (BATCH, LENGTH))
@@ -365,6 +405,10 @@ def transformers_case(model_type: str) -> Case:
         frames = config.audio_length_per_tok * LENGTH
         features = torch.randn(BATCH, config.audio_config.num_mel_bins, frames, dtype=dtype)
         inputs, names = (tokens, features), ["input_ids", "input_features"]
+    elif "shared_kv_states" in _arguments(model) and hasattr(config, "backbone_hidden_size"):
+        inputs, kinds = _assistant_inputs(config, tokens, dtype)  # an assistant (Gemma 4's)
+        detail = f"{name} ({task}); a tiny target's hidden states and keys and values ({', '.join(kinds)})"
+        return _with_targets(DraftLogits(model, kinds), inputs, detail)
     elif task == "seq2seq":
         inputs = (tokens, torch.randint(3, VOCABULARY, (BATCH, LENGTH - 2)))
         names = ["input_ids", "decoder_input_ids"]
@@ -372,6 +416,7 @@ def transformers_case(model_type: str) -> Case:
         inputs, names = (tokens,), ["input_ids"]
     default_dtype = torch.float64 if model_type in DEFAULT_FLOAT64 else None
     detail = f"{name} ({task})" + (f"; float32: {FLOAT32_ONLY[model_type]}" if model_type in FLOAT32_ONLY else "")
+    detail += f"; training mode: {TRAIN_MODE[model_type]}" if model_type in TRAIN_MODE else ""
     return _with_targets(Logits(model, names, default_dtype), inputs, detail)
 
 
@@ -510,10 +555,25 @@ TORCHVISION_SMALL = {
 }
 
 
+# Families that cannot be built small (VGG's classifier takes 512 x 7 x 7 features, its
+# adaptive pool's fixed output, whatever the image) and whose check in float64 would hold
+# about 14 GB (a float64 copy of VGG-11 is 1.1 GB; the check holds the model, a reference copy
+# and its rows, a prepared copy with its gradient and sums): built and checked in float32
+# (``check_model(..., dtype=torch.float32)``, the float32 tolerance) at the smallest batch
+# that has a spread between examples, 2: peak 7.3 GB, 10 s of CPU time (9.1 GB at batch 4).
+TORCHVISION_FLOAT32 = {"vgg": 2}
+
+
 def torchvision_case(family: str, model_name: str = "") -> Case:
     """The smallest classification model of torchvision's module ``family`` (or ``model_name``)."""
     import torchvision
 
+    if family in TORCHVISION_FLOAT32 and not model_name:
+        name = _smallest(torchvision_families()[family], lambda n: torchvision.models.get_model(n, num_classes=5))
+        model = torchvision.models.get_model(name, num_classes=5).float().eval()
+        images = torch.randn(TORCHVISION_FLOAT32[family], 3, IMAGE, IMAGE)
+        return _with_targets(model, (images,), f"{name} at {IMAGE}px; float32 at batch "
+                             f"{TORCHVISION_FLOAT32[family]}: 133M parameters, a float64 check holds 14 GB")
     if family in TORCHVISION_SMALL and not model_name:
         cls, kwargs = TORCHVISION_SMALL[family]
         model = getattr(torchvision.models, cls)(num_classes=5, **kwargs).double().eval()
