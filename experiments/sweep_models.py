@@ -573,7 +573,7 @@ def torchvision_case(family: str, model_name: str = "") -> Case:
         model = torchvision.models.get_model(name, num_classes=5).float().eval()
         images = torch.randn(TORCHVISION_FLOAT32[family], 3, IMAGE, IMAGE)
         return _with_targets(model, (images,), f"{name} at {IMAGE}px; float32 at batch "
-                             f"{TORCHVISION_FLOAT32[family]}: 133M parameters, a float64 check holds 14 GB")
+                             f"{TORCHVISION_FLOAT32[family]}: a float64 check of its 129M parameters holds about 14 GB")
     if family in TORCHVISION_SMALL and not model_name:
         cls, kwargs = TORCHVISION_SMALL[family]
         model = getattr(torchvision.models, cls)(num_classes=5, **kwargs).double().eval()
