@@ -94,7 +94,9 @@ def eval_outputs(case, plain, model, tracker) -> dict:
     import torch
 
     dtype = next(p.dtype for p in plain.parameters() if p.is_floating_point())
-    built_training = plain.training
+    # training mode where every module was built in it (a wrapper such as ``sweep_models.Logits``
+    # is left in training mode around a model in evaluation mode)
+    built_training = all(module.training for module in plain.modules())
     reference = _forward(plain, case.inputs, train=built_training)
     # with gradients on, torch can pick other kernels (attention): plain against tracked alike
     reference_with_grad = flat_output(plain(*case.inputs))

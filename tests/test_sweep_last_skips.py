@@ -55,3 +55,12 @@ def test_a_gemma4_assistant_drafts_from_a_tiny_targets_keys_and_values(one_threa
     record = architecture_sweep.classify(frame, float32)
     assert record["status"] == "exact to float32" and record["coverage"] == 1.0, record
     assert record["parameters"] > 10 and not record["unverified"]
+
+
+def test_the_behaviour_pass_compares_reformer_in_the_mode_it_is_built_in(one_thread):
+    """In evaluation mode its tracked step would raise (the backward asserts training mode)."""
+    from experiments import sweep_behaviour
+
+    behaviour = sweep_behaviour.behaviour_one(_build("reformer"))
+    assert behaviour["verdict"] == "kept", behaviour
+    assert behaviour["eval"]["inside"]["identical"] and not behaviour["train"]["random"]
