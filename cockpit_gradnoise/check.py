@@ -118,10 +118,12 @@ def _accumulated_elsewhere(model: nn.Module, inputs: tuple, grads: Sequence[Opti
                            missing: list, state: Tensor) -> bool:
     """Whether a parameter of ``missing`` (no gradient by ``torch.autograd.grad``) gets one
     from the batch's ``.backward()``: a backward pass run inside a custom
-    ``autograd.Function``'s own backward."""
+    ``autograd.Function``'s own backward. The random state is left as it was."""
+    resume = torch.get_rng_state()
     _backward_of(model, inputs, grads, state)
     found = any(p.grad is not None for p in missing)
     model.zero_grad(set_to_none=True)
+    torch.set_rng_state(resume)
     return found
 
 
