@@ -16,7 +16,8 @@ classified:
   float32 inside the float64 model (an RMSNorm's
   ``x.float()``), and their errors are within ``FLOAT32_TOLERANCE`` (every
   other parameter's within ``TOLERANCE``); every parameter of a model whose
-  own code cannot run in float64, built in float32 (``sweep_models.FLOAT32_ONLY``);
+  own code cannot run in float64, or whose float64 check would not fit in a few
+  GB, built in float32 (``sweep_models.FLOAT32_ONLY``, ``TORCHVISION_FLOAT32``);
 - ``error``: the checker raised (a user's tracked step would be lost);
 - ``inexact``: some rows are off (silently wrong: should be none);
 - ``skipped``: the model cannot be built or trained plainly from the generic
@@ -142,7 +143,8 @@ def float32_parameters(model, frame, modules: set) -> set:
 
 def float32_model(model) -> set:
     """Every parameter's name where the whole model is float32 (a model whose own code cannot
-    run in float64: ``sweep_models.FLOAT32_ONLY``), none otherwise."""
+    run in float64, ``sweep_models.FLOAT32_ONLY``, or too large for a float64 check,
+    ``TORCHVISION_FLOAT32``), none otherwise."""
     import torch
 
     dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
