@@ -149,3 +149,40 @@ def test_fsmt_keeps_its_first_step_with_every_row_exact_to_float32():
     assert not messages
     trained = {n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
     assert set(got) == trained | {cgn.NETWORK}
+
+
+class PaddedSequenceFirst(nn.Module):
+    """XLNet's pattern in a few lines: the indices transposed to ``[T, N]`` before an
+    embedding with a ``padding_idx``, a layer on ``[T, N, C]``; batch-first outside."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width, padding_idx=0)
+        self.inner = nn.Linear(width, width)
+
+    def forward(self, idx):  # [N, T]
+        hidden = self.embed(idx.t().contiguous())  # [T, N, C]
+        return torch.tanh(self.inner(hidden.cumsum(0))).transpose(0, 1)
+
+
+class WithPaddedSequenceFirst(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.block, self.head = PaddedSequenceFirst(width), nn.Linear(width, 3)
+
+    def forward(self, idx):
+        return self.head(self.block(idx).mean(1))
+
+
+@pytest.mark.parametrize("examples", [3, LENGTH])
+def test_an_embedding_on_transposed_indices_with_padding_is_exact_through_its_block(examples):
+    """The embedding's output ``[T, N, C]`` keeps its leading size in the run one example
+    larger, but not its shape: its rows are not examples (not a table without the batch),
+    and its block computes it. Its padding row's gradient is zero for every example: the
+    block runs its loop, not ``vmap``, whose batching rule gives that row each example's
+    gradient but the first's (``block_vmap.batchable``). Index 0 occurs in every example."""
+    generator = torch.Generator().manual_seed(4)
+    inputs = torch.randint(0, VOCAB, (examples, LENGTH), generator=generator)
+    inputs[:, 0] = 0
+    targets = torch.randint(0, 3, (examples,), generator=generator)
+    assert_exact_with_structural_zeros(perturbed(WithPaddedSequenceFirst()), inputs, targets)
