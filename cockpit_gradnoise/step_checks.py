@@ -502,8 +502,10 @@ class ParameterChecks:
         sizes = [leading[id(p)] for _, p in named if id(p) in leading]
         if examples is None or not sizes:
             return named
-        # Most layers see the batch: a count in info that disagrees with them is wrong, unless
-        # most layers run sequence-first ([T, B, C]: XLNet, FSMT), which the error says too.
+        # Most layers see the batch: a count in info that disagrees with them is wrong. Layers
+        # on rows that are not examples (sequence-first [T, B, C]: XLNet's, FSMT's) lead with
+        # the batch too, their rows given by a block run on each example (.fallback.regroup);
+        # where no block could be found their T reaches here, which the error says too.
         most = max(set(sizes), key=sizes.count)
         if most != examples:
             first = sorted(n for n, p in named if leading.get(id(p)) == most)[:3]
@@ -511,9 +513,11 @@ class ParameterChecks:
                 f"info['individual_losses'] has {examples} values but the batch has {most} examples "
                 f"by most layers' outputs (e.g. {first}): pass one loss per example of the batch that was "
                 "differentiated, e.g. loss_fn_none(out, y) with reduction='none'; if that is "
-                "what was passed, those layers run on rows that are not examples (sequence-first "
-                "[T, B, C] layouts, as XLNet's and FSMT's), which have no per-example rows here: "
-                "make them batch-first, or track quantities that read only param and param.grad "
+                "what was passed, those layers run on rows that are not examples (a sequence-first "
+                "[T, B, C] layout) and no module around them that takes and returns the batch first "
+                "could be run again on each example (the model's run on one example more before the "
+                "first tracked step failed, or found none: docs/architectures.md): make them "
+                "batch-first, or track quantities that read only param and param.grad "
                 "(quantities=['ParamGradRatio', 'UpdateSize'])"
             )
         batchless = {n: leading[id(p)] for n, p in named if leading.get(id(p), examples) != examples}

@@ -30,6 +30,11 @@ way (:class:`.blocks.Interacting`: the block's parameters refused by name). The
 linear biases the block computes keep their structural zeros: each example's
 output gradient of the layer, called once, gives its terms' magnitudes, as in
 the loop, read at the layer's own output (:mod:`.block_biases`).
+
+A block with an embedding that has a ``padding_idx`` and looks up a parameter it computes
+is not batched (:func:`batchable`): the batching rule of the embedding's backward pass
+ignores ``padding_idx`` for every example but the first (torch 2.14: a padding token's
+row gets that example's gradient, where it gets none); the loop is exact there.
 """
 
 import contextlib
@@ -37,7 +42,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.block_biases import kept
-from cockpit_gradnoise.extensions.fallback.capture import Call
+from cockpit_gradnoise.extensions.fallback.capture import Call, first_tensor
 from cockpit_gradnoise.extensions.fallback.parameters import own_parameters
 from cockpit_gradnoise.extensions.fallback.replay import math_attention
 
@@ -61,8 +66,13 @@ def _no_slow_fallback():
         functorch._set_vmap_fallback_enabled(enabled)
 
 
-def _first_tensor(output) -> Tensor:
-    return output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
+def batchable(module: nn.Module, params: Dict[str, nn.Parameter]) -> bool:
+    """Whether ``vmap`` gives the per-example gradients of ``params`` in ``module``: not where
+    an embedding with a ``padding_idx`` looks one of them up (module docstring; MobileBERT's
+    word embedding, tied to its head, in its block)."""
+    ids = {id(p) for p in params.values()}
+    return not any(isinstance(sub, nn.Embedding) and sub.padding_idx is not None and id(sub.weight) in ids
+                   for sub in module.modules())
 
 
 def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[str, nn.Parameter],
@@ -92,7 +102,7 @@ def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[st
                    for _, layer in biases]
         try:
             with own_parameters(module, dict(zip(names, flat[: len(names)]))):
-                result = _first_tensor(module(*args, **kwargs))
+                result = first_tensor(module(*args, **kwargs))
         finally:
             for handle in handles:
                 handle.remove()

@@ -69,6 +69,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     Call,
     Fallback,
     active_savefields,
+    first_tensor,
 )
 from cockpit_gradnoise.extensions.fallback.capture import install_fallback as install_on_modules
 from cockpit_gradnoise.extensions.fallback.layout import key_of, layout_of, state_kept
@@ -137,8 +138,7 @@ def _capture(module, args, kwargs, output):
     for handle in block.handles:
         handle.remove()
     block.handles, block.totals, block.call = [], {}, None
-    first = output if isinstance(output, Tensor) else next(
-        (o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
+    first = first_tensor(output)
     if first is None or not first.requires_grad or first.dim() == 0 \
             or not (block.members or takes_over(module, first.shape[0], unknown=True)):
         return  # (the hooks below cost a Python call per parameter and pass)
@@ -253,15 +253,18 @@ def _let_go(block: Block) -> None:
 def _absorb_inner_blocks(module: nn.Module, block: Block) -> None:
     """Let go of each block inside ``module`` with a module this one covers: this one
     computes them, and also what that one covers where it took over first (its output
-    hook ran first: both outputs are one tensor, DBRX's experts' and their block's)."""
+    hook ran first: both outputs are one tensor, DBRX's experts' and their block's), and
+    its members where it has not run yet (XLNet's model inside its LM head's block, which
+    holds the word embedding tied to the head: .regroup)."""
     ids = {id(sub) for sub in block.covered}
     for sub in module.modules():
         inner = sub.__dict__.get(BLOCK_ATTRIBUTE)
         if sub is module or inner is None or inner.call is None \
                 or not any(id(s) in ids for s in sub.modules()):
             continue
-        block.covered += [s for s in inner.covered if id(s) not in ids]
-        ids.update(id(s) for s in inner.covered)
+        owed = inner.covered + [s for member in inner.members for s in member.modules()]
+        block.covered += list({id(s): s for s in owed if id(s) not in ids}.values())
+        ids.update(id(s) for s in owed)
         _let_go(inner)
 
 
@@ -324,7 +327,7 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
         if i == 0:
             block.dtype = narrowest.dtype
             tolerance = output_tolerance(block)
-        first = output if isinstance(output, Tensor) else next(o for o in output if isinstance(o, Tensor))
+        first = first_tensor(output)
         difference = (first.detach() - block.output[i : i + 1]).abs().max()
         if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
             raise Interacting(
@@ -365,7 +368,7 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     """:func:`per_example_gradients`' chunks by :mod:`.block_vmap` (a chunk of examples per
     pass), or ``None`` where ``vmap`` cannot run the block or its first chunk's outputs
     differ from the batch's: then the loop runs and checks (at every later step too)."""
-    if block.vectorized is False or not params:
+    if block.vectorized is False or not params or not block_vmap.batchable(module, params):
         return None
     call, examples = block.call, grad.shape[0]
     # The narrowest dtype the first chunk computes in, as the loop's first example: a float64

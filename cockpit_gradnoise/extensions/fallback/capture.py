@@ -297,6 +297,14 @@ def tensor_positions(output) -> Optional[Tuple[int, ...]]:
     return ()  # no tensor whose gradient a backward hook would report
 
 
+def first_tensor(output) -> Optional[Tensor]:
+    """The first tensor of a module's output in :mod:`torch.utils._pytree`'s order (``None``
+    if it has none): the output itself, a tuple's first tensor, or a ``transformers``
+    ``ModelOutput``'s (XLNet's and FSMT's models, the batch-first blocks around their
+    sequence-first layers, return one; it is a dict, not a tuple)."""
+    return next((leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)), None)
+
+
 def output_sizes(output) -> List[Optional[int]]:
     """The leading sizes of the output's tensors, in the order of :func:`tensor_positions`."""
     positions = tensor_positions(output)

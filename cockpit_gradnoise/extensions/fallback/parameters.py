@@ -80,17 +80,23 @@ def own_parameters(module: nn.Module, tensors: Dict[str, Tensor]):
     by them (restored afterwards).
 
     Through ``_parameters``: ``setattr`` refuses a plain tensor under a parameter's name.
+    Every module inside ``module`` that holds the same parameter (a tied weight: XLNet's
+    LM head shares its word embedding's) gets the tensor too, or its use would not be
+    differentiated.
     """
-    owners = {name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
-              for name in tensors}
-    saved = {name: owner._parameters[attr] for name, (owner, attr) in owners.items()}
+    replaced = {}
+    for name, tensor in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        replaced[id(module.get_submodule(owner)._parameters[attr])] = tensor
+    saved = [(sub, attr, param) for sub in module.modules() for attr, param in sub._parameters.items()
+             if param is not None and id(param) in replaced]
     try:
-        for name, (owner, attr) in owners.items():
-            owner._parameters[attr] = tensors[name]
+        for sub, attr, param in saved:
+            sub._parameters[attr] = replaced[id(param)]
         yield
     finally:
-        for name, (owner, attr) in owners.items():
-            owner._parameters[attr] = saved[name]
+        for sub, attr, param in saved:
+            sub._parameters[attr] = param
 
 
 def parameter_caches(module: nn.Module) -> Dict[str, dict]:

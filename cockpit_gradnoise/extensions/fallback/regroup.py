@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.fallback import blocks, mixing
-from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback, first_tensor
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
 
@@ -86,15 +86,12 @@ def _leading(value) -> Optional[int]:
     return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
 
 
-def _first_tensor(output) -> Optional[Tensor]:
-    return next((leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)), None)
-
-
 class _Calls(TorchFunctionMode):
     """Each module's calls in one pass: ``(leading size of its first output tensor,
     leading sizes of its tensor inputs)``, and the leading sizes of all its output tensors
     (``outputs``; where ``keep``, the tensors themselves in ``tensors``, each through
-    :class:`.mixing.Probe`); and ``used``, the
+    :class:`.mixing.Probe`); the whole shape of an embedding's first output tensor per
+    call (``shapes``: :func:`_regrouped`); and ``used``, the
     ``id`` of each tensor an operation of the pass took (a parameter read directly,
     ``self.decoder.weight.t()``)."""
 
@@ -103,6 +100,7 @@ class _Calls(TorchFunctionMode):
         self.calls: Dict[nn.Module, List[Tuple[Optional[int], Tuple[Optional[int], ...]]]] = {}
         self.outputs: Dict[nn.Module, List[Tuple[Optional[int], ...]]] = {}
         self.tensors: Dict[nn.Module, List[List[Tensor]]] = {}
+        self.shapes: Dict[nn.Module, List[Optional[torch.Size]]] = {}
         self.keep, self.probe = keep, mixing.Probe()
         self.used: set = set()
         #: The modules that returned one of their own parameters as it is (GPT-NeoX-Japanese's
@@ -120,7 +118,10 @@ class _Calls(TorchFunctionMode):
     def _record(self, module, args, kwargs, output):
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
-        self.calls.setdefault(module, []).append((_leading(_first_tensor(output)), inputs))
+        first = first_tensor(output)
+        self.calls.setdefault(module, []).append((_leading(first), inputs))
+        if isinstance(module, nn.Embedding):
+            self.shapes.setdefault(module, []).append(None if first is None else first.shape)
         own = {id(p) for p in module.parameters(recurse=False)}
         if own and any(id(leaf) in own for leaf in _pytree.tree_leaves(output)):
             self.returned.add(module)
@@ -202,15 +203,22 @@ def _batch_first(real, larger, examples: int) -> bool:
         and all(a == b or rows_are_examples(a, b, examples) for a, b in pairs)
 
 
-def _regrouped(module: nn.Module, real, larger, examples: int) -> bool:
+def _regrouped(module: nn.Module, real: _Calls, larger: _Calls, examples: int) -> bool:
     """Whether ``module``'s calls ran on rows that are not examples (an embedding without
-    the batch excepted); a call count that changes with the batch counts as such."""
-    if len(real) != len(larger):
+    the batch excepted); a call count that changes with the batch counts as such.
+
+    An embedding is without the batch where its output's whole shape stays in the pass one
+    example larger (``wpe(torch.arange(T))``: :mod:`..batchless` gives it exact rows); one
+    whose leading size stays but another grows takes indices of the batch laid out otherwise
+    (XLNet's ``word_embedding`` on ``input_ids.transpose(0, 1)``, ``[T, N]``): its rows are
+    not examples, and its block computes it."""
+    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
+    if len(calls) != len(calls_larger):
         return True
-    for (out, _), (out_larger, _) in zip(real, larger):
+    for k, ((out, _), (out_larger, _)) in enumerate(zip(calls, calls_larger)):
         if out is None or rows_are_examples(out, out_larger, examples):
             continue
-        if out == out_larger and isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Embedding) and real.shapes[module][k] == larger.shapes[module][k]:
             continue  # without the batch: .batchless's
         return True
     return False
@@ -291,6 +299,10 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
     """Hook the block around each layer whose parameters need one (:func:`_needs_block`),
     and note which embeddings return one row per example."""
     parents = {child: module for module in model.modules() for child in module.children()}
+    holders: Dict[int, List[nn.Module]] = {}
+    for module in model.modules():
+        for param in direct_parameters(module).values():
+            holders.setdefault(id(param), []).append(module)
     for module in model.modules():  # (every module: .running's expanded parameters read it too)
         _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)
@@ -299,12 +311,33 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         why = _needs_block(module, params, parents, real, larger, examples)
         if why is None:
             continue
-        block = parents.get(module)
-        while block is not None and not _batch_first(
-                real.calls.get(block, []), larger.calls.get(block, []), examples):
-            block = parents.get(block)
+        block = _block_around(module, parents, real, larger, examples)
+        # A tied parameter's block holds every layer that holds it where one does (XLNet's
+        # word embedding and its head): a use outside the block would reach its gradient
+        # otherwise than through the block's output, and leave it out (.blocks.reached_otherwise).
+        tied = [holder for param in params.values() for holder in holders[id(param)]]
+        around = block
+        while around is not None and not _holds(around, tied):
+            around = _block_around(around, parents, real, larger, examples)
+        block = around or block
         if block is not None or why != "returned":  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
+
+
+def _block_around(module: nn.Module, parents: dict, real: _Calls, larger: _Calls,
+                  examples: int) -> Optional[nn.Module]:
+    """The smallest module around ``module`` (not itself) that is batch-first (:func:`_batch_first`)."""
+    block = parents.get(module)
+    while block is not None and not _batch_first(
+            real.calls.get(block, []), larger.calls.get(block, []), examples):
+        block = parents.get(block)
+    return block
+
+
+def _holds(block: nn.Module, modules: List[nn.Module]) -> bool:
+    """Whether every module of ``modules`` is ``block`` or inside it."""
+    inside = {id(sub) for sub in block.modules()}
+    return all(id(module) in inside for module in modules)
 
 
 def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, larger: _Calls,
@@ -313,8 +346,8 @@ def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, l
     that are not examples (``"regrouped"``); it was not called and its parent's own forward
     pass used its parameters (``"used"``); it returned a parameter as it is for its parent
     to use (``"returned"``)."""
-    calls, calls_larger = real.calls.get(module, []), larger.calls.get(module, [])
-    if calls and _regrouped(module, calls, calls_larger, examples):
+    calls = real.calls.get(module, [])
+    if calls and _regrouped(module, real, larger, examples):
         return "regrouped"
     if calls and module in real.returned and module in larger.returned:
         return "returned"

@@ -34,6 +34,7 @@ a parameter of any other module stays with the recomputation. Tests:
 import contextlib
 from typing import Dict, List, Optional, Tuple
 
+from cockpit_gradnoise.extensions.fallback.capture import first_tensor
 from cockpit_gradnoise.extensions.fallback.experts import ATTRIBUTE
 from cockpit_gradnoise.extensions.fallback.reduce import linear_on_rows
 from cockpit_gradnoise.extensions.precision import NarrowestResult, rounding_bound
@@ -136,8 +137,7 @@ def _rows_again(block: nn.Module, call, grad: Tensor, expected: Tensor, layers: 
     finally:
         for handle in handles:
             handle.remove()
-    first = output if isinstance(output, Tensor) else next(
-        (o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
+    first = first_tensor(output)
     if first is None or first.shape != expected.shape or not expected.numel() \
             or not float((first.detach() - expected).abs().max()) <= rounding_bound(expected):
         return None
