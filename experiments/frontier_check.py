@@ -18,6 +18,7 @@ with that grid's best learning rate.
 """
 
 import math
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -25,6 +26,7 @@ import numpy as np
 import scipy.stats
 
 from experiments import cbs_seeds
+from experiments import critical_batch_size as cbs
 from experiments.adaptive_batch import ARMS, FIXED_AVG, fixed_batch, frontier_value, run_from_json
 
 # ----------------------------------------------------------------------------
@@ -137,6 +139,74 @@ def seeds_needed(sd, distance, standard_errors=2.0) -> int:
     from it: ``n >= (standard_errors * sd / distance)^2``, rounded up (the power calculation;
     ``standard_errors = 1.96 + 0.84`` gives 80% power of a one-sided test at 2.5%)."""
     return math.ceil((standard_errors * sd / distance) ** 2)
+
+
+def seed_steps(grids, best_lr) -> Dict[int, List[float]]:
+    """``{B: steps of each seed}`` at each batch's seed-averaged best rate ``best_lr[B]``, for
+    the batches every seed of ``grids`` ran to the target there (seeds in sorted order)."""
+    seeds = sorted(grids)
+    steps = {b: [cbs_seeds.steps_bounds(grids[s].get(b, [])).get(lr) for s in seeds]
+             for b, lr in sorted(best_lr.items())}
+    return {b: [bound[0] for bound in bounds] for b, bounds in steps.items()
+            if all(bound is not None and bound[1] and math.isfinite(bound[0])
+                   for bound in bounds)}
+
+
+def resampled_frontiers(steps_by_batch, resamples=400, seed=0) -> np.ndarray:
+    """``[resamples, 2]``: ``S_min, E_min`` refitted (:func:`cbs.fit_steps_examples`) to the
+    grid's mean steps over grid seeds drawn with replacement, one seed's runs at every batch
+    together (they share its initialization); ``steps_by_batch`` from :func:`seed_steps`.
+
+    Each batch keeps the learning rate the whole grid chose for it: the resamples carry the
+    steps' seed noise, not the choice of the best rate among noisy means (which, redone per
+    resample, would favour a lucky rate and lower the frontier further)."""
+    batches = list(steps_by_batch)
+    if len(batches) < 2:  # no hyperbola to refit
+        return np.empty((0, 2))
+    steps = np.asarray([steps_by_batch[b] for b in batches], dtype=float).T  # [seed, batch]
+    rng = np.random.default_rng(seed)
+    drawn = rng.integers(0, len(steps), size=(resamples, len(steps)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a resample at a bound is a resample
+        return np.asarray([cbs.fit_steps_examples(batches, steps[rows].mean(axis=0))
+                           for rows in drawn])
+
+
+def two_level_bootstrap(steps, examples, frontiers, null=1.0, reference=None, level=0.95,
+                        seed=0) -> Dict[str, float]:
+    """The mean frontier value with the frontier's own error: for each resampled frontier
+    ``(S_min, E_min)`` (:func:`resampled_frontiers`), the arm's seeds drawn with replacement.
+
+    With ``reference = (steps, examples)`` of another arm on the same seeds (in the same
+    order), the mean of the paired differences instead. Returns the percentile interval at
+    ``level``, the share of resampled means at or above ``null``, and ``frontier_sd``: the
+    standard deviation over the frontiers of the mean over all the arm's seeds (the
+    frontier's part alone). It draws the arm's seeds independently of the grid's, although the
+    seeds both ran share an initialization; a seed that is hard for the grid is hard for the
+    arm too, so the independent draws widen the interval (conservative)."""
+    def values(s, e, fronts):
+        return (s / fronts[:, :1] - 1.0) * (e / fronts[:, 1:] - 1.0)
+
+    s, e = np.asarray(steps, dtype=float), np.asarray(examples, dtype=float)
+    fronts = np.asarray(frontiers, dtype=float)
+    fronts = fronts[np.all(np.isfinite(fronts) & (fronts > 0), axis=1)]
+    if len(s) < 2 or not len(fronts):
+        return {"low": math.nan, "high": math.nan, "share_at_or_above": math.nan,
+                "frontier_sd": math.nan}
+    per_seed = values(s[None, :], e[None, :], fronts)  # [frontier, seed]
+    if reference is not None:
+        rs, re = (np.asarray(x, dtype=float) for x in reference)
+        per_seed = per_seed - values(rs[None, :], re[None, :], fronts)
+    # A stream apart from resampled_frontiers' (the same seed would draw the arm's seeds as
+    # the grid's, matched: a joint resample of the seeds both ran, not the independent one).
+    rng = np.random.default_rng([seed, 1])
+    drawn = rng.integers(0, len(s), size=per_seed.shape)
+    means = np.take_along_axis(per_seed, drawn, axis=1).mean(axis=1)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return {"low": float(low), "high": float(high),
+            "share_at_or_above": float(np.mean(means >= null)),
+            "frontier_sd": float(np.std(per_seed.mean(axis=1), ddof=1))}
 
 
 def bracketing_batches(batches: Sequence[int], b_crit) -> List[int]:
@@ -269,11 +339,12 @@ def _tested(label, tests) -> str:
             f"({_p(sign['p'])}) |")
 
 
-def tests_table(fair, runs) -> List[str]:
+def tests_table(fair, runs, frontiers=None) -> List[str]:
     """Whether each arm's mean value lies below 1 and each adaptive arm's below the fixed
     batch at ``B_crit`` and the warmup on the same seeds, against the seed-averaged frontier
-    ``fair``: :func:`below_tests` on the values, and on the paired differences; then the
-    warmup target seed by seed (steps and examples minus the warmup's)."""
+    ``fair``: :func:`below_tests` on the values, and on the paired differences; with
+    ``frontiers`` (:func:`resampled_frontiers`), the same with the frontier's own error
+    (:func:`two_level_bootstrap`); then the warmup target seed by seed."""
     if fair is None:
         return []
     s_min, e_min = fair.s_min, fair.e_min
@@ -288,8 +359,9 @@ def tests_table(fair, runs) -> List[str]:
         "independent seeds and a normal mean; the sign test only independent seeds; the "
         "bootstrap (10,000 resamples of the seeds, percentile interval) that the seeds at hand "
         "stand for their distribution. All three take S_min and E_min as known: the "
-        "frontier's own error, shared by every arm, is in none of them, and cancels in the "
-        "paired differences only in so far as it shifts both arms alike.", "",
+        "frontier's own error, shared by every arm, is in none of them (it cancels in the "
+        "paired differences only in so far as it shifts both arms alike; the third table "
+        "adds it, where the grid's seeds are at hand).", "",
         "| arm " + head.format(null=1), "|---|---|---|---|---|---|---|",
         *(_tested(arm, below_tests(list(values_by_seed(runs, arm, s_min, e_min).values()),
                                    1.0)) for arm in arms), "",
@@ -299,9 +371,46 @@ def tests_table(fair, runs) -> List[str]:
         *(_tested(f"{arm} − {ref}", below_tests(paired_values(
             values_by_seed(runs, arm, s_min, e_min), values_by_seed(runs, ref, s_min, e_min)),
             0.0)) for arm in adaptive for ref in references), ""]
+    if frontiers is not None and len(frontiers):
+        lines += frontier_error_rows(runs, arms, adaptive, references, frontiers)
     if "warmup" in arms:
         lines += warmup_target_rows(runs, adaptive, s_min, e_min)
     return lines
+
+
+def frontier_error_rows(runs, arms, adaptive, references, frontiers) -> List[str]:
+    """The tests table's rows with the frontier's own error: :func:`two_level_bootstrap` of
+    each arm's mean value and of each adaptive arm's paired difference."""
+    def steps_examples(arm, seeds=None):
+        done = {r.seed: r for r in runs if r.arm == arm and math.isfinite(r.steps)}
+        chosen = sorted(done) if seeds is None else seeds
+        return [done[k].steps for k in chosen], [done[k].examples for k in chosen]
+
+    def row(label, boot, n):
+        return (f"| {label} | {n} | {_n(boot['low'])} to {_n(boot['high'])} | "
+                f"{_p(boot['share_at_or_above'])} | {_n(boot['frontier_sd'], 2)} |")
+
+    rows = []
+    for arm in arms:
+        steps, examples = steps_examples(arm)
+        rows.append(row(arm, two_level_bootstrap(steps, examples, frontiers), len(steps)))
+    for arm in adaptive:
+        for ref in references:
+            common = sorted({r.seed for r in runs if r.arm == arm and math.isfinite(r.steps)}
+                            & {r.seed for r in runs if r.arm == ref and math.isfinite(r.steps)})
+            boot = two_level_bootstrap(*steps_examples(arm, common), frontiers, null=0.0,
+                                       reference=steps_examples(ref, common))
+            rows.append(row(f"{arm} − {ref}", boot, len(common)))
+    return [f"With the frontier's own error too: the grid's seeds drawn with replacement and "
+            f"the hyperbola refitted to their mean steps ({len(frontiers)} refits, each batch at "
+            "the learning rate the whole grid chose for it), and for each refit the arm's seeds "
+            "drawn with replacement, independently (the seeds both ran share an "
+            "initialization, so this overstates the spread). Last column: the standard "
+            "deviation over the refits of the mean over all the arm's seeds, the frontier's "
+            "part alone. The null is 1 for an arm, 0 for a difference.", "",
+            "| arm, or arm minus reference | seeds | 95% interval of the mean | share of "
+            "means ≥ the null | the frontier's part (sd) |", "|---|---|---|---|---|",
+            *rows, ""]
 
 
 def warmup_target_rows(runs, arms, s_min, e_min) -> List[str]:
@@ -344,8 +453,10 @@ def task_lines(entry, fair, grids) -> List[str]:
     ``fixed-avg`` bullet and the sanity check's table (``fair``, ``grids``: the seed-averaged
     baseline and the grids it averages, None without them)."""
     runs = [run_from_json(r) for r in entry["runs"]]
+    frontiers = (None if fair is None or grids is None
+                 else resampled_frontiers(seed_steps(grids, fair.best_lr)))
     return [*fixed_avg_bullet(entry.get(FIXED_AVG)), *check_table(fair, grids, runs),
-            *tests_table(fair, runs)]
+            *tests_table(fair, runs, frontiers)]
 
 
 def grids_of(grid_path, task) -> Optional[Dict[int, dict]]:

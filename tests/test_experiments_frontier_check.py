@@ -207,4 +207,54 @@ def test_the_tests_table_states_each_arm_each_pair_and_the_warmup_target():
     assert "| adaptive-norms − warmup | 2 | " in text
     assert "| adaptive-norms | 2 | -7.5 ± 2.5 (" in text
     assert "| +0 ± 500 (0.5) | 2 | 1 | 1 |" in text
+    assert "With the frontier's own error too" not in text
+    # One frontier: the seeds alone; all three -0.75 (p 8/27) or all -0.5 (p 1/27) are both
+    # above 2.5%: the interval is the differences' range.
+    text = "\n".join(fc.tests_table(fair, runs, np.array([[S_MIN, E_MIN]] * 100)))
+    assert "| adaptive-norms − fixed-avg | 3 | -0.75 to -0.5 | 0 | " in text
     assert fc.tests_table(None, runs) == []
+
+
+def test_seed_steps_keep_the_batches_every_seed_ran_exactly_at_the_chosen_rate():
+    grids = synthetic_grids()
+    steps = fc.seed_steps(grids, {b: 0.008 for b in BATCHES})
+    assert list(steps) == list(BATCHES)
+    assert steps[32] == pytest.approx([92.25, 112.75])
+    assert fc.seed_steps(grids, {32: 0.004, 64: 0.008}) == {64: pytest.approx(
+        [0.9 * on_hyperbola(64), 1.1 * on_hyperbola(64)])}  # 0.004 pruned on seed 1
+
+
+def test_resampled_frontiers_refit_the_mean_of_the_drawn_seeds():
+    """Seed 0 on the hyperbola (40, 2000), seed 1 on (60, 1000): a resample draws both seeds of
+    one (probability 1/4 each), whose fit is that hyperbola, or one of each (1/2), whose mean
+    steps lie exactly on (50, 1500). Tolerance of the share: 4 standard errors over 400."""
+    other = lambda b: 60.0 + 1000.0 / b  # noqa: E731
+    fronts = fc.resampled_frontiers({b: [on_hyperbola(b), other(b)] for b in BATCHES})
+    assert fronts.shape == (400, 2)
+    kinds = []
+    for s_min, e_min in fronts:
+        kind = [k for k, (s, e) in enumerate(((S_MIN, E_MIN), (60.0, 1000.0), (50.0, 1500.0)))
+                if s_min == pytest.approx(s, rel=1e-6) and e_min == pytest.approx(e, rel=1e-6)]
+        assert len(kind) == 1
+        kinds += kind
+    share = np.bincount(kinds, minlength=3) / len(kinds)
+    assert share == pytest.approx([0.25, 0.25, 0.5], abs=4 * math.sqrt(0.25 / 400))
+    assert fc.resampled_frontiers({32: [1.0, 2.0]}).shape == (0, 2)  # one batch: no fit
+
+
+def test_the_two_level_bootstrap_adds_the_frontiers_spread_to_the_seeds():
+    """A run of 80 steps and 4,000 examples on both seeds: value 1 against (40, 2000) and
+    (80/50 - 1)(4000/2000 - 1) = 0.6 against (50, 2000), half the frontiers each: share >= 1
+    exactly 1/2, interval [0.6, 1], the frontier's part the sd of (1, 0.6) repeated. Runs of
+    value 0 (60 steps, E_min examples) and 1 on one frontier: the seeds alone, share 1/4."""
+    fronts = [(S_MIN, E_MIN), (50.0, E_MIN)] * 200
+    boot = fc.two_level_bootstrap([80.0, 80.0], [4000.0, 4000.0], fronts)
+    assert boot["share_at_or_above"] == 0.5
+    assert (boot["low"], boot["high"]) == pytest.approx((0.6, 1.0), rel=1e-12)
+    assert boot["frontier_sd"] == pytest.approx(float(np.std([1.0, 0.6] * 200, ddof=1)))
+    same = fc.two_level_bootstrap([80.0, 80.0], [4000.0, 4000.0], fronts, null=0.0,
+                                  reference=([80.0, 80.0], [4000.0, 4000.0]))
+    assert (same["low"], same["high"], same["share_at_or_above"]) == (0.0, 0.0, 1.0)
+    seeds = fc.two_level_bootstrap([60.0, 80.0], [E_MIN, 4000.0], [(S_MIN, E_MIN)] * 10_000)
+    assert seeds["share_at_or_above"] == pytest.approx(0.25, abs=4 * math.sqrt(3 / 16 / 10_000))
+    assert math.isnan(fc.two_level_bootstrap([80.0], [4000.0], fronts)["low"])  # one seed
