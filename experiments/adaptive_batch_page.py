@@ -30,6 +30,7 @@ from experiments.adaptive_batch import (
     warmup_budget,
 )
 from experiments.adaptive_batch_reading import VERDICT, WHY
+from experiments.pages import seed_ranges
 
 PAGE = "adaptive-batch.md"
 
@@ -192,7 +193,7 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
                         ("the other seeds", [r for r in runs if r.seed not in fair.seeds])):
         part = summary(mine, fair)
         if part:
-            split.append(f"On {words} ({', '.join(map(str, sorted({r.seed for r in mine})))}): "
+            split.append(f"On {words} ({seed_ranges({r.seed for r in mine})}): "
                          + "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
                                      for arm, row in part.items() if row["reached"]))
     # The fit's own residual, in the same unit: the averaged grid's points against it.
@@ -200,7 +201,7 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
                        for b, s in fair.points)
     return [
         f"- Seed-averaged baseline (the fair one): the same grid on the training seeds "
-        f"{', '.join(map(str, fair.seeds))}; for each batch and learning rate the steps "
+        f"{seed_ranges(fair.seeds)}; for each batch and learning rate the steps "
         f"to the target averaged over the seeds, the best learning rate per batch on the "
         f"means, the hyperbola fitted to them (McCandlish et al. 2018 fit averaged runs): "
         f"S_min = {_n(fair.s_min, 4)}, E_min = {_n(fair.e_min, 4)} {task.unit}, B_crit = "
@@ -402,7 +403,7 @@ def write_page(stored, tasks, out, fair=None, extra=None) -> Path:
         "same whichever folder holds it); `--out docs/experiments` gives the same runs.", "",
     ]
     for entry in stored:
-        lines += [f"{entry['task']}: seeds {', '.join(map(str, entry['seeds']))}, wall time "
+        lines += [f"{entry['task']}: seeds {seed_ranges(entry['seeds'])}, wall time "
                   f"{entry['seconds']:.0f} s, by", "", "```bash", *entry["commands"], "```", ""]
     lines += ["| package | version |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in stored[-1]["versions"].items()] + [""]

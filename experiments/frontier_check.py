@@ -28,6 +28,7 @@ import scipy.stats
 from experiments import cbs_seeds
 from experiments import critical_batch_size as cbs
 from experiments.adaptive_batch import ARMS, FIXED_AVG, fixed_batch, frontier_value, run_from_json
+from experiments.pages import seed_ranges
 
 # ----------------------------------------------------------------------------
 # Pure functions: the formulas
@@ -262,7 +263,7 @@ def fixed_avg_bullet(settings) -> List[str]:
     return [f"- {FIXED_AVG} (the sanity check on the grid the arms are judged against): batch "
             f"{settings['batch']}, the seed-averaged grid's B_crit {_n(settings['b_crit'])} "
             f"rounded (S_min {_n(settings['s_min'], 4)}, E_min {_n(settings['e_min'], 4)}, "
-            + (f"grid seeds {', '.join(map(str, seeds))}" if seeds else "one seed's grid: "
+            + (f"grid seeds {seed_ranges(seeds)}" if seeds else "one seed's grid: "
                "--quick") + " when it ran), learning rate "
             f"{settings['lr']:g}, that grid's best at its measured batch nearest it in log scale "
             f"({settings['lr_of_batch']}; taken, not interpolated: the rates are a factor-2 "

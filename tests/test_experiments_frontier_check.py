@@ -258,3 +258,11 @@ def test_the_two_level_bootstrap_adds_the_frontiers_spread_to_the_seeds():
     seeds = fc.two_level_bootstrap([60.0, 80.0], [E_MIN, 4000.0], [(S_MIN, E_MIN)] * 10_000)
     assert seeds["share_at_or_above"] == pytest.approx(0.25, abs=4 * math.sqrt(3 / 16 / 10_000))
     assert math.isnan(fc.two_level_bootstrap([80.0], [4000.0], fronts)["low"])  # one seed
+
+
+def test_seed_ranges_join_consecutive_seeds():
+    from experiments.pages import seed_ranges
+
+    assert seed_ranges([8, 7, 0, 1, 2, 5]) == "0-2, 5, 7-8"
+    assert seed_ranges(range(12, 124)) == "12-123"
+    assert seed_ranges([3]) == "3" and seed_ranges([]) == ""
