@@ -33,6 +33,9 @@ from experiments.adaptive_batch_reading import VERDICT, WHY
 from experiments.pages import seed_ranges
 
 PAGE = "adaptive-batch.md"
+#: The table of single runs shows seeds below this (the rest are in the JSON): 124 seeds of
+#: four arms made a page of 700 rows.
+RUN_ROWS = 12
 
 
 # ----------------------------------------------------------------------------
@@ -296,7 +299,7 @@ def task_section(task, baseline, fixed, runs, figure, fair=None, extra=()) -> Li
               "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |"
               + (" value, seed-averaged frontier |" if fair else ""),
               "|---|---|---|---|---|---|---|---|---|" + ("---|" if fair else "")]
-    for r in runs:
+    for r in (r for r in runs if r.seed < RUN_ROWS):
         b = f"{r.batches[0]}, {max(r.batches)}, {r.batches[-1]}" if r.batches else "-"
         lr = f"{r.lrs[0]:.3g}, {max(r.lrs):.3g}, {r.lrs[-1]:.3g}" if r.lrs else "-"
         steps, examples = f"{r.steps:.1f}", f"{r.examples:,.0f}"
@@ -308,6 +311,9 @@ def task_section(task, baseline, fixed, runs, figure, fair=None, extra=()) -> Li
                      f"{examples} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
                      f"{r.seconds:.0f} |"
                      + (f" {_n(r.frontier(fair.s_min, fair.e_min))} |" if fair else ""))
+    if any(r.seed >= RUN_ROWS for r in runs):
+        lines += ["", f"Runs of seeds {RUN_ROWS} and later: in `"
+                  f"{RESULTS.format(task=task.name)}` (the tables above count them)."]
     lines += ["", "The adaptive runs' changes (first seed): step, batch, the noise scale "
               "B_noise it rested on (`inf`: no signal resolved yet, the estimate of |G|^2 at "
               "or below 0), the learning-rate factor:", ""]
