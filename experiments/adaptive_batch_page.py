@@ -30,8 +30,12 @@ from experiments.adaptive_batch import (
     warmup_budget,
 )
 from experiments.adaptive_batch_reading import VERDICT, WHY
+from experiments.pages import seed_ranges
 
 PAGE = "adaptive-batch.md"
+#: The table of single runs shows seeds below this (the rest are in the JSON): 124 seeds of
+#: four arms made a page of 700 rows.
+RUN_ROWS = 12
 
 
 # ----------------------------------------------------------------------------
@@ -192,7 +196,7 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
                         ("the other seeds", [r for r in runs if r.seed not in fair.seeds])):
         part = summary(mine, fair)
         if part:
-            split.append(f"On {words} ({', '.join(map(str, sorted({r.seed for r in mine})))}): "
+            split.append(f"On {words} ({seed_ranges({r.seed for r in mine})}): "
                          + "; ".join(f"{arm} {_n(row['value'])} ± {_n(row['se'], 2)}"
                                      for arm, row in part.items() if row["reached"]))
     # The fit's own residual, in the same unit: the averaged grid's points against it.
@@ -200,7 +204,7 @@ def fair_lines(task, baseline, fair, runs) -> List[str]:
                        for b, s in fair.points)
     return [
         f"- Seed-averaged baseline (the fair one): the same grid on the training seeds "
-        f"{', '.join(map(str, fair.seeds))}; for each batch and learning rate the steps "
+        f"{seed_ranges(fair.seeds)}; for each batch and learning rate the steps "
         f"to the target averaged over the seeds, the best learning rate per batch on the "
         f"means, the hyperbola fitted to them (McCandlish et al. 2018 fit averaged runs): "
         f"S_min = {_n(fair.s_min, 4)}, E_min = {_n(fair.e_min, 4)} {task.unit}, B_crit = "
@@ -295,7 +299,7 @@ def task_section(task, baseline, fixed, runs, figure, fair=None, extra=()) -> Li
               "changes | steps S | examples E | (S/S_min-1)(E/E_min-1) | seconds |"
               + (" value, seed-averaged frontier |" if fair else ""),
               "|---|---|---|---|---|---|---|---|---|" + ("---|" if fair else "")]
-    for r in runs:
+    for r in (r for r in runs if r.seed < RUN_ROWS):
         b = f"{r.batches[0]}, {max(r.batches)}, {r.batches[-1]}" if r.batches else "-"
         lr = f"{r.lrs[0]:.3g}, {max(r.lrs):.3g}, {r.lrs[-1]:.3g}" if r.lrs else "-"
         steps, examples = f"{r.steps:.1f}", f"{r.examples:,.0f}"
@@ -307,6 +311,9 @@ def task_section(task, baseline, fixed, runs, figure, fair=None, extra=()) -> Li
                      f"{examples} | {_n(r.frontier(baseline.s_min, baseline.e_min))} | "
                      f"{r.seconds:.0f} |"
                      + (f" {_n(r.frontier(fair.s_min, fair.e_min))} |" if fair else ""))
+    if any(r.seed >= RUN_ROWS for r in runs):
+        lines += ["", f"Runs of seeds {RUN_ROWS} and later: in `"
+                  f"{RESULTS.format(task=task.name)}` (the tables above count them)."]
     lines += ["", "The adaptive runs' changes (first seed): step, batch, the noise scale "
               "B_noise it rested on (`inf`: no signal resolved yet, the estimate of |G|^2 at "
               "or below 0), the learning-rate factor:", ""]
@@ -402,7 +409,7 @@ def write_page(stored, tasks, out, fair=None, extra=None) -> Path:
         "same whichever folder holds it); `--out docs/experiments` gives the same runs.", "",
     ]
     for entry in stored:
-        lines += [f"{entry['task']}: seeds {', '.join(map(str, entry['seeds']))}, wall time "
+        lines += [f"{entry['task']}: seeds {seed_ranges(entry['seeds'])}, wall time "
                   f"{entry['seconds']:.0f} s, by", "", "```bash", *entry["commands"], "```", ""]
     lines += ["| package | version |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in stored[-1]["versions"].items()] + [""]

@@ -107,3 +107,15 @@ def markdown_table(header, rows) -> str:
 def argv_of(argv) -> list:
     """The arguments a script was called with (``sys.argv[1:]`` when ``argv`` is None)."""
     return list(sys.argv[1:] if argv is None else argv)
+
+
+def seed_ranges(seeds) -> str:
+    """Seeds as runs of consecutive numbers: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    seeds = sorted(set(seeds))
+    runs = []
+    for seed in seeds:
+        if runs and seed == runs[-1][1] + 1:
+            runs[-1][1] = seed
+        else:
+            runs.append([seed, seed])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

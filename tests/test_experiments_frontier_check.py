@@ -122,3 +122,147 @@ def test_the_check_table_states_the_grids_runs_at_b_crit_and_each_arm():
     assert "| fixed | 2 | 1 ± 0 | 1 | 0 | -0.04 ± 0.4 (2) |" in text
     assert "warmup" not in text.split("|---|")[-1]
     assert fc.check_table(None, synthetic_grids(), runs) == []
+
+
+# ----------------------------------------------------------------------------
+# The tests over seeds: known answers
+# ----------------------------------------------------------------------------
+
+#: Student's t quantile t_{0.975} at 3 degrees of freedom (tables: 3.182446305284263).
+T_975_DF3 = 3.182446305284263
+
+
+def test_the_one_sided_t_test_at_the_tabulated_quantile_gives_p_0025():
+    """Four values of sample sd s = 0.2 (deviations -a, -a, a, a, a = sqrt(3)/2 s: ddof-1
+    variance 4a^2/3 = s^2), mean 1 - t_{0.975,3} s / 2: t = -t_{0.975,3}, p = 0.025 exactly."""
+    s = 0.2
+    a = math.sqrt(3.0) / 2.0 * s
+    mean = 1.0 - T_975_DF3 * s / 2.0
+    values = [mean - a, mean - a, mean + a, mean + a]
+    test = fc.one_sided_t(values, null=1.0)
+    assert test["t"] == pytest.approx(-T_975_DF3, rel=1e-12)
+    assert test["p"] == pytest.approx(0.025, rel=1e-9)
+    assert math.isnan(fc.one_sided_t([0.5], null=1.0)["p"])  # one seed: no test
+    assert fc.one_sided_t([0.5, 0.5], null=1.0)["p"] == 0.0  # no spread: certainly below
+
+
+def test_the_one_sided_t_test_with_two_degrees_of_freedom_has_a_closed_form():
+    """Values 0.25, 0.5, 0.75 against 1: t = -0.5 / (0.25 / sqrt(3)) = -2 sqrt(3); Student's
+    t with 2 degrees of freedom has CDF 1/2 + t / (2 sqrt(2 + t^2)): p = 1/2 - sqrt(12/14)/2."""
+    test = fc.one_sided_t([0.25, 0.5, 0.75], null=1.0)
+    assert test["t"] == pytest.approx(-2.0 * math.sqrt(3.0), rel=1e-12)
+    assert test["p"] == pytest.approx(0.5 - 0.5 * math.sqrt(12.0 / 14.0), rel=1e-12)
+
+
+def test_the_sign_test_counts_below_and_drops_ties():
+    """7 of 8 below (the value at the null dropped): P(Bin(8, 1/2) >= 7) = (8 + 1) / 256."""
+    test = fc.sign_test([0.5] * 7 + [1.5, 1.0], null=1.0)
+    assert (test["n"], test["below"]) == (8, 7)
+    assert test["p"] == pytest.approx(9.0 / 256.0, rel=1e-12)
+    assert fc.sign_test([2.0, 3.0], null=1.0)["p"] == pytest.approx(1.0)  # none below
+
+
+def test_the_bootstrap_resamples_n_seeds_with_replacement():
+    """Values (0, 0, 0, 1): a resampled mean is k/4, k ~ Bin(4, 1/4), so the share of means
+    >= 0.5 is P(k >= 2) = 1 - 81/256 - 108/256 = 67/256; values (0, 1): means 0, 1/2, 1 with
+    probabilities 1/4, 1/2, 1/4, the share >= 1 is 1/4 and the 95% interval is [0, 1].
+    Tolerance: 4 Monte Carlo standard errors of a share over 10,000 resamples (< 0.018)."""
+    share = fc.bootstrap_mean([0.0, 0.0, 0.0, 1.0], null=0.5)["share_at_or_above"]
+    assert share == pytest.approx(67.0 / 256.0, abs=4 * math.sqrt(0.262 * 0.738 / 10_000))
+    boot = fc.bootstrap_mean([0.0, 1.0], null=1.0)
+    assert boot["share_at_or_above"] == pytest.approx(0.25, abs=4 * math.sqrt(3 / 16 / 10_000))
+    assert (boot["low"], boot["high"]) == (0.0, 1.0)
+    assert fc.bootstrap_mean([0.0, 1.0], null=1.0) == boot  # seeded: the page is reproducible
+
+
+def test_seeds_needed_is_the_squared_ratio_rounded_up():
+    assert fc.seeds_needed(0.25, 0.0625) == 64  # (2 * 0.25 / 0.0625)^2
+    assert fc.seeds_needed(0.25, 0.3) == 3  # (5/3)^2 = 2.78
+    assert fc.seeds_needed(0.25, 0.125, standard_errors=1.0) == 4
+
+
+def run_at(arm, seed, steps, value):
+    """A run of ``steps`` with the examples that give frontier ``value`` (S_MIN 40, E_MIN 2000)."""
+    examples = E_MIN * (1.0 + value / (steps / S_MIN - 1.0))
+    return ab.ScheduledRun(arm, seed, 0.008, steps=steps, examples=examples)
+
+
+def test_the_tests_table_states_each_arm_each_pair_and_the_warmup_target():
+    """adaptive-norms at 0.25, 0.5, 0.75 (60 steps): against 1 the closed-form p 0.037 and
+    3 of 3 below (p 1/8); minus fixed-avg's 1, 1, 1.5: -0.75, -0.5, -0.75, mean -2/3, s.e.
+    (0.25 / sqrt 3) / sqrt 3 = 0.083; the warmup on seeds 0 and 1 only, 5 and 10 steps more than the
+    arm's, 500 examples fewer and more."""
+    fair = ab.Baseline("gpt", 2.3, S_MIN, E_MIN, 50.0, [], {8: 0.008}, "made up", [0, 1])
+    runs = [run_at("adaptive-norms", seed, 60.0, v) for seed, v in enumerate((0.25, 0.5, 0.75))]
+    norms = {r.seed: r.examples for r in runs}
+    runs += [run_at("fixed-avg", seed, 60.0, v) for seed, v in enumerate((1.0, 1.0, 1.5))]
+    runs += [ab.ScheduledRun("warmup", seed, 0.008, steps=60.0 + extra,
+                             examples=norms[seed] + more)
+             for seed, extra, more in ((0, 5.0, -500.0), (1, 10.0, 500.0))]
+    text = "\n".join(fc.tests_table(fair, runs))
+    p = 0.5 - 0.5 * math.sqrt(12.0 / 14.0)
+    assert f"| adaptive-norms | 3 | 0.5 ± 0.14 | {p:.2g} | " in text
+    assert "| 3 of 3 (0.12) |" in text
+    assert "| adaptive-norms − fixed-avg | 3 | -0.667 ± 0.083 | " in text
+    assert "| adaptive-norms − warmup | 2 | " in text
+    assert "| adaptive-norms | 2 | -7.5 ± 2.5 (" in text
+    assert "| +0 ± 500 (0.5) | 2 | 1 | 1 |" in text
+    assert "With the frontier's own error too" not in text
+    # One frontier: the seeds alone; all three -0.75 (p 8/27) or all -0.5 (p 1/27) are both
+    # above 2.5%: the interval is the differences' range.
+    text = "\n".join(fc.tests_table(fair, runs, np.array([[S_MIN, E_MIN]] * 100)))
+    assert "| adaptive-norms − fixed-avg | 3 | -0.75 to -0.5 | 0 | " in text
+    assert fc.tests_table(None, runs) == []
+
+
+def test_seed_steps_keep_the_batches_every_seed_ran_exactly_at_the_chosen_rate():
+    grids = synthetic_grids()
+    steps = fc.seed_steps(grids, {b: 0.008 for b in BATCHES})
+    assert list(steps) == list(BATCHES)
+    assert steps[32] == pytest.approx([92.25, 112.75])
+    assert fc.seed_steps(grids, {32: 0.004, 64: 0.008}) == {64: pytest.approx(
+        [0.9 * on_hyperbola(64), 1.1 * on_hyperbola(64)])}  # 0.004 pruned on seed 1
+
+
+def test_resampled_frontiers_refit_the_mean_of_the_drawn_seeds():
+    """Seed 0 on the hyperbola (40, 2000), seed 1 on (60, 1000): a resample draws both seeds of
+    one (probability 1/4 each), whose fit is that hyperbola, or one of each (1/2), whose mean
+    steps lie exactly on (50, 1500). Tolerance of the share: 4 standard errors over 400."""
+    other = lambda b: 60.0 + 1000.0 / b  # noqa: E731
+    fronts = fc.resampled_frontiers({b: [on_hyperbola(b), other(b)] for b in BATCHES})
+    assert fronts.shape == (400, 2)
+    kinds = []
+    for s_min, e_min in fronts:
+        kind = [k for k, (s, e) in enumerate(((S_MIN, E_MIN), (60.0, 1000.0), (50.0, 1500.0)))
+                if s_min == pytest.approx(s, rel=1e-6) and e_min == pytest.approx(e, rel=1e-6)]
+        assert len(kind) == 1
+        kinds += kind
+    share = np.bincount(kinds, minlength=3) / len(kinds)
+    assert share == pytest.approx([0.25, 0.25, 0.5], abs=4 * math.sqrt(0.25 / 400))
+    assert fc.resampled_frontiers({32: [1.0, 2.0]}).shape == (0, 2)  # one batch: no fit
+
+
+def test_the_two_level_bootstrap_adds_the_frontiers_spread_to_the_seeds():
+    """A run of 80 steps and 4,000 examples on both seeds: value 1 against (40, 2000) and
+    (80/50 - 1)(4000/2000 - 1) = 0.6 against (50, 2000), half the frontiers each: share >= 1
+    exactly 1/2, interval [0.6, 1], the frontier's part the sd of (1, 0.6) repeated. Runs of
+    value 0 (60 steps, E_min examples) and 1 on one frontier: the seeds alone, share 1/4."""
+    fronts = [(S_MIN, E_MIN), (50.0, E_MIN)] * 200
+    boot = fc.two_level_bootstrap([80.0, 80.0], [4000.0, 4000.0], fronts)
+    assert boot["share_at_or_above"] == 0.5
+    assert (boot["low"], boot["high"]) == pytest.approx((0.6, 1.0), rel=1e-12)
+    assert boot["frontier_sd"] == pytest.approx(float(np.std([1.0, 0.6] * 200, ddof=1)))
+    same = fc.two_level_bootstrap([80.0, 80.0], [4000.0, 4000.0], fronts, null=0.0,
+                                  reference=([80.0, 80.0], [4000.0, 4000.0]))
+    assert (same["low"], same["high"], same["share_at_or_above"]) == (0.0, 0.0, 1.0)
+    seeds = fc.two_level_bootstrap([60.0, 80.0], [E_MIN, 4000.0], [(S_MIN, E_MIN)] * 10_000)
+    assert seeds["share_at_or_above"] == pytest.approx(0.25, abs=4 * math.sqrt(3 / 16 / 10_000))
+    assert math.isnan(fc.two_level_bootstrap([80.0], [4000.0], fronts)["low"])  # one seed
+
+
+def test_seed_ranges_join_consecutive_seeds():
+    from experiments.pages import seed_ranges
+
+    assert seed_ranges([8, 7, 0, 1, 2, 5]) == "0-2, 5, 7-8"
+    assert seed_ranges(range(12, 124)) == "12-123"
+    assert seed_ranges([3]) == "3" and seed_ranges([]) == ""
