@@ -10,6 +10,7 @@ does; only the explicit API infers them from Cockpit's ``info``
 :func:`sequence_losses` gives per-example losses of padded sequences.
 """
 
+import math
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from cockpit_gradnoise import _device, accumulation, functional
@@ -187,5 +188,7 @@ def declared_batch(losses, loss, reduction, micro, scale=None) -> Tuple["Batch",
         scale = 1.0 / n if micro is None else 1.0 / (micro.count * n)
     if micro is None and n == 1:
         return Batch(n, 1.0), True  # the mean is the sum: never told apart, never NaN
-    finite = torch.isfinite(loss.detach().double()) & torch.isfinite(losses.detach().double().sum())
-    return Batch(n, scale), bool(finite) if _device.on_host(finite) else finite
+    if _device.on_host(losses) and _device.on_host(loss):  # two reads, not five tensor operations
+        return Batch(n, scale), (math.isfinite(float(loss.detach()))
+                                 and math.isfinite(float(losses.detach().sum(dtype=torch.float64))))
+    return Batch(n, scale), torch.isfinite(loss.detach().double()) & torch.isfinite(losses.detach().double().sum())

@@ -145,6 +145,21 @@ def test_chunks_of_examples_match_per_example_loop(case, order, monkeypatch):
     assert_match(results, expected(problem, 7, "sum"), ORDERS[order])
 
 
+@pytest.mark.parametrize("order", ["sums-first", "norms-alone"])
+def test_on_the_host_chunks_of_the_formation_budget_match_per_example_loop(order, monkeypatch):
+    """On the host a sequence Linear forms its contributions in chunks of
+    ``HOST_FORMATION_BYTES`` (here two float64 examples of the 4 x 3 weight, 192 bytes),
+    at most ``CHUNK_BYTES`` (then one example at a time)."""
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(cost_model, "HOST_FORMATION_BYTES", 2 * 12 * 8 + 10)
+    problem, results, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
+    assert formed == [2, 2, 2, 1] * len(names)
+    assert_match(results, expected(problem, 7, "mean"), ORDERS[order])
+    monkeypatch.setattr(cost_model, "CHUNK_BYTES", 12 * 8)
+    _, _, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
+    assert formed == [1] * 7 * len(names)
+
+
 @pytest.mark.parametrize("order", ["sums-first", "norms-first"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_together_each_layer_is_formed_once(case, order, monkeypatch):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import cost_model
+from cockpit_gradnoise.extensions import linear as linear_rules
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.tracking import Tracker
 
@@ -129,6 +131,24 @@ def adam(params):
 def test_adam_matches_brute_force_at_the_first_steps_and_later(case_name, n, reduction, steps_before):
     got, expected, elements, _ = tracked_and_expected(case_name, n, reduction, adam, steps_before)
     assert_matches(got, expected, elements, n)
+
+
+def test_adam_on_sequences_formed_in_chunks_on_the_host_matches_brute_force(monkeypatch):
+    """The GPT case's sequence Linear layers form ``x_i`` one example per chunk on the host
+    (``cost_model.HOST_FORMATION_BYTES``): the sums are those of every example, once."""
+    formed, forming = [], linear_rules.formed_contributions
+
+    def recording(g, a):
+        for x in forming(g, a):
+            formed.append(len(x))
+            yield x
+
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
+    monkeypatch.setattr(cost_model, "HOST_FORMATION_BYTES", 1)
+    monkeypatch.setattr(linear_rules, "formed_contributions", recording)
+    got, expected, elements, _ = tracked_and_expected("gpt", 3, "mean", adam, 2)
+    assert formed and set(formed) == {1}
+    assert_matches(got, expected, elements, 3)
 
 
 OPTIMIZERS = {

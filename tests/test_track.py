@@ -237,6 +237,16 @@ def test_parameters_replaced_after_track_are_refused_before_the_step():
     assert tracker.frame().empty
 
 
+def test_parameters_replaced_are_refused_at_the_first_micro_batch_of_an_accumulated_step():
+    """Under accumulation the check runs at each tracked step's first micro-batch (once per
+    optimizer step, not at each of its micro-batches)."""
+    model, tracker = cgn.track(tiny_model(), every=1)
+    x, y = batches(steps=1)[0]
+    model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"step 0: parameters \[.*\] of the model are not those"):
+        tracker(0, F.cross_entropy(model(x), y, reduction="none"), micro_batch=0, micro_batches=2)
+
+
 def test_batch_size_one_is_defined_and_warned_about():
     model, tracker = cgn.track(tiny_model(), every=1)
     x, y = batches(n=1, steps=1)[0]

@@ -19,6 +19,16 @@ from typing import Callable, Optional
 #: instead of being mapped and page-faulted anew.
 CHUNK_BYTES = 16 * 2**20
 
+#: On the host, the bytes of a chunk of formed per-example gradients of a Linear on
+#: sequences (:func:`.linear.formed_contributions`), when :data:`CHUNK_BYTES` allows as
+#: many: each chunk is written once and read four times (the two sums, the squares, the
+#: norms), which a chunk of the size of a core's cache (1-2 MiB) keeps close. Measured in
+#: the benchmark GPT's step (``--preconditioned-cost``, ``benchmarks/README.md``, "The
+#: noise scale Adam sees"): with the whole batch in one chunk (6-8 MB per layer) the
+#: formation took about 14 ms more per step (of ~230 ms) than in chunks of 2 MiB; alone,
+#: in a loop, the two take the same time. On other devices :data:`CHUNK_BYTES`.
+HOST_FORMATION_BYTES = 2 * 2**20
+
 #: ``None`` chooses per layer by :func:`formation_is_cheaper`; ``"formation"``
 #: or ``"expansion"`` (expanding the square, with its absolute terms, or Gram matrices for norms)
 #: forces one method for every convolution and sequence Linear (tests,
@@ -92,6 +102,12 @@ def use_formation(alternative_cost: Cost, c_b: int, c_a: int, positions: int) ->
     return FORCE_METHOD == "formation"
 
 
-def examples_per_chunk(numbers_per_example: int, itemsize: int) -> int:
-    """How many examples' temporaries fit in :data:`CHUNK_BYTES` (at least one)."""
-    return max(1, CHUNK_BYTES // (numbers_per_example * itemsize))
+def examples_per_chunk(numbers_per_example: int, itemsize: int, budget: Optional[int] = None) -> int:
+    """How many examples' temporaries fit in ``budget`` bytes (default :data:`CHUNK_BYTES`; at least one)."""
+    return max(1, (CHUNK_BYTES if budget is None else budget) // (numbers_per_example * itemsize))
+
+
+def formation_bytes(on_host: bool) -> int:
+    """The budget of a chunk of formed per-example gradients of a Linear on sequences:
+    :data:`HOST_FORMATION_BYTES` on the host (at most :data:`CHUNK_BYTES`), else :data:`CHUNK_BYTES`."""
+    return min(CHUNK_BYTES, HOST_FORMATION_BYTES) if on_host else CHUNK_BYTES

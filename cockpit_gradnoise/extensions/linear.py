@@ -43,6 +43,7 @@ its uses' sums are combined over ``[T, S]`` only.
 
 from typing import Iterator, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import conv_math, cost_model, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
@@ -88,8 +89,10 @@ def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tenso
 
 
 def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
-    """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples."""
-    size = cost_model.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size())
+    """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples, of
+    :func:`.cost_model.formation_bytes` each (cache-sized on the host)."""
+    budget = cost_model.formation_bytes(_device.on_host(a))
+    size = cost_model.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size(), budget)
     for start in range(0, g.shape[0], size):
         yield torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size])
 

@@ -209,6 +209,9 @@ def ratio_or_inf(numerator, denominator):
     device (the quantities' values on a GPU); this module does not import
     torch, so it uses the torch that made the tensor.
     """
+    if type(numerator) is float and type(denominator) is float:  # the common case, first
+        return math.nan if numerator != numerator or denominator != denominator else (
+            math.inf if denominator <= 0 else numerator / denominator)
     torch = sys.modules.get("torch")
     if torch is None or not any(isinstance(x, torch.Tensor) for x in (numerator, denominator)):
         if math.isnan(numerator) or math.isnan(denominator):

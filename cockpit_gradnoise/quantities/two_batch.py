@@ -164,7 +164,7 @@ class TwoBatchNoiseScale(Quantity):
         ``(None, squared norms)``."""
         device = pending[0][1].device
         total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        norms = [norm.to(device) for i, norm in pending if i is not None]
+        norms = [norm if norm.device == device else norm.to(device) for i, norm in pending if i is not None]
         if norms:
             index = self._index_of(tuple(i for i, _ in pending if i is not None), device)
             total.index_add_(0, index, torch.stack(norms).square_())

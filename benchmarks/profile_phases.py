@@ -1,0 +1,219 @@
+"""Where the time of a tracked step goes, phase by phase, in CPU time of one thread (issue 34).
+
+cProfile inflates Python calls several times over (a tracker's per-call checks
+came out ten times their cost under it), so this wraps a few functions of the
+package in timers (``time.process_time`` around each call, the wrappers' own
+cost about a microsecond a call) and reports each one's total per step:
+
+- ``--preconditioned`` (default): GradientNoiseScale alone and with
+  PreconditionedNoiseScale, both with the Adam of ``methods.adam_with_state``,
+  on ``--model`` (``gpt`` or ``resnet18``): the layer rules of the backward pass
+  (the sequence Linear's weights, the convolutions') and the quantity's work
+  after it (``P`` and the two weighted sums, the underflow check);
+- ``--schedule``: the benchmark GPT with ``cgn.track(..., quantities="norms")``
+  and a :class:`cgn.BatchSchedule`, 4 micro-batches of 8 per step: the hooks'
+  float64 norms, the tracker's call, Cockpit's context around each micro-batch,
+  each quantity of the preset, the schedule.
+
+Nested phases are indented under the phase that contains them. With ``--ab``,
+each of this branch's changes to the step is timed against the step without
+it, in one process (``--rounds`` rounds, each side once per round in a
+shuffled order; the fastest and the median round): ``chunks``, the sequence
+Linear's formation in chunks of ``HOST_FORMATION_BYTES`` against the whole
+batch at once (``CHUNK_BYTES``); ``aminmax``, the largest magnitudes of the
+factors by ``aminmax`` against torch's CPU inf-norm. ::
+
+    python -m benchmarks.profile_phases --model gpt --steps 6
+    python -m benchmarks.profile_phases --schedule --steps 18
+    python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
+"""
+
+import argparse
+import copy
+import functools
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cockpit_gradnoise as cgn
+
+import torch
+
+if not __package__:  # run as a file: the repository's packages on the path (see benchmark.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks  # noqa: F401
+    sys.path.append(sys.path.pop(0))
+
+from benchmarks.methods import METHODS  # noqa: E402
+from benchmarks.models import MODELS, model_and_batch  # noqa: E402
+
+
+class Phases:
+    """Totals of CPU time per label, of the functions :meth:`wrap` replaced."""
+
+    def __init__(self):
+        self.totals, self.order = {}, []  # the labels in the order they were wrapped: nested below
+
+    def timed(self, function, label):
+        self.order.append(label)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.process_time() - start
+
+        return wrapper
+
+    def wrap(self, owner, name, label):
+        setattr(owner, name, self.timed(getattr(owner, name), label))
+
+    def lines(self, steps):
+        return [f"  {label}: {1e3 * self.totals[label] / steps:.2f} ms" for label in self.order
+                if label in self.totals]
+
+
+def preconditioned(args, phases):
+    from cockpit_gradnoise.extensions import convolution, hooks, linear
+    from cockpit_gradnoise.quantities import _base, preconditioners
+    from cockpit_gradnoise.quantities.preconditioned_noise_scale import PreconditionedNoiseScale
+
+    phases.wrap(hooks, "_dispatch", "the layer rules of the backward pass (all)")
+    for rule in (linear.SumsLinear, linear.SquaredNormsLinear, convolution.SumsConv, convolution.SquaredNormsConv):
+        phases.wrap(rule, "weight", f"  {rule.__name__}.weight")
+    phases.wrap(_base.ParameterQuantity, "_compute", "the quantities after the backward pass")
+    phases.wrap(PreconditionedNoiseScale, "unresolved", "  PreconditionedNoiseScale: underflow check")
+    phases.wrap(PreconditionedNoiseScale, "named_value_from_sums",
+                "  PreconditionedNoiseScale: P and the weighted sums")
+    phases.wrap(preconditioners.OptimizerPreconditioner, "preconditioner", "    P")
+    spec = MODELS[args.model]
+    model, x, y = model_and_batch(spec, spec.batch_size, torch.device("cpu"))
+    lines = []
+    for method in ("GradientNoiseScale (Adam)", "GradientNoiseScale+PreconditionedNoiseScale (Adam)"):
+        step = METHODS[method](model, spec.loss)
+        for _ in range(args.warmup):
+            step(x, y)
+        phases.totals, total = {}, 0.0
+        for _ in range(args.steps):
+            start = time.process_time()
+            step(x, y)
+            total += time.process_time() - start
+        lines += [f"{args.model}, {method}: {1e3 * total / args.steps:.1f} ms per step"] + phases.lines(args.steps)
+    return lines
+
+
+def schedule(args, phases):
+    from cockpit_gradnoise import arming, tracked_step, tracking
+    from cockpit_gradnoise.quantities import param_grad_ratio, two_batch, update_size
+    from cockpit_gradnoise.schedule import batch_schedule
+
+    phases.wrap(tracking.Tracker, "__call__", "tracker(step, losses, ...)")
+    phases.wrap(tracking.fsdp2, "replaced_after_tracking", "  the parameters' check")
+    phases.wrap(tracking, "declared_batch", "  the declared batch")
+    phases.wrap(arming.Arming, "at_call", "  arming")
+    phases.wrap(tracked_step.TrackedStep, "__enter__", "entering the block (Cockpit's context)")
+    phases.wrap(tracked_step.TrackedStep, "__exit__", "leaving the block (Cockpit's context, the quantities)")
+    phases.wrap(two_batch.TwoBatchNoiseScale, "track", "  TwoBatchNoiseScale")
+    phases.wrap(two_batch.TwoBatchNoiseScale, "micro_batch", "    its micro-batch closed")
+    phases.wrap(two_batch.TwoBatchNoiseScale, "step", "    its estimate (last micro-batch)")
+    phases.wrap(param_grad_ratio.ParamGradRatio, "track", "  ParamGradRatio (every 10th step)")
+    phases.wrap(update_size.UpdateSize, "track", "  UpdateSize")
+    phases.wrap(batch_schedule.BatchSchedule, "update", "schedule.update")
+    spec, device, micro_batches = MODELS["gpt"], torch.device("cpu"), 4
+    model, _, _ = model_and_batch(spec, 1, device)
+    model, tracker = cgn.track(copy.deepcopy(model), every=1, quantities="norms")
+    norms = next(q for q in tracker.cockpit.quantities if isinstance(q, two_batch.TwoBatchNoiseScale))
+    norms._record_whole = phases.timed(norms._record_whole, "the hooks' float64 norms (in the backward pass)")
+    norms._park()  # the hooks again, with the timed function
+    norms._hook()
+    rule = cgn.BatchSchedule(8, 16, 128, patience=5)
+    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=1e-3), spec.loss("none")
+    total = 0.0
+    for k in range(args.warmup + args.steps):
+        batches = [(spec.inputs(8, device), spec.targets(8, device)) for _ in range(micro_batches)]
+        if k == args.warmup:
+            phases.totals, total = {}, 0.0
+        start = time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        for index, (x, y) in enumerate(batches):
+            with tracker(k, loss_fn(model(x), y), optimizer=optimizer, micro_batch=index,
+                         micro_batches=micro_batches) as loss:
+                loss.backward()
+        optimizer.step()
+        rule.update(k, tracker, optimizer)
+        total += time.process_time() - start
+    return [f"gpt, \"norms\" + BatchSchedule, {micro_batches} micro-batches of 8: "
+            f"{1e3 * total / args.steps:.1f} ms per step"] + phases.lines(args.steps)
+
+
+def _inf_norm(tensor):
+    return torch.linalg.vector_norm(tensor.detach(), math.inf)
+
+
+def _settings(change):
+    """``(before, after)``: functions that put the step in the state without and with ``change``."""
+    from cockpit_gradnoise.extensions import _squares, cost_model
+
+    if change == "chunks":
+        budget = cost_model.HOST_FORMATION_BYTES
+        return (lambda: setattr(cost_model, "HOST_FORMATION_BYTES", cost_model.CHUNK_BYTES),
+                lambda: setattr(cost_model, "HOST_FORMATION_BYTES", budget))
+    if change == "aminmax":
+        largest = _squares.largest_magnitude
+        return (lambda: setattr(_squares, "largest_magnitude", _inf_norm),
+                lambda: setattr(_squares, "largest_magnitude", largest))
+    raise ValueError(f"unknown change {change!r}: chunks or aminmax")
+
+
+def ab(args):
+    """Each change of ``--ab`` against the step without it, interleaved in one process."""
+    spec = MODELS[args.model]
+    model, x, y = model_and_batch(spec, spec.batch_size, torch.device("cpu"))
+    order, lines = random.Random(0), []
+    for method in args.methods.split(","):
+        step = METHODS[method](model, spec.loss)
+        for change in args.ab.split(","):
+            sides = dict(zip(("without", "with"), _settings(change)))
+            times = {side: [] for side in sides}
+            for _ in range(args.warmup):
+                step(x, y)
+            for _ in range(args.rounds):
+                for side in order.sample(list(sides), 2):
+                    sides[side]()
+                    start = time.process_time()
+                    step(x, y)
+                    times[side].append(time.process_time() - start)
+            sides["with"]()
+            shown = ", ".join(f"{side} {1e3 * min(t):.1f} (median {1e3 * statistics.median(t):.1f})"
+                              for side, t in times.items())
+            lines.append(f"{args.model}, {method}, {change}: ms per step, fastest round {shown}")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", action="store_true", help="the norms preset and the schedule")
+    parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--ab", default=None, help="changes to time against the step without them")
+    parser.add_argument("--rounds", type=int, default=12, help="--ab's rounds")
+    parser.add_argument("--methods", default="GradientNoiseScale (Adam),"
+                        "GradientNoiseScale+PreconditionedNoiseScale (Adam)", help="--ab's steps")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.ab:
+        lines = ab(args)
+    else:
+        lines = (schedule if args.schedule else preconditioned)(args, Phases())
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
