@@ -59,7 +59,7 @@ differs (a count equal to ``N`` by chance).
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
-from cockpit_gradnoise.extensions.fallback import blocks, mixing
+from cockpit_gradnoise.extensions.fallback import blocks, mixing, window_map
 from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
@@ -108,6 +108,8 @@ class _Calls(TorchFunctionMode):
         #: The modules that returned one of their own parameters as it is (GPT-NeoX-Japanese's
         #: attention returns its ``dense_bias`` for its parent to add).
         self.returned: set = set()
+        #: ``{id(weight): [leading size of the input of each F.linear call that took it]}``.
+        self.linear_rows: Dict[int, List[Optional[int]]] = {}
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
 
@@ -115,6 +117,10 @@ class _Calls(TorchFunctionMode):
         _note_parameters(args, self.used)
         if kwargs:
             _note_parameters(kwargs, self.used)
+        if func is torch.nn.functional.linear:
+            weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
+            x = args[0] if args else (kwargs or {}).get("input")
+            self.linear_rows.setdefault(id(weight), []).append(_leading(x))
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
@@ -275,8 +281,9 @@ def _structure(args: tuple, kwargs: dict, examples: int, training: bool) -> tupl
 
 def _signature(model: nn.Module, calls: _Calls, examples: int) -> tuple:
     """What a pass's survey depends on, its sizes left out: each module's calls, whether
-    each output and input of each led with the batch size, the parameters read directly and
-    the modules that returned one of theirs."""
+    each output and input of each led with the batch size, the parameters read directly,
+    the modules that returned one of theirs, and whether each ``F.linear`` call's input led
+    with the batch size, by weight."""
     def rows(size: Optional[int]) -> Optional[bool]:
         return None if size is None else size == examples
 
@@ -284,7 +291,8 @@ def _signature(model: nn.Module, calls: _Calls, examples: int) -> tuple:
         tuple(tuple((rows(out), tuple(map(rows, ins))) for out, ins in calls.calls.get(m, ()))
               for m in model.modules()),
         tuple(tuple(tuple(map(rows, outs)) for outs in calls.outputs.get(m, ())) for m in model.modules()),
-        frozenset(calls.used), frozenset(id(m) for m in calls.returned))
+        frozenset(calls.used), frozenset(id(m) for m in calls.returned),
+        frozenset((key, tuple(map(rows, sizes))) for key, sizes in calls.linear_rows.items()))
 
 
 def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
@@ -303,7 +311,10 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         while block is not None and not _batch_first(
                 real.calls.get(block, []), larger.calls.get(block, []), examples):
             block = parents.get(block)
-        if block is not None or why != "returned":  # else the fallback's refusal names it
+        if why == "functional":
+            if block is not None:  # (else the fallback computes it, as where its rows are examples)
+                _hook_functional(module, parents[module], block, real, larger, examples)
+        elif block is not None or why != "returned":  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
 
 
@@ -318,7 +329,23 @@ def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, l
         return "regrouped"
     if calls and module in real.returned and module in larger.returned:
         return "returned"
+    if not calls and _linear_on_rows(module, parents, real, larger, examples):
+        return "functional"
     return "used" if not calls and _used_by_parent(module, params, parents, real) else None
+
+
+def _linear_on_rows(module: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> bool:
+    """Whether ``module``, a plain ``nn.Linear`` never called, had its weight passed to ``F.linear``
+    by its parent, which has the fallback, on rows that are not examples (torchvision's
+    ``ShiftedWindowAttention``: ``F.linear(x, self.qkv.weight, ...)`` on ``[N*W, t, C]`` windows; timm's
+    SwinV2 ``WindowAttention`` on its ``qkv``), the same number of calls in both passes. Where the rows
+    are examples, the fallback computes it, as before."""
+    if window_map.kind(module) != window_map.LINEAR \
+            or not isinstance(getattr(parents.get(module), ATTRIBUTE, None), Fallback):
+        return False
+    rows, rows_larger = real.linear_rows.get(id(module.weight), []), larger.linear_rows.get(id(module.weight), [])
+    return bool(rows) and len(rows) == len(rows_larger) \
+        and not all(rows_are_examples(a, b, examples) for a, b in zip(rows, rows_larger))
 
 
 def _note_embedding_rows(module: nn.Embedding, real, larger, examples: int) -> None:
@@ -367,6 +394,18 @@ def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _
     (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
     state.layouts.setdefault(str(real.specs[block]), Layout(frozenset(
         k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
+
+
+def _hook_functional(module: nn.Module, parent: nn.Module, block: nn.Module, real: _Calls, larger: _Calls,
+                     examples: int) -> None:
+    """``module`` (:func:`_linear_on_rows`) a member of ``block``'s :class:`.blocks.Block` whose call is
+    its parent's ``F.linear`` (:data:`.window_map.FUNCTIONAL`), and its parent, which uses it, a member
+    too (its own parameters, its tables: the block itself in torchvision's Swin)."""
+    module.__dict__[window_map.FUNCTIONAL] = True
+    _hook(module, block, real, larger, examples)
+    members = blocks.hook_block(block).members
+    if all(parent is not member for member in members):
+        members.append(parent)
 
 
 def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:
