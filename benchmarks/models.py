@@ -154,6 +154,16 @@ def make_timm_swin():
                              embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8), window_size=4).eval()
 
 
+def make_timm_swinv2():
+    """The Swin above as timm's SwinV2 (``swinv2_tiny_window8_256``'s class at 64x64, width 48, 2 blocks
+    in each of 3 stages, heads 2, 4, 8, windows of 4x4): its ``WindowAttention`` passes its ``qkv``'s
+    weight to ``F.linear`` itself, with a bias it concatenates (``extensions/fallback/windows.py``)."""
+    import timm
+
+    return timm.create_model("swinv2_tiny_window8_256", pretrained=False, num_classes=10, img_size=64,
+                             embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8), window_size=4).eval()
+
+
 def make_torchvision_swin():
     """The Swin above as torchvision builds it (``SwinTransformer``, patches of 4, width 48, 2 blocks
     in each of 3 stages, heads 2, 4, 8, windows of 4x4): ``ShiftedWindowAttention`` takes and
@@ -207,6 +217,7 @@ MODELS = {
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
     "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
     "timm-swin": ModelSpec(make_timm_swin, images(3, 64, 64), 32),
+    "timm-swinv2": ModelSpec(make_timm_swinv2, images(3, 64, 64), 32),
     "torchvision-swin": ModelSpec(make_torchvision_swin, images(3, 64, 64), 32),
     "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),
 }
