@@ -82,6 +82,9 @@ EXAMPLE_ROWS = "_cgn_embedding_rows_are_examples"
 ORPHAN = "_cgn_rows_not_examples"
 
 
+_LINEAR = torch.nn.functional.linear
+
+
 def _leading(value) -> Optional[int]:
     return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
 
@@ -117,10 +120,11 @@ class _Calls(TorchFunctionMode):
         _note_parameters(args, self.used)
         if kwargs:
             _note_parameters(kwargs, self.used)
-        if func is torch.nn.functional.linear:
+        if func is _LINEAR:
             weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
-            x = args[0] if args else (kwargs or {}).get("input")
-            self.linear_rows.setdefault(id(weight), []).append(_leading(x))
+            if isinstance(weight, nn.Parameter):
+                x = args[0] if args else (kwargs or {}).get("input")
+                self.linear_rows.setdefault(id(weight), []).append(_leading(x))
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
