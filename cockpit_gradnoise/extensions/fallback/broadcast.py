@@ -190,7 +190,6 @@ class Broadcasts(TorchFunctionMode):
             return args, {**kwargs, "attn_mask": replaced}
         return (*args[:3], replaced, *args[4:]), kwargs
 
-
     def _layer_of(self, args, kwargs) -> Optional[nn.Module]:
         """The layer of :attr:`linears` whose weight this ``F.linear`` call takes, if any."""
         weight = args[1] if len(args) > 1 else kwargs.get("weight")

@@ -14,7 +14,9 @@ depended on another example's rows, would be NaN in a pass that poisons that exa
 not its own; so each example's loss reaches only its own rows. And the block run with the
 bias expanded must give the batch's output (to ``sqrt(eps)`` of its largest magnitude).
 Until a shape of the block's inputs is proven, its forward pass runs as it is (no table
-expanded, nothing kept), and a step the fast way cannot reduce is recomputed.
+expanded, nothing kept), and a step the fast way cannot reduce is recomputed. A
+:data:`FUNCTIONAL` member's call is its parent's ``F.linear`` with its weight: the proof's passes
+see its input and output rows there (:meth:`_Proof.linear`).
 Tests: ``tests/test_swin_windows.py``.
 """
 

@@ -41,7 +41,19 @@ where they meet them (:mod:`.broadcast`), the members called inside it on such t
 MLP's layers) its own. A block's per-example integer inputs (OPT's ``position_ids``) cannot be
 set to NaN: they are kept as they are in the poisoned passes, and their values are part of the
 proof (a call with others is proven again before its rows are used).
-Tests: ``tests/test_swin_windows.py``.
+A member ``nn.Linear`` its parent never calls but whose weight it passes to ``F.linear`` itself
+(:data:`.window_map.FUNCTIONAL`, found by the survey: torchvision's ``ShiftedWindowAttention``,
+which takes ``[N, H, W, C]`` and cuts the windows itself, is then its own block; timm's SwinV2
+``qkv``) has that call for its call: the parent's :class:`.Broadcasts` hands its input and output
+over (:func:`_functional`), and the parent's rows are that call's. The Linear formulas above
+apply; a bias the parent computed from batch-free tensors (timm's ``cat(q_bias, k_bias, v_bias)``,
+torchvision's SwinV2 copy of ``qkv.bias`` with the key third zeroed) is one more of the parent's
+broadcast operands, its share per example the call's output gradient summed over the example's
+rows and positions (:func:`_linear_bias_shares`), taken back to the parameters it was computed from
+with the tables. Why the batch's pass and not ``vmap`` over the windows: the rows' input and output
+gradient are already there, so the Linear's contributions cost one product per layer (what its rule
+costs), where a batched replay would run the attention's forward and backward pass once more.
+Tests: ``tests/test_swin_windows.py``, ``tests/test_swin_windows_torchvision.py``.
 """
 
 import functools
