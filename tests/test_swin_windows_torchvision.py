@@ -12,7 +12,8 @@ tensors, and v2's ``qkv`` bias, a copy with its key third zeroed, as a broadcast
 example at every step (the ``torch.func`` fallback). Exact against the float64 brute force
 (GradientVarianceQuantiles, PerExampleGradNorm, GradientNoiseScale) on a grid of 6x6 tokens
 padded to 8x8 (4 windows of 4x4) with a plain and a shifted block, at batch sizes 2, 3 and the
-number of windows; windows in another order fail the proof and are recomputed, exact.
+number of windows, and a second stage of one window per example; windows in another order fail the
+proof and are recomputed, exact.
 timm's SwinV2 (``qkv``'s weight through ``F.linear`` with a concatenated bias) takes the same
 way: ``tests/test_swin_windows_timm.py``.
 """
@@ -32,21 +33,26 @@ from tests.test_swin_windows import _batch, _warm_up, ways  # noqa: F401 - the f
 IMAGE, WIDTH, WINDOWS = 24, 8, 4  # patches of 4: 6x6 tokens, padded to 8x8: 4 windows of 4x4
 
 
-def torchvision_swin(v2=False):
+def torchvision_swin(v2=False, depths=(2,)):
     """torchvision's ``SwinTransformer`` (``swin_t``'s class; ``swin_v2_t``'s blocks where ``v2``):
-    one stage of a plain and a shifted block (shift 2), width 8, 2 heads, windows of 4x4."""
+    a stage of a plain and a shifted block (shift 2), width 8, 2 heads, windows of 4x4; with
+    ``depths=(2, 1)`` a second stage on 3x3 tokens, padded to one window per example."""
     from torchvision.models import swin_transformer as tv
 
     blocks = {"block": tv.SwinTransformerBlockV2, "downsample_layer": tv.PatchMergingV2} if v2 else {}
-    model = tv.SwinTransformer(patch_size=[4, 4], embed_dim=WIDTH, depths=[2], num_heads=[2], window_size=[4, 4],
-                               mlp_ratio=1.0, stochastic_depth_prob=0.0, num_classes=3, **blocks)
+    model = tv.SwinTransformer(patch_size=[4, 4], embed_dim=WIDTH, depths=list(depths), num_heads=[2] * len(depths),
+                               window_size=[4, 4], mlp_ratio=1.0, stochastic_depth_prob=0.0, num_classes=3, **blocks)
     assert [block.attn.shift_size for block in model.features[1]] == [[0, 0], [2, 2]]
     return perturbed(model)
 
 
 def _known_zeros(v2):
-    # v1: softmax ignores qkv.bias's key third; v2 zeroes it in its forward pass (an exact zero both ways).
-    return None if v2 else key_third_is_zero("attn.qkv.bias", WIDTH)
+    """v1: softmax ignores each ``qkv.bias``'s key third (an exact zero); v2 zeroes it in its forward pass."""
+    def zero(grads):
+        for name, g in grads.items():
+            if name.endswith("attn.qkv.bias"):
+                key_third_is_zero("attn.qkv.bias", g.shape[1] // 3)({name: g})
+    return None if v2 else zero
 
 
 def test_attention_from_the_batch_pass_is_exact(ways):  # noqa: F811
@@ -58,14 +64,17 @@ def test_attention_from_the_batch_pass_is_exact(ways):  # noqa: F811
     assert ways == {"fast": 4, "recomputed": 4}
 
 
-@pytest.mark.parametrize("v2, examples", [(False, 2), (False, WINDOWS), (True, 3), (True, WINDOWS)])
-def test_attention_unconfirmed_is_exact(ways, monkeypatch, v2, examples):  # noqa: F811
-    """Without the comparison step (one warm-up step: the proof), the batch's pass alone is exact."""
+@pytest.mark.parametrize("v2, examples, depths", [(False, 2, (2,)), (False, WINDOWS, (2, 1)), (True, 3, (2,)),
+                                                   (True, WINDOWS, (2, 1))])
+def test_attention_unconfirmed_is_exact(ways, monkeypatch, v2, examples, depths):  # noqa: F811
+    """Without the comparison step (one warm-up step: the proof), the batch's pass alone is exact; with a
+    second stage of one window per example, its attention too (its class cuts windows in the first stage:
+    ``regroup._hook_one_window``), as a block of one window per example."""
     monkeypatch.setattr(windows, "CONFIRM", False)
     inputs, targets = _batch(examples, image=IMAGE)
-    prepared = _warm_up(torchvision_swin(v2), inputs, targets, steps=1)
+    prepared = _warm_up(torchvision_swin(v2, depths), inputs, targets, steps=1)
     assert_exact_with_structural_zeros(prepared, inputs, targets, known_zeros=_known_zeros(v2))
-    assert ways == {"fast": 2, "recomputed": 2}
+    assert ways == {"fast": sum(depths), "recomputed": sum(depths)}
 
 
 def test_check_model_gives_every_parameter_exact_rows():

@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.fallback import blocks, mixing, window_map
-from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, BLOCK_ATTRIBUTE, Fallback
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
 
@@ -320,6 +320,7 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
                 _hook_functional(module, parents[module], block, real, larger, examples)
         elif block is not None or why != "returned":  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
+    _hook_one_window(model, parents, real, larger, examples)
 
 
 def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, larger: _Calls,
@@ -410,6 +411,29 @@ def _hook_functional(module: nn.Module, parent: nn.Module, block: nn.Module, rea
     members = blocks.hook_block(block).members
     if all(parent is not member for member in members):
         members.append(parent)
+
+
+def _hook_one_window(model: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> None:
+    """A module of a class that passed a layer's weight to ``F.linear`` on windows elsewhere in the
+    model (:func:`_hook_functional`), where its own ``F.linear`` rows are examples (a stage with one
+    window per example: torchvision's Swin's last): its own block too, its layers members as there,
+    where it is batch-first and every layer with parameters inside it is then a member (the windows'
+    way at one window per example); otherwise the fallback computes it, as before (timm's SwinV2,
+    whose ``proj`` has its own rule there)."""
+    classes = {type(parents[m]) for m in model.modules() if m.__dict__.get(window_map.FUNCTIONAL) and m in parents}
+    for module in model.modules():
+        if type(module) not in classes or not isinstance(getattr(module, ATTRIBUTE, None), Fallback) \
+                or not _batch_first(real.calls.get(module, []), larger.calls.get(module, []), examples):
+            continue
+        layers = [child for child in module.children() if window_map.kind(child) == window_map.LINEAR
+                  and not real.calls.get(child) and real.linear_rows.get(id(child.weight))
+                  and len(real.linear_rows[id(child.weight)]) == len(larger.linear_rows.get(id(child.weight), []))]
+        block = module.__dict__.get(BLOCK_ATTRIBUTE)
+        members = block.members if block is not None else []
+        inside = [sub for sub in module.modules() if sub is not module and direct_parameters(sub)]
+        if layers and all(any(sub is m for m in layers + members) for sub in inside):
+            for layer in layers:
+                _hook_functional(layer, module, module, real, larger, examples)
 
 
 def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:
