@@ -4,7 +4,8 @@ torchvision's ``ShiftedWindowAttention`` takes and returns ``[N, H, W, C]`` and 
 itself (``shifted_window_attention``), passing its ``qkv`` and ``proj`` layers' weights to
 ``F.linear`` without calling them. The survey finds those ``F.linear`` calls on rows that are not
 examples and makes the layers members of the attention, its own block
-(``extensions/fallback/regroup.py``); the attention's ``Broadcasts`` mode sees each call
+(``extensions/fallback/regroup.py``; also in a stage of one window per example, the class having
+cut windows in another); the attention's ``Broadcasts`` mode sees each call
 (``extensions/fallback/broadcast.py``), so the layers get their rows from the batch's pass as
 called members do, the table (v1) or the position-bias MLP and ``logit_scale`` (v2) as broadcast
 tensors, and v2's ``qkv`` bias, a copy with its key third zeroed, as a broadcast operand of
