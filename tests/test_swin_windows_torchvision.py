@@ -116,3 +116,18 @@ def test_the_map_taken_for_granted_would_be_silently_wrong(monkeypatch):
     prepared = _warm_up(torchvision_swin(), inputs, targets, steps=1)
     with pytest.raises(AssertionError):
         assert_exact_with_structural_zeros(prepared, inputs, targets, known_zeros=_known_zeros(False))
+
+
+def test_timm_swinv2_stage_of_one_window_per_example_is_exact(ways):  # noqa: F811
+    """timm's SwinV2 with a second stage on 3x3 tokens (one window per example, its ``proj`` called on
+    rows that are examples): that stage's attention is its own block, ``qkv`` through ``F.linear`` and
+    ``proj`` its members, from the batch's pass too."""
+    import timm
+
+    model = perturbed(timm.create_model("swinv2_tiny_window8_256", pretrained=False, num_classes=3, img_size=IMAGE,
+                                        window_size=4, embed_dim=WIDTH, depths=(2, 1), num_heads=(2, 2), mlp_ratio=1.0))
+    inputs, targets = _batch(3, image=IMAGE)
+    prepared = _warm_up(model, inputs, targets)
+    assert ways == {"fast": 3, "recomputed": 6}
+    assert_exact_with_structural_zeros(prepared, inputs, targets)
+    assert ways == {"fast": 6, "recomputed": 6}

@@ -416,10 +416,11 @@ def _hook_functional(module: nn.Module, parent: nn.Module, block: nn.Module, rea
 def _hook_one_window(model: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> None:
     """A module of a class that passed a layer's weight to ``F.linear`` on windows elsewhere in the
     model (:func:`_hook_functional`), where its own ``F.linear`` rows are examples (a stage with one
-    window per example: torchvision's Swin's last): its own block too, its layers members as there,
-    where it is batch-first and every layer with parameters inside it is then a member (the windows'
-    way at one window per example); otherwise the fallback computes it, as before (timm's SwinV2,
-    whose ``proj`` has its own rule there)."""
+    window per example: torchvision's Swin's last; timm's SwinV2's, whose ``proj`` is called on
+    those rows): its own block too, its layers members as there, where it is batch-first and every
+    layer with parameters inside it is then a member (a plain ``nn.Linear`` called once on its rows
+    is one: the windows' way at one window per example); otherwise the fallback computes it, as
+    before."""
     classes = {type(parents[m]) for m in model.modules() if m.__dict__.get(window_map.FUNCTIONAL) and m in parents}
     for module in model.modules():
         if type(module) not in classes or not isinstance(getattr(module, ATTRIBUTE, None), Fallback) \
@@ -431,9 +432,13 @@ def _hook_one_window(model: nn.Module, parents: dict, real: _Calls, larger: _Cal
         block = module.__dict__.get(BLOCK_ATTRIBUTE)
         members = block.members if block is not None else []
         inside = [sub for sub in module.modules() if sub is not module and direct_parameters(sub)]
-        if layers and all(any(sub is m for m in layers + members) for sub in inside):
+        called = [sub for sub in inside if window_map.kind(sub) == window_map.LINEAR
+                  and _batch_first(real.calls.get(sub, []), larger.calls.get(sub, []), examples)]
+        if layers and all(any(sub is m for m in layers + members + called) for sub in inside):
             for layer in layers:
                 _hook_functional(layer, module, module, real, larger, examples)
+            for layer in called:
+                _hook(layer, module, real, larger, examples)
 
 
 def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:
