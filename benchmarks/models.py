@@ -154,6 +154,24 @@ def make_timm_swin():
                              embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8), window_size=4).eval()
 
 
+def make_timm_swinv2():
+    """The Swin above as timm's SwinV2 (``swinv2_tiny_window8_256``'s class at 64x64, width 48, 2 blocks
+    in each of 3 stages, heads 2, 4, 8, windows of 4x4): its ``WindowAttention`` passes its ``qkv``'s
+    weight to ``F.linear`` itself, with a bias it concatenates (``extensions/fallback/windows.py``).
+    Its blocks' post-norms' weights set to 1: timm starts them at 0 (``_init_respostnorm``), so that every
+    gradient inside the blocks is exactly 0 at initialization, which no trained model has."""
+    import timm
+
+    model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, num_classes=10, img_size=64,
+                              embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8), window_size=4).eval()
+    with torch.no_grad():
+        for stage in model.layers:
+            for block in stage.blocks:
+                block.norm1.weight.fill_(1.0)
+                block.norm2.weight.fill_(1.0)
+    return model
+
+
 def make_torchvision_swin():
     """The Swin above as torchvision builds it (``SwinTransformer``, patches of 4, width 48, 2 blocks
     in each of 3 stages, heads 2, 4, 8, windows of 4x4): ``ShiftedWindowAttention`` takes and
@@ -207,6 +225,7 @@ MODELS = {
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
     "swinv2": ModelSpec(make_swinv2, images(3, 64, 64), 32),
     "timm-swin": ModelSpec(make_timm_swin, images(3, 64, 64), 32),
+    "timm-swinv2": ModelSpec(make_timm_swinv2, images(3, 64, 64), 32),
     "torchvision-swin": ModelSpec(make_torchvision_swin, images(3, 64, 64), 32),
     "opt": ModelSpec(make_opt, tokens, 32, targets=tokens, loss=token_loss),
 }

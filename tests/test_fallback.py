@@ -444,8 +444,10 @@ def test_check_model_compares_with_the_random_draws_of_the_batch():
 
 def test_swin_attention_parameters_used_through_f_linear_get_exact_rows():
     """torchvision's ``ShiftedWindowAttention`` calls ``F.linear`` on its ``qkv`` and
-    ``proj`` Linears' parameters and never the Linears: the fallback computes them with
-    its ``relative_position_bias_table`` (68.5% of swin_t's elements had rows before)."""
+    ``proj`` Linears' parameters and never the Linears (68.5% of swin_t's elements had rows
+    before): on windows, the attention is its own block, computed with its
+    ``relative_position_bias_table`` (recomputed per example at this first tracked step; from
+    the batch's pass later: ``tests/test_swin_windows_torchvision.py``)."""
     from tests import matrix_models
 
     torch.manual_seed(0)
@@ -455,7 +457,7 @@ def test_swin_attention_parameters_used_through_f_linear_get_exact_rows():
     assert frame.rows.all() and frame.attrs["coverage"] == 1.0
     assert frame.max_rel_error.max() < 1e-12
     borrowed = frame[frame.param.str.contains(r"attn\.(?:qkv|proj)\.")]
-    assert len(borrowed) == 8 and borrowed.how.str.contains("used by its parent").all()
+    assert len(borrowed) == 8 and borrowed.how.str.contains("its block ShiftedWindowAttention").all()
 
 
 class EmbeddingDecoder(nn.Module):

@@ -238,9 +238,10 @@ def fallback_sums(model, inputs, targets, reduction="mean"):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_swin_key_bias_through_the_fallback_is_exactly_zero(dtype, reduction, n):
-    """torchvision's ``ShiftedWindowAttention`` adds ``qkv.bias`` in ``F.linear`` (the
-    fallback computes it): its key third is zero by structure, as a fused ``c_attn``'s,
-    and comes out as exact zeros; its query and value thirds and ``proj.bias`` do not."""
+    """torchvision's ``ShiftedWindowAttention`` adds ``qkv.bias`` in ``F.linear`` (on windows,
+    the attention is its own block, recomputed per example at this first tracked step, that
+    call's output the layer's: ``block_biases``): its key third is zero by structure, as a fused
+    ``c_attn``'s, and comes out as exact zeros; its query and value thirds and ``proj.bias`` do not."""
     from tests.matrix_models import SWIN_WIDTH, torchvision_swin
 
     torch.manual_seed(0)

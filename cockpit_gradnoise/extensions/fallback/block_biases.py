@@ -19,11 +19,19 @@ bias's terms are there: a unit on only where a sigmoid saturates (contributions 
 1e-88, each one exact term) then looked like rounding of terms of 1e-4 and was set to
 0 (issue 32). So the rest of the block gets a copy of each output (:func:`kept`),
 and the captured tensor is never changed.
+
+A layer whose parent passes its weight and bias to ``F.linear`` itself, never calling it
+(:data:`.window_map.FUNCTIONAL`: torchvision's Swin attention's ``qkv``, whose key third is
+such a zero), has its output read at that call instead (:class:`_FunctionalOutputs`).
 """
 
 from typing import Dict, List, Optional, Tuple
 
+from cockpit_gradnoise.extensions.fallback.window_map import FUNCTIONAL
+
+import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 
 def kept(calls: List[Tensor], output: Tensor) -> Tensor:
@@ -33,6 +41,42 @@ def kept(calls: List[Tensor], output: Tensor) -> Tensor:
     output, whose rows are the bias's terms (the module docstring)."""
     calls.append(output)
     return output.clone()
+
+
+class _FunctionalOutputs(TorchFunctionMode):
+    """During a recomputation: the output of each ``F.linear`` call given a :data:`FUNCTIONAL`
+    layer's weight and its own bias, kept (:func:`kept`) as a forward hook of the layer would."""
+
+    def __init__(self, seen: Dict[int, List[Tensor]], layers: List[nn.Linear]):
+        super().__init__()
+        self.seen, self.layers = seen, layers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            for layer in self.layers:  # (under own_parameters, the layer's attributes are the copies)
+                if weight is layer.weight and bias is not None and bias is layer.bias:
+                    return kept(self.seen[id(layer)], out)
+        return out
+
+    def remove(self) -> None:
+        """Leave the mode (a handle among the hooks' handles)."""
+        self.__exit__(None, None, None)
+
+
+def watch(seen: Dict[int, List[Tensor]], layers: List[nn.Linear]) -> list:
+    """Handles (``remove()``) of forward hooks on ``layers`` that keep their outputs in ``seen``
+    (:func:`kept`), and of the mode that keeps those of the :data:`FUNCTIONAL` ones, entered."""
+    handles = [layer.register_forward_hook(lambda m, a, out: kept(seen[id(m)], out)) for layer in layers]
+    functional = [layer for layer in layers if layer.__dict__.get(FUNCTIONAL)]
+    if functional:
+        mode = _FunctionalOutputs(seen, functional)
+        mode.__enter__()
+        handles.append(mode)
+    return handles
 
 
 class LinearBiases:
@@ -52,10 +96,7 @@ class LinearBiases:
 
     def install(self) -> list:
         self.seen = {id(layer): [] for _, layer in self.layers}
-        return [layer.register_forward_hook(self._keep) for _, layer in self.layers]
-
-    def _keep(self, layer, args, output):
-        return kept(self.seen[id(layer)], output)
+        return watch(self.seen, [layer for _, layer in self.layers])
 
     def outputs(self) -> List[Tensor]:
         """The output of each layer called once (the others get no magnitudes)."""

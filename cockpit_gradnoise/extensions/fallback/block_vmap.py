@@ -41,7 +41,7 @@ import contextlib
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.extensions import precision
-from cockpit_gradnoise.extensions.fallback.block_biases import kept
+from cockpit_gradnoise.extensions.fallback.block_biases import watch
 from cockpit_gradnoise.extensions.fallback.capture import Call, first_tensor
 from cockpit_gradnoise.extensions.fallback.parameters import own_parameters
 from cockpit_gradnoise.extensions.fallback.replay import math_attention
@@ -98,8 +98,7 @@ def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[st
             leaves[k] = example.unsqueeze(0)
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         seen.update({id(layer): [] for _, layer in biases})
-        handles = [layer.register_forward_hook(lambda m, a, out: kept(seen[id(m)], out))
-                   for _, layer in biases]
+        handles = watch(seen, [layer for _, layer in biases])
         try:
             with own_parameters(module, dict(zip(names, flat[: len(names)]))):
                 result = first_tensor(module(*args, **kwargs))

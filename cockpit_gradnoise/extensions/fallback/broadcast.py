@@ -26,6 +26,17 @@ same way. Any other use of a batch-free tensor that requires a gradient together
 tensors (a matrix product) marks the call :attr:`Broadcasts.broken`: the fast way does not know it
 (:mod:`.windows` then recomputes the block). A parameter used as it is (a member ``nn.Linear``'s
 weight) is that layer's business.
+
+A layer whose weight the module passes to ``F.linear`` itself, never calling the layer
+(torchvision's ``ShiftedWindowAttention``: ``F.linear(x, self.qkv.weight, self.qkv.bias)`` inside
+``shifted_window_attention``; timm's SwinV2 ``WindowAttention``: ``F.linear(x, weight=self.qkv.weight,
+bias=cat(q_bias, k_bias, v_bias))``), is one of :attr:`Broadcasts.linears`: at that call, on an input
+led by the rows, the call runs as it is and its input and output are handed to ``on_linear``, as a
+forward hook of the layer would see them (:mod:`.windows` computes the layer from them as a member
+called on the rows). Its bias, where it is not the layer's own but computed from batch-free tensors
+(the concatenation, or torchvision's SwinV2 copy with its key third zeroed), is added to every
+position of every row, as the expanded tensors above: an operand whose per-example share is the
+output's gradient summed over the example's rows and positions (:attr:`Broadcasts.linear_biases`).
 """
 
 import itertools
@@ -50,6 +61,8 @@ _IN_PLACE = frozenset(getattr(owner, name) for owner in (Tensor, torch._C.Tensor
 #: broadcast over the query's leading dimensions (timm's fused window attention passes its
 #: position bias so): a batch-free mask is expanded to the rows there, as at an addition.
 MASKED = frozenset({torch.nn.functional.scaled_dot_product_attention})
+#: The operation whose weight, where it is one of :attr:`Broadcasts.linears`, is that layer's use.
+LINEAR = torch.nn.functional.linear
 
 
 #: Arguments that hold no tensor: not flattened (:func:`_tensors`).
@@ -79,11 +92,17 @@ def _tensors(value, found: List[Tensor]) -> List[Tensor]:
 class Broadcasts(TorchFunctionMode):
     """During one call of ``module``: batch-free tensors followed, and expanded to ``rows`` where
     they meet the rows (``expand(k, expanded)``, ``k`` its index in :attr:`operands`, gives the
-    tensor put in its place)."""
+    tensor put in its place); ``F.linear`` with the weight of one of ``linears`` (``{id(weight):
+    layer}``) handed to ``on_linear(layer, input, output, own_bias)`` (module docstring). ``rows``
+    ``None``: the leading size of the first such call's input."""
 
-    def __init__(self, module: nn.Module, rows: int, expand: Callable[[Tensor, Tensor], Tensor]):
+    def __init__(self, module: nn.Module, rows: Optional[int], expand: Callable[[Tensor, Tensor], Tensor],
+                 linears: Optional[Dict[int, nn.Module]] = None, on_linear: Optional[Callable] = None):
         super().__init__()
         self.rows, self.expand = rows, expand
+        self.linears, self.on_linear = linears or {}, on_linear
+        #: ``(k, layer)``: operand ``k`` is the bias computed from batch-free tensors of ``layer``'s call.
+        self.linear_biases: List[Tuple[int, nn.Module]] = []
         self.own = {id(p) for p in module._parameters.values() if p is not None}
         self.free = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
         # The batch-free tensors computed from a trainable parameter (known without autograd:
@@ -98,6 +117,10 @@ class Broadcasts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is LINEAR and self.linears:
+            layer = self._layer_of(args, kwargs)
+            if layer is not None:
+                return self._linear(func, layer, args, kwargs)
         tensors = _tensors(kwargs, _tensors(args, []))
         free = [t for t in tensors if id(t) in self.free]
         if free and len(free) < len(tensors):
@@ -167,6 +190,35 @@ class Broadcasts(TorchFunctionMode):
             return args, {**kwargs, "attn_mask": replaced}
         return (*args[:3], replaced, *args[4:]), kwargs
 
+    def _layer_of(self, args, kwargs) -> Optional[nn.Module]:
+        """The layer of :attr:`linears` whose weight this ``F.linear`` call takes, if any."""
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        layer = self.linears.get(id(weight))
+        return layer if layer is not None and weight is layer.weight else None
+
+    def _linear(self, func, layer: nn.Module, args, kwargs):
+        """``F.linear`` with ``layer``'s weight: run as it is; its input and output handed to
+        :attr:`on_linear` where the input is led by the rows and the bias is none, the layer's
+        own, or computed from batch-free tensors (noted in :attr:`linear_biases`); else the call
+        is one the fast way does not know (:attr:`broken`)."""
+        bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        x, bias = bound.get("input"), bound.get("bias")
+        known = len(bound) == len(args) + len(kwargs) and set(bound) <= {"input", "weight", "bias"} \
+            and isinstance(x, Tensor) and x.dim() >= 2 and not self.is_free(x) \
+            and self.rows in (None, x.shape[0]) and (bias is None or bias is layer.bias or (
+                self.is_free(bias) and bias.dim() == 1))
+        out = func(*args, **kwargs)
+        self.free.pop(id(out), None)
+        if not known:
+            self.broken = True
+            return out
+        self.rows = x.shape[0]
+        own = bias is not None and bias is layer.bias
+        if bias is not None and not own and id(bias) in self.trained:
+            self.operands.append((bias, (1, bias.shape[0])))
+            self.linear_biases.append((len(self.operands) - 1, layer))
+        self.on_linear(layer, x, out, own)
+        return out
 
     def replay(self) -> Dict[int, Tensor]:
         """``{id(recorded tensor): the same computed again}`` from the parameters and buffers, by

@@ -59,8 +59,8 @@ differs (a count equal to ``N`` by chance).
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts
-from cockpit_gradnoise.extensions.fallback import blocks, mixing
-from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, Fallback, first_tensor
+from cockpit_gradnoise.extensions.fallback import blocks, mixing, window_map
+from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, BLOCK_ATTRIBUTE, Fallback, first_tensor
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
 
@@ -80,6 +80,9 @@ EXAMPLE_ROWS = "_cgn_embedding_rows_are_examples"
 #: The attribute (in a layer's ``__dict__``) of why its rows are not examples and no block
 #: around it can give them: its parameters are refused at each tracked step.
 ORPHAN = "_cgn_rows_not_examples"
+
+
+_LINEAR = torch.nn.functional.linear
 
 
 def _leading(value) -> Optional[int]:
@@ -106,6 +109,8 @@ class _Calls(TorchFunctionMode):
         #: The modules that returned one of their own parameters as it is (GPT-NeoX-Japanese's
         #: attention returns its ``dense_bias`` for its parent to add).
         self.returned: set = set()
+        #: ``{id(weight): [leading size of the input of each F.linear call that took it]}``.
+        self.linear_rows: Dict[int, List[Optional[int]]] = {}
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
 
@@ -113,6 +118,11 @@ class _Calls(TorchFunctionMode):
         _note_parameters(args, self.used)
         if kwargs:
             _note_parameters(kwargs, self.used)
+        if func is _LINEAR:
+            weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
+            if isinstance(weight, nn.Parameter):
+                x = args[0] if args else (kwargs or {}).get("input")
+                self.linear_rows.setdefault(id(weight), []).append(_leading(x))
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
@@ -283,8 +293,9 @@ def _structure(args: tuple, kwargs: dict, examples: int, training: bool) -> tupl
 
 def _signature(model: nn.Module, calls: _Calls, examples: int) -> tuple:
     """What a pass's survey depends on, its sizes left out: each module's calls, whether
-    each output and input of each led with the batch size, the parameters read directly and
-    the modules that returned one of theirs."""
+    each output and input of each led with the batch size, the parameters read directly,
+    the modules that returned one of theirs, and whether each ``F.linear`` call's input led
+    with the batch size, by weight."""
     def rows(size: Optional[int]) -> Optional[bool]:
         return None if size is None else size == examples
 
@@ -292,7 +303,8 @@ def _signature(model: nn.Module, calls: _Calls, examples: int) -> tuple:
         tuple(tuple((rows(out), tuple(map(rows, ins))) for out, ins in calls.calls.get(m, ()))
               for m in model.modules()),
         tuple(tuple(tuple(map(rows, outs)) for outs in calls.outputs.get(m, ())) for m in model.modules()),
-        frozenset(calls.used), frozenset(id(m) for m in calls.returned))
+        frozenset(calls.used), frozenset(id(m) for m in calls.returned),
+        frozenset((key, tuple(map(rows, sizes))) for key, sizes in calls.linear_rows.items()))
 
 
 def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
@@ -320,8 +332,12 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         while around is not None and not _holds(around, tied):
             around = _block_around(around, parents, real, larger, examples)
         block = around or block
-        if block is not None or why != "returned":  # else the fallback's refusal names it
+        if why == "functional":
+            if block is not None:  # (else the fallback computes it, as where its rows are examples)
+                _hook_functional(module, parents[module], block, real, larger, examples)
+        elif block is not None or why != "returned":  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
+    _hook_one_window(model, parents, real, larger, examples)
 
 
 def _block_around(module: nn.Module, parents: dict, real: _Calls, larger: _Calls,
@@ -351,7 +367,23 @@ def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, l
         return "regrouped"
     if calls and module in real.returned and module in larger.returned:
         return "returned"
+    if not calls and _linear_on_rows(module, parents, real, larger, examples):
+        return "functional"
     return "used" if not calls and _used_by_parent(module, params, parents, real) else None
+
+
+def _linear_on_rows(module: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> bool:
+    """Whether ``module``, a plain ``nn.Linear`` never called, had its weight passed to ``F.linear``
+    by its parent, which has the fallback, on rows that are not examples (torchvision's
+    ``ShiftedWindowAttention``: ``F.linear(x, self.qkv.weight, ...)`` on ``[N*W, t, C]`` windows; timm's
+    SwinV2 ``WindowAttention`` on its ``qkv``), the same number of calls in both passes. Where the rows
+    are examples, the fallback computes it, as before."""
+    if window_map.kind(module) != window_map.LINEAR \
+            or not isinstance(getattr(parents.get(module), ATTRIBUTE, None), Fallback):
+        return False
+    rows, rows_larger = real.linear_rows.get(id(module.weight), []), larger.linear_rows.get(id(module.weight), [])
+    return bool(rows) and len(rows) == len(rows_larger) \
+        and not all(rows_are_examples(a, b, examples) for a, b in zip(rows, rows_larger))
 
 
 def _note_embedding_rows(module: nn.Embedding, real, larger, examples: int) -> None:
@@ -400,6 +432,46 @@ def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _
     (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
     state.layouts.setdefault(str(real.specs[block]), Layout(frozenset(
         k for k, (a, b) in enumerate(zip(ins, ins_larger)) if a is not None and a != b)))
+
+
+def _hook_functional(module: nn.Module, parent: nn.Module, block: nn.Module, real: _Calls, larger: _Calls,
+                     examples: int) -> None:
+    """``module`` (:func:`_linear_on_rows`) a member of ``block``'s :class:`.blocks.Block` whose call is
+    its parent's ``F.linear`` (:data:`.window_map.FUNCTIONAL`), and its parent, which uses it, a member
+    too (its own parameters, its tables: the block itself in torchvision's Swin)."""
+    module.__dict__[window_map.FUNCTIONAL] = True
+    _hook(module, block, real, larger, examples)
+    members = blocks.hook_block(block).members
+    if all(parent is not member for member in members):
+        members.append(parent)
+
+
+def _hook_one_window(model: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> None:
+    """A module of a class that passed a layer's weight to ``F.linear`` on windows elsewhere in the
+    model (:func:`_hook_functional`), where its own ``F.linear`` rows are examples (a stage with one
+    window per example: torchvision's Swin's last; timm's SwinV2's, whose ``proj`` is called on
+    those rows): its own block too, its layers members as there, where it is batch-first and every
+    layer with parameters inside it is then a member (a plain ``nn.Linear`` called once on its rows
+    is one: the windows' way at one window per example); otherwise the fallback computes it, as
+    before."""
+    classes = {type(parents[m]) for m in model.modules() if m.__dict__.get(window_map.FUNCTIONAL) and m in parents}
+    for module in model.modules():
+        if type(module) not in classes or not isinstance(getattr(module, ATTRIBUTE, None), Fallback) \
+                or not _batch_first(real.calls.get(module, []), larger.calls.get(module, []), examples):
+            continue
+        layers = [child for child in module.children() if window_map.kind(child) == window_map.LINEAR
+                  and not real.calls.get(child) and real.linear_rows.get(id(child.weight))
+                  and len(real.linear_rows[id(child.weight)]) == len(larger.linear_rows.get(id(child.weight), []))]
+        block = module.__dict__.get(BLOCK_ATTRIBUTE)
+        members = block.members if block is not None else []
+        inside = [sub for sub in module.modules() if sub is not module and direct_parameters(sub)]
+        called = [sub for sub in inside if window_map.kind(sub) == window_map.LINEAR
+                  and _batch_first(real.calls.get(sub, []), larger.calls.get(sub, []), examples)]
+        if layers and all(any(sub is m for m in layers + members + called) for sub in inside):
+            for layer in layers:
+                _hook_functional(layer, module, module, real, larger, examples)
+            for layer in called:
+                _hook(layer, module, real, larger, examples)
 
 
 def _used_by_parent(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> bool:

@@ -18,6 +18,7 @@ from cockpit_gradnoise.extensions import cost_model, facts, meetings
 from cockpit_gradnoise.extensions.fallback import caches, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
+    BLOCK_ATTRIBUTE,
     SAVEFIELDS,
     Call,
     Fallback,
@@ -291,7 +292,7 @@ def run(extension, module: nn.Module, g_inp, g_out) -> None:
                 _refuse(module, state, "it was called more than once in one forward pass")
             return
         active = active_savefields()
-        if _after_backward(state):
+        if _after_backward(state) or _own_block(module):
             _defer(module, state, g_out, active or [extension.savefield])
             return
         state.params = computed_parameters(module, state.call)
@@ -312,6 +313,15 @@ def _after_backward(state: Fallback) -> bool:
     # Also the later outputs' gradients (.capture._keep_later_gradients), which may come later.
     later = state.call.outputs is not None and len(state.call.outputs) > 1
     return not form and (later or any(child.viewed for child in state.call.children))
+
+
+def _own_block(module: nn.Module) -> bool:
+    """Whether ``module`` is also a block (:mod:`.blocks`) that kept this call: its output's hook,
+    which may take its parameters over (torchvision's Swin attention, :mod:`.windows`), comes
+    after the module's own (the survey hooked it later), so the fallback waits for the end of
+    the backward pass, which it skips where the block took over."""
+    block = module.__dict__.get(BLOCK_ATTRIBUTE)
+    return block is not None and block.call is not None
 
 
 def _defer(module: nn.Module, state: Fallback, g_out, savefields: List[str]) -> None:

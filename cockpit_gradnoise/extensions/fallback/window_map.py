@@ -14,7 +14,9 @@ depended on another example's rows, would be NaN in a pass that poisons that exa
 not its own; so each example's loss reaches only its own rows. And the block run with the
 bias expanded must give the batch's output (to ``sqrt(eps)`` of its largest magnitude).
 Until a shape of the block's inputs is proven, its forward pass runs as it is (no table
-expanded, nothing kept), and a step the fast way cannot reduce is recomputed.
+expanded, nothing kept), and a step the fast way cannot reduce is recomputed. A
+:data:`FUNCTIONAL` member's call is its parent's ``F.linear`` with its weight: the proof's passes
+see its input and output rows there (:meth:`_Proof.linear`).
 Tests: ``tests/test_swin_windows.py``.
 """
 
@@ -32,6 +34,10 @@ from torch.utils import _pytree
 LINEAR, NORM, TABLE, DIRECT = "linear", "norm", "table", "direct"
 #: The kinds computed from their own rows' input and output gradient.
 ON_ROWS = (LINEAR, NORM)
+#: The attribute (in an ``nn.Linear``'s ``__dict__``) saying the survey saw its parent pass its
+#: weight to ``F.linear`` on rows that are not examples, never calling it (torchvision's Swin,
+#: timm's SwinV2: :mod:`.regroup`): a member whose call is that ``F.linear`` (:mod:`.broadcast`).
+FUNCTIONAL = "_cgn_window_functional"
 
 
 class Windows:
@@ -53,6 +59,7 @@ class Windows:
         self.calls: Dict[int, int] = {}
         self.inputs: Dict[int, Tensor] = {}
         self.grads: Dict[int, Tensor] = {}
+        self.own_bias: Dict[int, bool] = {}  # id(FUNCTIONAL layer) -> whether its call added its own bias
         self.examples: Optional[int] = None  # N of this block call
         self.mode: Optional[Broadcasts] = None  # during a DIRECT member's call
         self.table_calls: set = set()  # members called on batch-free inputs inside it (SwinV2's MLP)
@@ -91,6 +98,32 @@ def linear_call(state: Windows, module, args, kwargs, output) -> None:
         state.broken = True
         return
     state.rows = inputs[0].shape[0]
+
+
+def functional_layers(module: nn.Module) -> Dict[int, nn.Module]:
+    """``{id(weight): layer}`` of the layers inside ``module`` whose weight it passes to ``F.linear``
+    itself (:data:`FUNCTIONAL`): their calls are those ``F.linear`` calls (:class:`.Broadcasts`)."""
+    return {id(sub.weight): sub for sub in module.modules() if sub.__dict__.get(FUNCTIONAL)}
+
+
+def functional_call(state: Windows, layer: nn.Module, x: Tensor) -> None:
+    """A :data:`FUNCTIONAL` layer's call (its weight at ``F.linear``): counted, its rows those of ``x``."""
+    state.calls[id(layer)] = state.calls.get(id(layer), 0) + 1
+    if state.rows not in (None, x.shape[0]):
+        state.broken = True
+        return
+    state.rows = x.shape[0]
+
+
+def member_rows(state: Windows, module: nn.Module, args, kwargs) -> Dict[int, nn.Module]:
+    """A DIRECT member's call: its :func:`functional_layers`; where it has none, its rows are
+    those of its first tensor input (:func:`parent_call`), else those of the first ``F.linear``
+    call with one of their weights (torchvision's attention takes ``[N, H, W, C]`` and cuts it
+    into windows itself)."""
+    linears = functional_layers(module)
+    if not linears:
+        parent_call(state, args, kwargs)
+    return linears
 
 
 def parent_call(state: Windows, args, kwargs) -> None:
@@ -145,16 +178,23 @@ class _Proof:
         self.state, self.poisoned = Windows(), poisoned
 
     def poison(self, k: int, expanded: Tensor) -> Tensor:
-        if self.state.rows % len(self.poisoned):
+        if self.state.rows is None or self.state.rows % len(self.poisoned):
             self.state.broken = True
             return expanded
         return _poisoned_rows(expanded, self.poisoned, self.state.rows)
 
     def enter(self, module, args, kwargs):
-        parent_call(self.state, args, kwargs)
+        linears = member_rows(self.state, module, args, kwargs)
         if self.state.mode is None and not self.state.broken:
-            self.state.mode = Broadcasts(module, self.state.rows, self.poison)
+            self.state.mode = Broadcasts(module, self.state.rows, self.poison, linears, self.linear)
             self.state.mode.__enter__()
+
+    def linear(self, layer, x, out, own_bias):
+        functional_call(self.state, layer, x)
+        if layer not in self.seen:  # (not a member: the fast way does not know its rows)
+            self.state.broken = True
+        elif not self.state.broken:
+            self.seen[layer].append((_nan_rows(x), _nan_rows(out)))
 
     def leave(self, module, args, kwargs, output):
         state = self.state

@@ -41,7 +41,19 @@ where they meet them (:mod:`.broadcast`), the members called inside it on such t
 MLP's layers) its own. A block's per-example integer inputs (OPT's ``position_ids``) cannot be
 set to NaN: they are kept as they are in the poisoned passes, and their values are part of the
 proof (a call with others is proven again before its rows are used).
-Tests: ``tests/test_swin_windows.py``.
+A member ``nn.Linear`` its parent never calls but whose weight it passes to ``F.linear`` itself
+(:data:`.window_map.FUNCTIONAL`, found by the survey: torchvision's ``ShiftedWindowAttention``,
+which takes ``[N, H, W, C]`` and cuts the windows itself, is then its own block; timm's SwinV2
+``qkv``) has that call for its call: the parent's :class:`.Broadcasts` hands its input and output
+over (:func:`_functional`), and the parent's rows are that call's. The Linear formulas above
+apply; a bias the parent computed from batch-free tensors (timm's ``cat(q_bias, k_bias, v_bias)``,
+torchvision's SwinV2 copy of ``qkv.bias`` with the key third zeroed) is one more of the parent's
+broadcast operands, its share per example the call's output gradient summed over the example's
+rows and positions (:func:`_linear_bias_shares`), taken back to the parameters it was computed from
+with the tables. Why the batch's pass and not ``vmap`` over the windows: the rows' input and output
+gradient are already there, so the Linear's contributions cost one product per layer (what its rule
+costs), where a batched replay would run the attention's forward and backward pass once more.
+Tests: ``tests/test_swin_windows.py``, ``tests/test_swin_windows_torchvision.py``.
 """
 
 import functools
@@ -56,8 +68,10 @@ from cockpit_gradnoise.extensions.fallback.window_map import (
     NORM,
     ON_ROWS,
     Windows,
+    functional_call,
     kind,
     linear_call,
+    member_rows,
     parent_call,
     parents,
     proven,
@@ -139,13 +153,31 @@ def _reset(block, args, kwargs):
 
 
 def _table_parameters(state: Windows, module: nn.Module) -> List[nn.Parameter]:
-    """A DIRECT member's parameters computed from its batch-free tensors: its own, and those of
-    the members called inside it on batch-free inputs."""
+    """A DIRECT member's parameters computed from its batch-free tensors: its own, those of
+    the members called inside it on batch-free inputs, and the bias of a layer it passes to
+    ``F.linear`` where it gives a bias computed from it (torchvision's SwinV2: a copy of ``qkv``'s
+    with the key third zeroed)."""
     found = list(direct_parameters(module).values())
     for sub in module.modules():
         if id(sub) in state.table_calls:
             found += list(direct_parameters(sub).values())
+    for _, layer in state.modes[id(module)].linear_biases:
+        bias = layer.bias
+        if bias is not None and bias.requires_grad and all(bias is not p for p in found):
+            found.append(bias)
     return found
+
+
+def _linear_bias_shares(state: Windows, module: nn.Module, examples: int) -> Dict[int, Tensor]:
+    """``{k: [N, 1, out]}``: the share of each bias a DIRECT member computed and gave ``F.linear``
+    (operand ``k``, :attr:`.Broadcasts.linear_biases`), the gradient at that call's output summed
+    over the example's rows and positions."""
+    shares = {}
+    for k, layer in state.modes[id(module)].linear_biases:
+        grad = state.grads[id(layer)]
+        rows = grad.flatten(1, -2).sum(1) if grad.dim() > 2 else grad  # [N*W, out]
+        shares[k] = summed_per_example(rows, examples)
+    return shares
 
 
 def _share(state: Windows, module: nn.Module, k: int, grad: Tensor) -> None:
@@ -161,16 +193,26 @@ def _expand_hooked(state: Windows, module: nn.Module, k: int, expanded: Tensor) 
     return expanded
 
 
+def _functional(state: Windows, layer: nn.Module, x: Tensor, output: Tensor, own_bias: bool) -> None:
+    """A FUNCTIONAL member's call (its weight at ``F.linear`` in a DIRECT member's call): as
+    :func:`_capture` keeps a Linear's rows."""
+    functional_call(state, layer, x)
+    if not state.broken and output.requires_grad:
+        state.inputs[id(layer)], state.own_bias[id(layer)] = x.detach(), own_bias
+        output.register_hook(functools.partial(_keep, state.grads, id(layer)))
+
+
 def _enter(module, args, kwargs):
     """A DIRECT member's call in the batch's pass: its batch-free tensors expanded to its rows."""
     state = module.__dict__.get(ATTRIBUTE)
     if state is None or not state.maps.get(state.shapes) or state.failed or idle(module) \
             or not torch.is_grad_enabled() or state.mode is not None:
         return
-    parent_call(state, args, kwargs)
+    linears = member_rows(state, module, args, kwargs)
     if state.broken or state.examples is None:
         return
-    state.mode = Broadcasts(module, state.rows, functools.partial(_expand_hooked, state, module))
+    state.mode = Broadcasts(module, state.rows, functools.partial(_expand_hooked, state, module), linears,
+                            functools.partial(_functional, state))
     state.mode.__enter__()
 
 
@@ -182,7 +224,8 @@ def _leave(module, args, kwargs, output):
     mode.__exit__(None, None, None)
     state.calls[id(module)] = state.calls.get(id(module), 0) + 1
     state.modes[id(module)] = mode
-    state.broken = state.broken or mode.broken or not mode.operands or state.rows % state.examples != 0
+    state.broken = state.broken or mode.broken or not mode.operands or state.rows is None \
+        or state.rows % state.examples != 0
 
 
 def _install(block: nn.Module, members: List[nn.Module], state: Windows) -> None:
@@ -307,7 +350,8 @@ def _member_results(state: Windows, module: nn.Module, examples: int, squares: b
     """``{id(param): (||x_i||^2, sums)}`` of a member's parameters (a DIRECT member's: of its tables)."""
     if kind(module) == DIRECT:
         table = _table_parameters(state, module)
-        shares = example_shares(state.modes[id(module)], state.shares.get(id(module), {}), table)
+        shares = {**state.shares.get(id(module), {}), **_linear_bias_shares(state, module, examples)}
+        shares = example_shares(state.modes[id(module)], shares, table)
         found = {}
         for param, x in zip(table, shares):
             norms, sums = norms_and_sums(param.new_zeros(examples, *param.shape) if x is None else x)
@@ -316,7 +360,8 @@ def _member_results(state: Windows, module: nn.Module, examples: int, squares: b
     grad = state.grads[id(module)]
     if kind(module) == LINEAR:
         a = state.inputs[id(module)]
-        bias = module.bias is not None and module.bias.requires_grad
+        # (a FUNCTIONAL layer's bias: where its call added it; a bias computed from it, the DIRECT member's)
+        bias = module.bias is not None and module.bias.requires_grad and state.own_bias.get(id(module), True)
         found = linear_on_rows(a.reshape(examples, -1, a.shape[-1]), grad.reshape(examples, -1, grad.shape[-1]),
                                bias, squares)
     elif kind(module) == NORM:
