@@ -150,3 +150,26 @@ def test_two_tiny_factors_keep_exact_norms_and_sums(on_host, monkeypatch):
     assert torch.allclose(norms, x.flatten(1).square().sum(1), rtol=16 * EPS32, atol=0.0)
     assert torch.allclose(sums[1], x.square().sum(0), rtol=16 * EPS32, atol=0.0)
     assert torch.allclose(sums[0], x.sum(0), rtol=0.0, atol=16 * EPS32 * x.abs().sum(0).max().item())
+
+
+def test_two_parameters_norms_together_are_each_alone_at_its_own_scale(monkeypatch):
+    """``squared_norms_of_many`` on other devices (a LayerNorm's scale and shift, one pass): each
+    parameter at its own scale (the second is ``2**-100`` times the first: one shared scale would
+    lose its squares), its own marks (example 1 underflows in the first: UNRESOLVED; example 2
+    is 0: kept), within float32's rounding of float64's elsewhere, as each alone gives."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(4, 6, generator=generator, dtype=torch.float64) for _ in range(2))
+    first[1] *= 2.0**-80
+    first[2] = 0.0
+    second *= 2.0**-100
+    together = _squares.squared_norms_of_many([first.float(), second.float()])
+    for got, x in zip(together, (first, second)):
+        alone, want = _squares.squared_norms_of(x.float()), x.float().double().square().sum(1)
+        assert got.dtype == torch.float64 and got.shape == (4,)
+        for i in range(4):
+            if x is first and i == 1:
+                assert got[i].item() == alone[i].item() == UNRESOLVED
+            else:
+                assert got[i].item() == pytest.approx(want[i].item(), rel=8 * EPS32, abs=0.0)
+                assert alone[i].item() == pytest.approx(want[i].item(), rel=8 * EPS32, abs=0.0)
