@@ -257,7 +257,8 @@ def contributions_scale(contributions: Tensor, rows: bool = False) -> Optional[S
         scale = _host_scale(largest)
         return None if scale * SMALLEST_UNSCALED <= 0.5 else Scale(scale_powers(scale))
     if not contributions.numel():
-        return Scale(scale_powers(1.0).to(contributions.device))  # 2**-0, as frexp(0) gives
+        # 2**-0, as frexp(0) gives: (1, 1, 1), made there (a copy from the host could wait).
+        return Scale(torch.ones(3, dtype=torch.float64, device=contributions.device))
     if rows and contributions.dim() > 1:
         magnitudes = _row_magnitudes(contributions).float()
         return Scale(powers_of_largest(magnitudes.amax().reshape(1))[0], magnitudes)
