@@ -390,7 +390,7 @@ def squared_norms_of_many(contributions: Sequence[Tensor]) -> List[Tensor]:
     return list(unscaled_norms(at_scale, Scale(powers, rows), flat.shape[2]).unbind())
 
 
-def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Tensor], suspect: Tensor) -> Tensor:
+def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Scale], suspect: Tensor) -> Tensor:
     """:func:`squared_norms_of` where some examples' norms (``suspect``) are below the floor."""
     result = unscaled_norms(at_scale, scale, flat.shape[1])  # the suspect rows settled below
     rows = suspect.nonzero().squeeze(1)
