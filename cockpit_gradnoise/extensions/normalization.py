@@ -209,9 +209,11 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
 
     def _both_trained(self, module) -> bool:
         """Whether the rule covers the layer's weight and bias and both require a gradient."""
-        params = self._ModuleExtension__params
-        return params == ["weight", "bias"] and all(
-            getattr(module, name) is not None and getattr(module, name).requires_grad for name in params)
+        if self._ModuleExtension__params != ["weight", "bias"]:
+            return False
+        # From the module's own table: nn.Module.__getattr__ costs a Python call per look-up.
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        return weight is not None and bias is not None and weight.requires_grad and bias.requires_grad
 
     def _both_squared_norms(self, ext, module, g_out) -> Tensor:
         """The weight's squared norms, reduced with the bias's (one pass for both on other
