@@ -160,7 +160,7 @@ def _row_magnitudes(tensor: Tensor) -> Tensor:
     max-reduction, no copy; NaN where the row holds one, ``inf`` where it holds an infinity."""
     if tensor.dim() == 1:
         return tensor.detach().abs()
-    if not tensor[0].numel():
+    if not tensor.shape[1:].numel():  # (the shape's, not tensor[0]'s: no op dispatched)
         return tensor.new_zeros(len(tensor))
     return torch.linalg.vector_norm(tensor.detach(), math.inf, dim=tuple(range(1, tensor.dim())))
 
@@ -378,8 +378,9 @@ def squared_norms_of_many(contributions: Sequence[Tensor]) -> List[Tensor]:
     took 12. Elsewhere, one at a time.
     """
     first = contributions[0]
-    if (len(contributions) < 2 or _device.on_host(first) or not needs_scale(first.dtype) or first.dim() < 2
-            or not first[0].numel() or any(c.shape != first.shape or c.dtype != first.dtype for c in contributions)):
+    alike = all(c.shape == first.shape and c.dtype == first.dtype for c in contributions)
+    if (len(contributions) < 2 or not alike or _device.on_host(first) or not needs_scale(first.dtype)
+            or first.dim() < 2 or not first.shape[1:].numel()):
         return [squared_norms_of(c) for c in contributions]
     flat = torch.stack(list(contributions)).flatten(2)  # [P, N, K]
     rows = torch.linalg.vector_norm(flat.detach(), math.inf, dim=2).float()  # [P, N]
