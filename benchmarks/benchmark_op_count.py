@@ -19,6 +19,11 @@ GPU takes. ``--host-paths`` counts the CPU paths instead. ::
 
     python -m benchmarks.benchmark_op_count
     python -m benchmarks.benchmark_op_count --models gpt2-tiny --top 25
+    python -m benchmarks.benchmark_op_count --per-op   # and each layer class's ops per layer
+
+``--per-op`` attributes each launching op of the backward pass to the layer whose backward
+hook runs it (the innermost ``extensions/hooks.py:_dispatch`` frame's ``module``) and lists,
+per layer class, the launches per layer by op name.
 """
 
 import argparse
@@ -83,6 +88,10 @@ class OpCounter(TorchDispatchMode):
         self.backward_ops = 0  # dispatched while autograd's engine runs: the backward pass and its hooks
         self.backward_launches = 0
         self.backward_places = collections.Counter()  # (place, op) of the launching ops in the backward pass
+        # Launching ops of the backward pass by the layer whose hook runs them: (layer class, op), and
+        # the layers of each class seen (``--per-op``).
+        self.by_layer = collections.Counter()
+        self.layers = collections.defaultdict(set)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -96,7 +105,32 @@ class OpCounter(TorchDispatchMode):
             self.backward_ops += 1
             self.backward_launches += launches
             self.backward_places[(place, name)] += launches
+            if launches:
+                layer = _layer_dispatched(sys._getframe(1))
+                if layer is not None:
+                    self.by_layer[(type(layer).__name__, name)] += 1
+                    self.layers[type(layer).__name__].add(id(layer))
         return func(*args, **(kwargs or {}))
+
+
+def _layer_dispatched(frame):
+    """The module whose backward hook (``extensions/hooks.py:_dispatch``) is on the stack, else None."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_dispatch" and code.co_filename.endswith("hooks.py"):
+            return frame.f_locals.get("module")
+        frame = frame.f_back
+    return None
+
+
+def _print_per_layer(counter):
+    """Launching ops per layer of each class in the backward pass, by op name (``--per-op``)."""
+    print("    per layer, launching ops of the backward pass (ops per layer of the class):")
+    for kind, layers in sorted(counter.layers.items()):
+        ops = {op: n for (k, op), n in counter.by_layer.items() if k == kind}
+        total = sum(ops.values()) / len(layers)
+        listed = ", ".join(f"{op} {n / len(layers):g}" for op, n in sorted(ops.items(), key=lambda kv: -kv[1]))
+        print(f"      {kind} ({len(layers)} layers): {total:g} per layer: {listed}")
 
 
 def count(step, x, y):
@@ -138,7 +172,7 @@ def _print_by_function(places, top):
         print(f"      {n:6d}  {place}  (" + ", ".join(f"{op} {m}" for op, m in ops.most_common(6)) + ")")
 
 
-def measure(name, top):
+def measure(name, top, per_op=False):
     """Print and return the plain and tracked counts of model ``name``."""
     model, x, y, loss = MODELS[name]()
     modules = tracked_modules(model)
@@ -173,6 +207,8 @@ def measure(name, top):
         _print_by_function(counter.places, top)
         print("    by function, launching ops of the backward pass:")
         _print_by_function(counter.backward_places, top)
+        if per_op:
+            _print_per_layer(counter)
         result[method] = {"total": total, "per module": extra / modules, "launching": counter.launches,
                           "launching per module": launches / modules, "host reads": counter.host_reads,
                           "backward launching": counter.backward_launches,
@@ -199,11 +235,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_path_options(parser)
     parser.add_argument("--top", type=int, default=15, help="ops and functions listed")
+    parser.add_argument("--per-op", action="store_true",
+                        help="also list each layer class's launching ops in the backward pass, per layer")
     args = parser.parse_args(argv)
     take_paths(args)
     print(f"torch {torch.__version__}, cockpit_gradnoise {getattr(cgn, '__version__', '?')}, "
           f"{'CPU' if args.host_paths else 'device'} paths")
-    return {name: measure(name, args.top) for name in args.models.split(",")}
+    return {name: measure(name, args.top, args.per_op) for name in args.models.split(",")}
 
 
 if __name__ == "__main__":

@@ -17,13 +17,30 @@ underflow only below ``1e-308``).
 
 import functools
 import math
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor, unresolved_sums
 
 import torch
 from torch import Tensor
+
+
+class Scale(NamedTuple):
+    """A power-of-two scale ``s`` that squares were formed at, as unscaling needs it.
+
+    Attributes:
+        powers: ``(s, 1/s, 1/s**2)``, float64 (:func:`scale_powers`): unscaling a sum or a
+            squared norm is one multiplication (:func:`unscaled_sums`, :func:`unscaled_norms`);
+            ``[P, 3]`` for the norms ``[P, N]`` of ``P`` parameters (:func:`squared_norms_of_many`).
+        rows: ``[N]``, where known (other devices, norms of examples' rows): per example, the
+            smallest over the factors of its row's largest magnitude; not 0 exactly where every
+            factor's row of the example holds a nonzero number, so that a squared norm of 0
+            there is marked (underflow lost it, :func:`unscaled_norms`). ``None`` elsewhere.
+    """
+
+    powers: Tensor
+    rows: Optional[Tensor] = None
 
 
 def saved_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,6 +117,65 @@ def scales_of_largest(largest: Tensor) -> Tensor:
     return torch.take(scales, torch.searchsorted(bounds, largest, right=True))
 
 
+#: ``{device: (bounds, powers)}`` of :func:`powers_table`, made once per device.
+_POWERS_TABLES: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+
+
+def powers_table(device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(bounds, powers)`` on ``device``: :func:`exponent_table`'s float32 bounds, and ``powers``
+    ``[279, 3]`` float64, row ``i`` the :func:`scale_powers` ``(s, 1/s, 1/s**2)`` of its
+    ``scales[i]``. Every entry is a power of two (``s`` in ``[2**-127, 2**125]``, so ``1/s**2``
+    in ``[2**-250, 2**254]``: float64 holds them exactly), written from Python's exact arithmetic."""
+    table = _POWERS_TABLES.get(device)
+    if table is None:
+        bounds, _ = exponent_table(device)
+        scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
+        powers = torch.tensor([[s, 1.0 / s, 1.0 / (s * s)] for s in scales], dtype=torch.float64)
+        table = _POWERS_TABLES[device] = (bounds, _device.copied_without_waiting(powers, device))
+    return table
+
+
+def powers_of_largest(largest: Tensor) -> Tensor:
+    """:func:`scale_powers` of :func:`scales_of_largest`'s scale of each float32 ``largest`` (``[k]``):
+    ``[k, 3]`` float64, rows ``(s, 1/s, 1/s**2)``. Two launches (a binary search, a gather of
+    rows), never read on the host: what unscaling needs comes with the scale, and unscaling
+    is then one multiplication (:func:`unscaled_norms`, :func:`unscaled_sums`)."""
+    bounds, powers = powers_table(largest.device)
+    return powers.index_select(0, torch.searchsorted(bounds, largest, right=True))
+
+
+def scale_powers(scale: float) -> Tensor:
+    """``(s, 1/s, 1/s**2)``, float64, of a power of two ``s`` (a scale read on the host); exact."""
+    return torch.tensor([scale, 1.0 / scale, 1.0 / (scale * scale)], dtype=torch.float64)
+
+
+def _as_powers(scale: Union[Scale, Tensor]) -> Tensor:
+    """``scale``'s :func:`scale_powers` ``(s, 1/s, 1/s**2)``; a 0-dim scale ``s`` (a power of two)
+    gives them formed from it, exactly."""
+    if isinstance(scale, Scale):
+        return scale.powers
+    wide = scale.to(torch.float64)
+    return torch.stack([wide, wide.reciprocal(), wide.square().reciprocal()])
+
+
+def scaled(tensor: Tensor, scale: Optional[Scale]) -> Tensor:
+    """``tensor`` times the scale ``s``, or itself for ``None``. A 0-dim float64 ``s`` leaves a
+    float32 tensor float32 (a 0-dim operand does not promote a dimensioned one of its kind),
+    and ``s``, a power of two of float32's range, is exactly a float32 number: the product
+    is the float32 one, exact."""
+    return tensor if scale is None else tensor * scale.powers[0]
+
+
+def _row_magnitudes(tensor: Tensor) -> Tensor:
+    """``[N]``: the largest magnitude of each example's row ``tensor[i]`` (0 for an empty row), one
+    max-reduction, no copy; NaN where the row holds one, ``inf`` where it holds an infinity."""
+    if tensor.dim() == 1:
+        return tensor.detach().abs()
+    if not tensor.shape[1:].numel():  # (the shape's, not tensor[0]'s: no op dispatched)
+        return tensor.new_zeros(len(tensor))
+    return torch.linalg.vector_norm(tensor.detach(), math.inf, dim=tuple(range(1, tensor.dim())))
+
+
 def power_of_two_scale(*tensors: Tensor) -> Tensor:
     """``2**-e`` with ``max_k |t_k| = m 2**e``, ``m`` in ``[0.5, 1)``: a 0-dim float32 tensor.
 
@@ -137,83 +213,122 @@ def _host_scale(largest: float) -> float:
 SMALLEST_UNSCALED = 2.0**-40
 
 
-def _needed(scale: Tensor) -> Optional[Tensor]:
-    """``scale``, or ``None`` on the CPU where it shows a largest magnitude of at
-    least :data:`SMALLEST_UNSCALED` (``scale = 2**-e`` with the largest below ``2**e``)."""
-    if _device.on_host(scale) and scale.item() * SMALLEST_UNSCALED <= 0.5:
-        return None
-    return scale
-
-
-def scaled_factors(*factors: Tensor) -> Tuple[List[Tensor], Optional[Tensor]]:
+def scaled_factors(*factors: Tensor, rows: bool = False) -> Tuple[List[Tensor], Optional[Scale]]:
     """The factors of products (``x_i = sum_l g_il a_il^T``) each at its own
-    :func:`power_of_two_scale`, and the product of the scales (float32, 0-dim); unchanged
-    with scale ``None`` where their squares cannot underflow (float64, or
+    :func:`power_of_two_scale`, and the product ``s`` of the scales as :func:`scale_powers`
+    ``(s, 1/s, 1/s**2)`` (float64, exact: each scale is within ``[2**-127, 2**125]``);
+    unchanged with scale ``None`` where their squares cannot underflow (float64, or
     :data:`SMALLEST_UNSCALED`).
 
     All factors' scales at once: on the host as Python numbers (one read per factor), on
-    other devices as one vector (:func:`scales_of_largest`), in a dozen launches for two
+    other devices as one vector (:func:`powers_of_largest`), in a dozen launches for two
     factors where one :func:`power_of_two_scale` each took thirty.
+
+    ``rows``: the factors' first dimension is the examples' (``x_i`` from row ``i`` of each),
+    and the norms formed from them are marked where underflow lost them: on other devices
+    the scale then carries :attr:`Scale.rows` (from each factor's row magnitudes, the same
+    one max-reduction of it that its largest magnitude is the maximum of).
     """
     if not needs_scale(factors[0].dtype):
         return list(factors), None
     if _device.on_host(factors[0]):
         scales = [_host_scale(float(largest_magnitude(factor))) if factor.numel() else 1.0
                   for factor in factors]
-        # Powers of two: the float64 product is exact, and rounding it to float32 (below) gives
-        # the float32 product of the float32 scales (0 or inf outside float32's range, as theirs,
-        # where the test below decides alike).
+        # Powers of two: the float64 product is exact.
         product = math.prod(scales)
         if product * SMALLEST_UNSCALED <= 0.5:
             return list(factors), None
-        return ([factor * scale for factor, scale in zip(factors, scales)],
-                torch.tensor(product, dtype=torch.float32))
-    largest = torch.stack([largest_magnitude(factor).float() if factor.numel()
-                           else factor.new_zeros((), dtype=torch.float32) for factor in factors])
-    scales = scales_of_largest(largest)
-    return [factor * scale for factor, scale in zip(factors, scales)], scales.prod()
+        return [factor * scale for factor, scale in zip(factors, scales)], Scale(scale_powers(product))
+    smallest_rows = None
+    if rows and all(len(factor) == len(factors[0]) for factor in factors):
+        magnitudes = torch.stack([_row_magnitudes(factor).float() for factor in factors])  # [k, N]
+        # The largest of the rows' largest is the factor's (max is associative; NaN propagates
+        # through both); the smallest over the factors of each example's is Scale.rows.
+        largest = magnitudes.amax(1) if magnitudes.shape[1] else magnitudes.new_zeros(len(factors))
+        smallest_rows = magnitudes.amin(0)
+    else:
+        largest = torch.stack([largest_magnitude(factor).float() if factor.numel()
+                               else factor.new_zeros((), dtype=torch.float32) for factor in factors])
+    powers = powers_of_largest(largest)  # [k, 3]: each factor's (s, 1/s, 1/s**2)
+    # The product of each column: (prod s, 1 / prod s, 1 / (prod s)**2), exact (powers of two of
+    # float64's range for two factors: 1/s**2 within [2**-250, 2**254] each).
+    return ([factor * p[0] for factor, p in zip(factors, powers)],
+            Scale(powers.prod(0), smallest_rows))
 
 
-def contributions_scale(contributions: Tensor) -> Optional[Tensor]:
-    """:func:`power_of_two_scale` of contributions, ``None`` where their squares
-    cannot underflow (float64, or :data:`SMALLEST_UNSCALED`)."""
+def contributions_scale(contributions: Tensor, rows: bool = False) -> Optional[Scale]:
+    """:func:`power_of_two_scale` of contributions ``[N, ...]`` (multiply by it with
+    :func:`scaled`), ``None`` where their squares cannot underflow (float64, or
+    :data:`SMALLEST_UNSCALED`). ``rows``: on other devices, with :attr:`Scale.rows` (each
+    example's row magnitude: its norm of 0 is marked where the row is not 0)."""
     if not needs_scale(contributions.dtype):
         return None
-    if _device.on_host(contributions) and contributions.numel():  # decided in Python, no tensor made
-        scale = _host_scale(float(largest_magnitude(contributions)))
-        return None if scale * SMALLEST_UNSCALED <= 0.5 else torch.tensor(scale)
-    return _needed(power_of_two_scale(contributions))
+    if _device.on_host(contributions):  # decided in Python
+        largest = float(largest_magnitude(contributions)) if contributions.numel() else 0.0
+        scale = _host_scale(largest)
+        return None if scale * SMALLEST_UNSCALED <= 0.5 else Scale(scale_powers(scale))
+    if not contributions.numel():
+        # 2**-0, as frexp(0) gives: (1, 1, 1), made there (a copy from the host could wait).
+        return Scale(torch.ones(3, dtype=torch.float64, device=contributions.device))
+    if rows and contributions.dim() > 1:
+        magnitudes = _row_magnitudes(contributions).float()
+        return Scale(powers_of_largest(magnitudes.amax().reshape(1))[0], magnitudes)
+    return Scale(powers_of_largest(largest_magnitude(contributions).float().reshape(1))[0])
 
 
-def unscaled_norms(at_scale: Tensor, scale: Optional[Tensor], terms: int = 1 << 24) -> Tensor:
+def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: int = 1 << 24) -> Tensor:
     """Per-example squared norms formed at ``scale``: ``at_scale / scale**2``, in
     :func:`saved_dtype` whatever the scale (``[N]`` numbers: converting costs
-    nothing, and the norms are then the same numbers on every path).
+    nothing, and the norms are then the same numbers on every path). ``scale``: a
+    :class:`Scale` (or a 0-dim power of two).
 
     Where they were formed in a narrower dtype, a norm of ``terms`` squares that
     underflow may have lost (nonzero, below :func:`.functional.underflow.underflow_floor`)
     is written :data:`.functional.underflow.UNRESOLVED`: the wide dtype would
-    show it as a real number, and the quantities leave such a parameter out.
+    show it as a real number, and the quantities leave such a parameter out. With
+    :attr:`Scale.rows`, so is a norm of 0 whose example's rows are not 0 in any factor.
     """
     wide = saved_dtype(at_scale.dtype)
     if scale is None:
         result = at_scale.to(wide)
     else:
-        divisor = scale.to(wide).square()
-        # As a 1-element vector, the divisor's dtype is the quotient's: the division widens
-        # ``at_scale`` itself (exactly), one launch where ``at_scale.to(wide)`` made two.
-        result = at_scale / (divisor.reshape(1) if at_scale.dim() else divisor)
+        # 1/s**2, float64, as a 1-element vector where at_scale is one: its dtype is then the
+        # product's, so the multiplication widens at_scale itself, in one launch (a power of two
+        # of float64's range times a float32 number: exact, the quotient by s**2 it was).
+        # (Powers [P, 3] of P parameters' norms [P, N] give [P, 1]: each row its own.)
+        powers = _as_powers(scale)
+        inverse_square = powers[..., 2:] if at_scale.dim() else powers[..., 2]
+        result = at_scale * inverse_square
     if wide != at_scale.dtype:
         # UNRESOLVED where 0 < at_scale < floor, in 3 launches where (!= 0) & (< floor) and a
         # fill took 4: a sum of squares is >= 0, so the result is 0 or at least the smallest
         # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
         # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
+        capped = result
+        rows = scale.rows if isinstance(scale, Scale) else None
+        if rows is not None:
+            if rows.shape != at_scale.shape:
+                raise ValueError(f"the rows' magnitudes ({tuple(rows.shape)}) are not one per norm "
+                                 f"({tuple(at_scale.shape)})")
+            # And UNRESOLVED where at_scale = 0 beside rows all nonzero (rows > 0), one launch more
+            # (for exact_where_lost's five): rows >= 0 is float32, so rows > 0 is at least the
+            # smallest positive float32, above UNRESOLVED; result + rows, where result = 0, is
+            # then capped to UNRESOLVED exactly where rows > 0, and where result > 0 it is capped
+            # to UNRESOLVED as before. A NaN row leaves the norm NaN (x_i holds NaN times
+            # something): not below the floor, kept.
+            capped = result + rows
         result = torch.where(at_scale < underflow_floor(terms, at_scale.dtype),
-                             result.clamp(max=UNRESOLVED), result)
+                             capped.clamp(max=UNRESOLVED), result)
+        if rows is not None:
+            setattr(result, _ZEROS_MARKED, True)  # exact_where_lost need not mark them again
     return result
 
 
-def unscaled_sums(sums: Tensor, scale: Optional[Tensor], terms: int = 1 << 24) -> Tensor:
+#: A tensor attribute: squared norms whose zeros beside nonzero rows are marked already.
+_ZEROS_MARKED = "_cgn_zero_norms_marked"
+
+
+def unscaled_sums(sums: Tensor, scale: Union[Scale, Tensor, None], terms: int = 1 << 24) -> Tensor:
     """``[T, S, ...]`` formed from contributions times ``scale``: ``[T / scale, S / scale**2, ...]``,
     every row after the first a sum of squares (``A`` of :func:`.conv_math.expanded_sums`).
 
@@ -224,12 +339,12 @@ def unscaled_sums(sums: Tensor, scale: Optional[Tensor], terms: int = 1 << 24) -
     """
     if scale is None:
         return sums
-    wide = saved_dtype(sums.dtype)
     lost = (sums[1] < underflow_floor(terms, sums.dtype)) & ((sums[1] != 0) | (sums[0] != 0))
-    scale = scale.to(wide)  # its square may exceed float32's range
-    powers = [scale] + [scale.square()] * (len(sums) - 1)
-    inverse = torch.stack(powers).reciprocal_()  # powers of two: exact
-    result = sums.to(wide) * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
+    powers = _as_powers(scale)
+    # [1/s, 1/s**2, ...], float64 (powers of two: exact): a view for [T, S]; its dtype is the
+    # product's (a vector), so the multiplication widens the sums itself, in one launch.
+    inverse = powers[1:] if len(sums) == 2 else torch.cat([powers[1:], powers[2:].expand(len(sums) - 2)])
+    result = sums * inverse.reshape(len(sums), *[1] * (sums.dim() - 1))
     result[1].masked_fill_(lost, UNRESOLVED)
     return result
 
@@ -251,8 +366,8 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     help, it is written :data:`.functional.underflow.UNRESOLVED`.
     """
     flat = contributions.flatten(start_dim=1)
-    scale = contributions_scale(contributions)
-    at_scale = (flat if scale is None else flat * scale).square().sum(1)
+    scale = contributions_scale(contributions, rows=True)
+    at_scale = scaled(flat, scale).square().sum(1)
     # Elsewhere than on the CPU the host would wait to know: nonzero norms below the floor
     # are marked (unscaled_norms), and the quantities leave them out.
     if not _device.on_host(at_scale):
@@ -263,7 +378,31 @@ def squared_norms_of(contributions: Tensor) -> Tensor:
     return _norms_resolved(flat, at_scale, scale, suspect)
 
 
-def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Tensor], suspect: Tensor) -> Tensor:
+def squared_norms_of_many(contributions: Sequence[Tensor]) -> List[Tensor]:
+    """:func:`squared_norms_of` of each of several parameters' contributions (a normalization
+    layer's scale and shift), ``[N]`` each.
+
+    On other devices, contributions of one shape and float32 (or narrower) dtype are reduced
+    together, stacked ``[P, N, ...]``, each at its own scale (from its own largest magnitude,
+    as alone) and marked as alone (its rows, its floor: one shape, one number of terms): the
+    same operations on each element, in 14 launches for two parameters where each alone
+    took 12. Elsewhere, one at a time.
+    """
+    first = contributions[0]
+    alike = all(c.shape == first.shape and c.dtype == first.dtype for c in contributions)
+    if (len(contributions) < 2 or not alike or _device.on_host(first) or not needs_scale(first.dtype)
+            or first.dim() < 2 or not first.shape[1:].numel()):
+        return [squared_norms_of(c) for c in contributions]
+    flat = torch.stack(list(contributions)).flatten(2)  # [P, N, K]
+    rows = torch.linalg.vector_norm(flat.detach(), math.inf, dim=2).float()  # [P, N]
+    powers = powers_of_largest(rows.amax(1))  # [P, 3]: each parameter's own scale
+    # Each scale as a float32 number (exact: a power of two of float32's range), so that the
+    # product stays float32 as each parameter's alone does.
+    at_scale = (flat * powers[:, :1, None].float()).square().sum(2)  # [P, N]
+    return list(unscaled_norms(at_scale, Scale(powers, rows), flat.shape[2]).unbind())
+
+
+def _norms_resolved(flat: Tensor, at_scale: Tensor, scale: Optional[Scale], suspect: Tensor) -> Tensor:
     """:func:`squared_norms_of` where some examples' norms (``suspect``) are below the floor."""
     result = unscaled_norms(at_scale, scale, flat.shape[1])  # the suspect rows settled below
     rows = suspect.nonzero().squeeze(1)
@@ -304,9 +443,12 @@ def exact_where_lost(compute: Callable[..., Results], kinds: str, examples: int,
     if not _device.on_host(factors[0]):
         # Without waiting: a norm of 0 beside nonzero rows of every factor is marked (one
         # max-reduction of each factor), as nonzero norms below the floor and sums are
-        # (unscaled_norms, unscaled_sums); the quantities leave such parameters out.
+        # (unscaled_norms, unscaled_sums); the quantities leave such parameters out. Norms that
+        # unscaled_norms marked so already, from the rows' magnitudes their scale carries
+        # (float32 rules: scaled_factors(..., rows=True), contributions_scale(..., rows=True);
+        # tests/test_squares_marks.py checks each), are not marked again.
         for kind, r in zip(kinds, found):
-            if kind == "n":
+            if kind == "n" and not getattr(r, _ZEROS_MARKED, False):
                 r.masked_fill_((r == 0) & _nonzero_rows(factors, None), UNRESOLVED)
         return results
     lost = [_lost_norms(r, numel, factors) if kind == "n" else unresolved_sums(r[1], r[0], examples)

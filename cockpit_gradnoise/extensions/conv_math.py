@@ -431,7 +431,7 @@ def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     At a power-of-two scale of the input and the output gradient
     (:func:`._squares.scaled_factors`), saved in float64 for float32 (no underflow).
     """
-    (inputs, grad_output), scale = scaled_factors(inputs, grad_output)
+    (inputs, grad_output), scale = scaled_factors(inputs, grad_output, rows=True)
     groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
     if forms(module, cost_model.gram_cost, c_b, c_a, positions):
         gradients = _formed_gradients(module, inputs, grad_output)

@@ -121,7 +121,7 @@ def linear_weight_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     By the Gram matrices or by formation, whichever the cost model finds
     cheaper; at a power-of-two scale of each factor (:func:`._squares.scaled_factors`).
     """
-    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
+    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output), rows=True)
     if cost_model.use_formation(cost_model.gram_cost, g.shape[2], a.shape[2], g.shape[1]):
         return unscaled_norms(formed_squared_norms(g, a), scale, g.shape[2] * a.shape[2])
     return unscaled_norms(gram_squared_norms(g, a), scale, g.shape[2] * a.shape[2])
@@ -135,7 +135,7 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
     contributions, over examples and over elements; at a power-of-two scale of
     each factor (:func:`._squares.scaled_factors`).
     """
-    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output))
+    (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output), rows=True)
     sums = g.new_zeros(2, g.shape[2], a.shape[2])
     norms = []
     for x in formed_contributions(g, a):
@@ -244,7 +244,7 @@ def exact(compute, kinds: str, inputs: Tensor, grad_output: Tensor):
 def _outer_product_squared_norms(inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``||x_i||^2 = ||g_i||^2 ||a_i||^2`` of ``x_i = g_i a_i^T`` (inputs ``[N, in]``), ``[N]``,
     at a power-of-two scale of each factor."""
-    (g, a), scale = scaled_factors(grad_output, inputs)
+    (g, a), scale = scaled_factors(grad_output, inputs, rows=True)
     return unscaled_norms(g.square().sum(1) * a.square().sum(1), scale, g.shape[1] * a.shape[1])
 
 

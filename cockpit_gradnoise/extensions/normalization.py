@@ -44,7 +44,7 @@ import functools
 from typing import Callable, Dict, Tuple, Type
 
 from cockpit_gradnoise.extensions import facts, tensor_parallel
-from cockpit_gradnoise.extensions._squares import squared_norms_of
+from cockpit_gradnoise.extensions._squares import squared_norms_of, squared_norms_of_many
 
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -194,10 +194,41 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
         super().__init__(params=list(params))
 
     def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        if self._reduce is squared_norms and self._both_trained(module):
+            return self._both_squared_norms(ext, module, g_out)
         return self._reduce(self._contributions(ext, module, g_out, "weight"))
 
     def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        if self._reduce is squared_norms and self._both_trained(module):
+            # Reduced with the weight's, just before (BackPACK calls the rule's parameters in
+            # order): taken, so that the next extension's weight forms its own.
+            found = facts.recording().layer_cache.take(_BIAS_NORMS, *self._sources(ext, module, g_out))
+            if found is not None:
+                return found
         return self._reduce(self._contributions(ext, module, g_out, "bias"))
+
+    def _both_trained(self, module) -> bool:
+        """Whether the rule covers the layer's weight and bias and both require a gradient."""
+        if self._ModuleExtension__params != ["weight", "bias"]:
+            return False
+        # From the module's own table: nn.Module.__getattr__ costs a Python call per look-up.
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        return weight is not None and bias is not None and weight.requires_grad and bias.requires_grad
+
+    def _both_squared_norms(self, ext, module, g_out) -> Tensor:
+        """The weight's squared norms, reduced with the bias's (one pass for both on other
+        devices, :func:`._squares.squared_norms_of_many`); the bias's kept for :meth:`bias`."""
+        weight, bias = squared_norms_of_many([self._contributions(ext, module, g_out, name)
+                                              for name in ("weight", "bias")])
+        sources, key = self._sources(ext, module, g_out)
+        facts.recording().layer_cache.put(_BIAS_NORMS, sources, bias, key)
+        return weight
+
+    @staticmethod
+    def _sources(ext, module, g_out):
+        """``(sources, extra)`` of the layer cache's entries of this call (:mod:`._layer_cache`)."""
+        subsampling = ext.get_subsampling()
+        return (module, module.input0, g_out[0]), (None if subsampling is None else tuple(subsampling))
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out) -> None:
         # Without a batch dimension BackPACK would take the first normalized
@@ -217,8 +248,7 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
     def _contributions(self, ext, module, g_out, name: str) -> Tensor:
         """Per-example contributions to ``module``'s parameter ``name``, ``[N, *param.shape]``."""
         subsampling = ext.get_subsampling()
-        key = None if subsampling is None else tuple(subsampling)
-        slot, sources = ("normalization", name), (module, module.input0, g_out[0])
+        (sources, key), slot = self._sources(ext, module, g_out), ("normalization", name)
         found = facts.recording().layer_cache.get(slot, sources, key)
         if found is not None:
             return found
@@ -229,6 +259,10 @@ class NormalizationModuleExtension(FirstOrderModuleExtension):
         contributions = tensor_parallel.whole_contributions(module, contributions)
         facts.recording().layer_cache.put(slot, sources, contributions, key)
         return contributions
+
+
+#: The layer cache's slot of a normalization layer's bias norms, reduced with its weight's.
+_BIAS_NORMS = "normalization bias squared norms"
 
 
 def module_extensions(reduce: Callable) -> Dict[Type[nn.Module], ModuleExtension]:

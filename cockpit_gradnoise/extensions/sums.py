@@ -88,7 +88,7 @@ from typing import Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena, facts
-from cockpit_gradnoise.extensions._squares import contributions_scale, saved_dtype, unscaled_sums
+from cockpit_gradnoise.extensions._squares import contributions_scale, saved_dtype, scaled, unscaled_sums
 from cockpit_gradnoise.functional.underflow import unresolved_sums
 
 import torch
@@ -124,8 +124,8 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
     scale = contributions_scale(contributions)
-    scaled = contributions if scale is None else contributions * scale
-    sums = stacked(torch.sum, (scaled, axis), (scaled.square(), axis), shape)
+    at_scale = scaled(contributions, scale)
+    sums = stacked(torch.sum, (at_scale, axis), (at_scale.square(), axis), shape)
     if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)  # elsewhere: the mark
             and _underflowed(sums, contributions.shape[axis])):
         wide = contributions.to(saved_dtype(sums.dtype))  # no square of a float32 number underflows

@@ -17,6 +17,7 @@ from cockpit_gradnoise.extensions._squares import (
     exact_where_lost,
     needs_scale,
     saved_dtype,
+    scaled,
     unscaled_norms,
     unscaled_sums,
 )
@@ -63,8 +64,8 @@ def norms_and_sums_at_a_scale(contributions: Tensor) -> Tuple[Tensor, Tensor]:
         norms, sums = _blockwise(contributions)
         if float(norms.max()) >= contributions[0].numel() * SMALLEST_UNSCALED**2:
             return unscaled_norms(norms, None, contributions[0].numel()), sums
-    scale = contributions_scale(contributions)
-    norms, sums = _blockwise(contributions if scale is None else contributions * scale)
+    scale = contributions_scale(contributions, rows=True)
+    norms, sums = _blockwise(scaled(contributions, scale))
     return (unscaled_norms(norms, scale, contributions[0].numel()),
             unscaled_sums(sums, scale, len(contributions)))
 
