@@ -112,12 +112,28 @@ class _Calls(TorchFunctionMode):
         #: ``{id(weight): [leading size of the input of each F.linear call that took it]}``.
         self.linear_rows: Dict[int, List[Optional[int]]] = {}
         self.specs: Dict[nn.Module, str] = {}  # of the last call (.layout.structure)
+        #: ``{id(param): calls running of modules that hold it}``: an operation inside a call of
+        #: a module holding the parameter is that module's use, not a direct one. A tied weight
+        #: (T5's ``shared``, never called) is taken by its called holders (``embed_tokens``,
+        #: ``lm_head``), whose rules give its rows; only a use outside them (MobileBERT's head
+        #: multiplying by its ``decoder``'s weight) makes it ``used``.
+        self.inside: Dict[int, int] = {}
+        # (ids listed here, outside the mode: reading a parameter's attributes inside it is an
+        # operation that takes the parameter)
+        self.holds = {m: [id(p) for p in direct_parameters(m).values()] for m in model.modules()}
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
+        self.handles += [m.register_forward_pre_hook(self._enter) for m in model.modules() if self.holds[m]]
+
+    def _enter(self, module, args):
+        for key in self.holds.get(module, ()):
+            self.inside[key] = self.inside.get(key, 0) + 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        _note_parameters(args, self.used)
+        taken: set = set()
+        _note_parameters(args, taken)
         if kwargs:
-            _note_parameters(kwargs, self.used)
+            _note_parameters(kwargs, taken)
+        self.used.update(key for key in taken if not self.inside.get(key))
         if func is _LINEAR:
             weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
             if isinstance(weight, nn.Parameter):
@@ -126,6 +142,9 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
+        for key in self.holds.get(module, ()):
+            if self.inside.get(key):
+                self.inside[key] -= 1
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         inputs = tuple(_leading(leaf) for leaf in leaves)
         first = first_tensor(output)
