@@ -130,7 +130,7 @@ def powers_table(device: torch.device) -> Tuple[Tensor, Tensor]:
     if table is None:
         bounds, _ = exponent_table(device)
         scales = [1.0] + [_scale_for_exponent(k + 1) for k in _BOUND_EXPONENTS] + [1.0]
-        powers = torch.tensor([[s, 1.0 / s, 1.0 / (s * s)] for s in scales], dtype=torch.float64)
+        powers = torch.stack([scale_powers(s) for s in scales])
         table = _POWERS_TABLES[device] = (bounds, _device.copied_without_waiting(powers, device))
     return table
 

@@ -330,10 +330,10 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
     """Hook the block around each layer whose parameters need one (:func:`_needs_block`),
     and note which embeddings return one row per example."""
     parents = {child: module for module in model.modules() for child in module.children()}
-    holders: Dict[int, List[nn.Module]] = {}
-    for module in model.modules():
-        for param in direct_parameters(module).values():
-            holders.setdefault(id(param), []).append(module)
+    holders: Dict[int, List[nn.Module]] = {}  # the survey's holds, by parameter
+    for module, keys in real.holds.items():
+        for key in keys:
+            holders.setdefault(key, []).append(module)
     for module in model.modules():  # (every module: .running's expanded parameters read it too)
         _note_embedding_rows(module, real.calls.get(module, []), larger.calls.get(module, []), examples)
         params = direct_parameters(module)

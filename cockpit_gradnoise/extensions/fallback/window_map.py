@@ -24,6 +24,7 @@ import math
 from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions.fallback.broadcast import Broadcasts
+from cockpit_gradnoise.extensions.fallback.capture import first_tensor
 from cockpit_gradnoise.extensions.fallback.layout import state_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off
 
@@ -253,7 +254,7 @@ def _run_poisoned(block: nn.Module, call, batched: List[int], members: List[nn.M
         finally:
             for handle in handles:
                 handle.remove()
-    first = next((leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)), None)
+    first = first_tensor(output)
     if state.broken or state.rows is None or state.rows % examples or first is None \
             or any(len(calls) != 1 for calls in seen.values()):
         return None
