@@ -21,7 +21,6 @@ the fastest round of each (on a shared machine noise only adds time)::
 
 import argparse
 import copy
-import functools
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
+from benchmarks.harness import cpu_timed  # noqa: E402
 from benchmarks.methods import tracked_token_step  # noqa: E402
 from tests import matrix_models  # noqa: E402
 
@@ -46,16 +46,7 @@ from tests import matrix_models  # noqa: E402
 def _timed_parts(parts):
     """Wrap the functions whose time is reported as parts; ``parts[name]`` adds up seconds."""
     def wrap(owner, attribute, name):
-        original = getattr(owner, attribute)
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            start = time.process_time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                parts[name] += time.process_time() - start
-        setattr(owner, attribute, timed)
+        setattr(owner, attribute, cpu_timed(getattr(owner, attribute), parts, name))
 
     wrap(batchless, "find_broadcasts", "meetings")
     wrap(batchless.Broadcast, "keep", "meetings")

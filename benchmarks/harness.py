@@ -6,6 +6,7 @@ drifts of the machine hit both alike; medians over the rounds are compared.
 Peak extra memory of a step is measured separately (:func:`peak_extra_bytes`).
 """
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -20,6 +21,20 @@ import torch
 
 from benchmarks.methods import METHODS, NotSupported, frozen_label, plain_step, unavailable
 from benchmarks.models import MODELS, model_and_batch
+
+
+def cpu_timed(function, totals: dict, key):
+    """``function``, adding the CPU time (``time.process_time``) of each of its calls to
+    ``totals[key]`` (a phase of a step: benchmark_t5's parts, profile_phases' phases)."""
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.process_time() - start
+
+    return timed
 
 
 def synchronize(device):

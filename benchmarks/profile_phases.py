@@ -30,7 +30,6 @@ factors by ``aminmax`` against torch's CPU inf-norm. ::
 
 import argparse
 import copy
-import functools
 import math
 import random
 import statistics
@@ -47,6 +46,7 @@ if not __package__:  # run as a file: the repository's packages on the path (see
     import benchmarks  # noqa: F401
     sys.path.append(sys.path.pop(0))
 
+from benchmarks.harness import cpu_timed  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.models import MODELS, model_and_batch  # noqa: E402
 
@@ -59,16 +59,7 @@ class Phases:
 
     def timed(self, function, label):
         self.order.append(label)
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            start = time.process_time()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.process_time() - start
-
-        return wrapper
+        return cpu_timed(function, self.totals, label)
 
     def wrap(self, owner, name, label):
         setattr(owner, name, self.timed(getattr(owner, name), label))
