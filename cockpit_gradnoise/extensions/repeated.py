@@ -241,7 +241,7 @@ def call_contributions(module: nn.Module, params: Dict[str, Tensor], x: Tensor,
 
     # In the dtype of the inputs the rules see (.precision), whatever autocast is on now.
     with hooks_off(module), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
-            padding_kept():
+            padding_kept(module):
         output = torch.func.vmap(forward)(*copies.values(), x)
     found = torch.autograd.grad(output, list(copies.values()), grad.unsqueeze(1).to(output.dtype),
                                 allow_unused=True)

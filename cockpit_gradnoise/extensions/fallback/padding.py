@@ -21,7 +21,9 @@ positions,
 which is what ``padding_idx`` means for the gradient; the forward value is unchanged.
 """
 
-from torch import Tensor, where
+import contextlib
+
+from torch import Tensor, nn, where
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
@@ -47,7 +49,11 @@ class _PaddingKept(TorchFunctionMode):
         return where(keep, looked_up, looked_up.detach())
 
 
-def padding_kept() -> TorchFunctionMode:
+def padding_kept(module: nn.Module):
     """A context in which every ``F.embedding`` with a ``padding_idx`` stops the gradient at
-    the padding positions itself (exact under ``vmap`` with a weight per example)."""
+    the padding positions itself (exact under ``vmap`` with a weight per example); nothing
+    (no function mode, whose Python call per operation costs) where no module inside
+    ``module`` has a ``padding_idx`` (``nn.Embedding``'s, ``QuantEmbedding``'s)."""
+    if not any(getattr(inner, "padding_idx", None) is not None for inner in module.modules()):
+        return contextlib.nullcontext()
     return _PaddingKept()

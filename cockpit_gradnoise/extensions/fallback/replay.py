@@ -97,7 +97,7 @@ def per_example_gradients(
 
     traced = traced_forward if biases.watched else flat_forward
     with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
-            precision.autocast_as(call.autocast), padding_kept():
+            precision.autocast_as(call.autocast), padding_kept(module):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     count = len(positions) + len(blind_outputs)
     outputs, sinks = results[: len(positions)], results[count : len(results) - len(biases.names)]
