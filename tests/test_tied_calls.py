@@ -236,3 +236,20 @@ def test_nan_output_gradients_at_padding_positions_reach_no_row():
     (inputs, _), targets = tokens(3), torch.randint(0, 3, (3,))
     assert (inputs == 1).any()
     assert_exact(NaNPadded().double(), inputs, targets, inner_terms=SEQUENCE)
+
+
+def test_calls_of_a_tied_layer_in_two_forward_passes_are_not_combined():
+    """Two forward passes, one backward pass of both losses: the calls of different forward
+    passes are different examples, never combined per row; the tied weight is left out by
+    name (as every layer called in both: tests/test_repeated_layers.py)."""
+    torch.manual_seed(0)
+    loss_fn, per_example_loss = classification_losses("mean")
+    (inputs, _), targets = tokens(3), torch.randint(0, 3, (3,))
+    model = cgn.prepare_model(TiedAndCalledTwice().double())
+    names = [name for name, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(list(model.parameters()), quantities=[cgn.PerExampleGradNorm(linear(1), param_names=names)])
+    losses = per_example_loss(model(inputs), targets) + per_example_loss(model(inputs.flip(0)), targets)
+    with pytest.warns(UserWarning, match=r"'embedding.weight': its layers' calls belong to several forward"):
+        with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    assert "embedding.weight" not in cockpit.get_output()[0]["PerExampleGradNorm"]

@@ -236,6 +236,7 @@ class TiedGroup:
         self.cross: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
         self.refusal: Optional[str] = None
         self.param: Optional[Tensor] = None  # what the first use of the pass held
+        self.forwards: set = set()  # the forward passes (.hooks) of the calls combined
 
     # Per-pass tensors and layers never travel with a copy or a pickle of the model.
     def __getstate__(self):
@@ -267,23 +268,11 @@ class TiedGroup:
             done = self.done.setdefault(savefield, [])
         param = getattr(module, attribute)
         self.param = param if self.param is None else self.param
-        if param is not self.param:
-            self.refusal = self.refusal or (
-                "the layers that held it when the model was prepared no longer share one "
-                "tensor: prepare the model (cgn.prepare_model) after tying or untying")
         if use not in self.uses:
             self.uses[use] = use_of(module, attribute, inputs, grad_output, call)
-        if own is None or self.uses[use] is None:
-            self.refusal = self.refusal or (
-                f"it is tied and used as the {attribute} of a {type(module).__name__} whose "
-                "call has no rows or cannot be run again per example (tied parameters are "
-                "combined over a Linear's or an Embedding's weight, and over any layer called "
-                "with one tensor, recomputed per example): to give it rows, tie it between "
-                "such layers only, or untie it (tie_word_embeddings=False in transformers), "
-                "and prepare the model (cgn.prepare_model) again"
-            )
         previous = list(done)
         done.append(use)
+        self.refusal = self.refusal or self._why_not(module, attribute, use, call, param, own, previous)
         if self.refusal is not None:
             return None
         if not previous:
@@ -295,6 +284,28 @@ class TiedGroup:
             return before + own + 2 * sum(norms for norms, _ in cross)
         squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)
         return torch.stack([before[0] + own[0], squares])
+
+    def _why_not(self, module, attribute, use, call, param, own, previous) -> Optional[str]:
+        """Why this use cannot be combined with the ``previous`` ones (``None``: it can)."""
+        if call is not None:
+            self.forwards.add(call.forward)
+        if len(self.forwards) > 1:
+            return ("its layers' calls belong to several forward passes (their rows are other "
+                    "examples): one forward pass per backward pass to give it rows")
+        if param is not self.param:
+            return ("the layers that held it when the model was prepared no longer share one "
+                    "tensor: prepare the model (cgn.prepare_model) after tying or untying")
+        if own is None or self.uses[use] is None:
+            return (f"it is tied and used as the {attribute} of a {type(module).__name__} whose "
+                    "call has no rows or cannot be run again per example (tied parameters are "
+                    "combined over a Linear's or an Embedding's weight, and over any layer called "
+                    "with one tensor, recomputed per example): to give it rows, tie it between "
+                    "such layers only, or untie it (tie_word_embeddings=False in transformers), "
+                    "and prepare the model (cgn.prepare_model) again")
+        if any(self.uses.get(other) is None for other in previous):
+            return ("more of its uses reached the backward pass than its layers' calls in the "
+                    "last forward pass (the earlier uses were let go)")
+        return None
 
     def release_when_done(self, savefields, calls: int = 0):
         """Drop the uses' tensors once every layer (every one of the ``calls`` of the layers
