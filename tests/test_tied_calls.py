@@ -253,3 +253,33 @@ def test_calls_of_a_tied_layer_in_two_forward_passes_are_not_combined():
         with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
     assert "embedding.weight" not in cockpit.get_output()[0]["PerExampleGradNorm"]
+
+
+# A Mamba mixer given the cache its model creates (extensions/fallback/caches.py) ---------------
+
+
+def test_granite_hybrid_mamba_mixer_with_its_models_fresh_cache_gets_rows():
+    """``GraniteMoeHybridForCausalLM`` creates a cache in every forward pass (``use_cache``)
+    and its Mamba mixer writes its convolution and recurrent states there; the mixer's
+    recomputation per example found the batch's states (``torch.cat`` of 4 and 1 rows) and
+    ``dt_bias``, ``A_log``, ``D`` and ``conv1d`` were left out. A linear-attention layer the
+    call filled from empty is now left out of the recomputation, as a dynamic layer is: every
+    parameter has rows, the mixer's to float32's rounding (its scan computes in float32:
+    ``dt.float()``), every other to 1e-10."""
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=11, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=8,
+        layer_types=["linear_attention", "full_attention"], mamba_n_heads=2, mamba_n_groups=1,
+        mamba_d_state=4, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        use_cache=True, experts_implementation="eager", attn_implementation="eager")
+    torch.manual_seed(0)
+    model = MaskedLM(transformers.GraniteMoeHybridForCausalLM(config).double().eval())
+    inputs, targets = tokens(3)
+    frame = cgn.check_model(model, (inputs,), targets, token_losses("mean")[0], verbose=False)
+    mixer = frame.param.str.contains(r"\.mamba\.(?:dt_bias|A_log|D|conv1d\.)")
+    assert mixer.sum() == 5 and frame.rows.all(), frame.param[~frame.rows].tolist()
+    assert (frame.max_rel_error[mixer] < 1e-5).all()
+    assert (frame.max_rel_error[~mixer] < 1e-10).all()
