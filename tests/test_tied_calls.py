@@ -274,3 +274,22 @@ def test_a_block_with_any_padded_lookup_of_its_parameters_is_not_batched():
     for padding_idx, expected in [(1, False), (None, True)]:
         block = nn.Sequential(PaddedLookup(padding_idx), nn.Linear(6, 3))
         assert batchable(block, dict(block.named_parameters())) is expected
+
+
+def test_a_recomputed_use_that_raises_is_left_out_by_name_and_the_step_kept(monkeypatch):
+    """A use's recomputation that fails in the backward pass (a forward ``vmap`` cannot run)
+    refuses the tied parameter, naming why; the backward pass and the step go on."""
+    from cockpit_gradnoise.extensions import tied
+
+    def fails(self, start, stop):
+        raise RuntimeError("vmap: data-dependent control flow")
+
+    monkeypatch.setattr(tied.RecomputedUse, "formed", fails)
+    torch.manual_seed(0)
+    loss_fn, per_example_loss = classification_losses("mean")
+    (inputs, _), targets = tokens(3), torch.randint(0, 3, (3,))
+    problem = Problem(cgn.prepare_model(Classify(TiedToANorm()).double()), extend(loss_fn),
+                      per_example_loss, inputs, targets, "mean")
+    quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
+    assert_left_out_by_name(problem, quantity, "model.norm.weight",
+                            r"\['model.norm.weight'\].*cannot be recomputed per example \(RuntimeError")

@@ -279,7 +279,12 @@ class TiedGroup:
             return own
         if savefield == LOCAL_GRADIENT_SAVEFIELD:
             return before + own
-        cross = [self._cross(use, other, param.shape) for other in previous]
+        try:
+            cross = [self._cross(use, other, param.shape) for other in previous]
+        except Exception as error:  # noqa: BLE001 - a recomputed use that cannot run: refused, the step kept
+            self.refusal = (f"it is tied and its use by a {type(module).__name__} or another layer "
+                            f"cannot be recomputed per example ({type(error).__name__}: {error})")
+            return None
         if savefield == BATCH_L2_SAVEFIELD:
             return before + own + 2 * sum(norms for norms, _ in cross)
         squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)

@@ -287,8 +287,9 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     broadcast = uses.broadcasts.get(module)
     if broadcast is not None:
         _broadcast_results(extension, module, broadcast, recorded, g_out[0])
-    # The call's own input where the layer ran several times (the record keeps the last call's).
-    inputs = dispatched.inputs[0] if by_tie and dispatched.inputs else uses.inputs.get(module)
+    # The call's own input where the layer ran several times (the record keeps the last call's),
+    # as the rules see it (low-precision inputs widened: .precision, shown by .hooks).
+    inputs = module.__dict__.get("input0") if by_tie else uses.inputs.get(module)
     refused = tied.combine(extension, module, inputs, g_out[0], before, dispatched,
                            _tied_calls(uses, module))
     for attribute in module.__dict__.get(TIED_ATTR, {}):
