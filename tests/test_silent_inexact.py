@@ -38,7 +38,7 @@ from torch import nn
 from tests.cases import Problem, classification_losses, token_losses
 from tests.library_models import Logits
 from tests.models import LogitsOf
-from tests.test_tied import assert_left_out_by_name, assert_matches_references
+from tests.test_tied import assert_matches_references
 
 
 def extensions():
@@ -275,19 +275,13 @@ class TiedNormed(nn.Module):
         return self.head(torch.tanh(self.mix(self.embedding(index))))
 
 
-def test_a_tied_embedding_whose_forward_is_no_lookup_is_refused_naming_it():
-    """The torch.func fallback computes its own rows, but its use cannot be combined with
-    the head's as an Embedding's (its output gradient is not the lookup's): left out by
-    name, the step kept."""
+def test_a_tied_embedding_whose_forward_is_no_lookup_is_exact():
+    """The torch.func fallback computes its own rows; its use cannot be combined with the
+    head's as an Embedding's (its output gradient is not the lookup's), so it is recomputed
+    per example (extensions/tied.py, RecomputedUse; left out by name before)."""
     torch.manual_seed(0)
-    model = cgn.prepare_model(TiedNormed().double())
-    loss_fn, per_example_loss = token_losses("mean")
     inputs, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
-    quantity = cgn.PerExampleGradNorm(linear(1), param_names=model)
-    problem = Problem(model, extend(loss_fn), per_example_loss, inputs, targets, "mean")
-    assert_left_out_by_name(problem, quantity, "embedding.weight",
-                            r"'embedding.weight': it is tied and used as the weight of a NormedEmbedding"
-                            r".*to give it rows, tie it between such layers only, or untie it")
+    assert_exact(TiedNormed().double(), inputs, targets, token_losses("mean"), inner_terms=5)
 
 
 class Shift(nn.Module):

@@ -260,7 +260,8 @@ class SharedModule(nn.Module):
 
 
 class TiedToANorm(nn.Module):
-    """A Linear's bias tied to a LayerNorm's weight: a use that is not combined."""
+    """A Linear's bias tied to a LayerNorm's weight: both uses recomputed per example
+    (exact: tests/test_tied_calls.py, which also has the use that stays refused)."""
 
     def __init__(self):
         super().__init__()
@@ -290,16 +291,6 @@ def test_a_module_called_twice_sums_its_calls_per_example(model, n):
     """Left out before ("ran several times in one forward pass"); now each example's
     contribution is the sum of its calls' (extensions/repeated.py, tests/test_repeated_layers.py)."""
     assert_matches_references(_token_problem(model(), n), inner_terms=2 * NANO_CONTEXT)
-
-
-@pytest.mark.parametrize("model, name, reason", [
-    (TiedToANorm, "norm.weight", "used as the bias of a Linear"),
-])
-def test_uses_that_cannot_be_combined_are_refused_by_name(model, name, reason):
-    problem = _token_problem(model(), 3)
-    quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)
-    listed = ", ".join(f"'{n}'" for n in ((name,) if isinstance(name, str) else name))
-    assert_left_out_by_name(problem, quantity, name, rf"\[{listed}\].*{reason}")
 
 
 def test_the_front_door_tracks_nanogpt_under_its_first_names():

@@ -5,7 +5,9 @@ fail on float64 models, and it refuses ``padding_idx`` (``NotImplementedError``
 in the backward pass). The derivatives below build the one-hot tensor in the
 gradient's dtype and leave the padding row out of it: torch's embedding
 backward never writes that row, so its gradient, and every example's
-contribution to it, is exactly 0 by definition (not a sum that rounds to 0).
+contribution to it, is exactly 0 by definition (not a sum that rounds to 0), and the
+padding positions' output gradients are left out before the sum (a NaN there, as torch
+ignores it, never reaches another row).
 """
 
 from cockpit_gradnoise.extensions._squares import SquaredNormsFromContributionsMixin
@@ -34,6 +36,9 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
         one_hot = (input0.unsqueeze(0) == rows.reshape(-1, *[1] * input0.dim())).to(mat.dtype)
         if module.padding_idx is not None:  # non-negative: nn.Embedding normalizes it
             one_hot[module.padding_idx] = 0
+            # The padding positions' output gradients reach nothing, not even as 0 * NaN (LED's
+            # encoder pads its input with the padding token, whose attention rows are NaN).
+            mat = torch.where((input0 != module.padding_idx).unsqueeze(0).unsqueeze(-1), mat, 0)
         equation = f"sn...,vn...h->v{'' if sum_batch else 'n'}sh"
         return torch.einsum(equation, one_hot, mat)
 

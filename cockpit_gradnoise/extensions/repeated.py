@@ -38,9 +38,11 @@ attention key's bias) set to exact zeros as the native rule does
 
 Which calls are summed: those of one forward pass of the prepared model
 (:func:`.hooks.new_forward`), their rows taken for the examples in order (as
-every rule takes them). Refused, left out with a warning naming the
+every rule takes them). A layer whose parameters are all tied is not
+deferred here: each call is one use of the tie, combined with the others
+(:mod:`.tied`, :func:`summed_by_tie`). Refused, left out with a warning naming the
 parameter and the reason (never a silently wrong number): a layer holding a
-tied parameter (:mod:`.tied`), an embedding applied without the batch
+tied parameter beside untied ones (:mod:`.tied`), an embedding applied without the batch
 dimension in one of its calls (:mod:`.batchless`), a BatchNorm in training
 mode (examples interact), a recurrent layer, an embedding with ``max_norm``
 or ``scale_grad_by_freq``, a call with another tensor than its input, calls
@@ -52,6 +54,8 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, subclasses
 from cockpit_gradnoise.extensions.fallback import blocks
+from cockpit_gradnoise.extensions.fallback.capture import first_tensor
+from cockpit_gradnoise.extensions.fallback.padding import padding_kept
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, hooks_off, own_parameters
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
@@ -91,7 +95,7 @@ def defers(extension, module: nn.Module, g_out, broadcast: bool) -> bool:
     recorded = facts.recording()
     call = recorded.call
     if call is None or not getattr(call, "repeated", False) or blocks.covers(module) \
-            or extension.rule_of(module) is None:
+            or extension.rule_of(module) is None or summed_by_tie(module, call, broadcast):
         return False
     reason = refusal(module, call, g_out[0], broadcast)
     if reason is not None:
@@ -115,10 +119,23 @@ def defers(extension, module: nn.Module, g_out, broadcast: bool) -> bool:
     return True
 
 
+def summed_by_tie(module: nn.Module, call, broadcast: bool) -> bool:
+    """Whether the calls of ``module`` are summed per example with the other uses of its tied
+    parameters (:mod:`.tied`, each call one use) instead: every trainable parameter it holds
+    is tied, each call is recorded with its own input (the package's hooks), and none of its
+    calls is an embedding applied without the batch dimension (LED's shared embedding, called
+    by its encoder and its decoder and tied to the head)."""
+    tied = module.__dict__.get(TIED_ATTR)
+    return (tied is not None and call is not None and getattr(call, "repeated", False)
+            and not broadcast and all(name in tied for name in direct_parameters(module)))
+
+
 def refusal(module: nn.Module, call, grad: Tensor, broadcast: bool) -> Optional[str]:
     """Why the calls of ``module`` cannot be summed per example (``None``: they can)."""
     if TIED_ATTR in module.__dict__:
-        return "it holds a tied parameter (calls of a tied layer are not summed yet)"
+        return ("it holds a tied parameter beside untied ones, or one of its calls was not read "
+                "per example (the calls of a layer whose parameters are all tied are summed "
+                "with the tie's other uses)")
     if broadcast:
         return "one of its calls is an embedding applied without the batch dimension (or not read per example)"
     if isinstance(module, _BatchNorm) and module.training:
@@ -205,10 +222,11 @@ def contributions(pending: Pending) -> Iterator[Tuple[Dict[str, Tensor], Dict]]:
 
 
 def call_contributions(module: nn.Module, params: Dict[str, Tensor], x: Tensor,
-                       grad: Tensor) -> Dict[str, Tensor]:
+                       grad: Tensor, options: Optional[dict] = None) -> Dict[str, Tensor]:
     """``{name: x_i^(c)}`` of one call of ``module`` for the examples of ``x`` (its input,
-    ``[n, ...]``) at output gradient ``grad`` (``[n, ...]``): ``module``'s forward under
-    ``vmap`` with a copy of each parameter per example, and one backward pass to the copies."""
+    ``[n, ...]``) at output gradient ``grad`` (``[n, ...]``, of its first output tensor):
+    ``module``'s forward under ``vmap`` with a copy of each parameter per example, and one
+    backward pass to the copies. ``options``: the call's keyword arguments (no tensors)."""
     n = x.shape[0]
     dtype = grad.dtype if grad.is_floating_point() else None
     copies = {name: (p.detach() if dtype is None else p.detach().to(dtype)).expand(n, *p.shape)
@@ -217,10 +235,13 @@ def call_contributions(module: nn.Module, params: Dict[str, Tensor], x: Tensor,
 
     def forward(*flat):
         with own_parameters(module, dict(zip(names, flat[:-1]))):
-            return module.forward(flat[-1].unsqueeze(0))
+            # The first tensor of a tuple (QuantEmbedding's ``(embedding, scale)``), as the hooks
+            # hand over its gradient.
+            return first_tensor(module.forward(flat[-1].unsqueeze(0), **(options or {})))
 
     # In the dtype of the inputs the rules see (.precision), whatever autocast is on now.
-    with hooks_off(module), torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+    with hooks_off(module), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
+            padding_kept(module):
         output = torch.func.vmap(forward)(*copies.values(), x)
     found = torch.autograd.grad(output, list(copies.values()), grad.unsqueeze(1).to(output.dtype),
                                 allow_unused=True)

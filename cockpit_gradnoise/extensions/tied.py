@@ -29,10 +29,21 @@ per-example contributions in chunks of examples of at most
 Which parameters are tied is known before any backward pass:
 :func:`~cockpit_gradnoise.extensions.uses.install` (run by ``prepare_model``)
 finds them in ``model.named_parameters(remove_duplicate=False)`` and marks
-each layer that holds one (:data:`.savefields.TIED_ATTR`). A layer of another class than
-``Linear`` and ``Embedding`` among the uses, or one applied twice in one
-forward pass (BackPACK keeps its last input only), is refused with an error
-naming the parameter.
+each layer that holds one (:data:`.savefields.TIED_ATTR`).
+
+Each *call* of such a layer is a use (under the package's hooks, which keep every
+call's input): LED's shared embedding, called twice by its encoder (its tokens and
+its padding) and once by its decoder, and tied to the head, has four uses, their
+cross terms as above. A use by a layer of another class than ``Linear`` and
+``Embedding`` (Zamba's RMSNorm weights shared by the two calls of its shared
+transformer block, I-BERT's ``QuantEmbedding`` tied to its head, a LayerNorm's
+weight tied to a Linear's bias) is recomputed per example (:class:`RecomputedUse`):
+the layer's forward under ``vmap`` with a copy of the parameter per example, the
+cross terms from dense per-example contributions in chunks. Refused with a warning
+naming the parameter: a use by a layer called with more than one tensor (its
+recomputation would need the others per example), a layer that got no result of its
+own, and a layer applied twice under BackPACK's own hooks (which keep its last
+input only).
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -74,8 +85,9 @@ class EmbeddingUse(_Use):
         self.idx = inputs.reshape(n, -1)
         self.grad = grad_output.reshape(n, self.idx.shape[1], -1)
         self.rows = module.num_embeddings
-        if module.padding_idx is not None:
-            self.grad = self.grad * (self.idx != module.padding_idx).unsqueeze(-1)
+        if module.padding_idx is not None:  # (where, not a product: a NaN there reaches nothing)
+            padding = module.padding_idx % module.num_embeddings
+            self.grad = torch.where((self.idx != padding).unsqueeze(-1), self.grad, 0)
 
     def rows_at(self, idx):
         same = (self.idx.unsqueeze(2) == idx.unsqueeze(1)).to(self.grad.dtype)  # [N, P1, P]
@@ -107,20 +119,60 @@ class LinearUse(_Use):
         return torch.bmm(self.grad[start:stop].transpose(1, 2), self.inputs[start:stop])
 
 
-def use_of(module: nn.Module, attribute: str, inputs: Tensor, grad_output: Tensor
-           ) -> Optional[_Use]:
-    """The :class:`_Use` of ``module``'s ``attribute`` (its layer's input and output
-    gradient): ``None`` but for the weight of a layer that computes a Linear's or an
-    Embedding's function (a subclass that overrides ``forward`` does not, but for a
-    scaled embedding, whose use is read at its lookup: :mod:`.scaled_embedding`)."""
-    if attribute != "weight":
+class RecomputedUse(_Use):
+    """``x_i`` of any layer's use of the parameter: the layer's forward under ``vmap`` with a
+    copy of the parameter per example, and one backward pass to the copies at the call's
+    output gradient (:func:`.repeated.call_contributions`, the fallback's way). A tied RMSNorm
+    weight (Zamba's shared transformer), a ``QuantEmbedding`` (I-BERT's word embedding, tied to
+    its head): ``x_i = (d f(a_i; theta) / d theta)^T G_i`` of that call."""
+
+    def __init__(self, module: nn.Module, attribute: str, inputs: Tensor, options: dict,
+                 grad_output: Tensor):
+        self.module, self.attribute, self.inputs, self.options = module, attribute, inputs, options
+        self.grad = grad_output
+
+    def formed(self, start, stop):
+        from cockpit_gradnoise.extensions.repeated import call_contributions  # (it imports the fallback)
+
+        params = {self.attribute: getattr(self.module, self.attribute)}
+        return call_contributions(self.module, params, self.inputs[start:stop],
+                                  self.grad[start:stop], self.options)[self.attribute]
+
+
+def recomputed_use(module: nn.Module, attribute: str, call, grad_output: Tensor
+                   ) -> Optional[RecomputedUse]:
+    """The :class:`RecomputedUse` of a call (:class:`.hooks.Call`) of ``module`` with one
+    positional argument, a tensor leading with its output's batch dimension, and plain keyword
+    arguments only (passed again as they are); ``None`` for any other call."""
+    if call is None or len(call.inputs) != 1 or not isinstance(call.inputs[0], Tensor):
         return None
-    if isinstance(module, nn.Embedding):
+    x = call.inputs[0]
+    if not all(_plain(v) for v in call.kwargs.values()) or x.dim() == 0 or grad_output.dim() == 0 \
+            or x.shape[0] != grad_output.shape[0]:
+        return None
+    return RecomputedUse(module, attribute, x, dict(call.kwargs), grad_output)
+
+
+def _plain(value) -> bool:
+    """Whether a call's argument is a plain Python value the recomputation can pass as it is."""
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def use_of(module: nn.Module, attribute: str, inputs: Tensor, grad_output: Tensor,
+           call=None) -> Optional[_Use]:
+    """The :class:`_Use` of ``module``'s ``attribute`` (its layer's input and output
+    gradient): for the weight of a layer that computes a Linear's or an Embedding's function
+    (a subclass that overrides ``forward`` does not, but for a scaled embedding, whose use is
+    read at its lookup: :mod:`.scaled_embedding`), read from them; for any other, recomputed
+    per example from ``call`` (:func:`recomputed_use`; ``None`` where it cannot be)."""
+    if attribute == "weight" and isinstance(module, nn.Embedding):
         lookup = scaled_embedding.lookup_gradient(module, grad_output)
-        return None if lookup is None else EmbeddingUse(module, inputs, lookup)
-    if isinstance(module, nn.Linear) and subclasses.inherits_forward(type(module), nn.Linear):
+        if lookup is not None:
+            return EmbeddingUse(module, inputs, lookup)
+    if attribute == "weight" and isinstance(module, nn.Linear) and subclasses.inherits_forward(
+            type(module), nn.Linear):
         return LinearUse(module, inputs, grad_output)
-    return None
+    return recomputed_use(module, attribute, call, grad_output)
 
 
 def rows_cross_terms(embedding: EmbeddingUse, other: _Use, rows: int) -> Tuple[Tensor, Tensor]:
@@ -156,9 +208,10 @@ def dense_cross_terms(first: _Use, second: _Use, examples: int, shape) -> Tuple[
 
 def cross_terms(new: _Use, old: _Use, examples: int, shape) -> Tuple[Tensor, Tensor]:
     """``(<x_i^(new), x_i^(old)>, sum_i x_i^(new) * x_i^(old))`` by the cheapest form."""
-    if isinstance(new, EmbeddingUse):
+    recomputed = isinstance(new, RecomputedUse) or isinstance(old, RecomputedUse)
+    if isinstance(new, EmbeddingUse) and not recomputed:
         return rows_cross_terms(new, old, shape[0])
-    if isinstance(old, EmbeddingUse):
+    if isinstance(old, EmbeddingUse) and not recomputed:
         return rows_cross_terms(old, new, shape[0])
     return dense_cross_terms(new, old, examples, shape)
 
@@ -183,6 +236,7 @@ class TiedGroup:
         self.cross: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
         self.refusal: Optional[str] = None
         self.param: Optional[Tensor] = None  # what the first use of the pass held
+        self.forwards: set = set()  # the forward passes (.hooks) of the calls combined
 
     # Per-pass tensors and layers never travel with a copy or a pickle of the model.
     def __getstate__(self):
@@ -192,8 +246,8 @@ class TiedGroup:
         self.__init__(state["names"], state["layers"])
 
     def combined(self, savefield: str, module: nn.Module, attribute: str, inputs: Tensor,
-                 grad_output: Tensor, own: Optional[Tensor], before: Optional[Tensor]
-                 ) -> Optional[Tensor]:
+                 grad_output: Tensor, own: Optional[Tensor], before: Optional[Tensor],
+                 call=None) -> Optional[Tensor]:
         """The savefield's value over every use so far, ``own`` being this use's; ``None``: refused.
 
         Args:
@@ -204,58 +258,79 @@ class TiedGroup:
             grad_output: Its output gradient.
             own: The value its module extension saved (``None``: it saved none).
             before: The savefield's value before this use (the previous uses' result).
+            call: The layer's call (:class:`.hooks.Call`; ``None``: BackPACK's hooks): each
+                call of a layer called several times is a use of its own.
         """
+        use = module if call is None else call
         done = self.done.setdefault(savefield, [])
-        if module in done:  # the same layer again: a new backward pass (retain_graph)
+        if use in done:  # the same call again: a new backward pass (retain_graph)
             self.new_pass()
             done = self.done.setdefault(savefield, [])
         param = getattr(module, attribute)
         self.param = param if self.param is None else self.param
-        if param is not self.param:
-            self.refusal = self.refusal or (
-                "the layers that held it when the model was prepared no longer share one "
-                "tensor: prepare the model (cgn.prepare_model) after tying or untying")
-        if module not in self.uses:
-            self.uses[module] = use_of(module, attribute, inputs, grad_output)
-        if own is None or self.uses[module] is None:
-            self.refusal = self.refusal or (
-                f"it is tied and used as the {attribute} of a {type(module).__name__}; tied "
-                "parameters are combined over the weights of layers that compute a Linear's "
-                "or an Embedding's function only (a scaled embedding too): to give it rows, "
-                "tie it between such layers only, or untie it (tie_word_embeddings=False in "
-                "transformers), and prepare the model (cgn.prepare_model) again"
-            )
+        if use not in self.uses:
+            self.uses[use] = use_of(module, attribute, inputs, grad_output, call)
         previous = list(done)
-        done.append(module)
+        done.append(use)
+        self.refusal = self.refusal or self._why_not(module, attribute, use, call, param, own, previous)
         if self.refusal is not None:
             return None
         if not previous:
             return own
         if savefield == LOCAL_GRADIENT_SAVEFIELD:
             return before + own
-        cross = [self._cross(module, other, param.shape) for other in previous]
+        try:
+            cross = [self._cross(use, other, param.shape) for other in previous]
+        except Exception as error:  # noqa: BLE001 - a recomputed use that cannot run: refused, the step kept
+            self.refusal = (f"it is tied and its use by a {type(module).__name__} or another layer "
+                            f"cannot be recomputed per example ({type(error).__name__}: {error})")
+            return None
         if savefield == BATCH_L2_SAVEFIELD:
             return before + own + 2 * sum(norms for norms, _ in cross)
         squares = before[1] + own[1] + 2 * sum(elementwise for _, elementwise in cross)
         return torch.stack([before[0] + own[0], squares])
 
-    def release_when_done(self, savefields):
-        """Drop the uses' tensors once every layer is combined in each of ``savefields``.
+    def _why_not(self, module, attribute, use, call, param, own, previous) -> Optional[str]:
+        """Why this use cannot be combined with the ``previous`` ones (``None``: it can)."""
+        if call is not None:
+            self.forwards.add(call.forward)
+        if len(self.forwards) > 1:
+            return ("its layers' calls belong to several forward passes (their rows are other "
+                    "examples): one forward pass per backward pass to give it rows")
+        if param is not self.param:
+            return ("the layers that held it when the model was prepared no longer share one "
+                    "tensor: prepare the model (cgn.prepare_model) after tying or untying")
+        if own is None or self.uses[use] is None:
+            return (f"it is tied and used as the {attribute} of a {type(module).__name__} whose "
+                    "call has no rows or cannot be run again per example (tied parameters are "
+                    "combined over a Linear's or an Embedding's weight, and over any layer called "
+                    "with one tensor, recomputed per example): to give it rows, tie it between "
+                    "such layers only, or untie it (tie_word_embeddings=False in transformers), "
+                    "and prepare the model (cgn.prepare_model) again")
+        if any(self.uses.get(other) is None for other in previous):
+            return ("more of its uses reached the backward pass than its layers' calls in the "
+                    "last forward pass (the earlier uses were let go)")
+        return None
+
+    def release_when_done(self, savefields, calls: int = 0):
+        """Drop the uses' tensors once every layer (every one of the ``calls`` of the layers
+        that hold it, if more) is combined in each of ``savefields``.
 
         Until then each use keeps its layer's output gradient (the head's: as
         large as the logits) and input; a layer the forward pass did not run
         keeps them until the next forward pass.
         """
-        if self.uses and all(len(self.done.get(f, ())) >= self.layers for f in savefields):
+        expected = max(self.layers, calls)
+        if self.uses and all(len(self.done.get(f, ())) >= expected for f in savefields):
             self.uses = dict.fromkeys(self.uses)
             self.cross = {}
 
-    def _cross(self, module, other, shape):
-        """The cross terms of two uses, computed once for all extensions."""
+    def _cross(self, use, other, shape):
+        """The cross terms of two uses (layers, or calls), computed once for all extensions."""
         layers = list(self.uses)
-        key = (layers.index(module), layers.index(other))
+        key = (layers.index(use), layers.index(other))
         if key not in self.cross:
-            new, old = self.uses[module], self.uses[other]
+            new, old = self.uses[use], self.uses[other]
             self.cross[key] = cross_terms(new, old, new.grad.shape[0], shape)
         return self.cross[key]
 
@@ -290,13 +365,14 @@ def mark(model: nn.Module) -> List[TiedGroup]:
 
 
 def combine(extension, module: nn.Module, inputs: Tensor, grad_output: Tensor,
-            before: Dict[str, Optional[Tensor]]):
+            before: Dict[str, Optional[Tensor]], call=None, calls: Optional[Dict[int, int]] = None):
     """After ``module``'s extension ran: its tied parameters' savefields over every use so far.
 
     ``inputs`` and ``grad_output`` are the layer's input (in the forward pass)
     and output gradient; ``before`` holds each tied attribute's savefield value
-    before the extension ran. Returns ``{attribute: reason}`` of the parameters
-    refused.
+    before the extension ran; ``call`` the call (:class:`.hooks.Call`, ``None`` under
+    BackPACK's hooks), ``calls`` ``{id(group): calls of its layers in the forward pass}``.
+    Returns ``{attribute: reason}`` of the parameters refused.
     """
     savefield = extension.savefield
     refused = {}
@@ -307,14 +383,14 @@ def combine(extension, module: nn.Module, inputs: Tensor, grad_output: Tensor,
         own = getattr(param, savefield, None)
         own = None if own is before[attribute] else own
         value = group.combined(savefield, module, attribute, inputs, grad_output, own,
-                               before[attribute])
+                               before[attribute], call)
         if value is None:
             if hasattr(param, savefield):
                 delattr(param, savefield)
             refused[attribute] = group.refusal
         else:
             setattr(param, savefield, value)
-        group.release_when_done(active_savefields())
+        group.release_when_done(active_savefields(), (calls or {}).get(id(group), 0))
     return refused
 
 

@@ -274,7 +274,9 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
             extension, module, g_out, _batch_free_call(uses, module)):
         return  # refused (its rule would miss a use); or one of several calls: summed per
         # example at the end of the backward pass
-    if uses is not None and _ran_twice(extension, module, recorded):
+    # A layer whose parameters are all tied, called several times: each call one use of the tie.
+    by_tie = uses is not None and repeated.summed_by_tie(module, dispatched, _batch_free_call(uses, module))
+    if uses is not None and not by_tie and _ran_twice(extension, module, recorded):
         return
     before = tied.values_before(extension, module)
     if call(module, g_inp, g_out) is False:  # no rule covers the module: it wrote nothing
@@ -285,12 +287,26 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     broadcast = uses.broadcasts.get(module)
     if broadcast is not None:
         _broadcast_results(extension, module, broadcast, recorded, g_out[0])
-    refused = tied.combine(extension, module, uses.inputs.get(module), g_out[0], before)
+    # The call's own input where the layer ran several times (the record keeps the last call's),
+    # as the rules see it (low-precision inputs widened: .precision, shown by .hooks).
+    inputs = module.__dict__.get("input0") if by_tie else uses.inputs.get(module)
+    refused = tied.combine(extension, module, inputs, g_out[0], before, dispatched,
+                           _tied_calls(uses, module))
     for attribute in module.__dict__.get(TIED_ATTR, {}):
         param = getattr(module, attribute)
         why = refused.get(attribute) or uses.tied_otherwise.get(id(param))
         if why is not None:
             _drop(extension, param, recorded, why)
+
+
+def _tied_calls(uses: Uses, module: nn.Module) -> Dict[int, int]:
+    """``{id(group): calls}``: how many calls of the layers holding each of ``module``'s tied
+    parameters this forward pass made (the uses to combine before letting go of them)."""
+    counts = {}
+    for group in module.__dict__.get(TIED_ATTR, {}).values():
+        counts[id(group)] = sum(uses.calls.get(holder, 0) for holder in uses.holders
+                                if any(g is group for g in holder.__dict__[TIED_ATTR].values()))
+    return counts
 
 
 def _refuse_used_otherwise(extension, module: nn.Module, uses: Optional[Uses],

@@ -71,7 +71,8 @@ def batchable(module: nn.Module, params: Dict[str, nn.Parameter]) -> bool:
     an embedding with a ``padding_idx`` looks one of them up (module docstring; MobileBERT's
     word embedding, tied to its head, in its block)."""
     ids = {id(p) for p in params.values()}
-    return not any(isinstance(sub, nn.Embedding) and sub.padding_idx is not None and id(sub.weight) in ids
+    # Any module with a padding index (I-BERT's QuantEmbedding is no nn.Embedding subclass).
+    return not any(getattr(sub, "padding_idx", None) is not None and id(getattr(sub, "weight", None)) in ids
                    for sub in module.modules())
 
 

@@ -10,7 +10,8 @@ the batch's keys already there. Where the layers this call updated held nothing 
 the call gave it (``torch.cat`` of nothing and them; a sliding-window layer returns
 the full states too), so the recomputation with no cache (``None``, which these modules
 read as "attend over this call's keys") computes the same function: exact. Only the
-dynamic layers of ``transformers`` (:data:`DYNAMIC_LAYERS`) are taken, given to a module of
+dynamic layers of ``transformers`` (:data:`DYNAMIC_LAYERS`) and its linear-attention layers of
+Mamba-style mixers (:data:`LINEAR_LAYERS`, their convolution and recurrent states) are taken, given to a module of
 ``transformers`` (whose convention ``None`` is: :func:`reads_none_as_no_cache`); any other
 cache stays, and the module is refused with the reason (:func:`.running.cache_updated`).
 """
@@ -19,6 +20,20 @@ from typing import Dict, FrozenSet, List, Sequence
 
 #: The cache layers whose ``update`` on an empty layer returns the given states as they are.
 DYNAMIC_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+
+#: The cache layers of a Mamba-style mixer (convolution and recurrent states): on an empty
+#: layer (no previous state) its ``update_conv_state`` returns the given states padded on the
+#: left with zeros, as a causal convolution without a cache pads them, and the mixer runs its
+#: prefill from zero states, as it does without a cache (GraniteMoeHybrid's Mamba layers).
+LINEAR_LAYERS = frozenset({"LinearAttentionLayer"})
+
+
+def _filled(layer) -> int:
+    """How much ``layer`` holds: its sequence length (a dynamic layer), or the positions and
+    states it was given (a linear-attention layer); 0: empty."""
+    if type(layer).__name__ in LINEAR_LAYERS:
+        return int(layer.cumulative_length_linear) + sum(map(bool, layer.has_previous_state.values()))
+    return layer.get_seq_length()
 
 
 def is_cache(value) -> bool:
@@ -35,13 +50,14 @@ def reads_none_as_no_cache(module) -> bool:
 
 
 def lengths(leaves: Sequence) -> Dict[int, List[int]]:
-    """``{leaf index: [sequence length of each layer]}`` of the caches among ``leaves``
-    whose layers are all dynamic (:data:`DYNAMIC_LAYERS`)."""
+    """``{leaf index: [what each layer holds]}`` of the caches among ``leaves`` whose layers
+    are all dynamic or linear-attention ones (:data:`DYNAMIC_LAYERS`, :data:`LINEAR_LAYERS`)."""
     found = {}
     for k, leaf in enumerate(leaves):
         layers = getattr(leaf, "layers", None) if is_cache(leaf) else None
-        if isinstance(layers, list) and all(type(layer).__name__ in DYNAMIC_LAYERS for layer in layers):
-            found[k] = [layer.get_seq_length() for layer in layers]
+        if isinstance(layers, list) and all(type(layer).__name__ in DYNAMIC_LAYERS | LINEAR_LAYERS
+                                            for layer in layers):
+            found[k] = [_filled(layer) for layer in layers]
     return found
 
 
