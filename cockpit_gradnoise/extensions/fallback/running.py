@@ -12,10 +12,10 @@ warning and without rows (:func:`refusal`).
 
 import functools
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings
-from cockpit_gradnoise.extensions.fallback import caches, regroup, several
+from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -23,14 +23,21 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     Call,
     Fallback,
     active_savefields,
+    first_tensor,
 )
-from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of
-from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of, state_kept, structure
+from cockpit_gradnoise.extensions.fallback.parameters import (
+    caches_bypassed,
+    direct_parameters,
+    hooks_off,
+    own_parameters,
+)
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree
 
 
 def computed_parameters(module: nn.Module, call: Optional[Call]) -> Dict[str, nn.Parameter]:
@@ -163,13 +170,42 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         except Exception as error:  # vmap cannot run this forward per example
             reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
             if "random" in str(error):
-                reason = random_forward(module, reason)
+                replayed = _replayed(module, call, grads, blind_outputs, layout, savefields)
+                if isinstance(replayed, dict):
+                    return replayed
+                reason = random_forward(module, reason) if replayed is None else replayed
             elif _given_a_cache(call):
                 reason = cache_updated(reason)
             elif "setup_context" in str(error):
                 reason = OLD_STYLE_FUNCTION
     _refuse(module, state, reason)
     return {}
+
+
+def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
+              layout: Layout, savefields) -> Union[Dict, str, None]:
+    """The results of a module whose forward draws random numbers (``vmap`` raised there), from
+    the module run again on each example alone with its part of the batch's draws, as a block
+    is (:mod:`.draws`, :func:`.blocks.per_example_gradients`, which checks each example's output
+    against its row of the batch's); why not (a string); ``None`` where no draws can be
+    replayed (no random state kept: not in training mode) or its outputs are not one tensor
+    per example."""
+    if call.rng is None or call.output is None or set(grads) != {0} or blind_outputs:
+        return None
+    block = blocks.Block()
+    block.call, block.output, block.layouts = call, call.output, {structure(call): layout}
+    grad = grads[0]
+    params = {n: p.detach().requires_grad_() for n, p in computed_parameters(module, call).items()}
+    devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
+    args, kwargs = _pytree.tree_unflatten(list(call.leaves), call.spec)
+    try:  # (copies of the parameters: their own gradient hooks stay out of it)
+        with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
+                own_parameters(module, params):
+            drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
+            chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
+            return reduce_chunks(with_structural_zeros(chunks), savefields)
+    except (blocks.Interacting, draws.Unreplayable) as error:
+        return f"its forward draws random numbers in training mode, and {error}"
 
 
 #: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
