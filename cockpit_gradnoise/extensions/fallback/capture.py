@@ -246,8 +246,10 @@ def _start_recording(module, args, kwargs):
         if recording:  # computed again from the parameters, as in training mode
             clear_parameter_caches(module)
         # Where a recomputation meets random numbers, the batch's draws are replayed from it.
+        # (Not where a closed form takes the call: nothing runs again.)
+        one_input = state.closed_form is not None and not kwargs and len(args) == 1
         state.rng = draws.snapshot(_pytree.tree_leaves((args, kwargs))) \
-            if recording and module.training else None
+            if recording and module.training and not one_input else None
 
 
 def _child_inputs(child, args, kwargs):

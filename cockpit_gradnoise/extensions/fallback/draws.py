@@ -157,10 +157,8 @@ def example_part(drawn: Tensor, alone: torch.Size, i: int, examples: int) -> Ten
     if drawn.dim() != len(alone) or len(differ) != 1 or drawn.shape[differ[0]] != examples \
             or alone[differ[0]] != 1:
         raise Unreplayable(
-            f"its forward draws a random tensor of shape {list(drawn.shape)} in the batch of "
-            f"{examples} and {list(alone)} for an example alone, which has no dimension of the "
-            "examples (drawn once for all of them, or the batch flattened with other sizes): "
-            "each example's part of the batch's draws is not known")
+            f"a random tensor ({list(drawn.shape)} for {examples} examples, {list(alone)} for one) "
+            "has no dimension of the examples (drawn once for all, or flattened)")
     return drawn.narrow(differ[0], i, 1)
 
 

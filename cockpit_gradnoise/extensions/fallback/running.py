@@ -10,6 +10,7 @@ of the backward pass, when the gradients flowing into them are there
 warning and without rows (:func:`refusal`).
 """
 
+import dataclasses
 import functools
 import warnings
 from typing import Dict, List, Optional, Union
@@ -192,12 +193,17 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     per example."""
     if call.rng is None or call.output is None or set(grads) != {0} or blind_outputs:
         return None
+    # Its tensor arguments copied: a forward that changes its input in place would change the
+    # tensors the backward pass still holds (and the next example's input).
+    leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
+    call = dataclasses.replace(call, leaves=leaves)
     block = blocks.Block()
     block.call, block.output, block.layouts = call, call.output, {structure(call): layout}
     grad = grads[0]
     params = {n: p.detach().requires_grad_() for n, p in computed_parameters(module, call).items()}
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
-    args, kwargs = _pytree.tree_unflatten(list(call.leaves), call.spec)
+    args, kwargs = _pytree.tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf
+                                           for leaf in leaves], call.spec)
     try:  # (copies of the parameters: their own gradient hooks stay out of it)
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
                 own_parameters(module, params):
@@ -205,7 +211,7 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
             chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
             return reduce_chunks(with_structural_zeros(chunks), savefields)
     except (blocks.Interacting, draws.Unreplayable) as error:
-        return f"its forward draws random numbers in training mode, and {error}"
+        return f"its forward draws random numbers in training mode: {error}"
 
 
 #: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
