@@ -37,8 +37,9 @@ from their :mod:`.layout`). Then the one choice point
 Checked at each step, refused with a warning naming the parameters (never a
 silently wrong number): the block's output for one example alone must equal
 its output in the batch (to ``sqrt(eps)`` of its largest magnitude: examples
-that interact, through capacity limits or batch-level routing, or a random
-forward pass, such as router jitter or dropout, change it by far more); and
+that interact, through capacity limits or batch-level routing, change it by far more; a
+forward pass that draws random numbers, such as dropout or router jitter in training mode,
+is given each example's part of the batch's draws, :mod:`.draws`, and checked the same way); and
 the contributions must add up to the gradient the backward pass gave each
 parameter (a parameter hook): a gradient reaching the parameter other than
 through the block's output (the router's auxiliary load-balancing loss with
