@@ -16,10 +16,13 @@ random state afterwards.
 import warnings
 
 import cockpit_gradnoise as cgn
+from cockpit_gradnoise import check
 
 import pytest
 import torch
 from torch import nn
+
+from tests.helpers import rows
 
 BATCHES = (2, 3, 5)
 
@@ -69,29 +72,34 @@ def test_timm_class_token_and_position_table_in_training_mode_are_exact(make, ex
 def test_tracking_keeps_the_batch_draws_and_the_random_state():
     """A tracked step in training mode draws what the step draws without the package (same
     loss, same gradient), leaves the random state where it leaves it, and gives the class
-    token its rows without a warning."""
+    token its rows without a warning; at the next step, where ``vmap`` is no longer tried
+    (it met the draws), its largest per-example norm is the reference's."""
     images, labels = _images(3)
     plain = beit()
-    torch.manual_seed(7)
-    loss = nn.functional.cross_entropy(plain(images), labels)
-    loss.backward()
-    after = torch.rand(4)
-
     model, tracker = cgn.track(beit(), every=1, quantities=["PerExampleGradNorm"])
-    torch.manual_seed(7)
-    logits = model(images)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with tracker(0, nn.functional.cross_entropy(logits, labels, reduction="none")) as tracked:
-            tracked.backward()
-    assert torch.equal(torch.rand(4), after)
-    torch.testing.assert_close(tracked, loss, rtol=0, atol=0)
-    grads = dict(plain.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-15)
-    assert not [str(w.message) for w in caught if "cockpit-gradnoise" in str(w.message)]
-    rows = cgn.to_frame(tracker.cockpit)
-    assert "cls_token" in set(rows.param)
+    for step, seed in enumerate((7, 8)):
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = nn.functional.cross_entropy(plain(images), labels)
+        loss.backward()
+        after = torch.rand(4)
+        torch.manual_seed(seed)
+        logits = model(images)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracker(step, nn.functional.cross_entropy(logits, labels, reduction="none")) as tracked:
+                tracked.backward()
+        assert torch.equal(torch.rand(4), after)
+        torch.testing.assert_close(tracked, loss, rtol=0, atol=0)
+        grads = dict(plain.named_parameters())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-15)
+        assert not [str(w.message) for w in caught if "cockpit-gradnoise" in str(w.message)]
+    torch.manual_seed(8)
+    reference = check.reference_contributions(plain, (images,), labels, nn.CrossEntropyLoss())["cls_token"]
+    got = rows(tracker.cockpit, "PerExampleGradNorm", step=1)["cls_token"]["max"]
+    assert got == pytest.approx(3 * float(reference.flatten(1).norm(dim=1).max()), rel=1e-10)
 
 
 class Toy(nn.Module):

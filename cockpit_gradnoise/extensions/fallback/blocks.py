@@ -476,14 +476,17 @@ def _reduced(module: nn.Module, block: Block, grad: Tensor, params: Dict[str, nn
         except Interacting:
             if block.call.rng is None:
                 raise
-    call = block.call
-    args, kwargs = _pytree.tree_unflatten(list(call.leaves), call.spec)
-    drawn = draws.record(module, args, kwargs, call.rng, block.output, first_tensor, call.autocast) \
-        if call.rng is not None else None
-    if not drawn and block.random is False:  # it draws nothing: its examples interact
-        raise Interacting("its output for one example alone differs from its output in the batch: its "
-                          "examples interact (a capacity limit, routing over the batch)")
-    block.random = True
+    call = block.call  # (its arguments copied: a forward may change them in place)
+    args, kwargs = _pytree.tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf
+                                           for leaf in call.leaves], call.spec)
+    drawn = draws.record(module, args, kwargs, call.rng, block.output, first_tensor, call.autocast)
+    if not drawn:
+        if not block.random:  # it draws nothing: its examples interact
+            raise Interacting("its output for one example alone differs from its output in the batch: "
+                              "its examples interact (a capacity limit, routing over the batch)")
+        block.random = False  # it no longer draws (its rates set to 0): vmap again
+        return _reduced(module, block, grad, params, wanted)
+    block.random, block.vectorized = True, None  # (vmap failed on the draws: tried again in eval mode)
     chunks = per_example_gradients(module, block, grad, params, drawn)
     return reduce_chunks(with_structural_zeros(chunks), wanted)
 

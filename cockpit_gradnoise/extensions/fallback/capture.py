@@ -183,6 +183,8 @@ class Fallback:
     arrivals: Optional[Any] = None
     #: The random state at the start of the call in progress, in training mode (:mod:`.draws`).
     rng: Optional[draws.Snapshot] = None
+    #: Whether ``vmap`` met random numbers in its forward at an earlier step (:mod:`.running`).
+    random: bool = False
 
 
 # Which modules: direct trainable parameters and no rule -----------------------

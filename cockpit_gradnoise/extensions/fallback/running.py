@@ -162,25 +162,43 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
                                   start, start + size, blind_outputs, blind)
             for start in range(0, examples, size)
         )
+        # Where vmap met random numbers at an earlier step, it is not tried again in training mode.
+        replayed = _replayed(module, call, grads, blind_outputs, layout, savefields) \
+            if state.random and call.rng is not None else None
+        if isinstance(replayed, dict):
+            return replayed
         try:
+            if replayed is not None:
+                raise Refused(replayed)
             results = reduce_chunks(with_structural_zeros(chunks), savefields)
             _leave_out(module, state, blind)
             return results
         except Refused as error:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
-            reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
-            if "random" in str(error):
-                replayed = _replayed(module, call, grads, blind_outputs, layout, savefields)
-                if isinstance(replayed, dict):
-                    return replayed
-                reason = random_forward(module, reason) if replayed is None else replayed
-            elif _given_a_cache(call):
-                reason = cache_updated(reason)
-            elif "setup_context" in str(error):
-                reason = OLD_STYLE_FUNCTION
+            replayed = _vmap_failed(module, state, error, grads, blind_outputs, layout, savefields)
+            if isinstance(replayed, dict):
+                return replayed
+            reason = replayed
     _refuse(module, state, reason)
     return {}
+
+
+def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Dict[int, Tensor],
+                 blind_outputs: List[int], layout: Layout, savefields) -> Union[Dict, str]:
+    """Where ``vmap`` could not run the module's forward per example: the results with the
+    batch's random draws replayed, if it met random numbers (:func:`_replayed`), else why not."""
+    call = state.call
+    reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    if "random" in str(error):
+        state.random = True
+        replayed = _replayed(module, call, grads, blind_outputs, layout, savefields)
+        return random_forward(module, reason) if replayed is None else replayed
+    if _given_a_cache(call):
+        return cache_updated(reason)
+    if "setup_context" in str(error):
+        return OLD_STYLE_FUNCTION
+    return reason
 
 
 def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
