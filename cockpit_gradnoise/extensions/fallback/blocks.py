@@ -118,6 +118,10 @@ def hook_block(module: nn.Module) -> Block:
     block = module.__dict__.get(BLOCK_ATTRIBUTE)
     if block is None:
         block = module.__dict__[BLOCK_ATTRIBUTE] = Block()
+        # Hooked as its call begins (the model itself, by the survey in the model's pre-hook,
+        # whose passes keep the random state): the state its pre-hook would have kept.
+        block.rng = draws.snapshot(list(module.parameters())) \
+            if module.training and torch.is_grad_enabled() else None
         module.register_forward_pre_hook(eager_under_compile(_keep_random_state), with_kwargs=True)
         module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
         experts.install(module)  # its experts' rows kept in the batch's pass, where it has them
