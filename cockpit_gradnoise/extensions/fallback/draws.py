@@ -83,16 +83,27 @@ def restored(state: Snapshot):
         yield
 
 
+#: ``{operation: None (draws nothing), -1 (draws) or the position of its dropout_p}``.
+_KINDS: Dict[object, Optional[int]] = {}
+
+
+def _kind(func) -> Optional[int]:
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    return next((k for k, argument in enumerate(func._schema.arguments) if argument.name == "dropout_p"), -1)
+
+
 def _random(func, args, kwargs) -> bool:
     """Whether the operation draws random numbers: tagged so, and not given a ``dropout_p`` of
-    0 (the attention kernels are tagged whatever their rate)."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    for k, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            rate = kwargs.get("dropout_p", args[k] if k < len(args) else argument.default_value)
-            return rate != 0
-    return True
+    0 (the attention kernels are tagged whatever their rate). Looked up once per operation:
+    it is asked for every operation of the forward passes it watches."""
+    kind = _KINDS.get(func, False)
+    if kind is False:
+        kind = _KINDS[func] = _kind(func)
+    if kind is None or kind < 0:
+        return kind is not None
+    default = func._schema.arguments[kind].default_value
+    return kwargs.get("dropout_p", args[kind] if kind < len(args) else default) != 0
 
 
 def _drawn(func, args, result) -> Tensor:
