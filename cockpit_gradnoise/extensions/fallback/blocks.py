@@ -142,7 +142,7 @@ def _keep_random_state(module, args, kwargs):
     """Forward pre-hook: the random state at the call's start in training mode (:mod:`.draws`)."""
     block = module.__dict__.get(BLOCK_ATTRIBUTE)
     if block is not None:
-        block.rng = draws.snapshot(_pytree.tree_leaves((args, kwargs))) \
+        block.rng = draws.snapshot((*args, *kwargs.values())) \
             if module.training and torch.is_grad_enabled() and not idle(module) else None
 
 

@@ -250,7 +250,7 @@ def _start_recording(module, args, kwargs):
         # Where a recomputation meets random numbers, the batch's draws are replayed from it.
         # (Not where a closed form takes the call: nothing runs again.)
         one_input = state.closed_form is not None and not kwargs and len(args) == 1
-        state.rng = draws.snapshot(_pytree.tree_leaves((args, kwargs))) \
+        state.rng = draws.snapshot((*args, *kwargs.values())) \
             if recording and module.training and not one_input else None
 
 

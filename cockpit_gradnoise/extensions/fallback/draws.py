@@ -42,7 +42,7 @@ the recomputation of a module with draws costs ``N`` passes of it, plus one on t
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
 
@@ -63,13 +63,19 @@ class Snapshot:
     cuda: Dict[int, Tensor] = field(default_factory=dict)
 
 
-def snapshot(leaves: Sequence) -> Optional[Snapshot]:
-    """The random state now, for the devices of the tensors among ``leaves`` (``None`` where
-    one is on another device than CPU or CUDA: its generator is not restored)."""
-    devices = {leaf.device for leaf in leaves if isinstance(leaf, Tensor)}
-    if any(device.type not in ("cpu", "cuda") for device in devices):
-        return None
-    cuda = {device.index or 0 for device in devices if device.type == "cuda"}
+def snapshot(values) -> Optional[Snapshot]:
+    """The random state now, for the devices of the tensors among ``values`` (a call's
+    arguments; ``None`` where one is on another device than CPU or CUDA: its generator is not
+    restored). A CUDA generator not found there is not kept: a draw on it then makes the
+    recording's output differ, and the module is refused (:func:`record`)."""
+    cuda = set()
+    for value in values:
+        if isinstance(value, Tensor):
+            kind = value.device.type
+            if kind == "cuda":
+                cuda.add(value.device.index or 0)
+            elif kind != "cpu":
+                return None
     return Snapshot(torch.get_rng_state(), {k: torch.cuda.get_rng_state(k) for k in sorted(cuda)})
 
 
