@@ -104,8 +104,8 @@ def test_tracking_keeps_the_batch_draws_and_the_random_state():
 
 class Toy(nn.Module):
     """A module with its own parameter whose forward draws random numbers: per example
-    (``rand_like``), once for every example, flattened with the features, or per example
-    but handed to other examples (``flip``)."""
+    (``rand_like``; ``native_dropout``, the kernel of dropout on a GPU), once for every example,
+    flattened with the features, or per example but handed to other examples (``flip``)."""
 
     def __init__(self, draw):
         super().__init__()
@@ -117,6 +117,8 @@ class Toy(nn.Module):
         hidden = x * self.scale
         keep = {
             "per example": lambda: torch.rand_like(hidden) < 0.6,
+            # (the kernel dropout runs on a GPU, here on the CPU: its output replayed from its mask)
+            "native dropout": lambda: torch.native_dropout(hidden, 0.4, True)[0] * 0.6 / hidden,
             "shared": lambda: torch.rand(hidden.shape[1:], dtype=hidden.dtype) < 0.6,
             "flattened": lambda: (torch.rand(hidden.numel(), dtype=hidden.dtype) < 0.6).view_as(hidden),
             "flipped": lambda: (torch.rand_like(hidden) < 0.6).flip(0),
@@ -124,7 +126,7 @@ class Toy(nn.Module):
         return self.head(torch.tanh(hidden * keep / 0.6 + self.scale))
 
 
-@pytest.mark.parametrize("draw", ["per example", "shared", "flattened", "flipped"])
+@pytest.mark.parametrize("draw", ["per example", "native dropout", "shared", "flattened", "flipped"])
 def test_a_random_tensor_that_is_not_per_example_is_refused_by_name(draw):
     """Replayed where the random tensor has one dimension of the examples and each example's
     output alone matches its row of the batch's; else ``scale`` is left out, naming why."""
@@ -133,7 +135,7 @@ def test_a_random_tensor_that_is_not_per_example_is_refused_by_name(draw):
     inputs = torch.randn(5, 4, dtype=torch.float64)
     frame = _checked(model, (inputs,), torch.arange(5) % 3).set_index("param")
     assert frame.loc["head.weight", "rows"] and frame.loc["head.weight", "max_rel_error"] < 1e-10
-    if draw == "per example":
+    if draw in ("per example", "native dropout"):
         assert frame.loc["scale", "rows"] and frame.loc["scale", "max_rel_error"] < 1e-10
     else:
         assert not frame.loc["scale", "rows"]
