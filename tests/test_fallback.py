@@ -99,12 +99,16 @@ class Mixing(nn.Module):
 
 
 class Dropped(nn.Module):
+    """Drops features with one mask for every example: no example's part of the batch's draws
+    to replay (``extensions/fallback/draws.py``; a mask per example is replayed)."""
+
     def __init__(self):
         super().__init__()
         self.gamma = nn.Parameter(torch.ones(4))
 
     def forward(self, x):
-        return nn.functional.dropout(x * self.gamma, 0.5, self.training)
+        keep = torch.rand(x.shape[1:], dtype=x.dtype) < 0.5
+        return x * self.gamma * keep / 0.5
 
 
 class Table(nn.Module):
@@ -215,7 +219,7 @@ class GivesACache(nn.Module):
     [
         (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
         (nn.Sequential(GivesACache(), nn.Linear(4, 3)), "0.cached.gamma", "use_cache=False"),
-        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "no dimension of the examples"),
         (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
         (nn.Sequential(OldStyle(), nn.Linear(4, 3)), "0.gamma", "give the Function a setup_context"),
@@ -234,7 +238,7 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
 @pytest.mark.parametrize(
     "model, name, reason",
     [
-        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "vmap cannot run"),
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "no dimension of the examples"),
         (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],

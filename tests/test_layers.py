@@ -312,14 +312,15 @@ class Scale(nn.Module):
         self.scale = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
-        return (x * self.scale).sin() + 0 * torch.rand_like(x)  # no layer-scale look-alike
+        # No layer-scale look-alike; one draw for every example: none of its own to replay.
+        return (x * self.scale).sin() + 0 * torch.rand(x.shape[-1], dtype=x.dtype)
 
 
 class RandomDoubles(Doubles):
     """Doubles with a random draw: neither the Linear rule nor the fallback."""
 
     def forward(self, x):
-        return super().forward(x) + 0 * torch.rand(x.shape[0], self.out_features, dtype=x.dtype)
+        return super().forward(x) + 0 * torch.rand(x.shape[-1], dtype=x.dtype).sum()  # as Scale draws
 
 
 def test_the_unsupported_warning_is_short_and_names_the_classes():
@@ -338,5 +339,5 @@ def test_the_unsupported_warning_is_short_and_names_the_classes():
     message = messages[0]
     assert len(message) < 600, message  # a few hundred characters per distinct reason, not per parameter
     assert "202 parameters" in message and "(in RandomDoubles, Scale)" in message
-    assert "vmap cannot run its forward per example" in message and "200 more" in message
+    assert "no dimension of the examples" in message and "200 more" in message
     assert "docs/architectures.md" in message

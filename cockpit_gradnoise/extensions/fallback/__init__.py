@@ -56,7 +56,11 @@ How it is wired, one file each:
   it is run again on each example alone, and gives every parameter inside it its rows;
   :mod:`.block_vmap` runs it on a chunk of examples at once where ``vmap`` can;
 - :mod:`.parameters`: which parameters, and the module run with others in
-  their place and without its hooks.
+  their place and without its hooks;
+- :mod:`.draws`: a forward that draws random numbers in training mode (dropout, drop path
+  run again inside the module: timm's BEiT and EVA-02 around their class token, XLNet's
+  block) is run again on each example alone with its part of the batch's draws, recorded
+  from the random state of the call (``vmap`` cannot replay them: the loop runs).
 
 A module's caches of tensors computed from its parameters (timm's eval-mode
 ``attention_bias_cache``, :func:`.parameters.parameter_caches`) are emptied at
@@ -67,8 +71,8 @@ the cache instead of the parameters' copies (rows of zeros).
 Refused, with a warning and without rows (never a silently wrong number):
 a module none of whose inputs leads with the batch dimension of its output,
 a module with a BatchNorm in training mode inside (its examples interact), a
-forward pass ``vmap`` cannot run per example (random operations such as
-dropout in training mode, data-dependent Python), and an input changed in
+forward pass ``vmap`` cannot run per example (data-dependent Python; random
+operations whose draws have no dimension of the examples: :mod:`.draws`), and an input changed in
 place after the call, and a parameter the forward pass used that the
 recomputation did not use (a tensor computed from it and kept: :func:`.replay.used_by_forward`),
 and a module whose first output does not depend on the batch (:mod:`.layout`). A later

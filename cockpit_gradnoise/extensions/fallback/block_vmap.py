@@ -22,7 +22,8 @@ what the loop computes, in the same operations batched (equal to rounding).
 batching rule: ``torch._grouped_mm``, a mixture of experts' grouped products,
 took 0.80 s where the loop took 0.30 s) is switched off inside, so such an
 operation raises, as do data-dependent shapes (``nonzero``: the eager
-experts' routing) and random operations. Where the first chunk raises, or its
+experts' routing) and random operations (their draws cannot be replayed under ``vmap``: in
+training mode the loop replays them, :mod:`.draws`). Where the first chunk raises, or its
 outputs differ from the batch's, :func:`chunks` returns ``None`` and
 :mod:`.blocks`' loop runs and checks, now and at every later step
 (:attr:`.blocks.Block.vectorized` ``False``). A later chunk is checked the same

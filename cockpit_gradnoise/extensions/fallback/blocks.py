@@ -37,8 +37,9 @@ from their :mod:`.layout`). Then the one choice point
 Checked at each step, refused with a warning naming the parameters (never a
 silently wrong number): the block's output for one example alone must equal
 its output in the batch (to ``sqrt(eps)`` of its largest magnitude: examples
-that interact, through capacity limits or batch-level routing, or a random
-forward pass, such as router jitter or dropout, change it by far more); and
+that interact, through capacity limits or batch-level routing, change it by far more; a
+forward pass that draws random numbers, such as dropout or router jitter in training mode,
+is given each example's part of the batch's draws, :mod:`.draws`, and checked the same way); and
 the contributions must add up to the gradient the backward pass gave each
 parameter (a parameter hook): a gradient reaching the parameter other than
 through the block's output (the router's auxiliary load-balancing loss with
@@ -61,7 +62,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, experts, shared, window_map, windows
+from cockpit_gradnoise.extensions.fallback import block_vmap, draws, experts, shared, window_map, windows
 from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -105,6 +106,8 @@ class Block:
         # operations): float32 inside a float64 model rounds there (:func:`rounding`).
         self.dtype: Optional[torch.dtype] = None
         self.vectorized: Optional[bool] = None  # whether vmap runs it (.block_vmap), once known
+        self.rng: Optional[draws.Snapshot] = None  # at its call's start in training mode (.draws)
+        self.random = False  # whether its forward was found to draw random numbers
 
     def __reduce__(self):
         return (Block, (self.members,))
@@ -115,6 +118,11 @@ def hook_block(module: nn.Module) -> Block:
     block = module.__dict__.get(BLOCK_ATTRIBUTE)
     if block is None:
         block = module.__dict__[BLOCK_ATTRIBUTE] = Block()
+        # Hooked as its call begins (the model itself, by the survey in the model's pre-hook,
+        # whose passes keep the random state): the state its pre-hook would have kept.
+        block.rng = draws.snapshot(list(module.parameters())) \
+            if module.training and torch.is_grad_enabled() else None
+        module.register_forward_pre_hook(eager_under_compile(_keep_random_state), with_kwargs=True)
         module.register_forward_hook(eager_under_compile(_capture), with_kwargs=True)
         experts.install(module)  # its experts' rows kept in the batch's pass, where it has them
     return block
@@ -128,6 +136,14 @@ def install_fallback(model: nn.Module, has_rule) -> List[str]:
         if any(isinstance(getattr(child, ATTRIBUTE, None), Fallback) for child in parent.children()):
             hook_block(parent)
     return names
+
+
+def _keep_random_state(module, args, kwargs):
+    """Forward pre-hook: the random state at the call's start in training mode (:mod:`.draws`)."""
+    block = module.__dict__.get(BLOCK_ATTRIBUTE)
+    if block is not None:
+        block.rng = draws.snapshot((*args, *kwargs.values())) \
+            if module.training and torch.is_grad_enabled() and not idle(module) else None
 
 
 def _capture(module, args, kwargs, output):
@@ -146,7 +162,7 @@ def _capture(module, args, kwargs, output):
     versions = {k: leaf._version for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
-    block.call = Call(leaves, spec, versions, None, precision.autocast_state(device))
+    block.call = Call(leaves, spec, versions, None, precision.autocast_state(device), rng=block.rng)
     block.output, block.version = first.detach(), first._version
     block.handles.append(first.register_hook(lambda grad: _output_gradient(module, block, grad)))
     for param in _parameters(module).values():
@@ -294,12 +310,13 @@ class Interacting(Exception):
     """The block's output for an example alone is not its output in the batch."""
 
 
-def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
-                          params: Dict[str, nn.Parameter]) -> Iterator[Tuple[Dict[str, Tensor], Dict]]:
+def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params: Dict[str, nn.Parameter],
+                          drawn: Optional[list] = None) -> Iterator[Tuple[Dict[str, Tensor], Dict]]:
     """``{name: [x_i for i in a chunk]}``, chunk by chunk (:func:`.cost_model.examples_per_chunk`
     examples: one reduction per chunk), ``x_i`` from the block run again on example ``i``
     alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring); with the
-    terms' magnitudes of its linear layers' biases (:mod:`.block_biases`).
+    terms' magnitudes of its linear layers' biases (:mod:`.block_biases`); ``drawn``: the
+    batch's random draws, each example given its part of them (:mod:`.draws`).
 
     Raises:
         Interacting: Where the block's output for an example alone differs from its
@@ -319,7 +336,7 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor,
         handles = biases.install()
         try:
             with torch.enable_grad(), precision.autocast_as(call.autocast), \
-                    narrowest if i == 0 else contextlib.nullcontext():
+                    narrowest if i == 0 else contextlib.nullcontext(), draws.replaying(drawn, i, examples):
                 output = module(*args, **kwargs)
         finally:
             for handle in handles:
@@ -440,16 +457,42 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
             rest = params if way.confirming(module) else {n: p for n, p in params.items() if n not in names}
             found = {savefield: {} for savefield in wanted}
             if rest:
-                chunks = vectorized(module, block, grad, rest) or per_example_gradients(module, block, grad, rest)
-                found = reduce_chunks(with_structural_zeros(chunks), sorted(wanted))
+                found = _reduced(module, block, grad, rest, sorted(wanted))
             if names and way.confirmed(module, fast, found, rounding(block, grad.dtype)):
                 for savefield in wanted:
                     found[savefield].update(fast[savefield])
             return found
-    except Interacting as error:
+    except (Interacting, draws.Unreplayable) as error:
         return str(error)
     except Exception as error:  # the block cannot run on one example
         return f"it cannot run on one example alone ({type(error).__name__}: {error})"
+
+
+def _reduced(module: nn.Module, block: Block, grad: Tensor, params: Dict[str, nn.Parameter],
+             wanted: List[str]) -> Dict[str, Dict[str, Tensor]]:
+    """The results of ``params`` by :func:`vectorized` or the loop; where the block's output for
+    an example alone differs from the batch's in a call in training mode, with the batch's
+    random draws replayed (:mod:`.draws`), at this step and every later one."""
+    if not block.random or block.call.rng is None:
+        try:
+            chunks = vectorized(module, block, grad, params) or per_example_gradients(module, block, grad, params)
+            return reduce_chunks(with_structural_zeros(chunks), wanted)
+        except Interacting:
+            if block.call.rng is None:
+                raise
+    call = block.call  # (its arguments copied: a forward may change them in place)
+    args, kwargs = _pytree.tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf
+                                           for leaf in call.leaves], call.spec)
+    drawn = draws.record(module, args, kwargs, call.rng, block.output, first_tensor, call.autocast)
+    if not drawn:
+        if not block.random:  # it draws nothing: its examples interact
+            raise Interacting("its output for one example alone differs from its output in the batch: "
+                              "its examples interact (a capacity limit, routing over the batch)")
+        block.random = False  # it no longer draws (its rates set to 0): vmap again
+        return _reduced(module, block, grad, params, wanted)
+    block.random, block.vectorized = True, None  # (vmap failed on the draws: tried again in eval mode)
+    chunks = per_example_gradients(module, block, grad, params, drawn)
+    return reduce_chunks(with_structural_zeros(chunks), wanted)
 
 
 def reached_otherwise(total: Optional[Tensor], summed: Tensor, norms: Tensor, eps: float,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import facts, precision
-from cockpit_gradnoise.extensions.fallback import caches
+from cockpit_gradnoise.extensions.fallback import caches, draws
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
 from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
@@ -85,6 +85,10 @@ class Call:
     #: ``(shape, dtype, device)`` of the first output (a tensor), for its gradient of zeros
     #: where only later outputs reached the loss (:func:`_first_output_without_gradient`).
     first: Optional[Tuple[torch.Size, torch.dtype, torch.device]] = None
+    #: The random state at the call's start in training mode (:mod:`.draws`), else ``None``.
+    rng: Optional[draws.Snapshot] = None
+    #: The first output (detached) of a call with ``rng``: its draws are checked against it.
+    output: Optional[Tensor] = None
 
 
 class Nodes:
@@ -177,6 +181,10 @@ class Fallback:
     #: The calls of a module called several times that this backward pass reached, with their
     #: output gradients, until its end (:func:`.running.run`).
     arrivals: Optional[Any] = None
+    #: The random state at the start of the call in progress, in training mode (:mod:`.draws`).
+    rng: Optional[draws.Snapshot] = None
+    #: Whether ``vmap`` met random numbers in its forward at an earlier step (:mod:`.running`).
+    random: bool = False
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -239,6 +247,11 @@ def _start_recording(module, args, kwargs):
             if recording and caches.reads_none_as_no_cache(module) else {}
         if recording:  # computed again from the parameters, as in training mode
             clear_parameter_caches(module)
+        # Where a recomputation meets random numbers, the batch's draws are replayed from it.
+        # (Not where a closed form takes the call: nothing runs again.)
+        one_input = state.closed_form is not None and not kwargs and len(args) == 1
+        state.rng = draws.snapshot((*args, *kwargs.values())) \
+            if recording and module.training and not one_input else None
 
 
 def _child_inputs(child, args, kwargs):
@@ -333,6 +346,7 @@ def _capture(module, args, kwargs, output):
     call = Call(leaves, spec, versions, positions, precision.autocast_state(device),
                 children=state.recording or [], output_sizes=output_sizes(output))
     call.fresh_caches = fresh
+    call.rng, state.rng = state.rng, None
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None
@@ -344,6 +358,7 @@ def _capture(module, args, kwargs, output):
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if isinstance(first, Tensor):
         call.first = (first.shape, first.dtype, first.device)
+        call.output = first.detach() if call.rng is not None else None
     if first is not None and first.requires_grad:
         # Which call the module's backward hooks that follow are of; steps without the
         # package's extensions free the arguments in the backward pass.

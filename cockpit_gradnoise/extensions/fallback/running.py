@@ -10,12 +10,13 @@ of the backward pass, when the gradients flowing into them are there
 warning and without rows (:func:`refusal`).
 """
 
+import dataclasses
 import functools
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings
-from cockpit_gradnoise.extensions.fallback import caches, regroup, several
+from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -23,14 +24,21 @@ from cockpit_gradnoise.extensions.fallback.capture import (
     Call,
     Fallback,
     active_savefields,
+    first_tensor,
 )
-from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of
-from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters
+from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of, state_kept, structure
+from cockpit_gradnoise.extensions.fallback.parameters import (
+    caches_bypassed,
+    direct_parameters,
+    hooks_off,
+    own_parameters,
+)
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree
 
 
 def computed_parameters(module: nn.Module, call: Optional[Call]) -> Dict[str, nn.Parameter]:
@@ -154,22 +162,74 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
                                   start, start + size, blind_outputs, blind)
             for start in range(0, examples, size)
         )
+        # Where vmap met random numbers at an earlier step, it is not tried again in training mode.
+        replayed = _replayed(module, call, grads, blind_outputs, layout, savefields) \
+            if state.random and call.rng is not None else None
+        if isinstance(replayed, dict):
+            return replayed
         try:
+            if replayed is not None:
+                raise Refused(replayed)
             results = reduce_chunks(with_structural_zeros(chunks), savefields)
             _leave_out(module, state, blind)
             return results
         except Refused as error:
             reason = str(error)
         except Exception as error:  # vmap cannot run this forward per example
-            reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
-            if "random" in str(error):
-                reason = random_forward(module, reason)
-            elif _given_a_cache(call):
-                reason = cache_updated(reason)
-            elif "setup_context" in str(error):
-                reason = OLD_STYLE_FUNCTION
+            replayed = _vmap_failed(module, state, error, grads, blind_outputs, layout, savefields)
+            if isinstance(replayed, dict):
+                return replayed
+            reason = replayed
     _refuse(module, state, reason)
     return {}
+
+
+def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Dict[int, Tensor],
+                 blind_outputs: List[int], layout: Layout, savefields) -> Union[Dict, str]:
+    """Where ``vmap`` could not run the module's forward per example: the results with the
+    batch's random draws replayed, if it met random numbers (:func:`_replayed`), else why not."""
+    call = state.call
+    reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
+    if "random" in str(error):
+        state.random = True
+        replayed = _replayed(module, call, grads, blind_outputs, layout, savefields)
+        return random_forward(module, reason) if replayed is None else replayed
+    if _given_a_cache(call):
+        return cache_updated(reason)
+    if "setup_context" in str(error):
+        return OLD_STYLE_FUNCTION
+    return reason
+
+
+def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
+              layout: Layout, savefields) -> Union[Dict, str, None]:
+    """The results of a module whose forward draws random numbers (``vmap`` raised there), from
+    the module run again on each example alone with its part of the batch's draws, as a block
+    is (:mod:`.draws`, :func:`.blocks.per_example_gradients`, which checks each example's output
+    against its row of the batch's); why not (a string); ``None`` where no draws can be
+    replayed (no random state kept: not in training mode) or its outputs are not one tensor
+    per example."""
+    if call.rng is None or call.output is None or set(grads) != {0} or blind_outputs:
+        return None
+    # Its tensor arguments copied: a forward that changes its input in place would change the
+    # tensors the backward pass still holds (and the next example's input).
+    leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
+    call = dataclasses.replace(call, leaves=leaves)
+    block = blocks.Block()
+    block.call, block.output, block.layouts = call, call.output, {structure(call): layout}
+    grad = grads[0]
+    params = {n: p.detach().requires_grad_() for n, p in computed_parameters(module, call).items()}
+    devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
+    args, kwargs = _pytree.tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf
+                                           for leaf in leaves], call.spec)
+    try:  # (copies of the parameters: their own gradient hooks stay out of it)
+        with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
+                own_parameters(module, params):
+            drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
+            chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
+            return reduce_chunks(with_structural_zeros(chunks), savefields)
+    except (blocks.Interacting, draws.Unreplayable) as error:
+        return f"its forward draws random numbers in training mode: {error}"
 
 
 #: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.

@@ -1,0 +1,216 @@
+"""The batch's random draws, replayed where a module is run again on each example alone.
+
+In training mode a module's forward may draw random numbers: dropout, drop path (timm's BEiT
+and EVA-02 around their class token and position table, XLNet's dropout inside its
+sequence-first block). Example ``i`` run alone draws other numbers than the batch's pass drew
+for it, so its recomputed gradient is not its contribution to ``param.grad``. Replayed, it is:
+with ``m`` the batch's draws and ``m_i`` example ``i``'s part of them,
+
+.. math::
+
+    x_i(\\theta) = \\Big(\\frac{\\partial f(a_i; \\theta, m_i)}{\\partial \\theta}\\Big)^{\\top} G_i ,
+
+the per-example vector-Jacobian product of the module's docstring (:mod:`.blocks`) with the
+masks the forward pass used.
+
+How. The random state at the start of each call in training mode is kept (:func:`snapshot`, in
+the modules' forward pre-hooks: a copy of the CPU generator's 5 kB state, and the CUDA
+generators' of the devices its inputs are on). The batch's pass itself runs as it would without
+the package: nothing is recorded there. Where the recomputation meets random numbers, the
+module runs once more on the batch from that state (:func:`record`), under a dispatch mode that
+keeps the result of every random ATen operation (the ones tagged ``nondeterministic_seeded``:
+``bernoulli_`` of dropout on CPU and of timm's drop path, ``native_dropout`` on GPU, ``rand``,
+...). Its output must equal the forward pass's (to rounding: :func:`.precision.rounding_bound`),
+or the state did not give the batch's draws and the module is refused. Then each example alone
+runs under :class:`Replaying`: its ``k``-th random operation's result is overwritten by the
+example's part of the batch's ``k``-th, the slice along the one dimension whose size is the
+batch's ``N`` in the batch's pass and 1 in the example's (all other sizes equal: XLNet's
+sequence-first masks ``[T, N, C]`` are sliced along their second), and the example's output
+must equal its row of the batch's (:func:`.blocks.per_example_gradients` checks it: a mask
+whose rows are not the examples, ``rand(N).flip(0)``, fails there).
+
+Refused by name, never replayed approximately: a random tensor without the batch's dimension
+(one draw shared by every example: its example's part is not defined by shapes), one whose
+sizes tie the batch to others (``rand(N * T)``), random operations in another order or number
+alone than in the batch, a fused kernel that draws inside (flash attention with dropout on a
+GPU: its draws are not its result), a generator on another device than CPU and CUDA.
+
+Under ``torch.func.vmap`` nothing is replayed: its random operations raise (randomness
+``"error"``), and the per-example loop runs instead (one forward and backward pass per example:
+the recomputation of a module with draws costs ``N`` passes of it, plus one on the batch).
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from cockpit_gradnoise.extensions import precision
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Unreplayable(Exception):
+    """The batch's draws cannot be handed to each example (its message says why)."""
+
+
+@dataclass
+class Snapshot:
+    """The random state at the start of a call: the CPU generator's and the CUDA ones'."""
+
+    cpu: Tensor
+    cuda: Dict[int, Tensor] = field(default_factory=dict)
+
+
+def snapshot(values) -> Optional[Snapshot]:
+    """The random state now, for the devices of the tensors among ``values`` (a call's
+    arguments; ``None`` where one is on another device than CPU or CUDA: its generator is not
+    restored). A CUDA generator not found there is not kept: a draw on it then makes the
+    recording's output differ, and the module is refused (:func:`record`)."""
+    cuda = set()
+    for value in values:
+        if isinstance(value, Tensor):
+            kind = value.device.type
+            if kind == "cuda":
+                cuda.add(value.device.index or 0)
+            elif kind != "cpu":
+                return None
+    return Snapshot(torch.get_rng_state(), {k: torch.cuda.get_rng_state(k) for k in sorted(cuda)})
+
+
+@contextlib.contextmanager
+def restored(state: Snapshot):
+    """The random state of ``state`` inside the block; the one before it afterwards."""
+    with torch.random.fork_rng(devices=list(state.cuda)):
+        torch.set_rng_state(state.cpu)
+        for device, value in state.cuda.items():
+            torch.cuda.set_rng_state(value, device)
+        yield
+
+
+#: ``{operation: None (draws nothing), -1 (draws) or the position of its dropout_p}``.
+_KINDS: Dict[object, Optional[int]] = {}
+
+
+def _kind(func) -> Optional[int]:
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    return next((k for k, argument in enumerate(func._schema.arguments) if argument.name == "dropout_p"), -1)
+
+
+def _random(func, args, kwargs) -> bool:
+    """Whether the operation draws random numbers: tagged so, and not given a ``dropout_p`` of
+    0 (the attention kernels are tagged whatever their rate). Looked up once per operation:
+    it is asked for every operation of the forward passes it watches."""
+    kind = _KINDS.get(func, False)
+    if kind is False:
+        kind = _KINDS[func] = _kind(func)
+    if kind is None or kind < 0:
+        return kind is not None
+    default = func._schema.arguments[kind].default_value
+    return kwargs.get("dropout_p", args[kind] if kind < len(args) else default) != 0
+
+
+def _drawn(func, args, result) -> Tensor:
+    """The random tensor of one random operation: ``self`` of an in-place one, the mask of
+    ``native_dropout``, the result of another with one tensor result."""
+    if func._schema.name == "aten::native_dropout":
+        return result[1]
+    if func._schema.is_mutable and args and isinstance(args[0], Tensor):
+        return args[0]
+    if isinstance(result, Tensor):
+        return result
+    raise Unreplayable(f"its forward calls {func}, which draws inside (its draws are not its result)")
+
+
+class _Recording(TorchDispatchMode):
+    """Keeps a copy of the random tensor of each random operation, in order (a copy: drop
+    path divides its mask in place afterwards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws: List[Tuple[object, Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if _random(func, args, kwargs):
+            self.draws.append((func, _drawn(func, args, result).clone()))
+        return result
+
+
+def record(module: nn.Module, args: tuple, kwargs: dict, state: Snapshot, output: Tensor,
+           first_tensor, autocast) -> List[Tuple[object, Tensor]]:
+    """The batch's draws in ``module``'s forward on ``(args, kwargs)`` from ``state``, in
+    order: ``(operation, random tensor)``; empty where it draws none. Call it with the
+    module's hooks off and its buffers kept (:func:`.layout.state_kept`).
+
+    Raises:
+        Unreplayable: Its output from ``state`` is not ``output``, the forward pass's.
+    """
+    recording = _Recording()
+    with restored(state), torch.enable_grad(), precision.autocast_as(autocast), recording:
+        again = first_tensor(module(*args, **kwargs))
+    if recording.draws and (again is None or again.shape != output.shape or not float(
+            (again.detach() - output).abs().max()) <= precision.rounding_bound(output)):
+        raise Unreplayable(
+            "its forward pass run again from the random state of its call drew other numbers "
+            "than the batch's pass (its output differs), so the batch's draws are not known")
+    return recording.draws
+
+
+def example_part(drawn: Tensor, alone: torch.Size, i: int, examples: int) -> Tensor:
+    """Example ``i``'s part of the batch's random tensor ``drawn``, where an example alone
+    draws one of shape ``alone``: the slice along the one dimension of size ``examples`` in
+    the batch and 1 alone, all other sizes equal (the whole tensor for a batch of one).
+
+    Raises:
+        Unreplayable: No such dimension, or more than one.
+    """
+    if tuple(drawn.shape) == tuple(alone) and examples == 1:
+        return drawn
+    differ = [d for d, (n, one) in enumerate(zip(drawn.shape, alone)) if n != one]
+    if drawn.dim() != len(alone) or len(differ) != 1 or drawn.shape[differ[0]] != examples \
+            or alone[differ[0]] != 1:
+        raise Unreplayable(
+            f"a random tensor ({list(drawn.shape)} for {examples} examples, {list(alone)} for one) "
+            "has no dimension of the examples (drawn once for all, or flattened)")
+    return drawn.narrow(differ[0], i, 1)
+
+
+class Replaying(TorchDispatchMode):
+    """Example ``i`` alone: each random operation's result overwritten by the example's part
+    of the batch's (:func:`example_part`); the operations must come in the batch's order."""
+
+    def __init__(self, draws: List[Tuple[object, Tensor]], i: int, examples: int):
+        super().__init__()
+        self.draws, self.i, self.examples, self.next = draws, i, examples, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not _random(func, args, kwargs):
+            return result
+        k, self.next = self.next, self.next + 1
+        if k >= len(self.draws) or self.draws[k][0] is not func:
+            raise Unreplayable("its forward alone draws random numbers in another order or number "
+                               "than in the batch")
+        drawn = _drawn(func, args, result)
+        drawn.copy_(example_part(self.draws[k][1], drawn.shape, self.i, self.examples))
+        if func._schema.name == "aten::native_dropout":  # its output from the mask, as it computes it
+            p = float(args[1])
+            result[0].copy_(args[0] * drawn * (1.0 / (1.0 - p) if p < 1 else 0.0))
+        return result
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if exc[0] is None and self.next != len(self.draws):
+            raise Unreplayable("its forward alone draws random numbers in another order or number "
+                               "than in the batch")
+
+
+def replaying(draws: Optional[List[Tuple[object, Tensor]]], i: int, examples: int):
+    """:class:`Replaying` for example ``i`` of ``examples`` (nothing where ``draws`` is empty)."""
+    return Replaying(draws, i, examples) if draws else contextlib.nullcontext()
+
