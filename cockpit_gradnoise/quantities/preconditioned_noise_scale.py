@@ -2,10 +2,10 @@
 
 import math
 
-from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise import _device, distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, sharded
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
-from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
+from cockpit_gradnoise.functional.preconditioner import piece_size, preconditioned_noise_sums
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
@@ -193,8 +193,14 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             "tr(Sigma) cannot be told from them"))
 
     def named_value_from_sums(self, name, sums, batch):
-        weights = self._preconditioner.preconditioner(self._params[name])
         n = batch.examples
+        param = self._params[name]
+        if self._cuts is None and _device.on_host(sums["sum_of_squares"]):
+            # P formed piece by piece as the weighted sums take it (issue 34's speed).
+            weights = self._preconditioner.pieces(
+                param, piece_size(sums["sum_of_squares"], sums["sum_of_gradients"]))
+        else:
+            weights = self._preconditioner.preconditioner(param)
         if self._cuts is not None:
             # FSDP2, tensor parallelism: P of this process's shard (the optimizer's state is
             # a DTensor beside the parameter: elementwise, its local values are those of the
