@@ -90,7 +90,7 @@ def two_batch_noise_scale_estimates(
 
 
 def two_batch_noise_scale_terms(squared_norm, examples, big_squared_norm, big_examples):
-    """One small batch's ``(|G|^2, tr(Sigma))`` of :func:`two_batch_noise_scale_estimates`:
+    """One small batch's ``(|G|^2, tr(Sigma))`` of :func:`two_batch_noise_scale_estimates`.
 
     .. math::
 
