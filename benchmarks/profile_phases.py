@@ -22,7 +22,8 @@ shuffled order; the fastest and the median round): ``chunks``, the sequence
 Linear's formation in chunks of ``HOST_FORMATION_BYTES`` against the whole
 batch at once (``CHUNK_BYTES``); ``aminmax``, the largest magnitudes of the
 factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed piece by piece
-with PreconditionedNoiseScale's weighted sums against the whole ``P`` first. ::
+with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
+``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before). ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
@@ -164,13 +165,43 @@ def _settings(change):
         return (lambda: setattr(_squares, "largest_magnitude", _inf_norm),
                 lambda: setattr(_squares, "largest_magnitude", largest))
     if change == "pieces":
+        from cockpit_gradnoise.quantities import preconditioned_noise_scale as pns
         from cockpit_gradnoise.quantities import preconditioners
 
-        pieces = preconditioners.OptimizerPreconditioner.pieces
-        return (lambda: setattr(preconditioners.OptimizerPreconditioner, "pieces",
-                                lambda reader, param, size: reader.preconditioner(param)),
-                lambda: setattr(preconditioners.OptimizerPreconditioner, "pieces", pieces))
+        pieces, sums = preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums
+
+        def before():
+            setattr(preconditioners.OptimizerPreconditioner, "pieces",
+                    lambda reader, param, size: reader.preconditioner(param))
+            pns.preconditioned_noise_sums = _whole_weighted_sums
+
+        def after():
+            preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums = pieces, sums
+
+        return before, after
     raise ValueError(f"unknown change {change!r}: chunks, aminmax or pieces")
+
+
+def _whole_weighted_sums(preconditioner, sum_of_squares, sum_of_gradients, n, *, defer=False):
+    """PreconditionedNoiseScale's ``(S_P, M_P)`` as before pns13 (``--ab pieces``' "without"): the
+    whole ``P`` formed first, the sums flattened (copies where they are laid out channels last),
+    two float64 dot products per piece of ``_device.CHUNK``. On the CPU."""
+    from cockpit_gradnoise import _device
+
+    weights, squares = preconditioner.reshape(-1), sum_of_squares.reshape(-1)
+    gradients = sum_of_gradients.reshape(-1)
+    size = _device.CHUNK
+    weight_piece = torch.empty(min(size, weights.numel()), dtype=torch.float64)
+    gradient_piece = torch.empty(min(size, weights.numel()), dtype=torch.float64)
+    weighted_squares, weighted_gradients = [], []
+    for start in range(0, weights.numel(), size):
+        piece = slice(start, start + size)
+        weight = weight_piece[: min(size, weights.numel() - start)].copy_(weights[piece])
+        gradient = gradient_piece[: weight.numel()].copy_(gradients[piece]).mul_(weight)
+        weighted_gradients.append(torch.dot(gradient, gradient))
+        weighted_squares.append(torch.dot(weight.square_(), squares[piece].double()))
+    return (float(torch.stack(weighted_squares).sum()) / n,
+            float(torch.stack(weighted_gradients).sum()) / n**2)
 
 
 def ab(args):
