@@ -157,8 +157,11 @@ def preconditioned_noise_sums(
     else:
         if isinstance(preconditioner, Tensor):
             preconditioner = preconditioner.reshape(-1).split(piece_size(sum_of_squares, sum_of_gradients))
-        result = tuple(total / scale for total, scale in zip(
-            _weighted_sums(preconditioner, sum_of_squares, sum_of_gradients), (n, n**2)))
+        totals = _weighted_sums(preconditioner, sum_of_squares, sum_of_gradients)  # [M, S] unscaled
+        if _device.on_host(totals):  # one read of both
+            weighted_gradients, weighted_squares = totals.tolist()
+            return weighted_squares / n, weighted_gradients / n**2
+        result = (totals[1] / n, totals[0] / n**2)
     if defer and not _device.on_host(sum_of_squares):
         return result
     return tuple(float(value) for value in result)
@@ -192,8 +195,8 @@ def _rows_order(tensor: Tensor) -> Optional[Tuple[int, ...]]:
     return order if order[0] == 0 and tensor.permute(order).is_contiguous() else None
 
 
-def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(sum_j w_j^2 Q_j, sum_j (w_j T_j)^2)`` in float64 (0-dim tensors), with ``w`` in
+def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: Tensor) -> Tensor:
+    """``[sum_j (w_j T_j)^2, sum_j w_j^2 Q_j]`` in float64 (one tensor of two), with ``w`` in
     consecutive pieces of :func:`piece_size` elements over the flattened ``Q`` and ``T``.
 
     A sum over the elements, so taken in the memory order of ``Q`` and ``T``
@@ -226,6 +229,5 @@ def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: 
     if start != squares.numel():
         raise ValueError(f"the preconditioner's pieces cover {start} elements of {squares.numel()}")
     if not totals:
-        return (squares.new_zeros((), dtype=torch.float64),) * 2
-    total = totals[0] if len(totals) == 1 else torch.stack(totals).sum(0)
-    return total[1], total[0]
+        return squares.new_zeros((2,), dtype=torch.float64)
+    return totals[0] if len(totals) == 1 else torch.stack(totals).sum(0)

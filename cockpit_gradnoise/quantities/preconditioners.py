@@ -96,11 +96,10 @@ class OptimizerPreconditioner:
         :meth:`preconditioner` on the same pieces of the state, the gradient and the
         parameter (every operation of those formulas is elementwise, so a piece's
         numbers are those of the whole ``P``'s elements): never the whole ``P``, and
-        each piece's half-dozen passes run while it is in the cache (issue 34's
-        speed: on resnet18's 11.2M parameters, ``P`` and the weighted sums of
-        :func:`~cockpit_gradnoise.functional.preconditioned_noise_sums` took 39 ms
-        as whole tensors, 23 ms in pieces of ``2**17``). For local tensors (not
-        sharded: those take :meth:`preconditioner`).
+        each piece's half-dozen passes run while it is in the cache, beside the
+        weighted sums of :func:`~cockpit_gradnoise.functional.preconditioned_noise_sums`
+        that take it (issue 34's speed; ``benchmarks/README.md``, "The noise scale
+        Adam sees"). For local tensors (not sharded: those take :meth:`preconditioner`).
         """
         if self._rule is None:
             return None
