@@ -175,6 +175,18 @@ def test_each_optimizer_matches_brute_force(name, reduction):
     assert_matches(got, expected, elements, 7)
 
 
+def recorded_layouts(monkeypatch):
+    """Whether each call's sums of the weighted sums were contiguous, appended to the list returned."""
+    layouts, weighted = [], preconditioner_formulas._weighted_sums
+
+    def recorded(weights, squares, gradients):
+        layouts.append(squares.is_contiguous())
+        return weighted(weights, squares, gradients)
+
+    monkeypatch.setattr(preconditioner_formulas, "_weighted_sums", recorded)
+    return layouts
+
+
 @pytest.mark.parametrize("case_name, name", [
     *(("mlp", name) for name in OPTIMIZERS if not name.startswith("sgd")), ("cnn", "adam-coupled-decay")])
 def test_p_formed_in_pieces_with_the_weighted_sums_matches_brute_force(monkeypatch, case_name, name):
@@ -187,14 +199,7 @@ def test_p_formed_in_pieces_with_the_weighted_sums_matches_brute_force(monkeypat
     from cockpit_gradnoise.quantities import preconditioners
 
     monkeypatch.setattr(_device, "CHUNK", 7)
-    pieces, layouts = [], []
-    weighted = preconditioner_formulas._weighted_sums
-
-    def recorded_layout(weights, squares, gradients):
-        layouts.append(squares.is_contiguous())
-        return weighted(weights, squares, gradients)
-
-    monkeypatch.setattr(preconditioner_formulas, "_weighted_sums", recorded_layout)
+    pieces, layouts = [], recorded_layouts(monkeypatch)
     recording = preconditioners.OptimizerPreconditioner.pieces
 
     def recorded(reader, param, size):
@@ -551,3 +556,15 @@ def test_the_weighted_sums_of_channels_last_sums_pair_each_p_with_its_element(pi
     expected = (float((p64**2 * squares.double().numpy()).sum()) / 3,
                 float(((p64 * gradients.double().numpy()) ** 2).sum()) / 9)
     assert got == pytest.approx(expected, rel=p.numel() * 2.0**-52, abs=0)
+
+
+def test_off_the_host_p_whole_and_the_channels_last_sums_match_brute_force(monkeypatch):
+    """The path of other devices than the CPU (``_device.on_host`` False: ``P`` whole, pieces of
+    ``DEVICE_CHUNK``, results left as tensors until read), on a convolution's channels-last sums."""
+    from cockpit_gradnoise import _device
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    layouts = recorded_layouts(monkeypatch)
+    got, expected, elements, _ = tracked_and_expected("cnn", 7, "mean", OPTIMIZERS["adam-coupled-decay"], 3)
+    assert not all(layouts)
+    assert_matches(got, expected, elements, 7)
