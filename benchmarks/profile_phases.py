@@ -21,11 +21,15 @@ it, in one process (``--rounds`` rounds, each side once per round in a
 shuffled order; the fastest and the median round): ``chunks``, the sequence
 Linear's formation in chunks of ``HOST_FORMATION_BYTES`` against the whole
 batch at once (``CHUNK_BYTES``); ``aminmax``, the largest magnitudes of the
-factors by ``aminmax`` against torch's CPU inf-norm. ::
+factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed piece by piece
+with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
+``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before). ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
+    python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
+        --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
 """
 
 import argparse
@@ -81,7 +85,7 @@ def preconditioned(args, phases):
     phases.wrap(PreconditionedNoiseScale, "unresolved", "  PreconditionedNoiseScale: underflow check")
     phases.wrap(PreconditionedNoiseScale, "named_value_from_sums",
                 "  PreconditionedNoiseScale: P and the weighted sums")
-    phases.wrap(preconditioners.OptimizerPreconditioner, "preconditioner", "    P")
+    phases.wrap(preconditioners.OptimizerPreconditioner, "preconditioner", "    P (whole, off the CPU or sharded)")
     spec = MODELS[args.model]
     model, x, y = model_and_batch(spec, spec.batch_size, torch.device("cpu"))
     lines = []
@@ -89,7 +93,8 @@ def preconditioned(args, phases):
         step = METHODS[method](model, spec.loss)
         for _ in range(args.warmup):
             step(x, y)
-        phases.totals, total = {}, 0.0
+        phases.totals.clear()  # in place: the timers hold this dict
+        total = 0.0
         for _ in range(args.steps):
             start = time.process_time()
             step(x, y)
@@ -128,7 +133,8 @@ def schedule(args, phases):
     for k in range(args.warmup + args.steps):
         batches = [(spec.inputs(8, device), spec.targets(8, device)) for _ in range(micro_batches)]
         if k == args.warmup:
-            phases.totals, total = {}, 0.0
+            phases.totals.clear()  # in place: the timers hold this dict
+            total = 0.0
         start = time.process_time()
         optimizer.zero_grad(set_to_none=True)
         for index, (x, y) in enumerate(batches):
@@ -158,7 +164,44 @@ def _settings(change):
         largest = _squares.largest_magnitude
         return (lambda: setattr(_squares, "largest_magnitude", _inf_norm),
                 lambda: setattr(_squares, "largest_magnitude", largest))
-    raise ValueError(f"unknown change {change!r}: chunks or aminmax")
+    if change == "pieces":
+        from cockpit_gradnoise.quantities import preconditioned_noise_scale as pns
+        from cockpit_gradnoise.quantities import preconditioners
+
+        pieces, sums = preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums
+
+        def before():
+            setattr(preconditioners.OptimizerPreconditioner, "pieces",
+                    lambda reader, param, size: reader.preconditioner(param))
+            pns.preconditioned_noise_sums = _whole_weighted_sums
+
+        def after():
+            preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums = pieces, sums
+
+        return before, after
+    raise ValueError(f"unknown change {change!r}: chunks, aminmax or pieces")
+
+
+def _whole_weighted_sums(preconditioner, sum_of_squares, sum_of_gradients, n, *, defer=False):
+    """PreconditionedNoiseScale's ``(S_P, M_P)`` as before pns13 (``--ab pieces``' "without"): the
+    whole ``P`` formed first, the sums flattened (copies where they are laid out channels last),
+    two float64 dot products per piece of ``_device.CHUNK``. On the CPU."""
+    from cockpit_gradnoise import _device
+
+    weights, squares = preconditioner.reshape(-1), sum_of_squares.reshape(-1)
+    gradients = sum_of_gradients.reshape(-1)
+    size = _device.CHUNK
+    weight_piece = torch.empty(min(size, weights.numel()), dtype=torch.float64)
+    gradient_piece = torch.empty(min(size, weights.numel()), dtype=torch.float64)
+    weighted_squares, weighted_gradients = [], []
+    for start in range(0, weights.numel(), size):
+        piece = slice(start, start + size)
+        weight = weight_piece[: min(size, weights.numel() - start)].copy_(weights[piece])
+        gradient = gradient_piece[: weight.numel()].copy_(gradients[piece]).mul_(weight)
+        weighted_gradients.append(torch.dot(gradient, gradient))
+        weighted_squares.append(torch.dot(weight.square_(), squares[piece].double()))
+    return (float(torch.stack(weighted_squares).sum()) / n,
+            float(torch.stack(weighted_gradients).sum()) / n**2)
 
 
 def ab(args):

@@ -12,6 +12,7 @@ import cockpit_gradnoise as cgn
 from cockpit_gradnoise import references
 from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions import linear as linear_rules
+from cockpit_gradnoise.functional import preconditioner as preconditioner_formulas
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.tracking import Tracker
 
@@ -172,6 +173,53 @@ OPTIMIZERS = {
 def test_each_optimizer_matches_brute_force(name, reduction):
     got, expected, elements, _ = tracked_and_expected("mlp", 7, reduction, OPTIMIZERS[name], 3)
     assert_matches(got, expected, elements, 7)
+
+
+def recorded_layouts(monkeypatch):
+    """Whether each call's sums of the weighted sums were contiguous, appended to the list returned."""
+    layouts, weighted = [], preconditioner_formulas._weighted_sums
+
+    def recorded(weights, squares, gradients):
+        layouts.append(squares.is_contiguous())
+        return weighted(weights, squares, gradients)
+
+    monkeypatch.setattr(preconditioner_formulas, "_weighted_sums", recorded)
+    return layouts
+
+
+@pytest.mark.parametrize("case_name, name", [
+    *(("mlp", name) for name in OPTIMIZERS if not name.startswith("sgd")), ("cnn", "adam-coupled-decay")])
+def test_p_formed_in_pieces_with_the_weighted_sums_matches_brute_force(monkeypatch, case_name, name):
+    """On the CPU ``P`` is formed piece by piece with the weighted sums
+    (``OptimizerPreconditioner.pieces``): pieces of 7 elements, across rows and between
+    the state's moments, the gradient and the parameter (coupled decay), each a slice
+    of the same elements; a convolution's weight sums (laid out channels last) in
+    pieces of whole rows, read in their memory order."""
+    from cockpit_gradnoise import _device
+    from cockpit_gradnoise.quantities import preconditioners
+
+    monkeypatch.setattr(_device, "CHUNK", 7)
+    pieces, layouts = [], recorded_layouts(monkeypatch)
+    recording = preconditioners.OptimizerPreconditioner.pieces
+
+    def recorded(reader, param, size):
+        pieces.append(size)
+        return recording(reader, param, size)
+
+    monkeypatch.setattr(preconditioners.OptimizerPreconditioner, "pieces", recorded)
+    got, expected, elements, _ = tracked_and_expected(case_name, 7, "mean", OPTIMIZERS[name], 3)
+    assert pieces and (set(pieces) == {7} if case_name == "mlp" else max(pieces) > 7)
+    assert case_name == "mlp" or not all(layouts)  # the convolutions' sums: channels last
+    assert_matches(got, expected, elements, 7)
+
+
+def test_pieces_that_do_not_cover_the_sums_are_refused():
+    from cockpit_gradnoise.functional import preconditioned_noise_sums
+
+    squares, gradients = torch.ones(10), torch.ones(10)
+    with pytest.raises(ValueError, match="cover 9 elements of 10"):
+        preconditioned_noise_sums(iter([torch.ones(5), torch.ones(4)]), squares, gradients, 2)
+    assert preconditioned_noise_sums(iter([torch.ones(5), torch.ones(5)]), squares, gradients, 2) == (5.0, 2.5)
 
 
 def test_a_frozen_and_an_unused_parameter_have_no_rows():
@@ -484,3 +532,39 @@ def test_the_weighted_sums_are_float64_sums_of_exact_products_over_pieces(square
                 float(((p64 * gradients.double().numpy()) ** 2).sum()) / 9)
     assert got == pytest.approx(expected, rel=size * 2.0**-52, abs=0)
     assert preconditioned_noise_sums(p[:0], squares[:0], gradients[:0], 3) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_the_weighted_sums_of_channels_last_sums_pair_each_p_with_its_element(pieces):
+    """A convolution's sums laid out channels last, over several pieces of whole rows:
+    read in their memory order, each ``p_j`` put in that order (a ``p`` paired with
+    another element's sums would change both totals)."""
+    from cockpit_gradnoise.functional import preconditioned_noise_sums
+    from cockpit_gradnoise.functional.preconditioner import piece_size
+
+    generator = torch.Generator().manual_seed(1)
+    shape = (40, 64, 9, 9)  # 331,776 elements: 2.5 pieces of 2**17
+    p = torch.rand(shape, generator=generator) * 1e3
+    squares = torch.rand(shape, generator=generator).to(memory_format=torch.channels_last)
+    gradients = torch.randn(shape, generator=generator).to(memory_format=torch.channels_last)
+    assert not squares.is_contiguous()
+    size = piece_size(squares, gradients)
+    assert size % (64 * 81) == 0 and size < p.numel()
+    weights = p.reshape(-1).split(size) if pieces else p
+    got = preconditioned_noise_sums(iter(weights) if pieces else weights, squares, gradients, 3)
+    p64 = p.double().numpy()
+    expected = (float((p64**2 * squares.double().numpy()).sum()) / 3,
+                float(((p64 * gradients.double().numpy()) ** 2).sum()) / 9)
+    assert got == pytest.approx(expected, rel=p.numel() * 2.0**-52, abs=0)
+
+
+def test_off_the_host_p_whole_and_the_channels_last_sums_match_brute_force(monkeypatch):
+    """The path of other devices than the CPU (``_device.on_host`` False: ``P`` whole, pieces of
+    ``DEVICE_CHUNK``, results left as tensors until read), on a convolution's channels-last sums."""
+    from cockpit_gradnoise import _device
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    layouts = recorded_layouts(monkeypatch)
+    got, expected, elements, _ = tracked_and_expected("cnn", 7, "mean", OPTIMIZERS["adam-coupled-decay"], 3)
+    assert not all(layouts)
+    assert_matches(got, expected, elements, 7)

@@ -38,6 +38,7 @@ from cockpit_gradnoise.functional.noise_scale import (
     noise_scale_estimates,
     scale_free_smoothed_noise_scale,
     two_batch_noise_scale_estimates,
+    two_batch_noise_scale_terms,
 )
 from cockpit_gradnoise.functional.norms import (
     norm_ratio,
@@ -124,6 +125,7 @@ __all__ = [
     "squared_norms",
     "stacked_by_dtype",
     "two_batch_noise_scale_estimates",
+    "two_batch_noise_scale_terms",
     "unresolved_norm_sum",
     "unresolved_norms",
     "unresolved_norms_of_rows",

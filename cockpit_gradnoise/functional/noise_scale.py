@@ -83,9 +83,28 @@ def two_batch_noise_scale_estimates(
         )
     grad_sq = trace_cov = 0.0
     for squared_norm, b in small:
-        grad_sq += (big_examples * big_squared_norm - b * squared_norm) / (big_examples - b)
-        trace_cov += (squared_norm - big_squared_norm) / (1 / b - 1 / big_examples)
+        one_grad_sq, one_trace_cov = two_batch_noise_scale_terms(squared_norm, b, big_squared_norm, big_examples)
+        grad_sq += one_grad_sq
+        trace_cov += one_trace_cov
     return grad_sq / len(small), trace_cov / len(small)
+
+
+def two_batch_noise_scale_terms(squared_norm, examples, big_squared_norm, big_examples):
+    """One small batch's ``(|G|^2, tr(Sigma))`` of :func:`two_batch_noise_scale_estimates`.
+
+    .. math::
+
+        \\frac{B M - b_j M_j}{B - b_j}, \\qquad \\frac{M_j - M}{1 / b_j - 1 / B}.
+
+    Elementwise, so that ``squared_norm`` (``M_j``) and ``examples`` (``b_j``) may be
+    stacked, ``[K, ...]`` and ``[K, 1, ...]``: all ``K`` small batches' terms in a few
+    tensor operations (what :class:`~cockpit_gradnoise.TwoBatchNoiseScale` does at
+    each step), summed over the first dimension by the caller. ``examples`` unequal
+    to ``big_examples`` (checked by :func:`two_batch_noise_scale_estimates`).
+    """
+    grad_sq = (big_examples * big_squared_norm - examples * squared_norm) / (big_examples - examples)
+    trace_cov = (squared_norm - big_squared_norm) / (1 / examples - 1 / big_examples)
+    return grad_sq, trace_cov
 
 
 def exponential_moving_average(previous: Optional[float], value: float, smoothing: float) -> float:

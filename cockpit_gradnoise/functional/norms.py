@@ -105,6 +105,8 @@ def squared_norm_tensors(tensors: Sequence[Tensor]) -> Tensor:
     """
     device = tensors[0].device
     large = [_device.on_host(t) and t.numel() > _device.CHUNK for t in tensors]
+    if not any(large):  # all in one call, in their order
+        return _squared_norms_foreach([t.detach() for t in tensors], device)
     squares = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     rest = [i for i, is_large in enumerate(large) if not is_large]
     if rest:

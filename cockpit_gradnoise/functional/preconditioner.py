@@ -10,9 +10,10 @@ the ``P`` the next ``optimizer.step()`` applies.
 """
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Iterable, Optional, Tuple, Union
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.layout import dimension_order
 from cockpit_gradnoise.functional.norms import squared_norm
 
 import torch
@@ -107,8 +108,8 @@ def _moving_average(previous: Number, grad: Tensor, weight: float) -> Tensor:
 
 
 def preconditioned_noise_sums(
-    preconditioner: Optional[Tensor], sum_of_squares: Tensor, sum_of_gradients: Tensor, n: int,
-    *, defer: bool = False,
+    preconditioner: Union[None, Tensor, Iterable[Tensor]], sum_of_squares: Tensor, sum_of_gradients: Tensor,
+    n: int, *, defer: bool = False,
 ) -> Tuple[float, float]:
     """``S_P = mean_i ||P g_i||^2`` and ``M_P = ||P mean_i g_i||^2`` from per-element sums.
 
@@ -122,13 +123,26 @@ def preconditioned_noise_sums(
 
     the ``S`` and ``M`` of :func:`noise_scale_estimates` for the
     preconditioned gradients ``P g_i``. In float64, piece by piece, in two
-    buffers of a piece each (never a float64 copy of the whole parameter,
-    no tensor of its size made): the products of float32 numbers are exact
-    there, and ``p T`` is formed before it is squared, so nothing underflows
-    where ``p`` is large.
+    buffers of a piece (never a float64 copy of the whole parameter, no
+    tensor of its size made): per piece, the rows ``T_j^2`` and ``Q_j`` times
+    ``p_j^2`` in one matrix-vector product (``torch.mv``), summed in float64.
+
+    **Rounding.** ``p`` is float32 (the optimizer's) or float64. For float32
+    (and narrower) ``T`` and ``p``, ``p_j^2`` and ``T_j^2`` are exact in float64
+    (48 bits of 53) and never underflow there (``|T_j| >= 2**-149`` or 0), so
+    each term ``p_j^2 T_j^2`` is rounded once, as ``(p_j T_j)^2`` of the exact
+    ``p_j T_j`` would be: the same number. For float64 ``T``, ``T_j^2`` may be
+    subnormal (``|T_j| < 2**-511``), off by at most ``2**-1075`` absolutely; an
+    element whose sums are resolved has ``Q_j >= 4 N`` tiny
+    (:func:`~cockpit_gradnoise.functional.unresolved_sums`, checked before) and
+    ``p_j^2 Q_j`` is in ``S_P``, so that error is below ``2**-1075 / (4 N
+    2**-1022) < 2**-55`` of the element's share of ``N S_P``: under float64's own rounding.
 
     Args:
-        preconditioner: ``p``, shaped as the sums; ``None`` for ``P = I``.
+        preconditioner: ``p``, shaped as the sums, or its consecutive pieces over
+            the flattened elements, each of :func:`piece_size` elements but the last (e.g.
+            :meth:`~cockpit_gradnoise.quantities.preconditioners.OptimizerPreconditioner.pieces`,
+            which forms each piece while the last is summed); ``None`` for ``P = I``.
         sum_of_squares: ``Q``.
         sum_of_gradients: ``T``.
         n: ``N``.
@@ -137,32 +151,83 @@ def preconditioned_noise_sums(
     Returns:
         ``(S_P, M_P)``.
     """
-    squares, gradients = sum_of_squares.reshape(-1), sum_of_gradients.reshape(-1)
     if preconditioner is None:
+        squares, gradients = sum_of_squares.reshape(-1), sum_of_gradients.reshape(-1)
         result = (_device.float64_total(squares) / n, squared_norm(gradients, defer=True) / n**2)
     else:
-        result = tuple(total / scale for total, scale in zip(
-            _weighted_sums(preconditioner.reshape(-1), squares, gradients), (n, n**2)))
-    if defer and not _device.on_host(squares):
+        if isinstance(preconditioner, Tensor):
+            preconditioner = preconditioner.reshape(-1).split(piece_size(sum_of_squares, sum_of_gradients))
+        totals = _weighted_sums(preconditioner, sum_of_squares, sum_of_gradients)  # [M, S] unscaled
+        if _device.on_host(totals):  # one read of both
+            weighted_gradients, weighted_squares = totals.tolist()
+            return weighted_squares / n, weighted_gradients / n**2
+        result = (totals[1] / n, totals[0] / n**2)
+    if defer and not _device.on_host(sum_of_squares):
         return result
     return tuple(float(value) for value in result)
 
 
-def _weighted_sums(weights: Tensor, squares: Tensor, gradients: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(sum_j w_j^2 Q_j, sum_j (w_j T_j)^2)`` of 1d tensors in float64: 0-dim tensors."""
-    if weights.numel() == 0:
-        return (weights.new_zeros((), dtype=torch.float64),) * 2
-    size = _device.CHUNK if _device.on_host(weights) else _device.DEVICE_CHUNK
-    shape = (min(size, weights.numel()),)
-    weight_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
-    gradient_piece = torch.empty(shape, dtype=torch.float64, device=weights.device)
-    weighted_squares, weighted_gradients = [], []
-    for start in range(0, weights.numel(), size):
-        piece = slice(start, start + size)
-        weight = weight_piece[: min(size, weights.numel() - start)].copy_(weights[piece])
-        gradient = gradient_piece[: weight.numel()].copy_(gradients[piece]).mul_(weight)
-        weighted_gradients.append(torch.dot(gradient, gradient))
-        weighted_squares.append(torch.dot(weight.square_(), squares[piece].double()))
-    if len(weighted_squares) == 1:
-        return weighted_squares[0], weighted_gradients[0]
-    return torch.stack(weighted_squares).sum(), torch.stack(weighted_gradients).sum()
+def piece_size(*sums: Tensor) -> int:
+    """Elements per piece of :func:`preconditioned_noise_sums` of per-element sums ``sums``.
+
+    :data:`.._device.CHUNK` on the CPU (a piece's float64 buffers within the
+    cache), :data:`.._device.DEVICE_CHUNK` elsewhere (few launches); where a sum
+    is not contiguous (a convolution's weight sums are laid out channels last),
+    a whole number of its rows (elements of one index of the first dimension, at
+    least one row): :func:`preconditioned_noise_sums` reads the sums in their
+    memory order, and puts each piece of ``p`` in that order as it converts it.
+    """
+    size = _device.CHUNK if _device.on_host(sums[0]) else _device.DEVICE_CHUNK
+    for tensor in sums:
+        if not tensor.is_contiguous() and tensor.dim() > 0:
+            row = max(tensor[0].numel(), 1)
+            size = max(row, size - size % row)
+    return size
+
+
+def _rows_order(tensor: Tensor) -> Optional[Tuple[int, ...]]:
+    """The order of dimensions in which ``tensor`` is contiguous
+    (:func:`~cockpit_gradnoise.functional.layout.dimension_order`) where the first comes
+    first, so that a block of its rows is a block of memory; ``None`` where there is none."""
+    if tensor.is_contiguous():
+        return tuple(range(tensor.dim()))
+    order = dimension_order(tensor)
+    return order if order[0] == 0 and tensor.permute(order).is_contiguous() else None
+
+
+def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: Tensor) -> Tensor:
+    """``[sum_j (w_j T_j)^2, sum_j w_j^2 Q_j]`` in float64 (one tensor of two), with ``w`` in
+    consecutive pieces of :func:`piece_size` elements over the flattened ``Q`` and ``T``.
+
+    A sum over the elements, so taken in the memory order of ``Q`` and ``T``
+    (:func:`_memory_order`; a convolution's channels last): their pieces are views, and
+    each piece of ``w``, whole rows in the order of the elements, is put in that order by
+    the copy that converts it to float64 (no copy of ``Q`` or ``T``).
+    """
+    order = _rows_order(squares)
+    if order is None or _rows_order(gradients) != order:  # laid out otherwise: copied
+        squares, gradients, order = squares.contiguous(), gradients.contiguous(), tuple(range(squares.dim()))
+    shape, size = squares.shape, min(piece_size(squares, gradients), squares.numel())
+    squares, gradients = squares.permute(order).reshape(-1), gradients.permute(order).reshape(-1)  # views
+    weight_buffer = torch.empty((size,), dtype=torch.float64, device=squares.device)
+    # Rows T^2 and Q of a piece: both sums in one product with w^2.
+    sums_buffer = torch.empty((2, size), dtype=torch.float64, device=squares.device)
+    totals, start = [], 0
+    for piece in weight_pieces:
+        stop = start + piece.numel()
+        weight = weight_buffer[: piece.numel()]
+        if order == tuple(range(len(order))):
+            weight.copy_(piece.reshape(-1))
+        else:  # whole rows (piece_size): the piece's elements put in the sums' memory order
+            rows = piece.reshape(-1, *shape[1:])
+            weight.view(len(rows), *(shape[d] for d in order[1:])).copy_(rows.permute(order))
+        sums = sums_buffer[:, : piece.numel()]
+        sums[0].copy_(gradients[start:stop]).square_()
+        sums[1].copy_(squares[start:stop])
+        totals.append(torch.mv(sums, weight.square_()))
+        start = stop
+    if start != squares.numel():
+        raise ValueError(f"the preconditioner's pieces cover {start} elements of {squares.numel()}")
+    if not totals:
+        return squares.new_zeros((2,), dtype=torch.float64)
+    return totals[0] if len(totals) == 1 else torch.stack(totals).sum(0)

@@ -2,10 +2,10 @@
 
 import math
 
-from cockpit_gradnoise import distributed, functional
+from cockpit_gradnoise import _device, distributed, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, sharded
 from cockpit_gradnoise.extensions.precision import accumulation_dtype
-from cockpit_gradnoise.functional.preconditioner import preconditioned_noise_sums
+from cockpit_gradnoise.functional.preconditioner import piece_size, preconditioned_noise_sums
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
@@ -85,8 +85,10 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     Cost: the per-element sums of
     :class:`~cockpit_gradnoise.GradientVarianceQuantiles` (the extension
     :class:`~cockpit_gradnoise.extensions.SumsOfContributions`, computed once
-    when both are tracked), and elementwise passes over the parameters, about
-    ten: ``P`` as the optimizer forms it, and the two weighted sums in float64;
+    when both are tracked), and elementwise work over the parameters: ``P`` as the
+    optimizer forms it, piece by piece on the CPU, each piece weighting the sums in
+    float64 while it is in the cache (:meth:`OptimizerPreconditioner.pieces
+    <cockpit_gradnoise.quantities.preconditioners.OptimizerPreconditioner.pieces>`);
     no per-example squared norms (measured: ``benchmarks/README.md``). Under gradient accumulation
     (``docs/accumulation.md``) and distributed training (``docs/distributed.md``)
     ``Q`` and ``T`` are added over every micro-batch and process, as
@@ -193,8 +195,15 @@ class PreconditionedNoiseScale(GradientNoiseScale):
             "tr(Sigma) cannot be told from them"))
 
     def named_value_from_sums(self, name, sums, batch):
-        weights = self._preconditioner.preconditioner(self._params[name])
         n = batch.examples
+        param = self._params[name]
+        size = piece_size(sums["sum_of_squares"], sums["sum_of_gradients"])
+        if self._cuts is None and _device.on_host(param) and param.numel() > size:
+            # P formed piece by piece as the weighted sums take it (issue 34's speed); a
+            # parameter of one piece whole (the pieces' Python would cost more than they save).
+            weights = self._preconditioner.pieces(param, size)
+        else:
+            weights = self._preconditioner.preconditioner(param)
         if self._cuts is not None:
             # FSDP2, tensor parallelism: P of this process's shard (the optimizer's state is
             # a DTensor beside the parameter: elementwise, its local values are those of the

@@ -10,7 +10,7 @@ subclass of these included (it may change ``step``), is refused: never an
 approximation.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 from cockpit_gradnoise.extensions import tensor_parallel
 from cockpit_gradnoise.functional import preconditioner as formulas
@@ -85,19 +85,50 @@ class OptimizerPreconditioner:
         """``P``'s diagonal for ``param`` (shaped as it), ``None`` for ``P = I``."""
         if self._rule is None:
             return None
-        group = self._groups[id(param)]
-        return self._rule(group, self.optimizer.state.get(param, {}), param)
+        grad = tensor_parallel.completed(param.grad.detach())  # a SequenceParallel norm's: Partial
+        return self._rule(self._groups[id(param)], self.optimizer.state.get(param, {}), grad, param.detach())
+
+    def pieces(self, param: Tensor, size: int) -> Optional[Iterator[Tensor]]:
+        """``P``'s diagonal for ``param``, flattened, in consecutive pieces of ``size``
+        elements; ``None`` for ``P = I``.
+
+        Each piece is formed when it is asked for, by the formula of
+        :meth:`preconditioner` on the same pieces of the state, the gradient and the
+        parameter (every operation of those formulas is elementwise, so a piece's
+        numbers are those of the whole ``P``'s elements): never the whole ``P``, and
+        each piece's half-dozen passes run while it is in the cache, beside the
+        weighted sums of :func:`~cockpit_gradnoise.functional.preconditioned_noise_sums`
+        that take it (issue 34's speed; ``benchmarks/README.md``, "The noise scale
+        Adam sees"). For local tensors (not sharded: those take :meth:`preconditioner`).
+        """
+        if self._rule is None:
+            return None
+        group, state = self._groups[id(param)], self.optimizer.state.get(param, {})
+        moments = {key: moment.reshape(-1) for key, moment in state.items()
+                   if key in _PER_ELEMENT_STATE and isinstance(moment, Tensor)}
+        grad = tensor_parallel.completed(param.grad.detach()).reshape(-1)
+        value = param.detach().reshape(-1)
+
+        def piece(start):
+            cut = slice(start, start + size)
+            return self._rule(group, {**state, **{key: moment[cut] for key, moment in moments.items()}},
+                              grad[cut], value[cut])
+
+        return (piece(start) for start in range(0, grad.numel(), size))
 
 
-def _gradient(param: Tensor, group: dict, decoupled: bool = False) -> Tensor:
+#: The optimizers' state read per element (shaped as the parameter); the rest (``step``) is whole.
+_PER_ELEMENT_STATE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "grad_avg", "sum"})
+
+
+def _gradient(grad: Tensor, param: Tensor, group: dict, decoupled: bool = False) -> Tensor:
     """The gradient the step adds to the moment: ``-grad`` under ``maximize``, plus
     ``weight_decay * param`` unless the decay is decoupled (AdamW)."""
-    grad = tensor_parallel.completed(param.grad.detach())  # a SequenceParallel norm's: Partial
     if group.get("maximize", False):
         grad = -grad
     decay = group.get("weight_decay", 0)
     if decay != 0 and not (decoupled or group.get("decoupled_weight_decay", False)):
-        grad = grad.add(param.detach(), alpha=decay)
+        grad = grad.add(param, alpha=decay)
     return grad
 
 
@@ -114,30 +145,30 @@ def _steps(state: dict):
     return step
 
 
-def _adam(group, state, param, decoupled=False):
+def _adam(group, state, grad, param, decoupled=False):
     return formulas.adam_preconditioner(
-        state.get("exp_avg_sq", 0.0), _gradient(param, group, decoupled),
+        state.get("exp_avg_sq", 0.0), _gradient(grad, param, group, decoupled),
         beta2=_number(group["betas"][1]), step=_steps(state), eps=group["eps"],
         max_exp_avg_sq=state.get("max_exp_avg_sq", 0.0) if group["amsgrad"] else None,
     )
 
 
-def _rmsprop(group, state, param):
+def _rmsprop(group, state, grad, param):
     return formulas.rmsprop_preconditioner(
-        state.get("square_avg", 0.0), _gradient(param, group), alpha=group["alpha"], eps=group["eps"],
+        state.get("square_avg", 0.0), _gradient(grad, param, group), alpha=group["alpha"], eps=group["eps"],
         grad_avg=state.get("grad_avg", 0.0) if group["centered"] else None,
     )
 
 
-def _adagrad(group, state, param):
+def _adagrad(group, state, grad, param):
     initial = group["initial_accumulator_value"]
     return formulas.adagrad_preconditioner(
-        state.get("sum", initial), _gradient(param, group), eps=group["eps"]
+        state.get("sum", initial), _gradient(grad, param, group), eps=group["eps"]
     )
 
 
-def _adamw(group, state, param):
-    return _adam(group, state, param, decoupled=True)
+def _adamw(group, state, grad, param):
+    return _adam(group, state, grad, param, decoupled=True)
 
 
 _RULES = {

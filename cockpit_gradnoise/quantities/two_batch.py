@@ -244,34 +244,38 @@ class TwoBatchNoiseScale(Quantity):
             raise RuntimeError("no micro-batch since the last step: call micro_batch() after "
                                "each loss.backward() of the step")
         weights = [1.0 / (b * len(micro)) if w is None else w for _, b, w in micro]
+        sizes = [b for _, b, _ in micro]
         device = micro[0][0].device
         if self._tp is not None:
             micro = self._over_tp(micro)
         once = self._tp is None or self._tp[2]  # a tp group's examples: counted by its first
         # Summed over processes: total weight, sum of w^2 b, examples, small batches.
-        totals = torch.tensor(
-            [sum(w * b for w, (_, b, _) in zip(weights, micro)),
-             sum(w * w * b for w, (_, b, _) in zip(weights, micro)),
-             sum(b for _, b, _ in micro), len(micro)], dtype=torch.float64, device=device) * once
+        weight, squared_weights, examples, small_batches = _summed_over_processes(
+            [sum(w * b for w, b in zip(weights, sizes)), sum(w * w * b for w, b in zip(weights, sizes)),
+             sum(sizes), len(micro)], once, device)
         # The processes whose param.grad FSDP2 averages: one per tp group.
         world = distributed.world_size() // (1 if self._tp is None else self._tp[0].size())
-        distributed.all_reduce_([totals])
-        weight, squared_weights, examples, small_batches = totals.tolist()
         if small_batches < 2:
             warnings.warn("one micro-batch on one process defines no two-batch noise scale: "
                           "nothing recorded at this step", stacklevel=2)
             return None
         big_examples = weight**2 / squared_weights
-        if any(b == big_examples for _, b, _ in micro):  # the two equations are one
+        if any(b == big_examples for b in sizes):  # the two equations are one
             warnings.warn(f"a micro-batch of {big_examples:g} examples is as large as the step's "
                           "batch (its effective size, by the weights): nothing recorded at this "
                           "step", stacklevel=2)
             return None
         big = _with_network(self._big_squared_norms(device) * (world / weight) ** 2)
-        small = [(_with_network(squared / (w * b) ** 2), b) for (squared, b, _), w in zip(micro, weights)]
-        # This process's mean over its small batches, times their number: summed over processes.
-        sums = torch.stack(functional.two_batch_noise_scale_estimates(small, big, big_examples))
-        sums *= len(micro) * once
+        # The small batches stacked, [K, params + 1]: every operation below is one for all K.
+        small = torch.stack([squared for squared, _, _ in micro])
+        small /= torch.tensor([(w * b) ** 2 for w, b in zip(weights, sizes)], dtype=small.dtype, device=device)[:, None]
+        small = _with_network(small)
+        terms = functional.two_batch_noise_scale_terms(
+            small, torch.tensor(sizes, dtype=small.dtype, device=device)[:, None], big, big_examples)
+        # This process's sum over its small batches: summed over processes.
+        sums = torch.stack([term.sum(0) for term in terms])
+        if not once:
+            sums.zero_()
         distributed.all_reduce_([sums])
         grad_sq, trace_cov = (sums / small_batches).tolist()
         record = {name: self._statistics(name, g, t, examples)
@@ -396,6 +400,8 @@ class TwoBatchNoiseScale(Quantity):
             counted = [c and sharded.first_replica(p, managed) for c, p in zip(counted, self.params)]
             return fsdp2.squared_norms(grads, True, counted)
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        if len(grads) == len(self.params):  # every parameter's: in their order, no index
+            return functional.squared_norm_tensors(grads).to(device)
         squares = torch.zeros(len(self.params), dtype=torch.float64, device=device)
         if grads:  # in float64 as the hooks' norms, in one call for all but large CPU ones
             index = torch.tensor([i for i, p in enumerate(self.params) if p.grad is not None], device=device)
@@ -437,5 +443,16 @@ class TwoBatchNoiseScale(Quantity):
 
 
 def _with_network(squared_norms: Tensor) -> Tensor:
-    """Per-parameter squared norms and, last, their sum (the network's)."""
-    return torch.cat([squared_norms, squared_norms.sum()[None]])
+    """Per-parameter squared norms and, last, their sum (the network's), along the last
+    dimension (``[params]``, or ``[K, params]`` for ``K`` small batches)."""
+    return torch.cat([squared_norms, squared_norms.sum(-1, keepdim=True)], -1)
+
+
+def _summed_over_processes(values: List[float], counted: bool, device) -> List[float]:
+    """``values`` (``0`` where not ``counted``) summed over the processes: in Python outside
+    distributed training (no tensor made), else in one ``all_reduce`` in float64."""
+    if distributed.world_size() == 1:
+        return [value * counted for value in values]
+    totals = torch.tensor(values, dtype=torch.float64, device=device) * counted
+    distributed.all_reduce_([totals])
+    return totals.tolist()
