@@ -60,6 +60,8 @@ ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "fixed-avg"
 #: The fixed batch at the seed-averaged grid's B_crit with its best learning rate (both
 #: stored under this key of the task's results when it first runs: the grid may grow later).
 FIXED_AVG = "fixed-avg"
+#: Where ``--rerun`` of ``fixed-avg`` keeps the settings the replaced runs ran with.
+REPLACED_SETTINGS = "replaced fixed-avg settings"
 #: The ablation ``adaptive-lr-kept``: the per-example schedule with ``rule=None`` (the learning
 #: rate stays the grid's best at the start), to tell the batch rule from the learning-rate rule.
 ABLATION = "adaptive-lr-kept"
@@ -423,7 +425,8 @@ def main(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs stored in <out> and run only the missing ones")
     parser.add_argument("--rerun", action="store_true",
-                        help="with --resume: drop the stored runs of --arms and run them again")
+                        help="with --resume: drop the stored runs of --arms and run them again "
+                             "(fixed-avg: at the grid's B_crit now)")
     parser.add_argument("--replot", action="store_true",
                         help="no training: redraw and rewrite the page from the stored runs")
     args = parser.parse_args(argv)
@@ -501,6 +504,9 @@ def measure(task, args, command, out) -> dict:
     start = time.perf_counter()
     if "fixed" in arms and stored["fixed"] is None:
         stored["fixed"] = tune_fixed(task, baseline, log)
+    if args.rerun and FIXED_AVG in arms and stored.get(FIXED_AVG) is not None:
+        # The grid may have grown since: the arm is set again from it, the old settings kept.
+        stored.setdefault(REPLACED_SETTINGS, []).append(stored.pop(FIXED_AVG))
     if FIXED_AVG in arms and stored.get(FIXED_AVG) is None:
         from experiments.frontier_check import fixed_at_average  # it imports this module
 

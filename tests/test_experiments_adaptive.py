@@ -183,6 +183,26 @@ def test_a_rerun_keeps_the_replaced_runs_and_the_page_compares_the_rules(quick, 
                 f"{2 * new.steps:.1f} -> {new.steps:.1f} |") in text
 
 
+def test_a_rerun_of_fixed_avg_sets_it_again_from_the_grid_and_keeps_the_old(quick, tmp_path):
+    """The grid may grow after fixed-avg ran: --rerun sets its batch and rate again (here from
+    --quick's grid) and keeps the settings the replaced runs ran with."""
+    stored, _, _ = quick
+    digits = next(e for e in stored if e["task"] == "digits")
+    old = dict(digits[ab.FIXED_AVG], batch=999, lr=9.0)  # as if set from a smaller grid
+    path = tmp_path / ab.RESULTS.format(task="digits")
+    path.write_text(json.dumps({**digits, ab.FIXED_AVG: old}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ab.main(["--quick", "--seeds", "1", "--tasks", "digits", "--arms", ab.FIXED_AVG,
+                 "--resume", "--rerun", "--out", str(tmp_path)])
+    again = json.loads(path.read_text())
+    assert again[ab.REPLACED_SETTINGS] == [old]
+    assert again[ab.FIXED_AVG] == digits[ab.FIXED_AVG]  # the same grid gives the same arm
+    run = next(r for r in again["runs"] if r["arm"] == ab.FIXED_AVG)
+    assert set(run["batches"]) == {digits[ab.FIXED_AVG]["batch"]}
+    assert [r["arm"] for r in again["replaced"]] == [ab.FIXED_AVG]
+
+
 def test_the_page_states_every_arm_against_the_seed_averaged_frontier_too(quick, tmp_path):
     """A seed-averaged baseline (here a made-up one) gives a second row of values, a column
     per run and the fixed batch's sanity check, each the frontier value against it."""
