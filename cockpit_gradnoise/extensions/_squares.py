@@ -20,6 +20,7 @@ import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor, unresolved_sums
 
 import torch
@@ -289,6 +290,16 @@ def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: i
     :attr:`Scale.rows`, so is a norm of 0 whose example's rows are not 0 in any factor.
     """
     wide = saved_dtype(at_scale.dtype)
+    rows = scale.rows if isinstance(scale, Scale) else None
+    if rows is not None and rows.shape != at_scale.shape:
+        raise ValueError(f"the rows' magnitudes ({tuple(rows.shape)}) are not one per norm "
+                         f"({tuple(at_scale.shape)})")
+    if rows is not None and at_scale.dtype == torch.float32 and not _device.on_host(at_scale):
+        found = facts.recording()
+        if found.deferring:  # a rule on the plain path: unscaled with the others at the pass's end
+            result = found.deferred.add(at_scale, scale.powers, rows, terms)
+            setattr(result, _ZEROS_MARKED, True)  # marked there (.deferred_norms)
+            return result
     if scale is None:
         result = at_scale.to(wide)
     else:
@@ -305,11 +316,7 @@ def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: i
         # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
         # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
         capped = result
-        rows = scale.rows if isinstance(scale, Scale) else None
         if rows is not None:
-            if rows.shape != at_scale.shape:
-                raise ValueError(f"the rows' magnitudes ({tuple(rows.shape)}) are not one per norm "
-                                 f"({tuple(at_scale.shape)})")
             # And UNRESOLVED where at_scale = 0 beside rows all nonzero (rows > 0), one launch more
             # (for exact_where_lost's five): rows >= 0 is float32, so rows > 0 is at least the
             # smallest positive float32, above UNRESOLVED; result + rows, where result = 0, is
