@@ -164,27 +164,31 @@ def test_settled_at_the_end_of_each_backward_pass(handed, monkeypatch):
 
 
 def test_settle_marks_each_norm_as_unscaled_norms_does_at_its_own_floor(monkeypatch):
-    """Norms at the edges, in entries of different terms and scales (one of two rows): just
-    below and at each entry's float32 floor, 0 beside nonzero and zero rows, NaN, and a
-    normal norm; each settled as :func:`._squares.unscaled_norms` gives it alone."""
+    """Norms at the edges, in entries of different terms, scales and numbers of factors (one,
+    two, and two parameters in one entry): just below and at each entry's float32 floor, 0
+    beside nonzero and zero rows, NaN, and a normal norm; each settled as
+    :func:`._squares.unscaled_norms` gives it alone (the factors' powers multiplied, their
+    rows' smallest taken, there as here)."""
     monkeypatch.setattr(_device, "on_host", lambda tensor: False)
     from cockpit_gradnoise.extensions._squares import Scale, scale_powers, unscaled_norms
     from cockpit_gradnoise.functional.underflow import underflow_floor
 
     entries = []
-    for terms, scale in ((3, 2.0**40), (4000, 2.0**-3), (70, 1.0)):
+    for terms, scales in ((3, (2.0**40,)), (4000, (2.0**-3, 2.0**-90)), (70, (1.0,)), (9, (2.0**100, 2.0**7))):
         floor = torch.tensor(underflow_floor(terms, torch.float32), dtype=torch.float32)
         below = torch.nextafter(floor, torch.zeros(()))
         at_scale = torch.stack([below, floor, floor.new_zeros(()), floor.new_zeros(()),
                                 floor.new_tensor(math.nan), floor.new_tensor(0.75)])
-        rows = torch.tensor([1.0, 1.0, 2.0**-149, 0.0, 1.0, 1.0])
-        entries.append((at_scale, Scale(scale_powers(scale), rows), terms))
+        rows = torch.tensor([[1.0, 1.0, 2.0**-149, 0.0, 1.0, 1.0], [1.0, 3.0, 1.0, 1.0, 1.0, 2.0**-140]])
+        powers = torch.stack([scale_powers(scale) for scale in scales])
+        entries.append((at_scale, Scale(factor_powers=powers, factor_rows=rows[:len(scales)]), terms))
     # Two parameters in one entry ([2, N], as a normalization layer's), at the floor of 3 terms.
     (first, first_scale, _), (third, third_scale, _) = entries[0], entries[2]
     pair = (torch.stack([first, third]), Scale(torch.stack([first_scale.powers, third_scale.powers]),
                                                torch.stack([first_scale.rows, third_scale.rows])), 3)
     pending = deferred_norms.DeferredNorms()
-    placeholders = [pending.add(a, s.powers, s.rows, t) for a, s, t in entries + [pair]]
+    placeholders = [pending.add(a, *s.handed_over(), t) for a, s, t in entries]
+    placeholders.append(pending.add(pair[0], pair[1].powers.unsqueeze(1), pair[1].rows.unsqueeze(1), 3))
     pending.settle()
     for placeholder, (at_scale, scale, terms) in zip(placeholders, entries + [pair]):
         expected = unscaled_norms(at_scale, scale, terms)
@@ -192,3 +196,4 @@ def test_settle_marks_each_norm_as_unscaled_norms_does_at_its_own_floor(monkeypa
         assert torch.equal(placeholder.nan_to_num(), expected.nan_to_num()), (terms, placeholder, expected)
     marked = placeholders[0]
     assert marked[0] == UNRESOLVED and marked[1] > UNRESOLVED and marked[2] == UNRESOLVED and marked[3] == 0
+    assert placeholders[3][5] == 0.75 * 2.0**-214  # times 1 / (2**100 2**7)**2: the factors' product

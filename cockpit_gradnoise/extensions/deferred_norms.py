@@ -51,40 +51,60 @@ ENABLED = True
 class DeferredNorms:
     """One backward pass's norms handed over for unscaling, grouped by device and batch length.
 
-    ``groups``: ``{(device, N): [(at_scale [p, N], inverse_squares [p, 1], rows [p, N],
-    terms, placeholder [p, N])]}``.
+    ``groups``: ``{(device, N): {(k_powers, k_rows): [(at_scale [p, N], powers [p, k_powers, 3],
+    rows [p, k_rows, N], terms, placeholder [p, N])]}}``: a parameter's scale is the product
+    of its ``k`` factors' and its rows the smallest of theirs, reduced here for all parameters
+    with as many factors at once (``Scale``'s ``prod`` and ``amin``, two launches per group,
+    where each parameter took two).
     """
 
     __slots__ = ("groups",)
 
     def __init__(self):
-        self.groups: Dict[Tuple[torch.device, int], List[tuple]] = {}
+        self.groups: Dict[Tuple[torch.device, int], Dict[Tuple[int, int], List[tuple]]] = {}
 
     def add(self, at_scale: Tensor, powers: Tensor, rows: Tensor, terms: int) -> Tensor:
         """The float64 tensor that will hold ``at_scale``'s unscaled and marked norms once the
-        pass ends: ``at_scale`` ``[N]`` (or ``[p, N]``), float32, ``powers`` its scale's
-        ``(s, 1/s, 1/s**2)`` ``[3]`` (or ``[p, 3]``), ``rows`` its examples' row magnitudes,
-        shaped like ``at_scale``; ``terms`` the squares in each norm."""
+        pass ends: ``at_scale`` ``[N]`` float32, ``powers`` ``[k, 3]`` its factors' ``(s, 1/s,
+        1/s**2)``, ``rows`` ``[k, N]`` their examples' row magnitudes (or, for ``[p, N]`` norms of
+        ``p`` parameters, ``[p, k, 3]`` and ``[p, k, N]``); ``terms`` the squares in each norm."""
         placeholder = torch.empty(at_scale.shape, dtype=torch.float64, device=at_scale.device)
-        flat = at_scale if at_scale.dim() == 2 else at_scale.unsqueeze(0)
-        inverse_squares = powers[..., 2:].reshape(-1, 1)  # views: no launch
-        entry = (flat, inverse_squares, rows.reshape(flat.shape), terms, placeholder.view(flat.shape))
-        self.groups.setdefault((at_scale.device, flat.shape[1]), []).append(entry)
+        if at_scale.dim() == 1:  # views: no launch
+            at_scale, powers, rows = at_scale.unsqueeze(0), powers.unsqueeze(0), rows.unsqueeze(0)
+        kinds = self.groups.setdefault((at_scale.device, at_scale.shape[1]), {})
+        kinds.setdefault((powers.shape[1], rows.shape[1]), []).append(
+            (at_scale, powers, rows, terms, placeholder.view(at_scale.shape)))
         return placeholder
 
     def settle(self) -> None:
         """Unscale and mark every group's norms, each group in one set of operations, and
         write them into their tensors (:func:`._squares.unscaled_norms`' operations)."""
         groups, self.groups = self.groups, {}
-        for (device, _), entries in groups.items():
-            at_scale, inverse_squares, rows, terms, placeholders = zip(*entries)
+        for (device, _), kinds in groups.items():
+            entries = [entry for kind in kinds.values() for entry in kind]
+            at_scale, _, _, terms, placeholders = zip(*entries)
             floors = _floors(device, [t for t, norms in zip(terms, at_scale) for _ in range(len(norms))])
-            at_scale, rows = torch.cat(at_scale), torch.cat(rows)  # [K, N]
-            result = at_scale * torch.cat(inverse_squares)  # [K, N] float64, exact
+            inverse_squares, rows = zip(*(_reduced(kind) for kind in kinds.values()))
+            at_scale = torch.cat(at_scale)  # [K, N], in the order of the kinds' entries
+            result = at_scale * _joined(inverse_squares)  # [K, N] float64, exact
             # As unscaled_norms, row by row: capped at UNRESOLVED where below the floor, the
             # rows' magnitudes added first, so that a 0 beside nonzero rows is marked too.
-            result = torch.where(at_scale < floors, (result + rows).clamp(max=UNRESOLVED), result)
+            result = torch.where(at_scale < floors, (result + _joined(rows)).clamp(max=UNRESOLVED), result)
             torch._foreach_copy_(list(placeholders), list(result.split([len(p) for p in placeholders])))
+
+
+def _reduced(entries: List[tuple]) -> Tuple[Tensor, Tensor]:
+    """``(1/s**2 [K, 1], rows [K, N])`` of entries of one kind: the product of the factors'
+    ``1/s_k**2`` (powers of two within float64's range: exact, as ``Scale.powers``' product)
+    and the smallest of their rows (``Scale.rows``)."""
+    powers, rows = _joined([e[1] for e in entries]), _joined([e[2] for e in entries])
+    inverse_squares = powers[:, 0, 2:] if powers.shape[1] == 1 else powers[..., 2].prod(1, keepdim=True)
+    return inverse_squares, rows[:, 0] if rows.shape[1] == 1 else rows.amin(1)
+
+
+def _joined(parts) -> Tensor:
+    """``torch.cat`` of the parts, or the one part itself (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _floors(device: torch.device, numels: List[int]) -> Tensor:
