@@ -31,11 +31,13 @@ SMALL = 2.0**-66  # squares 2**-132: nonzero below the floor, marked
 
 class Sequence(nn.Module):
     """Linear on ``[B, T, C]`` and on ``[B, C]``, LayerNorm, GroupNorm on a convolution, an
-    Embedding read per example; ``tied``: two Linears sharing their weight (combined in the pass)."""
+    Embedding read per example and one broadcast over the batch (nanoGPT's positions);
+    ``tied``: two Linears sharing their weight (combined in the pass)."""
 
     def __init__(self, tied: bool):
         super().__init__()
         self.embed = nn.Embedding(7, 6)
+        self.positions = nn.Embedding(3, 6)  # applied to arange(3): broadcast over the batch
         self.seq = nn.Linear(6, 5)
         self.norm = nn.LayerNorm(5)
         self.conv = nn.Conv2d(1, 3, 2)
@@ -48,7 +50,8 @@ class Sequence(nn.Module):
         self.out = nn.Linear(4, 6, bias=False)
 
     def forward(self, index, image, scale):
-        hidden = self.norm(self.seq(self.embed(index) * scale)).mean(1)  # [B, 5]
+        tokens = (self.embed(index) + self.positions(torch.arange(3))) * scale
+        hidden = self.norm(self.seq(tokens)).mean(1)  # [B, 5]
         pooled = self.group(self.conv(image)).flatten(1)  # [B, 12]
         return self.out(self.again(torch.tanh(self.mid(self.head(torch.cat([hidden, pooled], 1))))))
 
@@ -105,10 +108,10 @@ def test_deferred_norms_are_the_norms_each_rule_gave_alone(tied, both, handed, m
     together = _saved(model, True, monkeypatch, extensions)
     # Handed over: every norm of a float32 rule on the plain path (the tied weight's uses are
     # combined in the pass: not handed over), the LayerNorm's and GroupNorm's two at once.
-    # seq, conv, head: weight and bias; mid, again, out: weight; LayerNorm and GroupNorm: both
-    # at once. Not the embedding (read through uses.run's checks), nor a tied weight's uses
-    # (combined in the pass).
-    assert len(handed) == (9 if tied else 11), handed
+    # embed; seq, conv, head: weight and bias; mid, again, out: weight; LayerNorm and GroupNorm:
+    # both at once. Not the position table (broadcast: its results are read per example in the
+    # pass), nor a tied weight's uses (combined in the pass).
+    assert len(handed) == (10 if tied else 12), handed
     assert alone.keys() == together.keys()
     for key, value in alone.items():
         assert value.dtype == together[key].dtype and torch.equal(value.isnan(), together[key].isnan()), key
@@ -156,7 +159,7 @@ def test_settled_at_the_end_of_each_backward_pass(handed, monkeypatch):
     alone = _two_passes(model)
     monkeypatch.setattr(deferred_norms, "ENABLED", True)
     together = _two_passes(model)
-    assert len(handed) == 2 * 11 and not facts.recording().deferred.groups
+    assert len(handed) == 2 * 12 and not facts.recording().deferred.groups
     for pass_alone, pass_together in zip(alone, together):
         for value, deferred in zip(pass_alone, pass_together):
             assert torch.equal(value, deferred)

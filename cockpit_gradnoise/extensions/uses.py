@@ -285,7 +285,15 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     if uses is not None and _ran_twice(extension, module, recorded):
         return
     before = tied.values_before(extension, module)
-    if call(module, g_inp, g_out) is False:  # no rule covers the module: it wrote nothing
+    # Neither broadcast nor tied: nothing below reads the results, whose norms may be unscaled
+    # with the other layers' at the pass's end (.deferred_norms).
+    recorded.deferring = (deferred_norms.ENABLED and recorded.may_defer() and not module.__dict__.get(TIED_ATTR)
+                          and (uses is None or module not in uses.broadcasts))
+    try:
+        covered = call(module, g_inp, g_out) is not False
+    finally:
+        recorded.deferring = False
+    if not covered:  # no rule covers the module: it wrote nothing
         return
     recorded.record(extension, module, g_out)
     if uses is None:
