@@ -6,17 +6,19 @@ marks of what underflow lost, :func:`._squares.unscaled_norms`: a multiplication
 addition, a comparison with the floor, a clamp and a ``where``, five launches per parameter,
 whatever its size. On a GPU a step of a small or medium model is bound by its launches
 (``benchmarks/README.md``, "On a GPU"), so here those five are made once per backward pass
-for all the parameters whose rules ran on the plain path (:func:`open_for`): each such rule
-hands over its float32 norms at their scale with the scale's powers, its rows' magnitudes and
-its floor (:meth:`DeferredNorms.add`), and gets back an uninitialised float64 tensor, which is
-saved on the parameter as its result; :meth:`DeferredNorms.settle` stacks what was handed
+for all the parameters whose results nothing reads before the pass ends (below), with the
+reduction of a weight's two factors' scales and rows (``prod``, ``amin``): each such rule
+hands over its float32 norms at their scale with its factors' powers and rows' magnitudes
+and its number of terms (:meth:`DeferredNorms.add`), and gets back an uninitialised float64
+tensor, which is saved on the parameter as its result; :meth:`DeferredNorms.settle` stacks what was handed
 over, runs the same five operations on the stack, and copies each row into its tensor, at
 the end of the backward pass (``facts._end``, the first callback the pass queued: before any
 other end-of-pass work, and before the backward call returns, so before any quantity reads).
 
 Exact: the same numbers as :func:`._squares.unscaled_norms` gives each parameter alone. Each
 element goes through the same elementwise operations on the same operands: its float32 norm
-times its own ``1/s**2`` (float64; a power of two, so the product is exact either way), plus
+times its own ``1/s**2`` (float64, the product of its factors' ``1/s_k**2``: powers of two of
+float64's range, so each product is exact either way), plus
 its own row magnitude, compared with its own floor (a float32 number, as the Python floor is
 rounded where a float32 tensor is compared with it: :func:`.functional.underflow.floors_of`),
 clamped at :data:`.functional.underflow.UNRESOLVED`; stacking and copying move numbers
@@ -24,10 +26,11 @@ without changing them. ``tests/test_deferred_norms.py`` compares the two on the 
 applies to, with norms that underflow and zeros beside nonzero rows.
 
 Only where nothing reads the result before the pass ends (a placeholder read early would be a
-silently wrong number): on the plain path of :func:`.uses.run` (no tied parameter, no
-broadcast embedding, no repeated call, whose combinations read the results in the pass), for
-a rule of the tables (not the ``torch.func`` fallback, which compares its results), inside a
-backward pass whose end is queued, on other devices (the CPU's path checks the values at
+silently wrong number): while :func:`.uses.run` runs a layer's rule (``BackwardFacts.deferring``)
+that is neither tied nor an embedding broadcast over the batch, and not one of several calls
+(whose results are combined, in the pass, by :mod:`.tied`, :mod:`.batchless`, :mod:`.repeated`),
+for a rule of the tables (not the ``torch.func`` fallback, which compares its results), inside
+a backward pass whose end is queued (``BackwardFacts.may_defer``), on other devices (the CPU's path checks the values at
 once), and for norms with :attr:`._squares.Scale.rows` (whose zeros are marked here, so that
 ``exact_where_lost`` leaves them alone).
 """
