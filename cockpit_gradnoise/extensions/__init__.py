@@ -143,6 +143,7 @@ class _RecordingExtension(FirstOrderBackpropExtension):
             direct.run(rule, self, module, g_inp, g_out)  # BackPACK's __call__, less its generic steps
             return True
         if isinstance(getattr(module, capture.ATTRIBUTE, None), capture.Fallback):
+            facts.recording().deferring = False  # it compares its own results in the pass
             running.run(self, module, g_inp, g_out)
             return True
         return False

@@ -17,17 +17,23 @@ underflow only below ``1e-308``).
 
 import functools
 import math
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor, unresolved_sums
 
 import torch
 from torch import Tensor
 
 
-class Scale(NamedTuple):
+class Scale:
     """A power-of-two scale ``s`` that squares were formed at, as unscaling needs it.
+
+    Of several factors (``s = prod_k s_k``, :func:`scaled_factors` on other devices), it keeps
+    each factor's powers and rows and reduces them when first asked (one ``prod``, one
+    ``amin``): a rule whose norms are unscaled at the end of the backward pass
+    (:mod:`.deferred_norms`) hands the factors' over, reduced there for all layers at once.
 
     Attributes:
         powers: ``(s, 1/s, 1/s**2)``, float64 (:func:`scale_powers`): unscaling a sum or a
@@ -37,10 +43,43 @@ class Scale(NamedTuple):
             smallest over the factors of its row's largest magnitude; not 0 exactly where every
             factor's row of the example holds a nonzero number, so that a squared norm of 0
             there is marked (underflow lost it, :func:`unscaled_norms`). ``None`` elsewhere.
+        factor_powers: ``[k, 3]``, each factor's powers (their column products are ``powers``), or ``None``.
+        factor_rows: ``[k, N]``, each factor's row magnitudes (their smallest: ``rows``), or ``None``.
     """
 
-    powers: Tensor
-    rows: Optional[Tensor] = None
+    __slots__ = ("_powers", "_rows", "factor_powers", "factor_rows")
+
+    def __init__(self, powers: Optional[Tensor] = None, rows: Optional[Tensor] = None,
+                 factor_powers: Optional[Tensor] = None, factor_rows: Optional[Tensor] = None):
+        self._powers, self._rows = powers, rows
+        self.factor_powers, self.factor_rows = factor_powers, factor_rows
+
+    @property
+    def powers(self) -> Tensor:
+        if self._powers is None:
+            # The product of each column: (prod s, 1 / prod s, 1 / (prod s)**2), exact (powers of
+            # two of float64's range for two factors: 1/s**2 within [2**-250, 2**254] each).
+            self._powers = self.factor_powers.prod(0)
+        return self._powers
+
+    @property
+    def rows(self) -> Optional[Tensor]:
+        if self._rows is None and self.factor_rows is not None:
+            self._rows = self.factor_rows.amin(0)
+        return self._rows
+
+    def rows_shape(self) -> Optional[torch.Size]:
+        """The shape of :attr:`rows` (``None`` without), without reducing the factors'."""
+        if self._rows is not None:
+            return self._rows.shape
+        return None if self.factor_rows is None else self.factor_rows.shape[1:]
+
+    def handed_over(self) -> Tuple[Tensor, Tensor]:
+        """``(powers [k, 3], rows [k, N])`` for one parameter's norms ``[N]``: the factors',
+        unreduced where not reduced yet (one factor: ``k = 1``)."""
+        powers = self.factor_powers if self._powers is None else self._powers.reshape(1, 3)
+        rows = self.factor_rows if self._rows is None else self._rows.unsqueeze(0)
+        return powers, rows
 
 
 def saved_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -239,21 +278,17 @@ def scaled_factors(*factors: Tensor, rows: bool = False) -> Tuple[List[Tensor], 
         if product * SMALLEST_UNSCALED <= 0.5:
             return list(factors), None
         return [factor * scale for factor, scale in zip(factors, scales)], Scale(scale_powers(product))
-    smallest_rows = None
+    magnitudes = None
     if rows and all(len(factor) == len(factors[0]) for factor in factors):
         magnitudes = torch.stack([_row_magnitudes(factor).float() for factor in factors])  # [k, N]
         # The largest of the rows' largest is the factor's (max is associative; NaN propagates
         # through both); the smallest over the factors of each example's is Scale.rows.
         largest = magnitudes.amax(1) if magnitudes.shape[1] else magnitudes.new_zeros(len(factors))
-        smallest_rows = magnitudes.amin(0)
     else:
         largest = torch.stack([largest_magnitude(factor).float() if factor.numel()
                                else factor.new_zeros((), dtype=torch.float32) for factor in factors])
     powers = powers_of_largest(largest)  # [k, 3]: each factor's (s, 1/s, 1/s**2)
-    # The product of each column: (prod s, 1 / prod s, 1 / (prod s)**2), exact (powers of two of
-    # float64's range for two factors: 1/s**2 within [2**-250, 2**254] each).
-    return ([factor * p[0] for factor, p in zip(factors, powers)],
-            Scale(powers.prod(0), smallest_rows))
+    return [factor * p[0] for factor, p in zip(factors, powers)], Scale(factor_powers=powers, factor_rows=magnitudes)
 
 
 def contributions_scale(contributions: Tensor, rows: bool = False) -> Optional[Scale]:
@@ -289,6 +324,20 @@ def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: i
     :attr:`Scale.rows`, so is a norm of 0 whose example's rows are not 0 in any factor.
     """
     wide = saved_dtype(at_scale.dtype)
+    rows_shape = scale.rows_shape() if isinstance(scale, Scale) else None
+    if rows_shape is not None and rows_shape != at_scale.shape:
+        raise ValueError(f"the rows' magnitudes ({tuple(rows_shape)}) are not one per norm "
+                         f"({tuple(at_scale.shape)})")
+    if rows_shape is not None and at_scale.dtype == torch.float32 and not _device.on_host(at_scale):
+        found = facts.recording()
+        if found.deferring:  # a rule on the plain path: unscaled with the others at the pass's end
+            if at_scale.dim() == 1:
+                result = found.deferred.add(at_scale, *scale.handed_over(), terms)
+            else:  # [P, N] of P parameters, one factor each (squared_norms_of_many)
+                result = found.deferred.add(at_scale, scale.powers.unsqueeze(1), scale.rows.unsqueeze(1), terms)
+            setattr(result, _ZEROS_MARKED, True)  # marked there (.deferred_norms)
+            return result
+    rows = scale.rows if rows_shape is not None else None
     if scale is None:
         result = at_scale.to(wide)
     else:
@@ -305,11 +354,7 @@ def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: i
         # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
         # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
         capped = result
-        rows = scale.rows if isinstance(scale, Scale) else None
         if rows is not None:
-            if rows.shape != at_scale.shape:
-                raise ValueError(f"the rows' magnitudes ({tuple(rows.shape)}) are not one per norm "
-                                 f"({tuple(at_scale.shape)})")
             # And UNRESOLVED where at_scale = 0 beside rows all nonzero (rows > 0), one launch more
             # (for exact_where_lost's five): rows >= 0 is float32, so rows > 0 is at least the
             # smallest positive float32, above UNRESOLVED; result + rows, where result = 0, is

@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Dict, Mapping, Optional, Set
 
 from cockpit_gradnoise.extensions._layer_cache import LayerCache
+from cockpit_gradnoise.extensions.deferred_norms import DeferredNorms
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
 import torch
@@ -85,6 +86,10 @@ class BackwardFacts:
         repeated: ``{id(module): calls}`` of the layers run several times in one forward
             pass, whose calls' contributions are summed per example at the end of this
             backward pass (:mod:`.repeated`).
+        deferring: Whether the rule running now may hand its squared norms over to be
+            unscaled at the end of the pass (:mod:`.deferred_norms`): set by :func:`.uses.run`
+            on its plain path only, for the time of the rule.
+        deferred: The norms handed over, settled when the pass ends (:func:`_end`).
     """
 
     def __init__(self):
@@ -107,6 +112,13 @@ class BackwardFacts:
         self.repeated: Dict[int, object] = {}
         self.graph_task: Optional[int] = None
         self.finished = False
+        self.deferring = False
+        self.deferred = DeferredNorms()
+
+    def may_defer(self) -> bool:
+        """Whether a rule run now may hand its norms over (:mod:`.deferred_norms`): inside
+        the backward pass these facts are of, whose end (:func:`_end`) is queued."""
+        return self.graph_task is not None and not self.finished
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
@@ -242,4 +254,7 @@ def recording() -> BackwardFacts:
 
 
 def _end(facts: BackwardFacts) -> None:
+    """The end of the backward pass of ``facts`` (queued when its first fact was recorded:
+    the first of the pass's end callbacks): the norms handed over are unscaled and marked."""
     facts.finished = True
+    facts.deferred.settle()

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 from cockpit_gradnoise.extensions import (
     batchless,
+    deferred_norms,
     facts,
     hooks,
     own_index,
@@ -265,7 +266,14 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         # The package's hooks (.hooks), a layer without embedding or tied parameter, called
         # once: none of the below applies (no autocast refusal: the hooks keep what the layer
         # computed with; no tied use, broadcast or repeated call): the rule, the record.
-        if call(module, g_inp, g_out) is not False:
+        # Nothing reads the rule's results before the pass ends: its norms may be unscaled
+        # with the other layers' then (.deferred_norms).
+        recorded.deferring = deferred_norms.ENABLED and recorded.may_defer()
+        try:
+            covered = call(module, g_inp, g_out) is not False
+        finally:
+            recorded.deferring = False
+        if covered:
             recorded.record(extension, module, g_out)
         return
     if _autocast_without_hooks(module, recorded, g_out):
@@ -279,7 +287,15 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     if uses is not None and not by_tie and _ran_twice(extension, module, recorded):
         return
     before = tied.values_before(extension, module)
-    if call(module, g_inp, g_out) is False:  # no rule covers the module: it wrote nothing
+    # Neither broadcast nor tied: nothing below reads the results, whose norms may be unscaled
+    # with the other layers' at the pass's end (.deferred_norms).
+    recorded.deferring = (deferred_norms.ENABLED and recorded.may_defer() and not module.__dict__.get(TIED_ATTR)
+                          and (uses is None or module not in uses.broadcasts))
+    try:
+        covered = call(module, g_inp, g_out) is not False
+    finally:
+        recorded.deferring = False
+    if not covered:  # no rule covers the module: it wrote nothing
         return
     recorded.record(extension, module, g_out)
     if uses is None:
