@@ -7,6 +7,7 @@ cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from cockpit_gradnoise.order_statistics.buckets import select_on_host
 from cockpit_gradnoise.order_statistics.ranks import (
     SORT_WHOLE_AT_MOST,
     check_no_nan,
@@ -15,6 +16,7 @@ from cockpit_gradnoise.order_statistics.ranks import (
 )
 
 import numpy
+import torch
 
 
 def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
@@ -47,7 +49,7 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         return values[list(ranks)].tolist()
     zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
-        return _select_around_zeros(values, ranks, zeros)
+        return _select_around_zeros(values, ranks)
     found: Dict[int, float] = {}
     largest = values.max()  # NaN if any is (NumPy's max propagates it)
     check_no_nan(float(largest))
@@ -68,29 +70,25 @@ def count_where(values: numpy.ndarray, test, *args) -> int:
 COUNT_PIECE = 1 << 16
 
 
-#: :func:`select_in_place` takes the zeros out first where more than
+#: :func:`select_in_place` selects by buckets where more than
 #: ``1 / 2**_MANY_ZEROS_SHIFT`` of the values are 0: NumPy's partition slows
 #: down tenfold to twentyfold on a value repeated that often (a layer's sd
-#: where most units are dead: resnet18's last convolutions, 93-95% zeros),
-#: and taking them out costs about one copy.
+#: where most units are dead: resnet18's last convolutions, 93-95% zeros;
+#: VGG-11's classifier at batch 2, 53%), and taking the zeros out first
+#: (``compress``) writes a copy of the layer's size, whose fresh pages cost
+#: more than the selection (VGG-11's 129M sd: 1.5 s of page faults, 0.1 s of
+#: copying). The buckets count the zeros without gathering them, in pieces.
 _MANY_ZEROS_SHIFT = 4
 
 
-def _select_around_zeros(values: numpy.ndarray, ranks: Sequence[int], zeros: int) -> List[float]:
-    """:func:`select_in_place` of ``values`` holding ``zeros`` zeros (of either sign), by the others.
-
-    The zeros hold the ranks from the number of negative values on; the other
-    ranks are those of the values that are not 0, shifted past the zeros.
-    """
-    negative = int(numpy.count_nonzero(values < 0))
-    rest = numpy.compress(values != 0, values)  # NaN is kept (and refused there)
-    others = sorted({r if r < negative else r - zeros for r in ranks
-                     if not negative <= r < negative + zeros})
-    found = dict(zip(others, select_in_place(rest, others))) if others else {}
-    if not others and rest.size:
-        check_no_nan(float(rest.max()))
-    return [0.0 if negative <= r < negative + zeros
-            else found[r if r < negative else r - zeros] for r in ranks]
+def _select_around_zeros(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
+    """:func:`select_in_place` of ``values`` holding many zeros (of either sign): the same
+    values, by :func:`~cockpit_gradnoise.order_statistics.buckets.select_on_host` (a count
+    of the buckets of the values' top bits, then the few candidates of the wanted ranks'
+    buckets gathered and sorted; the zeros counted, never gathered: memory of a piece,
+    not of the array). ``values`` is left as it is."""
+    (found,), _ = select_on_host([[torch.from_numpy(values)]], [list(ranks)])
+    return found
 
 
 def _select_within(part: numpy.ndarray, offset: int, ranks: List[int], found: Dict[int, float]):
