@@ -1,0 +1,116 @@
+"""Selection and ratios where many values are 0, by pieces (issue 32: VGG-11's classifier).
+
+``order_statistics.select_in_place`` and ``quantile_summaries_in_place`` select by the
+buckets' two passes in pieces of ``_device.CHUNK`` where many values are 0, and
+``functional.abs_ratio_statistics`` forms its ratios in pieces of ``_RATIO_PIECE``:
+each against a sort of the same values, at sizes around the pieces' boundaries, with
+ties, zeros of both signs, subnormals (which share the zero buckets), infinities and NaN.
+"""
+
+import math
+
+from cockpit_gradnoise import _device, functional, order_statistics
+from cockpit_gradnoise.functional.ratios import _RATIO_PIECE
+
+import numpy
+import pytest
+import torch
+
+CHUNK = _device.CHUNK
+SIZES = [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]
+
+
+def mostly_zeros(n, dtype, seed, *, non_negative=False):
+    """Values of which about 60% are 0 (half of them -0.0), with ties, subnormals, infinities."""
+    rng = numpy.random.default_rng(seed)
+    values = rng.standard_normal(n) * numpy.exp(3 * rng.standard_normal(n))
+    tied = rng.random(n) < 0.2
+    values[tied] = numpy.round(values[tied], 1)
+    values[rng.random(n) < 0.01] = numpy.finfo(dtype).smallest_subnormal * rng.integers(1, 5)
+    values[rng.integers(n, size=3)] = numpy.inf
+    if not non_negative:
+        values[rng.integers(n)] = -numpy.inf
+    zero = rng.random(n) < 0.6
+    values[zero] = numpy.where(rng.random(int(zero.sum())) < 0.5, 0.0, -0.0)
+    values = numpy.abs(values) if non_negative else values
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+def test_select_in_place_with_many_zeros_equals_sorted_values(n, dtype):
+    values = mostly_zeros(n, dtype, seed=n)
+    ordered = numpy.sort(values)
+    negative, zeros = int(numpy.sum(values < 0)), int(numpy.sum(values == 0))
+    # Ranks at both ends, at the zeros' edges (the last negative, first and last
+    # zero, first positive: the subnormals next to them) and in the middle.
+    ranks = [0, n - 1, negative - 1, negative, negative + zeros - 1, negative + zeros,
+             negative + zeros + 1, n // 2, (n - 1) // 2, n - 2]
+    got = order_statistics.select_in_place(values.copy(), ranks)
+    assert got == ordered[ranks].astype(numpy.float64).tolist()
+    with_nan = values.copy()
+    with_nan[n - 1] = math.nan  # in the last piece
+    with pytest.raises(ValueError, match="NaN"):
+        order_statistics.select_in_place(with_nan, [n // 2])
+
+
+def test_quantile_summaries_in_place_with_many_zeros_equal_numpy_on_the_kept_values():
+    """The buckets' shared passes for each array and the union: bit for bit
+    numpy.quantile of the kept values, placeholders left out; an array with
+    nothing kept, and an empty one, have no summary."""
+    levels = (0.0, 0.1, 0.5, 0.9, 1.0)
+    sizes, left_out = [CHUNK + 1, 2 * CHUNK + 3, 7, CHUNK - 1], [CHUNK // 2, CHUNK, 3, 0]
+    kept = [mostly_zeros(n - z, numpy.float32, seed=n, non_negative=True) for n, z in zip(sizes, left_out)]
+    kept = [numpy.where(numpy.isinf(k), 7.0, k).astype(numpy.float32) for k in kept]
+    rng = numpy.random.default_rng(0)
+    arrays = [numpy.concatenate([numpy.zeros(z, numpy.float32), k]) for k, z in zip(kept, left_out)]
+    for a in arrays:
+        rng.shuffle(a)
+    arrays += [numpy.zeros(5, numpy.float32), numpy.zeros(0, numpy.float32)]
+    left_out += [5, 0]
+    each, union = order_statistics.quantile_summaries_in_place([a.copy() for a in arrays], levels, left_out)
+    for values, summary in zip(kept, each):
+        assert summary[: len(levels)] == numpy.quantile(values.astype(numpy.float64), levels).tolist()
+        assert summary[-1] == pytest.approx(values.astype(numpy.float64).mean(), rel=1e-12)
+    assert each[-2:] == [[], []]
+    everything = numpy.concatenate(kept).astype(numpy.float64)
+    assert union[: len(levels)] == numpy.quantile(everything, levels).tolist()
+    assert union[-1] == pytest.approx(everything.mean(), rel=1e-12)
+
+
+def reference_ratio_statistics(theta, grad):
+    """The obvious computation: the kept ratios in float64 (a float32 ratio rounded as
+    the package rounds it, then widened), their mean, numpy.median, min and max."""
+    a, b = theta.numpy(), grad.numpy()
+    with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ratio = numpy.abs(a / b).astype(numpy.float64)
+    kept = numpy.isfinite(a) & numpy.isfinite(b) & (b != 0)
+    values = ratio[kept]
+    return {"mean": values.mean(), "median": numpy.median(values), "min": values.min(),
+            "max": values.max()}, int(numpy.sum(b == 0))
+
+
+@pytest.mark.parametrize("n", [_RATIO_PIECE - 1, _RATIO_PIECE, _RATIO_PIECE + 1, 3 * _RATIO_PIECE + 5])
+@pytest.mark.parametrize("finite", [True, False])
+def test_ratio_statistics_by_pieces_equal_the_obvious_computation(n, finite):
+    """Gradients mostly 0 (the dead units of a classifier), ties, kept zeros (theta 0),
+    a ratio too large for float32 (inf, kept), and where not ``finite``, infinities
+    and NaN in both, in the first and last piece: left out."""
+    rng = numpy.random.default_rng(n)
+    theta = rng.standard_normal(n).astype(numpy.float32)
+    grad = rng.standard_normal(n).astype(numpy.float32)
+    grad[rng.random(n) < 0.6] = 0.0
+    grad[rng.random(n) < 0.1] = -0.0
+    theta[rng.random(n) < 0.05] = 0.0
+    theta[rng.random(n) < 0.2] = 0.5  # ties
+    grad[: n // 3 : 101] = numpy.float32(1e-39)  # subnormal: ratios around 1e38 and inf
+    theta[1], grad[1] = 1e30, 1e-30
+    if not finite:
+        theta[[0, n - 1]], grad[[2, n - 2]] = [numpy.inf, numpy.nan], [-numpy.inf, numpy.nan]
+    theta, grad = torch.from_numpy(theta), torch.from_numpy(grad)
+    expected, zeros = reference_ratio_statistics(theta, grad)
+    got, got_zeros = functional.abs_ratio_statistics_and_zeros(theta.clone(), grad.clone(), all_finite=finite)
+    assert got_zeros == zeros
+    assert {k: got[k] for k in ("median", "min", "max")} == {k: expected[k] for k in ("median", "min", "max")}
+    assert got["mean"] == pytest.approx(expected["mean"], rel=1e-12)
+    assert got["max"] == math.inf and got["min"] == 0.0
