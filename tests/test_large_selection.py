@@ -11,6 +11,7 @@ import math
 
 from cockpit_gradnoise import _device, functional, order_statistics
 from cockpit_gradnoise.functional.ratios import _RATIO_PIECE
+from cockpit_gradnoise.functional.underflow import underflow_floor
 
 import numpy
 import pytest
@@ -116,3 +117,23 @@ def test_ratio_statistics_by_pieces_equal_the_obvious_computation(n, finite):
     assert {k: got[k] for k in ("median", "min", "max")} == {k: expected[k] for k in ("median", "min", "max")}
     assert got["mean"] == pytest.approx(expected["mean"], rel=1e-12)
     assert got["max"] == math.inf and got["min"] == 0.0
+
+
+@pytest.mark.parametrize("n", [order_statistics.COUNT_PIECE - 1, 3 * order_statistics.COUNT_PIECE + 5])
+def test_unresolved_sums_counted_by_pieces(n):
+    """Dead units (S = T = 0) beside unresolved sums (S below the floor, not a dead unit),
+    in every piece and at both ends: the count of the obvious whole-array masks."""
+    rng = numpy.random.default_rng(n)
+    squares = rng.random(n).astype(numpy.float32) + 1.0
+    total = rng.standard_normal(n).astype(numpy.float32)
+    dead = rng.random(n) < 0.5
+    squares[dead], total[dead] = 0.0, 0.0
+    lost = rng.random(n) < 0.01
+    squares[lost] = numpy.where(rng.random(int(lost.sum())) < 0.5, 1e-40, 0.0)
+    squares[[0, n - 1]], total[[0, n - 1]] = 0.0, 1.0  # S = 0 beside T != 0: unresolved
+    floor = underflow_floor(2, torch.float32)
+    expected = int(numpy.sum((squares < floor) & ~((squares == 0) & (total == 0))))
+    assert expected > 2
+    assert functional.unresolved_sums(torch.from_numpy(squares), torch.from_numpy(total), 2) == expected
+    healthy = torch.from_numpy(squares[~dead & ~lost])
+    assert functional.unresolved_sums(healthy, healthy, 2) is None
