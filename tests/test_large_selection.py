@@ -12,6 +12,7 @@ import math
 from cockpit_gradnoise import _device, functional, order_statistics
 from cockpit_gradnoise.functional.ratios import _RATIO_PIECE
 from cockpit_gradnoise.functional.underflow import underflow_floor
+from cockpit_gradnoise.order_statistics import bracket, partition
 
 import numpy
 import pytest
@@ -137,3 +138,65 @@ def test_unresolved_sums_counted_by_pieces(n):
     assert functional.unresolved_sums(torch.from_numpy(squares), torch.from_numpy(total), 2) == expected
     healthy = torch.from_numpy(squares[~dead & ~lost])
     assert functional.unresolved_sums(healthy, healthy, 2) is None
+
+
+def bracket_cases(n):
+    """Spread-out values; mostly zeros; sorted, reversed and periodic (a sample drawn at
+    fixed strides would alias with them); one value repeated."""
+    rng = numpy.random.default_rng(n)
+    spread = mostly_zeros(n, numpy.float32, seed=n, subnormals=False)
+    spread[rng.random(n) < 0.5] = rng.standard_normal(int(numpy.sum(rng.random(n) < 0.5)))[0]
+    periodic = numpy.tile(rng.standard_normal(49).astype(numpy.float32), n // 49 + 1)[:n]
+    ordered = numpy.sort(rng.standard_normal(n).astype(numpy.float32))
+    return {"spread": rng.standard_normal(n).astype(numpy.float32) * numpy.exp(rng.standard_normal(n)),
+            "mostly zeros": mostly_zeros(n, numpy.float32, seed=n), "ties": spread,
+            "sorted": ordered, "reversed": ordered[::-1].copy(), "periodic": periodic,
+            "constant": numpy.full(n, 0.25, numpy.float32)}
+
+
+@pytest.mark.parametrize("case", ["spread", "mostly zeros", "ties", "sorted", "reversed", "periodic", "constant"])
+def test_select_bracketed_is_exact(case):
+    """Exactly a sort's values at every kind of rank (both ends, the middle, neighbours),
+    of one array and of the union of its pieces; never None on these (a bracket that
+    missed would only cost a pass, but then the test could not tell the path ran)."""
+    n = 300_007
+    values = bracket_cases(n)[case]
+    ordered = numpy.sort(values)
+    ranks = [0, n - 1, n // 2, n // 2 + 1, n // 10, (9 * n) // 10, 1, n - 2, 17]
+    expected = ordered[ranks].astype(numpy.float64).tolist()
+    assert bracket.select_bracketed([values], ranks) == expected
+    parts = [values[:5], values[5 : n // 3], values[n // 3 :]]
+    assert bracket.select_bracketed(parts, ranks) == expected
+    assert numpy.array_equal(values, bracket_cases(n)[case])  # not reordered
+
+
+def test_select_bracketed_refuses_nan_and_misses_without_a_margin(monkeypatch):
+    n = 300_007
+    values = bracket_cases(n)["spread"]
+    with_nan = values.copy()
+    with_nan[n - 3] = math.nan  # not in the sample: found by the pass
+    with pytest.raises(ValueError, match="NaN"):
+        bracket.select_bracketed([with_nan], [n // 2])
+    # Brackets of a single sample value: a rank outside them is None, not a wrong value;
+    # select_in_place then takes its other paths, and stays exact.
+    monkeypatch.setattr(bracket, "_MARGIN", 0.0)
+    ranks = [n // 2, n // 3 + 1, n // 7]
+    assert bracket.select_bracketed([values], ranks) is None
+    monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
+    assert order_statistics.select_in_place(values.copy(), ranks) == numpy.sort(values)[ranks].tolist()
+
+
+@pytest.mark.parametrize("margin", [bracket._MARGIN, 0.0])
+def test_quantile_summaries_in_place_by_brackets(monkeypatch, margin):
+    """The union's quantiles by brackets (and, without a margin, by the paths they fall back
+    to), with placeholder zeros, as numpy.quantile of the kept values."""
+    monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
+    monkeypatch.setattr(bracket, "_MARGIN", margin)
+    test_quantile_summaries_in_place_with_many_zeros_equal_numpy_on_the_kept_values()
+    rng = numpy.random.default_rng(3)
+    arrays = [numpy.abs(rng.standard_normal(n)).astype(numpy.float32) for n in (200_000, 3, 90_000)]
+    levels = (0.0, 0.25, 0.5, 1.0)
+    each, union = order_statistics.quantile_summaries_in_place([a.copy() for a in arrays], levels)
+    everything = numpy.concatenate(arrays).astype(numpy.float64)
+    assert union[:4] == numpy.quantile(everything, levels).tolist()
+    assert [row[:4] for row in each] == [numpy.quantile(a.astype(numpy.float64), levels).tolist() for a in arrays]

@@ -7,6 +7,7 @@ cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from cockpit_gradnoise.order_statistics.bracket import select_bracketed
 from cockpit_gradnoise.order_statistics.buckets import select_on_host
 from cockpit_gradnoise.order_statistics.ranks import (
     SORT_WHOLE_AT_MOST,
@@ -17,6 +18,12 @@ from cockpit_gradnoise.order_statistics.ranks import (
 
 import numpy
 import torch
+
+#: :func:`select_in_place` selects in arrays of at least this many elements by a sample's
+#: brackets first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
+#: comparisons, no partition, whatever the zeros), and the union of
+#: :func:`quantile_summaries_in_place` likewise.
+BRACKET_AT_LEAST = 1 << 20
 
 
 def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
@@ -47,6 +54,10 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         values.sort()
         check_no_nan(float(values[-1]))
         return values[list(ranks)].tolist()
+    if values.size >= BRACKET_AT_LEAST:
+        found = select_bracketed([values], ranks)
+        if found is not None:
+            return found
     zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
         return _select_around_zeros(values, ranks)
@@ -152,6 +163,11 @@ def quantile_summaries_in_place(
     left_out = list(left_out) if left_out is not None else [0] * len(arrays)
     kept = [values.size - z for values, z in zip(arrays, left_out)]
     totals = [float(values.sum(dtype=numpy.float64)) for values in arrays]
+    if union and sum(kept) and sum(values.size for values in arrays) >= BRACKET_AT_LEAST:
+        union_summary = _union_by_brackets(arrays, sum(left_out), sum(kept), sum(totals), levels)
+        if union_summary is not None:
+            return [_summary_in_place(values, z, n, total, levels)
+                    for values, z, n, total in zip(arrays, left_out, kept, totals)], union_summary
     if union and _many_zeros(arrays):
         return _summaries_by_buckets(arrays, left_out, kept, totals, levels)
     each = [_summary_in_place(values, z, n, total, levels)
@@ -161,6 +177,18 @@ def quantile_summaries_in_place(
     if joined is None:
         joined = numpy.concatenate(arrays) if arrays else numpy.zeros(0)
     return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels)
+
+
+def _union_by_brackets(arrays, left_out, kept, total, levels) -> Optional[List[float]]:
+    """The union's summary by :func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`
+    (one pass over the arrays, no joined copy), None where a rank fell outside its bracket."""
+    lower, upper, weights = quantile_ranks(levels, kept)
+    found = select_bracketed([values for values in arrays if values.size],
+                             [left_out + rank for rank in lower + upper])
+    if found is None:
+        return None
+    k = len(levels)
+    return interpolate(found[:k], found[k:], weights) + [total / kept]
 
 
 def _many_zeros(arrays: Sequence[numpy.ndarray]) -> bool:
