@@ -43,9 +43,10 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     no partition for those. For the median and extremes of a million values,
     about 1.5 ns per element on one core, against 6.5 for a sort. Arrays of
     :data:`BRACKET_AT_LEAST` elements or more by a sample's brackets first
-    (:func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`: VGG-11's
-    classifier weight's sd, 103M elements, half of them 0, in about 0.1 s, a
-    tenth of its partitions'), those of many zeros by the buckets.
+    (:func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`: the sd of
+    VGG-11's 129M elements at batch 2, 55% of them 0, in 0.11-0.12 s of one core,
+    against 0.3 s by the buckets and 0.5-1.9 s by partitions after taking the zeros
+    out), those of many zeros by the buckets.
 
     Args:
         values: 1d, float32 or float64, at least one element; reordered in
