@@ -42,7 +42,13 @@ def mostly_zeros(n, dtype, seed, *, non_negative=False, subnormals=True):
 
 @pytest.mark.parametrize("n, dtype, subnormals", [(n, numpy.float32, s) for n in SIZES for s in (True, False)]
                          + [(SIZES[-1], numpy.float64, True), (SIZES[-1], numpy.float64, False)])
-def test_select_in_place_with_many_zeros_equals_sorted_values(n, dtype, subnormals):
+@pytest.mark.parametrize("large", [False, True], ids=["zeros taken out", "buckets"])
+def test_select_in_place_with_many_zeros_equals_sorted_values(monkeypatch, n, dtype, subnormals, large):
+    """Below ``BRACKET_AT_LEAST`` the zeros are taken out; above it, where the brackets
+    miss (made to here), the buckets count them."""
+    if large:
+        monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
+        monkeypatch.setattr(partition, "select_bracketed", lambda arrays, ranks: None)
     values = mostly_zeros(n, dtype, seed=n, subnormals=subnormals)
     ordered = numpy.sort(values)
     negative, zeros = int(numpy.sum(values < 0)), int(numpy.sum(values == 0))
@@ -186,12 +192,13 @@ def test_select_bracketed_refuses_nan_and_misses_without_a_margin(monkeypatch):
     assert order_statistics.select_in_place(values.copy(), ranks) == numpy.sort(values)[ranks].tolist()
 
 
-@pytest.mark.parametrize("margin", [bracket._MARGIN, 0.0])
-def test_quantile_summaries_in_place_by_brackets(monkeypatch, margin):
-    """The union's quantiles by brackets (and, without a margin, by the paths they fall back
-    to), with placeholder zeros, as numpy.quantile of the kept values."""
+@pytest.mark.parametrize("missed", [False, True])
+def test_quantile_summaries_in_place_by_brackets(monkeypatch, missed):
+    """The union's quantiles by brackets (and, where they miss, made to here, by the
+    buckets' shared passes), with placeholder zeros, as numpy.quantile of the kept values."""
     monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
-    monkeypatch.setattr(bracket, "_MARGIN", margin)
+    if missed:
+        monkeypatch.setattr(partition, "select_bracketed", lambda arrays, ranks: None)
     test_quantile_summaries_in_place_with_many_zeros_equal_numpy_on_the_kept_values()
     rng = numpy.random.default_rng(3)
     arrays = [numpy.abs(rng.standard_normal(n)).astype(numpy.float32) for n in (200_000, 3, 90_000)]

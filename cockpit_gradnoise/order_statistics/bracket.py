@@ -20,8 +20,11 @@ from cockpit_gradnoise.order_statistics.ranks import check_no_nan
 
 import numpy
 
-#: Elements of the sample (sorted: a few milliseconds).
+#: Elements of the sample: one in ``2**_SAMPLE_SHIFT``, at least ``_SAMPLE_AT_LEAST`` and at
+#: most ``_SAMPLE`` (drawn and sorted: 10-20 ms at most).
 _SAMPLE = 1 << 18
+_SAMPLE_SHIFT = 7
+_SAMPLE_AT_LEAST = 1 << 12
 
 #: A bracket reaches ``_MARGIN * sqrt(m)`` sample ranks either side: the sample
 #: rank of a value has a standard deviation of at most ``sqrt(m) / 2``, so a
@@ -89,9 +92,10 @@ def _at(candidates: numpy.ndarray, zeros: int, index: int) -> Optional[float]:
 
 
 def _sample(arrays: Sequence[numpy.ndarray], n: int) -> numpy.ndarray:
-    """:data:`_SAMPLE` elements of the union at positions drawn with a fixed seed (the same
+    """A sample (:data:`_SAMPLE`) of the union's elements at positions drawn with a fixed seed (the same
     numbers at every call: no data-dependent randomness), sorted; NaN refused."""
-    positions = numpy.sort(numpy.random.default_rng(0).integers(0, n, size=_SAMPLE))
+    size = min(max(n >> _SAMPLE_SHIFT, _SAMPLE_AT_LEAST), _SAMPLE)
+    positions = numpy.random.default_rng(0).integers(0, n, size=size)
     parts, start = [], 0
     for values in arrays:
         mine = positions[(positions >= start) & (positions < start + values.size)] - start

@@ -3,10 +3,11 @@
 No bucket passes, nothing gathered: where the caller may have its values
 reordered (the arrays a quantity formed for this step), nested partitions
 cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes.
-Two exceptions, where partitions cost more: arrays of :data:`BRACKET_AT_LEAST`
-elements or more are selected by a sample's brackets first
-(:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of comparisons),
-and arrays of many zeros by the buckets (which count zeros, never gather them).
+The exception, where partitions cost more: arrays (and unions) of
+:data:`BRACKET_AT_LEAST` elements or more are selected by a sample's brackets
+first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
+comparisons), or where those miss and many values are 0, by the buckets (which
+count zeros, never gather them): no copy of the array's size.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,8 +27,10 @@ import torch
 #: :func:`select_in_place` selects in arrays of at least this many elements by a sample's
 #: brackets first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
 #: comparisons, no partition, whatever the zeros), and the union of
-#: :func:`quantile_summaries_in_place` likewise.
-BRACKET_AT_LEAST = 1 << 20
+#: :func:`quantile_summaries_in_place` likewise. Below it (resnet18's 11M elements and
+#: its layers) the partitions cost less: the sample's fixed cost, 10-20 ms, is not
+#: repaid, and copies of under 64 MB reuse freed memory instead of fresh pages.
+BRACKET_AT_LEAST = 1 << 24
 
 
 def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
@@ -69,7 +72,9 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
             return found
     zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
-        return _select_around_zeros(values, ranks)
+        if values.size >= BRACKET_AT_LEAST:  # no copy of the array's size
+            return _select_by_buckets(values, ranks)
+        return _select_around_zeros(values, ranks, zeros)
     found: Dict[int, float] = {}
     largest = values.max()  # NaN if any is (NumPy's max propagates it)
     check_no_nan(float(largest))
@@ -90,19 +95,36 @@ def count_where(values: numpy.ndarray, test, *args) -> int:
 COUNT_PIECE = 1 << 16
 
 
-#: :func:`select_in_place` selects by buckets where more than
+#: :func:`select_in_place` takes the zeros out first where more than
 #: ``1 / 2**_MANY_ZEROS_SHIFT`` of the values are 0: NumPy's partition slows
 #: down tenfold to twentyfold on a value repeated that often (a layer's sd
-#: where most units are dead: resnet18's last convolutions, 93-95% zeros;
-#: VGG-11's classifier at batch 2, 53%), and taking the zeros out first
-#: (``compress``) writes a copy of the layer's size, whose fresh pages cost
-#: more than the selection (VGG-11's 129M sd: 1.5 s of page faults, 0.1 s of
-#: copying). The buckets count the zeros without gathering them, in pieces.
+#: where most units are dead: resnet18's last convolutions, 93-95% zeros),
+#: and taking them out costs about one copy. Arrays of :data:`BRACKET_AT_LEAST`
+#: elements or more whose brackets missed are selected by the buckets instead: the
+#: copy's fresh pages cost more than the selection there (VGG-11's 129M sd at
+#: batch 2, 55% zeros: 1.5 s of page faults, 0.1 s of copying).
 _MANY_ZEROS_SHIFT = 4
 
 
-def _select_around_zeros(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
-    """:func:`select_in_place` of ``values`` holding many zeros (of either sign): the same
+def _select_around_zeros(values: numpy.ndarray, ranks: Sequence[int], zeros: int) -> List[float]:
+    """:func:`select_in_place` of ``values`` holding ``zeros`` zeros (of either sign), by the others.
+
+    The zeros hold the ranks from the number of negative values on; the other
+    ranks are those of the values that are not 0, shifted past the zeros.
+    """
+    negative = int(numpy.count_nonzero(values < 0))
+    rest = numpy.compress(values != 0, values)  # NaN is kept (and refused there)
+    others = sorted({r if r < negative else r - zeros for r in ranks
+                     if not negative <= r < negative + zeros})
+    found = dict(zip(others, select_in_place(rest, others))) if others else {}
+    if not others and rest.size:
+        check_no_nan(float(rest.max()))
+    return [0.0 if negative <= r < negative + zeros
+            else found[r if r < negative else r - zeros] for r in ranks]
+
+
+def _select_by_buckets(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
+    """:func:`select_in_place` of a large array of many zeros (of either sign): the same
     values, by :func:`~cockpit_gradnoise.order_statistics.buckets.select_on_host` (a count
     of the buckets of the values' top bits, then the few candidates of the wanted ranks'
     buckets gathered and sorted; the zeros counted, never gathered: memory of a piece,
@@ -177,7 +199,7 @@ def quantile_summaries_in_place(
         if union_summary is not None:
             return [_summary_in_place(values, z, n, total, levels)
                     for values, z, n, total in zip(arrays, left_out, kept, totals)], union_summary
-    if union and _many_zeros(arrays):
+    if union and sum(values.size for values in arrays) >= BRACKET_AT_LEAST and _many_zeros(arrays):
         return _summaries_by_buckets(arrays, left_out, kept, totals, levels)
     each = [_summary_in_place(values, z, n, total, levels)
             for values, z, n, total in zip(arrays, left_out, kept, totals)]
