@@ -69,6 +69,18 @@ def big_tokens(n, device):
     return torch.randint(0, BIG_VOCABULARY, (n, GPT_CONTEXT), device=device)
 
 
+def make_gpt2_small():
+    """Hugging Face's GPT-2 small (``benchmark_realistic.make_gpt2``: 124M parameters, tied
+    head), for ``benchmark_cpu_ratio --phases`` at sequence 256 (``gpt2_tokens``), batch 8."""
+    from benchmarks.benchmark_realistic import make_gpt2
+
+    return make_gpt2()
+
+
+def gpt2_tokens(n, device):
+    return torch.randint(0, BIG_VOCABULARY, (n, 256), device=device)
+
+
 def make_gpt():
     """The GPT-style language model of the architectures issue (``experiments.models.GPT``).
 
@@ -247,6 +259,7 @@ MODELS = {
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
     "vgg11": ModelSpec(make_vgg11, images(3, 32, 32), 2),
     "big-embedding": ModelSpec(make_big_embedding, big_tokens, 8, targets=big_tokens, loss=token_loss),
+    "gpt2-small": ModelSpec(make_gpt2_small, gpt2_tokens, 8, targets=gpt2_tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
     "qwen2-moe": ModelSpec(make_qwen2_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),
