@@ -14,7 +14,7 @@ gathered: a layer's sd is often mostly zeros (dead units).
 """
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.order_statistics.ranks import check_no_nan
 
@@ -48,32 +48,46 @@ def select_bracketed(arrays: Sequence[numpy.ndarray], ranks: Sequence[int]) -> O
         ValueError: If an element is NaN (no order).
     """
     n = sum(values.size for values in arrays)
-    brackets, bracket_of = _brackets(_sample(arrays, n), n, ranks)
-    below = [0] * len(brackets)
-    zeros = [0] * len(brackets)
-    inside: List[List[numpy.ndarray]] = [[] for _ in brackets]
+    tally = Tally(brackets(sample_of(arrays, n), [rank / n for rank in ranks]))
     for values in arrays:
         for start in range(0, values.size, _PIECE):
-            piece = values[start : start + _PIECE]
-            if numpy.isnan(piece.max()):  # NumPy's max propagates NaN
-                check_no_nan(math.nan)
-            for k, (low, high) in enumerate(brackets):
-                below[k] += int(numpy.count_nonzero(piece < low))
-                kept = (piece >= low) & (piece <= high)
-                if low <= 0.0 <= high:  # zeros counted, not gathered
-                    is_zero = piece == 0
-                    zeros[k] += int(numpy.count_nonzero(is_zero))
-                    kept &= ~is_zero
-                inside[k].append(piece[kept])
-    candidates = [numpy.concatenate(parts) for parts in inside]
-    found = []
-    for rank in ranks:
-        k = bracket_of[rank]
-        value = _at(candidates[k], zeros[k], rank - below[k])
-        if value is None:
-            return None
-        found.append(value)
-    return found
+            tally.add(values[start : start + _PIECE])
+    found = [tally.at(rank) for rank in ranks]
+    return None if None in found else found
+
+
+class Tally:
+    """One pass over pieces: per bracket ``(low, high)``, the elements below it counted, those
+    inside gathered (exact zeros counted, not gathered); then values at ranks (:meth:`at`)."""
+
+    def __init__(self, spans: List[Tuple[float, float]]):
+        self.spans = spans
+        self.below = [0] * len(spans)
+        self.zeros = [0] * len(spans)
+        self.inside: List[List[numpy.ndarray]] = [[] for _ in spans]
+
+    def add(self, piece: numpy.ndarray):
+        """Count and gather the elements of a 1d piece. Raises ValueError on NaN."""
+        if numpy.isnan(piece.max()):  # NumPy's max propagates NaN
+            check_no_nan(math.nan)
+        for k, (low, high) in enumerate(self.spans):
+            self.below[k] += int(numpy.count_nonzero(piece < low))
+            kept = (piece >= low) & (piece <= high)
+            if low <= 0.0 <= high:  # zeros counted, not gathered
+                is_zero = piece == 0
+                self.zeros[k] += int(numpy.count_nonzero(is_zero))
+                kept &= ~is_zero
+            self.inside[k].append(piece[kept])
+
+    def at(self, rank: int) -> Optional[float]:
+        """The value at ``rank`` of all elements added, or None where no bracket holds it."""
+        for k in range(len(self.spans)):
+            if isinstance(self.inside[k], list):
+                self.inside[k] = numpy.concatenate(self.inside[k])
+            value = _at(self.inside[k], self.zeros[k], rank - self.below[k])
+            if value is not None:
+                return value
+        return None
 
 
 def _at(candidates: numpy.ndarray, zeros: int, index: int) -> Optional[float]:
@@ -91,12 +105,11 @@ def _at(candidates: numpy.ndarray, zeros: int, index: int) -> Optional[float]:
     return float(candidates[index])
 
 
-def _sample(arrays: Sequence[numpy.ndarray], n: int) -> numpy.ndarray:
+def sample_of(arrays: Sequence[numpy.ndarray], n: int) -> numpy.ndarray:
     """A sample (:data:`_SAMPLE`) of the union's elements at positions drawn with a fixed seed (the same
     numbers at every call: no data-dependent randomness), sorted; NaN refused."""
-    size = min(max(n >> _SAMPLE_SHIFT, _SAMPLE_AT_LEAST), _SAMPLE)
-    positions = numpy.random.default_rng(0).integers(0, n, size=size)
     parts, start = [], 0
+    positions = sample_positions(n)
     for values in arrays:
         mine = positions[(positions >= start) & (positions < start + values.size)] - start
         parts.append(values[mine])
@@ -106,18 +119,24 @@ def _sample(arrays: Sequence[numpy.ndarray], n: int) -> numpy.ndarray:
     return sample
 
 
-def _brackets(sample: numpy.ndarray, n: int, ranks: Sequence[int]) -> Tuple[List[Tuple[float, float]], Dict[int, int]]:
-    """The brackets ``(low, high)``, and for each rank the index of its bracket.
+def sample_positions(n: int) -> numpy.ndarray:
+    """The positions of :func:`sample_of`'s sample among ``n`` elements (fixed seed)."""
+    size = min(max(n >> _SAMPLE_SHIFT, _SAMPLE_AT_LEAST), _SAMPLE)
+    return numpy.random.default_rng(0).integers(0, n, size=size)
 
-    A rank's own bracket spans the sample's values ``_MARGIN sqrt(m)`` sample ranks
-    below and above its place ``rank m / n`` (``-inf``/``inf`` past the sample's
-    ends); brackets that overlap are merged into one.
+
+def brackets(sample: numpy.ndarray, fractions: Sequence[float]) -> List[Tuple[float, float]]:
+    """The brackets ``(low, high)`` of the values at ``fractions`` (rank / size) of the
+    elements a sorted ``sample`` was drawn from.
+
+    A fraction's own bracket spans the sample's values ``_MARGIN sqrt(m)`` sample ranks
+    below and above its place ``fraction m`` (``-inf``/``inf`` past the sample's ends);
+    brackets that overlap are merged into one.
     """
     m, reach = sample.size, _MARGIN * math.sqrt(sample.size)
     merged: List[Tuple[float, float]] = []
-    index: Dict[int, int] = {}
-    for rank in sorted(set(ranks)):  # the spans' ends ascend with the ranks
-        place = rank * m / n
+    for fraction in sorted(set(fractions)):  # the spans' ends ascend with the fractions
+        place = fraction * m
         lower, upper = math.floor(place - reach), math.ceil(place + reach)
         low = float(sample[lower]) if lower >= 0 else -math.inf
         high = float(sample[upper]) if upper < m else math.inf
@@ -125,5 +144,4 @@ def _brackets(sample: numpy.ndarray, n: int, ranks: Sequence[int]) -> Tuple[List
             merged[-1] = (merged[-1][0], high)
         else:
             merged.append((low, high))
-        index[rank] = len(merged) - 1
-    return merged, index
+    return merged
