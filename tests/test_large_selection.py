@@ -10,6 +10,7 @@ ties, zeros of both signs, subnormals (which share the zero buckets), infinities
 import math
 
 from cockpit_gradnoise import _device, functional, order_statistics
+from cockpit_gradnoise.functional import ratios
 from cockpit_gradnoise.functional.ratios import _RATIO_PIECE
 from cockpit_gradnoise.functional.underflow import underflow_floor
 from cockpit_gradnoise.order_statistics import bracket, partition
@@ -102,7 +103,8 @@ def reference_ratio_statistics(theta, grad):
 
 @pytest.mark.parametrize("n", [_RATIO_PIECE - 1, _RATIO_PIECE, _RATIO_PIECE + 1, 3 * _RATIO_PIECE + 5])
 @pytest.mark.parametrize("finite", [True, False])
-def test_ratio_statistics_by_pieces_equal_the_obvious_computation(n, finite):
+@pytest.mark.parametrize("path", ["whole", "brackets", "brackets missed"])
+def test_ratio_statistics_by_pieces_equal_the_obvious_computation(monkeypatch, n, finite, path):
     """Gradients mostly 0 (the dead units of a classifier), ties, kept zeros (theta 0),
     a ratio too large for float32 (inf, kept), and where not ``finite``, infinities
     and NaN in both, in the first and last piece: left out."""
@@ -118,7 +120,13 @@ def test_ratio_statistics_by_pieces_equal_the_obvious_computation(n, finite):
     if not finite:
         theta[[0, n - 1]], grad[[2, n - 2]] = [numpy.inf, numpy.nan], [-numpy.inf, numpy.nan]
     theta, grad = torch.from_numpy(theta), torch.from_numpy(grad)
+    if path != "whole":  # ratios never formed whole (where the brackets hold the median)
+        monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
+    if path == "brackets missed":
+        monkeypatch.setattr(bracket.Tally, "at", lambda self, rank: None)
     expected, zeros = reference_ratio_statistics(theta, grad)
+    if path == "brackets":  # the path ran: its median's ranks lay in their bracket
+        assert ratios._statistics_by_brackets(theta.numpy(), grad.numpy(), finite) is not None
     got, got_zeros = functional.abs_ratio_statistics_and_zeros(theta.clone(), grad.clone(), all_finite=finite)
     assert got_zeros == zeros
     assert {k: got[k] for k in ("median", "min", "max")} == {k: expected[k] for k in ("median", "min", "max")}

@@ -1,11 +1,12 @@
 """Elementwise ratios ``|a_j| / |b_j|`` (``theta / grad``) and their statistics, and zero counts."""
 
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.functional.norms import scalar
 from cockpit_gradnoise.logs import schema
+from cockpit_gradnoise.order_statistics import bracket, partition
 
 import numpy
 import torch
@@ -70,6 +71,10 @@ def abs_ratio_statistics_and_zeros(
     finite = all_finite or (bool(torch.isfinite(a.sum())) and bool(torch.isfinite(b.sum())))
     if a.dtype not in (torch.float32, torch.float64):  # _widened's dtype is wider still: exact
         a, b = a.double(), b.double()
+    if a.numel() >= partition.BRACKET_AT_LEAST:  # no array of the layer's size
+        found = _statistics_by_brackets(a.numpy(), b.numpy(), finite)
+        if found is not None:
+            return found
     ratio, left_out, zeros, smallest = _ratios_by_pieces(a.numpy(), b.numpy(), finite)
     n = ratio.size - left_out
     if n == 0:
@@ -130,6 +135,44 @@ def _ratios_by_pieces(a: numpy.ndarray, b: numpy.ndarray, finite: bool) -> Tuple
             else:
                 smallest = min(smallest, float(r.min()))
     return ratio, left_out, zeros, smallest
+
+
+def _statistics_by_brackets(a: numpy.ndarray, b: numpy.ndarray, finite: bool) -> Optional[Tuple[Dict[str, float], int]]:
+    """:func:`abs_ratio_statistics_and_zeros` of a large layer with no array of its size: the
+    ratios formed piece by piece into one piece's buffer, the median by the brackets of a
+    sample of the kept ratios (:class:`~cockpit_gradnoise.order_statistics.bracket.Tally`);
+    None where a rank misses its bracket (then the layer's ratios are formed whole).
+
+    The same numbers: left-out ratios are 0 in each piece, as in :func:`_ratios_by_pieces`'s
+    array, the mean's float64 sum is carried from piece to piece as NumPy carries it over
+    its buffers (``initial=``), and max and min are those of the pieces.
+    """
+    with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        at = bracket.sample_positions(a.size)
+        sample = numpy.abs(a[at] / b[at])
+        kept = (b[at] != 0) if finite else (b[at] != 0) & numpy.isfinite(a[at]) & numpy.isfinite(b[at])
+    sample = numpy.sort(sample[kept])
+    if sample.size == 0:
+        return None
+    tally = bracket.Tally(bracket.brackets(sample, [0.5]))
+    total, largest = 0.0, 0.0
+    left_out = zeros = 0
+    smallest = math.inf
+    for start in range(0, a.size, _RATIO_PIECE):
+        r, piece_left_out, piece_zeros, piece_smallest = _ratios_by_pieces(
+            a[start : start + _RATIO_PIECE], b[start : start + _RATIO_PIECE], finite)
+        left_out, zeros, smallest = left_out + piece_left_out, zeros + piece_zeros, min(smallest, piece_smallest)
+        total = r.sum(dtype=numpy.float64, initial=total)
+        largest = max(largest, float(r.max()))
+        tally.add(r)
+    n = a.size - left_out
+    if n == 0:
+        return {}, zeros
+    lower, upper = tally.at(left_out + (n - 1) // 2), tally.at(left_out + n // 2)
+    if lower is None or upper is None:
+        return None
+    return {schema.MEAN: total / n, schema.MEDIAN: (lower + upper) / 2,
+            schema.MIN: smallest, schema.MAX: largest}, zeros
 
 
 #: Elements per piece of :func:`_ratios_by_pieces`: its masks stay in the cache's reach.
