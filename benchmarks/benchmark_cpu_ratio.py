@@ -103,7 +103,7 @@ def main(argv=None):
         plain, tracked, phases = measure(name, args.rounds, args.warmup, args.batch_size)
         rows.append(phases_row(name, plain, phases))
         ratios = sorted(t / p for p, t in zip(plain, tracked))
-        quartiles = statistics.quantiles(ratios, n=4)
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3  # one round: itself
         print(f"| {name} | {1e3 * statistics.median(plain):.1f} | {1e3 * statistics.median(tracked):.1f} "
               f"| {statistics.median(tracked) / statistics.median(plain):.2f} | {ratios[0]:.2f}, "
               f"{quartiles[0]:.2f}, {quartiles[1]:.2f}, {quartiles[2]:.2f}, {ratios[-1]:.2f} |")
