@@ -8,7 +8,8 @@ tracked step and compares both ways on the second: ``extensions/fallback/windows
 Printed per model: the median CPU time of each, their ratio, and the spread of the ratios
 of the rounds (each tracked step over the plain step of its round).
 
-Run: ``PYTHONPATH=. python benchmarks/benchmark_cpu_ratio.py --models gpt,swin --rounds 15``.
+Run: ``PYTHONPATH=. python benchmarks/benchmark_cpu_ratio.py --models gpt,swin --rounds 15``
+(``--batch-size 8``: another batch than the models' own, e.g. ``vgg11``'s 2).
 With ``--phases``, also where the tracked step's time goes: its forward pass, backward pass
 (the rules and blocks) and the quantities after it (``methods._phases``), each the median
 over the rounds as a fraction of the plain step's median.
@@ -16,6 +17,7 @@ over the rounds as a fraction of the plain step's median.
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -38,20 +40,22 @@ def cpu_seconds(step, x, y) -> float:
     return time.process_time() - start
 
 
-def plain_and_tracked(name: str):
-    """``(plain step, step with the five quantities, inputs, targets)`` of model ``name`` on the CPU."""
+def plain_and_tracked(name: str, batch_size: int = 0):
+    """``(plain step, step with the five quantities, inputs, targets)`` of model ``name`` on the CPU,
+    at ``batch_size`` (0: the model's default)."""
     spec = MODELS[name]
     torch.manual_seed(0)
     model = spec.make()
     device = torch.device("cpu")
-    x, y = spec.inputs(spec.batch_size, device), spec.targets(spec.batch_size, device)
+    batch_size = batch_size or spec.batch_size
+    x, y = spec.inputs(batch_size, device), spec.targets(batch_size, device)
     return plain_step(model, spec.loss), package_all(model, spec.loss), x, y
 
 
-def measure(name: str, rounds: int, warmup: int):
+def measure(name: str, rounds: int, warmup: int, batch_size: int = 0):
     """``(plain times, tracked times, phases)`` of ``rounds`` alternating steps of model ``name``
     (``phases``: ``{"plain": ..., "tracked": ...}``, each step's ``methods._phases``)."""
-    plain, tracked, x, y = plain_and_tracked(name)
+    plain, tracked, x, y = plain_and_tracked(name, batch_size)
     for _ in range(warmup):
         plain(x, y)
         tracked(x, y)
@@ -82,6 +86,7 @@ def one_thread(argv, description: str, models: str):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phases", action="store_true", help="also each phase's share (module docstring)")
+    parser.add_argument("--batch-size", type=int, default=0, help="0: each model's default")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, one thread, CPU time, {args.rounds} rounds, "
@@ -95,10 +100,10 @@ def main(argv=None):
     print("|---|---:|---:|---:|---|")
     rows = []
     for name in args.models.split(","):
-        plain, tracked, phases = measure(name, args.rounds, args.warmup)
+        plain, tracked, phases = measure(name, args.rounds, args.warmup, args.batch_size)
         rows.append(phases_row(name, plain, phases))
         ratios = sorted(t / p for p, t in zip(plain, tracked))
-        quartiles = statistics.quantiles(ratios, n=4)
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3  # one round: itself
         print(f"| {name} | {1e3 * statistics.median(plain):.1f} | {1e3 * statistics.median(tracked):.1f} "
               f"| {statistics.median(tracked) / statistics.median(plain):.2f} | {ratios[0]:.2f}, "
               f"{quartiles[0]:.2f}, {quartiles[1]:.2f}, {quartiles[2]:.2f}, {ratios[-1]:.2f} |")
@@ -107,7 +112,8 @@ def main(argv=None):
         print("| model | plain forward | plain backward | tracked forward | tracked backward | quantities |")
         print("|---|---:|---:|---:|---:|---:|")
         print("\n".join(rows))
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end; peak resident memory of the process "
+          f"(both models, all steps) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 if __name__ == "__main__":

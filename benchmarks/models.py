@@ -44,6 +44,43 @@ def make_resnet18():
     return resnet18(num_classes=10).eval()
 
 
+def make_vgg11():
+    """torchvision's ``vgg11`` for 10 classes (random weights, 133M parameters): its classifier's
+    first weight has 25088 x 4096 = 103M elements whatever the image size (the adaptive pool's
+    output is fixed), so the quantities' work after the backward pass, per element, dominates."""
+    from torchvision.models import vgg11
+
+    return vgg11(num_classes=10).eval()
+
+
+def make_big_embedding():
+    """The benchmark GPT with a vocabulary of 50257 and width 768 (GPT-2 small's token embedding,
+    38.6M elements, untied head of the same size) in 1 block: large parameters read by a small
+    forward pass."""
+    from experiments.models import GPT
+
+    return GPT(BIG_VOCABULARY, GPT_CONTEXT, width=768, heads=12, layers=1)
+
+
+BIG_VOCABULARY = 50257
+
+
+def big_tokens(n, device):
+    return torch.randint(0, BIG_VOCABULARY, (n, GPT_CONTEXT), device=device)
+
+
+def make_gpt2_small():
+    """Hugging Face's GPT-2 small (``benchmark_realistic.make_gpt2``: 124M parameters, tied
+    head), for ``benchmark_cpu_ratio --phases`` at sequence 256 (``gpt2_tokens``), batch 8."""
+    from benchmarks.benchmark_realistic import make_gpt2
+
+    return make_gpt2()
+
+
+def gpt2_tokens(n, device):
+    return torch.randint(0, BIG_VOCABULARY, (n, 256), device=device)
+
+
 def make_gpt():
     """The GPT-style language model of the architectures issue (``experiments.models.GPT``).
 
@@ -220,6 +257,9 @@ MODELS = {
     "cnn": ModelSpec(make_cnn, images(1, 28, 28), 128),
     "resnet18": ModelSpec(make_resnet18, images(3, 32, 32), 64),
     "gpt": ModelSpec(make_gpt, tokens, 32, targets=tokens, loss=token_loss),
+    "vgg11": ModelSpec(make_vgg11, images(3, 32, 32), 2),
+    "big-embedding": ModelSpec(make_big_embedding, big_tokens, 8, targets=big_tokens, loss=token_loss),
+    "gpt2-small": ModelSpec(make_gpt2_small, gpt2_tokens, 8, targets=gpt2_tokens, loss=token_loss),
     "moe": ModelSpec(make_moe, tokens, 32, targets=tokens, loss=token_loss),
     "qwen2-moe": ModelSpec(make_qwen2_moe, tokens, 32, targets=tokens, loss=token_loss),
     "swin": ModelSpec(make_swin, images(3, 64, 64), 32),

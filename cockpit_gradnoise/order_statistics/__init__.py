@@ -27,7 +27,11 @@ and partitioning.
 Where the caller owns the values and may have them reordered (the arrays a
 quantity formed for this step: :func:`select_in_place`,
 :func:`quantile_summaries_in_place`), NumPy's partitions are cheaper still:
-no bucket passes, nothing gathered; the union is then one joined array.
+no bucket passes, nothing gathered; the union is then one joined array. Arrays
+and unions of a million elements or more (VGG-11's 103M-element classifier
+weight) are selected by a sample's brackets first (Floyd and Rivest): one pass of
+comparisons in pieces, the few candidates inside each bracket partitioned, exact
+whatever the sample (a rank outside its bracket takes the other paths).
 
 That is the CPU's path. On other devices (GPUs) the union is sorted with
 ``torch.sort``, and :func:`quantile_summary` (``defer=True``) and
@@ -44,7 +48,8 @@ The modules: :mod:`~cockpit_gradnoise.order_statistics.ranks` (levels, ranks,
 ``numpy.quantile``'s interpolation, checks), :mod:`~cockpit_gradnoise.order_statistics.selection`
 (the functions above, on any device), :mod:`~cockpit_gradnoise.order_statistics.buckets`
 (the CPU's bucket selection), :mod:`~cockpit_gradnoise.order_statistics.partition`
-(NumPy partitions of arrays the caller owns), :mod:`~cockpit_gradnoise.order_statistics.on_device`
+(NumPy partitions of arrays the caller owns), :mod:`~cockpit_gradnoise.order_statistics.bracket`
+(a sample's brackets, one pass, for large arrays), :mod:`~cockpit_gradnoise.order_statistics.on_device`
 (``torch.sort`` on other devices), :mod:`~cockpit_gradnoise.order_statistics.distributed`
 (elements spread over processes, FSDP2's shards: a bisection on the values' bits
 with counts added across processes), :mod:`~cockpit_gradnoise.order_statistics.rows`

@@ -100,7 +100,7 @@ def select_on_host(
             check_no_nan(float(candidates[-1]))
         zeros = count.zeros if zeros_only and group_wanted[_ZERO_POSITIONS[0]] else 0
         indices = _indices(group_ranks, count, group_wanted, holding)
-        values.append(_with_zeros(candidates, zeros, indices).tolist())
+        values.append(with_zeros(candidates, zeros, indices).tolist())
         if union_ranks:
             union_candidates.append(candidates[wanted[_positions(candidates)]])
             union_zeros += count.zeros if zeros_only and wanted[_ZERO_POSITIONS[0]] else 0
@@ -111,7 +111,7 @@ def select_on_host(
     candidates = numpy.concatenate(union_candidates)
     candidates.sort()
     indices = _indices(union_ranks, union_counts, wanted, union_holding)
-    return values, _with_zeros(candidates, union_zeros, indices).tolist()
+    return values, with_zeros(candidates, union_zeros, indices).tolist()
 
 
 class _Counts(NamedTuple):
@@ -157,7 +157,7 @@ def _in_zero_buckets(positions: numpy.ndarray) -> numpy.ndarray:
     return (positions == _ZERO_POSITIONS[0]) | (positions == _ZERO_POSITIONS[1])
 
 
-def _with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -> numpy.ndarray:
+def with_zeros(candidates: numpy.ndarray, zeros: int, indices: numpy.ndarray) -> numpy.ndarray:
     """``sorted(candidates + [0.0] * zeros)[indices]`` without forming it."""
     if zeros == 0:
         return candidates[indices]

@@ -3,10 +3,17 @@
 No bucket passes, nothing gathered: where the caller may have its values
 reordered (the arrays a quantity formed for this step), nested partitions
 cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes.
+The exception, where partitions cost more: arrays (and unions) of
+:data:`BRACKET_AT_LEAST` elements or more are selected by a sample's brackets
+first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
+comparisons), or where those miss and many values are 0, by the buckets (which
+count zeros, never gather them): no copy of the array's size.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from cockpit_gradnoise.order_statistics.bracket import select_bracketed
+from cockpit_gradnoise.order_statistics.buckets import select_on_host
 from cockpit_gradnoise.order_statistics.ranks import (
     SORT_WHOLE_AT_MOST,
     check_no_nan,
@@ -15,6 +22,15 @@ from cockpit_gradnoise.order_statistics.ranks import (
 )
 
 import numpy
+import torch
+
+#: :func:`select_in_place` selects in arrays of at least this many elements by a sample's
+#: brackets first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
+#: comparisons, no partition, whatever the zeros), and the union of
+#: :func:`quantile_summaries_in_place` likewise. Below it (resnet18's 11M elements and
+#: its layers) the partitions cost less: the sample's fixed cost, 10-20 ms, is not
+#: repaid, and copies of under 64 MB reuse freed memory instead of fresh pages.
+BRACKET_AT_LEAST = 1 << 24
 
 
 def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
@@ -28,7 +44,12 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     to one already found is the largest (smallest) of the part beside it, and
     the smallest and largest ranks of a part are its ``min`` and ``max``:
     no partition for those. For the median and extremes of a million values,
-    about 1.5 ns per element on one core, against 6.5 for a sort.
+    about 1.5 ns per element on one core, against 6.5 for a sort. Arrays of
+    :data:`BRACKET_AT_LEAST` elements or more by a sample's brackets first
+    (:func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`: the sd of
+    VGG-11's 129M elements at batch 2, 55% of them 0, in 0.11-0.12 s of one core,
+    against 0.3 s by the buckets and 0.5-1.9 s by partitions after taking the zeros
+    out), those of many zeros by the buckets.
 
     Args:
         values: 1d, float32 or float64, at least one element; reordered in
@@ -45,8 +66,14 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         values.sort()
         check_no_nan(float(values[-1]))
         return values[list(ranks)].tolist()
+    if values.size >= BRACKET_AT_LEAST:
+        found = select_bracketed([values], ranks)
+        if found is not None:
+            return found
     zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
+        if values.size >= BRACKET_AT_LEAST:  # no copy of the array's size
+            return _select_by_buckets(values, ranks)
         return _select_around_zeros(values, ranks, zeros)
     found: Dict[int, float] = {}
     largest = values.max()  # NaN if any is (NumPy's max propagates it)
@@ -72,7 +99,10 @@ COUNT_PIECE = 1 << 16
 #: ``1 / 2**_MANY_ZEROS_SHIFT`` of the values are 0: NumPy's partition slows
 #: down tenfold to twentyfold on a value repeated that often (a layer's sd
 #: where most units are dead: resnet18's last convolutions, 93-95% zeros),
-#: and taking them out costs about one copy.
+#: and taking them out costs about one copy. Arrays of :data:`BRACKET_AT_LEAST`
+#: elements or more whose brackets missed are selected by the buckets instead: the
+#: copy's fresh pages cost more than the selection there (VGG-11's 129M sd at
+#: batch 2, 55% zeros: 1.5 s of page faults, 0.1 s of copying).
 _MANY_ZEROS_SHIFT = 4
 
 
@@ -91,6 +121,16 @@ def _select_around_zeros(values: numpy.ndarray, ranks: Sequence[int], zeros: int
         check_no_nan(float(rest.max()))
     return [0.0 if negative <= r < negative + zeros
             else found[r if r < negative else r - zeros] for r in ranks]
+
+
+def _select_by_buckets(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
+    """:func:`select_in_place` of a large array of many zeros (of either sign): the same
+    values, by :func:`~cockpit_gradnoise.order_statistics.buckets.select_on_host` (a count
+    of the buckets of the values' top bits, then the few candidates of the wanted ranks'
+    buckets gathered and sorted; the zeros counted, never gathered: memory of a piece,
+    not of the array). ``values`` is left as it is."""
+    (found,), _ = select_on_host([[torch.from_numpy(values)]], [list(ranks)])
+    return found
 
 
 def _select_within(part: numpy.ndarray, offset: int, ranks: List[int], found: Dict[int, float]):
@@ -152,16 +192,73 @@ def quantile_summaries_in_place(
         for, empty if no element is kept.
     """
     left_out = list(left_out) if left_out is not None else [0] * len(arrays)
-    each, totals, kept = [], [], []
-    for values, z in zip(arrays, left_out):
-        kept.append(values.size - z)
-        totals.append(float(values.sum(dtype=numpy.float64)))
-        each.append(_summary_in_place(values, z, kept[-1], totals[-1], levels))
+    kept = [values.size - z for values, z in zip(arrays, left_out)]
+    totals = [float(values.sum(dtype=numpy.float64)) for values in arrays]
+    if union and sum(kept) and sum(values.size for values in arrays) >= BRACKET_AT_LEAST:
+        union_summary = _union_by_brackets(arrays, sum(left_out), sum(kept), sum(totals), levels)
+        if union_summary is not None:
+            return [_summary_in_place(values, z, n, total, levels)
+                    for values, z, n, total in zip(arrays, left_out, kept, totals)], union_summary
+    if union and sum(values.size for values in arrays) >= BRACKET_AT_LEAST and _many_zeros(arrays):
+        return _summaries_by_buckets(arrays, left_out, kept, totals, levels)
+    each = [_summary_in_place(values, z, n, total, levels)
+            for values, z, n, total in zip(arrays, left_out, kept, totals)]
     if not union:
         return each, None
     if joined is None:
         joined = numpy.concatenate(arrays) if arrays else numpy.zeros(0)
     return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels)
+
+
+def _union_by_brackets(arrays, left_out, kept, total, levels) -> Optional[List[float]]:
+    """The union's summary by :func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`
+    (one pass over the arrays, no joined copy), None where a rank fell outside its bracket."""
+    lower, upper, weights = quantile_ranks(levels, kept)
+    found = select_bracketed([values for values in arrays if values.size],
+                             [left_out + rank for rank in lower + upper])
+    if found is None:
+        return None
+    k = len(levels)
+    return interpolate(found[:k], found[k:], weights) + [total / kept]
+
+
+def _many_zeros(arrays: Sequence[numpy.ndarray]) -> bool:
+    """Whether more than ``1 / 2**_MANY_ZEROS_SHIFT`` of the arrays' elements are 0, and they
+    are more than a sort's worth (:data:`SORT_WHOLE_AT_MOST`)."""
+    size = sum(values.size for values in arrays)
+    return size > SORT_WHOLE_AT_MOST and (
+        sum(count_where(values, numpy.equal, 0) for values in arrays) > size >> _MANY_ZEROS_SHIFT)
+
+
+def _summaries_by_buckets(arrays, left_out, kept, totals, levels) -> Tuple[List[List[float]], List[float]]:
+    """:func:`quantile_summaries_in_place` (with the union) where many values are 0: each
+    array's and the union's quantiles in the buckets' two shared passes
+    (:func:`~cockpit_gradnoise.order_statistics.buckets.select_on_host`: each element
+    counted once and read once more for the candidates of its array's ranks and the
+    union's; the zeros counted, never gathered), not a selection of each array and then
+    one of the union (VGG-11 at batch 2: 53% of its sd 0). The arrays are left as they are;
+    the same values at the same ranks, the means from ``totals``."""
+    present = [k for k, values in enumerate(arrays) if values.size]
+    ranks = {k: quantile_ranks(levels, kept[k]) for k in present if kept[k]}
+    union_ranks = quantile_ranks(levels, sum(kept)) if sum(kept) else ([], [], [])
+    found, union_found = select_on_host(
+        [[torch.from_numpy(arrays[k])] for k in present],
+        [[left_out[k] + rank for rank in ranks[k][0] + ranks[k][1]] if k in ranks else [] for k in present],
+        [sum(left_out) + rank for rank in union_ranks[0] + union_ranks[1]],
+    )
+    by_array = dict(zip(present, found))
+    each = [_summary_of_found(by_array.get(k, []), kept[k], totals[k], ranks.get(k), levels)
+            for k in range(len(arrays))]
+    return each, _summary_of_found(union_found, sum(kept), sum(totals), union_ranks, levels)
+
+
+def _summary_of_found(found, kept, total, ranks, levels) -> List[float]:
+    """Quantiles and mean from the values ``found`` at the lower and upper ``ranks``
+    (:func:`~cockpit_gradnoise.order_statistics.ranks.quantile_ranks`); [] where none is kept."""
+    if kept == 0:
+        return []
+    k = len(levels)
+    return interpolate(found[:k], found[k:], ranks[2]) + [total / kept]
 
 
 def _summary_in_place(values, left_out, kept, total, levels) -> List[float]:
