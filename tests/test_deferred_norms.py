@@ -200,3 +200,19 @@ def test_settle_marks_each_norm_as_unscaled_norms_does_at_its_own_floor(monkeypa
     marked = placeholders[0]
     assert marked[0] == UNRESOLVED and marked[1] > UNRESOLVED and marked[2] == UNRESOLVED and marked[3] == 0
     assert placeholders[3][5] == 0.75 * 2.0**-214  # times 1 / (2**100 2**7)**2: the factors' product
+
+
+def test_nothing_is_handed_over_while_fsdp2_reads_norms_in_the_pass(handed, monkeypatch):
+    """FSDP2's hooks of ``sharded.reduce_in_backward`` read a layer's per-example norms inside
+    the backward pass (GradientNoiseScale's gradient sent there): while they are armed, every
+    rule keeps its norms itself, as on the CPU's paths."""
+    from cockpit_gradnoise.extensions import sharded
+
+    model = cgn.prepare_model(Sequence(False))
+    monkeypatch.setattr(sharded, "_armed", (object(), {"cgn_local_gradient": [object()]}))
+    assert sharded.armed_in_backward()
+    _saved(model, True, monkeypatch, (PerExampleSquaredNorms(),))
+    assert not handed
+    monkeypatch.setattr(sharded, "_armed", (None, {}))
+    _saved(model, True, monkeypatch, (PerExampleSquaredNorms(),))
+    assert len(handed) == 12

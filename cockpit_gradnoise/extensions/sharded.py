@@ -383,6 +383,12 @@ def split_over_tp(mesh, placements) -> bool:
             and all(p.is_shard() or p.is_replicate() for p in placements))
 
 
+def armed_in_backward() -> bool:
+    """Whether hooks of :func:`reduce_in_backward` are armed for the coming or running backward
+    pass (they read the layers' results inside it)."""
+    return any(_armed[1].values())
+
+
 def disarm() -> None:
     """Remove the hooks of :func:`reduce_in_backward`."""
     global _armed

@@ -28,6 +28,7 @@ from cockpit_gradnoise.extensions import (
     precision,
     repeated,
     scaled_embedding,
+    sharded,
     tied,
 )
 from cockpit_gradnoise.extensions.fallback import layout, regroup
@@ -256,6 +257,14 @@ def _ran_twice(extension, module: nn.Module, recorded: facts.BackwardFacts) -> b
     return True
 
 
+def _may_hand_over(recorded) -> bool:
+    """Whether the rule about to run may hand its norms over, to be unscaled at the pass's end
+    (:mod:`.deferred_norms`): inside the pass the facts are of, and not while the hooks of
+    :func:`.sharded.reduce_in_backward` are armed (FSDP2, tensor parallelism), which read a
+    layer's per-example norms inside the pass (GradientNoiseScale's gradient sent there)."""
+    return deferred_norms.ENABLED and recorded.may_defer() and not sharded.armed_in_backward()
+
+
 def run(extension, module: nn.Module, g_inp, g_out, call):
     """``call(module, g_inp, g_out)`` (the extension's work on ``module``; ``False`` if no
     rule covers it), then the above."""
@@ -268,7 +277,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         # computed with; no tied use, broadcast or repeated call): the rule, the record.
         # Nothing reads the rule's results before the pass ends: its norms may be unscaled
         # with the other layers' then (.deferred_norms).
-        recorded.deferring = deferred_norms.ENABLED and recorded.may_defer()
+        recorded.deferring = _may_hand_over(recorded)
         try:
             covered = call(module, g_inp, g_out) is not False
         finally:
@@ -289,7 +298,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     before = tied.values_before(extension, module)
     # Neither broadcast nor tied: nothing below reads the results, whose norms may be unscaled
     # with the other layers' at the pass's end (.deferred_norms).
-    recorded.deferring = (deferred_norms.ENABLED and recorded.may_defer() and not module.__dict__.get(TIED_ATTR)
+    recorded.deferring = (_may_hand_over(recorded) and not module.__dict__.get(TIED_ATTR)
                           and (uses is None or module not in uses.broadcasts))
     try:
         covered = call(module, g_inp, g_out) is not False
