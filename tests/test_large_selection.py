@@ -165,23 +165,70 @@ def bracket_cases(n):
     return {"spread": rng.standard_normal(n).astype(numpy.float32) * numpy.exp(rng.standard_normal(n)),
             "mostly zeros": mostly_zeros(n, numpy.float32, seed=n), "ties": spread,
             "sorted": ordered, "reversed": ordered[::-1].copy(), "periodic": periodic,
-            "constant": numpy.full(n, 0.25, numpy.float32)}
+            "constant": numpy.full(n, 0.25, numpy.float32), "capped": capped(n, rng)}
 
 
-@pytest.mark.parametrize("case", ["spread", "mostly zeros", "ties", "sorted", "reversed", "periodic", "constant"])
+def capped(n, rng):
+    """An SNR at batch 2: a third placeholder zeros, 45% at the cap (its largest value),
+    the rest spread below it."""
+    values = numpy.minimum(numpy.abs(rng.standard_normal(n)), 3.0).astype(numpy.float32)
+    values[rng.random(n) < 0.45] = numpy.float32(3.0)
+    values[rng.random(n) < 1 / 3] = 0.0
+    return values
+
+
+@pytest.mark.parametrize("case", ["spread", "mostly zeros", "ties", "sorted", "reversed", "periodic", "constant",
+                                  "capped"])
 def test_select_bracketed_is_exact(case):
-    """Exactly a sort's values at every kind of rank (both ends, the middle, neighbours),
-    of one array and of the union of its pieces; never None on these (a bracket that
-    missed would only cost a pass, but then the test could not tell the path ran)."""
+    """Exactly a sort's values at every kind of rank (both ends, the middle, neighbours,
+    either side of the first of the largest value's ties), of one array and of the union
+    of its pieces; never None on these (a bracket that missed would only cost a pass,
+    but then the test could not tell the path ran)."""
     n = 300_007
     values = bracket_cases(n)[case]
     ordered = numpy.sort(values)
+    first_top = int(numpy.searchsorted(ordered, ordered[-1]))
     ranks = [0, n - 1, n // 2, n // 2 + 1, n // 10, (9 * n) // 10, 1, n - 2, 17]
     expected = ordered[ranks].astype(numpy.float64).tolist()
     assert bracket.select_bracketed([values], ranks) == expected
     parts = [values[:5], values[5 : n // 3], values[n // 3 :]]
     assert bracket.select_bracketed(parts, ranks) == expected
+    # Ranks at the first of the largest value's ties, apart from the ends' ranks (whose
+    # brackets, reaching past the sample, would merge with theirs): "capped" counts them.
+    near = [max(first_top - 1, 0), first_top, (first_top + n) // 2]
+    assert bracket.select_bracketed([values], near) == ordered[near].astype(numpy.float64).tolist()
     assert numpy.array_equal(values, bracket_cases(n)[case])  # not reordered
+
+
+def test_ties_at_the_cap_are_counted_not_gathered():
+    """The bracket of rank 0.8 n of an SNR with 30% of its elements at its cap ends at
+    the cap: its ties are counted (the path of test_select_bracketed_is_exact's "capped"
+    ranks at 0.9 n and at the first tie), the candidates gathered are the few below it.
+    The bracket of 0.1 n, in the placeholder zeros, ends at 0: those are counted as zeros."""
+    n = 300_007
+    values = bracket_cases(n)["capped"]
+    sample = bracket.sample_of([values], n)
+    spans = bracket.brackets(sample, [0.8, 0.1])
+    assert bracket.tied_tops(sample, spans) == [True, True] and [high for _, high in spans] == [0.0, 3.0]
+    tally = bracket.Tally(spans, bracket.tied_tops(sample, spans))
+    tally.add(values)
+    assert tally.tops == [False, True] and tally.at_top == [0, int(numpy.sum(values == 3.0))]
+    assert tally.zeros[0] == int(numpy.sum(values == 0))
+    assert sum(part.size for part in tally.inside[1]) < n // 20
+
+
+def test_a_tally_of_ties_at_a_brackets_top_gives_ranks_inside_it_only():
+    """Zeros, values below the top and the ties at it, in order; a rank past the ties (or
+    below the bracket) is not the bracket's: None, whatever the counts."""
+    values = numpy.array([-1.0] * 3 + [0.0] * 4 + [0.5] * 2 + [1.0] * 5 + [2.0] * 6, numpy.float32)
+    numpy.random.default_rng(0).shuffle(values)
+    for spans, tops, first in (([(1.0, 1.0)], [True], 9), ([(-1.0, 1.0)], [True], 0)):
+        tally = bracket.Tally(spans, tops)
+        for piece in (values[:7], values[7:]):
+            tally.add(piece)
+        expected = numpy.sort(values)[first:14].astype(numpy.float64).tolist()
+        assert [tally.at(rank) for rank in range(first, 14)] == expected
+        assert tally.at(14) is None and tally.at(first - 1) is None and tally.at_top == [5]
 
 
 def test_select_bracketed_refuses_nan_and_misses_without_a_margin(monkeypatch):

@@ -10,7 +10,10 @@ in NumPy, against about one for a 14-bit ``bincount``), and the rank is read
 from the candidates by a partition. Exact whatever the sample: a rank that falls outside
 its bracket's candidates (an unlucky sample) returns None, and the caller selects
 another way. Exact zeros (of either sign) inside a bracket are counted, never
-gathered: a layer's sd is often mostly zeros (dead units).
+gathered: a layer's sd is often mostly zeros (dead units); so are the elements
+equal to a bracket's upper end where the sample holds that value twice or more:
+an SNR's ties at its cap (VGG-11 at batch 2) would otherwise fill the median's
+bracket and its partition.
 """
 
 import math
@@ -48,7 +51,9 @@ def select_bracketed(arrays: Sequence[numpy.ndarray], ranks: Sequence[int]) -> O
         ValueError: If an element is NaN (no order).
     """
     n = sum(values.size for values in arrays)
-    tally = Tally(brackets(sample_of(arrays, n), [rank / n for rank in ranks]))
+    sample = sample_of(arrays, n)
+    spans = brackets(sample, [rank / n for rank in ranks])
+    tally = Tally(spans, tied_tops(sample, spans))
     for values in arrays:
         for start in range(0, values.size, _PIECE):
             tally.add(values[start : start + _PIECE])
@@ -58,12 +63,17 @@ def select_bracketed(arrays: Sequence[numpy.ndarray], ranks: Sequence[int]) -> O
 
 class Tally:
     """One pass over pieces: per bracket ``(low, high)``, the elements below it counted, those
-    inside gathered (exact zeros counted, not gathered); then values at ranks (:meth:`at`)."""
+    inside gathered (exact zeros counted, not gathered; where ``tops[k]``, the elements
+    equal to ``high`` too); then values at ranks (:meth:`at`)."""
 
-    def __init__(self, spans: List[Tuple[float, float]]):
+    def __init__(self, spans: List[Tuple[float, float]], tops: Optional[Sequence[bool]] = None):
         self.spans = spans
+        # Ties at the upper end counted apart only where it is not 0 (zeros are counted already).
+        self.tops = [bool(top) and high != 0.0 for top, (_, high) in
+                     zip(tops if tops is not None else [False] * len(spans), spans)]
         self.below = [0] * len(spans)
         self.zeros = [0] * len(spans)
+        self.at_top = [0] * len(spans)
         self.inside: List[List[numpy.ndarray]] = [[] for _ in spans]
 
     def add(self, piece: numpy.ndarray):
@@ -72,7 +82,11 @@ class Tally:
             check_no_nan(math.nan)
         for k, (low, high) in enumerate(self.spans):
             self.below[k] += int(numpy.count_nonzero(piece < low))
-            kept = (piece >= low) & (piece <= high)
+            if self.tops[k]:  # the ties at high counted: the largest of the bracket
+                self.at_top[k] += int(numpy.count_nonzero(piece == high))
+                kept = (piece >= low) & (piece < high)
+            else:
+                kept = (piece >= low) & (piece <= high)
             if low <= 0.0 <= high:  # zeros counted, not gathered
                 is_zero = piece == 0
                 self.zeros[k] += int(numpy.count_nonzero(is_zero))
@@ -84,7 +98,10 @@ class Tally:
         for k in range(len(self.spans)):
             if isinstance(self.inside[k], list):
                 self.inside[k] = numpy.concatenate(self.inside[k])
-            value = _at(self.inside[k], self.zeros[k], rank - self.below[k])
+            index, below_top = rank - self.below[k], self.inside[k].size + self.zeros[k]
+            if 0 <= index - below_top < self.at_top[k]:
+                return self.spans[k][1]
+            value = _at(self.inside[k], self.zeros[k], index)
             if value is not None:
                 return value
         return None
@@ -123,6 +140,14 @@ def sample_positions(n: int) -> numpy.ndarray:
     """The positions of :func:`sample_of`'s sample among ``n`` elements (fixed seed)."""
     size = min(max(n >> _SAMPLE_SHIFT, _SAMPLE_AT_LEAST), _SAMPLE)
     return numpy.random.default_rng(0).integers(0, n, size=size)
+
+
+def tied_tops(sample: numpy.ndarray, spans: Sequence[Tuple[float, float]]) -> List[bool]:
+    """Per bracket of a sorted ``sample``, whether the sample holds its upper end twice or
+    more: then many elements may tie there (an SNR's cap), which :class:`Tally` counts."""
+    ends = numpy.array([high for _, high in spans], dtype=sample.dtype)
+    counts = numpy.searchsorted(sample, ends, "right") - numpy.searchsorted(sample, ends, "left")
+    return [bool(count >= 2) for count in counts]
 
 
 def brackets(sample: numpy.ndarray, fractions: Sequence[float]) -> List[Tuple[float, float]]:
