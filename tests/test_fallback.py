@@ -99,15 +99,16 @@ class Mixing(nn.Module):
 
 
 class Dropped(nn.Module):
-    """Drops features with one mask for every example: no example's part of the batch's draws
-    to replay (``extensions/fallback/draws.py``; a mask per example is replayed)."""
+    """Drops features with a mask of one row more than the batch: no example's part of the
+    batch's draws to replay (``extensions/fallback/draws.py``; a mask per example, flattened
+    by example or drawn once for all, is replayed)."""
 
     def __init__(self):
         super().__init__()
         self.gamma = nn.Parameter(torch.ones(4))
 
     def forward(self, x):
-        keep = torch.rand(x.shape[1:], dtype=x.dtype) < 0.5
+        keep = (torch.rand(len(x) + 1, *x.shape[1:], dtype=x.dtype) < 0.5)[1:]
         return x * self.gamma * keep / 0.5
 
 

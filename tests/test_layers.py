@@ -312,15 +312,15 @@ class Scale(nn.Module):
         self.scale = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
-        # No layer-scale look-alike; one draw for every example: none of its own to replay.
-        return (x * self.scale).sin() + 0 * torch.rand(x.shape[-1], dtype=x.dtype)
+        # No layer-scale look-alike; a draw of one row more than the batch: none of its own to replay.
+        return (x * self.scale).sin() + 0 * torch.rand(len(x) + 1, dtype=x.dtype).sum()
 
 
 class RandomDoubles(Doubles):
     """Doubles with a random draw: neither the Linear rule nor the fallback."""
 
     def forward(self, x):
-        return super().forward(x) + 0 * torch.rand(x.shape[-1], dtype=x.dtype).sum()  # as Scale draws
+        return super().forward(x) + 0 * torch.rand(len(x) + 1, dtype=x.dtype).sum()  # as Scale draws
 
 
 def test_the_unsupported_warning_is_short_and_names_the_classes():

@@ -7,8 +7,9 @@ batch; those parameters were left out by name (timm's BEiT and EVA-02: ``cls_tok
 (``extensions/fallback/draws.py``): each example alone is given its part of them. Exact
 against ``cgn.check_model``, whose float64 reference runs one backward pass per example
 through one forward pass of the batch (the batch's draws), at batch 2, 3 and 5. A random
-tensor that has no dimension of the examples (one draw for every example, the batch
-flattened with other sizes) or whose rows are not the examples is still refused by name.
+tensor drawn once for every example is handed whole to each, one flattened example-major
+(``[N * T, C]``: OPT) gives each example its block of rows; one with no such map, or whose
+rows are not the examples (the output check), is still refused by name.
 The model's randomness is the same as without the package: same draws, same loss, same
 random state afterwards.
 """
@@ -121,23 +122,30 @@ class Toy(nn.Module):
             "native dropout": lambda: torch.native_dropout(hidden, 0.4, True)[0] * 0.6 / hidden,
             "shared": lambda: torch.rand(hidden.shape[1:], dtype=hidden.dtype) < 0.6,
             "flattened": lambda: (torch.rand(hidden.numel(), dtype=hidden.dtype) < 0.6).view_as(hidden),
+            # (flattened features first: example i's features are not rows 4i..4i+3)
+            "flattened token-major": lambda: (torch.rand(hidden.numel(), dtype=hidden.dtype) < 0.6)
+            .view(hidden.shape[1], -1).t(),
+            "unmapped": lambda: (torch.rand(len(hidden) + 1, 4, dtype=hidden.dtype) < 0.6)[1:],
             "flipped": lambda: (torch.rand_like(hidden) < 0.6).flip(0),
         }[self.draw]()
         return self.head(torch.tanh(hidden * keep / 0.6 + self.scale))
 
 
-@pytest.mark.parametrize("draw", ["per example", "native dropout", "shared", "flattened", "flipped"])
+@pytest.mark.parametrize("draw", ["per example", "native dropout", "shared", "flattened",
+                                  "flattened token-major", "unmapped", "flipped"])
 def test_a_random_tensor_that_is_not_per_example_is_refused_by_name(draw):
-    """Replayed where the random tensor has one dimension of the examples and each example's
-    output alone matches its row of the batch's; else ``scale`` is left out, naming why."""
+    """Replayed where the random tensor has one dimension of the examples (sliced, or flattened
+    example-major), or none that depends on the batch (drawn once, handed whole to each example),
+    and each example's output alone matches its row of the batch's; else ``scale`` is left out,
+    naming why."""
     torch.manual_seed(0)
     model = Toy(draw).train()
     inputs = torch.randn(5, 4, dtype=torch.float64)
     frame = _checked(model, (inputs,), torch.arange(5) % 3).set_index("param")
     assert frame.loc["head.weight", "rows"] and frame.loc["head.weight", "max_rel_error"] < 1e-10
-    if draw in ("per example", "native dropout"):
+    if draw in ("per example", "native dropout", "shared", "flattened"):
         assert frame.loc["scale", "rows"] and frame.loc["scale", "max_rel_error"] < 1e-10
     else:
         assert not frame.loc["scale", "rows"]
-        why = {"flipped": "differs from its output in the batch"}.get(draw, "no dimension of the examples")
+        why = {"unmapped": "no dimension of the examples"}.get(draw, "differs from its output in the batch")
         assert "random" in frame.loc["scale", "note"] and why in frame.loc["scale", "note"]

@@ -307,7 +307,21 @@ def tensor_positions(output) -> Optional[Tuple[int, ...]]:
         return None
     if isinstance(output, tuple):
         return tuple(i for i, value in enumerate(output) if isinstance(value, Tensor))
-    return ()  # no tensor whose gradient a backward hook would report
+    return model_output_position(output) or ()  # () : no tensor whose gradient would be reported
+
+
+def model_output_position(output) -> Optional[Tuple[int]]:
+    """``(k,)`` for a ``transformers`` ``ModelOutput`` (a dict that ``output[k]`` indexes as
+    the tuple of its values that are not ``None``) whose ``k``-th value is its one
+    floating-point tensor, else ``None``. The backward hooks of a module see no tensor in a
+    dict, so that tensor's own hook hands its gradient over instead (:func:`_capture`); a
+    second floating-point tensor could carry gradient that no hook sees: not taken. Not
+    whether it requires grad: the same in a pass without gradients (:mod:`.layout`)."""
+    if not hasattr(output, "to_tuple") or not isinstance(output, dict):
+        return None
+    floating = [(k, leaf) for k, value in enumerate(output.to_tuple()) for leaf in _pytree.tree_leaves(value)
+                if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    return (floating[0][0],) if len(floating) == 1 and floating[0][1] is output[floating[0][0]] else None
 
 
 def first_tensor(output) -> Optional[Tensor]:
@@ -358,11 +372,15 @@ def _capture(module, args, kwargs, output):
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if isinstance(first, Tensor):
         call.first = (first.shape, first.dtype, first.device)
-        call.output = first.detach() if call.rng is not None else None
+        # (A ModelOutput's too: where vmap cannot run the module, it is run on each example alone
+        # and each output checked against this one, .running._vmap_failed.)
+        call.output = first.detach() if call.rng is not None or positions else None
     if first is not None and first.requires_grad:
         # Which call the module's backward hooks that follow are of; steps without the
         # package's extensions free the arguments in the backward pass.
         first.register_hook(_releaser(state, call))
+        if positions and not isinstance(output, tuple):  # a ModelOutput: no backward hook runs
+            first.register_hook(functools.partial(_run_extensions, module))
     return _keep_later_gradients(module, call, output)
 
 
@@ -417,6 +435,16 @@ def _first_output_without_gradient(module: nn.Module, call: Call):
     for extension in CTX.get_active_exts():
         if getattr(extension, "savefield", None) in SAVEFIELDS:
             extension(module, (None,), (zeros,))
+
+
+def _run_extensions(module: nn.Module, grad: Tensor) -> None:
+    """The first output's tensor hook of a module that returns a ``ModelOutput``
+    (:func:`model_output_position`): run the active extensions on the module with that
+    gradient, as its backward hook would have (it sees no tensor in a dict)."""
+    facts.recording().record_owner(module)
+    for extension in CTX.get_active_exts():
+        if getattr(extension, "savefield", None) in SAVEFIELDS:
+            extension(module, (None,), (grad,))
 
 
 def _releaser(state: Fallback, call: Call):

@@ -162,21 +162,33 @@ def record(module: nn.Module, args: tuple, kwargs: dict, state: Snapshot, output
 
 def example_part(drawn: Tensor, alone: torch.Size, i: int, examples: int) -> Tensor:
     """Example ``i``'s part of the batch's random tensor ``drawn``, where an example alone
-    draws one of shape ``alone``: the slice along the one dimension of size ``examples`` in
-    the batch and 1 alone, all other sizes equal (the whole tensor for a batch of one).
+    draws one of shape ``alone``.
+
+    - The whole tensor where both shapes are equal: its size does not depend on the batch, so
+      the batch drew it once and every example used all of it (timm's relative-position MLP
+      dropout). Each example alone is handed the same tensor.
+    - Else the one dimension ``d`` whose size is ``examples * alone[d]`` (all other sizes
+      equal): example ``i``'s block of ``alone[d]`` rows, ``[i * alone[d], (i + 1) * alone[d])``.
+      That is the slice along a dimension of size ``examples`` in the batch and 1 alone
+      (``alone[d] = 1``), and the rows of a batch flattened example-major, ``[N * T, C]``
+      (OPT's dropout on its flattened tokens: ``x.reshape(-1, C)`` of ``[N, T, C]``).
+
+    Either way, each example's output alone is then checked against its row of the batch's
+    (:func:`.blocks.per_example_gradients`): another map of rows to examples (flattened
+    token-major, rows handed to other examples) changes the output and is refused there.
 
     Raises:
         Unreplayable: No such dimension, or more than one.
     """
-    if tuple(drawn.shape) == tuple(alone) and examples == 1:
+    if tuple(drawn.shape) == tuple(alone):
         return drawn
     differ = [d for d, (n, one) in enumerate(zip(drawn.shape, alone)) if n != one]
-    if drawn.dim() != len(alone) or len(differ) != 1 or drawn.shape[differ[0]] != examples \
-            or alone[differ[0]] != 1:
+    if drawn.dim() != len(alone) or len(differ) != 1 or drawn.shape[differ[0]] != examples * alone[differ[0]]:
         raise Unreplayable(
             f"a random tensor ({list(drawn.shape)} for {examples} examples, {list(alone)} for one) "
-            "has no dimension of the examples (drawn once for all, or flattened)")
-    return drawn.narrow(differ[0], i, 1)
+            "has no dimension of the examples (nor a flattened one)")
+    rows = alone[differ[0]]
+    return drawn.narrow(differ[0], i * rows, rows)
 
 
 class Replaying(TorchDispatchMode):

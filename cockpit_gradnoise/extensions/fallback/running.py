@@ -198,7 +198,12 @@ def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Di
         return cache_updated(reason)
     if "setup_context" in str(error):
         return OLD_STYLE_FUNCTION
-    return reason
+    # A module returning a ModelOutput (whose output it kept): run on each example alone.
+    alone = _replayed(module, call, grads, blind_outputs, layout, savefields) \
+        if call.outputs and call.output is not None else None
+    if isinstance(alone, str):
+        return f"{reason}, nor can it run on each example alone: {alone}"
+    return reason if alone is None else alone
 
 
 def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
@@ -209,7 +214,7 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     against its row of the batch's); why not (a string); ``None`` where no draws can be
     replayed (no random state kept: not in training mode) or its outputs are not one tensor
     per example."""
-    if call.rng is None or call.output is None or set(grads) != {0} or blind_outputs:
+    if call.output is None or set(grads) != {0} or blind_outputs:
         return None
     # Its tensor arguments copied: a forward that changes its input in place would change the
     # tensors the backward pass still holds (and the next example's input).
@@ -222,14 +227,17 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
     args, kwargs = _pytree.tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf
                                            for leaf in leaves], call.spec)
+    drawn = []
     try:  # (copies of the parameters: their own gradient hooks stay out of it)
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
                 own_parameters(module, params):
-            drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
+            if call.rng is not None:
+                drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
             chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
             return reduce_chunks(with_structural_zeros(chunks), savefields)
     except (blocks.Interacting, draws.Unreplayable) as error:
-        return f"its forward draws random numbers in training mode: {error}"
+        random = drawn or isinstance(error, draws.Unreplayable)
+        return f"its forward draws random numbers in training mode: {error}" if random else str(error)
 
 
 #: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
