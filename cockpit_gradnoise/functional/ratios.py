@@ -144,8 +144,11 @@ def _statistics_by_brackets(a: numpy.ndarray, b: numpy.ndarray, finite: bool) ->
     None where a rank misses its bracket (then the layer's ratios are formed whole).
 
     The same numbers: left-out ratios are 0 in each piece, as in :func:`_ratios_by_pieces`'s
-    array, the mean's float64 sum is carried from piece to piece as NumPy carries it over
-    its buffers (``initial=``), and max and min are those of the pieces.
+    array; max, min and the median are those of the whole array. The mean's float64 sum is
+    carried from piece to piece (``initial=``): for float32 ratios that is how NumPy sums the
+    whole array too (cast in buffers that divide a piece, added in turn), for float64 ones
+    NumPy's pairwise tree over the whole array differs from it by rounding only (about
+    ``log2(n)`` units in the last place relative to the sum of the ratios).
     """
     with numpy.errstate(divide="ignore", invalid="ignore", over="ignore"):
         at = bracket.sample_positions(a.size)
