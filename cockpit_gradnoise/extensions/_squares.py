@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import facts
-from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor, unresolved_sums
+from cockpit_gradnoise.functional.underflow import UNRESOLVED, marked_lost, underflow_floor, unresolved_sums
 
 import torch
 from torch import Tensor
@@ -349,21 +349,9 @@ def unscaled_norms(at_scale: Tensor, scale: Union[Scale, Tensor, None], terms: i
         inverse_square = powers[..., 2:] if at_scale.dim() else powers[..., 2]
         result = at_scale * inverse_square
     if wide != at_scale.dtype:
-        # UNRESOLVED where 0 < at_scale < floor, in 3 launches where (!= 0) & (< floor) and a
-        # fill took 4: a sum of squares is >= 0, so the result is 0 or at least the smallest
-        # positive float64, which is UNRESOLVED: capping it there marks exactly the nonzero
-        # ones and leaves a 0 a 0 (a NaN is not below the floor: kept, as before).
-        capped = result
-        if rows is not None:
-            # And UNRESOLVED where at_scale = 0 beside rows all nonzero (rows > 0), one launch more
-            # (for exact_where_lost's five): rows >= 0 is float32, so rows > 0 is at least the
-            # smallest positive float32, above UNRESOLVED; result + rows, where result = 0, is
-            # then capped to UNRESOLVED exactly where rows > 0, and where result > 0 it is capped
-            # to UNRESOLVED as before. A NaN row leaves the norm NaN (x_i holds NaN times
-            # something): not below the floor, kept.
-            capped = result + rows
-        result = torch.where(at_scale < underflow_floor(terms, at_scale.dtype),
-                             capped.clamp(max=UNRESOLVED), result)
+        # UNRESOLVED where a norm below the floor may have lost squares, and (with the rows, for
+        # exact_where_lost's five) where a 0 lies beside rows all nonzero: 3 launches, or 4.
+        result = marked_lost(result, at_scale, underflow_floor(terms, at_scale.dtype), rows)
         if rows is not None:
             setattr(result, _ZEROS_MARKED, True)  # exact_where_lost need not mark them again
     return result

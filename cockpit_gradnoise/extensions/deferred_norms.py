@@ -37,7 +37,7 @@ once), and for norms with :attr:`._squares.Scale.rows` (whose zeros are marked h
 
 from typing import Dict, List, Tuple
 
-from cockpit_gradnoise.functional.underflow import UNRESOLVED, floors_of
+from cockpit_gradnoise.functional.underflow import floors_of, marked_lost
 
 import torch
 from torch import Tensor
@@ -90,9 +90,8 @@ class DeferredNorms:
             inverse_squares, rows = zip(*(_reduced(kind) for kind in kinds.values()))
             at_scale = torch.cat(at_scale)  # [K, N], in the order of the kinds' entries
             result = at_scale * _joined(inverse_squares)  # [K, N] float64, exact
-            # As unscaled_norms, row by row: capped at UNRESOLVED where below the floor, the
-            # rows' magnitudes added first, so that a 0 beside nonzero rows is marked too.
-            result = torch.where(at_scale < floors, (result + _joined(rows)).clamp(max=UNRESOLVED), result)
+            # As unscaled_norms, row by row (each its own floor).
+            result = marked_lost(result, at_scale, floors, _joined(rows))
             torch._foreach_copy_(list(placeholders), list(result.split([len(p) for p in placeholders])))
 
 

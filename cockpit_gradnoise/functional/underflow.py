@@ -125,6 +125,26 @@ def unresolved_norm_sum(squared_norms: Tensor, numel: int) -> Optional[Union[int
     return (int(found) or None) if _device.on_host(squared_norms) else found.to(torch.int64)
 
 
+def marked_lost(unscaled: Tensor, at_scale: Tensor, floor, rows: Optional[Tensor] = None) -> Tensor:
+    """Squared norms marked :data:`UNRESOLVED` where they may have lost squares to underflow.
+
+    ``unscaled``: float64 norms from ``at_scale``, formed in a narrower dtype;
+
+    .. math::
+
+        r_i = \\min(r_i + m_i, \\text{UNRESOLVED}) \\text{ where } a_i < \\text{floor}, \\quad r_i \\text{ elsewhere},
+
+    ``a`` the norms at their scale, ``m`` their examples' row magnitudes (``0`` without
+    ``rows``). A sum of squares is ``>= 0``, so below the floor ``r`` is 0 or at least the
+    smallest positive float64, which is UNRESOLVED: the cap marks exactly the nonzero ones and
+    leaves a 0 a 0. With ``rows`` (``>= 0``, float32: a positive one is above UNRESOLVED), a 0
+    beside nonzero rows is marked too. A NaN (in a norm or a row) is not below the floor, or
+    stays NaN: kept. ``floor``: a number, or a tensor broadcast against ``at_scale``
+    (one floor per row). Three launches, four with ``rows``."""
+    capped = unscaled if rows is None else unscaled + rows
+    return torch.where(at_scale < floor, capped.clamp(max=UNRESOLVED), unscaled)
+
+
 def floors_of(numels: Sequence[int], dtype: torch.dtype, device: torch.device,
               loss_scale: float = 1.0, times: int = 1, compared_in: Optional[torch.dtype] = None) -> Tensor:
     """``[P]``: ``times * underflow_floor(numel, dtype) / loss_scale**2`` of each ``numel`` (a
