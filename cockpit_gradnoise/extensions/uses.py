@@ -265,6 +265,17 @@ def _may_hand_over(recorded) -> bool:
     return deferred_norms.ENABLED and recorded.may_defer() and not sharded.armed_in_backward()
 
 
+def _rule_ran(call, module: nn.Module, g_inp, g_out, recorded, deferring: bool) -> bool:
+    """Whether a rule covers ``module`` (``call(module, g_inp, g_out)``, the extension's work,
+    returns ``False`` where none does); where ``deferring``, its norms are handed over while it
+    runs, to be unscaled at the pass's end (:mod:`.deferred_norms`)."""
+    recorded.deferring = deferring
+    try:
+        return call(module, g_inp, g_out) is not False
+    finally:
+        recorded.deferring = False
+
+
 def run(extension, module: nn.Module, g_inp, g_out, call):
     """``call(module, g_inp, g_out)`` (the extension's work on ``module``; ``False`` if no
     rule covers it), then the above."""
@@ -277,12 +288,7 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         # computed with; no tied use, broadcast or repeated call): the rule, the record.
         # Nothing reads the rule's results before the pass ends: its norms may be unscaled
         # with the other layers' then (.deferred_norms).
-        recorded.deferring = _may_hand_over(recorded)
-        try:
-            covered = call(module, g_inp, g_out) is not False
-        finally:
-            recorded.deferring = False
-        if covered:
+        if _rule_ran(call, module, g_inp, g_out, recorded, _may_hand_over(recorded)):
             recorded.record(extension, module, g_out)
         return
     if _autocast_without_hooks(module, recorded, g_out):
@@ -298,13 +304,9 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
     before = tied.values_before(extension, module)
     # Neither broadcast nor tied: nothing below reads the results, whose norms may be unscaled
     # with the other layers' at the pass's end (.deferred_norms).
-    recorded.deferring = (_may_hand_over(recorded) and not module.__dict__.get(TIED_ATTR)
-                          and (uses is None or module not in uses.broadcasts))
-    try:
-        covered = call(module, g_inp, g_out) is not False
-    finally:
-        recorded.deferring = False
-    if not covered:  # no rule covers the module: it wrote nothing
+    deferring = (_may_hand_over(recorded) and not module.__dict__.get(TIED_ATTR)
+                 and (uses is None or module not in uses.broadcasts))
+    if not _rule_ran(call, module, g_inp, g_out, recorded, deferring):  # no rule: nothing written
         return
     recorded.record(extension, module, g_out)
     if uses is None:
