@@ -200,7 +200,7 @@ def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: 
     consecutive pieces of :func:`piece_size` elements over the flattened ``Q`` and ``T``.
 
     A sum over the elements, so taken in the memory order of ``Q`` and ``T``
-    (:func:`_memory_order`; a convolution's channels last): their pieces are views, and
+    (:func:`_rows_order`; a convolution's channels last): their pieces are views, and
     each piece of ``w``, whole rows in the order of the elements, is put in that order by
     the copy that converts it to float64 (no copy of ``Q`` or ``T``).
     """
