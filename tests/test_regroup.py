@@ -228,7 +228,7 @@ def test_a_weight_its_parent_reads_without_calling_its_layer_is_exact(examples):
     inexact, off by 1.0): the smallest module around the head that takes and returns the batch
     first and holds the word embeddings too (the whole model) is run on each example alone,
     and every parameter is exact, the tied weight with both uses (it was left out while the
-    block held the head only; the word embedding's ``padding_idx`` keeps it out of ``vmap``,
-    :func:`cockpit_gradnoise.extensions.fallback.block_vmap.batchable`)."""
+    block held the head only; the word embedding's ``padding_idx`` is kept under ``vmap`` by
+    :func:`cockpit_gradnoise.extensions.fallback.padding.padding_kept`)."""
     inputs, targets = tokens(examples)
     assert_exact_with_structural_zeros(mobilebert(), inputs, targets, token_losses("mean"), SEQUENCE)

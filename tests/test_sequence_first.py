@@ -163,13 +163,24 @@ def test_fsmt_keeps_its_first_step_with_every_row_exact_to_float32():
     assert set(got) == trained | {cgn.NETWORK}
 
 
+class PaddedLookup(nn.Module):
+    """An embedding that is no ``nn.Embedding`` (as I-BERT's ``QuantEmbedding``)."""
+
+    def __init__(self, vocab, width, padding_idx):
+        super().__init__()
+        self.weight, self.padding_idx = nn.Parameter(torch.randn(vocab, width)), padding_idx
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.weight, self.padding_idx)
+
+
 class PaddedSequenceFirst(nn.Module):
     """XLNet's pattern in a few lines: the indices transposed to ``[T, N]`` before an
     embedding with a ``padding_idx``, a layer on ``[T, N, C]``; batch-first outside."""
 
-    def __init__(self, width=4):
+    def __init__(self, width=4, lookup=nn.Embedding):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, width, padding_idx=0)
+        self.embed = lookup(VOCAB, width, padding_idx=0)
         self.inner = nn.Linear(width, width)
 
     def forward(self, idx):  # [N, T]
@@ -178,23 +189,38 @@ class PaddedSequenceFirst(nn.Module):
 
 
 class WithPaddedSequenceFirst(nn.Module):
-    def __init__(self, width=4):
+    def __init__(self, width=4, lookup=nn.Embedding):
         super().__init__()
-        self.block, self.head = PaddedSequenceFirst(width), nn.Linear(width, 3)
+        self.block, self.head = PaddedSequenceFirst(width, lookup), nn.Linear(width, 3)
 
     def forward(self, idx):
         return self.head(self.block(idx).mean(1))
 
 
+@pytest.mark.parametrize("lookup", [nn.Embedding, PaddedLookup], ids=["Embedding", "other module"])
 @pytest.mark.parametrize("examples", [3, LENGTH])
-def test_an_embedding_on_transposed_indices_with_padding_is_exact_through_its_block(examples):
+def test_an_embedding_on_transposed_indices_with_padding_is_exact_through_its_block(
+        examples, lookup, monkeypatch):
     """The embedding's output ``[T, N, C]`` keeps its leading size in the run one example
     larger, but not its shape: its rows are not examples (not a table without the batch),
-    and its block computes it. Its padding row's gradient is zero for every example: the
-    block runs its loop, not ``vmap``, whose batching rule gives that row each example's
-    gradient but the first's (``block_vmap.batchable``). Index 0 occurs in every example."""
+    and its block computes it, under ``vmap`` (a chunk of examples per pass: checked here).
+    Its padding row's gradient is zero for every example, where ``vmap``'s batching rule
+    of the lookup's backward pass gives that row each example's gradient but the first's:
+    the block runs under ``fallback.padding.padding_kept``, which stops it explicitly, for
+    any module with a ``padding_idx`` (I-BERT's ``QuantEmbedding`` is no ``nn.Embedding``).
+    Index 0 occurs in every example."""
+    from cockpit_gradnoise.extensions.fallback import block_vmap
+
+    chunks, batched_chunk = [], block_vmap.chunk
+
+    def counted_chunk(*args, **kwargs):
+        chunks.append(batched_chunk(*args, **kwargs))  # (raises where vmap cannot run it)
+        return chunks[-1]
+
+    monkeypatch.setattr(block_vmap, "chunk", counted_chunk)
     generator = torch.Generator().manual_seed(4)
     inputs = torch.randint(0, VOCAB, (examples, LENGTH), generator=generator)
     inputs[:, 0] = 0
     targets = torch.randint(0, 3, (examples,), generator=generator)
-    assert_exact_with_structural_zeros(perturbed(WithPaddedSequenceFirst()), inputs, targets)
+    assert_exact_with_structural_zeros(perturbed(WithPaddedSequenceFirst(lookup=lookup)), inputs, targets)
+    assert chunks, "the block was not computed under vmap"

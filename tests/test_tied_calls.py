@@ -254,28 +254,6 @@ def test_granite_hybrid_mamba_mixer_with_its_models_fresh_cache_gets_rows():
     assert (frame.max_rel_error[~mixer] < 1e-10).all()
 
 
-class PaddedLookup(nn.Module):
-    """An embedding that is no ``nn.Embedding`` (as I-BERT's ``QuantEmbedding``)."""
-
-    def __init__(self, padding_idx):
-        super().__init__()
-        self.weight, self.padding_idx = nn.Parameter(torch.randn(11, 6)), padding_idx
-
-    def forward(self, idx):
-        return nn.functional.embedding(idx, self.weight, self.padding_idx)
-
-
-def test_a_block_with_any_padded_lookup_of_its_parameters_is_not_batched():
-    """A block is recomputed in a loop, not under ``vmap``, where a module with a padding index
-    looks one of its parameters up (``extensions/fallback/block_vmap.py``; ``nn.Embedding``
-    only before): ``vmap`` loses the padding rule for every example but the first."""
-    from cockpit_gradnoise.extensions.fallback.block_vmap import batchable
-
-    for padding_idx, expected in [(1, False), (None, True)]:
-        block = nn.Sequential(PaddedLookup(padding_idx), nn.Linear(6, 3))
-        assert batchable(block, dict(block.named_parameters())) is expected
-
-
 def test_a_recomputed_use_that_raises_is_left_out_by_name_and_the_step_kept(monkeypatch):
     """A use's recomputation that fails in the backward pass (a forward ``vmap`` cannot run)
     refuses the tied parameter, naming why; the backward pass and the step go on."""

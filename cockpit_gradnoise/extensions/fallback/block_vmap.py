@@ -32,10 +32,11 @@ linear biases the block computes keep their structural zeros: each example's
 output gradient of the layer, called once, gives its terms' magnitudes, as in
 the loop, read at the layer's own output (:mod:`.block_biases`).
 
-A block with an embedding that has a ``padding_idx`` and looks up a parameter it computes
-is not batched (:func:`batchable`): the batching rule of the embedding's backward pass
-ignores ``padding_idx`` for every example but the first (torch 2.14: a padding token's
-row gets that example's gradient, where it gets none); the loop is exact there.
+An embedding with a ``padding_idx`` inside the block runs under :func:`.padding.padding_kept`:
+the batching rule of the embedding's backward pass ignores ``padding_idx`` for every example
+but the first (torch 2.14: a padding token's row gets that example's gradient, where it gets
+none), so the lookup's gradient is stopped at the padding positions explicitly, as in every
+other recomputation (:mod:`.replay`, :mod:`..repeated`).
 """
 
 import contextlib
@@ -44,6 +45,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.block_biases import watch
 from cockpit_gradnoise.extensions.fallback.capture import Call, first_tensor
+from cockpit_gradnoise.extensions.fallback.padding import padding_kept
 from cockpit_gradnoise.extensions.fallback.parameters import own_parameters
 from cockpit_gradnoise.extensions.fallback.replay import math_attention
 
@@ -65,16 +67,6 @@ def _no_slow_fallback():
         yield
     finally:
         functorch._set_vmap_fallback_enabled(enabled)
-
-
-def batchable(module: nn.Module, params: Dict[str, nn.Parameter]) -> bool:
-    """Whether ``vmap`` gives the per-example gradients of ``params`` in ``module``: not where
-    an embedding with a ``padding_idx`` looks one of them up (module docstring; MobileBERT's
-    word embedding, tied to its head, in its block)."""
-    ids = {id(p) for p in params.values()}
-    # Any module with a padding index (I-BERT's QuantEmbedding is no nn.Embedding subclass).
-    return not any(getattr(sub, "padding_idx", None) is not None and id(getattr(sub, "weight", None)) in ids
-                   for sub in module.modules())
 
 
 def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[str, nn.Parameter],
@@ -111,7 +103,7 @@ def chunk(module: nn.Module, call: Call, batched: Sequence[int], params: Dict[st
         return (result, *(calls[0] for calls in seen.values() if len(calls) == 1))
 
     with math_attention(), torch.enable_grad(), precision.autocast_as(call.autocast), \
-            _no_slow_fallback():
+            _no_slow_fallback(), padding_kept(module):
         results = torch.func.vmap(forward)(*copies, *examples)
     first = results[0]
     expected = output[start:stop].unsqueeze(1)

@@ -385,7 +385,7 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     """:func:`per_example_gradients`' chunks by :mod:`.block_vmap` (a chunk of examples per
     pass), or ``None`` where ``vmap`` cannot run the block or its first chunk's outputs
     differ from the batch's: then the loop runs and checks (at every later step too)."""
-    if block.vectorized is False or not params or not block_vmap.batchable(module, params):
+    if block.vectorized is False or not params:
         return None
     call, examples = block.call, grad.shape[0]
     # The narrowest dtype the first chunk computes in, as the loop's first example: a float64
