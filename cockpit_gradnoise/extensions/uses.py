@@ -293,12 +293,13 @@ def run(extension, module: nn.Module, g_inp, g_out, call):
         return
     if _autocast_without_hooks(module, recorded, g_out):
         return
+    batch_free = _batch_free_call(uses, module)
     if _refuse_used_otherwise(extension, module, uses, recorded) or repeated.defers(
-            extension, module, g_out, _batch_free_call(uses, module)):
+            extension, module, g_out, batch_free):
         return  # refused (its rule would miss a use); or one of several calls: summed per
         # example at the end of the backward pass
     # A layer whose parameters are all tied, called several times: each call one use of the tie.
-    by_tie = uses is not None and repeated.summed_by_tie(module, dispatched, _batch_free_call(uses, module))
+    by_tie = uses is not None and repeated.summed_by_tie(module, dispatched, batch_free)
     if uses is not None and not by_tie and _ran_twice(extension, module, recorded):
         return
     before = tied.values_before(extension, module)
