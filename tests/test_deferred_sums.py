@@ -30,9 +30,9 @@ from torch import nn
 
 class Attention(nn.Module):
     """One attention head over ``[B, T, 4]`` (its key's bias a structural zero), a LayerNorm, a
-    convolution over 2 positions, a head on ``[B, C]``; an Embedding read per example and one
-    broadcast over the batch (nanoGPT's positions); ``tied``: the head shares its weight with
-    ``again`` (combined in the pass)."""
+    convolution over 2 positions (its sums permuted in memory), a head on ``[B, C]``; an
+    Embedding read per example and one broadcast over the batch (nanoGPT's positions);
+    ``tied``: the head shares its weight with ``again`` (combined in the pass)."""
 
     def __init__(self, tied: bool):
         super().__init__()
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.positions = nn.Embedding(3, 1)  # applied to arange(3): broadcast over the batch
         self.query, self.key, self.value = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
         self.norm = nn.LayerNorm(4)
-        self.conv = nn.Conv1d(4, 3, 2)
+        self.conv = nn.Conv2d(4, 3, (2, 1))  # its sums permuted in memory
         self.head = nn.Linear(6, 6)
         self.again = nn.Linear(6, 6, bias=False)
         if tied:
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         tokens = torch.cat([first, features[..., 1:]], -1)
         scores = self.query(tokens) @ self.key(tokens).transpose(1, 2)
         mixed = self.norm(scores.softmax(-1) @ self.value(tokens))  # [B, 3, 4]
-        pooled = self.conv(mixed.transpose(1, 2)).flatten(1)  # [B, 6]
+        pooled = self.conv(mixed.transpose(1, 2).unsqueeze(-1)).flatten(1)  # [B, 6]
         return self.again(torch.tanh(self.head(pooled)))
 
 
@@ -106,7 +106,8 @@ def _equal(alone: dict, together: dict) -> None:
     assert alone.keys() == together.keys()
     for key, value in alone.items():
         other = together[key]
-        assert value.dtype == other.dtype and torch.equal(value.isnan(), other.isnan()), key
+        assert value.dtype == other.dtype and value.stride() == other.stride(), key
+        assert torch.equal(value.isnan(), other.isnan()), key
         assert torch.equal(value.nan_to_num(), other.nan_to_num()), key
 
 
@@ -127,6 +128,7 @@ def test_deferred_sums_are_the_sums_each_rule_gave_alone(tied, handed, monkeypat
     together = _saved(model, True, monkeypatch)
     assert _names(together, handed) == (HANDED - {"head.weight", "head.bias", "again.weight"} if tied else HANDED)
     _equal(alone, together)
+    assert not together["conv.weight"].is_contiguous()  # handed over in memory order
     # The marks and zeros themselves: the tiny and small features' columns marked, the dead
     # unit's and the key's bias (a structural zero) exactly 0, the rest resolved.
     squares = together["query.weight"][1]

@@ -48,6 +48,7 @@ a small share of its work, and its sums would be held at their scale until the p
 from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device
+from cockpit_gradnoise.functional.layout import dimension_order
 from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor
 
 import numpy
@@ -87,15 +88,20 @@ class DeferredSums:
 
     def add(self, at_scale: Tensor, powers: Tensor, terms: int) -> Optional[Tensor]:
         """The float64 tensor that will hold ``at_scale``'s unscaled and marked sums once the
-        pass ends, or ``None`` where they are not taken (not ``[T, S]`` float32, not contiguous,
-        more than :data:`LARGEST` elements): ``at_scale`` ``[2, *shape]``, ``powers`` ``[k, 3]``
+        pass ends, or ``None`` where they are not taken (not ``[T, S]`` float32, each row not one
+        dense piece of memory, more than :data:`LARGEST` elements): ``at_scale`` ``[2, *shape]``, ``powers`` ``[k, 3]``
         its factors' ``(s, 1/s, 1/s**2)``; ``terms`` the squares in each ``S``."""
-        if (not ENABLED or len(at_scale) != 2 or at_scale.dtype != torch.float32
-                or not at_scale.is_contiguous() or at_scale[0].numel() > LARGEST):
+        if not ENABLED or len(at_scale) != 2 or at_scale.dtype != torch.float32 or at_scale[0].numel() > LARGEST:
             return None
-        placeholder = torch.empty(at_scale.shape, dtype=torch.float64, device=at_scale.device)
+        # In memory order (a convolution's sums may be permuted), each row one piece of memory.
+        order = dimension_order(at_scale)
+        rows = at_scale.permute(order)
+        if order[0] != 0 or not rows.is_contiguous():
+            return None
+        # With at_scale's strides, as the product unscaled_sums takes gives them.
+        placeholder = torch.empty_like(at_scale, dtype=torch.float64)
         self.groups.setdefault((at_scale.device, terms, len(powers)), []).append(
-            (at_scale.view(2, -1), powers, placeholder.view(2, -1)))  # views: no launch
+            (rows.view(2, -1), powers, placeholder.permute(order).view(2, -1)))  # views: no launch
         return placeholder
 
     def settle(self) -> None:
