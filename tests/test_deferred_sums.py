@@ -173,12 +173,16 @@ def test_large_layers_keep_their_own_unscaling(handed, monkeypatch):
     most ``SETTLE_ELEMENTS`` (here two parameters' worth), with the same numbers."""
     monkeypatch.setattr(deferred_sums, "LARGEST", 16)
     monkeypatch.setattr(deferred_sums, "SETTLE_ELEMENTS", 40)
+    settled, settle = [], deferred_sums._settled
+    monkeypatch.setattr(deferred_sums, "_settled", lambda entries, device: (
+        settled.append(sum(entry[0].shape[1] for entry in entries)), settle(entries, device)))
     model = cgn.prepare_model(Attention(False))
     alone = _saved(model, False, monkeypatch)
     together = _saved(model, True, monkeypatch)
     large = {name for name, param in model.named_parameters() if param.numel() > 16}
     assert _names(together, handed) == HANDED - large and large & HANDED
     _equal(alone, together)
+    assert max(settled) <= 40 and sum(settled) == sum(p[0].numel() for p in handed) and len(settled) > 2
 
 
 def test_forced_formation_expansion(handed, monkeypatch):
@@ -201,7 +205,7 @@ def test_settle_marks_each_sum_as_unscaled_sums_does(monkeypatch):
     NaN and infinity, normal sums; settled in batches (``SETTLE_ELEMENTS``) as
     :func:`._squares.unscaled_sums` gives each alone."""
     monkeypatch.setattr(_device, "on_host", lambda tensor: False)
-    monkeypatch.setattr(deferred_sums, "SETTLE_ELEMENTS", 12)
+    monkeypatch.setattr(deferred_sums, "SETTLE_ELEMENTS", 14)  # batches of one and two entries
     from cockpit_gradnoise.extensions._squares import Scale, scale_powers, unscaled_sums
     from cockpit_gradnoise.functional.underflow import underflow_floor
 

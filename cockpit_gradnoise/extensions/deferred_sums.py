@@ -12,16 +12,17 @@ reads before the pass ends: such a rule hands its float32 sums at their scale ov
 factors' powers and its number of terms (:meth:`DeferredSums.add`), and gets back an
 uninitialised float64 tensor, saved on the parameter as its result;
 :meth:`DeferredSums.settle` concatenates what was handed over (grouped by device, number of
-terms and of factors, in batches of at most :data:`SETTLE_ELEMENTS` elements), runs the same
+factors, in batches of at most :data:`SETTLE_ELEMENTS` elements), runs the same
 operations on the batch, and copies each parameter's rows into its tensor, at the end of the
 backward pass (``facts._end``, the first callback the pass queued).
 
 Exact: the same numbers as :func:`._squares.unscaled_sums` gives each parameter alone. Each
 element goes through the same elementwise operations on the same operands:
 
-- the mark: its float32 ``S`` compared with the same Python floor (the floor of its number
-  of terms, one per group: rounded where compared with a float32 tensor as there), its ``S``
-  and ``T`` compared with 0, the same ``&`` and ``|``;
+- the mark: its float32 ``S`` compared with its own floor (of its own number of terms, a
+  float32 number gathered to it: the Python floor is rounded so where it is compared with a
+  float32 tensor, :func:`.functional.underflow.floors_of`), its ``S`` and ``T`` compared with
+  0, the same ``&`` and ``|``;
 - the unscaling: its float32 ``T`` (``S``) times its own ``1/s`` (``1/s**2``), float64: the
   product of its factors' (powers of two of float64's range, so each product is exact
   either way, as ``Scale.powers``' product), gathered to it by index (a copy of numbers);
@@ -49,7 +50,7 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.layout import dimension_order
-from cockpit_gradnoise.functional.underflow import UNRESOLVED, underflow_floor
+from cockpit_gradnoise.functional.underflow import UNRESOLVED, floors_of
 
 import numpy
 import torch
@@ -61,36 +62,38 @@ LARGEST = 1 << 18
 #: The most elements settled in one set of operations (temporaries of about 40 bytes each).
 SETTLE_ELEMENTS = 1 << 21
 
-#: ``{(device, sizes): owners}``: which parameter each element of a batch belongs to, made
-#: once per set of layers (one copy from the host), kept for a few.
-_OWNERS: Dict[Tuple[torch.device, Tuple[int, ...]], Tensor] = {}
-_OWNERS_KEPT = 16
+#: ``{(device, sizes, terms): (owners, floors)}``: which entry each element of a batch belongs
+#: to and each entry's floor, made once per set of layers (copies from the host), kept for a few.
+_TABLES: Dict[Tuple[torch.device, Tuple[int, ...], Tuple[int, ...]], Tuple[Tensor, Tensor]] = {}
+_TABLES_KEPT = 16
 
 #: Whether rules may hand their sums over (tests turn it off to compare with the other path).
 ENABLED = True
 
-#: An entry: ``(at_scale [2, n] float32, powers [k, 3] float64, placeholder [2, n] float64)``.
-Entry = Tuple[Tensor, Tensor, Tensor]
+#: An entry: ``(at_scale [2, n] float32, powers [k, 3] float64, placeholder [2, n] float64,
+#: terms)``, the rows in memory order.
+Entry = Tuple[Tensor, Tensor, Tensor, int]
 
 
 class DeferredSums:
     """One backward pass's sums handed over for unscaling.
 
-    ``groups``: ``{(device, terms, k): [entries]}``: a parameter's ``1/s`` and ``1/s**2``
-    are the products of its ``k`` factors' (``Scale.powers``), taken here for all the
-    parameters of a batch at once.
+    ``groups``: ``{(device, k): [entries]}``: a parameter's ``1/s`` and ``1/s**2`` are the
+    products of its ``k`` factors' (``Scale.powers``), taken here for all the parameters of
+    a batch at once; each its own floor (of its own number of terms).
     """
 
     __slots__ = ("groups",)
 
     def __init__(self):
-        self.groups: Dict[Tuple[torch.device, int, int], List[Entry]] = {}
+        self.groups: Dict[Tuple[torch.device, int], List[Entry]] = {}
 
     def add(self, at_scale: Tensor, powers: Tensor, terms: int) -> Optional[Tensor]:
         """The float64 tensor that will hold ``at_scale``'s unscaled and marked sums once the
-        pass ends, or ``None`` where they are not taken (not ``[T, S]`` float32, each row not one
-        dense piece of memory, more than :data:`LARGEST` elements): ``at_scale`` ``[2, *shape]``, ``powers`` ``[k, 3]``
-        its factors' ``(s, 1/s, 1/s**2)``; ``terms`` the squares in each ``S``."""
+        pass ends, or ``None`` where they are not taken (not ``[T, S]`` float32, each row not
+        one dense piece of memory, more than :data:`LARGEST` elements): ``at_scale``
+        ``[2, *shape]``, ``powers`` ``[k, 3]`` its factors' ``(s, 1/s, 1/s**2)``; ``terms`` the
+        squares in each ``S``."""
         if not ENABLED or len(at_scale) != 2 or at_scale.dtype != torch.float32 or at_scale[0].numel() > LARGEST:
             return None
         # In memory order (a convolution's sums may be permuted), each row one piece of memory.
@@ -100,18 +103,17 @@ class DeferredSums:
             return None
         # With at_scale's strides, as the product unscaled_sums takes gives them.
         placeholder = torch.empty_like(at_scale, dtype=torch.float64)
-        self.groups.setdefault((at_scale.device, terms, len(powers)), []).append(
-            (rows.view(2, -1), powers, placeholder.permute(order).view(2, -1)))  # views: no launch
+        self.groups.setdefault((at_scale.device, len(powers)), []).append(
+            (rows.view(2, -1), powers, placeholder.permute(order).view(2, -1), terms))  # views: no launch
         return placeholder
 
     def settle(self) -> None:
         """Unscale and mark every group's sums, batch by batch, and write them into their
         tensors (:func:`._squares.unscaled_sums`' operations)."""
         groups, self.groups = self.groups, {}
-        for (device, terms, _), entries in groups.items():
-            floor = underflow_floor(terms, torch.float32)  # the Python floor unscaled_sums takes
+        for (device, _), entries in groups.items():
             for batch in _batches(entries):
-                _settled(batch, device, floor)
+                _settled(batch, device)
 
 
 def _batches(entries: List[Entry]) -> List[List[Entry]]:
@@ -127,31 +129,41 @@ def _batches(entries: List[Entry]) -> List[List[Entry]]:
     return batches
 
 
-def _settled(entries: List[Entry], device: torch.device, floor: float) -> None:
+def _settled(entries: List[Entry], device: torch.device) -> None:
     """One batch of entries of one group unscaled, marked and copied into their placeholders."""
-    at_scale, powers, placeholders = zip(*entries)
+    at_scale, powers, placeholders, terms = zip(*entries)
     sizes = [len(p[0]) for p in placeholders]
+    owners, floors = _tables(device, sizes, terms)
     sums = at_scale[0] if len(at_scale) == 1 else torch.cat(at_scale, 1)  # [2, M] float32
     powers = torch.stack(powers)  # [P, k, 3]
     # (1/s, 1/s**2) of each parameter, [P, 2]: the product of its factors' (exact).
     inverse = powers[:, 0, 1:] if powers.shape[1] == 1 else powers[..., 1:].prod(1)
-    inverse = inverse.T if len(sizes) == 1 else inverse.T.index_select(1, _owners(device, sizes))
-    lost = (sums[1] < floor) & ((sums[1] != 0) | (sums[0] != 0))
+    inverse = inverse.T  # [2, P]; one entry's broadcast, else each element its entry's (copies)
+    if owners is not None:
+        inverse, floors = inverse.index_select(1, owners), floors.index_select(0, owners)
+    # Each S compared with its entry's floor, a float32 number as the Python floor is where
+    # unscaled_sums compares a float32 tensor with it.
+    lost = (sums[1] < floors) & ((sums[1] != 0) | (sums[0] != 0))
     result = sums * inverse  # [2, M] float64, exact: a float32 number times a power of two
     result[1].masked_fill_(lost, UNRESOLVED)
     for row in (0, 1):  # contiguous pieces: one launch each on CUDA
         torch._foreach_copy_([p[row] for p in placeholders], list(result[row].split(sizes)))
 
 
-def _owners(device: torch.device, sizes: List[int]) -> Tensor:
-    """``[M]`` int32 (``M = sum(sizes)``): the index of the entry each element belongs to,
-    on ``device`` (copied without the host waiting), cached."""
-    key = (device, tuple(sizes))
-    owners = _OWNERS.get(key)
-    if owners is None:
-        if len(_OWNERS) >= _OWNERS_KEPT:
-            _OWNERS.clear()
-        # In NumPy: the host's numbers (torch's repeat_interleave by a tensor reads it back).
-        index = torch.from_numpy(numpy.repeat(numpy.arange(len(sizes), dtype=numpy.int32), sizes))
-        owners = _OWNERS[key] = _device.copied_without_waiting(index, device)
-    return owners
+def _tables(device: torch.device, sizes: List[int], terms) -> Tuple[Optional[Tensor], Tensor]:
+    """``(owners, floors)`` on ``device`` (copied without the host waiting), cached: ``[M]``
+    int32 (``M = sum(sizes)``), the index of the entry each element belongs to (``None`` for
+    one entry), and ``[P]`` float32, each entry's floor of its ``terms`` squares
+    (:func:`.functional.underflow.floors_of`)."""
+    key = (device, tuple(sizes), tuple(terms))
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        owners = None
+        if len(sizes) > 1:
+            # In NumPy: the host's numbers (torch's repeat_interleave by a tensor reads it back).
+            index = torch.from_numpy(numpy.repeat(numpy.arange(len(sizes), dtype=numpy.int32), sizes))
+            owners = _device.copied_without_waiting(index, device)
+        tables = _TABLES[key] = (owners, floors_of(terms, torch.float32, device))
+    return tables
