@@ -232,3 +232,29 @@ def test_settle_marks_each_sum_as_unscaled_sums_does(monkeypatch):
     assert marked[0] == UNRESOLVED and marked[1] > UNRESOLVED and marked[2] == UNRESOLVED and marked[3] == 0
     assert placeholders[3][1, 6] == 0.75 * 2.0**-214  # times 1 / (2**100 2**7)**2: the factors' product
     assert placeholders[3][0, 6] == -0.5 * 2.0**-107
+
+
+def test_hugging_face_gpt2_sums_are_those_each_rule_gave_alone(handed, monkeypatch):
+    """Hugging Face's GPT-2 (tiny config, random weights): its ``Conv1D`` weights' sums saved as a
+    transposed view of the placeholder, its biases' with their structural zeros (the attention
+    keys'), its LayerNorms': handed over, the same numbers; its tied ``wte`` and broadcast
+    ``wpe`` not."""
+    from tests.models import hf_gpt2
+
+    torch.manual_seed(0)
+    model = cgn.prepare_model(hf_gpt2(vocabulary=11, context=4, width=8, heads=2, layers=1))
+    index = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for deferring in (False, True):
+        monkeypatch.setattr(deferred_sums, "ENABLED", deferring)
+        facts.begin()
+        with backpack(SumsOfContributions()):
+            model(index).square().sum().backward()
+        found[deferring] = {name: param.__dict__.pop(SUMS_SAVEFIELD) for name, param in model.named_parameters()
+                            if SUMS_SAVEFIELD in param.__dict__}
+    _equal(found[False], found[True])
+    names = {name for name, value in found[True].items() if any(value._base is p or value is p for p in handed)}
+    layers = {name for name in found[True] if ".h.0." in name or "ln_f" in name}
+    assert names == layers and len(layers) == 14, names
+    attention = found[True]["model.transformer.h.0.attn.c_attn.bias"]
+    assert bool((attention[:, 8:16] == 0).all()) and bool((attention[1, :8] > 0).all())  # keys' bias: 0
