@@ -11,8 +11,8 @@ launches (``benchmarks/README.md``, "On a GPU"), so, as for the squared norms
 reads before the pass ends: such a rule hands its float32 sums at their scale over with its
 factors' powers and its number of terms (:meth:`DeferredSums.add`), and gets back an
 uninitialised float64 tensor, saved on the parameter as its result;
-:meth:`DeferredSums.settle` concatenates what was handed over (grouped by device, number of
-factors, in batches of at most :data:`SETTLE_ELEMENTS` elements), runs the same
+:meth:`DeferredSums.settle` concatenates what was handed over (grouped by device and number of
+factors, in memory order, in batches of at most :data:`SETTLE_ELEMENTS` elements), runs the same
 operations on the batch, and copies each parameter's rows into its tensor, at the end of the
 backward pass (``facts._end``, the first callback the pass queued).
 
@@ -44,6 +44,12 @@ Linear's ``[T, S, R]`` expanded over positions is multiplied in place after its 
 over positions are written at the scale, before the hand-over (:func:`.sums.sums_of`).
 A parameter of more than :data:`LARGEST` elements keeps its own unscaling: its launches are
 a small share of its work, and its sums would be held at their scale until the pass ends.
+Every other reader of the sums reads them once the pass is over: the quantities (and their
+sums across micro-batches, ``quantities/_accumulation.py``, and processes), FSDP2's
+:func:`.sharded.collect`, ``amp``'s unscaling, ``check_model``. The placeholder has the
+strides the per-layer product would have (``empty_like`` of the sums at their scale: a
+convolution's are permuted), and views of it (``Conv1D``'s transposed weight) show the
+settled numbers.
 """
 
 from typing import Dict, List, Optional, Tuple
