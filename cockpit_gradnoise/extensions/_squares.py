@@ -369,9 +369,19 @@ def unscaled_sums(sums: Tensor, scale: Union[Scale, Tensor, None], terms: int = 
     :func:`.functional.underflow.underflow_floor`, with ``S`` or ``T`` not 0) is
     written :data:`.functional.underflow.UNRESOLVED` (float64 would show it as a
     real number): the quantities leave such a parameter out.
+
+    Inside :func:`.uses.run`'s window (``BackwardFacts.deferring``), on other devices, the
+    float32 ``[T, S]`` are handed over and unscaled with other layers' at the end of the
+    backward pass (:mod:`.deferred_sums`): the result is then a placeholder until then.
     """
     if scale is None:
         return sums
+    if isinstance(scale, Scale) and not _device.on_host(sums) and not torch.is_grad_enabled():
+        found = facts.recording()
+        if found.deferring:  # a rule whose sums nothing reads in the pass: unscaled at its end
+            handed = found.deferred_sums.add(sums, scale.handed_over()[0], terms)
+            if handed is not None:  # (not taken: [T, S, R], or a large layer)
+                return handed
     lost = (sums[1] < underflow_floor(terms, sums.dtype)) & ((sums[1] != 0) | (sums[0] != 0))
     powers = _as_powers(scale)
     # [1/s, 1/s**2, ...], float64 (powers of two: exact): a view for [T, S]; its dtype is the

@@ -19,6 +19,7 @@ from typing import Dict, Mapping, Optional, Set
 
 from cockpit_gradnoise.extensions._layer_cache import LayerCache
 from cockpit_gradnoise.extensions.deferred_norms import DeferredNorms
+from cockpit_gradnoise.extensions.deferred_sums import DeferredSums
 from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
 import torch
@@ -86,10 +87,11 @@ class BackwardFacts:
         repeated: ``{id(module): calls}`` of the layers run several times in one forward
             pass, whose calls' contributions are summed per example at the end of this
             backward pass (:mod:`.repeated`).
-        deferring: Whether the rule running now may hand its squared norms over to be
-            unscaled at the end of the pass (:mod:`.deferred_norms`): set by :func:`.uses.run`
-            on its plain path only, for the time of the rule.
+        deferring: Whether the rule running now may hand its squared norms and sums over to
+            be unscaled at the end of the pass (:mod:`.deferred_norms`, :mod:`.deferred_sums`):
+            set by :func:`.uses.run` where nothing reads them in the pass, for the time of the rule.
         deferred: The norms handed over, settled when the pass ends (:func:`_end`).
+        deferred_sums: The sums handed over, settled after the norms.
     """
 
     def __init__(self):
@@ -114,6 +116,7 @@ class BackwardFacts:
         self.finished = False
         self.deferring = False
         self.deferred = DeferredNorms()
+        self.deferred_sums = DeferredSums()
 
     def may_defer(self) -> bool:
         """Whether a rule run now may hand its norms over (:mod:`.deferred_norms`): inside
@@ -255,6 +258,7 @@ def recording() -> BackwardFacts:
 
 def _end(facts: BackwardFacts) -> None:
     """The end of the backward pass of ``facts`` (queued when its first fact was recorded:
-    the first of the pass's end callbacks): the norms handed over are unscaled and marked."""
+    the first of the pass's end callbacks): the norms and sums handed over are unscaled and marked."""
     facts.finished = True
     facts.deferred.settle()
+    facts.deferred_sums.settle()

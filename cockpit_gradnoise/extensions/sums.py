@@ -112,7 +112,7 @@ def stacked(op, first: tuple, second: tuple, shape) -> Tensor:
     return result
 
 
-def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
+def sums_of(contributions: Tensor, axis: int = 0, zeros: Optional[Tensor] = None) -> Tensor:
     """``[T, S]``: ``sum_i x_i`` and ``sum_i x_i**2`` over ``axis`` of the contributions.
 
     For float32 and narrower, where squares could underflow: summed at a
@@ -121,16 +121,27 @@ def sums_of(contributions: Tensor, axis: int = 0) -> Tensor:
     :func:`.functional.underflow.underflow_floor`: contributions far below the
     layer's largest), on the CPU summed from float64 squares, exactly (elsewhere
     marked :data:`.functional.underflow.UNRESOLVED` by :func:`._squares.unscaled_sums`).
+
+    ``zeros``: elements (``[*shape]``, bool) whose ``T`` and ``S`` are set to 0 (structural
+    zeros, :func:`sums_of_position_sums`). On other devices they are set at the scale, before
+    :func:`._squares.unscaled_sums` (which may hand the sums over, :mod:`.deferred_sums`): the
+    same numbers as setting them after, 0 unscaled is 0 (times a power of two) and not marked
+    (``S = T = 0`` is no underflow), and the other elements are untouched. On the CPU after,
+    as the check for underflow saw the sums before (it may form all of them again in float64).
     """
     shape = contributions.shape[:axis] + contributions.shape[axis + 1 :]
     scale = contributions_scale(contributions)
     at_scale = scaled(contributions, scale)
     sums = stacked(torch.sum, (at_scale, axis), (at_scale.square(), axis), shape)
+    if zeros is not None and not _device.on_host(sums):
+        return unscaled_sums(sums.masked_fill(zeros, 0.0), scale, contributions.shape[axis])
     if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)  # elsewhere: the mark
             and _underflowed(sums, contributions.shape[axis])):
         wide = contributions.to(saved_dtype(sums.dtype))  # no square of a float32 number underflows
-        return torch.stack([wide.sum(axis), wide.square().sum(axis)])
-    return unscaled_sums(sums, scale, contributions.shape[axis])
+        sums = torch.stack([wide.sum(axis), wide.square().sum(axis)])
+    else:
+        sums = unscaled_sums(sums, scale, contributions.shape[axis])
+    return sums if zeros is None else sums.masked_fill(zeros, 0.0)
 
 
 def _underflowed(sums: Tensor, terms: int) -> bool:
@@ -200,7 +211,7 @@ def sums_of_position_sums(per_position: Tensor, dims, sources: Sequence = ()) ->
     ``sources``: as in :func:`summed_over_positions`.
     """
     contributions, zeros = summed_over_positions(per_position, dims, sources)
-    return sums_of(contributions).masked_fill(zeros, 0.0)
+    return sums_of(contributions, zeros=zeros)
 
 
 def position_sums(per_position: Tensor, dims, sources: Sequence = ()) -> Tensor:
