@@ -28,6 +28,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
 )
 from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of, state_kept, structure
 from cockpit_gradnoise.extensions.fallback.parameters import (
+    attributes_as_called,
     caches_bypassed,
     direct_parameters,
     hooks_off,
@@ -197,10 +198,13 @@ def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Di
     if _given_a_cache(call):
         return cache_updated(reason)
     if "setup_context" in str(error):
-        return OLD_STYLE_FUNCTION
-    # A module returning a ModelOutput (whose output it kept): run on each example alone.
-    alone = _replayed(module, call, grads, blind_outputs, layout, savefields) \
-        if call.outputs and call.output is not None else None
+        reason = OLD_STYLE_FUNCTION
+    # Run on each example alone, each output checked against its row of the batch's (a
+    # ModelOutput's experts calling nonzero, ZayaModel; RecurrentGemma's RG-LRU).
+    try:
+        alone = _replayed(module, call, grads, blind_outputs, layout, savefields)
+    except Exception as failure:  # noqa: BLE001 - it cannot run alone either: refused
+        alone = f"{type(failure).__name__}: {failure}"
     if isinstance(alone, str):
         return f"{reason}, nor can it run on each example alone: {alone}"
     return reason if alone is None else alone
@@ -216,6 +220,8 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     per example."""
     if call.output is None or set(grads) != {0} or blind_outputs:
         return None
+    if call.output._version != call.output_version:
+        return "its output was changed in place after the call (nothing to check each example's against)"
     # Its tensor arguments copied: a forward that changes its input in place would change the
     # tensors the backward pass still holds (and the next example's input).
     leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
@@ -230,7 +236,7 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     drawn = []
     try:  # (copies of the parameters: their own gradient hooks stay out of it)
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
-                own_parameters(module, params):
+                own_parameters(module, params), attributes_as_called(module, call.attributes):
             if call.rng is not None:
                 drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
             chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
