@@ -147,30 +147,6 @@ class Twice(nn.Module):
         return self.head(self.scale(x, shift=zero)[0] + self.scale(self.table.to(x), shift=zero)[0])
 
 
-class OldStyleSqrt(torch.autograd.Function):
-    """A square root whose ``forward`` takes ``ctx`` (no ``setup_context``), as RecurrentGemma's
-    ``SqrtBoundDerivative``: ``torch.func`` cannot run it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sqrt()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad / (2 * x.sqrt())
-
-
-class OldStyle(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return OldStyleSqrt.apply(x.square() + self.gamma.square())
-
-
 class Shift(nn.Module):
     def forward(self, x):
         return x + 0.5
@@ -223,10 +199,8 @@ class GivesACache(nn.Module):
         (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "no dimension of the examples"),
         (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
-        (nn.Sequential(OldStyle(), nn.Linear(4, 3)), "0.gamma", "give the Function a setup_context"),
     ],
-    ids=["batchnorm-inside", "key-value-cache", "dropout", "called-twice", "child-output-changed-in-place",
-         "autograd-function-without-setup-context"],
+    ids=["batchnorm-inside", "key-value-cache", "dropout", "called-twice", "child-output-changed-in-place"],
 )
 def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason):
     torch.manual_seed(0)

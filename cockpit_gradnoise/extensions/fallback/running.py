@@ -188,7 +188,11 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
 def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Dict[int, Tensor],
                  blind_outputs: List[int], layout: Layout, savefields) -> Union[Dict, str]:
     """Where ``vmap`` could not run the module's forward per example: the results with the
-    batch's random draws replayed, if it met random numbers (:func:`_replayed`), else why not."""
+    batch's random draws replayed, if it met random numbers (:func:`_replayed`); else, but for
+    a key/value cache it was given, the results of the module run on each example alone
+    without ``vmap`` (:func:`_replayed`, each example's output checked against its row of the
+    batch's: a custom ``autograd.Function`` without ``setup_context``, a ``nonzero``); else
+    why not."""
     call = state.call
     reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     if "random" in str(error):
@@ -197,7 +201,8 @@ def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Di
         return random_forward(module, reason) if replayed is None else replayed
     if _given_a_cache(call):
         return cache_updated(reason)
-    if "setup_context" in str(error):
+    old_style = "setup_context" in str(error)
+    if old_style:
         reason = OLD_STYLE_FUNCTION
     # Run on each example alone, each output checked against its row of the batch's (a
     # ModelOutput's experts calling nonzero, ZayaModel; RecurrentGemma's RG-LRU).
@@ -206,8 +211,8 @@ def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Di
     except Exception as failure:  # noqa: BLE001 - it cannot run alone either: refused
         alone = f"{type(failure).__name__}: {failure}"
     if isinstance(alone, str):
-        return f"{reason}, nor can it run on each example alone: {alone}"
-    return reason if alone is None else alone
+        return f"{reason}, nor can it run on each example alone: {alone}" + (OLD_STYLE_FIX if old_style else "")
+    return (reason + (OLD_STYLE_FIX if old_style else "")) if alone is None else alone
 
 
 def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
@@ -246,13 +251,14 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
         return f"its forward draws random numbers in training mode: {error}" if random else str(error)
 
 
-#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
+#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows
+#: from ``vmap`` (it is then run on each example alone: :func:`_vmap_failed`), and the fix.
 OLD_STYLE_FUNCTION = (
     "its forward calls a custom torch.autograd.Function whose forward takes ctx (no separate "
-    "setup_context), which torch.func.vmap cannot run per example (RecurrentGemma's "
-    "SqrtBoundDerivative in its RG-LRU): give the Function a setup_context staticmethod (torch's "
-    "'Extending torch.func with autograd.Function'), or use plain torch operations at tracked "
-    "steps, to give its parameters rows")
+    "setup_context), which torch.func.vmap cannot run per example")
+OLD_STYLE_FIX = (
+    ": give the Function a setup_context staticmethod (torch's 'Extending torch.func with "
+    "autograd.Function'), or use plain torch operations at tracked steps, to give its parameters rows")
 
 
 def random_forward(module: nn.Module, reason: str) -> str:
