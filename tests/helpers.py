@@ -150,3 +150,16 @@ def sequence_batch(examples: int, length: int = 5, width: int = 4):
     generator = torch.Generator().manual_seed(examples)
     x = torch.randn(examples, length, width, generator=generator, dtype=torch.float64)
     return x, torch.arange(examples) % 3
+
+
+def token_check(model, vocabulary: int, examples: int = 3, length: int = 5):
+    """:func:`quiet_check` of a language model on random tokens and targets (seeded), its
+    ``[N, T, V]`` logits' cross-entropy over every token."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocabulary, (examples, length), generator=generator)
+    targets = torch.randint(0, vocabulary, (examples, length), generator=generator)
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return quiet_check(model, (tokens,), targets, loss)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import CausalLogits, quiet_check, sequence_batch
+from tests.helpers import CausalLogits, quiet_check, sequence_batch, token_check
 
 
 def _recurrent_gemma() -> nn.Module:
@@ -33,14 +33,7 @@ def _recurrent_gemma() -> nn.Module:
 
 
 def test_recurrent_gemma_rg_lru_exact():
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 61, (3, 5), generator=generator)
-    targets = torch.randint(0, 61, (3, 5), generator=generator)
-
-    def loss(logits, targets):
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    frame = quiet_check(_recurrent_gemma(), (tokens,), targets, loss)
+    frame = token_check(_recurrent_gemma(), 61)
     lru = frame[frame.param.str.contains("rg_lru")]
     assert len(lru) == 5 and lru.rows.all(), frame[~frame.rows][["param", "note"]].to_string()
     assert frame.attrs["coverage"] == 1.0
