@@ -15,7 +15,7 @@ import functools
 import warnings
 from typing import Dict, List, Optional, Union
 
-from cockpit_gradnoise.extensions import cost_model, facts, meetings
+from cockpit_gradnoise.extensions import cost_model, facts, meetings, precision
 from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -36,6 +36,7 @@ from cockpit_gradnoise.extensions.fallback.parameters import (
 )
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
 
 import torch
 from torch import Tensor, nn
@@ -245,10 +246,41 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
             if call.rng is not None:
                 drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
             chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
-            return reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = reduce_chunks(with_structural_zeros(chunks),
+                                    sorted({*savefields, LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}))
+            if not drawn:  # (with draws: the output check, as before)
+                why = _not_summing(module, call, grad, params, results, blocks.rounding(block, grad.dtype))
+                if why is not None:
+                    return why
+            return {field: results[field] for field in savefields}
     except (blocks.Interacting, draws.Unreplayable) as error:
         random = drawn or isinstance(error, draws.Unreplayable)
         return f"its forward draws random numbers in training mode: {error}" if random else str(error)
+
+
+def _not_summing(module: nn.Module, call: Call, grad: Tensor, params: Dict[str, Tensor],
+                 results: Dict, eps: float) -> Optional[str]:
+    """Why the contributions of each example alone (``results``) are not the module's
+    contributions to the gradient: their sum differs from the gradient of the module run
+    once more on the batch, at its output gradient ``grad`` (:func:`.blocks.reached_otherwise`'s
+    tolerance); ``None`` where they add up.
+
+    The output check sees a forward pass that mixes the examples; not one that mixes them in
+    its gradient only (a term zero in value, ``(h - h.detach()).mean(0)``): each example's
+    output alone is then its row of the batch's, but its gradient alone is not its share."""
+    leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
+    args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+    with torch.enable_grad(), precision.autocast_as(call.autocast):
+        first = first_tensor(module(*args, **kwargs))
+    names = list(params)
+    totals = torch.autograd.grad(first, [params[name] for name in names], grad.to(first.dtype),
+                                 allow_unused=True)
+    for name, total in zip(names, totals):
+        if blocks.reached_otherwise(total, results[LOCAL_GRADIENT_SAVEFIELD][name],
+                                    results[BATCH_L2_SAVEFIELD][name], eps):
+            return (f"the contributions of each example alone to {name} do not add up to its "
+                    "gradient from the batch: its examples interact in its backward pass")
+    return None
 
 
 #: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows
