@@ -120,3 +120,46 @@ def rounding_bounds(n, elements, grad_sq, trace_cov):
     s, m = abs(grad_sq + trace_cov), abs(grad_sq + trace_cov / n)
     error = (n + elements) * EPS64
     return error * (n * m + s) / (n - 1), error * n * (s + m) / (n - 1)
+
+
+def quiet_check(model, inputs, targets, loss):
+    """``cgn.check_model`` (float64 reference, one step) without its warnings shown."""
+    import warnings
+
+    import cockpit_gradnoise as cgn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cgn.check_model(model, inputs, targets, loss, verbose=False)
+
+
+class CausalLogits(torch.nn.Module):
+    """A ``transformers`` causal LM's logits, called the way the sweep calls it (no cache)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(tokens, use_cache=False).logits
+
+
+def sequence_batch(examples: int, length: int = 5, width: int = 4):
+    """``examples`` random float64 sequences ``[examples, length, width]`` (seeded by their
+    number) and class targets ``0, 1, 2, 0, ...``."""
+    generator = torch.Generator().manual_seed(examples)
+    x = torch.randn(examples, length, width, generator=generator, dtype=torch.float64)
+    return x, torch.arange(examples) % 3
+
+
+def token_check(model, vocabulary: int, examples: int = 3, length: int = 5):
+    """:func:`quiet_check` of a language model on random tokens and targets (seeded), its
+    ``[N, T, V]`` logits' cross-entropy over every token."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocabulary, (examples, length), generator=generator)
+    targets = torch.randint(0, vocabulary, (examples, length), generator=generator)
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return quiet_check(model, (tokens,), targets, loss)

@@ -333,13 +333,30 @@ class CachedTable(nn.Module):
 
 
 def test_a_parameter_used_through_a_kept_tensor_is_refused_not_zero():
+    """Kept by an earlier call (with its graph): the tracked call read it, its recomputation
+    cannot see the table behind it."""
     torch.manual_seed(0)
     model = cgn.prepare_model(nn.Sequential(nn.Linear(3, 4), CachedTable(), nn.Tanh(),
                                             nn.Linear(4, 2)).double().eval())
     x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    model(x)  # an earlier forward pass (no backward) keeps the table's tensor
     with pytest.warns(UserWarning, match=r"CachedTable \(table\).*the forward pass used "
                                          r"\['table'\] but its recomputation"):
         with backpack(*extensions()):
             nn.functional.cross_entropy(model(x), y).backward()
     assert model[1].table.grad is not None and not hasattr(model[1].table, SUMS_SAVEFIELD)
     assert hasattr(model[0].weight, SUMS_SAVEFIELD)
+
+
+def test_a_tensor_kept_by_the_call_itself_is_recomputed_exact():
+    """Computed from the table by the call itself (``None`` before it): the recomputation runs
+    with the attributes the call set as it found them, so it computes it again from the
+    table's copies (``parameters.attributes_as_called``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), CachedTable(), nn.Tanh(), nn.Linear(4, 2)).double().eval()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frame = cgn.check_model(model, (x,), y, nn.CrossEntropyLoss(), verbose=False)
+    assert frame.attrs["coverage"] == 1.0, frame[~frame.rows][["param", "note"]].to_string()
+    assert (frame.max_rel_error <= 1e-10).all(), frame.to_string()

@@ -19,7 +19,12 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 from cockpit_gradnoise.extensions import facts, precision
 from cockpit_gradnoise.extensions.fallback import caches, draws
 from cockpit_gradnoise.extensions.fallback.closed_form import ClosedForm, look_alike
-from cockpit_gradnoise.extensions.fallback.parameters import clear_parameter_caches, direct_parameters
+from cockpit_gradnoise.extensions.fallback.parameters import (
+    attributes_before,
+    attributes_set,
+    clear_parameter_caches,
+    direct_parameters,
+)
 from cockpit_gradnoise.extensions.hooks import eager_under_compile, idle
 from cockpit_gradnoise.extensions.savefields import (
     BATCH_L2_SAVEFIELD,
@@ -87,8 +92,13 @@ class Call:
     first: Optional[Tuple[torch.Size, torch.dtype, torch.device]] = None
     #: The random state at the call's start in training mode (:mod:`.draws`), else ``None``.
     rng: Optional[draws.Snapshot] = None
-    #: The first output (detached) of a call with ``rng``: its draws are checked against it.
+    #: The first output (detached), if a tensor: a recomputation on each example alone (where
+    #: it draws random numbers, or ``vmap`` cannot run it) is checked against it.
     output: Optional[Tensor] = None
+    #: ``output._version`` right after the call (an in-place change after it is refused).
+    output_version: int = 0
+    #: The module's attributes the call set, as it found them (:func:`.parameters.attributes_set`).
+    attributes: Dict[str, Any] = field(default_factory=dict)
 
 
 class Nodes:
@@ -185,6 +195,9 @@ class Fallback:
     rng: Optional[draws.Snapshot] = None
     #: Whether ``vmap`` met random numbers in its forward at an earlier step (:mod:`.running`).
     random: bool = False
+    #: The module's own attributes at the start of the call in progress
+    #: (:func:`.parameters.attributes_before`).
+    before: Optional[dict] = None
 
 
 # Which modules: direct trainable parameters and no rule -----------------------
@@ -247,6 +260,7 @@ def _start_recording(module, args, kwargs):
             if recording and caches.reads_none_as_no_cache(module) else {}
         if recording:  # computed again from the parameters, as in training mode
             clear_parameter_caches(module)
+        state.before = attributes_before(module) if recording else None
         # Where a recomputation meets random numbers, the batch's draws are replayed from it.
         # (Not where a closed form takes the call: nothing runs again.)
         one_input = state.closed_form is not None and not kwargs and len(args) == 1
@@ -361,6 +375,8 @@ def _capture(module, args, kwargs, output):
                 children=state.recording or [], output_sizes=output_sizes(output))
     call.fresh_caches = fresh
     call.rng, state.rng = state.rng, None
+    if state.before is not None:
+        call.attributes, state.before = attributes_set(module, state.before), None
     if positions is None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
         call.one_input = leaves[0]
     state.recording = None
@@ -372,9 +388,9 @@ def _capture(module, args, kwargs, output):
     call.nodes = Nodes(first.grad_fn if isinstance(first, Tensor) else None, input_nodes)
     if isinstance(first, Tensor):
         call.first = (first.shape, first.dtype, first.device)
-        # (A ModelOutput's too: where vmap cannot run the module, it is run on each example alone
-        # and each output checked against this one, .running._vmap_failed.)
-        call.output = first.detach() if call.rng is not None or positions else None
+        # Where vmap cannot run the module, it is run on each example alone and each output
+        # checked against this one (.running._vmap_failed). (A view of it: no copy.)
+        call.output, call.output_version = first.detach(), first._version
     if first is not None and first.requires_grad:
         # Which call the module's backward hooks that follow are of; steps without the
         # package's extensions free the arguments in the backward pass.

@@ -152,3 +152,59 @@ def variables_reached(node, stop=frozenset()) -> list:
         else:
             stack.extend(child for child, _ in node.next_functions)
     return found
+
+
+#: The value of an attribute a call added (absent before it).
+ABSENT = object()
+
+#: The entries of a module's ``__dict__`` that ``nn.Module`` keeps itself (its parameters,
+#: buffers, submodules, hooks, mode): not state its forward sets.
+_MODULE_ENTRIES = frozenset(nn.Module().__dict__)
+
+
+def attributes_before(module: nn.Module) -> dict:
+    """A shallow copy of ``module``'s own attributes (not ``nn.Module``'s entries), taken
+    before a call: :func:`attributes_set` compares the attributes after it with them."""
+    return {name: value for name, value in module.__dict__.items() if name not in _MODULE_ENTRIES}
+
+
+def attributes_set(module: nn.Module, before: dict) -> dict:
+    """``{name: value before the call}`` of the attributes ``module``'s call set (another
+    object than before) or added (:data:`ABSENT`): state its forward keeps on itself for its
+    next call (RecurrentGemma's RG-LRU: ``self.recurrent_states``, its scan's last state)."""
+    now = module.__dict__
+    changed = {name: value for name, value in before.items() if now.get(name, ABSENT) is not value}
+    changed.update((name, ABSENT) for name in now if name not in before and name not in _MODULE_ENTRIES)
+    return changed
+
+
+@contextlib.contextmanager
+def attributes_as_called(module: nn.Module, attributes: dict):
+    """``module`` run with the attributes its call set (:func:`attributes_set`) as the call
+    found them, at every call of it inside (one example after another: each would find the
+    last one's), the attributes it has now put back afterwards.
+
+    A recomputation in the backward pass runs after the call set them: a forward reading its
+    own last state (a scan's ``self.recurrent_states``, ``None`` at the call and its batch's
+    last state after it) would start from the batch's end instead of where the call started.
+    """
+    if not attributes:
+        yield
+        return
+    now = module.__dict__
+    kept = {name: now.get(name, ABSENT) for name in attributes}
+
+    def put(values: dict) -> None:
+        for name, value in values.items():
+            if value is ABSENT:
+                now.pop(name, None)
+            else:
+                now[name] = value
+
+    handle = module.register_forward_pre_hook(lambda *_: put(attributes))
+    try:
+        put(attributes)
+        yield
+    finally:
+        handle.remove()
+        put(kept)

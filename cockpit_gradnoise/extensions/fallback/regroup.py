@@ -118,13 +118,21 @@ class _Calls(TorchFunctionMode):
         #: ``lm_head``), whose rules give its rows; only a use outside them (MobileBERT's head
         #: multiplying by its ``decoder``'s weight) makes it ``used``.
         self.inside: Dict[int, int] = {}
+        #: ``{id(param): modules}``: the innermost module running where an operation that
+        #: computes with the parameter (not one that reads its shape or dtype) took it outside
+        #: its holders' calls (Perceiver's decoder: ``embedding_layer.weight.transpose(0, 1)``).
+        self.users: Dict[int, set] = {}
+        #: ``{id(layer): modules}``: the modules that were given the layer as an argument.
+        self.passed: Dict[int, set] = {}
+        self.running: List[nn.Module] = []
         # (ids listed here, outside the mode: reading a parameter's attributes inside it is an
         # operation that takes the parameter)
         self.holds = {m: [id(p) for p in direct_parameters(m).values()] for m in model.modules()}
         self.handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in model.modules()]
-        self.handles += [m.register_forward_pre_hook(self._enter) for m in model.modules() if self.holds[m]]
+        self.handles += [m.register_forward_pre_hook(self._enter) for m in model.modules()]
 
     def _enter(self, module, args):
+        self.running.append(module)
         for key in self.holds.get(module, ()):
             self.inside[key] = self.inside.get(key, 0) + 1
 
@@ -133,7 +141,11 @@ class _Calls(TorchFunctionMode):
         _note_parameters(args, taken)
         if kwargs:
             _note_parameters(kwargs, taken)
-        self.used.update(key for key in taken if not self.inside.get(key))
+        outside = [key for key in taken if not self.inside.get(key)]
+        self.used.update(outside)
+        if outside and self.running and not _metadata(func):
+            for key in outside:
+                self.users.setdefault(key, set()).add(self.running[-1])
         if func is _LINEAR:
             weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
             if isinstance(weight, nn.Parameter):
@@ -142,10 +154,15 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
     def _record(self, module, args, kwargs, output):
+        if self.running and self.running[-1] is module:
+            self.running.pop()
         for key in self.holds.get(module, ()):
             if self.inside.get(key):
                 self.inside[key] -= 1
         leaves, spec = _pytree.tree_flatten((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, nn.Module):
+                self.passed.setdefault(id(leaf), set()).add(module)
         inputs = tuple(_leading(leaf) for leaf in leaves)
         first = first_tensor(output)
         self.calls.setdefault(module, []).append((_leading(first), inputs))
@@ -168,6 +185,23 @@ class _Calls(TorchFunctionMode):
         for handle in self.handles:
             handle.remove()
 
+
+#: Operations and attributes that read a tensor's metadata, not its values (or its values
+#: without a gradient: ``.data``): not a use of a parameter (``.T`` is one).
+_METADATA = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size",
+                       "is_floating_point", "is_complex", "is_contiguous", "data_ptr", "get_device",
+                       "__len__", "__format__", "__repr__", "shape", "dtype", "device", "ndim",
+                       "requires_grad", "is_cuda", "is_leaf", "layout", "grad_fn", "grad", "names",
+                       "itemsize", "nbytes", "data", "_version", "output_nr", "is_sparse", "is_meta"})
+
+
+def _metadata(func) -> bool:
+    """Whether the torch function ``func`` reads metadata only (:data:`_METADATA`); a property's
+    getter is named by its property (``Tensor.shape.__get__``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name in _METADATA
 
 #: Arguments of a torch function that hold no parameter: not flattened.
 _PLAIN = (Tensor, int, float, bool, str, type(None), slice, torch.dtype, torch.device)
@@ -347,6 +381,8 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         # word embedding and its head): a use outside the block would reach its gradient
         # otherwise than through the block's output, and leave it out (.blocks.reached_otherwise).
         tied = [holder for param in params.values() for holder in holders[id(param)]]
+        receivers = _receivers(module, params, real) if why == "passed" else []
+        tied += receivers
         around = block
         while around is not None and not _holds(around, tied):
             around = _block_around(around, parents, real, larger, examples)
@@ -354,8 +390,10 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         if why == "functional":
             if block is not None:  # (else the fallback computes it, as where its rows are examples)
                 _hook_functional(module, parents[module], block, real, larger, examples)
-        elif block is not None or why != "returned":  # else the fallback's refusal names it
+        elif block is not None or why not in ("returned", "passed"):  # else the fallback's refusal names it
             _hook(module, block, real, larger, examples)
+            for receiver in receivers:  # (its own fallback would refuse the layer it was given)
+                _hook(receiver, block, real, larger, examples)
     _hook_one_window(model, parents, real, larger, examples)
 
 
@@ -388,7 +426,19 @@ def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, l
         return "returned"
     if not calls and _linear_on_rows(module, parents, real, larger, examples):
         return "functional"
+    if calls and _receivers(module, params, real) and _receivers(module, params, larger):
+        return "passed"
     return "used" if not calls and _used_by_parent(module, params, parents, real) else None
+
+
+def _receivers(module: nn.Module, params: dict, calls: _Calls) -> List[nn.Module]:
+    """The modules that were given the layer ``module`` as an argument and whose own forward
+    computed with one of its parameters (Perceiver's ``PerceiverEmbeddingDecoder``, given the
+    input embedding: ``hidden @ embedding_layer.weight.T``): a use of the parameter that no
+    rule sees, beside its layer's own calls. The smallest batch-first module around both is
+    run again on each example alone (:func:`_hook_blocks`)."""
+    given = calls.passed.get(id(module), set())
+    return [user for user in given if any(user in calls.users.get(id(p), ()) for p in params.values())]
 
 
 def _linear_on_rows(module: nn.Module, parents: dict, real: _Calls, larger: _Calls, examples: int) -> bool:

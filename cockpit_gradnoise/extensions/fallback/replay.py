@@ -15,6 +15,7 @@ from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback.capture import Call, ChildCall
 from cockpit_gradnoise.extensions.fallback.padding import padding_kept
 from cockpit_gradnoise.extensions.fallback.parameters import (
+    attributes_as_called,
     caches_bypassed,
     hooks_off,
     own_parameters,
@@ -97,7 +98,8 @@ def per_example_gradients(
 
     traced = traced_forward if biases.watched else flat_forward
     with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
-            precision.autocast_as(call.autocast), padding_kept(module):
+            precision.autocast_as(call.autocast), padding_kept(module), \
+            attributes_as_called(module, call.attributes):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     count = len(positions) + len(blind_outputs)
     outputs, sinks = results[: len(positions)], results[count : len(results) - len(biases.names)]

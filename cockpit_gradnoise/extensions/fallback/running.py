@@ -15,7 +15,7 @@ import functools
 import warnings
 from typing import Dict, List, Optional, Union
 
-from cockpit_gradnoise.extensions import cost_model, facts, meetings
+from cockpit_gradnoise.extensions import cost_model, facts, meetings, precision
 from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
@@ -28,6 +28,7 @@ from cockpit_gradnoise.extensions.fallback.capture import (
 )
 from cockpit_gradnoise.extensions.fallback.layout import Layout, layout_of, state_kept, structure
 from cockpit_gradnoise.extensions.fallback.parameters import (
+    attributes_as_called,
     caches_bypassed,
     direct_parameters,
     hooks_off,
@@ -35,6 +36,7 @@ from cockpit_gradnoise.extensions.fallback.parameters import (
 )
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, per_example_gradients
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GRADIENT_SAVEFIELD
 
 import torch
 from torch import Tensor, nn
@@ -187,7 +189,11 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
 def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Dict[int, Tensor],
                  blind_outputs: List[int], layout: Layout, savefields) -> Union[Dict, str]:
     """Where ``vmap`` could not run the module's forward per example: the results with the
-    batch's random draws replayed, if it met random numbers (:func:`_replayed`), else why not."""
+    batch's random draws replayed, if it met random numbers (:func:`_replayed`); else, but for
+    a key/value cache it was given, the results of the module run on each example alone
+    without ``vmap`` (:func:`_replayed`, each example's output checked against its row of the
+    batch's: a custom ``autograd.Function`` without ``setup_context``, a ``nonzero``); else
+    why not."""
     call = state.call
     reason = f"torch.func.vmap cannot run its forward per example ({type(error).__name__}: {error})"
     if "random" in str(error):
@@ -196,14 +202,18 @@ def _vmap_failed(module: nn.Module, state: Fallback, error: Exception, grads: Di
         return random_forward(module, reason) if replayed is None else replayed
     if _given_a_cache(call):
         return cache_updated(reason)
-    if "setup_context" in str(error):
-        return OLD_STYLE_FUNCTION
-    # A module returning a ModelOutput (whose output it kept): run on each example alone.
-    alone = _replayed(module, call, grads, blind_outputs, layout, savefields) \
-        if call.outputs and call.output is not None else None
+    old_style = "setup_context" in str(error)
+    if old_style:
+        reason = OLD_STYLE_FUNCTION
+    # Run on each example alone, each output checked against its row of the batch's (a
+    # ModelOutput's experts calling nonzero, ZayaModel; RecurrentGemma's RG-LRU).
+    try:
+        alone = _replayed(module, call, grads, blind_outputs, layout, savefields)
+    except Exception as failure:  # noqa: BLE001 - it cannot run alone either: refused
+        alone = f"{type(failure).__name__}: {failure}"
     if isinstance(alone, str):
-        return f"{reason}, nor can it run on each example alone: {alone}"
-    return reason if alone is None else alone
+        return f"{reason}, nor can it run on each example alone: {alone}" + (OLD_STYLE_FIX if old_style else "")
+    return (reason + (OLD_STYLE_FIX if old_style else "")) if alone is None else alone
 
 
 def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_outputs: List[int],
@@ -216,6 +226,8 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     per example."""
     if call.output is None or set(grads) != {0} or blind_outputs:
         return None
+    if call.output._version != call.output_version:
+        return "its output was changed in place after the call (nothing to check each example's against)"
     # Its tensor arguments copied: a forward that changes its input in place would change the
     # tensors the backward pass still holds (and the next example's input).
     leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
@@ -230,23 +242,55 @@ def _replayed(module: nn.Module, call: Call, grads: Dict[int, Tensor], blind_out
     drawn = []
     try:  # (copies of the parameters: their own gradient hooks stay out of it)
         with hooks_off(module), caches_bypassed(module), state_kept(module, devices), \
-                own_parameters(module, params):
+                own_parameters(module, params), attributes_as_called(module, call.attributes):
             if call.rng is not None:
                 drawn = draws.record(module, args, kwargs, call.rng, call.output, first_tensor, call.autocast)
             chunks = blocks.per_example_gradients(module, block, grad, params, drawn)
-            return reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = reduce_chunks(with_structural_zeros(chunks),
+                                    sorted({*savefields, LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}))
+            if not drawn:  # (with draws: the output check, as before)
+                why = _not_summing(module, call, grad, params, results, blocks.rounding(block, grad.dtype))
+                if why is not None:
+                    return why
+            return {field: results[field] for field in savefields}
     except (blocks.Interacting, draws.Unreplayable) as error:
         random = drawn or isinstance(error, draws.Unreplayable)
         return f"its forward draws random numbers in training mode: {error}" if random else str(error)
 
 
-#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows.
+def _not_summing(module: nn.Module, call: Call, grad: Tensor, params: Dict[str, Tensor],
+                 results: Dict, eps: float) -> Optional[str]:
+    """Why the contributions of each example alone (``results``) are not the module's
+    contributions to the gradient: their sum differs from the gradient of the module run
+    once more on the batch, at its output gradient ``grad`` (:func:`.blocks.reached_otherwise`'s
+    tolerance); ``None`` where they add up.
+
+    The output check sees a forward pass that mixes the examples; not one that mixes them in
+    its gradient only (a term zero in value, ``(h - h.detach()).mean(0)``): each example's
+    output alone is then its row of the batch's, but its gradient alone is not its share."""
+    leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in call.leaves]
+    args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+    with torch.enable_grad(), precision.autocast_as(call.autocast):
+        first = first_tensor(module(*args, **kwargs))
+    names = list(params)
+    totals = torch.autograd.grad(first, [params[name] for name in names], grad.to(first.dtype),
+                                 allow_unused=True)
+    for name, total in zip(names, totals):
+        if blocks.reached_otherwise(total, results[LOCAL_GRADIENT_SAVEFIELD][name],
+                                    results[BATCH_L2_SAVEFIELD][name], eps):
+            return (f"the contributions of each example alone to {name} do not add up to its "
+                    "gradient from the batch: its examples interact in its backward pass")
+    return None
+
+
+#: Why a forward that calls an ``autograd.Function`` without ``setup_context`` gets no rows
+#: from ``vmap`` (it is then run on each example alone: :func:`_vmap_failed`), and the fix.
 OLD_STYLE_FUNCTION = (
     "its forward calls a custom torch.autograd.Function whose forward takes ctx (no separate "
-    "setup_context), which torch.func.vmap cannot run per example (RecurrentGemma's "
-    "SqrtBoundDerivative in its RG-LRU): give the Function a setup_context staticmethod (torch's "
-    "'Extending torch.func with autograd.Function'), or use plain torch operations at tracked "
-    "steps, to give its parameters rows")
+    "setup_context), which torch.func.vmap cannot run per example")
+OLD_STYLE_FIX = (
+    ": give the Function a setup_context staticmethod (torch's 'Extending torch.func with "
+    "autograd.Function'), or use plain torch operations at tracked steps, to give its parameters rows")
 
 
 def random_forward(module: nn.Module, reason: str) -> str:
