@@ -74,12 +74,36 @@ class GradientVarianceQuantiles(ParameterQuantity):
     sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
     from the second tracked step of a model whose sums are all two matrix
     products or sums of per-example contributions, such as an MLP), sd and
-    SNR are formed over the sums and their quantiles taken there, so the
-    savefield holds sd and SNR afterwards; otherwise into two buffers of the
-    network's elements, also where another quantity of the cockpit call reads
-    the same sums (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`:
-    :attr:`Step.readers <cockpit_gradnoise.step.Step.readers>`), which must
-    find them unaltered whichever computes first.
+    SNR are formed over the sums and their quantiles taken there; in a network
+    of :data:`OVER_SUMS_AT_LEAST` elements or more (VGG-11), over each layer's
+    own sums (the small layers' over one copy of theirs); otherwise into two
+    buffers of the network's elements. Over the sums only where nothing reads
+    them afterwards, which holds when all of these do:
+
+    - one batch on one process: under gradient accumulation the sums are the
+      micro-batches' added, under distributed training the processes' reduced
+      (and FSDP2's rows), held for the reduction or the next micro-batch;
+    - no other quantity of the cockpit call reads the savefield
+      (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`, a quantity of the
+      user's declaring :class:`~cockpit_gradnoise.extensions.SumsOfContributions`:
+      :attr:`Step.readers <cockpit_gradnoise.step.Step.readers>`, known before
+      the backward pass), which must find them unaltered whichever computes first;
+    - per parameter, no other tensor on it (``param.grad``, its data, another
+      savefield) lies in the sums' storage: the ``torch.func`` fallback leaves its
+      local gradient, which GradientNoiseScale reads, as the sums' row 0; such a
+      layer's sd and SNR are formed over a copy of its sums;
+    - no two layers' sums overlap in memory
+      (:func:`~cockpit_gradnoise.functional.fused.disjoint`), else into buffers.
+
+    Each layer's sums are read once, by the formation of its own sd and SNR,
+    before they are overwritten. A savefield formed over is then taken off its
+    parameter (Cockpit would remove it after the step): a reader the call does
+    not know of (a Cockpit quantity of another base class computing after this
+    one, or the user after the step where an extension passed to the cockpit
+    call kept the savefield) finds no sums, never sd and SNR under their name.
+    The rows are the same numbers whichever way sd and SNR are formed (the same
+    operations on the same sums, written into other memory; VGG-11's rows at
+    batch 2 identical to the buffers' bit for bit, ``benchmarks/README.md``).
 
     Args:
         track_schedule: Function from step to bool.
