@@ -174,7 +174,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # they tile one buffer: _formed). Both sums are this process's own,
         # also under distributed training.
         field = getattr(param, SUMS_SAVEFIELD).detach()
-        if self._in_place and _viewed_elsewhere(param, field):
+        if self._in_place and _device.on_host(field) and _viewed_elsewhere(param, field):
             # Another attribute of the parameter views its sums (the torch.func fallback's
             # local gradient is their row 0, read by GradientNoiseScale): sd and SNR are
             # formed over a copy of this layer's.
