@@ -191,7 +191,13 @@ def _sd_and_snr_into(squares, grad, sd, snr, n, limit, rounding, magnitudes=None
         # -0.0: C's fused multiply-add gives -0.0 where S = 0 and T**2 / N underflows
         # (squares of contributions below 1e-162 in float64), and |T| / -0.0 = -inf
         # would become an SNR of -1.8e308, at the bottom of the order.
-        out.abs_().mul_(n / (n - 1)).sqrt_().mul_(kept)
+        out.abs_().mul_(n / (n - 1))
+        # Where not kept, 1 or more under the root (then times 0: the same 0): torch's sqrt of
+        # float32 costs 5-10 times as much on pieces holding zeros (0.34 ns per element on
+        # positive values, 1.6 on zeros, 3.3 on half zeros; VGG-11: 55% of its sd is 0).
+        # Kept elements (C > bound >= 0) keep their value: max(C, 0) = C.
+        flipped = kept.neg_().add_(1.0)  # 1 - kept, in kept's place: exact for 0 and 1
+        torch.maximum(out, flipped, out=out).sqrt_().mul_(flipped.neg_().add_(1.0))
         # x / 0 = inf becomes the limit; 0 / 0 stays NaN (torch's clamp:
         # a third of the time of NumPy's minimum here).
         torch.abs(t, out=ratio).div_(out).clamp_(max=limit)
