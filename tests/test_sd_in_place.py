@@ -45,11 +45,13 @@ def in_one_buffer(layers):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("over_union", [False, True], ids=["into buffers", "in place over a union"])
-def test_sd_and_signal_to_noise_of_layers(dtype, over_union):
+@pytest.mark.parametrize("over_union, over_sums", [(False, False), (True, False), (False, True)],
+                         ids=["into buffers", "in place over a union", "over each layer's sums"])
+def test_sd_and_signal_to_noise_of_layers(dtype, over_union, over_sums):
     """Against a float64 two-pass sd within the rounding bound; sd exactly 0 for
     identical examples; SNR at the limit there, 0 / 0 left out and counted. Over
-    a union (the layers' sums in one buffer): the same, formed over the sums."""
+    a union (the layers' sums in one buffer): the same, formed over the sums; over
+    each layer's sums: the large layer's over its own, the small ones' over a copy."""
     eps = torch.finfo(dtype).eps
     limit = functional.resolvable_snr(N, dtype)
     layers = [layer_sums((3,), dtype, 0), layer_sums((700,), dtype, 1),
@@ -61,8 +63,17 @@ def test_sd_and_signal_to_noise_of_layers(dtype, over_union):
         assert union is not None
     sums = [(s, t) for s, t, _ in layers]
     layers = [(s.clone(), t.clone(), x) for s, t, x in layers]  # the sums, for the checks
-    sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(sums, N, limit, union)
-    if over_union:  # formed over the sums
+    sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(sums, N, limit, union,
+                                                                     over_sums=over_sums)
+    if over_sums:  # no buffer; the large layer's sums overwritten, the small ones' not
+        assert sd is None and snr is None
+        assert [view.data_ptr() == s.data_ptr() for view, (s, _) in zip(sds, sums)] == [
+            False, False, True, False]
+        assert [view.data_ptr() == t.data_ptr() for view, (_, t) in zip(snrs, sums)] == [
+            False, False, True, False]
+        assert torch.equal(sums[0][0], layers[0][0]) and torch.equal(sums[3][1], layers[3][1])
+        sd = snr = torch.cat(sds)
+    elif over_union:  # formed over the sums
         assert sd.data_ptr() == buffer[1].data_ptr() and snr.data_ptr() == buffer[0].data_ptr()
         assert all(view.data_ptr() == s.data_ptr() for view, (s, _) in zip(sds, sums))
         assert all(view.data_ptr() == t.data_ptr() for view, (_, t) in zip(snrs, sums))
@@ -126,3 +137,36 @@ def test_quantile_summaries_in_place_equal_numpy_on_the_kept_values():
         everything = numpy.concatenate(kept).astype(numpy.float64)
         assert union[: len(levels)] == numpy.quantile(everything, levels).tolist()
         assert union[-1] == pytest.approx(everything.mean(), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_over_each_layers_sums_expanded_ones_too_as_into_buffers(dtype):
+    """Sums expanded over positions (``R``, whose bound is formed over ``R``): sd, SNR and the
+    left-out counts as into buffers (the same operations, to rounding), over the sums."""
+    generator = torch.Generator().manual_seed(5)
+    expanded = list(layer_sums((300, 70), dtype, 4)[:2])
+    expanded.append(expanded[0] * 12 * (1 + torch.rand(expanded[0].shape, generator=generator, dtype=dtype)))
+    layers = [tuple(expanded), layer_sums((40,), dtype, 6)[:2]]
+    copies = [tuple(x.clone() for x in layer) for layer in layers]
+    limit = functional.resolvable_snr(N, dtype)
+    _, _, sds, snrs, left_out = functional.sd_and_signal_to_noise(copies, N, limit)
+    sd, _, over_sds, over_snrs, over_left_out = functional.sd_and_signal_to_noise(
+        layers, N, limit, over_sums=True)
+    assert sd is None and over_sds[0].data_ptr() == layers[0][0].data_ptr()
+    assert over_snrs[0].data_ptr() == layers[0][1].data_ptr()
+    assert over_left_out == left_out and left_out[0] > 0
+    eps = torch.finfo(dtype).eps
+    for got, expected in zip(over_sds + over_snrs, sds + snrs):
+        torch.testing.assert_close(got, expected, rtol=4 * eps, atol=0)
+    assert (over_sds[0] == 0).any() and (over_sds[0] > 0).any()
+
+
+def test_over_sums_that_overlap_is_formed_into_buffers():
+    """Two layers' sums in the same memory: formed into buffers, the sums left as they were."""
+    s, t, _ = layer_sums((70_000,), torch.float32, 7)
+    before = s.clone(), t.clone()
+    sd, snr, sds, _, _ = functional.sd_and_signal_to_noise([(s, t), (s[:10], t[:10])], N, 1e3,
+                                                            over_sums=True)
+    assert sd is not None and sd.numel() == 70_010
+    assert torch.equal(s, before[0]) and torch.equal(t, before[1])
+    assert not functional.fused.disjoint([s, t, s[5:7]]) and functional.fused.disjoint([s, t])

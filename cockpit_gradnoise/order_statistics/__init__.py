@@ -61,6 +61,7 @@ sort on other devices: many parameters' per-element statistics in a few ops).
 from cockpit_gradnoise.order_statistics.distributed import quantile_summaries_across
 from cockpit_gradnoise.order_statistics.on_device import kept_quantile_summary, sorted_on_device
 from cockpit_gradnoise.order_statistics.partition import (
+    BRACKET_AT_LEAST,
     COUNT_PIECE,
     count_where,
     quantile_summaries_in_place,
@@ -86,6 +87,7 @@ from cockpit_gradnoise.order_statistics.selection import (
 )
 
 __all__ = [
+    "BRACKET_AT_LEAST",
     "COUNT_PIECE",
     "SORT_WHOLE_AT_MOST",
     "Segments",

@@ -1,6 +1,6 @@
 """Per-layer quantiles of the gradient's standard deviation, from one batch."""
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from cockpit_gradnoise import _device, distributed, functional, order_statistics
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD, SumsOfContributions, arena
@@ -74,12 +74,36 @@ class GradientVarianceQuantiles(ParameterQuantity):
     sums lie in the backward pass's one buffer (:mod:`~cockpit_gradnoise.extensions.arena`:
     from the second tracked step of a model whose sums are all two matrix
     products or sums of per-example contributions, such as an MLP), sd and
-    SNR are formed over the sums and their quantiles taken there, so the
-    savefield holds sd and SNR afterwards; otherwise into two buffers of the
-    network's elements, also where another quantity of the cockpit call reads
-    the same sums (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`:
-    :attr:`Step.readers <cockpit_gradnoise.step.Step.readers>`), which must
-    find them unaltered whichever computes first.
+    SNR are formed over the sums and their quantiles taken there; in a network
+    of :data:`OVER_SUMS_AT_LEAST` elements or more (VGG-11), over each layer's
+    own sums (the small layers' over one copy of theirs); otherwise into two
+    buffers of the network's elements. Over the sums only where nothing reads
+    them afterwards, which holds when all of these do:
+
+    - one batch on one process: under gradient accumulation the sums are the
+      micro-batches' added, under distributed training the processes' reduced
+      (and FSDP2's rows), held for the reduction or the next micro-batch;
+    - no other quantity of the cockpit call reads the savefield
+      (:class:`~cockpit_gradnoise.PreconditionedNoiseScale`, a quantity of the
+      user's declaring :class:`~cockpit_gradnoise.extensions.SumsOfContributions`:
+      :attr:`Step.readers <cockpit_gradnoise.step.Step.readers>`, known before
+      the backward pass), which must find them unaltered whichever computes first;
+    - per parameter, no other tensor on it (``param.grad``, its data, another
+      savefield) lies in the sums' storage: the ``torch.func`` fallback leaves its
+      local gradient, which GradientNoiseScale reads, as the sums' row 0; such a
+      layer's sd and SNR are formed over a copy of its sums;
+    - no two layers' sums overlap in memory
+      (:func:`~cockpit_gradnoise.functional.fused.disjoint`), else into buffers.
+
+    Each layer's sums are read once, by the formation of its own sd and SNR,
+    before they are overwritten. A savefield formed over is then taken off its
+    parameter (Cockpit would remove it after the step): a reader the call does
+    not know of (a Cockpit quantity of another base class computing after this
+    one, or the user after the step where an extension passed to the cockpit
+    call kept the savefield) finds no sums, never sd and SNR under their name.
+    The rows are the same numbers whichever way sd and SNR are formed (the same
+    operations on the same sums, written into other memory; VGG-11's rows at
+    batch 2 identical to the buffers' bit for bit, ``benchmarks/README.md``).
 
     Args:
         track_schedule: Function from step to bool.
@@ -116,14 +140,18 @@ class GradientVarianceQuantiles(ParameterQuantity):
         super().__init__(track_schedule, param_names=param_names, verbose=verbose)
         self.quantiles = order_statistics.check_quantile_levels(quantiles)
         self._in_place = True  # sd and SNR may overwrite the sums (step_context)
+        self._own_sums = False  # each layer's sums are this step's own, read by no one after (step_context)
+        self._overwritten: List[Tensor] = []  # parameters whose sums sd and SNR may overwrite
         self._cuts = None  # under FSDP2, {name: this process's rows} (step_context)
 
     def step_context(self, step, params):
         # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
         self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
         self._cuts = _shards.cuts(self.trainable(params), step.presharded.get(SUMS_SAVEFIELD, {}))
+        self._own_sums, self._overwritten = False, []
         if distributed.world_size() > 1 or step.micro_batch() is not None:
             return step.loss_batch(self)  # sums in units of g_i, to add across batches
+        self._own_sums = self._in_place  # each layer's sums: _formed, _viewed_elsewhere
         # One batch on one process: the sums stay in units of x (scale 1), as sd
         # is wanted in them, and the reduction need not be known. sd and SNR can
         # then be formed over the sums: the next backward pass of this model
@@ -145,7 +173,15 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # Views of what the backward pass left (overwritten by sd and SNR where
         # they tile one buffer: _formed). Both sums are this process's own,
         # also under distributed training.
-        grad, squares, *magnitudes = getattr(param, SUMS_SAVEFIELD).detach()
+        field = getattr(param, SUMS_SAVEFIELD).detach()
+        if self._in_place and _device.on_host(field) and _viewed_elsewhere(param, field):
+            # Another attribute of the parameter views its sums (the torch.func fallback's
+            # local gradient is their row 0, read by GradientNoiseScale): sd and SNR are
+            # formed over a copy of this layer's.
+            field = field.clone()
+        elif self._own_sums:
+            self._overwritten.append(param)
+        grad, squares, *magnitudes = field
         magnitudes = magnitudes[0] if magnitudes else squares.new_zeros(())
         # The extensions may keep float32 sums in float64 (where squares
         # below 1e-38 would underflow); the gradient's sum goes back, exactly,
@@ -206,7 +242,15 @@ class GradientVarianceQuantiles(ParameterQuantity):
     def statistics_of_values(self, values, network):
         if not values:
             return [], None
-        values, joined = _formed(values, self._in_place)
+        values, joined, written = _formed(values, self._in_place, self._own_sums)
+        # A savefield that sd and SNR overwrote no longer holds the sums: taken off its
+        # parameter now (Cockpit removes it after the step), so that nothing reads it
+        # for sums, in this step or after (not even where it is kept past the step).
+        for param in self._overwritten:
+            field = param.__dict__.get(SUMS_SAVEFIELD)
+            if isinstance(field, Tensor) and field.untyped_storage().data_ptr() in written:
+                del param.__dict__[SUMS_SAVEFIELD]
+        self._overwritten = []
         sds, snrs, left_out = zip(*values)
         if self._cuts is not None:  # FSDP2: each process holds some elements of each layer
             return functional.sd_statistics_across(sds, snrs, self.quantiles, network)
@@ -219,6 +263,17 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def statistic_names(self):
         return schema.sd_statistic_names(self.quantiles)
+
+
+def _viewed_elsewhere(param: Tensor, sums: Tensor) -> bool:
+    """Whether ``param.grad``, its data or a tensor attribute of ``param`` other than the
+    sums savefield lies in the storage of ``sums`` (``LOCAL_GRADIENT_SAVEFIELD`` as
+    ``sums[0]``): then forming sd and SNR over ``sums`` would change what it reads."""
+    storage = sums.untyped_storage().data_ptr()
+    others = [param.grad, param.data] + [value for key, value in vars(param).items()
+                                         if key != SUMS_SAVEFIELD]
+    return any(isinstance(other, Tensor) and other.untyped_storage().data_ptr() == storage
+               for other in others)
 
 
 def _fused(grad, squares, magnitudes) -> bool:
@@ -249,12 +304,15 @@ class _Sums(NamedTuple):
         return (self.squares, self.grad) + (() if self.magnitudes is None else (self.magnitudes,))
 
 
-def _formed(values, in_place: bool = True) -> Tuple[list, Optional[Tuple[Tensor, Tensor]]]:
-    """The values with every :class:`_Sums` formed: ``[(sd, snr, left out)]``, and the
-    buffers of all layers' sd and SNR where they hold the whole network (else None).
+def _formed(values, in_place: bool = True, own_sums: bool = False
+            ) -> Tuple[list, Optional[Tuple[Tensor, Tensor]], Set[int]]:
+    """The values with every :class:`_Sums` formed: ``[(sd, snr, left out)]``, the
+    buffers of all layers' sd and SNR where they hold the whole network (else None),
+    and the storages (``data_ptr``) of the sums that sd and SNR were formed over.
 
     Layers of one dtype are formed together (over their sums, overwritten, where
-    ``in_place`` and they tile one buffer)
+    ``in_place`` and they tile one buffer; where ``own_sums`` and they hold
+    :data:`OVER_SUMS_AT_LEAST` elements or more, over each layer's own sums)
     (:func:`~cockpit_gradnoise.functional.sd_and_signal_to_noise`); the SNR of
     an element left out is a counted ``0.0`` there, absent elsewhere.
     """
@@ -262,20 +320,33 @@ def _formed(values, in_place: bool = True) -> Tuple[list, Optional[Tuple[Tensor,
     for k, value in enumerate(values):
         if isinstance(value, _Sums):
             by_dtype.setdefault(value.grad.dtype, []).append(k)
-    values, joined = list(values), None
+    values, joined, written = list(values), None, set()
     for indices in by_dtype.values():
         batch = values[indices[0]].batch
         limit = functional.resolvable_snr(batch.examples, values[indices[0]].grad.dtype)
         layers = [values[k].layer() for k in indices]
         # Sums of this step's one batch that tile one buffer: overwritten by sd and SNR.
         union = arena.union_of(layers) if batch.loss_scale == 1.0 and in_place else None
+        # Each layer's own sums (no buffer of the network's elements) where the network's
+        # quantiles are selected over the layers' arrays without joining them.
+        over_sums = own_sums and sum(layer[1].numel() for layer in layers) >= OVER_SUMS_AT_LEAST
         sd, snr, sds, snrs, left_out = functional.sd_and_signal_to_noise(
-            layers, batch.examples, limit, union
+            layers, batch.examples, limit, union, over_sums=over_sums and union is None
         )
         if batch.loss_scale != 1.0:  # sums in units of g_i: sd of x_i = c g_i
             sd.mul_(batch.loss_scale)
         for k, formed in zip(indices, zip(sds, snrs, left_out)):
             values[k] = formed
-        if len(indices) == len(values):
+        written.update(layer[1].untyped_storage().data_ptr() for layer, snr_k in zip(layers, snrs)
+                       if snr_k.untyped_storage().data_ptr() == layer[1].untyped_storage().data_ptr())
+        if len(indices) == len(values) and sd is not None:
             joined = sd, snr
-    return values, joined
+    return values, joined, written
+
+
+#: Networks of at least this many elements (of one dtype) have their sd and SNR formed
+#: over each layer's own sums where they may be overwritten (``step_context``,
+#: :func:`_viewed_elsewhere`): the network's quantiles are then selected over the layers'
+#: arrays, not a joined copy (:data:`~cockpit_gradnoise.order_statistics.BRACKET_AT_LEAST`).
+#: Below it the union is a joined copy, which the two buffers of the network's elements spare.
+OVER_SUMS_AT_LEAST = order_statistics.BRACKET_AT_LEAST
