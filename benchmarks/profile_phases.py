@@ -23,12 +23,16 @@ Linear's formation in chunks of ``HOST_FORMATION_BYTES`` against the whole
 batch at once (``CHUNK_BYTES``); ``aminmax``, the largest magnitudes of the
 factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed piece by piece
 with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
-``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before). ::
+``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before); ``shared-conv``, a
+convolution's weight sums and norms from one formation (``convolution.shares_formation``) against each
+computed apart. ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
+        --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
+    python -m benchmarks.profile_phases --ab shared-conv --model resnet18 --rounds 10 \\
         --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
 """
 
@@ -179,7 +183,13 @@ def _settings(change):
             preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums = pieces, sums
 
         return before, after
-    raise ValueError(f"unknown change {change!r}: chunks, aminmax or pieces")
+    if change == "shared-conv":
+        from cockpit_gradnoise.extensions import convolution
+
+        shares = convolution.shares_formation
+        return (lambda: setattr(convolution, "shares_formation", lambda module, grad_output: False),
+                lambda: setattr(convolution, "shares_formation", shares))
+    raise ValueError(f"unknown change {change!r}: chunks, aminmax, pieces or shared-conv")
 
 
 def _whole_weighted_sums(preconditioner, sum_of_squares, sum_of_gradients, n, *, defer=False):

@@ -423,6 +423,33 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
     return sums
 
 
+def weight_sums_and_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
+    """``([T, S], ||x_i||^2)`` of ``module.weight`` from one formation of ``x_i``.
+
+    Where :func:`weight_sums` forms ``x_i``: ``T = sum_i x_i`` and ``S = sum_i
+    x_i**2`` (``[2, *weight.shape]``) and the per-example squared norms
+    ``||x_i||^2 = sum_j x_ij^2`` (``[N]``) are sums of the same squared
+    contributions, over examples and over elements, so one formation gives
+    both; each is the very number :func:`weight_sums` and the formation of
+    :func:`weight_squared_norms` compute alone (the same scale: each factor's
+    largest magnitude, which ``rows=True`` only adds the rows' magnitudes to on
+    other devices; the same chunks, the same operations). The caller checks
+    that :func:`weight_sums` forms (:func:`forms` with
+    :func:`.cost_model.expansion_cost`).
+    """
+    (inputs, grad_output), scale = scaled_factors(inputs, grad_output, rows=True)
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    sums, norms = inputs.new_zeros(2, groups, c_b, c_a), []
+    for gradients in _formed_gradients(module, inputs, grad_output):
+        sums[0] += summed_over_examples(gradients)
+        squares = gradients.square_()
+        sums[1] += summed_over_examples(squares)
+        norms.append(squares.sum((1, 2, 3)))
+    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale,
+                         len(inputs) * positions**2)
+    return sums, unscaled_norms(joined(norms), scale, module.weight.numel())
+
+
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``||x_i||^2`` of ``module.weight``'s contributions, ``[N]``, exact.
 
