@@ -10,6 +10,9 @@ cost about a microsecond a call) and reports each one's total per step:
   on ``--model`` (``gpt`` or ``resnet18``): the layer rules of the backward pass
   (the sequence Linear's weights, the convolutions') and the quantity's work
   after it (``P`` and the two weighted sums, the underflow check);
+- ``--floor``: the benchmark GPT's sequence Linear weights alone (:func:`floor`): the plain weight
+  gradients' products, the Gram matrices of GradientNoiseScale alone, the formation of ``x_i`` that
+  PreconditionedNoiseScale's per-element sums need, and the sums and norms from it;
 - ``--schedule``: the benchmark GPT with ``cgn.track(..., quantities="norms")``
   and a :class:`cgn.BatchSchedule`, 4 micro-batches of 8 per step: the hooks'
   float64 norms, the tracker's call, Cockpit's context around each micro-batch,
@@ -25,10 +28,12 @@ factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed pi
 with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
 ``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before); ``shared-conv``, a
 convolution's weight sums and norms from one formation (``convolution.shares_formation``) against each
-computed apart. ::
+computed apart; ``zero-columns``, a convolution's sums at one position over the kernel elements that read
+something besides padding (``conv_math.nonzero_columns``) against all of them. ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
+    python -m benchmarks.profile_phases --floor --rounds 10
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
         --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
@@ -189,7 +194,13 @@ def _settings(change):
         shares = convolution.shares_formation
         return (lambda: setattr(convolution, "shares_formation", lambda module, grad_output: False),
                 lambda: setattr(convolution, "shares_formation", shares))
-    raise ValueError(f"unknown change {change!r}: chunks, aminmax, pieces or shared-conv")
+    if change == "zero-columns":
+        from cockpit_gradnoise.extensions import conv_math
+
+        columns = conv_math.nonzero_columns
+        return (lambda: setattr(conv_math, "nonzero_columns", lambda b, a: None),
+                lambda: setattr(conv_math, "nonzero_columns", columns))
+    raise ValueError(f"unknown change {change!r}: chunks, aminmax, pieces, shared-conv or zero-columns")
 
 
 def _whole_weighted_sums(preconditioner, sum_of_squares, sum_of_gradients, n, *, defer=False):
@@ -239,9 +250,46 @@ def ab(args):
     return lines
 
 
+def floor(args):
+    """The benchmark GPT's sequence Linear weights (``(in, out)`` below, batch 32 x 64 tokens, random
+    factors): the work of their weight-gradient products and of the per-example results, interleaved
+    in ``--rounds`` rounds (fastest, median; CPU time of one thread). PreconditionedNoiseScale needs
+    ``S_j = sum_i x_ij^2`` of every element: the formation of ``x_i`` (``bmm``, the flops of the
+    plain ``mm``) where GradientNoiseScale alone takes the Gram matrices; with both, its norms come
+    from the formation (``linear_weight_sums_and_squared_norms``)."""
+    from cockpit_gradnoise.extensions import linear
+
+    n, positions, width = 32, 64, 128
+    shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * 4 + [(width, 96)]
+    generator = torch.Generator().manual_seed(0)
+    factors = [(torch.randn(n, positions, i, generator=generator),
+                torch.randn(n, positions, o, generator=generator) * 1e-3) for i, o in shapes]
+
+    def formation(a, g):
+        for _ in linear.formed_contributions(g, a):
+            pass
+
+    works = {
+        "plain weight gradients (mm)": lambda a, g: torch.mm(g.flatten(0, 1).T, a.flatten(0, 1)),
+        "Gram matrices' norms (GradientNoiseScale alone)": lambda a, g: linear.gram_squared_norms(g, a),
+        "formation of x_i alone (bmm)": formation,
+        "sums and norms from the formation (both)": linear.linear_weight_sums_and_squared_norms,
+    }
+    times = {name: [] for name in works}
+    order = random.Random(0)
+    for _ in range(args.rounds):
+        for name in order.sample(list(works), len(works)):
+            start = time.process_time()
+            for a, g in factors:
+                works[name](a, g)
+            times[name].append(time.process_time() - start)
+    return [f"{name}: {1e3 * min(t):.1f} ms (median {1e3 * statistics.median(t):.1f})" for name, t in times.items()]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", action="store_true", help="the norms preset and the schedule")
+    parser.add_argument("--floor", action="store_true", help="the GPT's Linear formation against its Gram matrices")
     parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -253,6 +301,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     if args.ab:
         lines = ab(args)
+    elif args.floor:
+        lines = floor(args)
     else:
         lines = (schedule if args.schedule else preconditioned)(args, Phases())
     print("\n".join(lines))

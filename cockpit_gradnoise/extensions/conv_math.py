@@ -102,6 +102,7 @@ import itertools
 import math
 from typing import Iterator, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions._squares import joined, scaled_factors, unscaled_norms, unscaled_sums
 
@@ -179,6 +180,20 @@ def as_weight(module: nn.Module, result: Tensor) -> Tensor:
     """
     kernel_first = result.reshape(*module.weight.shape[:1], *module.kernel_size, -1)
     return kernel_first.movedim(-1, 1)
+
+
+def as_weights(module: nn.Module, results: Tensor) -> Tensor:
+    """:func:`as_weight` of each of ``results`` ``[R, G, C_b, C_a]``: ``[R, *module.weight.shape]``.
+
+    Laid out as ``torch.stack`` of each :func:`as_weight` lays it out: for two and
+    three spatial dimensions channels last (``C / G`` innermost), a view of
+    contiguous ``results``, without the stack's copy (19 MB for each of
+    resnet18's 512-channel layers, in fresh pages each step); for one,
+    contiguous (a copy, as the stack's).
+    """
+    kernel_first = results.reshape(len(results), *module.weight.shape[:1], *module.kernel_size, -1)
+    weights = kernel_first.movedim(-1, 2)
+    return weights.contiguous() if len(module.kernel_size) == 1 else weights
 
 
 def layer_shape(
@@ -413,14 +428,51 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
         for b, a in _chunks(module, inputs, grad_output, 2 * groups * (c_b + c_a)):
             b = b.permute(1, 2, 0, 3).flatten(2)  # [G, C_b, n]
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
-            sums[0].baddbmm_(b, a)
-            sums[1].baddbmm_(b.square(), a.square())
+            add_products(sums, b, a)
     # Terms of each S: N squares, or N L**2 products of the expansion.
-    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale,
+    sums = unscaled_sums(as_weights(module, sums), scale,
                          len(inputs) * positions**2)
     if len(sums) == 3:  # A, to R = w(L) A
         sums[2] *= expansion_rounding_terms(positions)
     return sums
+
+
+def add_products(sums: Tensor, b: Tensor, a: Tensor) -> None:
+    """Add ``[b @ a, b**2 @ a**2]`` (per group: ``b [G, C_b, n]``, ``a [G, n, C_a]``) to
+    ``sums`` ``[2, G, C_b, C_a]``: ``T`` and ``S`` of one-product contributions
+    ``x_i = b_i a_i^T`` over a chunk of ``n`` examples.
+
+    On the host, over the columns of ``a`` that hold a nonzero number only
+    (:func:`nonzero_columns`): a column ``k`` that is 0 for every example adds
+    ``sum_i b_i * 0 = 0`` to ``T`` and ``sum_i b_i**2 * 0 = 0`` to ``S``, exactly,
+    where ``b`` is finite (``0 * inf`` would be NaN: then every column is
+    multiplied). Such columns are a zero-padded kernel's elements that read
+    only padding: at one output position (resnet18's last stage at 32x32, a
+    3x3 kernel over a 1x1 input padded by 1) 8 of its 9 kernel elements, and the
+    products skip them (the same products of the other columns, each sum of
+    ``n`` products in its own order: within the same rounding bound).
+    """
+    kept = nonzero_columns(b, a)
+    if kept is None:
+        sums[0].baddbmm_(b, a)
+        sums[1].baddbmm_(b.square(), a.square())
+        return
+    a = a.index_select(2, kept)
+    sums[0].index_add_(2, kept, torch.bmm(b, a))
+    sums[1].index_add_(2, kept, torch.bmm(b.square(), a.square()))
+
+
+def nonzero_columns(b: Tensor, a: Tensor):
+    """The indices of the columns of ``a`` ``[G, n, C_a]`` that hold a nonzero number (NaN
+    included) in some group and example, where at most half of them do, ``b`` is
+    finite and both are on the host (a read there: elsewhere the host would wait);
+    else ``None``."""
+    if not _device.on_host(a) or not a.numel():
+        return None
+    kept = a.ne(0).flatten(0, 1).any(0).nonzero().squeeze(1)
+    if 2 * len(kept) > a.shape[2] or not bool(torch.isfinite(b).all()):
+        return None
+    return kept
 
 
 def weight_sums_and_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
@@ -445,7 +497,7 @@ def weight_sums_and_squared_norms(module: nn.Module, inputs: Tensor, grad_output
         squares = gradients.square_()
         sums[1] += summed_over_examples(squares)
         norms.append(squares.sum((1, 2, 3)))
-    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale,
+    sums = unscaled_sums(as_weights(module, sums), scale,
                          len(inputs) * positions**2)
     return sums, unscaled_norms(joined(norms), scale, module.weight.numel())
 
