@@ -28,8 +28,9 @@ factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed pi
 with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
 ``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before); ``shared-conv``, a
 convolution's weight sums and norms from one formation (``convolution.shares_formation``) against each
-computed apart; ``zero-columns``, a convolution's sums at one position over the kernel elements that read
-something besides padding (``conv_math.nonzero_columns``) against all of them. ::
+computed apart; ``zero-columns``, a convolution's sums over the kernel elements that read something besides
+padding, at one position and in the expansion's products row by row (``conv_math.nonzero_columns``,
+``nonzero_columns_of_rows``), against all of them. ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
@@ -197,9 +198,10 @@ def _settings(change):
     if change == "zero-columns":
         from cockpit_gradnoise.extensions import conv_math
 
-        columns = conv_math.nonzero_columns
-        return (lambda: setattr(conv_math, "nonzero_columns", lambda b, a: None),
-                lambda: setattr(conv_math, "nonzero_columns", columns))
+        names = ("nonzero_columns", "nonzero_columns_of_rows")
+        found = {name: getattr(conv_math, name) for name in names}
+        return (lambda: [setattr(conv_math, name, lambda b, a: None) for name in names],
+                lambda: [setattr(conv_math, name, function) for name, function in found.items()])
     raise ValueError(f"unknown change {change!r}: chunks, aminmax, pieces, shared-conv or zero-columns")
 
 

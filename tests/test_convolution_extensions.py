@@ -521,39 +521,3 @@ def test_together_each_layer_is_formed_once(case, dtype, scale, monkeypatch):
     for norms, weight_sums in together:
         assert torch.equal(norms, norms_alone) and torch.equal(weight_sums, sums_alone)
 
-
-PADDED_ONE_POSITION = ConvCase(  # resnet18's last stage at 32x32: 8 of 9 kernel elements read padding
-    "conv2d-one-position-padded", lambda bias: nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=bias), (4, 1, 1))
-
-
-def test_one_position_skips_the_columns_of_padding(monkeypatch):
-    """At one position, the kernel elements that read only zero padding are left out of the
-    two products (:func:`.conv_math.add_products`), and the sums still match the loop."""
-    kept, original = [], conv_math.nonzero_columns
-    monkeypatch.setattr(conv_math, "nonzero_columns", lambda b, a: kept.append(original(b, a)) or kept[-1])
-    model, _, loss_fn, inputs, targets = build(PADDED_ONE_POSITION, True, 7, "mean")
-    got = extension_results(model, loss_fn, inputs, targets)
-    # Columns ordered (kernel element, channel): the centre (element 4) of both channels of a group.
-    assert [k.tolist() for k in kept] == [[8, 9]]
-    assert_results_match(got, expected_for(PADDED_ONE_POSITION, True, 7, "mean"))
-
-
-def test_products_over_nonzero_columns_are_the_products_where_b_is_finite():
-    generator = torch.Generator().manual_seed(0)
-    b = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
-    a = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
-    a[..., [0, 2, 3, 5, 7]] = 0
-    a[1, 0, 5] = math.nan  # a NaN is not 0: its column is multiplied
-    full = torch.stack([b @ a, b.square() @ a.square()])
-    sums = torch.zeros(2, 2, 3, 8, dtype=torch.float64)
-    conv_math.add_products(sums, b, a)
-    assert conv_math.nonzero_columns(b, a).tolist() == [1, 4, 5, 6]
-    torch.testing.assert_close(sums, full, rtol=RTOL, atol=0, equal_nan=True)
-    assert (sums[..., [0, 2, 3, 7]] == 0).all()
-    b[0, 1, 2] = math.inf  # 0 * inf is NaN: every column multiplied, as without the skip
-    assert conv_math.nonzero_columns(b, a) is None
-    sums.zero_()
-    conv_math.add_products(sums, b, a)
-    torch.testing.assert_close(sums, torch.stack([b @ a, b.square() @ a.square()]), rtol=RTOL, atol=0,
-                               equal_nan=True)
-    assert sums[0, 0, 1, 0].isnan()
