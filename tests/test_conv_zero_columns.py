@@ -51,7 +51,7 @@ def test_expanded_sums_skip_the_columns_of_padding_row_by_row(chunked, monkeypat
     got = extension_results(model, loss_fn, inputs, targets)
     assert len(kept) == (3 if chunked else 1) and all(rows is not None for rows in kept)
     # Kernel elements read at each position, then at both of each pair (l, l'), l <= l'.
-    elements = [len(columns) // 2 for columns in kept[0]]
+    elements = [sum(stop - start for start, stop in runs) // 2 for runs in kept[0]]
     assert elements == [4, 4, 4, 4] + [4, 2, 2, 1] + [4, 1, 2] + [4, 2] + [4]
     assert_results_match(got, expected_for(PADDED_FOUR_POSITIONS, True, 7, "mean"), expanded=True)
 
@@ -101,6 +101,6 @@ def test_expanded_products_where_a_product_of_b_is_not_finite_are_those_of_every
     torch.testing.assert_close(got, every, rtol=RTOL, atol=0, equal_nan=True)
     b[0, 0, 0] = 1.0  # finite: the zeros skipped
     got, every, kept = both()
-    assert [columns.tolist() for columns in kept] == [[0, 3], [0, 2], [0, 3], [0], [0, 2]]
+    assert kept == [[(0, 1), (3, 4)], [(0, 1), (2, 3)], [(0, 1), (3, 4)], [(0, 1)], [(0, 1), (2, 3)]]
     assert (got[:, :, :, 1] == 0).all()
     torch.testing.assert_close(got, every, rtol=RTOL, atol=0)
