@@ -44,6 +44,7 @@ def test_expanded_sums_skip_the_columns_of_padding_row_by_row(chunked, monkeypat
     (:func:`.conv_math.nonzero_columns_of_rows`), and ``[T, S, R]`` match the loop within
     the expansion's bound."""
     monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")
+    monkeypatch.setattr(conv_math, "COLUMN_BLOCK", 2)  # a kernel element's 2 channels of a group
     if chunked:  # chunks of 3, 3 and 1 examples
         monkeypatch.setattr(cost_model, "examples_per_chunk", lambda *args: 3)
     kept = recorded(monkeypatch, "nonzero_columns_of_rows")
@@ -86,6 +87,7 @@ def test_expanded_products_where_a_product_of_b_is_not_finite_are_those_of_every
     a[..., 1] = 0
     a[:, :, 0, 2] = a[:, :, 1, 3] = 0
     skipping = conv_math.nonzero_columns_of_rows
+    monkeypatch.setattr(conv_math, "COLUMN_BLOCK", 1)
 
     def both():
         """``(sums, the same over every column, the columns kept)``."""
@@ -104,3 +106,17 @@ def test_expanded_products_where_a_product_of_b_is_not_finite_are_those_of_every
     assert kept == [[(0, 1), (3, 4)], [(0, 1), (2, 3)], [(0, 1), (3, 4)], [(0, 1)], [(0, 1), (2, 3)]]
     assert (got[:, :, :, 1] == 0).all()
     torch.testing.assert_close(got, every, rtol=RTOL, atol=0)
+
+
+def test_zeros_scattered_over_columns_keep_whole_blocks_or_every_column(monkeypatch):
+    """Columns are kept in aligned blocks (a block with one nonzero column whole), and rows cut
+    into more than ``RUNS_PER_ROW`` runs on average take the products of every column."""
+    monkeypatch.setattr(conv_math, "COLUMN_BLOCK", 4)
+    b = torch.ones(1, 2, 3)  # [G, C_b, rows]
+    a_rows = torch.zeros(1, 3, 2, 40)  # [G, rows, n, C_a]
+    a_rows[0, :, 1, [1, 6, 30]] = 1.0  # blocks 0, 1 and 7 of 10
+    assert conv_math.nonzero_columns_of_rows(b, a_rows) == [[(0, 8), (28, 32)]] * 3
+    a_rows[0, 0, 0, 12:24:4] = 1.0  # blocks 3 to 5 of the first row: 7 runs in 3 rows
+    assert conv_math.nonzero_columns_of_rows(b, a_rows) is not None
+    monkeypatch.setattr(conv_math, "RUNS_PER_ROW", 1)
+    assert conv_math.nonzero_columns_of_rows(b, a_rows) is None
