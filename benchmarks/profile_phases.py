@@ -35,6 +35,7 @@ padding, at one position and in the expansion's products row by row (``conv_math
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
     python -m benchmarks.profile_phases --floor --rounds 10
+    python -m benchmarks.profile_phases --model resnet18 --steps 3 --by-layer
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
         --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
@@ -91,6 +92,8 @@ def preconditioned(args, phases):
     phases.wrap(hooks, "_dispatch", "the layer rules of the backward pass (all)")
     for rule in (linear.SumsLinear, linear.SquaredNormsLinear, convolution.SumsConv, convolution.SquaredNormsConv):
         phases.wrap(rule, "weight", f"  {rule.__name__}.weight")
+    if args.by_layer:
+        _time_convolutions_by_shape(phases)
     phases.wrap(_base.ParameterQuantity, "_compute", "the quantities after the backward pass")
     phases.wrap(PreconditionedNoiseScale, "unresolved", "  PreconditionedNoiseScale: underflow check")
     phases.wrap(PreconditionedNoiseScale, "named_value_from_sums",
@@ -111,6 +114,30 @@ def preconditioned(args, phases):
             total += time.process_time() - start
         lines += [f"{args.model}, {method}: {1e3 * total / args.steps:.1f} ms per step"] + phases.lines(args.steps)
     return lines
+
+
+def _time_convolutions_by_shape(phases):
+    """``--by-layer``: the convolutions' weight functions timed per result and layer shape
+    ``(C_b, C_a, L)``, summed over the layers of one shape (the rules look them up in ``conv_math``
+    at each call: the sums' and norms' rules through their class attributes, set here anew)."""
+    from cockpit_gradnoise.extensions import conv_math, convolution
+
+    wrapped = {}  # label -> the timed function, made once (Phases lists each label once)
+    for name in ("weight_sums", "weight_squared_norms", "weight_sums_and_squared_norms"):
+        function = getattr(conv_math, name, None)  # the last one since pns15 (the code before has none)
+        if function is None:
+            continue
+
+        def timed(module, inputs, grad_output, function=function, name=name):
+            _, c_b, c_a, positions = conv_math.layer_shape(module, inputs, grad_output)
+            label = f"    conv_math.{name}, (C_b, C_a, L) = {(c_b, c_a, positions)}"
+            if label not in wrapped:
+                wrapped[label] = phases.timed(function, label)
+            return wrapped[label](module, inputs, grad_output)
+
+        setattr(conv_math, name, timed)
+    convolution.SumsConv.weight_result = staticmethod(conv_math.weight_sums)
+    convolution.SquaredNormsConv.weight_result = staticmethod(conv_math.weight_squared_norms)
 
 
 def schedule(args, phases):
@@ -291,6 +318,7 @@ def floor(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", action="store_true", help="the norms preset and the schedule")
+    parser.add_argument("--by-layer", action="store_true", help="the convolutions' functions per layer shape")
     parser.add_argument("--floor", action="store_true", help="the GPT's Linear formation against its Gram matrices")
     parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18"))
     parser.add_argument("--steps", type=int, default=6)
