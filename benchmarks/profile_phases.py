@@ -10,6 +10,9 @@ cost about a microsecond a call) and reports each one's total per step:
   on ``--model`` (``gpt`` or ``resnet18``): the layer rules of the backward pass
   (the sequence Linear's weights, the convolutions') and the quantity's work
   after it (``P`` and the two weighted sums, the underflow check);
+- ``--floor``: the benchmark GPT's sequence Linear weights alone (:func:`floor`): the plain weight
+  gradients' products, the Gram matrices of GradientNoiseScale alone, the formation of ``x_i`` that
+  PreconditionedNoiseScale's per-element sums need, and the sums and norms from it;
 - ``--schedule``: the benchmark GPT with ``cgn.track(..., quantities="norms")``
   and a :class:`cgn.BatchSchedule`, 4 micro-batches of 8 per step: the hooks'
   float64 norms, the tracker's call, Cockpit's context around each micro-batch,
@@ -23,12 +26,20 @@ Linear's formation in chunks of ``HOST_FORMATION_BYTES`` against the whole
 batch at once (``CHUNK_BYTES``); ``aminmax``, the largest magnitudes of the
 factors by ``aminmax`` against torch's CPU inf-norm; ``pieces``, ``P`` formed piece by piece
 with PreconditionedNoiseScale's weighted sums, read in the sums' memory order, against the whole
-``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before). ::
+``P`` first and the sums flattened (:func:`_whole_weighted_sums`, the code before); ``shared-conv``, a
+convolution's weight sums and norms from one formation (``convolution.shares_formation``) against each
+computed apart; ``zero-columns``, a convolution's sums over the kernel elements that read something besides
+padding, at one position and in the expansion's products row by row (``conv_math.nonzero_columns``,
+``nonzero_columns_of_rows``), against all of them. ::
 
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
+    python -m benchmarks.profile_phases --floor --rounds 10
+    python -m benchmarks.profile_phases --model resnet18 --steps 3 --by-layer
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
+        --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
+    python -m benchmarks.profile_phases --ab shared-conv --model resnet18 --rounds 10 \\
         --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
 """
 
@@ -81,6 +92,8 @@ def preconditioned(args, phases):
     phases.wrap(hooks, "_dispatch", "the layer rules of the backward pass (all)")
     for rule in (linear.SumsLinear, linear.SquaredNormsLinear, convolution.SumsConv, convolution.SquaredNormsConv):
         phases.wrap(rule, "weight", f"  {rule.__name__}.weight")
+    if args.by_layer:
+        _time_convolutions_by_shape(phases)
     phases.wrap(_base.ParameterQuantity, "_compute", "the quantities after the backward pass")
     phases.wrap(PreconditionedNoiseScale, "unresolved", "  PreconditionedNoiseScale: underflow check")
     phases.wrap(PreconditionedNoiseScale, "named_value_from_sums",
@@ -101,6 +114,30 @@ def preconditioned(args, phases):
             total += time.process_time() - start
         lines += [f"{args.model}, {method}: {1e3 * total / args.steps:.1f} ms per step"] + phases.lines(args.steps)
     return lines
+
+
+def _time_convolutions_by_shape(phases):
+    """``--by-layer``: the convolutions' weight functions timed per result and layer shape
+    ``(C_b, C_a, L)``, summed over the layers of one shape (the rules look them up in ``conv_math``
+    at each call: the sums' and norms' rules through their class attributes, set here anew)."""
+    from cockpit_gradnoise.extensions import conv_math, convolution
+
+    wrapped = {}  # label -> the timed function, made once (Phases lists each label once)
+    for name in ("weight_sums", "weight_squared_norms", "weight_sums_and_squared_norms"):
+        function = getattr(conv_math, name, None)  # the last one since pns15 (the code before has none)
+        if function is None:
+            continue
+
+        def timed(module, inputs, grad_output, function=function, name=name):
+            _, c_b, c_a, positions = conv_math.layer_shape(module, inputs, grad_output)
+            label = f"    conv_math.{name}, (C_b, C_a, L) = {(c_b, c_a, positions)}"
+            if label not in wrapped:
+                wrapped[label] = phases.timed(function, label)
+            return wrapped[label](module, inputs, grad_output)
+
+        setattr(conv_math, name, timed)
+    convolution.SumsConv.weight_result = staticmethod(conv_math.weight_sums)
+    convolution.SquaredNormsConv.weight_result = staticmethod(conv_math.weight_squared_norms)
 
 
 def schedule(args, phases):
@@ -179,7 +216,20 @@ def _settings(change):
             preconditioners.OptimizerPreconditioner.pieces, pns.preconditioned_noise_sums = pieces, sums
 
         return before, after
-    raise ValueError(f"unknown change {change!r}: chunks, aminmax or pieces")
+    if change == "shared-conv":
+        from cockpit_gradnoise.extensions import convolution
+
+        shares = convolution.shares_formation
+        return (lambda: setattr(convolution, "shares_formation", lambda module, grad_output: False),
+                lambda: setattr(convolution, "shares_formation", shares))
+    if change == "zero-columns":
+        from cockpit_gradnoise.extensions import conv_math
+
+        names = ("nonzero_columns", "nonzero_columns_of_rows")
+        found = {name: getattr(conv_math, name) for name in names}
+        return (lambda: [setattr(conv_math, name, lambda b, a: None) for name in names],
+                lambda: [setattr(conv_math, name, function) for name, function in found.items()])
+    raise ValueError(f"unknown change {change!r}: chunks, aminmax, pieces, shared-conv or zero-columns")
 
 
 def _whole_weighted_sums(preconditioner, sum_of_squares, sum_of_gradients, n, *, defer=False):
@@ -229,9 +279,47 @@ def ab(args):
     return lines
 
 
+def floor(args):
+    """The benchmark GPT's sequence Linear weights (``(in, out)`` below, batch 32 x 64 tokens, random
+    factors): the work of their weight-gradient products and of the per-example results, interleaved
+    in ``--rounds`` rounds (fastest, median; CPU time of one thread). PreconditionedNoiseScale needs
+    ``S_j = sum_i x_ij^2`` of every element: the formation of ``x_i`` (``bmm``, the flops of the
+    plain ``mm``) where GradientNoiseScale alone takes the Gram matrices; with both, its norms come
+    from the formation (``linear_weight_sums_and_squared_norms``)."""
+    from cockpit_gradnoise.extensions import linear
+
+    n, positions, width = 32, 64, 128
+    shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * 4 + [(width, 96)]
+    generator = torch.Generator().manual_seed(0)
+    factors = [(torch.randn(n, positions, i, generator=generator),
+                torch.randn(n, positions, o, generator=generator) * 1e-3) for i, o in shapes]
+
+    def formation(a, g):
+        for _ in linear.formed_contributions(g, a):
+            pass
+
+    works = {
+        "plain weight gradients (mm)": lambda a, g: torch.mm(g.flatten(0, 1).T, a.flatten(0, 1)),
+        "Gram matrices' norms (GradientNoiseScale alone)": lambda a, g: linear.gram_squared_norms(g, a),
+        "formation of x_i alone (bmm)": formation,
+        "sums and norms from the formation (both)": linear.linear_weight_sums_and_squared_norms,
+    }
+    times = {name: [] for name in works}
+    order = random.Random(0)
+    for _ in range(args.rounds):
+        for name in order.sample(list(works), len(works)):
+            start = time.process_time()
+            for a, g in factors:
+                works[name](a, g)
+            times[name].append(time.process_time() - start)
+    return [f"{name}: {1e3 * min(t):.1f} ms (median {1e3 * statistics.median(t):.1f})" for name, t in times.items()]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", action="store_true", help="the norms preset and the schedule")
+    parser.add_argument("--by-layer", action="store_true", help="the convolutions' functions per layer shape")
+    parser.add_argument("--floor", action="store_true", help="the GPT's Linear formation against its Gram matrices")
     parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -243,6 +331,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     if args.ab:
         lines = ab(args)
+    elif args.floor:
+        lines = floor(args)
     else:
         lines = (schedule if args.schedule else preconditioned)(args, Phases())
     print("\n".join(lines))

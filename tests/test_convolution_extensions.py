@@ -454,7 +454,9 @@ def test_a_tiny_budget_processes_one_example_at_a_time(case, method, monkeypatch
     monkeypatch.setattr(conv_math, "weight_factors", recording)
     model, _, loss_fn, inputs, targets = build(case, True, 7, "sum")
     got = extension_results(model, loss_fn, inputs, targets)
-    assert seen == [1] * 14  # 7 examples, for each of the two extensions
+    # 7 examples: formed once for both extensions (convolution.shares_formation); the
+    # expansion's sums and the Gram matrices' norms each take their own factors.
+    assert seen == [1] * (7 if method == "formation" else 14)
     assert_results_match(got, expected_for(case, True, 7, "sum"), method == "expansion")
 
 
@@ -486,3 +488,36 @@ def test_rows_are_overridden_on_the_instances_given():
     with backpack(SumsOfContributions()):
         loss_fn(model(inputs), targets).backward()
     assert calls == [SumsOfContributions]
+
+
+def _weight_results(extensions, case, dtype, scale):
+    """``(norms, sums)`` of the convolution's weight from one backward pass with ``extensions``."""
+    model, _, loss_fn, inputs, targets = build(case, True, 5, "mean")
+    model = model.to(dtype)
+    loss = loss_fn(model(inputs.to(dtype) * scale), targets)
+    with backpack(*extensions):
+        loss.backward()
+    return tuple(getattr(model[0].weight, field, None) for field in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD))
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float64, 1.0), (torch.float32, 1e-12)],
+                         ids=["float64", "float32-scaled"])
+@pytest.mark.parametrize("case", [CONVS[3], CONVS[10], DEPTHWISE[0]], ids=lambda case: case.name)
+def test_together_each_layer_is_formed_once(case, dtype, scale, monkeypatch):
+    """Where the sums form ``x_i``, both extensions take the weight's results from one
+    formation (:func:`.convolution.shares_formation`), in either order, and they are the
+    very numbers each computes alone (the same scale, chunks and operations; float32 at a
+    scale, :mod:`._squares`)."""
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "formation")
+    formed, original = [], conv_math._formed_gradients
+    monkeypatch.setattr(conv_math, "_formed_gradients", lambda *args: formed.append(1) or original(*args))
+    together = [_weight_results(order, case, dtype, scale) for order in (
+        (PerExampleSquaredNorms(), SumsOfContributions()), (SumsOfContributions(), PerExampleSquaredNorms()))]
+    assert len(formed) == 2  # once per backward pass
+    norms_alone = _weight_results((PerExampleSquaredNorms(),), case, dtype, scale)[0]
+    sums_alone = _weight_results((SumsOfContributions(),), case, dtype, scale)[1]
+    assert len(formed) == 4
+    assert sums_alone.dtype == norms_alone.dtype == torch.float64  # float32: saved wide (scaled)
+    for norms, weight_sums in together:
+        assert torch.equal(norms, norms_alone) and torch.equal(weight_sums, sums_alone)
+

@@ -102,6 +102,7 @@ import itertools
 import math
 from typing import Iterator, Tuple
 
+from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import cost_model
 from cockpit_gradnoise.extensions._squares import joined, scaled_factors, unscaled_norms, unscaled_sums
 
@@ -179,6 +180,20 @@ def as_weight(module: nn.Module, result: Tensor) -> Tensor:
     """
     kernel_first = result.reshape(*module.weight.shape[:1], *module.kernel_size, -1)
     return kernel_first.movedim(-1, 1)
+
+
+def as_weights(module: nn.Module, results: Tensor) -> Tensor:
+    """:func:`as_weight` of each of ``results`` ``[R, G, C_b, C_a]``: ``[R, *module.weight.shape]``.
+
+    Laid out as ``torch.stack`` of each :func:`as_weight` lays it out: for two and
+    three spatial dimensions channels last (``C / G`` innermost), a view of
+    contiguous ``results``, without the stack's copy (19 MB for each of
+    resnet18's 512-channel layers, in fresh pages each step); for one,
+    contiguous (a copy, as the stack's).
+    """
+    kernel_first = results.reshape(len(results), *module.weight.shape[:1], *module.kernel_size, -1)
+    weights = kernel_first.movedim(-1, 2)
+    return weights.contiguous() if len(module.kernel_size) == 1 else weights
 
 
 def layer_shape(
@@ -373,10 +388,70 @@ def _add_expanded(sums: Tensor, b: Tensor, a: Tensor, rows: int):
         torch.mul(doubled[:, :, own], b[:, :, first + 1 :], out=b_rows[:, :, row + 1 : end])
         torch.mul(a[:, own], a[:, first:], out=a_rows[:, row:end])
         row = end
+    kept = nonzero_columns_of_rows(b_rows, a_rows)  # b and its products (doubled) finite
+    if kept is not None:
+        _add_expanded_rows(sums, b_rows, a_rows, positions, kept)
+        return
     sums[0].baddbmm_(b.flatten(2), a.flatten(1, 2))
     products_b, products_a = b_rows[:, :, positions:].flatten(2), a_rows[:, positions:].flatten(1, 2)
     sums[1].baddbmm_(products_b, products_a)
     sums[2].baddbmm_(products_b.abs_(), products_a.abs_())
+
+
+#: :func:`nonzero_columns_of_rows` keeps columns in aligned blocks of this many, and gives up where
+#: its rows hold more than :data:`RUNS_PER_ROW` runs of blocks on average: a kernel element's
+#: columns are consecutive, while zeros scattered over channels (an input channel 0 for every example
+#: at one position after a ReLU: resnet18's third stage in a training step) would cut them into
+#: runs of a few columns, thousands of tiny products that took 20 times the products of all columns.
+COLUMN_BLOCK, RUNS_PER_ROW = 128, 4
+
+
+def nonzero_columns_of_rows(b: Tensor, a_rows: Tensor):
+    """Per row ``r`` of ``a_rows`` ``[G, rows, n, C_a]`` (a position, or a product of two), runs
+    ``(start, stop)`` of columns that hold every column holding a nonzero number (NaN
+    included) in some group and example, in aligned blocks of :data:`COLUMN_BLOCK` columns
+    (a block is kept whole: its other columns add exact zeros); where all rows together keep
+    at most half of their columns in at most :data:`RUNS_PER_ROW` runs per row, ``b`` (every
+    factor the columns multiply) is finite and both are on the host; else ``None``
+    (:func:`nonzero_columns`, row by row)."""
+    if not _device.on_host(a_rows) or not a_rows.numel():
+        return None
+    columns = a_rows.shape[3]
+    blocks = -(-columns // COLUMN_BLOCK)
+    nonzero = F.pad(a_rows.ne(0).any(2).any(0).to(torch.int8), (0, blocks * COLUMN_BLOCK - columns))
+    kept = nonzero.view(len(nonzero), blocks, COLUMN_BLOCK).amax(2)  # [rows, blocks], 0 or 1
+    edges = F.pad(kept, (1, 1)).diff(dim=1)  # 1 where a run starts, -1 after it
+    found = edges.nonzero().tolist()
+    if (2 * COLUMN_BLOCK * int(kept.sum()) > len(kept) * columns or len(found) > 2 * RUNS_PER_ROW * len(kept)
+            or not bool(torch.isfinite(b).all())):
+        return None
+    runs = [[] for _ in range(len(kept))]
+    for row, block in found:
+        if edges[row, block] > 0:
+            runs[row].append(block * COLUMN_BLOCK)
+        else:
+            runs[row][-1] = (runs[row][-1], min(block * COLUMN_BLOCK, columns))
+    return runs
+
+
+def _add_expanded_rows(sums: Tensor, b_rows: Tensor, a_rows: Tensor, positions: int, kept) -> None:
+    """:func:`_add_expanded`'s three products row by row, each over the runs of columns ``kept[r]``
+    of its row only (views: no copy): a column that is 0 in row ``r`` for every example adds
+    ``b * 0 = 0`` exactly (``b`` finite). A zero-padded kernel over few positions reads padding
+    at many of its elements at each position (resnet18's third stage at 32x32, 3x3 over 2x2
+    positions: 5 of 9 at each position, 5 to 8 in each product of two): about a third of the
+    multiply-adds are left. Each sum adds the same terms in another order (per row, then over
+    rows): within the same bound."""
+    for row, runs in enumerate(kept):
+        b = b_rows[:, :, row]  # [G, C_b, n]
+        magnitudes = None if row < positions else b.abs()
+        for start, stop in runs:
+            a = a_rows[:, row, :, start:stop]  # [G, n, K]
+            if row < positions:
+                sums[0, :, :, start:stop].baddbmm_(b, a)
+            else:
+                sums[1, :, :, start:stop].baddbmm_(b, a)
+                sums[2, :, :, start:stop].baddbmm_(magnitudes, a.abs())
 
 
 def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -413,14 +488,79 @@ def weight_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tenso
         for b, a in _chunks(module, inputs, grad_output, 2 * groups * (c_b + c_a)):
             b = b.permute(1, 2, 0, 3).flatten(2)  # [G, C_b, n]
             a = a.transpose(0, 1).flatten(1, 2)  # [G, n, C_a]
-            sums[0].baddbmm_(b, a)
-            sums[1].baddbmm_(b.square(), a.square())
+            add_products(sums, b, a)
     # Terms of each S: N squares, or N L**2 products of the expansion.
-    sums = unscaled_sums(torch.stack([as_weight(module, part) for part in sums]), scale,
+    sums = unscaled_sums(as_weights(module, sums), scale,
                          len(inputs) * positions**2)
     if len(sums) == 3:  # A, to R = w(L) A
         sums[2] *= expansion_rounding_terms(positions)
     return sums
+
+
+def add_products(sums: Tensor, b: Tensor, a: Tensor) -> None:
+    """Add ``[b @ a, b**2 @ a**2]`` (per group: ``b [G, C_b, n]``, ``a [G, n, C_a]``) to
+    ``sums`` ``[2, G, C_b, C_a]``: ``T`` and ``S`` of one-product contributions
+    ``x_i = b_i a_i^T`` over a chunk of ``n`` examples.
+
+    On the host, over the columns of ``a`` that hold a nonzero number only
+    (:func:`nonzero_columns`): a column ``k`` that is 0 for every example adds
+    ``sum_i b_i * 0 = 0`` to ``T`` and ``sum_i b_i**2 * 0 = 0`` to ``S``, exactly,
+    where ``b`` is finite (``0 * inf`` would be NaN: then every column is
+    multiplied). Such columns are a zero-padded kernel's elements that read
+    only padding: at one output position (resnet18's last stage at 32x32, a
+    3x3 kernel over a 1x1 input padded by 1) 8 of its 9 kernel elements, and the
+    products skip them (the same products of the other columns, each sum of
+    ``n`` products in its own order: within the same rounding bound).
+    """
+    b_squared = b.square()
+    kept = nonzero_columns(b_squared, a)  # b**2 finite: b too
+    if kept is None:
+        sums[0].baddbmm_(b, a)
+        sums[1].baddbmm_(b_squared, a.square())
+        return
+    a = a.index_select(2, kept)
+    sums[0].index_add_(2, kept, torch.bmm(b, a))
+    sums[1].index_add_(2, kept, torch.bmm(b_squared, a.square()))
+
+
+def nonzero_columns(b: Tensor, a: Tensor):
+    """The indices of the columns of ``a`` ``[G, n, C_a]`` that hold a nonzero number (NaN
+    included) in some group and example, where at most half of them do, ``b`` (every
+    factor the columns multiply) is finite and both are on the host (a read there:
+    elsewhere the host would wait); else ``None``."""
+    if not _device.on_host(a) or not a.numel():
+        return None
+    kept = a.ne(0).flatten(0, 1).any(0).nonzero().squeeze(1)
+    if 2 * len(kept) > a.shape[2] or not bool(torch.isfinite(b).all()):
+        return None
+    return kept
+
+
+def weight_sums_and_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
+    """``([T, S], ||x_i||^2)`` of ``module.weight`` from one formation of ``x_i``.
+
+    Where :func:`weight_sums` forms ``x_i``: ``T = sum_i x_i`` and ``S = sum_i
+    x_i**2`` (``[2, *weight.shape]``) and the per-example squared norms
+    ``||x_i||^2 = sum_j x_ij^2`` (``[N]``) are sums of the same squared
+    contributions, over examples and over elements, so one formation gives
+    both; each is the very number :func:`weight_sums` and the formation of
+    :func:`weight_squared_norms` compute alone (the same scale: each factor's
+    largest magnitude, which ``rows=True`` only adds the rows' magnitudes to on
+    other devices; the same chunks, the same operations). The caller checks
+    that :func:`weight_sums` forms (:func:`forms` with
+    :func:`.cost_model.expansion_cost`).
+    """
+    (inputs, grad_output), scale = scaled_factors(inputs, grad_output, rows=True)
+    groups, c_b, c_a, positions = layer_shape(module, inputs, grad_output)
+    sums, norms = inputs.new_zeros(2, groups, c_b, c_a), []
+    for gradients in _formed_gradients(module, inputs, grad_output):
+        sums[0] += summed_over_examples(gradients)
+        squares = gradients.square_()
+        sums[1] += summed_over_examples(squares)
+        norms.append(squares.sum((1, 2, 3)))
+    sums = unscaled_sums(as_weights(module, sums), scale,
+                         len(inputs) * positions**2)
+    return sums, unscaled_norms(joined(norms), scale, module.weight.numel())
 
 
 def weight_squared_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:

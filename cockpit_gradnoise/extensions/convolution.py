@@ -3,13 +3,18 @@
 ``Conv1d/2d/3d`` and ``ConvTranspose1d/2d/3d``, any ``groups``. The maths
 (the factors of each example's contribution, the two exact methods and their
 choice) is in :mod:`.conv_math` and :mod:`.cost_model`; here it is plugged into
-BackPACK, one module extension per result.
+BackPACK, one module extension per result. Where ``SumsOfContributions`` and
+``PerExampleSquaredNorms`` both run and the sums form ``x_i``, the weight's two
+results come from one formation (:func:`shares_formation`), as a sequence
+Linear's do (:mod:`.linear`).
 """
 
 from typing import Callable
 
-from cockpit_gradnoise.extensions import conv_math
+from cockpit_gradnoise.extensions import conv_math, cost_model, facts
 from cockpit_gradnoise.extensions._squares import exact_where_lost, squared_norms_of
+from cockpit_gradnoise.extensions.linear import is_active
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import position_sums, sums_of_position_sums
 
 import torch
@@ -39,9 +44,10 @@ class _ConvolutionExtension(FirstOrderModuleExtension):
     weight_kind: str
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        # Formed again from float64 factors where a float32 layer's squares underflow.
-        return exact_where_lost(lambda inputs, grad_output: type(self).weight_result(module, inputs, grad_output),
-                                self.weight_kind, len(g_out[0]), module.weight.numel(), module.input0, g_out[0])
+        if shares_formation(module, g_out[0]):
+            sums, norms = _sums_and_norms(module, g_out[0])
+            return sums if self.weight_kind == "s" else norms
+        return _exact(type(self).weight_result, self.weight_kind, module, g_out[0])
 
     def bias(self, ext, module, g_inp, g_out, backproped):
         return type(self).bias_result(module, g_out[0])
@@ -64,6 +70,44 @@ class SquaredNormsConv(_ConvolutionExtension):
     bias_result = staticmethod(
         lambda module, grad_output: squared_norms_of(position_sums(grad_output.flatten(2), 2, (module, grad_output)))
     )
+
+
+# Sharing one formation between the two extensions, within one layer's hook ----------
+
+#: The layer cache's slot (:mod:`._layer_cache`) of a convolution's ``([T, S], ||x_i||^2)``.
+_SUMS_AND_NORMS = "convolution weight sums and squared norms"
+
+
+def shares_formation(module, grad_output) -> bool:
+    """Whether both weight results of a convolution come from one formation of ``x_i``
+    (:func:`.conv_math.weight_sums_and_squared_norms`): ``SumsOfContributions`` and
+    ``PerExampleSquaredNorms`` both run in this backward pass, and the sums form
+    ``x_i`` (:func:`.conv_math.forms` with :func:`.cost_model.expansion_cost`). The norms
+    then come from the formed ``x_i`` (one more read of its squares) instead of a second
+    formation or the Gram matrices: on resnet18 (batch 64) 38 ms of a step were its
+    norms computed apart (``benchmarks/README.md``, "The noise scale Adam sees")."""
+    if not (is_active(SUMS_SAVEFIELD) and is_active(BATCH_L2_SAVEFIELD)):
+        return False
+    _, c_b, c_a, positions = conv_math.layer_shape(module, module.input0, grad_output)
+    return conv_math.forms(module, cost_model.expansion_cost, c_b, c_a, positions)
+
+
+def _sums_and_norms(module, grad_output):
+    """``([T, S], ||x_i||^2)`` of the weight: formed by whichever extension reaches the layer
+    first, taken from the backward pass's layer cache by the second."""
+    sources = (module, module.input0, grad_output)
+    both = facts.recording().layer_cache.take(_SUMS_AND_NORMS, sources)
+    if both is None:
+        both = _exact(conv_math.weight_sums_and_squared_norms, "sn", module, grad_output)
+        facts.recording().layer_cache.put(_SUMS_AND_NORMS, sources, both)
+    return both
+
+
+def _exact(compute, kinds: str, module, grad_output):
+    """``compute(module, inputs, grad_output)`` of the weight, formed again from float64 factors
+    where a float32 layer's squares underflow (:func:`._squares.exact_where_lost`)."""
+    return exact_where_lost(lambda inputs, g: compute(module, inputs, g), kinds, len(grad_output),
+                            module.weight.numel(), module.input0, grad_output)
 
 
 # The gradient (LocalGradient, for distributed training) -------------------------
