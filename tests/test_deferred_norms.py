@@ -216,3 +216,39 @@ def test_nothing_is_handed_over_while_fsdp2_reads_norms_in_the_pass(handed, monk
     monkeypatch.setattr(sharded, "_armed", (None, {}))
     _saved(model, True, monkeypatch, (PerExampleSquaredNorms(),))
     assert len(handed) == 12
+
+
+def test_a_pass_after_one_that_raised_hands_nothing_over_to_no_end(handed, monkeypatch):
+    """A backward pass that raises never reaches its end (torch drops its queued callbacks):
+    its facts stay unfinished, and the next pass with BackPACK's extensions alone records
+    into them. Its norms must not be handed over to that end which never comes (they stayed
+    placeholders: NaN here, uninitialised memory on a GPU); they are given at once, the
+    numbers of the path that hands nothing over."""
+    torch.manual_seed(1)
+    model = cgn.prepare_model(Sequence(False))
+    extensions = (PerExampleSquaredNorms(), SumsOfContributions())
+    alone = _saved(model, False, monkeypatch, extensions)
+    monkeypatch.setattr(deferred_norms, "ENABLED", True)
+
+    def out_of_memory(grad):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    def raising_hook(module, args, output):
+        output.register_hook(out_of_memory)
+
+    raising = model.head.register_forward_hook(raising_hook)
+    index, image, scale = _data()
+    facts.begin()
+    with pytest.raises(RuntimeError, match="out of memory"), backpack(*extensions):
+        model(index, image, scale).square().sum().backward()
+    raising.remove()
+    assert handed  # the layers after the head had handed their norms over
+    for param in model.parameters():
+        for field in (BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD):
+            param.__dict__.pop(field, None)
+    with backpack(*extensions):  # no facts.begin(): the extensions used directly
+        model(index, image, scale).square().sum().backward()
+    for (name, field), value in alone.items():
+        param = model.get_parameter(name)
+        assert torch.equal(value.nan_to_num(), getattr(param, field).nan_to_num()), (name, field)
+        assert torch.equal(value.isnan(), getattr(param, field).isnan()), (name, field)

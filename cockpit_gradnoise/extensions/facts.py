@@ -120,8 +120,13 @@ class BackwardFacts:
 
     def may_defer(self) -> bool:
         """Whether a rule run now may hand its norms over (:mod:`.deferred_norms`): inside
-        the backward pass these facts are of, whose end (:func:`_end`) is queued."""
-        return self.graph_task is not None and not self.finished
+        the backward pass these facts are of, whose end (:func:`_end`) is queued.
+
+        The graph task running now must be that pass's: a pass that raised never reaches
+        its end (torch drops its queued callbacks), so its facts stay unfinished, and a later
+        pass that :func:`recording` finds them in would hand its norms over to no end (and a
+        pass run inside a rule is another task). Its rules then give their results at once."""
+        return self.graph_task is not None and not self.finished and _CURRENT_GRAPH_TASK() == self.graph_task
 
     def record(self, extension, module: nn.Module, grad_output):
         """Record the parameters of ``module`` that ``extension`` wrote a result on."""
