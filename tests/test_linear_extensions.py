@@ -156,8 +156,9 @@ def test_on_the_host_chunks_of_the_formation_budget_match_per_example_loop(order
     assert formed == [2, 2, 2, 1] * len(names)
     assert_match(results, expected(problem, 7, "mean"), ORDERS[order])
     monkeypatch.setattr(cost_model, "CHUNK_BYTES", 12 * 8)
-    _, _, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
+    problem, results, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
     assert formed == [1] * 7 * len(names)
+    assert_match(results, expected(problem, 7, "mean"), ORDERS[order])  # one example's chunks added as they are
 
 
 @pytest.mark.parametrize("order", ["sums-first", "norms-first"])

@@ -139,9 +139,11 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
     sums = g.new_zeros(2, g.shape[2], a.shape[2])
     norms = []
     for x in formed_contributions(g, a):
-        sums[0] += x.sum(0)
+        # A chunk of one example (GPT-2 small's layers all, at HOST_FORMATION_BYTES) is added
+        # as it is: its sum over one example is itself, bit for bit, without a copy.
+        sums[0] += x[0] if len(x) == 1 else x.sum(0)
         squares = x.square_()
-        sums[1] += squares.sum(0)
+        sums[1] += squares[0] if len(x) == 1 else squares.sum(0)
         norms.append(squares.sum((1, 2)))
     return unscaled_sums(sums, scale, len(g)), unscaled_norms(joined(norms), scale, g.shape[2] * a.shape[2])
 
