@@ -105,6 +105,7 @@ def test_no_vocabulary_sized_per_example_tensor_is_formed(monkeypatch):
     module, idx, grad = lookup(3, torch.float32)
     embedding.BatchL2EmbeddingAnyDtype().weight(None, _with_input(module, idx), None, (grad,), None)
     embedding.SumsEmbeddingAnyDtype().weight(None, _with_input(module, idx), None, (grad,), None)
+    embedding.GradEmbeddingAnyDtype().weight(None, _with_input(module, idx), None, (grad,), None)
 
 
 def _with_input(module, idx):
@@ -142,3 +143,11 @@ def test_two_uses_sums_are_added_with_twice_their_cross_term_and_neither_is_writ
     # Two roundings of float32 at most: each within eps / 2 of the magnitudes it adds.
     assert ((result.double() - wide).abs() <= torch.finfo(torch.float32).eps * magnitudes).all()
     assert torch.equal(before, kept[0]) and torch.equal(own, kept[1])
+
+
+@pytest.mark.parametrize("padding_idx", [None, 4])
+def test_the_gradient_adds_each_positions_output_gradient_into_its_row(padding_idx):
+    module, idx, grad = lookup(5, torch.float64, padding_idx)
+    gradient = embedding.GradEmbeddingAnyDtype().weight(None, _with_input(module, idx), None, (grad,), None)
+    torch.testing.assert_close(gradient, dense_contributions(idx, grad, ROWS, padding_idx).sum(0),
+                               rtol=1e-14, atol=0)

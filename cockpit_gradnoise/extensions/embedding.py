@@ -26,6 +26,7 @@ contributions, each once per example, and exact zeros elsewhere. So
   their squares, into row ``idx_ip`` (:func:`embedding_sums`): each ``x_i[v]`` once,
   zeros elsewhere; rows no token uses are exactly 0, as dense.
 
+The gradient alone (:func:`embedding_gradient`) adds the output gradients into their rows.
 Only the order in which float32 adds the terms of one ``x_i[v]`` differs from the
 dense product's (``tests/test_embedding_rows.py`` compares the two and float64 brute force).
 """
@@ -193,8 +194,20 @@ class SumsEmbeddingAnyDtype(SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
 
 
 class GradEmbeddingAnyDtype(GradEmbedding):
-    """The gradient of an Embedding's weight, any dtype."""
+    """The gradient of an Embedding's weight, any dtype: the output gradients added into
+    the rows of their indices (:func:`embedding_gradient`)."""
 
     def __init__(self):
         super().__init__()
         self.derivatives = EmbeddingDerivativesAnyDtype()
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return embedding_gradient(module, module.input0, g_out[0])
+
+
+def embedding_gradient(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``sum_i x_i`` of an Embedding's weight (``[V, d]``): each position's output gradient
+    added into the row of its index (``index_add_``, as torch's own backward), the padding
+    positions' left out; no ``[V, N, P]`` one-hot tensor and its ``V N P d`` product."""
+    idx, grad = lookups(module, inputs, grad_output)
+    return grad.new_zeros(module.weight.shape).index_add_(0, idx.flatten(), grad.reshape(-1, grad.shape[2]))
