@@ -33,6 +33,8 @@ tiny size's per-module overhead in wall-clock microseconds on the GPU. ::
 
     python -m benchmarks.benchmark_realistic --rounds 3
     python -m benchmarks.benchmark_realistic --quick
+    python -m benchmarks.benchmark_realistic --size small --rounds 5   # 2 layers, sequence 128, batch 4
+    python -m benchmarks.benchmark_realistic --models gpt2 --methods two --rounds 3   # one tracked copy
     python -m benchmarks.benchmark_realistic --device cuda --rounds 10 --warmup 2 --json runs/gpu.json
 """
 
@@ -66,6 +68,8 @@ METHODS = {
                                               cgn.GradientNoiseScale(schedule, param_names=names)]),
 }
 TARGETS = {"all five": 2.0, "PerExampleGradNorm+GradientNoiseScale": 1.15}
+#: ``--methods``' short names.
+SHORT = {"five": "all five", "two": "PerExampleGradNorm+GradientNoiseScale"}
 
 
 def make_gpt2(layers=12, width=768, heads=12, vocabulary=50257, context=1024):
@@ -101,6 +105,7 @@ MODELS = {"gpt2": make_gpt2, "llama": make_llama}
 SIZES = {
     "realistic": ({}, 256, 8),
     "quick": ({"layers": 2}, 64, 2),
+    "small": ({"layers": 2}, 128, 4),  # --size small: the vocabulary's work at a fifth of the step
     "tiny": ({"layers": 2, "width": 32, "heads": 2, "vocabulary": 128, "mlp": 64}, 16, 2),
 }
 
@@ -124,11 +129,12 @@ def clock(device):
     return wall_clock_after_the_device
 
 
-def measure(name, size, rounds, seed=0, warmup=1, device=torch.device("cpu"), memory=False):
+def measure(name, size, rounds, seed=0, warmup=1, device=torch.device("cpu"), memory=False, methods=None):
     """``{method: [seconds per round]}`` (``"plain"`` too), the number of tracked modules, and
     ``{method: peak extra bytes}`` (empty unless ``memory``).
 
-    Seconds of CPU time on a CPU, of wall-clock time on a GPU (:func:`clock`).
+    Seconds of CPU time on a CPU, of wall-clock time on a GPU (:func:`clock`). ``methods``: the
+    names of :data:`METHODS` to time beside the plain step (default all).
     """
     options, sequence, batch = SIZES[size]
     if name == "gpt2":
@@ -139,7 +145,8 @@ def measure(name, size, rounds, seed=0, warmup=1, device=torch.device("cpu"), me
     x = torch.randint(0, vocabulary, (batch, sequence), device=device)
     y = torch.randint(0, vocabulary, (batch, sequence), device=device)
     steps = {"plain": plain_step(model, token_loss)}
-    steps.update({method: build(model, token_loss) for method, build in METHODS.items()})
+    steps.update({method: build(model, token_loss) for method, build in METHODS.items()
+                  if methods is None or method in methods})
     for _ in range(warmup):  # untimed: first-call costs (BackPACK's checks, the fallback's plans)
         for step in steps.values():
             step(x, y)
@@ -166,6 +173,11 @@ def main(argv=None):
     parser.add_argument("--json", default=None, metavar="PATH", help="also save the results here")
     parser.add_argument("--quick", action="store_true",
                         help="2 layers, sequence 64, batch 2, one round: a smoke test")
+    parser.add_argument("--methods", default="five,two",
+                        help="five (all five), two (PerExampleGradNorm+GradientNoiseScale), or both: one "
+                             "at a time holds one tracked copy of the model (GPT-2 small: about 10 GB for both)")
+    parser.add_argument("--size", default="realistic", choices=["realistic", "small"],
+                        help="small: 2 layers, sequence 128, batch 4 (the full vocabulary), to iterate fast")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -173,7 +185,7 @@ def main(argv=None):
     memory = device.type == "cuda" if args.memory is None else args.memory
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    size, rounds = ("quick", 1) if args.quick else ("realistic", args.rounds)
+    size, rounds = ("quick", 1) if args.quick else (args.size, args.rounds)
     tiny_rounds = 3 if args.quick else args.tiny_rounds
     options, sequence, batch = SIZES[size]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {timer_name(device)}, {size}: "
@@ -183,8 +195,10 @@ def main(argv=None):
         print("QUICK MODE: a smoke test, not a measurement")
     results = {"environment": environment(device, size, rounds, tiny_rounds, args)}
     for name in args.models.split(","):
-        times, _, peaks = measure(name, size, rounds, warmup=args.warmup, device=device, memory=memory)
-        tiny, modules, _ = measure(name, "tiny", tiny_rounds, device=device)
+        methods = [SHORT[short] for short in args.methods.split(",")]
+        times, _, peaks = measure(name, size, rounds, warmup=args.warmup, device=device, memory=memory,
+                                  methods=methods)
+        tiny, modules, _ = measure(name, "tiny", tiny_rounds, device=device, methods=methods)
         results[name] = report(name, times, tiny, modules, peaks)
         if args.json:  # after every model: a run stopped early keeps what it measured
             with open(args.json, "w") as file:
@@ -218,7 +232,7 @@ def report(name, times, tiny, modules, peaks=None):
         print(f"  plain: peak extra memory {peaks['plain'] / 2**20:.0f} MiB")
         result["plain peak MiB"] = peaks["plain"] / 2**20
     tiny_plain = statistics.median(tiny["plain"])
-    for method in METHODS:
+    for method in (method for method in METHODS if method in times):
         ratio = min(times[method]) / best
         per_module = (statistics.median(tiny[method]) - tiny_plain) / modules * 1e6
         verdict = "met" if ratio <= TARGETS[method] else "MISSED"

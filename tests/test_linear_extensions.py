@@ -156,8 +156,9 @@ def test_on_the_host_chunks_of_the_formation_budget_match_per_example_loop(order
     assert formed == [2, 2, 2, 1] * len(names)
     assert_match(results, expected(problem, 7, "mean"), ORDERS[order])
     monkeypatch.setattr(cost_model, "CHUNK_BYTES", 12 * 8)
-    _, _, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
+    problem, results, formed, names = run(SEQUENCE_MLP, 7, "mean", ORDERS[order], monkeypatch)
     assert formed == [1] * 7 * len(names)
+    assert_match(results, expected(problem, 7, "mean"), ORDERS[order])  # one example's chunks added as they are
 
 
 @pytest.mark.parametrize("order", ["sums-first", "norms-first"])
@@ -271,3 +272,18 @@ def test_cost_model_expands_the_sums_of_convnext_stage_3(shape, formation):
     """ConvNeXt-T's pointwise layers at 32x32: expansion measured 2-4x faster at 4
     positions (``benchmarks/README.md``); formation at 16 and 64."""
     assert cost_model.formation_is_cheaper(cost_model.expansion_cost, *shape) is formation
+
+
+@pytest.mark.parametrize("block", [3, 10])
+def test_gram_blocks_of_positions_match_per_example_loop(block, monkeypatch):
+    """The norms by Gram matrices in blocks of ``GRAM_BLOCK`` positions (10 positions in
+    blocks of 3, 3, 3, 1: pairs within a block once, pairs across blocks twice; or one
+    block) are those of one backward pass per example."""
+    monkeypatch.setattr(cost_model, "FORCE_METHOD", "expansion")  # the norms by Gram matrices
+    monkeypatch.setattr(linear, "GRAM_BLOCK", block)
+    problem, results, formed, _ = run(SEQUENCE_MLP, 7, "mean", ORDERS["norms-alone"], monkeypatch)
+    assert formed == []
+    assert_match(results, expected(problem, 7, "mean"), ORDERS["norms-alone"])
+    g, a = torch.randn(3, 10, 4, dtype=torch.float64), torch.randn(3, 10, 5, dtype=torch.float64)
+    whole = torch.bmm(g, g.transpose(1, 2)).mul(torch.bmm(a, a.transpose(1, 2))).sum((1, 2))
+    torch.testing.assert_close(linear.symmetric_gram_inner(g, a), whole, rtol=1e-13, atol=0)

@@ -106,9 +106,26 @@ def largest_magnitude(tensor: Tensor) -> Tensor:
     """
     tensor = tensor.detach()
     if _device.on_host(tensor):
-        smallest, largest = torch.aminmax(tensor)
+        smallest, largest = torch.aminmax(in_memory_order(tensor))
         return torch.maximum(largest, smallest.neg())
     return torch.linalg.vector_norm(tensor, math.inf)
+
+
+def in_memory_order(tensor: Tensor) -> Tensor:
+    """``tensor`` with its dimensions permuted into the order of its memory (largest stride
+    first), where that makes it contiguous; else ``tensor`` itself.
+
+    For reductions over every element, whose result does not depend on the order (a
+    maximum, a minimum): the same elements, read in one sweep. GPT-2's head gets its
+    output gradient ``[N, T, V]`` stored as ``[N, V, T]`` (the cross-entropy's class
+    dimension second): the CPU's ``aminmax`` of that view took 0.61 s where it takes
+    0.015 s in memory order (8 x 256 x 50257 float32, one thread).
+    """
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return tensor
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d]))
+    permuted = tensor.permute(order)
+    return permuted if permuted.is_contiguous() else tensor
 
 
 #: ``k`` of the bounds ``2**k`` of :func:`exponent_table`: every power of two float32 holds.

@@ -8,10 +8,43 @@ backward never writes that row, so its gradient, and every example's
 contribution to it, is exactly 0 by definition (not a sum that rounds to 0), and the
 padding positions' output gradients are left out before the sum (a NaN there, as torch
 ignores it, never reaches another row).
+
+The per-example squared norms and ``[T, S]`` never form the ``[N, V, d]``
+contributions (GPT-2's ``V = 50257``: 1.2 GB and a ``V x P x d`` product per example
+at sequence 256, batch 8, where the tokens touch at most ``P`` rows of each example).
+Example ``i``'s contribution is nonzero only on the rows of its tokens,
+``x_i[v] = sum_{p: idx_ip = v} e_ip`` (``e`` the output gradient), so
+:func:`first_use_contributions` writes ``x_i[idx_ip]`` at the first position ``p`` of
+example ``i`` that uses row ``idx_ip`` and 0 at the others (``[N, P, d]``, sorting
+``N P`` keys, no wait for the device): the same nonzero numbers as the dense
+contributions, each once per example, and exact zeros elsewhere. So
+
+- ``||x_i||^2`` is the squared norm of its row of that tensor
+  (:func:`embedding_squared_norms`: squares of exact zeros add exactly 0, and its
+  largest magnitude, the scale of :mod:`._squares`, is the dense one's);
+- ``T[v] = sum_i x_i[v]`` and ``S[v] = sum_i x_i[v]**2`` add the tensor's rows, and
+  their squares, into row ``idx_ip`` (:func:`embedding_sums`): each ``x_i[v]`` once,
+  zeros elsewhere; rows no token uses are exactly 0, as dense.
+
+The gradient alone (:func:`embedding_gradient`) adds the output gradients into their rows.
+Only the order in which float32 adds the terms of one ``x_i[v]`` differs from the
+dense product's (``tests/test_embedding_rows.py`` compares the two and float64 brute force).
 """
 
-from cockpit_gradnoise.extensions._squares import SquaredNormsFromContributionsMixin
+from typing import Tuple
+
+from cockpit_gradnoise import _device
+from cockpit_gradnoise.extensions import arena
+from cockpit_gradnoise.extensions._squares import (
+    SquaredNormsFromContributionsMixin,
+    contributions_scale,
+    saved_dtype,
+    scaled,
+    squared_norms_of,
+    unscaled_sums,
+)
 from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin
+from cockpit_gradnoise.functional.underflow import unresolved_sums
 
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
@@ -19,6 +52,7 @@ from backpack.extensions.firstorder.batch_l2_grad.embedding import BatchL2Embedd
 from backpack.extensions.firstorder.gradient.embedding import GradEmbedding
 from backpack.extensions.firstorder.sum_grad_squared.embedding import SGSEmbedding
 from backpack.utils.subsampling import subsample
+from torch import Tensor
 
 
 class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
@@ -52,13 +86,95 @@ class EmbeddingDerivativesAnyDtype(EmbeddingDerivatives):
             raise NotImplementedError("Only sparse=False supported.")
 
 
+def lookups(module, inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(idx [N, P], e [N, P, d])``: each example's indices and output gradients, any extra
+    dimensions flattened into ``P``; ``e`` is 0 at the padding positions (by ``where``: a
+    NaN there reaches nothing, as in torch's backward)."""
+    examples = grad_output.shape[0]
+    idx = inputs.reshape(examples, -1)
+    grad = grad_output.reshape(examples, idx.shape[1], -1)
+    if module.padding_idx is not None:  # non-negative: nn.Embedding normalizes it
+        grad = torch.where((idx != module.padding_idx).unsqueeze(-1), grad, 0)
+    return idx, grad
+
+
+def first_use_contributions(idx: Tensor, grad: Tensor, rows: int) -> Tensor:
+    """``c [N, P, d]``: ``c_ip = x_i[idx_ip]`` where ``p`` is the first position of example ``i``
+    with index ``idx_ip``, 0 at the others.
+
+    ``x_i[v] = sum_{p: idx_ip = v} e_ip``: the keys ``i V + idx_ip`` sorted, a run of equal
+    keys is one ``(i, v)``; its positions' ``e`` are added into one slot (``index_add_``), and
+    the slot is written back at the run's first position. Fixed sizes throughout (no
+    ``unique``): nothing waits for the device. The sort is stable, so a run's first key is its
+    first position.
+    """
+    examples, positions, width = grad.shape
+    keys = (idx + torch.arange(examples, device=idx.device).unsqueeze(1) * rows).flatten()
+    sorted_keys, order = torch.sort(keys, stable=True)
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    slot_in_order = torch.cumsum(starts, 0) - 1  # the run of each sorted key
+    slot = torch.empty_like(slot_in_order).scatter_(0, order, slot_in_order)  # of each position
+    first = torch.empty_like(starts).scatter_(0, order, starts)
+    flat = grad.reshape(-1, width)
+    summed = flat.new_zeros(flat.shape).index_add_(0, slot, flat)  # slots past the last run: 0
+    return torch.where(first.unsqueeze(1), summed.index_select(0, slot), 0).reshape(grad.shape)
+
+
+def embedding_squared_norms(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``||x_i||^2`` of an Embedding's weight, ``[N]``: :func:`._squares.squared_norms_of` of
+    :func:`first_use_contributions` (the module's docstring). Its underflow floor counts the
+    ``P d`` squares formed (the rows no token uses are exact zeros, never squared), as
+    :func:`.batchless.embedding_results` counts its ``R d``."""
+    idx, grad = lookups(module, inputs, grad_output)
+    return squared_norms_of(first_use_contributions(idx, grad, module.num_embeddings))
+
+
+def embedding_sums(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``[T, S]`` of an Embedding's weight (``[2, V, d]``), from :func:`first_use_contributions`
+    added by index: at the contributions' power-of-two scale, saved in float64, summed again
+    from float64 where underflow lost an ``S`` (as :func:`.sums.sums_of` does with the dense
+    contributions: the same scale, the same ``N`` terms per element)."""
+    idx, grad = lookups(module, inputs, grad_output)
+    contributions = first_use_contributions(idx, grad, module.num_embeddings)
+    width, examples = contributions.shape[2], contributions.shape[0]
+    index, flat = idx.flatten(), contributions.reshape(-1, width)
+    shape = (module.num_embeddings, width)
+    scale = contributions_scale(contributions)
+    at_scale = scaled(flat, scale)
+    sums = _added_by_index(index, at_scale, shape)
+    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)
+            and unresolved_sums(sums[1], sums[0], examples) is not None):
+        return _added_by_index(index, flat.to(saved_dtype(sums.dtype)), shape, placed=False)
+    return unscaled_sums(sums, scale, examples)
+
+
+def _added_by_index(index: Tensor, values: Tensor, shape, placed: bool = True) -> Tensor:
+    """``[T, S]``: ``values`` and their squares added into rows ``index`` of zeros ``shape``;
+    written in a slot of the pass's buffer (:func:`.arena.place`) outside autograd, as
+    :func:`.sums.stacked` writes its sums."""
+    squares = values.square()
+    if torch.is_grad_enabled() or not placed:
+        zeros = values.new_zeros(shape)
+        return torch.stack([zeros.index_add(0, index, values), zeros.index_add(0, index, squares)])
+    result = arena.place(values, shape)
+    result.zero_()
+    result[0].index_add_(0, index, values)
+    result[1].index_add_(0, index, squares)
+    return result
+
+
 class BatchL2EmbeddingAnyDtype(SquaredNormsFromContributionsMixin, BatchL2Embedding):
     """Per-example squared norms of an Embedding's weight, any dtype, squares at a
-    power-of-two scale (:mod:`._squares`)."""
+    power-of-two scale (:mod:`._squares`), from each example's rows only
+    (:func:`embedding_squared_norms`)."""
 
     def __init__(self):
         super().__init__()
         self.derivatives = EmbeddingDerivativesAnyDtype()
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return embedding_squared_norms(module, module.input0, g_out[0])
 
 
 class SGSEmbeddingAnyDtype(SGSEmbedding):
@@ -70,12 +186,28 @@ class SGSEmbeddingAnyDtype(SGSEmbedding):
 
 
 class SumsEmbeddingAnyDtype(SumsFromContributionsMixin, SGSEmbeddingAnyDtype):
-    """``[T, S]`` of an Embedding's weight, any dtype (:mod:`.sums`)."""
+    """``[T, S]`` of an Embedding's weight, any dtype (:mod:`.sums`), from each example's rows
+    only (:func:`embedding_sums`)."""
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return embedding_sums(module, module.input0, g_out[0])
 
 
 class GradEmbeddingAnyDtype(GradEmbedding):
-    """The gradient of an Embedding's weight, any dtype."""
+    """The gradient of an Embedding's weight, any dtype: the output gradients added into
+    the rows of their indices (:func:`embedding_gradient`)."""
 
     def __init__(self):
         super().__init__()
         self.derivatives = EmbeddingDerivativesAnyDtype()
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return embedding_gradient(module, module.input0, g_out[0])
+
+
+def embedding_gradient(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """``sum_i x_i`` of an Embedding's weight (``[V, d]``): each position's output gradient
+    added into the row of its index (``index_add_``, as torch's own backward), the padding
+    positions' left out; no ``[V, N, P]`` one-hot tensor and its ``V N P d`` product."""
+    idx, grad = lookups(module, inputs, grad_output)
+    return grad.new_zeros(module.weight.shape).index_add_(0, idx.flatten(), grad.reshape(-1, grad.shape[2]))
