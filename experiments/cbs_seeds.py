@@ -313,7 +313,8 @@ def seeds_section(folder, task) -> List[str]:
         "seed. Best learning rate and steps per seed, and the seed-averaged grid: for each "
         "learning rate the steps averaged over the seeds, the best learning rate on those "
         "means. A run pruned on some seed whose full length could change that best was run "
-        "on past its pruning, to the target or until its steps were enough to rule it out "
+        "on past its pruning (the runs of the rate pruned on the fewest seeds first), to the "
+        "target or until its steps were enough to rule it out "
         f"({completed} such runs here); the other pruned runs are bounded below by their "
         "seed's best, and cannot change it.", "",
         "| batch B | " + " | ".join(f"seed {s}" for s in seeds) + " | averaged: best lr | "
