@@ -21,6 +21,7 @@ import json
 import math
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -199,11 +200,16 @@ def complete(task, grids, log=print, on_run=None) -> None:
     """Run on, past its pruning, each pruned run that could change the seed-averaged best
     (:func:`undecided`), until none is left: each to the target, or until it passes
     :func:`decisive_steps` (then its bound settles it). ``grids`` is updated in place and
-    ``on_run(seed, run)`` called after each run (to store it)."""
+    ``on_run(seed, run)`` called after each run (to store it).
+
+    The runs of the rate pruned on the fewest seeds go first: that rate is the soonest exact,
+    and its exact mean bounds the others' runs (they stop at :func:`decisive_steps`, or are
+    settled without a run), where in seed order every run of every rate may run to its end."""
     for b in sorted({b for grid in grids.values() for b in grid}):
         runs_by_seed = {seed: grid[b] for seed, grid in grids.items() if b in grid}
         while todo := undecided(runs_by_seed):  # each round leaves fewer undecided runs
-            for seed, lr in todo:
+            pruned_seeds = Counter(lr for _, lr in todo)
+            for seed, lr in sorted(todo, key=lambda run: pruned_seeds[run[1]]):  # stable
                 if (seed, lr) not in undecided(runs_by_seed):  # settled by an earlier run
                     continue
                 start = time.perf_counter()
@@ -307,7 +313,8 @@ def seeds_section(folder, task) -> List[str]:
         "seed. Best learning rate and steps per seed, and the seed-averaged grid: for each "
         "learning rate the steps averaged over the seeds, the best learning rate on those "
         "means. A run pruned on some seed whose full length could change that best was run "
-        "on past its pruning, to the target or until its steps were enough to rule it out "
+        "on past its pruning (the runs of the rate pruned on the fewest seeds first), to the "
+        "target or until its steps were enough to rule it out "
         f"({completed} such runs here); the other pruned runs are bounded below by their "
         "seed's best, and cannot change it.", "",
         "| batch B | " + " | ".join(f"seed {s}" for s in seeds) + " | averaged: best lr | "

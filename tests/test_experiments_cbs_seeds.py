@@ -190,6 +190,31 @@ def test_complete_runs_the_undecided_pruned_runs_in_full(monkeypatch, tmp_path):
                                                                  (0.008, 100.0, False)]
 
 
+def test_complete_first_runs_the_rate_pruned_on_the_fewest_seeds(monkeypatch):
+    """No rate exact at batch 8: 0.004 pruned on seeds 0 and 1, 0.008 on seed 2 only. Seed 2's
+    0.008 in full (62 steps) makes 0.008 exact at (60 + 55 + 62) / 3 = 59; seed 0's 0.004 can
+    then beat it only below 3 * 59 - (55 + 50) = 72 steps, and its bound 74 settles seed 1's
+    run unrun. In seed order both 0.004 runs would have run to their end (no exact best)."""
+    grids = {0: {8: [run(8, 0.004, math.inf, pruned=True), run(8, 0.008, 60.0)]},
+             1: {8: [run(8, 0.004, math.inf, pruned=True), run(8, 0.008, 55.0)]},
+             2: {8: [run(8, 0.004, 50.0), run(8, 0.008, math.inf, pruned=True)]}}
+    assert cbs_seeds.undecided({s: g[8] for s, g in grids.items()}) == [
+        (0, 0.004), (1, 0.004), (2, 0.008)]
+    full = {(0.004, 0): 80.0, (0.004, 1): 58.0, (0.008, 2): 62.0}
+    trained = []
+
+    def train(task, b, lr, seed, *, max_steps, stop_after):
+        trained.append((lr, seed, stop_after))
+        if full[(lr, seed)] > stop_after:  # pruned at the first evaluation past it
+            return cbs.Run(b, lr, pruned=True, stopped_at=stop_after + 2)
+        return run(b, lr, full[(lr, seed)])
+
+    monkeypatch.setattr(cbs, "train", train)
+    cbs_seeds.complete(SimpleNamespace(name="gpt", max_steps=1500), grids, log=lambda m: None)
+    assert trained == [(0.008, 2, math.inf), (0.004, 0, 72.0)]
+    assert cbs_seeds.averaged_grid(grids) == {8: (0.008, 59.0, 3)}
+
+
 def test_a_pruned_run_records_the_step_it_stopped_at():
     """Evaluations every 64 // 8 = 8 steps, a loss never at the target: pruned at the first
     evaluation past 3, step 8."""
