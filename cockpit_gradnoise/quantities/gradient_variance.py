@@ -272,8 +272,16 @@ def _viewed_elsewhere(param: Tensor, sums: Tensor) -> bool:
     storage = sums.untyped_storage().data_ptr()
     others = [param.grad, param.data] + [value for key, value in vars(param).items()
                                          if key != SUMS_SAVEFIELD]
-    return any(isinstance(other, Tensor) and other.untyped_storage().data_ptr() == storage
-               for other in others)
+    return any(isinstance(other, Tensor) and _storage_address(other) == storage for other in others)
+
+
+def _storage_address(tensor: Tensor) -> Optional[int]:
+    """Where ``tensor``'s storage lies; ``None`` for a storage that holds no memory to share
+    (FSDP2's unsharded parameters between passes: torch refuses its data pointer)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _fused(grad, squares, magnitudes) -> bool:
