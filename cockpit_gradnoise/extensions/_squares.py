@@ -21,7 +21,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import facts
-from cockpit_gradnoise.functional.underflow import UNRESOLVED, marked_lost, underflow_floor, unresolved_sums
+from cockpit_gradnoise.functional.underflow import (
+    UNRESOLVED,
+    lost_to_underflow,
+    marked_lost,
+    underflow_floor,
+    unresolved_sums,
+)
 
 import torch
 from torch import Tensor
@@ -399,7 +405,7 @@ def unscaled_sums(sums: Tensor, scale: Union[Scale, Tensor, None], terms: int = 
             handed = found.deferred_sums.add(sums, scale.handed_over()[0], terms)
             if handed is not None:  # (not taken: [T, S, R], or a large layer)
                 return handed
-    lost = (sums[1] < underflow_floor(terms, sums.dtype)) & ((sums[1] != 0) | (sums[0] != 0))
+    lost = lost_to_underflow(sums[1], underflow_floor(terms, sums.dtype), sums[1], sums[0])
     powers = _as_powers(scale)
     # [1/s, 1/s**2, ...], float64 (powers of two: exact): a view for [T, S]; its dtype is the
     # product's (a vector), so the multiplication widens the sums itself, in one launch.

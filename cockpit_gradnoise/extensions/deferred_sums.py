@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Tuple
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.layout import dimension_order
-from cockpit_gradnoise.functional.underflow import UNRESOLVED, floors_of
+from cockpit_gradnoise.functional.underflow import UNRESOLVED, floors_of, lost_to_underflow
 
 import numpy
 import torch
@@ -149,7 +149,7 @@ def _settled(entries: List[Entry], device: torch.device) -> None:
         inverse, floors = inverse.index_select(1, owners), floors.index_select(0, owners)
     # Each S compared with its entry's floor, a float32 number as the Python floor is where
     # unscaled_sums compares a float32 tensor with it.
-    lost = (sums[1] < floors) & ((sums[1] != 0) | (sums[0] != 0))
+    lost = lost_to_underflow(sums[1], floors, sums[1], sums[0])
     result = sums * inverse  # [2, M] float64, exact: a float32 number times a power of two
     result[1].masked_fill_(lost, UNRESOLVED)
     for row in (0, 1):  # contiguous pieces: one launch each on CUDA

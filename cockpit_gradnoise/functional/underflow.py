@@ -66,7 +66,7 @@ def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 
     """
     floor = underflow_floor(n, squares.dtype) / loss_scale**2
     if not _device.on_host(squares):  # a 0-dim tensor: the host does not wait for it here
-        return ((squares < floor) & ((squares != 0) | (total != 0))).sum()
+        return lost_to_underflow(squares, floor, squares, total).sum()
     # In NumPy: several times faster than torch's comparisons here (a layer of 2.4M
     # elements, most of them dead units: 1.2 ms against 6 ms, 32 ms by a boolean mask).
     # In memory order (a view): a convolution's permuted sums are read in order, not by strides.
@@ -123,6 +123,21 @@ def unresolved_norm_sum(squared_norms: Tensor, numel: int) -> Optional[Union[int
     small = squared_norms.sum(dtype=torch.float64) < len(squared_norms) * floor
     found = lost.any() & small
     return (int(found) or None) if _device.on_host(squared_norms) else found.to(torch.int64)
+
+
+def lost_to_underflow(at_scale: Tensor, floor, squares: Tensor, total: Tensor) -> Tensor:
+    """Where a sum of squares ``S_j`` may have lost squares to underflow.
+
+    Elementwise,
+
+    .. math::
+
+        a_j < \\text{floor} \\ \\text{and} \\ (S_j \\ne 0 \\ \\text{or} \\ T_j \\ne 0),
+
+    ``a`` the sums as formed (at a scale, or ``S`` itself), ``T_j = sum_i x_ij``: an exact 0 of
+    exact zeros (``S_j = T_j = 0``) is a dead unit, resolved. ``floor``: a number, or a tensor
+    broadcast against ``at_scale``. Four launches."""
+    return (at_scale < floor) & ((squares != 0) | (total != 0))
 
 
 def marked_lost(unscaled: Tensor, at_scale: Tensor, floor, rows: Optional[Tensor] = None) -> Tensor:

@@ -11,7 +11,7 @@ import math
 from typing import Optional
 
 from cockpit_gradnoise import _device
-from cockpit_gradnoise.functional.underflow import underflow_floor
+from cockpit_gradnoise.functional.underflow import lost_to_underflow, underflow_floor
 
 import numpy
 import torch
@@ -231,7 +231,7 @@ def gradient_sd(
         # Elements far below the layer's largest (by 2**-126 in float32) whose S underflows
         # at this scale, though it is not an exact 0 of exact zeros: formed in the wide
         # dtype (with dtype's bound), which holds every S of float32 contributions.
-        lost = (squares < underflow_floor(n, dtype)) & ((sum_of_squares != 0) | (total != 0))
+        lost = lost_to_underflow(squares, underflow_floor(n, dtype), sum_of_squares, total)
         wide_extra = extra_rounding
         if extra_rounding is not None:
             extra_rounding = (extra_rounding * scale.to(extra_rounding.dtype).square()).to(dtype)
