@@ -33,7 +33,6 @@ dense product's (``tests/test_embedding_rows.py`` compares the two and float64 b
 
 from typing import Tuple
 
-from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
@@ -41,10 +40,8 @@ from cockpit_gradnoise.extensions._squares import (
     saved_dtype,
     scaled,
     squared_norms_of,
-    unscaled_sums,
 )
-from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin
-from cockpit_gradnoise.functional.underflow import unresolved_sums
+from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin, unscaled_or_wide
 
 import torch
 from backpack.core.derivatives.embedding import EmbeddingDerivatives
@@ -143,10 +140,8 @@ def embedding_sums(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     scale = contributions_scale(contributions)
     at_scale = scaled(flat, scale)
     sums = _added_by_index(index, at_scale, shape)
-    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)
-            and unresolved_sums(sums[1], sums[0], examples) is not None):
-        return _added_by_index(index, flat.to(saved_dtype(sums.dtype)), shape, placed=False)
-    return unscaled_sums(sums, scale, examples)
+    return unscaled_or_wide(sums, scale, examples, lambda: _added_by_index(
+        index, flat.to(saved_dtype(sums.dtype)), shape, placed=False))
 
 
 def _added_by_index(index: Tensor, values: Tensor, shape, placed: bool = True) -> Tensor:

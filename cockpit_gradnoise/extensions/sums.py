@@ -84,7 +84,7 @@ added by ``F.linear`` only (torchvision's Swin attention:
 need a second matrix product per layer.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.extensions import arena, facts
@@ -135,13 +135,25 @@ def sums_of(contributions: Tensor, axis: int = 0, zeros: Optional[Tensor] = None
     sums = stacked(torch.sum, (at_scale, axis), (at_scale.square(), axis), shape)
     if zeros is not None and not _device.on_host(sums):
         return unscaled_sums(sums.masked_fill(zeros, 0.0), scale, contributions.shape[axis])
-    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)  # elsewhere: the mark
-            and _underflowed(sums, contributions.shape[axis])):
-        wide = contributions.to(saved_dtype(sums.dtype))  # no square of a float32 number underflows
-        sums = torch.stack([wide.sum(axis), wide.square().sum(axis)])
-    else:
-        sums = unscaled_sums(sums, scale, contributions.shape[axis])
+
+    def wide() -> Tensor:  # no square of a float32 number underflows in float64
+        contributions_wide = contributions.to(saved_dtype(sums.dtype))
+        return torch.stack([contributions_wide.sum(axis), contributions_wide.square().sum(axis)])
+
+    sums = unscaled_or_wide(sums, scale, contributions.shape[axis], wide)
     return sums if zeros is None else sums.masked_fill(zeros, 0.0)
+
+
+def unscaled_or_wide(sums: Tensor, scale, terms: int, wide: Callable[[], Tensor]) -> Tensor:
+    """``[T, S]`` from sums of ``terms`` contributions at ``scale``: :func:`._squares.unscaled_sums`
+    (elsewhere than on the CPU, an ``S`` that underflowed is marked there); on the CPU, where
+    some element's ``S`` is below the floor while ``S`` or ``T`` is not 0
+    (:func:`.functional.underflow.unresolved_sums`), ``wide()``: the sums formed again from
+    the contributions in the saved dtype, exactly."""
+    if (saved_dtype(sums.dtype) != sums.dtype and _device.on_host(sums)
+            and _underflowed(sums, terms)):
+        return wide()
+    return unscaled_sums(sums, scale, terms)
 
 
 def _underflowed(sums: Tensor, terms: int) -> bool:
