@@ -113,6 +113,34 @@ def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
     return step
 
 
+def front_door_step(model, loss, quantities, every=1):
+    """A step tracked through the front door, ``cgn.track(model, every, quantities)``: one loss
+    per example (``loss("none")``), computed once, and the loss the tracker hands out, their mean.
+
+    The explicit API's ``cockpit_step`` computes the loss twice, the mean to differentiate and the
+    per-example losses for ``info`` (what the README's explicit loop writes); on a language model
+    the second cross-entropy over the vocabulary is a few percent of a step. Here, as through
+    ``cgn.track`` in a user's loop, it is computed once.
+    """
+    model, tracker = cgn.track(copy.deepcopy(model), every, quantities)
+    individual_loss = loss("none")
+    steps = itertools.count()
+
+    def step(x, y):
+        global_step = next(steps)
+        model.zero_grad(set_to_none=True)
+        start = time.process_time()
+        losses = individual_loss(model(x), y)
+        with tracker(global_step, losses) as mean:
+            before = time.process_time()
+            mean.backward()
+            backward = time.process_time()
+        _note_phases(step.phases, start, before, backward, time.process_time())
+
+    step.model, step.phases, step.tracker = model, _phases(), tracker
+    return step
+
+
 def tracked_token_step(model, cockpit, loss_fn, step, inputs, targets):
     """One step of a token model tracked by ``cockpit`` at ``step``: the mean cross-entropy over
     all tokens (``loss_fn``, extended), each example's own the mean over its tokens."""
