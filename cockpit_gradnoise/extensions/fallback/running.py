@@ -16,7 +16,7 @@ import warnings
 from typing import Dict, List, Optional, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings, precision
-from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
+from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several, sum_check
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -172,7 +172,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         try:
             if replayed is not None:
                 raise Refused(replayed)
-            results = reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = sum_check.reduced_and_checked(module, state, params, layout.children, grads,
+                                                    chunks, savefields)
             _leave_out(module, state, blind)
             return results
         except Refused as error:

@@ -1,0 +1,153 @@
+"""Issue 32: the fallback's ``vmap`` route checked once per module: do the examples' contributions add up?
+
+A module without a rule is recomputed per example under ``torch.func.vmap``, each example
+alone (``replay.per_example_gradients``). A module whose examples interact in its backward
+pass only, with each example's output alone its row of the batch's (a term zero in value,
+``h + (h - h.detach()).mean(0)``; a custom ``autograd.Function`` whose backward mixes the
+rows), got rows that do not add up to its gradient, with no warning. At its first tracked
+step on this route the module now runs once more on the whole batch, its children replayed
+(``replay.batch_gradients``), and each parameter's contributions must add up to that gradient
+(``sum_check``); where they do not, its parameters are left out by name, the others keep
+their rows. Exactness against ``cgn.check_model``'s float64 per-example reference (one
+backward pass per example through the batch's forward pass, the batch's dropout draws).
+"""
+
+import warnings
+
+import cockpit_gradnoise as cgn
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import quiet_check, rows, sequence_batch
+
+#: What the refusal says (``sum_check.not_summing_under_vmap``).
+NOT_SUMMING = "do not add up to its gradient from the batch"
+
+
+class RowMixingGradient(torch.autograd.Function):
+    """The identity whose backward hands every row the batch's mean gradient: the examples
+    interact in the backward pass only. ``vmap`` runs it (``setup_context``, a vmap rule
+    generated), one example at a time, where the mean is the example's own gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mean(0, keepdim=True).expand_as(grad).clone()
+
+
+class Mixer(nn.Module):
+    """A layer with parameters of its own (no rule: the fallback), its examples interacting
+    in its backward pass only by ``mixing``, a dropout of its own as a child (replayed)."""
+
+    def __init__(self, mixing: str = "", p: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.mixing = mixing
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.dropout(x) @ self.weight
+        if self.mixing == "detached mean":  # zero in value
+            h = h + (h - h.detach()).mean(0, keepdim=True)
+        elif self.mixing == "function":
+            h = RowMixingGradient.apply(h)
+        return torch.tanh(h) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self, mixing: str = "", p: float = 0.0):
+        super().__init__()
+        self.mixer = Mixer(mixing, p)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.mixer(x).mean(1))
+
+
+def _check(model: nn.Module, examples: int):
+    torch.manual_seed(0)
+    x, y = sequence_batch(examples)
+    return quiet_check(model.double(), (x,), y, nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("examples", [2, 3, 5])
+def test_backward_only_mixing_refused_by_name(examples):
+    """Each example's output alone is its row of the batch's; its gradient alone is not its
+    share of the batch's: the mixer's parameters are left out, named, with why and what to do;
+    the head keeps exact rows."""
+    torch.manual_seed(0)
+    frame = _check(Net("detached mean"), examples).set_index("param")
+    mixer = frame.loc[["mixer.weight", "mixer.scale"]]
+    assert not mixer.rows.any(), mixer.to_string()
+    assert mixer.note.str.contains(NOT_SUMMING).all(), mixer.note.tolist()
+    assert mixer.note.str.contains("torch.func.vmap").all()
+    assert mixer.note.str.contains("treat each example's rows alone").all()  # what to do
+    head = frame.loc[["head.weight", "head.bias"]]
+    assert head.rows.all() and (head.max_rel_error <= 1e-10).all(), head.to_string()
+
+
+def test_function_mixing_rows_in_its_backward_refused():
+    torch.manual_seed(0)
+    frame = _check(Net("function"), 3).set_index("param")
+    assert not frame.loc["mixer.weight"].rows
+    assert NOT_SUMMING in frame.loc["mixer.weight"].note
+    assert frame.loc["head.weight"].rows
+
+
+@pytest.mark.parametrize("examples", [2, 3, 5])
+def test_independent_examples_exact(examples):
+    """The same layer without the mixing: every parameter exact (the check passes)."""
+    torch.manual_seed(0)
+    frame = _check(Net(), examples)
+    assert frame.attrs["coverage"] == 1.0, frame[~frame.rows][["param", "note"]].to_string()
+    assert (frame.max_rel_error <= 1e-10).all(), frame.to_string()
+    assert frame.set_index("param").loc["mixer.weight"].how.startswith("fallback")
+
+
+def test_dropout_inside_replayed_by_the_check():
+    """Training mode, a dropout child inside the module (``p = 0.5``): the check's run on the
+    batch replays the child's recorded output. Drawing again would give other masks, a sum
+    far from the gradient, and the module refused."""
+    torch.manual_seed(0)
+    model = Net(p=0.5).train()
+    frame = _check(model, 5)
+    assert frame.attrs["coverage"] == 1.0, frame[~frame.rows][["param", "note"]].to_string()
+    assert (frame.max_rel_error <= 1e-10).all(), frame.to_string()
+
+
+def test_tracker_warns_and_keeps_the_step(monkeypatch):
+    """The tracker (not only ``check_model``) leaves the mixer out with a warning naming it,
+    keeps the head's rows, and at the next step refuses again without recomputing (the
+    reason is kept: the check ran at the first step only)."""
+    from cockpit_gradnoise.extensions.fallback import capture, sum_check
+
+    torch.manual_seed(0)
+    model, tracker = cgn.track(Net("detached mean").double(), every=1, quantities=["PerExampleGradNorm"])
+    x, y = sequence_batch(3)
+    for step in (0, 1):
+        model.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracker(step, losses) as loss:
+                loss.backward()
+        named = [str(w.message) for w in caught if NOT_SUMMING in str(w.message)]
+        assert (not named) if step else ("Mixer (weight, scale)" in named[0] and "to weight" in named[0]), named  # once
+        got = set(rows(tracker.cockpit, "PerExampleGradNorm", step))
+        assert not got & {"mixer.weight", "mixer.scale"} and {"head.weight", "head.bias"} <= got, got
+        if step == 0:  # the batch is not run again at later steps
+            state = getattr(model.mixer, capture.ATTRIBUTE)
+            assert state.sums_checked and NOT_SUMMING in state.not_summing
+            monkeypatch.setattr(sum_check, "not_summing_under_vmap", None)  # (a call would raise)
