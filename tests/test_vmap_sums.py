@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import quiet_check, rows, sequence_batch
+from tests.helpers import quiet_check, rows, sequence_batch, token_check
 
 #: What the refusal says (``sum_check.not_summing_under_vmap``).
 NOT_SUMMING = "do not add up to its gradient from the batch"
@@ -151,3 +151,45 @@ def test_tracker_warns_and_keeps_the_step(monkeypatch):
             state = getattr(model.mixer, capture.ATTRIBUTE)
             assert state.sums_checked and NOT_SUMMING in state.not_summing
             monkeypatch.setattr(sum_check, "not_summing_under_vmap", None)  # (a call would raise)
+
+
+def test_mobilebert_nonorm_through_the_check_still_exact(monkeypatch):
+    """MobileBERT's ``NoNorm`` (``x * weight + bias``, no rule: the fallback's ``vmap`` route)
+    in ``transformers``' own class, tiny, float64: every ``NoNorm`` checked, none refused, every
+    parameter exact (no new refusal)."""
+    from cockpit_gradnoise.extensions.fallback import sum_check
+
+    from transformers import MobileBertConfig, MobileBertForMaskedLM
+
+    from experiments.architecture_sweep import classify
+
+    checked = []
+    original = sum_check.not_summing_under_vmap
+
+    def recording(module, *args):
+        checked.append((type(module).__name__, original(module, *args)))
+        return checked[-1][1]
+
+    monkeypatch.setattr(sum_check, "not_summing_under_vmap", recording)
+    torch.manual_seed(0)
+    config = MobileBertConfig(vocab_size=61, hidden_size=16, embedding_size=8, intermediate_size=16,
+                              num_hidden_layers=1, num_attention_heads=2, intra_bottleneck_size=8,
+                              true_hidden_size=8, num_feedforward_networks=1)
+    frame = token_check(Logits(MobileBertForMaskedLM(config).double().eval()), 61)
+    # (the sweep's verdict: an attention key's bias, zero by structure, against the network's scale)
+    verdict = classify(frame, set())
+    assert verdict["status"] == "exact" and verdict["coverage"] == 1.0, verdict
+    assert "fallback (torch.func, NoNorm)" in verdict["how"]
+    assert checked and {name for name, _ in checked} >= {"NoNorm"}
+    assert all(why is None for _, why in checked), checked
+
+
+class Logits(nn.Module):
+    """A masked language model's logits."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(tokens).logits
