@@ -116,6 +116,32 @@ def test_independent_examples_exact(examples):
     assert frame.set_index("param").loc["mixer.weight"].how.startswith("fallback")
 
 
+class Twice(nn.Module):
+    """The mixer called twice in one forward pass (its calls summed per example: ``.several``),
+    side by side (one call's output into the other would mix before it: ``.mixing`` sees that)."""
+
+    def __init__(self, mixing: str = ""):
+        super().__init__()
+        self.mixer = Mixer(mixing)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head((self.mixer(x) + self.mixer(x.flip(1))).mean(1))
+
+
+@pytest.mark.parametrize("mixing", ["", "detached mean"])
+def test_a_module_called_twice_checked_over_its_calls(mixing):
+    torch.manual_seed(0)
+    frame = _check(Twice(mixing), 3).set_index("param")
+    mixer = frame.loc[["mixer.weight", "mixer.scale"]]
+    if mixing:
+        assert not mixer.rows.any() and mixer.note.str.contains(NOT_SUMMING).all(), mixer.note.tolist()
+        assert mixer.note.str.contains("called 2 times").all()
+    else:
+        assert mixer.rows.all() and (mixer.max_rel_error <= 1e-10).all(), mixer.to_string()
+    assert frame.loc["head.weight"].rows
+
+
 def test_dropout_inside_replayed_by_the_check():
     """Training mode, a dropout child inside the module (``p = 0.5``): the check's run on the
     batch replays the child's recorded output. Drawing again would give other masks, a sum
@@ -193,3 +219,19 @@ class Logits(nn.Module):
 
     def forward(self, tokens):
         return self.lm(tokens).logits
+
+
+def test_a_first_batch_of_one_example_is_no_check():
+    """At one example the contribution is the gradient: the check waits for a larger batch."""
+    torch.manual_seed(0)
+    model, tracker = cgn.track(Net("detached mean").double(), every=1, quantities=["PerExampleGradNorm"])
+    for step, examples in enumerate((1, 3)):
+        x, y = sequence_batch(examples)
+        model.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracker(step, losses) as loss:
+                loss.backward()
+        assert any(NOT_SUMMING in str(w.message) for w in caught) == (examples > 1)
+    assert "mixer.weight" not in rows(tracker.cockpit, "PerExampleGradNorm", 1)

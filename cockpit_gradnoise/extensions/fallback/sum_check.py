@@ -7,11 +7,11 @@ and gradients per example that are not the example's share of the batch's:
 ``h + (h - h.detach()).mean(0)`` (zero in value, ``1/N`` of every row's gradient to
 each row in the batch, the row's own alone), or a custom ``autograd.Function`` whose
 backward mixes the rows. Issue 32: silently wrong rows, which ``cgn.check_model``
-showed (0.90 off) and the tracker did not. The per-example loop of a module ``vmap``
+showed (0.90 off on partial15's toy) and the tracker did not. The per-example loop of a module ``vmap``
 cannot run has the same check (:func:`.running._not_summing`).
 """
 
-from typing import Collection, Dict, Iterator, Optional, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
 from cockpit_gradnoise.extensions.fallback import blocks
@@ -23,38 +23,43 @@ from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GR
 import torch
 from torch import Tensor, nn
 
+#: One call's share of the check: ``(call, the children's calls whose outputs depend on the
+#: batch, {output position: gradient})``, as :func:`.replay.per_example_gradients` took them.
+Part = Tuple[Call, Collection[int], Dict[int, Tensor]]
 
-def reduced_and_checked(module: nn.Module, state: Fallback, params: Dict[str, Tensor],
-                        batched_children: Collection[int], grads: Dict[int, Tensor],
+
+def reduced_and_checked(module: nn.Module, state: Fallback, params: Dict[str, Tensor], parts: List[Part],
                         chunks: Iterator[Tuple[Dict[str, Tensor], Dict]], savefields) -> Dict:
     """:func:`.reduce.reduce_chunks` of ``vmap``'s ``chunks`` for ``savefields``; at the
     module's first step on this route, checked to add up (:func:`not_summing_under_vmap`,
-    its sum and ``||x_i||^2`` reduced too).
+    its sum and ``||x_i||^2`` reduced too). ``parts``: the calls the chunks sum per example
+    (one; several for a module called several times, :mod:`.several`).
 
     Raises:
         Refused: Where they do not add up: then, and at every later step without computing.
     """
     if state.not_summing is not None:
         raise Refused(state.not_summing)
-    checking = not state.sums_checked
+    # (A batch of one example tells nothing: its one contribution is the gradient.)
+    checking = not state.sums_checked and next(iter(parts[0][2].values())).shape[0] > 1
     fields = sorted({*savefields, LOCAL_GRADIENT_SAVEFIELD, BATCH_L2_SAVEFIELD}) if checking else savefields
     results = reduce_chunks(with_structural_zeros(chunks), fields)
     if checking:
-        state.not_summing = not_summing_under_vmap(module, state.call, params, batched_children, grads, results)
+        state.not_summing = not_summing_under_vmap(module, parts, params, results)
         state.sums_checked = True
         if state.not_summing is not None:
             raise Refused(state.not_summing)
     return {field: results[field] for field in savefields}
 
 
-def not_summing_under_vmap(module: nn.Module, call: Call, params: Dict[str, Tensor],
-                           batched_children: Collection[int], grads: Dict[int, Tensor],
+def not_summing_under_vmap(module: nn.Module, parts: List[Part], params: Dict[str, Tensor],
                            results: Dict) -> Optional[str]:
     """Why the contributions ``x_i`` that ``vmap`` gave (``results``: their sum and
     ``||x_i||^2``) are not the module's per-example gradients: their sum differs from the
-    gradient ``G`` of the module run once more on the whole batch, its children replayed as
-    ``vmap``'s recomputation replays them (:func:`.replay.batch_gradients`: a dropout inside
-    draws nothing new); ``None`` where they add up, for every parameter.
+    gradient ``G`` of the module run once more on the whole batch (at each of its calls,
+    ``parts``), its children replayed as ``vmap``'s recomputation replays them
+    (:func:`.replay.batch_gradients`: a dropout inside draws nothing new); ``None`` where they
+    add up, for every parameter.
 
     ``vmap`` runs each example alone: a module whose examples interact in its backward pass
     only (a term zero in value, ``(h - h.detach()).mean(0)``, or a custom
@@ -74,10 +79,14 @@ def not_summing_under_vmap(module: nn.Module, call: Call, params: Dict[str, Tens
     (:func:`.precision.rounding_bound` says why). What it cannot see: a mixing term smaller than
     ``sqrt(eps)`` of the gradient, or one whose contributions happen to sum to ``G``.
     """
+    call, _, grads = parts[0]
+    narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else next(iter(grads.values())).dtype)
+    totals: Dict[str, Optional[Tensor]] = {name: None for name in params}
     try:
-        narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else grads[0].dtype)
         with narrowest:
-            totals = batch_gradients(module, params, call, batched_children, grads)
+            for call, batched_children, grads in parts:  # (a module called several times: their sum)
+                found = batch_gradients(module, params, call, batched_children, grads)
+                totals = {name: _added(totals[name], found[name]) for name in totals}
     except Exception as error:  # noqa: BLE001 - not checked: no rows rather than unchecked ones
         return (f"the sum of its contributions computed under torch.func.vmap could not be checked "
                 f"against its gradient from the batch ({type(error).__name__}: {error})")
@@ -95,3 +104,8 @@ def not_summing_under_vmap(module: nn.Module, call: Call, params: Dict[str, Tens
                     "gradient of its parameters exists: make the module's backward pass treat each "
                     "example's rows alone at tracked steps to give them rows")
     return None
+
+
+def _added(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    """``a + b``, ``None`` standing for no gradient (zeros)."""
+    return b if a is None else a if b is None else a + b
