@@ -153,6 +153,20 @@ def test_dropout_inside_replayed_by_the_check():
     assert (frame.max_rel_error <= 1e-10).all(), frame.to_string()
 
 
+def _refusals(model, tracker, step: int, examples: int):
+    """One tracked step of ``examples`` sequences (``cgn.track``'s ``with``): the messages of
+    the warnings that say the contributions do not add up, and the parameters with rows."""
+    x, y = sequence_batch(examples)
+    model.zero_grad()
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracker(step, losses) as loss:
+            loss.backward()
+    named = [str(w.message) for w in caught if NOT_SUMMING in str(w.message)]
+    return named, set(rows(tracker.cockpit, "PerExampleGradNorm", step))
+
+
 def test_tracker_warns_and_keeps_the_step(monkeypatch):
     """The tracker (not only ``check_model``) leaves the mixer out with a warning naming it,
     keeps the head's rows, and at the next step refuses again without recomputing (the
@@ -161,17 +175,9 @@ def test_tracker_warns_and_keeps_the_step(monkeypatch):
 
     torch.manual_seed(0)
     model, tracker = cgn.track(Net("detached mean").double(), every=1, quantities=["PerExampleGradNorm"])
-    x, y = sequence_batch(3)
     for step in (0, 1):
-        model.zero_grad()
-        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with tracker(step, losses) as loss:
-                loss.backward()
-        named = [str(w.message) for w in caught if NOT_SUMMING in str(w.message)]
-        assert (not named) if step else ("Mixer (weight, scale)" in named[0] and "to weight" in named[0]), named  # once
-        got = set(rows(tracker.cockpit, "PerExampleGradNorm", step))
+        named, got = _refusals(model, tracker, step, 3)
+        assert (not named) if step else ("Mixer (weight, scale)" in named[0] and "to weight" in named[0]), named
         assert not got & {"mixer.weight", "mixer.scale"} and {"head.weight", "head.bias"} <= got, got
         if step == 0:  # the batch is not run again at later steps
             state = getattr(model.mixer, capture.ATTRIBUTE)
@@ -226,12 +232,6 @@ def test_a_first_batch_of_one_example_is_no_check():
     torch.manual_seed(0)
     model, tracker = cgn.track(Net("detached mean").double(), every=1, quantities=["PerExampleGradNorm"])
     for step, examples in enumerate((1, 3)):
-        x, y = sequence_batch(examples)
-        model.zero_grad()
-        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with tracker(step, losses) as loss:
-                loss.backward()
-        assert any(NOT_SUMMING in str(w.message) for w in caught) == (examples > 1)
-    assert "mixer.weight" not in rows(tracker.cockpit, "PerExampleGradNorm", 1)
+        named, got = _refusals(model, tracker, step, examples)
+        assert bool(named) == (examples > 1), named
+    assert "mixer.weight" not in got
