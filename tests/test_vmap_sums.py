@@ -116,6 +116,34 @@ def test_independent_examples_exact(examples):
     assert frame.set_index("param").loc["mixer.weight"].how.startswith("fallback")
 
 
+class KeyBias(nn.Module):
+    """Attention with its own key bias (no rule: the fallback): the bias's gradient is zero by
+    structure (the softmax over the keys ignores what every key adds alike), rounding noise in
+    the batch's gradient and in the examples' contributions alike (CvT, I-BERT, CaiT, XCiT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.key = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.key_bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        # (F.linear: the examples' terms of its bias are watched, the exact zeros kept: .replay)
+        scores = (x @ self.query) @ nn.functional.linear(x, self.key, self.key_bias).transpose(1, 2)
+        return torch.softmax(scores, -1) @ x
+
+
+@pytest.mark.parametrize("examples", [3, 5])
+def test_a_gradient_zero_by_structure_is_not_refused(examples):
+    """Compared at the module's scale, not its own (noise against noise): no refusal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(KeyBias(), nn.Flatten(), nn.Linear(20, 3))
+    frame = _check(model, examples).set_index("param")
+    assert frame.rows.all(), frame.note.tolist()
+    assert frame.loc["0.key_bias"].reference_scale < 1e-12 * frame.reference_scale.max()  # zero by structure
+    assert (frame.drop(index="0.key_bias").max_rel_error <= 1e-10).all(), frame.to_string()
+
+
 class Twice(nn.Module):
     """The mixer called twice in one forward pass (its calls summed per example: ``.several``),
     side by side (one call's output into the other would mix before it: ``.mixing`` sees that)."""

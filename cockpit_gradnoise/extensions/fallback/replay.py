@@ -124,13 +124,15 @@ def per_example_gradients(
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
 
 
-def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call,
-                    batched_children: Collection[int], grads: Dict[int, Tensor]) -> Dict[str, Optional[Tensor]]:
-    """``{name: G}``, the gradient of each of ``params`` from the module run once more on the
-    whole batch, at its output gradients ``grads`` (by output position), its children replayed
-    as :func:`per_example_gradients` replays them (:class:`_Replay`: their recorded outputs,
-    dropout's draws included, and the gradients that flowed into them through inputs that
-    depend on the parameters); ``None`` for a parameter no output depends on.
+def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call, batched_children: Collection[int],
+                    grads: Dict[int, Tensor]) -> Tuple[Dict[str, Optional[Tensor]], float]:
+    """``({name: G}, sum ||g|| ||y||)``: the gradient of each of ``params`` from the module run
+    once more on the whole batch, at its output gradients ``grads`` (by output position), its
+    children replayed as :func:`per_example_gradients` replays them (:class:`_Replay`: their
+    recorded outputs, dropout's draws included, and the gradients that flowed into them through
+    inputs that depend on the parameters), ``None`` for a parameter no output depends on; and
+    the sum over the outputs ``y`` it differentiates (the children's inputs among them) of
+    ``||y|| ||g||`` with their gradients ``g``, a scale in the units of ``<G, theta>`` (a loss).
 
     ``G = sum_i x_i`` where the module's examples are independent in its forward *and* its
     backward pass: the per-example recomputation's ``x_i`` (under ``vmap``, one example at a
@@ -157,10 +159,10 @@ def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call,
     pairs = [(out, grads[p].to(out.dtype)) for out, p in zip(outputs, positions)] + replay.sinks
     pairs = [(out, g) for out, g in pairs if out.requires_grad]
     if not pairs:
-        return {name: None for name in own}
+        return {name: None for name in own}, 0.0
     found = torch.autograd.grad([o for o, _ in pairs], list(own.values()), [g for _, g in pairs],
                                 allow_unused=True)
-    return dict(zip(own, found))
+    return dict(zip(own, found)), sum(float(o.detach().double().norm() * g.double().norm()) for o, g in pairs)
 
 
 def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],

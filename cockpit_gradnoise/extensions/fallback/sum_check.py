@@ -11,10 +11,10 @@ showed (0.90 off on partial15's toy) and the tracker did not. The per-example lo
 cannot run has the same check (:func:`.running._not_summing`).
 """
 
+import math
 from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from cockpit_gradnoise.extensions import precision
-from cockpit_gradnoise.extensions.fallback import blocks
 from cockpit_gradnoise.extensions.fallback.capture import Call, Fallback
 from cockpit_gradnoise.extensions.fallback.reduce import reduce_chunks, with_structural_zeros
 from cockpit_gradnoise.extensions.fallback.replay import Refused, batch_gradients
@@ -69,32 +69,38 @@ def not_summing_under_vmap(module: nn.Module, parts: List[Part], params: Dict[st
     this route (:func:`.running.compute`: the result is kept; later steps cost nothing more): whether a
     module's backward pass mixes its examples is a property of its code.
 
-    Tolerance (:func:`.blocks.reached_otherwise`): ``||sum_i x_i - G|| <= sqrt(eps) (||G|| +
-    sqrt(sum_i ||x_i||^2))``, ``eps`` that of the narrowest dtype the batch's recomputation
-    computes in (a float64 model whose norm computes in float32 rounds to float32). Both sides
+    Tolerance: ``||sum_i x_i - G|| <= sqrt(eps) S`` for each parameter, ``eps`` that of the
+    narrowest dtype the batch's recomputation computes in (a float64 model whose norm computes
+    in float32 rounds to float32), ``S`` the module's scale (:func:`module_scale`). Both sides
     are the same sums of products in another order; each carries at most ``(m - 1) eps`` times
-    the sum of its terms' magnitudes (Higham 2002, ch. 3-4), which the two norms bound for the
-    sum over examples; ``sqrt(eps)`` leaves ``1 / sqrt(eps)`` (``6.7e7`` in float64, ``2.9e3`` in
-    float32) above that and below a difference of the gradient's own size, which mixing makes
-    (:func:`.precision.rounding_bound` says why). What it cannot see: a mixing term smaller than
-    ``sqrt(eps)`` of the gradient, or one whose contributions happen to sum to ``G``.
+    the sum of its terms' magnitudes (Higham 2002, ch. 3-4), a few thousand ``eps S`` at most
+    (by far less in practice); ``sqrt(eps)`` leaves ``1 / sqrt(eps)`` (``6.7e7`` in float64,
+    ``2.9e3`` in float32) above that and below a difference of the gradient's own size, which
+    mixing makes (:func:`.precision.rounding_bound` says why). The module's scale, not the
+    parameter's: a gradient zero by structure (an attention key's bias, SwiftFormer's ``w_g``)
+    is rounding noise of terms of the module's size, both ways (``8.7e-17`` off against a
+    gradient of ``8.7e-17``, CvT's key bias in float64). What it cannot see: a mixing term
+    smaller than ``sqrt(eps)`` of the module's scale, or one whose contributions happen to add
+    up to ``G``.
     """
     call, _, grads = parts[0]
     narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else next(iter(grads.values())).dtype)
     totals: Dict[str, Optional[Tensor]] = {name: None for name in params}
+    output_scale = 0.0
     try:
         with narrowest:
             for call, batched_children, grads in parts:  # (a module called several times: their sum)
-                found = batch_gradients(module, params, call, batched_children, grads)
+                found, scale = batch_gradients(module, params, call, batched_children, grads)
                 totals = {name: _added(totals[name], found[name]) for name in totals}
+                output_scale += scale
     except Exception as error:  # noqa: BLE001 - not checked: no rows rather than unchecked ones
         return (f"the sum of its contributions computed under torch.func.vmap could not be checked "
                 f"against its gradient from the batch ({type(error).__name__}: {error})")
-    eps = torch.finfo(narrowest.dtype).eps
+    tolerance = math.sqrt(torch.finfo(narrowest.dtype).eps) * module_scale(totals, results, params, output_scale)
     for name, summed in results[LOCAL_GRADIENT_SAVEFIELD].items():
         total = totals.get(name)
-        if blocks.reached_otherwise(total, summed, results[BATCH_L2_SAVEFIELD][name], eps):
-            off = float((summed.double() - (0 if total is None else total.double())).norm())
+        off = float((summed.double() - (0 if total is None else total.double())).norm())
+        if not off <= tolerance:
             scale = 0.0 if total is None else float(total.double().norm())
             return (f"the contributions of each example to {name}, computed under torch.func.vmap "
                     f"one example at a time, do not add up to its gradient from the batch ({off:.2g} "
@@ -104,6 +110,27 @@ def not_summing_under_vmap(module: nn.Module, parts: List[Part], params: Dict[st
                     "gradient of its parameters exists: make the module's backward pass treat each "
                     "example's rows alone at tracked steps to give them rows")
     return None
+
+
+def module_scale(totals: Dict[str, Optional[Tensor]], results: Dict, params: Dict[str, Tensor],
+                 output_scale: float) -> float:
+    """The size of the terms a module's parameter gradients sum: ``max_p (||G_p|| +
+    sqrt(sum_i ||x_ip||^2))`` over its parameters ``p``, plus ``sum ||y|| ||g|| / ||theta||``
+    (``output_scale``, :func:`.replay.batch_gradients`).
+
+    The first is the largest gradient of the module and its examples' contributions. The
+    second is for a module whose every parameter's gradient is zero by structure (SwiftFormer's
+    attention holds one, ``w_g``): its terms' size, from its outputs ``y`` and their gradients
+    ``g``, in the parameters' units (``<G, theta> = <g, y>`` where ``y`` is linear in
+    ``theta``: Euler's theorem), ``theta`` all the module's parameters (left out if zero).
+    """
+    largest = 0.0
+    for name, summed in results[LOCAL_GRADIENT_SAVEFIELD].items():
+        total = totals.get(name)
+        own = 0.0 if total is None else float(total.double().norm())
+        largest = max(largest, own + float(results[BATCH_L2_SAVEFIELD][name].double().sum().sqrt()))
+    size = math.sqrt(sum(float(p.double().square().sum()) for p in params.values()))
+    return largest + (output_scale / size if size > 0 else 0.0)
 
 
 def _added(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
