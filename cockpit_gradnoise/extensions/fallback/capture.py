@@ -198,6 +198,11 @@ class Fallback:
     #: The module's own attributes at the start of the call in progress
     #: (:func:`.parameters.attributes_before`).
     before: Optional[dict] = None
+    #: Whether the per-example contributions of ``vmap``'s route were checked to add up to the
+    #: module's gradient from the batch (once, at its first tracked step: :mod:`.running`), and
+    #: why they did not (``None``: they did, or not checked yet).
+    sums_checked: bool = False
+    not_summing: Optional[str] = None
 
 
 # Which modules: direct trainable parameters and no rule -----------------------

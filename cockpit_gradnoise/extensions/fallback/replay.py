@@ -124,6 +124,47 @@ def per_example_gradients(
     return contributions, biases.terms(spread, found[len(copies) :], contributions)
 
 
+def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call, batched_children: Collection[int],
+                    grads: Dict[int, Tensor]) -> Tuple[Dict[str, Optional[Tensor]], float]:
+    """``({name: G}, sum ||g|| ||y||)``: the gradient of each of ``params`` from the module run
+    once more on the whole batch, at its output gradients ``grads`` (by output position), its
+    children replayed as :func:`per_example_gradients` replays them (:class:`_Replay`: their
+    recorded outputs, dropout's draws included, and the gradients that flowed into them through
+    inputs that depend on the parameters), ``None`` for a parameter no output depends on; and
+    the sum over the outputs ``y`` it differentiates (the children's inputs among them) of
+    ``||y|| ||g||`` with their gradients ``g``, a scale in the units of ``<G, theta>`` (a loss).
+
+    ``G = sum_i x_i`` where the module's examples are independent in its forward *and* its
+    backward pass: the per-example recomputation's ``x_i`` (under ``vmap``, one example at a
+    time) are checked against it (:func:`.running._not_summing_under_vmap`). Its own operations
+    are the only ones run on the batch: what the check compares is the module's, not its
+    children's.
+    """
+    positions = list(grads)
+    total = grads[positions[0]].shape[0]
+    replay = _Replay(call.children, total, 0, total, batched_children, whole=True)
+    if call.one_input is not None:
+        args, kwargs = (call.one_input,), {}
+    else:
+        leaves = [None if k in call.fresh_caches else leaf for k, leaf in enumerate(call.leaves)]
+        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+    own = {name: p.detach().requires_grad_() for name, p in params.items()}
+    with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
+            precision.autocast_as(call.autocast), padding_kept(module), \
+            attributes_as_called(module, call.attributes), own_parameters(module, own), \
+            replay.replacing(module, replay.recorded_outputs()):
+        output = module.forward(*args, **kwargs)
+    outputs = [output] if call.outputs is None else [output[call.outputs[p]] for p in positions]
+    replay.check(any(out.requires_grad for out in outputs))
+    pairs = [(out, grads[p].to(out.dtype)) for out, p in zip(outputs, positions)] + replay.sinks
+    pairs = [(out, g) for out, g in pairs if out.requires_grad]
+    if not pairs:
+        return {name: None for name in own}, 0.0
+    found = torch.autograd.grad([o for o, _ in pairs], list(own.values()), [g for _, g in pairs],
+                                allow_unused=True)
+    return dict(zip(own, found)), sum(float(o.detach().double().norm() * g.double().norm()) for o, g in pairs)
+
+
 def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],
                   blind: Optional[Dict[str, str]]) -> None:
     """Name in ``blind`` the copies the ``outputs`` without a gradient per example depend on:
@@ -300,12 +341,16 @@ class _Replay:
     inputs. Refused (:class:`Refused`): calls in another order than recorded, and
     another child's output changed in place after its call if anything that
     depends on the parameters comes after it.
+
+    ``whole``: the module runs on the whole batch, not under ``vmap`` (:func:`batch_gradients`):
+    the same calls are replayed, with the batch's recorded outputs and gradients whole.
     """
 
     def __init__(self, children: List[ChildCall], examples: int, start: int, stop: int,
-                 batched: Collection[int]):
+                 batched: Collection[int], whole: bool = False):
         self.children, self.examples, self.start, self.stop = children, examples, start, stop
         self.batched = batched  # the calls whose outputs depend on the batch
+        self.whole = whole
         self.sinks: List[Tuple[Tensor, Tensor]] = []  # (input in the recomputation, cotangent)
         self.stale = False
         self._next = 0
@@ -342,7 +387,8 @@ class _Replay:
         leaves, _ = _pytree.tree_flatten((args, kwargs))
         # Replayed where the call's inputs are the examples' parts of batch-leading tensors
         # (never for a call on tensors without the batch, such as wpe(arange(T))).
-        if k not in self._recorded or not any(_is_example(leaf) for leaf in leaves):
+        of_examples = self._leads_with_batch if self.whole else _is_example
+        if k not in self._recorded or not any(of_examples(leaf) for leaf in leaves):
             return forward(*args, **kwargs)
         if record.output._version != record.version and type(child) in ROW_WISE:
             # Changed in place after its call (ConvBERT's ``x += bias`` on its pointwise
@@ -353,15 +399,16 @@ class _Replay:
             if not _depends_on_copies(leaf):
                 continue
             grad = record.grads.get(j)
-            if not self._leads_with_batch(grad) or tuple(leaf.shape) != (1, *grad.shape[1:]):
+            if not self._leads_with_batch(grad) or tuple(leaf.shape) != (
+                    tuple(grad.shape) if self.whole else (1, *grad.shape[1:])):
                 return forward(*args, **kwargs)  # no per-example gradient there: run it
-            sinks.append((leaf, grad[self.start : self.stop].unsqueeze(1)))
+            sinks.append((leaf, grad if self.whole else grad[self.start : self.stop].unsqueeze(1)))
         if sinks and self.stale:
             raise Refused("a child's output that was changed in place is needed")
         self.sinks.extend(sinks)
         if record.output._version != record.version:
             self.stale = True
-        return self._recorded[k].unsqueeze(0).clone()
+        return self._recorded[k].clone() if self.whole else self._recorded[k].unsqueeze(0).clone()
 
     def check(self, outputs_depend: bool):
         """After the recomputation: refuse a stale output followed by parameter-dependent outputs."""

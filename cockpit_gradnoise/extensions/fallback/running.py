@@ -16,7 +16,7 @@ import warnings
 from typing import Dict, List, Optional, Union
 
 from cockpit_gradnoise.extensions import cost_model, facts, meetings, precision
-from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several
+from cockpit_gradnoise.extensions.fallback import blocks, caches, draws, regroup, several, sum_check
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -172,7 +172,8 @@ def compute(module: nn.Module, state: Fallback, g_out, savefields) -> Dict:
         try:
             if replayed is not None:
                 raise Refused(replayed)
-            results = reduce_chunks(with_structural_zeros(chunks), savefields)
+            results = sum_check.reduced_and_checked(module, state, params, [(call, layout.children, grads)],
+                                                    chunks, savefields)
             _leave_out(module, state, blind)
             return results
         except Refused as error:
@@ -545,7 +546,8 @@ def _summed_results(module: nn.Module, state: Fallback, calls: List[Call],
     blind: Dict[str, str] = {}
     chunks = several.summed_contributions(module, state, params, parts, sizes.pop(), size, blind)
     try:
-        results = reduce_chunks(with_structural_zeros(chunks), sorted(arrivals.savefields))
+        results = sum_check.reduced_and_checked(module, state, params, [
+            (part.call, part.children, part.grads) for part in parts], chunks, sorted(arrivals.savefields))
     except Refused as error:
         return str(error)
     except Exception as error:  # noqa: BLE001 - vmap cannot run this forward per example
