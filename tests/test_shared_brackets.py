@@ -10,13 +10,19 @@ not merged) and near them (merged); sizes at and around ``BRACKET_AT_LEAST`` (se
 
 import math
 
+import cockpit_gradnoise as cgn
 from cockpit_gradnoise import order_statistics
+from cockpit_gradnoise.functional import fused
 from cockpit_gradnoise.order_statistics import bracket, partition
+from cockpit_gradnoise.quantities import gradient_variance
 
 import numpy
 import pytest
+from cockpit.utils.schedules import linear
 
+from tests.cases import build, case_named, run_step
 from tests.test_large_selection import bracket_cases
+from tests.test_sd_over_sums import QUANTILES, check_against_reference
 
 N = 300_007
 RANKS = [0.0, 0.001, 0.05, 0.25, 0.5, 0.5001, 0.75, 0.95, 0.999, 1.0]
@@ -43,22 +49,49 @@ def test_union_and_each_array_equal_a_sort(case):
     first_top = int(numpy.searchsorted(union, union[-1]))
     union_ranks = ranks_of(RANKS, union.size) + [max(first_top - 1, 0), first_top]
     own_ranks = {k: ranks_of(RANKS, arrays[k].size) + [1, arrays[k].size - 2] for k in (1, 2)}
-    found, own = bracket.select_bracketed_with_union(arrays, union_ranks, own_ranks)
+    found, own, totals = bracket.select_bracketed_with_union(arrays, union_ranks, own_ranks)
     assert found == union[union_ranks].tolist()
     assert own == {k: sorted64(arrays[k])[ranks].tolist() for k, ranks in own_ranks.items()}
     assert all(numpy.array_equal(a, c) for a, c in zip(arrays, copies))  # not reordered
+    # The float64 sums taken in the pass: NumPy's own sums of float32 arrays, bit for bit
+    # (float64 arrays, as "spread", are summed whole by the caller).
+    expected = [float(a.sum(dtype=numpy.float64)) if a.dtype == numpy.float32 else None for a in arrays]
+    assert [repr(total) for total in totals] == [repr(total) for total in expected]  # nan (inf - inf) too
 
 
 def test_float64_arrays_and_nan():
     rng = numpy.random.default_rng(5)
     arrays = [rng.standard_normal(150_001), numpy.abs(rng.standard_normal(90_000)) * 1e-300]
     ranks = ranks_of(RANKS, 240_001)
-    found, own = bracket.select_bracketed_with_union(arrays, ranks, {0: ranks_of(RANKS, 150_001)})
+    found, own, totals = bracket.select_bracketed_with_union(arrays, ranks, {0: ranks_of(RANKS, 150_001)})
+    assert totals == [None, None]  # float64: NumPy sums the whole array pairwise, not by pieces
     assert found == sorted64(numpy.concatenate(arrays))[ranks].tolist()
     assert own[0] == sorted64(arrays[0])[ranks_of(RANKS, 150_001)].tolist()
     arrays[1][-5] = math.nan  # not in the sample: found by the pass
     with pytest.raises(ValueError, match="NaN"):
         bracket.select_bracketed_with_union(arrays, ranks, {0: [3]})
+
+
+@pytest.mark.parametrize("n", [1, 8191, 8193, (1 << 18) - 1, 1 << 18, (1 << 18) + 1, 3 * (1 << 18) + 8191])
+def test_sums_carried_over_the_pieces_are_numpys_sums(n):
+    """``carried_sum`` over the pass's pieces equals ``values.sum(dtype=float64)`` of float32
+    values spread over 40 orders of magnitude, with cancellation; not finite where an element
+    is infinite (and the pass then finds a NaN by the piece's max)."""
+    rng = numpy.random.default_rng(n)
+    values = (rng.standard_normal(n) * numpy.exp(8 * rng.standard_normal(n))).astype(numpy.float32)
+    tally = bracket.Tally([(0.0, 1.0)])
+    tally.summing = True
+    for start in range(0, n, bracket._PIECE):
+        tally.add(values[start : start + bracket._PIECE])
+    assert tally.total == float(values.sum(dtype=numpy.float64))
+    values[n // 2] = numpy.inf
+    assert bracket.carried_sum(values, 0.0) == math.inf
+    values[n - 1] = math.nan
+    tally = bracket.Tally([(0.0, 1.0)])
+    tally.summing = True
+    with pytest.raises(ValueError, match="NaN"):
+        for start in range(0, n, bracket._PIECE):
+            tally.add(values[start : start + bracket._PIECE])
 
 
 def test_within_reads_what_a_tally_of_the_smaller_bracket_holds():
@@ -137,9 +170,33 @@ def test_where_the_shared_brackets_miss_the_other_paths_are_exact(monkeypatch):
     monkeypatch.setattr(bracket, "_MARGIN", 0.0)
     values = bracket_cases(N)["spread"]
     arrays = [values[:200_000].copy(), values[200_000:].copy()]
-    found, own = bracket.select_bracketed_with_union(arrays, [N // 3, N // 2 + 1], {0: [77_777, 100_001]})
+    found, own, _ = bracket.select_bracketed_with_union(arrays, [N // 3, N // 2 + 1], {0: [77_777, 100_001]})
     assert found is None and own == {0: None}
     levels = (0.2, 0.5)
     each, union = order_statistics.quantile_summaries_in_place([a.copy() for a in arrays], levels)
     assert union[:2] == numpy.quantile(sorted64(values), levels).tolist()
     assert [row[:2] for row in each] == [numpy.quantile(sorted64(a), levels).tolist() for a in arrays]
+
+
+def test_gradient_variance_quantiles_by_the_shared_pass_match_the_reference(monkeypatch):
+    """End to end, VGG-11's route at a small size: sd and SNR over each layer's sums, the
+    network's and the large layers' quantiles in one pass (thresholds lowered so that the
+    test GPT's 256-element layers count as large), against the float64 per-example reference."""
+    monkeypatch.setattr(gradient_variance, "OVER_SUMS_AT_LEAST", 0)
+    monkeypatch.setattr(fused, "_JOINED_BELOW", 1)
+    monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 200)
+    monkeypatch.setattr(partition, "SORT_WHOLE_AT_MOST", 16)
+    shared, select = [], bracket.select_bracketed_with_union
+
+    def spy(arrays, union_ranks, own_ranks):
+        found = select(arrays, union_ranks, own_ranks)
+        shared.append((len(own_ranks), found[0] is not None and None not in found[1].values()))
+        return found
+
+    monkeypatch.setattr(partition, "select_bracketed_with_union", spy)
+    case = case_named("gpt")
+    problem = build(case, 5, "sum")
+    quantity = cgn.GradientVarianceQuantiles(linear(1), quantiles=QUANTILES, param_names=problem.names)
+    cockpit = run_step(problem, [quantity])
+    check_against_reference(cockpit, problem, case, 0)
+    assert shared == [(4, True), (4, True)]  # sd, then SNR: 4 layers of 256 elements each

@@ -63,7 +63,7 @@ def select_bracketed(arrays: Sequence[numpy.ndarray], ranks: Sequence[int]) -> O
 
 def select_bracketed_with_union(
     arrays: Sequence[numpy.ndarray], union_ranks: Sequence[int], own_ranks: Dict[int, Sequence[int]],
-) -> Tuple[Optional[List[float]], Dict[int, Optional[List[float]]]]:
+) -> Tuple[Optional[List[float]], Dict[int, Optional[List[float]]], List[Optional[float]]]:
     """:func:`select_bracketed` of the union of 1d float arrays at ``union_ranks`` and of some
     of the arrays alone at their ``own_ranks``, in one pass over each array.
 
@@ -80,8 +80,10 @@ def select_bracketed_with_union(
         own_ranks: ``{index of an array: its ranks}`` (each at least ``_SAMPLE`` elements).
 
     Returns:
-        ``(the union's values or None, {index: the array's values or None})``, None where a
-        rank fell outside its bracket.
+        ``(the union's values or None, {index: the array's values or None}, totals)``, None
+        where a rank fell outside its bracket; ``totals``: per array, the float64 sum of a
+        float32 array's elements, taken in the same pass (:func:`carried_sum`: the number
+        ``values.sum(dtype=numpy.float64)`` gives), None for other dtypes.
 
     Raises:
         ValueError: If an element is NaN (no order).
@@ -97,6 +99,7 @@ def select_bracketed_with_union(
             spans = merged(union_spans + brackets(samples[-1], [rank / values.size for rank in own_ranks[k]]))
         tops = [any(tied) for tied in zip(*(tied_tops(sample, spans) for sample in samples))]
         tally = Tally(spans, tops)
+        tally.summing = values.dtype == numpy.float32
         for start in range(0, values.size, _PIECE):
             tally.add(values[start : start + _PIECE])
         tallies.append(tally)
@@ -113,7 +116,19 @@ def select_bracketed_with_union(
             union.zeros[j] += zeros
             union.at_top[j] += at_top
     found = [union.at(rank) for rank in union_ranks]
-    return (None if None in found else found), own
+    totals = [tally.total if tally.summing else None for tally in tallies]
+    return (None if None in found else found), own, totals
+
+
+def carried_sum(piece: numpy.ndarray, total: float) -> float:
+    """``total`` plus the float64 sum of a float32 ``piece``, as NumPy carries its sum of a whole
+    array over its buffers: summed piece by piece from 0.0 over pieces of a multiple of
+    NumPy's buffer (8192 elements; :data:`_PIECE`), it equals ``values.sum(dtype=float64)``
+    bit for bit (each buffer cast, added pairwise, and added to the running sum in turn;
+    ``tests/test_shared_brackets.py`` checks sizes around the pieces). Not for float64
+    arrays, whose sum NumPy takes pairwise over the whole array. Not finite where an element
+    is NaN or infinite (a float32 sum in float64 cannot overflow)."""
+    return float(piece.sum(dtype=numpy.float64, initial=total))
 
 
 def merged(spans: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
@@ -143,10 +158,17 @@ class Tally:
         self.at_top = [0] * len(spans)
         self.inside: List[List[numpy.ndarray]] = [[] for _ in spans]
         self._masks = numpy.empty((2, 0), dtype=bool)  # a piece's masks, reused
+        #: Where ``summing``: the float64 sum of the float32 elements added, carried from piece
+        #: to piece (:func:`carried_sum`).
+        self.summing, self.total = False, 0.0
 
     def add(self, piece: numpy.ndarray):
         """Count and gather the elements of a 1d piece. Raises ValueError on NaN."""
-        if numpy.isnan(piece.max()):  # NumPy's max propagates NaN
+        if self.summing:  # while the piece is in the cache; its max only where the sum is not finite
+            self.total = carried_sum(piece, self.total)
+            if not math.isfinite(self.total) and numpy.isnan(piece.max()):
+                check_no_nan(math.nan)
+        elif numpy.isnan(piece.max()):  # NumPy's max propagates NaN
             check_no_nan(math.nan)
         if self._masks.shape[1] < piece.size:
             self._masks = numpy.empty((2, piece.size), dtype=bool)
