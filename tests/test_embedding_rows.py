@@ -10,11 +10,19 @@ memory order) with the plain reduction.
 
 import math
 
-from cockpit_gradnoise.extensions import embedding
+from cockpit_gradnoise import references
+from cockpit_gradnoise.extensions import (
+    BATCH_L2_SAVEFIELD,
+    SUMS_SAVEFIELD,
+    PerExampleSquaredNorms,
+    SumsOfContributions,
+    embedding,
+)
 from cockpit_gradnoise.extensions._squares import in_memory_order, largest_magnitude
 
 import pytest
 import torch
+from backpack import backpack, extend
 from torch import nn
 
 ROWS, WIDTH = 7, 3
@@ -151,3 +159,57 @@ def test_the_gradient_adds_each_positions_output_gradient_into_its_row(padding_i
     gradient = embedding.GradEmbeddingAnyDtype().weight(None, _with_input(module, idx), None, (grad,), None)
     torch.testing.assert_close(gradient, dense_contributions(idx, grad, ROWS, padding_idx).sum(0),
                                rtol=1e-14, atol=0)
+
+
+class TwoLookups(nn.Module):
+    """Two Embeddings on ``[N, 6]`` tokens (one with padding; rows repeated within examples),
+    summed, and a Linear head on their mean over positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.words, self.positions = nn.Embedding(ROWS, WIDTH, padding_idx=4), nn.Embedding(ROWS, WIDTH)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.words(idx) + self.positions(idx.flip(1))).mean(1))
+
+
+@pytest.mark.parametrize("order", ["sums-first", "norms-first"])
+def test_both_extensions_form_the_first_use_contributions_once(order, monkeypatch):
+    """With the sums and the norms in one backward pass, each Embedding's
+    :func:`first_use_contributions` is formed once (the layer cache), and both results are
+    the very numbers of each extension alone, and those of a float64 loop over examples."""
+    torch.manual_seed(0)
+    model = extend(TwoLookups().double())
+    idx = torch.randint(0, ROWS, (5, 6))
+    idx[0, :3] = 4  # padding
+    targets = torch.randint(0, 3, (5,))
+    formed = []
+    first_use = embedding.first_use_contributions
+    monkeypatch.setattr(embedding, "first_use_contributions",
+                        lambda *args: (formed.append(args[0].shape), first_use(*args))[1])
+
+    def results(*extensions):
+        formed.clear()
+        model.zero_grad()
+        with backpack(*(extension() for extension in extensions)):
+            extend(nn.CrossEntropyLoss())(model(idx), targets).backward()
+        fields = {name: (getattr(p, SUMS_SAVEFIELD, None), getattr(p, BATCH_L2_SAVEFIELD, None))
+                  for name, p in model.named_parameters() if name.endswith("s.weight")}
+        for p in model.parameters():
+            p.__dict__.pop(SUMS_SAVEFIELD, None), p.__dict__.pop(BATCH_L2_SAVEFIELD, None)
+        return fields, len(formed)
+
+    both = (SumsOfContributions, PerExampleSquaredNorms)
+    together, count = results(*(both if order == "sums-first" else both[::-1]))
+    assert count == 2  # once per Embedding, not once per extension
+    sums_alone, count_sums = results(SumsOfContributions)
+    norms_alone, count_norms = results(PerExampleSquaredNorms)
+    assert count_sums == count_norms == 2
+    x = references.per_example_gradients(model, nn.CrossEntropyLoss(reduction="none"), idx, targets)
+    for name, (sums, norms) in together.items():
+        assert torch.equal(sums, sums_alone[name][0]) and torch.equal(norms, norms_alone[name][1])
+        contributions = x[name] / len(idx)
+        torch.testing.assert_close(sums[0], contributions.sum(0), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(sums[1], contributions.square().sum(0), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(norms, contributions.square().sum((1, 2)), rtol=1e-12, atol=0)

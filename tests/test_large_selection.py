@@ -254,6 +254,8 @@ def test_quantile_summaries_in_place_by_brackets(monkeypatch, missed):
     monkeypatch.setattr(partition, "BRACKET_AT_LEAST", 1000)
     if missed:
         monkeypatch.setattr(partition, "select_bracketed", lambda arrays, ranks: None)
+        monkeypatch.setattr(partition, "select_bracketed_with_union",
+                            lambda arrays, ranks, own: (None, {}, [None] * len(arrays)))
     test_quantile_summaries_in_place_with_many_zeros_equal_numpy_on_the_kept_values()
     rng = numpy.random.default_rng(3)
     arrays = [numpy.abs(rng.standard_normal(n)).astype(numpy.float32) for n in (200_000, 3, 90_000)]

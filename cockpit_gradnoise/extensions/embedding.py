@@ -26,6 +26,11 @@ contributions, each once per example, and exact zeros elsewhere. So
   their squares, into row ``idx_ip`` (:func:`embedding_sums`): each ``x_i[v]`` once,
   zeros elsewhere; rows no token uses are exactly 0, as dense.
 
+Where both extensions run on a layer (GradientVarianceQuantiles beside PerExampleGradNorm or
+GradientNoiseScale), :func:`first_use_contributions` is formed once, by whichever reaches the
+layer first, and taken from the backward pass's layer cache (:mod:`._layer_cache`) by the
+other: one sort of ``N P`` keys and one ``index_add_`` of ``N P d`` numbers per layer, not two.
+
 The gradient alone (:func:`embedding_gradient`) adds the output gradients into their rows.
 Only the order in which float32 adds the terms of one ``x_i[v]`` differs from the
 dense product's (``tests/test_embedding_rows.py`` compares the two and float64 brute force).
@@ -33,7 +38,7 @@ dense product's (``tests/test_embedding_rows.py`` compares the two and float64 b
 
 from typing import Tuple
 
-from cockpit_gradnoise.extensions import arena
+from cockpit_gradnoise.extensions import arena, facts
 from cockpit_gradnoise.extensions._squares import (
     SquaredNormsFromContributionsMixin,
     contributions_scale,
@@ -41,6 +46,8 @@ from cockpit_gradnoise.extensions._squares import (
     scaled,
     squared_norms_of,
 )
+from cockpit_gradnoise.extensions.linear import is_active
+from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, SUMS_SAVEFIELD
 from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin, unscaled_or_wide
 
 import torch
@@ -118,22 +125,44 @@ def first_use_contributions(idx: Tensor, grad: Tensor, rows: int) -> Tensor:
     return torch.where(first.unsqueeze(1), summed.index_select(0, slot), 0).reshape(grad.shape)
 
 
+#: The layer cache's slot (:mod:`._layer_cache`) of an Embedding's ``(idx, first-use contributions)``.
+_FIRST_USE = "embedding first-use contributions"
+
+
+def shared_first_use(module, inputs: Tensor, grad_output: Tensor, other_savefield: str) -> Tuple[Tensor, Tensor]:
+    """``(idx [N, P], first_use_contributions [N, P, d])`` of an Embedding's call: formed here
+    when the extension saving ``other_savefield`` does not run in this backward pass, else
+    formed by whichever of the two reaches the layer first and taken from the backward
+    pass's layer cache by the second (only for these very tensors, unchanged: the cache's
+    keys), so that the two read the same numbers, formed once."""
+    if not is_active(other_savefield):
+        idx, grad = lookups(module, inputs, grad_output)
+        return idx, first_use_contributions(idx, grad, module.num_embeddings)
+    sources = (module, inputs, grad_output)
+    found = facts.recording().layer_cache.take(_FIRST_USE, sources)
+    if found is None:
+        idx, grad = lookups(module, inputs, grad_output)
+        found = idx, first_use_contributions(idx, grad, module.num_embeddings)
+        facts.recording().layer_cache.put(_FIRST_USE, sources, found)
+    return found
+
+
 def embedding_squared_norms(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``||x_i||^2`` of an Embedding's weight, ``[N]``: :func:`._squares.squared_norms_of` of
-    :func:`first_use_contributions` (the module's docstring). Its underflow floor counts the
-    ``P d`` squares formed (the rows no token uses are exact zeros, never squared), as
-    :func:`.batchless.embedding_results` counts its ``R d``."""
-    idx, grad = lookups(module, inputs, grad_output)
-    return squared_norms_of(first_use_contributions(idx, grad, module.num_embeddings))
+    :func:`first_use_contributions` (the module's docstring; :func:`shared_first_use` with the
+    sums' extension). Its underflow floor counts the ``P d`` squares formed (the rows no token
+    uses are exact zeros, never squared), as :func:`.batchless.embedding_results` counts its ``R d``."""
+    _, contributions = shared_first_use(module, inputs, grad_output, SUMS_SAVEFIELD)
+    return squared_norms_of(contributions)
 
 
 def embedding_sums(module, inputs: Tensor, grad_output: Tensor) -> Tensor:
     """``[T, S]`` of an Embedding's weight (``[2, V, d]``), from :func:`first_use_contributions`
-    added by index: at the contributions' power-of-two scale, saved in float64, summed again
-    from float64 where underflow lost an ``S`` (as :func:`.sums.sums_of` does with the dense
-    contributions: the same scale, the same ``N`` terms per element)."""
-    idx, grad = lookups(module, inputs, grad_output)
-    contributions = first_use_contributions(idx, grad, module.num_embeddings)
+    (:func:`shared_first_use` with the norms' extension) added by index: at the contributions'
+    power-of-two scale, saved in float64, summed again from float64 where underflow lost an
+    ``S`` (as :func:`.sums.sums_of` does with the dense contributions: the same scale, the
+    same ``N`` terms per element)."""
+    idx, contributions = shared_first_use(module, inputs, grad_output, BATCH_L2_SAVEFIELD)
     width, examples = contributions.shape[2], contributions.shape[0]
     index, flat = idx.flatten(), contributions.reshape(-1, width)
     shape = (module.num_embeddings, width)

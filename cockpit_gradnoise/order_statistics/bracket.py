@@ -17,7 +17,7 @@ bracket and its partition.
 """
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.order_statistics.ranks import check_no_nan
 
@@ -61,6 +61,87 @@ def select_bracketed(arrays: Sequence[numpy.ndarray], ranks: Sequence[int]) -> O
     return None if None in found else found
 
 
+def select_bracketed_with_union(
+    arrays: Sequence[numpy.ndarray], union_ranks: Sequence[int], own_ranks: Dict[int, Sequence[int]],
+) -> Tuple[Optional[List[float]], Dict[int, Optional[List[float]]], List[Optional[float]]]:
+    """:func:`select_bracketed` of the union of 1d float arrays at ``union_ranks`` and of some
+    of the arrays alone at their ``own_ranks``, in one pass over each array.
+
+    An array with ranks of its own is counted once against its brackets and the union's
+    together (those that overlap merged into one: a large layer's quantiles often lie near
+    the network's); the union's counts and candidates are then read off each array's
+    (:meth:`Tally.within`), not from a second pass over it (VGG-11's 103M-element weight
+    holds most of the network's elements). The same values as :func:`select_bracketed`
+    of the union and of each array: exact order statistics whatever the brackets.
+
+    Args:
+        arrays: 1d float32 or float64 arrays (together at least ``_SAMPLE`` elements).
+        union_ranks: 0-based ranks of the union, as :func:`select_bracketed`'s.
+        own_ranks: ``{index of an array: its ranks}`` (each at least ``_SAMPLE`` elements).
+
+    Returns:
+        ``(the union's values or None, {index: the array's values or None}, totals)``, None
+        where a rank fell outside its bracket; ``totals``: per array, the float64 sum of a
+        float32 array's elements, taken in the same pass (:func:`carried_sum`: the number
+        ``values.sum(dtype=numpy.float64)`` gives), None for other dtypes.
+
+    Raises:
+        ValueError: If an element is NaN (no order).
+    """
+    n = sum(values.size for values in arrays)
+    union_sample = sample_of(arrays, n)
+    union_spans = brackets(union_sample, [rank / n for rank in union_ranks])
+    tallies = []
+    for k, values in enumerate(arrays):
+        spans, samples = union_spans, [union_sample]
+        if k in own_ranks:
+            samples.append(sample_of([values], values.size))
+            spans = merged(union_spans + brackets(samples[-1], [rank / values.size for rank in own_ranks[k]]))
+        tops = [any(tied) for tied in zip(*(tied_tops(sample, spans) for sample in samples))]
+        tally = Tally(spans, tops)
+        tally.summing = values.dtype == numpy.float32
+        for start in range(0, values.size, _PIECE):
+            tally.add(values[start : start + _PIECE])
+        tallies.append(tally)
+    own = {}
+    for k, ranks in own_ranks.items():
+        found = [tallies[k].at(rank) for rank in ranks]
+        own[k] = None if None in found else found
+    union = Tally(union_spans)
+    for j, (low, high) in enumerate(union_spans):
+        for tally in tallies:
+            below, inside, zeros, at_top = tally.within(low, high)
+            union.below[j] += below
+            union.inside[j].append(inside)
+            union.zeros[j] += zeros
+            union.at_top[j] += at_top
+    found = [union.at(rank) for rank in union_ranks]
+    totals = [tally.total if tally.summing else None for tally in tallies]
+    return (None if None in found else found), own, totals
+
+
+def carried_sum(piece: numpy.ndarray, total: float) -> float:
+    """``total`` plus the float64 sum of a float32 ``piece``, as NumPy carries its sum of a whole
+    array over its buffers: summed piece by piece from 0.0 over pieces of a multiple of
+    NumPy's buffer (8192 elements; :data:`_PIECE`), it equals ``values.sum(dtype=float64)``
+    bit for bit (each buffer cast, added pairwise, and added to the running sum in turn;
+    ``tests/test_shared_brackets.py`` checks sizes around the pieces). Not for float64
+    arrays, whose sum NumPy takes pairwise over the whole array. Not finite where an element
+    is NaN or infinite (a float32 sum in float64 cannot overflow)."""
+    return float(piece.sum(dtype=numpy.float64, initial=total))
+
+
+def merged(spans: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """Brackets ``(low, high)`` in ascending order, those that overlap joined into one."""
+    joined: List[Tuple[float, float]] = []
+    for low, high in sorted(spans):
+        if joined and low <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], high))
+        else:
+            joined.append((low, high))
+    return joined
+
+
 class Tally:
     """One pass over pieces: per bracket ``(low, high)``, the elements below it counted, those
     inside gathered (exact zeros counted, not gathered; where ``tops[k]``, the elements
@@ -68,36 +149,83 @@ class Tally:
 
     def __init__(self, spans: List[Tuple[float, float]], tops: Optional[Sequence[bool]] = None):
         self.spans = spans
-        # Ties at the upper end counted apart only where it is not 0 (zeros are counted already).
-        self.tops = [bool(top) and high != 0.0 for top, (_, high) in
+        # Ties at the upper end counted apart only where it is not 0 (zeros are counted
+        # already); a bracket of one value holds nothing else: all its elements are ties.
+        self.tops = [(bool(top) or low == high) and high != 0.0 for top, (low, high) in
                      zip(tops if tops is not None else [False] * len(spans), spans)]
         self.below = [0] * len(spans)
         self.zeros = [0] * len(spans)
         self.at_top = [0] * len(spans)
         self.inside: List[List[numpy.ndarray]] = [[] for _ in spans]
+        self._masks = numpy.empty((2, 0), dtype=bool)  # a piece's masks, reused
+        #: Where ``summing``: the float64 sum of the float32 elements added, carried from piece
+        #: to piece (:func:`carried_sum`).
+        self.summing, self.total = False, 0.0
 
     def add(self, piece: numpy.ndarray):
         """Count and gather the elements of a 1d piece. Raises ValueError on NaN."""
-        if numpy.isnan(piece.max()):  # NumPy's max propagates NaN
+        if self.summing:  # while the piece is in the cache; its max only where the sum is not finite
+            self.total = carried_sum(piece, self.total)
+            if not math.isfinite(self.total) and numpy.isnan(piece.max()):
+                check_no_nan(math.nan)
+        elif numpy.isnan(piece.max()):  # NumPy's max propagates NaN
             check_no_nan(math.nan)
+        if self._masks.shape[1] < piece.size:
+            self._masks = numpy.empty((2, piece.size), dtype=bool)
+        below, kept = self._masks[:, : piece.size]
         for k, (low, high) in enumerate(self.spans):
-            self.below[k] += int(numpy.count_nonzero(piece < low))
+            numpy.less(piece, low, out=below)
+            self.below[k] += int(numpy.count_nonzero(below))
+            if low == high:  # one value: its elements counted (as zeros or ties), none gathered
+                numpy.equal(piece, high, out=kept)
+                count = int(numpy.count_nonzero(kept))
+                self.zeros[k] += count if high == 0.0 else 0
+                self.at_top[k] += 0 if high == 0.0 else count
+                self.inside[k].append(piece[:0])
+                continue
             if self.tops[k]:  # the ties at high counted: the largest of the bracket
-                self.at_top[k] += int(numpy.count_nonzero(piece == high))
-                kept = (piece >= low) & (piece < high)
+                numpy.equal(piece, high, out=kept)
+                self.at_top[k] += int(numpy.count_nonzero(kept))
+                numpy.less(piece, high, out=kept)
             else:
-                kept = (piece >= low) & (piece <= high)
+                numpy.less_equal(piece, high, out=kept)
+            numpy.greater(kept, below, out=kept)  # and not below low (no NaN here)
             if low <= 0.0 <= high:  # zeros counted, not gathered
-                is_zero = piece == 0
-                self.zeros[k] += int(numpy.count_nonzero(is_zero))
-                kept &= ~is_zero
+                numpy.equal(piece, 0, out=below)
+                self.zeros[k] += int(numpy.count_nonzero(below))
+                numpy.greater(kept, below, out=kept)
             self.inside[k].append(piece[kept])
+
+    def candidates(self, k: int) -> numpy.ndarray:
+        """The elements gathered inside bracket ``k``, as one array."""
+        if isinstance(self.inside[k], list):
+            self.inside[k] = numpy.concatenate(self.inside[k])
+        return self.inside[k]
+
+    def within(self, low: float, high: float) -> Tuple[int, numpy.ndarray, int, int]:
+        """What a tally of the bracket ``(low, high)`` would hold of the elements added, read off
+        the bracket of this one that contains it (there must be one): the elements below
+        ``low``, those inside gathered (not 0, and not equal to ``high`` where ties at it are
+        counted), the zeros inside, the ties at ``high`` counted apart."""
+        k = next(k for k, (lower, upper) in enumerate(self.spans) if lower <= low and high <= upper)
+        lower, upper = self.spans[k]
+        candidates = self.candidates(k)
+        below = self.below[k] + int(numpy.count_nonzero(candidates < low))
+        zeros = 0
+        if lower <= 0.0 <= upper:  # this bracket's zeros were counted apart
+            if 0.0 < low:
+                below += self.zeros[k]
+            elif low <= 0.0 <= high:
+                zeros = self.zeros[k]
+        # Ties at this bracket's top (counted apart) are the new one's where the tops agree,
+        # above it otherwise (upper > high).
+        at_top = self.at_top[k] if upper == high else 0
+        return below, candidates[(candidates >= low) & (candidates <= high)], zeros, at_top
 
     def at(self, rank: int) -> Optional[float]:
         """The value at ``rank`` of all elements added, or None where no bracket holds it."""
         for k in range(len(self.spans)):
-            if isinstance(self.inside[k], list):
-                self.inside[k] = numpy.concatenate(self.inside[k])
+            self.candidates(k)
             index, below_top = rank - self.below[k], self.inside[k].size + self.zeros[k]
             if 0 <= index - below_top < self.at_top[k]:
                 return self.spans[k][1]

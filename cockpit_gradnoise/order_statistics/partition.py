@@ -12,7 +12,7 @@ count zeros, never gather them): no copy of the array's size.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from cockpit_gradnoise.order_statistics.bracket import select_bracketed
+from cockpit_gradnoise.order_statistics.bracket import select_bracketed, select_bracketed_with_union
 from cockpit_gradnoise.order_statistics.buckets import select_on_host
 from cockpit_gradnoise.order_statistics.ranks import (
     SORT_WHOLE_AT_MOST,
@@ -193,12 +193,13 @@ def quantile_summaries_in_place(
     """
     left_out = list(left_out) if left_out is not None else [0] * len(arrays)
     kept = [values.size - z for values, z in zip(arrays, left_out)]
-    totals = [float(values.sum(dtype=numpy.float64)) for values in arrays]
     if union and sum(kept) and sum(values.size for values in arrays) >= BRACKET_AT_LEAST:
-        union_summary = _union_by_brackets(arrays, sum(left_out), sum(kept), sum(totals), levels)
+        union_summary, own, totals = _union_by_brackets(arrays, left_out, kept, levels)
         if union_summary is not None:
-            return [_summary_in_place(values, z, n, total, levels)
-                    for values, z, n, total in zip(arrays, left_out, kept, totals)], union_summary
+            return [_summary_in_place(values, z, n, total, levels, own.get(k))
+                    for k, (values, z, n, total) in enumerate(zip(arrays, left_out, kept, totals))], union_summary
+    else:
+        totals = [float(values.sum(dtype=numpy.float64)) for values in arrays]
     if union and sum(values.size for values in arrays) >= BRACKET_AT_LEAST and _many_zeros(arrays):
         return _summaries_by_buckets(arrays, left_out, kept, totals, levels)
     each = [_summary_in_place(values, z, n, total, levels)
@@ -210,16 +211,32 @@ def quantile_summaries_in_place(
     return each, _summary_in_place(joined, sum(left_out), sum(kept), sum(totals), levels)
 
 
-def _union_by_brackets(arrays, left_out, kept, total, levels) -> Optional[List[float]]:
-    """The union's summary by :func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`
-    (one pass over the arrays, no joined copy), None where a rank fell outside its bracket."""
-    lower, upper, weights = quantile_ranks(levels, kept)
-    found = select_bracketed([values for values in arrays if values.size],
-                             [left_out + rank for rank in lower + upper])
+def _union_by_brackets(arrays, left_out, kept, levels
+                       ) -> Tuple[Optional[List[float]], Dict[int, List[float]], List[float]]:
+    """The union's summary by brackets (one pass over the arrays, no joined copy), None where a
+    rank fell outside its bracket; the values at the ranks of each array of
+    :data:`BRACKET_AT_LEAST` elements or more that :func:`select_in_place` would select by
+    brackets, found in the same pass
+    (:func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed_with_union`: such an
+    array is not read a second time), ``{index: values}`` where all its ranks were found; and
+    each array's float64 sum (of a float32 array taken in the same pass: the same number)."""
+    present = [k for k, values in enumerate(arrays) if values.size]
+    own_ranks = {}
+    for j, k in enumerate(present):
+        if arrays[k].size >= BRACKET_AT_LEAST and arrays[k].size > SORT_WHOLE_AT_MOST and kept[k]:
+            own_lower, own_upper, _ = quantile_ranks(levels, kept[k])
+            own_ranks[j] = [left_out[k] + rank for rank in own_lower + own_upper]
+    lower, upper, weights = quantile_ranks(levels, sum(kept))
+    found, own, summed = select_bracketed_with_union(
+        [arrays[k] for k in present], [sum(left_out) + rank for rank in lower + upper], own_ranks)
+    totals = [0.0] * len(arrays)
+    for k, total in zip(present, summed):
+        totals[k] = float(arrays[k].sum(dtype=numpy.float64)) if total is None else total
     if found is None:
-        return None
+        return None, {}, totals
     k = len(levels)
-    return interpolate(found[:k], found[k:], weights) + [total / kept]
+    return (interpolate(found[:k], found[k:], weights) + [sum(totals) / sum(kept)],
+            {present[j]: values for j, values in own.items() if values is not None}, totals)
 
 
 def _many_zeros(arrays: Sequence[numpy.ndarray]) -> bool:
@@ -261,11 +278,13 @@ def _summary_of_found(found, kept, total, ranks, levels) -> List[float]:
     return interpolate(found[:k], found[k:], ranks[2]) + [total / kept]
 
 
-def _summary_in_place(values, left_out, kept, total, levels) -> List[float]:
-    """Quantiles and mean of the ``kept`` elements of ``values`` above its ``left_out`` zeros."""
+def _summary_in_place(values, left_out, kept, total, levels, found=None) -> List[float]:
+    """Quantiles and mean of the ``kept`` elements of ``values`` above its ``left_out`` zeros
+    (``found``: the values at their lower and upper ranks where known, else selected here)."""
     if kept == 0:
         return []
     lower, upper, weights = quantile_ranks(levels, kept)
-    found = select_in_place(values, [left_out + rank for rank in lower + upper])
+    if found is None:
+        found = select_in_place(values, [left_out + rank for rank in lower + upper])
     k = len(levels)
     return interpolate(found[:k], found[k:], weights) + [total / kept]
