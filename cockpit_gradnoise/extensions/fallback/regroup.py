@@ -331,7 +331,7 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
     if real is None or larger is None:
         return  # the model's other checks (.layout, the rules' leading sizes) stand
     _hook_blocks(model, real, larger, examples)
-    mixing.check(model, real, larger, examples)
+    _block_mixed(model, real, larger, examples)
     if examples > 1:
         signatures.setdefault(structure, set()).add(_signature(model, real, examples))
 
@@ -395,6 +395,30 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
             for receiver in receivers:  # (its own fallback would refuse the layer it was given)
                 _hook(receiver, block, real, larger, examples)
     _hook_one_window(model, parents, real, larger, examples)
+
+
+def _block_mixed(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
+    """Each layer whose rows :mod:`.mixing`'s check found mixed a member of the smallest
+    batch-first module around it (the model excepted) whose own rows the check found not mixed
+    (timm's csatv2: its ``SpatialTransformerBlock`` around ``norm1``, ``pos_embed`` and ``qkv``):
+    run again on each example alone, with the checks of every block (:mod:`.blocks`); left out
+    by name where there is none (:func:`.mixing.leave_out`)."""
+    parents = {child: module for module in model.modules() for child in module.children()}
+    root = getattr(model, "_orig_mod", model)
+    around = [m for m in model.modules() if m is not model and m is not root and not direct_parameters(m)
+              and _batch_first(real.calls.get(m, []), larger.calls.get(m, []), examples)
+              and any(p.requires_grad for p in m.parameters())]
+    found, seen = mixing.check(model, real, larger, examples, around)
+    for module in found:
+        if not direct_parameters(module) and BLOCK_ATTRIBUTE not in module.__dict__:
+            continue  # (a module around layers: theirs are found too)
+        block = None if BLOCK_ATTRIBUTE in module.__dict__ else _block_around(module, parents, real, larger, examples)
+        while block is not None and block in found:
+            block = _block_around(block, parents, real, larger, examples)
+        if block is None or block is model or block is root or block not in seen:
+            mixing.leave_out(module)
+        else:
+            _hook(module, block, real, larger, examples)
 
 
 def _block_around(module: nn.Module, parents: dict, real: _Calls, larger: _Calls,
