@@ -47,6 +47,13 @@ class Block:
         self.vectorized: Optional[bool] = None  # whether vmap runs it (.block_vmap), once known
         self.rng: Optional[draws.Snapshot] = None  # at its call's start in training mode (.draws)
         self.random = False  # whether its forward was found to draw random numbers
+        # The positions (among its output's tensors) of the outputs with rows per example, as
+        # the survey found them (.regroup); the later of them that require grad, detached, and
+        # their gradients in this backward pass; the first output's (``None``: it got none).
+        self.example_outputs: frozenset = frozenset()
+        self.later: Dict[int, Tensor] = {}
+        self.later_grads: Dict[int, Tensor] = {}
+        self.first_grad: Optional[Tensor] = None
 
     def __reduce__(self):
         return (Block, (self.members,))
@@ -106,8 +113,8 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params:
                 "examples interact (a capacity limit, routing over the batch) or its forward pass "
                 "is random (router jitter, dropout in training mode)")
         outputs = biases.outputs()
-        found = torch.autograd.grad(first, tensors + outputs, grad[i : i + 1].to(first.dtype),
-                                    allow_unused=True)
+        ends, cotangents = _ends(block, output, first, grad, i)
+        found = torch.autograd.grad(ends, tensors + outputs, cotangents, allow_unused=True)
         for (name, rows), g in zip(chunk.items(), found):
             if g is None:
                 rows[i % size].zero_()
@@ -119,6 +126,26 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params:
             contributions = {name: rows[: i % size + 1] for name, rows in chunk.items()}
             yield contributions, _held_terms(contributions, chunk_terms)
             chunk_terms = {}
+
+
+def _ends(block: Block, output, first: Tensor, grad: Tensor, i: int) -> Tuple[List[Tensor], List[Tensor]]:
+    """The outputs of example ``i`` alone to differentiate, and their gradients: the first, and
+    each later output that brought a gradient (:attr:`Block.later_grads`), each checked against
+    its row of the batch's as the first is.
+
+    Raises:
+        Interacting: Where a later output alone differs from its row of the batch's.
+    """
+    ends, cotangents = [first], [grad[i : i + 1].to(first.dtype)]
+    tensors = [leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+    for t, later in sorted(block.later_grads.items()):
+        alone, batch = tensors[t] if t < len(tensors) else None, block.later[t][i : i + 1]
+        tolerance = precision.rounding_bound(block.later[t], rounding(block, batch.dtype))
+        if alone is None or alone.shape != batch.shape or not float((alone.detach() - batch).abs().max()) <= tolerance:
+            raise Interacting("its later output for one example alone differs from its output in the batch")
+        ends.append(alone)
+        cotangents.append(later[i : i + 1].to(alone.dtype))
+    return ends, cotangents
 
 
 def _held_terms(contributions: Dict[str, Tensor], chunk_terms: Dict[str, list]) -> Dict[str, Optional[tuple]]:
@@ -139,7 +166,7 @@ def vectorized(module: nn.Module, block: Block, grad: Tensor,
     """:func:`per_example_gradients`' chunks by :mod:`.block_vmap` (a chunk of examples per
     pass), or ``None`` where ``vmap`` cannot run the block or its first chunk's outputs
     differ from the batch's: then the loop runs and checks (at every later step too)."""
-    if block.vectorized is False or not params:
+    if block.vectorized is False or not params or block.later_grads:  # (several outputs: the loop)
         return None
     call, examples = block.call, grad.shape[0]
     # The narrowest dtype the first chunk computes in, as the loop's first example: a float64

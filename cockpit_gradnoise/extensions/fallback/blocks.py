@@ -57,6 +57,7 @@ block on the whole batch (:mod:`.shared`): only the block's other parameters are
 per example.
 """
 
+import functools
 import math
 from typing import Dict, Iterator, List, Optional, Union
 
@@ -131,7 +132,8 @@ def _capture(module, args, kwargs, output):
         return
     for handle in block.handles:
         handle.remove()
-    block.handles, block.totals, block.call = [], {}, None
+    block.handles, block.totals, block.call, block.covered = [], {}, None, []
+    block.later, block.later_grads, block.first_grad = {}, {}, None
     first = first_tensor(output)
     if first is None or not first.requires_grad or first.dim() == 0 \
             or not (block.members or takes_over(module, first.shape[0], unknown=True)):
@@ -142,9 +144,42 @@ def _capture(module, args, kwargs, output):
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     block.call = Call(leaves, spec, versions, None, precision.autocast_state(device), rng=block.rng)
     block.output, block.version = first.detach(), first._version
-    block.handles.append(first.register_hook(lambda grad: _output_gradient(module, block, grad)))
+    replaced, hooked = _hook_later_outputs(module, block, output, first)
+    block.handles.append(hooked.register_hook(lambda grad: _output_gradient(module, block, grad)))
     for param in _parameters(module).values():
         block.handles.append(param.register_hook(_keep_total(block, param)))
+    return replaced
+
+
+def _hook_later_outputs(module: nn.Module, block: Block, output, first: Tensor):
+    """Hook each later output with rows per example (:attr:`Block.example_outputs`) that
+    requires grad: ProphetNet's decoder returns its main stream first, which its loss does
+    not read, and its predicting stream second. Each is replaced by an alias (``view_as``)
+    whose hook keeps its gradient, and so is the first where there are later ones: an output
+    the module also used to compute another would otherwise bring that path's gradient too
+    (as :func:`.capture._keep_later_gradients`). ``(output or None, the tensor to hook for
+    the first's gradient)``. A gradient through an output not hooked (without rows per
+    example) reaches the parameters otherwise than through the hooked outputs: the sum check
+    refuses them (:func:`reached_otherwise`)."""
+    leaves, spec = _pytree.tree_flatten(output)
+    positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    for t, k in enumerate(positions[1:], 1):
+        leaf = leaves[k]
+        if t in block.example_outputs and leaf is not first and leaf.requires_grad and leaf.grad_fn is not None \
+                and leaf.is_floating_point() and leaf.dim() > 0 and leaf.shape[0] == first.shape[0]:
+            leaves[k] = leaf.view_as(leaf)
+            block.later[t] = leaf.detach()
+            block.handles.append(leaves[k].register_hook(functools.partial(_later_gradient, module, block, t)))
+    if not block.later:
+        return None, first
+    leaves[positions[0]] = first.view_as(first)
+    return _pytree.tree_unflatten(leaves, spec), leaves[positions[0]]
+
+
+def _later_gradient(module: nn.Module, block: Block, t: int, grad: Tensor) -> None:
+    block.later_grads[t] = grad.detach()
+    if not block.covered:  # the first output has brought none (yet): the block starts here
+        _output_gradient(module, block, None)
 
 
 def _keep_total(block: Block, param: nn.Parameter):
@@ -205,15 +240,21 @@ def _members_alone(module: nn.Module, block: Block, examples: int) -> bool:
         and all(id(child) in members for child in _taking_over(module, examples))
 
 
-def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
+def _output_gradient(module: nn.Module, block: Block, grad: Optional[Tensor]):
     """Tensor hook on the block's output: in a tracked backward pass where the block takes
     over, note it in the pass's facts (its layers then get no rows of their own) and leave
-    the computation to the end of the pass."""
+    the computation to the end of the pass. ``grad`` ``None``: a later output's gradient came
+    first (:func:`_later_gradient`)."""
+    if grad is not None:
+        block.first_grad = grad.detach()
+        if block.covered:  # (started by a later output's gradient)
+            return
     savefields = active_savefields()
-    if not savefields or block.call is None or grad.dim() == 0 or covers(module):
+    if not savefields or block.call is None or block.output.dim() == 0 or covers(module):
         _let_go(block)  # (inside an active block: that block computes it)
         return
-    if takes_over(module, grad.shape[0]) and not _members_alone(module, block, grad.shape[0]):
+    examples = block.output.shape[0]
+    if takes_over(module, examples) and not _members_alone(module, block, examples):
         block.covered = list(module.modules())
     elif block.members:  # (.regroup): the other layers' rules give exact rows
         block.covered = list({id(sub): sub for member in block.members for sub in member.modules()}.values())
@@ -228,7 +269,15 @@ def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
         if isinstance(state, Fallback):  # its call is the block's business now
             state.call, state.taken = None, True
     engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: _save(module, block, grad.detach(), savefields, recorded))
+    engine.queue_callback(lambda: _save(module, block, _first_gradient(block), savefields, recorded))
+
+
+def _first_gradient(block: Block) -> Optional[Tensor]:
+    """The first output's gradient, zeros where only later outputs brought one (it did not
+    reach the loss: its gradient is exactly zero)."""
+    if block.first_grad is None and block.output is not None:
+        return torch.zeros_like(block.output)
+    return block.first_grad
 
 
 def _let_go(block: Block) -> None:
@@ -306,7 +355,7 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     batched = batched_leaves(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
     kept = experts.batch_call(module) if way is experts and not block.call.autocast else None
-    fast = _from_the_batch(module, block, way, batched, grad, params, sorted(wanted))
+    fast = {} if block.later_grads else _from_the_batch(module, block, way, batched, grad, params, sorted(wanted))
     if way is windows and windows.settled(module, fast, params):
         # Nothing runs again: no module's hooks, caches or state to set aside (state_kept walks the block).
         return {savefield: dict(fast[savefield]) for savefield in wanted}
