@@ -19,26 +19,22 @@ import torch
 from torch import nn
 
 from experiments import architecture_sweep
+from experiments.sweep_wrappers import Logits
 from tests.helpers import quiet_check, sequence_batch
 
 
-class ProphetNetLogits(nn.Module):
-    """A tiny ProphetNetForConditionalGeneration's logits, float64, eval mode."""
+def prophetnet() -> nn.Module:
+    """A tiny ProphetNetForConditionalGeneration's logits (the sweep's wrapper), float64, eval mode."""
+    from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
 
-    def __init__(self):
-        super().__init__()
-        from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
-
-        torch.manual_seed(0)
-        config = ProphetNetConfig(vocab_size=37, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24,
-                                  num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
-                                  num_decoder_attention_heads=2, ngram=2, num_buckets=8,
-                                  relative_max_distance=16, max_position_embeddings=16, dropout=0.0,
-                                  attention_dropout=0.0, activation_dropout=0.0)
-        self.lm = ProphetNetForConditionalGeneration(config).double().eval()
-
-    def forward(self, tokens, decoder_tokens):
-        return self.lm(input_ids=tokens, decoder_input_ids=decoder_tokens, use_cache=False).logits
+    torch.manual_seed(0)
+    config = ProphetNetConfig(vocab_size=37, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24,
+                              num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
+                              num_decoder_attention_heads=2, ngram=2, num_buckets=8, relative_max_distance=16,
+                              max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                              activation_dropout=0.0)
+    model = ProphetNetForConditionalGeneration(config).double().eval()
+    return Logits(model, ["input_ids", "decoder_input_ids"])
 
 
 def test_prophetnet_decoder_positions_and_ngram_embeddings_exact():
@@ -49,7 +45,7 @@ def test_prophetnet_decoder_positions_and_ngram_embeddings_exact():
     def loss(logits, targets):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    frame = quiet_check(ProphetNetLogits(), (tokens, decoder_tokens), targets, loss)
+    frame = quiet_check(prophetnet(), (tokens, decoder_tokens), targets, loss)
     found = architecture_sweep.classify(frame, set())
     assert found["status"] == "exact" and found["coverage"] == 1.0, found
     decoder = frame[frame.param.str.endswith(("decoder.position_embeddings.weight", "ngram_embeddings.weight"))]
