@@ -11,45 +11,15 @@ example (``blocks._hook_later_outputs``), each through an alias as the fallback'
 outputs are, and differentiates each example's outputs alone at their gradients, each
 checked against its row of the batch's (``block_alone._ends``). Exact against
 ``cgn.check_model``'s float64 per-example reference; examples that interact in a later output
-are refused by name.
+are refused by name. ProphetNet's own class (tiny, float64, at ``N = 3`` and ``N = 6``, the
+sequence's length): ``tests/test_learned_positions.py``.
 """
 
 import pytest
 import torch
 from torch import nn
 
-from experiments import architecture_sweep
-from experiments.sweep_wrappers import Logits
 from tests.helpers import quiet_check, sequence_batch
-
-
-def prophetnet() -> nn.Module:
-    """A tiny ProphetNetForConditionalGeneration's logits (the sweep's wrapper), float64, eval mode."""
-    from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = ProphetNetConfig(vocab_size=37, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24,
-                              num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
-                              num_decoder_attention_heads=2, ngram=2, num_buckets=8, relative_max_distance=16,
-                              max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
-                              activation_dropout=0.0)
-    model = ProphetNetForConditionalGeneration(config).double().eval()
-    return Logits(model, ["input_ids", "decoder_input_ids"])
-
-
-def test_prophetnet_decoder_positions_and_ngram_embeddings_exact():
-    generator = torch.Generator().manual_seed(0)
-    tokens, decoder_tokens = (torch.randint(3, 37, (3, n), generator=generator) for n in (6, 4))
-    targets = torch.randint(0, 37, (3, 4), generator=generator)
-
-    def loss(logits, targets):
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    frame = quiet_check(prophetnet(), (tokens, decoder_tokens), targets, loss)
-    found = architecture_sweep.classify(frame, set())
-    assert found["status"] == "exact" and found["coverage"] == 1.0, found
-    decoder = frame[frame.param.str.endswith(("decoder.position_embeddings.weight", "ngram_embeddings.weight"))]
-    assert len(decoder) == 2 and decoder.how.str.contains("its block ProphetNetDecoder").all(), decoder.to_string()
 
 
 class TwoStreams(nn.Module):
