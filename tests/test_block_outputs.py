@@ -15,11 +15,18 @@ are refused by name. ProphetNet's own class (tiny, float64, at ``N = 3`` and ``N
 sequence's length): ``tests/test_learned_positions.py``.
 """
 
+import copy
+
+import cockpit_gradnoise as cgn
+
 import pytest
 import torch
+from backpack import extend
 from torch import nn
 
+from tests.cases import Problem, classification_losses
 from tests.helpers import quiet_check, sequence_batch
+from tests.test_tied import assert_matches_references
 
 
 class TwoStreams(nn.Module):
@@ -70,3 +77,16 @@ def test_examples_that_interact_in_a_later_output_are_refused_by_name():
     left_out = frame[~frame.rows & ~frame.note.str.startswith("no gradient")]
     assert set(left_out.param) == {"streams.positions.weight"}, frame.to_string()
     assert left_out.note.str.contains("differs from its output in the batch").all(), left_out.note.tolist()
+
+
+def test_a_copy_of_the_surveyed_model_follows_the_same_outputs():
+    """What the survey found (which outputs have rows per example) is copied with the model,
+    which is not surveyed again: the copy's block still follows the second output."""
+    torch.manual_seed(0)
+    inputs, targets = sequence_batch(3)
+    surveyed = cgn.prepare_model(Streams("second only").double())
+    surveyed(inputs)
+    model = copy.deepcopy(surveyed)
+    loss_fn, per_example_loss = classification_losses("mean")
+    problem = Problem(model, extend(loss_fn), per_example_loss, inputs, targets, "mean")
+    assert_matches_references(problem, 1)
