@@ -70,23 +70,21 @@ def prophetnet():
 
 # ProphetNet's decoder calls its position table (the index built inside: its rule applies) and
 # looks it up again through ``_forward``, outside any call a hook sees: the rule alone would
-# miss that use (silently inexact), so the table is left out by name; the encoder's table,
-# called once, is exact. The decoder's n-gram table is read directly (``.weight``): left out.
+# miss that use (silently inexact). The decoder's n-gram table is read directly (``.weight``).
+# Both were left out by name; now the decoder is their block, run on each example alone, which
+# follows its second output (the loss reads it, not the first: tests/test_block_outputs.py).
+# The encoder's table, called once, keeps its rule. N = 6: the batch as long as the sequence.
 @pytest.mark.parametrize("examples", [3, 6])
-def test_a_table_also_used_outside_its_call_is_left_out_by_name(examples):
+def test_a_table_also_used_outside_its_call_gets_rows_from_its_block(examples):
     batch = torch.randint(2, 32, (examples, 2, 6), generator=torch.Generator().manual_seed(4))
     model = perturbed(prophetnet())
     frame = cgn.check_model(model, batch, batch[:, 1], token_losses("mean")[0], verbose=False)
     table = frame.set_index("param")
     decoder, encoder = (f"model.prophetnet.{part}.position_embeddings.weight" for part in ("decoder", "encoder"))
-    assert not table.rows[decoder]
-    assert "ProphetNetPositionalEmbeddings) builds its index, and its weight is also used outside its calls" \
-        in table.note[decoder]
-    assert table.rows[encoder] and table.max_rel_error[encoder] < 1e-12
-    assert "take every lookup through the layer's own calls" in table.note[decoder]  # what to do
     ngram = "model.prophetnet.decoder.ngram_embeddings.weight"
-    assert set(table.index[~table.rows]) == {decoder, ngram}
-    assert "read directly by another module's forward" in table.note[ngram]  # not "no rule for"
+    assert table.rows.all(), table.note[~table.rows]
+    assert "its block ProphetNetDecoder" in table.how[decoder] and "its block ProphetNetDecoder" in table.how[ngram]
+    assert "its block" not in table.how[encoder] and table.max_rel_error[encoder] < 1e-12
     # every row exact; a gradient zero by structure (a key's bias) against the network's scale
     errors = table.max_rel_error * table.reference_scale / table.reference_scale.max()
     relative = table.max_rel_error.where(table.reference_scale > 1e-8 * table.reference_scale.max(), errors)

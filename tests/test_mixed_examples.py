@@ -5,9 +5,11 @@ Every rule gives example ``i`` the rows ``i`` of its layer's output gradient, wh
 (``(B, B)`` scores) behind a ``LayerNorm(1)``: its forward outputs are each example's own, its
 gradients are not, and ``norm1``, the position convolution and ``qkv`` had rows 83% to 99.9% off
 with no warning. The check of ``extensions/fallback/mixing.py`` (one gradient of one example's
-outputs, before the first tracked step) leaves those layers out by name; every other parameter
-keeps its exact rows, against the float64 contributions of a per-example loop
+outputs, before the first tracked step) finds those layers; with no module around them whose
+rows are examples (the toys here), they are left out by name, every other parameter keeping its
+exact rows, against the float64 contributions of a per-example loop
 (``check.reference_contributions``); models whose examples are independent are not touched.
+csatv2's are run in their ``SpatialTransformerBlock`` on each example: ``tests/test_mixed_blocks.py``.
 """
 
 import copy
@@ -16,7 +18,6 @@ import warnings
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import check, references
 from cockpit_gradnoise.extensions.fallback import mixing
-from cockpit_gradnoise.logs import schema
 
 import pytest
 import torch
@@ -26,7 +27,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from tests.cases import CONTEXT, VOCABULARY, Problem, classification_losses, gpt, mlp
-from tests.helpers import RTOL
 from tests.test_regroup import swin
 from tests.test_tied import assert_left_out_by_name, assert_matches_references
 
@@ -47,7 +47,7 @@ def surveyed(model, inputs):
 
 @pytest.fixture
 def guard_off(monkeypatch):
-    monkeypatch.setattr(mixing, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mixing, "check", lambda *args, **kwargs: (set(), set()))
 
 
 class BackwardMixing(nn.Module):
@@ -134,7 +134,7 @@ def csatv2():
     """One stage of 8 channels (16 pixels: 2 x 2 positions, pooled to the spatial attention's
     7 x 7), float64, evaluation mode, every parameter drawn. ``LayerNorm(1)``'s weights have a
     gradient of zero by structure (its normalized input is 0), rounding noise in the reference:
-    ``norm2``'s is frozen (``norm1``'s is left out)."""
+    ``norm2``'s is frozen (``norm1``'s where its rows are compared: ``tests/test_mixed_blocks.py``)."""
     from timm.models.csatv2 import CSATv2
 
     torch.manual_seed(0)
@@ -146,48 +146,10 @@ def csatv2():
     return model
 
 
-CSATV2_MIXED = [f"stages.0.0.attn.attn.{name}" for name in (
-    "pos_embed.proj.weight", "pos_embed.proj.bias", "norm1.weight", "norm1.bias", "qkv.weight")]
-
-
 def images(examples=3):
     generator = torch.Generator().manual_seed(examples)
     return (torch.randn(examples, 3, 16, 16, generator=generator, dtype=torch.float64),
             torch.randint(0, 3, (examples,), generator=generator))
-
-
-def test_csatv2_through_track_its_attention_over_the_batch_left_out_by_name():
-    """The tracker: one warning naming the five parameters before the attention over the
-    batch; every other parameter's per-example norms and noise-scale sums exact."""
-    model = csatv2()
-    inputs, targets = images()
-    grads = contributions(model, inputs, targets)
-    model, tracker = cgn.track(model, every=1, quantities=["PerExampleGradNorm", "GradientNoiseScale"])
-    with pytest.warns(UserWarning, match=MIXES) as caught:
-        losses = F.cross_entropy(model(inputs), targets, reduction="none")
-        with tracker(0, losses) as loss:
-            loss.backward()
-    message = " ".join(str(w.message) for w in caught if MIXES in str(w.message))
-    assert "5 parameters" in message and "norm1.bias" in message
-    assert flagged(model) == {"stages.0.0.attn.attn.pos_embed.proj", "stages.0.0.attn.attn.norm1",
-                              "stages.0.0.attn.attn.qkv"}
-    kept = {n: g for n, g in grads.items() if n not in CSATV2_MIXED}
-    output = tracker.get_output()[0]
-    norms = output["PerExampleGradNorm"]
-    assert set(norms) == set(kept) | {schema.NETWORK}
-    expected = references.per_example_grad_norm(None, None, inputs, None, gradients=kept)
-    for name, stats in expected.items():
-        assert norms[name]["max"] == pytest.approx(stats["max"], rel=RTOL), name
-    noise = output["GradientNoiseScale"]
-    expected = references.gradient_noise_scale(None, None, inputs, None, gradients=kept)
-    assert noise[schema.NETWORK]["trace_cov"] == pytest.approx(
-        expected[schema.NETWORK]["trace_cov"], rel=RTOL)
-
-
-def test_csatv2_every_quantity_exact_but_the_mixed_rows():
-    model = csatv2()
-    inputs, targets = images(4)
-    assert_left_out_and_others_exact(model, inputs, targets, CSATV2_MIXED)
 
 
 def test_csatv2_without_the_guard_is_silently_inexact(guard_off):
@@ -306,14 +268,20 @@ class Outputs(nn.Module):
     ("dict", {"inner.first"}), ("tuple", {"inner.first"}), ("loss", set())])
 def test_outputs_that_are_not_batch_first(kind, found):
     """The rows per example of a dict or a tuple (a scalar loss beside them has none); a model
-    whose output is a loss only has none to start from, and is not checked."""
+    whose output is a loss only has none to start from, and is not checked. Found, ``first`` is
+    a member of the block around it, ``inner``, whose rows are not mixed (its checks refuse it
+    then: ``tests/test_mixed_blocks.py``)."""
     torch.manual_seed(0)
-    assert flagged(surveyed(Outputs(kind).double(), batch()[0])) == found
+    model = surveyed(Outputs(kind).double(), batch()[0])
+    block = model.inner.__dict__.get(mixing.BLOCK_ATTRIBUTE)
+    members = {name for name, m in model.named_modules() if block is not None and m in block.members}
+    assert not flagged(model) and members == found
 
 
 def test_checked_once_per_shape_of_the_inputs(monkeypatch):
     calls = []
-    monkeypatch.setattr(mixing, "check", lambda *args: calls.append(args[-1]))
+    monkeypatch.setattr(mixing, "check", lambda model, real, larger, examples, around=(): (
+        calls.append(examples), (set(), set()))[1])
     model = cgn.prepare_model(BackwardMixing().double())
     for examples in (1, 3, 3, 5):  # one example is checked again with more
         model(batch(examples)[0])

@@ -57,13 +57,21 @@ block on the whole batch (:mod:`.shared`): only the block's other parameters are
 per example.
 """
 
-import contextlib
+import functools
 import math
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Union
 
-from cockpit_gradnoise.extensions import cost_model, facts, precision
-from cockpit_gradnoise.extensions.fallback import block_vmap, draws, experts, shared, window_map, windows
-from cockpit_gradnoise.extensions.fallback.block_biases import LinearBiases
+from cockpit_gradnoise.extensions import facts, precision
+from cockpit_gradnoise.extensions.fallback import draws, experts, shared, window_map, windows
+from cockpit_gradnoise.extensions.fallback.block_alone import (  # noqa: F401 (Block, output_tolerance: used by others as blocks.*)
+    Block,
+    Interacting,
+    batched_leaves,
+    output_tolerance,
+    per_example_gradients,
+    rounding,
+    vectorized,
+)
 from cockpit_gradnoise.extensions.fallback.capture import (
     ATTRIBUTE,
     BLOCK_ATTRIBUTE,
@@ -82,35 +90,6 @@ from cockpit_gradnoise.extensions.savefields import BATCH_L2_SAVEFIELD, LOCAL_GR
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree
-
-
-class Block:
-    """A hooked block's state: its last call, and what its backward pass brings.
-
-    Not copied with the model (a copy starts without a call): tensors of a
-    forward pass and hook handles stay with the model that ran it.
-    """
-
-    def __init__(self, members=()):
-        self.call: Optional[Call] = None
-        self.output: Optional[Tensor] = None  # the first tensor output, detached
-        self.version = 0
-        self.layouts: Dict[str, object] = {}  # learned by .layout, as a Fallback's
-        self.totals: Dict[int, Tensor] = {}  # id(param) -> this backward pass's gradient
-        self.handles: list = []
-        # The layers inside on rows that are not examples (.regroup), whose parameters it
-        # always computes; all of them where a child with the fallback takes over.
-        self.members: List[nn.Module] = list(members)
-        self.covered: List[nn.Module] = []  # in this backward pass
-        # The narrowest floating dtype the recomputation computes in (its first example's
-        # operations): float32 inside a float64 model rounds there (:func:`rounding`).
-        self.dtype: Optional[torch.dtype] = None
-        self.vectorized: Optional[bool] = None  # whether vmap runs it (.block_vmap), once known
-        self.rng: Optional[draws.Snapshot] = None  # at its call's start in training mode (.draws)
-        self.random = False  # whether its forward was found to draw random numbers
-
-    def __reduce__(self):
-        return (Block, (self.members,))
 
 
 def hook_block(module: nn.Module) -> Block:
@@ -153,7 +132,8 @@ def _capture(module, args, kwargs, output):
         return
     for handle in block.handles:
         handle.remove()
-    block.handles, block.totals, block.call = [], {}, None
+    block.handles, block.totals, block.call, block.covered = [], {}, None, []
+    block.later, block.later_grads, block.first_grad = {}, {}, None
     first = first_tensor(output)
     if first is None or not first.requires_grad or first.dim() == 0 \
             or not (block.members or takes_over(module, first.shape[0], unknown=True)):
@@ -164,9 +144,42 @@ def _capture(module, args, kwargs, output):
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, Tensor)), "cpu")
     block.call = Call(leaves, spec, versions, None, precision.autocast_state(device), rng=block.rng)
     block.output, block.version = first.detach(), first._version
-    block.handles.append(first.register_hook(lambda grad: _output_gradient(module, block, grad)))
+    replaced, hooked = _hook_later_outputs(module, block, output, first)
+    block.handles.append(hooked.register_hook(lambda grad: _output_gradient(module, block, grad)))
     for param in _parameters(module).values():
         block.handles.append(param.register_hook(_keep_total(block, param)))
+    return replaced
+
+
+def _hook_later_outputs(module: nn.Module, block: Block, output, first: Tensor):
+    """Hook each later output with rows per example (:attr:`Block.example_outputs`) that
+    requires grad: ProphetNet's decoder returns its main stream first, which its loss does
+    not read, and its predicting stream second. Each is replaced by an alias (``view_as``)
+    whose hook keeps its gradient, and so is the first where there are later ones: an output
+    the module also used to compute another would otherwise bring that path's gradient too
+    (as :func:`.capture._keep_later_gradients`). ``(output or None, the tensor to hook for
+    the first's gradient)``. A gradient through an output not hooked (without rows per
+    example) reaches the parameters otherwise than through the hooked outputs: the sum check
+    refuses them (:func:`reached_otherwise`)."""
+    leaves, spec = _pytree.tree_flatten(output)
+    positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    for t, k in enumerate(positions[1:], 1):
+        leaf = leaves[k]
+        if t in block.example_outputs and leaf is not first and leaf.requires_grad and leaf.grad_fn is not None \
+                and leaf.is_floating_point() and leaf.dim() > 0 and leaf.shape[0] == first.shape[0]:
+            leaves[k] = leaf.view_as(leaf)
+            block.later[t] = leaf.detach()
+            block.handles.append(leaves[k].register_hook(functools.partial(_later_gradient, module, block, t)))
+    if not block.later:
+        return None, first
+    leaves[positions[0]] = first.view_as(first)
+    return _pytree.tree_unflatten(leaves, spec), leaves[positions[0]]
+
+
+def _later_gradient(module: nn.Module, block: Block, t: int, grad: Tensor) -> None:
+    block.later_grads[t] = grad.detach()
+    if not block.covered:  # the first output has brought none (yet): the block starts here
+        _output_gradient(module, block, None)
 
 
 def _keep_total(block: Block, param: nn.Parameter):
@@ -190,12 +203,6 @@ def _parameters(module: nn.Module, covered: Optional[List[nn.Module]] = None) ->
     return found
 
 
-def _batched(call: Call, examples: int, leaves) -> List[int]:
-    """Tensor leaves that lead with ``examples`` and depend on the batch (``leaves``)."""
-    return [k for k, leaf in enumerate(call.leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0
-            and leaf.shape[0] == examples and k in leaves]
-
-
 def takes_over(module: nn.Module, examples: int, unknown: bool = False) -> bool:
     """Whether a child of ``module`` with the fallback ran on rows that are not examples in
     its last call: a per-example input (:mod:`.layout`) none of which leads with ``examples``;
@@ -214,7 +221,7 @@ def _taking_over(module: nn.Module, examples: int, unknown: bool = False) -> Ite
                 yield child
             continue
         found = layout_of(state)
-        if found.refusal is None and found.leaves and not _batched(state.call, examples, found.leaves):
+        if found.refusal is None and found.leaves and not batched_leaves(state.call, examples, found.leaves):
             yield child
 
 
@@ -233,15 +240,21 @@ def _members_alone(module: nn.Module, block: Block, examples: int) -> bool:
         and all(id(child) in members for child in _taking_over(module, examples))
 
 
-def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
+def _output_gradient(module: nn.Module, block: Block, grad: Optional[Tensor]):
     """Tensor hook on the block's output: in a tracked backward pass where the block takes
     over, note it in the pass's facts (its layers then get no rows of their own) and leave
-    the computation to the end of the pass."""
+    the computation to the end of the pass. ``grad`` ``None``: a later output's gradient came
+    first (:func:`_later_gradient`)."""
+    if grad is not None:
+        block.first_grad = grad.detach()
+        if block.covered:  # (started by a later output's gradient)
+            return
     savefields = active_savefields()
-    if not savefields or block.call is None or grad.dim() == 0 or covers(module):
+    if not savefields or block.call is None or block.output.dim() == 0 or covers(module):
         _let_go(block)  # (inside an active block: that block computes it)
         return
-    if takes_over(module, grad.shape[0]) and not _members_alone(module, block, grad.shape[0]):
+    examples = block.output.shape[0]
+    if takes_over(module, examples) and not _members_alone(module, block, examples):
         block.covered = list(module.modules())
     elif block.members:  # (.regroup): the other layers' rules give exact rows
         block.covered = list({id(sub): sub for member in block.members for sub in member.modules()}.values())
@@ -256,7 +269,15 @@ def _output_gradient(module: nn.Module, block: Block, grad: Tensor):
         if isinstance(state, Fallback):  # its call is the block's business now
             state.call, state.taken = None, True
     engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: _save(module, block, grad.detach(), savefields, recorded))
+    engine.queue_callback(lambda: _save(module, block, _first_gradient(block), savefields, recorded))
+
+
+def _first_gradient(block: Block) -> Optional[Tensor]:
+    """The first output's gradient, zeros where only later outputs brought one (it did not
+    reach the loss: its gradient is exactly zero)."""
+    if block.first_grad is None and block.output is not None:
+        return torch.zeros_like(block.output)
+    return block.first_grad
 
 
 def _let_go(block: Block) -> None:
@@ -295,7 +316,7 @@ def refusal(module: nn.Module, block: Block, examples: int) -> Optional[str]:
     found = layout_of(block)
     if found.refusal is not None:
         return found.refusal
-    if not _batched(call, examples, found.leaves):
+    if not batched_leaves(call, examples, found.leaves):
         return "none of its inputs leads with the batch dimension of its output"
     if any(call.leaves[k]._version != v for k, v in call.versions.items()) \
             or block.output._version != block.version:
@@ -304,113 +325,6 @@ def refusal(module: nn.Module, block: Block, examples: int) -> Optional[str]:
         if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
             return f"its submodule {name!r} is a BatchNorm in training mode: examples interact"
     return None
-
-
-class Interacting(Exception):
-    """The block's output for an example alone is not its output in the batch."""
-
-
-def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params: Dict[str, nn.Parameter],
-                          drawn: Optional[list] = None) -> Iterator[Tuple[Dict[str, Tensor], Dict]]:
-    """``{name: [x_i for i in a chunk]}``, chunk by chunk (:func:`.cost_model.examples_per_chunk`
-    examples: one reduction per chunk), ``x_i`` from the block run again on example ``i``
-    alone, ``torch.autograd.grad`` of its output at ``G_i`` (module docstring); with the
-    terms' magnitudes of its linear layers' biases (:mod:`.block_biases`); ``drawn``: the
-    batch's random draws, each example given its part of them (:mod:`.draws`).
-
-    Raises:
-        Interacting: Where the block's output for an example alone differs from its
-            output in the batch by more than ``sqrt(eps)`` of the latter's largest magnitude.
-    """
-    call, examples = block.call, grad.shape[0]
-    batched = set(_batched(call, examples, layout_of(block).leaves))
-    tensors = list(params.values())
-    narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else block.output.dtype)
-    numel = sum(p.numel() for p in tensors)
-    size = min(examples, cost_model.examples_per_chunk(max(numel, 1), tensors[0].element_size()))
-    chunk = {name: p.new_empty(size, *p.shape) for name, p in params.items()}
-    biases, chunk_terms = LinearBiases(module, params), {}
-    for i in range(examples):
-        leaves = [leaf[i : i + 1] if k in batched else leaf for k, leaf in enumerate(call.leaves)]
-        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
-        handles = biases.install()
-        try:
-            with torch.enable_grad(), precision.autocast_as(call.autocast), \
-                    narrowest if i == 0 else contextlib.nullcontext(), draws.replaying(drawn, i, examples):
-                output = module(*args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if i == 0:
-            block.dtype = narrowest.dtype
-            tolerance = output_tolerance(block)
-        first = first_tensor(output)
-        difference = (first.detach() - block.output[i : i + 1]).abs().max()
-        if first.shape != block.output[i : i + 1].shape or not float(difference) <= tolerance:
-            raise Interacting(
-                "its output for one example alone differs from its output in the batch: its "
-                "examples interact (a capacity limit, routing over the batch) or its forward pass "
-                "is random (router jitter, dropout in training mode)")
-        outputs = biases.outputs()
-        found = torch.autograd.grad(first, tensors + outputs, grad[i : i + 1].to(first.dtype),
-                                    allow_unused=True)
-        for (name, rows), g in zip(chunk.items(), found):
-            if g is None:
-                rows[i % size].zero_()
-            else:
-                rows[i % size].copy_(g)
-        for name, terms in biases.terms(list(found[len(tensors):])).items():
-            chunk_terms.setdefault(name, []).append(terms)
-        if i % size == size - 1 or i == examples - 1:
-            contributions = {name: rows[: i % size + 1] for name, rows in chunk.items()}
-            yield contributions, _held_terms(contributions, chunk_terms)
-            chunk_terms = {}
-
-
-def _held_terms(contributions: Dict[str, Tensor], chunk_terms: Dict[str, list]) -> Dict[str, Optional[tuple]]:
-    """A chunk's ``{bias name: (magnitudes [chunk, out], rows) or None}`` for
-    :func:`.reduce.with_structural_zeros`, which holds those contributions to the end
-    (copied here: the chunk's buffers are filled again)."""
-    held = {}
-    for name, terms in chunk_terms.items():
-        contributions[name] = contributions[name].clone()
-        counts = {None if t is None else t[1] for t in terms}
-        held[name] = None if len(counts) != 1 or None in counts else (
-            torch.stack([t[0] for t in terms]), counts.pop())
-    return held
-
-
-def vectorized(module: nn.Module, block: Block, grad: Tensor,
-               params: Dict[str, nn.Parameter]) -> Optional[Iterator[Tuple[Dict[str, Tensor], Dict]]]:
-    """:func:`per_example_gradients`' chunks by :mod:`.block_vmap` (a chunk of examples per
-    pass), or ``None`` where ``vmap`` cannot run the block or its first chunk's outputs
-    differ from the batch's: then the loop runs and checks (at every later step too)."""
-    if block.vectorized is False or not params:
-        return None
-    call, examples = block.call, grad.shape[0]
-    # The narrowest dtype the first chunk computes in, as the loop's first example: a float64
-    # block computing in float32 inside (OLMo-Hybrid's gated delta rule) rounds to float32.
-    narrowest = precision.NarrowestResult(call.autocast[1] if call.autocast else block.output.dtype)
-
-    def check(output: Tensor, expected: Tensor) -> None:
-        block.dtype = narrowest.dtype
-        if not float((output - expected).abs().max()) <= output_tolerance(block):
-            raise Interacting("its output for one example alone differs from its output in the batch: "
-                              "its examples interact or its forward pass is random")
-
-    def run(start: int, stop: int):
-        with narrowest if start == 0 else contextlib.nullcontext():
-            return block_vmap.chunk(module, call, batched, params, biases, block.output, grad,
-                                    start, stop, check)
-
-    tensors = list(params.values())
-    size = min(examples, cost_model.examples_per_chunk(
-        max(sum(p.numel() for p in tensors), 1), tensors[0].element_size()))
-    batched = _batched(call, examples, layout_of(block).leaves)
-    biases = LinearBiases(module, params).layers
-    found = block_vmap.chunks(run, examples, size)
-    block.vectorized = found is not None
-    return found
 
 
 def _from_the_batch(module: nn.Module, block: Block, way, batched: List[int], grad: Tensor,
@@ -438,10 +352,10 @@ def compute(module: nn.Module, block: Block, grad: Tensor,
     devices = sorted({grad.device.index or 0} if grad.device.type == "cuda" else set())
     # Experts (and their router) in transformers' 3-D layout, or window attention's layers on
     # rows whose map to the examples is proven: from the batch's pass (.experts, .windows).
-    batched = _batched(block.call, examples, layout_of(block).leaves)
+    batched = batched_leaves(block.call, examples, layout_of(block).leaves)
     way = experts if module.__dict__.get(experts.ATTRIBUTE) is not None else windows
     kept = experts.batch_call(module) if way is experts and not block.call.autocast else None
-    fast = _from_the_batch(module, block, way, batched, grad, params, sorted(wanted))
+    fast = {} if block.later_grads else _from_the_batch(module, block, way, batched, grad, params, sorted(wanted))
     if way is windows and windows.settled(module, fast, params):
         # Nothing runs again: no module's hooks, caches or state to set aside (state_kept walks the block).
         return {savefield: dict(fast[savefield]) for savefield in wanted}
@@ -564,22 +478,6 @@ def _why_reached_otherwise(block: Block, param: nn.Parameter) -> str:
         "a term of the loss reaches it another way (the router's auxiliary load-balancing loss, "
         "output_router_logits=True, is a term of the whole batch, not of examples) or it is "
         "shared with a layer outside the block")
-
-
-def rounding(block: Block, dtype: torch.dtype) -> float:
-    """The unit of rounding of the block's computation: ``eps`` of the narrowest dtype its
-    recomputation computed in (:attr:`Block.dtype`), of the autocast dtype of its call, or of
-    ``dtype``. A float64 model whose router computes in float32 gives one example alone its
-    output in the batch to float32's rounding only (the float32 products of 7 rows and of 28
-    round differently), and its router's contributions add up to the gradient to it only."""
-    narrow = block.dtype or (block.call.autocast[1] if block.call and block.call.autocast else dtype)
-    return torch.finfo(narrow).eps
-
-
-def output_tolerance(block: Block) -> float:
-    """How far one example's output alone may lie from its row of the batch's output:
-    :func:`.precision.rounding_bound` of the batch's output at :func:`rounding`'s ``eps``."""
-    return precision.rounding_bound(block.output, rounding(block, block.output.dtype))
 
 
 def _refuse(module: nn.Module, recorded, param, reason: str) -> None:

@@ -26,8 +26,15 @@ block, whose rows are examples:
 A model whose examples are independent gives exact zeros there (zero times a
 finite number sums to zero, whatever the order). A layer with a finite entry on
 another example's rows above ``sqrt(eps)`` of that gradient's largest magnitude
-has its parameters left out by name at each tracked step, with a warning (never
-rows taken from other examples' losses); inside a block that fails, every layer.
+is given to the smallest module around it that takes and returns the batch first and
+whose own output the same gradient reaches on the example's rows only (:mod:`.regroup`,
+``_block_mixed``; the model itself excepted): run again on each example alone, as every
+block (:mod:`.blocks`), with its checks (the output of one example alone is its row of the
+batch's; the contributions add up to the gradient), which refuse it by name where the examples
+interact in its forward or backward pass. csatv2's ``SpatialTransformerBlock``: exact, since
+each example's ``q``, ``k``, ``v`` are its own function of its input alone, whatever the batch.
+With no such module, the layer's parameters are left out by name at each tracked step, with
+a warning (never rows taken from other examples' losses); inside a block that fails, every layer.
 The margin is for the rounding residue of a mixing layer behind a ``LayerNorm(1)``,
 whose exact gradient is zero (about ``eps`` of the gradient in csatv2's earlier
 stages, against 1 where it mixes). Non-finite entries tell nothing (``0 * inf``)
@@ -47,7 +54,7 @@ to the layers' outputs, before the real forward pass (not on top of its memory).
 """
 
 import functools
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.fallback.capture import BLOCK_ATTRIBUTE
@@ -138,12 +145,15 @@ def mixes(grad: Optional[Tensor], example: int) -> bool:
     return others > 0 and others > bound
 
 
-def check(model: nn.Module, calls, larger, examples: int) -> None:
-    """Mark the layers of ``model`` whose output rows the gradient of one example's outputs
-    reaches on other examples (module docstring), from ``calls``, the survey's pass with
-    gradients that kept its modules' outputs, and ``larger``, its pass one example larger."""
+def check(model: nn.Module, calls, larger, examples: int,
+          around: Sequence[nn.Module] = ()) -> Tuple[Set[nn.Module], Set[nn.Module]]:
+    """The modules whose output rows the gradient of one example's outputs reaches on other
+    examples (module docstring), and those whose outputs were checked, from ``calls``, the
+    survey's pass with gradients that kept its modules' outputs, and ``larger``, its pass one
+    example larger: every layer with parameters of its own, every block, and the modules
+    ``around`` (those a block could be made of, :mod:`.regroup`)."""
     if examples < 2:
-        return
+        return set(), set()
     cotangents = {}
     generator = torch.Generator().manual_seed(0)  # the model's own random state untouched
     example = examples - 1
@@ -153,29 +163,35 @@ def check(model: nn.Module, calls, larger, examples: int) -> None:
         only[example] = row.to(output.dtype).to(output.device)
         cotangents[output] = only
     checked: Dict[nn.Module, List[Tensor]] = {}
-    for module in model.modules():
-        if module is not model and (direct_parameters(module) or BLOCK_ATTRIBUTE in module.__dict__):
+    for module in (*model.modules(), *around):
+        if module is not model and (direct_parameters(module) or BLOCK_ATTRIBUTE in module.__dict__
+                                    or module in around):
             checked[module] = _outputs(calls, larger, examples, module)
     if not cotangents:
-        return
+        return set(), set()
     # Each output's gradient checked by a hook as it passes, and let go: never every layer's at
     # once (as large as the activations); no parameter's gradient asked for (their hooks run not).
-    found = set()
+    found: set = set()
     handles = [t.register_hook(functools.partial(_note, module, example, found))
                for module, outputs in checked.items() for t in outputs]
     try:
         torch.autograd.grad(list(cotangents), calls.probe.zero, list(cotangents.values()),
                             allow_unused=True)
-    except RuntimeError:  # noqa: S110 - a pass that cannot be differentiated tells nothing
-        return
+    except RuntimeError:  # a pass that cannot be differentiated tells nothing
+        return set(), set()
     finally:
         for handle in handles:
             handle.remove()
-    for module in found:
-        inside = module.modules() if BLOCK_ATTRIBUTE in module.__dict__ else (module,)
-        for layer in inside:
-            if direct_parameters(layer):
-                layer.__dict__[MIXED] = REASON
+    return found, {module for module, outputs in checked.items() if outputs}
+
+
+def leave_out(module: nn.Module) -> None:
+    """Mark ``module``'s parameters left out at each tracked step (every layer's inside it,
+    where it is a block): its rows mix the examples and no block around it gives them."""
+    inside = module.modules() if BLOCK_ATTRIBUTE in module.__dict__ else (module,)
+    for layer in inside:
+        if direct_parameters(layer):
+            layer.__dict__[MIXED] = REASON
 
 
 def _note(module: nn.Module, example: int, found: set, grad: Tensor) -> None:

@@ -62,7 +62,9 @@ from cockpit_gradnoise.extensions import facts
 from cockpit_gradnoise.extensions.fallback import blocks, mixing, window_map
 from cockpit_gradnoise.extensions.fallback.capture import ATTRIBUTE, BLOCK_ATTRIBUTE, Fallback, first_tensor
 from cockpit_gradnoise.extensions.fallback.layout import Layout, state_kept
+from cockpit_gradnoise.extensions.fallback.param_uses import is_metadata, note_parameters
 from cockpit_gradnoise.extensions.fallback.parameters import direct_parameters, foreign, hooks_off
+from cockpit_gradnoise.extensions.savefields import TIED_ATTR
 
 import torch
 from torch import Tensor, nn
@@ -122,6 +124,9 @@ class _Calls(TorchFunctionMode):
         #: computes with the parameter (not one that reads its shape or dtype) took it outside
         #: its holders' calls (Perceiver's decoder: ``embedding_layer.weight.transpose(0, 1)``).
         self.users: Dict[int, set] = {}
+        #: ``{id(param): modules}``: as ``users``, where the operation's result requires grad
+        #: (in a pass with gradients): a use that carries the parameter's gradient.
+        self.carrying: Dict[int, set] = {}
         #: ``{id(layer): modules}``: the modules that were given the layer as an argument.
         self.passed: Dict[int, set] = {}
         self.running: List[nn.Module] = []
@@ -138,12 +143,12 @@ class _Calls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         taken: set = set()
-        _note_parameters(args, taken)
+        note_parameters(args, taken)
         if kwargs:
-            _note_parameters(kwargs, taken)
+            note_parameters(kwargs, taken)
         outside = [key for key in taken if not self.inside.get(key)]
         self.used.update(outside)
-        if outside and self.running and not _metadata(func):
+        if outside and self.running and not is_metadata(func):
             for key in outside:
                 self.users.setdefault(key, set()).add(self.running[-1])
         if func is _LINEAR:
@@ -151,7 +156,11 @@ class _Calls(TorchFunctionMode):
             if isinstance(weight, nn.Parameter):
                 x = args[0] if args else (kwargs or {}).get("input")
                 self.linear_rows.setdefault(id(weight), []).append(_leading(x))
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if outside and self.running and isinstance(result, Tensor) and result.requires_grad:
+            for key in outside:
+                self.carrying.setdefault(key, set()).add(self.running[-1])
+        return result
 
     def _record(self, module, args, kwargs, output):
         if self.running and self.running[-1] is module:
@@ -184,43 +193,6 @@ class _Calls(TorchFunctionMode):
     def remove(self):
         for handle in self.handles:
             handle.remove()
-
-
-#: Operations and attributes that read a tensor's metadata, not its values (or its values
-#: without a gradient: ``.data``): not a use of a parameter (``.T`` is one).
-_METADATA = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size",
-                       "is_floating_point", "is_complex", "is_contiguous", "data_ptr", "get_device",
-                       "__len__", "__format__", "__repr__", "shape", "dtype", "device", "ndim",
-                       "requires_grad", "is_cuda", "is_leaf", "layout", "grad_fn", "grad", "names",
-                       "itemsize", "nbytes", "data", "_version", "output_nr", "is_sparse", "is_meta"})
-
-
-def _metadata(func) -> bool:
-    """Whether the torch function ``func`` reads metadata only (:data:`_METADATA`); a property's
-    getter is named by its property (``Tensor.shape.__get__``)."""
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", None)
-    return name in _METADATA
-
-#: Arguments of a torch function that hold no parameter: not flattened.
-_PLAIN = (Tensor, int, float, bool, str, type(None), slice, torch.dtype, torch.device)
-
-
-def _note_parameters(value, used: set) -> None:
-    """Add the ``id`` of each parameter in ``value`` (the arguments of one operation) to
-    ``used``: what ``_pytree.tree_leaves`` finds, without flattening plain tuples of numbers
-    and tensors per operation (the survey's pass ran at 3 times a forward pass)."""
-    if isinstance(value, nn.Parameter):
-        used.add(id(value))
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if not isinstance(item, _PLAIN) or isinstance(item, nn.Parameter):
-                _note_parameters(item, used)
-    elif isinstance(value, dict):
-        _note_parameters(tuple(value.values()), used)
-    elif not isinstance(value, _PLAIN):
-        used.update(id(leaf) for leaf in _pytree.tree_leaves(value) if isinstance(leaf, nn.Parameter))
 
 
 def _run(model: nn.Module, args: tuple, kwargs: dict, grad: bool = False) -> Optional[_Calls]:
@@ -331,7 +303,7 @@ def survey(model: nn.Module, args: tuple, kwargs: dict, examples: Optional[int])
     if real is None or larger is None:
         return  # the model's other checks (.layout, the rules' leading sizes) stand
     _hook_blocks(model, real, larger, examples)
-    mixing.check(model, real, larger, examples)
+    _block_mixed(model, real, larger, examples)
     if examples > 1:
         signatures.setdefault(structure, set()).add(_signature(model, real, examples))
 
@@ -382,7 +354,7 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         # otherwise than through the block's output, and leave it out (.blocks.reached_otherwise).
         tied = [holder for param in params.values() for holder in holders[id(param)]]
         receivers = _receivers(module, params, real) if why == "passed" else []
-        tied += receivers
+        tied += receivers + (_ancestor_users(module, params, parents, real) if why == "around" else [])
         around = block
         while around is not None and not _holds(around, tied):
             around = _block_around(around, parents, real, larger, examples)
@@ -390,11 +362,35 @@ def _hook_blocks(model: nn.Module, real: _Calls, larger: _Calls, examples: int) 
         if why == "functional":
             if block is not None:  # (else the fallback computes it, as where its rows are examples)
                 _hook_functional(module, parents[module], block, real, larger, examples)
-        elif block is not None or why not in ("returned", "passed"):  # else the fallback's refusal names it
+        elif block is not None or why not in ("returned", "passed", "around"):  # else its refusal names it
             _hook(module, block, real, larger, examples)
             for receiver in receivers:  # (its own fallback would refuse the layer it was given)
                 _hook(receiver, block, real, larger, examples)
     _hook_one_window(model, parents, real, larger, examples)
+
+
+def _block_mixed(model: nn.Module, real: _Calls, larger: _Calls, examples: int) -> None:
+    """Each layer whose rows :mod:`.mixing`'s check found mixed a member of the smallest
+    batch-first module around it (the model excepted) whose own rows the check found not mixed
+    (timm's csatv2: its ``SpatialTransformerBlock`` around ``norm1``, ``pos_embed`` and ``qkv``):
+    run again on each example alone, with the checks of every block (:mod:`.blocks`); left out
+    by name where there is none (:func:`.mixing.leave_out`)."""
+    parents = {child: module for module in model.modules() for child in module.children()}
+    root = getattr(model, "_orig_mod", model)
+    around = [m for m in model.modules() if m is not model and m is not root and not direct_parameters(m)
+              and _batch_first(real.calls.get(m, []), larger.calls.get(m, []), examples)
+              and any(p.requires_grad for p in m.parameters())]
+    found, seen = mixing.check(model, real, larger, examples, around)
+    for module in found:
+        if not direct_parameters(module) and BLOCK_ATTRIBUTE not in module.__dict__:
+            continue  # (a module around layers: theirs are found too)
+        block = None if BLOCK_ATTRIBUTE in module.__dict__ else _block_around(module, parents, real, larger, examples)
+        while block is not None and block in found:
+            block = _block_around(block, parents, real, larger, examples)
+        if block is None or block is model or block is root or block not in seen:
+            mixing.leave_out(module)
+        else:
+            _hook(module, block, real, larger, examples)
 
 
 def _block_around(module: nn.Module, parents: dict, real: _Calls, larger: _Calls,
@@ -428,7 +424,24 @@ def _needs_block(module: nn.Module, params: dict, parents: dict, real: _Calls, l
         return "functional"
     if calls and _receivers(module, params, real) and _receivers(module, params, larger):
         return "passed"
+    if calls and _ancestor_users(module, params, parents, real):
+        return "around"
     return "used" if not calls and _used_by_parent(module, params, parents, real) else None
+
+
+def _ancestor_users(module: nn.Module, params: dict, parents: dict, calls: _Calls) -> List[nn.Module]:
+    """The modules around the called layer ``module``, not tied, whose own forward took one of
+    its parameters outside its calls in an operation that carries its gradient (ProphetNet's
+    decoder looks its positions up again through ``position_embeddings._forward``): a use no
+    rule sees. The smallest batch-first module around the layer and them is run again on each
+    example alone (:func:`_hook_blocks`); a tied parameter's direct uses are :mod:`..tied`'s."""
+    if TIED_ATTR in module.__dict__:
+        return []
+    ancestors, parent = [], parents.get(module)
+    while parent is not None:
+        ancestors.append(parent)
+        parent = parents.get(parent)
+    return [m for m in ancestors if any(m in calls.carrying.get(id(p), ()) for p in params.values())]
 
 
 def _receivers(module: nn.Module, params: dict, calls: _Calls) -> List[nn.Module]:
@@ -496,6 +509,11 @@ def _hook(module: nn.Module, block: Optional[nn.Module], real: _Calls, larger: _
     state = blocks.hook_block(block)
     if module not in state.members:
         state.members.append(module)
+    # Its outputs with rows per example (those whose gradients it follows besides the first).
+    outs, outs_larger = real.outputs.get(block, []), larger.outputs.get(block, [])
+    if len(outs) == len(outs_larger) == 1 and len(outs[0]) == len(outs_larger[0]):
+        state.example_outputs = frozenset(t for t, (a, b) in enumerate(zip(outs[0], outs_larger[0]))
+                                          if rows_are_examples(a, b, examples))
     # Which inputs are per example, as .layout.learn would (the model's own block
     # records its call after the model's hook that learns: it would never learn).
     (_, ins), (_, ins_larger) = real.calls[block][0], larger.calls[block][0]
