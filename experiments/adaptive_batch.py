@@ -56,7 +56,8 @@ START_BATCH = 8
 WARMUP_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
 #: Arms in the order of the page; "adaptive-*" use ``cgn.BatchSchedule``.
 ARMS = ("adaptive-norms", "adaptive-per-example", "warmup", "fixed", "fixed-avg",
-        "adaptive-lr-kept", "adaptive-norms-median", "adaptive-per-example-median")
+        "adaptive-lr-kept", "adaptive-norms-median", "adaptive-per-example-median",
+        "adaptive-norms-k0.9", "adaptive-norms-k1.5")
 #: The fixed batch at the seed-averaged grid's B_crit with its best learning rate (both
 #: stored under this key of the task's results when it first runs: the grid may grow later).
 FIXED_AVG = "fixed-avg"
@@ -75,6 +76,14 @@ MICRO_BATCH = {"adaptive-norms": START_BATCH // 2, "adaptive-per-example": START
 #: per-step ``b_simple``, not ``b_simple_smoothed``), otherwise the arm without the suffix.
 MEDIAN = "-median"
 MICRO_BATCH.update({arm + MEDIAN: MICRO_BATCH[arm] for arm in ("adaptive-norms", "adaptive-per-example")})
+#: The ablation of ``multiple`` (k, the batch a rising estimate is followed at, k B_noise):
+#: ``adaptive-norms`` with k other than 1. On McCandlish et al.'s model a run at k B_noise
+#: takes (1 + 1/k) / 2 times the steps and (1 + k) / 2 times the examples of one at k = 1:
+#: from the k = 1 runs, the warmup's steps and examples are both undercut at k near 0.9 on
+#: the GPT (fewer examples, more steps) and near 1.5 on the digits (the other way), no one k on
+#: both; these arms test that prediction.
+MULTIPLES = {"adaptive-norms-k0.9": 0.9, "adaptive-norms-k1.5": 1.5}
+MICRO_BATCH.update({arm: MICRO_BATCH["adaptive-norms"] for arm in MULTIPLES})
 MAX_BATCH = 512
 #: A run stops ("not reached") past this many times E_min examples: beyond it the frontier
 #: value is below 1 only within 1 / (CAP - 1) of S_min steps, which no run comes near.
@@ -355,7 +364,8 @@ def run_arm(task, arm, baseline, seed, fixed_lr, fixed_avg=None) -> ScheduledRun
                                  max_accumulation=MAX_BATCH // micro,
                                  rule=None if arm == ABLATION else "auto",
                                  max_lr_factor=lr_cap(baseline),
-                                 estimate="median" if arm.endswith(MEDIAN) else "smoothed")
+                                 estimate="median" if arm.endswith(MEDIAN) else "smoothed",
+                                 **({"multiple": MULTIPLES[arm]} if arm in MULTIPLES else {}))
     run = train_scheduled(task, schedule, base_lr, seed, arm=arm,
                           quantities=quantities_of(arm, task), **limits)
     run.rule = RULE

@@ -44,7 +44,8 @@ RUN_ROWS = 12
 
 COLORS = {"adaptive-norms": "C3", "adaptive-per-example": "C2", "warmup": "C1", "fixed": "C0",
           "fixed-avg": "C9",
-          ABLATION: "C4", "adaptive-norms-median": "C5", "adaptive-per-example-median": "C6"}
+          ABLATION: "C4", "adaptive-norms-median": "C5", "adaptive-per-example-median": "C6",
+          "adaptive-norms-k0.9": "C7", "adaptive-norms-k1.5": "C8"}
 #: The adaptive arms whose changes and verdicts the page lists.
 ADAPTIVE_ARMS = [arm for arm in ARMS if arm.startswith("adaptive")]
 
@@ -269,6 +270,12 @@ def task_section(task, baseline, fixed, runs, figure, fair=None, extra=()) -> Li
         f"- `adaptive-norms{MEDIAN}`, `adaptive-per-example{MEDIAN}` (the one change tried after "
         f"the first rerun): the same with `estimate=\"median\"`: B_noise is the median of the "
         f"last 10 per-step b_simple, not b_simple_smoothed (see \"What the adaptive runs did\").",
+        "- `adaptive-norms-k0.9`, `adaptive-norms-k1.5` (an ablation of `multiple`, where they ran): "
+        "`adaptive-norms` with `multiple=0.9` and `1.5`, a rising estimate followed at k B_noise: "
+        "on McCandlish et al.'s model (1 + 1/k)/2 times the steps and (1 + k)/2 times the examples "
+        "of k = 1, a move along the frontier, not below it; chosen from the k = 1 runs as the "
+        "multiples at which the warmup's steps and examples are both undercut on one task each "
+        "(GPT 0.9, digits 1.5), to test that prediction.",
         f"- warmup: batches {stages}, doubling when the examples seen pass {thresholds} "
         f"(fractions {', '.join(f'{f:g}' for f in WARMUP_FRACTIONS)} of the budget 2 E_min = "
         f"{budget:,.0f}); each batch with the grid's best learning rate for it.",
