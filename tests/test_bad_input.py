@@ -268,29 +268,54 @@ def test_two_instances_of_one_quantity_class_fail_clearly():
         run_step(problem, quantities)
 
 
-def test_a_weight_read_directly_by_another_module_is_named_with_the_reason():
-    """ProphetNet's decoder reads ``ngram_embeddings.weight`` directly, never calling the
-    embedding: no hook sees its layer, and the warning said "layers of class unknown" with no
-    reason. It now names the parameter, the reason and what to do; the others keep their rows."""
-    from experiments import sweep_models
+class _TableReader(nn.Module):
+    """Reads ``table.weight`` in its own forward, never calling the table (as ProphetNet's
+    decoder reads ``ngram_embeddings.weight``); ``mixing``: its output also depends on the
+    batch's mean, so that no example alone gives its row of the batch's."""
 
-    case = sweep_models.build("transformers", "prophetnet")
-    model = cgn.prepare_model(case.model)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    quantity = cgn.PerExampleGradNorm(linear(1), param_names=names)
-    cockpit = cgn.Cockpit([p for p in model.parameters() if p.requires_grad], quantities=[quantity])
-    outputs = model(*case.inputs)
-    loss = case.loss_fn(outputs, case.targets)
-    losses = nn.functional.cross_entropy(outputs.transpose(1, 2), case.targets, reduction="none")
+    def __init__(self, table, mixing):
+        super().__init__()
+        self.table, self.linear, self.mixing = table, nn.Linear(4, 4), mixing
+
+    def forward(self, x):
+        h = self.linear(x)
+        return (h - h.mean(0) if self.mixing else h) @ self.table.weight[:4].t()
+
+
+class _ReadTable(nn.Module):
+    def __init__(self, mixing):
+        super().__init__()
+        self.table = nn.Embedding(6, 4)
+        self.reader, self.head = _TableReader(self.table, mixing), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.reader(x))
+
+
+@pytest.mark.parametrize("mixing", [False, True])
+def test_a_weight_read_directly_by_another_module_gets_rows_or_is_named_with_the_reason(mixing):
+    """A layer's weight read directly by another module's forward (the layer never called: no
+    hook sees it) gets its rows from that module run on each example alone (its block), exact;
+    where that module mixes the examples, the weight is named with the reason and what the
+    module does, never as a layer "of class unknown", and the other parameters keep their rows."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    model = cgn.prepare_model(_ReadTable(mixing))
+    names = [n for n, _ in model.named_parameters()]
+    cockpit = cgn.Cockpit(list(model.parameters()),
+                          quantities=[cgn.PerExampleGradNorm(linear(1), param_names=names)])
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with cockpit(0, info={"batch_size": len(losses), "individual_losses": losses.mean(1),
-                              "loss": loss}):
-            loss.backward()
-    messages = [str(w.message) for w in caught if "no per-example rule" in str(w.message)
-                or "no hook saw" in str(w.message)]
-    ngram = "model.prophetnet.decoder.ngram_embeddings.weight"
-    assert any(ngram in m and "read directly by another module's forward" in m
-               and "call the layer itself" in m and "unknown" not in m for m in messages), messages
+        with cockpit(0, info={"individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
     rows = cockpit.get_output()[0]["PerExampleGradNorm"]
-    assert ngram not in rows and "model.prophetnet.word_embeddings.weight" in rows
+    assert "head.weight" in rows and "head.bias" in rows
+    if not mixing:
+        frame = cgn.check_model(_ReadTable(mixing), x, y, nn.functional.cross_entropy, verbose=False)
+        table = frame[frame.param == "table.weight"].iloc[0]
+        assert "table.weight" in rows and table.rows and table.max_rel_error < 1e-12, table
+        return
+    messages = [str(w.message) for w in caught if "table.weight" in str(w.message)]
+    assert "table.weight" not in rows
+    assert any("examples interact" in m and "unknown" not in m for m in messages), messages
