@@ -72,15 +72,7 @@ def per_example_gradients(
         return (*outputs, *sinks)
 
     def forward(own, examples, recorded):
-        if call.one_input is not None:  # module(x): nothing to rebuild
-            args, kwargs = (examples[0].unsqueeze(0),), {}
-        else:
-            leaves = list(call.leaves)
-            for k in call.fresh_caches:  # filled from empty by the call (.caches): none
-                leaves[k] = None
-            for k, example in zip(batched, examples):
-                leaves[k] = example.unsqueeze(0)
-            args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+        args, kwargs = _arguments(call, {k: example.unsqueeze(0) for k, example in zip(batched, examples)})
         with own_parameters(module, own), replay.replacing(module, recorded):
             output = module.forward(*args, **kwargs)
         ordered = [*positions, *blind_outputs]
@@ -97,9 +89,7 @@ def per_example_gradients(
         return (*results, *biases.outputs)
 
     traced = traced_forward if biases.watched else flat_forward
-    with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
-            precision.autocast_as(call.autocast), padding_kept(module), \
-            attributes_as_called(module, call.attributes):
+    with _recomputing(module, call):
         results = torch.func.vmap(traced)(*copies.values(), *examples, *recorded.values())
     count = len(positions) + len(blind_outputs)
     outputs, sinks = results[: len(positions)], results[count : len(results) - len(biases.names)]
@@ -143,15 +133,9 @@ def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call, ba
     positions = list(grads)
     total = grads[positions[0]].shape[0]
     replay = _Replay(call.children, total, 0, total, batched_children, whole=True)
-    if call.one_input is not None:
-        args, kwargs = (call.one_input,), {}
-    else:
-        leaves = [None if k in call.fresh_caches else leaf for k, leaf in enumerate(call.leaves)]
-        args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
+    args, kwargs = _arguments(call)
     own = {name: p.detach().requires_grad_() for name, p in params.items()}
-    with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
-            precision.autocast_as(call.autocast), padding_kept(module), \
-            attributes_as_called(module, call.attributes), own_parameters(module, own), \
+    with _recomputing(module, call), own_parameters(module, own), \
             replay.replacing(module, replay.recorded_outputs()):
         output = module.forward(*args, **kwargs)
     outputs = [output] if call.outputs is None else [output[call.outputs[p]] for p in positions]
@@ -163,6 +147,32 @@ def batch_gradients(module: nn.Module, params: Dict[str, Tensor], call: Call, ba
     found = torch.autograd.grad([o for o, _ in pairs], list(own.values()), [g for _, g in pairs],
                                 allow_unused=True)
     return dict(zip(own, found)), sum(float(o.detach().double().norm() * g.double().norm()) for o, g in pairs)
+
+
+@contextlib.contextmanager
+def _recomputing(module: nn.Module, call: Call):
+    """What a recomputation of ``module``'s recorded ``call`` runs under, per example
+    (:func:`per_example_gradients`) or on the batch (:func:`batch_gradients`) alike: no hooks,
+    no caches, math attention (a batching rule for every op), gradients on, the call's autocast,
+    padding rows kept, and the attributes the call found on the module."""
+    with hooks_off(module), caches_bypassed(module), math_attention(), torch.enable_grad(), \
+            precision.autocast_as(call.autocast), padding_kept(module), \
+            attributes_as_called(module, call.attributes):
+        yield
+
+
+def _arguments(call: Call, replaced: Optional[Dict[int, Tensor]] = None) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` of the recorded ``call``, the caches it filled from empty
+    (:mod:`.caches`) none; ``replaced``: ``{leaf index: tensor}`` (an example's parts), else
+    the call's own leaves. ``module(x)`` (``call.one_input``): nothing to rebuild."""
+    if call.one_input is not None:
+        return (call.one_input if replaced is None else replaced[0],), {}
+    leaves = list(call.leaves)
+    for k in call.fresh_caches:
+        leaves[k] = None
+    for k, leaf in (replaced or {}).items():
+        leaves[k] = leaf
+    return _pytree.tree_unflatten(leaves, call.spec)
 
 
 def _refuse_blind(copies: Dict[str, Tensor], outputs: Sequence[Tensor],
