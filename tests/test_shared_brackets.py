@@ -80,16 +80,14 @@ def test_sums_carried_over_the_pieces_are_numpys_sums(n):
     is infinite (and the pass then finds a NaN by the piece's max)."""
     rng = numpy.random.default_rng(n)
     values = (rng.standard_normal(n) * numpy.exp(8 * rng.standard_normal(n))).astype(numpy.float32)
-    tally = bracket.Tally([(0.0, 1.0)])
-    tally.summing = True
+    tally = bracket.Tally([(0.0, 1.0)], summing=True)
     for start in range(0, n, bracket._PIECE):
         tally.add(values[start : start + bracket._PIECE])
     assert tally.total == float(values.sum(dtype=numpy.float64))
     values[n // 2] = numpy.inf
     assert bracket.carried_sum(values, 0.0) == math.inf
     values[n - 1] = math.nan
-    tally = bracket.Tally([(0.0, 1.0)])
-    tally.summing = True
+    tally = bracket.Tally([(0.0, 1.0)], summing=True)
     with pytest.raises(ValueError, match="NaN"):
         for start in range(0, n, bracket._PIECE):
             tally.add(values[start : start + bracket._PIECE])

@@ -98,8 +98,7 @@ def select_bracketed_with_union(
             samples.append(sample_of([values], values.size))
             spans = merged(union_spans + brackets(samples[-1], [rank / values.size for rank in own_ranks[k]]))
         tops = [any(tied) for tied in zip(*(tied_tops(sample, spans) for sample in samples))]
-        tally = Tally(spans, tops)
-        tally.summing = values.dtype == numpy.float32
+        tally = Tally(spans, tops, summing=values.dtype == numpy.float32)
         for start in range(0, values.size, _PIECE):
             tally.add(values[start : start + _PIECE])
         tallies.append(tally)
@@ -147,7 +146,8 @@ class Tally:
     inside gathered (exact zeros counted, not gathered; where ``tops[k]``, the elements
     equal to ``high`` too); then values at ranks (:meth:`at`)."""
 
-    def __init__(self, spans: List[Tuple[float, float]], tops: Optional[Sequence[bool]] = None):
+    def __init__(self, spans: List[Tuple[float, float]], tops: Optional[Sequence[bool]] = None,
+                 summing: bool = False):
         self.spans = spans
         # Ties at the upper end counted apart only where it is not 0 (zeros are counted
         # already); a bracket of one value holds nothing else: all its elements are ties.
@@ -158,9 +158,9 @@ class Tally:
         self.at_top = [0] * len(spans)
         self.inside: List[List[numpy.ndarray]] = [[] for _ in spans]
         self._masks = numpy.empty((2, 0), dtype=bool)  # a piece's masks, reused
-        #: Where ``summing``: the float64 sum of the float32 elements added, carried from piece
-        #: to piece (:func:`carried_sum`).
-        self.summing, self.total = False, 0.0
+        #: Where ``summing`` (float32 pieces): the float64 sum of the elements added, carried
+        #: from piece to piece (:func:`carried_sum`).
+        self.summing, self.total = summing, 0.0
 
     def add(self, piece: numpy.ndarray):
         """Count and gather the elements of a 1d piece. Raises ValueError on NaN."""

@@ -66,7 +66,7 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         values.sort()
         check_no_nan(float(values[-1]))
         return values[list(ranks)].tolist()
-    if values.size >= BRACKET_AT_LEAST:
+    if by_brackets(values.size):
         found = select_bracketed([values], ranks)
         if found is not None:
             return found
@@ -81,6 +81,12 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     found[values.size - 1] = float(largest)
     _select_within(values, 0, sorted(set(ranks) - {values.size - 1}), found)
     return [found[rank] for rank in ranks]
+
+
+def by_brackets(size: int) -> bool:
+    """Whether :func:`select_in_place` selects in an array of ``size`` elements by a sample's
+    brackets first (not by a sort, nor by partitions only)."""
+    return size > SORT_WHOLE_AT_MOST and size >= BRACKET_AT_LEAST
 
 
 def count_where(values: numpy.ndarray, test, *args) -> int:
@@ -223,7 +229,7 @@ def _union_by_brackets(arrays, left_out, kept, levels
     present = [k for k, values in enumerate(arrays) if values.size]
     own_ranks = {}
     for j, k in enumerate(present):
-        if arrays[k].size >= BRACKET_AT_LEAST and arrays[k].size > SORT_WHOLE_AT_MOST and kept[k]:
+        if by_brackets(arrays[k].size) and kept[k]:
             own_lower, own_upper, _ = quantile_ranks(levels, kept[k])
             own_ranks[j] = [left_out[k] + rank for rank in own_lower + own_upper]
     lower, upper, weights = quantile_ranks(levels, sum(kept))
