@@ -478,7 +478,9 @@ def main(argv=None):
     checks = {e["task"]: frontier_check.task_lines(
         e, fair.get(e["task"]), None if stored[0]["quick"] else
         frontier_check.grids_of(args.grid, tasks[e["task"]])) for e in stored}
-    page = adaptive_batch_page.write_page(stored, tasks, out, fair, checks)
+    # The hand-written readings are of the runs in docs/experiments, not of another folder's.
+    readings = out.resolve() == GRID.parent.resolve()
+    page = adaptive_batch_page.write_page(stored, tasks, out, fair, checks, readings)
     print(f"page: {page}")
     return stored, page
 

@@ -232,3 +232,21 @@ def test_the_page_states_every_arm_against_the_seed_averaged_frontier_too(quick,
     adaptive_batch_page.plot_task(ab.baseline_from_json(stored[0]["baseline"]), runs, "x",
                                   tmp_path / "f.png", fair=fair[stored[0]["task"]])
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_a_folder_without_the_fixed_arm_gets_its_page_without_the_readings(quick, tmp_path):
+    """Runs of some arms only (held-out seeds in a folder of their own): the page is written
+    without the fixed arm's line, and the hand-written readings, which are of the runs in
+    docs/experiments, only where asked for."""
+    from experiments import adaptive_batch_page
+    from experiments.adaptive_batch_reading import WHY
+
+    stored, _, _ = quick
+    some = [dict(entry, fixed=None, runs=[r for r in entry["runs"] if r["arm"] == "warmup"])
+            for entry in stored]
+    tasks = cbs.make_tasks(True, 0)
+    text = adaptive_batch_page.write_page(some, tasks, tmp_path, readings=False).read_text()
+    assert "- fixed: batch" not in text and "| warmup | 1 | 1 |" in text
+    assert WHY[0] not in text and "this page has the generated parts only" in text
+    text = adaptive_batch_page.write_page(stored, tasks, tmp_path).read_text()
+    assert WHY[0] in text and "- fixed: batch" in text
