@@ -18,7 +18,13 @@ import signal
 import time
 import warnings
 
-from experiments.architecture_sweep import RESULTS, classify, float32_model
+from experiments.architecture_sweep import (
+    RESULTS,
+    classify,
+    computed_in_float32,
+    float32_model,
+    float32_parameters,
+)
 
 TIMEOUT = 120  # seconds by the clock per model
 
@@ -48,12 +54,13 @@ def check_in_training_mode(library: str, name: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         case = sweep_models.build(library, name)
+        float32 = computed_in_float32(case)  # (the modules that compute in float32: the sweep's rule)
         model = case.model.train()
         torch.manual_seed(1)
         whole = float32_model(model)
         frame = cgn.check_model(model, case.inputs, case.targets, case.loss_fn, verbose=False,
                                 dtype=torch.float32 if whole else torch.float64)
-    record = classify(frame, whole)
+    record = classify(frame, float32_parameters(model, frame, float32) | whole)
     random = [r for r in record["left_out"] if "random" in r["reason"]]
     record["random_elements"] = sum(r["elements"] for r in random)
     record["cpu_seconds"] = time.process_time() - start

@@ -101,7 +101,9 @@ class Mixing(nn.Module):
 class Dropped(nn.Module):
     """Drops features with a mask of one row more than the batch: no example's part of the
     batch's draws to replay (``extensions/fallback/draws.py``; a mask per example, flattened
-    by example or drawn once for all, is replayed)."""
+    by example or drawn once for all, is replayed). Each example alone draws 2 rows and is
+    handed the next 2 of the batch's, which are not the batch's rows of it: its output alone
+    differs (refused there), and the rows would run out at the fourth example."""
 
     def __init__(self):
         super().__init__()
@@ -196,7 +198,7 @@ class GivesACache(nn.Module):
     [
         (nn.Sequential(Mixing(), nn.Linear(4, 3)), "0.gamma", "BatchNorm in training mode"),
         (nn.Sequential(GivesACache(), nn.Linear(4, 3)), "0.cached.gamma", "use_cache=False"),
-        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "no dimension of the examples"),
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "differs from its output in the batch"),
         (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],
@@ -213,7 +215,7 @@ def test_the_fallback_refuses_what_it_cannot_compute_exactly(model, name, reason
 @pytest.mark.parametrize(
     "model, name, reason",
     [
-        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "no dimension of the examples"),
+        (nn.Sequential(Dropped(), nn.Linear(4, 3)), "0.gamma", "differs from its output in the batch"),
         (Twice(), "scale.gamma", "called 2 times in one forward pass, and one of them"),
         (nn.Sequential(ChangedInPlace(), nn.Linear(4, 3)), "0.gamma", "changed in place is needed"),
     ],

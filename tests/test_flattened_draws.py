@@ -78,3 +78,74 @@ def test_timm_relpos_mlp_dropout_shared_by_every_example_exact(examples):
     frame = _checked(model, (images,), torch.arange(examples) % 3, nn.CrossEntropyLoss())
     assert frame[frame.param.str.contains("rel_pos")].rows.all()
     _exact(frame)
+
+
+class SparseMLP(nn.Module):
+    """Switch Transformers' own mixture of experts (4 experts, top 1) in training mode, its
+    experts' dropout on the rows routed to each, a head on the mean token."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import SwitchTransformersConfig
+        from transformers.models.switch_transformers.modeling_switch_transformers import (
+            SwitchTransformersSparseMLP,
+        )
+
+        torch.manual_seed(0)
+        config = SwitchTransformersConfig(d_model=8, d_ff=12, num_experts=4, expert_capacity=64,
+                                          dropout_rate=0.3)
+        self.mlp = SwitchTransformersSparseMLP(config).double().train()
+        # Its router computes in float32 whatever the model's dtype (rounding, not this subject).
+        self.mlp.router.classifier.weight.requires_grad_(False)
+        self.head = nn.Linear(8, 3).double()
+
+    def forward(self, tokens):
+        return self.head(self.mlp(tokens).mean(1))
+
+
+class Routed(nn.Module):
+    """Two experts, each on the rows routed to it by a fixed rule (every token whose first
+    feature is positive), gathered example-major as Switch Transformers does, or token-major."""
+
+    def __init__(self, token_major):
+        super().__init__()
+        self.token_major = token_major
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.4)) for _ in range(2))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        rows = (tokens.transpose(0, 1) if self.token_major else tokens).reshape(-1, 4)
+        out = torch.zeros_like(rows)
+        for expert, chosen in zip(self.experts, (rows[:, 0] > 0, rows[:, 0] <= 0)):
+            out[chosen] = expert(rows[chosen])
+        out = out.view(tokens.shape[1], len(tokens), 4).transpose(0, 1) if self.token_major else out.view_as(tokens)
+        return self.head(out.mean(1))
+
+
+@pytest.mark.parametrize("examples", [3, 5])
+def test_switch_transformers_experts_dropout_on_their_routed_rows_exact(examples):
+    """Each expert's dropout mask has as many rows as tokens routed to it (``[4, 12]`` in the
+    batch, ``[2, 12]`` for one example): each example alone is handed its tokens' rows, those
+    after the examples before it, matched to the batch's draw by the module that drew it (an
+    example skips the experts none of its tokens reached). They were left out by name."""
+    generator = torch.Generator().manual_seed(examples)
+    tokens = torch.randn(examples, 5, 8, generator=generator, dtype=torch.float64)
+    frame = _checked(SparseMLP(), (tokens,), torch.arange(examples) % 3, nn.CrossEntropyLoss())
+    experts = frame[frame.param.str.contains("experts") & frame.rows]
+    assert len(experts) >= 4
+    _exact(frame)
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_rows_routed_token_major_are_refused_by_name(token_major):
+    """Gathered token-major, an example's rows are not one block of the expert's: refused by
+    name by the output check (each example's rows alone are those of the examples before it)."""
+    torch.manual_seed(0)
+    model = Routed(token_major).double().train()
+    tokens = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    frame = _checked(model, (tokens,), torch.arange(3) % 3, nn.CrossEntropyLoss()).set_index("param")
+    if not token_major:
+        _exact(frame.reset_index())
+        return
+    note = frame.loc["experts.0.0.weight", "note"]
+    assert not frame.loc["experts.0.0.weight", "rows"] and "random" in note, note

@@ -3,7 +3,9 @@
 T5's relative position bias: ``table(buckets [q, k])`` permuted and unsqueezed to
 ``[1, H, q, k]`` and met by the batch in an addition, a ``torch.where`` with a padding
 mask, a product, a subtraction with ``alpha`` or an ``expand``, after batch-free
-operations (a causal ``torch.where``, a product by a number). Written small here, and
+operations (a causal ``torch.where``, a product by a number); or added (subtracted) in
+place to a view of the batch's tensor, whole or a slice, once or twice (RoCBERT's
+``embedding_in += position_embeddings``). Written small here, and
 Hugging Face's ``T5EncoderModel`` and ``T5ForConditionalGeneration`` (the case matrix
 has ``hf-t5``: padded encoder, SDPA, batch sizes 2 and ``q = k = B``): every
 statistic of every parameter at batch sizes equal to the positions and not, and an
@@ -74,6 +76,28 @@ class BiasedAttention(nn.Module):
             return scores + bias.expand(len(idx), -1, -1, -1)
         if self.how == "sigmoid":  # batch-free, but not an operation the package follows
             return scores + bias.sigmoid()
+        return self._met_in_place(scores, bias)
+
+    def _met_in_place(self, scores, bias):
+        """Added in place to a view of the batch's tensor, as RoCBERT adds its position table
+        to its Linear's output (autograd's ``CopySlices``; a second in-place operation sees
+        the view through the ``as_strided`` autograd regenerates)."""
+        if self.how in ("added in place to a view", "subtracted in place twice"):
+            view = (scores * 1.0).reshape(-1).view(scores.shape)
+            if self.how == "added in place to a view":
+                view += bias
+            else:
+                view -= bias
+                view.sub_(bias * 0.5, alpha=2.0)
+            return view
+        if self.how == "added in place to a slice":  # a view of part of its base
+            both = torch.cat([scores, scores[:, :1]], 1)
+            both[:, :HEADS] += bias
+            return both[:, :HEADS] * both[:, HEADS:]
+        if self.how == "multiplied in place":  # not followed
+            view = (scores * 1.0).reshape(-1).view(scores.shape)
+            view *= bias
+            return view
         raise ValueError(self.how)
 
 
@@ -88,7 +112,8 @@ def _token_problem(model, n, reduction):
 
 
 @pytest.mark.parametrize("how", ["added, reused", "padding where", "causal where, added",
-                                 "multiplied", "subtracted", "expanded"])
+                                 "multiplied", "subtracted", "expanded", "added in place to a view",
+                                 "subtracted in place twice", "added in place to a slice"])
 @pytest.mark.parametrize("n", [LENGTH, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_relative_position_table_is_exact_where_it_meets_the_batch(how, n, reduction):
@@ -96,12 +121,14 @@ def test_a_relative_position_table_is_exact_where_it_meets_the_batch(how, n, red
     assert_matches_references(problem, inner_terms=LENGTH * LENGTH)
 
 
+@pytest.mark.parametrize("how, reason", [
+    ("sigmoid", r"index \(shape \(4, 4\)\).*does not follow \(SigmoidBackward0\)"),
+    ("multiplied in place", r"index \(shape \(4, 4\)\).*in-place operation on a view.*CopySlices")])
 @pytest.mark.parametrize("n", [LENGTH, 3])
-def test_a_table_through_an_operation_not_followed_is_refused_by_name(n):
-    problem = _token_problem(BiasedAttention("sigmoid"), n, "mean")
+def test_a_table_through_an_operation_not_followed_is_refused_by_name(how, reason, n):
+    problem = _token_problem(BiasedAttention(how), n, "mean")
     quantity = cgn.PerExampleGradNorm(linear(1), param_names=problem.names)
-    assert_left_out_by_name(problem, quantity, "table.weight",
-                            r"\['table.weight'\].*index \(shape \(4, 4\)\).*does not follow \(SigmoidBackward0\)")
+    assert_left_out_by_name(problem, quantity, "table.weight", r"\['table.weight'\].*" + reason)
 
 
 def test_a_fused_attention_kernel_is_named_with_the_fix():

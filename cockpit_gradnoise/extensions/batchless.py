@@ -15,9 +15,9 @@ of two or more dimensions leading with the batch size (:func:`suspect`),
 batch-free operations to every operation where it meets the batch, broadcast
 from size 1 (:func:`.meetings.follow`: nanoGPT's addition, T5's relative
 position bias permuted, unsqueezed and met by every layer's scores or padding
-mask), and puts a pre-hook on each that adds, in the backward pass, each
-example's gradient of the output through it (``[B, *output shape]``). The
-embedding's per-example contributions are then exact
+mask, RoCBERT's table added in place to a view of a ``Linear``'s output), and
+puts a pre-hook on each that adds, in the backward pass, each example's
+gradient of the output through it (``[B, *output shape]``). The embedding's per-example contributions are then exact
 (:func:`embedding_results`): every example uses the same rows, so they are
 ``[B, R, d]`` numbers for the ``R`` distinct indices. A batch of one example
 needs none of this: its gradient is the example's.
@@ -144,11 +144,12 @@ def _why_not(shape: Tuple[int, ...], stopped_at: Optional[str]) -> str:
             "uncompiled module (compiled._orig_mod) at tracked steps")
     if stopped_at is not None and "CopySlices" in stopped_at:
         return start + (
-            f"is used by an in-place operation on a view ({stopped_at}: RoCBERT's "
-            "`embedding_in += position_embeddings` on a Linear's output), whose operation the "
-            "autograd graph does not show, so its broadcast over the batch is not proven: "
-            "write it out of place (x = x + table(positions)), or apply the embedding to every "
-            "example's indices (index.expand(B, *index.shape))")
+            f"is used by an in-place operation on a view ({stopped_at}) that the package "
+            "does not follow (it follows += and -= on a view whose place in its base its "
+            "backward nodes show, as RoCBERT's `embedding_in += position_embeddings`), so its "
+            "broadcast over the batch is not proven: write it out of place "
+            "(x = x + table(positions)), or apply the embedding to every example's indices "
+            "(index.expand(B, *index.shape))")
     through = "" if stopped_at is None else f" ({stopped_at})"
     return start + (
         f"reaches the batch's tensors through an operation the package does not follow{through} "

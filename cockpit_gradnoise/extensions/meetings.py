@@ -49,6 +49,16 @@ _PERMUTES = {"PermuteBackward0", "TransposeBackward0", "TBackward0"}
 #: Element-wise with broadcasting (the factor of their vjp: :func:`_multiplier`).
 _ELEMENTWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "WhereBackward0",
                 "ExpandBackward0", "NegBackward0"}
+#: Autograd's node of an operation done in place on a view (named ``torch::autograd::CopySlices``).
+IN_PLACE_ON_VIEW = "CopySlices"
+#: The backward nodes between a base and its view that the probe may pass through.
+_VIEW_STEPS = _RESHAPES | _PERMUTES | {"AsStridedBackward0", "ExpandBackward0", "SliceBackward0",
+                                       "SelectBackward0", "NarrowBackward0", "DiagonalBackward0"}
+#: Operations done in place on a view that are followed: their operand's factor is a
+#: number (an in-place product's saved operands are not the ones ``_multiplier`` reads).
+_IN_PLACE_OPERATIONS = {"AddBackward0", "SubBackward0"}
+#: At most this many nodes between a base and its view.
+_MAX_VIEW_STEPS = 16
 #: At most this many meetings per layer (a path count that explodes means a graph
 #: that is not a small batch-free chain: refused).
 MAX_MEETINGS = 4096
@@ -114,19 +124,110 @@ class _Step:
 
 
 class Meeting:
-    """An operation where the layer's output (through ``path``) meets the batch."""
+    """An operation where the layer's output (through ``path``) meets the batch.
 
-    def __init__(self, node, position: int, operand_shape: torch.Size, path: Tuple[_Step, ...]):
+    ``node`` is where its output gradient is read (hooked); ``operation`` the operation
+    itself, ``node`` but for one done in place on a view (``CopySlices``: ``node`` gives
+    the base's gradient, of which ``view`` takes the view's elements).
+    """
+
+    def __init__(self, node, position: int, operand_shape: torch.Size, path: Tuple[_Step, ...],
+                 operation=None, view: Optional["_View"] = None):
         self.node, self.position, self.operand_shape, self.path = node, position, operand_shape, path
+        self.operation = node if operation is None else operation
+        self.view = view
 
     def per_example(self, grad_outputs) -> Tensor:
         """``[B, *layer output shape]``: each example's gradient of the layer's output
         through this meeting, from the meeting's output gradient ``[B, ...]``."""
-        gradient = _multiplier(self.node, self.position)(grad_outputs[0]).unsqueeze(1)
+        gradient = grad_outputs[0] if self.view is None else self.view(grad_outputs[0])
+        gradient = _multiplier(self.operation, self.position)(gradient).unsqueeze(1)
         gradient = sum_to(gradient, self.operand_shape)
         for step in reversed(self.path):
             gradient = step(gradient)
         return gradient
+
+
+class _View:
+    """The elements of a base's gradient that its view holds, in the view's order:
+    ``base_gradient.reshape(-1)[positions].reshape(shape)`` (what ``CopySlices`` hands
+    the operation done in place on the view)."""
+
+    def __init__(self, positions: Tensor, shape: torch.Size):
+        self.positions, self.shape = positions, shape
+
+    def __call__(self, base_gradient: Tensor) -> Tensor:
+        positions = self.positions.to(base_gradient.device)
+        return base_gradient.reshape(-1)[positions].reshape(self.shape)
+
+
+def _view_steps(view_node, base_node) -> Optional[List]:
+    """The backward nodes from a view's (``view_node``) down to its base's
+    (``base_node``), each of one input; ``None`` if any other node is on the way."""
+    steps, node = [], view_node
+    while node is not base_node:
+        if (node is None or node.name() not in _VIEW_STEPS or len(node.next_functions) != 1
+                or len(steps) >= _MAX_VIEW_STEPS):
+            return None
+        steps.append(node)
+        node = node.next_functions[0][0]
+    return steps
+
+
+def _view_positions(copy_slices, view_shape: torch.Size) -> Optional[_View]:
+    """Where each element of the view that an operation done in place was applied to
+    lies in its base (``copy_slices``' output), or ``None`` where that is not proven.
+
+    ``CopySlices`` keeps the view's strides to itself, but the view's own backward nodes
+    (a reshape, or the ``as_strided`` autograd regenerates after an earlier in-place
+    operation) map the view's gradient onto the base's with the same geometry: a probe
+    ``1, 2, ..., n`` (float64: every integer exact) pushed through them lands element
+    ``k`` of the view at its place in the base. Proven only where every element lands
+    once, alone and unchanged (no expanded view, whose elements share a place; no cast
+    that rounds the probe).
+    """
+    base_shape = output_shape(copy_slices)
+    view_node = copy_slices._wrapped_node.next_functions[0][0]
+    steps = _view_steps(view_node, copy_slices.next_functions[0][0])
+    if base_shape is None or steps is None:
+        return None
+    count = torch.Size(view_shape).numel()
+    device = copy_slices._input_metadata[0].device
+    probe = torch.arange(1, count + 1, dtype=torch.float64, device=device).reshape(view_shape)
+    with torch.no_grad():
+        for step in steps:
+            probe = step(probe)
+            probe = probe[0] if isinstance(probe, tuple) else probe
+    if probe is None or tuple(probe.shape) != tuple(base_shape):
+        return None
+    probe = probe.reshape(-1).to(torch.float64)
+    places = torch.nonzero(probe).reshape(-1)
+    landed = probe[places]
+    if len(places) != count or not torch.equal(torch.sort(landed).values, torch.arange(
+            1, count + 1, dtype=torch.float64, device=device)):
+        return None
+    positions = torch.empty(count, dtype=torch.long, device=device)
+    positions[landed.long() - 1] = places
+    return _View(positions, torch.Size(view_shape))
+
+
+def _in_place_meeting(copy_slices, position: int, shape: torch.Size, path: Tuple[_Step, ...],
+                      examples: Optional[int]) -> Optional[Meeting]:
+    """The meeting where a batch-free tensor of ``shape`` is the operand ``position`` of an
+    operation done in place on a view of a batch's tensor (``x.view(...) += table``), or
+    ``None`` where it is not one (the operand the base itself, the view batch-free, an
+    operation other than ``+`` and ``-``, a view not proven)."""
+    operation = getattr(copy_slices, "_wrapped_node", None)
+    # CopySlices' inputs are the base's, then the operation's own but its first (the view).
+    if (operation is None or operation.name() not in _IN_PLACE_OPERATIONS or position == 0
+            or position >= len(operation.next_functions)
+            or operation.next_functions[position][0] is not copy_slices.next_functions[position][0]):
+        return None
+    view_shape = output_shape(operation)
+    if _kind(operation, position, shape, view_shape, examples) != "meeting":
+        return None
+    view = _view_positions(copy_slices, view_shape)
+    return None if view is None else Meeting(copy_slices, position, shape, path, operation, view)
 
 
 def _single_number(node, position: int) -> bool:
@@ -171,6 +272,12 @@ def follow(node, shape: torch.Size, consumers: Dict[object, List[Tuple[object, i
         if not found:  # an output of the network itself, or of a graph not walked
             return None, None
         for consumer, position in found:
+            if IN_PLACE_ON_VIEW in consumer.name():
+                meeting = _in_place_meeting(consumer, position, shape, path, examples)
+                if meeting is None:
+                    return None, consumer
+                meetings.append(meeting)
+                continue
             out = output_shape(consumer)
             kind = _kind(consumer, position, shape, out, examples)
             if kind is None:

@@ -242,8 +242,28 @@ def call_contributions(module: nn.Module, params: Dict[str, Tensor], x: Tensor,
     # In the dtype of the inputs the rules see (.precision), whatever autocast is on now.
     with hooks_off(module), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
             padding_kept(module):
-        output = torch.func.vmap(forward)(*copies.values(), x)
+        try:
+            output = torch.func.vmap(forward)(*copies.values(), x)
+        except RuntimeError:  # an operation vmap cannot batch (a boolean mask's assignment)
+            return _looped_contributions(forward, copies, x, grad)
     found = torch.autograd.grad(output, list(copies.values()), grad.unsqueeze(1).to(output.dtype),
                                 allow_unused=True)
     return {name: torch.zeros_like(copy) if g is None else g
             for (name, copy), g in zip(copies.items(), found)}
+
+
+def _looped_contributions(forward, copies: Dict[str, Tensor], x: Tensor, grad: Tensor
+                          ) -> Dict[str, Tensor]:
+    """:func:`call_contributions` with the call run on each example alone, for a forward
+    ``vmap`` cannot batch (T5Gemma2's embedding assigns its ``eoi_embedding`` by a boolean
+    mask): the same function of each example as under ``vmap`` (``forward`` on
+    ``x[i]`` alone), its own copy of each parameter, one backward pass each."""
+    found = {name: [] for name in copies}
+    for i in range(x.shape[0]):
+        own = [copy[i].detach().clone().requires_grad_() for copy in copies.values()]
+        output = forward(*own, x[i])
+        gradients = torch.autograd.grad(output, own, grad[i].unsqueeze(0).to(output.dtype),
+                                        allow_unused=True)
+        for (name, mine), gradient in zip(zip(copies, own), gradients):
+            found[name].append(torch.zeros_like(mine) if gradient is None else gradient)
+    return {name: torch.stack(gradients) for name, gradients in found.items()}

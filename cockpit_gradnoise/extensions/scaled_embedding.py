@@ -13,7 +13,10 @@ for Gemma), silently.
 Here such a class is recognized by its behaviour (:func:`is_scaled_embedding`,
 once per module): with hooks off and other weights in place of its own, its
 ``forward`` must equal ``F.embedding(index, weight) * s`` for one constant
-``s``, in training and in evaluation mode. It then gets the ``nn.Embedding``
+``s``, in training and in evaluation mode, and at every row of the table (a
+forward that writes a parameter into the rows of one token, T5Gemma2's
+``eoi_embedding``, is not a scaled lookup there: the ``Embedding`` rule would give
+that token's row the gradient of the output that overwrote it). It then gets the ``nn.Embedding``
 rule with the output gradient multiplied by ``s`` (:class:`ScaledEmbeddingRule`),
 which is the gradient at the lookup's output exactly as autograd forms it
 (``d(e * s)/de = s``), and the tied and broadcast paths read their gradient
@@ -54,24 +57,61 @@ def _probe(module: nn.Embedding) -> bool:
     # Distinct rows in rows + width numbers (a real [V, d] table can be gigabytes).
     values = torch.randn(rows + width - 1, dtype=torch.float64, generator=generator)
     weight = values.as_strided((rows, width), (1, 1))
+    scale = None
     for training in (True, False):
-        scaled = _forward(module, ones, index, training)
-        if not isinstance(scaled, Tensor) or scaled.shape != (*index.shape, width):
+        scale = _scale_at(module, ones, weight, index, training)
+        if scale is None:
             return False
-        scale = scaled.reshape(-1)[0]
-        if not bool((scaled == scale).all()):  # a per-row or per-column factor: not a constant
-            return False
-        output = _forward(module, weight, index, training)
-        expected = torch.nn.functional.embedding(index, weight) * scale
-        if not bool(((output - expected).abs() <= 1e-12 * expected.abs().max()).all()):
+    # Every row once (a forward that writes a parameter into the rows of one token, as
+    # T5Gemma2's embedding writes its eoi_embedding, passes at random indices), in chunks.
+    # Distinct rows suffice there: a factor per row or per column breaks the equality too.
+    chunk = max(1, _PROBE_ELEMENTS // width)
+    for start in range(0, rows, chunk):
+        every = torch.arange(start, min(start + chunk, rows)).unsqueeze(0)
+        if not _looked_up(module, weight, every, False, scale):
             return False
     return True
 
 
+#: Output elements of one chunk of :func:`_probe`'s pass over every row.
+_PROBE_ELEMENTS = 1 << 20
+
+
+def _scale_at(module: nn.Embedding, ones: Tensor, weight: Tensor, index: Tensor, training: bool,
+              scale: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The one factor ``s`` with ``forward(index) = F.embedding(index, weight) * s`` (with
+    ``ones``, then distinct rows, in place of its weight; ``scale``: the one it must be), or
+    ``None`` where there is none."""
+    width = ones.shape[1]
+    scaled = _forward(module, ones, index, training)
+    if not isinstance(scaled, Tensor) or scaled.shape != (*index.shape, width):
+        return None
+    scale = scaled.reshape(-1)[0] if scale is None else scale
+    if not bool((scaled == scale).all()):  # a per-row or per-column factor: not a constant
+        return None
+    return scale if _looked_up(module, weight, index, training, scale) else None
+
+
+def _looked_up(module: nn.Embedding, weight: Tensor, index: Tensor, training: bool,
+               scale: Tensor) -> bool:
+    """Whether ``forward(index)`` with ``weight`` in place of its own is
+    ``F.embedding(index, weight) * scale`` (to 1e-12 of its largest value)."""
+    output = _forward(module, weight, index, training)
+    if not isinstance(output, Tensor) or output.shape != (*index.shape, weight.shape[1]):
+        return False
+    expected = torch.nn.functional.embedding(index, weight) * scale
+    return bool(((output - expected).abs() <= 1e-12 * expected.abs().max()).all())
+
+
 def is_scaled_embedding(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.Embedding`` subclass whose ``forward`` overrides the
-    parent's and computes ``F.embedding(index, weight) * s`` (decided once per module)."""
+    parent's and computes ``F.embedding(index, weight) * s`` (decided once per module), and
+    holds no parameter but its weight: the rule is the weight's, and a module with a rule
+    gets no other (T5Gemma2's ``eoi_embedding``, used only at a token the sweep's tiny
+    vocabulary lacks, would have no rows; the fallback recomputes them all per example)."""
     if not isinstance(module, nn.Embedding) or inherits_forward(type(module), nn.Embedding):
+        return False
+    if any(name != "weight" and param is not None for name, param in module._parameters.items()):
         return False
     verdict = module.__dict__.get(VERDICT_ATTR)
     if verdict is None:

@@ -91,13 +91,14 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params:
     size = min(examples, cost_model.examples_per_chunk(max(numel, 1), tensors[0].element_size()))
     chunk = {name: p.new_empty(size, *p.shape) for name, p in params.items()}
     biases, chunk_terms = LinearBiases(module, params), {}
+    replay = draws.Replay(drawn, examples) if drawn else None
     for i in range(examples):
         leaves = [leaf[i : i + 1] if k in batched else leaf for k, leaf in enumerate(call.leaves)]
         args, kwargs = _pytree.tree_unflatten(leaves, call.spec)
         handles = biases.install()
         try:
             with torch.enable_grad(), precision.autocast_as(call.autocast), \
-                    narrowest if i == 0 else contextlib.nullcontext(), draws.replaying(drawn, i, examples):
+                    narrowest if i == 0 else contextlib.nullcontext(), draws.replaying(replay):
                 output = module(*args, **kwargs)
         finally:
             for handle in handles:
@@ -122,6 +123,8 @@ def per_example_gradients(module: nn.Module, block: Block, grad: Tensor, params:
                 rows[i % size].copy_(g)
         for name, terms in biases.terms(list(found[len(tensors):])).items():
             chunk_terms.setdefault(name, []).append(terms)
+        if i == examples - 1 and replay is not None:
+            replay.finished()  # (before the last chunk is handed on)
         if i % size == size - 1 or i == examples - 1:
             contributions = {name: rows[: i % size + 1] for name, rows in chunk.items()}
             yield contributions, _held_terms(contributions, chunk_terms)

@@ -21,19 +21,23 @@ module runs once more on the batch from that state (:func:`record`), under a dis
 keeps the result of every random ATen operation (the ones tagged ``nondeterministic_seeded``:
 ``bernoulli_`` of dropout on CPU and of timm's drop path, ``native_dropout`` on GPU, ``rand``,
 ...). Its output must equal the forward pass's (to rounding: :func:`.precision.rounding_bound`),
-or the state did not give the batch's draws and the module is refused. Then each example alone
-runs under :class:`Replaying`: its ``k``-th random operation's result is overwritten by the
-example's part of the batch's ``k``-th, the slice along the one dimension whose size is the
-batch's ``N`` in the batch's pass and 1 in the example's (all other sizes equal: XLNet's
-sequence-first masks ``[T, N, C]`` are sliced along their second), and the example's output
-must equal its row of the batch's (:func:`.blocks.per_example_gradients` checks it: a mask
-whose rows are not the examples, ``rand(N).flip(0)``, fails there).
+or the state did not give the batch's draws and the module is refused. Each draw is kept with
+its place: the innermost module call running it and its ordinal there (:class:`_Where`). Then
+each example alone, in order, runs under :class:`Replaying`: a random operation's result is
+overwritten by the example's part of the batch's draw at the same place (:class:`Replay`): the
+next rows along the one dimension whose size differs (XLNet's sequence-first masks ``[T, N, C]``
+along their second; OPT's flattened tokens ``[N * T, C]`` a block of ``T``; the rows routed to
+one of Switch Transformers' experts, as many as the example's tokens routed there; an example
+skips the draws of an expert none of its tokens reached), and the example's output must equal
+its row of the batch's (:func:`.blocks.per_example_gradients` checks it: a mask whose rows are
+not the examples', ``rand(N).flip(0)`` or rows gathered token-major, fails there); after the
+last example every draw of the batch must have been handed out, whole or to its last row.
 
-Refused by name, never replayed approximately: a random tensor without the batch's dimension
-(one draw shared by every example: its example's part is not defined by shapes), one whose
-sizes tie the batch to others (``rand(N * T)``), random operations in another order or number
-alone than in the batch, a fused kernel that draws inside (flash attention with dropout on a
-GPU: its draws are not its result), a generator on another device than CPU and CUDA.
+Refused by name, never replayed approximately: a random tensor whose rows the examples alone
+do not take exactly (``rand(N + 1, C)``), one whose sizes differ in more than one dimension,
+random operations at another place or in another number alone than in the batch, a fused
+kernel that draws inside (flash attention with dropout on a GPU: its draws are not its result),
+a generator on another device than CPU and CUDA.
 
 Under ``torch.func.vmap`` nothing is replayed: its random operations raise (randomness
 ``"error"``), and the per-example loop runs instead (one forward and backward pass per example:
@@ -124,33 +128,73 @@ def _drawn(func, args, result) -> Tensor:
     raise Unreplayable(f"its forward calls {func}, which draws inside (its draws are not its result)")
 
 
-class _Recording(TorchDispatchMode):
-    """Keeps a copy of the random tensor of each random operation, in order (a copy: drop
-    path divides its mask in place afterwards)."""
+class _Where:
+    """Where each random operation runs: the innermost module call (the module, its call's
+    ordinal in this forward pass) and the operation's ordinal in that call, kept by global
+    forward hooks while the forward runs. An example alone skips the draws of a module its
+    rows do not reach (an expert no token of it was routed to), so its draws are matched to
+    the batch's by this place, not by their order."""
 
     def __init__(self):
+        self.stack: List[list] = []
+        self.calls: Dict[int, int] = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        self.handles = [nn.modules.module.register_module_forward_pre_hook(self._enter),
+                        nn.modules.module.register_module_forward_hook(self._leave)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def _enter(self, module, args):
+        ordinal = self.calls.get(id(module), 0)
+        self.calls[id(module)] = ordinal + 1
+        self.stack.append([id(module), ordinal, 0])
+
+    def _leave(self, module, args, output):
+        self.stack.pop()
+
+    def place(self) -> Tuple[int, int, int]:
+        """The place of the random operation running now (the next one in its call)."""
+        if not self.stack:
+            self.stack.append([0, 0, 0])  # outside any module call
+        top = self.stack[-1]
+        top[2] += 1
+        return top[0], top[1], top[2] - 1
+
+
+class _Recording(TorchDispatchMode):
+    """Keeps a copy of the random tensor of each random operation, in order (a copy: drop
+    path divides its mask in place afterwards), with its place (:class:`_Where`)."""
+
+    def __init__(self, where: _Where):
         super().__init__()
-        self.draws: List[Tuple[object, Tensor]] = []
+        self.where = where
+        self.draws: List[Tuple[object, Tensor, Tuple[int, int, int]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if _random(func, args, kwargs):
-            self.draws.append((func, _drawn(func, args, result).clone()))
+            self.draws.append((func, _drawn(func, args, result).clone(), self.where.place()))
         return result
 
 
 def record(module: nn.Module, args: tuple, kwargs: dict, state: Snapshot, output: Tensor,
-           first_tensor, autocast) -> List[Tuple[object, Tensor]]:
+           first_tensor, autocast) -> List[Tuple[object, Tensor, Tuple[int, int, int]]]:
     """The batch's draws in ``module``'s forward on ``(args, kwargs)`` from ``state``, in
-    order: ``(operation, random tensor)``; empty where it draws none. Call it with the
+    order: ``(operation, random tensor, place)``; empty where it draws none. Call it with the
     module's hooks off and its buffers kept (:func:`.layout.state_kept`).
 
     Raises:
         Unreplayable: Its output from ``state`` is not ``output``, the forward pass's.
     """
-    recording = _Recording()
-    with restored(state), torch.enable_grad(), precision.autocast_as(autocast), recording:
+    where = _Where()
+    recording = _Recording(where)
+    with restored(state), torch.enable_grad(), precision.autocast_as(autocast), where, recording:
         again = first_tensor(module(*args, **kwargs))
     if recording.draws and (again is None or again.shape != output.shape or not float(
             (again.detach() - output).abs().max()) <= precision.rounding_bound(output)):
@@ -160,69 +204,101 @@ def record(module: nn.Module, args: tuple, kwargs: dict, state: Snapshot, output
     return recording.draws
 
 
-def example_part(drawn: Tensor, alone: torch.Size, i: int, examples: int) -> Tensor:
-    """Example ``i``'s part of the batch's random tensor ``drawn``, where an example alone
-    draws one of shape ``alone``.
+class Replay:
+    """The batch's draws handed to its examples, run alone one after another (``0, 1, ...``).
+
+    Example ``i``'s part of the batch's random tensor, where the example alone draws one of
+    shape ``alone`` at the same place (:class:`_Where`):
 
     - The whole tensor where both shapes are equal: its size does not depend on the batch, so
       the batch drew it once and every example used all of it (timm's relative-position MLP
       dropout). Each example alone is handed the same tensor.
-    - Else the one dimension ``d`` whose size is ``examples * alone[d]`` (all other sizes
-      equal): example ``i``'s block of ``alone[d]`` rows, ``[i * alone[d], (i + 1) * alone[d])``.
-      That is the slice along a dimension of size ``examples`` in the batch and 1 alone
-      (``alone[d] = 1``), and the rows of a batch flattened example-major, ``[N * T, C]``
-      (OPT's dropout on its flattened tokens: ``x.reshape(-1, C)`` of ``[N, T, C]``).
+    - Else the one dimension ``d`` where the sizes differ (all others equal): the next
+      ``alone[d]`` rows along it, after those the examples before it took. That is the slice
+      along a dimension of size ``N`` in the batch and 1 alone, the rows of a batch flattened
+      example-major (``[N * T, C]``, OPT's dropout on its flattened tokens: block ``i`` of
+      ``T`` rows), and the rows routed to one expert (Switch Transformers' experts' dropout:
+      each example's tokens routed to it, in the batch's token order, example after example).
 
-    Either way, each example's output alone is then checked against its row of the batch's
+    Each example's output alone is then checked against its row of the batch's
     (:func:`.blocks.per_example_gradients`): another map of rows to examples (flattened
-    token-major, rows handed to other examples) changes the output and is refused there.
-
-    Raises:
-        Unreplayable: No such dimension, or more than one.
+    token-major, rows handed to other examples) changes the output and is refused there; and
+    after the last example every random tensor the batch drew must have been handed out
+    (:meth:`finished`): whole, or its rows taken exactly to the end.
     """
-    if tuple(drawn.shape) == tuple(alone):
-        return drawn
-    differ = [d for d, (n, one) in enumerate(zip(drawn.shape, alone)) if n != one]
-    if drawn.dim() != len(alone) or len(differ) != 1 or drawn.shape[differ[0]] != examples * alone[differ[0]]:
-        raise Unreplayable(
-            f"a random tensor ({list(drawn.shape)} for {examples} examples, {list(alone)} for one) "
-            "has no dimension of the examples (nor a flattened one)")
-    rows = alone[differ[0]]
-    return drawn.narrow(differ[0], i * rows, rows)
+
+    def __init__(self, draws: List[Tuple[object, Tensor, Tuple[int, int, int]]], examples: int):
+        self.draws, self.examples = draws, examples
+        self.at = {place: k for k, (_, _, place) in enumerate(draws)}
+        self.taken: Dict[int, Tuple[int, int]] = {}  # k -> (dimension, rows taken so far)
+        self.whole: set = set()
+
+    def part(self, k: int, alone: torch.Size) -> Tensor:
+        """The next example's part of the ``k``-th draw, where it draws one of shape ``alone``."""
+        drawn = self.draws[k][1]
+        if tuple(drawn.shape) == tuple(alone):
+            self.whole.add(k)
+            return drawn
+        differ = [d for d, (n, one) in enumerate(zip(drawn.shape, alone)) if n != one]
+        dimension, start = self.taken.get(k, (differ[0] if differ else 0, 0))
+        if drawn.dim() != len(alone) or differ != [dimension] \
+                or start + alone[dimension] > drawn.shape[dimension]:
+            raise Unreplayable(
+                f"a random tensor ({list(drawn.shape)} for {self.examples} examples, {list(alone)} "
+                "for one) has no dimension of the examples (nor a flattened one)")
+        self.taken[k] = (dimension, start + alone[dimension])
+        return drawn.narrow(dimension, start, alone[dimension])
+
+    def finished(self):
+        """After the last example: every draw handed out, whole or to its last row.
+
+        Raises:
+            Unreplayable: One was not, or was both.
+        """
+        for k, (_, drawn, _) in enumerate(self.draws):
+            dimension, rows = self.taken.get(k, (0, 0))
+            if (k in self.whole) == (k in self.taken) or (k in self.taken and rows != drawn.shape[dimension]):
+                raise Unreplayable(
+                    f"a random tensor ({list(drawn.shape)} for {self.examples} examples) is not "
+                    "the examples' draws alone put together (another order or number alone than "
+                    "in the batch, or rows no example drew)")
 
 
 class Replaying(TorchDispatchMode):
-    """Example ``i`` alone: each random operation's result overwritten by the example's part
-    of the batch's (:func:`example_part`); the operations must come in the batch's order."""
+    """An example alone: each random operation's result overwritten by the example's part of
+    the batch's at the same place (:meth:`Replay.part`)."""
 
-    def __init__(self, draws: List[Tuple[object, Tensor]], i: int, examples: int):
+    def __init__(self, replay: Replay):
         super().__init__()
-        self.draws, self.i, self.examples, self.next = draws, i, examples, 0
+        self.replay, self.where = replay, _Where()
+
+    def __enter__(self):
+        self.where.__enter__()
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if not _random(func, args, kwargs):
             return result
-        k, self.next = self.next, self.next + 1
-        if k >= len(self.draws) or self.draws[k][0] is not func:
+        k = self.replay.at.get(self.where.place())
+        if k is None or self.replay.draws[k][0] is not func:
             raise Unreplayable("its forward alone draws random numbers in another order or number "
                                "than in the batch")
         drawn = _drawn(func, args, result)
-        drawn.copy_(example_part(self.draws[k][1], drawn.shape, self.i, self.examples))
+        drawn.copy_(self.replay.part(k, drawn.shape))
         if func._schema.name == "aten::native_dropout":  # its output from the mask, as it computes it
             p = float(args[1])
             result[0].copy_(args[0] * drawn * (1.0 / (1.0 - p) if p < 1 else 0.0))
         return result
 
     def __exit__(self, *exc):
-        super().__exit__(*exc)
-        if exc[0] is None and self.next != len(self.draws):
-            raise Unreplayable("its forward alone draws random numbers in another order or number "
-                               "than in the batch")
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.where.__exit__(*exc)
 
 
-def replaying(draws: Optional[List[Tuple[object, Tensor]]], i: int, examples: int):
-    """:class:`Replaying` for example ``i`` of ``examples`` (nothing where ``draws`` is empty)."""
-    return Replaying(draws, i, examples) if draws else contextlib.nullcontext()
-
+def replaying(replay: Optional[Replay]):
+    """:class:`Replaying` of the next example (nothing where the batch drew nothing)."""
+    return Replaying(replay) if replay is not None else contextlib.nullcontext()
