@@ -15,12 +15,15 @@ from cockpit_gradnoise.step import Step
 
 import torch
 from backpack import disable
-from cockpit import Cockpit
+from cockpit import Cockpit as BaseCockpit
 from cockpit.context import CockpitCTX
 
 
-class TrackerCockpit(Cockpit):
+class Cockpit(BaseCockpit):
     """The tracker's ``Cockpit``: Cockpit's, but for how it frees BackPACK's buffers.
+
+    Named as Cockpit's own: what names it (a report's header, ``cgn.report(tracker.cockpit)``)
+    names it as before; ``isinstance(tracker.cockpit, cockpit.Cockpit)`` holds.
 
     After every tracked backward pass Cockpit deletes each savefield of the step's
     extensions (and ``grad_batch_transforms``) from every parameter, by trying and

@@ -35,11 +35,10 @@ from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differe
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.quantities.presets import build_quantities, quantity_plan, schedule_of, trainable_names
 from cockpit_gradnoise.step_checks import check_individual_losses, step_number
-from cockpit_gradnoise.tracked_step import IdleStep, TrackedStep, TrackerCockpit
+from cockpit_gradnoise.tracked_step import Cockpit, IdleStep, TrackedStep
 from cockpit_gradnoise.views.sources import advice, report
 
 import torch
-from cockpit import Cockpit
 from torch import nn
 
 #: At most so many steps of :attr:`Tracker.given` are kept (quantities on schedules far apart).
@@ -132,7 +131,7 @@ def track(
     if any(not type(q).__module__.startswith("cockpit_gradnoise.") for q in built):
         register_extensions()
     params = [param for param in model.parameters() if param.requires_grad]
-    tracker = Tracker(TrackerCockpit(params, quantities=built), names, switch=switch_of(model), model=model)
+    tracker = Tracker(Cockpit(params, quantities=built), names, switch=switch_of(model), model=model)
     if log is not None:
         tracker.stream_to(log)
     return (model if compiled is None else compiled), tracker

@@ -432,14 +432,14 @@ def test_reporting_a_log_imports_neither_torch_nor_matplotlib():
 
 
 def test_the_trackers_cockpit_frees_the_very_buffers_cockpits_own_frees():
-    # TrackerCockpit looks only at the attributes a parameter holds; what it deletes and keeps
+    # The tracker's Cockpit looks only at the attributes a parameter holds; what it deletes and keeps
     # must be what Cockpit's _free_backpack_buffers deletes and keeps (protected fields, others).
-    from cockpit_gradnoise.tracked_step import TrackerCockpit
+    from cockpit_gradnoise import tracked_step
 
     from cockpit import Cockpit
 
     kept = {}
-    for kind in (Cockpit, TrackerCockpit):
+    for kind in (Cockpit, tracked_step.Cockpit):
         model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
         cockpit = kind(list(model.parameters()), quantities=cgn.configuration("cheap", every=1, model=model))
         savefields = sorted({ext.savefield for ext in cockpit._get_extensions(0)})
@@ -451,6 +451,6 @@ def test_the_trackers_cockpit_frees_the_very_buffers_cockpits_own_frees():
             param.grad_batch_transforms, param.kept_by_us = {}, 1.0
         cockpit._free_backpack_buffers(0, {"grad_batch_transforms"})
         kept[kind] = [sorted(vars(param)) for param in cockpit.params]
-    assert kept[TrackerCockpit] == kept[Cockpit]
+    assert kept[tracked_step.Cockpit] == kept[Cockpit]
     assert kept[Cockpit][0] == []  # the step's savefields go
     assert kept[Cockpit][1] == ["grad_batch_transforms", "kept_by_us"]  # protected, and not Cockpit's
