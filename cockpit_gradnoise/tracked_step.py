@@ -15,8 +15,38 @@ from cockpit_gradnoise.step import Step
 
 import torch
 from backpack import disable
-from cockpit import Cockpit
+from cockpit import Cockpit as BaseCockpit
 from cockpit.context import CockpitCTX
+
+
+class Cockpit(BaseCockpit):
+    """The tracker's ``Cockpit``: Cockpit's, but for how it frees BackPACK's buffers.
+
+    Named as Cockpit's own: what names it (a report's header, ``cgn.report(tracker.cockpit)``)
+    names it as before; ``isinstance(tracker.cockpit, cockpit.Cockpit)`` holds.
+
+    After every tracked backward pass Cockpit deletes each savefield of the step's
+    extensions (and ``grad_batch_transforms``) from every parameter, by trying and
+    catching the ``AttributeError`` of each absent one: 49 exceptions per micro-batch on
+    the benchmark GPT with the ``"norms"`` preset, which leaves nothing there.
+    :meth:`_free_backpack_buffers` deletes the same attributes, only those present.
+    """
+
+    def _free_backpack_buffers(self, global_step, protected_savefields, verbose=False):
+        """Delete the unprotected savefields of ``global_step``'s extensions from the
+        parameters that hold them (Cockpit's ``_free_backpack_buffers``, same arguments)."""
+        fields = [ext.savefield for ext in self._get_extensions(global_step)] + ["grad_batch_transforms"]
+        fields = [field for field in fields if field not in protected_savefields]
+        for param in self.params:
+            held = getattr(param, "__dict__", None)
+            for field in fields:
+                if held is None or field in held:  # no __dict__: tried as Cockpit does
+                    try:
+                        delattr(param, field)
+                    except AttributeError:
+                        continue
+                    if verbose:
+                        print(f"Deleting '{field}' from param of shape {param.shape}")
 
 
 class TrackedStep:

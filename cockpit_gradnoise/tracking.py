@@ -35,11 +35,10 @@ from cockpit_gradnoise.losses import check_loss, declared_batch, loss_to_differe
 from cockpit_gradnoise.prepare import prepare_model
 from cockpit_gradnoise.quantities.presets import build_quantities, quantity_plan, schedule_of, trainable_names
 from cockpit_gradnoise.step_checks import check_individual_losses, step_number
-from cockpit_gradnoise.tracked_step import IdleStep, TrackedStep
+from cockpit_gradnoise.tracked_step import Cockpit, IdleStep, TrackedStep
 from cockpit_gradnoise.views.sources import advice, report
 
 import torch
-from cockpit import Cockpit
 from torch import nn
 
 #: At most so many steps of :attr:`Tracker.given` are kept (quantities on schedules far apart).

@@ -429,3 +429,28 @@ def test_reporting_a_log_imports_neither_torch_nor_matplotlib():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).resolve().parent.parent)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_trackers_cockpit_frees_the_very_buffers_cockpits_own_frees():
+    # The tracker's Cockpit looks only at the attributes a parameter holds; what it deletes and keeps
+    # must be what Cockpit's _free_backpack_buffers deletes and keeps (protected fields, others).
+    from cockpit_gradnoise import tracked_step
+
+    from cockpit import Cockpit
+
+    kept = {}
+    for kind in (Cockpit, tracked_step.Cockpit):
+        model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+        cockpit = kind(list(model.parameters()), quantities=cgn.configuration("cheap", every=1, model=model))
+        savefields = sorted({ext.savefield for ext in cockpit._get_extensions(0)})
+        assert savefields  # the "cheap" preset's extension at a tracked step
+        first, *params = cockpit.params
+        for field in savefields:
+            setattr(first, field, torch.zeros(1))
+        for param in params:
+            param.grad_batch_transforms, param.kept_by_us = {}, 1.0
+        cockpit._free_backpack_buffers(0, {"grad_batch_transforms"})
+        kept[kind] = [sorted(vars(param)) for param in cockpit.params]
+    assert kept[tracked_step.Cockpit] == kept[Cockpit]
+    assert kept[Cockpit][0] == []  # the step's savefields go
+    assert kept[Cockpit][1] == ["grad_batch_transforms", "kept_by_us"]  # protected, and not Cockpit's

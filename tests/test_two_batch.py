@@ -350,3 +350,43 @@ def test_untracked_steps_run_without_its_hooks_and_cockpits_context_and_tracked_
     assert sorted(quantity.output) == [0, 3, 6]
     for step, values in expected.items():
         assert_matches(quantity.output[step], values, sum(sizes))
+
+
+class Branched(nn.Module):
+    """Its second layer takes part only where ``deep``: a micro-batch that leaves it out gives
+    its parameters no gradient, so their hooks do not run in that backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(3, 2).double(), nn.Linear(2, 2).double()
+
+    def forward(self, x, deep):
+        out = self.first(x)
+        return self.second(out) if deep else out
+
+
+def test_micro_batches_that_reach_some_parameters_and_not_others_are_exact():
+    # The hooks' order differs between micro-batches (all four parameters, then two), and the
+    # first order comes back: each micro-batch's squared norms are kept per parameter, in place.
+    model, depths, sizes = Branched(), (True, False, True), (2, 3, 4)
+    noise = cgn.TwoBatchNoiseScale(model)
+    batches = micro_batches(sizes, seed=5)
+    for (x, y), deep in zip(batches, depths):
+        (F.cross_entropy(model(x, deep), y) / len(sizes)).backward()
+        noise.micro_batch(len(y))
+    record = noise.step(3)
+    plain, weights = copy.deepcopy(model), [1 / (len(sizes) * b) for b in sizes]
+    params = list(plain.parameters())
+    sums = [[torch.zeros_like(p) if g is None else g for p, g in zip(params, torch.autograd.grad(
+        F.cross_entropy(plain(x, deep), y, reduction="sum"), params, allow_unused=True))]
+        for (x, y), deep in zip(batches, depths)]
+    total = sum(w * b for w, b in zip(weights, sizes))
+    effective = total**2 / sum(w * w * b for w, b in zip(weights, sizes))
+    big = squared_norms([sum(w * s[i] for w, s in zip(weights, sums)) / total for i in range(len(params))])
+    small = [squared_norms([g / b for g in s]) for s, b in zip(sums, sizes)]
+    assert small[1][2] == small[1][3] == 0.0  # the second layer, left out of the middle micro-batch
+    names = [n for n, _ in plain.named_parameters()] + [schema.NETWORK]
+    expected = {name: from_the_model_of_the_paper([(m[i], b) for m, b in zip(small, sizes)], big[i], effective)
+                for i, name in enumerate(names)}
+    assert_matches(record, expected, sum(sizes))

@@ -22,7 +22,7 @@ instead of ``N`` examples; ``b_simple_smoothed`` averages over steps.
 import functools
 import math
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from cockpit_gradnoise import _device, distributed, fsdp2, functional
 from cockpit_gradnoise.extensions import sharded, tensor_parallel
@@ -122,7 +122,7 @@ class TwoBatchNoiseScale(Quantity):
         # gathered into one vector when the micro-batch closes (no per-parameter indexing).
         self._pending: Optional[List[Tuple[Optional[int], Tensor]]] = None
         self._micro_batches: List[Tuple[Tensor, int, Optional[float]]] = []
-        self._indices: Dict[tuple, Tensor] = {}  # _index_of's
+        self._orders: Dict[tuple, _Order] = {}  # _order_of's
         self._dropped = False  # a micro-batch of this step was refused (micro_batch)
         # The hooks on the parameters: on its own always; in a Cockpit only from a tracked
         # step's call to the end of the last tracked step before an untracked one (_hook, _park),
@@ -163,26 +163,30 @@ class TwoBatchNoiseScale(Quantity):
         ``(index, norm)``, or from a checkpoint's squared norms of every parameter
         ``(None, squared norms)``."""
         device = pending[0][1].device
-        total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        order = self._order_of(pending, device)
         norms = [norm if norm.device == device else norm.to(device) for i, norm in pending if i is not None]
+        if order.inverse is not None:  # every parameter once: the squares put in parameter order
+            return torch.stack(norms).square_().index_select(0, order.inverse)
+        total = torch.zeros(len(self.params), dtype=torch.float64, device=device)
         if norms:
-            index = self._index_of(tuple(i for i, _ in pending if i is not None), device)
-            total.index_add_(0, index, torch.stack(norms).square_())
+            total.index_add_(0, order.index, torch.stack(norms).square_())
         for i, squared in pending:
             if i is None:
                 total += squared.to(device)
         return total
 
-    def _index_of(self, indices: Tuple[int, ...], device) -> Tensor:
-        """``indices`` as a tensor on ``device``, kept: the backward pass reaches the parameters
-        in the same order at every micro-batch (a tensor from a list costs more than the sum)."""
+    def _order_of(self, pending: List[Tuple[Optional[int], Tensor]], device) -> "_Order":
+        """The order in which the hooks gave ``pending``'s norms, kept per order and device:
+        the backward pass reaches the parameters in the same order at every micro-batch (a
+        tensor from a list, and a search for a parameter reached twice, cost more than the sum)."""
+        indices = tuple(i for i, _ in pending)
         key = (indices, device)
-        index = self._indices.get(key)
-        if index is None:
-            if len(self._indices) >= 8:  # orders that change (a model whose path varies)
-                self._indices.clear()
-            index = self._indices[key] = torch.tensor(indices, device=device)
-        return index
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) >= 8:  # orders that change (a model whose path varies)
+                self._orders.clear()
+            order = self._orders[key] = _order(indices, self.names, device)
+        return order
 
     def micro_batch(self, examples: int, weight: Optional[float] = None) -> None:
         """Close the backward pass just run: ``examples`` examples, each loss weighted ``weight``.
@@ -207,9 +211,8 @@ class TwoBatchNoiseScale(Quantity):
                 "no gradient reached the model's parameters since the last micro_batch(): call "
                 "micro_batch() once after each loss.backward()"
             )
-        indices = [i for i, _ in self._pending if i is not None]
-        if len(set(indices)) < len(indices):  # |g1|^2 + |g2|^2 is not |g1 + g2|^2
-            twice = sorted({self.names[i] for i in indices if indices.count(i) > 1})
+        twice = self._order_of(self._pending, self._pending[0][1].device).repeated
+        if twice:  # |g1|^2 + |g2|^2 is not |g1 + g2|^2
             self._pending, self._dropped = None, True  # param.grad holds it: not this step
             raise RuntimeError(
                 f"two backward passes reached {twice} since the last micro_batch(): the squared "
@@ -440,6 +443,31 @@ class TwoBatchNoiseScale(Quantity):
         for handle in self._handles + [handle for _, handle in self._unsharded_hooks.values()]:
             handle.remove()
         self._handles, self._unsharded_hooks, self._removed = [], {}, True
+
+
+class _Order(NamedTuple):
+    """How one backward pass's hooks gave the norms (:meth:`TwoBatchNoiseScale._order_of`)."""
+
+    #: The parameter of each hooked norm, in the hooks' order (``index_add_``'s index).
+    index: Tensor
+    #: Where each parameter's norm is, when every parameter was hooked once; else ``None``.
+    inverse: Optional[Tensor]
+    #: The names of the parameters hooked more than once, sorted.
+    repeated: List[str]
+
+
+def _order(indices: Tuple[Optional[int], ...], names: List[str], device) -> _Order:
+    """The :class:`_Order` of hooked parameter ``indices`` (``None``: a checkpoint's entry)."""
+    hooked = [i for i in indices if i is not None]
+    repeated = sorted({names[i] for i in hooked if hooked.count(i) > 1}) if len(set(hooked)) < len(hooked) else []
+    whole = len(hooked) == len(indices) == len(names) and not repeated
+    inverse = None
+    if whole:  # a permutation of the parameters: where each one's norm is
+        where = [0] * len(names)
+        for position, i in enumerate(hooked):
+            where[i] = position
+        inverse = torch.tensor(where, device=device)
+    return _Order(torch.tensor(hooked, dtype=torch.long, device=device), inverse, repeated)
 
 
 def _with_network(squared_norms: Tensor) -> Tensor:
