@@ -66,6 +66,7 @@ from cockpit_gradnoise.functional.ratios import (
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
 from cockpit_gradnoise.functional.underflow import (
+    counts_of_rows,
     floors_of,
     unresolved_norm_sum,
     unresolved_norm_sums_of_rows,
@@ -90,6 +91,7 @@ from cockpit_gradnoise.functional.variance_statistics import (
 from cockpit_gradnoise.functional.welford import welford_sd, welford_update_
 
 __all__ = [
+    "counts_of_rows",
     "floors_of",
     "abs_ratio_statistics",
     "adagrad_preconditioner",

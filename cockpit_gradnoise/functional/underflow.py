@@ -24,7 +24,7 @@ unresolved element out, naming it (:func:`unresolved_sums`,
 :func:`unresolved_norms`).
 """
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.functional.layout import memory_order
@@ -175,6 +175,15 @@ def unresolved_norms_of_rows(table: Tensor, floors: Tensor) -> Tensor:
     parameter's batch), with each row's floor (``floors`` ``[P]``, in the table's dtype, as
     a Python floor is compared in it): ``[P]`` int64 counts, a few launches for all rows."""
     return ((table != 0) & (table < floors[:, None])).sum(1)
+
+
+def counts_of_rows(counts: Tensor) -> List[Optional[Union[int, Tensor]]]:
+    """Each row's count of :func:`unresolved_norms_of_rows` or :func:`unresolved_norm_sums_of_rows`
+    as one parameter's check gives it: on the CPU an int, ``None`` for none (one ``tolist``
+    for all rows); elsewhere a 0-dim tensor, the host not waiting."""
+    if _device.on_host(counts):
+        return [count or None for count in counts.tolist()]
+    return list(counts.unbind())
 
 
 def unresolved_norm_sums_of_rows(table: Tensor, floors: Tensor, sum_floors: Tensor) -> Tensor:
