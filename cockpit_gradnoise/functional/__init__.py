@@ -62,6 +62,7 @@ from cockpit_gradnoise.functional.ratios import (
     abs_ratio_statistics,
     abs_ratio_statistics_and_zeros,
     abs_ratio_statistics_of_pairs,
+    abs_ratio_statistics_of_small,
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
@@ -98,6 +99,7 @@ __all__ = [
     "adam_preconditioner",
     "abs_ratio_statistics_and_zeros",
     "abs_ratio_statistics_of_pairs",
+    "abs_ratio_statistics_of_small",
     "centred_sum_of_squares",
     "expansion_rounding_bound",
     "exponential_moving_average",
