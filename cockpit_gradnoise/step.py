@@ -415,7 +415,7 @@ class Step(ParameterChecks):
         savefields): each tensor is summed once per step, again only if changed
         in place (its version).
         """
-        if all(_device.on_host(t) for t in tensors):
+        if all(map(_device.on_host, tensors)):
             return all(map(self._finite_on_host, tensors))
         if not all(t.is_floating_point() for t in tensors):
             return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
