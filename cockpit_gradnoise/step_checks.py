@@ -521,8 +521,10 @@ class ParameterChecks:
                 "(quantities=['ParamGradRatio', 'UpdateSize'])"
             )
         batchless = {n: leading[id(p)] for n, p in named if leading.get(id(p), examples) != examples}
+        # Only where some layer leads with another size may others lead with the batch by
+        # coincidence (no name's kind formed otherwise: a regular expression per parameter).
         coincident = facts.batch_by_coincidence(
-            {n: leading[id(p)] for n, p in named if id(p) in leading}, examples)
+            {n: leading[id(p)] for n, p in named if id(p) in leading}, examples) if batchless else set()
         if coincident:
             self.warn(
                 "coincident",
