@@ -239,6 +239,8 @@ def version_of(grad) -> int:
     """``grad._version``; for a DTensor, its own plus its local shard's: FSDP2 adds to the
     shard in place under accumulation without moving the DTensor's, autograd adds to a
     tensor-parallel DTensor gradient without moving its shard's."""
+    if type(grad) is torch.Tensor:  # most gradients: no shard to look for
+        return grad._version
     local = sharded.local_tensor(grad)
     return grad._version + (local._version if local is not grad else 0)
 
