@@ -70,7 +70,7 @@ def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 
     # In NumPy: several times faster than torch's comparisons here (a layer of 2.4M
     # elements, most of them dead units: 1.2 ms against 6 ms, 32 ms by a boolean mask).
     # In memory order (a view): a convolution's permuted sums are read in order, not by strides.
-    squares, total = memory_order(squares.detach()), memory_order(total.detach())
+    squares = memory_order(squares.detach())
     s = (squares.numpy() if squares.dtype in _PLAIN else squares.double().numpy()).reshape(-1)
     # Counted in pieces: no mask of the layer's size (VGG-11's classifier weight: 103M
     # elements, half of them dead units, three masks of 0.1 GB of fresh pages each).
@@ -78,6 +78,7 @@ def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 
     if not below:  # one comparison per element: all a layer without dead units costs
         return None
     # Where a layer has dead units (S = T = 0, all below): the others below are unresolved.
+    total = memory_order(total.detach())
     t = (total.numpy() if total.dtype in _PLAIN else total.double().numpy()).reshape(-1)
     return below - _dead_count(s, t) or None
 

@@ -198,8 +198,11 @@ class GradientNoiseScale(ParameterQuantity):
 
     def value_from_sums(self, sums, batch):
         n = batch.examples
-        # On a GPU, tensors left there until the step's one transfer (float64).
-        mean_squared_norm = functional.scalar(sums["sum_of_squared_norms"] / n)
+        # On a GPU, tensors left there until the step's one transfer (float64); on the CPU a
+        # float64 sum's division as a float's, the same IEEE division, without a tensor op.
+        total = sums["sum_of_squared_norms"]
+        mean_squared_norm = (total.item() / n if _device.on_host(total) and total.dtype == torch.float64
+                             else functional.scalar(total / n))
         squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"], defer=True) / n**2
         return mean_squared_norm, squared_norm_of_mean, n
 
