@@ -473,9 +473,9 @@ class Step(ParameterChecks):
         instead of a few per tensor."""
         fresh: Dict[torch.dtype, Dict[int, torch.Tensor]] = {}
         for tensor in tensors:
-            if tensor.numel() > FINITE_TOGETHER_AT_MOST or not tensor.is_floating_point() \
-                    or not _device.on_host(tensor):
-                continue
+            if type(tensor) is not torch.Tensor or tensor.numel() > FINITE_TOGETHER_AT_MOST \
+                    or not tensor.is_floating_point() or not _device.on_host(tensor):
+                continue  # a subclass (DTensor) or a large tensor: checked alone
             known = self._finite.get(id(tensor))
             if known is None or known[0] is not tensor or known[1] != tensor._version:
                 fresh.setdefault(tensor.dtype, {})[id(tensor)] = tensor
