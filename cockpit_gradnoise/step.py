@@ -80,6 +80,11 @@ class Batch:
         )
 
 
+#: :meth:`Step.finite_each` on the CPU checks tensors of at most this many elements together
+#: (joined, one sum): below it a tensor's own check costs more in calls than joining it.
+FINITE_TOGETHER_AT_MOST = 1 << 14
+
+
 def backward_failed() -> bool:
     """Whether the cockpit's context is being left because of an exception.
 
@@ -415,7 +420,7 @@ class Step(ParameterChecks):
         savefields): each tensor is summed once per step, again only if changed
         in place (its version).
         """
-        if all(_device.on_host(t) for t in tensors):
+        if all(map(_device.on_host, tensors)):
             return all(map(self._finite_on_host, tensors))
         if not all(t.is_floating_point() for t in tensors):
             return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
@@ -444,6 +449,7 @@ class Step(ParameterChecks):
         # have proved some finite already: Step.note_finite).
         if len(sizes) != 1 or len(devices) != 1 or _device.on_host(groups[0][0]) \
                 or not all(t.is_floating_point() for group in groups for t in group):
+            self._prove_small_finite_together([t for group in groups for t in group])
             return [self.finite(group) for group in groups]
         self._prefetch_witnesses([t for group in groups for t in group])
         witnesses = [[self._finite_witness(t) for t in group] for group in groups]
@@ -457,6 +463,26 @@ class Step(ParameterChecks):
                 answers[i] = answer
                 self._finite_answers[keys[i]] = (witnesses[i], answer)
         return answers
+
+    def _prove_small_finite_together(self, tensors: Sequence[torch.Tensor]) -> None:
+        """On the CPU, the tensors of at most :data:`FINITE_TOGETHER_AT_MOST` elements not known
+        yet (a network's biases and norms' weights, the per-example norms), of each floating
+        dtype, joined and summed once: where that sum is finite, each of them is (NaN and inf
+        propagate into a sum), and is remembered so (:meth:`finite` does not sum it again);
+        otherwise each is left to :meth:`_finite_on_host`, one by one. A few calls for all
+        instead of a few per tensor."""
+        fresh: Dict[torch.dtype, Dict[int, torch.Tensor]] = {}
+        for tensor in tensors:
+            if type(tensor) is not torch.Tensor or tensor.numel() > FINITE_TOGETHER_AT_MOST \
+                    or not tensor.is_floating_point() or not _device.on_host(tensor):
+                continue  # a subclass (DTensor) or a large tensor: checked alone
+            known = self._finite.get(id(tensor))
+            if known is None or known[0] is not tensor or known[1] != tensor._version:
+                fresh.setdefault(tensor.dtype, {})[id(tensor)] = tensor
+        for group in fresh.values():
+            if len(group) > 1 and bool(torch.isfinite(torch.cat([t.reshape(-1) for t in group.values()]).sum())):
+                for tensor in group.values():
+                    self._finite[id(tensor)] = (tensor, tensor._version, True)
 
     def _prefetch_witnesses(self, tensors: Sequence[torch.Tensor]) -> None:
         """:meth:`_finite_witness` of each tensor not known yet, for all at once: one

@@ -239,6 +239,8 @@ def version_of(grad) -> int:
     """``grad._version``; for a DTensor, its own plus its local shard's: FSDP2 adds to the
     shard in place under accumulation without moving the DTensor's, autograd adds to a
     tensor-parallel DTensor gradient without moving its shard's."""
+    if type(grad) is torch.Tensor:  # most gradients: no shard to look for
+        return grad._version
     local = sharded.local_tensor(grad)
     return grad._version + (local._version if local is not grad else 0)
 
@@ -521,8 +523,10 @@ class ParameterChecks:
                 "(quantities=['ParamGradRatio', 'UpdateSize'])"
             )
         batchless = {n: leading[id(p)] for n, p in named if leading.get(id(p), examples) != examples}
+        # Only where some layer leads with another size may others lead with the batch by
+        # coincidence (no name's kind formed otherwise: a regular expression per parameter).
         coincident = facts.batch_by_coincidence(
-            {n: leading[id(p)] for n, p in named if id(p) in leading}, examples)
+            {n: leading[id(p)] for n, p in named if id(p) in leading}, examples) if batchless else set()
         if coincident:
             self.warn(
                 "coincident",

@@ -222,3 +222,41 @@ def test_unused_parameter_is_left_out_with_a_warning():
     with pytest.warns(UserWarning, match="have no gradient"):
         cockpit = run_step(problem, [quantity])
     assert "unused.weight" not in rows(cockpit, "ParamGradRatio")
+
+
+def test_small_parameters_ratios_formed_together_are_each_pair_s_own_bit_for_bit(monkeypatch):
+    """:func:`functional.abs_ratio_statistics_of_small` (one table per size and dtype) gives each
+    pair what :func:`functional.abs_ratio_statistics_and_zeros` gives it alone, bit for bit:
+    sizes repeated and single, float32, float64 and bfloat16, zero gradients (one, many, all),
+    zero weights, a huge ratio (inf), and non-finite elements where ``all_finite`` is not
+    claimed (left out); a NaN ratio where it is claimed raises, as alone. The CPU's path,
+    whatever the session forces (the only one that forms them together)."""
+    from cockpit_gradnoise import _device
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: tensor.device.type == "cpu")
+    generator = torch.Generator().manual_seed(0)
+
+    def pair(n, dtype=torch.float32, zeros=0, bad=None):
+        theta = torch.randn(n, generator=generator).to(dtype)
+        grad = (torch.randn(n, generator=generator) * torch.rand(n, generator=generator) ** 4).to(dtype)
+        grad[:zeros] = 0.0
+        theta[zeros : zeros + 1] = 0.0
+        if bad is not None:
+            theta[-1] = bad
+        return theta, grad, bad is None
+
+    pairs = [pair(48), pair(48, zeros=3), pair(48, zeros=48), pair(7, torch.float64, zeros=2),
+             pair(48, torch.bfloat16, zeros=1), pair(4096, zeros=100), pair(1), pair(48, bad=math.nan),
+             pair(48, torch.float64, bad=math.inf), pair(3, zeros=1)]
+    theta, grad, _ = pairs[-1]
+    theta[-1], grad[-1] = 1e30, 1e-30  # a ratio beyond float32: inf, kept
+    got = functional.abs_ratio_statistics_of_small(pairs)
+    expected = [functional.abs_ratio_statistics_and_zeros(a, b, all_finite=finite) for a, b, finite in pairs]
+    assert got == expected
+    assert got[2] == ({}, 48) and got[-1][0]["max"] == math.inf and got[7][1] == 0
+    assert [type(zeros) for _, zeros in got] == [int] * len(pairs)
+    theta, grad, _ = pair(48, bad=math.nan)
+    for alone in (lambda: functional.abs_ratio_statistics_of_small([(theta, grad, True)]),
+                  lambda: functional.abs_ratio_statistics_and_zeros(theta, grad, all_finite=True)):
+        with pytest.raises(ValueError):
+            alone()

@@ -90,6 +90,32 @@ def test_the_device_paths_finiteness_is_isfinite_all(dtype, monkeypatch):
     assert bool(step.finite([grad])) and bool(step.finite([big, grad]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_each_on_the_cpu_joins_small_tensors_and_answers_as_each_alone(dtype, monkeypatch):
+    """On the CPU, ``finite_each`` checks the small tensors of each dtype together (one joined
+    sum): every group's answer is ``isfinite(t).all()`` of its tensors, with NaN, inf and -inf
+    among many finite small tensors, the largest finite values (whose joined sum overflows:
+    each then checked alone, finite), integer and large tensors beside them, one group
+    asked twice, and a tensor changed in place after its answer."""
+    from cockpit_gradnoise import _device
+
+    monkeypatch.setattr(_device, "on_host", lambda tensor: tensor.device.type == "cpu")
+    largest = torch.finfo(dtype).max
+    finite = [torch.randn(48, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(6)]
+    big = torch.full((4,), largest, dtype=dtype)
+    groups = [[finite[0], finite[1]], [finite[2], torch.tensor([1.0, float("nan")], dtype=dtype)],
+              [finite[3], torch.tensor([float("inf")], dtype=dtype)], [big, big.clone()],
+              [finite[4], torch.tensor([-float("inf"), 0.0], dtype=dtype)], [finite[5], torch.arange(3)],
+              [torch.ones(1 << 15, dtype=dtype), finite[0]], [finite[0], finite[1]]]
+    for _ in range(2):  # the second time from what the first remembered
+        step = Step(0)
+        answers = step.finite_each(groups)
+        assert answers == [all(bool(torch.isfinite(t).all()) for t in group) for group in groups]
+        assert answers == [True, False, False, True, False, True, True, True]
+    finite[1][3] = float("nan")  # in place: its version moved, tested again
+    assert step.finite_each(groups[:1]) == [False]
+
+
 def test_batch_size_and_individual_losses_that_disagree_are_refused():
     problem = build(MODELS[0], 6, "mean")
     quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)

@@ -266,15 +266,17 @@ def test_on_other_devices_a_zero_norm_is_marked_only_beside_nonzero_rows_of_ever
     assert got.tolist() == [5.0, 0.0, underflow.UNRESOLVED, 0.0]
 
 
+@pytest.mark.parametrize("on_host", [True, False])
 @pytest.mark.parametrize("loss_scale", [1.0, 0.25])
-def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scale, monkeypatch):
+def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scale, on_host, monkeypatch):
     """PerExampleGradNorm's and GradientNoiseScale's underflow checks of all parameters at
-    once (one table per dtype, on other devices) give each parameter's own check's count:
-    rows with unresolved norms, with zeros, with a sum above and below N floors, float32
-    and float64 norms, sizes whose floors differ."""
+    once (one table per dtype, on the CPU and on other devices) give each parameter's own
+    check's count (on the CPU an int, None for none, as each parameter's): rows with
+    unresolved norms, with zeros, with a sum above and below N floors, float32 and float64
+    norms, sizes whose floors differ."""
     from cockpit_gradnoise.step import Batch
 
-    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    monkeypatch.setattr(_device, "on_host", lambda tensor: on_host)
     tiny32, tiny64 = torch.finfo(torch.float32).tiny, torch.finfo(torch.float64).tiny
     rows = [([1.0, 2.0, 3.0], torch.float64, 5), ([0.0, 1e-310, 0.0], torch.float64, 5),
             ([1e-310, 1e-300, 0.0], torch.float64, 7), ([0.0, 0.0, 0.0], torch.float64, 3),
@@ -289,10 +291,14 @@ def test_norms_checked_together_find_what_each_parameter_s_check_finds(loss_scal
     for quantity in (cgn.PerExampleGradNorm(linear(1)), cgn.GradientNoiseScale(linear(1))):
         together = quantity.unresolved_of_many(items, batch)
         alone = {name: quantity.unresolved(param, sums, batch) for name, param, sums in items}
-        assert [int(together[name][0]) for name, _, _ in items] == [
-            int(alone[name][0]) for name, _, _ in items]
-        assert any(int(alone[name][0]) for name, _, _ in items)  # the rows hold findings
-        assert not all(int(alone[name][0]) for name, _, _ in items)
+        if on_host:  # the same answers, None included
+            assert [None if together[name] is None else together[name][0] for name, _, _ in items] == [
+                None if alone[name] is None else alone[name][0] for name, _, _ in items]
+            assert all(type(together[name][0]) is int for name, _, _ in items if together[name] is not None)
+        counts = [0 if alone[name] is None else int(alone[name][0]) for name, _, _ in items]
+        assert [0 if together[name] is None else int(together[name][0]) for name, _, _ in items] == counts
+        assert any(counts)  # the rows hold findings
+        assert not all(counts)
 
 
 def test_unscaled_norms_mark_exactly_the_nonzero_norms_below_the_floor():

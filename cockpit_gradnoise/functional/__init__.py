@@ -62,10 +62,12 @@ from cockpit_gradnoise.functional.ratios import (
     abs_ratio_statistics,
     abs_ratio_statistics_and_zeros,
     abs_ratio_statistics_of_pairs,
+    abs_ratio_statistics_of_small,
     zero_count,
 )
 from cockpit_gradnoise.functional.reduction import loss_scale, loss_tolerance, matching_loss_scale
 from cockpit_gradnoise.functional.underflow import (
+    counts_of_rows,
     floors_of,
     unresolved_norm_sum,
     unresolved_norm_sums_of_rows,
@@ -90,12 +92,14 @@ from cockpit_gradnoise.functional.variance_statistics import (
 from cockpit_gradnoise.functional.welford import welford_sd, welford_update_
 
 __all__ = [
+    "counts_of_rows",
     "floors_of",
     "abs_ratio_statistics",
     "adagrad_preconditioner",
     "adam_preconditioner",
     "abs_ratio_statistics_and_zeros",
     "abs_ratio_statistics_of_pairs",
+    "abs_ratio_statistics_of_small",
     "centred_sum_of_squares",
     "expansion_rounding_bound",
     "exponential_moving_average",

@@ -24,7 +24,7 @@ unresolved element out, naming it (:func:`unresolved_sums`,
 :func:`unresolved_norms`).
 """
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from cockpit_gradnoise import _device, order_statistics
 from cockpit_gradnoise.functional.layout import memory_order
@@ -70,7 +70,7 @@ def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 
     # In NumPy: several times faster than torch's comparisons here (a layer of 2.4M
     # elements, most of them dead units: 1.2 ms against 6 ms, 32 ms by a boolean mask).
     # In memory order (a view): a convolution's permuted sums are read in order, not by strides.
-    squares, total = memory_order(squares.detach()), memory_order(total.detach())
+    squares = memory_order(squares.detach())
     s = (squares.numpy() if squares.dtype in _PLAIN else squares.double().numpy()).reshape(-1)
     # Counted in pieces: no mask of the layer's size (VGG-11's classifier weight: 103M
     # elements, half of them dead units, three masks of 0.1 GB of fresh pages each).
@@ -78,6 +78,7 @@ def unresolved_sums(squares: Tensor, total: Tensor, n: int, loss_scale: float = 
     if not below:  # one comparison per element: all a layer without dead units costs
         return None
     # Where a layer has dead units (S = T = 0, all below): the others below are unresolved.
+    total = memory_order(total.detach())
     t = (total.numpy() if total.dtype in _PLAIN else total.double().numpy()).reshape(-1)
     return below - _dead_count(s, t) or None
 
@@ -175,6 +176,15 @@ def unresolved_norms_of_rows(table: Tensor, floors: Tensor) -> Tensor:
     parameter's batch), with each row's floor (``floors`` ``[P]``, in the table's dtype, as
     a Python floor is compared in it): ``[P]`` int64 counts, a few launches for all rows."""
     return ((table != 0) & (table < floors[:, None])).sum(1)
+
+
+def counts_of_rows(counts: Tensor) -> List[Optional[Union[int, Tensor]]]:
+    """Each row's count of :func:`unresolved_norms_of_rows` or :func:`unresolved_norm_sums_of_rows`
+    as one parameter's check gives it: on the CPU an int, ``None`` for none (one ``tolist``
+    for all rows); elsewhere a 0-dim tensor, the host not waiting."""
+    if _device.on_host(counts):
+        return [count or None for count in counts.tolist()]
+    return list(counts.unbind())
 
 
 def unresolved_norm_sums_of_rows(table: Tensor, floors: Tensor, sum_floors: Tensor) -> Tensor:

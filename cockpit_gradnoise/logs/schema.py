@@ -257,8 +257,11 @@ def encode_statistics(statistics: Mapping[str, float]) -> Dict[str, Union[float,
 
     The names are interned: every stored row shares one string per name
     (the quantities build them anew at each step, e.g. :func:`quantile_name`).
+    A finite Python float, most values, is kept as it is without a call
+    (:func:`encode_float` would return it: a few thousand values a step).
     """
-    return {sys.intern(name): encode_float(value) for name, value in statistics.items()}
+    return {sys.intern(name): value if type(value) is float and value - value == 0.0 else encode_float(value)
+            for name, value in statistics.items()}
 
 
 def update_statistics(updates: Sequence[Any]) -> Dict[str, Dict[str, float]]:

@@ -93,6 +93,8 @@ def count_where(values: numpy.ndarray, test, *args) -> int:
     """``numpy.count_nonzero(test(values, *args))`` of a 1d array, counted in pieces of
     :data:`COUNT_PIECE` elements: no mask of the array's size (a network's
     elements: as much memory as a layer's sums), at a few percent of the time."""
+    if values.size <= COUNT_PIECE:  # one piece (most layers): no generator of pieces
+        return int(numpy.count_nonzero(test(values, *args)))
     return sum(int(numpy.count_nonzero(test(values[start : start + COUNT_PIECE], *args)))
                for start in range(0, values.size, COUNT_PIECE))
 

@@ -162,12 +162,13 @@ class GradientNoiseScale(ParameterQuantity):
         return None if found is None else (found, _lost_sum_reason(norms.dtype))
 
     def unresolved_of_many(self, items, batch):
-        # On other devices every parameter's norms (one length: the batch's) as one table per
-        # dtype, checked row by row in a few launches for all (unresolved_norm_sum's tests).
+        # Every parameter's norms (one length: the batch's) as one table per dtype, checked row
+        # by row in a few ops for all (unresolved_norm_sum's tests): on a GPU a few launches, on
+        # the CPU a few calls instead of a handful per parameter.
         if type(self).unresolved is not GradientNoiseScale.unresolved:  # a subclass checks its own
             return super().unresolved_of_many(items, batch)
         norms = [param.cgn_batch_l2.detach() for _, param, _ in items]
-        groups = None if _device.on_host(norms[0]) else functional.stacked_by_dtype(norms)
+        groups = functional.stacked_by_dtype(norms)
         if groups is None:
             return super().unresolved_of_many(items, batch)
         found = {}
@@ -177,8 +178,8 @@ class GradientNoiseScale(ParameterQuantity):
             sum_floors = functional.floors_of(numels, table.dtype, table.device, times=table.shape[1],
                                               compared_in=torch.float64)
             flags = functional.unresolved_norm_sums_of_rows(table, floors, sum_floors)
-            for i, flag in zip(indices, flags.unbind()):
-                found[items[i][0]] = (flag, _lost_sum_reason(table.dtype))
+            for i, flag in zip(indices, functional.counts_of_rows(flags)):
+                found[items[i][0]] = None if flag is None else (flag, _lost_sum_reason(table.dtype))
         return found
 
     def noted_squared_norms(self, step, params):
@@ -197,8 +198,11 @@ class GradientNoiseScale(ParameterQuantity):
 
     def value_from_sums(self, sums, batch):
         n = batch.examples
-        # On a GPU, tensors left there until the step's one transfer (float64).
-        mean_squared_norm = functional.scalar(sums["sum_of_squared_norms"] / n)
+        # On a GPU, tensors left there until the step's one transfer (float64); on the CPU a
+        # float64 sum's division as a float's, the same IEEE division, without a tensor op.
+        total = sums["sum_of_squared_norms"]
+        mean_squared_norm = (total.item() / n if _device.on_host(total) and total.dtype == torch.float64
+                             else functional.scalar(total / n))
         squared_norm_of_mean = functional.squared_norm(sums["sum_of_gradients"], defer=True) / n**2
         return mean_squared_norm, squared_norm_of_mean, n
 

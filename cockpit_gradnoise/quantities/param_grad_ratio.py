@@ -3,7 +3,7 @@
 import math
 from typing import NamedTuple
 
-from cockpit_gradnoise import _device, functional
+from cockpit_gradnoise import _device, functional, order_statistics
 from cockpit_gradnoise.logs.schema import NORM_RATIO, RATIO_STATISTICS, ZERO_GRAD_FRACTION
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 
@@ -80,6 +80,9 @@ class ParamGradRatio(ParameterQuantity):
             return theta_sq, grad_sq, functional.zero_count(grad), grad.numel(), _Ratios(theta, grad)
         # Floats on the CPU: finite sums of squares prove every element finite.
         all_finite = isinstance(theta_sq, float) and math.isfinite(theta_sq + grad_sq)
+        if known is not None and 0 < grad.numel() <= order_statistics.SORT_WHOLE_AT_MOST:
+            # Small parameters' ratios formed together, one table per size (statistics_of_values).
+            return theta_sq, grad_sq, None, grad.numel(), _Small(theta, grad, all_finite)
         # The zeros counted by the ratios' own pass over grad == 0.
         ratios, zeros = functional.abs_ratio_statistics_and_zeros(
             theta, grad, defer=True, all_finite=all_finite)
@@ -91,6 +94,12 @@ class ParamGradRatio(ParameterQuantity):
         return theta_sq, grad_sq, zeros, numel, {}
 
     def statistics_of_values(self, values, network):
+        small = [k for k, value in enumerate(values) if isinstance(value[4], _Small)]
+        if small:
+            values = list(values)
+            for k, (ratios, zeros) in zip(small, functional.abs_ratio_statistics_of_small(
+                    [values[k][4] for k in small])):
+                values[k] = values[k][:2] + (zeros, values[k][3], ratios)
         pending = [k for k, value in enumerate(values) if isinstance(value[4], _Ratios)]
         if pending:
             found = functional.abs_ratio_statistics_of_pairs([values[k][4] for k in pending])
@@ -103,6 +112,8 @@ class ParamGradRatio(ParameterQuantity):
         theta_sq, grad_sq, zeros, numel, ratio_statistics = value
         if isinstance(ratio_statistics, _Ratios):  # not formed with the others': alone
             ratio_statistics = {"ratio": functional.abs_ratio_statistics_of_pairs([ratio_statistics])[0]}
+        if isinstance(ratio_statistics, _Small):
+            ratio_statistics, zeros = functional.abs_ratio_statistics_of_small([ratio_statistics])[0]
         return {
             **ratio_statistics,
             ZERO_GRAD_FRACTION: zeros / numel,
@@ -119,3 +130,13 @@ class _Ratios(NamedTuple):
 
     theta: Tensor
     grad: Tensor
+
+
+class _Small(NamedTuple):
+    """A parameter of at most ``SORT_WHOLE_AT_MOST`` elements on the CPU whose ratio statistics
+    and zero count are formed with the other small ones'
+    (:func:`~cockpit_gradnoise.functional.abs_ratio_statistics_of_small`)."""
+
+    theta: Tensor
+    grad: Tensor
+    all_finite: bool

@@ -2,7 +2,7 @@
 
 import functools
 
-from cockpit_gradnoise import _device, functional, order_statistics
+from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import ParameterQuantity
@@ -66,10 +66,11 @@ class PerExampleGradNorm(ParameterQuantity):
         return None if count is None else (count, _lost_norms_reason(norms.dtype))
 
     def unresolved_of_many(self, items, batch):
-        # On other devices every parameter's norms (one length: the batch's) as one table per
-        # dtype, checked row by row in a few launches for all (unresolved_norms' comparisons).
+        # Every parameter's norms (one length: the batch's) as one table per dtype, checked row
+        # by row in a few ops for all (unresolved_norms' comparisons): on a GPU a few launches,
+        # on the CPU a few calls instead of a handful per parameter.
         norms = [sums["squared_norms"] for _, _, sums in items]
-        groups = None if _device.on_host(norms[0]) else functional.stacked_by_dtype(norms)
+        groups = functional.stacked_by_dtype(norms)
         if groups is None:
             return super().unresolved_of_many(items, batch)
         found = {}
@@ -77,8 +78,8 @@ class PerExampleGradNorm(ParameterQuantity):
             floors = functional.floors_of([items[i][1].numel() for i in indices], table.dtype,
                                           table.device, batch.loss_scale)
             counts = functional.unresolved_norms_of_rows(table, floors)
-            for i, count in zip(indices, counts.unbind()):
-                found[items[i][0]] = (count, _lost_norms_reason(table.dtype))
+            for i, count in zip(indices, functional.counts_of_rows(counts)):
+                found[items[i][0]] = None if count is None else (count, _lost_norms_reason(table.dtype))
         return found
 
     def value_from_sums(self, sums, batch):
