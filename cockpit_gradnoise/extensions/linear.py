@@ -164,16 +164,33 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
     each factor (:func:`._squares.scaled_factors`).
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output), rows=True)
-    sums = g.new_zeros(2, g.shape[2], a.shape[2])
+    sums = g.new_zeros(2, g.shape[2] * a.shape[2])
     norms = []
     for x in formed_contributions(g, a):
-        # A chunk of one example (GPT-2 small's layers all, at HOST_FORMATION_BYTES) is added
-        # as it is: its sum over one example is itself, bit for bit, without a copy.
-        sums[0] += x[0] if len(x) == 1 else x.sum(0)
-        squares = x.square_()
-        sums[1] += squares[0] if len(x) == 1 else squares.sum(0)
-        norms.append(squares.sum((1, 2)))
+        flat = x.view(len(x), -1)
+        accumulate_rows(sums[0:1], flat)
+        squares = flat.square_()
+        accumulate_rows(sums[1:2], squares)
+        norms.append(squares.sum(1))
+    sums = sums.view(2, g.shape[2], a.shape[2])
     return unscaled_sums(sums, scale, len(g)), unscaled_norms(joined(norms), scale, g.shape[2] * a.shape[2])
+
+
+def accumulate_rows(total: Tensor, rows: Tensor) -> None:
+    """``total += sum_i rows[i]`` in place (``total [1, K]``, ``rows [n, K]``), as a product with a row of ones.
+
+    The same sum of the same computed ``x_i`` as ``rows.sum(0)`` (each multiplication by 1 is
+    exact, so the matrix-vector product adds the terms in some order, as any order bounds
+    them: :mod:`.sums`' bound with ``inner_terms = 1`` holds as before), in one pass that reads
+    ``rows`` and writes ``total`` once: ``total[0] += rows.sum(0)`` wrote the sum, added it and
+    copied it back (Python's ``+=`` on an index), three passes over ``K`` numbers per chunk,
+    which cost more than the chunk's ``bmm`` for Swin's stage-3 Linears (16 positions, 768 x 192;
+    ``benchmarks/README.md``, "Swin's sequence Linears"). A chunk of one example is added as it is.
+    """
+    if len(rows) == 1:
+        total.add_(rows)
+    else:
+        total.addmm_(rows.new_ones(1, len(rows)), rows)
 
 
 def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
