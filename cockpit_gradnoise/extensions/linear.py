@@ -91,11 +91,24 @@ def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tenso
 
 def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
     """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples, of
-    :func:`.cost_model.formation_bytes` each (cache-sized on the host)."""
+    :func:`.cost_model.formation_bytes` each (cache-sized on the host).
+
+    Every chunk is written into one buffer, allocated once per call: a chunk is valid until
+    the next one is asked for (each caller reduces it first). A fresh chunk each time was a
+    fresh allocation of up to 2 MiB page-faulted in on the host, which doubled the ``bmm``'s
+    time in a tracked step (Swin's 16-position Linears, 11 chunks each: 43-44 -> 33-34 ms a
+    step for its 38 layers; ``benchmarks/README.md``, "Swin's sequence Linears"). Where
+    autograd records the product (``create_graph``), which refuses ``out=``, a new one each.
+    """
     budget = cost_model.formation_bytes(_device.on_host(a))
     size = cost_model.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size(), budget)
+    into = None
+    if not (torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)):
+        into = torch.empty(min(size, g.shape[0]), g.shape[2], a.shape[2], dtype=torch.result_type(g, a),
+                           device=g.device)
     for start in range(0, g.shape[0], size):
-        yield torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size])
+        rows, columns = g[start : start + size].transpose(1, 2), a[start : start + size]
+        yield torch.bmm(rows, columns) if into is None else torch.bmm(rows, columns, out=into[: len(columns)])
 
 
 #: Positions per block of :func:`symmetric_gram_inner`: a block's products stay efficient
