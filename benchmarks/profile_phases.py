@@ -35,6 +35,7 @@ padding, at one position and in the expansion's products row by row (``conv_math
     python -m benchmarks.profile_phases --model gpt --steps 6
     python -m benchmarks.profile_phases --schedule --steps 18
     python -m benchmarks.profile_phases --floor --rounds 10
+    python -m benchmarks.profile_phases --floor --model swin --rounds 10
     python -m benchmarks.profile_phases --model resnet18 --steps 3 --by-layer
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
@@ -279,9 +280,17 @@ def ab(args):
     return lines
 
 
+#: ``--floor --model swin``: the benchmark Swin's sequence Linears in one tracked step, ``(in, out,
+#: positions per example, layers)`` (batch 32; 16 of them on the windows' rows, ``fallback/windows.py``).
+SWIN_LINEARS = [(768, 192, 16, 2), (192, 768, 16, 2), (192, 192, 16, 8), (384, 192, 16, 1),
+                (384, 96, 64, 2), (96, 384, 64, 2), (192, 96, 64, 1), (96, 96, 64, 8),
+                (192, 48, 256, 2), (48, 192, 256, 2), (48, 48, 256, 8)]
+
+
 def floor(args):
     """The benchmark GPT's sequence Linear weights (``(in, out)`` below, batch 32 x 64 tokens, random
-    factors): the work of their weight-gradient products and of the per-example results, interleaved
+    factors), or with ``--model swin`` the Swin's (:data:`SWIN_LINEARS`): the work of their
+    weight-gradient products and of the per-example results, interleaved
     in ``--rounds`` rounds (fastest, median; CPU time of one thread). PreconditionedNoiseScale needs
     ``S_j = sum_i x_ij^2`` of every element: the formation of ``x_i`` (``bmm``, the flops of the
     plain ``mm``) where GradientNoiseScale alone takes the Gram matrices; with both, its norms come
@@ -289,10 +298,13 @@ def floor(args):
     from cockpit_gradnoise.extensions import linear
 
     n, positions, width = 32, 64, 128
-    shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * 4 + [(width, 96)]
+    pairs = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * 4 + [(width, 96)]
+    shapes = [(i, o, positions) for i, o in pairs]
+    if args.model == "swin":
+        shapes = [(i, o, length) for i, o, length, layers in SWIN_LINEARS for _ in range(layers)]
     generator = torch.Generator().manual_seed(0)
-    factors = [(torch.randn(n, positions, i, generator=generator),
-                torch.randn(n, positions, o, generator=generator) * 1e-3) for i, o in shapes]
+    factors = [(torch.randn(n, length, i, generator=generator),
+                torch.randn(n, length, o, generator=generator) * 1e-3) for i, o, length in shapes]
 
     def formation(a, g):
         for _ in linear.formed_contributions(g, a):
@@ -319,8 +331,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", action="store_true", help="the norms preset and the schedule")
     parser.add_argument("--by-layer", action="store_true", help="the convolutions' functions per layer shape")
-    parser.add_argument("--floor", action="store_true", help="the GPT's Linear formation against its Gram matrices")
-    parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18"))
+    parser.add_argument("--floor", action="store_true", help="the GPT's (Swin's) Linears' formation, Gram")
+    parser.add_argument("--model", default="gpt", choices=("gpt", "resnet18", "swin"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ab", default=None, help="changes to time against the step without them")
@@ -328,6 +340,8 @@ def main(argv=None):
     parser.add_argument("--methods", default="GradientNoiseScale (Adam),"
                         "GradientNoiseScale+PreconditionedNoiseScale (Adam)", help="--ab's steps")
     args = parser.parse_args(argv)
+    if args.model == "swin" and not args.floor:
+        parser.error("--model swin is --floor's only (its sequence Linears)")
     torch.set_num_threads(1)
     if args.ab:
         lines = ab(args)

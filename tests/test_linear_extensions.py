@@ -287,3 +287,24 @@ def test_gram_blocks_of_positions_match_per_example_loop(block, monkeypatch):
     g, a = torch.randn(3, 10, 4, dtype=torch.float64), torch.randn(3, 10, 5, dtype=torch.float64)
     whole = torch.bmm(g, g.transpose(1, 2)).mul(torch.bmm(a, a.transpose(1, 2))).sum((1, 2))
     torch.testing.assert_close(linear.symmetric_gram_inner(g, a), whole, rtol=1e-13, atol=0)
+
+
+def test_on_the_host_chunks_share_one_buffer_and_create_graph_records_a_new_one_each(monkeypatch):
+    """``linear.formed_contributions`` writes each chunk into one buffer (its caller reduces a chunk
+    before asking for the next); under ``create_graph``, where autograd refuses ``out=``, each chunk is
+    its own product in the graph: the same sums and norms, differentiable."""
+    monkeypatch.setattr(cost_model, "HOST_FORMATION_BYTES", 2 * 4 * 3 * 8)  # two float64 examples a chunk
+    g, a = torch.randn(5, 6, 4, dtype=torch.float64), torch.randn(5, 6, 3, dtype=torch.float64)
+    chunks = list(FORMED_CONTRIBUTIONS(g, a))  # all kept: fresh ones would each have their own memory
+    assert [len(x) for x in chunks] == [2, 2, 1]
+    assert len({x.untyped_storage().data_ptr() for x in chunks}) == 1
+    sums, norms = linear.linear_weight_sums_and_squared_norms(a, g)
+    x = torch.einsum("nlo,nli->noi", g, a)
+    torch.testing.assert_close(sums, torch.stack([x.sum(0), x.square().sum(0)]))
+    torch.testing.assert_close(norms, x.square().sum((1, 2)))
+    wide = g.clone().requires_grad_()
+    with torch.enable_grad():
+        graph_sums, graph_norms = linear.linear_weight_sums_and_squared_norms(a, wide)
+    torch.testing.assert_close(graph_sums, sums)
+    torch.testing.assert_close(graph_norms, norms)
+    assert graph_norms.requires_grad

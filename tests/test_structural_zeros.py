@@ -24,6 +24,7 @@ from cockpit_gradnoise.extensions import (
     SumsOfContributions,
     cost_model,
 )
+from cockpit_gradnoise.extensions import sums as sums_module
 
 import numpy
 import pytest
@@ -133,6 +134,28 @@ def test_key_bias_sums_are_exactly_zero_and_nothing_else_is(name, dtype, reducti
     for param, value in sums.items():
         if param not in zeros:
             assert (value[1] > 0).any(), param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_key_bias_is_exactly_zero_with_magnitudes_summed_in_chunks(dtype, monkeypatch):
+    """On the host the magnitudes ``A_i`` are summed over chunks of examples
+    (``sums.summed_magnitudes``, of ``cost_model.HOST_FORMATION_BYTES``; 3 of the 64 examples
+    a chunk here): each example's as a float64 sum gives it, and the key bias still exactly 0."""
+    per_position = torch.randn(7, 5, 3, dtype=dtype)
+    monkeypatch.setattr(cost_model, "HOST_FORMATION_BYTES", 2 * 5 * 3 * per_position.element_size())
+    chunked = sums_module.summed_magnitudes(per_position, 1)
+    # Five terms of one sign each: at most 4 roundings of the float32 (float64) sum.
+    reference = per_position.double().abs().sum(1)
+    assert chunked.shape == reference.shape
+    assert torch.allclose(chunked.double(), reference, rtol=4 * torch.finfo(dtype).eps, atol=0)
+    model, idx, targets, zeros = problem("fused-c_attn", dtype, SHAPES[1])
+    monkeypatch.setattr(cost_model, "HOST_FORMATION_BYTES", 3 * SHAPES[1][1] * 3 * WIDTH * torch.finfo(dtype).bits // 8)
+    found = saved_sums(model, idx, targets, "mean")
+    for param, where in zeros.items():
+        assert torch.equal(found[param][:, where], torch.zeros_like(found[param][:, where]))
+        rest = torch.ones(found[param].shape[1], dtype=torch.bool)
+        rest[where] = False
+        assert (found[param][1, rest] > 0).all()
 
 
 def test_key_bias_gradient_was_rounding_noise():

@@ -91,11 +91,24 @@ def sequence_factors(inputs: Tensor, grad_output: Tensor) -> Tuple[Tensor, Tenso
 
 def formed_contributions(g: Tensor, a: Tensor) -> Iterator[Tensor]:
     """``x_i = g_i^T a_i`` (``[n, out, in]``) for consecutive chunks of examples, of
-    :func:`.cost_model.formation_bytes` each (cache-sized on the host)."""
+    :func:`.cost_model.formation_bytes` each (cache-sized on the host).
+
+    Every chunk is written into one buffer, allocated once per call: a chunk is valid until
+    the next one is asked for (each caller reduces it first). A fresh chunk each time was a
+    fresh allocation of up to 2 MiB page-faulted in on the host, which doubled the ``bmm``'s
+    time in a tracked step (Swin's 16-position Linears, 11 chunks each: 43-44 -> 33-34 ms a
+    step for its 38 layers; ``benchmarks/README.md``, "Swin's sequence Linears"). Where
+    autograd records the product (``create_graph``), which refuses ``out=``, a new one each.
+    """
     budget = cost_model.formation_bytes(_device.on_host(a))
     size = cost_model.examples_per_chunk(g.shape[2] * a.shape[2], a.element_size(), budget)
+    into = None
+    if not (torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)):
+        into = torch.empty(min(size, g.shape[0]), g.shape[2], a.shape[2], dtype=torch.result_type(g, a),
+                           device=g.device)
     for start in range(0, g.shape[0], size):
-        yield torch.bmm(g[start : start + size].transpose(1, 2), a[start : start + size])
+        rows, columns = g[start : start + size].transpose(1, 2), a[start : start + size]
+        yield torch.bmm(rows, columns) if into is None else torch.bmm(rows, columns, out=into[: len(columns)])
 
 
 #: Positions per block of :func:`symmetric_gram_inner`: a block's products stay efficient
@@ -164,16 +177,33 @@ def linear_weight_sums_and_squared_norms(inputs: Tensor, grad_output: Tensor) ->
     each factor (:func:`._squares.scaled_factors`).
     """
     (g, a), scale = scaled_factors(*sequence_factors(inputs, grad_output), rows=True)
-    sums = g.new_zeros(2, g.shape[2], a.shape[2])
+    sums = g.new_zeros(2, g.shape[2] * a.shape[2])
     norms = []
     for x in formed_contributions(g, a):
-        # A chunk of one example (GPT-2 small's layers all, at HOST_FORMATION_BYTES) is added
-        # as it is: its sum over one example is itself, bit for bit, without a copy.
-        sums[0] += x[0] if len(x) == 1 else x.sum(0)
-        squares = x.square_()
-        sums[1] += squares[0] if len(x) == 1 else squares.sum(0)
-        norms.append(squares.sum((1, 2)))
+        flat = x.view(len(x), -1)
+        accumulate_rows(sums[0:1], flat)
+        squares = flat.square_()
+        accumulate_rows(sums[1:2], squares)
+        norms.append(squares.sum(1))
+    sums = sums.view(2, g.shape[2], a.shape[2])
     return unscaled_sums(sums, scale, len(g)), unscaled_norms(joined(norms), scale, g.shape[2] * a.shape[2])
+
+
+def accumulate_rows(total: Tensor, rows: Tensor) -> None:
+    """``total += sum_i rows[i]`` in place (``total [1, K]``, ``rows [n, K]``), as a product with a row of ones.
+
+    The same sum of the same computed ``x_i`` as ``rows.sum(0)`` (each multiplication by 1 is
+    exact, so the matrix-vector product adds the terms in some order, as any order bounds
+    them: :mod:`.sums`' bound with ``inner_terms = 1`` holds as before), in one pass that reads
+    ``rows`` and writes ``total`` once: ``total[0] += rows.sum(0)`` wrote the sum, added it and
+    copied it back (Python's ``+=`` on an index), three passes over ``K`` numbers per chunk,
+    which cost more than the chunk's ``bmm`` for Swin's stage-3 Linears (16 positions, 768 x 192;
+    ``benchmarks/README.md``, "Swin's sequence Linears"). A chunk of one example is added as it is.
+    """
+    if len(rows) == 1:
+        total.add_(rows)
+    else:
+        total.addmm_(rows.new_ones(1, len(rows)), rows)
 
 
 def expands(module, inputs: Tensor, grad_output: Tensor) -> bool:
