@@ -83,19 +83,27 @@ def abs_ratio_statistics_and_zeros(
     # The left-out ratios are 0 in ``ratio``, where they sort first (tied at
     # worst with a kept 0) and add nothing to the sum: the kept ratios are
     # ranks left_out .. end.
-    mean = float(ratio.sum(dtype=numpy.float64)) / n
+    total = float(ratio.sum(dtype=numpy.float64))
     # Nested partitions of the fresh array, or buckets where many are 0
     # (order_statistics.select_in_place): no sort.
-    z = left_out
     lower, upper, largest = order_statistics.select_in_place(
-        ratio, [z + (n - 1) // 2, z + n // 2, z + n - 1]
+        ratio, [*_middle_ranks(left_out, n), left_out + n - 1]
     )
-    return {
-        schema.MEAN: mean,
-        schema.MEDIAN: (lower + upper) / 2,
-        schema.MIN: smallest,
-        schema.MAX: largest,
-    }, zeros
+    return _statistics(total, n, smallest, lower, upper, largest), zeros
+
+
+def _middle_ranks(left_out: int, n: int) -> Tuple[int, int]:
+    """The ranks of the two middle kept ratios among all, the ``left_out`` ones 0 and sorted
+    first: one rank twice for an odd ``n``; their mean is the median, as ``numpy.median``'s."""
+    return left_out + (n - 1) // 2, left_out + n // 2
+
+
+def _statistics(total: float, n: int, smallest: float, lower: float, upper: float,
+                largest: float) -> Dict[str, float]:
+    """The ratio statistics of ``n`` kept ratios: their float64 ``total``, smallest, two
+    middle ones (:func:`_middle_ranks`) and largest."""
+    return {schema.MEAN: total / n, schema.MEDIAN: (lower + upper) / 2,
+            schema.MIN: smallest, schema.MAX: largest}
 
 
 def _ratios_by_pieces(a: numpy.ndarray, b: numpy.ndarray, finite: bool) -> Tuple[numpy.ndarray, int, int, float]:
@@ -172,11 +180,10 @@ def _statistics_by_brackets(a: numpy.ndarray, b: numpy.ndarray, finite: bool) ->
     n = a.size - left_out
     if n == 0:
         return {}, zeros
-    lower, upper = tally.at(left_out + (n - 1) // 2), tally.at(left_out + n // 2)
+    lower, upper = (tally.at(rank) for rank in _middle_ranks(left_out, n))
     if lower is None or upper is None:
         return None
-    return {schema.MEAN: total / n, schema.MEDIAN: (lower + upper) / 2,
-            schema.MIN: smallest, schema.MAX: largest}, zeros
+    return _statistics(total, n, smallest, lower, upper, largest), zeros
 
 
 #: Elements per piece of :func:`_ratios_by_pieces`: its masks stay in the cache's reach.
@@ -227,9 +234,8 @@ def abs_ratio_statistics_of_small(
             if n == 0:
                 results[k] = ({}, zeros[row])
                 continue
-            smallest, lower, upper, largest = ratio[row, [z, z + (n - 1) // 2, z + n // 2, size - 1]].tolist()
-            results[k] = ({schema.MEAN: totals[row] / n, schema.MEDIAN: (lower + upper) / 2,
-                           schema.MIN: smallest, schema.MAX: largest}, zeros[row])
+            smallest, lower, upper, largest = ratio[row, [z, *_middle_ranks(z, n), size - 1]].tolist()
+            results[k] = (_statistics(totals[row], n, smallest, lower, upper, largest), zeros[row])
     return results
 
 
