@@ -26,8 +26,13 @@ and partitioning.
 
 Where the caller owns the values and may have them reordered (the arrays a
 quantity formed for this step: :func:`select_in_place`,
-:func:`quantile_summaries_in_place`), NumPy's partitions are cheaper still:
-no bucket passes, nothing gathered; the union is then one joined array. Arrays
+:func:`quantile_summaries_in_place`), NumPy's partitions are cheaper still
+where NumPy selects at SIMD speed: no bucket passes, nothing gathered; the union
+is then one joined array. Where it does not (one AMD EPYC: four to six times
+slower), the buckets take arrays and unions of
+:data:`~cockpit_gradnoise.order_statistics.partition.BUCKETS_AT_LEAST` elements or
+more; which way is cheaper is measured once per process
+(:func:`~cockpit_gradnoise.order_statistics.partition.partitions_cheaper`). Arrays
 and unions of a million elements or more (VGG-11's 103M-element classifier
 weight) are selected by a sample's brackets first (Floyd and Rivest): one pass of
 comparisons in pieces, the few candidates inside each bracket partitioned, exact

@@ -2,14 +2,19 @@
 
 No bucket passes, nothing gathered: where the caller may have its values
 reordered (the arrays a quantity formed for this step), nested partitions
-cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes.
-The exception, where partitions cost more: arrays (and unions) of
+cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes
+where NumPy's selection runs at SIMD speed. Where it does not (about 6 ns
+per element and rank on one AMD EPYC, against 1.5 elsewhere), the buckets'
+passes cost a third to a fifth of the partitions from :data:`BUCKETS_AT_LEAST`
+elements on: which of the two is cheaper is measured once per process
+(:func:`partitions_cheaper`). The other exception, where partitions cost more: arrays (and unions) of
 :data:`BRACKET_AT_LEAST` elements or more are selected by a sample's brackets
 first (:mod:`~cockpit_gradnoise.order_statistics.bracket`: one pass of
 comparisons), or where those miss and many values are 0, by the buckets (which
 count zeros, never gather them): no copy of the array's size.
 """
 
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cockpit_gradnoise.order_statistics.bracket import select_bracketed, select_bracketed_with_union
@@ -32,6 +37,44 @@ import torch
 #: repaid, and copies of under 64 MB reuse freed memory instead of fresh pages.
 BRACKET_AT_LEAST = 1 << 24
 
+#: Arrays (and unions) of at least this many elements are selected by the buckets
+#: (:func:`~cockpit_gradnoise.order_statistics.buckets.select_on_host`) where
+#: :func:`partitions_cheaper` finds NumPy's partitions the dearer way on this machine: on one
+#: AMD EPYC without NumPy's SIMD selection, 0.22 against 0.18 ms for the median and largest of
+#: 2**15 elements, 2.5 against 0.5 ms for five levels' ranks of 147456, 20 against 3.8 ms of
+#: 1.27M; below it the buckets' fixed cost (a table per array) is not repaid.
+BUCKETS_AT_LEAST = 1 << 15
+
+#: Whether NumPy's partitions select more cheaply than the buckets on this machine: None until
+#: :func:`partitions_cheaper` has measured it (tests set it, to take either way).
+PARTITIONS_CHEAPER: Optional[bool] = None
+
+
+def partitions_cheaper() -> bool:
+    """Whether NumPy's partitions select more cheaply than the buckets here, measured once per process.
+
+    NumPy's selection runs at SIMD speed on some machines (one rank in about the time of two
+    copies) and four times slower or more on others (on one AMD EPYC, NumPy 2.4.6: 7.9 ms
+    for the median of 1.27M float32, a 160th of it for a copy); the buckets' passes
+    (``bincount``, a gather) cost about the same everywhere. So both select the median
+    and largest of a fixed array of ``2**17`` elements, alternately, three times each (about
+    4 ms once), and the faster by its best time is taken. Exact either way: the same values
+    at the same ranks, whichever is taken; only the time depends on it.
+    """
+    global PARTITIONS_CHEAPER
+    if PARTITIONS_CHEAPER is None:
+        values = numpy.random.default_rng(0).random(1 << 17, dtype=numpy.float32)
+        ranks = [values.size // 2 - 1, values.size // 2, values.size - 1]
+        best = {_select_by_partitions: float("inf"), _select_by_buckets: float("inf")}
+        for _ in range(3):
+            for way in best:
+                copy = values.copy()
+                start = time.process_time()
+                way(copy, ranks)
+                best[way] = min(best[way], time.process_time() - start)
+        PARTITIONS_CHEAPER = best[_select_by_partitions] <= best[_select_by_buckets]
+    return PARTITIONS_CHEAPER
+
 
 def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     """Values at 0-based ``ranks`` of a 1d NumPy array the caller owns, reordering it.
@@ -49,7 +92,8 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     (:func:`~cockpit_gradnoise.order_statistics.bracket.select_bracketed`: the sd of
     VGG-11's 129M elements at batch 2, 55% of them 0, in 0.11-0.12 s of one core,
     against 0.3 s by the buckets and 0.5-1.9 s by partitions after taking the zeros
-    out), those of many zeros by the buckets.
+    out), those of many zeros by the buckets; arrays of :data:`BUCKETS_AT_LEAST` elements
+    or more by the buckets where partitions are the dearer way here (:func:`partitions_cheaper`).
 
     Args:
         values: 1d, float32 or float64, at least one element; reordered in
@@ -70,11 +114,19 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
         found = select_bracketed([values], ranks)
         if found is not None:
             return found
+    if values.size >= BUCKETS_AT_LEAST and not partitions_cheaper():
+        return _select_by_buckets(values, ranks)
     zeros = count_where(values, numpy.equal, 0)
     if zeros > values.size >> _MANY_ZEROS_SHIFT:
         if values.size >= BRACKET_AT_LEAST:  # no copy of the array's size
             return _select_by_buckets(values, ranks)
         return _select_around_zeros(values, ranks, zeros)
+    return _select_by_partitions(values, ranks)
+
+
+def _select_by_partitions(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
+    """:func:`select_in_place` by nested partitions alone (:func:`_select_within`), the
+    largest value by ``max``."""
     found: Dict[int, float] = {}
     largest = values.max()  # NaN if any is (NumPy's max propagates it)
     check_no_nan(float(largest))
@@ -178,8 +230,10 @@ def quantile_summaries_in_place(
 
     Each array's quantiles by :func:`select_in_place` on the array itself;
     the union's, after the arrays' own, on ``joined`` or else on one joined
-    copy (each element copied once). The means are float64 sums taken
-    before any reordering.
+    copy (each element copied once). Where partitions are the dearer way here
+    (:func:`partitions_cheaper`) and the union holds :data:`BUCKETS_AT_LEAST` elements or
+    more, all by the buckets' two shared passes instead (:func:`_summaries_by_buckets`:
+    the same values). The means are float64 sums taken before any reordering.
 
     Args:
         arrays: 1d float32 or float64 arrays, non-negative where ``left_out``
@@ -208,7 +262,9 @@ def quantile_summaries_in_place(
                     for k, (values, z, n, total) in enumerate(zip(arrays, left_out, kept, totals))], union_summary
     else:
         totals = [float(values.sum(dtype=numpy.float64)) for values in arrays]
-    if union and sum(values.size for values in arrays) >= BRACKET_AT_LEAST and _many_zeros(arrays):
+    size = sum(values.size for values in arrays)
+    if union and (size >= BRACKET_AT_LEAST and _many_zeros(arrays)
+                  or size >= BUCKETS_AT_LEAST and not partitions_cheaper()):
         return _summaries_by_buckets(arrays, left_out, kept, totals, levels)
     each = [_summary_in_place(values, z, n, total, levels)
             for values, z, n, total in zip(arrays, left_out, kept, totals)]
