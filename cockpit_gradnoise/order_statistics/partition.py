@@ -58,7 +58,7 @@ def partitions_cheaper() -> bool:
     for the median of 1.27M float32, a 160th of it for a copy); the buckets' passes
     (``bincount``, a gather) cost about the same everywhere. So both select the median
     and largest of a fixed array of ``2**17`` elements, alternately, three times each (about
-    4 ms once), and the faster by its best time is taken. Exact either way: the same values
+    5 ms once, here), and the faster by its best time is taken. Exact either way: the same values
     at the same ranks, whichever is taken; only the time depends on it.
     """
     global PARTITIONS_CHEAPER
