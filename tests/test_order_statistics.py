@@ -338,3 +338,19 @@ def test_benchmark_script_checks_every_candidate_and_prints_its_table(capsys):
         torch.set_num_threads(threads)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
     assert len(rows) == 2 * (len(module.CANDIDATES) + len(module.LAYER_CANDIDATES))
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+def test_buckets_are_the_top_bits_of_the_float32_pattern(dtype):
+    """Each element's bucket, of either sign, zeros, subnormals, infinities and NaN: the
+    top ``_BUCKET_BITS`` bits of its float32 pattern read unsigned (sign bit first)."""
+    from cockpit_gradnoise.order_statistics import buckets
+
+    values = numpy.concatenate([awkward_values(5000, numpy.float64, seed=3),
+                                [numpy.nan, -numpy.nan, 1e-45, -1e-45, 1e-310, -1e-310, -1.0, 1.0]])
+    flat = torch.from_numpy(values.astype(dtype))
+    patterns = flat.to(torch.float32).view(torch.int32).long() & 0xFFFFFFFF
+    expected = patterns >> (32 - buckets._BUCKET_BITS)
+    got = buckets._buckets(flat)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
+    assert int(got.max()) >= buckets._SIGN  # negative values' buckets occur
