@@ -109,7 +109,7 @@ def cockpit_step(model, loss, make_quantities, every=1, make_optimizer=None):
             backward = time.process_time()
         _note_phases(step.phases, start, before, backward, time.process_time())
 
-    step.model, step.phases = model, _phases()
+    step.model, step.phases, step.cockpit = model, _phases(), cockpit
     return step
 
 
