@@ -3,8 +3,8 @@
 No bucket passes, nothing gathered: where the caller may have its values
 reordered (the arrays a quantity formed for this step), nested partitions
 cost less than :mod:`~cockpit_gradnoise.order_statistics.buckets`' passes
-where NumPy's selection runs at SIMD speed. Where it does not (about 6 ns
-per element and rank on one AMD EPYC, against 1.5 elsewhere), the buckets'
+where NumPy's selection runs at SIMD speed. Where it does not (the median of
+a million values in about 6 ns per element on one AMD EPYC, against 1.5 elsewhere), the buckets'
 passes cost a third to a fifth of the partitions from :data:`BUCKETS_AT_LEAST`
 elements on: which of the two is cheaper is measured once per process
 (:func:`partitions_cheaper`). The other exception, where partitions cost more: arrays (and unions) of
