@@ -26,14 +26,14 @@ EPS64 = 2.0**-53  # the unit roundoff of float64
 
 def _parameters(examples, generator):
     """Parameters with gradients and per-example squared norms as the backward pass leaves
-    them: float32 and float64, one a structural zero (norms exactly 0, the gradient rounding
-    noise), one whose norms hold a NaN."""
+    them: float32, float64 and bfloat16 (its norms float32), one a structural zero (norms
+    exactly 0, the gradient rounding noise), one whose norms hold a NaN."""
     found = []
     for shape, dtype in [((7, 5), torch.float32), ((5,), torch.float32), ((3, 4), torch.float64),
-                         ((6,), torch.float32), ((9,), torch.float32)]:
-        param = nn.Parameter(torch.randn(shape, dtype=dtype, generator=generator))
-        param.grad = torch.randn(shape, dtype=dtype, generator=generator) * 3
-        param.cgn_batch_l2 = torch.rand(examples, dtype=dtype, generator=generator)
+                         ((6,), torch.float32), ((9,), torch.float32), ((4, 3), torch.bfloat16)]:
+        param = nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+        param.grad = (torch.randn(shape, generator=generator) * 3).to(dtype)
+        param.cgn_batch_l2 = torch.rand(examples, generator=generator).to(torch.promote_types(dtype, torch.float32))
         found.append(param)
     found[3].cgn_batch_l2 = torch.zeros(examples)  # a structural zero
     found[3].grad = found[3].grad * 1e-9  # its gradient: rounding noise, not 0
@@ -60,7 +60,8 @@ def test_noise_scale_sums_together_are_within_their_bounds_of_brute_force(scale,
         assert n == examples and s.dtype == m.dtype == torch.float64
         norms = param.cgn_batch_l2.double().tolist()
         exact_s = math.fsum(norms) / scale**2 / examples
-        quotients = (param.grad / scale if scale != 1.0 else param.grad).double().reshape(-1).tolist()
+        grad = param.grad.to(torch.promote_types(param.dtype, torch.float32))  # widened, as the sums are
+        quotients = (grad / scale if scale != 1.0 else grad).double().reshape(-1).tolist()
         exact_m = math.fsum(q * q for q in quotients) / examples**2
         if name == "p3":
             assert s.item() == 0.0 and m.item() == 0.0 and exact_m > 0

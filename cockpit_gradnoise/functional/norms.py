@@ -122,9 +122,11 @@ def divided_squared_norms(tensors: Sequence[Tensor], divisor: float) -> Tensor:
     CPU's paths) as a float64 vector there, for other devices than the CPU: in groups of at most
     :data:`~cockpit_gradnoise._device.DEVICE_CHUNK` elements (a larger tensor alone), one
     ``torch._foreach_div`` (no quotients where ``divisor`` is 1) and one ``torch._foreach_norm``
-    each (fused on a GPU), never every quotient at once.
+    each (fused on a GPU), never every quotient at once; a tensor narrower than float32 is
+    converted to float32 with its group (exact).
 
-    Each quotient is rounded in its tensor's dtype, as ``t / divisor`` rounds it; its squares are
+    Each quotient is rounded in its tensor's dtype (float32 for a narrower one), as ``t / divisor``
+    rounds it; its squares are
     exact in float64, and only their sum rounds: with the norm's square root and square, within
     ``(n + 2) 2**-53`` relative of the exact squared norm of the quotients for ``n`` elements
     (:func:`squared_norm`'s ``n 2**-53``, two roundings more).
@@ -134,6 +136,7 @@ def divided_squared_norms(tensors: Sequence[Tensor], divisor: float) -> Tensor:
     size = 0
     for tensor in [t.detach() for t in tensors] + [None]:
         if group and (tensor is None or size + tensor.numel() > _device.DEVICE_CHUNK):
+            group = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in group]
             quotients = torch._foreach_div(group, divisor) if divisor != 1.0 else group
             norms += torch._foreach_norm(quotients, dtype=torch.float64)
             group, size = [], 0

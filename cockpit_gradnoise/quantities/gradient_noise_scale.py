@@ -162,11 +162,9 @@ class GradientNoiseScale(ParameterQuantity):
         # dot each was n 2**-53); a structural zero's M set to 0 after its norm, not its
         # gradient before it: the same where, the same values (NaN totals keep theirs).
         if (not items or _device.on_host(items[0][1]) or self._presharded
-                or any(param.dtype not in (torch.float32, torch.float64) for _, param in items)
                 or any(getattr(type(self), hook) is not getattr(GradientNoiseScale, hook)
                        for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums"))):
-            # The CPU's paths; a narrower dtype (widened one parameter at a time, not all at
-            # once), FSDP2's sums, a subclass's sums; more than one device: one at a time.
+            # The CPU's paths, FSDP2's sums, a subclass's sums; more than one device: one at a time.
             return None
         norms = [param.cgn_batch_l2.detach() for _, param in items]
         for squared_norms in norms:
@@ -177,7 +175,9 @@ class GradientNoiseScale(ParameterQuantity):
         totals = _row_sums(groups, len(items))
         n, c = batch.examples, batch.loss_scale
         mean_squared_norms = totals / c**2 / n
-        squared = functional.divided_squared_norms([self.local_gradient(param) for _, param in items], c)
+        # local_gradient's, widened in divided_squared_norms group by group (not all at once).
+        gradients = [getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach() for _, param in items]
+        squared = functional.divided_squared_norms(gradients, c)
         squared_norms_of_mean = torch.where(totals != 0, squared, 0.0) / n**2
         found = {}
         for (name, param), s, m in zip(items, mean_squared_norms.unbind(), squared_norms_of_mean.unbind()):
