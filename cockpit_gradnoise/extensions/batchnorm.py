@@ -19,18 +19,52 @@ from cockpit_gradnoise.extensions.normalization import scale_contributions, shif
 from cockpit_gradnoise.extensions.sums import SumsFromContributionsMixin
 
 import torch
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
 from backpack.extensions.firstorder.batch_l2_grad.batchnorm_nd import BatchL2BatchNorm
 from backpack.extensions.firstorder.gradient.batchnorm_nd import GradBatchNormNd
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import SGSBatchNormNd
 from torch import Tensor, nn
 
+#: The layer cache's slot (:mod:`._layer_cache`) of a BatchNorm parameter's contributions, by name.
+_CONTRIBUTIONS = "a BatchNorm parameter's per-example contributions"
+
+
+class _SharedContributions(BatchNormNdDerivatives):
+    """BackPACK's BatchNorm derivatives, whose per-example contributions of a layer's parameter
+    (``param_mjp`` with ``sum_batch=False``) are formed once in a backward pass for every rule
+    that reads them (the norms' and the sums': each normalized the input again, six ops, and
+    multiplied it by the output gradient): served from the layer cache (:mod:`._layer_cache`)
+    for these very tensors, unchanged (the layer, its input, the output gradient, and the
+    contributions themselves: a reader that changed them in place is served fresh ones). The
+    same tensor, so the same numbers."""
+
+    def param_mjp(self, param_str, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        if sum_batch or subsampling is not None:
+            return super().param_mjp(param_str, module, g_inp, g_out, mat, sum_batch=sum_batch,
+                                     subsampling=subsampling)
+        cache, sources = facts.recording().layer_cache, (module, module.input0, mat)
+        found = cache.get((_CONTRIBUTIONS, param_str), sources, module.training)
+        if found is not None and found[0]._version == found[1]:
+            return found[0]
+        contributions = super().param_mjp(param_str, module, g_inp, g_out, mat, sum_batch=False)
+        cache.put((_CONTRIBUTIONS, param_str), sources, (contributions, contributions._version), module.training)
+        return contributions
+
 
 class _AnyModeMixin:
-    """Accepts training mode, recording it instead of raising."""
+    """Accepts training mode, recording it instead of raising; its contributions shared
+    between the rules (:class:`_SharedContributions`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.derivatives = _SHARED
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):
         if module.training:
             facts.recording().examples_interact = True
+
+
+_SHARED = _SharedContributions()
 
 
 class BatchL2BatchNormAnyMode(_AnyModeMixin, BatchL2BatchNorm):

@@ -41,6 +41,7 @@ from cockpit_gradnoise.functional.noise_scale import (
     two_batch_noise_scale_terms,
 )
 from cockpit_gradnoise.functional.norms import (
+    divided_squared_norms,
     norm_ratio,
     norm_tensor,
     per_example_norm_statistics,
@@ -101,6 +102,7 @@ __all__ = [
     "abs_ratio_statistics_of_pairs",
     "abs_ratio_statistics_of_small",
     "centred_sum_of_squares",
+    "divided_squared_norms",
     "expansion_rounding_bound",
     "exponential_moving_average",
     "gradient_sd",

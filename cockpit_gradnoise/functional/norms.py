@@ -117,6 +117,35 @@ def squared_norm_tensors(tensors: Sequence[Tensor]) -> Tensor:
     return squares
 
 
+def divided_squared_norms(tensors: Sequence[Tensor], divisor: float) -> Tensor:
+    """``||t / divisor||^2`` of each of ``tensors`` (at least one, on one device, none on the
+    CPU's paths) as a float64 vector there, for other devices than the CPU: in groups of at most
+    :data:`~cockpit_gradnoise._device.DEVICE_CHUNK` elements (a larger tensor alone), one
+    ``torch._foreach_div`` (no quotients where ``divisor`` is 1) and one ``torch._foreach_norm``
+    each (fused on a GPU), never every quotient at once; a tensor narrower than float32 is
+    converted to float32 with its group (exact).
+
+    Each quotient is rounded in its tensor's dtype (float32 for a narrower one), as ``t / divisor``
+    rounds it; its squares are
+    exact in float64, and only their sum rounds: with the norm's square root and square, within
+    ``(n + 2) 2**-53`` relative of the exact squared norm of the quotients for ``n`` elements
+    (:func:`squared_norm`'s ``n 2**-53``, two roundings more).
+    """
+    norms: List[Tensor] = []
+    group: List[Tensor] = []
+    size = 0
+    for tensor in [t.detach() for t in tensors] + [None]:
+        if group and (tensor is None or size + tensor.numel() > _device.DEVICE_CHUNK):
+            group = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in group]
+            quotients = torch._foreach_div(group, divisor) if divisor != 1.0 else group
+            norms += torch._foreach_norm(quotients, dtype=torch.float64)
+            group, size = [], 0
+        if tensor is not None:
+            group.append(tensor)
+            size += tensor.numel()
+    return torch.stack(norms).square_()
+
+
 def squared_norms(tensors: Sequence[Tensor], *, defer: bool = False) -> List:
     """:func:`squared_norm` of each of ``tensors``, the small ones on the CPU in one call.
 

@@ -209,6 +209,16 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         """
         return self.value_from_sums(sums, context)
 
+    def values_of_many(self, items: List[Tuple[str, torch.Tensor]], context: Any,
+                       deferred: list) -> Optional[Dict[str, Any]]:
+        """``{name: value}`` of every ``(name, param)`` of ``items`` (one step's, of one process,
+        all plain tensors) formed together, as :meth:`named_value_from_sums` of
+        :meth:`parameter_sums` forms each (on other devices a few launches for all, not a few per
+        parameter), with ``(name, param, {key: sums[key] for key in unresolved_reads})`` of each
+        appended to ``deferred`` (:meth:`unresolved_of_many`); ``None`` (the default): one
+        parameter at a time."""
+        return None
+
     def accepts(self, batch: Batch) -> bool:
         """Whether ``batch`` defines the quantity (with declared sums); ``False`` records nothing."""
         return True
@@ -440,14 +450,17 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         # a handful each), but of FSDP2's sharded ones, gathered one at a time below.
         whole = not any(type(param).__name__ == "DTensor" for _, param in usable)
         checked = step.finite_each([self._read_tensors(param) for _, param in usable]) if whole else None
-        # One parameter at a time: a parameter's sums (under FSDP2 its unsharded values,
-        # gathered on every process alike) are freed once its value is formed.
+        # All together where the quantity forms them so (values_of_many); else one parameter
+        # at a time: a parameter's sums (under FSDP2 its unsharded values, gathered on every
+        # process alike) are freed once its value is formed.
+        together = self.values_of_many([item for item, ok in zip(usable, checked) if ok is not False],
+                                       context, deferred) if whole else None
         for i, (name, param) in enumerate(usable):
             param = sharded.gathered(param) if self.supports_fsdp2 else param
             finite[name] = checked[i] if whole else step.finite(self._read_tensors(param))
             if finite[name] is not False:
-                values.append((name, self._value(name, param, context, unresolved,
-                                                 deferred if whole else None)))
+                values.append((name, together[name] if together is not None else
+                               self._value(name, param, context, unresolved, deferred if whole else None)))
         # Squares that underflow lost (.functional.underflow): left out, named; on other
         # devices than the CPU known after the step's transfer, then NaN (_compute).
         if deferred:

@@ -154,6 +154,38 @@ class GradientNoiseScale(ParameterQuantity):
             "sum_of_gradients": gradient,
         }
 
+    def values_of_many(self, items, batch, deferred):
+        # On other devices every parameter's value in a few launches for all, not a dozen each:
+        # the same divisions of S's float64 sums, those taken row by row of one table per dtype
+        # (within (N - 1) 2**-53 relative: maybe another order of addition); M's squared norms
+        # of the same quotients g / c by divided_squared_norms ((n + 2) 2**-53, where a float64
+        # dot each was n 2**-53); a structural zero's M set to 0 after its norm, not its
+        # gradient before it: the same where, the same values (NaN totals keep theirs).
+        if (not items or _device.on_host(items[0][1]) or self._presharded
+                or any(getattr(type(self), hook) is not getattr(GradientNoiseScale, hook)
+                       for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums"))):
+            # The CPU's paths, FSDP2's sums, a subclass's sums; more than one device: one at a time.
+            return None
+        norms = [param.cgn_batch_l2.detach() for _, param in items]
+        for squared_norms in norms:
+            check_example_count(squared_norms.shape[0], batch.examples)
+        groups = functional.stacked_by_dtype(norms)
+        if groups is None:
+            return None
+        totals = _row_sums(groups, len(items))
+        n, c = batch.examples, batch.loss_scale
+        mean_squared_norms = totals / c**2 / n
+        # local_gradient's, widened in divided_squared_norms group by group (not all at once).
+        gradients = [getattr(param, LOCAL_GRADIENT_SAVEFIELD, param.grad).detach() for _, param in items]
+        squared = functional.divided_squared_norms(gradients, c)
+        squared_norms_of_mean = torch.where(totals != 0, squared, 0.0) / n**2
+        found = {}
+        for (name, param), s, m in zip(items, mean_squared_norms.unbind(), squared_norms_of_mean.unbind()):
+            self._partial.append((name in self._partial_names, name not in self._copies))
+            deferred.append((name, param, {}))
+            found[name] = (s, m, n)
+        return found
+
     unresolved_reads = ()  # the per-example norms on the parameter, not the sums
 
     def unresolved(self, param, sums, batch):
@@ -320,6 +352,19 @@ def smoothed_noise_scale(averages: dict, name: str, trace_cov: float, grad_sq: f
         for old, new in zip(previous, (trace_cov, grad_sq))
     )
     return schema.ratio_or_inf(*averages[name])
+
+
+def _row_sums(groups, count):
+    """The float64 sum of each row of :func:`~cockpit_gradnoise.functional.stacked_by_dtype`'s
+    ``groups`` of ``count`` tensors, in their order: one vector."""
+    sums = [(indices, table.sum(dim=1, dtype=torch.float64)) for indices, table in groups]
+    if len(sums) == 1:
+        return sums[0][1]
+    ordered = [None] * count
+    for indices, column in sums:
+        for i, total in zip(indices, column.unbind()):
+            ordered[i] = total
+    return torch.stack(ordered)
 
 
 def _lost_sum_reason(dtype):

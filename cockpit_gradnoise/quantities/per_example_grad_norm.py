@@ -2,7 +2,7 @@
 
 import functools
 
-from cockpit_gradnoise import functional, order_statistics
+from cockpit_gradnoise import _device, functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import ParameterQuantity
@@ -57,6 +57,26 @@ class PerExampleGradNorm(ParameterQuantity):
         check_example_count(squared_norms.shape[0], batch.examples)
         # BatchL2Grad gives ||x_i||^2 = c^2 ||g_i||^2.
         return {"squared_norms": squared_norms / batch.loss_scale**2}
+
+    def values_of_many(self, items, batch, deferred):
+        # On other devices one division of a table per dtype for all, not one per parameter:
+        # the same elementwise quotients (views of its rows).
+        if not items or _device.on_host(items[0][1]) or any(
+                getattr(type(self), hook) is not getattr(PerExampleGradNorm, hook)
+                for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums")):
+            return None  # the CPU's paths (a few microseconds a parameter), a subclass's sums
+        norms = [param.cgn_batch_l2.detach() for _, param in items]
+        for squared_norms in norms:
+            check_example_count(squared_norms.shape[0], batch.examples)
+        groups = functional.stacked_by_dtype(norms)
+        if groups is None:
+            return None  # more than one device
+        rows = [None] * len(items)
+        for indices, table in groups:
+            for i, row in zip(indices, (table / batch.loss_scale**2).unbind()):
+                rows[i] = row
+        deferred.extend((name, param, {"squared_norms": row}) for (name, param), row in zip(items, rows))
+        return {name: row for (name, _), row in zip(items, rows)}
 
     unresolved_reads = ("squared_norms",)
 
