@@ -44,7 +44,7 @@ def tracked(quantities):
 
 
 @pytest.mark.parametrize("order", [BOTH, BOTH[::-1]], ids=["variance-first", "preconditioned-first"])
-def test_both_leave_out_what_each_leaves_out_alone(order, monkeypatch):
+def test_both_leave_out_what_each_leaves_out_alone_on_the_host(order, monkeypatch):
     """One check per parameter for the two (before: two), and each quantity's rows those it
     has alone: the unit's parameters left out of both, named in the call's warning (one for
     the names, as before: ``Step.warn_names``)."""
