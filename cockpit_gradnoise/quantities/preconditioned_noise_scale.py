@@ -90,7 +90,9 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     optimizer forms it, piece by piece on the CPU, each piece weighting the sums in
     float64 while it is in the cache (:meth:`OptimizerPreconditioner.pieces
     <cockpit_gradnoise.quantities.preconditioners.OptimizerPreconditioner.pieces>`);
-    no per-example squared norms (measured: ``benchmarks/README.md``). Under gradient accumulation
+    no per-example squared norms, and beside GradientVarianceQuantiles not its own
+    underflow check of the sums, whose count it takes from it (:mod:`~cockpit_gradnoise.quantities._shared_checks`;
+    measured: ``benchmarks/README.md``). Under gradient accumulation
     (``docs/accumulation.md``) and distributed training (``docs/distributed.md``)
     ``Q`` and ``T`` are added over every micro-batch and process, as
     GradientVarianceQuantiles' are, and ``P`` is applied once, after the
