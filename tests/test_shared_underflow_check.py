@@ -13,7 +13,7 @@ import math
 import cockpit_gradnoise as cgn
 from cockpit_gradnoise import _device, functional
 from cockpit_gradnoise.extensions import SUMS_SAVEFIELD
-from cockpit_gradnoise.quantities import _shared_checks
+from cockpit_gradnoise.quantities import _shared_checks, gradient_variance, preconditioned_noise_scale
 
 import pytest
 import torch
@@ -38,9 +38,9 @@ def counted(monkeypatch):
     return calls
 
 
-def tracked(quantities):
-    """One step of ``quantities`` on the float64 model whose unit saturates, with Adam."""
-    return tracked_with_optimizer(quantities, torch.optim.Adam)
+def tracked(quantities, dtype=torch.float64):
+    """One step of ``quantities`` on the model whose unit saturates, with Adam."""
+    return tracked_with_optimizer(quantities, torch.optim.Adam, dtype)
 
 
 @pytest.mark.parametrize("order", [BOTH, BOTH[::-1]], ids=["variance-first", "preconditioned-first"])
@@ -75,6 +75,32 @@ def test_on_other_devices_both_are_nan_where_each_is_alone(monkeypatch):
     assert any(all(repr(name) in text for name in GONE) for text in told if "underflow" in text), told
 
 
+def test_on_other_devices_float32_sums_kept_in_float64_are_checked_once(monkeypatch):
+    """float32 parameters, whose sums the extensions keep in float64 there: each quantity reads
+    ``T`` converted to float32 (a copy, not a view), and the check is still made once per
+    parameter (keyed by the row it is converted from); each quantity's rows as alone, NaN
+    where they are (the unit's, and the network's)."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    kept = []
+    original = _shared_checks.unresolved_sums_once
+
+    def noting(checks, param, squares, total, *args):
+        kept.append((squares.dtype, total.dtype))
+        return original(checks, param, squares, total, *args)
+
+    for module in (gradient_variance, preconditioned_noise_scale):
+        monkeypatch.setattr(module, "unresolved_sums_once", noting)
+    calls = counted(monkeypatch)
+    together, _, names = tracked(BOTH, torch.float32)
+    assert (torch.float64, torch.float32) in kept  # the case: T converted, not a view
+    assert len(calls) == len(names)
+    for quantity in BOTH:
+        alone, _, _ = tracked((quantity,), torch.float32)
+        assert together[quantity].keys() == alone[quantity].keys()
+        for name, row in together[quantity].items():
+            assert row == pytest.approx(alone[quantity][name], rel=0, abs=0, nan_ok=True), (quantity, name)
+
+
 def test_a_count_is_shared_only_for_the_same_numbers():
     """Shared between views of the savefield (one computation); computed again after a
     write in place into it (its version), and each time for sums that are not its views."""
@@ -93,5 +119,11 @@ def test_a_count_is_shared_only_for_the_same_numbers():
         assert _shared_checks.unresolved_sums_once(checks, param, divided, field[0] * 2.0, 3, 2.0) == 2
         assert _shared_checks.unresolved_sums_once(checks, param, field[1], field[0], 4) == 2  # another N
         assert len(checks) == 3
+        converted = field[0].to(torch.float32)  # a copy: keyed by the row it comes from, and its dtype
+        assert _shared_checks.unresolved_sums_once(checks, param, field[1], converted, 3, 1.0, field[0]) == 2
+        assert _shared_checks.unresolved_sums_once(checks, param, field[1], converted.clone(), 3, 1.0, field[0]) == 2
+        assert len(checks) == 4
+        assert _shared_checks.unresolved_sums_once(checks, param, field[1], converted, 3) == 2  # no row: its own
+        assert len(checks) == 4
     finally:
         delattr(param, SUMS_SAVEFIELD)

@@ -256,12 +256,13 @@ def test_preconditioned_noise_scale_leaves_out_the_saturated_unit_by_name():
     assert set(names) - {"fc.weight", "fc.bias", "out.weight"} <= set(kept)
 
 
-def tracked_with_optimizer(quantities, optimizer=torch.optim.SGD):
+def tracked_with_optimizer(quantities, optimizer=torch.optim.SGD, dtype=torch.float64):
     """``({quantity: rows}, [warning texts], parameter names)`` of one step of ``quantities``
-    (class names) on the float64 model whose unit saturates (``fc``'s squares underflow), with
-    ``optimizer`` in ``info``."""
+    (class names) on the model whose unit saturates (``fc``'s squares underflow: in float64,
+    or float32 at ``z = -50``), with ``optimizer`` in ``info``."""
     inputs, targets = saturating_inputs(3)
-    model = cgn.prepare_model(saturated(torch.float64, 370.0, False))
+    model = cgn.prepare_model(saturated(dtype, 370.0 if dtype == torch.float64 else 50.0, False))
+    inputs = inputs.to(dtype)
     names = [name for name, _ in model.named_parameters()]
     cockpit = cgn.Cockpit(list(model.parameters()),
                           quantities=[getattr(cgn, q)(linear(1), param_names=names) for q in quantities])

@@ -16,12 +16,14 @@ from torch import Tensor
 
 
 def unresolved_sums_once(checks: Optional[Dict[Any, Any]], param: Tensor, squares: Tensor, total: Tensor,
-                         n: int, loss_scale: float = 1.0) -> Any:
+                         n: int, loss_scale: float = 1.0, total_row: Optional[Tensor] = None) -> Any:
     """:func:`~cockpit_gradnoise.functional.unresolved_sums` of ``param``'s sums, computed once
     per call where both tensors are views of the savefield itself.
 
     A count depends only on the elements read and on ``n``, ``loss_scale`` and the dtype: the
-    key is the views (address, shape, strides, dtype, version) and those numbers. The savefield lives
+    key is the views (address, shape, strides, dtype, version) and those numbers; for ``T``
+    converted to its accumulation dtype (float64 sums of a float32 parameter, as the extensions
+    keep them on other devices than the CPU), the row it was converted from and that dtype. The savefield lives
     until every quantity of the call has read it, and none alters it where two read it
     (GradientVarianceQuantiles forms sd over its sums only as their one reader; accumulation
     never adds into them in place): a view of it holds the same numbers for the whole call, and
@@ -36,11 +38,14 @@ def unresolved_sums_once(checks: Optional[Dict[Any, Any]], param: Tensor, square
         total: ``T``.
         n: ``N``.
         loss_scale: ``c`` where the sums are in units of ``g_i``.
+        total_row: The savefield's row that ``total`` is converted from (``total =
+            total_row.to(total.dtype)``, not divided), where ``total`` is not a view of it.
     """
     field = param.__dict__.get(SUMS_SAVEFIELD)
-    if checks is None or not isinstance(field, Tensor) or not (_views(field, squares) and _views(field, total)):
+    source = total if total_row is None else total_row
+    if checks is None or not isinstance(field, Tensor) or not (_views(field, squares) and _views(field, source)):
         return functional.unresolved_sums(squares, total, n, loss_scale)
-    key = (id(param), _where(squares), _where(total), n, float(loss_scale))
+    key = (id(param), _where(squares), _where(source), total.dtype, n, float(loss_scale))
     if key not in checks:
         checks[key] = functional.unresolved_sums(squares, total, n, loss_scale)
     return checks[key]

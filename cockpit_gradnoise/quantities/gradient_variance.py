@@ -199,7 +199,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def unresolved(self, param, sums, batch):
         squares, grad = sums["sum_of_squared_contributions"], sums["sum_of_contributions"]
-        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, batch.loss_scale)
+        row = getattr(param, SUMS_SAVEFIELD)[0] if batch.loss_scale == 1.0 else None  # grad: row.to(dtype)
+        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, batch.loss_scale, row)
         return None if count is None else (count, lambda k: (
             f"the squares of the per-example contributions of {k} of its elements underflow "
             f"(their sums in {squares.dtype} are below 4 N tiny), so their sd and SNR cannot "

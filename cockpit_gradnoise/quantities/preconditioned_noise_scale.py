@@ -194,7 +194,8 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         # GradientVarianceQuantiles, the same views of the same sums: its count, not a second pass.
         squares, grad = sums["sum_of_squares"], sums["sum_of_gradients"]
         scale = 1.0 if self._scalars_scaled else batch.loss_scale
-        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, scale)
+        row = getattr(param, SUMS_SAVEFIELD)[0] if scale == 1.0 else None  # grad: row.to(dtype)
+        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, scale, row)
         return None if count is None else (count, lambda k: (
             f"the squares of the per-example contributions of {k} of its elements underflow "
             f"(their sums in {squares.dtype} are below 4 N tiny), so the preconditioned "
