@@ -6,7 +6,8 @@ package in timers (``time.process_time`` around each call, the wrappers' own
 cost about a microsecond a call) and reports each one's total per step:
 
 - ``--preconditioned`` (default): GradientNoiseScale alone and with
-  PreconditionedNoiseScale, both with the Adam of ``methods.adam_with_state``,
+  PreconditionedNoiseScale (or the steps ``--methods`` names), with the Adam of
+  ``methods.adam_with_state``,
   on ``--model`` (``gpt`` or ``resnet18``): the layer rules of the backward pass
   (the sequence Linear's weights, the convolutions') and the quantity's work
   after it (``P`` and the two weighted sums, the underflow check);
@@ -37,6 +38,9 @@ padding, at one position and in the expansion's products row by row (``conv_math
     python -m benchmarks.profile_phases --floor --rounds 10
     python -m benchmarks.profile_phases --floor --model swin --rounds 10
     python -m benchmarks.profile_phases --model resnet18 --steps 3 --by-layer
+    python -m benchmarks.profile_phases --model resnet18 --steps 6 --methods \\
+        "GradientVarianceQuantiles+GradientNoiseScale (Adam),\\
+GradientVarianceQuantiles+GradientNoiseScale+PreconditionedNoiseScale (Adam)"
     python -m benchmarks.profile_phases --ab chunks,aminmax --model gpt --rounds 12
     python -m benchmarks.profile_phases --ab pieces --model resnet18 --rounds 10 \\
         --methods "GradientNoiseScale+PreconditionedNoiseScale (Adam)"
@@ -88,6 +92,7 @@ class Phases:
 def preconditioned(args, phases):
     from cockpit_gradnoise.extensions import convolution, hooks, linear
     from cockpit_gradnoise.quantities import _base, preconditioners
+    from cockpit_gradnoise.quantities.gradient_variance import GradientVarianceQuantiles
     from cockpit_gradnoise.quantities.preconditioned_noise_scale import PreconditionedNoiseScale
 
     phases.wrap(hooks, "_dispatch", "the layer rules of the backward pass (all)")
@@ -97,13 +102,14 @@ def preconditioned(args, phases):
         _time_convolutions_by_shape(phases)
     phases.wrap(_base.ParameterQuantity, "_compute", "the quantities after the backward pass")
     phases.wrap(PreconditionedNoiseScale, "unresolved", "  PreconditionedNoiseScale: underflow check")
+    phases.wrap(GradientVarianceQuantiles, "unresolved", "  GradientVarianceQuantiles: underflow check")
     phases.wrap(PreconditionedNoiseScale, "named_value_from_sums",
                 "  PreconditionedNoiseScale: P and the weighted sums")
     phases.wrap(preconditioners.OptimizerPreconditioner, "preconditioner", "    P (whole, off the CPU or sharded)")
     spec = MODELS[args.model]
     model, x, y = model_and_batch(spec, spec.batch_size, torch.device("cpu"))
     lines = []
-    for method in ("GradientNoiseScale (Adam)", "GradientNoiseScale+PreconditionedNoiseScale (Adam)"):
+    for method in args.methods.split(","):
         step = METHODS[method](model, spec.loss)
         for _ in range(args.warmup):
             step(x, y)
@@ -338,7 +344,8 @@ def main(argv=None):
     parser.add_argument("--ab", default=None, help="changes to time against the step without them")
     parser.add_argument("--rounds", type=int, default=12, help="--ab's rounds")
     parser.add_argument("--methods", default="GradientNoiseScale (Adam),"
-                        "GradientNoiseScale+PreconditionedNoiseScale (Adam)", help="--ab's steps")
+                        "GradientNoiseScale+PreconditionedNoiseScale (Adam)",
+                        help="the steps timed (the default: PreconditionedNoiseScale's, and --ab's)")
     args = parser.parse_args(argv)
     if args.model == "swin" and not args.floor:
         parser.error("--model swin is --floor's only (its sequence Linears)")

@@ -141,6 +141,9 @@ class Step(ParameterChecks):
         #: savefield was reduce-scattered inside this backward pass, each process keeping its
         #: rows (``DeclaredSums.arm_reduction_in_backward``), with what was noted before.
         self.presharded: Dict[str, Dict[int, Any]] = {}
+        #: Results of checks that several quantities make of the same tensors in this call
+        #: (``quantities._shared_checks``: the underflow check of one savefield's sums).
+        self.shared_checks: Dict[Any, Any] = {}
 
     # Finding the call's Step ----------------------------------------------------
 

@@ -568,3 +568,16 @@ def test_off_the_host_p_whole_and_the_channels_last_sums_match_brute_force(monke
     got, expected, elements, _ = tracked_and_expected("cnn", 7, "mean", OPTIMIZERS["adam-coupled-decay"], 3)
     assert not all(layouts)
     assert_matches(got, expected, elements, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_piece_of_p_put_in_the_sums_order_is_torchs_copy_bit_for_bit(dtype):
+    """A piece of ``p`` put in a convolution's channels-last order (NumPy's ``copyto`` on the
+    CPU for float32 and float64, torch's copy otherwise): the same float64 numbers as torch's."""
+    from cockpit_gradnoise.functional.preconditioner import _copy_permuted
+
+    rows = (torch.rand(6, 5, 3, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 1e3).to(dtype)
+    source = rows.permute(0, 2, 3, 1)
+    got = torch.full((6, 3, 3, 5), math.nan, dtype=torch.float64)
+    _copy_permuted(got, source)
+    assert torch.equal(got, torch.empty_like(got).copy_(source))

@@ -248,25 +248,33 @@ def test_preconditioned_noise_scale_leaves_out_the_saturated_unit_by_name():
     float64 unit whose squares underflow (as above) is left out of it by name, checked
     on its own sums (before, it read GradientNoiseScale's per-example norms, which it
     does not have alone: an AttributeError); the others keep rows."""
+    got, told, names = tracked_with_optimizer(("PreconditionedNoiseScale",))
+    told = [text for text in told if "underflow" in text]
+    assert len(told) == 1 and all(name in told[0] for name in ("fc.weight", "fc.bias", "out.weight"))
+    kept = got["PreconditionedNoiseScale"]
+    assert {"fc.weight", "fc.bias", "out.weight"}.isdisjoint(kept)
+    assert set(names) - {"fc.weight", "fc.bias", "out.weight"} <= set(kept)
+
+
+def tracked_with_optimizer(quantities, optimizer=torch.optim.SGD, dtype=torch.float64):
+    """``({quantity: rows}, [warning texts], parameter names)`` of one step of ``quantities``
+    (class names) on the model whose unit saturates (``fc``'s squares underflow: in float64,
+    or float32 at ``z = -50``), with ``optimizer`` in ``info``."""
     inputs, targets = saturating_inputs(3)
-    model = cgn.prepare_model(saturated(torch.float64, 370.0, False))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = cgn.prepare_model(saturated(dtype, 370.0 if dtype == torch.float64 else 50.0, False))
+    inputs = inputs.to(dtype)
     names = [name for name, _ in model.named_parameters()]
     cockpit = cgn.Cockpit(list(model.parameters()),
-                          quantities=[cgn.PreconditionedNoiseScale(linear(1), param_names=names)])
+                          quantities=[getattr(cgn, q)(linear(1), param_names=names) for q in quantities])
     loss_fn, per_example = extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none")
     outputs = model(inputs)
     loss = loss_fn(outputs, targets)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with cockpit(0, info={"loss": loss, "individual_losses": per_example(outputs, targets),
-                              "batch_size": len(inputs), "optimizer": optimizer}):
+                              "batch_size": len(inputs), "optimizer": optimizer(model.parameters(), lr=0.1)}):
             loss.backward()
-    told = [str(w.message) for w in caught if "underflow" in str(w.message)]
-    assert len(told) == 1 and all(name in told[0] for name in ("fc.weight", "fc.bias", "out.weight"))
-    kept = rows(cockpit, "PreconditionedNoiseScale")
-    assert {"fc.weight", "fc.bias", "out.weight"}.isdisjoint(kept)
-    assert set(names) - {"fc.weight", "fc.bias", "out.weight"} <= set(kept)
+    return {q: rows(cockpit, q) for q in quantities}, [str(w.message) for w in caught], names
 
 
 def test_contributions_norms_of_tiny_float32_examples_are_summed_again_in_float64():

@@ -16,6 +16,7 @@ from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.layout import dimension_order
 from cockpit_gradnoise.functional.norms import squared_norm
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -195,6 +196,20 @@ def _rows_order(tensor: Tensor) -> Optional[Tuple[int, ...]]:
     return order if order[0] == 0 and tensor.permute(order).is_contiguous() else None
 
 
+def _copy_permuted(target: Tensor, source: Tensor) -> None:
+    """``target.copy_(source)`` of a permuted ``source`` (a piece of ``p`` put in the sums'
+    memory order). On the CPU, for float32 and float64, by NumPy's ``copyto``: the same
+    numbers (a conversion to float64 is exact), in about half the time of torch's strided
+    copy (a 3x3 convolution's piece read at a stride of 9 elements; ``benchmarks/README.md``)."""
+    if _device.on_host(target) and source.dtype in _NUMPY_COPIED and not source.requires_grad:
+        numpy.copyto(target.numpy(), source.numpy())
+    else:
+        target.copy_(source)
+
+
+_NUMPY_COPIED = (torch.float32, torch.float64)
+
+
 def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: Tensor) -> Tensor:
     """``[sum_j (w_j T_j)^2, sum_j w_j^2 Q_j]`` in float64 (one tensor of two), with ``w`` in
     consecutive pieces of :func:`piece_size` elements over the flattened ``Q`` and ``T``.
@@ -212,18 +227,26 @@ def _weighted_sums(weight_pieces: Iterable[Tensor], squares: Tensor, gradients: 
     weight_buffer = torch.empty((size,), dtype=torch.float64, device=squares.device)
     # Rows T^2 and Q of a piece: both sums in one product with w^2.
     sums_buffer = torch.empty((2, size), dtype=torch.float64, device=squares.device)
+    # The views of a whole piece made once (every piece is whole but perhaps the last): on
+    # the CPU each view is a torch call, several per piece of 2**17 elements otherwise.
+    whole = (weight_buffer, sums_buffer, *sums_buffer.unbind())
+    rows_shape = None if order == tuple(range(len(order))) else tuple(shape[d] for d in order[1:])
     totals, start = [], 0
     for piece in weight_pieces:
-        stop = start + piece.numel()
-        weight = weight_buffer[: piece.numel()]
-        if order == tuple(range(len(order))):
+        count = piece.numel()
+        stop = start + count
+        if count == size:
+            weight, sums, gradient_row, square_row = whole
+        else:
+            weight, sums = weight_buffer[:count], sums_buffer[:, :count]
+            gradient_row, square_row = sums.unbind()
+        if rows_shape is None:
             weight.copy_(piece.reshape(-1))
         else:  # whole rows (piece_size): the piece's elements put in the sums' memory order
             rows = piece.reshape(-1, *shape[1:])
-            weight.view(len(rows), *(shape[d] for d in order[1:])).copy_(rows.permute(order))
-        sums = sums_buffer[:, : piece.numel()]
-        sums[0].copy_(gradients[start:stop]).square_()
-        sums[1].copy_(squares[start:stop])
+            _copy_permuted(weight.view(len(rows), *rows_shape), rows.permute(order))
+        gradient_row.copy_(gradients[start:stop]).square_()
+        square_row.copy_(squares[start:stop])
         totals.append(torch.mv(sums, weight.square_()))
         start = stop
     if start != squares.numel():

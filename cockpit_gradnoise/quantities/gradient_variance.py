@@ -9,6 +9,7 @@ from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import SUM
+from cockpit_gradnoise.quantities._shared_checks import unresolved_sums_once
 from cockpit_gradnoise.step import Batch
 
 import torch
@@ -143,8 +144,10 @@ class GradientVarianceQuantiles(ParameterQuantity):
         self._own_sums = False  # each layer's sums are this step's own, read by no one after (step_context)
         self._overwritten: List[Tensor] = []  # parameters whose sums sd and SNR may overwrite
         self._cuts = None  # under FSDP2, {name: this process's rows} (step_context)
+        self._checks = None  # the call's Step.shared_checks (step_context)
 
     def step_context(self, step, params):
+        self._checks = step.shared_checks  # the underflow check shared with PreconditionedNoiseScale
         # Not in place where another quantity of the call reads the sums (PreconditionedNoiseScale).
         self._in_place = all(q is self for q in step.readers.get(SUMS_SAVEFIELD, ()))
         self._cuts = _shards.cuts(self.trainable(params), step.presharded.get(SUMS_SAVEFIELD, {}))
@@ -196,7 +199,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def unresolved(self, param, sums, batch):
         squares, grad = sums["sum_of_squared_contributions"], sums["sum_of_contributions"]
-        count = functional.unresolved_sums(squares, grad, batch.examples, batch.loss_scale)
+        row = getattr(param, SUMS_SAVEFIELD)[0] if batch.loss_scale == 1.0 else None  # grad: row.to(dtype)
+        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, batch.loss_scale, row)
         return None if count is None else (count, lambda k: (
             f"the squares of the per-example contributions of {k} of its elements underflow "
             f"(their sums in {squares.dtype} are below 4 N tiny), so their sd and SNR cannot "

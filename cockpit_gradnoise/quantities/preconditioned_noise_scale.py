@@ -9,6 +9,7 @@ from cockpit_gradnoise.functional.preconditioner import piece_size, precondition
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards, preconditioners
 from cockpit_gradnoise.quantities._declarations import SUM
+from cockpit_gradnoise.quantities._shared_checks import unresolved_sums_once
 from cockpit_gradnoise.quantities.gradient_noise_scale import DEFAULT_SMOOTHING, GradientNoiseScale
 
 
@@ -89,7 +90,9 @@ class PreconditionedNoiseScale(GradientNoiseScale):
     optimizer forms it, piece by piece on the CPU, each piece weighting the sums in
     float64 while it is in the cache (:meth:`OptimizerPreconditioner.pieces
     <cockpit_gradnoise.quantities.preconditioners.OptimizerPreconditioner.pieces>`);
-    no per-example squared norms (measured: ``benchmarks/README.md``). Under gradient accumulation
+    no per-example squared norms, and beside GradientVarianceQuantiles not its own
+    underflow check of the sums, whose count it takes from it (:mod:`~cockpit_gradnoise.quantities._shared_checks`;
+    measured: ``benchmarks/README.md``). Under gradient accumulation
     (``docs/accumulation.md``) and distributed training (``docs/distributed.md``)
     ``Q`` and ``T`` are added over every micro-batch and process, as
     GradientVarianceQuantiles' are, and ``P`` is applied once, after the
@@ -131,8 +134,10 @@ class PreconditionedNoiseScale(GradientNoiseScale):
         self._params = {}  # name -> parameter, this step's
         self._scalars_scaled = False  # sums in units of x_i, scalars divided by c^2 (step_context)
         self._cuts = None  # under FSDP2, {name: this process's rows} (step_context)
+        self._checks = None  # the call's Step.shared_checks (step_context)
 
     def step_context(self, step, params):
+        self._checks = step.shared_checks
         batch = step.loss_batch(self)
         micro = step.micro_batch()
         # One batch on one process: the sums stay in units of x_i = c g_i, and the two
@@ -185,10 +190,12 @@ class PreconditionedNoiseScale(GradientNoiseScale):
 
     def unresolved(self, param, sums, batch):
         # Its own per-element sums (GradientVarianceQuantiles' check), not the per-example
-        # norms GradientNoiseScale checks: P weights each element's S_j.
+        # norms GradientNoiseScale checks: P weights each element's S_j. Beside
+        # GradientVarianceQuantiles, the same views of the same sums: its count, not a second pass.
         squares, grad = sums["sum_of_squares"], sums["sum_of_gradients"]
         scale = 1.0 if self._scalars_scaled else batch.loss_scale
-        count = functional.unresolved_sums(squares, grad, batch.examples, scale)
+        row = getattr(param, SUMS_SAVEFIELD)[0] if scale == 1.0 else None  # grad: row.to(dtype)
+        count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, scale, row)
         return None if count is None else (count, lambda k: (
             f"the squares of the per-example contributions of {k} of its elements underflow "
             f"(their sums in {squares.dtype} are below 4 N tiny), so the preconditioned "

@@ -104,17 +104,17 @@ class OptimizerPreconditioner:
         if self._rule is None:
             return None
         group, state = self._groups[id(param)], self.optimizer.state.get(param, {})
-        moments = {key: moment.reshape(-1) for key, moment in state.items()
+        # Every piece's views made at once (one split per tensor, not a slice per piece and tensor).
+        moments = {key: moment.reshape(-1).split(size) for key, moment in state.items()
                    if key in _PER_ELEMENT_STATE and isinstance(moment, Tensor)}
-        grad = tensor_parallel.completed(param.grad.detach()).reshape(-1)
-        value = param.detach().reshape(-1)
+        grads = tensor_parallel.completed(param.grad.detach()).reshape(-1).split(size)
+        values = param.detach().reshape(-1).split(size)
 
-        def piece(start):
-            cut = slice(start, start + size)
-            return self._rule(group, {**state, **{key: moment[cut] for key, moment in moments.items()}},
-                              grad[cut], value[cut])
+        def piece(k):
+            return self._rule(group, {**state, **{key: moment[k] for key, moment in moments.items()}},
+                              grads[k], values[k])
 
-        return (piece(start) for start in range(0, grad.numel(), size))
+        return (piece(k) for k in range(len(grads)))
 
 
 #: The optimizers' state read per element (shaped as the parameter); the rest (``step``) is whole.
