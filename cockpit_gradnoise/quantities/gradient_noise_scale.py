@@ -15,6 +15,7 @@ from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import SUM
+from cockpit_gradnoise.quantities.per_example_grad_norm import squared_norm_tables
 from cockpit_gradnoise.step_checks import check_example_count
 
 import torch
@@ -161,15 +162,8 @@ class GradientNoiseScale(ParameterQuantity):
         # of the same quotients g / c by divided_squared_norms ((n + 2) 2**-53, where a float64
         # dot each was n 2**-53); a structural zero's M set to 0 after its norm, not its
         # gradient before it: the same where, the same values (NaN totals keep theirs).
-        if (not items or _device.on_host(items[0][1]) or self._presharded
-                or any(getattr(type(self), hook) is not getattr(GradientNoiseScale, hook)
-                       for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums"))):
-            # The CPU's paths, FSDP2's sums, a subclass's sums; more than one device: one at a time.
-            return None
-        norms = [param.cgn_batch_l2.detach() for _, param in items]
-        for squared_norms in norms:
-            check_example_count(squared_norms.shape[0], batch.examples)
-        groups = functional.stacked_by_dtype(norms)
+        # FSDP2's sums (reduce-scattered in the backward pass): one at a time.
+        groups = None if self._presharded else squared_norm_tables(self, GradientNoiseScale, items, batch)
         if groups is None:
             return None
         totals = _row_sums(groups, len(items))

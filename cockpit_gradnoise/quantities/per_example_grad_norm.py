@@ -61,16 +61,9 @@ class PerExampleGradNorm(ParameterQuantity):
     def values_of_many(self, items, batch, deferred):
         # On other devices one division of a table per dtype for all, not one per parameter:
         # the same elementwise quotients (views of its rows).
-        if not items or _device.on_host(items[0][1]) or any(
-                getattr(type(self), hook) is not getattr(PerExampleGradNorm, hook)
-                for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums")):
-            return None  # the CPU's paths (a few microseconds a parameter), a subclass's sums
-        norms = [param.cgn_batch_l2.detach() for _, param in items]
-        for squared_norms in norms:
-            check_example_count(squared_norms.shape[0], batch.examples)
-        groups = functional.stacked_by_dtype(norms)
+        groups = squared_norm_tables(self, PerExampleGradNorm, items, batch)
         if groups is None:
-            return None  # more than one device
+            return None
         rows = [None] * len(items)
         for indices, table in groups:
             for i, row in zip(indices, (table / batch.loss_scale**2).unbind()):
@@ -138,3 +131,19 @@ def _lost_norms_reason(dtype):
     return lambda k: (
         f"the squares of the contributions of {k} examples underflow (their squared norms "
         f"in {dtype} are below 4 numel tiny), so their norms cannot be told from 0")
+
+
+def squared_norm_tables(quantity, base, items, batch):
+    """Every parameter's per-example squared norms (:class:`~cockpit_gradnoise.extensions.PerExampleSquaredNorms`)
+    of ``items`` as one ``[P, N]`` table per dtype (:func:`~cockpit_gradnoise.functional.stacked_by_dtype`),
+    for a ``values_of_many`` on other devices than the CPU; ``None`` where ``quantity`` forms its
+    values one parameter at a time: no items, the CPU's paths (a few microseconds a parameter),
+    parameters on more than one device, or a subclass of ``base`` with sums of its own."""
+    if not items or _device.on_host(items[0][1]) or any(
+            getattr(type(quantity), hook) is not getattr(base, hook)
+            for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums")):
+        return None
+    norms = [param.cgn_batch_l2.detach() for _, param in items]
+    for squared_norms in norms:
+        check_example_count(squared_norms.shape[0], batch.examples)
+    return functional.stacked_by_dtype(norms)
