@@ -141,6 +141,15 @@ def lost_to_underflow(at_scale: Tensor, floor, squares: Tensor, total: Tensor) -
     return (at_scale < floor) & ((squares != 0) | (total != 0))
 
 
+def unresolved_sums_of_segments(squares: Tensor, total: Tensor, lengths: Tensor, n: int) -> Tensor:
+    """:func:`unresolved_sums` (``loss_scale`` 1) of several tensors' sums joined, on other devices
+    than the CPU: ``[P]`` int64 counts, each run of ``lengths[k]`` consecutive elements one
+    tensor's (``lengths`` as :func:`~cockpit_gradnoise.functional.gradient_sd_of_many` takes
+    them); the same counts, from float64 sums of the marks (exact), in a few launches for all."""
+    lost = lost_to_underflow(squares, underflow_floor(n, squares.dtype), squares, total)
+    return torch.segment_reduce(lost.to(torch.float64), "sum", lengths=lengths, unsafe=True).to(torch.int64)
+
+
 def marked_lost(unscaled: Tensor, at_scale: Tensor, floor, rows: Optional[Tensor] = None) -> Tensor:
     """Squared norms marked :data:`UNRESOLVED` where they may have lost squares to underflow.
 

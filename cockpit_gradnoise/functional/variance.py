@@ -224,10 +224,21 @@ def gradient_sd(
         exactly 0 where the examples agree to rounding (see
         :func:`variance_rounding_bound`).
     """
+    return _gradient_sd(sum_of_squares, total, n, inner_terms=inner_terms, in_place=in_place, dtype=dtype,
+                        extra_rounding=extra_rounding)
+
+
+def _gradient_sd(
+    sum_of_squares: Tensor, total: Tensor, n: int, *, inner_terms: int = 1, in_place: bool = False,
+    dtype: Optional[torch.dtype] = None, extra_rounding: Optional[Tensor] = None,
+    scale: Optional[Tensor] = None,
+) -> Tensor:
+    """:func:`gradient_sd`; where ``S`` is wider than ``dtype``, at the power-of-two ``scale``
+    given (per element: :func:`gradient_sd_of_many`'s, each tensor's own), else at ``S``'s."""
     if n < 2:
         raise ValueError(f"the gradient variance needs at least 2 examples, got {n}")
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(sum_of_squares.dtype).bits:
-        squares, narrow, scale = _at_a_scale(sum_of_squares, total, dtype)
+        squares, narrow, scale = _at_a_scale(sum_of_squares, total, dtype, scale)
         # Elements far below the layer's largest (by 2**-126 in float32) whose S underflows
         # at this scale, though it is not an exact 0 of exact zeros: formed in the wide
         # dtype (with dtype's bound), which holds every S of float32 contributions.
@@ -235,7 +246,7 @@ def gradient_sd(
         wide_extra = extra_rounding
         if extra_rounding is not None:
             extra_rounding = (extra_rounding * scale.to(extra_rounding.dtype).square()).to(dtype)
-        sd = gradient_sd(
+        sd = _gradient_sd(
             squares, narrow, n, inner_terms=inner_terms, in_place=True,
             extra_rounding=extra_rounding,
         ).div_(scale)
@@ -252,8 +263,9 @@ def gradient_sd(
     return centred.mul_(n / (n - 1)).sqrt_()
 
 
-def _at_a_scale(sum_of_squares: Tensor, total: Tensor, dtype: torch.dtype):
-    """``(S s**2, T s, s)`` in ``dtype``, ``s = 2**m >= 1`` the largest with ``max S s**2 < 1``.
+def _at_a_scale(sum_of_squares: Tensor, total: Tensor, dtype: torch.dtype, scale: Optional[Tensor] = None):
+    """``(S s**2, T s, s)`` in ``dtype``, ``s = 2**m >= 1`` the largest with ``max S s**2 < 1``
+    (:func:`_scale_below_one`; or ``scale``, given per element).
 
     Scaling up by a power of two changes no rounding and cannot overflow
     (``|T| s <= sqrt(N max S) s``), so :func:`gradient_sd` of the scaled sums,
@@ -262,11 +274,47 @@ def _at_a_scale(sum_of_squares: Tensor, total: Tensor, dtype: torch.dtype):
     dtype holds ``S`` (float32 squares of contributions below ``1e-19``).
     On the tensors' device, without waiting for it.
     """
-    _, exponent = torch.frexp(sum_of_squares.amax())
-    half = torch.div(-exponent, 2, rounding_mode="floor").clamp(min=0)
-    scale = torch.ldexp(torch.ones((), dtype=sum_of_squares.dtype, device=half.device), half)
+    scale = _scale_below_one(sum_of_squares.amax()) if scale is None else scale
     squares = (sum_of_squares * scale.square()).to(dtype)
     return squares, (total.to(sum_of_squares.dtype) * scale).to(dtype), scale.to(dtype)
+
+
+def _scale_below_one(largest: Tensor) -> Tensor:
+    """``2**m >= 1``, the largest with ``largest * 2**(2m) < 1``, in ``largest``'s dtype and shape
+    (of each element: one tensor's largest ``S`` each, :func:`gradient_sd_of_many`)."""
+    _, exponent = torch.frexp(largest)
+    half = torch.div(-exponent, 2, rounding_mode="floor").clamp(min=0)
+    return torch.ldexp(torch.ones(half.shape, dtype=largest.dtype, device=half.device), half)
+
+
+def gradient_sd_of_many(
+    squares: Tensor, total: Tensor, lengths: Tensor, n: int, *, dtype: Optional[torch.dtype] = None,
+    magnitudes: Optional[Tensor] = None,
+) -> Tensor:
+    """:func:`gradient_sd` of several tensors' sums joined (``in_place``, ``inner_terms`` 1): each
+    run of ``lengths[k]`` consecutive elements of ``squares`` and ``total`` (1d) one tensor's
+    ``S_k`` and ``T_k``. Bit for bit each tensor's own: the same elementwise operations on the
+    same numbers, each tensor's at its own power-of-two scale where ``S`` is wider than
+    ``dtype`` (its largest ``S`` by one ``segment_reduce`` for all, expanded to its elements);
+    a few launches for all, where :func:`gradient_sd` takes about forty for each on other
+    devices than the CPU. ``squares`` is overwritten where it is not wider than ``dtype``.
+
+    Args:
+        squares: The ``S_k`` joined (float64 sums of float32 contributions, say).
+        total: The ``T_k`` joined, in the dtype each was accumulated in.
+        lengths: ``[P]`` int64, on ``squares``' device: each tensor's number of elements, all
+            positive, summing to ``squares.numel()`` (not checked: no wait for the device).
+        n: ``N``.
+        dtype: See :func:`gradient_sd`.
+        magnitudes: ``R`` of sums expanded over positions, joined, for every tensor or none:
+            :func:`expansion_rounding_bound` of it, in ``total``'s dtype, is each element's extra rounding.
+    """
+    extra = None if magnitudes is None else expansion_rounding_bound(magnitudes, n, total.dtype)
+    scale = None
+    if dtype is not None and torch.finfo(dtype).bits < torch.finfo(squares.dtype).bits:
+        largest = torch.segment_reduce(squares, "max", lengths=lengths, unsafe=True)
+        scale = _scale_below_one(largest).repeat_interleave(lengths, output_size=squares.numel())
+    return _gradient_sd(squares, total, n, in_place=True, dtype=dtype, extra_rounding=extra, scale=scale)
 
 
 def signal_to_noise(grad: Tensor, sd: Tensor, limit: Optional[float] = None) -> Tensor:

@@ -41,14 +41,31 @@ def unresolved_sums_once(checks: Optional[Dict[Any, Any]], param: Tensor, square
         total_row: The savefield's row that ``total`` is converted from (``total =
             total_row.to(total.dtype)``, not divided), where ``total`` is not a view of it.
     """
-    field = param.__dict__.get(SUMS_SAVEFIELD)
-    source = total if total_row is None else total_row
-    if checks is None or not isinstance(field, Tensor) or not (_views(field, squares) and _views(field, source)):
+    key = _key(checks, param, squares, total if total_row is None else total_row, total.dtype, n, loss_scale)
+    if key is None:
         return functional.unresolved_sums(squares, total, n, loss_scale)
-    key = (id(param), _where(squares), _where(source), total.dtype, n, float(loss_scale))
     if key not in checks:
         checks[key] = functional.unresolved_sums(squares, total, n, loss_scale)
     return checks[key]
+
+
+def remember(checks: Optional[Dict[Any, Any]], param: Tensor, squares: Tensor, total_row: Tensor,
+             total_dtype, n: int, count: Any) -> None:
+    """Keep ``count``, :func:`~cockpit_gradnoise.functional.unresolved_sums` of ``param``'s sums
+    found another way (several parameters' together), as :func:`unresolved_sums_once` would
+    (``total = total_row.to(total_dtype)``, loss scale 1), for a later call's reader."""
+    key = _key(checks, param, squares, total_row, total_dtype, n, 1.0)
+    if key is not None:
+        checks[key] = count
+
+
+def _key(checks, param, squares, source, total_dtype, n, loss_scale) -> Optional[tuple]:
+    """The count's key where ``squares`` and ``source`` are views of ``param``'s savefield
+    and the call shares checks; else ``None``."""
+    field = param.__dict__.get(SUMS_SAVEFIELD)
+    if checks is None or not isinstance(field, Tensor) or not (_views(field, squares) and _views(field, source)):
+        return None
+    return (id(param), _where(squares), _where(source), total_dtype, n, float(loss_scale))
 
 
 def _views(field: Tensor, tensor: Tensor) -> bool:

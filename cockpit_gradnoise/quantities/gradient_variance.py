@@ -9,7 +9,7 @@ from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities import _shards
 from cockpit_gradnoise.quantities._base import ParameterQuantity
 from cockpit_gradnoise.quantities._declarations import SUM
-from cockpit_gradnoise.quantities._shared_checks import unresolved_sums_once
+from cockpit_gradnoise.quantities._shared_checks import remember, unresolved_sums_once
 from cockpit_gradnoise.step import Batch
 
 import torch
@@ -201,10 +201,59 @@ class GradientVarianceQuantiles(ParameterQuantity):
         squares, grad = sums["sum_of_squared_contributions"], sums["sum_of_contributions"]
         row = getattr(param, SUMS_SAVEFIELD)[0] if batch.loss_scale == 1.0 else None  # grad: row.to(dtype)
         count = unresolved_sums_once(self._checks, param, squares, grad, batch.examples, batch.loss_scale, row)
-        return None if count is None else (count, lambda k: (
-            f"the squares of the per-example contributions of {k} of its elements underflow "
-            f"(their sums in {squares.dtype} are below 4 N tiny), so their sd and SNR cannot "
-            "be told from 0 and the SNR cap"))
+        return _told(count, squares.dtype)
+
+    def values_of_many(self, items, batch, deferred):
+        # On other devices every parameter's sd and SNR formed together, a bounded number of
+        # elements at a time (functional.gradient_sd_of_many: each one's own numbers, a few
+        # launches a group where value_from_sums takes about fifty a parameter), and their
+        # underflow counts with them (unresolved_sums_of_segments: the same counts, kept for
+        # PreconditionedNoiseScale as unresolved would). FSDP2's shards, a subclass's own sums,
+        # sums in units of g_i and a parameter without elements: one at a time.
+        if self._cuts is not None or not items or batch.loss_scale != 1.0 or _device.on_host(items[0][1]) \
+                or any(getattr(type(self), hook) is not getattr(GradientVarianceQuantiles, hook)
+                       for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums", "unresolved")):
+            return None
+        fields = [getattr(param, SUMS_SAVEFIELD).detach() for _, param in items]
+        if any(field[0].numel() == 0 for field in fields):
+            return None
+        groups: Dict[tuple, List[int]] = {}
+        for k, ((_, param), field) in enumerate(zip(items, fields)):
+            key = (field.device, field.dtype, accumulation_dtype(param.dtype), field.shape[0] == 3)
+            groups.setdefault(key, []).append(k)
+        found = {}
+        for (_, _, dtype, expanded), members in groups.items():
+            for part in _parts(members, [fields[k][0].numel() for k in members]):
+                found.update(self._values_of_part([items[k] for k in part], [fields[k] for k in part],
+                                                  dtype, expanded, batch.examples, deferred))
+        if self._own_sums:
+            self._overwritten += [param for _, param in items]
+        return found
+
+    def _values_of_part(self, items, fields, dtype, expanded, n, deferred):
+        """``{name: (sd, SNR, 0)}`` of ``items`` (their savefields ``fields``), formed together;
+        each one's underflow count into ``deferred``."""
+        numels = [field[0].numel() for field in fields]
+        lengths = _device.copied_without_waiting(torch.tensor(numels), fields[0].device)
+        squares = torch.cat([field[1].reshape(-1) for field in fields])
+        # The gradient's sum back to the dtype it was accumulated in, as parameter_sums does.
+        total = torch.cat([field[0].reshape(-1) for field in fields]).to(dtype)
+        counts = functional.unresolved_sums_of_segments(squares, total, lengths, n).unbind()
+        magnitudes = torch.cat([field[2].reshape(-1) for field in fields]) if expanded else None
+        sd = functional.gradient_sd_of_many(squares, total, lengths, n, dtype=dtype, magnitudes=magnitudes)
+        snr = functional.signal_to_noise(total, sd, functional.resolvable_snr(n, dtype))
+        found = {}
+        for (name, param), field, sd_k, snr_k, count in zip(items, fields, sd.split(numels), snr.split(numels),
+                                                            counts):
+            remember(self._checks, param, field[1], field[0], dtype, n, count)
+            deferred.append((name, param, {_COUNT: _told(count, field.dtype)}))
+            found[name] = (sd_k.view(field.shape[1:]), snr_k, 0)
+        return found
+
+    def unresolved_of_many(self, items, batch):
+        # values_of_many's counts, found with the values; parameter_sums' sums otherwise.
+        return {name: sums[_COUNT] if _COUNT in sums else self.unresolved(param, sums, batch)
+                for name, param, sums in items}
 
     def named_value_from_sums(self, name, sums, batch):
         if self._cuts is not None:  # FSDP2: this process's elements of the reduced sums
@@ -267,6 +316,34 @@ class GradientVarianceQuantiles(ParameterQuantity):
 
     def statistic_names(self):
         return schema.sd_statistic_names(self.quantiles)
+
+
+#: ``values_of_many``'s key of a parameter's underflow count, found with the values.
+_COUNT = "unresolved, found with the values"
+
+#: Elements of sums joined at most in ``values_of_many`` (each parameter with its group's or
+#: alone): about 60 bytes each while formed (the sums' copies, scales, the wide sd).
+_PART_ELEMENTS = 1 << 22
+
+
+def _parts(members: List[int], numels: List[int]) -> List[List[int]]:
+    """``members`` in runs of at most :data:`_PART_ELEMENTS` elements (one larger alone)."""
+    parts, size = [], 0
+    for k, numel in zip(members, numels):
+        if not parts or size + numel > _PART_ELEMENTS:
+            parts.append([])
+            size = 0
+        parts[-1].append(k)
+        size += numel
+    return parts
+
+
+def _told(count, dtype: torch.dtype):
+    """``(count, reason)`` of :meth:`GradientVarianceQuantiles.unresolved`, ``None`` without count."""
+    return None if count is None else (count, lambda k: (
+        f"the squares of the per-example contributions of {k} of its elements underflow "
+        f"(their sums in {dtype} are below 4 N tiny), so their sd and SNR cannot "
+        "be told from 0 and the SNR cap"))
 
 
 def _viewed_elsewhere(param: Tensor, sums: Tensor) -> bool:
