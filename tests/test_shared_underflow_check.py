@@ -26,15 +26,23 @@ BOTH = ("GradientVarianceQuantiles", "PreconditionedNoiseScale")
 
 
 def counted(monkeypatch):
-    """A list that grows by one at each call of ``functional.unresolved_sums`` by the helper."""
+    """A list that grows by one at each call of ``functional.unresolved_sums`` by the helper, and
+    by one per parameter of each call of ``functional.unresolved_sums_of_segments`` (on other
+    devices GradientVarianceQuantiles checks a group of parameters together, and keeps each
+    count for the other quantity as the helper would)."""
     calls = []
-    original = functional.unresolved_sums
+    original, of_segments = functional.unresolved_sums, functional.unresolved_sums_of_segments
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_shared_checks.functional, "unresolved_sums", counting)
+    def counting_segments(squares, total, lengths, *args):
+        calls.extend([None] * len(lengths))
+        return of_segments(squares, total, lengths, *args)
+
+    monkeypatch.setattr(functional, "unresolved_sums", counting)
+    monkeypatch.setattr(functional, "unresolved_sums_of_segments", counting_segments)
     return calls
 
 

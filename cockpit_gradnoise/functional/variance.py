@@ -8,7 +8,7 @@ ratio that bound lets it resolve (:func:`signal_to_noise`, :func:`resolvable_snr
 """
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.underflow import lost_to_underflow, underflow_floor
@@ -288,14 +288,15 @@ def _scale_below_one(largest: Tensor) -> Tensor:
 
 
 def gradient_sd_of_many(
-    squares: Tensor, total: Tensor, lengths: Tensor, n: int, *, dtype: Optional[torch.dtype] = None,
-    magnitudes: Optional[Tensor] = None,
+    squares: Tensor, total: Tensor, lengths: Tensor, numels: Sequence[int], n: int, *,
+    dtype: Optional[torch.dtype] = None, magnitudes: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`gradient_sd` of several tensors' sums joined (``in_place``, ``inner_terms`` 1): each
     run of ``lengths[k]`` consecutive elements of ``squares`` and ``total`` (1d) one tensor's
     ``S_k`` and ``T_k``. Bit for bit each tensor's own: the same elementwise operations on the
     same numbers, each tensor's at its own power-of-two scale where ``S`` is wider than
-    ``dtype`` (its largest ``S`` by one ``segment_reduce`` for all, expanded to its elements);
+    ``dtype`` (its largest ``S`` by one ``segment_reduce`` for all, expanded to its elements by
+    one ``cat``: ``repeat_interleave`` would make the host wait, or check that it need not);
     a few launches for all, where :func:`gradient_sd` takes about forty for each on other
     devices than the CPU. ``squares`` is overwritten where it is not wider than ``dtype``.
 
@@ -304,6 +305,7 @@ def gradient_sd_of_many(
         total: The ``T_k`` joined, in the dtype each was accumulated in.
         lengths: ``[P]`` int64, on ``squares``' device: each tensor's number of elements, all
             positive, summing to ``squares.numel()`` (not checked: no wait for the device).
+        numels: The same numbers, on the host.
         n: ``N``.
         dtype: See :func:`gradient_sd`.
         magnitudes: ``R`` of sums expanded over positions, joined, for every tensor or none:
@@ -313,7 +315,7 @@ def gradient_sd_of_many(
     scale = None
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(squares.dtype).bits:
         largest = torch.segment_reduce(squares, "max", lengths=lengths, unsafe=True)
-        scale = _scale_below_one(largest).repeat_interleave(lengths, output_size=squares.numel())
+        scale = torch.cat([s.expand(k) for s, k in zip(_scale_below_one(largest).unbind(), numels)])
     return _gradient_sd(squares, total, n, in_place=True, dtype=dtype, extra_rounding=extra, scale=scale)
 
 
