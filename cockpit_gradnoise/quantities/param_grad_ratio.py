@@ -106,6 +106,11 @@ class ParamGradRatio(ParameterQuantity):
             values = list(values)
             for k, ratios in zip(pending, found):
                 values[k] = values[k][:4] + ({"ratio": ratios},)
+        if _on_one_device(values):
+            # On other devices the norm ratios and zero fractions of all parameters as vectors (the
+            # same elementwise operations on the same numbers: a dozen launches, not seven a parameter).
+            rows = _rows_together(values)
+            return rows, self.statistics(self.network_value(values)) if network else None
         return super().statistics_of_values(values, network)
 
     def statistics(self, value):
@@ -122,6 +127,26 @@ class ParamGradRatio(ParameterQuantity):
 
     def statistic_names(self):
         return [*RATIO_STATISTICS, ZERO_GRAD_FRACTION, NORM_RATIO]
+
+
+def _on_one_device(values) -> bool:
+    """Whether every value's squared norms and zero count are 0-dim tensors of one dtype on one
+    device other than the CPU, and its ratio statistics formed."""
+    scalars = [t for value in values for t in value[:3]]
+    return bool(values) and all(isinstance(t, Tensor) and t.dim() == 0 for t in scalars) \
+        and len({(t.dtype, t.device) for t in scalars}) == 1 and not _device.on_host(scalars[0]) \
+        and all(isinstance(value[4], dict) for value in values)
+
+
+def _rows_together(values) -> list:
+    """:meth:`ParamGradRatio.statistics` of each of ``values`` (:func:`_on_one_device`), the norm
+    ratios and zero fractions of all together."""
+    theta_sq, grad_sq, zeros = (torch.stack([value[k] for value in values]) for k in range(3))
+    numels = _device.copied_without_waiting(torch.tensor([float(value[3]) for value in values], dtype=zeros.dtype),
+                                            zeros.device)
+    fractions, ratios = (zeros / numels).unbind(), functional.norm_ratio(theta_sq, grad_sq).unbind()
+    return [{**value[4], ZERO_GRAD_FRACTION: fraction, NORM_RATIO: ratio}
+            for value, fraction, ratio in zip(values, fractions, ratios)]
 
 
 class _Ratios(NamedTuple):
