@@ -91,8 +91,9 @@ class Segments:
         return self.lengths - segment_sums(self.nan.double(), self.lengths).long()
 
     def at(self, ranks: Tensor) -> Tensor:
-        """``[P]`` float64: each segment's value at its rank (``[P]``, within the segment)."""
-        return self.ordered[self.starts + ranks.long()].double()
+        """``[P, ...]`` float64: each segment's values at its ranks (``[P, ...]``, within the segment)."""
+        starts = self.starts.reshape(self.starts.shape + (1,) * (ranks.dim() - 1))
+        return self.ordered[starts + ranks.long()].double()
 
     def quantiles(self, counts: Tensor, levels: Sequence[float]) -> List[Tensor]:
         """``numpy.quantile`` (linear) of each segment's first ``counts`` values, per level
