@@ -293,12 +293,12 @@ def gradient_sd_of_many(
 ) -> Tensor:
     """:func:`gradient_sd` of several tensors' sums joined (``in_place``, ``inner_terms`` 1): each
     run of ``lengths[k]`` consecutive elements of ``squares`` and ``total`` (1d) one tensor's
-    ``S_k`` and ``T_k``. Bit for bit each tensor's own: the same elementwise operations on the
-    same numbers, each tensor's at its own power-of-two scale where ``S`` is wider than
-    ``dtype`` (its largest ``S`` by one ``segment_reduce`` for all, expanded to its elements by
-    one ``cat``: ``repeat_interleave`` would make the host wait, or check that it need not);
-    a few launches for all, where :func:`gradient_sd` takes about forty for each on other
-    devices than the CPU. ``squares`` is overwritten where it is not wider than ``dtype``.
+    ``S_k`` and ``T_k``. Each tensor's own numbers (bit for bit where the kernels round alike):
+    the same elementwise operations on the same numbers, each tensor's at its own power-of-two
+    scale where ``S`` is wider than ``dtype`` (its largest ``S`` by one ``segment_reduce`` for
+    all, expanded to its elements by one ``cat``: ``repeat_interleave`` would make the host wait,
+    or check that it need not); a few launches for all, where :func:`gradient_sd` takes about
+    forty for each on other devices than the CPU. ``squares`` is overwritten where it is not wider than ``dtype``.
 
     Args:
         squares: The ``S_k`` joined (float64 sums of float32 contributions, say).
