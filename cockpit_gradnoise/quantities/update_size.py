@@ -129,14 +129,16 @@ class UpdateSize(TwoStepParameterQuantity):
 
     def end(self, cache, params, names) -> List[LayerUpdate]:
         """One :class:`LayerUpdate` per parameter; overwrites ``cache`` with the update."""
-        squares = []
-        for buffer, param in zip(cache, params):
-            # FSDP2: this process's shard of each (the sums of squares add across processes).
-            buffer, param = sharded.local_tensor(buffer), sharded.local_tensor(param.detach())
-            start = functional.squared_norm(buffer, defer=True)
-            # The cache is overwritten next or dropped: reuse it for the difference.
-            difference = buffer.sub_(param.to(buffer.device))
-            squares.append((functional.squared_norm(difference, defer=True), start))
+        squares = _squares_together(cache, params)
+        if squares is None:
+            squares = []
+            for buffer, param in zip(cache, params):
+                # FSDP2: this process's shard of each (the sums of squares add across processes).
+                buffer, param = sharded.local_tensor(buffer), sharded.local_tensor(param.detach())
+                start = functional.squared_norm(buffer, defer=True)
+                # The cache is overwritten next or dropped: reuse it for the difference.
+                difference = buffer.sub_(param.to(buffer.device))
+                squares.append((functional.squared_norm(difference, defer=True), start))
         # On a GPU: the step's one transfer, for every layer at once.
         squares = _device.resolve(squares)
         if any(type(p).__name__ == "DTensor" for p in params):
@@ -191,6 +193,21 @@ class UpdateSize(TwoStepParameterQuantity):
         ):
             return source.to(device=device, copy=True)
         return buffer.copy_(source)
+
+
+def _squares_together(cache, params):
+    """``[(||theta(s+1) - theta(s)||^2, ||theta(s)||^2)]``, ``cache`` overwritten by the updates,
+    where every buffer and parameter is a plain tensor on one device other than the CPU: both
+    norms of all parameters by one float64 ``_foreach_norm`` each and the updates by one
+    ``_foreach_sub_`` (a few launches for all, not six a parameter; the norms within
+    :func:`~cockpit_gradnoise.functional.squared_norms`' bound); else ``None``."""
+    tensors = list(cache) + [param.detach() for param in params]
+    if not cache or len(cache) != len(params) or any(type(t) is not torch.Tensor for t in tensors) \
+            or _device.on_host(tensors[0]) or len({t.device for t in tensors}) != 1:
+        return None
+    starts = functional.squared_norm_tensors(cache)
+    torch._foreach_sub_(list(cache), tensors[len(cache):])
+    return list(zip(functional.squared_norm_tensors(cache).unbind(), starts.unbind()))
 
 
 def _summed_over_processes(squares):
