@@ -199,7 +199,7 @@ def _squares_together(cache, params):
     """``[(||theta(s+1) - theta(s)||^2, ||theta(s)||^2)]``, ``cache`` overwritten by the updates,
     where every buffer and parameter is a plain tensor on one device other than the CPU: both
     norms of all parameters by one float64 ``_foreach_norm`` each and the updates by one
-    ``_foreach_sub_`` (a few launches for all, not six a parameter; the norms within
+    ``_foreach_sub_`` (a few launches for all, not five a parameter; the norms within
     :func:`~cockpit_gradnoise.functional.squared_norms`' bound); else ``None``."""
     tensors = list(cache) + [param.detach() for param in params]
     if not cache or len(cache) != len(params) or any(type(t) is not torch.Tensor for t in tensors) \
