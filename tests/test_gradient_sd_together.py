@@ -91,6 +91,22 @@ def test_sd_of_many_is_each_tensors_own(sums_dtype, dtype, expanded):
     assert (own == 0).sum() > len(pairs)  # (some set to 0 beside the identical examples' and the dead tensor's)
 
 
+@pytest.mark.parametrize("tensors", [1, 2])
+def test_a_part_of_one_tensor_is_its_own(tensors):
+    """A part of one tensor (a large parameter alone) takes its own scale, not expanded: within
+    the rounding of :func:`gradient_sd` itself, as a part of two."""
+    pairs = _sums(torch.Generator().manual_seed(4), [1e-25, 1.0])[:tensors]
+    numels = [s.numel() for s, _, _, _ in pairs]
+    squares = torch.cat([s.reshape(-1) for s, _, _, _ in pairs])
+    total = torch.cat([t.reshape(-1) for _, t, _, _ in pairs]).to(torch.float32)
+    joined = functional.gradient_sd_of_many(squares.clone(), total, torch.tensor(numels), numels, N,
+                                            dtype=torch.float32)
+    own = torch.cat([functional.gradient_sd(s, t.to(torch.float32), N, dtype=torch.float32).reshape(-1)
+                     for s, t, _, _ in pairs])
+    bound = _difference_bound(squares, N, torch.finfo(torch.float32).eps)
+    assert ((joined.double().square() - own.double().square()).abs() <= bound).all() and (own > 0).any()
+
+
 def test_sd_of_many_within_the_bound_of_brute_force():
     """Joined, each element's sd within the rounding bound of float64's brute force from the
     same contributions, ``N / (N - 1) sum_i (x_i - mean)**2``: ``|sd**2 - exact| <= (3N + 4) eps S

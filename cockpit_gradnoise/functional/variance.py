@@ -314,8 +314,11 @@ def gradient_sd_of_many(
     extra = None if magnitudes is None else expansion_rounding_bound(magnitudes, n, total.dtype)
     scale = None
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(squares.dtype).bits:
-        largest = torch.segment_reduce(squares, "max", lengths=lengths, unsafe=True)
-        scale = torch.cat([s.expand(k) for s, k in zip(_scale_below_one(largest).unbind(), numels)])
+        if len(numels) == 1:  # one tensor (a large one, in a part alone): its scale, not expanded
+            scale = _scale_below_one(squares.amax())
+        else:
+            largest = torch.segment_reduce(squares, "max", lengths=lengths, unsafe=True)
+            scale = torch.cat([s.expand(k) for s, k in zip(_scale_below_one(largest).unbind(), numels)])
     return _gradient_sd(squares, total, n, in_place=True, dtype=dtype, extra_rounding=extra, scale=scale)
 
 
