@@ -22,7 +22,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.cases import MODELS, ModelCase, build, run_step
-from tests.test_values_of_many import _Launches
+from tests.test_values_of_many import launches_of
 
 N = 5
 
@@ -219,31 +219,12 @@ def test_parts_are_bounded():
         [0, 1], [2], [3], [4]]
 
 
-def _launches_after_backward(layers, monkeypatch):
-    """GradientVarianceQuantiles' launching ops after the backward pass, MLP of ``layers``
-    linear layers, on the paths of other devices."""
-    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
-    case = ModelCase("deep-mlp", lambda: nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]),
-                     lambda n: torch.randn(n, 4))
-    problem = build(case, 8, "mean", dtype=torch.float32)
-    quantity = cgn.GradientVarianceQuantiles(linear(1), param_names=problem.names)
-    counter = _Launches()
-    compute = quantity._compute
-
-    def counted(*args, **kwargs):
-        with counter:
-            return compute(*args, **kwargs)
-
-    quantity._compute = counted
-    run_step(problem, [quantity])
-    return counter.count
-
-
 def test_launches_of_the_values_do_not_grow_fifty_a_parameter(monkeypatch):
     """Issue 32: one at a time, the values took about fifty launches a parameter (on a GPU each
     10-40 us); together a few a group. What still grows with the parameters is the statistics'
     (their quantiles by segments, a few launches a parameter)."""
-    grown = _launches_after_backward(12, monkeypatch) - _launches_after_backward(2, monkeypatch)
-    monkeypatch.setattr(cgn.GradientVarianceQuantiles, "values_of_many", lambda self, *args: None)
-    grown_alone = _launches_after_backward(12, monkeypatch) - _launches_after_backward(2, monkeypatch)
+    quantity = cgn.GradientVarianceQuantiles
+    grown = launches_of(quantity, 12, monkeypatch) - launches_of(quantity, 2, monkeypatch)
+    monkeypatch.setattr(quantity, "values_of_many", lambda self, *args: None)
+    grown_alone = launches_of(quantity, 12, monkeypatch) - launches_of(quantity, 2, monkeypatch)
     assert grown < grown_alone / 3, (grown, grown_alone)

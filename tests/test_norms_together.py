@@ -21,7 +21,7 @@ from cockpit.utils.schedules import linear
 from torch import nn
 
 from tests.cases import ModelCase, build, run_step
-from tests.test_values_of_many import _Launches
+from tests.test_values_of_many import launches_of
 
 EPS64 = 2.0**-53
 
@@ -82,30 +82,13 @@ def test_updates_together_are_within_the_bound_of_one_at_a_time(monkeypatch):
             assert update.start_norm == pytest.approx(other.start_norm, rel=bound, abs=0)
 
 
-def _launches(layers, monkeypatch) -> int:
-    """UpdateSize's launching ops at its second step, an MLP of ``layers`` linear layers."""
-    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
-    case = ModelCase("deep-mlp", lambda: nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]),
-                     lambda n: torch.randn(n, 4))
-    problem = build(case, 8, "mean", dtype=torch.float32)
-    quantity = cgn.UpdateSize(linear(1), param_names=problem.names)
-    counter, end = _Launches(), quantity.end
-
-    def counted(*args, **kwargs):
-        with counter:
-            return end(*args, **kwargs)
-
-    quantity.end = counted
-    cockpit = run_step(problem, [quantity], step=0)
-    run_step(problem, [quantity], step=1, cockpit=cockpit)
-    assert quantity.output  # (end ran)
-    return counter.count
-
-
 def test_the_norms_take_a_few_launches_for_all_parameters(monkeypatch):
     """Five launches a parameter before (two float64 copies, two dots, a ``sub_``); a few for
     all now (20 parameters more: the same launches)."""
-    grown = _launches(12, monkeypatch) - _launches(2, monkeypatch)
+    def launches(layers):  # UpdateSize's end, at its second step
+        return launches_of(cgn.UpdateSize, layers, monkeypatch, method="end", steps=2)
+
+    grown = launches(12) - launches(2)
     monkeypatch.setattr(update_size, "_squares_together", lambda cache, params: None)
-    grown_alone = _launches(12, monkeypatch) - _launches(2, monkeypatch)
+    grown_alone = launches(12) - launches(2)
     assert grown == 0 and grown_alone >= 20 * 5, (grown, grown_alone)

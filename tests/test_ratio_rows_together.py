@@ -16,8 +16,8 @@ import pytest
 import torch
 from cockpit.utils.schedules import linear
 
-from tests.cases import MODELS, ModelCase, build, run_step
-from tests.test_values_of_many import _Launches
+from tests.cases import MODELS, build, run_step
+from tests.test_values_of_many import launches_of
 
 _CASES = [case for case in MODELS if case.name in ("mlp", "cnn", "embedding", "unused-frozen", "layernorm-sequence")]
 
@@ -54,27 +54,10 @@ def test_rows_together_are_each_parameters_own(case, dtype, zero_inputs, monkeyp
         assert together["0.weight"][ZERO_GRAD_FRACTION] == 1.0
 
 
-def _launches_after_backward(layers, monkeypatch) -> int:
-    """ParamGradRatio's launching ops after the backward pass, an MLP of ``layers`` linear layers."""
-    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
-    case = ModelCase("deep-mlp", lambda: torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)]),
-                     lambda n: torch.randn(n, 4))
-    problem = build(case, 8, "mean", dtype=torch.float32)
-    quantity = cgn.ParamGradRatio(linear(1), param_names=problem.names)
-    counter, compute = _Launches(), quantity._compute
-
-    def counted(*args, **kwargs):
-        with counter:
-            return compute(*args, **kwargs)
-
-    quantity._compute = counted
-    run_step(problem, [quantity])
-    return counter.count
-
-
 def test_the_rows_take_fewer_launches_per_parameter(monkeypatch):
     """The rows' share no longer grows by seven launches a parameter."""
-    grown = _launches_after_backward(12, monkeypatch) - _launches_after_backward(2, monkeypatch)
+    quantity = cgn.ParamGradRatio
+    grown = launches_of(quantity, 12, monkeypatch) - launches_of(quantity, 2, monkeypatch)
     monkeypatch.setattr(param_grad_ratio, "_on_one_device", lambda values: False)
-    grown_alone = _launches_after_backward(12, monkeypatch) - _launches_after_backward(2, monkeypatch)
+    grown_alone = launches_of(quantity, 12, monkeypatch) - launches_of(quantity, 2, monkeypatch)
     assert grown_alone - grown >= 6 * 20, (grown, grown_alone)  # 20 more parameters

@@ -105,6 +105,27 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def launches_of(quantity_class, layers, monkeypatch, method="_compute", steps=1) -> int:
+    """Launching ops inside ``method`` of one ``quantity_class`` over ``steps`` tracked steps of an
+    MLP of ``layers`` linear layers (batch 8, float32), on the paths of other devices."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    case = ModelCase("deep-mlp", lambda: nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]),
+                     lambda n: torch.randn(n, 4))
+    problem = build(case, 8, "mean", dtype=torch.float32)
+    quantity = quantity_class(linear(1), param_names=problem.names)
+    counter, original = _Launches(), getattr(quantity, method)
+
+    def counted(*args, **kwargs):
+        with counter:
+            return original(*args, **kwargs)
+
+    setattr(quantity, method, counted)
+    cockpit = None
+    for step in range(steps):
+        cockpit = run_step(problem, [quantity], step=step, cockpit=cockpit)
+    return counter.count
+
+
 def _launches_after_backward(layers, monkeypatch):
     """Launching ops of both quantities' computation after the backward pass, on an MLP of
     ``layers`` linear layers (``2 * layers`` parameters), on the paths of other devices."""
