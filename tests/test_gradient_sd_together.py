@@ -73,7 +73,7 @@ def test_sd_of_many_is_each_tensors_own(sums_dtype, dtype, expanded):
     squares = torch.cat([s.reshape(-1) for s, _, _, _ in pairs])
     magnitudes = torch.cat([r.reshape(-1) for _, _, r, _ in pairs]) if expanded else None
     joined = functional.gradient_sd_of_many(squares.clone(), torch.cat([t.reshape(-1) for t in totals]), lengths,
-                                            lengths.tolist(), N, dtype=dtype, magnitudes=magnitudes)
+                                            N, dtype=dtype, magnitudes=magnitudes)
     assert joined.dtype == own[0].dtype and joined.shape == (int(lengths.sum()),)
     own = torch.cat([sd.reshape(-1) for sd in own]).double()
     extra = 0 if not expanded else N * torch.finfo(dtype).eps * magnitudes.double() * N / (N - 1)
@@ -99,8 +99,7 @@ def test_a_part_of_one_tensor_is_its_own(tensors):
     numels = [s.numel() for s, _, _, _ in pairs]
     squares = torch.cat([s.reshape(-1) for s, _, _, _ in pairs])
     total = torch.cat([t.reshape(-1) for _, t, _, _ in pairs]).to(torch.float32)
-    joined = functional.gradient_sd_of_many(squares.clone(), total, torch.tensor(numels), numels, N,
-                                            dtype=torch.float32)
+    joined = functional.gradient_sd_of_many(squares.clone(), total, torch.tensor(numels), N, dtype=torch.float32)
     own = torch.cat([functional.gradient_sd(s, t.to(torch.float32), N, dtype=torch.float32).reshape(-1)
                      for s, t, _, _ in pairs])
     bound = _difference_bound(squares, N, torch.finfo(torch.float32).eps)
@@ -115,7 +114,7 @@ def test_sd_of_many_within_the_bound_of_brute_force():
     squares = torch.cat([s.reshape(-1) for s, _, _, _ in pairs])
     total = torch.cat([t.reshape(-1) for _, t, _, _ in pairs]).to(torch.float32)
     numels = [t.numel() for _, t, _, _ in pairs]
-    sd = functional.gradient_sd_of_many(squares.clone(), total, torch.tensor(numels), numels, N, dtype=torch.float32)
+    sd = functional.gradient_sd_of_many(squares.clone(), total, torch.tensor(numels), N, dtype=torch.float32)
     exact = torch.cat([N * x.var(0, unbiased=True).reshape(-1) for _, _, _, x in pairs])  # N/(N-1) sum (x - mean)**2
     eps = torch.finfo(torch.float32).eps
     bound = (3 * N + 4) * eps * squares * N / (N - 1) + 4 * eps * exact

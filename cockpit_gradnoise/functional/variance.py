@@ -8,7 +8,7 @@ ratio that bound lets it resolve (:func:`signal_to_noise`, :func:`resolvable_snr
 """
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 from cockpit_gradnoise import _device
 from cockpit_gradnoise.functional.underflow import lost_to_underflow, underflow_floor
@@ -288,7 +288,7 @@ def _scale_below_one(largest: Tensor) -> Tensor:
 
 
 def gradient_sd_of_many(
-    squares: Tensor, total: Tensor, lengths: Tensor, numels: Sequence[int], n: int, *,
+    squares: Tensor, total: Tensor, lengths: Tensor, n: int, *,
     dtype: Optional[torch.dtype] = None, magnitudes: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`gradient_sd` of several tensors' sums joined (``in_place``, ``inner_terms`` 1): each
@@ -296,16 +296,17 @@ def gradient_sd_of_many(
     ``S_k`` and ``T_k``. Each tensor's own numbers (bit for bit where the kernels round alike):
     the same elementwise operations on the same numbers, each tensor's at its own power-of-two
     scale where ``S`` is wider than ``dtype`` (its largest ``S`` by one ``segment_reduce`` for
-    all, expanded to its elements by one ``cat``: ``repeat_interleave`` would make the host wait,
-    or check that it need not); a few launches for all, where :func:`gradient_sd` takes about
-    forty for each on other devices than the CPU. ``squares`` is overwritten where it is not wider than ``dtype``.
+    all, taken to its elements by each element's tensor, found by ``searchsorted`` in the
+    tensors' ends: ``repeat_interleave`` would make the host wait, or check that it need not, and
+    a GPU's ``cat`` of expanded views copies them one by one); a few launches for all, where
+    :func:`gradient_sd` takes about forty for each on other devices than the CPU. ``squares`` is
+    overwritten where it is not wider than ``dtype``.
 
     Args:
         squares: The ``S_k`` joined (float64 sums of float32 contributions, say).
         total: The ``T_k`` joined, in the dtype each was accumulated in.
         lengths: ``[P]`` int64, on ``squares``' device: each tensor's number of elements, all
             positive, summing to ``squares.numel()`` (not checked: no wait for the device).
-        numels: The same numbers, on the host.
         n: ``N``.
         dtype: See :func:`gradient_sd`.
         magnitudes: ``R`` of sums expanded over positions, joined, for every tensor or none:
@@ -314,11 +315,13 @@ def gradient_sd_of_many(
     extra = None if magnitudes is None else expansion_rounding_bound(magnitudes, n, total.dtype)
     scale = None
     if dtype is not None and torch.finfo(dtype).bits < torch.finfo(squares.dtype).bits:
-        if len(numels) == 1:  # one tensor (a large one, in a part alone): its scale, not expanded
+        if lengths.numel() == 1:  # one tensor (a large one, in a part alone): its scale, not expanded
             scale = _scale_below_one(squares.amax())
-        else:
+        else:  # each element's tensor by a search of the tensors' ends: a fixed few launches
             largest = torch.segment_reduce(squares, "max", lengths=lengths, unsafe=True)
-            scale = torch.cat([s.expand(k) for s, k in zip(_scale_below_one(largest).unbind(), numels)])
+            owner = torch.searchsorted(lengths.cumsum(0), torch.arange(squares.numel(), device=squares.device),
+                                       right=True)
+            scale = _scale_below_one(largest)[owner]
     return _gradient_sd(squares, total, n, in_place=True, dtype=dtype, extra_rounding=extra, scale=scale)
 
 

@@ -240,7 +240,7 @@ class GradientVarianceQuantiles(ParameterQuantity):
         total = torch.cat([field[0].reshape(-1) for field in fields]).to(dtype)
         counts = functional.unresolved_sums_of_segments(squares, total, lengths, n).unbind()
         magnitudes = torch.cat([field[2].reshape(-1) for field in fields]) if expanded else None
-        sd = functional.gradient_sd_of_many(squares, total, lengths, numels, n, dtype=dtype, magnitudes=magnitudes)
+        sd = functional.gradient_sd_of_many(squares, total, lengths, n, dtype=dtype, magnitudes=magnitudes)
         snr = functional.signal_to_noise(total, sd, functional.resolvable_snr(n, dtype))
         found = {}
         for (name, param), field, sd_k, snr_k, count in zip(items, fields, sd.split(numels), snr.split(numels),
