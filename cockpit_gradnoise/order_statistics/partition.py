@@ -118,8 +118,8 @@ def select_in_place(values: numpy.ndarray, ranks: Sequence[int]) -> List[float]:
     by_buckets = values.size >= BUCKETS_AT_LEAST and not partitions_cheaper()
     # Around its zeros where fewer than n/8 + 2**13 are not 0: the buckets read each element
     # twice, about 3 ns each, taking the zeros out reads it once, the rest's partitions cost
-    # about 13 ns an element where they are the dearer way (crossovers on one AMD EPYC at
-    # 2**15, 2**16 and 2**18 elements: 1/2, 2/5 and over 1/8 of them not 0).
+    # about 13 ns an element where they are the dearer way (on one AMD EPYC: even at half of
+    # 2**15 not 0, the zeros' way still cheaper at half of 2**16 and an eighth of 2**18).
     if by_buckets and nonzero_at_least([values], (values.size >> 3) + (BUCKETS_AT_LEAST >> 2)):
         return _select_by_buckets(values, ranks)
     zeros = count_where(values, numpy.equal, 0)
