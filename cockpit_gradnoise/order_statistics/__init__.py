@@ -81,7 +81,7 @@ from cockpit_gradnoise.order_statistics.ranks import (
     quantile_ranks,
 )
 from cockpit_gradnoise.order_statistics.rows import quantiles_of_sorted_rows, sorted_rows
-from cockpit_gradnoise.order_statistics.segments import Segments, segment_groups, segment_summaries
+from cockpit_gradnoise.order_statistics.segments import Segments, segment_groups, segment_layout, segment_summaries
 from cockpit_gradnoise.order_statistics.selection import (
     float64_sum,
     quantile_summaries,
@@ -113,6 +113,7 @@ __all__ = [
     "select",
     "select_each_and_union",
     "segment_groups",
+    "segment_layout",
     "segment_summaries",
     "select_in_place",
     "sorted_on_device",

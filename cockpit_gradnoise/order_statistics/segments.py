@@ -74,7 +74,7 @@ class Segments:
 
     def __init__(self, joined: Tensor, sizes: Sequence[int]):
         self.joined = joined
-        self.starts, self.ends, self.lengths = _layout(tuple(sizes), joined.device)
+        self.starts, self.ends, self.lengths = segment_layout(tuple(sizes), joined.device)
         self.nan = joined.isnan()
         order = torch.sort(joined.masked_fill(self.nan, math.inf)).indices
         # Stable: within a segment, the values stay in the order of the first sort, and NaN
@@ -113,12 +113,12 @@ def segment_sums(values: Tensor, lengths: Tensor) -> Tensor:
     return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
 
 
-#: ``{(sizes, device): (starts, ends, lengths)}`` of :func:`_layout`: a model's layers
+#: ``{(sizes, device): (starts, ends, lengths)}`` of :func:`segment_layout`: a model's layers
 #: give the same few layouts every step.
 _LAYOUTS: Dict[Tuple[Tuple[int, ...], torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _layout(sizes: Tuple[int, ...], device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+def segment_layout(sizes: Tuple[int, ...], device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
     """Int64 ``(starts, ends, lengths)`` of segments of ``sizes`` on ``device``, made once."""
     found = _LAYOUTS.get((sizes, device))
     if found is None:

@@ -234,7 +234,8 @@ class GradientVarianceQuantiles(ParameterQuantity):
         """``{name: (sd, SNR, 0)}`` of ``items`` (their savefields ``fields``), formed together;
         each one's underflow count into ``deferred``."""
         numels = [field[0].numel() for field in fields]
-        lengths = _device.copied_without_waiting(torch.tensor(numels), fields[0].device)
+        # The same parameters every step: their lengths on the device made once (the segments').
+        _, _, lengths = order_statistics.segment_layout(tuple(numels), fields[0].device)
         squares = torch.cat([field[1].reshape(-1) for field in fields])
         # The gradient's sum back to the dtype it was accumulated in, as parameter_sums does.
         total = torch.cat([field[0].reshape(-1) for field in fields]).to(dtype)
