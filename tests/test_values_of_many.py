@@ -149,3 +149,21 @@ def test_launches_after_the_backward_pass_do_not_grow_with_the_parameters(monkey
     """Issue 32: on a GPU each op is a launch of 10-40 us; one at a time, the two took
     about 11 per parameter after the backward pass."""
     assert _launches_after_backward(6, monkeypatch) == _launches_after_backward(2, monkeypatch)
+
+
+@pytest.mark.parametrize("quantity_class", [cgn.GradientNoiseScale, cgn.PerExampleGradNorm,
+                                            cgn.GradientVarianceQuantiles])
+def test_a_subclass_with_values_of_its_own_forms_them_one_at_a_time(quantity_class, monkeypatch):
+    """``values_of_many`` forms the values as the class's ``value_from_sums`` would: a subclass
+    that forms them its own way is not bypassed (``forms_values_together``), on any path."""
+    monkeypatch.setattr(_device, "on_host", lambda tensor: False)
+    items = _parameters(4, torch.Generator().manual_seed(5))
+
+    class OwnValues(quantity_class):
+        def value_from_sums(self, sums, batch):
+            return super().value_from_sums(sums, batch)
+
+    assert quantity_class(linear(1)).forms_values_together(quantity_class, items)
+    assert not OwnValues(linear(1)).forms_values_together(quantity_class, items)
+    assert not quantity_class(linear(1)).forms_values_together(quantity_class, [])
+    assert OwnValues(linear(1)).values_of_many(items, Batch(4, 1.0), []) is None

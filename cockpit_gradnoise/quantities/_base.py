@@ -219,6 +219,16 @@ class ParameterQuantity(NamedQuantity, DeclaredSums, SingleStepQuantity):
         parameter at a time."""
         return None
 
+    def forms_values_together(self, base: type, items: list,
+                              hooks: Sequence[str] = ("parameter_sums", "value_from_sums", "named_value_from_sums")
+                              ) -> bool:
+        """Whether :meth:`values_of_many` may form ``items``' values together: there are some, on
+        another device than the CPU (where one at a time costs a few microseconds a parameter),
+        and this quantity's class keeps ``base``'s ``hooks`` (a subclass's own sums or values are
+        formed one at a time)."""
+        return bool(items) and not _device.on_host(items[0][1]) and all(
+            getattr(type(self), hook) is getattr(base, hook) for hook in hooks)
+
     def accepts(self, batch: Batch) -> bool:
         """Whether ``batch`` defines the quantity (with declared sums); ``False`` records nothing."""
         return True

@@ -210,9 +210,9 @@ class GradientVarianceQuantiles(ParameterQuantity):
         # underflow counts with them (unresolved_sums_of_segments: the same counts, kept for
         # PreconditionedNoiseScale as unresolved would). FSDP2's shards, a subclass's own sums,
         # sums in units of g_i and a parameter without elements: one at a time.
-        if self._cuts is not None or not items or batch.loss_scale != 1.0 or _device.on_host(items[0][1]) \
-                or any(getattr(type(self), hook) is not getattr(GradientVarianceQuantiles, hook)
-                       for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums", "unresolved")):
+        if self._cuts is not None or batch.loss_scale != 1.0 or not self.forms_values_together(
+                GradientVarianceQuantiles, items,
+                ("parameter_sums", "value_from_sums", "named_value_from_sums", "unresolved")):
             return None
         fields = [getattr(param, SUMS_SAVEFIELD).detach() for _, param in items]
         if any(field[0].numel() == 0 for field in fields):

@@ -2,7 +2,7 @@
 
 import functools
 
-from cockpit_gradnoise import _device, functional, order_statistics
+from cockpit_gradnoise import functional, order_statistics
 from cockpit_gradnoise.extensions import PerExampleSquaredNorms
 from cockpit_gradnoise.logs import schema
 from cockpit_gradnoise.quantities._base import ParameterQuantity
@@ -139,9 +139,7 @@ def squared_norm_tables(quantity, base, items, batch):
     for a ``values_of_many`` on other devices than the CPU; ``None`` where ``quantity`` forms its
     values one parameter at a time: no items, the CPU's paths (a few microseconds a parameter),
     parameters on more than one device, or a subclass of ``base`` with sums of its own."""
-    if not items or _device.on_host(items[0][1]) or any(
-            getattr(type(quantity), hook) is not getattr(base, hook)
-            for hook in ("parameter_sums", "value_from_sums", "named_value_from_sums")):
+    if not quantity.forms_values_together(base, items):
         return None
     norms = [param.cgn_batch_l2.detach() for _, param in items]
     for squared_norms in norms:
